@@ -32,6 +32,7 @@ __all__ = [
     "SumOperator",
     "TransposedOperator",
     "FunctionOperator",
+    "EmbedColumnsOperator",
     "as_operator",
     "sparse_matvec",
     "to_csr",
@@ -165,18 +166,19 @@ def _csr_transpose(csr):
     counts = torch.bincount(col, minlength=n)
     tcrow = torch.zeros(n + 1, dtype=crow.dtype, device=csr.device)
     tcrow[1:] = torch.cumsum(counts, 0)
-    return torch.sparse_csr_tensor(tcrow, rows[order].to(col.dtype), val[order], size=(n, m))
+    return torch.sparse_csr_tensor(tcrow, rows[order].to(col.dtype), val[order], size=(n, m), check_invariants=False)
 
 
 class _SparseMatvec(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v, A, At):
-        ctx.At = At
+        ctx.A, ctx.At = A, At
         return _spmm(A, v)
 
     @staticmethod
     def backward(ctx, grad):
-        return _spmm(ctx.At, grad), None, None
+        # Going through the Function again keeps double backward (jvp probes) on stored CSRs.
+        return sparse_matvec(ctx.At, ctx.A, grad), None, None
 
 
 def _spmm(A, v):
@@ -187,7 +189,7 @@ def _spmm(A, v):
 
 def sparse_matvec(A, At, v):
     """``A @ v`` for CSR ``A`` with a backward that uses the stored CSR transpose ``At``."""
-    if v.requires_grad:
+    if v.requires_grad and torch.is_grad_enabled():
         return _SparseMatvec.apply(v, A, At)
     return _spmm(A, v)
 
@@ -221,8 +223,8 @@ class SparseOperator(LinearOperator):
 
     def squared(self):
         A, At = self.matrix, self.matrix_t
-        sq = torch.sparse_csr_tensor(A.crow_indices(), A.col_indices(), A.values() ** 2, size=A.shape)
-        sqt = torch.sparse_csr_tensor(At.crow_indices(), At.col_indices(), At.values() ** 2, size=At.shape)
+        sq = torch.sparse_csr_tensor(A.crow_indices(), A.col_indices(), A.values() ** 2, size=A.shape, check_invariants=False)
+        sqt = torch.sparse_csr_tensor(At.crow_indices(), At.col_indices(), At.values() ** 2, size=At.shape, check_invariants=False)
         return SparseOperator(sq, transpose=sqt)
 
     def to_dense(self):
@@ -240,7 +242,7 @@ class SparseOperator(LinearOperator):
         gather = torch.repeat_interleave(starts - new_crow[:-1], lengths) + torch.arange(
             int(new_crow[-1]), device=self.device
         )
-        sub = torch.sparse_csr_tensor(new_crow, col[gather], val[gather], size=(len(index), self.shape[1]))
+        sub = torch.sparse_csr_tensor(new_crow, col[gather], val[gather], size=(len(index), self.shape[1]), check_invariants=False)
         return SparseOperator(sub)
 
 
@@ -491,3 +493,40 @@ def as_operator(x):
     except ImportError:  # pragma: no cover
         pass
     raise TypeError(f"cannot use an object of type {type(x).__name__} as a linear operator")
+
+
+class EmbedColumnsOperator(LinearOperator):
+    """``A`` acting on the columns ``start:start + A.shape[1]`` of a vector of length ``total``.
+
+    Used to apply a block's design operator to the full latent vector ``u`` without forming
+    a wider matrix.
+    """
+
+    def __init__(self, base, start, total):
+        self.base = as_operator(base)
+        self.start = int(start)
+        self.total = int(total)
+        if self.start < 0 or self.start + self.base.shape[1] > self.total:
+            raise ValueError("EmbedColumnsOperator: block does not fit in the latent vector")
+        self.shape = (self.base.shape[0], self.total)
+        self.dtype = self.base.dtype
+        self.device = self.base.device
+
+    def _mv(self, v):
+        return self.base._mv(v[self.start:self.start + self.base.shape[1]])
+
+    def _rmv(self, u):
+        part = self.base._rmv(u)
+        out = part.new_zeros((self.total,) + tuple(part.shape[1:]))
+        out[self.start:self.start + self.base.shape[1]] = part
+        return out
+
+    def squared(self):
+        sq = self.base.squared()
+        return None if sq is None else EmbedColumnsOperator(sq, self.start, self.total)
+
+    def to_dense(self):
+        d = self.base.to_dense()
+        out = d.new_zeros((d.shape[0], self.total))
+        out[:, self.start:self.start + d.shape[1]] = d
+        return out

@@ -1,0 +1,73 @@
+"""``pcv.linear``: a matmul that tells the LGM extractor which operator it applied."""
+import contextlib
+
+import torch
+
+from ..linalg.operators import LinearOperator, SparseOperator, as_operator
+
+_RECORDERS = []
+_OPERATOR_CACHE = {}
+
+
+@contextlib.contextmanager
+def record_linear():
+    """Collect every ``pcv.linear`` call made inside the block (used by :func:`lgm_from_pyro`)."""
+    records = []
+    _RECORDERS.append(records)
+    try:
+        yield records
+    finally:
+        _RECORDERS.pop()
+
+
+def _operator_for(design):
+    if isinstance(design, LinearOperator):
+        return design
+    if isinstance(design, torch.Tensor) and design.layout != torch.strided:
+        key = id(design)
+        hit = _OPERATOR_CACHE.get(key)
+        if hit is not None and hit[0] is design:
+            return hit[1]
+        op = SparseOperator(design)
+        if len(_OPERATOR_CACHE) > 32:
+            _OPERATOR_CACHE.clear()
+        _OPERATOR_CACHE[key] = (design, op)
+        return op
+    return as_operator(design)
+
+
+def linear(design, u):
+    """Compute ``design @ u`` and record ``design`` as the linear operator of the predictor.
+
+    Under any Pyro engine this is just a matrix-vector product (with a fast backward for
+    sparse designs: the CSR transpose is built once per design tensor and reused).  Under
+    :func:`pyro_convexvb.lgm_from_pyro` the operator is recorded so the extracted latent
+    Gaussian model uses it directly (sparse stays sparse).
+
+    :param design: dense tensor ``(q, n)``, torch sparse COO/CSR tensor ``(q, n)``, scipy sparse
+        matrix, or a :class:`~pyro_convexvb.linalg.LinearOperator`.
+    :param torch.Tensor u: ``(n,)`` or ``(..., n)`` (leading batch dimensions, e.g. from
+        vectorised particles, are supported).
+    :returns: ``(q,)`` or ``(..., q)``.
+
+    Example::
+
+        >>> X = torch.randn(5, 3, dtype=torch.float64)
+        >>> w = torch.ones(3, dtype=torch.float64)
+        >>> torch.allclose(linear(X, w), X @ w)
+        True
+    """
+    op = _operator_for(design)
+    if u.shape[-1] != op.shape[1]:
+        raise ValueError(
+            f"pcv.linear: design has {op.shape[1]} columns but the latent has trailing size {u.shape[-1]}"
+        )
+    if u.dim() == 1:
+        out = op.mv(u)
+    else:
+        batch = u.shape[:-1]
+        flat = u.reshape(-1, u.shape[-1]).transpose(0, 1)
+        out = op.mv(flat).transpose(0, 1).reshape(batch + (op.shape[0],))
+    for records in _RECORDERS:
+        records.append((op, u, out))
+    return out
