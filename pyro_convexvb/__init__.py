@@ -1,4 +1,18 @@
-"""pyro_convexvb: fast convex variational inference engines for latent Gaussian models in Pyro."""
+"""pyro_convexvb: fast convex variational inference engines for latent Gaussian models in Pyro.
+
+Write an ordinary Pyro model, then swap the inference engine with one word::
+
+    import pyro_convexvb as pcv
+    res = pcv.fit(model, X, y=y, engine="dual_vg")
+"""
 from .errors import ConvergenceError, ConvergenceWarning, NonConvexWarning, UnsupportedModelError
+from .infer.posterior import GaussianPosterior, GaussianPosteriorGuide
+from .infer.registry import engines, fit, register_engine
+from .infer.result import History, InferenceResult
+from .lgm.extract import lgm_from_pyro
+from .lgm.layout import LatentLayout
+from .lgm.linear import linear
+from .lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
+from . import linalg
 
 __version__ = "0.1.0"

@@ -1,0 +1,65 @@
+"""The result every engine returns."""
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+__all__ = ["History", "InferenceResult"]
+
+
+class History(dict):
+    """Per-iteration records: ``history["objective"]``, ``history["seconds"]``, ``history["mvm"]``, ...
+
+    Each key maps to a list; :meth:`record` appends one iteration and the wall seconds since
+    the history was created. Keys are also attributes (``history.objective``).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._t0 = time.perf_counter()
+
+    def record(self, **values):
+        values.setdefault("seconds", time.perf_counter() - self._t0)
+        for k, v in values.items():
+            if hasattr(v, "detach"):
+                v = v.detach()
+            self.setdefault(k, []).append(float(v) if hasattr(v, "__float__") else v)
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError as e:
+            raise AttributeError(key) from e
+
+    @property
+    def elapsed(self):
+        return time.perf_counter() - self._t0
+
+
+@dataclass
+class InferenceResult:
+    """What ``pcv.fit`` (and every engine) returns.
+
+    :ivar posterior: the approximate posterior (a :class:`~pyro_convexvb.GaussianPosterior`, or a
+        mixture posterior for mixture guides) over the flat latent vector.
+    :ivar log_evidence_bound: a lower bound on ``log p(y)`` of the model as written (every
+        normalising constant included), or ``None`` for engines without one (e.g. NUTS).
+    :ivar history: per-iteration objective, wall seconds and MVM counts (:class:`History`).
+    :ivar converged: whether the engine's own stopping rule was met.
+    :ivar engine: registry name of the engine.
+    :ivar info: engine-specific extras (site marginals, variational parameters, samples, ...).
+    :ivar lgm: the :class:`~pyro_convexvb.LatentGaussianModel` the engine worked on, if any.
+    """
+
+    posterior: Any
+    log_evidence_bound: Optional[float]
+    history: History = field(default_factory=History)
+    converged: bool = True
+    engine: str = ""
+    info: Dict[str, Any] = field(default_factory=dict)
+    lgm: Any = None
+    seconds: float = 0.0
+
+    def __repr__(self):
+        b = "None" if self.log_evidence_bound is None else f"{self.log_evidence_bound:.6g}"
+        return (f"InferenceResult(engine={self.engine!r}, log_evidence_bound={b}, converged={self.converged}, "
+                f"seconds={self.seconds:.3g}, posterior={self.posterior!r})")
