@@ -1,0 +1,65 @@
+"""GP helpers shared by every engine: kernel matrices from GPyTorch kernels, the Pyro GP
+classification model, and the latent predictive at test inputs for any Gaussian posterior."""
+import pyro
+import pyro.distributions as dist
+import torch
+
+__all__ = ["kernel_matrix", "gp_classification_model", "gp_latent_predictive"]
+
+
+def kernel_matrix(kernel, X, X2=None, jitter=0.0, diag=False):
+    """Dense kernel matrix ``k(X, X2)`` from a GPyTorch kernel (gradients reach its hyperparameters).
+
+    :param kernel: any ``gpytorch.kernels.Kernel``.
+    :param torch.Tensor X: ``(n, d)``.
+    :param torch.Tensor X2: ``(m, d)`` or ``None`` (then ``X2 = X`` and ``jitter`` is added to the diagonal).
+    :param bool diag: return only the diagonal ``(n,)`` of ``k(X, X)``.
+    :returns: ``(n, m)`` (or ``(n,)`` with ``diag=True``).
+
+    Example::
+
+        >>> import gpytorch, torch
+        >>> k = gpytorch.kernels.RBFKernel().double()
+        >>> kernel_matrix(k, torch.zeros(3, 2, dtype=torch.float64), jitter=1e-6).shape
+        torch.Size([3, 3])
+    """
+    if diag:
+        return kernel(X, diag=True)
+    if X2 is None:
+        K = kernel(X).to_dense()
+        if jitter:
+            K = K + jitter * torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
+        return K
+    return kernel(X, X2).to_dense()
+
+
+def gp_classification_model(K, y=None, mean=0.0):
+    """Pyro model of GP binary classification: ``f ~ N(mean, K)``, ``y_i ~ Bernoulli(logits=f_i)``.
+
+    :param torch.Tensor K: ``(n, n)`` kernel matrix of the training inputs (with jitter).
+    :param torch.Tensor y: ``(n,)`` labels in {0, 1} or ``None``.
+    """
+    n = K.shape[0]
+    loc = torch.as_tensor(mean, dtype=K.dtype, device=K.device).expand(n)
+    f = pyro.sample("f", dist.MultivariateNormal(loc, covariance_matrix=K))
+    with pyro.plate("data", n):
+        return pyro.sample("y", dist.Bernoulli(logits=f), obs=y)
+
+
+def gp_latent_predictive(K_train, K_cross, k_test_diag, posterior, prior_mean_train=0.0, prior_mean_test=0.0):
+    """Latent GP predictive ``q(f_*) = int p(f_* | f) q(f) df`` at test inputs, for any Gaussian ``q(f)``.
+
+    With ``A = K_*n K^{-1}``: mean ``m_* + A (mu_q - m)``, variance ``k_** - diag(A K_n*) + diag(A V_q A^T)``.
+
+    :param torch.Tensor K_train: ``(n, n)`` training kernel matrix (as used in the model).
+    :param torch.Tensor K_cross: ``(m, n)`` test-train kernel matrix.
+    :param torch.Tensor k_test_diag: ``(m,)`` test prior variances.
+    :param posterior: a :class:`~pyro_convexvb.GaussianPosterior` over the ``n`` training latents.
+    :returns: ``(mean (m,), var (m,))``.
+    """
+    L = torch.linalg.cholesky(K_train)
+    A = torch.cholesky_solve(K_cross.transpose(0, 1), L).transpose(0, 1)  # (m, n)
+    mean = prior_mean_test + A @ (posterior.loc - prior_mean_train)
+    _, var_q = posterior.marginals(A)
+    var = k_test_diag - (A * K_cross).sum(-1) + var_q
+    return mean, var.clamp_min(0.0)
