@@ -1,0 +1,89 @@
+"""Algorithm 1 of seed 003: online sparse Bayesian logistic / probit regression."""
+from . import equations as eq
+from ._base import OnlineDiagonalGaussian
+from ._validation import check_choice, check_positive_float
+
+__all__ = ["OnlineBayesLogistic"]
+
+
+class OnlineBayesLogistic(OnlineDiagonalGaussian):
+    """Marginalised Bayesian Gaussian approximation (seed 003, Shamir & Szpankowski, Algorithm 1).
+
+    Every feature ``i`` carries a Gaussian ``N(mu_i, sigma^2_i)``, initialised at the prior.
+    For each row ``x_t`` (only its ``d_t`` nonzero features are touched, so a step costs
+    ``O(d_t)`` whatever ``num_features`` is) the estimator
+
+    1. forms the score moments ``mu_t``, ``sigma^2_t`` (Eq. (6)) and predicts
+       ``P(y_t = 1) = Sigma(mu_t / sqrt(1 + pi sigma^2_t / 8))`` (Eq. (8); probit: Eq. (24));
+    2. for every nonzero feature marginalises all the others (Eqs. (7), (10)-(12)) and moves
+       ``mu_i`` to the peak of the 1-D posterior: closed form Eq. (17) (``mean_update="taylor"``)
+       or Newton on Eq. (15) (``"newton"``, Appendix C); probit: Eqs. (30) / (28);
+    3. sets ``sigma^2_i`` by the curvature at the peak, Eq. (19) (``variance_update="laplace"``;
+       probit Eq. (31)) or by matching the peak height, Eq. (18) (``"value"``).
+
+    All features of a row are updated from the state *before* the row (step 9 of Algorithm 1).
+
+    :param int num_features: ``d``, the number of features (hash buckets when hashing).
+    :param prior_mean: ``mu_0``, scalar or ``(d,)``.
+    :param prior_var: ``sigma^2_0 > 0``, scalar or ``(d,)``.
+    :param str link: ``"logit"`` or ``"probit"`` (Appendix B).
+    :param str mean_update: ``"taylor"`` (Eq. (17)/(30)) or ``"newton"`` (Eq. (15)/(28)).
+    :param str variance_update: ``"laplace"`` (Eq. (19)/(31)) or ``"value"`` (Eq. (18)).
+    :param hashing: ``None`` (column indices must be ``< num_features``), or ``True`` / an
+        integer seed: column ``j`` of any input is hashed to one of ``num_features`` buckets.
+    :param int batch_size: 1 for the exact sequential algorithm; larger values predict and
+        update a whole mini-batch from the same state and sum the updates in natural
+        parameters (Appendix D.1, remark).
+    :param float tol: relative step tolerance of the Newton iteration.
+    :param int maxiter: iteration cap of the Newton iteration (a :class:`ConvergenceWarning`
+        reports solves that hit it).
+    :param fast: ``None`` uses the numba kernel when numba is installed, ``True`` requires it
+        (``ImportError`` otherwise), ``False`` uses the NumPy reference path.
+
+    Attributes: ``coef_`` / ``coef_var_`` (``(d,)`` means and variances), ``n_seen_``,
+    ``cumulative_log_loss_`` (progressive log-loss so far), ``fast_`` (path in use).
+
+    Example::
+
+        >>> import numpy as np, scipy.sparse as sp
+        >>> rng = np.random.default_rng(0)
+        >>> X = sp.random(1000, 50, density=0.1, format="csr", random_state=0)
+        >>> X.data[:] = 1.0
+        >>> y = rng.random(1000) < 1 / (1 + np.exp(-X @ rng.normal(size=50)))
+        >>> model = OnlineBayesLogistic(50)
+        >>> p = model.partial_fit(X, y, return_predictions=True)  # P(y_t = 1) before each update
+        >>> model.coef_.shape, model.predict_proba(X[:3]).shape
+        ((50,), (3, 2))
+    """
+
+    _method_code = 0
+    _config_keys = ("mean_update", "variance_update", "tol", "maxiter")
+
+    def __init__(self, num_features, prior_mean=0.0, prior_var=1.0, link="logit", mean_update="taylor",
+                 variance_update="laplace", hashing=None, batch_size=1, tol=1e-9, maxiter=50, fast=None):
+        super().__init__(num_features, prior_mean=prior_mean, prior_var=prior_var, link=link,
+                         hashing=hashing, batch_size=batch_size, fast=fast)
+        self.mean_update = check_choice(mean_update, ("taylor", "newton"), "mean_update")
+        self.variance_update = check_choice(variance_update, ("laplace", "value"), "variance_update")
+        self.tol = check_positive_float(tol, "tol")
+        if isinstance(maxiter, bool) or int(maxiter) != maxiter or maxiter < 1:
+            raise ValueError(f"maxiter: expected a positive integer, got {maxiter!r}")
+        self.maxiter = int(maxiter)
+
+    def _kernel_flags(self):
+        return self.mean_update == "newton", self.variance_update == "value", self.tol, self.maxiter
+
+    def _reference_update(self, x, y, mu_i, s2_i, mu_t, s2_t, log_p_t, samples):
+        link = self.link
+        mu_minus, s2_minus = eq.self_excluding_moments(x, mu_i, s2_i, mu_t, s2_t)  # Eq. (7)
+        unconverged = 0
+        if self.mean_update == "newton":
+            mu_new, ok = eq.newton_mean(y, x, mu_i, s2_i, mu_minus, s2_minus, link, self.tol, self.maxiter)
+            unconverged = int((~ok).sum())
+        else:
+            mu_new = eq.taylor_mean(y, x, mu_i, s2_i, mu_t, s2_minus, link)
+        if self.variance_update == "value":
+            s2_new = eq.value_variance(log_p_t, y, x, mu_i, s2_i, mu_new, mu_minus, s2_minus, link)
+        else:
+            s2_new = eq.laplace_variance(y, x, s2_i, mu_new, mu_minus, s2_minus, link)
+        return mu_new, s2_new, unconverged

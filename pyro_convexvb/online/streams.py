@@ -1,0 +1,384 @@
+"""Example streams for online learning: synthetic generators, file readers, feature hashing.
+
+* :func:`make_online_stream` -- the synthetic settings of seed 003 (§4, Figures 1-2,
+  Appendix E): random sparse binary or ``[0, 1]`` features, or one feature per category with
+  uniform or Zipf long-tail draws; true weights ``N(0, weight_std^2)``;
+* :func:`iter_svmlight` / :func:`iter_csv` / :func:`iter_criteo` -- chunked readers whose
+  memory does not grow with the file;
+* :func:`hash_features` -- feature hashing of categorical tokens into a fixed number of columns;
+* :func:`progressive_regret` -- progressive-validation loss and regret ``R_t`` of Eq. (4).
+"""
+import gzip
+import itertools
+import math
+import time
+import zlib
+
+import numpy as np
+import scipy.sparse as sp
+
+from . import equations as eq
+
+__all__ = [
+    "OnlineStream",
+    "make_online_stream",
+    "hash_features",
+    "iter_svmlight",
+    "iter_csv",
+    "iter_criteo",
+    "CRITEO_INTEGER_COLUMNS",
+    "CRITEO_CATEGORICAL_COLUMNS",
+    "progressive_regret",
+]
+
+_BLOCK = 1 << 14  # rows per internal generation block: the stream does not depend on chunk sizes
+
+
+class OnlineStream:
+    """A reproducible synthetic stream with known true weights ``theta`` (the comparator ``w*``).
+
+    Built by :func:`make_online_stream`.  ``chunks(T, chunk_size)`` yields ``(X, y)`` pairs
+    (CSR ``(m, d)`` and ``(m,)`` labels in ``{-1, +1}``); the rows do not depend on
+    ``chunk_size``: row ``t`` is the same however the stream is cut.
+
+    :ivar theta: ``(d,)`` true weights.
+    :ivar int num_features: ``d``.
+    """
+
+    def __init__(self, theta, sampler, link, seed):
+        self.theta = theta
+        self.num_features = theta.shape[0]
+        self.link = link
+        self._sampler = sampler
+        self._seed = seed
+
+    def _block(self, b):
+        rng = np.random.default_rng([self._seed, 1, b])
+        X = self._sampler(rng, _BLOCK)
+        p = eq.link_cdf(X @ self.theta, self.link)
+        y = np.where(rng.random(_BLOCK) < p, 1.0, -1.0)
+        return X, y
+
+    def chunks(self, T, chunk_size=100_000):
+        """Yield the first ``T`` rows as ``(X, y)`` chunks of ``chunk_size`` rows (the last may be shorter)."""
+        if T < 0 or chunk_size < 1:
+            raise ValueError(f"T >= 0 and chunk_size >= 1 required, got T={T}, chunk_size={chunk_size}")
+        buf_X, buf_y, have, b, done = [], [], 0, 0, 0
+        while done < T:
+            while have < min(chunk_size, T - done):
+                X, y = self._block(b)
+                b += 1
+                buf_X.append(X)
+                buf_y.append(y)
+                have += X.shape[0]
+            m = min(chunk_size, T - done)
+            X = sp.vstack(buf_X, format="csr") if len(buf_X) > 1 else buf_X[0]
+            y = np.concatenate(buf_y) if len(buf_y) > 1 else buf_y[0]
+            yield X[:m], y[:m]
+            buf_X, buf_y, have = ([X[m:]], [y[m:]], X.shape[0] - m) if X.shape[0] > m else ([], [], 0)
+            done += m
+
+    def take(self, T):
+        """The first ``T`` rows as one ``(X, y)`` pair."""
+        X, y = next(self.chunks(T, chunk_size=max(T, 1))) if T else (sp.csr_matrix((0, self.num_features)), np.empty(0))
+        return X, y
+
+    def comparator_log_loss(self, X):
+        """Per-row log-loss ``-log F(y x^T theta)`` of the true weights, as a function of ``y``.
+
+        :returns: ``(loss_if_pos, loss_if_neg)``, each ``(m,)``.
+        """
+        s = np.asarray(X @ self.theta)
+        return -eq.log_link_cdf(s, self.link), -eq.log_link_cdf(-s, self.link)
+
+
+def _zipf_cdf(size, exponent):
+    n = np.arange(size, dtype=np.float64)
+    return np.cumsum((n + 1.0) ** (-exponent))
+
+
+def make_online_stream(d=200, d_t=20, weight_std=1.0, binary=True, categorical=None, zipf=None, seed=0,
+                       link="logit"):
+    """Synthetic sparse logistic (or probit) stream of seed 003, §4 and Appendix E.
+
+    * Random features (``categorical=None``): each of the ``d`` features is present with
+      probability ``d_t / d`` (so ``E[d_t]`` features per row); values are 1 (``binary=True``)
+      or uniform on ``[0, 1]``.  Figure 1 / Table 1: ``d=200, d_t in {20, 40}, weight_std=1``.
+    * Categorical features: ``categorical`` is a list of category sizes (or an integer
+      number of equal categories splitting ``d``); every row has exactly one feature from each
+      category, drawn uniformly or, with ``zipf=s``, with probability ``c / (n + 1)^s`` for the
+      ``n``-th feature of its category.  Figure 2 (left): sizes ``2^j, j = 1..22``,
+      ``zipf=1.75``, ``weight_std=2``.
+
+    Labels are drawn with ``P(y_t = 1) = F(x_t^T theta)``, ``theta_i ~ N(0, weight_std^2)``.
+
+    :param int d: number of features (``None`` with a list of category sizes).
+    :param float d_t: expected number of active features per row (random mode).
+    :param float weight_std: standard deviation of the true log-odds weights.
+    :param bool binary: binary features, else uniform values in ``[0, 1]`` (random mode).
+    :param categorical: ``None``, an integer, or a sequence of category sizes.
+    :param zipf: ``None`` (uniform within a category) or the Zipf exponent ``s > 0``.
+    :param int seed: the stream is a function of ``seed`` only.
+    :param str link: ``"logit"`` or ``"probit"`` label model.
+    :returns: :class:`OnlineStream`.
+
+    Example::
+
+        >>> stream = make_online_stream(d=200, d_t=20, weight_std=1.0, seed=0)
+        >>> X, y = stream.take(1000)
+        >>> X.shape, round(X.getnnz() / 1000)
+        ((1000, 200), 20)
+    """
+    if link not in eq.LINKS:
+        raise ValueError(f"link: expected one of {eq.LINKS}, got {link!r}")
+    if not (weight_std >= 0 and math.isfinite(weight_std)):
+        raise ValueError(f"weight_std: expected a finite number >= 0, got {weight_std!r}")
+    if zipf is not None and not zipf > 0:
+        raise ValueError(f"zipf: expected None or a positive exponent, got {zipf!r}")
+    if categorical is None:
+        if zipf is not None:
+            raise ValueError("zipf: only used with categorical features (set categorical=...)")
+        if d is None or int(d) != d or d < 1:
+            raise ValueError(f"d: expected a positive integer, got {d!r}")
+        d = int(d)
+        if not (0 < d_t <= d):
+            raise ValueError(f"d_t: expected 0 < d_t <= d = {d}, got {d_t!r}")
+        alpha = d_t / d
+
+        def sampler(rng, m):
+            if d <= 4096:
+                rows, cols = np.nonzero(rng.random((m, d)) < alpha)
+            else:  # Binomial counts, then distinct random columns per row
+                counts = rng.binomial(d, alpha, size=m)
+                rows = np.repeat(np.arange(m), counts)
+                cols = rng.integers(0, d, size=rows.shape[0])
+                key = np.unique(rows.astype(np.int64) * d + cols)
+                rows, cols = key // d, key % d
+            vals = np.ones(rows.shape[0]) if binary else rng.random(rows.shape[0])
+            return sp.csr_matrix((vals, (rows, cols)), shape=(m, d))
+    else:
+        if isinstance(categorical, (int, np.integer)):
+            if d is None or categorical < 1 or d % categorical:
+                raise ValueError(f"categorical: an integer must divide d={d}, got {categorical!r}")
+            sizes = [d // int(categorical)] * int(categorical)
+        else:
+            sizes = [int(s) for s in categorical]
+            if not sizes or min(sizes) < 1:
+                raise ValueError(f"categorical: expected positive category sizes, got {categorical!r}")
+        if d is not None and d != sum(sizes):
+            raise ValueError(f"d: the category sizes sum to {sum(sizes)}, got d={d}")
+        d = sum(sizes)
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        cdfs = [_zipf_cdf(s, zipf) if zipf is not None else None for s in sizes]
+        n_cat = len(sizes)
+
+        def sampler(rng, m):
+            cols = np.empty((m, n_cat), dtype=np.int64)
+            for j, (size, cdf) in enumerate(zip(sizes, cdfs)):
+                if cdf is None:
+                    cols[:, j] = rng.integers(0, size, size=m)
+                else:
+                    cols[:, j] = np.minimum(np.searchsorted(cdf, rng.random(m) * cdf[-1], side="right"), size - 1)
+                cols[:, j] += offsets[j]
+            indptr = np.arange(0, m * n_cat + 1, n_cat)
+            return sp.csr_matrix((np.ones(m * n_cat), cols.ravel(), indptr), shape=(m, d))
+    theta = np.random.default_rng([seed, 0]).normal(0.0, weight_std, size=d)
+    return OnlineStream(theta, sampler, link, seed)
+
+
+# ----------------------------------------------------------------------------- hashing
+def _hash_token(token, num_features, seed):
+    return zlib.crc32(token.encode("utf-8"), seed) % num_features
+
+
+def hash_features(rows, num_features, seed=0):
+    """Feature hashing: each row is a list of string tokens (e.g. ``"C3=68fd1e64"``).
+
+    Token ``s`` goes to column ``crc32(s, seed) % num_features`` with value 1; tokens of a row
+    that collide are summed.
+
+    :param rows: iterable of iterables of ``str``.
+    :param int num_features: number of hash buckets.
+    :returns: CSR ``(n_rows, num_features)``.
+
+    Example::
+
+        >>> hash_features([["a=1", "b=x"], []], 16).toarray().sum(1)
+        array([2., 0.])
+    """
+    if int(num_features) != num_features or num_features < 1:
+        raise ValueError(f"num_features: expected a positive integer, got {num_features!r}")
+    indptr = [0]
+    cols = []
+    for toks in rows:
+        cols.extend(_hash_token(t, num_features, seed) for t in toks)
+        indptr.append(len(cols))
+    X = sp.csr_matrix((np.ones(len(cols)), np.asarray(cols, dtype=np.int64), np.asarray(indptr)),
+                      shape=(len(indptr) - 1, int(num_features)))
+    X.sum_duplicates()
+    return X
+
+
+def _open_text(path):
+    path = str(path)
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, "r", encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------- svmlight
+def iter_svmlight(path, chunk_size=100_000, num_features=None, zero_based=False, hashing=None):
+    """Read an svmlight / LIBSVM file (optionally ``.gz``) in chunks of ``chunk_size`` rows.
+
+    Lines are ``label idx:value ...`` with an optional ``# comment`` and ``qid:`` (ignored).
+    Memory is bounded by one chunk.
+
+    :param int num_features: number of columns (indices must be smaller after the 1-based
+        shift); with ``hashing`` the number of buckets.
+    :param bool zero_based: indices start at 0 (``False``: the LIBSVM convention, 1-based).
+    :param hashing: ``None`` or an integer seed to hash indices into ``num_features`` buckets.
+    :returns: iterator of ``(X, y)``: CSR ``(m, num_features)`` and float labels as written.
+    :raises ValueError: malformed lines (with the line number) or out-of-range indices.
+    """
+    if num_features is None or int(num_features) != num_features or num_features < 1:
+        raise ValueError(f"num_features: a positive integer is needed to stream with constant memory, "
+                         f"got {num_features!r}")
+    shift = 0 if zero_based else 1
+    with _open_text(path) as fh:
+        lineno = 0
+        while True:
+            lines = list(itertools.islice(fh, chunk_size))
+            if not lines:
+                return
+            labels, indptr, cols, vals = [], [0], [], []
+            for line in lines:
+                lineno += 1
+                line = line.split("#", 1)[0].strip()
+                if not line:
+                    continue
+                toks = line.split()
+                try:
+                    labels.append(float(toks[0]))
+                    for tok in toks[1:]:
+                        k, v = tok.split(":", 1)
+                        if k == "qid":
+                            continue
+                        cols.append(int(k) - shift)
+                        vals.append(float(v))
+                except ValueError as exc:
+                    raise ValueError(f"{path}: line {lineno}: cannot parse {line[:60]!r} ({exc})") from None
+                indptr.append(len(cols))
+            cols = np.asarray(cols, dtype=np.int64)
+            if hashing is not None:
+                from ._validation import splitmix64
+                cols = (splitmix64(cols, int(hashing)) % np.uint64(num_features)).astype(np.int64)
+            elif cols.size and (cols.min() < 0 or cols.max() >= num_features):
+                raise ValueError(f"{path}: feature index out of range [0, {num_features}) near line {lineno} "
+                                 f"(zero_based={zero_based})")
+            X = sp.csr_matrix((np.asarray(vals, dtype=np.float64), cols, np.asarray(indptr)),
+                              shape=(len(labels), int(num_features)))
+            X.sum_duplicates()
+            yield X, np.asarray(labels)
+
+
+# ----------------------------------------------------------------------------- CSV / Criteo
+CRITEO_INTEGER_COLUMNS = tuple(range(1, 14))
+CRITEO_CATEGORICAL_COLUMNS = tuple(range(14, 40))
+
+
+def _integer_bin(value):
+    """Bucket of a count feature: the value itself up to 2, then ``floor(log(v)^2)``."""
+    v = float(value)
+    if v <= 2:
+        return str(int(math.floor(v)))
+    return "L" + str(int(math.floor(math.log(v) ** 2)))
+
+
+def iter_csv(path, chunk_size=100_000, label_column=0, integer_columns=(), categorical_columns=(),
+             num_features=2 ** 20, seed=0, delimiter=",", header=False, add_bias=True):
+    """Read a delimited text file (optionally ``.gz``) in chunks and hash its columns.
+
+    Every categorical column ``j`` with value ``v`` becomes the token ``"j=v"``; an integer
+    column becomes ``"j#b"`` with ``b`` its logarithmic bucket (the value up to 2, then
+    ``floor(log(v)^2)``); empty fields are skipped.  Tokens are hashed by
+    :func:`hash_features`.  With ``add_bias`` every row also gets a constant feature.
+
+    :param int label_column: column of the label (``0``/``1`` or ``-1``/``+1``).
+    :returns: iterator of ``(X, y)``: CSR ``(m, num_features)`` and float labels.
+    :raises ValueError: a short line or a non-numeric label / integer field (with line number).
+    """
+    int_cols = tuple(int(c) for c in integer_columns)
+    cat_cols = tuple(int(c) for c in categorical_columns)
+    need = max((label_column,) + int_cols + cat_cols) + 1
+    with _open_text(path) as fh:
+        if header:
+            next(fh, None)
+        lineno = int(bool(header))
+        while True:
+            lines = list(itertools.islice(fh, chunk_size))
+            if not lines:
+                return
+            labels, rows = [], []
+            for line in lines:
+                lineno += 1
+                line = line.rstrip("\r\n")
+                if not line:
+                    continue
+                f = line.split(delimiter)
+                if len(f) < need:
+                    raise ValueError(f"{path}: line {lineno}: expected at least {need} fields, got {len(f)}")
+                try:
+                    labels.append(float(f[label_column]))
+                    toks = ["__bias__"] if add_bias else []
+                    toks += [f"{j}#{_integer_bin(f[j])}" for j in int_cols if f[j] != ""]
+                except ValueError as exc:
+                    raise ValueError(f"{path}: line {lineno}: non-numeric label or integer field ({exc})") from None
+                toks += [f"{j}={f[j]}" for j in cat_cols if f[j] != ""]
+                rows.append(toks)
+            yield hash_features(rows, num_features, seed), np.asarray(labels)
+
+
+def iter_criteo(path, chunk_size=100_000, num_features=2 ** 22, seed=0, add_bias=True):
+    """Chunks of the Criteo display-advertising layout: tab-separated label, 13 integer and 26
+    categorical columns (seed 003, §4); see :func:`iter_csv`."""
+    return iter_csv(path, chunk_size=chunk_size, label_column=0, integer_columns=CRITEO_INTEGER_COLUMNS,
+                    categorical_columns=CRITEO_CATEGORICAL_COLUMNS, num_features=num_features, seed=seed,
+                    delimiter="\t", add_bias=add_bias)
+
+
+# ----------------------------------------------------------------------------- regret
+def progressive_regret(model, stream, T, chunk_size=100_000, num_points=200):
+    """Progressive-validation loss and regret of ``model`` on ``stream`` (seed 003, Eq. (4)).
+
+    ``R_t = sum_{tau <= t} [-log p_tau + log(1 + exp(-y_tau x_tau^T w*))]`` with the true
+    weights ``w* = stream.theta`` as comparator.
+
+    :param model: any estimator of this package (``partial_fit(..., return_log_loss=True)``).
+    :param OnlineStream stream: the data and the comparator.
+    :param int T: number of rows.
+    :param int num_points: size of the log-spaced grid on which ``R_t`` is recorded.
+    :returns: dict with ``t`` (grid), ``regret`` (``R_t`` on the grid), ``r_T = R_T / log T``,
+        ``loss`` and ``comparator_loss`` (totals), ``seconds`` (time spent in ``partial_fit``).
+    """
+    grid = np.unique(np.geomspace(1, T, num_points).astype(np.int64)) if T else np.empty(0, np.int64)
+    regret_at = np.empty(grid.shape[0])
+    total = 0.0
+    loss = comp = 0.0
+    seconds = 0.0
+    start = 0
+    for X, y in stream.chunks(T, chunk_size):
+        t0 = time.perf_counter()
+        ll = model.partial_fit(X, y, return_log_loss=True)
+        seconds += time.perf_counter() - t0
+        lp, ln = stream.comparator_log_loss(X)
+        cl = np.where(y > 0, lp, ln)
+        cum = total + np.cumsum(ll - cl)
+        m = X.shape[0]
+        sel = (grid > start) & (grid <= start + m)
+        regret_at[sel] = cum[grid[sel] - start - 1]
+        total = cum[-1] if m else total
+        loss += float(ll.sum())
+        comp += float(cl.sum())
+        start += m
+    return {"t": grid, "regret": regret_at, "r_T": total / math.log(T) if T > 1 else float("nan"),
+            "R_T": total, "loss": loss, "comparator_loss": comp, "seconds": seconds}
