@@ -1,0 +1,59 @@
+"""Shared numerical linear algebra, device/dtype generic.
+
+* operators (:mod:`.operators`): the product protocol ``mv``/``rmv``/``squared``/``to_dense``;
+* :func:`cg`: preconditioned conjugate gradients with batched right-hand sides;
+* :func:`lanczos`, :func:`lanczos_variances`, :func:`pca_variances`: Lanczos with full
+  reorthogonalisation and the K-Lanczos / L-PCA variance estimators (seed 000 §2.3, seed 001 §3);
+* :func:`newton_bisect_root`, :func:`expand_bracket`, :func:`minimize_convex_scalar`: vectorised
+  safeguarded Newton/bisection for many independent scalar problems.
+"""
+from .cg import CGResult, NotPositiveDefiniteError, cg, default_max_iter
+from .lanczos import LanczosResult, lanczos, lanczos_variances, pca_variances, tridiagonal_cholesky
+from .operators import (
+    BlockDiagonalOperator,
+    ComposedOperator,
+    DenseOperator,
+    DiagonalOperator,
+    FunctionOperator,
+    IdentityOperator,
+    LinearOperator,
+    SparseOperator,
+    StackedOperator,
+    SumOperator,
+    TransposedOperator,
+    ZeroOperator,
+    as_operator,
+    sparse_matvec,
+    to_csr,
+)
+from .scalar import expand_bracket, minimize_convex_scalar, newton_bisect_root
+
+__all__ = [
+    "LinearOperator",
+    "DenseOperator",
+    "SparseOperator",
+    "DiagonalOperator",
+    "IdentityOperator",
+    "ZeroOperator",
+    "StackedOperator",
+    "BlockDiagonalOperator",
+    "ComposedOperator",
+    "SumOperator",
+    "TransposedOperator",
+    "FunctionOperator",
+    "as_operator",
+    "sparse_matvec",
+    "to_csr",
+    "CGResult",
+    "cg",
+    "default_max_iter",
+    "NotPositiveDefiniteError",
+    "LanczosResult",
+    "lanczos",
+    "lanczos_variances",
+    "pca_variances",
+    "tridiagonal_cholesky",
+    "newton_bisect_root",
+    "expand_bracket",
+    "minimize_convex_scalar",
+]

@@ -1,0 +1,311 @@
+"""Preconditioned conjugate gradients for SPD systems, with batched right-hand sides.
+
+:func:`cg` solves ``A x = b`` for a symmetric positive definite ``A`` that is only available
+through products ``v -> A v``.  All columns of a batched right-hand side ``(n, k)`` share one
+product per iteration; each column stops updating as soon as its own relative residual
+``||b_j - A x_j|| / ||b_j||`` reaches ``rtol`` (or its absolute residual reaches ``atol``), and
+later products only involve the columns still running.
+
+Why not :func:`linear_operator.utils.linear_cg`?  It is fast and accepts any closure, but (measured
+in ``benchmarks/linalg.py``, see ``docs/linalg.md``) with its default ``eps=1e-10`` guard it
+cannot reach relative residuals below about ``1e-5``: it silently degrades to steepest descent
+(2,000 iterations instead of 27 on a 20k sparse system); it stops on the *mean* residual over
+columns, so single columns end above the tolerance; it returns no iteration count, residuals or
+convergence flag; and a non-SPD operator only yields a generic warning and a wrong answer.
+This implementation fixes those points and reports everything in :class:`CGResult`.
+"""
+from dataclasses import dataclass, field
+import warnings
+
+import torch
+
+from ..errors import ConvergenceError, ConvergenceWarning
+from .operators import LinearOperator, as_operator
+
+__all__ = ["CGResult", "cg", "NotPositiveDefiniteError", "default_max_iter"]
+
+
+class NotPositiveDefiniteError(ValueError):
+    """The operator (or preconditioner) handed to CG or Lanczos is not positive definite.
+
+    Raised when a curvature ``p^T A p`` (or a Lanczos pivot) is ``<= 0``, which cannot happen
+    for a symmetric positive definite operator in exact arithmetic.
+    """
+
+
+@dataclass
+class CGResult:
+    """Outcome of :func:`cg`.
+
+    :ivar x: solution, same shape as the right-hand side ``(n,)`` or ``(n, k)``.
+    :ivar iterations: number of CG iterations (batched products with ``A``).
+    :ivar residual_norm: final relative residual ``||b - A x|| / ||b||`` per column, shape ``(k,)``
+        (a 0-d tensor for a 1-D right-hand side).  Columns with ``b = 0`` report the absolute
+        residual.  Computed from the true residual ``b - A x`` unless ``true_residual=False``.
+    :ivar converged: ``True`` if every column met its tolerance.
+    :ivar num_mvm: number of matrix-vector products, counting one per column per product
+        (initial residual of a warm start and the final residual check included).
+    :ivar residual_history: largest relative residual over all columns after every iteration
+        (the first entry is the starting residual).
+    """
+
+    x: torch.Tensor
+    iterations: int
+    residual_norm: torch.Tensor
+    converged: bool
+    num_mvm: int
+    residual_history: list = field(default_factory=list)
+
+
+def default_max_iter(n):
+    """Default CG iteration cap: ``10 n``, but no more than ``max(n, 10_000)``.
+
+    In exact arithmetic CG needs at most ``n`` iterations; in floating point ill-conditioned
+    small systems may need a few times more, while for large ``n`` an iteration count near
+    ``n`` already means the system needs a better preconditioner.
+    """
+    return int(min(10 * n, max(n, 10_000)))
+
+
+def _resolve_matmul(matmul, name="matmul"):
+    """Return ``(apply, n_or_None, dtype_or_None, device_or_None)`` for an operator-like argument."""
+    if isinstance(matmul, torch.Tensor):
+        matmul = as_operator(matmul)
+    if isinstance(matmul, LinearOperator):
+        if matmul.shape[0] != matmul.shape[1]:
+            raise ValueError(f"{name}: the operator must be square, got shape {tuple(matmul.shape)}")
+        return matmul.mv, matmul.shape[0], matmul.dtype, matmul.device
+    if callable(matmul):
+        return matmul, None, None, None
+    raise TypeError(f"{name}: expected a callable v -> A v, a LinearOperator or a tensor, got {type(matmul).__name__}")
+
+
+def _check_finite(t, name):
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} contains NaN or inf")
+
+
+def _resolve_precond(precond, n, like):
+    """Return a callable ``R (n, k) -> M^{-1} R`` or ``None``."""
+    if precond is None:
+        return None
+    if isinstance(precond, torch.Tensor):
+        d = precond
+        if d.shape != (n,):
+            raise ValueError(f"precond: a Jacobi diagonal must have shape ({n},), got {tuple(d.shape)}")
+        d = d.to(dtype=like.dtype, device=like.device)
+        if not bool(torch.isfinite(d).all()) or not bool((d > 0).all()):
+            raise ValueError("precond: the Jacobi diagonal must be finite and strictly positive")
+        dinv = (1.0 / d).unsqueeze(-1)
+        return lambda R: R * dinv
+    if isinstance(precond, LinearOperator):
+        return precond.mv
+    if callable(precond):
+        return precond
+    raise TypeError(f"precond: expected None, a tensor (Jacobi diagonal) or a callable, got {type(precond).__name__}")
+
+
+def cg(
+    matmul,
+    rhs,
+    *,
+    precond=None,
+    x0=None,
+    rtol=1e-6,
+    atol=0.0,
+    max_iter=None,
+    on_fail="warn",
+    true_residual=True,
+    max_restarts=5,
+):
+    """Solve ``A x = b`` by preconditioned conjugate gradients.
+
+    Column ``j`` stops when ``||b_j - A x_j|| <= max(rtol * ||b_j||, atol)``.  With
+    ``true_residual=True`` (default) the final residual is recomputed as ``b - A x`` (one extra
+    product); if rounding made the recursively updated residual drift below the tolerance
+    while the true one is not, CG restarts from the current iterate with the true residual
+    (at most ``max_restarts`` times, within ``max_iter``).  The reported residuals are therefore
+    the real ones.  The routine runs under :func:`torch.no_grad` and is not differentiable.
+
+    :param matmul: the SPD operator: a callable ``v -> A v`` accepting ``(n,)`` and ``(n, k)``
+        (only ``(n,)`` is used for a 1-D ``rhs``), a :class:`~pyro_convexvb.linalg.LinearOperator`
+        (its ``mv``), or a dense/sparse tensor.
+    :param rhs: right-hand side ``b``, shape ``(n,)`` or ``(n, k)``.
+    :param precond: ``None``; a positive tensor ``d`` of shape ``(n,)`` (Jacobi: ``M^{-1} r = r / d``);
+        or a callable ``R -> M^{-1} R`` (SPD) accepting ``(n, k)``.
+    :param x0: warm start, same shape as ``rhs``.
+    :param rtol: relative residual tolerance per column.
+    :param atol: absolute residual tolerance per column.
+    :param max_iter: iteration cap; default :func:`default_max_iter` ``(n)`` = ``min(10 n, max(n, 10000))``.
+    :param on_fail: ``"warn"`` (:class:`~pyro_convexvb.errors.ConvergenceWarning`), ``"raise"``
+        (:class:`~pyro_convexvb.errors.ConvergenceError` carrying the residual and iteration count)
+        or ``"ignore"`` when some column misses its tolerance.
+    :param true_residual: recompute the final residual as ``b - A x`` (see above).
+    :param max_restarts: restarts allowed after residual drift.
+    :returns: :class:`CGResult`.
+    :raises NotPositiveDefiniteError: if a curvature ``p^T A p <= 0`` (``A`` not SPD) or
+        ``r^T M^{-1} r <= 0`` (preconditioner not SPD) is met.
+    :raises ValueError: on NaN/inf input or output of ``matmul``, or on shape mismatches.
+
+    Example::
+
+        >>> import torch
+        >>> from pyro_convexvb.linalg import cg
+        >>> A = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
+        >>> res = cg(A, torch.tensor([1.0, 2.0], dtype=torch.float64), rtol=1e-12)
+        >>> res.converged, torch.allclose(A @ res.x, torch.tensor([1.0, 2.0], dtype=torch.float64))
+        (True, True)
+    """
+    apply_a, n_op, _, _ = _resolve_matmul(matmul)
+    if not isinstance(rhs, torch.Tensor):
+        raise TypeError(f"rhs: expected a tensor, got {type(rhs).__name__}")
+    if rhs.dim() not in (1, 2):
+        raise ValueError(f"rhs: expected shape (n,) or (n, k), got {tuple(rhs.shape)}")
+    if not rhs.is_floating_point():
+        raise TypeError(f"rhs: expected a floating point tensor, got {rhs.dtype}")
+    n = rhs.shape[0]
+    if n_op is not None and n_op != n:
+        raise ValueError(f"rhs: operator has size {n_op} but rhs has shape {tuple(rhs.shape)}")
+    _check_finite(rhs, "rhs")
+    if on_fail not in ("warn", "raise", "ignore"):
+        raise ValueError(f"on_fail: expected 'warn', 'raise' or 'ignore', got {on_fail!r}")
+    if not (rtol >= 0 and atol >= 0):
+        raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
+    max_iter = default_max_iter(n) if max_iter is None else int(max_iter)
+    if max_iter < 0:
+        raise ValueError(f"max_iter: must be >= 0, got {max_iter}")
+
+    vector = rhs.dim() == 1
+    if vector:
+
+        def mat(P):
+            return apply_a(P.squeeze(-1)).unsqueeze(-1)
+
+    else:
+        mat = apply_a
+
+    with torch.no_grad():
+        b = rhs.detach().unsqueeze(-1) if vector else rhs.detach()
+        prec = _resolve_precond(precond, n, b)
+        k = b.shape[1]
+
+        def product(P):
+            out = mat(P)
+            if not isinstance(out, torch.Tensor) or out.shape != P.shape:
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(f"matmul: expected an output of shape {tuple(P.shape)}, got {got}")
+            return out
+
+        if x0 is None:
+            x = torch.zeros_like(b)
+            r = b.clone()
+            num_mvm = 0
+        else:
+            if x0.shape != rhs.shape:
+                raise ValueError(f"x0: expected shape {tuple(rhs.shape)}, got {tuple(x0.shape)}")
+            _check_finite(x0, "x0")
+            x = x0.detach().to(dtype=b.dtype, device=b.device).reshape(b.shape).clone()
+            r = b - product(x)
+            num_mvm = k
+        bnorm = torch.linalg.vector_norm(b, dim=0)
+        scale = torch.where(bnorm > 0, bnorm, torch.ones_like(bnorm))
+        tol = torch.clamp(rtol * bnorm, min=atol)
+        rnorm = torch.linalg.vector_norm(r, dim=0)
+        _check_finite(rnorm, "matmul(x0) (the initial residual)")
+        history = [float((rnorm / scale).max())] if k > 0 else [0.0]
+        iterations = 0
+        restarts = 0
+        while True:
+            iterations, num_mvm = _cg_iterate(
+                product, prec, x, r, rnorm, tol, scale, max_iter, iterations, num_mvm, history
+            )
+            if not true_residual or k == 0 or iterations == 0:
+                break  # with no iteration, r is exactly b - A x0
+            r = b - product(x)
+            num_mvm += k
+            rnorm = torch.linalg.vector_norm(r, dim=0)
+            _check_finite(rnorm, "matmul output")
+            history[-1] = float((rnorm / scale).max())
+            if not bool((rnorm > tol).any()) or iterations >= max_iter or restarts >= max_restarts:
+                break
+            restarts += 1
+
+        rel = rnorm / scale
+        failed = rnorm > tol
+        converged = not bool(failed.any())
+        x_out = x.squeeze(-1) if vector else x
+        rel_out = rel.squeeze(-1) if vector else rel
+    if not converged and on_fail != "ignore":
+        worst = float(rel.max())
+        msg = (
+            f"cg did not converge in {iterations} iterations: {int(failed.sum())} of {k} column(s) above "
+            f"tolerance, largest relative residual {worst:.3e} (rtol={rtol:g}, atol={atol:g})"
+        )
+        if on_fail == "raise":
+            raise ConvergenceError(msg, residual=rel_out, iterations=iterations)
+        warnings.warn(msg, ConvergenceWarning, stacklevel=2)
+    return CGResult(
+        x=x_out,
+        iterations=iterations,
+        residual_norm=rel_out,
+        converged=converged,
+        num_mvm=num_mvm,
+        residual_history=history,
+    )
+
+
+def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, num_mvm, history):
+    """Run CG on the columns with ``rnorm > tol``, updating ``x``, ``r`` and ``rnorm`` in place."""
+    idx = (rnorm > tol).nonzero().squeeze(-1)
+    if idx.numel() == 0 or iterations >= max_iter:
+        return iterations, num_mvm
+    xa, ra, tola = x[:, idx], r[:, idx], tol[idx]
+    z = prec(ra) if prec is not None else ra
+    rz = (ra * z).sum(0)
+    _check_preconditioner(rz, rnorm[idx] > tola)
+    p = z.clone()  # a preconditioner may return its input
+    while True:
+        Ap = product(p)
+        num_mvm += p.shape[1]
+        iterations += 1
+        pAp = (p * Ap).sum(0)
+        if not bool(torch.isfinite(pAp).all()):
+            raise ValueError("matmul returned NaN or inf during CG")
+        if not bool((pAp > 0).all()):
+            bad = int((pAp <= 0).sum())
+            raise NotPositiveDefiniteError(
+                f"matmul is not positive definite: curvature p^T A p <= 0 in {bad} column(s) at CG iteration "
+                f"{iterations} (min {float(pAp.min()):.3e})"
+            )
+        alpha = rz / pAp
+        xa.addcmul_(p, alpha)
+        ra.addcmul_(Ap, -alpha)
+        rn = torch.linalg.vector_norm(ra, dim=0)
+        rnorm[idx] = rn
+        history.append(float((rnorm / scale).max()))
+        done = rn <= tola
+        if bool(done.all()) or iterations >= max_iter:
+            x[:, idx] = xa
+            r[:, idx] = ra
+            return iterations, num_mvm
+        if bool(done.any()):
+            x[:, idx] = xa
+            r[:, idx] = ra
+            keep = ~done
+            idx, xa, ra, p, rz, tola = idx[keep], xa[:, keep], ra[:, keep], p[:, keep], rz[keep], tola[keep]
+        z = prec(ra) if prec is not None else ra
+        rz_new = (ra * z).sum(0)
+        _check_preconditioner(rz_new, None)
+        beta = rz_new / rz
+        rz = rz_new
+        p = z + p * beta
+
+
+def _check_preconditioner(rz, mask):
+    ok = rz > 0
+    if mask is not None:
+        ok = ok | ~mask
+    if not bool(ok.all()):
+        if not bool(torch.isfinite(rz).all()):
+            raise ValueError("precond returned NaN or inf during CG")
+        raise NotPositiveDefiniteError("precond is not positive definite: r^T M^{-1} r <= 0 during CG")
