@@ -141,12 +141,15 @@ def to_csr(matrix):
             sp = None
         if sp is not None and sp.issparse(matrix):
             m = matrix.tocsr()
-            m.sort_indices()
+            if not m.has_sorted_indices:
+                m = m.copy()  # never reorder the caller's matrix in place
+                m.sort_indices()
             return torch.sparse_csr_tensor(
                 torch.from_numpy(m.indptr.astype("int64")),
                 torch.from_numpy(m.indices.astype("int64")),
                 torch.from_numpy(m.data),
                 size=m.shape,
+                check_invariants=False,
             )
         raise TypeError(f"cannot convert {type(matrix).__name__} to a sparse CSR tensor")
     if matrix.layout == torch.sparse_csr:

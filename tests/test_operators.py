@@ -1,0 +1,269 @@
+"""Operator protocol: every operator's mv/rmv/squared/to_dense against dense references (float64)."""
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+from pyro_convexvb.linalg import (
+    BlockDiagonalOperator,
+    ComposedOperator,
+    DenseOperator,
+    DiagonalOperator,
+    FunctionOperator,
+    IdentityOperator,
+    LinearOperator,
+    SparseOperator,
+    StackedOperator,
+    SumOperator,
+    TransposedOperator,
+    ZeroOperator,
+    as_operator,
+    sparse_matvec,
+    to_csr,
+)
+from pyro_convexvb.linalg.operators import _csr_transpose
+
+DT = torch.float64
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _sparse_dense(m, n, density, seed=0, empty_rows=(), empty_cols=()):
+    g = _gen(seed)
+    dense = torch.randn(m, n, generator=g, dtype=DT)
+    mask = torch.rand(m, n, generator=g, dtype=DT) < density
+    dense = dense * mask
+    for i in empty_rows:
+        dense[i] = 0
+    for j in empty_cols:
+        dense[:, j] = 0
+    return dense
+
+
+def _cases():
+    g = _gen(1)
+    M = torch.randn(7, 5, generator=g, dtype=DT)
+    S = _sparse_dense(7, 5, 0.4, seed=2, empty_rows=(3,), empty_cols=(1,))
+    d = torch.randn(5, generator=g, dtype=DT)
+    d7 = torch.rand(7, generator=g, dtype=DT) + 0.5
+    M2 = torch.randn(4, 5, generator=g, dtype=DT)
+    M3 = torch.randn(3, 2, generator=g, dtype=DT)
+    P = torch.randn(5, 6, generator=g, dtype=DT)
+    cases = {
+        "dense": (DenseOperator(M), M, True),
+        "sparse_coo": (SparseOperator(S.to_sparse()), S, True),
+        "sparse_csr": (SparseOperator(S.to_sparse_csr()), S, True),
+        "sparse_csc": (SparseOperator(S.to_sparse_csc()), S, True),
+        "sparse_scipy": (as_operator(sp.csr_matrix(S.numpy())), S, True),
+        "diagonal": (DiagonalOperator(d), torch.diag(d), True),
+        "identity": (IdentityOperator(5, dtype=DT), torch.eye(5, dtype=DT), True),
+        "zero": (ZeroOperator(4, 5, dtype=DT), torch.zeros(4, 5, dtype=DT), True),
+        "stacked": (StackedOperator([M, S.to_sparse_csr(), DiagonalOperator(d)]), torch.cat([M, S, torch.diag(d)]), True),
+        "blockdiag": (BlockDiagonalOperator([M2, S.to_sparse(), M3]), torch.block_diag(M2, S, M3), True),
+        "composed": (ComposedOperator(M, P), M @ P, False),
+        "composed_diag_left": (ComposedOperator(DiagonalOperator(d7), S.to_sparse()), torch.diag(d7) @ S, True),
+        "composed_diag_right": (ComposedOperator(M, DiagonalOperator(d)), M @ torch.diag(d), True),
+        "sum": (SumOperator([M, S.to_sparse_csr()], [2.0, -0.5]), 2.0 * M - 0.5 * S, False),
+        "transposed_dense": (TransposedOperator(DenseOperator(M)), M.T, True),
+        "transposed_sparse": (SparseOperator(S.to_sparse()).T, S.T, True),
+        "function": (FunctionOperator(lambda v: M @ v, lambda u: M.T @ u, (7, 5), dtype=DT), M, False),
+        "function_batched": (
+            FunctionOperator(lambda v: M @ v, lambda u: M.T @ u, (7, 5), dtype=DT, batched=True, squared=DenseOperator(M * M)),
+            M,
+            True,
+        ),
+        "matmul_compose": (DenseOperator(M) @ DenseOperator(P), M @ P, False),
+    }
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_mv_rmv_to_dense(name):
+    op, ref, _ = CASES[name]
+    m, n = ref.shape
+    assert tuple(op.shape) == (m, n)
+    g = _gen(3)
+    v, V = torch.randn(n, generator=g, dtype=DT), torch.randn(n, 3, generator=g, dtype=DT)
+    u, U = torch.randn(m, generator=g, dtype=DT), torch.randn(m, 4, generator=g, dtype=DT)
+    torch.testing.assert_close(op.mv(v), ref @ v, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(op.mv(V), ref @ V, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(op.rmv(u), ref.T @ u, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(op.rmv(U), ref.T @ U, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(op.to_dense(), ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(op.T.to_dense(), ref.T, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(op @ v, ref @ v, rtol=1e-12, atol=1e-12)
+    assert op.mv(v).dtype == DT
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_squared_and_diagonals(name):
+    op, ref, has_squared = CASES[name]
+    sq = op.squared()
+    if not has_squared:
+        assert sq is None
+        assert op.diag_gram() is None and op.row_sq_norms() is None
+        return
+    torch.testing.assert_close(sq.to_dense(), ref * ref, rtol=1e-12, atol=1e-12)
+    m, n = ref.shape
+    g = _gen(4)
+    w_rows = torch.rand(m, generator=g, dtype=DT)
+    w_cols = torch.rand(n, generator=g, dtype=DT)
+    # diag(A^T diag(w) A) and diag(A diag(w) A^T) without densifying
+    torch.testing.assert_close(op.diag_gram(w_rows), torch.diagonal(ref.T @ torch.diag(w_rows) @ ref), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(op.row_sq_norms(w_cols), torch.diagonal(ref @ torch.diag(w_cols) @ ref.T), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(op.diag_gram(), (ref * ref).sum(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(op.row_sq_norms(), (ref * ref).sum(1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape,density", [((30, 20), 0.1), ((1, 9), 0.5), ((50, 3), 0.3), ((12, 12), 0.0)])
+def test_csr_transpose(shape, density):
+    S = _sparse_dense(*shape, density, seed=5, empty_rows=(0,), empty_cols=(shape[1] - 1,))
+    csr = S.to_sparse_csr()
+    t = _csr_transpose(csr)
+    assert t.layout == torch.sparse_csr and tuple(t.shape) == (shape[1], shape[0])
+    torch.testing.assert_close(t.to_dense(), S.T)
+    # column indices of every row of the transpose are sorted (valid CSR)
+    crow, col = t.crow_indices(), t.col_indices()
+    for i in range(shape[1]):
+        c = col[crow[i] : crow[i + 1]]
+        assert bool((c[1:] > c[:-1]).all())
+    op = SparseOperator(csr)
+    torch.testing.assert_close(op.matrix_t.to_dense(), S.T)
+    assert op.nnz == int((S != 0).sum())
+
+
+def test_sparse_rows_subset():
+    S = _sparse_dense(20, 8, 0.3, seed=6, empty_rows=(4,))
+    op = SparseOperator(S.to_sparse_csr())
+    idx = [4, 0, 19, 7, 7]
+    sub = op.rows(idx)
+    torch.testing.assert_close(sub.to_dense(), S[idx])
+    u = torch.randn(5, dtype=DT)
+    torch.testing.assert_close(sub.rmv(u), S[idx].T @ u)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_sparse_matvec_backward_matches_dense(batched):
+    S = _sparse_dense(40, 25, 0.2, seed=7, empty_rows=(1,), empty_cols=(2,))
+    op = SparseOperator(S.to_sparse())
+    g = _gen(8)
+    shape = (25, 3) if batched else (25,)
+    v0 = torch.randn(*shape, generator=g, dtype=DT)
+    w = torch.randn(40, *shape[1:], generator=g, dtype=DT)
+
+    v = v0.clone().requires_grad_(True)
+    loss = (torch.sin(op.mv(v)) * w).sum()
+    (grad,) = torch.autograd.grad(loss, v)
+
+    vd = v0.clone().requires_grad_(True)
+    loss_d = (torch.sin(S @ vd) * w).sum()
+    (grad_d,) = torch.autograd.grad(loss_d, vd)
+    torch.testing.assert_close(loss, loss_d, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, grad_d, rtol=1e-12, atol=1e-12)
+
+    # rmv backward uses the forward matrix
+    u = torch.randn(40, *shape[1:], generator=g, dtype=DT).requires_grad_(True)
+    (gu,) = torch.autograd.grad((op.rmv(u) ** 2).sum(), u)
+    ud = u.detach().clone().requires_grad_(True)
+    (gud,) = torch.autograd.grad(((S.T @ ud) ** 2).sum(), ud)
+    torch.testing.assert_close(gu, gud, rtol=1e-12, atol=1e-12)
+
+    # second order: gradcheck of the custom Function
+    vv = torch.randn(*shape, generator=g, dtype=DT, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: sparse_matvec(op.matrix, op.matrix_t, x), (vv,))
+
+
+def test_sparse_matvec_without_grad_is_plain_product():
+    S = _sparse_dense(10, 6, 0.4, seed=9)
+    op = SparseOperator(S.to_sparse())
+    v = torch.randn(6, dtype=DT)
+    out = sparse_matvec(op.matrix, op.matrix_t, v)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, S @ v)
+
+
+def test_dtype_follows_inputs_float32():
+    M = torch.randn(6, 4, dtype=torch.float32)
+    S = SparseOperator(M.to_sparse())
+    assert S.dtype == torch.float32 and DenseOperator(M).dtype == torch.float32
+    v = torch.randn(4, dtype=torch.float32)
+    assert S.mv(v).dtype == torch.float32
+    torch.testing.assert_close(S.mv(v), M @ v, rtol=1e-5, atol=1e-5)
+    assert StackedOperator([M, S]).dtype == torch.float32
+
+
+def test_to_csr_inputs():
+    S = _sparse_dense(9, 7, 0.3, seed=10)
+    for x in (S.to_sparse(), S.to_sparse_csr(), S.to_sparse_csc(), sp.csr_matrix(S.numpy()), sp.coo_matrix(S.numpy())):
+        csr = to_csr(x)
+        assert csr.layout == torch.sparse_csr
+        torch.testing.assert_close(csr.to_dense(), S)
+    # a scipy matrix with unsorted column indices is converted correctly and left untouched
+    u = sp.csr_matrix((np.array([1.0, 2.0, 3.0]), np.array([2, 0, 1]), np.array([0, 2, 3])), shape=(2, 3))
+    assert not u.has_sorted_indices
+    torch.testing.assert_close(to_csr(u).to_dense(), torch.from_numpy(u.toarray()))
+    assert list(u.indices) == [2, 0, 1]
+    with pytest.raises(TypeError):
+        to_csr(S)  # dense tensor
+    with pytest.raises(TypeError):
+        to_csr(np.zeros((2, 2)))
+
+
+def test_as_operator():
+    M = torch.randn(3, 2, dtype=DT)
+    assert isinstance(as_operator(M), DenseOperator)
+    assert isinstance(as_operator(M.to_sparse()), SparseOperator)
+    op = DenseOperator(M)
+    assert as_operator(op) is op
+    with pytest.raises(TypeError):
+        as_operator([[1.0, 2.0]])
+
+
+def test_shape_errors_name_the_operator():
+    op = DenseOperator(torch.randn(4, 3, dtype=DT))
+    with pytest.raises(ValueError, match="DenseOperator.mv"):
+        op.mv(torch.randn(4, dtype=DT))
+    with pytest.raises(ValueError, match="DenseOperator.rmv"):
+        op.rmv(torch.randn(3, dtype=DT))
+    sop = SparseOperator(torch.randn(4, 3, dtype=DT).to_sparse())
+    with pytest.raises(ValueError, match="SparseOperator.mv"):
+        sop.mv(torch.randn(5, 2, dtype=DT))
+    with pytest.raises(ValueError, match="columns"):
+        StackedOperator([torch.randn(2, 3, dtype=DT), torch.randn(2, 4, dtype=DT)])
+    with pytest.raises(ValueError):
+        StackedOperator([])
+    with pytest.raises(ValueError, match="compose"):
+        ComposedOperator(torch.randn(2, 3, dtype=DT), torch.randn(4, 2, dtype=DT))
+    with pytest.raises(ValueError, match="add"):
+        SumOperator([torch.randn(2, 3, dtype=DT), torch.randn(3, 2, dtype=DT)])
+    with pytest.raises(ValueError, match="2-D"):
+        DenseOperator(torch.randn(3, dtype=DT))
+    with pytest.raises(ValueError, match="1-D"):
+        DiagonalOperator(torch.randn(3, 3, dtype=DT))
+
+
+def test_function_operator_column_loop_matches_batched():
+    M = torch.randn(5, 4, dtype=DT)
+    calls = []
+
+    def f(v):
+        calls.append(v.shape)
+        assert v.dim() == 1
+        return M @ v
+
+    op = FunctionOperator(f, lambda u: M.T @ u, (5, 4), dtype=DT)
+    V = torch.randn(4, 3, dtype=DT)
+    torch.testing.assert_close(op.mv(V), M @ V)
+    assert calls == [(4,)] * 3
+    assert op.squared() is None
+
+
+def test_repr_and_base_class():
+    op = DenseOperator(torch.randn(2, 2, dtype=DT))
+    assert "DenseOperator" in repr(op) and "(2, 2)" in repr(op)
+    assert isinstance(op, LinearOperator)
