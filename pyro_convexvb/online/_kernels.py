@@ -57,6 +57,8 @@ def _log_cdf(z, link):
         return -(max(-z, 0.0) + math.log1p(math.exp(-abs(z))))
     if z < _TAIL:
         return -0.5 * z * z - _LOG_SQRT_2PI - math.log(_inv_mills(z))
+    if z > 0:
+        return math.log1p(-0.5 * math.erfc(z / _SQRT2))
     return math.log(0.5 * math.erfc(-z / _SQRT2))
 
 

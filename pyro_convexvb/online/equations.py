@@ -104,7 +104,8 @@ def log_link_cdf(z, link):
     if link == "logit":
         return -_softplus(-z)
     zc = np.maximum(z, _PROBIT_TAIL)
-    direct = np.log(0.5 * erfc(-zc / _SQRT2))
+    with np.errstate(divide="ignore"):  # both branches are evaluated; only the finite one is kept
+        direct = np.where(zc > 0, np.log1p(-0.5 * erfc(zc / _SQRT2)), np.log(0.5 * erfc(-zc / _SQRT2)))
     tail = -0.5 * z * z - _LOG_SQRT_2PI - np.log(_inv_mills(z))
     return np.where(z < _PROBIT_TAIL, tail, direct)
 
