@@ -1,0 +1,45 @@
+"""Convex variational relaxation for super-Gaussian sites at scale (seed 000; seed 001 §2-4).
+
+Importing this package registers the engine ``convex_relaxation``::
+
+    import pyro_convexvb as pcv
+    res = pcv.fit(model, X, y=y, engine="convex_relaxation", options={"lanczos_rank": 80})
+
+Modules: :mod:`.potentials` (super-Gaussian sites, implicit ``h``/``h^*``), :mod:`.problem` (an LGM
+in seed 000's form, constants of the bound), :mod:`.inner` (Newton/IRLS with PCG), :mod:`.outer`
+(Lanczos/PCA/exact variance updates, the double loop), :mod:`.engine` (the public class).
+"""
+from .engine import ConvexVariationalRelaxation, applies, convex_relaxation, predictive_marginals
+from .potentials import (
+    GenericPotential,
+    LaplacePotential,
+    LogisticPotential,
+    StudentT,
+    StudentTPotential,
+    SuperGaussianPotential,
+    gaussian_lower_bound,
+    h_implicit,
+    h_star,
+    h_star_implicit,
+    potential_for,
+)
+from .problem import RelaxationProblem
+
+__all__ = [
+    "ConvexVariationalRelaxation",
+    "applies",
+    "convex_relaxation",
+    "predictive_marginals",
+    "RelaxationProblem",
+    "SuperGaussianPotential",
+    "LaplacePotential",
+    "LogisticPotential",
+    "StudentTPotential",
+    "GenericPotential",
+    "StudentT",
+    "potential_for",
+    "h_star",
+    "h_implicit",
+    "h_star_implicit",
+    "gaussian_lower_bound",
+]

@@ -1,0 +1,326 @@
+r"""A latent Gaussian model in seed 000's form ``P(u|D) ∝ N(y | X u, sigma^2 I) prod_i t_i(s_i)``.
+
+Mapping (``sigma^2 = 1`` throughout):
+
+* **Gaussian part.**  The Gaussian prior blocks ``N(u_b | mu_b, P_b^{-1})`` and the Gaussian
+  observation groups ``N(y_g | B_g u + o_g, diag(sd_g^2))`` are whitened row by row into one
+  least-squares term ``||y~ - X u||^2`` with
+
+  .. math:: X = \begin{bmatrix} P^{1/2} \\ \mathrm{diag}(sd_g)^{-1} B_g \end{bmatrix}, \quad
+            \tilde y = \begin{bmatrix} P^{1/2}\mu \\ \mathrm{diag}(sd_g)^{-1}(y_g - o_g) \end{bmatrix},
+
+  so ``X^T X = P + sum_g B_g^T diag(sd_g^{-2}) B_g`` (``P`` block diagonal, zero on flat blocks).
+  ``X`` itself is only formed as the sampling factor ``J`` (``P^{1/2}``: ``sqrt`` of a diagonal,
+  the Cholesky factor of a dense block).  A diagonal prior scale is the paper's ``X = I/sigma``
+  case.  Each Gaussian group keeps its own noise scales: they enter through the whitening, not
+  through ``sigma``.
+* **Why sigma^2 = 1.**  Seed 000's ``sigma^2`` is one global scale on every term.  Replacing
+  ``(sigma^2, gamma)`` by ``(1, gamma / sigma^2)`` maps the family of Gaussian lower bounds of each
+  site onto itself (the bound ``exp(sigma^{-2}(beta s - s^2/(2 gamma)) - h(gamma)/2)`` only depends
+  on ``gamma sigma^2`` once ``beta`` and ``h`` are re-expressed), so the relaxation, its optimum,
+  ``Q(u|D)`` and the bound are the same for every ``sigma^2``.  With ``sigma^2 = 1``:
+  ``Cov_Q[u] = A^{-1}``, ``A = X^T X + B^T Gamma^{-1} B`` and ``z = Var_Q[s]`` directly
+  (``precision_scale = sigma^2 = 1`` on the posterior).
+* **Non-Gaussian sites.**  Every non-Gaussian group ``t_i(eta_i)``, ``eta = B u + offset``, becomes
+  super-Gaussian potentials (:mod:`.potentials`) of ``s = B u + o`` with ``o = offset - shift``
+  (``shift`` = a site's own location, e.g. Student-t observations).  Laplace priors extracted from a
+  Pyro model (``SiteGroup.from_prior``) are Laplace sites on ``I u - loc``: the paper's "append I to
+  B" (seed 000, §2).
+* **Constants.**  With ``c_G`` the normaliser of the Gaussian part and ``kappa_i`` those of the sites
+  (``log t_i = kappa_i + beta_i s + g_i(s^2)``), seed 000's bound (§2.1) becomes, with every
+  constant of the model as written,
+
+  .. math:: \log p(y) \ge C - \phi(\gamma)/2, \qquad
+            C = \text{log\_const} + \sum_i \kappa_i + \log c_G + \frac{n}{2}\log 2\pi,
+
+  ``log c_G = -(n_P/2) log 2 pi - (1/2) log|Sigma| - sum_{g,i} (log sd_gi + (1/2) log 2 pi)``
+  (``n_P`` latent coordinates under a Gaussian prior), and
+  ``phi = log|A| + h(gamma) + min_u R(u, gamma)``,
+  ``R = ||y~ - X u||^2 + s^T Gamma^{-1} s - 2 beta^T s`` (seed 000, §2.1).
+"""
+import math
+
+import torch
+
+from ...errors import UnsupportedModelError
+from ...linalg.operators import (
+    BlockDiagonalOperator,
+    ComposedOperator,
+    DenseOperator,
+    DiagonalOperator,
+    EmbedColumnsOperator,
+    FunctionOperator,
+    IdentityOperator,
+    LinearOperator,
+    SparseOperator,
+    StackedOperator,
+)
+from .potentials import PotentialStack, potential_for
+
+__all__ = ["RelaxationProblem", "operator_diagonal", "square_root_factor"]
+
+#: largest prior block that is inverted/factorised densely when only a covariance is given
+DENSE_BLOCK_LIMIT = 5000
+
+
+class _Counted(LinearOperator):
+    """Wraps an operator and counts products (one per column)."""
+
+    def __init__(self, base, counter, key):
+        self.base, self.counter, self.key = base, counter, key
+        self.shape, self.dtype, self.device = base.shape, base.dtype, base.device
+
+    def _cols(self, v):
+        return 1 if v.dim() == 1 else v.shape[1]
+
+    def _mv(self, v):
+        self.counter[self.key] = self.counter.get(self.key, 0) + self._cols(v)
+        return self.base.mv(v)
+
+    def _rmv(self, u):
+        self.counter[self.key] = self.counter.get(self.key, 0) + self._cols(u)
+        return self.base.rmv(u)
+
+    def squared(self):
+        return self.base.squared()
+
+    def to_dense(self):
+        return self.base.to_dense()
+
+
+def operator_diagonal(op):
+    """Diagonal of a square operator without densifying it, or ``None`` when unknown and large."""
+    if isinstance(op, IdentityOperator):
+        return torch.ones(op.shape[0], dtype=op.dtype, device=op.device)
+    if isinstance(op, DiagonalOperator):
+        return op.diag
+    if isinstance(op, DenseOperator):
+        return torch.diagonal(op.matrix).clone()
+    if isinstance(op, SparseOperator):
+        return torch.diagonal(op.matrix.to_dense()).clone() if op.shape[0] <= DENSE_BLOCK_LIMIT else None
+    if isinstance(op, BlockDiagonalOperator):
+        parts = [operator_diagonal(o) for o in op.operators]
+        return None if any(p is None for p in parts) else torch.cat(parts)
+    if op.shape[0] <= DENSE_BLOCK_LIMIT:
+        return torch.diagonal(op.to_dense()).clone()
+    return None
+
+
+def square_root_factor(op):
+    """An operator ``R`` with ``R^T R = op`` for an SPD prior precision, or ``None``."""
+    if isinstance(op, IdentityOperator):
+        return op
+    if isinstance(op, DiagonalOperator):
+        return DiagonalOperator(torch.sqrt(op.diag))
+    if isinstance(op, BlockDiagonalOperator):
+        parts = [square_root_factor(o) for o in op.operators]
+        return None if any(p is None for p in parts) else BlockDiagonalOperator(parts)
+    if op.shape[0] <= DENSE_BLOCK_LIMIT:
+        L = torch.linalg.cholesky(op.to_dense())
+        return DenseOperator(L.transpose(0, 1).contiguous())
+    return None
+
+
+class RelaxationProblem:
+    """Seed 000's quantities for a :class:`~pyro_convexvb.LatentGaussianModel` (``sigma^2 = 1``).
+
+    :param lgm: the latent Gaussian model.
+    :raises UnsupportedModelError: for a non-Gaussian site family without a super-Gaussian form,
+        or a large prior block given by a covariance only.
+
+    Products with ``B``, the ``B_g`` and the prior precision are counted in ``self.counts``
+    (one per column).
+    """
+
+    def __init__(self, lgm):
+        self.lgm = lgm
+        self.n = lgm.n
+        self.dtype, self.device = lgm.dtype, lgm.device
+        self.counts = {}
+        # ---- Gaussian prior blocks
+        self.prior_blocks = []  # (slice, precision operator, loc)
+        for p, b in zip(lgm.priors, lgm.layout.blocks):
+            if p.flat:
+                continue
+            if p.prec is not None:
+                prec = p.prec
+            else:
+                if p.size > DENSE_BLOCK_LIMIT:
+                    raise UnsupportedModelError(p.name, "a prior block given only by a covariance larger than "
+                                                        f"{DENSE_BLOCK_LIMIT} needs a precision operator")
+                prec = DenseOperator(torch.cholesky_inverse(torch.linalg.cholesky(p.cov.to_dense())))
+            self.prior_blocks.append((b.slice, _Counted(prec, self.counts, "prior"), p.loc))
+        # ---- Gaussian observation groups
+        self.gauss = []
+        for g in lgm.gaussian_groups:
+            y, sd = g.family.params["y"], g.family.params["scale"]
+            if not bool((sd > 0).all()):
+                raise UnsupportedModelError(g.name, "Gaussian noise scales must be positive")
+            self.gauss.append((_Counted(g.design, self.counts, "gaussian"), g.offset, y, sd))
+        # ---- non-Gaussian sites
+        groups = lgm.nongaussian_groups
+        self.groups = groups
+        pots = []
+        for g in groups:
+            try:
+                pots.append(potential_for(g.family))
+            except UnsupportedModelError as e:
+                raise UnsupportedModelError(g.name, e.reason) from None
+        self.pot = PotentialStack(pots)
+        self.q = self.pot.q
+        if groups:
+            B = groups[0].design if len(groups) == 1 else StackedOperator([g.design for g in groups])
+            self.B = _Counted(B, self.counts, "B")
+            self.o = torch.cat([g.offset for g in groups]) - self.pot.shift
+        else:
+            self.B = None
+            self.o = torch.zeros(0, dtype=self.dtype, device=self.device)
+        self.group_slices = self.pot.slices
+        self._xty = None
+        self._diag_xtx = None
+
+    # ------------------------------------------------------------------ Gaussian part
+    def xtx_mv(self, v):
+        """``X^T X v`` for ``v`` of shape ``(n,)`` or ``(n, k)``."""
+        out = torch.zeros_like(v)
+        for sl, P, _ in self.prior_blocks:
+            out[sl] += P.mv(v[sl])
+        for Bg, _, _, sd in self.gauss:
+            w = sd**-2
+            out += Bg.rmv((w if v.dim() == 1 else w.unsqueeze(-1)) * Bg.mv(v))
+        return out
+
+    def xty(self):
+        """``X^T y~ = P mu + sum_g B_g^T (y_g - o_g) / sd_g^2`` (cached)."""
+        if self._xty is None:
+            out = torch.zeros(self.n, dtype=self.dtype, device=self.device)
+            for sl, P, loc in self.prior_blocks:
+                out[sl] += P.mv(loc)
+            for Bg, og, y, sd in self.gauss:
+                out += Bg.rmv((y - og) / sd**2)
+            self._xty = out
+        return self._xty
+
+    def quad(self, u):
+        """``||y~ - X u||^2 = (u - mu)^T P (u - mu) + sum_g ||(y_g - o_g - B_g u) / sd_g||^2``."""
+        total = u.new_zeros(())
+        for sl, P, loc in self.prior_blocks:
+            r = u[sl] - loc
+            total = total + r @ P.mv(r)
+        for Bg, og, y, sd in self.gauss:
+            total = total + (((y - og - Bg.mv(u)) / sd) ** 2).sum()
+        return total
+
+    def diag_xtx(self):
+        """``diag(X^T X)`` (Jacobi preconditioner part); unknown parts are left at 0."""
+        if self._diag_xtx is None:
+            d = torch.zeros(self.n, dtype=self.dtype, device=self.device)
+            for sl, P, _ in self.prior_blocks:
+                dp = operator_diagonal(P.base)
+                if dp is not None:
+                    d[sl] += dp
+            for Bg, _, _, sd in self.gauss:
+                dg = Bg.base.diag_gram(sd**-2)
+                if dg is not None:
+                    d += dg
+            self._diag_xtx = d
+        return self._diag_xtx
+
+    # ------------------------------------------------------------------ sites
+    def s(self, u):
+        """Site variables ``s = B u + o`` (``(q,)``)."""
+        return self.B.mv(u) + self.o if self.B is not None else self.o
+
+    def a_mv(self, v, w):
+        """``(X^T X + B^T diag(w) B) v`` for ``v`` ``(n,)`` or ``(n, k)``; ``w = 1/gamma`` gives ``A``."""
+        out = self.xtx_mv(v)
+        if self.B is not None:
+            ww = w if v.dim() == 1 else w.unsqueeze(-1)
+            out = out + self.B.rmv(ww * self.B.mv(v))
+        return out
+
+    def jacobi(self, w):
+        """``diag(X^T X + B^T diag(w) B)`` from the sparse rows (``op.diag_gram``), never densifying ``B``."""
+        d = self.diag_xtx().clone()
+        if self.B is not None:
+            dg = self.B.base.diag_gram(w)
+            if dg is not None:
+                d += dg
+        return d
+
+    def diag_a(self, w):
+        """Exact ``diag(X^T X + B^T diag(w) B)``, or ``None`` if some part is not available cheaply."""
+        d = torch.zeros(self.n, dtype=self.dtype, device=self.device)
+        for sl, P, _ in self.prior_blocks:
+            dp = operator_diagonal(P.base)
+            if dp is None:
+                return None
+            d[sl] += dp
+        for Bg, _, _, sd in self.gauss:
+            dg = Bg.base.diag_gram(sd**-2)
+            if dg is None:
+                return None
+            d += dg
+        if self.B is not None:
+            dg = self.B.base.diag_gram(w)
+            if dg is None:
+                return None
+            d += dg
+        return d
+
+    def dense_a(self, w, chunk=256):
+        """Dense ``A = X^T X + B^T diag(w) B`` by products with identity columns (small ``n`` only)."""
+        n = self.n
+        A = torch.empty(n, n, dtype=self.dtype, device=self.device)
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            E = torch.zeros(n, stop - start, dtype=self.dtype, device=self.device)
+            E[torch.arange(start, stop), torch.arange(stop - start)] = 1
+            A[:, start:stop] = self.a_mv(E, w)
+        return 0.5 * (A + A.transpose(0, 1))
+
+    def precision_operator(self, w):
+        """``A`` as a matrix-free :class:`~pyro_convexvb.linalg.LinearOperator` (batched products)."""
+        return FunctionOperator(lambda v: self.a_mv(v, w), lambda v: self.a_mv(v, w), (self.n, self.n),
+                                dtype=self.dtype, device=self.device, batched=True)
+
+    def factor(self, w):
+        """``J`` with ``J^T J = X^T X + B^T diag(w) B`` (for exact perturb-and-solve sampling), or ``None``."""
+        parts = []
+        for sl, P, _ in self.prior_blocks:
+            R = square_root_factor(P.base)
+            if R is None:
+                return None
+            parts.append(R if (sl.start == 0 and sl.stop == self.n) else EmbedColumnsOperator(R, sl.start, self.n))
+        for Bg, _, _, sd in self.gauss:
+            parts.append(ComposedOperator(DiagonalOperator(1.0 / sd), Bg.base))
+        if self.B is not None:
+            parts.append(ComposedOperator(DiagonalOperator(torch.sqrt(w)), self.B.base))
+        return parts[0] if len(parts) == 1 else StackedOperator(parts)
+
+    # ------------------------------------------------------------------ objective pieces
+    def R(self, u, gamma, s=None):
+        """``R(u, gamma) = ||y~ - X u||^2 + s^T Gamma^{-1} s - 2 beta^T s`` (seed 000, §2.1)."""
+        s = self.s(u) if s is None else s
+        val = self.quad(u)
+        if self.q:
+            val = val + (s * s / gamma - 2 * self.pot.beta * s).sum()
+        return val
+
+    def mean_rhs(self, gamma):
+        """Right-hand side of ``A u = X^T y~ + B^T (beta - o / gamma)`` (the minimiser of ``R`` over ``u``)."""
+        rhs = self.xty().clone()
+        if self.B is not None:
+            rhs += self.B.rmv(self.pot.beta - self.o / gamma)
+        return rhs
+
+    def log_const(self):
+        """``C`` of ``log p(y) >= C - phi(gamma)/2`` with every constant (module docstring)."""
+        lgm = self.lgm
+        two_pi = math.log(2 * math.pi)
+        n_prior = sum(sl.stop - sl.start for sl, _, _ in self.prior_blocks)
+        log_cg = -0.5 * n_prior * two_pi - 0.5 * lgm.prior_logdet_cov()
+        for _, _, _, sd in self.gauss:
+            log_cg -= float(torch.log(sd).sum()) + 0.5 * sd.numel() * two_pi
+        kappa = float(self.pot.kappa.sum()) if self.q else 0.0
+        return float(lgm.log_const) + kappa + log_cg + 0.5 * self.n * two_pi
