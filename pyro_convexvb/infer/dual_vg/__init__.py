@@ -1,0 +1,30 @@
+"""Dual variational Gaussian inference (seed 002): objective, bounds, optimisers and the DualVG guide."""
+from .bounds import (
+    LOGIT_BOUNDS,
+    GaussianBound,
+    GenericBound,
+    LocalBound,
+    LogitBohningBound,
+    LogitJaakkolaBound,
+    LogitJensenBound,
+    LogitTightBound,
+    PiecewiseQuadraticBound,
+    PoissonBound,
+    StackedBound,
+    StochasticVolatility,
+    StochasticVolatilityBound,
+    make_bound,
+    numerical_conjugate,
+)
+from .objective import (
+    BandedPrecisionBackend,
+    DualValue,
+    LatentSpaceBackend,
+    SiteSpaceBackend,
+    dual_vg_objective,
+    exact_elbo,
+    lvb_elbo,
+    reduced_objective,
+)
+from .optim import DualSolution, initial_alpha, minimize_joint, solve_dual
+from .guide import DualVG, build_dual_problem, dual_vg_applies, fit_dual_vg

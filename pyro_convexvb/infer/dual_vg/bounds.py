@@ -1,0 +1,683 @@
+r"""Local variational bounds (LVBs) and their Fenchel conjugates for the dual VG method.
+
+Seed 002 (Khan, Aravkin, Friedlander & Seeger 2013), Eqs. (10) and (19); conventions of
+``notes/dualvg.md`` §4. A local bound of one site is a closed convex function
+``f(h, rho) >= -E_{N(eta | h, rho)}[log p(y | eta)]`` of the site marginal mean ``h`` and variance
+``rho >= 0``. Here every normalising constant of ``log p`` is kept inside ``f`` (so the primal
+``-KL - sum_n f_n`` is directly a lower bound on ``log p(y)``, ``c_y = 0``). Its conjugate in the
+paper's pairing is
+
+.. math:: f^*(\alpha, \lambda) = \sup_{h,\ \rho \ge 0}\ \alpha h + \tfrac12 \lambda \rho - f(h, \rho).
+
+Every bound shipped here has a conjugate of the *half-space* form
+
+.. math:: f^*(\alpha, \lambda) = \psi(\alpha) \quad \text{on}\ \{\lambda \le \ell(\alpha),\ \alpha \in (a_{lo}, a_{hi})\},
+
+with ``psi`` convex and ``ell`` concave and nonnegative. Because the dual objective strictly
+decreases in every ``lambda_n`` (its gradient there is ``-v_n / 2 < 0``), the dual optimum sits on
+``lambda = ell(alpha)`` and the dual reduces to ``N`` variables ``alpha`` (notes §4; for affine
+``ell`` this is the paper's line form in ``lambda``). The reduced dual is convex: it is a convex,
+decreasing function of ``lambda`` composed with the concave ``ell`` plus convex terms.
+
+==================  =========================================  ======================  ===================
+bound               ``f(h, rho)``                              ``ell(alpha)``          ``psi(alpha)``
+==================  =========================================  ======================  ===================
+Poisson (exact)     ``e^{h+rho/2} - y h + log y!``             ``kappa = alpha + y``   ``kappa log kappa - kappa - log y!``
+SV (exact)          ``(h + y^2 e^{-h+rho/2} + log 2 pi)/2``    ``kappa = 1/2 - alpha`` ``kappa log(2 kappa / y^2) - kappa - log(2 pi)/2``
+Gaussian (exact)    ``((y-h)^2 + rho)/(2 s^2) + log s + c``    ``1/s^2``               quadratic
+logit "jensen"      ``log(1 + e^{h+rho/2}) - y h``             ``kappa = alpha + y``   ``H(kappa)``
+logit "bohning"     ``log(1 + e^h) + rho/8 - y h``             ``1/4``                 ``H(kappa)``
+logit "jaakkola"    ``lambda_xi (h^2 + rho - xi^2) + ...``     ``2 lambda_xi``         quadratic
+logit "tight"       ``sup_k k h + k(1-k) rho/2 - H(k) - y h``  ``kappa (1 - kappa)``   ``H(kappa)``
+==================  =========================================  ======================  ===================
+
+(``H(k) = k log k + (1-k) log(1-k)``.) The ``tight`` logit bound is this package's default; it
+is convex by construction (a supremum of affine functions of ``(h, rho)``), exact to second order
+in ``rho`` for every ``h``, and valid: ``F(h, rho) = E softplus(h + sqrt(rho) eps)`` solves the heat
+equation ``F_rho = F_hh / 2`` with ``F_hh = E[s(1-s)] <= E[s](1 - E[s]) = F_h (1 - F_h)``
+(``s = sigmoid(eta)``, a variance is nonnegative), so ``F`` is a subsolution of the Hamilton-Jacobi
+equation ``U_rho = U_h (1 - U_h) / 2`` whose Hopf-formula solution from ``U(., 0) = softplus`` is the
+bound; comparison gives ``F <= U``. Its conjugate domain ``lambda <= kappa (1 - kappa)`` lies inside
+those of the Jensen (``lambda <= kappa``) and Böhning (``lambda <= 1/4``) bounds, so it is tighter
+than both everywhere. ``docs/dual_vg.md`` records the checks and the measured gaps.
+
+Bounds without a closed-form conjugate (:class:`GenericBound`, e.g. :class:`PiecewiseQuadraticBound`)
+are conjugated by a small 2-D convex inner maximisation per site (:func:`numerical_conjugate`).
+"""
+import math
+
+import numpy as np
+import torch
+
+from ...lgm.sites import BernoulliLogit, Gaussian, Poisson, SiteFamily
+
+__all__ = [
+    "LocalBound",
+    "PoissonBound",
+    "StochasticVolatilityBound",
+    "GaussianBound",
+    "LogitJensenBound",
+    "LogitBohningBound",
+    "LogitJaakkolaBound",
+    "LogitTightBound",
+    "StackedBound",
+    "GenericBound",
+    "PiecewiseQuadraticBound",
+    "StochasticVolatility",
+    "numerical_conjugate",
+    "make_bound",
+    "LOGIT_BOUNDS",
+]
+
+LOGIT_BOUNDS = ("tight", "jensen", "bohning", "jaakkola")
+
+
+def _entropy_terms(kappa):
+    """``H(k) = k log k + (1-k) log(1-k)`` with its first two derivatives (``0 log 0 = 0``)."""
+    H = torch.special.xlogy(kappa, kappa) + torch.special.xlogy(1 - kappa, 1 - kappa)
+    return H, torch.log(kappa) - torch.log1p(-kappa), 1.0 / (kappa * (1 - kappa))
+
+
+class StochasticVolatility(SiteFamily):
+    """Stochastic-volatility sites ``t_n(eta) = N(y_n | 0, e^{eta})`` (seed 002, §5).
+
+    :param torch.Tensor y: ``(q,)`` observations (exact zeros are replaced by ``zero_jitter``,
+        since ``log(1/y^2)`` enters the conjugate; notes §4).
+
+    Example::
+
+        >>> import torch
+        >>> fam = StochasticVolatility(torch.tensor([0.3, -1.2], dtype=torch.float64))
+        >>> fam.expected_log_prob(torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)).shape
+        torch.Size([2])
+    """
+
+    name = "stochastic_volatility"
+
+    def __init__(self, y, zero_jitter=1e-8):
+        y = torch.as_tensor(y)
+        if not torch.isfinite(y).all():
+            raise ValueError("y: stochastic-volatility observations contain NaN or inf")
+        y = torch.where(y.abs() < zero_jitter, torch.full_like(y, zero_jitter), y)
+        super().__init__(y=y)
+
+    def log_prob(self, eta):
+        y = self.params["y"]
+        return -0.5 * math.log(2 * math.pi) - 0.5 * eta - 0.5 * y**2 * torch.exp(-eta)
+
+    def expected_log_prob(self, mean, var, num_points=64):
+        y = self.params["y"]
+        return -0.5 * math.log(2 * math.pi) - 0.5 * mean - 0.5 * y**2 * torch.exp(-mean + 0.5 * var)
+
+    def predictive_mean(self, mean, var, num_points=64):
+        """Mean of ``y`` (zero); the predictive variance of ``y`` is ``exp(mean + var / 2)``."""
+        return torch.zeros_like(mean)
+
+
+class LocalBound:
+    """A vectorised local variational bound over ``q`` sites (half-space conjugate form).
+
+    Subclasses implement :meth:`f` (the primal bound), :meth:`psi` and :meth:`ell` (the conjugate,
+    with derivatives), :meth:`alpha_domain` and :meth:`alpha_star` (``df/dh``, used to start the dual).
+    """
+
+    name = "base"
+    #: the bound equals ``-E log p`` exactly (Poisson, SV, Gaussian)
+    exact = False
+
+    def __init__(self, family):
+        self.family = family
+
+    def __len__(self):
+        return len(self.family)
+
+    def f(self, h, rho):
+        """Primal bound ``f(h, rho) >= -E_{N(h, rho)} log p(y | eta)``, shape ``(q,)``."""
+        raise NotImplementedError
+
+    def psi(self, alpha):
+        """``(psi, psi', psi'')`` of the conjugate on its boundary curve, each ``(q,)``."""
+        raise NotImplementedError
+
+    def ell(self, alpha):
+        """``(ell, ell', ell'')``: the largest admissible ``lambda`` as a function of ``alpha``."""
+        raise NotImplementedError
+
+    def alpha_domain(self, like):
+        """Open interval ``(lo, hi)`` of admissible ``alpha`` (tensors ``(q,)``, may be infinite)."""
+        raise NotImplementedError
+
+    def alpha_star(self, h, rho):
+        """``df/dh (h, rho)``: the ``alpha`` at which the dual is optimal for marginals ``(h, rho)``."""
+        raise NotImplementedError
+
+    def conjugate(self, alpha, lam):
+        """Joint-form conjugate ``f*(alpha, lambda)``: ``psi(alpha)`` where ``lambda <= ell(alpha)``, else ``+inf``.
+
+        Seed 002, Eq. (19) in the pairing ``alpha h + lambda rho / 2`` (with ``rho >= 0``).
+        """
+        lo, hi = self.alpha_domain(alpha)
+        inside = (alpha > lo) & (alpha < hi)
+        a = torch.where(inside, alpha, 0.5 * (torch.where(torch.isfinite(lo), lo, hi - 1) +
+                                              torch.where(torch.isfinite(hi), hi, lo + 1)))
+        a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
+        val = self.psi(a)[0]
+        ok = inside & (lam <= self.ell(a)[0] * (1 + 1e-12) + 1e-300)
+        return torch.where(ok, val, torch.full_like(val, math.inf))
+
+    def exact_expected_log_prob(self, h, rho):
+        """``E_{N(h, rho)} log p(y | eta)`` (closed form or Gauss-Hermite), shape ``(q,)``."""
+        return self.family.expected_log_prob(h, rho)
+
+    def fenchel_young_residual(self, alpha, h, rho):
+        """Per-site ``f(h, rho) + f*(alpha, ell(alpha)) - alpha h - ell(alpha) rho / 2 >= 0`` (notes §3, gap identity)."""
+        lam = self.ell(alpha)[0]
+        return self.f(h, rho) + self.psi(alpha)[0] - alpha * h - 0.5 * lam * rho
+
+    def split(self):
+        return [self]
+
+
+class PoissonBound(LocalBound):
+    """Poisson with exponential link (exact: ``f = -E log p``); notes §4, first row."""
+
+    name = "poisson"
+    exact = True
+
+    def __init__(self, family):
+        super().__init__(family)
+        self.y = family.params["y"]
+        self.c = torch.lgamma(self.y + 1)
+
+    def f(self, h, rho):
+        return torch.exp(h + 0.5 * rho) - self.y * h + self.c
+
+    def psi(self, alpha):
+        k = alpha + self.y
+        return torch.special.xlogy(k, k) - k - self.c, torch.log(k), 1.0 / k
+
+    def ell(self, alpha):
+        one = torch.ones_like(alpha)
+        return alpha + self.y, one, torch.zeros_like(alpha)
+
+    def alpha_domain(self, like):
+        return -self.y.to(like), torch.full_like(like, math.inf)
+
+    def alpha_star(self, h, rho):
+        return torch.exp(h + 0.5 * rho) - self.y
+
+
+class StochasticVolatilityBound(LocalBound):
+    """Stochastic volatility ``N(y | 0, e^eta)`` (exact); ``alpha = 1/2 - kappa``, ``lambda <= kappa``."""
+
+    name = "stochastic_volatility"
+    exact = True
+
+    def __init__(self, family):
+        super().__init__(family)
+        self.y2 = family.params["y"] ** 2
+
+    def f(self, h, rho):
+        return 0.5 * math.log(2 * math.pi) + 0.5 * h + 0.5 * self.y2 * torch.exp(-h + 0.5 * rho)
+
+    def psi(self, alpha):
+        k = 0.5 - alpha
+        val = torch.special.xlogy(k, 2 * k / self.y2) - k - 0.5 * math.log(2 * math.pi)
+        return val, -torch.log(2 * k / self.y2), 1.0 / k
+
+    def ell(self, alpha):
+        return 0.5 - alpha, -torch.ones_like(alpha), torch.zeros_like(alpha)
+
+    def alpha_domain(self, like):
+        return torch.full_like(like, -math.inf), torch.full_like(like, 0.5)
+
+    def alpha_star(self, h, rho):
+        return 0.5 - 0.5 * self.y2 * torch.exp(-h + 0.5 * rho)
+
+
+class _QuadraticBound(LocalBound):
+    """``f = a (h^2 + rho) / 2 - b h + c``; ``f* = (alpha + b)^2 / (2 a) - c`` on ``lambda <= a``."""
+
+    def _abc(self):
+        raise NotImplementedError
+
+    def f(self, h, rho):
+        a, b, c = self._abc()
+        return 0.5 * a * (h * h + rho) - b * h + c
+
+    def psi(self, alpha):
+        a, b, c = self._abc()
+        return (alpha + b) ** 2 / (2 * a) - c, (alpha + b) / a, (1.0 / a).expand_as(alpha)
+
+    def ell(self, alpha):
+        a, _, _ = self._abc()
+        z = torch.zeros_like(alpha)
+        return a.expand_as(alpha) + z, z, z
+
+    def alpha_domain(self, like):
+        return torch.full_like(like, -math.inf), torch.full_like(like, math.inf)
+
+    def alpha_star(self, h, rho):
+        a, b, _ = self._abc()
+        return a * h - b
+
+
+class GaussianBound(_QuadraticBound):
+    """Gaussian observations ``N(y | eta, s^2)`` (exact; ``lambda = 1 / s^2`` is pinned)."""
+
+    name = "gaussian"
+    exact = True
+
+    def __init__(self, family):
+        super().__init__(family)
+        y, s = family.params["y"], family.params["scale"]
+        self._coef = (1.0 / s**2, y / s**2, 0.5 * y**2 / s**2 + torch.log(s) + 0.5 * math.log(2 * math.pi))
+
+    def _abc(self):
+        return self._coef
+
+
+class LogitJensenBound(LocalBound):
+    """Bernoulli-logit "log" (Jensen) bound ``log(1 + e^{h + rho/2}) - y h`` (notes §4, second row).
+
+    The bound of the paper's Table 2 as reimplemented elsewhere: fastest, but loose, and its
+    ``lambda = sigmoid(m + v/2)`` overstates the site precisions.
+    """
+
+    name = "jensen"
+
+    def __init__(self, family):
+        super().__init__(family)
+        self.y = family.params["y"]
+
+    def f(self, h, rho):
+        return torch.nn.functional.softplus(h + 0.5 * rho) - self.y * h
+
+    def psi(self, alpha):
+        return _entropy_terms(alpha + self.y)
+
+    def ell(self, alpha):
+        return alpha + self.y, torch.ones_like(alpha), torch.zeros_like(alpha)
+
+    def alpha_domain(self, like):
+        return -self.y.to(like), 1 - self.y.to(like)
+
+    def alpha_star(self, h, rho):
+        return torch.sigmoid(h + 0.5 * rho) - self.y
+
+
+class LogitBohningBound(LocalBound):
+    """Böhning's bound with its centre optimised: ``log(1 + e^h) + rho / 8 - y h`` (``lambda = 1/4`` pinned)."""
+
+    name = "bohning"
+
+    def __init__(self, family):
+        super().__init__(family)
+        self.y = family.params["y"]
+
+    def f(self, h, rho):
+        return torch.nn.functional.softplus(h) + rho / 8 - self.y * h
+
+    def psi(self, alpha):
+        return _entropy_terms(alpha + self.y)
+
+    def ell(self, alpha):
+        z = torch.zeros_like(alpha)
+        return z + 0.25, z, z
+
+    def alpha_domain(self, like):
+        return -self.y.to(like), 1 - self.y.to(like)
+
+    def alpha_star(self, h, rho):
+        return torch.sigmoid(h) - self.y
+
+
+class LogitJaakkolaBound(_QuadraticBound):
+    r"""Jaakkola-Jordan bound with fixed ``xi``: ``lambda_xi (h^2 + rho - xi^2) + (h - xi)/2 + log(1 + e^xi) - y h``.
+
+    ``lambda_xi = tanh(xi/2) / (4 xi)``. With ``xi`` optimised the bound is not jointly convex
+    (notes §2), so ``xi`` stays fixed; ``xi=None`` sets ``xi_n = sqrt(h_n^2 + rho_n)`` at the prior
+    marginals once (:meth:`set_xi`).
+    """
+
+    name = "jaakkola"
+
+    def __init__(self, family, xi=None):
+        super().__init__(family)
+        self.y = family.params["y"]
+        self.xi = None
+        if xi is not None:
+            self.set_xi(torch.as_tensor(xi, dtype=self.y.dtype, device=self.y.device).expand_as(self.y))
+
+    def set_xi(self, xi):
+        xi = xi.abs().clamp_min(1e-6)
+        self.xi = xi
+        lam_xi = torch.tanh(0.5 * xi) / (4 * xi)
+        self._coef = (2 * lam_xi, self.y - 0.5,
+                      -lam_xi * xi**2 - 0.5 * xi + torch.nn.functional.softplus(xi))
+
+    def _abc(self):
+        if self.xi is None:
+            raise RuntimeError("jaakkola bound: xi is not set (call set_xi or pass xi=...)")
+        return self._coef
+
+
+def _tight_kappa(h, rho, iters=60):
+    """``kappa*(h, rho) = argmax_k k h + k (1 - k) rho / 2 - H(k)`` by safeguarded Newton in ``z = logit(k)``.
+
+    Root of the decreasing ``F(z) = h + rho (1 - 2 sigmoid(z)) / 2 - z``, bracketed by
+    ``[h - rho/2, h + rho/2]``.
+    """
+    lo, hi = h - 0.5 * rho, h + 0.5 * rho
+    z = h.clone()
+    for _ in range(iters):
+        s = torch.sigmoid(z)
+        F = h + 0.5 * rho * (1 - 2 * s) - z
+        lo = torch.where(F > 0, z, lo)
+        hi = torch.where(F <= 0, z, hi)
+        step = F / (rho * s * (1 - s) + 1)
+        zn = z + step
+        bad = (zn <= lo) | (zn >= hi)
+        zn = torch.where(bad, 0.5 * (lo + hi), zn)
+        if bool((step.abs() <= 1e-15 * (1 + z.abs())).all()):
+            z = zn
+            break
+        z = zn
+    return torch.sigmoid(z), z
+
+
+class LogitTightBound(LocalBound):
+    r"""Default Bernoulli-logit bound: ``f(h, rho) = sup_k [k h + k (1 - k) rho / 2 - H(k)] - y h``.
+
+    The conjugate is ``H(kappa)`` on ``{lambda <= kappa (1 - kappa)}``, ``kappa = alpha + y``: the
+    site precision at the optimum, ``kappa (1 - kappa)``, is that of the tangent logistic at the
+    optimal ``kappa``, exactly like the exact VG fixed point ``lambda = E[sigmoid']`` to second order.
+    Convex (a supremum of affine functions), valid (see the module docstring) and tighter than
+    the Jensen and Böhning bounds. ``f`` is evaluated by a 1-D safeguarded Newton solve.
+    """
+
+    name = "tight"
+
+    def __init__(self, family):
+        super().__init__(family)
+        self.y = family.params["y"]
+
+    def f(self, h, rho):
+        k, z = _tight_kappa(h, rho)
+        H = _entropy_terms(k)[0]
+        return k * h + 0.5 * k * (1 - k) * rho - H - self.y * h
+
+    def psi(self, alpha):
+        return _entropy_terms(alpha + self.y)
+
+    def ell(self, alpha):
+        k = alpha + self.y
+        return k * (1 - k), 1 - 2 * k, torch.full_like(alpha, -2.0)
+
+    def alpha_domain(self, like):
+        return -self.y.to(like), 1 - self.y.to(like)
+
+    def alpha_star(self, h, rho):
+        return _tight_kappa(h, rho)[0] - self.y
+
+
+class StackedBound(LocalBound):
+    """Several bounds (one per site group) acting on consecutive slices of ``alpha``."""
+
+    name = "stacked"
+
+    def __init__(self, bounds):
+        self.bounds = list(bounds)
+        self.sizes = [len(b) for b in self.bounds]
+        self.exact = all(b.exact for b in self.bounds)
+
+    def __len__(self):
+        return sum(self.sizes)
+
+    def _map(self, method, *args):
+        parts = [getattr(b, method)(*[a for a in sl]) for b, sl in zip(self.bounds, zip(*[x.split(self.sizes) for x in args]))]
+        if isinstance(parts[0], tuple):
+            return tuple(torch.cat(p) for p in zip(*parts))
+        return torch.cat(parts)
+
+    def f(self, h, rho):
+        return self._map("f", h, rho)
+
+    def psi(self, alpha):
+        return self._map("psi", alpha)
+
+    def ell(self, alpha):
+        return self._map("ell", alpha)
+
+    def alpha_domain(self, like):
+        return self._map("alpha_domain", like)
+
+    def alpha_star(self, h, rho):
+        return self._map("alpha_star", h, rho)
+
+    def conjugate(self, alpha, lam):
+        return self._map("conjugate", alpha, lam)
+
+    def exact_expected_log_prob(self, h, rho):
+        return self._map("exact_expected_log_prob", h, rho)
+
+    def split(self):
+        return self.bounds
+
+
+# ----------------------------------------------------------------------------- generic bounds
+class GenericBound:
+    """A convex local bound given only by its primal ``f(h, rho)`` (a torch function, elementwise).
+
+    Its conjugate is evaluated by :func:`numerical_conjugate` (a 2-D projected Newton
+    maximisation per site; derivatives by autograd). Used by the joint ``(alpha, lambda)`` dual
+    (:func:`~pyro_convexvb.infer.dual_vg.optim.minimize_joint`).
+
+    :param callable fn: ``fn(h, rho) -> (q,)``, jointly convex, twice differentiable.
+    :param family: the site family (for exact expectations).
+    """
+
+    name = "generic"
+    exact = False
+
+    def __init__(self, fn, family=None, name=None):
+        self.fn = fn
+        self.family = family
+        if name is not None:
+            self.name = name
+
+    def __len__(self):
+        return len(self.family)
+
+    def f(self, h, rho):
+        return self.fn(h, rho)
+
+    def derivatives(self, h, rho):
+        """``f, f_h, f_rho, f_hh, f_hrho, f_rhorho`` elementwise (autograd; the sites are separable)."""
+        with torch.enable_grad():
+            h = h.detach().requires_grad_(True)
+            rho = rho.detach().requires_grad_(True)
+            val = self.fn(h, rho)
+            gh, gr = torch.autograd.grad(val.sum(), (h, rho), create_graph=True)
+            ghh, ghr = torch.autograd.grad(gh.sum(), (h, rho), retain_graph=True, allow_unused=True)
+            grr = torch.autograd.grad(gr.sum(), rho, allow_unused=True)[0]
+        z = torch.zeros_like(h)
+        ghh = z if ghh is None else ghh
+        ghr = z if ghr is None else ghr
+        grr = z if grr is None else grr
+        return val.detach(), gh.detach(), gr.detach(), ghh.detach(), ghr.detach(), grr.detach()
+
+    def conjugate(self, alpha, lam):
+        return numerical_conjugate(self, alpha, lam)[0]
+
+    def exact_expected_log_prob(self, h, rho):
+        return self.family.expected_log_prob(h, rho)
+
+
+def numerical_conjugate(bound, alpha, lam, h0=None, rho0=None, max_iter=100, tol=1e-12, blowup=1e8):
+    r"""``f*(alpha, lambda) = sup_{h, rho >= 0} alpha h + lambda rho / 2 - f(h, rho)`` per site (seed 002, Eq. 19).
+
+    A vectorised 2-D projected Newton ascent on the concave inner objective (active set
+    ``rho = 0`` when the ``rho``-gradient pushes out), with backtracking. By Danskin,
+    ``grad f* = (h*, rho*/2)``. Where the supremum is unbounded (``h`` or ``rho`` beyond ``blowup``),
+    the value is ``+inf``.
+
+    :param bound: a :class:`GenericBound` (or anything with ``f`` and ``derivatives``).
+    :param torch.Tensor alpha: ``(q,)``.
+    :param torch.Tensor lam: ``(q,)``.
+    :returns: ``(value (q,), h* (q,), rho* (q,), converged mask (q,))``.
+    """
+    h = torch.zeros_like(alpha) if h0 is None else h0.clone()
+    rho = torch.full_like(alpha, 1.0) if rho0 is None else rho0.clone().clamp_min(0)
+
+    def J(h, rho):
+        return alpha * h + 0.5 * lam * rho - bound.f(h, rho)
+
+    cur = J(h, rho)
+    done = torch.zeros_like(alpha, dtype=torch.bool)
+    for _ in range(max_iter):
+        _, fh, fr, fhh, fhr, frr = bound.derivatives(h, rho)
+        gh, gr = alpha - fh, 0.5 * lam - fr  # ascent gradient
+        active = (rho <= 0) & (gr <= 0)
+        # Newton direction on -J (Hessian of f, PSD); solve the 2x2 system, or 1-D on the active set
+        det = fhh * frr - fhr**2
+        det_ok = det > 1e-300
+        dh2 = torch.where(det_ok, (frr * gh - fhr * gr) / torch.where(det_ok, det, torch.ones_like(det)), gh)
+        dr2 = torch.where(det_ok, (fhh * gr - fhr * gh) / torch.where(det_ok, det, torch.ones_like(det)), gr)
+        dh1 = gh / fhh.clamp_min(1e-300)
+        dh = torch.where(active, dh1, dh2)
+        dr = torch.where(active, torch.zeros_like(dr2), dr2)
+        dec = gh * dh + gr * dr
+        done = done | (dec.abs() <= tol * (1 + cur.abs()))
+        if bool(done.all()):
+            break
+        t = torch.ones_like(alpha)
+        for _ls in range(60):
+            hn = h + t * dh
+            rn = (rho + t * dr).clamp_min(0)
+            new = J(hn, rn)
+            ok = (new >= cur + 1e-4 * t * dec.clamp_min(0) * 0) & torch.isfinite(new) | done
+            if bool(ok.all()):
+                break
+            t = torch.where(ok, t, 0.5 * t)
+        upd = ~done & torch.isfinite(new) & (new >= cur - 1e-14 * (1 + cur.abs()))
+        h = torch.where(upd, hn, h)
+        rho = torch.where(upd, rn, rho)
+        cur = torch.where(upd, new, cur)
+        if bool(((h.abs() > blowup) | (rho > blowup)).all()):
+            break
+    unbounded = (h.abs() > blowup) | (rho > blowup)
+    val = torch.where(unbounded, torch.full_like(cur, math.inf), cur)
+    return val, h, rho, done & ~unbounded
+
+
+# ----------------------------------------------------------------------------- piecewise bound
+def _truncated_moments(h, rho, a, b):
+    """``E[eta^k 1{a < eta < b}]`` for ``k = 0, 1, 2`` under ``N(h, rho)`` (a, b may be infinite)."""
+    s = rho.clamp_min(1e-300).sqrt()
+
+    def parts(t):
+        z = (t - h) / s
+        fin = torch.isfinite(z)
+        zz = torch.where(fin, z, torch.zeros_like(z))
+        phi = torch.where(fin, torch.exp(-0.5 * zz * zz) / math.sqrt(2 * math.pi), torch.zeros_like(z))
+        Phi = torch.special.ndtr(z)
+        return zz, phi, Phi
+
+    za, pa, Pa = parts(a)
+    zb, pb, Pb = parts(b)
+    m0 = Pb - Pa
+    m1 = h * m0 - s * (pb - pa)
+    # E[(eta-h)^2 1] = s^2 (m0 - (zb pb - za pa))
+    c2 = rho * (m0 - (zb * pb - za * pa))
+    m2 = c2 + 2 * h * m1 - h * h * m0
+    return m0, m1, m2
+
+
+class PiecewiseQuadraticBound(GenericBound):
+    r"""A piecewise-quadratic upper bound on ``log(1 + e^x)`` after Marlin, Khan & Murphy (2011).
+
+    On the interval ``[t_{r-1}, t_r)`` the bound is the Jaakkola-Jordan quadratic tangent at
+    ``xi_r`` (each piece a global upper bound, so the piecewise function is one too);
+    ``f(h, rho) = E_{N(h, rho)}[q(eta)] - y h`` in closed form by truncated-Gaussian moments.
+
+    **Not jointly convex in (h, rho).** With ``F = E q``, the heat equation ``F_rho = F_hh / 2``
+    makes the Hessian ``[[F_hh, F_hhh/2], [F_hhh/2, F_hhhh/4]]``, positive semidefinite iff ``F_hh``
+    is log-convex in ``h``; a jump of ``q''`` at a breakpoint makes ``F_hhh^2 > F_hh F_hhhh`` there
+    for small ``rho``. It is therefore not used by default (``docs/dual_vg.md`` shows the check).
+
+    :param family: :class:`~pyro_convexvb.lgm.sites.BernoulliLogit`.
+    :param breakpoints: interior breakpoints ``t_1 < ... < t_{R-1}``.
+    :param xis: tangent points, one per piece.
+    """
+
+    name = "piecewise"
+
+    def __init__(self, family, breakpoints=(-4.0, -1.5, 1.5, 4.0), xis=(6.0, 2.5, 0.75, 2.5, 6.0)):
+        super().__init__(self._value, family)
+        if len(xis) != len(breakpoints) + 1:
+            raise ValueError("xis: one tangent point per piece (len(breakpoints) + 1)")
+        self.y = family.params["y"]
+        self.breakpoints = [-math.inf] + [float(t) for t in breakpoints] + [math.inf]
+        self.coefs = []
+        for xi in xis:
+            xi = abs(float(xi))
+            lx = math.tanh(xi / 2) / (4 * xi)
+            self.coefs.append((lx, 0.5, -lx * xi * xi - xi / 2 + math.log1p(math.exp(xi))))  # a2 x^2 + a1 x + a0
+
+    def q(self, x):
+        """The piecewise quadratic ``q(x) >= log(1 + e^x)``."""
+        out = torch.zeros_like(x)
+        for (a2, a1, a0), lo, hi in zip(self.coefs, self.breakpoints[:-1], self.breakpoints[1:]):
+            m = (x >= lo) & (x < hi)
+            out = torch.where(m, a2 * x * x + a1 * x + a0, out)
+        return out
+
+    def _value(self, h, rho):
+        tot = torch.zeros_like(h)
+        for (a2, a1, a0), lo, hi in zip(self.coefs, self.breakpoints[:-1], self.breakpoints[1:]):
+            m0, m1, m2 = _truncated_moments(h, rho, torch.full_like(h, lo), torch.full_like(h, hi))
+            tot = tot + a2 * m2 + a1 * m1 + a0 * m0
+        return tot - self.y * h
+
+
+# ----------------------------------------------------------------------------- factory
+def make_bound(family, bound="tight", xi=None):
+    """The local bound of a site family.
+
+    :param family: a :class:`~pyro_convexvb.lgm.sites.SiteFamily` (Poisson, Gaussian,
+        Bernoulli-logit, :class:`StochasticVolatility`).
+    :param str bound: for Bernoulli-logit sites one of ``"tight"`` (default), ``"jensen"``,
+        ``"bohning"``, ``"jaakkola"``; ignored for the exact families.
+    :param xi: fixed ``xi`` of the Jaakkola bound (``None``: from the prior marginals).
+    :raises ValueError: for a family without a convex local bound (the message names it).
+
+    Example::
+
+        >>> import torch
+        >>> from pyro_convexvb.lgm.sites import BernoulliLogit
+        >>> b = make_bound(BernoulliLogit(torch.tensor([0., 1.], dtype=torch.float64)))
+        >>> b.name
+        'tight'
+    """
+    if isinstance(family, Poisson):
+        return PoissonBound(family)
+    if isinstance(family, StochasticVolatility):
+        return StochasticVolatilityBound(family)
+    if isinstance(family, Gaussian):
+        return GaussianBound(family)
+    if isinstance(family, BernoulliLogit):
+        y = family.params["y"]
+        if not bool(((y == 0) | (y == 1)).all()):
+            raise ValueError("y: Bernoulli-logit labels must be in {0, 1}")
+        if bound == "tight":
+            return LogitTightBound(family)
+        if bound == "jensen":
+            return LogitJensenBound(family)
+        if bound == "bohning":
+            return LogitBohningBound(family)
+        if bound == "jaakkola":
+            return LogitJaakkolaBound(family, xi)
+        raise ValueError(f"bound: unknown Bernoulli-logit bound {bound!r}; choose one of {LOGIT_BOUNDS}")
+    raise ValueError(f"dual_vg has no convex local variational bound for site family '{family.name}' "
+                     "(supported: poisson, bernoulli_logit, gaussian, stochastic_volatility)")

@@ -1,0 +1,550 @@
+r"""The dual VG objective (seed 002, Eq. 20) in three storage forms, with gradient, Hessian and gap.
+
+For ``N`` sites ``eta = W z + d`` of a prior ``z ~ N(mu, Sigma)`` (``L`` latents), with
+``Sigma_t = W Sigma W^T`` and ``mu_t = W mu + d``:
+
+.. math::
+
+    g(\alpha, \lambda) = \tfrac12 \alpha^T \tilde\Sigma \alpha - \tilde\mu^T \alpha
+        - \tfrac12 \log|I + \Lambda^{1/2} \tilde\Sigma \Lambda^{1/2}| + \sum_n f_n^*(\alpha_n, \lambda_n).
+
+The three *backends* compute the prior-dependent part (everything except ``sum f*``):
+
+* :class:`SiteSpaceBackend` -- the ``N x N`` form (notes §3, "Evaluation using only N x N
+  matrices"): Cholesky of ``B = I + Lambda^{1/2} Sigma_t Lambda^{1/2}``; ``O(N^3)``; never
+  inverts ``Sigma`` (GP classification with an ill-conditioned kernel matrix is safe).
+* :class:`LatentSpaceBackend` -- the ``L x L`` form for ``L < N`` (e.g. random features or
+  Bayesian logistic regression): ``A = Sigma^{-1} + W^T Lambda W``; ``O(N L^2 + L^3)``.
+* :class:`BandedPrecisionBackend` -- a latent GMRF given by a sparse banded precision ``Q``:
+  banded Cholesky of ``A = Q + W^T Lambda W`` and Takahashi's selected inversion for
+  ``diag(A^{-1})``; ``O(L b^2)`` with bandwidth ``b``; no dense inverse anywhere.
+
+:func:`reduced_objective` evaluates the reduced dual ``g(alpha) = g(alpha, ell(alpha))`` with its
+gradient and (optionally) Hessian; :func:`dual_vg_objective` is the public joint form.
+"""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..posterior import GaussianPosterior
+from ...linalg.operators import DenseOperator, SparseOperator, as_operator
+
+__all__ = [
+    "SiteSpaceBackend",
+    "LatentSpaceBackend",
+    "BandedPrecisionBackend",
+    "DualValue",
+    "dual_vg_objective",
+    "reduced_objective",
+    "exact_elbo",
+    "lvb_elbo",
+]
+
+
+def _same(a, b):
+    return a is b or (a.shape == b.shape and bool(torch.equal(a, b)))
+
+
+def _chol(M, what):
+    L, info = torch.linalg.cholesky_ex(M)
+    if int(info) != 0:
+        raise torch.linalg.LinAlgError(f"{what} is not positive definite (Cholesky failed at column {int(info)})")
+    return L
+
+
+@dataclass
+class PriorTerms:
+    """What a backend returns at ``lambda`` (and ``alpha``)."""
+
+    m_tilde: torch.Tensor  # (N,) site means  mu_t - Sigma_t alpha
+    v_tilde: torch.Tensor  # (N,) site variances diag(W V W^T)
+    logdet_B: torch.Tensor  # log|I + Lam^1/2 Sigma_t Lam^1/2|
+    quad: torch.Tensor  # alpha^T Sigma_t alpha
+    V_tilde: Optional[torch.Tensor] = None  # (N, N) W V W^T (only when a Hessian is requested)
+    Sigma_tilde: Optional[torch.Tensor] = None  # (N, N) (only when a Hessian is requested)
+
+
+class SiteSpaceBackend:
+    """``N x N`` form of the dual (seed 002, Eq. 20; notes §3).
+
+    :param torch.Tensor Sigma_tilde: ``(N, N)`` ``W Sigma W^T`` (e.g. a GP kernel matrix ``K``).
+    :param torch.Tensor mu_tilde: ``(N,)`` ``W mu + d``.
+
+    Example::
+
+        >>> import torch
+        >>> be = SiteSpaceBackend(torch.eye(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64))
+        >>> t = be.evaluate(torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
+        >>> round(float(t.logdet_B), 6)  # 3 log 2
+        2.079442
+    """
+
+    kind = "site"
+
+    def __init__(self, Sigma_tilde, mu_tilde):
+        N = mu_tilde.shape[0]
+        if tuple(Sigma_tilde.shape) != (N, N):
+            raise ValueError(f"Sigma_tilde: expected shape ({N}, {N}), got {tuple(Sigma_tilde.shape)}")
+        if not torch.isfinite(Sigma_tilde).all() or not torch.isfinite(mu_tilde).all():
+            raise ValueError("Sigma_tilde / mu_tilde contain NaN or inf")
+        self.St = Sigma_tilde
+        self.mu_t = mu_tilde
+        self.diag_St = torch.diagonal(Sigma_tilde).clone()
+        self.N = N
+        self._cache = None
+
+    def prior_marginals(self):
+        return self.mu_t, self.diag_St
+
+    def _factor(self, lam):
+        if self._cache is not None and _same(self._cache[0], lam):
+            return self._cache[1]
+        s = lam.clamp_min(0).sqrt()
+        B = s[:, None] * self.St * s[None, :]
+        B.diagonal().add_(1.0)
+        R = _chol(B, "I + Lam^1/2 Sigma_t Lam^1/2")
+        T = torch.linalg.solve_triangular(R, s[:, None] * self.St, upper=False)  # R^{-1} Lam^1/2 Sigma_t
+        out = (R, T)
+        self._cache = (lam, out)
+        return out
+
+    def evaluate(self, alpha, lam, hessian=False):
+        R, T = self._factor(lam)
+        St_a = self.St @ alpha
+        v = self.diag_St - (T * T).sum(0)
+        terms = PriorTerms(self.mu_t - St_a, v.clamp_min(0), 2 * torch.log(torch.diagonal(R)).sum(), alpha @ St_a)
+        if hessian:
+            terms.V_tilde = self.St - T.transpose(0, 1) @ T
+            terms.Sigma_tilde = self.St
+        return terms
+
+    def site_covariance(self, lam):
+        """``V_t = W V W^T = Sigma_t - Sigma_t Lam^1/2 B^{-1} Lam^1/2 Sigma_t`` (``N x N``)."""
+        R, T = self._factor(lam)
+        return self.St - T.transpose(0, 1) @ T
+
+    def posterior(self, alpha, lam, prior=None):
+        """Gaussian over the sites themselves (``W = I``; GP latent values ``f``): ``m = mu_t - Sigma_t alpha``."""
+        m = self.mu_t - self.St @ alpha
+        V = self.site_covariance(lam)
+        V = 0.5 * (V + V.transpose(0, 1))
+        return GaussianPosterior(m, covariance=V)
+
+
+class LatentSpaceBackend:
+    """``L x L`` form (``A = Sigma^{-1} + W^T Lambda W``): ``O(N L^2 + L^3)`` per evaluation.
+
+    :param W: ``(N, L)`` dense tensor, torch sparse tensor or operator.
+    :param torch.Tensor prior_cov: ``(L, L)`` prior covariance ``Sigma`` (or pass ``prior_prec``).
+    :param torch.Tensor prior_prec: ``(L, L)`` prior precision ``Sigma^{-1}``.
+    :param torch.Tensor mu: ``(L,)`` prior mean.
+    :param torch.Tensor offset: ``(N,)`` fixed offset ``d``.
+    """
+
+    kind = "latent"
+
+    def __init__(self, W, mu, offset=None, prior_cov=None, prior_prec=None, prior_logdet_cov=None):
+        op = as_operator(W)
+        self.N, self.L = op.shape
+        self.mu = mu
+        self.d = torch.zeros(self.N, dtype=mu.dtype, device=mu.device) if offset is None else offset
+        if prior_prec is None and prior_cov is None:
+            raise ValueError("prior_cov or prior_prec is required")
+        if prior_prec is None:
+            prior_prec = torch.cholesky_inverse(_chol(prior_cov, "prior_cov"))
+        if prior_cov is None:
+            prior_cov = torch.cholesky_inverse(_chol(prior_prec, "prior_prec"))
+        self.P, self.S = prior_prec, prior_cov
+        if prior_logdet_cov is None:
+            prior_logdet_cov = -2 * torch.log(torch.diagonal(_chol(prior_prec, "prior_prec"))).sum()
+        self.logdet_S = torch.as_tensor(prior_logdet_cov, dtype=mu.dtype, device=mu.device)
+        if isinstance(op, SparseOperator):
+            import scipy.sparse as sp
+
+            A = op.matrix
+            self._W_sp = sp.csr_matrix((A.values().cpu().numpy(), A.col_indices().cpu().numpy(),
+                                        A.crow_indices().cpu().numpy()), shape=(self.N, self.L))
+            self.Wd = None
+        else:
+            self._W_sp = None
+            self.Wd = op.to_dense()
+        self.op = op
+        self.mu_t = op.mv(mu) + self.d
+        self._cache = None
+
+    def prior_marginals(self):
+        G = torch.linalg.solve_triangular(_chol(self.P, "prior precision"), self._Wt_dense(), upper=False)
+        return self.mu_t, (G * G).sum(0)
+
+    def _Wt_dense(self):
+        if self.Wd is not None:
+            return self.Wd.transpose(0, 1)
+        return torch.as_tensor(self._W_sp.T.toarray(), dtype=self.mu.dtype, device=self.mu.device)
+
+    def _gram(self, lam):
+        if self.Wd is not None:
+            return self.Wd.transpose(0, 1) @ (lam[:, None] * self.Wd)
+        import scipy.sparse as sp
+
+        G = (self._W_sp.T @ sp.diags(lam.detach().cpu().numpy()) @ self._W_sp).toarray()
+        return torch.as_tensor(G, dtype=self.mu.dtype, device=self.mu.device)
+
+    def _factor(self, lam):
+        if self._cache is not None and _same(self._cache[0], lam):
+            return self._cache[1]
+        A = self.P + self._gram(lam)
+        R = _chol(0.5 * (A + A.transpose(0, 1)), "Sigma^{-1} + W^T Lam W")
+        G = torch.linalg.solve_triangular(R, self._Wt_dense(), upper=False)  # R^{-1} W^T  (L, N)
+        out = (A, R, G)
+        self._cache = (lam, out)
+        return out
+
+    def evaluate(self, alpha, lam, hessian=False):
+        A, R, G = self._factor(lam)
+        Wa = self.op.rmv(alpha)
+        SWa = self.S @ Wa
+        m = self.mu - SWa
+        v = (G * G).sum(0)
+        logdet_B = 2 * torch.log(torch.diagonal(R)).sum() + self.logdet_S
+        terms = PriorTerms(self.op.mv(m) + self.d, v, logdet_B, Wa @ SWa)
+        if hessian:
+            terms.V_tilde = G.transpose(0, 1) @ G
+            Wt = self._Wt_dense()
+            terms.Sigma_tilde = Wt.transpose(0, 1) @ (self.S @ Wt)
+        return terms
+
+    def posterior(self, alpha, lam, prior=None):
+        """Gaussian over ``z``: ``m = mu - Sigma W^T alpha``, precision ``A`` (seed 002, Eqs. 17-18)."""
+        A, R, G = self._factor(lam)
+        m = self.mu - self.S @ self.op.rmv(alpha)
+        return GaussianPosterior(m, precision=0.5 * (A + A.transpose(0, 1)))
+
+
+# ----------------------------------------------------------------------------- banded GMRF backend
+def _to_band_lower(A_csr, b):
+    """scipy CSR symmetric -> lower band storage ``ab[d, i] = A[i + d, i]``, ``d = 0..b``."""
+    n = A_csr.shape[0]
+    ab = np.zeros((b + 1, n))
+    coo = A_csr.tocoo()
+    m = coo.row >= coo.col
+    r, c, v = coo.row[m], coo.col[m], coo.data[m]
+    np.add.at(ab, (r - c, c), v)
+    return ab
+
+
+def _takahashi_band(Lb):
+    """Selected inverse of ``A = L L^T`` within the band (Takahashi recursion), ``O(n b^2)``.
+
+    :param Lb: lower band storage of the Cholesky factor, ``Lb[d, i] = L[i + d, i]``.
+    :returns: ``Zb[d, i] = (A^{-1})[i + d, i]`` for ``d = 0..b``.
+    """
+    return _takahashi_kernel(np.ascontiguousarray(Lb))
+
+
+def _takahashi_py(Lb):
+    b1, n = Lb.shape
+    b = b1 - 1
+    Zb = np.zeros_like(Lb)
+
+    def Z(i, j):  # symmetric access, |i-j| <= b
+        if i < j:
+            i, j = j, i
+        return Zb[i - j, j]
+
+    for i in range(n - 1, -1, -1):
+        kmax = min(i + b, n - 1)
+        lii = Lb[0, i]
+        for j in range(kmax, i - 1, -1):
+            s = 0.0
+            for k in range(i + 1, kmax + 1):
+                s += Lb[k - i, i] * Z(k, j)
+            val = ((1.0 / lii if j == i else 0.0) - s) / lii
+            Zb[j - i, i] = val
+    return Zb
+
+
+try:  # pragma: no cover - numba is an installed dependency, fall back to Python otherwise
+    import numba
+
+    @numba.njit(cache=True)
+    def _takahashi_kernel(Lb):
+        b1, n = Lb.shape
+        b = b1 - 1
+        Zb = np.zeros_like(Lb)
+        for i in range(n - 1, -1, -1):
+            kmax = min(i + b, n - 1)
+            lii = Lb[0, i]
+            for j in range(kmax, i - 1, -1):
+                s = 0.0
+                for k in range(i + 1, kmax + 1):
+                    if k >= j:
+                        zkj = Zb[k - j, j]
+                    else:
+                        zkj = Zb[j - k, k]
+                    s += Lb[k - i, i] * zkj
+                if j == i:
+                    Zb[0, i] = (1.0 / lii - s) / lii
+                else:
+                    Zb[j - i, i] = -s / lii
+        return Zb
+except ImportError:  # pragma: no cover
+    _takahashi_kernel = _takahashi_py
+
+
+class BandedPrecisionBackend:
+    """Latent GMRF form: prior precision ``Q`` sparse with bandwidth ``b``; sites ``eta_n = w_n z_{j(n)} + d_n``.
+
+    Every site reads one latent coordinate (``W`` has one nonzero per row, e.g. counts observed
+    on the cells of a grid), so ``W^T Lambda W`` is diagonal and ``A = Q + W^T Lambda W`` keeps
+    the band of ``Q``. Per evaluation: a banded Cholesky of ``A`` (``O(L b^2)``), Takahashi's
+    selected inversion for ``diag(A^{-1})`` (``O(L b^2)``) and a banded solve with ``Q`` for
+    ``alpha^T Sigma_t alpha = (W^T alpha)^T Q^{-1} (W^T alpha)`` (notes §3). Runs in NumPy/SciPy on
+    the CPU; results come back on the input device.
+
+    :param Q: ``(L, L)`` sparse (torch or scipy) symmetric positive definite precision.
+    :param torch.Tensor mu: ``(L,)`` prior mean.
+    :param W: ``(N, L)`` sparse/dense with exactly one nonzero per row (``None``: identity).
+    :param torch.Tensor offset: ``(N,)``.
+    """
+
+    kind = "banded"
+
+    def __init__(self, Q, mu, W=None, offset=None):
+        import scipy.linalg as sl
+        import scipy.sparse as sp
+
+        self.dtype, self.device = mu.dtype, mu.device
+        Qs = _to_scipy(Q).tocsr()
+        Lsz = Qs.shape[0]
+        if Qs.shape != (Lsz, Lsz):
+            raise ValueError(f"Q: must be square, got {Qs.shape}")
+        coo = Qs.tocoo()
+        self.b = int(np.abs(coo.row - coo.col).max()) if coo.nnz else 0
+        self.L = Lsz
+        if W is None:
+            Ws = sp.identity(Lsz, format="csr")
+        else:
+            Ws = _to_scipy(W).tocsr()
+        Ws.eliminate_zeros()
+        if Ws.shape[1] != Lsz:
+            raise ValueError(f"W: expected {Lsz} columns, got {Ws.shape[1]}")
+        if not np.all(np.diff(Ws.indptr) == 1):
+            raise ValueError("W: the banded GMRF backend needs exactly one nonzero per row (a site reads one latent)")
+        self.N = Ws.shape[0]
+        self.col = Ws.indices.copy()
+        self.w = Ws.data.copy()
+        self.Ws = Ws
+        self.mu = mu.detach().cpu().numpy().astype(np.float64)
+        self.d = np.zeros(self.N) if offset is None else offset.detach().cpu().numpy().astype(np.float64)
+        self.Qb = _to_band_lower(Qs, self.b)
+        self.cQ = sl.cholesky_banded(self.Qb, lower=True)
+        self.logdet_S = -2 * np.log(self.cQ[0]).sum()
+        self.mu_t = self._t(self.w * self.mu[self.col] + self.d)
+        self._cache = None
+
+    def _t(self, x):
+        return torch.as_tensor(x, dtype=self.dtype, device=self.device)
+
+    def _Wt(self, a):  # W^T a
+        return np.bincount(self.col, weights=self.w * a, minlength=self.L)
+
+    def prior_marginals(self):
+        Zq = _takahashi_band(self.cQ)
+        return self.mu_t, self._t(self.w**2 * Zq[0][self.col])
+
+    def _factor(self, lam):
+        import scipy.linalg as sl
+
+        if self._cache is not None and _same(self._cache[0], lam):
+            return self._cache[1]
+        lam_np = lam.detach().cpu().numpy()
+        Ab = self.Qb.copy()
+        Ab[0] += np.bincount(self.col, weights=self.w**2 * lam_np, minlength=self.L)
+        cA = sl.cholesky_banded(Ab, lower=True)
+        Z = _takahashi_band(cA)
+        out = (cA, Z)
+        self._cache = (lam, out)
+        return out
+
+    def evaluate(self, alpha, lam, hessian=False):
+        import scipy.linalg as sl
+
+        if hessian:
+            raise NotImplementedError("the banded GMRF backend has no dense Hessian; use method='lbfgs'")
+        cA, Z = self._factor(lam)
+        a = alpha.detach().cpu().numpy()
+        Wa = self._Wt(a)
+        SWa = sl.cho_solve_banded((self.cQ, True), Wa)
+        m = self.mu - SWa
+        v = self.w**2 * Z[0][self.col]
+        logdet_B = 2 * np.log(cA[0]).sum() + self.logdet_S
+        return PriorTerms(self._t(self.w * m[self.col] + self.d), self._t(v), self._t(logdet_B), self._t(Wa @ SWa))
+
+    def posterior(self, alpha, lam, prior=None):
+        """Gaussian over the field: mean ``mu - Q^{-1} W^T alpha``, sparse precision ``A`` (matrix-free sampling).
+
+        Samples are exact by perturb-and-solve with the factor ``J = [C_Q^T; Lam^1/2 W]``
+        (``J^T J = A``), ``C_Q`` the banded Cholesky factor of ``Q``.
+        """
+        import scipy.linalg as sl
+        import scipy.sparse as sp
+
+        cA, Z = self._factor(lam)
+        a = alpha.detach().cpu().numpy()
+        m = self.mu - sl.cho_solve_banded((self.cQ, True), self._Wt(a))
+        lam_np = lam.detach().cpu().numpy()
+        A = _band_to_sparse(self.Qb, self.L) + sp.diags(np.bincount(self.col, weights=self.w**2 * lam_np, minlength=self.L))
+        CQ = _band_to_sparse(self.cQ, self.L, symmetric=False)  # lower factor of Q
+        J = sp.vstack([CQ.T, sp.diags(np.sqrt(lam_np)) @ self.Ws]).tocsr()
+        return GaussianPosterior(self._t(m), self._t(Z[0]), precision_operator=_sparse_op(A, self.dtype, self.device),
+                                 precision_factor=_sparse_op(J, self.dtype, self.device))
+
+
+def _to_scipy(M):
+    import scipy.sparse as sp
+
+    if sp.issparse(M):
+        return M
+    if isinstance(M, SparseOperator):
+        M = M.matrix
+    if torch.is_tensor(M):
+        if M.layout == torch.sparse_csr:
+            return sp.csr_matrix((M.values().cpu().numpy(), M.col_indices().cpu().numpy(),
+                                  M.crow_indices().cpu().numpy()), shape=tuple(M.shape))
+        if M.is_sparse:
+            M = M.coalesce()
+            idx = M.indices().cpu().numpy()
+            return sp.csr_matrix((M.values().cpu().numpy(), (idx[0], idx[1])), shape=tuple(M.shape))
+        return sp.csr_matrix(M.detach().cpu().numpy())
+    if hasattr(M, "to_dense"):
+        return sp.csr_matrix(M.to_dense().detach().cpu().numpy())
+    return sp.csr_matrix(np.asarray(M))
+
+
+def _band_to_sparse(ab, n, symmetric=True):
+    import scipy.sparse as sp
+
+    b = ab.shape[0] - 1
+    low = sp.diags([ab[d, : n - d] for d in range(b + 1)], [-d for d in range(b + 1)], shape=(n, n), format="csr")
+    if not symmetric:
+        return low
+    up = sp.diags([ab[d, : n - d] for d in range(1, b + 1)], [d for d in range(1, b + 1)], shape=(n, n), format="csr")
+    return (low + up).tocsr()
+
+
+def _sparse_op(M, dtype, device):
+    M = M.tocsr()
+    t = torch.sparse_csr_tensor(torch.as_tensor(M.indptr, dtype=torch.int64), torch.as_tensor(M.indices, dtype=torch.int64),
+                                torch.as_tensor(M.data, dtype=dtype), size=M.shape).to(device)
+    return SparseOperator(t)
+
+
+# ----------------------------------------------------------------------------- objective
+@dataclass
+class DualValue:
+    """Value of the dual objective and the quantities around it at one iterate."""
+
+    g: torch.Tensor
+    grad: torch.Tensor  # reduced gradient dg/dalpha, or joint (dg/dalpha, dg/dlambda)
+    m_tilde: torch.Tensor
+    v_tilde: torch.Tensor
+    lam: torch.Tensor
+    hessian: Optional[torch.Tensor] = None
+    grad_lam: Optional[torch.Tensor] = None
+
+
+def reduced_objective(backend, bound, alpha, hessian=False):
+    r"""Reduced dual ``g(alpha) = g(alpha, ell(alpha))`` with gradient and optional Hessian.
+
+    Seed 002, Eq. (20) with ``lambda`` eliminated (notes §4): with ``psi, ell`` of the bound,
+
+    * ``g = -alpha^T (mu_t + m_t) / 2 - log|B| / 2 + sum psi(alpha)``;
+    * ``dg/dalpha = -m_t - ell'(alpha) v_t / 2 + psi'(alpha)``;
+    * ``d2g = Sigma_t + diag(ell') (V_t o V_t) diag(ell') / 2 + diag(psi'' - ell'' v_t / 2)``
+      (notes §3 "Hessian", chain rule through ``ell``), positive definite.
+
+    :returns: :class:`DualValue` (``g = +inf`` outside the domain).
+    """
+    lo, hi = bound.alpha_domain(alpha)
+    if not bool(((alpha > lo) & (alpha < hi)).all()):
+        inf = torch.full((), math.inf, dtype=alpha.dtype, device=alpha.device)
+        return DualValue(inf, None, None, None, None)
+    lam, dl, d2l = bound.ell(alpha)
+    psi, dpsi, d2psi = bound.psi(alpha)
+    t = backend.evaluate(alpha, lam, hessian=hessian)
+    g = -0.5 * alpha @ (backend.mu_t + t.m_tilde) - 0.5 * t.logdet_B + psi.sum()
+    grad = -t.m_tilde - 0.5 * dl * t.v_tilde + dpsi
+    H = None
+    if hessian:
+        H = t.Sigma_tilde + 0.5 * dl[:, None] * (t.V_tilde * t.V_tilde) * dl[None, :]
+        H.diagonal().add_(d2psi - 0.5 * d2l * t.v_tilde)
+    return DualValue(g, grad, t.m_tilde, t.v_tilde, lam, H)
+
+
+def dual_vg_objective(alpha, lam, Sigma_tilde=None, mu_tilde=None, bound=None, *, backend=None):
+    r"""The dual VG objective ``g(alpha, lambda)`` of seed 002, Eq. (20), with its gradient.
+
+    .. math::
+
+        g = \tfrac12 \alpha^T\tilde\Sigma\alpha - \tilde\mu^T\alpha
+            - \tfrac12\log|I + \Lambda^{1/2}\tilde\Sigma\Lambda^{1/2}| + \sum_n f_n^*(\alpha_n, \lambda_n),
+
+    ``dg/dalpha = -m_t + d_alpha f*`` and ``dg/dlambda = -v_t / 2 + d_lambda f*`` (notes §3); for the
+    half-space conjugates of :mod:`.bounds` the ``f*`` gradient is ``(psi'(alpha), 0)`` inside the
+    domain (``+inf`` value outside).
+
+    :param torch.Tensor alpha: ``(N,)``.
+    :param torch.Tensor lam: ``(N,)``, nonnegative.
+    :param torch.Tensor Sigma_tilde: ``(N, N)`` ``W Sigma W^T`` (``N x N`` form), or give ``backend``.
+    :param torch.Tensor mu_tilde: ``(N,)``.
+    :param bound: a :class:`~.bounds.LocalBound` (``None``: the ``f*`` term is left out).
+    :param backend: a :class:`SiteSpaceBackend`, :class:`LatentSpaceBackend` (``L``-space form) or
+        :class:`BandedPrecisionBackend`.
+    :returns: :class:`DualValue` with ``grad`` = ``dg/dalpha`` and ``grad_lam`` = ``dg/dlambda``.
+
+    Example::
+
+        >>> import torch
+        >>> K = torch.tensor([[1., .5], [.5, 1.]], dtype=torch.float64)
+        >>> a = torch.tensor([.1, -.2], dtype=torch.float64); l = torch.tensor([.3, .4], dtype=torch.float64)
+        >>> val = dual_vg_objective(a, l, K, torch.zeros(2, dtype=torch.float64))
+        >>> val.grad.shape, val.grad_lam.shape
+        (torch.Size([2]), torch.Size([2]))
+    """
+    if backend is None:
+        if Sigma_tilde is None or mu_tilde is None:
+            raise ValueError("give Sigma_tilde and mu_tilde, or a backend")
+        backend = SiteSpaceBackend(Sigma_tilde, mu_tilde)
+    if (lam < 0).any() or not torch.isfinite(lam).all():
+        raise ValueError("lam: must be finite and nonnegative")
+    t = backend.evaluate(alpha, lam)
+    g = -0.5 * alpha @ (backend.mu_t + t.m_tilde) - 0.5 * t.logdet_B
+    ga, gl = -t.m_tilde, -0.5 * t.v_tilde
+    if bound is not None:
+        fstar = bound.conjugate(alpha, lam)
+        g = g + fstar.sum()
+        ga = ga + bound.psi(alpha)[1]
+    return DualValue(g, ga, t.m_tilde, t.v_tilde, lam, grad_lam=gl)
+
+
+def lvb_elbo(backend, bound, alpha, lam, terms=None):
+    r"""Primal LVB objective at the recovered ``q`` (notes §3): ``(lam^T v - alpha^T Sigma_t alpha - log|B|)/2 - sum f``.
+
+    A lower bound on ``log p(y)`` for every ``(alpha, lambda >= 0)``.
+    """
+    t = backend.evaluate(alpha, lam) if terms is None else terms
+    return 0.5 * (lam @ t.v_tilde - t.quad - t.logdet_B) - bound.f(t.m_tilde, t.v_tilde).sum()
+
+
+def exact_elbo(backend, bound, alpha, lam, terms=None, log_const=0.0):
+    r"""Exact VG bound of ``q = N(m*, V*)`` recovered from ``(alpha, lambda)`` (notes §3 and §5).
+
+    ``-KL(q || p) = (lam^T v - alpha^T Sigma_t alpha - log|B|) / 2`` plus the exact (closed-form or
+    Gauss-Hermite) expected log-likelihoods at the site marginals; never inverts ``Sigma``.
+    """
+    t = backend.evaluate(alpha, lam) if terms is None else terms
+    return (0.5 * (lam @ t.v_tilde - t.quad - t.logdet_B)
+            + bound.exact_expected_log_prob(t.m_tilde, t.v_tilde).sum() + log_const)
