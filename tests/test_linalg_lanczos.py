@@ -1,0 +1,293 @@
+"""Lanczos, K-Lanczos and L-PCA variances against dense eigendecompositions and solves (float64)."""
+import math
+import warnings
+
+import pytest
+import torch
+
+from pyro_convexvb.errors import ConvergenceWarning
+from pyro_convexvb.linalg import (
+    NotPositiveDefiniteError,
+    SparseOperator,
+    lanczos,
+    lanczos_variances,
+    pca_variances,
+    tridiagonal_cholesky,
+)
+
+DT = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _spd_from_eigs(ev, seed=0):
+    n = ev.shape[0]
+    U, _ = torch.linalg.qr(torch.randn(n, n, generator=_gen(seed), dtype=DT))
+    return (U * ev) @ U.T
+
+
+def _spd(n, cond, seed=0):
+    return _spd_from_eigs(torch.logspace(0, math.log10(cond), n, dtype=DT), seed)
+
+
+def _exact_var(A, B):
+    return torch.diagonal(B @ torch.linalg.solve(A, B.T))
+
+
+def _sparse_precision(n=120, m=300, seed=0):
+    """A = I + X^T diag(w) X with a sparse X, as a sparse COO tensor."""
+    g = _gen(seed)
+    X = torch.randn(m, n, generator=g, dtype=DT) * (torch.rand(m, n, generator=g, dtype=DT) < 0.05)
+    w = torch.rand(m, generator=g, dtype=DT) + 0.1
+    A = torch.eye(n, dtype=DT) + X.T @ (w[:, None] * X)
+    return A.to_sparse(), A, X
+
+
+@pytest.mark.parametrize("form", ["dense", "sparse"])
+def test_q_orthonormal_and_tridiagonal(form):
+    if form == "dense":
+        A = _spd(100, 1e4, seed=1)
+        mat = A
+    else:
+        As, A, _ = _sparse_precision(100, 250, seed=2)
+        mat = SparseOperator(As)
+    res = lanczos(mat, 100, 40, generator=_gen(3))
+    assert res.k == 40 and res.num_mvm == 40 and not res.breakdown
+    Q = res.Q
+    assert Q.shape == (100, 40)
+    torch.testing.assert_close(Q.T @ Q, torch.eye(40, dtype=DT), rtol=0, atol=1e-13)
+    T = res.T()
+    torch.testing.assert_close(Q.T @ A @ Q, T, rtol=0, atol=1e-12 * float(torch.linalg.matrix_norm(A, 2)))
+    assert res.alpha.shape == (40,) and res.beta.shape == (39,)
+    assert torch.equal(T, T.T) and torch.count_nonzero(torch.triu(T, 2)) == 0
+    # three-term relation A Q = Q T + beta_k q_{k+1} e_k^T: the residual lives in the last column only
+    R = A @ Q - Q @ T
+    assert float(R[:, :-1].abs().max()) < 1e-12 * float(torch.linalg.matrix_norm(A, 2))
+    torch.testing.assert_close(torch.linalg.vector_norm(R[:, -1]), res.beta_next, rtol=1e-10, atol=1e-12)
+
+
+def test_ritz_values_converge_to_extreme_eigenvalues():
+    g = _gen(4)
+    inner = 1.0 + 9.0 * torch.rand(196, generator=g, dtype=DT)
+    ev = torch.cat([torch.tensor([0.01, 0.1], dtype=DT), inner, torch.tensor([50.0, 100.0], dtype=DT)])
+    A = _spd_from_eigs(ev, seed=5)
+    lam = torch.linalg.eigvalsh(A)
+    res = lanczos(A, 200, 40, generator=_gen(6))
+    theta, rr = res.ritz_values, res.ritz_residuals
+    assert bool((theta[1:] >= theta[:-1]).all())
+    for i, j in ((0, 0), (1, 1), (-1, -1), (-2, -2)):
+        assert abs(float(theta[i] - lam[j])) <= 1e-8 * float(lam[j]) + 1e-12
+        assert float(rr[i]) < 1e-6
+    # every Ritz value lies within its residual of some eigenvalue, and the residuals are the true ones
+    dist = (theta[:, None] - lam[None, :]).abs().min(1).values
+    assert bool((dist <= rr + 1e-10).all())
+    Y = res.ritz_vectors()
+    true_rr = torch.linalg.vector_norm(A @ Y - Y * theta, dim=0)
+    torch.testing.assert_close(rr, true_rr, rtol=1e-6, atol=1e-10)
+    # Ritz values interlace the spectrum: inside [lambda_min, lambda_max]
+    assert float(theta[0]) >= float(lam[0]) - 1e-12 and float(theta[-1]) <= float(lam[-1]) + 1e-12
+
+
+def test_full_run_recovers_spectrum_and_logdet():
+    A = _spd(50, 1e6, seed=7)
+    res = lanczos(A, 50, 50, generator=_gen(8))
+    assert res.k == 50
+    torch.testing.assert_close(res.ritz_values, torch.linalg.eigvalsh(A), rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(res.logdet_T(), torch.logdet(A), rtol=1e-11, atol=1e-9)
+    b = torch.randn(50, generator=_gen(9), dtype=DT)
+    torch.testing.assert_close(res.apply_inverse(b), torch.linalg.solve(A, b), rtol=1e-7, atol=1e-9)
+    B = torch.randn(50, 3, generator=_gen(10), dtype=DT)
+    torch.testing.assert_close(res.apply_inverse(B), torch.linalg.solve(A, B), rtol=1e-7, atol=1e-9)
+
+
+def test_logdet_T_equals_log_of_det_of_T():
+    A = _spd(40, 1e3, seed=11)
+    res = lanczos(A, 40, 12, generator=_gen(12))
+    torch.testing.assert_close(res.logdet_T(), torch.logdet(res.T()), rtol=1e-12, atol=1e-12)
+    e, d = tridiagonal_cholesky(res.alpha, res.beta)
+    Lf = torch.diag(e) + torch.diag(d, -1)
+    torch.testing.assert_close(Lf @ Lf.T, res.T(), rtol=1e-12, atol=1e-12)
+
+
+def test_breakdown_on_invariant_subspace_and_exact_variances():
+    """A = I + X^T X with rank-5 X: the Krylov space has dimension 6, Lanczos stops there.
+
+    The rows of X lie in the Krylov space, so their variances are exact at breakdown
+    (seed 000 §2.4: "the Lanczos variance estimation is exact for q < k").
+    """
+    n = 80
+    X = torch.randn(5, n, generator=_gen(13), dtype=DT)
+    A = torch.eye(n, dtype=DT) + X.T @ X
+    z, res = lanczos_variances(A, X, 30, generator=_gen(14), return_result=True)
+    assert res.breakdown and res.k == 6 and res.num_mvm == 6
+    assert float(res.beta_next) == 0.0 and float(res.ritz_residuals.max()) == 0.0
+    lam = torch.linalg.eigvalsh(A)
+    top = lam[-5:]
+    torch.testing.assert_close(res.ritz_values[-5:], top, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(res.ritz_values[0], torch.tensor(1.0, dtype=DT), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(z, _exact_var(A, X), rtol=1e-10, atol=0)
+    # scaling A by 1e-8 changes nothing about where the run stops (relative breakdown test)
+    res_s = lanczos(1e-8 * A, 80, 30, generator=_gen(14))
+    assert res_s.k == 6 and res_s.breakdown
+    res_big = lanczos(1e8 * _spd(40, 1e2, seed=15), 40, 20, generator=_gen(16))
+    assert res_big.k == 20 and not res_big.breakdown
+
+
+@pytest.mark.parametrize("form", ["dense", "sparse", "identity"])
+def test_lanczos_variances_exact_at_full_k(form):
+    if form == "sparse":
+        As, A, X = _sparse_precision(90, 200, seed=17)
+        mat, B, Bd = SparseOperator(As), SparseOperator(X.to_sparse()), X
+    elif form == "dense":
+        A = _spd(90, 1e5, seed=18)
+        Bd = torch.randn(40, 90, generator=_gen(19), dtype=DT)
+        mat, B = A, Bd
+    else:
+        A = _spd(90, 1e3, seed=20)
+        mat, B, Bd = A, None, torch.eye(90, dtype=DT)
+    z_exact = _exact_var(A, Bd)
+    z, res = lanczos_variances(mat, B, 90, generator=_gen(21), return_result=True)
+    assert res.k == 90 and not res.breakdown
+    torch.testing.assert_close(z, z_exact, rtol=1e-8, atol=0)
+    torch.testing.assert_close(res.logdet_T(), torch.logdet(A), rtol=1e-11, atol=1e-9)
+
+
+def test_lanczos_variances_monotone_and_lower_bounds():
+    """Seed 001 §4.1: every component of z_k is nondecreasing in k and <= the exact variance."""
+    n = 70
+    A = _spd(n, 1e4, seed=22)
+    B = torch.randn(25, n, generator=_gen(23), dtype=DT)
+    z_exact = _exact_var(A, B)
+    v0 = torch.randn(n, generator=_gen(24), dtype=DT)
+    prev = torch.zeros(25, dtype=DT)
+    for k in range(1, n + 1):
+        z = lanczos_variances(A, B, k, v0=v0)
+        assert bool((z >= prev - 1e-12 * z_exact).all()), k
+        assert bool((z <= z_exact * (1 + 1e-9)).all()), k
+        prev = z
+    torch.testing.assert_close(prev, z_exact, rtol=1e-8, atol=0)
+    # intermediate k: strictly below for most components (the estimate is an underestimate)
+    z10 = lanczos_variances(A, B, 10, v0=v0)
+    assert float((z10 / z_exact).mean()) < 0.99
+
+
+def test_recursion_matches_direct_formula_and_chunking():
+    n = 60
+    A = _spd(n, 1e3, seed=25)
+    B = torch.randn(30, n, generator=_gen(26), dtype=DT)
+    z, res = lanczos_variances(A, B, 15, generator=_gen(27), return_result=True, chunk_size=4)
+    Q, T = res.Q, res.T()
+    direct = torch.diagonal(B @ Q @ torch.linalg.solve(T, Q.T @ B.T))
+    torch.testing.assert_close(z, direct, rtol=1e-11, atol=0)
+    torch.testing.assert_close(res.variances(B, chunk_size=1), z, rtol=1e-13, atol=0)
+    torch.testing.assert_close(res.variances(B.to_sparse(), chunk_size=100), z, rtol=1e-13, atol=0)
+    torch.testing.assert_close(res.variances(None), torch.diagonal(Q @ torch.linalg.solve(T, Q.T)), rtol=1e-11, atol=0)
+
+
+def test_pca_variances_bounds_and_exactness():
+    n = 60
+    ev = torch.cat([torch.linspace(0.05, 0.5, 10, dtype=DT), torch.linspace(2.0, 20.0, n - 10, dtype=DT)])
+    A = _spd_from_eigs(ev, seed=28)
+    B = torch.randn(20, n, generator=_gen(29), dtype=DT)
+    z_exact = _exact_var(A, B)
+    lam, U = torch.linalg.eigh(A)
+    prev = torch.zeros(20, dtype=DT)
+    for L in (1, 3, 5, 10):
+        z, res = pca_variances(A, B, L, generator=_gen(30), return_result=True, tol=1e-10)
+        ref = ((B @ U[:, :L]) ** 2 / lam[:L]).sum(1)
+        torch.testing.assert_close(z, ref, rtol=1e-8, atol=0)
+        assert bool((z <= z_exact * (1 + 1e-10)).all())
+        assert bool((z >= prev * (1 - 1e-10)).all())
+        prev = z
+    z_full = pca_variances(A, B, n, generator=_gen(31))
+    torch.testing.assert_close(z_full, z_exact, rtol=1e-8, atol=0)
+    z_id = pca_variances(A, None, n, generator=_gen(31))
+    torch.testing.assert_close(z_id, torch.diagonal(torch.linalg.inv(A)), rtol=1e-8, atol=0)
+
+
+def test_pca_unconverged_warns_and_is_still_a_lower_bound():
+    n = 200
+    A = _spd(n, 1e6, seed=32)  # log-spaced spectrum: the small end converges slowly
+    B = torch.randn(10, n, generator=_gen(33), dtype=DT)
+    z_exact = _exact_var(A, B)
+    with pytest.warns(ConvergenceWarning, match="did not converge"):
+        z = pca_variances(A, B, 20, num_steps=25, max_steps=30, generator=_gen(34))
+    assert bool((z <= z_exact * (1 + 1e-10)).all())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pca_variances(A, B, 20, num_steps=25, max_steps=30, generator=_gen(34), on_fail="ignore")
+
+
+def test_k_lanczos_dominates_l_pca_at_equal_steps():
+    """With the same K steps, K-Lanczos uses all of span(Q) while L-PCA keeps L < K directions."""
+    n = 80
+    A = _spd(n, 1e4, seed=35)
+    B = torch.randn(15, n, generator=_gen(36), dtype=DT)
+    v0 = torch.randn(n, generator=_gen(37), dtype=DT)
+    zk = lanczos_variances(A, B, 30, v0=v0)
+    zp = pca_variances(A, B, 10, num_steps=30, max_steps=30, v0=v0, on_fail="ignore")
+    assert bool((zp <= zk * (1 + 1e-10)).all())
+
+
+def test_not_spd_and_bad_inputs():
+    A = _spd(30, 10.0, seed=38)
+    lam, U = torch.linalg.eigh(A)
+    indefinite = (U * torch.linspace(-1, 1, 30, dtype=DT)) @ U.T
+    B = torch.randn(5, 30, dtype=DT)
+    with pytest.raises(NotPositiveDefiniteError):
+        lanczos_variances(indefinite, B, 30, generator=_gen(39))
+    # lanczos itself works for symmetric indefinite operators
+    res = lanczos(indefinite, 30, 30, generator=_gen(39))
+    torch.testing.assert_close(res.ritz_values, torch.linalg.eigvalsh(indefinite), rtol=1e-9, atol=1e-9)
+    with pytest.raises(NotPositiveDefiniteError):
+        res.logdet_T()
+    with pytest.raises(ValueError, match="v0"):
+        lanczos(A, torch.zeros(30, dtype=DT), 5)
+    with pytest.raises(ValueError, match="v0"):
+        lanczos(A, torch.ones(29, dtype=DT), 5)
+    with pytest.raises(ValueError, match="v0"):
+        lanczos(A, torch.full((30,), float("nan"), dtype=DT), 5)
+    with pytest.raises(ValueError, match="k"):
+        lanczos(A, 30, 0)
+    with pytest.raises(ValueError, match="B"):
+        lanczos_variances(A, torch.randn(5, 31, dtype=DT), 5)
+    with pytest.raises(ValueError, match="L"):
+        pca_variances(A, B, 31)
+    with pytest.raises(ValueError, match="matmul"):
+        lanczos(lambda v: v[:-1], 30, 5)
+    with pytest.raises(ValueError, match="NaN"):
+        lanczos(lambda v: v * float("nan"), 30, 5)
+
+
+def test_k_larger_than_n_is_capped_and_dtype_follows():
+    A = _spd(12, 10.0, seed=40)
+    res = lanczos(A, 12, 50, generator=_gen(41))
+    assert res.k == 12
+    r32 = lanczos(A.float(), 12, 5, generator=_gen(41))
+    assert r32.Q.dtype == torch.float32 and r32.alpha.dtype == torch.float32
+    z = lanczos_variances(lambda v: A @ v, None, 12, v0=torch.randn(12, dtype=DT))
+    torch.testing.assert_close(z, torch.diagonal(torch.linalg.inv(A)), rtol=1e-9, atol=0)
+
+
+def test_without_reorthogonalisation_orthogonality_is_lost():
+    """Seed 001 §3: reorthogonalisation cannot be skipped once Ritz values converge."""
+    ev = torch.cat([torch.logspace(-3, 0, 95, dtype=DT), torch.tensor([10.0, 30, 100, 300, 1000], dtype=DT)])
+    A = _spd_from_eigs(ev, seed=42)
+    v0 = torch.randn(100, generator=_gen(43), dtype=DT)
+    plain = lanczos(A, v0, 60, reorthogonalize=False)
+    full = lanczos(A, v0, 60)
+    I = torch.eye(60, dtype=DT)
+    assert float((full.Q.T @ full.Q - I).abs().max()) < 1e-13
+    assert float((plain.Q.T @ plain.Q - I).abs().max()) > 1e-3
+    # the first steps agree
+    torch.testing.assert_close(plain.alpha[:5], full.alpha[:5], rtol=1e-10, atol=0)
