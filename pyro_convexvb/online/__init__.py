@@ -1,6 +1,18 @@
-"""Online sparse Bayesian logistic and probit regression (seed 003, Shamir & Szpankowski)."""
+"""Online sparse Bayesian logistic and probit regression (seed 003, Shamir & Szpankowski).
+
+* :class:`OnlineBayesLogistic` -- Algorithm 1 (marginalised closed-form updates);
+* baselines in the same API: :class:`OnlineADF`, :class:`OnlineDimGauss`,
+  :class:`OnlineMarginalVB`, :class:`OnlineAdaGradLogistic`;
+* streams: :func:`make_online_stream`, :func:`iter_svmlight`, :func:`iter_csv`,
+  :func:`iter_criteo`, :func:`hash_features`, :func:`progressive_regret`.
+
+The numba kernels (``pip install 'pyro_convexvb[fast]'``) are used when available; the NumPy
+reference path in :mod:`pyro_convexvb.online.equations` works without them.
+"""
 from .baselines import OnlineADF, OnlineAdaGradLogistic, OnlineDimGauss, OnlineMarginalVB
 from .logistic import OnlineBayesLogistic
+from .streams import (OnlineStream, hash_features, iter_criteo, iter_csv, iter_svmlight, make_online_stream,
+                      progressive_regret)
 
 __all__ = [
     "OnlineBayesLogistic",
@@ -8,4 +20,11 @@ __all__ = [
     "OnlineDimGauss",
     "OnlineMarginalVB",
     "OnlineAdaGradLogistic",
+    "OnlineStream",
+    "make_online_stream",
+    "hash_features",
+    "iter_svmlight",
+    "iter_csv",
+    "iter_criteo",
+    "progressive_regret",
 ]

@@ -67,13 +67,10 @@ def _psi(z, link):
     """``(psi1(z), psi2(z))``: minus the first and the second derivative of ``-log F``."""
     if link == LOGIT:
         e = math.exp(-abs(z))
+        r = 1.0 / (1.0 + e)
         if z >= 0:
-            s_pos = 1.0 / (1.0 + e)
-            s_neg = e / (1.0 + e)
-        else:
-            s_pos = e / (1.0 + e)
-            s_neg = 1.0 / (1.0 + e)
-        return s_neg, s_pos * s_neg
+            return e * r, r * (e * r)
+        return r, (e * r) * r
     r = _inv_mills(z)
     return r, r * (z + r)
 
@@ -81,16 +78,20 @@ def _psi(z, link):
 @njit(cache=True)
 def _newton_mean(y, x, mu, s2, mum, c, link, tol, maxiter):
     """Eqs. (15)/(28) by safeguarded Newton (32)-(34); mirrors ``equations.newton_mean``."""
-    p1, _ = _psi(y * (mum + x * mu) / c, link)
-    far = mu + y * x * s2 * p1 / c
+    ic = 1.0 / c
+    iv = 1.0 / s2
+    yx_c = y * x * ic
+    x2_c2 = x * x * ic * ic
+    p1, _ = _psi(y * (mum + x * mu) * ic, link)
+    far = mu + s2 * yx_c * p1
     lo = min(mu, far)
     hi = max(mu, far)
     w = mu
     for _ in range(maxiter):
-        z = y * (mum + x * w) / c
+        z = y * (mum + x * w) * ic
         q1, q2 = _psi(z, link)
-        g = (w - mu) / s2 - y * x / c * q1
-        h = 1.0 / s2 + x * x / (c * c) * q2
+        g = (w - mu) * iv - yx_c * q1
+        h = iv + x2_c2 * q2
         if g > 0:
             hi = w
         else:
@@ -171,6 +172,7 @@ def _row_update(method, link, a, mean_newton, var_value, tol, maxiter, y, start,
         mum = mu_t - x * m_i
         s2m = max(s2_t - x * x * v_i, 0.0)
         c = math.sqrt(1.0 + a * s2m)
+        ic = 1.0 / c
         if method == M_VB:
             # Appendix D.3, Eqs. (50)-(54): joint Newton on (mu', sigma') with N samples.
             n_s = samples.shape[1]
@@ -224,15 +226,15 @@ def _row_update(method, link, a, mean_newton, var_value, tol, maxiter, y, start,
             if not ok:
                 unconverged += 1
         else:
-            q1, q2 = _psi(y * mu_t / c, link)
-            m_new = m_i + y * x * v_i * q1 / (c * (1.0 + x * x * v_i * q2 / (c * c)))
-        z_plus = y * (mum + x * m_new) / c
+            q1, q2 = _psi(y * mu_t * ic, link)
+            m_new = m_i + y * x * v_i * q1 * ic / (1.0 + x * x * v_i * q2 * ic * ic)
+        z_plus = y * (mum + x * m_new) * ic
         if var_value:
             d = m_new - m_i
             buf_s2[k - start] = v_i * math.exp(2.0 * (log_p_t - _log_cdf(z_plus, link)) + d * d / v_i)
         else:
             _, q2 = _psi(z_plus, link)
-            buf_s2[k - start] = 1.0 / (1.0 / v_i + x * x / (c * c) * q2)
+            buf_s2[k - start] = v_i / (1.0 + v_i * x * x * ic * ic * q2)
         buf_mu[k - start] = m_new
     return unconverged
 

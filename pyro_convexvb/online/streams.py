@@ -348,37 +348,50 @@ def iter_criteo(path, chunk_size=100_000, num_features=2 ** 22, seed=0, add_bias
 
 # ----------------------------------------------------------------------------- regret
 def progressive_regret(model, stream, T, chunk_size=100_000, num_points=200):
-    """Progressive-validation loss and regret of ``model`` on ``stream`` (seed 003, Eq. (4)).
+    """Progressive-validation loss and regret on ``stream`` (seed 003, Eq. (4) and §4).
 
     ``R_t = sum_{tau <= t} [-log p_tau + log(1 + exp(-y_tau x_tau^T w*))]`` with the true
-    weights ``w* = stream.theta`` as comparator.
+    weights ``w* = stream.theta`` as comparator.  Several models can share one pass over the
+    stream (each chunk is generated once and fed to all of them), so memory stays constant
+    even for ``T = 10^7``.
 
-    :param model: any estimator of this package (``partial_fit(..., return_log_loss=True)``).
+    :param model: an estimator of this package, or a dict ``name -> estimator``.
     :param OnlineStream stream: the data and the comparator.
     :param int T: number of rows.
     :param int num_points: size of the log-spaced grid on which ``R_t`` is recorded.
-    :returns: dict with ``t`` (grid), ``regret`` (``R_t`` on the grid), ``r_T = R_T / log T``,
-        ``loss`` and ``comparator_loss`` (totals), ``seconds`` (time spent in ``partial_fit``).
+    :returns: dict with ``t`` (grid), ``regret`` (``R_t`` on the grid), ``R_T``,
+        ``r_T = R_T / log T``, ``loss`` and ``comparator_loss`` (totals) and ``seconds`` (time
+        spent in ``partial_fit``); a dict of those per name when ``model`` is a dict.
+
+    Example::
+
+        >>> from pyro_convexvb.online import OnlineBayesLogistic
+        >>> stream = make_online_stream(d=50, d_t=5, seed=0)
+        >>> res = progressive_regret(OnlineBayesLogistic(50), stream, T=2000)
+        >>> res["regret"].shape == res["t"].shape
+        True
     """
+    models = model if isinstance(model, dict) else {None: model}
     grid = np.unique(np.geomspace(1, T, num_points).astype(np.int64)) if T else np.empty(0, np.int64)
-    regret_at = np.empty(grid.shape[0])
-    total = 0.0
-    loss = comp = 0.0
-    seconds = 0.0
+    res = {k: {"t": grid, "regret": np.empty(grid.shape[0]), "R_T": 0.0, "loss": 0.0,
+               "comparator_loss": 0.0, "seconds": 0.0} for k in models}
     start = 0
     for X, y in stream.chunks(T, chunk_size):
-        t0 = time.perf_counter()
-        ll = model.partial_fit(X, y, return_log_loss=True)
-        seconds += time.perf_counter() - t0
         lp, ln = stream.comparator_log_loss(X)
         cl = np.where(y > 0, lp, ln)
-        cum = total + np.cumsum(ll - cl)
         m = X.shape[0]
         sel = (grid > start) & (grid <= start + m)
-        regret_at[sel] = cum[grid[sel] - start - 1]
-        total = cum[-1] if m else total
-        loss += float(ll.sum())
-        comp += float(cl.sum())
+        for name, est in models.items():
+            r = res[name]
+            t0 = time.perf_counter()
+            ll = est.partial_fit(X, y, return_log_loss=True)
+            r["seconds"] += time.perf_counter() - t0
+            cum = r["R_T"] + np.cumsum(ll - cl)
+            r["regret"][sel] = cum[grid[sel] - start - 1]
+            r["R_T"] = float(cum[-1]) if m else r["R_T"]
+            r["loss"] += float(ll.sum())
+            r["comparator_loss"] += float(cl.sum())
         start += m
-    return {"t": grid, "regret": regret_at, "r_T": total / math.log(T) if T > 1 else float("nan"),
-            "R_T": total, "loss": loss, "comparator_loss": comp, "seconds": seconds}
+    for r in res.values():
+        r["r_T"] = r["R_T"] / math.log(T) if T > 1 else float("nan")
+    return res if isinstance(model, dict) else res[None]
