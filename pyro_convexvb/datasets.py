@@ -352,8 +352,8 @@ def a9a_path(path=None):
 
 
 @functools.lru_cache(maxsize=4)
-def _read_a9a(folder, mtime):
-    """``(indptr, indices, y01)`` numpy arrays, read-only (cached per folder and modification time)."""
+def _read_a9a(folder, stamp):
+    """``(indptr, indices, y01)`` numpy arrays, read-only (cached per folder and modification times)."""
     folder = pathlib.Path(folder)
     with open(folder / "a9a_inputs.csv") as f:
         lines = f.read().split("\n")
@@ -412,7 +412,8 @@ def load_a9a(path=None, train_size=16000, seed=0, dtype=torch.float64, device=No
 
     _check_float_dtype(dtype)
     folder = a9a_path(path)
-    indptr, indices, y01 = _read_a9a(str(folder), (folder / "a9a_inputs.csv").stat().st_mtime)
+    stamp = tuple((folder / f).stat().st_mtime_ns for f in ("a9a_inputs.csv", "a9a_targets.csv"))
+    indptr, indices, y01 = _read_a9a(str(folder), stamp)
     m = sp.csr_matrix((np.ones(len(indices)), indices.copy(), indptr.copy()), shape=(len(y01), _A9A_COLS))
     if train_size is None:
         return _scipy_csr_to_torch(m, dtype, device), torch.as_tensor(np.array(y01), dtype=dtype, device=device)

@@ -177,7 +177,7 @@ def test_a9a_split(a9a_folder):
     assert not torch.equal(other.y_train[:100], ds.y_train[:100].float())
 
 
-def test_a9a_paths(tmp_path, monkeypatch, a9a_folder):
+def test_a9a_paths(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "nowhere")):
         D.load_a9a(path=tmp_path / "nowhere")
     # a small stand-in folder picked up through the environment variable (one empty row)
@@ -193,7 +193,7 @@ def test_a9a_paths(tmp_path, monkeypatch, a9a_folder):
     expected[2, 3] = 1
     assert torch.equal(dense, expected) and y.tolist() == [1.0, 0.0, 0.0]
     (fake / "a9a_targets.csv").write_text("1,-1\n")
-    D._read_a9a.cache_clear()
+    D._read_a9a.cache_clear()  # (the cache is keyed by modification times, which may not tick)
     with pytest.raises(ValueError, match="3 input lines but 2 targets"):
         D.load_a9a(train_size=None)
     D._read_a9a.cache_clear()
