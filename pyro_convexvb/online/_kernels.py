@@ -76,38 +76,15 @@ def _psi(z, link):
 
 
 @njit(cache=True)
-def _newton_mean(y, x, mu, s2, mum, c, link, tol, maxiter):
-    """Eqs. (15)/(28) by safeguarded Newton (32)-(34); mirrors ``equations.newton_mean``."""
-    ic = 1.0 / c
-    iv = 1.0 / s2
-    yx_c = y * x * ic
-    x2_c2 = x * x * ic * ic
-    p1, _ = _psi(y * (mum + x * mu) * ic, link)
-    far = mu + s2 * yx_c * p1
-    lo = min(mu, far)
-    hi = max(mu, far)
-    w = mu
-    for _ in range(maxiter):
-        z = y * (mum + x * w) * ic
-        q1, q2 = _psi(z, link)
-        g = (w - mu) * iv - yx_c * q1
-        h = iv + x2_c2 * q2
-        if g > 0:
-            hi = w
-        else:
-            lo = w
-        w_new = w - g / h
-        if abs(w_new - w) <= tol * (1.0 + abs(w)):
-            return w_new, True
-        if w_new < lo or w_new > hi:
-            w_new = 0.5 * (lo + hi)
-        w = w_new
-    return w, False
-
-
-@njit(cache=True)
 def _solve_zeta(z0, q, link, tol, maxiter):
-    """DimGauss, Eq. (37) along ``v_t``: root of ``zeta = z0 + q psi1(zeta)`` (Newton (40))."""
+    """Root of ``zeta = z0 + q psi1(zeta)`` by Newton's method, safeguarded by bisection.
+
+    The score after the update solves this scalar equation in both Newton options:
+    Algorithm 1, Eq. (15)/(28) with ``zeta = z_{i,t+}``, ``z0 = z_i``,
+    ``q = x^2 sigma^2_i / c^2`` (Newton is affine invariant, so the iterates are those of
+    Eqs. (32)-(34) in ``w``), and DimGauss, Eq. (37) along ``v_t`` with ``q = x^T Sigma_t x``.
+    The root lies in ``[z0, z0 + q psi1(z0)]``.
+    """
     p1, _ = _psi(z0, link)
     lo = z0
     hi = z0 + q * p1
@@ -222,9 +199,11 @@ def _row_update(method, link, a, mean_newton, var_value, tol, maxiter, y, start,
             continue
         # Algorithm 1: mean by (17)/(30) or Newton on (15)/(28); variance by (18) or (19)/(31).
         if mean_newton:
-            m_new, ok = _newton_mean(y, x, m_i, v_i, mum, c, link, tol, maxiter)
+            zeta, ok = _solve_zeta(y * mu_t * ic, x * x * v_i * ic * ic, link, tol, maxiter)
             if not ok:
                 unconverged += 1
+            q1, _ = _psi(zeta, link)
+            m_new = m_i + y * x * v_i * q1 * ic
         else:
             q1, q2 = _psi(y * mu_t * ic, link)
             m_new = m_i + y * x * v_i * q1 * ic / (1.0 + x * x * v_i * q2 * ic * ic)
