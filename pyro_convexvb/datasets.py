@@ -102,12 +102,12 @@ def _check_float_dtype(dtype):
 
 
 def _check_fraction_or_count(value, n, what, allow_zero):
-    """``value`` as a fraction (float in (0, 1)) or a count (int) of ``n`` cases; returns the count."""
+    """``value`` as a fraction (float in [0, 1)) or a count (int) of ``n`` cases; returns the count."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{what}: expected a fraction or a count, got {value!r}")
-    if isinstance(value, (float, np.floating)) and not float(value).is_integer():
-        if not 0.0 < value < 1.0:
-            raise ValueError(f"{what}: a fraction must lie in (0, 1), got {value}")
+    if isinstance(value, (float, np.floating)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{what}: a fraction (float) must lie in [0, 1), got {value}; pass an int for a count")
         count = int(round(float(value) * n))
     else:
         count = int(value)
@@ -276,7 +276,7 @@ def load_keel(name, test_size=0.3, seed=0, standardize=True, dtype=torch.float64
     :param str name: a name from :func:`list_keel` (``"ionosphere"``, ``"sonar"``, ``"banana"``,
         ``"twonorm"``, ``"ring"``, ``"german"``, ``"australian"``, ``"titanic"``, ``"spambase"``,
         ``"magic"``, ``"mushroom"``, ``"splice"``, ``"wdbc"``, ``"pima"``, ...).
-    :param test_size: fraction in ``(0, 1)`` or number of test cases (``0``: empty test set).
+    :param test_size: fraction (float in ``[0, 1)``) or number (int) of test cases (0: empty test set).
     :param int seed: seed of the stratified split.
     :param bool standardize: standardise with training statistics.
     :param dtype: floating torch dtype of features and labels.
@@ -711,8 +711,10 @@ def make_sparse_classification(shape="a9a", scale=1.0, seed=0, dtype=torch.float
       are 1 (``ratio`` = q+/q-): given the ``u_i`` the count is monotone in ``b``, so the class
       balance is met exactly.
 
-    Everything is vectorised over rows in chunks of about 2M nonzeros; memory is the output
-    (rcv1 in float64: 49.6M int64 column indices and values, 0.8 GB) plus one chunk.
+    Everything is vectorised over rows in chunks of about 2M nonzeros (column draws by an alias
+    table, duplicates removed by sorting); memory is the output (rcv1 in float64: 49.6M int64
+    column indices and values, 0.8 GB) plus one chunk. Measured on a busy 2-core machine, one
+    thread: a9a 0.5 s, real-sim 2.2 s, rcv1 19-28 s with a peak 0.86 GB above the interpreter's.
 
     :param shape: ``"a9a"``, ``"real-sim"``, ``"rcv1"``, or a :class:`SparseShape`.
     :param float scale: multiplies rows and nonzeros (> 0).

@@ -126,6 +126,8 @@ def test_keel_bad_input():
         D.load_keel("sonar", test_size=1.5)
     with pytest.raises(ValueError, match="test_size"):
         D.load_keel("sonar", test_size=208)
+    with pytest.raises(ValueError, match="test_size.*int for a count"):
+        D.load_keel("sonar", test_size=1.0)
     with pytest.raises(ValueError, match="dtype"):
         D.load_keel("sonar", dtype=torch.int64)
     assert {"ionosphere", "sonar", "banana", "twonorm", "ring", "german", "australian", "titanic",
