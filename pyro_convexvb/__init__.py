@@ -13,6 +13,6 @@ from .lgm.extract import lgm_from_pyro
 from .lgm.layout import LatentLayout
 from .lgm.linear import linear
 from .lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
-from . import linalg
+from . import datasets, gp, linalg
 
 __version__ = "0.1.0"

@@ -62,7 +62,8 @@ def _latent_dtype(model, args, kwargs):
 
 
 def run_svi(model, args, kwargs, guide_cls, *, lr=0.02, max_steps=20000, min_steps=500, window=250, rtol=2e-4,
-            num_particles=1, rank=None, init_scale=0.1, seed=0, progress=True, lr_decay=True):
+            num_particles=1, vectorize_particles=False, rank=None, init_scale=0.1, seed=0, progress=True,
+            lr_decay=True):
     """SVI with Adam on a Pyro autoguide, stopped when the windowed mean loss plateaus.
 
     Stopping rule: after ``min_steps``, every ``window`` steps compare the mean loss of the last window
@@ -78,7 +79,7 @@ def run_svi(model, args, kwargs, guide_cls, *, lr=0.02, max_steps=20000, min_ste
     else:
         guide = guide_cls(model, init_scale=init_scale)
     optim = pyro.optim.ClippedAdam({"lr": lr, "betas": (0.9, 0.999), "clip_norm": 100.0})
-    svi = SVI(model, guide, optim, Trace_ELBO(num_particles=num_particles, vectorize_particles=num_particles > 1))
+    svi = SVI(model, guide, optim, Trace_ELBO(num_particles=num_particles, vectorize_particles=vectorize_particles))
     history = History()
     losses, prev, converged, decayed = [], None, False, False
     for step in _progress(range(max_steps), progress, guide_cls.__name__):

@@ -1,0 +1,101 @@
+"""Pyro's own engines, swapped in with one word, recover the exact posterior of a conjugate model."""
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+import pyro_convexvb as pcv
+
+D = torch.float64
+
+
+@pytest.fixture(scope="module")
+def conjugate():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(40, 3, generator=g, dtype=D)
+    y = X @ torch.tensor([1.0, -2.0, 0.5], dtype=D) + 0.5 * torch.randn(40, generator=g, dtype=D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+
+    P = torch.eye(3, dtype=D) + X.T @ X / 0.25
+    C = torch.linalg.inv(P)
+    m = C @ X.T @ y / 0.25
+    logZ = dist.MultivariateNormal(torch.zeros(40, dtype=D), X @ X.T + 0.25 * torch.eye(40, dtype=D)).log_prob(y)
+    return model, X, y, m, C, float(logZ)
+
+
+def test_engines_listed():
+    names = pcv.engines()
+    for e in ("svi_autonormal", "svi_automvn", "svi_lowrank", "laplace", "nuts"):
+        assert e in names and names[e]
+
+
+SVI_FAST = dict(lr=0.05, max_steps=2000, min_steps=600, window=200, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "engine, options, tol_mean, tol_var, full_cov",
+    [
+        ("laplace", {}, 1e-7, 1e-7, True),
+        ("svi_automvn", SVI_FAST, 0.5, 0.3, True),
+        ("svi_lowrank", dict(SVI_FAST, rank=2), 0.5, 0.3, True),
+        ("svi_autonormal", SVI_FAST, 0.5, None, False),
+        ("nuts", dict(num_samples=600, warmup_steps=300), 0.3, 0.25, True),
+    ],
+)
+def test_baseline_recovers_conjugate_posterior(conjugate, engine, options, tol_mean, tol_var, full_cov):
+    model, X, y, m, C, logZ = conjugate
+    res = pcv.fit(model, X, y=y, engine=engine, options=options, progress=False)
+    assert res.engine == engine and res.converged
+    sd = C.diagonal().sqrt()
+    # tol_mean in posterior standard deviations (stochastic engines), absolute for Laplace (exact here)
+    assert float(((res.posterior.loc - m) / sd).abs().max()) < (tol_mean if engine != "laplace" else 1e-6)
+    if tol_var is not None:
+        rel = (res.posterior.variance - C.diagonal()).abs() / C.diagonal()
+        assert float(rel.max()) < tol_var
+    else:
+        # the mean-field optimum has the exact precision diagonal: var_j = 1 / P_jj
+        P = torch.linalg.inv(C)
+        rel = (res.posterior.variance - 1 / P.diagonal()).abs() * P.diagonal()
+        assert float(rel.max()) < 0.3
+    if engine == "nuts":
+        assert res.log_evidence_bound is None
+    else:
+        assert res.log_evidence_bound <= logZ + 1e-9
+        gap = logZ - res.log_evidence_bound
+        assert gap < (1e-9 if engine == "laplace" else 0.5 if full_cov else 2.0)
+    assert res.history["seconds"]
+
+
+def test_fit_rejects_unknown_engine_and_options(conjugate):
+    model, X, y, *_ = conjugate
+    with pytest.raises(KeyError, match="unknown engine 'nope'"):
+        pcv.fit(model, X, y=y, engine="nope")
+    with pytest.raises(TypeError):
+        pcv.fit(model, X, y=y, engine="laplace", options={"bogus": 1}, progress=False)
+
+
+def test_register_engine_and_swap(conjugate):
+    model, X, y, m, C, _ = conjugate
+
+    @pcv.register_engine("exact_gaussian_test", "closed form for linear-Gaussian LGMs (test)", overwrite=True)
+    def exact(lgm, progress=True):
+        (g,) = lgm.sites
+        A = g.design.to_dense()
+        s2 = g.family.params["scale"] ** 2
+        P = lgm.dense_prior_prec() + A.T @ (A / s2.unsqueeze(-1))
+        cov = torch.linalg.inv(P)
+        loc = cov @ (A.T @ ((g.family.params["y"] - g.offset) / s2))
+        q = pcv.GaussianPosterior(loc, covariance=cov)
+        return pcv.InferenceResult(q, float(lgm.evidence_lower_bound(loc, cov)))
+
+    with pytest.raises(ValueError, match="already registered"):
+        pcv.register_engine("exact_gaussian_test", "dup")(exact)
+    res = pcv.fit(model, X, y=y, engine="exact_gaussian_test")
+    torch.testing.assert_close(res.posterior.loc, m)
+    assert res.lgm is not None and res.posterior.layout.names == ["w"]
+    pred = pyro.infer.Predictive(model, guide=res.posterior.as_guide(), num_samples=50)(X)
+    assert pred["y"].shape == (50, 40)

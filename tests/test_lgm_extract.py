@@ -1,0 +1,264 @@
+"""lgm_from_pyro: operators equal the true matrices; each unsupported case raises naming the site."""
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+import pyro_convexvb as pcv
+from pyro_convexvb.linalg.operators import IdentityOperator, SparseOperator, DenseOperator
+from pyro_convexvb.lgm.sites import BernoulliLogit, Gaussian, Laplace, Poisson
+
+D = torch.float64
+
+
+def _data(q=30, n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(q, n, generator=g, dtype=D)
+    y = (torch.rand(q, generator=g, dtype=D) < 0.4).to(D)
+    return X, y
+
+
+def logistic(X, y=None):
+    w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=X.dtype), 1.5).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+
+def test_dense_logistic_operator_equals_design():
+    X, y = _data()
+    lgm = pcv.lgm_from_pyro(logistic, X, y=y)
+    (g,) = lgm.sites
+    assert isinstance(g.family, BernoulliLogit)
+    assert isinstance(g.design, DenseOperator)
+    torch.testing.assert_close(g.design.to_dense(), X, rtol=0, atol=1e-12)
+    assert g.offset.abs().max() < 1e-12
+    torch.testing.assert_close(g.family.y, y)
+    assert lgm.priors[0].cov.to_dense().diagonal().allclose(torch.full((4,), 2.25, dtype=D))
+
+
+def test_sparse_linear_keeps_operator_and_intercept_block():
+    X, y = _data(q=40, n=5)
+    X[X.abs() < 0.8] = 0
+    Xs = X.to_sparse_csr()
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=D), 1.0).to_event(1))
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=D), 2.0))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=pcv.linear(X, w) + b + 0.5), obs=y)
+
+    lgm = pcv.lgm_from_pyro(model, Xs, y=y)
+    assert lgm.layout.names == ["w", "b"] and lgm.n == 6
+    (g,) = lgm.sites
+    J = g.design.to_dense()
+    torch.testing.assert_close(J[:, :5], X, rtol=0, atol=1e-12)
+    torch.testing.assert_close(J[:, 5], torch.ones(40, dtype=D), rtol=0, atol=1e-12)
+    torch.testing.assert_close(g.offset, torch.full((40,), 0.5, dtype=D), rtol=0, atol=1e-12)
+    prior_var = lgm.priors[1].cov.to_dense()
+    assert float(prior_var) == pytest.approx(4.0)
+
+
+def test_sparse_linear_alone_is_sparse_operator():
+    X, y = _data(q=25, n=6)
+    X[X.abs() < 1.0] = 0
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=pcv.linear(X, w)), obs=y)
+
+    lgm = pcv.lgm_from_pyro(model, X.to_sparse_csr(), y=y)
+    assert isinstance(lgm.sites[0].design, SparseOperator)
+    torch.testing.assert_close(lgm.sites[0].design.to_dense(), X)
+
+
+def test_gp_mvn_prior_and_poisson():
+    g = torch.Generator().manual_seed(1)
+    Z = torch.randn(12, 2, generator=g, dtype=D)
+    K = torch.exp(-0.5 * torch.cdist(Z, Z) ** 2) + 1e-4 * torch.eye(12, dtype=D)
+    counts = torch.poisson(torch.full((12,), 2.0, dtype=D), generator=g)
+
+    def model(K, y=None):
+        f = pyro.sample("f", dist.MultivariateNormal(torch.full((12,), 0.3, dtype=D), covariance_matrix=K))
+        with pyro.plate("data", 12):
+            pyro.sample("y", dist.Poisson(torch.exp(f + 1.0)), obs=y)
+
+    lgm = pcv.lgm_from_pyro(model, K, y=counts)
+    (s,) = lgm.sites
+    assert isinstance(s.family, Poisson)
+    assert isinstance(s.design, IdentityOperator)
+    torch.testing.assert_close(s.offset, torch.ones(12, dtype=D))
+    torch.testing.assert_close(lgm.priors[0].cov.to_dense(), K)
+    torch.testing.assert_close(lgm.prior_loc, torch.full((12,), 0.3, dtype=D))
+    torch.testing.assert_close(lgm.dense_prior_prec() @ K, torch.eye(12, dtype=D), atol=1e-8, rtol=0)
+
+
+def test_log_joint_matches_pyro_trace_all_constants():
+    X, y = _data(q=15, n=3)
+    yy = X @ torch.tensor([1.0, -1.0, 0.5], dtype=D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Laplace(torch.zeros(3, dtype=D), 0.7).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Normal(X @ w + 0.2, 0.4), obs=y)
+
+    lgm = pcv.lgm_from_pyro(model, X, y=yy)
+    kinds = sorted(type(g.family).__name__ for g in lgm.sites)
+    assert kinds == ["Gaussian", "Laplace"] and lgm.priors[0].flat
+    for seed in range(3):
+        u = torch.randn(3, generator=torch.Generator().manual_seed(seed), dtype=D)
+        tr = pyro.poutine.trace(pyro.poutine.condition(model, data={"w": u})).get_trace(X, y=yy)
+        assert float(lgm.log_joint(u)) == pytest.approx(float(tr.log_prob_sum()), abs=1e-10)
+
+
+def test_log_joint_gp_bernoulli_matches_trace():
+    X, y = _data(q=10, n=2)
+    K = X @ X.T + 0.5 * torch.eye(10, dtype=D)
+    lgm = pcv.lgm_from_pyro(pcv.gp.gp_classification_model, K, y=y)
+    u = torch.randn(10, dtype=D)
+    tr = pyro.poutine.trace(pyro.poutine.condition(pcv.gp.gp_classification_model, data={"f": u})).get_trace(K, y=y)
+    assert float(lgm.log_joint(u)) == pytest.approx(float(tr.log_prob_sum()), abs=1e-10)
+
+
+def test_subsampled_plate_is_traced_on_full_data():
+    X, y = _data(q=50, n=3)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0], subsample_size=7) as idx:
+            pyro.sample("y", dist.Bernoulli(logits=X[idx] @ w), obs=y[idx])
+
+    lgm = pcv.lgm_from_pyro(model, X, y=y)
+    torch.testing.assert_close(lgm.sites[0].design.to_dense(), X)
+    torch.testing.assert_close(lgm.sites[0].family.y, y)
+    # the plate is restored afterwards: subsampling works again
+    tr = pyro.poutine.trace(model).get_trace(X, y=y)
+    assert tr.nodes["y"]["value"].shape == (7,)
+
+
+def test_masked_observations_drop_rows():
+    X, y = _data(q=20, n=3)
+    mask = torch.arange(20) % 3 != 0
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w).mask(mask), obs=y)
+
+    lgm = pcv.lgm_from_pyro(model, X, y=y)
+    torch.testing.assert_close(lgm.sites[0].design.to_dense(), X[mask])
+
+
+def test_probs_parameterisation_and_observed_constant_site():
+    X, y = _data(q=20, n=3)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), 1.0).to_event(1))
+        pyro.sample("c", dist.Normal(torch.tensor(0.0, dtype=D), 1.0), obs=torch.tensor(0.5, dtype=D))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(probs=torch.sigmoid(X @ w)), obs=y)
+
+    lgm = pcv.lgm_from_pyro(model, X, y=y)
+    torch.testing.assert_close(lgm.sites[0].design.to_dense(), X, atol=1e-9, rtol=0)
+    const = dist.Normal(0.0, 1.0).log_prob(torch.tensor(0.5)).item()
+    assert lgm.log_const == pytest.approx(const, abs=1e-7)
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("nonaffine", "not an affine function"),
+        ("labels", "Bernoulli labels must be in"),
+        ("nan", "NaN or inf"),
+        ("negative_counts", "nonnegative"),
+        ("gamma_prior", "unsupported prior Gamma"),
+        ("discrete_latent", "discrete latent"),
+        ("hierarchical", "depend on another latent"),
+        ("student_t_lik", "unsupported likelihood StudentT"),
+        ("latent_scale", "noise scale depends"),
+    ],
+)
+def test_unsupported_models_name_the_site(case, match):
+    X, y = _data(q=10, n=2)
+    site = {"gamma_prior": "tau", "discrete_latent": "z", "hierarchical": "w"}.get(case, "y")
+
+    def model(X, y=None):
+        if case == "gamma_prior":
+            pyro.sample("tau", dist.Gamma(torch.tensor(2.0, dtype=D), 1.0))
+        if case == "discrete_latent":
+            pyro.sample("z", dist.Bernoulli(torch.tensor(0.5, dtype=D)))
+        if case == "hierarchical":
+            s = pyro.sample("s", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+            w = pyro.sample("w", dist.Normal(s.expand(2), 1.0).to_event(1))
+        else:
+            w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        eta = X @ w
+        with pyro.plate("data", X.shape[0]):
+            if case == "nonaffine":
+                pyro.sample("y", dist.Bernoulli(logits=eta**3), obs=y)
+            elif case == "labels":
+                pyro.sample("y", dist.Bernoulli(logits=eta), obs=2 * y - 1)
+            elif case == "nan":
+                yy = y.clone()
+                yy[3] = float("nan")
+                pyro.sample("y", dist.Normal(eta, 1.0), obs=yy)
+            elif case == "negative_counts":
+                pyro.sample("y", dist.Poisson(torch.exp(eta)), obs=-y)
+            elif case == "student_t_lik":
+                pyro.sample("y", dist.StudentT(3.0, eta, 1.0), obs=y)
+            elif case == "latent_scale":
+                pyro.sample("y", dist.Normal(eta, torch.exp(eta)), obs=y)
+            else:
+                pyro.sample("y", dist.Bernoulli(logits=eta), obs=y)
+
+    with pytest.raises(pcv.UnsupportedModelError, match=match) as info:
+        pcv.lgm_from_pyro(model, X, y=y)
+    assert info.value.site == site
+    assert f"site '{site}'" in str(info.value)
+
+
+def test_explicit_constructor_matches_traced_model():
+    X, y = _data(q=30, n=4)
+    traced = pcv.lgm_from_pyro(logistic, X, y=y)
+    explicit = pcv.LatentGaussianModel.from_design(X.to_sparse_csr(), BernoulliLogit(y), prior_scale=1.5)
+    u = torch.randn(4, dtype=D)
+    assert float(explicit.log_joint(u)) == pytest.approx(float(traced.log_joint(u)), abs=1e-10)
+
+
+def test_evidence_lower_bound_exact_for_conjugate_model():
+    """For linear-Gaussian models the ELBO at the exact posterior equals log p(y) (closed form)."""
+    X, _ = _data(q=25, n=3)
+    yy = X @ torch.tensor([0.5, -1.0, 2.0], dtype=D) + 0.3 * torch.randn(25, dtype=D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), 1.3).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Normal(X @ w - 0.1, 0.3), obs=y)
+
+    lgm = pcv.lgm_from_pyro(model, X, y=yy)
+    P = torch.eye(3, dtype=D) / 1.69 + X.T @ X / 0.09
+    C = torch.linalg.inv(P)
+    m = C @ X.T @ (yy + 0.1) / 0.09
+    S = 1.69 * X @ X.T + 0.09 * torch.eye(25, dtype=D)
+    logZ = dist.MultivariateNormal(torch.full((25,), -0.1, dtype=D), S).log_prob(yy)
+    assert float(lgm.evidence_lower_bound(m, C)) == pytest.approx(float(logZ), abs=1e-9)
+    assert float(lgm.evidence_lower_bound(m + 0.05, C)) < float(logZ)
+
+
+def test_laplace_and_bernoulli_expectations_against_quadrature():
+    import numpy as np
+    from scipy import integrate
+
+    m = torch.tensor([-1.3, 0.0, 0.7, 2.5], dtype=D)
+    v = torch.tensor([0.2, 1.0, 3.0, 0.01], dtype=D)
+    lap = Laplace(torch.full((4,), 0.6, dtype=D))
+    ber = BernoulliLogit(torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=D))
+    for fam in (lap, ber):
+        got = fam.expected_log_prob(m, v)
+        for i in range(4):
+            f = lambda e: float(fam.subset([i]).log_prob(torch.tensor([e], dtype=D))) * math.exp(
+                -0.5 * (e - m[i].item()) ** 2 / v[i].item()) / math.sqrt(2 * math.pi * v[i].item())
+            ref, _ = integrate.quad(f, -np.inf, np.inf, points=None, limit=200)
+            assert got[i].item() == pytest.approx(ref, abs=1e-7)

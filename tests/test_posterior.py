@@ -1,0 +1,108 @@
+"""GaussianPosterior: every representation agrees with the dense reference; the guide works in Predictive."""
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+import pyro_convexvb as pcv
+from pyro_convexvb.linalg.operators import DenseOperator
+
+D = torch.float64
+
+
+def _spd(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(n, n, generator=g, dtype=D)
+    return A @ A.T + n * torch.eye(n, dtype=D)
+
+
+@pytest.mark.parametrize("kind", ["covariance", "scale_tril", "precision"])
+def test_dense_representations_agree(kind):
+    C = _spd(5)
+    loc = torch.arange(5, dtype=D)
+    arg = {"covariance": C, "scale_tril": torch.linalg.cholesky(C), "precision": torch.linalg.inv(C)}[kind]
+    q = pcv.GaussianPosterior(loc, **{kind: arg})
+    torch.testing.assert_close(q.covariance(), C, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(q.variance, C.diagonal(), rtol=1e-10, atol=1e-10)
+    ref = dist.MultivariateNormal(loc, covariance_matrix=C)
+    u = torch.randn(3, 5, dtype=D)
+    torch.testing.assert_close(q.log_prob(u), ref.log_prob(u), rtol=1e-10, atol=1e-10)
+    assert float(q.entropy()) == pytest.approx(float(ref.entropy()), abs=1e-10)
+    s = q.sample(40000, generator=torch.Generator().manual_seed(1))
+    assert s.shape == (40000, 5)
+    emp = torch.cov(s.T)
+    assert float((emp - C).abs().max() / C.abs().max()) < 0.03
+    B = torch.randn(4, 5, dtype=D)
+    mean, var = q.marginals(B, offset=torch.ones(4, dtype=D))
+    torch.testing.assert_close(mean, B @ loc + 1)
+    torch.testing.assert_close(var, (B @ C @ B.T).diagonal(), rtol=1e-10, atol=1e-10)
+
+
+def test_matrix_free_precision_sampling_is_exact():
+    g = torch.Generator().manual_seed(3)
+    J = torch.randn(30, 6, generator=g, dtype=D)
+    A = J.T @ J
+    C = 0.5 * torch.linalg.inv(A)
+    q = pcv.GaussianPosterior(torch.zeros(6, dtype=D), C.diagonal(), precision_operator=DenseOperator(A),
+                              precision_factor=DenseOperator(J), precision_scale=0.5)
+    torch.testing.assert_close(q.covariance(), C, rtol=1e-9, atol=1e-12)
+    s = q.sample(20000, generator=torch.Generator().manual_seed(4))
+    emp = torch.cov(s.T)
+    assert float((emp - C).abs().max() / C.abs().max()) < 0.05
+    with pytest.raises(ValueError, match="marginal variances"):
+        pcv.GaussianPosterior(torch.zeros(6, dtype=D), precision_operator=DenseOperator(A))
+
+
+def test_low_rank_variances():
+    g = torch.Generator().manual_seed(5)
+    Q, _ = torch.linalg.qr(torch.randn(8, 3, generator=g, dtype=D))
+    T = _spd(3, seed=6)
+    q = pcv.GaussianPosterior(torch.zeros(8, dtype=D), low_rank=(Q, T))
+    ref = Q @ torch.linalg.inv(T) @ Q.T
+    torch.testing.assert_close(q.variance, ref.diagonal(), rtol=1e-10, atol=1e-12)
+    B = torch.randn(2, 8, dtype=D)
+    torch.testing.assert_close(q.marginals(B)[1], (B @ ref @ B.T).diagonal(), rtol=1e-10, atol=1e-12)
+    with pytest.raises(NotImplementedError, match="low-rank"):
+        q.sample(3)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="one covariance representation"):
+        pcv.GaussianPosterior(torch.zeros(2, dtype=D), covariance=torch.eye(2, dtype=D), precision=torch.eye(2, dtype=D))
+    with pytest.raises(ValueError, match="shape"):
+        pcv.GaussianPosterior(torch.zeros(2, dtype=D), covariance=torch.eye(3, dtype=D))
+    with pytest.raises(ValueError, match="finite and nonnegative"):
+        pcv.GaussianPosterior(torch.zeros(2, dtype=D), torch.tensor([1.0, -1.0], dtype=D))
+
+
+def test_guide_in_predictive_median_quantiles():
+    X = torch.randn(20, 3, dtype=D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), 1.0).to_event(1))
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        with pyro.plate("data", X.shape[0]):
+            return pyro.sample("y", dist.Normal(X @ w + b, 0.1), obs=y)
+
+    C = _spd(4) / 10
+    loc = torch.tensor([1.0, 2.0, 3.0, -4.0], dtype=D)
+    q = pcv.GaussianPosterior(loc, covariance=C)
+    y = model(X)
+    q.model, q.model_args = model, ((X,), {"y": y})
+    guide = q.as_guide()
+    med = guide.median()
+    torch.testing.assert_close(med["w"], loc[:3])
+    assert float(med["b"]) == -4.0
+    qs = guide.quantiles([0.1587, 0.5])
+    torch.testing.assert_close(qs["b"][0], torch.tensor(-4.0 - math.sqrt(C[3, 3]), dtype=D), atol=1e-3, rtol=0)
+    pred = pyro.infer.Predictive(model, guide=guide, num_samples=300)(X)
+    assert pred["y"].shape == (300, 20)
+    wmean = pred["w"].reshape(300, 3).mean(0)
+    assert float((wmean - loc[:3]).abs().max()) < 0.1
+    ymean = pred["y"].mean(0)
+    B = torch.cat([X, torch.ones(20, 1, dtype=D)], 1)
+    sd = ((B @ C @ B.T).diagonal() + 0.01).sqrt()
+    z = (ymean - (X @ loc[:3] - 4.0)) / (sd / math.sqrt(300))
+    assert float(z.abs().max()) < 4.5
