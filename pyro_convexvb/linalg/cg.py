@@ -15,6 +15,7 @@ convergence flag; and a non-SPD operator only yields a generic warning and a wro
 This implementation fixes those points and reports everything in :class:`CGResult`.
 """
 from dataclasses import dataclass, field
+import math
 import warnings
 
 import torch
@@ -255,57 +256,62 @@ def cg(
 
 
 def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, num_mvm, history):
-    """Run CG on the columns with ``rnorm > tol``, updating ``x``, ``r`` and ``rnorm`` in place."""
+    """Run CG on the columns with ``rnorm > tol``, updating ``x``, ``r`` and ``rnorm`` in place.
+
+    One host synchronisation per iteration: curvature, preconditioner inner product, stopping
+    test and history are reduced into one small tensor.
+    """
     idx = (rnorm > tol).nonzero().squeeze(-1)
     if idx.numel() == 0 or iterations >= max_iter:
         return iterations, num_mvm
-    xa, ra, tola = x[:, idx], r[:, idx], tol[idx]
+    rest = rnorm / scale
+    rest[idx] = 0
+    rest_max = float(rest.max())  # largest relative residual among the columns not iterated
+    xa, ra, tola, sca = x[:, idx], r[:, idx], tol[idx], scale[idx]
     z = prec(ra) if prec is not None else ra
-    rz = (ra * z).sum(0)
-    _check_preconditioner(rz, rnorm[idx] > tola)
+    rz = torch.linalg.vecdot(ra, z, dim=0)
     p = z.clone()  # a preconditioner may return its input
     while True:
         Ap = product(p)
         num_mvm += p.shape[1]
         iterations += 1
-        pAp = (p * Ap).sum(0)
-        if not bool(torch.isfinite(pAp).all()):
-            raise ValueError("matmul returned NaN or inf during CG")
-        if not bool((pAp > 0).all()):
-            bad = int((pAp <= 0).sum())
-            raise NotPositiveDefiniteError(
-                f"matmul is not positive definite: curvature p^T A p <= 0 in {bad} column(s) at CG iteration "
-                f"{iterations} (min {float(pAp.min()):.3e})"
-            )
+        pAp = torch.linalg.vecdot(p, Ap, dim=0)
         alpha = rz / pAp
         xa.addcmul_(p, alpha)
-        ra.addcmul_(Ap, -alpha)
+        ra.addcmul_(Ap, alpha, value=-1.0)
         rn = torch.linalg.vector_norm(ra, dim=0)
-        rnorm[idx] = rn
-        history.append(float((rnorm / scale).max()))
-        done = rn <= tola
-        if bool(done.all()) or iterations >= max_iter:
-            x[:, idx] = xa
-            r[:, idx] = ra
+        min_pap, min_rz, margin, rel = torch.stack(
+            (pAp.min(), rz.min(), (rn - tola).max(), (rn / sca).max())
+        ).tolist()
+        if not min_rz > 0:
+            _raise_bad_preconditioner(min_rz)
+        if not min_pap > 0:
+            if not math.isfinite(min_pap):
+                raise ValueError("matmul returned NaN or inf during CG")
+            raise NotPositiveDefiniteError(
+                f"matmul is not positive definite: curvature p^T A p <= 0 in {int((pAp <= 0).sum())} column(s) at "
+                f"CG iteration {iterations} (min {min_pap:.3e})"
+            )
+        if not math.isfinite(rel):
+            raise ValueError("matmul returned NaN or inf during CG")
+        history.append(max(rel, rest_max))
+        if margin <= 0 or iterations >= max_iter:
+            x[:, idx], r[:, idx], rnorm[idx] = xa, ra, rn
             return iterations, num_mvm
-        if bool(done.any()):
-            x[:, idx] = xa
-            r[:, idx] = ra
+        done = rn <= tola
+        if p.shape[1] > 1 and bool(done.any()):
+            x[:, idx], r[:, idx], rnorm[idx] = xa, ra, rn
+            rest_max = max(rest_max, float((rn[done] / sca[done]).max()))
             keep = ~done
-            idx, xa, ra, p, rz, tola = idx[keep], xa[:, keep], ra[:, keep], p[:, keep], rz[keep], tola[keep]
+            idx, xa, ra, p, rz, tola, sca = idx[keep], xa[:, keep], ra[:, keep], p[:, keep], rz[keep], tola[keep], sca[keep]
         z = prec(ra) if prec is not None else ra
-        rz_new = (ra * z).sum(0)
-        _check_preconditioner(rz_new, None)
+        rz_new = torch.linalg.vecdot(ra, z, dim=0)
         beta = rz_new / rz
         rz = rz_new
-        p = z + p * beta
+        p = torch.addcmul(z, p, beta)
 
 
-def _check_preconditioner(rz, mask):
-    ok = rz > 0
-    if mask is not None:
-        ok = ok | ~mask
-    if not bool(ok.all()):
-        if not bool(torch.isfinite(rz).all()):
-            raise ValueError("precond returned NaN or inf during CG")
-        raise NotPositiveDefiniteError("precond is not positive definite: r^T M^{-1} r <= 0 during CG")
+def _raise_bad_preconditioner(min_rz):
+    if not math.isfinite(min_rz):
+        raise ValueError("precond returned NaN or inf during CG")
+    raise NotPositiveDefiniteError("precond is not positive definite: r^T M^{-1} r <= 0 during CG")
