@@ -149,9 +149,10 @@ class OnlineEstimatorBase:
         Example::
 
             >>> import numpy as np
+            >>> from pyro_convexvb.online import OnlineBayesLogistic
             >>> m = OnlineBayesLogistic(2).partial_fit(np.eye(2), [1, 0])
             >>> m.predict_proba(np.eye(2))[:, 1].round(3)
-            array([0.591, 0.409])
+            array([0.586, 0.414])
         """
         Xc, _ = self._prepare(X)
         p = self._proba1(Xc)
@@ -173,6 +174,7 @@ class OnlineEstimatorBase:
 
         Example::
 
+            >>> from pyro_convexvb.online import OnlineBayesLogistic
             >>> m = OnlineBayesLogistic(3)
             >>> m2 = OnlineBayesLogistic.from_state_dict(m.state_dict())
         """
