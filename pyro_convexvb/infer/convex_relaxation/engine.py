@@ -88,7 +88,7 @@ class ConvexVariationalRelaxation:
     """
 
     def __init__(self, model, lanczos_rank=80, max_outer=5, max_newton=20, cg_tol=1e-6, variance="lanczos", *,
-                 pca_rank=None, newton_tol=1e-10, gamma_tol=1e-3, phi_tol=1e-6, z_min=1e-10, gamma_init=None,
+                 pca_rank=None, newton_tol=1e-8, gamma_tol=1e-3, phi_tol=1e-6, z_min=1e-10, gamma_init=None,
                  dense_logdet_max=2000, exact_max=5000, cg_max_iter=None, seed=0, progress=True):
         if variance not in _VARIANCES:
             raise ValueError(f"variance: expected one of {_VARIANCES}, got {variance!r}")

@@ -13,6 +13,9 @@ non-log-concave site makes ``(h^*)'' < 0`` its weight is replaced by the IRLS we
 ``1/gamma_* > 0`` (a majorisation step), so the system stays positive definite.  ``gamma`` follows in
 closed form, ``gamma_i = -1/(2 g_i'(z_i + s_i^2))`` (see :func:`.potentials.h_star`).
 
+When the outer loop holds a dense Cholesky factor of ``A(gamma_t)`` (small ``n``), it preconditions CG
+instead (``A(gamma_t)`` and the Newton matrix share ``X^T X`` and the rows of ``B``).
+
 The CG tolerance follows an Eisenstat-Walker forcing sequence ``min(0.1, sqrt(||g_k|| / ||g_0||))``,
 floored at ``cg_tol``: early Newton steps are solved loosely, the last ones to ``cg_tol``.
 """
@@ -55,8 +58,8 @@ def _site_value(prob, s, z):
     return prob.pot.h_star(s, z, derivatives=0)[0].sum()
 
 
-def inner_loop(prob, z, u0, *, max_newton=20, cg_tol=1e-6, newton_tol=1e-9, cg_max_iter=None,
-               precondition=True, armijo=1e-4, max_backtrack=40):
+def inner_loop(prob, z, u0, *, max_newton=20, cg_tol=1e-6, newton_tol=1e-8, cg_max_iter=None,
+               precondition=True, chol=None, armijo=1e-4, max_backtrack=40):
     r"""Newton/IRLS minimisation of ``Psi(u) = ||y~ - X u||^2/2 + sum_i h_i^*(s_i)`` (seed 000, §2.2).
 
     :param prob: a :class:`~.problem.RelaxationProblem`.
@@ -67,6 +70,8 @@ def inner_loop(prob, z, u0, *, max_newton=20, cg_tol=1e-6, newton_tol=1e-9, cg_m
     :param newton_tol: stop when the Newton decrement ``-grad^T d / 2 <= newton_tol * max(1, |Psi|)``.
     :param cg_max_iter: CG iteration cap per system.
     :param precondition: use the Jacobi preconditioner.
+    :param chol: optional dense Cholesky factor of ``A(gamma)`` from the outer loop (small ``n``); when
+        given it preconditions CG instead of Jacobi (same solution, far fewer iterations).
     :returns: :class:`InnerResult`.
     """
     u = u0.clone()
@@ -94,7 +99,9 @@ def inner_loop(prob, z, u0, *, max_newton=20, cg_tol=1e-6, newton_tol=1e-9, cg_m
             break
         rtol = max(cg_tol, min(0.1, (gnorm / g0norm) ** 0.5))
         precond = None
-        if precondition:
+        if chol is not None:
+            precond = lambda R, L=chol: torch.cholesky_solve(R, L)  # noqa: E731
+        elif precondition:
             dj = prob.jacobi(e) if e is not None else prob.diag_xtx().clone()
             precond = torch.where(dj > 0, dj, torch.ones_like(dj))
         if e is not None:
@@ -106,8 +113,8 @@ def inner_loop(prob, z, u0, *, max_newton=20, cg_tol=1e-6, newton_tol=1e-9, cg_m
         res.cg_iterations.append(sol.iterations)
         res.num_mvm += sol.num_mvm
         slope = float(grad @ d)
-        if not slope < 0:  # CG stopped too early to give a descent direction: steepest descent, scaled
-            d = -grad / precond if precond is not None else -grad
+        if not slope < 0:  # CG stopped too early to give a descent direction: steepest descent
+            d = -grad
             slope = float(grad @ d)
         decrement = -0.5 * slope
         res.decrement = decrement

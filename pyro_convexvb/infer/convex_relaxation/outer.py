@@ -22,6 +22,7 @@ inequality plus AM-GM on the complement: ``log|A| <= log|T_k| + (n-k) log((tr A 
 """
 from dataclasses import dataclass
 import math
+import time
 
 import torch
 
@@ -155,10 +156,13 @@ def phi_value(prob, gamma, u, logdet, x_star=None):
     return float(logdet) + h_value(prob, gamma, x_star) + float(prob.R(u, gamma))
 
 
-def solve_mean(prob, gamma, u0=None, cg_tol=1e-10, cg_max_iter=None):
-    """``argmin_u R(u, gamma)``: ``A u = X^T y~ + B^T (beta - o/gamma)`` by Jacobi-preconditioned CG."""
+def solve_mean(prob, gamma, u0=None, cg_tol=1e-10, cg_max_iter=None, chol=None):
+    """``argmin_u R(u, gamma)``: ``A u = X^T y~ + B^T (beta - o/gamma)`` by Jacobi-preconditioned CG
+    (or directly from a dense Cholesky factor ``chol`` of ``A``)."""
     w = 1.0 / gamma if prob.q else None
     rhs = prob.mean_rhs(gamma) if prob.q else prob.xty().clone()
+    if chol is not None:
+        return torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1), 0
     d = prob.jacobi(w) if prob.q else prob.diag_xtx().clone()
     d = torch.where(d > 0, d, torch.ones_like(d))
     res = cg((lambda v: prob.a_mv(v, w)) if prob.q else prob.xtx_mv, rhs, precond=d, x0=u0, rtol=cg_tol,
@@ -167,7 +171,7 @@ def solve_mean(prob, gamma, u0=None, cg_tol=1e-10, cg_max_iter=None):
 
 
 def double_loop(prob, *, variance="lanczos", k=80, pca_rank=None, max_outer=5, max_newton=20, cg_tol=1e-6,
-                newton_tol=1e-10, gamma_tol=1e-3, phi_tol=1e-6, z_min=1e-10, gamma_init=None, generator=None,
+                newton_tol=1e-8, gamma_tol=1e-3, phi_tol=1e-6, z_min=1e-10, gamma_init=None, generator=None,
                 dense_logdet_max=2000, cg_max_iter=None, history=None, progress=None):
     r"""The double-loop algorithm of seed 000, §2.2.
 
@@ -195,20 +199,25 @@ def double_loop(prob, *, variance="lanczos", k=80, pca_rank=None, max_outer=5, m
     else:
         gamma = torch.zeros(0, dtype=dt, device=dev)
         x_star = None
-    u, mvm_init = solve_mean(prob, gamma, cg_tol=min(cg_tol, 1e-8), cg_max_iter=cg_max_iter)
+    u, mvm_init = None, 0
     stats = dict(phi=[], logdet=[], logdet_method=[], newton_steps=[], cg_iterations=[], inner_converged=[],
                  rel_gamma=[], lanczos_steps=[], inner_mvm=[], outer_mvm=[])
     mvm = {"init": mvm_init, "inner": 0, "outer": 0}
+    seconds = {"inner": 0.0, "outer": 0.0}
     b_counts = {"inner": 0, "outer": 0}
     converged = False
     rel_gamma = math.inf
     step = None
     for t in range(int(max_outer) + 1):
         c_before = prob.counts.get("B", 0)
+        t_start = time.perf_counter()
         step = variance_step(prob, gamma, method=variance, k=k, pca_rank=pca_rank, generator=generator,
                              dense_logdet_max=dense_logdet_max)
         b_counts["outer"] += prob.counts.get("B", 0) - c_before
+        seconds["outer"] += time.perf_counter() - t_start
         mvm["outer"] += step.num_mvm
+        if u is None:  # u_0 = argmin_u R(u, gamma_0): Cholesky if the step has one, else PCG
+            u, mvm["init"] = solve_mean(prob, gamma, cg_tol=min(cg_tol, 1e-8), cg_max_iter=cg_max_iter, chol=step.chol)
         stats["outer_mvm"].append(step.num_mvm)
         stats["lanczos_steps"].append(step.lanczos.k if step.lanczos is not None else 0)
         phi = phi_value(prob, gamma, u, step.logdet, x_star)
@@ -229,8 +238,10 @@ def double_loop(prob, *, variance="lanczos", k=80, pca_rank=None, max_outer=5, m
             break
         z = step.z.clamp_min(z_min)
         c_before = prob.counts.get("B", 0)
+        t_start = time.perf_counter()
         inner = inner_loop(prob, z, u, max_newton=max_newton, cg_tol=cg_tol, newton_tol=newton_tol,
-                           cg_max_iter=cg_max_iter)
+                           cg_max_iter=cg_max_iter, chol=step.chol)
+        seconds["inner"] += time.perf_counter() - t_start
         b_counts["inner"] += prob.counts.get("B", 0) - c_before
         mvm["inner"] += inner.num_mvm
         stats["inner_mvm"].append(inner.num_mvm)
@@ -242,5 +253,6 @@ def double_loop(prob, *, variance="lanczos", k=80, pca_rank=None, max_outer=5, m
         u, gamma = inner.u, inner.gamma
         x_star = z + inner.s * inner.s
     mvm["B_products"] = b_counts
+    mvm["seconds"] = seconds
     mvm["total_B_products"] = prob.counts.get("B", 0) - counts0.get("B", 0)
     return dict(u=u, gamma=gamma, x_star=x_star, step=step, converged=converged, mvm=mvm, **stats)
