@@ -198,7 +198,7 @@ class BayesianLinearRegression:
                 opt.zero_grad()
                 loss = objective()
                 loss.backward()
-                history.append(float(loss))
+                history.append(float(loss.detach()))
                 return loss
 
             opt.step(closure)

@@ -1,0 +1,144 @@
+"""Bayesian linear regression (seed 004 §1.2) against dense closed forms and scipy type-II ML."""
+import math
+
+import gpytorch
+import numpy as np
+import pytest
+import scipy.optimize
+import torch
+
+from pyro_convexvb.blr import BayesianLinearRegression, blr_log_marginal_likelihood, blr_posterior
+from pyro_convexvb.errors import ConvergenceWarning
+from pyro_convexvb.gp.random_features import RandomFourierFeatures
+
+DT = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _data(N, D, seed=0, noise=0.3):
+    g = torch.Generator().manual_seed(seed)
+    Phi = torch.randn(N, D, generator=g, dtype=DT)
+    y = Phi @ torch.randn(D, generator=g, dtype=DT) + noise * torch.randn(N, generator=g, dtype=DT)
+    return Phi, y
+
+
+def _dense_lml(Phi, y, s2, lam):
+    N = Phi.shape[0]
+    K = s2 * torch.eye(N, dtype=DT) + lam * Phi @ Phi.T
+    return torch.distributions.MultivariateNormal(torch.zeros(N, dtype=DT), K).log_prob(y)
+
+
+@pytest.mark.parametrize("N,D", [(40, 5), (5, 40), (12, 12)])
+def test_log_marginal_likelihood_and_posterior_closed_form(N, D):
+    Phi, y = _data(N, D)
+    s2, lam = 0.2, 1.7
+    assert torch.allclose(blr_log_marginal_likelihood(Phi, y, s2, lam), _dense_lml(Phi, y, s2, lam), rtol=1e-12)
+    m, C = blr_posterior(Phi, y, s2, lam)
+    A = Phi.T @ Phi / s2 + torch.eye(D, dtype=DT) / lam
+    C_ref = torch.linalg.inv(A)
+    assert torch.allclose(C, C_ref, rtol=1e-9, atol=1e-11)
+    assert torch.allclose(m, C_ref @ Phi.T @ y / s2, rtol=1e-9, atol=1e-11)
+
+
+def test_log_marginal_likelihood_gradients_finite_differences():
+    Phi, y = _data(30, 4)
+    t = torch.tensor([math.log(0.3), math.log(2.0)], dtype=DT, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: blr_log_marginal_likelihood(Phi, y, t[0].exp(), t[1].exp()), (t,))
+
+
+def _scipy_type2(Phi, y):
+    P, Y = Phi.numpy(), y.numpy()
+    N = P.shape[0]
+
+    def neg(theta):
+        s2, lam = np.exp(theta)
+        K = s2 * np.eye(N) + lam * P @ P.T
+        sign, logdet = np.linalg.slogdet(K)
+        return 0.5 * (logdet + Y @ np.linalg.solve(K, Y) + N * np.log(2 * np.pi))
+
+    res = scipy.optimize.minimize(neg, np.zeros(2), method="Nelder-Mead",
+                                  options={"xatol": 1e-10, "fatol": 1e-12, "maxiter": 5000})
+    return np.exp(res.x), -res.fun
+
+
+@pytest.mark.parametrize("N,D,seed", [(60, 4, 3), (15, 30, 4)])
+def test_type2_ml_matches_scipy(N, D, seed):
+    Phi, y = _data(N, D, seed=seed, noise=0.5)
+    (s2, lam), best = _scipy_type2(Phi, y)
+    blr = BayesianLinearRegression(noise_var=0.7, prior_var=0.5).fit(Phi, y)
+    assert blr.converged_
+    assert abs(blr.log_marginal_likelihood_ - best) < 1e-7
+    np.testing.assert_allclose([blr.noise_var_, blr.prior_var_], [s2, lam], rtol=1e-4)
+    m, C = blr_posterior(Phi, y, s2, lam)
+    assert torch.allclose(blr.coef_, m, rtol=1e-4, atol=1e-6)
+
+
+def test_basis_hyperparameters_match_scipy():
+    """Learning an RBF lengthscale through random Fourier features vs scipy on the same frequencies."""
+    g = torch.Generator().manual_seed(5)
+    X = torch.rand(50, 1, generator=g, dtype=DT) * 6 - 3
+    y = torch.sin(1.5 * X[:, 0]) + 0.1 * torch.randn(50, generator=g, dtype=DT)
+    k = gpytorch.kernels.RBFKernel().double()
+    rff = RandomFourierFeatures(k, 20, seed=0)
+    rff(X[:1])
+    eps = rff.spectral.eps.numpy()[:, 0]  # fixed standard normal draws: s = eps / lengthscale
+    Xn, Yn = X.numpy()[:, 0], y.numpy()
+
+    def neg(theta):
+        s2, lam, ell = np.exp(theta)
+        proj = np.outer(Xn, eps / ell)
+        P = np.hstack([np.cos(proj), np.sin(proj)]) / np.sqrt(20)
+        K = s2 * np.eye(50) + lam * P @ P.T
+        return 0.5 * (np.linalg.slogdet(K)[1] + Yn @ np.linalg.solve(K, Yn) + 50 * np.log(2 * np.pi))
+
+    starts = [np.log([0.1, 1.0, ell]) for ell in (0.5, 1.0, 2.0)]
+    res = min((scipy.optimize.minimize(neg, s, method="Nelder-Mead",
+                                       options={"xatol": 1e-10, "fatol": 1e-12, "maxiter": 20000}) for s in starts),
+              key=lambda r: r.fun)
+    k.lengthscale = 1.0
+    blr = BayesianLinearRegression(basis=rff, noise_var=0.1).fit(X, y)
+    assert abs(blr.log_marginal_likelihood_ + res.fun) < 1e-6
+    np.testing.assert_allclose([blr.noise_var_, blr.prior_var_, float(k.lengthscale)], np.exp(res.x), rtol=1e-3)
+
+
+def test_predict_closed_form_and_sklearn_contract():
+    Phi, y = _data(50, 3)
+    blr = BayesianLinearRegression(fit_intercept=True, learn_noise=False, learn_prior_var=False,
+                                   noise_var=0.09, prior_var=2.0)
+    assert blr.fit(Phi, y) is blr
+    Xs = torch.randn(6, 3, dtype=DT)
+    P1 = torch.cat([Phi, torch.ones(50, 1, dtype=DT)], 1)
+    Ps = torch.cat([Xs, torch.ones(6, 1, dtype=DT)], 1)
+    m, C = blr_posterior(P1, y, 0.09, 2.0)
+    mean, std = blr.predict(Xs, return_std=True)
+    assert torch.allclose(mean, Ps @ m)
+    assert torch.allclose(std ** 2, 0.09 + ((Ps @ C) * Ps).sum(-1))
+    _, std_f = blr.predict(Xs, return_std=True, include_noise=False)
+    assert torch.allclose(std_f ** 2, ((Ps @ C) * Ps).sum(-1))
+    assert abs(blr.noise_var_ - 0.09) < 1e-14 and abs(blr.prior_var_ - 2.0) < 1e-13
+    assert torch.allclose(blr.posterior_.loc, m)
+    assert blr.score(Phi, y) > 0.8
+
+
+def test_errors():
+    Phi, y = _data(10, 2)
+    with pytest.raises(RuntimeError, match="not fitted"):
+        BayesianLinearRegression().predict(Phi)
+    with pytest.raises(ValueError, match="X contains NaN"):
+        BayesianLinearRegression().fit(Phi * float("nan"), y)
+    with pytest.raises(ValueError, match="y must have shape"):
+        BayesianLinearRegression().fit(Phi, y[:5])
+    with pytest.raises(ValueError, match="noise_var"):
+        BayesianLinearRegression(noise_var=-1.0).fit(Phi, y)
+    blr = BayesianLinearRegression().fit(Phi, y)
+    with pytest.raises(ValueError, match="columns"):
+        blr.predict(torch.randn(3, 5, dtype=DT))
+    with pytest.warns(ConvergenceWarning):
+        BayesianLinearRegression(max_iter=1, noise_var=10.0, prior_var=0.01).fit(Phi, y)
