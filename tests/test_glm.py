@@ -1,0 +1,133 @@
+"""GLM estimator (seed 004 §1.3, Eqs. 29-31) against Monte Carlo and scipy references."""
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from pyro_convexvb.blr import BayesianLinearRegression
+from pyro_convexvb.glm import GLM, _binomial_cdf
+from pyro_convexvb.infer.diag_mixture import DiagMixturePosterior
+
+DT = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _fitted(likelihood, noise_var=0.3, n_trials=1):
+    """A GLM with a hand-set mixture posterior over 3 weights (2 inputs + intercept)."""
+    glm = GLM(likelihood, n_trials=n_trials)
+    glm.posterior_ = DiagMixturePosterior(torch.tensor([[0.5, -1.0, 0.2], [1.0, 0.3, -0.4]], dtype=DT),
+                                          torch.tensor([[0.2, 0.1, 0.3], [0.05, 0.4, 0.1]], dtype=DT))
+    glm.n_features_in_ = 2
+    glm.noise_var_ = noise_var
+    return glm
+
+
+def _samples(glm, X, S=400_000):
+    torch.manual_seed(0)
+    w = glm.posterior_.sample(S)
+    X1 = torch.cat([X, torch.ones(X.shape[0], 1, dtype=DT)], 1)
+    return w @ X1.T  # (S, M) latent f*
+
+
+X_TEST = torch.tensor([[0.3, -0.5], [1.0, 1.0], [-1.2, 0.4]], dtype=DT)
+
+
+@pytest.mark.parametrize("likelihood", ["bernoulli", "gaussian", "poisson", "binomial"])
+def test_predictive_expectation_eq29_against_monte_carlo(likelihood):
+    glm = _fitted(likelihood, n_trials=7)
+    f = _samples(glm, X_TEST)
+    ref = {"bernoulli": torch.sigmoid(f), "gaussian": f, "poisson": torch.exp(f), "binomial": 7 * torch.sigmoid(f)}
+    mc = ref[likelihood]
+    se = mc.std(0) / mc.shape[0] ** 0.5
+    assert ((glm.predict(X_TEST) - mc.mean(0)).abs() < 5 * se + 1e-12).all()
+
+
+@pytest.mark.parametrize("likelihood", ["gaussian", "poisson", "binomial", "bernoulli"])
+def test_predictive_quantiles_eq30_31(likelihood):
+    glm = _fitted(likelihood, n_trials=6)
+    f = _samples(glm, X_TEST, 200_000)
+    torch.manual_seed(1)
+    if likelihood == "gaussian":
+        y = f + 0.3 ** 0.5 * torch.randn_like(f)
+    elif likelihood == "poisson":
+        y = torch.poisson(torch.exp(f))
+    elif likelihood == "binomial":
+        y = torch.distributions.Binomial(6, logits=f).sample()
+    else:
+        y = torch.bernoulli(torch.sigmoid(f))
+    for q in (0.05, 0.5, 0.9):
+        a = glm.predict_quantile(X_TEST, q)
+        F = glm.predictive_cdf(X_TEST, a)
+        F_mc = (y <= a).to(DT).mean(0)
+        assert (F - F_mc).abs().max() < 0.01  # Eq. (30) by quadrature vs sampled predictive
+        if likelihood == "gaussian":
+            assert torch.allclose(F, torch.full_like(F, q), atol=1e-9)
+        else:  # smallest integer with P(y <= a) >= q
+            assert (F >= q).all() and (glm.predictive_cdf(X_TEST, a - 1) < q).all()
+            assert torch.equal(a, torch.round(a))
+    lo, hi = glm.predict_interval(X_TEST, 0.8)
+    assert (lo <= hi).all()
+
+
+def test_binomial_cdf_against_scipy():
+    f = torch.tensor([[-1.0, 0.0, 2.0]], dtype=DT)
+    n = torch.tensor([[4.0], [10.0]], dtype=DT).unsqueeze(0)  # (1, 2, 1) rows
+    for a in (0.0, 2.0, 3.0, 10.0):
+        got = _binomial_cdf(torch.full((2, 1), a, dtype=DT), n[0], f.expand(2, 3))
+        for r, nn in enumerate((4, 10)):
+            ref = scipy.stats.binom.cdf(a, nn, 1 / (1 + np.exp(-f[0].numpy())))
+            np.testing.assert_allclose(got[r].numpy(), ref, rtol=1e-12, atol=1e-14)
+
+
+def test_gaussian_glm_k1_matches_bayesian_linear_regression():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(150, 2, generator=g, dtype=DT)
+    y = X @ torch.tensor([1.0, -0.5], dtype=DT) + 0.3 + 0.4 * torch.randn(150, generator=g, dtype=DT)
+    blr = BayesianLinearRegression(fit_intercept=True).fit(X, y)
+    glm = GLM("gaussian", num_components=1, lr=0.05, max_steps=1500, min_steps=500, window=100, rtol=1e-3,
+              num_particles=4).fit(X, y)
+    sd = blr.covariance_.diagonal().sqrt()
+    assert ((glm.posterior_.loc - blr.coef_).abs() < 0.5 * sd).all()
+    assert abs(glm.noise_var_ / blr.noise_var_ - 1) < 0.1
+    assert abs(np.log(glm.prior_var_ / blr.prior_var_)) < 0.7  # type-II ML inside the ELBO (mean-field)
+    assert glm.log_evidence_bound_ is not None and glm.log_evidence_bound_ < blr.log_marginal_likelihood_
+
+
+def test_bernoulli_minibatch_mixture_fit():
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(400, 2, generator=g, dtype=DT)
+    y = (torch.rand(400, generator=g, dtype=DT) < torch.sigmoid(2 * X[:, 0] - X[:, 1])).to(DT)
+    glm = GLM("bernoulli", num_components=2, batch_size=100, max_steps=800, min_steps=400, window=100,
+              lr=0.05).fit(X, y)
+    assert glm.posterior_.num_components == 2 and glm.n_steps_ <= 800
+    p = glm.predict_proba(X)
+    assert ((p > 0.5).to(DT) == y).to(DT).mean() > 0.8
+    w = glm.posterior_.loc
+    assert w[0] > 1.0 and w[1] < -0.4
+
+
+def test_input_validation():
+    X = torch.randn(10, 2, dtype=DT)
+    with pytest.raises(ValueError, match="labels in"):
+        GLM("bernoulli").fit(X, torch.full((10,), 2.0, dtype=DT))
+    with pytest.raises(ValueError, match="likelihood"):
+        GLM("student").fit(X, torch.zeros(10, dtype=DT))
+    with pytest.raises(ValueError, match="counts"):
+        GLM("poisson").fit(X, torch.full((10,), 0.5, dtype=DT))
+    with pytest.raises(ValueError, match="n_trials"):
+        GLM("binomial", n_trials=3).fit(X, torch.full((10,), 4.0, dtype=DT))
+    with pytest.raises(ValueError, match="batch_size"):
+        GLM(batch_size=0).fit(X, torch.zeros(10, dtype=DT))
+    with pytest.raises(RuntimeError, match="not fitted"):
+        GLM().predict(X)
+    with pytest.raises(ValueError, match="columns"):
+        _fitted("gaussian").predict(torch.randn(3, 4, dtype=DT))
+    with pytest.raises(ValueError, match=r"\(0, 1\)"):
+        _fitted("gaussian").predict_interval(X, 1.5)
