@@ -83,12 +83,14 @@ def _solve_zeta(z0, q, link, tol, maxiter):
     Algorithm 1, Eq. (15)/(28) with ``zeta = z_{i,t+}``, ``z0 = z_i``,
     ``q = x^2 sigma^2_i / c^2`` (Newton is affine invariant, so the iterates are those of
     Eqs. (32)-(34) in ``w``), and DimGauss, Eq. (37) along ``v_t`` with ``q = x^T Sigma_t x``.
-    The root lies in ``[z0, z0 + q psi1(z0)]``.
+    The root lies in ``[z0, z0 + q psi1(z0)]``; Newton steps that leave the bracket or are
+    more than half the previous step are replaced by bisection (as ``rtsafe``).
     """
     p1, _ = _psi(z0, link)
     lo = z0
     hi = z0 + q * p1
     zeta = z0
+    dx_old = np.inf
     for _ in range(maxiter):
         q1, q2 = _psi(zeta, link)
         g = zeta - z0 - q * q1
@@ -97,11 +99,15 @@ def _solve_zeta(z0, q, link, tol, maxiter):
             hi = zeta
         else:
             lo = zeta
-        z_new = zeta - g / h
-        if abs(z_new - zeta) <= tol * (1.0 + abs(zeta)):
+        dx = g / h
+        z_new = zeta - dx
+        if abs(dx) <= tol * (1.0 + abs(zeta)):
             return z_new, True
-        if z_new < lo or z_new > hi:
+        if z_new < lo or z_new > hi or abs(dx) > 0.5 * abs(dx_old):
             z_new = 0.5 * (lo + hi)
+            dx_old = zeta - z_new
+        else:
+            dx_old = dx
         zeta = z_new
     return zeta, False
 

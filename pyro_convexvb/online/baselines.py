@@ -56,7 +56,7 @@ def dimgauss_update(y, x, mu_i, s2_i, link, mean_update="taylor", tol=1e-9, maxi
     ``Sigma~_{t+1}`` by Sherman-Morrison (44), the mean (45) and ``Sigma_{t+1}`` (46), of which
     the diagonal is kept.  Newton form: Eqs. (37)-(40) with ``H^{-1}`` applied by
     Sherman-Morrison (41); a step whose score ``y x^T u`` leaves the bracket that contains the
-    root is replaced by bisection.
+    root, or moves it by more than half the previous step, is replaced by bisection.
 
     :returns: ``(mu_new, s2_new, converged)``.
     """
@@ -72,6 +72,7 @@ def dimgauss_update(y, x, mu_i, s2_i, link, mean_update="taylor", tol=1e-9, maxi
         lo, hi = z0, z0 + q * float(eq.psi1(z0, link))
         u = mu_i.copy()
         converged = False
+        dz_old = np.inf
         for _ in range(maxiter):
             z = y * float(np.dot(x, u))
             p1, b = float(eq.psi1(z, link)), float(eq.psi2(z, link))
@@ -84,12 +85,16 @@ def dimgauss_update(y, x, mu_i, s2_i, link, mean_update="taylor", tol=1e-9, maxi
             else:
                 lo = z
             z_new = y * float(np.dot(x, u_new))
-            if abs(z_new - z) <= tol * (1.0 + abs(z)):
+            dz = z_new - z
+            if abs(dz) <= tol * (1.0 + abs(z)):
                 u = u_new
                 converged = True
                 break
-            if z_new < lo or z_new > hi:  # safeguard: bisect along v_t
-                u_new = mu_i + y * v * (0.5 * (lo + hi) - z0) / q
+            if z_new < lo or z_new > hi or abs(dz) > 0.5 * abs(dz_old):  # safeguard: bisect along v_t
+                z_mid = 0.5 * (lo + hi)
+                u_new = mu_i + y * v * (z_mid - z0) / q
+                dz = z_mid - z
+            dz_old = dz
             u = u_new
     z_plus = y * float(np.dot(x, u))  # y x^T u_{t+1}, Eq. (36)
     b = float(eq.psi2(z_plus, link))

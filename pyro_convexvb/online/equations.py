@@ -206,11 +206,12 @@ def newton_mean(y, x, mu_i, s2_i, mu_minus, s2_minus, link, tol=1e-9, maxiter=50
 
     Minimises ``(w - mu_i)^2 / (2 s2_i) - log F(y (mu_minus + x w) / c)`` (the negative log of
     the r.h.s. of Eq. (12) / (26)) starting from ``w = mu_i`` with the gradient Eq. (32), the
-    curvature Eq. (33) and the step Eq. (34); it stops when a step is below
+    curvature Eq. (33) and the step Eq. (34); it stops when a Newton step is below
     ``tol (1 + |w|)`` (the iteration converges quadratically, so the error is then far below
-    ``tol``).  The first step is exactly the Taylor update (17).  Larger steps that leave the bracket
-    ``[mu_i, mu_i + y x s2_i psi1(z_i) / c]``, which always contains the root, are replaced by
-    bisection, so the iteration cannot diverge.
+    ``tol``).  The first step is exactly the Taylor update (17).  The iteration is safeguarded
+    as in ``rtsafe``: the root always lies in ``[mu_i, mu_i + y x s2_i psi1(z_i) / c]``, and a
+    Newton step that leaves the current bracket, or is more than half the previous step, is
+    replaced by bisection, so it cannot diverge or stall in oscillations.
 
     :returns: ``(mu_new, converged)``: ``(d_t,)`` means and a ``(d_t,)`` boolean mask.
     """
@@ -220,15 +221,19 @@ def newton_mean(y, x, mu_i, s2_i, mu_minus, s2_minus, link, tol=1e-9, maxiter=50
     far = mu_i + y * x * s2_i * psi1(y * (mu_minus + x * mu_i) / c, link) / c
     lo, hi = np.minimum(mu_i, far), np.maximum(mu_i, far)
     converged = np.zeros(w.shape, dtype=bool)
+    dx_old = np.full(w.shape, np.inf)
     for _ in range(maxiter):
         z = y * (mu_minus + x * w) / c
         g = (w - mu_i) / s2_i - y * x / c * psi1(z, link)  # Eq. (32)
         h = 1.0 / s2_i + x * x / (c * c) * psi2(z, link)  # Eq. (33)
         hi = np.where(g > 0, w, hi)
         lo = np.where(g <= 0, w, lo)
-        w_new = w - g / h  # Eq. (34)
-        small = np.abs(w_new - w) <= tol * (1.0 + np.abs(w))
-        w_new = np.where(small | ((w_new >= lo) & (w_new <= hi)), w_new, 0.5 * (lo + hi))
+        dx = g / h
+        w_newton = w - dx  # Eq. (34)
+        small = np.abs(dx) <= tol * (1.0 + np.abs(w))
+        newton = small | ((w_newton >= lo) & (w_newton <= hi) & (np.abs(dx) <= 0.5 * np.abs(dx_old)))
+        w_new = np.where(newton, w_newton, 0.5 * (lo + hi))
+        dx_old = np.where(newton, dx, w - w_new)
         w = np.where(converged, w, w_new)
         converged |= small
         if converged.all():
