@@ -277,3 +277,14 @@ def test_algorithm1_learns_and_beats_untuned_sgd_on_the_paper_setting():
     m.partial_fit(X, y)
     assert np.corrcoef(m.coef_, stream.theta)[0, 1] > 0.95
     assert np.all(m.coef_var_ < 1.0)
+
+
+@pytest.mark.parametrize("cls", [OnlineBayesLogistic, OnlineDimGauss])
+def test_newton_paths_agree_and_converge_with_a_wide_prior(cls):
+    X, y = _data(n=300, empty_rows=False)
+    fast = cls(D, prior_var=50.0, mean_update="newton", fast=True)
+    ref = cls(D, prior_var=50.0, mean_update="newton", fast=False)
+    np.testing.assert_allclose(fast.partial_fit(X, y, return_log_loss=True),
+                               ref.partial_fit(X, y, return_log_loss=True), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(fast.coef_, ref.coef_, rtol=1e-11, atol=1e-12)
+    assert fast.n_unconverged_ == ref.n_unconverged_ == 0

@@ -224,3 +224,26 @@ def test_marginal_vb_is_the_minimiser_of_the_sampled_kl():
                                     options={"xatol": 1e-11, "fatol": 1e-14, "maxiter": 4000}).x
             assert m_new[i] == pytest.approx(ref[0], abs=1e-6)
             assert math.sqrt(s2_new[i]) == pytest.approx(ref[1], abs=1e-6)
+
+
+@pytest.mark.parametrize("link", LINKS)
+def test_newton_solves_converge_on_hard_rows(link):
+    """Large prior variances and confidently wrong rows: the safeguarded Newton iterations still
+    converge (no maxiter hits) to the root found by bracketing (brentq)."""
+    for q, z0 in [(12.13106104672423, -3.5530368799616605), (640.0, -8.0), (2000.0, 3.0), (0.01, -30.0)]:
+        d_t = 20
+        x = np.ones(d_t)
+        s2_i = np.full(d_t, q / d_t)
+        mu_i = np.full(d_t, z0 / d_t)
+        u, _, ok = dimgauss_update(1.0, x, mu_i, s2_i, link, "newton", maxiter=50)
+        assert ok
+        root = optimize.brentq(lambda z: z - z0 - q * float(eq.psi1(z, link)), z0, z0 + q * float(eq.psi1(z0, link)) + 1,
+                               xtol=1e-14)
+        assert float(x @ u) == pytest.approx(root, rel=1e-9, abs=1e-9)
+        # Algorithm 1 with a huge prior variance for the feature and a wrong-signed self-excluding mean
+        s2 = np.array([q])
+        w, ok1 = eq.newton_mean(1.0, np.ones(1), np.zeros(1), s2, np.array([z0]), np.array([1.0]), link)
+        assert ok1.all()
+        c = float(eq.shrinkage(1.0, link))
+        ref = optimize.brentq(lambda v: v / q - float(eq.psi1((z0 + v) / c, link)) / c, 0.0, q / c + 1, xtol=1e-13)
+        assert w[0] == pytest.approx(ref, rel=1e-9, abs=1e-10)
