@@ -112,7 +112,7 @@ def main(argv=None):
         ("Algorithm 1 probit, Taylor (30) + Laplace (31)", lambda: OnlineBayesLogistic(d, link="probit"), T),
         ("Algorithm 1, mini-batch 100", lambda: OnlineBayesLogistic(d, batch_size=100), T),
         ("ADF (D.2)", lambda: OnlineADF(d), T),
-        ("DimGauss, Taylor (D.1)", lambda: OnlineDimGauss(d), T),
+        ("DimGauss, Taylor (D.1)", lambda: OnlineDimGauss(d, mean_update="taylor"), T),
         ("DimGauss, Newton (D.1)", lambda: OnlineDimGauss(d, mean_update="newton"), T),
         ("marginalised VB, N = 100 (D.3)", lambda: OnlineMarginalVB(d, num_samples=100), slow_rows // 5),
         ("SGD + AdaGrad", lambda: OnlineAdaGradLogistic(d, learning_rate=0.1), T),

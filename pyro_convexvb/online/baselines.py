@@ -170,21 +170,23 @@ class OnlineDimGauss(OnlineDiagonalGaussian):
 
     Each row updates the joint Gaussian of its ``d_t`` features with the rank-one precision
     term of Eq. (48) through Sherman-Morrison (``O(d_t)``, never a ``d_t x d_t`` matrix) and
-    keeps the diagonal.  ``mean_update="taylor"`` is Eqs. (42)-(46), ``"newton"`` iterates
-    Eqs. (37)-(40).  See :func:`dimgauss_update`.
+    keeps the diagonal.  ``mean_update="newton"`` (default) iterates Eqs. (37)-(40) to the mode;
+    ``"taylor"`` is the one-step form Eqs. (42)-(46), which overshoots when
+    ``x^T Sigma_t x`` is large (wide priors, many active features) and a row is predicted
+    confidently wrong.  See :func:`dimgauss_update`.
 
     Example::
 
         >>> import numpy as np
         >>> m = OnlineDimGauss(3).partial_fit(np.array([[1.0, 1.0, 0.0]]), [1])
         >>> m.coef_var_.round(3)
-        array([0.845, 0.845, 1.   ])
+        array([0.846, 0.846, 1.   ])
     """
 
     _method_code = 2
     _config_keys = ("mean_update", "tol", "maxiter")
 
-    def __init__(self, num_features, prior_mean=0.0, prior_var=1.0, link="logit", mean_update="taylor",
+    def __init__(self, num_features, prior_mean=0.0, prior_var=1.0, link="logit", mean_update="newton",
                  hashing=None, batch_size=1, tol=1e-9, maxiter=50, fast=None):
         super().__init__(num_features, prior_mean=prior_mean, prior_var=prior_var, link=link,
                          hashing=hashing, batch_size=batch_size, fast=fast)
