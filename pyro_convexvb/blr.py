@@ -207,7 +207,7 @@ class BayesianLinearRegression:
             loss.backward()
             grad = max(float(p.grad.abs().max()) for p in params if p.grad is not None)
             self.n_iter_ = opt.state[opt._params[0]].get("n_iter", len(history))
-            self.converged_ = grad <= self.tol * (1 + abs(float(loss)))
+            self.converged_ = grad <= self.tol * (1 + abs(float(loss.detach())))
             if not self.converged_:
                 warnings.warn(f"BayesianLinearRegression: L-BFGS stopped after {self.n_iter_} iterations with "
                               f"gradient {grad:.3g} (tol {self.tol:.1g}); raise max_iter", ConvergenceWarning)

@@ -450,15 +450,22 @@ class RandomFeatureGP(PyroModule):
         return f
 
     # ------------------------------------------------------------------ prediction
-    def latent(self, X, posterior):
+    def latent(self, X, posterior, num_samples=2000):
         """Latent ``f(X)`` mean and variance ``(N,)`` under a posterior over ``w``.
+
+        Exact for dense and mixture posteriors; matrix-free (precision-operator) posteriors, whose
+        marginals of new rows are not available, are summarised from ``num_samples`` exact samples.
 
         :param posterior: :class:`~pyro_convexvb.GaussianPosterior` or
             :class:`~pyro_convexvb.infer.diag_mixture.DiagMixturePosterior`.
         """
         with torch.no_grad():
             Phi = self.features(X)
-        m, v = posterior.marginals(Phi)
+            try:
+                m, v = posterior.marginals(Phi)
+            except NotImplementedError:  # matrix-free precision: estimate from exact posterior samples
+                f = posterior.sample(num_samples) @ Phi.transpose(0, 1)
+                m, v = f.mean(0), f.var(0)
         return m + self.mean, v
 
     def predict(self, X, posterior, return_std=False):
@@ -473,10 +480,10 @@ class RandomFeatureGP(PyroModule):
             Phi = self.features(X)
         if hasattr(posterior, "component_marginals"):
             M, V = posterior.component_marginals(Phi)
+            M = M + self.mean
         else:
-            m, v = posterior.marginals(Phi)
+            m, v = self.latent(X, posterior)
             M, V = m.unsqueeze(0), v.unsqueeze(0)
-        M = M + self.mean
         if self.likelihood == "gaussian":
             mean_k, second_k = M, V + M**2 + self.noise_scale**2
         elif self.likelihood == "bernoulli":
