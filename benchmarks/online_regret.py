@@ -82,10 +82,10 @@ def build_models(d, prior_var, emp_var, grid):
         dim_grid = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
         lr_grid = [0.1, 0.2, 0.3, 0.5, 1.0]
         batches = [10, 100, 1000]
-    else:
-        adf_grid = [0.5, 1.0, 2.0]
-        dim_grid = [2.0, 4.0, 8.0, 16.0]
-        lr_grid = [0.2, 0.3, 0.5]
+    else:  # the neighbourhood of the best values of the full grid at T = 10^6
+        adf_grid = [1.0]
+        dim_grid = [8.0]
+        lr_grid = [0.2, 0.3]
         batches = [10]
     for g in adf_grid:
         models[f"ADF, prior var {g * scale:g}"] = ("ADF", g * scale, OnlineADF(d, prior_var=g * scale))
@@ -162,7 +162,7 @@ def print_tables(results, T):
             if m is None:
                 cells += ["", ""]
                 continue
-            tag = f" ({m['label'].split(', ', 1)[1]})" if "label" in m else ""
+            tag = f" ({m['label'].split(', ', 1)[1]})" if "label" in m and not k.startswith("mini-batch") else ""
             cells += [f"{m['r_T']:.2f}{tag}", f"{m['seconds']:.1f}"]
         print(f"| {k} | " + " | ".join(cells) + " |")
     paper_cols = [n for n in names if (n, T) in PAPER]
@@ -199,24 +199,38 @@ def plot(results, path):
     import matplotlib.pyplot as plt
 
     names = list(results)
-    fig, axes = plt.subplots(1, len(names), figsize=(5.2 * len(names), 4.2), squeeze=False)
+    fig, axes = plt.subplots(2, len(names), figsize=(5.2 * len(names), 8.0), squeeze=False)
     titles = {"dt20": "d=200, E[d_t]=20, std 1", "dt40": "d=200, E[d_t]=40, std 1",
               "longtail": "22 Zipf(1.75) categories, std 2"}
-    for ax, n in zip(axes[0], names):
+    for col, n in enumerate(names):
         best = best_per_family(results[n])
+        ax, bx = axes[0, col], axes[1, col]
+        top = 0.0
         for i, (k, m) in enumerate(best.items()):
             t = np.asarray(m["t"], dtype=float)
             r = np.asarray(m["regret"])
             sel = t >= 100
             lab = k if "label" not in m else m["label"]
+            curve = r[sel] / np.log(t[sel])
+            if m["family"].startswith("mini-batch"):
+                bx.plot(t[sel], curve, "--", lw=1.3, label=lab)
+                continue
             ls = "-" if m["family"].startswith("Algorithm 1") else "--"
-            ax.plot(t[sel], r[sel] / np.log(t[sel]), ls, lw=1.3, label=lab, color=f"C{i % 10}")
-        ax.set_xscale("log")
-        ax.set_xlabel("round t")
-        ax.set_ylabel("R_t / log t")
+            ax.plot(t[sel], curve, ls, lw=1.3, label=lab, color=f"C{i % 10}")
+            if m["family"].startswith("Algorithm 1"):
+                top = max(top, float(np.max(curve)))
+            if k.startswith("ApproxL ("):
+                bx.plot(t[sel], curve, "-", lw=1.6, color="k", label=k + ", sequential")
+        ax.set_ylim(0, 3.5 * top)
         ax.set_title(titles.get(n, n), fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6.5)
+        bx.set_yscale("log")
+        bx.set_title(f"{titles.get(n, n)}: mini-batch mode", fontsize=10)
+        for a in (ax, bx):
+            a.set_xscale("log")
+            a.set_xlabel("round t")
+            a.set_ylabel("R_t / log t")
+            a.grid(alpha=0.3)
+            a.legend(fontsize=6.5)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -231,7 +245,15 @@ def main(argv=None):
     ap.add_argument("--vb-T", type=float, default=None, help="prefix for VB-100 (default 1e5, quick 5e3, 0: skip)")
     ap.add_argument("--chunk-size", type=int, default=100_000)
     ap.add_argument("--name", default=None, help="output name (default online_regret, or online_regret_T<T>)")
+    ap.add_argument("--replot", default=None, help="reprint the tables and redraw the figure from a results JSON")
     args = ap.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as fh:
+            saved = json.load(fh)
+        stem = os.path.splitext(os.path.basename(args.replot))[0]
+        print_tables(saved["settings"], saved["T"])
+        plot(saved["settings"], os.path.join(ROOT, "docs", "figures", f"{stem}.png"))
+        return saved
     T = int(args.T or (5e4 if args.quick else 1e6))
     grid = args.grid or ("small" if args.quick else "full")
     vb_T = int(args.vb_T if args.vb_T is not None else (5e3 if args.quick else 1e5))
