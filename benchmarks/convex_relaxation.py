@@ -74,7 +74,7 @@ def build_lgm(X, y, prior, scale):
     return LatentGaussianModel(layout, [flat], [lap, lik])
 
 
-def run_case(name, Xtr, ytr, Xte, yte, *, prior="gauss", scale=1.0, k=80, max_outer=3, seed=0):
+def run_case(name, Xtr, ytr, Xte, yte, *, prior="gauss", scale=1.0, k=80, max_outer=3, seed=0, progress=False):
     Xtr_b, Str = add_bias(Xtr)
     Xte_b, Ste = add_bias(Xte)
     q, n = Xtr_b.shape
@@ -84,7 +84,7 @@ def run_case(name, Xtr, ytr, Xte, yte, *, prior="gauss", scale=1.0, k=80, max_ou
     with PeakRSS() as mem, _timer() as tv:
         lgm = build_lgm(Xtr_b, ytr, prior, scale)
         res = ConvexVariationalRelaxation(lgm, lanczos_rank=k, max_outer=max_outer, gamma_tol=1e-2, phi_tol=1e-4,
-                                          seed=seed, progress=False).run()
+                                          seed=seed, progress=progress).run()
     info = res.info
     with _timer() as tp:
         mean, var = predictive_marginals(res, Xte_b)
@@ -180,7 +180,7 @@ def main():
             kw = dict(k=100 if args.quick else 750, max_outer=2 if args.quick else 3)
         elif case == "rcv1":
             data = synthetic("rcv1", 0.005 if args.quick else args.size, args.seed)
-            kw = dict(k=100 if args.quick else 750, max_outer=2)
+            kw = dict(k=100 if args.quick else 750, max_outer=2, progress=not args.quick)
         else:
             raise SystemExit(f"unknown case {case!r}")
         print(f"[{case}] data ready in {time.perf_counter() - t0:.1f}s: train {tuple(data[0].shape)}, "

@@ -27,7 +27,7 @@ import time
 import torch
 
 from ...linalg.cg import cg
-from ...linalg.lanczos import lanczos_variances, pca_variances
+from ...linalg.lanczos import lanczos, lanczos_variances, pca_variances
 from .inner import inner_loop
 
 __all__ = ["VarianceStep", "variance_step", "logdet_upper_bound", "h_value", "phi_value", "double_loop"]
@@ -93,8 +93,44 @@ def logdet_upper_bound(prob, w, lanczos_result=None):
     return best, method
 
 
+def _lanczos_cached(prob, w, k, generator, cache_bytes):
+    """K-Lanczos with ``B q_j`` kept from each product ``A q_j`` (seed 000 §2.3 recursion done afterwards).
+
+    ``A q = X^T X q + B^T (w * (B q))`` computes ``B q_j`` anyway; storing it (``k x q`` numbers) saves
+    the ``k`` extra products with ``B`` that ``z_k = diag(B Q T^{-1} Q^T B^T)`` otherwise needs.
+    Returns ``None`` if the buffer would exceed ``cache_bytes``.
+    """
+    q = prob.q
+    if prob.B is None or k * q * torch.finfo(prob.dtype).bits // 8 > cache_bytes:
+        return None
+    BQ = torch.empty(k, q, dtype=prob.dtype, device=prob.device)
+    calls = [0]
+
+    def matmul(v):
+        if v.dim() != 1:
+            return prob.a_mv(v, w)
+        bq = prob.B.mv(v)
+        if calls[0] < k:
+            BQ[calls[0]] = bq
+        calls[0] += 1
+        return prob.xtx_mv(v) + prob.B.rmv(w * bq)
+
+    res = lanczos(matmul, prob.n, k, generator=generator, dtype=prob.dtype, device=prob.device)
+    if calls[0] != res.k:  # the run did not call matmul once per Lanczos vector: fall back
+        return res, res.variances(prob.B)
+    e, d = res.cholesky_T()
+    e = e.to(dtype=prob.dtype, device=prob.device)
+    d = d.to(dtype=prob.dtype, device=prob.device)
+    z = torch.zeros(q, dtype=prob.dtype, device=prob.device)
+    v = None
+    for j in range(res.k):  # z_j = z_{j-1} + v_j^2, v_j = (B q_j - d_{j-1} v_{j-1}) / e_j
+        v = BQ[j] / e[j] if j == 0 else (BQ[j] - d[j - 1] * v) / e[j]
+        z.add_(v * v)
+    return res, z
+
+
 def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generator=None,
-                  dense_logdet_max=2000):
+                  dense_logdet_max=2000, cache_bytes=6e9):
     """Estimate ``z = diag(B A^{-1} B^T)``, ``diag(A^{-1})`` and ``log|A|`` at ``gamma`` (seed 000, §2.3).
 
     :param prob: :class:`~.problem.RelaxationProblem`.
@@ -104,6 +140,7 @@ def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generat
     :param pca_rank: ``L`` for ``"pca"``.
     :param generator: torch generator for the Lanczos start vector.
     :param dense_logdet_max: largest ``n`` for an exact (Cholesky) ``log|A|`` in the Lanczos/PCA modes.
+    :param cache_bytes: memory allowed for keeping ``B q_j`` during Lanczos (see :func:`_lanczos_cached`).
     :returns: :class:`VarianceStep`.
     """
     w = 1.0 / gamma if prob.q else torch.zeros(0, dtype=prob.dtype, device=prob.device)
@@ -118,9 +155,13 @@ def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generat
     B = prob.B
     k = min(int(k), n)
     if method == "lanczos":
-        zq, res = lanczos_variances(A_op, B if B is not None else None, k, return_result=True, generator=generator)
+        cached = _lanczos_cached(prob, w, k, generator, cache_bytes)
+        if cached is not None:
+            res, z = cached
+        else:
+            zq, res = lanczos_variances(A_op, B if B is not None else None, k, return_result=True, generator=generator)
+            z = zq if B is not None else torch.zeros(0, dtype=prob.dtype, device=prob.device)
         var_u = res.variances(None)
-        z = zq if B is not None else torch.zeros(0, dtype=prob.dtype, device=prob.device)
     elif method == "pca":
         L_rank = max(1, min(n, int(pca_rank) if pca_rank is not None else max(1, k // 6)))
         zq, res = pca_variances(A_op, B, L_rank, num_steps=max(k, L_rank), max_steps=max(k, L_rank),
