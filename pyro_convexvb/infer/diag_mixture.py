@@ -38,6 +38,7 @@ from pyro.distributions import constraints
 from torch.distributions import biject_to
 
 from ..errors import ConvergenceWarning, UnsupportedModelError
+from .baselines import _progress
 from .posterior import GaussianPosterior
 from .registry import register_engine
 from .result import History, InferenceResult
@@ -443,14 +444,7 @@ class DiagMixtureELBO(ELBO):
                     for f in site["cond_indep_stack"] if f.vectorized]
             self.max_plate_nesting = -min(dims) if dims else 0
         mpn = int(self.max_plate_nesting)
-        latent = z.reshape((P,) + (1,) * mpn + z.shape[-1:])
-        values, log_det = {}, 0.0
-        for site, uv in guide._unpack_latent(latent):
-            t = biject_to(site["fn"].support)
-            v = t(uv)
-            ld = t.log_abs_det_jacobian(uv, v)
-            log_det = log_det + ld.sum() if torch.is_tensor(ld) else log_det
-            values[site["name"]] = v
+        values, log_det = self._constrain(guide, z.reshape((P,) + (1,) * mpn + z.shape[-1:]))
         with pyro.plate("_diag_mixture_particles", P, dim=-(mpn + 1)):
             tr = poutine.trace(poutine.condition(model, data=values)).get_trace(*args, **kwargs)
         self._check_model_trace(tr, guide)
@@ -467,17 +461,23 @@ class DiagMixtureELBO(ELBO):
     def _log_joint_sequential(self, model, guide, z, args, kwargs):
         total = 0.0
         for zp in z:
-            values, log_det = {}, 0.0
-            for site, uv in guide._unpack_latent(zp):
-                t = biject_to(site["fn"].support)
-                v = t(uv)
-                ld = t.log_abs_det_jacobian(uv, v)
-                log_det = log_det + ld.sum() if torch.is_tensor(ld) else log_det
-                values[site["name"]] = v
+            values, log_det = self._constrain(guide, zp)
             tr = poutine.trace(poutine.condition(model, data=values)).get_trace(*args, **kwargs)
             self._check_model_trace(tr, guide)
             total = total + tr.log_prob_sum() + log_det
         return total / z.shape[0]
+
+    @staticmethod
+    def _constrain(guide, latent):
+        """Site values ``T(u)`` and the summed ``log|T'(u)|`` for a packed unconstrained latent."""
+        values, log_det = {}, 0.0
+        for site, uv in guide._unpack_latent(latent):
+            t = biject_to(site["fn"].support)
+            v = t(uv)
+            ld = t.log_abs_det_jacobian(uv, v)
+            log_det = log_det + ld.sum() if torch.is_tensor(ld) else log_det
+            values[site["name"]] = v
+        return values, log_det
 
     @staticmethod
     def _check_model_trace(tr, guide):
@@ -706,14 +706,6 @@ def mixture_evidence_bound(lgm, posterior, entropy="eq24"):
     kinds = sorted(_ENTROPY_BOUNDS) if entropy == "best" else [entropy]
     h = max(float(_entropy_fn(k)(posterior.locs, posterior.variances)) for k in kinds)
     return float(torch.stack(parts).mean()) + h
-
-
-def _progress(iterable, enabled, desc):
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, desc=desc, leave=False)
 
 
 def run_diag_mixture(model, args, kwargs, *, num_components=1, num_particles=1, entropy="eq24", lr=0.02,
