@@ -72,10 +72,19 @@ __all__ = [
 LOGIT_BOUNDS = ("tight", "jensen", "bohning", "jaakkola")
 
 
-def _entropy_terms(kappa):
-    """``H(k) = k log k + (1-k) log(1-k)`` with its first two derivatives (``0 log 0 = 0``)."""
-    H = torch.special.xlogy(kappa, kappa) + torch.special.xlogy(1 - kappa, 1 - kappa)
-    return H, torch.log(kappa) - torch.log1p(-kappa), 1.0 / (kappa * (1 - kappa))
+def _entropy_terms(kappa, kappa0=None):
+    """``H(k) = k log k + (1-k) log(1-k)`` with its first two derivatives (``0 log 0 = 0``).
+
+    ``kappa0 = 1 - kappa`` may be passed separately, computed without cancellation.
+    """
+    k0 = 1 - kappa if kappa0 is None else kappa0
+    H = torch.special.xlogy(kappa, kappa) + torch.special.xlogy(k0, k0)
+    return H, torch.log(kappa) - torch.log(k0), 1.0 / kappa + 1.0 / k0
+
+
+def _kappas(alpha, y):
+    """``(kappa, 1 - kappa)`` with ``kappa = alpha + y`` for labels ``y in {0, 1}``, both without cancellation."""
+    return alpha + y, (1 - y) - alpha
 
 
 class StochasticVolatility(SiteFamily):
@@ -294,7 +303,7 @@ class LogitJensenBound(LocalBound):
         return torch.nn.functional.softplus(h + 0.5 * rho) - self.y * h
 
     def psi(self, alpha):
-        return _entropy_terms(alpha + self.y)
+        return _entropy_terms(*_kappas(alpha, self.y))
 
     def ell(self, alpha):
         return alpha + self.y, torch.ones_like(alpha), torch.zeros_like(alpha)
@@ -319,7 +328,7 @@ class LogitBohningBound(LocalBound):
         return torch.nn.functional.softplus(h) + rho / 8 - self.y * h
 
     def psi(self, alpha):
-        return _entropy_terms(alpha + self.y)
+        return _entropy_terms(*_kappas(alpha, self.y))
 
     def ell(self, alpha):
         z = torch.zeros_like(alpha)
@@ -377,12 +386,12 @@ def _tight_kappa(h, rho, iters=60):
         hi = torch.where(F <= 0, z, hi)
         step = F / (rho * s * (1 - s) + 1)
         zn = z + step
-        bad = (zn <= lo) | (zn >= hi)
+        bad = (zn < lo) | (zn > hi)
         zn = torch.where(bad, 0.5 * (lo + hi), zn)
-        if bool((step.abs() <= 1e-15 * (1 + z.abs())).all()):
-            z = zn
-            break
+        zn = torch.where(F == 0, z, zn)
         z = zn
+        if bool((step.abs() <= 1e-15 * (1 + z.abs())).all()):
+            break
     return torch.sigmoid(z), z
 
 
@@ -403,16 +412,17 @@ class LogitTightBound(LocalBound):
         self.y = family.params["y"]
 
     def f(self, h, rho):
-        k, z = _tight_kappa(h, rho)
+        # kappa* is detached: by the envelope theorem the first derivatives of f stay exact under autograd
+        k, z = _tight_kappa(h.detach(), rho.detach())
         H = _entropy_terms(k)[0]
         return k * h + 0.5 * k * (1 - k) * rho - H - self.y * h
 
     def psi(self, alpha):
-        return _entropy_terms(alpha + self.y)
+        return _entropy_terms(*_kappas(alpha, self.y))
 
     def ell(self, alpha):
-        k = alpha + self.y
-        return k * (1 - k), 1 - 2 * k, torch.full_like(alpha, -2.0)
+        k1, k0 = _kappas(alpha, self.y)
+        return k1 * k0, k0 - k1, torch.full_like(alpha, -2.0)
 
     def alpha_domain(self, like):
         return -self.y.to(like), 1 - self.y.to(like)

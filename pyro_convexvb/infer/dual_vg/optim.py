@@ -53,13 +53,12 @@ def initial_alpha(backend, bound):
     return _clip_into(a, bound)
 
 
-def _clip_into(a, bound, margin=1e-6):
+def _clip_into(a, bound, margin=1e-10):
+    """Move entries of ``a`` that are not strictly inside the domain just inside it (others are kept)."""
     lo, hi = bound.alpha_domain(a)
-    lo_f = torch.where(torch.isfinite(lo), lo, a)
-    hi_f = torch.where(torch.isfinite(hi), hi, a)
     width = torch.where(torch.isfinite(hi - lo), hi - lo, torch.ones_like(a))
-    a = torch.maximum(a, lo_f + margin * width)
-    a = torch.minimum(a, hi_f - margin * width)
+    a = torch.where(torch.isfinite(lo) & (a <= lo), lo + margin * width, a)
+    a = torch.where(torch.isfinite(hi) & (a >= hi), hi - margin * width, a)
     return a
 
 
