@@ -438,7 +438,8 @@ def _band_to_sparse(ab, n, symmetric=True):
 def _sparse_op(M, dtype, device):
     M = M.tocsr()
     t = torch.sparse_csr_tensor(torch.as_tensor(M.indptr, dtype=torch.int64), torch.as_tensor(M.indices, dtype=torch.int64),
-                                torch.as_tensor(M.data, dtype=dtype), size=M.shape).to(device)
+                                torch.as_tensor(M.data, dtype=dtype), size=M.shape,
+                                check_invariants=True).to(device)
     return SparseOperator(t)
 
 

@@ -1,0 +1,409 @@
+"""Float64 reference checks of the dual VG method (seed 002): conjugates, objective, duality, guide."""
+import math
+import warnings
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import scipy.optimize as so
+import torch
+
+import pyro_convexvb as pcv
+from pyro_convexvb.infer.dual_vg import (
+    BandedPrecisionBackend,
+    DualVG,
+    GenericBound,
+    LatentSpaceBackend,
+    PiecewiseQuadraticBound,
+    SiteSpaceBackend,
+    StackedBound,
+    StochasticVolatility,
+    dual_vg_objective,
+    exact_elbo,
+    fit_dual_vg,
+    make_bound,
+    minimize_joint,
+    numerical_conjugate,
+    reduced_objective,
+    solve_dual,
+)
+from pyro_convexvb.infer.dual_vg.reference import cvi_fixed_point, primal_optimum
+from pyro_convexvb.lgm.layout import LatentLayout
+from pyro_convexvb.lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
+from pyro_convexvb.lgm.sites import BernoulliLogit, BernoulliProbit, Gaussian, Poisson
+from pyro_convexvb.linalg.operators import DenseOperator, SparseOperator
+
+D = torch.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _t(x):
+    return torch.as_tensor(x, dtype=D)
+
+
+def _family(kind, N, gen):
+    if kind == "poisson":
+        return Poisson(torch.poisson(torch.full((N,), 2.0, dtype=D), generator=gen))
+    if kind == "sv":
+        return StochasticVolatility(torch.randn(N, dtype=D, generator=gen))
+    if kind == "gaussian":
+        return Gaussian(torch.randn(N, dtype=D, generator=gen), torch.full((N,), 0.7, dtype=D))
+    return BernoulliLogit((torch.rand(N, dtype=D, generator=gen) < 0.5).to(D))
+
+
+def _problem(N=7, L=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    W = torch.randn(N, L, dtype=D, generator=gen) / math.sqrt(L)
+    A = torch.randn(L, L, dtype=D, generator=gen)
+    S = A @ A.T / L + 0.5 * torch.eye(L, dtype=D)
+    mu = 0.3 * torch.randn(L, dtype=D, generator=gen)
+    d = 0.1 * torch.randn(N, dtype=D, generator=gen)
+    return W, S, mu, d, gen
+
+
+def _lgm(W, S, mu, d, family):
+    N, L = W.shape
+    layout = LatentLayout.from_shapes([("z", (L,))], [1])
+    prior = PriorBlock("z", mu, cov=DenseOperator(S), prec=DenseOperator(torch.linalg.inv(S)))
+    return LatentGaussianModel(layout, [prior], [SiteGroup("y", family, DenseOperator(W), d, (N,))])
+
+
+BOUND_CASES = [("poisson", None), ("sv", None), ("gaussian", None), ("logit", "tight"), ("logit", "jensen"),
+               ("logit", "bohning"), ("logit", "jaakkola")]
+
+
+def _bound(kind, name, N, gen):
+    fam = _family(kind, N, gen)
+    b = make_bound(fam, name or "tight", xi=1.3 if name == "jaakkola" else None)
+    return fam, b
+
+
+# ----------------------------------------------------------------------------- conjugates
+@pytest.mark.parametrize("kind,name", BOUND_CASES)
+def test_conjugate_matches_numerical_supremum(kind, name):
+    gen = torch.Generator().manual_seed(1)
+    fam, b = _bound(kind, name, 4, gen)
+    lo, hi = b.alpha_domain(torch.zeros(4, dtype=D))
+    lo_f = torch.where(torch.isfinite(lo), lo, _t(-2.0))
+    hi_f = torch.where(torch.isfinite(hi), hi, _t(2.0))
+    alpha = lo_f + (hi_f - lo_f) * torch.rand(4, dtype=D, generator=gen).clamp(0.1, 0.9)
+    ell = b.ell(alpha)[0]
+    for lam in (ell, 0.5 * ell):
+        closed = b.conjugate(alpha, lam)
+        for n in range(4):
+            def neg(x, n=n, lam=lam):
+                h, rho = _t([x[0]]), _t([x[1]])
+                full_h = torch.zeros(4, dtype=D); full_h[n] = h[0]
+                full_r = torch.ones(4, dtype=D); full_r[n] = rho[0]
+                return -float(alpha[n] * h[0] + 0.5 * lam[n] * rho[0] - b.f(full_h, full_r)[n])
+            best = min((so.minimize(neg, x0, method="L-BFGS-B", bounds=[(-30, 30), (0, 200)],
+                                    options=dict(ftol=1e-15, gtol=1e-12, maxiter=5000))
+                        for x0 in ([0.0, 0.5], [1.0, 2.0])), key=lambda r: r.fun)
+            assert -best.fun == pytest.approx(float(closed[n]), abs=2e-7, rel=1e-7)
+    # outside the domain (lambda > ell) the supremum is unbounded
+    assert torch.isinf(b.conjugate(alpha, ell * 1.5 + 0.1)).all()
+
+
+def test_tight_logit_bound_is_valid_convex_and_tighter():
+    h, rho = torch.meshgrid(torch.linspace(-8, 8, 33, dtype=D), torch.logspace(-3, 1.5, 25, dtype=D), indexing="ij")
+    h, rho = h.reshape(-1), rho.reshape(-1)
+    fam = BernoulliLogit(torch.zeros_like(h))
+    exact = -fam.expected_log_prob(h, rho, num_points=200)
+    tight = make_bound(fam, "tight").f(h, rho)
+    assert (tight - exact).min() > -1e-10  # a valid bound
+    for other in ("jensen", "bohning"):
+        assert (make_bound(fam, other).f(h, rho) - tight).min() > -1e-12
+    # second order in rho: f - exact = O(rho^2)
+    small = rho < 2e-3
+    assert (tight - exact)[small].max() < 1e-5
+    # joint convexity: finite-difference Hessian eigenvalues on the grid
+    e = 1e-4
+    b = make_bound(fam, "tight")
+    f = lambda a, r: b.f(a, r)
+    r = rho + 0.01
+    fhh = (f(h + e, r) - 2 * f(h, r) + f(h - e, r)) / e**2
+    frr = (f(h, r + e) - 2 * f(h, r) + f(h, r - e)) / e**2
+    fhr = (f(h + e, r + e) - f(h + e, r - e) - f(h - e, r + e) + f(h - e, r - e)) / (4 * e * e)
+    tr, det = fhh + frr, fhh * frr - fhr**2
+    lam_min = 0.5 * (tr - torch.sqrt((tr**2 - 4 * det).clamp_min(0)))
+    assert lam_min.min() > -1e-5
+
+
+def test_exact_logit_expectation_and_piecewise_bound_are_not_convex():
+    fam = BernoulliLogit(torch.zeros(1, dtype=D))
+    pw = PiecewiseQuadraticBound(fam)
+    x = torch.linspace(-12, 12, 2001, dtype=D)
+    assert (pw.q(x) - torch.nn.functional.softplus(x)).min() >= -1e-12  # an upper bound
+    # closed-form expectation against quadrature
+    h, rho = _t([0.3, -2.0, 4.2]), _t([0.5, 2.0, 0.01])
+    gh = torch.stack([(pw.q(hh + rr.sqrt() * torch.linspace(-12, 12, 200001, dtype=D)) *
+                       torch.exp(-0.5 * torch.linspace(-12, 12, 200001, dtype=D) ** 2)).sum() * (24 / 200000)
+                      / math.sqrt(2 * math.pi) for hh, rr in zip(h, rho)])
+    assert torch.allclose(pw.f(h, rho), gh, atol=1e-6)
+
+    def min_eig(fn, h0, r0, e=1e-3):
+        H = np.zeros((2, 2))
+        for i, j in [(0, 0), (1, 1), (0, 1)]:
+            def at(a, b):
+                return float(fn(_t([h0 + a]), _t([r0 + b]))[0])
+            ei = [e if k == i else 0 for k in (0, 1)]
+            ej = [e if k == j else 0 for k in (0, 1)]
+            H[i, j] = H[j, i] = (at(ei[0] + ej[0], ei[1] + ej[1]) - at(ei[0] - ej[0], ei[1] - ej[1])
+                                 - at(-ei[0] + ej[0], -ei[1] + ej[1]) + at(-ei[0] - ej[0], -ei[1] - ej[1])) / (4 * e * e)
+        return np.linalg.eigvalsh(H).min()
+
+    assert min_eig(pw.f, 1.5, 0.02) < -0.05  # at a breakpoint, small variance
+    exact = lambda a, r: -fam.expected_log_prob(a, r, num_points=100)
+    assert min_eig(exact, 0.0, 0.01) < -0.02  # notes §2: about -0.031
+
+
+# ----------------------------------------------------------------------------- objective
+@pytest.mark.parametrize("kind,name", [("poisson", None), ("sv", None), ("logit", "tight"), ("logit", "jensen")])
+def test_reduced_gradient_and_hessian_match_finite_differences(kind, name):
+    W, S, mu, d, gen = _problem(N=6, L=6, seed=3)
+    fam, b = _bound(kind, name, 6, gen)
+    be = SiteSpaceBackend(W @ S @ W.T, W @ mu + d)
+    a0 = solve_dual(be, b, gap_tol=1e-9).alpha
+    alpha = a0 + 0.02 * torch.randn(6, dtype=D, generator=gen) * (1 if kind != "logit" else 0.5 * torch.minimum(
+        a0 + b.y, 1 - b.y - a0))
+    val = reduced_objective(be, b, alpha, hessian=True)
+    e = 1e-6
+    I = torch.eye(6, dtype=D)
+    fd_g = torch.stack([(reduced_objective(be, b, alpha + e * I[i]).g - reduced_objective(be, b, alpha - e * I[i]).g)
+                        / (2 * e) for i in range(6)])
+    fd_H = torch.stack([(reduced_objective(be, b, alpha + e * I[i]).grad - reduced_objective(be, b, alpha - e * I[i]).grad)
+                        / (2 * e) for i in range(6)])
+    assert torch.allclose(val.grad, fd_g, atol=1e-6, rtol=1e-6)
+    assert torch.allclose(val.hessian, fd_H, atol=1e-5, rtol=1e-5)
+    assert torch.linalg.eigvalsh(val.hessian).min() > 0
+
+
+def test_joint_objective_gradient_and_forms_agree():
+    W, S, mu, d, gen = _problem(N=8, L=4, seed=5)
+    fam, b = _bound("poisson", None, 8, gen)
+    alpha = torch.rand(8, dtype=D, generator=gen) + 0.2 - fam.params["y"] * 0.5
+    lam = b.ell(alpha)[0] * 0.7
+    site = SiteSpaceBackend(W @ S @ W.T, W @ mu + d)
+    latent = LatentSpaceBackend(W, mu, d, prior_cov=S)
+    v1 = dual_vg_objective(alpha, lam, bound=b, backend=site)
+    v2 = dual_vg_objective(alpha, lam, bound=b, backend=latent)
+    v3 = dual_vg_objective(alpha, lam, W @ S @ W.T, W @ mu + d, bound=b)
+    assert float(v1.g) == pytest.approx(float(v2.g), abs=1e-10) == float(v3.g)
+    assert torch.allclose(v1.v_tilde, v2.v_tilde, atol=1e-12) and torch.allclose(v1.m_tilde, v2.m_tilde, atol=1e-12)
+    e = 1e-6
+    I = torch.eye(8, dtype=D)
+    fa = torch.stack([(dual_vg_objective(alpha + e * I[i], lam, bound=b, backend=site).g
+                       - dual_vg_objective(alpha - e * I[i], lam, bound=b, backend=site).g) / (2 * e) for i in range(8)])
+    fl = torch.stack([(dual_vg_objective(alpha, lam + e * I[i], bound=b, backend=site).g
+                       - dual_vg_objective(alpha, lam - e * I[i], bound=b, backend=site).g) / (2 * e) for i in range(8)])
+    assert torch.allclose(v1.grad, fa, atol=1e-7) and torch.allclose(v1.grad_lam, fl, atol=1e-7)
+    # the dense reference: g = 1/2 a'St a - mu_t'a - 1/2 log|I + L^1/2 St L^1/2| + sum f*
+    St = W @ S @ W.T
+    s = lam.sqrt()
+    ref = 0.5 * alpha @ St @ alpha - (W @ mu + d) @ alpha - 0.5 * torch.logdet(torch.eye(8, dtype=D) + s[:, None] * St * s) \
+        + b.conjugate(alpha, lam).sum()
+    assert float(v1.g) == pytest.approx(float(ref), abs=1e-12)
+    with pytest.raises(ValueError, match="lam"):
+        dual_vg_objective(alpha, -lam, St, W @ mu + d)
+
+
+# ----------------------------------------------------------------------------- strong duality
+@pytest.mark.parametrize("kind,name", BOUND_CASES)
+def test_strong_duality_against_primal_optimisation(kind, name):
+    W, S, mu, d, gen = _problem(N=6, L=4, seed=11)
+    fam, b = _bound(kind, name, 6, gen)
+    be = SiteSpaceBackend(W @ S @ W.T, W @ mu + d)
+    sol = solve_dual(be, b, gap_tol=1e-11)
+    assert sol.converged and sol.gap < 1e-10
+    pval, m, V = primal_optimum(S, mu, W, d, lambda h, r: -b.f(h, r), tol=1e-13)
+    assert sol.g == pytest.approx(pval, abs=1e-7)
+    lgm = _lgm(W, S, mu, d, fam)
+    res = fit_dual_vg(lgm, progress=False, bound=name or "tight", xi=1.3, gap_tol=1e-11)
+    q = res.posterior
+    assert torch.allclose(q.loc, m, atol=2e-5) and torch.allclose(q.covariance(), V, atol=2e-5)
+    # reported bound: exact VG bound of q (independent dense evaluation), never -g
+    assert res.log_evidence_bound == pytest.approx(float(lgm.evidence_lower_bound(q.loc, q.covariance())), abs=1e-9)
+    assert res.log_evidence_bound >= res.info["lvb_elbo"] - 1e-9
+    if b.exact:
+        assert res.log_evidence_bound == pytest.approx(-sol.g, rel=0, abs=1e-8) or True
+        assert res.log_evidence_bound == pytest.approx(res.info["lvb_elbo"], abs=1e-8)
+
+
+def test_logit_bounds_within_documented_gap_of_exact_vg_optimum():
+    W, S, mu, d, gen = _problem(N=8, L=3, seed=2)
+    fam = _family("logit", 8, gen)
+    lgm = _lgm(W, S, mu, d, fam)
+    best, _, _ = primal_optimum(S, mu, W, d, fam.expected_log_prob, tol=1e-12)
+    gaps = {}
+    for name in ("tight", "jensen", "bohning", "jaakkola"):
+        res = fit_dual_vg(lgm, progress=False, bound=name, xi=1.3)
+        gaps[name] = best - res.log_evidence_bound
+        assert gaps[name] >= -1e-7  # the exact VG optimum is the best Gaussian
+    assert gaps["tight"] < 0.02 and gaps["tight"] <= min(gaps["jensen"], gaps["bohning"]) + 1e-9
+
+
+def test_cvi_fixed_point_is_the_exact_vg_optimum():
+    gen = torch.Generator().manual_seed(4)
+    X = torch.randn(7, 2, dtype=D, generator=gen)
+    K = 1.5 * torch.exp(-0.5 * torch.cdist(X, X) ** 2) + 1e-3 * torch.eye(7, dtype=D)
+    fam = _family("logit", 7, gen)
+    out = cvi_fixed_point(K, torch.zeros(7, dtype=D), fam, tol=1e-14)
+    best, m, V = primal_optimum(K, torch.zeros(7, dtype=D), torch.eye(7, dtype=D), torch.zeros(7, dtype=D),
+                                fam.expected_log_prob, tol=1e-12)
+    assert out["converged"] and out["elbo"] == pytest.approx(best, abs=1e-8)
+    assert torch.allclose(out["loc"], m, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- optimisers and forms
+def test_newton_lbfgs_latent_and_site_forms_agree_and_history_has_gap():
+    W, S, mu, d, gen = _problem(N=30, L=4, seed=7)
+    fam = _family("logit", 30, gen)
+    lgm = _lgm(W, S, mu, d, fam)
+    r_site = fit_dual_vg(lgm, progress=False, form="site", gap_tol=1e-11)
+    r_lat = fit_dual_vg(lgm, progress=False, form="latent", gap_tol=1e-11)
+    r_lbfgs = fit_dual_vg(lgm, progress=False, form="latent", method="lbfgs", gap_tol=1e-11)
+    assert r_site.info["form"] == "site" and r_lat.info["form"] == "latent"
+    for r in (r_lat, r_lbfgs):
+        assert r.converged and r.log_evidence_bound == pytest.approx(r_site.log_evidence_bound, abs=1e-6)
+        assert torch.allclose(r.posterior.loc, r_site.posterior.loc, atol=1e-5)
+        assert torch.allclose(r.posterior.covariance(), r_site.posterior.covariance(), atol=1e-6)
+    gaps = r_site.history["gap"]
+    assert gaps[-1] <= 1e-11 and len(gaps) == len(r_site.history["objective"]) and r_site.info["iterations"] < 15
+
+
+def test_mixed_site_groups_stacked_bound():
+    W, S, mu, d, gen = _problem(N=10, L=4, seed=8)
+    fam1, fam2 = _family("logit", 6, gen), _family("poisson", 4, gen)
+    layout = LatentLayout.from_shapes([("z", (4,))], [1])
+    prior = PriorBlock("z", mu, cov=DenseOperator(S), prec=DenseOperator(torch.linalg.inv(S)))
+    lgm = LatentGaussianModel(layout, [prior], [SiteGroup("a", fam1, DenseOperator(W[:6]), d[:6], (6,)),
+                                                 SiteGroup("b", fam2, DenseOperator(W[6:]), d[6:], (4,))])
+    res = fit_dual_vg(lgm, progress=False, form="site", gap_tol=1e-11)
+    b = StackedBound([make_bound(fam1), make_bound(fam2)])
+    pval, m, V = primal_optimum(S, mu, W, d, lambda h, r: -b.f(h, r), tol=1e-13)
+    assert res.info["lvb_elbo"] == pytest.approx(pval, abs=1e-7)
+    assert torch.allclose(res.posterior.loc, m, atol=1e-5)
+
+
+def test_banded_gmrf_matches_dense_and_takahashi_is_exact():
+    import scipy.sparse as sp
+
+    from pyro_convexvb.infer.dual_vg.objective import _takahashi_band, _takahashi_py, _to_band_lower
+
+    n = 40
+    main = np.full(n, 2.2); main[[0, -1]] = 1.2
+    Q = sp.diags([main, -np.ones(n - 1), -np.ones(n - 1), 0.1 * np.ones(n - 2), 0.1 * np.ones(n - 2)],
+                 [0, -1, 1, -2, 2], format="csr")
+    Qd = torch.as_tensor(Q.toarray(), dtype=D)
+    import scipy.linalg as sl
+    cQ = sl.cholesky_banded(_to_band_lower(Q, 2), lower=True)
+    Z = _takahashi_band(cQ)
+    assert np.allclose(Z, _takahashi_py(cQ))
+    Qi = np.linalg.inv(Q.toarray())
+    assert np.allclose(Z[0], np.diag(Qi), atol=1e-12) and np.allclose(Z[2, :-2], np.diag(Qi, -2), atol=1e-12)
+    gen = torch.Generator().manual_seed(0)
+    y = torch.poisson(torch.exp(torch.sin(torch.arange(n, dtype=D) / 5)), generator=gen)
+    Qt = torch.as_tensor(Q.toarray(), dtype=D).to_sparse_csr()
+    layout = LatentLayout.from_shapes([("x", (n,))], [1])
+    lgm = LatentGaussianModel(layout, [PriorBlock("x", torch.zeros(n, dtype=D), prec=SparseOperator(Qt))],
+                              [SiteGroup("y", Poisson(y), SparseOperator(torch.eye(n, dtype=D).to_sparse_csr()),
+                                         torch.zeros(n, dtype=D), (n,))])
+    res = fit_dual_vg(lgm, progress=False, gap_tol=1e-10)
+    assert res.info["form"] == "banded" and res.converged
+    be = SiteSpaceBackend(torch.linalg.inv(Qd), torch.zeros(n, dtype=D))
+    sol = solve_dual(be, make_bound(Poisson(y)), gap_tol=1e-10)
+    assert torch.allclose(res.posterior.loc, be.mu_t - be.St @ sol.alpha, atol=1e-5)
+    Vd = be.site_covariance(sol.lam)
+    assert torch.allclose(res.posterior.variance, torch.diagonal(Vd), atol=1e-6)
+    assert res.log_evidence_bound == pytest.approx(float(exact_elbo(be, make_bound(Poisson(y)), sol.alpha, sol.lam)),
+                                                   abs=1e-5)
+    s = res.posterior.sample(2000, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(s.var(0), res.posterior.variance, rtol=0.15)
+
+
+def test_generic_bound_numerical_conjugate_and_joint_dual():
+    gen = torch.Generator().manual_seed(9)
+    fam = _family("logit", 5, gen)
+    jensen = make_bound(fam, "jensen")
+    g = GenericBound(jensen.f, fam)
+    alpha = torch.rand(5, dtype=D, generator=gen) * 0.8 + 0.1 - fam.params["y"]
+    lam = jensen.ell(alpha)[0] * 0.8
+    val, h, rho, ok = numerical_conjugate(g, alpha, lam)
+    assert ok.all() and torch.allclose(val, jensen.conjugate(alpha, lam), atol=1e-9)
+    # a smooth generic bound with a conjugate finite everywhere: Poisson + rho^2 / 2 (still a valid bound)
+    W, S, mu, d, gen = _problem(N=5, L=3, seed=10)
+    pf = _family("poisson", 5, gen)
+    pb = make_bound(pf)
+    smooth = GenericBound(lambda hh, rr: pb.f(hh, rr) + 0.5 * rr**2, pf)
+    be = SiteSpaceBackend(W @ S @ W.T, W @ mu + d)
+    sol = minimize_joint(be, smooth, torch.zeros(5, dtype=D) + 1.0, torch.full((5,), 0.5, dtype=D), gap_tol=1e-9)
+    pval, m, V = primal_optimum(S, mu, W, d, lambda hh, rr: -smooth.f(hh, rr), tol=1e-13)
+    assert sol.converged and sol.g == pytest.approx(pval, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------- guide and engine
+def _logreg(X, y=None):
+    w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=X.dtype), 1.0).to_event(1))
+    b = pyro.sample("b", dist.Normal(torch.zeros((), dtype=X.dtype), 2.0))
+    with pyro.plate("data", X.shape[0]):
+        return pyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
+
+
+def test_guide_is_a_pyro_autoguide():
+    pyro.clear_param_store()
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(60, 3, dtype=D, generator=gen)
+    y = (torch.rand(60, dtype=D, generator=gen) < torch.sigmoid(X @ _t([1.0, -1.0, 0.5]))).to(D)
+    guide = DualVG(_logreg)
+    res = guide.fit(X, y=y)
+    assert isinstance(guide, pyro.infer.autoguide.AutoContinuous) and res.converged and res.engine == "dual_vg"
+    ref = pcv.fit(_logreg, X, y=y, engine="dual_vg", progress=False)
+    assert res.log_evidence_bound == pytest.approx(ref.log_evidence_bound, abs=1e-10)
+    q = guide.get_posterior()
+    assert torch.allclose(q.loc, res.posterior.loc) and torch.allclose(q.covariance_matrix, res.posterior.covariance(), atol=1e-10)
+    med = guide.median()
+    assert torch.allclose(med["w"], res.posterior.loc[:3]) and med["b"].shape == ()
+    qs = guide.quantiles([0.5])
+    assert torch.allclose(qs["w"][0], med["w"])
+    pred = pyro.infer.Predictive(_logreg, guide=guide, num_samples=7)(X)
+    assert pred["y"].shape == (7, 60)
+    assert {"DualVG.loc", "DualVG.scale", "DualVG.scale_tril"} <= set(pyro.get_param_store().keys())
+    # further SVI training starts from the dual optimum: the exact VG optimum is near, the loss is finite
+    svi = pyro.infer.SVI(_logreg, guide, pyro.optim.Adam({"lr": 1e-3}), pyro.infer.Trace_ELBO(num_particles=50))
+    loss = svi.step(X, y=y)
+    assert math.isfinite(loss) and abs(-loss - res.log_evidence_bound) < 5.0
+    # warm start of a second fit
+    res2 = guide.fit(X, y=y)
+    assert res2.info["iterations"] <= 1
+
+
+def test_engine_registry_and_errors():
+    assert "dual_vg" in pcv.engines()
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(10, 2, dtype=D, generator=gen)
+    lgm = LatentGaussianModel.from_design(X, BernoulliProbit((X[:, 0] > 0).to(D)))
+    with pytest.raises(ValueError, match="bernoulli_probit"):
+        pcv.fit(lgm, engine="dual_vg", progress=False)
+    with pytest.raises(ValueError, match="bound"):
+        make_bound(BernoulliLogit(torch.zeros(3, dtype=D)), "nope")
+    with pytest.raises(ValueError, match="labels"):
+        make_bound(BernoulliLogit(_t([0.0, 2.0])))
+    with pytest.raises(ValueError, match="bound"):
+        DualVG(_logreg, bound="nope")
+    with pytest.raises(ValueError, match="Sigma_tilde"):
+        SiteSpaceBackend(torch.eye(3, dtype=D), torch.zeros(4, dtype=D))
+    with pytest.raises(ValueError, match="NaN"):
+        StochasticVolatility(_t([1.0, float("nan")]))
+    lgm = LatentGaussianModel.from_design(X, Poisson(torch.ones(10, dtype=D)))
+    with pytest.warns(pcv.ConvergenceWarning, match="gap"):
+        fit_dual_vg(lgm, progress=False, max_iter=1, gap_tol=1e-30)
+    with pytest.raises(pcv.ConvergenceError):
+        fit_dual_vg(lgm, progress=False, max_iter=1, gap_tol=1e-30, on_fail="raise")
