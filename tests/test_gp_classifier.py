@@ -72,6 +72,9 @@ def test_bound_is_exact_vg_bound_and_close_to_exact_optimum():
     assert best["converged"]
     gap = best["elbo"] - clf.log_evidence_bound_
     assert 0 <= gap < 0.05
+    refined = GPClassifier(_kernel(), options={"refine": True}).fit(X, y)
+    assert refined.log_evidence_bound_ == pytest.approx(best["elbo"], abs=1e-7)
+    assert torch.allclose(refined.posterior_.loc, best["loc"], atol=1e-4)
     # a Pyro engine through the same classifier: its exact VG bound cannot beat the exact optimum
     Xs, ys = X[:25], y[:25]
     dual = GPClassifier(_kernel()).fit(Xs, ys)

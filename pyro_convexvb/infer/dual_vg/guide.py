@@ -20,7 +20,7 @@ from ..registry import register_engine
 from ..result import History, InferenceResult
 from .bounds import LOGIT_BOUNDS, LogitJaakkolaBound, StackedBound, make_bound
 from .objective import BandedPrecisionBackend, LatentSpaceBackend, SiteSpaceBackend, exact_elbo
-from .optim import solve_dual
+from .optim import refine_exact, solve_dual
 
 __all__ = ["DualVG", "fit_dual_vg", "dual_vg_applies", "build_dual_problem", "SUPPORTED_FAMILIES"]
 
@@ -121,7 +121,7 @@ def _posterior(backend, alpha, lam):
 
 
 def fit_dual_vg(lgm, progress=True, *, bound="tight", method="newton", form="auto", gap_tol=None, max_iter=None,
-                alpha0=None, xi=None, on_fail="warn", return_state=False):
+                alpha0=None, xi=None, on_fail="warn", refine=False, return_state=False):
     r"""Fit a latent Gaussian model with the dual VG method (the ``dual_vg`` engine).
 
     :param lgm: :class:`~pyro_convexvb.LatentGaussianModel`.
@@ -131,6 +131,8 @@ def fit_dual_vg(lgm, progress=True, *, bound="tight", method="newton", form="aut
     :param str form: ``"auto"``, ``"site"``, ``"latent"`` or ``"banded"`` (see :func:`build_dual_problem`).
     :param float gap_tol: duality-gap tolerance in nats (default ``1e-8 N``).
     :param torch.Tensor alpha0: ``(N,)`` warm start.
+    :param bool refine: after the dual optimum, polish ``q`` into the exact VG optimum by a few
+        natural-gradient (CVI) steps with exact expectations (:func:`~.optim.refine_exact`; site form only).
     :returns: :class:`~pyro_convexvb.InferenceResult`; ``log_evidence_bound`` is the exact VG bound
         of the recovered ``q``; ``info`` holds ``alpha``, ``lam``, ``gap``, ``dual_objective``,
         ``lvb_elbo`` (the bound's own ELBO), ``site_mean``/``site_var``, ``iterations``, ``form``.
@@ -150,13 +152,20 @@ def fit_dual_vg(lgm, progress=True, *, bound="tight", method="newton", form="aut
     history = History()
     sol = solve_dual(backend, lb, alpha0, method=method, gap_tol=gap_tol, max_iter=max_iter, history=history,
                      on_fail=on_fail)
-    terms = backend.evaluate(sol.alpha, sol.lam)
-    bound_value = float(exact_elbo(backend, lb, sol.alpha, sol.lam, terms, lgm.log_const))
-    posterior = _posterior(backend, sol.alpha, sol.lam)
+    alpha, lam = sol.alpha, sol.lam
+    info = {}
+    if refine:
+        if form != "site":
+            raise ValueError("refine=True needs the N x N site form (form='site')")
+        alpha, lam, _, rit, rconv = refine_exact(backend, lb, alpha, lam)
+        info.update(refine_iterations=rit, refine_converged=rconv)
+    terms = backend.evaluate(alpha, lam)
+    bound_value = float(exact_elbo(backend, lb, alpha, lam, terms, lgm.log_const))
+    posterior = _posterior(backend, alpha, lam)
     posterior.layout = lgm.layout
-    info = dict(alpha=sol.alpha, lam=sol.lam, gap=sol.gap, dual_objective=sol.g, lvb_elbo=sol.g - sol.gap + lgm.log_const,
+    info.update(alpha=alpha, lam=lam, gap=sol.gap, dual_objective=sol.g, lvb_elbo=sol.g - sol.gap + lgm.log_const,
                 site_mean=terms.m_tilde, site_var=terms.v_tilde, iterations=sol.iterations,
-                evaluations=sol.evaluations, form=form, bound=bound, method=method)
+                evaluations=sol.evaluations, form=form, bound=bound, method=method, refine=bool(refine))
     res = InferenceResult(posterior, bound_value, history, sol.converged, engine="dual_vg", info=info, lgm=lgm)
     if return_state:
         return res, backend, lb

@@ -55,6 +55,19 @@ def _chol(M, what):
     return L
 
 
+def _gram_sym(T, block=512):
+    """``T^T T`` computing only the lower block triangle (half the flops of a GEMM), mirrored."""
+    n = T.shape[1]
+    if n <= 2 * block:
+        return T.transpose(0, 1) @ T
+    G = torch.empty(n, n, dtype=T.dtype, device=T.device)
+    for j in range(0, n, block):
+        e = min(j + block, n)
+        G[j:, j:e] = T[:, j:].transpose(0, 1) @ T[:, j:e]
+        G[j:e, e:] = G[e:, j:e].transpose(0, 1)
+    return G
+
+
 @dataclass
 class PriorTerms:
     """What a backend returns at ``lambda`` (and ``alpha``)."""
@@ -117,14 +130,14 @@ class SiteSpaceBackend:
         v = self.diag_St - (T * T).sum(0)
         terms = PriorTerms(self.mu_t - St_a, v.clamp_min(0), 2 * torch.log(torch.diagonal(R)).sum(), alpha @ St_a)
         if hessian:
-            terms.V_tilde = self.St - T.transpose(0, 1) @ T
+            terms.V_tilde = self.St - _gram_sym(T)
             terms.Sigma_tilde = self.St
         return terms
 
     def site_covariance(self, lam):
         """``V_t = W V W^T = Sigma_t - Sigma_t Lam^1/2 B^{-1} Lam^1/2 Sigma_t`` (``N x N``)."""
         R, T = self._factor(lam)
-        return self.St - T.transpose(0, 1) @ T
+        return self.St - _gram_sym(T)
 
     def posterior(self, alpha, lam, prior=None):
         """Gaussian over the sites themselves (``W = I``; GP latent values ``f``): ``m = mu_t - Sigma_t alpha``."""

@@ -22,7 +22,7 @@ from ..result import History
 from .bounds import numerical_conjugate
 from .objective import reduced_objective
 
-__all__ = ["DualSolution", "solve_dual", "minimize_joint", "initial_alpha", "default_gap_tol"]
+__all__ = ["DualSolution", "solve_dual", "minimize_joint", "initial_alpha", "default_gap_tol", "refine_exact"]
 
 
 @dataclass
@@ -317,3 +317,76 @@ def minimize_joint(backend, bound, alpha0, lam0, *, gap_tol=None, max_iter=500, 
             raise ConvergenceError(msg, residual=gap, iterations=it)
         warnings.warn(msg, ConvergenceWarning)
     return sol
+
+
+# ----------------------------------------------------------------------------- exact refinement
+def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-10, num_points=32, history=None):
+    r"""Polish a dual optimum into the *exact* VG optimum by the natural-gradient (CVI) fixed point.
+
+    The LVB optimum is a few nats from the exact VG optimum for Bernoulli-logit sites (its bound
+    is an upper bound on ``-E log p``). Starting from it, damped CVI updates (Khan & Lin 2017) of the
+    site natural parameters ``nu = lam * m_t - alpha`` and ``lam`` with the exact Gauss-Hermite
+    gradients, ``lam <- (1-b) lam - 2 b dE/dv``, ``nu <- (1-b) nu + b (dE/dm - 2 m_t dE/dv)``, reach the
+    exact optimum (where ``alpha = -dE/dm`` and ``lam = -2 dE/dv``, the Opper-Archambeau conditions)
+    in a few ``O(N^3)`` steps. The new ``alpha`` solves ``(I + Lam Sigma_t) alpha = Lam mu_t - nu`` via
+    the Woodbury form ``(I + Lam Sigma_t)^{-1} = I - Lam^{1/2} B^{-1} Lam^{1/2} Sigma_t``. Every iterate
+    is a Gaussian of the dual form, so the exact bound is evaluated without ``Sigma^{-1}``; steps that
+    lower it are halved.
+
+    :param backend: a :class:`~.objective.SiteSpaceBackend`.
+    :param bound: the local bound (only its families are used, for the exact expectations).
+    :returns: ``(alpha, lam, exact_elbo, iterations, converged)``.
+    """
+    from .objective import exact_elbo
+    from .reference import site_elbo_terms
+
+    if getattr(backend, "kind", "") != "site":
+        raise ValueError("refine_exact needs the N x N site form (form='site')")
+    history = History() if history is None else history
+    parts = bound.split()
+    sizes = [len(b) for b in parts]
+
+    def grads(h, rho):
+        gm, gv = [], []
+        for b, hh, rr in zip(parts, h.split(sizes), rho.split(sizes)):
+            _, a, c = site_elbo_terms(b.family, hh, rr, num_points)
+            gm.append(a)
+            gv.append(c)
+        return torch.cat(gm), torch.cat(gv)
+
+    def value(a, l):
+        t = backend.evaluate(a, l)
+        return float(exact_elbo(backend, bound, a, l, t)), t
+
+    cur, t = value(alpha, lam)
+    history.record(objective=cur)
+    converged, it, b = False, 0, float(step)
+    for it in range(1, max_iter + 1):
+        gm, gv = grads(t.m_tilde, t.v_tilde)
+        nu = lam * t.m_tilde - alpha
+        lam_hat, nu_hat = (-2 * gv).clamp_min(0), gm - 2 * gv * t.m_tilde
+        accepted = False
+        for _ in range(30):
+            lam_new = (1 - b) * lam + b * lam_hat
+            nu_new = (1 - b) * nu + b * nu_hat
+            x = lam_new * backend.mu_t - nu_new
+            R, T = backend._factor(lam_new)
+            s = lam_new.clamp_min(0).sqrt()
+            # Lam^1/2 B^{-1} Lam^1/2 Sigma_t x = s * R^{-T} (T x),  T = R^{-1} Lam^1/2 Sigma_t
+            corr = s * torch.linalg.solve_triangular(R.transpose(0, 1), (T @ x)[:, None], upper=True)[:, 0]
+            alpha_new = x - corr
+            new, t_new = value(alpha_new, lam_new)
+            if new >= cur - 1e-12 * (1 + abs(cur)):
+                accepted = True
+                break
+            b *= 0.5
+        if not accepted:
+            break
+        change = new - cur
+        alpha, lam, cur, t = alpha_new, lam_new, new, t_new
+        history.record(objective=cur)
+        if abs(change) <= tol * (1 + abs(cur)):
+            converged = True
+            break
+        b = min(float(step), 2 * b)
+    return alpha, lam, cur, it, converged
