@@ -119,7 +119,7 @@ def test_hyperparameter_learning_improves_the_bound():
     h = learned.hyper_history_["objective"]
     assert max(h) == pytest.approx(h[-1], abs=1e-6) and all(gp < 1e-5 for gp in learned.hyper_history_["gap"][-3:])
     # the learned q is the dual optimum at the learned hyperparameters (warm start and refit agree)
-    again = GPClassifier(learned.kernel, mean=float(learned.mean_), options={"gap_tol": 1e-11}).fit(X, y)
+    again = GPClassifier(learned.kernel, mean=float(learned.mean_.detach()), options={"gap_tol": 1e-11}).fit(X, y)
     assert again.log_evidence_bound_ == pytest.approx(learned.log_evidence_bound_, abs=1e-6)
 
 

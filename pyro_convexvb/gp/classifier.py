@@ -138,7 +138,7 @@ class GPClassifier:
         with torch.no_grad():
             K = self._K(X)
             self.K_train_ = K
-            mean = float(self.mean_)
+            mean = float(self.mean_.detach())
             if self.engine == "dual_vg":
                 if alpha0 is not None:
                     options.setdefault("alpha0", alpha0)
@@ -174,7 +174,7 @@ class GPClassifier:
         with torch.no_grad():
             Kx = self._K(X, self.X_train_)  # (m, n)
             kdiag = self.kernel(X, diag=True)
-            mean = float(self.mean_)
+            mean = float(self.mean_.detach())
             if self.alpha_ is not None:
                 # notes §5: mean mu_* - k_*^T alpha, variance k_** - ||R^{-1} Lam^1/2 k_*||^2
                 s = self.lam_.clamp_min(0).sqrt()
