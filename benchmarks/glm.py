@@ -279,11 +279,20 @@ def main():
     parser.add_argument("--num-features", type=int, default=256)
     parser.add_argument("--svgp-epochs", type=int, default=20)
     parser.add_argument("--skip-gp", action="store_true")
+    parser.add_argument("--skip-glm", action="store_true", help="reuse part A from the last results JSON")
     args = parse_args(parser=parser)
     torch.manual_seed(args.seed)
+    name = "glm_quick" if args.quick else "glm"
     rows_a = []
-    for name in ("magic", "spambase"):
-        rows_a += part_a(name, args)
+    if args.skip_glm:  # reuse part A of the last run
+        from _common import RESULTS_DIR
+
+        with open(os.path.join(RESULTS_DIR, f"{name}.json")) as f:
+            rows_a = json.load(f)["glm"]
+    else:
+        for ds in ("magic", "spambase"):
+            rows_a += part_a(ds, args)
+        write_json(name, {"glm": rows_a, "gp": [], "args": vars(args)})
     cols_a = ["dataset", "method", ("seconds", "seconds"), ("time_vs_diag_mixture_k1", "time / K=1"),
               "steps", ("accuracy", "test acc."), ("nlpd", "test NLPD"), ("elbo_exact_entropy", "ELBO"),
               ("elbo_eq24", "ELBO (Eq. 24 entropy)"), "note"]
@@ -298,7 +307,6 @@ def main():
                                       "steps", ("accuracy", "test acc."), ("nlpd", "test NLPD"), "note"],
                              floatfmt={"seconds": ".1f", "time_vs_rff_diag_mixture": ".2f", "accuracy": ".4f",
                                        "nlpd": ".4f"}))
-    name = "glm_quick" if args.quick else "glm"
     path = write_json(name, {"glm": rows_a, "gp": rows_b, "args": vars(args)})
     print(f"\nwrote {path}")
     import matplotlib

@@ -432,13 +432,17 @@ class RandomFeatureGP(PyroModule):
                 raise ValueError("y must hold labels in {0, 1} for the bernoulli likelihood")
         if self.learn_kernel:
             pyro.module("rff_kernel", self.features)
-        Phi = self.design(X)
-        D2 = Phi.shape[1]
-        w = pyro.sample("w", dist.Normal(Phi.new_zeros(D2), 1.0).to_event(1))
+        D2 = self.features.output_dim
+        w = pyro.sample("w", dist.Normal(X.new_zeros(D2), 1.0).to_event(1))
         # under vectorised particles w is (P, 1, 2D): drop the plate axis so f is (P, N)
         wl = w if w.dim() == 1 else w.reshape(w.shape[:-2] + w.shape[-1:]) if w.shape[-2] == 1 else w
         with pyro.plate("data", X.shape[0], subsample_size=self.subsample_size) as idx:
-            P = Phi if self.subsample_size is None else Phi[idx]
+            if self.subsample_size is None:
+                P = self.design(X)
+            elif self.learn_kernel:  # features of the mini-batch only
+                P = self.features(X[idx])
+            else:
+                P = self.design(X)[idx]
             f = linear(P, wl) + self.mean
             obs = None if y is None else (y if self.subsample_size is None else y[idx])
             if self.likelihood == "gaussian":
