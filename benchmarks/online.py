@@ -89,9 +89,12 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="T = 2e5, one repeat")
     ap.add_argument("--T", type=float, default=None, help="rows per run (default 1e6, quick 2e5)")
     ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "online.json"))
-    ap.add_argument("--fig", default=os.path.join(ROOT, "docs", "figures", "online.png"))
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/online[_quick].json)")
+    ap.add_argument("--fig", default=None, help="figure path (default docs/figures/online[_quick].png)")
     args = ap.parse_args(argv)
+    stem = "online_quick" if args.quick else "online"
+    args.out = args.out or os.path.join(ROOT, "benchmarks", "results", f"{stem}.json")
+    args.fig = args.fig or os.path.join(ROOT, "docs", "figures", f"{stem}.png")
     T = int(args.T or (2e5 if args.quick else 1e6))
     repeats = args.repeats or (1 if args.quick else 3)
     slow_rows = min(T, 20_000 if args.quick else 50_000)  # reference path, VB
