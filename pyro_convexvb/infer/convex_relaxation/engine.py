@@ -166,7 +166,7 @@ class ConvexVariationalRelaxation:
         step = out["step"]
         u, gamma = out["u"], out["gamma"]
         C = prob.log_const()
-        phi = out["phi"][-1]
+        phi = out["best_phi"]
         bound = C - 0.5 * phi if math.isfinite(phi) else None
         w = 1.0 / gamma if prob.q else torch.zeros(0, dtype=prob.dtype, device=prob.device)
         posterior = GaussianPosterior(
@@ -210,6 +210,7 @@ class ConvexVariationalRelaxation:
             "cholesky": step.chol,
             "phi": phi,
             "phi_history": out["phi"],
+            "best_outer_index": out["best_index"],
             "log_det": step.logdet,
             "log_det_method": step.logdet_method,
             "log_det_history": out["logdet"],

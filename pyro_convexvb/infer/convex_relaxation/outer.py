@@ -220,7 +220,9 @@ def double_loop(prob, *, variance="lanczos", k=80, pca_rank=None, max_outer=5, m
     stop if ``t = max_outer`` or (``t > 0``) ``||gamma_t - gamma_{t-1}|| <= gamma_tol ||gamma_{t-1}||`` and
     ``|phi_t - phi_{t-1}| <= phi_tol max(1, |phi_t|)``; otherwise an inner loop with
     ``z = max(z_t, z_min)`` gives ``(u_{t+1}, gamma_{t+1})``.  The last variance step is at the returned
-    ``gamma``, so the posterior variances and the bound refer to the returned ``Q``.
+    ``gamma``, so the posterior variances and the bound refer to the returned ``Q``.  With approximate
+    variances ``phi`` may rise between updates (seed 001 §4.2 proves descent only for exact variances and
+    L-PCA); the iterate with the smallest ``phi`` (largest bound) is returned, ``best_index`` says which.
 
     :returns: dict with ``u``, ``gamma``, ``x_star``, ``step`` (last :class:`VarianceStep`), ``phi``
         (list), ``converged``, ``mvm`` (per phase) and per-iteration statistics.
@@ -249,6 +251,7 @@ def double_loop(prob, *, variance="lanczos", k=80, pca_rank=None, max_outer=5, m
     converged = False
     rel_gamma = math.inf
     step = None
+    best = None
     for t in range(int(max_outer) + 1):
         c_before = prob.counts.get("B", 0)
         t_start = time.perf_counter()
@@ -265,6 +268,8 @@ def double_loop(prob, *, variance="lanczos", k=80, pca_rank=None, max_outer=5, m
         stats["phi"].append(phi)
         stats["logdet"].append(step.logdet)
         stats["logdet_method"].append(step.logdet_method)
+        if best is None or phi < best["phi"]:
+            best = dict(u=u, gamma=gamma, x_star=x_star, step=step, phi=phi, index=t)
         if history is not None:
             history.record(objective=phi, mvm=mvm["init"] + mvm["inner"] + mvm["outer"],
                            gap=rel_gamma if math.isfinite(rel_gamma) else float("nan"))
@@ -296,4 +301,6 @@ def double_loop(prob, *, variance="lanczos", k=80, pca_rank=None, max_outer=5, m
     mvm["B_products"] = b_counts
     mvm["seconds"] = seconds
     mvm["total_B_products"] = prob.counts.get("B", 0) - counts0.get("B", 0)
-    return dict(u=u, gamma=gamma, x_star=x_star, step=step, converged=converged, mvm=mvm, **stats)
+    # with approximate variances phi need not decrease (seed 001 §4.2): return the best iterate seen
+    return dict(u=best["u"], gamma=best["gamma"], x_star=best["x_star"], step=best["step"], best_phi=best["phi"],
+                best_index=best["index"], converged=converged, mvm=mvm, **stats)
