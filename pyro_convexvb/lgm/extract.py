@@ -102,7 +102,7 @@ def _latent_prior(name, fn, shape, dtype, device):
             raise UnsupportedModelError(name, "prior scale must be positive and finite")
         return PriorBlock(name, loc.detach(), cov=DiagonalOperator(scale.detach() ** 2),
                           prec=DiagonalOperator(scale.detach() ** -2),
-                          logdet_cov=float(2 * torch.log(scale).sum())), None
+                          logdet_cov=float(2 * torch.log(scale.detach()).sum())), None
     if isinstance(base, (dist.MultivariateNormal, torch.distributions.MultivariateNormal)):
         d = base.event_shape[0]
         tril = base.scale_tril.expand(tuple(shape[:-1]) + (d, d)).reshape(-1, d, d).to(dtype).detach()

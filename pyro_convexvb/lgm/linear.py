@@ -65,6 +65,12 @@ def linear(design, u):
     if u.dim() == 1:
         out = op.mv(u)
     else:
+        # Leading dimensions are batch dimensions of the latent (vectorised particles, plates to the
+        # left of the data plate).  A singleton just left of the latent's last axis is the slot of
+        # the data plate (Pyro gives a global latent shape (P, 1, n)): drop it so the output
+        # (P, q) lines up with the plate instead of broadcasting to (P, P, q).
+        if u.dim() >= 3 and u.shape[-2] == 1:
+            u = u.squeeze(-2)
         batch = u.shape[:-1]
         flat = u.reshape(-1, u.shape[-1]).transpose(0, 1)
         out = op.mv(flat).transpose(0, 1).reshape(batch + (op.shape[0],))

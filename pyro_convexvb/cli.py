@@ -1,0 +1,162 @@
+"""Command line: ``python -m pyro_convexvb demo`` and ``python -m pyro_convexvb bench``.
+
+``demo`` runs GP classification on the real keel *ionosphere* data set (RBF kernel from
+GPyTorch, fixed hyperparameters) with every registered engine that applies, prints a table
+(engine, seconds, log-evidence bound, test accuracy, test NLPD) and writes a PNG comparing them.
+"""
+import argparse
+import math
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+
+#: Engine options used by the demo: Pyro's stochastic engines get step caps so the demo stays short.
+DEMO_OPTIONS = {
+    "svi_autonormal": dict(lr=0.05, max_steps=3000, min_steps=500, window=250),
+    "svi_automvn": dict(lr=0.05, max_steps=3000, min_steps=500, window=250),
+    "svi_lowrank": dict(lr=0.05, max_steps=3000, min_steps=500, window=250, rank=10),
+    "nuts": dict(num_samples=200, warmup_steps=200, max_tree_depth=6),
+    "diag_mixture": dict(max_steps=3000),
+}
+
+
+def _predictive_probs(posterior, K, K_cross, k_diag):
+    from .gp.predict import gp_latent_predictive
+    from .lgm.sites import gaussian_expectation
+
+    mean, var = gp_latent_predictive(K, K_cross, k_diag, posterior)
+    return gaussian_expectation(torch.sigmoid, mean, var, 64).clamp(1e-12, 1 - 1e-12)
+
+
+def run_demo(dataset="ionosphere", engines=None, lengthscale=4.0, outputscale=4.0, out=None, progress=True,
+             seed=0):
+    """Fit GP classification on a keel data set with every applicable engine; return the table rows."""
+    import gpytorch
+    import pyro
+
+    from . import datasets
+    from .gp.predict import gp_classification_model, kernel_matrix
+    from .infer.registry import engines as list_engines
+    from .infer.registry import fit, get_engine
+
+    torch.set_default_dtype(torch.float64)
+    data = datasets.load_keel(dataset, seed=seed)
+    Xtr, ytr, Xte, yte = data
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    kernel.base_kernel.lengthscale = lengthscale
+    kernel.outputscale = outputscale
+    with torch.no_grad():
+        K = kernel_matrix(kernel, Xtr, jitter=1e-6)
+        Kx = kernel_matrix(kernel, Xte, Xtr)
+        kd = kernel_matrix(kernel, Xte, diag=True)
+    names = list(list_engines()) if engines is None else list(engines)
+    rows = []
+    print(f"GP classification on keel '{dataset}': {Xtr.shape[0]} train / {Xte.shape[0]} test cases, "
+          f"{Xtr.shape[1]} features; RBF kernel (lengthscale {lengthscale}, outputscale {outputscale})")
+    for name in names:
+        spec = get_engine(name)
+        if name.endswith("_test"):
+            continue
+        pyro.set_rng_seed(seed)
+        opts = DEMO_OPTIONS.get(name, {})
+        t0 = time.perf_counter()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                res = fit(gp_classification_model, K, y=ytr, engine=name, options=opts, progress=progress)
+        except (ValueError, NotImplementedError) as e:  # engine does not apply to this model
+            print(f"  {name}: skipped ({e})")
+            continue
+        secs = time.perf_counter() - t0
+        with torch.no_grad():
+            p = _predictive_probs(res.posterior, K, Kx, kd)
+        acc = float(((p > 0.5).double() == yte).double().mean())
+        nlpd = float(-(yte * torch.log(p) + (1 - yte) * torch.log1p(-p)).mean())
+        rows.append(dict(engine=name, seconds=secs, bound=res.log_evidence_bound, accuracy=acc, nlpd=nlpd,
+                         converged=res.converged, description=spec.description))
+    print()
+    print(format_table(rows))
+    if out is not None:
+        plot_demo(rows, out, dataset)
+        print(f"\nfigure written to {out}")
+    return rows
+
+
+def format_table(rows):
+    head = "| engine | seconds | log-evidence bound | test accuracy | test NLPD | converged |"
+    lines = [head, "|---|---:|---:|---:|---:|:---:|"]
+    for r in rows:
+        b = "n/a" if r["bound"] is None else f"{r['bound']:.3f}"
+        lines.append(f"| {r['engine']} | {r['seconds']:.2f} | {b} | {r['accuracy']:.3f} | {r['nlpd']:.4f} | "
+                     f"{'yes' if r['converged'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def plot_demo(rows, path, dataset):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["engine"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    axes[0].barh(names, [r["seconds"] for r in rows], color="tab:blue")
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("wall seconds (log scale)")
+    bounds = [r["bound"] if r["bound"] is not None else math.nan for r in rows]
+    best = max((b for b in bounds if not math.isnan(b)), default=0.0)
+    axes[1].barh(names, [best - b if not math.isnan(b) else 0 for b in bounds], color="tab:orange")
+    axes[1].set_xlabel("nats below the best log-evidence bound")
+    for i, b in enumerate(bounds):
+        if math.isnan(b):
+            axes[1].text(0, i, " no bound", va="center")
+    axes[2].barh(names, [r["nlpd"] for r in rows], color="tab:green")
+    axes[2].set_xlabel("test NLPD (lower is better)")
+    for ax in axes[1:]:
+        ax.set_yticklabels([])
+    fig.suptitle(f"GP classification, keel {dataset}: engines compared")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_bench(quick=True, only=None):
+    """Run every ``benchmarks/*.py`` script of a source checkout (``--quick`` by default)."""
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if not os.path.isdir(root):
+        raise SystemExit("benchmarks/ not found: run `bench` from a source checkout")
+    status = 0
+    for fn in sorted(os.listdir(root)):
+        if not fn.endswith(".py") or fn.startswith("_") or (only and only not in fn):
+            continue
+        cmd = [sys.executable, os.path.join(root, fn)] + (["--quick"] if quick else [])
+        print(f"\n## {fn}\n", flush=True)
+        status |= subprocess.call(cmd)
+    return status
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m pyro_convexvb")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="GP classification on keel ionosphere with every engine")
+    d.add_argument("--dataset", default="ionosphere")
+    d.add_argument("--engines", nargs="*", default=None, help="engine names (default: all registered)")
+    d.add_argument("--out", default="demo_engines.png", help="PNG comparing the engines")
+    d.add_argument("--no-progress", action="store_true")
+    b = sub.add_parser("bench", help="run the benchmark scripts (source checkout)")
+    b.add_argument("--full", action="store_true", help="full sizes instead of --quick")
+    b.add_argument("--only", default=None, help="substring of the script names to run")
+    args = parser.parse_args(argv)
+    if args.cmd == "demo":
+        run_demo(args.dataset, args.engines, out=args.out, progress=not args.no_progress)
+        return 0
+    return run_bench(quick=not args.full, only=args.only)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
