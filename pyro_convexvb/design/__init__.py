@@ -1,0 +1,31 @@
+"""Bayesian active learning and experimental design on the convex relaxation (seed 000 §3; seed 001 §2.2).
+
+* :mod:`.scores` -- classifier uncertainty, information gain, ``Delta(X_*) = log|I + X_* Cov X_*^T|``,
+  rank-one marginal updates.
+* :mod:`.active` -- :class:`ActiveLearner`, sequential inclusion in blocks.
+"""
+from .scores import (
+    RankOneUpdate,
+    classifier_uncertainty,
+    design_score,
+    information_gain,
+    lanczos_covariance_factor,
+    minimize_site_phi,
+    predictive_probability,
+    rank_one_include,
+    site_phi,
+    tilted_kl,
+)
+
+__all__ = [
+    "RankOneUpdate",
+    "classifier_uncertainty",
+    "design_score",
+    "information_gain",
+    "lanczos_covariance_factor",
+    "minimize_site_phi",
+    "predictive_probability",
+    "rank_one_include",
+    "site_phi",
+    "tilted_kl",
+]

@@ -1,0 +1,302 @@
+r"""Design scores and rank-one marginal updates on the convex relaxation (seed 000 §3 and appendix
+"Active learning scores"; seed 001 §2.2).
+
+All scores take the current Gaussian marginals ``Q(s_i) = N(mu_i, rho_i)`` of candidate sites
+``s_i = b_i^T u + o_i`` (``sigma^2 = 1``, the convention of
+:mod:`pyro_convexvb.infer.convex_relaxation.problem`) and are vectorised over candidates (tensors of
+shape ``(N,)``); no candidate loop in Python.
+
+* :func:`predictive_probability`, :func:`classifier_uncertainty` -- ``Q(c_i = +1) = E_Q[t_i(s_i; +1)]``
+  by Gauss-Hermite quadrature and ``S_CU = -|Q(c_i = +1) - 1/2|`` (seed 000 §3).
+* :func:`site_phi`, :func:`minimize_site_phi`, :func:`tilted_kl`, :func:`information_gain` -- the
+  information gain ``S_IG = sum_c Q(c) D[Q'(s_i; c) || Q(s_i)]`` (seed 000, appendix).
+* :func:`design_score`, :func:`lanczos_covariance_factor` -- ``Delta(X_*) = log|I + X_* Cov X_*^T|``
+  (seed 001 §2.2) from any factor ``Cov = F F^T`` (dense Cholesky or K-Lanczos ``Q T^{-1} Q^T``).
+* :func:`rank_one_include` -- the marginal updates of seed 000 §3 when a site is included.
+"""
+import math
+from collections import namedtuple
+
+import torch
+
+from ..infer.convex_relaxation.potentials import LogisticPotential
+from ..lgm.sites import gaussian_expectation
+from ..linalg.operators import LinearOperator, as_operator
+
+__all__ = [
+    "predictive_probability",
+    "classifier_uncertainty",
+    "site_phi",
+    "minimize_site_phi",
+    "tilted_kl",
+    "information_gain",
+    "lanczos_covariance_factor",
+    "design_score",
+    "RankOneUpdate",
+    "rank_one_include",
+]
+
+
+def _check_marginals(mean, var, name_mean="mean", name_var="var"):
+    if not torch.is_tensor(mean) or not torch.is_tensor(var):
+        raise TypeError(f"{name_mean}, {name_var}: expected tensors")
+    if mean.shape != var.shape or mean.dim() != 1:
+        raise ValueError(f"{name_mean}, {name_var}: expected equal shapes (N,), got {tuple(mean.shape)} and "
+                         f"{tuple(var.shape)}")
+    if not bool(torch.isfinite(mean).all()):
+        raise ValueError(f"{name_mean}: contains NaN/inf")
+    if not bool(torch.isfinite(var).all()) or bool((var < 0).any()):
+        raise ValueError(f"{name_var}: must be finite and nonnegative")
+
+
+def predictive_probability(mean, var, tau=1.0, num_points=32):
+    r"""``Q(c_i = +1) = E_{N(s | mu_i, rho_i)}[sigmoid(tau s)]`` by Gauss-Hermite quadrature (seed 000 §3).
+
+    :param torch.Tensor mean: ``(N,)`` marginal means ``mu_i``.
+    :param torch.Tensor var: ``(N,)`` marginal variances ``rho_i >= 0``.
+    :param float tau: logistic scale (seed 000 Eq. (3); ``1`` for ``BernoulliLogit``).
+    :param int num_points: quadrature nodes.
+    :returns: ``(N,)`` probabilities.
+
+    Example::
+
+        >>> import torch
+        >>> p = predictive_probability(torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+        >>> torch.allclose(p, torch.full_like(p, 0.5))
+        True
+    """
+    _check_marginals(mean, var)
+    return gaussian_expectation(lambda s: torch.sigmoid(tau * s), mean, var, num_points)
+
+
+def classifier_uncertainty(mean, var, tau=1.0, num_points=32):
+    r"""Classifier uncertainty ``S_CU = -|Q(c_i = +1) - 1/2|`` (seed 000 §3); larger is more informative.
+
+    :param torch.Tensor mean: ``(N,)``.
+    :param torch.Tensor var: ``(N,)``.
+    :returns: ``(N,)`` scores in ``[-1/2, 0]``.
+
+    Example::
+
+        >>> import torch
+        >>> s = classifier_uncertainty(torch.tensor([0.0, 3.0], dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+        >>> bool(s[0] > s[1])
+        True
+    """
+    return -(predictive_probability(mean, var, tau, num_points) - 0.5).abs()
+
+
+def site_phi(pot, gamma, mean, var):
+    r"""``phi_i(gamma_i) = h_i(gamma_i) + log kappa_i - (mu_i + rho_i beta_i)^2 / (rho_i kappa_i)``,
+    ``kappa_i = 1 + rho_i / gamma_i`` (seed 000, appendix "Active learning scores", ``sigma^2 = 1``).
+
+    ``exp(-phi_i/2)`` is, up to a constant, the lower bound on ``P(D ∪ {site i})`` when the new site
+    has width ``gamma_i``.
+
+    :param pot: a :class:`~pyro_convexvb.infer.convex_relaxation.SuperGaussianPotential` of ``N`` sites.
+    :param gamma: ``(N,)`` widths.
+    :param mean: ``(N,)`` ``mu_i``; :param var: ``(N,)`` ``rho_i > 0``.
+    :returns: ``(N,)``.
+    """
+    kappa = 1 + var / gamma
+    return pot.h(gamma) + torch.log(kappa) - (mean + var * pot.beta) ** 2 / (var * kappa)
+
+
+def minimize_site_phi(pot, mean, var, *, rtol=1e-13, max_iter=400):
+    r"""``gamma_i = argmin_{gamma > 0} phi_i(gamma)`` for all candidates at once (seed 000, appendix).
+
+    Stationarity, with ``gamma^2 h'(gamma) = x_*(gamma)`` (appendix), reads
+    ``G = x_*(gamma) - E_{Q'}[s_i^2] = 0``: the Gaussian bound touches the site where the tilted
+    marginal ``Q' ∝ Q(s_i) exp(beta_i s_i - s_i^2/(2 gamma_i))`` has its second moment. The root lies
+    where ``x_* > 0``, so we parametrise by ``x``: ``gamma(x) = -1/(2 g'(x))`` (increasing), and
+    bisect ``G(x) = x - rho gamma/(gamma + rho) - gamma^2 (mu + rho beta)^2 / (gamma + rho)^2`` on the
+    bracket ``(0, rho + (mu + rho beta)^2]`` (``G < 0`` at ``0+``, ``G > 0`` at the upper end; one sign
+    change since ``phi_i`` is convex for log-concave sites, seed 000 Theorem 2). Bisection is
+    geometric while the bracket spans more than a factor 4, so tiny roots cost ``O(log)`` steps.
+
+    :param pot: potential of ``N`` sites (its ``beta`` fixes the label of each candidate).
+    :param torch.Tensor mean: ``(N,)``; :param torch.Tensor var: ``(N,)``, ``> 0``.
+    :param float rtol: relative bracket width at which to stop.
+    :returns: ``gamma`` ``(N,)``.
+    :raises ValueError: for nonpositive variances.
+
+    Example::
+
+        >>> import torch
+        >>> from pyro_convexvb.infer.convex_relaxation import LogisticPotential
+        >>> pot = LogisticPotential(torch.ones(1, dtype=torch.float64))
+        >>> g = minimize_site_phi(pot, torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64))
+        >>> bool(g > pot.gamma0())
+        True
+    """
+    _check_marginals(mean, var)
+    if bool((var <= 0).any()):
+        raise ValueError("var: the tilted-site minimisation needs strictly positive variances")
+    r = mean + var * pot.beta
+
+    def gam(x):
+        return -0.5 / pot.dg(x)
+
+    def G(x):
+        g = gam(x)
+        return x - var * g / (g + var) - (g * r / (g + var)) ** 2
+
+    lo = torch.zeros_like(mean)
+    hi = var + r * r
+    for _ in range(max_iter):
+        mid = torch.where(lo <= 0, hi / 8, torch.where(hi > 4 * lo, torch.sqrt(lo * hi.clamp_min(0)), 0.5 * (lo + hi)))
+        pos = G(mid) > 0
+        hi = torch.where(pos, mid, hi)
+        lo = torch.where(pos, lo, mid)
+        if bool(((hi - lo) <= rtol * hi).all()):
+            break
+    return gam(0.5 * (lo + hi))
+
+
+def tilted_kl(mean, var, beta, gamma):
+    r"""``D[Q' || Q] = (1/2)(log kappa + (rho/kappa)((beta - mu/gamma)^2 / kappa - 1/gamma))``,
+    ``kappa = 1 + rho/gamma`` (seed 000, appendix "Active learning scores", ``sigma^2 = 1``), where
+    ``Q = N(mu, rho)`` and ``Q' ∝ Q(s) exp(beta s - s^2/(2 gamma))``. All arguments ``(N,)``.
+    """
+    kappa = 1 + var / gamma
+    return 0.5 * (torch.log(kappa) + (var / kappa) * ((beta - mean / gamma) ** 2 / kappa - 1 / gamma))
+
+
+def information_gain(mean, var, tau=1.0, num_points=32, return_parts=False):
+    r"""Information gain ``S_IG(b_i) = sum_{c = +-1} Q(c_i = c) D[Q'(s_i; c) || Q(s_i)]`` (seed 000 §3 and
+    appendix) for Bernoulli-logit candidate sites ``t(s; c) = sigmoid(c tau s)``.
+
+    For each candidate and label, ``gamma_i(c)`` minimises :func:`site_phi` (:func:`minimize_site_phi`),
+    the tilted ``Q'`` is formed at that width and its divergence from ``Q`` taken in closed form
+    (:func:`tilted_kl`); ``Q(c_i)`` is :func:`predictive_probability`.
+
+    :param torch.Tensor mean: ``(N,)``; :param torch.Tensor var: ``(N,)`` (``> 0``).
+    :param bool return_parts: also return ``dict(p_plus, gamma_plus, gamma_minus, kl_plus, kl_minus)``.
+    :returns: ``(N,)`` scores ``>= 0`` (and the parts).
+
+    Example::
+
+        >>> import torch
+        >>> s = information_gain(torch.tensor([0.0, 4.0], dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+        >>> bool(s[0] > s[1] > 0)
+        True
+    """
+    _check_marginals(mean, var)
+    p = predictive_probability(mean, var, tau, num_points)
+    parts = {"p_plus": p}
+    total = torch.zeros_like(mean)
+    for c, weight in ((1, p), (-1, 1 - p)):
+        pot = LogisticPotential(torch.full_like(mean, (c + 1) // 2), tau)
+        gamma = minimize_site_phi(pot, mean, var)
+        kl = tilted_kl(mean, var, pot.beta, gamma)
+        key = "plus" if c == 1 else "minus"
+        parts["gamma_" + key], parts["kl_" + key] = gamma, kl
+        total = total + weight * kl
+    return (total, parts) if return_parts else total
+
+
+def lanczos_covariance_factor(lanczos):
+    r"""``F = Q_k L^{-T}`` with ``T_k = L L^T``, so that ``F F^T = Q_k T_k^{-1} Q_k^T`` (the K-Lanczos
+    covariance, seed 001 §3); shape ``(n, k)``.
+
+    :param lanczos: a :class:`~pyro_convexvb.linalg.lanczos.LanczosResult` or a pair ``(Q, T)``
+        (``info["lanczos"]`` of the convex relaxation).
+    """
+    Q, T = (lanczos.Q, lanczos.T()) if hasattr(lanczos, "Q") else lanczos
+    L = torch.linalg.cholesky(T)
+    # F^T = L^{-1} Q^T
+    return torch.linalg.solve_triangular(L, Q.transpose(0, 1), upper=False).transpose(0, 1)
+
+
+def design_score(X_star, factor, noise_var=1.0, chunk_size=1024):
+    r"""``Delta(X_*) = log|I + X_* Cov X_*^H / noise_var|`` for many candidates at once (seed 001 §2.2).
+
+    ``Cov = F F^T`` is given by a factor ``F`` (``(n, k)``): ``torch.linalg.cholesky(Cov)`` for the
+    exact covariance, :func:`lanczos_covariance_factor` for K-Lanczos. With ``W = X_* F`` (``(r, k)``
+    per candidate), ``Delta = log|I_r + W W^H / noise_var| = log|I_k + W^H W / noise_var|``; the smaller
+    of the two is factorised.
+
+    :param X_star: candidates: ``(N, n)`` rows (dense, sparse or an operator; one row per candidate,
+        ``Delta = log(1 + ||w||^2/noise_var)``) or a dense ``(N, r, n)`` tensor (``r`` rows per
+        candidate, e.g. a k-space column), real or complex.
+    :param torch.Tensor factor: ``(n, k)``.
+    :param float noise_var: measurement noise variance ``sigma^2`` of the new rows.
+    :param int chunk_size: candidates per batch (memory ``chunk_size * r * k``).
+    :returns: ``(N,)`` real scores.
+
+    Example::
+
+        >>> import torch
+        >>> C = torch.tensor([[2.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
+        >>> X = torch.eye(2, dtype=torch.float64)
+        >>> d = design_score(X, torch.linalg.cholesky(C))
+        >>> torch.allclose(d, torch.log1p(torch.diagonal(C)))
+        True
+    """
+    if not (isinstance(noise_var, (int, float)) and math.isfinite(noise_var) and noise_var > 0):
+        raise ValueError(f"noise_var: expected a positive finite number, got {noise_var!r}")
+    if factor.dim() != 2:
+        raise ValueError(f"factor: expected (n, k), got shape {tuple(factor.shape)}")
+    if isinstance(X_star, LinearOperator) or (torch.is_tensor(X_star) and X_star.dim() == 2):
+        op = as_operator(X_star)
+        if op.shape[1] != factor.shape[0]:
+            raise ValueError(f"X_star: {op.shape[1]} columns but factor has {factor.shape[0]} rows")
+        W = op.mv(factor)
+        return torch.log1p((W.abs() ** 2).sum(-1) / noise_var)
+    if not torch.is_tensor(X_star) or X_star.dim() != 3:
+        raise ValueError("X_star: expected (N, n) rows / operator or a dense (N, r, n) tensor")
+    if X_star.shape[-1] != factor.shape[0]:
+        raise ValueError(f"X_star: {X_star.shape[-1]} columns but factor has {factor.shape[0]} rows")
+    if not bool(torch.isfinite(X_star).all()):
+        raise ValueError("X_star: contains NaN/inf")
+    N, r, _ = X_star.shape
+    k = factor.shape[1]
+    F = factor.to(X_star.dtype) if X_star.is_complex() else factor
+    out = []
+    for start in range(0, N, chunk_size):
+        W = X_star[start:start + chunk_size] @ F  # (c, r, k)
+        if r <= k:
+            M = W @ W.conj().transpose(-1, -2)
+            size = r
+        else:
+            M = W.conj().transpose(-1, -2) @ W
+            size = k
+        eye = torch.eye(size, dtype=M.dtype, device=M.device)
+        L = torch.linalg.cholesky(eye + M / noise_var)
+        out.append(2 * torch.log(torch.diagonal(L, dim1=-2, dim2=-1).real).sum(-1))
+    return torch.cat(out)
+
+
+RankOneUpdate = namedtuple("RankOneUpdate", ["mean", "var", "u", "log_det", "kappa"])
+RankOneUpdate.__doc__ = """Marginals after including one site: ``mean (|J|,)``, ``var (|J|,)``, ``u (n,)``,
+``log_det`` (``log|A'|``) and ``kappa = 1 + rho_i/gamma_i``."""
+
+
+def rank_one_include(mean_J, var_J, w, d, u, log_det, *, mean_i, var_i, beta_i, gamma_i):
+    r"""Include site ``i`` (row ``b_i``, width ``gamma_i``, linear term ``beta_i``) into ``Q``: seed 000 §3.
+
+    With ``A' = A + b_i b_i^T / gamma_i``, ``d = A^{-1} b_i``, ``w = B_J d``, ``rho_i = b_i^T d``,
+    ``kappa_i = 1 + rho_i/gamma_i`` (Sherman-Morrison):
+
+    .. math:: \rho'_J = \rho_J - \frac{w^2}{\rho_i + \gamma_i},\quad
+              \mu'_J = \mu_J + \frac{\beta_i - \mu_i/\gamma_i}{\kappa_i} w,\quad
+              u'_* = u_* + \frac{\beta_i - \mu_i/\gamma_i}{\kappa_i} d,\quad
+              \log|A'| = \log|A| + \log\kappa_i.
+
+    ``mean_i`` is ``mu_i = b_i^T u_* + o_i`` (``o_i`` the site offset). Variances that turn negative
+    (possible with underestimated Lanczos variances) are returned as they are; the caller drops them.
+
+    :param mean_J: ``(|J|,)``; :param var_J: ``(|J|,)``; :param w: ``(|J|,)``; :param d: ``(n,)``;
+    :param u: ``(n,)``; :param log_det: number or 0-d tensor (``None`` is passed through).
+    :param mean_i, var_i, beta_i, gamma_i: scalars (numbers or 0-d tensors) of the included site.
+    :returns: :class:`RankOneUpdate`.
+    """
+    if not float(gamma_i) > 0 or not float(var_i) >= 0:
+        raise ValueError(f"gamma_i, var_i: expected gamma_i > 0 and var_i >= 0, got {float(gamma_i)}, {float(var_i)}")
+    kappa = 1 + var_i / gamma_i
+    step = (beta_i - mean_i / gamma_i) / kappa
+    var_new = var_J - w * w / (var_i + gamma_i)
+    mean_new = mean_J + step * w
+    u_new = u + step * d
+    ld = None if log_det is None else log_det + math.log(float(kappa))
+    return RankOneUpdate(mean_new, var_new, u_new, ld, kappa)

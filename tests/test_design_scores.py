@@ -1,0 +1,193 @@
+"""Design scores vs brute-force dense references (float64)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import integrate, optimize
+
+from pyro_convexvb.design.scores import (
+    classifier_uncertainty,
+    design_score,
+    information_gain,
+    lanczos_covariance_factor,
+    minimize_site_phi,
+    predictive_probability,
+    rank_one_include,
+    site_phi,
+    tilted_kl,
+)
+from pyro_convexvb.infer.convex_relaxation import LaplacePotential, LogisticPotential
+from pyro_convexvb.linalg.lanczos import lanczos
+
+D = torch.float64
+
+
+def _problem(n=6, q=15, N=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B = torch.randn(q, n, generator=g, dtype=D)
+    gamma = torch.rand(q, generator=g, dtype=D) + 0.3
+    A = torch.eye(n, dtype=D) + B.T @ (B / gamma[:, None])
+    C = torch.randn(N, n, generator=g, dtype=D)
+    u = torch.randn(n, generator=g, dtype=D)
+    return A, B, gamma, C, u
+
+
+def _marginals(A, C, u):
+    cov = torch.linalg.inv(A)
+    return C @ u, torch.einsum("ij,jk,ik->i", C, cov, C)
+
+
+def test_predictive_probability_and_cu_vs_quad():
+    A, B, gamma, C, u = _problem()
+    mu, rho = _marginals(A, C, u)
+    p = predictive_probability(mu, rho, tau=1.5, num_points=48)
+    for i in range(0, 40, 7):
+        m, v = float(mu[i]), float(rho[i])
+        ref = integrate.quad(lambda s: math.exp(-0.5 * (s - m) ** 2 / v) / math.sqrt(2 * math.pi * v)
+                             / (1 + math.exp(-1.5 * s)), m - 40 * math.sqrt(v), m + 40 * math.sqrt(v), epsabs=1e-13)[0]
+        assert abs(float(p[i]) - ref) < 1e-9
+    cu = classifier_uncertainty(mu, rho, tau=1.5, num_points=48)
+    assert torch.allclose(cu, -(p - 0.5).abs())
+
+
+@pytest.mark.parametrize("c", [1.0, 0.0])
+def test_minimize_site_phi_vs_scipy(c):
+    g = torch.Generator().manual_seed(1)
+    N = 12
+    mu = 3 * torch.randn(N, generator=g, dtype=D)
+    rho = torch.exp(2 * torch.randn(N, generator=g, dtype=D))
+    pot = LogisticPotential(torch.full((N,), c, dtype=D), tau=1.3)
+    gam = minimize_site_phi(pot, mu, rho)
+    for i in range(N):
+        p1 = LogisticPotential(torch.full((1,), c, dtype=D), tau=1.3)
+        m, v = mu[i:i + 1], rho[i:i + 1]
+
+        def f(t):
+            return float(site_phi(p1, torch.tensor([math.exp(t)], dtype=D), m, v))
+
+        res = optimize.minimize_scalar(f, bounds=(-15, 15), method="bounded", options={"xatol": 1e-10})
+        ref = math.exp(res.x)
+        assert abs(float(gam[i]) - ref) <= 1e-5 * ref
+        assert float(site_phi(p1, gam[i:i + 1], m, v)) <= res.fun + 1e-10
+
+
+def test_minimize_site_phi_laplace_vs_scipy():
+    g = torch.Generator().manual_seed(2)
+    N = 8
+    mu = torch.randn(N, generator=g, dtype=D)
+    rho = torch.rand(N, generator=g, dtype=D) + 0.1
+    b = torch.rand(N, generator=g, dtype=D) + 0.5
+    gam = minimize_site_phi(LaplacePotential(b), mu, rho)
+    for i in range(N):
+        p1 = LaplacePotential(b[i:i + 1])
+        f = lambda t: float(site_phi(p1, torch.tensor([math.exp(t)], dtype=D), mu[i:i + 1], rho[i:i + 1]))  # noqa: E731
+        res = optimize.minimize_scalar(f, bounds=(-20, 10), method="bounded", options={"xatol": 1e-10})
+        assert abs(float(gam[i]) - math.exp(res.x)) <= 1e-5 * math.exp(res.x)
+
+
+def _kl_gauss(m1, v1, m0, v0):
+    return 0.5 * (v1 / v0 + (m1 - m0) ** 2 / v0 - 1 + math.log(v0 / v1))
+
+
+def test_tilted_kl_vs_closed_form_gaussian_kl():
+    g = torch.Generator().manual_seed(3)
+    mu, rho = torch.randn(20, generator=g, dtype=D), torch.rand(20, generator=g, dtype=D) + 0.2
+    beta, gam = torch.randn(20, generator=g, dtype=D), torch.rand(20, generator=g, dtype=D) + 0.1
+    kl = tilted_kl(mu, rho, beta, gam)
+    for i in range(20):
+        # tilted Q' ∝ N(s|mu,rho) exp(beta s - s^2/(2 gamma)): natural parameters add
+        prec = 1 / float(rho[i]) + 1 / float(gam[i])
+        v1 = 1 / prec
+        m1 = v1 * (float(mu[i]) / float(rho[i]) + float(beta[i]))
+        assert abs(float(kl[i]) - _kl_gauss(m1, v1, float(mu[i]), float(rho[i]))) < 1e-12
+
+
+def test_information_gain_brute_force():
+    A, B, gamma, C, u = _problem(seed=4)
+    mu, rho = _marginals(A, C, u)
+    s_ig, parts = information_gain(mu, rho, num_points=48, return_parts=True)
+    for i in range(0, 40, 5):
+        m, v = float(mu[i]), float(rho[i])
+        p = integrate.quad(lambda s: math.exp(-0.5 * (s - m) ** 2 / v) / math.sqrt(2 * math.pi * v)
+                           / (1 + math.exp(-s)), m - 40 * math.sqrt(v), m + 40 * math.sqrt(v), epsabs=1e-13)[0]
+        total = 0.0
+        for c, w in ((1, p), (-1, 1 - p)):
+            p1 = LogisticPotential(torch.tensor([(c + 1) / 2], dtype=D))
+            f = lambda t: float(site_phi(p1, torch.tensor([math.exp(t)], dtype=D), mu[i:i + 1], rho[i:i + 1]))  # noqa: E731
+            gam_ref = math.exp(optimize.minimize_scalar(f, bounds=(-15, 15), method="bounded",
+                                                        options={"xatol": 1e-11}).x)
+            prec = 1 / v + 1 / gam_ref
+            v1 = 1 / prec
+            m1 = v1 * (m / v + c / 2)
+            total += w * _kl_gauss(m1, v1, m, v)
+        assert abs(float(s_ig[i]) - total) < 1e-7 * max(1.0, total)
+    assert bool((s_ig > 0).all())
+
+
+def test_design_score_dense_rows_and_blocks():
+    A, B, gamma, C, u = _problem(n=7, seed=5)
+    cov = torch.linalg.inv(A)
+    F = torch.linalg.cholesky(cov)
+    d1 = design_score(C, F, noise_var=0.3)
+    ref1 = torch.stack([torch.logdet(torch.eye(1, dtype=D) + C[i:i + 1] @ cov @ C[i:i + 1].T / 0.3) for i in range(40)])
+    assert torch.allclose(d1, ref1, atol=1e-12)
+    # sparse rows give the same
+    assert torch.allclose(design_score(C.to_sparse_csr(), F, noise_var=0.3), ref1, atol=1e-12)
+    g = torch.Generator().manual_seed(6)
+    Xb = torch.randn(9, 3, 7, generator=g, dtype=D)
+    Xc = torch.complex(torch.randn(9, 10, 7, generator=g, dtype=D), torch.randn(9, 10, 7, generator=g, dtype=D))
+    db, dc = design_score(Xb, F, chunk_size=4), design_score(Xc, F, noise_var=2.0)
+    for i in range(9):
+        assert abs(float(db[i]) - float(torch.logdet(torch.eye(3, dtype=D) + Xb[i] @ cov @ Xb[i].T))) < 1e-11
+        M = torch.eye(10, dtype=Xc.dtype) + Xc[i] @ cov.to(Xc.dtype) @ Xc[i].conj().T / 2.0
+        assert abs(float(dc[i]) - float(torch.linalg.slogdet(M)[1])) < 1e-10
+
+
+def test_design_score_lanczos_full_rank_equals_exact_and_underestimates():
+    A, B, gamma, C, u = _problem(n=8, seed=7)
+    cov = torch.linalg.inv(A)
+    exact = design_score(C, torch.linalg.cholesky(cov))
+    res = lanczos(lambda v: A @ v, 8, 8, dtype=D)
+    full = design_score(C, lanczos_covariance_factor(res))
+    assert torch.allclose(full, exact, atol=1e-9)
+    res4 = lanczos(lambda v: A @ v, 8, 4, dtype=D)
+    part = design_score(C, lanczos_covariance_factor((res4.Q, res4.T())))
+    assert bool((part <= exact + 1e-12).all())
+
+
+def test_rank_one_include_equals_dense_refit():
+    A, B, gamma, C, u0 = _problem(n=6, q=15, N=40, seed=8)
+    g = torch.Generator().manual_seed(9)
+    rhs = torch.randn(6, generator=g, dtype=D)
+    u = torch.linalg.solve(A, rhs)
+    o = torch.randn(40, generator=g, dtype=D)  # candidate offsets
+    mu, rho = C @ u + o, torch.einsum("ij,jk,ik->i", C, torch.linalg.inv(A), C)
+    i = 11
+    b = C[i]
+    d = torch.linalg.solve(A, b)
+    mean_i, var_i = float(b @ u + o[i]), float(b @ d)
+    pot = LogisticPotential(torch.ones(1, dtype=D))
+    gam = minimize_site_phi(pot, torch.tensor([mean_i], dtype=D), torch.tensor([var_i], dtype=D))
+    beta_i, gamma_i = float(pot.beta[0]), float(gam[0])
+    upd = rank_one_include(mu, rho, C @ d, d, u, float(torch.logdet(A)), mean_i=mean_i, var_i=var_i,
+                           beta_i=beta_i, gamma_i=gamma_i)
+    A2 = A + torch.outer(b, b) / gamma_i
+    u2 = torch.linalg.solve(A2, rhs + b * (beta_i - o[i] / gamma_i))
+    cov2 = torch.linalg.inv(A2)
+    assert torch.allclose(upd.u, u2, atol=1e-11)
+    assert torch.allclose(upd.mean, C @ u2 + o, atol=1e-10)
+    assert torch.allclose(upd.var, torch.einsum("ij,jk,ik->i", C, cov2, C), atol=1e-11)
+    assert abs(upd.log_det - float(torch.logdet(A2))) < 1e-11
+
+
+def test_bad_input():
+    z = torch.zeros(3, dtype=D)
+    with pytest.raises(ValueError, match="var"):
+        classifier_uncertainty(z, -torch.ones(3, dtype=D))
+    with pytest.raises(ValueError, match="mean"):
+        information_gain(torch.tensor([float("nan"), 0, 0], dtype=D), torch.ones(3, dtype=D))
+    with pytest.raises(ValueError, match="noise_var"):
+        design_score(torch.eye(3, dtype=D), torch.eye(3, dtype=D), noise_var=0.0)
+    with pytest.raises(ValueError, match="X_star"):
+        design_score(torch.eye(4, dtype=D), torch.eye(3, dtype=D))
