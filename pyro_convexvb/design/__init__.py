@@ -4,6 +4,7 @@
   rank-one marginal updates.
 * :mod:`.active` -- :class:`ActiveLearner`, sequential inclusion in blocks.
 """
+from .active import ActiveHistory, ActiveLearner
 from .scores import (
     RankOneUpdate,
     classifier_uncertainty,
@@ -18,6 +19,8 @@ from .scores import (
 )
 
 __all__ = [
+    "ActiveLearner",
+    "ActiveHistory",
     "RankOneUpdate",
     "classifier_uncertainty",
     "design_score",

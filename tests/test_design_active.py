@@ -1,0 +1,116 @@
+"""ActiveLearner: within-block rank-one state vs a dense recomputation, score choice, history, validation."""
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+import pyro_convexvb as pcv
+from pyro_convexvb.design.active import ActiveLearner, _take_rows
+from pyro_convexvb.design.scores import classifier_uncertainty
+
+D = torch.float64
+
+
+def _model(X, y):
+    u = pyro.sample("u", dist.Normal(torch.zeros(X.shape[1], dtype=X.dtype), 1.0).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Bernoulli(logits=pcv.linear(X, u)), obs=y)
+
+
+def _laplace_model(X, y):
+    u = pyro.sample("u", dist.Laplace(torch.zeros(X.shape[1], dtype=X.dtype), 0.7).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Bernoulli(logits=pcv.linear(X, u)), obs=y)
+
+
+def _data(N=160, n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(N, n, generator=g, dtype=D)
+    w = 2 * torch.randn(n, generator=g, dtype=D)
+    y = (torch.rand(N, generator=g, dtype=D) < torch.sigmoid(X @ w)).to(D)
+    return X, y
+
+
+def test_block_state_equals_dense_refit_of_marginals():
+    X, y = _data()
+    calls = []
+
+    def oracle(i):
+        calls.append(len(i))
+        return y[i]
+
+    L = ActiveLearner(_model, X, oracle, score="cu", block_size=4, variance="exact", progress=False)
+    h = L.run(4, init=torch.arange(12))
+    st = L.last_block
+    res = st["result"]
+    A0 = res.posterior.precision_operator.to_dense()
+    u0 = res.posterior.loc
+    rows = torch.stack(st["rows"])
+    gam = st["gamma"]
+    beta = 0.5 * (2 * st["labels"] - 1)
+    A1 = A0 + rows.T @ (rows / gam[:, None])
+    u_ref = torch.linalg.solve(A1, A0 @ u0 + rows.T @ beta)  # offsets are zero in this model
+    assert torch.allclose(st["u"], u_ref, atol=1e-8)
+    assert torch.allclose(st["mean"], X @ u_ref, atol=1e-8)
+    var_ref = torch.einsum("ij,jk,ik->i", X, torch.linalg.inv(A1), X)
+    assert torch.allclose(st["var"], var_ref, atol=1e-8)
+    assert abs(st["log_det"] - float(torch.logdet(A1))) < 1e-8
+    # rows are the chosen pool rows; labels asked once per case
+    assert torch.allclose(rows, X[h.chosen], atol=1e-14)
+    assert sum(calls) == 12 + 4
+    # the new gamma_i minimise phi_i at the exact marginals before each inclusion: gamma > gamma_0 = 4
+    assert bool((gam > 4).all())
+
+
+def test_first_choice_is_argmax_of_cu_from_dense_marginals():
+    X, y = _data(seed=1)
+    L = ActiveLearner(_model, X, lambda i: y[i], score="cu", block_size=1, variance="exact", progress=False)
+    h = L.run(1, init=torch.arange(15))
+    res = L.last_block["result"]
+    cov = torch.linalg.inv(res.posterior.precision_operator.to_dense())
+    s = classifier_uncertainty(X @ res.posterior.loc, torch.einsum("ij,jk,ik->i", X, cov, X))
+    s[:15] = -math.inf
+    assert h.chosen[0] == int(torch.argmax(s))
+    assert abs(h.scores[0] - float(s.max())) < 1e-10
+
+
+@pytest.mark.parametrize("score", ["cu", "ig", "random"])
+def test_history_and_test_error(score):
+    X, y = _data(N=200, seed=2)
+    L = ActiveLearner(_model, X[:150], lambda i: y[:150][i], score=score, block_size=3, variance="exact",
+                      progress=False)
+    h = L.run(7, init=torch.arange(10), X_test=X[150:], y_test=y[150:])
+    assert len(h.chosen) == 7 and len(set(h.chosen)) == 7 and not set(h.chosen) & set(range(10))
+    assert h.num_included == [10, 13, 16, 17]
+    assert len(h.test_error) == 4 and len(h.seconds) == 4
+    w = h.result.posterior.loc
+    assert abs(h.test_error[-1] - float((((X[150:] @ w) > 0).to(D) != y[150:]).double().mean())) < 1e-12
+    assert all(b >= a for a, b in zip(h.seconds, h.seconds[1:]))
+
+
+def test_lanczos_sparse_pool_and_laplace_prior():
+    X, y = _data(N=120, n=6, seed=3)
+    Xs = X.to_sparse_csr()
+    assert torch.allclose(_take_rows(Xs, [3, 1]).to_dense(), X[[3, 1]])
+    L = ActiveLearner(_laplace_model, Xs, lambda i: y[i], score="ig", block_size=2, lanczos_rank=6, progress=False)
+    h = L.run(4, init=torch.arange(20))
+    assert len(h.chosen) == 4
+    assert torch.isfinite(h.result.posterior.loc).all()
+
+
+def test_validation():
+    X, y = _data(N=30)
+    with pytest.raises(ValueError, match="score"):
+        ActiveLearner(_model, X, lambda i: y[i], score="bald")
+    with pytest.raises(ValueError, match="block_size"):
+        ActiveLearner(_model, X, lambda i: y[i], block_size=0)
+    L = ActiveLearner(_model, X, lambda i: 2 * y[i], variance="exact", progress=False)
+    with pytest.raises(ValueError, match="oracle"):
+        L.run(1, init=torch.arange(5))
+    L = ActiveLearner(_model, X, lambda i: y[i], variance="exact", progress=False)
+    with pytest.raises(ValueError, match="init"):
+        L.run(1, init=[1, 1])
+    with pytest.raises(ValueError, match="num_inclusions"):
+        L.run(40, init=torch.arange(5))
