@@ -318,10 +318,10 @@ def test_errors_are_clear():
     with pytest.raises(TypeError, match="AutoDiagMixture"):
         DiagMixtureELBO().loss(logistic_model, AutoNormal(logistic_model), X, y)
 
-    def bad_model(X, y=None):  # X @ w does not broadcast over particles
+    def bad_model(X, y=None):  # keeps particle dims as (P, 1, N): does not line up with the data plate
         w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=DT), 1.0).to_event(1))
         with pyro.plate("data", X.shape[0]):
-            pyro.sample("y", dist.Bernoulli(logits=linear(X, w)), obs=y)
+            pyro.sample("y", dist.Bernoulli(logits=(w.unsqueeze(-2) * X).sum(-1)), obs=y)
 
     g = AutoDiagMixture(bad_model, num_components=2)
     with pytest.raises(ValueError, match="vectorize_particles=False"):

@@ -33,6 +33,25 @@ def kernel_matrix(kernel, X, X2=None, jitter=0.0, diag=False):
     return kernel(X, X2).to_dense()
 
 
+_CHOL_CACHE = {}
+
+
+def _cholesky(K):
+    """Cholesky factor of K, cached for a fixed (non-differentiable) K: engines call the model many times."""
+    if K.requires_grad:
+        return torch.linalg.cholesky(K)
+    key = (id(K), K._version, tuple(K.shape))
+    hit = _CHOL_CACHE.get(key)
+    if hit is not None and hit[0] is K:
+        return hit[1]
+    L, info = torch.linalg.cholesky_ex(K)
+    if int(info) != 0:
+        raise ValueError("the kernel matrix K is not positive definite (add jitter to its diagonal)")
+    _CHOL_CACHE.clear()
+    _CHOL_CACHE[key] = (K, L)
+    return L
+
+
 def gp_classification_model(K, y=None, mean=0.0):
     """Pyro model of GP binary classification: ``f ~ N(mean, K)``, ``y_i ~ Bernoulli(logits=f_i)``.
 
@@ -41,7 +60,7 @@ def gp_classification_model(K, y=None, mean=0.0):
     """
     n = K.shape[0]
     loc = torch.as_tensor(mean, dtype=K.dtype, device=K.device).expand(n)
-    f = pyro.sample("f", dist.MultivariateNormal(loc, covariance_matrix=K))
+    f = pyro.sample("f", dist.MultivariateNormal(loc, scale_tril=_cholesky(K), validate_args=False))
     with pyro.plate("data", n):
         return pyro.sample("y", dist.Bernoulli(logits=f), obs=y)
 
