@@ -14,7 +14,7 @@ envelope-gradient evidence maximisation on (at most) 1,000 training points, then
 * ``sklearn_laplace``: ``GaussianProcessClassifier(optimizer=None)``; its Laplace q evaluated exactly.
 
 Iterative peers run until the exact VG bound of their q (evaluated with the timer paused) is within
-0.1% of DualVG's, or for at most 100x DualVG's time. Every bound is the exact VG bound
+0.1% of DualVG's, or for at most 100x DualVG's time (capped at 200 s for the 1,000-point sets). Every bound is the exact VG bound
 (Gauss-Hermite site expectations) of the method's Gaussian q on the shared model.
 
 Run ``python benchmarks/dual_vg.py`` (``--quick``: ionosphere and sonar with short caps).
@@ -180,7 +180,8 @@ def run_sklearn(X, y, lengthscale, outputscale, mean, K):
     if abs(mean) > 1e-12:
         return None  # scikit-learn's GPC has a zero prior mean
     kern = ConstantKernel(outputscale, "fixed") * RBF(lengthscale, "fixed") + WhiteKernel(JITTER, "fixed")
-    GaussianProcessClassifier(kern, optimizer=None).fit(X[:10].numpy(), y[:10].numpy())  # warm-up (lazy imports)
+    w = torch.cat([torch.nonzero(y == 0)[:5, 0], torch.nonzero(y == 1)[:5, 0]])
+    GaussianProcessClassifier(kern, optimizer=None).fit(X[w].numpy(), y[w].numpy())  # warm-up (lazy imports)
     with Timer() as t:
         gpc = GaussianProcessClassifier(kern, optimizer=None).fit(X.numpy(), y.numpy())
     base = gpc.base_estimator_
@@ -228,7 +229,7 @@ def make_kernel(ls, os_):
 
 
 # ----------------------------------------------------------------------------- one data set
-def run_dataset(name, n_train, n_test, args, peers=True, cap_factor=100.0, min_cap=2.0, max_cap=None):
+def run_dataset(name, n_train, n_test, args, peers=True, cap_factor=100.0, min_cap=2.0, max_cap=None, light=False):
     X, y, Xt, yt = load(name, n_train, n_test, args.seed)
     with Timer() as th:
         ls, os_, mean = learn_hypers(X, y, seed=args.seed)
@@ -254,6 +255,7 @@ def run_dataset(name, n_train, n_test, args, peers=True, cap_factor=100.0, min_c
     rows.append(dict(dataset=name, N=N, method="dual_vg (tight)", seconds=dual_time, iterations=res.info["iterations"],
                      bound=B, to_target=dual_time, accuracy=m["accuracy"], nlpd=m["nlpd"]))
     # the same, polished into the exact VG optimum by natural-gradient steps (refine=True)
+    other_bounds = () if light else ("jensen", "bohning", "jaakkola")
     with Timer() as tr:
         rr = fit_dual_vg(lgm, progress=False, refine=True)
     mr = predict_metrics(K, Kx, kd, mean, rr.posterior, yt)
@@ -262,7 +264,7 @@ def run_dataset(name, n_train, n_test, args, peers=True, cap_factor=100.0, min_c
                      to_target=tr.seconds, accuracy=mr["accuracy"], nlpd=mr["nlpd"]))
     # the other local bounds (bound-gap table)
     bound_rows = {"tight": B}
-    for bname in ("jensen", "bohning", "jaakkola"):
+    for bname in other_bounds:
         with Timer() as tb:
             r = fit_dual_vg(lgm, progress=False, bound=bname)
         mb = predict_metrics(K, Kx, kd, mean, r.posterior, yt)
@@ -272,7 +274,8 @@ def run_dataset(name, n_train, n_test, args, peers=True, cap_factor=100.0, min_c
                          accuracy=mb["accuracy"], nlpd=mb["nlpd"]))
     # CVI fixed point: the exact VG optimum
     with Timer() as tc:
-        out = cvi_fixed_point(K, torch.full((N,), mean, dtype=D), BernoulliLogit(y), tol=1e-12, max_iter=300)
+        out = cvi_fixed_point(K, torch.full((N,), mean, dtype=D), BernoulliLogit(y), tol=1e-12, max_iter=300,
+                              time_limit=120.0 if light else None)
     hist = out["history"]
     reach = next((s for s, o in zip(hist["seconds"], hist["objective"]) if o >= target), None)
     T = out["T"]
@@ -280,8 +283,10 @@ def run_dataset(name, n_train, n_test, args, peers=True, cap_factor=100.0, min_c
     mc = predict_metrics(K, Kx, kd, mean, qc, yt)
     rows.append(dict(dataset=name, N=N, method="cvi (exact VG)", seconds=tc.seconds, iterations=out["iterations"],
                      bound=out["elbo"], to_target=reach, accuracy=mc["accuracy"], nlpd=mc["nlpd"]))
-    exact_opt = out["elbo"]
+    exact_opt = max(out["elbo"], rr.log_evidence_bound)  # CVI (step 1) may stall; the refined q is also exact-VG
+    bound_rows["tight + refine"] = rr.log_evidence_bound
     extra["bound_gap_to_exact_vg"] = {k: exact_opt - v for k, v in bound_rows.items()}
+    extra["cvi_converged"] = out["converged"]
     # scikit-learn Laplace
     from threadpoolctl import threadpool_limits
 
@@ -321,7 +326,7 @@ def main():
         plan = [("ionosphere", None, None, True, 20.0), ("sonar", None, None, True, 20.0)]
     else:
         plan = [("ionosphere", None, None, True, None), ("sonar", None, None, True, None),
-                ("banana", 1000, 1000, True, 300.0), ("twonorm", 1000, 1000, True, 300.0),
+                ("banana", 1000, 1000, True, 200.0), ("twonorm", 1000, 1000, True, 200.0),
                 ("magic", 5000, 2000, False, None)]
     if args.datasets:
         keep = set(args.datasets.split(","))
@@ -329,9 +334,11 @@ def main():
     all_rows, extras = [], {}
     for name, ntr, nte, peers, max_cap in plan:
         print(f"# {name} ...", file=sys.stderr, flush=True)
-        rows, extra = run_dataset(name, ntr, nte, args, peers=peers, max_cap=max_cap)
+        rows, extra = run_dataset(name, ntr, nte, args, peers=peers, max_cap=max_cap, light=(ntr or 0) > 2000)
         all_rows += rows
         extras[name] = extra
+        write_json("dual_vg_quick" if args.quick else "dual_vg",
+                   {"rows": all_rows, "datasets": extras, "quick": args.quick, "threads": args.threads, "partial": True})
         print(markdown_table(rows, ["dataset", "N", "method", ("seconds", "s"), ("to_target", "s to 0.1%"),
                                     ("time_ratio", "x dual"), "iterations", "bound", ("bound_vs_dual", "Δbound"),
                                     "accuracy", "nlpd"], floatfmt=".4g"), file=sys.stderr, flush=True)
@@ -343,9 +350,11 @@ def main():
                                                    "nlpd": ".3f"}))
     print()
     gap_rows = [dict(dataset=k, **{b: v for b, v in e["bound_gap_to_exact_vg"].items()}) for k, e in extras.items()]
-    print(markdown_table(gap_rows, ["dataset", "tight", "jensen", "bohning", "jaakkola"], floatfmt=".3g"))
+    print(markdown_table(gap_rows, ["dataset", "tight", "tight + refine", "jensen", "bohning", "jaakkola"],
+                         floatfmt=".3g"))
     name = "dual_vg_quick" if args.quick else "dual_vg"
-    write_json(name, {"rows": all_rows, "datasets": extras, "quick": args.quick, "threads": args.threads})
+    write_json(name, {"rows": all_rows, "datasets": extras, "quick": args.quick, "threads": args.threads,
+                      "partial": False})
     try:
         import matplotlib
 

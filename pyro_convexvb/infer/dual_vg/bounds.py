@@ -566,7 +566,7 @@ def numerical_conjugate(bound, alpha, lam, h0=None, rho0=None, max_iter=100, tol
             hn = h + t * dh
             rn = (rho + t * dr).clamp_min(0)
             new = J(hn, rn)
-            ok = (new >= cur + 1e-4 * t * dec.clamp_min(0) * 0) & torch.isfinite(new) | done
+            ok = ((new >= cur) & torch.isfinite(new)) | done  # ascent on the concave inner objective
             if bool(ok.all()):
                 break
             t = torch.where(ok, t, 0.5 * t)
