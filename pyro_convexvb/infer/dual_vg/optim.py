@@ -71,6 +71,18 @@ def _max_step(alpha, d, bound, fraction=0.995):
     return min(1.0, fraction * t)
 
 
+def _clip_direction(alpha, d, bound, fraction=0.995):
+    """Per-coordinate fraction-to-boundary: shorten only the components of ``d`` that would leave the domain.
+
+    A single site close to its boundary then no longer limits the step of all the others (the
+    global rule of :func:`_max_step` would); used when it is still a descent direction.
+    """
+    lo, hi = bound.alpha_domain(alpha)
+    up = torch.where(torch.isfinite(hi), fraction * (hi - alpha), torch.full_like(alpha, math.inf))
+    dn = torch.where(torch.isfinite(lo), fraction * (lo - alpha), torch.full_like(alpha, -math.inf))
+    return torch.minimum(torch.maximum(d, dn), up)
+
+
 def _gap(bound, alpha, val):
     return float(bound.fenchel_young_residual(alpha, val.m_tilde, val.v_tilde).sum())
 
@@ -149,8 +161,12 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
             jitter *= 10
             Lh, info = torch.linalg.cholesky_ex(H + jitter * torch.eye(H.shape[0], dtype=H.dtype, device=H.device))
         d = -torch.cholesky_solve(val.grad[:, None], Lh)[:, 0]
+        dc = _clip_direction(alpha, d, bound)
+        if float(val.grad @ dc) < 0:
+            d, t = dc, 1.0
+        else:
+            t = _max_step(alpha, d, bound)
         dec = -float(val.grad @ d)
-        t = _max_step(alpha, d, bound)
         accepted = False
         for _ in range(60):
             cand = alpha + t * d
