@@ -2,9 +2,11 @@
 
 * :mod:`.scores` -- classifier uncertainty, information gain, ``Delta(X_*) = log|I + X_* Cov X_*^T|``,
   rank-one marginal updates.
+* :mod:`.imaging` -- matrix-free Haar, difference and Fourier-column operators, phase-encode scores.
 * :mod:`.active` -- :class:`ActiveLearner`, sequential inclusion in blocks.
 """
 from .active import ActiveHistory, ActiveLearner
+from .imaging import difference_operator, fourier_columns_operator, haar_operator, phase_encode_scores
 from .scores import (
     RankOneUpdate,
     classifier_uncertainty,
@@ -21,6 +23,10 @@ from .scores import (
 __all__ = [
     "ActiveLearner",
     "ActiveHistory",
+    "haar_operator",
+    "difference_operator",
+    "fourier_columns_operator",
+    "phase_encode_scores",
     "RankOneUpdate",
     "classifier_uncertainty",
     "design_score",

@@ -249,22 +249,18 @@ def design_score(X_star, factor, noise_var=1.0, chunk_size=1024):
         raise ValueError(f"X_star: {X_star.shape[-1]} columns but factor has {factor.shape[0]} rows")
     if not bool(torch.isfinite(X_star).all()):
         raise ValueError("X_star: contains NaN/inf")
-    N, r, _ = X_star.shape
-    k = factor.shape[1]
     F = factor.to(X_star.dtype) if X_star.is_complex() else factor
-    out = []
-    for start in range(0, N, chunk_size):
-        W = X_star[start:start + chunk_size] @ F  # (c, r, k)
-        if r <= k:
-            M = W @ W.conj().transpose(-1, -2)
-            size = r
-        else:
-            M = W.conj().transpose(-1, -2) @ W
-            size = k
-        eye = torch.eye(size, dtype=M.dtype, device=M.device)
-        L = torch.linalg.cholesky(eye + M / noise_var)
-        out.append(2 * torch.log(torch.diagonal(L, dim1=-2, dim2=-1).real).sum(-1))
-    return torch.cat(out)
+    return torch.cat([_logdet_eye_plus(X_star[start:start + chunk_size] @ F, noise_var)
+                      for start in range(0, X_star.shape[0], chunk_size)])
+
+
+def _logdet_eye_plus(W, noise_var):
+    """``log|I + W W^H / noise_var|`` for a batch ``W`` of shape ``(N, r, k)`` (smaller side factorised)."""
+    r, k = W.shape[-2:]
+    M = W @ W.conj().transpose(-1, -2) if r <= k else W.conj().transpose(-1, -2) @ W
+    eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+    L = torch.linalg.cholesky(eye + M / noise_var)
+    return 2 * torch.log(torch.diagonal(L, dim1=-2, dim2=-1).real).sum(-1)
 
 
 RankOneUpdate = namedtuple("RankOneUpdate", ["mean", "var", "u", "log_det", "kappa"])
