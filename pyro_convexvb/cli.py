@@ -56,7 +56,7 @@ def run_demo(dataset="ionosphere", engines=None, lengthscale=4.0, outputscale=4.
     names = list(list_engines()) if engines is None else list(engines)
     rows = []
     print(f"GP classification on keel '{dataset}': {Xtr.shape[0]} train / {Xte.shape[0]} test cases, "
-          f"{Xtr.shape[1]} features; RBF kernel (lengthscale {lengthscale}, outputscale {outputscale})")
+          f"{Xtr.shape[1]} features; RBF kernel (lengthscale {lengthscale}, outputscale {outputscale})", flush=True)
     for name in names:
         spec = get_engine(name)
         if name.endswith("_test"):
@@ -78,6 +78,7 @@ def run_demo(dataset="ionosphere", engines=None, lengthscale=4.0, outputscale=4.
         nlpd = float(-(yte * torch.log(p) + (1 - yte) * torch.log1p(-p)).mean())
         rows.append(dict(engine=name, seconds=secs, bound=res.log_evidence_bound, accuracy=acc, nlpd=nlpd,
                          converged=res.converged, description=spec.description))
+        print(f"  {name}: {secs:.2f} s", flush=True)
     print()
     print(format_table(rows))
     if out is not None:
