@@ -16,11 +16,11 @@ import torch
 
 #: Engine options used by the demo: Pyro's stochastic engines get step caps so the demo stays short.
 DEMO_OPTIONS = {
-    "svi_autonormal": dict(lr=0.05, max_steps=3000, min_steps=500, window=250),
-    "svi_automvn": dict(lr=0.05, max_steps=3000, min_steps=500, window=250),
-    "svi_lowrank": dict(lr=0.05, max_steps=3000, min_steps=500, window=250, rank=10),
-    "nuts": dict(num_samples=200, warmup_steps=200, max_tree_depth=6),
-    "diag_mixture": dict(max_steps=3000),
+    "svi_autonormal": dict(lr=0.05, max_steps=1500, min_steps=500, window=250),
+    "svi_automvn": dict(lr=0.05, max_steps=1500, min_steps=500, window=250),
+    "svi_lowrank": dict(lr=0.05, max_steps=1500, min_steps=500, window=250, rank=10),
+    "nuts": dict(num_samples=150, warmup_steps=150, max_tree_depth=6),
+    "diag_mixture": dict(max_steps=1500),
 }
 
 
