@@ -39,10 +39,10 @@ def test_peak_rss_monotone_and_positive():
 
 def test_peak_rss_sampler_sees_block_allocation():
     with bc.PeakRSS(interval=0.001) as mem:
-        buf = np.ones(80 * 2 ** 20 // 8)  # 80 MiB
-        time.sleep(0.02)
-        del buf
-    assert 70 < mem.delta_mb < 200
+        buf = np.ones(200 * 2 ** 20 // 8)  # 200 MiB, alive until the exit sample (no timing dependence)
+    del buf
+    # freed memory of earlier tests may be reused, so only a clear majority of the block must show
+    assert 120 < mem.delta_mb < 400
     assert mem.peak_mb >= mem.start_mb
 
 
