@@ -16,3 +16,4 @@ autodoc_member_order = "bysource"
 autodoc_mock_imports = []
 html_theme = "alabaster"
 suppress_warnings = ["myst.header"]
+myst_heading_anchors = 3
