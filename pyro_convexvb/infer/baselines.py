@@ -61,6 +61,45 @@ def _latent_dtype(model, args, kwargs):
     return torch.get_default_dtype()
 
 
+def svi_until_plateau(svi, optim, args, kwargs, *, max_steps, min_steps, window, rtol, lr_decay=True,
+                      progress=True, desc="SVI", callback=None):
+    """Run ``svi.step`` until the windowed mean loss plateaus; shared by every SVI-based engine.
+
+    Every ``window`` steps (after ``min_steps``) the mean loss of the last window is compared with the
+    previous one; a decrease below ``rtol * (|mean| + 1)`` first divides the learning rate by 5 (when
+    ``lr_decay``) and stops the second time. Warns :class:`ConvergenceWarning` at ``max_steps``.
+
+    :returns: ``(history, losses, converged)``.
+    """
+    history = History()
+    losses, prev, converged, decayed = [], None, False, False
+    for step in _progress(range(max_steps), progress, desc):
+        loss = svi.step(*args, **kwargs)
+        if not math.isfinite(loss):
+            lr = [g["lr"] for opt in optim.optim_objs.values() for g in opt.param_groups][:1]
+            raise FloatingPointError(f"{desc}: SVI loss became {loss} at step {step}; lower the learning rate "
+                                     f"(now {lr[0] if lr else 'n/a'})")
+        losses.append(loss)
+        if callback is not None:
+            callback(step, loss)
+        if (step + 1) % window == 0:
+            cur = sum(losses[-window:]) / window
+            history.record(objective=-cur, step=step + 1)
+            if prev is not None and step + 1 >= min_steps and prev - cur < rtol * (abs(cur) + 1):
+                if lr_decay and not decayed:
+                    decayed = True
+                    for opt in optim.optim_objs.values():
+                        for g in opt.param_groups:
+                            g["lr"] *= 0.2
+                else:
+                    converged = True
+                    break
+            prev = cur
+    if not converged:
+        warnings.warn(f"{desc}: SVI did not plateau within {max_steps} steps", ConvergenceWarning)
+    return history, losses, converged
+
+
 def run_svi(model, args, kwargs, guide_cls, *, lr=0.02, max_steps=20000, min_steps=500, window=250, rtol=2e-4,
             num_particles=1, vectorize_particles=False, rank=None, init_scale=0.1, seed=0, progress=True,
             lr_decay=True):
@@ -80,28 +119,9 @@ def run_svi(model, args, kwargs, guide_cls, *, lr=0.02, max_steps=20000, min_ste
         guide = guide_cls(model, init_scale=init_scale)
     optim = pyro.optim.ClippedAdam({"lr": lr, "betas": (0.9, 0.999), "clip_norm": 100.0})
     svi = SVI(model, guide, optim, Trace_ELBO(num_particles=num_particles, vectorize_particles=vectorize_particles))
-    history = History()
-    losses, prev, converged, decayed = [], None, False, False
-    for step in _progress(range(max_steps), progress, guide_cls.__name__):
-        loss = svi.step(*args, **kwargs)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"SVI loss became {loss} at step {step}; lower lr (now {lr})")
-        losses.append(loss)
-        if (step + 1) % window == 0:
-            cur = sum(losses[-window:]) / window
-            history.record(objective=-cur, step=step + 1)
-            if prev is not None and step + 1 >= min_steps and prev - cur < rtol * (abs(cur) + 1):
-                if lr_decay and not decayed:
-                    decayed = True
-                    for opt in optim.optim_objs.values():
-                        for g in opt.param_groups:
-                            g["lr"] *= 0.2
-                else:
-                    converged = True
-                    break
-            prev = cur
-    if not converged:
-        warnings.warn(f"{guide_cls.__name__}: SVI did not plateau within {max_steps} steps", ConvergenceWarning)
+    history, losses, converged = svi_until_plateau(
+        svi, optim, args, kwargs, max_steps=max_steps, min_steps=min_steps, window=window, rtol=rtol,
+        lr_decay=lr_decay, progress=progress, desc=guide_cls.__name__)
     with torch.no_grad():
         if isinstance(guide, AutoNormal):
             locs, scales = [], []

@@ -38,10 +38,10 @@ from pyro.distributions import constraints
 from torch.distributions import biject_to
 
 from ..errors import ConvergenceWarning, UnsupportedModelError
-from .baselines import _progress
+from .baselines import svi_until_plateau
 from .posterior import GaussianPosterior
 from .registry import register_engine
-from .result import History, InferenceResult
+from .result import InferenceResult
 
 __all__ = [
     "entropy_lower_bound",
@@ -732,30 +732,11 @@ def run_diag_mixture(model, args, kwargs, *, num_components=1, num_particles=1, 
     loss = DiagMixtureELBO(num_particles=num_particles, entropy=entropy, vectorize_particles=vectorize_particles)
     optim = pyro.optim.ClippedAdam({"lr": lr, "betas": (0.9, 0.999), "clip_norm": clip_norm})
     svi = pyro.infer.SVI(model, guide, optim, loss)
-    history = History()
-    losses, prev, converged, decayed = [], None, False, False
-    for step in _progress(range(max_steps), progress, f"AutoDiagMixture(K={num_components})"):
-        value = svi.step(*args, **kwargs)
-        if not math.isfinite(value):
-            raise FloatingPointError(f"diag_mixture: loss became {value} at step {step}; lower lr (now {lr})")
-        losses.append(value)
-        if callback is not None:
-            callback(step, value, guide)
-        if (step + 1) % window == 0:
-            cur = sum(losses[-window:]) / window
-            history.record(objective=-cur, step=step + 1)
-            if prev is not None and step + 1 >= min_steps and prev - cur < rtol * (abs(cur) + 1):
-                if lr_decay and not decayed:
-                    decayed = True
-                    for opt in optim.optim_objs.values():
-                        for g in opt.param_groups:
-                            g["lr"] *= 0.2
-                else:
-                    converged = True
-                    break
-            prev = cur
-    if not converged:
-        warnings.warn(f"diag_mixture: SVI did not plateau within {max_steps} steps", ConvergenceWarning)
+
+    cb = None if callback is None else (lambda step, value: callback(step, value, guide))
+    history, losses, converged = svi_until_plateau(
+        svi, optim, args, kwargs, max_steps=max_steps, min_steps=min_steps, window=window, rtol=rtol,
+        lr_decay=lr_decay, progress=progress, desc=f"AutoDiagMixture(K={num_components})", callback=cb)
     with torch.no_grad():
         locs, scales = guide._mixture_params()
         posterior = DiagMixturePosterior(locs.detach().clone(), scales.detach().clone() ** 2)
