@@ -99,3 +99,29 @@ def test_register_engine_and_swap(conjugate):
     assert res.lgm is not None and res.posterior.layout.names == ["w"]
     pred = pyro.infer.Predictive(model, guide=res.posterior.as_guide(), num_samples=50)(X)
     assert pred["y"].shape == (50, 40)
+
+
+def test_entry_point_engines_are_loaded(monkeypatch):
+    """Third-party engines declared in the ``pyro_convexvb.engines`` entry-point group appear in pcv.engines()."""
+    import importlib.metadata
+
+    from pyro_convexvb.infer import registry
+
+    spec = registry.EngineSpec("third_party_test", lambda lgm, progress=True: None, "an engine from another package")
+
+    class FakeEntryPoint:
+        name = "third_party_test"
+
+        def load(self):
+            return spec
+
+    def fake_entry_points(group=None):
+        return [FakeEntryPoint()] if group == "pyro_convexvb.engines" else []
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", fake_entry_points)
+    monkeypatch.setattr(registry, "_ENTRY_POINTS_LOADED", False)
+    try:
+        assert pcv.engines()["third_party_test"] == "an engine from another package"
+        assert registry.get_engine("third_party_test") is spec
+    finally:
+        registry._ENGINES.pop("third_party_test", None)
