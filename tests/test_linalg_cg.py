@@ -14,15 +14,6 @@ from pyro_convexvb.linalg import (
 DT = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small sparse products are ~1000x slower with 2 OpenMP threads on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _spd(n, cond, seed=0):
     g = torch.Generator().manual_seed(seed)
     U, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=DT))

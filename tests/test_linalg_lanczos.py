@@ -18,14 +18,6 @@ from pyro_convexvb.linalg import (
 DT = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
 

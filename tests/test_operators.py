@@ -9,6 +9,7 @@ from pyro_convexvb.linalg import (
     ComposedOperator,
     DenseOperator,
     DiagonalOperator,
+    EmbedColumnsOperator,
     FunctionOperator,
     IdentityOperator,
     LinearOperator,
@@ -75,6 +76,13 @@ def _cases():
             True,
         ),
         "matmul_compose": (DenseOperator(M) @ DenseOperator(P), M @ P, False),
+        "embed_columns_dense": (EmbedColumnsOperator(M2, 3, 9), torch.cat([torch.zeros(4, 3, dtype=DT), M2, torch.zeros(4, 1, dtype=DT)], 1), True),
+        "embed_columns_sparse": (EmbedColumnsOperator(S.to_sparse_csr(), 0, 5), S, True),
+        "embed_columns_function": (
+            EmbedColumnsOperator(FunctionOperator(lambda v: M3 @ v, lambda u: M3.T @ u, (3, 2), dtype=DT), 1, 4),
+            torch.cat([torch.zeros(3, 1, dtype=DT), M3, torch.zeros(3, 1, dtype=DT)], 1),
+            False,
+        ),
     }
     return cases
 
@@ -245,6 +253,8 @@ def test_shape_errors_name_the_operator():
         DenseOperator(torch.randn(3, dtype=DT))
     with pytest.raises(ValueError, match="1-D"):
         DiagonalOperator(torch.randn(3, 3, dtype=DT))
+    with pytest.raises(ValueError, match="EmbedColumnsOperator"):
+        EmbedColumnsOperator(torch.randn(2, 3, dtype=DT), 2, 4)
 
 
 def test_function_operator_column_loop_matches_batched():

@@ -7,43 +7,13 @@
 * :func:`newton_bisect_root`, :func:`expand_bracket`, :func:`minimize_convex_scalar`: vectorised
   safeguarded Newton/bisection for many independent scalar problems.
 """
+from . import operators as _operators
 from .cg import CGResult, NotPositiveDefiniteError, cg, default_max_iter
 from .lanczos import LanczosResult, lanczos, lanczos_variances, pca_variances, tridiagonal_cholesky
-from .operators import (
-    BlockDiagonalOperator,
-    ComposedOperator,
-    DenseOperator,
-    DiagonalOperator,
-    FunctionOperator,
-    IdentityOperator,
-    LinearOperator,
-    SparseOperator,
-    StackedOperator,
-    SumOperator,
-    TransposedOperator,
-    ZeroOperator,
-    as_operator,
-    sparse_matvec,
-    to_csr,
-)
+from .operators import *  # noqa: F401,F403  (every operator class and helper in operators.__all__)
 from .scalar import expand_bracket, minimize_convex_scalar, newton_bisect_root
 
-__all__ = [
-    "LinearOperator",
-    "DenseOperator",
-    "SparseOperator",
-    "DiagonalOperator",
-    "IdentityOperator",
-    "ZeroOperator",
-    "StackedOperator",
-    "BlockDiagonalOperator",
-    "ComposedOperator",
-    "SumOperator",
-    "TransposedOperator",
-    "FunctionOperator",
-    "as_operator",
-    "sparse_matvec",
-    "to_csr",
+__all__ = list(_operators.__all__) + [
     "CGResult",
     "cg",
     "default_max_iter",
