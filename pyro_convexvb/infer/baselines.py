@@ -155,7 +155,7 @@ def run_laplace(model, args, kwargs, *, max_iter=500, tol=1e-9, seed=0, progress
         opt.zero_grad()
         loss = elbo.differentiable_loss(model, guide, *args, **kwargs)
         loss.backward()
-        history.record(objective=-float(loss))
+        history.record(objective=-float(loss.detach()))
         return loss
 
     opt.step(closure)
