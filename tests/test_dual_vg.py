@@ -37,14 +37,6 @@ from pyro_convexvb.linalg.operators import DenseOperator, SparseOperator
 D = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _t(x):
     return torch.as_tensor(x, dtype=D)
 

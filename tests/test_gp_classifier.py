@@ -14,14 +14,6 @@ from pyro_convexvb.lgm.sites import BernoulliLogit
 D = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _data(n=60, seed=0, noise=0.3):
     gen = torch.Generator().manual_seed(seed)
     X = torch.randn(n, 2, dtype=D, generator=gen)

@@ -107,7 +107,7 @@ def run_svi(model, args, kwargs, guide_cls, *, lr=0.02, max_steps=20000, min_ste
 
     Stopping rule: after ``min_steps``, every ``window`` steps compare the mean loss of the last window
     with the previous one; stop when the decrease is below ``rtol * (|mean| + 1)`` (per window,
-    and the learning rate is then halved once before stopping for good when ``lr_decay``).
+    and the learning rate is then divided by 5 once before stopping for good when ``lr_decay``).
 
     :returns: :class:`InferenceResult` with a dense :class:`GaussianPosterior`.
     """
