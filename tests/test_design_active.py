@@ -114,3 +114,67 @@ def test_validation():
         L.run(1, init=[1, 1])
     with pytest.raises(ValueError, match="num_inclusions"):
         L.run(40, init=torch.arange(5))
+
+
+@pytest.mark.parametrize("model", [_model, _laplace_model])
+def test_block_end_refit_reuses_kept_marginals_single_lanczos(model):
+    """Seed 000 §3: the refit's first outer update comes from the rank-one-updated marginals.
+
+    With exact variances, the kept-valid ``z`` of all model sites equals the dense
+    ``diag(B A'^{-1} B^T)`` of the enlarged model at ``gamma_init``, so the warm refit equals a cold
+    one-outer-iteration refit from the same ``gamma``; with Lanczos, a block costs one Lanczos run.
+    """
+    from pyro_convexvb.infer.convex_relaxation.problem import RelaxationProblem
+
+    X, y = _data(N=120, n=4, seed=3)
+    L = ActiveLearner(model, X, lambda i: y[i], score="cu", block_size=3, variance="exact", progress=False)
+    h = L.run(3, init=torch.arange(10))
+    st = L.last_block
+    idx = list(range(10)) + h.chosen
+    lgm = pcv.lgm_from_pyro(model, X[idx], y[idx])
+    prob = RelaxationProblem(lgm)
+    A = prob.dense_a(1 / st["gamma_init"])
+    Bd = prob.B.to_dense()
+    z_ref = torch.diagonal(Bd @ torch.linalg.solve(A, Bd.T))
+    torch.testing.assert_close(st["z_init"], z_ref, rtol=1e-7, atol=1e-10)
+    cold = pcv.ConvexVariationalRelaxation(model, variance="exact", max_outer=1, gamma_init=st["gamma_init"],
+                                           progress=False).run(X[idx], y[idx])
+    warm = h.result
+    # equal up to the inner loop's Newton/CG tolerances (the two start from different u)
+    torch.testing.assert_close(warm.info["gamma_all"], cold.info["gamma_all"], rtol=1e-4, atol=1e-8)
+    torch.testing.assert_close(warm.posterior.loc, cold.posterior.loc, rtol=1e-4, atol=1e-8)
+    # Lanczos: one variance step (one Lanczos run) in the block-end refit
+    Ll = ActiveLearner(model, X, lambda i: y[i], score="cu", block_size=3, lanczos_rank=3, progress=False)
+    hl = Ll.run(3, init=torch.arange(10))
+    assert hl.result.info["mvm"]["lanczos_steps"] == [0, 3]
+    assert bool((Ll.last_block["z_init"] > 0).all())
+
+
+def test_nonpositive_model_variances_are_recomputed_by_cg():
+    """Model-site variances that turn nonpositive within a block are recomputed by CG (seed 000 §3)."""
+    import numpy as np
+
+    import pyro_convexvb.design.active as active
+    from pyro_convexvb.infer.convex_relaxation.problem import RelaxationProblem
+
+    X, y = _data(N=80, n=4, seed=5)
+    L = ActiveLearner(_model, X, lambda i: y[i], score="cu", block_size=2, variance="exact", progress=False)
+    L.run(2, init=torch.arange(8))
+    # corrupt the state the way Lanczos underestimation would and rerun the block end by hand
+    st = L.last_block
+    assert st["recomputed"] == 0
+    res0 = st["result"]
+    res0.info["z_all"] = res0.info["z_all"] - 10.0  # every kept model variance would be negative
+    idx = list(range(8))
+    L2 = ActiveLearner(_model, X, lambda i: y[i], score="cu", block_size=2, variance="exact", progress=False)
+    alive = torch.ones(80, dtype=torch.bool)
+    alive[:8] = False
+    hist = active.ActiveHistory()
+    L2._block(res0, idx, y[:8], 2, alive, np.random.default_rng(0), hist, None)
+    st2 = L2.last_block
+    assert st2["recomputed"] == 8
+    prob = RelaxationProblem(pcv.lgm_from_pyro(_model, X[idx], y[idx]))
+    A = prob.dense_a(1 / st2["gamma_init"])
+    Bd = prob.B.to_dense()
+    z_ref = torch.diagonal(Bd @ torch.linalg.solve(A, Bd.T))
+    torch.testing.assert_close(st2["z_init"], z_ref, rtol=1e-7, atol=1e-10)

@@ -9,6 +9,8 @@ from pyro_convexvb.errors import ConvergenceWarning
 from pyro_convexvb.linalg import (
     NotPositiveDefiniteError,
     SparseOperator,
+    banded_lanczos_z,
+    block_lanczos,
     lanczos,
     lanczos_variances,
     pca_variances,
@@ -283,3 +285,83 @@ def test_without_reorthogonalisation_orthogonality_is_lost():
     assert float((plain.Q.T @ plain.Q - I).abs().max()) > 1e-3
     # the first steps agree
     torch.testing.assert_close(plain.alpha[:5], full.alpha[:5], rtol=1e-10, atol=0)
+
+
+# ------------------------------------------------------------------------------------------ block Lanczos
+@pytest.mark.parametrize("b", [1, 3, 4, 7])
+def test_block_lanczos_orthonormal_projection_and_banded(b):
+    A = _spd(50, 1e3, seed=1)
+    res = block_lanczos(A, 50, 30, b, generator=_gen(2))
+    Q, T = res.Q, res.T()
+    assert res.k == 30 and res.num_mvm == 30 and Q.shape == (50, 30)
+    torch.testing.assert_close(Q.T @ Q, torch.eye(30, dtype=DT), atol=1e-13, rtol=0)
+    torch.testing.assert_close(T, Q.T @ A @ Q, atol=1e-11, rtol=0)
+    i, j = torch.meshgrid(torch.arange(30), torch.arange(30), indexing="ij")
+    assert float(T[(i - j) > res.block_size].abs().max()) == 0.0  # bandwidth b
+    assert res.block_size == b
+    torch.testing.assert_close(res.ritz_values, torch.linalg.eigvalsh(T))
+
+
+@pytest.mark.parametrize("b", [2, 5, 7])
+def test_block_lanczos_full_run_exact_variances_and_logdet(b):
+    """k = n (n not a multiple of b: the last block is deflated/truncated): exact spectrum, log|A|, variances."""
+    A = _spd(23, 1e4, seed=3)
+    B = torch.randn(9, 23, generator=_gen(4), dtype=DT)
+    res = block_lanczos(A, 23, 23, b, generator=_gen(5))
+    assert res.k == 23
+    torch.testing.assert_close(res.ritz_values, torch.linalg.eigvalsh(A), rtol=1e-9, atol=1e-9)
+    assert float(res.logdet_T()) == pytest.approx(float(torch.logdet(A)), abs=1e-8)
+    torch.testing.assert_close(res.variances(B), _exact_var(A, B), rtol=1e-8, atol=1e-12)
+    torch.testing.assert_close(res.variances(None), torch.diagonal(torch.linalg.inv(A)), rtol=1e-8, atol=1e-12)
+    v = torch.randn(23, 2, generator=_gen(6), dtype=DT)
+    torch.testing.assert_close(res.apply_inverse(v), torch.linalg.solve(A, v), rtol=1e-8, atol=1e-10)
+
+
+def test_block_lanczos_variances_lower_bounds_nondecreasing_in_k():
+    A, B = _spd(40, 1e3, seed=7), torch.randn(15, 40, generator=_gen(8), dtype=DT)
+    exact = _exact_var(A, B)
+    V0 = torch.randn(40, 4, generator=_gen(9), dtype=DT)
+    prev = torch.zeros_like(exact)
+    for k in range(1, 41, 3):
+        z = block_lanczos(A, V0, k, 4).variances(B, chunk_size=5)
+        assert bool((z <= exact * (1 + 1e-10) + 1e-14).all())
+        assert bool((z >= prev - 1e-12).all())
+        prev = z
+    # the banded substitution equals the dense formula diag(B Q T^{-1} Q^T B^T)
+    res = block_lanczos(A, V0, 22, 4)
+    direct = torch.diagonal(B @ res.Q @ torch.linalg.solve(res.T(), res.Q.T @ B.T))
+    for chunk in (1, 4, 9, 64):
+        torch.testing.assert_close(res.variances(B, chunk_size=chunk), direct, rtol=1e-10, atol=1e-14)
+
+
+def test_banded_z_with_band_one_is_seed000_recursion():
+    A, B = _spd(30, 1e2, seed=10), torch.randn(7, 30, generator=_gen(11), dtype=DT)
+    res = lanczos(A, 30, 12, generator=_gen(12))
+    L = torch.linalg.cholesky(res.T())
+    BQ = (B @ res.Q).T
+    z = banded_lanczos_z(L, 1, lambda s, e: BQ[s:e], 12, chunk_size=5)
+    torch.testing.assert_close(z, res.variances(B), rtol=1e-12, atol=1e-14)
+
+
+def test_block_lanczos_invariant_start_breaks_down_exactly():
+    ev = torch.arange(1.0, 21.0, dtype=DT)
+    A = torch.diag(ev)
+    V0 = torch.zeros(20, 2, dtype=DT)
+    V0[:3, 0], V0[3:6, 1] = 1.0, 1.0  # Krylov space = span(e_1..e_6)
+    res = block_lanczos(A, V0, 12, 2)
+    assert res.breakdown and res.k == 6
+    torch.testing.assert_close(res.ritz_values, ev[:6], rtol=1e-10, atol=1e-10)
+
+
+def test_block_lanczos_bad_inputs():
+    A = _spd(10, 10.0)
+    with pytest.raises(ValueError, match="block_size"):
+        block_lanczos(A, 10, 5, 0)
+    with pytest.raises(ValueError, match="n_or_V0"):
+        block_lanczos(A, torch.randn(10, 3, dtype=DT), 5, 2)
+    with pytest.raises(ValueError, match="n_or_V0"):
+        block_lanczos(A, torch.full((10, 2), float("nan"), dtype=DT), 5, 2)
+    with pytest.raises(ValueError, match="matmul"):
+        block_lanczos(lambda V: V[:-1], 10, 5, 2, dtype=DT)
+    with pytest.raises(NotPositiveDefiniteError):
+        block_lanczos(-A, 10, 6, 2, generator=_gen(0)).variances(None)

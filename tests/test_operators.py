@@ -277,3 +277,19 @@ def test_repr_and_base_class():
     op = DenseOperator(torch.randn(2, 2, dtype=DT))
     assert "DenseOperator" in repr(op) and "(2, 2)" in repr(op)
     assert isinstance(op, LinearOperator)
+
+
+def test_sparse_operator_uses_32bit_indices_and_keeps_products():
+    from pyro_convexvb.linalg.operators import compact_indices
+
+    g = torch.Generator().manual_seed(0)
+    M = torch.randn(40, 25, generator=g, dtype=torch.float64) * (torch.rand(40, 25, generator=g) < 0.2)
+    op = SparseOperator(M.to_sparse_csr())
+    assert op.matrix.crow_indices().dtype == torch.int32 and op.matrix_t.col_indices().dtype == torch.int32
+    v, u = torch.randn(25, 3, dtype=torch.float64), torch.randn(40, dtype=torch.float64)
+    torch.testing.assert_close(op.mv(v), M @ v)
+    torch.testing.assert_close(op.rmv(u), M.T @ u)
+    torch.testing.assert_close(op.rows([3, 0, 7]).to_dense(), M[[3, 0, 7]])
+    torch.testing.assert_close(op.T.to_dense(), M.T)
+    c = compact_indices(M.to_sparse_csr())
+    assert compact_indices(c) is c

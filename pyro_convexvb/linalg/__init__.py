@@ -2,14 +2,23 @@
 
 * operators (:mod:`.operators`): the product protocol ``mv``/``rmv``/``squared``/``to_dense``;
 * :func:`cg`: preconditioned conjugate gradients with batched right-hand sides;
-* :func:`lanczos`, :func:`lanczos_variances`, :func:`pca_variances`: Lanczos with full
+* :func:`lanczos`, :func:`block_lanczos`, :func:`lanczos_variances`, :func:`pca_variances`: Lanczos with full
   reorthogonalisation and the K-Lanczos / L-PCA variance estimators (seed 000 §2.3, seed 001 §3);
 * :func:`newton_bisect_root`, :func:`expand_bracket`, :func:`minimize_convex_scalar`: vectorised
   safeguarded Newton/bisection for many independent scalar problems.
 """
 from . import operators as _operators
 from .cg import CGResult, NotPositiveDefiniteError, cg, default_max_iter
-from .lanczos import LanczosResult, lanczos, lanczos_variances, pca_variances, tridiagonal_cholesky
+from .lanczos import (
+    BlockLanczosResult,
+    LanczosResult,
+    banded_lanczos_z,
+    block_lanczos,
+    lanczos,
+    lanczos_variances,
+    pca_variances,
+    tridiagonal_cholesky,
+)
 from .operators import *  # noqa: F401,F403  (every operator class and helper in operators.__all__)
 from .scalar import expand_bracket, minimize_convex_scalar, newton_bisect_root
 
@@ -19,7 +28,10 @@ __all__ = list(_operators.__all__) + [
     "default_max_iter",
     "NotPositiveDefiniteError",
     "LanczosResult",
+    "BlockLanczosResult",
     "lanczos",
+    "block_lanczos",
+    "banded_lanczos_z",
     "lanczos_variances",
     "pca_variances",
     "tridiagonal_cholesky",

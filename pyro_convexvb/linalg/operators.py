@@ -36,6 +36,7 @@ __all__ = [
     "as_operator",
     "sparse_matvec",
     "to_csr",
+    "compact_indices",
 ]
 
 
@@ -164,12 +165,26 @@ def _csr_transpose(csr):
     m, n = csr.shape
     crow, col, val = csr.crow_indices(), csr.col_indices(), csr.values()
     # CSR of A.T has the CSC structure of A.
-    rows = torch.repeat_interleave(torch.arange(m, device=csr.device), crow[1:] - crow[:-1])
-    order = torch.argsort(col * m + rows)
+    rows = torch.repeat_interleave(torch.arange(m, device=csr.device), (crow[1:] - crow[:-1]).long())
+    order = torch.argsort(col.long() * m + rows)
     counts = torch.bincount(col, minlength=n)
     tcrow = torch.zeros(n + 1, dtype=crow.dtype, device=csr.device)
     tcrow[1:] = torch.cumsum(counts, 0)
     return torch.sparse_csr_tensor(tcrow, rows[order].to(col.dtype), val[order], size=(n, m), check_invariants=False)
+
+
+def compact_indices(csr):
+    """The same CSR with 32-bit ``crow``/``col`` indices when they fit (else unchanged).
+
+    Sparse products are memory-bound; 32-bit indices cut the bytes per nonzero from 16 to 12 (float64)
+    and halve the time of ``torch.mv`` on CSR matrices (measured in ``docs/linalg.md``).
+    """
+    if csr.crow_indices().dtype == torch.int32:
+        return csr
+    if max(csr.values().numel(), *csr.shape) >= 2**31 - 1:
+        return csr
+    return torch.sparse_csr_tensor(csr.crow_indices().to(torch.int32), csr.col_indices().to(torch.int32),
+                                   csr.values(), size=csr.shape, check_invariants=False)
 
 
 class _SparseMatvec(torch.autograd.Function):
@@ -200,12 +215,13 @@ def sparse_matvec(A, At, v):
 class SparseOperator(LinearOperator):
     """A torch sparse matrix (CSR, or COO/CSC converted once) with its transpose kept as CSR.
 
-    Memory is ``2 * nnz`` values and indices; nothing is densified.
+    Memory is ``2 * nnz`` values and indices (32-bit indices whenever they fit, see
+    :func:`compact_indices`); nothing is densified.
     """
 
     def __init__(self, matrix, transpose=None):
-        self.matrix = to_csr(matrix)
-        self.matrix_t = to_csr(transpose) if transpose is not None else _csr_transpose(self.matrix)
+        self.matrix = compact_indices(to_csr(matrix))
+        self.matrix_t = compact_indices(to_csr(transpose) if transpose is not None else _csr_transpose(self.matrix))
         self.shape = tuple(self.matrix.shape)
         self.dtype = self.matrix.dtype
         self.device = self.matrix.device

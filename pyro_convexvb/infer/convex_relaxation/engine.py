@@ -56,6 +56,10 @@ class ConvexVariationalRelaxation:
         :class:`~pyro_convexvb.LatentGaussianModel`.
     :param int lanczos_rank: Lanczos steps ``k`` per outer update (seed 000 uses 80 for a9a, 750 for
         real-sim/rcv1).
+    :param int lanczos_block_size: ``b``: ``1`` is seed 000's Lanczos; ``b > 1`` runs block Lanczos
+        (:func:`~pyro_convexvb.linalg.block_lanczos`: ``A`` times ``b`` vectors per product and
+        matrix-matrix reorthogonalisation, several times faster per vector on sparse designs, somewhat
+        lower variance accuracy at equal ``k``; measured in ``docs/convex_relaxation.md``).
     :param int max_outer: outer-loop variance updates (each followed by one inner loop); one more
         variance step at the final ``gamma`` gives the posterior variances and the bound.
     :param int max_newton: Newton steps per inner loop.
@@ -69,6 +73,11 @@ class ConvexVariationalRelaxation:
         sites need ``z > 0`` for a smooth inner loop).
     :param gamma_init: initial ``gamma`` (number or ``(q,)``); default: each site's Gaussian touching it at
         ``x = 1 + s_0^2`` (``s_0`` at ``u = 0``).
+    :param z_init: warm start of a refit (seed 000 §3): ``(q,)`` site variances valid at ``gamma_init``
+        (e.g. kept by rank-one updates); the first variance step is skipped, so ``max_outer=1`` costs one
+        inner loop and one Lanczos run.  Needs ``gamma_init`` and ``max_outer >= 1``.
+    :param u_init: ``(n,)`` mean valid at ``gamma_init`` (with ``z_init``; default: solved by CG).
+    :param logdet_init: ``log|A|`` at ``gamma_init`` (with ``z_init``; only enters the recorded ``phi``).
     :param int dense_logdet_max: largest ``n`` for which ``log|A|`` is computed exactly (dense Cholesky)
         in the Lanczos/PCA modes; above it a rigorous upper bound keeps the evidence bound valid.
     :param int exact_max: largest ``n`` accepted by ``variance="exact"``.
@@ -88,12 +97,14 @@ class ConvexVariationalRelaxation:
     """
 
     def __init__(self, model, lanczos_rank=80, max_outer=5, max_newton=20, cg_tol=1e-6, variance="lanczos", *,
-                 pca_rank=None, newton_tol=1e-8, gamma_tol=1e-3, phi_tol=1e-6, z_min=1e-10, gamma_init=None,
-                 dense_logdet_max=2000, exact_max=5000, cg_max_iter=None, seed=0, progress=True):
+                 lanczos_block_size=1, pca_rank=None, newton_tol=1e-8, gamma_tol=1e-3, phi_tol=1e-6, z_min=1e-10, gamma_init=None,
+                 dense_logdet_max=2000, exact_max=5000, cg_max_iter=None, z_init=None, u_init=None, logdet_init=None,
+                 seed=0, progress=True):
         if variance not in _VARIANCES:
             raise ValueError(f"variance: expected one of {_VARIANCES}, got {variance!r}")
         _check_int("lanczos_rank", lanczos_rank, 1)
         _check_int("max_outer", max_outer, 0)
+        _check_int("lanczos_block_size", lanczos_block_size, 1)
         _check_int("max_newton", max_newton, 1)
         _check_int("dense_logdet_max", dense_logdet_max, 0)
         _check_int("exact_max", exact_max, 1)
@@ -104,10 +115,10 @@ class ConvexVariationalRelaxation:
         for name, v in (("gamma_tol", gamma_tol), ("phi_tol", phi_tol)):
             _check_pos(name, v, allow_zero=True)
         self.model = model
-        self.options = dict(k=lanczos_rank, max_outer=max_outer, max_newton=max_newton, cg_tol=cg_tol,
+        self.options = dict(k=lanczos_rank, block_size=lanczos_block_size, max_outer=max_outer, max_newton=max_newton, cg_tol=cg_tol,
                             variance=variance, pca_rank=pca_rank, newton_tol=newton_tol, gamma_tol=gamma_tol,
                             phi_tol=phi_tol, z_min=z_min, gamma_init=gamma_init, dense_logdet_max=dense_logdet_max,
-                            cg_max_iter=cg_max_iter)
+                            cg_max_iter=cg_max_iter, z_init=z_init, u_init=u_init, logdet_init=logdet_init)
         self.exact_max = exact_max
         self.seed = seed
         self.progress = progress
@@ -220,6 +231,7 @@ class ConvexVariationalRelaxation:
             "mvm": mvm,
             "variance_method": self.options["variance"],
             "lanczos_rank": self.options["k"],
+            "lanczos_block_size": self.options["block_size"],
             "sigma2": 1.0,
             "seconds": seconds,
         }

@@ -27,7 +27,7 @@ import time
 import torch
 
 from ...linalg.cg import cg
-from ...linalg.lanczos import lanczos, lanczos_variances, pca_variances
+from ...linalg.lanczos import banded_lanczos_z, block_lanczos, lanczos, lanczos_variances, pca_variances
 from .inner import inner_loop
 
 __all__ = ["VarianceStep", "variance_step", "logdet_upper_bound", "h_value", "phi_value", "double_loop"]
@@ -93,30 +93,49 @@ def logdet_upper_bound(prob, w, lanczos_result=None):
     return best, method
 
 
-def _lanczos_cached(prob, w, k, generator, cache_bytes):
+def _lanczos_cached(prob, w, k, generator, cache_bytes, block_size=1):
     """K-Lanczos with ``B q_j`` kept from each product ``A q_j`` (seed 000 §2.3 recursion done afterwards).
 
     ``A q = X^T X q + B^T (w * (B q))`` computes ``B q_j`` anyway; storing it (``k x q`` numbers) saves
     the ``k`` extra products with ``B`` that ``z_k = diag(B Q T^{-1} Q^T B^T)`` otherwise needs.
-    Returns ``None`` if the buffer would exceed ``cache_bytes``.
+    ``block_size > 1`` runs :func:`~pyro_convexvb.linalg.block_lanczos` (products with ``b`` vectors at
+    once).  Returns ``None`` if the buffer would exceed ``cache_bytes``.
     """
     q = prob.q
     if prob.B is None or k * q * torch.finfo(prob.dtype).bits // 8 > cache_bytes:
         return None
     BQ = torch.empty(k, q, dtype=prob.dtype, device=prob.device)
-    calls = [0]
+    filled = [0]
+    blocked = block_size > 1
 
     def matmul(v):
-        if v.dim() != 1:
+        if v.dim() != 1 and not blocked:
             return prob.a_mv(v, w)
         bq = prob.B.mv(v)
-        if calls[0] < k:
-            BQ[calls[0]] = bq
-        calls[0] += 1
+        c = filled[0]
+        if v.dim() == 1:
+            if c < k:
+                BQ[c] = bq
+            filled[0] = c + 1
+        else:
+            m = min(v.shape[1], max(0, k - c))
+            BQ[c:c + m] = bq[:, :m].transpose(0, 1)
+            filled[0] = c + v.shape[1]
+            bq = bq * w.unsqueeze(-1)
+            return prob.xtx_mv(v) + prob.B.rmv(bq)
         return prob.xtx_mv(v) + prob.B.rmv(w * bq)
 
+    if blocked:
+        res = block_lanczos(matmul, prob.n, k, block_size, generator=generator, dtype=prob.dtype, device=prob.device)
+        if filled[0] != res.k:
+            return res, res.variances(prob.B)
+
+        def rows(s, e):
+            return BQ[s:e]
+
+        return res, banded_lanczos_z(res.cholesky_L(), res.block_size, rows, res.k)
     res = lanczos(matmul, prob.n, k, generator=generator, dtype=prob.dtype, device=prob.device)
-    if calls[0] != res.k:  # the run did not call matmul once per Lanczos vector: fall back
+    if filled[0] != res.k:  # the run did not call matmul once per Lanczos vector: fall back
         return res, res.variances(prob.B)
     e, d = res.cholesky_T()
     e = e.to(dtype=prob.dtype, device=prob.device)
@@ -130,7 +149,7 @@ def _lanczos_cached(prob, w, k, generator, cache_bytes):
 
 
 def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generator=None,
-                  dense_logdet_max=2000, cache_bytes=6e9):
+                  dense_logdet_max=2000, cache_bytes=6e9, block_size=1):
     """Estimate ``z = diag(B A^{-1} B^T)``, ``diag(A^{-1})`` and ``log|A|`` at ``gamma`` (seed 000, §2.3).
 
     :param prob: :class:`~.problem.RelaxationProblem`.
@@ -141,6 +160,8 @@ def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generat
     :param generator: torch generator for the Lanczos start vector.
     :param dense_logdet_max: largest ``n`` for an exact (Cholesky) ``log|A|`` in the Lanczos/PCA modes.
     :param cache_bytes: memory allowed for keeping ``B q_j`` during Lanczos (see :func:`_lanczos_cached`).
+    :param block_size: Lanczos block size ``b`` (``1``: seed 000's single-vector Lanczos; ``b > 1``:
+        :func:`~pyro_convexvb.linalg.block_lanczos`, used only while ``k < n``).
     :returns: :class:`VarianceStep`.
     """
     w = 1.0 / gamma if prob.q else torch.zeros(0, dtype=prob.dtype, device=prob.device)
@@ -155,9 +176,13 @@ def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generat
     B = prob.B
     k = min(int(k), n)
     if method == "lanczos":
-        cached = _lanczos_cached(prob, w, k, generator, cache_bytes)
+        b = int(block_size) if k < n else 1
+        cached = _lanczos_cached(prob, w, k, generator, cache_bytes, b)
         if cached is not None:
             res, z = cached
+        elif b > 1:
+            res = block_lanczos(A_op, n, k, b, generator=generator, dtype=prob.dtype, device=prob.device)
+            z = res.variances(B) if B is not None else torch.zeros(0, dtype=prob.dtype, device=prob.device)
         else:
             zq, res = lanczos_variances(A_op, B if B is not None else None, k, return_result=True, generator=generator)
             z = zq if B is not None else torch.zeros(0, dtype=prob.dtype, device=prob.device)
@@ -211,9 +236,10 @@ def solve_mean(prob, gamma, u0=None, cg_tol=1e-10, cg_max_iter=None, chol=None):
     return res.x, res.num_mvm
 
 
-def double_loop(prob, *, variance="lanczos", k=80, pca_rank=None, max_outer=5, max_newton=20, cg_tol=1e-6,
+def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, max_outer=5, max_newton=20, cg_tol=1e-6,
                 newton_tol=1e-8, gamma_tol=1e-3, phi_tol=1e-6, z_min=1e-10, gamma_init=None, generator=None,
-                dense_logdet_max=2000, cg_max_iter=None, history=None, progress=None):
+                dense_logdet_max=2000, cg_max_iter=None, history=None, progress=None, z_init=None, u_init=None,
+                logdet_init=None):
     r"""The double-loop algorithm of seed 000, §2.2.
 
     ``t = 0, 1, ...``: variance step at ``gamma_t`` (gives ``z_t`` and completes ``phi(gamma_t)``);
@@ -252,11 +278,30 @@ def double_loop(prob, *, variance="lanczos", k=80, pca_rank=None, max_outer=5, m
     rel_gamma = math.inf
     step = None
     best = None
+    if z_init is not None:
+        if gamma_init is None:
+            raise ValueError("z_init: needs gamma_init (the widths the variances belong to)")
+        if int(max_outer) < 1:
+            raise ValueError("z_init: needs max_outer >= 1 (the warm start replaces the first variance step only)")
+        z_init = torch.as_tensor(z_init, dtype=dt, device=dev)
+        if z_init.shape != (q,) or not bool(torch.isfinite(z_init).all()):
+            raise ValueError(f"z_init: expected {q} finite site variances, got shape {tuple(z_init.shape)}")
+        if u_init is not None:
+            u_init = torch.as_tensor(u_init, dtype=dt, device=dev)
+            if u_init.shape != (n,) or not bool(torch.isfinite(u_init).all()):
+                raise ValueError(f"u_init: expected a finite ({n},) mean, got shape {tuple(u_init.shape)}")
     for t in range(int(max_outer) + 1):
         c_before = prob.counts.get("B", 0)
         t_start = time.perf_counter()
-        step = variance_step(prob, gamma, method=variance, k=k, pca_rank=pca_rank, generator=generator,
-                             dense_logdet_max=dense_logdet_max)
+        warm = z_init is not None and t == 0
+        if warm:
+            ld = float(logdet_init) if logdet_init is not None else math.nan
+            step = VarianceStep(z_init, None, ld, "given", 0)
+            if u_init is not None:
+                u = u_init
+        else:
+            step = variance_step(prob, gamma, method=variance, k=k, pca_rank=pca_rank, generator=generator,
+                                 dense_logdet_max=dense_logdet_max, block_size=block_size)
         b_counts["outer"] += prob.counts.get("B", 0) - c_before
         seconds["outer"] += time.perf_counter() - t_start
         mvm["outer"] += step.num_mvm
@@ -268,7 +313,7 @@ def double_loop(prob, *, variance="lanczos", k=80, pca_rank=None, max_outer=5, m
         stats["phi"].append(phi)
         stats["logdet"].append(step.logdet)
         stats["logdet_method"].append(step.logdet_method)
-        if best is None or phi < best["phi"]:
+        if not warm and (best is None or phi < best["phi"] or not math.isfinite(best["phi"])):
             best = dict(u=u, gamma=gamma, x_star=x_star, step=step, phi=phi, index=t)
         if history is not None:
             history.record(objective=phi, mvm=mvm["init"] + mvm["inner"] + mvm["outer"],
@@ -279,7 +324,7 @@ def double_loop(prob, *, variance="lanczos", k=80, pca_rank=None, max_outer=5, m
         if t > 0 and rel_gamma <= gamma_tol and abs(stats["phi"][-1] - stats["phi"][-2]) <= phi_tol * max(1.0, abs(phi)):
             converged = True
             break
-        if t == int(max_outer) or not q:
+        if (t == int(max_outer) and not warm) or not q:
             converged = converged or not q
             break
         z = step.z.clamp_min(z_min)
