@@ -90,3 +90,180 @@ def test_validation():
         fourier_columns_operator(4, 4, [1, 1])
     with pytest.raises(ValueError, match="factor"):
         phase_encode_scores(torch.zeros(5, 2, dtype=D), 4, 4)
+
+
+# ----------------------------------------------------------------------------- squared operators
+@pytest.mark.parametrize("make", [
+    lambda: haar_operator(8, 8), lambda: haar_operator(4, 16, levels=1), lambda: difference_operator(5, 7),
+    lambda: fourier_columns_operator(6, 8, [0, 3, 4, 5]), lambda: fourier_columns_operator(8, 8, [0, 1, 2, 4, 7]),
+])
+def test_squared_operators_equal_dense_entrywise_squares(make):
+    B = make()
+    M = B.mv(torch.eye(B.shape[1], dtype=D))
+    S = B.squared()
+    assert torch.allclose(S.mv(torch.eye(B.shape[1], dtype=D)), M * M, atol=1e-14)
+    assert torch.allclose(S.rmv(torch.eye(B.shape[0], dtype=D)), (M * M).T, atol=1e-14)
+    w = torch.rand(B.shape[0], dtype=D)
+    assert torch.allclose(B.diag_gram(w), torch.diagonal(M.T @ torch.diag(w) @ M), atol=1e-13)
+
+
+# ----------------------------------------------------------------------------- the compressive-sensing model
+import math  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from pyro_convexvb.design.imaging import compressive_sensing_model, covariance_factor, laplace_map  # noqa: E402
+from pyro_convexvb.infer.convex_relaxation import ConvexVariationalRelaxation  # noqa: E402
+from pyro_convexvb.infer.convex_relaxation.problem import RelaxationProblem  # noqa: E402
+
+H8, COLS, SIG2, TA, TR = 8, [0, 1, 3], 1e-2, 0.3, 0.6
+
+
+def _dense_dft_rows(H, W, cols):
+    """Re/Im rows of the orthonormal 2-D DFT on ``cols`` from the explicit formula (no FFT)."""
+    p, q = np.meshgrid(np.arange(H), np.arange(W), indexing="ij")
+    re, im = [], []
+    for c in cols:
+        for k in range(H):
+            theta = 2 * np.pi * (k * p / H + c * q / W)
+            re.append((np.cos(theta) / np.sqrt(H * W)).reshape(-1))
+            im.append((-np.sin(theta) / np.sqrt(H * W)).reshape(-1))
+    return torch.tensor(np.array(re + im), dtype=D)
+
+
+def _dense_haar(H, W):
+    """Orthonormal 2-D Haar matrix, all levels, by explicit recursion on 1-D averaging/differencing matrices."""
+    def step(m):
+        P = np.zeros((m, m))
+        for i in range(m // 2):
+            P[i, 2 * i] = P[i, 2 * i + 1] = np.sqrt(0.5)
+            P[m // 2 + i, 2 * i], P[m // 2 + i, 2 * i + 1] = np.sqrt(0.5), -np.sqrt(0.5)
+        return P
+    M = np.eye(H * W)
+    h, w = H, W
+    while h >= 2 and w >= 2:
+        S = np.eye(H * W)
+        blk = np.kron(step(h), step(w))  # acts on the (h, w) corner, row-major
+        idx = (np.arange(h)[:, None] * W + np.arange(w)[None, :]).reshape(-1)
+        S[np.ix_(idx, idx)] = blk
+        M = S @ M
+        h, w = h // 2, w // 2
+    return torch.tensor(M, dtype=D)
+
+
+def _cs_problem(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(H8 * H8, generator=g, dtype=D)
+    X = _dense_dft_rows(H8, H8, COLS)
+    y = X @ u + math.sqrt(SIG2) * torch.randn(X.shape[0], generator=g, dtype=D)
+    return u, y, X
+
+
+def test_model_products_and_log_joint_match_dense_references():
+    u, y, X = _cs_problem()
+    lgm = compressive_sensing_model(y, H8, H8, COLS, SIG2, TA, TR)
+    n = H8 * H8
+    Ba, Br = _dense_haar(H8, H8), difference_operator(H8, H8).mv(torch.eye(n, dtype=D))
+    # B_r by explicit differences
+    img = torch.arange(n, dtype=D).reshape(H8, H8) ** 1.5
+    assert torch.allclose(Br @ img.reshape(-1), torch.cat([(img[:, 1:] - img[:, :-1]).reshape(-1),
+                                                           (img[1:] - img[:-1]).reshape(-1)]))
+    B = torch.cat([Ba, Br])
+    assert torch.allclose(lgm.design(lgm.nongaussian_groups).mv(torch.eye(n, dtype=D)), B, atol=1e-13)
+    assert torch.allclose(lgm.sites[0].design.mv(torch.eye(n, dtype=D)), X, atol=1e-13)
+    prob = RelaxationProblem(lgm)
+    E = torch.eye(n, dtype=D)
+    assert torch.allclose(prob.xtx_mv(E), X.T @ X / SIG2, atol=1e-10)
+    assert torch.allclose(prob.xty(), X.T @ y / SIG2, atol=1e-10)
+    w = torch.rand(B.shape[0], dtype=D)
+    assert torch.allclose(prob.a_mv(E, w), X.T @ X / SIG2 + B.T @ torch.diag(w) @ B, atol=1e-10)
+    assert torch.allclose(prob.jacobi(w), torch.diagonal(X.T @ X / SIG2 + B.T @ torch.diag(w) @ B), atol=1e-10)
+    # seed 001 Eq. (1) with every normaliser: N(y | X u, sigma^2 I) prod_j tau_j/(2 sigma) exp(-tau_j |s_j / sigma|)
+    v = torch.randn(n, dtype=D)
+    s, sig = B @ v, math.sqrt(SIG2)
+    tau = torch.cat([torch.full((n,), TA, dtype=D), torch.full((B.shape[0] - n,), TR, dtype=D)])
+    ref = (-0.5 * ((y - X @ v) ** 2).sum() / SIG2 - 0.5 * y.numel() * math.log(2 * math.pi * SIG2)
+           + (torch.log(tau / (2 * sig)) - tau * s.abs() / sig).sum())
+    assert abs(float(lgm.log_joint(v)) - float(ref)) < 1e-9 * abs(float(ref))
+
+
+def test_delta_from_engine_factors_equals_dense_logdet():
+    u, y, X = _cs_problem(1)
+    n = H8 * H8
+    lgm = compressive_sensing_model(y, H8, H8, COLS, SIG2, TA, TR)
+    B = torch.cat([_dense_haar(H8, H8), difference_operator(H8, H8).mv(torch.eye(n, dtype=D))])
+    res = ConvexVariationalRelaxation(lgm, variance="exact", max_outer=3, progress=False).run()
+    gamma = res.info["gamma_all"]
+    A = X.T @ X / SIG2 + B.T @ torch.diag(1 / gamma) @ B  # sigma^2 = 1 convention: Cov_Q = A^{-1}
+    cov = torch.linalg.inv(A)
+    cand = [2, 4]
+    ref = torch.stack([torch.logdet(torch.eye(2 * H8, dtype=D) + Xc @ cov @ Xc.T / SIG2)
+                       for Xc in (_dense_dft_rows(H8, H8, [c]) for c in cand)])
+    F = covariance_factor(res)
+    assert torch.allclose(F @ F.T, cov, rtol=1e-8, atol=1e-10)
+    assert torch.allclose(phase_encode_scores(F, H8, H8, SIG2, candidates=cand), ref, rtol=1e-9, atol=1e-9)
+    # K-Lanczos at K = n is exact; at K < n it is a lower bound (seed 001 §4.3)
+    lz = ConvexVariationalRelaxation(lgm, variance="lanczos", lanczos_rank=n, max_outer=0, gamma_init=gamma,
+                                     progress=False).run()
+    assert torch.allclose(phase_encode_scores(covariance_factor(lz), H8, H8, SIG2, candidates=cand), ref, rtol=1e-6)
+    lz8 = ConvexVariationalRelaxation(lgm, variance="lanczos", lanczos_rank=8, max_outer=0, gamma_init=gamma,
+                                      progress=False).run()
+    assert bool((phase_encode_scores(covariance_factor(lz8), H8, H8, SIG2, candidates=cand) <= ref + 1e-9).all())
+    # L-PCA with the L smallest eigenpairs of A, against a dense eigendecomposition
+    pc = ConvexVariationalRelaxation(lgm, variance="pca", lanczos_rank=n, pca_rank=6, max_outer=0, gamma_init=gamma,
+                                     progress=False).run()
+    lam, V = torch.linalg.eigh(A)
+    cov6 = V[:, :6] @ torch.diag(1 / lam[:6]) @ V[:, :6].T
+    F6 = covariance_factor(pc, pca_rank=6)
+    assert torch.allclose(F6 @ F6.T, cov6, atol=1e-8 * float(cov6.abs().max()))
+
+
+def test_laplace_map_equals_scipy_optimum():
+    from scipy.optimize import minimize
+
+    u, y, X = _cs_problem(2)
+    n = H8 * H8
+    B = torch.cat([_dense_haar(H8, H8), difference_operator(H8, H8).mv(torch.eye(n, dtype=D))]).numpy()
+    q = B.shape[0]
+    lam = np.concatenate([np.full(n, TA), np.full(q - n, TR)]) / math.sqrt(SIG2)  # 1/b_j = tau_j/sigma
+    Xn, yn = X.numpy(), y.numpy()
+
+    def psi0(v):
+        r = yn - Xn @ v[:n]
+        return 0.5 * r @ r / SIG2 + lam @ np.abs(B @ v[:n])
+
+    # independent reference: the nonsmooth problem as a smooth one with -t <= B u <= t (SLSQP)
+    C = np.vstack([np.hstack([-B, np.eye(q)]), np.hstack([B, np.eye(q)])])
+    ref = minimize(lambda v: 0.5 * np.sum((yn - Xn @ v[:n]) ** 2) / SIG2 + lam @ v[n:], np.zeros(n + q),
+                   jac=lambda v: np.concatenate([-Xn.T @ (yn - Xn @ v[:n]) / SIG2, lam]), method="SLSQP",
+                   constraints=[{"type": "ineq", "fun": lambda v: C @ v, "jac": lambda v: C}],
+                   options=dict(maxiter=1000, ftol=1e-15))
+    u_ref = ref.x[:n]
+    lgm = compressive_sensing_model(y, H8, H8, COLS, SIG2, TA, TR)
+    z_final = 1e-10
+    u_map, info = laplace_map(lgm, z_final=z_final)
+    assert info["converged"]
+    assert abs(info["objective"] - psi0(u_map.numpy())) < 1e-9 * psi0(u_ref)
+    # Psi_0(u_map) - min Psi_0 <= sqrt(z) sum_j 1/b_j, and no point beats the reference optimum
+    gap = info["objective"] - psi0(u_ref)
+    assert -1e-7 < gap <= math.sqrt(z_final) * lam.sum()
+    assert np.abs(u_map.numpy() - u_ref).max() < 1e-4
+
+
+def test_model_and_map_validation():
+    u, y, X = _cs_problem()
+    with pytest.raises(ValueError, match="noise_var"):
+        compressive_sensing_model(y, H8, H8, COLS, -1.0, TA, TR)
+    with pytest.raises(ValueError, match="tau_r"):
+        compressive_sensing_model(y, H8, H8, COLS, SIG2, TA, float("nan"))
+    with pytest.raises(ValueError, match="y: expected 48"):
+        compressive_sensing_model(y[:-1], H8, H8, COLS, SIG2, TA, TR)
+    with pytest.raises(ValueError, match="y: expected finite"):
+        compressive_sensing_model(torch.full_like(y, float("inf")), H8, H8, COLS, SIG2, TA, TR)
+    with pytest.raises(ValueError, match="power of 2"):
+        compressive_sensing_model(y, 6, 8, COLS, SIG2, TA, TR)
+    lgm = compressive_sensing_model(y, H8, H8, COLS, SIG2, TA, TR)
+    with pytest.raises(ValueError, match="u0"):
+        laplace_map(lgm, torch.zeros(3, dtype=D))
+    with pytest.raises(ValueError, match="z_final"):
+        laplace_map(lgm, z_final=1.0, z_start=1e-3)

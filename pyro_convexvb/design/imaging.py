@@ -10,15 +10,34 @@ so Lanczos and CG never see a dense ``n x n`` matrix.
   to a set of k-space columns ("phase encodes").
 * :func:`phase_encode_scores` -- ``Delta(X_*) = log|I + X_* Cov X_*^T / sigma^2|`` for every candidate
   k-space column at once, from a covariance factor ``F`` by one FFT of its columns (seed 001 §2.2).
+* :func:`compressive_sensing_model` -- the sparse linear model of seed 001 §5 (Eq. (1)) as a
+  :class:`~pyro_convexvb.LatentGaussianModel`: flat prior on ``u``, Gaussian Fourier-column measurements,
+  Laplace sites on ``s = [B_a; B_r] u``.
+* :func:`laplace_map` -- the MAP estimate of such a model (the reconstruction seed 001 §5 evaluates).
+* :func:`covariance_factor` -- ``F`` with ``F F^T ≈ Cov_Q[u]`` from a convex-relaxation fit (exact,
+  K-Lanczos or L-PCA), the input of :func:`phase_encode_scores`.
+
+Each operator also carries its entrywise square (``op.squared()``), so ``diag(B^T diag(w) B)`` (the
+Jacobi preconditioner of the engine's CG and its ``log|A|`` bound) never needs a dense matrix either.
 """
 import math
+import warnings
 
 import torch
 
+from ..errors import ConvergenceWarning
 from ..linalg.operators import FunctionOperator
-from .scores import _logdet_eye_plus
+from .scores import _logdet_eye_plus, lanczos_covariance_factor
 
-__all__ = ["haar_operator", "difference_operator", "fourier_columns_operator", "phase_encode_scores"]
+__all__ = [
+    "haar_operator",
+    "difference_operator",
+    "fourier_columns_operator",
+    "phase_encode_scores",
+    "compressive_sensing_model",
+    "laplace_map",
+    "covariance_factor",
+]
 
 
 def _check_shape(H, W, pow2=False):
@@ -41,18 +60,27 @@ def _vectors(imgs, one):
     return out[:, 0] if one else out.contiguous()
 
 
-def _haar_1d(x, dim, length):
+def _haar_1d(x, dim, length, squared=False):
+    """One Haar step along ``dim``: ``(even, odd) -> [(e + o)/sqrt 2 | (e - o)/sqrt 2]``; with ``squared``
+    the step with squared entries, ``[(e + o)/2 | (e + o)/2]``."""
     a = x.narrow(dim, 0, length)
     even, odd = a.narrow(dim, 0, length).unfold(dim, 2, 2).unbind(-1)
+    if squared:
+        m = 0.5 * (even + odd)
+        return torch.cat([m, m], dim)
     s = math.sqrt(0.5)
     return torch.cat([(even + odd) * s, (even - odd) * s], dim)
 
 
-def _ihaar_1d(x, dim, length):
+def _ihaar_1d(x, dim, length, squared=False):
+    """Transpose of :func:`_haar_1d` (its inverse when not ``squared``)."""
     half = length // 2
     lo, hi = x.narrow(dim, 0, half), x.narrow(dim, half, half)
-    s = math.sqrt(0.5)
-    even, odd = (lo + hi) * s, (lo - hi) * s
+    if squared:
+        even = odd = 0.5 * (lo + hi)
+    else:
+        s = math.sqrt(0.5)
+        even, odd = (lo + hi) * s, (lo - hi) * s
     return torch.stack([even, odd], dim + 1 if dim >= 0 else dim).flatten(dim, dim + 1)
 
 
@@ -77,31 +105,34 @@ def haar_operator(H, W, levels=None, dtype=torch.float64, device=None):
     if not 1 <= levels <= max_levels:
         raise ValueError(f"levels: expected 1..{max_levels}, got {levels}")
 
-    def fwd(v):
+    def fwd(v, squared=False):
         X, one = _images(v, H, W)
         X = X.clone()
         h, w = H, W
         for _ in range(levels):
             blk = X[:, :h, :w]
-            blk = _haar_1d(blk, 2, w)
-            blk = _haar_1d(blk, 1, h)
+            blk = _haar_1d(blk, 2, w, squared)
+            blk = _haar_1d(blk, 1, h, squared)
             X[:, :h, :w] = blk
             h, w = h // 2, w // 2
         return _vectors(X, one)
 
-    def inv(v):
+    def inv(v, squared=False):
         X, one = _images(v, H, W)
         X = X.clone()
         sizes = [(H >> j, W >> j) for j in range(levels)]
         for h, w in reversed(sizes):
             blk = X[:, :h, :w]
-            blk = _ihaar_1d(blk, 1, h)
-            blk = _ihaar_1d(blk, 2, w)
+            blk = _ihaar_1d(blk, 1, h, squared)
+            blk = _ihaar_1d(blk, 2, w, squared)
             X[:, :h, :w] = blk
         return _vectors(X, one)
 
     n = H * W
-    return FunctionOperator(fwd, inv, (n, n), dtype=dtype, device=device, batched=True)
+    # every entry of B_a is a single product along the cascade, so B_a∘B_a is the cascade of squared steps
+    sq = FunctionOperator(lambda v: fwd(v, True), lambda v: inv(v, True), (n, n), dtype=dtype, device=device,
+                          batched=True)
+    return FunctionOperator(fwd, inv, (n, n), dtype=dtype, device=device, batched=True, squared=sq)
 
 
 def difference_operator(H, W, dtype=torch.float64, device=None):
@@ -120,7 +151,7 @@ def difference_operator(H, W, dtype=torch.float64, device=None):
         out = torch.cat([dh, dv], 1).transpose(0, 1)
         return out[:, 0] if one else out.contiguous()
 
-    def adj(r):
+    def adj(r, sign=-1.0):
         one = r.dim() == 1
         R = (r.unsqueeze(-1) if one else r).transpose(0, 1)
         k = R.shape[0]
@@ -128,12 +159,20 @@ def difference_operator(H, W, dtype=torch.float64, device=None):
         dv = R[:, nh:].reshape(k, H - 1, W)
         X = torch.zeros(k, H, W, dtype=r.dtype, device=r.device)
         X[:, :, 1:] += dh
-        X[:, :, :-1] -= dh
+        X[:, :, :-1] += sign * dh
         X[:, 1:, :] += dv
-        X[:, :-1, :] -= dv
+        X[:, :-1, :] += sign * dv
         return _vectors(X, one)
 
-    return FunctionOperator(fwd, adj, (nh + nv, H * W), dtype=dtype, device=device, batched=True)
+    def fwd_sq(v):  # |B_r| (entries squared are 1): sums of neighbours
+        X, one = _images(v, H, W)
+        out = torch.cat([(X[:, :, 1:] + X[:, :, :-1]).reshape(X.shape[0], -1),
+                         (X[:, 1:, :] + X[:, :-1, :]).reshape(X.shape[0], -1)], 1).transpose(0, 1)
+        return out[:, 0] if one else out.contiguous()
+
+    shape = (nh + nv, H * W)
+    sq = FunctionOperator(fwd_sq, lambda r: adj(r, 1.0), shape, dtype=dtype, device=device, batched=True)
+    return FunctionOperator(fwd, adj, shape, dtype=dtype, device=device, batched=True, squared=sq)
 
 
 def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
@@ -171,7 +210,38 @@ def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
         X = torch.fft.ifft2(K, norm="ortho").real
         return _vectors(X.contiguous(), one)
 
-    return FunctionOperator(fwd, adj, (2 * H * m, H * W), dtype=dtype, device=device, batched=True)
+    # squared entries: cos^2(theta)/(HW) = (1 + cos 2 theta)/(2HW), sin^2 = (1 - cos 2 theta)/(2HW), so both
+    # products of the squared operator are one FFT at the doubled frequencies (2k mod H, 2c mod W)
+    k2 = (2 * torch.arange(H, device=device)) % H
+    c2 = (2 * cols) % W
+
+    def fwd_sq(v):
+        X, one = _images(v, H, W)
+        tot = X.sum((1, 2)).reshape(-1, 1, 1)
+        C = torch.fft.fft2(X).real[:, k2][:, :, c2]  # (k, H, m): sum_pq v cos(2 theta)
+        re, im = (tot + C) / (2 * H * W), (tot - C) / (2 * H * W)
+        out = torch.cat([re.transpose(1, 2).reshape(X.shape[0], -1),
+                         im.transpose(1, 2).reshape(X.shape[0], -1)], 1).transpose(0, 1)
+        return out[:, 0] if one else out.contiguous()
+
+    def adj_sq(r):
+        one = r.dim() == 1
+        R = (r.unsqueeze(-1) if one else r).transpose(0, 1)
+        k = R.shape[0]
+        re = R[:, : H * m].reshape(k, m, H).transpose(1, 2)
+        im = R[:, H * m:].reshape(k, m, H).transpose(1, 2)
+        K = torch.zeros(k, H, W, dtype=r.dtype, device=r.device)
+        rows = k2.view(H, 1).expand(H, m)
+        colsx = c2.view(1, m).expand(H, m)
+        K.index_put_((torch.arange(k, device=r.device).view(k, 1, 1).expand(k, H, m), rows.expand(k, H, m),
+                      colsx.expand(k, H, m)), re - im, accumulate=True)
+        # sum_kc a_kc cos(2 theta_kc(p, q)) = Re(H W ifft2(K))
+        X = torch.fft.ifft2(K).real * (H * W) + (re + im).sum((1, 2)).reshape(k, 1, 1)
+        return _vectors((X / (2 * H * W)).contiguous(), one)
+
+    shape = (2 * H * m, H * W)
+    sq = FunctionOperator(fwd_sq, adj_sq, shape, dtype=dtype, device=device, batched=True)
+    return FunctionOperator(fwd, adj, shape, dtype=dtype, device=device, batched=True, squared=sq)
 
 
 def phase_encode_scores(factor, H, W, noise_var=1.0, candidates=None):
@@ -195,3 +265,185 @@ def phase_encode_scores(factor, H, W, noise_var=1.0, candidates=None):
     Kf = torch.fft.fft2(factor.transpose(0, 1).reshape(-1, H, W), norm="ortho")[:, :, cand]  # (k, H, N)
     Wc = torch.cat([Kf.real, Kf.imag], 1).permute(2, 1, 0)  # (N, 2H, k)
     return _logdet_eye_plus(Wc, noise_var)
+
+
+def compressive_sensing_model(y, H, W, columns, noise_var, tau_a, tau_r, levels=None):
+    r"""Sparse linear model of seed 001 §5 for an ``(H, W)`` image from k-space columns, Eq. (1):
+
+    .. math:: P(u | y) \propto N(y | X u, \sigma^2 I) \prod_{j} e^{-\tau_j |s_j / \sigma|}, \qquad
+              s = B u = \begin{bmatrix} B_a \\ B_r \end{bmatrix} u,
+
+    ``X`` = :func:`fourier_columns_operator` of ``columns``, ``B_a`` = :func:`haar_operator` (``tau_j = tau_a``),
+    ``B_r`` = :func:`difference_operator` (``tau_j = tau_r``), and a flat (improper) prior on ``u``
+    (``B_a`` is invertible, so the posterior is proper). The Laplace sites have scale ``b_j = sigma / tau_j``
+    (:class:`~pyro_convexvb.lgm.sites.Laplace`). All three operators are matrix-free.
+
+    Site groups, in order: ``"y"`` (Gaussian, ``2 H |columns|`` rows), ``"wavelet"`` (``H W`` Laplace sites),
+    ``"differences"`` (``H(W-1) + (H-1)W`` Laplace sites).
+
+    :param torch.Tensor y: ``(2 H |columns|,)`` measurements, ordered as :func:`fourier_columns_operator`'s rows.
+    :param int H: image height (power of 2); :param int W: width (power of 2).
+    :param columns: measured k-space columns.
+    :param float noise_var: ``sigma^2`` of every real measurement.
+    :param float tau_a: wavelet scale ``tau_a``; :param float tau_r: difference scale ``tau_r`` (seed 001 §5 uses
+        ``0.08``, ``0.16`` with ``sigma^2 = 10^{-3}`` on 256x256 images in ``[0, 1]``).
+    :param levels: Haar levels (default: all).
+    :returns: :class:`~pyro_convexvb.LatentGaussianModel` with ``n = H W`` (dtype/device of ``y``).
+
+    Example::
+
+        >>> import torch
+        >>> from pyro_convexvb.infer.convex_relaxation import ConvexVariationalRelaxation
+        >>> u = torch.rand(8, 8, dtype=torch.float64).reshape(-1)
+        >>> y = fourier_columns_operator(8, 8, [0, 1]).mv(u)
+        >>> lgm = compressive_sensing_model(y, 8, 8, [0, 1], noise_var=1e-3, tau_a=0.08, tau_r=0.16)
+        >>> res = ConvexVariationalRelaxation(lgm, variance="exact", progress=False).run()
+        >>> res.posterior.loc.shape
+        torch.Size([64])
+    """
+    from ..lgm.layout import LatentLayout
+    from ..lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
+    from ..lgm.sites import Gaussian, Laplace
+
+    _check_shape(H, W, pow2=True)
+    for name, v in (("noise_var", noise_var), ("tau_a", tau_a), ("tau_r", tau_r)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{name}: expected a positive finite number, got {v!r}")
+    if not torch.is_tensor(y) or y.dim() != 1:
+        raise ValueError("y: expected a 1-D tensor of measurements")
+    if not y.is_floating_point() or not bool(torch.isfinite(y).all()):
+        raise ValueError("y: expected finite floating-point measurements")
+    dt, dev = y.dtype, y.device
+    X = fourier_columns_operator(H, W, columns, dtype=dt, device=dev)
+    if y.shape[0] != X.shape[0]:
+        raise ValueError(f"y: expected {X.shape[0]} measurements (2 H |columns|), got {y.shape[0]}")
+    Ba = haar_operator(H, W, levels, dtype=dt, device=dev)
+    Br = difference_operator(H, W, dtype=dt, device=dev)
+    sigma = math.sqrt(noise_var)
+    n = H * W
+
+    def group(name, B, b):
+        q = B.shape[0]
+        return SiteGroup(name, Laplace(torch.full((q,), b, dtype=dt, device=dev)), B,
+                         torch.zeros(q, dtype=dt, device=dev), (q,))
+
+    obs = SiteGroup("y", Gaussian(y, torch.full_like(y, sigma)), X, torch.zeros_like(y), tuple(y.shape))
+    layout = LatentLayout.from_shapes([("u", (n,))], [1])
+    prior = PriorBlock("u", torch.zeros(n, dtype=dt, device=dev), flat=True)
+    return LatentGaussianModel(layout, [prior], [obs, group("wavelet", Ba, sigma / tau_a),
+                                                 group("differences", Br, sigma / tau_r)])
+
+
+def laplace_map(lgm, u0=None, *, z_start=1e-2, z_final=1e-12, z_factor=1e-2, max_newton=50, cg_tol=1e-10,
+                newton_tol=1e-14):
+    r"""MAP estimate ``argmax_u P(u | y)`` of a latent Gaussian model whose non-Gaussian sites are Laplace
+    (e.g. :func:`compressive_sensing_model`): the minimiser of
+
+    .. math:: \Psi_0(u) = \tfrac12 \|\tilde y - X u\|^2 + \sum_j |s_j| / b_j, \qquad s = B u,
+
+    the reconstruction seed 001 §5 reports. Solved as the limit ``z -> 0`` of the smooth problems
+    ``Psi_z(u) = ||y~ - X u||^2/2 + sum_j sqrt(z + s_j^2)/b_j`` — the inner-loop criterion of seed 001 Eq. (3)
+    at a constant ``z`` (its footnote 2: ``z = 0`` is MAP estimation) — each minimised by the engine's
+    Newton/IRLS inner loop with CG, warm-started from the previous ``z`` (``z_start``, ``z_start z_factor``,
+    ... down to ``z_final``). ``0 <= Psi_z - Psi_0 <= sqrt(z) sum_j 1/b_j``.
+
+    :param lgm: :class:`~pyro_convexvb.LatentGaussianModel` with Laplace site groups only (besides Gaussian ones).
+    :param u0: ``(n,)`` start (default ``0``).
+    :param float z_start: first smoothing ``z`` (units of ``s^2``); :param float z_final: last one.
+    :param float z_factor: ratio of successive ``z``.
+    :param int max_newton: Newton steps per ``z``.
+    :param float cg_tol: final relative CG residual of the Newton systems.
+    :param float newton_tol: Newton decrement test, relative to ``max(1, |Psi_z|)``.
+    :returns: ``(u, info)``; ``info`` has ``objective`` (``Psi_0(u)``), ``smoothed_objective``,
+        ``newton_steps`` (per ``z``), ``converged``.
+    :raises ValueError: if a non-Gaussian site group is not Laplace.
+
+    A Newton loop that stops without meeting its decrement test issues a
+    :class:`~pyro_convexvb.errors.ConvergenceWarning` with the final decrement.
+
+    Example::
+
+        >>> import torch
+        >>> u = torch.rand(8, 8, dtype=torch.float64).reshape(-1)
+        >>> y = fourier_columns_operator(8, 8, [0, 1, 2, 7]).mv(u)
+        >>> lgm = compressive_sensing_model(y, 8, 8, [0, 1, 2, 7], 1e-3, 0.08, 0.16)
+        >>> u_map, info = laplace_map(lgm)
+        >>> info["converged"]
+        True
+    """
+    from ..infer.convex_relaxation.inner import inner_loop
+    from ..infer.convex_relaxation.problem import RelaxationProblem
+
+    for g in lgm.nongaussian_groups:
+        if g.family.name != "laplace":
+            raise ValueError(f"lgm: site group '{g.name}' is '{g.family.name}'; laplace_map needs Laplace sites")
+    if not (0 < z_final <= z_start and 0 < z_factor < 1):
+        raise ValueError("z_start, z_final, z_factor: expected 0 < z_final <= z_start and 0 < z_factor < 1")
+    prob = RelaxationProblem(lgm)
+    u = torch.zeros(lgm.n, dtype=lgm.dtype, device=lgm.device) if u0 is None else u0.to(lgm.dtype).clone()
+    if u.shape != (lgm.n,) or not bool(torch.isfinite(u).all()):
+        raise ValueError(f"u0: expected a finite ({lgm.n},) tensor")
+    zs = []
+    z = float(z_start)
+    while z > z_final * (1 + 1e-9):
+        zs.append(z)
+        z *= z_factor
+    zs.append(float(z_final))
+    steps, inner = [], None
+    for z in zs:
+        zz = torch.full((prob.q,), z, dtype=lgm.dtype, device=lgm.device)
+        inner = inner_loop(prob, zz, u, max_newton=max_newton, cg_tol=cg_tol, newton_tol=newton_tol)
+        u = inner.u
+        steps.append(inner.newton_steps)
+    if not inner.converged:
+        warnings.warn(ConvergenceWarning(
+            f"laplace_map: Newton stopped after {inner.newton_steps} steps at z = {zs[-1]:g} without meeting "
+            f"its test (Newton decrement {inner.decrement:.3g})"), stacklevel=2)
+    s = prob.s(u)
+    b = torch.cat([g.family.params["scale"] for g in lgm.nongaussian_groups])
+    psi0 = 0.5 * float(prob.quad(u)) + float((s.abs() / b).sum())
+    return u, {"objective": psi0, "smoothed_objective": inner.objective, "newton_steps": steps,
+               "converged": bool(inner.converged), "z": zs}
+
+
+def covariance_factor(result, pca_rank=None):
+    r"""``F`` (``(n, k)``) with ``F F^T`` the posterior covariance ``Cov_Q[u] = A^{-1}`` of a
+    :class:`~pyro_convexvb.infer.convex_relaxation.ConvexVariationalRelaxation` fit (``sigma^2 = 1``), in the
+    representation its variances used (seed 001 §3):
+
+    * ``variance="exact"``: ``F = L^{-T}``, ``A = L L^T`` (``k = n``);
+    * ``"lanczos"``: K-Lanczos ``F F^T = Q_K T_K^{-1} Q_K^T`` (:func:`~.scores.lanczos_covariance_factor`);
+    * ``"pca"``: L-PCA ``F = U_L Lambda_L^{-1/2}`` from the ``L`` smallest Ritz pairs of the run.
+
+    :param result: the engine's :class:`~pyro_convexvb.InferenceResult`.
+    :param pca_rank: ``L`` for ``"pca"`` fits (default ``lanczos_rank // 6``, the engine's default).
+    :returns: ``(n, k)`` tensor, for :func:`phase_encode_scores` or :func:`~.scores.design_score`.
+
+    Example::
+
+        >>> import torch
+        >>> from pyro_convexvb.infer.convex_relaxation import ConvexVariationalRelaxation
+        >>> u = torch.rand(8, 8, dtype=torch.float64).reshape(-1)
+        >>> y = fourier_columns_operator(8, 8, [0, 1]).mv(u)
+        >>> lgm = compressive_sensing_model(y, 8, 8, [0, 1], 1e-3, 0.08, 0.16)
+        >>> res = ConvexVariationalRelaxation(lgm, variance="lanczos", lanczos_rank=10, progress=False).run()
+        >>> covariance_factor(res).shape
+        torch.Size([64, 10])
+    """
+    info = result.info
+    method = info.get("variance_method")
+    if method == "exact":
+        L = info["cholesky"]
+        eye = torch.eye(L.shape[0], dtype=L.dtype, device=L.device)
+        return torch.linalg.solve_triangular(L, eye, upper=False).transpose(0, 1)
+    res = info.get("lanczos_result")
+    if res is None:
+        raise ValueError("result: holds no Lanczos factors (was it fitted with max_outer >= 0 by this engine?)")
+    if method == "lanczos":
+        return lanczos_covariance_factor(res)
+    if method == "pca":
+        L = int(pca_rank) if pca_rank is not None else max(1, int(info["lanczos_rank"]) // 6)
+        L = max(1, min(L, res.k))
+        U = res.ritz_vectors(torch.arange(L, device=res.Q.device))
+        return U / torch.sqrt(res.ritz_values[:L])
+    raise ValueError(f"result: unknown variance method {method!r}")
