@@ -190,20 +190,25 @@ def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
         raise ValueError(f"columns: expected distinct indices in [0, {W})")
     m = cols.numel()
 
-    def fwd(v):
-        X, one = _images(v, H, W)
-        K = torch.fft.fft2(X, norm="ortho")[:, :, cols]  # (k, H, m)
-        out = torch.cat([K.real.transpose(1, 2).reshape(X.shape[0], -1),
-                         K.imag.transpose(1, 2).reshape(X.shape[0], -1)], 1).transpose(0, 1)
+    def rows_out(re, im, one):  # (k, H, m) real and imaginary parts -> rows (2 H m,) or (2 H m, k)
+        k = re.shape[0]
+        out = torch.cat([re.transpose(1, 2).reshape(k, -1), im.transpose(1, 2).reshape(k, -1)], 1).transpose(0, 1)
         return out[:, 0] if one else out.contiguous()
 
-    def adj(r):
+    def rows_in(r):  # inverse of rows_out
         one = r.dim() == 1
         R = (r.unsqueeze(-1) if one else r).transpose(0, 1)
         k = R.shape[0]
-        re = R[:, : H * m].reshape(k, m, H).transpose(1, 2)
-        im = R[:, H * m:].reshape(k, m, H).transpose(1, 2)
-        K = torch.zeros(k, H, W, dtype=torch.complex128 if r.dtype == torch.float64 else torch.complex64,
+        return R[:, : H * m].reshape(k, m, H).transpose(1, 2), R[:, H * m:].reshape(k, m, H).transpose(1, 2), one
+
+    def fwd(v):
+        X, one = _images(v, H, W)
+        K = torch.fft.fft2(X, norm="ortho")[:, :, cols]  # (k, H, m)
+        return rows_out(K.real, K.imag, one)
+
+    def adj(r):
+        re, im, one = rows_in(r)
+        K = torch.zeros(re.shape[0], H, W, dtype=torch.complex128 if r.dtype == torch.float64 else torch.complex64,
                         device=r.device)
         K[:, :, cols] = torch.complex(re, im)
         # adjoint of u -> Re/Im of (F u) restricted: u = Re(F^H K) (F unitary, u real)
@@ -219,22 +224,15 @@ def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
         X, one = _images(v, H, W)
         tot = X.sum((1, 2)).reshape(-1, 1, 1)
         C = torch.fft.fft2(X).real[:, k2][:, :, c2]  # (k, H, m): sum_pq v cos(2 theta)
-        re, im = (tot + C) / (2 * H * W), (tot - C) / (2 * H * W)
-        out = torch.cat([re.transpose(1, 2).reshape(X.shape[0], -1),
-                         im.transpose(1, 2).reshape(X.shape[0], -1)], 1).transpose(0, 1)
-        return out[:, 0] if one else out.contiguous()
+        return rows_out((tot + C) / (2 * H * W), (tot - C) / (2 * H * W), one)
 
     def adj_sq(r):
-        one = r.dim() == 1
-        R = (r.unsqueeze(-1) if one else r).transpose(0, 1)
-        k = R.shape[0]
-        re = R[:, : H * m].reshape(k, m, H).transpose(1, 2)
-        im = R[:, H * m:].reshape(k, m, H).transpose(1, 2)
+        re, im, one = rows_in(r)
+        k = re.shape[0]
         K = torch.zeros(k, H, W, dtype=r.dtype, device=r.device)
-        rows = k2.view(H, 1).expand(H, m)
-        colsx = c2.view(1, m).expand(H, m)
-        K.index_put_((torch.arange(k, device=r.device).view(k, 1, 1).expand(k, H, m), rows.expand(k, H, m),
-                      colsx.expand(k, H, m)), re - im, accumulate=True)
+        idx = (torch.arange(k, device=r.device).view(k, 1, 1).expand(k, H, m), k2.view(1, H, 1).expand(k, H, m),
+               c2.view(1, 1, m).expand(k, H, m))
+        K.index_put_(idx, re - im, accumulate=True)
         # sum_kc a_kc cos(2 theta_kc(p, q)) = Re(H W ifft2(K))
         X = torch.fft.ifft2(K).real * (H * W) + (re + im).sum((1, 2)).reshape(k, 1, 1)
         return _vectors((X / (2 * H * W)).contiguous(), one)
@@ -261,7 +259,7 @@ def phase_encode_scores(factor, H, W, noise_var=1.0, candidates=None):
         raise ValueError(f"noise_var: expected a positive finite number, got {noise_var!r}")
     if factor.dim() != 2 or factor.shape[0] != H * W:
         raise ValueError(f"factor: expected shape ({H * W}, k), got {tuple(factor.shape)}")
-    cand = torch.arange(W) if candidates is None else torch.as_tensor(list(candidates), dtype=torch.long)
+    cand = (torch.arange(W) if candidates is None else torch.as_tensor(list(candidates), dtype=torch.long)).to(factor.device)
     Kf = torch.fft.fft2(factor.transpose(0, 1).reshape(-1, H, W), norm="ortho")[:, :, cand]  # (k, H, N)
     Wc = torch.cat([Kf.real, Kf.imag], 1).permute(2, 1, 0)  # (N, 2H, k)
     return _logdet_eye_plus(Wc, noise_var)
