@@ -259,7 +259,8 @@ def phase_encode_scores(factor, H, W, noise_var=1.0, candidates=None):
         raise ValueError(f"noise_var: expected a positive finite number, got {noise_var!r}")
     if factor.dim() != 2 or factor.shape[0] != H * W:
         raise ValueError(f"factor: expected shape ({H * W}, k), got {tuple(factor.shape)}")
-    cand = (torch.arange(W) if candidates is None else torch.as_tensor(list(candidates), dtype=torch.long)).to(factor.device)
+    cand = torch.arange(W) if candidates is None else torch.as_tensor(list(candidates), dtype=torch.long)
+    cand = cand.to(factor.device)
     Kf = torch.fft.fft2(factor.transpose(0, 1).reshape(-1, H, W), norm="ortho")[:, :, cand]  # (k, H, N)
     Wc = torch.cat([Kf.real, Kf.imag], 1).permute(2, 1, 0)  # (N, 2H, k)
     return _logdet_eye_plus(Wc, noise_var)
