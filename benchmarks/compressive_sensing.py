@@ -211,6 +211,8 @@ def main(argv=None):
     parser = make_parser(__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2, help="processes running designs in parallel")
     parser.add_argument("--tune", action="store_true", help="re-run the tau grid on the ad hoc design")
+    parser.add_argument("--image", default="china.jpg", choices=["china.jpg", "flower.jpg"],
+                        help="scikit-learn sample image (results of flower.jpg get the suffix _flower)")
     args = parse_args(parser=parser, argv=argv)
     if args.quick:
         size, c0, n_add, Ks, Ls, seeds = 32, 2, 4, [20, 60], [8], [0, 1]
@@ -219,7 +221,7 @@ def main(argv=None):
         size, c0, n_add, Ks, Ls, seeds = 64, 4, 13, [20, 50, 150], [5, 20], [0, 1, 2]
         var_Ks, var_Ls = [20, 50, 150], [5, 20]
     tau_a, tau_r = TAU
-    img = load_image(size)
+    img = load_image(size, args.image)
     init = list(range(c0 + 1))
     t_start = time.perf_counter()
     tuning = None
@@ -260,7 +262,8 @@ def main(argv=None):
                          vs_lowpass=float(e[1:].mean() / np.mean(low["errors"][1:])),
                          added=" ".join(str(c) for c in r["columns"][len(init):]),
                          seconds=r["seconds_fit"] + r["seconds_map"]))
-    print(f"\n{size}x{size} image, sigma^2 = {NOISE_VAR}, tau_a = {tau_a}, tau_r = {tau_r}; start: half-plane columns "
+    print(f"\n{args.image}, {size}x{size}, sigma^2 = {NOISE_VAR}, tau_a = {tau_a}, tau_r = {tau_r}; "
+          f"start: half-plane columns "
           f"0..{c0} ({2 * c0 + 1} of {size} k-space columns), {n_add} added; MAP error ||u - u_true||/||u_true||\n")
     print(markdown_table(rows, ["design", "err_start", "err_mid", "err_end", "err_mean_curve", "vs_random",
                                 "vs_lowpass", "seconds", "added"],
@@ -272,7 +275,10 @@ def main(argv=None):
     print(f"\ntotal {seconds:.0f} s")
 
     name = "compressive_sensing_quick" if args.quick else "compressive_sensing"
-    write_json(name, dict(size=size, noise_var=NOISE_VAR, tau_a=tau_a, tau_r=tau_r, init=init, n_add=n_add,
+    if args.image != "china.jpg":
+        name += "_" + args.image.split(".")[0]
+    write_json(name, dict(image=args.image, size=size, noise_var=NOISE_VAR, tau_a=tau_a, tau_r=tau_r, init=init,
+                          n_add=n_add,
                           sizes=sizes, map_options=MAP_OPTS, runs=runs, table=rows,
                           variance_study=vstudy, tau_tuning=tuning, seconds=seconds))
     figure(name, runs, sizes, vstudy)

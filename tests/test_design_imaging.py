@@ -267,3 +267,9 @@ def test_model_and_map_validation():
         laplace_map(lgm, torch.zeros(3, dtype=D))
     with pytest.raises(ValueError, match="z_final"):
         laplace_map(lgm, z_final=1.0, z_start=1e-3)
+    from pyro_convexvb.lgm.model import LatentGaussianModel
+    from pyro_convexvb.lgm.sites import BernoulliLogit
+
+    logit = LatentGaussianModel.from_design(torch.randn(5, 2, dtype=D), BernoulliLogit(torch.ones(5, dtype=D)))
+    with pytest.raises(ValueError, match="'y' is 'bernoulli_logit'"):
+        laplace_map(logit)
