@@ -92,7 +92,8 @@ class ActiveLearner:
     :param int lanczos_rank: ``k`` Lanczos steps of the engine (variances of model and candidate sites).
     :param str variance: the engine's variance method (``"lanczos"``, or ``"exact"`` for small models).
     :param int init_outer: outer iterations of the initial fit.
-    :param int refit_outer: outer iterations of each warm-started block-end refit.
+    :param int refit_outer: outer iterations of each warm-started block-end refit (``>= 1``; each costs one
+        inner loop and one Lanczos run, the first variance update being the kept-valid marginals).
     :param float cg_tol: relative residual of the CG solves ``d = A^{-1} b_i``.
     :param dict engine_options: further keyword arguments of
         :class:`~pyro_convexvb.infer.convex_relaxation.ConvexVariationalRelaxation`.
@@ -120,7 +121,7 @@ class ActiveLearner:
         if score not in _SCORES:
             raise ValueError(f"score: expected one of {_SCORES}, got {score!r}")
         for name, v, lo in (("block_size", block_size, 1), ("lanczos_rank", lanczos_rank, 1),
-                            ("init_outer", init_outer, 0), ("refit_outer", refit_outer, 0)):
+                            ("init_outer", init_outer, 0), ("refit_outer", refit_outer, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name}: expected an integer >= {lo}, got {v!r}")
         if not torch.is_tensor(X_pool) or X_pool.dim() != 2:
