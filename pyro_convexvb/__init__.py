@@ -5,7 +5,7 @@ Write an ordinary Pyro model, then swap the inference engine with one word::
     import pyro_convexvb as pcv
     res = pcv.fit(model, X, y=y, engine="dual_vg")
 """
-from .errors import ConvergenceError, ConvergenceWarning, NonConvexWarning, UnsupportedModelError
+from .errors import ConvergenceError, ConvergenceWarning, NonConvexWarning, NotPositiveDefiniteError, UnsupportedModelError
 from .infer.posterior import GaussianPosterior, GaussianPosteriorGuide
 from .infer.registry import engines, fit, register_engine
 from .infer.result import History, InferenceResult

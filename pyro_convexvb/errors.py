@@ -31,3 +31,11 @@ class ConvergenceWarning(UserWarning):
 
 class NonConvexWarning(UserWarning):
     """A site is not log-concave, so the convex relaxation loses its convexity guarantee."""
+
+
+class NotPositiveDefiniteError(ValueError):
+    """An operator (or preconditioner) that must be positive definite is not.
+
+    Raised by CG and Lanczos when a curvature ``p^T A p`` (or a Lanczos pivot) is ``<= 0``, which
+    cannot happen for a symmetric positive definite operator in exact arithmetic.
+    """

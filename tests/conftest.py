@@ -7,6 +7,12 @@ import torch
 os.environ.setdefault("MPLBACKEND", "Agg")
 # small dense problems: one intra-op thread avoids oversubscription on the 2-core CI machine
 torch.set_num_threads(1)
+try:  # numpy/scipy BLAS too (threadpoolctl comes with scikit-learn, a test dependency)
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1)
+except ImportError:  # pragma: no cover
+    pass
 
 
 @pytest.fixture(autouse=True)

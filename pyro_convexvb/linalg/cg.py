@@ -20,18 +20,10 @@ import warnings
 
 import torch
 
-from ..errors import ConvergenceError, ConvergenceWarning
+from ..errors import ConvergenceError, ConvergenceWarning, NotPositiveDefiniteError
 from .operators import LinearOperator, as_operator
 
 __all__ = ["CGResult", "cg", "NotPositiveDefiniteError", "default_max_iter"]
-
-
-class NotPositiveDefiniteError(ValueError):
-    """The operator (or preconditioner) handed to CG or Lanczos is not positive definite.
-
-    Raised when a curvature ``p^T A p`` (or a Lanczos pivot) is ``<= 0``, which cannot happen
-    for a symmetric positive definite operator in exact arithmetic.
-    """
 
 
 @dataclass
