@@ -469,33 +469,48 @@ def labels01(y, dtype=None):
     return out.to(dtype)
 
 
+def parse_svmlight_lines(lines, path="<lines>", first_lineno=1):
+    """Parse LIBSVM/svmlight lines (``label idx:value ...``; ``#`` comments, ``qid:`` ignored).
+
+    Shared by :func:`load_svmlight` (whole files) and :func:`pyro_convexvb.online.iter_svmlight`
+    (chunks of a stream).
+
+    :param lines: iterable of text lines.
+    :param path: name used in error messages.
+    :param int first_lineno: line number of the first line (for error messages).
+    :returns: ``(indptr, indices, values, labels)`` numpy arrays; ``indices`` as written in the file.
+    :raises ValueError: a malformed line, naming the file and line number.
+    """
+    labels, indptr, indices, values = [], [0], [], []
+    for lineno, line in enumerate(lines, first_lineno):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        tokens = line.split()
+        try:
+            labels.append(float(tokens[0]))
+            for tok in tokens[1:]:
+                i, v = tok.split(":", 1)
+                if i == "qid":
+                    continue
+                indices.append(int(i))
+                values.append(float(v))
+        except ValueError as err:
+            raise ValueError(f"{path}, line {lineno}: cannot parse {line[:60]!r} as LIBSVM ({err})") from None
+        indptr.append(len(indices))
+    return (np.array(indptr, dtype=np.int64), np.array(indices, dtype=np.int64), np.array(values, dtype=np.float64),
+            np.array(labels, dtype=np.float64))
+
+
 def _parse_svmlight(path, zero_based):
     """Pure-Python LIBSVM parser: ``(indptr, indices (0-based), values, y)`` numpy arrays."""
-    labels, indptr, indices, values = [], [0], [], []
     with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            tokens = line.split()
-            try:
-                labels.append(float(tokens[0]))
-                for tok in tokens[1:]:
-                    if tok.startswith("qid:"):
-                        continue
-                    i, v = tok.split(":")
-                    indices.append(int(i))
-                    values.append(float(v))
-            except ValueError as err:
-                raise ValueError(f"{path}, line {lineno}: cannot parse {line[:60]!r} as LIBSVM ({err})") from None
-            indptr.append(len(indices))
-    indptr = np.array(indptr, dtype=np.int64)
-    indices = np.array(indices, dtype=np.int64)
+        indptr, indices, values, labels = parse_svmlight_lines(f, path)
     if zero_based is False or (zero_based == "auto" and (indices.size == 0 or indices.min() > 0)):
         indices -= 1
     if indices.size and indices.min() < 0:
         raise ValueError(f"{path}: feature index 0 in a file read as one-based (use zero_based=True)")
-    return indptr, indices, np.array(values, dtype=np.float64), np.array(labels, dtype=np.float64)
+    return indptr, indices, values, labels
 
 
 def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_based="auto", backend="auto"):

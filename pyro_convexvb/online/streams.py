@@ -17,6 +17,7 @@ import zlib
 import numpy as np
 import scipy.sparse as sp
 
+from ..datasets import parse_svmlight_lines
 from . import equations as eq
 
 __all__ = [
@@ -250,35 +251,18 @@ def iter_svmlight(path, chunk_size=100_000, num_features=None, zero_based=False,
             lines = list(itertools.islice(fh, chunk_size))
             if not lines:
                 return
-            labels, indptr, cols, vals = [], [0], [], []
-            for line in lines:
-                lineno += 1
-                line = line.split("#", 1)[0].strip()
-                if not line:
-                    continue
-                toks = line.split()
-                try:
-                    labels.append(float(toks[0]))
-                    for tok in toks[1:]:
-                        k, v = tok.split(":", 1)
-                        if k == "qid":
-                            continue
-                        cols.append(int(k) - shift)
-                        vals.append(float(v))
-                except ValueError as exc:
-                    raise ValueError(f"{path}: line {lineno}: cannot parse {line[:60]!r} ({exc})") from None
-                indptr.append(len(cols))
-            cols = np.asarray(cols, dtype=np.int64)
+            indptr, cols, vals, labels = parse_svmlight_lines(lines, path, lineno + 1)
+            lineno += len(lines)
+            cols = cols - shift
             if hashing is not None:
                 from ._validation import splitmix64
                 cols = (splitmix64(cols, int(hashing)) % np.uint64(num_features)).astype(np.int64)
             elif cols.size and (cols.min() < 0 or cols.max() >= num_features):
                 raise ValueError(f"{path}: feature index out of range [0, {num_features}) near line {lineno} "
                                  f"(zero_based={zero_based})")
-            X = sp.csr_matrix((np.asarray(vals, dtype=np.float64), cols, np.asarray(indptr)),
-                              shape=(len(labels), int(num_features)))
+            X = sp.csr_matrix((vals, cols, indptr), shape=(len(labels), int(num_features)))
             X.sum_duplicates()
-            yield X, np.asarray(labels)
+            yield X, labels
 
 
 # ----------------------------------------------------------------------------- CSV / Criteo
