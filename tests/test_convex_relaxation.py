@@ -614,3 +614,21 @@ def test_block_lanczos_variance_step_and_engine():
     torch.testing.assert_close(blk.posterior.loc, one.posterior.loc, rtol=0.05, atol=0.02)
     with pytest.raises(ValueError, match="lanczos_block_size"):
         ConvexVariationalRelaxation(lgm, lanczos_block_size=0)
+
+
+def test_missing_log_det_bound_is_reported_not_silent():
+    """A design without an entrywise square gives no diag(A): the engine says so instead of returning phi = inf quietly."""
+    from pyro_convexvb.linalg.operators import FunctionOperator
+
+    lgm = _bernoulli_gauss(q=30, n=4, seed=2)
+    g = lgm.sites[0]
+    op = g.design
+    g.design = FunctionOperator(op.mv, op.rmv, op.shape, dtype=D, batched=True)
+    with pytest.warns(RuntimeWarning, match="no evidence bound"):
+        res = ConvexVariationalRelaxation(lgm, lanczos_rank=3, max_outer=2, dense_logdet_max=0, progress=False).run()
+    assert res.log_evidence_bound is None and res.info["log_det_method"] == "unavailable"
+    g.design = FunctionOperator(op.mv, op.rmv, op.shape, dtype=D, batched=True, squared=op.squared())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        res = ConvexVariationalRelaxation(lgm, lanczos_rank=3, max_outer=2, dense_logdet_max=0, progress=False).run()
+    assert res.log_evidence_bound is not None

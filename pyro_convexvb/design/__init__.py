@@ -2,11 +2,20 @@
 
 * :mod:`.scores` -- classifier uncertainty, information gain, ``Delta(X_*) = log|I + X_* Cov X_*^T|``,
   rank-one marginal updates.
-* :mod:`.imaging` -- matrix-free Haar, difference and Fourier-column operators, phase-encode scores.
+* :mod:`.imaging` -- matrix-free Haar, difference and Fourier-column operators, phase-encode scores,
+  the compressive-sensing model of seed 001 §5 and its exact MAP.
 * :mod:`.active` -- :class:`ActiveLearner`, sequential inclusion in blocks.
 """
 from .active import ActiveHistory, ActiveLearner
-from .imaging import difference_operator, fourier_columns_operator, haar_operator, phase_encode_scores
+from .imaging import (
+    compressive_sensing_model,
+    covariance_factor,
+    difference_operator,
+    fourier_columns_operator,
+    haar_operator,
+    laplace_map,
+    phase_encode_scores,
+)
 from .scores import (
     RankOneUpdate,
     classifier_uncertainty,
@@ -27,6 +36,9 @@ __all__ = [
     "difference_operator",
     "fourier_columns_operator",
     "phase_encode_scores",
+    "compressive_sensing_model",
+    "laplace_map",
+    "covariance_factor",
     "RankOneUpdate",
     "classifier_uncertainty",
     "design_score",

@@ -178,6 +178,12 @@ class ConvexVariationalRelaxation:
         u, gamma = out["u"], out["gamma"]
         C = prob.log_const()
         phi = out["best_phi"]
+        if step.logdet_method == "unavailable":
+            warnings.warn(
+                "convex_relaxation: no evidence bound (log_evidence_bound=None) and no phi-based stopping: "
+                f"n = {lgm.n} > dense_logdet_max = {self.options['dense_logdet_max']} and diag(A) is not available "
+                "for the rigorous log|A| bound, because a design operator has no entrywise square (give "
+                "FunctionOperators a `squared` operator, or raise dense_logdet_max)", RuntimeWarning, stacklevel=3)
         bound = C - 0.5 * phi if math.isfinite(phi) else None
         w = 1.0 / gamma if prob.q else torch.zeros(0, dtype=prob.dtype, device=prob.device)
         posterior = GaussianPosterior(
