@@ -121,7 +121,7 @@ def _posterior(backend, alpha, lam):
 
 
 def fit_dual_vg(lgm, progress=True, *, bound="tight", method="newton", form="auto", gap_tol=None, max_iter=None,
-                alpha0=None, xi=None, on_fail="warn", refine=False, return_state=False):
+                alpha0=None, xi=None, on_fail="warn", refine=False, return_state=False, newton_solver="auto"):
     r"""Fit a latent Gaussian model with the dual VG method (the ``dual_vg`` engine).
 
     :param lgm: :class:`~pyro_convexvb.LatentGaussianModel`.
@@ -129,6 +129,8 @@ def fit_dual_vg(lgm, progress=True, *, bound="tight", method="newton", form="aut
         ``"bohning"``, ``"jaakkola"`` (other families use their exact bounds).
     :param str method: ``"newton"`` (default) or ``"lbfgs"``.
     :param str form: ``"auto"``, ``"site"``, ``"latent"`` or ``"banded"`` (see :func:`build_dual_problem`).
+    :param str newton_solver: ``"auto"``, ``"dense"`` or ``"cg"``: how Newton steps are solved in the
+        ``L x L`` form (see :func:`~.optim.solve_dual`; dense ``N x N`` Hessians are avoided when ``N >> L``).
     :param float gap_tol: duality-gap tolerance in nats (default ``1e-8 N``).
     :param torch.Tensor alpha0: ``(N,)`` warm start.
     :param bool refine: after the dual optimum, polish ``q`` into the exact VG optimum by a few
@@ -151,7 +153,7 @@ def fit_dual_vg(lgm, progress=True, *, bound="tight", method="newton", form="aut
     backend, lb, form = build_dual_problem(lgm, bound, form, xi)
     history = History()
     sol = solve_dual(backend, lb, alpha0, method=method, gap_tol=gap_tol, max_iter=max_iter, history=history,
-                     on_fail=on_fail)
+                     on_fail=on_fail, newton_solver=newton_solver)
     alpha, lam = sol.alpha, sol.lam
     info = {}
     if refine:
@@ -165,7 +167,8 @@ def fit_dual_vg(lgm, progress=True, *, bound="tight", method="newton", form="aut
     posterior.layout = lgm.layout
     info.update(alpha=alpha, lam=lam, gap=sol.gap, dual_objective=sol.g, lvb_elbo=sol.g - sol.gap + lgm.log_const,
                 site_mean=terms.m_tilde, site_var=terms.v_tilde, iterations=sol.iterations,
-                evaluations=sol.evaluations, form=form, bound=bound, method=method, refine=bool(refine))
+                evaluations=sol.evaluations, cg_iterations=sol.cg_iterations, form=form, bound=bound, method=method,
+                refine=bool(refine))
     res = InferenceResult(posterior, bound_value, history, sol.converged, engine="dual_vg", info=info, lgm=lgm)
     if return_state:
         return res, backend, lb

@@ -35,6 +35,7 @@ from ...linalg.operators import DenseOperator, SparseOperator, as_operator
 __all__ = [
     "SiteSpaceBackend",
     "LatentSpaceBackend",
+    "LatentSpaceHessian",
     "BandedPrecisionBackend",
     "DualValue",
     "dual_vg_objective",
@@ -229,11 +230,77 @@ class LatentSpaceBackend:
             terms.Sigma_tilde = Wt.transpose(0, 1) @ (self.S @ Wt)
         return terms
 
+    def hessian_operator(self, lam, dl, diag):
+        """The reduced-dual Hessian at ``lambda`` as a :class:`LatentSpaceHessian` (never ``N x N``)."""
+        A, R, G = self._factor(lam)
+        return LatentSpaceHessian(self, G, dl, diag)
+
     def posterior(self, alpha, lam, prior=None):
         """Gaussian over ``z``: ``m = mu - Sigma W^T alpha``, precision ``A`` (seed 002, Eqs. 17-18)."""
         A, R, G = self._factor(lam)
         m = self.mu - self.S @ self.op.rmv(alpha)
         return GaussianPosterior(m, precision=0.5 * (A + A.transpose(0, 1)))
+
+
+class LatentSpaceHessian:
+    r"""Matrix-free reduced-dual Hessian of the ``L x L`` form, with a Woodbury preconditioner.
+
+    The Hessian of the reduced dual (notes §3 "Hessian"; seed 002, Eq. 20 with ``lambda = ell(alpha)``)
+
+    .. math:: H = \tilde\Sigma + \tfrac12\,\mathrm{diag}(\ell')\,(\tilde V\circ\tilde V)\,\mathrm{diag}(\ell')
+              + \mathrm{diag}(\psi'' - \tfrac12 \ell''\,\tilde v)
+
+    is ``N x N`` and dense, but with ``\tilde\Sigma = W \Sigma W^T`` and ``\tilde V = G^T G``
+    (``G = R^{-1} W^T``, ``R R^T = A = \Sigma^{-1} + W^T \Lambda W``) a product ``H x`` costs
+    ``O(N L^2)``: ``(\tilde V\circ\tilde V) u = \mathrm{colsum}(G \circ (G\,\mathrm{diag}(u)\,G^T) G)``.
+    The preconditioner keeps the low-rank prior part exactly and the diagonal of the rest,
+    ``P = \tilde\Sigma + D_p`` with ``D_p = \mathrm{diag}(\psi'' - \tfrac12\ell''\tilde v + \tfrac12\ell'^2\tilde v^2)``,
+    and is applied by the Woodbury identity
+    ``P^{-1} = D_p^{-1} - D_p^{-1} W (\Sigma^{-1} + W^T D_p^{-1} W)^{-1} W^T D_p^{-1}`` (one ``L x L``
+    Cholesky, ``O(N L^2)`` to set up, ``O(N L)`` per application).
+
+    :param backend: the :class:`LatentSpaceBackend`.
+    :param torch.Tensor G: ``(L, N)`` ``R^{-1} W^T`` at the current ``lambda``.
+    :param torch.Tensor dl: ``(N,)`` ``ell'(alpha)``.
+    :param torch.Tensor diag: ``(N,)`` ``psi''(alpha) - ell''(alpha) v_t / 2``.
+    """
+
+    def __init__(self, backend, G, dl, diag):
+        self.backend, self.G, self.dl, self.diag = backend, G, dl, diag
+        self.shape = (G.shape[1], G.shape[1])
+        self._pre = None
+
+    def mv(self, x):
+        """``H x`` in ``O(N L^2)``."""
+        be, G = self.backend, self.G
+        St_x = be.op.mv(be.S @ be.op.rmv(x))
+        M = (G * (self.dl * x)) @ G.transpose(0, 1)  # G diag(l' x) G^T  (L, L)
+        had = ((M @ G) * G).sum(0)  # (V_t o V_t)(l' x)
+        return St_x + self.diag * x + 0.5 * self.dl * had
+
+    def precondition(self, r):
+        """``P^{-1} r`` (Woodbury; see the class docstring)."""
+        if self._pre is None:
+            be = self.backend
+            v = (self.G * self.G).sum(0)
+            Dp = self.diag + 0.5 * (self.dl * v) ** 2
+            floor = 1e-12 * float(Dp.abs().max().clamp_min(1e-300))
+            Dinv = 1.0 / Dp.clamp_min(floor)
+            K = be.P + be._gram(Dinv)
+            self._pre = (Dinv, _chol(0.5 * (K + K.transpose(0, 1)), "Sigma^{-1} + W^T D^{-1} W"))
+        Dinv, RK = self._pre
+        y = Dinv * r
+        z = torch.cholesky_solve(self.backend.op.rmv(y)[:, None], RK)[:, 0]
+        return y - Dinv * self.backend.op.mv(z)
+
+    def to_dense(self):
+        """The ``N x N`` matrix (tests and small problems only)."""
+        be, G = self.backend, self.G
+        Wt = be._Wt_dense()
+        V = G.transpose(0, 1) @ G
+        H = Wt.transpose(0, 1) @ (be.S @ Wt) + 0.5 * self.dl[:, None] * (V * V) * self.dl[None, :]
+        H.diagonal().add_(self.diag)
+        return H
 
 
 # ----------------------------------------------------------------------------- banded GMRF backend
@@ -480,6 +547,8 @@ def reduced_objective(backend, bound, alpha, hessian=False):
     * ``d2g = Sigma_t + diag(ell') (V_t o V_t) diag(ell') / 2 + diag(psi'' - ell'' v_t / 2)``
       (notes §3 "Hessian", chain rule through ``ell``), positive definite.
 
+    :param hessian: ``False``, ``True`` (dense ``N x N`` Hessian) or ``"operator"`` (a matrix-free
+        :class:`LatentSpaceHessian` when the backend offers one, else dense).
     :returns: :class:`DualValue` (``g = +inf`` outside the domain).
     """
     lo, hi = bound.alpha_domain(alpha)
@@ -488,11 +557,14 @@ def reduced_objective(backend, bound, alpha, hessian=False):
         return DualValue(inf, None, None, None, None)
     lam, dl, d2l = bound.ell(alpha)
     psi, dpsi, d2psi = bound.psi(alpha)
-    t = backend.evaluate(alpha, lam, hessian=hessian)
+    operator = hessian == "operator" and hasattr(backend, "hessian_operator")
+    t = backend.evaluate(alpha, lam, hessian=bool(hessian) and not operator)
     g = -0.5 * alpha @ (backend.mu_t + t.m_tilde) - 0.5 * t.logdet_B + psi.sum()
     grad = -t.m_tilde - 0.5 * dl * t.v_tilde + dpsi
     H = None
-    if hessian:
+    if operator:
+        H = backend.hessian_operator(lam, dl, d2psi - 0.5 * d2l * t.v_tilde)
+    elif hessian:
         H = t.Sigma_tilde + 0.5 * dl[:, None] * (t.V_tilde * t.V_tilde) * dl[None, :]
         H.diagonal().add_(d2psi - 0.5 * d2l * t.v_tilde)
     return DualValue(g, grad, t.m_tilde, t.v_tilde, lam, H)

@@ -39,6 +39,7 @@ class DualSolution:
     evaluations: int
     converged: bool
     history: Any = field(default_factory=History)
+    cg_iterations: int = 0  # conjugate-gradient steps of the matrix-free Newton systems (L-space form)
 
 
 def default_gap_tol(num_sites):
@@ -88,7 +89,7 @@ def _gap(bound, alpha, val):
 
 
 def solve_dual(backend, bound, alpha0=None, *, method="newton", gap_tol=None, max_iter=None, memory=20,
-               history=None, on_fail="warn", progress=False, callback=None):
+               history=None, on_fail="warn", progress=False, callback=None, newton_solver="auto"):
     r"""Minimise the reduced dual ``g(alpha)`` (seed 002, Eq. 20 with ``lambda = ell(alpha)``).
 
     :param backend: :class:`~.objective.SiteSpaceBackend`, :class:`~.objective.LatentSpaceBackend` or
@@ -99,6 +100,9 @@ def solve_dual(backend, bound, alpha0=None, *, method="newton", gap_tol=None, ma
     :param float gap_tol: stop when the duality gap (nats) is below it (default :func:`default_gap_tol`).
     :param int max_iter: iteration cap (default 100 for Newton, 2000 for L-BFGS).
     :param str on_fail: ``"warn"`` (:class:`~pyro_convexvb.ConvergenceWarning`) or ``"raise"``.
+    :param str newton_solver: how a Newton step is solved: ``"dense"`` (Cholesky of the ``N x N``
+        Hessian), ``"cg"`` (matrix-free preconditioned CG, ``O(N L^2)`` per product; L-space form only,
+        see :class:`~.objective.LatentSpaceHessian`) or ``"auto"`` (the cheaper of the two by a flop count).
     :returns: :class:`DualSolution`.
 
     Example::
@@ -124,8 +128,9 @@ def solve_dual(backend, bound, alpha0=None, *, method="newton", gap_tol=None, ma
     alpha = initial_alpha(backend, bound) if alpha0 is None else _clip_into(alpha0.detach().clone(), bound)
     if not torch.isfinite(alpha).all():
         raise ValueError("alpha0: the starting point contains NaN or inf")
-    run = _newton if method == "newton" else _lbfgs
-    return run(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback)
+    if method == "newton":
+        return _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback, newton_solver)
+    return _lbfgs(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback)
 
 
 def _finish(alpha, val, gap, it, nev, converged, history, on_fail, gap_tol, method):
@@ -139,8 +144,52 @@ def _finish(alpha, val, gap, it, nev, converged, history, on_fail, gap_tol, meth
     return DualSolution(alpha, val.lam, float(val.g), gap, val.m_tilde, val.v_tilde, it, nev, converged, history)
 
 
-def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback):
-    val = reduced_objective(backend, bound, alpha, hessian=True)
+def _use_operator_hessian(backend, newton_solver):
+    """Dense ``N x N`` Newton system or matrix-free PCG (``"auto"``: PCG when it is the cheaper one)."""
+    if newton_solver not in ("auto", "dense", "cg"):
+        raise ValueError(f"newton_solver: expected 'auto', 'dense' or 'cg', got {newton_solver!r}")
+    if not hasattr(backend, "hessian_operator") or newton_solver == "dense":
+        return False
+    if newton_solver == "cg":
+        return True
+    N, L = backend.N, backend.L
+    # dense: Cholesky of H (N^3/3) and forming V_t, Sigma_t (2 N^2 L); PCG: ~20 products of 4 N L^2
+    return N ** 3 / 3 + 2 * N ** 2 * L > 80 * N * L ** 2
+
+
+def _pcg(H, b, rtol, max_iter):
+    """Preconditioned conjugate gradients for ``H x = b`` (``H`` SPD, matrix-free); returns ``(x, iterations)``."""
+    x = torch.zeros_like(b)
+    r = b.clone()
+    z = H.precondition(r)
+    p = z.clone()
+    rz = float(r @ z)
+    bnorm = float(b.norm())
+    k = 0
+    for k in range(1, max_iter + 1):
+        Hp = H.mv(p)
+        pHp = float(p @ Hp)
+        if pHp <= 0:  # numerically non-positive curvature: keep the last iterate
+            if k == 1:
+                x = z
+            break
+        a = rz / pHp
+        x = x + a * p
+        r = r - a * Hp
+        if float(r.norm()) <= rtol * bnorm:
+            break
+        z = H.precondition(r)
+        rz_new = float(r @ z)
+        p = z + (rz_new / rz) * p
+        rz = rz_new
+    return x, k
+
+
+def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback, newton_solver="auto",
+            cg_max_iter=200):
+    mode = "operator" if _use_operator_hessian(backend, newton_solver) else True
+    cg_iterations = 0
+    val = reduced_objective(backend, bound, alpha, hessian=mode)
     if not torch.isfinite(val.g):
         raise ValueError("the starting alpha lies outside the conjugate's domain")
     nev, converged, it, stalled = 1, False, 0, 0
@@ -155,12 +204,17 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
         if it == max_iter:
             break
         H = val.hessian
-        Lh, info = torch.linalg.cholesky_ex(H)
-        jitter = 1e-12 * float(H.diagonal().abs().max())
-        while int(info) != 0:
-            jitter *= 10
-            Lh, info = torch.linalg.cholesky_ex(H + jitter * torch.eye(H.shape[0], dtype=H.dtype, device=H.device))
-        d = -torch.cholesky_solve(val.grad[:, None], Lh)[:, 0]
+        if torch.is_tensor(H):
+            Lh, info = torch.linalg.cholesky_ex(H)
+            jitter = 1e-12 * float(H.diagonal().abs().max())
+            while int(info) != 0:
+                jitter *= 10
+                Lh, info = torch.linalg.cholesky_ex(H + jitter * torch.eye(H.shape[0], dtype=H.dtype, device=H.device))
+            d = -torch.cholesky_solve(val.grad[:, None], Lh)[:, 0]
+        else:  # matrix-free Hessian (L-space form): inexact Newton by preconditioned CG
+            gnorm = float(val.grad.norm())
+            d, k = _pcg(H, -val.grad, rtol=min(0.1, math.sqrt(gnorm)), max_iter=cg_max_iter)
+            cg_iterations += k
         dc = _clip_direction(alpha, d, bound)
         if float(val.grad @ dc) < 0:
             d, t = dc, 1.0
@@ -181,8 +235,10 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
             stalled += 1
             break
         alpha = cand
-        val = reduced_objective(backend, bound, alpha, hessian=True)  # reuses the factorisation of the trial
-    return _finish(alpha, val, gap, it, nev, converged, history, on_fail, gap_tol, "newton")
+        val = reduced_objective(backend, bound, alpha, hessian=mode)  # reuses the factorisation of the trial
+    sol = _finish(alpha, val, gap, it, nev, converged, history, on_fail, gap_tol, "newton")
+    sol.cg_iterations = cg_iterations
+    return sol
 
 
 def _lbfgs(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback):
