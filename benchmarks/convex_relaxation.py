@@ -9,7 +9,8 @@ methods.  Peer: scikit-learn ``LogisticRegression(solver="liblinear", fit_interc
 equivalent regularisation (``C = sigma_prior^2`` for the Gaussian prior, ``penalty="l1", C = b`` for
 the Laplace prior of scale ``b``).
 
-Reports wall time, peak RSS increase of the fit, MVMs per phase (seed 000 §2.4 table), test error and
+Reports wall time (MAP: the best of ``map_repeats`` fits, which can only raise the VB/MAP ratio), peak
+RSS increase of the fit, MVMs per phase (seed 000 §2.4 table), test error and
 test NLPD (VB: predictive ``E_Q[sigmoid(s)]`` with K-Lanczos variances; MAP: plug-in), the evidence
 bound and the VB/MAP time ratio.
 
@@ -75,7 +76,7 @@ def build_lgm(X, y, prior, scale):
 
 
 def run_case(name, Xtr, ytr, Xte, yte, *, prior="gauss", scale=1.0, k=80, max_outer=3, seed=0, progress=False,
-             block_size=1, keep=False):
+             block_size=1, keep=False, map_repeats=3):
     Xtr_b, Str = add_bias(Xtr)
     Xte_b, Ste = add_bias(Xte)
     q, n = Xtr_b.shape
@@ -113,12 +114,19 @@ def run_case(name, Xtr, ytr, Xte, yte, *, prior="gauss", scale=1.0, k=80, max_ou
     C = scale**2 if prior == "gauss" else scale
     penalty = "l2" if prior == "gauss" else "l1"
     ytr_np = ytr.numpy().astype(int)
-    with PeakRSS() as mem2, _timer() as tm:
-        clf = LogisticRegression(penalty=penalty, C=C, solver="liblinear", fit_intercept=False, tol=1e-4, max_iter=1000)
-        clf.fit(Str, ytr_np)
+    map_times = []
+    with PeakRSS() as mem2:
+        for _ in range(map_repeats):  # the best of a few fits: a conservative VB/MAP ratio on a shared machine
+            with _timer() as tm:
+                clf = LogisticRegression(penalty=penalty, C=C, solver="liblinear", fit_intercept=False, tol=1e-4,
+                                         max_iter=1000)
+                clf.fit(Str, ytr_np)
+            map_times.append(tm.seconds)
+    tm.seconds = min(map_times)
     p_map = clf.predict_proba(Ste)[:, 1]
     m_map = classification_metrics(p_map, yte)
     map_row = dict(case=name, method=f"MAP liblinear ({penalty}, C={C:g})", q=q, n=n, nnz=nnz, seconds=tm.seconds,
+                   seconds_all=map_times,
                    peak_rss_delta_mb=mem2.delta_mb, test_error=m_map["test_error"], nlpd=m_map["nlpd"],
                    nonzero_weights=int((np.abs(clf.coef_) > 1e-3).sum()))
     vb_row["vb_over_map_time"] = vb_row["seconds"] / max(tm.seconds, 1e-9)
