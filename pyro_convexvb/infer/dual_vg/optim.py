@@ -153,8 +153,10 @@ def _use_operator_hessian(backend, newton_solver):
     if newton_solver == "cg":
         return True
     N, L = backend.N, backend.L
-    # dense: Cholesky of H (N^3/3) and forming V_t, Sigma_t (2 N^2 L); PCG: ~20 products of 4 N L^2
-    return N ** 3 / 3 + 2 * N ** 2 * L > 80 * N * L ** 2
+    # dense: Cholesky of H (N^3/3) and forming V_t, Sigma_t (2 N^2 L). PCG: a preconditioner set-up
+    # and a few products of 4 N L^2 each (the Woodbury preconditioner leaves out only the off-diagonal
+    # Hadamard term, and 1-3 CG steps per Newton step are typical); budget 5 products.
+    return N ** 3 / 3 + 2 * N ** 2 * L > 20 * N * L ** 2
 
 
 def _pcg(H, b, rtol, max_iter):
