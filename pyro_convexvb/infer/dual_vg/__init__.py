@@ -20,6 +20,7 @@ from .objective import (
     BandedPrecisionBackend,
     DualValue,
     LatentSpaceBackend,
+    LatentSpaceHessian,
     SiteSpaceBackend,
     dual_vg_objective,
     exact_elbo,

@@ -263,6 +263,21 @@ class LatentSpaceHessian:
     :param torch.Tensor G: ``(L, N)`` ``R^{-1} W^T`` at the current ``lambda``.
     :param torch.Tensor dl: ``(N,)`` ``ell'(alpha)``.
     :param torch.Tensor diag: ``(N,)`` ``psi''(alpha) - ell''(alpha) v_t / 2``.
+
+    Example::
+
+        >>> import torch
+        >>> from pyro_convexvb.lgm.sites import BernoulliLogit
+        >>> from pyro_convexvb.infer.dual_vg import make_bound, reduced_objective
+        >>> W = torch.randn(40, 3, dtype=torch.float64)
+        >>> be = LatentSpaceBackend(W, torch.zeros(3, dtype=torch.float64), prior_cov=torch.eye(3, dtype=torch.float64))
+        >>> b = make_bound(BernoulliLogit((W[:, 0] > 0).double()))
+        >>> alpha = torch.where(W[:, 0] > 0, -0.5, 0.5).double()
+        >>> H = reduced_objective(be, b, alpha, hessian="operator").hessian
+        >>> dense = reduced_objective(be, b, alpha, hessian=True).hessian
+        >>> x = torch.randn(40, dtype=torch.float64)
+        >>> bool(torch.allclose(H.mv(x), dense @ x))
+        True
     """
 
     def __init__(self, backend, G, dl, diag):
