@@ -9,7 +9,8 @@ methods.  Peer: scikit-learn ``LogisticRegression(solver="liblinear", fit_interc
 equivalent regularisation (``C = sigma_prior^2`` for the Gaussian prior, ``penalty="l1", C = b`` for
 the Laplace prior of scale ``b``).
 
-Reports wall time (MAP: the best of ``map_repeats`` fits, which can only raise the VB/MAP ratio), peak
+Reports wall time (the best of ``--repeats`` VB fits and of 3 MAP fits: timings on a shared host vary by
+up to 2x from run to run), peak
 RSS increase of the fit, MVMs per phase (seed 000 §2.4 table), test error and
 test NLPD (VB: predictive ``E_Q[sigmoid(s)]`` with K-Lanczos variances; MAP: plug-in), the evidence
 bound and the VB/MAP time ratio.
@@ -76,17 +77,23 @@ def build_lgm(X, y, prior, scale):
 
 
 def run_case(name, Xtr, ytr, Xte, yte, *, prior="gauss", scale=1.0, k=80, max_outer=3, seed=0, progress=False,
-             block_size=1, keep=False, map_repeats=3):
+             block_size=1, keep=False, map_repeats=3, repeats=1):
     Xtr_b, Str = add_bias(Xtr)
     Xte_b, Ste = add_bias(Xte)
     q, n = Xtr_b.shape
     nnz = int(Xtr_b.values().numel())
     gc.collect()
     # ---------------- VB (convex relaxation)
-    with PeakRSS() as mem, _timer() as tv:
-        lgm = build_lgm(Xtr_b, ytr, prior, scale)
-        res = ConvexVariationalRelaxation(lgm, lanczos_rank=k, lanczos_block_size=block_size, max_outer=max_outer,
-                                          gamma_tol=1e-2, phi_tol=1e-4, seed=seed, progress=progress).run()
+    vb_times = []
+    for rep in range(max(1, int(repeats))):  # timing on a shared host is noisy: report the best of `repeats` fits
+        res = lgm = None
+        gc.collect()
+        with PeakRSS() as mem, _timer() as tv:
+            lgm = build_lgm(Xtr_b, ytr, prior, scale)
+            res = ConvexVariationalRelaxation(lgm, lanczos_rank=k, lanczos_block_size=block_size, max_outer=max_outer,
+                                              gamma_tol=1e-2, phi_tol=1e-4, seed=seed, progress=progress).run()
+        vb_times.append(tv.seconds)
+    tv.seconds = min(vb_times)
     info = res.info
     with _timer() as tp:
         mean, var = predictive_marginals(res, Xte_b)
@@ -96,7 +103,7 @@ def run_case(name, Xtr, ytr, Xte, yte, *, prior="gauss", scale=1.0, k=80, max_ou
     per = mv["per_outer"]
     vb_row = dict(
         case=name, method="VB convex relaxation", q=q, n=n, nnz=nnz, k=k, block_size=block_size,
-        max_outer=max_outer, seconds=tv.seconds,
+        max_outer=max_outer, seconds=tv.seconds, seconds_all=vb_times,
         inner_seconds=mv["seconds"]["inner"], outer_seconds=mv["seconds"]["outer"], predict_seconds=tp.seconds,
         peak_rss_delta_mb=mem.delta_mb, outer_iterations=len(per), newton_steps=sum(p["newton_steps"] for p in per),
         cg_iterations=sum(sum(p["cg_iterations"]) for p in per), mvm_inner=mv["inner"], mvm_outer=mv["outer"],
@@ -271,6 +278,8 @@ def main():
     parser.add_argument("--rcv1", action="store_true", help="also run the rcv1 shape (heavy; run alone)")
     parser.add_argument("--size", type=float, default=1.0, help="scale of the rcv1 training set (1.0 = full shape)")
     parser.add_argument("--rcv1-outer", type=int, default=1, help="max_outer for rcv1")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="VB fits per case (a9a, real-sim); the best time is reported, as for MAP (best of 3)")
     parser.add_argument("--exact-logdet", action="store_true",
                         help="real-sim: also factorise the dense A once (3.5 GB, ~1 min) to measure the log|A| bound")
     parser.add_argument("--block-size", type=int, default=8, help="Lanczos block size of the '-b' cases and rcv1")
@@ -317,6 +326,8 @@ def main():
             raise SystemExit(f"unknown case {case!r}")
         print(f"[{case}] data ready in {time.perf_counter() - t0:.1f}s: train {tuple(data[0].shape)}, "
               f"nnz {data[0].values().numel()}", file=sys.stderr, flush=True)
+        if not case.startswith("rcv1"):
+            kw["repeats"] = args.repeats
         out = run_case(case, *data, seed=args.seed, **kw)
         vb, mp = out[0], out[1]
         if kw.get("keep"):

@@ -527,7 +527,7 @@ def pca_variances(
 # ---------------------------------------------------------------------------------------------------
 # Block Lanczos
 # ---------------------------------------------------------------------------------------------------
-def banded_lanczos_z(L, band, rows, k, chunk_size=64):
+def banded_lanczos_z(L, band, rows, k, chunk_size=32):
     r"""``z = diag(R^T T^{-1} R)`` for ``T = L L^T`` banded and ``R = (B Q)^T`` given by row blocks.
 
     With ``V = L^{-1} R`` (``k x q``), ``z = sum_j V_j^2``.  ``L`` (Cholesky of a (block) tridiagonal
@@ -620,7 +620,7 @@ class BlockLanczosResult:
         return self.Q @ torch.cholesky_solve(
             (self.Q.transpose(0, 1) @ v).reshape(self.k, -1), self.cholesky_L()).reshape((self.k,) + v.shape[1:])
 
-    def variances(self, B=None, chunk_size=64):
+    def variances(self, B=None, chunk_size=32):
         """``diag(B Q T^{-1} Q^T B^T)`` (``B = None``: the identity), see :func:`banded_lanczos_z`."""
         Q = self.Q
         op = _as_design(B, Q.shape[0])
