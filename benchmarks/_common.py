@@ -127,7 +127,9 @@ class PeakRSS:
 
     ``peak_mb`` is the largest RSS seen during the block (MiB), ``start_mb`` the RSS on entry and
     ``delta_mb = peak_mb - start_mb`` the extra memory the block needed. Sampling every
-    ``interval`` seconds (default 2 ms) can miss spikes shorter than that; for an exact figure use
+    ``interval`` seconds (default 20 ms: a faster Python sampler competes for the GIL with
+    Python-driven solver loops and slowed a Lanczos fit by about 10%) can miss spikes shorter than
+    that; for an exact figure use
     :func:`peak_rss_in_subprocess`. Memory freed by Python may stay resident, so run blocks to be
     compared in the same order or in fresh processes.
 
@@ -139,7 +141,7 @@ class PeakRSS:
         True
     """
 
-    def __init__(self, interval=0.002):
+    def __init__(self, interval=0.02):
         self.interval = float(interval)
         self.start_mb = self.peak_mb = None
         self._stop = threading.Event()
