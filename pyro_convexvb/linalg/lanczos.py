@@ -165,26 +165,20 @@ def _as_design(B, n, name="B"):
     return op
 
 
+def _design_rows(Q, B):
+    """``(s, t) -> (B Q[:, s:t])^T``, the row blocks :func:`banded_lanczos_z` reads (``B = None``: ``Q^T``)."""
+    op = _as_design(B, Q.shape[0])
+
+    def rows(s, t):
+        return Q[:, s:t].transpose(0, 1) if op is None else op.mv(Q[:, s:t].contiguous()).transpose(0, 1)
+
+    return rows
+
+
 def _lanczos_z(res, B, chunk_size):
-    Q = res.Q
-    n, k = Q.shape
-    op = _as_design(B, n)
     e, d = res.cholesky_T()
-    e = e.to(dtype=Q.dtype, device=Q.device)
-    d = d.to(dtype=Q.dtype, device=Q.device)
-    q_rows = n if op is None else op.shape[0]
-    z = torch.zeros(q_rows, dtype=Q.dtype, device=Q.device)
-    v = None
-    chunk_size = max(1, int(chunk_size))
-    with torch.no_grad():
-        for start in range(0, k, chunk_size):
-            stop = min(k, start + chunk_size)
-            BQ = Q[:, start:stop] if op is None else op.mv(Q[:, start:stop].contiguous())
-            for j in range(start, stop):
-                bq = BQ[:, j - start]
-                v = bq / e[j] if j == 0 else (bq - d[j - 1] * v) / e[j]
-                z.add_(v * v)
-    return z
+    L = (torch.diag(e) + torch.diag(d, -1)).to(dtype=res.Q.dtype, device=res.Q.device)
+    return banded_lanczos_z(L, 1, _design_rows(res.Q, B), res.k, max(1, int(chunk_size)))
 
 
 class _LanczosProcess:
@@ -527,7 +521,7 @@ def pca_variances(
 # ---------------------------------------------------------------------------------------------------
 # Block Lanczos
 # ---------------------------------------------------------------------------------------------------
-def banded_lanczos_z(L, band, rows, k, chunk_size=32):
+def banded_lanczos_z(L, band, rows, k, chunk_size=None):
     r"""``z = diag(R^T T^{-1} R)`` for ``T = L L^T`` banded and ``R = (B Q)^T`` given by row blocks.
 
     With ``V = L^{-1} R`` (``k x q``), ``z = sum_j V_j^2``.  ``L`` (Cholesky of a (block) tridiagonal
@@ -540,15 +534,23 @@ def banded_lanczos_z(L, band, rows, k, chunk_size=32):
     :param int band: lower bandwidth of ``L`` (the block size of the Lanczos run).
     :param rows: callable ``(s, e) -> (e - s, q)`` tensor, the rows ``s..e-1`` of ``(B Q)^T``.
     :param int k: number of rows of ``R`` (Lanczos vectors).
-    :param int chunk_size: rows per substitution block (raised to ``band`` if smaller).
+    :param int chunk_size: rows per substitution block (raised to ``band`` if smaller); default
+        ``4 * band``, which balances the ``chunk^2 q`` triangular solves against the per-chunk overhead.
     :returns: ``z`` of shape ``(q,)``.
     """
-    chunk = max(int(chunk_size), int(band), 1)
+    chunk = max(int(chunk_size) if chunk_size is not None else 4 * int(band), int(band), 1)
     z, tail, tail_start = None, None, 0
+    if band == 1:  # bidiagonal L: the scalar recursion, no triangular solves
+        e_diag, d_sub = torch.diagonal(L).tolist(), torch.diagonal(L, -1).tolist()
     with torch.no_grad():
         for s in range(0, k, chunk):
             e = min(k, s + chunk)
             R = rows(s, e)
+            if band == 1:
+                for j in range(s, e):
+                    tail = R[j - s] / e_diag[j] if j == 0 else (R[j - s] - d_sub[j - 1] * tail) / e_diag[j]
+                    z = tail * tail if z is None else z.add_(tail * tail)
+                continue
             if tail is not None:
                 lo = max(0, s - band)
                 R = R - L[s:e, lo:s] @ tail[lo - tail_start:]
@@ -620,17 +622,9 @@ class BlockLanczosResult:
         return self.Q @ torch.cholesky_solve(
             (self.Q.transpose(0, 1) @ v).reshape(self.k, -1), self.cholesky_L()).reshape((self.k,) + v.shape[1:])
 
-    def variances(self, B=None, chunk_size=32):
+    def variances(self, B=None, chunk_size=None):
         """``diag(B Q T^{-1} Q^T B^T)`` (``B = None``: the identity), see :func:`banded_lanczos_z`."""
-        Q = self.Q
-        op = _as_design(B, Q.shape[0])
-        if op is None:
-            def rows(s, e):
-                return Q[:, s:e].transpose(0, 1)
-        else:
-            def rows(s, e):
-                return op.mv(Q[:, s:e].contiguous()).transpose(0, 1)
-        return banded_lanczos_z(self.cholesky_L(), self.block_size, rows, self.k, chunk_size)
+        return banded_lanczos_z(self.cholesky_L(), self.block_size, _design_rows(self.Q, B), self.k, chunk_size)
 
 
 def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generator=None, dtype=None, device=None):

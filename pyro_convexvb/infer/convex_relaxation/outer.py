@@ -106,46 +106,27 @@ def _lanczos_cached(prob, w, k, generator, cache_bytes, block_size=1):
         return None
     BQ = torch.empty(k, q, dtype=prob.dtype, device=prob.device)
     filled = [0]
-    blocked = block_size > 1
 
-    def matmul(v):
-        if v.dim() != 1 and not blocked:
-            return prob.a_mv(v, w)
-        bq = prob.B.mv(v)
+    def matmul(v):  # (n,) or (n, b): keeps B v as rows of BQ
+        V = v.unsqueeze(-1) if v.dim() == 1 else v
+        bq = prob.B.mv(V)
         c = filled[0]
-        if v.dim() == 1:
-            if c < k:
-                BQ[c] = bq
-            filled[0] = c + 1
-        else:
-            m = min(v.shape[1], max(0, k - c))
-            BQ[c:c + m] = bq[:, :m].transpose(0, 1)
-            filled[0] = c + v.shape[1]
-            bq = bq * w.unsqueeze(-1)
-            return prob.xtx_mv(v) + prob.B.rmv(bq)
-        return prob.xtx_mv(v) + prob.B.rmv(w * bq)
+        m = min(V.shape[1], max(0, k - c))
+        BQ[c:c + m] = bq[:, :m].transpose(0, 1)
+        filled[0] = c + V.shape[1]
+        out = prob.xtx_mv(V) + prob.B.rmv(bq * w.unsqueeze(-1))
+        return out[:, 0] if v.dim() == 1 else out
 
-    if blocked:
+    if block_size > 1:
         res = block_lanczos(matmul, prob.n, k, block_size, generator=generator, dtype=prob.dtype, device=prob.device)
-        if filled[0] != res.k:
-            return res, res.variances(prob.B)
-
-        def rows(s, e):
-            return BQ[s:e]
-
-        return res, banded_lanczos_z(res.cholesky_L(), res.block_size, rows, res.k)
-    res = lanczos(matmul, prob.n, k, generator=generator, dtype=prob.dtype, device=prob.device)
+        L, band = res.cholesky_L(), res.block_size
+    else:
+        res = lanczos(matmul, prob.n, k, generator=generator, dtype=prob.dtype, device=prob.device)
+        e, d = (t.to(dtype=prob.dtype, device=prob.device) for t in res.cholesky_T())
+        L, band = torch.diag(e) + torch.diag(d, -1), 1  # bidiagonal: seed 000 §2.3's recursion
     if filled[0] != res.k:  # the run did not call matmul once per Lanczos vector: fall back
         return res, res.variances(prob.B)
-    e, d = res.cholesky_T()
-    e = e.to(dtype=prob.dtype, device=prob.device)
-    d = d.to(dtype=prob.dtype, device=prob.device)
-    z = torch.zeros(q, dtype=prob.dtype, device=prob.device)
-    v = None
-    for j in range(res.k):  # z_j = z_{j-1} + v_j^2, v_j = (B q_j - d_{j-1} v_{j-1}) / e_j
-        v = BQ[j] / e[j] if j == 0 else (BQ[j] - d[j - 1] * v) / e[j]
-        z.add_(v * v)
-    return res, z
+    return res, banded_lanczos_z(L, band, lambda s, e: BQ[s:e], res.k)
 
 
 def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generator=None,
