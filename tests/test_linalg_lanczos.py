@@ -343,6 +343,59 @@ def test_banded_z_with_band_one_is_seed000_recursion():
     torch.testing.assert_close(z, res.variances(B), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("b", [1, 3, 4, 7])
+def test_block_lanczos_projected_variances_equal_dense_formula(b):
+    """Variances accumulated during the run (incremental block Cholesky of T) equal
+    diag(P Q T^-1 Q^T P^T) formed densely and the post-hoc banded recursion; the incremental L is chol(T)."""
+    A = _spd(40, 1e3, seed=12)
+    P1 = torch.randn(9, 40, generator=_gen(13), dtype=DT)
+    for k in (1, b, 17, 29):  # 17, 29: a truncated last block for every b > 1
+        res = block_lanczos(A, 40, k, b, generator=_gen(14), project=lambda V: [P1 @ V, V])
+        Q, T = res.Q, res.T()
+        C = Q @ torch.linalg.solve(T, Q.T)
+        z, zu = res.projected_variances
+        torch.testing.assert_close(z, torch.diagonal(P1 @ C @ P1.T), rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(zu, torch.diagonal(C), rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(z, res.variances(P1), rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(res.cholesky_L(), torch.linalg.cholesky(T), rtol=1e-10, atol=1e-12)
+        assert float(res.logdet_T()) == pytest.approx(float(torch.logdet(T)), rel=1e-12)
+
+
+@pytest.mark.parametrize("b", [1, 4])
+def test_block_lanczos_projected_variances_bound_monotone_and_exact(b):
+    """Seed 001 §4.1 for the accumulated estimate: below the exact variances, nondecreasing in k, exact at k = n."""
+    A, P = _spd(36, 1e4, seed=15), torch.randn(11, 36, generator=_gen(16), dtype=DT)
+    exact = _exact_var(A, P)
+    V0 = torch.randn(36, b, generator=_gen(17), dtype=DT)
+    prev = torch.zeros_like(exact)
+    for k in range(1, 37, 5):
+        z = block_lanczos(A, V0, k, b, project=lambda V: [P @ V]).projected_variances[0]
+        assert bool((z <= exact * (1 + 1e-10) + 1e-14).all())
+        assert bool((z >= prev - 1e-12).all())
+        prev = z
+    z = block_lanczos(A, V0, 36, b, project=lambda V: [P @ V]).projected_variances[0]
+    torch.testing.assert_close(z, exact, rtol=1e-8, atol=1e-12)
+
+
+def test_block_lanczos_projected_variances_after_deflation():
+    """An invariant starting block: the run stops early and the accumulated variances are those of Q T^-1 Q^T."""
+    ev = torch.arange(1.0, 21.0, dtype=DT)
+    A = torch.diag(ev)
+    V0 = torch.zeros(20, 2, dtype=DT)
+    V0[:3, 0], V0[3:6, 1] = 1.0, 1.0  # Krylov space = span(e_1..e_6)
+    P = torch.randn(5, 20, generator=_gen(18), dtype=DT)
+    res = block_lanczos(A, V0, 12, 2, project=lambda V: [P @ V])
+    assert res.breakdown and res.k == 6
+    expected = torch.diagonal(P[:, :6] @ torch.diag(1.0 / ev[:6]) @ P[:, :6].T)
+    torch.testing.assert_close(res.projected_variances[0], expected, rtol=1e-10, atol=1e-13)
+
+
+def test_block_lanczos_project_rejects_indefinite_operator():
+    A = _spd(10, 10.0)
+    with pytest.raises(NotPositiveDefiniteError, match="not positive definite"):
+        block_lanczos(-A, 10, 6, 2, generator=_gen(0), project=lambda V: [V])
+
+
 def test_block_lanczos_invariant_start_breaks_down_exactly():
     ev = torch.arange(1.0, 21.0, dtype=DT)
     A = torch.diag(ev)

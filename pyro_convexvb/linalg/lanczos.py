@@ -573,6 +573,8 @@ class BlockLanczosResult:
         independent directions only (a deflated block).
     :ivar ritz_values: eigenvalues of ``T`` in ascending order, shape ``(k,)``.
     :ivar ritz_vectors_T: eigenvectors of ``T`` (columns), shape ``(k, k)``.
+    :ivar projected_variances: with :func:`block_lanczos`'s ``project``: the list of
+        ``diag(P_i Q T^{-1} Q^T P_i^T)``, one ``(m_i,)`` tensor per projection; else ``None``.
     """
 
     Q: torch.Tensor
@@ -582,6 +584,7 @@ class BlockLanczosResult:
     breakdown: bool
     ritz_values: torch.Tensor = None
     ritz_vectors_T: torch.Tensor = None
+    projected_variances: list = None
 
     @property
     def k(self):
@@ -627,7 +630,51 @@ class BlockLanczosResult:
         return banded_lanczos_z(self.cholesky_L(), self.block_size, _design_rows(self.Q, B), self.k, chunk_size)
 
 
-def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generator=None, dtype=None, device=None):
+class _BlockVarianceAccumulator:
+    r"""``z = diag(P Q T^{-1} Q^T P^T)`` accumulated one Lanczos block at a time (seed 000 §2.3, blocked).
+
+    ``T = Q^T A Q`` is block tridiagonal, so its Cholesky factor ``L`` is block bidiagonal and can be
+    extended as the blocks arrive: ``L_{j,j-1} = T_{j,j-1} L_{j-1,j-1}^{-T}`` and
+    ``L_{jj} L_{jj}^T = T_{jj} - L_{j,j-1} L_{j,j-1}^T``.  With ``V = L^{-1} (P Q)^T`` and ``z = sum_j V_j^2``,
+    block row ``j`` of ``V`` is ``L_{jj}^{-1} ((P Q_j)^T - L_{j,j-1} V_{j-1})``: only the previous block of
+    ``V`` is kept, so the memory is ``O(b m)`` per projection instead of the ``O(k m)`` of ``B Q``.  For
+    ``b = 1`` this is seed 000 §2.3's recursion ``v_k = (B q_k - d_{k-1} v_{k-1}) / e_k``.
+    """
+
+    def __init__(self, k, dtype, device):
+        self.L = torch.zeros(k, k, dtype=dtype, device=device)
+        self.z, self.prev, self.Ldiag = None, None, None
+
+    def add(self, s, Tjj, Tsub, projections):
+        """Block ``[s, s + b_j)``: ``Tjj = T_{jj}``, ``Tsub = T_{j,j-1}`` (``None`` for the first block) and
+        the products ``P_i Q_j`` (shape ``(m_i, b_j)``); raises if ``T`` is not positive definite."""
+        bj = Tjj.shape[0]
+        if Tsub is not None:
+            Lsub = torch.linalg.solve_triangular(self.Ldiag.transpose(0, 1), Tsub, upper=True, left=False)
+            S = Tjj - Lsub @ Lsub.transpose(0, 1)
+            self.L[s:s + bj, s - Tsub.shape[1]:s] = Lsub
+        else:
+            Lsub, S = None, Tjj
+        Ljj, info = torch.linalg.cholesky_ex(S)
+        if int(info) != 0:
+            raise NotPositiveDefiniteError(
+                f"the block Lanczos matrix T is not positive definite (pivot {s + int(info)}); "
+                "the operator is not SPD or too ill-conditioned for its dtype")
+        self.L[s:s + bj, s:s + bj] = Ljj
+        LjjT = Ljj.transpose(0, 1)
+        V = []
+        for i, P in enumerate(projections):
+            if Lsub is not None:
+                P = P - self.prev[i] @ Lsub.transpose(0, 1)
+            Vi = torch.linalg.solve_triangular(LjjT, P, upper=True, left=False)  # (m_i, b_j): rows of V^T
+            V.append(Vi)
+        sq = [(Vi * Vi).sum(1) for Vi in V]
+        self.z = sq if self.z is None else [zi.add_(si) for zi, si in zip(self.z, sq)]
+        self.prev, self.Ldiag = V, Ljj
+
+
+def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generator=None, dtype=None, device=None,
+                  project=None):
     r"""Block Lanczos with full reorthogonalisation: ``k`` orthonormal vectors in blocks of ``b``.
 
     Each block step multiplies ``A`` with ``b`` vectors at once (one sparse-times-dense product
@@ -640,11 +687,24 @@ def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generat
     space has lower polynomial degree, so the estimate is somewhat less accurate than that of
     :func:`lanczos` (``docs/convex_relaxation.md`` measures it); ``b = 1`` is plain Lanczos.
 
+    The working block is kept as ``b`` contiguous rows of length ``n`` (the layout of the stored ``Q^T``),
+    so both Gram-Schmidt products stream ``Q`` in its memory order.
+
+    With ``project``, K-Lanczos variances are accumulated while the run goes (seed 000 §2.3): after the
+    product with block ``Q_j``, ``project(Q_j)`` returns products ``P_i Q_j`` (shapes ``(m_i, b_j)``) and
+    ``diag(P_i Q T^{-1} Q^T P_i^T)`` is updated through the block-bidiagonal Cholesky factor of ``T``, which
+    is extended block by block (:class:`_BlockVarianceAccumulator`).  ``P_i Q`` is never stored
+    (``O(b m_i)`` memory); ``project`` may return a product its ``matmul`` already computed (e.g.
+    ``B Q_j`` inside ``A Q_j = X^T X Q_j + B^T W B Q_j``), so the variances cost no extra product.
+
     :param matmul: SPD operator; a callable must accept ``(n, b)`` inputs.
     :param n_or_V0: starting block ``(n, b)``, or ``n`` for a Gaussian random start.
     :param int k: number of Lanczos vectors (at most ``n``); the last block is truncated to reach ``k``.
     :param int block_size: ``b >= 1``.
     :param breakdown_tol: relative threshold on the diagonal of the block QR factor, default ``eps**(2/3)``.
+    :param project: optional callable ``(n, b_j) block -> sequence of (m_i, b_j) tensors``; its variances
+        are returned in ``projected_variances`` (then ``T`` must be positive definite:
+        :class:`~pyro_convexvb.errors.NotPositiveDefiniteError` otherwise).
     :returns: :class:`BlockLanczosResult`.
 
     Example::
@@ -653,6 +713,11 @@ def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generat
         >>> A = torch.diag(torch.arange(1.0, 13.0, dtype=torch.float64))
         >>> res = block_lanczos(A, 12, 12, 3, generator=torch.Generator().manual_seed(0))
         >>> torch.allclose(res.ritz_values, torch.arange(1.0, 13.0, dtype=torch.float64))
+        True
+        >>> B = torch.ones(1, 12, dtype=torch.float64)
+        >>> res = block_lanczos(A, 12, 12, 3, generator=torch.Generator().manual_seed(0), project=lambda V: [B @ V])
+        >>> z = res.projected_variances[0]  # 1^T A^{-1} 1, exact at k = n
+        >>> abs(float(z) - float((1.0 / torch.arange(1.0, 13.0, dtype=torch.float64)).sum())) < 1e-12
         True
     """
     apply_a, n_op, op_dtype, op_device = _resolve_matmul(matmul)
@@ -685,49 +750,54 @@ def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generat
     Qj, R0 = torch.linalg.qr(V0)
     if not bool((torch.diagonal(R0).abs() > 0).all()):
         raise ValueError("n_or_V0: the starting block must have full column rank")
+    Qt = Qj.transpose(0, 1).contiguous()  # the current block as rows, (b_j, n)
+    acc = _BlockVarianceAccumulator(k, V0.dtype, V0.device) if project is not None else None
     num_mvm, breakdown, anorm, filled, band = 0, False, 0.0, 0, 1
     s, prev = 0, None  # start of the current block, (start, size) of the previous one
     with torch.no_grad():
         while True:
-            if s + Qj.shape[1] > k:  # truncate the last block to reach exactly k vectors
-                Qj = Qj[:, :k - s]
-            bj = Qj.shape[1]
-            Qr[s:s + bj] = Qj.transpose(0, 1)
+            if s + Qt.shape[0] > k:  # truncate the last block to reach exactly k vectors
+                Qt = Qt[:k - s]
+            bj = Qt.shape[0]
+            Qr[s:s + bj] = Qt
             filled = s + bj
-            W = apply_a(Qj)
-            if not isinstance(W, torch.Tensor) or W.shape != Qj.shape:
+            V = Qt.transpose(0, 1).contiguous()
+            W = apply_a(V)
+            if not isinstance(W, torch.Tensor) or W.shape != V.shape:
                 got = tuple(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__
-                raise ValueError(f"matmul: expected an output of shape {tuple(Qj.shape)}, got {got}")
+                raise ValueError(f"matmul: expected an output of shape {tuple(V.shape)}, got {got}")
             num_mvm += bj
-            W = W.detach().clone()
-            Aj = Qj.transpose(0, 1) @ W
+            Wt = W.detach().transpose(0, 1).contiguous()  # (b_j, n)
+            Aj = Wt @ V
             if not bool(torch.isfinite(Aj).all()):
                 raise ValueError("matmul returned NaN or inf during block Lanczos")
             Aj = 0.5 * (Aj + Aj.transpose(0, 1))
             T[s:filled, s:filled] = Aj
             anorm = max(anorm, float(torch.linalg.matrix_norm(T[s:filled, :filled], 1)))
             band = max(band, bj - 1)
+            if acc is not None:
+                acc.add(s, Aj, T[s:filled, prev[0]:s] if prev is not None else None, project(V))
             if filled >= k:
                 break
-            W.sub_(Qj @ Aj)
+            Wt.sub_(Aj @ Qt)
             if prev is not None:
                 ps, pb = prev
-                W.sub_(Qr[ps:ps + pb].transpose(0, 1) @ T[ps:ps + pb, s:filled])
+                Wt.sub_(T[s:filled, ps:ps + pb] @ Qr[ps:ps + pb])
             Qall = Qr[:filled]
-            # classical Gram-Schmidt as matrix products; a second pass only if a column lost more than
+            # classical Gram-Schmidt as matrix products; a second pass only if a vector lost more than
             # 30% of its norm (DGKS criterion, as in :func:`lanczos`)
-            before = torch.linalg.vector_norm(W, dim=0)
+            before = torch.linalg.vector_norm(Wt, dim=1)
             for _ in range(2):
-                W.sub_(Qall.transpose(0, 1) @ (Qall @ W))
-                after = torch.linalg.vector_norm(W, dim=0)
+                Wt.sub_((Wt @ Qall.transpose(0, 1)) @ Qall)
+                after = torch.linalg.vector_norm(Wt, dim=1)
                 if bool((after > 0.7071 * before).all()):
                     break
                 before = after
             thresh = tol * max(anorm, 1e-300)
-            Qn, Rj = torch.linalg.qr(W)
+            Qn, Rj = torch.linalg.qr(Wt.transpose(0, 1))
             if float(torch.diagonal(Rj).abs().min()) <= thresh:
                 # (numerically) rank-deficient block: deflate to the directions that are really new
-                U, S, Vh = torch.linalg.svd(W, full_matrices=False)
+                U, S, Vh = torch.linalg.svd(Wt.transpose(0, 1), full_matrices=False)
                 r = int((S > thresh).sum())
                 if r == 0:
                     breakdown = True
@@ -741,10 +811,13 @@ def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generat
             r = Qn.shape[1]
             T[filled:filled + r, s:filled] = Rj
             T[s:filled, filled:filled + r] = Rj.transpose(0, 1)
-            prev, s, Qj = (s, bj), filled, Qn
+            prev, s, Qt = (s, bj), filled, Qn.transpose(0, 1).contiguous()
     Tk = T[:filled, :filled].clone()
     res = BlockLanczosResult(Q=Qr[:filled].transpose(0, 1), T_matrix=Tk, block_size=band, num_mvm=num_mvm,
                              breakdown=breakdown)
+    if acc is not None:
+        res._L = acc.L[:filled, :filled]
+        res.projected_variances = acc.z
     theta, S = torch.linalg.eigh(Tk)
     res.ritz_values, res.ritz_vectors_T = theta, S
     return res

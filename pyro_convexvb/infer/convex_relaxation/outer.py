@@ -27,7 +27,7 @@ import time
 import torch
 
 from ...linalg.cg import cg
-from ...linalg.lanczos import banded_lanczos_z, block_lanczos, lanczos, lanczos_variances, pca_variances
+from ...linalg.lanczos import block_lanczos, pca_variances
 from .inner import inner_loop
 
 __all__ = ["VarianceStep", "variance_step", "logdet_upper_bound", "h_value", "phi_value", "double_loop"]
@@ -93,44 +93,39 @@ def logdet_upper_bound(prob, w, lanczos_result=None):
     return best, method
 
 
-def _lanczos_cached(prob, w, k, generator, cache_bytes, block_size=1):
-    """K-Lanczos with ``B q_j`` kept from each product ``A q_j`` (seed 000 §2.3 recursion done afterwards).
+def _lanczos_z(prob, w, k, generator, block_size=1):
+    """K-Lanczos run on ``A`` with ``z`` and ``diag(A^{-1})`` accumulated block by block (seed 000 §2.3).
 
-    ``A q = X^T X q + B^T (w * (B q))`` computes ``B q_j`` anyway; storing it (``k x q`` numbers) saves
-    the ``k`` extra products with ``B`` that ``z_k = diag(B Q T^{-1} Q^T B^T)`` otherwise needs.
-    ``block_size > 1`` runs :func:`~pyro_convexvb.linalg.block_lanczos` (products with ``b`` vectors at
-    once).  Returns ``None`` if the buffer would exceed ``cache_bytes``.
+    ``A Q_j = X^T X Q_j + B^T (w * (B Q_j))`` computes ``B Q_j`` anyway; the run's ``project`` hook hands
+    that product (and ``Q_j`` itself, for ``Var_Q[u]``) to the recursion of
+    :func:`~pyro_convexvb.linalg.block_lanczos`, so the variances cost no extra product with ``B`` and no
+    ``k x q`` buffer.  ``block_size = 1`` is seed 000's single-vector Lanczos.
+
+    :returns: ``(result, z, var_u)``.
     """
-    q = prob.q
-    if prob.B is None or k * q * torch.finfo(prob.dtype).bits // 8 > cache_bytes:
-        return None
-    BQ = torch.empty(k, q, dtype=prob.dtype, device=prob.device)
-    filled = [0]
+    B, stash = prob.B, {}
+    wcol = w.unsqueeze(-1)
 
-    def matmul(v):  # (n,) or (n, b): keeps B v as rows of BQ
-        V = v.unsqueeze(-1) if v.dim() == 1 else v
-        bq = prob.B.mv(V)
-        c = filled[0]
-        m = min(V.shape[1], max(0, k - c))
-        BQ[c:c + m] = bq[:, :m].transpose(0, 1)
-        filled[0] = c + V.shape[1]
-        out = prob.xtx_mv(V) + prob.B.rmv(bq * w.unsqueeze(-1))
-        return out[:, 0] if v.dim() == 1 else out
+    def matmul(V):  # (n, b_j): keeps B V for the projection of the same block
+        if B is None:
+            return prob.xtx_mv(V)
+        BV = B.mv(V)
+        stash["BV"] = BV
+        return prob.xtx_mv(V) + B.rmv(BV * wcol)
 
-    if block_size > 1:
-        res = block_lanczos(matmul, prob.n, k, block_size, generator=generator, dtype=prob.dtype, device=prob.device)
-        L, band = res.cholesky_L(), res.block_size
-    else:
-        res = lanczos(matmul, prob.n, k, generator=generator, dtype=prob.dtype, device=prob.device)
-        e, d = (t.to(dtype=prob.dtype, device=prob.device) for t in res.cholesky_T())
-        L, band = torch.diag(e) + torch.diag(d, -1), 1  # bidiagonal: seed 000 §2.3's recursion
-    if filled[0] != res.k:  # the run did not call matmul once per Lanczos vector: fall back
-        return res, res.variances(prob.B)
-    return res, banded_lanczos_z(L, band, lambda s, e: BQ[s:e], res.k)
+    def project(V):
+        return [V] if B is None else [stash.pop("BV"), V]
+
+    res = block_lanczos(matmul, prob.n, k, block_size, generator=generator, dtype=prob.dtype, device=prob.device,
+                        project=project)
+    if B is None:
+        return res, torch.zeros(0, dtype=prob.dtype, device=prob.device), res.projected_variances[0]
+    z, var_u = res.projected_variances
+    return res, z, var_u
 
 
 def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generator=None,
-                  dense_logdet_max=2000, cache_bytes=6e9, block_size=1):
+                  dense_logdet_max=2000, block_size=1):
     """Estimate ``z = diag(B A^{-1} B^T)``, ``diag(A^{-1})`` and ``log|A|`` at ``gamma`` (seed 000, §2.3).
 
     :param prob: :class:`~.problem.RelaxationProblem`.
@@ -140,9 +135,8 @@ def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generat
     :param pca_rank: ``L`` for ``"pca"``.
     :param generator: torch generator for the Lanczos start vector.
     :param dense_logdet_max: largest ``n`` for an exact (Cholesky) ``log|A|`` in the Lanczos/PCA modes.
-    :param cache_bytes: memory allowed for keeping ``B q_j`` during Lanczos (see :func:`_lanczos_cached`).
     :param block_size: Lanczos block size ``b`` (``1``: seed 000's single-vector Lanczos; ``b > 1``:
-        :func:`~pyro_convexvb.linalg.block_lanczos`, used only while ``k < n``).
+        :func:`~pyro_convexvb.linalg.block_lanczos` with ``b`` vectors per product, used only while ``k < n``).
     :returns: :class:`VarianceStep`.
     """
     w = 1.0 / gamma if prob.q else torch.zeros(0, dtype=prob.dtype, device=prob.device)
@@ -157,17 +151,7 @@ def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generat
     B = prob.B
     k = min(int(k), n)
     if method == "lanczos":
-        b = int(block_size) if k < n else 1
-        cached = _lanczos_cached(prob, w, k, generator, cache_bytes, b)
-        if cached is not None:
-            res, z = cached
-        elif b > 1:
-            res = block_lanczos(A_op, n, k, b, generator=generator, dtype=prob.dtype, device=prob.device)
-            z = res.variances(B) if B is not None else torch.zeros(0, dtype=prob.dtype, device=prob.device)
-        else:
-            zq, res = lanczos_variances(A_op, B if B is not None else None, k, return_result=True, generator=generator)
-            z = zq if B is not None else torch.zeros(0, dtype=prob.dtype, device=prob.device)
-        var_u = res.variances(None)
+        res, z, var_u = _lanczos_z(prob, w, k, generator, int(block_size) if k < n else 1)
     elif method == "pca":
         L_rank = max(1, min(n, int(pca_rank) if pca_rank is not None else max(1, k // 6)))
         zq, res = pca_variances(A_op, B, L_rank, num_steps=max(k, L_rank), max_steps=max(k, L_rank),
