@@ -571,8 +571,8 @@ class BlockLanczosResult:
     :ivar breakdown: ``True`` if a new block was (numerically) linearly dependent on the previous
         ones: the run either stopped early (the Krylov space is invariant) or went on with the
         independent directions only (a deflated block).
-    :ivar ritz_values: eigenvalues of ``T`` in ascending order, shape ``(k,)``.
-    :ivar ritz_vectors_T: eigenvectors of ``T`` (columns), shape ``(k, k)``.
+    :ivar ritz_values: eigenvalues of ``T`` in ascending order, shape ``(k,)`` (computed on first use).
+    :ivar ritz_vectors_T: eigenvectors of ``T`` (columns), shape ``(k, k)`` (computed on first use).
     :ivar projected_variances: with :func:`block_lanczos`'s ``project``: the list of
         ``diag(P_i Q T^{-1} Q^T P_i^T)``, one ``(m_i,)`` tensor per projection; else ``None``.
     """
@@ -582,9 +582,24 @@ class BlockLanczosResult:
     block_size: int
     num_mvm: int
     breakdown: bool
-    ritz_values: torch.Tensor = None
-    ritz_vectors_T: torch.Tensor = None
     projected_variances: list = None
+    _eigh: tuple = None
+    _L: torch.Tensor = None
+
+    def _ritz(self):
+        if self._eigh is None:
+            self._eigh = torch.linalg.eigh(self.T_matrix)
+        return self._eigh
+
+    @property
+    def ritz_values(self):
+        """Eigenvalues of ``T`` in ascending order, shape ``(k,)``."""
+        return self._ritz()[0]
+
+    @property
+    def ritz_vectors_T(self):
+        """Eigenvectors of ``T`` (columns), shape ``(k, k)``."""
+        return self._ritz()[1]
 
     @property
     def k(self):
@@ -602,7 +617,7 @@ class BlockLanczosResult:
 
     def cholesky_L(self):
         """Lower Cholesky factor of ``T`` (lower bandwidth ``block_size``)."""
-        if getattr(self, "_L", None) is None:
+        if self._L is None:
             L, info = torch.linalg.cholesky_ex(self.T_matrix)
             if int(info) != 0:
                 raise NotPositiveDefiniteError(
@@ -668,7 +683,7 @@ class _BlockVarianceAccumulator:
                 P = P - self.prev[i] @ Lsub.transpose(0, 1)
             Vi = torch.linalg.solve_triangular(LjjT, P, upper=True, left=False)  # (m_i, b_j): rows of V^T
             V.append(Vi)
-        sq = [(Vi * Vi).sum(1) for Vi in V]
+        sq = [torch.square(Vi).sum(1) for Vi in V]
         self.z = sq if self.z is None else [zi.add_(si) for zi, si in zip(self.z, sq)]
         self.prev, self.Ldiag = V, Ljj
 
@@ -818,6 +833,4 @@ def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generat
     if acc is not None:
         res._L = acc.L[:filled, :filled]
         res.projected_variances = acc.z
-    theta, S = torch.linalg.eigh(Tk)
-    res.ritz_values, res.ritz_vectors_T = theta, S
     return res
