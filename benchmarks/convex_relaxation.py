@@ -94,24 +94,26 @@ def run_case(name, Xtr, ytr, Xte, yte, *, prior="gauss", scale=1.0, k=80, max_ou
 
     # VB and MAP fits alternate, and each reports its best time: the host's speed drifts by up to 2x within a
     # session, and alternating exposes both methods to the same drift (a conservative VB/MAP ratio)
-    vb_times, map_times, mem2 = [], [], None
+    vb_times, map_times, mem2, best = [], [], None, None
     for rep in range(max(int(repeats), int(map_repeats), 1)):
         if rep < max(1, int(repeats)):
-            res = lgm = None
             gc.collect()
             with PeakRSS() as mem_r, _timer() as tv:
-                lgm = build_lgm(Xtr_b, ytr, prior, scale)
-                res = ConvexVariationalRelaxation(lgm, lanczos_rank=k, lanczos_block_size=block_size,
-                                                  max_outer=max_outer, gamma_tol=1e-2, phi_tol=1e-4, seed=seed,
-                                                  progress=progress).run()
+                lgm_r = build_lgm(Xtr_b, ytr, prior, scale)
+                res_r = ConvexVariationalRelaxation(lgm_r, lanczos_rank=k, lanczos_block_size=block_size,
+                                                    max_outer=max_outer, gamma_tol=1e-2, phi_tol=1e-4, seed=seed,
+                                                    progress=progress).run()
             vb_times.append(tv.seconds)
             mem = mem_r if rep == 0 else mem
+            if best is None or tv.seconds < best[0]:  # the fastest fit's result gives the inner/outer split
+                best = (tv.seconds, res_r, lgm_r)
+            del res_r, lgm_r
         if rep < int(map_repeats):
             with PeakRSS() as mem_m, _timer() as tm:
                 clf = fit_map()
             map_times.append(tm.seconds)
             mem2 = mem_m if mem2 is None else mem2
-    tv.seconds = min(vb_times)
+    tv.seconds, res, lgm = best
     info = res.info
     with _timer() as tp:
         mean, var = predictive_marginals(res, Xte_b)
@@ -131,7 +133,7 @@ def run_case(name, Xtr, ytr, Xte, yte, *, prior="gauss", scale=1.0, k=80, max_ou
         nonzero_weights=int((res.posterior.loc.abs() > 1e-3).sum()),
     )
     kept = (res, lgm) if keep else None
-    del res, lgm, info
+    del res, lgm, info, best
     gc.collect()
     tm.seconds = min(map_times)
     p_map = clf.predict_proba(Ste)[:, 1]
@@ -362,6 +364,11 @@ def main():
     if not args.quick and any(c.startswith("rcv1") for c in cases):
         name += f"_size{args.size:g}"
     write_json(name, {"rows": rows, "variance_accuracy": accuracy_rows, "args": vars(args)})
+    time_figure(rows, name)
+
+
+def time_figure(rows, name):
+    """Bar chart of VB time (inner loops + Lanczos updates, stacked) against MAP time, per case."""
     try:
         import matplotlib
 
@@ -369,15 +376,16 @@ def main():
         import matplotlib.pyplot as plt
 
         vbs = [r for r in rows if r["method"].startswith("VB") and "inner_seconds" in r]
-        maps = [r for r in rows if r["method"].startswith("MAP") and r["case"] in {v["case"] for v in vbs}]
-        fig, ax = plt.subplots(figsize=(6.5, 3.2))
+        maps = [[r for r in rows if r["method"].startswith("MAP") and r["case"] == v["case"]][0] for v in vbs]
+        fig, ax = plt.subplots(figsize=(1.3 * len(vbs) + 1.5, 3.4))
         x = np.arange(len(vbs))
-        ax.bar(x - 0.2, [r["inner_seconds"] for r in vbs], 0.4, label="VB inner loops (Newton + PCG)")
-        ax.bar(x - 0.2, [r["outer_seconds"] for r in vbs], 0.4, bottom=[r["inner_seconds"] for r in vbs],
-               label="VB outer updates (Lanczos)")
+        inner = [r["inner_seconds"] for r in vbs]
+        ax.bar(x - 0.2, inner, 0.4, label="VB inner loops (Newton + PCG)")
+        ax.bar(x - 0.2, [r["outer_seconds"] for r in vbs], 0.4, bottom=inner, label="VB outer updates (Lanczos)")
         ax.bar(x + 0.2, [r["seconds"] for r in maps], 0.4, label="MAP (liblinear)")
-        ax.set_xticks(x, [f"{r['case']}\nk={r['k']}, b={r['block_size']}" for r in vbs])
+        ax.set_xticks(x, [f"{r['case']}\nk={r['k']}, b={r['block_size']}" for r in vbs], fontsize=7)
         ax.set_yscale("log")
+        ax.set_ylim(bottom=0.5 * min(inner + [r["seconds"] for r in maps]))
         ax.set_ylabel("wall seconds")
         ax.legend(fontsize=7)
         fig.tight_layout()
