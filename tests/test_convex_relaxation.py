@@ -37,7 +37,7 @@ from pyro_convexvb.lgm.layout import LatentLayout
 from pyro_convexvb.lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
 from pyro_convexvb.lgm.sites import BernoulliLogit, BernoulliProbit, Gaussian, Laplace, Poisson
 from pyro_convexvb.linalg import lanczos_variances
-from pyro_convexvb.linalg.operators import DenseOperator, DiagonalOperator, EmbedColumnsOperator, IdentityOperator
+from pyro_convexvb.linalg.operators import DenseOperator, DiagonalOperator
 
 D = torch.float64
 
@@ -596,7 +596,8 @@ def test_variance_step_accumulated_z_equals_dense_formula(block_size):
 
 
 def test_block_lanczos_variance_step_and_engine():
-    """Block Lanczos in the outer loop: accumulated z equals the banded recursion, lower bounds, exact at k = n, fit works."""
+    """Block Lanczos in the outer loop: accumulated z equals the banded recursion, lower bounds,
+    exact at k = n, fit works."""
     lgm = _bernoulli_gauss(q=60, n=5, seed=4)
     prob = RelaxationProblem(lgm)
     gam = torch.linspace(0.4, 7.0, prob.q, dtype=D)

@@ -202,7 +202,8 @@ class _SparseMatvec(torch.autograd.Function):
 def _spmm(A, v):
     if v.dim() == 1:
         return torch.mv(A, v) if A.layout == torch.sparse_csr else (A @ v.unsqueeze(-1)).squeeze(-1)
-    if v.shape[1] == 1 and A.layout == torch.sparse_csr:  # torch.mv is 2-3x faster than CSR @ (n, 1)
+    if v.shape[1] == 1 and A.layout == torch.sparse_csr:
+        # torch.mv: about 1.5x faster than CSR @ (n, 1)
         return torch.mv(A, v[:, 0]).unsqueeze(-1)
     return A @ v
 
