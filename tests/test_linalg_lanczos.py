@@ -390,10 +390,21 @@ def test_block_lanczos_projected_variances_after_deflation():
     torch.testing.assert_close(res.projected_variances[0], expected, rtol=1e-10, atol=1e-13)
 
 
-def test_block_lanczos_project_rejects_indefinite_operator():
+def test_block_lanczos_project_rejects_indefinite_operator_and_bad_projections():
     A = _spd(10, 10.0)
     with pytest.raises(NotPositiveDefiniteError, match="not positive definite"):
         block_lanczos(-A, 10, 6, 2, generator=_gen(0), project=lambda V: [V])
+    P = torch.randn(3, 10, generator=_gen(1), dtype=DT)
+    with pytest.raises(ValueError, match="project: expected a non-empty list"):
+        block_lanczos(A, 10, 6, 2, generator=_gen(0), project=lambda V: P @ V)
+    with pytest.raises(ValueError, match=r"project: output 1 must have shape \(m, 2\)"):
+        block_lanczos(A, 10, 6, 2, generator=_gen(0), project=lambda V: [P @ V, V.T])
+    sizes = iter([3, 2, 2])
+    with pytest.raises(ValueError, match="project: output sizes changed"):
+        block_lanczos(A, 10, 6, 2, generator=_gen(0), project=lambda V: [(P @ V)[:next(sizes)]])
+    with pytest.raises(ValueError, match="project: output 0 contains NaN"):
+        block_lanczos(A, 10, 6, 2, generator=_gen(0), project=lambda V: [torch.full((3, V.shape[1]), float("nan"),
+                                                                                    dtype=DT)])
 
 
 def test_block_lanczos_invariant_start_breaks_down_exactly():

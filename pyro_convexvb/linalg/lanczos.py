@@ -791,7 +791,7 @@ def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generat
             anorm = max(anorm, float(torch.linalg.matrix_norm(T[s:filled, :filled], 1)))
             band = max(band, bj - 1)
             if acc is not None:
-                acc.add(s, Aj, T[s:filled, prev[0]:s] if prev is not None else None, project(V))
+                acc.add(s, Aj, T[s:filled, prev[0]:s] if prev is not None else None, _projections(project, V, acc))
             if filled >= k:
                 break
             Wt.sub_(Aj @ Qt)
@@ -831,6 +831,25 @@ def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generat
     res = BlockLanczosResult(Q=Qr[:filled].transpose(0, 1), T_matrix=Tk, block_size=band, num_mvm=num_mvm,
                              breakdown=breakdown)
     if acc is not None:
+        for i, zi in enumerate(acc.z):
+            if not bool(torch.isfinite(zi).all()):
+                raise ValueError(f"project: output {i} contains NaN or inf")
         res._L = acc.L[:filled, :filled]
         res.projected_variances = acc.z
     return res
+
+
+def _projections(project, V, acc):
+    """``project(V)`` checked: a non-empty sequence of ``(m_i, b_j)`` tensors, as many as for earlier blocks."""
+    P = project(V)
+    if isinstance(P, torch.Tensor) or not isinstance(P, (list, tuple)) or not P:
+        raise ValueError(f"project: expected a non-empty list of tensors, got {type(P).__name__}")
+    for i, Pi in enumerate(P):
+        if not isinstance(Pi, torch.Tensor) or Pi.dim() != 2 or Pi.shape[1] != V.shape[1]:
+            got = tuple(Pi.shape) if isinstance(Pi, torch.Tensor) else type(Pi).__name__
+            raise ValueError(f"project: output {i} must have shape (m, {V.shape[1]}) for a block of "
+                             f"{V.shape[1]} vectors, got {got}")
+    if acc.z is not None and [len(z) for z in acc.z] != [Pi.shape[0] for Pi in P]:
+        raise ValueError(f"project: output sizes changed between blocks: {[len(z) for z in acc.z]} -> "
+                         f"{[Pi.shape[0] for Pi in P]}")
+    return P
