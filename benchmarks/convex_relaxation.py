@@ -10,9 +10,9 @@ equivalent regularisation (``C = sigma_prior^2`` for the Gaussian prior, ``penal
 the Laplace prior of scale ``b``).
 
 Reports wall time (the best of ``--repeats`` VB fits and of 3 MAP fits, run alternately: timings on a
-shared host vary by up to 2x within a session), peak RSS increase of the (first) fit, MVMs per phase (seed 000 §2.4 table), test error and
-test NLPD (VB: predictive ``E_Q[sigmoid(s)]`` with K-Lanczos variances; MAP: plug-in), the evidence
-bound and the VB/MAP time ratio.
+shared host vary by up to 2x within a session), peak RSS increase of the first fit, MVMs per phase
+(seed 000 §2.4 table), test error and test NLPD (VB: predictive ``E_Q[sigmoid(s)]`` with K-Lanczos
+variances; MAP: plug-in), the evidence bound and the VB/MAP time ratio.
 
 Usage::
 
@@ -92,7 +92,7 @@ def run_case(name, Xtr, ytr, Xte, yte, *, prior="gauss", scale=1.0, k=80, max_ou
 
     # VB and MAP fits alternate, and each reports its best time: the host's speed drifts by up to 2x within a
     # session, and alternating exposes both methods to the same drift (a conservative VB/MAP ratio)
-    vb_times, map_times, mem2, best = [], [], None, None
+    vb_times, map_times, best = [], [], None
     for rep in range(max(int(repeats), int(map_repeats), 1)):
         if rep < max(1, int(repeats)):
             gc.collect()
@@ -111,7 +111,8 @@ def run_case(name, Xtr, ytr, Xte, yte, *, prior="gauss", scale=1.0, k=80, max_ou
             with PeakRSS() as mem_m, _timer() as tm:
                 clf = fit_map()
             map_times.append(tm.seconds)
-            mem2 = mem_m if mem2 is None else mem2
+            if rep == 0:
+                mem2 = mem_m
     tv.seconds, res, lgm = best
     info = res.info
     with _timer() as tp:

@@ -93,7 +93,7 @@ def logdet_upper_bound(prob, w, lanczos_result=None):
     return best, method
 
 
-def _lanczos_z(prob, w, k, generator, block_size=1):
+def _k_lanczos(prob, w, k, generator, block_size=1):
     """K-Lanczos run on ``A`` with ``z`` and ``diag(A^{-1})`` accumulated block by block (seed 000 §2.3).
 
     ``A Q_j = X^T X Q_j + B^T (w * (B Q_j))`` computes ``B Q_j`` anyway; the run's ``project`` hook hands
@@ -151,7 +151,7 @@ def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generat
     B = prob.B
     k = min(int(k), n)
     if method == "lanczos":
-        res, z, var_u = _lanczos_z(prob, w, k, generator, int(block_size) if k < n else 1)
+        res, z, var_u = _k_lanczos(prob, w, k, generator, int(block_size) if k < n else 1)
     elif method == "pca":
         L_rank = max(1, min(n, int(pca_rank) if pca_rank is not None else max(1, k // 6)))
         zq, res = pca_variances(A_op, B, L_rank, num_steps=max(k, L_rank), max_steps=max(k, L_rank),
