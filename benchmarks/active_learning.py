@@ -1,10 +1,10 @@
-"""Experiment 1 of seed 000 (Figure 2 protocol): Bayesian active learning on the convex relaxation.
+"""Experiment 1 of Nickisch & Seeger 2009 (Figure 2 protocol): Bayesian active learning on the convex relaxation.
 
 Start from a few random training cases, all remaining training cases are candidates; include cases
 sequentially in blocks of ``K`` by classifier uncertainty (S_CU), information gain (S_IG) or at
 random, and track the test error of the posterior mean classifier. The error of the relaxation fitted
 on the full training set is the reference line. Logistic regression (bias as a constant feature),
-prior N(0, 1) per weight (sigma^2 = 1, tau = 1 as in seed 000), and a Laplace-prior variant on a9a.
+prior N(0, 1) per weight (sigma^2 = 1, tau = 1 as in Nickisch & Seeger 2009), and a Laplace-prior variant on a9a.
 
 Usage::
 

@@ -1,8 +1,8 @@
-"""Experiment 2 of issue 4 (seed 001 §5): Bayesian design of Fourier "phase encodes" for a natural image.
+"""Experiment 2 of Seeger 2010 (§5): Bayesian design of Fourier "phase encodes" for a natural image.
 
 A grey natural image (scikit-learn's ``china.jpg``, centre crop, block-averaged to ``H x W``, values in
 ``[0, 1]``) is measured through real and imaginary parts of its orthonormal 2-D DFT on chosen k-space
-columns, with Gaussian noise ``sigma^2 = 1e-3`` on every real number (seed 001 §5). Model (seed 001
+columns, with Gaussian noise ``sigma^2 = 1e-3`` on every real number (Seeger 2010 §5). Model (Seeger 2010
 Eq. (1)): flat prior on ``u``, Laplace sites ``exp(-tau_j |s_j / sigma|)`` on ``s = [B_a; B_r] u`` (orthonormal
 Haar wavelet, horizontal/vertical differences), all matrix-free
 (:func:`pyro_convexvb.design.imaging.compressive_sensing_model`).
@@ -14,8 +14,8 @@ and adds one column at a time by
 
 * ``delta-lanczos-K``: sequential Bayesian design: refit the convex relaxation (K-Lanczos variances,
   warm-started at the previous ``gamma``), score every remaining column by
-  ``Delta = log|I + X_c Cov_Q X_c^T / sigma^2|`` (seed 001 §2.2) on the K-Lanczos covariance, take the best;
-* ``delta-pca-L``: the same with L-PCA variances and scores (``K = 6 L`` Lanczos steps, seed 001 footnote 5);
+  ``Delta = log|I + X_c Cov_Q X_c^T / sigma^2|`` (Seeger 2010 §2.2) on the K-Lanczos covariance, take the best;
+* ``delta-pca-L``: the same with L-PCA variances and scores (``K = 6 L`` Lanczos steps, Seeger 2010 footnote 5);
 * ``random`` (several seeds) and ``lowpass`` (next-lowest frequency first).
 
 For every design and number of columns the error ``||u_MAP - u_true|| / ||u_true||`` of the MAP
@@ -57,7 +57,7 @@ from pyro_convexvb.infer.convex_relaxation import ConvexVariationalRelaxation  #
 from pyro_convexvb.linalg.lanczos import lanczos_variances, pca_variances  # noqa: E402
 
 D = torch.float64
-NOISE_VAR = 1e-3  # seed 001 §5
+NOISE_VAR = 1e-3  # Seeger 2010 §5
 MAP_OPTS = dict(z_start=1e-4, z_factor=0.1, z_final=1e-5, cg_tol=1e-6, newton_tol=1e-9)
 
 
@@ -197,7 +197,7 @@ def variance_study(img, tau_a, tau_r, init, Ks, Ls, seed=0):
 
 # ----------------------------------------------------------------------------- tau
 def tune_tau(img, init_cols, grid, seed=0):
-    """MAP error of a fixed ad hoc design for each ``(tau_a, tau_r)`` of ``grid`` (as seed 001 §5 did)."""
+    """MAP error of a fixed ad hoc design for each ``(tau_a, tau_r)`` of ``grid`` (as Seeger 2010 §5 did)."""
     out = []
     for ta, tr in grid:
         prob = Problem(img, ta, tr, seed=seed)
@@ -325,7 +325,7 @@ def figure(name, runs, sizes, vstudy):
     save_figure(fig, name)
 
 
-#: (tau_a, tau_r): seed 001 §5's values; also the best of the ``--tune`` grid on the 64 x 64 image (docs/design.md)
+#: (tau_a, tau_r): Seeger 2010 §5's values; also the best of the ``--tune`` grid on the 64 x 64 image (docs/design.md)
 TAU = (0.08, 0.16)
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Convex variational relaxation (seed 000) at scale vs MAP logistic regression (liblinear), same run.
+"""Convex variational relaxation (Nickisch & Seeger 2009) at scale vs MAP logistic regression (liblinear), same run.
 
-Cases (seed 000, §5): real a9a (16k random training cases, the rest for testing), synthetic data
+Cases (Nickisch & Seeger 2009, §5): real a9a (16k random training cases, the rest for testing), synthetic data
 shaped like real-sim and rcv1 (``pcv.datasets.make_sparse_classification``; 90% of the rows for
 training, sized so that the training set has the paper's full shape), Gaussian prior N(0, 1) and
 Bernoulli-logit sites, ``k = 80`` Lanczos steps (a9a) and ``k = 750`` (real-sim, rcv1); the
@@ -11,7 +11,7 @@ the Laplace prior of scale ``b``).
 
 Reports wall time (the best of ``--repeats`` VB fits and of 3 MAP fits, run alternately: timings on a
 shared host vary by up to 2x within a session), peak RSS increase of the first fit, MVMs per phase
-(seed 000 §2.4 table), test error and test NLPD (VB: predictive ``E_Q[sigmoid(s)]`` with K-Lanczos
+(Nickisch & Seeger 2009 §2.4 table), test error and test NLPD (VB: predictive ``E_Q[sigmoid(s)]`` with K-Lanczos
 variances; MAP: plug-in), the evidence bound and the VB/MAP time ratio.
 
 Usage::
@@ -317,7 +317,7 @@ def main():
             if case == "a9a_laplace":
                 kw.update(prior="laplace", scale=1.0)
         elif case in ("real-sim", "real-sim-b", "real-sim-b2", "real-sim-k80"):
-            # seed 000 §2.4: "we never run more than 5 outer loop iterations, typically 1 or 2 only"
+            # Nickisch & Seeger 2009 §2.4: "we never run more than 5 outer loop iterations, typically 1 or 2 only"
             data = synthetic("real-sim", 0.02 if args.quick else args.realsim_size, args.seed)
             kw = dict(k=100 if args.quick else 750, max_outer=1)
             if case == "real-sim-k80":

@@ -1,4 +1,4 @@
-"""Bayesian logistic GLM and random-feature GP classification (seed 004).
+"""Bayesian logistic GLM and random-feature GP classification (Steinberg et al. 2017).
 
 Part A -- Bayesian logistic regression (linear basis + intercept, prior N(0, 1)) on keel magic and
 spambase: ``diag_mixture`` (AutoDiagMixture, K = 1 and 4) vs Pyro SVI with AutoNormal and

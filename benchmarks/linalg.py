@@ -11,7 +11,7 @@ Same-run comparison (float64, one thread by default):
   plus batched right-hand sides.
 * Lanczos: ours vs ``linear_operator.utils.lanczos.lanczos_tridiag`` (time, orthogonality, ``Q^T A Q - T``,
   steps on a matrix scaled by 1e-8).
-* Variances: K-Lanczos and L-PCA against exact ``diag(X A^{-1} X^T)`` (seed 001 §3-4).
+* Variances: K-Lanczos and L-PCA against exact ``diag(X A^{-1} X^T)`` (Seeger 2010 §3-4).
 * Scalar: :func:`newton_bisect_root` on many problems vs a ``scipy.optimize.brentq`` loop.
 
 Prints markdown tables, writes ``benchmarks/results/linalg.json`` and ``docs/figures/linalg.png``.
@@ -283,7 +283,7 @@ def make_figure(path, hist, z_exact, curves):
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("exact variance of s_i")
     ax.set_ylabel("K-Lanczos / exact")
-    ax.set_title("Lanczos variances are lower bounds (seed 001 §4.1)")
+    ax.set_title("Lanczos variances are lower bounds (Seeger 2010 §4.1)")
     ax.legend(markerscale=5)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)

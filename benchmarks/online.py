@@ -1,4 +1,4 @@
-"""Throughput of the online estimators of seed 003 (examples per second, one thread).
+"""Throughput of the online estimators of Shamir & Szpankowski 2021 (examples per second, one thread).
 
 Stream: d = 200 binary features, d_t = 20 active per row on average, true weights N(0, 1)
 (the Figure 1 / Table 1 setting).  Every method sees the same pre-generated CSR chunks; the

@@ -1,4 +1,4 @@
-"""Regret of the online methods of seed 003 (Table 1, Figure 1, Figure 2 left).
+"""Regret of the online methods of Shamir & Szpankowski 2021 (Table 1, Figure 1, Figure 2 left).
 
 Settings (true weights drawn once per setting, comparator w* = true weights, progressive
 validation, R_t of Eq. (4), r_T = R_T / log T):
@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 from pyro_convexvb.online import (OnlineADF, OnlineAdaGradLogistic, OnlineBayesLogistic,  # noqa: E402
                                   OnlineDimGauss, OnlineMarginalVB, make_online_stream, progressive_regret)
 
-# Table 1 of seed 003: r_T at T = 10^6 and 10^7 for d_t = 20 and 40.
+# Table 1 of Shamir & Szpankowski 2021: r_T at T = 10^6 and 10^7 for d_t = 20 and 40.
 PAPER = {
     ("dt20", 10**6): {"SGD": 117.6, "ADF": 190.3, "DimGauss": 78.02, "Gauss": 77.66, "ApproxG": 77.66,
                       "VB-100": 144.22, "VB-1000": 85.07},
@@ -145,7 +145,7 @@ def paper_key(label):
 
 def print_tables(results, T):
     names = list(results)
-    print(f"\n### Regret coefficients r_T = R_T / log T at T = {T:,} (seed 003, Table 1 / Figures 1-2)\n")
+    print(f"\n### Regret coefficients r_T = R_T / log T at T = {T:,} (Shamir & Szpankowski 2021, Table 1 / Figures 1-2)\n")
     head = "| method | " + " | ".join(f"{n}: r_T | {n}: time (s)" for n in names) + " |"
     print(head)
     print("|---|" + "---:|---:|" * len(names))
@@ -167,7 +167,7 @@ def print_tables(results, T):
         print(f"| {k} | " + " | ".join(cells) + " |")
     paper_cols = [n for n in names if (n, T) in PAPER]
     if paper_cols:
-        print(f"\nSeed 003, Table 1 at T = {T:,} for comparison (their draw of the weights, their C++):\n")
+        print(f"\nShamir & Szpankowski 2021, Table 1 at T = {T:,} for comparison (their draw of the weights, their C++):\n")
         print("| method | " + " | ".join(f"{n}: r_T (paper)" for n in paper_cols) + " |")
         print("|---|" + "---:|" * len(paper_cols))
         for key in ["Gauss", "ApproxG", "DimGauss", "ADF", "SGD", "VB-100", "VB-1000"]:

@@ -1,7 +1,7 @@
 """Online Bayesian logistic regression on a9a (UCI Adult, 32,561 rows, 123 binary features).
 
 One pass in a random order, progressive validation: each row is predicted before it is
-learned.  Prints the average progressive log-loss of Algorithm 1 (seed 003) and of the
+learned.  Prints the average progressive log-loss of Algorithm 1 (Shamir & Szpankowski 2021) and of the
 baselines, and draws the running average (``docs/figures/online_a9a.png``).  The per-feature
 posterior variances of Algorithm 1 are compared with the number of times each feature was
 seen -- the paper's remark that uncertainty is mostly a function of the counts.

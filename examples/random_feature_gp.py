@@ -1,4 +1,4 @@
-"""Random-feature GP regression and classification with a GPyTorch Matérn kernel (seed 004, §1.4).
+"""Random-feature GP regression and classification with a GPyTorch Matérn kernel (Steinberg et al. 2017, §1.4).
 
 Regression: the kernel hyperparameters are learned by type-II maximum likelihood of
 :class:`~pyro_convexvb.BayesianLinearRegression` on the random features (exact posterior, Eq. 14),

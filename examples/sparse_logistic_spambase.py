@@ -2,7 +2,7 @@
 
 Model (a Pyro model, traced by the package): weights ``w_j ~ Laplace(0, b)`` on 20 standardised
 spambase features, intercept ``w0 ~ N(0, 2^2)``, labels ``y_i ~ Bernoulli(logits = x_i^T w + w0)``.
-The Laplace prior becomes Laplace sites on ``I w`` (seed 000, §2: "appending I to B").  We fit the
+The Laplace prior becomes Laplace sites on ``I w`` (Nickisch & Seeger 2009, §2: "appending I to B").  We fit the
 relaxation (exact variances; n = 21) and compare its posterior means and standard deviations with
 the marginals of Pyro's NUTS on the same model, and report test error/NLPD, the evidence lower bound
 and timings.  Writes ``docs/figures/convex_relaxation_spambase.png``.

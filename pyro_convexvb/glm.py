@@ -1,4 +1,4 @@
-"""Bayesian generalised linear models with a mixture-of-diagonal-Gaussians posterior (seed 004, §1.3).
+"""Bayesian generalised linear models with a mixture-of-diagonal-Gaussians posterior (Steinberg et al. 2017, §1.3).
 
     y_n ~ p(y_n | g(phi(x_n)^T w), gamma),   w ~ N(0, lambda I_D)            (Eqs. 19-20)
 
@@ -41,7 +41,7 @@ class GLM:
     :param int n_trials: default binomial number of trials (``fit``/``predict`` accept per-row counts).
     :param bool fit_intercept: append a ones column to ``Phi``.
     :param int num_particles: samples per component per step (``L``).
-    :param str entropy: entropy bound, ``"eq24"`` (seed 004) or ``"bhattacharyya"``.
+    :param str entropy: entropy bound, ``"eq24"`` (Steinberg et al. 2017) or ``"bhattacharyya"``.
     :param float lr: Adam learning rate.
     :param int max_steps: SVI step limit; the plateau rule of ``diag_mixture`` stops earlier.
     :param int seed: random seed.
@@ -209,7 +209,7 @@ class GLM:
             return self.posterior_.component_marginals(Phi)
 
     def predict(self, X, n_trials=None):
-        """Predictive expectation ``E[y*]`` -- Seed 004, Eq. (29).
+        """Predictive expectation ``E[y*]`` -- Steinberg et al. 2017, Eq. (29).
 
         Evaluated per mixture component on the exact Gaussian marginal of ``f* = phi*^T w``: closed
         form (gaussian, poisson) or 64-point Gauss-Hermite (bernoulli, binomial); no sampling.
@@ -234,7 +234,7 @@ class GLM:
         return self.predict(X)
 
     def predictive_cdf(self, X, alpha, n_trials=None, num_points=32):
-        """``P(y* <= alpha | data)`` per row -- Seed 004, Eq. (30), by quadrature over ``q``.
+        """``P(y* <= alpha | data)`` per row -- Steinberg et al. 2017, Eq. (30), by quadrature over ``q``.
 
         :param alpha: ``(M,)`` or broadcastable thresholds.
         """
@@ -260,7 +260,7 @@ class GLM:
         return (F * wts).sum(-1).mean(0)
 
     def predict_quantile(self, X, q, n_trials=None):
-        """Predictive quantile ``alpha`` with ``P(y* <= alpha) = q`` -- Seed 004, Eq. (31), by root finding.
+        """Predictive quantile ``alpha`` with ``P(y* <= alpha) = q`` -- Steinberg et al. 2017, Eq. (31), by root finding.
 
         Continuous (gaussian): Newton/bisection on the mixture CDF.  Discrete likelihoods: the
         smallest integer ``alpha`` with ``P(y* <= alpha) >= q`` (integer bisection).

@@ -1,4 +1,4 @@
-"""Bayesian linear regression (seed 004 §1.2) against dense closed forms and scipy type-II ML."""
+"""Bayesian linear regression (Steinberg et al. 2017 §1.2) against dense closed forms and scipy type-II ML."""
 import math
 
 import gpytorch

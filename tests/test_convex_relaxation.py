@@ -1,4 +1,4 @@
-"""ConvexVariationalRelaxation (seed 000): float64 checks against independent dense references.
+"""ConvexVariationalRelaxation (Nickisch & Seeger 2009): float64 checks against independent dense references.
 
 References used here never call the engine's own math: scipy scalar optimisation for h and h*,
 finite differences, the Jaakkola-Jordan parametrisation of the logistic bound, a dense phi(gamma)
@@ -111,7 +111,7 @@ def test_h_implicit_matches_numerical_optimisation_and_finite_differences(which)
     dhm = h_implicit(pot, gam - eps)[1]
     torch.testing.assert_close(d2h[away], ((dhp - dhm) / (2 * eps))[away], rtol=1e-5, atol=1e-9)
     if which == "laplace":
-        torch.testing.assert_close(h, gam / 1.5**2)  # h = tau^2 gamma (seed 000, §2.2)
+        torch.testing.assert_close(h, gam / 1.5**2)  # h = tau^2 gamma (Nickisch & Seeger 2009, §2.2)
 
 
 def test_h_implicit_just_above_gamma0_uses_xi0():
@@ -565,7 +565,7 @@ def test_a9a_lanczos_against_exact_variances():
     lgm = LatentGaussianModel.from_design(ds.X_train, BernoulliLogit(ds.y_train), prior_scale=1.0)
     ex = ConvexVariationalRelaxation(lgm, variance="exact", max_outer=5, progress=False).run()
     la = ConvexVariationalRelaxation(lgm, lanczos_rank=80, max_outer=5, progress=False).run()
-    # K-Lanczos underestimates every variance at a fixed gamma (seed 001 §4.1)
+    # K-Lanczos underestimates every variance at a fixed gamma (Seeger 2010 §4.1)
     prob = RelaxationProblem(lgm)
     g = ex.info["gamma_all"]
     z_ex = variance_step(prob, g, method="exact").z

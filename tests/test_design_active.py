@@ -118,7 +118,7 @@ def test_validation():
 
 @pytest.mark.parametrize("model", [_model, _laplace_model])
 def test_block_end_refit_reuses_kept_marginals_single_lanczos(model):
-    """Seed 000 §3: the refit's first outer update comes from the rank-one-updated marginals.
+    """Nickisch & Seeger 2009 §3: the refit's first outer update comes from the rank-one-updated marginals.
 
     With exact variances, the kept-valid ``z`` of all model sites equals the dense
     ``diag(B A'^{-1} B^T)`` of the enlarged model at ``gamma_init``, so the warm refit equals a cold
@@ -151,7 +151,7 @@ def test_block_end_refit_reuses_kept_marginals_single_lanczos(model):
 
 
 def test_nonpositive_model_variances_are_recomputed_by_cg():
-    """Model-site variances that turn nonpositive within a block are recomputed by CG (seed 000 §3)."""
+    """Model-site variances that turn nonpositive within a block are recomputed by CG (Nickisch & Seeger 2009 §3)."""
     import numpy as np
 
     import pyro_convexvb.design.active as active

@@ -178,7 +178,7 @@ def test_model_products_and_log_joint_match_dense_references():
     w = torch.rand(B.shape[0], dtype=D)
     assert torch.allclose(prob.a_mv(E, w), X.T @ X / SIG2 + B.T @ torch.diag(w) @ B, atol=1e-10)
     assert torch.allclose(prob.jacobi(w), torch.diagonal(X.T @ X / SIG2 + B.T @ torch.diag(w) @ B), atol=1e-10)
-    # seed 001 Eq. (1) with every normaliser: N(y | X u, sigma^2 I) prod_j tau_j/(2 sigma) exp(-tau_j |s_j / sigma|)
+    # Seeger 2010 Eq. (1) with every normaliser: N(y | X u, sigma^2 I) prod_j tau_j/(2 sigma) exp(-tau_j |s_j / sigma|)
     v = torch.randn(n, dtype=D)
     s, sig = B @ v, math.sqrt(SIG2)
     tau = torch.cat([torch.full((n,), TA, dtype=D), torch.full((B.shape[0] - n,), TR, dtype=D)])
@@ -202,7 +202,7 @@ def test_delta_from_engine_factors_equals_dense_logdet():
     F = covariance_factor(res)
     assert torch.allclose(F @ F.T, cov, rtol=1e-8, atol=1e-10)
     assert torch.allclose(phase_encode_scores(F, H8, H8, SIG2, candidates=cand), ref, rtol=1e-9, atol=1e-9)
-    # K-Lanczos at K = n is exact; at K < n it is a lower bound (seed 001 §4.3)
+    # K-Lanczos at K = n is exact; at K < n it is a lower bound (Seeger 2010 §4.3)
     lz = ConvexVariationalRelaxation(lgm, variance="lanczos", lanczos_rank=n, max_outer=0, gamma_init=gamma,
                                      progress=False).run()
     assert torch.allclose(phase_encode_scores(covariance_factor(lz), H8, H8, SIG2, candidates=cand), ref, rtol=1e-6)

@@ -1,4 +1,4 @@
-"""AutoDiagMixture / DiagMixtureELBO (seed 004 §1.3) against independent float64 references."""
+"""AutoDiagMixture / DiagMixtureELBO (Steinberg et al. 2017 §1.3) against independent float64 references."""
 import itertools
 import math
 

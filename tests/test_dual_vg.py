@@ -1,4 +1,4 @@
-"""Float64 reference checks of the dual VG method (seed 002): conjugates, objective, duality, guide."""
+"""Float64 reference checks of the dual VG method (Khan et al. 2013): conjugates, objective, duality, guide."""
 import math
 import warnings
 

@@ -1,4 +1,4 @@
-"""GLM estimator (seed 004 §1.3, Eqs. 29-31) against Monte Carlo and scipy references."""
+"""GLM estimator (Steinberg et al. 2017 §1.3, Eqs. 29-31) against Monte Carlo and scipy references."""
 import numpy as np
 import pytest
 import scipy.stats

@@ -117,7 +117,7 @@ def test_breakdown_on_invariant_subspace_and_exact_variances():
     """A = I + X^T X with rank-5 X: the Krylov space has dimension 6, Lanczos stops there.
 
     The rows of X lie in the Krylov space, so their variances are exact at breakdown
-    (seed 000 §2.4: "the Lanczos variance estimation is exact for q < k").
+    (Nickisch & Seeger 2009 §2.4: "the Lanczos variance estimation is exact for q < k").
     """
     n = 80
     X = torch.randn(5, n, generator=_gen(13), dtype=DT)
@@ -157,7 +157,7 @@ def test_lanczos_variances_exact_at_full_k(form):
 
 
 def test_lanczos_variances_monotone_and_lower_bounds():
-    """Seed 001 §4.1: every component of z_k is nondecreasing in k and <= the exact variance."""
+    """Seeger 2010 §4.1: every component of z_k is nondecreasing in k and <= the exact variance."""
     n = 70
     A = _spd(n, 1e4, seed=22)
     B = torch.randn(25, n, generator=_gen(23), dtype=DT)
@@ -274,7 +274,7 @@ def test_k_larger_than_n_is_capped_and_dtype_follows():
 
 
 def test_without_reorthogonalisation_orthogonality_is_lost():
-    """Seed 001 §3: reorthogonalisation cannot be skipped once Ritz values converge."""
+    """Seeger 2010 §3: reorthogonalisation cannot be skipped once Ritz values converge."""
     ev = torch.cat([torch.logspace(-3, 0, 95, dtype=DT), torch.tensor([10.0, 30, 100, 300, 1000], dtype=DT)])
     A = _spd_from_eigs(ev, seed=42)
     v0 = torch.randn(100, generator=_gen(43), dtype=DT)
@@ -363,7 +363,7 @@ def test_block_lanczos_projected_variances_equal_dense_formula(b):
 
 @pytest.mark.parametrize("b", [1, 4])
 def test_block_lanczos_projected_variances_bound_monotone_and_exact(b):
-    """Seed 001 §4.1 for the accumulated estimate: below the exact variances, nondecreasing in k, exact at k = n."""
+    """Seeger 2010 §4.1 for the accumulated estimate: below the exact variances, nondecreasing in k, exact at k = n."""
     A, P = _spd(36, 1e4, seed=15), torch.randn(11, 36, generator=_gen(16), dtype=DT)
     exact = _exact_var(A, P)
     V0 = torch.randn(36, b, generator=_gen(17), dtype=DT)

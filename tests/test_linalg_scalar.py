@@ -190,7 +190,7 @@ def test_expand_bracket_failures():
 
 
 def test_minimize_on_open_half_line():
-    """k(gamma) = z / gamma + gamma over gamma > 0 (the shape of seed 000's k(x, gamma) with h linear)."""
+    """k(gamma) = z / gamma + gamma over gamma > 0 (the shape of Nickisch & Seeger's (2009) k(x, gamma) with h linear)."""
     z = torch.exp(_u(-46.0, 46.0, seed=17))
     g, ok = minimize_convex_scalar(lambda g: (1 - z / g**2, 2 * z / g**3), 0.0, math.inf, closed=False)
     assert bool(ok.all())
@@ -205,7 +205,7 @@ def test_minimize_on_open_half_line():
 
 
 def _logistic_gprime(x, C):
-    """g'(x) = -C tanh(v)/v and g''(x) for g(x) = -log cosh(v) - log 2, v = sqrt(2C x) (seed 000 appendix)."""
+    """g'(x) = -C tanh(v)/v and g''(x) for g(x) = -log cosh(v) - log 2, v = sqrt(2C x) (Nickisch & Seeger 2009 appendix)."""
     v = torch.sqrt(2 * C * x)
     small = v < 1e-3
     vs = torch.where(small, torch.ones_like(v), v)
@@ -217,7 +217,7 @@ def _logistic_gprime(x, C):
 
 
 def test_minimize_closed_boundary_logistic_xstar():
-    """x_*(gamma) = argmin_{x >= 0} x/gamma + 2 g(x): x_* = 0 iff gamma <= gamma_0 = 1/(2C) (seed 000 appendix)."""
+    """x_*(gamma) = argmin_{x >= 0} x/gamma + 2 g(x): x_* = 0 iff gamma <= gamma_0 = 1/(2C) (Nickisch & Seeger 2009 appendix)."""
     C = torch.exp(_u(math.log(0.05), math.log(5.0), seed=20))
     gamma0 = 1 / (2 * C)
     gamma = gamma0 * torch.exp(_u(-3, 3, seed=21))

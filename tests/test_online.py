@@ -1,4 +1,4 @@
-"""Online estimators of seed 003: fast path vs reference path, progressive validation, state,
+"""Online estimators of Shamir & Szpankowski 2021: fast path vs reference path, progressive validation, state,
 mini-batches, input validation, regret determinism."""
 import math
 import sys

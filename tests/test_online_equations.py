@@ -1,4 +1,4 @@
-"""Seed 003 equations against independent references: brute-force optimisation, quadrature,
+"""Shamir & Szpankowski 2021 equations against independent references: brute-force optimisation, quadrature,
 finite differences, dense linear algebra (float64)."""
 import math
 

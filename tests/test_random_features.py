@@ -1,4 +1,4 @@
-"""Random Fourier features from GPyTorch kernels (seed 004 §1.4) against GPyTorch's exact kernel matrices."""
+"""Random Fourier features from GPyTorch kernels (Steinberg et al. 2017 §1.4) against GPyTorch's exact kernel matrices."""
 import math
 
 import gpytorch

@@ -1,9 +1,9 @@
-"""Bayesian active learning and experimental design on the convex relaxation (seed 000 §3; seed 001 §2.2).
+"""Bayesian active learning and experimental design on the convex relaxation (Nickisch & Seeger 2009 §3; Seeger 2010 §2.2).
 
 * :mod:`.scores` -- classifier uncertainty, information gain, ``Delta(X_*) = log|I + X_* Cov X_*^T|``,
   rank-one marginal updates.
 * :mod:`.imaging` -- matrix-free Haar, difference and Fourier-column operators, phase-encode scores,
-  the compressive-sensing model of seed 001 §5 and its exact MAP.
+  the compressive-sensing model of Seeger 2010 §5 and its exact MAP.
 * :mod:`.active` -- :class:`ActiveLearner`, sequential inclusion in blocks.
 """
 from .active import ActiveHistory, ActiveLearner

@@ -1,4 +1,4 @@
-r"""Sequential Bayesian active learning for binary classification on the convex relaxation (seed 000 §3).
+r"""Sequential Bayesian active learning for binary classification on the convex relaxation (Nickisch & Seeger 2009 §3).
 
 :class:`ActiveLearner` includes candidates in blocks of ``K``:
 
@@ -10,7 +10,7 @@ r"""Sequential Bayesian active learning for binary classification on the convex 
    (vectorised), pick the winner ``i``, query its label, solve ``d = A^{-1} b_i`` by CG (``A`` includes
    the rows already added in this block), recompute ``rho_i = b_i^T d`` and ``mu_i`` (corrects Lanczos
    underestimation, as the paper does), solve ``gamma_i = argmin phi_i`` for the observed label and
-   apply the rank-one updates of seed 000 §3 to ``mu``, ``rho`` of all pool rows, to ``u_*`` and to
+   apply the rank-one updates of Nickisch & Seeger 2009 §3 to ``mu``, ``rho`` of all pool rows, to ``u_*`` and to
    ``log|A|`` (:func:`~pyro_convexvb.design.scores.rank_one_include`). Candidates whose ``rho``
    turned nonpositive are dropped from scoring for the rest of the block.
    The variances ``z`` of the *model* sites (the training cases, and Laplace prior sites) get the same
@@ -18,7 +18,7 @@ r"""Sequential Bayesian active learning for binary classification on the convex 
 3. **Block end.** All ``gamma`` are refitted jointly: the engine is rerun on the enlarged training
    set, warm-started at the current ``gamma`` (old sites keep theirs, new sites get the ``gamma_i`` of
    step 2) *and* at the kept-valid marginals: "the first outer loop update comes for free, since the
-   model marginals, ``u_*`` and ``log|A|`` have been kept valid" (seed 000 §3), so the engine skips
+   model marginals, ``u_*`` and ``log|A|`` have been kept valid" (Nickisch & Seeger 2009 §3), so the engine skips
    its first variance step (``z_init``).  Model-site variances that turned nonpositive are recomputed
    by CG first, as the paper prescribes.  With ``refit_outer=1`` (the paper's choice) a block costs
    one inner loop and a **single Lanczos run**, plus one pass of its factors over the pool.
@@ -80,7 +80,7 @@ def _take_rows(X, idx):
 
 
 class ActiveLearner:
-    r"""Bayesian active learning for logistic classification on the convex relaxation (seed 000 §3).
+    r"""Bayesian active learning for logistic classification on the convex relaxation (Nickisch & Seeger 2009 §3).
 
     :param model: Pyro model ``model(X, y)`` of the kind the convex relaxation takes: a Gaussian or
         Laplace prior on the weights and ``Bernoulli(logits=pcv.linear(X, u) + ...)`` observations
@@ -297,7 +297,7 @@ class ActiveLearner:
             if g.name == self.lik_name:
                 gamma_init.append(torch.stack(new_gamma))
                 pieces.append((var[torch.as_tensor(new_idx, device=var.device)], torch.stack(rows, 1)))
-        # seed 000 §3: model-site variances that turned nonpositive are recomputed by solving linear systems
+        # Nickisch & Seeger 2009 §3: model-site variances that turned nonpositive are recomputed by solving linear systems
         recomputed, parts = 0, []
         for zp, src in pieces:
             bad = torch.nonzero(zp <= 0).reshape(-1)

@@ -1,4 +1,4 @@
-r"""Matrix-free imaging operators for sparse linear models and Fourier design (seed 001 §2, §5).
+r"""Matrix-free imaging operators for sparse linear models and Fourier design (Seeger 2010 §2, §5).
 
 Images ``u`` of shape ``(H, W)`` are vectorised row-major (``n = H W``). Every operator is a
 :class:`~pyro_convexvb.linalg.operators.FunctionOperator` with batched products (``(n, k)`` inputs),
@@ -9,11 +9,11 @@ so Lanczos and CG never see a dense ``n x n`` matrix.
 * :func:`fourier_columns_operator` -- real and imaginary parts of the orthonormal 2-D DFT restricted
   to a set of k-space columns ("phase encodes").
 * :func:`phase_encode_scores` -- ``Delta(X_*) = log|I + X_* Cov X_*^T / sigma^2|`` for every candidate
-  k-space column at once, from a covariance factor ``F`` by one FFT of its columns (seed 001 §2.2).
-* :func:`compressive_sensing_model` -- the sparse linear model of seed 001 §5 (Eq. (1)) as a
+  k-space column at once, from a covariance factor ``F`` by one FFT of its columns (Seeger 2010 §2.2).
+* :func:`compressive_sensing_model` -- the sparse linear model of Seeger 2010 §5 (Eq. (1)) as a
   :class:`~pyro_convexvb.LatentGaussianModel`: flat prior on ``u``, Gaussian Fourier-column measurements,
   Laplace sites on ``s = [B_a; B_r] u``.
-* :func:`laplace_map` -- the MAP estimate of such a model (the reconstruction seed 001 §5 evaluates).
+* :func:`laplace_map` -- the MAP estimate of such a model (the reconstruction Seeger 2010 §5 evaluates).
 * :func:`covariance_factor` -- ``F`` with ``F F^T ≈ Cov_Q[u]`` from a convex-relaxation fit (exact,
   K-Lanczos or L-PCA), the input of :func:`phase_encode_scores`.
 
@@ -180,7 +180,7 @@ def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
 
     Rows: ``Re(F u)[:, c]`` then ``Im(F u)[:, c]`` for each selected column ``c`` (``2 H |columns|`` rows),
     ``F`` = ``torch.fft.fft2(., norm="ortho")``. With Gaussian noise of variance ``sigma^2`` on the real
-    and imaginary parts this is the Cartesian MRI-style design of seed 001 §5 for a real image.
+    and imaginary parts this is the Cartesian MRI-style design of Seeger 2010 §5 for a real image.
 
     :param columns: sequence of distinct column indices in ``[0, W)``.
     """
@@ -243,7 +243,7 @@ def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
 
 
 def phase_encode_scores(factor, H, W, noise_var=1.0, candidates=None):
-    r"""``Delta_c = log|I + X_c Cov X_c^T / sigma^2|`` for candidate k-space columns ``c`` (seed 001 §2.2),
+    r"""``Delta_c = log|I + X_c Cov X_c^T / sigma^2|`` for candidate k-space columns ``c`` (Seeger 2010 §2.2),
     ``X_c`` = :func:`fourier_columns_operator` of the single column ``c``, ``Cov = F F^T``.
 
     One batched FFT of the ``k`` columns of ``F`` gives ``X_c F`` for every ``c`` at once; each score is
@@ -267,7 +267,7 @@ def phase_encode_scores(factor, H, W, noise_var=1.0, candidates=None):
 
 
 def compressive_sensing_model(y, H, W, columns, noise_var, tau_a, tau_r, levels=None):
-    r"""Sparse linear model of seed 001 §5 for an ``(H, W)`` image from k-space columns, Eq. (1):
+    r"""Sparse linear model of Seeger 2010 §5 for an ``(H, W)`` image from k-space columns, Eq. (1):
 
     .. math:: P(u | y) \propto N(y | X u, \sigma^2 I) \prod_{j} e^{-\tau_j |s_j / \sigma|}, \qquad
               s = B u = \begin{bmatrix} B_a \\ B_r \end{bmatrix} u,
@@ -284,7 +284,7 @@ def compressive_sensing_model(y, H, W, columns, noise_var, tau_a, tau_r, levels=
     :param int H: image height (power of 2); :param int W: width (power of 2).
     :param columns: measured k-space columns.
     :param float noise_var: ``sigma^2`` of every real measurement.
-    :param float tau_a: wavelet scale ``tau_a``; :param float tau_r: difference scale ``tau_r`` (seed 001 §5 uses
+    :param float tau_a: wavelet scale ``tau_a``; :param float tau_r: difference scale ``tau_r`` (Seeger 2010 §5 uses
         ``0.08``, ``0.16`` with ``sigma^2 = 10^{-3}`` on 256x256 images in ``[0, 1]``).
     :param levels: Haar levels (default: all).
     :returns: :class:`~pyro_convexvb.LatentGaussianModel` with ``n = H W`` (dtype/device of ``y``).
@@ -340,8 +340,8 @@ def laplace_map(lgm, u0=None, *, z_start=1e-2, z_final=1e-12, z_factor=1e-2, max
 
     .. math:: \Psi_0(u) = \tfrac12 \|\tilde y - X u\|^2 + \sum_j |s_j| / b_j, \qquad s = B u,
 
-    the reconstruction seed 001 §5 reports. Solved as the limit ``z -> 0`` of the smooth problems
-    ``Psi_z(u) = ||y~ - X u||^2/2 + sum_j sqrt(z + s_j^2)/b_j`` — the inner-loop criterion of seed 001 Eq. (3)
+    the reconstruction Seeger 2010 §5 reports. Solved as the limit ``z -> 0`` of the smooth problems
+    ``Psi_z(u) = ||y~ - X u||^2/2 + sum_j sqrt(z + s_j^2)/b_j`` — the inner-loop criterion of Seeger 2010 Eq. (3)
     at a constant ``z`` (its footnote 2: ``z = 0`` is MAP estimation) — each minimised by the engine's
     Newton/IRLS inner loop with CG, warm-started from the previous ``z`` (``z_start``, ``z_start z_factor``,
     ... down to ``z_final``). ``0 <= Psi_z - Psi_0 <= sqrt(z) sum_j 1/b_j``.
@@ -408,7 +408,7 @@ def laplace_map(lgm, u0=None, *, z_start=1e-2, z_final=1e-12, z_factor=1e-2, max
 def covariance_factor(result, pca_rank=None):
     r"""``F`` (``(n, k)``) with ``F F^T`` the posterior covariance ``Cov_Q[u] = A^{-1}`` of a
     :class:`~pyro_convexvb.infer.convex_relaxation.ConvexVariationalRelaxation` fit (``sigma^2 = 1``), in the
-    representation its variances used (seed 001 §3):
+    representation its variances used (Seeger 2010 §3):
 
     * ``variance="exact"``: ``F = L^{-T}``, ``A = L L^T`` (``k = n``);
     * ``"lanczos"``: K-Lanczos ``F F^T = Q_K T_K^{-1} Q_K^T`` (:func:`~.scores.lanczos_covariance_factor`);

@@ -1,5 +1,5 @@
-r"""Design scores and rank-one marginal updates on the convex relaxation (seed 000 §3 and appendix
-"Active learning scores"; seed 001 §2.2).
+r"""Design scores and rank-one marginal updates on the convex relaxation (Nickisch & Seeger 2009 §3 and appendix
+"Active learning scores"; Seeger 2010 §2.2).
 
 All scores take the current Gaussian marginals ``Q(s_i) = N(mu_i, rho_i)`` of candidate sites
 ``s_i = b_i^T u + o_i`` (``sigma^2 = 1``, the convention of
@@ -7,12 +7,12 @@ All scores take the current Gaussian marginals ``Q(s_i) = N(mu_i, rho_i)`` of ca
 shape ``(N,)``); no candidate loop in Python.
 
 * :func:`predictive_probability`, :func:`classifier_uncertainty` -- ``Q(c_i = +1) = E_Q[t_i(s_i; +1)]``
-  by Gauss-Hermite quadrature and ``S_CU = -|Q(c_i = +1) - 1/2|`` (seed 000 §3).
+  by Gauss-Hermite quadrature and ``S_CU = -|Q(c_i = +1) - 1/2|`` (Nickisch & Seeger 2009 §3).
 * :func:`site_phi`, :func:`minimize_site_phi`, :func:`tilted_kl`, :func:`information_gain` -- the
-  information gain ``S_IG = sum_c Q(c) D[Q'(s_i; c) || Q(s_i)]`` (seed 000, appendix).
+  information gain ``S_IG = sum_c Q(c) D[Q'(s_i; c) || Q(s_i)]`` (Nickisch & Seeger 2009, appendix).
 * :func:`design_score`, :func:`lanczos_covariance_factor` -- ``Delta(X_*) = log|I + X_* Cov X_*^T|``
-  (seed 001 §2.2) from any factor ``Cov = F F^T`` (dense Cholesky or K-Lanczos ``Q T^{-1} Q^T``).
-* :func:`rank_one_include` -- the marginal updates of seed 000 §3 when a site is included.
+  (Seeger 2010 §2.2) from any factor ``Cov = F F^T`` (dense Cholesky or K-Lanczos ``Q T^{-1} Q^T``).
+* :func:`rank_one_include` -- the marginal updates of Nickisch & Seeger 2009 §3 when a site is included.
 """
 import math
 from collections import namedtuple
@@ -50,11 +50,11 @@ def _check_marginals(mean, var, name_mean="mean", name_var="var"):
 
 
 def predictive_probability(mean, var, tau=1.0, num_points=32):
-    r"""``Q(c_i = +1) = E_{N(s | mu_i, rho_i)}[sigmoid(tau s)]`` by Gauss-Hermite quadrature (seed 000 §3).
+    r"""``Q(c_i = +1) = E_{N(s | mu_i, rho_i)}[sigmoid(tau s)]`` by Gauss-Hermite quadrature (Nickisch & Seeger 2009 §3).
 
     :param torch.Tensor mean: ``(N,)`` marginal means ``mu_i``.
     :param torch.Tensor var: ``(N,)`` marginal variances ``rho_i >= 0``.
-    :param float tau: logistic scale (seed 000 Eq. (3); ``1`` for ``BernoulliLogit``).
+    :param float tau: logistic scale (Nickisch & Seeger 2009 Eq. (3); ``1`` for ``BernoulliLogit``).
     :param int num_points: quadrature nodes.
     :returns: ``(N,)`` probabilities.
 
@@ -70,7 +70,7 @@ def predictive_probability(mean, var, tau=1.0, num_points=32):
 
 
 def classifier_uncertainty(mean, var, tau=1.0, num_points=32):
-    r"""Classifier uncertainty ``S_CU = -|Q(c_i = +1) - 1/2|`` (seed 000 §3); larger is more informative.
+    r"""Classifier uncertainty ``S_CU = -|Q(c_i = +1) - 1/2|`` (Nickisch & Seeger 2009 §3); larger is more informative.
 
     :param torch.Tensor mean: ``(N,)``.
     :param torch.Tensor var: ``(N,)``.
@@ -88,7 +88,7 @@ def classifier_uncertainty(mean, var, tau=1.0, num_points=32):
 
 def site_phi(pot, gamma, mean, var):
     r"""``phi_i(gamma_i) = h_i(gamma_i) + log kappa_i - (mu_i + rho_i beta_i)^2 / (rho_i kappa_i)``,
-    ``kappa_i = 1 + rho_i / gamma_i`` (seed 000, appendix "Active learning scores", ``sigma^2 = 1``).
+    ``kappa_i = 1 + rho_i / gamma_i`` (Nickisch & Seeger 2009, appendix "Active learning scores", ``sigma^2 = 1``).
 
     ``exp(-phi_i/2)`` is, up to a constant, the lower bound on ``P(D ∪ {site i})`` when the new site
     has width ``gamma_i``.
@@ -103,7 +103,7 @@ def site_phi(pot, gamma, mean, var):
 
 
 def minimize_site_phi(pot, mean, var, *, rtol=1e-13, max_iter=400):
-    r"""``gamma_i = argmin_{gamma > 0} phi_i(gamma)`` for all candidates at once (seed 000, appendix).
+    r"""``gamma_i = argmin_{gamma > 0} phi_i(gamma)`` for all candidates at once (Nickisch & Seeger 2009, appendix).
 
     Stationarity, with ``gamma^2 h'(gamma) = x_*(gamma)`` (appendix), reads
     ``G = x_*(gamma) - E_{Q'}[s_i^2] = 0``: the Gaussian bound touches the site where the tilted
@@ -111,7 +111,7 @@ def minimize_site_phi(pot, mean, var, *, rtol=1e-13, max_iter=400):
     where ``x_* > 0``, so we parametrise by ``x``: ``gamma(x) = -1/(2 g'(x))`` (increasing), and
     bisect ``G(x) = x - rho gamma/(gamma + rho) - gamma^2 (mu + rho beta)^2 / (gamma + rho)^2`` on the
     bracket ``(0, rho + (mu + rho beta)^2]`` (``G < 0`` at ``0+``, ``G > 0`` at the upper end; one sign
-    change since ``phi_i`` is convex for log-concave sites, seed 000 Theorem 2). Bisection is
+    change since ``phi_i`` is convex for log-concave sites, Nickisch & Seeger 2009 Theorem 2). Bisection is
     geometric while the bracket spans more than a factor 4, so tiny roots cost ``O(log)`` steps.
 
     :param pot: potential of ``N`` sites (its ``beta`` fixes the label of each candidate).
@@ -155,7 +155,7 @@ def minimize_site_phi(pot, mean, var, *, rtol=1e-13, max_iter=400):
 
 def tilted_kl(mean, var, beta, gamma):
     r"""``D[Q' || Q] = (1/2)(log kappa + (rho/kappa)((beta - mu/gamma)^2 / kappa - 1/gamma))``,
-    ``kappa = 1 + rho/gamma`` (seed 000, appendix "Active learning scores", ``sigma^2 = 1``), where
+    ``kappa = 1 + rho/gamma`` (Nickisch & Seeger 2009, appendix "Active learning scores", ``sigma^2 = 1``), where
     ``Q = N(mu, rho)`` and ``Q' ∝ Q(s) exp(beta s - s^2/(2 gamma))``. All arguments ``(N,)``.
     """
     kappa = 1 + var / gamma
@@ -163,7 +163,7 @@ def tilted_kl(mean, var, beta, gamma):
 
 
 def information_gain(mean, var, tau=1.0, num_points=32, return_parts=False):
-    r"""Information gain ``S_IG(b_i) = sum_{c = +-1} Q(c_i = c) D[Q'(s_i; c) || Q(s_i)]`` (seed 000 §3 and
+    r"""Information gain ``S_IG(b_i) = sum_{c = +-1} Q(c_i = c) D[Q'(s_i; c) || Q(s_i)]`` (Nickisch & Seeger 2009 §3 and
     appendix) for Bernoulli-logit candidate sites ``t(s; c) = sigmoid(c tau s)``.
 
     For each candidate and label, ``gamma_i(c)`` minimises :func:`site_phi` (:func:`minimize_site_phi`),
@@ -197,7 +197,7 @@ def information_gain(mean, var, tau=1.0, num_points=32, return_parts=False):
 
 def lanczos_covariance_factor(lanczos):
     r"""``F = Q_k L^{-T}`` with ``T_k = L L^T``, so that ``F F^T = Q_k T_k^{-1} Q_k^T`` (the K-Lanczos
-    covariance, seed 001 §3); shape ``(n, k)``.
+    covariance, Seeger 2010 §3); shape ``(n, k)``.
 
     :param lanczos: a :class:`~pyro_convexvb.linalg.lanczos.LanczosResult` or a pair ``(Q, T)``
         (``info["lanczos"]`` of the convex relaxation).
@@ -209,7 +209,7 @@ def lanczos_covariance_factor(lanczos):
 
 
 def design_score(X_star, factor, noise_var=1.0, chunk_size=1024):
-    r"""``Delta(X_*) = log|I + X_* Cov X_*^H / noise_var|`` for many candidates at once (seed 001 §2.2).
+    r"""``Delta(X_*) = log|I + X_* Cov X_*^H / noise_var|`` for many candidates at once (Seeger 2010 §2.2).
 
     ``Cov = F F^T`` is given by a factor ``F`` (``(n, k)``): ``torch.linalg.cholesky(Cov)`` for the
     exact covariance, :func:`lanczos_covariance_factor` for K-Lanczos. With ``W = X_* F`` (``(r, k)``
@@ -269,7 +269,7 @@ RankOneUpdate.__doc__ = """Marginals after including one site: ``mean (|J|,)``, 
 
 
 def rank_one_include(mean_J, var_J, w, d, u, log_det, *, mean_i, var_i, beta_i, gamma_i):
-    r"""Include site ``i`` (row ``b_i``, width ``gamma_i``, linear term ``beta_i``) into ``Q``: seed 000 §3.
+    r"""Include site ``i`` (row ``b_i``, width ``gamma_i``, linear term ``beta_i``) into ``Q``: Nickisch & Seeger 2009 §3.
 
     With ``A' = A + b_i b_i^T / gamma_i``, ``d = A^{-1} b_i``, ``w = B_J d``, ``rho_i = b_i^T d``,
     ``kappa_i = 1 + rho_i/gamma_i`` (Sherman-Morrison):

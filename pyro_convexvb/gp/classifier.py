@@ -2,7 +2,7 @@ r"""Scikit-learn-style GP binary classification with GPyTorch kernels over any a
 
 ``GPClassifier(kernel, engine="dual_vg")``: latent ``f ~ N(mean, K)`` with ``K = kernel(X)`` (plus
 jitter), ``y_n ~ Bernoulli(sigmoid(f_n))``. With ``engine="dual_vg"`` the model goes straight to the
-dual (``N x N`` form; seed 002) and test predictions use the dual variables,
+dual (``N x N`` form; Khan et al. 2013) and test predictions use the dual variables,
 ``mean_* = mu_* - k_*^T alpha`` and ``var_* = k_** - ||R^{-1} Lam^{1/2} k_*||^2`` (notes §5), with no
 inverse of ``K``. Other engines receive the same latent Gaussian model (``takes="lgm"`` engines) or
 the equivalent Pyro model (Pyro's engines); predictions then use

@@ -1,4 +1,4 @@
-r"""GP hyperparameter learning through the dual VG bound (seed 002; notes §5, envelope theorem).
+r"""GP hyperparameter learning through the dual VG bound (Khan et al. 2013; notes §5, envelope theorem).
 
 The bound ``max_q ELBO_LVB(q; theta) = min_alpha g(alpha; theta)`` is maximised over the kernel
 hyperparameters ``theta`` (and a constant prior mean). At the dual optimum ``alpha*`` the
@@ -26,7 +26,7 @@ __all__ = ["envelope_objective", "learn_hyperparameters"]
 
 
 def envelope_objective(K, mu, bound, alpha, lam=None):
-    r"""``g(alpha, lambda; K, mu)`` differentiable in ``K`` and ``mu`` at fixed ``(alpha, lambda)`` (seed 002, Eq. 20).
+    r"""``g(alpha, lambda; K, mu)`` differentiable in ``K`` and ``mu`` at fixed ``(alpha, lambda)`` (Khan et al. 2013, Eq. 20).
 
     :param torch.Tensor K: ``(N, N)`` kernel matrix (with grad).
     :param torch.Tensor mu: ``(N,)`` prior mean (with grad).

@@ -1,6 +1,6 @@
 """Random Fourier features from GPyTorch kernels, and a random-feature GP as a Pyro module.
 
-Seed 004, §1.4 (Rahimi & Recht 2007): by Bochner's theorem a stationary kernel is the Fourier
+Steinberg et al. 2017, §1.4 (Rahimi & Recht 2007): by Bochner's theorem a stationary kernel is the Fourier
 transform of a nonnegative spectral measure, ``k(tau) = a * E_{s ~ S}[cos(s^T tau)]`` (Eqs. 32-34),
 so with ``D`` frequencies ``s_i ~ S`` the features (Eq. 35)
 
@@ -257,7 +257,7 @@ def _build_spectrum(kernel, D, d, generator, orthogonal):
 class RandomFourierFeatures(torch.nn.Module):
     """Random Fourier features ``Phi(x)`` with ``Phi Phi^T ~= K`` for a GPyTorch stationary kernel.
 
-    Seed 004, §1.4, Eqs. (32)-(35).  The kernel is held as a submodule: the feature map is
+    Steinberg et al. 2017, §1.4, Eqs. (32)-(35).  The kernel is held as a submodule: the feature map is
     differentiable with respect to its hyperparameters (lengthscales, outputscale, RQ ``alpha``,
     spectral-mixture weights, means and scales), so they can be learned through any objective
     built on the features (e.g. :class:`~pyro_convexvb.BayesianLinearRegression`'s marginal

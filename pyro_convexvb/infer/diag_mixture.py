@@ -1,6 +1,6 @@
 """Mixtures of diagonal Gaussians as Pyro guides, with the closed-form entropy lower bound.
 
-Seed 004 (revrand technical report), §1.3: the posterior over all continuous latent variables
+Steinberg et al. 2017 (revrand technical report), §1.3: the posterior over all continuous latent variables
 (in unconstrained space, like :class:`~pyro.infer.autoguide.AutoNormal`) is approximated by
 
     q(u) = (1/K) sum_k N(u | m_k, diag psi_k)                                   (Eq. 21)
@@ -64,7 +64,7 @@ _LOG_2PI = math.log(2 * math.pi)
 def entropy_lower_bound(locs, variances):
     """Closed-form lower bound on the entropy of ``q = (1/K) sum_k N(m_k, diag psi_k)``.
 
-    Seed 004, Eq. (24) (Gershman et al. 2012; Nguyen & Bonilla 2014), by Jensen's inequality::
+    Steinberg et al. 2017, Eq. (24) (Gershman et al. 2012; Nguyen & Bonilla 2014), by Jensen's inequality::
 
         H[q] >= -(1/K) sum_k log sum_j (1/K) N(m_k | m_j, Psi_k + Psi_j)
 
@@ -300,7 +300,7 @@ class _MixtureGuideMixin:
 class AutoDiagMixture(_MixtureGuideMixin, AutoContinuous):
     """Autoguide ``q(u) = (1/K) sum_k N(u | m_k, diag psi_k)`` over all continuous latent sites.
 
-    Seed 004, Eq. (21).  Like :class:`~pyro.infer.autoguide.AutoNormal` it works in unconstrained
+    Steinberg et al. 2017, Eq. (21).  Like :class:`~pyro.infer.autoguide.AutoNormal` it works in unconstrained
     space (constrained sites get the usual bijections and log-Jacobians).  Train it with
     :class:`DiagMixtureELBO` (closed-form entropy bound, stratified over components) or with Pyro's
     ``Trace_ELBO`` (then ``log q`` is the exact mixture density at the sample).
@@ -360,7 +360,7 @@ class AutoDiagMixture(_MixtureGuideMixin, AutoContinuous):
 
     @pyro_method
     def _stratified_latent(self, num_particles):
-        """``K * L`` reparameterised draws, ``L`` per component (Seed 004, Eq. 26), and the parameters.
+        """``K * L`` reparameterised draws, ``L`` per component (Steinberg et al. 2017, Eq. 26), and the parameters.
 
         Runs inside the module's Pyro context so SVI registers the parameters.
 
@@ -398,7 +398,7 @@ class DiagMixtureGuide(_MixtureGuideMixin, AutoContinuous):
 # the loss
 # ---------------------------------------------------------------------------------------------
 class DiagMixtureELBO(ELBO):
-    """ELBO of Seed 004, Eq. (27), for :class:`AutoDiagMixture`, usable as ``SVI(..., loss=DiagMixtureELBO())``.
+    """ELBO of Steinberg et al. 2017, Eq. (27), for :class:`AutoDiagMixture`, usable as ``SVI(..., loss=DiagMixtureELBO())``.
 
     ``L = (1/K) sum_k (1/L) sum_l [log p(y, T(z_kl)) + log|T'(z_kl)|] + Hbound(q)`` with
     ``z_kl = m_k + sqrt(psi_k) * eps_kl`` (Eqs. 25-26, stratified over the components) and ``Hbound``
@@ -408,7 +408,7 @@ class DiagMixtureELBO(ELBO):
     sampled like the likelihood (Eq. 27 keeps it inside the sample average, too).
 
     :param int num_particles: ``L``, samples per component.
-    :param str entropy: ``"eq24"`` (Seed 004, Eq. 24) or ``"bhattacharyya"``.
+    :param str entropy: ``"eq24"`` (Steinberg et al. 2017, Eq. 24) or ``"bhattacharyya"``.
     :param bool vectorize_particles: evaluate the ``K * L`` particles in one vectorised model run
         inside an outermost plate (the model must broadcast over a leading batch dimension, e.g.
         use ``pcv.linear(X, w)`` instead of ``X @ w``); otherwise one model run per particle.
@@ -590,7 +590,7 @@ class DiagMixturePosterior:
         return self.to_distribution().log_prob(u)
 
     def entropy_lower_bound(self, kind="eq24"):
-        """Closed-form entropy lower bound (``"eq24"``: Seed 004 Eq. 24; or ``"bhattacharyya"``)."""
+        """Closed-form entropy lower bound (``"eq24"``: Steinberg et al. 2017 Eq. 24; or ``"bhattacharyya"``)."""
         return _entropy_fn(kind)(self.locs, self.variances)
 
     def quantiles(self, probs):
@@ -761,7 +761,7 @@ def run_diag_mixture(model, args, kwargs, *, num_components=1, num_particles=1, 
 
 
 @register_engine("diag_mixture",
-                 "SVI with AutoDiagMixture (mixture of K diagonal Gaussians, closed-form entropy bound, seed 004)",
+                 "SVI with AutoDiagMixture (mixture of K diagonal Gaussians, closed-form entropy bound, Steinberg et al. 2017)",
                  takes="model")
 def diag_mixture(model, args, kwargs, progress=True, **options):
     return run_diag_mixture(model, args, kwargs, progress=progress, **options)

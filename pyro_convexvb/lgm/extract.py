@@ -241,7 +241,7 @@ def lgm_from_pyro(model, *args, dtype=None, **kwargs):
 
     Recognised: latent sites (any shape, flattened and concatenated in model order) with Normal,
     MultivariateNormal or Laplace priors whose parameters do not depend on other latents (a Laplace
-    prior becomes Laplace sites on the block, seed 000 §2); observed sites Bernoulli(logits=... or
+    prior becomes Laplace sites on the block, Nickisch & Seeger 2009 §2); observed sites Bernoulli(logits=... or
     probs=...), Poisson(rate=exp(...)) and Normal(loc=..., scale fixed) whose predictor is an affine
     function of the latents; plates, including subsampled ones (traced on the full data); masks.
 

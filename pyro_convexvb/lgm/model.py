@@ -5,7 +5,7 @@
     p(D | u) = prod_g prod_i t_gi(eta_gi)
 
 Gaussian observation groups N(y | X u + offset, s^2) are site groups of family
-:class:`~pyro_convexvb.lgm.sites.Gaussian`; engines that want seed 000's form
+:class:`~pyro_convexvb.lgm.sites.Gaussian`; engines that want Nickisch & Seeger's (2009) form
 ``N(y | X u, sigma^2 I) prod_i t_i(s_i)`` read them through :meth:`LatentGaussianModel.gaussian_groups`.
 """
 import math

@@ -192,7 +192,7 @@ class Gaussian(SiteFamily):
 class Laplace(SiteFamily):
     """``t_i(eta) = exp(-|eta| / scale_i) / (2 scale_i)`` (a sparsity potential; a location goes in the offset).
 
-    In seed 000's notation (Eq. 2) ``tau_i / sigma = 1 / scale_i``.
+    In Nickisch & Seeger's (2009) notation (Eq. 2) ``tau_i / sigma = 1 / scale_i``.
     """
 
     name = "laplace"

@@ -3,7 +3,7 @@
 * operators (:mod:`.operators`): the product protocol ``mv``/``rmv``/``squared``/``to_dense``;
 * :func:`cg`: preconditioned conjugate gradients with batched right-hand sides;
 * :func:`lanczos`, :func:`block_lanczos`, :func:`lanczos_variances`, :func:`pca_variances`: Lanczos with full
-  reorthogonalisation and the K-Lanczos / L-PCA variance estimators (seed 000 §2.3, seed 001 §3);
+  reorthogonalisation and the K-Lanczos / L-PCA variance estimators (Nickisch & Seeger 2009 §2.3, Seeger 2010 §3);
 * :func:`newton_bisect_root`, :func:`expand_bracket`, :func:`minimize_convex_scalar`: vectorised
   safeguarded Newton/bisection for many independent scalar problems.
 """

@@ -5,7 +5,7 @@ and a tridiagonal ``T = Q^T A Q`` (diagonal ``alpha``, off-diagonal ``beta``).  
 eigenvalues of ``A`` are approximated by the Ritz values (eigenvalues of ``T``), and
 ``A^{-1}`` by ``Q T^{-1} Q^T``.
 
-Variance estimators (symbols of seed 000 §2.3 and seed 001 §3):
+Variance estimators (symbols of Nickisch & Seeger 2009 §2.3 and Seeger 2010 §3):
 
 * :func:`lanczos_variances` -- *K-Lanczos*: ``z_k = diag(B Q T^{-1} Q^T B^T)``, accumulated one
   Lanczos vector at a time through the bidiagonal Cholesky factor of ``T``;
@@ -13,7 +13,7 @@ Variance estimators (symbols of seed 000 §2.3 and seed 001 §3):
   smallest eigenpairs of ``A`` obtained as converged Ritz pairs.
 
 Both are lower bounds on the exact ``diag(B A^{-1} B^T)`` in every component and nondecreasing in
-``k`` (resp. ``L``) (seed 001 §4.1): ``Q T^{-1} Q^T`` and ``U Lambda^{-1} U^T`` are
+``k`` (resp. ``L``) (Seeger 2010 §4.1): ``Q T^{-1} Q^T`` and ``U Lambda^{-1} U^T`` are
 ``A^{-1}`` compressed to a subspace, hence ``<= A^{-1}`` in the Loewner order.
 
 Why not :func:`linear_operator.utils.lanczos.lanczos_tridiag`?  It reorthogonalises with
@@ -39,7 +39,7 @@ __all__ = ["LanczosResult", "BlockLanczosResult", "lanczos", "block_lanczos", "b
 def tridiagonal_cholesky(alpha, beta):
     """Bidiagonal Cholesky factor of the SPD tridiagonal ``T = L L^T``.
 
-    ``L`` is lower bidiagonal with diagonal ``e`` and subdiagonal ``d`` (seed 000 §2.3 writes
+    ``L`` is lower bidiagonal with diagonal ``e`` and subdiagonal ``d`` (Nickisch & Seeger 2009 §2.3 writes
     ``e_k`` for the diagonal and ``d_{k-1}`` for the subdiagonal):
     ``e_1 = sqrt(alpha_1)``, ``d_{j-1} = beta_{j-1} / e_{j-1}``, ``e_j = sqrt(alpha_j - d_{j-1}^2)``.
     Computed in float64 on the CPU (``k`` scalar steps).
@@ -127,7 +127,7 @@ class LanczosResult:
     def logdet_T(self):
         """``log|T| = 2 sum_j log e_j``; at ``k = n`` (no breakdown) it equals ``log|A|``.
 
-        Seed 001 §4.2: ``log|T_k|`` replaces ``log|A|`` in the K-Lanczos approximation.
+        Seeger 2010 §4.2: ``log|T_k|`` replaces ``log|A|`` in the K-Lanczos approximation.
         Returned as a 0-d tensor of the dtype/device of ``alpha``.
         """
         e, _ = self.cholesky_T()
@@ -143,7 +143,7 @@ class LanczosResult:
         return self.Q @ torch.linalg.solve(self.T(), self.Q.transpose(0, 1) @ v)
 
     def variances(self, B=None, chunk_size=64):
-        """K-Lanczos variances ``diag(B Q T^{-1} Q^T B^T)`` of this run (seed 000 §2.3).
+        """K-Lanczos variances ``diag(B Q T^{-1} Q^T B^T)`` of this run (Nickisch & Seeger 2009 §2.3).
 
         ``z_j = z_{j-1} + v_j^2`` with ``v_j = (B q_j - d_{j-1} v_{j-1}) / e_j`` where ``(e, d)`` is the
         bidiagonal Cholesky factor of ``T``.  ``B q_j`` is computed ``chunk_size`` columns at a
@@ -327,7 +327,7 @@ def lanczos(
     :param n_or_v0: starting vector ``(n,)``, or ``n`` for a standard normal start drawn with ``generator``.
     :param k: number of steps (at most ``n``).
     :param reorthogonalize: full reorthogonalisation (strongly recommended; without it Ritz values
-        repeat and ``Q`` loses orthogonality, seed 001 §3).
+        repeat and ``Q`` loses orthogonality, Seeger 2010 §3).
     :param breakdown_tol: relative breakdown threshold on ``beta_j / ||T||``; default ``eps**(2/3)``
         (``3.7e-11`` in float64, ``2.4e-5`` in float32).  Rounding leaves ``beta ~ 1e-17..1e-13``
         at a true invariant subspace in float64; continuing past a missed breakdown is harmless
@@ -368,9 +368,9 @@ def lanczos_variances(
 ):
     """K-Lanczos variance estimate ``z_k = diag(B Q T^{-1} Q^T B^T) ~ diag(B A^{-1} B^T)``.
 
-    Seed 000 §2.3 (Nickisch & Seeger 2009): with ``T = L L^T``, ``L`` bidiagonal (diagonal ``e``,
+    Nickisch & Seeger 2009 §2.3 (Nickisch & Seeger 2009): with ``T = L L^T``, ``L`` bidiagonal (diagonal ``e``,
     subdiagonal ``d``), ``z_k = z_{k-1} + v_k^2``, ``v_k = (B q_k - d_{k-1} v_{k-1}) / e_k``.  Each
-    component of ``z_k`` is nondecreasing in ``k`` and ``<=`` the exact variance (seed 001 §4.1),
+    component of ``z_k`` is nondecreasing in ``k`` and ``<=`` the exact variance (Seeger 2010 §4.1),
     with equality at ``k = n``, and whenever the rows of ``B`` lie in the Krylov space (e.g. at
     breakdown).  Cost: ``k`` products with ``A``, ``k`` columns of products with ``B`` (taken
     ``chunk_size`` at a time), ``O(n k^2)`` reorthogonalisation; memory ``Q`` (``n k``) plus
@@ -434,7 +434,7 @@ def pca_variances(
     on_fail="warn",
     chunk_size=64,
 ):
-    """L-PCA variance estimate ``diag(B U_L Lambda_L^{-1} U_L^T B^T)`` (seed 001 §3, ``rho^(L)``).
+    """L-PCA variance estimate ``diag(B U_L Lambda_L^{-1} U_L^T B^T)`` (Seeger 2010 §3, ``rho^(L)``).
 
     ``(Lambda_L, U_L)`` are the ``L`` smallest eigenpairs of ``A``, computed as Ritz pairs of a
     Lanczos run with full reorthogonalisation that starts with ``num_steps`` steps and is extended
@@ -527,7 +527,7 @@ def banded_lanczos_z(L, band, rows, k, chunk_size=None):
     With ``V = L^{-1} R`` (``k x q``), ``z = sum_j V_j^2``.  ``L`` (Cholesky of a (block) tridiagonal
     ``T``) has lower bandwidth ``band``, so row block ``[s, e)`` of ``V`` is
     ``L_{ss}^{-1} (R_{[s,e)} - L_{[s,e), [s-band, s)} V_{[s-band, s)})``: forward substitution in
-    chunks, ``O(k band q)`` work and ``O(chunk q)`` memory.  For ``band = 1`` this is seed 000 §2.3's
+    chunks, ``O(k band q)`` work and ``O(chunk q)`` memory.  For ``band = 1`` this is Nickisch & Seeger 2009 §2.3's
     recursion ``v_k = (B q_k - d_{k-1} v_{k-1}) / e_k``.
 
     :param L: ``(k, k)`` lower-triangular Cholesky factor of ``T``.
@@ -646,14 +646,14 @@ class BlockLanczosResult:
 
 
 class _BlockVarianceAccumulator:
-    r"""``z = diag(P Q T^{-1} Q^T P^T)`` accumulated one Lanczos block at a time (seed 000 §2.3, blocked).
+    r"""``z = diag(P Q T^{-1} Q^T P^T)`` accumulated one Lanczos block at a time (Nickisch & Seeger 2009 §2.3, blocked).
 
     ``T = Q^T A Q`` is block tridiagonal, so its Cholesky factor ``L`` is block bidiagonal and can be
     extended as the blocks arrive: ``L_{j,j-1} = T_{j,j-1} L_{j-1,j-1}^{-T}`` and
     ``L_{jj} L_{jj}^T = T_{jj} - L_{j,j-1} L_{j,j-1}^T``.  With ``V = L^{-1} (P Q)^T`` and ``z = sum_j V_j^2``,
     block row ``j`` of ``V`` is ``L_{jj}^{-1} ((P Q_j)^T - L_{j,j-1} V_{j-1})``: only the previous block of
     ``V`` is kept, so the memory is ``O(b m)`` per projection instead of the ``O(k m)`` of ``B Q``.  For
-    ``b = 1`` this is seed 000 §2.3's recursion ``v_k = (B q_k - d_{k-1} v_{k-1}) / e_k``.
+    ``b = 1`` this is Nickisch & Seeger 2009 §2.3's recursion ``v_k = (B q_k - d_{k-1} v_{k-1}) / e_k``.
     """
 
     def __init__(self, k, dtype, device):
@@ -697,7 +697,7 @@ def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generat
     previous vectors by classical Gram-Schmidt as matrix-matrix products (a second pass when the
     DGKS criterion asks for it), so ``Q`` is read ``b`` times less often than by :func:`lanczos`.  ``T = Q^T A Q`` is block tridiagonal with
     bandwidth ``b``; the K-Lanczos variance estimate ``diag(B Q T^{-1} Q^T B^T)`` keeps the
-    properties of seed 001 §4.1 (a lower bound on the exact variances, nondecreasing in ``k``:
+    properties of Seeger 2010 §4.1 (a lower bound on the exact variances, nondecreasing in ``k``:
     ``Q T^{-1} Q^T`` is ``A^{-1}`` compressed to ``span Q``).  For the same ``k`` the block Krylov
     space has lower polynomial degree, so the estimate is somewhat less accurate than that of
     :func:`lanczos` (``docs/convex_relaxation.md`` measures it); ``b = 1`` is plain Lanczos.
@@ -705,7 +705,7 @@ def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generat
     The working block is kept as ``b`` contiguous rows of length ``n`` (the layout of the stored ``Q^T``),
     so both Gram-Schmidt products stream ``Q`` in its memory order.
 
-    With ``project``, K-Lanczos variances are accumulated while the run goes (seed 000 §2.3): after the
+    With ``project``, K-Lanczos variances are accumulated while the run goes (Nickisch & Seeger 2009 §2.3): after the
     product with block ``Q_j``, ``project(Q_j)`` returns products ``P_i Q_j`` (shapes ``(m_i, b_j)``) and
     ``diag(P_i Q T^{-1} Q^T P_i^T)`` is updated through the block-bidiagonal Cholesky factor of ``T``, which
     is extended block by block (:class:`_BlockVarianceAccumulator`).  ``P_i Q`` is never stored

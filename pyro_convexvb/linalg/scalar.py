@@ -2,7 +2,7 @@
 
 The convex relaxation needs, for every site at once, roots of increasing scalar functions and
 minimisers of convex scalar functions: ``gamma_* = argmin_gamma k(x, gamma)`` and
-``x_*(gamma) = argmin_x l(x, gamma)`` in the appendix of seed 000 ("Implicit computation of
+``x_*(gamma) = argmin_x l(x, gamma)`` in the appendix of Nickisch & Seeger 2009 ("Implicit computation of
 h_i and h_i*", footnote 2: "first constructing a bracket, then using a robust combination of
 Newton and bisection steps").  All routines here work elementwise on tensors of any shape; the
 user function is evaluated on the whole tensor at every iteration (problems that are done keep

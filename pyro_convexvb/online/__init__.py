@@ -1,4 +1,4 @@
-"""Online sparse Bayesian logistic and probit regression (seed 003, Shamir & Szpankowski).
+"""Online sparse Bayesian logistic and probit regression (Shamir & Szpankowski 2021, Shamir & Szpankowski).
 
 * :class:`OnlineBayesLogistic` -- Algorithm 1 (marginalised closed-form updates);
 * baselines in the same API: :class:`OnlineADF`, :class:`OnlineDimGauss`,

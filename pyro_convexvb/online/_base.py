@@ -224,7 +224,7 @@ class OnlineEstimatorBase:
 class OnlineDiagonalGaussian(OnlineEstimatorBase):
     """Base of the methods that keep a diagonal Gaussian ``N(mu_i, sigma^2_i)`` per feature.
 
-    Predictions use Eq. (8) (logit) or Eq. (24) (probit) of seed 003 for every method.
+    Predictions use Eq. (8) (logit) or Eq. (24) (probit) of Shamir & Szpankowski 2021 for every method.
     With ``batch_size > 1`` every row of a mini-batch is predicted and updated from the state at
     the start of the batch, and the per-row updates are summed in natural parameters
     (precision ``1/sigma^2`` and ``mu/sigma^2``), the mini-batch remark of Appendix D.1;
@@ -263,7 +263,7 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
 
     # ------------------------------------------------------------ predictions
     def score_moments(self, X):
-        """Seed 003, Eq. (6) for every row: mean and variance of the score ``x_t^T w``.
+        """Shamir & Szpankowski 2021, Eq. (6) for every row: mean and variance of the score ``x_t^T w``.
 
         :param X: ``(n, num_features)``.
         :returns: ``(mu_t, sigma2_t)``, each ``(n,)``: the per-example predictive uncertainty.

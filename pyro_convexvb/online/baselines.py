@@ -1,4 +1,4 @@
-"""Baselines of seed 003 (Appendix D and §4) in the API of :class:`OnlineBayesLogistic`.
+"""Baselines of Shamir & Szpankowski 2021 (Appendix D and §4) in the API of :class:`OnlineBayesLogistic`.
 
 * :class:`OnlineADF` -- assumed density filtering / one-pass EP (Appendix D.2);
 * :class:`OnlineDimGauss` -- the multi-dimensional Laplace update over the row's features,
@@ -33,7 +33,7 @@ def _check_iter(maxiter):
 
 
 def adf_update(y, x, mu_i, s2_i, mu_t, s2_t, link):
-    """Seed 003, Appendix D.2: assumed density filtering (Minka, 2001) for one row.
+    """Shamir & Szpankowski 2021, Appendix D.2: assumed density filtering (Minka, 2001) for one row.
 
     The score ``s = x^T w`` is ``N(mu_t, sigma^2_t)`` under the diagonal prior; its
     likelihood normaliser is ``Z = F(y mu_t / c(sigma^2_t))`` (Eq. (8), exact for probit by
@@ -50,7 +50,7 @@ def adf_update(y, x, mu_i, s2_i, mu_t, s2_t, link):
 
 
 def dimgauss_update(y, x, mu_i, s2_i, link, mean_update="taylor", tol=1e-9, maxiter=50):
-    """Seed 003, Appendix D.1: multi-dimensional Laplace update of the row's features.
+    """Shamir & Szpankowski 2021, Appendix D.1: multi-dimensional Laplace update of the row's features.
 
     Taylor form: Eqs. (42)-(46) -- ``v_t = Sigma_t x_t`` (43), the temporary covariance
     ``Sigma~_{t+1}`` by Sherman-Morrison (44), the mean (45) and ``Sigma_{t+1}`` (46), of which
@@ -103,7 +103,7 @@ def dimgauss_update(y, x, mu_i, s2_i, link, mean_update="taylor", tol=1e-9, maxi
 
 
 def marginal_vb_update(y, x, mu_i, s2_i, mu_t, s2_t, samples, link, tol=1e-10, maxiter=20):
-    """Seed 003, Appendix D.3: marginalised VB with ``N`` samples ``s_j`` for each feature.
+    """Shamir & Szpankowski 2021, Appendix D.3: marginalised VB with ``N`` samples ``s_j`` for each feature.
 
     Minimises the KL divergence (49) between ``Q_i = N(mu', sigma'^2)`` and the marginalised
     posterior (12), the expectation estimated with ``W_j = mu' + s_j sigma'``, by a joint
@@ -146,7 +146,7 @@ def marginal_vb_update(y, x, mu_i, s2_i, mu_t, s2_t, samples, link, tol=1e-10, m
 
 
 class OnlineADF(OnlineDiagonalGaussian):
-    """Assumed density filtering / one-pass EP (seed 003, Appendix D.2), see :func:`adf_update`.
+    """Assumed density filtering / one-pass EP (Shamir & Szpankowski 2021, Appendix D.2), see :func:`adf_update`.
 
     Same constructor, attributes and methods as :class:`OnlineBayesLogistic` (minus the
     mean/variance options).
@@ -166,7 +166,7 @@ class OnlineADF(OnlineDiagonalGaussian):
 
 
 class OnlineDimGauss(OnlineDiagonalGaussian):
-    """Multi-dimensional Gaussian (Laplace) update, diagonal kept (seed 003, Appendix D.1).
+    """Multi-dimensional Gaussian (Laplace) update, diagonal kept (Shamir & Szpankowski 2021, Appendix D.1).
 
     Each row updates the joint Gaussian of its ``d_t`` features with the rank-one precision
     term of Eq. (48) through Sherman-Morrison (``O(d_t)``, never a ``d_t x d_t`` matrix) and
@@ -204,7 +204,7 @@ class OnlineDimGauss(OnlineDiagonalGaussian):
 
 
 class OnlineMarginalVB(OnlineDiagonalGaussian):
-    """Marginalised variational Bayes with ``num_samples`` Monte Carlo draws (seed 003, App. D.3).
+    """Marginalised variational Bayes with ``num_samples`` Monte Carlo draws (Shamir & Szpankowski 2021, App. D.3).
 
     ``O(d_t N J)`` per row (``J`` Newton iterations); the draws come from a seeded generator
     whose state is part of :meth:`state_dict`, so a stream is reproducible.  See
@@ -252,7 +252,7 @@ class OnlineMarginalVB(OnlineDiagonalGaussian):
 
 
 class OnlineAdaGradLogistic(OnlineEstimatorBase):
-    """SGD with AdaGrad step sizes on the log-loss (the gradient baseline of seed 003, §4).
+    """SGD with AdaGrad step sizes on the log-loss (the gradient baseline of Shamir & Szpankowski 2021, §4).
 
     ``w_i <- w_i - eta g_i / sqrt(delta + sum_tau g_{i,tau}^2)`` with
     ``g = -y_t x_t psi1(y_t x_t^T w)`` (``psi1 = 1 - Sigma`` for logit); predictions

@@ -1,11 +1,11 @@
-"""The equations of Algorithm 1 (seed 003, Shamir & Szpankowski) as small NumPy functions.
+"""The equations of Algorithm 1 (Shamir & Szpankowski 2021, Shamir & Szpankowski) as small NumPy functions.
 
 This is the *reference path*: each function implements one equation of the paper, in the
 paper's symbols, vectorised over the nonzero features of one example ``x_t``.  The compiled
 kernels in :mod:`pyro_convexvb.online._kernels` compute the same quantities and are tested
 against these functions.
 
-Symbols (seed 003, §3): ``mu_i``/``s2_i`` are the per-feature mean and variance
+Symbols (Shamir & Szpankowski 2021, §3): ``mu_i``/``s2_i`` are the per-feature mean and variance
 ``mu_{i,t}``, ``sigma^2_{i,t}``; ``mu_t``/``s2_t`` the score moments of Eq. (6);
 ``mu_minus``/``s2_minus`` the self-excluding moments of Eq. (7); ``y`` is ``y_t`` in
 ``{-1, +1}``; ``x`` is the vector of nonzero values ``x_{i,t}``.
@@ -135,7 +135,7 @@ def shrinkage(v, link):
 
 
 def score_moments(x, mu_i, s2_i):
-    """Seed 003, Eq. (6): ``mu_t = sum_i x_i mu_i``, ``sigma^2_t = sum_i x_i^2 sigma^2_i``.
+    """Shamir & Szpankowski 2021, Eq. (6): ``mu_t = sum_i x_i mu_i``, ``sigma^2_t = sum_i x_i^2 sigma^2_i``.
 
     :param x: ``(d_t,)`` nonzero values of ``x_t``.
     :param mu_i: ``(d_t,)`` means of those features.
@@ -151,7 +151,7 @@ def score_moments(x, mu_i, s2_i):
 
 
 def self_excluding_moments(x, mu_i, s2_i, mu_t, s2_t):
-    """Seed 003, Eq. (7): ``mu_{-i} = mu_t - x_i mu_i``, ``sigma^2_{-i} = sigma^2_t - x_i^2 sigma^2_i``.
+    """Shamir & Szpankowski 2021, Eq. (7): ``mu_{-i} = mu_t - x_i mu_i``, ``sigma^2_{-i} = sigma^2_t - x_i^2 sigma^2_i``.
 
     The variance is clipped at 0 against round-off (a row with a single feature).
 
@@ -161,7 +161,7 @@ def self_excluding_moments(x, mu_i, s2_i, mu_t, s2_t):
 
 
 def predict_proba(mu_t, s2_t, link):
-    """Seed 003, Eq. (8) (logit) / Eq. (24) (probit): ``P(y_t = 1 | x_t) = F(mu_t / c(sigma^2_t))``.
+    """Shamir & Szpankowski 2021, Eq. (8) (logit) / Eq. (24) (probit): ``P(y_t = 1 | x_t) = F(mu_t / c(sigma^2_t))``.
 
     :param mu_t: score means, any shape.
     :param s2_t: score variances, same shape.
@@ -171,7 +171,7 @@ def predict_proba(mu_t, s2_t, link):
 
 
 def p_plus(y, x, mu_new, mu_minus, s2_minus, link):
-    """Seed 003, Eq. (14) (logit) / ``Phi(z_{i,t+})`` with Eq. (27) (probit).
+    """Shamir & Szpankowski 2021, Eq. (14) (logit) / ``Phi(z_{i,t+})`` with Eq. (27) (probit).
 
     The probability of ``y_t`` when only feature ``i`` has moved to ``mu_new``, shrunk by the
     self-excluding variance.
@@ -180,12 +180,12 @@ def p_plus(y, x, mu_new, mu_minus, s2_minus, link):
 
 
 def p_i(y, mu_t, s2_minus, link):
-    """Seed 003, Eq. (16) (logit) / ``Phi(z_{i,t})`` with Eq. (29) (probit)."""
+    """Shamir & Szpankowski 2021, Eq. (16) (logit) / ``Phi(z_{i,t})`` with Eq. (29) (probit)."""
     return link_cdf(y * mu_t / shrinkage(s2_minus, link), link)
 
 
 def taylor_mean(y, x, mu_i, s2_i, mu_t, s2_minus, link):
-    """Seed 003, Eq. (17) (logit) / Eq. (30) (probit): closed-form mean update.
+    """Shamir & Szpankowski 2021, Eq. (17) (logit) / Eq. (30) (probit): closed-form mean update.
 
     First-order Taylor expansion of Eq. (15) / (28) around the pre-update means::
 
@@ -202,7 +202,7 @@ def taylor_mean(y, x, mu_i, s2_i, mu_t, s2_minus, link):
 
 
 def newton_mean(y, x, mu_i, s2_i, mu_minus, s2_minus, link, tol=1e-9, maxiter=50):
-    """Seed 003, Eq. (15) (logit) / Eq. (28) (probit) solved by Newton's method, Appendix C.
+    """Shamir & Szpankowski 2021, Eq. (15) (logit) / Eq. (28) (probit) solved by Newton's method, Appendix C.
 
     Minimises ``(w - mu_i)^2 / (2 s2_i) - log F(y (mu_minus + x w) / c)`` (the negative log of
     the r.h.s. of Eq. (12) / (26)) starting from ``w = mu_i`` with the gradient Eq. (32), the
@@ -242,7 +242,7 @@ def newton_mean(y, x, mu_i, s2_i, mu_minus, s2_minus, link, tol=1e-9, maxiter=50
 
 
 def value_variance(log_p_t, y, x, mu_i, s2_i, mu_new, mu_minus, s2_minus, link):
-    """Seed 003, Eq. (18): match the *height* of the marginalised posterior at its peak.
+    """Shamir & Szpankowski 2021, Eq. (18): match the *height* of the marginalised posterior at its peak.
 
     ``sigma_{i,t+1} = p_t sigma_i / p_{i,t+} * exp((mu_new - mu_i)^2 / (2 sigma^2_i))``, with
     ``p_t`` the prediction of the observed label (Eq. (8) / (24)), passed as ``log_p_t``, and
@@ -257,7 +257,7 @@ def value_variance(log_p_t, y, x, mu_i, s2_i, mu_new, mu_minus, s2_minus, link):
 
 
 def laplace_variance(y, x, s2_i, mu_new, mu_minus, s2_minus, link):
-    """Seed 003, Eq. (19) (logit) / Eq. (31) (probit): curvature of the posterior at its peak.
+    """Shamir & Szpankowski 2021, Eq. (19) (logit) / Eq. (31) (probit): curvature of the posterior at its peak.
 
     ``1/sigma^2_{i,t+1} = 1/sigma^2_i + x^2 psi2(z_{i,t+}) / c^2``; for logit
     ``psi2 = p_{i,t+}(1 - p_{i,t+})``.

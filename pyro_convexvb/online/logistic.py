@@ -1,4 +1,4 @@
-"""Algorithm 1 of seed 003: online sparse Bayesian logistic / probit regression."""
+"""Algorithm 1 of Shamir & Szpankowski 2021: online sparse Bayesian logistic / probit regression."""
 from . import equations as eq
 from ._base import OnlineDiagonalGaussian
 from ._validation import check_choice, check_positive_float
@@ -7,7 +7,7 @@ __all__ = ["OnlineBayesLogistic"]
 
 
 class OnlineBayesLogistic(OnlineDiagonalGaussian):
-    """Marginalised Bayesian Gaussian approximation (seed 003, Shamir & Szpankowski, Algorithm 1).
+    """Marginalised Bayesian Gaussian approximation (Shamir & Szpankowski 2021, Shamir & Szpankowski, Algorithm 1).
 
     Every feature ``i`` carries a Gaussian ``N(mu_i, sigma^2_i)``, initialised at the prior.
     For each row ``x_t`` (only its ``d_t`` nonzero features are touched, so a step costs

@@ -1,6 +1,6 @@
 """Example streams for online learning: synthetic generators, file readers, feature hashing.
 
-* :func:`make_online_stream` -- the synthetic settings of seed 003 (§4, Figures 1-2,
+* :func:`make_online_stream` -- the synthetic settings of Shamir & Szpankowski 2021 (§4, Figures 1-2,
   Appendix E): random sparse binary or ``[0, 1]`` features, or one feature per category with
   uniform or Zipf long-tail draws; true weights ``N(0, weight_std^2)``;
 * :func:`iter_svmlight` / :func:`iter_csv` / :func:`iter_criteo` -- chunked readers whose
@@ -100,7 +100,7 @@ def _zipf_cdf(size, exponent):
 
 def make_online_stream(d=200, d_t=20, weight_std=1.0, binary=True, categorical=None, zipf=None, seed=0,
                        link="logit"):
-    """Synthetic sparse logistic (or probit) stream of seed 003, §4 and Appendix E.
+    """Synthetic sparse logistic (or probit) stream of Shamir & Szpankowski 2021, §4 and Appendix E.
 
     * Random features (``categorical=None``): each of the ``d`` features is present with
       probability ``d_t / d`` (so ``E[d_t]`` features per row); values are 1 (``binary=True``)
@@ -324,7 +324,7 @@ def iter_csv(path, chunk_size=100_000, label_column=0, integer_columns=(), categ
 
 def iter_criteo(path, chunk_size=100_000, num_features=2 ** 22, seed=0, add_bias=True):
     """Chunks of the Criteo display-advertising layout: tab-separated label, 13 integer and 26
-    categorical columns (seed 003, §4); see :func:`iter_csv`."""
+    categorical columns (Shamir & Szpankowski 2021, §4); see :func:`iter_csv`."""
     return iter_csv(path, chunk_size=chunk_size, label_column=0, integer_columns=CRITEO_INTEGER_COLUMNS,
                     categorical_columns=CRITEO_CATEGORICAL_COLUMNS, num_features=num_features, seed=seed,
                     delimiter="\t", add_bias=add_bias)
@@ -332,7 +332,7 @@ def iter_criteo(path, chunk_size=100_000, num_features=2 ** 22, seed=0, add_bias
 
 # ----------------------------------------------------------------------------- regret
 def progressive_regret(model, stream, T, chunk_size=100_000, num_points=200):
-    """Progressive-validation loss and regret on ``stream`` (seed 003, Eq. (4) and §4).
+    """Progressive-validation loss and regret on ``stream`` (Shamir & Szpankowski 2021, Eq. (4) and §4).
 
     ``R_t = sum_{tau <= t} [-log p_tau + log(1 + exp(-y_tau x_tau^T w*))]`` with the true
     weights ``w* = stream.theta`` as comparator.  Several models can share one pass over the

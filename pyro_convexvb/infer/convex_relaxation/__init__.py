@@ -1,4 +1,4 @@
-"""Convex variational relaxation for super-Gaussian sites at scale (seed 000; seed 001 §2-4).
+"""Convex variational relaxation for super-Gaussian sites at scale (Nickisch & Seeger 2009; Seeger 2010 §2-4).
 
 Importing this package registers the engine ``convex_relaxation``::
 
@@ -6,7 +6,7 @@ Importing this package registers the engine ``convex_relaxation``::
     res = pcv.fit(model, X, y=y, engine="convex_relaxation", options={"lanczos_rank": 80})
 
 Modules: :mod:`.potentials` (super-Gaussian sites, implicit ``h``/``h^*``), :mod:`.problem` (an LGM
-in seed 000's form, constants of the bound), :mod:`.inner` (Newton/IRLS with PCG), :mod:`.outer`
+in Nickisch & Seeger's (2009) form, constants of the bound), :mod:`.inner` (Newton/IRLS with PCG), :mod:`.outer`
 (Lanczos/PCA/exact variance updates, the double loop), :mod:`.engine` (the public class).
 """
 from .engine import ConvexVariationalRelaxation, applies, convex_relaxation, predictive_marginals

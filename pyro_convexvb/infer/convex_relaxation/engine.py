@@ -39,13 +39,13 @@ def _check_pos(name, value, allow_zero=False):
 
 
 class ConvexVariationalRelaxation:
-    r"""Convex variational relaxation for super-Gaussian sites, solved by the double loop (seed 000).
+    r"""Convex variational relaxation for super-Gaussian sites, solved by the double loop (Nickisch & Seeger 2009).
 
     Fits ``Q(u|D) = N(u_*, sigma^2 A^{-1})``, ``A = X^T X + B^T Gamma^{-1} B``, by minimising the convex
-    (for log-concave sites, seed 000 Theorems 1-2) criterion
-    ``phi(gamma) = log|A| + h(gamma) + min_u R(u, gamma)`` (seed 000, §2.1) with the double loop of §2.2:
+    (for log-concave sites, Nickisch & Seeger 2009 Theorems 1-2) criterion
+    ``phi(gamma) = log|A| + h(gamma) + min_u R(u, gamma)`` (Nickisch & Seeger 2009, §2.1) with the double loop of §2.2:
     inner Newton/IRLS loops with preconditioned CG on sparse products, outer variance updates
-    ``z <- diag(B A^{-1} B^T)`` by K-Lanczos (§2.3), L-PCA (seed 001 §3) or exactly.
+    ``z <- diag(B A^{-1} B^T)`` by K-Lanczos (§2.3), L-PCA (Seeger 2010 §3) or exactly.
 
     Site families: Bernoulli-logit, Laplace (likelihood sites and Laplace priors extracted from a Pyro
     model), Gaussian observations (exact, in ``X``), and any family with a ``super_gaussian()`` method
@@ -54,9 +54,9 @@ class ConvexVariationalRelaxation:
 
     :param model: a Pyro model (traced by :func:`~pyro_convexvb.lgm_from_pyro` in :meth:`run`) or a
         :class:`~pyro_convexvb.LatentGaussianModel`.
-    :param int lanczos_rank: Lanczos steps ``k`` per outer update (seed 000 uses 80 for a9a, 750 for
+    :param int lanczos_rank: Lanczos steps ``k`` per outer update (Nickisch & Seeger 2009 uses 80 for a9a, 750 for
         real-sim/rcv1).
-    :param int lanczos_block_size: ``b``: ``1`` is seed 000's Lanczos; ``b > 1`` runs block Lanczos
+    :param int lanczos_block_size: ``b``: ``1`` is Nickisch & Seeger's (2009) Lanczos; ``b > 1`` runs block Lanczos
         (:func:`~pyro_convexvb.linalg.block_lanczos`: ``A`` times ``b`` vectors per product and
         matrix-matrix reorthogonalisation). On sparse designs with ``k`` in the hundreds, ``b = 8``
         or ``16`` is 2-3x faster per run than ``b = 1``. The variance accuracy at equal ``k`` was the
@@ -66,7 +66,7 @@ class ConvexVariationalRelaxation:
     :param int max_newton: Newton steps per inner loop.
     :param float cg_tol: relative CG residual of the final Newton systems.
     :param str variance: ``"lanczos"``, ``"exact"`` (dense Cholesky, ``n <= exact_max``) or ``"pca"``.
-    :param pca_rank: ``L`` of L-PCA (default ``lanczos_rank // 6``, seed 001 §5).
+    :param pca_rank: ``L`` of L-PCA (default ``lanczos_rank // 6``, Seeger 2010 §5).
     :param float newton_tol: Newton decrement tolerance (relative to ``|Psi|``).
     :param float gamma_tol: outer stop: relative change of ``gamma``.
     :param float phi_tol: outer stop: relative change of ``phi``.
@@ -74,7 +74,7 @@ class ConvexVariationalRelaxation:
         sites need ``z > 0`` for a smooth inner loop).
     :param gamma_init: initial ``gamma`` (number or ``(q,)``); default: each site's Gaussian touching it at
         ``x = 1 + s_0^2`` (``s_0`` at ``u = 0``).
-    :param z_init: warm start of a refit (seed 000 §3): ``(q,)`` site variances valid at ``gamma_init``
+    :param z_init: warm start of a refit (Nickisch & Seeger 2009 §3): ``(q,)`` site variances valid at ``gamma_init``
         (e.g. kept by rank-one updates); the first variance step is skipped, so ``max_outer=1`` costs one
         inner loop and one Lanczos run.  Needs ``gamma_init`` and ``max_outer >= 1``.
     :param u_init: ``(n,)`` mean valid at ``gamma_init`` (with ``z_init``; default: solved by CG).
@@ -249,7 +249,7 @@ def predictive_marginals(result, design, offset=None):
 
     Uses the engine's own covariance representation: the dense Cholesky factor when it was computed
     (exact variances), else the K-Lanczos factors ``diag(D Q T^{-1} Q^T D^T)`` (an underestimate,
-    seed 001 §4.1).
+    Seeger 2010 §4.1).
 
     :param result: an :class:`~pyro_convexvb.InferenceResult` of this engine.
     :param design: ``(m, n)`` dense/sparse tensor or operator.
@@ -276,7 +276,7 @@ def predictive_marginals(result, design, offset=None):
 
 @register_engine(
     "convex_relaxation",
-    "convex variational relaxation for super-Gaussian sites (double loop: IRLS+CG inner, Lanczos outer; seed 000)",
+    "convex variational relaxation for super-Gaussian sites (double loop: IRLS+CG inner, Lanczos outer; Nickisch & Seeger 2009)",
     applies=applies,
 )
 def convex_relaxation(lgm, progress=True, **options):

@@ -1,4 +1,4 @@
-r"""Inner loop: minimise ``phi_z`` over ``(u, gamma)`` for fixed ``z`` (seed 000, §2.2).
+r"""Inner loop: minimise ``phi_z`` over ``(u, gamma)`` for fixed ``z`` (Nickisch & Seeger 2009, §2.2).
 
 For fixed ``z``, ``min_gamma phi_z = ||y~ - X u||^2 + 2 sum_i h_i^*(s_i)`` (+ terms free of ``u``),
 a penalised least-squares problem in ``u``.  We minimise
@@ -60,12 +60,12 @@ def _site_value(prob, s, z):
 
 def inner_loop(prob, z, u0, *, max_newton=20, cg_tol=1e-6, newton_tol=1e-8, cg_max_iter=None,
                precondition=True, chol=None, armijo=1e-4, max_backtrack=40):
-    r"""Newton/IRLS minimisation of ``Psi(u) = ||y~ - X u||^2/2 + sum_i h_i^*(s_i)`` (seed 000, §2.2).
+    r"""Newton/IRLS minimisation of ``Psi(u) = ||y~ - X u||^2/2 + sum_i h_i^*(s_i)`` (Nickisch & Seeger 2009, §2.2).
 
     :param prob: a :class:`~.problem.RelaxationProblem`.
     :param z: ``(q,)`` outer-loop variances (``> 0``).
     :param u0: ``(n,)`` warm start.
-    :param max_newton: Newton steps (``N_Newt`` of seed 000, §2.4).
+    :param max_newton: Newton steps (``N_Newt`` of Nickisch & Seeger 2009, §2.4).
     :param cg_tol: final relative CG residual.
     :param newton_tol: stop when the Newton decrement ``-grad^T d / 2 <= newton_tol * max(1, |Psi|)``.
     :param cg_max_iter: CG iteration cap per system.

@@ -1,18 +1,18 @@
-r"""Outer loop: variance updates ``z <- diag(B A^{-1} B^T)`` and the double loop (seed 000, §2.2-2.3).
+r"""Outer loop: variance updates ``z <- diag(B A^{-1} B^T)`` and the double loop (Nickisch & Seeger 2009, §2.2-2.3).
 
 ``log|A|`` is concave in ``gamma^{-1}``, so ``log|A| <= z^T gamma^{-1} - g^*(z)`` with equality at
 ``z = diag(B A^{-1} B^T)``; the double loop alternates this tangent (outer) update with the inner
-loop minimisation of the upper bound ``phi_z`` (seed 000, §2.2).  With exact ``z`` every outer
-iteration decreases ``phi`` (a CCCP/majorisation argument; seed 000 §2.2, seed 001 §4.2).
+loop minimisation of the upper bound ``phi_z`` (Nickisch & Seeger 2009, §2.2).  With exact ``z`` every outer
+iteration decreases ``phi`` (a CCCP/majorisation argument; Nickisch & Seeger 2009 §2.2, Seeger 2010 §4.2).
 
 Variance estimators (``variance=``):
 
-* ``"lanczos"`` -- *K-Lanczos* (seed 000 §2.3; seed 001 §3): ``z_k = diag(B Q T^{-1} Q^T B^T)``
+* ``"lanczos"`` -- *K-Lanczos* (Nickisch & Seeger 2009 §2.3; Seeger 2010 §3): ``z_k = diag(B Q T^{-1} Q^T B^T)``
   after ``k`` steps with full reorthogonalisation; every component ``<=`` the exact variance and
-  nondecreasing in ``k`` (seed 001 §4.1).  The underestimation strengthens the penalty in
-  ``h^*`` (seed 001 §4.1: "selective shrinkage is strengthened").
-* ``"pca"`` -- *L-PCA* (seed 001 §3-4): the ``L`` smallest eigenpairs of ``A`` (converged Ritz
-  pairs); with it the double loop provably converges, but on a modified criterion (seed 001 Thm 1).
+  nondecreasing in ``k`` (Seeger 2010 §4.1).  The underestimation strengthens the penalty in
+  ``h^*`` (Seeger 2010 §4.1: "selective shrinkage is strengthened").
+* ``"pca"`` -- *L-PCA* (Seeger 2010 §3-4): the ``L`` smallest eigenpairs of ``A`` (converged Ritz
+  pairs); with it the double loop provably converges, but on a modified criterion (Seeger 2010 Thm 1).
 * ``"exact"`` -- dense Cholesky of ``A`` (small ``n``): the reference.
 
 ``log|A|`` for ``phi`` and the bound: exact (Cholesky) when ``n <= dense_logdet_max``; otherwise a
@@ -94,12 +94,12 @@ def logdet_upper_bound(prob, w, lanczos_result=None):
 
 
 def _k_lanczos(prob, w, k, generator, block_size=1):
-    """K-Lanczos run on ``A`` with ``z`` and ``diag(A^{-1})`` accumulated block by block (seed 000 §2.3).
+    """K-Lanczos run on ``A`` with ``z`` and ``diag(A^{-1})`` accumulated block by block (Nickisch & Seeger 2009 §2.3).
 
     ``A Q_j = X^T X Q_j + B^T (w * (B Q_j))`` computes ``B Q_j`` anyway; the run's ``project`` hook hands
     that product (and ``Q_j`` itself, for ``Var_Q[u]``) to the recursion of
     :func:`~pyro_convexvb.linalg.block_lanczos`, so the variances cost no extra product with ``B`` and no
-    ``k x q`` buffer.  ``block_size = 1`` is seed 000's single-vector Lanczos.
+    ``k x q`` buffer.  ``block_size = 1`` is Nickisch & Seeger's (2009) single-vector Lanczos.
 
     :returns: ``(result, z, var_u)``.
     """
@@ -126,7 +126,7 @@ def _k_lanczos(prob, w, k, generator, block_size=1):
 
 def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generator=None,
                   dense_logdet_max=2000, block_size=1):
-    """Estimate ``z = diag(B A^{-1} B^T)``, ``diag(A^{-1})`` and ``log|A|`` at ``gamma`` (seed 000, §2.3).
+    """Estimate ``z = diag(B A^{-1} B^T)``, ``diag(A^{-1})`` and ``log|A|`` at ``gamma`` (Nickisch & Seeger 2009, §2.3).
 
     :param prob: :class:`~.problem.RelaxationProblem`.
     :param gamma: ``(q,)`` site widths.
@@ -135,7 +135,7 @@ def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generat
     :param pca_rank: ``L`` for ``"pca"``.
     :param generator: torch generator for the Lanczos start vector.
     :param dense_logdet_max: largest ``n`` for an exact (Cholesky) ``log|A|`` in the Lanczos/PCA modes.
-    :param block_size: Lanczos block size ``b`` (``1``: seed 000's single-vector Lanczos; ``b > 1``:
+    :param block_size: Lanczos block size ``b`` (``1``: Nickisch & Seeger's (2009) single-vector Lanczos; ``b > 1``:
         :func:`~pyro_convexvb.linalg.block_lanczos` with ``b`` vectors per product, used only while ``k < n``).
     :returns: :class:`VarianceStep`.
     """
@@ -183,7 +183,7 @@ def h_value(prob, gamma, x_star=None):
 
 
 def phi_value(prob, gamma, u, logdet, x_star=None):
-    """``phi(gamma) = log|A| + h(gamma) + R(u, gamma)`` (seed 000, §2.1), ``u`` a (near-)minimiser of ``R``."""
+    """``phi(gamma) = log|A| + h(gamma) + R(u, gamma)`` (Nickisch & Seeger 2009, §2.1), ``u`` a (near-)minimiser of ``R``."""
     return float(logdet) + h_value(prob, gamma, x_star) + float(prob.R(u, gamma))
 
 
@@ -205,14 +205,14 @@ def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, 
                 newton_tol=1e-8, gamma_tol=1e-3, phi_tol=1e-6, z_min=1e-10, gamma_init=None, generator=None,
                 dense_logdet_max=2000, cg_max_iter=None, history=None, progress=None, z_init=None, u_init=None,
                 logdet_init=None):
-    r"""The double-loop algorithm of seed 000, §2.2.
+    r"""The double-loop algorithm of Nickisch & Seeger 2009, §2.2.
 
     ``t = 0, 1, ...``: variance step at ``gamma_t`` (gives ``z_t`` and completes ``phi(gamma_t)``);
     stop if ``t = max_outer`` or (``t > 0``) ``||gamma_t - gamma_{t-1}|| <= gamma_tol ||gamma_{t-1}||`` and
     ``|phi_t - phi_{t-1}| <= phi_tol max(1, |phi_t|)``; otherwise an inner loop with
     ``z = max(z_t, z_min)`` gives ``(u_{t+1}, gamma_{t+1})``.  The last variance step is at the returned
     ``gamma``, so the posterior variances and the bound refer to the returned ``Q``.  With approximate
-    variances ``phi`` may rise between updates (seed 001 §4.2 proves descent only for exact variances and
+    variances ``phi`` may rise between updates (Seeger 2010 §4.2 proves descent only for exact variances and
     L-PCA); the iterate with the smallest ``phi`` (largest bound) is returned, ``best_index`` says which.
 
     :returns: dict with ``u``, ``gamma``, ``x_star``, ``step`` (last :class:`VarianceStep`), ``phi``
@@ -311,6 +311,6 @@ def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, 
     mvm["B_products"] = b_counts
     mvm["seconds"] = seconds
     mvm["total_B_products"] = prob.counts.get("B", 0) - counts0.get("B", 0)
-    # with approximate variances phi need not decrease (seed 001 §4.2): return the best iterate seen
+    # with approximate variances phi need not decrease (Seeger 2010 §4.2): return the best iterate seen
     return dict(u=best["u"], gamma=best["gamma"], x_star=best["x_star"], step=best["step"], best_phi=best["phi"],
                 best_index=best["index"], converged=converged, mvm=mvm, **stats)

@@ -1,6 +1,6 @@
-r"""Super-Gaussian site representations (seed 000, §2 and appendix).
+r"""Super-Gaussian site representations (Nickisch & Seeger 2009, §2 and appendix).
 
-A site ``t(s)`` is *super-Gaussian* (seed 000, §2) if, for some ``beta`` and a constant
+A site ``t(s)`` is *super-Gaussian* (Nickisch & Seeger 2009, §2) if, for some ``beta`` and a constant
 ``kappa``,
 
 .. math::  \log t(s) = \kappa + \beta s + g(x), \qquad x = s^2 / \sigma^2,
@@ -13,12 +13,12 @@ nothing), so ``x = s^2``.  By Legendre-Fenchel duality
            h(\gamma) = -\min_{x\ge 0} \big(x/\gamma + 2 g(x)\big),
 
 so every site is bounded below by scaled Gaussians of any width ``gamma``, touching it at
-``x_*(gamma)`` (seed 000, §2, text after Eq. (3)):
+``x_*(gamma)`` (Nickisch & Seeger 2009, §2, text after Eq. (3)):
 
 .. math::  t(s) \ge \exp\big(\kappa + \beta s - s^2/(2\gamma) - h(\gamma)/2\big).
 
 The inner loop needs ``h^*(s) = \tfrac12 \min_\gamma ((z + s^2)/\gamma + h(\gamma)) - \beta s``
-and its first two derivatives (seed 000, §2.2).  The appendix ("Implicit computation of h_i and
+and its first two derivatives (Nickisch & Seeger 2009, §2.2).  The appendix ("Implicit computation of h_i and
 h_i^*") computes both by nested scalar minimisations; its own identities
 ``gamma^2 h'(gamma) = x_*(gamma)`` and ``1/gamma + 2 g'(x_*) = 0`` collapse the outer one:
 
@@ -37,12 +37,12 @@ routes agree.
 Potentials provided:
 
 * :class:`LaplacePotential` -- ``t(s) = exp(-|s|/b) / (2b)``: ``h(gamma) = gamma / b^2``
-  (``tau^2 gamma`` with ``tau = 1/b``), ``h^*(s) = sqrt(z + s^2) / b`` (seed 000, §2.2);
+  (``tau^2 gamma`` with ``tau = 1/b``), ``h^*(s) = sqrt(z + s^2) / b`` (Nickisch & Seeger 2009, §2.2);
 * :class:`LogisticPotential` -- Bernoulli-logit ``t(s) = sigmoid(c tau s)``, ``c = +-1``:
   ``beta = c tau / 2``, ``g(x) = -log cosh(v) - log 2``, ``v = tau sqrt(x) / 2``, with series
   expansions at ``x ~ 0``, ``gamma_0 = 1/(2C)``, ``xi_0 = 3/(2C)``, ``C = tau^2/8`` (appendix);
 * :class:`StudentTPotential` -- Student-t observations; super-Gaussian but *not* log-concave
-  (the relaxation is then not convex, seed 000 Theorem 2, and a
+  (the relaxation is then not convex, Nickisch & Seeger 2009 Theorem 2, and a
   :class:`~pyro_convexvb.errors.NonConvexWarning` is issued);
 * :class:`GenericPotential` -- any user site given ``g, g', g''`` (log-concavity is checked on a
   grid unless declared).
@@ -83,7 +83,7 @@ def _t(x, like):
 class SuperGaussianPotential:
     r"""Base class: ``log t(s) = kappa + beta s + g(s^2)`` for ``q`` sites (all tensors ``(q,)``).
 
-    Symbols of seed 000, §2 (``sigma^2 = 1``).  Subclasses implement :meth:`g`, :meth:`dg`,
+    Symbols of Nickisch & Seeger 2009, §2 (``sigma^2 = 1``).  Subclasses implement :meth:`g`, :meth:`dg`,
     :meth:`d2g` (elementwise, ``x >= 0``) and may override :meth:`curv` for a cancellation-free
     ``-(2 g' + 4 x g'')``.
 
@@ -124,7 +124,7 @@ class SuperGaussianPotential:
 
     # --- appendix quantities -------------------------------------------------------------------
     def gamma0(self):
-        r"""``gamma_0 = -1 / (2 g'(0))``: ``x_*(gamma) = 0`` iff ``gamma <= gamma_0`` (seed 000, appendix)."""
+        r"""``gamma_0 = -1 / (2 g'(0))``: ``x_*(gamma) = 0`` iff ``gamma <= gamma_0`` (Nickisch & Seeger 2009, appendix)."""
         d0 = self.dg(torch.zeros_like(self.beta))
         return -1.0 / (2.0 * d0)
 
@@ -147,10 +147,10 @@ class SuperGaussianPotential:
 
 
 class LaplacePotential(SuperGaussianPotential):
-    r"""Laplace sites ``t(s) = exp(-|s|/b) / (2 b)`` (seed 000, Eq. (2) with ``tau/sigma = 1/b``).
+    r"""Laplace sites ``t(s) = exp(-|s|/b) / (2 b)`` (Nickisch & Seeger 2009, Eq. (2) with ``tau/sigma = 1/b``).
 
     ``beta = 0``, ``kappa = -log(2b)``, ``g(x) = -sqrt(x)/b``; closed forms
-    ``h(gamma) = tau^2 gamma = gamma / b^2`` and ``h^*(s) = tau sqrt(z + s^2)`` (seed 000, §2.2).
+    ``h(gamma) = tau^2 gamma = gamma / b^2`` and ``h^*(s) = tau sqrt(z + s^2)`` (Nickisch & Seeger 2009, §2.2).
 
     :param scale: ``(q,)`` Laplace scales ``b > 0``.
     :param shift: ``(q,)`` location (default 0).
@@ -205,9 +205,9 @@ def _poly(coefs, w):
 
 
 class LogisticPotential(SuperGaussianPotential):
-    r"""Bernoulli (logistic) sites ``t(s) = (1 + exp(-c tau s))^{-1}``, ``c in {-1, +1}`` (seed 000, Eq. (3)).
+    r"""Bernoulli (logistic) sites ``t(s) = (1 + exp(-c tau s))^{-1}``, ``c in {-1, +1}`` (Nickisch & Seeger 2009, Eq. (3)).
 
-    Appendix of seed 000: ``beta = c tau / 2``, ``g(x) = -log cosh(v) - log 2`` with
+    Appendix of Nickisch & Seeger 2009: ``beta = c tau / 2``, ``g(x) = -log cosh(v) - log 2`` with
     ``v = tau sqrt(x) / 2``, ``g'(x) = -C tanh(v)/v``, ``g''(x) = (C/2) x^{-1} (tanh(v)/v + tanh(v)^2 - 1)``,
     ``C = tau^2/8``, ``gamma_0 = 1/(2C)``, ``xi_0 = 3/(2C)``.  For ``v < 0.05`` the ratios are
     evaluated by their Taylor series (the direct formula cancels catastrophically at ``x ~ 0``).
@@ -269,7 +269,7 @@ class StudentTPotential(SuperGaussianPotential):
 
     ``log t = kappa + g(s^2)``, ``g(x) = -(nu+1)/2 log(1 + x/(nu b^2))``,
     ``kappa = log Gamma((nu+1)/2) - log Gamma(nu/2) - log(sqrt(nu pi) b)``.  ``g`` is convex and
-    decreasing, but ``s -> log t`` is not concave (for ``s^2 > nu b^2``): by seed 000 Theorem 2 the
+    decreasing, but ``s -> log t`` is not concave (for ``s^2 > nu b^2``): by Nickisch & Seeger 2009 Theorem 2 the
     relaxation is not convex, so using it warns with :class:`~pyro_convexvb.errors.NonConvexWarning`.
 
     :param y: ``(q,)`` observations.
@@ -309,7 +309,7 @@ class GenericPotential(SuperGaussianPotential):
     r"""A user site given ``g(x)``, ``g'(x)``, ``g''(x)`` (elementwise callables on ``(q,)`` tensors).
 
     ``log t(s) = kappa + beta s + g(s^2)`` with ``g`` strictly convex and decreasing (``g' < 0``,
-    ``g'' > 0``).  Log-concavity (``c(x) = -(2 g' + 4 x g'') >= 0``, seed 000 Theorem 2) is checked
+    ``g'' > 0``).  Log-concavity (``c(x) = -(2 g' + 4 x g'') >= 0``, Nickisch & Seeger 2009 Theorem 2) is checked
     on a log grid of ``x`` unless ``log_concave`` is given; a non-log-concave site warns with
     :class:`~pyro_convexvb.errors.NonConvexWarning` when the engine uses it.
 
@@ -389,8 +389,8 @@ class StudentT(SiteFamily):
 
 _NOT_SUPER_GAUSSIAN = {
     "bernoulli_probit": "probit sites are not super-Gaussian: log Phi(s) - log Phi(-s) grows like s^2/2, so no "
-                        "beta makes log t(s) - beta s even (seed 000, §2); use engine 'dual_vg' or a logit link",
-    "poisson": "Poisson sites are not super-Gaussian: y s - exp(s) has no even tilt (seed 000, §2); use engine 'dual_vg'",
+                        "beta makes log t(s) - beta s even (Nickisch & Seeger 2009, §2); use engine 'dual_vg' or a logit link",
+    "poisson": "Poisson sites are not super-Gaussian: y s - exp(s) has no even tilt (Nickisch & Seeger 2009, §2); use engine 'dual_vg'",
 }
 
 
@@ -467,7 +467,7 @@ class PotentialStack:
 def h_star(pot, s, z, derivatives=2):
     r"""``h^*(s)``, its derivatives and the minimising ``gamma_*`` in closed form.
 
-    Seed 000, §2.2 defines ``h^*(s) = (1/2) min_gamma ((z + s^2)/gamma + h(gamma)) - beta s`` and the
+    Nickisch & Seeger 2009, §2.2 defines ``h^*(s) = (1/2) min_gamma ((z + s^2)/gamma + h(gamma)) - beta s`` and the
     appendix characterises the minimiser by ``gamma_*^2 h'(gamma_*) = x_*(gamma_*) = z + s^2``; with
     ``l_x = 0``, i.e. ``1/gamma + 2 g'(x_*) = 0``, this gives (``x = z + s^2``)
 
@@ -492,7 +492,7 @@ def h_star(pot, s, z, derivatives=2):
 
 
 def h_implicit(pot, gamma, xtol=1e-14):
-    r"""``h(gamma)``, ``h'(gamma)``, ``h''(gamma)`` and ``x_*(gamma)`` from ``g`` alone (seed 000, appendix).
+    r"""``h(gamma)``, ``h'(gamma)``, ``h''(gamma)`` and ``x_*(gamma)`` from ``g`` alone (Nickisch & Seeger 2009, appendix).
 
     ``x_* = argmin_{x >= 0} gamma l(x, gamma)``, ``l = x/gamma + 2 g(x)``: ``x_* = 0`` iff
     ``gamma <= gamma_0 = -1/(2 g'(0))`` (checked up front); otherwise the root of
@@ -573,16 +573,16 @@ def h_star_implicit(pot, s, z, xtol=1e-13):
 
 
 def gaussian_lower_bound(pot, s, gamma):
-    r"""``log`` of the Gaussian lower bound ``kappa + beta s - s^2/(2 gamma) - h(gamma)/2 <= log t(s)`` (seed 000, §2)."""
+    r"""``log`` of the Gaussian lower bound ``kappa + beta s - s^2/(2 gamma) - h(gamma)/2 <= log t(s)`` (Nickisch & Seeger 2009, §2)."""
     return pot.kappa + pot.beta * s - s * s / (2 * gamma) - 0.5 * pot.h(gamma)
 
 
 def warn_if_not_log_concave(stack):
-    """Issue :class:`NonConvexWarning` for every potential that is not log-concave (seed 000, Theorem 2)."""
+    """Issue :class:`NonConvexWarning` for every potential that is not log-concave (Nickisch & Seeger 2009, Theorem 2)."""
     for p in stack.potentials:
         if not p.log_concave:
             warnings.warn(
-                f"site potential '{p.name}' is not log-concave: h(gamma) is not convex (seed 000, Theorem 2), so the "
+                f"site potential '{p.name}' is not log-concave: h(gamma) is not convex (Nickisch & Seeger 2009, Theorem 2), so the "
                 "relaxation is not a convex problem; the double loop still decreases phi but may stop at a local optimum",
                 NonConvexWarning,
                 stacklevel=3,

@@ -1,4 +1,4 @@
-r"""A latent Gaussian model in seed 000's form ``P(u|D) ∝ N(y | X u, sigma^2 I) prod_i t_i(s_i)``.
+r"""A latent Gaussian model in Nickisch & Seeger's (2009) form ``P(u|D) ∝ N(y | X u, sigma^2 I) prod_i t_i(s_i)``.
 
 Mapping (``sigma^2 = 1`` throughout):
 
@@ -14,7 +14,7 @@ Mapping (``sigma^2 = 1`` throughout):
   the Cholesky factor of a dense block).  A diagonal prior scale is the paper's ``X = I/sigma``
   case.  Each Gaussian group keeps its own noise scales: they enter through the whitening, not
   through ``sigma``.
-* **Why sigma^2 = 1.**  Seed 000's ``sigma^2`` is one global scale on every term.  Replacing
+* **Why sigma^2 = 1.**  Nickisch & Seeger's (2009) ``sigma^2`` is one global scale on every term.  Replacing
   ``(sigma^2, gamma)`` by ``(1, gamma / sigma^2)`` maps the family of Gaussian lower bounds of each
   site onto itself (the bound ``exp(sigma^{-2}(beta s - s^2/(2 gamma)) - h(gamma)/2)`` only depends
   on ``gamma sigma^2`` once ``beta`` and ``h`` are re-expressed), so the relaxation, its optimum,
@@ -25,9 +25,9 @@ Mapping (``sigma^2 = 1`` throughout):
   super-Gaussian potentials (:mod:`.potentials`) of ``s = B u + o`` with ``o = offset - shift``
   (``shift`` = a site's own location, e.g. Student-t observations).  Laplace priors extracted from a
   Pyro model (``SiteGroup.from_prior``) are Laplace sites on ``I u - loc``: the paper's "append I to
-  B" (seed 000, §2).
+  B" (Nickisch & Seeger 2009, §2).
 * **Constants.**  With ``c_G`` the normaliser of the Gaussian part and ``kappa_i`` those of the sites
-  (``log t_i = kappa_i + beta_i s + g_i(s^2)``), seed 000's bound (§2.1) becomes, with every
+  (``log t_i = kappa_i + beta_i s + g_i(s^2)``), Nickisch & Seeger's (2009) bound (§2.1) becomes, with every
   constant of the model as written,
 
   .. math:: \log p(y) \ge C - \phi(\gamma)/2, \qquad
@@ -36,7 +36,7 @@ Mapping (``sigma^2 = 1`` throughout):
   ``log c_G = -(n_P/2) log 2 pi - (1/2) log|Sigma| - sum_{g,i} (log sd_gi + (1/2) log 2 pi)``
   (``n_P`` latent coordinates under a Gaussian prior), and
   ``phi = log|A| + h(gamma) + min_u R(u, gamma)``,
-  ``R = ||y~ - X u||^2 + s^T Gamma^{-1} s - 2 beta^T s`` (seed 000, §2.1).
+  ``R = ||y~ - X u||^2 + s^T Gamma^{-1} s - 2 beta^T s`` (Nickisch & Seeger 2009, §2.1).
 """
 import math
 
@@ -122,7 +122,7 @@ def square_root_factor(op):
 
 
 class RelaxationProblem:
-    """Seed 000's quantities for a :class:`~pyro_convexvb.LatentGaussianModel` (``sigma^2 = 1``).
+    """Nickisch & Seeger's (2009) quantities for a :class:`~pyro_convexvb.LatentGaussianModel` (``sigma^2 = 1``).
 
     :param lgm: the latent Gaussian model.
     :raises UnsupportedModelError: for a non-Gaussian site family without a super-Gaussian form,
@@ -300,7 +300,7 @@ class RelaxationProblem:
 
     # ------------------------------------------------------------------ objective pieces
     def R(self, u, gamma, s=None):
-        """``R(u, gamma) = ||y~ - X u||^2 + s^T Gamma^{-1} s - 2 beta^T s`` (seed 000, §2.1)."""
+        """``R(u, gamma) = ||y~ - X u||^2 + s^T Gamma^{-1} s - 2 beta^T s`` (Nickisch & Seeger 2009, §2.1)."""
         s = self.s(u) if s is None else s
         val = self.quad(u)
         if self.q:

@@ -1,4 +1,4 @@
-"""Dual variational Gaussian inference (seed 002): objective, bounds, optimisers and the DualVG guide."""
+"""Dual variational Gaussian inference (Khan et al. 2013): objective, bounds, optimisers and the DualVG guide."""
 from .bounds import (
     LOGIT_BOUNDS,
     GaussianBound,

@@ -1,6 +1,6 @@
 r"""Local variational bounds (LVBs) and their Fenchel conjugates for the dual VG method.
 
-Seed 002 (Khan, Aravkin, Friedlander & Seeger 2013), Eqs. (10) and (19); conventions of
+Khan et al. 2013 (Khan, Aravkin, Friedlander & Seeger 2013), Eqs. (10) and (19); conventions of
 ``notes/dualvg.md`` §4. A local bound of one site is a closed convex function
 ``f(h, rho) >= -E_{N(eta | h, rho)}[log p(y | eta)]`` of the site marginal mean ``h`` and variance
 ``rho >= 0``. Here every normalising constant of ``log p`` is kept inside ``f`` (so the primal
@@ -88,7 +88,7 @@ def _kappas(alpha, y):
 
 
 class StochasticVolatility(SiteFamily):
-    """Stochastic-volatility sites ``t_n(eta) = N(y_n | 0, e^{eta})`` (seed 002, §5).
+    """Stochastic-volatility sites ``t_n(eta) = N(y_n | 0, e^{eta})`` (Khan et al. 2013, §5).
 
     :param torch.Tensor y: ``(q,)`` observations (exact zeros are replaced by ``zero_jitter``,
         since ``log(1/y^2)`` enters the conjugate; notes §4).
@@ -163,7 +163,7 @@ class LocalBound:
     def conjugate(self, alpha, lam):
         """Joint-form conjugate ``f*(alpha, lambda)``: ``psi(alpha)`` where ``lambda <= ell(alpha)``, else ``+inf``.
 
-        Seed 002, Eq. (19) in the pairing ``alpha h + lambda rho / 2`` (with ``rho >= 0``).
+        Khan et al. 2013, Eq. (19) in the pairing ``alpha h + lambda rho / 2`` (with ``rho >= 0``).
         """
         lo, hi = self.alpha_domain(alpha)
         inside = (alpha > lo) & (alpha < hi)
@@ -525,7 +525,7 @@ class GenericBound:
 
 
 def numerical_conjugate(bound, alpha, lam, h0=None, rho0=None, max_iter=100, tol=1e-12, blowup=1e8):
-    r"""``f*(alpha, lambda) = sup_{h, rho >= 0} alpha h + lambda rho / 2 - f(h, rho)`` per site (seed 002, Eq. 19).
+    r"""``f*(alpha, lambda) = sup_{h, rho >= 0} alpha h + lambda rho / 2 - f(h, rho)`` per site (Khan et al. 2013, Eq. 19).
 
     A vectorised 2-D projected Newton ascent on the concave inner objective (active set
     ``rho = 0`` when the ``rho``-gradient pushes out), with backtracking. By Danskin,

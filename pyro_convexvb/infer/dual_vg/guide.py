@@ -1,8 +1,8 @@
-r"""The ``dual_vg`` engine and the :class:`DualVG` Pyro autoguide (seed 002).
+r"""The ``dual_vg`` engine and the :class:`DualVG` Pyro autoguide (Khan et al. 2013).
 
 ``fit_dual_vg(lgm, ...)`` builds the storage form of the dual that fits the model (``N x N``
 site space, ``L x L`` latent space, or a banded GMRF precision), minimises the reduced dual with
-:func:`~.optim.solve_dual`, recovers ``q = N(m*, V*)`` (seed 002, Eqs. 17-18) and reports the exact
+:func:`~.optim.solve_dual`, recovers ``q = N(m*, V*)`` (Khan et al. 2013, Eqs. 17-18) and reports the exact
 variational-Gaussian bound of that ``q`` (closed-form or Gauss-Hermite site expectations; never
 ``-g``), with the duality gap of every iteration in the history.
 """
@@ -107,7 +107,7 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
 
 
 def _posterior(backend, alpha, lam):
-    """``q(z)`` from the dual optimum (seed 002, Eqs. 17-18) in the backend's form."""
+    """``q(z)`` from the dual optimum (Khan et al. 2013, Eqs. 17-18) in the backend's form."""
     if backend.kind == "site" and getattr(backend, "latent", None) is not None:
         from ..posterior import GaussianPosterior
 
@@ -187,7 +187,7 @@ class DualVG(AutoMultivariateNormal):
     A full-rank Gaussian guide over the model's latent vector (an :class:`~pyro.infer.autoguide.AutoContinuous`,
     with the parameters of :class:`~pyro.infer.autoguide.AutoMultivariateNormal`: ``loc``, ``scale``,
     ``scale_tril``). :meth:`fit` extracts the latent Gaussian model, minimises the dual objective of
-    seed 002 (Eq. 20) by Newton's method until the duality gap is below tolerance, and writes the
+    Khan et al. 2013 (Eq. 20) by Newton's method until the duality gap is below tolerance, and writes the
     optimal ``q`` into the parameters; afterwards the guide samples, gives ``median()``,
     ``quantiles()``, ``get_posterior()``, works with ``Predictive``, and can be trained further with
     ``SVI`` (its parameters live in the Pyro param store).

@@ -1,4 +1,4 @@
-r"""The dual VG objective (seed 002, Eq. 20) in three storage forms, with gradient, Hessian and gap.
+r"""The dual VG objective (Khan et al. 2013, Eq. 20) in three storage forms, with gradient, Hessian and gap.
 
 For ``N`` sites ``eta = W z + d`` of a prior ``z ~ N(mu, Sigma)`` (``L`` latents), with
 ``Sigma_t = W Sigma W^T`` and ``mu_t = W mu + d``:
@@ -82,7 +82,7 @@ class PriorTerms:
 
 
 class SiteSpaceBackend:
-    """``N x N`` form of the dual (seed 002, Eq. 20; notes §3).
+    """``N x N`` form of the dual (Khan et al. 2013, Eq. 20; notes §3).
 
     :param torch.Tensor Sigma_tilde: ``(N, N)`` ``W Sigma W^T`` (e.g. a GP kernel matrix ``K``).
     :param torch.Tensor mu_tilde: ``(N,)`` ``W mu + d``.
@@ -236,7 +236,7 @@ class LatentSpaceBackend:
         return LatentSpaceHessian(self, G, dl, diag)
 
     def posterior(self, alpha, lam, prior=None):
-        """Gaussian over ``z``: ``m = mu - Sigma W^T alpha``, precision ``A`` (seed 002, Eqs. 17-18)."""
+        """Gaussian over ``z``: ``m = mu - Sigma W^T alpha``, precision ``A`` (Khan et al. 2013, Eqs. 17-18)."""
         A, R, G = self._factor(lam)
         m = self.mu - self.S @ self.op.rmv(alpha)
         return GaussianPosterior(m, precision=0.5 * (A + A.transpose(0, 1)))
@@ -245,7 +245,7 @@ class LatentSpaceBackend:
 class LatentSpaceHessian:
     r"""Matrix-free reduced-dual Hessian of the ``L x L`` form, with a Woodbury preconditioner.
 
-    The Hessian of the reduced dual (notes §3 "Hessian"; seed 002, Eq. 20 with ``lambda = ell(alpha)``)
+    The Hessian of the reduced dual (notes §3 "Hessian"; Khan et al. 2013, Eq. 20 with ``lambda = ell(alpha)``)
 
     .. math:: H = \tilde\Sigma + \tfrac12\,\mathrm{diag}(\ell')\,(\tilde V\circ\tilde V)\,\mathrm{diag}(\ell')
               + \mathrm{diag}(\psi'' - \tfrac12 \ell''\,\tilde v)
@@ -555,7 +555,7 @@ class DualValue:
 def reduced_objective(backend, bound, alpha, hessian=False):
     r"""Reduced dual ``g(alpha) = g(alpha, ell(alpha))`` with gradient and optional Hessian.
 
-    Seed 002, Eq. (20) with ``lambda`` eliminated (notes §4): with ``psi, ell`` of the bound,
+    Khan et al. 2013, Eq. (20) with ``lambda`` eliminated (notes §4): with ``psi, ell`` of the bound,
 
     * ``g = -alpha^T (mu_t + m_t) / 2 - log|B| / 2 + sum psi(alpha)``;
     * ``dg/dalpha = -m_t - ell'(alpha) v_t / 2 + psi'(alpha)``;
@@ -586,7 +586,7 @@ def reduced_objective(backend, bound, alpha, hessian=False):
 
 
 def dual_vg_objective(alpha, lam, Sigma_tilde=None, mu_tilde=None, bound=None, *, backend=None):
-    r"""The dual VG objective ``g(alpha, lambda)`` of seed 002, Eq. (20), with its gradient.
+    r"""The dual VG objective ``g(alpha, lambda)`` of Khan et al. 2013, Eq. (20), with its gradient.
 
     .. math::
 

@@ -90,7 +90,7 @@ def _gap(bound, alpha, val):
 
 def solve_dual(backend, bound, alpha0=None, *, method="newton", gap_tol=None, max_iter=None, memory=20,
                history=None, on_fail="warn", progress=False, callback=None, newton_solver="auto"):
-    r"""Minimise the reduced dual ``g(alpha)`` (seed 002, Eq. 20 with ``lambda = ell(alpha)``).
+    r"""Minimise the reduced dual ``g(alpha)`` (Khan et al. 2013, Eq. 20 with ``lambda = ell(alpha)``).
 
     :param backend: :class:`~.objective.SiteSpaceBackend`, :class:`~.objective.LatentSpaceBackend` or
         :class:`~.objective.BandedPrecisionBackend`.
@@ -310,7 +310,7 @@ def _two_loop(grad, S, Y):
 # ----------------------------------------------------------------------------- joint form
 def minimize_joint(backend, bound, alpha0, lam0, *, gap_tol=None, max_iter=500, memory=20, history=None,
                    on_fail="warn"):
-    r"""Joint ``(alpha, lambda)`` dual for a :class:`~.bounds.GenericBound` (seed 002, Eq. 20).
+    r"""Joint ``(alpha, lambda)`` dual for a :class:`~.bounds.GenericBound` (Khan et al. 2013, Eq. 20).
 
     ``f*`` by :func:`~.bounds.numerical_conjugate` (warm-started per site); gradient
     ``(-m_t + h*, -v_t/2 + rho*/2)`` by Danskin; L-BFGS whose line search backtracks from

@@ -2,7 +2,7 @@ r"""Independent references for the dual VG method: direct primal optimisation an
 
 * :func:`primal_optimum` -- maximise ``-KL(N(m, V) || N(mu, Sigma)) - sum_n f_n(w_n^T m + d_n, w_n^T V w_n)``
   (a local bound) or ``... + sum_n E log p`` (the exact VG bound) directly over ``(m, Cholesky of V)``
-  with L-BFGS and autograd (seed 002, Eqs. 11-12). Dense, for small problems and tests.
+  with L-BFGS and autograd (Khan et al. 2013, Eqs. 11-12). Dense, for small problems and tests.
 * :func:`cvi_fixed_point` -- the exact VG optimum of a GP-type model (``W = I``) by the
   natural-gradient fixed point of Khan & Lin (2017, "CVI"): damped updates of the site natural
   parameters ``lambda_n <- (1-b) lambda_n - 2 b dE/dv_n``, ``nu_n <- (1-b) nu_n + b (dE/dm_n - 2 m_n dE/dv_n)``
