@@ -1,9 +1,10 @@
 """Experiment 1 of Nickisch & Seeger 2009 (Figure 2 protocol): Bayesian active learning on the convex relaxation.
 
 Start from a few random training cases, all remaining training cases are candidates; include cases
-sequentially in blocks of ``K`` by classifier uncertainty (S_CU), information gain (S_IG) or at
-random, and track the test error of the posterior mean classifier. The error of the relaxation fitted
-on the full training set is the reference line. Logistic regression (bias as a constant feature),
+sequentially by classifier uncertainty (S_CU), information gain (S_IG) or at random, refitting the
+posterior every ``refit_every`` inclusions (Nickisch & Seeger 2009 §3's blocks), and track the test
+error of the posterior mean classifier. The error of the relaxation fitted on the full training set is
+the reference line. Logistic regression (bias as a constant feature),
 prior N(0, 1) per weight (sigma^2 = 1, tau = 1 as in Nickisch & Seeger 2009), and a Laplace-prior variant on a9a.
 
 Usage::
@@ -63,9 +64,9 @@ def error_of(result, X, y):
     return float(((eta > 0).to(y.dtype) != y).double().mean())
 
 
-def run_case(name, model, Xtr, ytr, Xte, yte, *, init_size, num, K, k, seeds, scores):
+def run_case(name, model, Xtr, ytr, Xte, yte, *, init_size, num, refit_every, lanczos_rank, seeds, scores):
     t0 = time.perf_counter()
-    full = ConvexVariationalRelaxation(model, lanczos_rank=k, max_outer=5, progress=False).run(Xtr, ytr)
+    full = ConvexVariationalRelaxation(model, lanczos_rank=lanczos_rank, max_outer=5, progress=False).run(Xtr, ytr)
     full_err, full_s = error_of(full, Xte, yte), time.perf_counter() - t0
     curves = {}
     rows = []
@@ -73,8 +74,8 @@ def run_case(name, model, Xtr, ytr, Xte, yte, *, init_size, num, K, k, seeds, sc
         for seed in seeds:
             rng = np.random.default_rng(seed)
             init = torch.from_numpy(rng.choice(Xtr.shape[0], init_size, replace=False))
-            learner = ActiveLearner(model, Xtr, lambda i: ytr[i], score=score, block_size=K, lanczos_rank=k,
-                                    seed=seed, progress=False)
+            learner = ActiveLearner(model, Xtr, lambda i: ytr[i], score=score, refit_every=refit_every,
+                                    lanczos_rank=lanczos_rank, seed=seed, progress=False)
             h = learner.run(num, init=init, X_test=Xte, y_test=yte)
             curves.setdefault(score, []).append(dict(num_included=h.num_included, test_error=h.test_error,
                                                      seconds=h.seconds, dropped=h.dropped))
@@ -85,12 +86,14 @@ def run_case(name, model, Xtr, ytr, Xte, yte, *, init_size, num, K, k, seeds, sc
                          full_train_err=full_err,
                          seconds=float(np.mean([c["seconds"][-1] for c in curves[score]]))))
     return dict(name=name, full_error=full_err, full_seconds=full_s, n_train=int(Xtr.shape[0]),
-                n_features=int(Xtr.shape[1]), K=K, k=k, init_size=init_size, seeds=list(seeds), curves=curves), rows
+                n_features=int(Xtr.shape[1]), refit_every=refit_every, lanczos_rank=lanczos_rank,
+                init_size=init_size, seeds=list(seeds), curves=curves), rows
 
 
 def main():
     p = make_parser(__doc__.splitlines()[0])
-    p.add_argument("--block-size", type=int, default=None, help="K (default: 3 for a9a, 20 for keel; quick: 5)")
+    p.add_argument("--refit-every", type=int, default=None,
+                   help="inclusions between refits (default: 3 for a9a, 20 for keel; quick: 5)")
     p.add_argument("--num", type=int, default=None, help="inclusions per run")
     args = parse_args(parser=p)
     torch.manual_seed(args.seed)
@@ -111,12 +114,12 @@ def main():
         ds = load_keel(kname, test_size=0.3, seed=args.seed)
         spec.append((kname, gauss_model, with_bias(ds.X_train), ds.y_train, with_bias(ds.X_test), ds.y_test,
                      100 if kname == "spambase" else 500, 20, 40))
-    for name, model, Xtr, ytr, Xte, yte, init_size, K, k in spec:
-        K = args.block_size or (5 if quick else K)
+    for name, model, Xtr, ytr, Xte, yte, init_size, refit_every, lanczos_rank in spec:
+        refit_every = args.refit_every or (5 if quick else refit_every)
         num = args.num or (90 if quick else (300 if name.startswith("a9a") else 400))
         t = time.perf_counter()
-        case, r = run_case(name, model, Xtr, ytr, Xte, yte, init_size=init_size, num=num, K=K, k=k,
-                           seeds=seeds, scores=scores)
+        case, r = run_case(name, model, Xtr, ytr, Xte, yte, init_size=init_size, num=num, refit_every=refit_every,
+                           lanczos_rank=lanczos_rank, seeds=seeds, scores=scores)
         print(f"[{name}] {time.perf_counter() - t:.1f}s", file=sys.stderr)
         cases.append(case)
         rows += r
@@ -149,7 +152,8 @@ def main():
             e = np.mean([c["test_error"] for c in cs], 0)
             ax.plot(x, e, color=color, label={"cu": "S_CU", "ig": "S_IG", "random": "random"}[score])
         ax.axhline(case["full_error"], color="k", ls="--", lw=1, label="full training set")
-        ax.set_title(f"{case['name']} (K={case['K']}, k={case['k']})")
+        ax.set_title(f"{case['name']} (refit_every={case['refit_every']}, lanczos_rank={case['lanczos_rank']})",
+                     fontsize=9)
         ax.set_xlabel("training cases")
         ax.set_ylabel("test error")
     axes[0][0].legend()

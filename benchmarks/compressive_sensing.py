@@ -13,9 +13,11 @@ pair ``+-c``. Every design starts from the central low frequencies ``c = 0 .. c0
 and adds one column at a time by
 
 * ``delta-lanczos-K``: sequential Bayesian design: refit the convex relaxation (K-Lanczos variances,
+  ``K = lanczos_rank`` Lanczos steps,
   warm-started at the previous ``gamma``), score every remaining column by
   ``Delta = log|I + X_c Cov_Q X_c^T / sigma^2|`` (Seeger 2010 §2.2) on the K-Lanczos covariance, take the best;
-* ``delta-pca-L``: the same with L-PCA variances and scores (``K = 6 L`` Lanczos steps, Seeger 2010 footnote 5);
+* ``delta-pca-L``: the same with L-PCA variances and scores (``L = pca_rank``, ``lanczos_rank = 6 L``
+  Lanczos steps, Seeger 2010 footnote 5);
 * ``random`` (several seeds) and ``lowpass`` (next-lowest frequency first).
 
 For every design and number of columns the error ``||u_MAP - u_true|| / ||u_true||`` of the MAP
@@ -105,7 +107,7 @@ class Problem:
 
 
 # ----------------------------------------------------------------------------- designs
-def run_design(prob, kind, init, n_add, K=None, L=None, seed=0, max_outer=2):
+def run_design(prob, kind, init, n_add, lanczos_rank=None, pca_rank=None, seed=0, max_outer=2):
     """One sequential design; returns the chosen columns and the MAP error after each size."""
     torch.set_num_threads(1)
     cols = list(init)
@@ -127,24 +129,24 @@ def run_design(prob, kind, init, n_add, K=None, L=None, seed=0, max_outer=2):
             c = min(rest)
         else:
             t0 = time.perf_counter()
-            opts = dict(variance="lanczos", lanczos_rank=K) if kind == "delta-lanczos" else \
-                dict(variance="pca", lanczos_rank=6 * L, pca_rank=L)
+            opts = dict(variance="lanczos", lanczos_rank=lanczos_rank) if kind == "delta-lanczos" else \
+                dict(variance="pca", lanczos_rank=6 * pca_rank, pca_rank=pca_rank)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", ConvergenceWarning)
                 res = ConvexVariationalRelaxation(prob.lgm(cols), max_outer=max_outer, gamma_init=gamma,
                                                   dense_logdet_max=0, seed=seed + t, progress=False, **opts).run()
             gamma = res.info["gamma_all"]
-            F = covariance_factor(res, pca_rank=L)
+            F = covariance_factor(res, pca_rank=pca_rank)
             scores = phase_encode_scores(F, prob.H, prob.W, prob.noise_var, candidates=rest)
             if first_scores is None:
                 first_scores = dict(zip(rest, scores.tolist()))
             c = rest[int(torch.argmax(scores))]
             t_fit += time.perf_counter() - t0
         cols.append(c)
-    label = {"delta-lanczos": f"delta-lanczos-{K}", "delta-pca": f"delta-pca-{L}", "random": f"random-{seed}",
-             "lowpass": "lowpass"}[kind]
-    return dict(design=label, kind=kind, K=K, L=L, seed=seed, columns=cols, errors=errs,
-                seconds_fit=t_fit, seconds_map=t_map)
+    label = {"delta-lanczos": f"delta-lanczos-{lanczos_rank}", "delta-pca": f"delta-pca-{pca_rank}",
+             "random": f"random-{seed}", "lowpass": "lowpass"}[kind]
+    return dict(design=label, kind=kind, lanczos_rank=lanczos_rank, pca_rank=pca_rank, seed=seed, columns=cols,
+                errors=errs, seconds_fit=t_fit, seconds_map=t_map)
 
 
 def _run(args):
@@ -233,7 +235,7 @@ def main(argv=None):
         best = min(tuning, key=lambda r: r["map_error"])
         tau_a, tau_r = best["tau_a"], best["tau_r"]
     prob = Problem(img, tau_a, tau_r, seed=args.seed)
-    jobs = [dict(kind="delta-lanczos", K=K) for K in Ks] + [dict(kind="delta-pca", L=L) for L in Ls]
+    jobs = [dict(kind="delta-lanczos", lanczos_rank=K) for K in Ks] + [dict(kind="delta-pca", pca_rank=L) for L in Ls]
     jobs += [dict(kind="random", seed=s) for s in seeds] + [dict(kind="lowpass")]
     for j in jobs:
         j.update(init=init, n_add=n_add)
@@ -293,9 +295,9 @@ def figure(name, runs, sizes, vstudy):
     fig, ax = plt.subplots(1, 3, figsize=(16, 4.6))
     x = np.array(sizes)
     rnd = [r for r in runs if r["kind"] == "random"]
-    best_lz = max((r for r in runs if r["kind"] == "delta-lanczos"), key=lambda r: r["K"])
+    best_lz = max((r for r in runs if r["kind"] == "delta-lanczos"), key=lambda r: r["lanczos_rank"])
     a = ax[0]
-    a.plot(x, best_lz["errors"], "o-", label=f"Delta design (K = {best_lz['K']} Lanczos)")
+    a.plot(x, best_lz["errors"], "o-", label=f"Delta design (K = {best_lz['lanczos_rank']} Lanczos)")
     a.plot(x, np.mean([r["errors"] for r in rnd], 0), "s--", label=f"random (mean of {len(rnd)})")
     for r in rnd:
         a.plot(x, r["errors"], color="C1", alpha=0.25, lw=0.8)
@@ -307,9 +309,9 @@ def figure(name, runs, sizes, vstudy):
     a = ax[1]
     for r in runs:
         if r["kind"] == "delta-lanczos":
-            a.plot(x, r["errors"], "o-", label=f"K = {r['K']} Lanczos")
+            a.plot(x, r["errors"], "o-", label=f"K = {r['lanczos_rank']} Lanczos")
         elif r["kind"] == "delta-pca":
-            a.plot(x, r["errors"], "x--", label=f"L = {r['L']} PCA ({6 * r['L']} steps)")
+            a.plot(x, r["errors"], "x--", label=f"L = {r['pca_rank']} PCA ({6 * r['pca_rank']} steps)")
     a.set_xlabel("columns measured (c >= 0; each acquires +-c)")
     a.set_title("Delta designs: K-Lanczos vs L-PCA")
     a.legend()

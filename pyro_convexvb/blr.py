@@ -191,26 +191,22 @@ class BayesianLinearRegression:
 
         self.n_iter_, self.converged_ = 0, True
         if params:
-            opt = torch.optim.LBFGS(params, lr=1.0, max_iter=self.max_iter, tolerance_grad=self.tol * 1e-2,
-                                    tolerance_change=1e-12, history_size=20, line_search_fn="strong_wolfe")
+            from .linalg.lbfgs import minimize_lbfgs
 
-            def closure():
-                opt.zero_grad()
+            def loss_fn():
                 loss = objective()
-                loss.backward()
                 history.append(float(loss.detach()))
                 return loss
 
-            opt.step(closure)
-            opt.zero_grad()
-            loss = objective()
-            loss.backward()
-            grad = max(float(p.grad.abs().max()) for p in params if p.grad is not None)
-            self.n_iter_ = opt.state[opt._params[0]].get("n_iter", len(history))
-            self.converged_ = grad <= self.tol * (1 + abs(float(loss.detach())))
+            res = minimize_lbfgs(params, loss_fn, max_iter=self.max_iter, grad_tol=self.tol * 1e-2,
+                                 change_tol=1e-12, history_size=20, name="BayesianLinearRegression")
+            history.pop()  # the final gradient check is not an iteration
+            self.n_iter_ = res.evaluations
+            self.converged_ = res.grad_norm <= self.tol * (1 + abs(res.value))
             if not self.converged_:
-                warnings.warn(f"BayesianLinearRegression: L-BFGS stopped after {self.n_iter_} iterations with "
-                              f"gradient {grad:.3g} (tol {self.tol:.1g}); raise max_iter", ConvergenceWarning)
+                warnings.warn(f"BayesianLinearRegression: L-BFGS stopped ({res.stop_reason}) after {res.evaluations} "
+                              f"evaluations with gradient {res.grad_norm:.3g} (tol {self.tol:.1g}); raise max_iter",
+                              ConvergenceWarning)
         with torch.no_grad():
             Phi = self._design(X)
             self.noise_var_ = float(log_s2.exp())

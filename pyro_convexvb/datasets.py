@@ -25,6 +25,7 @@ from collections import namedtuple
 import numpy as np
 import torch
 
+from .io import parse_svmlight_lines, read_svmlight  # noqa: F401  (parse_svmlight_lines: re-export)
 from .linalg.operators import to_csr
 
 __all__ = [
@@ -469,50 +470,6 @@ def labels01(y, dtype=None):
     return out.to(dtype)
 
 
-def parse_svmlight_lines(lines, path="<lines>", first_lineno=1):
-    """Parse LIBSVM/svmlight lines (``label idx:value ...``; ``#`` comments, ``qid:`` ignored).
-
-    Shared by :func:`load_svmlight` (whole files) and :func:`pyro_convexvb.online.iter_svmlight`
-    (chunks of a stream).
-
-    :param lines: iterable of text lines.
-    :param path: name used in error messages.
-    :param int first_lineno: line number of the first line (for error messages).
-    :returns: ``(indptr, indices, values, labels)`` numpy arrays; ``indices`` as written in the file.
-    :raises ValueError: a malformed line, naming the file and line number.
-    """
-    labels, indptr, indices, values = [], [0], [], []
-    for lineno, line in enumerate(lines, first_lineno):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        tokens = line.split()
-        try:
-            labels.append(float(tokens[0]))
-            for tok in tokens[1:]:
-                i, v = tok.split(":", 1)
-                if i == "qid":
-                    continue
-                indices.append(int(i))
-                values.append(float(v))
-        except ValueError as err:
-            raise ValueError(f"{path}, line {lineno}: cannot parse {line[:60]!r} as LIBSVM ({err})") from None
-        indptr.append(len(indices))
-    return (np.array(indptr, dtype=np.int64), np.array(indices, dtype=np.int64), np.array(values, dtype=np.float64),
-            np.array(labels, dtype=np.float64))
-
-
-def _parse_svmlight(path, zero_based):
-    """Pure-Python LIBSVM parser: ``(indptr, indices (0-based), values, y)`` numpy arrays."""
-    with open(path) as f:
-        indptr, indices, values, labels = parse_svmlight_lines(f, path)
-    if zero_based is False or (zero_based == "auto" and (indices.size == 0 or indices.min() > 0)):
-        indices -= 1
-    if indices.size and indices.min() < 0:
-        raise ValueError(f"{path}: feature index 0 in a file read as one-based (use zero_based=True)")
-    return indptr, indices, values, labels
-
-
 def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_based="auto", backend="auto"):
     """Read a LIBSVM/svmlight text file (``label idx:value ...``; ``#`` comments, ``qid:`` ignored).
 
@@ -552,7 +509,7 @@ def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_
         m, y = load_svmlight_file(str(path), n_features=n_features, dtype=np.float64, zero_based=zero_based)
         m = sp.csr_matrix(m)
     else:
-        indptr, indices, values, y = _parse_svmlight(path, zero_based)
+        indptr, indices, values, y = read_svmlight(path, zero_based)
         needed = int(indices.max()) + 1 if indices.size else 0
         if n_features is None:
             n_features = needed

@@ -147,7 +147,7 @@ class GLM:
         :param y: ``(N,)`` targets (labels in {0, 1}, counts, or reals).
         :param n_trials: binomial trials per row (int or ``(N,)``), default ``self.n_trials``.
         """
-        from .infer.diag_mixture import run_diag_mixture
+        from .infer.diag_mixture import DiagMixtureEngine
 
         if self.likelihood not in _LIKELIHOODS:
             raise ValueError(f"likelihood must be one of {_LIKELIHOODS}, got {self.likelihood!r}")
@@ -172,12 +172,12 @@ class GLM:
         store = pyro.get_param_store()
         try:
             with store.scope() as state:
-                res = run_diag_mixture(
-                    model, (X,), {"y": y}, num_components=self.num_components, num_particles=self.num_particles,
-                    entropy=self.entropy, lr=self.lr, max_steps=self.max_steps, min_steps=self.min_steps,
-                    window=self.window, rtol=self.rtol, init_scale=self.init_scale, seed=self.seed,
-                    progress=self.progress, vectorize_particles=self.num_components * self.num_particles > 1,
-                    exact_bound=batch is None and self.likelihood != "binomial")
+                engine = DiagMixtureEngine(
+                    model, progress=bool(self.progress), num_components=self.num_components,
+                    num_particles=self.num_particles, entropy=self.entropy, lr=self.lr, max_steps=self.max_steps,
+                    min_steps=self.min_steps, window=self.window, rtol=self.rtol, init_scale=self.init_scale,
+                    seed=self.seed, vectorize_particles=self.num_components * self.num_particles > 1)
+                res = engine.run(X, y=y)
                 params = {k: v.detach().clone() for k, v in store.items()}
         finally:
             self.batch_size = saved_batch

@@ -197,9 +197,12 @@ def test_applies_rejects_non_super_gaussian_sites():
 def test_bad_options_name_the_argument():
     lgm = LatentGaussianModel.from_design(torch.randn(5, 2, dtype=D), BernoulliLogit(torch.ones(5, dtype=D)))
     for kw, name in ((dict(variance="fast"), "variance"), (dict(lanczos_rank=0), "lanczos_rank"),
-                     (dict(max_outer=-1), "max_outer"), (dict(cg_tol=float("nan")), "cg_tol"),
-                     (dict(max_newton=1.5), "max_newton")):
+                     (dict(max_outer=-1), "max_outer"), (dict(cg_tol=float("nan")), "cg_tol")):
         with pytest.raises(ValueError, match=name):
+            ConvexVariationalRelaxation(lgm, **kw)
+    for kw, name in ((dict(max_newton=1.5), "max_newton"), (dict(progress="yes"), "progress"),
+                     (dict(lanczos_rnak=5), "lanczos_rnak.*did you mean 'lanczos_rank'")):
+        with pytest.raises(TypeError, match=name):
             ConvexVariationalRelaxation(lgm, **kw)
     with pytest.raises(ValueError, match="exact_max"):
         ConvexVariationalRelaxation(lgm, variance="exact", exact_max=1, progress=False).run()
@@ -613,8 +616,9 @@ def test_block_lanczos_variance_step_and_engine():
         assert logdet >= float(torch.logdet(A)) - 1e-9
     full = variance_step(prob, gam, k=5, block_size=2, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(full.z, exact, rtol=1e-8, atol=1e-12)
-    one = ConvexVariationalRelaxation(lgm, lanczos_rank=4, max_outer=3, progress=False).run()
-    blk = ConvexVariationalRelaxation(lgm, lanczos_rank=4, lanczos_block_size=2, max_outer=3, progress=False).run()
+    one = ConvexVariationalRelaxation(lgm, lanczos_rank=4, max_outer=3, variance="lanczos", progress=False).run()
+    blk = ConvexVariationalRelaxation(lgm, lanczos_rank=4, lanczos_block_size=2, max_outer=3, variance="lanczos",
+                                      progress=False).run()
     assert blk.info["lanczos_block_size"] == 2
     Q, T = blk.info["lanczos"]
     assert Q.shape == (5, 4) and T.shape == (4, 4)
@@ -632,10 +636,12 @@ def test_missing_log_det_bound_is_reported_not_silent():
     op = g.design
     g.design = FunctionOperator(op.mv, op.rmv, op.shape, dtype=D, batched=True)
     with pytest.warns(RuntimeWarning, match="no evidence bound"):
-        res = ConvexVariationalRelaxation(lgm, lanczos_rank=3, max_outer=2, dense_logdet_max=0, progress=False).run()
+        res = ConvexVariationalRelaxation(lgm, lanczos_rank=3, max_outer=2, dense_logdet_max=0, variance="lanczos",
+                                          progress=False).run()
     assert res.log_evidence_bound is None and res.info["log_det_method"] == "unavailable"
     g.design = FunctionOperator(op.mv, op.rmv, op.shape, dtype=D, batched=True, squared=op.squared())
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        res = ConvexVariationalRelaxation(lgm, lanczos_rank=3, max_outer=2, dense_logdet_max=0, progress=False).run()
+        res = ConvexVariationalRelaxation(lgm, lanczos_rank=3, max_outer=2, dense_logdet_max=0, variance="lanczos",
+                                          progress=False).run()
     assert res.log_evidence_bound is not None

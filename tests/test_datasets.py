@@ -251,6 +251,32 @@ def test_svmlight_parsers_agree(tmp_path):
         D.load_svmlight(bad, backend="python")
 
 
+def test_svmlight_parsing_lives_in_io(tmp_path):
+    from pyro_convexvb import io
+
+    assert D.parse_svmlight_lines is io.parse_svmlight_lines  # the old import path is a re-export
+    indptr, indices, values, labels = io.parse_svmlight_lines(SVM_TEXT.splitlines(), "toy", 1)
+    assert indptr.tolist() == [0, 3, 4, 4, 5]
+    assert indices.tolist() == [1, 3, 7, 2, 7]  # as written (one-based)
+    assert values.tolist() == [0.5, -2.0, 1e-3, 1.25, 3.0]
+    assert labels.tolist() == [1.0, -1.0, 1.0, -1.0]
+    assert indptr.dtype == indices.dtype == np.int64 and values.dtype == labels.dtype == np.float64
+    with pytest.raises(ValueError, match="toy, line 11"):
+        io.parse_svmlight_lines(["1 2:0.5 x"], "toy", 11)
+    path = tmp_path / "toy.svm"
+    path.write_text(SVM_TEXT)
+    for zero_based, shift in ((False, 1), ("auto", 1), (True, 0)):
+        indptr_f, indices_f, values_f, labels_f = io.read_svmlight(path, zero_based)
+        assert indices_f.tolist() == [i - shift for i in indices.tolist()]
+        assert indptr_f.tolist() == indptr.tolist() and values_f.tolist() == values.tolist()
+        assert labels_f.tolist() == labels.tolist()
+    zero = tmp_path / "zero.svm"
+    zero.write_text("1 0:2 4:1\n")
+    assert io.read_svmlight(zero, "auto")[1].tolist() == [0, 4]  # an index 0 means zero-based
+    with pytest.raises(ValueError, match="one-based"):
+        io.read_svmlight(zero, False)
+
+
 def test_svmlight_round_trip(tmp_path):
     g = torch.Generator().manual_seed(0)
     dense = torch.randn(30, 12, generator=g, dtype=torch.float64) * (torch.rand(30, 12, generator=g) < 0.3)

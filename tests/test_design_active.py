@@ -25,6 +25,16 @@ def _laplace_model(X, y):
         pyro.sample("y", dist.Bernoulli(logits=pcv.linear(X, u)), obs=y)
 
 
+def _dense_sites(model, X):
+    """Dense model-site design ``B`` in the engine's group order and the Gaussian prior precision ``P``:
+    ``_model`` has one site group (the cases, ``B = X``) and prior ``N(0, I)``; ``_laplace_model`` has the
+    Laplace prior sites first, then the cases (``B = [I; X]``), and no Gaussian prior."""
+    n = X.shape[1]
+    if model is _model:
+        return X, torch.eye(n, dtype=D)
+    return torch.cat([torch.eye(n, dtype=D), X]), torch.zeros(n, n, dtype=D)
+
+
 def _data(N=160, n=5, seed=0):
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(N, n, generator=g, dtype=D)
@@ -41,7 +51,7 @@ def test_block_state_equals_dense_refit_of_marginals():
         calls.append(len(i))
         return y[i]
 
-    L = ActiveLearner(_model, X, oracle, score="cu", block_size=4, variance="exact", progress=False)
+    L = ActiveLearner(_model, X, oracle, score="cu", refit_every=4, variance="exact", progress=False)
     h = L.run(4, init=torch.arange(12))
     st = L.last_block
     res = st["result"]
@@ -66,7 +76,7 @@ def test_block_state_equals_dense_refit_of_marginals():
 
 def test_first_choice_is_argmax_of_cu_from_dense_marginals():
     X, y = _data(seed=1)
-    L = ActiveLearner(_model, X, lambda i: y[i], score="cu", block_size=1, variance="exact", progress=False)
+    L = ActiveLearner(_model, X, lambda i: y[i], score="cu", refit_every=1, variance="exact", progress=False)
     h = L.run(1, init=torch.arange(15))
     res = L.last_block["result"]
     cov = torch.linalg.inv(res.posterior.precision_operator.to_dense())
@@ -79,7 +89,7 @@ def test_first_choice_is_argmax_of_cu_from_dense_marginals():
 @pytest.mark.parametrize("score", ["cu", "ig", "random"])
 def test_history_and_test_error(score):
     X, y = _data(N=200, seed=2)
-    L = ActiveLearner(_model, X[:150], lambda i: y[:150][i], score=score, block_size=3, variance="exact",
+    L = ActiveLearner(_model, X[:150], lambda i: y[:150][i], score=score, refit_every=3, variance="exact",
                       progress=False)
     h = L.run(7, init=torch.arange(10), X_test=X[150:], y_test=y[150:])
     assert len(h.chosen) == 7 and len(set(h.chosen)) == 7 and not set(h.chosen) & set(range(10))
@@ -94,7 +104,7 @@ def test_lanczos_sparse_pool_and_laplace_prior():
     X, y = _data(N=120, n=6, seed=3)
     Xs = X.to_sparse_csr()
     assert torch.allclose(_take_rows(Xs, [3, 1]).to_dense(), X[[3, 1]])
-    L = ActiveLearner(_laplace_model, Xs, lambda i: y[i], score="ig", block_size=2, lanczos_rank=6, progress=False)
+    L = ActiveLearner(_laplace_model, Xs, lambda i: y[i], score="ig", refit_every=2, lanczos_rank=6, progress=False)
     h = L.run(4, init=torch.arange(20))
     assert len(h.chosen) == 4
     assert torch.isfinite(h.result.posterior.loc).all()
@@ -104,8 +114,12 @@ def test_validation():
     X, y = _data(N=30)
     with pytest.raises(ValueError, match="score"):
         ActiveLearner(_model, X, lambda i: y[i], score="bald")
-    with pytest.raises(ValueError, match="block_size"):
-        ActiveLearner(_model, X, lambda i: y[i], block_size=0)
+    with pytest.raises(ValueError, match="refit_every"):
+        ActiveLearner(_model, X, lambda i: y[i], refit_every=0)
+    with pytest.raises(ValueError, match="lanczos_rank"):
+        ActiveLearner(_model, X, lambda i: y[i], lanczos_rank=0)
+    with pytest.raises(TypeError, match="block_size"):  # the old name is gone, not silently ignored
+        ActiveLearner(_model, X, lambda i: y[i], block_size=2)
     L = ActiveLearner(_model, X, lambda i: 2 * y[i], variance="exact", progress=False)
     with pytest.raises(ValueError, match="oracle"):
         L.run(1, init=torch.arange(5))
@@ -124,17 +138,13 @@ def test_block_end_refit_reuses_kept_marginals_single_lanczos(model):
     ``diag(B A'^{-1} B^T)`` of the enlarged model at ``gamma_init``, so the warm refit equals a cold
     one-outer-iteration refit from the same ``gamma``; with Lanczos, a block costs one Lanczos run.
     """
-    from pyro_convexvb.infer.convex_relaxation.problem import RelaxationProblem
-
     X, y = _data(N=120, n=4, seed=3)
-    L = ActiveLearner(model, X, lambda i: y[i], score="cu", block_size=3, variance="exact", progress=False)
+    L = ActiveLearner(model, X, lambda i: y[i], score="cu", refit_every=3, variance="exact", progress=False)
     h = L.run(3, init=torch.arange(10))
     st = L.last_block
     idx = list(range(10)) + h.chosen
-    lgm = pcv.lgm_from_pyro(model, X[idx], y[idx])
-    prob = RelaxationProblem(lgm)
-    A = prob.dense_a(1 / st["gamma_init"])
-    Bd = prob.B.to_dense()
+    Bd, P = _dense_sites(model, X[idx])
+    A = P + Bd.T @ (Bd / st["gamma_init"][:, None])
     z_ref = torch.diagonal(Bd @ torch.linalg.solve(A, Bd.T))
     torch.testing.assert_close(st["z_init"], z_ref, rtol=1e-7, atol=1e-10)
     cold = pcv.ConvexVariationalRelaxation(model, variance="exact", max_outer=1, gamma_init=st["gamma_init"],
@@ -144,7 +154,7 @@ def test_block_end_refit_reuses_kept_marginals_single_lanczos(model):
     torch.testing.assert_close(warm.info["gamma_all"], cold.info["gamma_all"], rtol=1e-4, atol=1e-8)
     torch.testing.assert_close(warm.posterior.loc, cold.posterior.loc, rtol=1e-4, atol=1e-8)
     # Lanczos: one variance step (one Lanczos run) in the block-end refit
-    Ll = ActiveLearner(model, X, lambda i: y[i], score="cu", block_size=3, lanczos_rank=3, progress=False)
+    Ll = ActiveLearner(model, X, lambda i: y[i], score="cu", refit_every=3, lanczos_rank=3, progress=False)
     hl = Ll.run(3, init=torch.arange(10))
     assert hl.result.info["mvm"]["lanczos_steps"] == [0, 3]
     assert bool((Ll.last_block["z_init"] > 0).all())
@@ -155,10 +165,9 @@ def test_nonpositive_model_variances_are_recomputed_by_cg():
     import numpy as np
 
     import pyro_convexvb.design.active as active
-    from pyro_convexvb.infer.convex_relaxation.problem import RelaxationProblem
 
     X, y = _data(N=80, n=4, seed=5)
-    L = ActiveLearner(_model, X, lambda i: y[i], score="cu", block_size=2, variance="exact", progress=False)
+    L = ActiveLearner(_model, X, lambda i: y[i], score="cu", refit_every=2, variance="exact", progress=False)
     L.run(2, init=torch.arange(8))
     # corrupt the state the way Lanczos underestimation would and rerun the block end by hand
     st = L.last_block
@@ -166,15 +175,14 @@ def test_nonpositive_model_variances_are_recomputed_by_cg():
     res0 = st["result"]
     res0.info["z_all"] = res0.info["z_all"] - 10.0  # every kept model variance would be negative
     idx = list(range(8))
-    L2 = ActiveLearner(_model, X, lambda i: y[i], score="cu", block_size=2, variance="exact", progress=False)
+    L2 = ActiveLearner(_model, X, lambda i: y[i], score="cu", refit_every=2, variance="exact", progress=False)
     alive = torch.ones(80, dtype=torch.bool)
     alive[:8] = False
     hist = active.ActiveHistory()
     L2._block(res0, idx, y[:8], 2, alive, np.random.default_rng(0), hist, None)
     st2 = L2.last_block
     assert st2["recomputed"] == 8
-    prob = RelaxationProblem(pcv.lgm_from_pyro(_model, X[idx], y[idx]))
-    A = prob.dense_a(1 / st2["gamma_init"])
-    Bd = prob.B.to_dense()
+    Bd, P = _dense_sites(_model, X[idx])
+    A = P + Bd.T @ (Bd / st2["gamma_init"][:, None])
     z_ref = torch.diagonal(Bd @ torch.linalg.solve(A, Bd.T))
     torch.testing.assert_close(st2["z_init"], z_ref, rtol=1e-7, atol=1e-10)

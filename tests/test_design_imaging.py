@@ -267,6 +267,12 @@ def test_model_and_map_validation():
         laplace_map(lgm, torch.zeros(3, dtype=D))
     with pytest.raises(ValueError, match="z_final"):
         laplace_map(lgm, z_final=1.0, z_start=1e-3)
+    with pytest.raises(ValueError, match="z_start"):
+        laplace_map(lgm, z_start=float("nan"))
+    with pytest.raises(ValueError, match="max_newton"):
+        laplace_map(lgm, max_newton=0)
+    with pytest.raises(TypeError, match="lgm"):
+        laplace_map(X)
     from pyro_convexvb.lgm.model import LatentGaussianModel
     from pyro_convexvb.lgm.sites import BernoulliLogit
 

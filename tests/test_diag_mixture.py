@@ -19,7 +19,6 @@ from pyro_convexvb.infer.diag_mixture import (
     DiagNormalMixture,
     bhattacharyya_entropy_lower_bound,
     entropy_lower_bound,
-    lgm_expected_log_joint_diag,
     mixture_evidence_bound,
     mixture_quantiles,
 )
@@ -178,7 +177,7 @@ def test_k1_recovers_mean_field_optimum_conjugate_blr():
     def negbound(theta):
         t = torch.as_tensor(theta, dtype=DT).requires_grad_(True)
         m, logv = t[:D], t[D:]
-        val = lgm_expected_log_joint_diag(lgm, m, logv.exp()) + entropy_lower_bound(m[None], logv.exp()[None])
+        val = lgm.expected_log_joint(m, variance=logv.exp()) + entropy_lower_bound(m[None], logv.exp()[None])
         (g,) = torch.autograd.grad(-val, t)
         return float(-val.detach()), g.numpy()
 

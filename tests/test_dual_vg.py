@@ -154,7 +154,8 @@ def test_exact_logit_expectation_and_piecewise_bound_are_not_convex():
 
     assert min_eig(pw.f, 1.5, 0.02) < -0.05  # at a breakpoint, small variance
     exact = lambda a, r: -fam.expected_log_prob(a, r, num_points=100)
-    assert min_eig(exact, 0.0, 0.01) < -0.02  # notes §2: about -0.031
+    # about -0.031 (docs/dual_vg.md, § Primal variational-Gaussian problem)
+    assert min_eig(exact, 0.0, 0.01) < -0.02
 
 
 # ----------------------------------------------------------------------------- objective

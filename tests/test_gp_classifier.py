@@ -106,13 +106,29 @@ def test_hyperparameter_learning_improves_the_bound():
     X, y = _data(80, seed=5, noise=0.6)
     fixed = GPClassifier(_kernel(ls=3.0, os=0.5)).fit(X, y)
     learned = GPClassifier(_kernel(ls=3.0, os=0.5), learn_hyperparameters=True, options={"gap_tol": 1e-11},
-                           hyper_options={"max_iter": 40}).fit(X, y)
+                           hyper_options={"max_iter": 100}).fit(X, y)
+    assert learned.hyper_converged_
     assert learned.log_evidence_bound_ > fixed.log_evidence_bound_ + 1.0
     h = learned.hyper_history_["objective"]
     assert max(h) == pytest.approx(h[-1], abs=1e-6) and all(gp < 1e-5 for gp in learned.hyper_history_["gap"][-3:])
     # the learned q is the dual optimum at the learned hyperparameters (warm start and refit agree)
-    again = GPClassifier(learned.kernel, mean=float(learned.mean_.detach()), options={"gap_tol": 1e-11}).fit(X, y)
+    again = GPClassifier(learned.kernel_, mean=float(learned.mean_.detach()), options={"gap_tol": 1e-11}).fit(X, y)
     assert again.log_evidence_bound_ == pytest.approx(learned.log_evidence_bound_, abs=1e-6)
+
+
+def test_the_passed_kernel_is_never_modified():
+    """Two classifiers sharing one kernel object stay independent; hyperparameter learning trains a copy."""
+    X, y = _data(60, seed=3, noise=0.5)
+    kernel = _kernel(ls=2.0, os=1.0)
+    before = {k: v.detach().clone() for k, v in kernel.state_dict().items()}
+    first = GPClassifier(kernel).fit(X, y)
+    p_first = first.predict_proba(X).clone()
+    GPClassifier(kernel, learn_hyperparameters=True, hyper_options={"max_iter": 30}).fit(X[:10], y[:10])
+    GPClassifier(kernel, dtype=torch.float32).fit(X, y)
+    for k, v in kernel.state_dict().items():
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k
+    torch.testing.assert_close(first.predict_proba(X), p_first, rtol=0, atol=0)
+    assert first.kernel_ is not kernel
 
 
 def test_input_validation():

@@ -1,4 +1,6 @@
 """Preconditioned CG against torch.linalg.solve (float64)."""
+import warnings
+
 import pytest
 import torch
 
@@ -260,3 +262,105 @@ def test_no_grad_and_detached():
     b = torch.randn(15, dtype=DT, requires_grad=True)
     res = cg(A, b, rtol=1e-10)
     assert not res.x.requires_grad
+
+
+# ----------------------------------------------------------------------------- truncation at non-positive curvature
+def _rotation(n, seed):
+    U, _ = torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(seed), dtype=DT))
+    return U
+
+
+def test_truncate_returns_iterate_before_negative_curvature():
+    """A = U diag(3, 1, -2) U^T, b = U (1, 1, 1): b^T A b = 2 > 0, so the first step is taken; the
+    Krylov space span{b, A b} has Gram matrix [[2, 14], [14, 20]] (det < 0, indefinite), so the second
+    direction, A-conjugate to b, has p^T A p < 0.  The returned iterate must be the first CG iterate,
+    the minimiser of x^T A x / 2 - b^T x on span{b}: x1 = (b^T b / b^T A b) b = 1.5 b."""
+    U = _rotation(3, 31)
+    A = U @ torch.diag(torch.tensor([3.0, 1.0, -2.0], dtype=DT)) @ U.T
+    b = U @ torch.ones(3, dtype=DT)
+    K = torch.stack([b, A @ b], 1)
+    gram = K.T @ A @ K
+    assert float(b @ A @ b) == pytest.approx(2.0, rel=1e-12) and float(torch.linalg.det(gram)) < 0
+    with pytest.raises(NotPositiveDefiniteError, match="curvature"):
+        cg(A, b, rtol=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a truncated column is not a convergence failure
+        res = cg(A, b, rtol=1e-12, on_negative_curvature="truncate")
+    torch.testing.assert_close(res.x, 1.5 * b, rtol=1e-13, atol=1e-13)
+    assert res.iterations == 2 and res.num_mvm == 3  # two CG products and the true-residual check
+    assert res.truncated.dim() == 0 and bool(res.truncated)
+    assert not res.converged
+    # the reported residual is the true one at the returned iterate: ||b - 1.5 A b|| / ||b||
+    expected = float(torch.linalg.vector_norm(b - 1.5 * (A @ b)) / torch.linalg.vector_norm(b))
+    assert float(res.residual_norm) == pytest.approx(expected, rel=1e-12)
+    assert float(res.residual_norm) == pytest.approx(float(torch.tensor([1 - 4.5, 1 - 1.5, 1 + 3.0], dtype=DT).norm() / 3**0.5),
+                                                     rel=1e-12)
+
+
+def test_truncate_at_first_iteration_returns_preconditioned_residual():
+    """A = diag(1, -3), Jacobi M = diag(4, 1): z = M^{-1} b = (0.25, 1) has z^T A z = 0.0625 - 3 < 0 at the
+    first iteration, so the result is the step along the preconditioned residual, x0 + M^{-1} (b - A x0)."""
+    A = torch.diag(torch.tensor([1.0, -3.0], dtype=DT))
+    b = torch.tensor([1.0, 1.0], dtype=DT)
+    d = torch.tensor([4.0, 1.0], dtype=DT)
+    res = cg(A, b, precond=d, on_negative_curvature="truncate")
+    torch.testing.assert_close(res.x, torch.tensor([0.25, 1.0], dtype=DT), rtol=0, atol=0)
+    assert res.iterations == 1 and bool(res.truncated)
+    # without a preconditioner: b^T A b = -2 < 0, the result is b itself (the steepest-descent direction)
+    res = cg(A, b, on_negative_curvature="truncate", true_residual=False)
+    torch.testing.assert_close(res.x, b, rtol=0, atol=0)
+    assert res.num_mvm == 1 and bool(res.truncated)
+    # warm start: x0 + M^{-1} (b - A x0) with b - A x0 = (1 - 0.5, 1 - 6) = (0.5, -5), curvature 1/64 - 75 < 0
+    x0 = torch.tensor([0.5, -2.0], dtype=DT)
+    res = cg(A, b, precond=d, x0=x0, on_negative_curvature="truncate")
+    torch.testing.assert_close(res.x, torch.tensor([0.5 + 0.125, -2.0 - 5.0], dtype=DT), rtol=0, atol=1e-15)
+    assert res.iterations == 1 and bool(res.truncated)
+
+
+def test_truncate_batched_columns_are_independent():
+    """Column 0 lies in the positive eigenspace (exact solve in 2 steps); column 1 is the indefinite case above."""
+    U = _rotation(3, 32)
+    ev = torch.tensor([3.0, 1.0, -2.0], dtype=DT)
+    A = U @ torch.diag(ev) @ U.T
+    B = U @ torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 1.0]], dtype=DT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = cg(A, B, rtol=1e-12, on_negative_curvature="truncate")
+    assert res.truncated.tolist() == [False, True]
+    torch.testing.assert_close(res.x[:, 0], U @ torch.tensor([1 / 3, 1.0, 0.0], dtype=DT), rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(res.x[:, 1], 1.5 * B[:, 1], rtol=1e-13, atol=1e-13)
+    assert float(res.residual_norm[0]) <= 1e-12 and float(res.residual_norm[1]) > 0.1
+    assert not res.converged and res.iterations == 2
+    # a column that runs out of iterations still warns, a truncated one does not: column 1 = U e_3 has
+    # b^T A b = -2 at the first iteration and is returned unchanged (x = b)
+    B2 = U @ torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.0, 1.0]], dtype=DT)
+    with pytest.warns(ConvergenceWarning, match="1 of 2"):
+        res = cg(A, B2, rtol=1e-12, max_iter=1, on_negative_curvature="truncate")
+    assert res.truncated.tolist() == [False, True] and res.iterations == 1
+    torch.testing.assert_close(res.x[:, 1], B2[:, 1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("precond", [False, True])
+def test_truncate_mode_leaves_spd_solves_unchanged(precond):
+    A = _sparse_spd(side=12, scale_range=2.0, seed=4).to_dense()
+    B = torch.randn(A.shape[0], 3, generator=torch.Generator().manual_seed(5), dtype=DT)
+    kw = dict(rtol=1e-10, precond=A.diagonal() if precond else None)
+    ref = cg(A, B, **kw)
+    res = cg(A, B, on_negative_curvature="truncate", **kw)
+    assert ref.converged and res.converged
+    assert torch.equal(res.x, ref.x) and res.iterations == ref.iterations and res.num_mvm == ref.num_mvm
+    assert torch.equal(res.residual_norm, ref.residual_norm) and res.residual_history == ref.residual_history
+    assert res.truncated.tolist() == [False] * 3 and ref.truncated.tolist() == [False] * 3
+    x_ref = torch.linalg.solve(A, B)
+    torch.testing.assert_close(res.x, x_ref, rtol=1e-7, atol=1e-9)
+
+
+def test_truncate_mode_checks_its_argument_and_still_rejects_nan():
+    A = _spd(10, 10.0)
+    b = torch.randn(10, dtype=DT)
+    with pytest.raises(ValueError, match="on_negative_curvature"):
+        cg(A, b, on_negative_curvature="ignore")
+    with pytest.raises(ValueError, match="NaN"):
+        cg(lambda v: v * float("nan"), b, on_negative_curvature="truncate")
+    with pytest.raises(NotPositiveDefiniteError, match="precond"):
+        cg(A, b, precond=lambda r: -r, on_negative_curvature="truncate")

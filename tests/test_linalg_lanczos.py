@@ -7,6 +7,7 @@ import torch
 
 from pyro_convexvb.errors import ConvergenceWarning
 from pyro_convexvb.linalg import (
+    LanczosResult,
     NotPositiveDefiniteError,
     SparseOperator,
     banded_lanczos_z,
@@ -429,3 +430,78 @@ def test_block_lanczos_bad_inputs():
         block_lanczos(lambda V: V[:-1], 10, 5, 2, dtype=DT)
     with pytest.raises(NotPositiveDefiniteError):
         block_lanczos(-A, 10, 6, 2, generator=_gen(0)).variances(None)
+
+
+# ------------------------------------------------------------------------------------------ one result type
+def test_lanczos_is_block_lanczos_with_block_size_one():
+    """Single-vector Lanczos and block Lanczos with b = 1 are the same run and return the same type."""
+    A = _spd(40, 1e3, seed=50)
+    v0 = torch.randn(40, generator=_gen(51), dtype=DT)
+    one = lanczos(A, v0, 15)
+    blk = block_lanczos(A, v0[:, None], 15, 1)
+    assert type(one) is type(blk) is LanczosResult
+    torch.testing.assert_close(one.Q, blk.Q, rtol=0, atol=0)
+    torch.testing.assert_close(one.T(), blk.T(), rtol=0, atol=0)
+    assert one.block_size == blk.block_size == 1
+    # the tridiagonal coefficients and the bidiagonal Cholesky factor agree with the dense ones
+    e, d = tridiagonal_cholesky(one.alpha, one.beta)
+    torch.testing.assert_close(torch.diag(e) + torch.diag(d, -1), one.cholesky_L(), rtol=1e-12, atol=1e-14)
+    # a callable on (n,) vectors works as before; the same random start as the operator form
+    res = lanczos(lambda v: A @ v, 40, 15, generator=_gen(52), dtype=DT)
+    ref = block_lanczos(A, 40, 15, 1, generator=_gen(52))
+    torch.testing.assert_close(res.Q, ref.Q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("b,k", [(1, 12), (3, 18), (3, 17), (4, 30), (4, 1)])
+def test_ritz_residuals_and_residual_of_every_block_size(b, k):
+    """A Q - Q T = W C with orthonormal W: ||A y_i - theta_i y_i|| = ||C s_i|| (also after the last block
+    was truncated to reach k), and ||A Q - Q T||_F = ||C||_F."""
+    A = _spd(45, 1e3, seed=53)
+    res = block_lanczos(A, 45, k, b, generator=_gen(54))
+    assert res.k == k
+    Q, T = res.Q, res.T()
+    R = A @ Q - Q @ T
+    C = res.residual_coeffs
+    assert C.shape[1] == k and C.shape[0] <= b + b
+    torch.testing.assert_close(torch.linalg.matrix_norm(R), torch.linalg.matrix_norm(C), rtol=1e-9, atol=1e-12)
+    Y, theta = res.ritz_vectors(), res.ritz_values
+    true_rr = torch.linalg.vector_norm(A @ Y - Y * theta, dim=0)
+    torch.testing.assert_close(res.ritz_residuals, true_rr, rtol=1e-8, atol=1e-11)
+    lam = torch.linalg.eigvalsh(A)
+    dist = (theta[:, None] - lam[None, :]).abs().min(1).values
+    assert bool((dist <= res.ritz_residuals + 1e-10).all())
+    if b == 1:
+        torch.testing.assert_close(res.beta_next, torch.linalg.vector_norm(R[:, -1]), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_covariance_factor_and_apply_inverse(b):
+    A = _spd(30, 1e2, seed=55)
+    res = block_lanczos(A, 30, 13, b, generator=_gen(56))
+    Q, T = res.Q, res.T()
+    C = Q @ torch.linalg.solve(T, Q.T)
+    F = res.covariance_factor()
+    assert F.shape == (30, 13)
+    torch.testing.assert_close(F @ F.T, C, rtol=1e-10, atol=1e-13)
+    v = torch.randn(30, 2, generator=_gen(57), dtype=DT)
+    torch.testing.assert_close(res.apply_inverse(v), C @ v, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(res.apply_inverse(v[:, 0]), C @ v[:, 0], rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(res.variances(None), torch.diagonal(C), rtol=1e-10, atol=1e-13)
+
+
+def test_extended_run_equals_a_direct_run():
+    """L-PCA extends one run step by step; the extended run is the run of the final length."""
+    import importlib
+
+    lz = importlib.import_module("pyro_convexvb.linalg.lanczos")
+    A = _spd(50, 1e3, seed=58)
+    v0 = torch.randn(50, generator=_gen(59), dtype=DT)
+    run = lz._vector_run(A, v0, 10, True, None, None, None, None)
+    first = run.run(10).result()
+    ext = run.run(24).result()
+    direct = lanczos(A, v0, 24)
+    assert first.k == 10 and ext.k == 24 and ext.num_mvm == 24
+    torch.testing.assert_close(ext.Q, direct.Q, rtol=0, atol=1e-13)
+    torch.testing.assert_close(ext.T(), direct.T(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(ext.ritz_residuals, direct.ritz_residuals, rtol=1e-8, atol=1e-12)
+    torch.testing.assert_close(first.T(), direct.T()[:10, :10], rtol=0, atol=1e-12)

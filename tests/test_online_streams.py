@@ -1,6 +1,9 @@
 """Streams: synthetic generator settings, chunked svmlight/CSV/Criteo readers, feature hashing."""
+import ast
 import gzip
 import math
+import subprocess
+import sys
 import zlib
 
 import numpy as np
@@ -91,6 +94,38 @@ def test_svmlight_reader_reports_bad_lines(tmp_path):
     assert X.shape == (1, 4) and X.sum() == pytest.approx(1.5)
     with pytest.raises(ValueError, match="num_features"):
         list(iter_svmlight(p))
+
+
+def test_streams_read_svmlight_through_io_not_datasets():
+    import pyro_convexvb.io as pio
+    import pyro_convexvb.online.streams as streams
+
+    assert streams.parse_svmlight_lines is pio.parse_svmlight_lines
+    tree = ast.parse(open(streams.__file__, encoding="utf-8").read())
+    imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    # datasets imports streams (its make_online_stream re-export), so streams must not import datasets
+    assert not [m for m in imported if m.split(".")[-1] == "datasets"], imported
+
+
+@pytest.mark.parametrize("order", [("pyro_convexvb.online.streams", "pyro_convexvb.datasets"),
+                                   ("pyro_convexvb.datasets", "pyro_convexvb.online.streams")])
+def test_datasets_and_streams_import_in_either_order(order):
+    code = f"import {order[0]}, {order[1]}; import pyro_convexvb.datasets as D; print(D.parse_svmlight_lines.__module__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "pyro_convexvb.io"
+
+
+def test_open_text_reads_plain_and_gzip(tmp_path):
+    from pyro_convexvb.io import open_text
+
+    (tmp_path / "a.txt").write_text("1 1:2\n")
+    with gzip.open(tmp_path / "a.txt.gz", "wt", encoding="utf-8") as fh:
+        fh.write("1 1:2\n")
+    for name in ("a.txt", "a.txt.gz"):
+        with open_text(tmp_path / name) as fh:
+            assert fh.read() == "1 1:2\n"
 
 
 def _criteo_line(label, ints, cats):

@@ -68,6 +68,40 @@ def test_low_rank_variances():
         q.sample(3)
 
 
+def test_low_rank_plus_diagonal_agrees_with_dense():
+    g = torch.Generator().manual_seed(8)
+    W = torch.randn(6, 2, generator=g, dtype=D)
+    d = torch.rand(6, generator=g, dtype=D) + 0.1
+    C = W @ W.T + torch.diag(d)
+    loc = torch.linspace(-1, 1, 6, dtype=D)
+    q = pcv.GaussianPosterior(loc, cov_factor=W, cov_diag=d)
+    assert q.kind == "low_rank_diagonal"
+    torch.testing.assert_close(q.covariance(), C, rtol=0, atol=1e-12)
+    torch.testing.assert_close(q.variance, C.diagonal(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(q.scale_tril() @ q.scale_tril().T, C, rtol=0, atol=1e-12)
+    ref = dist.MultivariateNormal(loc, covariance_matrix=C)
+    u = torch.randn(4, 6, generator=g, dtype=D)
+    torch.testing.assert_close(q.log_prob(u), ref.log_prob(u), rtol=1e-10, atol=1e-10)
+    assert float(q.entropy()) == pytest.approx(float(ref.entropy()), abs=1e-10)
+    torch.testing.assert_close(q.to_distribution().covariance_matrix, C, rtol=0, atol=1e-12)
+    B = torch.randn(3, 6, generator=g, dtype=D)
+    mean, var = q.marginals(B, offset=torch.ones(3, dtype=D))
+    torch.testing.assert_close(mean, B @ loc + 1)
+    torch.testing.assert_close(var, (B @ C @ B.T).diagonal(), rtol=1e-12, atol=1e-12)
+    s = q.sample(40000, generator=torch.Generator().manual_seed(9))
+    assert s.shape == (40000, 6)
+    assert float((s.mean(0) - loc).abs().max()) < 4 * float(C.diagonal().max().sqrt()) / 200
+    assert float((torch.cov(s.T) - C).abs().max() / C.abs().max()) < 0.03
+    with pytest.raises(ValueError, match="both cov_factor"):
+        pcv.GaussianPosterior(loc, cov_factor=W)
+    with pytest.raises(ValueError, match="shape"):
+        pcv.GaussianPosterior(loc, cov_factor=W[:5], cov_diag=d)
+    with pytest.raises(ValueError, match="cov_diag must be positive"):
+        pcv.GaussianPosterior(loc, cov_factor=W, cov_diag=d - 1)
+    with pytest.raises(ValueError, match="one covariance representation"):
+        pcv.GaussianPosterior(loc, covariance=C, cov_factor=W, cov_diag=d)
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="one covariance representation"):
         pcv.GaussianPosterior(torch.zeros(2, dtype=D), covariance=torch.eye(2, dtype=D), precision=torch.eye(2, dtype=D))
@@ -77,7 +111,8 @@ def test_bad_inputs():
         pcv.GaussianPosterior(torch.zeros(2, dtype=D), torch.tensor([1.0, -1.0], dtype=D))
 
 
-def test_guide_in_predictive_median_quantiles():
+@pytest.mark.parametrize("trainable", [True, False])
+def test_guide_in_predictive_median_quantiles(trainable):
     X = torch.randn(20, 3, dtype=D)
 
     def model(X, y=None):
@@ -91,7 +126,8 @@ def test_guide_in_predictive_median_quantiles():
     q = pcv.GaussianPosterior(loc, covariance=C)
     y = model(X)
     q.model, q.model_args = model, ((X,), {"y": y})
-    guide = q.as_guide()
+    guide = q.as_guide(trainable=trainable)
+    assert isinstance(guide, pcv.GaussianPosteriorGuide) != trainable
     med = guide.median()
     torch.testing.assert_close(med["w"], loc[:3])
     assert float(med["b"]) == -4.0

@@ -4,7 +4,13 @@
   rank-one marginal updates.
 * :mod:`.imaging` -- matrix-free Haar, difference and Fourier-column operators, phase-encode scores,
   the compressive-sensing model of Seeger 2010 §5 and its exact MAP.
-* :mod:`.active` -- :class:`ActiveLearner`, sequential inclusion in blocks.
+* :mod:`.active` -- :class:`ActiveLearner`, sequential inclusion with a joint refit every ``refit_every``
+  inclusions.
+
+Everything here is built on the public API of :mod:`pyro_convexvb.infer.convex_relaxation`
+(the engine, :func:`~pyro_convexvb.infer.convex_relaxation.predictive_marginals`,
+:func:`~pyro_convexvb.infer.convex_relaxation.site_designs`,
+:func:`~pyro_convexvb.infer.convex_relaxation.laplace_map`) and of :mod:`pyro_convexvb.linalg`.
 """
 from .active import ActiveHistory, ActiveLearner
 from .imaging import (

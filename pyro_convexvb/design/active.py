@@ -1,12 +1,14 @@
 r"""Sequential Bayesian active learning for binary classification on the convex relaxation (Nickisch & Seeger 2009 §3).
 
-:class:`ActiveLearner` includes candidates in blocks of ``K``:
+:class:`ActiveLearner` includes candidates one at a time and refits the posterior every ``refit_every``
+inclusions (the block inclusions of Nickisch & Seeger 2009 §3; a *block* below is the ``refit_every``
+inclusions between two refits):
 
 1. **Block start.** The relaxation ``Q(u|D) = N(u_*, A^{-1})`` of the current training set is
    available (the engine's fit). Marginals ``Q(s_j) = N(mu_j, rho_j)`` of *all* pool rows are
    formed once: ``mu = B_pool u_* + o``, ``rho`` from the engine's covariance representation (one
    pass of the K-Lanczos factors over the pool, or the exact Cholesky factor).
-2. **Inclusions** (``K`` of them). Score the remaining candidates from their current marginals
+2. **Inclusions** (``refit_every`` of them). Score the remaining candidates from their current marginals
    (vectorised), pick the winner ``i``, query its label, solve ``d = A^{-1} b_i`` by CG (``A`` includes
    the rows already added in this block), recompute ``rho_i = b_i^T d`` and ``mu_i`` (corrects Lanczos
    underestimation, as the paper does), solve ``gamma_i = argmin phi_i`` for the observed label and
@@ -29,10 +31,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..infer.convex_relaxation import ConvexVariationalRelaxation, LogisticPotential, predictive_marginals
-from ..infer.convex_relaxation.problem import RelaxationProblem
+from ..infer.convex_relaxation import (
+    ConvexVariationalRelaxation,
+    LogisticPotential,
+    predictive_marginals,
+    site_designs,
+)
 from ..lgm.extract import lgm_from_pyro
-from ..linalg.cg import cg
+from ..linalg import cg
 from .scores import classifier_uncertainty, information_gain, minimize_site_phi, rank_one_include
 
 __all__ = ["ActiveLearner", "ActiveHistory"]
@@ -46,10 +52,10 @@ class ActiveHistory:
 
     :ivar chosen: pool indices of the included candidates, in order of inclusion.
     :ivar scores: score of each winner at the time it was picked (``nan`` for ``"random"``).
-    :ivar num_included: training-set size after the initial fit and after each block.
+    :ivar num_included: training-set size after the initial fit and after each refit.
     :ivar test_error: test error at those points (empty without a test set).
     :ivar seconds: cumulative wall seconds at those points.
-    :ivar dropped: number of candidates dropped within each block for ``rho <= 0``.
+    :ivar dropped: number of candidates dropped between successive refits for ``rho <= 0``.
     :ivar result: the last :class:`~pyro_convexvb.InferenceResult`.
     """
 
@@ -88,11 +94,12 @@ class ActiveLearner:
     :param X_pool: ``(N, d)`` candidate rows, dense tensor or torch sparse CSR.
     :param oracle: callable ``oracle(indices: LongTensor) -> labels (len,)`` in ``{0, 1}``.
     :param str score: ``"cu"`` (classifier uncertainty), ``"ig"`` (information gain) or ``"random"``.
-    :param int block_size: ``K`` inclusions between joint refits of ``gamma``.
-    :param int lanczos_rank: ``k`` Lanczos steps of the engine (variances of model and candidate sites).
+    :param int refit_every: number of inclusions between joint refits of all ``gamma`` (the block size
+        of Nickisch & Seeger 2009 §3); within a block the posterior is kept valid by rank-one updates.
+    :param int lanczos_rank: number of Lanczos steps of the engine (variances of model and candidate sites).
     :param str variance: the engine's variance method (``"lanczos"``, or ``"exact"`` for small models).
     :param int init_outer: outer iterations of the initial fit.
-    :param int refit_outer: outer iterations of each warm-started block-end refit (``>= 1``; each costs one
+    :param int refit_outer: outer iterations of each warm-started refit (``>= 1``; each costs one
         inner loop and one Lanczos run, the first variance update being the kept-valid marginals).
     :param float cg_tol: relative residual of the CG solves ``d = A^{-1} b_i``.
     :param dict engine_options: further keyword arguments of
@@ -109,18 +116,18 @@ class ActiveLearner:
         ...     with pyro.plate("data", X.shape[0]):
         ...         pyro.sample("y", dist.Bernoulli(logits=pcv.linear(X, u)), obs=y)
         >>> X = torch.randn(200, 3, dtype=torch.float64); y = (X[:, 0] > 0).double()
-        >>> learner = ActiveLearner(model, X, lambda i: y[i], score="cu", block_size=5, variance="exact",
+        >>> learner = ActiveLearner(model, X, lambda i: y[i], score="cu", refit_every=5, variance="exact",
         ...                         progress=False)
         >>> h = learner.run(10, init=torch.arange(10))
         >>> len(h.chosen)
         10
     """
 
-    def __init__(self, model, X_pool, oracle, score="cu", block_size=1, lanczos_rank=80, *, variance="lanczos",
+    def __init__(self, model, X_pool, oracle, score="cu", refit_every=1, lanczos_rank=80, *, variance="lanczos",
                  init_outer=5, refit_outer=1, cg_tol=1e-8, engine_options=None, seed=0, progress=True):
         if score not in _SCORES:
             raise ValueError(f"score: expected one of {_SCORES}, got {score!r}")
-        for name, v, lo in (("block_size", block_size, 1), ("lanczos_rank", lanczos_rank, 1),
+        for name, v, lo in (("refit_every", refit_every, 1), ("lanczos_rank", lanczos_rank, 1),
                             ("init_outer", init_outer, 0), ("refit_outer", refit_outer, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name}: expected an integer >= {lo}, got {v!r}")
@@ -131,7 +138,7 @@ class ActiveLearner:
         if not callable(oracle):
             raise TypeError("oracle: expected a callable indices -> labels")
         self.model, self.X_pool, self.oracle = model, X_pool, oracle
-        self.score, self.K, self.k = score, block_size, lanczos_rank
+        self.score, self.refit_every, self.lanczos_rank = score, refit_every, lanczos_rank
         self.init_outer, self.refit_outer, self.cg_tol = init_outer, refit_outer, cg_tol
         self.variance, self.seed, self.progress = variance, seed, progress
         self.engine_options = dict(engine_options or {})
@@ -150,9 +157,9 @@ class ActiveLearner:
         return lik[0].design, lik[0].offset, lik[0].name
 
     def _fit(self, idx, labels, gamma_init, max_outer, **warm):
-        eng = ConvexVariationalRelaxation(self.model, lanczos_rank=self.k, max_outer=max_outer, variance=self.variance,
-                                          gamma_init=gamma_init, seed=self.seed, progress=False,
-                                          **self.engine_options, **warm)
+        eng = ConvexVariationalRelaxation(self.model, lanczos_rank=self.lanczos_rank, max_outer=max_outer,
+                                          variance=self.variance, gamma_init=gamma_init, seed=self.seed,
+                                          progress=False, **self.engine_options, **warm)
         return eng.run(_take_rows(self.X_pool, idx), labels)
 
     def _labels(self, idx):
@@ -181,7 +188,7 @@ class ActiveLearner:
 
     # ------------------------------------------------------------------ main loop
     def run(self, num_inclusions, init, X_test=None, y_test=None):
-        """Include ``num_inclusions`` candidates sequentially, in blocks of ``block_size``.
+        """Include ``num_inclusions`` candidates sequentially, refitting every ``refit_every`` inclusions.
 
         :param int num_inclusions: number of candidates to include.
         :param init: initial training indices into ``X_pool`` (labels are asked from the oracle).
@@ -226,7 +233,7 @@ class ActiveLearner:
         done = 0
         try:
             while done < num_inclusions:
-                block = min(self.K, num_inclusions - done)
+                block = min(self.refit_every, num_inclusions - done)
                 result, dropped, labels = self._block(result, idx, labels, block, alive_all, rng, hist, bar)
                 done += block
                 hist.dropped.append(dropped)
@@ -243,7 +250,7 @@ class ActiveLearner:
         u = result.posterior.loc.clone()
         log_det = result.info.get("log_det")
         A0 = result.posterior.precision_operator
-        prob = RelaxationProblem(result.lgm)  # model sites: B_m, group order of z_all / gamma_all
+        sites = site_designs(result.lgm)  # model sites: B_m, group order of z_all / gamma_all
         z_model = result.info["z_all"].clone()
         rows, gams = [], []
         alive = alive_all.clone()
@@ -274,8 +281,8 @@ class ActiveLearner:
             upd = rank_one_include(mean, var, self.B_pool.mv(d), d, u, log_det, mean_i=mu_i, var_i=rho_i,
                                    beta_i=pot.beta[0], gamma_i=gamma_i)
             mean, var, u, log_det = upd.mean, upd.var, upd.u, upd.log_det
-            if prob.q:
-                w_m = prob.B.mv(d)
+            if sites.q:
+                w_m = sites.design.mv(d)
                 z_model = z_model - w_m * w_m / (rho_i + gamma_i)
             rows.append(b)
             gams.append(gamma_i)
@@ -291,10 +298,10 @@ class ActiveLearner:
                 bar.update(1)
         # block end: gamma, z and u of the enlarged model, in the engine's site order
         gamma_init, pieces = [], []  # pieces: (variances, rows of B as columns or the model-site slice)
-        for g, sl in zip(prob.groups, prob.group_slices):
-            gamma_init.append(result.info["gamma"][g.name])
+        for name, sl in zip(sites.names, sites.slices):
+            gamma_init.append(result.info["gamma"][name])
             pieces.append((z_model[sl], sl))
-            if g.name == self.lik_name:
+            if name == self.lik_name:
                 gamma_init.append(torch.stack(new_gamma))
                 pieces.append((var[torch.as_tensor(new_idx, device=var.device)], torch.stack(rows, 1)))
         # Nickisch & Seeger 2009 §3: model-site variances that turned nonpositive are recomputed by solving linear systems
@@ -303,9 +310,9 @@ class ActiveLearner:
             bad = torch.nonzero(zp <= 0).reshape(-1)
             if len(bad):
                 if isinstance(src, slice):
-                    E = torch.zeros(prob.q, len(bad), dtype=zp.dtype, device=zp.device)
+                    E = torch.zeros(sites.q, len(bad), dtype=zp.dtype, device=zp.device)
                     E[src.start + bad, torch.arange(len(bad), device=zp.device)] = 1
-                    Bt = prob.B.rmv(E)
+                    Bt = sites.design.rmv(E)
                 else:
                     Bt = src[:, bad]
                 x = cg(a_mv, Bt, rtol=self.cg_tol, on_fail="warn").x

@@ -13,7 +13,8 @@ so Lanczos and CG never see a dense ``n x n`` matrix.
 * :func:`compressive_sensing_model` -- the sparse linear model of Seeger 2010 §5 (Eq. (1)) as a
   :class:`~pyro_convexvb.LatentGaussianModel`: flat prior on ``u``, Gaussian Fourier-column measurements,
   Laplace sites on ``s = [B_a; B_r] u``.
-* :func:`laplace_map` -- the MAP estimate of such a model (the reconstruction Seeger 2010 §5 evaluates).
+* :func:`laplace_map` -- the MAP estimate of such a model (the reconstruction Seeger 2010 §5 evaluates);
+  :func:`pyro_convexvb.infer.convex_relaxation.laplace_map`, re-exported here.
 * :func:`covariance_factor` -- ``F`` with ``F F^T ≈ Cov_Q[u]`` from a convex-relaxation fit (exact,
   K-Lanczos or L-PCA), the input of :func:`phase_encode_scores`.
 
@@ -21,12 +22,11 @@ Each operator also carries its entrywise square (``op.squared()``), so ``diag(B^
 Jacobi preconditioner of the engine's CG and its ``log|A|`` bound) never needs a dense matrix either.
 """
 import math
-import warnings
 
 import torch
 
-from ..errors import ConvergenceWarning
-from ..linalg.operators import FunctionOperator
+from ..infer.convex_relaxation import laplace_map
+from ..linalg import FunctionOperator
 from .scores import _logdet_eye_plus, lanczos_covariance_factor
 
 __all__ = [
@@ -331,78 +331,6 @@ def compressive_sensing_model(y, H, W, columns, noise_var, tau_a, tau_r, levels=
     prior = PriorBlock("u", torch.zeros(n, dtype=dt, device=dev), flat=True)
     return LatentGaussianModel(layout, [prior], [obs, group("wavelet", Ba, sigma / tau_a),
                                                  group("differences", Br, sigma / tau_r)])
-
-
-def laplace_map(lgm, u0=None, *, z_start=1e-2, z_final=1e-12, z_factor=1e-2, max_newton=50, cg_tol=1e-10,
-                newton_tol=1e-14):
-    r"""MAP estimate ``argmax_u P(u | y)`` of a latent Gaussian model whose non-Gaussian sites are Laplace
-    (e.g. :func:`compressive_sensing_model`): the minimiser of
-
-    .. math:: \Psi_0(u) = \tfrac12 \|\tilde y - X u\|^2 + \sum_j |s_j| / b_j, \qquad s = B u,
-
-    the reconstruction Seeger 2010 §5 reports. Solved as the limit ``z -> 0`` of the smooth problems
-    ``Psi_z(u) = ||y~ - X u||^2/2 + sum_j sqrt(z + s_j^2)/b_j`` — the inner-loop criterion of Seeger 2010 Eq. (3)
-    at a constant ``z`` (its footnote 2: ``z = 0`` is MAP estimation) — each minimised by the engine's
-    Newton/IRLS inner loop with CG, warm-started from the previous ``z`` (``z_start``, ``z_start z_factor``,
-    ... down to ``z_final``). ``0 <= Psi_z - Psi_0 <= sqrt(z) sum_j 1/b_j``.
-
-    :param lgm: :class:`~pyro_convexvb.LatentGaussianModel` with Laplace site groups only (besides Gaussian ones).
-    :param u0: ``(n,)`` start (default ``0``).
-    :param float z_start: first smoothing ``z`` (units of ``s^2``); :param float z_final: last one.
-    :param float z_factor: ratio of successive ``z``.
-    :param int max_newton: Newton steps per ``z``.
-    :param float cg_tol: final relative CG residual of the Newton systems.
-    :param float newton_tol: Newton decrement test, relative to ``max(1, |Psi_z|)``.
-    :returns: ``(u, info)``; ``info`` has ``objective`` (``Psi_0(u)``), ``smoothed_objective``,
-        ``newton_steps`` (per ``z``), ``converged``.
-    :raises ValueError: if a non-Gaussian site group is not Laplace.
-
-    A Newton loop that stops without meeting its decrement test issues a
-    :class:`~pyro_convexvb.errors.ConvergenceWarning` with the final decrement.
-
-    Example::
-
-        >>> import torch
-        >>> u = torch.rand(8, 8, dtype=torch.float64).reshape(-1)
-        >>> y = fourier_columns_operator(8, 8, [0, 1, 2, 7]).mv(u)
-        >>> lgm = compressive_sensing_model(y, 8, 8, [0, 1, 2, 7], 1e-3, 0.08, 0.16)
-        >>> u_map, info = laplace_map(lgm)
-        >>> info["converged"]
-        True
-    """
-    from ..infer.convex_relaxation.inner import inner_loop
-    from ..infer.convex_relaxation.problem import RelaxationProblem
-
-    for g in lgm.nongaussian_groups:
-        if g.family.name != "laplace":
-            raise ValueError(f"lgm: site group '{g.name}' is '{g.family.name}'; laplace_map needs Laplace sites")
-    if not (0 < z_final <= z_start and 0 < z_factor < 1):
-        raise ValueError("z_start, z_final, z_factor: expected 0 < z_final <= z_start and 0 < z_factor < 1")
-    prob = RelaxationProblem(lgm)
-    u = torch.zeros(lgm.n, dtype=lgm.dtype, device=lgm.device) if u0 is None else u0.to(lgm.dtype).clone()
-    if u.shape != (lgm.n,) or not bool(torch.isfinite(u).all()):
-        raise ValueError(f"u0: expected a finite ({lgm.n},) tensor")
-    zs = []
-    z = float(z_start)
-    while z > z_final * (1 + 1e-9):
-        zs.append(z)
-        z *= z_factor
-    zs.append(float(z_final))
-    steps, inner = [], None
-    for z in zs:
-        zz = torch.full((prob.q,), z, dtype=lgm.dtype, device=lgm.device)
-        inner = inner_loop(prob, zz, u, max_newton=max_newton, cg_tol=cg_tol, newton_tol=newton_tol)
-        u = inner.u
-        steps.append(inner.newton_steps)
-    if not inner.converged:
-        warnings.warn(ConvergenceWarning(
-            f"laplace_map: Newton stopped after {inner.newton_steps} steps at z = {zs[-1]:g} without meeting "
-            f"its test (Newton decrement {inner.decrement:.3g})"), stacklevel=2)
-    s = prob.s(u)
-    b = torch.cat([g.family.params["scale"] for g in lgm.nongaussian_groups])
-    psi0 = 0.5 * float(prob.quad(u)) + float((s.abs() / b).sum())
-    return u, {"objective": psi0, "smoothed_objective": inner.objective, "newton_steps": steps,
-               "converged": bool(inner.converged), "z": zs}
 
 
 def covariance_factor(result, pca_rank=None):

@@ -19,9 +19,9 @@ from collections import namedtuple
 
 import torch
 
-from ..infer.convex_relaxation.potentials import LogisticPotential
+from ..infer.convex_relaxation import LogisticPotential
 from ..lgm.sites import gaussian_expectation
-from ..linalg.operators import LinearOperator, as_operator
+from ..linalg import LinearOperator, as_operator
 
 __all__ = [
     "predictive_probability",
@@ -199,10 +199,14 @@ def lanczos_covariance_factor(lanczos):
     r"""``F = Q_k L^{-T}`` with ``T_k = L L^T``, so that ``F F^T = Q_k T_k^{-1} Q_k^T`` (the K-Lanczos
     covariance, Seeger 2010 §3); shape ``(n, k)``.
 
-    :param lanczos: a :class:`~pyro_convexvb.linalg.lanczos.LanczosResult` or a pair ``(Q, T)``
-        (``info["lanczos"]`` of the convex relaxation).
+    :param lanczos: a :class:`~pyro_convexvb.linalg.LanczosResult`, a pair ``(Q, T)``
+        (``info["lanczos"]`` of the convex relaxation), or any result with a ``covariance_factor()``
+        method (``info["lanczos_result"]``; for the engine's whitened estimator of a Gaussian-process prior,
+        :class:`~pyro_convexvb.infer.convex_relaxation.outer.WhitenedLanczos`, ``F`` has ``n + k`` columns).
     """
-    Q, T = (lanczos.Q, lanczos.T()) if hasattr(lanczos, "Q") else lanczos
+    if hasattr(lanczos, "covariance_factor"):
+        return lanczos.covariance_factor()
+    Q, T = lanczos
     L = torch.linalg.cholesky(T)
     # F^T = L^{-1} Q^T
     return torch.linalg.solve_triangular(L, Q.transpose(0, 1), upper=False).transpose(0, 1)

@@ -3,21 +3,19 @@ r"""Scikit-learn-style GP binary classification with GPyTorch kernels over any a
 ``GPClassifier(kernel, engine="dual_vg")``: latent ``f ~ N(mean, K)`` with ``K = kernel(X)`` (plus
 jitter), ``y_n ~ Bernoulli(sigmoid(f_n))``. With ``engine="dual_vg"`` the model goes straight to the
 dual (``N x N`` form; Khan et al. 2013) and test predictions use the dual variables,
-``mean_* = mu_* - k_*^T alpha`` and ``var_* = k_** - ||R^{-1} Lam^{1/2} k_*||^2`` (notes §5), with no
-inverse of ``K``. Other engines receive the same latent Gaussian model (``takes="lgm"`` engines) or
+``mean_* = mu_* - k_*^T alpha`` and ``var_* = k_** - ||R^{-1} Lam^{1/2} k_*||^2`` (Khan et al. 2013,
+Eqs. 17-18; docs/dual_vg.md, § Algorithm and recovery), with no inverse of ``K``. Other engines receive the same latent Gaussian model (``takes="lgm"`` engines) or
 the equivalent Pyro model (Pyro's engines); predictions then use
 :func:`~pyro_convexvb.gp.predict.gp_latent_predictive`. Class probabilities push the latent
 predictive through the logistic link by Gauss-Hermite quadrature.
 """
-import math
+import copy
 
 import numpy as np
 import torch
 
-from ..infer.dual_vg.bounds import make_bound
-from ..infer.dual_vg.guide import fit_dual_vg
-from ..infer.registry import fit as pcv_fit, get_engine
-from ..infer.result import History
+from ..infer.dual_vg import DualVGEngine, make_bound, site_space_predictive
+from ..infer.registry import get_engine
 from ..lgm.layout import LatentLayout
 from ..lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
 from ..lgm.sites import BernoulliLogit, gaussian_expectation
@@ -46,8 +44,9 @@ def gp_classification_lgm(K, y, mean=0.0):
 class GPClassifier:
     r"""Gaussian-process binary classifier (logistic link) over any inference engine of the registry.
 
-    :param kernel: a ``gpytorch.kernels.Kernel`` (e.g. ``ScaleKernel(RBFKernel())``); moved to the
-        data's dtype. Its hyperparameters are used as they are unless ``learn_hyperparameters``.
+    :param kernel: a ``gpytorch.kernels.Kernel`` (e.g. ``ScaleKernel(RBFKernel())``). It is never
+        modified: :meth:`fit` works on a copy (``kernel_``, in the data's dtype), whose
+        hyperparameters are used as they are unless ``learn_hyperparameters``.
     :param str engine: registry engine name (default ``"dual_vg"``).
     :param bool learn_hyperparameters: maximise the dual VG bound over the kernel hyperparameters
         (and the constant mean if ``learn_mean``) by L-BFGS with envelope gradients (``dual_vg`` only).
@@ -56,7 +55,7 @@ class GPClassifier:
     :param dict options: engine options (e.g. ``{"bound": "jensen"}`` for ``dual_vg``).
     :param dict hyper_options: options of :func:`~pyro_convexvb.gp.hyper.learn_hyperparameters`.
 
-    Learned attributes: ``classes_``, ``result_`` (:class:`~pyro_convexvb.InferenceResult`),
+    Learned attributes: ``kernel_`` (the fitted copy of ``kernel``), ``classes_``, ``result_`` (:class:`~pyro_convexvb.InferenceResult`),
     ``posterior_``, ``log_evidence_bound_``, ``alpha_`` (dual variables, ``dual_vg`` only),
     ``hyper_history_``.
 
@@ -110,15 +109,15 @@ class GPClassifier:
     # ------------------------------------------------------------------ fitting
     def _K(self, X, X2=None):
         if X2 is None:
-            K = self.kernel(X).to_dense()
+            K = self.kernel_(X).to_dense()
             return K + self.jitter * torch.eye(X.shape[0], dtype=K.dtype, device=K.device)
-        return self.kernel(X, X2).to_dense()
+        return self.kernel_(X, X2).to_dense()
 
     def fit(self, X, y):
         """Fit to inputs ``X`` ``(n, d)`` and binary labels ``y`` ``(n,)`` (any two distinct values); returns ``self``."""
         X = self._check_X(X)
         self.classes_, y01 = self._check_y(y, X.shape[0])
-        self.kernel = self.kernel.to(dtype=self.dtype, device=X.device)
+        self.kernel_ = copy.deepcopy(self.kernel).to(dtype=self.dtype, device=X.device)
         self.X_train_ = X
         self.y_train_ = y01
         options = dict(self.options or {})
@@ -129,7 +128,7 @@ class GPClassifier:
             if self.engine != "dual_vg":
                 raise ValueError("learn_hyperparameters=True needs engine='dual_vg' (envelope gradients of the dual)")
             bound = make_bound(BernoulliLogit(y01), options.get("bound", "tight"))
-            params = [p for p in self.kernel.parameters() if p.requires_grad]
+            params = [p for p in self.kernel_.parameters() if p.requires_grad]
             if self.learn_mean:
                 params.append(self.mean_)
             n = X.shape[0]
@@ -142,20 +141,16 @@ class GPClassifier:
             if self.engine == "dual_vg":
                 if alpha0 is not None:
                     options.setdefault("alpha0", alpha0)
-                res, backend, _ = fit_dual_vg(gp_classification_lgm(K, y01, mean), progress=False,
-                                              return_state=True, **options)
-                self.backend_ = backend
-                self.alpha_ = res.info["alpha"]
-                self.lam_ = res.info["lam"]
+                options.setdefault("form", "site")
+                res = DualVGEngine(gp_classification_lgm(K, y01, mean), progress=False, **options).run()
+                self.alpha_ = res.info["alpha"] if res.info["form"] == "site" else None
         if self.engine != "dual_vg":
             with torch.enable_grad():
-                spec = get_engine(self.engine)
-                if spec.takes == "lgm":
-                    res = pcv_fit(gp_classification_lgm(K, y01, mean), engine=self.engine, options=options,
-                                  progress=False)
+                engine = get_engine(self.engine)
+                if engine.takes == "lgm":
+                    res = engine(gp_classification_lgm(K, y01, mean), progress=False, **options).run()
                 else:
-                    res = pcv_fit(gp_classification_model, K, y=y01, mean=mean, engine=self.engine,
-                                  options=options, progress=False)
+                    res = engine(gp_classification_model, progress=False, **options).run(K, y=y01, mean=mean)
                 self.alpha_ = None
         self.result_ = res
         self.posterior_ = res.posterior
@@ -173,14 +168,10 @@ class GPClassifier:
         X = self._check_X(X)
         with torch.no_grad():
             Kx = self._K(X, self.X_train_)  # (m, n)
-            kdiag = self.kernel(X, diag=True)
             mean = float(self.mean_.detach())
+            kdiag = self.kernel_(X, diag=True)
             if self.alpha_ is not None:
-                # notes §5: mean mu_* - k_*^T alpha, variance k_** - ||R^{-1} Lam^1/2 k_*||^2
-                s = self.lam_.clamp_min(0).sqrt()
-                R, _ = self.backend_._factor(self.lam_)
-                Z = torch.linalg.solve_triangular(R, s[:, None] * Kx.transpose(0, 1), upper=False)
-                return mean - Kx @ self.alpha_, (kdiag - (Z * Z).sum(0)).clamp_min(0)
+                return site_space_predictive(self.result_, Kx, kdiag, mean)
             return gp_latent_predictive(self.K_train_, Kx, kdiag, self.posterior_, mean, mean)
 
     def decision_function(self, X):

@@ -1,18 +1,32 @@
-"""Pyro's own inference engines as registry baselines: swap them for ours with one word.
+r"""Pyro's own inference engines as registry baselines: swap them for ours with one word.
 
-``svi_autonormal``, ``svi_automvn``, ``svi_lowrank`` (SVI + Adam with a plateau stopping rule),
-``laplace`` (AutoLaplaceApproximation: MAP by L-BFGS, then the Hessian) and ``nuts`` (MCMC).
-Each returns a :class:`~pyro_convexvb.GaussianPosterior` over the model's flat (unconstrained)
-latent vector. Where the model is a latent Gaussian model, ``log_evidence_bound`` is the exact
-variational-Gaussian bound of the engine's Gaussian (Gauss-Hermite site expectations), a real
-lower bound on ``log p(y)``; otherwise it is ``None`` and ``info["elbo_estimate"]`` holds Pyro's
-stochastic ELBO estimate.
+``svi_autonormal``, ``svi_automvn``, ``svi_lowrank`` (SVI with clipped Adam until the windowed ELBO
+plateaus), ``laplace`` (``AutoLaplaceApproximation``: MAP by L-BFGS, then the Hessian) and ``nuts``
+(MCMC). Every posterior is a :class:`~pyro_convexvb.GaussianPosterior` over the model's flat latent
+vector in Pyro's unconstrained coordinates (the space of every other engine and of
+:class:`~pyro.infer.autoguide.AutoContinuous` guides), so a ``HalfCauchy`` scale is summarised by
+the Gaussian of its logarithm.
+
+Evidence bounds: where the model is a latent Gaussian model, ``log_evidence_bound`` is the exact
+variational-Gaussian bound of the engine's Gaussian (Gauss-Hermite site expectations), a real lower
+bound on ``log p(y)``; otherwise ``None``, and ``info["elbo_estimate"]`` holds Pyro's stochastic
+ELBO estimate.
+
+Optimality measures (``converged``): SVI engines, the natural-gradient decrement of the evidence
+bound (:mod:`~pyro_convexvb.infer.optimality`; exact bound for latent Gaussian models, a Monte Carlo
+estimate otherwise); ``laplace``, the largest gradient entry of the log joint at the mode;
+``nuts``, the largest split R-hat over all latent coordinates.
+
+Engines that fit all data at once (``laplace``, ``nuts``) run the model with every subsampled
+``pyro.plate`` at full size; the SVI engines keep Pyro's mini-batches (that is what SVI is for).
 """
 import math
-import warnings
+import typing
+from dataclasses import dataclass
 
 import pyro
 import pyro.optim
+import pyro.poutine as poutine
 import torch
 from pyro.infer import MCMC, NUTS, SVI, Trace_ELBO
 from pyro.infer.autoguide import (
@@ -21,70 +35,154 @@ from pyro.infer.autoguide import (
     AutoMultivariateNormal,
     AutoNormal,
 )
+from torch.distributions import biject_to
 
-from ..errors import ConvergenceWarning, UnsupportedModelError
+from ..errors import UnsupportedModelError
+from ..lgm.extract import full_data_plates
+from .engine import Engine, EngineOptions, Optimality, Solution, option
+from .optimality import gaussian_decrement, monte_carlo_objective
 from .posterior import GaussianPosterior
-from .registry import register_engine
-from .result import History, InferenceResult
 
-__all__ = ["run_svi", "run_laplace", "run_nuts"]
+__all__ = [
+    "SVIOptions",
+    "SVILowRankOptions",
+    "LaplaceOptions",
+    "NUTSOptions",
+    "SVIEngine",
+    "SVIAutoNormal",
+    "SVIAutoMultivariateNormal",
+    "SVILowRank",
+    "LaplaceEngine",
+    "NUTSEngine",
+    "svi_until_plateau",
+    "latent_sites",
+    "flat_log_joint",
+    "try_lgm",
+    "variational_optimality",
+]
+
+#: largest latent dimension for which the exact bound and the decrement use a dense covariance.
+EXACT_BOUND_MAX = 5000
 
 
-def _progress(iterable, enabled, desc):
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm
+# ---------------------------------------------------------------------------------------------
+# shared pieces
+# ---------------------------------------------------------------------------------------------
+def _is_subsample(site):
+    return type(site["fn"]).__name__ == "_Subsample"
 
-    return tqdm(iterable, desc=desc, leave=False)
+
+def latent_sites(model, args, kwargs):
+    """``[(name, site)]`` of the model's latent sample sites in trace order (Pyro's packing order)."""
+    with torch.no_grad(), full_data_plates():
+        tr = poutine.trace(model).get_trace(*args, **kwargs)
+    return [(n, s) for n, s in tr.nodes.items()
+            if s["type"] == "sample" and not s["is_observed"] and not _is_subsample(s)]
 
 
-def _exact_bound(model, args, kwargs, posterior):
-    """Exact VG bound of ``posterior`` if the model is a latent Gaussian model, else None."""
+def flat_log_joint(model, args, kwargs):
+    """``log_joint(U)``: log density of the model at flat unconstrained points ``U`` ``(s, n)`` -> ``(s,)``.
+
+    Latent sites are packed in trace order (as :class:`~pyro.infer.autoguide.AutoContinuous`
+    does), mapped to their supports by ``biject_to`` with the log-Jacobian added, and every
+    subsampled plate runs at full size. Differentiable in ``U``.
+
+    :returns: ``(log_joint, n)``.
+    """
+    sites = latent_sites(model, args, kwargs)
+    parts = []
+    for name, site in sites:
+        t = biject_to(site["fn"].support)
+        shape = t.inv(site["value"]).shape
+        parts.append((name, t, shape, int(math.prod(shape))))
+    n = sum(p[3] for p in parts)
+
+    def log_joint(U):
+        out = []
+        for u in U:
+            vals, ld, start = {}, u.new_zeros(()), 0
+            for name, t, shape, size in parts:
+                x = u[start:start + size].reshape(shape)
+                start += size
+                v = t(x)
+                ld = ld + t.log_abs_det_jacobian(x, v).sum()
+                vals[name] = v
+            with full_data_plates():
+                tr = poutine.trace(poutine.condition(model, data=vals)).get_trace(*args, **kwargs)
+            out.append(tr.log_prob_sum() + ld)
+        return torch.stack(out)
+
+    return log_joint, n
+
+
+def try_lgm(model, args, kwargs):
+    """The model's :class:`~pyro_convexvb.LatentGaussianModel`, or ``None`` when it is not one."""
     from ..lgm.extract import lgm_from_pyro
 
     try:
-        lgm = lgm_from_pyro(model, *args, **kwargs)
+        return lgm_from_pyro(model, *args, **kwargs)
     except (UnsupportedModelError, RuntimeError, ValueError, TypeError):
-        return None, None
-    if lgm.n != posterior.n or lgm.n > 5000:
-        return None, lgm
-    loc = posterior.loc.detach().to(lgm.dtype)
-    cov = posterior.covariance().detach().to(lgm.dtype)
-    return float(lgm.evidence_lower_bound(loc, cov)), lgm
+        return None
 
 
-def _latent_dtype(model, args, kwargs):
-    tr = pyro.poutine.trace(model).get_trace(*args, **kwargs)
-    for site in tr.nodes.values():
-        if site["type"] == "sample" and not site["is_observed"] and type(site["fn"]).__name__ != "_Subsample":
-            return site["value"].dtype
-    return torch.get_default_dtype()
+def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, seed=0, mixture_objective=None):
+    """Bound and natural-gradient decrement of a Gaussian ``posterior`` of ``call.model``.
+
+    Exact variational-Gaussian bound when ``lgm`` (the model's latent Gaussian model) is given and
+    small enough for dense covariances, else a Monte Carlo estimate with ``check_particles`` fixed
+    draws (its decrement is biased upwards by Monte Carlo noise; no bound is reported then).
+
+    :returns: ``(bound or None, Optimality)``.
+    """
+    loc = posterior.loc.detach()
+    exact = lgm is not None and lgm.n == posterior.n and posterior.n <= EXACT_BOUND_MAX
+    if exact:
+        def objective(m, S):
+            m = m.to(lgm.dtype)
+            S = S.to(lgm.dtype)
+            return lgm.evidence_lower_bound(m, variance=S) if S.dim() == 1 else lgm.evidence_lower_bound(m, S)
+        name = "natural-gradient decrement of the exact evidence bound (nats)"
+    else:
+        log_joint, n = flat_log_joint(call.model, call.args, call.kwargs)
+        if n != posterior.n:
+            raise ValueError(f"the model has {n} unconstrained latent dimensions, the posterior {posterior.n}")
+        objective = monte_carlo_objective(log_joint, n, check_particles, loc.dtype, loc.device, seed)
+        name = f"natural-gradient decrement of a {check_particles}-draw Monte Carlo ELBO (nats)"
+    if posterior.kind == "diagonal":
+        dec, value = gaussian_decrement(objective, loc, variance=posterior.variance)
+    elif posterior.kind == "low_rank_diagonal":
+        dec, value = gaussian_decrement(objective, loc, cov_factor=posterior.cov_factor, cov_diag=posterior.cov_diag)
+    else:
+        dec, value = gaussian_decrement(objective, loc, covariance=posterior.covariance())
+    return (value if exact else None), Optimality.single(name, dec, tol)
 
 
-def svi_until_plateau(svi, optim, args, kwargs, *, max_steps, min_steps, window, rtol, lr_decay=True,
-                      progress=True, desc="SVI", callback=None):
+def svi_until_plateau(svi, optim, args, kwargs, *, max_steps, min_steps, window, rtol, lr_decay, bar, history,
+                      callback=None, name="SVI"):
     """Run ``svi.step`` until the windowed mean loss plateaus; shared by every SVI-based engine.
 
     Every ``window`` steps (after ``min_steps``) the mean loss of the last window is compared with the
     previous one; a decrease below ``rtol * (|mean| + 1)`` first divides the learning rate by 5 (when
-    ``lr_decay``) and stops the second time. Warns :class:`ConvergenceWarning` at ``max_steps``.
+    ``lr_decay``) and stops the second time. This is a *stopping* rule, not an optimality test: the
+    engines judge convergence by the natural-gradient decrement afterwards.
 
-    :returns: ``(history, losses, converged)``.
+    :returns: ``(losses, stop_reason)`` with ``stop_reason`` ``"plateau"`` or ``"max_steps"``.
     """
-    history = History()
-    losses, prev, converged, decayed = [], None, False, False
-    for step in _progress(range(max_steps), progress, desc):
+    losses, prev, decayed = [], None, False
+    for step in range(max_steps):
         loss = svi.step(*args, **kwargs)
         if not math.isfinite(loss):
             lr = [g["lr"] for opt in optim.optim_objs.values() for g in opt.param_groups][:1]
-            raise FloatingPointError(f"{desc}: SVI loss became {loss} at step {step}; lower the learning rate "
+            raise FloatingPointError(f"{name}: the SVI loss became {loss} at step {step}; lower the learning rate "
                                      f"(now {lr[0] if lr else 'n/a'})")
         losses.append(loss)
+        bar.update(1)
         if callback is not None:
             callback(step, loss)
         if (step + 1) % window == 0:
             cur = sum(losses[-window:]) / window
             history.record(objective=-cur, step=step + 1)
+            bar.set_postfix(elbo=f"{-cur:.6g}")
             if prev is not None and step + 1 >= min_steps and prev - cur < rtol * (abs(cur) + 1):
                 if lr_decay and not decayed:
                     decayed = True
@@ -92,135 +190,219 @@ def svi_until_plateau(svi, optim, args, kwargs, *, max_steps, min_steps, window,
                         for g in opt.param_groups:
                             g["lr"] *= 0.2
                 else:
-                    converged = True
-                    break
+                    return losses, "plateau"
             prev = cur
-    if not converged:
-        warnings.warn(f"{desc}: SVI did not plateau within {max_steps} steps", ConvergenceWarning)
-    return history, losses, converged
+    return losses, "max_steps"
 
 
-def run_svi(model, args, kwargs, guide_cls, *, lr=0.02, max_steps=20000, min_steps=500, window=250, rtol=2e-4,
-            num_particles=1, vectorize_particles=False, rank=None, init_scale=0.1, seed=0, progress=True,
-            lr_decay=True):
-    """SVI with Adam on a Pyro autoguide, stopped when the windowed mean loss plateaus.
+def forget_params(prefix):
+    """Remove the param-store entries of a guide named ``prefix`` (an earlier fit's), leaving others alone."""
+    store = pyro.get_param_store()
+    for key in [k for k in store.keys() if k == prefix or k.startswith(prefix + ".")]:
+        del store[key]
 
-    Stopping rule: after ``min_steps``, every ``window`` steps compare the mean loss of the last window
-    with the previous one; stop when the decrease is below ``rtol * (|mean| + 1)`` (per window,
-    and the learning rate is then divided by 5 once before stopping for good when ``lr_decay``).
 
-    :returns: :class:`InferenceResult` with a dense :class:`GaussianPosterior`.
-    """
-    pyro.set_rng_seed(seed)
-    pyro.clear_param_store()
-    if guide_cls is AutoLowRankMultivariateNormal:
-        guide = guide_cls(model, rank=rank, init_scale=init_scale)
-    else:
-        guide = guide_cls(model, init_scale=init_scale)
-    optim = pyro.optim.ClippedAdam({"lr": lr, "betas": (0.9, 0.999), "clip_norm": 100.0})
-    svi = SVI(model, guide, optim, Trace_ELBO(num_particles=num_particles, vectorize_particles=vectorize_particles))
-    history, losses, converged = svi_until_plateau(
-        svi, optim, args, kwargs, max_steps=max_steps, min_steps=min_steps, window=window, rtol=rtol,
-        lr_decay=lr_decay, progress=progress, desc=guide_cls.__name__)
-    with torch.no_grad():
-        if isinstance(guide, AutoNormal):
-            locs, scales = [], []
-            for name, site in guide.prototype_trace.iter_stochastic_nodes():
-                loc, scale = guide._get_loc_and_scale(name)
-                locs.append(loc.reshape(-1))
-                scales.append(scale.reshape(-1))
-            loc = torch.cat(locs).detach().clone()
-            posterior = GaussianPosterior(loc, torch.cat(scales).detach() ** 2)
-        else:
+# ---------------------------------------------------------------------------------------------
+# SVI engines
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SVIOptions(EngineOptions):
+    lr: float = option(0.02, "Adam learning rate (clipped Adam)", gt=0)
+    max_steps: int = option(20000, "SVI step cap", min=1)
+    min_steps: int = option(500, "no plateau stop before this many steps", min=0)
+    window: int = option(250, "steps per window of the plateau rule", min=1)
+    rtol: float = option(2e-4, "plateau: windowed mean loss decreased by less than rtol (|mean| + 1)", min=0)
+    lr_decay: bool = option(True, "divide the learning rate by 5 at the first plateau instead of stopping")
+    num_particles: int = option(1, "particles per ELBO estimate", min=1)
+    vectorize_particles: bool = option(False, "vectorise the particles over a plate")
+    init_scale: float = option(0.1, "initial posterior scale of the guide", gt=0)
+    clip_norm: float = option(100.0, "gradient clipping norm of clipped Adam", gt=0)
+    seed: int = option(0, "random seed")
+    decrement_tol: float = option(1e-2, "convergence: natural-gradient decrement of the evidence bound (nats)", gt=0)
+    check_particles: int = option(64, "Monte Carlo draws of the decrement for models that are not LGMs", min=1)
+
+    def check(self):
+        if self.min_steps > self.max_steps:
+            raise ValueError(f"option 'min_steps' ({self.min_steps}) exceeds 'max_steps' ({self.max_steps})")
+
+
+@dataclass(frozen=True)
+class SVILowRankOptions(SVIOptions):
+    rank: typing.Optional[int] = option(None, "rank of the covariance factor (default: Pyro's sqrt(n))", min=1)
+
+
+class SVIEngine(Engine):
+    """Pyro SVI on an autoguide (subclasses set ``guide_cls``), then an honest optimality check."""
+
+    takes = "model"
+    Options = SVIOptions
+    guide_cls = None
+    optimality_measure = ("natural-gradient decrement of the evidence bound <= decrement_tol (exact bound for latent "
+                          "Gaussian models, Monte Carlo otherwise); stops at an ELBO plateau or max_steps")
+
+    def make_guide(self, model):
+        return self.guide_cls(model, init_scale=self.options.init_scale)
+
+    def solve(self, call, run):
+        o = self.options
+        pyro.set_rng_seed(o.seed)
+        guide = self.make_guide(call.model)
+        forget_params(guide._pyro_name)
+        optim = pyro.optim.ClippedAdam({"lr": o.lr, "betas": (0.9, 0.999), "clip_norm": o.clip_norm})
+        svi = SVI(call.model, guide, optim,
+                  Trace_ELBO(num_particles=o.num_particles, vectorize_particles=o.vectorize_particles))
+        bar = run.bar(total=o.max_steps, unit="step")
+        losses, reason = svi_until_plateau(svi, optim, call.args, call.kwargs, max_steps=o.max_steps,
+                                           min_steps=o.min_steps, window=o.window, rtol=o.rtol, lr_decay=o.lr_decay,
+                                           bar=bar, history=run.history, name=self.name)
+        posterior = self.posterior_of(guide)
+        lgm = try_lgm(call.model, call.args, call.kwargs)
+        with torch.enable_grad():
+            bound, opt = variational_optimality(call, posterior, lgm, tol=o.decrement_tol,
+                                                check_particles=o.check_particles, seed=o.seed)
+        info = {"elbo_estimate": -sum(losses[-o.window:]) / min(o.window, len(losses)), "steps": len(losses),
+                "guide": guide}
+        return Solution(posterior, bound, opt, reason, info, lgm=lgm)
+
+    @staticmethod
+    def posterior_of(guide):
+        with torch.no_grad():
+            if isinstance(guide, AutoNormal):
+                locs, scales = [], []
+                for name, _ in guide.prototype_trace.iter_stochastic_nodes():
+                    loc, scale = guide._get_loc_and_scale(name)
+                    locs.append(loc.reshape(-1))
+                    scales.append(scale.reshape(-1))
+                return GaussianPosterior(torch.cat(locs).clone(), torch.cat(scales) ** 2)
             q = guide.get_posterior()
-            posterior = GaussianPosterior(q.loc.detach().clone(), covariance=q.covariance_matrix.detach().clone())
-    bound, lgm = _exact_bound(model, args, kwargs, posterior)
-    info = {"elbo_estimate": -sum(losses[-window:]) / min(window, len(losses)), "steps": len(losses), "guide": guide}
-    return InferenceResult(posterior, bound, history, converged, info=info, lgm=lgm)
+            if isinstance(guide, AutoLowRankMultivariateNormal):
+                return GaussianPosterior(q.loc.clone(), cov_factor=q.cov_factor.clone(), cov_diag=q.cov_diag.clone())
+            return GaussianPosterior(q.loc.clone(), scale_tril=q.scale_tril.clone())
 
 
-def run_laplace(model, args, kwargs, *, max_iter=500, tol=1e-9, seed=0, progress=True):
-    """MAP by L-BFGS (strong Wolfe) on Pyro's ``AutoLaplaceApproximation``, then its Laplace Gaussian."""
-    pyro.set_rng_seed(seed)
-    pyro.clear_param_store()
-    guide = AutoLaplaceApproximation(model)
-    elbo = Trace_ELBO()
-    elbo.differentiable_loss(model, guide, *args, **kwargs)  # create the parameters
-    params = [p.unconstrained() for p in pyro.get_param_store().values()]
-    opt = torch.optim.LBFGS(params, lr=1.0, max_iter=max_iter, tolerance_grad=tol, tolerance_change=tol * 1e-3,
-                            history_size=50, line_search_fn="strong_wolfe")
-    history = History()
-
-    def closure():
-        opt.zero_grad()
-        loss = elbo.differentiable_loss(model, guide, *args, **kwargs)
-        loss.backward()
-        history.record(objective=-float(loss.detach()))
-        return loss
-
-    opt.step(closure)
-    grad_norm = max(float(p.grad.abs().max()) for p in params)
-    converged = grad_norm < 1e-5 * (1 + abs(history["objective"][-1]))
-    if not converged:
-        warnings.warn(f"laplace: L-BFGS stopped with gradient norm {grad_norm:.3g}", ConvergenceWarning)
-    lap = guide.laplace_approximation(*args, **kwargs)
-    q = lap.get_posterior()
-    posterior = GaussianPosterior(q.loc.detach().clone(), covariance=q.covariance_matrix.detach().clone())
-    bound, lgm = _exact_bound(model, args, kwargs, posterior)
-    return InferenceResult(posterior, bound, history, converged, info={"map_grad_norm": grad_norm}, lgm=lgm)
+class SVIAutoNormal(SVIEngine):
+    name = "svi_autonormal"
+    description = "Pyro SVI + AutoNormal (mean-field Gaussian), Adam until the ELBO plateaus"
+    guide_cls = AutoNormal
 
 
-def run_nuts(model, args, kwargs, *, num_samples=500, warmup_steps=300, seed=0, progress=True, max_rhat=1.05,
-             target_accept_prob=0.8, max_tree_depth=8):
-    """NUTS; the posterior is the Gaussian with the samples' mean and covariance, samples in ``info``."""
-    pyro.set_rng_seed(seed)
-    kernel = NUTS(model, target_accept_prob=target_accept_prob, max_tree_depth=max_tree_depth)
-    mcmc = MCMC(kernel, num_samples=num_samples, warmup_steps=warmup_steps, disable_progbar=not progress)
-    mcmc.run(*args, **kwargs)
-    samples = mcmc.get_samples()
-    tr = pyro.poutine.trace(model).get_trace(*args, **kwargs)
-    names = [n for n, s in tr.nodes.items() if s["type"] == "sample" and not s["is_observed"]
-             and type(s["fn"]).__name__ != "_Subsample"]
-    flat = torch.cat([samples[n].reshape(num_samples, -1) for n in names], -1)
-    loc = flat.mean(0)
-    cov = torch.cov(flat.T).reshape(flat.shape[1], flat.shape[1])
-    cov = cov + 1e-10 * torch.eye(cov.shape[0], dtype=cov.dtype) * cov.diagonal().mean()
-    diag = mcmc.diagnostics()
-    rhat = max(float(torch.as_tensor(diag[n]["r_hat"]).max()) for n in names)
-    ess = min(float(torch.as_tensor(diag[n]["n_eff"]).min()) for n in names)
-    converged = math.isfinite(rhat) and rhat < max_rhat
-    if not converged:
-        warnings.warn(f"nuts: max split r_hat = {rhat:.3f} >= {max_rhat}", ConvergenceWarning)
-    history = History()
-    history.record(objective=float("nan"))
-    posterior = GaussianPosterior(loc, covariance=cov)
-    info = {"samples": samples, "r_hat": rhat, "min_ess": ess}
-    return InferenceResult(posterior, None, history, converged, info=info)
+class SVIAutoMultivariateNormal(SVIEngine):
+    name = "svi_automvn"
+    description = "Pyro SVI + AutoMultivariateNormal (full-rank Gaussian), Adam until the ELBO plateaus"
+    guide_cls = AutoMultivariateNormal
 
 
-@register_engine("svi_autonormal", "Pyro SVI + AutoNormal (mean-field Gaussian), Adam until the ELBO plateaus",
-                 takes="model")
-def svi_autonormal(model, args, kwargs, progress=True, **options):
-    return run_svi(model, args, kwargs, AutoNormal, progress=progress, **options)
+class SVILowRank(SVIEngine):
+    name = "svi_lowrank"
+    description = "Pyro SVI + AutoLowRankMultivariateNormal, Adam until the ELBO plateaus"
+    guide_cls = AutoLowRankMultivariateNormal
+    Options = SVILowRankOptions
+
+    def make_guide(self, model):
+        return AutoLowRankMultivariateNormal(model, rank=self.options.rank, init_scale=self.options.init_scale)
 
 
-@register_engine("svi_automvn", "Pyro SVI + AutoMultivariateNormal (full-rank Gaussian), Adam until the ELBO plateaus",
-                 takes="model")
-def svi_automvn(model, args, kwargs, progress=True, **options):
-    return run_svi(model, args, kwargs, AutoMultivariateNormal, progress=progress, **options)
+# ---------------------------------------------------------------------------------------------
+# Laplace
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LaplaceOptions(EngineOptions):
+    max_iter: int = option(500, "L-BFGS iterations", min=1)
+    grad_tol: float = option(1e-6, "convergence: max |gradient| of the log joint at the mode / (1 + |log joint|)",
+                             gt=0)
+    seed: int = option(0, "random seed (initialisation)")
 
 
-@register_engine("svi_lowrank", "Pyro SVI + AutoLowRankMultivariateNormal, Adam until the ELBO plateaus",
-                 takes="model")
-def svi_lowrank(model, args, kwargs, progress=True, **options):
-    return run_svi(model, args, kwargs, AutoLowRankMultivariateNormal, progress=progress, **options)
+class LaplaceEngine(Engine):
+    name = "laplace"
+    description = "Pyro AutoLaplaceApproximation: MAP by L-BFGS, Gaussian from the Hessian"
+    takes = "model"
+    Options = LaplaceOptions
+    optimality_measure = "max |gradient| of the log joint at the mode, relative to 1 + |log joint|, <= grad_tol"
+
+    def solve(self, call, run):
+        from ..linalg.lbfgs import minimize_lbfgs
+
+        o = self.options
+        pyro.set_rng_seed(o.seed)
+        model = _full_data(call.model)
+        guide = AutoLaplaceApproximation(model)
+        forget_params(guide._pyro_name)
+        elbo = Trace_ELBO()
+        elbo.differentiable_loss(model, guide, *call.args, **call.kwargs)  # creates the parameters
+        params = [p for name, p in pyro.get_param_store().named_parameters()
+                  if name.startswith(guide._pyro_name + ".")]
+        res = minimize_lbfgs(params, lambda: elbo.differentiable_loss(model, guide, *call.args, **call.kwargs),
+                             max_iter=o.max_iter, grad_tol=0.0, history=run.history,
+                             bar=run.bar(total=int(1.25 * o.max_iter), unit="eval"), name=self.name)
+        rel = res.grad_norm / (1.0 + abs(res.value))
+        lap = guide.laplace_approximation(*call.args, **call.kwargs)
+        q = lap.get_posterior()
+        posterior = GaussianPosterior(q.loc.detach().clone(), covariance=q.covariance_matrix.detach().clone())
+        lgm = try_lgm(call.model, call.args, call.kwargs)
+        bound = None
+        if lgm is not None and lgm.n == posterior.n and posterior.n <= EXACT_BOUND_MAX:
+            with torch.no_grad():
+                bound = float(lgm.evidence_lower_bound(posterior.loc.to(lgm.dtype), posterior.covariance().to(lgm.dtype)))
+        reason = "gradient" if rel <= o.grad_tol else res.stop_reason
+        opt = Optimality.single("max |gradient| of the log joint at the mode / (1 + |log joint|)", rel, o.grad_tol)
+        return Solution(posterior, bound, opt, reason, {"map_grad_norm": res.grad_norm, "evaluations": res.evaluations},
+                        lgm=lgm)
 
 
-@register_engine("laplace", "Pyro AutoLaplaceApproximation: MAP by L-BFGS, Gaussian from the Hessian", takes="model")
-def laplace(model, args, kwargs, progress=True, **options):
-    return run_laplace(model, args, kwargs, progress=progress, **options)
+def _full_data(model):
+    def full(*args, **kwargs):
+        with full_data_plates():
+            return model(*args, **kwargs)
+
+    return full
 
 
-@register_engine("nuts", "Pyro NUTS (MCMC); Gaussian summary of the samples, no evidence bound", takes="model")
-def nuts(model, args, kwargs, progress=True, **options):
-    return run_nuts(model, args, kwargs, progress=progress, **options)
+# ---------------------------------------------------------------------------------------------
+# NUTS
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NUTSOptions(EngineOptions):
+    num_samples: int = option(500, "samples kept after warm-up", min=2)
+    warmup_steps: int = option(300, "warm-up (adaptation) steps", min=0)
+    max_rhat: float = option(1.01, "convergence: largest split R-hat over all latent coordinates", gt=1.0)
+    target_accept_prob: float = option(0.8, "NUTS step-size adaptation target", gt=0.0, max=1.0)
+    max_tree_depth: int = option(8, "NUTS tree depth cap", min=1)
+    jit_compile: bool = option(False, "JIT-compile the potential (Pyro's jit_compile)")
+    seed: int = option(0, "random seed")
+
+
+class NUTSEngine(Engine):
+    name = "nuts"
+    description = "Pyro NUTS (MCMC); Gaussian summary of the samples in unconstrained space, no evidence bound"
+    takes = "model"
+    Options = NUTSOptions
+    optimality_measure = "largest split R-hat over all unconstrained latent coordinates <= max_rhat"
+
+    def solve(self, call, run):
+        from pyro.ops.stats import effective_sample_size, split_gelman_rubin
+
+        o = self.options
+        pyro.set_rng_seed(o.seed)
+        model = _full_data(call.model)
+        kernel = NUTS(model, target_accept_prob=o.target_accept_prob, max_tree_depth=o.max_tree_depth,
+                      jit_compile=o.jit_compile, ignore_jit_warnings=True)
+        mcmc = MCMC(kernel, num_samples=o.num_samples, warmup_steps=o.warmup_steps, disable_progbar=not run.progress)
+        mcmc.run(*call.args, **call.kwargs)
+        samples = mcmc.get_samples()
+        flat = []
+        for name, site in latent_sites(call.model, call.args, call.kwargs):
+            t = biject_to(site["fn"].support)
+            flat.append(t.inv(samples[name]).reshape(o.num_samples, -1))
+        flat = torch.cat(flat, -1)
+        loc = flat.mean(0)
+        cov = torch.cov(flat.T).reshape(flat.shape[1], flat.shape[1])
+        cov = cov + 1e-10 * cov.diagonal().mean() * torch.eye(cov.shape[0], dtype=cov.dtype, device=cov.device)
+        chains = flat.unsqueeze(0)
+        rhat = float(split_gelman_rubin(chains).max())
+        ess = float(effective_sample_size(chains).min())
+        run.history.record(objective=float("nan"), r_hat=rhat, min_ess=ess)
+        posterior = GaussianPosterior(loc, covariance=cov)
+        info = {"samples": samples, "unconstrained_samples": flat, "r_hat": rhat, "min_ess": ess}
+        opt = Optimality.single("largest split R-hat", rhat if math.isfinite(rhat) else math.inf, o.max_rhat)
+        return Solution(posterior, None, opt, "num_samples", info)

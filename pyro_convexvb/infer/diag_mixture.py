@@ -21,7 +21,9 @@ Public API:
 * the registry engine ``diag_mixture``.
 """
 import math
+import typing
 import warnings
+from dataclasses import dataclass
 
 import pyro
 import pyro.distributions as dist
@@ -38,10 +40,10 @@ from pyro.distributions import constraints
 from torch.distributions import biject_to
 
 from ..errors import ConvergenceWarning, UnsupportedModelError
-from .baselines import svi_until_plateau
+from .baselines import SVIEngine, SVIOptions, flat_log_joint, forget_params, svi_until_plateau, try_lgm
+from .engine import Optimality, Solution, option
+from .optimality import mixture_decrement, monte_carlo_objective
 from .posterior import GaussianPosterior
-from .registry import register_engine
-from .result import InferenceResult
 
 __all__ = [
     "entropy_lower_bound",
@@ -52,7 +54,9 @@ __all__ = [
     "DiagMixtureGuide",
     "DiagMixtureELBO",
     "DiagMixturePosterior",
-    "run_diag_mixture",
+    "DiagMixtureOptions",
+    "DiagMixtureEngine",
+    "mixture_evidence_bound",
 ]
 
 _LOG_2PI = math.log(2 * math.pi)
@@ -308,13 +312,21 @@ class AutoDiagMixture(_MixtureGuideMixin, AutoContinuous):
     Parameters (Pyro params): ``locs`` ``(K, D)`` and ``scales`` ``(K, D)`` (softplus-positive);
     ``psi_k = scales_k ** 2``.
 
+    With ``posterior=`` (a fitted :class:`DiagMixturePosterior`, as from ``DiagMixturePosterior.as_guide()``)
+    the parameters start at its component means and variances: when the guide is built, entries of the
+    guide's parameter names already in Pyro's param store are replaced by the posterior's values (cast to
+    the model's dtype), so a stale entry of an earlier fit cannot override them; other entries are left alone.
+
     :param callable model: a Pyro model.
-    :param int num_components: ``K``.
-    :param float init_scale: initial ``sqrt(psi)``.
+    :param int num_components: ``K`` (default 1, or the posterior's ``K``).
+    :param float init_scale: initial ``sqrt(psi)`` (ignored with ``posterior``).
     :param float init_spread: standard deviation of the random offsets of components ``k >= 1``
         from the initial location (breaks the symmetry between components; component 0 starts
-        at the initial location).
+        at the initial location; ignored with ``posterior``).
     :param callable init_loc_fn: per-site initialisation (Pyro's ``init_to_median`` by default).
+    :param DiagMixturePosterior posterior: initial mixture over the model's flat latent vector ``(D,)``.
+    :param str name_prefix: parameter names ``"<name_prefix>.locs"``, ``"<name_prefix>.scales"``
+        (default: the class name, as Pyro's autoguides).
 
     Example::
 
@@ -331,7 +343,16 @@ class AutoDiagMixture(_MixtureGuideMixin, AutoContinuous):
 
     scale_constraint = constraints.softplus_positive
 
-    def __init__(self, model, num_components=1, init_scale=0.1, init_spread=None, init_loc_fn=init_to_median):
+    def __init__(self, model, num_components=None, init_scale=0.1, init_spread=None, init_loc_fn=init_to_median, *,
+                 posterior=None, name_prefix=None):
+        if posterior is not None:
+            if not isinstance(posterior, DiagMixturePosterior):
+                raise TypeError(f"posterior: expected a DiagMixturePosterior, got {type(posterior).__name__}")
+            if num_components is not None and num_components != posterior.num_components:
+                raise ValueError(f"num_components = {num_components!r} but the posterior has "
+                                 f"{posterior.num_components} components")
+            num_components = posterior.num_components
+        num_components = 1 if num_components is None else num_components
         if not isinstance(num_components, int) or num_components < 1:
             raise ValueError(f"num_components must be a positive integer, got {num_components!r}")
         if not (isinstance(init_scale, (int, float)) and init_scale > 0):
@@ -340,6 +361,11 @@ class AutoDiagMixture(_MixtureGuideMixin, AutoContinuous):
         self._init_scale = float(init_scale)
         self._init_spread = float(init_scale if init_spread is None else init_spread)
         super().__init__(model, init_loc_fn=init_loc_fn)
+        self.init_posterior = posterior
+        if name_prefix is not None:
+            from .posterior import _apply_name_prefix
+
+            _apply_name_prefix(self, name_prefix)
 
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
@@ -348,6 +374,17 @@ class AutoDiagMixture(_MixtureGuideMixin, AutoContinuous):
                 if getattr(frame, "full_size", None) not in (None, frame.size):
                     raise UnsupportedModelError(
                         name, "local latent variables inside a subsampled plate are not supported by AutoDiagMixture")
+        q = self.init_posterior
+        if q is not None:
+            from .posterior import _check_latent_dim, _prototype_dtype, _write_guide_params
+
+            _check_latent_dim(self, q)
+            dtype, device = _prototype_dtype(self, q.locs)
+            locs = q.locs.detach().to(dtype=dtype, device=device).clone()
+            scales = q.variances.detach().to(dtype=dtype, device=device).sqrt()
+            _write_guide_params(self, {"locs": torch.nn.Parameter(locs),
+                                       "scales": PyroParam(scales, self.scale_constraint)})
+            return
         loc0 = self._init_loc()
         K = self.num_components
         offsets = self._init_spread * torch.randn((K, loc0.shape[0]), dtype=loc0.dtype, device=loc0.device)
@@ -357,6 +394,19 @@ class AutoDiagMixture(_MixtureGuideMixin, AutoContinuous):
 
     def _mixture_params(self):
         return self.locs, self.scales
+
+    def to_posterior(self):
+        """The guide's current mixture as a :class:`DiagMixturePosterior` (``locs``, ``variances`` ``(K, D)``)."""
+        if self.prototype_trace is None:
+            raise RuntimeError("the guide has no parameters yet: call it once, or build it with the model's data")
+        with torch.no_grad(), self._pyro_context:  # read through the param store, as a guide call does
+            locs, scales = self.locs.detach().clone(), self.scales.detach().clone()
+        q = self.init_posterior
+        out = DiagMixturePosterior(locs, scales**2, layout=None if q is None else q.layout,
+                                   model=None if q is None else q.model)
+        if q is not None:
+            out.model_args = q.model_args
+        return out
 
     @pyro_method
     def _stratified_latent(self, num_particles):
@@ -376,13 +426,30 @@ class AutoDiagMixture(_MixtureGuideMixin, AutoContinuous):
 class DiagMixtureGuide(_MixtureGuideMixin, AutoContinuous):
     """A fixed Pyro guide sampling from a fitted :class:`DiagMixturePosterior` (``Predictive``, ``median``, ``quantiles``).
 
+    It has no parameters, so SVI cannot train it; :meth:`DiagMixturePosterior.as_guide` gives the trainable
+    :class:`AutoDiagMixture` by default.
+
     :param callable model: the Pyro model.
-    :param DiagMixturePosterior posterior: the mixture over the model's flat latent vector.
+    :param DiagMixturePosterior posterior: the mixture over the model's flat latent vector ``(D,)``.
+    :param str name_prefix: name of the auxiliary latent site ``"_<name_prefix>_latent"`` (default: the class name).
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> def model():
+        ...     pyro.sample("x", dist.Normal(torch.zeros(1), 1.).to_event(1))
+        >>> guide = DiagMixtureGuide(model, DiagMixturePosterior(torch.tensor([[-1.], [1.]]), torch.ones(2, 1)))
+        >>> guide()["x"].shape, len(list(guide.parameters()))
+        (torch.Size([1]), 0)
     """
 
-    def __init__(self, model, posterior):
+    def __init__(self, model, posterior, *, name_prefix=None):
         super().__init__(model)
         self.posterior = posterior
+        if name_prefix is not None:
+            from .posterior import _apply_name_prefix
+
+            _apply_name_prefix(self, name_prefix)
 
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
@@ -623,19 +690,43 @@ class DiagMixturePosterior:
             raise ValueError("this posterior has no latent layout (it was not built from a Pyro model)")
         return self.layout.unflatten(self.loc if u is None else u)
 
-    def as_guide(self, model=None):
-        """A fixed Pyro guide (:class:`DiagMixtureGuide`) sampling from this mixture.
+    def as_guide(self, model=None, *, trainable=True, name_prefix=None, model_args=None, model_kwargs=None):
+        """A Pyro guide over the model's latent sites, initialised at this mixture.
 
-        :param model: the Pyro model (default: the model the posterior was fitted to).
+        With ``trainable=True`` (default) an :class:`AutoDiagMixture` whose ``locs`` ``(K, n)`` and
+        ``scales = sqrt(variances)`` ``(K, n)`` are registered in Pyro's param store with this mixture's
+        values, so SVI (with :class:`DiagMixtureELBO` or Pyro's ``Trace_ELBO``) continues from it.  When the
+        guide is built (here if the model's data are known, else at its first call), store entries of the
+        guide's parameter names (``"<prefix>.locs"``, ``"<prefix>.scales"``, prefix ``name_prefix`` or
+        ``"AutoDiagMixture"``) are replaced by these values; other entries are left alone.
+
+        :param model: the Pyro model (default: the model the posterior was fitted to, with its fitting
+            arguments, so observed sites stay observed in ``Predictive``).
+        :param bool trainable: ``False`` gives the fixed, parameter-free :class:`DiagMixtureGuide`.
+        :param str name_prefix: prefix of the parameter names in the param store.
+        :param tuple model_args: positional arguments used to build the guide now (default: the fitting
+            arguments when ``model`` is ``None``; else the guide is built at its first call).
+        :param dict model_kwargs: keyword arguments for the same.
+
+        Example::
+
+            >>> import pyro, pyro.distributions as dist, torch
+            >>> def model():
+            ...     pyro.sample("x", dist.Normal(torch.zeros(1, dtype=torch.float64), 1.).to_event(1))
+            >>> q = DiagMixturePosterior(torch.tensor([[-1.], [1.]], dtype=torch.float64),
+            ...                          torch.ones(2, 1, dtype=torch.float64))
+            >>> guide = q.as_guide(model, model_args=())
+            >>> pyro.param("AutoDiagMixture.locs").tolist()
+            [[-1.0], [1.0]]
         """
-        if model is None:
-            model, (args, kwargs) = self.model, self.model_args
+        from .posterior import _guide_model_and_data
+
+        model, args, kwargs, build_now = _guide_model_and_data(self, model, model_args, model_kwargs)
+        if trainable:
+            guide = AutoDiagMixture(model, posterior=self, name_prefix=name_prefix)
         else:
-            args, kwargs = (), {}
-        if model is None:
-            raise ValueError("as_guide() needs the Pyro model (pass model=...)")
-        guide = DiagMixtureGuide(model, self)
-        if args or kwargs:
+            guide = DiagMixtureGuide(model, self, name_prefix=name_prefix)
+        if build_now:
             guide._setup_prototype(*args, **kwargs)
         return guide
 
@@ -646,122 +737,106 @@ class DiagMixturePosterior:
 # ---------------------------------------------------------------------------------------------
 # exact bound for latent Gaussian models, and the engine
 # ---------------------------------------------------------------------------------------------
-def _prior_precision_diag(block):
-    from ..linalg.operators import DiagonalOperator
-
-    P = block.prec
-    if P is None:
-        return None
-    if isinstance(P, DiagonalOperator):
-        return P.diag
-    if P.shape[0] > 5000:
-        return None
-    return torch.diagonal(P.to_dense())
-
-
-def lgm_expected_log_joint_diag(lgm, loc, variance, num_points=64):
-    """``E_{N(u | loc, diag variance)}[log p(y, u)]`` of a latent Gaussian model, deterministically.
-
-    Closed-form prior term, closed-form or Gauss-Hermite site expectations on the site marginals
-    ``N(B loc + offset, B^2 variance)``.  Returns ``None`` when a prior block's precision diagonal
-    is unavailable.
-
-    :param lgm: :class:`~pyro_convexvb.LatentGaussianModel`.
-    :param torch.Tensor loc: ``(n,)``.
-    :param torch.Tensor variance: ``(n,)``.
-    """
-    total = loc.new_zeros(())
-    for p, b in zip(lgm.priors, lgm.layout.blocks):
-        if p.flat:
-            continue
-        dP = _prior_precision_diag(p)
-        if dP is None:
-            return None
-        r = loc[b.slice] - p.loc
-        total = total - 0.5 * (r @ p.prec.mv(r) + (dP * variance[b.slice]).sum() + p.size * _LOG_2PI)
-    total = total - 0.5 * lgm.prior_logdet_cov()
-    for g in lgm.sites:
-        m = g.eta(loc)
-        v = g.design.row_sq_norms(variance)
-        if v is None:
-            v = (g.design.to_dense() ** 2) @ variance
-        total = total + g.family.expected_log_prob(m, v, num_points).sum()
-    return total + lgm.log_const
+def _mixture_entropy_bound(locs, variances, entropy):
+    """The entropy lower bound of kind ``entropy`` (``"eq24"``, ``"bhattacharyya"`` or ``"best"``)."""
+    if entropy != "best":
+        return _entropy_fn(entropy)(locs, variances)
+    return torch.stack([_entropy_fn(k)(locs, variances) for k in sorted(_ENTROPY_BOUNDS)]).max()
 
 
 def mixture_evidence_bound(lgm, posterior, entropy="eq24"):
     """Deterministic lower bound on ``log p(y)`` for a mixture posterior on a latent Gaussian model.
 
-    ``(1/K) sum_k E_{q_k}[log p(y, u)] + Hbound(q)`` with exact (quadrature) expectations: the
-    quantity :class:`DiagMixtureELBO` estimates stochastically.  ``entropy`` is ``"eq24"``,
-    ``"bhattacharyya"`` or ``"best"`` (the larger of the two entropy bounds, still a lower bound).
-    ``None`` if not computable.
+    ``(1/K) sum_k E_{q_k}[log p(y, u)] + Hbound(q)`` with exact (quadrature) expectations
+    (:meth:`~pyro_convexvb.LatentGaussianModel.expected_log_joint`): the quantity
+    :class:`DiagMixtureELBO` estimates stochastically. ``entropy`` is ``"eq24"``, ``"bhattacharyya"``
+    or ``"best"`` (the larger of the two entropy bounds, still a lower bound).
     """
-    parts = []
-    for m, v in zip(posterior.locs, posterior.variances):
-        e = lgm_expected_log_joint_diag(lgm, m.to(lgm.dtype), v.to(lgm.dtype))
-        if e is None:
-            return None
-        parts.append(e)
-    kinds = sorted(_ENTROPY_BOUNDS) if entropy == "best" else [entropy]
-    h = max(float(_entropy_fn(k)(posterior.locs, posterior.variances)) for k in kinds)
-    return float(torch.stack(parts).mean()) + h
+    locs, variances = posterior.locs.to(lgm.dtype), posterior.variances.to(lgm.dtype)
+    e = torch.stack([lgm.expected_log_joint(m, variance=v) for m, v in zip(locs, variances)]).mean()
+    return float(e + _mixture_entropy_bound(locs, variances, entropy))
 
 
-def run_diag_mixture(model, args, kwargs, *, num_components=1, num_particles=1, entropy="eq24", lr=0.02,
-                     max_steps=20000, min_steps=500, window=250, rtol=2e-4, init_scale=0.1, init_spread=None,
-                     vectorize_particles=False, seed=0, progress=True, lr_decay=True, exact_bound=True,
-                     clip_norm=100.0, callback=None):
-    """Fit :class:`AutoDiagMixture` by SVI (clipped Adam) with :class:`DiagMixtureELBO` until the loss plateaus.
+@dataclass(frozen=True)
+class DiagMixtureOptions(SVIOptions):
+    num_components: int = option(1, "K, the number of diagonal Gaussian components", min=1)
+    entropy: typing.Literal["eq24", "bhattacharyya"] = option(
+        "eq24", "entropy lower bound in the training objective (Steinberg et al. 2017, Eq. 24, or Bhattacharyya)")
+    init_spread: typing.Optional[float] = option(None, "spread of the initial component means", gt=0)
+    callback: typing.Optional[typing.Callable] = option(None, "called as callback(step, loss, guide) after each step")
 
-    Stopping rule (as Pyro's baselines here): every ``window`` steps compare the mean loss of the
-    last window with the previous one; after ``min_steps``, a decrease below ``rtol * (|mean| + 1)``
-    first cuts the learning rate by 5 (``lr_decay``), and the next plateau stops.
 
-    :returns: :class:`~pyro_convexvb.InferenceResult` whose posterior is a :class:`DiagMixturePosterior`.
-        ``log_evidence_bound`` is the deterministic bound :func:`mixture_evidence_bound` when the
-        model is a latent Gaussian model (Gauss-Hermite site expectations, Eq. 24 entropy bound),
-        else ``None``.  The entropy term there is the larger of the Eq. (24) and Bhattacharyya bounds
-        (both valid; Eq. 24 alone sits ``(D/2)(1 - log 2)`` below the entropy at ``K = 1``, 0.15 nats per
-        latent dimension).  ``info["elbo_estimate"]`` is the last window's stochastic ELBO (training
-        objective, with ``entropy``) and ``info["bound_eq24"]`` the deterministic bound with Eq. (24).
+class DiagMixtureEngine(SVIEngine):
+    """SVI with :class:`AutoDiagMixture` and :class:`DiagMixtureELBO` (Steinberg et al. 2017, §1.3).
+
+    Stopping rule of the SVI engines (windowed plateau or ``max_steps``); convergence is judged by the
+    natural-gradient decrement of the mixture's evidence bound (exact site expectations for latent
+    Gaussian models, the larger of the Eq. 24 and Bhattacharyya entropy bounds) in the block-diagonal
+    Fisher metric of the components (:func:`~pyro_convexvb.infer.optimality.mixture_decrement`).
+
+    ``log_evidence_bound`` is :func:`mixture_evidence_bound` with ``entropy="best"`` for latent
+    Gaussian models (``info["bound_eq24"]`` with Eq. 24 alone: it sits ``(D/2)(1 - log 2)`` below the
+    entropy at ``K = 1``), else ``None``; ``info["elbo_estimate"]`` is the last window's stochastic
+    ELBO (the training objective).
     """
-    pyro.set_rng_seed(seed)
-    pyro.clear_param_store()
-    guide = AutoDiagMixture(model, num_components=num_components, init_scale=init_scale, init_spread=init_spread)
-    loss = DiagMixtureELBO(num_particles=num_particles, entropy=entropy, vectorize_particles=vectorize_particles)
-    optim = pyro.optim.ClippedAdam({"lr": lr, "betas": (0.9, 0.999), "clip_norm": clip_norm})
-    svi = pyro.infer.SVI(model, guide, optim, loss)
 
-    cb = None if callback is None else (lambda step, value: callback(step, value, guide))
-    history, losses, converged = svi_until_plateau(
-        svi, optim, args, kwargs, max_steps=max_steps, min_steps=min_steps, window=window, rtol=rtol,
-        lr_decay=lr_decay, progress=progress, desc=f"AutoDiagMixture(K={num_components})", callback=cb)
-    with torch.no_grad():
-        locs, scales = guide._mixture_params()
-        posterior = DiagMixturePosterior(locs.detach().clone(), scales.detach().clone() ** 2)
-    bound, lgm = None, None
-    if exact_bound:
-        from ..lgm.extract import lgm_from_pyro
+    name = "diag_mixture"
+    description = "SVI with AutoDiagMixture (mixture of K diagonal Gaussians, closed-form entropy bound, revrand)"
+    Options = DiagMixtureOptions
+    optimality_measure = ("natural-gradient decrement of the mixture's evidence bound (block-diagonal Fisher) <= "
+                          "decrement_tol; stops at an ELBO plateau or max_steps")
 
-        try:
-            lgm = lgm_from_pyro(model, *args, **kwargs)
-        except (UnsupportedModelError, RuntimeError, ValueError, TypeError):
-            lgm = None
-        if lgm is not None and lgm.n == posterior.n:
+    def solve(self, call, run):
+        o = self.options
+        pyro.set_rng_seed(o.seed)
+        guide = AutoDiagMixture(call.model, num_components=o.num_components, init_scale=o.init_scale,
+                                init_spread=o.init_spread)
+        forget_params(guide._pyro_name)
+        loss = DiagMixtureELBO(num_particles=o.num_particles, entropy=o.entropy,
+                               vectorize_particles=o.vectorize_particles)
+        optim = pyro.optim.ClippedAdam({"lr": o.lr, "betas": (0.9, 0.999), "clip_norm": o.clip_norm})
+        svi = pyro.infer.SVI(call.model, guide, optim, loss)
+        cb = None if o.callback is None else (lambda step, value: o.callback(step, value, guide))
+        losses, reason = svi_until_plateau(
+            svi, optim, call.args, call.kwargs, max_steps=o.max_steps, min_steps=o.min_steps, window=o.window,
+            rtol=o.rtol, lr_decay=o.lr_decay, bar=run.bar(total=o.max_steps, unit="step"), history=run.history,
+            callback=cb, name=f"AutoDiagMixture(K={o.num_components})")
+        with torch.no_grad():
+            locs, scales = guide._mixture_params()
+            posterior = DiagMixturePosterior(locs.detach().clone(), scales.detach().clone() ** 2)
+        lgm = try_lgm(call.model, call.args, call.kwargs)
+        exact = lgm is not None and lgm.n == posterior.n
+        info = {"elbo_estimate": -sum(losses[-o.window:]) / min(o.window, len(losses)), "steps": len(losses),
+                "guide": guide, "entropy": o.entropy}
+        best = "best"
+        with torch.no_grad():
+            H = {k: float(_entropy_fn(k)(posterior.locs, posterior.variances)) for k in sorted(_ENTROPY_BOUNDS)}
+            best = max(H, key=H.get)
+        if exact:
             posterior.layout = lgm.layout
-            with torch.no_grad():
-                bound = mixture_evidence_bound(lgm, posterior, "best")
-                bound_eq24 = mixture_evidence_bound(lgm, posterior, "eq24")
-    info = {"elbo_estimate": -sum(losses[-window:]) / min(window, len(losses)), "steps": len(losses),
-            "guide": guide, "entropy": entropy}
-    if bound is not None:
-        info["bound_eq24"] = bound_eq24
-    return InferenceResult(posterior, bound, history, converged, info=info, lgm=lgm)
 
+            def objective(M, V):
+                e = torch.stack([lgm.expected_log_joint(m, variance=v) for m, v in zip(M, V)]).mean()
+                return e + _entropy_fn(best)(M, V)
 
-@register_engine("diag_mixture",
-                 "SVI with AutoDiagMixture (mixture of K diagonal Gaussians, closed-form entropy bound, Steinberg et al. 2017)",
-                 takes="model")
-def diag_mixture(model, args, kwargs, progress=True, **options):
-    return run_diag_mixture(model, args, kwargs, progress=progress, **options)
+            name = "natural-gradient decrement of the exact mixture evidence bound (nats)"
+        else:
+            log_joint, n = flat_log_joint(call.model, call.args, call.kwargs)
+            mc = [monte_carlo_objective(log_joint, n, o.check_particles, locs.dtype, locs.device, o.seed + k)
+                  for k in range(o.num_components)]
+            const = 0.5 * n * (1 + math.log(2 * math.pi))
+
+            def objective(M, V):
+                e = torch.stack([f(m, v) - 0.5 * torch.log(v).sum() - const for f, m, v in zip(mc, M, V)]).mean()
+                return e + _entropy_fn(best)(M, V)
+
+            name = f"natural-gradient decrement of a {o.check_particles}-draw Monte Carlo mixture ELBO (nats)"
+        with torch.enable_grad():
+            dec, value = mixture_decrement(objective, posterior.locs.to(lgm.dtype if exact else locs.dtype),
+                                           posterior.variances.to(lgm.dtype if exact else locs.dtype))
+        bound = None
+        if exact:
+            bound = value
+            info["bound_eq24"] = mixture_evidence_bound(lgm, posterior, "eq24")
+        return Solution(posterior, bound, Optimality.single(name, dec, o.decrement_tol), reason, info,
+                        lgm=lgm if exact else None)

@@ -1,77 +1,79 @@
-"""Engine registry: ``pcv.engines()``, ``pcv.fit(model, *args, engine=NAME, ...)``.
+"""Engine registry: ``pcv.engines()``, ``pcv.fit(model, *args, engine=NAME, options={...})``.
 
-Engines register with :func:`register_engine` (a decorator) or, from other packages, through
-the ``pyro_convexvb.engines`` entry-point group whose objects are :class:`EngineSpec` instances
-or decorated functions.
+Every engine is an :class:`~pyro_convexvb.infer.engine.Engine` subclass. The built-in engines are
+listed here by import path and imported on first use (so importing the registry imports no engine
+module, and no engine module imports the registry). Other packages register theirs with
+:func:`register_engine` or through the ``pyro_convexvb.engines`` entry-point group, whose objects
+are :class:`~pyro_convexvb.infer.engine.Engine` subclasses.
 """
-import time
-from dataclasses import dataclass
-from typing import Callable, Optional
+import importlib
 
-__all__ = ["EngineSpec", "register_engine", "engines", "get_engine", "fit"]
+from .engine import Engine
 
+__all__ = ["register_engine", "engines", "get_engine", "fit"]
 
-@dataclass
-class EngineSpec:
-    """An inference engine.
-
-    :param name: registry name.
-    :param fn: ``fn(lgm, progress=..., **options)`` if ``takes == "lgm"``, else
-        ``fn(model, args, kwargs, progress=..., **options)``; returns an
-        :class:`~pyro_convexvb.infer.result.InferenceResult`.
-    :param description: one line for :func:`engines`.
-    :param takes: ``"lgm"`` (works on the extracted latent Gaussian model) or ``"model"`` (runs on
-        the Pyro model itself, like Pyro's own engines).
-    :param applies: optional predicate ``applies(lgm) -> (bool, reason)`` telling whether the engine
-        handles a given latent Gaussian model (used by the demo and for clear errors).
-    """
-
-    name: str
-    fn: Callable
-    description: str
-    takes: str = "lgm"
-    applies: Optional[Callable] = None
-
+#: name -> "module:Class" of the built-in engines (imported lazily).
+BUILTIN_ENGINES = {
+    "convex_relaxation": "pyro_convexvb.infer.convex_relaxation.engine:ConvexVariationalRelaxation",
+    "dual_vg": "pyro_convexvb.infer.dual_vg.guide:DualVGEngine",
+    "diag_mixture": "pyro_convexvb.infer.diag_mixture:DiagMixtureEngine",
+    "svi_autonormal": "pyro_convexvb.infer.baselines:SVIAutoNormal",
+    "svi_automvn": "pyro_convexvb.infer.baselines:SVIAutoMultivariateNormal",
+    "svi_lowrank": "pyro_convexvb.infer.baselines:SVILowRank",
+    "laplace": "pyro_convexvb.infer.baselines:LaplaceEngine",
+    "nuts": "pyro_convexvb.infer.baselines:NUTSEngine",
+}
 
 _ENGINES = {}
 _ENTRY_POINTS_LOADED = False
 
 
-def register_engine(name, description, takes="lgm", applies=None, overwrite=False):
-    """Decorator registering an engine function under ``name``.
+def _check_engine_class(cls):
+    if not (isinstance(cls, type) and issubclass(cls, Engine)):
+        raise TypeError(f"an engine must be a subclass of pyro_convexvb.Engine, got {cls!r}")
+    for attr in ("name", "description"):
+        if not isinstance(getattr(cls, attr, None), str) or not getattr(cls, attr):
+            raise TypeError(f"engine class {cls.__name__} needs a non-empty class attribute '{attr}'")
+    if cls.takes not in ("lgm", "model"):
+        raise TypeError(f"engine class {cls.__name__}: takes must be 'lgm' or 'model', got {cls.takes!r}")
+
+
+def register_engine(cls=None, *, overwrite=False):
+    """Register an :class:`~pyro_convexvb.infer.engine.Engine` subclass under its ``name``.
+
+    Usable as ``@register_engine`` or ``@register_engine(overwrite=True)``.
 
     Example::
 
-        >>> from pyro_convexvb.infer.registry import register_engine
-        >>> @register_engine("my_engine", "does nothing useful", overwrite=True)
-        ... def my_engine(lgm, progress=True):
-        ...     raise NotImplementedError
+        >>> import pyro_convexvb as pcv
+        >>> @pcv.register_engine(overwrite=True)
+        ... class Nothing(pcv.Engine):
+        ...     name = "nothing_doc"
+        ...     description = "does nothing useful"
+        >>> "nothing_doc" in pcv.engines()
+        True
     """
-    if takes not in ("lgm", "model"):
-        raise ValueError("takes must be 'lgm' or 'model'")
 
-    def deco(fn):
-        if name in _ENGINES and not overwrite:
-            raise ValueError(f"an engine named '{name}' is already registered")
-        _ENGINES[name] = EngineSpec(name, fn, description, takes, applies)
-        fn.engine_spec = _ENGINES[name]
-        return fn
+    def deco(c):
+        _check_engine_class(c)
+        _load_builtin()
+        if c.name in _ENGINES and _ENGINES[c.name] is not c and not overwrite:
+            raise ValueError(f"an engine named '{c.name}' is already registered ({_ENGINES[c.name].__qualname__})")
+        _ENGINES[c.name] = c
+        return c
 
-    return deco
+    return deco if cls is None else deco(cls)
+
+
+def _resolve(path):
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def _load_builtin():
-    # importing the modules registers their engines
-    from . import baselines  # noqa: F401
-    import importlib
-
-    for mod in ("pyro_convexvb.infer.convex_relaxation", "pyro_convexvb.infer.dual_vg",
-                "pyro_convexvb.infer.diag_mixture"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
+    for name, path in BUILTIN_ENGINES.items():
+        if name not in _ENGINES:
+            _ENGINES[name] = _resolve(path)
 
 
 def _load_entry_points():
@@ -87,10 +89,11 @@ def _load_entry_points():
         eps = entry_points().get("pyro_convexvb.engines", [])
     for ep in eps:
         obj = ep.load()
-        if isinstance(obj, EngineSpec):
-            _ENGINES.setdefault(obj.name, obj)
-        elif not hasattr(obj, "engine_spec"):
-            raise TypeError(f"entry point {ep.name!r} must be an EngineSpec or a function decorated by register_engine")
+        try:
+            _check_engine_class(obj)
+        except TypeError as e:
+            raise TypeError(f"entry point {ep.name!r} of group 'pyro_convexvb.engines': {e}") from None
+        _ENGINES.setdefault(obj.name, obj)
 
 
 def engines():
@@ -101,6 +104,7 @@ def engines():
 
 
 def get_engine(name):
+    """The :class:`~pyro_convexvb.infer.engine.Engine` subclass registered as ``name``."""
     engines()
     try:
         return _ENGINES[name]
@@ -111,11 +115,15 @@ def get_engine(name):
 def fit(model, *args, engine, options=None, progress=True, **kwargs):
     """Run inference engine ``engine`` on a Pyro model (or a :class:`LatentGaussianModel`).
 
+    ``pcv.fit(model, *args, engine=name, options=opts, **kwargs)`` is
+    ``pcv.get_engine(name)(model, progress=progress, **opts).run(*args, **kwargs)``.
+
     :param model: a Pyro model callable, or a :class:`~pyro_convexvb.LatentGaussianModel`.
     :param args: the model's positional arguments.
     :param str engine: registry name (see :func:`engines`).
-    :param dict options: engine options (keyword arguments of the engine).
-    :param bool progress: show a tqdm progress bar on long fits.
+    :param dict options: the engine's options (fields of its options dataclass; unknown or ill-typed
+        options raise :class:`TypeError`, out-of-range ones :class:`ValueError`).
+    :param bool progress: show tqdm progress bars on long fits.
     :param kwargs: the model's keyword arguments (e.g. ``y=...``).
     :returns: :class:`~pyro_convexvb.infer.result.InferenceResult`.
 
@@ -132,29 +140,9 @@ def fit(model, *args, engine, options=None, progress=True, **kwargs):
         >>> res.posterior.loc.shape
         torch.Size([2])
     """
-    from ..lgm.extract import lgm_from_pyro
-    from ..lgm.model import LatentGaussianModel
-
-    spec = get_engine(engine)
-    options = dict(options or {})
-    t0 = time.perf_counter()
-    if spec.takes == "lgm":
-        lgm = model if isinstance(model, LatentGaussianModel) else lgm_from_pyro(model, *args, **kwargs)
-        if spec.applies is not None:
-            ok, reason = spec.applies(lgm)
-            if not ok:
-                raise ValueError(f"engine '{engine}' does not apply to this model: {reason}")
-        result = spec.fn(lgm, progress=progress, **options)
-        result.lgm = lgm
-        if result.posterior is not None and getattr(result.posterior, "layout", None) is None:
-            result.posterior.layout = lgm.layout
-    else:
-        if isinstance(model, LatentGaussianModel):
-            raise TypeError(f"engine '{engine}' runs on a Pyro model, not on a LatentGaussianModel")
-        result = spec.fn(model, args, kwargs, progress=progress, **options)
-    result.engine = engine
-    result.seconds = time.perf_counter() - t0
-    if callable(model) and not isinstance(model, LatentGaussianModel) and result.posterior is not None:
-        result.posterior.model = model
-        result.posterior.model_args = (args, kwargs)
-    return result
+    cls = get_engine(engine)
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise TypeError(f"options: expected a dict of engine '{engine}' options, got {type(options).__name__}")
+    return cls(model, progress=progress, **options).run(*args, **kwargs)

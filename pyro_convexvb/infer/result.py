@@ -44,10 +44,13 @@ class InferenceResult:
     :ivar log_evidence_bound: a lower bound on ``log p(y)`` of the model as written (every
         normalising constant included), or ``None`` for engines without one (e.g. NUTS).
     :ivar history: per-iteration objective, wall seconds and MVM counts (:class:`History`).
-    :ivar converged: whether the engine's own stopping rule was met.
+    :ivar converged: whether the engine's optimality measure (``optimality``) is within its tolerance.
     :ivar engine: registry name of the engine.
     :ivar info: engine-specific extras (site marginals, variational parameters, samples, ...).
     :ivar lgm: the :class:`~pyro_convexvb.LatentGaussianModel` the engine worked on, if any.
+    :ivar seconds: wall time of the fit.
+    :ivar stop_reason: which rule stopped the engine (e.g. ``"duality gap"``, ``"max_steps"``, ``"plateau"``).
+    :ivar optimality: the engine's :class:`~pyro_convexvb.infer.engine.Optimality` measure at the answer.
     """
 
     posterior: Any
@@ -58,8 +61,10 @@ class InferenceResult:
     info: Dict[str, Any] = field(default_factory=dict)
     lgm: Any = None
     seconds: float = 0.0
+    stop_reason: str = ""
+    optimality: Any = None
 
     def __repr__(self):
         b = "None" if self.log_evidence_bound is None else f"{self.log_evidence_bound:.6g}"
         return (f"InferenceResult(engine={self.engine!r}, log_evidence_bound={b}, converged={self.converged}, "
-                f"seconds={self.seconds:.3g}, posterior={self.posterior!r})")
+                f"stop_reason={self.stop_reason!r}, seconds={self.seconds:.3g}, posterior={self.posterior!r})")

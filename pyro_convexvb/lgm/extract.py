@@ -23,7 +23,7 @@ from .linear import record_linear
 from .model import LatentGaussianModel, PriorBlock, SiteGroup
 from .sites import BernoulliLogit, Gaussian, Laplace, Poisson
 
-__all__ = ["lgm_from_pyro", "DENSE_JACOBIAN_LIMIT"]
+__all__ = ["lgm_from_pyro", "full_data_plates", "DENSE_JACOBIAN_LIMIT"]
 
 #: Largest ``q * n`` for which a predictor that was not built with ``pcv.linear`` is materialised
 #: as a dense Jacobian (the model's own design is then dense already); larger ones stay as
@@ -60,8 +60,12 @@ def _depends_on(t, u):
 
 
 @contextlib.contextmanager
-def _full_data_plates():
-    """Make every subsampled ``pyro.plate`` run on its full size (the LGM is built from all the data)."""
+def full_data_plates():
+    """Context in which every subsampled ``pyro.plate`` runs on its full size (no mini-batch scaling).
+
+    Engines that fit all the data at once (the latent Gaussian model, Laplace, NUTS) run the model
+    inside it, so ``pyro.plate(..., subsample_size=M)`` does not make them see random mini-batches.
+    """
     original = SubsampleMessenger.__dict__["_subsample"]
     orig_fn = original.__func__
 
@@ -268,7 +272,7 @@ def lgm_from_pyro(model, *args, dtype=None, **kwargs):
         >>> torch.allclose(lgm.sites[0].design.to_dense(), X)
         True
     """
-    with _full_data_plates():
+    with full_data_plates():
         return _extract(model, args, kwargs, dtype)
 
 

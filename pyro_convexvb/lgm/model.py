@@ -267,33 +267,71 @@ class LatentGaussianModel:
         """``log p(y, u)`` of the model as written (all constants included)."""
         return self.log_prior(u) + self.log_likelihood(u) + self.log_const
 
-    def evidence_lower_bound(self, loc, cov, num_points=64):
-        """Exact variational-Gaussian ELBO ``E_q[log p(y, u)] + H[q]`` for ``q = N(loc, cov)`` (dense ``cov``).
+    def evidence_lower_bound(self, loc, cov=None, num_points=64, *, variance=None):
+        """Exact variational-Gaussian ELBO ``E_q[log p(y, u)] + H[q]`` for ``q = N(loc, cov)`` or ``N(loc, diag(variance))``.
 
         Site expectations use closed forms or Gauss-Hermite quadrature on the site marginals, so the
         result is a lower bound on ``log p(y)`` up to quadrature error (~1e-12 for smooth sites).
+        Differentiable in ``loc`` and ``cov``/``variance``.
 
         :param torch.Tensor loc: ``(n,)``.
-        :param torch.Tensor cov: ``(n, n)`` symmetric positive definite.
+        :param torch.Tensor cov: ``(n, n)`` symmetric positive definite (dense ``q``).
+        :param torch.Tensor variance: ``(n,)`` positive variances (mean-field ``q``), instead of ``cov``.
         """
+        if (cov is None) == (variance is None):
+            raise ValueError("evidence_lower_bound: give exactly one of cov and variance")
         n = self.n
-        L = torch.linalg.cholesky(cov)
-        entropy = 0.5 * n * (1 + math.log(2 * math.pi)) + torch.log(torch.diagonal(L)).sum()
+        if variance is not None:
+            entropy = 0.5 * n * (1 + math.log(2 * math.pi)) + 0.5 * torch.log(variance).sum()
+        else:
+            L = torch.linalg.cholesky(cov)
+            entropy = 0.5 * n * (1 + math.log(2 * math.pi)) + torch.log(torch.diagonal(L)).sum()
+        return self.expected_log_joint(loc, cov, num_points, variance=variance) + entropy
+
+    def expected_log_joint(self, loc, cov=None, num_points=64, *, variance=None):
+        """``E_q[log p(y, u)]`` (every constant included) for ``q = N(loc, cov)`` or ``N(loc, diag(variance))``.
+
+        Closed-form prior term; closed-form or Gauss-Hermite site expectations on the site marginals.
+        """
+        if (cov is None) == (variance is None):
+            raise ValueError("expected_log_joint: give exactly one of cov and variance")
         e_prior = loc.new_zeros(())
         for p, b in zip(self.priors, self.layout.blocks):
             if p.flat:
                 continue
             r = loc[b.slice] - p.loc
-            V = cov[b.slice, b.slice]
-            P = p.prec.to_dense() if p.prec is not None else torch.cholesky_inverse(torch.linalg.cholesky(p.cov.to_dense()))
-            e_prior = e_prior - 0.5 * (r @ P @ r + (P * V).sum() + p.size * math.log(2 * math.pi))
+            if variance is not None:
+                quad = r @ (p.prec.mv(r) if p.prec is not None else self._block_precision(p) @ r)
+                tr = (self._block_precision_diagonal(p) * variance[b.slice]).sum()
+            else:
+                P = self._block_precision(p)
+                quad, tr = r @ P @ r, (P * cov[b.slice, b.slice]).sum()
+            e_prior = e_prior - 0.5 * (quad + tr + p.size * math.log(2 * math.pi))
         e_prior = e_prior - 0.5 * self.prior_logdet_cov()
         e_lik = loc.new_zeros(())
         for g in self.sites:
             m = g.eta(loc)
-            v = self._marginal_var(g, cov)
+            if variance is not None:
+                v = g.design.row_sq_norms(variance)
+                if v is None:
+                    v = (g.design.to_dense() ** 2) @ variance
+            else:
+                v = self._marginal_var(g, cov)
             e_lik = e_lik + g.family.expected_log_prob(m, v, num_points).sum()
-        return e_prior + e_lik + entropy + self.log_const
+        return e_prior + e_lik + self.log_const
+
+    @staticmethod
+    def _block_precision(p):
+        return p.prec.to_dense() if p.prec is not None else torch.cholesky_inverse(torch.linalg.cholesky(p.cov.to_dense()))
+
+    @staticmethod
+    def _block_precision_diagonal(p):
+        if isinstance(p.prec, DiagonalOperator):
+            return p.prec.diag
+        if p.size > 5000:
+            raise MemoryError(f"prior block '{p.name}': the diagonal of a {p.size} x {p.size} precision that is not "
+                              "diagonal would need a dense matrix")
+        return torch.diagonal(LatentGaussianModel._block_precision(p))
 
     def site_marginals(self, loc, cov):
         """Means and variances of every group's predictor under ``q = N(loc, cov)`` (dense ``cov``)."""

@@ -25,6 +25,8 @@ __all__ = [
     "Poisson",
     "Gaussian",
     "Laplace",
+    "StudentT",
+    "StochasticVolatility",
     "gauss_hermite",
     "gaussian_expectation",
 ]
@@ -210,3 +212,79 @@ class Laplace(SiteFamily):
 
     def predictive_mean(self, mean, var, num_points=64):
         return mean
+
+
+def _param(value, like):
+    """``value`` (number or ``(q,)``) as a ``(q,)`` tensor of ``like``'s dtype and device."""
+    return torch.as_tensor(value, dtype=like.dtype, device=like.device).expand_as(like).clone()
+
+
+class StudentT(SiteFamily):
+    """``t_i(eta) = StudentT(y_i | eta, scale_i, df_i)`` for explicit latent Gaussian models.
+
+    Not produced by the Pyro extractor; build a :class:`~pyro_convexvb.SiteGroup` with it.  Its
+    super-Gaussian form (``convex_relaxation`` engine) is
+    :class:`~pyro_convexvb.infer.convex_relaxation.StudentTPotential`, which is not log-concave.
+
+    :param torch.Tensor y: ``(q,)`` observations.
+    :param df: degrees of freedom ``nu > 0``, number or ``(q,)``.
+    :param scale: scales ``b > 0``, number or ``(q,)``.
+
+    Example::
+
+        >>> import torch
+        >>> fam = StudentT(torch.zeros(2, dtype=torch.float64), 3.0, 1.0)
+        >>> round(float(fam.log_prob(torch.zeros(2, dtype=torch.float64))[0]), 6)
+        -1.000889
+    """
+
+    name = "student_t"
+    log_concave = False
+
+    def __init__(self, y, df, scale):
+        super().__init__(y=y, df=_param(df, y), scale=_param(scale, y))
+
+    def log_prob(self, eta):
+        y, nu, b = self.params["y"], self.params["df"], self.params["scale"]
+        return torch.distributions.StudentT(nu, y, b).log_prob(eta)
+
+    def predictive_mean(self, mean, var, num_points=64):
+        return mean
+
+
+class StochasticVolatility(SiteFamily):
+    """Stochastic-volatility sites ``t_n(eta) = N(y_n | 0, e^{eta})`` (Khan et al. 2013, §5).
+
+    :param torch.Tensor y: ``(q,)`` observations (exact zeros are replaced by ``zero_jitter``,
+        since ``log(1/y^2)`` enters the conjugate of its local bound).
+    :param float zero_jitter: the magnitude that replaces ``|y_n| < zero_jitter``.
+    :raises ValueError: if ``y`` contains NaN or inf.
+
+    Example::
+
+        >>> import torch
+        >>> fam = StochasticVolatility(torch.tensor([0.3, -1.2], dtype=torch.float64))
+        >>> fam.expected_log_prob(torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)).shape
+        torch.Size([2])
+    """
+
+    name = "stochastic_volatility"
+
+    def __init__(self, y, zero_jitter=1e-8):
+        y = torch.as_tensor(y)
+        if not torch.isfinite(y).all():
+            raise ValueError("y: stochastic-volatility observations contain NaN or inf")
+        y = torch.where(y.abs() < zero_jitter, torch.full_like(y, zero_jitter), y)
+        super().__init__(y=y)
+
+    def log_prob(self, eta):
+        y = self.params["y"]
+        return -0.5 * math.log(2 * math.pi) - 0.5 * eta - 0.5 * y**2 * torch.exp(-eta)
+
+    def expected_log_prob(self, mean, var, num_points=64):
+        y = self.params["y"]
+        return -0.5 * math.log(2 * math.pi) - 0.5 * mean - 0.5 * y**2 * torch.exp(-mean + 0.5 * var)
+
+    def predictive_mean(self, mean, var, num_points=64):
+        """Mean of ``y`` (zero); the predictive variance of ``y`` is ``exp(mean + var / 2)``."""
+        return torch.zeros_like(mean)

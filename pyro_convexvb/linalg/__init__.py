@@ -2,15 +2,15 @@
 
 * operators (:mod:`.operators`): the product protocol ``mv``/``rmv``/``squared``/``to_dense``;
 * :func:`cg`: preconditioned conjugate gradients with batched right-hand sides;
-* :func:`lanczos`, :func:`block_lanczos`, :func:`lanczos_variances`, :func:`pca_variances`: Lanczos with full
-  reorthogonalisation and the K-Lanczos / L-PCA variance estimators (Nickisch & Seeger 2009 §2.3, Seeger 2010 §3);
+* :func:`lanczos`, :func:`block_lanczos` (one :class:`LanczosResult`; single-vector Lanczos is block size 1),
+  :func:`lanczos_variances`, :func:`pca_variances`: Lanczos with full reorthogonalisation and the K-Lanczos /
+  L-PCA variance estimators (Nickisch & Seeger 2009 §2.3, Seeger 2010 §3);
 * :func:`newton_bisect_root`, :func:`expand_bracket`, :func:`minimize_convex_scalar`: vectorised
   safeguarded Newton/bisection for many independent scalar problems.
 """
 from . import operators as _operators
 from .cg import CGResult, NotPositiveDefiniteError, cg, default_max_iter
 from .lanczos import (
-    BlockLanczosResult,
     LanczosResult,
     banded_lanczos_z,
     block_lanczos,
@@ -28,7 +28,6 @@ __all__ = list(_operators.__all__) + [
     "default_max_iter",
     "NotPositiveDefiniteError",
     "LanczosResult",
-    "BlockLanczosResult",
     "lanczos",
     "block_lanczos",
     "banded_lanczos_z",

@@ -13,6 +13,13 @@ cannot reach relative residuals below about ``1e-5``: it silently degrades to st
 columns, so single columns end above the tolerance; it returns no iteration count, residuals or
 convergence flag; and a non-SPD operator only yields a generic warning and a wrong answer.
 This implementation fixes those points and reports everything in :class:`CGResult`.
+
+With ``on_negative_curvature="truncate"`` a non-positive curvature ``p^T A p <= 0`` does not raise
+but ends that column Steihaug-style (Steihaug 1983, without the trust region; the termination rule of
+Nocedal & Wright 2006, Algorithm 7.1, line-search Newton-CG): the iterate before the offending
+direction is returned, or the preconditioned residual step ``x0 + M^{-1} r0`` when it is met at the
+first iteration.  This is the inexact (truncated) Newton-CG step for a Hessian that is only positive
+semidefinite in floating point.
 """
 from dataclasses import dataclass, field
 import math
@@ -40,6 +47,10 @@ class CGResult:
         (initial residual of a warm start and the final residual check included).
     :ivar residual_history: largest relative residual over all columns after every iteration
         (the first entry is the starting residual).
+    :ivar truncated: boolean tensor, shape ``(k,)`` (0-d for a 1-D right-hand side): ``True`` for the
+        columns that ``on_negative_curvature="truncate"`` stopped at a direction of non-positive
+        curvature (always ``False`` with ``"raise"``).  ``converged`` still compares their residual
+        with the tolerance.
     """
 
     x: torch.Tensor
@@ -48,6 +59,7 @@ class CGResult:
     converged: bool
     num_mvm: int
     residual_history: list = field(default_factory=list)
+    truncated: torch.Tensor = None
 
 
 def default_max_iter(n):
@@ -110,6 +122,7 @@ def cg(
     on_fail="warn",
     true_residual=True,
     max_restarts=5,
+    on_negative_curvature="raise",
 ):
     """Solve ``A x = b`` by preconditioned conjugate gradients.
 
@@ -135,9 +148,15 @@ def cg(
         or ``"ignore"`` when some column misses its tolerance.
     :param true_residual: recompute the final residual as ``b - A x`` (see above).
     :param max_restarts: restarts allowed after residual drift.
+    :param on_negative_curvature: ``"raise"`` (default): a curvature ``p^T A p <= 0`` raises
+        :class:`NotPositiveDefiniteError`.  ``"truncate"``: the column stops there (Steihaug 1983;
+        Nocedal & Wright 2006, Algorithm 7.1) and keeps its current iterate -- at the first iteration
+        of the solve, the step ``x0 + M^{-1} r0`` along the preconditioned residual -- and
+        ``CGResult.truncated`` flags it; a truncated column is neither restarted nor counted as a
+        failure for ``on_fail``.
     :returns: :class:`CGResult`.
-    :raises NotPositiveDefiniteError: if a curvature ``p^T A p <= 0`` (``A`` not SPD) or
-        ``r^T M^{-1} r <= 0`` (preconditioner not SPD) is met.
+    :raises NotPositiveDefiniteError: if ``r^T M^{-1} r <= 0`` (preconditioner not SPD) is met, or a
+        curvature ``p^T A p <= 0`` (``A`` not SPD) with ``on_negative_curvature="raise"``.
     :raises ValueError: on NaN/inf input or output of ``matmul``, or on shape mismatches.
 
     Example::
@@ -162,6 +181,8 @@ def cg(
     _check_finite(rhs, "rhs")
     if on_fail not in ("warn", "raise", "ignore"):
         raise ValueError(f"on_fail: expected 'warn', 'raise' or 'ignore', got {on_fail!r}")
+    if on_negative_curvature not in ("raise", "truncate"):
+        raise ValueError(f"on_negative_curvature: expected 'raise' or 'truncate', got {on_negative_curvature!r}")
     if not (rtol >= 0 and atol >= 0):
         raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
     max_iter = default_max_iter(n) if max_iter is None else int(max_iter)
@@ -206,11 +227,13 @@ def cg(
         rnorm = torch.linalg.vector_norm(r, dim=0)
         _check_finite(rnorm, "matmul(x0) (the initial residual)")
         history = [float((rnorm / scale).max())] if k > 0 else [0.0]
+        truncated = torch.zeros(k, dtype=torch.bool, device=b.device)
+        trunc = truncated if on_negative_curvature == "truncate" else None
         iterations = 0
         restarts = 0
         while True:
             iterations, num_mvm = _cg_iterate(
-                product, prec, x, r, rnorm, tol, scale, max_iter, iterations, num_mvm, history
+                product, prec, x, r, rnorm, tol, scale, max_iter, iterations, num_mvm, history, trunc
             )
             if not true_residual or k == 0 or iterations == 0:
                 break  # with no iteration, r is exactly b - A x0
@@ -219,16 +242,17 @@ def cg(
             rnorm = torch.linalg.vector_norm(r, dim=0)
             _check_finite(rnorm, "matmul output")
             history[-1] = float((rnorm / scale).max())
-            if not bool((rnorm > tol).any()) or iterations >= max_iter or restarts >= max_restarts:
+            if not bool(((rnorm > tol) & ~truncated).any()) or iterations >= max_iter or restarts >= max_restarts:
                 break
             restarts += 1
 
         rel = rnorm / scale
-        failed = rnorm > tol
-        converged = not bool(failed.any())
+        converged = not bool((rnorm > tol).any())
+        failed = (rnorm > tol) & ~truncated  # truncated columns stopped by design, not for lack of iterations
         x_out = x.squeeze(-1) if vector else x
         rel_out = rel.squeeze(-1) if vector else rel
-    if not converged and on_fail != "ignore":
+        trunc_out = truncated.squeeze(-1) if vector else truncated
+    if bool(failed.any()) and on_fail != "ignore":
         worst = float(rel.max())
         msg = (
             f"cg did not converge in {iterations} iterations: {int(failed.sum())} of {k} column(s) above "
@@ -244,16 +268,22 @@ def cg(
         converged=converged,
         num_mvm=num_mvm,
         residual_history=history,
+        truncated=trunc_out,
     )
 
 
-def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, num_mvm, history):
+def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, num_mvm, history, trunc=None):
     """Run CG on the columns with ``rnorm > tol``, updating ``x``, ``r`` and ``rnorm`` in place.
 
-    One host synchronisation per iteration: curvature, preconditioner inner product, stopping
-    test and history are reduced into one small tensor.
+    ``trunc``: ``None`` (non-positive curvature raises) or a boolean ``(k,)`` mask, updated in place,
+    of the columns stopped at non-positive curvature (those already set are skipped).  One host
+    synchronisation per iteration: curvature, preconditioner inner product, stopping test and
+    history are reduced into one small tensor.
     """
-    idx = (rnorm > tol).nonzero().squeeze(-1)
+    active = rnorm > tol
+    if trunc is not None:
+        active &= ~trunc
+    idx = active.nonzero().squeeze(-1)
     if idx.numel() == 0 or iterations >= max_iter:
         return iterations, num_mvm
     rest = rnorm / scale
@@ -263,34 +293,48 @@ def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, nu
     z = prec(ra) if prec is not None else ra
     rz = torch.linalg.vecdot(ra, z, dim=0)
     p = z.clone()  # a preconditioner may return its input
+    first = iterations == 0  # the iterate is still the starting point x0
+    neg = None
     while True:
         Ap = product(p)
         num_mvm += p.shape[1]
         iterations += 1
         pAp = torch.linalg.vecdot(p, Ap, dim=0)
         alpha = rz / pAp
+        if trunc is not None:
+            # non-positive curvature: keep the iterate (step 0), or take the step p = M^{-1} r0 at the start
+            neg = ~(pAp > 0)
+            alpha = torch.where(neg, torch.full_like(alpha, 1.0 if first else 0.0), alpha)
         xa.addcmul_(p, alpha)
         ra.addcmul_(Ap, alpha, value=-1.0)
         rn = torch.linalg.vector_norm(ra, dim=0)
+        rn_minus_tol = rn - tola
+        if neg is not None:
+            rn_minus_tol = torch.where(neg, torch.full_like(rn_minus_tol, -math.inf), rn_minus_tol)
         min_pap, min_rz, margin, rel = torch.stack(
-            (pAp.min(), rz.min(), (rn - tola).max(), (rn / sca).max())
+            (pAp.min(), rz.min(), rn_minus_tol.max(), (rn / sca).max())
         ).tolist()
         if not min_rz > 0:
             _raise_bad_preconditioner(min_rz)
         if not min_pap > 0:
             if not math.isfinite(min_pap):
                 raise ValueError("matmul returned NaN or inf during CG")
-            raise NotPositiveDefiniteError(
-                f"matmul is not positive definite: curvature p^T A p <= 0 in {int((pAp <= 0).sum())} column(s) at "
-                f"CG iteration {iterations} (min {min_pap:.3e})"
-            )
+            if trunc is None:
+                raise NotPositiveDefiniteError(
+                    f"matmul is not positive definite: curvature p^T A p <= 0 in {int((pAp <= 0).sum())} column(s) "
+                    f"at CG iteration {iterations} (min {min_pap:.3e})"
+                )
         if not math.isfinite(rel):
             raise ValueError("matmul returned NaN or inf during CG")
         history.append(max(rel, rest_max))
+        if neg is not None and min_pap <= 0:
+            trunc[idx[neg]] = True
         if margin <= 0 or iterations >= max_iter:
             x[:, idx], r[:, idx], rnorm[idx] = xa, ra, rn
             return iterations, num_mvm
         done = rn <= tola
+        if neg is not None:
+            done = done | neg
         if p.shape[1] > 1 and bool(done.any()):
             x[:, idx], r[:, idx], rnorm[idx] = xa, ra, rn
             rest_max = max(rest_max, float((rn[done] / sca[done]).max()))
@@ -301,6 +345,7 @@ def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, nu
         beta = rz_new / rz
         rz = rz_new
         p = torch.addcmul(z, p, beta)
+        first = False
 
 
 def _raise_bad_preconditioner(min_rz):

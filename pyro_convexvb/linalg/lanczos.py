@@ -1,14 +1,15 @@
 """Lanczos tridiagonalisation with full reorthogonalisation, and Gaussian variance estimators.
 
-``k`` Lanczos steps on an SPD operator ``A`` (``n x n``) give an orthonormal ``Q`` (``n x k``)
-and a tridiagonal ``T = Q^T A Q`` (diagonal ``alpha``, off-diagonal ``beta``).  The extremal
-eigenvalues of ``A`` are approximated by the Ritz values (eigenvalues of ``T``), and
-``A^{-1}`` by ``Q T^{-1} Q^T``.
+``k`` Lanczos steps on a symmetric operator ``A`` (``n x n``) give an orthonormal ``Q`` (``n x k``)
+and ``T = Q^T A Q``.  Single-vector Lanczos (:func:`lanczos`) is block Lanczos (:func:`block_lanczos`)
+with block size 1; both return one :class:`LanczosResult`, whose ``T`` is tridiagonal (block size 1)
+or block tridiagonal with lower bandwidth ``b``.  The extremal eigenvalues of ``A`` are approximated
+by the Ritz values (eigenvalues of ``T``), and ``A^{-1}`` by ``Q T^{-1} Q^T``.
 
 Variance estimators (symbols of Nickisch & Seeger 2009 §2.3 and Seeger 2010 §3):
 
-* :func:`lanczos_variances` -- *K-Lanczos*: ``z_k = diag(B Q T^{-1} Q^T B^T)``, accumulated one
-  Lanczos vector at a time through the bidiagonal Cholesky factor of ``T``;
+* :func:`lanczos_variances`, :meth:`LanczosResult.variances` -- *K-Lanczos*:
+  ``z_k = diag(B Q T^{-1} Q^T B^T)``, accumulated through the banded Cholesky factor of ``T``;
 * :func:`pca_variances` -- *L-PCA*: ``diag(B U_L Lambda_L^{-1} U_L^T B^T)`` with the ``L``
   smallest eigenpairs of ``A`` obtained as converged Ritz pairs.
 
@@ -22,7 +23,7 @@ elementwise products over a ``(k, n, 1)`` buffer (10x slower than BLAS matrix-ve
 absolute terms (it stops after two steps on a matrix scaled by ``1e-8``), and returns neither the
 Lanczos coefficients, the number of products nor Ritz residuals.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import math
 import warnings
 
@@ -30,10 +31,10 @@ import torch
 
 from ..errors import ConvergenceWarning
 from .cg import NotPositiveDefiniteError, _check_finite, _resolve_matmul
-from .operators import LinearOperator, as_operator
+from .operators import as_operator
 
-__all__ = ["LanczosResult", "BlockLanczosResult", "lanczos", "block_lanczos", "banded_lanczos_z", "lanczos_variances",
-           "pca_variances", "tridiagonal_cholesky"]
+__all__ = ["LanczosResult", "lanczos", "block_lanczos", "banded_lanczos_z", "lanczos_variances", "pca_variances",
+           "tridiagonal_cholesky"]
 
 
 def tridiagonal_cholesky(alpha, beta):
@@ -77,83 +78,138 @@ def tridiagonal_cholesky(alpha, beta):
     return torch.tensor(e, dtype=torch.float64), torch.tensor(d, dtype=torch.float64)
 
 
+
 @dataclass
 class LanczosResult:
-    """Outcome of :func:`lanczos`.
+    r"""Outcome of :func:`lanczos` and :func:`block_lanczos` (single-vector Lanczos is block size 1).
+
+    The run satisfies ``A Q = Q T + W C`` with ``Q^T Q = I``, ``T = Q^T A Q`` (block) tridiagonal and a
+    residual ``W C`` whose orthonormal ``W`` (``n x r``) is orthogonal to ``Q``; for block size 1 it is
+    ``beta_k q_{k+1} e_k^T``.  Only ``C`` is kept: it gives the Ritz residuals.
 
     :ivar Q: orthonormal Lanczos vectors, shape ``(n, k)`` (a transposed view of a row-major buffer).
-    :ivar alpha: diagonal of ``T``, shape ``(k,)``.
-    :ivar beta: off-diagonal of ``T``, shape ``(k-1,)``.
-    :ivar num_mvm: products with ``A``.
-    :ivar breakdown: ``True`` if the run stopped before the requested ``k`` because the Krylov
-        space became invariant (``beta_k <= breakdown_tol * ||T||``); the Ritz values are then
-        exact eigenvalues of ``A``.
-    :ivar ritz_values: eigenvalues of ``T`` in ascending order, shape ``(k,)``.
-    :ivar ritz_residuals: ``|beta_k s_{k,i}|`` = ``||A y_i - theta_i y_i||`` for the Ritz pair
-        ``(theta_i, y_i = Q s_i)``, shape ``(k,)``; ``|lambda - theta_i| <= ritz_residuals[i]``
-        for some eigenvalue ``lambda`` of ``A``.
-    :ivar beta_next: ``beta_k``, norm of the residual of the last step (0-d tensor).
-    :ivar ritz_vectors_T: eigenvectors ``S`` of ``T`` (columns), shape ``(k, k)``.
+    :ivar T_matrix: ``T = Q^T A Q``, shape ``(k, k)``: tridiagonal for block size 1, else block
+        tridiagonal with lower bandwidth ``block_size``.
+    :ivar int block_size: lower bandwidth of ``T`` (the block size ``b``; larger after a deflated block).
+    :ivar int num_mvm: columns multiplied by ``A``.
+    :ivar bool breakdown: ``True`` if a new block was (numerically) linearly dependent on the previous
+        ones: the run either stopped (the Krylov space is invariant, so the Ritz values are exact
+        eigenvalues of ``A``) or went on with the independent directions only (a deflated block).
+    :ivar residual_coeffs: ``C``, shape ``(r, k)`` with ``r <= b`` (``r = 0`` at breakdown or ``k = n``).
+    :ivar projected_variances: with :func:`block_lanczos`'s ``project``: the list of
+        ``diag(P_i Q T^{-1} Q^T P_i^T)``, one ``(m_i,)`` tensor per projection; else ``None``.
     """
 
     Q: torch.Tensor
-    alpha: torch.Tensor
-    beta: torch.Tensor
+    T_matrix: torch.Tensor
+    block_size: int
     num_mvm: int
     breakdown: bool
-    ritz_values: torch.Tensor
-    ritz_residuals: torch.Tensor
-    beta_next: torch.Tensor = None
-    ritz_vectors_T: torch.Tensor = None
+    residual_coeffs: torch.Tensor = None
+    projected_variances: list = None
+    _eigh: tuple = field(default=None, repr=False)
+    _L: torch.Tensor = field(default=None, repr=False)
 
     @property
     def k(self):
         """Number of Lanczos vectors."""
-        return self.alpha.shape[0]
+        return self.T_matrix.shape[0]
+
+    @property
+    def alpha(self):
+        """Diagonal of ``T``, shape ``(k,)`` (``alpha.sum() = tr T``)."""
+        return torch.diagonal(self.T_matrix)
+
+    @property
+    def beta(self):
+        """First subdiagonal of ``T``, shape ``(k-1,)``: the Lanczos ``beta_1..beta_{k-1}`` for block size 1."""
+        return torch.diagonal(self.T_matrix, -1)
+
+    @property
+    def beta_next(self):
+        """``||C||_2`` as a 0-d tensor: ``beta_k``, the norm of the last residual, for block size 1."""
+        C = self.residual_coeffs
+        if C is None or C.numel() == 0:
+            return self.T_matrix.new_zeros(())
+        return torch.linalg.matrix_norm(C, 2)
+
+    def _ritz(self):
+        if self._eigh is None:
+            self._eigh = torch.linalg.eigh(self.T_matrix)
+        return self._eigh
+
+    @property
+    def ritz_values(self):
+        """Eigenvalues ``theta_i`` of ``T`` in ascending order, shape ``(k,)`` (computed on first use)."""
+        return self._ritz()[0]
+
+    @property
+    def ritz_vectors_T(self):
+        """Eigenvectors ``S`` of ``T`` (columns), shape ``(k, k)`` (computed on first use)."""
+        return self._ritz()[1]
+
+    @property
+    def ritz_residuals(self):
+        """``||A y_i - theta_i y_i|| = ||C s_i||`` for the Ritz pairs ``(theta_i, y_i = Q s_i)``, shape ``(k,)``
+        (``|beta_k s_{k,i}|`` for block size 1); some eigenvalue of ``A`` lies within it of ``theta_i``."""
+        C = self.residual_coeffs
+        if C is None or C.numel() == 0:
+            return torch.zeros_like(self.ritz_values)
+        return torch.linalg.vector_norm(C @ self.ritz_vectors_T, dim=0)
 
     def T(self):
-        """The dense ``(k, k)`` tridiagonal matrix ``T = Q^T A Q``."""
-        T = torch.diag(self.alpha)
-        if self.k > 1:
-            T = T + torch.diag(self.beta, 1) + torch.diag(self.beta, -1)
-        return T
+        """The dense ``(k, k)`` matrix ``T = Q^T A Q``."""
+        return self.T_matrix
 
-    def cholesky_T(self):
-        """Bidiagonal Cholesky factor ``(e, d)`` of ``T`` (see :func:`tridiagonal_cholesky`)."""
-        if getattr(self, "_chol", None) is None:
-            self._chol = tridiagonal_cholesky(self.alpha, self.beta)
-        return self._chol
+    def cholesky_L(self):
+        """Lower Cholesky factor of ``T`` (lower bandwidth ``block_size``), shape ``(k, k)``.
+
+        :raises NotPositiveDefiniteError: if ``T`` is not positive definite (``A`` is not SPD).
+        """
+        if self._L is None:
+            L, info = torch.linalg.cholesky_ex(self.T_matrix)
+            if int(info) != 0:
+                raise NotPositiveDefiniteError(
+                    f"the Lanczos matrix T is not positive definite (pivot {int(info)}); "
+                    "the operator is not SPD or too ill-conditioned for its dtype")
+            self._L = L
+        return self._L
 
     def logdet_T(self):
-        """``log|T| = 2 sum_j log e_j``; at ``k = n`` (no breakdown) it equals ``log|A|``.
+        """``log|T| = 2 sum_j log L_jj`` as a 0-d tensor; at ``k = n`` it equals ``log|A|``.
 
         Seeger 2010 §4.2: ``log|T_k|`` replaces ``log|A|`` in the K-Lanczos approximation.
-        Returned as a 0-d tensor of the dtype/device of ``alpha``.
         """
-        e, _ = self.cholesky_T()
-        return (2.0 * torch.log(e).sum()).to(dtype=self.alpha.dtype, device=self.alpha.device)
+        return 2.0 * torch.log(torch.diagonal(self.cholesky_L())).sum()
 
     def ritz_vectors(self, index=None):
-        """Ritz vectors ``Q S[:, index]`` of shape ``(n, len(index))`` (all if ``index`` is None)."""
+        """Ritz vectors ``Q S[:, index]``, shape ``(n, len(index))`` (all ``k`` if ``index`` is None)."""
         S = self.ritz_vectors_T if index is None else self.ritz_vectors_T[:, index]
         return self.Q @ S
 
     def apply_inverse(self, v):
         """``Q T^{-1} Q^T v`` for ``v`` of shape ``(n,)`` or ``(n, m)`` (the low-rank ``A^{-1}``)."""
-        return self.Q @ torch.linalg.solve(self.T(), self.Q.transpose(0, 1) @ v)
+        rhs = (self.Q.transpose(0, 1) @ v).reshape(self.k, -1)
+        return self.Q @ torch.cholesky_solve(rhs, self.cholesky_L()).reshape((self.k,) + tuple(v.shape[1:]))
 
-    def variances(self, B=None, chunk_size=64):
+    def variances(self, B=None, chunk_size=None):
         """K-Lanczos variances ``diag(B Q T^{-1} Q^T B^T)`` of this run (Nickisch & Seeger 2009 §2.3).
 
-        ``z_j = z_{j-1} + v_j^2`` with ``v_j = (B q_j - d_{j-1} v_{j-1}) / e_j`` where ``(e, d)`` is the
-        bidiagonal Cholesky factor of ``T``.  ``B q_j`` is computed ``chunk_size`` columns at a
-        time, so the extra memory is ``O(q * chunk_size)``; ``B Q`` is never formed whole.
+        Forward substitution with the banded Cholesky factor of ``T`` (:func:`banded_lanczos_z`); for
+        block size 1 it is the recursion ``z_j = z_{j-1} + v_j^2``, ``v_j = (B q_j - d_{j-1} v_{j-1}) / e_j``.
+        ``B q_j`` is computed ``chunk_size`` Lanczos vectors at a time, so ``B Q`` is never formed whole.
+        Each component is ``<=`` the exact ``diag(B A^{-1} B^T)`` (Seeger 2010 §4.1).
 
-        :param B: ``(q, n)`` operator or tensor; ``None`` means the identity (variances of ``u``).
-        :param chunk_size: Lanczos vectors per product with ``B``.
+        :param B: ``(q, n)`` operator or tensor; ``None`` means the identity (``diag(A^{-1})``).
+        :param chunk_size: Lanczos vectors per product with ``B`` (default ``4 * block_size``).
         :returns: ``z`` of shape ``(q,)``.
         """
-        return _lanczos_z(self, B, chunk_size)
+        return banded_lanczos_z(self.cholesky_L(), self.block_size, _design_rows(self.Q, B), self.k, chunk_size)
+
+    def covariance_factor(self):
+        """``F = Q L^{-T}`` (``T = L L^T``), shape ``(n, k)``: ``F F^T = Q T^{-1} Q^T``, the K-Lanczos covariance
+        (Seeger 2010 §3)."""
+        return torch.linalg.solve_triangular(self.cholesky_L(), self.Q.transpose(0, 1), upper=False).transpose(0, 1)
 
 
 def _as_design(B, n, name="B"):
@@ -175,112 +231,216 @@ def _design_rows(Q, B):
     return rows
 
 
-def _lanczos_z(res, B, chunk_size):
-    e, d = res.cholesky_T()
-    L = (torch.diag(e) + torch.diag(d, -1)).to(dtype=res.Q.dtype, device=res.Q.device)
-    return banded_lanczos_z(L, 1, _design_rows(res.Q, B), res.k, max(1, int(chunk_size)))
+class _BlockVarianceAccumulator:
+    r"""``z = diag(P Q T^{-1} Q^T P^T)`` accumulated one Lanczos block at a time (Nickisch & Seeger 2009 §2.3, blocked).
+
+    ``T = Q^T A Q`` is block tridiagonal, so its Cholesky factor ``L`` is block bidiagonal and can be
+    extended as the blocks arrive: ``L_{j,j-1} = T_{j,j-1} L_{j-1,j-1}^{-T}`` and
+    ``L_{jj} L_{jj}^T = T_{jj} - L_{j,j-1} L_{j,j-1}^T``.  With ``V = L^{-1} (P Q)^T`` and ``z = sum_j V_j^2``,
+    block row ``j`` of ``V`` is ``L_{jj}^{-1} ((P Q_j)^T - L_{j,j-1} V_{j-1})``: only the previous block of
+    ``V`` is kept, so the memory is ``O(b m)`` per projection instead of the ``O(k m)`` of ``B Q``.  For
+    ``b = 1`` this is Nickisch & Seeger 2009 §2.3's recursion ``v_k = (B q_k - d_{k-1} v_{k-1}) / e_k``.
+    """
+
+    def __init__(self, k, dtype, device):
+        self.L = torch.zeros(k, k, dtype=dtype, device=device)
+        self.z, self.prev, self.Ldiag = None, None, None
+
+    def add(self, s, Tjj, Tsub, projections):
+        """Block ``[s, s + b_j)``: ``Tjj = T_{jj}``, ``Tsub = T_{j,j-1}`` (``None`` for the first block) and
+        the products ``P_i Q_j`` (shape ``(m_i, b_j)``); raises if ``T`` is not positive definite."""
+        bj = Tjj.shape[0]
+        if s + bj > self.L.shape[0]:  # the run was extended
+            L = self.L.new_zeros((s + bj, s + bj))
+            L[:s, :s] = self.L[:s, :s]
+            self.L = L
+        if Tsub is not None:
+            Lsub = torch.linalg.solve_triangular(self.Ldiag.transpose(0, 1), Tsub, upper=True, left=False)
+            S = Tjj - Lsub @ Lsub.transpose(0, 1)
+            self.L[s:s + bj, s - Tsub.shape[1]:s] = Lsub
+        else:
+            Lsub, S = None, Tjj
+        Ljj, info = torch.linalg.cholesky_ex(S)
+        if int(info) != 0:
+            raise NotPositiveDefiniteError(
+                f"the block Lanczos matrix T is not positive definite (pivot {s + int(info)}); "
+                "the operator is not SPD or too ill-conditioned for its dtype")
+        self.L[s:s + bj, s:s + bj] = Ljj
+        LjjT = Ljj.transpose(0, 1)
+        V = []
+        for i, P in enumerate(projections):
+            if Lsub is not None:
+                P = P - self.prev[i] @ Lsub.transpose(0, 1)
+            Vi = torch.linalg.solve_triangular(LjjT, P, upper=True, left=False)  # (m_i, b_j): rows of V^T
+            V.append(Vi)
+        sq = [torch.square(Vi).sum(1) for Vi in V]
+        self.z = sq if self.z is None else [zi.add_(si) for zi, si in zip(self.z, sq)]
+        self.prev, self.Ldiag = V, Ljj
 
 
-class _LanczosProcess:
-    """Lanczos iteration that can be extended step by step (row-major buffer of Lanczos vectors)."""
+class _LanczosRun:
+    """Block Lanczos with full reorthogonalisation that can be extended (block size 1: single-vector Lanczos).
 
-    def __init__(self, apply_a, v0, capacity, reorthogonalize=True, breakdown_tol=None):
-        n = v0.shape[0]
-        self.apply_a = apply_a
-        self.n = n
-        self.reorthogonalize = reorthogonalize
-        eps = torch.finfo(v0.dtype).eps
-        self.breakdown_tol = float(breakdown_tol) if breakdown_tol is not None else eps ** (2.0 / 3.0)
-        self.Qr = v0.new_empty((max(1, capacity), n))
-        nrm = torch.linalg.vector_norm(v0)
-        if not float(nrm) > 0:
-            raise ValueError("v0: the starting vector must be nonzero")
-        self.q = v0 / nrm
-        self.alpha, self.beta = [], []  # beta[j] = norm of the residual after step j
-        self.num_mvm = 0
-        self.breakdown = False
-        self.anorm = 0.0
+    Each step multiplies ``A`` with the current block (``b_j`` rows of length ``n``, the layout of the stored
+    ``Q^T``), subtracts ``Q_j T_jj + Q_{j-1} T_{j-1,j}``, reorthogonalises against all stored vectors by
+    classical Gram-Schmidt as matrix products (a second pass only if a vector lost more than 30% of its
+    norm, the Daniel-Gragg-Kaufman-Stewart criterion) and factorises the residual (QR; a norm for one
+    vector) into the next block and the coupling ``R_j = T_{j+1,j}``.  A pivot of ``R_j`` below
+    ``breakdown_tol * ||T||`` deflates the block by an SVD to the directions that are really new; with
+    none left the run stops (``breakdown``).  The residual after the last product is always formed, so the
+    run can be extended and the Ritz residuals are known.
+    """
 
-    @property
-    def k(self):
-        return len(self.alpha)
+    def __init__(self, apply_a, V0, *, breakdown_tol=None, reorthogonalize=True, project=None):
+        n, b = V0.shape
+        self.apply_a, self.n, self.reorthogonalize, self.project = apply_a, n, reorthogonalize, project
+        self.tol = float(breakdown_tol) if breakdown_tol is not None else torch.finfo(V0.dtype).eps ** (2.0 / 3.0)
+        Qn, R0 = _orthonormalise(V0.transpose(0, 1))
+        if not bool((torch.diagonal(R0).abs() > 0).all()):
+            raise ValueError("n_or_V0: the starting block must have full column rank")
+        self.pending = Qn  # the next block, (b_j, n) rows
+        self.Qr = V0.new_empty((0, n))
+        self.Tb = V0.new_zeros((b, b))  # T, with room for the coupling of the pending block
+        self.filled, self.prev, self.num_mvm, self.band, self.anorm = 0, None, 0, 1, 0.0
+        self.breakdown, self.closed = False, False
+        self.C = V0.new_zeros((0, 0))
+        self.acc = _BlockVarianceAccumulator(b, V0.dtype, V0.device) if project is not None else None
 
-    def _grow(self, capacity):
-        if capacity > self.Qr.shape[0]:
-            new = self.Qr.new_empty((capacity, self.n))
-            new[: self.k] = self.Qr[: self.k]
-            self.Qr = new
+    def _grow(self, k):
+        b = self.pending.shape[0] if self.pending is not None else 0
+        if k > self.Qr.shape[0]:
+            Qr = self.Qr.new_empty((k, self.n))
+            Qr[: self.filled] = self.Qr[: self.filled]
+            self.Qr = Qr
+        self._grow_T(k + b)
+
+    def _grow_T(self, m):
+        if m > self.Tb.shape[0]:
+            Tb = self.Tb.new_zeros((m, m))
+            old = self.Tb.shape[0]
+            Tb[:old, :old] = self.Tb
+            self.Tb = Tb
 
     def run(self, k):
-        """Extend to ``k`` steps in total (fewer on breakdown)."""
+        """Extend to ``k`` Lanczos vectors in total (fewer on breakdown; at most ``n``)."""
         k = min(int(k), self.n)
+        if self.closed or k <= self.filled:
+            return self
         self._grow(k)
+        T = self.Tb
+        dropped = None
         with torch.no_grad():
-            while self.k < k and not self.breakdown:
-                j = self.k
-                if j > 0:
-                    bprev = self.beta[-1]
-                    if bprev <= self.breakdown_tol * self.anorm:
-                        self.breakdown = True
-                        break
-                    self.q = self.w / bprev
-                q = self.q
-                self.Qr[j] = q
-                w = self.apply_a(q)
-                if not isinstance(w, torch.Tensor) or w.shape != q.shape:
-                    got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
-                    raise ValueError(f"matmul: expected an output of shape {tuple(q.shape)}, got {got}")
-                self.num_mvm += 1
-                w = w.detach().clone()
-                a = float(torch.dot(q, w))
-                if not math.isfinite(a):
+            while self.filled < k:
+                s, Qt = self.filled, self.pending
+                if s + Qt.shape[0] > k:  # truncate the last block to reach exactly k vectors (no extension later)
+                    # the dropped directions carry part of the residual of the previous block, if there is one
+                    dropped, Qt = (Qt[k - s:] if self.prev is not None else None), Qt[:k - s]
+                    self.closed = True
+                bj = Qt.shape[0]
+                e = s + bj
+                self.Qr[s:e] = Qt
+                V = Qt.transpose(0, 1).contiguous()
+                W = self.apply_a(V)
+                if not isinstance(W, torch.Tensor) or W.shape != V.shape:
+                    got = tuple(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__
+                    raise ValueError(f"matmul: expected an output of shape {tuple(V.shape)}, got {got}")
+                self.num_mvm += bj
+                Wt = W.detach().transpose(0, 1).contiguous()  # (b_j, n)
+                Aj = Wt @ V
+                if not bool(torch.isfinite(Aj).all()):
                     raise ValueError("matmul returned NaN or inf during Lanczos")
-                w.add_(q, alpha=-a)
-                if j > 0:
-                    w.add_(self.Qr[j - 1], alpha=-self.beta[-1])
+                Aj = 0.5 * (Aj + Aj.transpose(0, 1))
+                T[s:e, s:e] = Aj
+                self.anorm = max(self.anorm, float(torch.linalg.matrix_norm(T[s:e, :e], 1)))
+                self.band = max(self.band, bj - 1)
+                prev = self.prev
+                if self.acc is not None:
+                    Tsub = T[s:e, prev[0]:s] if prev is not None else None
+                    self.acc.add(s, Aj, Tsub, _projections(self.project, V, self.acc))
+                self.filled, self.prev = e, (s, bj)
+                if dropped is not None:  # A Q_{j-1} keeps a component along the dropped directions
+                    R_drop = T[k:k + dropped.shape[0], prev[0]:s].clone()
+                if e >= self.n:  # Q spans everything: the residual is rounding only
+                    self.pending, self.closed, self.C, dropped = None, True, V.new_zeros((0, e)), None
+                    break
+                Wt.sub_(Aj @ Qt)
+                if prev is not None:
+                    ps, pb = prev
+                    Wt.sub_(T[s:e, ps:ps + pb] @ self.Qr[ps:ps + pb])
                 if self.reorthogonalize:
-                    Qj = self.Qr[: j + 1]
-                    # classical Gram-Schmidt, repeated once if the norm dropped a lot (DGKS criterion)
+                    Qall = self.Qr[:e]
+                    before = torch.linalg.vector_norm(Wt, dim=1)
                     for _ in range(2):
-                        before = float(torch.linalg.vector_norm(w))
-                        c = Qj @ w
-                        w.sub_(Qj.transpose(0, 1) @ c)
-                        a += float(c[j])
-                        after = float(torch.linalg.vector_norm(w))
-                        if after > 0.7071 * before:
+                        Wt.sub_((Wt @ Qall.transpose(0, 1)) @ Qall)
+                        after = torch.linalg.vector_norm(Wt, dim=1)
+                        if bool((after > 0.7071 * before).all()):
                             break
-                    b = after
+                        before = after
+                thresh = self.tol * max(self.anorm, 1e-300)
+                if bj == 1:  # one vector: its norm, no QR
+                    nrm = torch.linalg.vector_norm(Wt)
+                    ok = float(nrm) > thresh
+                    Qn, Rj = (Wt / nrm, nrm.reshape(1, 1)) if ok else (None, None)
                 else:
-                    b = float(torch.linalg.vector_norm(w))
-                self.w = w
-                self.alpha.append(a)
-                prev_b = self.beta[-1] if self.beta else 0.0
-                self.beta.append(b)
-                self.anorm = max(self.anorm, abs(a) + b + prev_b)
+                    Qn, Rj = _orthonormalise(Wt)
+                    ok = float(torch.diagonal(Rj).abs().min()) > thresh
+                if not ok:
+                    # (numerically) rank-deficient block: deflate to the directions that are really new
+                    U, S, Vh = torch.linalg.svd(Wt.transpose(0, 1), full_matrices=False)
+                    r = int((S > thresh).sum())
+                    Qn, Rj = U[:, :r].transpose(0, 1).contiguous(), S[:r, None] * Vh[:r]
+                    self.breakdown = True  # the Krylov space lost dimensions: report it
+                    if r == 0:
+                        self.pending, self.closed, self.C = None, True, V.new_zeros((0, e))
+                        break
+                    self.band = max(self.band, bj + r - 1)
+                else:
+                    self.band = max(self.band, bj)
+                r = Qn.shape[0]
+                if e + r > T.shape[0]:
+                    self._grow_T(e + r)
+                    T = self.Tb
+                T[e:e + r, s:e] = Rj
+                T[s:e, e:e + r] = Rj.transpose(0, 1)
+                self.pending = Qn
+            if self.pending is not None:  # residual coefficients of A Q - Q T = Q_next C
+                s, bj = self.prev
+                r = self.pending.shape[0]
+                self.C = T.new_zeros((r, self.filled))
+                self.C[:, s:self.filled] = T[self.filled:self.filled + r, s:self.filled]
+        if dropped is not None:
+            # residual A Q - Q T = [Q_drop, Q_next] [C_drop; C_next]; orthonormalise the two parts together
+            C_drop = R_drop.new_zeros((dropped.shape[0], self.filled))
+            C_drop[:, self.prev[0] - R_drop.shape[1]:self.prev[0]] = R_drop
+            Wd = dropped if self.pending is None else torch.cat([dropped, self.pending], 0)
+            Cd = C_drop if self.pending is None else torch.cat([C_drop, self.C], 0)
+            _, Rw = torch.linalg.qr(Wd.transpose(0, 1))
+            self.C = Rw @ Cd
+            self.pending = None
         return self
 
-    def result(self, ritz=True):
-        k = self.k
-        dt, dev = self.Qr.dtype, self.Qr.device
-        alpha = torch.tensor(self.alpha, dtype=dt, device=dev)
-        beta = torch.tensor(self.beta[: k - 1], dtype=dt, device=dev)
-        beta_next = torch.tensor(0.0 if self.breakdown else self.beta[k - 1], dtype=dt, device=dev)
-        res = LanczosResult(
-            Q=self.Qr[:k].transpose(0, 1),
-            alpha=alpha,
-            beta=beta,
-            num_mvm=self.num_mvm,
-            breakdown=self.breakdown,
-            ritz_values=None,
-            ritz_residuals=None,
-            beta_next=beta_next,
-        )
-        if ritz:
-            theta, S = torch.linalg.eigh(res.T())
-            res.ritz_values = theta
-            res.ritz_vectors_T = S
-            res.ritz_residuals = (beta_next * S[-1, :]).abs()
+    def result(self):
+        k = self.filled
+        res = LanczosResult(Q=self.Qr[:k].transpose(0, 1), T_matrix=self.Tb[:k, :k].clone(), block_size=self.band,
+                            num_mvm=self.num_mvm, breakdown=self.breakdown, residual_coeffs=self.C)
+        if self.acc is not None:
+            for i, zi in enumerate(self.acc.z):
+                if not bool(torch.isfinite(zi).all()):
+                    raise ValueError(f"project: output {i} contains NaN or inf")
+            res._L = self.acc.L[:k, :k].clone()
+            res.projected_variances = [zi.clone() for zi in self.acc.z]
         return res
+
+
+def _orthonormalise(Wt):
+    """``Wt = (Q R^T)^T``-style QR of the rows of ``Wt`` (``(b, n)``): returns rows ``Qn`` (``(b, n)``) and ``R``
+    (``(b, b)``, upper triangular) with ``Wt^T = Qn^T R``; a norm for one row."""
+    if Wt.shape[0] == 1:
+        nrm = torch.linalg.vector_norm(Wt)
+        R = nrm.reshape(1, 1)
+        return (Wt / nrm if float(nrm) > 0 else Wt.clone()), R
+    Qm, R = torch.linalg.qr(Wt.transpose(0, 1))
+    return Qm.transpose(0, 1).contiguous(), R
 
 
 def _start_vector(n_or_v0, apply_n, op_dtype, op_device, dtype, device, generator):
@@ -304,6 +464,20 @@ def _start_vector(n_or_v0, apply_n, op_dtype, op_device, dtype, device, generato
     return torch.randn(n, dtype=dtype, device=device, generator=generator)
 
 
+
+def _vector_matmul(apply_a, n):
+    """A callable on ``(n,)`` vectors as the ``(n, 1)``-block product the Lanczos run calls."""
+
+    def apply(V):
+        w = apply_a(V[:, 0])
+        if not isinstance(w, torch.Tensor) or w.shape != (n,):
+            got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+            raise ValueError(f"matmul: expected an output of shape ({n},), got {got}")
+        return w.unsqueeze(-1)
+
+    return apply
+
+
 def lanczos(
     matmul,
     n_or_v0,
@@ -315,7 +489,8 @@ def lanczos(
     dtype=None,
     device=None,
 ):
-    """``k`` Lanczos steps with full reorthogonalisation on a symmetric operator ``A``.
+    """``k`` Lanczos steps with full reorthogonalisation on a symmetric operator ``A``: :func:`block_lanczos`
+    with block size 1.
 
     Each step costs one product with ``A`` and, with ``reorthogonalize=True``, one or two classical
     Gram-Schmidt passes against all previous vectors (``O(n j)`` BLAS matrix-vector work; the second
@@ -335,7 +510,7 @@ def lanczos(
     :param generator: :class:`torch.Generator` for the random start.
     :param dtype: dtype of a random start (default: the operator's, else torch's default).
     :param device: device of a random start (default: the operator's).
-    :returns: :class:`LanczosResult`.
+    :returns: :class:`LanczosResult` with a tridiagonal ``T`` (``alpha``, ``beta``, ``beta_next``).
 
     Example::
 
@@ -345,13 +520,21 @@ def lanczos(
         >>> torch.allclose(res.ritz_values, torch.arange(1.0, 11.0, dtype=torch.float64))
         True
     """
+    run = _vector_run(matmul, n_or_v0, k, reorthogonalize, breakdown_tol, generator, dtype, device)
+    return run.run(k).result()
+
+
+def _vector_run(matmul, n_or_v0, k, reorthogonalize, breakdown_tol, generator, dtype, device):
+    """A single-vector :class:`_LanczosRun` from :func:`lanczos`'s arguments (validated)."""
     apply_a, n_op, op_dtype, op_device = _resolve_matmul(matmul)
     v0 = _start_vector(n_or_v0, n_op, op_dtype, op_device, dtype, device, generator)
-    k = int(k)
-    if k < 1:
+    if int(k) < 1:
         raise ValueError(f"k: must be >= 1, got {k}")
-    proc = _LanczosProcess(apply_a, v0, min(k, v0.shape[0]), reorthogonalize, breakdown_tol)
-    return proc.run(k).result()
+    if not float(torch.linalg.vector_norm(v0)) > 0:
+        raise ValueError("v0: the starting vector must be nonzero")
+    if n_op is None:
+        apply_a = _vector_matmul(apply_a, v0.shape[0])
+    return _LanczosRun(apply_a, v0.unsqueeze(-1), breakdown_tol=breakdown_tol, reorthogonalize=reorthogonalize)
 
 
 def lanczos_variances(
@@ -481,7 +664,7 @@ def pca_variances(
     K = min(n, max(2 * L, L + 20)) if num_steps is None else min(n, int(num_steps))
     max_steps = min(n, max(4 * L, L + 100)) if max_steps is None else min(n, int(max_steps))
     K = max(L, min(K, max_steps))
-    proc = _LanczosProcess(apply_a, v0, K, True, None)
+    proc = _vector_run(matmul, v0, K, True, None, None, None, None)
     while True:
         proc.run(K)
         res = proc.result()
@@ -519,7 +702,7 @@ def pca_variances(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Block Lanczos
+# Banded K-Lanczos substitution and block Lanczos
 # ---------------------------------------------------------------------------------------------------
 def banded_lanczos_z(L, band, rows, k, chunk_size=None):
     r"""``z = diag(R^T T^{-1} R)`` for ``T = L L^T`` banded and ``R = (B Q)^T`` given by row blocks.
@@ -560,133 +743,6 @@ def banded_lanczos_z(L, band, rows, k, chunk_size=None):
     return z
 
 
-@dataclass
-class BlockLanczosResult:
-    """Outcome of :func:`block_lanczos`; the interface of :class:`LanczosResult` where it applies.
-
-    :ivar Q: orthonormal Lanczos vectors, shape ``(n, k)``.
-    :ivar T_matrix: the block-tridiagonal ``T = Q^T A Q``, shape ``(k, k)``.
-    :ivar block_size: lower bandwidth of ``T`` (the block size ``b``; larger after a deflated block).
-    :ivar num_mvm: columns multiplied by ``A``.
-    :ivar breakdown: ``True`` if a new block was (numerically) linearly dependent on the previous
-        ones: the run either stopped early (the Krylov space is invariant) or went on with the
-        independent directions only (a deflated block).
-    :ivar ritz_values: eigenvalues of ``T`` in ascending order, shape ``(k,)`` (computed on first use).
-    :ivar ritz_vectors_T: eigenvectors of ``T`` (columns), shape ``(k, k)`` (computed on first use).
-    :ivar projected_variances: with :func:`block_lanczos`'s ``project``: the list of
-        ``diag(P_i Q T^{-1} Q^T P_i^T)``, one ``(m_i,)`` tensor per projection; else ``None``.
-    """
-
-    Q: torch.Tensor
-    T_matrix: torch.Tensor
-    block_size: int
-    num_mvm: int
-    breakdown: bool
-    projected_variances: list = None
-    _eigh: tuple = None
-    _L: torch.Tensor = None
-
-    def _ritz(self):
-        if self._eigh is None:
-            self._eigh = torch.linalg.eigh(self.T_matrix)
-        return self._eigh
-
-    @property
-    def ritz_values(self):
-        """Eigenvalues of ``T`` in ascending order, shape ``(k,)``."""
-        return self._ritz()[0]
-
-    @property
-    def ritz_vectors_T(self):
-        """Eigenvectors of ``T`` (columns), shape ``(k, k)``."""
-        return self._ritz()[1]
-
-    @property
-    def k(self):
-        """Number of Lanczos vectors."""
-        return self.T_matrix.shape[0]
-
-    @property
-    def alpha(self):
-        """Diagonal of ``T`` (so ``alpha.sum() = tr T``)."""
-        return torch.diagonal(self.T_matrix)
-
-    def T(self):
-        """The dense ``(k, k)`` matrix ``T = Q^T A Q``."""
-        return self.T_matrix
-
-    def cholesky_L(self):
-        """Lower Cholesky factor of ``T`` (lower bandwidth ``block_size``)."""
-        if self._L is None:
-            L, info = torch.linalg.cholesky_ex(self.T_matrix)
-            if int(info) != 0:
-                raise NotPositiveDefiniteError(
-                    f"the block Lanczos matrix T is not positive definite (pivot {int(info)}); "
-                    "the operator is not SPD or too ill-conditioned for its dtype")
-            self._L = L
-        return self._L
-
-    def logdet_T(self):
-        """``log|T|`` as a 0-d tensor."""
-        return 2.0 * torch.log(torch.diagonal(self.cholesky_L())).sum()
-
-    def ritz_vectors(self, index=None):
-        """Ritz vectors ``Q S[:, index]``, shape ``(n, len(index))``."""
-        S = self.ritz_vectors_T if index is None else self.ritz_vectors_T[:, index]
-        return self.Q @ S
-
-    def apply_inverse(self, v):
-        """``Q T^{-1} Q^T v`` for ``v`` of shape ``(n,)`` or ``(n, m)``."""
-        return self.Q @ torch.cholesky_solve(
-            (self.Q.transpose(0, 1) @ v).reshape(self.k, -1), self.cholesky_L()).reshape((self.k,) + v.shape[1:])
-
-    def variances(self, B=None, chunk_size=None):
-        """``diag(B Q T^{-1} Q^T B^T)`` (``B = None``: the identity), see :func:`banded_lanczos_z`."""
-        return banded_lanczos_z(self.cholesky_L(), self.block_size, _design_rows(self.Q, B), self.k, chunk_size)
-
-
-class _BlockVarianceAccumulator:
-    r"""``z = diag(P Q T^{-1} Q^T P^T)`` accumulated one Lanczos block at a time (Nickisch & Seeger 2009 §2.3, blocked).
-
-    ``T = Q^T A Q`` is block tridiagonal, so its Cholesky factor ``L`` is block bidiagonal and can be
-    extended as the blocks arrive: ``L_{j,j-1} = T_{j,j-1} L_{j-1,j-1}^{-T}`` and
-    ``L_{jj} L_{jj}^T = T_{jj} - L_{j,j-1} L_{j,j-1}^T``.  With ``V = L^{-1} (P Q)^T`` and ``z = sum_j V_j^2``,
-    block row ``j`` of ``V`` is ``L_{jj}^{-1} ((P Q_j)^T - L_{j,j-1} V_{j-1})``: only the previous block of
-    ``V`` is kept, so the memory is ``O(b m)`` per projection instead of the ``O(k m)`` of ``B Q``.  For
-    ``b = 1`` this is Nickisch & Seeger 2009 §2.3's recursion ``v_k = (B q_k - d_{k-1} v_{k-1}) / e_k``.
-    """
-
-    def __init__(self, k, dtype, device):
-        self.L = torch.zeros(k, k, dtype=dtype, device=device)
-        self.z, self.prev, self.Ldiag = None, None, None
-
-    def add(self, s, Tjj, Tsub, projections):
-        """Block ``[s, s + b_j)``: ``Tjj = T_{jj}``, ``Tsub = T_{j,j-1}`` (``None`` for the first block) and
-        the products ``P_i Q_j`` (shape ``(m_i, b_j)``); raises if ``T`` is not positive definite."""
-        bj = Tjj.shape[0]
-        if Tsub is not None:
-            Lsub = torch.linalg.solve_triangular(self.Ldiag.transpose(0, 1), Tsub, upper=True, left=False)
-            S = Tjj - Lsub @ Lsub.transpose(0, 1)
-            self.L[s:s + bj, s - Tsub.shape[1]:s] = Lsub
-        else:
-            Lsub, S = None, Tjj
-        Ljj, info = torch.linalg.cholesky_ex(S)
-        if int(info) != 0:
-            raise NotPositiveDefiniteError(
-                f"the block Lanczos matrix T is not positive definite (pivot {s + int(info)}); "
-                "the operator is not SPD or too ill-conditioned for its dtype")
-        self.L[s:s + bj, s:s + bj] = Ljj
-        LjjT = Ljj.transpose(0, 1)
-        V = []
-        for i, P in enumerate(projections):
-            if Lsub is not None:
-                P = P - self.prev[i] @ Lsub.transpose(0, 1)
-            Vi = torch.linalg.solve_triangular(LjjT, P, upper=True, left=False)  # (m_i, b_j): rows of V^T
-            V.append(Vi)
-        sq = [torch.square(Vi).sum(1) for Vi in V]
-        self.z = sq if self.z is None else [zi.add_(si) for zi, si in zip(self.z, sq)]
-        self.prev, self.Ldiag = V, Ljj
-
 
 def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generator=None, dtype=None, device=None,
                   project=None):
@@ -695,12 +751,12 @@ def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generat
     Each block step multiplies ``A`` with ``b`` vectors at once (one sparse-times-dense product
     instead of ``b`` sparse matrix-vector products) and reorthogonalises the new block against all
     previous vectors by classical Gram-Schmidt as matrix-matrix products (a second pass when the
-    DGKS criterion asks for it), so ``Q`` is read ``b`` times less often than by :func:`lanczos`.  ``T = Q^T A Q`` is block tridiagonal with
-    bandwidth ``b``; the K-Lanczos variance estimate ``diag(B Q T^{-1} Q^T B^T)`` keeps the
+    DGKS criterion asks for it), so ``Q`` is read ``b`` times less often than with single vectors.
+    ``T = Q^T A Q`` is block tridiagonal with bandwidth ``b``; the K-Lanczos variance estimate ``diag(B Q T^{-1} Q^T B^T)`` keeps the
     properties of Seeger 2010 §4.1 (a lower bound on the exact variances, nondecreasing in ``k``:
     ``Q T^{-1} Q^T`` is ``A^{-1}`` compressed to ``span Q``).  For the same ``k`` the block Krylov
-    space has lower polynomial degree, so the estimate is somewhat less accurate than that of
-    :func:`lanczos` (``docs/convex_relaxation.md`` measures it); ``b = 1`` is plain Lanczos.
+    space has lower polynomial degree, so the estimate can be less accurate than with ``b = 1``
+    (``docs/convex_relaxation.md`` measures it); ``b = 1`` is plain Lanczos (:func:`lanczos`).
 
     The working block is kept as ``b`` contiguous rows of length ``n`` (the layout of the stored ``Q^T``),
     so both Gram-Schmidt products stream ``Q`` in its memory order.
@@ -708,7 +764,7 @@ def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generat
     With ``project``, K-Lanczos variances are accumulated while the run goes (Nickisch & Seeger 2009 §2.3): after the
     product with block ``Q_j``, ``project(Q_j)`` returns products ``P_i Q_j`` (shapes ``(m_i, b_j)``) and
     ``diag(P_i Q T^{-1} Q^T P_i^T)`` is updated through the block-bidiagonal Cholesky factor of ``T``, which
-    is extended block by block (:class:`_BlockVarianceAccumulator`).  ``P_i Q`` is never stored
+    is extended block by block (``_BlockVarianceAccumulator``).  ``P_i Q`` is never stored
     (``O(b m_i)`` memory); ``project`` may return a product its ``matmul`` already computed (e.g.
     ``B Q_j`` inside ``A Q_j = X^T X Q_j + B^T W B Q_j``), so the variances cost no extra product.
 
@@ -717,10 +773,13 @@ def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generat
     :param int k: number of Lanczos vectors (at most ``n``); the last block is truncated to reach ``k``.
     :param int block_size: ``b >= 1``.
     :param breakdown_tol: relative threshold on the diagonal of the block QR factor, default ``eps**(2/3)``.
+    :param generator: :class:`torch.Generator` for the random start.
+    :param dtype: dtype of a random start (default: the operator's, else torch's default).
+    :param device: device of a random start (default: the operator's).
     :param project: optional callable ``(n, b_j) block -> sequence of (m_i, b_j) tensors``; its variances
         are returned in ``projected_variances`` (then ``T`` must be positive definite:
         :class:`~pyro_convexvb.errors.NotPositiveDefiniteError` otherwise).
-    :returns: :class:`BlockLanczosResult`.
+    :returns: :class:`LanczosResult`.
 
     Example::
 
@@ -754,89 +813,12 @@ def block_lanczos(matmul, n_or_V0, k, block_size, *, breakdown_tol=None, generat
         dev = device or op_device or (generator.device if generator is not None else None)
         V0 = torch.randn(n, b, dtype=dt, device=dev, generator=generator)
     n = V0.shape[0]
-    k = min(int(k), n)
-    if k < 1:
+    if int(k) < 1:
         raise ValueError(f"k: must be >= 1, got {k}")
-    b = min(b, k)
-    V0 = V0[:, :b]
-    tol = float(breakdown_tol) if breakdown_tol is not None else torch.finfo(V0.dtype).eps ** (2.0 / 3.0)
-    Qr = V0.new_empty((k, n))
-    T = V0.new_zeros((k + b, k + b))
-    Qj, R0 = torch.linalg.qr(V0)
-    if not bool((torch.diagonal(R0).abs() > 0).all()):
-        raise ValueError("n_or_V0: the starting block must have full column rank")
-    Qt = Qj.transpose(0, 1).contiguous()  # the current block as rows, (b_j, n)
-    acc = _BlockVarianceAccumulator(k, V0.dtype, V0.device) if project is not None else None
-    num_mvm, breakdown, anorm, filled, band = 0, False, 0.0, 0, 1
-    s, prev = 0, None  # start of the current block, (start, size) of the previous one
-    with torch.no_grad():
-        while True:
-            if s + Qt.shape[0] > k:  # truncate the last block to reach exactly k vectors
-                Qt = Qt[:k - s]
-            bj = Qt.shape[0]
-            Qr[s:s + bj] = Qt
-            filled = s + bj
-            V = Qt.transpose(0, 1).contiguous()
-            W = apply_a(V)
-            if not isinstance(W, torch.Tensor) or W.shape != V.shape:
-                got = tuple(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__
-                raise ValueError(f"matmul: expected an output of shape {tuple(V.shape)}, got {got}")
-            num_mvm += bj
-            Wt = W.detach().transpose(0, 1).contiguous()  # (b_j, n)
-            Aj = Wt @ V
-            if not bool(torch.isfinite(Aj).all()):
-                raise ValueError("matmul returned NaN or inf during block Lanczos")
-            Aj = 0.5 * (Aj + Aj.transpose(0, 1))
-            T[s:filled, s:filled] = Aj
-            anorm = max(anorm, float(torch.linalg.matrix_norm(T[s:filled, :filled], 1)))
-            band = max(band, bj - 1)
-            if acc is not None:
-                acc.add(s, Aj, T[s:filled, prev[0]:s] if prev is not None else None, _projections(project, V, acc))
-            if filled >= k:
-                break
-            Wt.sub_(Aj @ Qt)
-            if prev is not None:
-                ps, pb = prev
-                Wt.sub_(T[s:filled, ps:ps + pb] @ Qr[ps:ps + pb])
-            Qall = Qr[:filled]
-            # classical Gram-Schmidt as matrix products; a second pass only if a vector lost more than
-            # 30% of its norm (DGKS criterion, as in :func:`lanczos`)
-            before = torch.linalg.vector_norm(Wt, dim=1)
-            for _ in range(2):
-                Wt.sub_((Wt @ Qall.transpose(0, 1)) @ Qall)
-                after = torch.linalg.vector_norm(Wt, dim=1)
-                if bool((after > 0.7071 * before).all()):
-                    break
-                before = after
-            thresh = tol * max(anorm, 1e-300)
-            Qn, Rj = torch.linalg.qr(Wt.transpose(0, 1))
-            if float(torch.diagonal(Rj).abs().min()) <= thresh:
-                # (numerically) rank-deficient block: deflate to the directions that are really new
-                U, S, Vh = torch.linalg.svd(Wt.transpose(0, 1), full_matrices=False)
-                r = int((S > thresh).sum())
-                if r == 0:
-                    breakdown = True
-                    break
-                Qn, Rj = U[:, :r], S[:r, None] * Vh[:r]
-                if r < bj:
-                    breakdown = True  # the Krylov space lost dimensions: report it
-                band = max(band, bj + r - 1)
-            else:
-                band = max(band, bj)
-            r = Qn.shape[1]
-            T[filled:filled + r, s:filled] = Rj
-            T[s:filled, filled:filled + r] = Rj.transpose(0, 1)
-            prev, s, Qt = (s, bj), filled, Qn.transpose(0, 1).contiguous()
-    Tk = T[:filled, :filled].clone()
-    res = BlockLanczosResult(Q=Qr[:filled].transpose(0, 1), T_matrix=Tk, block_size=band, num_mvm=num_mvm,
-                             breakdown=breakdown)
-    if acc is not None:
-        for i, zi in enumerate(acc.z):
-            if not bool(torch.isfinite(zi).all()):
-                raise ValueError(f"project: output {i} contains NaN or inf")
-        res._L = acc.L[:filled, :filled]
-        res.projected_variances = acc.z
-    return res
+    k = min(int(k), n)
+    V0 = V0[:, :min(b, k)]
+    run = _LanczosRun(apply_a, V0, breakdown_tol=breakdown_tol, project=project)
+    return run.run(k).result()
 
 
 def _projections(project, V, acc):

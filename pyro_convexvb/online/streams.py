@@ -8,7 +8,6 @@
 * :func:`hash_features` -- feature hashing of categorical tokens into a fixed number of columns;
 * :func:`progressive_regret` -- progressive-validation loss and regret ``R_t`` of Eq. (4).
 """
-import gzip
 import itertools
 import math
 import time
@@ -17,7 +16,7 @@ import zlib
 import numpy as np
 import scipy.sparse as sp
 
-from ..datasets import parse_svmlight_lines
+from ..io import open_text as _open_text, parse_svmlight_lines
 from . import equations as eq
 
 __all__ = [
@@ -218,13 +217,6 @@ def hash_features(rows, num_features, seed=0):
                       shape=(len(indptr) - 1, int(num_features)))
     X.sum_duplicates()
     return X
-
-
-def _open_text(path):
-    path = str(path)
-    if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, "r", encoding="utf-8")
 
 
 # ----------------------------------------------------------------------------- svmlight

@@ -9,7 +9,8 @@ Modules: :mod:`.potentials` (super-Gaussian sites, implicit ``h``/``h^*``), :mod
 in Nickisch & Seeger's (2009) form, constants of the bound), :mod:`.inner` (Newton/IRLS with PCG), :mod:`.outer`
 (Lanczos/PCA/exact variance updates, the double loop), :mod:`.engine` (the public class).
 """
-from .engine import ConvexVariationalRelaxation, applies, convex_relaxation, predictive_marginals
+from .api import SiteDesigns, laplace_map, site_designs
+from .engine import ConvexRelaxationOptions, ConvexVariationalRelaxation, applies, predictive_marginals
 from .potentials import (
     GenericPotential,
     LaplacePotential,
@@ -28,7 +29,7 @@ from .problem import RelaxationProblem
 __all__ = [
     "ConvexVariationalRelaxation",
     "applies",
-    "convex_relaxation",
+    "ConvexRelaxationOptions",
     "predictive_marginals",
     "RelaxationProblem",
     "SuperGaussianPotential",
@@ -42,4 +43,7 @@ __all__ = [
     "h_implicit",
     "h_star_implicit",
     "gaussian_lower_bound",
+    "SiteDesigns",
+    "site_designs",
+    "laplace_map",
 ]

@@ -5,20 +5,33 @@ r"""Outer loop: variance updates ``z <- diag(B A^{-1} B^T)`` and the double loop
 loop minimisation of the upper bound ``phi_z`` (Nickisch & Seeger 2009, §2.2).  With exact ``z`` every outer
 iteration decreases ``phi`` (a CCCP/majorisation argument; Nickisch & Seeger 2009 §2.2, Seeger 2010 §4.2).
 
-Variance estimators (``variance=``):
+Variance methods (``variance=``):
 
-* ``"lanczos"`` -- *K-Lanczos* (Nickisch & Seeger 2009 §2.3; Seeger 2010 §3): ``z_k = diag(B Q T^{-1} Q^T B^T)``
-  after ``k`` steps with full reorthogonalisation; every component ``<=`` the exact variance and
-  nondecreasing in ``k`` (Seeger 2010 §4.1).  The underestimation strengthens the penalty in
-  ``h^*`` (Seeger 2010 §4.1: "selective shrinkage is strengthened").
+* ``"lanczos"`` -- ``k`` (block) Lanczos steps with full reorthogonalisation, with one of two estimators
+  (``lanczos_estimator=``, chosen by :func:`choose_lanczos_estimator` unless given):
+
+  * ``"k-lanczos"`` -- Nickisch & Seeger 2009 §2.3 (Seeger 2010 §3), Lanczos on the precision ``A``:
+    ``z_k = diag(B Q T^{-1} Q^T B^T)``; every component ``<=`` the exact variance and nondecreasing in
+    ``k`` (Seeger 2010 §4.1).  The underestimation strengthens the penalty in ``h^*`` (Seeger 2010
+    §4.1: "selective shrinkage is strengthened").
+  * ``"whitened"`` -- for a prior given by covariances (e.g. a Gaussian process ``u ~ N(mu, Sigma)``):
+    with ``u = mu + L v``, ``Sigma = L L^T``, Lanczos runs on ``A_v = L^T A L = I + L^T M_u L`` and
+    ``Var[v] ~ I - Q (I - T^{-1}) Q^T`` (the prior minus the data correction the Krylov space has
+    captured), so ``z ~ diag(B Sigma B^T) - diag(B L Q Q^T L^T B^T) + diag(B L Q T^{-1} Q^T L^T B^T)``.
+    Exact at ``k = n``; not a bound in either direction.  K-Lanczos on ``A = Sigma^{-1} + ...`` instead
+    finds the directions of *smallest* variance first and returns variances near zero.
+
 * ``"pca"`` -- *L-PCA* (Seeger 2010 §3-4): the ``L`` smallest eigenpairs of ``A`` (converged Ritz
   pairs); with it the double loop provably converges, but on a modified criterion (Seeger 2010 Thm 1).
 * ``"exact"`` -- dense Cholesky of ``A`` (small ``n``): the reference.
+* ``"auto"`` -- ``"exact"`` when the cost model of :func:`variance_costs` predicts it to be cheaper than
+  ``"lanczos"`` (and ``n <= exact_max``), else ``"lanczos"`` (:func:`choose_variance_method`).
 
 ``log|A|`` for ``phi`` and the bound: exact (Cholesky) when ``n <= dense_logdet_max``; otherwise a
 rigorous *upper* bound (so the evidence bound stays a lower bound), the smaller of Hadamard's
 ``sum_j log A_jj`` and, with the Lanczos basis ``Q`` completed to ``[Q, Q_perp]``, Fischer's
-inequality plus AM-GM on the complement: ``log|A| <= log|T_k| + (n-k) log((tr A - tr T_k)/(n-k))``.
+inequality plus AM-GM on the complement: ``log|A| <= log|T_k| + (n-k) log((tr A - tr T_k)/(n-k))``
+(for the whitened estimator applied to ``A_v``, with ``log|A| = log|A_v| - log|Sigma|``).
 """
 from dataclasses import dataclass
 import math
@@ -28,9 +41,44 @@ import torch
 
 from ...linalg.cg import cg
 from ...linalg.lanczos import block_lanczos, pca_variances
+from ...linalg.operators import ComposedOperator, as_operator
 from .inner import inner_loop
+from .problem import operator_flops
 
-__all__ = ["VarianceStep", "variance_step", "logdet_upper_bound", "h_value", "phi_value", "double_loop"]
+__all__ = ["VarianceStep", "WhitenedLanczos", "variance_step", "variance_costs", "choose_variance_method",
+           "choose_lanczos_estimator", "logdet_upper_bound", "h_value", "phi_value", "double_loop"]
+
+# ---------------------------------------------------------------------------------------------------
+# Cost model of variance="auto".  All constants are calibrated by benchmarks/variance_crossover.py, which
+# times one exact and one Lanczos variance step over n, design density and k, fits these constants by
+# nonnegative least squares on relative errors and prints them; only their ratios affect the choice.
+# The values below are provisional (a --quick run on a loaded 2-core machine, rounded): rerun the full
+# benchmark on a quiet machine and replace them.
+# ---------------------------------------------------------------------------------------------------
+#: Seconds per ``n^3`` of the exact route's dense factorisations: the Cholesky factor of ``A``
+#: (``n^3/3`` flops) and its triangular inverse (``n^3`` flops).  Calibrated by benchmarks/variance_crossover.py.
+EXACT_CUBIC_SECONDS = 5.0e-10
+#: Seconds per flop of the batched products that form ``A`` densely (``n`` identity columns) and
+#: ``B L^{-T}``.  Calibrated by benchmarks/variance_crossover.py.
+FORM_FLOP_SECONDS = 5.0e-11
+#: Seconds per flop of the Lanczos products with ``A`` (or ``A_v``), one block per step.
+#: Calibrated by benchmarks/variance_crossover.py.
+MVM_FLOP_SECONDS = 2.0e-10
+#: Seconds per flop of the Gram-Schmidt reorthogonalisation (``2 n k^2`` flops for ``k`` steps).
+#: Calibrated by benchmarks/variance_crossover.py.
+ORTH_FLOP_SECONDS = 5.0e-10
+#: Fixed seconds per Lanczos block step (Python and small factorisations).
+#: Calibrated by benchmarks/variance_crossover.py.
+STEP_SECONDS = 3.0e-4
+#: Largest per-vector speed-up of block Lanczos (``b`` vectors per product and reorthogonalisation pass)
+#: over single vectors, applied as ``min(b, BLOCK_SPEEDUP_MAX)``; 3.6-3.9x was measured on real-sim at
+#: ``b = 8, 16`` (docs/convex_relaxation.md).  Calibrated by benchmarks/variance_crossover.py.
+BLOCK_SPEEDUP_MAX = 3.0
+#: Whitened estimator: smallest fraction of the latent coordinates under dense-covariance prior blocks.
+WHITEN_DENSE_FRACTION = 0.5
+
+_METHODS = ("lanczos", "exact", "pca", "auto")
+_ESTIMATORS = ("auto", "k-lanczos", "whitened")
 
 
 @dataclass
@@ -42,8 +90,14 @@ class VarianceStep:
     :ivar logdet: ``log|A|`` (exact) or a rigorous upper bound.
     :ivar logdet_method: ``"cholesky"``, ``"fischer"`` or ``"hadamard"`` (``"unavailable"`` if neither bound applies).
     :ivar num_mvm: products with ``A`` (Lanczos steps, or ``n`` identity probes for the dense route).
-    :ivar lanczos: the :class:`~pyro_convexvb.linalg.LanczosResult` (``None`` for ``"exact"``).
+    :ivar lanczos: ``None`` for ``"exact"``; the :class:`~pyro_convexvb.linalg.LanczosResult` on ``A`` for
+        K-Lanczos and L-PCA; a :class:`WhitenedLanczos` for the whitened estimator.  Each has
+        ``variances(D)`` (``diag(D Cov D^T)`` in its own approximation) and ``covariance_factor()``.
     :ivar chol: dense Cholesky factor of ``A`` (exact route or dense log-det), else ``None``.
+    :ivar method: ``"exact"``, ``"lanczos"`` or ``"pca"`` (``"given"`` for a warm start).
+    :ivar estimator: ``"cholesky"``, ``"k-lanczos"``, ``"whitened"`` or ``"l-pca"`` (``"given"`` for a warm start).
+    :ivar lower_bounds: ``True`` when every variance is a lower bound that may be strictly below the exact
+        one (K-Lanczos and L-PCA, Seeger 2010 §4.1); ``False`` for exact variances and the whitened estimator.
     """
 
     z: torch.Tensor
@@ -53,6 +107,177 @@ class VarianceStep:
     num_mvm: int
     lanczos: object = None
     chol: torch.Tensor = None
+    method: str = "exact"
+    estimator: str = "cholesky"
+    lower_bounds: bool = False
+
+
+class WhitenedLanczos:
+    r"""Covariance-form (whitened) Lanczos estimate of ``Cov_Q[u] = A^{-1}`` for a prior ``u ~ N(mu, Sigma)``.
+
+    ``u = mu + L v`` with ``Sigma = L L^T`` turns ``A`` into ``A_v = L^T A L = I + L^T M_u L`` (``M_u`` the
+    Gaussian observation rows and the sites).  ``k`` Lanczos steps on ``A_v`` give ``Q``, ``T`` and
+
+    .. math:: \widehat{\mathrm{Cov}}[v] = I - Q (I - T^{-1}) Q^T, \qquad
+              \widehat{\mathrm{Cov}}[u] = \Sigma - L Q Q^T L^T + L Q T^{-1} Q^T L^T,
+
+    the prior minus the data correction that the Krylov space has captured.  Lanczos finds the large
+    eigenvalues of ``A_v`` (the directions the data constrains most) first, and on the rest ``A_v ~ I``,
+    so for priors with a fast-decaying spectrum (Gaussian-process kernels) the estimate is accurate at
+    ``k << n``; it is exact at ``k = n``.  It is not a bound in either direction: with
+    ``A_v = [[T, C], [C^T, D]]`` in the basis ``[Q, Q_perp]`` it replaces ``(A_v^{-1})`` by
+    ``blockdiag(T^{-1}, I)``, which differs from it by an indefinite matrix while ``C != 0``.
+
+    :ivar result: the :class:`~pyro_convexvb.linalg.LanczosResult` of the run on ``A_v``.
+    :ivar form: the :class:`~.problem.CovarianceForm` (``L``, ``diag(Sigma)``, ...).
+    """
+
+    estimator = "whitened"
+    lower_bounds = False
+
+    def __init__(self, result, form):
+        self.result, self.form = result, form
+
+    @property
+    def k(self):
+        """Number of Lanczos vectors."""
+        return self.result.k
+
+    @property
+    def num_mvm(self):
+        """Products with ``A_v``."""
+        return self.result.num_mvm
+
+    @property
+    def breakdown(self):
+        """Whether the run on ``A_v`` broke down (see :class:`~pyro_convexvb.linalg.LanczosResult`)."""
+        return self.result.breakdown
+
+    @property
+    def Q(self):
+        raise AttributeError("WhitenedLanczos has no Q: its covariance is Sigma - L Q (I - T^-1) Q^T L^T, not "
+                             "Q T^-1 Q^T; use variances(D), covariance_factor(), or .result for the run on A_v")
+
+    def T(self):
+        """Not available (see :attr:`Q`)."""
+        raise AttributeError("WhitenedLanczos has no T in the covariance form Q T^-1 Q^T; use .result.T() for A_v")
+
+    def variances(self, D=None, chunk=256):
+        """``diag(D Cov D^T)`` in this approximation, for ``D`` ``(m, n)`` (``None``: the identity, ``Var[u]``).
+
+        ``= diag(G G^T) - sum_j (G q_j)^2 + diag(G Q T^{-1} Q^T G^T)`` with ``G = D L``; ``diag(G G^T)``
+        takes ``n`` products of ``D`` (``chunk`` columns of ``L`` at a time).
+
+        :returns: ``(m,)`` tensor.
+        """
+        L, res = self.form.factor, self.result
+        if D is None:
+            prior, G = self.form.prior_var, L
+        else:
+            Dop = as_operator(D)
+            if Dop.shape[1] != L.shape[0]:
+                raise ValueError(f"D: expected {L.shape[0]} columns, got shape {tuple(Dop.shape)}")
+            G = ComposedOperator(Dop, L)
+            n = L.shape[0]
+            prior = None
+            for start in range(0, n, chunk):
+                stop = min(n, start + chunk)
+                E = torch.zeros(n, stop - start, dtype=res.Q.dtype, device=res.Q.device)
+                E[torch.arange(start, stop), torch.arange(stop - start)] = 1
+                W = G.mv(E)
+                prior = (W * W).sum(1) if prior is None else prior + (W * W).sum(1)
+        GQ = G.mv(res.Q)
+        return prior - (GQ * GQ).sum(1) + res.variances(G)
+
+    def covariance_factor(self):
+        """``F`` with ``F F^T`` the estimated ``Cov[u]``: ``F = L [I - Q Q^T, Q L_T^{-T}]``, shape ``(n, n + k)``."""
+        Q = self.result.Q
+        n = Q.shape[0]
+        P = torch.eye(n, dtype=Q.dtype, device=Q.device) - Q @ Q.transpose(0, 1)
+        return self.form.factor.mv(torch.cat([P, self.result.covariance_factor()], 1))
+
+    def logdet_T(self):
+        """``log|T_k|`` of the run on ``A_v`` (``log|A| = log|A_v| - log|Sigma|`` at ``k = n``)."""
+        return self.result.logdet_T()
+
+
+def choose_lanczos_estimator(prob):
+    """``"whitened"`` when the prior is in covariance form with mostly dense blocks, else ``"k-lanczos"``.
+
+    The whitened estimator needs every latent coordinate under a Gaussian prior given by a covariance
+    (:meth:`~.problem.RelaxationProblem.covariance_blocks`: no flat block, e.g. a Laplace prior, and no
+    precision-only block) and is chosen when at least ``WHITEN_DENSE_FRACTION`` of the coordinates lie in
+    dense (non-diagonal) covariance blocks, e.g. a Gaussian-process prior, possibly with a few diagonal
+    coefficients beside it.  Diagonal priors under many sites (sparse logistic regression) keep Nickisch &
+    Seeger's (2009) K-Lanczos: there the data correction has high rank and ``k << n`` steps cannot capture it.
+
+    :param prob: :class:`~.problem.RelaxationProblem`.
+    :returns: ``"whitened"`` or ``"k-lanczos"``.
+    """
+    blocks = prob.covariance_blocks()
+    if blocks is None:
+        return "k-lanczos"
+    dense = sum(sl.stop - sl.start for sl, _, d in blocks if d)
+    return "whitened" if dense >= WHITEN_DENSE_FRACTION * prob.n else "k-lanczos"
+
+
+def _resolve_estimator(prob, estimator):
+    if estimator not in _ESTIMATORS:
+        raise ValueError(f"lanczos_estimator: expected one of {_ESTIMATORS}, got {estimator!r}")
+    if estimator == "auto":
+        return choose_lanczos_estimator(prob)
+    if estimator == "whitened" and prob.covariance_blocks() is None:
+        raise ValueError("lanczos_estimator='whitened': every prior block needs a covariance (no flat or "
+                         "precision-only block, dense blocks of at most DENSE_BLOCK_LIMIT coordinates)")
+    return estimator
+
+
+def variance_costs(prob, lanczos_rank, block_size=1, dense_logdet_max=2000, estimator="auto"):
+    r"""Predicted seconds of one exact and one Lanczos variance step (the cost model of ``variance="auto"``).
+
+    With ``f_A`` the flops of one product with ``A`` (:meth:`~.problem.RelaxationProblem.mvm_flops`),
+    ``f_B`` those with ``B`` and ``k = min(lanczos_rank, n)``:
+
+    * exact: ``EXACT_CUBIC_SECONDS n^3`` (Cholesky and triangular inverse) ``+ FORM_FLOP_SECONDS n (f_A + f_B)``
+      (``A`` formed from ``n`` products, ``z`` from ``B L^{-T}``);
+    * Lanczos: ``STEP_SECONDS ceil(k/b) + (MVM_FLOP_SECONDS k f_A' + ORTH_FLOP_SECONDS 2 n k^2) / min(b,
+      BLOCK_SPEEDUP_MAX)``, with ``f_A'`` the flops of a product with ``A_v`` for the whitened estimator;
+      plus, when ``n <= dense_logdet_max``, the dense ``log|A|`` the Lanczos route then also computes
+      (``FORM_FLOP_SECONDS n f_A + EXACT_CUBIC_SECONDS n^3 / 4``, the Cholesky share of the cubic term).
+
+    :param prob: :class:`~.problem.RelaxationProblem`.
+    :param int lanczos_rank: ``k``.
+    :param int block_size: ``b``.
+    :param int dense_logdet_max: see :func:`variance_step`.
+    :param str estimator: ``"auto"``, ``"k-lanczos"`` or ``"whitened"``.
+    :returns: ``dict(exact=seconds, lanczos=seconds, estimator=..., k=k)``.
+    """
+    n = prob.n
+    est = _resolve_estimator(prob, estimator)
+    k = min(int(lanczos_rank), n)
+    b = max(1, min(int(block_size), k)) if k < n else 1
+    f_a = prob.mvm_flops()
+    f_b = operator_flops(prob.B) if prob.B is not None else 0.0
+    exact = EXACT_CUBIC_SECONDS * n**3 + FORM_FLOP_SECONDS * n * (f_a + f_b)
+    f_lz = prob.mvm_flops(whitened=True) if est == "whitened" else f_a
+    lz = STEP_SECONDS * math.ceil(k / b) + (MVM_FLOP_SECONDS * k * f_lz + ORTH_FLOP_SECONDS * 2.0 * n * k * k) / min(
+        b, BLOCK_SPEEDUP_MAX)
+    if n <= dense_logdet_max:
+        lz += FORM_FLOP_SECONDS * n * f_a + 0.25 * EXACT_CUBIC_SECONDS * n**3
+    return dict(exact=exact, lanczos=lz, estimator=est, k=k)
+
+
+def choose_variance_method(prob, lanczos_rank, block_size=1, exact_max=5000, dense_logdet_max=2000,
+                           estimator="auto"):
+    """``"exact"`` if ``n <= exact_max`` and the cost model predicts a dense Cholesky variance step to be
+    cheaper than a ``lanczos_rank``-step Lanczos one (:func:`variance_costs`), else ``"lanczos"``.
+
+    :returns: ``"exact"`` or ``"lanczos"``.
+    """
+    if prob.n > int(exact_max):
+        return "lanczos"
+    c = variance_costs(prob, lanczos_rank, block_size, dense_logdet_max, estimator)
+    return "exact" if c["exact"] <= c["lanczos"] else "lanczos"
 
 
 def _exact_z(prob, L, chunk=256):
@@ -72,24 +297,37 @@ def _exact_z(prob, L, chunk=256):
 def logdet_upper_bound(prob, w, lanczos_result=None):
     """Rigorous upper bound on ``log|A|``, ``A = X^T X + B^T diag(w) B`` (module docstring).
 
-    :returns: ``(value, method)``; ``(inf, "unavailable")`` if ``diag(A)`` is not available cheaply.
+    :param lanczos_result: a :class:`~pyro_convexvb.linalg.LanczosResult` on ``A`` or a :class:`WhitenedLanczos`
+        (then Fischer's bound is applied to ``A_v`` with ``tr A_v = n + gauss_trace + sum_i w_i (B Sigma B^T)_ii``).
+    :returns: ``(value, method)``; ``(inf, "unavailable")`` if neither bound is available.
     """
+    n = prob.n
     d = prob.diag_a(w)
-    if d is None or not bool((d > 0).all()):
-        return math.inf, "unavailable"
-    best, method = float(torch.log(d).sum()), "hadamard"
+    best, method = math.inf, "unavailable"
+    if d is not None and bool((d > 0).all()):
+        best, method = float(torch.log(d).sum()), "hadamard"
     if lanczos_result is not None:
-        k, n = lanczos_result.k, prob.n
-        logdet_t = float(lanczos_result.logdet_T())
-        rest = float(d.sum()) - float(lanczos_result.alpha.sum())
-        if k >= n:
-            val = logdet_t
-        elif rest > 0:
-            val = logdet_t + (n - k) * math.log(rest / (n - k))
+        if isinstance(lanczos_result, WhitenedLanczos):
+            form, res = lanczos_result.form, lanczos_result.result
+            trace = n + form.gauss_trace + (float(w @ form.site_prior_var) if prob.q else 0.0)
+            shift = -form.logdet
+        elif d is not None:
+            res, trace, shift = lanczos_result, float(d.sum()), 0.0
         else:
-            val = math.inf
-        if val < best:
-            best, method = val, "fischer"
+            res = None
+        if res is not None:
+            k = res.k
+            logdet_t = float(res.logdet_T())
+            rest = trace - float(res.alpha.sum())
+            if k >= n:
+                val = logdet_t
+            elif rest > 0:
+                val = logdet_t + (n - k) * math.log(rest / (n - k))
+            else:
+                val = math.inf
+            val += shift
+            if val < best:
+                best, method = val, "fischer"
     return best, method
 
 
@@ -124,21 +362,72 @@ def _k_lanczos(prob, w, k, generator, block_size=1):
     return res, z, var_u
 
 
+def _whitened_lanczos(prob, w, k, generator, block_size=1):
+    r"""Whitened Lanczos run on ``A_v = I + L^T M_u L`` with ``z`` and ``Var[u]`` accumulated during the run.
+
+    ``A_v V = V + L^T (obs(L V) + B^T (w * (B L V)))`` computes ``L V`` and ``B L V``; the ``project`` hook
+    hands them to :func:`~pyro_convexvb.linalg.block_lanczos`'s recursion for ``diag(P Q T^{-1} Q^T P^T)``
+    (``P = B L`` and ``L``) and adds up ``sum_j (P q_j)^2`` alongside, so
+    ``z = diag(B Sigma B^T) - sum_j (B L q_j)^2 + diag(B L Q T^{-1} Q^T L^T B^T)`` costs no extra product.
+
+    :returns: ``(WhitenedLanczos, z, var_u)``.
+    """
+    form = prob.covariance_form()
+    L, B, stash = form.factor, prob.B, {}
+    wcol = w.unsqueeze(-1)
+    sq = {}
+
+    def matmul(V):
+        LV = L.mv(V)
+        M = prob.obs_mv(LV)
+        stash["LV"] = LV
+        if B is not None:
+            BLV = B.mv(LV)
+            stash["BLV"] = BLV
+            M = M + B.rmv(BLV * wcol)
+        return V + L.rmv(M)
+
+    def project(V):
+        P = [stash.pop("LV")] if B is None else [stash.pop("BLV"), stash.pop("LV")]
+        for i, Pi in enumerate(P):
+            s = (Pi * Pi).sum(1)
+            sq[i] = s if i not in sq else sq[i] + s
+        return P
+
+    res = block_lanczos(matmul, prob.n, k, block_size, generator=generator, dtype=prob.dtype, device=prob.device,
+                        project=project)
+    pv = res.projected_variances
+    if B is None:
+        z = torch.zeros(0, dtype=prob.dtype, device=prob.device)
+        var_u = form.prior_var - sq[0] + pv[0]
+    else:
+        z = form.site_prior_var - sq[0] + pv[0]
+        var_u = form.prior_var - sq[1] + pv[1]
+    return WhitenedLanczos(res, form), z, var_u
+
+
 def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generator=None,
-                  dense_logdet_max=2000, block_size=1):
+                  dense_logdet_max=2000, block_size=1, estimator="auto", exact_max=5000):
     """Estimate ``z = diag(B A^{-1} B^T)``, ``diag(A^{-1})`` and ``log|A|`` at ``gamma`` (Nickisch & Seeger 2009, §2.3).
 
     :param prob: :class:`~.problem.RelaxationProblem`.
     :param gamma: ``(q,)`` site widths.
-    :param method: ``"lanczos"``, ``"pca"`` or ``"exact"``.
+    :param method: ``"lanczos"``, ``"pca"``, ``"exact"`` or ``"auto"`` (:func:`choose_variance_method`).
     :param k: Lanczos steps.
     :param pca_rank: ``L`` for ``"pca"``.
     :param generator: torch generator for the Lanczos start vector.
     :param dense_logdet_max: largest ``n`` for an exact (Cholesky) ``log|A|`` in the Lanczos/PCA modes.
     :param block_size: Lanczos block size ``b`` (``1``: Nickisch & Seeger's (2009) single-vector Lanczos; ``b > 1``:
         :func:`~pyro_convexvb.linalg.block_lanczos` with ``b`` vectors per product, used only while ``k < n``).
-    :returns: :class:`VarianceStep`.
+    :param estimator: Lanczos estimator, ``"auto"`` (:func:`choose_lanczos_estimator`), ``"k-lanczos"`` or
+        ``"whitened"`` (module docstring).
+    :param exact_max: largest ``n`` that ``method="auto"`` may give to the exact route.
+    :returns: :class:`VarianceStep` (``method``, ``estimator`` and ``lower_bounds`` say what was used).
     """
+    if method not in _METHODS:
+        raise ValueError(f"variance: expected one of {_METHODS}, got {method!r}")
+    if method == "auto":
+        method = choose_variance_method(prob, k, block_size, exact_max, dense_logdet_max, estimator)
     w = 1.0 / gamma if prob.q else torch.zeros(0, dtype=prob.dtype, device=prob.device)
     n = prob.n
     if method == "exact":
@@ -146,13 +435,19 @@ def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generat
         L = torch.linalg.cholesky(A)
         z, var_u = _exact_z(prob, L)
         logdet = float(2 * torch.log(torch.diagonal(L)).sum())
-        return VarianceStep(z, var_u, logdet, "cholesky", n, None, L)
+        return VarianceStep(z, var_u, logdet, "cholesky", n, None, L, "exact", "cholesky", False)
     A_op = prob.precision_operator(w)
     B = prob.B
     k = min(int(k), n)
+    b = int(block_size) if k < n else 1
     if method == "lanczos":
-        res, z, var_u = _k_lanczos(prob, w, k, generator, int(block_size) if k < n else 1)
-    elif method == "pca":
+        est = _resolve_estimator(prob, estimator)
+        if est == "whitened":
+            res, z, var_u = _whitened_lanczos(prob, w, k, generator, b)
+        else:
+            res, z, var_u = _k_lanczos(prob, w, k, generator, b)
+        lower = est == "k-lanczos"
+    else:
         L_rank = max(1, min(n, int(pca_rank) if pca_rank is not None else max(1, k // 6)))
         zq, res = pca_variances(A_op, B, L_rank, num_steps=max(k, L_rank), max_steps=max(k, L_rank),
                                 return_result=True, generator=generator, on_fail="ignore")
@@ -160,8 +455,7 @@ def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generat
         theta = res.ritz_values[:L_rank]
         var_u = (U * U) @ (1.0 / theta)
         z = zq if B is not None else torch.zeros(0, dtype=prob.dtype, device=prob.device)
-    else:
-        raise ValueError(f"variance: expected 'lanczos', 'exact' or 'pca', got {method!r}")
+        est, lower = "l-pca", True
     num = res.num_mvm
     chol = None
     if n <= dense_logdet_max:
@@ -170,7 +464,7 @@ def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generat
         num += n
     else:
         logdet, how = logdet_upper_bound(prob, w, res)
-    return VarianceStep(z, var_u, logdet, how, num, res, chol)
+    return VarianceStep(z, var_u, logdet, how, num, res, chol, method, est, lower)
 
 
 def h_value(prob, gamma, x_star=None):
@@ -204,7 +498,7 @@ def solve_mean(prob, gamma, u0=None, cg_tol=1e-10, cg_max_iter=None, chol=None):
 def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, max_outer=5, max_newton=20, cg_tol=1e-6,
                 newton_tol=1e-8, gamma_tol=1e-3, phi_tol=1e-6, z_min=1e-10, gamma_init=None, generator=None,
                 dense_logdet_max=2000, cg_max_iter=None, history=None, progress=None, z_init=None, u_init=None,
-                logdet_init=None):
+                logdet_init=None, lanczos_estimator="auto", exact_max=5000):
     r"""The double-loop algorithm of Nickisch & Seeger 2009, §2.2.
 
     ``t = 0, 1, ...``: variance step at ``gamma_t`` (gives ``z_t`` and completes ``phi(gamma_t)``);
@@ -215,10 +509,23 @@ def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, 
     variances ``phi`` may rise between updates (Seeger 2010 §4.2 proves descent only for exact variances and
     L-PCA); the iterate with the smallest ``phi`` (largest bound) is returned, ``best_index`` says which.
 
-    :returns: dict with ``u``, ``gamma``, ``x_star``, ``step`` (last :class:`VarianceStep`), ``phi``
-        (list), ``converged``, ``mvm`` (per phase) and per-iteration statistics.
+    ``variance="auto"`` picks ``"exact"`` or ``"lanczos"`` once, before the first step, by
+    :func:`choose_variance_method` (the cost does not depend on ``gamma``); ``lanczos_estimator`` is passed
+    to :func:`variance_step` (``"auto"``: :func:`choose_lanczos_estimator`).  ``exact_max`` caps the ``n``
+    that ``"auto"`` may give to the exact route.
+
+    :returns: dict with ``u``, ``gamma``, ``x_star``, ``step`` (the :class:`VarianceStep` of the returned
+        iterate), ``phi`` (list), ``converged``, ``mvm`` (per phase), per-iteration statistics, and
+        ``variance_method`` (``"exact"``, ``"lanczos"`` or ``"pca"``: the method used, also under
+        ``variance="auto"``), ``variance_estimator`` (``"cholesky"``, ``"k-lanczos"``, ``"whitened"`` or
+        ``"l-pca"``) and ``variances_are_lower_bounds`` (``True`` for K-Lanczos and L-PCA).
     """
     n, q = prob.n, prob.q
+    if variance not in _METHODS:
+        raise ValueError(f"variance: expected one of {_METHODS}, got {variance!r}")
+    if variance == "auto":
+        variance = choose_variance_method(prob, k, block_size, exact_max, dense_logdet_max, lanczos_estimator)
+    estimator = _resolve_estimator(prob, lanczos_estimator) if variance == "lanczos" else lanczos_estimator
     dt, dev = prob.dtype, prob.device
     counts0 = dict(prob.counts)
     if q:
@@ -261,12 +568,12 @@ def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, 
         warm = z_init is not None and t == 0
         if warm:
             ld = float(logdet_init) if logdet_init is not None else math.nan
-            step = VarianceStep(z_init, None, ld, "given", 0)
+            step = VarianceStep(z_init, None, ld, "given", 0, method="given", estimator="given")
             if u_init is not None:
                 u = u_init
         else:
             step = variance_step(prob, gamma, method=variance, k=k, pca_rank=pca_rank, generator=generator,
-                                 dense_logdet_max=dense_logdet_max, block_size=block_size)
+                                 dense_logdet_max=dense_logdet_max, block_size=block_size, estimator=estimator)
         b_counts["outer"] += prob.counts.get("B", 0) - c_before
         seconds["outer"] += time.perf_counter() - t_start
         mvm["outer"] += step.num_mvm
@@ -312,5 +619,7 @@ def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, 
     mvm["seconds"] = seconds
     mvm["total_B_products"] = prob.counts.get("B", 0) - counts0.get("B", 0)
     # with approximate variances phi need not decrease (Seeger 2010 §4.2): return the best iterate seen
-    return dict(u=best["u"], gamma=best["gamma"], x_star=best["x_star"], step=best["step"], best_phi=best["phi"],
-                best_index=best["index"], converged=converged, mvm=mvm, **stats)
+    bstep = best["step"]
+    return dict(u=best["u"], gamma=best["gamma"], x_star=best["x_star"], step=bstep, best_phi=best["phi"],
+                best_index=best["index"], converged=converged, mvm=mvm, variance_method=bstep.method,
+                variance_estimator=bstep.estimator, variances_are_lower_bounds=bstep.lower_bounds, **stats)

@@ -57,7 +57,8 @@ import warnings
 import torch
 
 from ...errors import NonConvexWarning, UnsupportedModelError
-from ...lgm.sites import SiteFamily, gaussian_expectation
+from ...lgm.sites import StudentT  # noqa: F401  (re-export: the family lives in lgm.sites)
+from ...lgm.stack import GroupStack
 from ...linalg.scalar import minimize_convex_scalar, newton_bisect_root, expand_bracket
 
 __all__ = [
@@ -358,35 +359,6 @@ class GenericPotential(SuperGaussianPotential):
         return self._d2g(x)
 
 
-class StudentT(SiteFamily):
-    """Site family ``t_i(eta) = StudentT(y_i | eta, scale_i, df_i)`` for explicit latent Gaussian models.
-
-    Not produced by the Pyro extractor; build a :class:`~pyro_convexvb.SiteGroup` with it.  Its
-    super-Gaussian form is :class:`StudentTPotential` (not log-concave).
-
-    :param y: ``(q,)`` observations.
-    :param df: ``(q,)`` degrees of freedom.
-    :param scale: ``(q,)`` scales.
-    """
-
-    name = "student_t"
-    log_concave = False
-
-    def __init__(self, y, df, scale):
-        super().__init__(y=y, df=_t(df, y).expand_as(y).clone(), scale=_t(scale, y).expand_as(y).clone())
-
-    def log_prob(self, eta):
-        y, nu, b = self.params["y"], self.params["df"], self.params["scale"]
-        return torch.distributions.StudentT(nu, y, b).log_prob(eta)
-
-    def predictive_mean(self, mean, var, num_points=64):
-        return mean
-
-    def super_gaussian(self):
-        p = self.params
-        return StudentTPotential(p["y"], p["df"], p["scale"])
-
-
 _NOT_SUPER_GAUSSIAN = {
     "bernoulli_probit": "probit sites are not super-Gaussian: log Phi(s) - log Phi(-s) grows like s^2/2, so no "
                         "beta makes log t(s) - beta s even (Nickisch & Seeger 2009, §2); use engine 'dual_vg' or a logit link",
@@ -398,7 +370,8 @@ def potential_for(family):
     """The super-Gaussian potential of a site family (``s = eta - potential.shift``).
 
     :param family: a :class:`~pyro_convexvb.lgm.sites.SiteFamily` (``BernoulliLogit``, ``Laplace``,
-        or any family with a ``super_gaussian()`` method returning a :class:`SuperGaussianPotential`).
+        ``StudentT``, or any family with a ``super_gaussian()`` method returning a
+        :class:`SuperGaussianPotential`).
     :raises UnsupportedModelError: for families without a super-Gaussian representation, with the reason.
     """
     if hasattr(family, "super_gaussian"):
@@ -410,31 +383,38 @@ def potential_for(family):
         return LogisticPotential(family.params["y"])
     if family.name == "laplace":
         return LaplacePotential(family.params["scale"])
+    if family.name == "student_t":
+        p = family.params
+        return StudentTPotential(p["y"], p["df"], p["scale"])
     reason = _NOT_SUPER_GAUSSIAN.get(family.name, f"site family '{family.name}' has no super-Gaussian representation "
                                                   "(give it a super_gaussian() method returning a potential)")
     raise UnsupportedModelError(family.name, reason)
 
 
 class PotentialStack:
-    """Potentials of several site groups laid end to end (one slice of ``s`` per group)."""
+    """Potentials of several site groups laid end to end (one slice of ``s`` per group).
+
+    The bookkeeping is a :class:`~pyro_convexvb.lgm.stack.GroupStack`; ``beta``, ``kappa`` and
+    ``shift`` are the concatenated ``(q,)`` parameters (``None`` without potentials).
+
+    :param potentials: sequence of :class:`SuperGaussianPotential`.
+    """
 
     def __init__(self, potentials):
-        self.potentials = list(potentials)
-        self.slices, start = [], 0
-        for p in self.potentials:
-            self.slices.append(slice(start, start + len(p)))
-            start += len(p)
-        self.q = start
-        cat = (lambda name: torch.cat([getattr(p, name) for p in self.potentials])) if self.potentials else None
-        self.beta = cat("beta") if cat else None
-        self.kappa = cat("kappa") if cat else None
-        self.shift = cat("shift") if cat else None
+        self._stack = GroupStack(potentials)
+        self.potentials = self._stack.groups
+        self.slices = self._stack.slices
+        self.q = self._stack.total
+        self.beta = self._stack.concat_attribute("beta")
+        self.kappa = self._stack.concat_attribute("kappa")
+        self.shift = self._stack.concat_attribute("shift")
         self.log_concave = all(p.log_concave for p in self.potentials)
 
+    def __len__(self):
+        return self.q
+
     def _map(self, method, *tensors):
-        if len(self.potentials) == 1:
-            return getattr(self.potentials[0], method)(*tensors)
-        return torch.cat([getattr(p, method)(*[t[sl] for t in tensors]) for p, sl in zip(self.potentials, self.slices)])
+        return self._stack.map(method, *tensors)
 
     def g(self, x):
         return self._map("g", x)

@@ -38,6 +38,7 @@ Mapping (``sigma^2 = 1`` throughout):
   ``phi = log|A| + h(gamma) + min_u R(u, gamma)``,
   ``R = ||y~ - X u||^2 + s^T Gamma^{-1} s - 2 beta^T s`` (Nickisch & Seeger 2009, §2.1).
 """
+from dataclasses import dataclass
 import math
 
 import torch
@@ -54,10 +55,13 @@ from ...linalg.operators import (
     LinearOperator,
     SparseOperator,
     StackedOperator,
+    SumOperator,
+    TransposedOperator,
+    ZeroOperator,
 )
 from .potentials import PotentialStack, potential_for
 
-__all__ = ["RelaxationProblem", "operator_diagonal", "square_root_factor"]
+__all__ = ["RelaxationProblem", "CovarianceForm", "operator_diagonal", "operator_flops", "square_root_factor"]
 
 #: largest prior block that is inverted/factorised densely when only a covariance is given
 DENSE_BLOCK_LIMIT = 5000
@@ -104,6 +108,55 @@ def operator_diagonal(op):
     if op.shape[0] <= DENSE_BLOCK_LIMIT:
         return torch.diagonal(op.to_dense()).clone()
     return None
+
+
+def operator_flops(op):
+    """Floating-point operations of one product ``op @ v`` with one vector: ``2 nnz`` for a matrix, ``n``
+    for a diagonal; a callable (:class:`~pyro_convexvb.linalg.FunctionOperator`) counts as dense.
+
+    :param op: a :class:`~pyro_convexvb.linalg.LinearOperator` of shape ``(m, n)``.
+    :returns: ``float``.
+    """
+    if isinstance(op, _Counted):
+        return operator_flops(op.base)
+    if isinstance(op, (IdentityOperator, ZeroOperator)):
+        return 0.0
+    if isinstance(op, DiagonalOperator):
+        return float(op.shape[0])
+    if isinstance(op, SparseOperator):
+        return 2.0 * op.nnz
+    if isinstance(op, (StackedOperator, BlockDiagonalOperator, SumOperator)):
+        return float(sum(operator_flops(o) for o in op.operators))
+    if isinstance(op, ComposedOperator):
+        return operator_flops(op.left) + operator_flops(op.right)
+    if isinstance(op, (TransposedOperator, EmbedColumnsOperator)):
+        return operator_flops(op.base)
+    return 2.0 * op.shape[0] * op.shape[1]
+
+
+@dataclass
+class CovarianceForm:
+    r"""The Gaussian prior in covariance (whitened) form ``u = mu + L v``, ``v ~ N(0, I)``, ``L L^T = Sigma``.
+
+    With ``A = Sigma^{-1} + M_u`` (``M_u = sum_g B_g^T diag(sd_g^{-2}) B_g + B^T Gamma^{-1} B``, the
+    Gaussian observation rows and the sites), ``A_v = L^T A L = I + L^T M_u L``.
+
+    :ivar factor: ``L``, a block-diagonal :class:`~pyro_convexvb.linalg.LinearOperator` of shape ``(n, n)``
+        (dense lower Cholesky factors of the dense blocks, square roots of the diagonal ones).
+    :ivar prior_var: ``diag(Sigma)``, shape ``(n,)``.
+    :ivar site_prior_var: ``diag(B Sigma B^T)``, shape ``(q,)``.
+    :ivar gauss_trace: ``sum_g sum_i sd_gi^{-2} (B_g Sigma B_g^T)_ii``, so that
+        ``tr A_v = n + gauss_trace + sum_i (site_prior_var_i / gamma_i)``.
+    :ivar logdet: ``log|Sigma| = 2 sum_j log L_jj``.
+    :ivar dense_fraction: fraction of the ``n`` coordinates in blocks with a dense (non-diagonal) covariance.
+    """
+
+    factor: LinearOperator
+    prior_var: torch.Tensor
+    site_prior_var: torch.Tensor
+    gauss_trace: float
+    logdet: float
+    dense_fraction: float
 
 
 def square_root_factor(op):
@@ -182,9 +235,14 @@ class RelaxationProblem:
     # ------------------------------------------------------------------ Gaussian part
     def xtx_mv(self, v):
         """``X^T X v`` for ``v`` of shape ``(n,)`` or ``(n, k)``."""
-        out = torch.zeros_like(v)
+        out = self.obs_mv(v)
         for sl, P, _ in self.prior_blocks:
             out[sl] += P.mv(v[sl])
+        return out
+
+    def obs_mv(self, v):
+        """``sum_g B_g^T diag(sd_g^{-2}) B_g v`` (the Gaussian observation rows of ``X^T X``), ``v`` ``(n,)`` or ``(n, k)``."""
+        out = torch.zeros_like(v)
         for Bg, _, _, sd in self.gauss:
             w = sd**-2
             out += Bg.rmv((w if v.dim() == 1 else w.unsqueeze(-1)) * Bg.mv(v))
@@ -297,6 +355,86 @@ class RelaxationProblem:
         if self.B is not None:
             parts.append(ComposedOperator(DiagonalOperator(torch.sqrt(w)), self.B.base))
         return parts[0] if len(parts) == 1 else StackedOperator(parts)
+
+    # ------------------------------------------------------------------ covariance (whitened) form
+    def covariance_blocks(self):
+        """The prior blocks as ``[(slice, covariance operator, dense)]`` when every latent coordinate has a
+        Gaussian prior given by a covariance, else ``None``.
+
+        ``None`` when some block is flat (e.g. a Laplace prior turned into sites), is given by its precision
+        only, or is a dense covariance larger than ``DENSE_BLOCK_LIMIT``.  ``dense`` is ``False`` for a
+        diagonal covariance.  No computation: this only inspects the model.
+        """
+        out, pos = [], 0
+        for p, b in zip(self.lgm.priors, self.lgm.layout.blocks):
+            if p.flat or p.cov is None or b.slice.start != pos:
+                return None
+            dense = not isinstance(p.cov, DiagonalOperator)
+            if dense and p.size > DENSE_BLOCK_LIMIT:
+                return None
+            out.append((b.slice, p.cov, dense))
+            pos = b.slice.stop
+        return out if pos == self.n else None
+
+    def covariance_form(self, chunk=256):
+        """The prior in covariance form (:class:`CovarianceForm`), or ``None`` (see :meth:`covariance_blocks`).
+
+        Computed once and cached: one Cholesky factorisation per dense block, and ``diag(B Sigma B^T)`` by
+        products of ``B`` (and of the Gaussian designs ``B_g``) with the ``n`` columns of ``L``, ``chunk``
+        at a time.
+        """
+        if getattr(self, "_cov_form", None) is not None:
+            return self._cov_form
+        blocks = self.covariance_blocks()
+        if blocks is None:
+            return None
+        factors, prior_var, logdet, n_dense = [], [], 0.0, 0
+        for sl, cov, dense in blocks:
+            if dense:
+                Lb = torch.linalg.cholesky(cov.to_dense())
+                factors.append(DenseOperator(Lb))
+                prior_var.append((Lb * Lb).sum(1))
+                logdet += 2.0 * float(torch.log(torch.diagonal(Lb)).sum())
+                n_dense += sl.stop - sl.start
+            else:
+                d = cov.diag
+                factors.append(DiagonalOperator(torch.sqrt(d)))
+                prior_var.append(d.clone())
+                logdet += float(torch.log(d).sum())
+        L = factors[0] if len(factors) == 1 else BlockDiagonalOperator(factors)
+        n, dt, dev = self.n, self.dtype, self.device
+        z0 = torch.zeros(self.q, dtype=dt, device=dev)
+        gauss_trace = 0.0
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            E = torch.zeros(n, stop - start, dtype=dt, device=dev)
+            E[torch.arange(start, stop), torch.arange(stop - start)] = 1
+            C = L.mv(E)  # columns start..stop-1 of L
+            if self.B is not None:
+                W = self.B.mv(C)
+                z0 += (W * W).sum(1)
+            for Bg, _, _, sd in self.gauss:
+                Wg = Bg.mv(C)
+                gauss_trace += float(((Wg * Wg).sum(1) / sd**2).sum())
+        self._cov_form = CovarianceForm(L, torch.cat(prior_var), z0, gauss_trace, logdet, n_dense / n)
+        return self._cov_form
+
+    def mvm_flops(self, whitened=False):
+        """Floating-point operations of one product with ``A`` (``whitened=True``: with ``A_v = L^T A L``,
+        computed as ``v + L^T (M_u (L v))``) for one vector, from :func:`operator_flops`.
+
+        :returns: ``float``; the cost model of the outer loop's ``variance="auto"`` uses it.
+        """
+        flops = sum(2.0 * operator_flops(Bg) + Bg.shape[0] for Bg, _, _, _ in self.gauss)
+        if self.B is not None:
+            flops += 2.0 * operator_flops(self.B) + self.q
+        if whitened:
+            blocks = self.covariance_blocks()
+            if blocks is None:
+                raise ValueError("mvm_flops: the model has no covariance form (a flat or precision-only prior block)")
+            sizes = [(sl.stop - sl.start, dense) for sl, _, dense in blocks]
+            return flops + 2.0 * sum(2.0 * m * m if dense else m for m, dense in sizes) + self.n
+        return flops + sum(operator_flops(P) for _, P, _ in self.prior_blocks)
 
     # ------------------------------------------------------------------ objective pieces
     def R(self, u, gamma, s=None):

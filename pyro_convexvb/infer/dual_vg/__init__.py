@@ -28,4 +28,12 @@ from .objective import (
     reduced_objective,
 )
 from .optim import DualSolution, initial_alpha, minimize_joint, solve_dual
-from .guide import DualVG, build_dual_problem, dual_vg_applies, fit_dual_vg
+from .guide import (
+    DualVG,
+    DualVGEngine,
+    DualVGOptions,
+    build_dual_problem,
+    dual_vg_applies,
+    fit_dual_vg,
+    site_space_predictive,
+)

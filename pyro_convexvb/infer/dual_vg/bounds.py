@@ -1,7 +1,8 @@
 r"""Local variational bounds (LVBs) and their Fenchel conjugates for the dual VG method.
 
-Khan et al. 2013 (Khan, Aravkin, Friedlander & Seeger 2013), Eqs. (10) and (19); conventions of
-``notes/dualvg.md`` §4. A local bound of one site is a closed convex function
+Khan et al. 2013 (Khan, Aravkin, Friedlander & Seeger 2013), Eqs. (10) and (19); conventions and
+derivations in ``docs/dual_vg.md``, § Fenchel conjugates of the local bounds. A local bound of one
+site is a closed convex function
 ``f(h, rho) >= -E_{N(eta | h, rho)}[log p(y | eta)]`` of the site marginal mean ``h`` and variance
 ``rho >= 0``. Here every normalising constant of ``log p`` is kept inside ``f`` (so the primal
 ``-KL - sum_n f_n`` is directly a lower bound on ``log p(y)``, ``c_y = 0``). Its conjugate in the
@@ -15,9 +16,10 @@ Every bound shipped here has a conjugate of the *half-space* form
 
 with ``psi`` convex and ``ell`` concave and nonnegative. Because the dual objective strictly
 decreases in every ``lambda_n`` (its gradient there is ``-v_n / 2 < 0``), the dual optimum sits on
-``lambda = ell(alpha)`` and the dual reduces to ``N`` variables ``alpha`` (notes §4; for affine
-``ell`` this is the paper's line form in ``lambda``). The reduced dual is convex: it is a convex,
-decreasing function of ``lambda`` composed with the concave ``ell`` plus convex terms.
+``lambda = ell(alpha)`` and the dual reduces to ``N`` variables ``alpha`` (``docs/dual_vg.md``,
+§ Dual decomposition; for affine ``ell`` this is the paper's line form in ``lambda``). The reduced
+dual is convex: it is a convex, decreasing function of ``lambda`` composed with the concave
+``ell`` plus convex terms.
 
 ==================  =========================================  ======================  ===================
 bound               ``f(h, rho)``                              ``ell(alpha)``          ``psi(alpha)``
@@ -49,7 +51,8 @@ import math
 import numpy as np
 import torch
 
-from ...lgm.sites import BernoulliLogit, Gaussian, Poisson, SiteFamily
+from ...lgm.sites import BernoulliLogit, Gaussian, Poisson, StochasticVolatility
+from ...lgm.stack import GroupStack
 
 __all__ = [
     "LocalBound",
@@ -85,42 +88,6 @@ def _entropy_terms(kappa, kappa0=None):
 def _kappas(alpha, y):
     """``(kappa, 1 - kappa)`` with ``kappa = alpha + y`` for labels ``y in {0, 1}``, both without cancellation."""
     return alpha + y, (1 - y) - alpha
-
-
-class StochasticVolatility(SiteFamily):
-    """Stochastic-volatility sites ``t_n(eta) = N(y_n | 0, e^{eta})`` (Khan et al. 2013, §5).
-
-    :param torch.Tensor y: ``(q,)`` observations (exact zeros are replaced by ``zero_jitter``,
-        since ``log(1/y^2)`` enters the conjugate; notes §4).
-
-    Example::
-
-        >>> import torch
-        >>> fam = StochasticVolatility(torch.tensor([0.3, -1.2], dtype=torch.float64))
-        >>> fam.expected_log_prob(torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)).shape
-        torch.Size([2])
-    """
-
-    name = "stochastic_volatility"
-
-    def __init__(self, y, zero_jitter=1e-8):
-        y = torch.as_tensor(y)
-        if not torch.isfinite(y).all():
-            raise ValueError("y: stochastic-volatility observations contain NaN or inf")
-        y = torch.where(y.abs() < zero_jitter, torch.full_like(y, zero_jitter), y)
-        super().__init__(y=y)
-
-    def log_prob(self, eta):
-        y = self.params["y"]
-        return -0.5 * math.log(2 * math.pi) - 0.5 * eta - 0.5 * y**2 * torch.exp(-eta)
-
-    def expected_log_prob(self, mean, var, num_points=64):
-        y = self.params["y"]
-        return -0.5 * math.log(2 * math.pi) - 0.5 * mean - 0.5 * y**2 * torch.exp(-mean + 0.5 * var)
-
-    def predictive_mean(self, mean, var, num_points=64):
-        """Mean of ``y`` (zero); the predictive variance of ``y`` is ``exp(mean + var / 2)``."""
-        return torch.zeros_like(mean)
 
 
 class LocalBound:
@@ -179,7 +146,11 @@ class LocalBound:
         return self.family.expected_log_prob(h, rho)
 
     def fenchel_young_residual(self, alpha, h, rho):
-        """Per-site ``f(h, rho) + f*(alpha, ell(alpha)) - alpha h - ell(alpha) rho / 2 >= 0`` (notes §3, gap identity)."""
+        """Per-site ``f(h, rho) + f*(alpha, ell(alpha)) - alpha h - ell(alpha) rho / 2 >= 0``.
+
+        The Fenchel-Young residual of one site; the duality gap is their sum
+        (``docs/dual_vg.md``, § Dual decomposition).
+        """
         lam = self.ell(alpha)[0]
         return self.f(h, rho) + self.psi(alpha)[0] - alpha * h - 0.5 * lam * rho
 
@@ -188,7 +159,10 @@ class LocalBound:
 
 
 class PoissonBound(LocalBound):
-    """Poisson with exponential link (exact: ``f = -E log p``); notes §4, first row."""
+    """Poisson with exponential link (exact: ``f = -E log p``).
+
+    ``docs/dual_vg.md``, § Fenchel conjugates of the local bounds, Poisson row.
+    """
 
     name = "poisson"
     exact = True
@@ -287,7 +261,9 @@ class GaussianBound(_QuadraticBound):
 
 
 class LogitJensenBound(LocalBound):
-    """Bernoulli-logit "log" (Jensen) bound ``log(1 + e^{h + rho/2}) - y h`` (notes §4, second row).
+    """Bernoulli-logit "log" (Jensen) bound ``log(1 + e^{h + rho/2}) - y h``.
+
+    ``docs/dual_vg.md``, § Fenchel conjugates of the local bounds, ``"jensen"`` row.
 
     The bound of the paper's Table 2 as reimplemented elsewhere: fastest, but loose, and its
     ``lambda = sigmoid(m + v/2)`` overstates the site precisions.
@@ -345,8 +321,8 @@ class LogitJaakkolaBound(_QuadraticBound):
     r"""Jaakkola-Jordan bound with fixed ``xi``: ``lambda_xi (h^2 + rho - xi^2) + (h - xi)/2 + log(1 + e^xi) - y h``.
 
     ``lambda_xi = tanh(xi/2) / (4 xi)``. With ``xi`` optimised the bound is not jointly convex
-    (notes §2), so ``xi`` stays fixed; ``xi=None`` sets ``xi_n = sqrt(h_n^2 + rho_n)`` at the prior
-    marginals once (:meth:`set_xi`).
+    (``docs/dual_vg.md``, § Primal variational-Gaussian problem), so ``xi`` stays fixed;
+    ``xi=None`` sets ``xi_n = sqrt(h_n^2 + rho_n)`` at the prior marginals once (:meth:`set_xi`).
     """
 
     name = "jaakkola"
@@ -437,18 +413,16 @@ class StackedBound(LocalBound):
     name = "stacked"
 
     def __init__(self, bounds):
-        self.bounds = list(bounds)
-        self.sizes = [len(b) for b in self.bounds]
+        self._stack = GroupStack(bounds)
+        self.bounds = self._stack.groups
+        self.sizes = self._stack.sizes
         self.exact = all(b.exact for b in self.bounds)
 
     def __len__(self):
-        return sum(self.sizes)
+        return self._stack.total
 
     def _map(self, method, *args):
-        parts = [getattr(b, method)(*[a for a in sl]) for b, sl in zip(self.bounds, zip(*[x.split(self.sizes) for x in args]))]
-        if isinstance(parts[0], tuple):
-            return tuple(torch.cat(p) for p in zip(*parts))
-        return torch.cat(parts)
+        return self._stack.map(method, *args)
 
     def f(self, h, rho):
         return self._map("f", h, rho)

@@ -7,7 +7,9 @@ variational-Gaussian bound of that ``q`` (closed-form or Gauss-Hermite site expe
 ``-g``), with the duality gap of every iteration in the history.
 """
 import math
+import typing
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -16,13 +18,13 @@ from pyro.nn.module import PyroParam
 
 from ...errors import UnsupportedModelError
 from ...linalg.operators import IdentityOperator, SparseOperator
-from ..registry import register_engine
-from ..result import History, InferenceResult
+from ..engine import Engine, EngineOptions, Optimality, Solution, option
 from .bounds import LOGIT_BOUNDS, LogitJaakkolaBound, StackedBound, make_bound
 from .objective import BandedPrecisionBackend, LatentSpaceBackend, SiteSpaceBackend, exact_elbo
-from .optim import refine_exact, solve_dual
+from .optim import default_gap_tol, refine_exact, solve_dual
 
-__all__ = ["DualVG", "fit_dual_vg", "dual_vg_applies", "build_dual_problem", "SUPPORTED_FAMILIES"]
+__all__ = ["DualVG", "DualVGEngine", "DualVGOptions", "fit_dual_vg", "site_space_predictive", "dual_vg_applies",
+           "build_dual_problem", "SUPPORTED_FAMILIES"]
 
 SUPPORTED_FAMILIES = ("bernoulli_logit", "poisson", "gaussian", "stochastic_volatility")
 
@@ -120,24 +122,38 @@ def _posterior(backend, alpha, lam):
     return backend.posterior(alpha, lam)
 
 
-def fit_dual_vg(lgm, progress=True, *, bound="tight", method="newton", form="auto", gap_tol=None, max_iter=None,
-                alpha0=None, xi=None, on_fail="warn", refine=False, return_state=False, newton_solver="auto"):
-    r"""Fit a latent Gaussian model with the dual VG method (the ``dual_vg`` engine).
+@dataclass(frozen=True)
+class DualVGOptions(EngineOptions):
+    bound: typing.Literal["tight", "jensen", "bohning", "jaakkola"] = option(
+        "tight", "Bernoulli-logit local bound (other families use their exact bounds)")
+    method: typing.Literal["newton", "lbfgs"] = option("newton", "dual minimiser")
+    form: typing.Literal["auto", "site", "latent", "banded"] = option(
+        "auto", "storage form: N x N site space, L x L latent space, banded sparse precision, or auto")
+    newton_solver: typing.Literal["auto", "dense", "cg"] = option(
+        "auto", "Newton systems in the L x L form: dense Cholesky, matrix-free CG, or the cheaper by a flop count")
+    gap_tol: typing.Optional[float] = option(None, "convergence: duality gap in nats (default 1e-8 N)", gt=0)
+    max_iter: typing.Optional[int] = option(None, "iteration cap (default 100 Newton / 2000 L-BFGS)", min=1)
+    alpha0: typing.Any = option(None, "(N,) warm start of the dual variables")
+    xi: typing.Any = option(None, "Jaakkola variational parameters (default: at the prior marginals)")
+    refine: bool = option(False, "polish q by natural-gradient (CVI) steps with exact expectations (site form)")
 
-    :param lgm: :class:`~pyro_convexvb.LatentGaussianModel`.
-    :param str bound: Bernoulli-logit bound, one of ``"tight"`` (default), ``"jensen"``,
-        ``"bohning"``, ``"jaakkola"`` (other families use their exact bounds).
-    :param str method: ``"newton"`` (default) or ``"lbfgs"``.
-    :param str form: ``"auto"``, ``"site"``, ``"latent"`` or ``"banded"`` (see :func:`build_dual_problem`).
-    :param str newton_solver: ``"auto"``, ``"dense"`` or ``"cg"``: how Newton steps are solved in the
-        ``L x L`` form (see :func:`~.optim.solve_dual`; dense ``N x N`` Hessians are avoided when ``N >> L``).
-    :param float gap_tol: duality-gap tolerance in nats (default ``1e-8 N``).
-    :param torch.Tensor alpha0: ``(N,)`` warm start.
-    :param bool refine: after the dual optimum, polish ``q`` into the exact VG optimum by a few
-        natural-gradient (CVI) steps with exact expectations (:func:`~.optim.refine_exact`; site form only).
-    :returns: :class:`~pyro_convexvb.InferenceResult`; ``log_evidence_bound`` is the exact VG bound
-        of the recovered ``q``; ``info`` holds ``alpha``, ``lam``, ``gap``, ``dual_objective``,
-        ``lvb_elbo`` (the bound's own ELBO), ``site_mean``/``site_var``, ``iterations``, ``form``.
+
+class DualVGEngine(Engine):
+    r"""The ``dual_vg`` engine: the convex Fenchel dual of the variational-Gaussian bound (Khan et al. 2013).
+
+    Builds the storage form of the dual that fits the model (``N x N`` site space, ``L x L`` latent
+    space, or a banded GMRF precision; :func:`build_dual_problem`), minimises the reduced dual with
+    :func:`~.optim.solve_dual`, recovers ``q = N(m*, V*)`` (Khan et al. 2013, Eqs. 17-18) and reports
+    the exact variational-Gaussian bound of that ``q`` (closed-form or Gauss-Hermite site
+    expectations; never ``-g``), with the duality gap of every iteration in the history.
+
+    Convergence: the duality gap ``g(alpha) - ELBO_LVB`` (a sum of Fenchel-Young residuals, in nats)
+    ``<= gap_tol``.
+
+    :meth:`run` returns an :class:`~pyro_convexvb.InferenceResult` whose ``info`` holds ``alpha``,
+    ``lam``, ``gap``, ``dual_objective``, ``lvb_elbo`` (the local bound's own ELBO),
+    ``site_mean``/``site_var``, ``iterations``, ``form``, and ``backend``/``local_bound`` (the dual
+    problem, used by :func:`site_space_predictive`).
 
     Example::
 
@@ -146,39 +162,83 @@ def fit_dual_vg(lgm, progress=True, *, bound="tight", method="newton", form="aut
         >>> from pyro_convexvb.lgm.sites import Poisson
         >>> X = torch.randn(30, 3, dtype=torch.float64)
         >>> y = torch.poisson(torch.exp(X @ torch.tensor([.3, -.2, .1], dtype=torch.float64)))
-        >>> res = fit_dual_vg(LatentGaussianModel.from_design(X, Poisson(y)), progress=False)
+        >>> res = DualVGEngine(LatentGaussianModel.from_design(X, Poisson(y)), progress=False).run()
         >>> res.converged, res.info["gap"] < 1e-6
         (True, True)
     """
-    backend, lb, form = build_dual_problem(lgm, bound, form, xi)
-    history = History()
-    sol = solve_dual(backend, lb, alpha0, method=method, gap_tol=gap_tol, max_iter=max_iter, history=history,
-                     on_fail=on_fail, newton_solver=newton_solver)
-    alpha, lam = sol.alpha, sol.lam
-    info = {}
-    if refine:
-        if form != "site":
-            raise ValueError("refine=True needs the N x N site form (form='site')")
-        alpha, lam, _, rit, rconv = refine_exact(backend, lb, alpha, lam)
-        info.update(refine_iterations=rit, refine_converged=rconv)
-    terms = backend.evaluate(alpha, lam)
-    bound_value = float(exact_elbo(backend, lb, alpha, lam, terms, lgm.log_const))
-    posterior = _posterior(backend, alpha, lam)
-    posterior.layout = lgm.layout
-    info.update(alpha=alpha, lam=lam, gap=sol.gap, dual_objective=sol.g, lvb_elbo=sol.g - sol.gap + lgm.log_const,
-                site_mean=terms.m_tilde, site_var=terms.v_tilde, iterations=sol.iterations,
-                evaluations=sol.evaluations, cg_iterations=sol.cg_iterations, form=form, bound=bound, method=method,
-                refine=bool(refine))
-    res = InferenceResult(posterior, bound_value, history, sol.converged, engine="dual_vg", info=info, lgm=lgm)
-    if return_state:
-        return res, backend, lb
-    return res
+
+    name = "dual_vg"
+    description = ("Dual variational Gaussian (Khan et al. 2013): convex Fenchel dual, Newton/L-BFGS, stops on the "
+                   "duality gap")
+    Options = DualVGOptions
+    optimality_measure = "duality gap (nats) <= gap_tol"
+
+    @classmethod
+    def applies(cls, lgm):
+        return dual_vg_applies(lgm)
+
+    def solve(self, lgm, run):
+        o = self.options
+        backend, lb, form = build_dual_problem(lgm, o.bound, o.form, o.xi)
+        bar = run.bar(unit="iter")
+
+        def callback(alpha, val, gap):
+            bar.update(1)
+            bar.set_postfix(gap=f"{gap:.3g}")
+
+        alpha0 = None if o.alpha0 is None else torch.as_tensor(o.alpha0, dtype=lgm.dtype, device=lgm.device)
+        sol = solve_dual(backend, lb, alpha0, method=o.method, gap_tol=o.gap_tol, max_iter=o.max_iter,
+                         history=run.history, on_fail="ignore", newton_solver=o.newton_solver, callback=callback)
+        alpha, lam = sol.alpha, sol.lam
+        info = {}
+        if o.refine:
+            if form != "site":
+                raise ValueError(f"engine '{self.name}': option 'refine' needs the N x N site form (form='site'); "
+                                 f"this model uses form='{form}'")
+            alpha, lam, _, rit, rconv = refine_exact(backend, lb, alpha, lam)
+            info.update(refine_iterations=rit, refine_converged=rconv)
+        terms = backend.evaluate(alpha, lam)
+        bound_value = float(exact_elbo(backend, lb, alpha, lam, terms, lgm.log_const))
+        posterior = _posterior(backend, alpha, lam)
+        posterior.layout = lgm.layout
+        gap_tol = default_gap_tol(len(lb)) if o.gap_tol is None else o.gap_tol
+        info.update(alpha=alpha, lam=lam, gap=sol.gap, dual_objective=sol.g, lvb_elbo=sol.g - sol.gap + lgm.log_const,
+                    site_mean=terms.m_tilde, site_var=terms.v_tilde, iterations=sol.iterations,
+                    evaluations=sol.evaluations, cg_iterations=sol.cg_iterations, form=form, bound=o.bound,
+                    method=o.method, refine=o.refine, backend=backend, local_bound=lb)
+        opt = Optimality.single("duality gap (nats)", sol.gap, gap_tol)
+        reason = "duality gap" if sol.converged else "max_iter"
+        return Solution(posterior, bound_value, opt, reason, info)
 
 
-@register_engine("dual_vg", "Dual variational Gaussian (Khan et al. 2013): convex Fenchel dual, Newton/L-BFGS, "
-                 "stops on the duality gap", takes="lgm", applies=dual_vg_applies)
-def dual_vg_engine(lgm, progress=True, **options):
-    return fit_dual_vg(lgm, progress=progress, **options)
+def fit_dual_vg(lgm, progress=True, **options):
+    """``DualVGEngine(lgm, progress=progress, **options).run()``: the ``dual_vg`` engine on a latent Gaussian model."""
+    return DualVGEngine(lgm, progress=progress, **options).run()
+
+
+def site_space_predictive(result, K_cross, k_test_diag, prior_mean_test=0.0):
+    r"""Latent predictive at test inputs from a site-form ``dual_vg`` fit of a GP, without inverting ``K``.
+
+    Mean ``mu_* - k_*^T alpha`` and variance ``k_** - ||R^{-1} Lambda^{1/2} k_*||^2`` with ``R`` the
+    Cholesky factor of ``I + Lambda^{1/2} K Lambda^{1/2}`` (docs/dual_vg.md, § Algorithm and recovery).
+
+    :param result: an :class:`~pyro_convexvb.InferenceResult` of ``dual_vg`` in the ``"site"`` form with
+        an identity design (the latent is the GP's ``f`` at the training inputs).
+    :param torch.Tensor K_cross: ``(m, N)`` test-train kernel matrix.
+    :param torch.Tensor k_test_diag: ``(m,)`` prior variances at the test inputs.
+    :param prior_mean_test: prior mean at the test inputs (number or ``(m,)``).
+    :returns: ``(mean (m,), var (m,))``.
+    """
+    backend = result.info.get("backend")
+    if result.engine != "dual_vg" or backend is None or backend.kind != "site" or \
+            getattr(backend, "latent", None) is not None:
+        raise ValueError("site_space_predictive needs a dual_vg result in the N x N site form with an identity "
+                         "design (a GP over the training inputs)")
+    lam, alpha = result.info["lam"], result.info["alpha"]
+    s = lam.clamp_min(0).sqrt()
+    R, _ = backend._factor(lam)
+    Z = torch.linalg.solve_triangular(R, s[:, None] * K_cross.transpose(0, 1), upper=False)
+    return prior_mean_test - K_cross @ alpha, (k_test_diag - (Z * Z).sum(0)).clamp_min(0)
 
 
 class DualVG(AutoMultivariateNormal):
@@ -248,12 +308,21 @@ class DualVG(AutoMultivariateNormal):
         return res
 
     def _set_from_posterior(self, q):
-        L = q.scale_tril().detach().to(self.loc.dtype)
+        """Write ``q`` into ``loc``, ``scale``, ``scale_tril`` and make the param store hold these values.
+
+        Store entries of the guide's parameter names (e.g. from SVI steps or an earlier fit) are replaced,
+        since a :class:`~pyro.nn.PyroModule` would otherwise take the stale store values at its next call.
+        """
+        from ..posterior import _write_guide_params
+
+        dtype = self.loc.dtype
+        L = q.scale_tril().detach().to(dtype)
         diag = torch.diagonal(L).clone()
-        with torch.no_grad():
-            self.loc = nn.Parameter(q.loc.detach().clone().to(self.loc.dtype))
-            self.scale = PyroParam(diag, self.scale_constraint)
-            self.scale_tril = PyroParam(L / diag[:, None], self.scale_tril_constraint)
+        _write_guide_params(self, {
+            "loc": nn.Parameter(q.loc.detach().clone().to(dtype)),
+            "scale": PyroParam(diag, self.scale_constraint),
+            "scale_tril": PyroParam(L / diag[:, None], self.scale_tril_constraint),
+        })
 
     @property
     def posterior(self):

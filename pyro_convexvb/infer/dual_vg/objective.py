@@ -10,9 +10,9 @@ For ``N`` sites ``eta = W z + d`` of a prior ``z ~ N(mu, Sigma)`` (``L`` latents
 
 The three *backends* compute the prior-dependent part (everything except ``sum f*``):
 
-* :class:`SiteSpaceBackend` -- the ``N x N`` form (notes §3, "Evaluation using only N x N
-  matrices"): Cholesky of ``B = I + Lambda^{1/2} Sigma_t Lambda^{1/2}``; ``O(N^3)``; never
-  inverts ``Sigma`` (GP classification with an ill-conditioned kernel matrix is safe).
+* :class:`SiteSpaceBackend` -- the ``N x N`` form (``docs/dual_vg.md``, § Dual decomposition,
+  "Evaluation with N x N matrices"): Cholesky of ``B = I + Lambda^{1/2} Sigma_t Lambda^{1/2}``;
+  ``O(N^3)``; never inverts ``Sigma`` (GP classification with an ill-conditioned kernel matrix is safe).
 * :class:`LatentSpaceBackend` -- the ``L x L`` form for ``L < N`` (e.g. random features or
   Bayesian logistic regression): ``A = Sigma^{-1} + W^T Lambda W``; ``O(N L^2 + L^3)``.
 * :class:`BandedPrecisionBackend` -- a latent GMRF given by a sparse banded precision ``Q``:
@@ -82,7 +82,9 @@ class PriorTerms:
 
 
 class SiteSpaceBackend:
-    """``N x N`` form of the dual (Khan et al. 2013, Eq. 20; notes §3).
+    """``N x N`` form of the dual (Khan et al. 2013, Eq. 20).
+
+    ``docs/dual_vg.md``, § Dual decomposition, "Evaluation with N x N matrices".
 
     :param torch.Tensor Sigma_tilde: ``(N, N)`` ``W Sigma W^T`` (e.g. a GP kernel matrix ``K``).
     :param torch.Tensor mu_tilde: ``(N,)`` ``W mu + d``.
@@ -245,7 +247,8 @@ class LatentSpaceBackend:
 class LatentSpaceHessian:
     r"""Matrix-free reduced-dual Hessian of the ``L x L`` form, with a Woodbury preconditioner.
 
-    The Hessian of the reduced dual (notes §3 "Hessian"; Khan et al. 2013, Eq. 20 with ``lambda = ell(alpha)``)
+    The Hessian of the reduced dual (Khan et al. 2013, Eq. 20 with ``lambda = ell(alpha)``;
+    ``docs/dual_vg.md``, § Dual decomposition, "Half-space conjugates and the reduced dual")
 
     .. math:: H = \tilde\Sigma + \tfrac12\,\mathrm{diag}(\ell')\,(\tilde V\circ\tilde V)\,\mathrm{diag}(\ell')
               + \mathrm{diag}(\psi'' - \tfrac12 \ell''\,\tilde v)
@@ -396,8 +399,8 @@ class BandedPrecisionBackend:
     on the cells of a grid), so ``W^T Lambda W`` is diagonal and ``A = Q + W^T Lambda W`` keeps
     the band of ``Q``. Per evaluation: a banded Cholesky of ``A`` (``O(L b^2)``), Takahashi's
     selected inversion for ``diag(A^{-1})`` (``O(L b^2)``) and a banded solve with ``Q`` for
-    ``alpha^T Sigma_t alpha = (W^T alpha)^T Q^{-1} (W^T alpha)`` (notes §3). Runs in NumPy/SciPy on
-    the CPU; results come back on the input device.
+    ``alpha^T Sigma_t alpha = (W^T alpha)^T Q^{-1} (W^T alpha)`` (``docs/dual_vg.md``,
+    § Dual decomposition). Runs in NumPy/SciPy on the CPU; results come back on the input device.
 
     :param Q: ``(L, L)`` sparse (torch or scipy) symmetric positive definite precision.
     :param torch.Tensor mu: ``(L,)`` prior mean.
@@ -555,12 +558,13 @@ class DualValue:
 def reduced_objective(backend, bound, alpha, hessian=False):
     r"""Reduced dual ``g(alpha) = g(alpha, ell(alpha))`` with gradient and optional Hessian.
 
-    Khan et al. 2013, Eq. (20) with ``lambda`` eliminated (notes §4): with ``psi, ell`` of the bound,
+    Khan et al. 2013, Eq. (20) with ``lambda`` eliminated (``docs/dual_vg.md``, § Dual
+    decomposition, and § Fenchel conjugates of the local bounds): with ``psi, ell`` of the bound,
 
     * ``g = -alpha^T (mu_t + m_t) / 2 - log|B| / 2 + sum psi(alpha)``;
     * ``dg/dalpha = -m_t - ell'(alpha) v_t / 2 + psi'(alpha)``;
     * ``d2g = Sigma_t + diag(ell') (V_t o V_t) diag(ell') / 2 + diag(psi'' - ell'' v_t / 2)``
-      (notes §3 "Hessian", chain rule through ``ell``), positive definite.
+      (chain rule through ``ell``; ``docs/dual_vg.md``, § Dual decomposition), positive definite.
 
     :param hessian: ``False``, ``True`` (dense ``N x N`` Hessian) or ``"operator"`` (a matrix-free
         :class:`LatentSpaceHessian` when the backend offers one, else dense).
@@ -593,8 +597,8 @@ def dual_vg_objective(alpha, lam, Sigma_tilde=None, mu_tilde=None, bound=None, *
         g = \tfrac12 \alpha^T\tilde\Sigma\alpha - \tilde\mu^T\alpha
             - \tfrac12\log|I + \Lambda^{1/2}\tilde\Sigma\Lambda^{1/2}| + \sum_n f_n^*(\alpha_n, \lambda_n),
 
-    ``dg/dalpha = -m_t + d_alpha f*`` and ``dg/dlambda = -v_t / 2 + d_lambda f*`` (notes §3); for the
-    half-space conjugates of :mod:`.bounds` the ``f*`` gradient is ``(psi'(alpha), 0)`` inside the
+    ``dg/dalpha = -m_t + d_alpha f*`` and ``dg/dlambda = -v_t / 2 + d_lambda f*``
+    (``docs/dual_vg.md``, § Dual decomposition); for the half-space conjugates of :mod:`.bounds` the ``f*`` gradient is ``(psi'(alpha), 0)`` inside the
     domain (``+inf`` value outside).
 
     :param torch.Tensor alpha: ``(N,)``.
@@ -632,7 +636,10 @@ def dual_vg_objective(alpha, lam, Sigma_tilde=None, mu_tilde=None, bound=None, *
 
 
 def lvb_elbo(backend, bound, alpha, lam, terms=None):
-    r"""Primal LVB objective at the recovered ``q`` (notes §3): ``(lam^T v - alpha^T Sigma_t alpha - log|B|)/2 - sum f``.
+    r"""Primal LVB objective at the recovered ``q``: ``(lam^T v - alpha^T Sigma_t alpha - log|B|)/2 - sum f``.
+
+    Khan et al. 2013, Eq. (11) at ``(m*, V*)`` of Eqs. (17)-(18); ``docs/dual_vg.md``, § Dual
+    decomposition ("Duality gap").
 
     A lower bound on ``log p(y)`` for every ``(alpha, lambda >= 0)``.
     """
@@ -641,7 +648,9 @@ def lvb_elbo(backend, bound, alpha, lam, terms=None):
 
 
 def exact_elbo(backend, bound, alpha, lam, terms=None, log_const=0.0):
-    r"""Exact VG bound of ``q = N(m*, V*)`` recovered from ``(alpha, lambda)`` (notes §3 and §5).
+    r"""Exact VG bound of ``q = N(m*, V*)`` recovered from ``(alpha, lambda)``.
+
+    ``docs/dual_vg.md``, § Dual decomposition and § Algorithm and recovery ("Reported bound").
 
     ``-KL(q || p) = (lam^T v - alpha^T Sigma_t alpha - log|B|) / 2`` plus the exact (closed-form or
     Gauss-Hermite) expected log-likelihoods at the site marginals; never inverts ``Sigma``.

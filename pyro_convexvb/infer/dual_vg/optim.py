@@ -4,8 +4,8 @@ r"""Minimisers of the dual VG objective that never leave the conjugates' domains
   closed-form Hessian (default; ``O(N^3)`` per step, a handful of steps) or L-BFGS
   (``O(N L^2 + L^3)`` per step in L-space, the only choice for the banded GMRF backend).
   Steps are cut to a fraction of the distance to the domain boundary, then backtracked
-  (Armijo); the iteration stops when the duality gap ``g - ELBO_LVB = sum_n FY_n`` (notes §3) is
-  below ``gap_tol``.
+  (Armijo); the iteration stops when the duality gap ``g - ELBO_LVB = sum_n FY_n`` (a sum of
+  per-site Fenchel-Young residuals; ``docs/dual_vg.md``, § Dual decomposition) is below ``gap_tol``.
 * :func:`minimize_joint` -- the joint ``(alpha, lambda)`` dual for a
   :class:`~.bounds.GenericBound` whose conjugate comes from a 2-D inner maximisation; L-BFGS
   with ``+inf`` outside the effective domain (the line search backtracks), gradient by Danskin.
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ...errors import ConvergenceWarning
+from ...linalg.cg import cg
 from ..result import History
 from .bounds import numerical_conjugate
 from .objective import reduced_objective
@@ -48,7 +49,10 @@ def default_gap_tol(num_sites):
 
 
 def initial_alpha(backend, bound):
-    r"""Start ``alpha_n = df_n/dh`` at the prior marginals ``(mu_t, diag Sigma_t)`` (notes §5, principled choice)."""
+    r"""Start ``alpha_n = df_n/dh`` at the prior marginals ``(mu_t, diag Sigma_t)``.
+
+    ``docs/dual_vg.md``, § Algorithm and recovery, step 1.
+    """
     h, rho = backend.prior_marginals()
     a = bound.alpha_star(h, rho)
     return _clip_into(a, bound)
@@ -99,7 +103,8 @@ def solve_dual(backend, bound, alpha0=None, *, method="newton", gap_tol=None, ma
     :param str method: ``"newton"`` or ``"lbfgs"``.
     :param float gap_tol: stop when the duality gap (nats) is below it (default :func:`default_gap_tol`).
     :param int max_iter: iteration cap (default 100 for Newton, 2000 for L-BFGS).
-    :param str on_fail: ``"warn"`` (:class:`~pyro_convexvb.ConvergenceWarning`) or ``"raise"``.
+    :param str on_fail: ``"warn"`` (:class:`~pyro_convexvb.ConvergenceWarning`), ``"raise"``, or ``"ignore"``
+        (the caller reports ``converged`` itself, as the engines do).
     :param str newton_solver: how a Newton step is solved: ``"dense"`` (Cholesky of the ``N x N``
         Hessian), ``"cg"`` (matrix-free preconditioned CG, ``O(N L^2)`` per product; L-space form only,
         see :class:`~.objective.LatentSpaceHessian`) or ``"auto"`` (the cheaper of the two by a flop count).
@@ -140,7 +145,8 @@ def _finish(alpha, val, gap, it, nev, converged, history, on_fail, gap_tol, meth
             from ...errors import ConvergenceError
 
             raise ConvergenceError(msg, residual=gap, iterations=it)
-        warnings.warn(msg, ConvergenceWarning)
+        if on_fail != "ignore":
+            warnings.warn(msg, ConvergenceWarning)
     return DualSolution(alpha, val.lam, float(val.g), gap, val.m_tilde, val.v_tilde, it, nev, converged, history)
 
 
@@ -157,34 +163,6 @@ def _use_operator_hessian(backend, newton_solver):
     # and a few products of 4 N L^2 each (the Woodbury preconditioner leaves out only the off-diagonal
     # Hadamard term, and 1-3 CG steps per Newton step are typical); budget 5 products.
     return N ** 3 / 3 + 2 * N ** 2 * L > 20 * N * L ** 2
-
-
-def _pcg(H, b, rtol, max_iter):
-    """Preconditioned conjugate gradients for ``H x = b`` (``H`` SPD, matrix-free); returns ``(x, iterations)``."""
-    x = torch.zeros_like(b)
-    r = b.clone()
-    z = H.precondition(r)
-    p = z.clone()
-    rz = float(r @ z)
-    bnorm = float(b.norm())
-    k = 0
-    for k in range(1, max_iter + 1):
-        Hp = H.mv(p)
-        pHp = float(p @ Hp)
-        if pHp <= 0:  # numerically non-positive curvature: keep the last iterate
-            if k == 1:
-                x = z
-            break
-        a = rz / pHp
-        x = x + a * p
-        r = r - a * Hp
-        if float(r.norm()) <= rtol * bnorm:
-            break
-        z = H.precondition(r)
-        rz_new = float(r @ z)
-        p = z + (rz_new / rz) * p
-        rz = rz_new
-    return x, k
 
 
 def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback, newton_solver="auto",
@@ -215,8 +193,12 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
             d = -torch.cholesky_solve(val.grad[:, None], Lh)[:, 0]
         else:  # matrix-free Hessian (L-space form): inexact Newton by preconditioned CG
             gnorm = float(val.grad.norm())
-            d, k = _pcg(H, -val.grad, rtol=min(0.1, math.sqrt(gnorm)), max_iter=cg_max_iter)
-            cg_iterations += k
+            # truncated at non-positive curvature (Steihaug 1983), from x0 = 0 and without a true-residual check
+            res = cg(H.mv, -val.grad, precond=lambda R: H.precondition(R[:, 0])[:, None],
+                     rtol=min(0.1, math.sqrt(gnorm)), max_iter=cg_max_iter, on_fail="ignore", true_residual=False,
+                     on_negative_curvature="truncate")
+            d = res.x
+            cg_iterations += res.iterations
         dc = _clip_direction(alpha, d, bound)
         if float(val.grad @ dc) < 0:
             d, t = dc, 1.0
@@ -389,7 +371,8 @@ def minimize_joint(backend, bound, alpha0, lam0, *, gap_tol=None, max_iter=500, 
             from ...errors import ConvergenceError
 
             raise ConvergenceError(msg, residual=gap, iterations=it)
-        warnings.warn(msg, ConvergenceWarning)
+        if on_fail != "ignore":
+            warnings.warn(msg, ConvergenceWarning)
     return sol
 
 

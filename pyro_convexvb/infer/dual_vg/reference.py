@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from ...linalg.lbfgs import minimize_lbfgs
+
 from ...lgm.sites import gauss_hermite
 from ..result import History
 
@@ -55,16 +57,8 @@ def primal_optimum(Sigma, mu, W, d, site_term, max_iter=5000, tol=1e-12, m0=None
         rho = ((W @ Lv) ** 2).sum(-1)
         return neg_kl + site_term(h, rho).sum()
 
-    opt = torch.optim.LBFGS([m, p], lr=1.0, max_iter=max_iter, tolerance_grad=tol, tolerance_change=1e-16,
-                            history_size=100, line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        loss = -value(m, p)
-        loss.backward()
-        return loss
-
-    opt.step(closure)
+    minimize_lbfgs([m, p], lambda: -value(m, p), max_iter=max_iter, grad_tol=tol, change_tol=1e-16,
+                   history_size=100, name="reference VG optimum")
     with torch.no_grad():
         Lv = unpack(p)
         return float(value(m, p)), m.detach().clone(), (Lv @ Lv.T).detach()

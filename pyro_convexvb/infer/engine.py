@@ -1,0 +1,441 @@
+r"""The engine contract: one base class owns the plumbing that every inference engine shares.
+
+In the style of Pyro's autoguides (a base class owns the wiring, each guide overrides a few hooks),
+:class:`Engine` owns
+
+* model → latent Gaussian model extraction (:func:`~pyro_convexvb.lgm_from_pyro`) and the
+  :meth:`Engine.applies` check, with an :class:`~pyro_convexvb.UnsupportedModelError` that names the
+  site;
+* option validation: every engine declares one typed options dataclass (a subclass of
+  :class:`EngineOptions`); unknown options raise :class:`TypeError`, ill-typed ones
+  :class:`TypeError`, out-of-range ones :class:`ValueError`, each naming the option;
+* progress bars (:meth:`RunContext.bar`: tqdm when ``progress=True``, nothing otherwise);
+* the :class:`~pyro_convexvb.infer.result.History`, ``stop_reason``, ``converged`` (true only when the
+  engine's :class:`Optimality` measure is within its tolerance), the single
+  :class:`~pyro_convexvb.ConvergenceWarning` of an unconverged fit (or a
+  :class:`~pyro_convexvb.ConvergenceError` with ``on_fail="raise"``), result assembly and the wiring
+  of the posterior to the model (layout, model, arguments).
+
+An engine overrides only :meth:`Engine.solve`, which receives the latent Gaussian model (or, for
+engines that run on the Pyro model itself, a :class:`ModelCall`) and a :class:`RunContext`, and returns
+a :class:`Solution`.
+
+Example (a complete engine for linear-Gaussian models)::
+
+    >>> import math, torch
+    >>> from dataclasses import dataclass
+    >>> import pyro_convexvb as pcv
+    >>> @dataclass(frozen=True)
+    ... class ExactOptions(pcv.EngineOptions):
+    ...     jitter: float = pcv.option(0.0, "added to the precision diagonal", min=0.0)
+    >>> class ExactGaussian(pcv.Engine):
+    ...     name = "exact_gaussian_doc"
+    ...     description = "closed-form posterior of linear-Gaussian models"
+    ...     Options = ExactOptions
+    ...     optimality_measure = "none needed: closed form"
+    ...     def solve(self, lgm, run):
+    ...         (g,) = lgm.sites
+    ...         A = g.design.to_dense(); s2 = g.family.params["scale"] ** 2
+    ...         P = lgm.dense_prior_prec() + A.T @ (A / s2[:, None])
+    ...         cov = torch.linalg.inv(P + self.options.jitter * torch.eye(lgm.n, dtype=P.dtype))
+    ...         loc = cov @ (A.T @ ((g.family.params["y"] - g.offset) / s2))
+    ...         return pcv.Solution(pcv.GaussianPosterior(loc, covariance=cov),
+    ...                             float(lgm.evidence_lower_bound(loc, cov)),
+    ...                             pcv.Optimality.exact(), "closed form")
+    >>> X = torch.randn(20, 2, dtype=torch.float64)
+    >>> lgm = pcv.LatentGaussianModel.from_design(X, pcv.lgm.sites.Gaussian(X @ torch.ones(2, dtype=torch.float64),
+    ...                                                                      torch.ones(20, dtype=torch.float64)))
+    >>> res = ExactGaussian(lgm, progress=False).run()
+    >>> res.converged, res.stop_reason
+    (True, 'closed form')
+"""
+import dataclasses
+import difflib
+import math
+import time
+import typing
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Dict, Optional, Tuple
+
+from ..errors import ConvergenceError, ConvergenceWarning, UnsupportedModelError
+from .result import History, InferenceResult
+
+__all__ = [
+    "Engine",
+    "EngineOptions",
+    "option",
+    "Criterion",
+    "Optimality",
+    "Solution",
+    "RunContext",
+    "ModelCall",
+    "options_table",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# options
+# ---------------------------------------------------------------------------------------------
+def option(default, doc, *, min=None, gt=None, max=None, choices=None):
+    """A field of an :class:`EngineOptions` dataclass with its documentation and range.
+
+    :param default: default value (immutable, or ``None``).
+    :param str doc: one line for the docs' option table.
+    :param min: smallest allowed value (inclusive), for numbers.
+    :param gt: exclusive lower bound, for numbers.
+    :param max: largest allowed value (inclusive), for numbers.
+    :param choices: allowed values (for strings; ``typing.Literal`` annotations give them too).
+    """
+    return field(default=default, metadata=dict(doc=doc, min=min, gt=gt, max=max, choices=choices))
+
+
+def _type_name(hint):
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return " or ".join(repr(a) for a in typing.get_args(hint))
+    if origin is typing.Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    if hint is Any:
+        return "any value"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _literal_values(hint):
+    """The allowed values of a ``Literal`` (or ``Optional[Literal]``) annotation, else ``[]``."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return list(typing.get_args(hint))
+    if origin is typing.Union:
+        return [v for a in typing.get_args(hint) for v in _literal_values(a)]
+    return []
+
+
+def _matches(value, hint):
+    """Whether ``value`` has the annotated type (bool is not an int/float; int is a float)."""
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in typing.get_args(hint))
+    if origin is typing.Union:
+        return any(_matches(value, a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is not None:
+        return isinstance(value, origin)
+    if hint is Callable or origin is Callable:
+        return callable(value)
+    return isinstance(value, hint)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Base class of every engine's options: a frozen dataclass validated once, at construction.
+
+    Subclasses declare their fields with :func:`option` and type annotations (``int``, ``float``,
+    ``bool``, ``str``, ``typing.Literal[...]``, ``Optional[...]``, ``Any``). :meth:`create` rejects
+    unknown names; ``__post_init__`` checks types and ranges. Override :meth:`check` for checks that
+    involve several options.
+
+    :ivar on_fail: what an unconverged fit does: ``"warn"`` (one
+        :class:`~pyro_convexvb.ConvergenceWarning` with the optimality measure) or ``"raise"``
+        (:class:`~pyro_convexvb.ConvergenceError`).
+    """
+
+    on_fail: typing.Literal["warn", "raise"] = option(
+        "warn", "unconverged fits warn once (ConvergenceWarning) or raise (ConvergenceError)")
+
+    @classmethod
+    def create(cls, engine, options):
+        """Validated options of engine ``engine`` from a dict; unknown names raise :class:`TypeError`."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in options:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise TypeError(f"engine '{engine}': unknown option '{key}'{hint}; its options are: "
+                                f"{', '.join(sorted(names))}")
+        try:
+            return cls(**options)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"engine '{engine}': {e}") from None
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            hint = hints.get(f.name, Any)
+            if not _matches(value, hint):
+                allowed = _literal_values(hint)
+                if allowed and isinstance(value, str):
+                    raise ValueError(f"option '{f.name}' must be one of {allowed}, got {value!r}")
+                raise TypeError(f"option '{f.name}' expects {_type_name(hint)}, got {value!r} "
+                                f"({type(value).__name__})")
+            meta = f.metadata
+            if meta.get("choices") is not None and value not in meta["choices"]:
+                raise ValueError(f"option '{f.name}' must be one of {list(meta['choices'])}, got {value!r}")
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if isinstance(value, float) and math.isnan(value):
+                    raise ValueError(f"option '{f.name}' is NaN")
+                if meta.get("min") is not None and value < meta["min"]:
+                    raise ValueError(f"option '{f.name}' must be >= {meta['min']}, got {value!r}")
+                if meta.get("gt") is not None and not value > meta["gt"]:
+                    raise ValueError(f"option '{f.name}' must be > {meta['gt']}, got {value!r}")
+                if meta.get("max") is not None and value > meta["max"]:
+                    raise ValueError(f"option '{f.name}' must be <= {meta['max']}, got {value!r}")
+        self.check()
+
+    def check(self):
+        """Checks that involve several options (override; raise ``ValueError`` naming the options)."""
+
+    def replace(self, **changes):
+        """A validated copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self):
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def options_table(engine_cls):
+    """Markdown table of an engine's options (name, type, default, meaning) from its dataclass."""
+    hints = typing.get_type_hints(engine_cls.Options)
+    lines = ["| option | type | default | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(engine_cls.Options):
+        doc = f.metadata.get("doc", "")
+        rng = []
+        for key, sym in (("min", ">="), ("gt", ">"), ("max", "<=")):
+            if f.metadata.get(key) is not None:
+                rng.append(f"{sym} {f.metadata[key]}")
+        if rng:
+            doc = f"{doc} ({', '.join(rng)})"
+        typ = _type_name(hints.get(f.name, Any)).replace("|", "\\|")
+        lines.append(f"| `{f.name}` | {typ} | `{f.default!r}` | {doc} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# optimality and solutions
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Criterion:
+    """One optimality criterion: ``value <= tol`` (a NaN or infinite value never passes)."""
+
+    name: str
+    value: float
+    tol: float
+
+    @property
+    def met(self):
+        return math.isfinite(self.value) and self.value <= self.tol
+
+    def __str__(self):
+        return f"{self.name} = {self.value:.3g} (tol {self.tol:.3g})"
+
+
+@dataclass(frozen=True)
+class Optimality:
+    """An engine's optimality measure at its answer: one or more :class:`Criterion`, all must be met.
+
+    Example::
+
+        >>> Optimality.single("duality gap (nats)", 3e-9, 1e-8).converged
+        True
+    """
+
+    criteria: Tuple[Criterion, ...]
+
+    @classmethod
+    def single(cls, name, value, tol):
+        return cls((Criterion(name, float(value), float(tol)),))
+
+    @classmethod
+    def exact(cls, name="closed-form solution"):
+        """For answers that are exact by construction (measure 0 with tolerance 0)."""
+        return cls.single(name, 0.0, 0.0)
+
+    @property
+    def converged(self):
+        return bool(self.criteria) and all(c.met for c in self.criteria)
+
+    def __str__(self):
+        return "; ".join(str(c) for c in self.criteria)
+
+
+@dataclass
+class Solution:
+    """What :meth:`Engine.solve` returns.
+
+    :ivar posterior: the approximate posterior over the flat latent vector.
+    :ivar log_evidence_bound: a lower bound on ``log p(y)`` of the model as written, or ``None``.
+    :ivar optimality: the engine's :class:`Optimality` at the answer.
+    :ivar stop_reason: which rule stopped the engine (e.g. ``"duality gap"``, ``"max_steps"``).
+    :ivar info: engine-specific extras.
+    :ivar lgm: the latent Gaussian model, for engines that run on the Pyro model but extracted one.
+    """
+
+    posterior: Any
+    log_evidence_bound: Optional[float]
+    optimality: Optimality
+    stop_reason: str
+    info: Dict[str, Any] = field(default_factory=dict)
+    lgm: Any = None
+
+
+@dataclass
+class ModelCall:
+    """A Pyro model with its arguments, as handed to engines that run on the model itself."""
+
+    model: Callable
+    args: tuple
+    kwargs: dict
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix(self, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
+class RunContext:
+    """Per-run services of :class:`Engine`: the history and progress bars.
+
+    :ivar history: the run's :class:`~pyro_convexvb.infer.result.History`.
+    :ivar progress: whether progress bars are shown.
+    """
+
+    def __init__(self, engine_name, progress):
+        self.engine_name = engine_name
+        self.progress = bool(progress)
+        self.history = History()
+        self._bars = []
+
+    def bar(self, total=None, unit="it", desc=None):
+        """A tqdm progress bar (closed by the engine when the run ends), or a no-op bar when disabled."""
+        if not self.progress:
+            return _NoBar()
+        from tqdm.auto import tqdm
+
+        b = tqdm(total=total, unit=unit, desc=desc or self.engine_name, leave=False)
+        self._bars.append(b)
+        return b
+
+    def close(self):
+        for b in self._bars:
+            b.close()
+        self._bars = []
+
+
+# ---------------------------------------------------------------------------------------------
+# the base class
+# ---------------------------------------------------------------------------------------------
+class Engine:
+    """Base class of every inference engine (see the module docstring).
+
+    :param model: a Pyro model, or a :class:`~pyro_convexvb.LatentGaussianModel` for engines that
+        work on one (``takes = "lgm"``).
+    :param bool progress: show tqdm progress bars.
+    :param options: the engine's options (fields of its :attr:`Options` dataclass).
+
+    Class attributes a subclass sets: ``name`` (registry name), ``description`` (one line),
+    ``Options`` (its :class:`EngineOptions` subclass), ``takes`` (``"lgm"`` or ``"model"``) and
+    ``optimality_measure`` (what ``converged`` means, for the docs).
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    Options: ClassVar[type] = EngineOptions
+    takes: ClassVar[str] = "lgm"
+    optimality_measure: ClassVar[str] = ""
+
+    def __init__(self, model, *, progress=True, **options):
+        if not isinstance(progress, bool):
+            raise TypeError(f"engine '{self.name}': progress expects a bool, got {progress!r}")
+        self.model = model
+        self.progress = progress
+        self.options = self.Options.create(self.name, options)
+
+    # ------------------------------------------------------------------ hooks
+    @classmethod
+    def applies(cls, lgm):
+        """``(True, "")`` if the engine handles ``lgm``, else ``(False, reason)`` naming the site."""
+        return True, ""
+
+    def solve(self, problem, run):
+        """Fit; ``problem`` is a :class:`~pyro_convexvb.LatentGaussianModel` (``takes = "lgm"``) or a
+        :class:`ModelCall`; ``run`` a :class:`RunContext`. Returns a :class:`Solution`."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the run
+    def extract(self, *args, **kwargs):
+        """The latent Gaussian model this engine fits (checked by :meth:`applies`)."""
+        from ..lgm.extract import lgm_from_pyro
+        from ..lgm.model import LatentGaussianModel
+
+        if isinstance(self.model, LatentGaussianModel):
+            if args or kwargs:
+                raise TypeError(f"engine '{self.name}': a LatentGaussianModel takes no model arguments")
+            lgm = self.model
+        else:
+            lgm = lgm_from_pyro(self.model, *args, **kwargs)
+        ok, reason = self.applies(lgm)
+        if not ok:
+            site = reason.split("'")[1] if reason.count("'") >= 2 else "<model>"
+            raise UnsupportedModelError(site, f"engine '{self.name}' does not apply: {reason}")
+        return lgm
+
+    def run(self, *args, **kwargs):
+        """Fit the model to its data ``(*args, **kwargs)``; returns an :class:`~pyro_convexvb.InferenceResult`."""
+        from ..lgm.model import LatentGaussianModel
+
+        t0 = time.perf_counter()
+        if self.takes == "lgm":
+            lgm = self.extract(*args, **kwargs)
+            problem = lgm
+        else:
+            if isinstance(self.model, LatentGaussianModel):
+                raise TypeError(f"engine '{self.name}' runs on a Pyro model, not on a LatentGaussianModel")
+            lgm, problem = None, ModelCall(self.model, args, kwargs)
+        run = RunContext(self.name, self.progress)
+        try:
+            sol = self.solve(problem, run)
+        finally:
+            run.close()
+        return self._result(sol, run, lgm if lgm is not None else sol.lgm, args, kwargs, t0)
+
+    def _result(self, sol, run, lgm, args, kwargs, t0):
+        from ..lgm.model import LatentGaussianModel
+
+        post = sol.posterior
+        if post is not None:
+            if getattr(post, "layout", None) is None and lgm is not None:
+                post.layout = lgm.layout
+            if callable(self.model) and not isinstance(self.model, LatentGaussianModel):
+                post.model = self.model
+                post.model_args = (args, kwargs)
+        res = InferenceResult(post, sol.log_evidence_bound, run.history, sol.optimality.converged, self.name,
+                              sol.info, lgm, seconds=time.perf_counter() - t0, stop_reason=sol.stop_reason,
+                              optimality=sol.optimality)
+        if not res.converged:
+            msg = (f"engine '{self.name}' did not converge (stopped by: {sol.stop_reason}): {sol.optimality}")
+            if self.options.on_fail == "raise":
+                worst = max((c for c in sol.optimality.criteria if not c.met), key=lambda c: c.value, default=None)
+                raise ConvergenceError(msg, residual=None if worst is None else worst.value)
+            warnings.warn(msg, ConvergenceWarning, stacklevel=3)
+        return res
+
+    def __repr__(self):
+        return f"{type(self).__name__}(name={self.name!r}, options={self.options})"

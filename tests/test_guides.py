@@ -1,0 +1,417 @@
+"""Trainable guides from fitted posteriors: the param store holds the posterior, SVI continues from it.
+
+References are independent of the guide code: covariances are rebuilt from the raw param-store entries
+with Pyro's parametrisations, and ELBOs are computed by tensor-product Gauss-Hermite quadrature.
+"""
+import math
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pyro.poutine as poutine
+import pytest
+import torch
+from pyro.infer import SVI, Predictive, Trace_ELBO
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoMultivariateNormal
+
+import pyro_convexvb as pcv
+from pyro_convexvb.infer import posterior as posterior_module
+from pyro_convexvb.infer.diag_mixture import AutoDiagMixture, DiagMixtureGuide, DiagMixturePosterior
+from pyro_convexvb.infer.posterior import (GaussianPosteriorGuide, PosteriorDiagonalNormal,
+                                           PosteriorLowRankMultivariateNormal, PosteriorMultivariateNormal)
+from pyro_convexvb.linalg.operators import DenseOperator
+
+D = torch.float64
+TOL = 1e-10
+
+
+# ------------------------------------------------------------------------------------------ models and data
+def logreg(X, y=None):
+    w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), 1.0).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        return pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+
+def two_site_model(X, y=None):
+    """A (2, 2) matrix latent and a positive scalar latent (unconstrained as its log)."""
+    W = pyro.sample("W", dist.Normal(torch.zeros(2, 2, dtype=D), 1.0).to_event(2))
+    sigma = pyro.sample("sigma", dist.LogNormal(torch.tensor(0.0, dtype=D), 0.5))
+    with pyro.plate("data", X.shape[0]):
+        return pyro.sample("y", dist.Normal(X @ W.reshape(4), sigma), obs=y)
+
+
+def _logreg_data(n=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, 3, generator=g, dtype=D)
+    y = (torch.rand(n, generator=g, dtype=D) < torch.sigmoid(X @ torch.tensor([1.0, -0.5, 0.3], dtype=D))).to(D)
+    return X, y
+
+
+def _log_joint(u, X, y):
+    """``log p(y, w = u)`` of :func:`logreg`, for ``u`` ``(M, 3)``."""
+    logits = u @ X.T
+    return dist.Normal(0.0, 1.0).log_prob(u).sum(-1) + (y * logits - torch.nn.functional.softplus(logits)).sum(-1)
+
+
+def _laplace(X, y):
+    """Mode and inverse Hessian of the logistic-regression posterior (Newton's method)."""
+    m = torch.zeros(3, dtype=D)
+    for _ in range(50):
+        p = torch.sigmoid(X @ m)
+        H = torch.eye(3, dtype=D) + X.T @ (X * (p * (1 - p))[:, None])
+        m = m + torch.linalg.solve(H, X.T @ (y - p) - m)
+    p = torch.sigmoid(X @ m)
+    H = torch.eye(3, dtype=D) + X.T @ (X * (p * (1 - p))[:, None])
+    return m, torch.linalg.inv(H)
+
+
+def _gh_grid(order, dim=3):
+    """Nodes ``(order^dim, dim)`` and weights of ``E_{N(0, I)}[f]`` by tensor-product Gauss-Hermite."""
+    x, w = np.polynomial.hermite.hermgauss(order)
+    x, w = torch.tensor(x, dtype=D), torch.tensor(w, dtype=D)
+    grid = torch.stack([g.reshape(-1) for g in torch.meshgrid(*[x] * dim, indexing="ij")], -1) * math.sqrt(2)
+    weight = torch.stack([g.reshape(-1) for g in torch.meshgrid(*[w] * dim, indexing="ij")], -1).prod(-1)
+    return grid, weight / math.pi ** (dim / 2)
+
+
+def _gh_elbo(locs, covs, X, y, order=30):
+    """ELBO of ``q = (1/K) sum_k N(locs[k], covs[k])`` for :func:`logreg` by Gauss-Hermite quadrature.
+
+    ``sum_k (1/K) E_{q_k}[log p(y, u) - log q(u)]``, each expectation on an ``order^3`` product grid.
+    """
+    grid, weight = _gh_grid(order)
+    comps = [dist.MultivariateNormal(m, covariance_matrix=S) for m, S in zip(locs, covs)]
+    K = len(comps)
+    total = torch.zeros((), dtype=D)
+    for m, S in zip(locs, covs):
+        U = m + grid @ torch.linalg.cholesky(S).T
+        log_q = torch.logsumexp(torch.stack([c.log_prob(U) for c in comps]), 0) - math.log(K)
+        total = total + (weight * (_log_joint(U, X, y) - log_q)).sum() / K
+    return float(total)
+
+
+# ------------------------------------------------------------------------------------------ posteriors
+KINDS = ["covariance", "scale_tril", "precision", "diagonal", "low_rank_diagonal", "precision_operator"]
+PYRO_BASE = {"covariance": AutoMultivariateNormal, "scale_tril": AutoMultivariateNormal,
+             "precision": AutoMultivariateNormal, "precision_operator": AutoMultivariateNormal,
+             "diagonal": AutoDiagonalNormal, "low_rank_diagonal": AutoLowRankMultivariateNormal}
+OURS = {AutoMultivariateNormal: PosteriorMultivariateNormal, AutoDiagonalNormal: PosteriorDiagonalNormal,
+        AutoLowRankMultivariateNormal: PosteriorLowRankMultivariateNormal}
+
+
+def _posterior(kind, X, y):
+    """A deliberately suboptimal posterior (Laplace mean, covariance inflated 2x) and its covariance ``(3, 3)``."""
+    m, C = _laplace(X, y)
+    C2 = 2 * C
+    if kind == "covariance":
+        return pcv.GaussianPosterior(m, covariance=C2), C2
+    if kind == "scale_tril":
+        L = torch.linalg.cholesky(C2) * torch.tensor([1.0, -1.0, 1.0], dtype=D)  # a non-Cholesky factor of C2
+        return pcv.GaussianPosterior(m, scale_tril=L), C2
+    if kind == "precision":
+        return pcv.GaussianPosterior(m, precision=torch.linalg.inv(C2)), C2
+    if kind == "diagonal":
+        return pcv.GaussianPosterior(m, C2.diagonal().clone()), torch.diag(C2.diagonal())
+    if kind == "low_rank_diagonal":
+        evals, evecs = torch.linalg.eigh(C2)
+        W = evecs[:, -1:] * evals[-1].sqrt()
+        d = C2.diagonal() / 2
+        return pcv.GaussianPosterior(m, cov_factor=W, cov_diag=d), W @ W.T + torch.diag(d)
+    if kind == "precision_operator":
+        # C2 = precision_scale * A^{-1} with A = J^T J, precision_scale = 0.5
+        A = 0.5 * torch.linalg.inv(C2)
+        J = torch.linalg.cholesky(A).T
+        q = pcv.GaussianPosterior(m, C2.diagonal().clone(), precision_operator=DenseOperator(A),
+                                  precision_factor=DenseOperator(J), precision_scale=0.5)
+        return q, C2
+    raise AssertionError(kind)
+
+
+def _attach(q, model, *args, **kwargs):
+    q.model, q.model_args = model, (args, kwargs)
+    return q
+
+
+def _store_loc_cov(base, prefix):
+    """Mean and covariance rebuilt from the raw param-store entries with Pyro's parametrisation."""
+    loc = pyro.param(f"{prefix}.loc").detach().clone()  # a copy: SVI updates the store in place
+    scale = pyro.param(f"{prefix}.scale").detach()
+    if base is AutoMultivariateNormal:
+        L = scale[:, None] * pyro.param(f"{prefix}.scale_tril").detach()
+        return loc, L @ L.T
+    if base is AutoDiagonalNormal:
+        return loc, torch.diag(scale**2)
+    F = pyro.param(f"{prefix}.cov_factor").detach() * scale[:, None]
+    return loc, F @ F.T + torch.diag(scale**2)
+
+
+def _stale_entries(base, prefix, n=3):
+    names = {"loc": torch.full((n,), 7.0, dtype=D), "scale": torch.full((n,), 3.0, dtype=D)}
+    if base is AutoMultivariateNormal:
+        names["scale_tril"] = torch.eye(n, dtype=D)
+    if base is AutoLowRankMultivariateNormal:
+        names["cov_factor"] = torch.ones(n, 1, dtype=D)
+    for k, v in names.items():
+        pyro.param(f"{prefix}.{k}", v)
+
+
+# ------------------------------------------------------------------------------------------ the store
+@pytest.mark.parametrize("kind", KINDS)
+def test_store_holds_posterior_and_stale_entries_do_not_override(kind):
+    X, y = _logreg_data()
+    q, C = _posterior(kind, X, y)
+    _attach(q, logreg, X, y=y)
+    base = PYRO_BASE[kind]
+    prefix = OURS[base].__name__
+    _stale_entries(base, prefix)
+    pyro.param("unrelated.param", torch.arange(4.0, dtype=D))
+    guide = q.as_guide()
+    assert type(guide) is OURS[base] and isinstance(guide, base)
+    loc, cov = _store_loc_cov(base, prefix)
+    torch.testing.assert_close(loc, q.loc, rtol=0, atol=TOL)
+    torch.testing.assert_close(cov, C, rtol=0, atol=TOL)
+    assert torch.equal(pyro.param("unrelated.param").detach(), torch.arange(4.0, dtype=D))
+    # Pyro's own view of the guide agrees, and calling the guide does not bring stale values back
+    qd = guide.get_posterior()
+    cov_pyro = qd.covariance_matrix if base is not AutoDiagonalNormal else torch.diag(qd.base_dist.scale**2)
+    torch.testing.assert_close(cov_pyro.detach(), C, rtol=0, atol=TOL)
+    guide(X, y=y)
+    Predictive(logreg, guide=guide, num_samples=5)(X)
+    loc2, cov2 = _store_loc_cov(base, prefix)
+    torch.testing.assert_close(loc2, q.loc, rtol=0, atol=TOL)
+    torch.testing.assert_close(cov2, C, rtol=0, atol=TOL)
+    torch.testing.assert_close(guide.to_posterior().covariance(), C, rtol=0, atol=TOL)
+    # the guide's parameters are copies: training cannot modify the engine's posterior
+    assert guide.loc.data_ptr() != q.loc.data_ptr()
+
+
+def test_lazy_build_with_explicit_model_overwrites_stale_entries_at_first_call():
+    X, y = _logreg_data()
+    q, C = _posterior("covariance", X, y)
+    _stale_entries(AutoMultivariateNormal, "lazy")
+    guide = q.as_guide(logreg, name_prefix="lazy")  # no data known: built at the first call
+    assert guide.prototype_trace is None
+    assert torch.equal(pyro.param("lazy.loc").detach(), torch.full((3,), 7.0, dtype=D))
+    guide(X, y=y)
+    loc, cov = _store_loc_cov(AutoMultivariateNormal, "lazy")
+    torch.testing.assert_close(loc, q.loc, rtol=0, atol=TOL)
+    torch.testing.assert_close(cov, C, rtol=0, atol=TOL)
+    # built inside the first SVI step: the optimiser trains the posterior's values, not the stale ones
+    _stale_entries(AutoMultivariateNormal, "lazy2")
+    guide2 = q.as_guide(logreg, name_prefix="lazy2")
+    svi = SVI(logreg, guide2, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
+    svi.step(X, y=y)
+    loc2 = pyro.param("lazy2.loc").detach()
+    assert 0 < float((loc2 - q.loc).abs().max()) < 2e-3
+    torch.testing.assert_close(guide2.to_posterior().loc, loc2, rtol=0, atol=0)
+
+
+def test_name_prefix_keeps_two_guides_apart():
+    X, y = _logreg_data()
+    q1, C1 = _posterior("covariance", X, y)
+    q2, C2 = _posterior("diagonal", X, y)
+    g1 = q1.as_guide(logreg, name_prefix="first", model_args=(X,), model_kwargs={"y": y})
+    g2 = q2.as_guide(logreg, form="full", name_prefix="second", model_args=(X,), model_kwargs={"y": y})
+    assert isinstance(g2, PosteriorMultivariateNormal)
+    torch.testing.assert_close(_store_loc_cov(AutoMultivariateNormal, "first")[1], C1, rtol=0, atol=TOL)
+    torch.testing.assert_close(_store_loc_cov(AutoMultivariateNormal, "second")[1], C2, rtol=0, atol=TOL)
+    names = set(pyro.get_param_store().keys())
+    assert names == {f"{p}.{k}" for p in ("first", "second") for k in ("loc", "scale", "scale_tril")}
+    tr = poutine.trace(g1).get_trace(X, y=y)
+    params = {n for n, s in tr.nodes.items() if s["type"] == "param"}
+    assert params == {"first.loc", "first.scale", "first.scale_tril"} and "_first_latent" in tr.nodes
+
+
+# ------------------------------------------------------------------------------------------ SVI continues
+def test_gauss_hermite_elbo_is_converged():
+    """The quadrature error is far below the tolerance used for 'the ELBO did not decrease'."""
+    X, y = _logreg_data()
+    m, C = _laplace(X, y)
+    e30 = _gh_elbo([m], [2 * C], X, y, order=30)
+    e40 = _gh_elbo([m], [2 * C], X, y, order=40)
+    assert abs(e30 - e40) < 1e-10
+    # for one Gaussian it is E[log p] (quadrature) plus the closed-form entropy
+    grid, weight = _gh_grid(40)
+    U = m + grid @ torch.linalg.cholesky(2 * C).T
+    e_logp = float((weight * _log_joint(U, X, y)).sum())
+    entropy = 0.5 * float(torch.logdet(2 * math.pi * math.e * 2 * C))
+    assert e_logp + entropy == pytest.approx(e40, abs=1e-10)
+
+
+def _svi_steps(guide, steps=50, lr=5e-3):
+    X, y = _logreg_data()
+    svi = SVI(logreg, guide, pyro.optim.Adam({"lr": lr}), Trace_ELBO(num_particles=4))
+    for _ in range(steps):
+        svi.step(X, y=y)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_svi_continues_from_the_posterior_and_does_not_lower_the_elbo(kind):
+    X, y = _logreg_data()
+    q, C = _posterior(kind, X, y)
+    guide = _attach(q, logreg, X, y=y).as_guide()
+    base, prefix = PYRO_BASE[kind], type(guide).__name__
+    loc0, cov0 = _store_loc_cov(base, prefix)
+    before = _gh_elbo([loc0], [cov0], X, y)
+    assert before == pytest.approx(_gh_elbo([q.loc], [C], X, y), abs=1e-9)
+    _svi_steps(guide)
+    loc1, cov1 = _store_loc_cov(base, prefix)
+    assert float((loc1 - loc0).abs().max()) > 1e-3 and float((cov1 - cov0).abs().max()) > 1e-3
+    after = _gh_elbo([loc1], [cov1], X, y)
+    # exact ELBOs (quadrature error < 1e-10, see above): the start is 2x too wide, so SVI must gain
+    assert after > before + 1e-3, (before, after)
+    # the module reads the trained store values
+    torch.testing.assert_close(guide.to_posterior().covariance(), cov1, rtol=0, atol=TOL)
+
+
+# ------------------------------------------------------------------------------------------ Pyro API
+def test_two_sites_of_different_shapes_median_quantiles_predictive_poutine():
+    g = torch.Generator().manual_seed(2)
+    X = torch.randn(25, 4, generator=g, dtype=D)
+    y = X @ torch.tensor([0.5, -1.0, 0.2, 0.8], dtype=D) + 0.3 * torch.randn(25, generator=g, dtype=D)
+    A = torch.randn(5, 5, generator=g, dtype=D)
+    C = (A @ A.T + 5 * torch.eye(5, dtype=D)) / 50
+    loc = torch.tensor([0.5, -1.0, 0.2, 0.8, math.log(0.3)], dtype=D)
+    q = _attach(pcv.GaussianPosterior(loc, covariance=C), two_site_model, X, y=y)
+    guide = q.as_guide(name_prefix="two")
+    torch.testing.assert_close(pyro.param("two.loc").detach(), loc, rtol=0, atol=TOL)
+    med = guide.median()
+    torch.testing.assert_close(med["W"], loc[:4].reshape(2, 2), rtol=0, atol=TOL)
+    assert float(med["sigma"]) == pytest.approx(0.3, abs=1e-12)
+    qs = guide.quantiles([0.25, 0.75])
+    z = float(dist.Normal(0.0, 1.0).icdf(torch.tensor(0.75)))
+    assert float(qs["sigma"][1]) == pytest.approx(math.exp(loc[4] + z * C[4, 4].sqrt()), rel=1e-6)
+    torch.testing.assert_close(qs["W"][0], (loc[:4] - z * C.diagonal()[:4].sqrt()).reshape(2, 2), rtol=1e-6, atol=0)
+    pred = Predictive(two_site_model, guide=guide, num_samples=400)(X)
+    assert pred["W"].shape[-2:] == (2, 2) and pred["W"].numel() == 400 * 4 and pred["y"].shape == (400, 25)
+    torch.testing.assert_close(pred["W"].reshape(400, 2, 2).mean(0), loc[:4].reshape(2, 2), atol=0.1, rtol=0)
+    assert bool((pred["sigma"] > 0).all())
+    tr = poutine.trace(guide).get_trace(X, y=y)
+    assert {n for n, s in tr.nodes.items() if s["type"] == "param"} == {"two.loc", "two.scale", "two.scale_tril"}
+    assert tr.nodes["W"]["value"].shape == (2, 2) and float(tr.nodes["sigma"]["value"].detach()) > 0
+    tr2 = poutine.trace(poutine.block(guide, hide_types=["param"])).get_trace(X, y=y)
+    assert not any(s["type"] == "param" for s in tr2.nodes.values()) and "W" in tr2.nodes
+    # the model runs under the guide's trace (observed y stays observed)
+    mtr = poutine.trace(poutine.replay(two_site_model, trace=tr)).get_trace(X, y=y)
+    assert mtr.nodes["y"]["is_observed"]
+
+
+# ------------------------------------------------------------------------------------------ errors, fixed guide
+def test_untrainable_forms_raise_at_construction(monkeypatch):
+    X, y = _logreg_data()
+    Q, _ = torch.linalg.qr(torch.randn(3, 2, dtype=D))
+    lanczos = pcv.GaussianPosterior(torch.zeros(3, dtype=D), low_rank=(Q, torch.eye(2, dtype=D)))
+    for kwargs in ({}, {"trainable": False}, {"form": "diagonal"}):
+        with pytest.raises(ValueError, match="Lanczos.*not a proper distribution"):
+            lanczos.as_guide(logreg, **kwargs)
+    # matrix-free precision above the dense limit: names n and the alternatives
+    q, C = _posterior("precision_operator", X, y)
+    monkeypatch.setattr(posterior_module, "MAX_TRAINABLE_DENSE", 2)
+    with pytest.raises(ValueError, match=r"n = 3 > MAX_TRAINABLE_DENSE = 2.*trainable=False.*form='diagonal'"):
+        q.as_guide(logreg, model_args=(X,), model_kwargs={"y": y})
+    fixed = q.as_guide(logreg, trainable=False, model_args=(X,), model_kwargs={"y": y})
+    assert type(fixed) is GaussianPosteriorGuide
+    mf = q.as_guide(logreg, form="diagonal", model_args=(X,), model_kwargs={"y": y})
+    assert type(mf) is PosteriorDiagonalNormal
+    torch.testing.assert_close(_store_loc_cov(AutoDiagonalNormal, "PosteriorDiagonalNormal")[1],
+                               torch.diag(C.diagonal()), rtol=0, atol=TOL)
+    # other misuse
+    dense, _ = _posterior("covariance", X, y)
+    with pytest.raises(ValueError, match="form='low_rank' needs a posterior of kind 'low_rank_diagonal'"):
+        dense.as_guide(logreg, form="low_rank")
+    with pytest.raises(ValueError, match="form: expected one of"):
+        dense.as_guide(logreg, form="dense")
+    with pytest.raises(ValueError, match="trainable=False gives the fixed"):
+        dense.as_guide(logreg, trainable=False, form="full")
+    with pytest.raises(ValueError, match="not positive definite"):
+        pcv.GaussianPosterior(torch.zeros(2, dtype=D), covariance=torch.tensor([[1.0, 2.0], [2.0, 1.0]], dtype=D)) \
+            .as_guide(logreg)
+    with pytest.raises(ValueError, match="positive marginal variances"):
+        pcv.GaussianPosterior(torch.zeros(3, dtype=D), torch.tensor([1.0, 0.0, 1.0], dtype=D)).as_guide(logreg)
+    with pytest.raises(ValueError, match="latent dimensions"):
+        pcv.GaussianPosterior(torch.zeros(4, dtype=D), torch.ones(4, dtype=D)).as_guide(
+            logreg, model_args=(X,), model_kwargs={"y": y})
+    with pytest.raises(ValueError, match="needs the Pyro model"):
+        dense.as_guide()
+    with pytest.raises(ValueError, match="name_prefix"):
+        dense.as_guide(logreg, name_prefix="")
+
+
+def test_trainable_false_gives_the_fixed_guide():
+    X, y = _logreg_data()
+    q, C = _posterior("precision_operator", X, y)
+    guide = _attach(q, logreg, X, y=y).as_guide(trainable=False)
+    assert type(guide) is GaussianPosteriorGuide
+    assert list(guide.parameters()) == []
+    pred = Predictive(logreg, guide=guide, num_samples=4000)(X)
+    assert len(pyro.get_param_store().keys()) == 0
+    w = pred["w"].reshape(4000, 3)
+    torch.testing.assert_close(w.mean(0), q.loc, atol=4 * float(C.diagonal().max().sqrt()) / math.sqrt(4000), rtol=0)
+    mix = DiagMixturePosterior(torch.stack([q.loc, q.loc + 0.1]), torch.stack([C.diagonal()] * 2))
+    fixed_mix = mix.as_guide(logreg, trainable=False, model_args=(X,), model_kwargs={"y": y})
+    assert type(fixed_mix) is DiagMixtureGuide and list(fixed_mix.parameters()) == []
+
+
+# ------------------------------------------------------------------------------------------ mixtures
+def test_diag_mixture_as_guide_store_stale_svi_and_predictive():
+    X, y = _logreg_data()
+    m, C = _laplace(X, y)
+    locs = torch.stack([m - 0.3, m + 0.3])
+    variances = torch.stack([2 * C.diagonal(), 1.5 * C.diagonal()])
+    q = _attach(DiagMixturePosterior(locs, variances), logreg, X, y=y)
+    pyro.param("AutoDiagMixture.locs", torch.zeros(2, 3, dtype=D))
+    pyro.param("AutoDiagMixture.scales", torch.ones(2, 3, dtype=D), constraint=dist.constraints.positive)
+    pyro.param("unrelated", torch.ones(2, dtype=D))
+    guide = q.as_guide()
+    assert type(guide) is AutoDiagMixture and guide.num_components == 2
+    torch.testing.assert_close(pyro.param("AutoDiagMixture.locs").detach(), locs, rtol=0, atol=TOL)
+    torch.testing.assert_close(pyro.param("AutoDiagMixture.scales").detach() ** 2, variances, rtol=0, atol=TOL)
+    assert torch.equal(pyro.param("unrelated").detach(), torch.ones(2, dtype=D))
+    pred = Predictive(logreg, guide=guide, num_samples=20)(X)
+    assert pred["y"].shape == (20, 40)
+
+    def current():
+        L = pyro.param("AutoDiagMixture.locs").detach().clone()  # a copy: SVI updates the store in place
+        S = pyro.param("AutoDiagMixture.scales").detach() ** 2
+        return L, S
+
+    L0, S0 = current()
+    torch.testing.assert_close(L0, locs, rtol=0, atol=TOL)  # the guide call did not bring stale values back
+    before = _gh_elbo(list(L0), [torch.diag(s) for s in S0], X, y)
+    _svi_steps(guide)
+    L1, S1 = current()
+    assert float((L1 - L0).abs().max()) > 1e-3
+    after = _gh_elbo(list(L1), [torch.diag(s) for s in S1], X, y)
+    assert after > before + 1e-3, (before, after)
+    back = guide.to_posterior()
+    torch.testing.assert_close(back.locs, L1, rtol=0, atol=TOL)
+    torch.testing.assert_close(back.variances, S1, rtol=0, atol=TOL)
+    with pytest.raises(ValueError, match="num_components"):
+        AutoDiagMixture(logreg, num_components=3, posterior=q)
+
+
+# ------------------------------------------------------------------------------------------ DualVG
+def test_dual_vg_fit_writes_its_optimum_into_the_param_store():
+    X, y = _logreg_data()
+    guide = pcv.DualVG(logreg)
+    _stale_entries(AutoMultivariateNormal, "DualVG")
+    pyro.param("unrelated", torch.ones(2, dtype=D))
+    res = guide.fit(X, y=y)
+    loc, cov = _store_loc_cov(AutoMultivariateNormal, "DualVG")
+    torch.testing.assert_close(loc, res.posterior.loc, rtol=0, atol=TOL)
+    torch.testing.assert_close(cov, res.posterior.covariance(), rtol=0, atol=TOL)
+    guide(X, y=y)  # a call reads the fitted values, not the stale ones
+    torch.testing.assert_close(guide.median()["w"], res.posterior.loc, rtol=0, atol=TOL)
+    torch.testing.assert_close(_store_loc_cov(AutoMultivariateNormal, "DualVG")[0], res.posterior.loc, rtol=0, atol=TOL)
+    assert torch.equal(pyro.param("unrelated").detach(), torch.ones(2, dtype=D))
+    # SVI moves the store; a refit on new data writes the new optimum over it
+    svi = SVI(logreg, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+    for _ in range(5):
+        svi.step(X, y=y)
+    assert float((pyro.param("DualVG.loc").detach() - res.posterior.loc).abs().max()) > 1e-3
+    res2 = guide.fit(X[:30], y=y[:30])
+    loc2, cov2 = _store_loc_cov(AutoMultivariateNormal, "DualVG")
+    torch.testing.assert_close(loc2, res2.posterior.loc, rtol=0, atol=TOL)
+    torch.testing.assert_close(cov2, res2.posterior.covariance(), rtol=0, atol=TOL)
+    guide(X[:30], y=y[:30])
+    torch.testing.assert_close(pyro.param("DualVG.loc").detach(), res2.posterior.loc, rtol=0, atol=TOL)
