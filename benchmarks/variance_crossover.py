@@ -193,7 +193,8 @@ def crossover_rows(rows, fitted, dense_logdet_max):
                     pts = []
                     for r in sel:
                         e, ld, lz = model_seconds(r, consts)
-                        pts.append((r["n"], (lz + (ld if with_ld and r["n"] <= dense_logdet_max else 0)) / max(e, 1e-300)))
+                        extra = ld if with_ld and r["n"] <= dense_logdet_max else 0.0
+                        pts.append((r["n"], (lz + extra) / max(e, 1e-300)))
                     val, note = crossover(pts)
                     entry[f"{tag}{label}"] = round(val) if val else note
             out.append(entry)

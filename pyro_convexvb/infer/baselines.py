@@ -38,7 +38,7 @@ from pyro.infer.autoguide import (
 from torch.distributions import biject_to
 
 from ..errors import UnsupportedModelError
-from ..lgm.extract import full_data_plates
+from ..lgm.extract import full_data_plates, latent_sites
 from .engine import Engine, EngineOptions, Optimality, Solution, option
 from .optimality import gaussian_decrement, monte_carlo_objective
 from .posterior import GaussianPosterior
@@ -68,17 +68,6 @@ EXACT_BOUND_MAX = 5000
 # ---------------------------------------------------------------------------------------------
 # shared pieces
 # ---------------------------------------------------------------------------------------------
-def _is_subsample(site):
-    return type(site["fn"]).__name__ == "_Subsample"
-
-
-def latent_sites(model, args, kwargs):
-    """``[(name, site)]`` of the model's latent sample sites in trace order (Pyro's packing order)."""
-    with torch.no_grad(), full_data_plates():
-        tr = poutine.trace(model).get_trace(*args, **kwargs)
-    return [(n, s) for n, s in tr.nodes.items()
-            if s["type"] == "sample" and not s["is_observed"] and not _is_subsample(s)]
-
 
 def flat_log_joint(model, args, kwargs):
     """``log_joint(U)``: log density of the model at flat unconstrained points ``U`` ``(s, n)`` -> ``(s,)``.

@@ -421,8 +421,12 @@ class Engine:
 
         post = sol.posterior
         if post is not None:
-            if getattr(post, "layout", None) is None and lgm is not None:
+            if getattr(post, "layout", None) is None and lgm is not None and lgm.n == post.n:
                 post.layout = lgm.layout
+            if getattr(post, "layout", None) is None and self.takes == "model":
+                from ..lgm.extract import unconstrained_layout
+
+                post.layout = unconstrained_layout(self.model, args, kwargs)
             if callable(self.model) and not isinstance(self.model, LatentGaussianModel):
                 post.model = self.model
                 post.model_args = (args, kwargs)

@@ -23,7 +23,7 @@ from .linear import record_linear
 from .model import LatentGaussianModel, PriorBlock, SiteGroup
 from .sites import BernoulliLogit, Gaussian, Laplace, Poisson
 
-__all__ = ["lgm_from_pyro", "full_data_plates", "DENSE_JACOBIAN_LIMIT"]
+__all__ = ["lgm_from_pyro", "full_data_plates", "latent_sites", "unconstrained_layout", "DENSE_JACOBIAN_LIMIT"]
 
 #: Largest ``q * n`` for which a predictor that was not built with ``pcv.linear`` is materialised
 #: as a dense Jacobian (the model's own design is then dense already); larger ones stay as
@@ -79,6 +79,25 @@ def full_data_plates():
         yield
     finally:
         SubsampleMessenger._subsample = original
+
+
+def latent_sites(model, args, kwargs):
+    """``[(name, site)]`` of the model's latent sample sites in trace order (the packing order of Pyro's
+    :class:`~pyro.infer.autoguide.AutoContinuous`), traced with every plate at full size."""
+    with torch.no_grad(), full_data_plates():
+        tr = poutine.trace(model).get_trace(*args, **kwargs)
+    return [(n, s) for n, s in tr.nodes.items()
+            if s["type"] == "sample" and not s["is_observed"] and not _is_subsample(s)]
+
+
+def unconstrained_layout(model, args, kwargs):
+    """:class:`LatentLayout` of the model's latent sites in unconstrained coordinates (``biject_to`` of each support)."""
+    from torch.distributions import biject_to
+
+    named = []
+    for name, site in latent_sites(model, args, kwargs):
+        named.append((name, tuple(biject_to(site["fn"].support).inv(site["value"]).shape)))
+    return LatentLayout.from_shapes(named)
 
 
 def _trace(model, args, kwargs, values=None):

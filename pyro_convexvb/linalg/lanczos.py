@@ -302,7 +302,7 @@ class _LanczosRun:
         self.Qr = V0.new_empty((0, n))
         self.Tb = V0.new_zeros((b, b))  # T, with room for the coupling of the pending block
         self.filled, self.prev, self.num_mvm, self.band, self.anorm = 0, None, 0, 1, 0.0
-        self.breakdown, self.closed = False, False
+        self.breakdown, self.closed, self.truncated = False, False, False
         self.C = V0.new_zeros((0, 0))
         self.acc = _BlockVarianceAccumulator(b, V0.dtype, V0.device) if project is not None else None
 
@@ -324,6 +324,8 @@ class _LanczosRun:
     def run(self, k):
         """Extend to ``k`` Lanczos vectors in total (fewer on breakdown; at most ``n``)."""
         k = min(int(k), self.n)
+        if self.truncated and k > self.filled:
+            raise RuntimeError("Lanczos: a run whose last block was truncated cannot be extended")
         if self.closed or k <= self.filled:
             return self
         self._grow(k)
@@ -335,7 +337,7 @@ class _LanczosRun:
                 if s + Qt.shape[0] > k:  # truncate the last block to reach exactly k vectors (no extension later)
                     # the dropped directions carry part of the residual of the previous block, if there is one
                     dropped, Qt = (Qt[k - s:] if self.prev is not None else None), Qt[:k - s]
-                    self.closed = True
+                    self.closed = self.truncated = True
                 bj = Qt.shape[0]
                 e = s + bj
                 self.Qr[s:e] = Qt
@@ -433,8 +435,8 @@ class _LanczosRun:
 
 
 def _orthonormalise(Wt):
-    """``Wt = (Q R^T)^T``-style QR of the rows of ``Wt`` (``(b, n)``): returns rows ``Qn`` (``(b, n)``) and ``R``
-    (``(b, b)``, upper triangular) with ``Wt^T = Qn^T R``; a norm for one row."""
+    """QR factorisation of the rows of ``Wt`` (``(b, n)``): orthonormal rows ``Qn`` (``(b, n)``) and an upper
+    triangular ``R`` (``(b, b)``) with ``Wt^T = Qn^T R``; for one row, its norm."""
     if Wt.shape[0] == 1:
         nrm = torch.linalg.vector_norm(Wt)
         R = nrm.reshape(1, 1)
@@ -551,7 +553,7 @@ def lanczos_variances(
 ):
     """K-Lanczos variance estimate ``z_k = diag(B Q T^{-1} Q^T B^T) ~ diag(B A^{-1} B^T)``.
 
-    Nickisch & Seeger 2009 §2.3 (Nickisch & Seeger 2009): with ``T = L L^T``, ``L`` bidiagonal (diagonal ``e``,
+    Nickisch & Seeger 2009 §2.3: with ``T = L L^T``, ``L`` bidiagonal (diagonal ``e``,
     subdiagonal ``d``), ``z_k = z_{k-1} + v_k^2``, ``v_k = (B q_k - d_{k-1} v_{k-1}) / e_k``.  Each
     component of ``z_k`` is nondecreasing in ``k`` and ``<=`` the exact variance (Seeger 2010 §4.1),
     with equality at ``k = n``, and whenever the rows of ``B`` lie in the Krylov space (e.g. at

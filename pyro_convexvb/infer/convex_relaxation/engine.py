@@ -37,6 +37,9 @@ class ConvexRelaxationOptions(EngineOptions):
         "auto", "variance method: exact (dense Cholesky) when cheaper than K-Lanczos ('auto'), K-Lanczos, exact, "
                 "or L-PCA (Seeger 2010)")
     lanczos_block_size: int = option(1, "block size b of block Lanczos (1: Nickisch & Seeger's Lanczos)", min=1)
+    lanczos_estimator: typing.Literal["auto", "k-lanczos", "whitened"] = option(
+        "auto", "Lanczos variance estimator: K-Lanczos lower bounds on the precision (sparse designs), the "
+                "whitened covariance form (GP-type dense prior covariances), or chosen by the model ('auto')")
     pca_rank: typing.Optional[int] = option(None, "L of L-PCA (default lanczos_rank // 6)", min=1)
     newton_tol: float = option(1e-8, "Newton decrement tolerance (relative to |Psi|)", gt=0)
     gamma_tol: float = option(1e-3, "convergence: relative change of gamma between outer iterations", min=0)
@@ -72,8 +75,8 @@ class ConvexVariationalRelaxation(Engine):
     ``z <- diag(B A^{-1} B^T)`` by K-Lanczos (§2.3), L-PCA (Seeger 2010, §3) or exactly.
 
     Site families: Bernoulli-logit, Laplace (likelihood sites and Laplace priors extracted from a Pyro
-    model), Gaussian observations (exact, in ``X``), and any family with a ``super_gaussian()`` method
-    (e.g. :class:`~pyro_convexvb.lgm.sites.StudentT`); see
+    model), Student-t (:class:`~pyro_convexvb.lgm.sites.StudentT`), Gaussian observations (exact, in
+    ``X``), and any family with a ``super_gaussian()`` method returning a potential; see
     :mod:`~pyro_convexvb.infer.convex_relaxation.potentials`.
 
     Convergence: the relative change of ``gamma`` (``<= gamma_tol``) and of ``phi`` (``<= phi_tol``)
@@ -128,7 +131,8 @@ class ConvexVariationalRelaxation(Engine):
                           cg_tol=o.cg_tol, variance=o.variance, pca_rank=o.pca_rank, newton_tol=o.newton_tol,
                           gamma_tol=o.gamma_tol, phi_tol=o.phi_tol, z_min=o.z_min, gamma_init=o.gamma_init,
                           dense_logdet_max=o.dense_logdet_max, cg_max_iter=o.cg_max_iter, z_init=o.z_init,
-                          u_init=o.u_init, logdet_init=o.logdet_init)
+                          u_init=o.u_init, logdet_init=o.logdet_init, lanczos_estimator=o.lanczos_estimator,
+                          exact_max=o.exact_max)
         step = out["step"]
         u, gamma = out["u"], out["gamma"]
         C = prob.log_const()
@@ -172,7 +176,7 @@ class ConvexVariationalRelaxation(Engine):
             gam[g.name] = gamma[sl]
             zz[g.name] = step.z[sl]
         lanczos = None
-        if step.lanczos is not None:
+        if step.lanczos is not None and out.get("variance_estimator") != "whitened":
             lanczos = (step.lanczos.Q, step.lanczos.T())
         newton = out["newton_steps"]
         cg_its = out["cg_iterations"]
@@ -216,8 +220,10 @@ def predictive_marginals(result, design, offset=None):
     """Means and variances of ``eta = design @ u + offset`` under a fitted ``Q(u|D)`` (e.g. test rows).
 
     Uses the engine's own covariance representation: the dense Cholesky factor when it was computed
-    (exact variances), else the K-Lanczos factors ``diag(D Q T^{-1} Q^T D^T)`` (an underestimate,
-    Seeger 2010 §4.1).
+    (exact variances), else the Lanczos factors of the last variance step: K-Lanczos
+    ``diag(D Q T^{-1} Q^T D^T)``, a lower bound (Seeger 2010, §4.1), or the whitened covariance-form
+    estimate for models with dense prior covariances (``result.info["variance_estimator"]`` says which,
+    ``result.info["variances_are_lower_bounds"]`` whether they are lower bounds).
 
     :param result: an :class:`~pyro_convexvb.InferenceResult` of this engine.
     :param design: ``(m, n)`` dense/sparse tensor or operator.

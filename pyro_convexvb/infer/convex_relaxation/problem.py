@@ -241,7 +241,8 @@ class RelaxationProblem:
         return out
 
     def obs_mv(self, v):
-        """``sum_g B_g^T diag(sd_g^{-2}) B_g v`` (the Gaussian observation rows of ``X^T X``), ``v`` ``(n,)`` or ``(n, k)``."""
+        """``sum_g B_g^T diag(sd_g^{-2}) B_g v``, the Gaussian observation rows of ``X^T X``, for ``v`` of shape
+        ``(n,)`` or ``(n, k)``."""
         out = torch.zeros_like(v)
         for Bg, _, _, sd in self.gauss:
             w = sd**-2

@@ -1,0 +1,288 @@
+"""The engine contract, checked for every registered engine (as Pyro's tests run over all autoguides).
+
+Result fields; ``converged`` earned by the optimality measure and consistent with ``stop_reason`` and
+the single ConvergenceWarning; option validation errors that name the option; progress bars shown or
+absent as asked; guides that Pyro keeps training; unconstrained-space posteriors for constrained
+latents; no mutation of the objects passed in.
+"""
+import math
+import subprocess
+import sys
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+import pyro_convexvb as pcv
+from pyro_convexvb.infer.engine import EngineOptions, options_table
+
+D = torch.float64
+BUILTIN = sorted(pcv.infer.registry.BUILTIN_ENGINES)
+
+#: small budgets for the stochastic engines (the contract does not need them converged)
+QUICK = {
+    "svi_autonormal": dict(max_steps=300, min_steps=100, window=50, lr=0.05),
+    "svi_automvn": dict(max_steps=300, min_steps=100, window=50, lr=0.05),
+    "svi_lowrank": dict(max_steps=300, min_steps=100, window=50, lr=0.05, rank=2),
+    "diag_mixture": dict(max_steps=300, min_steps=100, window=50, lr=0.05),
+    "nuts": dict(num_samples=150, warmup_steps=100),
+    "convex_relaxation": dict(max_outer=20),
+}
+
+
+def logistic_model(X, y=None):
+    w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=X.dtype), 1.0).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        return pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+
+@pytest.fixture(scope="module")
+def data():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(40, 3, generator=g, dtype=D)
+    y = (torch.rand(40, generator=g, dtype=D) < torch.sigmoid(X @ torch.tensor([1.0, -1.0, 0.5], dtype=D))).to(D)
+    return X, y
+
+
+def _fit(engine, X, y, **extra):
+    opts = dict(QUICK.get(engine, {}), **extra)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = pcv.fit(logistic_model, X, y=y, engine=engine, options=opts, progress=False)
+    return res, [w for w in caught if issubclass(w.category, pcv.ConvergenceWarning)]
+
+
+@pytest.fixture(scope="module")
+def results(data):
+    X, y = data
+    return {e: _fit(e, X, y) for e in BUILTIN}
+
+
+def test_every_engine_is_an_engine_with_typed_options():
+    for name in BUILTIN:
+        cls = pcv.get_engine(name)
+        assert issubclass(cls, pcv.Engine) and cls.name == name and cls.description
+        assert issubclass(cls.Options, EngineOptions) and cls.optimality_measure
+        table = options_table(cls)
+        assert "`on_fail`" in table and table.count("\n") >= 2
+
+
+@pytest.mark.parametrize("engine", BUILTIN)
+def test_result_fields_and_honest_convergence(engine, results, data):
+    res, conv = results[engine]
+    X, y = data
+    assert res.engine == engine and res.seconds > 0
+    assert res.posterior.loc.shape == (3,) and res.posterior.loc.dtype == D
+    assert bool(torch.isfinite(res.posterior.loc).all()) and bool((res.posterior.variance > 0).all())
+    assert res.stop_reason and isinstance(res.optimality, pcv.Optimality)
+    assert res.converged == res.optimality.converged
+    assert len(conv) == (0 if res.converged else 1)
+    if not res.converged:
+        # the warning carries the measure's value
+        assert str(res.optimality.criteria[0].value)[:3] in str(conv[0].message) or "inf" in str(conv[0].message)
+    assert len(res.history["seconds"]) >= 1
+    if engine == "nuts":
+        assert res.log_evidence_bound is None
+    else:
+        # every bound is a real lower bound: below the log evidence computed by quadrature-free means
+        lgm = pcv.lgm_from_pyro(logistic_model, X, y=y)
+        assert res.log_evidence_bound is not None and math.isfinite(res.log_evidence_bound)
+        assert res.log_evidence_bound <= _log_evidence(lgm) + 1e-6
+    assert res.posterior.layout is not None and res.posterior.layout.names == ["w"]
+
+
+def _log_evidence(lgm, n=200_000):
+    """log p(y) of the logistic model by importance sampling from the exact-variance VG posterior (a reference)."""
+    res = pcv.fit(lgm, engine="dual_vg", options={"gap_tol": 1e-12}, progress=False)
+    q = res.posterior
+    gen = torch.Generator().manual_seed(1)
+    u = q.loc + torch.randn(n, 3, generator=gen, dtype=D) @ q.scale_tril().T
+    logw = torch.stack([lgm.log_joint(ui) for ui in u[:2000]]) - q.log_prob(u[:2000])
+    return float(torch.logsumexp(logw, 0) - math.log(logw.shape[0]))
+
+
+@pytest.mark.parametrize("engine", BUILTIN)
+def test_option_validation_names_the_option(engine, data):
+    X, y = data
+    cls = pcv.get_engine(engine)
+    with pytest.raises(TypeError, match=rf"engine '{engine}': unknown option 'bogus_option'"):
+        pcv.fit(logistic_model, X, y=y, engine=engine, options={"bogus_option": 1}, progress=False)
+    with pytest.raises(TypeError, match="progress"):
+        cls(logistic_model, progress="no")
+    with pytest.raises(ValueError, match="on_fail"):
+        cls(logistic_model, on_fail="shout")
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls.Options)
+    ints = [f for f in dataclasses.fields(cls.Options)
+            if hints[f.name] in (int, typing.Optional[int]) and f.metadata.get("min") is not None]
+    assert ints, f"{engine} has an integer option with a range"
+    f = ints[0]
+    with pytest.raises(TypeError, match=f"option '{f.name}' expects int"):
+        cls(logistic_model, **{f.name: 2.5})
+    with pytest.raises(ValueError, match=f"option '{f.name}' must be >= {f.metadata['min']}"):
+        cls(logistic_model, **{f.name: f.metadata["min"] - 1})
+    with pytest.raises(TypeError, match="options"):
+        pcv.fit(logistic_model, X, y=y, engine=engine, options=[("a", 1)], progress=False)
+
+
+@pytest.mark.parametrize("engine", BUILTIN)
+def test_on_fail_raise(engine, data):
+    """An unconverged fit raises ConvergenceError with on_fail='raise' (budgets far too small to converge)."""
+    X, y = data
+    tiny = {"convex_relaxation": dict(max_outer=1, variance="lanczos", lanczos_rank=2),
+            "dual_vg": dict(max_iter=1), "laplace": dict(max_iter=1), "nuts": dict(num_samples=4, warmup_steps=2),
+            "diag_mixture": dict(max_steps=3, min_steps=0, window=1)}
+    opts = tiny.get(engine, dict(max_steps=3, min_steps=0, window=1))
+    with pytest.raises(pcv.ConvergenceError, match=f"engine '{engine}' did not converge"):
+        pcv.fit(logistic_model, X, y=y, engine=engine, options=dict(opts, on_fail="raise"), progress=False)
+
+
+@pytest.mark.parametrize("engine", BUILTIN)
+def test_progress_is_honoured(engine, data, capfd):
+    X, y = data
+    tiny = {"nuts": dict(num_samples=5, warmup_steps=5), "convex_relaxation": dict(max_outer=1)}
+    opts = dict(tiny.get(engine, dict(max_steps=5, min_steps=0, window=5)) if engine not in ("dual_vg", "laplace")
+                else {}, on_fail="warn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        capfd.readouterr()
+        pcv.fit(logistic_model, X, y=y, engine=engine, options=opts, progress=False)
+        assert capfd.readouterr().err == ""
+        pcv.fit(logistic_model, X, y=y, engine=engine, options=opts, progress=True)
+        assert capfd.readouterr().err.strip() != ""
+
+
+@pytest.mark.parametrize("engine", BUILTIN)
+def test_inputs_are_not_mutated(engine, data):
+    X, y = data
+    X0, y0 = X.clone(), y.clone()
+    _fit(engine, X, y)
+    assert torch.equal(X, X0) and torch.equal(y, y0)
+
+
+def test_lgm_engines_refuse_constrained_latents_naming_the_site():
+    def model(y=None):
+        s = pyro.sample("sigma", dist.HalfCauchy(torch.tensor(1.0, dtype=D)))
+        with pyro.plate("data", 5):
+            pyro.sample("y", dist.Normal(torch.zeros((), dtype=D), s), obs=y)
+
+    y = torch.randn(5, dtype=D)
+    for engine in ("convex_relaxation", "dual_vg"):
+        with pytest.raises(pcv.UnsupportedModelError, match="sigma"):
+            pcv.fit(model, y=y, engine=engine, progress=False)
+
+
+def test_nuts_posterior_lives_in_unconstrained_space():
+    """A HalfCauchy scale: the NUTS Gaussian is over log(sigma), so its guide's median is NUTS's median."""
+    def model(y=None):
+        s = pyro.sample("sigma", dist.HalfCauchy(torch.tensor(1.0, dtype=D)))
+        with pyro.plate("data", 8):
+            pyro.sample("y", dist.Normal(torch.zeros((), dtype=D), s), obs=y)
+
+    y = torch.tensor([0.9, -1.2, 0.3, 1.8, -0.7, 0.1, -1.5, 1.1], dtype=D)
+    res = pcv.fit(model, y=y, engine="nuts", options=dict(num_samples=1500, warmup_steps=500), progress=False)
+    sigma = res.info["samples"]["sigma"]
+    torch.testing.assert_close(res.posterior.loc, torch.log(sigma).mean().reshape(1))
+    guide = res.posterior.as_guide()
+    med = float(guide.median(y=y)["sigma"])
+    assert abs(med - float(sigma.median())) < 0.05 * float(sigma.median())
+    # the old summary (mean of the constrained samples, pushed through exp) is far off
+    assert abs(math.exp(float(sigma.mean())) - float(sigma.median())) > 0.5
+
+
+def test_laplace_uses_all_data_under_subsampled_plates(data):
+    X, y = data
+
+    def sub_model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0], subsample_size=8) as idx:
+            pyro.sample("y", dist.Bernoulli(logits=X[idx] @ w), obs=y[idx])
+
+    full = pcv.fit(logistic_model, X, y=y, engine="laplace", progress=False)
+    sub = pcv.fit(sub_model, X, y=y, engine="laplace", progress=False)
+    assert sub.converged
+    torch.testing.assert_close(sub.posterior.loc, full.posterior.loc, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(sub.posterior.covariance(), full.posterior.covariance(), rtol=1e-6, atol=1e-10)
+
+
+def test_svi_far_from_its_optimum_does_not_claim_convergence():
+    """GP classification: SVI stopped early is many nats from the VG optimum and must say so."""
+    from pyro_convexvb.gp.predict import gp_classification_model
+
+    g = torch.Generator().manual_seed(0)
+    Xg = torch.randn(60, 2, generator=g, dtype=D)
+    K = 4.0 * torch.exp(-0.5 * torch.cdist(Xg, Xg) ** 2) + 1e-6 * torch.eye(60, dtype=D)
+    yg = (Xg[:, 0] > 0).to(D)
+    opt = pcv.fit(gp_classification_model, K, y=yg, engine="dual_vg", progress=False)
+    for engine in ("svi_automvn", "svi_autonormal", "diag_mixture"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = pcv.fit(gp_classification_model, K, y=yg, engine=engine,
+                          options=dict(max_steps=400, min_steps=100, window=50, lr=0.05), progress=False)
+        gap = opt.log_evidence_bound - res.log_evidence_bound
+        assert gap > 1.0
+        assert not res.converged and res.optimality.criteria[0].value > res.optimality.criteria[0].tol
+        assert any(issubclass(w.category, pcv.ConvergenceWarning) for w in caught)
+
+
+def test_convex_relaxation_unconverged_warns(data):
+    X, y = data
+    with pytest.warns(pcv.ConvergenceWarning, match="relative change of gamma"):
+        res = pcv.fit(logistic_model, X, y=y, engine="convex_relaxation", options=dict(max_outer=1), progress=False)
+    assert not res.converged and res.stop_reason == "max_outer"
+    res = pcv.fit(logistic_model, X, y=y, engine="convex_relaxation", options=dict(max_outer=30), progress=False)
+    assert res.converged and res.stop_reason == "gamma and phi converged"
+
+
+def test_registry_imports_no_engine_module_in_a_cycle():
+    """Every engine module imports on its own in a fresh interpreter, and the registry names them lazily."""
+    code = ("import importlib, sys\n"
+            "mods = ['pyro_convexvb.infer.registry', 'pyro_convexvb.infer.baselines', "
+            "'pyro_convexvb.infer.diag_mixture', 'pyro_convexvb.infer.dual_vg.guide', "
+            "'pyro_convexvb.infer.convex_relaxation.engine']\n"
+            "import ast, inspect\n"
+            "import pyro_convexvb.infer.registry as r\n"
+            "src = ast.parse(inspect.getsource(r))\n"
+            "top = [n for n in src.body if isinstance(n, (ast.Import, ast.ImportFrom))]\n"
+            "names = [getattr(n, 'module', '') or '' for n in top]\n"
+            "assert all('baselines' not in m and 'diag_mixture' not in m and 'dual_vg' not in m for m in names), names\n")
+    for first in ("pyro_convexvb.infer.baselines", "pyro_convexvb.infer.diag_mixture",
+                  "pyro_convexvb.infer.dual_vg.guide", "pyro_convexvb.infer.convex_relaxation.engine"):
+        out = subprocess.run([sys.executable, "-c", f"import {first}\n" + code], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("engine", BUILTIN)
+def test_guide_continues_training_in_pyro(engine, results, data):
+    """``as_guide()`` puts the engine's answer into Pyro's param store; 50 SVI steps move it without losing ELBO."""
+    from pyro_convexvb.infer.diag_mixture import DiagMixturePosterior, mixture_evidence_bound
+
+    X, y = data
+    res, _ = results[engine]
+    lgm = pcv.lgm_from_pyro(logistic_model, X, y=y)
+
+    def exact_elbo(q):
+        if isinstance(q, DiagMixturePosterior):
+            return mixture_evidence_bound(lgm, q, "best")
+        return float(lgm.evidence_lower_bound(q.loc.detach(), q.covariance().detach()))
+
+    pyro.clear_param_store()
+    guide = res.posterior.as_guide()
+    store = pyro.get_param_store()
+    names = [k for k in store.keys()]
+    assert names, f"{engine}: the guide registered no parameters"
+    before = {k: store[k].detach().clone() for k in names}
+    q0 = guide.to_posterior()
+    torch.testing.assert_close(q0.loc.detach(), res.posterior.loc.detach(), rtol=1e-10, atol=1e-12)
+    elbo0 = exact_elbo(q0)
+    pyro.set_rng_seed(0)
+    svi = pyro.infer.SVI(logistic_model, guide, pyro.optim.Adam({"lr": 1e-3}), pyro.infer.Trace_ELBO(num_particles=8))
+    for _ in range(50):
+        svi.step(X, y=y)
+    assert any(not torch.equal(store[k].detach(), before[k]) for k in names), f"{engine}: parameters did not move"
+    elbo1 = exact_elbo(guide.to_posterior())
+    assert elbo1 >= elbo0 - 0.05, (engine, elbo0, elbo1)
