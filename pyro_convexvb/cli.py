@@ -185,6 +185,39 @@ def plot_demo(rows, path, dataset):
     plt.close(fig)
 
 
+ENGINES_PAGE_INTRO = """# Engines and their options
+
+Every engine is an `Engine` subclass with one typed options dataclass. Options are passed as
+`pcv.fit(model, *args, engine=name, options={...}, **model_kwargs)` or as keyword arguments of the
+engine class (`pcv.get_engine(name)(model, **options).run(*args, **kwargs)`). They are validated
+once, when the engine is built: an unknown name or a wrong type raises `TypeError`, a value out of
+range `ValueError`, each naming the option.
+
+`res.converged` is true only when the engine's optimality measure (below, per engine) is within its
+tolerance; `res.optimality` holds the measure's value and tolerance, `res.stop_reason` the rule that
+stopped the run. An unconverged fit warns once (`ConvergenceWarning`, with the measure's value), or
+raises `ConvergenceError` with `on_fail="raise"`.
+
+This page is generated from the engines' dataclasses by `python -m pyro_convexvb engines --markdown`.
+"""
+
+
+def engines_page():
+    """Markdown of every registered engine: description, optimality measure, options table."""
+    from .infer.engine import options_table
+    from .infer.registry import engines as list_engines
+    from .infer.registry import get_engine
+
+    parts = [ENGINES_PAGE_INTRO]
+    for name in list_engines():
+        cls = get_engine(name)
+        parts.append(f"## `{name}`\n\n{cls.description}.\n\n"
+                     f"Class `{cls.__module__}.{cls.__qualname__}`; runs on "
+                     f"{'the latent Gaussian model extracted from the Pyro model' if cls.takes == 'lgm' else 'the Pyro model itself'}.\n\n"
+                     f"**Converged when:** {cls.optimality_measure}.\n\n{options_table(cls)}\n")
+    return "\n".join(parts)
+
+
 def run_bench(quick=True, only=None):
     """Run every ``benchmarks/*.py`` script of a source checkout (``--quick`` by default)."""
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -208,12 +241,23 @@ def main(argv=None):
     d.add_argument("--engines", nargs="*", default=None, help="engine names (default: all registered)")
     d.add_argument("--out", default="demo_engines.png", help="PNG comparing the engines")
     d.add_argument("--no-progress", action="store_true")
+    e = sub.add_parser("engines", help="list the registered engines")
+    e.add_argument("--markdown", action="store_true", help="the docs page of engines and their options")
     b = sub.add_parser("bench", help="run the benchmark scripts (source checkout)")
     b.add_argument("--full", action="store_true", help="full sizes instead of --quick")
     b.add_argument("--only", default=None, help="substring of the script names to run")
     args = parser.parse_args(argv)
     if args.cmd == "demo":
         run_demo(args.dataset, args.engines, out=args.out, progress=not args.no_progress)
+        return 0
+    if args.cmd == "engines":
+        if args.markdown:
+            print(engines_page(), end="")
+        else:
+            from .infer.registry import engines as list_engines
+
+            for name, desc in list_engines().items():
+                print(f"{name:20s} {desc}")
         return 0
     return run_bench(quick=not args.full, only=args.only)
 

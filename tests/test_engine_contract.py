@@ -286,3 +286,40 @@ def test_guide_continues_training_in_pyro(engine, results, data):
     assert any(not torch.equal(store[k].detach(), before[k]) for k in names), f"{engine}: parameters did not move"
     elbo1 = exact_elbo(guide.to_posterior())
     assert elbo1 >= elbo0 - 0.05, (engine, elbo0, elbo1)
+
+
+def test_convex_relaxation_lanczos_variances_on_a_gp_are_not_biased_to_zero():
+    """GP classification through the engine: the default picks exact variances at this size, and an explicit
+    variance='lanczos' runs the whitened covariance-form estimator, close to the exact fit (not ~0)."""
+    from pyro_convexvb.gp.predict import gp_classification_model
+
+    g = torch.Generator().manual_seed(1)
+    Xg = torch.randn(150, 2, generator=g, dtype=D)
+    K = 2.0 * torch.exp(-0.5 * torch.cdist(Xg, Xg) ** 2) + 1e-6 * torch.eye(150, dtype=D)
+    yg = (torch.rand(150, generator=g, dtype=D) < torch.sigmoid(2 * Xg[:, 0])).to(D)
+    opts = dict(max_outer=30)
+    auto = pcv.fit(gp_classification_model, K, y=yg, engine="convex_relaxation", options=opts, progress=False)
+    assert auto.info["variance_method"] == "exact" and auto.converged
+    lz = pcv.fit(gp_classification_model, K, y=yg, engine="convex_relaxation",
+                 options=dict(opts, variance="lanczos", lanczos_rank=60), progress=False)
+    assert lz.info["variance_estimator"] == "whitened" and lz.info["variances_are_lower_bounds"] is False
+    ve, vl = auto.posterior.variance, lz.posterior.variance
+    assert float(ve.median()) > 0.1
+    assert float(((vl - ve).abs() / ve).median()) < 1e-3
+    assert lz.log_evidence_bound == pytest.approx(auto.log_evidence_bound, abs=1e-3)
+    kl = pcv.fit(gp_classification_model, K, y=yg, engine="convex_relaxation",
+                 options=dict(opts, variance="lanczos", lanczos_rank=60, lanczos_estimator="k-lanczos"),
+                 progress=False)
+    assert kl.info["variances_are_lower_bounds"] is True
+    assert float((kl.posterior.variance / ve).median()) < 0.5
+
+
+def test_docs_engine_page_is_generated_from_the_dataclasses():
+    """docs/engines.md lists each engine's options from its dataclass (regenerate with
+    ``python -m pyro_convexvb engines --markdown > docs/engines.md``)."""
+    import pathlib
+
+    from pyro_convexvb.cli import engines_page
+
+    page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "engines.md"
+    assert page.read_text() == engines_page()

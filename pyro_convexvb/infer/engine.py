@@ -217,8 +217,9 @@ def options_table(engine_cls):
                 rng.append(f"{sym} {f.metadata[key]}")
         if rng:
             doc = f"{doc} ({', '.join(rng)})"
-        typ = _type_name(hints.get(f.name, Any)).replace("|", "\\|")
-        lines.append(f"| `{f.name}` | {typ} | `{f.default!r}` | {doc} |")
+        typ = _type_name(hints.get(f.name, Any))
+        cells = [f"`{f.name}`", typ, f"`{f.default!r}`", doc]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
 
 
