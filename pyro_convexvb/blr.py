@@ -12,6 +12,7 @@ Notation note: the report writes ``C = [lambda I + Phi^T Phi / sigma^2]^{-1}`` (
 (13) and marginal likelihood (14) use ``lambda`` as the prior *variance*; we use the variance
 throughout, i.e. ``C = [I / lambda + Phi^T Phi / sigma^2]^{-1}``.
 """
+import copy
 import math
 import warnings
 
@@ -125,7 +126,8 @@ class BayesianLinearRegression:
 
     :param basis: ``None`` (linear in ``X``), a callable ``X (N, d) -> Phi (N, D)``, or a
         :class:`torch.nn.Module` such as :class:`~pyro_convexvb.gp.RandomFourierFeatures` whose
-        parameters are learned when ``learn_basis`` (the module is fitted in place).
+        parameters are learned when ``learn_basis`` (on a copy, ``basis_``; the module passed in is
+        never modified).
     :param float noise_var: initial ``sigma^2``.
     :param float prior_var: initial ``lambda``.
     :param bool learn_noise: optimise ``sigma^2``.
@@ -163,11 +165,13 @@ class BayesianLinearRegression:
         self.tol = tol
 
     def _design(self, X):
-        return design_matrix(self.basis, X, self.fit_intercept)
+        return design_matrix(self.basis_, X, self.fit_intercept)
 
     def fit(self, X, y):
         """Maximise Eq. (14) over the hyperparameters, then compute the exact posterior. Returns ``self``."""
         X, y = check_Xy(X, y)
+        # the basis passed in is never trained: fit works on a copy (basis_)
+        self.basis_ = copy.deepcopy(self.basis) if isinstance(self.basis, torch.nn.Module) else self.basis
         for name in ("noise_var", "prior_var"):
             v = getattr(self, name)
             if not (float(v) > 0 and math.isfinite(float(v))):
@@ -178,9 +182,9 @@ class BayesianLinearRegression:
                                requires_grad=self.learn_prior_var)
         params = [p for p in (log_s2, log_lam) if p.requires_grad]
         basis_params = []
-        if self.learn_basis and isinstance(self.basis, torch.nn.Module):
-            self.basis(X[:1])  # build lazily created buffers before collecting parameters
-            basis_params = [p for p in self.basis.parameters() if p.requires_grad]
+        if self.learn_basis and isinstance(self.basis_, torch.nn.Module):
+            self.basis_(X[:1])  # build lazily created buffers before collecting parameters
+            basis_params = [p for p in self.basis_.parameters() if p.requires_grad]
         params += basis_params
         fixed_design = None if basis_params else self._design(X).detach()
         history = []

@@ -6,6 +6,7 @@ trained by SVI on :class:`~pyro_convexvb.infer.diag_mixture.DiagMixtureELBO` wit
 (Eqs. 5-6, 21-27), learning ``lambda``, the Gaussian noise and the basis hyperparameters along
 with ``q(w) = (1/K) sum_k N(m_k, diag psi_k)``.  Predictions follow Eqs. (29)-(31).
 """
+import copy
 import math
 
 import pyro
@@ -33,7 +34,8 @@ class GLM:
     :param str likelihood: ``"bernoulli"`` (logit link), ``"gaussian"`` (identity), ``"poisson"``
         (log link) or ``"binomial"`` (logit link, ``n_trials`` per row).
     :param basis: ``None`` (linear), a callable ``X -> Phi`` or a :class:`torch.nn.Module` such as
-        :class:`~pyro_convexvb.gp.RandomFourierFeatures` (parameters learned when ``learn_basis``).
+        :class:`~pyro_convexvb.gp.RandomFourierFeatures` (parameters learned when ``learn_basis``, on a copy ``basis_``; the module passed in is never
+        modified).
     :param int num_components: ``K`` mixture components of ``q(w)``.
     :param int batch_size: mini-batch size ``M`` (``None``: full batch).
     :param float prior_var: initial ``lambda`` (learned when ``learn_prior_var``).
@@ -88,8 +90,8 @@ class GLM:
 
     # ------------------------------------------------------------------ the Pyro model
     def _learn_basis(self):
-        return self.learn_basis and isinstance(self.basis, torch.nn.Module) and any(
-            p.requires_grad for p in self.basis.parameters())
+        return self.learn_basis and isinstance(self.basis_, torch.nn.Module) and any(
+            p.requires_grad for p in self.basis_.parameters())
 
     def _trials(self, n_trials, N, like):
         n = self.n_trials if n_trials is None else n_trials
@@ -113,12 +115,12 @@ class GLM:
             else:
                 s2 = torch.tensor(float(self.noise_var), dtype=dt, device=dev)
         if self._learn_basis():
-            pyro.module("basis", self.basis)
+            pyro.module("basis", self.basis_)
         D = self.n_weights_
         w = pyro.sample("w", dist.Normal(torch.zeros(D, dtype=dt, device=dev), lam.sqrt()).to_event(1))
         wl = w if w.dim() == 1 else (w.reshape(w.shape[:-2] + w.shape[-1:]) if w.shape[-2] == 1 else w)
         with pyro.plate("data", N, subsample_size=self.batch_size) as idx:
-            P = Phi[idx] if Phi is not None else design_matrix(self.basis, X[idx], self.fit_intercept)
+            P = Phi[idx] if Phi is not None else design_matrix(self.basis_, X[idx], self.fit_intercept)
             f = linear(P, wl)
             obs = None if y is None else y[idx]
             if self.likelihood == "bernoulli":
@@ -160,9 +162,11 @@ class GLM:
         batch = None if self.batch_size is None or self.batch_size >= N else self.batch_size
         trials = self._trials(n_trials, N, X) if self.likelihood == "binomial" else None
         self._check_y(y, trials)
+        # the basis passed in is never trained: fit works on a copy (basis_)
+        self.basis_ = copy.deepcopy(self.basis) if isinstance(self.basis, torch.nn.Module) else self.basis
         with torch.no_grad():
-            self.n_weights_ = design_matrix(self.basis, X[:2], self.fit_intercept).shape[1]
-        Phi = None if self._learn_basis() else design_matrix(self.basis, X, self.fit_intercept).detach()
+            self.n_weights_ = design_matrix(self.basis_, X[:2], self.fit_intercept).shape[1]
+        Phi = None if self._learn_basis() else design_matrix(self.basis_, X, self.fit_intercept).detach()
         saved_batch = self.batch_size
         self.batch_size = batch
 
@@ -205,7 +209,7 @@ class GLM:
         if X.shape[1] != self.n_features_in_:
             raise ValueError(f"X has {X.shape[1]} columns, the model was fitted on {self.n_features_in_}")
         with torch.no_grad():
-            Phi = design_matrix(self.basis, X.to(self.posterior_.dtype), self.fit_intercept)
+            Phi = design_matrix(self.basis_, X.to(self.posterior_.dtype), self.fit_intercept)
             return self.posterior_.component_marginals(Phi)
 
     def predict(self, X, n_trials=None):

@@ -105,7 +105,9 @@ def test_basis_hyperparameters_match_scipy():
     k.lengthscale = 1.0
     blr = BayesianLinearRegression(basis=rff, noise_var=0.1).fit(X, y)
     assert abs(blr.log_marginal_likelihood_ + res.fun) < 1e-6
-    np.testing.assert_allclose([blr.noise_var_, blr.prior_var_, float(k.lengthscale)], np.exp(res.x), rtol=1e-3)
+    ell = float(blr.basis_.kernel.lengthscale.detach())
+    np.testing.assert_allclose([blr.noise_var_, blr.prior_var_, ell], np.exp(res.x), rtol=1e-3)
+    assert float(k.lengthscale.detach()) == 1.0 and blr.basis_ is not rff  # the basis passed in is not trained
 
 
 def test_predict_closed_form_and_sklearn_contract():

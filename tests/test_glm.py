@@ -25,6 +25,7 @@ def _fitted(likelihood, noise_var=0.3, n_trials=1):
     glm.posterior_ = DiagMixturePosterior(torch.tensor([[0.5, -1.0, 0.2], [1.0, 0.3, -0.4]], dtype=DT),
                                           torch.tensor([[0.2, 0.1, 0.3], [0.05, 0.4, 0.1]], dtype=DT))
     glm.n_features_in_ = 2
+    glm.basis_ = None
     glm.noise_var_ = noise_var
     return glm
 

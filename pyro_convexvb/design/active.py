@@ -26,6 +26,7 @@ inclusions between two refits):
    one inner loop and a **single Lanczos run**, plus one pass of its factors over the pool.
 """
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,7 @@ from ..infer.convex_relaxation import (
     predictive_marginals,
     site_designs,
 )
+from ..errors import ConvergenceWarning
 from ..lgm.extract import lgm_from_pyro
 from ..linalg import cg
 from .scores import classifier_uncertainty, information_gain, minimize_site_phi, rank_one_include
@@ -56,6 +58,8 @@ class ActiveHistory:
     :ivar test_error: test error at those points (empty without a test set).
     :ivar seconds: cumulative wall seconds at those points.
     :ivar dropped: number of candidates dropped between successive refits for ``rho <= 0``.
+    :ivar converged: ``converged`` of the initial fit and of each refit (refits run ``refit_outer``
+        outer iterations by design, so they usually report ``False``).
     :ivar result: the last :class:`~pyro_convexvb.InferenceResult`.
     """
 
@@ -65,6 +69,7 @@ class ActiveHistory:
     test_error: list = field(default_factory=list)
     seconds: list = field(default_factory=list)
     dropped: list = field(default_factory=list)
+    converged: list = field(default_factory=list)
     result: object = None
 
 
@@ -160,7 +165,12 @@ class ActiveLearner:
         eng = ConvexVariationalRelaxation(self.model, lanczos_rank=self.lanczos_rank, max_outer=max_outer,
                                           variance=self.variance, gamma_init=gamma_init, seed=self.seed,
                                           progress=False, **self.engine_options, **warm)
-        return eng.run(_take_rows(self.X_pool, idx), labels)
+        with warnings.catch_warnings():
+            # the outer-iteration budget of the fits is the algorithm's (Nickisch & Seeger 2009, §3): stopping
+            # at max_outer is expected and recorded in ActiveHistory.converged, not warned about
+            warnings.filterwarnings("ignore", category=ConvergenceWarning,
+                                    message=r"engine 'convex_relaxation' did not converge \(stopped by: max_outer\)")
+            return eng.run(_take_rows(self.X_pool, idx), labels)
 
     def _labels(self, idx):
         y = torch.as_tensor(self.oracle(torch.as_tensor(idx, dtype=torch.long)), dtype=self.X_pool.dtype)
@@ -217,6 +227,7 @@ class ActiveLearner:
         result = self._fit(idx, labels, None, self.init_outer)
 
         def record(res):
+            hist.converged.append(bool(res.converged))
             hist.num_included.append(len(idx))
             hist.seconds.append(time.perf_counter() - t0)
             if X_test is not None:

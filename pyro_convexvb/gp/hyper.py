@@ -19,8 +19,7 @@ import warnings
 import torch
 
 from ..errors import ConvergenceWarning
-from ..infer.dual_vg.objective import SiteSpaceBackend
-from ..infer.dual_vg.optim import solve_dual
+from ..infer.dual_vg import SiteSpaceBackend, solve_dual
 from ..infer.result import History
 
 __all__ = ["envelope_objective", "learn_hyperparameters"]

@@ -256,7 +256,8 @@ class DualVG(AutoMultivariateNormal):
         Poisson or Normal likelihoods with affine predictors).
     :param str bound: Bernoulli-logit local bound (``"tight"``, ``"jensen"``, ``"bohning"``, ``"jaakkola"``).
     :param str method: ``"newton"`` or ``"lbfgs"``.
-    :param options: further options of :func:`fit_dual_vg` (``form``, ``gap_tol``, ``max_iter``, ``xi``).
+    :param options: further options of the ``dual_vg`` engine (fields of :class:`DualVGOptions`: ``form``,
+        ``gap_tol``, ``max_iter``, ``xi``, ...), validated here.
 
     Example::
 
@@ -278,25 +279,23 @@ class DualVG(AutoMultivariateNormal):
         super().__init__(model, init_scale=init_scale)
         self.bound = bound
         self.method = method
+        # validated once, here: unknown or ill-typed options fail at construction, naming the option
+        self.engine_options = DualVGOptions.create(DualVGEngine.name, dict(options, bound=bound, method=method))
         self.options = options
         self.result = None
 
     def fit(self, *args, progress=False, warm_start=True, **kwargs):
         """Minimise the dual for the model's data ``(*args, **kwargs)``; returns the :class:`InferenceResult`."""
-        from ..registry import fit as pcv_fit
-
-        opts = dict(self.options, bound=self.bound, method=self.method)
-        if warm_start and self.result is not None and "alpha0" not in opts:
-            a = self.result.info["alpha"]
-            opts["alpha0"] = a
+        opts = self.engine_options.as_dict()
+        if warm_start and self.result is not None and opts["alpha0"] is None:
+            opts["alpha0"] = self.result.info["alpha"]
         try:
-            res = pcv_fit(self.model, *args, engine="dual_vg", options=opts, progress=progress, **kwargs)
-        except (ValueError, RuntimeError) as e:
-            if "alpha0" in opts and "alpha0" not in self.options:
-                opts.pop("alpha0")
-                res = pcv_fit(self.model, *args, engine="dual_vg", options=opts, progress=progress, **kwargs)
-            else:
+            res = DualVGEngine(self.model, progress=progress, **opts).run(*args, **kwargs)
+        except (ValueError, RuntimeError):
+            if opts["alpha0"] is None or self.engine_options.alpha0 is not None:
                 raise
+            opts["alpha0"] = None  # the warm start belongs to other data: start cold
+            res = DualVGEngine(self.model, progress=progress, **opts).run(*args, **kwargs)
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
         q = res.posterior
