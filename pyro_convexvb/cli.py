@@ -203,13 +203,12 @@ This page is generated from the engines' dataclasses by `python -m pyro_convexvb
 
 
 def engines_page():
-    """Markdown of every registered engine: description, optimality measure, options table."""
+    """Markdown of every built-in engine: description, optimality measure, options table."""
     from .infer.engine import options_table
-    from .infer.registry import engines as list_engines
-    from .infer.registry import get_engine
+    from .infer.registry import BUILTIN_ENGINES, get_engine
 
     parts = [ENGINES_PAGE_INTRO]
-    for name in list_engines():
+    for name in sorted(BUILTIN_ENGINES):
         cls = get_engine(name)
         parts.append(f"## `{name}`\n\n{cls.description}.\n\n"
                      f"Class `{cls.__module__}.{cls.__qualname__}`; runs on "
