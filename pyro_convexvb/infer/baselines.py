@@ -302,10 +302,20 @@ class LaplaceOptions(EngineOptions):
     seed: int = option(0, "random seed (initialisation)")
 
 
-class LaplaceEngine(Engine):
+class _FullDataEngine(Engine):
+    """Pyro engines that fit all the data at once: the model runs with every subsampled plate at full size."""
+
+    takes = "model"
+
+    def full_data_model(self, call):
+        """``call.model`` under :func:`~pyro_convexvb.lgm.extract.full_data_plates`, with the run's seed set."""
+        pyro.set_rng_seed(self.options.seed)
+        return _full_data(call.model)
+
+
+class LaplaceEngine(_FullDataEngine):
     name = "laplace"
     description = "Pyro AutoLaplaceApproximation: MAP by L-BFGS, Gaussian from the Hessian"
-    takes = "model"
     Options = LaplaceOptions
     optimality_measure = "max |gradient| of the log joint at the mode, relative to 1 + |log joint|, <= grad_tol"
 
@@ -313,8 +323,7 @@ class LaplaceEngine(Engine):
         from ..linalg.lbfgs import minimize_lbfgs
 
         o = self.options
-        pyro.set_rng_seed(o.seed)
-        model = _full_data(call.model)
+        model = self.full_data_model(call)
         guide = AutoLaplaceApproximation(model)
         forget_params(guide._pyro_name)
         elbo = Trace_ELBO()
@@ -361,10 +370,9 @@ class NUTSOptions(EngineOptions):
     seed: int = option(0, "random seed")
 
 
-class NUTSEngine(Engine):
+class NUTSEngine(_FullDataEngine):
     name = "nuts"
     description = "Pyro NUTS (MCMC); Gaussian summary of the samples in unconstrained space, no evidence bound"
-    takes = "model"
     Options = NUTSOptions
     optimality_measure = "largest split R-hat over all unconstrained latent coordinates <= max_rhat"
 
@@ -372,8 +380,7 @@ class NUTSEngine(Engine):
         from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 
         o = self.options
-        pyro.set_rng_seed(o.seed)
-        model = _full_data(call.model)
+        model = self.full_data_model(call)
         kernel = NUTS(model, target_accept_prob=o.target_accept_prob, max_tree_depth=o.max_tree_depth,
                       jit_compile=o.jit_compile, ignore_jit_warnings=True)
         mcmc = MCMC(kernel, num_samples=o.num_samples, warmup_steps=o.warmup_steps, disable_progbar=not run.progress)
