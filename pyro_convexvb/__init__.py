@@ -8,7 +8,7 @@ Write an ordinary Pyro model, then swap the inference engine with one word::
 from .errors import ConvergenceError, ConvergenceWarning, NonConvexWarning, NotPositiveDefiniteError, UnsupportedModelError
 from .infer.posterior import GaussianPosterior, GaussianPosteriorGuide
 from .infer.engine import Criterion, Engine, EngineOptions, Optimality, Solution, option
-from .infer.registry import engines, fit, get_engine, register_engine
+from .infer.registry import engines, engines_that_fit, fit, get_engine, register_engine
 from .infer.result import History, InferenceResult
 from .lgm.extract import lgm_from_pyro
 from .lgm.layout import LatentLayout

@@ -328,3 +328,32 @@ def test_docs_engine_page_is_generated_from_the_dataclasses():
 
     page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "engines.md"
     assert page.read_text() == engines_page()
+
+
+def test_refusals_list_the_engines_that_do_fit_and_those_fit():
+    def model(y=None):
+        s = pyro.sample("sigma", dist.HalfCauchy(torch.tensor(1.0, dtype=D)))
+        with pyro.plate("data", 6):
+            pyro.sample("y", dist.Normal(torch.zeros((), dtype=D), s), obs=y)
+
+    y = torch.tensor([0.5, -1.0, 0.2, 1.4, -0.3, 0.8], dtype=D)
+    fitting = pcv.engines_that_fit(model, y=y)
+    assert "dual_vg" not in fitting and "convex_relaxation" not in fitting and "nuts" in fitting
+    for engine in ("dual_vg", "convex_relaxation"):
+        with pytest.raises(pcv.UnsupportedModelError) as err:
+            pcv.fit(model, y=y, engine=engine, progress=False)
+        msg = str(err.value)
+        assert err.value.site == "sigma" and f"engine '{engine}' does not apply" in msg
+        assert msg.endswith("engines that fit this model: " + ", ".join(fitting))
+    for engine in fitting:  # each listed engine does fit it
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = pcv.fit(model, y=y, engine=engine, options=QUICK.get(engine, {}), progress=False)
+        assert bool(torch.isfinite(res.posterior.loc).all())
+
+    def discrete(y=None):
+        z = pyro.sample("z", dist.Bernoulli(torch.tensor(0.3, dtype=D)))
+        pyro.sample("y", dist.Normal(z, 1.0), obs=y)
+
+    with pytest.raises(pcv.UnsupportedModelError, match="site 'z'.*no registered engine fits this model"):
+        pcv.fit(discrete, y=torch.tensor(0.3, dtype=D), engine="nuts", progress=False)

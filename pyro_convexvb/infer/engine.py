@@ -381,8 +381,61 @@ class Engine:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the run
+    @classmethod
+    def model_applies(cls, model, args, kwargs):
+        """``(True, "")`` if an engine that runs on the Pyro model itself (``takes = "model"``) fits it.
+
+        The default accepts every model whose latent sites are continuous (the engines of this kind
+        work in Pyro's unconstrained coordinates).
+        """
+        from ..lgm.extract import latent_sites
+
+        for name, site in latent_sites(model, args, kwargs):
+            if getattr(site["fn"].support, "is_discrete", False):
+                return False, f"site '{name}': a discrete latent site (this engine needs continuous latents)"
+        return True, ""
+
+    @classmethod
+    def fits(cls, model, args=(), kwargs=None, lgm=None):
+        """``(ok, reason)``: whether this engine fits ``model`` with these arguments.
+
+        :param lgm: the model's :class:`~pyro_convexvb.LatentGaussianModel` if already extracted (or the
+            :class:`~pyro_convexvb.infer.engine.LatentGaussianModel` itself as ``model``).
+        """
+        from ..lgm.extract import lgm_from_pyro
+        from ..lgm.model import LatentGaussianModel
+
+        kwargs = kwargs or {}
+        if isinstance(model, LatentGaussianModel):
+            return cls.applies(model) if cls.takes == "lgm" else (False, "this engine runs on a Pyro model")
+        if cls.takes == "model":
+            return cls.model_applies(model, args, kwargs)
+        if lgm is None:
+            try:
+                lgm = lgm_from_pyro(model, *args, **kwargs)
+            except UnsupportedModelError as e:
+                return False, str(e)
+        return cls.applies(lgm)
+
+    def _refuse(self, reason, args, kwargs, lgm=None):
+        """An :class:`~pyro_convexvb.UnsupportedModelError` naming the site, the reason and the engines that fit."""
+        from .registry import engines_that_fit
+
+        site, why = "<model>", reason
+        if reason.startswith("site '") and reason.count("'") >= 2:
+            site = reason.split("'")[1]
+            why = reason.split("': ", 1)[1] if "': " in reason else reason
+        others = [n for n in engines_that_fit(self.model, *args, lgm=lgm, **kwargs) if n != self.name]
+        alt = (f"; engines that fit this model: {', '.join(others)}" if others
+               else "; no registered engine fits this model")
+        return UnsupportedModelError(site, f"engine '{self.name}' does not apply: {why}{alt}")
+
     def extract(self, *args, **kwargs):
-        """The latent Gaussian model this engine fits (checked by :meth:`applies`)."""
+        """The latent Gaussian model this engine fits (checked by :meth:`applies`).
+
+        :raises UnsupportedModelError: naming the site and the reason, and listing the registered engines
+            that do fit the model.
+        """
         from ..lgm.extract import lgm_from_pyro
         from ..lgm.model import LatentGaussianModel
 
@@ -391,11 +444,13 @@ class Engine:
                 raise TypeError(f"engine '{self.name}': a LatentGaussianModel takes no model arguments")
             lgm = self.model
         else:
-            lgm = lgm_from_pyro(self.model, *args, **kwargs)
+            try:
+                lgm = lgm_from_pyro(self.model, *args, **kwargs)
+            except UnsupportedModelError as e:
+                raise self._refuse(str(e), args, kwargs) from None
         ok, reason = self.applies(lgm)
         if not ok:
-            site = reason.split("'")[1] if reason.count("'") >= 2 else "<model>"
-            raise UnsupportedModelError(site, f"engine '{self.name}' does not apply: {reason}")
+            raise self._refuse(reason, args, kwargs, lgm=lgm)
         return lgm
 
     def run(self, *args, **kwargs):
@@ -409,6 +464,9 @@ class Engine:
         else:
             if isinstance(self.model, LatentGaussianModel):
                 raise TypeError(f"engine '{self.name}' runs on a Pyro model, not on a LatentGaussianModel")
+            ok, reason = self.model_applies(self.model, args, kwargs)
+            if not ok:
+                raise self._refuse(reason, args, kwargs)
             lgm, problem = None, ModelCall(self.model, args, kwargs)
         run = RunContext(self.name, self.progress)
         try:

@@ -10,7 +10,7 @@ import importlib
 
 from .engine import Engine
 
-__all__ = ["register_engine", "engines", "get_engine", "fit"]
+__all__ = ["register_engine", "engines", "get_engine", "engines_that_fit", "fit"]
 
 #: name -> "module:Class" of the built-in engines (imported lazily).
 BUILTIN_ENGINES = {
@@ -110,6 +110,43 @@ def get_engine(name):
         return _ENGINES[name]
     except KeyError:
         raise KeyError(f"unknown engine '{name}'; registered engines: {', '.join(sorted(_ENGINES))}") from None
+
+
+def engines_that_fit(model, *args, lgm=None, **kwargs):
+    """Names of the registered engines that fit ``model`` with these arguments (each engine's own check).
+
+    :param model: a Pyro model or a :class:`~pyro_convexvb.LatentGaussianModel`.
+    :param lgm: the model's latent Gaussian model if already extracted (saves a trace).
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> def model(y=None):
+        ...     s = pyro.sample("s", dist.HalfCauchy(torch.tensor(1.0, dtype=torch.float64)))
+        ...     pyro.sample("y", dist.Normal(torch.tensor(0.0, dtype=torch.float64), s), obs=y)
+        >>> pcv.engines_that_fit(model, y=torch.tensor(0.3, dtype=torch.float64))
+        ['diag_mixture', 'laplace', 'nuts', 'svi_automvn', 'svi_autonormal', 'svi_lowrank']
+    """
+    from ..lgm.extract import lgm_from_pyro
+    from ..lgm.model import LatentGaussianModel
+    from ..errors import UnsupportedModelError
+
+    names = list(engines())
+    if lgm is None and not isinstance(model, LatentGaussianModel) and any(_ENGINES[n].takes == "lgm" for n in names):
+        try:
+            lgm = lgm_from_pyro(model, *args, **kwargs)
+        except UnsupportedModelError:
+            lgm = False
+    out = []
+    for name in names:
+        cls = _ENGINES[name]
+        if cls.takes == "lgm" and lgm is False:
+            continue
+        ok, _ = cls.fits(model, args, kwargs, lgm=lgm or None)
+        if ok:
+            out.append(name)
+    return out
 
 
 def fit(model, *args, engine, options=None, progress=True, **kwargs):
