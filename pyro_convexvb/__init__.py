@@ -21,6 +21,7 @@ from .blr import BayesianLinearRegression
 from .glm import GLM
 from .online import OnlineADF, OnlineAdaGradLogistic, OnlineBayesLogistic, OnlineDimGauss, OnlineMarginalVB
 from . import datasets, design, gp, linalg
+from . import distributions
 from .design import ActiveLearner
 
 __version__ = "0.1.0"

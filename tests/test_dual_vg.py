@@ -382,8 +382,10 @@ def test_engine_registry_and_errors():
     assert "dual_vg" in pcv.engines()
     gen = torch.Generator().manual_seed(0)
     X = torch.randn(10, 2, dtype=D, generator=gen)
-    lgm = LatentGaussianModel.from_design(X, BernoulliProbit((X[:, 0] > 0).to(D)))
-    with pytest.raises(ValueError, match="bernoulli_probit"):
+    from pyro_convexvb.lgm.sites import Laplace
+
+    lgm = LatentGaussianModel.from_design(X, Laplace(torch.ones(10, dtype=D)))  # no convex local bound
+    with pytest.raises(ValueError, match="laplace"):
         pcv.fit(lgm, engine="dual_vg", progress=False)
     with pytest.raises(ValueError, match="bound"):
         make_bound(BernoulliLogit(torch.zeros(3, dtype=D)), "nope")

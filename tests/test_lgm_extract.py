@@ -287,3 +287,254 @@ def test_linear_lines_up_with_vectorised_particles():
     pyro.set_rng_seed(1)
     seq = Trace_ELBO(num_particles=400).loss(model, guide, X, y)
     assert abs(vec - seq) < 0.5  # both estimate the same ELBO (a P-fold likelihood would be ~4000x off)
+
+
+# ----------------------------------------------------------------------------------------- Pyro handlers and idioms
+def _trace_log_joint(model, values, *args, **kwargs):
+    tr = pyro.poutine.trace(pyro.poutine.condition(model, data=values)).get_trace(*args, **kwargs)
+    return float(tr.log_prob_sum())
+
+
+def _assert_log_joint_matches(lgm, model, *args, **kwargs):
+    for seed in range(3):
+        u = torch.randn(lgm.n, generator=torch.Generator().manual_seed(seed), dtype=D)
+        ref = _trace_log_joint(model, lgm.layout.unflatten(u), *args, **kwargs)
+        assert float(lgm.log_joint(u)) == pytest.approx(ref, abs=1e-9)
+
+
+def test_poutine_mask_drops_rows_and_the_bound_follows():
+    X, y = _data(q=20, n=3)
+    mask = torch.arange(20) % 4 != 1
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), 1.5).to_event(1))
+        with pyro.plate("data", X.shape[0]), pyro.poutine.mask(mask=mask):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+        with pyro.poutine.mask(mask=False):  # a whole site masked out
+            pyro.sample("z", dist.Normal(X @ w, 1.0).to_event(1), obs=torch.zeros(20, dtype=D))
+
+    lgm = pcv.lgm_from_pyro(model, X, y=y)
+    (g,) = lgm.sites
+    torch.testing.assert_close(g.design.to_dense(), X[mask], rtol=0, atol=1e-12)
+    torch.testing.assert_close(g.family.y, y[mask])
+    _assert_log_joint_matches(lgm, model, X, y=y)
+    reference = pcv.lgm_from_pyro(logistic, X[mask], y=y[mask])  # the kept rows only
+    m, C = torch.randn(3, dtype=D), torch.eye(3, dtype=D) * 0.3
+    assert float(lgm.evidence_lower_bound(m, C)) == pytest.approx(float(reference.evidence_lower_bound(m, C)), abs=1e-10)
+
+
+def test_masks_with_event_dims_nan_in_masked_rows_and_identity_designs():
+    X, _ = _data(q=6, n=2)
+    Y = torch.randn(6, 3, dtype=D)
+    keep = torch.tensor([True, False, True, True, False, True])
+
+    def model(X, Y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, 3, dtype=D), 1.0).to_event(2))
+        with pyro.plate("data", 6), pyro.poutine.mask(mask=keep):
+            pyro.sample("Y", dist.Normal(X @ w, 0.5).to_event(1), obs=Y)
+
+    lgm = pcv.lgm_from_pyro(model, X, Y)
+    assert lgm.sites[0].size == 12
+    _assert_log_joint_matches(lgm, model, X, Y)
+    Ynan = Y.clone()
+    Ynan[~keep] = float("nan")  # masked rows are not data: NaN is fine there
+    lgm_nan = pcv.lgm_from_pyro(model, X, Ynan)
+    u = torch.randn(lgm.n, dtype=D)
+    assert float(lgm_nan.log_joint(u)) == pytest.approx(float(lgm.log_joint(u)), abs=1e-12)
+
+    # a GP f observed through a mask: the identity design becomes a one-per-row selection (still sparse)
+    K = X @ X.T + torch.eye(6, dtype=D)
+    counts = torch.tensor([1.0, -1.0, 0.0, 3.0, 2.5, 2.0], dtype=D)  # invalid counts only in masked rows
+
+    def gp(K, y):
+        f = pyro.sample("f", dist.MultivariateNormal(torch.zeros(6, dtype=D), K))
+        with pyro.plate("data", 6):
+            pyro.sample("y", dist.Poisson(torch.exp(f + 0.3)).mask(keep), obs=y)
+
+    lgm = pcv.lgm_from_pyro(gp, K, counts)
+    (g,) = lgm.sites
+    assert isinstance(g.design, SparseOperator)
+    torch.testing.assert_close(g.design.to_dense(), torch.eye(6, dtype=D)[keep])
+    torch.testing.assert_close(g.offset, torch.full((4,), 0.3, dtype=D))
+    torch.testing.assert_close(g.family.params["y"], counts[keep])
+
+
+def test_poutine_scale_weights_gaussian_and_bernoulli_sites():
+    X, y = _data(q=12, n=2)
+    yr = X @ torch.tensor([0.4, -0.3], dtype=D) + 0.2 * torch.randn(12, dtype=D)
+    wts = torch.linspace(0.5, 3.0, 12, dtype=D)
+
+    def model(X, y, yr):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", 12), pyro.poutine.scale(scale=wts):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+            pyro.sample("yr", dist.Normal(X @ w + 0.1, 0.3), obs=yr)
+        with pyro.poutine.scale(scale=3.0):
+            pyro.sample("c", dist.Normal(torch.tensor(0.0, dtype=D), 1.0), obs=torch.tensor(0.4, dtype=D))
+
+    lgm = pcv.lgm_from_pyro(model, X, y, yr)
+    by_name = {g.name: g for g in lgm.sites}
+    assert by_name["y"].family.name == "weighted_bernoulli_logit"
+    torch.testing.assert_close(by_name["y"].weight, wts)
+    assert isinstance(by_name["y"].base_family, BernoulliLogit)
+    # Gaussian sites stay Gaussian, of variance s^2 / w (every engine fits them unchanged)
+    assert isinstance(by_name["yr"].family, Gaussian) and by_name["yr"].weight is None
+    torch.testing.assert_close(by_name["yr"].family.params["scale"], 0.3 / wts.sqrt())
+    _assert_log_joint_matches(lgm, model, X, y, yr)
+
+    # a Bernoulli likelihood of weight 2 is the data observed twice: same ELBO for every q
+    def scaled(X, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.5).to_event(1))
+        with pyro.plate("data", X.shape[0]), pyro.poutine.scale(scale=2.0):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    a = pcv.lgm_from_pyro(scaled, X, y)
+    b = pcv.lgm_from_pyro(logistic, torch.cat([X, X]), y=torch.cat([y, y]))
+    m, C = torch.tensor([0.3, -0.2], dtype=D), torch.tensor([[0.4, 0.1], [0.1, 0.3]], dtype=D)
+    assert float(a.evidence_lower_bound(m, C)) == pytest.approx(float(b.evidence_lower_bound(m, C)), abs=1e-10)
+    v = torch.tensor([0.4, 0.3], dtype=D)
+    assert float(a.expected_log_joint(m, variance=v)) == pytest.approx(float(b.expected_log_joint(m, variance=v)),
+                                                                       abs=1e-10)
+
+
+def test_deterministic_sites_are_records():
+    X, y = _data(q=10, n=2)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.5).to_event(1))
+        eta = pyro.deterministic("eta", X @ w)
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=eta), obs=y)
+
+    lgm = pcv.lgm_from_pyro(model, X, y=y)
+    assert [g.name for g in lgm.sites] == ["y"] and lgm.log_const == 0.0
+    _assert_log_joint_matches(lgm, model, X, y=y)
+
+
+def test_factors_constant_gaussian_and_refused():
+    X, _ = _data(q=10, n=2)
+    yr = torch.randn(10, dtype=D)
+
+    def model(X, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=D), 2.0))
+        pyro.factor("lik", dist.Normal(X @ w + b, 0.5).log_prob(y).sum())
+        with pyro.plate("data", 10):
+            pyro.factor("per_row", dist.Normal(X[:, 0] * w[0] - 0.3, 2.0).log_prob(y))
+        pyro.factor("const", torch.tensor(-0.75, dtype=D))
+
+    lgm = pcv.lgm_from_pyro(model, X, yr)
+    assert sorted(g.name for g in lgm.sites) == ["lik", "per_row"]
+    assert all(isinstance(g.family, Gaussian) for g in lgm.sites)
+    _assert_log_joint_matches(lgm, model, X, yr)
+
+    cases = {
+        "bernoulli": lambda w: dist.Bernoulli(logits=X @ w).log_prob((yr > 0).to(D)).sum(),
+        "convex": lambda w: (w**2).sum(),
+        "linear": lambda w: w.sum(),
+    }
+    for case, why in [("bernoulli", "not quadratic"), ("convex", "convex, not a concave"), ("linear", "linearly")]:
+        def bad(X):
+            w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+            pyro.factor("f", cases[case](w))
+
+        with pytest.raises(pcv.UnsupportedModelError, match=why) as info:
+            pcv.lgm_from_pyro(bad, X)
+        assert info.value.site == "f" and "pyro.factor" in str(info.value)
+
+
+def test_obs_mask_and_unread_gaussian_latents_are_imputed_blocks():
+    X, _ = _data(q=9, n=2)
+    Xt = torch.randn(4, 2, dtype=D)
+    yr = torch.randn(9, dtype=D)
+    obs = torch.arange(9) % 3 != 2
+
+    def model(X, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", 9):
+            y = pyro.sample("y", dist.Normal((w.unsqueeze(-2) * X).sum(-1) + 0.3, 0.5), obs=y, obs_mask=obs)
+        pyro.sample("y_new", dist.Normal(Xt @ w - 1.0, 0.2).to_event(1))  # a predictive draw inside the model
+        return y
+
+    lgm = pcv.lgm_from_pyro(model, X, yr)
+    assert lgm.layout.names == ["w"]
+    assert lgm.model_layout.names == ["w", "y_unobserved", "y_new"]
+    imp = {b.name: b for b in lgm.imputed}
+    torch.testing.assert_close(imp["y_unobserved"].design.to_dense(), X)
+    torch.testing.assert_close(imp["y_unobserved"].offset, torch.full((9,), 0.3, dtype=D))
+    torch.testing.assert_close(imp["y_unobserved"].scale, torch.full((9,), 0.5, dtype=D))
+    torch.testing.assert_close(imp["y_new"].design.to_dense(), Xt)
+    (g,) = lgm.sites
+    assert g.name == "y_observed" and g.size == int(obs.sum())
+
+    def observed_only(X, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Normal(X @ w + 0.3, 0.5), obs=y)
+
+    _assert_log_joint_matches(lgm, observed_only, X[obs], yr[obs])
+    # the completed posterior is the exact joint of q(w) and the predictive, packed in trace order
+    q = pcv.GaussianPosterior(torch.tensor([0.2, -0.4], dtype=D), covariance=torch.tensor([[0.3, 0.1], [0.1, 0.2]],
+                                                                                           dtype=D))
+    full = lgm.complete_posterior(q)
+    assert full.layout.names == ["w", "y_unobserved", "y_new"] and full.n == 2 + 9 + 4
+    G = torch.cat([X, Xt])
+    torch.testing.assert_close(full.loc, torch.cat([q.loc, X @ q.loc + 0.3, Xt @ q.loc - 1.0]))
+    C = full.covariance()
+    noise = torch.cat([torch.full((9,), 0.25, dtype=D), torch.full((4,), 0.04, dtype=D)])
+    torch.testing.assert_close(C[2:, 2:], G @ q.covariance() @ G.T + torch.diag(noise))
+    torch.testing.assert_close(C[2:, :2], G @ q.covariance())
+    back = lgm.latent_marginal(full)
+    torch.testing.assert_close(back.loc, q.loc)
+    torch.testing.assert_close(back.covariance(), q.covariance())
+
+    # a latent Normal that another site reads stays a hierarchical model
+    def read(X, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        z = pyro.sample("z", dist.Normal(X @ w, 0.5).to_event(1))
+        pyro.sample("y", dist.Normal(z, 0.1).to_event(1), obs=y)
+
+    with pytest.raises(pcv.UnsupportedModelError, match="depend on another latent") as info:
+        pcv.lgm_from_pyro(read, X, yr)
+    assert info.value.site == "z"
+
+
+def test_mixed_float_dtypes_cast_or_fail_clearly():
+    X, y = _data(q=10, n=2)
+    lgm32 = pcv.lgm_from_pyro(logistic, X, y=y.float())  # float32 labels, float64 parameters
+    lgm64 = pcv.lgm_from_pyro(logistic, X, y=y)
+    assert lgm32.dtype == D and lgm32.sites[0].family.y.dtype == D
+    u = torch.randn(2, dtype=D)
+    assert float(lgm32.log_joint(u)) == pytest.approx(float(lgm64.log_joint(u)), abs=1e-12)
+    def fixed64(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    with pytest.raises(pcv.UnsupportedModelError, match="different floating dtypes") as info:
+        pcv.lgm_from_pyro(fixed64, X.float(), y=y)  # the model itself cannot multiply float32 by float64
+    assert info.value.site == "<model>"
+
+
+def test_latent_layout_of_several_shapes_matches_the_unconstrained_layout():
+    from pyro_convexvb.lgm.extract import unconstrained_layout
+
+    X, _ = _data(q=8, n=3)
+    yr = torch.randn(8, dtype=D)
+
+    def model(X, y):
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        W = pyro.sample("W", dist.Normal(torch.zeros(3, 2, dtype=D), 1.0).to_event(2))
+        with pyro.plate("g", 2):
+            z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        with pyro.plate("data", 8):
+            pyro.sample("y", dist.Normal(b + (X @ W).sum(-1) + z.sum(), 1.0), obs=y)
+
+    lgm = pcv.lgm_from_pyro(model, X, yr)
+    ref = unconstrained_layout(model, (X, yr), {})
+    assert [(b.name, b.shape, b.start) for b in lgm.layout.blocks] == [(b.name, b.shape, b.start) for b in ref.blocks]
+    u = torch.arange(lgm.n, dtype=D)
+    vals = lgm.layout.unflatten(u)
+    torch.testing.assert_close(vals["W"], u[1:7].reshape(3, 2))
+    torch.testing.assert_close(lgm.layout.flatten(vals), u)
+    _assert_log_joint_matches(lgm, model, X, yr)

@@ -137,13 +137,20 @@ def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, see
             raise ValueError(f"the model has {n} unconstrained latent dimensions, the posterior {posterior.n}")
         objective = monte_carlo_objective(log_joint, n, check_particles, loc.dtype, loc.device, seed)
         name = f"natural-gradient decrement of a {check_particles}-draw Monte Carlo ELBO (nats)"
+    if lgm is not None and getattr(lgm, "imputed", None) and posterior.n == lgm.model_layout.size:
+        # latent sites integrated out of the LGM (obs_mask): the bound of the marginal over u
+        with torch.no_grad():
+            q = lgm.latent_marginal(posterior)
+            marginal_bound = float(lgm.evidence_lower_bound(q.loc.to(lgm.dtype), q.covariance().to(lgm.dtype)))
+    else:
+        marginal_bound = None
     if posterior.kind == "diagonal":
         dec, value = gaussian_decrement(objective, loc, variance=posterior.variance)
     elif posterior.kind == "low_rank_diagonal":
         dec, value = gaussian_decrement(objective, loc, cov_factor=posterior.cov_factor, cov_diag=posterior.cov_diag)
     else:
         dec, value = gaussian_decrement(objective, loc, covariance=posterior.covariance())
-    return (value if exact else None), Optimality.single(name, dec, tol)
+    return (value if exact else marginal_bound), Optimality.single(name, dec, tol)
 
 
 def svi_until_plateau(svi, optim, args, kwargs, *, max_steps, min_steps, window, rtol, lr_decay, bar, history,
@@ -339,9 +346,12 @@ class LaplaceEngine(_FullDataEngine):
         posterior = GaussianPosterior(q.loc.detach().clone(), covariance=q.covariance_matrix.detach().clone())
         lgm = try_lgm(call.model, call.args, call.kwargs)
         bound = None
-        if lgm is not None and lgm.n == posterior.n and posterior.n <= EXACT_BOUND_MAX:
+        q = posterior
+        if lgm is not None and getattr(lgm, "imputed", None) and posterior.n == lgm.model_layout.size:
+            q = lgm.latent_marginal(posterior)  # latent sites integrated out of the LGM (obs_mask)
+        if lgm is not None and lgm.n == q.n and q.n <= EXACT_BOUND_MAX:
             with torch.no_grad():
-                bound = float(lgm.evidence_lower_bound(posterior.loc.to(lgm.dtype), posterior.covariance().to(lgm.dtype)))
+                bound = float(lgm.evidence_lower_bound(q.loc.to(lgm.dtype), q.covariance().to(lgm.dtype)))
         reason = "gradient" if rel <= o.grad_tol else res.stop_reason
         opt = Optimality.single("max |gradient| of the log joint at the mode / (1 + |log joint|)", rel, o.grad_tol)
         return Solution(posterior, bound, opt, reason, {"map_grad_norm": res.grad_norm, "evaluations": res.evaluations},

@@ -71,6 +71,7 @@ __all__ = [
     "RunContext",
     "ModelCall",
     "options_table",
+    "LGMEngineOptions",
 ]
 
 
@@ -203,6 +204,22 @@ class EngineOptions:
 
     def as_dict(self):
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class LGMEngineOptions(EngineOptions):
+    """Options shared by the engines that fit latent Gaussian models with an evidence bound.
+
+    :ivar hyper: what to do with hyper-latents (non-Gaussian latent sites feeding the Gaussian part, see
+        :mod:`~pyro_convexvb.infer.hyper`): integrate over them (INLA-style), or keep only their mode.
+    :ivar hyper_strategy: design of the integration: a grid (dimension <= 2), a central composite design,
+        or ``"auto"`` (grid for dimension <= 2, as R-INLA does).
+    """
+
+    hyper: typing.Literal["auto", "integrate", "map"] = option(
+        "auto", "hyper-latents: integrate over them (INLA-style design points; 'auto') or keep their mode ('map')")
+    hyper_strategy: typing.Literal["auto", "grid", "ccd"] = option(
+        "auto", "design of the hyper-latent integration: grid (d <= 2 under 'auto'), central composite design")
 
 
 def options_table(engine_cls):
@@ -380,6 +397,22 @@ class Engine:
         :class:`ModelCall`; ``run`` a :class:`RunContext`. Returns a :class:`Solution`."""
         raise NotImplementedError
 
+    def warm_start_options(self, result):
+        """Options that warm-start this engine from an earlier ``result`` on a nearby model (override)."""
+        return {}
+
+    def precise_options(self):
+        """Options that make the evidence bound accurate enough for finite differences over hyper-latents."""
+        return {}
+
+    def inner_engine(self, model, warm=None):
+        """An engine of the same class and options for ``model`` (a conditioned model), warm-started from ``warm``."""
+        opts = self.options.as_dict()
+        opts.update(self.precise_options())
+        if warm is not None:
+            opts.update(self.warm_start_options(warm))
+        return type(self)(model, progress=False, **opts)
+
     # ------------------------------------------------------------------ the run
     @classmethod
     def model_applies(cls, model, args, kwargs):
@@ -459,7 +492,14 @@ class Engine:
 
         t0 = time.perf_counter()
         if self.takes == "lgm":
-            lgm = self.extract(*args, **kwargs)
+            try:
+                lgm = self.extract(*args, **kwargs)
+            except UnsupportedModelError:
+                # a model outside the class may be a latent Gaussian model given a few hyper-latents
+                hyper = self._hyper_sites(args, kwargs)
+                if not hyper:
+                    raise
+                return self._run_hyper(hyper, args, kwargs, t0)
             problem = lgm
         else:
             if isinstance(self.model, LatentGaussianModel):
@@ -475,10 +515,59 @@ class Engine:
             run.close()
         return self._result(sol, run, lgm if lgm is not None else sol.lgm, args, kwargs, t0)
 
+    def _hyper_sites(self, args, kwargs):
+        """The model's hyper-latents if this engine integrates over them, else ``[]``."""
+        from ..lgm.model import LatentGaussianModel
+
+        if isinstance(self.model, LatentGaussianModel) or not isinstance(self.options, LGMEngineOptions):
+            return []
+        from ..lgm.extract import latent_sites
+        from .hyper import find_hyper_sites
+
+        hyper = find_hyper_sites(self.model, args, kwargs)
+        if len(hyper) == len(latent_sites(self.model, args, kwargs)):
+            return []  # no latent Gaussian field would be left
+        return hyper
+
+    def _run_hyper(self, hyper, args, kwargs, t0):
+        """Integrate over (or maximise) the hyper-latents ``hyper``; each design point is one fit of this engine."""
+        from .hyper import integrate_hyper
+
+        o = self.options
+        strategy = "map" if o.hyper == "map" else o.hyper_strategy
+        run = RunContext(self.name, self.progress)
+        try:
+            post, mode_res, info = integrate_hyper(self, hyper, args, kwargs, strategy=strategy, run=run)
+        finally:
+            run.close()
+        inner = [mode_res] + list(info.get("results", []))
+        unconverged = sum(not r.converged for r in inner)
+        grad = info["mode_grad_norm"]
+        crit = (Criterion("hyper-mode gradient max |d log p(theta, y)/dz|", grad, info["mode_gtol"]),
+                Criterion("design-point fits not converged", float(unconverged), 0.0))
+        space = info["space"]
+        if o.hyper == "map":  # the field's posterior at the mode, theta fixed there
+            marg = None
+            reason = "hyper-latent mode"
+        else:
+            marg = post.theta_marginals()
+            reason = f"hyper-latents integrated ({info['strategy']}, {post.num_points} points)"
+        hyper_info = {"names": space.names, "mode": info["mode_theta"], "marginals": marg,
+                      "log_post_mode": info["log_post_mode"], "evaluations": info["evaluations"],
+                      "strategy": "map" if o.hyper == "map" else info["strategy"]}
+        posterior = post
+        sol = Solution(posterior, None, Optimality(crit), reason,
+                       {"hyper": hyper_info, "mode_result": mode_res, "hyper_details": info})
+        res = self._result(sol, run, mode_res.lgm, args, kwargs, t0)
+        res.hyper = hyper_info
+        return res
+
     def _result(self, sol, run, lgm, args, kwargs, t0):
         from ..lgm.model import LatentGaussianModel
 
         post = sol.posterior
+        if post is not None and lgm is not None and getattr(lgm, "imputed", None) and post.n == lgm.n:
+            post = lgm.complete_posterior(post)  # add the latent sites integrated out of u (e.g. obs_mask)
         if post is not None:
             if getattr(post, "layout", None) is None and lgm is not None and lgm.n == post.n:
                 post.layout = lgm.layout

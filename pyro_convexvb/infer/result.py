@@ -51,6 +51,7 @@ class InferenceResult:
     :ivar seconds: wall time of the fit.
     :ivar stop_reason: which rule stopped the engine (e.g. ``"duality gap"``, ``"max_steps"``, ``"plateau"``).
     :ivar optimality: the engine's :class:`~pyro_convexvb.infer.engine.Optimality` measure at the answer.
+    :ivar hyper: for models with hyper-latents, their names, mode and marginals (``None`` otherwise).
     """
 
     posterior: Any
@@ -63,6 +64,7 @@ class InferenceResult:
     seconds: float = 0.0
     stop_reason: str = ""
     optimality: Any = None
+    hyper: Any = None
 
     def __repr__(self):
         b = "None" if self.log_evidence_bound is None else f"{self.log_evidence_bound:.6g}"

@@ -6,22 +6,25 @@ import pyro
 import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
+from pyro.distributions.util import scale_and_mask
 from pyro.poutine.subsample_messenger import SubsampleMessenger
 
 from ..errors import UnsupportedModelError
 from ..linalg.operators import (
+    ComposedOperator,
     DenseOperator,
     DiagonalOperator,
     EmbedColumnsOperator,
     FunctionOperator,
     IdentityOperator,
     BlockDiagonalOperator,
+    SparseOperator,
     SumOperator,
 )
 from .layout import LatentLayout
-from .linear import record_linear
-from .model import LatentGaussianModel, PriorBlock, SiteGroup
-from .sites import BernoulliLogit, Gaussian, Laplace, Poisson
+from .linear import normal_cdf_argument, record_linear, record_normal_cdf
+from .model import ImputedBlock, LatentGaussianModel, PriorBlock, SiteGroup
+from .sites import BernoulliLogit, BernoulliProbit, Gaussian, Laplace, Poisson, tempered
 
 __all__ = ["lgm_from_pyro", "full_data_plates", "latent_sites", "unconstrained_layout", "DENSE_JACOBIAN_LIMIT"]
 
@@ -31,6 +34,9 @@ __all__ = ["lgm_from_pyro", "full_data_plates", "latent_sites", "unconstrained_l
 DENSE_JACOBIAN_LIMIT = 25_000_000
 
 _AFFINE_RTOL = 1e-7
+
+#: Largest latent dimension for which a ``pyro.factor`` that depends on the latents is probed (dense Hessian).
+_FACTOR_MAX_LATENTS = 2000
 
 
 def _unwrap(fn):
@@ -118,6 +124,19 @@ def _latent_prior(name, fn, shape, dtype, device):
     if mask is not None:
         raise UnsupportedModelError(name, "masked latent sites are not supported")
     size = int(math.prod(shape)) if shape else 1
+    from ..distributions import SparseGMRF
+
+    if isinstance(base, SparseGMRF):  # sparse precision kept sparse; log|Q| from its sparse Cholesky factor
+        if tuple(shape) != (base.n,):
+            raise UnsupportedModelError(name, f"a SparseGMRF latent site must have shape ({base.n},) (batch shape ()), "
+                                              f"got {tuple(shape)}")
+        prec = base.scaled_precision()
+        if prec.dtype != dtype or prec.device != device:
+            A = prec.matrix
+            prec = SparseOperator(torch.sparse_csr_tensor(A.crow_indices(), A.col_indices(), A.values().to(dtype),
+                                                          size=A.shape, check_invariants=False).to(device))
+        return PriorBlock(name, base.loc.detach().reshape(size).to(dtype=dtype, device=device), prec=prec,
+                          logdet_cov=-float(base.log_det_precision().detach())), None
     if isinstance(base, (dist.Normal, torch.distributions.Normal)):
         loc = base.loc.expand(shape).reshape(size).to(dtype)
         scale = base.scale.expand(shape).reshape(size).to(dtype)
@@ -157,7 +176,7 @@ def _latent_prior(name, fn, shape, dtype, device):
 def _check_obs(name, family, y):
     if not torch.isfinite(y).all():
         raise UnsupportedModelError(name, "observed data contain NaN or inf")
-    if family == "bernoulli" and not ((y == 0) | (y == 1)).all():
+    if family in ("bernoulli", "bernoulli_probit") and not ((y == 0) | (y == 1)).all():
         bad = y[(y != 0) & (y != 1)][:3].tolist()
         raise UnsupportedModelError(name, f"Bernoulli labels must be in {{0, 1}}, found {bad}")
     if family == "poisson":
@@ -167,17 +186,83 @@ def _check_obs(name, family, y):
             raise UnsupportedModelError(name, "Poisson counts must be integers")
 
 
-def _observed_site(name, site, dtype):
-    """(family-name, eta tensor, family constructor kwargs, extra log-const) for an observed site."""
+def _rows(t, full_shape, event_dim, name, what):
+    """A mask or scale that broadcasts over a site's batch shape, spread over its rows (batch + event, flattened)."""
+    t = torch.as_tensor(t)
+    if t.dim() > len(full_shape) - event_dim:
+        raise UnsupportedModelError(name, f"{what} of shape {tuple(t.shape)} does not broadcast to the site's batch "
+                                          f"shape {tuple(full_shape[:len(full_shape) - event_dim])}")
+    try:
+        return t.reshape(tuple(t.shape) + (1,) * event_dim).expand(full_shape).reshape(-1)
+    except RuntimeError:
+        raise UnsupportedModelError(name, f"{what} of shape {tuple(t.shape)} does not broadcast to the site's batch "
+                                          f"shape {tuple(full_shape[:len(full_shape) - event_dim])}") from None
+
+
+def _absmax(t):
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
+def _is_one(scale):
+    if torch.is_tensor(scale):
+        return bool((scale == 1).all())
+    return scale == 1
+
+
+def _keep_rows(name, site):
+    """Boolean ``(q,)`` rows that count in the log density: Pyro's ``poutine.mask`` (``site["mask"]``)
+    and every ``MaskedDistribution`` wrapper of the site's distribution; ``None`` when all rows count."""
     fn = site["fn"]
-    base, mask = _unwrap(fn)
+    full = tuple(fn.batch_shape) + tuple(fn.event_shape)
+    keep = None
+    if site.get("mask") is not None and site["mask"] is not True:
+        keep = _rows(site["mask"], full, fn.event_dim, name, "mask").to(torch.bool)
+    while True:
+        if isinstance(fn, (dist.Independent, torch.distributions.Independent, dist.ExpandedDistribution)):
+            fn = fn.base_dist
+        elif isinstance(fn, dist.MaskedDistribution):
+            m = _rows(fn._mask, full, fn.event_dim, name, "mask").to(torch.bool)
+            keep = m if keep is None else keep & m
+            fn = fn.base_dist
+        else:
+            return keep
+
+
+def _site_weight(name, site):
+    """``(q,)`` per-row weights from ``poutine.scale`` (``site["scale"]``), or ``None`` for weight one."""
+    scale = site.get("scale", 1.0)
+    if _is_one(scale):
+        return None
+    fn = site["fn"]
+    full = tuple(fn.batch_shape) + tuple(fn.event_shape)
+    w = _rows(torch.as_tensor(scale).detach(), full, fn.event_dim, name, "poutine.scale factor")
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+        raise UnsupportedModelError(name, "poutine.scale factors of a likelihood site must be nonnegative and finite "
+                                          "(a negative weight is not a likelihood)")
+    return w
+
+
+def _site_log_prob(site):
+    """The site's log density as Pyro's trace counts it (``poutine.scale`` and masks applied), summed."""
+    lp = site["fn"].log_prob(site["value"])
+    return scale_and_mask(lp, site.get("scale", 1.0), site.get("mask")).sum()
+
+
+def _observed_site(name, site, dtype):
+    """``(kind, base, eta, y, obs_shape)`` of an observed site; ``eta`` and ``y`` flattened over its rows."""
+    fn = site["fn"]
+    base, _ = _unwrap(fn)
     y = site["value"]
     if not torch.is_tensor(y):
         y = torch.as_tensor(y)
     batch = tuple(fn.batch_shape) + tuple(fn.event_shape)
     if isinstance(base, (dist.Bernoulli, torch.distributions.Bernoulli)):
-        eta = base.logits
-        kind = "bernoulli"
+        # probs = Normal(loc, scale).cdf(eta) (recorded while tracing): probit of (eta - loc) / scale
+        probit = normal_cdf_argument(base.probs) if "probs" in base.__dict__ else None
+        if probit is not None:
+            eta, kind = probit, "bernoulli_probit"
+        else:
+            eta, kind = base.logits, "bernoulli"
     elif isinstance(base, (dist.Poisson, torch.distributions.Poisson)):
         eta = torch.log(base.rate)
         kind = "poisson"
@@ -188,13 +273,9 @@ def _observed_site(name, site, dtype):
         raise UnsupportedModelError(
             name, f"unsupported likelihood {type(base).__name__}: use Bernoulli(logits=...), Poisson(rate=exp(...)) or Normal"
         )
-    eta = eta.expand(batch)
-    y = y.expand(batch).to(dtype)
-    keep = None
-    if mask is not None:
-        keep = torch.as_tensor(mask).expand(batch).reshape(-1)
-    _check_obs(name, kind, y)
-    return kind, base, eta.reshape(-1), y.reshape(-1), batch, keep
+    eta = eta.expand(batch).reshape(-1).to(dtype)
+    y = y.expand(batch).reshape(-1).to(dtype)
+    return kind, base, eta, y, batch
 
 
 class _AutogradJacobian:
@@ -229,8 +310,8 @@ class _AutogradJacobian:
         return FunctionOperator(self.jvp, self.vjp, (q, n), dtype=self.u.dtype, device=self.u.device)
 
 
-def _recorded_operator(name, records, eta, u, layout, block_values, probe):
-    """Operator from ``pcv.linear`` records that reproduces the Jacobian of eta, or None."""
+def _recorded_operator(name, records, eta, u, layout, block_values, probe, rows=None):
+    """Operator from ``pcv.linear`` records that reproduces the Jacobian of eta (on ``rows``), or None."""
     q = eta.shape[0]
     candidates = []
     for op, rec_u, out in records:
@@ -250,13 +331,134 @@ def _recorded_operator(name, records, eta, u, layout, block_values, probe):
         op = opts[0] if len(opts) == 1 else SumOperator(opts)
         ok = True
         for v, jv in probe:
-            ref = op.mv(v)
-            if not torch.allclose(ref, jv, rtol=1e-9, atol=1e-9 * (1 + float(jv.abs().max()))):
+            try:
+                ref = op.mv(v.to(op.dtype)).to(jv.dtype)
+            except RuntimeError:  # e.g. a float32 recorded design in a float64 model
+                ok = False
+                break
+            if rows is not None:
+                ref, jv = ref[rows], jv[rows]
+            if not torch.allclose(ref, jv, rtol=1e-9, atol=1e-9 * (1 + _absmax(jv))):
                 ok = False
                 break
         if ok:
             return op
     return None
+
+
+def _selection(idx, q, values=None, dtype=torch.float64, device=None):
+    """Sparse ``(len(idx), q)`` matrix with ``values`` (default ones) at ``(k, idx[k])``."""
+    k = int(idx.shape[0])
+    vals = torch.ones(k, dtype=dtype, device=device) if values is None else values
+    crow = torch.arange(k + 1, dtype=torch.int64, device=device)
+    return SparseOperator(torch.sparse_csr_tensor(crow, idx.to(torch.int64), vals, size=(k, q), check_invariants=True))
+
+
+def _select_rows(op, idx):
+    """The operator of the rows ``idx`` of ``op`` (sparse stays sparse; an identity becomes a one-per-row selection)."""
+    q = op.shape[0]
+    if isinstance(op, DenseOperator):
+        return DenseOperator(op.matrix[idx])
+    if isinstance(op, SparseOperator):
+        return op.rows(idx)
+    if isinstance(op, DiagonalOperator):
+        vals = None if isinstance(op, IdentityOperator) else op.diag[idx]
+        return _selection(idx, q, vals, dtype=op.dtype, device=op.device)
+    if isinstance(op, EmbedColumnsOperator):
+        return EmbedColumnsOperator(_select_rows(op.base, idx), op.start, op.total)
+    if isinstance(op, SumOperator):
+        return SumOperator([_select_rows(o, idx) for o in op.operators], op.coefficients)
+    return ComposedOperator(_selection(idx, q, dtype=op.dtype, device=op.device), op)
+
+
+def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype, rows=None):
+    """``(operator, offset)`` with ``eta(u) = operator @ u + offset`` on ``rows`` (all rows by default).
+
+    ``eta`` is the predictor at ``u0`` (with its autograd graph), ``eta1`` at ``u1``; raises if the
+    two points do not lie on one affine map.
+    """
+    n = u0.shape[0]
+    jac = _AutogradJacobian(eta, u0)
+    du = (u1 - u0).detach()
+    jdu = jac.jvp(du)
+    e0, e1, jd = eta.detach(), eta1, jdu
+    if rows is not None:
+        e0, e1, jd = e0[rows], e1[rows], jd[rows]
+    if not bool(torch.isfinite(e0).all()):
+        raise UnsupportedModelError(name, "the predictor is not finite (e.g. log of a zero Poisson rate or exposure)")
+    lin_err = _absmax((e1 - e0 - jd))
+    scale_ref = 1.0 + _absmax(e1) + _absmax(e0)
+    tol = _AFFINE_RTOL if dtype == torch.float64 else 1e-3
+    if not math.isfinite(lin_err) or lin_err > tol * scale_ref:
+        raise UnsupportedModelError(
+            name, f"the predictor is not an affine function of the latent variables (deviation {lin_err:.3g})")
+    v2 = torch.randn(n, generator=gen, dtype=dtype).to(u0.device)
+    probe = [(du, jdu), (v2, jac.jvp(v2))]
+    op = _recorded_operator(name, records, eta, u0, layout, vals, probe, rows=rows)
+    if op is None:
+        q = eta.shape[0]
+        op = DenseOperator(jac.dense()) if q * n <= DENSE_JACOBIAN_LIMIT else jac.operator()
+    offset = (eta.detach() - op.mv(u0.detach()).to(eta.dtype)).detach()
+    if rows is not None:
+        op, offset = _select_rows(op, rows), offset[rows]
+    return op, offset
+
+
+def _factor_group(name, F0, u0, F1, u1, dtype):
+    r"""Site group and constant of a ``pyro.factor`` that is a concave quadratic in ``u``.
+
+    ``F(u) = -u^T P u / 2 + b^T u + c`` with ``P = A^T A`` (``A`` of rank ``r``, from the eigenvectors of
+    ``P`` with positive eigenvalues) is ``log N(z | A u, I_r)`` plus a constant, ``z = A^{+T} b``:
+    a Gaussian site group. The quadratic form is checked at a second point (value and gradient).
+    """
+    n = u0.shape[0]
+    if n > _FACTOR_MAX_LATENTS:
+        raise UnsupportedModelError(name, f"a pyro.factor that depends on the latent variables is recognised for up to "
+                                          f"{_FACTOR_MAX_LATENTS} latent coordinates (the model has {n})")
+    try:
+        g0 = torch.autograd.grad(F0, u0, create_graph=True)[0]
+        rows = []
+        for i in range(n):
+            r = torch.autograd.grad(g0[i], u0, retain_graph=True, allow_unused=True)[0] if g0.requires_grad else None
+            rows.append(torch.zeros_like(u0) if r is None else r)
+        H = torch.stack(rows)
+        g1 = torch.autograd.grad(F1, u1)[0]
+    except RuntimeError as e:
+        raise UnsupportedModelError(name, f"the pyro.factor could not be differentiated twice ({e})") from None
+    H = torch.nan_to_num(H.detach(), nan=math.inf)
+    g0, F0v, F1v, g1 = g0.detach(), float(F0.detach()), float(F1.detach()), g1.detach()
+    ref = 1.0 + abs(F0v) + abs(F1v)
+    du = (u1 - u0).detach()
+    tol = _AFFINE_RTOL if dtype == torch.float64 else 1e-3
+    ok = bool(torch.isfinite(H).all()) and math.isfinite(F0v) and math.isfinite(F1v)
+    if ok:
+        pred_F = F0v + float(g0 @ du) + 0.5 * float(du @ H @ du)
+        pred_g = g0 + H @ du
+        ok = abs(pred_F - F1v) <= tol * ref and float((pred_g - g1).abs().max()) <= tol * (1 + float(g1.abs().max()))
+    not_gaussian = ("the pyro.factor depends on the latent variables but is not a Gaussian log density of an affine "
+                    "predictor; write the likelihood as pyro.sample(..., obs=...) with a supported distribution")
+    if not ok:
+        raise UnsupportedModelError(name, not_gaussian + " (it is not quadratic in the latents)")
+    P = -0.5 * (H + H.transpose(0, 1))
+    lam, Vec = torch.linalg.eigh(P)
+    top = float(lam.abs().max())
+    if float(lam.min()) < -1e-9 * max(top, 1.0):
+        raise UnsupportedModelError(name, not_gaussian + " (it is a convex, not a concave, quadratic)")
+    keep = lam > 1e-10 * max(top, 1.0)
+    lam_r, V_r = lam[keep], Vec[:, keep]
+    b = g0 + P @ u0.detach()
+    b_perp = b - V_r @ (V_r.transpose(0, 1) @ b)
+    if _absmax(b_perp) > 1e-8 * (1 + _absmax(b)):
+        raise UnsupportedModelError(name, not_gaussian + " (it grows linearly along a direction of the latents)")
+    A = lam_r.sqrt()[:, None] * V_r.transpose(0, 1)  # (r, n), A^T A = P
+    z = (V_r.transpose(0, 1) @ b) / lam_r.sqrt()
+    r = int(lam_r.shape[0])
+    u0d = u0.detach()
+    c = F0v - float(b @ u0d) + 0.5 * float(u0d @ P @ u0d)
+    const = c + 0.5 * float(z @ z) + 0.5 * r * math.log(2 * math.pi)
+    group = SiteGroup(name, Gaussian(z, torch.ones(r, dtype=dtype, device=u0.device)), DenseOperator(A),
+                      torch.zeros(r, dtype=dtype, device=u0.device), (r,))
+    return group, const
 
 
 def lgm_from_pyro(model, *args, dtype=None, **kwargs):
@@ -265,8 +467,28 @@ def lgm_from_pyro(model, *args, dtype=None, **kwargs):
     Recognised: latent sites (any shape, flattened and concatenated in model order) with Normal,
     MultivariateNormal or Laplace priors whose parameters do not depend on other latents (a Laplace
     prior becomes Laplace sites on the block, Nickisch & Seeger 2009 §2); observed sites Bernoulli(logits=... or
-    probs=...), Poisson(rate=exp(...)) and Normal(loc=..., scale fixed) whose predictor is an affine
-    function of the latents; plates, including subsampled ones (traced on the full data); masks.
+    probs=...; ``probs=Normal(loc, scale).cdf(eta)`` with fixed ``loc``, ``scale`` is a probit site of
+    the predictor ``(eta - loc) / scale``), Poisson(rate=exp(...)) and Normal(loc=..., scale fixed) whose
+    predictor is an affine function of the latents; plates, including subsampled ones (traced on the full data, so no
+    mini-batch scaling applies).
+
+    Pyro's handlers and idioms:
+
+    * masks (``poutine.mask``, ``dist.mask(...)``, the observed part of ``obs_mask``): masked rows
+      are absent from the likelihood;
+    * ``poutine.scale(scale=w)`` on a likelihood site: tempered sites ``t(eta)^w``, Gaussian ones as
+      Gaussians of variance ``s^2 / w`` (exact), the others in a
+      :class:`~pyro_convexvb.lgm.sites.Weighted` family; rows of weight zero are dropped;
+    * ``pyro.deterministic``: a record, not part of the density;
+    * ``pyro.factor``: a factor that does not depend on the latents joins ``log_const``; one that is
+      a concave quadratic in them (a Gaussian log density of an affine predictor, e.g.
+      ``dist.Normal(X @ w, s).log_prob(y)``) becomes a Gaussian site group; anything else is refused;
+    * ``obs_mask`` on a Normal likelihood (and any latent ``Normal(eta, s)``, ``eta`` affine, that no
+      other site reads): an :class:`~pyro_convexvb.lgm.model.ImputedBlock`, integrated out of ``u``;
+      :meth:`~pyro_convexvb.LatentGaussianModel.complete_posterior` gives its posterior (the
+      predictive) jointly with ``u``. Its entries that the model masks out have no density in the
+      model and are given the same conditional; the bound is the bound on the evidence of the
+      observed data.
 
     The affine map is taken from :func:`pyro_convexvb.linear` calls when the model uses them
     (sparse designs stay sparse), otherwise probed with autograd: materialised as a dense Jacobian
@@ -275,15 +497,18 @@ def lgm_from_pyro(model, *args, dtype=None, **kwargs):
 
     :param model: a Pyro model callable.
     :param args: positional arguments of the model (data).
-    :param dtype: floating dtype of the LGM (default: that of the observed data, else float64).
+    :param dtype: floating dtype of the LGM (default: the widest floating dtype of the observed data
+        and the latent sites, e.g. float64 when the data are float32 and the parameters float64).
+        The model itself always runs in its own dtypes.
     :param kwargs: keyword arguments of the model (e.g. ``y=...`` observations).
-    :raises UnsupportedModelError: naming the site and the reason, for models outside the class.
+    :raises UnsupportedModelError: naming the site and the reason, for models outside the class, and
+        (site ``'<model>'``) for a model that fails on mixed float32/float64 tensors.
 
     Example::
 
         >>> import pyro, pyro.distributions as dist, torch
         >>> def model(X, y=None):
-        ...     w = pyro.sample("w", dist.Normal(0., 1.).expand([X.shape[1]]).to_event(1))
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=X.dtype), 1.).to_event(1))
         ...     with pyro.plate("data", X.shape[0]):
         ...         pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
         >>> X = torch.randn(10, 2, dtype=torch.float64); y = torch.ones(10, dtype=torch.float64)
@@ -291,62 +516,169 @@ def lgm_from_pyro(model, *args, dtype=None, **kwargs):
         >>> torch.allclose(lgm.sites[0].design.to_dense(), X)
         True
     """
-    with full_data_plates():
+    with full_data_plates(), record_normal_cdf():
         return _extract(model, args, kwargs, dtype)
 
 
-def _extract(model, args, kwargs, dtype):
-    with torch.no_grad():
-        tr0 = poutine.trace(model).get_trace(*args, **kwargs)
+_DTYPE_WORDS = ("dtype", "scalar type", "Double", "Float", "Half")
 
-    latent, observed = [], []
+
+def _first_trace(model, args, kwargs):
+    handler = poutine.trace(model)
+    try:
+        with torch.no_grad():
+            return handler.get_trace(*args, **kwargs)
+    except RuntimeError as e:
+        msg = str(e).split("\n")[0]
+        if not any(w in msg for w in _DTYPE_WORDS):
+            raise
+        seen = [n for n, s in handler.msngr.trace.nodes.items() if s["type"] == "sample" and not _is_subsample(s)]
+        where = f" after site '{seen[-1]}'" if seen else ""
+        given = sorted({str(t.dtype).replace("torch.", "") for t in list(args) + list(kwargs.values())
+                        if torch.is_tensor(t) and t.is_floating_point()})
+        raise UnsupportedModelError(
+            "<model>", f"the model fails{where} on tensors of different floating dtypes ({msg}); the data are "
+                       f"{', '.join(given) or 'not tensors'}: give the data and the model's parameters one dtype, "
+                       "e.g. torch.as_tensor(X, dtype=torch.float64)") from None
+
+
+def _site_tensors(site):
+    """The tensors a site's density reads: every tensor attribute of its distribution and of its wrappers,
+    and its observed value."""
+    out = [site["value"]] if site["is_observed"] and torch.is_tensor(site["value"]) else []
+    fn = site["fn"]
+    while fn is not None:
+        out.extend(v for v in vars(fn).values() if torch.is_tensor(v))
+        fn = getattr(fn, "base_dist", None)
+    return out
+
+
+def _reads(t, u, sl):
+    """Whether tensor ``t`` depends on ``u[sl]`` (a random projection of its Jacobian; NaN counts as dependence)."""
+    if not torch.is_tensor(t) or not t.requires_grad:
+        return False
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.rand(t.shape, generator=gen, dtype=t.dtype) + 0.5).to(t.device)
+    g = torch.autograd.grad(t, u, w, retain_graph=True, allow_unused=True)[0]
+    return g is not None and bool(((g[sl] != 0) | torch.isnan(g[sl])).any())
+
+
+def _is_deterministic(site):
+    return bool((site.get("infer") or {}).get("_deterministic"))
+
+
+def _is_factor(site):
+    return isinstance(_unwrap(site["fn"])[0], dist.Unit)
+
+
+def _extract(model, args, kwargs, dtype):
+    tr0 = _first_trace(model, args, kwargs)
+
+    latent, observed, factors = [], [], []
     for name, site in tr0.nodes.items():
-        if site["type"] != "sample" or _is_subsample(site):
+        if site["type"] != "sample" or _is_subsample(site) or _is_deterministic(site):
             continue
-        if site["is_observed"]:
+        if _is_factor(site):
+            factors.append(name)
+        elif site["is_observed"]:
             observed.append(name)
         else:
             if site["fn"].support.is_discrete if hasattr(site["fn"], "support") else False:
+                base = name[:-len("_unobserved")] if name.endswith("_unobserved") else None
+                if base is not None and f"{base}_observed" in tr0.nodes:
+                    raise UnsupportedModelError(
+                        name, f"the missing entries of the partially observed discrete site '{base}' (obs_mask) are "
+                              "discrete latent variables, outside the latent Gaussian model class; leave them out of "
+                              "the likelihood with poutine.mask or dist.mask(...) instead")
                 raise UnsupportedModelError(name, "discrete latent variables are outside the latent Gaussian model class")
             latent.append(name)
     if not latent:
         raise UnsupportedModelError("<model>", "the model has no latent sample site")
+    for name in latent:  # constrained priors cannot be field priors: refuse before running at random points
+        support = tr0.nodes[name]["fn"].support
+        while isinstance(support, torch.distributions.constraints.independent):
+            support = support.base_constraint
+        if support is not torch.distributions.constraints.real:
+            base, _ = _unwrap(tr0.nodes[name]["fn"])
+            raise UnsupportedModelError(
+                name, f"unsupported prior {type(base).__name__} (support {support}): a latent site needs a Normal, "
+                      "MultivariateNormal, Laplace or SparseGMRF prior")
+    site_dtype = {n: tr0.nodes[n]["value"].dtype for n in latent}
     if dtype is None:
-        dtype = torch.float64
-        for name in observed:
-            v = tr0.nodes[name]["value"]
-            if torch.is_tensor(v) and v.is_floating_point():
-                dtype = v.dtype
-                break
+        floats = [site_dtype[n] for n in latent if site_dtype[n].is_floating_point]
+        obs_floats = [tr0.nodes[n]["value"].dtype for n in observed
+                      if torch.is_tensor(tr0.nodes[n]["value"]) and tr0.nodes[n]["value"].is_floating_point()]
+        dtype = obs_floats[0] if obs_floats else torch.float64
+        for d in floats:
+            dtype = torch.promote_types(dtype, d)
     device = tr0.nodes[latent[0]]["value"].device
 
     shapes = [tuple(tr0.nodes[n]["value"].shape) for n in latent]
-    layout = LatentLayout.from_shapes(list(zip(latent, shapes)),
-                                      [tr0.nodes[n]["fn"].event_dim for n in latent])
-    n = layout.size
+    full_layout = LatentLayout.from_shapes(list(zip(latent, shapes)),
+                                           [tr0.nodes[n]["fn"].event_dim for n in latent])
+    gen = torch.Generator(device="cpu").manual_seed(0)
 
-    def run_at(u):
-        vals = {b.name: u[b.slice].reshape(b.shape) for b in layout.blocks}
-        tr, recs = _trace(model, args, kwargs, values=vals)
+    def run_at(u, layout, fixed=None):
+        vals = {b.name: u[b.slice].reshape(b.shape).to(site_dtype[b.name]) for b in layout.blocks}
+        all_vals = dict(vals)
+        if fixed:
+            all_vals.update(fixed)
+        tr, recs = _trace(model, args, kwargs, values=all_vals)
         return tr, recs, vals
 
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    u0 = torch.randn(n, generator=gen, dtype=dtype).to(device).requires_grad_(True)
-    tr, records, vals = run_at(u0)
+    # latents whose distribution reads other latents: allowed only as Gaussian leaves nothing else reads
+    uf = torch.randn(full_layout.size, generator=gen, dtype=dtype).to(device).requires_grad_(True)
+    tr, records, vals = run_at(uf, full_layout)
+    leaves = []
+    for b in full_layout.blocks:
+        site = tr.nodes[b.name]
+        base, _ = _unwrap(site["fn"])
+        if any(_depends_on(getattr(base, a, None), uf) for a in ("loc", "scale", "scale_tril", "precision_scale")):
+            leaves.append(b)
+    imputed_names = set()
+    if leaves:
+        for b in leaves:
+            read = any(_reads(t, uf, b.slice) for name, site in tr.nodes.items()
+                       if name != b.name and site["type"] == "sample" and not _is_subsample(site)
+                       and not _is_deterministic(site) for t in _site_tensors(site))
+            if read or not isinstance(_unwrap(tr.nodes[b.name]["fn"])[0], (dist.Normal, torch.distributions.Normal)):
+                raise UnsupportedModelError(
+                    b.name, "prior parameters depend on another latent site (hierarchical models are outside the LGM "
+                            "class; a latent Normal(eta, s) with an affine eta is integrated out only when no other "
+                            "site reads it)")
+            imputed_names.add(b.name)
+    if imputed_names:
+        layout = LatentLayout.from_shapes([(b.name, b.shape) for b in full_layout.blocks if b.name not in imputed_names],
+                                          [b.event_dim for b in full_layout.blocks if b.name not in imputed_names])
+        fixed = {b.name: uf[b.slice].detach().reshape(b.shape).to(site_dtype[b.name])
+                 for b in full_layout.blocks if b.name in imputed_names}
+        if layout.size == 0:
+            raise UnsupportedModelError("<model>", "the model has no latent sample site that the likelihood reads")
+        u0 = torch.randn(layout.size, generator=gen, dtype=dtype).to(device).requires_grad_(True)
+        tr, records, vals = run_at(u0, layout, fixed)
+    else:
+        layout, fixed, u0 = full_layout, None, uf
+    n = layout.size
+    second = None
+
+    def second_trace():
+        nonlocal second
+        if second is None:
+            u1 = torch.randn(n, generator=gen, dtype=dtype).to(device).requires_grad_(True)
+            second = (u1,) + run_at(u1, layout, fixed)
+        return second
 
     # priors
     priors, laplace_groups = [], []
     for b in layout.blocks:
         site = tr.nodes[b.name]
         fn = site["fn"]
-        base, _ = _unwrap(fn)
-        for attr in ("loc", "scale", "scale_tril"):
-            t = getattr(base, attr, None)
-            if t is not None and _depends_on(t, u0):
-                raise UnsupportedModelError(
-                    b.name, "prior parameters depend on another latent site (hierarchical models are outside the LGM class)")
-        if site.get("scale", 1.0) != 1.0:
+        if not _is_one(site.get("scale", 1.0)):
             raise UnsupportedModelError(b.name, "latent site is scaled by poutine.scale; scaled priors are not supported")
+        keep = _keep_rows(b.name, site)
+        if keep is not None and not bool(keep.all()):
+            raise UnsupportedModelError(b.name, "latent site is masked (poutine.mask or dist.mask): its masked entries "
+                                                "have no prior, an improper density outside the LGM class")
         prior, lap = _latent_prior(b.name, fn, b.shape, dtype, device)
         priors.append(prior)
         if lap is not None:
@@ -355,64 +687,94 @@ def _extract(model, args, kwargs, dtype):
             design = sel if (b.start == 0 and b.size == n) else EmbedColumnsOperator(sel, b.start, n)
             laplace_groups.append(SiteGroup(b.name, Laplace(scale), design, -loc, b.shape, from_prior=True))
 
+    # latents integrated out (the missing entries of obs_mask sites and other unread Gaussian leaves)
+    imputed = []
+    for b in full_layout.blocks:
+        if b.name not in imputed_names:
+            continue
+        site = tr.nodes[b.name]
+        is_unobserved = b.name.endswith("_unobserved") and b.name[:-len("_unobserved")] + "_observed" in tr.nodes
+        keep = _keep_rows(b.name, site)
+        if keep is not None and not bool(keep.all()) and not is_unobserved:
+            raise UnsupportedModelError(b.name, "latent site is masked (poutine.mask or dist.mask): its masked entries "
+                                                "have no prior, an improper density outside the LGM class")
+        if not _is_one(site.get("scale", 1.0)):
+            raise UnsupportedModelError(b.name, "latent site is scaled by poutine.scale; scaled priors are not supported")
+        base, _ = _unwrap(site["fn"])
+        full = tuple(site["fn"].batch_shape) + tuple(site["fn"].event_shape)
+        if _depends_on(base.scale, u0):
+            raise UnsupportedModelError(b.name, "the scale of a latent Normal depends on a latent site (not an LGM)")
+        scale = base.scale.expand(full).reshape(-1).detach().to(dtype)
+        if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+            raise UnsupportedModelError(b.name, "prior scale must be positive and finite")
+        eta = base.loc.expand(full).reshape(-1).to(dtype)
+        u1, tr1, _, _ = second_trace()
+        eta1 = _unwrap(tr1.nodes[b.name]["fn"])[0].loc.expand(full).reshape(-1).detach().to(dtype)
+        op, offset = _affine_operator(b.name, eta, eta1, u0, u1, gen, records, layout, vals, dtype)
+        imputed.append(ImputedBlock(b.name, b.shape, op, offset, scale))
+
     # observed sites
     groups, log_const = [], 0.0
-    second = None
     for name in observed:
         site = tr.nodes[name]
-        if site.get("scale", 1.0) != 1.0:
-            raise UnsupportedModelError(name, "observed site is scaled by poutine.scale; weighted likelihoods are not supported")
-        kind, base, eta, y, batch, keep = _observed_site(name, site, dtype)
-        if not _depends_on(eta, u0):
-            if kind == "gaussian" and _depends_on(base.scale, u0):
-                raise UnsupportedModelError(name, "the noise scale depends on a latent site (not an LGM)")
-            log_const += float(site["fn"].log_prob(site["value"]).sum().detach())
+        kind, base, eta, y, batch = _observed_site(name, site, dtype)
+        keep = _keep_rows(name, site)
+        weight = _site_weight(name, site)
+        if weight is not None:
+            keep = (weight != 0) if keep is None else keep & (weight != 0)
+        idx = None if keep is None or bool(keep.all()) else torch.nonzero(keep).reshape(-1)
+        eta_k = eta if idx is None else eta[idx]
+        if kind == "gaussian" and _depends_on(base.scale, u0):
+            raise UnsupportedModelError(name, "the noise scale depends on a latent site (not an LGM)")
+        if not _depends_on(eta_k, u0):
+            lp = float(_site_log_prob(site).detach())
+            if not math.isfinite(lp):
+                raise UnsupportedModelError(name, "observed site that does not depend on the latents has log density "
+                                                  f"{lp} at its data")
+            log_const += lp
             continue
-        if kind == "gaussian":
-            scale = base.scale
-            if _depends_on(scale, u0):
-                raise UnsupportedModelError(name, "the noise scale depends on a latent site (not an LGM)")
-            scale = scale.expand(batch).reshape(-1).detach().to(dtype)
-        if second is None:
-            u1 = torch.randn(n, generator=gen, dtype=dtype).to(device).requires_grad_(True)
-            second = run_at(u1)
-        eta1 = _observed_site(name, second[0].nodes[name], dtype)[2].detach()
-        jac = _AutogradJacobian(eta, u0)
-        du = (u1 - u0).detach()
-        jdu = jac.jvp(du)
-        lin_err = float((eta1 - eta.detach() - jdu).abs().max())
-        scale_ref = 1.0 + float(eta1.abs().max()) + float(eta.detach().abs().max())
-        tol = _AFFINE_RTOL if dtype == torch.float64 else 1e-3
-        if not math.isfinite(lin_err) or lin_err > tol * scale_ref:
-            raise UnsupportedModelError(
-                name, f"the predictor is not an affine function of the latent variables (deviation {lin_err:.3g})")
-        v2 = torch.randn(n, generator=gen, dtype=dtype).to(device)
-        probe = [(du, jdu), (v2, jac.jvp(v2))]
-        op = _recorded_operator(name, records, eta, u0, layout, vals, probe)
-        if op is None:
-            q = eta.shape[0]
-            op = DenseOperator(jac.dense()) if q * n <= DENSE_JACOBIAN_LIMIT else jac.operator()
-        offset = (eta.detach() - op.mv(u0.detach())).detach()
-        if keep is not None:
-            idx = torch.nonzero(keep).reshape(-1)
-            if hasattr(op, "rows"):
-                op = op.rows(idx)
-            elif isinstance(op, DenseOperator):
-                op = DenseOperator(op.matrix[idx])
-            else:
-                raise UnsupportedModelError(name, "masks on predictors given as autograd operators are not supported")
-            y, offset = y[idx], offset[idx]
-            if kind == "gaussian":
-                scale = scale[idx]
+        if idx is not None and idx.numel() == 0:
+            continue
+        y_k = y if idx is None else y[idx]
+        _check_obs(name, kind, y_k)
+        u1, tr1, _, _ = second_trace()
+        eta1 = _observed_site(name, tr1.nodes[name], dtype)[2].detach()
+        op, offset = _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype, rows=idx)
         if kind == "bernoulli":
-            family = BernoulliLogit(y)
+            family = BernoulliLogit(y_k)
+        elif kind == "bernoulli_probit":
+            family = BernoulliProbit(y_k)
         elif kind == "poisson":
-            family = Poisson(y)
+            family = Poisson(y_k)
         else:
-            family = Gaussian(y, scale)
+            scale = base.scale.expand(batch).reshape(-1).detach().to(dtype)
+            scale = scale if idx is None else scale[idx]
+            if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+                raise UnsupportedModelError(name, "the noise scale must be positive and finite")
+            family = Gaussian(y_k, scale)
+        if weight is not None:
+            family, const = tempered(family, (weight if idx is None else weight[idx]).to(dtype))
+            log_const += const
         groups.append(SiteGroup(name, family, op, offset, batch))
 
+    # factors
+    for name in factors:
+        site = tr.nodes[name]
+        F0 = _site_log_prob(site)
+        if not _depends_on(F0, u0):
+            val = float(F0.detach())
+            if not math.isfinite(val):
+                raise UnsupportedModelError(name, f"pyro.factor has the value {val}")
+            log_const += val
+            continue
+        u1, tr1, _, _ = second_trace()
+        group, const = _factor_group(name, F0.to(dtype), u0, _site_log_prob(tr1.nodes[name]).to(dtype), u1, dtype)
+        groups.append(group)
+        log_const += const
+
     for name, site in tr.nodes.items():
-        if site["type"] == "sample" and not site["is_observed"] and not _is_subsample(site) and name not in layout.names:
+        if site["type"] == "sample" and not site["is_observed"] and not _is_subsample(site) \
+                and name not in full_layout.names:
             raise UnsupportedModelError(name, "latent site appeared only in some executions of the model")
-    return LatentGaussianModel(layout, priors, laplace_groups + groups, log_const=log_const)
+    return LatentGaussianModel(layout, priors, laplace_groups + groups, log_const=log_const, imputed=imputed,
+                               model_layout=full_layout)

@@ -1,4 +1,5 @@
-"""``pcv.linear``: a matmul that tells the LGM extractor which operator it applied."""
+"""``pcv.linear``: a matmul that tells the LGM extractor which operator it applied; and the record of
+``Normal(loc, scale).cdf(eta)`` calls by which the extractor recognises probit likelihoods."""
 import contextlib
 
 import torch
@@ -7,6 +8,8 @@ from ..linalg.operators import LinearOperator, SparseOperator, as_operator
 
 _RECORDERS = []
 _OPERATOR_CACHE = {}
+_CDF_RECORDERS = []
+_CDF_ORIGINAL = []
 
 
 @contextlib.contextmanager
@@ -77,3 +80,63 @@ def linear(design, u):
     for records in _RECORDERS:
         records.append((op, u, out))
     return out
+
+
+def _recording_cdf(self, value):
+    out = _CDF_ORIGINAL[0](self, value)
+    if torch.is_tensor(out):
+        for records in _CDF_RECORDERS:
+            records.append((self.loc, self.scale, value, out, out._version))
+    return out
+
+
+@contextlib.contextmanager
+def record_normal_cdf():
+    """Collect every ``Normal(loc, scale).cdf(value)`` call made inside the block (``torch.distributions.Normal``
+    and Pyro's ``dist.Normal``), as ``(loc, scale, value, output, output version)``.
+
+    Used by :func:`pyro_convexvb.lgm_from_pyro` to recognise ``Bernoulli(probs=Normal(...).cdf(eta))``
+    as a probit likelihood of the predictor ``(eta - loc) / scale`` without inverting the CDF
+    (``Phi^{-1}(Phi(eta))`` loses all precision for ``|eta| > 8``). ``Normal.cdf`` is wrapped only
+    while a block is open; the wrapper returns the original method's result unchanged.
+    """
+    records = []
+    if not _CDF_RECORDERS:
+        _CDF_ORIGINAL[:] = [torch.distributions.Normal.cdf]
+        torch.distributions.Normal.cdf = _recording_cdf
+    _CDF_RECORDERS.append(records)
+    try:
+        yield records
+    finally:
+        del _CDF_RECORDERS[next(i for i, r in enumerate(_CDF_RECORDERS) if r is records)]
+        if not _CDF_RECORDERS:
+            torch.distributions.Normal.cdf = _CDF_ORIGINAL[0]
+            _CDF_ORIGINAL[:] = []
+
+
+def normal_cdf_argument(probs):
+    """The standardised argument ``(value - loc) / scale`` of the recorded ``Normal(loc, scale).cdf(value)``
+    call whose output ``probs`` is, or ``None``.
+
+    ``probs`` matches a record when it is that output itself or a broadcast view of it (as Pyro's
+    ``Bernoulli.expand`` makes) that starts at the same memory, has the same values, and the output
+    was not modified in place since the call. Anything computed from the output (a clamp, an
+    arithmetic expression) is a different tensor and does not match. The argument is returned with
+    ``probs``'s shape.
+    """
+    if not torch.is_tensor(probs):
+        return None
+    for records in reversed(_CDF_RECORDERS):
+        for loc, scale, value, out, version in reversed(records):
+            if out._version != version or out.device != probs.device or out.data_ptr() != probs.data_ptr():
+                continue
+            if out is not probs:
+                try:
+                    same = torch.equal(out.expand(probs.shape), probs)
+                except RuntimeError:
+                    same = False
+                if not same:
+                    continue
+            value = torch.as_tensor(value, dtype=out.dtype, device=out.device)
+            return ((value - loc) / scale).expand(out.shape).expand(probs.shape)
+    return None

@@ -4,6 +4,11 @@
     eta_g = B_g u + offset_g           for each site group g (B_g: any linear operator)
     p(D | u) = prod_g prod_i t_gi(eta_gi)
 
+A group of sites under ``poutine.scale(scale=w)`` holds tempered sites ``t_i(eta_i)^{w_i}``
+(a :class:`~pyro_convexvb.lgm.sites.Weighted` family; :attr:`SiteGroup.weight`). Latent sites of the
+Pyro model that no site reads (the missing entries of ``obs_mask``) are :class:`ImputedBlock` s,
+integrated out of ``u`` and restored by :meth:`LatentGaussianModel.complete_posterior`.
+
 Gaussian observation groups N(y | X u + offset, s^2) are site groups of family
 :class:`~pyro_convexvb.lgm.sites.Gaussian`; engines that want Nickisch & Seeger's (2009) form
 ``N(y | X u, sigma^2 I) prod_i t_i(s_i)`` read them through :meth:`LatentGaussianModel.gaussian_groups`.
@@ -23,9 +28,9 @@ from ..linalg.operators import (
     as_operator,
 )
 from .layout import LatentLayout
-from .sites import Gaussian, SiteFamily
+from .sites import Gaussian, SiteFamily, Weighted
 
-__all__ = ["PriorBlock", "SiteGroup", "LatentGaussianModel"]
+__all__ = ["PriorBlock", "SiteGroup", "ImputedBlock", "LatentGaussianModel"]
 
 
 @dataclass
@@ -60,6 +65,10 @@ class SiteGroup:
     :param design: linear operator ``(q, n)``.
     :param offset: ``(q,)``.
     :param obs_shape: shape of the observation in the Pyro model (for reshaping).
+
+    A weighted group (a Pyro site under ``poutine.scale``) holds a
+    :class:`~pyro_convexvb.lgm.sites.Weighted` family: :attr:`weight` gives its per-row weights
+    ``w_i`` and :attr:`base_family` the unweighted family, and the group's sites are ``t_i(eta_i)^{w_i}``.
     """
 
     name: str
@@ -73,10 +82,53 @@ class SiteGroup:
     def size(self):
         return int(self.design.shape[0])
 
+    @property
+    def weight(self):
+        """``(q,)`` per-row weights of a tempered group, or ``None`` (all weights one)."""
+        return self.family.weight if isinstance(self.family, Weighted) else None
+
+    @property
+    def base_family(self):
+        """The unweighted site family (the family itself unless the group is weighted)."""
+        return self.family.base if isinstance(self.family, Weighted) else self.family
+
     def eta(self, u):
         """Predictor ``B u + offset`` for ``u`` of shape ``(n,)`` or ``(n, k)``."""
         out = self.design.mv(u)
         return out + (self.offset if u.dim() == 1 else self.offset.unsqueeze(-1))
+
+
+@dataclass
+class ImputedBlock:
+    r"""A latent site of the Pyro model that no likelihood, prior or factor reads: ``x = B u + offset + scale * eps``.
+
+    The missing entries of a partially observed Gaussian site (``pyro.sample(name, dist.Normal(eta, s),
+    obs=y, obs_mask=m)`` makes the latent site ``name + "_unobserved"``), or any latent
+    ``Normal(eta, s)`` with an affine ``eta`` whose value the model does not use. Integrating it out
+    leaves ``p(y | u)`` unchanged, so it is not part of ``u``; its posterior is the predictive
+    ``q(x) = int N(x | B u + offset, diag(scale^2)) q(u) du``, which
+    :meth:`LatentGaussianModel.complete_posterior` joins to a posterior over ``u``.
+
+    Entries that the Pyro model masks out (the observed entries of an ``_unobserved`` site) have no
+    density in the model; the completed posterior gives them the same conditional, so a guide
+    samples them from a proper distribution (the model never reads them).
+
+    :param name: the Pyro site name.
+    :param shape: the site's value shape.
+    :param design: linear operator ``(q, n)``, ``q = prod(shape)``.
+    :param offset: ``(q,)``.
+    :param scale: ``(q,)`` positive standard deviations.
+    """
+
+    name: str
+    shape: tuple
+    design: LinearOperator
+    offset: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def size(self):
+        return int(self.design.shape[0])
 
 
 @dataclass
@@ -91,6 +143,10 @@ class LatentGaussianModel:
     :param sites: the site groups.
     :param log_const: constant added to the log joint (factors of the Pyro model that do not
         depend on ``u``), so that bounds refer to ``log p(y)`` of the model as written.
+    :param imputed: :class:`ImputedBlock` latent sites of the Pyro model that are integrated out
+        (not part of ``u``; see :meth:`complete_posterior`).
+    :param model_layout: the layout of all the Pyro model's latent sites in trace order, imputed
+        ones included (default: ``layout``).
 
     Example (Bayesian logistic regression with a sparse design)::
 
@@ -107,8 +163,21 @@ class LatentGaussianModel:
     priors: List[PriorBlock]
     sites: List[SiteGroup] = field(default_factory=list)
     log_const: float = 0.0
+    imputed: List[ImputedBlock] = field(default_factory=list)
+    model_layout: Optional[LatentLayout] = None
 
     def __post_init__(self):
+        if self.model_layout is None:
+            self.model_layout = self.layout
+        names = set(self.layout.names) | {b.name for b in self.imputed}
+        if self.imputed and (set(self.model_layout.names) != names
+                             or len(self.model_layout.blocks) != len(self.layout.blocks) + len(self.imputed)):
+            raise ValueError("model_layout must hold the latent blocks and the imputed blocks, each once")
+        for b in self.imputed:
+            if b.design.shape[1] != self.n:
+                raise ValueError(f"imputed block '{b.name}': design has {b.design.shape[1]} columns, latent has {self.n}")
+            if b.offset.shape != (b.size,) or b.scale.shape != (b.size,) or self.model_layout[b.name].size != b.size:
+                raise ValueError(f"imputed block '{b.name}': design, offset, scale and layout sizes differ")
         if len(self.priors) != len(self.layout.blocks):
             raise ValueError("one PriorBlock per latent block is required")
         for p, b in zip(self.priors, self.layout.blocks):
@@ -242,6 +311,67 @@ class LatentGaussianModel:
     def offset(self, groups=None):
         groups = self.sites if groups is None else groups
         return torch.cat([g.offset for g in groups])
+
+    # ------------------------------------------------------------------ imputed sites
+    def complete_posterior(self, posterior):
+        r"""The posterior over all the Pyro model's latent sites (:attr:`model_layout`) from one over ``u``.
+
+        With ``q(u) = N(m, V)`` and the imputed blocks ``x_k = B_k u + o_k + s_k eps_k``, the joint
+        Gaussian has means ``B_k m + o_k``, covariances ``B_k V B_l^T + [k = l] diag(s_k^2)`` and
+        cross-covariances ``B_k V``, packed in trace order. The evidence bound of ``q(u)`` is also the
+        bound of this joint (the conditional of ``x`` given ``u`` is the model's own and integrates
+        to one). Without imputed blocks ``posterior`` is returned as it is.
+
+        :param posterior: a :class:`~pyro_convexvb.GaussianPosterior` over ``u`` (``n`` coordinates).
+        :returns: a :class:`~pyro_convexvb.GaussianPosterior` with a dense covariance and ``layout = model_layout``.
+        """
+        if not self.imputed:
+            return posterior
+        from ..infer.posterior import GaussianPosterior
+
+        if posterior.n != self.n:
+            raise ValueError(f"the posterior has {posterior.n} coordinates, the latent vector u has {self.n}")
+        m = posterior.loc.to(self.dtype)
+        V = posterior.covariance().to(self.dtype)
+        Bs = [b.design.to_dense().to(self.dtype) for b in self.imputed]
+        G = torch.cat(Bs, 0)  # (Q, n)
+        GV = G @ V
+        mean = torch.cat([m, G @ m + torch.cat([b.offset for b in self.imputed])])
+        noise = torch.cat([b.scale for b in self.imputed]) ** 2
+        low = GV @ G.transpose(0, 1)
+        low.diagonal().add_(noise)
+        C = torch.cat([torch.cat([V, GV.transpose(0, 1)], 1), torch.cat([GV, low], 1)], 0)
+        # permutation from (u, imputed) order to the model's trace order
+        pos = {}
+        for b in self.layout.blocks:
+            pos[b.name] = torch.arange(b.start, b.start + b.size)
+        start = self.n
+        for b in self.imputed:
+            pos[b.name] = torch.arange(start, start + b.size)
+            start += b.size
+        perm = torch.cat([pos[b.name] for b in self.model_layout.blocks]).to(m.device)
+        C = C[perm][:, perm]
+        return GaussianPosterior(mean[perm], covariance=0.5 * (C + C.transpose(0, 1)), layout=self.model_layout)
+
+    def latent_marginal(self, posterior):
+        """The marginal over ``u`` of a Gaussian posterior over all the Pyro model's latent sites (:attr:`model_layout`).
+
+        The inverse of :meth:`complete_posterior` for engines that fit the Pyro model itself (their
+        Gaussian covers the imputed sites too): its evidence bound on this model is that of the marginal.
+        Without imputed blocks ``posterior`` is returned as it is.
+
+        :returns: a :class:`~pyro_convexvb.GaussianPosterior` over ``u`` with a dense covariance and ``layout = layout``.
+        """
+        if not self.imputed:
+            return posterior
+        from ..infer.posterior import GaussianPosterior
+
+        if posterior.n != self.model_layout.size:
+            raise ValueError(f"the posterior has {posterior.n} coordinates, the model's latent sites {self.model_layout.size}")
+        idx = torch.cat([torch.arange(self.model_layout[b.name].start, self.model_layout[b.name].start + b.size)
+                         for b in self.layout.blocks]).to(posterior.loc.device)
+        C = posterior.covariance()[idx][:, idx]
+        return GaussianPosterior(posterior.loc[idx], covariance=C, layout=self.layout)
 
     # ------------------------------------------------------------------ densities
     def log_prior(self, u):

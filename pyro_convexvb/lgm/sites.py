@@ -27,6 +27,8 @@ __all__ = [
     "Laplace",
     "StudentT",
     "StochasticVolatility",
+    "Weighted",
+    "tempered",
     "gauss_hermite",
     "gaussian_expectation",
 ]
@@ -132,9 +134,36 @@ class BernoulliLogit(SiteFamily):
 
 
 class BernoulliProbit(SiteFamily):
-    """``t_i(eta) = Phi(eta)^{y_i} Phi(-eta)^{1 - y_i}``, ``y_i in {0, 1}``."""
+    """``t_i(eta) = Phi(eta)^{y_i} Phi(-eta)^{1 - y_i}``, ``y_i in {0, 1}``.
+
+    ``log_prob`` is ``log_ndtr(c eta)`` with ``c = 2 y - 1``, accurate in both tails.
+    ``expected_log_prob(mean, var)`` is ``E_{N(eta | mean, var)} log Phi(c eta)``: Gauss-Hermite with
+    ``num_points`` nodes where ``var <= 1`` (the integrand varies on the scale of the spread there),
+    and otherwise a composite Gauss-Legendre rule in the standardised variable ``e = (eta - mean) / sd``
+    on ``|e| <= 12``, with unit panels and panels graded geometrically (ratio 2.5) away from the point
+    ``c eta = 0`` where ``log Phi`` turns from quadratic to flat; 12 nodes per panel. With the default
+    ``num_points`` both agree with adaptive 20-digit quadrature to about 1e-15 relative for
+    ``|mean| <= 40``, ``var <= 1e6`` (``tests/test_probit.py``; 64-point Gauss-Hermite alone is off by
+    3e-3 nats at ``var = 100``). The panel ends are held fixed under autograd, so gradients are those
+    of the same rule applied to the derivative.
+
+    :param torch.Tensor y: ``(q,)`` labels in {0, 1}.
+
+    Example::
+
+        >>> import torch
+        >>> fam = BernoulliProbit(torch.tensor([1.], dtype=torch.float64))
+        >>> m, v = torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+        >>> round(float(fam.expected_log_prob(m, v)), 12)  # E log Phi(eta), eta ~ N(0, 1), is exactly -1
+        -1.0
+    """
 
     name = "bernoulli_probit"
+    _GL_CACHE = {}
+    _PANEL_NODES = 12
+    _HALF_WIDTH = 12.0
+    _GRADING = 2.5
+    _CHUNK = 2048
 
     def __init__(self, y):
         super().__init__(y=y)
@@ -142,6 +171,40 @@ class BernoulliProbit(SiteFamily):
     def log_prob(self, eta):
         c = 2 * self.params["y"] - 1
         return torch.special.log_ndtr(c * eta)
+
+    def expected_log_prob(self, mean, var, num_points=64):
+        c = 2 * self.params["y"] - 1
+        m = c * mean
+        sd = var.clamp_min(0).sqrt()
+        out = gaussian_expectation(torch.special.log_ndtr, m, var.clamp_min(0), num_points)
+        wide = torch.nonzero(sd.detach() > 1.0).reshape(-1)
+        if wide.numel() == 0:
+            return out
+        parts = [self._composite(m[idx], sd[idx]) for idx in wide.split(self._CHUNK)]
+        return out.index_put((wide,), torch.cat(parts))
+
+    @classmethod
+    def _composite(cls, m, sd):
+        """``E log Phi(m + sd e)``, ``e ~ N(0, 1)``, by the graded composite Gauss-Legendre rule (``sd > 0``)."""
+        dtype, device = m.dtype, m.device
+        n = cls._PANEL_NODES
+        if n not in cls._GL_CACHE:
+            cls._GL_CACHE[n] = np.polynomial.legendre.leggauss(n)
+        xg, wg = (torch.as_tensor(a, dtype=dtype, device=device) for a in cls._GL_CACHE[n])
+        E, ratio = cls._HALF_WIDTH, cls._GRADING
+        s_det = sd.detach()
+        # panel ends at e0 +- 0.5 * 2.5^j / sd (e0: where c eta = 0), out to beyond |e| = 2E for the widest site
+        k = max(1, math.ceil(math.log(4 * E * float(s_det.max())) / math.log(ratio)) + 1)
+        grade = 0.5 * ratio ** torch.arange(k + 1, dtype=dtype, device=device)
+        uniform = torch.linspace(-E, E, int(2 * E) + 1, dtype=dtype, device=device)
+        e0 = (-m.detach() / s_det)[:, None]
+        ends = torch.cat([uniform.expand(m.shape[0], -1), e0, e0 + grade / s_det[:, None],
+                          e0 - grade / s_det[:, None]], 1).clamp(-E, E)
+        ends = torch.sort(ends, 1).values
+        half = 0.5 * (ends[:, 1:] - ends[:, :-1])
+        e = (0.5 * (ends[:, 1:] + ends[:, :-1]))[..., None] + half[..., None] * xg
+        w = half[..., None] * wg * torch.exp(-0.5 * e * e) / math.sqrt(2 * math.pi)
+        return (w * torch.special.log_ndtr(m[:, None, None] + sd[:, None, None] * e)).sum((-1, -2))
 
     def predictive_mean(self, mean, var, num_points=64):
         return torch.special.ndtr(mean / torch.sqrt(1 + var))
@@ -288,3 +351,101 @@ class StochasticVolatility(SiteFamily):
     def predictive_mean(self, mean, var, num_points=64):
         """Mean of ``y`` (zero); the predictive variance of ``y`` is ``exp(mean + var / 2)``."""
         return torch.zeros_like(mean)
+
+
+class Weighted(SiteFamily):
+    r"""Tempered sites ``t_i(eta)^{w_i}`` of a base family, per-row weights ``w_i > 0``.
+
+    A Pyro likelihood site under ``poutine.scale(scale=w)`` contributes ``w log t(eta)`` to the log
+    joint; this family evaluates exactly that (``log_prob`` and ``expected_log_prob`` are the base
+    family's times ``w``; ``predictive_mean`` is the base family's). Its ``name`` is
+    ``"weighted_" + base.name``, so an engine whose site terms do not take weights does not mistake it
+    for the base family: it refuses the site instead.
+
+    :param SiteFamily base: the unweighted family (holds the data).
+    :param torch.Tensor weight: ``(q,)`` positive weights.
+    :raises ValueError: for weights that are not positive and finite or of the wrong length.
+
+    Example::
+
+        >>> import torch
+        >>> fam = Weighted(BernoulliLogit(torch.tensor([1., 0.], dtype=torch.float64)),
+        ...                torch.tensor([2., 0.5], dtype=torch.float64))
+        >>> fam.name
+        'weighted_bernoulli_logit'
+        >>> eta = torch.tensor([0.3, -1.0], dtype=torch.float64)
+        >>> bool(torch.allclose(fam.log_prob(eta), fam.weight * fam.base.log_prob(eta)))
+        True
+    """
+
+    def __init__(self, base, weight):
+        weight = torch.as_tensor(weight)
+        if weight.dim() != 1 or weight.shape[0] != len(base):
+            raise ValueError(f"weight: expected shape ({len(base)},), got {tuple(weight.shape)}")
+        if not bool(torch.isfinite(weight).all()) or not bool((weight > 0).all()):
+            raise ValueError("weight: site weights must be positive and finite")
+        self.base = base
+        self.params = {"weight": weight}
+        self.name = "weighted_" + base.name
+        self.log_concave = base.log_concave
+
+    @property
+    def weight(self):
+        return self.params["weight"]
+
+    def __len__(self):
+        return len(self.base)
+
+    def log_prob(self, eta):
+        w = self.weight if eta.dim() == 1 else self.weight.unsqueeze(-1)
+        return w * self.base.log_prob(eta)
+
+    def _broadcast_log_prob(self, eta):
+        return self.weight.unsqueeze(-1) * self.base._broadcast_log_prob(eta)
+
+    def expected_log_prob(self, mean, var, num_points=64):
+        return self.weight * self.base.expected_log_prob(mean, var, num_points)
+
+    def predictive_mean(self, mean, var, num_points=64):
+        return self.base.predictive_mean(mean, var, num_points)
+
+    def subset(self, index):
+        return Weighted(self.base.subset(index), self.weight[index])
+
+    def to(self, dtype=None, device=None):
+        return Weighted(self.base.to(dtype=dtype, device=device), self.weight.to(dtype=dtype, device=device))
+
+    def __repr__(self):
+        return f"Weighted({self.base!r})"
+
+
+def tempered(family, weight):
+    r"""``(family', log_const)`` with ``prod_i t_i(eta_i)^{w_i} = exp(log_const) prod_i t'_i(eta_i)`` exactly.
+
+    Gaussian sites stay Gaussian: ``N(y | eta, s^2)^w = N(y | eta, s^2 / w)`` times the constant
+    ``-(w - 1) log s - log(w) / 2 - (w - 1) log(2 pi) / 2``, so every engine fits them unchanged.
+    Other families become :class:`Weighted`. Rows of weight one need nothing: with all weights equal
+    to one the family is returned as it is.
+
+    :param SiteFamily family: the unweighted family.
+    :param torch.Tensor weight: ``(q,)`` positive weights.
+    :returns: ``(SiteFamily, float)``.
+
+    Example::
+
+        >>> import torch
+        >>> fam, c = tempered(Gaussian(torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)),
+        ...                   torch.tensor([4.0], dtype=torch.float64))
+        >>> float(fam.params["scale"][0]), round(c, 6)
+        (0.5, -3.449963)
+    """
+    weight = torch.as_tensor(weight, dtype=next(iter(family.params.values())).dtype)
+    if bool((weight == 1).all()):
+        return family, 0.0
+    if isinstance(family, Gaussian):
+        y, s = family.params["y"], family.params["scale"]
+        if not bool(torch.isfinite(weight).all()) or not bool((weight > 0).all()):
+            raise ValueError("weight: site weights must be positive and finite")
+        const = -(weight - 1) * torch.log(s) - 0.5 * torch.log(weight) - 0.5 * (weight - 1) * math.log(2 * math.pi)
+        return Gaussian(y, s / weight.sqrt()), float(const.sum())
+    return Weighted(family, weight), 0.0

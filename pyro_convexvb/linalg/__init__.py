@@ -6,7 +6,9 @@
   :func:`lanczos_variances`, :func:`pca_variances`: Lanczos with full reorthogonalisation and the K-Lanczos /
   L-PCA variance estimators (Nickisch & Seeger 2009 §2.3, Seeger 2010 §3);
 * :func:`newton_bisect_root`, :func:`expand_bracket`, :func:`minimize_convex_scalar`: vectorised
-  safeguarded Newton/bisection for many independent scalar problems.
+  safeguarded Newton/bisection for many independent scalar problems;
+* :class:`SparseCholesky`: sparse Cholesky with a fill-reducing ordering, log-determinant, solves,
+  sampling and selected inversion (Rue & Held 2005, §2.4; Takahashi et al. 1973).
 """
 from . import operators as _operators
 from .cg import CGResult, NotPositiveDefiniteError, cg, default_max_iter
@@ -21,6 +23,7 @@ from .lanczos import (
 )
 from .operators import *  # noqa: F401,F403  (every operator class and helper in operators.__all__)
 from .scalar import expand_bracket, minimize_convex_scalar, newton_bisect_root
+from .sparse_cholesky import SparseCholesky
 
 __all__ = list(_operators.__all__) + [
     "CGResult",
@@ -37,4 +40,5 @@ __all__ = list(_operators.__all__) + [
     "newton_bisect_root",
     "expand_bracket",
     "minimize_convex_scalar",
+    "SparseCholesky",
 ]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import UnsupportedModelError
-from ..engine import Criterion, Engine, EngineOptions, Optimality, Solution, option
+from ..engine import Criterion, Engine, LGMEngineOptions, Optimality, Solution, option
 from ..posterior import GaussianPosterior
 from .outer import double_loop
 from .potentials import potential_for, warn_if_not_log_concave
@@ -27,7 +27,7 @@ def applies(lgm):
 
 
 @dataclass(frozen=True)
-class ConvexRelaxationOptions(EngineOptions):
+class ConvexRelaxationOptions(LGMEngineOptions):
     lanczos_rank: int = option(80, "Lanczos steps k per variance update (80 for a9a, 750 for real-sim/rcv1 in "
                                     "Nickisch & Seeger 2009)", min=1)
     max_outer: int = option(5, "outer-loop variance updates (each followed by one inner loop)", min=0)
@@ -116,6 +116,13 @@ class ConvexVariationalRelaxation(Engine):
     @classmethod
     def applies(cls, lgm):
         return applies(lgm)
+
+    def warm_start_options(self, result):
+        g = result.info.get("gamma_all")
+        return {"gamma_init": g} if g is not None and g.numel() and bool((g > 0).all()) else {}
+
+    def precise_options(self):
+        return {"gamma_tol": 1e-7, "phi_tol": 1e-11, "max_outer": max(self.options.max_outer, 100)}
 
     def solve(self, lgm, run):
         o = self.options

@@ -361,8 +361,9 @@ class GenericPotential(SuperGaussianPotential):
 
 _NOT_SUPER_GAUSSIAN = {
     "bernoulli_probit": "probit sites are not super-Gaussian: log Phi(s) - log Phi(-s) grows like s^2/2, so no "
-                        "beta makes log t(s) - beta s even (Nickisch & Seeger 2009, §2); use engine 'dual_vg' or a logit link",
-    "poisson": "Poisson sites are not super-Gaussian: y s - exp(s) has no even tilt (Nickisch & Seeger 2009, §2); use engine 'dual_vg'",
+                        "beta makes log t(s) - beta s even (Nickisch & Seeger 2009, §2); a logit link "
+                        "(Bernoulli(logits=...)) is super-Gaussian",
+    "poisson": "Poisson sites are not super-Gaussian: y s - exp(s) has no even tilt (Nickisch & Seeger 2009, §2)",
 }
 
 

@@ -11,8 +11,8 @@ Mapping (``sigma^2 = 1`` throughout):
 
   so ``X^T X = P + sum_g B_g^T diag(sd_g^{-2}) B_g`` (``P`` block diagonal, zero on flat blocks).
   ``X`` itself is only formed as the sampling factor ``J`` (``P^{1/2}``: ``sqrt`` of a diagonal,
-  the Cholesky factor of a dense block).  A diagonal prior scale is the paper's ``X = I/sigma``
-  case.  Each Gaussian group keeps its own noise scales: they enter through the whitening, not
+  the Cholesky factor of a dense block, the sparse Cholesky factor of a sparse precision).  A
+  diagonal prior scale is the paper's ``X = I/sigma`` case.  Each Gaussian group keeps its own noise scales: they enter through the whitening, not
   through ``sigma``.
 * **Why sigma^2 = 1.**  Nickisch & Seeger's (2009) ``sigma^2`` is one global scale on every term.  Replacing
   ``(sigma^2, gamma)`` by ``(1, gamma / sigma^2)`` maps the family of Gaussian lower bounds of each
@@ -92,6 +92,16 @@ class _Counted(LinearOperator):
         return self.base.to_dense()
 
 
+def _csr_diagonal(A):
+    """Diagonal of a square torch CSR matrix from its stored entries (never densified)."""
+    n = A.shape[0]
+    crow, col, val = A.crow_indices(), A.col_indices(), A.values()
+    rows = torch.repeat_interleave(torch.arange(n, device=A.device), (crow[1:] - crow[:-1]).long())
+    on = rows == col.long()
+    out = torch.zeros(n, dtype=A.dtype, device=A.device)
+    return out.index_add_(0, rows[on], val[on])
+
+
 def operator_diagonal(op):
     """Diagonal of a square operator without densifying it, or ``None`` when unknown and large."""
     if isinstance(op, IdentityOperator):
@@ -101,7 +111,7 @@ def operator_diagonal(op):
     if isinstance(op, DenseOperator):
         return torch.diagonal(op.matrix).clone()
     if isinstance(op, SparseOperator):
-        return torch.diagonal(op.matrix.to_dense()).clone() if op.shape[0] <= DENSE_BLOCK_LIMIT else None
+        return _csr_diagonal(op.matrix)
     if isinstance(op, BlockDiagonalOperator):
         parts = [operator_diagonal(o) for o in op.operators]
         return None if any(p is None for p in parts) else torch.cat(parts)
@@ -160,7 +170,13 @@ class CovarianceForm:
 
 
 def square_root_factor(op):
-    """An operator ``R`` with ``R^T R = op`` for an SPD prior precision, or ``None``."""
+    """An operator ``R`` with ``R^T R = op`` for an SPD prior precision, or ``None``.
+
+    A sparse precision (:class:`~pyro_convexvb.linalg.SparseOperator`, e.g. a Gaussian Markov random
+    field) gets its sparse Cholesky factor ``R = D^{1/2} L^T P`` (fill-reducing ordering; Rue & Held
+    2005, §2.4), of any size and never densified; a dense block up to ``DENSE_BLOCK_LIMIT`` its dense
+    Cholesky factor.
+    """
     if isinstance(op, IdentityOperator):
         return op
     if isinstance(op, DiagonalOperator):
@@ -168,6 +184,15 @@ def square_root_factor(op):
     if isinstance(op, BlockDiagonalOperator):
         parts = [square_root_factor(o) for o in op.operators]
         return None if any(p is None for p in parts) else BlockDiagonalOperator(parts)
+    if isinstance(op, SparseOperator):
+        from ...linalg.sparse_cholesky import SparseCholesky
+
+        R = SparseCholesky(op, name="prior precision").factor_matrix()
+        csr = torch.sparse_csr_tensor(torch.as_tensor(R.indptr, dtype=torch.int64),
+                                      torch.as_tensor(R.indices, dtype=torch.int64),
+                                      torch.as_tensor(R.data, dtype=op.dtype), size=R.shape,
+                                      check_invariants=False).to(op.device)
+        return SparseOperator(csr)
     if op.shape[0] <= DENSE_BLOCK_LIMIT:
         L = torch.linalg.cholesky(op.to_dense())
         return DenseOperator(L.transpose(0, 1).contiguous())

@@ -31,6 +31,7 @@ logit "jensen"      ``log(1 + e^{h+rho/2}) - y h``             ``kappa = alpha +
 logit "bohning"     ``log(1 + e^h) + rho/8 - y h``             ``1/4``                 ``H(kappa)``
 logit "jaakkola"    ``lambda_xi (h^2 + rho - xi^2) + ...``     ``2 lambda_xi``         quadratic
 logit "tight"       ``sup_k k h + k(1-k) rho/2 - H(k) - y h``  ``kappa (1 - kappa)``   ``H(kappa)``
+probit (tight)      ``sup_p p c h + G(p) rho/2 - psi(p)``      ``G = 1 / psi''``       ``sup_x p x + log Phi(x)``
 ==================  =========================================  ======================  ===================
 
 (``H(k) = k log k + (1-k) log(1-k)``.) The ``tight`` logit bound is this package's default; it
@@ -43,6 +44,13 @@ bound; comparison gives ``F <= U``. Its conjugate domain ``lambda <= kappa (1 - 
 those of the Jensen (``lambda <= kappa``) and Böhning (``lambda <= 1/4``) bounds, so it is tighter
 than both everywhere. ``docs/dual_vg.md`` records the checks and the measured gaps.
 
+The probit bound (:class:`ProbitTightBound`) is the same construction for ``-log Phi(c eta)``
+(``c = 2 y - 1``): with ``psi`` the conjugate of ``-log Phi`` and ``G = 1 / psi''`` its curvature
+``r (x + r)`` (``r = phi / Phi``, the Mills-ratio reciprocal) written as a function of the slope, ``G``
+is concave, so ``E[G(.)] <= G(E[.])`` makes the exact expectation a subsolution of
+``U_rho = G(U_h) / 2`` and the Hopf formula gives a valid, convex bound. The exact probit
+expectation itself is not jointly convex (``docs/dual_vg.md``, § The probit bound).
+
 Bounds without a closed-form conjugate (:class:`GenericBound`, e.g. :class:`PiecewiseQuadraticBound`)
 are conjugated by a small 2-D convex inner maximisation per site (:func:`numerical_conjugate`).
 """
@@ -51,7 +59,7 @@ import math
 import numpy as np
 import torch
 
-from ...lgm.sites import BernoulliLogit, Gaussian, Poisson, StochasticVolatility
+from ...lgm.sites import BernoulliLogit, BernoulliProbit, Gaussian, Poisson, StochasticVolatility
 from ...lgm.stack import GroupStack
 
 __all__ = [
@@ -63,6 +71,7 @@ __all__ = [
     "LogitBohningBound",
     "LogitJaakkolaBound",
     "LogitTightBound",
+    "ProbitTightBound",
     "StackedBound",
     "GenericBound",
     "PiecewiseQuadraticBound",
@@ -407,6 +416,198 @@ class LogitTightBound(LocalBound):
         return _tight_kappa(h, rho)[0] - self.y
 
 
+# ----------------------------------------------------------------------------- probit
+#: below ``x = -_CF_SWITCH`` the probit curvature comes from Laplace's continued fraction
+_CF_SWITCH = 3.0
+_CF_TERMS = 64
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def _mills(x):
+    """``r(x) = phi(x) / Phi(x)`` without under- or overflow (``erfcx`` for ``x < 0``, ``log_ndtr`` above)."""
+    neg = x < 0
+    xn = torch.where(neg, x, torch.zeros_like(x))
+    xp = torch.where(neg, torch.zeros_like(x), x)
+    r_neg = math.sqrt(2 / math.pi) / torch.special.erfcx(-xn / math.sqrt(2))
+    r_pos = torch.exp(-0.5 * xp * xp - _LOG_SQRT_2PI - torch.special.log_ndtr(xp))
+    return torch.where(neg, r_neg, r_pos)
+
+
+def _mills_cf(u):
+    """Laplace's continued fraction at ``u >= _CF_SWITCH``: ``c = r(-u) - u = 1/(u + 2/(u + 3/(u + ...)))`` and
+    ``d = 2/(u + 3/(u + ...))`` (so ``c = 1/(u + d)``), each with its first two derivatives in ``u``.
+
+    64 terms give full double precision for ``u >= 3``; no term cancels.
+    """
+    T, T1, T2 = u.clone(), torch.ones_like(u), torch.zeros_like(u)
+    d = d1 = d2 = None
+    for k in range(_CF_TERMS - 1, 0, -1):
+        n = k + 1
+        iT = 1.0 / T
+        if k == 1:  # T is T_2 here
+            d, d1, d2 = 2 * iT, -2 * T1 * iT * iT, -2 * T2 * iT * iT + 4 * T1 * T1 * iT ** 3
+        T, T1, T2 = u + n * iT, 1 - n * T1 * iT * iT, -n * (T2 * iT * iT - 2 * T1 * T1 * iT ** 3)
+    iT = 1.0 / T
+    return iT, -T1 * iT * iT, -T2 * iT * iT + 2 * T1 * T1 * iT ** 3, d, d1, d2
+
+
+def probit_curvature(x):
+    r"""Curvature of ``phi(x) = -log Phi(x)`` and its log-derivatives, without cancellation.
+
+    Returns ``(r, c, G, w, a, L2)`` with ``r = phi(x)/Phi(x) = -phi'(x)``, ``c = x + r``,
+    ``G = phi''(x) = r c`` (in ``(0, 1)``; ``1 - G`` is the variance of ``Z ~ N(0, 1)`` given ``Z < x``),
+    ``w = 1 - G``, ``a = (log G)'`` and ``L2 = (log G)''``. For ``x >= -3`` these come from ``r`` directly
+    (``a = -c + w / c``, ``L2 = -w - G a / c - (w / c)^2``); below, where ``x + r`` and ``1 - G`` cancel,
+    from Laplace's continued fraction for the Mills ratio and its derivatives
+    (``c = 1/(u + d)``, ``w = c (d - c)``, ``u = -x``).
+    """
+    far = x < -_CF_SWITCH
+    xa = torch.where(far, torch.full_like(x, -_CF_SWITCH), x)
+    r = _mills(xa)
+    c = xa + r
+    G = r * c
+    w = 1 - G
+    a = -c + w / c
+    L2 = -w - G * a / c - (w / c) ** 2
+    if not bool(far.any()):
+        return r, c, G, w, a, L2
+    u = torch.where(far, -x, torch.full_like(x, 2 * _CF_SWITCH))
+    cb, cb1, cb2, db, db1, db2 = _mills_cf(u)
+    wb = cb * (db - cb)
+    wb1 = cb1 * db + cb * db1 - 2 * cb * cb1
+    wb2 = cb2 * db + 2 * cb1 * db1 + cb * db2 - 2 * cb1 * cb1 - 2 * cb * cb2
+    Gb = 1 - wb
+    ab = wb1 / Gb  # d/dx = -d/du, and dG/du = -dw/du
+    L2b = -(wb2 * Gb + wb1 * wb1) / (Gb * Gb)
+
+    def pick(near_value, far_value):
+        return torch.where(far, far_value, near_value)
+
+    return pick(r, u + cb), pick(c, cb), pick(G, Gb), pick(w, wb), pick(a, ab), pick(L2, L2b)
+
+
+def mills_inverse(s, iters=100):
+    """The ``x`` with ``phi(x) / Phi(x) = s`` (``s > 0``), elementwise.
+
+    ``log r`` is concave and decreasing, so Newton's method from the right end of the bracket
+    ``r(x) <= 2 phi(x)`` converges monotonically; for ``s > r(-3)`` Newton on ``u + c(u) = s``
+    (``x = -u``, continued fraction) instead.
+    """
+    s_switch = float(_mills(torch.tensor(-_CF_SWITCH, dtype=torch.float64)))
+    far = s > s_switch
+    ls = torch.log(torch.where(far, torch.ones_like(s), s))
+    x = torch.sqrt((-2 * (ls + _LOG_SQRT_2PI - math.log(2))).clamp_min(0))
+    x = torch.where(far, torch.zeros_like(s), x)
+    for _ in range(iters):
+        r = _mills(x)
+        step = (torch.log(r) - ls) / (x + r)  # Newton step on log r(x) - log s; (log r)' = -(x + r)
+        step = torch.where(far, torch.zeros_like(step), step)
+        x = x + step
+        if bool((step.abs() <= 1e-15 * (1 + x.abs())).all()):
+            break
+    if not bool(far.any()):
+        return x
+    u = torch.where(far, s - 1 / s, torch.full_like(s, 2 * _CF_SWITCH)).clamp_min(_CF_SWITCH)
+    for _ in range(iters):
+        c, c1 = _mills_cf(u)[:2]
+        step = torch.where(far, (u + c - s) / (1 + c1), torch.zeros_like(u))
+        u = (u - step).clamp_min(_CF_SWITCH)
+        if bool((step.abs() <= 1e-15 * u).all()):
+            break
+    return torch.where(far, -u, x)
+
+
+def _probit_tight_x(th, rho, iters=100):
+    """Maximiser of the probit Hopf formula in the variable ``x``: the root of ``th + rho a(x) / 2 - x``.
+
+    The function decreases (``a' = L2 < 0``) and its root lies in ``[th + rho a(th) / 2, th]``
+    (``a < 0`` and decreasing); safeguarded Newton on that bracket.
+    """
+    lo = th + 0.5 * rho * probit_curvature(th)[4]
+    hi = th.clone()
+    x = hi.clone()
+    for _ in range(iters):
+        _, _, _, _, a, L2 = probit_curvature(x)
+        F = th + 0.5 * rho * a - x
+        lo = torch.where(F > 0, x, lo)
+        hi = torch.where(F <= 0, x, hi)
+        xn = x + F / (1 - 0.5 * rho * L2)
+        xn = torch.where((xn < lo) | (xn > hi), 0.5 * (lo + hi), xn)
+        xn = torch.where(F == 0, x, xn)
+        done = (xn - x).abs() <= 1e-15 * (1 + x.abs())
+        x = xn
+        if bool(done.all()):
+            break
+    return x
+
+
+class ProbitTightBound(LocalBound):
+    r"""Bernoulli-probit bound ``f(h, rho) = sup_p [p c h + G(p) rho / 2 - psi(p)]`` (``c = 2 y - 1``).
+
+    ``psi(p) = sup_x [p x + log Phi(x)]`` is the conjugate of ``-log Phi`` (slopes ``p = -r(x) < 0``,
+    ``r = phi/Phi``) and ``G(p) = 1 / psi''(p) = r (x + r)`` is the curvature of ``-log Phi`` at the
+    point of slope ``p``. ``G`` is concave, so ``F(h, rho) = E_{N(h, rho)}[-log Phi(c eta)]``, which solves
+    ``F_rho = F_hh / 2`` with ``F_hh = E[G(slope)] <= G(E[slope]) = G(F_h)``, is a subsolution of
+    ``U_rho = G(U_h) / 2``; ``f`` is that equation's Hopf-formula solution from ``U(., 0) = -log Phi(c .)``,
+    so ``f >= F`` (the argument of the tight logit bound, module docstring). ``f`` is convex (a
+    supremum of affine functions; its Hessian is ``G / (1 - rho L2 / 2) v v^T`` with
+    ``v = (c, a / 2)``), exact at ``rho = 0`` and to first order in ``rho``, and below the Böhning-type
+    bound ``-log Phi(c h) + rho / 2`` (``G < 1``). ``docs/dual_vg.md``, § The probit bound.
+
+    Conjugate: ``f*(alpha, lambda) = psi(c alpha)`` on ``{lambda <= G(c alpha)}``; in terms of the root
+    ``x`` of ``r(x) = s = -c alpha > 0``: ``psi = -s x + log Phi(x)``, ``psi' = c x``, ``psi'' = 1 / G``,
+    ``ell = G``, ``ell' = c a``, ``ell'' = L2 / G`` (:func:`probit_curvature`). The ``alpha`` domain is
+    ``(-inf, 0)`` for ``y = 1`` and ``(0, inf)`` for ``y = 0``; ``psi' = c x`` diverges at ``alpha = 0``.
+    """
+
+    name = "probit"
+
+    def __init__(self, family):
+        super().__init__(family)
+        self.y = family.params["y"]
+        self.c = 2 * self.y - 1
+        self._last = None
+
+    def _x_of_alpha(self, alpha):
+        """Root ``x`` of ``r(x) = -c alpha``; the last one is reused (``psi`` and ``ell`` see the same ``alpha``)."""
+        last = self._last
+        if last is not None and last[0] is alpha and last[1] == alpha._version:
+            return last[2]
+        x = mills_inverse(-self.c * alpha)
+        self._last = (alpha, alpha._version, x)
+        return x
+
+    def f(self, h, rho):
+        # the maximiser is detached: the value is formed without cancellation, and the linear terms
+        # (zero in value) give the exact first derivatives (alpha*, G*/2) under autograd (envelope theorem)
+        hd, rd = h.detach(), rho.detach()
+        x = _probit_tight_x(self.c * hd, rd)
+        r, c, G, w, _, _ = probit_curvature(x)
+        value = 0.5 * rd * r * w / c - torch.special.log_ndtr(x)
+        return value + (-self.c * r) * (h - hd) + 0.5 * G * (rho - rd)
+
+    def psi(self, alpha):
+        s = -self.c * alpha
+        x = self._x_of_alpha(alpha)
+        G = probit_curvature(x)[2]
+        return -s * x + torch.special.log_ndtr(x), self.c * x, 1.0 / G
+
+    def ell(self, alpha):
+        x = self._x_of_alpha(alpha)
+        _, _, G, _, a, L2 = probit_curvature(x)
+        return G, self.c * a, L2 / G
+
+    def alpha_domain(self, like):
+        pos = self.y.to(like) == 1
+        inf = torch.full_like(like, math.inf)
+        zero = torch.zeros_like(like)
+        return torch.where(pos, -inf, zero), torch.where(pos, zero, inf)
+
+    def alpha_star(self, h, rho):
+        x = _probit_tight_x(self.c * h, rho)
+        return -self.c * _mills(x)
+
+
 class StackedBound(LocalBound):
     """Several bounds (one per site group) acting on consecutive slices of ``alpha``."""
 
@@ -630,9 +831,10 @@ def make_bound(family, bound="tight", xi=None):
     """The local bound of a site family.
 
     :param family: a :class:`~pyro_convexvb.lgm.sites.SiteFamily` (Poisson, Gaussian,
-        Bernoulli-logit, :class:`StochasticVolatility`).
+        Bernoulli-logit, Bernoulli-probit, :class:`StochasticVolatility`).
     :param str bound: for Bernoulli-logit sites one of ``"tight"`` (default), ``"jensen"``,
-        ``"bohning"``, ``"jaakkola"``; ignored for the exact families.
+        ``"bohning"``, ``"jaakkola"``; ignored for the exact families. Bernoulli-probit sites always
+        get :class:`ProbitTightBound` (the other logit bounds have no probit counterpart here).
     :param xi: fixed ``xi`` of the Jaakkola bound (``None``: from the prior marginals).
     :raises ValueError: for a family without a convex local bound (the message names it).
 
@@ -663,5 +865,12 @@ def make_bound(family, bound="tight", xi=None):
         if bound == "jaakkola":
             return LogitJaakkolaBound(family, xi)
         raise ValueError(f"bound: unknown Bernoulli-logit bound {bound!r}; choose one of {LOGIT_BOUNDS}")
+    if isinstance(family, BernoulliProbit):
+        y = family.params["y"]
+        if not bool(((y == 0) | (y == 1)).all()):
+            raise ValueError("y: Bernoulli-probit labels must be in {0, 1}")
+        if bound not in LOGIT_BOUNDS:
+            raise ValueError(f"bound: unknown local bound {bound!r}; choose one of {LOGIT_BOUNDS}")
+        return ProbitTightBound(family)
     raise ValueError(f"dual_vg has no convex local variational bound for site family '{family.name}' "
-                     "(supported: poisson, bernoulli_logit, gaussian, stochastic_volatility)")
+                     "(supported: poisson, bernoulli_logit, bernoulli_probit, gaussian, stochastic_volatility)")

@@ -18,7 +18,7 @@ from pyro.nn.module import PyroParam
 
 from ...errors import UnsupportedModelError
 from ...linalg.operators import IdentityOperator, SparseOperator
-from ..engine import Engine, EngineOptions, Optimality, Solution, option
+from ..engine import Engine, LGMEngineOptions, Optimality, Solution, option
 from .bounds import LOGIT_BOUNDS, LogitJaakkolaBound, StackedBound, make_bound
 from .objective import BandedPrecisionBackend, LatentSpaceBackend, SiteSpaceBackend, exact_elbo
 from .optim import default_gap_tol, refine_exact, solve_dual
@@ -26,7 +26,7 @@ from .optim import default_gap_tol, refine_exact, solve_dual
 __all__ = ["DualVG", "DualVGEngine", "DualVGOptions", "fit_dual_vg", "site_space_predictive", "dual_vg_applies",
            "build_dual_problem", "SUPPORTED_FAMILIES"]
 
-SUPPORTED_FAMILIES = ("bernoulli_logit", "poisson", "gaussian", "stochastic_volatility")
+SUPPORTED_FAMILIES = ("bernoulli_logit", "bernoulli_probit", "poisson", "gaussian", "stochastic_volatility")
 
 
 def dual_vg_applies(lgm):
@@ -99,6 +99,8 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
             St, latent = WS @ Wd.transpose(0, 1), (WS, mu, S)
         backend = SiteSpaceBackend(0.5 * (St + St.transpose(0, 1)), W.mv(mu) + d)
         backend.latent = latent
+        # the site backend works on eta = W z + d; with W = I the latent is eta - d
+        backend.site_offset = d
     if isinstance(lb, LogitJaakkolaBound) or any(isinstance(b, LogitJaakkolaBound) for b in lb.split()):
         h, rho = backend.prior_marginals()
         parts = lb.split()
@@ -109,21 +111,30 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
 
 
 def _posterior(backend, alpha, lam):
-    """``q(z)`` from the dual optimum (Khan et al. 2013, Eqs. 17-18) in the backend's form."""
-    if backend.kind == "site" and getattr(backend, "latent", None) is not None:
-        from ..posterior import GaussianPosterior
+    """``q(z)`` over the latent ``z`` from the dual optimum (Khan et al. 2013, Eqs. 17-18) in the backend's form.
 
+    The site form works on the predictors ``eta = W z + d``: with a general design the latent moments
+    are ``m = mu - Sigma W^T alpha``, ``V = Sigma - Sigma W^T Lam^1/2 B^{-1} Lam^1/2 W Sigma``; with
+    ``W = I`` its Gaussian over ``eta`` is shifted back by the offset, ``z = eta - d``.
+    """
+    from ..posterior import GaussianPosterior
+
+    if backend.kind == "site" and getattr(backend, "latent", None) is not None:
         WS, mu, S = backend.latent  # WS = W Sigma  (N, L)
         s = lam.clamp_min(0).sqrt()
         R, _ = backend._factor(lam)
         T = torch.linalg.solve_triangular(R, s[:, None] * WS, upper=False)  # R^{-1} Lam^1/2 W Sigma  (N, L)
         V = S - T.transpose(0, 1) @ T
         return GaussianPosterior(mu - WS.transpose(0, 1) @ alpha, covariance=0.5 * (V + V.transpose(0, 1)))
-    return backend.posterior(alpha, lam)
+    q = backend.posterior(alpha, lam)
+    d = getattr(backend, "site_offset", None) if backend.kind == "site" else None
+    if d is not None and bool((d != 0).any()):
+        q = GaussianPosterior(q.loc - d, covariance=q.covariance(force=True))
+    return q
 
 
 @dataclass(frozen=True)
-class DualVGOptions(EngineOptions):
+class DualVGOptions(LGMEngineOptions):
     bound: typing.Literal["tight", "jensen", "bohning", "jaakkola"] = option(
         "tight", "Bernoulli-logit local bound (other families use their exact bounds)")
     method: typing.Literal["newton", "lbfgs"] = option("newton", "dual minimiser")
@@ -176,6 +187,12 @@ class DualVGEngine(Engine):
     @classmethod
     def applies(cls, lgm):
         return dual_vg_applies(lgm)
+
+    def warm_start_options(self, result):
+        return {"alpha0": result.info["alpha"]} if "alpha" in result.info else {}
+
+    def precise_options(self):
+        return {"gap_tol": 1e-9}
 
     def solve(self, lgm, run):
         o = self.options

@@ -15,9 +15,10 @@ The three *backends* compute the prior-dependent part (everything except ``sum f
   ``O(N^3)``; never inverts ``Sigma`` (GP classification with an ill-conditioned kernel matrix is safe).
 * :class:`LatentSpaceBackend` -- the ``L x L`` form for ``L < N`` (e.g. random features or
   Bayesian logistic regression): ``A = Sigma^{-1} + W^T Lambda W``; ``O(N L^2 + L^3)``.
-* :class:`BandedPrecisionBackend` -- a latent GMRF given by a sparse banded precision ``Q``:
-  banded Cholesky of ``A = Q + W^T Lambda W`` and Takahashi's selected inversion for
-  ``diag(A^{-1})``; ``O(L b^2)`` with bandwidth ``b``; no dense inverse anywhere.
+* :class:`SparsePrecisionBackend` (also named ``BandedPrecisionBackend``) -- a latent GMRF given by a
+  sparse precision ``Q``: sparse Cholesky of ``A = Q + W^T Lambda W`` with a fill-reducing ordering
+  and the symbolic analysis reused, Takahashi's selected inversion for ``diag(A^{-1})``, and a
+  matrix-free Hessian; memory ``O(nnz)`` of the factors; no dense inverse anywhere.
 
 :func:`reduced_objective` evaluates the reduced dual ``g(alpha) = g(alpha, ell(alpha))`` with its
 gradient and (optionally) Hessian; :func:`dual_vg_objective` is the public joint form.
@@ -37,6 +38,8 @@ __all__ = [
     "LatentSpaceBackend",
     "LatentSpaceHessian",
     "BandedPrecisionBackend",
+    "SparsePrecisionBackend",
+    "SparsePrecisionHessian",
     "DualValue",
     "dual_vg_objective",
     "reduced_objective",
@@ -321,7 +324,9 @@ class LatentSpaceHessian:
         return H
 
 
-# ----------------------------------------------------------------------------- banded GMRF backend
+# ----------------------------------------------------------------------------- banded selected inversion
+# (Takahashi recursion on a banded factor; the GMRF backend below uses the general sparse layer,
+# pyro_convexvb.linalg.SparseCholesky)
 def _to_band_lower(A_csr, b):
     """scipy CSR symmetric -> lower band storage ``ab[d, i] = A[i + d, i]``, ``d = 0..b``."""
     n = A_csr.shape[0]
@@ -392,36 +397,65 @@ except ImportError:  # pragma: no cover
     _takahashi_kernel = _takahashi_py
 
 
-class BandedPrecisionBackend:
-    """Latent GMRF form: prior precision ``Q`` sparse with bandwidth ``b``; sites ``eta_n = w_n z_{j(n)} + d_n``.
+class SparsePrecisionBackend:
+    r"""Latent GMRF form: sparse prior precision ``Q``; sites ``eta_n = w_n z_{j(n)} + d_n``.
 
     Every site reads one latent coordinate (``W`` has one nonzero per row, e.g. counts observed
-    on the cells of a grid), so ``W^T Lambda W`` is diagonal and ``A = Q + W^T Lambda W`` keeps
-    the band of ``Q``. Per evaluation: a banded Cholesky of ``A`` (``O(L b^2)``), Takahashi's
-    selected inversion for ``diag(A^{-1})`` (``O(L b^2)``) and a banded solve with ``Q`` for
-    ``alpha^T Sigma_t alpha = (W^T alpha)^T Q^{-1} (W^T alpha)`` (``docs/dual_vg.md``,
-    § Dual decomposition). Runs in NumPy/SciPy on the CPU; results come back on the input device.
+    on the cells of a lattice), so ``W^T Lambda W`` is diagonal and ``A = Q + W^T Lambda W`` keeps
+    the pattern of ``Q``. With the sparse Cholesky layer (:class:`~pyro_convexvb.linalg.SparseCholesky`,
+    fill-reducing ordering; Rue & Held 2005, §2.4):
 
-    :param Q: ``(L, L)`` sparse (torch or scipy) symmetric positive definite precision.
+    * ``Q`` is factored once: ``log|Sigma| = -log|Q|``, the prior marginals ``diag(Q^{-1})`` by
+      selected inversion, and ``alpha^T Sigma_t alpha = (W^T alpha)^T Q^{-1} (W^T alpha)`` by one solve;
+    * per ``lambda``: a numeric factorisation of ``A`` that reuses the symbolic analysis,
+      ``log|B| = log|A| - log|Q|`` (``docs/dual_vg.md``, § Dual decomposition) and the site variances
+      ``v_t = w^2 diag(A^{-1})`` by Takahashi's selected inversion (Takahashi et al. 1973).
+
+    Memory is ``O(nnz)`` of the two factors; no dense matrix is formed.
+
+    The reduced-dual Hessian (``docs/dual_vg.md``, § Dual decomposition) is available as a
+    matrix-free operator (:meth:`hessian_operator`): ``Sigma_t x`` by one solve with ``Q``, and the
+    Hadamard term ``(V_t \circ V_t) u = w^2 (A^{-1} \circ A^{-1}) (W^T (w u))`` by forward-mode
+    differentiation of the selected inversion
+    (:meth:`~pyro_convexvb.linalg.SparseCholesky.diag_inverse_jvp`), preconditioned by
+    ``Sigma_t + D_p`` through the Woodbury identity and one more factorisation with the same pattern.
+    There is no dense Hessian (``evaluate(..., hessian=True)`` raises).
+
+    Runs in NumPy/SciPy on the CPU; results come back on the input device.
+
+    :param Q: ``(L, L)`` sparse (torch, SciPy or :class:`~pyro_convexvb.linalg.SparseOperator`) symmetric
+        positive definite precision.
     :param torch.Tensor mu: ``(L,)`` prior mean.
     :param W: ``(N, L)`` sparse/dense with exactly one nonzero per row (``None``: identity).
     :param torch.Tensor offset: ``(N,)``.
+    :param str cholesky_backend: backend of :class:`~pyro_convexvb.linalg.SparseCholesky` (default: its default).
+
+    Example::
+
+        >>> import torch
+        >>> n = 5
+        >>> Q = (2.5 * torch.eye(n, dtype=torch.float64) - torch.diag(torch.ones(n - 1, dtype=torch.float64), 1)
+        ...      - torch.diag(torch.ones(n - 1, dtype=torch.float64), -1)).to_sparse_csr()
+        >>> be = SparsePrecisionBackend(Q, torch.zeros(n, dtype=torch.float64))
+        >>> t = be.evaluate(torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64))
+        >>> Qd = Q.to_dense()
+        >>> bool(torch.allclose(t.v_tilde, torch.diagonal(torch.linalg.inv(Qd + torch.eye(n, dtype=torch.float64)))))
+        True
     """
 
     kind = "banded"
 
-    def __init__(self, Q, mu, W=None, offset=None):
-        import scipy.linalg as sl
+    def __init__(self, Q, mu, W=None, offset=None, cholesky_backend=None):
         import scipy.sparse as sp
 
+        from ...linalg.sparse_cholesky import SparseCholesky, _upper_with_diagonal, as_scipy_csc
+
         self.dtype, self.device = mu.dtype, mu.device
-        Qs = _to_scipy(Q).tocsr()
+        Qs = as_scipy_csc(Q, "Q")
         Lsz = Qs.shape[0]
-        if Qs.shape != (Lsz, Lsz):
-            raise ValueError(f"Q: must be square, got {Qs.shape}")
-        coo = Qs.tocoo()
-        self.b = int(np.abs(coo.row - coo.col).max()) if coo.nnz else 0
         self.L = Lsz
+        if tuple(mu.shape) != (Lsz,):
+            raise ValueError(f"mu: expected shape ({Lsz},), got {tuple(mu.shape)}")
         if W is None:
             Ws = sp.identity(Lsz, format="csr")
         else:
@@ -430,75 +464,172 @@ class BandedPrecisionBackend:
         if Ws.shape[1] != Lsz:
             raise ValueError(f"W: expected {Lsz} columns, got {Ws.shape[1]}")
         if not np.all(np.diff(Ws.indptr) == 1):
-            raise ValueError("W: the banded GMRF backend needs exactly one nonzero per row (a site reads one latent)")
+            raise ValueError("W: the sparse-precision GMRF backend needs exactly one nonzero per row (a site reads "
+                             "one latent)")
         self.N = Ws.shape[0]
-        self.col = Ws.indices.copy()
-        self.w = Ws.data.copy()
+        self.col = Ws.indices.astype(np.int64)
+        self.w = Ws.data.astype(np.float64)
         self.Ws = Ws
         self.mu = mu.detach().cpu().numpy().astype(np.float64)
         self.d = np.zeros(self.N) if offset is None else offset.detach().cpu().numpy().astype(np.float64)
-        self.Qb = _to_band_lower(Qs, self.b)
-        self.cQ = sl.cholesky_banded(self.Qb, lower=True)
-        self.logdet_S = -2 * np.log(self.cQ[0]).sum()
+        self.cholesky_backend = cholesky_backend
+        self.cholQ = SparseCholesky(Qs, cholesky_backend, name="Q")
+        self.logdet_S = -self.cholQ.logdet()
+        U = _upper_with_diagonal(Qs)
+        self._Qupper = U.data.copy()
+        self._indptr, self._indices = U.indptr, U.indices
+        self._diag_pos = U.indptr[1:] - 1  # sorted upper-triangle columns end with their diagonal entry
+        self._Qs = Qs
         self.mu_t = self._t(self.w * self.mu[self.col] + self.d)
+        self._chol = {}  # "A" and "K" (preconditioner): SparseCholesky on the pattern of Q, with their diagonals
         self._cache = None
 
     def _t(self, x):
         return torch.as_tensor(x, dtype=self.dtype, device=self.device)
 
+    def _np(self, x):
+        return x.detach().cpu().numpy().astype(np.float64) if torch.is_tensor(x) else np.asarray(x, dtype=np.float64)
+
     def _Wt(self, a):  # W^T a
         return np.bincount(self.col, weights=self.w * a, minlength=self.L)
 
+    def _W(self, z):  # W z
+        return self.w * z[self.col]
+
     def prior_marginals(self):
-        Zq = _takahashi_band(self.cQ)
-        return self.mu_t, self._t(self.w**2 * Zq[0][self.col])
+        return self.mu_t, self._t(self.w**2 * self.cholQ.diag_inverse()[self.col])
+
+    def _factor_with_diagonal(self, key, extra):
+        """:class:`SparseCholesky` of ``Q + diag(extra)`` (same pattern every time: symbolic analysis reused)."""
+        import scipy.sparse as sp
+
+        from ...linalg.sparse_cholesky import SparseCholesky
+
+        cur = self._chol.get(key)
+        if cur is not None and np.array_equal(cur[1], extra):
+            return cur[0]
+        data = self._Qupper.copy()
+        data[self._diag_pos] += extra
+        if cur is None:
+            chol = SparseCholesky((self._Qs + sp.diags(extra)).tocsc(), self.cholesky_backend, name=f"Q + W^T Lam W")
+        else:
+            chol = cur[0].update_values(data)
+        self._chol[key] = (chol, extra.copy())
+        return chol
 
     def _factor(self, lam):
-        import scipy.linalg as sl
-
         if self._cache is not None and _same(self._cache[0], lam):
             return self._cache[1]
-        lam_np = lam.detach().cpu().numpy()
-        Ab = self.Qb.copy()
-        Ab[0] += np.bincount(self.col, weights=self.w**2 * lam_np, minlength=self.L)
-        cA = sl.cholesky_banded(Ab, lower=True)
-        Z = _takahashi_band(cA)
-        out = (cA, Z)
+        lam_np = self._np(lam)
+        chol = self._factor_with_diagonal("A", np.bincount(self.col, weights=self.w**2 * lam_np, minlength=self.L))
+        out = (chol.logdet(), chol.diag_inverse())
         self._cache = (lam, out)
         return out
 
     def evaluate(self, alpha, lam, hessian=False):
-        import scipy.linalg as sl
-
         if hessian:
-            raise NotImplementedError("the banded GMRF backend has no dense Hessian; use method='lbfgs'")
-        cA, Z = self._factor(lam)
-        a = alpha.detach().cpu().numpy()
-        Wa = self._Wt(a)
-        SWa = sl.cho_solve_banded((self.cQ, True), Wa)
+            raise NotImplementedError("the sparse-precision GMRF backend has no dense Hessian: use its matrix-free "
+                                      "hessian_operator (Newton with newton_solver='cg') or method='lbfgs'")
+        logdet_A, Zd = self._factor(lam)
+        Wa = self._Wt(self._np(alpha))
+        SWa = self.cholQ.solve(Wa)
         m = self.mu - SWa
-        v = self.w**2 * Z[0][self.col]
-        logdet_B = 2 * np.log(cA[0]).sum() + self.logdet_S
-        return PriorTerms(self._t(self.w * m[self.col] + self.d), self._t(v), self._t(logdet_B), self._t(Wa @ SWa))
+        v = self.w**2 * Zd[self.col]
+        logdet_B = logdet_A + self.logdet_S
+        return PriorTerms(self._t(self._W(m) + self.d), self._t(v), self._t(logdet_B), self._t(Wa @ SWa))
+
+    def hessian_operator(self, lam, dl, diag):
+        """The reduced-dual Hessian at ``lambda`` as a :class:`SparsePrecisionHessian` (matrix-free, never ``N x N``)."""
+        self._factor(lam)
+        return SparsePrecisionHessian(self, lam, dl, diag)
 
     def posterior(self, alpha, lam, prior=None):
         """Gaussian over the field: mean ``mu - Q^{-1} W^T alpha``, sparse precision ``A`` (matrix-free sampling).
 
-        Samples are exact by perturb-and-solve with the factor ``J = [C_Q^T; Lam^1/2 W]``
-        (``J^T J = A``), ``C_Q`` the banded Cholesky factor of ``Q``.
+        Samples are exact by perturb-and-solve with the factor ``J = [R_Q; Lam^1/2 W]``
+        (``J^T J = A``), ``R_Q`` the sparse Cholesky factor of ``Q`` (``R_Q^T R_Q = Q``).
         """
-        import scipy.linalg as sl
         import scipy.sparse as sp
 
-        cA, Z = self._factor(lam)
-        a = alpha.detach().cpu().numpy()
-        m = self.mu - sl.cho_solve_banded((self.cQ, True), self._Wt(a))
-        lam_np = lam.detach().cpu().numpy()
-        A = _band_to_sparse(self.Qb, self.L) + sp.diags(np.bincount(self.col, weights=self.w**2 * lam_np, minlength=self.L))
-        CQ = _band_to_sparse(self.cQ, self.L, symmetric=False)  # lower factor of Q
-        J = sp.vstack([CQ.T, sp.diags(np.sqrt(lam_np)) @ self.Ws]).tocsr()
-        return GaussianPosterior(self._t(m), self._t(Z[0]), precision_operator=_sparse_op(A, self.dtype, self.device),
+        _, Zd = self._factor(lam)
+        m = self.mu - self.cholQ.solve(self._Wt(self._np(alpha)))
+        lam_np = self._np(lam)
+        A = (self._Qs + sp.diags(np.bincount(self.col, weights=self.w**2 * lam_np, minlength=self.L))).tocsr()
+        J = sp.vstack([self.cholQ.factor_matrix(), sp.diags(np.sqrt(np.clip(lam_np, 0, None))) @ self.Ws]).tocsr()
+        return GaussianPosterior(self._t(m), self._t(Zd), precision_operator=_sparse_op(A, self.dtype, self.device),
                                  precision_factor=_sparse_op(J, self.dtype, self.device))
+
+
+#: the former name of :class:`SparsePrecisionBackend` (a banded ``Q`` is one sparse ``Q``)
+BandedPrecisionBackend = SparsePrecisionBackend
+
+
+class SparsePrecisionHessian:
+    r"""Matrix-free reduced-dual Hessian of the sparse-precision GMRF form, with a Woodbury preconditioner.
+
+    ``H = Sigma_t + diag(l') (V_t \circ V_t) diag(l') / 2 + diag(psi'' - l'' v_t / 2)``
+    (``docs/dual_vg.md``, § Dual decomposition, "Half-space conjugates and the reduced dual") with
+    ``Sigma_t = W Q^{-1} W^T`` and ``V_t = W A^{-1} W^T``. A product costs one solve with ``Q`` and one
+    forward-mode selected inversion of ``A`` (:meth:`~pyro_convexvb.linalg.SparseCholesky.diag_inverse_jvp`,
+    ``(A^{-1} \circ A^{-1}) t = -d diag((A + s diag(t))^{-1})/ds``). The preconditioner keeps the prior
+    part exactly, ``P = Sigma_t + D_p``, ``D_p = diag(psi'' - l'' v_t / 2 + l'^2 v_t^2 / 2)``, and applies
+    ``P^{-1} = D_p^{-1} - D_p^{-1} W (Q + W^T D_p^{-1} W)^{-1} W^T D_p^{-1}`` with a sparse factorisation
+    on the pattern of ``Q``.
+
+    :param backend: the :class:`SparsePrecisionBackend` (factored at ``lam``).
+    :param torch.Tensor lam: ``(N,)``.
+    :param torch.Tensor dl: ``(N,)`` ``ell'(alpha)``.
+    :param torch.Tensor diag: ``(N,)`` ``psi''(alpha) - ell''(alpha) v_t / 2``.
+    """
+
+    def __init__(self, backend, lam, dl, diag):
+        self.backend, self.lam = backend, lam
+        self.dl, self.diag = backend._np(dl), backend._np(diag)
+        self.shape = (backend.N, backend.N)
+        self._pre = None
+
+    def _chol_A(self):
+        be = self.backend
+        be._factor(self.lam)
+        return be._chol["A"][0]
+
+    def mv(self, x):
+        """``H x`` for ``x`` of shape ``(N,)`` (tensor in, tensor out)."""
+        be = self.backend
+        xn = be._np(x)
+        St_x = be._W(be.cholQ.solve(be._Wt(xn)))
+        t = np.bincount(be.col, weights=be.w**2 * self.dl * xn, minlength=be.L)
+        had = -be.w**2 * self._chol_A().diag_inverse_jvp(t)[be.col]
+        return be._t(St_x + self.diag * xn + 0.5 * self.dl * had)
+
+    def precondition(self, r):
+        """``P^{-1} r`` (Woodbury; see the class docstring)."""
+        be = self.backend
+        if self._pre is None:
+            _, Zd = be._factor(self.lam)
+            v = be.w**2 * Zd[be.col]
+            Dp = self.diag + 0.5 * (self.dl * v) ** 2
+            floor = 1e-12 * max(float(np.abs(Dp).max()), 1e-300)
+            Dinv = 1.0 / np.clip(Dp, floor, None)
+            extra = np.bincount(be.col, weights=be.w**2 * Dinv, minlength=be.L)
+            self._pre = (Dinv, extra)
+        Dinv, extra = self._pre
+        chol = be._factor_with_diagonal("K", extra)
+        rn = be._np(r)
+        y = Dinv * rn
+        z = chol.solve(be._Wt(y))
+        return be._t(y - Dinv * be._W(z))
+
+    def to_dense(self):
+        """The ``N x N`` matrix (tests and small problems only)."""
+        be = self.backend
+        Wd = be.Ws.toarray()
+        Qi = np.linalg.inv(be._Qs.toarray())
+        lam_np = be._np(self.lam)
+        Ai = np.linalg.inv(be._Qs.toarray() + (Wd.T * lam_np) @ Wd)
+        V = Wd @ Ai @ Wd.T
+        H = Wd @ Qi @ Wd.T + 0.5 * self.dl[:, None] * (V * V) * self.dl[None, :] + np.diag(self.diag)
+        return be._t(H)
 
 
 def _to_scipy(M):
@@ -535,6 +666,7 @@ def _band_to_sparse(ab, n, symmetric=True):
 
 def _sparse_op(M, dtype, device):
     M = M.tocsr()
+    M.sum_duplicates()  # sorted, distinct column indices per row
     t = torch.sparse_csr_tensor(torch.as_tensor(M.indptr, dtype=torch.int64), torch.as_tensor(M.indices, dtype=torch.int64),
                                 torch.as_tensor(M.data, dtype=dtype), size=M.shape,
                                 check_invariants=True).to(device)

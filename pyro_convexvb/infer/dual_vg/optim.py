@@ -124,7 +124,7 @@ def solve_dual(backend, bound, alpha0=None, *, method="newton", gap_tol=None, ma
     """
     if method not in ("newton", "lbfgs"):
         raise ValueError(f"method: expected 'newton' or 'lbfgs', got {method!r}")
-    if method == "newton" and getattr(backend, "kind", "") == "banded":
+    if method == "newton" and getattr(backend, "kind", "") == "banded" and not hasattr(backend, "hessian_operator"):
         method = "lbfgs"
     N = len(bound)
     gap_tol = default_gap_tol(N) if gap_tol is None else float(gap_tol)
@@ -156,7 +156,7 @@ def _use_operator_hessian(backend, newton_solver):
         raise ValueError(f"newton_solver: expected 'auto', 'dense' or 'cg', got {newton_solver!r}")
     if not hasattr(backend, "hessian_operator") or newton_solver == "dense":
         return False
-    if newton_solver == "cg":
+    if newton_solver == "cg" or getattr(backend, "kind", "") == "banded":  # sparse GMRF: no dense Hessian
         return True
     N, L = backend.N, backend.L
     # dense: Cholesky of H (N^3/3) and forming V_t, Sigma_t (2 N^2 L). PCG: a preconditioner set-up

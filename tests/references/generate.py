@@ -1,0 +1,64 @@
+"""Long NUTS reference runs for the tests, computed once and stored as JSON (not run in CI).
+
+Usage (from the repository root)::
+
+    python tests/references/generate.py            # every reference; several minutes
+    python tests/references/generate.py gp_lengthscale
+
+Each reference: 4 chains run one after another (different seeds) of 3,000 samples after 1,500 warm-up
+steps; per latent site the mean, standard deviation and the 5%, 50% and 95% quantiles of every
+coordinate, with the largest split R-hat and the smallest effective sample size over the chains.
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import pyro  # noqa: E402
+import torch  # noqa: E402
+from pyro.infer import MCMC, NUTS  # noqa: E402
+from pyro.ops.stats import effective_sample_size, split_gelman_rubin  # noqa: E402
+
+from tests.references.hyper_models import NUTS_REFERENCES  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PATH = os.path.join(HERE, "hyper_nuts.json")
+
+
+def run(name, builder, chains=4, num_samples=3000, warmup=1500):
+    model, args, kwargs = builder()
+    per_chain = []
+    for c in range(chains):
+        pyro.set_rng_seed(100 + c)
+        mcmc = MCMC(NUTS(model, target_accept_prob=0.9), num_samples=num_samples, warmup_steps=warmup,
+                    disable_progbar=True)
+        mcmc.run(*args, **kwargs)
+        per_chain.append({k: v.detach() for k, v in mcmc.get_samples().items()})
+    out = {"chains": chains, "num_samples": num_samples, "warmup_steps": warmup, "sites": {}}
+    rhat, ess = 1.0, float("inf")
+    for site in per_chain[0]:
+        x = torch.stack([pc[site].reshape(num_samples, -1) for pc in per_chain])  # (C, S, k)
+        rhat = max(rhat, float(split_gelman_rubin(x).max()))
+        ess = min(ess, float(effective_sample_size(x).min()))
+        flat = x.reshape(-1, x.shape[-1])
+        q = torch.quantile(flat, torch.tensor([0.05, 0.5, 0.95], dtype=flat.dtype), dim=0)
+        out["sites"][site] = {"mean": flat.mean(0).tolist(), "sd": flat.std(0).tolist(), "q05": q[0].tolist(),
+                              "q50": q[1].tolist(), "q95": q[2].tolist()}
+    out["max_split_rhat"], out["min_ess"] = rhat, ess
+    return out
+
+
+def main(names):
+    refs = json.load(open(PATH)) if os.path.exists(PATH) else {}
+    for name in names or list(NUTS_REFERENCES):
+        print(f"{name} ...", flush=True)
+        refs[name] = run(name, NUTS_REFERENCES[name])
+        print(f"  split R-hat {refs[name]['max_split_rhat']:.4f}, min ESS {refs[name]['min_ess']:.0f}")
+        with open(PATH, "w") as f:
+            json.dump(refs, f, indent=1)
+
+
+if __name__ == "__main__":
+    torch.set_default_dtype(torch.float64)
+    main(sys.argv[1:])

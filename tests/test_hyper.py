@@ -1,0 +1,179 @@
+"""Hyper-latents integrated over (INLA-style) or maximised, against exact and long-NUTS references."""
+import json
+import math
+import os
+import warnings
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import scipy.optimize
+import torch
+
+import pyro_convexvb as pcv
+from pyro_convexvb.infer.hyper import design_points, find_hyper_sites
+from tests.references import hyper_models as hm
+
+D = torch.float64
+REF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "references", "hyper_nuts.json")
+
+
+@pytest.mark.parametrize("d", range(1, 11))
+def test_ccd_is_exact_for_quadratics_under_a_standard_normal(d):
+    x, a = design_points(d, "ccd")
+    assert float(a.sum()) == pytest.approx(1.0, abs=1e-12) and bool((a > 0).all())
+    torch.testing.assert_close((a[:, None] * x).sum(0), torch.zeros(d, dtype=D), atol=1e-12, rtol=0)
+    torch.testing.assert_close((a[:, None, None] * x[:, :, None] * x[:, None, :]).sum(0), torch.eye(d, dtype=D),
+                               atol=1e-12, rtol=0)
+
+
+def test_grid_design_approximates_the_normal_moments():
+    for d, tol in ((1, 0.01), (2, 0.015)):
+        x, a = design_points(d, "grid", step=0.75, radius=3.5)
+        cov = (a[:, None, None] * x[:, :, None] * x[:, None, :]).sum(0)
+        torch.testing.assert_close(cov, torch.eye(d, dtype=D), atol=tol, rtol=0)
+
+
+def test_hyper_sites_are_found():
+    for builder, names in ((hm.logistic_halfcauchy, ["tau"]), (hm.gp_lengthscale, ["ell"]),
+                           (hm.linear_noise_and_scale, ["tau", "sigma"])):
+        model, args, kwargs = builder()
+        assert find_hyper_sites(model, args, kwargs) == names
+
+    def normal_log_scale(y=None):  # a Normal-prior latent that sets another site's prior scale is a hyper-latent
+        s = pyro.sample("log_tau", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), s.exp()).to_event(1))
+        pyro.sample("y", dist.Normal(w.sum(), 1.0), obs=y)
+
+    assert find_hyper_sites(normal_log_scale, (), {"y": torch.tensor(0.5, dtype=D)}) == ["log_tau"]
+
+    def gaussian_parent(y=None):  # a Gaussian latent that sets a hyper-latent's prior joins the hyper-latents
+        m = pyro.sample("m", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        s = pyro.sample("s", dist.LogNormal(m, 1.0))
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), s).to_event(1))
+        pyro.sample("y", dist.Normal(w.sum(), 1.0), obs=y)
+
+    assert find_hyper_sites(gaussian_parent, (), {"y": torch.tensor(0.5, dtype=D)}) == ["m", "s"]
+
+
+def _exact_2d(X, y, n=241):
+    """Hyper-posterior of (tau, sigma) on a log grid, and the mixture mean of w (exact given theta).
+
+    With ``X X^T = U diag(lam) U^T`` and ``X^T X = V diag(mu) V^T``, ``p(y | tau, sigma)`` and
+    ``E[w | y, tau, sigma]`` are closed forms in the eigenvalues, evaluated on the whole grid at once.
+    """
+    N, p = X.shape
+    lam, U = torch.linalg.eigh(X @ X.T)
+    mu, V = torch.linalg.eigh(X.T @ X)
+    yu2 = (U.T @ y) ** 2
+    xty = V.T @ (X.T @ y)
+    lt = torch.linspace(math.log(0.02), math.log(30.0), n, dtype=D)
+    ls = torch.linspace(math.log(0.05), math.log(3.0), n, dtype=D)
+    T2 = torch.exp(2 * lt)[:, None, None]
+    S2 = torch.exp(2 * ls)[None, :, None]
+    c = T2 * lam + S2  # (n, n, N) eigenvalues of tau^2 X X^T + sigma^2 I
+    loglik = -0.5 * (torch.log(c).sum(-1) + (yu2 / c).sum(-1) + N * math.log(2 * math.pi))
+    hc = dist.HalfCauchy(torch.tensor(1.0, dtype=D)).log_prob(lt.exp())[:, None]
+    hn = dist.HalfNormal(torch.tensor(1.0, dtype=D)).log_prob(ls.exp())[None, :]
+    lp = loglik + hc + hn + lt[:, None] + ls[None, :]  # density of (log tau, log sigma)
+    wv = xty / S2 / (1.0 / T2 + mu / S2)  # (n, n, p) posterior mean of V^T w
+    wmean = wv @ V.T
+    w = torch.softmax(lp.reshape(-1), 0).reshape(n, n)
+    out = {}
+    for name, vals, marg in (("tau", lt.exp(), w.sum(1)), ("sigma", ls.exp(), w.sum(0))):
+        cdf = marg.cumsum(0)
+        out[name] = [float(vals[(cdf >= q).nonzero()[0]]) for q in (0.05, 0.5, 0.95)]
+    out["w_mean"] = (w[:, :, None] * wmean).sum((0, 1))
+    flat = int(lp.argmax())
+    out["mode"] = {"tau": float(lt.exp()[flat // n]), "sigma": float(ls.exp()[flat % n])}
+    return out
+
+
+@pytest.fixture(scope="module")
+def linear_exact():
+    model, args, kwargs = hm.linear_noise_and_scale()
+    return model, args, kwargs, _exact_2d(args[0], kwargs["y"])
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation"])
+def test_integrated_hyper_posterior_matches_exact_quadrature(engine, linear_exact):
+    """Gaussian given (tau, sigma): the engines' bounds are exact, so the integrated posterior must match 2-D quadrature."""
+    model, args, kwargs, ref = linear_exact
+    res = pcv.fit(model, *args, engine=engine, progress=False, **kwargs)
+    assert res.converged and res.hyper["strategy"] == "grid"
+    for name in ("tau", "sigma"):
+        q = res.hyper["marginals"][name]["quantiles"]
+        for p, r in zip((0.05, 0.5, 0.95), ref[name]):
+            assert abs(float(q[p]) - r) < 0.06 * r, (name, p, float(q[p]), r)
+    sd = res.posterior.scale
+    assert float(((res.posterior.loc - ref["w_mean"]).abs() / sd).max()) < 0.05
+
+
+def test_hyper_map_is_the_exact_mode(linear_exact):
+    model, args, kwargs, ref = linear_exact
+    X, y = args[0], kwargs["y"]
+
+    def neg(z):
+        t, s = math.exp(z[0]), math.exp(z[1])
+        return -float(hm.linear_noise_exact_log_post(X, y, t, s)) - z[0] - z[1]
+
+    opt = scipy.optimize.minimize(neg, np.log([ref["mode"]["tau"], ref["mode"]["sigma"]]), method="Nelder-Mead",
+                                  options={"xatol": 1e-10, "fatol": 1e-12})
+    res = pcv.fit(model, *args, engine="dual_vg", options={"hyper": "map"}, progress=False, **kwargs)
+    assert res.hyper["marginals"] is None and res.stop_reason == "hyper-latent mode"
+    for i, name in enumerate(("tau", "sigma")):
+        assert float(res.hyper["mode"][name]) == pytest.approx(math.exp(opt.x[i]), rel=1e-3)
+
+
+def _nuts_ref(name):
+    if not os.path.exists(REF):
+        pytest.skip("NUTS references not generated (python tests/references/generate.py)")
+    refs = json.load(open(REF))
+    if name not in refs:
+        pytest.skip(f"no NUTS reference for {name}")
+    return refs[name]
+
+
+@pytest.mark.parametrize("name, hyper, engines", [
+    ("logistic_halfcauchy", "tau", ["dual_vg", "convex_relaxation"]),
+    ("gp_lengthscale", "ell", ["dual_vg"]),
+])
+def test_integrated_hyper_posterior_matches_long_nuts(name, hyper, engines):
+    ref = _nuts_ref(name)
+    model, args, kwargs = hm.NUTS_REFERENCES[name]()
+    field = [s for s in ref["sites"] if s != hyper][0]
+    for engine in engines:
+        res = pcv.fit(model, *args, engine=engine, progress=False, **kwargs)
+        assert res.converged
+        q = res.hyper["marginals"][hyper]["quantiles"]
+        r = ref["sites"][hyper]
+        assert abs(float(q[0.5]) - r["q50"][0]) < 0.15 * r["q50"][0], (engine, float(q[0.5]), r["q50"][0])
+        for p, key in ((0.05, "q05"), (0.95, "q95")):
+            assert abs(float(q[p]) - r[key][0]) < 0.25 * r[key][0], (engine, p, float(q[p]), r[key][0])
+        mean = torch.tensor(ref["sites"][field]["mean"], dtype=D)
+        sd = torch.tensor(ref["sites"][field]["sd"], dtype=D)
+        err = ((res.posterior.loc - mean).abs() / sd).max()
+        assert float(err) < 0.25, (engine, float(err))
+
+
+def test_guide_samples_hyper_latents_and_field_jointly():
+    model, args, kwargs = hm.logistic_halfcauchy()
+    res = pcv.fit(model, *args, engine="dual_vg", progress=False, **kwargs)
+    guide = res.posterior.as_guide()
+    pred = pyro.infer.Predictive(model, guide=guide, num_samples=300)(*args)
+    assert pred["tau"].reshape(-1).shape == (300,) and pred["w"].shape[-1] == 4 and pred["y"].shape[-1] == 80
+    tau_med = res.hyper["marginals"]["tau"]["quantiles"][0.5]
+    assert abs(float(pred["tau"].median()) - float(tau_med)) < 0.2 * float(tau_med)
+    with pytest.raises(ValueError, match="not a trainable guide"):
+        res.posterior.as_guide(trainable=True)
+
+
+def test_too_many_hyper_dimensions_are_refused():
+    def model(y=None):
+        s = pyro.sample("s", dist.HalfCauchy(torch.ones(11, dtype=D)).to_event(1))
+        w = pyro.sample("w", dist.Normal(torch.zeros(11, dtype=D), s).to_event(1))
+        pyro.sample("y", dist.Normal(w.sum(), 1.0), obs=y)
+
+    with pytest.raises(pcv.UnsupportedModelError, match="11 hyper-latent dimensions.*at most 10"):
+        pcv.fit(model, y=torch.tensor(0.3, dtype=D), engine="dual_vg", progress=False)
