@@ -20,7 +20,6 @@ from ..lgm.layout import LatentLayout
 from ..lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
 from ..lgm.sites import BernoulliLogit, gaussian_expectation
 from ..linalg.operators import DenseOperator, IdentityOperator
-from .hyper import learn_hyperparameters
 from .predict import gp_classification_model, gp_latent_predictive
 
 __all__ = ["GPClassifier", "gp_classification_lgm"]
@@ -48,12 +47,16 @@ class GPClassifier:
         modified: :meth:`fit` works on a copy (``kernel_``, in the data's dtype), whose
         hyperparameters are used as they are unless ``learn_hyperparameters``.
     :param str engine: registry engine name (default ``"dual_vg"``).
-    :param bool learn_hyperparameters: maximise the dual VG bound over the kernel hyperparameters
-        (and the constant mean if ``learn_mean``) by L-BFGS with envelope gradients (``dual_vg`` only).
+    :param bool learn_hyperparameters: type-II maximum likelihood: maximise the engine's evidence bound
+        over the kernel hyperparameters (and the constant mean if ``learn_mean``): the kernel copy is
+        registered with ``pyro.module`` in a Pyro model and fitted with the engine's ``learn_params``
+        (:mod:`~pyro_convexvb.infer.type2`; envelope-theorem gradients for ``dual_vg`` and
+        ``convex_relaxation``), in a private param-store scope.
     :param float mean: constant prior mean.
     :param float jitter: added to the diagonal of ``K``.
     :param dict options: engine options (e.g. ``{"bound": "jensen"}`` for ``dual_vg``).
-    :param dict hyper_options: options of :func:`~pyro_convexvb.gp.hyper.learn_hyperparameters`.
+    :param dict hyper_options: ``{"max_iter": ..., "gtol": ...}``: the engine's ``type2_max_iter`` and
+        ``type2_gtol`` options.
 
     Learned attributes: ``kernel_`` (the fitted copy of ``kernel``), ``classes_``, ``result_`` (:class:`~pyro_convexvb.InferenceResult`),
     ``posterior_``, ``log_evidence_bound_``, ``alpha_`` (dual variables, ``dual_vg`` only),
@@ -125,15 +128,7 @@ class GPClassifier:
         self.hyper_history_ = None
         alpha0 = None
         if self.learn_hyperparameters:
-            if self.engine != "dual_vg":
-                raise ValueError("learn_hyperparameters=True needs engine='dual_vg' (envelope gradients of the dual)")
-            bound = make_bound(BernoulliLogit(y01), options.get("bound", "tight"))
-            params = [p for p in self.kernel_.parameters() if p.requires_grad]
-            if self.learn_mean:
-                params.append(self.mean_)
-            n = X.shape[0]
-            alpha0, self.hyper_history_, self.hyper_converged_ = learn_hyperparameters(
-                lambda: self._K(X), params, lambda: self.mean_.expand(n), bound, **dict(self.hyper_options or {}))
+            alpha0 = self._learn_hyperparameters(X, y01, options)
         with torch.no_grad():
             K = self._K(X)
             self.K_train_ = K
@@ -156,6 +151,48 @@ class GPClassifier:
         self.posterior_ = res.posterior
         self.log_evidence_bound_ = res.log_evidence_bound
         return self
+
+    def _learn_hyperparameters(self, X, y01, options):
+        """Type-II over the kernel copy's parameters (and the mean): the engine's ``learn_params`` on a Pyro model."""
+        import pyro
+        import pyro.distributions as dist
+
+        engine = get_engine(self.engine)
+        if engine.type2 != "outer" or "learn_params" not in engine.Options.__dataclass_fields__:
+            raise ValueError(f"learn_hyperparameters=True needs an engine with a type-II loop over pyro.param sites "
+                             f"(dual_vg, convex_relaxation, laplace); engine '{self.engine}' has none")
+        hyper = dict(self.hyper_options or {})
+        unknown = set(hyper) - {"max_iter", "gtol"}
+        if unknown:
+            raise TypeError(f"hyper_options: unknown keys {sorted(unknown)}; use 'max_iter' and 'gtol'")
+        opts = dict(options, learn_params=True)
+        fields = engine.Options.__dataclass_fields__
+        for key, name in (("max_iter", "type2_max_iter"), ("gtol", "type2_gtol")):
+            if key in hyper:
+                if name not in fields:
+                    raise TypeError(f"hyper_options: '{key}' is not an option of engine '{self.engine}'")
+                opts.setdefault(name, hyper[key])
+        n = X.shape[0]
+        kernel, jitter, learn_mean, mean0 = self.kernel_, self.jitter, self.learn_mean, float(self.mean)
+
+        def model(X, y=None):
+            pyro.module("kernel", kernel)
+            mean = pyro.param("mean", torch.tensor(mean0, dtype=X.dtype)) if learn_mean else \
+                torch.tensor(mean0, dtype=X.dtype)
+            K = kernel(X).to_dense() + jitter * torch.eye(n, dtype=X.dtype, device=X.device)
+            f = pyro.sample("f", dist.MultivariateNormal(mean.expand(n), covariance_matrix=K))
+            with pyro.plate("data", n):
+                pyro.sample("y", dist.Bernoulli(logits=f), obs=y)
+
+        store = pyro.get_param_store()
+        with store.scope():  # the user's param store is left as it was
+            res = engine(model, progress=False, **opts).run(X, y01)
+            if learn_mean:
+                self.mean_ = torch.nn.Parameter(pyro.param("mean").detach().clone())
+        self.hyper_history_ = res.history
+        self.hyper_converged_ = bool(res.converged)
+        self.hyper_result_ = res
+        return res.info.get("alpha")
 
     # ------------------------------------------------------------------ prediction
     def _check_fitted(self):

@@ -191,6 +191,14 @@ def svi_until_plateau(svi, optim, args, kwargs, *, max_steps, min_steps, window,
     return losses, "max_steps"
 
 
+def model_param_values(call):
+    """``{name: value}`` of the model's ``pyro.param`` sites (``None`` when it has none)."""
+    from .type2 import model_params
+
+    names = model_params(call.model, call.args, call.kwargs)
+    return {n: pyro.param(n).detach().clone() for n in names} or None
+
+
 def forget_params(prefix):
     """Remove the param-store entries of a guide named ``prefix`` (an earlier fit's), leaving others alone."""
     store = pyro.get_param_store()
@@ -215,6 +223,7 @@ class SVIOptions(EngineOptions):
     clip_norm: float = option(100.0, "gradient clipping norm of clipped Adam", gt=0)
     seed: int = option(0, "random seed")
     decrement_tol: float = option(1e-2, "convergence: natural-gradient decrement of the evidence bound (nats)", gt=0)
+    learn_params: bool = option(True, "optimise the model's pyro.param sites jointly with the guide (Pyro's SVI)")
     check_particles: int = option(64, "Monte Carlo draws of the decrement for models that are not LGMs", min=1)
 
     def check(self):
@@ -239,13 +248,16 @@ class SVIEngine(Engine):
     def make_guide(self, model):
         return self.guide_cls(model, init_scale=self.options.init_scale)
 
+    type2 = "joint"
+
     def solve(self, call, run):
         o = self.options
         pyro.set_rng_seed(o.seed)
-        guide = self.make_guide(call.model)
+        model = call.model if o.learn_params else poutine.block(call.model, hide_types=["param"])
+        guide = self.make_guide(model)
         forget_params(guide._pyro_name)
         optim = pyro.optim.ClippedAdam({"lr": o.lr, "betas": (0.9, 0.999), "clip_norm": o.clip_norm})
-        svi = SVI(call.model, guide, optim,
+        svi = SVI(model, guide, optim,
                   Trace_ELBO(num_particles=o.num_particles, vectorize_particles=o.vectorize_particles))
         bar = run.bar(total=o.max_steps, unit="step")
         losses, reason = svi_until_plateau(svi, optim, call.args, call.kwargs, max_steps=o.max_steps,
@@ -257,7 +269,7 @@ class SVIEngine(Engine):
             bound, opt = variational_optimality(call, posterior, lgm, tol=o.decrement_tol,
                                                 check_particles=o.check_particles, seed=o.seed)
         info = {"elbo_estimate": -sum(losses[-o.window:]) / min(o.window, len(losses)), "steps": len(losses),
-                "guide": guide}
+                "guide": guide, "hyperparameters": model_param_values(call)}
         return Solution(posterior, bound, opt, reason, info, lgm=lgm)
 
     @staticmethod
@@ -304,6 +316,8 @@ class SVILowRank(SVIEngine):
 @dataclass(frozen=True)
 class LaplaceOptions(EngineOptions):
     max_iter: int = option(500, "L-BFGS iterations", min=1)
+    learn_params: bool = option(True, "type-II: maximise the reported bound over the model's pyro.param sites "
+                                      "(central differences of refits)")
     grad_tol: float = option(1e-6, "convergence: max |gradient| of the log joint at the mode / (1 + |log joint|)",
                              gt=0)
     seed: int = option(0, "random seed (initialisation)")

@@ -40,7 +40,15 @@ from pyro.distributions import constraints
 from torch.distributions import biject_to
 
 from ..errors import ConvergenceWarning, UnsupportedModelError
-from .baselines import SVIEngine, SVIOptions, flat_log_joint, forget_params, svi_until_plateau, try_lgm
+from .baselines import (
+    SVIEngine,
+    SVIOptions,
+    flat_log_joint,
+    forget_params,
+    model_param_values,
+    svi_until_plateau,
+    try_lgm,
+)
 from .engine import Optimality, Solution, option
 from .optimality import mixture_decrement, monte_carlo_objective
 from .posterior import GaussianPosterior
@@ -789,13 +797,14 @@ class DiagMixtureEngine(SVIEngine):
     def solve(self, call, run):
         o = self.options
         pyro.set_rng_seed(o.seed)
-        guide = AutoDiagMixture(call.model, num_components=o.num_components, init_scale=o.init_scale,
+        model = call.model if o.learn_params else poutine.block(call.model, hide_types=["param"])
+        guide = AutoDiagMixture(model, num_components=o.num_components, init_scale=o.init_scale,
                                 init_spread=o.init_spread)
         forget_params(guide._pyro_name)
         loss = DiagMixtureELBO(num_particles=o.num_particles, entropy=o.entropy,
                                vectorize_particles=o.vectorize_particles)
         optim = pyro.optim.ClippedAdam({"lr": o.lr, "betas": (0.9, 0.999), "clip_norm": o.clip_norm})
-        svi = pyro.infer.SVI(call.model, guide, optim, loss)
+        svi = pyro.infer.SVI(model, guide, optim, loss)
         cb = None if o.callback is None else (lambda step, value: o.callback(step, value, guide))
         losses, reason = svi_until_plateau(
             svi, optim, call.args, call.kwargs, max_steps=o.max_steps, min_steps=o.min_steps, window=o.window,
@@ -807,7 +816,7 @@ class DiagMixtureEngine(SVIEngine):
         lgm = try_lgm(call.model, call.args, call.kwargs)
         exact = lgm is not None and lgm.n == posterior.n
         info = {"elbo_estimate": -sum(losses[-o.window:]) / min(o.window, len(losses)), "steps": len(losses),
-                "guide": guide, "entropy": o.entropy}
+                "guide": guide, "entropy": o.entropy, "hyperparameters": model_param_values(call)}
         best = "best"
         with torch.no_grad():
             H = {k: float(_entropy_fn(k)(posterior.locs, posterior.variances)) for k in sorted(_ENTROPY_BOUNDS)}

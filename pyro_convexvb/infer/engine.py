@@ -216,6 +216,9 @@ class LGMEngineOptions(EngineOptions):
         or ``"auto"`` (grid for dimension <= 2, as R-INLA does).
     """
 
+    learn_params: bool = option(True, "type-II maximum likelihood: maximise the bound over the model's pyro.param sites")
+    type2_max_iter: int = option(50, "type-II: L-BFGS-B iterations over the params", min=1)
+    type2_gtol: float = option(1e-5, "type-II convergence: max |dB/dz| <= type2_gtol (1 + |B|)", gt=0)
     hyper: typing.Literal["auto", "integrate", "map"] = option(
         "auto", "hyper-latents: integrate over them (INLA-style design points; 'auto') or keep their mode ('map')")
     hyper_strategy: typing.Literal["auto", "grid", "ccd"] = option(
@@ -405,13 +408,29 @@ class Engine:
         """Options that make the evidence bound accurate enough for finite differences over hyper-latents."""
         return {}
 
-    def inner_engine(self, model, warm=None):
-        """An engine of the same class and options for ``model`` (a conditioned model), warm-started from ``warm``."""
+    def inner_engine(self, model, warm=None, **overrides):
+        """An engine of the same class and options for ``model`` (e.g. a conditioned model), warm-started from
+        ``warm``, with precise bounds and the ``overrides``."""
         opts = self.options.as_dict()
         opts.update(self.precise_options())
         if warm is not None:
             opts.update(self.warm_start_options(warm))
+        opts.update(overrides)
         return type(self)(model, progress=False, **opts)
+
+    #: how this engine learns ``pyro.param`` sites: ``"outer"`` (type-II loop around fits) or ``"joint"``
+    #: (the engine optimises them itself, e.g. SVI).
+    type2 = "outer"
+
+    def type2_value(self, result):
+        """The type-II objective of a fit: the engine's evidence bound (override)."""
+        return result.log_evidence_bound
+
+    def type2_gradient(self, params, x, result, args, kwargs, h):
+        """``dB/dz`` over the params' unconstrained values ``x`` (default: central differences of refits)."""
+        from .type2 import refit_gradient
+
+        return refit_gradient(self, params, x, result, args, kwargs, max(h, 1e-4))
 
     # ------------------------------------------------------------------ the run
     @classmethod
@@ -491,6 +510,9 @@ class Engine:
         from ..lgm.model import LatentGaussianModel
 
         t0 = time.perf_counter()
+        params = self._type2_params(args, kwargs)
+        if params:
+            return self._run_type2(params, args, kwargs, t0)
         if self.takes == "lgm":
             try:
                 lgm = self.extract(*args, **kwargs)
@@ -514,6 +536,45 @@ class Engine:
         finally:
             run.close()
         return self._result(sol, run, lgm if lgm is not None else sol.lgm, args, kwargs, t0)
+
+    def _type2_params(self, args, kwargs):
+        """The model's ``pyro.param`` sites when this engine learns them in an outer type-II loop, else ``[]``."""
+        from ..lgm.model import LatentGaussianModel
+
+        if not getattr(self.options, "learn_params", False) or self.type2 != "outer" or \
+                isinstance(self.model, LatentGaussianModel):
+            return []
+        from .type2 import model_params
+
+        return model_params(self.model, args, kwargs)
+
+    def _run_type2(self, names, args, kwargs, t0):
+        """Type-II maximum likelihood over the ``pyro.param`` sites ``names`` (:mod:`~pyro_convexvb.infer.type2`)."""
+        from .type2 import learn_params
+
+        if self._hyper_sites_safe(args, kwargs):
+            raise UnsupportedModelError(names[0], f"engine '{self.name}': the model has pyro.param hyperparameters "
+                                                  "and hyper-latents; give the params priors (hyper-latents) or pass "
+                                                  "learn_params=False to keep them fixed")
+        run = RunContext(self.name, self.progress)
+        try:
+            o = self.options
+            res, info = learn_params(self, names, args, kwargs, run=run,
+                                     max_iter=getattr(o, "type2_max_iter", 50), gtol=getattr(o, "type2_gtol", 1e-5))
+        finally:
+            run.close()
+        crit = Criterion("type-II gradient max |dB/dz| over the params", info["grad_norm"], info["gtol"])
+        sol = Solution(res.posterior, res.log_evidence_bound, Optimality(res.optimality.criteria + (crit,)),
+                       f"type-II over {', '.join(names)}; {res.stop_reason}", dict(res.info, type2=info))
+        out = self._result(sol, run, res.lgm, args, kwargs, t0)
+        out.hyperparameters = info["learned"]
+        return out
+
+    def _hyper_sites_safe(self, args, kwargs):
+        try:
+            return self._hyper_sites(args, kwargs)
+        except UnsupportedModelError:
+            return []
 
     def _hyper_sites(self, args, kwargs):
         """The model's hyper-latents if this engine integrates over them, else ``[]``."""
@@ -580,7 +641,7 @@ class Engine:
                 post.model_args = (args, kwargs)
         res = InferenceResult(post, sol.log_evidence_bound, run.history, sol.optimality.converged, self.name,
                               sol.info, lgm, seconds=time.perf_counter() - t0, stop_reason=sol.stop_reason,
-                              optimality=sol.optimality)
+                              optimality=sol.optimality, hyperparameters=sol.info.get("hyperparameters"))
         if not res.converged:
             msg = (f"engine '{self.name}' did not converge (stopped by: {sol.stop_reason}): {sol.optimality}")
             if self.options.on_fail == "raise":

@@ -483,7 +483,7 @@ class HyperObjective:
         eng = self.engine
         lp = log_prior(eng.model, self.args, self.kwargs, values)
         warm = self._nearest(z)
-        inner = eng.inner_engine(conditioned_model(eng.model, values), warm)
+        inner = eng.inner_engine(conditioned_model(eng.model, values), warm, learn_params=False)
         res = inner.run(*self.args, **self.kwargs)
         if res.log_evidence_bound is None or not math.isfinite(res.log_evidence_bound):
             raise UnsupportedModelError(self.space.names[0], f"engine '{eng.name}' gave no evidence bound at "

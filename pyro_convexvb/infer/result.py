@@ -52,6 +52,7 @@ class InferenceResult:
     :ivar stop_reason: which rule stopped the engine (e.g. ``"duality gap"``, ``"max_steps"``, ``"plateau"``).
     :ivar optimality: the engine's :class:`~pyro_convexvb.infer.engine.Optimality` measure at the answer.
     :ivar hyper: for models with hyper-latents, their names, mode and marginals (``None`` otherwise).
+    :ivar hyperparameters: the learned ``pyro.param`` values (type-II maximum likelihood), ``None`` otherwise.
     """
 
     posterior: Any
@@ -65,6 +66,7 @@ class InferenceResult:
     stop_reason: str = ""
     optimality: Any = None
     hyper: Any = None
+    hyperparameters: Any = None
 
     def __repr__(self):
         b = "None" if self.log_evidence_bound is None else f"{self.log_evidence_bound:.6g}"

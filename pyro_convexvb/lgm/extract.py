@@ -516,7 +516,7 @@ def lgm_from_pyro(model, *args, dtype=None, **kwargs):
         >>> torch.allclose(lgm.sites[0].design.to_dense(), X)
         True
     """
-    with full_data_plates(), record_normal_cdf():
+    with full_data_plates(), record_normal_cdf(), torch.enable_grad():  # affinity is probed with autograd
         return _extract(model, args, kwargs, dtype)
 
 

@@ -418,13 +418,8 @@ class LatentGaussianModel:
             entropy = 0.5 * n * (1 + math.log(2 * math.pi)) + torch.log(torch.diagonal(L)).sum()
         return self.expected_log_joint(loc, cov, num_points, variance=variance) + entropy
 
-    def expected_log_joint(self, loc, cov=None, num_points=64, *, variance=None):
-        """``E_q[log p(y, u)]`` (every constant included) for ``q = N(loc, cov)`` or ``N(loc, diag(variance))``.
-
-        Closed-form prior term; closed-form or Gauss-Hermite site expectations on the site marginals.
-        """
-        if (cov is None) == (variance is None):
-            raise ValueError("expected_log_joint: give exactly one of cov and variance")
+    def expected_log_prior(self, loc, cov=None, *, variance=None):
+        """``E_q[log N(u | mu, Sigma)]`` over the non-flat prior blocks (normalising constants included)."""
         e_prior = loc.new_zeros(())
         for p, b in zip(self.priors, self.layout.blocks):
             if p.flat:
@@ -437,7 +432,16 @@ class LatentGaussianModel:
                 P = self._block_precision(p)
                 quad, tr = r @ P @ r, (P * cov[b.slice, b.slice]).sum()
             e_prior = e_prior - 0.5 * (quad + tr + p.size * math.log(2 * math.pi))
-        e_prior = e_prior - 0.5 * self.prior_logdet_cov()
+        return e_prior - 0.5 * self.prior_logdet_cov()
+
+    def expected_log_joint(self, loc, cov=None, num_points=64, *, variance=None):
+        """``E_q[log p(y, u)]`` (every constant included) for ``q = N(loc, cov)`` or ``N(loc, diag(variance))``.
+
+        Closed-form prior term; closed-form or Gauss-Hermite site expectations on the site marginals.
+        """
+        if (cov is None) == (variance is None):
+            raise ValueError("expected_log_joint: give exactly one of cov and variance")
+        e_prior = self.expected_log_prior(loc, cov, variance=variance)
         e_lik = loc.new_zeros(())
         for g in self.sites:
             m = g.eta(loc)

@@ -124,6 +124,29 @@ class ConvexVariationalRelaxation(Engine):
     def precise_options(self):
         return {"gamma_tol": 1e-7, "phi_tol": 1e-11, "max_outer": max(self.options.max_outer, 100)}
 
+    # ------------------------------------------------------------------ type-II maximum likelihood
+    def bound_at(self, lgm, result):
+        """``C(theta) - phi(gamma*, u*; theta)/2`` of the fitted ``(gamma*, u*)`` on ``lgm`` (other hyperparameters)."""
+        from .outer import phi_value
+
+        if lgm.n > self.options.dense_logdet_max:
+            raise ValueError(f"engine '{self.name}': learn_params needs the exact log|A| (n = {lgm.n} > "
+                             f"dense_logdet_max = {self.options.dense_logdet_max}); raise dense_logdet_max or pass "
+                             "learn_params=False")
+        prob = RelaxationProblem(lgm)
+        gamma = result.info["gamma_all"]
+        q = result.posterior if result.posterior.n == lgm.n else lgm.latent_marginal(result.posterior)
+        u = q.loc
+        A = prob.dense_a(1.0 / gamma if prob.q else None)
+        logdet = 2 * torch.log(torch.diagonal(torch.linalg.cholesky(A))).sum()
+        return prob.log_const() - 0.5 * phi_value(prob, gamma, u.to(prob.dtype), logdet)
+
+    def type2_gradient(self, params, x, result, args, kwargs, h):
+        """Envelope theorem: ``d/dtheta [C - phi/2]`` at the fixed optimum ``(gamma*, u*)`` of ``phi``."""
+        from ..type2 import envelope_gradient
+
+        return envelope_gradient(params, x, self.model, args, kwargs, lambda lgm: self.bound_at(lgm, result), h)
+
     def solve(self, lgm, run):
         o = self.options
         if o.variance == "exact" and lgm.n > o.exact_max:

@@ -1,0 +1,158 @@
+r"""Type-II maximum likelihood for ``pyro.param`` sites: maximise an engine's own evidence bound.
+
+A Pyro model's ``pyro.param`` sites (a prior scale, a noise scale, a GPyTorch kernel registered with
+``pyro.module``) are hyperparameters ``theta`` of its latent Gaussian model. An engine with an
+evidence bound ``B(theta) = max_s F(s; theta)`` (``s`` its variational state: the dual variables of
+``dual_vg``, ``(gamma, u)`` of ``convex_relaxation``) gives the type-II objective, maximised over the
+params' unconstrained values (Pyro's ``biject_to`` of each param's constraint) by L-BFGS-B.
+
+Gradients by the envelope theorem: at the engine's optimum ``s*``,
+``dB/dtheta = dF(s*; theta)/dtheta`` with ``s*`` held fixed (Khan et al. 2013, §5, for the dual; the same
+argument for the relaxation's ``phi``, whose ``gamma*`` and ``u*`` minimise it). The partial derivative is
+evaluated by central differences of ``F(s*; theta)``: re-extracting the model at ``theta +- h e_j`` and
+evaluating ``F`` at the fixed ``s*`` -- no engine fit per coordinate. Engines whose answer is not an
+optimum of their bound (``laplace``: its bound is the variational-Gaussian bound of a Gaussian found
+otherwise) use central differences of the refitted bound instead. Every fit is warm-started from the
+previous one.
+"""
+import warnings
+
+import pyro
+import pyro.poutine as poutine
+import torch
+
+from ..errors import ConvergenceWarning
+
+__all__ = ["model_params", "learn_params", "central_differences", "envelope_gradient", "refit_gradient"]
+
+
+def model_params(model, args, kwargs):
+    """Names of the ``pyro.param`` sites the model reads (``pyro.module`` parameters included), in trace order."""
+    from ..lgm.extract import full_data_plates
+
+    with torch.no_grad(), full_data_plates():
+        tr = poutine.trace(model, param_only=True).get_trace(*args, **kwargs)
+    return [n for n, s in tr.nodes.items() if s["type"] == "param"]
+
+
+class _Params:
+    """The params' unconstrained leaves in Pyro's param store, as one flat vector."""
+
+    def __init__(self, names):
+        store = pyro.get_param_store()
+        unconstrained = dict(store.named_parameters())
+        self.names = list(names)
+        self.leaves = [unconstrained[n] for n in self.names]
+        self.sizes = [p.numel() for p in self.leaves]
+
+    def get(self):
+        return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in self.leaves])
+
+    def set(self, x):
+        x = torch.as_tensor(x, dtype=torch.float64)
+        start = 0
+        with torch.no_grad():
+            for p, k in zip(self.leaves, self.sizes):
+                p.copy_(x[start:start + k].reshape(p.shape).to(p.dtype))
+                start += k
+
+    def constrained(self):
+        return {n: pyro.param(n).detach().clone() for n in self.names}
+
+
+def learn_params(engine, names, args, kwargs, *, max_iter=50, gtol=1e-5, fd_step=1e-5, run=None):
+    """Maximise ``engine``'s type-II objective over the ``pyro.param`` sites ``names`` (updated in the store).
+
+    :param engine: an :class:`~pyro_convexvb.infer.engine.Engine` with ``type2_value`` and ``type2_gradient``.
+    :param float gtol: convergence: ``max |dB/dz| <= gtol (1 + |B|)`` on the unconstrained scale ``z``.
+    :returns: ``(final result, info)`` with the objective history, the gradient norm and the learned values.
+    """
+    import numpy as np
+    import scipy.optimize
+
+    params = _Params(names)
+    state = {"res": None, "x": None, "evals": 0}
+    bar = run.bar(unit="fit", desc=f"{engine.name} (type-II)") if run is not None else None
+
+    def fit_at(x):
+        params.set(x)
+        inner = engine.inner_engine(engine.model, state["res"], learn_params=False)
+        with warnings.catch_warnings():  # the outer loop reports convergence once, for the final fit
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            res = inner.run(*args, **kwargs)
+        state["res"], state["x"] = res, x.copy()
+        state["evals"] += 1
+        if bar is not None:
+            bar.update(1)
+        return res
+
+    def fun(x):
+        res = fit_at(x)
+        value = engine.type2_value(res)
+        grad = engine.type2_gradient(params, x, res, args, kwargs, fd_step)
+        params.set(x)
+        if run is not None:
+            run.history.record(objective=value, grad_norm=float(np.abs(grad).max()))
+        return -value, -grad
+
+    x0 = params.get().numpy()
+    opt = scipy.optimize.minimize(fun, x0, jac=True, method="L-BFGS-B",
+                                  options=dict(maxiter=max_iter, gtol=1e-12, ftol=1e-15))
+    x = opt.x
+    res = fit_at(x) if state["x"] is None or not np.array_equal(state["x"], x) else state["res"]
+    value = engine.type2_value(res)
+    grad = engine.type2_gradient(params, x, res, args, kwargs, fd_step)
+    params.set(x)
+    gnorm = float(np.abs(grad).max())
+    info = {"learned": params.constrained(), "value": value, "grad_norm": gnorm,
+            "gtol": gtol * (1.0 + abs(value)), "iterations": int(opt.nit), "fits": state["evals"],
+            "message": str(opt.message)}
+    return res, info
+
+
+def central_differences(f, x, h):
+    """Central differences of the scalar function ``f`` of a NumPy vector at ``x`` (step ``h (1 + |x_j|)``)."""
+    import numpy as np
+
+    g = np.zeros_like(x)
+    for j in range(x.shape[0]):
+        step = h * (1.0 + abs(x[j]))
+        e = np.zeros_like(x)
+        e[j] = step
+        g[j] = (f(x + e) - f(x - e)) / (2 * step)
+    return g
+
+
+def envelope_gradient(params, x, model, args, kwargs, value_at_fixed_state, h):
+    """``dF(s*; theta)/dz`` by central differences over the params at the fixed state ``s*``.
+
+    :param value_at_fixed_state: ``lgm -> F(s*; theta)`` for the model re-extracted at the perturbed params.
+    """
+    from ..lgm.extract import lgm_from_pyro
+
+    def f(xx):
+        params.set(xx)
+        with torch.no_grad():
+            return float(value_at_fixed_state(lgm_from_pyro(model, *args, **kwargs)))
+
+    try:
+        return central_differences(f, x, h)
+    finally:
+        params.set(x)
+
+
+
+def refit_gradient(engine, params, x, res, args, kwargs, h):
+    """``dB/dz`` by central differences of the bound refitted at ``theta +- h e_j`` (warm-started from ``res``)."""
+
+    def f(xx):
+        params.set(xx)
+        inner = engine.inner_engine(engine.model, res, learn_params=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            return engine.type2_value(inner.run(*args, **kwargs))
+
+    try:
+        return central_differences(f, x, h)
+    finally:
+        params.set(x)

@@ -1,0 +1,131 @@
+"""Type-II maximum likelihood over pyro.param sites, with envelope-theorem gradients, against independent optima."""
+import math
+import warnings
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import scipy.optimize
+import torch
+from torch.distributions import constraints
+
+import pyro_convexvb as pcv
+from pyro_convexvb.infer.type2 import _Params, refit_gradient
+
+D = torch.float64
+
+
+def _linear():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(40, 3, generator=g, dtype=D)
+    y = X @ torch.tensor([1.0, -0.5, 0.3], dtype=D) + 0.4 * torch.randn(40, generator=g, dtype=D)
+
+    def model(X, y=None):
+        tau = pyro.param("tau", torch.tensor(1.0, dtype=D), constraint=constraints.positive)
+        sigma = pyro.param("sigma", torch.tensor(1.0, dtype=D), constraint=constraints.positive)
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), tau).to_event(1))
+        with pyro.plate("data", 40):
+            pyro.sample("y", dist.Normal(X @ w, sigma), obs=y)
+
+    return model, X, y
+
+
+def _logistic():
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(60, 3, generator=g, dtype=D)
+    y = (torch.rand(60, generator=g, dtype=D) < torch.sigmoid(X @ torch.tensor([1.5, -1.0, 0.5], dtype=D))).to(D)
+
+    def model(X, y=None):
+        tau = pyro.param("tau", torch.tensor(1.0, dtype=D), constraint=constraints.positive)
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), tau).to_event(1))
+        with pyro.plate("data", 60):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    return model, X, y
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation", "laplace"])
+def test_type2_on_a_gaussian_model_is_the_marginal_likelihood_optimum(engine):
+    model, X, y = _linear()
+
+    def neg(z):
+        t, s = np.exp(z)
+        C = t**2 * X @ X.T + s**2 * torch.eye(40, dtype=D)
+        return -float(dist.MultivariateNormal(torch.zeros(40, dtype=D), C).log_prob(y))
+
+    opt = scipy.optimize.minimize(neg, np.zeros(2), method="Nelder-Mead", options=dict(xatol=1e-10, fatol=1e-12))
+    pyro.clear_param_store()
+    res = pcv.fit(model, X, y=y, engine=engine, progress=False)
+    assert res.converged and "type-II" in res.stop_reason
+    learned = np.array([float(res.hyperparameters["tau"]), float(res.hyperparameters["sigma"])])
+    np.testing.assert_allclose(learned, np.exp(opt.x), rtol=1e-5)
+    assert res.log_evidence_bound == pytest.approx(-opt.fun, abs=1e-7)
+    assert float(pyro.param("tau")) == pytest.approx(learned[0])  # the learned values stay in the param store
+
+
+def _bound_at(engine, model, X, y, tau):
+    pyro.clear_param_store()
+    pyro.param("tau", torch.tensor(tau, dtype=D), constraint=constraints.positive)
+    eng = pcv.get_engine(engine)(model, progress=False, learn_params=False)
+    eng = eng.inner_engine(model, None, learn_params=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return eng.type2_value(eng.run(X, y=y))
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation"])
+def test_type2_optimum_equals_golden_section_on_the_engines_bound(engine):
+    model, X, y = _logistic()
+    ref = scipy.optimize.minimize_scalar(lambda lt: -_bound_at(engine, model, X, y, math.exp(lt)), bracket=(-1.0, 1.0),
+                                         method="golden", tol=1e-8)
+    pyro.clear_param_store()
+    res = pcv.fit(model, X, y=y, engine=engine, progress=False)
+    assert res.converged
+    assert float(res.hyperparameters["tau"]) == pytest.approx(math.exp(ref.x), rel=1e-4)
+    assert res.info["type2"]["value"] == pytest.approx(-ref.fun, abs=1e-8)
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation"])
+def test_envelope_gradient_equals_finite_differences_of_the_refitted_bound(engine):
+    model, X, y = _logistic()
+    pyro.clear_param_store()
+    pyro.param("tau", torch.tensor(1.7, dtype=D), constraint=constraints.positive)
+    eng = pcv.get_engine(engine)(model, progress=False)
+    inner = eng.inner_engine(model, None, learn_params=False)
+    res = inner.run(X, y=y)
+    params = _Params(["tau"])
+    x = params.get().numpy()
+    env = eng.type2_gradient(params, x, res, (X,), {"y": y}, 1e-5)
+    fd = refit_gradient(eng, params, x, res, (X,), {"y": y}, 1e-4)
+    assert abs(env[0]) > 0.5  # far from the optimum: a real test of the gradient
+    np.testing.assert_allclose(env, fd, rtol=1e-5)
+
+
+def test_learn_params_false_keeps_params_and_svi_learns_them_jointly():
+    model, X, y = _linear()
+    pyro.clear_param_store()
+    res = pcv.fit(model, X, y=y, engine="dual_vg", options={"learn_params": False}, progress=False)
+    assert res.hyperparameters is None and float(pyro.param("tau")) == 1.0
+    pyro.clear_param_store()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = pcv.fit(model, X, y=y, engine="svi_automvn", options=dict(max_steps=3000, lr=0.05), progress=False)
+    assert abs(float(res.hyperparameters["sigma"]) - 0.3687) < 0.05
+    pyro.clear_param_store()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = pcv.fit(model, X, y=y, engine="svi_automvn", options=dict(max_steps=300, min_steps=100, learn_params=False),
+                      progress=False)
+    assert float(pyro.param("sigma")) == 1.0 and float(res.hyperparameters["sigma"]) == 1.0
+
+
+def test_extraction_under_no_grad_still_sees_the_predictor():
+    """lgm_from_pyro probes affinity with autograd; inside torch.no_grad() it must not drop the data sites."""
+    model, X, y = _logistic()
+    pyro.clear_param_store()
+    lgm = pcv.lgm_from_pyro(model, X, y=y)
+    with torch.no_grad():
+        lgm2 = pcv.lgm_from_pyro(model, X, y=y)
+    assert [g.name for g in lgm2.sites] == ["y"] and lgm2.log_const == lgm.log_const
+    torch.testing.assert_close(lgm2.sites[0].design.to_dense(), X)
