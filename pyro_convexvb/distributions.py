@@ -152,8 +152,11 @@ class SparseGMRF(TorchDistribution):
                 raise ValueError(f"precision_scale: expected a scalar, got shape {tuple(precision_scale.shape)} "
                                  "(SparseGMRF has batch_shape (); batched parameters are not supported)")
             precision_scale = precision_scale.reshape(())
-            if not torch._C._get_tracing_state() and not bool(precision_scale.detach() > 0):
-                raise ValueError(f"precision_scale: must be positive, got {float(precision_scale):.6g}")
+            validate = self._validate_args if validate_args is None else validate_args
+            # a scale that underflowed to 0 (an MCMC proposal exp(z), z < -745) gives log_prob = -inf, as a
+            # vanishing scale does in torch's distributions; negative or NaN scales are errors
+            if validate and not torch._C._get_tracing_state() and not bool(precision_scale.detach() >= 0):
+                raise ValueError(f"precision_scale: must be positive, got {float(precision_scale.detach()):.6g}")
         self.loc = loc
         self.precision_scale = precision_scale
         self._precision_obj = precision

@@ -23,7 +23,7 @@ from pyro_convexvb.lgm.sites import gauss_hermite
 
 D = torch.float64
 ENGINES = ["dual_vg", "convex_relaxation", "laplace"]
-OPTIONS = {"dual_vg": dict(gap_tol=1e-11),
+OPTIONS = {"dual_vg": dict(gap_tol=1e-13),
            "convex_relaxation": dict(max_outer=60, gamma_tol=1e-9, phi_tol=1e-12, variance="exact", newton_tol=1e-12),
            "laplace": dict(grad_tol=1e-10, max_iter=2000)}
 # Laplace's mode is found by L-BFGS to a relative gradient of 1e-10; the other two solve to ~1e-9

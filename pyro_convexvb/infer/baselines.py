@@ -355,7 +355,15 @@ class LaplaceEngine(_FullDataEngine):
                              max_iter=o.max_iter, grad_tol=0.0, history=run.history,
                              bar=run.bar(total=int(1.25 * o.max_iter), unit="eval"), name=self.name)
         rel = res.grad_norm / (1.0 + abs(res.value))
-        lap = guide.laplace_approximation(*call.args, **call.kwargs)
+        try:
+            lap = guide.laplace_approximation(*call.args, **call.kwargs)
+        except torch.linalg.LinAlgError as e:
+            from ..errors import NotPositiveDefiniteError
+
+            raise NotPositiveDefiniteError(
+                f"engine '{self.name}': the Hessian of the negative log joint at the mode found by L-BFGS is not "
+                "positive definite, so the Laplace approximation does not exist there (a hierarchical model's "
+                "mode often sits at the neck of its funnel, where a scale goes to 0)") from e
         q = lap.get_posterior()
         posterior = GaussianPosterior(q.loc.detach().clone(), covariance=q.covariance_matrix.detach().clone())
         lgm = try_lgm(call.model, call.args, call.kwargs)

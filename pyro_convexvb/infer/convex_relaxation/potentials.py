@@ -45,7 +45,10 @@ Potentials provided:
   (the relaxation is then not convex, Nickisch & Seeger 2009 Theorem 2, and a
   :class:`~pyro_convexvb.errors.NonConvexWarning` is issued);
 * :class:`GenericPotential` -- any user site given ``g, g', g''`` (log-concavity is checked on a
-  grid unless declared).
+  grid unless declared);
+* :class:`WeightedPotential` -- tempered sites ``t(s)^w`` of any of these (a likelihood under
+  ``poutine.scale``): ``w log t = w kappa + w beta s + w g(s^2)`` is super-Gaussian again, with
+  ``h_w(gamma) = w h(w gamma)``.
 
 Probit (``Phi(c s)``) and Poisson sites are **not** super-Gaussian: ``log Phi(s) - log Phi(-s)``
 is not linear in ``s`` (its tails grow like ``s^2/2``), so no ``beta`` makes ``log t(s) - beta s``
@@ -57,7 +60,7 @@ import warnings
 import torch
 
 from ...errors import NonConvexWarning, UnsupportedModelError
-from ...lgm.sites import StudentT  # noqa: F401  (re-export: the family lives in lgm.sites)
+from ...lgm.sites import Gaussian, StudentT, Weighted  # noqa: F401  (StudentT re-exported: the family lives in lgm.sites)
 from ...lgm.stack import GroupStack
 from ...linalg.scalar import minimize_convex_scalar, newton_bisect_root, expand_bracket
 
@@ -67,6 +70,7 @@ __all__ = [
     "LogisticPotential",
     "StudentTPotential",
     "GenericPotential",
+    "WeightedPotential",
     "PotentialStack",
     "StudentT",
     "potential_for",
@@ -359,6 +363,77 @@ class GenericPotential(SuperGaussianPotential):
         return self._d2g(x)
 
 
+class WeightedPotential(SuperGaussianPotential):
+    r"""Tempered sites ``t(s)^w`` of a super-Gaussian potential, per-site weights ``w > 0``.
+
+    A likelihood under ``poutine.scale(scale=w)`` contributes ``w log t(s)`` to the log joint. With
+    ``log t = kappa + beta s + g(s^2)`` (Nickisch & Seeger 2009, §2),
+
+    .. math:: w \log t(s) = w\kappa + w\beta\, s + w\, g(s^2),
+
+    and ``w g`` is convex and decreasing whenever ``g`` is, so ``t^w`` is super-Gaussian, and
+    log-concave exactly when ``t`` is. Its quantities follow from the base potential's:
+    ``beta_w = w beta``, ``kappa_w = w kappa``, ``g_w = w g`` (and ``g'``, ``g''``, ``c`` times ``w``);
+    ``x_*^w(gamma) = argmin_x x/gamma + 2 w g(x) = x_*(w gamma)``, hence
+    ``h_w(gamma) = w h(w gamma)`` and ``gamma_0^w = gamma_0 / w``; ``xi_0`` is unchanged;
+    the Gaussian lower bound of width ``gamma`` is ``w`` times the base site's of width ``w gamma``,
+    so ``gamma_init`` is the base one divided by ``w`` (the bound touching at the same point).
+    ``h^*`` and its derivatives come from these through :func:`h_star` unchanged
+    (``h^*_w(s) = -w g(z + s^2) - w beta s``, ``gamma_* = -1 / (2 w g'(z + s^2))``).
+
+    :param SuperGaussianPotential base: the potential of the unweighted sites.
+    :param torch.Tensor weight: ``(q,)`` positive weights.
+
+    Example::
+
+        >>> import torch
+        >>> base = LaplacePotential(torch.tensor([2.0], dtype=torch.float64))
+        >>> pot = WeightedPotential(base, torch.tensor([3.0], dtype=torch.float64))
+        >>> s = torch.tensor([0.7], dtype=torch.float64)
+        >>> bool(torch.allclose(pot.log_prob(s), 3 * base.log_prob(s)))
+        True
+    """
+
+    def __init__(self, base, weight):
+        weight = _t(weight, base.beta)
+        if weight.dim() != 1 or weight.shape[0] != len(base):
+            raise ValueError(f"weight: expected shape ({len(base)},), got {tuple(weight.shape)}")
+        if not bool(torch.isfinite(weight).all()) or not bool((weight > 0).all()):
+            raise ValueError("weight: site weights must be positive and finite")
+        self.base = base
+        self.weight = weight
+        self.name = "weighted_" + base.name
+        self.log_concave = base.log_concave
+        super().__init__(weight * base.beta, weight * base.kappa, base.shift)
+
+    def g(self, x):
+        return self.weight * self.base.g(x)
+
+    def dg(self, x):
+        return self.weight * self.base.dg(x)
+
+    def d2g(self, x):
+        return self.weight * self.base.d2g(x)
+
+    def curv(self, x):
+        return self.weight * self.base.curv(x)
+
+    def gamma0(self):
+        return self.base.gamma0() / self.weight
+
+    def xi0(self):
+        return self.base.xi0()
+
+    def x_star(self, gamma):
+        return self.base.x_star(self.weight * gamma)
+
+    def h(self, gamma):
+        return self.weight * self.base.h(self.weight * gamma)
+
+    def gamma_init(self, s):
+        return self.base.gamma_init(s) / self.weight
+
+
 _NOT_SUPER_GAUSSIAN = {
     "bernoulli_probit": "probit sites are not super-Gaussian: log Phi(s) - log Phi(-s) grows like s^2/2, so no "
                         "beta makes log t(s) - beta s even (Nickisch & Seeger 2009, §2); a logit link "
@@ -372,9 +447,21 @@ def potential_for(family):
 
     :param family: a :class:`~pyro_convexvb.lgm.sites.SiteFamily` (``BernoulliLogit``, ``Laplace``,
         ``StudentT``, or any family with a ``super_gaussian()`` method returning a
-        :class:`SuperGaussianPotential`).
+        :class:`SuperGaussianPotential`), or a :class:`~pyro_convexvb.lgm.sites.Weighted` family of one
+        of these (a likelihood under ``poutine.scale``): its :class:`WeightedPotential`.
     :raises UnsupportedModelError: for families without a super-Gaussian representation, with the reason.
     """
+    if isinstance(family, Weighted):
+        if isinstance(family.base, Gaussian):
+            raise UnsupportedModelError(family.name, "a Gaussian site weighted by poutine.scale is a Gaussian of "
+                                                     "variance s^2 / w; give it as that Gaussian (lgm.sites.tempered "
+                                                     "does so exactly) rather than as a weighted site")
+        try:
+            base = potential_for(family.base)
+        except UnsupportedModelError as e:
+            raise UnsupportedModelError(family.name, f"the site is weighted by poutine.scale and {e.reason}; "
+                                                     "t(s)^w is super-Gaussian exactly when t(s) is") from None
+        return WeightedPotential(base, family.weight)
     if hasattr(family, "super_gaussian"):
         pot = family.super_gaussian()
         if not isinstance(pot, SuperGaussianPotential):

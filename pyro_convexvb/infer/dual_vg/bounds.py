@@ -51,6 +51,11 @@ is concave, so ``E[G(.)] <= G(E[.])`` makes the exact expectation a subsolution 
 ``U_rho = G(U_h) / 2`` and the Hopf formula gives a valid, convex bound. The exact probit
 expectation itself is not jointly convex (``docs/dual_vg.md``, § The probit bound).
 
+Weighted (tempered) sites ``p(y | eta)^w`` -- a likelihood under ``poutine.scale`` -- take ``w f`` for
+any of these bounds (:class:`WeightedBound`): its conjugate ``w f*(alpha / w, lambda / w)`` has the
+same half-space form, with ``psi_w(alpha) = w psi(alpha / w)``, ``ell_w(alpha) = w ell(alpha / w)``
+and the ``alpha`` domain scaled by ``w`` (``docs/dual_vg.md``, § Weighted sites).
+
 Bounds without a closed-form conjugate (:class:`GenericBound`, e.g. :class:`PiecewiseQuadraticBound`)
 are conjugated by a small 2-D convex inner maximisation per site (:func:`numerical_conjugate`).
 """
@@ -59,7 +64,7 @@ import math
 import numpy as np
 import torch
 
-from ...lgm.sites import BernoulliLogit, BernoulliProbit, Gaussian, Poisson, StochasticVolatility
+from ...lgm.sites import BernoulliLogit, BernoulliProbit, Gaussian, Poisson, StochasticVolatility, Weighted
 from ...lgm.stack import GroupStack
 
 __all__ = [
@@ -73,6 +78,7 @@ __all__ = [
     "LogitTightBound",
     "ProbitTightBound",
     "StackedBound",
+    "WeightedBound",
     "GenericBound",
     "PiecewiseQuadraticBound",
     "StochasticVolatility",
@@ -82,6 +88,8 @@ __all__ = [
 ]
 
 LOGIT_BOUNDS = ("tight", "jensen", "bohning", "jaakkola")
+#: site families with a local bound (each also weighted, as ``"weighted_" + name``)
+_BOUND_FAMILIES = ("poisson", "bernoulli_logit", "bernoulli_probit", "gaussian", "stochastic_volatility")
 
 
 def _entropy_terms(kappa, kappa0=None):
@@ -356,14 +364,17 @@ class LogitJaakkolaBound(_QuadraticBound):
         return self._coef
 
 
-def _tight_kappa(h, rho, iters=60):
+def _tight_kappa(h, rho, iters=200):
     """``kappa*(h, rho) = argmax_k k h + k (1 - k) rho / 2 - H(k)`` by safeguarded Newton in ``z = logit(k)``.
 
     Root of the decreasing ``F(z) = h + rho (1 - 2 sigmoid(z)) / 2 - z``, bracketed by
-    ``[h - rho/2, h + rho/2]``.
+    ``[h - rho/2, h + rho/2]``. A Newton step that leaves the bracket, or that is not at most half the
+    step before it, is replaced by bisection (as in Numerical Recipes' ``rtsafe``): for large ``rho``
+    plain Newton can cycle between the ends of the bracket.
     """
     lo, hi = h - 0.5 * rho, h + 0.5 * rho
     z = h.clone()
+    prev = (hi - lo).abs()
     for _ in range(iters):
         s = torch.sigmoid(z)
         F = h + 0.5 * rho * (1 - 2 * s) - z
@@ -371,11 +382,13 @@ def _tight_kappa(h, rho, iters=60):
         hi = torch.where(F <= 0, z, hi)
         step = F / (rho * s * (1 - s) + 1)
         zn = z + step
-        bad = (zn < lo) | (zn > hi)
+        bad = (zn < lo) | (zn > hi) | (2 * step.abs() > prev)
         zn = torch.where(bad, 0.5 * (lo + hi), zn)
         zn = torch.where(F == 0, z, zn)
+        change = (zn - z).abs()
+        prev = torch.where(bad, 0.5 * (hi - lo).abs(), step.abs())
         z = zn
-        if bool((step.abs() <= 1e-15 * (1 + z.abs())).all()):
+        if bool(((change <= 1e-15 * (1 + z.abs())) | ((hi - lo).abs() <= 1e-15 * (1 + z.abs()))).all()):
             break
     return torch.sigmoid(z), z
 
@@ -650,6 +663,119 @@ class StackedBound(LocalBound):
         return self.bounds
 
 
+# ----------------------------------------------------------------------------- weighted sites
+class WeightedBound(LocalBound):
+    r"""The local bound of tempered sites ``p(y_n | eta)^{w_n}``: ``w_n f_n(h, rho)``, for any half-space bound ``f_n``.
+
+    A site under ``poutine.scale(scale=w)`` contributes ``w log p(y | eta)`` to the log joint
+    (:class:`~pyro_convexvb.lgm.sites.Weighted`). If ``f >= -E log p`` is closed and jointly convex,
+    so is ``w f >= -E[w log p]`` (``w > 0``), and its conjugate in the pairing ``alpha h + lambda rho / 2``
+    is the scaled conjugate (Rockafellar 1970, §16)
+
+    .. math:: (w f)^*(\alpha, \lambda) = w\, f^*(\alpha / w, \lambda / w).
+
+    For the half-space form ``f* = psi(alpha)`` on ``{lambda <= ell(alpha)}`` this gives
+    ``psi_w(alpha) = w psi(alpha / w)`` and ``ell_w(alpha) = w ell(alpha / w)`` (perspectives, so
+    ``psi_w`` stays convex and ``ell_w`` concave), first derivatives ``psi'(alpha / w)`` and
+    ``ell'(alpha / w)``, second derivatives ``psi''(alpha / w) / w`` and ``ell''(alpha / w) / w``, and the
+    ``alpha`` domain ``(w a_lo, w a_hi)``; ``alpha_star``, the exact expectation and ``f`` scale by ``w``.
+    The reduced dual of ``docs/dual_vg.md`` (§ Dual decomposition) applies unchanged. For an integer
+    ``w`` the dual optimum is that of the same site repeated ``w`` times, with its ``alpha`` summed
+    over the copies.
+
+    :param LocalBound base: the bound of the unweighted sites (``len(base)`` sites).
+    :param torch.Tensor weight: ``(q,)`` positive weights.
+    :param family: the weighted site family (for the exact expectations; default: ``base.family``
+        with the weights applied to its expectations).
+
+    Example::
+
+        >>> import torch
+        >>> from pyro_convexvb.lgm.sites import Poisson
+        >>> y = torch.tensor([3.], dtype=torch.float64)
+        >>> base, w = PoissonBound(Poisson(y)), torch.tensor([2.], dtype=torch.float64)
+        >>> wb = WeightedBound(base, w)
+        >>> a = torch.tensor([0.7], dtype=torch.float64)
+        >>> bool(torch.allclose(wb.psi(a)[0], w * base.psi(a / w)[0]))
+        True
+    """
+
+    def __init__(self, base, weight, family=None):
+        weight = torch.as_tensor(weight)
+        if weight.dim() != 1 or weight.shape[0] != len(base):
+            raise ValueError(f"weight: expected shape ({len(base)},), got {tuple(weight.shape)}")
+        if not bool(torch.isfinite(weight).all()) or not bool((weight > 0).all()):
+            raise ValueError("weight: site weights must be positive and finite")
+        self.base = base
+        self.weight = weight
+        self.family = family
+        self.name = "weighted_" + base.name
+        self.exact = base.exact
+        self._last = None
+
+    def __len__(self):
+        return len(self.base)
+
+    def _scaled(self, alpha):
+        """``alpha / w``; the same tensor for the same ``alpha`` (so a base bound's per-``alpha`` cache is hit)."""
+        last = self._last
+        if last is not None and last[0] is alpha and last[1] == alpha._version:
+            return last[2]
+        a = alpha / self.weight.to(alpha)
+        self._last = (alpha, alpha._version, a)
+        return a
+
+    def f(self, h, rho):
+        return self.weight * self.base.f(h, rho)
+
+    def psi(self, alpha):
+        w = self.weight.to(alpha)
+        p, dp, d2p = self.base.psi(self._scaled(alpha))
+        return w * p, dp, d2p / w
+
+    def ell(self, alpha):
+        w = self.weight.to(alpha)
+        e, de, d2e = self.base.ell(self._scaled(alpha))
+        return w * e, de, d2e / w
+
+    def alpha_domain(self, like):
+        lo, hi = self.base.alpha_domain(like)
+        w = self.weight.to(like)
+        return w * lo, w * hi
+
+    def alpha_star(self, h, rho):
+        return self.weight * self.base.alpha_star(h, rho)
+
+    def conjugate(self, alpha, lam):
+        w = self.weight.to(alpha)
+        return w * self.base.conjugate(self._scaled(alpha), lam / w)
+
+    def exact_expected_log_prob(self, h, rho):
+        if self.family is not None:
+            return self.family.expected_log_prob(h, rho)
+        return self.weight * self.base.exact_expected_log_prob(h, rho)
+
+    def fenchel_young_residual(self, alpha, h, rho):
+        return self.weight * self.base.fenchel_young_residual(self._scaled(alpha), h, rho)
+
+
+class _WeightedJaakkolaBound(WeightedBound, LogitJaakkolaBound):
+    """:class:`WeightedBound` of a Jaakkola bound; ``xi`` belongs to the base bound (the tangent point of
+    ``w f`` optimal for given marginals is that of ``f``), so the prior-marginal default applies unchanged."""
+
+    @property
+    def xi(self):
+        return self.base.xi
+
+    @xi.setter
+    def xi(self, value):  # LogitJaakkolaBound's attribute; kept on the base bound
+        if value is not None:
+            self.base.set_xi(value)
+
+    def set_xi(self, xi):
+        self.base.set_xi(xi)
+
+
 # ----------------------------------------------------------------------------- generic bounds
 class GenericBound:
     """A convex local bound given only by its primal ``f(h, rho)`` (a torch function, elementwise).
@@ -831,7 +957,10 @@ def make_bound(family, bound="tight", xi=None):
     """The local bound of a site family.
 
     :param family: a :class:`~pyro_convexvb.lgm.sites.SiteFamily` (Poisson, Gaussian,
-        Bernoulli-logit, Bernoulli-probit, :class:`StochasticVolatility`).
+        Bernoulli-logit, Bernoulli-probit, :class:`StochasticVolatility`). A
+        :class:`~pyro_convexvb.lgm.sites.Weighted` family of one of these (tempered sites
+        ``p(y | eta)^w``, e.g. under ``poutine.scale``) gets the :class:`WeightedBound` of its base
+        family's bound.
     :param str bound: for Bernoulli-logit sites one of ``"tight"`` (default), ``"jensen"``,
         ``"bohning"``, ``"jaakkola"``; ignored for the exact families. Bernoulli-probit sites always
         get :class:`ProbitTightBound` (the other logit bounds have no probit counterpart here).
@@ -841,11 +970,26 @@ def make_bound(family, bound="tight", xi=None):
     Example::
 
         >>> import torch
-        >>> from pyro_convexvb.lgm.sites import BernoulliLogit
+        >>> from pyro_convexvb.lgm.sites import BernoulliLogit, Weighted
         >>> b = make_bound(BernoulliLogit(torch.tensor([0., 1.], dtype=torch.float64)))
         >>> b.name
         'tight'
+        >>> make_bound(Weighted(BernoulliLogit(torch.tensor([1.], dtype=torch.float64)),
+        ...                     torch.tensor([0.5], dtype=torch.float64))).name
+        'weighted_tight'
     """
+    if isinstance(family, Weighted):
+        try:
+            base = make_bound(family.base, bound, xi)
+        except ValueError as e:
+            if "no convex local variational bound" not in str(e):
+                raise
+            raise ValueError(f"dual_vg has no convex local variational bound for site family '{family.name}' "
+                             f"(sites weighted by poutine.scale take the local bound of their base family, scaled "
+                             f"by the weight, and '{family.base.name}' has none; supported: "
+                             f"{', '.join(_BOUND_FAMILIES)})") from None
+        cls = _WeightedJaakkolaBound if isinstance(base, LogitJaakkolaBound) else WeightedBound
+        return cls(base, family.weight, family)
     if isinstance(family, Poisson):
         return PoissonBound(family)
     if isinstance(family, StochasticVolatility):
@@ -873,4 +1017,4 @@ def make_bound(family, bound="tight", xi=None):
             raise ValueError(f"bound: unknown local bound {bound!r}; choose one of {LOGIT_BOUNDS}")
         return ProbitTightBound(family)
     raise ValueError(f"dual_vg has no convex local variational bound for site family '{family.name}' "
-                     "(supported: poisson, bernoulli_logit, bernoulli_probit, gaussian, stochastic_volatility)")
+                     f"(supported: {', '.join(_BOUND_FAMILIES)})")

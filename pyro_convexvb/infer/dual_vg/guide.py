@@ -26,18 +26,27 @@ from .optim import default_gap_tol, refine_exact, solve_dual
 __all__ = ["DualVG", "DualVGEngine", "DualVGOptions", "fit_dual_vg", "site_space_predictive", "dual_vg_applies",
            "build_dual_problem", "SUPPORTED_FAMILIES"]
 
+#: site families with a convex local bound; each is also supported weighted (``Weighted``, ``"weighted_" + name``:
+#: a likelihood under ``poutine.scale``), with the bound scaled by the weight (:class:`~.bounds.WeightedBound`)
 SUPPORTED_FAMILIES = ("bernoulli_logit", "bernoulli_probit", "poisson", "gaussian", "stochastic_volatility")
 
 
 def dual_vg_applies(lgm):
-    """``(ok, reason)``: DualVG needs Gaussian priors on every block and sites with a convex local bound."""
+    """``(ok, reason)``: DualVG needs Gaussian priors on every block and sites with a convex local bound
+    (families in :data:`SUPPORTED_FAMILIES`, weighted or not)."""
     for p in lgm.priors:
         if p.flat:
             return False, f"latent '{p.name}' has no Gaussian prior (flat block, e.g. a Laplace prior)"
     for g in lgm.sites:
-        if g.family.name not in SUPPORTED_FAMILIES:
-            return False, (f"site '{g.name}' has family '{g.family.name}' without a convex local bound "
-                           f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
+        base = g.base_family
+        if base.name in SUPPORTED_FAMILIES:
+            continue
+        if g.weight is not None:
+            return False, (f"site '{g.name}' is weighted by poutine.scale and its family '{base.name}' has no convex "
+                           f"local bound (a weighted site takes its family's bound scaled by the weight; "
+                           f"supported: {', '.join(SUPPORTED_FAMILIES)})")
+        return False, (f"site '{g.name}' has family '{g.family.name}' without a convex local bound "
+                       f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
     if not lgm.sites:
         return False, "the model has no likelihood sites"
     return True, ""
@@ -136,10 +145,12 @@ def _posterior(backend, alpha, lam):
 @dataclass(frozen=True)
 class DualVGOptions(LGMEngineOptions):
     bound: typing.Literal["tight", "jensen", "bohning", "jaakkola"] = option(
-        "tight", "Bernoulli-logit local bound (other families use their exact bounds)")
+        "tight", "Bernoulli-logit local bound (other families use their own bounds: exact for Poisson, Gaussian and "
+                 "stochastic volatility, the tight probit bound for probit)")
     method: typing.Literal["newton", "lbfgs"] = option("newton", "dual minimiser")
     form: typing.Literal["auto", "site", "latent", "banded"] = option(
-        "auto", "storage form: N x N site space, L x L latent space, banded sparse precision, or auto")
+        "auto", "storage form: N x N site space, L x L latent space, a GMRF's sparse precision ('banded': sparse "
+                "Cholesky), or auto")
     newton_solver: typing.Literal["auto", "dense", "cg"] = option(
         "auto", "Newton systems in the L x L form: dense Cholesky, matrix-free CG, or the cheaper by a flop count")
     gap_tol: typing.Optional[float] = option(None, "convergence: duality gap in nats (default 1e-8 N)", gt=0)
@@ -193,6 +204,39 @@ class DualVGEngine(Engine):
 
     def precise_options(self):
         return {"gap_tol": 1e-9}
+
+    # ------------------------------------------------------------------ type-II maximum likelihood
+    def type2_value(self, result):
+        """The dual's own bound: the local-bound ELBO at the dual optimum (``max_q ELBO_LVB``)."""
+        return float(result.info["lvb_elbo"])
+
+    def lvb_elbo_at(self, lgm, result):
+        """``ELBO_LVB(q*; theta)`` of the fitted ``q*`` on ``lgm`` (the model at other hyperparameters)."""
+        o = self.options
+        if o.bound == "jaakkola":
+            raise ValueError(f"engine '{self.name}': learn_params needs a local bound that does not depend on "
+                             "theta through its variational parameters; the 'jaakkola' bound fixes xi at the prior "
+                             "marginals -- use bound='tight', 'jensen' or 'bohning', or learn_params=False")
+        q = result.posterior
+        if q.n != lgm.n:
+            q = lgm.latent_marginal(q)
+        m = q.loc.to(lgm.dtype)
+        V = q.covariance().to(lgm.dtype)
+        L = torch.linalg.cholesky(V)
+        val = lgm.expected_log_prior(m, V) + torch.log(torch.diagonal(L)).sum() + \
+            0.5 * lgm.n * (1 + math.log(2 * math.pi)) + lgm.log_const
+        for g in lgm.sites:
+            b = make_bound(g.family, o.bound, o.xi)
+            val = val - b.f(g.eta(m), lgm._marginal_var(g, V)).sum()
+        return float(val)
+
+    def type2_gradient(self, params, x, result, args, kwargs, h):
+        """Envelope theorem (Khan et al. 2013, §5): ``d/dtheta ELBO_LVB(q*; theta)`` at the fixed ``q*``."""
+        from ..type2 import envelope_gradient
+
+        if result.posterior.n > 5000:
+            return super().type2_gradient(params, x, result, args, kwargs, h)
+        return envelope_gradient(params, x, self.model, args, kwargs, lambda lgm: self.lvb_elbo_at(lgm, result), h)
 
     def solve(self, lgm, run):
         o = self.options
@@ -270,8 +314,10 @@ class DualVG(AutoMultivariateNormal):
     ``SVI`` (its parameters live in the Pyro param store).
 
     :param callable model: a Pyro model that is a latent Gaussian model (Gaussian priors; Bernoulli-logit,
-        Poisson or Normal likelihoods with affine predictors).
-    :param str bound: Bernoulli-logit local bound (``"tight"``, ``"jensen"``, ``"bohning"``, ``"jaakkola"``).
+        Bernoulli-probit (``probs=Normal.cdf(...)``), Poisson or Normal likelihoods with affine predictors,
+        each also weighted by ``poutine.scale``).
+    :param str bound: Bernoulli-logit local bound (``"tight"``, ``"jensen"``, ``"bohning"``, ``"jaakkola"``);
+        the other families use their own bounds.
     :param str method: ``"newton"`` or ``"lbfgs"``.
     :param options: further options of the ``dual_vg`` engine (fields of :class:`DualVGOptions`: ``form``,
         ``gap_tol``, ``max_iter``, ``xi``, ...), validated here.

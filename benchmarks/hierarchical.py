@@ -1,0 +1,294 @@
+"""Hierarchical latent Gaussian models: hyper-latents integrated over (INLA-style) against Pyro's engines.
+
+Cases (float64):
+
+* ``logistic-sonar``: Bayesian logistic regression on keel *sonar* (146 training rows, 60 standardised
+  features and an intercept) with a shrinkage scale ``tau ~ HalfCauchy(1)``, ``w ~ N(0, tau^2 I)``;
+* ``poisson-gmrf``: disease mapping on an ``m x m`` lattice: counts ``y_i ~ Poisson(E_i exp(f_i))`` with
+  exposures ``E_i`` and a spatial field ``f ~ SparseGMRF(0, kappa (D - 0.99 W))`` (``W`` the 4-neighbour
+  adjacency), precision ``kappa ~ Gamma(1, 0.1)``;
+* ``gp-lengthscale``: GP classification on keel *ionosphere* (the first 100 training rows) with an RBF
+  kernel of outputscale 4 and lengthscale ``ell ~ LogNormal(log 4, 0.5)``.
+
+Methods, alternating in the same run: ``dual_vg`` with the hyper-latents integrated over (grid, the
+default) and at their mode (``hyper="map"``), ``convex_relaxation`` (logistic case), and Pyro's
+``nuts`` (one chain, 1,000 samples after 500 warm-up steps), ``laplace`` and ``svi_automvn`` on the
+full model (hyper-latents included, in unconstrained coordinates). The reference is a long NUTS run
+(4 chains of 3,000 samples after 1,500 warm-up steps, split R-hat reported), computed once and cached
+in ``benchmarks/results/hierarchical_reference*.json``.
+
+Accuracy: the hyper-latent's 5%, 50%, 95% quantiles relative to the reference (targets 15% for the
+median, 25% for the tails) and the latent field's means in reference posterior standard deviations
+(target 0.25). Time: median wall seconds over ``--repeats`` alternating runs; the ratio to NUTS.
+
+Usage::
+
+    python benchmarks/hierarchical.py --quick      # small sizes, short NUTS reference
+    python benchmarks/hierarchical.py              # the cases above (run on a quiet machine)
+"""
+import math
+import os
+import statistics
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import pyro  # noqa: E402
+import pyro.distributions as dist  # noqa: E402
+import torch  # noqa: E402
+from _common import RESULTS_DIR, Timer, make_parser, markdown_table, parse_args, save_figure, write_json  # noqa: E402
+from torch.distributions import biject_to  # noqa: E402
+
+import pyro_convexvb as pcv  # noqa: E402
+
+D = torch.float64
+
+
+# ----------------------------------------------------------------------------- cases
+def logistic_sonar(quick):
+    Xtr, ytr, _, _ = pcv.datasets.load_keel("sonar", seed=0)
+    Xtr = Xtr.to(D)
+    if quick:
+        Xtr = Xtr[:, :10]
+    X = torch.cat([Xtr, torch.ones(Xtr.shape[0], 1, dtype=D)], 1)
+    y = ytr.to(D)
+
+    def model(X, y=None):
+        tau = pyro.sample("tau", dist.HalfCauchy(torch.tensor(1.0, dtype=D)))
+        w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=D), tau).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    return model, (X,), {"y": y}, "tau", "w"
+
+
+def lattice_precision(m, rho=0.99):
+    """``D - rho W`` of the 4-neighbour ``m x m`` lattice (sparse COO, float64)."""
+    idx = torch.arange(m * m).reshape(m, m)
+    pairs = torch.cat([torch.stack([idx[:, :-1].reshape(-1), idx[:, 1:].reshape(-1)]),
+                       torch.stack([idx[:-1, :].reshape(-1), idx[1:, :].reshape(-1)])], 1)
+    rows = torch.cat([pairs[0], pairs[1]])
+    cols = torch.cat([pairs[1], pairs[0]])
+    deg = torch.bincount(rows, minlength=m * m).to(D)
+    ii = torch.arange(m * m)
+    Q = torch.sparse_coo_tensor(torch.stack([torch.cat([ii, rows]), torch.cat([ii, cols])]),
+                                torch.cat([deg, -rho * torch.ones(rows.numel(), dtype=D)]), (m * m, m * m))
+    return Q.coalesce()
+
+
+def poisson_gmrf(quick):
+    m = 12 if quick else 30
+    Q0 = lattice_precision(m)
+    g = torch.Generator().manual_seed(3)
+    kappa_true = 2.0
+    L = torch.linalg.cholesky(kappa_true * Q0.to_dense())
+    f_true = torch.linalg.solve_triangular(L.T, torch.randn(m * m, 1, generator=g, dtype=D), upper=True)[:, 0]
+    E = 5.0 + 20.0 * torch.rand(m * m, generator=g, dtype=D)
+    y = torch.poisson(E * torch.exp(f_true), generator=g)
+
+    def model(E, y=None):
+        kappa = pyro.sample("kappa", dist.Gamma(torch.tensor(1.0, dtype=D), torch.tensor(0.1, dtype=D)))
+        f = pyro.sample("f", pcv.distributions.SparseGMRF(torch.zeros(m * m, dtype=D), Q0, precision_scale=kappa))
+        with pyro.plate("areas", m * m):
+            pyro.sample("y", dist.Poisson(E * torch.exp(f)), obs=y)
+
+    return model, (E,), {"y": y}, "kappa", "f"
+
+
+def gp_lengthscale(quick):
+    Xtr, ytr, _, _ = pcv.datasets.load_keel("ionosphere", seed=0)
+    n = 40 if quick else 100
+    X, y = Xtr[:n].to(D), ytr[:n].to(D)
+    d2 = torch.cdist(X, X) ** 2
+
+    def model(d2, y=None):
+        ell = pyro.sample("ell", dist.LogNormal(torch.tensor(math.log(4.0), dtype=D), torch.tensor(0.5, dtype=D)))
+        K = 4.0 * torch.exp(-0.5 * d2 / ell**2) + 1e-6 * torch.eye(d2.shape[0], dtype=D)
+        f = pyro.sample("f", dist.MultivariateNormal(torch.zeros(d2.shape[0], dtype=D), covariance_matrix=K))
+        with pyro.plate("data", d2.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=f), obs=y)
+
+    return model, (d2,), {"y": y}, "ell", "f"
+
+
+CASES = {"logistic-sonar": logistic_sonar, "poisson-gmrf": poisson_gmrf, "gp-lengthscale": gp_lengthscale}
+
+
+# ----------------------------------------------------------------------------- reference
+def nuts_reference(name, model, args, kwargs, hyper, field, quick):
+    path = os.path.join(RESULTS_DIR, f"hierarchical_reference{'_quick' if quick else ''}.json")
+    import json
+
+    refs = json.load(open(path)) if os.path.exists(path) else {}
+    if name in refs:
+        return refs[name]
+    from pyro.infer import MCMC, NUTS
+    from pyro.ops.stats import effective_sample_size, split_gelman_rubin
+
+    chains, ns, nw = (2, 500, 300) if quick else (4, 3000, 1500)
+    hs, fs = [], []
+    with Timer() as t:
+        for c in range(chains):
+            pyro.set_rng_seed(1000 + c)
+            mcmc = MCMC(NUTS(model, target_accept_prob=0.9), num_samples=ns, warmup_steps=nw, disable_progbar=True)
+            mcmc.run(*args, **kwargs)
+            s = mcmc.get_samples()
+            hs.append(s[hyper].reshape(ns, -1))
+            fs.append(s[field].reshape(ns, -1))
+    H, F = torch.stack(hs), torch.stack(fs)
+    both = torch.cat([torch.log(H), F], -1)
+    ref = {"hyper_q": torch.quantile(H.reshape(-1), torch.tensor([0.05, 0.5, 0.95], dtype=D)).tolist(),
+           "hyper_samples": H.reshape(-1)[:: max(1, H.numel() // 4000)].tolist(),
+           "field_mean": F.reshape(-1, F.shape[-1]).mean(0).tolist(),
+           "field_sd": F.reshape(-1, F.shape[-1]).std(0).tolist(),
+           "split_rhat": float(split_gelman_rubin(both).max()), "min_ess": float(effective_sample_size(both).min()),
+           "chains": chains, "num_samples": ns, "warmup_steps": nw, "seconds": t.seconds}
+    refs[name] = ref
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(refs, fh)
+    return ref
+
+
+# ----------------------------------------------------------------------------- methods
+def _hyper_quantiles_from_gaussian(res, hyper):
+    """5/50/95% quantiles of a hyper-latent under a Gaussian posterior over the unconstrained latents."""
+    post = res.posterior
+    block = post.layout[hyper]
+    z = post.loc[block.slice] + post.scale[block.slice] * torch.tensor([-1.6448536, 0.0, 1.6448536], dtype=D)
+    site_support = {"tau": dist.constraints.positive, "kappa": dist.constraints.positive,
+                    "ell": dist.constraints.positive}[hyper]
+    return biject_to(site_support)(z).tolist()
+
+
+def run_method(method, model, args, kwargs, hyper, field, quick):
+    engine, opts = {
+        "dual_vg (integrate)": ("dual_vg", {}),
+        "dual_vg (map)": ("dual_vg", {"hyper": "map"}),
+        "convex_relaxation (integrate)": ("convex_relaxation", {}),
+        "nuts": ("nuts", dict(num_samples=300 if quick else 1000, warmup_steps=200 if quick else 500)),
+        "laplace": ("laplace", {}),
+        "svi_automvn": ("svi_automvn", dict(max_steps=1000 if quick else 5000, lr=0.02)),
+    }[method]
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Timer() as t:
+            res = pcv.fit(model, *args, engine=engine, options=opts, progress=False, **kwargs)
+    if res.hyper is not None:
+        if res.hyper["marginals"] is not None:
+            q = [float(v) for v in res.hyper["marginals"][hyper]["quantiles"].values()]
+        else:
+            m = float(res.hyper["mode"][hyper])
+            q = [m, m, m]
+        field_mean = res.posterior.loc
+    elif engine == "nuts":
+        s = res.info["samples"][hyper].reshape(-1)
+        q = torch.quantile(s, torch.tensor([0.05, 0.5, 0.95], dtype=D)).tolist()
+        field_mean = res.info["samples"][field].reshape(s.shape[0], -1).mean(0)
+    else:
+        q = _hyper_quantiles_from_gaussian(res, hyper)
+        field_mean = res.posterior.loc[res.posterior.layout[field].slice]
+    return t.seconds, q, field_mean.detach(), res
+
+
+def main():
+    parser = make_parser(__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=None, help="alternating repetitions (default 3, quick 1)")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma list of cases")
+    args = parse_args(parser=parser)
+    torch.set_default_dtype(D)
+    repeats = args.repeats or (1 if args.quick else 3)
+    methods = ["dual_vg (integrate)", "dual_vg (map)", "convex_relaxation (integrate)", "nuts", "laplace",
+               "svi_automvn"]
+    rows, figs = [], {}
+    for name in args.cases.split(","):
+        model, margs, mkw, hyper, field = CASES[name](args.quick)
+        print(f"[{name}] reference ...", flush=True)
+        ref = nuts_reference(name, model, margs, mkw, hyper, field, args.quick)
+        case_methods = [m for m in methods if not (m.startswith("convex") and name != "logistic-sonar")]
+        times = {m: [] for m in case_methods}
+        out, failed = {}, {}
+        for rep in range(repeats):
+            order = case_methods if rep % 2 == 0 else case_methods[::-1]
+            for m in order:
+                try:
+                    sec, q, fmean, res = run_method(m, model, margs, mkw, hyper, field, args.quick)
+                except Exception as e:  # a peer that fails on a case is reported, not hidden
+                    failed[m] = f"{type(e).__name__}: {str(e)[:120]}"
+                    print(f"  {m}: failed ({failed[m]})", flush=True)
+                    continue
+                times[m].append(sec)
+                out[m] = (q, fmean, res)
+                print(f"  {m}: {sec:.2f} s", flush=True)
+        rq = ref["hyper_q"]
+        fm, fsd = torch.tensor(ref["field_mean"], dtype=D), torch.tensor(ref["field_sd"], dtype=D)
+        nuts_t = statistics.median(times["nuts"]) if times["nuts"] else math.nan
+        for m in case_methods:
+            if m in failed:
+                rows.append({"case": name, "method": m, "seconds": math.nan, "vs_nuts": math.nan,
+                             "rel_err_q50": math.nan, "rel_err_tails": math.nan, "field_err_sd": math.nan,
+                             "evaluations": None, "failed": failed[m]})
+                continue
+            q, fmean, res = out[m]
+            med = statistics.median(times[m])
+            rows.append({"case": name, "method": m, "seconds": med, "vs_nuts": nuts_t / med,
+                         f"{hyper}_q05": q[0], f"{hyper}_q50": q[1], f"{hyper}_q95": q[2],
+                         "rel_err_q50": abs(q[1] - rq[1]) / rq[1],
+                         "rel_err_tails": max(abs(q[0] - rq[0]) / rq[0], abs(q[2] - rq[2]) / rq[2]),
+                         "field_err_sd": float(((fmean - fm).abs() / fsd).max()),
+                         "evaluations": (res.hyper or {}).get("evaluations")})
+        figs[name] = (hyper, ref, {m: out[m][2] for m in case_methods if m in out})
+    print()
+    print(markdown_table([{k: v for k, v in r.items() if not k.startswith(("tau_", "kappa_", "ell_"))}
+                          for r in rows], floatfmt=".3g"))
+    ref_rows = []
+    for name in args.cases.split(","):
+        ref = figs[name][1]
+        ref_rows.append({"case": name, "reference": f"{ref['chains']} x {ref['num_samples']} NUTS",
+                         "split_rhat": ref["split_rhat"], "min_ess": ref["min_ess"], "seconds": ref["seconds"]})
+    print()
+    print(markdown_table(ref_rows, floatfmt=".4g"))
+    tag = "_quick" if args.quick else ""
+    write_json(f"hierarchical{tag}", {"rows": rows, "references": ref_rows, "repeats": repeats})
+    plot(figs, f"hierarchical{tag}")
+
+
+def plot(figs, name):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(figs), figsize=(5 * len(figs), 3.8))
+    axes = [axes] if len(figs) == 1 else axes
+    for ax, (case, (hyper, ref, results)) in zip(axes, figs.items()):
+        s = torch.tensor(ref["hyper_samples"], dtype=D)
+        ax.hist(s.numpy(), bins=60, density=True, color="0.8", label="NUTS (reference)")
+        grid = torch.linspace(float(s.quantile(0.001)), float(s.quantile(0.999)), 400, dtype=D)
+        for m, res in results.items():
+            if res.hyper is not None and res.hyper["marginals"] is not None:
+                z, _ = res.posterior.sample_z(20000, torch.Generator().manual_seed(0))
+                v = res.posterior.space.unpack_batch(z)[hyper] if hasattr(res.posterior.space, "unpack_batch") else \
+                    torch.stack([res.posterior.space.unpack(zz)[0][hyper] for zz in z[:4000]])
+                kde = torch.exp(-0.5 * ((grid[:, None] - v.reshape(1, -1)) / (0.1 * float(v.std()))) ** 2).mean(1)
+                kde = kde / (math.sqrt(2 * math.pi) * 0.1 * float(v.std()))
+                ax.plot(grid.numpy(), kde.numpy(), label=m)
+            elif m in ("laplace", "svi_automvn"):
+                post = res.posterior
+                b = post.layout[hyper]
+                mu, sd = float(post.loc[b.slice]), float(post.scale[b.slice])
+                lg = torch.log(grid)
+                dens = torch.exp(-0.5 * ((lg - mu) / sd) ** 2) / (sd * math.sqrt(2 * math.pi) * grid)
+                ax.plot(grid.numpy(), dens.numpy(), "--", label=m)
+        ax.set_title(f"{case}: posterior of {hyper}")
+        ax.set_xlabel(hyper)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, name)
+
+
+if __name__ == "__main__":
+    main()
