@@ -35,6 +35,20 @@ DENSE_JACOBIAN_LIMIT = 25_000_000
 
 _AFFINE_RTOL = 1e-7
 
+#: when set (by ``lgm_from_pyro(..., keep_graph=True)``), the model's parameters keep their autograd history
+#: into the latent Gaussian model (prior parameters, noise scales, offsets, constants) for envelope gradients
+_KEEP_GRAPH = [False]
+
+
+def _d(t):
+    """``t.detach()``, unless the extraction keeps the graph to the model's ``pyro.param`` sites."""
+    return t if _KEEP_GRAPH[0] else t.detach()
+
+
+def _num(t):
+    """A Python float, or (keeping the graph) a 0-d tensor."""
+    return t if _KEEP_GRAPH[0] else float(t.detach())
+
 #: Largest latent dimension for which a ``pyro.factor`` that depends on the latents is probed (dense Hessian).
 _FACTOR_MAX_LATENTS = 2000
 
@@ -135,20 +149,20 @@ def _latent_prior(name, fn, shape, dtype, device):
             A = prec.matrix
             prec = SparseOperator(torch.sparse_csr_tensor(A.crow_indices(), A.col_indices(), A.values().to(dtype),
                                                           size=A.shape, check_invariants=False).to(device))
-        return PriorBlock(name, base.loc.detach().reshape(size).to(dtype=dtype, device=device), prec=prec,
-                          logdet_cov=-float(base.log_det_precision().detach())), None
+        return PriorBlock(name, _d(base.loc).reshape(size).to(dtype=dtype, device=device), prec=prec,
+                          logdet_cov=-_num(base.log_det_precision())), None
     if isinstance(base, (dist.Normal, torch.distributions.Normal)):
         loc = base.loc.expand(shape).reshape(size).to(dtype)
         scale = base.scale.expand(shape).reshape(size).to(dtype)
         if (scale <= 0).any() or not torch.isfinite(scale).all():
             raise UnsupportedModelError(name, "prior scale must be positive and finite")
-        return PriorBlock(name, loc.detach(), cov=DiagonalOperator(scale.detach() ** 2),
-                          prec=DiagonalOperator(scale.detach() ** -2),
-                          logdet_cov=float(2 * torch.log(scale.detach()).sum())), None
+        return PriorBlock(name, _d(loc), cov=DiagonalOperator(_d(scale) ** 2),
+                          prec=DiagonalOperator(_d(scale) ** -2),
+                          logdet_cov=_num(2 * torch.log(scale).sum())), None
     if isinstance(base, (dist.MultivariateNormal, torch.distributions.MultivariateNormal)):
         d = base.event_shape[0]
-        tril = base.scale_tril.expand(tuple(shape[:-1]) + (d, d)).reshape(-1, d, d).to(dtype).detach()
-        loc = base.loc.expand(shape).reshape(size).to(dtype).detach()
+        tril = _d(base.scale_tril.expand(tuple(shape[:-1]) + (d, d)).reshape(-1, d, d).to(dtype))
+        loc = _d(base.loc.expand(shape).reshape(size).to(dtype))
         covs, precs, logdet = [], [], 0.0
         for L in tril:
             if not torch.isfinite(L).all() or (torch.diagonal(L) <= 0).any():
@@ -156,13 +170,13 @@ def _latent_prior(name, fn, shape, dtype, device):
             cov = L @ L.transpose(-1, -2)
             covs.append(DenseOperator(cov))
             precs.append(DenseOperator(torch.cholesky_inverse(L)))
-            logdet += float(2 * torch.log(torch.diagonal(L)).sum())
+            logdet = logdet + _num(2 * torch.log(torch.diagonal(L)).sum())
         cov_op = covs[0] if len(covs) == 1 else BlockDiagonalOperator(covs)
         prec_op = precs[0] if len(precs) == 1 else BlockDiagonalOperator(precs)
         return PriorBlock(name, loc, cov=cov_op, prec=prec_op, logdet_cov=logdet), None
     if isinstance(base, (dist.Laplace, torch.distributions.Laplace)):
-        loc = base.loc.expand(shape).reshape(size).to(dtype).detach()
-        scale = base.scale.expand(shape).reshape(size).to(dtype).detach()
+        loc = _d(base.loc.expand(shape).reshape(size).to(dtype))
+        scale = _d(base.scale.expand(shape).reshape(size).to(dtype))
         if (scale <= 0).any():
             raise UnsupportedModelError(name, "Laplace prior scale must be positive")
         return PriorBlock(name, torch.zeros(size, dtype=dtype, device=device), flat=True), (loc, scale)
@@ -398,7 +412,7 @@ def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype,
     if op is None:
         q = eta.shape[0]
         op = DenseOperator(jac.dense()) if q * n <= DENSE_JACOBIAN_LIMIT else jac.operator()
-    offset = (eta.detach() - op.mv(u0.detach()).to(eta.dtype)).detach()
+    offset = _d(eta - op.mv(u0.detach()).to(eta.dtype))
     if rows is not None:
         op, offset = _select_rows(op, rows), offset[rows]
     return op, offset
@@ -461,7 +475,7 @@ def _factor_group(name, F0, u0, F1, u1, dtype):
     return group, const
 
 
-def lgm_from_pyro(model, *args, dtype=None, **kwargs):
+def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
     """Trace a Pyro model and return its :class:`LatentGaussianModel`.
 
     Recognised: latent sites (any shape, flattened and concatenated in model order) with Normal,
@@ -497,6 +511,9 @@ def lgm_from_pyro(model, *args, dtype=None, **kwargs):
 
     :param model: a Pyro model callable.
     :param args: positional arguments of the model (data).
+    :param bool keep_graph: keep the autograd history from the model's ``pyro.param`` sites into the prior
+        parameters, noise scales, offsets and constants of the LGM (for envelope gradients of type-II
+        maximum likelihood); designs are always detached.
     :param dtype: floating dtype of the LGM (default: the widest floating dtype of the observed data
         and the latent sites, e.g. float64 when the data are float32 and the parameters float64).
         The model itself always runs in its own dtypes.
@@ -516,8 +533,13 @@ def lgm_from_pyro(model, *args, dtype=None, **kwargs):
         >>> torch.allclose(lgm.sites[0].design.to_dense(), X)
         True
     """
-    with full_data_plates(), record_normal_cdf(), torch.enable_grad():  # affinity is probed with autograd
-        return _extract(model, args, kwargs, dtype)
+    previous = _KEEP_GRAPH[0]
+    _KEEP_GRAPH[0] = bool(keep_graph)
+    try:
+        with full_data_plates(), record_normal_cdf(), torch.enable_grad():  # affinity is probed with autograd
+            return _extract(model, args, kwargs, dtype)
+    finally:
+        _KEEP_GRAPH[0] = previous
 
 
 _DTYPE_WORDS = ("dtype", "scalar type", "Double", "Float", "Half")
@@ -704,7 +726,7 @@ def _extract(model, args, kwargs, dtype):
         full = tuple(site["fn"].batch_shape) + tuple(site["fn"].event_shape)
         if _depends_on(base.scale, u0):
             raise UnsupportedModelError(b.name, "the scale of a latent Normal depends on a latent site (not an LGM)")
-        scale = base.scale.expand(full).reshape(-1).detach().to(dtype)
+        scale = _d(base.scale.expand(full).reshape(-1).to(dtype))
         if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
             raise UnsupportedModelError(b.name, "prior scale must be positive and finite")
         eta = base.loc.expand(full).reshape(-1).to(dtype)
@@ -727,8 +749,8 @@ def _extract(model, args, kwargs, dtype):
         if kind == "gaussian" and _depends_on(base.scale, u0):
             raise UnsupportedModelError(name, "the noise scale depends on a latent site (not an LGM)")
         if not _depends_on(eta_k, u0):
-            lp = float(_site_log_prob(site).detach())
-            if not math.isfinite(lp):
+            lp = _num(_site_log_prob(site))
+            if not math.isfinite(float(lp)):
                 raise UnsupportedModelError(name, "observed site that does not depend on the latents has log density "
                                                   f"{lp} at its data")
             log_const += lp
@@ -747,7 +769,7 @@ def _extract(model, args, kwargs, dtype):
         elif kind == "poisson":
             family = Poisson(y_k)
         else:
-            scale = base.scale.expand(batch).reshape(-1).detach().to(dtype)
+            scale = _d(base.scale.expand(batch).reshape(-1).to(dtype))
             scale = scale if idx is None else scale[idx]
             if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
                 raise UnsupportedModelError(name, "the noise scale must be positive and finite")

@@ -211,7 +211,8 @@ class DualVGEngine(Engine):
         return float(result.info["lvb_elbo"])
 
     def lvb_elbo_at(self, lgm, result):
-        """``ELBO_LVB(q*; theta)`` of the fitted ``q*`` on ``lgm`` (the model at other hyperparameters)."""
+        """``ELBO_LVB(q*; theta)`` of the fitted ``q*`` on ``lgm`` (the model at other hyperparameters), a 0-d tensor
+        (differentiable in the params when ``lgm`` keeps their graph)."""
         o = self.options
         if o.bound == "jaakkola":
             raise ValueError(f"engine '{self.name}': learn_params needs a local bound that does not depend on "
@@ -228,7 +229,7 @@ class DualVGEngine(Engine):
         for g in lgm.sites:
             b = make_bound(g.family, o.bound, o.xi)
             val = val - b.f(g.eta(m), lgm._marginal_var(g, V)).sum()
-        return float(val)
+        return val
 
     def type2_gradient(self, params, x, result, args, kwargs, h):
         """Envelope theorem (Khan et al. 2013, §5): ``d/dtheta ELBO_LVB(q*; theta)`` at the fixed ``q*``."""
@@ -236,7 +237,8 @@ class DualVGEngine(Engine):
 
         if result.posterior.n > 5000:
             return super().type2_gradient(params, x, result, args, kwargs, h)
-        return envelope_gradient(params, x, self.model, args, kwargs, lambda lgm: self.lvb_elbo_at(lgm, result), h)
+        return envelope_gradient(params, x, self.model, args, kwargs, lambda lgm: self.lvb_elbo_at(lgm, result), h,
+                                 autograd=True)
 
     def solve(self, lgm, run):
         o = self.options
