@@ -415,7 +415,15 @@ class NUTSEngine(_FullDataEngine):
         model = self.full_data_model(call)
         kernel = NUTS(model, target_accept_prob=o.target_accept_prob, max_tree_depth=o.max_tree_depth,
                       jit_compile=o.jit_compile, ignore_jit_warnings=True)
-        mcmc = MCMC(kernel, num_samples=o.num_samples, warmup_steps=o.warmup_steps, disable_progbar=not run.progress)
+        # Pyro's own MCMC bar switches itself off whenever a ``CI`` variable is set; the engine's bar
+        # honours ``progress`` everywhere, fed by MCMC's per-step hook.
+        bar = run.bar(total=o.warmup_steps + o.num_samples, unit="step", desc="nuts")
+
+        def hook(kernel, params, stage, i):
+            bar.update(1)
+
+        mcmc = MCMC(kernel, num_samples=o.num_samples, warmup_steps=o.warmup_steps, disable_progbar=True,
+                    hook_fn=hook)
         mcmc.run(*call.args, **call.kwargs)
         samples = mcmc.get_samples()
         flat = []
