@@ -15,6 +15,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from pyro_convexvb.datasets import load_keel  # noqa: E402
@@ -36,7 +37,7 @@ def main(learn=False, n_train=400, seed=0):
     clf = GPClassifier(kernel, engine="dual_vg", learn_hyperparameters=learn).fit(X, y)
     secs = time.perf_counter() - t0
     acc, nlpd = clf.score(Xt, yt), clf.nlpd(Xt, yt)
-    ls, os_ = float(clf.kernel.base_kernel.lengthscale.detach()), float(clf.kernel.outputscale.detach())
+    ls, os_ = float(clf.kernel_.base_kernel.lengthscale.detach()), float(clf.kernel_.outputscale.detach())
     print(f"{'learned' if learn else 'fixed'} hyperparameters: lengthscale {ls:.3f}, outputscale {os_:.3f}, "
           f"mean {float(clf.mean_.detach()):.3f}")
     print(f"fit {secs:.2f} s, exact VG bound {clf.log_evidence_bound_:.3f}, test accuracy {acc:.3f}, NLPD {nlpd:.3f}")
@@ -51,7 +52,7 @@ def main(learn=False, n_train=400, seed=0):
     c0 = axes[0].contourf(gx, gy, p, levels=20, cmap="RdBu_r", vmin=0, vmax=1)
     axes[0].contour(gx, gy, p, levels=[0.5], colors="k", linewidths=1.5)
     fig.colorbar(c0, ax=axes[0], label="P(y = 1)")
-    c1 = axes[1].contourf(gx, gy, var.sqrt().reshape(gx.shape), levels=20, cmap="viridis")
+    c1 = axes[1].contourf(gx, gy, np.sqrt(var).reshape(gx.shape), levels=20, cmap="viridis")
     axes[1].contour(gx, gy, p, levels=[0.5], colors="w", linewidths=1.0)
     fig.colorbar(c1, ax=axes[1], label="latent predictive std")
     for ax in axes:

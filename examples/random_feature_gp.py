@@ -36,7 +36,8 @@ Xs = torch.linspace(-5, 5, 300, dtype=DT).unsqueeze(-1)
 kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5)).double()
 rff = RandomFourierFeatures(kernel, num_features=200, seed=0)
 blr = BayesianLinearRegression(basis=rff, noise_var=0.1, prior_var=1.0, learn_prior_var=False).fit(X, y)
-mean, std = blr.predict(Xs, return_std=True)
+mean, std = (torch.from_numpy(a) for a in blr.predict(Xs, return_std=True))
+kernel = blr.basis_.kernel  # the learned copy (the kernel passed in is left as it was)
 print(f"regression: lengthscale {float(kernel.base_kernel.lengthscale):.3f}, outputscale "
       f"{float(kernel.outputscale):.3f}, noise var {blr.noise_var_:.4f}, log ML {blr.log_marginal_likelihood_:.2f}")
 

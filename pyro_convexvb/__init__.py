@@ -19,6 +19,7 @@ from .infer.dual_vg import DualVG, dual_vg_objective
 from .infer.diag_mixture import AutoDiagMixture, DiagMixtureELBO, DiagMixturePosterior
 from .blr import BayesianLinearRegression
 from .glm import GLM
+from .logistic import BayesianLogisticRegression
 from .online import OnlineADF, OnlineAdaGradLogistic, OnlineBayesLogistic, OnlineDimGauss, OnlineMarginalVB
 from . import datasets, design, gp, linalg
 from . import distributions

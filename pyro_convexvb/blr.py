@@ -16,12 +16,15 @@ import copy
 import math
 import warnings
 
+import numpy as np
 import torch
+from sklearn.base import BaseEstimator, RegressorMixin
+from sklearn.utils.validation import check_is_fitted, validate_data
 
 from .errors import ConvergenceWarning
 
 __all__ = ["blr_log_marginal_likelihood", "blr_posterior", "BayesianLinearRegression", "design_matrix",
-           "check_Xy"]
+           "check_Xy", "sklearn_input"]
 
 _LOG_2PI = math.log(2 * math.pi)
 
@@ -111,6 +114,33 @@ def check_Xy(X, y=None, dtype=None):
     return X, y
 
 
+def sklearn_input(obj):
+    """A torch tensor as a NumPy array (dense, on the CPU) or a SciPy CSR matrix (sparse COO/CSR/CSC).
+
+    Anything else (NumPy, pandas, SciPy sparse, lists) is returned unchanged, ready for scikit-learn's
+    validators (:func:`sklearn.utils.validation.validate_data`).
+
+    Example::
+
+        >>> import torch
+        >>> sklearn_input(torch.eye(2, dtype=torch.float64)).dtype
+        dtype('float64')
+    """
+    if not torch.is_tensor(obj):
+        return obj
+    obj = obj.detach()
+    if obj.layout == torch.strided:
+        return obj.cpu().numpy()
+    import scipy.sparse as sp
+
+    if obj.layout in (torch.sparse_coo, torch.sparse_csc):
+        obj = obj.coalesce().to_sparse_csr() if obj.layout == torch.sparse_coo else obj.to_sparse_csr()
+    if obj.layout != torch.sparse_csr:
+        raise TypeError(f"X: unsupported torch layout {obj.layout}")
+    return sp.csr_matrix((obj.values().cpu().numpy(), obj.col_indices().cpu().numpy(),
+                          obj.crow_indices().cpu().numpy()), shape=tuple(obj.shape))
+
+
 def design_matrix(basis, X, fit_intercept=False):
     """``Phi = basis(X)`` (``X`` itself when ``basis`` is ``None``), with a ones column appended if asked."""
     Phi = X if basis is None else basis(X)
@@ -121,13 +151,38 @@ def design_matrix(basis, X, fit_intercept=False):
     return Phi
 
 
-class BayesianLinearRegression:
-    """Bayesian linear regression with type-II maximum likelihood (Steinberg et al. 2017, §1.2), scikit-learn style.
+def _dense_float64(X):
+    """A validated array or SciPy sparse matrix as a dense float64 torch tensor."""
+    if hasattr(X, "toarray"):
+        X = X.toarray()
+    return torch.from_numpy(np.array(X, dtype=np.float64, order="C"))
 
-    :param basis: ``None`` (linear in ``X``), a callable ``X (N, d) -> Phi (N, D)``, or a
-        :class:`torch.nn.Module` such as :class:`~pyro_convexvb.gp.RandomFourierFeatures` whose
-        parameters are learned when ``learn_basis`` (on a copy, ``basis_``; the module passed in is
-        never modified).
+
+def _check_positive(value, name):
+    try:
+        ok = float(value) > 0 and math.isfinite(float(value))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be positive and finite, got {value!r}")
+
+
+def _check_positive_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+class BayesianLinearRegression(RegressorMixin, BaseEstimator):
+    """Bayesian linear regression with type-II maximum likelihood (Steinberg et al. 2017, §1.2): a scikit-learn regressor.
+
+    ``X`` may be NumPy, pandas, SciPy sparse (densified: the algorithm works with the dense
+    ``N x D`` design and ``D x D`` posterior) or torch; computations are in float64 and outputs are
+    NumPy arrays.
+
+    :param basis: ``None`` (linear in ``X``), a callable ``X (N, d) -> Phi (N, D)`` on float64 torch
+        tensors, or a :class:`torch.nn.Module` such as :class:`~pyro_convexvb.gp.RandomFourierFeatures`
+        whose parameters are learned when ``learn_basis`` (on a float64 copy, ``basis_``; the module
+        passed in is never modified).
     :param float noise_var: initial ``sigma^2``.
     :param float prior_var: initial ``lambda``.
     :param bool learn_noise: optimise ``sigma^2``.
@@ -137,19 +192,23 @@ class BayesianLinearRegression:
     :param int max_iter: L-BFGS iterations.
     :param float tol: gradient tolerance (relative to ``1 + |log ML|``) for convergence.
 
-    Fitted attributes: ``coef_`` ``(D,)`` (posterior mean ``m``), ``covariance_`` ``(D, D)`` (``C``),
+    Fitted attributes: ``coef_`` ``(D,)`` (posterior mean of the weights of the basis features),
+    ``intercept_`` (posterior mean of the intercept; ``0.0`` without ``fit_intercept``),
+    ``covariance_`` ``(D', D')`` (``C`` over all weights, the intercept last; ``D' = D + fit_intercept``),
     ``noise_var_``, ``prior_var_``, ``log_marginal_likelihood_``, ``n_iter_``, ``converged_``,
-    ``posterior_`` (a :class:`~pyro_convexvb.GaussianPosterior`).
+    ``posterior_`` (a :class:`~pyro_convexvb.GaussianPosterior` over all weights), ``n_features_in_``,
+    ``feature_names_in_`` (pandas input).
 
     Example::
 
-        >>> import torch
-        >>> X = torch.randn(100, 2, dtype=torch.float64)
-        >>> y = X @ torch.tensor([1.0, -2.0], dtype=torch.float64) + 0.1 * torch.randn(100, dtype=torch.float64)
+        >>> import numpy as np
+        >>> rng = np.random.default_rng(0)
+        >>> X = rng.normal(size=(100, 2))
+        >>> y = X @ [1.0, -2.0] + 0.1 * rng.normal(size=100)
         >>> blr = BayesianLinearRegression().fit(X, y)
         >>> mean, std = blr.predict(X[:3], return_std=True)
-        >>> bool(abs(blr.noise_var_ - 0.01) < 0.01)
-        True
+        >>> mean.shape, bool(abs(blr.noise_var_ - 0.01) < 0.01)
+        ((3,), True)
     """
 
     def __init__(self, basis=None, noise_var=1.0, prior_var=1.0, learn_noise=True, learn_prior_var=True,
@@ -164,22 +223,35 @@ class BayesianLinearRegression:
         self.max_iter = max_iter
         self.tol = tol
 
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.input_tags.sparse = True
+        return tags
+
     def _design(self, X):
         return design_matrix(self.basis_, X, self.fit_intercept)
 
     def fit(self, X, y):
-        """Maximise Eq. (14) over the hyperparameters, then compute the exact posterior. Returns ``self``."""
-        X, y = check_Xy(X, y)
-        # the basis passed in is never trained: fit works on a copy (basis_)
-        self.basis_ = copy.deepcopy(self.basis) if isinstance(self.basis, torch.nn.Module) else self.basis
-        for name in ("noise_var", "prior_var"):
-            v = getattr(self, name)
-            if not (float(v) > 0 and math.isfinite(float(v))):
-                raise ValueError(f"{name} must be positive and finite, got {v}")
+        """Maximise Eq. (14) over the hyperparameters, then compute the exact posterior. Returns ``self``.
+
+        :param X: ``(N, d)`` array-like (NumPy, pandas, SciPy sparse, torch).
+        :param y: ``(N,)`` real targets.
+        """
+        for name in ("noise_var", "prior_var", "tol"):
+            _check_positive(getattr(self, name), name)
+        _check_positive_int(self.max_iter, "max_iter")
+        if self.basis is not None and not callable(self.basis):
+            raise TypeError(f"basis: expected None, a callable or a torch.nn.Module, got {type(self.basis).__name__}")
+        X, y = validate_data(self, sklearn_input(X), sklearn_input(y), y_numeric=True, dtype=np.float64,
+                             accept_sparse="csr")
+        X, y = _dense_float64(X), torch.from_numpy(np.array(y, dtype=np.float64))
+        # the basis passed in is never trained: fit works on a float64 copy (basis_)
+        self.basis_ = (copy.deepcopy(self.basis).to(torch.float64) if isinstance(self.basis, torch.nn.Module)
+                       else self.basis)
         dt, dev = X.dtype, X.device
-        log_s2 = torch.tensor(math.log(float(self.noise_var)), dtype=dt, device=dev, requires_grad=self.learn_noise)
+        log_s2 = torch.tensor(math.log(float(self.noise_var)), dtype=dt, device=dev, requires_grad=bool(self.learn_noise))
         log_lam = torch.tensor(math.log(float(self.prior_var)), dtype=dt, device=dev,
-                               requires_grad=self.learn_prior_var)
+                               requires_grad=bool(self.learn_prior_var))
         params = [p for p in (log_s2, log_lam) if p.requires_grad]
         basis_params = []
         if self.learn_basis and isinstance(self.basis_, torch.nn.Module):
@@ -202,11 +274,11 @@ class BayesianLinearRegression:
                 history.append(float(loss.detach()))
                 return loss
 
-            res = minimize_lbfgs(params, loss_fn, max_iter=self.max_iter, grad_tol=self.tol * 1e-2,
+            res = minimize_lbfgs(params, loss_fn, max_iter=int(self.max_iter), grad_tol=float(self.tol) * 1e-2,
                                  change_tol=1e-12, history_size=20, name="BayesianLinearRegression")
             history.pop()  # the final gradient check is not an iteration
             self.n_iter_ = res.evaluations
-            self.converged_ = res.grad_norm <= self.tol * (1 + abs(res.value))
+            self.converged_ = res.grad_norm <= float(self.tol) * (1 + abs(res.value))
             if not self.converged_:
                 warnings.warn(f"BayesianLinearRegression: L-BFGS stopped ({res.stop_reason}) after {res.evaluations} "
                               f"evaluations with gradient {res.grad_norm:.3g} (tol {self.tol:.1g}); raise max_iter",
@@ -216,41 +288,34 @@ class BayesianLinearRegression:
             self.noise_var_ = float(log_s2.exp())
             self.prior_var_ = float(log_lam.exp())
             self.log_marginal_likelihood_ = float(blr_log_marginal_likelihood(Phi, y, self.noise_var_, self.prior_var_))
-            self.coef_, self.covariance_ = blr_posterior(Phi, y, self.noise_var_, self.prior_var_)
+            m, C = blr_posterior(Phi, y, self.noise_var_, self.prior_var_)
         from .infer.posterior import GaussianPosterior
 
-        self.posterior_ = GaussianPosterior(self.coef_, covariance=self.covariance_)
+        self.posterior_ = GaussianPosterior(m, covariance=C)
+        w = m.numpy()
+        self.coef_ = w[:-1].copy() if self.fit_intercept else w.copy()
+        self.intercept_ = float(w[-1]) if self.fit_intercept else 0.0
+        self.covariance_ = C.numpy().copy()
         self.history_ = history
-        self.n_features_in_ = X.shape[1]
         return self
-
-    def _check_fitted(self):
-        if not hasattr(self, "coef_"):
-            raise RuntimeError("this BayesianLinearRegression is not fitted yet; call fit(X, y) first")
 
     def predict(self, X, return_std=False, include_noise=True):
         """Predictive mean ``phi*^T m`` (Eq. 16) and optionally std ``sqrt(sigma^2 + phi*^T C phi*)`` (Eq. 17).
 
         :param X: ``(M, d)`` inputs.
         :param bool include_noise: include ``sigma^2`` in the predictive variance (else the latent variance).
-        :returns: ``mean (M,)`` or ``(mean, std)``.
+        :returns: NumPy ``mean (M,)`` or ``(mean, std)``.
         """
-        self._check_fitted()
-        X = check_Xy(X, dtype=self.coef_.dtype)
-        if X.shape[1] != self.n_features_in_:
-            raise ValueError(f"X has {X.shape[1]} columns, the model was fitted on {self.n_features_in_}")
+        check_is_fitted(self, "posterior_")
+        X = _dense_float64(validate_data(self, sklearn_input(X), reset=False, dtype=np.float64, accept_sparse="csr"))
         with torch.no_grad():
-            Phi = self._design(X.to(self.coef_.dtype))
-            mean = Phi @ self.coef_
+            Phi = self._design(X)
+            m = self.posterior_.loc
+            mean = Phi @ m
             if not return_std:
-                return mean
-            var = ((Phi @ self.covariance_) * Phi).sum(-1).clamp_min(0)
+                return mean.numpy()
+            C = self.posterior_.covariance()
+            var = ((Phi @ C) * Phi).sum(-1).clamp_min(0)
             if include_noise:
                 var = var + self.noise_var_
-        return mean, var.sqrt()
-
-    def score(self, X, y):
-        """Coefficient of determination ``R^2`` of the predictive mean."""
-        X, y = check_Xy(X, y)
-        r = y - self.predict(X)
-        return float(1 - (r @ r) / ((y - y.mean()) @ (y - y.mean())))
+        return mean.numpy(), var.sqrt().numpy()

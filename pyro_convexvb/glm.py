@@ -5,16 +5,24 @@
 trained by SVI on :class:`~pyro_convexvb.infer.diag_mixture.DiagMixtureELBO` with mini-batches
 (Eqs. 5-6, 21-27), learning ``lambda``, the Gaussian noise and the basis hyperparameters along
 with ``q(w) = (1/K) sum_k N(m_k, diag psi_k)``.  Predictions follow Eqs. (29)-(31).
+
+:class:`GLM` is a scikit-learn estimator whose type follows the likelihood: a binary classifier for
+``"bernoulli"`` (labels ``classes_``, ``predict_proba``), a regressor otherwise.
 """
 import copy
 import math
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
+from sklearn.base import BaseEstimator
+from sklearn.utils import ClassifierTags, RegressorTags
+from sklearn.utils.metaestimators import available_if
+from sklearn.utils.validation import check_is_fitted, validate_data
 
-from .blr import check_Xy, design_matrix
+from .blr import _dense_float64, design_matrix, sklearn_input
 from .lgm.linear import linear
 
 __all__ = ["GLM"]
@@ -28,16 +36,29 @@ def _gh(num_points, dtype, device):
     return gauss_hermite(num_points, dtype, device)
 
 
-class GLM:
-    """Bayesian GLM estimator (revrand's ``GeneralizedLinearModel``), scikit-learn style.
+def _is_classifier(glm):
+    return glm.likelihood == "bernoulli"
+
+
+class GLM(BaseEstimator):
+    """Bayesian GLM estimator (revrand's ``GeneralizedLinearModel``) with the scikit-learn API.
+
+    With ``likelihood="bernoulli"`` it is a binary classifier (scikit-learn's estimator type
+    ``"classifier"``): labels are any two values (``classes_``), :meth:`predict` returns labels,
+    :meth:`predict_proba` the predictive probabilities (Eq. 29), :meth:`decision_function` the
+    predictive log-odds, and ``score`` is the accuracy.  Other likelihoods make it a regressor:
+    :meth:`predict` is the predictive expectation (Eq. 29) and ``score`` is ``R^2``.  ``X`` may be
+    NumPy, pandas, SciPy sparse (densified: the model uses a dense design) or torch; computations
+    are in float64 and outputs are NumPy arrays.
 
     :param str likelihood: ``"bernoulli"`` (logit link), ``"gaussian"`` (identity), ``"poisson"``
         (log link) or ``"binomial"`` (logit link, ``n_trials`` per row).
-    :param basis: ``None`` (linear), a callable ``X -> Phi`` or a :class:`torch.nn.Module` such as
-        :class:`~pyro_convexvb.gp.RandomFourierFeatures` (parameters learned when ``learn_basis``, on a copy ``basis_``; the module passed in is never
+    :param basis: ``None`` (linear), a callable ``X -> Phi`` on float64 torch tensors or a
+        :class:`torch.nn.Module` such as :class:`~pyro_convexvb.gp.RandomFourierFeatures` (parameters
+        learned when ``learn_basis``, on a float64 copy ``basis_``; the module passed in is never
         modified).
     :param int num_components: ``K`` mixture components of ``q(w)``.
-    :param int batch_size: mini-batch size ``M`` (``None``: full batch).
+    :param int batch_size: mini-batch size ``M`` (``None``, or ``M >= N``: full batch).
     :param float prior_var: initial ``lambda`` (learned when ``learn_prior_var``).
     :param float noise_var: initial Gaussian noise variance (learned when ``learn_noise``).
     :param int n_trials: default binomial number of trials (``fit``/``predict`` accept per-row counts).
@@ -46,20 +67,27 @@ class GLM:
     :param str entropy: entropy bound, ``"eq24"`` (Steinberg et al. 2017) or ``"bhattacharyya"``.
     :param float lr: Adam learning rate.
     :param int max_steps: SVI step limit; the plateau rule of ``diag_mixture`` stops earlier.
-    :param int seed: random seed.
+    :param int min_steps: no plateau stop before this many steps.
+    :param int window: steps per window of the plateau rule.
+    :param float rtol: relative decrease of the windowed loss below which SVI has plateaued.
+    :param float init_scale: initial posterior scale.
+    :param int seed: random seed (fits are reproducible).
+    :param bool progress: show a progress bar.
 
     Fitted attributes: ``posterior_`` (:class:`~pyro_convexvb.infer.diag_mixture.DiagMixturePosterior`
-    over ``w``), ``prior_var_``, ``noise_var_`` (gaussian), ``result_`` (the
-    :class:`~pyro_convexvb.InferenceResult`), ``n_steps_``, ``converged_``.
+    over ``w``), ``prior_var_``, ``noise_var_`` (gaussian), ``classes_`` (bernoulli), ``result_`` (the
+    :class:`~pyro_convexvb.InferenceResult`), ``n_steps_`` (= ``n_iter_``), ``converged_``,
+    ``log_evidence_bound_``, ``n_features_in_``, ``feature_names_in_`` (pandas input).
 
     Example::
 
-        >>> import torch
-        >>> X = torch.randn(300, 2, dtype=torch.float64)
-        >>> y = (X[:, 0] - X[:, 1] > 0).double()
+        >>> import numpy as np
+        >>> rng = np.random.default_rng(0)
+        >>> X = rng.normal(size=(300, 2))
+        >>> y = np.where(X[:, 0] - X[:, 1] > 0, "yes", "no")
         >>> glm = GLM("bernoulli", num_components=2, max_steps=600, min_steps=300).fit(X, y)
-        >>> bool(((glm.predict(X) > 0.5).double() == y).double().mean() > 0.9)
-        True
+        >>> glm.predict_proba(X[:2]).shape, bool(glm.score(X, y) > 0.9)
+        ((2, 2), True)
     """
 
     def __init__(self, likelihood="bernoulli", basis=None, num_components=1, batch_size=None, prior_var=1.0,
@@ -88,6 +116,19 @@ class GLM:
         self.seed = seed
         self.progress = progress
 
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.input_tags.sparse = True
+        tags.target_tags.required = True
+        if _is_classifier(self):
+            tags.estimator_type = "classifier"
+            tags.classifier_tags = ClassifierTags(multi_class=False)
+        else:
+            tags.estimator_type = "regressor"
+            tags.regressor_tags = RegressorTags()
+            tags.target_tags.positive_only = self.likelihood in ("poisson", "binomial")
+        return tags
+
     # ------------------------------------------------------------------ the Pyro model
     def _learn_basis(self):
         return self.learn_basis and isinstance(self.basis_, torch.nn.Module) and any(
@@ -100,7 +141,7 @@ class GLM:
             raise ValueError("n_trials must be nonnegative integers")
         return n
 
-    def _model(self, X, y=None, n_trials=None, Phi=None):
+    def _model(self, X, y=None, n_trials=None, Phi=None, batch=None):
         N = X.shape[0]
         dt, dev = X.dtype, X.device
         if self.learn_prior_var:
@@ -119,7 +160,7 @@ class GLM:
         D = self.n_weights_
         w = pyro.sample("w", dist.Normal(torch.zeros(D, dtype=dt, device=dev), lam.sqrt()).to_event(1))
         wl = w if w.dim() == 1 else (w.reshape(w.shape[:-2] + w.shape[-1:]) if w.shape[-2] == 1 else w)
-        with pyro.plate("data", N, subsample_size=self.batch_size) as idx:
+        with pyro.plate("data", N, subsample_size=batch) as idx:
             P = Phi[idx] if Phi is not None else design_matrix(self.basis_, X[idx], self.fit_intercept)
             f = linear(P, wl)
             obs = None if y is None else y[idx]
@@ -134,92 +175,103 @@ class GLM:
         return f
 
     def _check_y(self, y, n_trials):
-        if self.likelihood == "bernoulli" and not ((y == 0) | (y == 1)).all():
-            raise ValueError("y must hold labels in {0, 1} for likelihood='bernoulli'")
         if self.likelihood in ("poisson", "binomial"):
             if (y < 0).any() or (y != torch.round(y)).any():
                 raise ValueError(f"y must hold nonnegative integer counts for likelihood='{self.likelihood}'")
         if self.likelihood == "binomial" and (y > n_trials).any():
             raise ValueError("y exceeds n_trials for likelihood='binomial'")
 
+    def _check_options(self):
+        if self.likelihood not in _LIKELIHOODS:
+            raise ValueError(f"likelihood must be one of {_LIKELIHOODS}, got {self.likelihood!r}")
+        for name in ("num_components", "num_particles", "max_steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.batch_size is not None and (isinstance(self.batch_size, bool)
+                                            or not isinstance(self.batch_size, (int, np.integer))
+                                            or self.batch_size < 1):
+            raise ValueError(f"batch_size must be a positive integer or None, got {self.batch_size!r}")
+        for name in ("prior_var", "noise_var"):
+            v = getattr(self, name)
+            try:
+                ok = float(v) > 0 and math.isfinite(float(v))
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"{name} must be positive and finite, got {v!r}")
+        if self.basis is not None and not callable(self.basis):
+            raise TypeError(f"basis: expected None, a callable or a torch.nn.Module, got {type(self.basis).__name__}")
+
+    def _validate_X(self, X, y="no_validation", reset=False):
+        with_y = not (isinstance(y, str) and y == "no_validation")
+        extra = {"y_numeric": not _is_classifier(self)} if with_y else {}
+        out = validate_data(self, sklearn_input(X), sklearn_input(y), reset=reset, accept_sparse="csr",
+                            dtype=np.float64, **extra)
+        X, y = out if with_y else (out, None)
+        return (_dense_float64(X), y) if with_y else _dense_float64(X)
+
     def fit(self, X, y, n_trials=None):
         """Fit ``q(w)`` and the hyperparameters by SVI on the mixture ELBO. Returns ``self``.
 
-        :param X: ``(N, d)`` inputs.
-        :param y: ``(N,)`` targets (labels in {0, 1}, counts, or reals).
+        :param X: ``(N, d)`` inputs (NumPy, pandas, SciPy sparse, torch).
+        :param y: ``(N,)`` targets: two class labels (bernoulli), counts (poisson, binomial) or reals.
         :param n_trials: binomial trials per row (int or ``(N,)``), default ``self.n_trials``.
         """
         from .infer.diag_mixture import DiagMixtureEngine
+        from .logistic import binary_targets
 
-        if self.likelihood not in _LIKELIHOODS:
-            raise ValueError(f"likelihood must be one of {_LIKELIHOODS}, got {self.likelihood!r}")
-        if not isinstance(self.num_components, int) or self.num_components < 1:
-            raise ValueError(f"num_components must be a positive integer, got {self.num_components!r}")
-        X, y = check_Xy(X, y)
+        self._check_options()
+        X, y = self._validate_X(X, y, reset=True)
+        if _is_classifier(self):
+            self.classes_, y = binary_targets(y)
+        else:
+            self.__dict__.pop("classes_", None)
+        y = torch.from_numpy(np.array(y, dtype=np.float64))
         N = X.shape[0]
-        if self.batch_size is not None and not (isinstance(self.batch_size, int) and 1 <= self.batch_size):
-            raise ValueError(f"batch_size must be a positive integer or None, got {self.batch_size!r}")
-        batch = None if self.batch_size is None or self.batch_size >= N else self.batch_size
+        batch = None if self.batch_size is None or self.batch_size >= N else int(self.batch_size)
         trials = self._trials(n_trials, N, X) if self.likelihood == "binomial" else None
         self._check_y(y, trials)
-        # the basis passed in is never trained: fit works on a copy (basis_)
-        self.basis_ = copy.deepcopy(self.basis) if isinstance(self.basis, torch.nn.Module) else self.basis
+        # the basis passed in is never trained: fit works on a float64 copy (basis_)
+        self.basis_ = (copy.deepcopy(self.basis).to(torch.float64) if isinstance(self.basis, torch.nn.Module)
+                       else self.basis)
         with torch.no_grad():
             self.n_weights_ = design_matrix(self.basis_, X[:2], self.fit_intercept).shape[1]
         Phi = None if self._learn_basis() else design_matrix(self.basis_, X, self.fit_intercept).detach()
-        saved_batch = self.batch_size
-        self.batch_size = batch
 
-        def model(X, y=None):
-            return self._model(X, y, trials, Phi)
-
+        model = _GLMPyroModel(self, trials, Phi, batch)
         store = pyro.get_param_store()
-        try:
-            with store.scope() as state:
-                engine = DiagMixtureEngine(
-                    model, progress=bool(self.progress), num_components=self.num_components,
-                    num_particles=self.num_particles, entropy=self.entropy, lr=self.lr, max_steps=self.max_steps,
-                    min_steps=self.min_steps, window=self.window, rtol=self.rtol, init_scale=self.init_scale,
-                    seed=self.seed, vectorize_particles=self.num_components * self.num_particles > 1)
-                res = engine.run(X, y=y)
-                params = {k: v.detach().clone() for k, v in store.items()}
-        finally:
-            self.batch_size = saved_batch
+        with store.scope() as state:
+            engine = DiagMixtureEngine(
+                model, progress=bool(self.progress), num_components=int(self.num_components),
+                num_particles=int(self.num_particles), entropy=self.entropy, lr=self.lr,
+                max_steps=int(self.max_steps), min_steps=self.min_steps, window=self.window, rtol=self.rtol,
+                init_scale=self.init_scale, seed=self.seed,
+                vectorize_particles=int(self.num_components) * int(self.num_particles) > 1)
+            res = engine.run(X, y=y)
+            params = {k: v.detach().clone() for k, v in store.items()}
         self.param_state_ = state
         self.result_ = res
         self.posterior_ = res.posterior
         self.prior_var_ = float(params["prior_var"]) if "prior_var" in params else float(self.prior_var)
         if self.likelihood == "gaussian":
             self.noise_var_ = float(params["noise_var"]) if "noise_var" in params else float(self.noise_var)
-        self.n_steps_ = res.info["steps"]
+        self.n_steps_ = self.n_iter_ = res.info["steps"]
         self.converged_ = res.converged
         self.log_evidence_bound_ = res.log_evidence_bound
-        self.n_features_in_ = X.shape[1]
         return self
 
     # ------------------------------------------------------------------ prediction
-    def _check_fitted(self):
-        if not hasattr(self, "posterior_"):
-            raise RuntimeError("this GLM is not fitted yet; call fit(X, y) first")
-
     def _latent(self, X):
         """Per-component means and variances ``(K, M)`` of ``f* = phi*^T w``."""
-        self._check_fitted()
-        X = check_Xy(X, dtype=self.posterior_.dtype)
-        if X.shape[1] != self.n_features_in_:
-            raise ValueError(f"X has {X.shape[1]} columns, the model was fitted on {self.n_features_in_}")
+        check_is_fitted(self, "posterior_")
+        X = self._validate_X(X)
         with torch.no_grad():
             Phi = design_matrix(self.basis_, X.to(self.posterior_.dtype), self.fit_intercept)
             return self.posterior_.component_marginals(Phi)
 
-    def predict(self, X, n_trials=None):
-        """Predictive expectation ``E[y*]`` -- Steinberg et al. 2017, Eq. (29).
-
-        Evaluated per mixture component on the exact Gaussian marginal of ``f* = phi*^T w``: closed
-        form (gaussian, poisson) or 64-point Gauss-Hermite (bernoulli, binomial); no sampling.
-
-        :returns: ``(M,)``.
-        """
+    def _mean(self, X, n_trials=None):
+        """Predictive expectation ``E[y*]`` (torch), Eq. (29); for bernoulli ``P(y* = classes_[1])``."""
         M, V = self._latent(X)
         if self.likelihood == "gaussian":
             return M.mean(0)
@@ -231,20 +283,65 @@ class GLM:
             return p * self._trials(n_trials, p.shape[0], p)
         return p
 
+    def predict(self, X, n_trials=None):
+        """Regressors: the predictive expectation ``E[y*]`` -- Steinberg et al. 2017, Eq. (29); bernoulli: labels.
+
+        Evaluated per mixture component on the exact Gaussian marginal of ``f* = phi*^T w``: closed
+        form (gaussian, poisson) or 64-point Gauss-Hermite (bernoulli, binomial); no sampling.  For
+        ``likelihood="bernoulli"`` the most probable label of ``classes_`` is returned (Eq. (29)
+        there is ``predict_proba(X)[:, 1]``).
+
+        :param X: ``(M, d)`` inputs.
+        :param n_trials: binomial trials per row (default ``self.n_trials``).
+        :returns: NumPy ``(M,)``.
+        """
+        if _is_classifier(self):
+            positive = self.decision_function(X) > 0
+            return self.classes_[positive.astype(np.int64)]
+        return self._mean(X, n_trials).numpy()
+
+    def _class_outputs(self, X):
+        from .logistic import classifier_outputs, predictive_log_probs
+
+        M, V = self._latent(X)
+        lp0, lp1 = predictive_log_probs(M, V, 64)  # (K, M) per component
+        log_k = math.log(M.shape[0])
+        return classifier_outputs(torch.logsumexp(lp0, 0) - log_k, torch.logsumexp(lp1, 0) - log_k)
+
+    @available_if(_is_classifier)
     def predict_proba(self, X):
-        """``P(y* = 1)`` (bernoulli): the predictive expectation."""
-        if self.likelihood != "bernoulli":
-            raise ValueError("predict_proba is only defined for likelihood='bernoulli'")
-        return self.predict(X)
+        """``(M, 2)`` class probabilities (bernoulli); column 1 is Eq. (29), ``P(y* = classes_[1])``."""
+        return self._class_outputs(X)[1]
+
+    @available_if(_is_classifier)
+    def predict_log_proba(self, X):
+        """``(M, 2)`` log class probabilities (bernoulli), accurate in the tails."""
+        return self._class_outputs(X)[2]
+
+    @available_if(_is_classifier)
+    def decision_function(self, X):
+        """``(M,)`` predictive log-odds of ``classes_[1]`` (bernoulli); positive favours it."""
+        return self._class_outputs(X)[0]
+
+    def score(self, X, y, sample_weight=None):
+        """Accuracy (bernoulli) or coefficient of determination ``R^2`` of :meth:`predict` (other likelihoods)."""
+        from sklearn.metrics import accuracy_score, r2_score
+
+        if _is_classifier(self):
+            return accuracy_score(sklearn_input(y), self.predict(X), sample_weight=sample_weight)
+        return r2_score(sklearn_input(y), self.predict(X), sample_weight=sample_weight)
 
     def predictive_cdf(self, X, alpha, n_trials=None, num_points=32):
         """``P(y* <= alpha | data)`` per row -- Steinberg et al. 2017, Eq. (30), by quadrature over ``q``.
 
+        For bernoulli, ``y*`` is coded 0/1 (``classes_[0]``/``classes_[1]``).
+
         :param alpha: ``(M,)`` or broadcastable thresholds.
+        :returns: NumPy ``(M,)``.
         """
         M, V = self._latent(X)
-        alpha = torch.as_tensor(alpha, dtype=M.dtype, device=M.device)
-        return self._cdf(M, V, alpha.expand(M.shape[1:]), n_trials, num_points)
+        alpha = torch.as_tensor(np.asarray(sklearn_input(alpha), dtype=np.float64), dtype=M.dtype, device=M.device)
+        return self._cdf(M, V, alpha.expand(M.shape[1:]), n_trials, num_points).numpy()
 
     def _cdf(self, M, V, alpha, n_trials, num_points=32):
         # M, V: (K, rows); alpha: (rows,) -> (rows,)
@@ -267,7 +364,10 @@ class GLM:
         """Predictive quantile ``alpha`` with ``P(y* <= alpha) = q`` -- Steinberg et al. 2017, Eq. (31), by root finding.
 
         Continuous (gaussian): Newton/bisection on the mixture CDF.  Discrete likelihoods: the
-        smallest integer ``alpha`` with ``P(y* <= alpha) >= q`` (integer bisection).
+        smallest integer ``alpha`` with ``P(y* <= alpha) >= q`` (integer bisection; bernoulli in the
+        0/1 coding of ``classes_``).
+
+        :returns: NumPy ``(M,)``.
         """
         from .infer.diag_mixture import mixture_quantiles
 
@@ -275,7 +375,7 @@ class GLM:
             raise ValueError(f"q must lie in (0, 1), got {q}")
         M, V = self._latent(X)
         if self.likelihood == "gaussian":
-            return mixture_quantiles(M, (V + self.noise_var_).sqrt(), [float(q)])[0]
+            return mixture_quantiles(M, (V + self.noise_var_).sqrt(), [float(q)])[0].numpy()
         rows = M.shape[1]
         lo = torch.full((rows,), -1.0, dtype=M.dtype, device=M.device)  # F(-1) = 0 < q
         if self.likelihood == "bernoulli":
@@ -295,16 +395,26 @@ class GLM:
             move = hi - lo > 1
             hi = torch.where(move & ok, mid, hi)
             lo = torch.where(move & ~ok, mid, lo)
-        return hi
+        return hi.numpy()
 
     def predict_interval(self, X, p=0.95, n_trials=None):
         """Central predictive interval with probability ``p``: quantiles ``(1-p)/2`` and ``(1+p)/2`` (Eqs. 30-31).
 
-        :returns: ``(lower (M,), upper (M,))``.
+        :returns: ``(lower (M,), upper (M,))``, NumPy arrays.
         """
         if not 0 < float(p) < 1:
             raise ValueError(f"p must lie in (0, 1), got {p}")
         return (self.predict_quantile(X, (1 - p) / 2, n_trials), self.predict_quantile(X, (1 + p) / 2, n_trials))
+
+
+class _GLMPyroModel:
+    """The Pyro model of a fitted :class:`GLM` (a picklable callable ``model(X, y=None)``)."""
+
+    def __init__(self, glm, trials, Phi, batch):
+        self.glm, self.trials, self.Phi, self.batch = glm, trials, Phi, batch
+
+    def __call__(self, X, y=None):
+        return self.glm._model(X, y, self.trials, self.Phi, self.batch)
 
 
 def _binomial_cdf(a, n, f):

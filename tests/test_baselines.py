@@ -93,7 +93,16 @@ def test_fit_rejects_unknown_engine_and_options(conjugate):
         pcv.fit(model, X, y=y, engine="laplace", options={"bogus": 1}, progress=False)
 
 
-def test_register_engine_and_swap(conjugate):
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """Engines registered by a test leave the registry with it."""
+    from pyro_convexvb.infer import registry
+
+    registry.engines()  # the built-in and entry-point engines are loaded first
+    monkeypatch.setattr(registry, "_ENGINES", dict(registry._ENGINES))
+
+
+def test_register_engine_and_swap(conjugate, scratch_registry):
     model, X, y, m, C, _ = conjugate
 
     @pcv.register_engine(overwrite=True)

@@ -1,4 +1,6 @@
 """GLM estimator (Steinberg et al. 2017 §1.3, Eqs. 29-31) against Monte Carlo and scipy references."""
+import warnings
+
 import numpy as np
 import pytest
 import scipy.stats
@@ -27,6 +29,7 @@ def _fitted(likelihood, noise_var=0.3, n_trials=1):
     glm.n_features_in_ = 2
     glm.basis_ = None
     glm.noise_var_ = noise_var
+    glm.classes_ = np.array([0, 1])
     return glm
 
 
@@ -47,7 +50,14 @@ def test_predictive_expectation_eq29_against_monte_carlo(likelihood):
     ref = {"bernoulli": torch.sigmoid(f), "gaussian": f, "poisson": torch.exp(f), "binomial": 7 * torch.sigmoid(f)}
     mc = ref[likelihood]
     se = mc.std(0) / mc.shape[0] ** 0.5
-    assert ((glm.predict(X_TEST) - mc.mean(0)).abs() < 5 * se + 1e-12).all()
+    got = glm.predict_proba(X_TEST)[:, 1] if likelihood == "bernoulli" else glm.predict(X_TEST)
+    assert isinstance(got, np.ndarray)
+    assert ((torch.from_numpy(got) - mc.mean(0)).abs() < 5 * se + 1e-12).all()
+    if likelihood == "bernoulli":  # labels, and the log-odds of the same probabilities
+        np.testing.assert_array_equal(glm.predict(X_TEST), (got > 0.5).astype(int))
+        np.testing.assert_allclose(glm.decision_function(X_TEST), np.log(got / (1 - got)), rtol=1e-10)
+    else:
+        assert not hasattr(glm, "predict_proba") and not hasattr(glm, "decision_function")
 
 
 @pytest.mark.parametrize("likelihood", ["gaussian", "poisson", "binomial", "bernoulli"])
@@ -66,6 +76,8 @@ def test_predictive_quantiles_eq30_31(likelihood):
     for q in (0.05, 0.5, 0.9):
         a = glm.predict_quantile(X_TEST, q)
         F = glm.predictive_cdf(X_TEST, a)
+        assert isinstance(a, np.ndarray) and isinstance(F, np.ndarray)
+        a, F = torch.from_numpy(a), torch.from_numpy(F)
         F_mc = (y <= a).to(DT).mean(0)
         assert (F - F_mc).abs().max() < 0.01  # Eq. (30) by quadrature vs sampled predictive
         if likelihood == "gaussian":
@@ -94,8 +106,8 @@ def test_gaussian_glm_k1_matches_bayesian_linear_regression():
     blr = BayesianLinearRegression(fit_intercept=True).fit(X, y)
     glm = GLM("gaussian", num_components=1, lr=0.05, max_steps=1500, min_steps=500, window=100, rtol=1e-3,
               num_particles=4).fit(X, y)
-    sd = blr.covariance_.diagonal().sqrt()
-    assert ((glm.posterior_.loc - blr.coef_).abs() < 0.5 * sd).all()
+    sd = torch.from_numpy(blr.covariance_).diagonal().sqrt()
+    assert ((glm.posterior_.loc - blr.posterior_.loc).abs() < 0.5 * sd).all()
     assert abs(glm.noise_var_ / blr.noise_var_ - 1) < 0.1
     assert abs(np.log(glm.prior_var_ / blr.prior_var_)) < 0.7  # type-II ML inside the ELBO (mean-field)
     assert glm.log_evidence_bound_ is not None and glm.log_evidence_bound_ < blr.log_marginal_likelihood_
@@ -108,16 +120,21 @@ def test_bernoulli_minibatch_mixture_fit():
     glm = GLM("bernoulli", num_components=2, batch_size=100, max_steps=800, min_steps=400, window=100,
               lr=0.05).fit(X, y)
     assert glm.posterior_.num_components == 2 and glm.n_steps_ <= 800
-    p = glm.predict_proba(X)
+    p = torch.from_numpy(glm.predict_proba(X)[:, 1])
     assert ((p > 0.5).to(DT) == y).to(DT).mean() > 0.8
+    assert glm.score(X, y) == pytest.approx(float(((p > 0.5).to(DT) == y).to(DT).mean()))
     w = glm.posterior_.loc
     assert w[0] > 1.0 and w[1] < -0.4
 
 
 def test_input_validation():
+    from sklearn.exceptions import NotFittedError
+
     X = torch.randn(10, 2, dtype=DT)
-    with pytest.raises(ValueError, match="labels in"):
+    with pytest.raises(ValueError, match="one class"):
         GLM("bernoulli").fit(X, torch.full((10,), 2.0, dtype=DT))
+    with pytest.raises(ValueError, match="Only binary classification is supported"):
+        GLM("bernoulli").fit(X, torch.arange(10) % 3)
     with pytest.raises(ValueError, match="likelihood"):
         GLM("student").fit(X, torch.zeros(10, dtype=DT))
     with pytest.raises(ValueError, match="counts"):
@@ -126,9 +143,16 @@ def test_input_validation():
         GLM("binomial", n_trials=3).fit(X, torch.full((10,), 4.0, dtype=DT))
     with pytest.raises(ValueError, match="batch_size"):
         GLM(batch_size=0).fit(X, torch.zeros(10, dtype=DT))
-    with pytest.raises(RuntimeError, match="not fitted"):
+    with pytest.raises(NotFittedError):
         GLM().predict(X)
-    with pytest.raises(ValueError, match="columns"):
+    with pytest.raises(ValueError, match="features"):
         _fitted("gaussian").predict(torch.randn(3, 4, dtype=DT))
+    glm = GLM(batch_size=1000, max_steps=20, min_steps=20, window=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        glm.fit(X, torch.arange(10) % 2)
+    assert glm.batch_size == 1000 and glm.get_params()["batch_size"] == 1000  # fit leaves the parameters alone
+    with pytest.raises(ValueError, match="num_components"):
+        GLM(num_components=0).fit(X, torch.arange(10) % 2)
     with pytest.raises(ValueError, match=r"\(0, 1\)"):
         _fitted("gaussian").predict_interval(X, 1.5)

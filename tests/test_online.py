@@ -97,8 +97,10 @@ def test_progressive_predictions_are_made_before_each_update(fast):
     whole = OnlineBayesLogistic(D, mean_update="newton", fast=fast)
     p_all = whole.partial_fit(X, y, return_predictions=True)
     step = OnlineBayesLogistic(D, mean_update="newton", fast=fast)
+    assert p_all[0] == 0.5  # the prior's prediction (mean 0)
     for t in range(X.shape[0]):
-        assert step.predict_proba(X[t])[0, 1] == pytest.approx(p_all[t], rel=1e-13)
+        if t:  # predicting before any fit is refused (NotFittedError), as in scikit-learn
+            assert step.predict_proba(X[t])[0, 1] == pytest.approx(p_all[t], rel=1e-13)
         step.partial_fit(X[t], y[t:t + 1])
     np.testing.assert_allclose(step.coef_, whole.coef_, rtol=1e-13)
     assert step.cumulative_log_loss_ == pytest.approx(whole.cumulative_log_loss_, rel=1e-12)
@@ -119,8 +121,8 @@ def test_label_codings_agree_and_bad_labels_are_rejected():
     np.testing.assert_array_equal(a.coef_, b.coef_)
     assert set(np.unique(b.predict(X))) <= {0, 1}
     assert set(np.unique(a.predict(X))) <= {-1, 1}
-    with pytest.raises(ValueError, match="y: labels must be in"):
-        OnlineBayesLogistic(D).partial_fit(X, np.where(y > 0, 2, 0))
+    with pytest.raises(ValueError, match="Only binary classification is supported"):
+        OnlineBayesLogistic(D).partial_fit(X, np.where(y > 0, 2, 0) + (np.arange(50) % 7 == 0))
     with pytest.raises(ValueError, match="y: mixes"):
         OnlineBayesLogistic(D).partial_fit(X[:3], [0, -1, 1])
     with pytest.raises(ValueError, match="y: expected 50 labels"):
@@ -130,26 +132,37 @@ def test_label_codings_agree_and_bad_labels_are_rejected():
 
 
 def test_bad_inputs_name_the_argument():
-    with pytest.raises(ValueError, match="X: contains NaN"):
+    """Inputs are checked by scikit-learn's validators; options when the state is created (fit/partial_fit)."""
+    with pytest.raises(ValueError, match="Input X contains NaN"):
         OnlineBayesLogistic(3).partial_fit(np.array([[1.0, np.nan, 0.0]]), [1])
     with pytest.raises(ValueError, match="X: expected 3 columns"):
         OnlineBayesLogistic(3).partial_fit(np.ones((2, 4)), [1, 0])
-    with pytest.raises(ValueError, match="X: expected a 2-D"):
+    with pytest.raises(ValueError, match="Expected 2D array"):
         OnlineBayesLogistic(3).partial_fit(np.ones(3), [1])
-    with pytest.raises(ValueError, match="prior_var"):
-        OnlineBayesLogistic(3, prior_var=0.0)
-    with pytest.raises(ValueError, match="prior_mean"):
-        OnlineBayesLogistic(3, prior_mean=np.ones(2))
-    with pytest.raises(ValueError, match="link"):
-        OnlineBayesLogistic(3, link="cauchit")
-    with pytest.raises(ValueError, match="mean_update"):
-        OnlineBayesLogistic(3, mean_update="exact")
-    with pytest.raises(ValueError, match="variance_update"):
-        OnlineBayesLogistic(3, variance_update="ep")
-    with pytest.raises(ValueError, match="num_features"):
-        OnlineBayesLogistic(0)
+    with pytest.raises(ValueError, match="has 4 features"):
+        OnlineBayesLogistic().partial_fit(np.ones((2, 3)), [1, 0]).partial_fit(np.ones((2, 4)), [1, 0])
+    X1, y1 = np.eye(3), [1, 0, 1]
+    for kwargs, name in [(dict(prior_var=0.0), "prior_var"), (dict(prior_mean=np.ones(2)), "prior_mean"),
+                         (dict(link="cauchit"), "link"), (dict(mean_update="exact"), "mean_update"),
+                         (dict(variance_update="ep"), "variance_update"), (dict(num_features=0), "num_features"),
+                         (dict(batch_size=0), "batch_size"), (dict(tol=-1.0), "tol"), (dict(maxiter=0), "maxiter"),
+                         (dict(hashing=-2, num_features=3), "hashing"), (dict(hashing=True), "num_features")]:
+        est = OnlineBayesLogistic(**kwargs)  # construction stores the arguments unchanged
+        assert est.get_params()[next(iter(kwargs))] is kwargs[next(iter(kwargs))]
+        with pytest.raises(ValueError, match=name):
+            est.partial_fit(X1, y1)
     with pytest.raises(ValueError, match="batch_size"):
-        OnlineADF(3, batch_size=0)
+        OnlineADF(3, batch_size=0).fit(X1, y1)
+    with pytest.raises(ValueError, match="learning_rate"):
+        OnlineAdaGradLogistic(learning_rate=0).fit(X1, y1)
+    with pytest.raises(ValueError, match="num_samples"):
+        OnlineMarginalVB(num_samples=1.5).fit(X1, y1)
+    m = OnlineBayesLogistic().fit(X1, y1)
+    m.set_params(prior_var=2.0)
+    with pytest.raises(ValueError, match="prior_var: changed after the stream started"):
+        m.partial_fit(X1, y1)
+    m.fit(X1, y1)  # fit restarts from the new prior
+    np.testing.assert_array_equal(m.coef_var_ <= 2.0, True)
 
 
 def test_fast_true_without_numba_raises_a_clear_error(monkeypatch):
@@ -158,22 +171,24 @@ def test_fast_true_without_numba_raises_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyro_convexvb.online._kernels", None)
     monkeypatch.delattr(online, "_kernels", raising=False)
     with pytest.raises(ImportError, match=r"pyro_convexvb\[fast\]"):
-        OnlineBayesLogistic(3, fast=True)
-    assert OnlineBayesLogistic(3, fast=None).fast_ is False  # auto mode uses the reference path
+        OnlineBayesLogistic(3, fast=True).partial_fit(np.eye(3), [1, 0, 1])
+    assert OnlineBayesLogistic(3, fast=None).partial_fit(np.eye(3), [1, 0, 1]).fast_ is False  # reference path
 
 
-def test_torch_inputs_give_tensors_on_the_same_device_and_dtype():
+def test_torch_inputs_give_numpy_outputs():
     X, y = _data(n=30)
     Xt = torch.tensor(X.toarray(), dtype=torch.float32)
     m = OnlineBayesLogistic(D)
     p = m.partial_fit(Xt, torch.tensor(y), return_predictions=True)
-    assert isinstance(p, torch.Tensor) and p.dtype == torch.float32 and p.device == Xt.device
+    assert isinstance(p, np.ndarray) and p.dtype == np.float64
     ref = OnlineBayesLogistic(D).partial_fit(X, y, return_predictions=True)
-    np.testing.assert_allclose(p.double().numpy(), ref, rtol=1e-6)
+    np.testing.assert_allclose(p, ref, rtol=1e-6)
     mt, vt = m.score_moments(Xt.to_sparse_csr())
     mn, vn = m.score_moments(X)
-    np.testing.assert_allclose(mt.double().numpy(), mn, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(vt.double().numpy(), vn, rtol=1e-6)
+    assert isinstance(mt, np.ndarray) and isinstance(m.predict_proba(Xt), np.ndarray)
+    np.testing.assert_allclose(mt, mn, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(vt, vn, rtol=1e-6)
+    np.testing.assert_array_equal(m.predict(Xt), m.predict(X))
 
 
 @pytest.mark.parametrize("cls,kw", [(OnlineBayesLogistic, dict(mean_update="newton")), (OnlineMarginalVB, dict(num_samples=8)),

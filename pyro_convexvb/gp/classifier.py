@@ -1,4 +1,4 @@
-r"""Scikit-learn-style GP binary classification with GPyTorch kernels over any applicable engine.
+r"""Scikit-learn GP binary classification with GPyTorch kernels over any applicable engine.
 
 ``GPClassifier(kernel, engine="dual_vg")``: latent ``f ~ N(mean, K)`` with ``K = kernel(X)`` (plus
 jitter), ``y_n ~ Bernoulli(sigmoid(f_n))``. With ``engine="dual_vg"`` the model goes straight to the
@@ -12,14 +12,19 @@ predictive through the logistic link by Gauss-Hermite quadrature.
 import copy
 
 import numpy as np
+import scipy.sparse as sp
 import torch
+from sklearn.base import BaseEstimator, ClassifierMixin
+from sklearn.utils.validation import check_is_fitted, validate_data
 
 from ..infer.dual_vg import DualVGEngine, make_bound, site_space_predictive
 from ..infer.registry import get_engine
 from ..lgm.layout import LatentLayout
 from ..lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
-from ..lgm.sites import BernoulliLogit, gaussian_expectation
+from ..blr import sklearn_input
+from ..lgm.sites import BernoulliLogit
 from ..linalg.operators import DenseOperator, IdentityOperator
+from ..logistic import binary_targets, classifier_outputs, predictive_log_probs
 from .predict import gp_classification_model, gp_latent_predictive
 
 __all__ = ["GPClassifier", "gp_classification_lgm"]
@@ -40,12 +45,21 @@ def gp_classification_lgm(K, y, mean=0.0):
     return LatentGaussianModel(layout, [prior], [site])
 
 
-class GPClassifier:
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, torch.float64: torch.float64,
+           torch.float32: torch.float32}
+
+
+class GPClassifier(ClassifierMixin, BaseEstimator):
     r"""Gaussian-process binary classifier (logistic link) over any inference engine of the registry.
 
-    :param kernel: a ``gpytorch.kernels.Kernel`` (e.g. ``ScaleKernel(RBFKernel())``). It is never
-        modified: :meth:`fit` works on a copy (``kernel_``, in the data's dtype), whose
-        hyperparameters are used as they are unless ``learn_hyperparameters``.
+    A scikit-learn classifier: ``get_params``/``set_params``, ``clone``, pipelines, grid search and
+    calibration work; ``X`` may be NumPy, pandas, SciPy sparse (densified: the kernel needs dense
+    inputs) or torch; labels are any two values (``classes_``); outputs are NumPy arrays.
+
+    :param kernel: a ``gpytorch.kernels.Kernel`` (default ``None``: ``ScaleKernel(RBFKernel())`` with
+        GPyTorch's initial hyperparameters). It is never modified: :meth:`fit` works on a copy
+        (``kernel_``, in ``dtype``), whose hyperparameters are used as they are unless
+        ``learn_hyperparameters``.
     :param str engine: registry engine name (default ``"dual_vg"``).
     :param bool learn_hyperparameters: type-II maximum likelihood: maximise the engine's evidence bound
         over the kernel hyperparameters (and the constant mean if ``learn_mean``): the kernel copy is
@@ -57,24 +71,29 @@ class GPClassifier:
     :param dict options: engine options (e.g. ``{"bound": "jensen"}`` for ``dual_vg``).
     :param dict hyper_options: ``{"max_iter": ..., "gtol": ...}``: the engine's ``type2_max_iter`` and
         ``type2_gtol`` options.
+    :param int num_points: Gauss-Hermite nodes of the predictive probabilities.
+    :param dtype: ``"float64"`` (default) or ``"float32"`` (or the torch dtypes): the precision of the
+        computation.
 
-    Learned attributes: ``kernel_`` (the fitted copy of ``kernel``), ``classes_``, ``result_`` (:class:`~pyro_convexvb.InferenceResult`),
-    ``posterior_``, ``log_evidence_bound_``, ``alpha_`` (dual variables, ``dual_vg`` only),
-    ``hyper_history_``.
+    Learned attributes: ``kernel_`` (the fitted copy of ``kernel``), ``classes_``, ``n_features_in_``,
+    ``feature_names_in_`` (pandas input), ``X_train_`` (torch), ``result_``
+    (:class:`~pyro_convexvb.InferenceResult`), ``posterior_``, ``log_evidence_bound_``, ``alpha_``
+    (dual variables, ``dual_vg`` only), ``hyper_history_``.
 
     Example::
 
-        >>> import gpytorch, torch
-        >>> X = torch.randn(40, 2, dtype=torch.float64); y = (X[:, 0] > 0).long()
-        >>> clf = GPClassifier(gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())).fit(X, y)
-        >>> clf.predict_proba(X[:3]).shape
-        torch.Size([3, 2])
+        >>> import numpy as np
+        >>> rng = np.random.default_rng(0)
+        >>> X = rng.normal(size=(40, 2)); y = np.where(X[:, 0] > 0, "pos", "neg")
+        >>> clf = GPClassifier().fit(X, y)
+        >>> clf.predict_proba(X[:3]).shape, clf.classes_.tolist()
+        ((3, 2), ['neg', 'pos'])
         >>> clf.score(X, y) > 0.8
         True
     """
 
-    def __init__(self, kernel, engine="dual_vg", learn_hyperparameters=False, mean=0.0, learn_mean=True,
-                 jitter=1e-6, options=None, hyper_options=None, num_points=32, dtype=torch.float64):
+    def __init__(self, kernel=None, engine="dual_vg", learn_hyperparameters=False, mean=0.0, learn_mean=True,
+                 jitter=1e-6, options=None, hyper_options=None, num_points=32, dtype="float64"):
         self.kernel = kernel
         self.engine = engine
         self.learn_hyperparameters = learn_hyperparameters
@@ -86,28 +105,46 @@ class GPClassifier:
         self.num_points = num_points
         self.dtype = dtype
 
-    # ------------------------------------------------------------------ validation
-    def _check_X(self, X, name="X"):
-        X = torch.as_tensor(np.asarray(X) if not torch.is_tensor(X) else X)
-        if X.dim() != 2:
-            raise ValueError(f"{name}: expected a 2-D array (n, d), got shape {tuple(X.shape)}")
-        X = X.to(self.dtype)
-        if not torch.isfinite(X).all():
-            raise ValueError(f"{name}: contains NaN or inf")
-        if hasattr(self, "X_train_") and X.shape[1] != self.X_train_.shape[1]:
-            raise ValueError(f"{name}: has {X.shape[1]} features, the classifier was fitted with {self.X_train_.shape[1]}")
-        return X
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.classifier_tags.multi_class = False
+        tags.input_tags.sparse = True
+        return tags
 
-    def _check_y(self, y, n):
-        y = torch.as_tensor(np.asarray(y) if not torch.is_tensor(y) else y).reshape(-1)
-        if y.shape[0] != n:
-            raise ValueError(f"y: has {y.shape[0]} labels for {n} rows of X")
-        if y.is_floating_point() and not torch.isfinite(y).all():
-            raise ValueError("y: contains NaN or inf")
-        classes = torch.unique(y)
-        if classes.numel() != 2:
-            raise ValueError(f"y: binary classification needs exactly two classes, found {classes.tolist()}")
-        return classes, (y == classes[1]).to(self.dtype)
+    # ------------------------------------------------------------------ validation
+    def _torch_dtype(self):
+        try:
+            return _DTYPES[self.dtype]
+        except (KeyError, TypeError):
+            raise ValueError(f"dtype: expected 'float64' or 'float32' (or the torch dtypes), got {self.dtype!r}") from None
+
+    def _check_X(self, X, y="no_validation", reset=False):
+        """Validate ``X`` (and ``y``) with scikit-learn's validators; ``X`` as a dense torch tensor."""
+        dt = self._torch_dtype()
+        np_dt = np.float64 if dt == torch.float64 else np.float32
+        with_y = not (isinstance(y, str) and y == "no_validation")
+        out = validate_data(self, sklearn_input(X), sklearn_input(y), reset=reset, accept_sparse="csr", dtype=np_dt)
+        X, y = out if with_y else (out, None)
+        if sp.issparse(X):
+            X = X.toarray()
+        X = torch.from_numpy(np.array(X, dtype=np_dt, order="C"))
+        return (X, y) if with_y else X
+
+    def _check_options(self):
+        if self.kernel is not None and not isinstance(self.kernel, torch.nn.Module):
+            raise TypeError(f"kernel: expected a gpytorch.kernels.Kernel or None, got {type(self.kernel).__name__}")
+        get_engine(self.engine)  # raises for unknown engine names
+        if self.options is not None and not isinstance(self.options, dict):
+            raise TypeError(f"options: expected a dict of engine options or None, got {type(self.options).__name__}")
+        if not (float(self.jitter) >= 0):
+            raise ValueError(f"jitter: expected a nonnegative number, got {self.jitter!r}")
+        if isinstance(self.num_points, bool) or not isinstance(self.num_points, (int, np.integer)) or self.num_points < 1:
+            raise ValueError(f"num_points: expected a positive integer, got {self.num_points!r}")
+
+    def _default_kernel(self):
+        import gpytorch
+
+        return gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
 
     # ------------------------------------------------------------------ fitting
     def _K(self, X, X2=None):
@@ -117,14 +154,21 @@ class GPClassifier:
         return self.kernel_(X, X2).to_dense()
 
     def fit(self, X, y):
-        """Fit to inputs ``X`` ``(n, d)`` and binary labels ``y`` ``(n,)`` (any two distinct values); returns ``self``."""
-        X = self._check_X(X)
-        self.classes_, y01 = self._check_y(y, X.shape[0])
-        self.kernel_ = copy.deepcopy(self.kernel).to(dtype=self.dtype, device=X.device)
+        """Fit to inputs ``X`` ``(n, d)`` and binary labels ``y`` ``(n,)`` (any two distinct values); returns ``self``.
+
+        :param X: ``(n, d)`` array-like (NumPy, pandas, SciPy sparse, torch).
+        :param y: ``(n,)`` labels; ``classes_[1]`` (the larger label) is the positive class.
+        """
+        self._check_options()
+        X, y = self._check_X(X, y, reset=True)
+        self.classes_, y01 = binary_targets(y)
+        y01 = torch.as_tensor(y01, dtype=self._torch_dtype())
+        kernel = self.kernel if self.kernel is not None else self._default_kernel()
+        self.kernel_ = copy.deepcopy(kernel).to(dtype=self._torch_dtype(), device=X.device)
         self.X_train_ = X
         self.y_train_ = y01
         options = dict(self.options or {})
-        self.mean_ = torch.nn.Parameter(torch.as_tensor(float(self.mean), dtype=self.dtype, device=X.device))
+        self.mean_ = torch.nn.Parameter(torch.as_tensor(float(self.mean), dtype=X.dtype, device=X.device))
         self.hyper_history_ = None
         alpha0 = None
         if self.learn_hyperparameters:
@@ -195,13 +239,8 @@ class GPClassifier:
         return res.info.get("alpha")
 
     # ------------------------------------------------------------------ prediction
-    def _check_fitted(self):
-        if not hasattr(self, "result_"):
-            raise RuntimeError("this GPClassifier is not fitted yet; call fit(X, y) first")
-
-    def predict_latent(self, X):
-        """Latent predictive mean and variance ``(m,)``, ``(m,)`` at inputs ``X`` ``(m, d)``."""
-        self._check_fitted()
+    def _latent(self, X):
+        check_is_fitted(self, "result_")
         X = self._check_X(X)
         with torch.no_grad():
             Kx = self._K(X, self.X_train_)  # (m, n)
@@ -211,30 +250,44 @@ class GPClassifier:
                 return site_space_predictive(self.result_, Kx, kdiag, mean)
             return gp_latent_predictive(self.K_train_, Kx, kdiag, self.posterior_, mean, mean)
 
+    def _outputs(self, X):
+        m, v = self._latent(X)
+        return classifier_outputs(*predictive_log_probs(m, v, self.num_points))
+
+    def predict_latent(self, X):
+        """Latent predictive mean and variance at inputs ``X`` ``(m, d)``: NumPy arrays ``(m,)``, ``(m,)``."""
+        m, v = self._latent(X)
+        return m.cpu().numpy(), v.cpu().numpy()
+
     def decision_function(self, X):
-        """Latent predictive mean ``(m,)`` (positive favours ``classes_[1]``)."""
-        return self.predict_latent(X)[0]
+        """``(m,)`` predictive log-odds ``log p1 - log p0`` of ``classes_[1]`` (positive favours it).
+
+        Monotone in :meth:`predict_proba`; the latent mean itself is ``predict_latent(X)[0]`` (it has
+        the same sign, but ranks points differently when their latent variances differ).
+        """
+        return self._outputs(X)[0]
 
     def predict_proba(self, X):
-        """Class probabilities ``(m, 2)``: ``E_{q(f_*)}[sigmoid(f_*)]`` by Gauss-Hermite quadrature."""
-        m, v = self.predict_latent(X)
-        p1 = gaussian_expectation(torch.sigmoid, m, v, self.num_points).clamp(0, 1)
-        return torch.stack([1 - p1, p1], -1)
+        """``(m, 2)`` class probabilities ``E_{q(f_*)}[sigmoid(+-f_*)]`` by Gauss-Hermite quadrature."""
+        return self._outputs(X)[1]
+
+    def predict_log_proba(self, X):
+        """``(m, 2)`` log class probabilities (accurate in the tails)."""
+        return self._outputs(X)[2]
 
     def predict(self, X):
-        """Most probable class label ``(m,)`` (in the coding of the training labels)."""
-        p = self.predict_proba(X)[:, 1]
-        return torch.where(p > 0.5, self.classes_[1], self.classes_[0])
-
-    def score(self, X, y):
-        """Mean accuracy on ``(X, y)``."""
-        y = torch.as_tensor(np.asarray(y) if not torch.is_tensor(y) else y).reshape(-1)
-        return float((self.predict(X) == y.to(self.classes_.dtype)).double().mean())
+        """``(m,)`` most probable class label (in the coding of the training labels)."""
+        positive = self.decision_function(X) > 0
+        return self.classes_[positive.astype(np.int64)]
 
     def nlpd(self, X, y):
-        """Mean negative log predictive density of binary labels ``y`` (nats)."""
-        X = self._check_X(X)
-        y = torch.as_tensor(np.asarray(y) if not torch.is_tensor(y) else y).reshape(-1)
-        p = self.predict_proba(X)[:, 1].clamp(1e-300, 1 - 1e-16)
-        pos = (y.to(self.classes_.dtype) == self.classes_[1])
-        return float(-torch.where(pos, torch.log(p), torch.log1p(-p)).mean())
+        """Mean negative log predictive density of the labels ``y`` (nats)."""
+        logp = self.predict_log_proba(X)
+        y = np.asarray(sklearn_input(y)).reshape(-1)
+        if y.shape[0] != logp.shape[0]:
+            raise ValueError(f"y: has {y.shape[0]} labels for {logp.shape[0]} rows of X")
+        unknown = ~np.isin(y, self.classes_)
+        if unknown.any():
+            raise ValueError(f"y: labels {np.unique(y[unknown])[:5].tolist()} are not among classes_ "
+                             f"{self.classes_.tolist()}")
+        return float(-np.where(y == self.classes_[1], logp[:, 1], logp[:, 0]).mean())

@@ -264,7 +264,7 @@ class SVIEngine(Engine):
                                            min_steps=o.min_steps, window=o.window, rtol=o.rtol, lr_decay=o.lr_decay,
                                            bar=bar, history=run.history, name=self.name)
         posterior = self.posterior_of(guide)
-        lgm = try_lgm(call.model, call.args, call.kwargs)
+        lgm = try_lgm(call.source, call.args, call.kwargs)
         with torch.enable_grad():
             bound, opt = variational_optimality(call, posterior, lgm, tol=o.decrement_tol,
                                                 check_particles=o.check_particles, seed=o.seed)
@@ -366,7 +366,7 @@ class LaplaceEngine(_FullDataEngine):
                 "mode often sits at the neck of its funnel, where a scale goes to 0)") from e
         q = lap.get_posterior()
         posterior = GaussianPosterior(q.loc.detach().clone(), covariance=q.covariance_matrix.detach().clone())
-        lgm = try_lgm(call.model, call.args, call.kwargs)
+        lgm = try_lgm(call.source, call.args, call.kwargs)
         bound = None
         q = posterior
         if lgm is not None and getattr(lgm, "imputed", None) and posterior.n == lgm.model_layout.size:
@@ -433,7 +433,9 @@ class NUTSEngine(_FullDataEngine):
         flat = torch.cat(flat, -1)
         loc = flat.mean(0)
         cov = torch.cov(flat.T).reshape(flat.shape[1], flat.shape[1])
-        cov = cov + 1e-10 * cov.diagonal().mean() * torch.eye(cov.shape[0], dtype=cov.dtype, device=cov.device)
+        # a relative jitter per coordinate keeps the summary positive definite without mixing scales
+        d = cov.diagonal()
+        cov = cov + torch.diag(1e-10 * d + torch.finfo(d.dtype).tiny ** 0.5)
         chains = flat.unsqueeze(0)
         rhat = float(split_gelman_rubin(chains).max())
         ess = float(effective_sample_size(chains).min())

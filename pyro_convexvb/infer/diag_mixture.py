@@ -813,7 +813,7 @@ class DiagMixtureEngine(SVIEngine):
         with torch.no_grad():
             locs, scales = guide._mixture_params()
             posterior = DiagMixturePosterior(locs.detach().clone(), scales.detach().clone() ** 2)
-        lgm = try_lgm(call.model, call.args, call.kwargs)
+        lgm = try_lgm(call.source, call.args, call.kwargs)
         exact = lgm is not None and lgm.n == posterior.n
         info = {"elbo_estimate": -sum(losses[-o.window:]) / min(o.window, len(losses)), "steps": len(losses),
                 "guide": guide, "entropy": o.entropy, "hyperparameters": model_param_values(call)}

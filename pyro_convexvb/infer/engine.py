@@ -318,6 +318,13 @@ class ModelCall:
     model: Callable
     args: tuple
     kwargs: dict
+    #: the model as the user wrote it (``model`` may wrap it, e.g. to make ``obs_mask`` sites proper)
+    as_written: Optional[Callable] = None
+
+    @property
+    def source(self):
+        """The model as written (what the latent Gaussian extraction reads)."""
+        return self.as_written if self.as_written is not None else self.model
 
 
 class _NoBar:
@@ -466,8 +473,43 @@ class Engine:
             try:
                 lgm = lgm_from_pyro(model, *args, **kwargs)
             except UnsupportedModelError as e:
+                # outside the class, the model may be a latent Gaussian model given a few hyper-latents
+                if cls.hyper_latents(model, args, kwargs):
+                    return True, ""
                 return False, str(e)
         return cls.applies(lgm)
+
+    @classmethod
+    def hyper_latents(cls, model, args, kwargs):
+        """The hyper-latent sites this engine integrates over for ``model`` (see
+        :mod:`~pyro_convexvb.infer.hyper`), or ``[]`` when it does not handle the model that way.
+
+        Non-empty only for latent-Gaussian engines (``Options`` derived from :class:`LGMEngineOptions`) when
+        every hyper-latent is continuous, a latent Gaussian field is left, and the model conditioned on the
+        hyper-latents' current values is one this engine applies to.
+        """
+        from ..lgm.extract import latent_sites, lgm_from_pyro
+        from ..lgm.model import LatentGaussianModel
+        from .hyper import conditioned_model, find_hyper_sites
+
+        if isinstance(model, LatentGaussianModel) or cls.takes != "lgm" or \
+                not issubclass(cls.Options, LGMEngineOptions):
+            return []
+        try:
+            sites = dict(latent_sites(model, args, kwargs))
+            hyper = find_hyper_sites(model, args, kwargs)
+        except UnsupportedModelError:
+            return []
+        if not hyper or len(hyper) == len(sites):
+            return []  # nothing to integrate over, or no latent Gaussian field would be left
+        if any(getattr(sites[n]["fn"].support, "is_discrete", False) for n in hyper):
+            return []  # a discrete latent: the extraction's refusal names it
+        values = {n: sites[n]["value"].detach() for n in hyper}
+        try:
+            lgm = lgm_from_pyro(conditioned_model(model, values), *args, **kwargs)
+        except UnsupportedModelError:
+            return []
+        return hyper if cls.applies(lgm)[0] else []
 
     def _refuse(self, reason, args, kwargs, lgm=None):
         """An :class:`~pyro_convexvb.UnsupportedModelError` naming the site, the reason and the engines that fit."""
@@ -529,7 +571,10 @@ class Engine:
             ok, reason = self.model_applies(self.model, args, kwargs)
             if not ok:
                 raise self._refuse(reason, args, kwargs)
-            lgm, problem = None, ModelCall(self.model, args, kwargs)
+            from ..lgm.extract import proper_missing
+
+            # the unused entries of obs_mask sites get a proper density (an improper flat one otherwise)
+            lgm, problem = None, ModelCall(proper_missing(self.model), args, kwargs, self.model)
         run = RunContext(self.name, self.progress)
         try:
             sol = self.solve(problem, run)
@@ -578,17 +623,7 @@ class Engine:
 
     def _hyper_sites(self, args, kwargs):
         """The model's hyper-latents if this engine integrates over them, else ``[]``."""
-        from ..lgm.model import LatentGaussianModel
-
-        if isinstance(self.model, LatentGaussianModel) or not isinstance(self.options, LGMEngineOptions):
-            return []
-        from ..lgm.extract import latent_sites
-        from .hyper import find_hyper_sites
-
-        hyper = find_hyper_sites(self.model, args, kwargs)
-        if len(hyper) == len(latent_sites(self.model, args, kwargs)):
-            return []  # no latent Gaussian field would be left
-        return hyper
+        return type(self).hyper_latents(self.model, args, kwargs)
 
     def _run_hyper(self, hyper, args, kwargs, t0):
         """Integrate over (or maximise) the hyper-latents ``hyper``; each design point is one fit of this engine."""

@@ -142,6 +142,9 @@ def engines_that_fit(model, *args, lgm=None, **kwargs):
     for name in names:
         cls = _ENGINES[name]
         if cls.takes == "lgm" and lgm is False:
+            # outside the class: the engine may integrate over the model's hyper-latents
+            if cls.hyper_latents(model, args, kwargs):
+                out.append(name)
             continue
         ok, _ = cls.fits(model, args, kwargs, lgm=lgm or None)
         if ok:

@@ -79,6 +79,56 @@ def _depends_on(t, u):
     return g is not None and bool((g != 0).any())
 
 
+class _ProperMissing(poutine.messenger.Messenger):
+    """Give the masked-out entries of ``obs_mask``'s ``<name>_unobserved`` sites a proper density.
+
+    ``pyro.sample(name, fn, obs=y, obs_mask=m)`` samples ``<name>_unobserved`` with the full batch shape
+    under ``poutine.mask(~m)``, so its entries at observed positions have a flat (improper) density.
+    They never enter the model (``torch.where`` takes the data there), so an independent standard
+    density on them (``Normal(0, 1)`` pushed through ``biject_to(fn.support)``) leaves the joint of every
+    other variable unchanged and makes the joint proper, which engines that sample or optimise the
+    unconstrained joint (SVI, Laplace, NUTS) need.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._observed = set()
+
+    def _process_message(self, msg):
+        if msg["type"] != "sample":
+            return
+        name = msg["name"]
+        if msg["is_observed"]:
+            if name.endswith("_observed"):
+                self._observed.add(name[:-len("_observed")])
+            return
+        base = name[:-len("_unobserved")] if name.endswith("_unobserved") else None
+        mask = msg.get("mask")
+        if base not in self._observed or mask is None or not torch.is_tensor(mask):
+            return
+        fn = msg["fn"]
+        if fn.support.is_discrete or fn.event_shape != () or fn.support.event_dim != 0:
+            return
+        from torch.distributions import biject_to
+
+        zero = torch.zeros(fn.batch_shape, dtype=fn.mean.dtype if fn.mean.is_floating_point() else torch.float64,
+                           device=mask.device)
+        filler = dist.TransformedDistribution(dist.Normal(zero, 1.0), [biject_to(fn.support)])
+        keep = mask.expand(fn.batch_shape) if mask.shape != fn.batch_shape else mask
+        msg["fn"] = dist.MaskedMixture(keep, filler, fn)
+        msg["mask"] = None
+
+
+def proper_missing(model):
+    """``model`` with a proper density on the unused entries of its ``obs_mask`` sites (see :class:`_ProperMissing`)."""
+
+    def wrapped(*args, **kwargs):
+        with _ProperMissing():
+            return model(*args, **kwargs)
+
+    return wrapped
+
+
 @contextlib.contextmanager
 def full_data_plates():
     """Context in which every subsampled ``pyro.plate`` runs on its full size (no mini-batch scaling).

@@ -1,12 +1,13 @@
-"""Shared machinery of the online estimators: input handling, streaming driver, state."""
+"""Shared machinery of the online estimators: input handling, streaming driver, state, scikit-learn API."""
 import warnings
 
 import numpy as np
+from sklearn.base import BaseEstimator, ClassifierMixin
+from sklearn.utils.validation import check_array, check_is_fitted, column_or_1d, validate_data
 
 from ..errors import ConvergenceWarning
 from . import equations as eq
-from ._validation import (check_choice, check_positive_float, per_feature, to_csr, to_labels,
-                          wrap_output)
+from ._validation import check_choice, from_torch, per_feature, to_csr
 
 _FAST_HINT = ("numba is needed for fast=True: install it with `pip install 'pyro_convexvb[fast]'`, "
               "or pass fast=False to use the NumPy reference path")
@@ -45,58 +46,204 @@ def _check_hashing(hashing):
     raise ValueError(f"hashing: expected None, True or a non-negative integer seed, got {hashing!r}")
 
 
-class OnlineEstimatorBase:
-    """Common API: ``partial_fit`` row by row, progressive predictions, state save/load.
+def _check_positive_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return int(value)
 
-    Subclasses set ``_config_keys`` and implement ``_init_state``, ``_run_fast`` and
+
+_NUMERIC_CODINGS = {0.0: (0, 1), -1.0: (-1, 1)}
+
+
+class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
+    """Common API: ``partial_fit`` row by row, progressive predictions, state save/load, scikit-learn contract.
+
+    Constructor arguments are stored as given and validated when the state is created (the first
+    :meth:`partial_fit`, or :meth:`fit`).  ``fit`` restarts from the prior and makes one pass;
+    ``partial_fit`` continues the stream.  Binary labels may be any two values (``classes_``,
+    sorted; the second is the positive class).  Without ``classes=`` the first call infers them:
+    two distinct labels name both classes; a stream that starts with one label is accepted for the
+    numeric codings ``{0, 1}`` and ``{-1, +1}`` (labels ``1`` alone read as ``{0, 1}`` until a
+    ``-1`` arrives).
+
+    Subclasses set ``_config_keys`` and implement ``_new_state``, ``_run_fast`` and
     ``_run_reference``.
     """
 
     _config_keys = ()
+    _has_batch_size = True
 
-    def __init__(self, num_features, link="logit", hashing=None, batch_size=1, fast=None):
-        if isinstance(num_features, bool) or not isinstance(num_features, (int, np.integer)) or num_features < 1:
-            raise ValueError(f"num_features: expected a positive integer, got {num_features!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"batch_size: expected a positive integer, got {batch_size!r}")
-        self.num_features = int(num_features)
-        self.link = check_choice(link, eq.LINKS, "link")
-        self.hashing = _check_hashing(hashing)
-        self.batch_size = int(batch_size)
-        self.fast = fast
-        self.fast_ = resolve_fast(fast)
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.classifier_tags.multi_class = False
+        tags.input_tags.sparse = True
+        return tags
+
+    # ----------------------------------------------------------------- options and state
+    _state_keys = ("_num_features", "_prior_config", "_prior_params", "_negative_known")
+
+    def _check_options(self):
+        """Validate the constructor arguments; errors name the argument."""
+        if self.num_features is not None:
+            _check_positive_int(self.num_features, "num_features")
+        hashing = _check_hashing(self.hashing)
+        if hashing is not None and self.num_features is None:
+            raise ValueError("num_features: a number of hash buckets is needed with hashing=; got None")
+        check_choice(self.link, eq.LINKS, "link")
+        if self._has_batch_size:
+            _check_positive_int(self.batch_size, "batch_size")
+
+    def _config(self, num_features=None):
+        """The configuration saved with the state (constructor arguments, ``fast`` excluded)."""
+        d = num_features if num_features is not None else self.__dict__.get("_num_features", self.num_features)
+        cfg = {"num_features": None if d is None else int(d), "link": self.link,
+               "hashing": _check_hashing(self.hashing)}
+        if self._has_batch_size:
+            cfg["batch_size"] = int(self.batch_size)
+        for key in self._config_keys:
+            cfg[key] = getattr(self, key)
+        return cfg
+
+    def _initialised(self):
+        return "_num_features" in self.__dict__
+
+    def _drop_state(self):
+        """Forget everything learned (``fit`` restarts from the prior)."""
+        for key in list(self.__dict__):
+            if key in self._state_keys or (key.endswith("_") and not key.startswith("__")):
+                delattr(self, key)
+
+    def _reset(self, num_features):
+        """Start from the prior with ``num_features`` weights (options already validated)."""
+        self.fast_ = resolve_fast(self.fast)
+        self._num_features = int(num_features)
+        self._new_state(self._num_features)
+        self._prior_config = self._config()
+        self._prior_params = {k: getattr(self, k) for k in self.get_params(deep=False) if k != "fast"}
         self.n_seen_ = 0
         self.cumulative_log_loss_ = 0.0
         self.n_unconverged_ = 0
         self.n_skipped_ = 0
-        self._coding = None
+
+    def _new_state(self, num_features):
+        raise NotImplementedError
+
+    def _check_unchanged(self):
+        """Options that shape the running stream cannot change under it (``fit`` restarts)."""
+        if all(getattr(self, k) is v for k, v in self._prior_params.items()):
+            return
+        now = self._config()
+        changed = sorted(k for k in now if now[k] != self._prior_config.get(k))
+        if self.num_features is not None and int(self.num_features) != self._num_features:
+            changed.append("num_features")
+        if changed:
+            raise ValueError(f"{', '.join(changed)}: changed after the stream started (was "
+                             f"{ {k: self._prior_config.get(k) for k in changed} }); call fit to restart "
+                             "from the prior, or set them back")
 
     # ----------------------------------------------------------------- input
-    def _prepare(self, X, y=None):
-        Xc = to_csr(X, self.num_features, self.hashing)
-        if y is None:
-            return Xc, None
-        ypm, coding = to_labels(y, Xc.shape[0])
-        if coding is not None:
-            if self._coding is not None and coding != self._coding:
-                raise ValueError(f"y: labels use the coding {coding!r} but earlier batches used {self._coding!r}")
-            self._coding = coding
-        return Xc, ypm
+    def _validate_X(self, X, reset):
+        """``X`` as canonical CSR with the state's number of columns; sets ``n_features_in_`` when ``reset``."""
+        X = from_torch(X)
+        hashing = _check_hashing(self.hashing)
+        if hashing is None:
+            X = validate_data(self, X, reset=reset, accept_sparse="csr", dtype=np.float64)
+            d = self.__dict__.get("_num_features") if not reset else (
+                X.shape[1] if self.num_features is None else self.num_features)
+        else:  # any number of input columns: no n_features_in_
+            X = check_array(X, accept_sparse="csr", dtype=np.float64)
+            d = self.num_features if reset else self._num_features
+            if reset:
+                for attr in ("n_features_in_", "feature_names_in_"):
+                    self.__dict__.pop(attr, None)
+        return to_csr(X, d, hashing)
+
+    def _validate_y(self, y, n, classes):
+        """Labels as ``+-1`` floats; sets or checks ``classes_``."""
+        y = column_or_1d(from_torch(y), warn=True)
+        if y.shape[0] != n:
+            raise ValueError(f"y: expected {n} labels (one per row of X), got {y.shape[0]}")
+        if y.dtype.kind in "fc" and not np.all(np.isfinite(y)):
+            raise ValueError("Input y contains NaN or infinity")
+        if y.dtype.kind in "fc" and np.any(y != np.round(y)):
+            raise ValueError(f"Unknown label type: continuous. y: {type(self).__name__} is a binary classifier "
+                             "and needs class labels")
+        labels = np.unique(y)
+        if classes is not None:
+            classes = np.unique(from_torch(classes))
+            if classes.shape[0] != 2:
+                raise ValueError(f"classes: Only binary classification is supported; expected two labels, got "
+                                 f"{classes.tolist()}")
+            if hasattr(self, "classes_") and self._negative_known and not (
+                    self.classes_.shape == classes.shape and np.all(self.classes_ == classes)):
+                raise ValueError(f"classes: {classes.tolist()} differs from the classes of earlier batches "
+                                 f"{self.classes_.tolist()}")
+            self.classes_ = classes
+            self._negative_known = True
+        if not hasattr(self, "classes_"):
+            self._set_classes(labels)
+        elif not self._negative_known and labels.size and labels.dtype.kind in "biuf":
+            # the stream has shown only the label 1 so far: its negative label may be 0 or -1
+            neg = labels[labels != 1]
+            if neg.size == 1 and float(neg[0]) in _NUMERIC_CODINGS:
+                self.classes_ = np.array(_NUMERIC_CODINGS[float(neg[0])], dtype=labels.dtype)
+                self._negative_known = True
+        bad = labels[~np.isin(labels, self.classes_)]
+        if bad.size:
+            if labels.dtype.kind in "iuf" and np.all(np.isin(np.concatenate([labels, self.classes_]), [-1, 0, 1])):
+                raise ValueError(f"y: mixes the codings {{0, 1}} and {{-1, +1}}: labels {bad.tolist()} after "
+                                 f"classes {self.classes_.tolist()} of earlier batches")
+            raise ValueError(f"y: labels {bad[:5].tolist()} are not among the classes {self.classes_.tolist()} "
+                             "of earlier batches (or of classes=)")
+        return np.where(y == self.classes_[1], 1.0, -1.0)
+
+    def _set_classes(self, labels):
+        if labels.shape[0] > 2:
+            if labels.dtype.kind in "iuf" and np.all(np.isin(labels, [-1, 0, 1])):
+                raise ValueError("y: mixes the codings {0, 1} and {-1, +1} (found 0 and -1). "
+                                 "Only binary classification is supported.")
+            raise ValueError(f"Only binary classification is supported. y: found {labels.shape[0]} classes "
+                             f"{labels[:5].tolist()}")
+        if labels.shape[0] == 2:
+            self.classes_ = labels
+            self._negative_known = True
+            return
+        if labels.shape[0] == 1 and labels.dtype.kind in "biuf" and float(labels[0]) in (0.0, 1.0, -1.0):
+            v = float(labels[0])
+            self.classes_ = np.array(_NUMERIC_CODINGS.get(v, (0, 1)), dtype=labels.dtype)
+            self._negative_known = v != 1.0
+            return
+        found = "no labels" if labels.shape[0] == 0 else f"one class ({labels[0]!r})"
+        raise ValueError(f"y: the first batch holds {found}; pass classes=[negative, positive] to partial_fit "
+                         "(binary classification needs two classes)")
 
     # ----------------------------------------------------------------- fit
-    def partial_fit(self, X, y, return_predictions=False, return_log_loss=False):
+    def partial_fit(self, X, y, classes=None, return_predictions=False, return_log_loss=False):
         """Process the rows of ``X`` one by one: predict ``y_t``, then update on it.
 
-        :param X: ``(n, num_features)`` design, scipy sparse (CSR preferred), NumPy or torch;
-            empty rows are allowed (the prediction is the prior's, and nothing is updated).
-        :param y: ``(n,)`` labels in ``{0, 1}`` or ``{-1, +1}``.
-        :param bool return_predictions: return ``P(y_t = 1 | x_t, past)`` computed *before*
-            the update on row ``t`` (progressive validation), shape ``(n,)``.
+        :param X: ``(n, num_features)`` design: SciPy sparse (CSR preferred; never densified),
+            NumPy, pandas or torch (dense or sparse); empty rows are allowed (the prediction is the
+            prior's, and nothing is updated).  The first call fixes ``num_features`` when it is
+            ``None`` (the number of columns of ``X``).
+        :param y: ``(n,)`` labels, two distinct values overall (``classes_``).
+        :param classes: the two labels, as in :meth:`sklearn.linear_model.SGDClassifier.partial_fit`;
+            needed on the first call when its batch holds a single label other than 0, 1 or -1.
+        :param bool return_predictions: return ``P(y_t = classes_[1] | x_t, past)`` computed
+            *before* the update on row ``t`` (progressive validation), shape ``(n,)``.
         :param bool return_log_loss: return the progressive log-loss ``-log p_t(y_t)``, ``(n,)``.
-        :returns: ``self``, or the requested arrays (a tuple when both are requested); torch
-            tensors on ``X``'s device when ``X`` is a tensor.
+        :returns: ``self``, or the requested NumPy arrays (a tuple when both are requested).
         """
-        Xc, ypm = self._prepare(X, y)
+        first = not self._initialised()
+        self._check_options()
+        if not first:
+            self._check_unchanged()
+        else:
+            self.__dict__.pop("classes_", None)
+            self._negative_known = False
+        Xc = self._validate_X(X, reset=first)
+        ypm = self._validate_y(y, Xc.shape[0], classes)
+        if first:
+            self._reset(Xc.shape[1])
         n = Xc.shape[0]
         p1 = np.empty(n)
         ll = np.empty(n)
@@ -122,29 +269,44 @@ class OnlineEstimatorBase:
                               ConvergenceWarning, stacklevel=2)
         out = []
         if return_predictions:
-            out.append(wrap_output(p1, X))
+            out.append(p1)
         if return_log_loss:
-            out.append(wrap_output(ll, X))
+            out.append(ll)
         if not out:
             return self
         return out[0] if len(out) == 1 else tuple(out)
 
     def fit(self, X, y):
-        """One pass of :meth:`partial_fit` over ``(X, y)`` from the current state; returns ``self``."""
+        """Restart from the prior and make one pass of :meth:`partial_fit` over ``(X, y)``; returns ``self``.
+
+        :param X: ``(n, d)`` design (see :meth:`partial_fit`).
+        :param y: ``(n,)`` labels, two distinct values.
+        """
+        self._drop_state()
         return self.partial_fit(X, y)
 
     # ----------------------------------------------------------------- predict
-    def _classes(self):
-        return (0, 1) if self._coding in (None, "01") else (-1, 1)
+    def _transform(self, X):
+        check_is_fitted(self, "n_seen_")
+        self._check_options()
+        self._check_unchanged()
+        return self._validate_X(X, reset=False)
+
+    def decision_function(self, X):
+        """``(n,)`` the predictive probability on the link scale, ``F^{-1}(P(y = classes_[1] | x))``.
+
+        Positive values favour ``classes_[1]``; for the logit link this is the log-odds of
+        :meth:`predict_proba`.
+        """
+        return self._score(self._transform(X))
 
     def predict(self, X):
-        """Most probable label of each row, in the label coding seen during training."""
-        Xc, _ = self._prepare(X)
-        neg, pos = self._classes()
-        return wrap_output(np.where(self._proba1(Xc) >= 0.5, pos, neg), X)
+        """``(n,)`` the most probable label of each row (``classes_[1]`` when its probability exceeds 1/2)."""
+        s = self.decision_function(X)
+        return self.classes_[(s > 0).astype(np.int64)]
 
     def predict_proba(self, X):
-        """``(n, 2)`` class probabilities; column 1 is ``P(y = 1 | x)``.
+        """``(n, 2)`` class probabilities; column 1 is ``P(y = classes_[1] | x)``.
 
         Example::
 
@@ -154,23 +316,22 @@ class OnlineEstimatorBase:
             >>> m.predict_proba(np.eye(2))[:, 1].round(3)
             array([0.586, 0.414])
         """
-        Xc, _ = self._prepare(X)
-        p = self._proba1(Xc)
-        return wrap_output(np.stack([1.0 - p, p], axis=1), X)
+        p = eq.link_cdf(self._score(self._transform(X)), self.link)
+        return np.stack([1.0 - p, p], axis=1)
+
+    def predict_log_proba(self, X):
+        """``(n, 2)`` log class probabilities, accurate in the tails."""
+        s = self._score(self._transform(X))
+        return np.stack([eq.log_link_cdf(-s, self.link), eq.log_link_cdf(s, self.link)], axis=1)
 
     # ----------------------------------------------------------------- state
-    def _config(self):
-        cfg = {"num_features": self.num_features, "link": self.link, "hashing": self.hashing,
-               "batch_size": self.batch_size}
-        for key in self._config_keys:
-            cfg[key] = getattr(self, key)
-        return cfg
-
     def _state_arrays(self):
         raise NotImplementedError
 
     def state_dict(self):
-        """A picklable snapshot (config, per-feature arrays, counters) to resume a stream.
+        """A picklable snapshot (config, per-feature arrays, counters, classes) to resume a stream.
+
+        Before the first :meth:`partial_fit` it is the prior's state (``num_features`` must be set).
 
         Example::
 
@@ -178,10 +339,22 @@ class OnlineEstimatorBase:
             >>> m = OnlineBayesLogistic(3)
             >>> m2 = OnlineBayesLogistic.from_state_dict(m.state_dict())
         """
+        if not self._initialised():
+            if self.num_features is None:
+                raise ValueError("num_features: unknown before the first partial_fit; set it to save the prior state")
+            self._check_options()
+            fresh = self.__sklearn_clone__()
+            fresh._reset(fresh.num_features)
+            return fresh.state_dict()
+        classes = getattr(self, "classes_", None)
         state = {"class": type(self).__name__, "config": self._config(),
                  "n_seen": self.n_seen_, "cumulative_log_loss": self.cumulative_log_loss_,
                  "n_unconverged": self.n_unconverged_, "n_skipped": self.n_skipped_,
-                 "coding": self._coding}
+                 "classes": None if classes is None else classes.tolist(),
+                 "negative_known": self.__dict__.get("_negative_known", False),
+                 "n_features_in": getattr(self, "n_features_in_", None),
+                 "feature_names_in": (None if not hasattr(self, "feature_names_in_")
+                                      else self.feature_names_in_.tolist())}
         state.update({k: v.copy() for k, v in self._state_arrays().items()})
         extra = self._extra_state()
         if extra:
@@ -198,9 +371,13 @@ class OnlineEstimatorBase:
         """Restore :meth:`state_dict` output; the configuration must match this estimator's."""
         if state.get("class") != type(self).__name__:
             raise ValueError(f"state: saved from {state.get('class')!r}, cannot load into {type(self).__name__}")
-        if state["config"] != self._config():
-            raise ValueError(f"state: configuration {state['config']} differs from this estimator's "
-                             f"{self._config()}; use {type(self).__name__}.from_state_dict(state)")
+        saved = state["config"]
+        mine = self._config(num_features=saved["num_features"] if self.num_features is None else None)
+        if saved != mine:
+            raise ValueError(f"state: configuration {saved} differs from this estimator's "
+                             f"{mine}; use {type(self).__name__}.from_state_dict(state)")
+        self._drop_state()
+        self._reset(saved["num_features"])
         arrays = self._state_arrays()
         for key, arr in arrays.items():
             new = np.asarray(state[key], dtype=np.float64)
@@ -211,7 +388,16 @@ class OnlineEstimatorBase:
         self.cumulative_log_loss_ = float(state["cumulative_log_loss"])
         self.n_unconverged_ = int(state["n_unconverged"])
         self.n_skipped_ = int(state["n_skipped"])
-        self._coding = state["coding"]
+        classes = state.get("classes")
+        if classes is None and "coding" in state:  # states saved before classes_ existed
+            classes = {"01": [0, 1], "pm1": [-1, 1]}.get(state["coding"])
+        self._negative_known = bool(state.get("negative_known", classes is not None))
+        if classes is not None:
+            self.classes_ = np.asarray(classes)
+        if state.get("n_features_in") is not None:
+            self.n_features_in_ = int(state["n_features_in"])
+        if state.get("feature_names_in") is not None:
+            self.feature_names_in_ = np.asarray(state["feature_names_in"], dtype=object)
         self._load_extra_state(state.get("extra"))
         return self
 
@@ -233,19 +419,25 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
 
     _method_code = None
 
-    def __init__(self, num_features, prior_mean=0.0, prior_var=1.0, link="logit", hashing=None,
+    def __init__(self, num_features=None, prior_mean=0.0, prior_var=1.0, link="logit", hashing=None,
                  batch_size=1, fast=None):
-        super().__init__(num_features, link=link, hashing=hashing, batch_size=batch_size, fast=fast)
+        self.num_features = num_features
         self.prior_mean = prior_mean
         self.prior_var = prior_var
-        self._mu = per_feature(prior_mean, self.num_features, "prior_mean")
-        self._s2 = per_feature(prior_var, self.num_features, "prior_var", positive=True)
+        self.link = link
+        self.hashing = hashing
+        self.batch_size = batch_size
+        self.fast = fast
 
-    def _config(self):
-        cfg = super()._config()
+    def _config(self, num_features=None):
+        cfg = super()._config(num_features)
         cfg["prior_mean"] = self.prior_mean if np.ndim(self.prior_mean) == 0 else np.asarray(self.prior_mean).tolist()
         cfg["prior_var"] = self.prior_var if np.ndim(self.prior_var) == 0 else np.asarray(self.prior_var).tolist()
         return cfg
+
+    def _new_state(self, num_features):
+        self._mu = per_feature(self.prior_mean, num_features, "prior_mean")
+        self._s2 = per_feature(self.prior_var, num_features, "prior_var", positive=True)
 
     def _state_arrays(self):
         return {"mu": self._mu, "s2": self._s2}
@@ -254,11 +446,13 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
     @property
     def coef_(self):
         """``(num_features,)`` posterior means ``mu_i`` (a copy)."""
+        check_is_fitted(self)
         return self._mu.copy()
 
     @property
     def coef_var_(self):
         """``(num_features,)`` posterior variances ``sigma^2_i`` (a copy): per-feature uncertainty."""
+        check_is_fitted(self)
         return self._s2.copy()
 
     # ------------------------------------------------------------ predictions
@@ -266,22 +460,16 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         """Shamir & Szpankowski 2021, Eq. (6) for every row: mean and variance of the score ``x_t^T w``.
 
         :param X: ``(n, num_features)``.
-        :returns: ``(mu_t, sigma2_t)``, each ``(n,)``: the per-example predictive uncertainty.
+        :returns: ``(mu_t, sigma2_t)``, NumPy arrays ``(n,)`` each: the per-example predictive uncertainty.
         """
-        Xc, _ = self._prepare(X)
-        mu_t = Xc @ self._mu
-        s2_t = Xc.multiply(Xc) @ self._s2
-        return wrap_output(np.asarray(mu_t), X), wrap_output(np.asarray(s2_t), X)
+        Xc = self._transform(X)
+        return np.asarray(Xc @ self._mu), np.asarray(Xc.multiply(Xc) @ self._s2)
 
-    def decision_function(self, X):
-        """``(n,)`` score means ``mu_t`` (Eq. (6))."""
-        return self.score_moments(X)[0]
-
-    def _proba1(self, Xc):
-        """``P(y = 1 | x)`` of Eq. (8) / (24) for a canonical CSR matrix."""
+    def _score(self, Xc):
+        """``F^{-1}`` of Eq. (8) / (24): ``mu_t / c(sigma^2_t)`` for a canonical CSR matrix."""
         mu_t = np.asarray(Xc @ self._mu)
         s2_t = np.asarray(Xc.multiply(Xc) @ self._s2)
-        return eq.predict_proba(mu_t, s2_t, self.link)
+        return mu_t / eq.shrinkage(s2_t, self.link)
 
     # ------------------------------------------------------------ streaming
     def _kernel_flags(self):
@@ -295,14 +483,14 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         k = _kernels()
         mean_newton, var_value, tol, maxiter = self._kernel_flags()
         width = int(np.diff(indptr).max(initial=0))
-        if self.batch_size > 1:
-            acc_h = np.zeros(self.num_features)
-            acc_eta = np.zeros(self.num_features)
+        if int(self.batch_size) > 1:
+            acc_h = np.zeros(self._num_features)
+            acc_eta = np.zeros(self._num_features)
         else:
             acc_h = acc_eta = np.empty(0)
         link = k.LOGIT if self.link == "logit" else k.PROBIT
         return k.run_diagonal(self._method_code, link, bool(mean_newton), bool(var_value), float(tol),
-                              int(maxiter), self.batch_size, indptr, indices, data, y, self._mu, self._s2,
+                              int(maxiter), int(self.batch_size), indptr, indices, data, y, self._mu, self._s2,
                               self._samples(len(y)), p1, ll, acc_h, acc_eta, np.empty(width), np.empty(width))
 
     def _reference_update(self, x, y, mu_i, s2_i, mu_t, s2_t, log_p_t, samples):
@@ -314,12 +502,13 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         unconverged = skipped = 0
         samples = self._samples(n)
         mu, s2 = self._mu, self._s2
-        batched = self.batch_size > 1
+        batched = int(self.batch_size) > 1
+        batch = int(self.batch_size)
         if batched:
-            acc_h = np.zeros(self.num_features)
-            acc_eta = np.zeros(self.num_features)
-        for b0 in range(0, n, self.batch_size):
-            b1 = min(n, b0 + self.batch_size)
+            acc_h = np.zeros(self._num_features)
+            acc_eta = np.zeros(self._num_features)
+        for b0 in range(0, n, batch):
+            b1 = min(n, b0 + batch)
             for t in range(b0, b1):
                 sl = slice(indptr[t], indptr[t + 1])
                 idx, x = indices[sl], data[sl]

@@ -105,12 +105,19 @@ def to_labels(y, n, name="y"):
     return np.where(is_one, 1.0, -1.0), coding
 
 
-def wrap_output(arr, like):
-    """Return ``arr`` as a torch tensor on ``like``'s device (and float dtype) when ``like`` is one."""
-    if is_torch(like):
-        dtype = like.dtype if like.dtype.is_floating_point else torch.float64
-        return torch.as_tensor(arr, dtype=dtype, device=like.device)
-    return arr
+def from_torch(obj):
+    """A torch tensor as NumPy (dense) or SciPy CSR (sparse COO/CSR); anything else unchanged."""
+    if not is_torch(obj):
+        return obj
+    obj = obj.detach()
+    if obj.layout == torch.sparse_csr:
+        return sp.csr_matrix((obj.values().cpu().numpy(), obj.col_indices().cpu().numpy(),
+                              obj.crow_indices().cpu().numpy()), shape=tuple(obj.shape))
+    if obj.layout == torch.sparse_coo:
+        obj = obj.coalesce()
+        idx = obj.indices().cpu().numpy()
+        return sp.csr_matrix((obj.values().cpu().numpy(), (idx[0], idx[1])), shape=tuple(obj.shape))
+    return obj.cpu().numpy()
 
 
 def check_positive_float(value, name):

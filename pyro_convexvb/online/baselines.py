@@ -10,10 +10,11 @@
 The diagonal methods share the mini-batch mode of :class:`OnlineDiagonalGaussian`.
 """
 import numpy as np
+from sklearn.utils.validation import check_is_fitted
 
 from . import equations as eq
 from ._base import OnlineDiagonalGaussian, OnlineEstimatorBase, _kernels
-from ._validation import check_choice, check_positive_float, to_csr, wrap_output
+from ._validation import check_choice, check_positive_float
 
 __all__ = [
     "OnlineADF",
@@ -26,9 +27,13 @@ __all__ = [
 ]
 
 
-def _check_iter(maxiter):
-    if isinstance(maxiter, bool) or int(maxiter) != maxiter or maxiter < 1:
-        raise ValueError(f"maxiter: expected a positive integer, got {maxiter!r}")
+def _check_iter(maxiter, name="maxiter"):
+    try:
+        ok = not isinstance(maxiter, bool) and int(maxiter) == maxiter and maxiter >= 1
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}: expected a positive integer, got {maxiter!r}")
     return int(maxiter)
 
 
@@ -186,20 +191,31 @@ class OnlineDimGauss(OnlineDiagonalGaussian):
     _method_code = 2
     _config_keys = ("mean_update", "tol", "maxiter")
 
-    def __init__(self, num_features, prior_mean=0.0, prior_var=1.0, link="logit", mean_update="newton",
+    def __init__(self, num_features=None, prior_mean=0.0, prior_var=1.0, link="logit", mean_update="newton",
                  hashing=None, batch_size=1, tol=1e-9, maxiter=50, fast=None):
-        super().__init__(num_features, prior_mean=prior_mean, prior_var=prior_var, link=link,
-                         hashing=hashing, batch_size=batch_size, fast=fast)
-        self.mean_update = check_choice(mean_update, ("taylor", "newton"), "mean_update")
-        self.tol = check_positive_float(tol, "tol")
-        self.maxiter = _check_iter(maxiter)
+        self.num_features = num_features
+        self.prior_mean = prior_mean
+        self.prior_var = prior_var
+        self.link = link
+        self.mean_update = mean_update
+        self.hashing = hashing
+        self.batch_size = batch_size
+        self.tol = tol
+        self.maxiter = maxiter
+        self.fast = fast
+
+    def _check_options(self):
+        super()._check_options()
+        check_choice(self.mean_update, ("taylor", "newton"), "mean_update")
+        check_positive_float(self.tol, "tol")
+        _check_iter(self.maxiter)
 
     def _kernel_flags(self):
-        return self.mean_update == "newton", False, self.tol, self.maxiter
+        return self.mean_update == "newton", False, float(self.tol), int(self.maxiter)
 
     def _reference_update(self, x, y, mu_i, s2_i, mu_t, s2_t, log_p_t, samples):
-        mu_new, s2_new, ok = dimgauss_update(y, x, mu_i, s2_i, self.link, self.mean_update, self.tol,
-                                             self.maxiter)
+        mu_new, s2_new, ok = dimgauss_update(y, x, mu_i, s2_i, self.link, self.mean_update, float(self.tol),
+                                             int(self.maxiter))
         return mu_new, s2_new, int(not ok)
 
 
@@ -224,21 +240,37 @@ class OnlineMarginalVB(OnlineDiagonalGaussian):
     _method_code = 3
     _config_keys = ("num_samples", "tol", "maxiter")
 
-    def __init__(self, num_features, prior_mean=0.0, prior_var=1.0, link="logit", num_samples=100,
+    def __init__(self, num_features=None, prior_mean=0.0, prior_var=1.0, link="logit", num_samples=100,
                  hashing=None, batch_size=1, tol=1e-10, maxiter=20, seed=0, fast=None):
-        super().__init__(num_features, prior_mean=prior_mean, prior_var=prior_var, link=link,
-                         hashing=hashing, batch_size=batch_size, fast=fast)
-        self.num_samples = _check_iter(num_samples)
-        self.tol = check_positive_float(tol, "tol")
-        self.maxiter = _check_iter(maxiter)
+        self.num_features = num_features
+        self.prior_mean = prior_mean
+        self.prior_var = prior_var
+        self.link = link
+        self.num_samples = num_samples
+        self.hashing = hashing
+        self.batch_size = batch_size
+        self.tol = tol
+        self.maxiter = maxiter
         self.seed = seed
-        self._rng = np.random.default_rng(seed)
+        self.fast = fast
+
+    def _check_options(self):
+        super()._check_options()
+        _check_iter(self.num_samples, "num_samples")
+        check_positive_float(self.tol, "tol")
+        _check_iter(self.maxiter)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise ValueError(f"seed: expected a non-negative integer, got {self.seed!r}")
+
+    def _new_state(self, num_features):
+        super()._new_state(num_features)
+        self._rng = np.random.default_rng(self.seed)
 
     def _kernel_flags(self):
-        return False, False, self.tol, self.maxiter
+        return False, False, float(self.tol), int(self.maxiter)
 
     def _samples(self, n):
-        return self._rng.standard_normal((n, self.num_samples))
+        return self._rng.standard_normal((n, int(self.num_samples)))
 
     def _extra_state(self):
         return {"rng": self._rng.bit_generator.state}
@@ -248,7 +280,8 @@ class OnlineMarginalVB(OnlineDiagonalGaussian):
             self._rng.bit_generator.state = extra["rng"]
 
     def _reference_update(self, x, y, mu_i, s2_i, mu_t, s2_t, log_p_t, samples):
-        return marginal_vb_update(y, x, mu_i, s2_i, mu_t, s2_t, samples, self.link, self.tol, self.maxiter)
+        return marginal_vb_update(y, x, mu_i, s2_i, mu_t, s2_t, samples, self.link, float(self.tol),
+                                  int(self.maxiter))
 
 
 class OnlineAdaGradLogistic(OnlineEstimatorBase):
@@ -269,18 +302,24 @@ class OnlineAdaGradLogistic(OnlineEstimatorBase):
     """
 
     _config_keys = ("learning_rate", "delta")
+    _has_batch_size = False
 
-    def __init__(self, num_features, learning_rate=0.1, delta=1e-8, link="logit", hashing=None, fast=None):
-        super().__init__(num_features, link=link, hashing=hashing, batch_size=1, fast=fast)
-        self.learning_rate = check_positive_float(learning_rate, "learning_rate")
-        self.delta = check_positive_float(delta, "delta")
-        self._w = np.zeros(self.num_features)
-        self._G = np.zeros(self.num_features)
+    def __init__(self, num_features=None, learning_rate=0.1, delta=1e-8, link="logit", hashing=None, fast=None):
+        self.num_features = num_features
+        self.learning_rate = learning_rate
+        self.delta = delta
+        self.link = link
+        self.hashing = hashing
+        self.fast = fast
 
-    def _config(self):
-        cfg = super()._config()
-        del cfg["batch_size"]
-        return cfg
+    def _check_options(self):
+        super()._check_options()
+        check_positive_float(self.learning_rate, "learning_rate")
+        check_positive_float(self.delta, "delta")
+
+    def _new_state(self, num_features):
+        self._w = np.zeros(num_features)
+        self._G = np.zeros(num_features)
 
     def _state_arrays(self):
         return {"w": self._w, "G": self._G}
@@ -288,20 +327,18 @@ class OnlineAdaGradLogistic(OnlineEstimatorBase):
     @property
     def coef_(self):
         """``(num_features,)`` weights."""
+        check_is_fitted(self, "n_seen_")
         return self._w.copy()
 
-    def _proba1(self, Xc):
-        return eq.link_cdf(np.asarray(Xc @ self._w), self.link)
-
-    def decision_function(self, X):
-        """``(n,)`` scores ``x^T w``."""
-        Xc = to_csr(X, self.num_features, self.hashing)
-        return wrap_output(np.asarray(Xc @ self._w), X)
+    def _score(self, Xc):
+        """The scores ``x^T w`` (``F^{-1}`` of the predicted probability)."""
+        return np.asarray(Xc @ self._w)
 
     def _run_fast(self, indptr, indices, data, y, p1, ll):
         k = _kernels()
         link = k.LOGIT if self.link == "logit" else k.PROBIT
-        k.run_adagrad(link, self.learning_rate, self.delta, indptr, indices, data, y, self._w, self._G, p1, ll)
+        k.run_adagrad(link, float(self.learning_rate), float(self.delta), indptr, indices, data, y, self._w, self._G,
+                      p1, ll)
         return 0, 0
 
     def _run_reference(self, indptr, indices, data, y, p1, ll):
@@ -314,5 +351,5 @@ class OnlineAdaGradLogistic(OnlineEstimatorBase):
             ll[t] = -eq.log_link_cdf(y[t] * m, self.link)
             g = -y[t] * float(eq.psi1(y[t] * m, self.link)) * x
             G[idx] += g * g
-            w[idx] -= self.learning_rate * g / np.sqrt(G[idx] + self.delta)
+            w[idx] -= float(self.learning_rate) * g / np.sqrt(G[idx] + float(self.delta))
         return 0, 0

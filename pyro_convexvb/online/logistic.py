@@ -2,6 +2,7 @@
 from . import equations as eq
 from ._base import OnlineDiagonalGaussian
 from ._validation import check_choice, check_positive_float
+from .baselines import _check_iter
 
 __all__ = ["OnlineBayesLogistic"]
 
@@ -23,7 +24,13 @@ class OnlineBayesLogistic(OnlineDiagonalGaussian):
 
     All features of a row are updated from the state *before* the row (step 9 of Algorithm 1).
 
-    :param int num_features: ``d``, the number of features (hash buckets when hashing).
+    A scikit-learn classifier (:class:`~sklearn.base.ClassifierMixin`): binary labels of any two
+    values (``classes_``), ``fit`` (one pass from the prior), ``partial_fit`` (continue the stream,
+    ``classes=`` as in :class:`~sklearn.linear_model.SGDClassifier`), NumPy outputs.  SciPy sparse
+    input stays sparse.
+
+    :param int num_features: ``d``, the number of features (hash buckets when hashing); ``None``
+        takes the number of columns of the first batch.
     :param prior_mean: ``mu_0``, scalar or ``(d,)``.
     :param prior_var: ``sigma^2_0 > 0``, scalar or ``(d,)``.
     :param str link: ``"logit"`` or ``"probit"`` (Appendix B).
@@ -40,8 +47,9 @@ class OnlineBayesLogistic(OnlineDiagonalGaussian):
     :param fast: ``None`` uses the numba kernel when numba is installed, ``True`` requires it
         (``ImportError`` otherwise), ``False`` uses the NumPy reference path.
 
-    Attributes: ``coef_`` / ``coef_var_`` (``(d,)`` means and variances), ``n_seen_``,
-    ``cumulative_log_loss_`` (progressive log-loss so far), ``fast_`` (path in use).
+    Attributes: ``coef_`` / ``coef_var_`` (``(d,)`` means and variances), ``classes_``,
+    ``n_features_in_`` (without hashing), ``n_seen_``, ``cumulative_log_loss_`` (progressive log-loss
+    so far), ``fast_`` (path in use).
 
     Example::
 
@@ -50,35 +58,46 @@ class OnlineBayesLogistic(OnlineDiagonalGaussian):
         >>> X = sp.random(1000, 50, density=0.1, format="csr", random_state=0)
         >>> X.data[:] = 1.0
         >>> y = rng.random(1000) < 1 / (1 + np.exp(-X @ rng.normal(size=50)))
-        >>> model = OnlineBayesLogistic(50)
+        >>> model = OnlineBayesLogistic()
         >>> p = model.partial_fit(X, y, return_predictions=True)  # P(y_t = 1) before each update
-        >>> model.coef_.shape, model.predict_proba(X[:3]).shape
-        ((50,), (3, 2))
+        >>> model.coef_.shape, model.predict_proba(X[:3]).shape, model.classes_
+        ((50,), (3, 2), array([False,  True]))
     """
 
     _method_code = 0
     _config_keys = ("mean_update", "variance_update", "tol", "maxiter")
 
-    def __init__(self, num_features, prior_mean=0.0, prior_var=1.0, link="logit", mean_update="taylor",
+    def __init__(self, num_features=None, prior_mean=0.0, prior_var=1.0, link="logit", mean_update="taylor",
                  variance_update="laplace", hashing=None, batch_size=1, tol=1e-9, maxiter=50, fast=None):
-        super().__init__(num_features, prior_mean=prior_mean, prior_var=prior_var, link=link,
-                         hashing=hashing, batch_size=batch_size, fast=fast)
-        self.mean_update = check_choice(mean_update, ("taylor", "newton"), "mean_update")
-        self.variance_update = check_choice(variance_update, ("laplace", "value"), "variance_update")
-        self.tol = check_positive_float(tol, "tol")
-        if isinstance(maxiter, bool) or int(maxiter) != maxiter or maxiter < 1:
-            raise ValueError(f"maxiter: expected a positive integer, got {maxiter!r}")
-        self.maxiter = int(maxiter)
+        self.num_features = num_features
+        self.prior_mean = prior_mean
+        self.prior_var = prior_var
+        self.link = link
+        self.mean_update = mean_update
+        self.variance_update = variance_update
+        self.hashing = hashing
+        self.batch_size = batch_size
+        self.tol = tol
+        self.maxiter = maxiter
+        self.fast = fast
+
+    def _check_options(self):
+        super()._check_options()
+        check_choice(self.mean_update, ("taylor", "newton"), "mean_update")
+        check_choice(self.variance_update, ("laplace", "value"), "variance_update")
+        check_positive_float(self.tol, "tol")
+        _check_iter(self.maxiter)
 
     def _kernel_flags(self):
-        return self.mean_update == "newton", self.variance_update == "value", self.tol, self.maxiter
+        return self.mean_update == "newton", self.variance_update == "value", float(self.tol), int(self.maxiter)
 
     def _reference_update(self, x, y, mu_i, s2_i, mu_t, s2_t, log_p_t, samples):
         link = self.link
         mu_minus, s2_minus = eq.self_excluding_moments(x, mu_i, s2_i, mu_t, s2_t)  # Eq. (7)
         unconverged = 0
         if self.mean_update == "newton":
-            mu_new, ok = eq.newton_mean(y, x, mu_i, s2_i, mu_minus, s2_minus, link, self.tol, self.maxiter)
+            mu_new, ok = eq.newton_mean(y, x, mu_i, s2_i, mu_minus, s2_minus, link, float(self.tol),
+                                        int(self.maxiter))
             unconverged = int((~ok).sum())
         else:
             mu_new = eq.taylor_mean(y, x, mu_i, s2_i, mu_t, s2_minus, link)

@@ -1,0 +1,1 @@
+"""A zoo of ordinary Pyro models, each with an independent reference posterior, run through every engine."""
