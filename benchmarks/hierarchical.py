@@ -14,7 +14,8 @@ Methods, alternating in the same run: ``dual_vg`` with the hyper-latents integra
 default) and at their mode (``hyper="map"``), ``convex_relaxation`` (logistic case), and Pyro's
 ``nuts`` (one chain, 1,000 samples after 500 warm-up steps), ``laplace`` and ``svi_automvn`` on the
 full model (hyper-latents included, in unconstrained coordinates). The reference is a long NUTS run
-(4 chains of 3,000 samples after 1,500 warm-up steps, split R-hat reported), computed once and cached
+(4 chains of 3,000 samples after 1,500 warm-up steps by default, ``--reference`` sets the size; split R-hat and
+ESS reported), computed once and cached
 in ``benchmarks/results/hierarchical_reference*.json``.
 
 Accuracy: the hyper-latent's 5%, 50%, 95% quantiles relative to the reference (targets 15% for the
@@ -116,17 +117,18 @@ CASES = {"logistic-sonar": logistic_sonar, "poisson-gmrf": poisson_gmrf, "gp-len
 
 
 # ----------------------------------------------------------------------------- reference
-def nuts_reference(name, model, args, kwargs, hyper, field, quick):
+def nuts_reference(name, model, args, kwargs, hyper, field, quick, size=None):
     path = os.path.join(RESULTS_DIR, f"hierarchical_reference{'_quick' if quick else ''}.json")
     import json
 
     refs = json.load(open(path)) if os.path.exists(path) else {}
-    if name in refs:
+    if name in refs and (size is None or (refs[name]["chains"], refs[name]["num_samples"],
+                                            refs[name]["warmup_steps"]) == tuple(size)):
         return refs[name]
     from pyro.infer import MCMC, NUTS
     from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 
-    chains, ns, nw = (2, 500, 300) if quick else (4, 3000, 1500)
+    chains, ns, nw = size or ((2, 500, 300) if quick else (4, 3000, 1500))
     hs, fs = [], []
     with Timer() as t:
         for c in range(chains):
@@ -198,6 +200,8 @@ def main():
     parser = make_parser(__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=None, help="alternating repetitions (default 3, quick 1)")
     parser.add_argument("--cases", default=",".join(CASES), help="comma list of cases")
+    parser.add_argument("--reference", default=None,
+                        help="NUTS reference size 'chains,samples,warmup' (default 4,3000,1500; quick 2,500,300)")
     args = parse_args(parser=parser)
     torch.set_default_dtype(D)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -207,7 +211,8 @@ def main():
     for name in args.cases.split(","):
         model, margs, mkw, hyper, field = CASES[name](args.quick)
         print(f"[{name}] reference ...", flush=True)
-        ref = nuts_reference(name, model, margs, mkw, hyper, field, args.quick)
+        size = tuple(int(v) for v in args.reference.split(",")) if args.reference else None
+        ref = nuts_reference(name, model, margs, mkw, hyper, field, args.quick, size)
         case_methods = [m for m in methods if not (m.startswith("convex") and name != "logistic-sonar")]
         times = {m: [] for m in case_methods}
         out, failed = {}, {}

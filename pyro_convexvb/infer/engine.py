@@ -488,28 +488,35 @@ class Engine:
         every hyper-latent is continuous, a latent Gaussian field is left, and the model conditioned on the
         hyper-latents' current values is one this engine applies to.
         """
+        return cls._hyper_check(model, args, kwargs)[0]
+
+    @classmethod
+    def _hyper_check(cls, model, args, kwargs):
+        """``(hyper, reason)``: the hyper-latents this engine integrates over (else ``[]``), and why not
+        when the model given its hyper-latents is outside the engine's class (else ``""``)."""
         from ..lgm.extract import latent_sites, lgm_from_pyro
         from ..lgm.model import LatentGaussianModel
         from .hyper import conditioned_model, find_hyper_sites
 
         if isinstance(model, LatentGaussianModel) or cls.takes != "lgm" or \
                 not issubclass(cls.Options, LGMEngineOptions):
-            return []
+            return [], ""
         try:
             sites = dict(latent_sites(model, args, kwargs))
             hyper = find_hyper_sites(model, args, kwargs)
         except UnsupportedModelError:
-            return []
+            return [], ""
         if not hyper or len(hyper) == len(sites):
-            return []  # nothing to integrate over, or no latent Gaussian field would be left
+            return [], ""  # nothing to integrate over, or no latent Gaussian field would be left
         if any(getattr(sites[n]["fn"].support, "is_discrete", False) for n in hyper):
-            return []  # a discrete latent: the extraction's refusal names it
+            return [], ""  # a discrete latent: the extraction's refusal names it
         values = {n: sites[n]["value"].detach() for n in hyper}
         try:
             lgm = lgm_from_pyro(conditioned_model(model, values), *args, **kwargs)
-        except UnsupportedModelError:
-            return []
-        return hyper if cls.applies(lgm)[0] else []
+        except UnsupportedModelError as e:
+            return [], str(e)
+        ok, reason = cls.applies(lgm)
+        return (hyper, "") if ok else ([], reason)
 
     def _refuse(self, reason, args, kwargs, lgm=None):
         """An :class:`~pyro_convexvb.UnsupportedModelError` naming the site, the reason and the engines that fit."""
@@ -560,7 +567,9 @@ class Engine:
                 lgm = self.extract(*args, **kwargs)
             except UnsupportedModelError:
                 # a model outside the class may be a latent Gaussian model given a few hyper-latents
-                hyper = self._hyper_sites(args, kwargs)
+                hyper, reason = type(self)._hyper_check(self.model, args, kwargs)
+                if reason:  # it is, but not one this engine fits: say why
+                    raise self._refuse(reason, args, kwargs) from None
                 if not hyper:
                     raise
                 return self._run_hyper(hyper, args, kwargs, t0)
