@@ -6,7 +6,7 @@ Usage (from the repository root)::
     python tests/references/generate.py gp_lengthscale
 
 Each reference: 4 chains run one after another (different seeds) of 3,000 samples after 1,500 warm-up
-steps; per latent site the mean, standard deviation and the 5%, 50% and 95% quantiles of every
+steps (GP models in whitened coordinates, the same posterior: ``NUTS_SAMPLERS``); per latent site the mean, standard deviation and the 5%, 50% and 95% quantiles of every
 coordinate, with the largest split R-hat and the smallest effective sample size over the chains.
 """
 import json
@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from pyro.infer import MCMC, NUTS  # noqa: E402
 from pyro.ops.stats import effective_sample_size, split_gelman_rubin  # noqa: E402
 
-from tests.references.hyper_models import NUTS_REFERENCES  # noqa: E402
+from tests.references.hyper_models import NUTS_REFERENCES, NUTS_SAMPLERS  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PATH = os.path.join(HERE, "hyper_nuts.json")
@@ -28,13 +28,15 @@ PATH = os.path.join(HERE, "hyper_nuts.json")
 
 def run(name, builder, chains=4, num_samples=3000, warmup=1500):
     model, args, kwargs = builder()
+    model, to_sites = NUTS_SAMPLERS.get(name, (model, None))
     per_chain = []
     for c in range(chains):
         pyro.set_rng_seed(100 + c)
         mcmc = MCMC(NUTS(model, target_accept_prob=0.9), num_samples=num_samples, warmup_steps=warmup,
                     disable_progbar=True)
         mcmc.run(*args, **kwargs)
-        per_chain.append({k: v.detach() for k, v in mcmc.get_samples().items()})
+        s = {k: v.detach() for k, v in mcmc.get_samples().items()}
+        per_chain.append(s if to_sites is None else to_sites(s, *args))
     out = {"chains": chains, "num_samples": num_samples, "warmup_steps": warmup, "sites": {}}
     rhat, ess = 1.0, float("inf")
     for site in per_chain[0]:

@@ -75,3 +75,27 @@ def linear_noise_exact_log_post(X, y, tau, sigma):
 
 #: name -> builder of the models with NUTS references in ``hyper_nuts.json``
 NUTS_REFERENCES = {"logistic_halfcauchy": logistic_halfcauchy, "gp_lengthscale": gp_lengthscale}
+
+
+def _gp_whitened(x, y=None):
+    """``gp_lengthscale`` in whitened coordinates ``f = L(ell) v``, ``v ~ N(0, I)``: the same posterior, in
+    coordinates NUTS mixes well in (in f-space the GP prior is badly conditioned)."""
+    ell = pyro.sample("ell", dist.LogNormal(torch.tensor(0.0, dtype=D), torch.tensor(0.5, dtype=D)))
+    v = pyro.sample("v", dist.Normal(torch.zeros(x.shape[0], dtype=D), 1.0).to_event(1))
+    f = _gp_cholesky(x, ell) @ v
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("y", dist.Bernoulli(logits=f), obs=y)
+
+
+def _gp_cholesky(x, ell):
+    K = 4.0 * torch.exp(-0.5 * (x[:, None] - x[None, :]) ** 2 / ell**2) + 1e-6 * torch.eye(x.shape[0], dtype=D)
+    return torch.linalg.cholesky(K)
+
+
+def _gp_sites(samples, x):
+    f = torch.stack([_gp_cholesky(x, e) @ v for e, v in zip(samples["ell"], samples["v"])])
+    return {"ell": samples["ell"], "f": f}
+
+
+#: references sampled from a reparametrised model: name -> (model, (samples, *args) -> {site: draws})
+NUTS_SAMPLERS = {"gp_lengthscale": (_gp_whitened, _gp_sites)}
