@@ -14,7 +14,8 @@ Peers in the same run:
 * Pyro's ``svi_autonormal`` on the ``SparseGMRF`` model (5,000 steps), its evidence bound compared.
 
 Reports wall seconds (median of ``--repeats`` alternating runs), the peak resident memory of the fit
-(in a fresh process), the nonzeros of the Cholesky factor, the duality gap and the evidence bound.
+(in a fresh process), the nonzeros of the Cholesky factor, the duality gap and the evidence bound;
+draws ``docs/figures/gmrf[_quick].png`` (seconds and memory against the number of nodes).
 Targets: 10^4 nodes in under 5 s, 10^5 nodes in under 2 minutes, memory of the order of the factor.
 
 Usage::
@@ -33,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pyro  # noqa: E402
 import pyro.distributions as dist  # noqa: E402
 import torch  # noqa: E402
-from _common import Timer, make_parser, markdown_table, parse_args, peak_rss_in_subprocess, write_json  # noqa: E402
+from _common import Timer, make_parser, markdown_table, parse_args, peak_rss_in_subprocess, save_figure, write_json  # noqa: E402
 
 import pyro_convexvb as pcv  # noqa: E402
 
@@ -113,6 +114,28 @@ def _memory(kind, m):
     return fit_once(kind, m)[1]
 
 
+def figure(rows, name):
+    """Seconds and fit memory against the number of nodes, per method (log-log)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        rs = [r for r in rows if r["method"] == method]
+        n = [r["nodes"] for r in rs]
+        axes[0].plot(n, [r["seconds"] for r in rs], "o-", label=method)
+        axes[1].plot(n, [r["fit_delta_mb"] for r in rs], "o-", label=method)
+    for ax, label in zip(axes, ["seconds (median)", "fit memory (MiB, peak RSS growth)"]):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("lattice nodes")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("Poisson counts on a lattice GMRF", fontsize=10)
+    fig.tight_layout()
+    return save_figure(fig, name)
+
+
 def main():
     parser = make_parser(__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=None, help="alternating repetitions (default 3, quick 1)")
@@ -146,7 +169,9 @@ def main():
                 r["vs_sparse"] = r["seconds"] / ref
     print()
     print(markdown_table(rows, floatfmt=".4g"))
-    write_json(f"gmrf{'_quick' if args.quick else ''}", {"rows": rows, "repeats": repeats})
+    name = f"gmrf{'_quick' if args.quick else ''}"
+    write_json(name, {"rows": rows, "repeats": repeats})
+    print(f"wrote {figure(rows, name)}")
 
 
 if __name__ == "__main__":
