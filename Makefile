@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONSTRAINTS := .ci/constraints.txt
 
-.PHONY: demo test test-all bench docs install clean
+.PHONY: demo test test-all bench bench-check docs install clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,9 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	MPLBACKEND=Agg $(BIN)/python -m pyro_convexvb bench
+
+bench-check: $(STAMP)
+	$(BIN)/python benchmarks/check.py
 
 docs: $(STAMP)
 	$(BIN)/python -m sphinx -q -b html docs docs/_build/html

@@ -1,0 +1,161 @@
+"""Regression guard: compare benchmark results with the last committed ones (``make bench-check``).
+
+For every ``benchmarks/results/*.json`` that differs from its version in a git revision (``HEAD`` by
+default), the rows of the two versions are matched on their identifying fields (strings, integers,
+booleans: case, data set, size, method, ...). Within each group of rows that differ only in
+``method``, the time of each of this package's methods is divided by the time of each peer
+(``seconds``, or the first time-like field present) — a ratio measured in one run, so insensitive
+to the machine's overall speed. A ratio that grew by more than ``--tolerance`` (30%) is flagged.
+
+Also flagged: a row of this package's methods that converged before and does not now, and one that
+is missing from the new results.
+
+Usage (from the repository root; not part of CI — run it before committing engine changes)::
+
+    python benchmarks/check.py                    # every changed results file against HEAD
+    python benchmarks/check.py --rev HEAD~3 benchmarks/results/gmrf.json
+    make bench-check
+
+Exit status 1 when something is flagged.
+"""
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: methods of this package (everything else is a peer)
+OURS = re.compile(r"dual_vg|convex_relaxation|diag_mixture|pcv|ours|BayesianLogisticRegression|"
+                  r"BayesianLinearRegression|OnlineBayesLogistic|Algorithm 1|GPClassifier|SparseGMRF|qdldl",
+                  re.IGNORECASE)
+#: time fields, in order of preference
+TIME_FIELDS = ("seconds", "median_seconds", "wall_seconds", "fit_seconds", "time_s", "factor_s")
+#: fields that identify a row besides its method
+METHOD_FIELDS = ("method", "library", "engine", "model")
+
+
+def rows_of(payload):
+    """Every list of dicts in a results payload (any nesting), each with the path that leads to it."""
+    out = []
+
+    def walk(obj, path):
+        if isinstance(obj, list) and obj and all(isinstance(r, dict) for r in obj):
+            out.append((path, obj))
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                if k != "machine":
+                    walk(v, path + (k,))
+
+    walk(payload, ())
+    return out
+
+
+def _method_field(row):
+    return next((f for f in METHOD_FIELDS if isinstance(row.get(f), str)), None)
+
+
+def _identity(row, method_field):
+    return tuple(sorted((k, v) for k, v in row.items()
+                        if k != method_field and isinstance(v, (str, int, bool)) and not isinstance(v, float)
+                        and k not in ("converged", "iterations", "evaluations", "steps", "failed")))
+
+
+def _time(row):
+    for f in TIME_FIELDS:
+        v = row.get(f)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None and v > 0 and math.isfinite(v):
+            return float(v)
+    return None
+
+
+def groups(rows):
+    """``{identity: {method: row}}`` over rows that name a method."""
+    out = {}
+    for r in rows:
+        mf = _method_field(r)
+        if mf is None:
+            continue
+        out.setdefault(_identity(r, mf), {})[r[mf]] = r
+    return out
+
+
+def compare(old_payload, new_payload, tolerance):
+    """Messages for every regression of ``new_payload`` against ``old_payload``."""
+    problems = []
+    old_tables = dict(rows_of(old_payload))
+    for path, new_rows in rows_of(new_payload):
+        old_rows = old_tables.get(path)
+        if old_rows is None:
+            continue
+        old_g, new_g = groups(old_rows), groups(new_rows)
+        where = "/".join(path) or "rows"
+        for ident, old_methods in old_g.items():
+            label = ", ".join(f"{k}={v}" for k, v in ident) or "-"
+            new_methods = new_g.get(ident)
+            for m, old_row in old_methods.items():
+                if not OURS.search(m):
+                    continue
+                if new_methods is None or m not in new_methods:
+                    problems.append(f"{where} [{label}] {m}: missing from the new results")
+                    continue
+                new_row = new_methods[m]
+                if old_row.get("converged") is True and new_row.get("converged") is False:
+                    problems.append(f"{where} [{label}] {m}: converged before, not now")
+                t_old, t_new = _time(old_row), _time(new_row)
+                if t_old is None or t_new is None:
+                    continue
+                for peer, old_peer in old_methods.items():
+                    if OURS.search(peer) or peer not in new_methods:
+                        continue
+                    p_old, p_new = _time(old_peer), _time(new_methods[peer])
+                    if p_old is None or p_new is None:
+                        continue
+                    r_old, r_new = t_old / p_old, t_new / p_new
+                    if r_new > (1 + tolerance) * r_old:
+                        problems.append(f"{where} [{label}] {m} / {peer}: time ratio {r_old:.3g} -> {r_new:.3g} "
+                                        f"({100 * (r_new / r_old - 1):+.0f}%)")
+    return problems
+
+
+def committed(path, rev):
+    rel = os.path.relpath(path, ROOT)
+    try:
+        text = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True, check=True,
+                              text=True).stdout
+    except subprocess.CalledProcessError:
+        return None
+    return json.loads(text)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="*", help="results files (default: every benchmarks/results/*.json)")
+    ap.add_argument("--rev", default="HEAD", help="git revision to compare with")
+    ap.add_argument("--tolerance", type=float, default=0.3, help="flag ratios that grew by more than this")
+    args = ap.parse_args(argv)
+    files = args.files or sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json")))
+    flagged, checked = 0, 0
+    for f in files:
+        old = committed(os.path.abspath(f), args.rev)
+        if old is None:
+            continue
+        with open(f) as fh:
+            new = json.load(fh)
+        if new == old:
+            continue
+        checked += 1
+        for msg in compare(old, new, args.tolerance):
+            print(f"{os.path.relpath(f, ROOT)}: {msg}")
+            flagged += 1
+    print(f"{checked} changed results file(s) compared with {args.rev}; {flagged} regression(s) flagged "
+          f"(tolerance {100 * args.tolerance:.0f}%)")
+    return 1 if flagged else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""``benchmarks/check.py`` (``make bench-check``): time ratios against peers measured in one run."""
+import importlib.util
+import pathlib
+
+import pytest
+
+PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "check.py"
+
+
+@pytest.fixture(scope="module")
+def check():
+    spec = importlib.util.spec_from_file_location("bench_check", PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _payload(ours, peer, converged=True, n=100):
+    return {"machine": {"cpu_count": 2}, "rows": [
+        {"case": "a9a", "n": n, "method": "dual_vg", "seconds": ours, "converged": converged},
+        {"case": "a9a", "n": n, "method": "svi_automvn", "seconds": peer, "converged": False},
+    ]}
+
+
+def test_a_slower_machine_is_not_a_regression(check):
+    assert check.compare(_payload(1.0, 10.0), _payload(2.0, 20.0), 0.3) == []
+
+
+def test_a_ratio_that_grew_by_more_than_the_tolerance_is_flagged(check):
+    msgs = check.compare(_payload(1.0, 10.0), _payload(1.5, 10.0), 0.3)
+    assert len(msgs) == 1 and "dual_vg / svi_automvn" in msgs[0] and "+50%" in msgs[0]
+    assert check.compare(_payload(1.0, 10.0), _payload(1.25, 10.0), 0.3) == []
+
+
+def test_lost_convergence_and_missing_rows_are_flagged(check):
+    msgs = check.compare(_payload(1.0, 10.0), _payload(1.0, 10.0, converged=False), 0.3)
+    assert msgs == ["rows [case=a9a, n=100] dual_vg: converged before, not now"]
+    msgs = check.compare(_payload(1.0, 10.0), _payload(1.0, 10.0, n=200), 0.3)
+    assert msgs == ["rows [case=a9a, n=100] dual_vg: missing from the new results"]
+
+
+def test_nested_tables_and_library_rows(check):
+    old = {"libraries_table": [{"n": 10, "library": "qdldl", "factor_s": 1.0},
+                               {"n": 10, "library": "splu", "factor_s": 2.0}]}
+    new = {"libraries_table": [{"n": 10, "library": "qdldl", "factor_s": 3.0},
+                               {"n": 10, "library": "splu", "factor_s": 2.0}]}
+    (msg,) = check.compare(old, new, 0.3)
+    assert msg.startswith("libraries_table [n=10] qdldl / splu: time ratio 0.5 -> 1.5")
