@@ -141,7 +141,36 @@ class _LogisticModel:
             pyro.sample("y", dist.Bernoulli(logits=linear(design, w)), obs=y)
 
 
-class BayesianLogisticRegression(ClassifierMixin, BaseEstimator):
+class BinaryPredictiveClassifier(ClassifierMixin):
+    """The prediction methods of a binary classifier whose ``_outputs(X)`` returns
+    :func:`classifier_outputs` of its posterior predictive (log-odds, probabilities, log-probabilities)."""
+
+    def _outputs(self, X):
+        raise NotImplementedError
+
+    def decision_function(self, X):
+        """``(m,)`` predictive log-odds ``log P(classes_[1] | x) - log P(classes_[0] | x)``.
+
+        Positive values favour ``classes_[1]``; the log-odds of the posterior-mean predictor are
+        shrunk towards 0 by its predictive variance.
+        """
+        return self._outputs(X)[0]
+
+    def predict_proba(self, X):
+        """``(m, 2)`` posterior predictive class probabilities ``E[sigmoid(+-eta)]`` (Gauss-Hermite)."""
+        return self._outputs(X)[1]
+
+    def predict_log_proba(self, X):
+        """``(m, 2)`` log predictive probabilities (accurate in the tails)."""
+        return self._outputs(X)[2]
+
+    def predict(self, X):
+        """``(m,)`` the most probable label of ``classes_``."""
+        positive = self.decision_function(X) > 0
+        return self.classes_[positive.astype(np.int64)]
+
+
+class BayesianLogisticRegression(BinaryPredictiveClassifier, BaseEstimator):
     """Bayesian logistic regression with a Gaussian posterior over the coefficients, as a scikit-learn classifier.
 
     Model: ``w_j ~ N(0, prior_scale^2)``, intercept ``b ~ N(0, intercept_scale^2)``,
@@ -327,23 +356,3 @@ class BayesianLogisticRegression(ClassifierMixin, BaseEstimator):
             lp0, lp1 = torch.logsumexp(lp0, 0) - log_k, torch.logsumexp(lp1, 0) - log_k
         return classifier_outputs(lp0, lp1)
 
-    def decision_function(self, X):
-        """``(m,)`` predictive log-odds ``log P(classes_[1] | x) - log P(classes_[0] | x)``.
-
-        Positive values favour ``classes_[1]``.  The posterior-mean linear predictor is
-        ``X @ coef_.T + intercept_``; the log-odds are shrunk towards 0 by its variance.
-        """
-        return self._outputs(X)[0]
-
-    def predict_proba(self, X):
-        """``(m, 2)`` posterior predictive class probabilities ``E[sigmoid(+-eta)]``."""
-        return self._outputs(X)[1]
-
-    def predict_log_proba(self, X):
-        """``(m, 2)`` log predictive probabilities (accurate in the tails)."""
-        return self._outputs(X)[2]
-
-    def predict(self, X):
-        """``(m,)`` the most probable label of ``classes_``."""
-        positive = self.decision_function(X) > 0
-        return self.classes_[positive.astype(np.int64)]

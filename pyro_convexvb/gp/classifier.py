@@ -14,7 +14,7 @@ import copy
 import numpy as np
 import scipy.sparse as sp
 import torch
-from sklearn.base import BaseEstimator, ClassifierMixin
+from sklearn.base import BaseEstimator
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from ..infer.dual_vg import DualVGEngine, make_bound, site_space_predictive
@@ -24,7 +24,7 @@ from ..lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
 from ..blr import sklearn_input
 from ..lgm.sites import BernoulliLogit
 from ..linalg.operators import DenseOperator, IdentityOperator
-from ..logistic import binary_targets, classifier_outputs, predictive_log_probs
+from ..logistic import BinaryPredictiveClassifier, binary_targets, classifier_outputs, predictive_log_probs
 from .predict import gp_classification_model, gp_latent_predictive
 
 __all__ = ["GPClassifier", "gp_classification_lgm"]
@@ -49,7 +49,7 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32, torch.float64: to
            torch.float32: torch.float32}
 
 
-class GPClassifier(ClassifierMixin, BaseEstimator):
+class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
     r"""Gaussian-process binary classifier (logistic link) over any inference engine of the registry.
 
     A scikit-learn classifier: ``get_params``/``set_params``, ``clone``, pipelines, grid search and
@@ -259,26 +259,6 @@ class GPClassifier(ClassifierMixin, BaseEstimator):
         m, v = self._latent(X)
         return m.cpu().numpy(), v.cpu().numpy()
 
-    def decision_function(self, X):
-        """``(m,)`` predictive log-odds ``log p1 - log p0`` of ``classes_[1]`` (positive favours it).
-
-        Monotone in :meth:`predict_proba`; the latent mean itself is ``predict_latent(X)[0]`` (it has
-        the same sign, but ranks points differently when their latent variances differ).
-        """
-        return self._outputs(X)[0]
-
-    def predict_proba(self, X):
-        """``(m, 2)`` class probabilities ``E_{q(f_*)}[sigmoid(+-f_*)]`` by Gauss-Hermite quadrature."""
-        return self._outputs(X)[1]
-
-    def predict_log_proba(self, X):
-        """``(m, 2)`` log class probabilities (accurate in the tails)."""
-        return self._outputs(X)[2]
-
-    def predict(self, X):
-        """``(m,)`` most probable class label (in the coding of the training labels)."""
-        positive = self.decision_function(X) > 0
-        return self.classes_[positive.astype(np.int64)]
 
     def nlpd(self, X, y):
         """Mean negative log predictive density of the labels ``y`` (nats)."""
