@@ -343,22 +343,26 @@ def _observed_site(name, site, dtype):
 
 
 class _AutogradJacobian:
-    """Jacobian of eta(u) from a retained autograd graph: vjp by backward, jvp by double backward."""
+    """Jacobian of eta(u) from a retained autograd graph: vjp by backward, jvp by double backward.
+
+    Products are differentiated as scalars ``(eta * r).sum()``: ``torch.autograd.grad`` with explicit
+    ``grad_outputs`` imports torch's symbolic-shape machinery (and sympy) on first use, about half a
+    second of the first fit in a process."""
 
     def __init__(self, eta, u):
         self.eta, self.u = eta, u
         self.w = torch.zeros_like(eta, requires_grad=True)
-        g = torch.autograd.grad(eta, u, self.w, create_graph=True, allow_unused=True)[0]
+        g = torch.autograd.grad((eta * self.w).sum(), u, create_graph=True, allow_unused=True)[0]
         self.g = torch.zeros_like(u) if g is None else g
 
     def vjp(self, r):
-        out = torch.autograd.grad(self.eta, self.u, r.detach(), retain_graph=True, allow_unused=True)[0]
+        out = torch.autograd.grad((self.eta * r.detach()).sum(), self.u, retain_graph=True, allow_unused=True)[0]
         return torch.zeros_like(self.u) if out is None else out.detach()
 
     def jvp(self, v):
         if not self.g.requires_grad:
             return torch.zeros_like(self.eta).detach()
-        out = torch.autograd.grad(self.g, self.w, v.detach(), retain_graph=True, allow_unused=True)[0]
+        out = torch.autograd.grad((self.g * v.detach()).sum(), self.w, retain_graph=True, allow_unused=True)[0]
         return torch.zeros_like(self.eta).detach() if out is None else out.detach()
 
     def dense(self):
@@ -631,7 +635,7 @@ def _reads(t, u, sl):
         return False
     gen = torch.Generator().manual_seed(1)
     w = (torch.rand(t.shape, generator=gen, dtype=t.dtype) + 0.5).to(t.device)
-    g = torch.autograd.grad(t, u, w, retain_graph=True, allow_unused=True)[0]
+    g = torch.autograd.grad((t * w).sum(), u, retain_graph=True, allow_unused=True)[0]
     return g is not None and bool(((g[sl] != 0) | torch.isnan(g[sl])).any())
 
 

@@ -22,6 +22,20 @@ from ..errors import ConvergenceError
 __all__ = ["newton_bisect_root", "expand_bracket", "minimize_convex_scalar"]
 
 
+
+def _broadcast_shapes(*shapes):
+    """NumPy broadcasting of shapes (``torch.broadcast_shapes`` imports torch's symbolic-shape machinery,
+    and with it sympy, on first use: about half a second of the first fit in a process)."""
+    ndim = max(len(s) for s in shapes)
+    out = [1] * ndim
+    for shape in shapes:
+        for i, d in enumerate(shape, start=ndim - len(shape)):
+            if d != 1:
+                if out[i] not in (1, d):
+                    raise RuntimeError(f"shapes {[tuple(s) for s in shapes]} are not broadcastable")
+                out[i] = d
+    return torch.Size(out)
+
 def _as_tensor(x, like=None):
     if isinstance(x, torch.Tensor):
         return x
@@ -55,9 +69,9 @@ def _evaluate(fun, x, need_derivative=True):
         if df is None:
             raise ValueError("fun: must return (f, f') for Newton steps")
         df = _as_tensor(df, x)
-        shape = torch.broadcast_shapes(x.shape, f.shape, df.shape)
+        shape = _broadcast_shapes(x.shape, f.shape, df.shape)
         return f.expand(shape), df.expand(shape)
-    return f.expand(torch.broadcast_shapes(x.shape, f.shape)), None
+    return f.expand(_broadcast_shapes(x.shape, f.shape)), None
 
 
 def _grow(f, *ts):
@@ -72,7 +86,7 @@ def _grow(f, *ts):
             if t.is_floating_point() and f.is_floating_point():
                 t = t.to(torch.promote_types(t.dtype, f.dtype))
             if t.shape != f.shape:
-                t = t.expand(torch.broadcast_shapes(t.shape, f.shape)).clone()
+                t = t.expand(_broadcast_shapes(t.shape, f.shape)).clone()
         out.append(t)
     return out
 
