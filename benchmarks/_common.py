@@ -19,6 +19,7 @@ What it offers:
   :func:`machine_info`), :func:`save_figure` (to ``docs/figures/<name>.png``).
 * :func:`parse_args` -- the standard ``--quick``, ``--threads``, ``--seed`` flags.
 * :func:`classification_metrics` -- test error and NLPD from predicted probabilities.
+* :func:`lattice_precision` -- ``D - rho W`` of a 4-neighbour lattice (sparse), for GMRF cases.
 """
 import argparse
 import datetime
@@ -52,6 +53,7 @@ __all__ = [
     "test_error",
     "nlpd",
     "classification_metrics",
+    "lattice_precision",
 ]
 
 
@@ -470,3 +472,21 @@ def classification_metrics(p, y):
 
 
 test_error.__test__ = False  # not a pytest test when imported into a test module
+
+
+def lattice_precision(m, rho=0.99, dtype=None):
+    """``D - rho W`` of the 4-neighbour ``m x m`` lattice (``W`` the adjacency, ``D`` its degrees), as a
+    coalesced sparse COO tensor (float64 unless ``dtype``)."""
+    import torch
+
+    dtype = dtype or torch.float64
+    idx = torch.arange(m * m).reshape(m, m)
+    pairs = torch.cat([torch.stack([idx[:, :-1].reshape(-1), idx[:, 1:].reshape(-1)]),
+                       torch.stack([idx[:-1, :].reshape(-1), idx[1:, :].reshape(-1)])], 1)
+    rows = torch.cat([pairs[0], pairs[1]])
+    cols = torch.cat([pairs[1], pairs[0]])
+    deg = torch.bincount(rows, minlength=m * m).to(dtype)
+    ii = torch.arange(m * m)
+    return torch.sparse_coo_tensor(torch.stack([torch.cat([ii, rows]), torch.cat([ii, cols])]),
+                                   torch.cat([deg, -rho * torch.ones(rows.numel(), dtype=dtype)]),
+                                   (m * m, m * m)).coalesce()

@@ -34,27 +34,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pyro  # noqa: E402
 import pyro.distributions as dist  # noqa: E402
 import torch  # noqa: E402
-from _common import Timer, make_parser, markdown_table, parse_args, peak_rss_in_subprocess, save_figure, write_json  # noqa: E402
+from _common import Timer, lattice_precision, make_parser, markdown_table, parse_args, peak_rss_in_subprocess, save_figure, write_json  # noqa: E402
 
 import pyro_convexvb as pcv  # noqa: E402
 
 D = torch.float64
 
 
-def lattice(m, rho=0.99):
-    idx = torch.arange(m * m).reshape(m, m)
-    pairs = torch.cat([torch.stack([idx[:, :-1].reshape(-1), idx[:, 1:].reshape(-1)]),
-                       torch.stack([idx[:-1, :].reshape(-1), idx[1:, :].reshape(-1)])], 1)
-    rows = torch.cat([pairs[0], pairs[1]])
-    cols = torch.cat([pairs[1], pairs[0]])
-    deg = torch.bincount(rows, minlength=m * m).to(D)
-    ii = torch.arange(m * m)
-    return torch.sparse_coo_tensor(torch.stack([torch.cat([ii, rows]), torch.cat([ii, cols])]),
-                                   torch.cat([deg, -rho * torch.ones(rows.numel(), dtype=D)]), (m * m, m * m)).coalesce()
-
-
 def data(m, seed=0, kappa=2.0):
-    Q = lattice(m) * kappa
+    Q = lattice_precision(m) * kappa
     g = torch.Generator().manual_seed(seed)
     from pyro_convexvb.linalg import SparseCholesky
 

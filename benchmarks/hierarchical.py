@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pyro  # noqa: E402
 import pyro.distributions as dist  # noqa: E402
 import torch  # noqa: E402
-from _common import RESULTS_DIR, Timer, make_parser, markdown_table, parse_args, save_figure, write_json  # noqa: E402
+from _common import RESULTS_DIR, Timer, lattice_precision, make_parser, markdown_table, parse_args, save_figure, write_json  # noqa: E402
 from torch.distributions import biject_to  # noqa: E402
 
 import pyro_convexvb as pcv  # noqa: E402
@@ -63,20 +63,6 @@ def logistic_sonar(quick):
             pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
 
     return model, (X,), {"y": y}, "tau", "w"
-
-
-def lattice_precision(m, rho=0.99):
-    """``D - rho W`` of the 4-neighbour ``m x m`` lattice (sparse COO, float64)."""
-    idx = torch.arange(m * m).reshape(m, m)
-    pairs = torch.cat([torch.stack([idx[:, :-1].reshape(-1), idx[:, 1:].reshape(-1)]),
-                       torch.stack([idx[:-1, :].reshape(-1), idx[1:, :].reshape(-1)])], 1)
-    rows = torch.cat([pairs[0], pairs[1]])
-    cols = torch.cat([pairs[1], pairs[0]])
-    deg = torch.bincount(rows, minlength=m * m).to(D)
-    ii = torch.arange(m * m)
-    Q = torch.sparse_coo_tensor(torch.stack([torch.cat([ii, rows]), torch.cat([ii, cols])]),
-                                torch.cat([deg, -rho * torch.ones(rows.numel(), dtype=D)]), (m * m, m * m))
-    return Q.coalesce()
 
 
 def poisson_gmrf(quick):

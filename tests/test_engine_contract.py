@@ -142,8 +142,9 @@ def test_on_fail_raise(engine, data):
 
 
 @pytest.mark.parametrize("engine", BUILTIN)
-def test_progress_is_honoured(engine, data, capfd):
+def test_progress_is_honoured(engine, data, capfd, monkeypatch):
     X, y = data
+    monkeypatch.setenv("CI", "1")  # as on CI machines, where Pyro's own MCMC bar switches itself off
     tiny = {"nuts": dict(num_samples=5, warmup_steps=5), "convex_relaxation": dict(max_outer=1)}
     opts = dict(tiny.get(engine, dict(max_steps=5, min_steps=0, window=5)) if engine not in ("dual_vg", "laplace")
                 else {}, on_fail="warn")

@@ -177,3 +177,20 @@ def test_too_many_hyper_dimensions_are_refused():
 
     with pytest.raises(pcv.UnsupportedModelError, match="11 hyper-latent dimensions.*at most 10"):
         pcv.fit(model, y=torch.tensor(0.3, dtype=D), engine="dual_vg", progress=False)
+
+
+def test_refusal_of_a_hierarchical_model_gives_the_conditioned_models_reason():
+    """Given its hyper-latent the model is a Poisson LGM: convex_relaxation refuses naming the Poisson site
+    (not the Gamma hyperprior it would integrate over), and lists dual_vg, which fits it."""
+    y = torch.tensor([0.0, 2.0, 1.0, 4.0, 3.0], dtype=D)
+
+    def model(y=None):
+        kappa = pyro.sample("kappa", dist.Gamma(torch.tensor(1.0, dtype=D), torch.tensor(0.1, dtype=D)))
+        f = pyro.sample("f", dist.Normal(torch.zeros(5, dtype=D), kappa.rsqrt()).to_event(1))
+        with pyro.plate("data", 5):
+            pyro.sample("y", dist.Poisson(torch.exp(f)), obs=y)
+
+    with pytest.raises(pcv.UnsupportedModelError, match="super-Gaussian") as err:
+        pcv.fit(model, y=y, engine="convex_relaxation", progress=False)
+    assert err.value.site == "y" and "dual_vg" in str(err.value)
+    assert "dual_vg" in pcv.engines_that_fit(model, y=y) and "convex_relaxation" not in pcv.engines_that_fit(model, y=y)

@@ -37,9 +37,20 @@ def run(name, builder, chains=4, num_samples=3000, warmup=1500):
         mcmc.run(*args, **kwargs)
         s = {k: v.detach() for k, v in mcmc.get_samples().items()}
         per_chain.append(s if to_sites is None else to_sites(s, *args))
-    out = {"chains": chains, "num_samples": num_samples, "warmup_steps": warmup, "sites": {}}
+    out = {"chains": chains, "num_samples": num_samples, "warmup_steps": warmup}
+    out.update(summarize_chains(per_chain, list(per_chain[0]), num_samples))
+    return out
+
+
+def summarize_chains(per_chain, sites, num_samples):
+    """Per site, the mean, sd and 5/50/95% quantiles of every coordinate over all chains, with the largest
+    split R-hat and the smallest effective sample size: ``{"sites": ..., "max_split_rhat", "min_ess"}``.
+
+    :param per_chain: one ``{site: (num_samples, ...) draws}`` dict per chain.
+    """
+    out = {"sites": {}}
     rhat, ess = 1.0, float("inf")
-    for site in per_chain[0]:
+    for site in sites:
         x = torch.stack([pc[site].reshape(num_samples, -1) for pc in per_chain])  # (C, S, k)
         rhat = max(rhat, float(split_gelman_rubin(x).max()))
         ess = min(ess, float(effective_sample_size(x).min()))

@@ -30,10 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import pyro  # noqa: E402
 import torch  # noqa: E402
 from pyro.infer import MCMC, NUTS  # noqa: E402
-from pyro.ops.stats import effective_sample_size, split_gelman_rubin  # noqa: E402
 from torch.distributions import biject_to  # noqa: E402
 
 from pyro_convexvb.lgm.extract import latent_sites  # noqa: E402
+from tests.references.generate import summarize_chains  # noqa: E402
 from tests.zoo.harness import REFERENCES, data_fingerprint  # noqa: E402
 from tests.zoo.models import ZOO  # noqa: E402
 
@@ -73,17 +73,9 @@ def nuts_reference(zm, chains=CHAINS, num_samples=NUM_SAMPLES, warmup=WARMUP):
                 s = to_sites(s)
             per_chain.append({k: biject_to(supports[k]).inv(v) for k, v in s.items() if k in supports})
         out = {"method": "nuts", "chains": chains, "num_samples": num_samples, "warmup_steps": warmup,
-               "whitened": zm.nuts_model is not None, "sites": {}}
-        rhat, ess = 1.0, float("inf")
-        for site in supports:
-            x = torch.stack([pc[site].reshape(num_samples, -1) for pc in per_chain])  # (C, S, k)
-            rhat = max(rhat, float(split_gelman_rubin(x).max()))
-            ess = min(ess, float(effective_sample_size(x).min()))
-            flat = x.reshape(-1, x.shape[-1])
-            q = torch.quantile(flat, torch.tensor([0.05, 0.5, 0.95], dtype=flat.dtype), dim=0)
-            out["sites"][site] = {"mean": flat.mean(0).tolist(), "sd": flat.std(0).tolist(), "q05": q[0].tolist(),
-                                  "q50": q[1].tolist(), "q95": q[2].tolist()}
-        out["max_split_rhat"], out["min_ess"] = rhat, ess
+               "whitened": zm.nuts_model is not None}
+        out.update(summarize_chains(per_chain, list(supports), num_samples))
+        rhat = out["max_split_rhat"]
         if rhat < MAX_RHAT:
             return out
         print(f"  split R-hat {rhat:.4f} >= {MAX_RHAT}: doubling the draws", flush=True)
