@@ -293,3 +293,24 @@ def test_sparse_operator_uses_32bit_indices_and_keeps_products():
     torch.testing.assert_close(op.T.to_dense(), M.T)
     c = compact_indices(M.to_sparse_csr())
     assert compact_indices(c) is c
+
+
+def test_weighted_gram_matches_dense_reference_for_every_operator_kind():
+    from pyro_convexvb.linalg.operators import EmbedColumnsOperator, FunctionOperator
+
+    g = torch.Generator().manual_seed(0)
+    M = torch.randn(30, 7, dtype=torch.float64, generator=g) * (torch.rand(30, 7, generator=g) < 0.3)
+    w = torch.rand(30, dtype=torch.float64, generator=g)
+    ref = M.T @ (w[:, None] * M)
+    ops = [DenseOperator(M), SparseOperator(M.to_sparse_csr()), SparseOperator(M.to_sparse()),
+           StackedOperator([SparseOperator(M[:10].to_sparse_csr()), DenseOperator(M[10:])]),
+           FunctionOperator(lambda v: M @ v, lambda u: M.T @ u, (30, 7), batched=True)]
+    for op in ops:
+        assert torch.allclose(op.weighted_gram(w), ref, atol=1e-13), type(op).__name__
+        assert torch.allclose(op.weighted_gram(), M.T @ M, atol=1e-13), type(op).__name__
+        assert torch.allclose(op.weighted_gram(torch.tensor(2.0, dtype=torch.float64)), 2 * M.T @ M, atol=1e-13)
+    d = torch.rand(7, dtype=torch.float64, generator=g)
+    assert torch.allclose(DiagonalOperator(d).weighted_gram(w[:7]), torch.diag(d * d * w[:7]))
+    e = EmbedColumnsOperator(DenseOperator(M), 2, 12)
+    E = e.to_dense()
+    assert torch.allclose(e.weighted_gram(w), E.T @ (w[:, None] * E), atol=1e-13)

@@ -99,6 +99,29 @@ class LinearOperator:
             weights = torch.ones(self.shape[0], dtype=self.dtype, device=self.device)
         return sq.rmv(weights)
 
+    def weighted_gram(self, weights=None, chunk=256):
+        """Dense ``(n, n)`` matrix ``A.T diag(w) A`` (``w`` of length ``m``, ones if ``None``).
+
+        For small ``n`` only (it is dense). The default probes with identity columns, ``chunk`` at a time;
+        dense, sparse, diagonal and stacked operators override it with a direct product (for a sparse ``A``
+        a sparse-sparse product, ``sum_i nnz_i^2`` multiply-adds instead of ``2 n nnz``).
+        """
+        w = self._gram_weights(weights)
+        n = self.shape[1]
+        G = torch.empty(n, n, dtype=self.dtype, device=self.device)
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            E = torch.zeros(n, stop - start, dtype=self.dtype, device=self.device)
+            E[torch.arange(start, stop), torch.arange(stop - start)] = 1
+            G[:, start:stop] = self._rmv(w.unsqueeze(-1) * self._mv(E))
+        return G
+
+    def _gram_weights(self, weights):
+        if weights is None:
+            return torch.ones(self.shape[0], dtype=self.dtype, device=self.device)
+        w = torch.as_tensor(weights, dtype=self.dtype, device=self.device)
+        return w.expand(self.shape[0]) if w.dim() == 0 else w
+
     def row_sq_norms(self, weights=None):
         """``diag(A diag(w) A.T)`` (length ``m``); ``None`` if ``squared()`` is unavailable."""
         sq = self.squared()
@@ -128,6 +151,10 @@ class DenseOperator(LinearOperator):
 
     def squared(self):
         return DenseOperator(self.matrix * self.matrix)
+
+    def weighted_gram(self, weights=None, chunk=256):
+        w = self._gram_weights(weights)
+        return self.matrix.transpose(0, 1) @ (w.unsqueeze(-1) * self.matrix)
 
     def to_dense(self):
         return self.matrix
@@ -239,6 +266,14 @@ class SparseOperator(LinearOperator):
     def _rmv(self, u):
         return sparse_matvec(self.matrix_t, self.matrix, u)
 
+    def weighted_gram(self, weights=None, chunk=256):
+        w = self._gram_weights(weights)
+        A = self.matrix
+        crow = A.crow_indices()
+        scaled = torch.sparse_csr_tensor(crow, A.col_indices(), A.values() * torch.repeat_interleave(w, crow.diff().long()),
+                                         size=A.shape, check_invariants=False)
+        return (self.matrix_t @ scaled).to_dense()
+
     @property
     def T(self):
         return SparseOperator(self.matrix_t, transpose=self.matrix)
@@ -287,6 +322,9 @@ class DiagonalOperator(LinearOperator):
 
     def squared(self):
         return DiagonalOperator(self.diag * self.diag)
+
+    def weighted_gram(self, weights=None, chunk=256):
+        return torch.diag(self.diag * self.diag * self._gram_weights(weights))
 
     def to_dense(self):
         return torch.diag(self.diag)
@@ -386,6 +424,10 @@ class StackedOperator(LinearOperator):
     def squared(self):
         sqs = [op.squared() for op in self.operators]
         return None if any(s is None for s in sqs) else StackedOperator(sqs)
+
+    def weighted_gram(self, weights=None, chunk=256):
+        parts = torch.split(self._gram_weights(weights), self.sizes, 0)
+        return sum(op.weighted_gram(p, chunk) for op, p in zip(self.operators, parts))
 
     def to_dense(self):
         return torch.cat([op.to_dense() for op in self.operators], 0)
@@ -546,6 +588,13 @@ class EmbedColumnsOperator(LinearOperator):
     def squared(self):
         sq = self.base.squared()
         return None if sq is None else EmbedColumnsOperator(sq, self.start, self.total)
+
+    def weighted_gram(self, weights=None, chunk=256):
+        g = self.base.weighted_gram(self._gram_weights(weights), chunk)
+        out = g.new_zeros((self.total, self.total))
+        sl = slice(self.start, self.start + self.base.shape[1])
+        out[sl, sl] = g
+        return out
 
     def to_dense(self):
         d = self.base.to_dense()

@@ -91,6 +91,30 @@ class _Counted(LinearOperator):
     def to_dense(self):
         return self.base.to_dense()
 
+    def weighted_gram(self, weights=None, chunk=256):
+        """``base.T diag(w) base``, counted as ``2 n`` products (what probing with identity columns costs)."""
+        self.counter[self.key] = self.counter.get(self.key, 0) + 2 * self.shape[1]
+        return self.base.weighted_gram(weights, chunk)
+
+    def weighted_gram_identity(self, chunk=256):
+        """The wrapped square operator as a dense matrix (``n`` products)."""
+        self.counter[self.key] = self.counter.get(self.key, 0) + self.shape[1]
+        return _dense_square(self.base, chunk)
+
+
+def _dense_square(op, chunk=256):
+    """A square operator as a dense matrix, by products with identity columns unless it stores one."""
+    if isinstance(op, (DenseOperator, DiagonalOperator)):
+        return op.to_dense()
+    n = op.shape[1]
+    out = torch.empty(n, n, dtype=op.dtype, device=op.device)
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        E = torch.zeros(n, stop - start, dtype=op.dtype, device=op.device)
+        E[torch.arange(start, stop), torch.arange(stop - start)] = 1
+        out[:, start:stop] = op.mv(E)
+    return out
+
 
 def _csr_diagonal(A):
     """Diagonal of a square torch CSR matrix from its stored entries (never densified)."""
@@ -353,14 +377,16 @@ class RelaxationProblem:
         return d
 
     def dense_a(self, w, chunk=256):
-        """Dense ``A = X^T X + B^T diag(w) B`` by products with identity columns (small ``n`` only)."""
+        """Dense ``A = X^T X + B^T diag(w) B`` (small ``n`` only): prior blocks densified, the Gaussian and
+        non-Gaussian rows through each operator's ``weighted_gram`` (a sparse-sparse product for sparse designs)."""
         n = self.n
-        A = torch.empty(n, n, dtype=self.dtype, device=self.device)
-        for start in range(0, n, chunk):
-            stop = min(n, start + chunk)
-            E = torch.zeros(n, stop - start, dtype=self.dtype, device=self.device)
-            E[torch.arange(start, stop), torch.arange(stop - start)] = 1
-            A[:, start:stop] = self.a_mv(E, w)
+        A = torch.zeros(n, n, dtype=self.dtype, device=self.device)
+        for sl, P, _ in self.prior_blocks:
+            A[sl, sl] += P.weighted_gram_identity(chunk)
+        for Bg, _, _, sd in self.gauss:
+            A += Bg.weighted_gram(sd**-2, chunk)
+        if self.B is not None:
+            A += self.B.weighted_gram(w, chunk)
         return 0.5 * (A + A.transpose(0, 1))
 
     def precision_operator(self, w):
