@@ -110,6 +110,36 @@ class SiteFamily:
         return f"{type(self).__name__}(rows={len(self)})"
 
 
+class _ExpectedSoftplus(torch.autograd.Function):
+    """``E_{N(eta | mean, var)}[softplus(eta)]`` by Gauss-Hermite, with both derivatives from the same pass.
+
+    ``d/dmean = E[sigmoid(eta)]`` and ``d/dvar = E[sigmoid'(eta)] / 2 = E[sigmoid(eta) x] / (2 sd)`` (Stein's
+    lemma, ``eta = mean + sd x``): one evaluation of ``softplus`` and ``sigmoid`` on the ``(q, P)`` nodes, and
+    a backward of ``O(q)`` instead of autograd's pass back through the nodes. Differentiable once (a
+    second derivative raises).
+    """
+
+    @staticmethod
+    def forward(ctx, mean, var, x, w):
+        sd = var.clamp_min(0).sqrt()
+        eta = mean.unsqueeze(-1) + sd.unsqueeze(-1) * x
+        sp = torch.nn.functional.softplus(eta)
+        sig = torch.exp(eta - sp)  # sigmoid(eta), stable at both ends
+        value = sp @ w
+        d_mean = sig @ w
+        # Stein: E[sigmoid'(eta)] = E[sigmoid(eta) x] / sd; at sd = 0 use sigmoid'(mean) directly
+        s0 = torch.sigmoid(mean)
+        d_var = torch.where(sd > 0, (sig @ (w * x)) / (2 * sd.clamp_min(1e-300)), 0.5 * s0 * (1 - s0))
+        ctx.save_for_backward(d_mean, d_var)
+        return value
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        d_mean, d_var = ctx.saved_tensors
+        return grad * d_mean, grad * d_var, None, None
+
+
 class BernoulliLogit(SiteFamily):
     """``t_i(eta) = sigmoid(eta)^{y_i} sigmoid(-eta)^{1 - y_i}``, ``y_i in {0, 1}``.
 
@@ -128,6 +158,13 @@ class BernoulliLogit(SiteFamily):
     def log_prob(self, eta):
         y = self.params["y"]
         return y * eta - torch.nn.functional.softplus(eta)
+
+    def expected_log_prob(self, mean, var, num_points=64):
+        """``E[y eta - softplus(eta)] = y mean - E[softplus(eta)]``, the expectation by Gauss-Hermite with
+        derivatives from the same pass (:class:`_ExpectedSoftplus`; differentiable once)."""
+        x, w = gauss_hermite(num_points, mean.dtype, mean.device)
+        mean, var = torch.broadcast_tensors(mean, var)
+        return self.params["y"] * mean - _ExpectedSoftplus.apply(mean, var, x, w)
 
     def predictive_mean(self, mean, var, num_points=64):
         return gaussian_expectation(torch.sigmoid, mean, var, num_points)

@@ -45,6 +45,9 @@ ENGINE_OPTIONS = {
     "nuts": dict(num_samples=200, warmup_steps=200),
 }
 
+#: diag_mixture on latent Gaussian models: natural-gradient steps on the exact bound (other models: the SVI budget)
+DIAG_MIXTURE_EXACT = dict(optimizer="natural_gradient", max_steps=400)
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -72,8 +75,9 @@ TOLERANCES = {
     "svi_autonormal": Tolerance(0.5, None, "the mean-field KL(q||p) optimum after 400 Adam steps: means are close, "
                                            "sds of correlated posteriors are too small by design, so only means are "
                                            "checked"),
-    "diag_mixture": Tolerance(0.5, None, "a mixture of diagonal Gaussians after 400 Adam steps (one component: the "
-                                         "mean-field optimum), so as svi_autonormal only means are checked"),
+    "diag_mixture": Tolerance(0.5, None, "one diagonal Gaussian (the mean-field optimum: natural-gradient steps on "
+                                         "the exact bound for latent Gaussian models, 400 Adam steps otherwise), so "
+                                         "as svi_autonormal only means are checked"),
     "nuts": Tolerance(0.35, 0.3, "200 + 200 NUTS draws of one chain: Monte Carlo error of the mean about "
                                  "sd / sqrt(ESS) with ESS ~ 100, of the sd about 10%"),
 }
@@ -98,7 +102,8 @@ def is_slow(model_name, engine):
 
 
 _GP_SVI = ("the GP prior K in f-space is badly conditioned (smooth kernel, jitter 1e-6): the mean-field optimum "
-           "itself collapses the marginal sds (its variances are 1 / diag of the posterior precision), and Adam "
+           "itself collapses the marginal sds (its variances are 1 / diag of the posterior precision; diag_mixture "
+           "reaches it, converged, by natural-gradient steps and still misses the means), and Adam "
            "on a full or low-rank Gaussian does not reach the VG optimum (3000 steps of svi_automvn on gp_rbf: "
            "mean err 3.8, sds ~0); dual_vg and convex_relaxation, which work with K directly, pass")
 _GP_NUTS = ("200 + 200 draws of one chain with a diagonal mass matrix and tree depth 8 do not explore the "
@@ -124,8 +129,8 @@ KNOWN_MISSES = {
     ("gp_ard_rbf", "nuts"): "mean err 1.2, sd err 0.76: " + _GP_NUTS,
     ("hier_gp_lengthscale", "nuts"): "mean err 2.1 (log ell), sd err 0.78: " + _GP_NUTS,
 }
-for _m, _errs in {"gp_rbf": (2.4, 2.0, 2.1, 2.7), "gp_matern52": (2.2, 2.0, 2.1, 2.2),
-                  "gp_ard_rbf": (2.6, 2.7, 2.5, 2.7), "hier_gp_lengthscale": (3.9, 3.9, 4.1, 4.0)}.items():
+for _m, _errs in {"gp_rbf": (2.4, 2.0, 2.1, 1.9), "gp_matern52": (2.2, 2.0, 2.1, 2.1),
+                  "gp_ard_rbf": (2.6, 2.7, 2.5, 2.6), "hier_gp_lengthscale": (3.9, 3.9, 4.1, 4.1)}.items():
     for _e, _err in zip(("svi_automvn", "svi_autonormal", "svi_lowrank", "diag_mixture"), _errs):
         KNOWN_MISSES[(_m, _e)] = f"mean err {_err} > 0.5 (sds ~0): " + _GP_SVI
 
@@ -257,7 +262,14 @@ def run_cell(model_name, engine, refs=None, options=None):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            res = pcv.fit(model, *args, engine=engine, options=opts, progress=False, **kwargs)
+            if engine == "diag_mixture" and options is None:
+                # the deterministic optimiser where it applies (latent Gaussian models), else the SVI budget
+                try:
+                    res = pcv.fit(model, *args, engine=engine, options=DIAG_MIXTURE_EXACT, progress=False, **kwargs)
+                except pcv.UnsupportedModelError:
+                    res = pcv.fit(model, *args, engine=engine, options=opts, progress=False, **kwargs)
+            else:
+                res = pcv.fit(model, *args, engine=engine, options=opts, progress=False, **kwargs)
     except pcv.UnsupportedModelError as e:
         cell.status, cell.error = "refused", e
         cell.seconds = time.perf_counter() - t0

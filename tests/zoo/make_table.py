@@ -22,6 +22,7 @@ import torch  # noqa: E402
 
 import pyro_convexvb as pcv  # noqa: E402
 from tests.zoo.harness import (  # noqa: E402
+    DIAG_MIXTURE_EXACT,
     ENGINE_OPTIONS,
     EXACT_ENGINES,
     EXACT_TOLERANCE,
@@ -164,6 +165,9 @@ def page(results, engines, seconds):
     for e in engines:
         t = TOLERANCES[e]
         opts = ", ".join(f"{k}={v}" for k, v in ENGINE_OPTIONS.get(e, {}).items()) or "defaults"
+        if e == "diag_mixture":
+            exact = ", ".join(f"{k}={v}" for k, v in DIAG_MIXTURE_EXACT.items())
+            opts = f"{exact} (latent Gaussian models); {opts} (others)"
         L.append(f"| `{e}` | {t.mean:g} | {'—' if t.sd is None else f'{t.sd:g}'} | {opts} | {t.why} |")
     L.append("")
 
