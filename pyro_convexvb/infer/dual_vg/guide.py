@@ -18,7 +18,7 @@ from pyro.nn.module import PyroParam
 
 from ...errors import UnsupportedModelError
 from ...linalg.operators import IdentityOperator, SparseOperator
-from ..engine import Engine, LGMEngineOptions, Optimality, Solution, option
+from ..engine import Criterion, Engine, LGMEngineOptions, Optimality, Solution, option
 from .bounds import LOGIT_BOUNDS, LogitJaakkolaBound, StackedBound, make_bound
 from .objective import BandedPrecisionBackend, LatentSpaceBackend, SiteSpaceBackend, exact_elbo
 from .optim import default_gap_tol, refine_exact, solve_dual
@@ -29,6 +29,9 @@ __all__ = ["DualVG", "DualVGEngine", "DualVGOptions", "fit_dual_vg", "site_space
 #: site families with a convex local bound; each is also supported weighted (``Weighted``, ``"weighted_" + name``:
 #: a likelihood under ``poutine.scale``), with the bound scaled by the weight (:class:`~.bounds.WeightedBound`)
 SUPPORTED_FAMILIES = ("bernoulli_logit", "bernoulli_probit", "poisson", "gaussian", "stochastic_volatility")
+
+#: largest accepted relative change of a site natural parameter by one more full CVI step after ``refine``
+REFINE_RESIDUAL_TOL = 1e-8
 
 
 def dual_vg_applies(lgm):
@@ -258,8 +261,9 @@ class DualVGEngine(Engine):
             if form != "site":
                 raise ValueError(f"engine '{self.name}': option 'refine' needs the N x N site form (form='site'); "
                                  f"this model uses form='{form}'")
-            alpha, lam, _, rit, rconv = refine_exact(backend, lb, alpha, lam)
-            info.update(refine_iterations=rit, refine_converged=rconv)
+            alpha, lam, _, rit, rconv, resid = refine_exact(backend, lb, alpha, lam, tol=1e-15,
+                                                             residual_tol=REFINE_RESIDUAL_TOL, return_residual=True)
+            info.update(refine_iterations=rit, refine_converged=rconv, refine_residual=resid)
         terms = backend.evaluate(alpha, lam)
         bound_value = float(exact_elbo(backend, lb, alpha, lam, terms, lgm.log_const))
         posterior = _posterior(backend, alpha, lam)
@@ -270,6 +274,9 @@ class DualVGEngine(Engine):
                     evaluations=sol.evaluations, cg_iterations=sol.cg_iterations, form=form, bound=o.bound,
                     method=o.method, refine=o.refine, backend=backend, local_bound=lb)
         opt = Optimality.single("duality gap (nats)", sol.gap, gap_tol)
+        if o.refine:  # the returned q is the refined one: judged by the exact VG fixed point as well
+            opt = Optimality(opt.criteria + (Criterion("exact-VG fixed-point residual (relative change of the site natural parameters)",
+                                                       info["refine_residual"], REFINE_RESIDUAL_TOL),))
         reason = "duality gap" if sol.converged else "max_iter"
         return Solution(posterior, bound_value, opt, reason, info)
 

@@ -377,7 +377,14 @@ def minimize_joint(backend, bound, alpha0, lam0, *, gap_tol=None, max_iter=500, 
 
 
 # ----------------------------------------------------------------------------- exact refinement
-def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-10, num_points=32, history=None):
+def _cvi_residual(lam, nu, lam_hat, nu_hat):
+    """Largest change of a site natural parameter by a full CVI step, relative to ``1 + |parameter|``."""
+    return max(float(((lam_hat - lam).abs() / (1 + lam.abs())).max()),
+               float(((nu_hat - nu).abs() / (1 + nu.abs())).max()))
+
+
+def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-10, num_points=32, history=None,
+                 residual_tol=None, return_residual=False):
     r"""Polish a dual optimum into the *exact* VG optimum by the natural-gradient (CVI) fixed point.
 
     The LVB optimum is a few nats from the exact VG optimum for Bernoulli-logit sites (its bound
@@ -392,7 +399,12 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
 
     :param backend: a :class:`~.objective.SiteSpaceBackend`.
     :param bound: the local bound (only its families are used, for the exact expectations).
-    :returns: ``(alpha, lam, exact_elbo, iterations, converged)``.
+    :param residual_tol: if given, converged means the fixed-point residual (below) is at most this; the
+        bound's relative change ``tol`` then only stops a stalled run (not converged).
+    :param bool return_residual: also return the fixed-point residual at the result: the largest change a
+        full CVI step would make to a site natural parameter ``lam_n`` or ``nu_n``, relative to ``1 + |parameter|``
+        (zero at the optimum).
+    :returns: ``(alpha, lam, exact_elbo, iterations, converged)`` (and the residual).
     """
     from .objective import exact_elbo
     from .reference import site_elbo_terms
@@ -422,6 +434,10 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
         gm, gv = grads(t.m_tilde, t.v_tilde)
         nu = lam * t.m_tilde - alpha
         lam_hat, nu_hat = (-2 * gv).clamp_min(0), gm - 2 * gv * t.m_tilde
+        residual = _cvi_residual(lam, nu, lam_hat, nu_hat)
+        if residual_tol is not None and residual <= residual_tol:
+            converged = True
+            break
         accepted = False
         for _ in range(30):
             lam_new = (1 - b) * lam + b * lam_hat
@@ -443,7 +459,17 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
         alpha, lam, cur, t = alpha_new, lam_new, new, t_new
         history.record(objective=cur)
         if abs(change) <= tol * (1 + abs(cur)):
-            converged = True
+            converged = residual_tol is None  # with a residual test, a stalled bound is not convergence
             break
         b = min(float(step), 2 * b)
+    if return_residual or residual_tol is not None:
+        # optimality of the exact VG bound: the largest (relative) change a full CVI step would make to the site
+        # natural parameters (zero exactly at the optimum, where alpha = -dE/dm and lam = -2 dE/dv)
+        gm, gv = grads(t.m_tilde, t.v_tilde)
+        nu = lam * t.m_tilde - alpha
+        res = _cvi_residual(lam, nu, (-2 * gv).clamp_min(0), gm - 2 * gv * t.m_tilde)
+        if residual_tol is not None:
+            converged = res <= residual_tol
+        if return_residual:
+            return alpha, lam, cur, it, converged, res
     return alpha, lam, cur, it, converged
