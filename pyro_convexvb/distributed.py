@@ -24,6 +24,7 @@ Example (a single process: the sharded operator is the local one)::
     >>> Xs.rmv(torch.ones(3, dtype=torch.float64)).tolist()
     [1.0, 1.0, 1.0]
 """
+import contextlib
 import math
 import os
 import time
@@ -35,6 +36,7 @@ from .linalg.operators import LinearOperator, as_operator
 __all__ = [
     "init",
     "is_active",
+    "local_only",
     "rank",
     "world_size",
     "all_reduce_sum",
@@ -94,19 +96,41 @@ def _initialised():
     return dist.is_available() and dist.is_initialized()
 
 
+_DISABLED = [0]
+
+
 def is_active():
-    """``True`` when ``torch.distributed`` is available, initialised and has more than one rank."""
-    return _initialised() and _dist().get_world_size() > 1
+    """``True`` when ``torch.distributed`` is available, initialised and has more than one rank (and not
+    inside :func:`local_only`)."""
+    return not _DISABLED[0] and _initialised() and _dist().get_world_size() > 1
+
+
+@contextlib.contextmanager
+def local_only():
+    """Inside the block this process behaves as if no process group were active (no communication):
+    e.g. to fit the full data on one rank as a single-process reference.
+
+    Example::
+
+        >>> with local_only():
+        ...     is_active()
+        False
+    """
+    _DISABLED[0] += 1
+    try:
+        yield
+    finally:
+        _DISABLED[0] -= 1
 
 
 def rank():
-    """This process's rank (0 without a process group)."""
-    return _dist().get_rank() if _initialised() else 0
+    """This process's rank (0 without a process group, or inside :func:`local_only`)."""
+    return _dist().get_rank() if _initialised() and not _DISABLED[0] else 0
 
 
 def world_size():
-    """Number of ranks (1 without a process group)."""
-    return _dist().get_world_size() if _initialised() else 1
+    """Number of ranks (1 without a process group, or inside :func:`local_only`)."""
+    return _dist().get_world_size() if _initialised() and not _DISABLED[0] else 1
 
 
 def stats():
