@@ -343,6 +343,9 @@ class RowShardedOperator(LinearOperator):
                         f"row_sharded: the local rows have {self.shape[1]} columns on rank {rank()} but the ranks "
                         "disagree on the number of columns (give n_features to the loader)")
                 _counts = [int(c) for c in counts[:P].tolist()]
+                if min(_counts) == 0:
+                    raise ValueError(f"row_sharded: rank {_counts.index(0)} holds no rows; every rank needs at least "
+                                     f"one row (rows per rank: {_counts})")
             else:
                 _counts = [self.shape[0]]
         self.counts = list(_counts)
@@ -399,7 +402,7 @@ def _walk(obj, seen):
     yield obj
     if isinstance(obj, RowShardedOperator):
         return
-    for attr in ("groups", "site_groups", "operators", "base", "left", "right", "design", "full_design",
+    for attr in ("sites", "imputed", "groups", "site_groups", "operators", "base", "left", "right", "design", "full_design",
                  "lgm", "inner"):
         child = getattr(obj, attr, None)
         if child is None:

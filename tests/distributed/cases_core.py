@@ -28,3 +28,35 @@ def case_operator_products(rank, world):
     out["grad"] = g.detach()
     out["hvp"] = torch.autograd.grad(g @ torch.ones_like(g), v)[0]
     return out
+
+
+def logistic_model(X, y, prior_scale=1.0):
+    import pyro
+    import pyro.distributions as dist
+
+    n = X.shape[1]
+    w = pyro.sample("w", dist.Normal(torch.zeros(n, dtype=torch.float64), prior_scale).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Bernoulli(logits=pcv.linear(X, w)), obs=y)
+
+
+def _fit_summary(res):
+    out = {"mean": res.posterior.loc, "variance": res.posterior.variance,
+           "bound": res.log_evidence_bound if res.log_evidence_bound is not None else float("nan")}
+    h = res.history
+    out["history_objective"] = torch.as_tensor(list(h["objective"]), dtype=torch.float64)
+    return out
+
+
+def case_convex_relaxation_logistic_exact(rank, world):
+    X, y = _problem(rank, world)
+    res = pcv.fit(logistic_model, row_sharded(X.to_sparse_csr()), y, engine="convex_relaxation",
+                  options={"variance": "exact", "max_outer": 6})
+    return _fit_summary(res)
+
+
+def case_convex_relaxation_logistic_lanczos(rank, world):
+    X, y = _problem(rank, world, q=120, n=30)
+    res = pcv.fit(logistic_model, row_sharded(X.to_sparse_csr()), y, engine="convex_relaxation",
+                  options={"variance": "lanczos", "lanczos_rank": 12, "dense_logdet_max": 10, "max_outer": 4})
+    return _fit_summary(res)
