@@ -47,6 +47,7 @@ __all__ = [
     "RowShardedOperator",
     "Communicator",
     "comm_of",
+    "find_comm",
     "reduce_sites",
     "shard_range",
     "stats",
@@ -155,8 +156,26 @@ def _reduce(t, op):
     return float(x) if scalar else x
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks whose backward is the identity: for a replicated loss ``L(sum_r x_r)`` each rank's
+    ``dL/dx_r`` is ``dL/dy``; the gradient reaches replicated latents through :class:`RowShardedOperator`
+    products, whose backward sums over ranks."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return _reduce(t, _dist().ReduceOp.SUM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def all_reduce_sum(t):
     """Sum of ``t`` over ranks (a new tensor, replicated on every rank; ``t`` is not modified).
+
+    Differentiable: the backward of the sum is the identity on each rank, which with the all-reduced backward
+    of :class:`RowShardedOperator` products gives replicated latents the gradient of the global sum (a
+    log-likelihood of the local rows, summed with this function, has the gradient of all rows' likelihood).
 
     :param t: tensor of any shape (the same on every rank) or a Python number.
     :returns: the sum, of ``t``'s shape and dtype (a float for a number); ``t`` itself when no process
@@ -170,6 +189,8 @@ def all_reduce_sum(t):
     """
     if not is_active():
         return t
+    if torch.is_tensor(t) and t.requires_grad and torch.is_grad_enabled():
+        return _AllReduceSum.apply(t)
     return _reduce(t, _dist().ReduceOp.SUM)
 
 
@@ -434,6 +455,17 @@ def comm_of(obj):
     for node in _walk(obj, set()):
         if isinstance(node, RowShardedOperator):
             return node.comm if is_active() else None
+    return None
+
+
+def find_comm(*objs):
+    """The communicator of the first :class:`RowShardedOperator` among ``objs`` (searched one level into lists,
+    tuples and dicts, e.g. a model's ``args`` and ``kwargs``), or ``None``."""
+    for obj in objs:
+        items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else (obj,)
+        for x in items:
+            if isinstance(x, RowShardedOperator):
+                return x.comm if is_active() else None
     return None
 
 

@@ -60,3 +60,33 @@ def case_convex_relaxation_logistic_lanczos(rank, world):
     res = pcv.fit(logistic_model, row_sharded(X.to_sparse_csr()), y, engine="convex_relaxation",
                   options={"variance": "lanczos", "lanczos_rank": 12, "dense_logdet_max": 10, "max_outer": 4})
     return _fit_summary(res)
+
+
+def case_laplace_logistic(rank, world):
+    X, y = _problem(rank, world)
+    res = pcv.fit(logistic_model, row_sharded(X.to_sparse_csr()), y, engine="laplace",
+                  options={"learn_params": False})
+    out = _fit_summary(res)
+    out["covariance"] = res.posterior.covariance()
+    return out
+
+
+def case_refusals(rank, world):
+    """Engines that do not reduce their site sums refuse row-sharded data (a silent local fit is the worst
+    defect). On one process there is nothing to refuse: the reference is the list of those engines."""
+    X, y = _problem(rank, world)
+    Xs = row_sharded(X)
+    names = sorted(name for name in pcv.engines() if not getattr(pcv.get_engine(name), "distributed", False))
+    refused = []
+    for name in names:
+        if pcv.distributed.world_size() == 1:
+            refused.append(1.0)
+            continue
+        try:
+            pcv.fit(logistic_model, Xs, y, engine=name)
+        except NotImplementedError as e:
+            assert name in str(e) and "convex_relaxation" in str(e), str(e)
+            refused.append(1.0)
+        else:
+            raise AssertionError(f"engine {name} fitted row-sharded data")
+    return {"refused": torch.tensor(refused, dtype=torch.float64)}
