@@ -50,6 +50,7 @@ __all__ = [
     "find_comm",
     "reduce_sites",
     "shard_range",
+    "all_gather_object",
     "stats",
     "reset_stats",
     "require_local",
@@ -215,6 +216,24 @@ def broadcast(t, src=0):
     x = t.detach().clone().contiguous()
     _dist().broadcast(x, src=src)
     return x
+
+
+def all_gather_object(obj):
+    """``[obj of rank 0, obj of rank 1, ...]`` (picklable objects; ``[obj]`` without an active process group)."""
+    if not is_active():
+        return [obj]
+    out = [None] * world_size()
+    _dist().all_gather_object(out, obj)
+    return out
+
+
+def sharded_estimator(flag, name):
+    """Whether an estimator given ``distributed=flag`` fits row-sharded data: ``True`` only when ``flag`` is
+    ``True`` and a process group of more than one rank is active (``False`` runs as one process on the rows
+    given). Raises a ``TypeError`` naming the estimator for a non-bool ``flag``."""
+    if not isinstance(flag, bool):
+        raise TypeError(f"{name}: distributed expects a bool, got {flag!r}")
+    return flag and is_active()
 
 
 def shard_range(n, rank_, world):

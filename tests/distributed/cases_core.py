@@ -90,3 +90,49 @@ def case_refusals(rank, world):
         else:
             raise AssertionError(f"engine {name} fitted row-sharded data")
     return {"refused": torch.tensor(refused, dtype=torch.float64)}
+
+
+def _estimator_data(rank, world, q=80, d=5, seed=3):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(q, d))
+    y = np.where(X @ rng.normal(size=d) + 0.3 * rng.normal(size=q) > 0, "yes", "no")
+    a, b = shard_range(q, rank, world)
+    return X[a:b], y[a:b]
+
+
+def case_blr_convex_relaxation(rank, world):
+    X, y = _estimator_data(rank, world)
+    clf = pcv.BayesianLogisticRegression(engine="convex_relaxation", options={"variance": "exact"},
+                                         distributed=True).fit(X, y)
+    return {"coef": torch.as_tensor(clf.coef_), "coef_var": torch.as_tensor(clf.coef_var_),
+            "intercept": torch.as_tensor(clf.intercept_), "bound": clf.log_evidence_bound_,
+            "proba": torch.as_tensor(clf.predict_proba(_estimator_data(0, 1)[0][:5]))[:, 1]}
+
+
+def case_blr_laplace(rank, world):
+    X, y = _estimator_data(rank, world)
+    clf = pcv.BayesianLogisticRegression(engine="laplace", distributed=True).fit(X, y)
+    return {"coef": torch.as_tensor(clf.coef_), "coef_var": torch.as_tensor(clf.coef_var_),
+            "intercept": torch.as_tensor(clf.intercept_), "bound": clf.log_evidence_bound_}
+
+
+def case_blr_one_class_shard(rank, world):
+    """A rank whose rows hold one class only still codes them as the global classes."""
+    import numpy as np
+
+    X, y = _estimator_data(0, 1)
+    order = np.argsort(y, kind="stable")
+    a, b = shard_range(len(y), rank, world)
+    Xs, ys = X[order][a:b], y[order][a:b]
+    clf = pcv.BayesianLogisticRegression(engine="convex_relaxation", options={"variance": "exact"},
+                                         distributed=True).fit(Xs, ys)
+    return {"coef": torch.as_tensor(clf.coef_), "intercept": torch.as_tensor(clf.intercept_)}
+
+
+def case_glm_bernoulli(rank, world):
+    X, y = _estimator_data(rank, world)
+    glm = pcv.GLM("bernoulli", num_components=2, max_steps=30, min_steps=30, window=10, distributed=True).fit(X, y)
+    return {"locs": glm.posterior_.locs, "variances": glm.posterior_.variances,
+            "prior_var": glm.prior_var_, "steps": glm.n_steps_}
