@@ -136,3 +136,28 @@ def case_glm_bernoulli(rank, world):
     glm = pcv.GLM("bernoulli", num_components=2, max_steps=30, min_steps=30, window=10, distributed=True).fit(X, y)
     return {"locs": glm.posterior_.locs, "variances": glm.posterior_.variances,
             "prior_var": glm.prior_var_, "steps": glm.n_steps_}
+
+
+def case_svmlight_shards_agree(rank, world):
+    """Each rank reads its byte range; n_features and one-/zero-based indexing are agreed by all-reduce; the
+    sharded fit on the file equals the one-process fit on the whole file."""
+    import os
+    import tempfile
+
+    from pyro_convexvb.datasets import labels01, load_svmlight, save_svmlight
+
+    X, y = _problem(0, 1, q=60, n=9, seed=5)
+    X[:, -1] = 0.0
+    X[-1, -1] = 1.5  # the last column appears on the last rank only
+    path = os.path.join(tempfile.gettempdir(), f"pcv_shard_case_{os.getppid()}.svm")
+    if rank == 0:
+        save_svmlight(path, X, 2 * y - 1)
+    if pcv.distributed.is_active():
+        torch.distributed.barrier()
+    Xl, yl = load_svmlight(path, shard=(rank, world))
+    res = pcv.fit(logistic_model, row_sharded(Xl), labels01(yl), engine="convex_relaxation",
+                  options={"variance": "exact"})
+    out = _fit_summary(res)
+    out["n_features"] = Xl.shape[1]
+    out["rows"] = pcv.distributed.all_reduce_sum(float(Xl.shape[0]))
+    return out
