@@ -42,6 +42,7 @@ from ..lgm.extract import full_data_plates, latent_sites
 from .engine import Engine, EngineOptions, Optimality, Solution, option
 from .optimality import gaussian_decrement, monte_carlo_objective
 from .posterior import GaussianPosterior
+from .sharded_svi import ShardedTraceELBO, data_reduction, sharded_lgm_or_none
 
 __all__ = [
     "SVIOptions",
@@ -69,12 +70,17 @@ EXACT_BOUND_MAX = 5000
 # shared pieces
 # ---------------------------------------------------------------------------------------------
 
-def flat_log_joint(model, args, kwargs):
+def flat_log_joint(model, args, kwargs, reduction=None):
     """``log_joint(U)``: log density of the model at flat unconstrained points ``U`` ``(s, n)`` -> ``(s,)``.
 
     Latent sites are packed in trace order (as :class:`~pyro.infer.autoguide.AutoContinuous`
     does), mapped to their supports by ``biject_to`` with the log-Jacobian added, and every
     subsampled plate runs at full size. Differentiable in ``U``.
+
+    With ``reduction`` (row-sharded data, :func:`~.sharded_svi.data_reduction`) the replicated ``U``
+    enters each rank's model run through :func:`~.sharded_svi.enter_local`, and the observed sites of
+    all ranks plus the latent sites and log-Jacobians counted once (on rank 0) are summed by
+    :func:`~.sharded_svi.sum_over_ranks`: value and gradient are those of the full-data log joint.
 
     :returns: ``(log_joint, n)``.
     """
@@ -85,9 +91,18 @@ def flat_log_joint(model, args, kwargs):
         shape = t.inv(site["value"]).shape
         parts.append((name, t, shape, int(math.prod(shape))))
     n = sum(p[3] for p in parts)
+    if reduction is not None:
+        from .sharded_svi import _rank, enter_local, local_args, local_log_prob, sum_over_ranks
+
+        first = _rank() == 0
+        args, kwargs = local_args(args, kwargs)
+    else:
+        enter_local = None
 
     def log_joint(U):
         out = []
+        if enter_local is not None:
+            U = enter_local(U)  # one collective in the backward, whatever the order autograd takes
         for u in U:
             vals, ld, start = {}, u.new_zeros(()), 0
             for name, t, shape, size in parts:
@@ -98,8 +113,12 @@ def flat_log_joint(model, args, kwargs):
                 vals[name] = v
             with full_data_plates():
                 tr = poutine.trace(poutine.condition(model, data=vals)).get_trace(*args, **kwargs)
+            if enter_local is not None:
+                tr.compute_log_prob()
+                out.append(u.new_zeros(()) + local_log_prob(tr, first, vals) + (ld if first else 0.0))
+                continue
             out.append(tr.log_prob_sum() + ld)
-        return torch.stack(out)
+        return torch.stack(out) if enter_local is None else sum_over_ranks(torch.stack(out))
 
     return log_joint, n
 
@@ -114,7 +133,8 @@ def try_lgm(model, args, kwargs):
         return None
 
 
-def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, seed=0, mixture_objective=None):
+def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, seed=0, mixture_objective=None,
+                           reduction=None):
     """Bound and natural-gradient decrement of a Gaussian ``posterior`` of ``call.model``.
 
     Exact variational-Gaussian bound when ``lgm`` (the model's latent Gaussian model) is given and
@@ -132,7 +152,7 @@ def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, see
             return lgm.evidence_lower_bound(m, variance=S) if S.dim() == 1 else lgm.evidence_lower_bound(m, S)
         name = "natural-gradient decrement of the exact evidence bound (nats)"
     else:
-        log_joint, n = flat_log_joint(call.model, call.args, call.kwargs)
+        log_joint, n = flat_log_joint(call.model, call.args, call.kwargs, reduction)
         if n != posterior.n:
             raise ValueError(f"the model has {n} unconstrained latent dimensions, the posterior {posterior.n}")
         objective = monte_carlo_objective(log_joint, n, check_particles, loc.dtype, loc.device, seed)
@@ -245,6 +265,8 @@ class SVIEngine(Engine):
     optimality_measure = ("natural-gradient decrement of the evidence bound <= decrement_tol (exact bound for latent "
                           "Gaussian models, Monte Carlo otherwise); stops at an ELBO plateau or max_steps")
 
+    distributed = True  # row-sharded data: gradients all-reduced (sharded_svi)
+
     def make_guide(self, model):
         return self.guide_cls(model, init_scale=self.options.init_scale)
 
@@ -257,17 +279,21 @@ class SVIEngine(Engine):
         guide = self.make_guide(model)
         forget_params(guide._pyro_name)
         optim = pyro.optim.ClippedAdam({"lr": o.lr, "betas": (0.9, 0.999), "clip_norm": o.clip_norm})
-        svi = SVI(model, guide, optim,
-                  Trace_ELBO(num_particles=o.num_particles, vectorize_particles=o.vectorize_particles))
+        red = data_reduction(call.args, call.kwargs)
+        if red is None:
+            elbo = Trace_ELBO(num_particles=o.num_particles, vectorize_particles=o.vectorize_particles)
+        else:  # row-sharded data: local surrogate, gradients all-reduced (see sharded_svi)
+            elbo = ShardedTraceELBO(red, num_particles=o.num_particles, vectorize_particles=o.vectorize_particles)
+        svi = SVI(model, guide, optim, elbo)
         bar = run.bar(total=o.max_steps, unit="step")
         losses, reason = svi_until_plateau(svi, optim, call.args, call.kwargs, max_steps=o.max_steps,
                                            min_steps=o.min_steps, window=o.window, rtol=o.rtol, lr_decay=o.lr_decay,
                                            bar=bar, history=run.history, name=self.name)
         posterior = self.posterior_of(guide)
-        lgm = try_lgm(call.source, call.args, call.kwargs)
+        lgm = sharded_lgm_or_none(try_lgm(call.source, call.args, call.kwargs), red, call.args, call.kwargs)
         with torch.enable_grad():
             bound, opt = variational_optimality(call, posterior, lgm, tol=o.decrement_tol,
-                                                check_particles=o.check_particles, seed=o.seed)
+                                                check_particles=o.check_particles, seed=o.seed, reduction=red)
         info = {"elbo_estimate": -sum(losses[-o.window:]) / min(o.window, len(losses)), "steps": len(losses),
                 "guide": guide, "hyperparameters": model_param_values(call)}
         return Solution(posterior, bound, opt, reason, info, lgm=lgm)

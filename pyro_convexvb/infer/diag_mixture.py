@@ -52,6 +52,7 @@ from .baselines import (
 from .engine import Optimality, Solution, option
 from .optimality import mixture_decrement, monte_carlo_objective
 from .posterior import GaussianPosterior
+from .sharded_svi import data_reduction, sharded_lgm_or_none
 
 __all__ = [
     "entropy_lower_bound",
@@ -488,15 +489,33 @@ class DiagMixtureELBO(ELBO):
         inside an outermost plate (the model must broadcast over a leading batch dimension, e.g.
         use ``pcv.linear(X, w)`` instead of ``X @ w``); otherwise one model run per particle.
     :param max_plate_nesting: as in Pyro's ELBOs (guessed when needed).
+    :param reduction: ``None``, or for row-sharded data (:func:`~.sharded_svi.data_reduction`) the
+        reduction over ranks: every rank draws the same stratified particles (same seed), evaluates the
+        model on its own rows, and counts its observed sites plus -- on rank 0 only -- the latent
+        sites, log-Jacobians and the entropy bound; gradients and the loss are then summed over ranks
+        (as in ``DistributedDataParallel``), which is the single-process objective and gradient up
+        to the order of floating-point additions (:mod:`~pyro_convexvb.infer.sharded_svi`).
     """
 
-    def __init__(self, num_particles=1, entropy="eq24", vectorize_particles=False, max_plate_nesting=float("inf")):
+    def __init__(self, num_particles=1, entropy="eq24", vectorize_particles=False, max_plate_nesting=float("inf"),
+                 reduction=None):
         _entropy_fn(entropy)
         if not isinstance(num_particles, int) or num_particles < 1:
             raise ValueError(f"num_particles must be a positive integer, got {num_particles!r}")
         super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting,
                          vectorize_particles=vectorize_particles)
         self.entropy = entropy
+        self.reduction = reduction
+
+    def _joint_terms(self, tr, log_det):
+        """``log p(y, z) + log|T'|`` of a model trace; on row-sharded data this rank's share (see ``reduction``)."""
+        if self.reduction is None:
+            return tr.log_prob_sum() + log_det
+        from .sharded_svi import _rank, local_log_prob
+
+        first = _rank() == 0
+        tr.compute_log_prob()
+        return local_log_prob(tr, first, set(self._latent_names)) + (log_det if first else 0.0)
 
     def _get_trace(self, model, guide, args, kwargs):
         # Pyro's ELBO interface; this loss never needs guide traces with sampled log q
@@ -520,6 +539,7 @@ class DiagMixtureELBO(ELBO):
             self.max_plate_nesting = -min(dims) if dims else 0
         mpn = int(self.max_plate_nesting)
         values, log_det = self._constrain(guide, z.reshape((P,) + (1,) * mpn + z.shape[-1:]))
+        self._latent_names = tuple(values)
         with pyro.plate("_diag_mixture_particles", P, dim=-(mpn + 1)):
             tr = poutine.trace(poutine.condition(model, data=values)).get_trace(*args, **kwargs)
         self._check_model_trace(tr, guide)
@@ -531,15 +551,16 @@ class DiagMixtureELBO(ELBO):
                     f"{tuple(site['fn'].batch_shape)}, more than max_plate_nesting + 1 = {mpn + 1} dims, so the model "
                     "does not broadcast over the particle plate (e.g. a global vector latent of shape (P, 1, D) "
                     "multiplied into (P, 1, N)); use vectorize_particles=False")
-        return (tr.log_prob_sum() + log_det) / P
+        return self._joint_terms(tr, log_det) / P
 
     def _log_joint_sequential(self, model, guide, z, args, kwargs):
         total = 0.0
         for zp in z:
             values, log_det = self._constrain(guide, zp)
+            self._latent_names = tuple(values)
             tr = poutine.trace(poutine.condition(model, data=values)).get_trace(*args, **kwargs)
             self._check_model_trace(tr, guide)
-            total = total + tr.log_prob_sum() + log_det
+            total = total + self._joint_terms(tr, log_det)
         return total / z.shape[0]
 
     @staticmethod
@@ -564,23 +585,35 @@ class DiagMixtureELBO(ELBO):
 
     def differentiable_loss(self, model, guide, *args, **kwargs):
         """``-ELBO`` as a differentiable scalar (one stratified draw of ``K * L`` particles)."""
+        if self.reduction is not None:
+            from .sharded_svi import _rank, local_args
+
+            args, kwargs = local_args(args, kwargs)
         self._check_guide(guide, args, kwargs)
         z, locs, variances = guide._stratified_latent(self.num_particles)
         if self.vectorize_particles:
             e_log_joint = self._log_joint_vectorized(model, guide, z, args, kwargs)
         else:
             e_log_joint = self._log_joint_sequential(model, guide, z, args, kwargs)
+        if self.reduction is not None and _rank() != 0:  # the entropy bound is counted once, on rank 0
+            return -e_log_joint
         return -(e_log_joint + _entropy_fn(self.entropy)(locs, variances))
 
     def loss(self, model, guide, *args, **kwargs):
         with torch.no_grad():
-            return float(self.differentiable_loss(model, guide, *args, **kwargs))
+            loss = self.differentiable_loss(model, guide, *args, **kwargs)
+            return float(loss if self.reduction is None else self.reduction.sum(loss.detach()))
 
     def loss_and_grads(self, model, guide, *args, **kwargs):
         loss = self.differentiable_loss(model, guide, *args, **kwargs)
         if loss.requires_grad:
             loss.backward()
-        return float(loss.detach())
+        if self.reduction is None:
+            return float(loss.detach())
+        from .sharded_svi import all_reduce_param_grads
+
+        all_reduce_param_grads(self.reduction)
+        return float(self.reduction.sum(loss.detach()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -801,8 +834,9 @@ class DiagMixtureEngine(SVIEngine):
         guide = AutoDiagMixture(model, num_components=o.num_components, init_scale=o.init_scale,
                                 init_spread=o.init_spread)
         forget_params(guide._pyro_name)
+        red = data_reduction(call.args, call.kwargs)
         loss = DiagMixtureELBO(num_particles=o.num_particles, entropy=o.entropy,
-                               vectorize_particles=o.vectorize_particles)
+                               vectorize_particles=o.vectorize_particles, reduction=red)
         optim = pyro.optim.ClippedAdam({"lr": o.lr, "betas": (0.9, 0.999), "clip_norm": o.clip_norm})
         svi = pyro.infer.SVI(model, guide, optim, loss)
         cb = None if o.callback is None else (lambda step, value: o.callback(step, value, guide))
@@ -813,7 +847,7 @@ class DiagMixtureEngine(SVIEngine):
         with torch.no_grad():
             locs, scales = guide._mixture_params()
             posterior = DiagMixturePosterior(locs.detach().clone(), scales.detach().clone() ** 2)
-        lgm = try_lgm(call.source, call.args, call.kwargs)
+        lgm = sharded_lgm_or_none(try_lgm(call.source, call.args, call.kwargs), red, call.args, call.kwargs)
         exact = lgm is not None and lgm.n == posterior.n
         info = {"elbo_estimate": -sum(losses[-o.window:]) / min(o.window, len(losses)), "steps": len(losses),
                 "guide": guide, "entropy": o.entropy, "hyperparameters": model_param_values(call)}
@@ -830,7 +864,7 @@ class DiagMixtureEngine(SVIEngine):
 
             name = "natural-gradient decrement of the exact mixture evidence bound (nats)"
         else:
-            log_joint, n = flat_log_joint(call.model, call.args, call.kwargs)
+            log_joint, n = flat_log_joint(call.model, call.args, call.kwargs, red)
             mc = [monte_carlo_objective(log_joint, n, o.check_particles, locs.dtype, locs.device, o.seed + k)
                   for k in range(o.num_components)]
             const = 0.5 * n * (1 + math.log(2 * math.pi))
