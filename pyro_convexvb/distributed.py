@@ -90,7 +90,7 @@ def init(backend=None):
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
-    return dist.get_rank(), dist.get_world_size()
+    return rank(), world_size()
 
 
 def _initialised():

@@ -161,3 +161,21 @@ def case_svmlight_shards_agree(rank, world):
     out["n_features"] = Xl.shape[1]
     out["rows"] = pcv.distributed.all_reduce_sum(float(Xl.shape[0]))
     return out
+
+
+def case_example_distributed_logistic(rank, world):
+    """examples/distributed_logistic.py at a tiny size (a9a shape, 1% of its rows)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "examples", "distributed_logistic.py")
+    spec = importlib.util.spec_from_file_location("distributed_logistic", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        res = mod.main(["--shape", "a9a", "--scale", "0.01", "--k", "20", "--max-outer", "2"])
+    return {"mean": res.posterior.loc, "variance": res.posterior.variance, "bound": res.log_evidence_bound}
