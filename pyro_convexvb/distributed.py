@@ -56,7 +56,7 @@ __all__ = [
     "require_local",
 ]
 
-_STATS = {"calls": 0, "bytes": 0, "seconds": 0.0}
+_STATS = {"calls": 0, "bytes": 0, "seconds": 0.0, "by_numel": {}}
 
 
 def _dist():
@@ -136,13 +136,16 @@ def world_size():
 
 
 def stats():
-    """Counters of the reductions done so far: ``{"calls", "bytes", "seconds"}`` (this rank)."""
-    return dict(_STATS)
+    """Counters of the reductions done so far on this rank: ``{"calls", "bytes", "seconds", "by_numel"}``,
+    ``by_numel`` mapping a tensor size to ``[calls, seconds]`` (e.g. the ``n``-vectors of Lanczos steps)."""
+    out = dict(_STATS)
+    out["by_numel"] = {k: list(v) for k, v in _STATS["by_numel"].items()}
+    return out
 
 
 def reset_stats():
     """Zero the reduction counters of :func:`stats`."""
-    _STATS.update(calls=0, bytes=0, seconds=0.0)
+    _STATS.update(calls=0, bytes=0, seconds=0.0, by_numel={})
 
 
 def _reduce(t, op):
@@ -151,9 +154,13 @@ def _reduce(t, op):
     x = torch.tensor(float(t), dtype=torch.float64) if scalar else t.detach().clone().contiguous()
     start = time.perf_counter()
     dist.all_reduce(x, op=op)
-    _STATS["seconds"] += time.perf_counter() - start
+    sec = time.perf_counter() - start
+    _STATS["seconds"] += sec
     _STATS["calls"] += 1
     _STATS["bytes"] += x.numel() * x.element_size()
+    entry = _STATS["by_numel"].setdefault(x.numel(), [0, 0.0])
+    entry[0] += 1
+    entry[1] += sec
     return float(x) if scalar else x
 
 
