@@ -112,8 +112,58 @@ def summarize(runs, P):
     }
 
 
+#: parameters of the cost model (docs/distributed.md): seconds per nonzero per sparse product and thread (rcv1 full
+#: shape, benchmarks/results/convex_relaxation_rcv1_size1.json: 189.5 s of outer loop for 1,500 products with
+#: B and Bᵀ, 50.2M nonzeros, 2 threads -> 2.5 ns; an upper bound, it includes the reorthogonalisation),
+#: memory bandwidth per process (bytes/s), all-reduce latency (s) and the network bandwidths (bytes/s) tabulated
+COST = dict(c_nz=2.5e-9, mem_bw=10e9, alpha=20e-6, betas={"10 Gb/s": 1.25e9, "100 Gb/s": 12.5e9})
+
+
+def cost_model(rows=4.4e9, nnz_per_row=39, features=(1e6, 1e7), k=750, inner_products=40,
+               procs=(8, 16, 32, 64, 128, 256, 512), c_nz=COST["c_nz"], mem_bw=COST["mem_bw"], alpha=COST["alpha"],
+               betas=COST["betas"]):
+    """Per-rank memory and time of one outer update of row-sharded convex_relaxation (docs/distributed.md).
+
+    Per product with ``A = XᵀX + Bᵀ diag(w) B``: the local sparse products ``B q`` and ``Bᵀ u`` on ``nnz / P``
+    nonzeros (``2 c nnz / P``), one all-reduce of an ``n``-vector (ring: ``2 * 8 n / beta``; latency
+    ``2 log2(P) alpha``), and the replicated Lanczos work: full reorthogonalisation reads the ``j`` stored vectors
+    twice (``2 * 8 j n / mem_bw`` at step ``j``, ``8 k^2 n / mem_bw`` over ``k`` steps), not divided by ``P``.
+    Memory per rank: the rows as CSR plus its CSR transpose (values 8 B, 32-bit indices 4 B: 24 B a nonzero),
+    ``80 B`` of site vectors a row, and the replicated ``k`` Lanczos vectors plus ~20 latent vectors (``8 (k + 20) n``).
+
+    :returns: list of dict rows (one per ``(n, P)``), including ``P*`` where the sharded products cost what the
+        replicated per-step work costs (beyond it more ranks do not help).
+    """
+    import math
+
+    nnz = rows * nnz_per_row
+    out = []
+    for n in features:
+        repl_mem = 8 * (k + 20) * n
+        steps = k + inner_products
+        reorth = 8 * k * k * n / mem_bw
+        for P in procs:
+            row = {"n": f"{n:.0e}", "P": P,
+                   "GB / rank (rows)": (24 * nnz + 80 * rows) / P / 1e9,
+                   "GB / rank (replicated)": repl_mem / 1e9,
+                   "MB all-reduced / step": 8 * n / 1e6}
+            spmv = 2 * c_nz * nnz / P
+            for label, beta in betas.items():
+                comm = 2 * 8 * n / beta + 2 * math.log2(P) * alpha
+                row[f"s / outer ({label})"] = steps * (spmv + comm) + reorth
+            row["of which reorth s"] = reorth
+            out.append(row)
+    stops = {}
+    for n in features:
+        for label, beta in betas.items():
+            per_step = 2 * 8 * n / beta + 8 * k * n / mem_bw  # all-reduce + average reorthogonalisation per step
+            stops[(f"{n:.0e}", label)] = 2 * c_nz * nnz / per_step
+    return out, stops
+
+
 def main():
     parser = make_parser(__doc__.splitlines()[0])
+    parser.add_argument("--cost-model", action="store_true", help="print the Criteo-1TB cost model table and exit")
     parser.add_argument("--worker", action="store_true", help=argparse_hidden())
     parser.add_argument("--out", default=None, help=argparse_hidden())
     parser.add_argument("--scale", type=float, default=None, help="fraction of rcv1's rows and nonzeros "
@@ -129,6 +179,12 @@ def main():
         args.k = 20 if args.quick else 750
     if args.worker:
         return worker(args)
+    if args.cost_model:
+        rows, stops = cost_model()
+        print(markdown_table(rows, floatfmt=".3g"))
+        for (n, label), P in stops.items():
+            print(f"n = {n}, {label}: sharded products cost the replicated per-step work at P* = {P:.0f}")
+        return None
     reps = args.reps or (1 if args.quick else 3)
     procs = [int(p) for p in args.procs.split(",")]
     runs = []
