@@ -103,3 +103,32 @@ def case_diag_mixture(rank, world):
             "bound": res.log_evidence_bound if res.log_evidence_bound is not None else float("nan"),
             "history_objective": torch.as_tensor(list(res.history["objective"]), dtype=torch.float64),
             "optimality": torch.tensor([c.value for c in res.optimality.criteria], dtype=torch.float64)}
+
+
+def case_online_sharded(rank, world):
+    """ShardedOnline over the process group equals its one-process simulation (simulate_sharded) with 2 ranks.
+
+    The reference (``world == 1``) simulates both ranks; the sharded run learns this rank's block-cyclic share
+    of the stream and merges by all-reduce. (Both approximate the sequential algorithm alike; its regret cost
+    is measured in tests/test_online_distributed.py.)"""
+    import numpy as np
+
+    from pyro_convexvb.online import OnlineBayesLogistic, ShardedOnline, make_online_stream, simulate_sharded
+
+    P, d, m, rows = 2, 40, 50, 600
+    out = {}
+    for merge in ("natural", "average"):
+        if world == 1:
+            shards = [make_online_stream(d=d, d_t=6, seed=5, shard=(r, P)).take(rows) for r in range(P)]
+            ests = [OnlineBayesLogistic(d) for _ in range(P)]
+            losses = simulate_sharded(ests, shards, m, merge)
+            est, total = ests[0], sum(float(ll.sum()) for ll in losses)
+        else:
+            X, y = make_online_stream(d=d, d_t=6, seed=5, shard=(rank, world)).take(rows)
+            sh = ShardedOnline(OnlineBayesLogistic(d), merge_every=m, merge=merge)
+            ll = sh.partial_fit(X, y)
+            est, total = sh.estimator, float(pcv.distributed.all_reduce_sum(float(np.sum(ll))))
+        out[f"{merge}_mean"] = torch.from_numpy(est.coef_)
+        out[f"{merge}_var"] = torch.from_numpy(est.coef_var_)
+        out[f"{merge}_log_loss"] = total
+    return out
