@@ -58,6 +58,38 @@ def case_dual_vg_latent(rank, world):
     out["history_gap"] = torch.as_tensor(list(res.history["gap"]), dtype=torch.float64)
     out["cg_iterations"] = res.info["cg_iterations"]
     out["covariance"] = res.posterior.covariance()
+    if world > 1:  # the N x N form couples every rank's sites: refused, naming the L x L form
+        try:
+            pcv.fit(logistic_model, row_sharded(X), y, engine="dual_vg", options={"form": "site"})
+        except ValueError as e:
+            assert "form='latent'" in str(e), str(e)
+        else:
+            raise AssertionError("dual_vg form='site' fitted row-sharded data")
+    return out
+
+
+def poisson_model(X, y):
+    import pyro
+    import pyro.distributions as dist
+
+    n = X.shape[1]
+    w = pyro.sample("w", dist.Normal(torch.zeros(n, dtype=torch.float64), 0.5).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Poisson(torch.exp(pcv.linear(X, w))), obs=y)
+
+
+def case_dual_vg_lbfgs_poisson(rank, world):
+    g = torch.Generator().manual_seed(7)
+    q, n = 70, 5
+    X = 0.5 * torch.randn(q, n, generator=g, dtype=torch.float64)
+    y = torch.poisson(torch.exp(X @ torch.randn(n, generator=g, dtype=torch.float64) * 0.5), generator=g)
+    a, b = shard_range(q, rank, world)
+    res = pcv.fit(poisson_model, row_sharded(X[a:b]), y[a:b], engine="dual_vg",
+                  options={"method": "lbfgs", "gap_tol": 1e-9})
+    out = _summary(res)
+    del out["optimality"]
+    out["converged"] = float(res.converged)
+    out["iterations"] = res.info["iterations"]
     return out
 
 
@@ -78,6 +110,35 @@ def case_svi_autonormal(rank, world):
     X, y = _problem(rank, world)
     res = pcv.fit(intercept_model, row_sharded(X), y, engine="svi_autonormal", options=_SVI)
     out = _summary(res)
+    return out
+
+
+def noise_model(X, y):
+    """Gaussian regression whose noise scale is a pyro.param: its gradient does not pass through X."""
+    import pyro
+    import pyro.distributions as dist
+    from torch.distributions import constraints
+
+    n = X.shape[1]
+    w = pyro.sample("w", dist.Normal(torch.zeros(n, dtype=torch.float64), 1.0).to_event(1))
+    s = pyro.param("noise", torch.tensor(1.0, dtype=torch.float64), constraint=constraints.positive)
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Normal(pcv.linear(X, w), s), obs=y)
+
+
+def case_svi_learned_noise(rank, world):
+    X, y = _problem(rank, world)
+    y = X @ torch.linspace(-1, 1, X.shape[1], dtype=torch.float64) + 0.3 * torch.sin(torch.arange(
+        X.shape[0], dtype=torch.float64) + 10 * rank)
+    if world == 1:  # the same targets as the sharded run
+        X2, _ = _problem(0, 2)
+        y = torch.cat([X2 @ torch.linspace(-1, 1, X.shape[1], dtype=torch.float64)
+                       + 0.3 * torch.sin(torch.arange(X2.shape[0], dtype=torch.float64)),
+                       X[X2.shape[0]:] @ torch.linspace(-1, 1, X.shape[1], dtype=torch.float64)
+                       + 0.3 * torch.sin(torch.arange(X.shape[0] - X2.shape[0], dtype=torch.float64) + 10)])
+    res = pcv.fit(noise_model, row_sharded(X), y, engine="svi_autonormal", options=_SVI)
+    out = _summary(res)
+    out["noise"] = res.info["hyperparameters"]["noise"]
     return out
 
 
