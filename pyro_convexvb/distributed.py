@@ -45,6 +45,8 @@ __all__ = [
     "broadcast",
     "row_sharded",
     "RowShardedOperator",
+    "LocalOnlyOperator",
+    "shard_sites",
     "Communicator",
     "comm_of",
     "find_comm",
@@ -421,6 +423,64 @@ class RowShardedOperator(LinearOperator):
 
     def __repr__(self):
         return f"RowShardedOperator(local={tuple(self.shape)}, global_rows={self.global_rows}, ranks={len(self.counts)})"
+
+
+class LocalOnlyOperator(LinearOperator):
+    """An operator whose products run inside :func:`local_only` (no reduction anywhere inside): the local rows of a
+    design that extraction probed on this rank's rows, to be wrapped by :class:`RowShardedOperator`."""
+
+    def __init__(self, base):
+        self.base = as_operator(base)
+        self.shape, self.dtype, self.device = tuple(self.base.shape), self.base.dtype, self.base.device
+
+    def _mv(self, v):
+        with local_only():
+            return self.base.mv(v)
+
+    def _rmv(self, u):
+        with local_only():
+            return self.base.rmv(u)
+
+    def squared(self):
+        with local_only():
+            sq = self.base.squared()
+        return None if sq is None else LocalOnlyOperator(sq)
+
+    def to_dense(self):
+        with local_only():
+            return self.base.to_dense()
+
+
+def _pure_sharded(op):
+    from .linalg.operators import EmbedColumnsOperator
+
+    while isinstance(op, EmbedColumnsOperator):
+        op = op.base
+    return isinstance(op, RowShardedOperator)
+
+
+def shard_sites(lgm):
+    """Mark the site groups of a latent Gaussian model extracted (inside :func:`local_only`) from a model of
+    row-sharded data as this rank's rows: every design that is not a row-sharded operator itself (one a
+    predictor such as ``pcv.linear(Xs, w) + b`` made extraction probe on the local rows) becomes a
+    :class:`RowShardedOperator` of its local rows, so ``Bᵀ u`` is all-reduced and site sums are reduced.
+    Every observed site of a rank's model holds that rank's rows. Collective (one all-reduce a wrapped group).
+
+    :raises UnsupportedModelError: for sites that belong to no rank's rows (a Laplace prior's sites, replicated)
+        and for imputed (``obs_mask``) blocks.
+    """
+    from .errors import UnsupportedModelError
+
+    if getattr(lgm, "imputed", None):
+        raise UnsupportedModelError(lgm.imputed[0].name, "imputed (obs_mask) entries are not supported with "
+                                                         "row-sharded data (pcv.distributed.row_sharded)")
+    for g in lgm.sites:
+        if getattr(g, "from_prior", False):
+            raise UnsupportedModelError(g.name, "a Laplace prior's sites are replicated, not rows of the data; "
+                                                "with row-sharded data use a Gaussian prior or fit on one process")
+        if not _pure_sharded(g.design):
+            g.design = RowShardedOperator(LocalOnlyOperator(g.design))
+    return lgm
 
 
 def row_sharded(X_local):

@@ -380,7 +380,8 @@ class LaplaceEngine(_FullDataEngine):
                   if name.startswith(guide._pyro_name + ".")]
         from ..distributed import find_comm
 
-        if find_comm(call.args, call.kwargs) is None:
+        sharded = find_comm(call.args, call.kwargs) is not None
+        if not sharded:
             loss = lambda: elbo.differentiable_loss(model, guide, *call.args, **call.kwargs)  # noqa: E731
         else:  # row-sharded data: the likelihood of this rank's rows, summed over ranks; the prior once
             loss = lambda: _sharded_map_loss(model, guide, call.args, call.kwargs)  # noqa: E731
@@ -389,7 +390,10 @@ class LaplaceEngine(_FullDataEngine):
                              bar=run.bar(total=int(1.25 * o.max_iter), unit="eval"), name=self.name)
         rel = res.grad_norm / (1.0 + abs(res.value))
         try:
-            lap = guide.laplace_approximation(*call.args, **call.kwargs)
+            if sharded:
+                loc, cov = _sharded_laplace(model, guide, call.args, call.kwargs)
+            else:
+                lap = guide.laplace_approximation(*call.args, **call.kwargs)
         except torch.linalg.LinAlgError as e:
             from ..errors import NotPositiveDefiniteError
 
@@ -397,8 +401,11 @@ class LaplaceEngine(_FullDataEngine):
                 f"engine '{self.name}': the Hessian of the negative log joint at the mode found by L-BFGS is not "
                 "positive definite, so the Laplace approximation does not exist there (a hierarchical model's "
                 "mode often sits at the neck of its funnel, where a scale goes to 0)") from e
-        q = lap.get_posterior()
-        posterior = GaussianPosterior(q.loc.detach().clone(), covariance=q.covariance_matrix.detach().clone())
+        if sharded:
+            posterior = GaussianPosterior(loc, covariance=cov)
+        else:
+            q = lap.get_posterior()
+            posterior = GaussianPosterior(q.loc.detach().clone(), covariance=q.covariance_matrix.detach().clone())
         lgm = try_lgm(call.source, call.args, call.kwargs)
         bound = None
         q = posterior
@@ -414,27 +421,43 @@ class LaplaceEngine(_FullDataEngine):
 
 
 def _sharded_map_loss(model, guide, args, kwargs):
-    """``-log p(y, u)`` at the guide's point with row-sharded data (``pcv.distributed``): the observed sites'
-    log density (this rank's rows) is summed over ranks by a differentiable all-reduce, the latent sites'
-    (replicated) are counted once. Gradients are the global ones: the rows enter through
-    :class:`~pyro_convexvb.distributed.RowShardedOperator` products, whose backward sums over ranks, and the
-    Hessian of :meth:`AutoLaplaceApproximation.laplace_approximation` is global for the same reason."""
-    from ..distributed import all_reduce_sum
+    """``-log p(y, u)`` at the guide's point with row-sharded data (``pcv.distributed``).
 
-    guide_tr = poutine.trace(guide).get_trace(*args, **kwargs)
-    model_tr = poutine.trace(poutine.replay(model, trace=guide_tr)).get_trace(*args, **kwargs)
+    The model runs on this rank's rows (row-sharded designs swapped for their local operator, no communication
+    inside); the latent values enter it through ``enter_local`` (identity forward, all-reduced backward) and
+    ``sum_over_ranks`` adds the observed sites of every rank and the latent sites of rank 0, so value, gradient
+    and Hessian are those of the full-data log joint on every rank (the guide's own log density, replicated,
+    is counted once outside the sum)."""
+    from ..distributed import rank
+    from .sharded_svi import enter_local, local_args, sum_over_ranks
+
+    largs, lkwargs = local_args(args, kwargs)
+    guide_tr = poutine.trace(guide).get_trace(*largs, **lkwargs)
+    latent = {name: site["value"] for name, site in guide_tr.nodes.items()
+              if site["type"] == "sample" and not site["is_observed"]}
+    values = {name: enter_local(v) for name, v in latent.items()}
+    model_tr = poutine.trace(poutine.condition(model, data=values)).get_trace(*largs, **lkwargs)
     model_tr.compute_log_prob()
-    lik, prior = 0.0, 0.0
-    for site in model_tr.nodes.values():
-        if site["type"] != "sample":
+    first = rank() == 0
+    local = guide_tr.log_prob_sum().new_zeros(())
+    for name, site in model_tr.nodes.items():
+        if site["type"] != "sample" or type(site["fn"]).__name__ == "_Subsample":
             continue
-        if site["is_observed"]:
-            lik = lik + site["log_prob_sum"]
-        else:
-            prior = prior + site["log_prob_sum"]
-    if not torch.is_tensor(lik):
-        raise ValueError("engine 'laplace' with row-sharded data: the model has no observed site")
-    return guide_tr.log_prob_sum() - prior - all_reduce_sum(lik)
+        if name not in latent or first:
+            local = local + site["log_prob_sum"]
+    return guide_tr.log_prob_sum() - sum_over_ranks(local)
+
+
+def _sharded_laplace(model, guide, args, kwargs):
+    """``(loc, covariance)`` of the Laplace approximation from the Hessian of :func:`_sharded_map_loss` (what
+    ``AutoLaplaceApproximation.laplace_approximation`` computes on one process)."""
+    loc = guide.loc
+    loss = _sharded_map_loss(model, guide, args, kwargs)
+    g = torch.autograd.grad(loss, loc, create_graph=True)[0]
+    H = torch.stack([torch.autograd.grad(g[i], loc, retain_graph=True)[0] for i in range(loc.shape[0])])
+    H = 0.5 * (H + H.transpose(0, 1)).detach()
+    torch.linalg.cholesky(H)  # raises LinAlgError when not positive definite, as on one process
+    return loc.detach().clone(), torch.cholesky_inverse(torch.linalg.cholesky(H))
 
 
 def _full_data(model):

@@ -179,3 +179,27 @@ def case_example_distributed_logistic(rank, world):
     with contextlib.redirect_stdout(io.StringIO()):
         res = mod.main(["--shape", "a9a", "--scale", "0.01", "--k", "20", "--max-outer", "2"])
     return {"mean": res.posterior.loc, "variance": res.posterior.variance, "bound": res.log_evidence_bound}
+
+
+def intercept_model(X, y):
+    import pyro
+    import pyro.distributions as dist
+
+    w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=torch.float64), 1.0).to_event(1))
+    b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 5.0))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Bernoulli(logits=pcv.linear(X, w) + b), obs=y)
+
+
+def case_convex_relaxation_intercept(rank, world):
+    """A predictor that is not pcv.linear(Xs, w) alone: extraction probes it on the local rows."""
+    X, y = _problem(rank, world)
+    res = pcv.fit(intercept_model, row_sharded(X.to_sparse_csr()), y, engine="convex_relaxation",
+                  options={"variance": "exact"})
+    return _fit_summary(res)
+
+
+def case_laplace_intercept(rank, world):
+    X, y = _problem(rank, world)
+    res = pcv.fit(intercept_model, row_sharded(X), y, engine="laplace", options={"learn_params": False})
+    return _fit_summary(res)
