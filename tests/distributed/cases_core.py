@@ -203,3 +203,11 @@ def case_laplace_intercept(rank, world):
     X, y = _problem(rank, world)
     res = pcv.fit(intercept_model, row_sharded(X), y, engine="laplace", options={"learn_params": False})
     return _fit_summary(res)
+
+
+def case_blr_dual_vg(rank, world):
+    """The estimator's default engine on row-sharded data."""
+    X, y = _estimator_data(rank, world)
+    clf = pcv.BayesianLogisticRegression(distributed=True).fit(X, y)
+    return {"coef": torch.as_tensor(clf.coef_), "coef_var": torch.as_tensor(clf.coef_var_),
+            "intercept": torch.as_tensor(clf.intercept_), "bound": clf.log_evidence_bound_}
