@@ -53,9 +53,9 @@ __all__ = [
     "reduce_sites",
     "shard_range",
     "all_gather_object",
+    "sharded_estimator",
     "stats",
     "reset_stats",
-    "require_local",
 ]
 
 _STATS = {"calls": 0, "bytes": 0, "seconds": 0.0, "by_numel": {}}
@@ -567,16 +567,3 @@ def reduce_sites(comm, t):
         2.5
     """
     return t if comm is None else comm.sum(t)
-
-
-def require_local(obj, engine, supported=("convex_relaxation", "dual_vg", "laplace", "diag_mixture",
-                                          "svi_autonormal", "svi_automvn", "svi_lowrank")):
-    """Raise when ``obj`` (a model, its LGM, or an operator) carries row-sharded data and ``engine`` cannot fit it.
-
-    An engine that cannot reduce its site sums over ranks would silently fit the local rows only; this
-    makes it refuse instead, naming the engine and the ones that can.
-    """
-    if comm_of(obj) is not None:
-        raise NotImplementedError(
-            f"engine '{engine}' cannot fit row-sharded data (pcv.distributed.row_sharded): it would use this "
-            f"rank's rows only. Engines that fit row-sharded data: {', '.join(supported)}")

@@ -5,7 +5,8 @@ Each case is a function ``case(rank, world_size)`` that builds this rank's rows 
 all rows), fits and returns a dict of tensors or numbers. Every rank runs it sharded (under the process
 group) and then, inside :func:`pyro_convexvb.distributed.local_only`, as the single-process reference
 on all rows. Results go to ``OUT/rank{r}.pt`` as ``{case: {"sharded": ..., "reference": ...}}`` (or
-``{"error": traceback}``).
+``{"error": traceback}``), with the case's tolerance (a function attribute ``rtol``, default 1e-8, for
+results that are optima of an iterative search stopped at a tolerance).
 """
 import argparse
 import glob
@@ -78,6 +79,7 @@ def main():
         except Exception:  # noqa: BLE001 - reported by the tests, per case
             entry = {"error": traceback.format_exc()}
         entry["seconds"] = time.perf_counter() - t0
+        entry["rtol"] = float(getattr(fn, "rtol", 1e-8))
         results[key] = entry
         if r == 0:
             print(f"{key}: {entry['seconds']:.2f} s{' ERROR' if 'error' in entry else ''}", flush=True)
