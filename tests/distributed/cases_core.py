@@ -226,3 +226,15 @@ def case_blr_auto_prior_scale(rank, world):
 # the type-II optimum is found by L-BFGS-B on central differences of refits, so rounding-level differences of
 # the sharded sums move it within the optimiser's tolerance: measured 2e-8 relative (the bound agrees to 2e-15)
 case_blr_auto_prior_scale.rtol = 1e-6
+
+
+def slowcase_convex_relaxation_realsim(rank, world):
+    """real-sim shape at 5% of its rows (3,610 x 20,958), Lanczos variances (k = 60), generated per rank. Lanczos
+    variance estimates of ``Var[u]`` are not compared at this size: they are sensitive to the summation order
+    of ``B^T u`` (docs/distributed.md), while the mean and the bound are not."""
+    X, y, _ = pcv.datasets.make_sparse_classification("real-sim", scale=0.05, seed=0, shard=(rank, world))
+    res = pcv.fit(logistic_model, row_sharded(X), y, engine="convex_relaxation", progress=False,
+                  options={"variance": "lanczos", "lanczos_rank": 60, "max_outer": 2})
+    out = _fit_summary(res)
+    del out["variance"]
+    return out
