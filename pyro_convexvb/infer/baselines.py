@@ -257,7 +257,14 @@ class SVILowRankOptions(SVIOptions):
 
 
 class SVIEngine(Engine):
-    """Pyro SVI on an autoguide (subclasses set ``guide_cls``), then an honest optimality check."""
+    """Pyro SVI on an autoguide (subclasses set ``guide_cls``), then an honest optimality check.
+
+    On row-sharded data (:func:`pyro_convexvb.distributed.row_sharded` under a process group) every rank
+    draws the same particle, runs the model on its own rows, and the parameter gradients and the loss are
+    all-reduced as in ``DistributedDataParallel`` (:class:`~.sharded_svi.ShardedTraceELBO`; observed sites
+    counted on every rank, latent sites and the guide on rank 0): the fit equals the single-process fit on
+    all rows up to the order of floating-point additions. Subsampled plates are refused there.
+    """
 
     takes = "model"
     Options = SVIOptions

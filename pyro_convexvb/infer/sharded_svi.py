@@ -162,6 +162,21 @@ def enter_local(x):
     return _EnterLocal.apply(x)
 
 
+def check_full_plates(trace):
+    """Refuse subsampled plates on row-sharded data: each rank would draw its mini-batch indices from its own
+    number of rows, the random streams of the ranks would drift apart and the replicated draws with them."""
+    for name, site in trace.nodes.items():
+        if site["type"] != "sample":
+            continue
+        for f in site.get("cond_indep_stack", ()):
+            full = getattr(f, "full_size", None)
+            if full is not None and f.size is not None and f.size < full:
+                raise NotImplementedError(
+                    f"plate '{f.name}' subsamples {f.size} of {full} rows: mini-batches are not supported on "
+                    "row-sharded data (pcv.distributed.row_sharded); use the full plate (each rank's rows are its "
+                    "batch)")
+
+
 def local_log_prob(trace, first_rank, latent_names=()):
     """``sum`` of the observed sites' log densities, plus the latent sites' only when ``first_rank``
     (each term of the joint density counted once over ranks). ``trace`` has computed log probabilities;
@@ -248,6 +263,8 @@ class ShardedTraceELBO(Trace_ELBO):
         args, kwargs = local_args(args, kwargs)
         loss = 0.0
         for model_trace, guide_trace in self._get_traces(model, guide, args, kwargs):
+            check_full_plates(model_trace)
+            check_full_plates(guide_trace)
             loss_particle, surrogate = self._local_particle(model_trace, guide_trace, first)
             loss += loss_particle / self.num_particles
             if getattr(surrogate, "requires_grad", False):
