@@ -193,3 +193,29 @@ def case_online_sharded(rank, world):
         out[f"{merge}_var"] = torch.from_numpy(est.coef_var_)
         out[f"{merge}_log_loss"] = total
     return out
+
+
+def slowcase_dual_vg_sparse(rank, world):
+    """dual_vg (L-space, Newton-CG) on a sparse logistic problem of 6000 rows and 300 features."""
+    g = torch.Generator().manual_seed(11)
+    q, n = 6000, 300
+    X = torch.randn(q, n, generator=g, dtype=torch.float64) * (torch.rand(q, n, generator=g, dtype=torch.float64) < 0.03)
+    w = torch.randn(n, generator=g, dtype=torch.float64)
+    y = (torch.rand(q, generator=g, dtype=torch.float64) < torch.sigmoid(X @ w)).to(torch.float64)
+    a, b = shard_range(q, rank, world)
+    res = pcv.fit(logistic_model, row_sharded(X[a:b].to_sparse_csr()), y[a:b], engine="dual_vg",
+                  options={"newton_solver": "cg"})
+    out = _summary(res)
+    del out["optimality"]
+    out["converged"] = float(res.converged)
+    return out
+
+
+def slowcase_diag_mixture_long(rank, world):
+    """diag_mixture, K = 3, run to its plateau rule."""
+    X, y = _problem(rank, world, q=400, n=10, seed=12)
+    res = pcv.fit(logistic_model, row_sharded(X), y, engine="diag_mixture",
+                  options={"num_components": 3, "max_steps": 3000, "lr": 0.02})
+    return {"locs": res.posterior.locs, "variances": res.posterior.variances,
+            "bound": res.log_evidence_bound if res.log_evidence_bound is not None else float("nan"),
+            "steps": res.info["steps"]}
