@@ -470,24 +470,119 @@ def labels01(y, dtype=None):
     return out.to(dtype)
 
 
-def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_based="auto", backend="auto"):
-    """Read a LIBSVM/svmlight text file (``label idx:value ...``; ``#`` comments, ``qid:`` ignored).
+def _check_shard(shard):
+    if shard is None:
+        return None
+    try:
+        r, P = (int(v) for v in shard)
+    except (TypeError, ValueError):
+        raise ValueError(f"shard: expected (rank, world_size), got {shard!r}") from None
+    if P < 1 or not 0 <= r < P or tuple(shard) != (r, P):
+        raise ValueError(f"shard: expected integers (rank, world_size) with 0 <= rank < world_size, got {shard!r}")
+    return r, P
+
+
+def _agreeing(shard):
+    """Whether the ranks of ``shard`` are those of the active process group (so they can agree by all-reduce)."""
+    from . import distributed
+
+    return shard is not None and shard[1] > 1 and distributed.is_active() and distributed.world_size() == shard[1] \
+        and distributed.rank() == shard[0]
+
+
+def read_byte_range(path, shard):
+    r"""The text lines of ``path`` that start in byte range ``rank`` of ``world_size`` equal ranges (bytes).
+
+    The file's ``S`` bytes are cut at ``floor(S r / P)``; a rank owns the lines whose first byte lies in its range,
+    so every line belongs to exactly one rank and no rank reads more than its range plus one line.
 
     :param path: file path.
-    :param n_features: number of columns (default: largest index + 1).
+    :param shard: ``(rank, world_size)``.
+    :returns: ``(bytes, start)``: the lines (``b""`` when none starts in the range) and the offset of the first.
+
+    Example::
+
+        >>> import tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "t.txt")
+        >>> _ = open(p, "wb").write(b"a\nbb\nccc\n")
+        >>> [read_byte_range(p, (r, 2))[0] for r in range(2)]
+        [b'a\nbb\n', b'ccc\n']
+    """
+    r, P = _check_shard(shard)
+    size = os.path.getsize(path)
+    a, b = size * r // P, size * (r + 1) // P
+    with open(path, "rb") as f:
+        if a > 0:
+            f.seek(a - 1)
+            f.readline()  # to the first line that starts at or after a
+        start = f.tell()
+        if start >= b:
+            return b"", start
+        data = f.read(b - start)
+        if data and not data.endswith(b"\n"):
+            data += f.readline()
+    return data, start
+
+
+def _load_svmlight_shard(path, n_features, dtype, device, zero_based, shard):
+    import scipy.sparse as sp
+    from . import distributed
+
+    data, _ = read_byte_range(path, shard)
+    indptr, indices, values, y = parse_svmlight_lines(data.decode().splitlines(), str(path))
+    agree = _agreeing(shard)
+    if zero_based == "auto":
+        if shard[1] > 1 and not agree:
+            raise ValueError("zero_based: 'auto' with shard= needs the ranks to agree (an initialised process group "
+                             "whose ranks are the shards); give zero_based=True or False")
+        low = float(indices.min()) if indices.size else math.inf
+        low = distributed.all_reduce_min(low) if agree else low
+        zero_based = low == 0
+    if not zero_based:
+        indices = indices - 1
+    if indices.size and indices.min() < 0:
+        raise ValueError(f"{path}: feature index 0 in a file read as one-based (use zero_based=True)")
+    needed = int(indices.max()) + 1 if indices.size else 0
+    if n_features is None:
+        if shard[1] > 1 and not agree:
+            raise ValueError("n_features: needed with shard= when the ranks cannot agree on it (no process group "
+                             "whose ranks are the shards)")
+        n_features = int(distributed.all_reduce_max(float(needed))) if agree else needed
+    elif n_features < needed:
+        raise ValueError(f"n_features: {n_features} is smaller than the largest feature index + 1 ({needed})")
+    m = sp.csr_matrix((values, indices, indptr), shape=(len(y), n_features))
+    m.sum_duplicates()
+    return _scipy_csr_to_torch(m, dtype, device), torch.as_tensor(y, dtype=dtype, device=device)
+
+
+def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_based="auto", backend="auto",
+                  shard=None):
+    """Read a LIBSVM/svmlight text file (``label idx:value ...``; ``#`` comments, ``qid:`` ignored).
+
+    With ``shard=(rank, world_size)`` only this rank's part of the file is read: the lines that start in
+    byte range ``rank`` of ``world_size`` equal ranges (:func:`read_byte_range`; no rank reads the whole file),
+    parsed by the pure-Python parser. Concatenating the shards in rank order gives the whole file's rows.
+    ``n_features`` and ``zero_based="auto"`` must agree over ranks: when the shards are the ranks of an initialised
+    process group they are agreed by an all-reduce (max index, min index), otherwise give them.
+
+    :param path: file path.
+    :param n_features: number of columns (default: largest index + 1, over all shards).
     :param dtype: floating torch dtype of values and labels.
     :param device: torch device.
     :param zero_based: ``True``, ``False`` or ``"auto"`` (one-based unless an index 0 occurs),
         as in scikit-learn.
     :param backend: ``"sklearn"`` (``sklearn.datasets.load_svmlight_file``), ``"python"`` (a small
         pure parser) or ``"auto"`` (scikit-learn when installed).
+    :param shard: ``None`` (the whole file) or ``(rank, world_size)``.
     :returns: ``(X (N, n_features) torch sparse CSR, y (N,))`` with labels *as in the file*
-        (use :func:`labels01` for {0, 1}).
+        (use :func:`labels01` for {0, 1}); with ``shard``, this rank's rows.
 
     Example::
 
         >>> X, y = load_svmlight("data.svm")        # doctest: +SKIP
         >>> y01 = labels01(y)                       # doctest: +SKIP
+        >>> r, P = pcv.distributed.init()            # doctest: +SKIP
+        >>> X_local, y_local = load_svmlight("data.svm", shard=(r, P))   # doctest: +SKIP
     """
     import scipy.sparse as sp
 
@@ -496,6 +591,9 @@ def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_
         raise ValueError(f"backend: expected 'auto', 'sklearn' or 'python', got {backend!r}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"path: no such file {str(path)!r}")
+    shard = _check_shard(shard)
+    if shard is not None:
+        return _load_svmlight_shard(path, n_features, dtype, device, zero_based, shard)
     if backend == "auto":
         try:
             import sklearn.datasets  # noqa: F401
@@ -518,6 +616,60 @@ def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_
         m = sp.csr_matrix((values, indices, indptr), shape=(len(y), n_features))
     m.sum_duplicates()
     return _scipy_csr_to_torch(m, dtype, device), torch.as_tensor(y, dtype=dtype, device=device)
+
+
+def load_csv(path, label_column=0, delimiter=",", header=False, dtype=torch.float64, device=None, shard=None):
+    r"""Read a numeric CSV file of rows ``label, x_1, ..., x_d`` (the label in column ``label_column``).
+
+    With ``shard=(rank, world_size)`` only the lines that start in byte range ``rank`` of ``world_size`` equal
+    ranges are read (:func:`read_byte_range`; no rank reads the whole file); concatenating the shards in rank order
+    gives the whole file's rows. A header line (``header=True``) is dropped by the rank whose range holds byte 0.
+
+    :param path: file path.
+    :param int label_column: column of the labels (negative counts from the end), or ``None`` for no labels.
+    :param str delimiter: field separator.
+    :param bool header: the first line holds column names.
+    :param dtype: floating torch dtype.
+    :param device: torch device.
+    :param shard: ``None`` or ``(rank, world_size)``.
+    :returns: ``(X (N, d) dense, y (N,))`` (``y`` is ``None`` without a label column).
+
+    Example::
+
+        >>> import tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "t.csv")
+        >>> _ = open(p, "w").write("y,a,b\n1,0.5,2\n0,1,3\n1,2,4\n")
+        >>> X, y = load_csv(p, header=True, shard=(1, 2))
+        >>> X.tolist(), y.tolist()
+        ([[1.0, 3.0], [2.0, 4.0]], [0.0, 1.0])
+    """
+    _check_float_dtype(dtype)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"path: no such file {str(path)!r}")
+    shard = _check_shard(shard)
+    if shard is None:
+        with open(path, "rb") as f:
+            data, start = f.read(), 0
+    else:
+        data, start = read_byte_range(path, shard)
+    lines = data.decode().splitlines()
+    if header and start == 0 and lines:
+        lines = lines[1:]
+    lines = [ln for ln in lines if ln.strip()]
+    if not lines:
+        table = np.zeros((0, 0))
+    else:
+        try:
+            table = np.array([[float(v) for v in ln.split(delimiter)] for ln in lines], dtype=np.float64)
+        except ValueError as e:
+            raise ValueError(f"{path}: a non-numeric field ({e}); header=True skips a header line") from None
+    if label_column is None:
+        return torch.as_tensor(table, dtype=dtype, device=device), None
+    if table.shape[0] == 0:
+        return torch.zeros(0, 0, dtype=dtype, device=device), torch.zeros(0, dtype=dtype, device=device)
+    col = label_column % table.shape[1]
+    X = np.delete(table, col, axis=1)
+    return torch.as_tensor(X, dtype=dtype, device=device), torch.as_tensor(table[:, col], dtype=dtype, device=device)
 
 
 def save_svmlight(path, X, y, zero_based=False):
@@ -658,7 +810,7 @@ def _sample_distinct_rows(counts, n, table, rng):
 
 
 def make_sparse_classification(shape="a9a", scale=1.0, seed=0, dtype=torch.float64, weight_sparsity=0.1,
-                               logit_std=None, device=None, return_intercept=False):
+                               logit_std=None, device=None, return_intercept=False, shard=None):
     r"""Synthetic sparse logistic-regression data shaped like a row of Nickisch & Seeger's (2009) table.
 
     Nickisch & Seeger 2009 (Section 5, data set table) lists q rows, n columns, the number of nonzeros and
@@ -699,6 +851,11 @@ def make_sparse_classification(shape="a9a", scale=1.0, seed=0, dtype=torch.float
     :param logit_std: standard deviation of ``X w`` (default 2 for binary shapes, 6 for tf-idf).
     :param device: torch device of the results (built on CPU).
     :param bool return_intercept: also return ``b``.
+    :param shard: ``None``, or ``(rank, world_size)``: only rows ``shard_range(q, rank, world_size)``
+        (:func:`pyro_convexvb.distributed.shard_range`, contiguous and balanced) of ``X`` and ``y``, equal to
+        that slice of the unsharded output (same seed); ``w_true`` and ``b`` are the global ones. The rank
+        still draws the whole random stream (the generator is sequential: the time of the full generator)
+        but stores only its rows' nonzeros, so memory is its share plus ``8 q`` bytes of predictor values.
     :returns: ``(X (q, n) torch sparse CSR, y (q,) in {0, 1}, w_true (n,))`` [, ``b``].
 
     Example::
@@ -753,8 +910,13 @@ def make_sparse_classification(shape="a9a", scale=1.0, seed=0, dtype=torch.float
     np_dtype = np.float32 if dtype == torch.float32 else np.float64
     crow = np.zeros(q + 1, dtype=np.int64)
     np.cumsum(counts, out=crow[1:])
-    col = np.empty(nnz, dtype=np.int64)
-    val = np.empty(nnz, dtype=np_dtype)
+    shard = _check_shard(shard)
+    from .distributed import shard_range
+
+    lo, hi = (0, q) if shard is None else shard_range(q, *shard)
+    base = crow[lo]
+    col = np.empty(crow[hi] - base, dtype=np.int64)
+    val = np.empty(crow[hi] - base, dtype=np_dtype)
     s = np.empty(q)
     chunk_rows = max(1, int(_CHUNK_NNZ // m))
     for r0 in range(0, q, chunk_rows):
@@ -771,8 +933,10 @@ def make_sparse_classification(shape="a9a", scale=1.0, seed=0, dtype=torch.float
         else:
             v = rng.geometric(0.6, size=len(c)) * idf[c]
             v /= np.sqrt(np.add.reduceat(v * v, starts))[local_rows]
-        col[a:e] = c
-        val[a:e] = v
+        k0, k1 = max(r0, lo), min(r1, hi)
+        if k0 < k1:  # this chunk's rows of the shard
+            col[crow[k0] - base:crow[k1] - base] = c[crow[k0] - a:crow[k1] - a]
+            val[crow[k0] - base:crow[k1] - base] = v[crow[k0] - a:crow[k1] - a]
         s[r0:r1] = np.add.reduceat(v * w[c], starts)
 
     sd = s.std()
@@ -794,9 +958,9 @@ def make_sparse_classification(shape="a9a", scale=1.0, seed=0, dtype=torch.float
         b = 0.5 * (t[n_pos - 1] + t[n_pos])
     y = (np.log(u) - np.log1p(-u) - s < b).astype(np.float64)
 
-    X = torch.sparse_csr_tensor(torch.from_numpy(crow), torch.from_numpy(col), torch.from_numpy(val).to(dtype),
-                                size=(q, n), check_invariants=False)
-    y = torch.as_tensor(y, dtype=dtype)
+    X = torch.sparse_csr_tensor(torch.from_numpy(crow[lo:hi + 1] - base), torch.from_numpy(col),
+                                torch.from_numpy(val).to(dtype), size=(hi - lo, n), check_invariants=False)
+    y = torch.as_tensor(y[lo:hi], dtype=dtype)
     w = torch.as_tensor(w, dtype=dtype)
     if device is not None:
         X, y, w = X.to(device), y.to(device), w.to(device)

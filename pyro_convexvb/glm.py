@@ -73,6 +73,12 @@ class GLM(BaseEstimator):
     :param float init_scale: initial posterior scale.
     :param int seed: random seed (fits are reproducible).
     :param bool progress: show a progress bar.
+    :param bool distributed: ``X``, ``y`` are this rank's rows of data spread over the ranks of an initialised
+        ``torch.distributed`` process group (``torchrun``): the fit (``diag_mixture`` with its gradients
+        all-reduced over ranks) gives every rank the posterior and hyperparameters of the fit on all rows;
+        predictions stay local. Needs full batches (``batch_size=None``) and a fixed basis (no trainable
+        ``basis`` parameters). Without a process group (or with one rank) it fits the rows given
+        (docs/distributed.md).
 
     Fitted attributes: ``posterior_`` (:class:`~pyro_convexvb.infer.diag_mixture.DiagMixturePosterior`
     over ``w``), ``prior_var_``, ``noise_var_`` (gaussian), ``classes_`` (bernoulli), ``result_`` (the
@@ -93,8 +99,9 @@ class GLM(BaseEstimator):
     def __init__(self, likelihood="bernoulli", basis=None, num_components=1, batch_size=None, prior_var=1.0,
                  learn_prior_var=True, noise_var=1.0, learn_noise=True, n_trials=1, learn_basis=True,
                  fit_intercept=True, num_particles=1, entropy="eq24", lr=0.02, max_steps=20000, min_steps=500,
-                 window=250, rtol=2e-4, init_scale=0.1, seed=0, progress=False):
+                 window=250, rtol=2e-4, init_scale=0.1, seed=0, progress=False, distributed=False):
         self.likelihood = likelihood
+        self.distributed = distributed
         self.basis = basis
         self.num_components = num_components
         self.batch_size = batch_size
@@ -221,10 +228,16 @@ class GLM(BaseEstimator):
         from .infer.diag_mixture import DiagMixtureEngine
         from .logistic import binary_targets
 
+        from .distributed import row_sharded, sharded_estimator
+
         self._check_options()
+        sharded = sharded_estimator(self.distributed, "GLM")
+        if sharded and self.batch_size is not None:
+            raise ValueError("GLM: distributed=True needs full batches (batch_size=None): mini-batches drawn on each "
+                             "rank's rows are not the single-process mini-batches")
         X, y = self._validate_X(X, y, reset=True)
         if _is_classifier(self):
-            self.classes_, y = binary_targets(y)
+            self.classes_, y = binary_targets(y, distributed=sharded)
         else:
             self.__dict__.pop("classes_", None)
         y = torch.from_numpy(np.array(y, dtype=np.float64))
@@ -237,6 +250,9 @@ class GLM(BaseEstimator):
                        else self.basis)
         with torch.no_grad():
             self.n_weights_ = design_matrix(self.basis_, X[:2], self.fit_intercept).shape[1]
+        if sharded and self._learn_basis():
+            raise ValueError("GLM: distributed=True needs a fixed basis: pass learn_basis=False (or a basis without "
+                             "trainable parameters)")
         Phi = None if self._learn_basis() else design_matrix(self.basis_, X, self.fit_intercept).detach()
 
         model = _GLMPyroModel(self, trials, Phi, batch)
@@ -248,7 +264,7 @@ class GLM(BaseEstimator):
                 max_steps=int(self.max_steps), min_steps=self.min_steps, window=self.window, rtol=self.rtol,
                 init_scale=self.init_scale, seed=self.seed,
                 vectorize_particles=int(self.num_components) * int(self.num_particles) > 1)
-            res = engine.run(X, y=y)
+            res = engine.run(row_sharded(X) if sharded else X, y=y)
             params = {k: v.detach().clone() for k, v in store.items()}
         self.param_state_ = state
         self.result_ = res

@@ -21,10 +21,12 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 __all__ = ["BayesianLogisticRegression", "binary_targets", "predictive_log_probs", "classifier_outputs"]
 
 
-def binary_targets(y):
+def binary_targets(y, distributed=False):
     """Classes and ``{0, 1}`` targets of a binary classification problem.
 
     :param y: ``(n,)`` labels (any two values; validated by scikit-learn's target checks).
+    :param bool distributed: ``y`` holds this rank's rows of row-sharded data: the classes are those of all
+        ranks (gathered), so every rank codes its labels alike even when its rows hold one class.
     :returns: ``(classes_ (2,), y01 (n,) float64)``; ``classes_[1]`` is the positive class.
     :raises ValueError: continuous targets ("Unknown label type"), more than two classes ("Only binary
         classification is supported"), or a single class.
@@ -37,6 +39,10 @@ def binary_targets(y):
     y = np.asarray(y)
     check_classification_targets(y)
     classes = np.unique(y)
+    if distributed:
+        from .distributed import all_gather_object
+
+        classes = np.unique(np.concatenate([np.asarray(c) for c in all_gather_object(classes)]))
     if classes.shape[0] > 2:
         raise ValueError(f"Only binary classification is supported. The type of the target is "
                          f"{type_of_target(y, input_name='y')}: y holds {classes.shape[0]} classes "
@@ -197,6 +203,13 @@ class BayesianLogisticRegression(BinaryPredictiveClassifier, BaseEstimator):
     :param float intercept_scale: standard deviation of the intercept's prior (``> 0``).
     :param dict options: engine options (``pcv.fit``'s ``options``; e.g. ``{"gap_tol": 1e-10}``).
     :param int num_points: Gauss-Hermite nodes of the predictive probabilities.
+    :param bool distributed: ``X``, ``y`` are this rank's rows of data spread over the ranks of an initialised
+        ``torch.distributed`` process group (``torchrun``): the design is wrapped with
+        :func:`pyro_convexvb.distributed.row_sharded`, the classes are gathered from all ranks, and every rank
+        gets the coefficients of the fit on all rows. The engine must fit row-sharded data (``convex_relaxation``,
+        ``laplace``, and those whose class sets ``distributed = True``); predictions stay local (each rank predicts
+        the rows it is given). Without a process group (or with one rank) it fits the rows given, as with
+        ``False`` (docs/distributed.md).
 
     Fitted attributes (shapes as in :class:`~sklearn.linear_model.LogisticRegression`):
     ``classes_`` ``(2,)``; ``coef_`` ``(1, d)`` and ``intercept_`` ``(1,)`` posterior means;
@@ -221,8 +234,9 @@ class BayesianLogisticRegression(BinaryPredictiveClassifier, BaseEstimator):
     """
 
     def __init__(self, engine="dual_vg", prior_scale=1.0, fit_intercept=True, intercept_scale=10.0, options=None,
-                 num_points=64):
+                 num_points=64, distributed=False):
         self.engine = engine
+        self.distributed = distributed
         self.prior_scale = prior_scale
         self.fit_intercept = fit_intercept
         self.intercept_scale = intercept_scale
@@ -273,10 +287,15 @@ class BayesianLogisticRegression(BinaryPredictiveClassifier, BaseEstimator):
         from .lgm.model import LatentGaussianModel
         from .lgm.sites import BernoulliLogit
 
+        from .distributed import row_sharded, sharded_estimator
+
         engine, auto, options = self._check_options()
+        sharded = sharded_estimator(self.distributed, "BayesianLogisticRegression")
         X, y = validate_data(self, sklearn_input(X), sklearn_input(y), accept_sparse="csr", dtype=np.float64)
-        self.classes_, y01 = binary_targets(y)
+        self.classes_, y01 = binary_targets(y, distributed=sharded)
         design = _design(X, self.fit_intercept)
+        if sharded:
+            design = row_sharded(design)
         yt = torch.from_numpy(y01)
         d = X.shape[1]
         model = _LogisticModel(d, 1.0 if auto else self.prior_scale, self.intercept_scale, bool(self.fit_intercept),

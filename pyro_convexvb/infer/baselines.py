@@ -42,6 +42,7 @@ from ..lgm.extract import full_data_plates, latent_sites
 from .engine import Engine, EngineOptions, Optimality, Solution, option
 from .optimality import gaussian_decrement, monte_carlo_objective
 from .posterior import GaussianPosterior
+from .sharded_svi import ShardedTraceELBO, data_reduction, sharded_lgm_or_none
 
 __all__ = [
     "SVIOptions",
@@ -69,12 +70,17 @@ EXACT_BOUND_MAX = 5000
 # shared pieces
 # ---------------------------------------------------------------------------------------------
 
-def flat_log_joint(model, args, kwargs):
+def flat_log_joint(model, args, kwargs, reduction=None):
     """``log_joint(U)``: log density of the model at flat unconstrained points ``U`` ``(s, n)`` -> ``(s,)``.
 
     Latent sites are packed in trace order (as :class:`~pyro.infer.autoguide.AutoContinuous`
     does), mapped to their supports by ``biject_to`` with the log-Jacobian added, and every
     subsampled plate runs at full size. Differentiable in ``U``.
+
+    With ``reduction`` (row-sharded data, :func:`~.sharded_svi.data_reduction`) the replicated ``U``
+    enters each rank's model run through :func:`~.sharded_svi.enter_local`, and the observed sites of
+    all ranks plus the latent sites and log-Jacobians counted once (on rank 0) are summed by
+    :func:`~.sharded_svi.sum_over_ranks`: value and gradient are those of the full-data log joint.
 
     :returns: ``(log_joint, n)``.
     """
@@ -85,9 +91,18 @@ def flat_log_joint(model, args, kwargs):
         shape = t.inv(site["value"]).shape
         parts.append((name, t, shape, int(math.prod(shape))))
     n = sum(p[3] for p in parts)
+    if reduction is not None:
+        from .sharded_svi import _rank, enter_local, local_args, local_log_prob, sum_over_ranks
+
+        first = _rank() == 0
+        args, kwargs = local_args(args, kwargs)
+    else:
+        enter_local = None
 
     def log_joint(U):
         out = []
+        if enter_local is not None:
+            U = enter_local(U)  # one collective in the backward, whatever the order autograd takes
         for u in U:
             vals, ld, start = {}, u.new_zeros(()), 0
             for name, t, shape, size in parts:
@@ -98,8 +113,12 @@ def flat_log_joint(model, args, kwargs):
                 vals[name] = v
             with full_data_plates():
                 tr = poutine.trace(poutine.condition(model, data=vals)).get_trace(*args, **kwargs)
+            if enter_local is not None:
+                tr.compute_log_prob()
+                out.append(u.new_zeros(()) + local_log_prob(tr, first, vals) + (ld if first else 0.0))
+                continue
             out.append(tr.log_prob_sum() + ld)
-        return torch.stack(out)
+        return torch.stack(out) if enter_local is None else sum_over_ranks(torch.stack(out))
 
     return log_joint, n
 
@@ -114,7 +133,8 @@ def try_lgm(model, args, kwargs):
         return None
 
 
-def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, seed=0, mixture_objective=None):
+def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, seed=0, mixture_objective=None,
+                           reduction=None):
     """Bound and natural-gradient decrement of a Gaussian ``posterior`` of ``call.model``.
 
     Exact variational-Gaussian bound when ``lgm`` (the model's latent Gaussian model) is given and
@@ -132,7 +152,7 @@ def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, see
             return lgm.evidence_lower_bound(m, variance=S) if S.dim() == 1 else lgm.evidence_lower_bound(m, S)
         name = "natural-gradient decrement of the exact evidence bound (nats)"
     else:
-        log_joint, n = flat_log_joint(call.model, call.args, call.kwargs)
+        log_joint, n = flat_log_joint(call.model, call.args, call.kwargs, reduction)
         if n != posterior.n:
             raise ValueError(f"the model has {n} unconstrained latent dimensions, the posterior {posterior.n}")
         objective = monte_carlo_objective(log_joint, n, check_particles, loc.dtype, loc.device, seed)
@@ -237,13 +257,22 @@ class SVILowRankOptions(SVIOptions):
 
 
 class SVIEngine(Engine):
-    """Pyro SVI on an autoguide (subclasses set ``guide_cls``), then an honest optimality check."""
+    """Pyro SVI on an autoguide (subclasses set ``guide_cls``), then an honest optimality check.
+
+    On row-sharded data (:func:`pyro_convexvb.distributed.row_sharded` under a process group) every rank
+    draws the same particle, runs the model on its own rows, and the parameter gradients and the loss are
+    all-reduced as in ``DistributedDataParallel`` (:class:`~.sharded_svi.ShardedTraceELBO`; observed sites
+    counted on every rank, latent sites and the guide on rank 0): the fit equals the single-process fit on
+    all rows up to the order of floating-point additions. Subsampled plates are refused there.
+    """
 
     takes = "model"
     Options = SVIOptions
     guide_cls = None
     optimality_measure = ("natural-gradient decrement of the evidence bound <= decrement_tol (exact bound for latent "
                           "Gaussian models, Monte Carlo otherwise); stops at an ELBO plateau or max_steps")
+
+    distributed = True  # row-sharded data: gradients all-reduced (sharded_svi)
 
     def make_guide(self, model):
         return self.guide_cls(model, init_scale=self.options.init_scale)
@@ -257,17 +286,21 @@ class SVIEngine(Engine):
         guide = self.make_guide(model)
         forget_params(guide._pyro_name)
         optim = pyro.optim.ClippedAdam({"lr": o.lr, "betas": (0.9, 0.999), "clip_norm": o.clip_norm})
-        svi = SVI(model, guide, optim,
-                  Trace_ELBO(num_particles=o.num_particles, vectorize_particles=o.vectorize_particles))
+        red = data_reduction(call.args, call.kwargs)
+        if red is None:
+            elbo = Trace_ELBO(num_particles=o.num_particles, vectorize_particles=o.vectorize_particles)
+        else:  # row-sharded data: local surrogate, gradients all-reduced (see sharded_svi)
+            elbo = ShardedTraceELBO(red, num_particles=o.num_particles, vectorize_particles=o.vectorize_particles)
+        svi = SVI(model, guide, optim, elbo)
         bar = run.bar(total=o.max_steps, unit="step")
         losses, reason = svi_until_plateau(svi, optim, call.args, call.kwargs, max_steps=o.max_steps,
                                            min_steps=o.min_steps, window=o.window, rtol=o.rtol, lr_decay=o.lr_decay,
                                            bar=bar, history=run.history, name=self.name)
         posterior = self.posterior_of(guide)
-        lgm = try_lgm(call.source, call.args, call.kwargs)
+        lgm = sharded_lgm_or_none(try_lgm(call.source, call.args, call.kwargs), red, call.args, call.kwargs)
         with torch.enable_grad():
             bound, opt = variational_optimality(call, posterior, lgm, tol=o.decrement_tol,
-                                                check_particles=o.check_particles, seed=o.seed)
+                                                check_particles=o.check_particles, seed=o.seed, reduction=red)
         info = {"elbo_estimate": -sum(losses[-o.window:]) / min(o.window, len(losses)), "steps": len(losses),
                 "guide": guide, "hyperparameters": model_param_values(call)}
         return Solution(posterior, bound, opt, reason, info, lgm=lgm)
@@ -336,6 +369,7 @@ class _FullDataEngine(Engine):
 
 class LaplaceEngine(_FullDataEngine):
     name = "laplace"
+    distributed = True
     description = "Pyro AutoLaplaceApproximation: MAP by L-BFGS, Gaussian from the Hessian"
     Options = LaplaceOptions
     optimality_measure = "max |gradient| of the log joint at the mode, relative to 1 + |log joint|, <= grad_tol"
@@ -351,12 +385,22 @@ class LaplaceEngine(_FullDataEngine):
         elbo.differentiable_loss(model, guide, *call.args, **call.kwargs)  # creates the parameters
         params = [p for name, p in pyro.get_param_store().named_parameters()
                   if name.startswith(guide._pyro_name + ".")]
-        res = minimize_lbfgs(params, lambda: elbo.differentiable_loss(model, guide, *call.args, **call.kwargs),
+        from ..distributed import find_comm
+
+        sharded = find_comm(call.args, call.kwargs) is not None
+        if not sharded:
+            loss = lambda: elbo.differentiable_loss(model, guide, *call.args, **call.kwargs)  # noqa: E731
+        else:  # row-sharded data: the likelihood of this rank's rows, summed over ranks; the prior once
+            loss = lambda: _sharded_map_loss(model, guide, call.args, call.kwargs)  # noqa: E731
+        res = minimize_lbfgs(params, loss,
                              max_iter=o.max_iter, grad_tol=0.0, history=run.history,
                              bar=run.bar(total=int(1.25 * o.max_iter), unit="eval"), name=self.name)
         rel = res.grad_norm / (1.0 + abs(res.value))
         try:
-            lap = guide.laplace_approximation(*call.args, **call.kwargs)
+            if sharded:
+                loc, cov = _sharded_laplace(model, guide, call.args, call.kwargs)
+            else:
+                lap = guide.laplace_approximation(*call.args, **call.kwargs)
         except torch.linalg.LinAlgError as e:
             from ..errors import NotPositiveDefiniteError
 
@@ -364,8 +408,11 @@ class LaplaceEngine(_FullDataEngine):
                 f"engine '{self.name}': the Hessian of the negative log joint at the mode found by L-BFGS is not "
                 "positive definite, so the Laplace approximation does not exist there (a hierarchical model's "
                 "mode often sits at the neck of its funnel, where a scale goes to 0)") from e
-        q = lap.get_posterior()
-        posterior = GaussianPosterior(q.loc.detach().clone(), covariance=q.covariance_matrix.detach().clone())
+        if sharded:
+            posterior = GaussianPosterior(loc, covariance=cov)
+        else:
+            q = lap.get_posterior()
+            posterior = GaussianPosterior(q.loc.detach().clone(), covariance=q.covariance_matrix.detach().clone())
         lgm = try_lgm(call.source, call.args, call.kwargs)
         bound = None
         q = posterior
@@ -378,6 +425,46 @@ class LaplaceEngine(_FullDataEngine):
         opt = Optimality.single("max |gradient| of the log joint at the mode / (1 + |log joint|)", rel, o.grad_tol)
         return Solution(posterior, bound, opt, reason, {"map_grad_norm": res.grad_norm, "evaluations": res.evaluations},
                         lgm=lgm)
+
+
+def _sharded_map_loss(model, guide, args, kwargs):
+    """``-log p(y, u)`` at the guide's point with row-sharded data (``pcv.distributed``).
+
+    The model runs on this rank's rows (row-sharded designs swapped for their local operator, no communication
+    inside); the latent values enter it through ``enter_local`` (identity forward, all-reduced backward) and
+    ``sum_over_ranks`` adds the observed sites of every rank and the latent sites of rank 0, so value, gradient
+    and Hessian are those of the full-data log joint on every rank (the guide's own log density, replicated,
+    is counted once outside the sum)."""
+    from ..distributed import rank
+    from .sharded_svi import enter_local, local_args, sum_over_ranks
+
+    largs, lkwargs = local_args(args, kwargs)
+    guide_tr = poutine.trace(guide).get_trace(*largs, **lkwargs)
+    latent = {name: site["value"] for name, site in guide_tr.nodes.items()
+              if site["type"] == "sample" and not site["is_observed"]}
+    values = {name: enter_local(v) for name, v in latent.items()}
+    model_tr = poutine.trace(poutine.condition(model, data=values)).get_trace(*largs, **lkwargs)
+    model_tr.compute_log_prob()
+    first = rank() == 0
+    local = guide_tr.log_prob_sum().new_zeros(())
+    for name, site in model_tr.nodes.items():
+        if site["type"] != "sample" or type(site["fn"]).__name__ == "_Subsample":
+            continue
+        if name not in latent or first:
+            local = local + site["log_prob_sum"]
+    return guide_tr.log_prob_sum() - sum_over_ranks(local)
+
+
+def _sharded_laplace(model, guide, args, kwargs):
+    """``(loc, covariance)`` of the Laplace approximation from the Hessian of :func:`_sharded_map_loss` (what
+    ``AutoLaplaceApproximation.laplace_approximation`` computes on one process)."""
+    loc = guide.loc
+    loss = _sharded_map_loss(model, guide, args, kwargs)
+    g = torch.autograd.grad(loss, loc, create_graph=True)[0]
+    H = torch.stack([torch.autograd.grad(g[i], loc, retain_graph=True)[0] for i in range(loc.shape[0])])
+    H = 0.5 * (H + H.transpose(0, 1)).detach()
+    torch.linalg.cholesky(H)  # raises LinAlgError when not positive definite, as on one process
+    return loc.detach().clone(), torch.cholesky_inverse(torch.linalg.cholesky(H))
 
 
 def _full_data(model):

@@ -52,6 +52,7 @@ from .baselines import (
 from .engine import Optimality, Solution, option
 from .optimality import mixture_decrement, monte_carlo_objective
 from .posterior import GaussianPosterior
+from .sharded_svi import data_reduction, sharded_lgm_or_none
 
 __all__ = [
     "entropy_lower_bound",
@@ -488,15 +489,34 @@ class DiagMixtureELBO(ELBO):
         inside an outermost plate (the model must broadcast over a leading batch dimension, e.g.
         use ``pcv.linear(X, w)`` instead of ``X @ w``); otherwise one model run per particle.
     :param max_plate_nesting: as in Pyro's ELBOs (guessed when needed).
+    :param reduction: ``None``, or for row-sharded data (:func:`~.sharded_svi.data_reduction`) the
+        reduction over ranks: every rank draws the same stratified particles (same seed), evaluates the
+        model on its own rows, and counts its observed sites plus -- on rank 0 only -- the latent
+        sites, log-Jacobians and the entropy bound; gradients and the loss are then summed over ranks
+        (as in ``DistributedDataParallel``), which is the single-process objective and gradient up
+        to the order of floating-point additions (:mod:`~pyro_convexvb.infer.sharded_svi`).
     """
 
-    def __init__(self, num_particles=1, entropy="eq24", vectorize_particles=False, max_plate_nesting=float("inf")):
+    def __init__(self, num_particles=1, entropy="eq24", vectorize_particles=False, max_plate_nesting=float("inf"),
+                 reduction=None):
         _entropy_fn(entropy)
         if not isinstance(num_particles, int) or num_particles < 1:
             raise ValueError(f"num_particles must be a positive integer, got {num_particles!r}")
         super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting,
                          vectorize_particles=vectorize_particles)
         self.entropy = entropy
+        self.reduction = reduction
+
+    def _joint_terms(self, tr, log_det):
+        """``log p(y, z) + log|T'|`` of a model trace; on row-sharded data this rank's share (see ``reduction``)."""
+        if self.reduction is None:
+            return tr.log_prob_sum() + log_det
+        from .sharded_svi import _rank, check_full_plates, local_log_prob
+
+        check_full_plates(tr)
+        first = _rank() == 0
+        tr.compute_log_prob()
+        return local_log_prob(tr, first, set(self._latent_names)) + (log_det if first else 0.0)
 
     def _get_trace(self, model, guide, args, kwargs):
         # Pyro's ELBO interface; this loss never needs guide traces with sampled log q
@@ -520,6 +540,7 @@ class DiagMixtureELBO(ELBO):
             self.max_plate_nesting = -min(dims) if dims else 0
         mpn = int(self.max_plate_nesting)
         values, log_det = self._constrain(guide, z.reshape((P,) + (1,) * mpn + z.shape[-1:]))
+        self._latent_names = tuple(values)
         with pyro.plate("_diag_mixture_particles", P, dim=-(mpn + 1)):
             tr = poutine.trace(poutine.condition(model, data=values)).get_trace(*args, **kwargs)
         self._check_model_trace(tr, guide)
@@ -531,15 +552,16 @@ class DiagMixtureELBO(ELBO):
                     f"{tuple(site['fn'].batch_shape)}, more than max_plate_nesting + 1 = {mpn + 1} dims, so the model "
                     "does not broadcast over the particle plate (e.g. a global vector latent of shape (P, 1, D) "
                     "multiplied into (P, 1, N)); use vectorize_particles=False")
-        return (tr.log_prob_sum() + log_det) / P
+        return self._joint_terms(tr, log_det) / P
 
     def _log_joint_sequential(self, model, guide, z, args, kwargs):
         total = 0.0
         for zp in z:
             values, log_det = self._constrain(guide, zp)
+            self._latent_names = tuple(values)
             tr = poutine.trace(poutine.condition(model, data=values)).get_trace(*args, **kwargs)
             self._check_model_trace(tr, guide)
-            total = total + tr.log_prob_sum() + log_det
+            total = total + self._joint_terms(tr, log_det)
         return total / z.shape[0]
 
     @staticmethod
@@ -564,23 +586,35 @@ class DiagMixtureELBO(ELBO):
 
     def differentiable_loss(self, model, guide, *args, **kwargs):
         """``-ELBO`` as a differentiable scalar (one stratified draw of ``K * L`` particles)."""
+        if self.reduction is not None:
+            from .sharded_svi import _rank, local_args
+
+            args, kwargs = local_args(args, kwargs)
         self._check_guide(guide, args, kwargs)
         z, locs, variances = guide._stratified_latent(self.num_particles)
         if self.vectorize_particles:
             e_log_joint = self._log_joint_vectorized(model, guide, z, args, kwargs)
         else:
             e_log_joint = self._log_joint_sequential(model, guide, z, args, kwargs)
+        if self.reduction is not None and _rank() != 0:  # the entropy bound is counted once, on rank 0
+            return -e_log_joint
         return -(e_log_joint + _entropy_fn(self.entropy)(locs, variances))
 
     def loss(self, model, guide, *args, **kwargs):
         with torch.no_grad():
-            return float(self.differentiable_loss(model, guide, *args, **kwargs))
+            loss = self.differentiable_loss(model, guide, *args, **kwargs)
+            return float(loss if self.reduction is None else self.reduction.sum(loss.detach()))
 
     def loss_and_grads(self, model, guide, *args, **kwargs):
         loss = self.differentiable_loss(model, guide, *args, **kwargs)
         if loss.requires_grad:
             loss.backward()
-        return float(loss.detach())
+        if self.reduction is None:
+            return float(loss.detach())
+        from .sharded_svi import all_reduce_param_grads
+
+        all_reduce_param_grads(self.reduction)
+        return float(self.reduction.sum(loss.detach()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -806,6 +840,9 @@ class DiagMixtureEngine(SVIEngine):
     Gaussian models, the larger of the Eq. 24 and Bhattacharyya entropy bounds) in the block-diagonal
     Fisher metric of the components (:func:`~pyro_convexvb.infer.optimality.mixture_decrement`).
 
+    On row-sharded data the ELBO's gradients and loss are all-reduced over ranks (see
+    :class:`DiagMixtureELBO`'s ``reduction``), which gives the single-process fit.
+
     ``log_evidence_bound`` is :func:`mixture_evidence_bound` with ``entropy="best"`` for latent
     Gaussian models (``info["bound_eq24"]`` with Eq. 24 alone: it sits ``(D/2)(1 - log 2)`` below the
     entropy at ``K = 1``), else ``None``; ``info["elbo_estimate"]`` is the last window's stochastic
@@ -818,7 +855,7 @@ class DiagMixtureEngine(SVIEngine):
     optimality_measure = ("natural-gradient decrement of the mixture's evidence bound (block-diagonal Fisher) <= "
                           "decrement_tol; stops at an ELBO plateau or max_steps")
 
-    def _use_natural_gradient(self, call, lgm, guide):
+    def _use_natural_gradient(self, call, lgm, guide, reduction=None):
         """Whether this run optimises the exact bound by natural gradients (``optimizer`` option); raises when
         asked for ``'natural_gradient'`` on a model it does not apply to."""
         o = self.options
@@ -826,6 +863,8 @@ class DiagMixtureEngine(SVIEngine):
             return False
         n_guide = guide.locs.shape[-1]
         why = _natural_gradient_refusal(call, lgm, n_guide, o.learn_params)
+        if why is None and reduction is not None:
+            why = "the data are row-sharded over processes, which only the SVI optimiser reduces"
         if o.optimizer == "natural_gradient":
             if why is not None:
                 raise UnsupportedModelError("optimizer", f"engine 'diag_mixture' with optimizer='natural_gradient': "
@@ -941,15 +980,16 @@ class DiagMixtureEngine(SVIEngine):
         guide = AutoDiagMixture(model, num_components=o.num_components, init_scale=o.init_scale,
                                 init_spread=o.init_spread)
         forget_params(guide._pyro_name)
+        red = data_reduction(call.args, call.kwargs)
         lgm = None if o.optimizer == "svi" else try_lgm(call.source, call.args, call.kwargs)
         with poutine.block(), torch.no_grad():
             guide(*call.args, **call.kwargs)  # builds the prototype and the initial parameters
-        if self._use_natural_gradient(call, lgm, guide):
+        if self._use_natural_gradient(call, lgm, guide, red):
             value, steps, reason = self._fit_natural_gradient(guide, lgm, run)
             info_opt = {"optimizer": "natural_gradient", "elbo_estimate": value, "steps": steps}
         else:
             loss = DiagMixtureELBO(num_particles=o.num_particles, entropy=o.entropy,
-                                   vectorize_particles=o.vectorize_particles)
+                                   vectorize_particles=o.vectorize_particles, reduction=red)
             optim = pyro.optim.ClippedAdam({"lr": o.lr, "betas": (0.9, 0.999), "clip_norm": o.clip_norm})
             svi = pyro.infer.SVI(model, guide, optim, loss)
             cb = None if o.callback is None else (lambda step, value: o.callback(step, value, guide))
@@ -964,6 +1004,7 @@ class DiagMixtureEngine(SVIEngine):
             posterior = DiagMixturePosterior(locs.detach().clone(), scales.detach().clone() ** 2)
         if lgm is None:
             lgm = try_lgm(call.source, call.args, call.kwargs)
+        lgm = sharded_lgm_or_none(lgm, red, call.args, call.kwargs)
         exact = lgm is not None and lgm.n == posterior.n
         info = dict(info_opt, guide=guide, entropy=o.entropy, hyperparameters=model_param_values(call))
         best = "best"
@@ -984,7 +1025,7 @@ class DiagMixtureEngine(SVIEngine):
             if measured != best:
                 name = f"natural-gradient decrement of the exact mixture evidence bound, {measured} entropy (nats)"
         else:
-            log_joint, n = flat_log_joint(call.model, call.args, call.kwargs)
+            log_joint, n = flat_log_joint(call.model, call.args, call.kwargs, red)
             mc = [monte_carlo_objective(log_joint, n, o.check_particles, locs.dtype, locs.device, o.seed + k)
                   for k in range(o.num_components)]
             const = 0.5 * n * (1 + math.log(2 * math.pi))

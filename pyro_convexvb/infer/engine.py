@@ -380,10 +380,13 @@ class Engine:
 
     Class attributes a subclass sets: ``name`` (registry name), ``description`` (one line),
     ``Options`` (its :class:`EngineOptions` subclass), ``takes`` (``"lgm"`` or ``"model"``) and
-    ``optimality_measure`` (what ``converged`` means, for the docs).
+    ``optimality_measure`` (what ``converged`` means, for the docs), and ``distributed`` (``True`` when it fits
+    row-sharded data, :mod:`pyro_convexvb.distributed`, reducing every sum over sites across ranks; an engine
+    left at ``False`` refuses such data rather than fit this rank's rows only).
     """
 
     name: ClassVar[str] = ""
+    distributed: ClassVar[bool] = False
     description: ClassVar[str] = ""
     Options: ClassVar[type] = EngineOptions
     takes: ClassVar[str] = "lgm"
@@ -559,6 +562,7 @@ class Engine:
         from ..lgm.model import LatentGaussianModel
 
         t0 = time.perf_counter()
+        self._check_distributed(args, kwargs)
         params = self._type2_params(args, kwargs)
         if params:
             return self._run_type2(params, args, kwargs, t0)
@@ -590,6 +594,21 @@ class Engine:
         finally:
             run.close()
         return self._result(sol, run, lgm if lgm is not None else sol.lgm, args, kwargs, t0)
+
+    def _check_distributed(self, args, kwargs):
+        """Refuse row-sharded data (``pcv.distributed.row_sharded``) unless the engine reduces its site sums."""
+        if type(self).distributed:
+            return
+        from ..distributed import comm_of, find_comm
+
+        if find_comm(args, kwargs) is None and comm_of(self.model) is None:
+            return
+        from .registry import get_engine, engines
+
+        able = sorted(name for name in engines() if getattr(get_engine(name), "distributed", False))
+        raise NotImplementedError(
+            f"engine '{self.name}' cannot fit row-sharded data (pcv.distributed.row_sharded): it would fit this "
+            f"rank's rows only. Engines that fit row-sharded data: {', '.join(able) or 'none'}")
 
     def _type2_params(self, args, kwargs):
         """The model's ``pyro.param`` sites when this engine learns them in an outer type-II loop, else ``[]``."""

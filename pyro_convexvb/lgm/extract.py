@@ -575,6 +575,10 @@ def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
     :raises UnsupportedModelError: naming the site and the reason, for models outside the class, and
         (site ``'<model>'``) for a model that fails on mixed float32/float64 tensors.
 
+    With row-sharded data (an argument made by :func:`pyro_convexvb.distributed.row_sharded`, an active process
+    group) every observed site holds this rank's rows: the model is extracted on them with no communication and
+    each site group's design becomes a row-sharded operator (:func:`pyro_convexvb.distributed.shard_sites`).
+
     Example::
 
         >>> import pyro, pyro.distributions as dist, torch
@@ -587,6 +591,14 @@ def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
         >>> torch.allclose(lgm.sites[0].design.to_dense(), X)
         True
     """
+    from ..distributed import find_comm, local_only, shard_sites
+
+    if find_comm(args, kwargs) is not None:
+        # row-sharded data (pcv.distributed): extract on this rank's rows with no communication (probes are
+        # local), then mark every site group as this rank's rows of the global design
+        with local_only():
+            lgm = lgm_from_pyro(model, *args, dtype=dtype, keep_graph=keep_graph, **kwargs)
+        return shard_sites(lgm)
     previous = _KEEP_GRAPH[0]
     _KEEP_GRAPH[0] = bool(keep_graph)
     try:

@@ -389,13 +389,26 @@ class LatentGaussianModel:
             total = total - 0.5 * quad
         return total - 0.5 * self.prior_logdet_cov() - 0.5 * sum(p.size for p in self.priors if not p.flat) * math.log(2 * math.pi)
 
+    def site_sum(self, t):
+        """Sum over the sites of all ranks of a local site sum ``t`` when the designs are row-sharded
+        (:mod:`pyro_convexvb.distributed`; differentiable), else ``t``."""
+        from ..distributed import comm_of, reduce_sites
+
+        return reduce_sites(comm_of(self), t)
+
     def log_likelihood(self, u):
-        """``sum_i log t_i(eta_i)`` for ``u`` of shape ``(n,)``."""
-        return sum(g.family.log_prob(g.eta(u)).sum() for g in self.sites)
+        """``sum_i log t_i(eta_i)`` for ``u`` of shape ``(n,)`` (over all ranks' rows when row-sharded)."""
+        return self.site_sum(sum(g.family.log_prob(g.eta(u)).sum() for g in self.sites))
 
     def log_joint(self, u):
-        """``log p(y, u)`` of the model as written (all constants included)."""
-        return self.log_prior(u) + self.log_likelihood(u) + self.log_const
+        """``log p(y, u)`` of the model as written (all constants included; ``log_const`` belongs to the sites:
+        with row-sharded data it is this rank's share and is summed over ranks)."""
+        from ..distributed import comm_of
+
+        if comm_of(self) is None:
+            return self.log_prior(u) + self.log_likelihood(u) + self.log_const
+        return self.log_prior(u) + self.site_sum(sum(g.family.log_prob(g.eta(u)).sum() for g in self.sites)
+                                                 + self.log_const)
 
     def evidence_lower_bound(self, loc, cov=None, num_points=64, *, variance=None):
         """Exact variational-Gaussian ELBO ``E_q[log p(y, u)] + H[q]`` for ``q = N(loc, cov)`` or ``N(loc, diag(variance))``.
@@ -452,7 +465,11 @@ class LatentGaussianModel:
             else:
                 v = self._marginal_var(g, cov)
             e_lik = e_lik + g.family.expected_log_prob(m, v, num_points).sum()
-        return e_prior + e_lik + self.log_const
+        from ..distributed import comm_of
+
+        if comm_of(self) is None:
+            return e_prior + e_lik + self.log_const
+        return e_prior + self.site_sum(e_lik + self.log_const)
 
     @staticmethod
     def _block_precision(p):

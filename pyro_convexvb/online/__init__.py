@@ -4,12 +4,15 @@
 * baselines in the same API: :class:`OnlineADF`, :class:`OnlineDimGauss`,
   :class:`OnlineMarginalVB`, :class:`OnlineAdaGradLogistic`;
 * streams: :func:`make_online_stream`, :func:`iter_svmlight`, :func:`iter_csv`,
-  :func:`iter_criteo`, :func:`hash_features`, :func:`progressive_regret`.
+  :func:`iter_criteo`, :func:`hash_features`, :func:`progressive_regret`;
+* row-sharded streams: :class:`ShardedOnline` (periodic merging in natural parameters over
+  ``torch.distributed`` ranks, an approximation of the sequential algorithm), :func:`simulate_sharded`.
 
 The numba kernels (``pip install 'pyro_convexvb[fast]'``) are used when available; the NumPy
 reference path in :mod:`pyro_convexvb.online.equations` works without them.
 """
 from .baselines import OnlineADF, OnlineAdaGradLogistic, OnlineDimGauss, OnlineMarginalVB
+from .distributed import ShardedOnline, simulate_sharded
 from .logistic import OnlineBayesLogistic
 from .streams import (OnlineStream, hash_features, iter_criteo, iter_csv, iter_svmlight, make_online_stream,
                       progressive_regret)
@@ -27,4 +30,6 @@ __all__ = [
     "iter_csv",
     "iter_criteo",
     "progressive_regret",
+    "ShardedOnline",
+    "simulate_sharded",
 ]

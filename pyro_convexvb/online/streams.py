@@ -41,18 +41,31 @@ class OnlineStream:
     (CSR ``(m, d)`` and ``(m,)`` labels in ``{-1, +1}``); the rows do not depend on
     ``chunk_size``: row ``t`` is the same however the stream is cut.
 
-    :ivar theta: ``(d,)`` true weights.
+    With ``shard=(rank, world_size)`` the stream is one rank's share of the global stream: its
+    generation blocks of ``2^14`` rows are the global blocks ``rank, rank + world_size, ...``
+    (block-cyclic), generated directly (no rank draws another's rows). The shards of all ranks
+    together are the global stream's rows; :meth:`global_block` gives a block of the global order.
+
+    :ivar theta: ``(d,)`` true weights (the same on every shard).
     :ivar int num_features: ``d``.
+    :ivar shard: ``None`` or ``(rank, world_size)``.
     """
 
-    def __init__(self, theta, sampler, link, seed):
+    def __init__(self, theta, sampler, link, seed, shard=None):
         self.theta = theta
         self.num_features = theta.shape[0]
         self.link = link
         self._sampler = sampler
         self._seed = seed
+        self.shard = shard
 
     def _block(self, b):
+        if self.shard is not None:
+            b = b * self.shard[1] + self.shard[0]
+        return self.global_block(b)
+
+    def global_block(self, b):
+        """Rows ``b 2^14 ... (b + 1) 2^14 - 1`` of the global (unsharded) stream, as ``(X, y)``."""
         rng = np.random.default_rng([self._seed, 1, b])
         X = self._sampler(rng, _BLOCK)
         p = eq.link_cdf(X @ self.theta, self.link)
@@ -98,7 +111,7 @@ def _zipf_cdf(size, exponent):
 
 
 def make_online_stream(d=200, d_t=20, weight_std=1.0, binary=True, categorical=None, zipf=None, seed=0,
-                       link="logit"):
+                       link="logit", shard=None):
     """Synthetic sparse logistic (or probit) stream of Shamir & Szpankowski 2021, §4 and Appendix E.
 
     * Random features (``categorical=None``): each of the ``d`` features is present with
@@ -120,6 +133,9 @@ def make_online_stream(d=200, d_t=20, weight_std=1.0, binary=True, categorical=N
     :param zipf: ``None`` (uniform within a category) or the Zipf exponent ``s > 0``.
     :param int seed: the stream is a function of ``seed`` only.
     :param str link: ``"logit"`` or ``"probit"`` label model.
+    :param shard: ``None`` or ``(rank, world_size)``: this rank's share of the stream, generated
+        directly (block-cyclic blocks of ``2^14`` rows; see :class:`OnlineStream`), for
+        :class:`~pyro_convexvb.online.ShardedOnline`.
     :returns: :class:`OnlineStream`.
 
     Example::
@@ -131,6 +147,14 @@ def make_online_stream(d=200, d_t=20, weight_std=1.0, binary=True, categorical=N
     """
     if link not in eq.LINKS:
         raise ValueError(f"link: expected one of {eq.LINKS}, got {link!r}")
+    if shard is not None:
+        try:
+            r, P = (int(v) for v in shard)
+        except (TypeError, ValueError):
+            raise ValueError(f"shard: expected (rank, world_size), got {shard!r}") from None
+        if P < 1 or not 0 <= r < P:
+            raise ValueError(f"shard: expected integers (rank, world_size) with 0 <= rank < world_size, got {shard!r}")
+        shard = None if P == 1 else (r, P)
     if not (weight_std >= 0 and math.isfinite(weight_std)):
         raise ValueError(f"weight_std: expected a finite number >= 0, got {weight_std!r}")
     if zipf is not None and not zipf > 0:
@@ -183,7 +207,7 @@ def make_online_stream(d=200, d_t=20, weight_std=1.0, binary=True, categorical=N
             indptr = np.arange(0, m * n_cat + 1, n_cat)
             return sp.csr_matrix((np.ones(m * n_cat), cols.ravel(), indptr), shape=(m, d))
     theta = np.random.default_rng([seed, 0]).normal(0.0, weight_std, size=d)
-    return OnlineStream(theta, sampler, link, seed)
+    return OnlineStream(theta, sampler, link, seed, shard)
 
 
 # ----------------------------------------------------------------------------- hashing

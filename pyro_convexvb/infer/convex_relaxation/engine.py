@@ -107,6 +107,7 @@ class ConvexVariationalRelaxation(Engine):
     """
 
     name = "convex_relaxation"
+    distributed = True
     description = ("convex variational relaxation for super-Gaussian sites (double loop: IRLS+CG inner, Lanczos "
                    "outer; Nickisch & Seeger 2009)")
     Options = ConvexRelaxationOptions

@@ -55,7 +55,7 @@ class InnerResult:
 def _site_value(prob, s, z):
     if not prob.q:
         return s.new_zeros(())
-    return prob.pot.h_star(s, z, derivatives=0)[0].sum()
+    return prob.site_sum(prob.pot.h_star(s, z, derivatives=0)[0].sum())
 
 
 def inner_loop(prob, z, u0, *, max_newton=20, cg_tol=1e-6, newton_tol=1e-8, cg_max_iter=None,

@@ -310,7 +310,7 @@ def logdet_upper_bound(prob, w, lanczos_result=None):
     if lanczos_result is not None:
         if isinstance(lanczos_result, WhitenedLanczos):
             form, res = lanczos_result.form, lanczos_result.result
-            trace = n + form.gauss_trace + (float(w @ form.site_prior_var) if prob.q else 0.0)
+            trace = n + form.gauss_trace + (prob.site_dot(w, form.site_prior_var) if prob.q else 0.0)
             shift = -form.logdet
         elif d is not None:
             res, trace, shift = lanczos_result, float(d.sum()), 0.0
@@ -473,8 +473,8 @@ def h_value(prob, gamma, x_star=None):
     if not prob.q:
         return 0.0
     if x_star is None:
-        return float(prob.pot.h(gamma).sum())
-    return float((-(x_star / gamma + 2 * prob.pot.g(x_star))).sum())
+        return float(prob.site_sum(prob.pot.h(gamma).sum()))
+    return float(prob.site_sum((-(x_star / gamma + 2 * prob.pot.g(x_star))).sum()))
 
 
 def phi_value(prob, gamma, u, logdet, x_star=None):
@@ -612,7 +612,11 @@ def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, 
         stats["newton_steps"].append(inner.newton_steps)
         stats["cg_iterations"].append(list(inner.cg_iterations))
         stats["inner_converged"].append(inner.converged)
-        rel_gamma = float(torch.linalg.vector_norm(inner.gamma - gamma) / torch.linalg.vector_norm(gamma))
+        if prob.comm is None:
+            rel_gamma = float(torch.linalg.vector_norm(inner.gamma - gamma) / torch.linalg.vector_norm(gamma))
+        else:
+            dg = inner.gamma - gamma
+            rel_gamma = math.sqrt(prob.site_dot(dg, dg) / prob.site_dot(gamma, gamma))
         stats["rel_gamma"].append(rel_gamma)
         u, gamma = inner.u, inner.gamma
         x_star = z + inner.s * inner.s

@@ -59,6 +59,7 @@ from ...linalg.operators import (
     TransposedOperator,
     ZeroOperator,
 )
+from ...distributed import RowShardedOperator, comm_of, reduce_sites
 from .potentials import PotentialStack, potential_for
 
 __all__ = ["RelaxationProblem", "CovarianceForm", "operator_diagonal", "operator_flops", "square_root_factor"]
@@ -159,6 +160,8 @@ def operator_flops(op):
         return float(op.shape[0])
     if isinstance(op, SparseOperator):
         return 2.0 * op.nnz
+    if isinstance(op, RowShardedOperator):
+        return operator_flops(op.local)
     if isinstance(op, (StackedOperator, BlockDiagonalOperator, SumOperator)):
         return float(sum(operator_flops(o) for o in op.operators))
     if isinstance(op, ComposedOperator):
@@ -239,6 +242,16 @@ class RelaxationProblem:
         self.n = lgm.n
         self.dtype, self.device = lgm.dtype, lgm.device
         self.counts = {}
+        # row-sharded data (pcv.distributed): every site group holds this rank's rows; sums over sites are
+        # reduced over ranks by site_sum, latent-sized vectors are replicated
+        self.comm = comm_of(lgm)
+        if self.comm is not None:
+            for g in list(lgm.gaussian_groups) + list(lgm.nongaussian_groups):
+                if comm_of(g.design) is None:
+                    raise UnsupportedModelError(
+                        g.name, "engine 'convex_relaxation' with row-sharded data (pcv.distributed.row_sharded) needs "
+                                "every site group to be built on row-sharded rows; this group's design is replicated "
+                                "(e.g. a Laplace prior's sites): use a Gaussian prior, or fit on one process")
         # ---- Gaussian prior blocks
         self.prior_blocks = []  # (slice, precision operator, loc)
         for p, b in zip(lgm.priors, lgm.layout.blocks):
@@ -281,6 +294,15 @@ class RelaxationProblem:
         self._xty = None
         self._diag_xtx = None
 
+    def site_sum(self, t):
+        """Sum over the sites of all ranks of a local site sum ``t`` (tensor or number; the identity on one
+        process)."""
+        return reduce_sites(self.comm, t)
+
+    def site_dot(self, a, b):
+        """Inner product of two site vectors ``(q,)`` over all ranks (a float)."""
+        return float(self.site_sum((a * b).sum()))
+
     # ------------------------------------------------------------------ Gaussian part
     def xtx_mv(self, v):
         """``X^T X v`` for ``v`` of shape ``(n,)`` or ``(n, k)``."""
@@ -315,8 +337,11 @@ class RelaxationProblem:
         for sl, P, loc in self.prior_blocks:
             r = u[sl] - loc
             total = total + r @ P.mv(r)
-        for Bg, og, y, sd in self.gauss:
-            total = total + (((y - og - Bg.mv(u)) / sd) ** 2).sum()
+        if self.gauss:
+            rows = u.new_zeros(())
+            for Bg, og, y, sd in self.gauss:
+                rows = rows + (((y - og - Bg.mv(u)) / sd) ** 2).sum()
+            total = total + self.site_sum(rows)
         return total
 
     def diag_xtx(self):
@@ -468,6 +493,7 @@ class RelaxationProblem:
             for Bg, _, _, sd in self.gauss:
                 Wg = Bg.mv(C)
                 gauss_trace += float(((Wg * Wg).sum(1) / sd**2).sum())
+        gauss_trace = float(self.site_sum(gauss_trace))
         self._cov_form = CovarianceForm(L, torch.cat(prior_var), z0, gauss_trace, logdet, n_dense / n)
         return self._cov_form
 
@@ -493,8 +519,8 @@ class RelaxationProblem:
         """``R(u, gamma) = ||y~ - X u||^2 + s^T Gamma^{-1} s - 2 beta^T s`` (Nickisch & Seeger 2009, §2.1)."""
         s = self.s(u) if s is None else s
         val = self.quad(u)
-        if self.q:
-            val = val + (s * s / gamma - 2 * self.pot.beta * s).sum()
+        if self.q or self.comm is not None:
+            val = val + self.site_sum((s * s / gamma - 2 * self.pot.beta * s).sum())
         return val
 
     def mean_rhs(self, gamma):
@@ -510,7 +536,10 @@ class RelaxationProblem:
         two_pi = math.log(2 * math.pi)
         n_prior = sum(sl.stop - sl.start for sl, _, _ in self.prior_blocks)
         log_cg = -0.5 * n_prior * two_pi - 0.5 * lgm.prior_logdet_cov()
+        # site constants: the observed rows' normalisers, sum_i kappa_i and the model's log_const (observed
+        # sites and factors free of the latents: this rank's data when sharded)
+        local = float(lgm.log_const)
         for _, _, _, sd in self.gauss:
-            log_cg -= float(torch.log(sd).sum()) + 0.5 * sd.numel() * two_pi
-        kappa = float(self.pot.kappa.sum()) if self.q else 0.0
-        return float(lgm.log_const) + kappa + log_cg + 0.5 * self.n * two_pi
+            local -= float(torch.log(sd).sum()) + 0.5 * sd.numel() * two_pi
+        local += float(self.pot.kappa.sum()) if self.q else 0.0
+        return float(self.site_sum(local)) + log_cg + 0.5 * self.n * two_pi

@@ -22,6 +22,7 @@ from ..engine import Criterion, Engine, LGMEngineOptions, Optimality, Solution, 
 from .bounds import LOGIT_BOUNDS, LogitJaakkolaBound, StackedBound, make_bound
 from .objective import BandedPrecisionBackend, LatentSpaceBackend, SiteSpaceBackend, exact_elbo
 from .optim import default_gap_tol, refine_exact, solve_dual
+from .sharding import sharded_design, site_reduction
 
 __all__ = ["DualVG", "DualVGEngine", "DualVGOptions", "fit_dual_vg", "site_space_predictive", "dual_vg_applies",
            "build_dual_problem", "SUPPORTED_FAMILIES"]
@@ -72,6 +73,12 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
     :param str form: ``"site"`` (``N x N``), ``"latent"`` (``L x L``), ``"banded"`` (sparse
         precision) or ``"auto"``: banded when the prior is a sparse precision only and every site
         reads one latent; else latent space when ``L < N``; else site space.
+
+    Row-sharded data (a design wrapped by :func:`pyro_convexvb.distributed.row_sharded` under an
+    initialised process group) runs in the ``L x L`` form only: each rank keeps its own sites, ``W^T u``
+    and ``W^T Lambda W`` are all-reduced (:mod:`.sharding`). ``form="auto"`` then selects it; the
+    site and banded forms raise, since their ``N x N`` (or site-indexed sparse) matrices couple the
+    sites of all ranks.
     """
     ok, reason = dual_vg_applies(lgm)
     if not ok:
@@ -80,11 +87,16 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
         raise ValueError(f"form: expected 'auto', 'site', 'latent' or 'banded', got {form!r}")
     bounds = [make_bound(g.family, bound, xi) for g in lgm.sites]
     lb = bounds[0] if len(bounds) == 1 else StackedBound(bounds)
-    W = lgm.design()
+    W, comm = sharded_design(lgm.design())
     d = lgm.offset()
     mu = lgm.prior_loc
     N, L = W.shape
     precision_only = lgm.prior_cov is None
+    if comm is not None:
+        if form in ("site", "banded"):
+            raise ValueError(f"dual_vg: form='{form}' cannot run on row-sharded data (its matrices couple the sites of "
+                             f"every rank); use form='latent' (the L x L form, or form='auto', which selects it)")
+        form = "latent"
     if form == "auto":
         if precision_only and len(lgm.priors) == 1 and isinstance(lgm.priors[0].prec, SparseOperator) \
                 and (_is_identity(W, L) or _one_per_row(W)):
@@ -100,7 +112,8 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
         backend = BandedPrecisionBackend(Q, mu, None if _is_identity(W, L) else W, d)
     elif form == "latent":
         backend = LatentSpaceBackend(W, mu, d, prior_cov=None if precision_only else lgm.dense_prior_cov(),
-                                     prior_prec=lgm.dense_prior_prec(), prior_logdet_cov=lgm.prior_logdet_cov())
+                                     prior_prec=lgm.dense_prior_prec(), prior_logdet_cov=lgm.prior_logdet_cov(),
+                                     comm=comm)
     else:
         S = lgm.dense_prior_cov()
         if _is_identity(W, L):
@@ -197,10 +210,19 @@ class DualVGEngine(Engine):
                    "duality gap")
     Options = DualVGOptions
     optimality_measure = "duality gap (nats) <= gap_tol"
+    distributed = True  # row-sharded data in the L x L form (build_dual_problem)
 
     @classmethod
     def applies(cls, lgm):
         return dual_vg_applies(lgm)
+
+    def extract(self, *args, **kwargs):
+        """The latent Gaussian model; on row-sharded data with a predictor whose Jacobian extraction probed into
+        local rows (``pcv.linear(Xs, w) + b``), its designs are marked row-sharded again
+        (:func:`~pyro_convexvb.infer.sharded_svi.reshard_lgm`)."""
+        from ..sharded_svi import reshard_lgm
+
+        return reshard_lgm(super().extract(*args, **kwargs), args, kwargs)
 
     def warm_start_options(self, result):
         return {"alpha0": result.info["alpha"]} if "alpha" in result.info else {}
@@ -221,6 +243,9 @@ class DualVGEngine(Engine):
             raise ValueError(f"engine '{self.name}': learn_params needs a local bound that does not depend on "
                              "theta through its variational parameters; the 'jaakkola' bound fixes xi at the prior "
                              "marginals -- use bound='tight', 'jensen' or 'bohning', or learn_params=False")
+        if sharded_design(lgm.design())[1] is not None:
+            raise ValueError(f"engine '{self.name}': type-II learning of model parameters (learn_params) is not "
+                             "available on row-sharded data; fit with learn_params=False")
         q = result.posterior
         if q.n != lgm.n:
             q = lgm.latent_marginal(q)
@@ -268,7 +293,7 @@ class DualVGEngine(Engine):
         bound_value = float(exact_elbo(backend, lb, alpha, lam, terms, lgm.log_const))
         posterior = _posterior(backend, alpha, lam)
         posterior.layout = lgm.layout
-        gap_tol = default_gap_tol(len(lb)) if o.gap_tol is None else o.gap_tol
+        gap_tol = default_gap_tol(site_reduction(backend).count(len(lb))) if o.gap_tol is None else o.gap_tol
         info.update(alpha=alpha, lam=lam, gap=sol.gap, dual_objective=sol.g, lvb_elbo=sol.g - sol.gap + lgm.log_const,
                     site_mean=terms.m_tilde, site_var=terms.v_tilde, iterations=sol.iterations,
                     evaluations=sol.evaluations, cg_iterations=sol.cg_iterations, form=form, bound=o.bound,

@@ -32,6 +32,7 @@ import torch
 
 from ..posterior import GaussianPosterior
 from ...linalg.operators import DenseOperator, SparseOperator, as_operator
+from .sharding import site_reduction
 
 __all__ = [
     "SiteSpaceBackend",
@@ -161,13 +162,19 @@ class LatentSpaceBackend:
     :param torch.Tensor prior_prec: ``(L, L)`` prior precision ``Sigma^{-1}``.
     :param torch.Tensor mu: ``(L,)`` prior mean.
     :param torch.Tensor offset: ``(N,)`` fixed offset ``d``.
+    :param comm: ``None`` (one process) or a :class:`~.sharding.SiteReduction`: then ``W`` and
+        ``offset`` are this rank's rows of the design (``N`` is the local number of sites) and the
+        latent-space products ``W^T u`` and ``W^T Lambda W`` are all-reduced, so ``A``, its Cholesky
+        factor and the posterior are replicated while every site-sized vector stays local.
     """
 
     kind = "latent"
 
-    def __init__(self, W, mu, offset=None, prior_cov=None, prior_prec=None, prior_logdet_cov=None):
+    def __init__(self, W, mu, offset=None, prior_cov=None, prior_prec=None, prior_logdet_cov=None, comm=None):
         op = as_operator(W)
         self.N, self.L = op.shape
+        self.comm = comm
+        self.N_global = self.N if comm is None else comm.count(self.N)
         self.mu = mu
         self.d = torch.zeros(self.N, dtype=mu.dtype, device=mu.device) if offset is None else offset
         if prior_prec is None and prior_cov is None:
@@ -203,16 +210,26 @@ class LatentSpaceBackend:
             return self.Wd.transpose(0, 1)
         return torch.as_tensor(self._W_sp.T.toarray(), dtype=self.mu.dtype, device=self.mu.device)
 
+    def _rmv(self, u):
+        """``W^T u`` over all sites (all-reduced when row-sharded)."""
+        r = self.op.rmv(u)
+        return r if self.comm is None else self.comm.sum(r)
+
     def _gram(self, lam):
         if self.Wd is not None:
-            return self.Wd.transpose(0, 1) @ (lam[:, None] * self.Wd)
-        import scipy.sparse as sp
+            G = self.Wd.transpose(0, 1) @ (lam[:, None] * self.Wd)
+        else:
+            import scipy.sparse as sp
 
-        G = (self._W_sp.T @ sp.diags(lam.detach().cpu().numpy()) @ self._W_sp).toarray()
-        return torch.as_tensor(G, dtype=self.mu.dtype, device=self.mu.device)
+            G = (self._W_sp.T @ sp.diags(lam.detach().cpu().numpy()) @ self._W_sp).toarray()
+            G = torch.as_tensor(G, dtype=self.mu.dtype, device=self.mu.device)
+        return G if self.comm is None else self.comm.sum(G)
 
     def _factor(self, lam):
-        if self._cache is not None and _same(self._cache[0], lam):
+        hit = self._cache is not None and _same(self._cache[0], lam)
+        if self.comm is not None:
+            hit = self.comm.all(hit)  # every rank must join the all-reduce of the Gram matrix
+        if hit:
             return self._cache[1]
         A = self.P + self._gram(lam)
         R = _chol(0.5 * (A + A.transpose(0, 1)), "Sigma^{-1} + W^T Lam W")
@@ -223,13 +240,16 @@ class LatentSpaceBackend:
 
     def evaluate(self, alpha, lam, hessian=False):
         A, R, G = self._factor(lam)
-        Wa = self.op.rmv(alpha)
+        Wa = self._rmv(alpha)
         SWa = self.S @ Wa
         m = self.mu - SWa
         v = (G * G).sum(0)
         logdet_B = 2 * torch.log(torch.diagonal(R)).sum() + self.logdet_S
         terms = PriorTerms(self.op.mv(m) + self.d, v, logdet_B, Wa @ SWa)
         if hessian:
+            if self.comm is not None:
+                raise ValueError("dual_vg: the dense N x N Hessian is not available on row-sharded sites; use the "
+                                 "matrix-free one (newton_solver='cg' or 'auto')")
             terms.V_tilde = G.transpose(0, 1) @ G
             Wt = self._Wt_dense()
             terms.Sigma_tilde = Wt.transpose(0, 1) @ (self.S @ Wt)
@@ -243,7 +263,7 @@ class LatentSpaceBackend:
     def posterior(self, alpha, lam, prior=None):
         """Gaussian over ``z``: ``m = mu - Sigma W^T alpha``, precision ``A`` (Khan et al. 2013, Eqs. 17-18)."""
         A, R, G = self._factor(lam)
-        m = self.mu - self.S @ self.op.rmv(alpha)
+        m = self.mu - self.S @ self._rmv(alpha)
         return GaussianPosterior(m, precision=0.5 * (A + A.transpose(0, 1)))
 
 
@@ -294,8 +314,10 @@ class LatentSpaceHessian:
     def mv(self, x):
         """``H x`` in ``O(N L^2)``."""
         be, G = self.backend, self.G
-        St_x = be.op.mv(be.S @ be.op.rmv(x))
+        St_x = be.op.mv(be.S @ be._rmv(x))
         M = (G * (self.dl * x)) @ G.transpose(0, 1)  # G diag(l' x) G^T  (L, L)
+        if be.comm is not None:
+            M = be.comm.sum(M)  # a sum over sites: all ranks' columns of G
         had = ((M @ G) * G).sum(0)  # (V_t o V_t)(l' x)
         return St_x + self.diag * x + 0.5 * self.dl * had
 
@@ -311,12 +333,14 @@ class LatentSpaceHessian:
             self._pre = (Dinv, _chol(0.5 * (K + K.transpose(0, 1)), "Sigma^{-1} + W^T D^{-1} W"))
         Dinv, RK = self._pre
         y = Dinv * r
-        z = torch.cholesky_solve(self.backend.op.rmv(y)[:, None], RK)[:, 0]
+        z = torch.cholesky_solve(self.backend._rmv(y)[:, None], RK)[:, 0]
         return y - Dinv * self.backend.op.mv(z)
 
     def to_dense(self):
-        """The ``N x N`` matrix (tests and small problems only)."""
+        """The ``N x N`` matrix (tests and small problems only; one process)."""
         be, G = self.backend, self.G
+        if be.comm is not None:
+            raise ValueError("LatentSpaceHessian.to_dense: not available on row-sharded sites")
         Wt = be._Wt_dense()
         V = G.transpose(0, 1) @ G
         H = Wt.transpose(0, 1) @ (be.S @ Wt) + 0.5 * self.dl[:, None] * (V * V) * self.dl[None, :]
@@ -702,15 +726,20 @@ def reduced_objective(backend, bound, alpha, hessian=False):
         :class:`LatentSpaceHessian` when the backend offers one, else dense).
     :returns: :class:`DualValue` (``g = +inf`` outside the domain).
     """
+    red = site_reduction(backend)
     lo, hi = bound.alpha_domain(alpha)
-    if not bool(((alpha > lo) & (alpha < hi)).all()):
+    if not red.all(bool(((alpha > lo) & (alpha < hi)).all())):
         inf = torch.full((), math.inf, dtype=alpha.dtype, device=alpha.device)
         return DualValue(inf, None, None, None, None)
     lam, dl, d2l = bound.ell(alpha)
     psi, dpsi, d2psi = bound.psi(alpha)
     operator = hessian == "operator" and hasattr(backend, "hessian_operator")
     t = backend.evaluate(alpha, lam, hessian=bool(hessian) and not operator)
-    g = -0.5 * alpha @ (backend.mu_t + t.m_tilde) - 0.5 * t.logdet_B + psi.sum()
+    if red.active:  # the site sums of all ranks in one all_reduce
+        a_m, psi_sum = red.sum(torch.stack([alpha @ (backend.mu_t + t.m_tilde), psi.sum()]))
+        g = -0.5 * a_m - 0.5 * t.logdet_B + psi_sum
+    else:
+        g = -0.5 * alpha @ (backend.mu_t + t.m_tilde) - 0.5 * t.logdet_B + psi.sum()
     grad = -t.m_tilde - 0.5 * dl * t.v_tilde + dpsi
     H = None
     if operator:
@@ -776,6 +805,10 @@ def lvb_elbo(backend, bound, alpha, lam, terms=None):
     A lower bound on ``log p(y)`` for every ``(alpha, lambda >= 0)``.
     """
     t = backend.evaluate(alpha, lam) if terms is None else terms
+    red = site_reduction(backend)
+    if red.active:
+        lv, fs = red.sum(torch.stack([lam @ t.v_tilde, bound.f(t.m_tilde, t.v_tilde).sum()]))
+        return 0.5 * (lv - t.quad - t.logdet_B) - fs
     return 0.5 * (lam @ t.v_tilde - t.quad - t.logdet_B) - bound.f(t.m_tilde, t.v_tilde).sum()
 
 
@@ -788,5 +821,9 @@ def exact_elbo(backend, bound, alpha, lam, terms=None, log_const=0.0):
     Gauss-Hermite) expected log-likelihoods at the site marginals; never inverts ``Sigma``.
     """
     t = backend.evaluate(alpha, lam) if terms is None else terms
+    red = site_reduction(backend)
+    if red.active:
+        lv, ex = red.sum(torch.stack([lam @ t.v_tilde, bound.exact_expected_log_prob(t.m_tilde, t.v_tilde).sum()]))
+        return 0.5 * (lv - t.quad - t.logdet_B) + ex + log_const
     return (0.5 * (lam @ t.v_tilde - t.quad - t.logdet_B)
             + bound.exact_expected_log_prob(t.m_tilde, t.v_tilde).sum() + log_const)

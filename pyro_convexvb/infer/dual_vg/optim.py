@@ -22,6 +22,7 @@ from ...linalg.cg import cg
 from ..result import History
 from .bounds import numerical_conjugate
 from .objective import reduced_objective
+from .sharding import LOCAL, site_reduction
 
 __all__ = ["DualSolution", "solve_dual", "minimize_joint", "initial_alpha", "default_gap_tol", "refine_exact"]
 
@@ -67,12 +68,12 @@ def _clip_into(a, bound, margin=1e-10):
     return a
 
 
-def _max_step(alpha, d, bound, fraction=0.995):
+def _max_step(alpha, d, bound, fraction=0.995, red=LOCAL):
     lo, hi = bound.alpha_domain(alpha)
     big = torch.full_like(alpha, math.inf)
     up = torch.where((d > 0) & torch.isfinite(hi), (hi - alpha) / d, big)
     dn = torch.where((d < 0) & torch.isfinite(lo), (lo - alpha) / d, big)
-    t = float(torch.minimum(up, dn).min())
+    t = red.min(float(torch.minimum(up, dn).min()) if alpha.numel() else math.inf)
     return min(1.0, fraction * t)
 
 
@@ -88,8 +89,50 @@ def _clip_direction(alpha, d, bound, fraction=0.995):
     return torch.minimum(torch.maximum(d, dn), up)
 
 
-def _gap(bound, alpha, val):
-    return float(bound.fenchel_young_residual(alpha, val.m_tilde, val.v_tilde).sum())
+def _gap(bound, alpha, val, red=LOCAL):
+    return float(red.sum(bound.fenchel_young_residual(alpha, val.m_tilde, val.v_tilde).sum()))
+
+
+def _site_pcg(matvec, b, precond, rtol, max_iter, red):
+    """Preconditioned CG on site vectors spread over ranks (inner products reduced by ``red``).
+
+    The one-column, ``x0 = 0``, ``true_residual=False``, ``on_negative_curvature="truncate"`` case of
+    :func:`~pyro_convexvb.linalg.cg` (Steihaug 1983), with the same arithmetic, so a row-sharded
+    Newton step takes the same CG iterations as the single-process one.
+
+    :returns: ``(x, iterations)``.
+    """
+    x = torch.zeros_like(b)
+    r = b.clone()
+    tol = rtol * red.norm(b)
+    rnorm = red.norm(r)
+    if not rnorm > tol or max_iter <= 0:
+        return x, 0
+    z = precond(r)
+    rz = red.dot(r, z)
+    p = z.clone()
+    first, it = True, 0
+    while True:
+        Ap = matvec(p)
+        it += 1
+        pAp = red.dot(p, Ap)
+        neg = not pAp > 0
+        if neg and not math.isfinite(pAp):
+            raise ValueError("matmul returned NaN or inf during CG")
+        alpha = (1.0 if first else 0.0) if neg else rz / pAp
+        x.add_(p, alpha=alpha)
+        r.add_(Ap, alpha=-alpha)
+        rn = red.norm(r)
+        if not rz > 0:
+            raise ValueError("the preconditioner is not positive definite: r^T M^{-1} r <= 0 during CG")
+        if neg or rn <= tol or it >= max_iter:
+            return x, it
+        z = precond(r)
+        rz_new = red.dot(r, z)
+        beta = rz_new / rz
+        rz = rz_new
+        p = z + beta * p
+        first = False
 
 
 def solve_dual(backend, bound, alpha0=None, *, method="newton", gap_tol=None, max_iter=None, memory=20,
@@ -126,12 +169,13 @@ def solve_dual(backend, bound, alpha0=None, *, method="newton", gap_tol=None, ma
         raise ValueError(f"method: expected 'newton' or 'lbfgs', got {method!r}")
     if method == "newton" and getattr(backend, "kind", "") == "banded" and not hasattr(backend, "hessian_operator"):
         method = "lbfgs"
-    N = len(bound)
+    red = site_reduction(backend)
+    N = red.count(len(bound))
     gap_tol = default_gap_tol(N) if gap_tol is None else float(gap_tol)
     max_iter = (100 if method == "newton" else 2000) if max_iter is None else int(max_iter)
     history = History() if history is None else history
     alpha = initial_alpha(backend, bound) if alpha0 is None else _clip_into(alpha0.detach().clone(), bound)
-    if not torch.isfinite(alpha).all():
+    if not red.all(bool(torch.isfinite(alpha).all())):
         raise ValueError("alpha0: the starting point contains NaN or inf")
     if method == "newton":
         return _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback, newton_solver)
@@ -154,6 +198,11 @@ def _use_operator_hessian(backend, newton_solver):
     """Dense ``N x N`` Newton system or matrix-free PCG (``"auto"``: PCG when it is the cheaper one)."""
     if newton_solver not in ("auto", "dense", "cg"):
         raise ValueError(f"newton_solver: expected 'auto', 'dense' or 'cg', got {newton_solver!r}")
+    if getattr(backend, "comm", None) is not None:  # row-sharded sites: no N x N matrix anywhere
+        if newton_solver == "dense":
+            raise ValueError("dual_vg: option newton_solver='dense' needs every site in one process; with row-sharded "
+                             "data use newton_solver='cg' or 'auto' (matrix-free Newton-CG)")
+        return True
     if not hasattr(backend, "hessian_operator") or newton_solver == "dense":
         return False
     if newton_solver == "cg" or getattr(backend, "kind", "") == "banded":  # sparse GMRF: no dense Hessian
@@ -168,13 +217,14 @@ def _use_operator_hessian(backend, newton_solver):
 def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback, newton_solver="auto",
             cg_max_iter=200):
     mode = "operator" if _use_operator_hessian(backend, newton_solver) else True
+    red = site_reduction(backend)
     cg_iterations = 0
     val = reduced_objective(backend, bound, alpha, hessian=mode)
     if not torch.isfinite(val.g):
         raise ValueError("the starting alpha lies outside the conjugate's domain")
     nev, converged, it, stalled = 1, False, 0, 0
     for it in range(max_iter + 1):
-        gap = _gap(bound, alpha, val)
+        gap = _gap(bound, alpha, val, red)
         history.record(objective=float(val.g), gap=gap, elbo=float(val.g) - gap, evaluations=nev)
         if callback is not None:
             callback(alpha, val, gap)
@@ -191,6 +241,10 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
                 jitter *= 10
                 Lh, info = torch.linalg.cholesky_ex(H + jitter * torch.eye(H.shape[0], dtype=H.dtype, device=H.device))
             d = -torch.cholesky_solve(val.grad[:, None], Lh)[:, 0]
+        elif red.active:  # row-sharded sites: the same CG with inner products reduced over ranks
+            gnorm = red.norm(val.grad)
+            d, its = _site_pcg(H.mv, -val.grad, H.precondition, min(0.1, math.sqrt(gnorm)), cg_max_iter, red)
+            cg_iterations += its
         else:  # matrix-free Hessian (L-space form): inexact Newton by preconditioned CG
             gnorm = float(val.grad.norm())
             # truncated at non-positive curvature (Steihaug 1983), from x0 = 0 and without a true-residual check
@@ -200,11 +254,11 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
             d = res.x
             cg_iterations += res.iterations
         dc = _clip_direction(alpha, d, bound)
-        if float(val.grad @ dc) < 0:
+        if red.dot(val.grad, dc) < 0:
             d, t = dc, 1.0
         else:
-            t = _max_step(alpha, d, bound)
-        dec = -float(val.grad @ d)
+            t = _max_step(alpha, d, bound, red=red)
+        dec = -red.dot(val.grad, d)
         accepted = False
         for _ in range(60):
             cand = alpha + t * d
@@ -226,13 +280,14 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
 
 
 def _lbfgs(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback):
+    red = site_reduction(backend)
     val = reduced_objective(backend, bound, alpha)
     if not torch.isfinite(val.g):
         raise ValueError("the starting alpha lies outside the conjugate's domain")
     S, Y = [], []
     nev, converged, it = 1, False, 0
     for it in range(max_iter + 1):
-        gap = _gap(bound, alpha, val)
+        gap = _gap(bound, alpha, val, red)
         history.record(objective=float(val.g), gap=gap, elbo=float(val.g) - gap, evaluations=nev)
         if callback is not None:
             callback(alpha, val, gap)
@@ -241,12 +296,12 @@ def _lbfgs(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, c
             break
         if it == max_iter:
             break
-        d = -_two_loop(val.grad, S, Y)
-        if float(val.grad @ d) >= 0:  # not a descent direction: restart
+        d = -_two_loop(val.grad, S, Y, red)
+        if red.dot(val.grad, d) >= 0:  # not a descent direction: restart
             S, Y = [], []
             d = -val.grad
-        dec = -float(val.grad @ d)
-        t = _max_step(alpha, d, bound)
+        dec = -red.dot(val.grad, d)
+        t = _max_step(alpha, d, bound, red=red)
         accepted = False
         for _ in range(60):
             cand = alpha + t * d
@@ -262,7 +317,7 @@ def _lbfgs(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, c
                 continue
             break
         s, yv = cand - alpha, new.grad - val.grad
-        if float(s @ yv) > 1e-12 * float(yv @ yv):
+        if red.dot(s, yv) > 1e-12 * red.dot(yv, yv):
             S.append(s)
             Y.append(yv)
             if len(S) > memory:
@@ -272,19 +327,19 @@ def _lbfgs(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, c
     return _finish(alpha, val, gap, it, nev, converged, history, on_fail, gap_tol, "lbfgs")
 
 
-def _two_loop(grad, S, Y):
+def _two_loop(grad, S, Y, red=LOCAL):
     q = grad.clone()
     rhos, alphas = [], []
     for s, y in zip(reversed(S), reversed(Y)):
-        rho = 1.0 / float(y @ s)
-        a = rho * float(s @ q)
+        rho = 1.0 / red.dot(y, s)
+        a = rho * red.dot(s, q)
         q = q - a * y
         rhos.append(rho)
         alphas.append(a)
     if S:
-        q = q * (float(S[-1] @ Y[-1]) / float(Y[-1] @ Y[-1]))
+        q = q * (red.dot(S[-1], Y[-1]) / red.dot(Y[-1], Y[-1]))
     for (s, y), rho, a in zip(zip(S, Y), reversed(rhos), reversed(alphas)):
-        b = rho * float(y @ q)
+        b = rho * red.dot(y, q)
         q = q + (a - b) * s
     return q
 
@@ -300,6 +355,9 @@ def minimize_joint(backend, bound, alpha0, lam0, *, gap_tol=None, max_iter=500, 
 
     :returns: :class:`DualSolution`.
     """
+    if getattr(backend, "comm", None) is not None:
+        raise ValueError("dual_vg: the joint (alpha, lambda) dual of a generic bound does not run on row-sharded "
+                         "sites; use a family with a closed-form bound (Bernoulli logit/probit, Poisson, Gaussian)")
     N = alpha0.shape[0]
     gap_tol = default_gap_tol(N) if gap_tol is None else float(gap_tol)
     history = History() if history is None else history

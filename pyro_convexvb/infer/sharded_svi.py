@@ -1,0 +1,284 @@
+r"""Data-parallel Pyro SVI on row-sharded data (``torch.distributed``), equal to the one-process fit.
+
+Each rank runs the unchanged Pyro model on its own rows (a design wrapped by
+:func:`pyro_convexvb.distributed.row_sharded`, its own labels). The ELBO of all rows is
+
+.. math::
+
+    \mathcal L(\theta) = \sum_r \mathbb E_q[\log p(y_r \mid z)] + \mathbb E_q[\log p(z) - \log q_\theta(z)],
+
+a sum over ranks of each rank's expected log-likelihood plus the prior and entropy terms, which
+belong to no rank. The SVI engines here make every rank compute
+
+* the **same draw** ``z ~ q_theta`` (the same seed on every rank, and the guide is replicated), so
+  the reparameterised particle is identical everywhere;
+* a **local surrogate** ``-(log p(y_r | z) + [r = 0] (log p(z) - log q(z)))``: the observed sites of
+  its trace, plus the latent sites and the guide only on rank 0, so that every term of the ELBO is
+  counted exactly once;
+* its gradients, which are then **all-reduced** (summed) over ranks, as PyTorch's
+  ``DistributedDataParallel`` does: the sum of the local gradients is the gradient of the full
+  ELBO at the common draw, bit for bit the single-process estimator up to the order of the
+  floating-point additions. The loss value is all-reduced the same way, so the plateau rule of the
+  engines stops every rank at the same step.
+
+Every observed site (``obs=``, ``pyro.factor``) is taken to hold this rank's rows; a latent
+(non-observed) site is replicated. A model that observes replicated data (a prior written as an
+observed factor, say) would count it once per rank: write such terms as latent priors.
+
+For functions of the replicated latents evaluated outside SVI (the Monte Carlo decrement of the
+engines' optimality check), :func:`enter_local` and :func:`sum_over_ranks` are the pair of
+autograd-aware collectives (identity forward / all-reduce backward, and all-reduce forward /
+identity backward) that give the full gradient with respect to replicated inputs.
+"""
+import torch
+from pyro.infer import Trace_ELBO
+from pyro.infer.util import is_identically_zero, torch_item
+
+__all__ = ["data_reduction", "local_args", "reshard_lgm", "sharded_lgm_or_none", "ShardedTraceELBO", "all_reduce_param_grads", "enter_local", "sum_over_ranks",
+           "local_log_prob"]
+
+
+def _items(x):
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    if isinstance(x, dict):
+        return list(x.values())
+    return [x]
+
+
+def data_reduction(args, kwargs):
+    """A :class:`~.dual_vg.sharding.SiteReduction` when a model argument (or an element of a list, tuple or
+    dict argument) is a row-sharded design (:func:`pyro_convexvb.distributed.row_sharded`) and a process
+    group of more than one rank is active, else ``None``."""
+    from .. import distributed
+    from .dual_vg.sharding import SiteReduction
+
+    if not distributed.is_active():
+        return None
+    for a in list(args) + list(kwargs.values()):
+        if any(isinstance(x, distributed.RowShardedOperator) for x in _items(a)):
+            return SiteReduction()
+    return None
+
+
+def _local(x):
+    from ..distributed import RowShardedOperator
+
+    if isinstance(x, RowShardedOperator):
+        return x.local
+    if isinstance(x, list):
+        return [_local(v) for v in x]
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_local(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _local(v) for k, v in x.items()}
+    return x
+
+
+def local_args(args, kwargs):
+    """``(args, kwargs)`` with every row-sharded design replaced by its local rows: the model then runs on
+    this rank's rows with no communication inside (no all-reduce in the backward of its products), and
+    the reductions are done once, on the ELBO's terms and gradients."""
+    return tuple(_local(a) for a in args), {k: _local(v) for k, v in kwargs.items()}
+
+
+def reshard_lgm(lgm, args, kwargs):
+    """Mark the extracted model of row-sharded data as row-sharded when extraction lost the marker.
+
+    A predictor that is not written ``pcv.linear(Xs, w)`` alone (``pcv.linear(Xs, w) + b``, say) has its
+    Jacobian probed on this rank's rows into a plain local operator, so the latent Gaussian model would
+    look like a single-process one and its site sums would cover this rank's rows only. Every observed
+    site of a rank's model run holds that rank's rows (the rule of this module), so each site group's
+    design is wrapped as a :class:`~pyro_convexvb.distributed.RowShardedOperator` of its local rows:
+    site sums are then reduced over ranks and ``B^T u`` all-reduced. Collective (every rank calls it).
+
+    :returns: ``lgm`` (modified in place when needed; unchanged without row-sharded arguments).
+    """
+    from .. import distributed
+
+    if lgm is None or data_reduction(args, kwargs) is None or distributed.comm_of(lgm) is not None and all(
+            distributed.comm_of(g.design) is not None for g in lgm.sites):
+        return lgm
+    if getattr(lgm, "imputed", None):
+        raise NotImplementedError("row-sharded data with imputed (obs_mask) blocks whose predictor is not written "
+                                  "pcv.linear(Xs, w) are not supported")
+    for g in lgm.sites:
+        if distributed.comm_of(g.design) is None:
+            g.design = distributed.RowShardedOperator(g.design)
+    return lgm
+
+
+def sharded_lgm_or_none(lgm, reduction, args=(), kwargs=None):
+    """:func:`reshard_lgm` when ``reduction`` is set (row-sharded data), else ``lgm`` as it is."""
+    if lgm is None or reduction is None:
+        return lgm
+    return reshard_lgm(lgm, args, kwargs or {})
+
+
+def _rank():
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+class _SumOverRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        import torch.distributed as dist
+
+        out = x.detach().clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _EnterLocal.apply(grad)
+
+
+class _EnterLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _SumOverRanks.apply(grad)
+
+
+def sum_over_ranks(x):
+    """All-reduce (sum) ``x`` over ranks; backward: the gradient passes unchanged (it is replicated).
+
+    Use on a rank's local contribution to a replicated total; pair with :func:`enter_local` on the
+    replicated inputs it was computed from.
+    """
+    return _SumOverRanks.apply(x)
+
+
+def enter_local(x):
+    """Identity on a replicated tensor about to feed a rank's local computation; backward: all-reduce.
+
+    ``F(z) = sum_over_ranks(f_r(enter_local(z)))`` then has the gradient ``sum_r f_r'(z)`` on every rank.
+    """
+    return _EnterLocal.apply(x)
+
+
+def check_full_plates(trace):
+    """Refuse subsampled plates on row-sharded data: each rank would draw its mini-batch indices from its own
+    number of rows, the random streams of the ranks would drift apart and the replicated draws with them."""
+    for name, site in trace.nodes.items():
+        if site["type"] != "sample":
+            continue
+        for f in site.get("cond_indep_stack", ()):
+            full = getattr(f, "full_size", None)
+            if full is not None and f.size is not None and f.size < full:
+                raise NotImplementedError(
+                    f"plate '{f.name}' subsamples {f.size} of {full} rows: mini-batches are not supported on "
+                    "row-sharded data (pcv.distributed.row_sharded); use the full plate (each rank's rows are its "
+                    "batch)")
+
+
+def local_log_prob(trace, first_rank, latent_names=()):
+    """``sum`` of the observed sites' log densities, plus the latent sites' only when ``first_rank``
+    (each term of the joint density counted once over ranks). ``trace`` has computed log probabilities;
+    ``latent_names``: latent sites conditioned to values (``poutine.condition`` marks them observed)."""
+    total = 0.0
+    for name, site in trace.nodes.items():
+        if site["type"] != "sample" or type(site["fn"]).__name__ == "_Subsample":
+            continue
+        if (site["is_observed"] and name not in latent_names) or first_rank:
+            total = total + site["log_prob_sum"]
+    return total
+
+
+def all_reduce_param_grads(red):
+    """Sum the gradients of the Pyro param store's parameters over ranks (one all-reduce, as DDP).
+
+    A parameter whose gradient is ``None`` on every rank keeps ``None`` (the optimiser skips it, as in
+    one process); otherwise missing gradients count as zeros.
+    """
+    import pyro
+
+    store = pyro.get_param_store()
+    params = [p for _, p in sorted(store.named_parameters(), key=lambda kv: kv[0])]
+    if not params:
+        return
+    ref = params[0]
+    flat = []
+    for p in params:
+        g = p.grad
+        flat.append(torch.zeros(p.numel() + 1, dtype=torch.float64, device=ref.device) if g is None else
+                    torch.cat([g.detach().reshape(-1).to(torch.float64), torch.ones(1, dtype=torch.float64,
+                                                                                  device=ref.device)]))
+    buf = red.sum(torch.cat(flat))
+    start = 0
+    for p in params:
+        k = p.numel()
+        if float(buf[start + k]) > 0:
+            p.grad = buf[start:start + k].reshape(p.shape).to(p.dtype)
+        start += k + 1
+
+
+class ShardedTraceELBO(Trace_ELBO):
+    """Pyro's ``Trace_ELBO`` on row-sharded data: local surrogate, gradients and loss all-reduced.
+
+    See the module docstring. Reparameterised guides only (every autoguide is): a score-function
+    term would need the other ranks' log-likelihoods per particle.
+
+    :param reduction: a :class:`~.dual_vg.sharding.SiteReduction`.
+    :param kwargs: Pyro's ``Trace_ELBO`` options (``num_particles``, ``vectorize_particles``).
+
+    Example (runs under ``torchrun``; one process shown, where it is ``Trace_ELBO``)::
+
+        >>> loss = ShardedTraceELBO(None)
+        >>> loss.num_particles
+        1
+    """
+
+    def __init__(self, reduction, **kwargs):
+        super().__init__(**kwargs)
+        self.reduction = reduction
+
+    def _local_particle(self, model_trace, guide_trace, first):
+        elbo, surrogate = 0.0, 0.0
+        for name, site in model_trace.nodes.items():
+            if site["type"] == "sample" and (site["is_observed"] or first):
+                elbo = elbo + torch_item(site["log_prob_sum"])
+                surrogate = surrogate + site["log_prob_sum"]
+        for name, site in guide_trace.nodes.items():
+            if site["type"] == "sample":
+                log_prob, score_function_term, entropy_term = site["score_parts"]
+                if not is_identically_zero(score_function_term):
+                    raise ValueError(f"sharded SVI: guide site '{name}' is not reparameterised (a score-function "
+                                     "gradient needs every rank's log-likelihood of each particle); use an autoguide")
+                if first:
+                    elbo = elbo - torch_item(site["log_prob_sum"])
+                    if not is_identically_zero(entropy_term):
+                        surrogate = surrogate - entropy_term.sum()
+        return -elbo, -surrogate
+
+    def loss_and_grads(self, model, guide, *args, **kwargs):
+        if self.reduction is None:
+            return super().loss_and_grads(model, guide, *args, **kwargs)
+        first = _rank() == 0
+        args, kwargs = local_args(args, kwargs)
+        loss = 0.0
+        for model_trace, guide_trace in self._get_traces(model, guide, args, kwargs):
+            check_full_plates(model_trace)
+            check_full_plates(guide_trace)
+            loss_particle, surrogate = self._local_particle(model_trace, guide_trace, first)
+            loss += loss_particle / self.num_particles
+            if getattr(surrogate, "requires_grad", False):
+                (surrogate / self.num_particles).backward(retain_graph=self.retain_graph)
+        all_reduce_param_grads(self.reduction)
+        return float(self.reduction.sum(torch.tensor(loss, dtype=torch.float64)))
+
+    def loss(self, model, guide, *args, **kwargs):
+        if self.reduction is None:
+            return super().loss(model, guide, *args, **kwargs)
+        first = _rank() == 0
+        args, kwargs = local_args(args, kwargs)
+        with torch.no_grad():
+            loss = 0.0
+            for model_trace, guide_trace in self._get_traces(model, guide, args, kwargs):
+                loss += float(self._local_particle(model_trace, guide_trace, first)[0]) / self.num_particles
+        return float(self.reduction.sum(torch.tensor(loss, dtype=torch.float64)))

@@ -1,0 +1,205 @@
+r"""Sharded online learning: each rank runs Algorithm 1 on its own rows, the ranks merge periodically.
+
+**This is an approximation of the sequential Algorithm 1** of Shamir & Szpankowski 2021, not an
+equal answer. The sequential algorithm updates every feature from the state after *all* earlier
+rows; with ``P`` ranks each rank sees only its own rows between two merges, so a row is predicted
+and learned from a state that misses up to ``(P - 1) merge_every`` rows of the other ranks.
+
+Between merges every rank starts from the same shared Gaussian ``N(mu_i, sigma^2_i)`` per feature,
+runs :class:`~pyro_convexvb.online.OnlineBayesLogistic` (or any diagonal-Gaussian estimator of this
+package) on its next ``merge_every`` rows, and the ranks then combine their posteriors in natural
+parameters (precision ``lambda_i = 1 / sigma^2_i`` and ``eta_i = mu_i / sigma^2_i``): the shared
+state becomes the old one plus the sum of every rank's change since the last merge,
+
+.. math::
+
+    \lambda_i \leftarrow \lambda_i + \sum_r (\lambda_{i,r} - \lambda_i), \qquad
+    \eta_i \leftarrow \eta_i + \sum_r (\eta_{i,r} - \eta_i),
+
+the precision-weighted combination of independent Gaussian updates (each rank's change is the
+message of its rows; the same rule as the mini-batch remark of Shamir & Szpankowski 2021,
+Appendix D.1, and the parallel training of adPredictor, Graepel et al. 2010). A feature that only
+one rank touched gets exactly that rank's update. Should the summed precision of a feature not be
+positive (it cannot for the Laplace variance update, whose precision only grows), that feature
+keeps its pre-merge state.
+
+The cost of the approximation is measured as the extra progressive log-loss (regret) against the
+sequential algorithm on the same rows (``tests/test_online_distributed.py``; ``docs/online.md``).
+
+One merge all-reduces ``2 d`` float64 numbers (``d`` features). Without an active process group
+(or with one rank) :class:`ShardedOnline` is exactly the sequential algorithm on the local rows.
+"""
+import math
+
+import numpy as np
+
+__all__ = ["ShardedOnline", "simulate_sharded"]
+
+
+def _snapshot(est):
+    return est._mu.copy(), est._s2.copy()
+
+
+MERGES = ("natural", "average")
+
+
+def _delta(est, snap, merge="natural"):
+    """This rank's contribution to the all-reduce: ``[lambda_r - lambda, eta_r - eta]`` (``"natural"``) or
+    ``[lambda_r - lambda, eta_r]`` (``"average"``)."""
+    mu0, s2_0 = snap
+    eta_r = est._mu / est._s2
+    return np.concatenate([1.0 / est._s2 - 1.0 / s2_0, eta_r - mu0 / s2_0 if merge == "natural" else eta_r])
+
+
+def _apply(est, snap, total, merge="natural", ranks=1):
+    mu0, s2_0 = snap
+    d = mu0.shape[0]
+    lam0, eta0 = 1.0 / s2_0, mu0 / s2_0
+    lam = lam0 + total[:d]
+    if merge == "natural":
+        eta = eta0 + total[d:]
+    else:  # precision-weighted average of the ranks' means: sum_r eta_r / sum_r lambda_r, times the new precision
+        eta = total[d:] / (ranks * lam0 + total[:d]) * lam
+    bad = ~(lam > 0) | ~np.isfinite(eta)
+    if bad.any():
+        lam[bad], eta[bad] = lam0[bad], eta0[bad]
+    est._mu[...] = eta / lam
+    est._s2[...] = 1.0 / lam
+
+
+def _start(est, classes):
+    if est._initialised():
+        return
+    if est.num_features is None:
+        raise ValueError("num_features: a sharded online learner needs it set (every rank must hold the same "
+                         "features from the first merge on)")
+    est._check_options()
+    est._reset(est.num_features)
+    if classes is not None:
+        classes = np.unique(np.asarray(classes))
+        if classes.shape[0] != 2:
+            raise ValueError(f"classes: expected two labels, got {classes.tolist()}")
+        est.classes_ = classes
+        est._negative_known = True
+
+
+def _check_estimator(est):
+    from ._base import OnlineDiagonalGaussian
+
+    if not isinstance(est, OnlineDiagonalGaussian):
+        raise TypeError(f"estimator: expected a diagonal-Gaussian online estimator (OnlineBayesLogistic, OnlineADF, "
+                        f"OnlineMarginalVB), got {type(est).__name__}")
+
+
+class ShardedOnline:
+    """Algorithm 1 on row-sharded streams with periodic merging in natural parameters (an approximation).
+
+    See the module docstring: every ``merge_every`` local rows the ranks sum their natural-parameter
+    changes (``torch.distributed`` all-reduce, :mod:`pyro_convexvb.distributed`); all ranks then hold
+    the same per-feature posterior. Not equal to the sequential algorithm: it is its parallel
+    approximation, whose regret cost is measured in ``docs/online.md``.
+
+    :param estimator: an unfitted (or previously merged) diagonal-Gaussian online estimator with
+        ``num_features`` set, e.g. ``OnlineBayesLogistic(d)``; it holds the state.
+    :param int merge_every: local rows between merges.
+    :param str merge: ``"natural"`` (default): the shared state plus the sum of the ranks' changes in
+        natural parameters (the rule above; close to the sequential algorithm when few rows pass between
+        merges, unstable when ``P * merge_every`` is large, see ``docs/online.md``); ``"average"``: the
+        precisions are combined the same way but the new mean is the precision-weighted average of the
+        ranks' means (a convex combination: never overshoots, slower to learn when merges are frequent).
+    :param classes: the two labels, needed when a rank's first rows may show one class only
+        (``{0, 1}`` and ``{-1, +1}`` codings are recognised without it).
+
+    Attributes: ``estimator`` (``coef_``, ``coef_var_``, predictions: the shared state after the last
+    merge), ``n_merges_``, ``local_log_loss_`` (this rank's progressive log-loss).
+
+    Example (one process: the sequential algorithm)::
+
+        >>> from pyro_convexvb.online import OnlineBayesLogistic, make_online_stream
+        >>> X, y = make_online_stream(d=50, d_t=5, seed=0).take(1000)
+        >>> sh = ShardedOnline(OnlineBayesLogistic(50), merge_every=200)
+        >>> ll = sh.partial_fit(X, y)
+        >>> ll.shape, sh.estimator.coef_.shape
+        ((1000,), (50,))
+    """
+
+    def __init__(self, estimator, merge_every=1000, merge="natural", classes=None):
+        _check_estimator(estimator)
+        if merge not in MERGES:
+            raise ValueError(f"merge: expected one of {MERGES}, got {merge!r}")
+        self.merge = merge
+        if isinstance(merge_every, bool) or not isinstance(merge_every, (int, np.integer)) or merge_every < 1:
+            raise ValueError(f"merge_every: expected a positive integer, got {merge_every!r}")
+        self.estimator = estimator
+        self.merge_every = int(merge_every)
+        self.classes = classes
+        self.n_merges_ = 0
+        self.local_log_loss_ = 0.0
+
+    def partial_fit(self, X, y):
+        """Learn this rank's rows ``X`` (``(m, d)`` CSR or array), ``y`` (``(m,)``), merging every ``merge_every``.
+
+        Collective: every rank must call it (with any number of rows, zero included); the number of
+        rounds is the largest over ranks.
+
+        :returns: ``(m,)`` progressive log-losses of the local rows (each predicted before it is learned).
+        """
+        from .. import distributed
+
+        est = self.estimator
+        _start(est, self.classes)
+        n = X.shape[0]
+        if y.shape[0] != n:
+            raise ValueError(f"y: expected {n} labels (one per row of X), got {y.shape[0]}")
+        active = distributed.is_active()
+        rounds = math.ceil(n / self.merge_every)
+        if active:
+            rounds = int(distributed.all_reduce_max(float(rounds)))
+        losses = []
+        for k in range(rounds):
+            a, b = min(k * self.merge_every, n), min((k + 1) * self.merge_every, n)
+            snap = _snapshot(est) if active else None
+            if b > a:
+                losses.append(np.asarray(est.partial_fit(X[a:b], y[a:b], classes=self.classes, return_log_loss=True)))
+            if active:
+                import torch
+
+                total = distributed.all_reduce_sum(torch.from_numpy(_delta(est, snap, self.merge))).numpy()
+                _apply(est, snap, total, self.merge, distributed.world_size())
+                self.n_merges_ += 1
+        ll = np.concatenate(losses) if losses else np.empty(0)
+        self.local_log_loss_ += float(ll.sum())
+        return ll
+
+
+def simulate_sharded(estimators, shards, merge_every, merge="natural", classes=None):
+    """The arithmetic of :class:`ShardedOnline` with ``P = len(estimators)`` ranks, in one process.
+
+    Rank ``r`` learns ``shards[r] = (X_r, y_r)``; after every ``merge_every`` rows of each rank the
+    natural-parameter changes are summed and applied to all estimators (the all-reduce, in rank
+    order). For measuring the approximation without launching processes.
+
+    :returns: list of the ranks' ``(m_r,)`` progressive log-losses.
+    """
+    if merge not in MERGES:
+        raise ValueError(f"merge: expected one of {MERGES}, got {merge!r}")
+    for est in estimators:
+        _check_estimator(est)
+        _start(est, classes)
+    rounds = max(math.ceil(X.shape[0] / merge_every) for X, _ in shards)
+    losses = [[] for _ in estimators]
+    for k in range(rounds):
+        snap = _snapshot(estimators[0])
+        deltas = []
+        for r, (est, (X, y)) in enumerate(zip(estimators, shards)):
+            n = X.shape[0]
+            a, b = min(k * merge_every, n), min((k + 1) * merge_every, n)
+            if b > a:
+                losses[r].append(np.asarray(est.partial_fit(X[a:b], y[a:b], classes=classes, return_log_loss=True)))
+            deltas.append(_delta(est, snap, merge))
+        total = deltas[0].copy()
+        for dlt in deltas[1:]:
+            total += dlt
+        for est in estimators:
+            _apply(est, snap, total, merge, len(estimators))
+    return [np.concatenate(ls) if ls else np.empty(0) for ls in losses]

@@ -1,0 +1,71 @@
+"""One 2-process ``torchrun`` launch per session runs every distributed case (see ``worker.py``)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+WORLD = 2
+
+
+def launch(out, slow=False, timeout=900):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CI="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+           os.path.join(HERE, "worker.py"), "--out", str(out)] + (["--slow"] if slow else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"distributed worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="session")
+def distributed_results(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("distributed"))
+
+
+@pytest.fixture(scope="session")
+def distributed_slow_results(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("distributed_slow"), slow=True, timeout=3600)
+
+
+@pytest.fixture(scope="session")
+def check():
+    """:func:`check_case`, for the test modules."""
+    return check_case
+
+
+def check_case(results, key, rtol=1e-8):
+    """Every rank's sharded result equals its single-process reference to ``rtol`` (relative to each tensor's
+    largest entry) and the ranks agree exactly. Returns the worst relative difference."""
+    entries = [res[key] for res in results]
+    for r, e in enumerate(entries):
+        if "error" in e:
+            pytest.fail(f"{key} failed on rank {r}:\n{e['error']}")
+    worst = 0.0
+    rtol = max(rtol, entries[0].get("rtol", rtol))
+    ref = entries[0]["reference"]
+    for r, e in enumerate(entries):
+        got = e["sharded"]
+        assert set(got) == set(ref), f"{key}: rank {r} returned {sorted(got)}, reference {sorted(ref)}"
+        for name, want in ref.items():
+            have = got[name]
+            assert have.shape == want.shape, f"{key}.{name}: shape {tuple(have.shape)} vs reference {tuple(want.shape)}"
+            if r > 0:
+                assert torch.equal(have, entries[0]["sharded"][name]) or (
+                    torch.isnan(have).all() and torch.isnan(entries[0]["sharded"][name]).all()), \
+                    f"{key}.{name}: ranks 0 and {r} differ"
+            if want.numel() == 0:
+                continue
+            nan = torch.isnan(want)
+            assert torch.equal(nan, torch.isnan(have)), f"{key}.{name}: NaN pattern differs"
+            scale = want[~nan].abs().max().clamp_min(1e-300) if (~nan).any() else torch.tensor(1.0)
+            diff = float(((have - want)[~nan]).abs().max() / scale) if (~nan).any() else 0.0
+            worst = max(worst, diff)
+            assert diff <= rtol, f"{key}.{name}: relative difference {diff:.3e} > {rtol:g}"
+    return worst
+
+
