@@ -19,6 +19,8 @@ Cases (each ``--only`` name writes ``benchmarks/results/floor_<case>.json``; ``-
   against Pyro's ``AutoNormal`` (Adam, lr 0.02, the plateau rule of ``benchmarks/glm.py``) and revrand 1.0.0 (K = 1; side virtual environment ``--revrand-python``) on keel
   spambase and magic, Bayesian logistic regression with prior N(0, 1).
 * ``demo``: ``python -m pyro_convexvb demo`` end to end in a fresh process.
+* ``rates``: this machine's dense Cholesky / triangular-solve / GEMM rates and a9a's sparse product times,
+  the units in which the floors on the benchmarks page are counted.
 
 Every table row holds the median of the repetitions and all of them (``seconds_all``); ratios are
 medians of same-run times.
@@ -45,7 +47,7 @@ import torch  # noqa: E402
 from _common import make_parser, markdown_table, parse_args, write_json  # noqa: E402
 
 D = torch.float64
-CASES = ["a9a", "realsim", "gp", "gp5000", "glm", "demo"]
+CASES = ["rates", "a9a", "realsim", "gp", "gp5000", "glm", "demo"]
 
 
 def _median(xs):
@@ -293,6 +295,52 @@ def case_glm(args):
             if r.get("seconds"):
                 r["vs_diag_mixture_k1"] = r["seconds"] / k1["seconds"]
         print(markdown_table(sub, ["case", "method", "seconds", "ratio", "vs_diag_mixture_k1", "elbo"]), flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------- machine rates
+def case_rates(args):
+    """This machine's rates for the operations the floors are counted in (one thread unless stated)."""
+    import scipy.sparse as sp
+
+    from pyro_convexvb.linalg.operators import SparseOperator
+
+    def med(f, reps=7):
+        f()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+    rows = []
+    for threads in (1, os.cpu_count() or 1):
+        torch.set_num_threads(threads)
+        for N in ([246, 538] if threads == 1 else [5000]):
+            g = torch.Generator().manual_seed(0)
+            A = torch.randn(N, N, dtype=D, generator=g)
+            A = A @ A.T / N + torch.eye(N, dtype=D)
+            R = torch.linalg.cholesky(A)
+            tc = med(lambda: torch.linalg.cholesky(A), 3 if N > 1000 else 7)
+            tt = med(lambda: torch.linalg.solve_triangular(R, A, upper=False), 3 if N > 1000 else 7)
+            tg = med(lambda: A.T @ A, 3 if N > 1000 else 7)
+            rows.append(dict(case="rates", method=f"dense N={N}, {threads} thread(s)", cholesky_s=tc,
+                             cholesky_gflops=N**3 / 3 / tc / 1e9, trsm_s=tt, trsm_gflops=N**3 / tt / 1e9,
+                             gemm_s=tg, gemm_gflops=2 * N**3 / tg / 1e9))
+    torch.set_num_threads(1)
+    Xb, S, _ = _a9a_data(args.quick)
+    op = SparseOperator(Xb)
+    v = torch.randn(Xb.shape[1], dtype=D)
+    u = torch.randn(Xb.shape[0], dtype=D)
+    V = torch.randn(Xb.shape[1], Xb.shape[1], dtype=D)
+    w = torch.rand(Xb.shape[0], dtype=D)
+    rows.append(dict(case="rates", method=f"a9a CSR {tuple(Xb.shape)}, nnz {op.nnz}", spmv_s=med(lambda: op.mv(v), 51),
+                     spmv_t_s=med(lambda: op.rmv(u), 51), spmm_n_cols_s=med(lambda: op.mv(V)),
+                     weighted_gram_s=med(lambda: op.weighted_gram(w)),
+                     scipy_spmv_s=med(lambda: S @ v.numpy(), 51)))
+    for r in rows:
+        print({k: (f"{x:.4g}" if isinstance(x, float) else x) for k, x in r.items()}, flush=True)
     return rows
 
 
