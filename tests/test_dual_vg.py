@@ -461,3 +461,23 @@ def test_newton_solver_argument_is_checked():
     lgm = _lgm(W, S, mu, d, _family("logit", 20, gen))
     with pytest.raises(ValueError, match="newton_solver"):
         fit_dual_vg(lgm, progress=False, form="latent", newton_solver="qr")
+
+
+def test_site_backend_covariance_from_the_inverse_of_B_matches_the_direct_inverse():
+    """``V_t = (Sigma_t^{-1} + Lam)^{-1}`` from ``cholesky_inverse(B)`` (and, for weak or zero ``lam``, from
+    ``V_t``'s columns) against the direct inverse, at strong, weak and zero site precisions."""
+    g = torch.Generator().manual_seed(3)
+    N = 12
+    A = torch.randn(N, N, dtype=D, generator=g)
+    S = A @ A.T / N + 0.5 * torch.eye(N, dtype=D)
+    lam = torch.rand(N, dtype=D, generator=g) * 0.25
+    lam[0], lam[1], lam[2] = 0.0, 1e-9, 3e-5  # zero, and weak sites below SMALL_PRECISION
+    be = SiteSpaceBackend(S, torch.zeros(N, dtype=D))
+    alpha = torch.randn(N, dtype=D, generator=g) * 0.1
+    t = be.evaluate(alpha, lam, hessian=True)
+    ref = torch.linalg.inv(torch.linalg.inv(S) + torch.diag(lam))
+    assert torch.allclose(t.V_tilde, ref, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(t.v_tilde, torch.diagonal(ref), rtol=1e-10, atol=1e-12)
+    assert torch.allclose(be.evaluate(alpha, lam).v_tilde, torch.diagonal(ref), rtol=1e-10, atol=1e-12)
+    B = torch.eye(N, dtype=D) + lam.sqrt()[:, None] * S * lam.sqrt()[None, :]
+    assert float(t.logdet_B) == pytest.approx(float(torch.logdet(B)), rel=1e-12)
