@@ -20,9 +20,9 @@ import torch
 #: Engine options used by the demo: Pyro's stochastic engines get step caps so the demo stays short
 #: (they report, and the table shows, that they stopped before converging).
 DEMO_OPTIONS = {
-    "svi_autonormal": dict(lr=0.05, max_steps=500, min_steps=200, window=100),
-    "svi_automvn": dict(lr=0.05, max_steps=500, min_steps=200, window=100),
-    "svi_lowrank": dict(lr=0.05, max_steps=500, min_steps=200, window=100, rank=10),
+    "svi_autonormal": dict(lr=0.05, max_steps=300, min_steps=100, window=50),
+    "svi_automvn": dict(lr=0.05, max_steps=300, min_steps=100, window=50),
+    "svi_lowrank": dict(lr=0.05, max_steps=300, min_steps=100, window=50, rank=10),
     "diag_mixture": dict(max_steps=500),
 }
 
