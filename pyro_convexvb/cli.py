@@ -1,11 +1,12 @@
 """Command line: ``python -m pyro_convexvb demo`` and ``python -m pyro_convexvb bench``.
 
 ``demo`` runs GP classification on the real keel *ionosphere* data set (RBF kernel from
-GPyTorch, fixed hyperparameters) with every registered engine that applies, prints a table
-(engine, seconds, log-evidence bound, test accuracy, test NLPD, converged) and writes a PNG comparing
-them. The reference is exact Bayes approximated by a long NUTS run on the whitened parametrisation
-``f = L v``, ``v ~ N(0, I)`` (``K = L L^T``), whose geometry NUTS handles well, with its split R-hat
-reported; its test predictions average the GP predictive over the posterior samples of ``f``.
+GPyTorch, hyperparameters learned by type-II maximum likelihood, then fixed) with every registered
+engine that applies, prints a table (engine, seconds, log-evidence bound, test accuracy, test NLPD,
+converged) and writes a PNG comparing them. The reference is exact Bayes approximated by NUTS on the
+whitened parametrisation ``f = L v``, ``v ~ N(0, I)`` (``K = L L^T``), in coordinates where
+``dual_vg``'s Gaussian is standard (:func:`preconditioned_gp_classification_model`), with its split
+R-hat reported; its test predictions average the GP predictive over the posterior samples of ``f``.
 """
 import argparse
 import math
