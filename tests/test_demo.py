@@ -1,6 +1,9 @@
 """The demo's NUTS reference model: the preconditioned parametrisation has the whitened model's posterior."""
+import math
+
 import pyro
 import pyro.poutine as poutine
+import pytest
 import torch
 
 from pyro_convexvb.cli import preconditioned_gp_classification_model, preconditioner, whitened_gp_classification_model
@@ -38,3 +41,30 @@ def test_preconditioned_model_is_the_whitened_model_in_other_coordinates():
             b = _log_joint(whitened_gp_classification_model, (L,), "v", v, y)
         diffs.append(float(a - b))
     assert max(abs(d) for d in diffs) < 1e-10
+
+
+def test_reference_potential_is_the_preconditioned_models_negative_log_joint_with_its_gradient():
+    from pyro_convexvb.cli import preconditioned_potential
+
+    g = torch.Generator().manual_seed(1)
+    n = 7
+    X = torch.randn(n, 2, dtype=torch.float64, generator=g)
+    K = 3.0 * torch.exp(-0.5 * torch.cdist(X, X) ** 2) + 1e-6 * torch.eye(n, dtype=torch.float64)
+    L = torch.linalg.cholesky(K)
+    y = (torch.rand(n, generator=g) < 0.5).double()
+    q = GaussianPosterior(torch.randn(n, dtype=torch.float64, generator=g), covariance=0.4 * K)
+    args = preconditioner(L, q)
+    U = preconditioned_potential(*args, y)
+    diffs = []
+    for _ in range(3):
+        z = torch.randn(n, dtype=torch.float64, generator=g).requires_grad_(True)
+        u = U({"z": z})
+        (gz,) = torch.autograd.grad(u, z)
+        zz = z.detach().clone().requires_grad_(True)
+        lj = _log_joint(preconditioned_gp_classification_model, args, "z", zz, y)
+        (gref,) = torch.autograd.grad(-lj, zz)
+        diffs.append(float(u + lj))
+        assert torch.allclose(gz, gref, atol=1e-10)
+    # equal up to the constant of the standard normal's normaliser
+    assert max(diffs) - min(diffs) < 1e-10
+    assert diffs[0] == pytest.approx(-0.5 * n * math.log(2 * math.pi), abs=1e-9)

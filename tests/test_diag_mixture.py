@@ -418,3 +418,15 @@ def test_natural_gradient_refuses_models_that_are_not_latent_gaussian():
     res = pcv.fit(model, y=y, engine="diag_mixture", options=dict(max_steps=100, min_steps=20, window=10),
                   progress=False)
     assert res.info["optimizer"] == "svi"
+
+
+def test_max_steps_alone_budgets_either_optimiser_and_an_explicit_min_steps_above_it_is_refused():
+    X, y = _nat_data()
+    r = pcv.fit(_nat_logistic_model, X, y=y, engine="diag_mixture", options=dict(max_steps=300), progress=False)
+    assert r.info["optimizer"] == "natural_gradient"
+    r = pcv.fit(_nat_logistic_model, X, y=y, engine="diag_mixture", options=dict(max_steps=60, lr=0.05),
+                progress=False)
+    assert r.info["optimizer"] == "svi" and r.info["steps"] <= 60
+    with pytest.raises(ValueError, match="min_steps"):
+        pcv.fit(_nat_logistic_model, X, y=y, engine="diag_mixture", options=dict(max_steps=60, min_steps=100),
+                progress=False)

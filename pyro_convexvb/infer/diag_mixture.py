@@ -812,7 +812,10 @@ class DiagMixtureOptions(SVIOptions):
                 "applies and no SVI-only option is set")
 
     def check(self):
-        if self.optimizer != "natural_gradient":  # min_steps is an SVI option
+        # min_steps is an SVI option: left at its default it is capped at max_steps (so that max_steps alone can
+        # budget either optimiser under 'auto'); set explicitly above max_steps it is an error
+        if self.optimizer != "natural_gradient" and \
+                self.min_steps != type(self).__dataclass_fields__["min_steps"].default:
             super().check()
 
 
@@ -994,8 +997,8 @@ class DiagMixtureEngine(SVIEngine):
             svi = pyro.infer.SVI(model, guide, optim, loss)
             cb = None if o.callback is None else (lambda step, value: o.callback(step, value, guide))
             losses, reason = svi_until_plateau(
-                svi, optim, call.args, call.kwargs, max_steps=o.max_steps, min_steps=o.min_steps, window=o.window,
-                rtol=o.rtol, lr_decay=o.lr_decay, bar=run.bar(total=o.max_steps, unit="step"),
+                svi, optim, call.args, call.kwargs, max_steps=o.max_steps, min_steps=min(o.min_steps, o.max_steps),
+                window=o.window, rtol=o.rtol, lr_decay=o.lr_decay, bar=run.bar(total=o.max_steps, unit="step"),
                 history=run.history, callback=cb, name=f"AutoDiagMixture(K={o.num_components})")
             info_opt = {"optimizer": "svi", "elbo_estimate": -sum(losses[-o.window:]) / min(o.window, len(losses)),
                         "steps": len(losses)}
