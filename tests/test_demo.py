@@ -16,15 +16,20 @@ def _log_joint(model, args, site, value, y):
     return tr.log_prob_sum()
 
 
-def test_preconditioned_model_is_the_whitened_model_in_other_coordinates():
-    g = torch.Generator().manual_seed(0)
-    n = 6
+def _small_gp(seed, n):
+    """A small GP classification problem and a Gaussian over ``f`` (not the posterior: any one will do)."""
+    g = torch.Generator().manual_seed(seed)
     X = torch.randn(n, 2, dtype=torch.float64, generator=g)
     K = 2.0 * torch.exp(-0.5 * torch.cdist(X, X) ** 2) + 1e-6 * torch.eye(n, dtype=torch.float64)
     L = torch.linalg.cholesky(K)
     y = (torch.rand(n, generator=g) < 0.5).double()
     A = torch.randn(n, n, dtype=torch.float64, generator=g)
     q = GaussianPosterior(torch.randn(n, dtype=torch.float64, generator=g), covariance=0.3 * K + 0.1 * A @ A.T)
+    return g, n, K, L, y, q
+
+
+def test_preconditioned_model_is_the_whitened_model_in_other_coordinates():
+    g, n, K, L, y, q = _small_gp(0, 6)
     loc_v, C, shift, M = preconditioner(L, q)
     # the map reproduces q: v = loc_v + C z has mean L^{-1} m and covariance L^{-1} V L^{-T}
     assert torch.allclose(L @ loc_v, q.loc, atol=1e-10)
@@ -46,13 +51,7 @@ def test_preconditioned_model_is_the_whitened_model_in_other_coordinates():
 def test_reference_potential_is_the_preconditioned_models_negative_log_joint_with_its_gradient():
     from pyro_convexvb.cli import preconditioned_potential
 
-    g = torch.Generator().manual_seed(1)
-    n = 7
-    X = torch.randn(n, 2, dtype=torch.float64, generator=g)
-    K = 3.0 * torch.exp(-0.5 * torch.cdist(X, X) ** 2) + 1e-6 * torch.eye(n, dtype=torch.float64)
-    L = torch.linalg.cholesky(K)
-    y = (torch.rand(n, generator=g) < 0.5).double()
-    q = GaussianPosterior(torch.randn(n, dtype=torch.float64, generator=g), covariance=0.4 * K)
+    g, n, K, L, y, q = _small_gp(1, 7)
     args = preconditioner(L, q)
     U = preconditioned_potential(*args, y)
     diffs = []

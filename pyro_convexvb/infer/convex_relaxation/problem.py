@@ -98,23 +98,9 @@ class _Counted(LinearOperator):
         return self.base.weighted_gram(weights, chunk)
 
     def weighted_gram_identity(self, chunk=256):
-        """The wrapped square operator as a dense matrix (``n`` products)."""
+        """The wrapped square operator as a dense matrix (``n`` products, or none when it stores one)."""
         self.counter[self.key] = self.counter.get(self.key, 0) + self.shape[1]
-        return _dense_square(self.base, chunk)
-
-
-def _dense_square(op, chunk=256):
-    """A square operator as a dense matrix, by products with identity columns unless it stores one."""
-    if isinstance(op, (DenseOperator, DiagonalOperator)):
-        return op.to_dense()
-    n = op.shape[1]
-    out = torch.empty(n, n, dtype=op.dtype, device=op.device)
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
-        E = torch.zeros(n, stop - start, dtype=op.dtype, device=op.device)
-        E[torch.arange(start, stop), torch.arange(stop - start)] = 1
-        out[:, start:stop] = op.mv(E)
-    return out
+        return self.base.to_dense()
 
 
 def _csr_diagonal(A):
