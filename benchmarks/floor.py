@@ -144,10 +144,8 @@ def case_a9a(args):
 
 # ----------------------------------------------------------------------------- real-sim
 def case_realsim(args):
-    from convex_relaxation import synthetic
+    from convex_relaxation import run_case, synthetic
     from threadpoolctl import threadpool_limits
-
-    from convex_relaxation import run_case
 
     torch.set_num_threads(1)
     with threadpool_limits(1):

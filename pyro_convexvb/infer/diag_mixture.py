@@ -868,16 +868,15 @@ class DiagMixtureEngine(SVIEngine):
         why = _natural_gradient_refusal(call, lgm, n_guide, o.learn_params)
         if why is None and reduction is not None:
             why = "the data are row-sharded over processes, which only the SVI optimiser reduces"
+        set_svi = [k for k in SVI_ONLY_OPTIONS if getattr(o, k) != type(o).__dataclass_fields__[k].default]
         if o.optimizer == "natural_gradient":
             if why is not None:
                 raise UnsupportedModelError("optimizer", f"engine 'diag_mixture' with optimizer='natural_gradient': "
                                                          f"{why}; use optimizer='svi'")
-            set_svi = [k for k in SVI_ONLY_OPTIONS if getattr(o, k) != type(o).__dataclass_fields__[k].default]
             if set_svi:
                 raise ValueError(f"engine 'diag_mixture': option(s) {', '.join(set_svi)} only apply to "
                                  "optimizer='svi'; with optimizer='natural_gradient' leave them at their defaults")
             return True
-        set_svi = [k for k in SVI_ONLY_OPTIONS if getattr(o, k) != type(o).__dataclass_fields__[k].default]
         return why is None and not set_svi
 
     def _fit_natural_gradient(self, guide, lgm, run):
@@ -919,9 +918,7 @@ class DiagMixtureEngine(SVIEngine):
                 for m, v in zip(Mg, Vg):
                     e = lgm.expected_log_prior(m, variance=v) + lgm.log_const
                     for g in groups:
-                        rho = g.design.row_sq_norms(v)
-                        if rho is None:
-                            rho = (g.design.to_dense() ** 2) @ v
+                        rho = lgm.diag_marginal_var(g, v)
                         rhos.append(rho)
                         e = e + g.family.expected_log_prob(g.eta(m), rho).sum()
                     total = total + e

@@ -458,12 +458,7 @@ class LatentGaussianModel:
         e_lik = loc.new_zeros(())
         for g in self.sites:
             m = g.eta(loc)
-            if variance is not None:
-                v = g.design.row_sq_norms(variance)
-                if v is None:
-                    v = (g.design.to_dense() ** 2) @ variance
-            else:
-                v = self._marginal_var(g, cov)
+            v = self._marginal_var(g, cov) if variance is None else self.diag_marginal_var(g, variance)
             e_lik = e_lik + g.family.expected_log_prob(m, v, num_points).sum()
         from ..distributed import comm_of
 
@@ -488,6 +483,13 @@ class LatentGaussianModel:
         """Means and variances of every group's predictor under ``q = N(loc, cov)`` (dense ``cov``)."""
         out = {}
         return {g.name: (g.eta(loc), self._marginal_var(g, cov)) for g in self.sites}
+
+    @staticmethod
+    def diag_marginal_var(group, variance):
+        """Site variances ``diag(B diag(variance) B^T)`` of ``group`` (``(q,)``), from the design's squared
+        entries (densified only when the design has no ``squared()``)."""
+        v = group.design.row_sq_norms(variance)
+        return (group.design.to_dense() ** 2) @ variance if v is None else v
 
     @staticmethod
     def _marginal_var(group, cov):

@@ -146,8 +146,7 @@ def _posterior(backend, alpha, lam):
 
     if backend.kind == "site" and getattr(backend, "latent", None) is not None:
         WS, mu, S = backend.latent  # WS = W Sigma  (N, L)
-        s = lam.clamp_min(0).sqrt()
-        R, _ = backend._factor(lam)
+        R, s = backend._chol(lam)
         T = torch.linalg.solve_triangular(R, s[:, None] * WS, upper=False)  # R^{-1} Lam^1/2 W Sigma  (N, L)
         V = S - T.transpose(0, 1) @ T
         return GaussianPosterior(mu - WS.transpose(0, 1) @ alpha, covariance=0.5 * (V + V.transpose(0, 1)))
@@ -330,8 +329,7 @@ def site_space_predictive(result, K_cross, k_test_diag, prior_mean_test=0.0):
         raise ValueError("site_space_predictive needs a dual_vg result in the N x N site form with an identity "
                          "design (a GP over the training inputs)")
     lam, alpha = result.info["lam"], result.info["alpha"]
-    s = lam.clamp_min(0).sqrt()
-    R, _ = backend._factor(lam)
+    R, s = backend._chol(lam)
     Z = torch.linalg.solve_triangular(R, s[:, None] * K_cross.transpose(0, 1), upper=False)
     return prior_mean_test - K_cross @ alpha, (k_test_diag - (Z * Z).sum(0)).clamp_min(0)
 

@@ -65,19 +65,6 @@ def _chol(M, what):
 SMALL_PRECISION = 1e-4
 
 
-def _gram_sym(T, block=512):
-    """``T^T T`` computing only the lower block triangle (half the flops of a GEMM), mirrored."""
-    n = T.shape[1]
-    if n <= 2 * block:
-        return T.transpose(0, 1) @ T
-    G = torch.empty(n, n, dtype=T.dtype, device=T.device)
-    for j in range(0, n, block):
-        e = min(j + block, n)
-        G[j:, j:e] = T[:, j:].transpose(0, 1) @ T[:, j:e]
-        G[j:e, e:] = G[e:, j:e].transpose(0, 1)
-    return G
-
-
 @dataclass
 class PriorTerms:
     """What a backend returns at ``lambda`` (and ``alpha``)."""
@@ -132,21 +119,14 @@ class SiteSpaceBackend:
             B *= s[None, :]
             B.diagonal().add_(1.0)
             R = _chol(B, "I + Lam^1/2 Sigma_t Lam^1/2")
-            self._cache = [lam, (R, s), None, None]  # lam, (R, s), T, B^{-1}
+            self._cache = [lam, (R, s), None]  # lam, (R, s), B^{-1} (formed on first use)
         return self._cache[1]
-
-    def _factor(self, lam):
-        """``(R, T)`` with ``T = R^{-1} Lam^1/2 Sigma_t`` (``N x N``, formed on first use)."""
-        R, s = self._chol(lam)
-        if self._cache[2] is None:
-            self._cache[2] = torch.linalg.solve_triangular(R, s[:, None] * self.St, upper=False)
-        return R, self._cache[2]
 
     def _binv(self, lam):
         R, _ = self._chol(lam)
-        if self._cache[3] is None:
-            self._cache[3] = torch.cholesky_inverse(R)
-        return self._cache[3]
+        if self._cache[2] is None:
+            self._cache[2] = torch.cholesky_inverse(R)
+        return self._cache[2]
 
     def _weak_sites(self, lam):
         """Sites with ``lam_n Sigma_nn < SMALL_PRECISION``: their variances take the triangular-solve route."""
