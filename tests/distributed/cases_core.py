@@ -48,6 +48,43 @@ def _fit_summary(res):
     return out
 
 
+# |sigma''(eta)| of the logistic log-likelihood is at most 1 / (6 sqrt 3): the third derivative of the site
+_LOGISTIC_THIRD = 1.0 / (6.0 * 3.0 ** 0.5)
+
+
+def laplace_tolerances(res, design, names):
+    """Relative tolerances that a Laplace fit can promise, from its own stopping point.
+
+    L-BFGS stops where ``max |g| = map_grad_norm`` (not at the exact mode), and where it stops depends on the
+    CPU's rounding, so two fits of the same problem (sharded and single-process) agree only within the distance
+    each can be from the mode: ``|u - u*|_2 <= |g|_2 / m``, with ``m`` the smallest curvature near the mode,
+    taken as ``1 / (2 lambda_max(Sigma))`` (factor 2 for the change of the logistic curvature over that
+    distance). The Laplace covariance ``Sigma = H^-1`` moves with the mode through ``H = X^T D X + prior``:
+    ``|dSigma|_max <= lambda_max(Sigma)^2 |dH|_2`` with ``|dH|_2 <= max|sigma''| max_i |x_i|_2 |du|_2 |X|_2^2``.
+
+    :param res: the :class:`~pyro_convexvb.InferenceResult` of a ``laplace`` fit of a logistic model.
+    :param design: ``(N, n)`` dense design of the latent vector ``u`` (``[X, 1]`` with an intercept).
+    :param dict names: ``{result key: slice of u}`` for the mode (``"mean"``, ``"coef"``, ...), and the key
+        ``"variance"`` (or ``"coef_var"``...) mapped to a slice as well; keys ending in ``var`` are variances.
+    :returns: ``{"rtol_<key>": float}``, each doubled (both fits are within it of the mode).
+    """
+    cov = res.posterior.covariance().to(torch.float64)
+    lam_max = float(torch.linalg.eigvalsh(cov).max())
+    n = cov.shape[0]
+    step = 2.0 * (n ** 0.5) * float(res.info["map_grad_norm"]) * 2.0 * lam_max
+    D = design.to_dense() if design.layout != torch.strided else design
+    dH = _LOGISTIC_THIRD * float(D.norm(dim=1).max()) * step * float(torch.linalg.matrix_norm(D, 2)) ** 2
+    loc, var = res.posterior.loc, torch.diagonal(cov)
+    out = {}
+    for key, sl in names.items():
+        if key.endswith("var") or key == "variance" or key == "covariance":
+            scale = float(var[sl].abs().max()) if key != "covariance" else float(cov.abs().max())
+            out[f"rtol_{key}"] = 2.0 * lam_max ** 2 * dH / scale
+        else:
+            out[f"rtol_{key}"] = 2.0 * step / float(loc[sl].abs().max())
+    return out
+
+
 def case_convex_relaxation_logistic_exact(rank, world):
     X, y = _problem(rank, world)
     res = pcv.fit(logistic_model, row_sharded(X.to_sparse_csr()), y, engine="convex_relaxation",
@@ -68,6 +105,9 @@ def case_laplace_logistic(rank, world):
                   options={"learn_params": False})
     out = _fit_summary(res)
     out["covariance"] = res.posterior.covariance()
+    X1, _ = _problem(0, 1)
+    out.update(laplace_tolerances(res, X1, {"mean": slice(None), "variance": slice(None),
+                                            "covariance": slice(None)}))
     return out
 
 
@@ -114,8 +154,12 @@ def case_blr_convex_relaxation(rank, world):
 def case_blr_laplace(rank, world):
     X, y = _estimator_data(rank, world)
     clf = pcv.BayesianLogisticRegression(engine="laplace", distributed=True).fit(X, y)
+    X1 = torch.as_tensor(_estimator_data(0, 1)[0])
+    d = X1.shape[1]
+    tol = laplace_tolerances(clf.result_, torch.cat([X1, torch.ones(len(X1), 1, dtype=X1.dtype)], 1),
+                             {"coef": slice(0, d), "coef_var": slice(0, d), "intercept": slice(d, d + 1)})
     return {"coef": torch.as_tensor(clf.coef_), "coef_var": torch.as_tensor(clf.coef_var_),
-            "intercept": torch.as_tensor(clf.intercept_), "bound": clf.log_evidence_bound_}
+            "intercept": torch.as_tensor(clf.intercept_), "bound": clf.log_evidence_bound_, **tol}
 
 
 def case_blr_one_class_shard(rank, world):
@@ -206,7 +250,10 @@ def case_convex_relaxation_intercept(rank, world):
 def case_laplace_intercept(rank, world):
     X, y = _problem(rank, world)
     res = pcv.fit(intercept_model, row_sharded(X), y, engine="laplace", options={"learn_params": False})
-    return _fit_summary(res)
+    X1, _ = _problem(0, 1)
+    tol = laplace_tolerances(res, torch.cat([X1, torch.ones(len(X1), 1, dtype=X1.dtype)], 1),
+                             {"mean": slice(None), "variance": slice(None)})
+    return {**_fit_summary(res), **tol}
 
 
 def case_blr_dual_vg(rank, world):
