@@ -14,14 +14,13 @@ throughout, i.e. ``C = [I / lambda + Phi^T Phi / sigma^2]^{-1}``.
 """
 import copy
 import math
-import warnings
 
 import numpy as np
 import torch
 from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from .errors import ConvergenceWarning
+from .errors import warn
 
 __all__ = ["blr_log_marginal_likelihood", "blr_posterior", "BayesianLinearRegression", "design_matrix",
            "check_Xy", "sklearn_input"]
@@ -280,9 +279,8 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
             self.n_iter_ = res.evaluations
             self.converged_ = res.grad_norm <= float(self.tol) * (1 + abs(res.value))
             if not self.converged_:
-                warnings.warn(f"BayesianLinearRegression: L-BFGS stopped ({res.stop_reason}) after {res.evaluations} "
-                              f"evaluations with gradient {res.grad_norm:.3g} (tol {self.tol:.1g}); raise max_iter",
-                              ConvergenceWarning)
+                warn(f"BayesianLinearRegression: L-BFGS stopped ({res.stop_reason}) after {res.evaluations} "
+                              f"evaluations with gradient {res.grad_norm:.3g} (tol {self.tol:.1g}); raise max_iter")
         with torch.no_grad():
             Phi = self._design(X)
             self.noise_var_ = float(log_s2.exp())

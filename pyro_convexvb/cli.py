@@ -190,7 +190,7 @@ def run_demo(dataset="ionosphere", engines=None, lengthscale=4.0, outputscale=4.
         clf = GPClassifier(kernel, engine="dual_vg", learn_hyperparameters=True, learn_mean=False).fit(Xtr, ytr)
         secs = time.perf_counter() - t0
         kernel = clf.kernel_
-        ls, os_ = float(kernel.base_kernel.lengthscale), float(kernel.outputscale)
+        ls, os_ = float(kernel.base_kernel.lengthscale.detach()), float(kernel.outputscale.detach())
         print(f"  kernel hyperparameters by type-II maximum likelihood (dual_vg bound): lengthscale {ls:.3g}, "
               f"outputscale {os_:.3g}, bound {clf.log_evidence_bound_:.3f}, {secs:.2f} s, "
               f"{'converged' if clf.hyper_converged_ else 'NOT converged'}", flush=True)

@@ -1,4 +1,11 @@
 """Exceptions and warnings raised by pyro_convexvb."""
+import os
+import sys
+import warnings
+
+from sklearn.exceptions import ConvergenceWarning as _SklearnConvergenceWarning
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class UnsupportedModelError(ValueError):
@@ -25,8 +32,12 @@ class ConvergenceError(RuntimeError):
         super().__init__(message)
 
 
-class ConvergenceWarning(UserWarning):
-    """An iterative solver stopped before reaching its tolerance (``on_fail='warn'``)."""
+class ConvergenceWarning(_SklearnConvergenceWarning):
+    """An iterative solver stopped before reaching its tolerance (``on_fail='warn'``).
+
+    A subclass of scikit-learn's :class:`sklearn.exceptions.ConvergenceWarning` (itself a ``UserWarning``), so
+    ``warnings.filterwarnings("ignore", category=sklearn.exceptions.ConvergenceWarning)`` silences it too.
+    """
 
 
 class NonConvexWarning(UserWarning):
@@ -39,3 +50,25 @@ class NotPositiveDefiniteError(ValueError):
     Raised by CG and Lanczos when a curvature ``p^T A p`` (or a Lanczos pivot) is ``<= 0``, which
     cannot happen for a symmetric positive definite operator in exact arithmetic.
     """
+
+
+def warn(message, category=ConvergenceWarning):
+    """Issue a warning attributed to the caller's own line: the first stack frame outside ``pyro_convexvb``.
+
+    :param str message: the text (what happened, the measure's value, what to do).
+    :param type category: a ``Warning`` subclass.
+
+    Example::
+
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as w:
+        ...     warnings.simplefilter("always")
+        ...     warn("not converged")
+        >>> w[0].category.__name__, w[0].filename.endswith("errors.py")
+        ('ConvergenceWarning', False)
+    """
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level)

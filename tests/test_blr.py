@@ -11,6 +11,9 @@ from pyro_convexvb.blr import BayesianLinearRegression, blr_log_marginal_likelih
 from pyro_convexvb.errors import ConvergenceWarning
 from pyro_convexvb.gp.random_features import RandomFourierFeatures
 
+# our own defaults must reach their tolerances: an unconverged fit here is a failure, not a warning
+pytestmark = pytest.mark.filterwarnings("error::pyro_convexvb.ConvergenceWarning")
+
 DT = torch.float64
 
 

@@ -9,6 +9,9 @@ import torch
 from pyro_convexvb.cli import preconditioned_gp_classification_model, preconditioner, whitened_gp_classification_model
 from pyro_convexvb.infer.posterior import GaussianPosterior
 
+# our own defaults must reach their tolerances: an unconverged fit here is a failure, not a warning
+pytestmark = pytest.mark.filterwarnings("error::pyro_convexvb.ConvergenceWarning")
+
 
 def _log_joint(model, args, site, value, y):
     cond = poutine.condition(model, data={site: value})

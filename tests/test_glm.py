@@ -10,6 +10,9 @@ from pyro_convexvb.blr import BayesianLinearRegression
 from pyro_convexvb.glm import GLM, _binomial_cdf
 from pyro_convexvb.infer.diag_mixture import DiagMixturePosterior
 
+# our own defaults must reach their tolerances: an unconverged fit here is a failure, not a warning
+pytestmark = pytest.mark.filterwarnings("error::pyro_convexvb.ConvergenceWarning")
+
 DT = torch.float64
 
 
@@ -99,6 +102,7 @@ def test_binomial_cdf_against_scipy():
             np.testing.assert_allclose(got[r].numpy(), ref, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.filterwarnings("ignore::pyro_convexvb.ConvergenceWarning")  # a capped SVI budget, not a default
 def test_gaussian_glm_k1_matches_bayesian_linear_regression():
     g = torch.Generator().manual_seed(0)
     X = torch.randn(150, 2, generator=g, dtype=DT)
@@ -113,6 +117,7 @@ def test_gaussian_glm_k1_matches_bayesian_linear_regression():
     assert glm.log_evidence_bound_ is not None and glm.log_evidence_bound_ < blr.log_marginal_likelihood_
 
 
+@pytest.mark.filterwarnings("ignore::pyro_convexvb.ConvergenceWarning")  # a capped SVI budget, not a default
 def test_bernoulli_minibatch_mixture_fit():
     g = torch.Generator().manual_seed(1)
     X = torch.randn(400, 2, generator=g, dtype=DT)

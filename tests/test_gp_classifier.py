@@ -12,6 +12,9 @@ from pyro_convexvb.infer.dual_vg import SiteSpaceBackend, make_bound, solve_dual
 from pyro_convexvb.infer.dual_vg.reference import cvi_fixed_point
 from pyro_convexvb.lgm.sites import BernoulliLogit
 
+# our own defaults must reach their tolerances: an unconverged fit here is a failure, not a warning
+pytestmark = pytest.mark.filterwarnings("error::pyro_convexvb.ConvergenceWarning")
+
 D = torch.float64
 
 

@@ -21,6 +21,9 @@ from pyro_convexvb.blr import blr_posterior
 from pyro_convexvb.gp.random_features import RandomFeatureGP, RandomFourierFeatures, orthogonal_gaussian
 from pyro_convexvb.infer.posterior import GaussianPosterior
 
+# our own defaults must reach their tolerances: an unconverged fit here is a failure, not a warning
+pytestmark = pytest.mark.filterwarnings("error::pyro_convexvb.ConvergenceWarning")
+
 DT = torch.float64
 
 

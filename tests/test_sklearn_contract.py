@@ -32,6 +32,9 @@ from pyro_convexvb.gp import GPClassifier
 from pyro_convexvb.online import (OnlineADF, OnlineAdaGradLogistic, OnlineBayesLogistic, OnlineDimGauss,
                                   OnlineMarginalVB)
 
+# our own defaults must reach their tolerances: an unconverged fit here is a failure, not a warning
+pytestmark = pytest.mark.filterwarnings("error::pyro_convexvb.ConvergenceWarning")
+
 # GLM trains by SVI; the checks fit it ~40 times, so they use a small (but sufficient) step budget.
 _GLM_FAST = dict(max_steps=60, min_steps=60, window=20, lr=0.1)
 

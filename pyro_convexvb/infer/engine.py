@@ -54,11 +54,10 @@ import difflib
 import math
 import time
 import typing
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Dict, Optional, Tuple
 
-from ..errors import ConvergenceError, ConvergenceWarning, UnsupportedModelError
+from ..errors import ConvergenceError, UnsupportedModelError, warn
 from .result import History, InferenceResult
 
 __all__ = [
@@ -185,8 +184,8 @@ class EngineOptions:
             if meta.get("choices") is not None and value not in meta["choices"]:
                 raise ValueError(f"option '{f.name}' must be one of {list(meta['choices'])}, got {value!r}")
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                if isinstance(value, float) and math.isnan(value):
-                    raise ValueError(f"option '{f.name}' is NaN")
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ValueError(f"option '{f.name}' must be a finite number, got {value!r}")
                 if meta.get("min") is not None and value < meta["min"]:
                     raise ValueError(f"option '{f.name}' must be >= {meta['min']}, got {value!r}")
                 if meta.get("gt") is not None and not value > meta["gt"]:
@@ -563,6 +562,10 @@ class Engine:
 
         t0 = time.perf_counter()
         self._check_distributed(args, kwargs)
+        if not isinstance(self.model, LatentGaussianModel):
+            from ..lgm.extract import check_model_data
+
+            check_model_data(self.model, args, kwargs)
         params = self._type2_params(args, kwargs)
         if params:
             return self._run_type2(params, args, kwargs, t0)
@@ -710,7 +713,7 @@ class Engine:
             if self.options.on_fail == "raise":
                 worst = max((c for c in sol.optimality.criteria if not c.met), key=lambda c: c.value, default=None)
                 raise ConvergenceError(msg, residual=None if worst is None else worst.value)
-            warnings.warn(msg, ConvergenceWarning, stacklevel=3)
+            warn(msg)
         return res
 
     def __repr__(self):

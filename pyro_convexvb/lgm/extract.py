@@ -160,6 +160,94 @@ def latent_sites(model, args, kwargs):
             if s["type"] == "sample" and not s["is_observed"] and not _is_subsample(s)]
 
 
+def _named_arguments(model, args, kwargs):
+    """``[(name, value)]`` of the model's arguments, positional ones named by the model's signature."""
+    import inspect
+
+    try:
+        bound = inspect.signature(model).bind_partial(*args, **kwargs).arguments
+        return list(bound.items())
+    except (TypeError, ValueError):
+        return [(f"#{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+
+
+def _nonfinite(value):
+    """``(count, first index)`` of the non-finite entries of a floating tensor, array or SciPy sparse matrix."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    if sp.issparse(value):
+        value = value.tocoo()
+        bad = ~np.isfinite(value.data)
+        if not bad.any():
+            return 0, None
+        i = int(np.argmax(bad))
+        return int(bad.sum()), (int(value.row[i]), int(value.col[i]))
+    if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating):
+        bad = ~np.isfinite(value)
+        return (int(bad.sum()), tuple(int(i) for i in np.argwhere(bad)[0])) if bad.any() else (0, None)
+    if torch.is_tensor(value) and value.is_floating_point():
+        if value.layout != torch.strided:
+            values = value.values() if value.layout == torch.sparse_coo else value.values()
+            n = int((~torch.isfinite(values)).sum())
+            return n, None
+        bad = ~torch.isfinite(value)
+        return (int(bad.sum()), tuple(int(i) for i in bad.nonzero()[0])) if bool(bad.any()) else (0, None)
+    return 0, None
+
+
+def check_model_data(model, args, kwargs):
+    """Refuse data that no engine can fit, before any engine runs, with an error that names the input.
+
+    * an argument (tensor, NumPy array, SciPy sparse matrix) with ``inf``/``NaN`` entries, except the observed
+      values of ``obs_mask`` sites (their masked-out entries are never read);
+    * an observed site with no entries (``0`` rows of data);
+    * a model with no latent sample site (nothing to infer).
+
+    Row-sharded data (:mod:`pyro_convexvb.distributed`) are checked on this rank's arguments only.
+
+    :raises ValueError: naming the argument or the site and what to do.
+    """
+    from ..distributed import find_comm
+
+    masked = []
+    if find_comm(args, kwargs) is None:
+        try:
+            with torch.no_grad(), full_data_plates():
+                tr = _first_trace(proper_missing(model), args, kwargs)
+        except ZeroDivisionError:  # pyro.plate(name, 0)
+            empty = [n for n, v in _named_arguments(model, args, kwargs) if 0 in tuple(getattr(v, "shape", ()))]
+            which = (f": argument{'s' if len(empty) > 1 else ''} {', '.join(repr(n) for n in empty)} "
+                     f"ha{'ve' if len(empty) > 1 else 's'} 0 rows") if empty else ""
+            raise ValueError(f"the model fails on empty data (a pyro.plate of size 0){which}; there is nothing to "
+                             "fit: pass at least one row") from None
+        latent = []
+        for name, site in tr.nodes.items():
+            if site["type"] != "sample" or _is_subsample(site):
+                continue
+            if not site["is_observed"]:
+                latent.append(name)
+                continue
+            value = site["value"]
+            if torch.is_tensor(value) and value.numel() == 0:
+                raise ValueError(f"site '{name}': there are no observations (the data have 0 rows), so there is "
+                                 "nothing to fit; pass at least one row")
+            if name.endswith("_observed") and torch.is_tensor(site.get("mask")):
+                masked.append(value)
+        if not latent:
+            raise ValueError("the model has no latent sample site (every pyro.sample is observed), so there is no "
+                             "posterior to infer")
+    for name, value in _named_arguments(model, args, kwargs):
+        if any(value is m for m in masked):
+            continue
+        count, where = _nonfinite(value)
+        if count:
+            at = f", the first at index {where}" if where is not None else ""
+            raise ValueError(f"argument '{name}' has {count} non-finite entr{'y' if count == 1 else 'ies'} (inf or "
+                             f"NaN){at}: no engine fits non-finite data; remove or impute those entries (for missing "
+                             "responses use pyro.sample(..., obs_mask=...))")
+
+
 def unconstrained_layout(model, args, kwargs):
     """:class:`LatentLayout` of the model's latent sites in unconstrained coordinates (``biject_to`` of each support)."""
     from torch.distributions import biject_to

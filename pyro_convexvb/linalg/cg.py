@@ -23,11 +23,10 @@ semidefinite in floating point.
 """
 from dataclasses import dataclass, field
 import math
-import warnings
 
 import torch
 
-from ..errors import ConvergenceError, ConvergenceWarning, NotPositiveDefiniteError
+from ..errors import ConvergenceError, NotPositiveDefiniteError, warn
 from .operators import LinearOperator, as_operator
 
 __all__ = ["CGResult", "cg", "NotPositiveDefiniteError", "default_max_iter"]
@@ -260,7 +259,7 @@ def cg(
         )
         if on_fail == "raise":
             raise ConvergenceError(msg, residual=rel_out, iterations=iterations)
-        warnings.warn(msg, ConvergenceWarning, stacklevel=2)
+        warn(msg)
     return CGResult(
         x=x_out,
         iterations=iterations,

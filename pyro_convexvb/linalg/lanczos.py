@@ -25,11 +25,10 @@ Lanczos coefficients, the number of products nor Ritz residuals.
 """
 from dataclasses import dataclass, field
 import math
-import warnings
 
 import torch
 
-from ..errors import ConvergenceWarning
+from ..errors import warn
 from .cg import NotPositiveDefiniteError, _check_finite, _resolve_matmul
 from .operators import as_operator
 
@@ -684,12 +683,8 @@ def pca_variances(
         K = min(max_steps, K + max(L, K // 2))
     if not ok and on_fail == "warn":
         worst = float((rr / theta).max())
-        warnings.warn(
-            f"pca_variances: the {L} smallest Ritz pairs did not converge in {res.k} Lanczos steps "
-            f"(largest relative Ritz residual {worst:.2e} > tol={tol:g}); the estimate is still a lower bound",
-            ConvergenceWarning,
-            stacklevel=2,
-        )
+        warn(f"pca_variances: the {L} smallest Ritz pairs did not converge in {res.k} Lanczos steps "
+             f"(largest relative Ritz residual {worst:.2e} > tol={tol:g}); the estimate is still a lower bound")
     Q = res.Q
     q_rows = n if op is None else op.shape[0]
     z = torch.zeros(q_rows, dtype=Q.dtype, device=Q.device)

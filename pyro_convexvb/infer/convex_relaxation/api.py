@@ -9,12 +9,11 @@ r"""Public helpers for code built on the convex relaxation (active learning, exp
 These wrap the engine's internal problem representation, so callers never depend on it.
 """
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
 
-from ...errors import ConvergenceWarning
+from ...errors import warn
 from .inner import inner_loop
 from .problem import RelaxationProblem
 
@@ -158,9 +157,8 @@ def laplace_map(lgm, u0=None, *, z_start=1e-2, z_final=1e-12, z_factor=1e-2, max
         u = inner.u
         steps.append(inner.newton_steps)
     if not inner.converged:
-        warnings.warn(ConvergenceWarning(
-            f"laplace_map: Newton stopped after {inner.newton_steps} steps at z = {zs[-1]:g} without meeting "
-            f"its test (Newton decrement {inner.decrement:.3g})"), stacklevel=2)
+        warn(f"laplace_map: Newton stopped after {inner.newton_steps} steps at z = {zs[-1]:g} without meeting "
+             f"its test (Newton decrement {inner.decrement:.3g})")
     psi0 = 0.5 * float(prob.quad(u))
     if groups:
         eta = lgm.design(groups).mv(u) + lgm.offset(groups)  # Laplace sites exp(-|eta_j| / b_j)

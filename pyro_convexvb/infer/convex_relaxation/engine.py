@@ -1,12 +1,11 @@
 """``ConvexVariationalRelaxation``: the registered engine ``convex_relaxation``."""
 import math
 import typing
-import warnings
 from dataclasses import dataclass
 
 import torch
 
-from ...errors import UnsupportedModelError
+from ...errors import UnsupportedModelError, warn
 from ..engine import Criterion, Engine, LGMEngineOptions, Optimality, Solution, option
 from ..posterior import GaussianPosterior
 from .outer import double_loop
@@ -169,11 +168,11 @@ class ConvexVariationalRelaxation(Engine):
         C = prob.log_const()
         phi = out["best_phi"]
         if step.logdet_method == "unavailable":
-            warnings.warn(
+            warn(
                 "convex_relaxation: no evidence bound (log_evidence_bound=None) and no phi-based stopping: "
                 f"n = {lgm.n} > dense_logdet_max = {o.dense_logdet_max} and diag(A) is not available "
                 "for the rigorous log|A| bound, because a design operator has no entrywise square (give "
-                "FunctionOperators a `squared` operator, or raise dense_logdet_max)", RuntimeWarning, stacklevel=4)
+                "FunctionOperators a `squared` operator, or raise dense_logdet_max)", RuntimeWarning)
         bound = C - 0.5 * phi if math.isfinite(phi) else None
         w = 1.0 / gamma if prob.q else torch.zeros(0, dtype=prob.dtype, device=prob.device)
         posterior = GaussianPosterior(

@@ -55,11 +55,10 @@ is not linear in ``s`` (its tails grow like ``s^2/2``), so no ``beta`` makes ``l
 even; :func:`potential_for` rejects them with that reason.
 """
 import math
-import warnings
 
 import torch
 
-from ...errors import NonConvexWarning, UnsupportedModelError
+from ...errors import NonConvexWarning, UnsupportedModelError, warn
 from ...lgm.sites import Gaussian, StudentT, Weighted  # noqa: F401  (StudentT re-exported: the family lives in lgm.sites)
 from ...lgm.stack import GroupStack
 from ...linalg.scalar import minimize_convex_scalar, newton_bisect_root, expand_bracket
@@ -649,9 +648,6 @@ def warn_if_not_log_concave(stack):
     """Issue :class:`NonConvexWarning` for every potential that is not log-concave (Nickisch & Seeger 2009, Theorem 2)."""
     for p in stack.potentials:
         if not p.log_concave:
-            warnings.warn(
-                f"site potential '{p.name}' is not log-concave: h(gamma) is not convex (Nickisch & Seeger 2009, Theorem 2), so the "
-                "relaxation is not a convex problem; the double loop still decreases phi but may stop at a local optimum",
-                NonConvexWarning,
-                stacklevel=3,
-            )
+            warn(f"site potential '{p.name}' is not log-concave: h(gamma) is not convex (Nickisch & Seeger 2009, "
+                 "Theorem 2), so the relaxation is not a convex problem; the double loop still decreases phi but may "
+                 "stop at a local optimum", NonConvexWarning)

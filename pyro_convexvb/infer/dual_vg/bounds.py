@@ -144,6 +144,12 @@ class LocalBound:
         """``df/dh (h, rho)``: the ``alpha`` at which the dual is optimal for marginals ``(h, rho)``."""
         raise NotImplementedError
 
+    def data_alpha(self, h, rho):
+        """A second starting ``alpha`` taken from the data rather than from the prior marginals ``(h, rho)``;
+        by default the prior-marginal one, :meth:`alpha_star`. :func:`~.optim.initial_alpha` starts from the
+        one with the lower dual objective."""
+        return self.alpha_star(h, rho)
+
     def conjugate(self, alpha, lam):
         """Joint-form conjugate ``f*(alpha, lambda)``: ``psi(alpha)`` where ``lambda <= ell(alpha)``, else ``+inf``.
 
@@ -205,6 +211,12 @@ class PoissonBound(LocalBound):
 
     def alpha_star(self, h, rho):
         return torch.exp(h + 0.5 * rho) - self.y
+
+    def data_alpha(self, h, rho):
+        """``alpha = 1/2``: site precision ``lambda = y + 1/2``, the curvature of ``-log p`` at ``eta = log(y + 1/2)``
+        (the usual start of Poisson IRLS, McCullagh & Nelder 1989, §2.5). Where the prior marginals are wide
+        (``rho`` of tens), ``exp(h + rho / 2)`` starts the dual at rates of ``e^25`` and beyond."""
+        return torch.full_like(h, 0.5)
 
 
 class StochasticVolatilityBound(LocalBound):
@@ -653,6 +665,9 @@ class StackedBound(LocalBound):
     def alpha_star(self, h, rho):
         return self._map("alpha_star", h, rho)
 
+    def data_alpha(self, h, rho):
+        return self._map("data_alpha", h, rho)
+
     def conjugate(self, alpha, lam):
         return self._map("conjugate", alpha, lam)
 
@@ -745,6 +760,9 @@ class WeightedBound(LocalBound):
 
     def alpha_star(self, h, rho):
         return self.weight * self.base.alpha_star(h, rho)
+
+    def data_alpha(self, h, rho):
+        return self.weight * self.base.data_alpha(h, rho)
 
     def conjugate(self, alpha, lam):
         w = self.weight.to(alpha)

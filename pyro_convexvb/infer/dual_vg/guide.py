@@ -277,6 +277,10 @@ class DualVGEngine(Engine):
             bar.set_postfix(gap=f"{gap:.3g}")
 
         alpha0 = None if o.alpha0 is None else torch.as_tensor(o.alpha0, dtype=lgm.dtype, device=lgm.device)
+        if alpha0 is not None and (alpha0.shape != (len(lb),) or not bool(torch.isfinite(alpha0).all())):
+            raise ValueError(f"engine '{self.name}': option 'alpha0' must be a finite vector of one dual variable per "
+                             f"observed site entry, shape ({len(lb)},); got shape {tuple(alpha0.shape)}"
+                             + ("" if alpha0.shape != (len(lb),) else " with non-finite entries"))
         sol = solve_dual(backend, lb, alpha0, method=o.method, gap_tol=o.gap_tol, max_iter=o.max_iter,
                          history=run.history, on_fail="ignore", newton_solver=o.newton_solver, callback=callback)
         alpha, lam = sol.alpha, sol.lam

@@ -11,13 +11,12 @@ r"""Minimisers of the dual VG objective that never leave the conjugates' domains
   with ``+inf`` outside the effective domain (the line search backtracks), gradient by Danskin.
 """
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ...errors import ConvergenceWarning
+from ...errors import warn
 from ...linalg.cg import cg
 from ..result import History
 from .bounds import numerical_conjugate
@@ -50,13 +49,21 @@ def default_gap_tol(num_sites):
 
 
 def initial_alpha(backend, bound):
-    r"""Start ``alpha_n = df_n/dh`` at the prior marginals ``(mu_t, diag Sigma_t)``.
+    r"""Start ``alpha_n = df_n/dh`` at the prior marginals ``(mu_t, diag Sigma_t)``, or at the bound's data start
+    (:meth:`~.bounds.LocalBound.data_alpha`) where that has the lower reduced dual objective.
 
     ``docs/dual_vg.md``, § Algorithm and recovery, step 1.
     """
+    from .objective import reduced_objective
+
     h, rho = backend.prior_marginals()
-    a = bound.alpha_star(h, rho)
-    return _clip_into(a, bound)
+    a = _clip_into(bound.alpha_star(h, rho), bound)
+    b = _clip_into(bound.data_alpha(h, rho), bound)
+    if torch.equal(a, b):
+        return a
+    ga = reduced_objective(backend, bound, a, hessian=False).g
+    gb = reduced_objective(backend, bound, b, hessian=False).g
+    return b if torch.isfinite(gb) and not float(gb) >= float(ga) else a
 
 
 def _clip_into(a, bound, margin=1e-10):
@@ -124,7 +131,9 @@ def _site_pcg(matvec, b, precond, rtol, max_iter, red):
         r.add_(Ap, alpha=-alpha)
         rn = red.norm(r)
         if not rz > 0:
-            raise ValueError("the preconditioner is not positive definite: r^T M^{-1} r <= 0 during CG")
+            from ...errors import NotPositiveDefiniteError
+
+            raise NotPositiveDefiniteError("the preconditioner is not positive definite: r^T M^{-1} r <= 0 during CG")
         if neg or rn <= tol or it >= max_iter:
             return x, it
         z = precond(r)
@@ -190,7 +199,7 @@ def _finish(alpha, val, gap, it, nev, converged, history, on_fail, gap_tol, meth
 
             raise ConvergenceError(msg, residual=gap, iterations=it)
         if on_fail != "ignore":
-            warnings.warn(msg, ConvergenceWarning)
+            warn(msg)
     return DualSolution(alpha, val.lam, float(val.g), gap, val.m_tilde, val.v_tilde, it, nev, converged, history)
 
 
@@ -212,6 +221,30 @@ def _use_operator_hessian(backend, newton_solver):
     # and a few products of 4 N L^2 each (the Woodbury preconditioner leaves out only the off-diagonal
     # Hadamard term, and 1-3 CG steps per Newton step are typical); budget 5 products.
     return N ** 3 / 3 + 2 * N ** 2 * L > 20 * N * L ** 2
+
+
+def _newton_cg_step(H, grad, cg_max_iter, red):
+    """Inexact Newton direction ``H d = -grad`` by preconditioned CG on a matrix-free Hessian: truncated at
+    non-positive curvature (Steihaug 1983), from ``x0 = 0``, relative tolerance ``min(0.1, sqrt|grad|)``.
+
+    The Woodbury preconditioner is tried first; where rounding makes it indefinite (its two terms cancel when
+    the site curvatures span many orders of magnitude), the step is solved again with its diagonal (Jacobi)
+    form, which is positive definite in any arithmetic. Row-sharded sites use :func:`_site_pcg` (inner
+    products reduced over ranks). :returns: ``(d, cg_iterations)``."""
+    from ...errors import NotPositiveDefiniteError
+
+    def solve(precond):
+        if red.active:
+            return _site_pcg(H.mv, -grad, precond, min(0.1, math.sqrt(red.norm(grad))), cg_max_iter, red)
+        res = cg(H.mv, -grad, precond=lambda R: precond(R[:, 0])[:, None],
+                 rtol=min(0.1, math.sqrt(float(grad.norm()))), max_iter=cg_max_iter, on_fail="ignore",
+                 true_residual=False, on_negative_curvature="truncate")
+        return res.x, res.iterations
+
+    try:
+        return solve(H.precondition)
+    except NotPositiveDefiniteError:
+        return solve(H.precondition_diagonal)
 
 
 def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback, newton_solver="auto",
@@ -241,18 +274,9 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
                 jitter *= 10
                 Lh, info = torch.linalg.cholesky_ex(H + jitter * torch.eye(H.shape[0], dtype=H.dtype, device=H.device))
             d = -torch.cholesky_solve(val.grad[:, None], Lh)[:, 0]
-        elif red.active:  # row-sharded sites: the same CG with inner products reduced over ranks
-            gnorm = red.norm(val.grad)
-            d, its = _site_pcg(H.mv, -val.grad, H.precondition, min(0.1, math.sqrt(gnorm)), cg_max_iter, red)
+        else:
+            d, its = _newton_cg_step(H, val.grad, cg_max_iter, red)
             cg_iterations += its
-        else:  # matrix-free Hessian (L-space form): inexact Newton by preconditioned CG
-            gnorm = float(val.grad.norm())
-            # truncated at non-positive curvature (Steihaug 1983), from x0 = 0 and without a true-residual check
-            res = cg(H.mv, -val.grad, precond=lambda R: H.precondition(R[:, 0])[:, None],
-                     rtol=min(0.1, math.sqrt(gnorm)), max_iter=cg_max_iter, on_fail="ignore", true_residual=False,
-                     on_negative_curvature="truncate")
-            d = res.x
-            cg_iterations += res.iterations
         dc = _clip_direction(alpha, d, bound)
         if red.dot(val.grad, dc) < 0:
             d, t = dc, 1.0
@@ -430,7 +454,7 @@ def minimize_joint(backend, bound, alpha0, lam0, *, gap_tol=None, max_iter=500, 
 
             raise ConvergenceError(msg, residual=gap, iterations=it)
         if on_fail != "ignore":
-            warnings.warn(msg, ConvergenceWarning)
+            warn(msg)
     return sol
 
 
@@ -457,8 +481,10 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
 
     :param backend: a :class:`~.objective.SiteSpaceBackend`.
     :param bound: the local bound (only its families are used, for the exact expectations).
-    :param residual_tol: if given, converged means the fixed-point residual (below) is at most this; the
-        bound's relative change ``tol`` then only stops a stalled run (not converged).
+    :param residual_tol: if given, converged means the fixed-point residual (below) is at most this, and the
+        run stops there, or (not converged) when five steps in a row have not cut the residual by 10%, or at
+        ``max_iter``; the bound's relative change ``tol`` is not used then (near the optimum the bound is flat
+        to rounding while the residual still falls).
     :param bool return_residual: also return the fixed-point residual at the result: the largest change a
         full CVI step would make to a site natural parameter ``lam_n`` or ``nu_n``, relative to ``1 + |parameter|``
         (zero at the optimum).
@@ -488,14 +514,22 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
     cur, t = value(alpha, lam)
     history.record(objective=cur)
     converged, it, b = False, 0, float(step)
+    best_residual, stalled = math.inf, 0
     for it in range(1, max_iter + 1):
         gm, gv = grads(t.m_tilde, t.v_tilde)
         nu = lam * t.m_tilde - alpha
         lam_hat, nu_hat = (-2 * gv).clamp_min(0), gm - 2 * gv * t.m_tilde
         residual = _cvi_residual(lam, nu, lam_hat, nu_hat)
-        if residual_tol is not None and residual <= residual_tol:
-            converged = True
-            break
+        if residual_tol is not None:
+            if residual <= residual_tol:
+                converged = True
+                break
+            # near the optimum the bound is flat to rounding (it moves by ~residual^2), so a stalled bound does
+            # not stop a residual-judged run: the CVI steps go on while they still shrink the residual
+            stalled = 0 if residual < 0.9 * best_residual else stalled + 1
+            best_residual = min(best_residual, residual)
+            if stalled >= 5:
+                break
         accepted = False
         for _ in range(30):
             lam_new = (1 - b) * lam + b * lam_hat
@@ -516,8 +550,8 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
         change = new - cur
         alpha, lam, cur, t = alpha_new, lam_new, new, t_new
         history.record(objective=cur)
-        if abs(change) <= tol * (1 + abs(cur)):
-            converged = residual_tol is None  # with a residual test, a stalled bound is not convergence
+        if residual_tol is None and abs(change) <= tol * (1 + abs(cur)):
+            converged = True
             break
         b = min(float(step), 2 * b)
     if return_residual or residual_tol is not None:
