@@ -113,3 +113,16 @@ def test_newton_cg_falls_back_to_the_jacobi_preconditioner_when_woodbury_is_inde
         res = pcv.fit(logistic, X, y=y, engine="dual_vg", progress=False)
     assert torch.isfinite(res.posterior.loc).all()
     assert res.converged == (res.optimality.criteria[0].value <= res.optimality.criteria[0].tol)
+
+
+def test_a_singular_kernel_without_jitter_names_the_site_and_the_remedy():
+    import numpy as np
+    import gpytorch
+    from pyro_convexvb.gp import GPClassifier
+
+    rng = np.random.default_rng(0)
+    X = np.repeat(rng.normal(size=(20, 2)), 2, axis=0)  # every input twice: K is singular
+    y = (X[:, 0] > 0).astype(float)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+    with pytest.raises(pcv.NotPositiveDefiniteError, match=r"site 'f'.*not positive definite.*jitter"):
+        GPClassifier(kernel, engine="convex_relaxation", jitter=0.0).fit(X, y)

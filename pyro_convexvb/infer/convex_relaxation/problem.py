@@ -249,7 +249,15 @@ class RelaxationProblem:
                 if p.size > DENSE_BLOCK_LIMIT:
                     raise UnsupportedModelError(p.name, "a prior block given only by a covariance larger than "
                                                         f"{DENSE_BLOCK_LIMIT} needs a precision operator")
-                prec = DenseOperator(torch.cholesky_inverse(torch.linalg.cholesky(p.cov.to_dense())))
+                L, info = torch.linalg.cholesky_ex(p.cov.to_dense())
+                if int(info) != 0:
+                    from ...errors import NotPositiveDefiniteError
+
+                    raise NotPositiveDefiniteError(
+                        f"site '{p.name}': its prior covariance is not positive definite in floating point (Cholesky "
+                        f"fails at pivot {int(info)} of {p.size}), e.g. a kernel matrix of repeated or very close "
+                        "inputs; add jitter to its diagonal (GPClassifier(jitter=...)) or give the prior a precision")
+                prec = DenseOperator(torch.cholesky_inverse(L))
             self.prior_blocks.append((b.slice, _Counted(prec, self.counts, "prior"), p.loc))
         # ---- Gaussian observation groups
         self.gauss = []
