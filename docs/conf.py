@@ -17,3 +17,18 @@ autodoc_mock_imports = []
 html_theme = "alabaster"
 suppress_warnings = ["myst.header"]
 myst_heading_anchors = 3
+
+
+def _skip_scikit_learn_members(app, what, name, obj, skip, options):
+    """Leave out the members scikit-learn generates on estimators (``set_fit_request`` and the other metadata
+    routing setters): their docstrings refer to scikit-learn's own glossary and labels, which these docs lack;
+    scikit-learn's documentation describes them."""
+    qualname = getattr(obj, "__qualname__", "") or ""
+    module = getattr(obj, "__module__", "") or ""
+    if module.startswith("sklearn") or "RequestMethod" in qualname:
+        return True
+    return skip
+
+
+def setup(app):
+    app.connect("autodoc-skip-member", _skip_scikit_learn_members)

@@ -196,13 +196,38 @@ def _nonfinite(value):
     return 0, None
 
 
+def _check_support(name, fn, value, mask):
+    """Observed values outside the support of their distribution are a data error (e.g. Bernoulli labels 2 or
+    -1, negative or fractional counts), whatever the engine."""
+    support = getattr(fn, "support", None)
+    if support is None or not torch.is_tensor(value):
+        return
+    try:
+        ok = support.check(value)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return
+    ok = torch.as_tensor(ok)
+    if torch.is_tensor(mask):
+        try:
+            ok = ok | ~torch.broadcast_to(mask.bool(), ok.shape)
+        except RuntimeError:
+            pass
+    if not bool(ok.all()):
+        bad = value[~ok] if ok.shape == value.shape else value.flatten()
+        base, _ = _unwrap(fn)
+        raise ValueError(f"site '{name}': observed values outside the support of {type(base).__name__} "
+                         f"({support}), e.g. {bad.flatten()[:3].tolist()}; recode the data (Bernoulli labels "
+                         "as 0/1, counts as nonnegative integers)")
+
+
 def check_model_data(model, args, kwargs):
     """Refuse data that no engine can fit, before any engine runs, with an error that names the input.
 
     * an argument (tensor, NumPy array, SciPy sparse matrix) with ``inf``/``NaN`` entries, except the observed
       values of ``obs_mask`` sites (their masked-out entries are never read);
     * an observed site with no entries (``0`` rows of data);
-    * a model with no latent sample site (nothing to infer).
+    * a model with no latent sample site (nothing to infer);
+    * observed values outside the support of their distribution (Bernoulli labels 2 or -1, negative counts).
 
     Row-sharded data (:mod:`pyro_convexvb.distributed`) are checked on this rank's arguments only.
 
@@ -232,8 +257,10 @@ def check_model_data(model, args, kwargs):
             if torch.is_tensor(value) and value.numel() == 0:
                 raise ValueError(f"site '{name}': there are no observations (the data have 0 rows), so there is "
                                  "nothing to fit; pass at least one row")
-            if name.endswith("_observed") and torch.is_tensor(site.get("mask")):
+            mask = site.get("mask")
+            if name.endswith("_observed") and torch.is_tensor(mask):
                 masked.append(value)
+            _check_support(name, site["fn"], value, mask)
         if not latent:
             raise ValueError("the model has no latent sample site (every pyro.sample is observed), so there is no "
                              "posterior to infer")

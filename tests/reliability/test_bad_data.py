@@ -126,3 +126,14 @@ def test_a_singular_kernel_without_jitter_names_the_site_and_the_remedy():
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
     with pytest.raises(pcv.NotPositiveDefiniteError, match=r"site 'f'.*not positive definite.*jitter"):
         GPClassifier(kernel, engine="convex_relaxation", jitter=0.0).fit(X, y)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("labels", [2.0, -1.0])
+def test_labels_outside_the_support_are_a_data_error_for_every_engine(engine, labels):
+    """Labels 2 or -1 are refused as data (a ValueError naming the site), not as a model that other engines fit."""
+    X, y = _data()
+    y[y == 0] = labels
+    with pytest.raises(ValueError, match=r"site 'y': observed values outside the support of Bernoulli") as e:
+        pcv.fit(logistic, X, y=y, engine=engine, progress=False)
+    assert "engines that fit" not in str(e.value)
