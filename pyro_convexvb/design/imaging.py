@@ -242,28 +242,57 @@ def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
     return FunctionOperator(fwd, adj, shape, dtype=dtype, device=device, batched=True, squared=sq)
 
 
-def phase_encode_scores(factor, H, W, noise_var=1.0, candidates=None):
+def phase_encode_scores(factor, H, W, noise_var=1.0, candidates=None, chunk_size=32):
     r"""``Delta_c = log|I + X_c Cov X_c^T / sigma^2|`` for candidate k-space columns ``c`` (Seeger 2010 §2.2),
     ``X_c`` = :func:`fourier_columns_operator` of the single column ``c``, ``Cov = F F^T``.
 
-    One batched FFT of the ``k`` columns of ``F`` gives ``X_c F`` for every ``c`` at once; each score is
-    then a ``min(2H, k)``-sized log-determinant.
+    Matrix-free and without a linear solve per candidate: the ``k`` columns of ``F``, read as images, go
+    through one real 2-D FFT (``torch.fft.rfft2``, ``chunk_size`` at a time), which gives ``X_c F`` for every
+    column ``c = 0 .. W/2`` at once; each score is then a ``min(2H, k)``-sized log-determinant of
+    ``I + W_c^T W_c / sigma^2`` (``W_c = X_c F``, ``2H x k``). For a real image column ``W - c`` of the DFT
+    is the complex conjugate of column ``c`` with its rows reversed (``X_{W-c} = P X_c``, ``P`` a signed
+    permutation), so its score equals that of ``c``; candidates above ``W/2`` are scored as their mirror.
 
-    :param torch.Tensor factor: ``(H W, k)`` covariance factor (exact Cholesky or
-        :func:`~pyro_convexvb.design.scores.lanczos_covariance_factor`).
-    :param candidates: column indices (default all ``W``).
-    :returns: ``(len(candidates),)`` scores.
+    Cost ``O(n k log n + N H k min(H, k))`` for ``N`` candidates, memory ``O(N H k) <= O(n k)`` besides ``F``.
+
+    :param torch.Tensor factor: ``(H W, k)`` covariance factor (exact Cholesky,
+        :func:`~pyro_convexvb.design.scores.lanczos_covariance_factor`, or :func:`covariance_factor`).
+    :param int H: image height; :param int W: width.
+    :param float noise_var: ``sigma^2`` of each real measurement of the new column.
+    :param candidates: column indices in ``[0, W)`` (default all ``W``).
+    :param int chunk_size: columns of ``F`` per FFT batch.
+    :returns: ``(len(candidates),)`` scores (dtype and device of ``factor``).
+
+    Example::
+
+        >>> import torch
+        >>> F = torch.eye(16, dtype=torch.float64)  # Cov = I: every column scores log(1 + 1/sigma^2) per row
+        >>> d = phase_encode_scores(F, 4, 4, noise_var=1.0, candidates=[1, 3])
+        >>> torch.allclose(d, torch.full((2,), 8 * torch.log(torch.tensor(2.0, dtype=torch.float64)).item()))
+        True
     """
     _check_shape(H, W)
     if not (isinstance(noise_var, (int, float)) and math.isfinite(noise_var) and noise_var > 0):
         raise ValueError(f"noise_var: expected a positive finite number, got {noise_var!r}")
-    if factor.dim() != 2 or factor.shape[0] != H * W:
-        raise ValueError(f"factor: expected shape ({H * W}, k), got {tuple(factor.shape)}")
+    if not torch.is_tensor(factor) or factor.dim() != 2 or factor.shape[0] != H * W:
+        raise ValueError(f"factor: expected a tensor of shape ({H * W}, k), got "
+                         f"{tuple(factor.shape) if torch.is_tensor(factor) else type(factor).__name__}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected an integer >= 1, got {chunk_size!r}")
     cand = torch.arange(W) if candidates is None else torch.as_tensor(list(candidates), dtype=torch.long)
-    cand = cand.to(factor.device)
-    Kf = torch.fft.fft2(factor.transpose(0, 1).reshape(-1, H, W), norm="ortho")[:, :, cand]  # (k, H, N)
-    Wc = torch.cat([Kf.real, Kf.imag], 1).permute(2, 1, 0)  # (N, 2H, k)
-    return _logdet_eye_plus(Wc, noise_var)
+    if cand.dim() != 1 or cand.numel() == 0 or int(cand.min()) < 0 or int(cand.max()) >= W:
+        raise ValueError(f"candidates: expected a non-empty list of column indices in [0, {W})")
+    mirror = torch.minimum(cand, (W - cand) % W)
+    uniq, inverse = torch.unique(mirror, return_inverse=True)
+    uniq = uniq.to(factor.device)
+    k, N = factor.shape[1], uniq.numel()
+    Wc = factor.new_empty(N, 2 * H, k)
+    for s in range(0, k, chunk_size):
+        e = min(k, s + chunk_size)
+        Kf = torch.fft.rfft2(factor[:, s:e].transpose(0, 1).reshape(e - s, H, W), norm="ortho")[:, :, uniq]
+        Wc[:, :H, s:e] = Kf.real.permute(2, 1, 0)
+        Wc[:, H:, s:e] = Kf.imag.permute(2, 1, 0)
+    return _logdet_eye_plus(Wc, noise_var)[inverse.to(factor.device)]
 
 
 def compressive_sensing_model(y, H, W, columns, noise_var, tau_a, tau_r, levels=None):
@@ -333,17 +362,23 @@ def compressive_sensing_model(y, H, W, columns, noise_var, tau_a, tau_r, levels=
                                                  group("differences", Br, sigma / tau_r)])
 
 
-def covariance_factor(result, pca_rank=None):
+def covariance_factor(result, pca_rank=None, score_steps=None):
     r"""``F`` (``(n, k)``) with ``F F^T`` the posterior covariance ``Cov_Q[u] = A^{-1}`` of a
     :class:`~pyro_convexvb.infer.convex_relaxation.ConvexVariationalRelaxation` fit (``sigma^2 = 1``), in the
     representation its variances used (Seeger 2010 §3):
 
     * ``variance="exact"``: ``F = L^{-T}``, ``A = L L^T`` (``k = n``);
     * ``"lanczos"``: K-Lanczos ``F F^T = Q_K T_K^{-1} Q_K^T`` (:func:`~.scores.lanczos_covariance_factor`);
+      with ``score_steps = K_s < K`` only the first ``K_s`` Lanczos vectors are used,
+      ``F = Q_{K_s} L_{K_s}^{-T}`` with ``L_{K_s}`` the leading block of the Cholesky factor of ``T_K``
+      (``T_{K_s}`` is the leading block of ``T_K``): the covariance of a ``K_s``-step run from the same start
+      vector, the ``K_var / K_score`` split of Seeger 2010 §5 at no extra matrix-vector product;
     * ``"pca"``: L-PCA ``F = U_L Lambda_L^{-1/2}`` from the ``L`` smallest Ritz pairs of the run.
 
     :param result: the engine's :class:`~pyro_convexvb.InferenceResult`.
     :param pca_rank: ``L`` for ``"pca"`` fits (default ``lanczos_rank // 6``, the engine's default).
+    :param score_steps: ``K_score`` for ``"lanczos"`` fits of single-vector Lanczos (default: all ``K``
+        steps); refused for the other methods.
     :returns: ``(n, k)`` tensor, for :func:`phase_encode_scores` or :func:`~.scores.design_score`.
 
     Example::
@@ -359,6 +394,11 @@ def covariance_factor(result, pca_rank=None):
     """
     info = result.info
     method = info.get("variance_method")
+    if score_steps is not None:
+        if isinstance(score_steps, bool) or not isinstance(score_steps, int) or score_steps < 1:
+            raise ValueError(f"score_steps: expected an integer >= 1, got {score_steps!r}")
+        if method != "lanczos":
+            raise ValueError(f"score_steps: only K-Lanczos fits can be truncated (this fit used {method!r})")
     if method == "exact":
         L = info["cholesky"]
         eye = torch.eye(L.shape[0], dtype=L.dtype, device=L.device)
@@ -367,7 +407,13 @@ def covariance_factor(result, pca_rank=None):
     if res is None:
         raise ValueError("result: holds no Lanczos factors (was it fitted with max_outer >= 0 by this engine?)")
     if method == "lanczos":
-        return lanczos_covariance_factor(res)
+        if score_steps is None or score_steps >= res.k:
+            return lanczos_covariance_factor(res)
+        if getattr(res, "block_size", None) != 1 or not hasattr(res, "cholesky_L"):
+            raise ValueError("score_steps: needs a single-vector K-Lanczos run (lanczos_block_size=1, K-Lanczos "
+                             "estimator)")
+        Ls = res.cholesky_L()[:score_steps, :score_steps]
+        return torch.linalg.solve_triangular(Ls, res.Q[:, :score_steps].transpose(0, 1), upper=False).transpose(0, 1)
     if method == "pca":
         L = int(pca_rank) if pca_rank is not None else max(1, int(info["lanczos_rank"]) // 6)
         L = max(1, min(L, res.k))
