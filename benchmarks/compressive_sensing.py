@@ -191,11 +191,15 @@ def run_design(meas, start, steps, method, tau, seed, progress):
 
 
 # ----------------------------------------------------------------------------- state
+def results_dir():
+    return os.environ.get("PYRO_CONVEXVB_RESULTS_DIR") or RESULTS_DIR
+
+
 class State:
     """The results JSON, rewritten after every unit of work."""
 
     def __init__(self, name, settings, restart):
-        self.name, self.path = name, os.path.join(RESULTS_DIR, name + ".json")
+        self.name, self.path = name, os.path.join(results_dir(), name + ".json")
         doc = None
         if os.path.exists(self.path) and not restart:
             with open(self.path) as f:
@@ -308,7 +312,7 @@ def main(argv=None):
                     blk["errors"][key] = evaluate(state, meas_of, image, designs, tau)
                     state.save()
         if not args.no_eval and b == 0:  # residual images of the design image (Figure 3 analogue)
-            res_path = os.path.join(RESULTS_DIR, name + "_residuals.npz")
+            res_path = os.path.join(results_dir(), name + "_residuals.npz")
             if not os.path.exists(res_path) or args.restart:
                 arrays = {}
                 mm = meas_of(blk["design_image"])
@@ -395,7 +399,7 @@ def figures(doc, name, summ, cols):
         a.legend(fontsize=8)
     ax[1].set_xlabel("known k-space columns")
     save_figure(fig, name + "_errors")
-    res_path = os.path.join(RESULTS_DIR, name + "_residuals.npz")
+    res_path = os.path.join(results_dir(), name + "_residuals.npz")
     if os.path.exists(res_path):
         arr = np.load(res_path)
         keys = list(arr.keys())
