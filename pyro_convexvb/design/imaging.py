@@ -60,28 +60,35 @@ def _vectors(imgs, one):
     return out[:, 0] if one else out.contiguous()
 
 
-def _haar_1d(x, dim, length, squared=False):
-    """One Haar step along ``dim``: ``(even, odd) -> [(e + o)/sqrt 2 | (e - o)/sqrt 2]``; with ``squared``
-    the step with squared entries, ``[(e + o)/2 | (e + o)/2]``."""
-    a = x.narrow(dim, 0, length)
-    even, odd = a.narrow(dim, 0, length).unfold(dim, 2, 2).unbind(-1)
+def _haar_level(X, h, w, squared=False):
+    """One separable Haar level on the corner ``X[:, :h, :w]`` (in place): rows then columns of each 2 x 2 block
+    ``[[a, b], [c, d]]`` become the quadrants ``(a+b+c+d)/2`` (low-low, top left), ``(a-b+c-d)/2`` (top right),
+    ``(a+b-c-d)/2`` (bottom left), ``(a-b-c+d)/2`` (bottom right); with ``squared`` the step with squared
+    entries, ``(a+b+c+d)/4`` in every quadrant."""
+    k, h2, w2 = X.shape[0], h // 2, w // 2
+    blk = X[:, :h, :w].reshape(k, h2, 2, w2, 2)
+    a, b, c, d = blk[:, :, 0, :, 0], blk[:, :, 0, :, 1], blk[:, :, 1, :, 0], blk[:, :, 1, :, 1]
     if squared:
-        m = 0.5 * (even + odd)
-        return torch.cat([m, m], dim)
-    s = math.sqrt(0.5)
-    return torch.cat([(even + odd) * s, (even - odd) * s], dim)
-
-
-def _ihaar_1d(x, dim, length, squared=False):
-    """Transpose of :func:`_haar_1d` (its inverse when not ``squared``)."""
-    half = length // 2
-    lo, hi = x.narrow(dim, 0, half), x.narrow(dim, half, half)
-    if squared:
-        even = odd = 0.5 * (lo + hi)
+        m = 0.25 * (a + b + c + d)
+        quads = (m, m, m, m)
     else:
-        s = math.sqrt(0.5)
-        even, odd = (lo + hi) * s, (lo - hi) * s
-    return torch.stack([even, odd], dim + 1 if dim >= 0 else dim).flatten(dim, dim + 1)
+        ab, cd, amb, cmd = a + b, c + d, a - b, c - d
+        quads = (0.5 * (ab + cd), 0.5 * (amb + cmd), 0.5 * (ab - cd), 0.5 * (amb - cmd))
+    X[:, :h2, :w2], X[:, :h2, w2:w], X[:, h2:h, :w2], X[:, h2:h, w2:w] = quads
+
+
+def _ihaar_level(X, h, w, squared=False):
+    """Transpose of :func:`_haar_level` (its inverse when not ``squared``), in place."""
+    k, h2, w2 = X.shape[0], h // 2, w // 2
+    ll, lh, hl, hh = X[:, :h2, :w2], X[:, :h2, w2:w], X[:, h2:h, :w2], X[:, h2:h, w2:w]
+    if squared:
+        m = 0.25 * (ll + lh + hl + hh)
+        a = b = c = d = m
+    else:
+        p, q, r, t = ll + lh, ll - lh, hl + hh, hl - hh
+        a, b, c, d = 0.5 * (p + r), 0.5 * (q + t), 0.5 * (p - r), 0.5 * (q - t)
+    blk = torch.stack([torch.stack([a, b], -1), torch.stack([c, d], -1)], 2)  # (k, h2, 2, w2, 2)
+    X[:, :h, :w] = blk.reshape(k, h, w)
 
 
 def haar_operator(H, W, levels=None, dtype=torch.float64, device=None):
@@ -110,10 +117,7 @@ def haar_operator(H, W, levels=None, dtype=torch.float64, device=None):
         X = X.clone()
         h, w = H, W
         for _ in range(levels):
-            blk = X[:, :h, :w]
-            blk = _haar_1d(blk, 2, w, squared)
-            blk = _haar_1d(blk, 1, h, squared)
-            X[:, :h, :w] = blk
+            _haar_level(X, h, w, squared)
             h, w = h // 2, w // 2
         return _vectors(X, one)
 
@@ -122,10 +126,7 @@ def haar_operator(H, W, levels=None, dtype=torch.float64, device=None):
         X = X.clone()
         sizes = [(H >> j, W >> j) for j in range(levels)]
         for h, w in reversed(sizes):
-            blk = X[:, :h, :w]
-            blk = _ihaar_1d(blk, 1, h, squared)
-            blk = _ihaar_1d(blk, 2, w, squared)
-            X[:, :h, :w] = blk
+            _ihaar_level(X, h, w, squared)
         return _vectors(X, one)
 
     n = H * W
@@ -201,18 +202,29 @@ def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
         k = R.shape[0]
         return R[:, : H * m].reshape(k, m, H).transpose(1, 2), R[:, H * m:].reshape(k, m, H).transpose(1, 2), one
 
+    half = int(cols.max()) <= W // 2  # all columns in the half spectrum of a real image: real FFTs
+    if half:
+        # Re(ifft2(K)) for K supported on columns 0..W/2 equals irfft2 of K's half spectrum with the columns
+        # 0 < c < W/2 halved (irfft2 adds their conjugate mirror; columns 0 and W/2 enter once)
+        hscale = torch.where((cols == 0) | (2 * cols == W), 1.0, 0.5).to(device)
+
     def fwd(v):
         X, one = _images(v, H, W)
-        K = torch.fft.fft2(X, norm="ortho")[:, :, cols]  # (k, H, m)
+        K = (torch.fft.rfft2(X, norm="ortho") if half else torch.fft.fft2(X, norm="ortho"))[:, :, cols]  # (k, H, m)
         return rows_out(K.real, K.imag, one)
 
     def adj(r):
         re, im, one = rows_in(r)
-        K = torch.zeros(re.shape[0], H, W, dtype=torch.complex128 if r.dtype == torch.float64 else torch.complex64,
-                        device=r.device)
-        K[:, :, cols] = torch.complex(re, im)
+        ct = torch.complex128 if r.dtype == torch.float64 else torch.complex64
         # adjoint of u -> Re/Im of (F u) restricted: u = Re(F^H K) (F unitary, u real)
-        X = torch.fft.ifft2(K, norm="ortho").real
+        if half:
+            K = torch.zeros(re.shape[0], H, W // 2 + 1, dtype=ct, device=r.device)
+            K[:, :, cols] = torch.complex(re, im) * hscale.to(r.dtype)
+            X = torch.fft.irfft2(K, s=(H, W), norm="ortho")
+        else:
+            K = torch.zeros(re.shape[0], H, W, dtype=ct, device=r.device)
+            K[:, :, cols] = torch.complex(re, im)
+            X = torch.fft.ifft2(K, norm="ortho").real
         return _vectors(X.contiguous(), one)
 
     # squared entries: cos^2(theta)/(HW) = (1 + cos 2 theta)/(2HW), sin^2 = (1 - cos 2 theta)/(2HW), so both
