@@ -159,14 +159,17 @@ class Measurements:
 
 # ----------------------------------------------------------------------------- methods
 def parse_method(m):
-    if m.startswith("K"):
+    import re
+
+    if re.fullmatch(r"K\d+/\d+", m):
         kv, ks = (int(x) for x in m[1:].split("/"))
-        return dict(kind="lanczos", k_var=kv, k_score=ks)
-    if m.startswith("PCA"):
+        if 1 <= ks <= kv:
+            return dict(kind="lanczos", k_var=kv, k_score=ks)
+    elif re.fullmatch(r"PCA\d+", m) and int(m[3:]) >= 1:
         return dict(kind="pca", pca_rank=int(m[3:]))
-    if m.startswith("random-"):
+    elif re.fullmatch(r"random-\d+", m):
         return dict(kind="random", seed=int(m.split("-")[1]))
-    if m == "lowpass":
+    elif m == "lowpass":
         return dict(kind="lowpass")
     raise ValueError(f"--methods: unknown method {m!r} (K<var>/<score>, PCA<L>, random-<seed>, lowpass)")
 
