@@ -382,8 +382,9 @@ def report(doc, name):
                 trows.append(dict(block=b, method=m, steps=len(r["added"]), cold_fit_s=inf[0],
                                   inference_s_per_step=float(np.mean(inf[1:])) if len(inf) > 1 else float("nan"),
                                   scoring_s_per_step=float(np.mean(r["seconds_scoring"])),
-                                  newton_per_step=float(np.mean(r["newton_steps"])),
-                                  cg_per_step=float(np.mean(r["cg_iterations"])), total_s=r["seconds_total"]))
+                                  newton_per_step=float(np.mean(r["newton_steps"][1:] or [math.nan])),
+                                  cg_per_step=float(np.mean(r["cg_iterations"][1:] or [math.nan])),
+                                  total_s=r["seconds_total"]))
     if trows:
         print("\nDesign runs: cold fit of the start design, then per step: inference (warm double loop), scoring "
               "(FFT scores), Newton steps, CG iterations:\n")

@@ -77,7 +77,8 @@ def test_fourier_columns_half_spectrum_path(H):
     r = torch.randn(2 * H * len(cols), 3, dtype=D)
     Kr = torch.zeros(3, H, W, dtype=torch.complex128)
     m = len(cols)
-    Kr[:, :, cols] = torch.complex(r[:H * m].T.reshape(3, m, H).transpose(1, 2), r[H * m:].T.reshape(3, m, H).transpose(1, 2))
+    re, im = (part.T.reshape(3, m, H).transpose(1, 2) for part in (r[:H * m], r[H * m:]))
+    Kr[:, :, cols] = torch.complex(re, im)
     ref_adj = torch.fft.ifft2(Kr, norm="ortho").real.reshape(3, -1).T
     assert torch.allclose(B.rmv(r), ref_adj, atol=1e-13)
 
