@@ -175,18 +175,19 @@ def parse_method(m):
     raise ValueError(f"--methods: unknown method {m!r} (K<var>/<score>, PCA<L>, random-<seed>, lowpass)")
 
 
-def run_design(meas, start, steps, method, tau, seed, progress):
+def run_design(meas, start, steps, method, tau, seed, progress, engine_options=None):
     """Ordered added pairs of one design, with per-step times for the Bayesian ones."""
     spec = parse_method(method)
     rest = [c for c in meas.cand if c not in start]
     if spec["kind"] == "lowpass":
         return dict(added=rest[:steps])
     if spec["kind"] == "random":
-        rng = np.random.default_rng(1000 + spec["seed"])
+        rng = np.random.default_rng([spec["seed"], seed])  # method seed and block seed: a new draw per block
         return dict(added=[int(c) for c in rng.choice(rest, size=steps, replace=False)])
     kw = dict(variance="lanczos", k_var=spec["k_var"], k_score=spec["k_score"]) if spec["kind"] == "lanczos" else \
         dict(variance="pca", pca_rank=spec["pca_rank"])
-    d = SequentialPhaseEncodeDesign(meas, meas.H, meas.H, NOISE_VAR, *tau, seed=seed, engine_options=DESIGN_ENGINE,
+    d = SequentialPhaseEncodeDesign(meas, meas.H, meas.H, NOISE_VAR, *tau, seed=seed,
+                                    engine_options=DESIGN_ENGINE if engine_options is None else engine_options,
                                     progress=progress, **kw)
     h = d.run(start, steps)
     return dict(added=h.added, best_scores=h.best_scores, seconds_inference=h.seconds_inference,
@@ -249,7 +250,14 @@ def main(argv=None):
     parser.add_argument("--tau-factor", type=float, default=None,
                         help="fix tau = F (0.08, 0.16) instead of choosing F on the grid (no tau MAP solves)")
     parser.add_argument("--tag", default=None, help="suffix of the results/figure names (e.g. a timing run)")
+    parser.add_argument("--design-newton", type=int, default=DESIGN_ENGINE["max_newton"],
+                        help="Newton steps per refit of a design step (recorded in the settings)")
+    parser.add_argument("--design-cg-tol", type=float, default=DESIGN_ENGINE["cg_tol"],
+                        help="final CG tolerance of the refits (recorded in the settings)")
     args = parse_args(parser=parser, argv=argv)
+    if args.design_newton < 1 or not 0 < args.design_cg_tol < 1:
+        parser.error("--design-newton must be >= 1 and --design-cg-tol in (0, 1)")
+    design_engine = dict(max_newton=args.design_newton, cg_tol=args.design_cg_tol)
     mode = "full" if args.full else ("quick" if args.quick else "default")
     cfg = dict(CONFIGS[mode])
     if args.tau_factor is not None:
@@ -257,9 +265,11 @@ def main(argv=None):
             parser.error("--tau-factor must be a positive number")
         cfg["tau_factors"] = [args.tau_factor]
     name = "compressive_sensing" + ("" if mode == "default" else "_" + mode) + ("_" + args.tag if args.tag else "")
-    settings = dict(mode=mode, seed=args.seed, noise_var=NOISE_VAR, map_options=MAP_OPTS, design_engine=DESIGN_ENGINE,
+    settings = dict(mode=mode, seed=args.seed, noise_var=NOISE_VAR, map_options=MAP_OPTS, design_engine=design_engine,
                     **{k: v for k, v in cfg.items() if k not in ("methods",)})
     state = State(name, settings, args.restart)
+    if args.restart and os.path.exists(os.path.join(results_dir(), name + "_residuals.npz")):
+        os.remove(os.path.join(results_dir(), name + "_residuals.npz"))
     if args.figures_only:
         report(state.doc, name)
         return
@@ -311,7 +321,7 @@ def main(argv=None):
             if m not in blk["methods"]:
                 t0 = time.perf_counter()
                 blk["methods"][m] = run_design(meas_of(blk["design_image"]), start, steps, m, tau,
-                                               args.seed * 1009 + b, args.progress)
+                                               args.seed * 1009 + b, args.progress, design_engine)
                 blk["methods"][m]["seconds_total"] = time.perf_counter() - t0
                 state.save()
                 print(f"block {b} {m}: added {blk['methods'][m]['added']}", flush=True)
@@ -325,18 +335,18 @@ def main(argv=None):
                     state.save()
         if not args.no_eval and b == 0:  # residual images of the design image (Figure 3 analogue)
             res_path = os.path.join(results_dir(), name + "_residuals.npz")
-            if not os.path.exists(res_path) or args.restart:
-                arrays = {}
-                mm = meas_of(blk["design_image"])
-                for m in cfg["residual_methods"]:
-                    if m not in blk["methods"]:
-                        continue
-                    u0 = None
-                    for t in cfg["residual_steps"]:
-                        u0 = mm.map(start + blk["methods"][m]["added"][:t], tau, u0)
-                        arrays[f"{m}|{t}"] = (u0 - mm.u).reshape(size, size).numpy()
-                if arrays:
-                    np.savez_compressed(res_path, **arrays)
+            arrays = dict(np.load(res_path)) if os.path.exists(res_path) else {}
+            mm, added = meas_of(blk["design_image"]), False
+            for m in cfg["residual_methods"]:
+                if m not in blk["methods"] or all(f"{m}|{t}" in arrays for t in cfg["residual_steps"]):
+                    continue
+                u0 = None
+                for t in cfg["residual_steps"]:
+                    u0 = mm.map(start + blk["methods"][m]["added"][:t], tau, u0)
+                    arrays[f"{m}|{t}"] = (u0 - mm.u).reshape(size, size).numpy()
+                added = True
+            if added:
+                np.savez_compressed(res_path, **arrays)
     state.doc["eval_steps"] = eval_steps
     state.doc["columns_at_eval"] = [known_columns(start + list(range(start[-1] + 1, start[-1] + 1 + t)), size)
                                     for t in eval_steps]
