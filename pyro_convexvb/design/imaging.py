@@ -277,10 +277,10 @@ def phase_encode_scores(factor, H, W, noise_var=1.0, candidates=None, chunk_size
 
     Example::
 
-        >>> import torch
-        >>> F = torch.eye(16, dtype=torch.float64)  # Cov = I: every column scores log(1 + 1/sigma^2) per row
+        >>> import math, torch
+        >>> F = torch.eye(16, dtype=torch.float64)  # Cov = I; for 0 < c < W/2, X_c X_c^T = I/2 (2H = 8 rows)
         >>> d = phase_encode_scores(F, 4, 4, noise_var=1.0, candidates=[1, 3])
-        >>> torch.allclose(d, torch.full((2,), 8 * torch.log(torch.tensor(2.0, dtype=torch.float64)).item()))
+        >>> torch.allclose(d, torch.full_like(d, 8 * math.log(1.5)))
         True
     """
     _check_shape(H, W)
