@@ -19,7 +19,7 @@ Protocol (``--full``; docs/design.md describes it and how it maps onto the paper
   columns) and ``/ ||u_32 - u_true||`` (the start design), ``u`` MAP reconstructions (``laplace_map``), averaged
   over test images and blocks.
 
-Resumable: the JSON (``benchmarks/results/compressive_sensing[_quick|_full].json``) is rewritten after every
+Resumable: the JSON (``benchmarks/results/compressive_sensing_{quick,default,full}.json``) is rewritten after every
 design run and every MAP evaluation unit; a rerun with the same settings skips what it holds (``--restart``
 starts afresh). ``--blocks`` and ``--methods`` restrict a run (e.g. one timed block of one method).
 
@@ -264,7 +264,7 @@ def main(argv=None):
         if not (math.isfinite(args.tau_factor) and args.tau_factor > 0):
             parser.error("--tau-factor must be a positive number")
         cfg["tau_factors"] = [args.tau_factor]
-    name = "compressive_sensing" + ("" if mode == "default" else "_" + mode) + ("_" + args.tag if args.tag else "")
+    name = "compressive_sensing_" + mode + ("_" + args.tag if args.tag else "")
     settings = dict(mode=mode, seed=args.seed, noise_var=NOISE_VAR, map_options=MAP_OPTS, design_engine=design_engine,
                     **{k: v for k, v in cfg.items() if k not in ("methods",)})
     state = State(name, settings, args.restart)
