@@ -190,7 +190,7 @@ def run_design(meas, start, steps, method, tau, seed, progress, engine_options=N
                                     engine_options=DESIGN_ENGINE if engine_options is None else engine_options,
                                     progress=progress, **kw)
     h = d.run(start, steps)
-    return dict(added=h.added, best_scores=h.best_scores, seconds_inference=h.seconds_inference,
+    return dict(added=h.added, best_scores=h.best_scores, scores=h.scores, seconds_inference=h.seconds_inference,
                 seconds_scoring=h.seconds_scoring, inner_seconds=h.inner_seconds, outer_seconds=h.outer_seconds,
                 newton_steps=h.newton_steps, cg_iterations=h.cg_iterations)
 
