@@ -1,334 +1,450 @@
-"""Experiment 2 of Seeger 2010 (§5): Bayesian design of Fourier "phase encodes" for a natural image.
+"""Experiment of Seeger 2010 §5: Bayesian design of Fourier phase encodes for natural images, K-Lanczos vs L-PCA.
 
-A grey natural image (scikit-learn's ``china.jpg``, centre crop, block-averaged to ``H x W``, values in
-``[0, 1]``) is measured through real and imaginary parts of its orthonormal 2-D DFT on chosen k-space
-columns, with Gaussian noise ``sigma^2 = 1e-3`` on every real number (Seeger 2010 §5). Model (Seeger 2010
-Eq. (1)): flat prior on ``u``, Laplace sites ``exp(-tau_j |s_j / sigma|)`` on ``s = [B_a; B_r] u`` (orthonormal
-Haar wavelet, horizontal/vertical differences), all matrix-free
-(:func:`pyro_convexvb.design.imaging.compressive_sensing_model`).
+Protocol (``--full``; docs/design.md describes it and how it maps onto the paper):
 
-For a real image, k-space column ``-c`` is the complex conjugate of column ``c``: measuring one gives the
-other. Candidates are therefore the non-redundant columns ``c = 0 .. W/2``; measuring ``c`` acquires the
-pair ``+-c``. Every design starts from the central low frequencies ``c = 0 .. c0`` (``2 c0 + 1`` full columns)
-and adds one column at a time by
+* Images: the natural photographs shipped inside the scikit-image wheel (``skimage/data/*.png|jpg``) and
+  scikit-learn's two sample photographs, converted to grey (``skimage.color.rgb2gray``), centre square crop of side
+  ``min(h, w)``, resized to ``S x S`` (``skimage.transform.resize``, ``order=1``, ``anti_aliasing=True``), values in
+  ``[0, 1]``. Five blocks: block ``b`` designs on one image and is tested on five others drawn from the remaining
+  pool (seeded); every image gets its own fixed measurement-noise draw.
+* Model: :func:`pyro_convexvb.design.compressive_sensing_model` (orthonormal Haar ``tau_a``, horizontal/vertical
+  differences ``tau_r``, ``sigma^2 = 1e-3``). ``tau_a, tau_r = f (0.08, 0.16)`` with ``f`` chosen on a grid by the
+  mean MAP error of the five design images under a fixed ad hoc design (stage ``tau``).
+* Candidates: conjugate column pairs ``c = 0 .. S/2`` (:mod:`pyro_convexvb.design.sequential`); every design
+  starts from pairs ``0 .. 16`` (33 columns: the central 32 and the mirror of ``-16``) and adds 39 pairs
+  (111 columns).
+* Methods: K-Lanczos ``K_var/K_score`` in {50/50, 100/100, 200/200, 500/200, 800/200}, L-PCA ``L`` in {33, 133}
+  (``6 L`` Lanczos steps), random (3 seeds), low-pass.
+* Test error at every ``eval_every``-th step: ``||u* - u_true|| / ||u_lowpass - u_true||`` (same number of
+  columns) and ``/ ||u_32 - u_true||`` (the start design), ``u`` MAP reconstructions (``laplace_map``), averaged
+  over test images and blocks.
 
-* ``delta-lanczos-K``: sequential Bayesian design: refit the convex relaxation (K-Lanczos variances,
-  ``K = lanczos_rank`` Lanczos steps,
-  warm-started at the previous ``gamma``), score every remaining column by
-  ``Delta = log|I + X_c Cov_Q X_c^T / sigma^2|`` (Seeger 2010 §2.2) on the K-Lanczos covariance, take the best;
-* ``delta-pca-L``: the same with L-PCA variances and scores (``L = pca_rank``, ``lanczos_rank = 6 L``
-  Lanczos steps, Seeger 2010 footnote 5);
-* ``random`` (several seeds) and ``lowpass`` (next-lowest frequency first).
-
-For every design and number of columns the error ``||u_MAP - u_true|| / ||u_true||`` of the MAP
-reconstruction (an explicit MAP solve, :func:`~pyro_convexvb.design.imaging.laplace_map`, same sites and
-noise) is recorded. A second study compares the variances and scores themselves against exact ones on a
-32 x 32 image (dense Cholesky affordable): K-Lanczos and L-PCA site variances relative to the exact ``rho``
-and the rank agreement of the ``Delta`` curves.
+Resumable: the JSON (``benchmarks/results/compressive_sensing_{quick,default,full}.json``) is rewritten after every
+design run and every MAP evaluation unit; a rerun with the same settings skips what it holds (``--restart``
+starts afresh). ``--blocks`` and ``--methods`` restrict a run (e.g. one timed block of one method).
 
 Usage::
 
-    python benchmarks/compressive_sensing.py --quick    # 32 x 32, 4 added columns, ~1.5 minutes
-    python benchmarks/compressive_sensing.py --tune     # 64 x 64, 13 added columns, ~13 minutes on 2 cores
-
-Writes ``benchmarks/results/compressive_sensing[_quick].json`` and
-``docs/figures/compressive_sensing[_quick].png``.
+    python benchmarks/compressive_sensing.py --quick     # 32 x 32, 1 block, 3 steps, 4 methods: about a minute
+    python benchmarks/compressive_sensing.py             # 32 x 32, 2 blocks, 4 steps, 6 methods: a few minutes
+    python benchmarks/compressive_sensing.py --full      # the paper's protocol at 256 x 256 (many hours)
+    python benchmarks/compressive_sensing.py --full --blocks 0 --methods K200/200 --no-eval --tau-factor 1 \
+        --tag timing --progress                                                             # one timed design
+    python benchmarks/compressive_sensing.py --full --figures-only                            # redraw from JSON
 """
+import json
 import math
 import os
 import sys
 import time
 import warnings
-from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from _common import make_parser, markdown_table, parse_args, save_figure, write_json  # noqa: E402
+from _common import RESULTS_DIR, make_parser, markdown_table, parse_args, save_figure, write_json  # noqa: E402
 
-from pyro_convexvb.design.imaging import (  # noqa: E402
-    compressive_sensing_model,
-    covariance_factor,
-    fourier_columns_operator,
-    laplace_map,
-    phase_encode_scores,
+from pyro_convexvb.design.imaging import compressive_sensing_model, fourier_columns_operator, laplace_map  # noqa: E402
+from pyro_convexvb.design.sequential import (  # noqa: E402
+    SequentialPhaseEncodeDesign,
+    known_columns,
+    lowpass_pairs,
+    pair_candidates,
 )
 from pyro_convexvb.errors import ConvergenceWarning  # noqa: E402
-from pyro_convexvb.infer.convex_relaxation import ConvexVariationalRelaxation  # noqa: E402
-from pyro_convexvb.linalg.lanczos import lanczos_variances, pca_variances  # noqa: E402
 
 D = torch.float64
 NOISE_VAR = 1e-3  # Seeger 2010 §5
+TAU_PAPER = (0.08, 0.16)  # Seeger 2010 §5, on the paper's (unstated) image and transform scaling
+#: MAP reconstructions: smoothing path z = 1e-4 -> 1e-5 (laplace_map), warm-started along each design
 MAP_OPTS = dict(z_start=1e-4, z_factor=0.1, z_final=1e-5, cg_tol=1e-6, newton_tol=1e-9)
+#: the double loop inside each design step (Seeger et al. 2009: a few Newton steps per refit)
+DESIGN_ENGINE = dict(max_newton=8, cg_tol=1e-5)
+SKIMAGE_PHOTOS = ["astronaut.png", "brick.png", "camera.png", "chelsea.png", "coffee.png", "coins.png", "grass.png",
+                  "gravel.png", "moon.png", "motorcycle_left.png", "rocket.jpg"]
+SKLEARN_PHOTOS = ["china.jpg", "flower.jpg"]
+
+CONFIGS = {
+    "quick": dict(size=32, central=8, steps=3, eval_every=1, blocks=1, tests=2, tau_factors=None,
+                  methods=["K20/20", "PCA4", "random-0", "lowpass"], residual_steps=[1, 3],
+                  residual_methods=["K20/20"]),
+    "default": dict(size=32, central=8, steps=4, eval_every=2, blocks=2, tests=2, tau_factors=None,
+                    methods=["K20/20", "K40/20", "PCA4", "random-0", "random-1", "lowpass"],
+                    residual_steps=[2, 4], residual_methods=["K20/20", "K40/20"]),
+    "full": dict(size=256, central=32, steps=39, eval_every=5, blocks=5, tests=5, tau_factors=[0.25, 0.5, 1, 2, 4],
+                 methods=["K50/50", "K100/100", "K200/200", "K500/200", "K800/200", "PCA33", "PCA133",
+                          "random-0", "random-1", "random-2", "lowpass"],
+                 residual_steps=[19, 24, 29, 34, 39], residual_methods=["K50/50", "K100/100", "K200/200"]),
+}
 
 
-# ----------------------------------------------------------------------------- data
-def load_image(size, name="china.jpg"):
-    """Grey ``(size, size)`` image in ``[0, 1]``: centre square crop of 384 pixels, block-averaged."""
-    from sklearn.datasets import load_sample_image
+# ----------------------------------------------------------------------------- images
+def _photo_paths():
+    import skimage
+    import sklearn.datasets
 
-    im = load_sample_image(name).astype(np.float64).mean(2) / 255.0
-    side = 384
-    r0, c0 = (im.shape[0] - side) // 2, (im.shape[1] - side) // 2
-    f = side // size
-    crop = im[r0:r0 + side, c0:c0 + side]
-    return torch.tensor(crop.reshape(size, f, size, f).mean((1, 3)), dtype=D)
+    sk = os.path.join(os.path.dirname(skimage.__file__), "data")
+    sl = os.path.join(os.path.dirname(sklearn.datasets.__file__), "images")
+    return [("scikit-image", f, os.path.join(sk, f)) for f in SKIMAGE_PHOTOS] + \
+           [("scikit-learn", f, os.path.join(sl, f)) for f in SKLEARN_PHOTOS]
 
 
-class Problem:
-    """Image, noisy measurements of every candidate column (fixed once, shared by all designs) and the
-    model for any subset of columns."""
+def load_pool(size):
+    """``{name: (image (size, size) float64 in [0, 1], record)}``; record says file, original shape, crop, resize."""
+    from skimage import color, io, transform
 
-    def __init__(self, img, tau_a, tau_r, noise_var=NOISE_VAR, seed=0):
-        self.H, self.W = img.shape
-        self.img = img
-        self.u = img.reshape(-1)
-        self.tau_a, self.tau_r, self.noise_var = tau_a, tau_r, noise_var
-        self.candidates = list(range(self.W // 2 + 1))
-        X = fourier_columns_operator(self.H, self.W, self.candidates)
-        g = torch.Generator().manual_seed(seed)
-        y = X.mv(self.u) + math.sqrt(noise_var) * torch.randn(X.shape[0], generator=g, dtype=D)
-        m, H = len(self.candidates), self.H
-        self.re = {c: y[j * H:(j + 1) * H] for j, c in enumerate(self.candidates)}
-        self.im = {c: y[H * m + j * H:H * m + (j + 1) * H] for j, c in enumerate(self.candidates)}
-
-    def y(self, cols):
-        return torch.cat([self.re[c] for c in cols] + [self.im[c] for c in cols])
-
-    def lgm(self, cols):
-        return compressive_sensing_model(self.y(cols), self.H, self.W, cols, self.noise_var, self.tau_a, self.tau_r)
-
-    def map_error(self, cols, u0=None, **opts):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ConvergenceWarning)
-            u, info = laplace_map(self.lgm(cols), u0, **{**MAP_OPTS, **opts})
-        return float(torch.linalg.vector_norm(u - self.u) / torch.linalg.vector_norm(self.u)), u
-
-
-# ----------------------------------------------------------------------------- designs
-def run_design(prob, kind, init, n_add, lanczos_rank=None, pca_rank=None, seed=0, max_outer=2):
-    """One sequential design; returns the chosen columns and the MAP error after each size."""
-    torch.set_num_threads(1)
-    cols = list(init)
-    rng = np.random.default_rng(seed)
-    errs, gamma, u_map = [], None, None
-    t_fit = t_map = 0.0
-    first_scores = None
-    for t in range(n_add + 1):
-        t0 = time.perf_counter()
-        err, u_map = prob.map_error(cols, u_map)
-        t_map += time.perf_counter() - t0
-        errs.append(err)
-        if t == n_add:
-            break
-        rest = [c for c in prob.candidates if c not in cols]
-        if kind == "random":
-            c = int(rng.choice(rest))
-        elif kind == "lowpass":
-            c = min(rest)
+    pool = {}
+    for source, fname, path in _photo_paths():
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: not shipped with the installed {source}; the image pool needs it")
+        im = io.imread(path)
+        shape = list(im.shape)
+        if im.ndim == 3:
+            im = color.rgb2gray(im[..., :3])
         else:
-            t0 = time.perf_counter()
-            opts = dict(variance="lanczos", lanczos_rank=lanczos_rank) if kind == "delta-lanczos" else \
-                dict(variance="pca", lanczos_rank=6 * pca_rank, pca_rank=pca_rank)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", ConvergenceWarning)
-                res = ConvexVariationalRelaxation(prob.lgm(cols), max_outer=max_outer, gamma_init=gamma,
-                                                  dense_logdet_max=0, seed=seed + t, progress=False, **opts).run()
-            gamma = res.info["gamma_all"]
-            F = covariance_factor(res, pca_rank=pca_rank)
-            scores = phase_encode_scores(F, prob.H, prob.W, prob.noise_var, candidates=rest)
-            if first_scores is None:
-                first_scores = dict(zip(rest, scores.tolist()))
-            c = rest[int(torch.argmax(scores))]
-            t_fit += time.perf_counter() - t0
-        cols.append(c)
-    label = {"delta-lanczos": f"delta-lanczos-{lanczos_rank}", "delta-pca": f"delta-pca-{pca_rank}",
-             "random": f"random-{seed}", "lowpass": "lowpass"}[kind]
-    return dict(design=label, kind=kind, lanczos_rank=lanczos_rank, pca_rank=pca_rank, seed=seed, columns=cols,
-                errors=errs, seconds_fit=t_fit, seconds_map=t_map)
+            im = im.astype(np.float64) / (255.0 if im.dtype == np.uint8 else 1.0)
+        h, w = im.shape
+        s = min(h, w)
+        r0, c0 = (h - s) // 2, (w - s) // 2
+        crop = im[r0:r0 + s, c0:c0 + s]
+        out = transform.resize(crop, (size, size), order=1, anti_aliasing=True)
+        name = fname.rsplit(".", 1)[0]
+        pool[name] = (np.clip(out, 0.0, 1.0), dict(
+            source=source, file=fname, original_shape=shape, grey="skimage.color.rgb2gray" if len(shape) == 3 else
+            "uint8 / 255", crop=dict(row=r0, col=c0, side=s),
+            resize=f"skimage.transform.resize(crop, ({size}, {size}), order=1, anti_aliasing=True), clipped to [0, 1]"))
+    return pool
 
 
-def _run(args):
-    prob, kw = args
-    return run_design(prob, **kw)
+def make_blocks(names, num_blocks, num_tests, seed):
+    """Block ``b``: design image ``perm[b]``, ``num_tests`` test images drawn from the others (seeded)."""
+    rng = np.random.default_rng(seed)
+    perm = [names[i] for i in rng.permutation(len(names))]
+    blocks = []
+    for b in range(num_blocks):
+        design = perm[b % len(perm)]
+        rest = [n for n in names if n != design]
+        tests = [rest[i] for i in sorted(rng.choice(len(rest), size=num_tests, replace=False))]
+        blocks.append(dict(design_image=design, test_images=tests))
+    return blocks
 
 
-# ----------------------------------------------------------------------------- variance study
-def variance_study(img, tau_a, tau_r, init, Ks, Ls, seed=0):
-    """Exact vs K-Lanczos vs L-PCA site variances and Delta curves at the exact fit of the initial design."""
-    torch.set_num_threads(1)
-    prob = Problem(img, tau_a, tau_r, seed=seed)
-    lgm = prob.lgm(init)
-    res = ConvexVariationalRelaxation(lgm, variance="exact", max_outer=5, progress=False).run()
-    A = res.posterior.precision_operator
-    B = lgm.design(lgm.nongaussian_groups)
-    rho = res.info["z_all"]
-    rest = [c for c in prob.candidates if c not in init]
-    d_exact = phase_encode_scores(covariance_factor(res), prob.H, prob.W, prob.noise_var, candidates=rest)
-    rows, curves = [], {"exact": d_exact.tolist()}
-    gen = torch.Generator().manual_seed(seed)
+class Measurements:
+    """Noisy measurements of every candidate pair of one image (one fixed draw per image)."""
 
-    def summarise(name, z, F):
-        ratio = z / rho
-        d = phase_encode_scores(F, prob.H, prob.W, prob.noise_var, candidates=rest)
-        curves[name] = d.tolist()
-        from scipy.stats import spearmanr
+    def __init__(self, img, seed):
+        self.H = img.shape[0]
+        self.u = torch.tensor(img, dtype=D).reshape(-1)
+        self.cand = pair_candidates(self.H)
+        X = fourier_columns_operator(self.H, self.H, self.cand)
+        g = torch.Generator().manual_seed(int(seed))
+        y = X.mv(self.u) + math.sqrt(NOISE_VAR) * torch.randn(X.shape[0], generator=g, dtype=D)
+        m, H = len(self.cand), self.H
+        self.re = [y[j * H:(j + 1) * H] for j in range(m)]
+        self.im = [y[H * m + j * H:H * m + (j + 1) * H] for j in range(m)]
 
-        rows.append(dict(approximation=name, mean_ratio=float(ratio.mean()), median_ratio=float(ratio.median()),
-                         frac_below_half=float((ratio < 0.5).double().mean()),
-                         delta_ratio_at_best=float(d[int(torch.argmax(d_exact))] / d_exact.max()),
-                         spearman_delta=float(spearmanr(d.numpy(), d_exact.numpy())[0]),
-                         same_argmax=bool(int(torch.argmax(d)) == int(torch.argmax(d_exact))),
-                         exact_rank_of_choice=int((d_exact > d_exact[int(torch.argmax(d))]).sum()) + 1))
+    def __call__(self, pairs):
+        return torch.cat([self.re[c] for c in pairs] + [self.im[c] for c in pairs])
 
-    for K in Ks:
-        z, lr = lanczos_variances(A, B, K, return_result=True, generator=gen)
-        from pyro_convexvb.design.scores import lanczos_covariance_factor
-
-        summarise(f"lanczos-{K}", z, lanczos_covariance_factor(lr))
-    for L in Ls:
+    def map(self, pairs, tau, u0=None):
+        lgm = compressive_sensing_model(self(pairs), self.H, self.H, list(pairs), NOISE_VAR, *tau)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
-            z, pr = pca_variances(A, B, L, num_steps=6 * L, max_steps=6 * L, return_result=True, generator=gen,
-                                  on_fail="ignore")
-        U = pr.ritz_vectors(torch.arange(L))
-        summarise(f"pca-{L}", z, U / torch.sqrt(pr.ritz_values[:L]))
-    return dict(n=lgm.n, q=int(B.shape[0]), init=init, candidates=rest, rows=rows, curves=curves)
+            u, _ = laplace_map(lgm, u0, **MAP_OPTS)
+        return u
+
+    def error(self, u):
+        return float(torch.linalg.vector_norm(u - self.u))
 
 
-# ----------------------------------------------------------------------------- tau
-def tune_tau(img, init_cols, grid, seed=0):
-    """MAP error of a fixed ad hoc design for each ``(tau_a, tau_r)`` of ``grid`` (as Seeger 2010 §5 did)."""
+# ----------------------------------------------------------------------------- methods
+def parse_method(m):
+    import re
+
+    if re.fullmatch(r"K\d+/\d+", m):
+        kv, ks = (int(x) for x in m[1:].split("/"))
+        if 1 <= ks <= kv:
+            return dict(kind="lanczos", k_var=kv, k_score=ks)
+    elif re.fullmatch(r"PCA\d+", m) and int(m[3:]) >= 1:
+        return dict(kind="pca", pca_rank=int(m[3:]))
+    elif re.fullmatch(r"random-\d+", m):
+        return dict(kind="random", seed=int(m.split("-")[1]))
+    elif m == "lowpass":
+        return dict(kind="lowpass")
+    raise ValueError(f"--methods: unknown method {m!r} (K<var>/<score>, PCA<L>, random-<seed>, lowpass)")
+
+
+def run_design(meas, start, steps, method, tau, seed, progress, engine_options=None):
+    """Ordered added pairs of one design, with per-step times for the Bayesian ones."""
+    spec = parse_method(method)
+    rest = [c for c in meas.cand if c not in start]
+    if spec["kind"] == "lowpass":
+        return dict(added=rest[:steps])
+    if spec["kind"] == "random":
+        rng = np.random.default_rng([spec["seed"], seed])  # method seed and block seed: a new draw per block
+        return dict(added=[int(c) for c in rng.choice(rest, size=steps, replace=False)])
+    kw = dict(variance="lanczos", k_var=spec["k_var"], k_score=spec["k_score"]) if spec["kind"] == "lanczos" else \
+        dict(variance="pca", pca_rank=spec["pca_rank"])
+    d = SequentialPhaseEncodeDesign(meas, meas.H, meas.H, NOISE_VAR, *tau, seed=seed,
+                                    engine_options=DESIGN_ENGINE if engine_options is None else engine_options,
+                                    progress=progress, **kw)
+    h = d.run(start, steps)
+    return dict(added=h.added, best_scores=h.best_scores, scores=h.scores, seconds_inference=h.seconds_inference,
+                seconds_scoring=h.seconds_scoring, inner_seconds=h.inner_seconds, outer_seconds=h.outer_seconds,
+                newton_steps=h.newton_steps, cg_iterations=h.cg_iterations)
+
+
+# ----------------------------------------------------------------------------- state
+def results_dir():
+    return os.environ.get("PYRO_CONVEXVB_RESULTS_DIR") or RESULTS_DIR
+
+
+class State:
+    """The results JSON, rewritten after every unit of work."""
+
+    def __init__(self, name, settings, restart):
+        self.name, self.path = name, os.path.join(results_dir(), name + ".json")
+        doc = None
+        if os.path.exists(self.path) and not restart:
+            with open(self.path) as f:
+                doc = json.load(f)
+            if "settings" not in doc:  # a result of the earlier one-image benchmark: not resumable, replaced
+                doc = None
+            elif doc.get("settings") != settings:
+                raise SystemExit(f"{self.path} was written with other settings; pass --restart to start afresh")
+        self.doc = doc or dict(settings=settings, images={}, tau=None, blocks={}, map_errors={})
+
+    def save(self):
+        write_json(self.name, {k: v for k, v in self.doc.items() if k not in ("benchmark", "machine")})
+
+
+def map_key(image, pairs):
+    return image + "|" + ",".join(str(c) for c in sorted(pairs))
+
+
+def evaluate(state, meas_of, image, designs, tau):
+    """MAP errors of ``image`` under each design (list of pair lists), cached by (image, pairs), warm-started."""
+    cache = state.doc["map_errors"]
+    u0 = None
     out = []
-    for ta, tr in grid:
-        prob = Problem(img, ta, tr, seed=seed)
-        err, _ = prob.map_error(init_cols)
-        out.append(dict(tau_a=ta, tau_r=tr, map_error=err))
+    for pairs in designs:
+        key = map_key(image, pairs)
+        if key not in cache:
+            u0 = meas_of(image).map(pairs, tau, u0)
+            cache[key] = meas_of(image).error(u0)
+        out.append(cache[key])
     return out
 
 
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
     parser = make_parser(__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=2, help="processes running designs in parallel")
-    parser.add_argument("--tune", action="store_true", help="re-run the tau grid on the ad hoc design")
-    parser.add_argument("--image", default="china.jpg", choices=["china.jpg", "flower.jpg"],
-                        help="scikit-learn sample image (results of flower.jpg get the suffix _flower)")
+    parser.add_argument("--full", action="store_true", help="the paper's protocol at 256 x 256")
+    parser.add_argument("--blocks", default=None, help="comma-separated block indices (default all)")
+    parser.add_argument("--methods", default=None, help="comma-separated methods (default all of the mode)")
+    parser.add_argument("--no-eval", action="store_true", help="design runs only (no MAP test errors)")
+    parser.add_argument("--restart", action="store_true", help="ignore an existing results JSON")
+    parser.add_argument("--figures-only", action="store_true", help="redraw figures and tables from the JSON")
+    parser.add_argument("--progress", action="store_true", help="tqdm bars over design steps")
+    parser.add_argument("--tau-factor", type=float, default=None,
+                        help="fix tau = F (0.08, 0.16) instead of choosing F on the grid (no tau MAP solves)")
+    parser.add_argument("--tag", default=None, help="suffix of the results/figure names (e.g. a timing run)")
+    parser.add_argument("--design-newton", type=int, default=DESIGN_ENGINE["max_newton"],
+                        help="Newton steps per refit of a design step (recorded in the settings)")
+    parser.add_argument("--design-cg-tol", type=float, default=DESIGN_ENGINE["cg_tol"],
+                        help="final CG tolerance of the refits (recorded in the settings)")
     args = parse_args(parser=parser, argv=argv)
-    if args.quick:
-        size, c0, n_add, Ks, Ls, seeds = 32, 2, 4, [20, 60], [8], [0, 1]
-        var_Ks, var_Ls = [10, 40, 120], [4, 16]
-    else:
-        size, c0, n_add, Ks, Ls, seeds = 64, 4, 13, [20, 50, 150], [5, 20], [0, 1, 2]
-        var_Ks, var_Ls = [20, 50, 150], [5, 20]
-    tau_a, tau_r = TAU
-    img = load_image(size, args.image)
-    init = list(range(c0 + 1))
-    t_start = time.perf_counter()
-    tuning = None
-    if args.tune:
-        adhoc = list(range(2 * c0 + 1))
-        grid = [(tau_a * f, tau_r * f) for f in (0.125, 0.25, 0.5, 1.0, 2.0)]
-        tuning = tune_tau(img, adhoc, grid, args.seed)
-        print(markdown_table(tuning))
-        best = min(tuning, key=lambda r: r["map_error"])
-        tau_a, tau_r = best["tau_a"], best["tau_r"]
-    prob = Problem(img, tau_a, tau_r, seed=args.seed)
-    jobs = [dict(kind="delta-lanczos", lanczos_rank=K) for K in Ks] + [dict(kind="delta-pca", pca_rank=L) for L in Ls]
-    jobs += [dict(kind="random", seed=s) for s in seeds] + [dict(kind="lowpass")]
-    for j in jobs:
-        j.update(init=init, n_add=n_add)
-    if args.workers > 1:
-        with ProcessPoolExecutor(args.workers) as ex:
-            runs = list(ex.map(_run, [(prob, j) for j in jobs]))
-    else:
-        runs = [_run((prob, j)) for j in jobs]
-    # variance study on a 32 x 32 image (the centre crop of the full image, or the quick image itself)
-    H = img.shape[0]
-    vimg = img if H == 32 else img[H // 2 - 16:H // 2 + 16, H // 2 - 16:H // 2 + 16].contiguous()
-    vstudy = variance_study(vimg, tau_a, tau_r, list(range(3)), var_Ks, var_Ls, args.seed)
-    seconds = time.perf_counter() - t_start
+    if args.design_newton < 1 or not 0 < args.design_cg_tol < 1:
+        parser.error("--design-newton must be >= 1 and --design-cg-tol in (0, 1)")
+    design_engine = dict(max_newton=args.design_newton, cg_tol=args.design_cg_tol)
+    mode = "full" if args.full else ("quick" if args.quick else "default")
+    cfg = dict(CONFIGS[mode])
+    if args.tau_factor is not None:
+        if not (math.isfinite(args.tau_factor) and args.tau_factor > 0):
+            parser.error("--tau-factor must be a positive number")
+        cfg["tau_factors"] = [args.tau_factor]
+    name = "compressive_sensing_" + mode + ("_" + args.tag if args.tag else "")
+    settings = dict(mode=mode, seed=args.seed, noise_var=NOISE_VAR, map_options=MAP_OPTS, design_engine=design_engine,
+                    **{k: v for k, v in cfg.items() if k not in ("methods",)})
+    state = State(name, settings, args.restart)
+    if args.restart and os.path.exists(os.path.join(results_dir(), name + "_residuals.npz")):
+        os.remove(os.path.join(results_dir(), name + "_residuals.npz"))
+    if args.figures_only:
+        report(state.doc, name)
+        return
+    size, steps = cfg["size"], cfg["steps"]
+    start = lowpass_pairs(size, cfg["central"])
+    methods = cfg["methods"] if args.methods is None else args.methods.split(",")
+    for m in methods:
+        parse_method(m)
+    pool = load_pool(size)
+    names = sorted(pool)
+    state.doc["images"] = {k: pool[k][1] for k in names}
+    blocks = make_blocks(names, cfg["blocks"], cfg["tests"], args.seed)
+    which = range(cfg["blocks"]) if args.blocks is None else [int(b) for b in args.blocks.split(",")]
+    meas_cache = {}
 
-    # ---- tables
-    sizes = [len(init) + t for t in range(n_add + 1)]
-    rnd = [r for r in runs if r["kind"] == "random"]
-    rnd_mean = np.mean([r["errors"] for r in rnd], 0)
-    low = next(r for r in runs if r["kind"] == "lowpass")
-    rows = []
-    for r in runs:
-        e = np.array(r["errors"])
-        rows.append(dict(design=r["design"], err_start=e[0], err_mid=e[len(e) // 2], err_end=e[-1],
-                         err_mean_curve=float(e[1:].mean()),
-                         vs_random=float(e[1:].mean() / rnd_mean[1:].mean()),
-                         vs_lowpass=float(e[1:].mean() / np.mean(low["errors"][1:])),
-                         added=" ".join(str(c) for c in r["columns"][len(init):]),
-                         seconds=r["seconds_fit"] + r["seconds_map"]))
-    print(f"\n{args.image}, {size}x{size}, sigma^2 = {NOISE_VAR}, tau_a = {tau_a}, tau_r = {tau_r}; "
-          f"start: half-plane columns "
-          f"0..{c0} ({2 * c0 + 1} of {size} k-space columns), {n_add} added; MAP error ||u - u_true||/||u_true||\n")
-    print(markdown_table(rows, ["design", "err_start", "err_mid", "err_end", "err_mean_curve", "vs_random",
-                                "vs_lowpass", "seconds", "added"],
-                         {k: ".4f" for k in ("err_start", "err_mid", "err_end", "err_mean_curve", "vs_random",
-                                             "vs_lowpass")} | {"seconds": ".0f"}))
-    print(f"\nVariances and Delta scores vs exact ({vstudy['n']} pixels, {vstudy['q']} sites, exact fit of "
-          f"columns {vstudy['init']}):\n")
-    print(markdown_table(vstudy["rows"], floatfmt=".3f"))
-    print(f"\ntotal {seconds:.0f} s")
+    def meas_of(image):
+        if image not in meas_cache:
+            meas_cache[image] = Measurements(pool[image][0], args.seed * 7919 + names.index(image))
+        return meas_cache[image]
 
-    name = "compressive_sensing_quick" if args.quick else "compressive_sensing"
-    if args.image != "china.jpg":
-        name += "_" + args.image.split(".")[0]
-    write_json(name, dict(image=args.image, size=size, noise_var=NOISE_VAR, tau_a=tau_a, tau_r=tau_r, init=init,
-                          n_add=n_add,
-                          sizes=sizes, map_options=MAP_OPTS, runs=runs, table=rows,
-                          variance_study=vstudy, tau_tuning=tuning, seconds=seconds))
-    figure(name, runs, sizes, vstudy)
+    t_all = time.perf_counter()
+    # ---- tau: one global pair from MAP errors of the design images under a fixed ad hoc design
+    if state.doc["tau"] is None:
+        if cfg["tau_factors"] is None or len(cfg["tau_factors"]) == 1:
+            f = 1.0 if cfg["tau_factors"] is None else float(cfg["tau_factors"][0])
+            state.doc["tau"] = dict(tau_a=TAU_PAPER[0] * f, tau_r=TAU_PAPER[1] * f, factor=f, grid=None)
+        else:
+            adhoc = start + [c for c in pair_candidates(size) if c > start[-1] and c % 4 == 0]
+            grid = []
+            for f in cfg["tau_factors"]:
+                tau = (TAU_PAPER[0] * f, TAU_PAPER[1] * f)
+                errs = []
+                for b in blocks:
+                    mm = meas_of(b["design_image"])
+                    errs.append(mm.error(mm.map(adhoc, tau)) / float(torch.linalg.vector_norm(mm.u)))
+                grid.append(dict(factor=f, tau_a=tau[0], tau_r=tau[1], mean_rel_error=float(np.mean(errs))))
+                print(f"tau factor {f}: mean relative MAP error {np.mean(errs):.4f}", flush=True)
+            best = min(grid, key=lambda r: r["mean_rel_error"])
+            state.doc["tau"] = dict(tau_a=best["tau_a"], tau_r=best["tau_r"], factor=best["factor"], grid=grid,
+                                    adhoc_pairs=adhoc, adhoc_columns=known_columns(adhoc, size))
+        state.save()
+    tau = (state.doc["tau"]["tau_a"], state.doc["tau"]["tau_r"])
+    eval_steps = sorted(set(list(range(0, steps + 1, cfg["eval_every"])) + [steps]))
+    for b in which:
+        blk = state.doc["blocks"].setdefault(str(b), dict(**blocks[b], start=start, methods={}, errors={}))
+        if blk["design_image"] != blocks[b]["design_image"] or blk["test_images"] != blocks[b]["test_images"]:
+            raise SystemExit(f"block {b}: the JSON holds other images; pass --restart")
+        for m in methods:
+            if m not in blk["methods"]:
+                t0 = time.perf_counter()
+                blk["methods"][m] = run_design(meas_of(blk["design_image"]), start, steps, m, tau,
+                                               args.seed * 1009 + b, args.progress, design_engine)
+                blk["methods"][m]["seconds_total"] = time.perf_counter() - t0
+                state.save()
+                print(f"block {b} {m}: added {blk['methods'][m]['added']}", flush=True)
+            if args.no_eval:
+                continue
+            designs = [start + blk["methods"][m]["added"][:t] for t in eval_steps]
+            for image in blk["test_images"]:
+                key = f"{m}|{image}"
+                if key not in blk["errors"]:
+                    blk["errors"][key] = evaluate(state, meas_of, image, designs, tau)
+                    state.save()
+        if not args.no_eval and b == 0:  # residual images of the design image (Figure 3 analogue)
+            res_path = os.path.join(results_dir(), name + "_residuals.npz")
+            arrays = dict(np.load(res_path)) if os.path.exists(res_path) else {}
+            mm, added = meas_of(blk["design_image"]), False
+            for m in cfg["residual_methods"]:
+                if m not in blk["methods"] or all(f"{m}|{t}" in arrays for t in cfg["residual_steps"]):
+                    continue
+                u0 = None
+                for t in cfg["residual_steps"]:
+                    u0 = mm.map(start + blk["methods"][m]["added"][:t], tau, u0)
+                    arrays[f"{m}|{t}"] = (u0 - mm.u).reshape(size, size).numpy()
+                added = True
+            if added:
+                np.savez_compressed(res_path, **arrays)
+    state.doc["eval_steps"] = eval_steps
+    state.doc["columns_at_eval"] = [known_columns(start + list(range(start[-1] + 1, start[-1] + 1 + t)), size)
+                                    for t in eval_steps]
+    state.doc.setdefault("seconds_sessions", []).append(time.perf_counter() - t_all)
+    state.save()
+    report(state.doc, name)
 
 
-def figure(name, runs, sizes, vstudy):
+# ----------------------------------------------------------------------------- report
+def summarise(doc):
+    """Mean test-error ratios per method and evaluation step (over test images and blocks)."""
+    steps = doc.get("eval_steps", [])
+    out = {}
+    for blk in doc["blocks"].values():
+        low = {img: e for key, e in blk["errors"].items() for m, img in [key.split("|")] if m == "lowpass"}
+        for key, errs in blk["errors"].items():
+            m, img = key.split("|")
+            if img not in low:
+                continue
+            r = out.setdefault(m, dict(vs_lowpass=[], vs_start=[]))
+            r["vs_lowpass"].append(np.array(errs) / np.array(low[img]))
+            r["vs_start"].append(np.array(errs) / errs[0])
+    return {m: dict(vs_lowpass=np.mean(v["vs_lowpass"], 0).tolist(), vs_start=np.mean(v["vs_start"], 0).tolist(),
+                    count=len(v["vs_lowpass"])) for m, v in out.items()}, steps
+
+
+def report(doc, name):
+    summ, steps = summarise(doc)
+    cols = doc.get("columns_at_eval", steps)
+    if summ:
+        rows = [dict(method=m, count=v["count"], **{f"c{c}": x for c, x in zip(cols, v["vs_lowpass"])})
+                for m, v in summ.items()]
+        print("\nMean test error ||u* - u|| / ||u_lowpass - u|| (same number of columns) by number of known columns:\n")
+        print(markdown_table(rows, floatfmt=".4f"))
+        rows = [dict(method=m, **{f"c{c}": x for c, x in zip(cols, v["vs_start"])}) for m, v in summ.items()]
+        print("\nMean test error relative to the central-32 start design:\n")
+        print(markdown_table(rows, floatfmt=".4f"))
+    trows = []
+    for b, blk in doc["blocks"].items():
+        for m, r in blk["methods"].items():
+            if "seconds_inference" in r:
+                inf = r["seconds_inference"]
+                trows.append(dict(block=b, method=m, steps=len(r["added"]), cold_fit_s=inf[0],
+                                  inference_s_per_step=float(np.mean(inf[1:])) if len(inf) > 1 else float("nan"),
+                                  scoring_s_per_step=float(np.mean(r["seconds_scoring"])),
+                                  newton_per_step=float(np.mean(r["newton_steps"][1:] or [math.nan])),
+                                  cg_per_step=float(np.mean(r["cg_iterations"][1:] or [math.nan])),
+                                  total_s=r["seconds_total"]))
+    if trows:
+        print("\nDesign runs: cold fit of the start design, then per step: inference (warm double loop), scoring "
+              "(FFT scores), Newton steps, CG iterations:\n")
+        print(markdown_table(trows, floatfmt=".3g"))
+    if summ:
+        figures(doc, name, summ, cols)
+
+
+def figures(doc, name, summ, cols):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 3, figsize=(16, 4.6))
-    x = np.array(sizes)
-    rnd = [r for r in runs if r["kind"] == "random"]
-    best_lz = max((r for r in runs if r["kind"] == "delta-lanczos"), key=lambda r: r["lanczos_rank"])
-    a = ax[0]
-    a.plot(x, best_lz["errors"], "o-", label=f"Delta design (K = {best_lz['lanczos_rank']} Lanczos)")
-    a.plot(x, np.mean([r["errors"] for r in rnd], 0), "s--", label=f"random (mean of {len(rnd)})")
-    for r in rnd:
-        a.plot(x, r["errors"], color="C1", alpha=0.25, lw=0.8)
-    a.plot(x, next(r for r in runs if r["kind"] == "lowpass")["errors"], "^:", label="low-pass")
-    a.set_xlabel("columns measured (c >= 0; each acquires +-c)")
-    a.set_ylabel("MAP error ||u - u_true|| / ||u_true||")
-    a.set_title("design strategies")
-    a.legend()
-    a = ax[1]
-    for r in runs:
-        if r["kind"] == "delta-lanczos":
-            a.plot(x, r["errors"], "o-", label=f"K = {r['lanczos_rank']} Lanczos")
-        elif r["kind"] == "delta-pca":
-            a.plot(x, r["errors"], "x--", label=f"L = {r['pca_rank']} PCA ({6 * r['pca_rank']} steps)")
-    a.set_xlabel("columns measured (c >= 0; each acquires +-c)")
-    a.set_title("Delta designs: K-Lanczos vs L-PCA")
-    a.legend()
-    a = ax[2]
-    cand = vstudy["candidates"]
-    for k, v in vstudy["curves"].items():
-        v = np.array(v)
-        a.plot(cand, v / v.max(), "k-" if k == "exact" else "-", lw=2 if k == "exact" else 1, label=k)
-    a.set_xlabel("candidate column c")
-    a.set_ylabel("Delta / max Delta")
-    a.set_title("Delta curves (32x32, initial design)")
-    a.legend(fontsize=8)
-    save_figure(fig, name)
+    fig, ax = plt.subplots(2, 1, figsize=(7, 8), sharex=True)
+    rnd = [m for m in summ if m.startswith("random")]
+    for a, prefix, title in ((ax[0], "K", "K-Lanczos (K_var/K_score)"), (ax[1], "PCA", "L-PCA (L, 6L Lanczos steps)")):
+        for m, v in summ.items():
+            if m.startswith(prefix):
+                a.plot(cols, v["vs_lowpass"], "o-", ms=3, label=m)
+        if rnd:
+            a.plot(cols, np.mean([summ[m]["vs_lowpass"] for m in rnd], 0), "s--", color="grey",
+                   label=f"random (mean of {len(rnd)})")
+        a.axhline(1.0, color="k", lw=0.8, ls=":", label="low-pass")
+        a.set_ylabel("test error / low-pass error")
+        a.set_title(title)
+        a.legend(fontsize=8)
+    ax[1].set_xlabel("known k-space columns")
+    save_figure(fig, name + "_errors")
+    res_path = os.path.join(results_dir(), name + "_residuals.npz")
+    if os.path.exists(res_path):
+        arr = np.load(res_path)
+        keys = list(arr.keys())
+        ms = list(dict.fromkeys(k.split("|")[0] for k in keys))
+        ts = list(dict.fromkeys(int(k.split("|")[1]) for k in keys))
+        size = arr[keys[0]].shape[0]
+        start = doc["blocks"]["0"]["start"]
+        vmax = max(float(np.abs(arr[k]).max()) for k in keys)
+        fig, ax = plt.subplots(len(ms), len(ts), figsize=(2.2 * len(ts), 2.3 * len(ms)), squeeze=False)
+        for i, m in enumerate(ms):
+            for j, t in enumerate(ts):
+                a = ax[i, j]
+                if f"{m}|{t}" in arr:
+                    a.imshow(np.abs(arr[f"{m}|{t}"]), cmap="gray_r", vmin=0, vmax=0.5 * vmax)
+                a.set_xticks([])
+                a.set_yticks([])
+                added = doc["blocks"]["0"]["methods"][m]["added"][:t]
+                a.set_title(f"{m}, {known_columns(start + added, size)} cols", fontsize=8)
+        save_figure(fig, name + "_residuals")
 
-
-#: (tau_a, tau_r): Seeger 2010 §5's values; also the best of the ``--tune`` grid on the 64 x 64 image (docs/design.md)
-TAU = (0.08, 0.16)
 
 if __name__ == "__main__":
     main()

@@ -63,6 +63,26 @@ def test_fourier_columns_adjoint_and_dense():
     assert torch.allclose(B.mv(u.reshape(-1)), ref, atol=1e-13)
 
 
+@pytest.mark.parametrize("H", [5, 6])
+def test_fourier_columns_half_spectrum_path(H):
+    """Columns within 0..W/2 use real FFTs (rfft2 / irfft2): values and adjoint as the full-FFT definition."""
+    W = 8
+    cols = [0, 2, 4, 1]
+    B = fourier_columns_operator(H, W, cols)
+    _adjoint_check(B)
+    u = torch.randn(H, W, dtype=D)
+    K = torch.fft.fft2(u, norm="ortho")[:, cols]
+    ref = torch.cat([K.real.T.reshape(-1), K.imag.T.reshape(-1)])
+    assert torch.allclose(B.mv(u.reshape(-1)), ref, atol=1e-13)
+    r = torch.randn(2 * H * len(cols), 3, dtype=D)
+    Kr = torch.zeros(3, H, W, dtype=torch.complex128)
+    m = len(cols)
+    re, im = (part.T.reshape(3, m, H).transpose(1, 2) for part in (r[:H * m], r[H * m:]))
+    Kr[:, :, cols] = torch.complex(re, im)
+    ref_adj = torch.fft.ifft2(Kr, norm="ortho").real.reshape(3, -1).T
+    assert torch.allclose(B.rmv(r), ref_adj, atol=1e-13)
+
+
 def test_phase_encode_scores_equal_dense_design_scores():
     H, W = 4, 8
     n = H * W

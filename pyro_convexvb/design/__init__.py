@@ -4,6 +4,9 @@
   rank-one marginal updates.
 * :mod:`.imaging` -- matrix-free Haar, difference and Fourier-column operators, phase-encode scores,
   the compressive-sensing model of Seeger 2010 §5 and its exact MAP.
+* :mod:`.sequential` -- :class:`SequentialPhaseEncodeDesign`, the warm-started sequential design of k-space
+  column pairs of Seeger 2010 §5, and the conjugate-pair bookkeeping (:func:`pair_candidates`,
+  :func:`known_columns`, :func:`lowpass_pairs`).
 * :mod:`.active` -- :class:`ActiveLearner`, sequential inclusion with a joint refit every ``refit_every``
   inclusions.
 
@@ -21,6 +24,13 @@ from .imaging import (
     haar_operator,
     laplace_map,
     phase_encode_scores,
+)
+from .sequential import (
+    DesignHistory,
+    SequentialPhaseEncodeDesign,
+    known_columns,
+    lowpass_pairs,
+    pair_candidates,
 )
 from .scores import (
     RankOneUpdate,
@@ -45,6 +55,11 @@ __all__ = [
     "compressive_sensing_model",
     "laplace_map",
     "covariance_factor",
+    "SequentialPhaseEncodeDesign",
+    "DesignHistory",
+    "pair_candidates",
+    "known_columns",
+    "lowpass_pairs",
     "RankOneUpdate",
     "classifier_uncertainty",
     "design_score",

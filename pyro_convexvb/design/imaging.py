@@ -60,28 +60,35 @@ def _vectors(imgs, one):
     return out[:, 0] if one else out.contiguous()
 
 
-def _haar_1d(x, dim, length, squared=False):
-    """One Haar step along ``dim``: ``(even, odd) -> [(e + o)/sqrt 2 | (e - o)/sqrt 2]``; with ``squared``
-    the step with squared entries, ``[(e + o)/2 | (e + o)/2]``."""
-    a = x.narrow(dim, 0, length)
-    even, odd = a.narrow(dim, 0, length).unfold(dim, 2, 2).unbind(-1)
+def _haar_level(X, h, w, squared=False):
+    """One separable Haar level on the corner ``X[:, :h, :w]`` (in place): rows then columns of each 2 x 2 block
+    ``[[a, b], [c, d]]`` become the quadrants ``(a+b+c+d)/2`` (low-low, top left), ``(a-b+c-d)/2`` (top right),
+    ``(a+b-c-d)/2`` (bottom left), ``(a-b-c+d)/2`` (bottom right); with ``squared`` the step with squared
+    entries, ``(a+b+c+d)/4`` in every quadrant."""
+    k, h2, w2 = X.shape[0], h // 2, w // 2
+    blk = X[:, :h, :w].reshape(k, h2, 2, w2, 2)
+    a, b, c, d = blk[:, :, 0, :, 0], blk[:, :, 0, :, 1], blk[:, :, 1, :, 0], blk[:, :, 1, :, 1]
     if squared:
-        m = 0.5 * (even + odd)
-        return torch.cat([m, m], dim)
-    s = math.sqrt(0.5)
-    return torch.cat([(even + odd) * s, (even - odd) * s], dim)
-
-
-def _ihaar_1d(x, dim, length, squared=False):
-    """Transpose of :func:`_haar_1d` (its inverse when not ``squared``)."""
-    half = length // 2
-    lo, hi = x.narrow(dim, 0, half), x.narrow(dim, half, half)
-    if squared:
-        even = odd = 0.5 * (lo + hi)
+        m = 0.25 * (a + b + c + d)
+        quads = (m, m, m, m)
     else:
-        s = math.sqrt(0.5)
-        even, odd = (lo + hi) * s, (lo - hi) * s
-    return torch.stack([even, odd], dim + 1 if dim >= 0 else dim).flatten(dim, dim + 1)
+        ab, cd, amb, cmd = a + b, c + d, a - b, c - d
+        quads = (0.5 * (ab + cd), 0.5 * (amb + cmd), 0.5 * (ab - cd), 0.5 * (amb - cmd))
+    X[:, :h2, :w2], X[:, :h2, w2:w], X[:, h2:h, :w2], X[:, h2:h, w2:w] = quads
+
+
+def _ihaar_level(X, h, w, squared=False):
+    """Transpose of :func:`_haar_level` (its inverse when not ``squared``), in place."""
+    k, h2, w2 = X.shape[0], h // 2, w // 2
+    ll, lh, hl, hh = X[:, :h2, :w2], X[:, :h2, w2:w], X[:, h2:h, :w2], X[:, h2:h, w2:w]
+    if squared:
+        m = 0.25 * (ll + lh + hl + hh)
+        a = b = c = d = m
+    else:
+        p, q, r, t = ll + lh, ll - lh, hl + hh, hl - hh
+        a, b, c, d = 0.5 * (p + r), 0.5 * (q + t), 0.5 * (p - r), 0.5 * (q - t)
+    blk = torch.stack([torch.stack([a, b], -1), torch.stack([c, d], -1)], 2)  # (k, h2, 2, w2, 2)
+    X[:, :h, :w] = blk.reshape(k, h, w)
 
 
 def haar_operator(H, W, levels=None, dtype=torch.float64, device=None):
@@ -110,10 +117,7 @@ def haar_operator(H, W, levels=None, dtype=torch.float64, device=None):
         X = X.clone()
         h, w = H, W
         for _ in range(levels):
-            blk = X[:, :h, :w]
-            blk = _haar_1d(blk, 2, w, squared)
-            blk = _haar_1d(blk, 1, h, squared)
-            X[:, :h, :w] = blk
+            _haar_level(X, h, w, squared)
             h, w = h // 2, w // 2
         return _vectors(X, one)
 
@@ -122,10 +126,7 @@ def haar_operator(H, W, levels=None, dtype=torch.float64, device=None):
         X = X.clone()
         sizes = [(H >> j, W >> j) for j in range(levels)]
         for h, w in reversed(sizes):
-            blk = X[:, :h, :w]
-            blk = _ihaar_1d(blk, 1, h, squared)
-            blk = _ihaar_1d(blk, 2, w, squared)
-            X[:, :h, :w] = blk
+            _ihaar_level(X, h, w, squared)
         return _vectors(X, one)
 
     n = H * W
@@ -201,18 +202,29 @@ def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
         k = R.shape[0]
         return R[:, : H * m].reshape(k, m, H).transpose(1, 2), R[:, H * m:].reshape(k, m, H).transpose(1, 2), one
 
+    half = int(cols.max()) <= W // 2  # all columns in the half spectrum of a real image: real FFTs
+    if half:
+        # Re(ifft2(K)) for K supported on columns 0..W/2 equals irfft2 of K's half spectrum with the columns
+        # 0 < c < W/2 halved (irfft2 adds their conjugate mirror; columns 0 and W/2 enter once)
+        hscale = torch.where((cols == 0) | (2 * cols == W), 1.0, 0.5).to(device)
+
     def fwd(v):
         X, one = _images(v, H, W)
-        K = torch.fft.fft2(X, norm="ortho")[:, :, cols]  # (k, H, m)
+        K = (torch.fft.rfft2(X, norm="ortho") if half else torch.fft.fft2(X, norm="ortho"))[:, :, cols]  # (k, H, m)
         return rows_out(K.real, K.imag, one)
 
     def adj(r):
         re, im, one = rows_in(r)
-        K = torch.zeros(re.shape[0], H, W, dtype=torch.complex128 if r.dtype == torch.float64 else torch.complex64,
-                        device=r.device)
-        K[:, :, cols] = torch.complex(re, im)
+        ct = torch.complex128 if r.dtype == torch.float64 else torch.complex64
         # adjoint of u -> Re/Im of (F u) restricted: u = Re(F^H K) (F unitary, u real)
-        X = torch.fft.ifft2(K, norm="ortho").real
+        if half:
+            K = torch.zeros(re.shape[0], H, W // 2 + 1, dtype=ct, device=r.device)
+            K[:, :, cols] = torch.complex(re, im) * hscale.to(r.dtype)
+            X = torch.fft.irfft2(K, s=(H, W), norm="ortho")
+        else:
+            K = torch.zeros(re.shape[0], H, W, dtype=ct, device=r.device)
+            K[:, :, cols] = torch.complex(re, im)
+            X = torch.fft.ifft2(K, norm="ortho").real
         return _vectors(X.contiguous(), one)
 
     # squared entries: cos^2(theta)/(HW) = (1 + cos 2 theta)/(2HW), sin^2 = (1 - cos 2 theta)/(2HW), so both
@@ -242,28 +254,57 @@ def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
     return FunctionOperator(fwd, adj, shape, dtype=dtype, device=device, batched=True, squared=sq)
 
 
-def phase_encode_scores(factor, H, W, noise_var=1.0, candidates=None):
+def phase_encode_scores(factor, H, W, noise_var=1.0, candidates=None, chunk_size=32):
     r"""``Delta_c = log|I + X_c Cov X_c^T / sigma^2|`` for candidate k-space columns ``c`` (Seeger 2010 §2.2),
     ``X_c`` = :func:`fourier_columns_operator` of the single column ``c``, ``Cov = F F^T``.
 
-    One batched FFT of the ``k`` columns of ``F`` gives ``X_c F`` for every ``c`` at once; each score is
-    then a ``min(2H, k)``-sized log-determinant.
+    Matrix-free and without a linear solve per candidate: the ``k`` columns of ``F``, read as images, go
+    through one real 2-D FFT (``torch.fft.rfft2``, ``chunk_size`` at a time), which gives ``X_c F`` for every
+    column ``c = 0 .. W/2`` at once; each score is then a ``min(2H, k)``-sized log-determinant of
+    ``I + W_c^T W_c / sigma^2`` (``W_c = X_c F``, ``2H x k``). For a real image column ``W - c`` of the DFT
+    is the complex conjugate of column ``c`` with its rows reversed (``X_{W-c} = P X_c``, ``P`` a signed
+    permutation), so its score equals that of ``c``; candidates above ``W/2`` are scored as their mirror.
 
-    :param torch.Tensor factor: ``(H W, k)`` covariance factor (exact Cholesky or
-        :func:`~pyro_convexvb.design.scores.lanczos_covariance_factor`).
-    :param candidates: column indices (default all ``W``).
-    :returns: ``(len(candidates),)`` scores.
+    Cost ``O(n k log n + N H k min(H, k))`` for ``N`` candidates, memory ``O(N H k) <= O(n k)`` besides ``F``.
+
+    :param torch.Tensor factor: ``(H W, k)`` covariance factor (exact Cholesky,
+        :func:`~pyro_convexvb.design.scores.lanczos_covariance_factor`, or :func:`covariance_factor`).
+    :param int H: image height; :param int W: width.
+    :param float noise_var: ``sigma^2`` of each real measurement of the new column.
+    :param candidates: column indices in ``[0, W)`` (default all ``W``).
+    :param int chunk_size: columns of ``F`` per FFT batch.
+    :returns: ``(len(candidates),)`` scores (dtype and device of ``factor``).
+
+    Example::
+
+        >>> import math, torch
+        >>> F = torch.eye(16, dtype=torch.float64)  # Cov = I; for 0 < c < W/2, X_c X_c^T = I/2 (2H = 8 rows)
+        >>> d = phase_encode_scores(F, 4, 4, noise_var=1.0, candidates=[1, 3])
+        >>> torch.allclose(d, torch.full_like(d, 8 * math.log(1.5)))
+        True
     """
     _check_shape(H, W)
     if not (isinstance(noise_var, (int, float)) and math.isfinite(noise_var) and noise_var > 0):
         raise ValueError(f"noise_var: expected a positive finite number, got {noise_var!r}")
-    if factor.dim() != 2 or factor.shape[0] != H * W:
-        raise ValueError(f"factor: expected shape ({H * W}, k), got {tuple(factor.shape)}")
+    if not torch.is_tensor(factor) or factor.dim() != 2 or factor.shape[0] != H * W:
+        raise ValueError(f"factor: expected a tensor of shape ({H * W}, k), got "
+                         f"{tuple(factor.shape) if torch.is_tensor(factor) else type(factor).__name__}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected an integer >= 1, got {chunk_size!r}")
     cand = torch.arange(W) if candidates is None else torch.as_tensor(list(candidates), dtype=torch.long)
-    cand = cand.to(factor.device)
-    Kf = torch.fft.fft2(factor.transpose(0, 1).reshape(-1, H, W), norm="ortho")[:, :, cand]  # (k, H, N)
-    Wc = torch.cat([Kf.real, Kf.imag], 1).permute(2, 1, 0)  # (N, 2H, k)
-    return _logdet_eye_plus(Wc, noise_var)
+    if cand.dim() != 1 or cand.numel() == 0 or int(cand.min()) < 0 or int(cand.max()) >= W:
+        raise ValueError(f"candidates: expected a non-empty list of column indices in [0, {W})")
+    mirror = torch.minimum(cand, (W - cand) % W)
+    uniq, inverse = torch.unique(mirror, return_inverse=True)
+    uniq = uniq.to(factor.device)
+    k, N = factor.shape[1], uniq.numel()
+    Wc = factor.new_empty(N, 2 * H, k)
+    for s in range(0, k, chunk_size):
+        e = min(k, s + chunk_size)
+        Kf = torch.fft.rfft2(factor[:, s:e].transpose(0, 1).reshape(e - s, H, W), norm="ortho")[:, :, uniq]
+        Wc[:, :H, s:e] = Kf.real.permute(2, 1, 0)
+        Wc[:, H:, s:e] = Kf.imag.permute(2, 1, 0)
+    return _logdet_eye_plus(Wc, noise_var)[inverse.to(factor.device)]
 
 
 def compressive_sensing_model(y, H, W, columns, noise_var, tau_a, tau_r, levels=None):
@@ -333,17 +374,23 @@ def compressive_sensing_model(y, H, W, columns, noise_var, tau_a, tau_r, levels=
                                                  group("differences", Br, sigma / tau_r)])
 
 
-def covariance_factor(result, pca_rank=None):
+def covariance_factor(result, pca_rank=None, score_steps=None):
     r"""``F`` (``(n, k)``) with ``F F^T`` the posterior covariance ``Cov_Q[u] = A^{-1}`` of a
     :class:`~pyro_convexvb.infer.convex_relaxation.ConvexVariationalRelaxation` fit (``sigma^2 = 1``), in the
     representation its variances used (Seeger 2010 §3):
 
     * ``variance="exact"``: ``F = L^{-T}``, ``A = L L^T`` (``k = n``);
     * ``"lanczos"``: K-Lanczos ``F F^T = Q_K T_K^{-1} Q_K^T`` (:func:`~.scores.lanczos_covariance_factor`);
+      with ``score_steps = K_s < K`` only the first ``K_s`` Lanczos vectors are used,
+      ``F = Q_{K_s} L_{K_s}^{-T}`` with ``L_{K_s}`` the leading block of the Cholesky factor of ``T_K``
+      (``T_{K_s}`` is the leading block of ``T_K``): the covariance of a ``K_s``-step run from the same start
+      vector, the ``K_var / K_score`` split of Seeger 2010 §5 at no extra matrix-vector product;
     * ``"pca"``: L-PCA ``F = U_L Lambda_L^{-1/2}`` from the ``L`` smallest Ritz pairs of the run.
 
     :param result: the engine's :class:`~pyro_convexvb.InferenceResult`.
     :param pca_rank: ``L`` for ``"pca"`` fits (default ``lanczos_rank // 6``, the engine's default).
+    :param score_steps: ``K_score`` for ``"lanczos"`` fits of single-vector Lanczos (default: all ``K``
+        steps); refused for the other methods.
     :returns: ``(n, k)`` tensor, for :func:`phase_encode_scores` or :func:`~.scores.design_score`.
 
     Example::
@@ -359,6 +406,11 @@ def covariance_factor(result, pca_rank=None):
     """
     info = result.info
     method = info.get("variance_method")
+    if score_steps is not None:
+        if isinstance(score_steps, bool) or not isinstance(score_steps, int) or score_steps < 1:
+            raise ValueError(f"score_steps: expected an integer >= 1, got {score_steps!r}")
+        if method != "lanczos":
+            raise ValueError(f"score_steps: only K-Lanczos fits can be truncated (this fit used {method!r})")
     if method == "exact":
         L = info["cholesky"]
         eye = torch.eye(L.shape[0], dtype=L.dtype, device=L.device)
@@ -367,7 +419,13 @@ def covariance_factor(result, pca_rank=None):
     if res is None:
         raise ValueError("result: holds no Lanczos factors (was it fitted with max_outer >= 0 by this engine?)")
     if method == "lanczos":
-        return lanczos_covariance_factor(res)
+        if score_steps is None or score_steps >= res.k:
+            return lanczos_covariance_factor(res)
+        if getattr(res, "block_size", None) != 1 or not hasattr(res, "cholesky_L"):
+            raise ValueError("score_steps: needs a single-vector K-Lanczos run (lanczos_block_size=1, K-Lanczos "
+                             "estimator)")
+        Ls = res.cholesky_L()[:score_steps, :score_steps]
+        return torch.linalg.solve_triangular(Ls, res.Q[:, :score_steps].transpose(0, 1), upper=False).transpose(0, 1)
     if method == "pca":
         L = int(pca_rank) if pca_rank is not None else max(1, int(info["lanczos_rank"]) // 6)
         L = max(1, min(L, res.k))

@@ -1,0 +1,75 @@
+"""The data side of benchmarks/compressive_sensing.py (Seeger 2010 §5 protocol): image pool, blocks, methods,
+measurements and the MAP cache. No design runs here (those are the benchmark's)."""
+import importlib.util
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("skimage")
+pytest.importorskip("sklearn")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def cs():
+    spec = importlib.util.spec_from_file_location("compressive_sensing_bench",
+                                                  os.path.join(ROOT, "benchmarks", "compressive_sensing.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_image_pool_is_offline_grey_and_recorded(cs):
+    pool = cs.load_pool(16)
+    assert len(pool) == 13
+    for name, (img, rec) in pool.items():
+        assert img.shape == (16, 16) and img.dtype == np.float64
+        assert 0.0 <= img.min() and img.max() <= 1.0 and img.std() > 0
+        side = min(rec["original_shape"][:2])
+        assert rec["crop"]["side"] == side
+        h, w = rec["original_shape"][:2]
+        assert rec["crop"]["row"] == (h - side) // 2 and rec["crop"]["col"] == (w - side) // 2
+    # camera.png is 512 x 512 grey: a 32 x 32 block average is close to the anti-aliased resize
+    from skimage import io
+
+    import skimage
+
+    cam = io.imread(os.path.join(os.path.dirname(skimage.__file__), "data", "camera.png")) / 255.0
+    block = cam.reshape(16, 32, 16, 32).mean((1, 3))
+    assert np.abs(pool["camera"][0] - block).mean() < 0.05
+
+
+def test_blocks_are_seeded_and_exclude_the_design_image(cs):
+    names = [f"im{i}" for i in range(13)]
+    b1, b2 = cs.make_blocks(names, 5, 5, 0), cs.make_blocks(names, 5, 5, 0)
+    assert b1 == b2
+    assert len({b["design_image"] for b in b1}) == 5
+    for b in b1:
+        assert len(set(b["test_images"])) == 5 and b["design_image"] not in b["test_images"]
+    assert cs.make_blocks(names, 5, 5, 1) != b1
+
+
+def test_methods_and_measurements(cs):
+    assert cs.parse_method("K500/200") == dict(kind="lanczos", k_var=500, k_score=200)
+    assert cs.parse_method("PCA33") == dict(kind="pca", pca_rank=33)
+    assert cs.parse_method("random-2") == dict(kind="random", seed=2)
+    with pytest.raises(ValueError, match="methods"):
+        cs.parse_method("K200")
+    g = torch.Generator().manual_seed(0)
+    img = torch.rand(8, 8, generator=g, dtype=torch.float64).numpy()
+    m = cs.Measurements(img, seed=3)
+    # measurements of a pair set are the operator's rows plus one fixed noise draw
+    from pyro_convexvb.design.imaging import fourier_columns_operator
+
+    pairs = [0, 3, 1]
+    noise = m(pairs) - fourier_columns_operator(8, 8, pairs).mv(m.u)
+    assert abs(float(noise.std()) - math.sqrt(cs.NOISE_VAR)) < 0.5 * math.sqrt(cs.NOISE_VAR)
+    assert torch.equal(m([3])[:8], m(pairs)[8:16])
+    # low-pass and random designs are the documented orders
+    assert cs.run_design(m, [0, 1], 2, "lowpass", (0.08, 0.16), 0, False)["added"] == [2, 3]
+    r = [cs.run_design(m, [0, 1], 3, "random-1", (0.08, 0.16), 0, False)["added"] for _ in range(2)]
+    assert r[0] == r[1] and len(set(r[0])) == 3 and not set(r[0]) & {0, 1}
