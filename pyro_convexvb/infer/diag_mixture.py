@@ -44,7 +44,6 @@ from .baselines import (
     SVIEngine,
     SVIOptions,
     flat_log_joint,
-    forget_params,
     model_param_values,
     svi_until_plateau,
     try_lgm,
@@ -812,10 +811,8 @@ class DiagMixtureOptions(SVIOptions):
                 "applies and no SVI-only option is set")
 
     def check(self):
-        # min_steps is an SVI option: left at its default it is capped at max_steps (so that max_steps alone can
-        # budget either optimiser under 'auto'); set explicitly above max_steps it is an error
-        if self.optimizer != "natural_gradient" and \
-                self.min_steps != type(self).__dataclass_fields__["min_steps"].default:
+        # min_steps is an SVI option (SVIOptions.check: an unset one is capped at max_steps)
+        if self.optimizer != "natural_gradient":
             super().check()
 
 
@@ -979,7 +976,7 @@ class DiagMixtureEngine(SVIEngine):
         model = call.model if o.learn_params else poutine.block(call.model, hide_types=["param"])
         guide = AutoDiagMixture(model, num_components=o.num_components, init_scale=o.init_scale,
                                 init_spread=o.init_spread)
-        forget_params(guide._pyro_name)
+        self.own_guide(guide)
         red = data_reduction(call.args, call.kwargs)
         lgm = None if o.optimizer == "svi" else try_lgm(call.source, call.args, call.kwargs)
         with poutine.block(), torch.no_grad():
@@ -994,7 +991,7 @@ class DiagMixtureEngine(SVIEngine):
             svi = pyro.infer.SVI(model, guide, optim, loss)
             cb = None if o.callback is None else (lambda step, value: o.callback(step, value, guide))
             losses, reason = svi_until_plateau(
-                svi, optim, call.args, call.kwargs, max_steps=o.max_steps, min_steps=min(o.min_steps, o.max_steps),
+                svi, optim, call.args, call.kwargs, max_steps=o.max_steps, min_steps=o.plateau_min_steps,
                 window=o.window, rtol=o.rtol, lr_decay=o.lr_decay, bar=run.bar(total=o.max_steps, unit="step"),
                 history=run.history, callback=cb, name=f"AutoDiagMixture(K={o.num_components})")
             info_opt = {"optimizer": "svi", "elbo_estimate": -sum(losses[-o.window:]) / min(o.window, len(losses)),
