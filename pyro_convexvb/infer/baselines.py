@@ -262,7 +262,7 @@ class SVIOptions(EngineOptions):
     vectorize_particles: bool = option(False, "vectorise the particles over a plate")
     init_scale: float = option(0.1, "initial posterior scale of the guide", gt=0)
     clip_norm: float = option(100.0, "gradient clipping norm of clipped Adam", gt=0)
-    seed: int = option(0, "random seed")
+    seed: typing.Optional[int] = option(None, "random seed; None: drawn from the global torch RNG (pyro.set_rng_seed), which is never reset", min=0)
     decrement_tol: float = option(1e-2, "convergence: natural-gradient decrement of the evidence bound (nats)", gt=0)
     learn_params: bool = option(True, "optimise the model's pyro.param sites jointly with the guide (Pyro's SVI)")
     check_particles: int = option(64, "Monte Carlo draws of the decrement for models that are not LGMs", min=1)
@@ -338,7 +338,6 @@ class SVIEngine(_PyroModelEngine):
 
     def solve(self, call, run):
         o = self.options
-        pyro.set_rng_seed(o.seed)
         model = call.model if o.learn_params else poutine.block(call.model, hide_types=["param"])
         guide = self.make_guide(model)
         self.own_guide(guide)
@@ -357,7 +356,7 @@ class SVIEngine(_PyroModelEngine):
         lgm = sharded_lgm_or_none(try_lgm(call.source, call.args, call.kwargs), red, call.args, call.kwargs)
         with torch.enable_grad():
             bound, opt = variational_optimality(call, posterior, lgm, tol=o.decrement_tol,
-                                                check_particles=o.check_particles, seed=o.seed, reduction=red)
+                                                check_particles=o.check_particles, seed=self.run_seed, reduction=red)
         info = {"elbo_estimate": -sum(losses[-o.window:]) / min(o.window, len(losses)), "steps": len(losses),
                 "guide": guide, "hyperparameters": model_param_values(call)}
         return Solution(posterior, bound, opt, reason, info, lgm=lgm)
@@ -410,15 +409,15 @@ class LaplaceOptions(EngineOptions):
                                       "(central differences of refits)")
     grad_tol: float = option(1e-6, "convergence: max |gradient| of the log joint at the mode / (1 + |log joint|)",
                              gt=0)
-    seed: int = option(0, "random seed (initialisation)")
+    seed: typing.Optional[int] = option(None, "random seed; None: drawn from the global torch RNG (pyro.set_rng_seed), which is never reset", min=0)
 
 
 class _FullDataEngine(_PyroModelEngine):
     """Pyro engines that fit all the data at once: the model runs with every subsampled plate at full size."""
 
     def full_data_model(self, call):
-        """``call.model`` under :func:`~pyro_convexvb.lgm.extract.full_data_plates`, with the run's seed set."""
-        pyro.set_rng_seed(self.options.seed)
+        """``call.model`` under :func:`~pyro_convexvb.lgm.extract.full_data_plates` (the run is seeded by
+        :meth:`~pyro_convexvb.infer.engine.Engine.run`)."""
         return _full_data(call.model)
 
 
@@ -542,7 +541,7 @@ class NUTSOptions(EngineOptions):
     target_accept_prob: float = option(0.8, "NUTS step-size adaptation target", gt=0.0, max=1.0)
     max_tree_depth: int = option(8, "NUTS tree depth cap", min=1)
     jit_compile: bool = option(False, "JIT-compile the potential (Pyro's jit_compile)")
-    seed: int = option(0, "random seed")
+    seed: typing.Optional[int] = option(None, "random seed; None: drawn from the global torch RNG (pyro.set_rng_seed), which is never reset", min=0)
 
 
 class NUTSEngine(_FullDataEngine):

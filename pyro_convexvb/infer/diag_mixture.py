@@ -972,7 +972,6 @@ class DiagMixtureEngine(SVIEngine):
 
     def solve(self, call, run):
         o = self.options
-        pyro.set_rng_seed(o.seed)
         model = call.model if o.learn_params else poutine.block(call.model, hide_types=["param"])
         guide = AutoDiagMixture(model, num_components=o.num_components, init_scale=o.init_scale,
                                 init_spread=o.init_spread)
@@ -1023,7 +1022,7 @@ class DiagMixtureEngine(SVIEngine):
                 name = f"natural-gradient decrement of the exact mixture evidence bound, {measured} entropy (nats)"
         else:
             log_joint, n = flat_log_joint(call.model, call.args, call.kwargs, red)
-            mc = [monte_carlo_objective(log_joint, n, o.check_particles, locs.dtype, locs.device, o.seed + k)
+            mc = [monte_carlo_objective(log_joint, n, o.check_particles, locs.dtype, locs.device, self.run_seed + k)
                   for k in range(o.num_components)]
             const = 0.5 * n * (1 + math.log(2 * math.pi))
 
