@@ -63,6 +63,9 @@ __all__ = [
     "variational_optimality",
 ]
 
+#: default and documentation of the engines' ``seed`` option (see the "Random numbers" rule in docs/engines.md)
+SEED_DOC = (None, "random seed; None: drawn from the global torch RNG (pyro.set_rng_seed), which is never reset")
+
 #: largest latent dimension for which the exact bound and the decrement use a dense covariance.
 EXACT_BOUND_MAX = 5000
 
@@ -262,7 +265,7 @@ class SVIOptions(EngineOptions):
     vectorize_particles: bool = option(False, "vectorise the particles over a plate")
     init_scale: float = option(0.1, "initial posterior scale of the guide", gt=0)
     clip_norm: float = option(100.0, "gradient clipping norm of clipped Adam", gt=0)
-    seed: typing.Optional[int] = option(None, "random seed; None: drawn from the global torch RNG (pyro.set_rng_seed), which is never reset", min=0)
+    seed: typing.Optional[int] = option(SEED_DOC[0], SEED_DOC[1], min=0)
     decrement_tol: float = option(1e-2, "convergence: natural-gradient decrement of the evidence bound (nats)", gt=0)
     learn_params: bool = option(True, "optimise the model's pyro.param sites jointly with the guide (Pyro's SVI)")
     check_particles: int = option(64, "Monte Carlo draws of the decrement for models that are not LGMs", min=1)
@@ -350,7 +353,8 @@ class SVIEngine(_PyroModelEngine):
         svi = SVI(model, guide, optim, elbo)
         bar = run.bar(total=o.max_steps, unit="step")
         losses, reason = svi_until_plateau(svi, optim, call.args, call.kwargs, max_steps=o.max_steps,
-                                           min_steps=o.plateau_min_steps, window=o.window, rtol=o.rtol, lr_decay=o.lr_decay,
+                                           min_steps=o.plateau_min_steps, window=o.window, rtol=o.rtol,
+                                           lr_decay=o.lr_decay,
                                            bar=bar, history=run.history, name=self.name)
         posterior = self.posterior_of(guide)
         lgm = sharded_lgm_or_none(try_lgm(call.source, call.args, call.kwargs), red, call.args, call.kwargs)
@@ -409,7 +413,7 @@ class LaplaceOptions(EngineOptions):
                                       "(central differences of refits)")
     grad_tol: float = option(1e-6, "convergence: max |gradient| of the log joint at the mode / (1 + |log joint|)",
                              gt=0)
-    seed: typing.Optional[int] = option(None, "random seed; None: drawn from the global torch RNG (pyro.set_rng_seed), which is never reset", min=0)
+    seed: typing.Optional[int] = option(SEED_DOC[0], SEED_DOC[1], min=0)
 
 
 class _FullDataEngine(_PyroModelEngine):
@@ -541,7 +545,7 @@ class NUTSOptions(EngineOptions):
     target_accept_prob: float = option(0.8, "NUTS step-size adaptation target", gt=0.0, max=1.0)
     max_tree_depth: int = option(8, "NUTS tree depth cap", min=1)
     jit_compile: bool = option(False, "JIT-compile the potential (Pyro's jit_compile)")
-    seed: typing.Optional[int] = option(None, "random seed; None: drawn from the global torch RNG (pyro.set_rng_seed), which is never reset", min=0)
+    seed: typing.Optional[int] = option(SEED_DOC[0], SEED_DOC[1], min=0)
 
 
 class NUTSEngine(_FullDataEngine):

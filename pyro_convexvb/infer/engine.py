@@ -470,8 +470,20 @@ class Engine:
             raise RuntimeError(f"engine '{self.name}': run_seed is set by run()")
         return self._run_seed
 
-    def _seed_option(self):
-        return getattr(self.options, "seed", None)
+    def _resolve_seed(self, args, kwargs):
+        """The ``seed`` option, else a seed drawn from the caller's torch stream; on row-sharded data (which every
+        rank fits with the same random draws) rank 0's draw, broadcast."""
+        seed = getattr(self.options, "seed", None)
+        if seed is not None:
+            return seed
+        seed = draw_seed()
+        from ..distributed import broadcast, comm_of, find_comm
+
+        if find_comm(args, kwargs) is not None or comm_of(self.model) is not None:
+            import torch
+
+            seed = int(broadcast(torch.tensor(seed, dtype=torch.int64)))
+        return seed
 
     def __init__(self, model, *, progress=True, **options):
         if not isinstance(progress, bool):
@@ -650,7 +662,7 @@ class Engine:
         the ``seed`` option, or without one with a seed drawn from the caller's torch stream (see
         :func:`forked_rng`): the caller's streams are never reset.
         """
-        with forked_rng(self._seed_option(), cuda=_cuda_in_use()) as seed:
+        with forked_rng(self._resolve_seed(args, kwargs), cuda=_cuda_in_use()) as seed:
             self._run_seed = seed
             from ..lgm.model import LatentGaussianModel
 
