@@ -306,6 +306,15 @@ tolerance; `res.optimality` holds the measure's value and tolerance, `res.stop_r
 stopped the run. An unconverged fit warns once (`ConvergenceWarning`, with the measure's value), or
 raises `ConvergenceError` with `on_fail="raise"`.
 
+**Random numbers.** As in Pyro, an engine without an explicit `seed` option (`seed=None`, the default
+of the stochastic engines) draws its seed from the global torch generator: results follow
+`pyro.set_rng_seed`, two consecutive fits differ, and a re-seeded session reproduces them. An integer
+`seed` makes a fit reproducible whatever the global state. Either way every fit runs on a fork of the
+global generators (torch, NumPy, Python's `random`, and CUDA's when in use), seeded with that seed: the
+caller's streams are never reset, and a fit without a seed moves the torch stream on by one draw only.
+The inner fits of a run (type-II refits, hyper-latent design points) all use the run's seed.
+`convex_relaxation`'s `seed` (default 0) seeds only its private generator of Lanczos start vectors.
+
 This page is generated from the engines' dataclasses by `python -m pyro_convexvb engines --markdown`.
 """
 

@@ -15,7 +15,8 @@ ELBO estimate.
 Optimality measures (``converged``): SVI engines, the natural-gradient decrement of the evidence
 bound (:mod:`~pyro_convexvb.infer.optimality`; exact bound for latent Gaussian models, a Monte Carlo
 estimate otherwise); ``laplace``, the largest gradient entry of the log joint at the mode;
-``nuts``, the largest split R-hat over all latent coordinates.
+``nuts``, the largest split R-hat over all latent coordinates and the smallest effective sample size
+(both must pass: a few draws can have a small R-hat by chance).
 
 Engines that fit all data at once (``laplace``, ``nuts``) run the model with every subsampled
 ``pyro.plate`` at full size; the SVI engines keep Pyro's mini-batches (that is what SVI is for).
@@ -39,7 +40,7 @@ from torch.distributions import biject_to
 
 from ..errors import UnsupportedModelError
 from ..lgm.extract import full_data_plates, latent_sites
-from .engine import Engine, EngineOptions, Optimality, Solution, option
+from .engine import Criterion, Engine, EngineOptions, Optimality, Solution, option
 from .optimality import gaussian_decrement, monte_carlo_objective
 from .posterior import GaussianPosterior
 from .sharded_svi import ShardedTraceELBO, data_reduction, sharded_lgm_or_none
@@ -61,6 +62,9 @@ __all__ = [
     "try_lgm",
     "variational_optimality",
 ]
+
+#: default and documentation of the engines' ``seed`` option (see the "Random numbers" rule in docs/engines.md)
+SEED_DOC = (None, "random seed; None: drawn from the global torch RNG (pyro.set_rng_seed), which is never reset")
 
 #: largest latent dimension for which the exact bound and the decrement use a dense covariance.
 EXACT_BOUND_MAX = 5000
@@ -121,6 +125,25 @@ def flat_log_joint(model, args, kwargs, reduction=None):
         return torch.stack(out) if enter_local is None else sum_over_ranks(torch.stack(out))
 
     return log_joint, n
+
+
+def observation_refusal(model, args, kwargs):
+    """Why the model's observed data are invalid for their likelihood (the latent Gaussian extraction's own check,
+    e.g. Bernoulli labels outside {0, 1}), as ``"site '<name>': <reason>"``, or ``None`` when they are valid."""
+    from ..lgm.extract import _check_obs, _unwrap
+
+    with torch.no_grad(), full_data_plates():
+        tr = poutine.trace(model).get_trace(*args, **kwargs)
+    for name, site in tr.nodes.items():
+        if site["type"] != "sample" or not site["is_observed"]:
+            continue
+        base, _ = _unwrap(site["fn"])
+        if isinstance(base, (pyro.distributions.Bernoulli, torch.distributions.Bernoulli)):
+            try:
+                _check_obs(name, "bernoulli", torch.as_tensor(site["value"]))
+            except UnsupportedModelError as e:
+                return str(e)
+    return None
 
 
 def try_lgm(model, args, kwargs):
@@ -233,7 +256,8 @@ def forget_params(prefix):
 class SVIOptions(EngineOptions):
     lr: float = option(0.02, "Adam learning rate (clipped Adam)", gt=0)
     max_steps: int = option(20000, "SVI step cap", min=1)
-    min_steps: int = option(500, "no plateau stop before this many steps", min=0)
+    min_steps: int = option(500, "no plateau stop before this many steps (left at the default: at most max_steps)",
+                           min=0)
     window: int = option(250, "steps per window of the plateau rule", min=1)
     rtol: float = option(2e-4, "plateau: windowed mean loss decreased by less than rtol (|mean| + 1)", min=0)
     lr_decay: bool = option(True, "divide the learning rate by 5 at the first plateau instead of stopping")
@@ -241,14 +265,21 @@ class SVIOptions(EngineOptions):
     vectorize_particles: bool = option(False, "vectorise the particles over a plate")
     init_scale: float = option(0.1, "initial posterior scale of the guide", gt=0)
     clip_norm: float = option(100.0, "gradient clipping norm of clipped Adam", gt=0)
-    seed: int = option(0, "random seed")
+    seed: typing.Optional[int] = option(SEED_DOC[0], SEED_DOC[1], min=0)
     decrement_tol: float = option(1e-2, "convergence: natural-gradient decrement of the evidence bound (nats)", gt=0)
     learn_params: bool = option(True, "optimise the model's pyro.param sites jointly with the guide (Pyro's SVI)")
     check_particles: int = option(64, "Monte Carlo draws of the decrement for models that are not LGMs", min=1)
 
     def check(self):
-        if self.min_steps > self.max_steps:
+        # left at its default, min_steps is capped at max_steps (max_steps alone budgets a fit); set explicitly
+        # above max_steps it is an error
+        if self.min_steps > self.max_steps and self.min_steps != type(self).__dataclass_fields__["min_steps"].default:
             raise ValueError(f"option 'min_steps' ({self.min_steps}) exceeds 'max_steps' ({self.max_steps})")
+
+    @property
+    def plateau_min_steps(self):
+        """``min_steps`` as the plateau rule uses it: an unset (default) ``min_steps`` capped at ``max_steps``."""
+        return min(self.min_steps, self.max_steps)
 
 
 @dataclass(frozen=True)
@@ -256,7 +287,36 @@ class SVILowRankOptions(SVIOptions):
     rank: typing.Optional[int] = option(None, "rank of the covariance factor (default: Pyro's sqrt(n))", min=1)
 
 
-class SVIEngine(Engine):
+class _PyroModelEngine(Engine):
+    """Engines that run on the Pyro model itself: continuous latents, and observations valid for their
+    likelihood as the latent Gaussian extraction checks them (Pyro's NUTS would accept Bernoulli labels 2 or -1)."""
+
+    takes = "model"
+
+    @property
+    def param_prefix(self):
+        """Prefix of the engine's own guide parameters in Pyro's param store (``"_pyro_convexvb.<engine>"``):
+        private, so a fit never touches the user's entries (e.g. their own ``"AutoMultivariateNormal.loc"``)."""
+        return f"_pyro_convexvb.{self.name}"
+
+    def own_guide(self, guide):
+        """Give ``guide`` the engine's private parameter names and drop an earlier fit's entries under them."""
+        from .posterior import _apply_name_prefix
+
+        _apply_name_prefix(guide, self.param_prefix)
+        forget_params(self.param_prefix)
+        return guide
+
+    @classmethod
+    def model_applies(cls, model, args, kwargs):
+        ok, reason = super().model_applies(model, args, kwargs)
+        if ok:
+            reason = observation_refusal(model, args, kwargs)
+            ok = reason is None
+        return ok, reason or ""
+
+
+class SVIEngine(_PyroModelEngine):
     """Pyro SVI on an autoguide (subclasses set ``guide_cls``), then an honest optimality check.
 
     On row-sharded data (:func:`pyro_convexvb.distributed.row_sharded` under a process group) every rank
@@ -281,10 +341,9 @@ class SVIEngine(Engine):
 
     def solve(self, call, run):
         o = self.options
-        pyro.set_rng_seed(o.seed)
         model = call.model if o.learn_params else poutine.block(call.model, hide_types=["param"])
         guide = self.make_guide(model)
-        forget_params(guide._pyro_name)
+        self.own_guide(guide)
         optim = pyro.optim.ClippedAdam({"lr": o.lr, "betas": (0.9, 0.999), "clip_norm": o.clip_norm})
         red = data_reduction(call.args, call.kwargs)
         if red is None:
@@ -294,13 +353,14 @@ class SVIEngine(Engine):
         svi = SVI(model, guide, optim, elbo)
         bar = run.bar(total=o.max_steps, unit="step")
         losses, reason = svi_until_plateau(svi, optim, call.args, call.kwargs, max_steps=o.max_steps,
-                                           min_steps=o.min_steps, window=o.window, rtol=o.rtol, lr_decay=o.lr_decay,
+                                           min_steps=o.plateau_min_steps, window=o.window, rtol=o.rtol,
+                                           lr_decay=o.lr_decay,
                                            bar=bar, history=run.history, name=self.name)
         posterior = self.posterior_of(guide)
         lgm = sharded_lgm_or_none(try_lgm(call.source, call.args, call.kwargs), red, call.args, call.kwargs)
         with torch.enable_grad():
             bound, opt = variational_optimality(call, posterior, lgm, tol=o.decrement_tol,
-                                                check_particles=o.check_particles, seed=o.seed, reduction=red)
+                                                check_particles=o.check_particles, seed=self.run_seed, reduction=red)
         info = {"elbo_estimate": -sum(losses[-o.window:]) / min(o.window, len(losses)), "steps": len(losses),
                 "guide": guide, "hyperparameters": model_param_values(call)}
         return Solution(posterior, bound, opt, reason, info, lgm=lgm)
@@ -353,17 +413,15 @@ class LaplaceOptions(EngineOptions):
                                       "(central differences of refits)")
     grad_tol: float = option(1e-6, "convergence: max |gradient| of the log joint at the mode / (1 + |log joint|)",
                              gt=0)
-    seed: int = option(0, "random seed (initialisation)")
+    seed: typing.Optional[int] = option(SEED_DOC[0], SEED_DOC[1], min=0)
 
 
-class _FullDataEngine(Engine):
+class _FullDataEngine(_PyroModelEngine):
     """Pyro engines that fit all the data at once: the model runs with every subsampled plate at full size."""
 
-    takes = "model"
-
     def full_data_model(self, call):
-        """``call.model`` under :func:`~pyro_convexvb.lgm.extract.full_data_plates`, with the run's seed set."""
-        pyro.set_rng_seed(self.options.seed)
+        """``call.model`` under :func:`~pyro_convexvb.lgm.extract.full_data_plates` (the run is seeded by
+        :meth:`~pyro_convexvb.infer.engine.Engine.run`)."""
         return _full_data(call.model)
 
 
@@ -380,7 +438,7 @@ class LaplaceEngine(_FullDataEngine):
         o = self.options
         model = self.full_data_model(call)
         guide = AutoLaplaceApproximation(model)
-        forget_params(guide._pyro_name)
+        self.own_guide(guide)
         elbo = Trace_ELBO()
         elbo.differentiable_loss(model, guide, *call.args, **call.kwargs)  # creates the parameters
         params = [p for name, p in pyro.get_param_store().named_parameters()
@@ -480,20 +538,22 @@ def _full_data(model):
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class NUTSOptions(EngineOptions):
-    num_samples: int = option(500, "samples kept after warm-up", min=2)
+    num_samples: int = option(500, "samples kept after warm-up (split R-hat needs two halves of >= 2 draws)", min=4)
     warmup_steps: int = option(300, "warm-up (adaptation) steps", min=0)
     max_rhat: float = option(1.01, "convergence: largest split R-hat over all latent coordinates", gt=1.0)
+    min_ess: float = option(100.0, "convergence: smallest effective sample size over all latent coordinates", gt=0)
     target_accept_prob: float = option(0.8, "NUTS step-size adaptation target", gt=0.0, max=1.0)
     max_tree_depth: int = option(8, "NUTS tree depth cap", min=1)
     jit_compile: bool = option(False, "JIT-compile the potential (Pyro's jit_compile)")
-    seed: int = option(0, "random seed")
+    seed: typing.Optional[int] = option(SEED_DOC[0], SEED_DOC[1], min=0)
 
 
 class NUTSEngine(_FullDataEngine):
     name = "nuts"
     description = "Pyro NUTS (MCMC); Gaussian summary of the samples in unconstrained space, no evidence bound"
     Options = NUTSOptions
-    optimality_measure = "largest split R-hat over all unconstrained latent coordinates <= max_rhat"
+    optimality_measure = ("largest split R-hat over all unconstrained latent coordinates <= max_rhat, and smallest "
+                          "effective sample size >= min_ess")
 
     def solve(self, call, run):
         from pyro.ops.stats import effective_sample_size, split_gelman_rubin
@@ -529,5 +589,8 @@ class NUTSEngine(_FullDataEngine):
         run.history.record(objective=float("nan"), r_hat=rhat, min_ess=ess)
         posterior = GaussianPosterior(loc, covariance=cov)
         info = {"samples": samples, "unconstrained_samples": flat, "r_hat": rhat, "min_ess": ess}
-        opt = Optimality.single("largest split R-hat", rhat if math.isfinite(rhat) else math.inf, o.max_rhat)
+        ess_short = max(0.0, o.min_ess - ess) if math.isfinite(ess) else math.inf
+        opt = Optimality((Criterion("largest split R-hat", rhat if math.isfinite(rhat) else math.inf, o.max_rhat),
+                          Criterion(f"smallest effective sample size: shortfall below min_ess = {o.min_ess:g} (draws)",
+                                    ess_short, 0.0)))
         return Solution(posterior, None, opt, "num_samples", info)

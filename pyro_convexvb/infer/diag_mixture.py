@@ -44,7 +44,6 @@ from .baselines import (
     SVIEngine,
     SVIOptions,
     flat_log_joint,
-    forget_params,
     model_param_values,
     svi_until_plateau,
     try_lgm,
@@ -812,10 +811,8 @@ class DiagMixtureOptions(SVIOptions):
                 "applies and no SVI-only option is set")
 
     def check(self):
-        # min_steps is an SVI option: left at its default it is capped at max_steps (so that max_steps alone can
-        # budget either optimiser under 'auto'); set explicitly above max_steps it is an error
-        if self.optimizer != "natural_gradient" and \
-                self.min_steps != type(self).__dataclass_fields__["min_steps"].default:
+        # min_steps is an SVI option (SVIOptions.check: an unset one is capped at max_steps)
+        if self.optimizer != "natural_gradient":
             super().check()
 
 
@@ -975,11 +972,10 @@ class DiagMixtureEngine(SVIEngine):
 
     def solve(self, call, run):
         o = self.options
-        pyro.set_rng_seed(o.seed)
         model = call.model if o.learn_params else poutine.block(call.model, hide_types=["param"])
         guide = AutoDiagMixture(model, num_components=o.num_components, init_scale=o.init_scale,
                                 init_spread=o.init_spread)
-        forget_params(guide._pyro_name)
+        self.own_guide(guide)
         red = data_reduction(call.args, call.kwargs)
         lgm = None if o.optimizer == "svi" else try_lgm(call.source, call.args, call.kwargs)
         with poutine.block(), torch.no_grad():
@@ -994,7 +990,7 @@ class DiagMixtureEngine(SVIEngine):
             svi = pyro.infer.SVI(model, guide, optim, loss)
             cb = None if o.callback is None else (lambda step, value: o.callback(step, value, guide))
             losses, reason = svi_until_plateau(
-                svi, optim, call.args, call.kwargs, max_steps=o.max_steps, min_steps=min(o.min_steps, o.max_steps),
+                svi, optim, call.args, call.kwargs, max_steps=o.max_steps, min_steps=o.plateau_min_steps,
                 window=o.window, rtol=o.rtol, lr_decay=o.lr_decay, bar=run.bar(total=o.max_steps, unit="step"),
                 history=run.history, callback=cb, name=f"AutoDiagMixture(K={o.num_components})")
             info_opt = {"optimizer": "svi", "elbo_estimate": -sum(losses[-o.window:]) / min(o.window, len(losses)),
@@ -1026,7 +1022,7 @@ class DiagMixtureEngine(SVIEngine):
                 name = f"natural-gradient decrement of the exact mixture evidence bound, {measured} entropy (nats)"
         else:
             log_joint, n = flat_log_joint(call.model, call.args, call.kwargs, red)
-            mc = [monte_carlo_objective(log_joint, n, o.check_particles, locs.dtype, locs.device, o.seed + k)
+            mc = [monte_carlo_objective(log_joint, n, o.check_particles, locs.dtype, locs.device, self.run_seed + k)
                   for k in range(o.num_components)]
             const = 0.5 * n * (1 + math.log(2 * math.pi))
 

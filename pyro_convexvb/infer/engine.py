@@ -49,6 +49,7 @@ Example (a complete engine for linear-Gaussian models)::
     >>> res.converged, res.stop_reason
     (True, 'closed form')
 """
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -71,6 +72,8 @@ __all__ = [
     "ModelCall",
     "options_table",
     "LGMEngineOptions",
+    "forked_rng",
+    "draw_seed",
 ]
 
 
@@ -367,6 +370,68 @@ class RunContext:
 
 
 # ---------------------------------------------------------------------------------------------
+# random numbers
+# ---------------------------------------------------------------------------------------------
+def draw_seed():
+    """A seed drawn from the caller's global torch stream (advancing it by one draw, as a Pyro fit would)."""
+    import torch
+
+    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+
+
+def _cuda_in_use():
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+@contextlib.contextmanager
+def forked_rng(seed=None, cuda=False):
+    """Run a block on a fork of the global random number generators, seeded; the caller's streams are restored.
+
+    ``seed=None`` draws the seed from the caller's torch stream first (:func:`draw_seed`): results then follow
+    ``pyro.set_rng_seed``, two consecutive blocks differ, and a re-seeded session reproduces them, as with
+    Pyro's own inference, while the caller's stream only moves on by that one draw. Forked: torch's CPU
+    generator (and the CUDA generators when ``cuda``), NumPy's global ``RandomState`` and Python's ``random``,
+    all seeded as :func:`pyro.set_rng_seed` does.
+
+    :param seed: an integer, or ``None``.
+    :yields: the seed used.
+
+    Example::
+
+        >>> import torch
+        >>> _ = torch.manual_seed(1); a = torch.rand(1)
+        >>> _ = torch.manual_seed(1)
+        >>> with forked_rng(5):
+        ...     _ = torch.rand(100)
+        >>> bool(torch.rand(1) == a)
+        True
+    """
+    import random
+
+    import numpy as np
+    import torch
+
+    if seed is None:
+        seed = draw_seed()
+    seed = int(seed)
+    np_state, py_state = np.random.get_state(), random.getstate()
+    devices = list(range(torch.cuda.device_count())) if cuda else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            torch.default_generator.manual_seed(seed)
+            if cuda:
+                torch.cuda.manual_seed_all(seed)
+            np.random.seed(seed % 2**32)
+            random.seed(seed)
+            yield seed
+        finally:
+            np.random.set_state(np_state)
+            random.setstate(py_state)
+
+
+# ---------------------------------------------------------------------------------------------
 # the base class
 # ---------------------------------------------------------------------------------------------
 class Engine:
@@ -391,12 +456,42 @@ class Engine:
     takes: ClassVar[str] = "lgm"
     optimality_measure: ClassVar[str] = ""
 
+    _run_seed = None
+    #: dtype of the extracted latent Gaussian model (``None``: the model's own); the hyper-latent path sets
+    #: float64 on its inner fits (:mod:`~pyro_convexvb.infer.hyper`)
+    extract_dtype = None
+
+    @property
+    def run_seed(self):
+        """The seed of the current (or last) :meth:`run`: the ``seed`` option, or the seed drawn from the caller's
+        torch stream when it is ``None`` (seeds, e.g., the engine's private generators)."""
+        if self._run_seed is None:
+            raise RuntimeError(f"engine '{self.name}': run_seed is set by run()")
+        return self._run_seed
+
+    def _resolve_seed(self, args, kwargs):
+        """The ``seed`` option, else a seed drawn from the caller's torch stream; on row-sharded data (which every
+        rank fits with the same random draws) rank 0's draw, broadcast."""
+        seed = getattr(self.options, "seed", None)
+        if seed is not None:
+            return seed
+        seed = draw_seed()
+        from ..distributed import broadcast, comm_of, find_comm
+
+        if find_comm(args, kwargs) is not None or comm_of(self.model) is not None:
+            import torch
+
+            seed = int(broadcast(torch.tensor(seed, dtype=torch.int64)))
+        return seed
+
     def __init__(self, model, *, progress=True, **options):
         if not isinstance(progress, bool):
             raise TypeError(f"engine '{self.name}': progress expects a bool, got {progress!r}")
         self.model = model
         self.progress = progress
         self.options = self.Options.create(self.name, options)
+        #: the options the caller set (they win over :meth:`precise_options` in inner fits)
+        self.given_options = frozenset(options)
 
     # ------------------------------------------------------------------ hooks
     @classmethod
@@ -419,11 +514,14 @@ class Engine:
 
     def inner_engine(self, model, warm=None, **overrides):
         """An engine of the same class and options for ``model`` (e.g. a conditioned model), warm-started from
-        ``warm``, with precise bounds and the ``overrides``."""
+        ``warm``, with precise bounds (:meth:`precise_options`, except for options the caller set) and the
+        ``overrides``; its ``seed`` is this run's."""
         opts = self.options.as_dict()
-        opts.update(self.precise_options())
+        opts.update({k: v for k, v in self.precise_options().items() if k not in self.given_options})
         if warm is not None:
             opts.update(self.warm_start_options(warm))
+        if opts.get("seed", 0) is None:  # every inner fit of a run uses the run's seed (common random numbers)
+            opts["seed"] = self.run_seed
         opts.update(overrides)
         return type(self)(model, progress=False, **opts)
 
@@ -548,7 +646,7 @@ class Engine:
             lgm = self.model
         else:
             try:
-                lgm = lgm_from_pyro(self.model, *args, **kwargs)
+                lgm = lgm_from_pyro(self.model, *args, dtype=self.extract_dtype, **kwargs)
             except UnsupportedModelError as e:
                 raise self._refuse(str(e), args, kwargs) from None
         ok, reason = self.applies(lgm)
@@ -557,46 +655,53 @@ class Engine:
         return lgm
 
     def run(self, *args, **kwargs):
-        """Fit the model to its data ``(*args, **kwargs)``; returns an :class:`~pyro_convexvb.InferenceResult`."""
-        from ..lgm.model import LatentGaussianModel
+        """Fit the model to its data ``(*args, **kwargs)``; returns an :class:`~pyro_convexvb.InferenceResult`.
 
-        t0 = time.perf_counter()
-        self._check_distributed(args, kwargs)
-        if not isinstance(self.model, LatentGaussianModel):
-            from ..lgm.extract import check_model_data
+        The fit runs on a fork of the global random number generators (torch, NumPy, ``random``), seeded with
+        the ``seed`` option, or without one with a seed drawn from the caller's torch stream (see
+        :func:`forked_rng`): the caller's streams are never reset.
+        """
+        with forked_rng(self._resolve_seed(args, kwargs), cuda=_cuda_in_use()) as seed:
+            self._run_seed = seed
+            from ..lgm.model import LatentGaussianModel
 
-            check_model_data(self.model, args, kwargs)
-        params = self._type2_params(args, kwargs)
-        if params:
-            return self._run_type2(params, args, kwargs, t0)
-        if self.takes == "lgm":
+            t0 = time.perf_counter()
+            self._check_distributed(args, kwargs)
+            if not isinstance(self.model, LatentGaussianModel):
+                from ..lgm.extract import check_model_data
+
+                check_model_data(self.model, args, kwargs)
+            params = self._type2_params(args, kwargs)
+            if params:
+                return self._run_type2(params, args, kwargs, t0)
+            if self.takes == "lgm":
+                try:
+                    lgm = self.extract(*args, **kwargs)
+                except UnsupportedModelError:
+                    # a model outside the class may be a latent Gaussian model given a few hyper-latents
+                    hyper, reason = type(self)._hyper_check(self.model, args, kwargs)
+                    if reason:  # it is, but not one this engine fits: say why
+                        raise self._refuse(reason, args, kwargs) from None
+                    if not hyper:
+                        raise
+                    return self._run_hyper(hyper, args, kwargs, t0)
+                problem = lgm
+            else:
+                if isinstance(self.model, LatentGaussianModel):
+                    raise TypeError(f"engine '{self.name}' runs on a Pyro model, not on a LatentGaussianModel")
+                ok, reason = self.model_applies(self.model, args, kwargs)
+                if not ok:
+                    raise self._refuse(reason, args, kwargs)
+                from ..lgm.extract import proper_missing
+
+                # the unused entries of obs_mask sites get a proper density (an improper flat one otherwise)
+                lgm, problem = None, ModelCall(proper_missing(self.model), args, kwargs, self.model)
+            run = RunContext(self.name, self.progress)
             try:
-                lgm = self.extract(*args, **kwargs)
-            except UnsupportedModelError:
-                # a model outside the class may be a latent Gaussian model given a few hyper-latents
-                hyper, reason = type(self)._hyper_check(self.model, args, kwargs)
-                if reason:  # it is, but not one this engine fits: say why
-                    raise self._refuse(reason, args, kwargs) from None
-                if not hyper:
-                    raise
-                return self._run_hyper(hyper, args, kwargs, t0)
-            problem = lgm
-        else:
-            if isinstance(self.model, LatentGaussianModel):
-                raise TypeError(f"engine '{self.name}' runs on a Pyro model, not on a LatentGaussianModel")
-            ok, reason = self.model_applies(self.model, args, kwargs)
-            if not ok:
-                raise self._refuse(reason, args, kwargs)
-            from ..lgm.extract import proper_missing
-
-            # the unused entries of obs_mask sites get a proper density (an improper flat one otherwise)
-            lgm, problem = None, ModelCall(proper_missing(self.model), args, kwargs, self.model)
-        run = RunContext(self.name, self.progress)
-        try:
-            sol = self.solve(problem, run)
-        finally:
-            run.close()
-        return self._result(sol, run, lgm if lgm is not None else sol.lgm, args, kwargs, t0)
+                sol = self.solve(problem, run)
+            finally:
+                run.close()
+            return self._result(sol, run, lgm if lgm is not None else sol.lgm, args, kwargs, t0)
 
     def _check_distributed(self, args, kwargs):
         """Refuse row-sharded data (``pcv.distributed.row_sharded``) unless the engine reduces its site sums."""

@@ -26,6 +26,7 @@ only the mode (type-II maximum a posteriori for ``theta``).
 """
 import itertools
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
@@ -35,7 +36,7 @@ import pyro.poutine as poutine
 import torch
 from torch.distributions import biject_to
 
-from ..errors import UnsupportedModelError
+from ..errors import ConvergenceWarning, UnsupportedModelError
 
 __all__ = [
     "HYPER_MAX_DIM",
@@ -138,6 +139,9 @@ class ThetaSpace:
     :ivar names: hyper-latent site names.
     :ivar shapes: their constrained shapes; ``ushapes`` the unconstrained ones.
     :ivar transforms: ``biject_to(support)`` per site.
+    :ivar dtype: dtype of ``z`` (float64, on the CPU: the hyper-latents' few dimensions are computed there);
+        ``site_dtypes`` and ``site_devices`` those of the model's own values, which :meth:`unpack` returns
+        (float32 data get float32 hyper-latents).
     """
 
     names: List[str]
@@ -145,20 +149,24 @@ class ThetaSpace:
     ushapes: List[tuple]
     transforms: List[Any]
     dtype: Any = torch.float64
+    site_dtypes: Any = None
+    site_devices: Any = None
 
     @classmethod
     def from_model(cls, model, args, kwargs, names, dtype=torch.float64):
         from ..lgm.extract import latent_sites
 
         sites = dict(latent_sites(model, args, kwargs))
-        shapes, ushapes, transforms = [], [], []
+        shapes, ushapes, transforms, dtypes, devices = [], [], [], [], []
         for n in names:
             t = biject_to(sites[n]["fn"].support)
             v = sites[n]["value"]
             shapes.append(tuple(v.shape))
             ushapes.append(tuple(t.inv(v).shape))
             transforms.append(t)
-        space = cls(list(names), shapes, ushapes, transforms, dtype)
+            dtypes.append(v.dtype)
+            devices.append(v.device)
+        space = cls(list(names), shapes, ushapes, transforms, dtype, dtypes, devices)
         if space.dim > HYPER_MAX_DIM:
             raise UnsupportedModelError(names[0], f"{space.dim} hyper-latent dimensions ({', '.join(names)}); "
                                                   f"integration over them supports at most {HYPER_MAX_DIM}")
@@ -173,20 +181,23 @@ class ThetaSpace:
         return sum(self.sizes)
 
     def unpack(self, z):
-        """``({site: constrained value}, log|d theta / d z|)`` for ``z`` of shape ``(dim,)``."""
-        z = torch.as_tensor(z, dtype=self.dtype)
+        """``({site: constrained value}, log|d theta / d z|)`` for ``z`` of shape ``(dim,)``; the values in each
+        site's own dtype and device, the log-Jacobian computed in :attr:`dtype`."""
+        z = torch.as_tensor(z).detach().to(device="cpu", dtype=self.dtype)
         vals, ld, start = {}, 0.0, 0
-        for n, us, t, size in zip(self.names, self.ushapes, self.transforms, self.sizes):
+        for k, (n, us, t, size) in enumerate(zip(self.names, self.ushapes, self.transforms, self.sizes)):
             x = z[start:start + size].reshape(us)
             start += size
             v = t(x)
             ld = ld + float(t.log_abs_det_jacobian(x, v).sum())
+            if self.site_dtypes is not None:
+                v = v.to(device=self.site_devices[k], dtype=self.site_dtypes[k])
             vals[n] = v
         return vals, ld
 
     def pack(self, values):
-        """Flat unconstrained ``z`` ``(dim,)`` of ``{site: constrained value}``."""
-        return torch.cat([t.inv(torch.as_tensor(values[n], dtype=self.dtype)).reshape(-1)
+        """Flat unconstrained ``z`` ``(dim,)`` (:attr:`dtype`, CPU) of ``{site: constrained value}``."""
+        return torch.cat([t.inv(torch.as_tensor(values[n]).detach().to(device="cpu", dtype=self.dtype)).reshape(-1)
                           for n, t in zip(self.names, self.transforms)])
 
 
@@ -343,6 +354,11 @@ class HyperPosterior:
     model: Any = None
     model_args: Any = ((), {})
     info: Dict[str, Any] = field(default_factory=dict)
+    #: dtype of the field's summaries and samples (the model's own; the design-point fits run in float64)
+    out_dtype: Any = None
+
+    def _out(self, t):
+        return t if self.out_dtype is None else t.to(self.out_dtype)
 
     @property
     def num_points(self):
@@ -354,7 +370,7 @@ class HyperPosterior:
 
     @property
     def dtype(self):
-        return self.components[0].dtype
+        return self.out_dtype or self.components[0].dtype
 
     @property
     def device(self):
@@ -363,14 +379,17 @@ class HyperPosterior:
     @property
     def loc(self):
         """Mixture mean of the latent field ``(n,)``."""
+        return self._out(self._loc())
+
+    def _loc(self):
         return sum(w * c.loc for w, c in zip(self.weights, self.components))
 
     @property
     def variance(self):
         """Mixture marginal variances of the latent field ``(n,)``."""
-        m = self.loc
+        m = self._loc()
         second = sum(w * (c.variance + c.loc**2) for w, c in zip(self.weights, self.components))
-        return (second - m**2).clamp_min(0)
+        return self._out((second - m**2).clamp_min(0))
 
     @property
     def scale(self):
@@ -387,9 +406,12 @@ class HyperPosterior:
         gen = torch.Generator().manual_seed(seed)
         z, _ = self.sample_z(num_samples, gen)
         out, start = {}, 0
-        for n, us, t, size in zip(self.space.names, self.space.ushapes, self.space.transforms, self.space.sizes):
+        for k, (n, us, t, size) in enumerate(zip(self.space.names, self.space.ushapes, self.space.transforms,
+                                                 self.space.sizes)):
             v = t(z[:, start:start + size].reshape((num_samples,) + us)).reshape(num_samples, -1)
             start += size
+            if self.space.site_dtypes is not None:  # computed in float64, reported in the site's dtype
+                v = v.to(device=self.space.site_devices[k], dtype=self.space.site_dtypes[k])
             q = torch.quantile(v, torch.tensor(probs, dtype=v.dtype), dim=0)
             out[n] = {"mean": v.mean(0), "sd": v.std(0), "quantiles": dict(zip(probs, q))}
         return out
@@ -399,11 +421,11 @@ class HyperPosterior:
         shape = (num_samples,) if isinstance(num_samples, int) else tuple(num_samples)
         m = int(math.prod(shape)) if shape else 1
         k = torch.multinomial(self.weights, m, replacement=True, generator=generator)
-        out = torch.empty(m, self.n, dtype=self.dtype, device=self.device)
+        out = torch.empty(m, self.n, dtype=self.components[0].dtype, device=self.device)
         for j in k.unique().tolist():
             idx = (k == j).nonzero().reshape(-1)
             out[idx] = self.components[j].sample(len(idx), generator=generator).reshape(len(idx), self.n)
-        return out.reshape(shape + (self.n,))
+        return self._out(out.reshape(shape + (self.n,)))
 
     def as_guide(self, model=None, *, trainable=False):
         """A Pyro guide sampling the hyper-latents and the latent field jointly (for ``Predictive``).
@@ -442,7 +464,7 @@ class HyperMixtureGuide:
         post = self.posterior
         z, k = post.sample_z(1)
         theta, _ = post.space.unpack(z[0])
-        u = post.components[int(k[0])].sample(1).reshape(-1)
+        u = post._out(post.components[int(k[0])].sample(1).reshape(-1))
         values = {}
         for n in post.space.names:
             values[n] = pyro.sample(n, dist.Delta(theta[n], event_dim=theta[n].dim()))
@@ -484,7 +506,10 @@ class HyperObjective:
         lp = log_prior(eng.model, self.args, self.kwargs, values)
         warm = self._nearest(z)
         inner = eng.inner_engine(conditioned_model(eng.model, values), warm, learn_params=False)
-        res = inner.run(*self.args, **self.kwargs)
+        inner.extract_dtype = torch.float64  # bounds accurate enough for finite differences over theta
+        with warnings.catch_warnings():  # the outer fit counts unconverged design points and warns once
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            res = inner.run(*self.args, **self.kwargs)
         if res.log_evidence_bound is None or not math.isfinite(res.log_evidence_bound):
             raise UnsupportedModelError(self.space.names[0], f"engine '{eng.name}' gave no evidence bound at "
                                                              f"theta = {values}; hyper-latents need one")
@@ -504,9 +529,10 @@ def _initial_z(model, args, kwargs, space, num=51, seed=0):
     """The coordinatewise prior median of the hyper-latents, on the unconstrained scale."""
     from ..lgm.extract import full_data_plates
 
+    from .engine import forked_rng
+
     zs = []
-    with torch.no_grad(), full_data_plates():
-        pyro.set_rng_seed(seed)
+    with torch.no_grad(), full_data_plates(), forked_rng(seed):  # a fixed start, whatever the run's seed
         for _ in range(num):
             tr = poutine.trace(model).get_trace(*args, **kwargs)
             zs.append(space.pack({n: tr.nodes[n]["value"] for n in space.names}))
@@ -537,9 +563,20 @@ def _hessian_fd(f, z, h):
     return H
 
 
-def find_mode(obj, z0, *, max_iter=100, gtol=1e-4, fd_step=1e-3, bound=12.0):
-    """Maximise ``obj`` (a :class:`HyperObjective`) over ``z`` by L-BFGS-B with central-difference gradients.
+def find_mode(obj, z0, *, max_iter=100, gtol=1e-4, fd_step=1e-3, bound=12.0, hess_step=2e-2, newton_steps=3):
+    """Maximise ``obj`` (a :class:`HyperObjective`) over ``z`` by L-BFGS-B with central-difference gradients,
+    then Newton steps on the central-difference Hessian while ``max |grad| > gtol``.
 
+    The Newton steps are needed because every value of ``obj`` is an inner fit stopped at its own tolerance
+    and warm-started from the nearest point fitted before: its error (about 1e-7 to 1e-6 nats) depends on
+    that starting point. L-BFGS-B's line search compares values at different points, and near the mode,
+    where a step gains only about ``|g|^2 / H``, that error decides it: the search fails ("ABNORMAL") with
+    ``|g|`` above ``gtol``. A gradient or Hessian stencil is fitted from its own centre, so its differences
+    cancel the error; Newton steps use only those and reach ``gtol``.
+
+    :param float hess_step: step of the central-difference Hessian of the Newton steps.
+    :param int newton_steps: most Newton steps after L-BFGS-B (each stops early when it does not reduce
+        ``max |grad|``).
     :returns: ``(z*, f(z*), scipy result)``; ``z`` stays within ``z0 +- bound``.
     """
     import numpy as np
@@ -556,6 +593,21 @@ def find_mode(obj, z0, *, max_iter=100, gtol=1e-4, fd_step=1e-3, bound=12.0):
                                   bounds=[(v - bound, v + bound) for v in x0],
                                   options=dict(maxiter=max_iter, gtol=gtol, ftol=1e-12))
     z = torch.as_tensor(res.x, dtype=torch.float64)
+    lo, hi = z0.to(torch.float64) - bound, z0.to(torch.float64) + bound
+    g = _grad_fd(obj, z, fd_step)
+    for _ in range(newton_steps):
+        if float(g.abs().max()) <= gtol:
+            break
+        H = -_hessian_fd(obj, z, hess_step)
+        try:
+            L = torch.linalg.cholesky(0.5 * (H + H.T))
+        except torch.linalg.LinAlgError:
+            break  # not locally concave: no Newton step (the caller reports the gradient)
+        z_new = torch.minimum(torch.maximum(z + torch.cholesky_solve(g.reshape(-1, 1), L).reshape(-1), lo), hi)
+        g_new = _grad_fd(obj, z_new, fd_step)
+        if float(g_new.abs().max()) >= float(g.abs().max()):
+            break
+        z, g = z_new, g_new
     return z, obj(z), res
 
 
@@ -570,11 +622,16 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     """
     model = engine.model
     space = ThetaSpace.from_model(model, args, kwargs, hyper_names)
+    from ..lgm.extract import latent_sites
+
+    field_dtypes = [s["value"].dtype for n, s in latent_sites(model, args, kwargs)
+                    if n not in hyper_names and s["value"].is_floating_point()]
+    out_dtype = field_dtypes[0] if field_dtypes else None  # the model's own dtype, reported back
     bar = run.bar(unit="fit", desc=f"{engine.name} (hyper)") if run is not None else None
     obj = HyperObjective(engine, space, args, kwargs, history=None if run is None else run.history, bar=bar)
     z0 = _initial_z(model, args, kwargs, space)
     gtol = 1e-3
-    z_mode, f_mode, opt = find_mode(obj, z0, fd_step=fd_step, gtol=gtol)
+    z_mode, f_mode, opt = find_mode(obj, z0, fd_step=fd_step, gtol=gtol, hess_step=hess_step)
     mode_res = obj.fit(z_mode)[1]
     gnorm = float(_grad_fd(obj, z_mode, fd_step).abs().max())
     info = {"mode_z": z_mode, "mode_theta": space.unpack(z_mode)[0], "log_post_mode": f_mode,
@@ -584,7 +641,7 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
         post = HyperPosterior(space, z_mode.reshape(1, -1), torch.ones(1, dtype=torch.float64),
                               [mode_res.posterior], torch.tensor([f_mode], dtype=torch.float64),
                               ThetaDensity.point(z_mode), torch.zeros(1, space.dim, dtype=torch.float64), z_mode,
-                              None, layout=mode_res.posterior.layout)
+                              None, layout=mode_res.posterior.layout, out_dtype=out_dtype)
         return post, mode_res, info
     H = -_hessian_fd(obj, z_mode, hess_step)
     H = 0.5 * (H + H.T)
@@ -639,7 +696,8 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     else:
         density = ThetaDensity.split_normal(z_mode, A_inv, x, logf)
     post = HyperPosterior(space, torch.stack([zs[k] for k in idx]), w, [results[k].posterior for k in idx],
-                          logf[idx], density, x[idx], z_mode, H, layout=mode_res.posterior.layout)
+                          logf[idx], density, x[idx], z_mode, H, layout=mode_res.posterior.layout,
+                          out_dtype=out_dtype)
     info.update(strategy=strategy, radius=radius, evaluations=len(obj.cache), hessian=H, design_x=x[idx],
                 design_a=a[idx],
                 results=[results[k] for k in idx])

@@ -11,6 +11,7 @@ unconstrained coordinates, where every engine's posterior lives),
 For engines that integrate over hyper-latents (``res.hyper``), the field sites are read from the
 mixture posterior and the hyper-latents from 20,000 draws of its unconstrained density.
 """
+import dataclasses
 import json
 import math
 import os
@@ -256,6 +257,11 @@ def run_cell(model_name, engine, refs=None, options=None):
     model, args, kwargs = zm.builder()
     cell = Cell(model_name, engine, "fit", engine in fitting, fitting)
     opts = dict(ENGINE_OPTIONS.get(engine, {}) if options is None else options)
+    # the measured cells were made with seed 0 (the engines' former default; without it they draw from the
+    # global stream)
+    has_seed = "seed" in {f.name for f in dataclasses.fields(pcv.get_engine(engine).Options)}
+    if has_seed:
+        opts.setdefault("seed", 0)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     t0 = time.perf_counter()
@@ -265,7 +271,8 @@ def run_cell(model_name, engine, refs=None, options=None):
             if engine == "diag_mixture" and options is None:
                 # the deterministic optimiser where it applies (latent Gaussian models), else the SVI budget
                 try:
-                    res = pcv.fit(model, *args, engine=engine, options=DIAG_MIXTURE_EXACT, progress=False, **kwargs)
+                    res = pcv.fit(model, *args, engine=engine, options=dict(DIAG_MIXTURE_EXACT, seed=0), progress=False,
+                                  **kwargs)
                 except pcv.UnsupportedModelError:
                     res = pcv.fit(model, *args, engine=engine, options=opts, progress=False, **kwargs)
             else:
