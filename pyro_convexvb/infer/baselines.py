@@ -127,25 +127,6 @@ def flat_log_joint(model, args, kwargs, reduction=None):
     return log_joint, n
 
 
-def observation_refusal(model, args, kwargs):
-    """Why the model's observed data are invalid for their likelihood (the latent Gaussian extraction's own check,
-    e.g. Bernoulli labels outside {0, 1}), as ``"site '<name>': <reason>"``, or ``None`` when they are valid."""
-    from ..lgm.extract import _check_obs, _unwrap
-
-    with torch.no_grad(), full_data_plates():
-        tr = poutine.trace(model).get_trace(*args, **kwargs)
-    for name, site in tr.nodes.items():
-        if site["type"] != "sample" or not site["is_observed"]:
-            continue
-        base, _ = _unwrap(site["fn"])
-        if isinstance(base, (pyro.distributions.Bernoulli, torch.distributions.Bernoulli)):
-            try:
-                _check_obs(name, "bernoulli", torch.as_tensor(site["value"]))
-            except UnsupportedModelError as e:
-                return str(e)
-    return None
-
-
 def try_lgm(model, args, kwargs):
     """The model's :class:`~pyro_convexvb.LatentGaussianModel`, or ``None`` when it is not one."""
     from ..lgm.extract import lgm_from_pyro
@@ -306,14 +287,6 @@ class _PyroModelEngine(Engine):
         _apply_name_prefix(guide, self.param_prefix)
         forget_params(self.param_prefix)
         return guide
-
-    @classmethod
-    def model_applies(cls, model, args, kwargs):
-        ok, reason = super().model_applies(model, args, kwargs)
-        if ok:
-            reason = observation_refusal(model, args, kwargs)
-            ok = reason is None
-        return ok, reason or ""
 
 
 class SVIEngine(_PyroModelEngine):

@@ -117,6 +117,8 @@ def engines_that_fit(model, *args, lgm=None, **kwargs):
 
     :param model: a Pyro model or a :class:`~pyro_convexvb.LatentGaussianModel`.
     :param lgm: the model's latent Gaussian model if already extracted (saves a trace).
+    :raises ValueError: for data that no engine fits (non-finite inputs, no rows, observed values outside their
+        distribution's support; :func:`~pyro_convexvb.lgm.extract.check_model_data`).
 
     Example::
 
@@ -133,6 +135,10 @@ def engines_that_fit(model, *args, lgm=None, **kwargs):
     from ..errors import UnsupportedModelError
 
     names = list(engines())
+    if lgm is None and not isinstance(model, LatentGaussianModel):
+        from ..lgm.extract import check_model_data
+
+        check_model_data(model, args, kwargs)
     if lgm is None and not isinstance(model, LatentGaussianModel) and any(_ENGINES[n].takes == "lgm" for n in names):
         try:
             lgm = lgm_from_pyro(model, *args, **kwargs)
