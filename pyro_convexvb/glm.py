@@ -24,6 +24,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from .blr import _dense_float64, design_matrix, sklearn_input
 from .lgm.linear import linear
+from .logistic import CompactPickleMixin
 
 __all__ = ["GLM"]
 
@@ -40,7 +41,7 @@ def _is_classifier(glm):
     return glm.likelihood == "bernoulli"
 
 
-class GLM(BaseEstimator):
+class GLM(CompactPickleMixin, BaseEstimator):
     """Bayesian GLM estimator (revrand's ``GeneralizedLinearModel``) with the scikit-learn API.
 
     With ``likelihood="bernoulli"`` it is a binary classifier (scikit-learn's estimator type
@@ -95,6 +96,8 @@ class GLM(BaseEstimator):
         >>> glm.predict_proba(X[:2]).shape, bool(glm.score(X, y) > 0.9)
         ((2, 2), True)
     """
+
+    _keep_model_in_pickle = False  # the Pyro model holds the design: pickles keep the posterior's moments only
 
     def __init__(self, likelihood="bernoulli", basis=None, num_components=1, batch_size=None, prior_var=1.0,
                  learn_prior_var=True, noise_var=1.0, learn_noise=True, n_trials=1, learn_basis=True,

@@ -97,6 +97,59 @@ def classifier_outputs(log_p0, log_p1):
     return d.cpu().numpy(), log_proba.exp().cpu().numpy(), log_proba.cpu().numpy()
 
 
+def compact_result(result, keep_model=True):
+    """The part of an estimator's :class:`~pyro_convexvb.InferenceResult` that prediction needs, of model size.
+
+    :meth:`~pyro_convexvb.InferenceResult.compact` (no ``lgm``, no training data, no per-site ``info``),
+    keeping ``convex_relaxation``'s covariance representation (``info["cholesky"]``, ``(n, n)``, or its
+    Lanczos factors without their per-site projections), which its predictions use.  Estimators pickle
+    (and :func:`pyro_convexvb.save` stores) this form of ``result_``, so their size does not grow with
+    the number of training rows.
+    """
+    from .infer.result import InferenceResult
+
+    if not isinstance(result, InferenceResult):
+        return result
+    keep = ("cholesky", "lanczos_result") if result.engine == "convex_relaxation" else ()
+    out = result.compact(keep_info=keep, keep_model=keep_model)
+    lz = out.info.get("lanczos_result")
+    if lz is not None:
+        out.info["lanczos_result"] = compact_lanczos(lz)
+    return out
+
+
+def compact_lanczos(lz):
+    """A Lanczos variance estimate without its per-site projections (``projected_variances``, ``site_prior_var``)."""
+    import copy
+    import dataclasses
+
+    from .linalg.lanczos import LanczosResult
+
+    if isinstance(lz, LanczosResult):
+        return dataclasses.replace(lz, projected_variances=None) if lz.projected_variances is not None else lz
+    if hasattr(lz, "form") and hasattr(lz, "result"):  # WhitenedLanczos
+        out = copy.copy(lz)
+        out.result = compact_lanczos(lz.result)
+        out.form = dataclasses.replace(lz.form, site_prior_var=None)
+        return out
+    return lz
+
+
+class CompactPickleMixin:
+    """Estimators whose pickle keeps :func:`compact_result` of ``result_`` (size independent of the training rows)."""
+
+    _keep_model_in_pickle = True
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())  # scikit-learn may return the instance's own __dict__
+        if "result_" in state:
+            same = state.get("posterior_") is state["result_"].posterior
+            state["result_"] = compact_result(state["result_"], keep_model=self._keep_model_in_pickle)
+            if same:
+                state["posterior_"] = state["result_"].posterior
+        return state
+
+
 # ------------------------------------------------------------------------------------ the estimator
 _PREDICT_CHUNK = 2048  # rows per block of predictive marginals (bounds the memory of the variance solves)
 
@@ -176,7 +229,7 @@ class BinaryPredictiveClassifier(ClassifierMixin):
         return self.classes_[positive.astype(np.int64)]
 
 
-class BayesianLogisticRegression(BinaryPredictiveClassifier, BaseEstimator):
+class BayesianLogisticRegression(CompactPickleMixin, BinaryPredictiveClassifier, BaseEstimator):
     """Bayesian logistic regression with a Gaussian posterior over the coefficients, as a scikit-learn classifier.
 
     Model: ``w_j ~ N(0, prior_scale^2)``, intercept ``b ~ N(0, intercept_scale^2)``,

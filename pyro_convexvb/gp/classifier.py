@@ -199,7 +199,6 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
     def _learn_hyperparameters(self, X, y01, options):
         """Type-II over the kernel copy's parameters (and the mean): the engine's ``learn_params`` on a Pyro model."""
         import pyro
-        import pyro.distributions as dist
 
         engine = get_engine(self.engine)
         if engine.type2 != "outer" or "learn_params" not in engine.Options.__dataclass_fields__:
@@ -216,22 +215,11 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
                 if name not in fields:
                     raise TypeError(f"hyper_options: '{key}' is not an option of engine '{self.engine}'")
                 opts.setdefault(name, hyper[key])
-        n = X.shape[0]
-        kernel, jitter, learn_mean, mean0 = self.kernel_, self.jitter, self.learn_mean, float(self.mean)
-
-        def model(X, y=None):
-            pyro.module("kernel", kernel)
-            mean = pyro.param("mean", torch.tensor(mean0, dtype=X.dtype)) if learn_mean else \
-                torch.tensor(mean0, dtype=X.dtype)
-            K = kernel(X).to_dense() + jitter * torch.eye(n, dtype=X.dtype, device=X.device)
-            f = pyro.sample("f", dist.MultivariateNormal(mean.expand(n), covariance_matrix=K))
-            with pyro.plate("data", n):
-                pyro.sample("y", dist.Bernoulli(logits=f), obs=y)
-
+        model = _GPHyperModel(self.kernel_, self.jitter, self.learn_mean, float(self.mean), X.shape[0])
         store = pyro.get_param_store()
         with store.scope():  # the user's param store is left as it was
             res = engine(model, progress=False, **opts).run(X, y01)
-            if learn_mean:
+            if self.learn_mean:
                 self.mean_ = torch.nn.Parameter(pyro.param("mean").detach().clone())
         self.hyper_history_ = res.history
         self.hyper_converged_ = bool(res.converged)
@@ -271,3 +259,24 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
             raise ValueError(f"y: labels {np.unique(y[unknown])[:5].tolist()} are not among classes_ "
                              f"{self.classes_.tolist()}")
         return float(-np.where(y == self.classes_[1], logp[:, 1], logp[:, 0]).mean())
+
+
+class _GPHyperModel:
+    """Pyro model of GP classification with the kernel's hyperparameters (and the constant mean) as
+    ``pyro.param`` sites, for type-II maximum likelihood (a picklable callable ``model(X, y=None)``)."""
+
+    def __init__(self, kernel, jitter, learn_mean, mean0, n):
+        self.kernel, self.jitter, self.learn_mean, self.mean0, self.n = kernel, jitter, learn_mean, mean0, n
+
+    def __call__(self, X, y=None):
+        import pyro
+        import pyro.distributions as dist
+
+        n = self.n
+        pyro.module("kernel", self.kernel)
+        mean = pyro.param("mean", torch.tensor(self.mean0, dtype=X.dtype)) if self.learn_mean else \
+            torch.tensor(self.mean0, dtype=X.dtype)
+        K = self.kernel(X).to_dense() + self.jitter * torch.eye(n, dtype=X.dtype, device=X.device)
+        f = pyro.sample("f", dist.MultivariateNormal(mean.expand(n), covariance_matrix=K))
+        with pyro.plate("data", n):
+            pyro.sample("y", dist.Bernoulli(logits=f), obs=y)
