@@ -126,6 +126,7 @@ def test_glm_pickle_size_independent_of_N():
     assert sizes[1] <= sizes[0] * 1.05 + 200, sizes
 
 
+@pytest.mark.filterwarnings("ignore::pyro_convexvb.ConvergenceWarning")  # a 5-step type-II budget
 def test_gp_classifier_with_type2_pickles():
     X, y = _data(40, d=2)
     clf = GPClassifier(learn_hyperparameters=True, hyper_options={"max_iter": 5}).fit(X, y)
