@@ -289,7 +289,7 @@ class GaussianPosterior:
 
     def _precision_operator_quad(self, B):
         """``precision_scale * diag(B A^{-1} B^T)``: dense Cholesky for ``n <= 4000``, else batched CG."""
-        self._require_operator("marginals()")
+        GaussianPosterior._require_operator(self, "marginals()")
         if self.n <= 4000:
             L = torch.linalg.cholesky(self.precision_operator.to_dense())
             W = torch.linalg.solve_triangular(L, B.to_dense().transpose(0, 1), upper=False)
