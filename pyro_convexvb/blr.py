@@ -207,7 +207,8 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
         passed in is never modified).
     :param float noise_var: initial ``sigma^2``.
     :param float prior_var: initial ``lambda``.
-    :param bool learn_noise: optimise ``sigma^2``.
+    :param bool learn_noise: optimise ``sigma^2`` (kept above ``1e-10`` times the variance of ``y``, where
+        targets that the features fit exactly would drive it to zero).
     :param bool learn_prior_var: optimise ``lambda``.
     :param bool learn_basis: optimise the basis module's parameters.
     :param bool fit_intercept: append a ones column to ``Phi`` (its weight shares the prior).
@@ -293,9 +294,17 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
         fixed_design = None if basis_params else self._design(X).detach()
         history = []
 
+        # a learned sigma^2 is kept above 1e-10 of the targets' variance: on data the features fit exactly the
+        # evidence grows without bound as sigma^2 -> 0 and the posterior's factorisation breaks down
+        scale_y = float(y.var()) if y.numel() > 1 and float(y.var()) > 0 else max(float((y**2).mean()), 1.0)
+        s2_floor = 1e-10 * scale_y if self.learn_noise else 0.0
+
+        def noise():
+            return log_s2.exp() + s2_floor
+
         def objective():
             Phi = fixed_design if fixed_design is not None else self._design(X)
-            return -blr_log_marginal_likelihood(Phi, y, log_s2.exp(), log_lam.exp(), weight) / n_eff
+            return -blr_log_marginal_likelihood(Phi, y, noise(), log_lam.exp(), weight) / n_eff
 
         self.n_iter_, self.converged_ = 0, True
         if params:
@@ -317,7 +326,7 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
                               ConvergenceWarning)
         with torch.no_grad():
             Phi = self._design(X)
-            self.noise_var_ = float(log_s2.exp())
+            self.noise_var_ = float(noise())
             self.prior_var_ = float(log_lam.exp())
             self.log_marginal_likelihood_ = float(blr_log_marginal_likelihood(Phi, y, self.noise_var_, self.prior_var_,
                                                                               weight))
