@@ -175,7 +175,7 @@ def save(obj, path):
       Pyro model and its data are not stored (``info["dropped"]`` lists what was left out);
     * :class:`~pyro_convexvb.GaussianPosterior` and mixture posteriors: mean, covariance representation,
       layout (:meth:`~pyro_convexvb.GaussianPosterior.compact`: a matrix-free precision is stored dense
-      up to ``MAX_TRAINABLE_DENSE`` coordinates, else only its marginal variances);
+      up to ``MAX_COMPACT_DENSE`` (1000) coordinates, else only its marginal variances);
     * fitted :class:`~pyro_convexvb.BayesianLogisticRegression`, :class:`~pyro_convexvb.GLM` and
       :class:`~pyro_convexvb.BayesianLinearRegression` (with the default ``basis=None``): constructor
       parameters and the fitted attributes prediction needs; the file does not grow with the number of
@@ -483,10 +483,11 @@ def _dec_result(s, where):
 
 
 def _enc_lanczos(z, where):
-    return _obj("LanczosResult", 1, Q=z.Q.detach().contiguous(), T_matrix=z.T_matrix.detach(),
+    return _obj("LanczosResult", 1, Q=z.Q.detach(), T_matrix=z.T_matrix.detach(),
                 block_size=int(z.block_size), num_mvm=int(z.num_mvm), breakdown=bool(z.breakdown),
                 residual_coeffs=None if z.residual_coeffs is None else z.residual_coeffs.detach(),
-                projected_variances=_encode(z.projected_variances, where))
+                projected_variances=_encode(z.projected_variances, where),
+                _eigh=_encode(z._eigh, where), _L=z._L)  # cached factors: predictions identical to the last bit
 
 
 def _dec_lanczos(s, where):
@@ -494,6 +495,7 @@ def _dec_lanczos(s, where):
 
     f = dict(s["fields"])
     f["projected_variances"] = _decode(f["projected_variances"], where)
+    f["_eigh"] = _decode(f.get("_eigh"), where)
     return LanczosResult(**f)
 
 

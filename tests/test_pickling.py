@@ -75,15 +75,15 @@ def test_compact_posterior_of_matrix_free_kind_is_dense_precision():
     m, v = q.marginals(X[:5])
     m2, v2 = c.marginals(X[:5])
     assert torch.allclose(m, m2, rtol=0, atol=1e-14) and torch.allclose(v, v2, rtol=1e-10)
-    # above MAX_TRAINABLE_DENSE the operator is dropped: the moments stay, the rest refuses clearly
+    # above MAX_COMPACT_DENSE the operator is dropped: the moments stay, the rest refuses clearly
     import pyro_convexvb.infer.posterior as post
 
-    old = post.MAX_TRAINABLE_DENSE
-    post.MAX_TRAINABLE_DENSE = 2
+    old = post.MAX_COMPACT_DENSE
+    post.MAX_COMPACT_DENSE = 2
     try:
         d = q.compact()
     finally:
-        post.MAX_TRAINABLE_DENSE = old
+        post.MAX_COMPACT_DENSE = old
     assert d.kind == "precision_operator" and d.precision_operator is None
     assert torch.equal(d.loc, q.loc) and torch.equal(d.variance, q.variance)
     for call in (lambda: d.sample(2), lambda: d.marginals(X[:2]), lambda: d.covariance()):
@@ -132,3 +132,27 @@ def test_gp_classifier_with_type2_pickles():
     clf = GPClassifier(learn_hyperparameters=True, hyper_options={"max_iter": 5}).fit(X, y)
     clf2 = pickle.loads(pickle.dumps(clf))
     np.testing.assert_array_equal(clf2.predict_proba(X[:10]), clf.predict_proba(X[:10]))
+
+
+def test_large_sparse_logistic_regression_with_lanczos_variances_pickles_compactly(tmp_path):
+    # d = 3000 > MAX_COMPACT_DENSE: the pickle keeps the mean, the marginal variances and the Lanczos factors
+    # (n x k) that prediction uses, not the dense precision nor the design
+    import scipy.sparse as sp
+
+    sizes = []
+    for N in (600, 2400):
+        X = sp.random(N, 3000, density=0.003, format="csr", random_state=1)
+        y = np.random.default_rng(0).integers(0, 2, N)
+        clf = pcv.BayesianLogisticRegression(engine="convex_relaxation", options={"variance": "lanczos"}).fit(X, y)
+        assert clf.result_.info["lanczos_result"] is not None and clf.result_.info["cholesky"] is None
+        blob = pickle.dumps(clf)
+        clf2 = pickle.loads(blob)
+        np.testing.assert_array_equal(clf2.predict_proba(X[:30]), clf.predict_proba(X[:30]))
+        assert clf2.posterior_.precision_operator is None
+        with pytest.raises(ValueError, match="without its precision operator"):
+            clf2.posterior_.sample(1)
+        pcv.save(clf, tmp_path / "m.pt")
+        clf3 = pcv.load(tmp_path / "m.pt")
+        np.testing.assert_array_equal(clf3.predict_proba(X[:30]), clf.predict_proba(X[:30]))
+        sizes.append(len(blob))
+    assert sizes[1] <= sizes[0] * 1.05 + 200, sizes

@@ -121,7 +121,7 @@ def test_result_and_posterior_roundtrip(tmp_path):
     assert str(r2.optimality) == str(res.optimality)
     assert r2.history["objective"] == res.history["objective"]
     assert torch.equal(r2.info["cholesky"], res.info["cholesky"]) and r2.lgm is None
-    # the matrix-free precision is stored dense (n <= MAX_TRAINABLE_DENSE): exact same covariance
+    # the matrix-free precision is stored dense (n <= MAX_COMPACT_DENSE): exact same covariance
     C = torch.linalg.inv(res.posterior.precision_operator.to_dense())
     assert torch.allclose(r2.posterior.covariance(), C, rtol=1e-10, atol=1e-13)
     for q in (pcv.GaussianPosterior(torch.zeros(3, dtype=torch.float64),

@@ -36,10 +36,16 @@ __all__ = [
     "PosteriorLowRankMultivariateNormal",
     "MAX_DENSE",
     "MAX_TRAINABLE_DENSE",
+    "MAX_COMPACT_DENSE",
 ]
 
 #: Largest latent dimension for which ``covariance()`` materialises a dense matrix without ``force=True``.
 MAX_DENSE = 10_000
+
+#: Largest latent dimension for which :meth:`GaussianPosterior.compact` (pickled estimators, ``pcv.save``) stores a
+#: matrix-free (``precision_operator``) posterior as its dense precision (``n^2`` numbers: 8 MB in float64 at
+#: ``n = 1000``); above it only the mean and the marginal variances are kept.
+MAX_COMPACT_DENSE = 1000
 
 #: Largest latent dimension for which a matrix-free (``precision_operator``) posterior is turned into a
 #: trainable dense guide: the precision is densified and factorised (``O(n^3)``), and training keeps about
@@ -400,7 +406,7 @@ class GaussianPosterior:
         :meth:`as_guide` then needs ``model_args=`` to build a guide with observed sites; with
         ``keep_model=False`` the model is dropped too (pass ``model=`` to :meth:`as_guide`).  A matrix-free
         ``precision_operator`` posterior (whose operator holds the data) becomes the equivalent dense
-        ``precision`` posterior for ``n <= MAX_TRAINABLE_DENSE`` (``precision_operator.to_dense() /
+        ``precision`` posterior for ``n <= MAX_COMPACT_DENSE`` (``precision_operator.to_dense() /
         precision_scale``, ``n`` products); above that the operator is dropped: the mean and the
         engine's marginal variances stay, and sampling, ``covariance()``, ``marginals()`` and guides raise
         ``ValueError`` saying so.
@@ -416,7 +422,7 @@ class GaussianPosterior:
             >>> q.compact().model_args
             ((), {})
         """
-        if self.kind == "precision_operator" and self.precision_operator is not None and self.n <= MAX_TRAINABLE_DENSE:
+        if self.kind == "precision_operator" and self.precision_operator is not None and self.n <= MAX_COMPACT_DENSE:
             A = self.precision_operator.to_dense()
             A = 0.5 * (A + A.transpose(0, 1)) / self.precision_scale
             out = GaussianPosterior(self.loc, self.variance, precision=A, layout=self.layout,
