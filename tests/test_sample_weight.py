@@ -132,3 +132,63 @@ def test_glm_integer_weights_equal_duplicated_rows():
     # the same objective and the same particles: the SVI paths agree to rounding
     np.testing.assert_allclose(a.posterior_.loc.numpy(), b.posterior_.loc.numpy(), rtol=0, atol=1e-10)
     np.testing.assert_allclose(a.predict_proba(X), b.predict_proba(X), rtol=0, atol=1e-10)
+
+
+def _gp_data(n=25, seed=2):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, 2))
+    y = (X[:, 0] + 0.5 * rng.normal(size=n) > 0).astype(int)
+    w = rng.uniform(0.2, 3.0, n)
+    return X, y, w
+
+
+def test_gp_classifier_weighted_laplace_mode_against_scipy():
+    # laplace's Pyro-model path (poutine.scale): its mean is argmax_f sum_i w_i log p(y_i | f_i) + log N(f | 0, K),
+    # here by Newton's method in Rasmussen & Williams' (2006) stable form (Algorithm 3.1) with W = w pi (1 - pi)
+    import torch
+
+    from pyro_convexvb.gp import GPClassifier
+
+    X, y, w = _gp_data()
+    clf = GPClassifier(engine="laplace", mean=0.0, learn_mean=False, jitter=1e-3).fit(X, y, sample_weight=w)
+    K = clf.K_train_.numpy()
+    f = np.zeros(len(y))
+    for _ in range(100):
+        pi = 1 / (1 + np.exp(-f))
+        W = w * pi * (1 - pi)
+        sW = np.sqrt(W)
+        L = np.linalg.cholesky(np.eye(len(y)) + sW[:, None] * K * sW[None, :])
+        b = W * f + w * (y - pi)
+        a = b - sW * np.linalg.solve(L.T, np.linalg.solve(L, sW * (K @ b)))
+        f = K @ a
+    Kinv = np.linalg.inv(K)
+
+    def objective(f, w):
+        return (w * (y * f - np.logaddexp(0, f))).sum() - 0.5 * f @ Kinv @ f
+
+    got = clf.posterior_.loc.numpy()
+    # the engine stops at a relative gradient of 1e-6 (jitter 1e-3 keeps K conditioned so that it gets there)
+    assert objective(f, w) - objective(got, w) <= 1e-10 * abs(objective(f, w))
+    np.testing.assert_allclose(got, f, rtol=0, atol=1e-5)
+    unweighted = GPClassifier(engine="laplace", mean=0.0, learn_mean=False, jitter=1e-3).fit(X, y).posterior_.loc.numpy()
+    assert np.abs(unweighted - f).max() > 0.05
+    assert isinstance(clf.posterior_.loc, torch.Tensor)
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation", "laplace"])
+def test_gp_classifier_zero_weights_drop_points_and_ones_are_unweighted(engine):
+    from pyro_convexvb.gp import GPClassifier
+
+    X, y, w = _gp_data()
+    w01 = np.ones(len(y))
+    w01[[1, 4, 7]] = 0.0
+    a = GPClassifier(engine=engine, jitter=1e-3).fit(X, y, sample_weight=w01)
+    b = GPClassifier(engine=engine, jitter=1e-3).fit(X[w01 > 0], y[w01 > 0])
+    np.testing.assert_array_equal(a.predict_proba(X), b.predict_proba(X))
+    ones = GPClassifier(engine=engine, jitter=1e-3).fit(X, y, sample_weight=np.ones(len(y)))
+    ref = GPClassifier(engine=engine, jitter=1e-3).fit(X, y)
+    np.testing.assert_array_equal(ones.predict_proba(X), ref.predict_proba(X))
+    weighted = GPClassifier(engine=engine, jitter=1e-3).fit(X, y, sample_weight=w)
+    assert np.abs(weighted.predict_proba(X) - ref.predict_proba(X)).max() > 1e-3
+    with pytest.raises(ValueError, match="sample_weight: .* negative"):
+        GPClassifier(engine=engine, jitter=1e-3).fit(X, y, sample_weight=-w)
