@@ -134,6 +134,7 @@ def test_gp_classifier_with_type2_pickles():
     np.testing.assert_array_equal(clf2.predict_proba(X[:10]), clf.predict_proba(X[:10]))
 
 
+@pytest.mark.filterwarnings("ignore::pyro_convexvb.ConvergenceWarning")  # random labels; pickling is the point
 def test_large_sparse_logistic_regression_with_lanczos_variances_pickles_compactly(tmp_path):
     # d = 3000 > MAX_COMPACT_DENSE: the pickle keeps the mean, the marginal variances and the Lanczos factors
     # (n x k) that prediction uses, not the dense precision nor the design
