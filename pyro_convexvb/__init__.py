@@ -23,6 +23,7 @@ from .logistic import BayesianLogisticRegression
 from .online import OnlineADF, OnlineAdaGradLogistic, OnlineBayesLogistic, OnlineDimGauss, OnlineMarginalVB
 from . import datasets, design, gp, linalg
 from . import distributions
+from .io import load, save
 from . import distributed
 from .design import ActiveLearner
 

@@ -28,16 +28,22 @@ __all__ = ["blr_log_marginal_likelihood", "blr_posterior", "BayesianLinearRegres
 _LOG_2PI = math.log(2 * math.pi)
 
 
-def blr_log_marginal_likelihood(Phi, y, noise_var, prior_var):
+def blr_log_marginal_likelihood(Phi, y, noise_var, prior_var, weight=None):
     """``log N(y | 0, sigma^2 I_N + lambda Phi Phi^T)`` -- Steinberg et al. 2017, Eq. (14).
 
     Uses the Woodbury identity and the determinant lemma with ``A = Phi^T Phi / sigma^2 + I / lambda``
     when ``N > D``; an ``N x N`` Cholesky otherwise.  Differentiable in every argument.
 
+    With ``weight``, row ``n``'s likelihood ``N(y_n | phi_n^T w, sigma^2)`` is raised to the power ``w_n``
+    (``poutine.scale``): the evidence of the rows scaled by ``sqrt(w_n)`` plus
+    ``-(sum(w) - N) (log 2 pi + log sigma^2) / 2``, which for integer weights is the evidence of the data
+    with row ``n`` repeated ``w_n`` times.
+
     :param torch.Tensor Phi: ``(N, D)`` features.
     :param torch.Tensor y: ``(N,)`` targets.
     :param noise_var: ``sigma^2`` (scalar tensor or float).
     :param prior_var: ``lambda`` (scalar tensor or float).
+    :param torch.Tensor weight: ``(N,)`` positive row weights, or ``None``.
     :returns: scalar tensor.
 
     Example::
@@ -52,6 +58,10 @@ def blr_log_marginal_likelihood(Phi, y, noise_var, prior_var):
     N, D = Phi.shape
     s2 = torch.as_tensor(noise_var, dtype=Phi.dtype, device=Phi.device)
     lam = torch.as_tensor(prior_var, dtype=Phi.dtype, device=Phi.device)
+    if weight is not None:
+        Phi, y = _weighted_rows(Phi, y, weight)
+        extra = weight.sum() - N
+        return blr_log_marginal_likelihood(Phi, y, s2, lam) - 0.5 * extra * (_LOG_2PI + torch.log(s2))
     if N > D:
         A = Phi.transpose(0, 1) @ Phi / s2 + torch.eye(D, dtype=Phi.dtype, device=Phi.device) / lam
         L = torch.linalg.cholesky(A)
@@ -68,15 +78,27 @@ def blr_log_marginal_likelihood(Phi, y, noise_var, prior_var):
     return -0.5 * (N * _LOG_2PI + logdet + quad)
 
 
-def blr_posterior(Phi, y, noise_var, prior_var):
+def _weighted_rows(Phi, y, weight):
+    """``(sqrt(w) * Phi, sqrt(w) * y)``: row ``n`` of a Gaussian likelihood raised to the power ``w_n``."""
+    weight = torch.as_tensor(weight, dtype=Phi.dtype, device=Phi.device)
+    if weight.shape != (Phi.shape[0],) or not bool(torch.isfinite(weight).all()) or not bool((weight > 0).all()):
+        raise ValueError(f"weight: expected {Phi.shape[0]} positive finite row weights, got shape {tuple(weight.shape)}")
+    r = weight.sqrt()
+    return Phi * r.unsqueeze(-1), y * r
+
+
+def blr_posterior(Phi, y, noise_var, prior_var, weight=None):
     """Exact posterior ``w | y ~ N(m, C)`` -- Steinberg et al. 2017, §1.2 (the equations below Eq. 14).
 
     ``C = [I / lambda + Phi^T Phi / sigma^2]^{-1}``, ``m = C Phi^T y / sigma^2``; for ``N <= D`` the
     equivalent ``N x N`` form ``m = lambda Phi^T K^{-1} y``, ``C = lambda I - lambda^2 Phi^T K^{-1} Phi``
     with ``K = sigma^2 I + lambda Phi Phi^T``.
 
+    :param torch.Tensor weight: ``(N,)`` positive row weights (row ``n``'s likelihood to the power ``w_n``), or ``None``.
     :returns: ``(m (D,), C (D, D))``.
     """
+    if weight is not None:
+        Phi, y = _weighted_rows(Phi, y, weight)
     N, D = Phi.shape
     s2 = torch.as_tensor(noise_var, dtype=Phi.dtype, device=Phi.device)
     lam = torch.as_tensor(prior_var, dtype=Phi.dtype, device=Phi.device)
@@ -184,7 +206,8 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
         passed in is never modified).
     :param float noise_var: initial ``sigma^2``.
     :param float prior_var: initial ``lambda``.
-    :param bool learn_noise: optimise ``sigma^2``.
+    :param bool learn_noise: optimise ``sigma^2`` (kept above ``1e-10`` times the variance of ``y``, where
+        targets that the features fit exactly would drive it to zero).
     :param bool learn_prior_var: optimise ``lambda``.
     :param bool learn_basis: optimise the basis module's parameters.
     :param bool fit_intercept: append a ones column to ``Phi`` (its weight shares the prior).
@@ -230,12 +253,17 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
     def _design(self, X):
         return design_matrix(self.basis_, X, self.fit_intercept)
 
-    def fit(self, X, y):
+    def fit(self, X, y, sample_weight=None):
         """Maximise Eq. (14) over the hyperparameters, then compute the exact posterior. Returns ``self``.
 
         :param X: ``(N, d)`` array-like (NumPy, pandas, SciPy sparse, torch).
         :param y: ``(N,)`` real targets.
+        :param sample_weight: ``(N,)`` nonnegative row weights (default: all one): row ``n``'s likelihood is
+            raised to the power ``sample_weight[n]``, so an integer weight is the row repeated that many times
+            and a zero weight drops the row (the evidence and the posterior are those of the repeated data).
         """
+        from .logistic import check_sample_weight
+
         for name in ("noise_var", "prior_var", "tol"):
             _check_positive(getattr(self, name), name)
         _check_positive_int(self.max_iter, "max_iter")
@@ -243,7 +271,12 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
             raise TypeError(f"basis: expected None, a callable or a torch.nn.Module, got {type(self.basis).__name__}")
         X, y = validate_data(self, sklearn_input(X), sklearn_input(y), y_numeric=True, dtype=np.float64,
                              accept_sparse="csr")
+        weight = check_sample_weight(sample_weight, X.shape[0])
+        if weight is not None:
+            keep = np.flatnonzero(weight > 0)  # a zero weight drops the row
+            X, y, weight = X[keep], np.asarray(y)[keep], torch.from_numpy(weight[keep])
         X, y = _dense_float64(X), torch.from_numpy(np.array(y, dtype=np.float64))
+        n_eff = X.shape[0] if weight is None else float(weight.sum())
         # the basis passed in is never trained: fit works on a float64 copy (basis_)
         self.basis_ = (copy.deepcopy(self.basis).to(torch.float64) if isinstance(self.basis, torch.nn.Module)
                        else self.basis)
@@ -260,9 +293,17 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
         fixed_design = None if basis_params else self._design(X).detach()
         history = []
 
+        # a learned sigma^2 is kept above 1e-10 of the targets' variance: on data the features fit exactly the
+        # evidence grows without bound as sigma^2 -> 0 and the posterior's factorisation breaks down
+        scale_y = float(y.var()) if y.numel() > 1 and float(y.var()) > 0 else max(float((y**2).mean()), 1.0)
+        s2_floor = 1e-10 * scale_y if self.learn_noise else 0.0
+
+        def noise():
+            return log_s2.exp() + s2_floor
+
         def objective():
             Phi = fixed_design if fixed_design is not None else self._design(X)
-            return -blr_log_marginal_likelihood(Phi, y, log_s2.exp(), log_lam.exp()) / X.shape[0]
+            return -blr_log_marginal_likelihood(Phi, y, noise(), log_lam.exp(), weight) / n_eff
 
         self.n_iter_, self.converged_ = 0, True
         if params:
@@ -283,10 +324,11 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
                               f"evaluations with gradient {res.grad_norm:.3g} (tol {self.tol:.1g}); raise max_iter")
         with torch.no_grad():
             Phi = self._design(X)
-            self.noise_var_ = float(log_s2.exp())
+            self.noise_var_ = float(noise())
             self.prior_var_ = float(log_lam.exp())
-            self.log_marginal_likelihood_ = float(blr_log_marginal_likelihood(Phi, y, self.noise_var_, self.prior_var_))
-            m, C = blr_posterior(Phi, y, self.noise_var_, self.prior_var_)
+            self.log_marginal_likelihood_ = float(blr_log_marginal_likelihood(Phi, y, self.noise_var_, self.prior_var_,
+                                                                              weight))
+            m, C = blr_posterior(Phi, y, self.noise_var_, self.prior_var_, weight)
         from .infer.posterior import GaussianPosterior
 
         self.posterior_ = GaussianPosterior(m, covariance=C)

@@ -9,12 +9,14 @@ with ``q(w) = (1/K) sum_k N(m_k, diag psi_k)``.  Predictions follow Eqs. (29)-(3
 :class:`GLM` is a scikit-learn estimator whose type follows the likelihood: a binary classifier for
 ``"bernoulli"`` (labels ``classes_``, ``predict_proba``), a regressor otherwise.
 """
+import contextlib
 import copy
 import math
 
 import numpy as np
 import pyro
 import pyro.distributions as dist
+import pyro.poutine as poutine
 import torch
 from pyro.distributions import constraints
 from sklearn.base import BaseEstimator
@@ -24,6 +26,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from .blr import _dense_float64, design_matrix, sklearn_input
 from .lgm.linear import linear
+from .logistic import CompactPickleMixin
 
 __all__ = ["GLM"]
 
@@ -40,7 +43,7 @@ def _is_classifier(glm):
     return glm.likelihood == "bernoulli"
 
 
-class GLM(BaseEstimator):
+class GLM(CompactPickleMixin, BaseEstimator):
     """Bayesian GLM estimator (revrand's ``GeneralizedLinearModel``) with the scikit-learn API.
 
     With ``likelihood="bernoulli"`` it is a binary classifier (scikit-learn's estimator type
@@ -96,6 +99,8 @@ class GLM(BaseEstimator):
         ((2, 2), True)
     """
 
+    _keep_model_in_pickle = False  # the Pyro model holds the design: pickles keep the posterior's moments only
+
     def __init__(self, likelihood="bernoulli", basis=None, num_components=1, batch_size=None, prior_var=1.0,
                  learn_prior_var=True, noise_var=1.0, learn_noise=True, n_trials=1, learn_basis=True,
                  fit_intercept=True, num_particles=1, entropy="eq24", lr=0.02, max_steps=20000, min_steps=500,
@@ -148,7 +153,7 @@ class GLM(BaseEstimator):
             raise ValueError("n_trials must be nonnegative integers")
         return n
 
-    def _model(self, X, y=None, n_trials=None, Phi=None, batch=None):
+    def _model(self, X, y=None, n_trials=None, Phi=None, batch=None, weight=None):
         N = X.shape[0]
         dt, dev = X.dtype, X.device
         if self.learn_prior_var:
@@ -171,15 +176,20 @@ class GLM(BaseEstimator):
             P = Phi[idx] if Phi is not None else design_matrix(self.basis_, X[idx], self.fit_intercept)
             f = linear(P, wl)
             obs = None if y is None else y[idx]
-            if self.likelihood == "bernoulli":
-                pyro.sample("y", dist.Bernoulli(logits=f), obs=obs)
-            elif self.likelihood == "gaussian":
-                pyro.sample("y", dist.Normal(f, s2.sqrt()), obs=obs)
-            elif self.likelihood == "poisson":
-                pyro.sample("y", dist.Poisson(torch.exp(f)), obs=obs)
-            else:
-                pyro.sample("y", dist.Binomial(total_count=n_trials[idx], logits=f), obs=obs)
+            # row i's log-likelihood times weight_i
+            with contextlib.nullcontext() if weight is None else poutine.scale(scale=weight[idx]):
+                self._likelihood(f, obs, s2 if self.likelihood == "gaussian" else None, n_trials, idx)
         return f
+
+    def _likelihood(self, f, obs, s2, n_trials, idx):
+        if self.likelihood == "bernoulli":
+            pyro.sample("y", dist.Bernoulli(logits=f), obs=obs)
+        elif self.likelihood == "gaussian":
+            pyro.sample("y", dist.Normal(f, s2.sqrt()), obs=obs)
+        elif self.likelihood == "poisson":
+            pyro.sample("y", dist.Poisson(torch.exp(f)), obs=obs)
+        else:
+            pyro.sample("y", dist.Binomial(total_count=n_trials[idx], logits=f), obs=obs)
 
     def _check_y(self, y, n_trials):
         if self.likelihood in ("poisson", "binomial"):
@@ -218,13 +228,18 @@ class GLM(BaseEstimator):
         X, y = out if with_y else (out, None)
         return (_dense_float64(X), y) if with_y else _dense_float64(X)
 
-    def fit(self, X, y, n_trials=None):
+    def fit(self, X, y, n_trials=None, sample_weight=None):
         """Fit ``q(w)`` and the hyperparameters by SVI on the mixture ELBO. Returns ``self``.
 
         :param X: ``(N, d)`` inputs (NumPy, pandas, SciPy sparse, torch).
         :param y: ``(N,)`` targets: two class labels (bernoulli), counts (poisson, binomial) or reals.
         :param n_trials: binomial trials per row (int or ``(N,)``), default ``self.n_trials``.
+        :param sample_weight: ``(N,)`` nonnegative row weights (default: all one): row ``n``'s log-likelihood is
+            multiplied by ``sample_weight[n]`` (``poutine.scale``), so an integer weight is the row repeated that
+            many times and a zero weight drops the row.
         """
+        from .logistic import check_sample_weight
+
         from .infer.diag_mixture import DiagMixtureEngine
         from .logistic import binary_targets
 
@@ -240,6 +255,15 @@ class GLM(BaseEstimator):
             self.classes_, y = binary_targets(y, distributed=sharded)
         else:
             self.__dict__.pop("classes_", None)
+        weight = check_sample_weight(sample_weight, X.shape[0])
+        if weight is not None:
+            if sharded:
+                raise ValueError("sample_weight: not supported with distributed=True (fit on one process, or "
+                                 "repeat rows for integer weights)")
+            keep = np.flatnonzero(weight > 0)  # a zero weight drops the row
+            if n_trials is not None and np.ndim(n_trials) == 1:
+                n_trials = np.asarray(n_trials)[keep]
+            X, y, weight = X[torch.from_numpy(keep)], np.asarray(y)[keep], torch.from_numpy(weight[keep])
         y = torch.from_numpy(np.array(y, dtype=np.float64))
         N = X.shape[0]
         batch = None if self.batch_size is None or self.batch_size >= N else int(self.batch_size)
@@ -255,7 +279,7 @@ class GLM(BaseEstimator):
                              "trainable parameters)")
         Phi = None if self._learn_basis() else design_matrix(self.basis_, X, self.fit_intercept).detach()
 
-        model = _GLMPyroModel(self, trials, Phi, batch)
+        model = _GLMPyroModel(self, trials, Phi, batch, weight)
         store = pyro.get_param_store()
         with store.scope() as state:
             engine = DiagMixtureEngine(
@@ -426,11 +450,11 @@ class GLM(BaseEstimator):
 class _GLMPyroModel:
     """The Pyro model of a fitted :class:`GLM` (a picklable callable ``model(X, y=None)``)."""
 
-    def __init__(self, glm, trials, Phi, batch):
-        self.glm, self.trials, self.Phi, self.batch = glm, trials, Phi, batch
+    def __init__(self, glm, trials, Phi, batch, weight=None):
+        self.glm, self.trials, self.Phi, self.batch, self.weight = glm, trials, Phi, batch, weight
 
     def __call__(self, X, y=None):
-        return self.glm._model(X, y, self.trials, self.Phi, self.batch)
+        return self.glm._model(X, y, self.trials, self.Phi, self.batch, self.weight)
 
 
 def _binomial_cdf(a, n, f):

@@ -97,6 +97,106 @@ def classifier_outputs(log_p0, log_p1):
     return d.cpu().numpy(), log_proba.exp().cpu().numpy(), log_proba.cpu().numpy()
 
 
+def check_sample_weight(sample_weight, n):
+    """Validated per-row weights of ``fit(X, y, sample_weight)``, or ``None`` when they are all one.
+
+    A weight ``w_i`` multiplies row ``i``'s log-likelihood (a ``poutine.scale`` site, :class:`~pyro_convexvb.lgm.sites.Weighted`
+    in a latent Gaussian model): an integer weight is the row repeated ``w_i`` times, a zero weight drops it.
+
+    :param sample_weight: ``None``, a number (every row) or an array-like of ``n`` nonnegative finite numbers.
+    :param int n: number of rows of ``X``.
+    :returns: ``None`` or a float64 ``(n,)`` NumPy array with at least one positive entry.
+    :raises ValueError: naming ``sample_weight``: wrong shape or length, negative, NaN or infinite values,
+        or all zero.
+
+    Example::
+
+        >>> check_sample_weight([1, 2, 0], 3).tolist()
+        [1.0, 2.0, 0.0]
+        >>> check_sample_weight(None, 3) is None, check_sample_weight(1.0, 3) is None
+        (True, True)
+    """
+    if sample_weight is None:
+        return None
+    from .blr import sklearn_input
+
+    sample_weight = sklearn_input(sample_weight)
+    try:
+        w = np.asarray(sample_weight, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"sample_weight: expected numbers, got {type(sample_weight).__name__} ({e})") from None
+    if w.ndim == 0:
+        w = np.full(n, float(w))
+    if w.ndim != 1 or w.shape[0] != n:
+        raise ValueError(f"sample_weight: expected shape ({n},) (one weight per row of X), got {w.shape}")
+    if not np.all(np.isfinite(w)):
+        bad = np.flatnonzero(~np.isfinite(w))
+        raise ValueError(f"sample_weight: {bad.size} values are NaN or infinite (first at row {int(bad[0])}); "
+                         "weights must be finite")
+    if np.any(w < 0):
+        bad = np.flatnonzero(w < 0)
+        raise ValueError(f"sample_weight: {bad.size} negative values (first {w[bad[0]]:g} at row {int(bad[0])}); "
+                         "weights must be nonnegative")
+    if not np.any(w > 0):
+        raise ValueError("sample_weight: every weight is zero; at least one row must have a positive weight")
+    if np.all(w == 1.0):
+        return None
+    return w
+
+
+def compact_result(result, keep_model=True):
+    """The part of an estimator's :class:`~pyro_convexvb.InferenceResult` that prediction needs, of model size.
+
+    :meth:`~pyro_convexvb.InferenceResult.compact` (no ``lgm``, no training data, no per-site ``info``),
+    keeping ``convex_relaxation``'s covariance representation (``info["cholesky"]``, ``(n, n)``, or its
+    Lanczos factors without their per-site projections), which its predictions use.  Estimators pickle
+    (and :func:`pyro_convexvb.save` stores) this form of ``result_``, so their size does not grow with
+    the number of training rows.
+    """
+    from .infer.result import InferenceResult
+
+    if not isinstance(result, InferenceResult):
+        return result
+    keep = ("cholesky", "lanczos_result") if result.engine == "convex_relaxation" else ()
+    out = result.compact(keep_info=keep, keep_model=keep_model)
+    lz = out.info.get("lanczos_result")
+    if lz is not None:
+        out.info["lanczos_result"] = compact_lanczos(lz)
+    return out
+
+
+def compact_lanczos(lz):
+    """A Lanczos variance estimate without its per-site projections (``projected_variances``, ``site_prior_var``)."""
+    import copy
+    import dataclasses
+
+    from .linalg.lanczos import LanczosResult
+
+    if isinstance(lz, LanczosResult):
+        return dataclasses.replace(lz, projected_variances=None) if lz.projected_variances is not None else lz
+    if hasattr(lz, "form") and hasattr(lz, "result"):  # WhitenedLanczos
+        out = copy.copy(lz)
+        out.result = compact_lanczos(lz.result)
+        out.form = dataclasses.replace(lz.form, site_prior_var=None)
+        return out
+    return lz
+
+
+class CompactPickleMixin:
+    """Estimators whose pickle keeps :func:`compact_result` of ``result_`` (size independent of the training rows)."""
+
+    _keep_model_in_pickle = True
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())  # scikit-learn may return the instance's own __dict__
+        if "result_" in state:
+            same = state.get("posterior_") is state["result_"].posterior
+            state["result_"] = compact_result(state["result_"], keep_model=self._keep_model_in_pickle)
+            if same:
+                state["posterior_"] = state["result_"].posterior
+        return state
+
+
 # ------------------------------------------------------------------------------------ the estimator
 _PREDICT_CHUNK = 2048  # rows per block of predictive marginals (bounds the memory of the variance solves)
 
@@ -131,7 +231,7 @@ class _LogisticModel:
         self.fit_intercept = fit_intercept
         self.learn_scale = learn_scale
 
-    def __call__(self, design, y=None):
+    def __call__(self, design, y=None, weight=None):
         from .lgm.linear import linear
 
         dt = design.dtype
@@ -144,7 +244,11 @@ class _LogisticModel:
             scale = torch.cat([scale, torch.tensor([self.intercept_scale], dtype=dt)])
         w = pyro.sample("w", dist.Normal(torch.zeros(scale.shape[0], dtype=dt), scale).to_event(1))
         with pyro.plate("data", design.shape[0]):
-            pyro.sample("y", dist.Bernoulli(logits=linear(design, w)), obs=y)
+            if weight is None:
+                pyro.sample("y", dist.Bernoulli(logits=linear(design, w)), obs=y)
+            else:  # row i's log-likelihood times weight_i
+                with pyro.poutine.scale(scale=weight):
+                    pyro.sample("y", dist.Bernoulli(logits=linear(design, w)), obs=y)
 
 
 class BinaryPredictiveClassifier(ClassifierMixin):
@@ -176,7 +280,7 @@ class BinaryPredictiveClassifier(ClassifierMixin):
         return self.classes_[positive.astype(np.int64)]
 
 
-class BayesianLogisticRegression(BinaryPredictiveClassifier, BaseEstimator):
+class BayesianLogisticRegression(CompactPickleMixin, BinaryPredictiveClassifier, BaseEstimator):
     """Bayesian logistic regression with a Gaussian posterior over the coefficients, as a scikit-learn classifier.
 
     Model: ``w_j ~ N(0, prior_scale^2)``, intercept ``b ~ N(0, intercept_scale^2)``,
@@ -277,15 +381,19 @@ class BayesianLogisticRegression(BinaryPredictiveClassifier, BaseEstimator):
         return engine, auto, options
 
     # ------------------------------------------------------------------ fitting
-    def fit(self, X, y):
+    def fit(self, X, y, sample_weight=None):
         """Fit the posterior over ``[w, b]`` (and the prior scale when ``"auto"``); returns ``self``.
 
         :param X: ``(n, d)`` array-like: NumPy, pandas, SciPy sparse (kept sparse) or torch.
         :param y: ``(n,)`` binary labels, any two values (``classes_[1]``, the larger, is the positive class).
+        :param sample_weight: ``(n,)`` nonnegative row weights (default: all one). Row ``i``'s
+            log-likelihood is multiplied by ``sample_weight[i]`` (weighted sites, ``poutine.scale``), so an
+            integer weight is the row repeated that many times and a zero weight drops the row; the prior
+            is not reweighted. Every engine of the registry takes them, except with ``distributed=True``.
         """
         from .blr import sklearn_input
         from .lgm.model import LatentGaussianModel
-        from .lgm.sites import BernoulliLogit
+        from .lgm.sites import BernoulliLogit, Weighted
 
         from .distributed import row_sharded, sharded_estimator
 
@@ -293,21 +401,32 @@ class BayesianLogisticRegression(BinaryPredictiveClassifier, BaseEstimator):
         sharded = sharded_estimator(self.distributed, "BayesianLogisticRegression")
         X, y = validate_data(self, sklearn_input(X), sklearn_input(y), accept_sparse="csr", dtype=np.float64)
         self.classes_, y01 = binary_targets(y, distributed=sharded)
+        weight = check_sample_weight(sample_weight, X.shape[0])
+        if weight is not None:
+            if sharded:
+                raise ValueError("sample_weight: not supported with distributed=True (fit on one process, or "
+                                 "repeat rows for integer weights)")
+            keep = weight > 0  # a zero weight drops the row
+            if not keep.all():
+                X, y01, weight = X[np.flatnonzero(keep)], y01[keep], weight[keep]
         design = _design(X, self.fit_intercept)
         if sharded:
             design = row_sharded(design)
         yt = torch.from_numpy(y01)
+        wt = None if weight is None else torch.from_numpy(weight)
+        run_kwargs = {} if wt is None else {"weight": wt}
         d = X.shape[1]
         model = _LogisticModel(d, 1.0 if auto else self.prior_scale, self.intercept_scale, bool(self.fit_intercept),
                                learn_scale=auto)
         if auto or engine.takes != "lgm":
             with pyro.get_param_store().scope():  # the user's param store is left as it was
-                res = engine(model, progress=False, **options).run(design, y=yt)
+                res = engine(model, progress=False, **options).run(design, y=yt, **run_kwargs)
         else:
             scale = torch.full((design.shape[1],), float(self.prior_scale), dtype=torch.float64)
             if self.fit_intercept:
                 scale[-1] = float(self.intercept_scale)
-            lgm = LatentGaussianModel.from_design(design, BernoulliLogit(yt), prior_scale=scale, latent_name="w")
+            family = BernoulliLogit(yt) if wt is None else Weighted(BernoulliLogit(yt), wt)
+            lgm = LatentGaussianModel.from_design(design, family, prior_scale=scale, latent_name="w")
             res = engine(lgm, progress=False, **options).run()
         self.result_ = res
         self.posterior_ = res.posterior

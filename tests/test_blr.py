@@ -165,3 +165,23 @@ def test_errors():
         BayesianLinearRegression(max_iter=0).fit(Phi, y)
     with pytest.warns(ConvergenceWarning):
         BayesianLinearRegression(max_iter=1, noise_var=10.0, prior_var=0.01).fit(Phi, y)
+
+
+import pyro_convexvb as pcv  # noqa: E402
+
+
+def test_exactly_fitted_targets_keep_noise_above_floor():
+    # targets the features fit exactly (duplicated rows, scikit-learn's sample-weight checks): the evidence grows
+    # without bound as sigma^2 -> 0; the learned sigma^2 stops at 1e-10 var(y) instead of breaking the Cholesky
+    import warnings
+
+    import numpy as np
+
+    X = np.repeat(np.array([[1, 3], [2, 1], [3, 3], [4, 1]], dtype=float), 4, 0)
+    y = np.repeat(np.array([1, 2, 1, 2], dtype=float), 4)  # y = 2.5 - 0.5 x_2 exactly
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pcv.ConvergenceWarning)  # the optimum is on the floor
+        reg = pcv.BayesianLinearRegression(fit_intercept=True).fit(X, y)
+    assert reg.noise_var_ >= 1e-10 * y.var() * (1 - 1e-12)
+    assert reg.noise_var_ < 1e-6
+    np.testing.assert_allclose(reg.predict(X), y, rtol=0, atol=1e-4)

@@ -12,6 +12,7 @@ initialised at the posterior, so ``SVI`` can keep training from an engine's answ
 
 ``as_guide(trainable=False)`` gives the fixed, parameter-free :class:`GaussianPosteriorGuide`.
 """
+import copy
 import math
 
 import pyro
@@ -35,10 +36,16 @@ __all__ = [
     "PosteriorLowRankMultivariateNormal",
     "MAX_DENSE",
     "MAX_TRAINABLE_DENSE",
+    "MAX_COMPACT_DENSE",
 ]
 
 #: Largest latent dimension for which ``covariance()`` materialises a dense matrix without ``force=True``.
 MAX_DENSE = 10_000
+
+#: Largest latent dimension for which :meth:`GaussianPosterior.compact` (pickled estimators, ``pcv.save``) stores a
+#: matrix-free (``precision_operator``) posterior as its dense precision (``n^2`` numbers: 8 MB in float64 at
+#: ``n = 1000``); above it only the mean and the marginal variances are kept.
+MAX_COMPACT_DENSE = 1000
 
 #: Largest latent dimension for which a matrix-free (``precision_operator``) posterior is turned into a
 #: trainable dense guide: the precision is densified and factorised (``O(n^3)``), and training keeps about
@@ -179,7 +186,7 @@ class GaussianPosterior:
         if self.kind == "precision":
             return torch.cholesky_inverse(torch.linalg.cholesky(self._precision))
         if self.kind == "precision_operator":
-            A = self.precision_operator.to_dense()
+            A = self._require_operator("covariance()").to_dense()
             return self.precision_scale * torch.cholesky_inverse(torch.linalg.cholesky(A))
         if self.kind == "low_rank":
             Q, T = self.low_rank
@@ -224,6 +231,7 @@ class GaussianPosterior:
     def _sample_matrix_free(self, m, generator):
         from ..linalg.cg import cg
 
+        self._require_operator("sample()")
         if self.precision_factor is None:
             raise NotImplementedError("matrix-free sampling needs precision_factor J with precision = J^T J")
         J = self.precision_factor
@@ -287,6 +295,7 @@ class GaussianPosterior:
 
     def _precision_operator_quad(self, B):
         """``precision_scale * diag(B A^{-1} B^T)``: dense Cholesky for ``n <= 4000``, else batched CG."""
+        GaussianPosterior._require_operator(self, "marginals()")
         if self.n <= 4000:
             L = torch.linalg.cholesky(self.precision_operator.to_dense())
             W = torch.linalg.solve_triangular(L, B.to_dense().transpose(0, 1), upper=False)
@@ -389,6 +398,52 @@ class GaussianPosterior:
             # build the prototype with the fitting data, so observed sites stay observed in Predictive
             guide._setup_prototype(*args, **kwargs)
         return guide
+
+    def compact(self, keep_model=True):
+        """A copy without the fitting data, for pickling and :func:`pyro_convexvb.save` (size ``O(model)``).
+
+        The model's fitting arguments (``model_args``, e.g. the training data) are dropped, so
+        :meth:`as_guide` then needs ``model_args=`` to build a guide with observed sites; with
+        ``keep_model=False`` the model is dropped too (pass ``model=`` to :meth:`as_guide`).  A matrix-free
+        ``precision_operator`` posterior (whose operator holds the data) becomes the equivalent dense
+        ``precision`` posterior for ``n <= MAX_COMPACT_DENSE`` (``precision_operator.to_dense() /
+        precision_scale``, ``n`` products); above that the operator is dropped: the mean and the
+        engine's marginal variances stay, and sampling, ``covariance()``, ``marginals()`` and guides raise
+        ``ValueError`` saying so.
+
+        :param bool keep_model: keep the Pyro model callable (a module-level function or object).
+        :returns: a new :class:`GaussianPosterior`; ``self`` is unchanged.
+
+        Example::
+
+            >>> import torch
+            >>> q = GaussianPosterior(torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+            >>> q.model_args = ((torch.ones(1000, 2),), {})
+            >>> q.compact().model_args
+            ((), {})
+        """
+        if self.kind == "precision_operator" and self.precision_operator is not None and self.n <= MAX_COMPACT_DENSE:
+            A = self.precision_operator.to_dense()
+            A = 0.5 * (A + A.transpose(0, 1)) / self.precision_scale
+            out = GaussianPosterior(self.loc, self.variance, precision=A, layout=self.layout,
+                                    model=self.model if keep_model else None, cg_options=self.cg_options)
+            return out
+        out = copy.copy(self)
+        out.model_args = ((), {})
+        if not keep_model:
+            out.model = None
+        if self.kind == "precision_operator":
+            out.precision_operator = None
+            out.precision_factor = None
+        return out
+
+    def _require_operator(self, what):
+        if self.precision_operator is None:
+            raise ValueError(
+                f"{what}: this matrix-free posterior (n = {self.n}) was saved without its precision operator, which "
+                "holds the training data (GaussianPosterior.compact, pickled estimators, pcv.save); its mean `loc` and "
+                "marginal variances `variance` are kept. Refit, or use the fitted result before saving")
+        return self.precision_operator
 
     def __repr__(self):
         return f"GaussianPosterior(n={self.n}, kind={self.kind}, dtype={self.dtype})"

@@ -68,7 +68,63 @@ class InferenceResult:
     hyper: Any = None
     hyperparameters: Any = None
 
+    def compact(self, keep_info=(), keep_model=True):
+        """A copy without the training data, whose size does not grow with the number of data rows.
+
+        Drops ``lgm`` and the posterior's fitting data (:meth:`GaussianPosterior.compact`, or the same
+        for mixture posteriors), and every ``info`` entry that is not plain (``None``, ``bool``, ``int``,
+        ``float``, ``str``, or lists/tuples/dicts of them), except the keys in ``keep_info`` (which the
+        caller knows to be of model size, e.g. ``"cholesky"``).  The names of the dropped entries are in
+        ``info["dropped"]``.  Pickled estimators keep this form of their ``result_``.
+
+        :param keep_info: ``info`` keys to keep whatever their type.
+        :param bool keep_model: keep the posterior's Pyro model callable.
+        :returns: a new :class:`InferenceResult` (``self`` is unchanged).
+
+        Example::
+
+            >>> import torch, pyro_convexvb as pcv
+            >>> q = pcv.GaussianPosterior(torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+            >>> r = InferenceResult(q, -1.0, info={"site_var": torch.ones(10**5), "iterations": 7})
+            >>> c = r.compact()
+            >>> sorted(c.info), c.info["dropped"]
+            (['dropped', 'iterations'], ['site_var'])
+        """
+        import dataclasses
+
+        info, dropped = {}, []
+        for k, v in self.info.items():
+            if k in keep_info or _is_plain(v):
+                info[k] = v
+            else:
+                dropped.append(k)
+        info["dropped"] = sorted(set(dropped) | set(self.info.get("dropped", [])))
+        post = self.posterior
+        if hasattr(post, "compact"):
+            post = post.compact(keep_model=keep_model)
+        elif hasattr(post, "model_args"):
+            import copy
+
+            post = copy.copy(post)
+            post.model_args = ((), {})
+            if not keep_model:
+                post.model = None
+        return dataclasses.replace(self, posterior=post, info=info, lgm=None)
+
     def __repr__(self):
         b = "None" if self.log_evidence_bound is None else f"{self.log_evidence_bound:.6g}"
         return (f"InferenceResult(engine={self.engine!r}, log_evidence_bound={b}, converged={self.converged}, "
                 f"stop_reason={self.stop_reason!r}, seconds={self.seconds:.3g}, posterior={self.posterior!r})")
+
+
+def _is_plain(v, depth=0):
+    """Whether ``v`` is a plain value (``None``, bool, int, float, str, or lists/tuples/dicts of them)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    if depth > 4:
+        return False
+    if isinstance(v, (list, tuple)):
+        return all(_is_plain(x, depth + 1) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _is_plain(x, depth + 1) for k, x in v.items())
+    return False

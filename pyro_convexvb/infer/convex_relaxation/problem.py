@@ -103,6 +103,17 @@ class _Counted(LinearOperator):
         return self.base.to_dense()
 
 
+class _PrecisionProduct:
+    """``v -> A v`` with ``A = X^T X + B^T diag(w) B`` of a :class:`RelaxationProblem` (a picklable callable, so
+    posteriors and results holding the precision operator can be pickled)."""
+
+    def __init__(self, problem, w):
+        self.problem, self.w = problem, w
+
+    def __call__(self, v):
+        return self.problem.a_mv(v, self.w)
+
+
 def _csr_diagonal(A):
     """Diagonal of a square torch CSR matrix from its stored entries (never densified)."""
     n = A.shape[0]
@@ -410,8 +421,8 @@ class RelaxationProblem:
 
     def precision_operator(self, w):
         """``A`` as a matrix-free :class:`~pyro_convexvb.linalg.LinearOperator` (batched products)."""
-        return FunctionOperator(lambda v: self.a_mv(v, w), lambda v: self.a_mv(v, w), (self.n, self.n),
-                                dtype=self.dtype, device=self.device, batched=True)
+        f = _PrecisionProduct(self, w)
+        return FunctionOperator(f, f, (self.n, self.n), dtype=self.dtype, device=self.device, batched=True)
 
     def factor(self, w):
         """``J`` with ``J^T J = X^T X + B^T diag(w) B`` (for exact perturb-and-solve sampling), or ``None``."""

@@ -1,0 +1,50 @@
+"""Helpers of the fault-injection tests: run a Python child process with this checkout on its path."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: seconds a child may take to import the library and reach its first checkpoint (a loaded 2-core machine
+#: imports torch + pyro in ~10 s)
+STARTUP_TIMEOUT = 120
+
+
+def child_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def start_child(code, *args, **kwargs):
+    """``subprocess.Popen`` of ``python -c code args...`` with line-buffered text pipes."""
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, bufsize=1, env=child_env(), cwd=ROOT, **kwargs)
+
+
+def read_line(proc, expect_prefix, timeout=STARTUP_TIMEOUT):
+    """The next stdout line of ``proc`` starting with ``expect_prefix`` (fails with the child's stderr otherwise)."""
+    import selectors
+    import time
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                proc.kill()
+                raise AssertionError(f"child: no {expect_prefix!r} line within {timeout} s; stderr:\n"
+                                     f"{proc.stderr.read()[-3000:]}")
+            line = proc.stdout.readline()
+            if not line:
+                proc.wait(timeout=10)
+                raise AssertionError(f"child exited ({proc.returncode}) before {expect_prefix!r}; stderr:\n"
+                                     f"{proc.stderr.read()[-3000:]}")
+            if line.startswith(expect_prefix):
+                return line.rstrip("\n")
+    finally:
+        sel.close()
