@@ -1,15 +1,20 @@
-"""Reading the LIBSVM / svmlight text format, shared by :mod:`pyro_convexvb.datasets` (whole files)
-and :mod:`pyro_convexvb.online.streams` (chunked streams).
+"""Files: atomic, ``weights_only``-loadable persistence (:func:`save`, :func:`load`), and the LIBSVM reader.
 
-A line is ``label idx:value idx:value ...`` with an optional ``# comment``; ``qid:...`` tokens
-are ignored.  Only NumPy is needed here, so both users import this module without importing
-each other.
+* :func:`save` / :func:`load` (exported as ``pcv.save`` / ``pcv.load``): online learners, inference results,
+  posteriors and fitted estimators as plain states (class name, version, tensors and plain Python types),
+  written atomically by :func:`atomic_write` (docs/core.md, § Saving and loading).
+* The LIBSVM / svmlight text format, shared by :mod:`pyro_convexvb.datasets` (whole files) and
+  :mod:`pyro_convexvb.online.streams` (chunked streams). A line is ``label idx:value idx:value ...`` with an
+  optional ``# comment``; ``qid:...`` tokens are ignored. This part needs only NumPy at import (the
+  persistence helpers import torch and the library lazily), so both users import this module without
+  importing each other.
 """
 import gzip
 
 import numpy as np
 
-__all__ = ["parse_svmlight_lines", "read_svmlight", "open_text"]
+__all__ = ["parse_svmlight_lines", "read_svmlight", "open_text", "save", "load", "atomic_write", "to_state",
+           "from_state"]
 
 
 def open_text(path):

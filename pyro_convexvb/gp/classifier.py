@@ -22,7 +22,7 @@ from ..infer.registry import get_engine
 from ..lgm.layout import LatentLayout
 from ..lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
 from ..blr import sklearn_input
-from ..lgm.sites import BernoulliLogit, Weighted
+from ..lgm.sites import BernoulliLogit
 from ..linalg.operators import DenseOperator, IdentityOperator
 from ..logistic import BinaryPredictiveClassifier, binary_targets, classifier_outputs, predictive_log_probs
 from .predict import gp_classification_model, gp_latent_predictive
@@ -30,20 +30,17 @@ from .predict import gp_classification_model, gp_latent_predictive
 __all__ = ["GPClassifier", "gp_classification_lgm"]
 
 
-def gp_classification_lgm(K, y, mean=0.0, weight=None):
+def gp_classification_lgm(K, y, mean=0.0):
     """Explicit :class:`~pyro_convexvb.LatentGaussianModel` of GP classification (latent site ``"f"``).
 
     :param torch.Tensor K: ``(N, N)`` prior covariance (kernel matrix with jitter).
     :param torch.Tensor y: ``(N,)`` labels in {0, 1}.
-    :param torch.Tensor weight: ``(N,)`` positive likelihood weights (:class:`~pyro_convexvb.lgm.sites.Weighted`
-        sites ``t_i(f_i)^{w_i}``), or ``None``.
     """
     N = K.shape[0]
     loc = torch.as_tensor(mean, dtype=K.dtype, device=K.device).expand(N).clone()
     prior = PriorBlock("f", loc, cov=DenseOperator(K))
     layout = LatentLayout.from_shapes([("f", (N,))], [1])
-    family = BernoulliLogit(y) if weight is None else Weighted(BernoulliLogit(y), weight)
-    site = SiteGroup("y", family, IdentityOperator(N, dtype=K.dtype, device=K.device),
+    site = SiteGroup("y", BernoulliLogit(y), IdentityOperator(N, dtype=K.dtype, device=K.device),
                      torch.zeros(N, dtype=K.dtype, device=K.device), (N,))
     return LatentGaussianModel(layout, [prior], [site])
 
@@ -156,26 +153,15 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
             return K + self.jitter * torch.eye(X.shape[0], dtype=K.dtype, device=K.device)
         return self.kernel_(X, X2).to_dense()
 
-    def fit(self, X, y, sample_weight=None):
+    def fit(self, X, y):
         """Fit to inputs ``X`` ``(n, d)`` and binary labels ``y`` ``(n,)`` (any two distinct values); returns ``self``.
 
         :param X: ``(n, d)`` array-like (NumPy, pandas, SciPy sparse, torch).
         :param y: ``(n,)`` labels; ``classes_[1]`` (the larger label) is the positive class.
-        :param sample_weight: ``(n,)`` nonnegative weights (default: all one): the likelihood of label ``i`` is
-            raised to the power ``sample_weight[i]`` (weighted sites ``sigmoid(+-f_i)^{w_i}``; ``poutine.scale``
-            for Pyro's engines); a zero weight drops the point (also from the training inputs). In a GP a
-            weight is not a repeated point (a copy would be a second, perfectly correlated latent value).
         """
-        from ..logistic import check_sample_weight
-
         self._check_options()
         X, y = self._check_X(X, y, reset=True)
         self.classes_, y01 = binary_targets(y)
-        weight = check_sample_weight(sample_weight, X.shape[0])
-        if weight is not None:
-            keep = np.flatnonzero(weight > 0)  # a zero weight drops the point
-            X, y01 = X[torch.from_numpy(keep)], y01[keep]
-            weight = torch.as_tensor(weight[keep], dtype=self._torch_dtype())
         y01 = torch.as_tensor(y01, dtype=self._torch_dtype())
         kernel = self.kernel if self.kernel is not None else self._default_kernel()
         self.kernel_ = copy.deepcopy(kernel).to(dtype=self._torch_dtype(), device=X.device)
@@ -186,7 +172,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self.hyper_history_ = None
         alpha0 = None
         if self.learn_hyperparameters:
-            alpha0 = self._learn_hyperparameters(X, y01, options, weight)
+            alpha0 = self._learn_hyperparameters(X, y01, options)
         with torch.no_grad():
             K = self._K(X)
             self.K_train_ = K
@@ -195,23 +181,22 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
                 if alpha0 is not None:
                     options.setdefault("alpha0", alpha0)
                 options.setdefault("form", "site")
-                res = DualVGEngine(gp_classification_lgm(K, y01, mean, weight), progress=False, **options).run()
+                res = DualVGEngine(gp_classification_lgm(K, y01, mean), progress=False, **options).run()
                 self.alpha_ = res.info["alpha"] if res.info["form"] == "site" else None
         if self.engine != "dual_vg":
             with torch.enable_grad():
                 engine = get_engine(self.engine)
                 if engine.takes == "lgm":
-                    res = engine(gp_classification_lgm(K, y01, mean, weight), progress=False, **options).run()
+                    res = engine(gp_classification_lgm(K, y01, mean), progress=False, **options).run()
                 else:
-                    res = engine(gp_classification_model, progress=False, **options).run(K, y=y01, mean=mean,
-                                                                                          weight=weight)
+                    res = engine(gp_classification_model, progress=False, **options).run(K, y=y01, mean=mean)
                 self.alpha_ = None
         self.result_ = res
         self.posterior_ = res.posterior
         self.log_evidence_bound_ = res.log_evidence_bound
         return self
 
-    def _learn_hyperparameters(self, X, y01, options, weight=None):
+    def _learn_hyperparameters(self, X, y01, options):
         """Type-II over the kernel copy's parameters (and the mean): the engine's ``learn_params`` on a Pyro model."""
         import pyro
 
@@ -230,7 +215,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
                 if name not in fields:
                     raise TypeError(f"hyper_options: '{key}' is not an option of engine '{self.engine}'")
                 opts.setdefault(name, hyper[key])
-        model = _GPHyperModel(self.kernel_, self.jitter, self.learn_mean, float(self.mean), X.shape[0], weight)
+        model = _GPHyperModel(self.kernel_, self.jitter, self.learn_mean, float(self.mean), X.shape[0])
         store = pyro.get_param_store()
         with store.scope():  # the user's param store is left as it was
             res = engine(model, progress=False, **opts).run(X, y01)
@@ -280,9 +265,8 @@ class _GPHyperModel:
     """Pyro model of GP classification with the kernel's hyperparameters (and the constant mean) as
     ``pyro.param`` sites, for type-II maximum likelihood (a picklable callable ``model(X, y=None)``)."""
 
-    def __init__(self, kernel, jitter, learn_mean, mean0, n, weight=None):
+    def __init__(self, kernel, jitter, learn_mean, mean0, n):
         self.kernel, self.jitter, self.learn_mean, self.mean0, self.n = kernel, jitter, learn_mean, mean0, n
-        self.weight = weight
 
     def __call__(self, X, y=None):
         import pyro
@@ -294,5 +278,5 @@ class _GPHyperModel:
             torch.tensor(self.mean0, dtype=X.dtype)
         K = self.kernel(X).to_dense() + self.jitter * torch.eye(n, dtype=X.dtype, device=X.device)
         f = pyro.sample("f", dist.MultivariateNormal(mean.expand(n), covariance_matrix=K))
-        with pyro.plate("data", n), pyro.poutine.scale(scale=1.0 if self.weight is None else self.weight):
+        with pyro.plate("data", n):
             pyro.sample("y", dist.Bernoulli(logits=f), obs=y)

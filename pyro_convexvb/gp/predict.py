@@ -52,21 +52,17 @@ def _cholesky(K):
     return L
 
 
-def gp_classification_model(K, y=None, mean=0.0, weight=None):
+def gp_classification_model(K, y=None, mean=0.0):
     """Pyro model of GP binary classification: ``f ~ N(mean, K)``, ``y_i ~ Bernoulli(logits=f_i)``.
 
     :param torch.Tensor K: ``(n, n)`` kernel matrix of the training inputs (with jitter).
     :param torch.Tensor y: ``(n,)`` labels in {0, 1} or ``None``.
-    :param torch.Tensor weight: ``(n,)`` positive likelihood weights (``poutine.scale``), or ``None``.
     """
     n = K.shape[0]
     loc = torch.as_tensor(mean, dtype=K.dtype, device=K.device).expand(n)
     f = pyro.sample("f", dist.MultivariateNormal(loc, scale_tril=_cholesky(K), validate_args=False))
     with pyro.plate("data", n):
-        if weight is None:
-            return pyro.sample("y", dist.Bernoulli(logits=f), obs=y)
-        with pyro.poutine.scale(scale=weight):
-            return pyro.sample("y", dist.Bernoulli(logits=f), obs=y)
+        return pyro.sample("y", dist.Bernoulli(logits=f), obs=y)
 
 
 def gp_latent_predictive(K_train, K_cross, k_test_diag, posterior, prior_mean_train=0.0, prior_mean_test=0.0):
