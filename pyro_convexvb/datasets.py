@@ -41,6 +41,9 @@ __all__ = [
     "SPARSE_SHAPES",
     "make_sparse_classification",
     "make_online_stream",
+    "make_criteo_text",
+    "CRITEO_VOCAB_SIZES",
+    "svmlight_to_vw",
 ]
 
 
@@ -975,3 +978,158 @@ def make_online_stream(*args, **kwargs):
     from .online.streams import make_online_stream as _make_online_stream
 
     return _make_online_stream(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- Criteo-layout text
+
+#: Vocabulary sizes of the 26 categorical columns of :func:`make_criteo_text` (a mix of small and large
+#: columns as in the Criteo display-advertising data, at a scale that keeps the generator fast).
+CRITEO_VOCAB_SIZES = (1000, 500, 100_000, 50_000, 300, 24, 10_000, 600, 3, 30_000, 5_000, 100_000, 3_000, 27,
+                      10_000, 80_000, 10, 4_000, 2_000, 4, 90_000, 15, 15, 40_000, 60, 30_000)
+
+CriteoText = namedtuple("CriteoText", "path vw_path n_rows w_true comparator_log_loss positive_rate")
+CriteoText.__doc__ = ("Result of :func:`make_criteo_text`: file paths, rows, true weights ``(num_features,)`` over "
+                      "the hashed features of :func:`~pyro_convexvb.online.iter_criteo`, the true model's total log "
+                      "loss on the file's labels, and the fraction of positive labels.")
+
+
+def make_criteo_text(path, n_rows, seed=0, num_features=2 ** 22, hash_seed=0, vw_path=None, weight_std=0.5,
+                     weight_density=0.3, positive_rate=0.25, zipf=1.1, missing=0.15, chunk_rows=50_000):
+    r"""Write a file in the Criteo display-advertising layout whose labels follow a known sparse logistic model.
+
+    Each line is ``label \t I1 ... I13 \t C1 ... C26`` (tab-separated; Shamir & Szpankowski 2021, §4, describe the
+    layout): integer columns hold counts ``floor(exp(N(1, 1.5^2)))``, categorical columns 8-digit hex tokens drawn
+    from a Zipf law with exponent ``zipf`` over :data:`CRITEO_VOCAB_SIZES`; every field is empty with probability
+    ``missing``.  The row's features are those :func:`~pyro_convexvb.online.iter_criteo` forms (bias, integer
+    buckets, tokens, hashed into ``num_features`` buckets with ``hash_seed``), so the true model lives in the
+    learner's feature space: a weight ``N(0, weight_std^2)`` on the bucket of each token with probability
+    ``weight_density`` (0 otherwise), labels ``y ~ Bernoulli(sigmoid(b + x^T w))`` with the intercept ``b`` on the
+    bias bucket set so that about ``positive_rate`` of the labels are 1.
+
+    With ``vw_path`` the same rows are also written in Vowpal Wabbit's text format, ``{-1|1} |f tokens``, the
+    tokens being the ones the project hashes (``"5#L21"``, ``"17=0000a3f1"``); VW adds its own constant.
+
+    :param path: output file (text; ``.gz`` is compressed).
+    :param int n_rows: number of rows.
+    :param int seed: the file is a deterministic function of all arguments.
+    :param int num_features: hash buckets of the true model (use the same in the reader).
+    :param int hash_seed: hashing seed (``seed=`` of the reader).
+    :returns: :class:`CriteoText`.
+
+    Example::
+
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> info = make_criteo_text(os.path.join(d, "c.txt"), 1000, seed=0, vw_path=os.path.join(d, "c.vw"))
+        >>> info.n_rows, info.w_true.shape, 0.15 < info.positive_rate < 0.35
+        (1000, (4194304,), True)
+    """
+    import gzip
+    import zlib
+
+    from .online._textio import integer_bin
+
+    if isinstance(n_rows, bool) or int(n_rows) != n_rows or n_rows < 0:
+        raise ValueError(f"n_rows: expected a non-negative integer, got {n_rows!r}")
+    if isinstance(num_features, bool) or int(num_features) != num_features or num_features < 1:
+        raise ValueError(f"num_features: expected a positive integer, got {num_features!r}")
+    if not 0 < positive_rate < 1:
+        raise ValueError(f"positive_rate: expected a number in (0, 1), got {positive_rate!r}")
+    if not 0 <= missing < 1:
+        raise ValueError(f"missing: expected a probability in [0, 1), got {missing!r}")
+    if not zipf > 1:
+        raise ValueError(f"zipf: expected an exponent > 1, got {zipf!r}")
+    n_rows, d = int(n_rows), int(num_features)
+    rng = np.random.default_rng([seed, 7])
+    wrng = np.random.default_rng([seed, 8])
+    # vocabularies: token strings, their buckets and weights
+    vocab, vocab_col = [], []
+    w = np.zeros(d)
+    for j, size in enumerate(CRITEO_VOCAB_SIZES, start=14):
+        ids = np.unique(wrng.integers(0, 1 << 28, size=2 * size))  # distinct token ids, then a random subset
+        ids = ids[wrng.permutation(len(ids))[:size]]
+        toks = np.array([f"{k:08x}" for k in ids], dtype=object)
+        cols = np.fromiter((zlib.crc32(f"{j}={t}".encode(), hash_seed) % d for t in toks), np.int64, size)
+        vocab.append(toks)
+        vocab_col.append(cols)
+    int_values = np.arange(0, 1 << 12)
+    bins = [np.fromiter((zlib.crc32(f"{j}#{integer_bin(v)}".encode(), hash_seed) % d for v in int_values),
+                        np.int64, len(int_values)) for j in range(1, 14)]
+    bias_col = zlib.crc32(b"__bias__", hash_seed) % d
+    touched = np.unique(np.concatenate(vocab_col + bins))
+    on = touched[wrng.random(len(touched)) < weight_density]
+    w[on] = wrng.normal(0.0, weight_std, size=len(on))
+    w[bias_col] = 0.0
+    zipf_cdf = [np.cumsum(np.arange(1, s + 1, dtype=np.float64) ** -zipf) for s in CRITEO_VOCAB_SIZES]
+    # intercept from a pilot sample (its own generator, so the file does not depend on it)
+    prng = np.random.default_rng([seed, 9])
+
+    def draw(g, m):
+        ints = np.minimum(np.floor(np.exp(g.normal(1.0, 1.5, size=(m, 13)))), len(int_values) - 1).astype(np.int64)
+        ints_miss = g.random((m, 13)) < missing
+        cats = np.empty((m, 26), dtype=np.int64)
+        for c, cdf in enumerate(zipf_cdf):
+            cats[:, c] = np.minimum(np.searchsorted(cdf, g.random(m) * cdf[-1], side="right"), len(cdf) - 1)
+        cats_miss = g.random((m, 26)) < missing
+        s = np.zeros(m)
+        for c in range(13):
+            s += np.where(ints_miss[:, c], 0.0, w[bins[c][ints[:, c]]])
+        for c in range(26):
+            s += np.where(cats_miss[:, c], 0.0, w[vocab_col[c][cats[:, c]]])
+        return ints, ints_miss, cats, cats_miss, s
+
+    s_pilot = draw(prng, 20_000)[-1]
+    lo, hi = -30.0, 30.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if (1 / (1 + np.exp(-(s_pilot + mid)))).mean() < positive_rate else (lo, mid)
+    b = 0.5 * (lo + hi)
+    w[bias_col] = b
+
+    def opener(p):
+        return gzip.open(p, "wt", encoding="utf-8", newline="") if str(p).endswith(".gz") else \
+            open(p, "w", encoding="utf-8", newline="")
+
+    total_ll, n_pos = 0.0, 0
+    int_str = np.array([str(v) for v in int_values], dtype=object)
+    int_vw = [np.array([f"{j}#{integer_bin(v)}" for v in int_values], dtype=object) for j in range(1, 14)]
+    with opener(path) as fh, (opener(vw_path) if vw_path is not None else open(os.devnull, "w")) as fv:
+        for r0 in range(0, n_rows, int(chunk_rows)):
+            m = min(int(chunk_rows), n_rows - r0)
+            ints, ints_miss, cats, cats_miss, s = draw(rng, m)
+            z = s + b
+            y = rng.random(m) < 1 / (1 + np.exp(-z))
+            total_ll += float(np.sum(np.logaddexp(0.0, np.where(y, -z, z))))
+            n_pos += int(y.sum())
+            fields = [np.where(y, "1", "0").astype(object)]
+            fields += [np.where(ints_miss[:, c], "", int_str[ints[:, c]]) for c in range(13)]
+            fields += [np.where(cats_miss[:, c], "", vocab[c][cats[:, c]]) for c in range(26)]
+            fh.write("".join("\t".join(row) + "\n" for row in zip(*fields)))
+            if vw_path is not None:
+                vw = [np.where(y, "1 |f", "-1 |f").astype(object)]
+                vw += [np.where(ints_miss[:, c], "", " " + int_vw[c][ints[:, c]]) for c in range(13)]
+                vw += [np.where(cats_miss[:, c], "", f" {c + 14}=" + vocab[c][cats[:, c]]) for c in range(26)]
+                fv.write("".join("".join(row) + "\n" for row in zip(*vw)))
+    return CriteoText(str(path), None if vw_path is None else str(vw_path), n_rows, w, total_ll,
+                      n_pos / n_rows if n_rows else float("nan"))
+
+
+def svmlight_to_vw(path, vw_path):
+    """Rewrite an svmlight file in Vowpal Wabbit's text format (``{-1|1} |f idx:value ...``; labels ``> 0`` -> 1).
+
+    Example::
+
+        >>> svmlight_to_vw("data.svm", "data.vw")   # doctest: +SKIP
+    """
+    from .online._textio import iter_blocks, split_lines
+
+    with open(vw_path, "w", encoding="utf-8") as out:
+        for block, _ in iter_blocks(path):
+            lines = []
+            for ln in split_lines(block):
+                ln = ln.split(b"#", 1)[0].decode().split()
+                if not ln:
+                    continue
+                lab = "1" if float(ln[0]) > 0 else "-1"
+                lines.append(f"{lab} |f {' '.join(t for t in ln[1:] if not t.startswith('qid:'))}\n")
+            out.write("".join(lines))

@@ -224,7 +224,7 @@ def _row_update(method, link, a, mean_newton, var_value, tol, maxiter, y, start,
     return unconverged
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def run_diagonal(method, link, mean_newton, var_value, tol, maxiter, batch_size, indptr, indices,
                  data, y, mu, s2, samples, p1_out, ll_out, acc_h, acc_eta, buf_mu, buf_s2):
     """Stream rows ``0..n-1`` of a CSR chunk, updating ``mu``/``s2`` in place.
@@ -284,7 +284,7 @@ def run_diagonal(method, link, mean_newton, var_value, tol, maxiter, batch_size,
     return unconverged, skipped
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def run_adagrad(link, eta, delta, indptr, indices, data, y, w, G, p1_out, ll_out):
     """SGD with AdaGrad step sizes (Duchi et al., 2011) on the log-loss of ``F(x^T w)``."""
     n = indptr.shape[0] - 1

@@ -92,6 +92,18 @@ def _crc_table():
 _CRC_TABLE = _crc_table()
 
 
+def _crc_tables4():
+    """Slicing-by-4 tables ``(4, 256)``: ``T_k[n]`` is the CRC of byte ``n`` followed by ``k`` zero bytes."""
+    t = np.empty((4, 256), dtype=np.int64)
+    t[0] = _CRC_TABLE
+    for k in range(1, 4):
+        t[k] = (t[k - 1] >> 8) ^ t[0][t[k - 1] & 0xFF]
+    return t
+
+
+_CRC_TABLES4 = _crc_tables4()
+
+
 def integer_bin(value):
     """Bucket of a count feature: the value itself up to 2, then ``"L" + floor(log(v)^2)``.
 
@@ -136,10 +148,18 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 if njit is not None:
     @njit(cache=True, nogil=True)
-    def _crc_continue(state, buf, s, e, table):
+    def _crc_continue(state, buf, s, e, t4):
+        """``zlib.crc32(buf[s:e], state)``, four bytes a step (slicing-by-4)."""
         c = (~state) & 0xFFFFFFFF
-        for k in range(s, e):
-            c = table[(c ^ buf[k]) & 0xFF] ^ (c >> 8)
+        k = s
+        while e - k >= 4:
+            c ^= np.int64(buf[k]) | (np.int64(buf[k + 1]) << 8) | (np.int64(buf[k + 2]) << 16) \
+                | (np.int64(buf[k + 3]) << 24)
+            c = t4[3, c & 0xFF] ^ t4[2, (c >> 8) & 0xFF] ^ t4[1, (c >> 16) & 0xFF] ^ t4[0, c >> 24]
+            k += 4
+        while k < e:
+            c = t4[0, (c ^ buf[k]) & 0xFF] ^ (c >> 8)
+            k += 1
         return (~c) & 0xFFFFFFFF
 
     @njit(cache=True, nogil=True)
@@ -183,7 +203,7 @@ if njit is not None:
 
     @njit(cache=True, nogil=True)
     def _delimited_kernel(buf, pos, end, delim, need, label_column, kinds, prefix, bin_prefix, add_bias,
-                          bias_col, num_features, table, max_rows, row0, nnz0, indptr, indices, labels,
+                          bias_col, num_features, t4, max_rows, row0, nnz0, indptr, indices, data, labels,
                           fstart, fend, scratch):
         """Parse whole lines of ``buf[pos:end]`` into rows ``row0, row0 + 1, ...`` (at most ``max_rows``).
 
@@ -195,25 +215,32 @@ if njit is not None:
         nnz = nnz0
         lines = 0
         while pos < end and row < max_rows:
+            # one scan: field bounds up to the newline
+            nf = 0
+            s = pos
             e = pos
-            while buf[e] != 10:
+            while True:
+                b = buf[e]
+                if b == 10:
+                    break
+                if b == delim:
+                    if nf < need:
+                        fstart[nf] = s
+                        fend[nf] = e
+                    nf += 1
+                    s = e + 1
                 e += 1
             nxt = e + 1
-            if e > pos and buf[e - 1] == 13:
+            if e > s and buf[e - 1] == 13:
                 e -= 1
             if e == pos:  # blank line
                 pos = nxt
                 lines += 1
                 continue
-            nf = 0
-            s = pos
-            for k in range(pos, e + 1):
-                if k == e or buf[k] == delim:
-                    if nf < need:
-                        fstart[nf] = s
-                        fend[nf] = k
-                    nf += 1
-                    s = k + 1
+            if nf < need:
+                fstart[nf] = s
+                fend[nf] = e
+            nf += 1
             if nf < need:
                 return 2, pos, row, nnz, lines
             ok, lab = _plain_int(buf, fstart[label_column], fend[label_column])
@@ -233,12 +260,12 @@ if njit is not None:
                         nnz = k0
                         return 1, pos, row, nnz, lines
                     if v <= 2:
-                        h = _crc_digits(prefix[j], v, table, scratch)
+                        h = _crc_digits(prefix[j], v, t4[0], scratch)
                     else:
                         lg = math.log(float(v))
-                        h = _crc_digits(bin_prefix[j], np.int64(math.floor(lg * lg)), table, scratch)
+                        h = _crc_digits(bin_prefix[j], np.int64(math.floor(lg * lg)), t4[0], scratch)
                 else:
-                    h = _crc_continue(prefix[j], buf, fstart[j], fend[j], table)
+                    h = _crc_continue(prefix[j], buf, fstart[j], fend[j], t4)
                 indices[nnz] = h % num_features
                 nnz += 1
             # sort the row's columns (insertion sort: a few dozen entries)
@@ -249,32 +276,22 @@ if njit is not None:
                     indices[b + 1] = indices[b]
                     b -= 1
                 indices[b + 1] = key
+            # merge colliding columns (summed, as hash_features does)
+            out = k0
+            for a in range(k0, nnz):
+                if a > k0 and indices[a] == indices[out - 1]:
+                    data[out - 1] += 1.0
+                else:
+                    indices[out] = indices[a]
+                    data[out] = 1.0
+                    out += 1
+            nnz = out
             labels[row] = lab
             row += 1
             indptr[row] = nnz
             pos = nxt
             lines += 1
         return 0, pos, row, nnz, lines
-
-    @njit(cache=True, nogil=True)
-    def _sum_duplicates(indptr, indices, data):
-        """In place: merge equal neighbours of each sorted row, summing values; returns the new nnz."""
-        n = indptr.shape[0] - 1
-        out = 0
-        start = 0
-        for r in range(n):
-            end = indptr[r + 1]
-            first = out
-            for k in range(start, end):
-                if out > first and indices[out - 1] == indices[k]:
-                    data[out - 1] += data[k]
-                else:
-                    indices[out] = indices[k]
-                    data[out] = data[k]
-                    out += 1
-            start = end
-            indptr[r + 1] = out
-        return out
 
 
 def have_kernels():
@@ -334,29 +351,26 @@ class _ChunkBuilder:
     def new(self):
         self.indptr = np.zeros(self.chunk_size + 1, dtype=np.int64)
         self.indices = np.empty(self.chunk_size * self.width, dtype=np.int64)
+        self.data = np.empty(self.chunk_size * self.width, dtype=np.float64)
         self.labels = np.empty(self.chunk_size, dtype=np.float64)
         self.row = 0
         self.nnz = 0
 
     def add(self, label, cols):
-        cols = np.sort(cols)
+        cols, counts = np.unique(cols, return_counts=True)
         self.indices[self.nnz:self.nnz + len(cols)] = cols
+        self.data[self.nnz:self.nnz + len(cols)] = counts
         self.nnz += len(cols)
         self.labels[self.row] = label
         self.row += 1
         self.indptr[self.row] = self.nnz
 
     def take(self, num_features):
+        """The chunk so far as canonical CSR (sorted, duplicate-free rows) and labels; starts a new chunk."""
         m, nnz = self.row, self.nnz
-        indptr, indices = self.indptr[:m + 1], self.indices[:nnz]
-        data = np.ones(nnz, dtype=np.float64)
-        if njit is not None:
-            nnz = _sum_duplicates(indptr, indices, data)
-            X = sp.csr_matrix((data[:nnz], indices[:nnz], indptr), shape=(m, num_features))
-        else:
-            X = sp.csr_matrix((data, indices, indptr), shape=(m, num_features))
-            X.sum_duplicates()
+        X = sp.csr_matrix((self.data[:nnz], self.indices[:nnz], self.indptr[:m + 1]), shape=(m, num_features))
         X.has_sorted_indices = True
+        X.has_canonical_format = True
         y = self.labels[:m]
         self.new()
         return X, y
@@ -370,7 +384,7 @@ def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTE
     use_kernel = have_kernels() if use_kernel is None else use_kernel
     out = _ChunkBuilder(chunk_size, spec.width)
     delim = spec.delimiter.encode()[0]
-    table = _CRC_TABLE.astype(np.int64)
+    t4 = _CRC_TABLES4
     fstart = np.empty(spec.need, dtype=np.int64)
     fend = np.empty(spec.need, dtype=np.int64)
     scratch = np.empty(24, dtype=np.int64)
@@ -394,8 +408,8 @@ def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTE
         while pos < end:
             status, pos, row, nnz, lines = _delimited_kernel(
                 buf, pos, end, delim, spec.need, spec.label_column, spec.kinds, spec.prefix, spec.bin_prefix,
-                spec.add_bias, spec.bias_col, spec.num_features, table, chunk_size, out.row, out.nnz,
-                out.indptr, out.indices, out.labels, fstart, fend, scratch)
+                spec.add_bias, spec.bias_col, spec.num_features, t4, chunk_size, out.row, out.nnz,
+                out.indptr, out.indices, out.data, out.labels, fstart, fend, scratch)
             out.row, out.nnz = row, nnz
             lineno += lines
             if status == 0:
