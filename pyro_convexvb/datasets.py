@@ -512,6 +512,8 @@ def read_byte_range(path, shard):
         [b'a\nbb\n', b'ccc\n']
     """
     r, P = _check_shard(shard)
+    if str(path).endswith(".gz"):
+        return _read_byte_range_gz(path, r, P)
     size = os.path.getsize(path)
     a, b = size * r // P, size * (r + 1) // P
     with open(path, "rb") as f:
@@ -527,12 +529,102 @@ def read_byte_range(path, shard):
     return data, start
 
 
-def _load_svmlight_shard(path, n_features, dtype, device, zero_based, shard):
+def _read_byte_range_gz(path, r, P):
+    """:func:`read_byte_range` of the decompressed bytes of a ``.gz`` file (two streaming passes: size, range)."""
+    import gzip
+
+    size = 0
+    with gzip.open(path, "rb") as f:
+        while True:
+            block = f.read(1 << 22)
+            if not block:
+                break
+            size += len(block)
+    a, b = size * r // P, size * (r + 1) // P
+    with gzip.open(path, "rb") as f:
+        if a > 0:
+            f.seek(a - 1)  # decompresses up to there
+            f.readline()
+        start = f.tell()
+        if start >= b:
+            return b"", start
+        data = f.read(b - start)
+        if data and not data.endswith(b"\n"):
+            data += f.readline()
+    return data, start
+
+
+def _lines_before(path, start):
+    """Number of lines that end before byte ``start`` of ``path`` (plain or ``.gz``); for error messages."""
+    from .online._textio import open_binary
+
+    n, left = 0, start
+    with open_binary(path) as f:
+        while left > 0:
+            block = f.read(min(left, 1 << 22))
+            if not block:
+                break
+            n += block.count(b"\n")
+            left -= len(block)
+    return n
+
+
+def _parse_svmlight_all(data, path, first_lineno, use_sklearn):
+    """``(indptr, indices, values, labels)`` of whole svmlight lines (``bytes``), indices as written."""
+    from .online._textio import parse_svmlight_bytes
+
+    if not data:
+        return (np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0))
+    if not data.endswith(b"\n"):
+        data += b"\n"
+    return parse_svmlight_bytes(data, path, first_lineno, use_sklearn)
+
+
+def _read_svmlight_file(path, use_sklearn):
+    """All rows of a plain or ``.gz`` svmlight file through the reading core, indices as written."""
+    from .online._textio import iter_blocks, parse_svmlight_bytes
+
+    parts = [parse_svmlight_bytes(block, str(path), lineno, use_sklearn) for block, lineno in iter_blocks(path)]
+    if not parts:
+        return (np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0))
+    counts = np.concatenate([np.diff(p[0]) for p in parts])
+    indptr = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    return (indptr, np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts]),
+            np.concatenate([p[3] for p in parts]))
+
+
+def _check_indices(indices, indptr, path, zero_based, data_lines):
+    """Shift to zero-based and check non-negative; errors name the line (``data_lines(row)``)."""
+    if not zero_based:
+        indices = indices - 1
+    if indices.size and indices.min() < 0:
+        k = int(np.argmax(indices < 0))
+        row = int(np.searchsorted(indptr, k, side="right") - 1)
+        raise ValueError(f"{path}, line {data_lines(row)}: feature index 0 in a file read as one-based "
+                         "(use zero_based=True)")
+    return indices
+
+
+def _row_line_finder(path, data, first_lineno):
+    def find(row):
+        from .online._textio import _first_bad_line
+
+        return _first_bad_line(data if data.endswith(b"\n") else data + b"\n", first_lineno, row)
+    return find
+
+
+def _load_svmlight_shard(path, n_features, dtype, device, zero_based, shard, use_sklearn):
     import scipy.sparse as sp
     from . import distributed
 
-    data, _ = read_byte_range(path, shard)
-    indptr, indices, values, y = parse_svmlight_lines(data.decode().splitlines(), str(path))
+    data, start = read_byte_range(path, shard)
+    try:
+        indptr, indices, values, y = _parse_svmlight_all(data, str(path), 1, use_sklearn)
+    except ValueError:  # name the line of the file, not of the shard
+        first = _lines_before(path, start) + 1
+        _parse_svmlight_all(data, str(path), first, False)
+        raise
     agree = _agreeing(shard)
     if zero_based == "auto":
         if shard[1] > 1 and not agree:
@@ -541,10 +633,8 @@ def _load_svmlight_shard(path, n_features, dtype, device, zero_based, shard):
         low = float(indices.min()) if indices.size else math.inf
         low = distributed.all_reduce_min(low) if agree else low
         zero_based = low == 0
-    if not zero_based:
-        indices = indices - 1
-    if indices.size and indices.min() < 0:
-        raise ValueError(f"{path}: feature index 0 in a file read as one-based (use zero_based=True)")
+    indices = _check_indices(indices, indptr, path, zero_based,
+                             _row_line_finder(path, data, _lines_before(path, start) + 1 if data else 1))
     needed = int(indices.max()) + 1 if indices.size else 0
     if n_features is None:
         if shard[1] > 1 and not agree:
@@ -554,7 +644,6 @@ def _load_svmlight_shard(path, n_features, dtype, device, zero_based, shard):
     elif n_features < needed:
         raise ValueError(f"n_features: {n_features} is smaller than the largest feature index + 1 ({needed})")
     m = sp.csr_matrix((values, indices, indptr), shape=(len(y), n_features))
-    m.sum_duplicates()
     return _scipy_csr_to_torch(m, dtype, device), torch.as_tensor(y, dtype=dtype, device=device)
 
 
@@ -563,8 +652,16 @@ def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_
     """Read a LIBSVM/svmlight text file (``label idx:value ...``; ``#`` comments, ``qid:`` ignored).
 
     With ``shard=(rank, world_size)`` only this rank's part of the file is read: the lines that start in
-    byte range ``rank`` of ``world_size`` equal ranges (:func:`read_byte_range`; no rank reads the whole file),
-    parsed by the pure-Python parser. Concatenating the shards in rank order gives the whole file's rows.
+    byte range ``rank`` of ``world_size`` equal ranges (:func:`read_byte_range`; no rank reads the whole file of
+    a plain file, a ``.gz`` file is decompressed as a stream). Concatenating the shards in rank order gives the
+    whole file's rows.
+
+    Plain and ``.gz`` files are read by the reading core of the online streams
+    (:func:`pyro_convexvb.online.iter_svmlight`): blocks of lines (only ``\\n`` ends a line, ``\\r\\n`` too),
+    parsed by scikit-learn's compiled parser (``backend="sklearn"``) or the pure-Python one (``"python"``; the
+    sklearn backend falls back to it for a block it rejects). Both give the same result: indices of a row
+    may come in any order (they are sorted); a duplicated index raises, as in scikit-learn; errors name the
+    file and the line.
     ``n_features`` and ``zero_based="auto"`` must agree over ranks: when the shards are the ranks of an initialised
     process group they are agreed by an all-reduce (max index, min index), otherwise give them.
 
@@ -574,8 +671,8 @@ def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_
     :param device: torch device.
     :param zero_based: ``True``, ``False`` or ``"auto"`` (one-based unless an index 0 occurs),
         as in scikit-learn.
-    :param backend: ``"sklearn"`` (``sklearn.datasets.load_svmlight_file``), ``"python"`` (a small
-        pure parser) or ``"auto"`` (scikit-learn when installed).
+    :param backend: ``"sklearn"`` (``sklearn.datasets.load_svmlight_file`` per block of lines), ``"python"``
+        (a small pure parser) or ``"auto"`` (scikit-learn when installed).
     :param shard: ``None`` (the whole file) or ``(rank, world_size)``.
     :returns: ``(X (N, n_features) torch sparse CSR, y (N,))`` with labels *as in the file*
         (use :func:`labels01` for {0, 1}); with ``shard``, this rank's rows.
@@ -595,8 +692,6 @@ def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_
     if not os.path.isfile(path):
         raise FileNotFoundError(f"path: no such file {str(path)!r}")
     shard = _check_shard(shard)
-    if shard is not None:
-        return _load_svmlight_shard(path, n_features, dtype, device, zero_based, shard)
     if backend == "auto":
         try:
             import sklearn.datasets  # noqa: F401
@@ -604,20 +699,31 @@ def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_
             backend = "sklearn"
         except ImportError:  # pragma: no cover - depends on the environment
             backend = "python"
-    if backend == "sklearn":
-        from sklearn.datasets import load_svmlight_file
+    use_sklearn = backend == "sklearn"
+    if shard is not None:
+        return _load_svmlight_shard(path, n_features, dtype, device, zero_based, shard, use_sklearn)
+    indptr, indices, values, y = _read_svmlight_file(path, use_sklearn)
+    if zero_based == "auto":
+        zero_based = bool(indices.size) and int(indices.min()) == 0
 
-        m, y = load_svmlight_file(str(path), n_features=n_features, dtype=np.float64, zero_based=zero_based)
-        m = sp.csr_matrix(m)
-    else:
-        indptr, indices, values, y = read_svmlight(path, zero_based)
-        needed = int(indices.max()) + 1 if indices.size else 0
-        if n_features is None:
-            n_features = needed
-        elif n_features < needed:
-            raise ValueError(f"n_features: {n_features} is smaller than the largest feature index + 1 ({needed})")
-        m = sp.csr_matrix((values, indices, indptr), shape=(len(y), n_features))
-    m.sum_duplicates()
+    def line_of(row):
+        from .online._textio import _first_bad_line, iter_blocks
+
+        seen = 0
+        for block, lineno in iter_blocks(path):
+            n = len(_parse_svmlight_all(block, str(path), lineno, False)[3])
+            if row < seen + n:
+                return _first_bad_line(block, lineno, row - seen)
+            seen += n
+        return "?"
+
+    indices = _check_indices(indices, indptr, path, zero_based, line_of)
+    needed = int(indices.max()) + 1 if indices.size else 0
+    if n_features is None:
+        n_features = needed
+    elif n_features < needed:
+        raise ValueError(f"n_features: {n_features} is smaller than the largest feature index + 1 ({needed})")
+    m = sp.csr_matrix((values, indices, indptr), shape=(len(y), n_features))
     return _scipy_csr_to_torch(m, dtype, device), torch.as_tensor(y, dtype=dtype, device=device)
 
 
@@ -627,6 +733,8 @@ def load_csv(path, label_column=0, delimiter=",", header=False, dtype=torch.floa
     With ``shard=(rank, world_size)`` only the lines that start in byte range ``rank`` of ``world_size`` equal
     ranges are read (:func:`read_byte_range`; no rank reads the whole file); concatenating the shards in rank order
     gives the whole file's rows. A header line (``header=True``) is dropped by the rank whose range holds byte 0.
+    ``.gz`` files are decompressed; lines end at ``\\n`` (``\\r\\n`` too; a form feed is an ordinary character);
+    blank lines are skipped; errors name the file and line.
 
     :param path: file path.
     :param int label_column: column of the labels (negative counts from the end), or ``None`` for no labels.
@@ -649,23 +757,33 @@ def load_csv(path, label_column=0, delimiter=",", header=False, dtype=torch.floa
     _check_float_dtype(dtype)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"path: no such file {str(path)!r}")
+    from .online._textio import open_binary, split_lines
+
     shard = _check_shard(shard)
     if shard is None:
-        with open(path, "rb") as f:
+        with open_binary(path) as f:
             data, start = f.read(), 0
     else:
         data, start = read_byte_range(path, shard)
-    lines = data.decode().splitlines()
+    first = 1 if start == 0 else _lines_before(path, start) + 1
+    lines = split_lines(data if not data or data.endswith(b"\n") else data + b"\n")
     if header and start == 0 and lines:
-        lines = lines[1:]
-    lines = [ln for ln in lines if ln.strip()]
-    if not lines:
-        table = np.zeros((0, 0))
-    else:
+        lines, first = lines[1:], 2
+    rows, width = [], None
+    for lineno, ln in enumerate(lines, first):
+        if not ln.strip():
+            continue
         try:
-            table = np.array([[float(v) for v in ln.split(delimiter)] for ln in lines], dtype=np.float64)
-        except ValueError as e:
-            raise ValueError(f"{path}: a non-numeric field ({e}); header=True skips a header line") from None
+            row = [float(v) for v in ln.decode("utf-8").split(delimiter)]
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}, line {lineno}: a non-numeric field ({e}); header=True skips a header "
+                             "line") from None
+        if width is None:
+            width = len(row)
+        elif len(row) != width:
+            raise ValueError(f"{path}, line {lineno}: {len(row)} fields, the lines before have {width}")
+        rows.append(row)
+    table = np.array(rows, dtype=np.float64) if rows else np.zeros((0, 0))
     if label_column is None:
         return torch.as_tensor(table, dtype=dtype, device=device), None
     if table.shape[0] == 0:
