@@ -304,3 +304,70 @@ def run_adagrad(link, eta, delta, indptr, indices, data, y, w, G, p1_out, ll_out
             G[i] += g * g
             w[i] -= eta * g / math.sqrt(G[i] + delta)
     return 0
+
+
+@njit(cache=True, nogil=True)
+def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch_size, indptr, indices,
+                       data, y, mu, s2, samples, p1_out, ll_out, acc_h, acc_eta, buf_mu, buf_s2):
+    """:func:`run_diagonal` for ``K`` learners side by side on the same rows (``mu``, ``s2``: ``(d, K)``).
+
+    Member ``m`` sees exactly the arithmetic of :func:`run_diagonal` on ``mu[:, m]``, ``s2[:, m]``; rows are
+    interleaved (all members on row ``t``, then row ``t + 1``) so a row's features are fetched from memory
+    once for all members.  ``p1_out``, ``ll_out``: ``(n, K)``; ``acc_h``, ``acc_eta``: ``(d, K)`` when
+    ``batch_size > 1``.  Returns ``(unconverged, skipped)`` summed over members.
+    """
+    n = indptr.shape[0] - 1
+    K = mu.shape[1]
+    a = math.pi / 8.0 if link == LOGIT else 1.0
+    unconverged = 0
+    skipped = 0
+    b0 = 0
+    while b0 < n:
+        b1 = min(n, b0 + batch_size)
+        for t in range(b0, b1):
+            start = indptr[t]
+            end = indptr[t + 1]
+            yt = y[t]
+            for m in range(K):
+                mu_m = mu[:, m]
+                s2_m = s2[:, m]
+                mu_t = 0.0
+                s2_t = 0.0
+                for k in range(start, end):
+                    i = indices[k]
+                    x = data[k]
+                    mu_t += x * mu_m[i]
+                    s2_t += x * x * s2_m[i]
+                ct = math.sqrt(1.0 + a * s2_t)
+                p1_out[t, m] = _cdf(mu_t / ct, link)
+                log_p_t = _log_cdf(yt * mu_t / ct, link)
+                ll_out[t, m] = -log_p_t
+                unconverged += _row_update(method, link, a, mean_newton, var_value, tol, maxiter, yt,
+                                           start, end, indices, data, mu_m, s2_m, mu_t, s2_t, log_p_t,
+                                           samples, t, buf_mu, buf_s2)
+                if batch_size == 1:
+                    for k in range(start, end):
+                        i = indices[k]
+                        mu_m[i] = buf_mu[k - start]
+                        s2_m[i] = buf_s2[k - start]
+                else:
+                    for k in range(start, end):
+                        i = indices[k]
+                        acc_h[i, m] += 1.0 / buf_s2[k - start] - 1.0 / s2_m[i]
+                        acc_eta[i, m] += buf_mu[k - start] / buf_s2[k - start] - mu_m[i] / s2_m[i]
+        if batch_size > 1:
+            for m in range(K):
+                for k in range(indptr[b0], indptr[b1]):
+                    i = indices[k]
+                    if acc_h[i, m] != 0.0 or acc_eta[i, m] != 0.0:
+                        h = 1.0 / s2[i, m] + acc_h[i, m]
+                        if h > 0.0 and math.isfinite(h):
+                            eta = mu[i, m] / s2[i, m] + acc_eta[i, m]
+                            s2[i, m] = 1.0 / h
+                            mu[i, m] = eta / h
+                        else:
+                            skipped += 1
+                        acc_h[i, m] = 0.0
+                        acc_eta[i, m] = 0.0
+        b0 = b1
+    return unconverged, skipped
