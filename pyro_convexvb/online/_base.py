@@ -322,7 +322,7 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
     def _snapshot(self, indices):
         """What a chunk with column ``indices`` may change: those entries of the state arrays, the counters,
         ``classes_`` and the extra state."""
-        arrays = {k: a[indices].copy() for k, a in self._state_arrays().items()}
+        arrays = {k: a[indices] for k, a in self._state_arrays().items()}  # fancy indexing copies
         scalars = {k: self.__dict__[k] for k in self._SCALARS if k in self.__dict__}
         classes = self.__dict__.get("classes_")
         extra = self._extra_state()
