@@ -111,11 +111,17 @@ def write_criteo(workdir, rows, seed, bits):
 
 
 def write_svmlight(workdir, scale, seed):
-    from pyro_convexvb.datasets import make_sparse_classification, save_svmlight, svmlight_to_vw
+    """A real-sim-shaped file with values to 7 significant digits, as in the LIBSVM site's files."""
+    from pyro_convexvb.datasets import make_sparse_classification, svmlight_to_vw
 
     X, y, _ = make_sparse_classification("real-sim", scale=scale, seed=seed)
+    crow, col, val = X.crow_indices().numpy(), X.col_indices().numpy(), X.values().numpy()
+    lab = (2 * y - 1).numpy()
     path = os.path.join(workdir, "realsim.svm")
-    save_svmlight(path, X, 2 * y - 1)
+    with open(path, "w") as f:
+        for i in range(X.shape[0]):
+            a, b = crow[i], crow[i + 1]
+            f.write(f"{lab[i]:+.0f} " + " ".join(f"{c + 1}:{v:.7g}" for c, v in zip(col[a:b], val[a:b])) + "\n")
     svmlight_to_vw(path, os.path.join(workdir, "realsim.vw"))
     return {"ours": path, "vw": os.path.join(workdir, "realsim.vw"), "fmt": "svmlight",
             "num_features": X.shape[1], "floor": None, "rows": X.shape[0]}

@@ -243,3 +243,36 @@ def test_prefetch_reraises_and_stops():
     assert next(it) == 0
     it.close()
     assert not it._thread.is_alive()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_svmlight_kernel_equals_the_python_parser_on_odd_numbers(tmp_path, seed):
+    from pyro_convexvb.io import parse_svmlight_lines
+
+    rng = np.random.default_rng(seed)
+    odd = ["1e-5", ".5", "5.", "-0", "+3", "0.000123456789012345", "123456789012345678", "1E+22", "2.5e-23",
+           "inf", "-nan", "1_0", "00012.50", "7e300", "0", "3.14159"]
+    lines = []
+    for t in range(400):
+        k = rng.integers(0, 6)
+        idx = rng.choice(np.arange(1, 40), size=k, replace=False)  # unsorted
+        vals = [rng.choice(odd) if rng.random() < 0.3 else f"{rng.normal():.{rng.integers(1, 17)}g}" for _ in idx]
+        lab = rng.choice(["1", "-1", "+1", "0", "1.0"])
+        sep = rng.choice([" ", "\t", "  "])
+        tail = rng.choice(["", " # c", "\t#x:1", " qid:3"])
+        lines.append(sep.join([lab] + [f"{i}:{v}" for i, v in zip(idx, vals)]) + tail)
+        if t % 50 == 7:
+            lines.append("   ")
+    text = "\n".join(lines) + "\n"
+    p = tmp_path / "odd.svm"
+    p.write_text(text)
+    indptr, indices, values, labels = parse_svmlight_lines(text.splitlines(), "odd")
+    Xr = sp.csr_matrix((values, indices - 1, indptr), shape=(len(labels), 40))
+    Xr.sort_indices()
+    for use_kernel in (True, False):
+        X, y, _ = _stack(_textio.iter_svmlight_chunks(p, 37, 40, 1, block_bytes=500, use_kernel=use_kernel))
+        assert X.shape == Xr.shape
+        np.testing.assert_array_equal(X.indptr, Xr.indptr)
+        np.testing.assert_array_equal(X.indices, Xr.indices)
+        np.testing.assert_array_equal(X.data.view(np.int64), Xr.data.view(np.int64))  # bit for bit, NaN too
+        np.testing.assert_array_equal(y, labels)

@@ -294,6 +294,169 @@ if njit is not None:
         return 0, pos, row, nnz, lines
 
 
+    @njit(cache=True, nogil=True, inline="always")
+    def _is_space(b):
+        return b == 32 or (9 <= b <= 13) or (28 <= b <= 31)
+
+    @njit(cache=True, nogil=True)
+    def _fast_float(buf, s, e, pow10):
+        """``(ok, value)``: ``[+-]digits[.digits][(e|E)[+-]digits]`` with at most 15 digits and a decimal
+        exponent within 22 -- then one correctly rounded operation gives Python's ``float`` (Clinger 1990)."""
+        if s >= e:
+            return False, 0.0
+        neg = False
+        if buf[s] == 45 or buf[s] == 43:
+            neg = buf[s] == 45
+            s += 1
+        m = 0
+        nd = 0
+        frac = 0
+        seen_dot = False
+        k = s
+        while k < e:
+            b = buf[k]
+            if 48 <= b <= 57:
+                if nd > 0 or b != 48:
+                    nd += 1
+                m = m * 10 + (b - 48)
+                if seen_dot:
+                    frac += 1
+                if nd > 15:
+                    return False, 0.0
+            elif b == 46 and not seen_dot:
+                seen_dot = True
+            else:
+                break
+            k += 1
+        digits = k - s - (1 if seen_dot else 0)
+        if digits == 0:
+            return False, 0.0
+        ex = 0
+        if k < e:
+            if buf[k] != 101 and buf[k] != 69:
+                return False, 0.0
+            k += 1
+            eneg = False
+            if k < e and (buf[k] == 45 or buf[k] == 43):
+                eneg = buf[k] == 45
+                k += 1
+            if k >= e or e - k > 3:
+                return False, 0.0
+            while k < e:
+                b = buf[k]
+                if b < 48 or b > 57:
+                    return False, 0.0
+                ex = ex * 10 + (b - 48)
+                k += 1
+            if eneg:
+                ex = -ex
+        ex -= frac
+        if ex < -22 or ex > 22:
+            return False, 0.0
+        v = float(m)
+        if ex >= 0:
+            v = v * pow10[ex]
+        else:
+            v = v / pow10[-ex]
+        return True, -v if neg else v
+
+    @njit(cache=True, nogil=True)
+    def _svm_kernel(buf, pos, end, max_rows, row0, nnz0, indptr, indices, values, labels, pow10):
+        """Parse whole svmlight lines of ``buf[pos:end]`` into rows ``row0, ...`` (at most ``max_rows``).
+
+        Returns ``(status, pos, row, nnz, lines)``: 0 (block done or chunk full), 1 (the line at ``pos`` needs
+        the Python parser: a non-ASCII byte, a number off the fast path, a duplicated or negative index, a
+        malformed token), 3 (the line at ``pos`` does not fit in ``indices``: grow it).
+        """
+        row = row0
+        nnz = nnz0
+        lines = 0
+        cap = indices.shape[0]
+        while pos < end and row < max_rows:
+            e = pos
+            while buf[e] != 10:
+                if buf[e] >= 128 or buf[e] == 35:  # non-ASCII, or the start of a comment
+                    break
+                e += 1
+            if buf[e] >= 128:
+                return 1, pos, row, nnz, lines
+            stop = e  # the data part ends at '#' or at the newline
+            while buf[e] != 10:
+                e += 1
+            nxt = e + 1
+            k = pos
+            while k < stop and _is_space(buf[k]):
+                k += 1
+            if k == stop:  # blank or comment-only line
+                pos = nxt
+                lines += 1
+                continue
+            t0 = k
+            while k < stop and not _is_space(buf[k]):
+                k += 1
+            ok, lab = _fast_float(buf, t0, k, pow10)
+            if not ok:
+                return 1, pos, row, nnz, lines
+            k0 = nnz
+            while True:
+                while k < stop and _is_space(buf[k]):
+                    k += 1
+                if k >= stop:
+                    break
+                t0 = k
+                colon = -1
+                while k < stop and not _is_space(buf[k]):
+                    if buf[k] == 58 and colon < 0:
+                        colon = k
+                    k += 1
+                if colon < 0:
+                    nnz = k0
+                    return 1, pos, row, nnz, lines
+                if colon - t0 == 3 and buf[t0] == 113 and buf[t0 + 1] == 105 and buf[t0 + 2] == 100:
+                    continue  # qid:...
+                if colon == t0 or colon - t0 > 15:
+                    nnz = k0
+                    return 1, pos, row, nnz, lines
+                idx = 0
+                for q in range(t0, colon):
+                    b = buf[q]
+                    if b < 48 or b > 57:
+                        nnz = k0
+                        return 1, pos, row, nnz, lines
+                    idx = idx * 10 + (b - 48)
+                ok, v = _fast_float(buf, colon + 1, k, pow10)
+                if not ok:
+                    nnz = k0
+                    return 1, pos, row, nnz, lines
+                if nnz >= cap:
+                    nnz = k0
+                    return 3, pos, row, nnz, lines
+                indices[nnz] = idx
+                values[nnz] = v
+                nnz += 1
+            # sort the row by index (insertion sort, values along); a duplicate goes to the Python parser
+            for a in range(k0 + 1, nnz):
+                key = indices[a]
+                val = values[a]
+                b = a - 1
+                while b >= k0 and indices[b] > key:
+                    indices[b + 1] = indices[b]
+                    values[b + 1] = values[b]
+                    b -= 1
+                indices[b + 1] = key
+                values[b + 1] = val
+            for a in range(k0 + 1, nnz):
+                if indices[a] == indices[a - 1]:
+                    nnz = k0
+                    return 1, pos, row, nnz, lines
+            labels[row] = lab
+            row += 1
+            indptr[row] = nnz
+            pos = nxt
+            lines += 1
+        return 0, pos, row, nnz, lines
+
+
 def have_kernels():
     return njit is not None
 
@@ -473,9 +636,15 @@ def parse_svmlight_block(lines, path, first_lineno):
             np.array(values, dtype=np.float64), np.array(labels, dtype=np.float64))
 
 
-def parse_svmlight_bytes(block, path, first_lineno, use_sklearn=True):
+def parse_svmlight_bytes(block, path, first_lineno, use_sklearn=True, use_kernel=None):
     """``(indptr, indices, values, labels)`` of a block of whole svmlight lines, indices as written, each
-    row's indices sorted; scikit-learn's compiled parser when it accepts the block, else the reference."""
+    row's indices sorted: the compiled line parser (``use_kernel``, default: with ``use_sklearn`` when numba is
+    installed) up to the first line it declines, then scikit-learn's compiled parser when it accepts the rest,
+    else the reference parser."""
+    if use_kernel is None:
+        use_kernel = use_sklearn and have_kernels()
+    if use_kernel and block:
+        return _parse_block_kernel(block, path, first_lineno, use_sklearn)
     if use_sklearn and b"\f" not in block and b"\r" not in block:
         try:
             from sklearn.datasets import load_svmlight_file
@@ -506,9 +675,10 @@ def _first_bad_line(block, first_lineno, bad_row):
     return first_lineno
 
 
-def read_svmlight_rows(block, path, first_lineno, shift, num_features=None, hashing=None, use_sklearn=True):
+def read_svmlight_rows(block, path, first_lineno, shift, num_features=None, hashing=None, use_sklearn=True,
+                       use_kernel=None):
     """Rows of a block as zero-based CSR arrays, checked (or hashed); errors name the line."""
-    indptr, indices, values, labels = parse_svmlight_bytes(block, path, first_lineno, use_sklearn)
+    indptr, indices, values, labels = parse_svmlight_bytes(block, path, first_lineno, use_sklearn, use_kernel)
     if shift:
         indices = indices - shift
     if indices.size and indices.min() < 0:
@@ -531,15 +701,52 @@ def read_svmlight_rows(block, path, first_lineno, shift, num_features=None, hash
     return indptr, indices, values, labels
 
 
-def iter_svmlight_chunks(path, chunk_size, num_features, shift, hashing=None, block_bytes=_BLOCK_BYTES):
-    """Chunks ``(X, y)`` of ``chunk_size`` rows of an svmlight file (plain or ``.gz``)."""
+_POW10 = np.array([10.0 ** k for k in range(23)])
+
+
+def _parse_block_kernel(block, path, first_lineno, use_sklearn):
+    """Rows of a block by the compiled line parser; from the first line it declines (a number off its exact
+    fast path, a duplicated or negative index, a malformed token, non-ASCII text) the rest of the block goes to
+    scikit-learn's parser (or the Python one), so the result is theirs."""
+    buf = np.frombuffer(block, dtype=np.uint8)
+    n_lines = block.count(b"\n")
+    indptr = np.zeros(n_lines + 1, dtype=np.int64)
+    labels = np.empty(n_lines, dtype=np.float64)
+    cap = max(1024, 16 * n_lines)
+    indices = np.empty(cap, dtype=np.int64)
+    values = np.empty(cap, dtype=np.float64)
+    pos = rows = nnz = lines = 0
+    while True:
+        status, pos, rows, nnz, done = _svm_kernel(buf, pos, len(block), n_lines, rows, nnz, indptr, indices,
+                                                   values, labels, _POW10)
+        lines += done
+        if status != 3:
+            break
+        indices = np.concatenate([indices, np.empty(len(indices), dtype=np.int64)])
+        values = np.concatenate([values, np.empty(len(values), dtype=np.float64)])
+    parts = (indptr[:rows + 1], indices[:nnz], values[:nnz], labels[:rows])
+    if status == 0:
+        return parts
+    rest = parse_svmlight_bytes(block[pos:], path, first_lineno + lines, use_sklearn, use_kernel=False)
+    return (np.concatenate([parts[0], rest[0][1:] + nnz]), np.concatenate([parts[1], rest[1]]),
+            np.concatenate([parts[2], rest[2]]), np.concatenate([parts[3], rest[3]]))
+
+
+_POW10 = np.array([10.0 ** k for k in range(23)])
+
+
+def iter_svmlight_chunks(path, chunk_size, num_features, shift, hashing=None, block_bytes=_BLOCK_BYTES,
+                         use_kernel=None):
+    """Chunks ``(X, y)`` of ``chunk_size`` rows of an svmlight file (plain or ``.gz``): each block by the
+    compiled line parser when numba is installed, and scikit-learn's parser from the first line it declines."""
     if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     chunk_size = int(chunk_size)
     pending = []
     have = 0
     for block, lineno in iter_blocks(path, block_bytes):
-        indptr, indices, values, labels = read_svmlight_rows(block, path, lineno, shift, num_features, hashing)
+        indptr, indices, values, labels = read_svmlight_rows(block, path, lineno, shift, num_features, hashing,
+                                                             use_kernel=use_kernel)
         X = sp.csr_matrix((values, indices, indptr), shape=(len(labels), num_features))
         if hashing is not None:
             X.sum_duplicates()
