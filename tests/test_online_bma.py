@@ -109,10 +109,11 @@ def test_interrupted_reference_chunk_is_rolled_back(monkeypatch, prior_var):
     np.testing.assert_allclose(ll, whole.partial_fit(X, y, return_log_loss=True)[40:], rtol=1e-13)
 
 
+@pytest.mark.parametrize("batch_size", [1, 4])
 @pytest.mark.parametrize("prior_var", [1.0, "auto"])
-def test_interrupt_after_the_kernel_is_rolled_back(monkeypatch, prior_var):
+def test_interrupt_after_the_kernel_is_rolled_back(monkeypatch, prior_var, batch_size):
     X, y = _data()
-    m = OnlineBayesLogistic(D, prior_var=prior_var, fast=True)
+    m = OnlineBayesLogistic(D, prior_var=prior_var, batch_size=batch_size, fast=True)
     m.partial_fit(X[:40], y[:40])
     before = _arrays(m), m.n_seen_, m.cumulative_log_loss_
     real = type(m)._run_fast

@@ -300,6 +300,7 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
             except BaseException:
                 self._restore(snap, first)
                 raise
+            self.__dict__.pop("_undo", None)
         if unconverged:
             warnings.warn(f"{type(self).__name__}: {unconverged} inner Newton solves stopped at "
                           f"maxiter={getattr(self, 'maxiter', '?')} above tol={getattr(self, 'tol', '?')}",
@@ -317,12 +318,17 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
             return self
         return out[0] if len(out) == 1 else tuple(out)
 
+    _undo_log = False  # True: the fast kernels record old values (see _snapshot)
     _SCALARS = ("n_seen_", "cumulative_log_loss_", "n_unconverged_", "n_skipped_", "_negative_known")
 
     def _snapshot(self, indices):
         """What a chunk with column ``indices`` may change: those entries of the state arrays, the counters,
         ``classes_`` and the extra state."""
-        arrays = {k: a[indices] for k, a in self._state_arrays().items()}  # fancy indexing copies
+        self.__dict__.pop("_undo", None)
+        if self.fast_ and self._undo_log:  # the kernel records the old values as it writes them
+            arrays = None
+        else:
+            arrays = {k: a[indices] for k, a in self._state_arrays().items()}  # fancy indexing copies
         scalars = {k: self.__dict__[k] for k in self._SCALARS if k in self.__dict__}
         classes = self.__dict__.get("classes_")
         extra = self._extra_state()
@@ -335,8 +341,13 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
             self.__dict__.pop("classes_", None)
             return
         indices, arrays, scalars, classes, extra = snap
-        for k, a in self._state_arrays().items():
-            a[indices] = arrays[k]
+        if arrays is None:
+            undo = self.__dict__.pop("_undo", None)
+            if undo is not None:  # the kernel ran: replay its record of old values
+                _kernels().undo(undo[2], self._mu, self._s2, undo[0], undo[1])
+        else:
+            for k, a in self._state_arrays().items():
+                a[indices] = arrays[k]
         self.__dict__.update(scalars)
         if classes is not None:
             self.classes_ = classes
@@ -554,6 +565,7 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
 
     _array_constraints = {"s2": "positive"}
     _supports_auto = False
+    _undo_log = True
 
     def _auto(self):
         return isinstance(self.prior_var, str)
@@ -707,10 +719,11 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
             else:
                 acc_h = acc_eta = np.empty((0, K))
             link = k.LOGIT if self.link == "logit" else k.PROBIT
+            self._undo = (np.empty((len(indices), K)), np.empty((len(indices), K)), indices)
             out = k.run_diagonal_multi(self._method_code, link, bool(mean_newton), bool(var_value), float(tol),
                                        int(maxiter), int(self.batch_size), indptr, indices, data, y, self._mu,
                                        self._s2, self._samples(len(y)), p1k, llk, acc_h, acc_eta, np.empty(width),
-                                       np.empty(width))
+                                       np.empty(width), self._undo[0], self._undo[1])
             self._mix(p1k, llk, p1, ll)
             return out
         if int(self.batch_size) > 1:
@@ -719,9 +732,11 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         else:
             acc_h = acc_eta = np.empty(0)
         link = k.LOGIT if self.link == "logit" else k.PROBIT
+        self._undo = (np.empty(len(indices)), np.empty(len(indices)), indices)
         return k.run_diagonal(self._method_code, link, bool(mean_newton), bool(var_value), float(tol),
                               int(maxiter), int(self.batch_size), indptr, indices, data, y, self._mu, self._s2,
-                              self._samples(len(y)), p1, ll, acc_h, acc_eta, np.empty(width), np.empty(width))
+                              self._samples(len(y)), p1, ll, acc_h, acc_eta, np.empty(width), np.empty(width),
+                              self._undo[0], self._undo[1])
 
     def _reference_update(self, x, y, mu_i, s2_i, mu_t, s2_t, log_p_t, samples):
         """New ``(mu, s2, n_unconverged)`` for the row's features; implemented per method."""

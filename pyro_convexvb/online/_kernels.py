@@ -226,8 +226,11 @@ def _row_update(method, link, a, mean_newton, var_value, tol, maxiter, y, start,
 
 @njit(cache=True, nogil=True)
 def run_diagonal(method, link, mean_newton, var_value, tol, maxiter, batch_size, indptr, indices,
-                 data, y, mu, s2, samples, p1_out, ll_out, acc_h, acc_eta, buf_mu, buf_s2):
+                 data, y, mu, s2, samples, p1_out, ll_out, acc_h, acc_eta, buf_mu, buf_s2, undo_mu, undo_s2):
     """Stream rows ``0..n-1`` of a CSR chunk, updating ``mu``/``s2`` in place.
+
+    Before entry ``k`` of the chunk is written, its old values go to ``undo_mu[k]``, ``undo_s2[k]``
+    (``(nnz,)``; every entry is recorded once), so :func:`undo` can restore the state before the chunk.
 
     Returns ``(unconverged, skipped)``: inner solves that hit ``maxiter`` and mini-batch
     feature updates dropped because the summed precision was not positive.
@@ -260,6 +263,8 @@ def run_diagonal(method, link, mean_newton, var_value, tol, maxiter, batch_size,
             if batch_size == 1:
                 for k in range(start, end):
                     i = indices[k]
+                    undo_mu[k] = mu[i]
+                    undo_s2[k] = s2[i]
                     mu[i] = buf_mu[k - start]
                     s2[i] = buf_s2[k - start]
             else:
@@ -270,6 +275,8 @@ def run_diagonal(method, link, mean_newton, var_value, tol, maxiter, batch_size,
         if batch_size > 1:
             for k in range(indptr[b0], indptr[b1]):
                 i = indices[k]
+                undo_mu[k] = mu[i]
+                undo_s2[k] = s2[i]
                 if acc_h[i] != 0.0 or acc_eta[i] != 0.0:
                     h = 1.0 / s2[i] + acc_h[i]
                     if h > 0.0 and math.isfinite(h):
@@ -308,13 +315,14 @@ def run_adagrad(link, eta, delta, indptr, indices, data, y, w, G, p1_out, ll_out
 
 @njit(cache=True, nogil=True)
 def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch_size, indptr, indices,
-                       data, y, mu, s2, samples, p1_out, ll_out, acc_h, acc_eta, buf_mu, buf_s2):
+                       data, y, mu, s2, samples, p1_out, ll_out, acc_h, acc_eta, buf_mu, buf_s2, undo_mu, undo_s2):
     """:func:`run_diagonal` for ``K`` learners side by side on the same rows (``mu``, ``s2``: ``(d, K)``).
 
     Member ``m`` sees exactly the arithmetic of :func:`run_diagonal` on ``mu[:, m]``, ``s2[:, m]``; rows are
     interleaved (all members on row ``t``, then row ``t + 1``) so a row's features are fetched from memory
     once for all members.  ``p1_out``, ``ll_out``: ``(n, K)``; ``acc_h``, ``acc_eta``: ``(d, K)`` when
-    ``batch_size > 1``.  Returns ``(unconverged, skipped)`` summed over members.
+    ``batch_size > 1``; ``undo_mu``, ``undo_s2``: ``(nnz, K)``, the old values (see :func:`run_diagonal`).
+    Returns ``(unconverged, skipped)`` summed over members.
     """
     n = indptr.shape[0] - 1
     K = mu.shape[1]
@@ -348,6 +356,8 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
                 if batch_size == 1:
                     for k in range(start, end):
                         i = indices[k]
+                        undo_mu[k, m] = mu_m[i]
+                        undo_s2[k, m] = s2_m[i]
                         mu_m[i] = buf_mu[k - start]
                         s2_m[i] = buf_s2[k - start]
                 else:
@@ -359,6 +369,8 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
             for m in range(K):
                 for k in range(indptr[b0], indptr[b1]):
                     i = indices[k]
+                    undo_mu[k, m] = mu[i, m]
+                    undo_s2[k, m] = s2[i, m]
                     if acc_h[i, m] != 0.0 or acc_eta[i, m] != 0.0:
                         h = 1.0 / s2[i, m] + acc_h[i, m]
                         if h > 0.0 and math.isfinite(h):
@@ -371,3 +383,12 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
                         acc_eta[i, m] = 0.0
         b0 = b1
     return unconverged, skipped
+
+
+@njit(cache=True, nogil=True)
+def undo(indices, mu, s2, undo_mu, undo_s2):
+    """Restore ``mu``/``s2`` (``(d,)`` or ``(d, K)``) from the old values recorded by :func:`run_diagonal` /
+    :func:`run_diagonal_multi`, newest first, so each entry ends at its value before the chunk."""
+    for k in range(indices.shape[0] - 1, -1, -1):
+        mu[indices[k]] = undo_mu[k]
+        s2[indices[k]] = undo_s2[k]
