@@ -195,3 +195,38 @@ def test_sparse_input_stays_sparse_with_auto():
     X, y = _data(n=10)
     m = OnlineBayesLogistic(D).partial_fit(sp.csr_matrix(X), y)
     assert m._mu.shape == (D, len(AUTO_PRIOR_VARS))
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_occams_window_drops_members_for_good_and_rolls_back(fast, monkeypatch):
+    from pyro_convexvb.online import _base
+
+    X, y = make_online_stream(d=400, d_t=30, weight_std=0.08, seed=2).take(3000)
+    monkeypatch.setattr(_base, "AUTO_LOG_WINDOW", 3.0)  # a narrow window, so members leave on a short stream
+    m = OnlineBayesLogistic(400, fast=fast)
+    ll = np.concatenate([m.partial_fit(X[a:a + 500], y[a:a + 500], return_log_loss=True)
+                         for a in range(0, 3000, 500)])
+    active = m.state_dict()["extra"]["member_active"]
+    assert active == [True, False, False]  # prior_var = 0.01 fits N(0, 0.08^2) weights
+    assert m.prior_var_weights_.tolist() == [1.0, 0.0, 0.0]
+    # the same rows in one chunk give the same numbers (the window is checked row by row)
+    one = OnlineBayesLogistic(400, fast=fast)
+    np.testing.assert_allclose(one.partial_fit(X, y, return_log_loss=True), ll, rtol=1e-12)
+    # after the others left, the average is the remaining member: it matches a lone learner's updates
+    frozen = m._mu[:, 1:].copy()
+    Xn, yn = make_online_stream(d=400, d_t=30, weight_std=0.08, seed=3).take(200)
+    m.partial_fit(Xn, yn)
+    np.testing.assert_array_equal(m._mu[:, 1:], frozen)
+    # a rolled-back chunk restores the members outside the window untouched
+    before = _arrays(m)
+    real = type(m)._run_fast if fast else type(m)._run_reference
+
+    def interrupted(self, *a):
+        real(self, *a)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(m), "_run_fast" if fast else "_run_reference", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        m.partial_fit(Xn, yn)
+    for k, v in _arrays(m).items():
+        np.testing.assert_array_equal(v, before[k])

@@ -37,6 +37,10 @@ def resolve_fast(fast):
 #: :class:`~pyro_convexvb.online.OnlineBayesLogistic`).
 AUTO_PRIOR_VARS = (0.01, 0.1, 1.0)
 
+#: Occam's window of ``prior_var="auto"``: a member whose cumulative log loss exceeds the best one's by more than
+#: this (posterior odds below 1e-9) leaves the average and is no longer updated (Madigan & Raftery 1994).
+AUTO_LOG_WINDOW = float(np.log(1e9))
+
 
 def _logsumexp(a):
     """``log sum_k exp(a[..., k])``, stable."""
@@ -344,7 +348,10 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
         if arrays is None:
             undo = self.__dict__.pop("_undo", None)
             if undo is not None:  # the kernel ran: replay its record of old values
-                _kernels().undo(undo[2], self._mu, self._s2, undo[0], undo[1])
+                if undo[0].ndim == 2:
+                    _kernels().undo_multi(undo[2], self._mu, self._s2, undo[0], undo[1])
+                else:
+                    _kernels().undo(undo[2], self._mu, self._s2, undo[0], undo[1])
         else:
             for k, a in self._state_arrays().items():
                 a[indices] = arrays[k]
@@ -595,6 +602,7 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
             self._s2 = np.empty((num_features, len(grid)))
             self._s2[:] = grid
             self._member_loss = np.zeros(len(grid))
+            self._member_active = np.ones(len(grid), dtype=bool)
         else:
             self._mu = mu
             self._s2 = per_feature(self.prior_var, num_features, "prior_var", positive=True)
@@ -605,7 +613,8 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
     def _extra_state(self):
         if not self._auto():
             return None
-        return {"prior_var_grid": list(AUTO_PRIOR_VARS), "member_log_loss": self._member_loss.tolist()}
+        return {"prior_var_grid": list(AUTO_PRIOR_VARS), "member_log_loss": self._member_loss.tolist(),
+                "member_active": [bool(v) for v in self._member_active]}
 
     def _load_extra_state(self, extra):
         if not self._auto():
@@ -619,7 +628,12 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         if loss.shape != (len(AUTO_PRIOR_VARS),) or not np.all(np.isfinite(loss)) or not np.all(loss >= 0):
             raise ValueError(f"state['extra']['member_log_loss']: expected {len(AUTO_PRIOR_VARS)} finite values "
                              f">= 0, got {extra['member_log_loss']!r}")
+        active = np.asarray(extra.get("member_active", [True] * len(AUTO_PRIOR_VARS)))
+        if active.shape != loss.shape or active.dtype != bool or not active.any():
+            raise ValueError(f"state['extra']['member_active']: expected {len(AUTO_PRIOR_VARS)} booleans, not all "
+                             f"False, got {extra.get('member_active')!r}")
         self._member_loss = loss
+        self._member_active = active
 
     # ------------------------------------------------------------ Bayesian model averaging (prior_var="auto")
     @property
@@ -629,7 +643,7 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         check_is_fitted(self, "n_seen_")
         if not self._auto():
             raise AttributeError("prior_var_weights_: only with prior_var='auto'")
-        return _softmax(-self._member_loss)
+        return _softmax(np.where(self._member_active, -self._member_loss, -np.inf))
 
     def _member_scores(self, Xc):
         """``(n, K)`` scores ``mu_t / c(sigma^2_t)`` of every member (Eqs. (6), (8))."""
@@ -676,7 +690,8 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         ``prior_var="auto"``, ``F^{-1}`` of the averaged probability)."""
         if self._auto():
             z = self._member_scores(Xc)
-            logw = np.log(self.prior_var_weights_)
+            with np.errstate(divide="ignore"):  # a member outside Occam's window has weight 0
+                logw = np.log(self.prior_var_weights_)
             lp1 = _logsumexp(eq.log_link_cdf(z, self.link) + logw)
             lp0 = _logsumexp(eq.log_link_cdf(-z, self.link) + logw)
             if self.link == "logit":
@@ -688,16 +703,21 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         s2_t = np.asarray(Xc.multiply(Xc) @ self._s2)
         return mu_t / eq.shrinkage(s2_t, self.link)
 
-    def _mix(self, p1k, llk, p1, ll):
+    def _mix(self, p1k, llk, p1, ll, until):
         """Model average of the members' progressive predictions ``p1k``, losses ``llk`` (``(n, K)``) into
-        ``p1``, ``ll`` (``(n,)``); advances the members' cumulative log losses."""
+        ``p1``, ``ll`` (``(n,)``); member ``k`` takes part in rows ``t < until[k]`` if it was active at the
+        start.  Advances the members' cumulative log losses and the active set."""
         # sequential sums from the running totals: the same numbers however the stream is cut into chunks
         cum = np.cumsum(np.concatenate([self._member_loss[None, :], llk]), axis=0)
         before = cum[:-1]
-        logw = -before - _logsumexp(-before)[:, None]  # log P(prior k | y_1..y_{t-1})
-        p1[:] = np.sum(np.exp(logw) * p1k, axis=1)
-        ll[:] = -_logsumexp(logw - llk)
+        rows = np.arange(len(llk))[:, None]
+        inside = self._member_active[None, :] & (rows < until[None, :])
+        score = np.where(inside, -before, -np.inf)
+        logw = score - _logsumexp(score)[:, None]  # log P(prior k | y_1..y_{t-1}) within Occam's window
+        p1[:] = np.sum(np.where(inside, np.exp(logw) * p1k, 0.0), axis=1)
+        ll[:] = -_logsumexp(np.where(inside, logw - llk, -np.inf))
         self._member_loss = cum[-1].copy()
+        self._member_active = self._member_active & (until >= len(llk))
 
     # ------------------------------------------------------------ streaming
     def _kernel_flags(self):
@@ -719,12 +739,16 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
             else:
                 acc_h = acc_eta = np.empty((0, K))
             link = k.LOGIT if self.link == "logit" else k.PROBIT
-            self._undo = (np.empty((len(indices), K)), np.empty((len(indices), K)), indices)
+            self._undo = (np.full((len(indices), K), np.nan), np.full((len(indices), K), np.nan), indices)
+            cum = self._member_loss.copy()
+            active = self._member_active.astype(np.uint8)
+            until = np.full(K, len(y), dtype=np.int64)
             out = k.run_diagonal_multi(self._method_code, link, bool(mean_newton), bool(var_value), float(tol),
                                        int(maxiter), int(self.batch_size), indptr, indices, data, y, self._mu,
                                        self._s2, self._samples(len(y)), p1k, llk, acc_h, acc_eta, np.empty(width),
-                                       np.empty(width), self._undo[0], self._undo[1])
-            self._mix(p1k, llk, p1, ll)
+                                       np.empty(width), self._undo[0], self._undo[1], cum, active, until,
+                                       AUTO_LOG_WINDOW)
+            self._mix(p1k, llk, p1, ll, until)
             return out
         if int(self.batch_size) > 1:
             acc_h = np.zeros(self._num_features)
@@ -743,16 +767,30 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         raise NotImplementedError
 
     def _run_reference(self, indptr, indices, data, y, p1, ll):
-        if self._auto():  # the members one after the other (each exactly the single-prior algorithm)
+        if self._auto():  # batch by batch, the active members one after the other, then Occam's window
             K = self._mu.shape[1]
-            p1k, llk = np.empty((len(y), K)), np.empty((len(y), K))
+            n = len(y)
+            p1k, llk = np.full((n, K), 0.5), np.zeros((n, K))
             unconverged = skipped = 0
-            for m in range(K):
-                u, sk = self._run_members(indptr, indices, data, y, p1k[:, m], llk[:, m], self._mu[:, m],
-                                          self._s2[:, m])
-                unconverged += u
-                skipped += sk
-            self._mix(p1k, llk, p1, ll)
+            active = self._member_active.copy()
+            cum = self._member_loss.copy()
+            until = np.full(K, n, dtype=np.int64)
+            batch = int(self.batch_size)
+            for b0 in range(0, n, batch):
+                b1 = min(n, b0 + batch)
+                sub = indptr[b0:b1 + 1] - indptr[b0]
+                sl = slice(indptr[b0], indptr[b1])
+                for m in np.flatnonzero(active):
+                    u, sk = self._run_members(sub, indices[sl], data[sl], y[b0:b1], p1k[b0:b1, m], llk[b0:b1, m],
+                                              self._mu[:, m], self._s2[:, m])
+                    unconverged += u
+                    skipped += sk
+                    for t in range(b0, b1):
+                        cum[m] += llk[t, m]
+                drop = active & (cum - cum[active].min() > AUTO_LOG_WINDOW)
+                until[drop] = b1
+                active &= ~drop
+            self._mix(p1k, llk, p1, ll, until)
             return unconverged, skipped
         return self._run_members(indptr, indices, data, y, p1, ll, self._mu, self._s2)
 

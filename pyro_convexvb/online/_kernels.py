@@ -315,13 +315,19 @@ def run_adagrad(link, eta, delta, indptr, indices, data, y, w, G, p1_out, ll_out
 
 @njit(cache=True, nogil=True)
 def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch_size, indptr, indices,
-                       data, y, mu, s2, samples, p1_out, ll_out, acc_h, acc_eta, buf_mu, buf_s2, undo_mu, undo_s2):
+                       data, y, mu, s2, samples, p1_out, ll_out, acc_h, acc_eta, buf_mu, buf_s2, undo_mu, undo_s2,
+                       cum, active, until, log_window):
     """:func:`run_diagonal` for ``K`` learners side by side on the same rows (``mu``, ``s2``: ``(d, K)``).
 
     Member ``m`` sees exactly the arithmetic of :func:`run_diagonal` on ``mu[:, m]``, ``s2[:, m]``; rows are
     interleaved (all members on row ``t``, then row ``t + 1``) so a row's features are fetched from memory
     once for all members.  ``p1_out``, ``ll_out``: ``(n, K)``; ``acc_h``, ``acc_eta``: ``(d, K)`` when
     ``batch_size > 1``; ``undo_mu``, ``undo_s2``: ``(nnz, K)``, the old values (see :func:`run_diagonal`).
+
+    Occam's window: ``cum`` (``(K,)``, in/out) are the members' cumulative log losses and ``active`` (``(K,)``
+    uint8, in/out) the members still in the average; at the end of every batch a member whose loss exceeds the
+    best active one's by more than ``log_window`` leaves for good (``until[m]`` = the first row without it).
+    An inactive member is neither predicted nor updated (``p1_out`` 0.5, ``ll_out`` 0 there).
     Returns ``(unconverged, skipped)`` summed over members.
     """
     n = indptr.shape[0] - 1
@@ -337,6 +343,10 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
             end = indptr[t + 1]
             yt = y[t]
             for m in range(K):
+                if not active[m]:
+                    p1_out[t, m] = 0.5
+                    ll_out[t, m] = 0.0
+                    continue
                 mu_m = mu[:, m]
                 s2_m = s2[:, m]
                 mu_t = 0.0
@@ -350,6 +360,7 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
                 p1_out[t, m] = _cdf(mu_t / ct, link)
                 log_p_t = _log_cdf(yt * mu_t / ct, link)
                 ll_out[t, m] = -log_p_t
+                cum[m] += -log_p_t
                 unconverged += _row_update(method, link, a, mean_newton, var_value, tol, maxiter, yt,
                                            start, end, indices, data, mu_m, s2_m, mu_t, s2_t, log_p_t,
                                            samples, t, buf_mu, buf_s2)
@@ -367,6 +378,8 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
                         acc_eta[i, m] += buf_mu[k - start] / buf_s2[k - start] - mu_m[i] / s2_m[i]
         if batch_size > 1:
             for m in range(K):
+                if not active[m]:
+                    continue
                 for k in range(indptr[b0], indptr[b1]):
                     i = indices[k]
                     undo_mu[k, m] = mu[i, m]
@@ -381,6 +394,14 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
                             skipped += 1
                         acc_h[i, m] = 0.0
                         acc_eta[i, m] = 0.0
+        best = np.inf
+        for m in range(K):
+            if active[m] and cum[m] < best:
+                best = cum[m]
+        for m in range(K):
+            if active[m] and cum[m] - best > log_window:
+                active[m] = 0
+                until[m] = b1
         b0 = b1
     return unconverged, skipped
 
@@ -392,3 +413,15 @@ def undo(indices, mu, s2, undo_mu, undo_s2):
     for k in range(indices.shape[0] - 1, -1, -1):
         mu[indices[k]] = undo_mu[k]
         s2[indices[k]] = undo_s2[k]
+
+
+@njit(cache=True, nogil=True)
+def undo_multi(indices, mu, s2, undo_mu, undo_s2):
+    """:func:`undo` for ``(d, K)`` states; entries never written (NaN: a member outside Occam's window) are
+    skipped."""
+    for k in range(indices.shape[0] - 1, -1, -1):
+        i = indices[k]
+        for m in range(mu.shape[1]):
+            if undo_mu[k, m] == undo_mu[k, m]:
+                mu[i, m] = undo_mu[k, m]
+                s2[i, m] = undo_s2[k, m]
