@@ -40,7 +40,9 @@ class OnlineBayesLogistic(OnlineDiagonalGaussian):
         likelihood written as the product of one-step predictive probabilities (Dawid 1984, §5, prequential
         analysis), each ``p_k`` Algorithm 1's own prediction (8).  The progressive log-loss of the average is
         at most the best member's plus ``log K`` (``K = 3``).  The members share the rows' memory traffic in
-        one compiled loop; the state is ``K`` times larger.  Useful because hashed sparse rows with tens of
+        one compiled loop; a member whose posterior odds against the best fall below 1e-9 leaves the average
+        for good and is no longer updated (Occam's window, Madigan & Raftery 1994, §2), so once one prior
+        dominates the cost is one learner's; the state is ``K`` times larger.  Useful because hashed sparse rows with tens of
         active features need a far smaller prior variance than 1, which a fixed default cannot know.
     :param str link: ``"logit"`` or ``"probit"`` (Appendix B).
     :param str mean_update: ``"taylor"`` (Eq. (17)/(30)) or ``"newton"`` (Eq. (15)/(28)).
