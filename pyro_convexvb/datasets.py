@@ -6,6 +6,8 @@
 * :func:`load_a9a` -- the a9a set of Nickisch & Seeger's (2009) table (Section 5), read from the project's
   shared data folder into a torch sparse CSR matrix.
 * :func:`load_svmlight` / :func:`save_svmlight` -- the LIBSVM text format.
+* :func:`make_criteo_text` -- a Criteo-layout text file (and the same rows in Vowpal Wabbit's format) with
+  labels from a known sparse logistic model over the hashed features; :func:`svmlight_to_vw`.
 * :func:`make_sparse_classification` -- synthetic sparse logistic-regression data with the
   rows, columns, nonzeros and class balance of the a9a / real-sim / rcv1 rows of Nickisch & Seeger's (2009)
   table, built vectorised.
@@ -1112,7 +1114,8 @@ CriteoText.__doc__ = ("Result of :func:`make_criteo_text`: file paths, rows, tru
 
 
 def make_criteo_text(path, n_rows, seed=0, num_features=2 ** 22, hash_seed=0, vw_path=None, weight_std=0.5,
-                     weight_density=0.3, positive_rate=0.25, zipf=1.1, missing=0.15, chunk_rows=50_000):
+                     weight_density=0.3, positive_rate=0.25, zipf=1.1, missing=0.15, chunk_rows=50_000,
+                     vocab_sizes=CRITEO_VOCAB_SIZES):
     r"""Write a file in the Criteo display-advertising layout whose labels follow a known sparse logistic model.
 
     Each line is ``label \t I1 ... I13 \t C1 ... C26`` (tab-separated; Shamir & Szpankowski 2021, §4, describe the
@@ -1132,6 +1135,7 @@ def make_criteo_text(path, n_rows, seed=0, num_features=2 ** 22, hash_seed=0, vw
     :param int seed: the file is a deterministic function of all arguments.
     :param int num_features: hash buckets of the true model (use the same in the reader).
     :param int hash_seed: hashing seed (``seed=`` of the reader).
+    :param vocab_sizes: the 26 vocabulary sizes of the categorical columns.
     :returns: :class:`CriteoText`.
 
     Example::
@@ -1157,13 +1161,16 @@ def make_criteo_text(path, n_rows, seed=0, num_features=2 ** 22, hash_seed=0, vw
         raise ValueError(f"missing: expected a probability in [0, 1), got {missing!r}")
     if not zipf > 1:
         raise ValueError(f"zipf: expected an exponent > 1, got {zipf!r}")
+    vocab_sizes = tuple(int(v) for v in vocab_sizes)
+    if len(vocab_sizes) != 26 or min(vocab_sizes) < 1:
+        raise ValueError(f"vocab_sizes: expected 26 positive sizes, got {vocab_sizes!r}")
     n_rows, d = int(n_rows), int(num_features)
     rng = np.random.default_rng([seed, 7])
     wrng = np.random.default_rng([seed, 8])
     # vocabularies: token strings, their buckets and weights
     vocab, vocab_col = [], []
     w = np.zeros(d)
-    for j, size in enumerate(CRITEO_VOCAB_SIZES, start=14):
+    for j, size in enumerate(vocab_sizes, start=14):
         ids = np.unique(wrng.integers(0, 1 << 28, size=2 * size))  # distinct token ids, then a random subset
         ids = ids[wrng.permutation(len(ids))[:size]]
         toks = np.array([f"{k:08x}" for k in ids], dtype=object)
@@ -1178,7 +1185,7 @@ def make_criteo_text(path, n_rows, seed=0, num_features=2 ** 22, hash_seed=0, vw
     on = touched[wrng.random(len(touched)) < weight_density]
     w[on] = wrng.normal(0.0, weight_std, size=len(on))
     w[bias_col] = 0.0
-    zipf_cdf = [np.cumsum(np.arange(1, s + 1, dtype=np.float64) ** -zipf) for s in CRITEO_VOCAB_SIZES]
+    zipf_cdf = [np.cumsum(np.arange(1, s + 1, dtype=np.float64) ** -zipf) for s in vocab_sizes]
     # intercept from a pilot sample (its own generator, so the file does not depend on it)
     prng = np.random.default_rng([seed, 9])
 

@@ -75,3 +75,30 @@ def test_csv_form_feed_gz_crlf_and_errors(tmp_path, name):
     bad = _write(tmp_path, "w" + name, b"1,2\n0,1,5\n")
     with pytest.raises(ValueError, match=r"line 2: 3 fields, the lines before have 2"):
         D.load_csv(bad)
+
+
+def test_make_criteo_text_labels_follow_its_model_in_the_readers_feature_space(tmp_path):
+    from pyro_convexvb.online import iter_criteo
+
+    small = [50] * 26
+    info = D.make_criteo_text(tmp_path / "c.txt.gz", 3000, seed=3, num_features=2 ** 10, vw_path=tmp_path / "c.vw",
+                              vocab_sizes=small)
+    again = D.make_criteo_text(tmp_path / "d.txt", 3000, seed=3, num_features=2 ** 10, vocab_sizes=small)
+    with gzip.open(tmp_path / "c.txt.gz", "rb") as f:
+        assert f.read() == (tmp_path / "d.txt").read_bytes()  # a function of the seed
+    assert info.comparator_log_loss == again.comparator_log_loss
+    total, rows = 0.0, 0
+    for X, y in iter_criteo(tmp_path / "c.txt.gz", chunk_size=700, num_features=2 ** 10):
+        s = X @ info.w_true  # collisions in 2^10 buckets are summed by both
+        total += float(np.logaddexp(0.0, np.where(y > 0, -s, s)).sum())
+        rows += X.shape[0]
+    assert rows == 3000
+    assert total == pytest.approx(info.comparator_log_loss, rel=1e-10)
+    assert 0.2 < info.positive_rate < 0.3
+    vw = (tmp_path / "c.vw").read_text().splitlines()
+    assert len(vw) == 3000 and all(ln.startswith(("1 |f", "-1 |f")) for ln in vw)
+    with gzip.open(tmp_path / "c.txt.gz", "rt") as f:
+        first = f.readline().rstrip("\n").split("\t")
+    toks = vw[0].split()[2:]
+    assert len(toks) == sum(v != "" for v in first[1:])
+    assert (vw[0].startswith("1 ")) == (first[0] == "1")

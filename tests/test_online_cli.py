@@ -11,7 +11,7 @@ from pyro_convexvb.online import OnlineBayesLogistic, iter_criteo
 @pytest.fixture(scope="module")
 def criteo(tmp_path_factory):
     path = tmp_path_factory.mktemp("cli") / "c.txt"
-    make_criteo_text(path, 300, seed=1, num_features=2 ** 12)
+    make_criteo_text(path, 300, seed=1, num_features=2 ** 12, vocab_sizes=[40] * 26)
     return path
 
 
