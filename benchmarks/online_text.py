@@ -194,7 +194,8 @@ def main(argv=None):
             out = rs[0]["result"]
             res[name] = {"rows": out["rows"], "seconds": sec, "rows_per_s": out["rows"] / sec,
                          "log_loss": out["log_loss"], "peak_mb": max(r["peak_mb"] for r in rs),
-                         "delta_mb": max(r["delta_mb"] for r in rs), "all_seconds": [r["result"]["seconds"] for r in rs]}
+                         "delta_mb": max(r["delta_mb"] for r in rs),
+                         "all_seconds": [r["result"]["seconds"] for r in rs]}
             rows_out.append({"case": case, "pipeline": name, "rows": out["rows"], "rows/s": res[name]["rows_per_s"],
                              "log loss": out["log_loss"], "floor": files["floor"],
                              "peak MiB": res[name]["peak_mb"], "above imports MiB": res[name]["delta_mb"]})

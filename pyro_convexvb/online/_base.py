@@ -396,7 +396,7 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
 
             >>> import numpy as np
             >>> from pyro_convexvb.online import OnlineBayesLogistic
-            >>> m = OnlineBayesLogistic(2).partial_fit(np.eye(2), [1, 0])
+            >>> m = OnlineBayesLogistic(2, prior_var=1.0).partial_fit(np.eye(2), [1, 0])
             >>> m.predict_proba(np.eye(2))[:, 1].round(3)
             array([0.586, 0.414])
         """

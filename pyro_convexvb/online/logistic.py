@@ -42,8 +42,9 @@ class OnlineBayesLogistic(OnlineDiagonalGaussian):
         at most the best member's plus ``log K`` (``K = 3``).  The members share the rows' memory traffic in
         one compiled loop; a member whose posterior odds against the best fall below 1e-9 leaves the average
         for good and is no longer updated (Occam's window, Madigan & Raftery 1994, §2), so once one prior
-        dominates the cost is one learner's; the state is ``K`` times larger.  Useful because hashed sparse rows with tens of
-        active features need a far smaller prior variance than 1, which a fixed default cannot know.
+        dominates the cost is one learner's; the state is ``K`` times larger.  Useful because hashed sparse rows
+        with tens of active features need a far smaller prior variance than 1, which a fixed default cannot
+        know.
     :param str link: ``"logit"`` or ``"probit"`` (Appendix B).
     :param str mean_update: ``"taylor"`` (Eq. (17)/(30)) or ``"newton"`` (Eq. (15)/(28)).
     :param str variance_update: ``"laplace"`` (Eq. (19)/(31)) or ``"value"`` (Eq. (18)).
