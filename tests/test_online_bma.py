@@ -230,3 +230,28 @@ def test_occams_window_drops_members_for_good_and_rolls_back(fast, monkeypatch):
         m.partial_fit(Xn, yn)
     for k, v in _arrays(m).items():
         np.testing.assert_array_equal(v, before[k])
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_rollback_of_a_chunk_in_which_members_leave_the_window(fast, monkeypatch):
+    from pyro_convexvb.online import _base
+
+    X, y = make_online_stream(d=400, d_t=30, weight_std=0.08, seed=2).take(3000)
+    monkeypatch.setattr(_base, "AUTO_LOG_WINDOW", 3.0)
+    m = OnlineBayesLogistic(400, fast=fast).partial_fit(X[:10], y[:10])
+    twin = OnlineBayesLogistic.from_state_dict(m.state_dict(), fast=fast)
+    twin.partial_fit(X[10:], y[10:])
+    assert twin.state_dict()["extra"]["member_active"] == [True, False, False]  # they leave in this chunk
+    before = _arrays(m), m.state_dict()["extra"]
+    real = type(m)._run_fast if fast else type(m)._run_reference
+
+    def interrupted(self, *a):
+        real(self, *a)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(m), "_run_fast" if fast else "_run_reference", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        m.partial_fit(X[10:], y[10:])
+    for k, v in _arrays(m).items():
+        np.testing.assert_array_equal(v, before[0][k])
+    assert m.state_dict()["extra"] == before[1]

@@ -349,7 +349,7 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
             undo = self.__dict__.pop("_undo", None)
             if undo is not None:  # the kernel ran: replay its record of old values
                 if undo[0].ndim == 2:
-                    _kernels().undo_multi(undo[2], self._mu, self._s2, undo[0], undo[1])
+                    _kernels().undo_multi(undo[2], self._mu, self._s2, undo[0], undo[1], undo[3])
                 else:
                     _kernels().undo(undo[2], self._mu, self._s2, undo[0], undo[1])
         else:
@@ -739,9 +739,9 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
             else:
                 acc_h = acc_eta = np.empty((0, K))
             link = k.LOGIT if self.link == "logit" else k.PROBIT
-            self._undo = (np.full((len(indices), K), np.nan), np.full((len(indices), K), np.nan), indices)
-            cum = self._member_loss.copy()
             active = self._member_active.astype(np.uint8)
+            self._undo = (np.empty((len(indices), K)), np.empty((len(indices), K)), indices, active.copy())
+            cum = self._member_loss.copy()
             until = np.full(K, len(y), dtype=np.int64)
             out = k.run_diagonal_multi(self._method_code, link, bool(mean_newton), bool(var_value), float(tol),
                                        int(maxiter), int(self.batch_size), indptr, indices, data, y, self._mu,

@@ -402,6 +402,8 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
             if active[m] and cum[m] - best > log_window:
                 active[m] = 0
                 until[m] = b1
+                for k in range(indptr[b1], indices.shape[0]):  # entries it will not write: not to be undone
+                    undo_mu[k, m] = np.nan
         b0 = b1
     return unconverged, skipped
 
@@ -416,12 +418,12 @@ def undo(indices, mu, s2, undo_mu, undo_s2):
 
 
 @njit(cache=True, nogil=True)
-def undo_multi(indices, mu, s2, undo_mu, undo_s2):
-    """:func:`undo` for ``(d, K)`` states; entries never written (NaN: a member outside Occam's window) are
-    skipped."""
+def undo_multi(indices, mu, s2, undo_mu, undo_s2, active0):
+    """:func:`undo` for ``(d, K)`` states, for the members active at the start of the chunk (``active0``);
+    entries a member left unwritten after leaving Occam's window are NaN and skipped."""
     for k in range(indices.shape[0] - 1, -1, -1):
         i = indices[k]
         for m in range(mu.shape[1]):
-            if undo_mu[k, m] == undo_mu[k, m]:
+            if active0[m] and undo_mu[k, m] == undo_mu[k, m]:
                 mu[i, m] = undo_mu[k, m]
                 s2[i, m] = undo_s2[k, m]
