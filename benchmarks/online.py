@@ -103,23 +103,28 @@ def main(argv=None):
     chunks = list(stream.chunks(T, chunk_size=100_000))
 
     # compile the kernels once before timing
-    for cls in (OnlineBayesLogistic, OnlineAdaGradLogistic):
-        cls(d).partial_fit(chunks[0][0][:50], chunks[0][1][:50])
+    for make in (lambda: OnlineBayesLogistic(d), lambda: OnlineBayesLogistic(d, prior_var=1.0),
+                 lambda: OnlineAdaGradLogistic(d)):
+        make().partial_fit(chunks[0][0][:50], chunks[0][1][:50])
 
     methods = [
-        ("Algorithm 1, Taylor (17) + Laplace (19)", lambda: OnlineBayesLogistic(d), T),
-        ("Algorithm 1, Taylor (17) + value (18)", lambda: OnlineBayesLogistic(d, variance_update="value"), T),
-        ("Algorithm 1, Newton (15) + Laplace (19)", lambda: OnlineBayesLogistic(d, mean_update="newton"), T),
+        ("Algorithm 1, Taylor (17) + Laplace (19)", lambda: OnlineBayesLogistic(d, prior_var=1.0), T),
+        ("Algorithm 1, prior_var='auto' (3 priors, Occam's window)", lambda: OnlineBayesLogistic(d), T),
+        ("Algorithm 1, Taylor (17) + value (18)",
+         lambda: OnlineBayesLogistic(d, prior_var=1.0, variance_update="value"), T),
+        ("Algorithm 1, Newton (15) + Laplace (19)",
+         lambda: OnlineBayesLogistic(d, prior_var=1.0, mean_update="newton"), T),
         ("Algorithm 1, Newton (15) + value (18)",
-         lambda: OnlineBayesLogistic(d, mean_update="newton", variance_update="value"), T),
-        ("Algorithm 1 probit, Taylor (30) + Laplace (31)", lambda: OnlineBayesLogistic(d, link="probit"), T),
-        ("Algorithm 1, mini-batch 100", lambda: OnlineBayesLogistic(d, batch_size=100), T),
+         lambda: OnlineBayesLogistic(d, prior_var=1.0, mean_update="newton", variance_update="value"), T),
+        ("Algorithm 1 probit, Taylor (30) + Laplace (31)",
+         lambda: OnlineBayesLogistic(d, prior_var=1.0, link="probit"), T),
+        ("Algorithm 1, mini-batch 100", lambda: OnlineBayesLogistic(d, prior_var=1.0, batch_size=100), T),
         ("ADF (D.2)", lambda: OnlineADF(d), T),
         ("DimGauss, Taylor (D.1)", lambda: OnlineDimGauss(d, mean_update="taylor"), T),
         ("DimGauss, Newton (D.1)", lambda: OnlineDimGauss(d, mean_update="newton"), T),
         ("marginalised VB, N = 100 (D.3)", lambda: OnlineMarginalVB(d, num_samples=100), slow_rows // 5),
         ("SGD + AdaGrad", lambda: OnlineAdaGradLogistic(d, learning_rate=0.1), T),
-        ("Algorithm 1, NumPy reference loop", lambda: OnlineBayesLogistic(d, fast=False), slow_rows),
+        ("Algorithm 1, NumPy reference loop", lambda: OnlineBayesLogistic(d, prior_var=1.0, fast=False), slow_rows),
     ]
     rows = []
     for name, make, n in methods:

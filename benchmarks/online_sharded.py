@@ -36,11 +36,12 @@ def main():
         blocks = [g.global_block(b) for b in range(P)]
         X = sp.vstack([b[0][:rows] for b in blocks], format="csr")
         y = np.concatenate([b[1][:rows] for b in blocks])
-        seq = OnlineBayesLogistic(d).partial_fit(X, y, return_log_loss=True).sum()
+        seq = OnlineBayesLogistic(d, prior_var=1.0).partial_fit(X, y, return_log_loss=True).sum()
         shards = [make_online_stream(d=d, d_t=dt, seed=0, shard=(r, P)).take(rows) for r in range(P)]
         for merge in args.merges.split(","):
             for m in every:
-                loss = sum(ll.sum() for ll in simulate_sharded([OnlineBayesLogistic(d) for _ in range(P)], shards, m,
+                ests = [OnlineBayesLogistic(d, prior_var=1.0) for _ in range(P)]
+                loss = sum(ll.sum() for ll in simulate_sharded(ests, shards, m,
                                                                merge))
                 print(f"| {P} | {m} | {merge} | {P * rows} | {seq:.1f} | {loss:.1f} | {(loss - seq) / seq:+.2%} |",
                       flush=True)

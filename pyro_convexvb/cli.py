@@ -1,4 +1,7 @@
-"""Command line: ``python -m pyro_convexvb demo`` and ``python -m pyro_convexvb bench``.
+"""Command line: ``python -m pyro_convexvb demo``, ``online`` and ``bench``.
+
+``online FILE --format criteo|csv|svmlight`` learns :class:`~pyro_convexvb.online.OnlineBayesLogistic` from a
+text file in one progressive pass (see :func:`run_online`).
 
 ``demo`` runs GP classification on the real keel *ionosphere* data set (RBF kernel from
 GPyTorch, hyperparameters learned by type-II maximum likelihood, then fixed) with every registered
@@ -349,6 +352,130 @@ def run_bench(quick=True, only=None):
     return status
 
 
+def _int_list(text):
+    return tuple(int(v) for v in text.split(",") if v.strip()) if text else ()
+
+
+def _save_state_atomically(state, path):
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def run_online(path, fmt, state_path=None, resume=False, num_features=None, chunk_size=100_000, prior_var="auto",
+               hash_seed=0, label_column=0, integer_columns=(), categorical_columns=(), delimiter=",",
+               header=False, zero_based=False, progress=True, save_every=60.0, out=None):
+    """Learn :class:`~pyro_convexvb.online.OnlineBayesLogistic` from a text file, one progressive pass.
+
+    Every row is predicted, then learned (progressive validation); the progress bar shows rows/s and the
+    running progressive log loss.  Every ``save_every`` seconds (after a whole chunk), at the end and on an
+    interrupt, the state -- the estimator's ``state_dict()``, the file and the number of its rows learned -- is
+    written atomically to ``state_path`` (``torch.save`` to a temporary file, then renamed; it loads with
+    ``torch.load``'s default ``weights_only=True``).  With ``resume`` the estimator is restored from it; on the
+    same file the rows already learned are skipped, on another file learning continues from its first row.
+    An interrupt (Ctrl-C) keeps the state of the last whole chunk.
+
+    :param path: the file (``.gz`` allowed).
+    :param str fmt: ``"criteo"`` (tab-separated label, 13 integer, 26 categorical columns), ``"csv"`` (columns
+        given by ``label_column``, ``integer_columns``, ``categorical_columns``, ``delimiter``, ``header``) or
+        ``"svmlight"``.
+    :param num_features: hash buckets (criteo/csv; default ``2^22``), or the number of columns (svmlight;
+        required).
+    :param prior_var: ``"auto"`` or a positive number.
+    :param float save_every: seconds between state saves (0: after every chunk).
+    :returns: dict with ``rows`` (learned by this call), ``total_rows``, ``seconds``, ``rows_per_s``,
+        ``log_loss`` (progressive, per row, over this call's rows) and ``state_path``.
+
+    Example::
+
+        >>> run_online("day_0.gz", "criteo", state_path="day_0.state.pt")   # doctest: +SKIP
+    """
+    import numpy as np
+
+    from .online import OnlineBayesLogistic, iter_criteo, iter_csv, iter_svmlight
+
+    if fmt not in ("criteo", "csv", "svmlight"):
+        raise ValueError(f"format: expected 'criteo', 'csv' or 'svmlight', got {fmt!r}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"FILE: no such file {str(path)!r}")
+    state_path = state_path or f"{path}.state.pt"
+    skip = 0
+    if resume:
+        if not os.path.isfile(state_path):
+            raise FileNotFoundError(f"--resume: no state file {state_path!r}; run once without --resume")
+        saved = torch.load(state_path)
+        if saved.get("format") != fmt:
+            raise ValueError(f"--resume: the state was learned from {saved.get('format')!r} input, not {fmt!r}")
+        est = OnlineBayesLogistic.from_state_dict(saved["estimator"])
+        num_features = est._num_features
+        if os.path.abspath(saved.get("file", "")) == os.path.abspath(str(path)):
+            skip = int(saved.get("file_rows", 0))
+    else:
+        if fmt == "svmlight" and num_features is None:
+            raise ValueError("--num-features: needed with --format svmlight (the number of columns, or of hash "
+                             "buckets)")
+        num_features = int(num_features or 2 ** 22)
+        est = OnlineBayesLogistic(num_features, prior_var=prior_var)
+    if fmt == "criteo":
+        chunks = iter_criteo(path, chunk_size=chunk_size, num_features=num_features, seed=hash_seed)
+        classes = None
+    elif fmt == "csv":
+        chunks = iter_csv(path, chunk_size=chunk_size, label_column=label_column, integer_columns=integer_columns,
+                          categorical_columns=categorical_columns, num_features=num_features, seed=hash_seed,
+                          delimiter=delimiter, header=header)
+        classes = None
+    else:
+        chunks = iter_svmlight(path, chunk_size=chunk_size, num_features=num_features, zero_based=zero_based)
+        classes = None
+    from tqdm.auto import tqdm
+
+    bar = tqdm(unit=" rows", unit_scale=True, disable=not progress, desc=os.path.basename(str(path)), file=out)
+    rows = file_rows = 0
+    loss = 0.0
+    t0 = last_save = time.perf_counter()
+    interrupted = False
+
+    def save():
+        _save_state_atomically({"estimator": est.state_dict(), "file": os.path.abspath(str(path)),
+                                "file_rows": file_rows, "format": fmt}, state_path)
+    try:
+        for X, y in chunks:
+            if skip:
+                k = min(skip, X.shape[0])
+                X, y, skip, file_rows = X[k:], y[k:], skip - k, file_rows + k
+                if X.shape[0] == 0:
+                    continue
+            if classes is None:
+                labels = np.unique(y)
+                classes = [-1, 1] if -1 in labels else [0, 1]
+            ll = est.partial_fit(X, y, classes=classes if not hasattr(est, "classes_") else None,
+                                 return_log_loss=True)
+            rows += X.shape[0]
+            file_rows += X.shape[0]
+            loss += float(ll.sum())
+            bar.update(X.shape[0])
+            bar.set_postfix(log_loss=f"{loss / rows:.4f}", refresh=False)
+            if time.perf_counter() - last_save >= save_every:
+                save()
+                last_save = time.perf_counter()
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
+        bar.close()
+    if hasattr(est, "n_seen_"):
+        save()
+    seconds = time.perf_counter() - t0  # including the final save
+    res = {"rows": rows, "total_rows": int(getattr(est, "n_seen_", 0)), "seconds": seconds,
+           "rows_per_s": rows / seconds if seconds > 0 else float("nan"),
+           "log_loss": loss / rows if rows else float("nan"), "state_path": state_path, "interrupted": interrupted}
+    if hasattr(est, "prior_var_weights_") and est.prior_var == "auto" and rows:
+        res["prior_var_weights"] = dict(zip((0.01, 0.1, 1.0), est.prior_var_weights_.round(4).tolist()))
+    return res
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m pyro_convexvb")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -361,6 +488,24 @@ def main(argv=None):
                    help="keep the kernel at lengthscale 4, outputscale 4 instead of learning it (type-II)")
     e = sub.add_parser("engines", help="list the registered engines")
     e.add_argument("--markdown", action="store_true", help="the docs page of engines and their options")
+    o = sub.add_parser("online", help="learn OnlineBayesLogistic from a text file (progressive, resumable)")
+    o.add_argument("file", help="criteo / csv / svmlight text file (.gz allowed)")
+    o.add_argument("--format", required=True, choices=["criteo", "csv", "svmlight"])
+    o.add_argument("--state", default=None, help="state file (default FILE.state.pt), written after every chunk")
+    o.add_argument("--resume", action="store_true", help="continue from --state (skips the rows it learned)")
+    o.add_argument("--num-features", type=int, default=None,
+                   help="hash buckets (criteo/csv, default 2^22) or columns (svmlight, required)")
+    o.add_argument("--chunk-size", type=int, default=100_000)
+    o.add_argument("--prior-var", default="auto", help="'auto' (default) or a positive number")
+    o.add_argument("--hash-seed", type=int, default=0)
+    o.add_argument("--label-column", type=int, default=0, help="csv")
+    o.add_argument("--integer-columns", default="", help="csv: comma-separated column numbers")
+    o.add_argument("--categorical-columns", default="", help="csv: comma-separated column numbers")
+    o.add_argument("--delimiter", default=",", help="csv")
+    o.add_argument("--header", action="store_true", help="csv: skip a header line")
+    o.add_argument("--zero-based", action="store_true", help="svmlight: indices start at 0")
+    o.add_argument("--save-every", type=float, default=60.0, help="seconds between state saves (default 60)")
+    o.add_argument("--no-progress", action="store_true")
     b = sub.add_parser("bench", help="run the benchmark scripts (source checkout)")
     b.add_argument("--full", action="store_true", help="full sizes instead of --quick")
     b.add_argument("--only", default=None, help="substring of the script names to run")
@@ -368,6 +513,32 @@ def main(argv=None):
     if args.cmd == "demo":
         run_demo(args.dataset, args.engines, out=args.out, progress=not args.no_progress,
                  learn_hyperparameters=not args.fixed_hyperparameters)
+        return 0
+    if args.cmd == "online":
+        prior_var = args.prior_var
+        if prior_var != "auto":
+            try:
+                prior_var = float(prior_var)
+            except ValueError:
+                parser.error(f"--prior-var: expected 'auto' or a positive number, got {args.prior_var!r}")
+        try:
+            res = run_online(args.file, args.format, state_path=args.state, resume=args.resume,
+                             num_features=args.num_features, chunk_size=args.chunk_size, prior_var=prior_var,
+                             hash_seed=args.hash_seed, label_column=args.label_column,
+                             integer_columns=_int_list(args.integer_columns),
+                             categorical_columns=_int_list(args.categorical_columns), delimiter=args.delimiter,
+                             header=args.header, zero_based=args.zero_based, progress=not args.no_progress,
+                             save_every=args.save_every)
+        except (ValueError, FileNotFoundError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"{res['rows']} rows in {res['seconds']:.2f} s ({res['rows_per_s']:,.0f} rows/s), progressive log "
+              f"loss {res['log_loss']:.4f}; {res['total_rows']} rows learned in all; state: {res['state_path']}")
+        if "prior_var_weights" in res:
+            print(f"prior variance weights: {res['prior_var_weights']}")
+        if res["interrupted"]:
+            print("interrupted: the state holds every whole chunk learned; continue with --resume")
+            return 130
         return 0
     if args.cmd == "engines":
         if args.markdown:

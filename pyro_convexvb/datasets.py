@@ -6,6 +6,8 @@
 * :func:`load_a9a` -- the a9a set of Nickisch & Seeger's (2009) table (Section 5), read from the project's
   shared data folder into a torch sparse CSR matrix.
 * :func:`load_svmlight` / :func:`save_svmlight` -- the LIBSVM text format.
+* :func:`make_criteo_text` -- a Criteo-layout text file (and the same rows in Vowpal Wabbit's format) with
+  labels from a known sparse logistic model over the hashed features; :func:`svmlight_to_vw`.
 * :func:`make_sparse_classification` -- synthetic sparse logistic-regression data with the
   rows, columns, nonzeros and class balance of the a9a / real-sim / rcv1 rows of Nickisch & Seeger's (2009)
   table, built vectorised.
@@ -41,6 +43,9 @@ __all__ = [
     "SPARSE_SHAPES",
     "make_sparse_classification",
     "make_online_stream",
+    "make_criteo_text",
+    "CRITEO_VOCAB_SIZES",
+    "svmlight_to_vw",
 ]
 
 
@@ -509,6 +514,8 @@ def read_byte_range(path, shard):
         [b'a\nbb\n', b'ccc\n']
     """
     r, P = _check_shard(shard)
+    if str(path).endswith(".gz"):
+        return _read_byte_range_gz(path, r, P)
     size = os.path.getsize(path)
     a, b = size * r // P, size * (r + 1) // P
     with open(path, "rb") as f:
@@ -524,12 +531,102 @@ def read_byte_range(path, shard):
     return data, start
 
 
-def _load_svmlight_shard(path, n_features, dtype, device, zero_based, shard):
+def _read_byte_range_gz(path, r, P):
+    """:func:`read_byte_range` of the decompressed bytes of a ``.gz`` file (two streaming passes: size, range)."""
+    import gzip
+
+    size = 0
+    with gzip.open(path, "rb") as f:
+        while True:
+            block = f.read(1 << 22)
+            if not block:
+                break
+            size += len(block)
+    a, b = size * r // P, size * (r + 1) // P
+    with gzip.open(path, "rb") as f:
+        if a > 0:
+            f.seek(a - 1)  # decompresses up to there
+            f.readline()
+        start = f.tell()
+        if start >= b:
+            return b"", start
+        data = f.read(b - start)
+        if data and not data.endswith(b"\n"):
+            data += f.readline()
+    return data, start
+
+
+def _lines_before(path, start):
+    """Number of lines that end before byte ``start`` of ``path`` (plain or ``.gz``); for error messages."""
+    from .online._textio import open_binary
+
+    n, left = 0, start
+    with open_binary(path) as f:
+        while left > 0:
+            block = f.read(min(left, 1 << 22))
+            if not block:
+                break
+            n += block.count(b"\n")
+            left -= len(block)
+    return n
+
+
+def _parse_svmlight_all(data, path, first_lineno, use_sklearn):
+    """``(indptr, indices, values, labels)`` of whole svmlight lines (``bytes``), indices as written."""
+    from .online._textio import parse_svmlight_bytes
+
+    if not data:
+        return (np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0))
+    if not data.endswith(b"\n"):
+        data += b"\n"
+    return parse_svmlight_bytes(data, path, first_lineno, use_sklearn)
+
+
+def _read_svmlight_file(path, use_sklearn):
+    """All rows of a plain or ``.gz`` svmlight file through the reading core, indices as written."""
+    from .online._textio import iter_blocks, parse_svmlight_bytes
+
+    parts = [parse_svmlight_bytes(block, str(path), lineno, use_sklearn) for block, lineno in iter_blocks(path)]
+    if not parts:
+        return (np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0))
+    counts = np.concatenate([np.diff(p[0]) for p in parts])
+    indptr = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    return (indptr, np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts]),
+            np.concatenate([p[3] for p in parts]))
+
+
+def _check_indices(indices, indptr, path, zero_based, data_lines):
+    """Shift to zero-based and check non-negative; errors name the line (``data_lines(row)``)."""
+    if not zero_based:
+        indices = indices - 1
+    if indices.size and indices.min() < 0:
+        k = int(np.argmax(indices < 0))
+        row = int(np.searchsorted(indptr, k, side="right") - 1)
+        raise ValueError(f"{path}, line {data_lines(row)}: feature index 0 in a file read as one-based "
+                         "(use zero_based=True)")
+    return indices
+
+
+def _row_line_finder(path, data, first_lineno):
+    def find(row):
+        from .online._textio import _first_bad_line
+
+        return _first_bad_line(data if data.endswith(b"\n") else data + b"\n", first_lineno, row)
+    return find
+
+
+def _load_svmlight_shard(path, n_features, dtype, device, zero_based, shard, use_sklearn):
     import scipy.sparse as sp
     from . import distributed
 
-    data, _ = read_byte_range(path, shard)
-    indptr, indices, values, y = parse_svmlight_lines(data.decode().splitlines(), str(path))
+    data, start = read_byte_range(path, shard)
+    try:
+        indptr, indices, values, y = _parse_svmlight_all(data, str(path), 1, use_sklearn)
+    except ValueError:  # name the line of the file, not of the shard
+        first = _lines_before(path, start) + 1
+        _parse_svmlight_all(data, str(path), first, False)
+        raise
     agree = _agreeing(shard)
     if zero_based == "auto":
         if shard[1] > 1 and not agree:
@@ -538,10 +635,8 @@ def _load_svmlight_shard(path, n_features, dtype, device, zero_based, shard):
         low = float(indices.min()) if indices.size else math.inf
         low = distributed.all_reduce_min(low) if agree else low
         zero_based = low == 0
-    if not zero_based:
-        indices = indices - 1
-    if indices.size and indices.min() < 0:
-        raise ValueError(f"{path}: feature index 0 in a file read as one-based (use zero_based=True)")
+    indices = _check_indices(indices, indptr, path, zero_based,
+                             _row_line_finder(path, data, _lines_before(path, start) + 1 if data else 1))
     needed = int(indices.max()) + 1 if indices.size else 0
     if n_features is None:
         if shard[1] > 1 and not agree:
@@ -551,7 +646,6 @@ def _load_svmlight_shard(path, n_features, dtype, device, zero_based, shard):
     elif n_features < needed:
         raise ValueError(f"n_features: {n_features} is smaller than the largest feature index + 1 ({needed})")
     m = sp.csr_matrix((values, indices, indptr), shape=(len(y), n_features))
-    m.sum_duplicates()
     return _scipy_csr_to_torch(m, dtype, device), torch.as_tensor(y, dtype=dtype, device=device)
 
 
@@ -560,8 +654,16 @@ def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_
     """Read a LIBSVM/svmlight text file (``label idx:value ...``; ``#`` comments, ``qid:`` ignored).
 
     With ``shard=(rank, world_size)`` only this rank's part of the file is read: the lines that start in
-    byte range ``rank`` of ``world_size`` equal ranges (:func:`read_byte_range`; no rank reads the whole file),
-    parsed by the pure-Python parser. Concatenating the shards in rank order gives the whole file's rows.
+    byte range ``rank`` of ``world_size`` equal ranges (:func:`read_byte_range`; no rank reads the whole file of
+    a plain file, a ``.gz`` file is decompressed as a stream). Concatenating the shards in rank order gives the
+    whole file's rows.
+
+    Plain and ``.gz`` files are read by the reading core of the online streams
+    (:func:`pyro_convexvb.online.iter_svmlight`): blocks of lines (only ``\\n`` ends a line, ``\\r\\n`` too),
+    parsed by scikit-learn's compiled parser (``backend="sklearn"``) or the pure-Python one (``"python"``; the
+    sklearn backend falls back to it for a block it rejects). Both give the same result: indices of a row
+    may come in any order (they are sorted); a duplicated index raises, as in scikit-learn; errors name the
+    file and the line.
     ``n_features`` and ``zero_based="auto"`` must agree over ranks: when the shards are the ranks of an initialised
     process group they are agreed by an all-reduce (max index, min index), otherwise give them.
 
@@ -571,8 +673,8 @@ def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_
     :param device: torch device.
     :param zero_based: ``True``, ``False`` or ``"auto"`` (one-based unless an index 0 occurs),
         as in scikit-learn.
-    :param backend: ``"sklearn"`` (``sklearn.datasets.load_svmlight_file``), ``"python"`` (a small
-        pure parser) or ``"auto"`` (scikit-learn when installed).
+    :param backend: ``"sklearn"`` (``sklearn.datasets.load_svmlight_file`` per block of lines), ``"python"``
+        (a small pure parser) or ``"auto"`` (scikit-learn when installed).
     :param shard: ``None`` (the whole file) or ``(rank, world_size)``.
     :returns: ``(X (N, n_features) torch sparse CSR, y (N,))`` with labels *as in the file*
         (use :func:`labels01` for {0, 1}); with ``shard``, this rank's rows.
@@ -592,8 +694,6 @@ def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_
     if not os.path.isfile(path):
         raise FileNotFoundError(f"path: no such file {str(path)!r}")
     shard = _check_shard(shard)
-    if shard is not None:
-        return _load_svmlight_shard(path, n_features, dtype, device, zero_based, shard)
     if backend == "auto":
         try:
             import sklearn.datasets  # noqa: F401
@@ -601,20 +701,31 @@ def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_
             backend = "sklearn"
         except ImportError:  # pragma: no cover - depends on the environment
             backend = "python"
-    if backend == "sklearn":
-        from sklearn.datasets import load_svmlight_file
+    use_sklearn = backend == "sklearn"
+    if shard is not None:
+        return _load_svmlight_shard(path, n_features, dtype, device, zero_based, shard, use_sklearn)
+    indptr, indices, values, y = _read_svmlight_file(path, use_sklearn)
+    if zero_based == "auto":
+        zero_based = bool(indices.size) and int(indices.min()) == 0
 
-        m, y = load_svmlight_file(str(path), n_features=n_features, dtype=np.float64, zero_based=zero_based)
-        m = sp.csr_matrix(m)
-    else:
-        indptr, indices, values, y = read_svmlight(path, zero_based)
-        needed = int(indices.max()) + 1 if indices.size else 0
-        if n_features is None:
-            n_features = needed
-        elif n_features < needed:
-            raise ValueError(f"n_features: {n_features} is smaller than the largest feature index + 1 ({needed})")
-        m = sp.csr_matrix((values, indices, indptr), shape=(len(y), n_features))
-    m.sum_duplicates()
+    def line_of(row):
+        from .online._textio import _first_bad_line, iter_blocks
+
+        seen = 0
+        for block, lineno in iter_blocks(path):
+            n = len(_parse_svmlight_all(block, str(path), lineno, False)[3])
+            if row < seen + n:
+                return _first_bad_line(block, lineno, row - seen)
+            seen += n
+        return "?"
+
+    indices = _check_indices(indices, indptr, path, zero_based, line_of)
+    needed = int(indices.max()) + 1 if indices.size else 0
+    if n_features is None:
+        n_features = needed
+    elif n_features < needed:
+        raise ValueError(f"n_features: {n_features} is smaller than the largest feature index + 1 ({needed})")
+    m = sp.csr_matrix((values, indices, indptr), shape=(len(y), n_features))
     return _scipy_csr_to_torch(m, dtype, device), torch.as_tensor(y, dtype=dtype, device=device)
 
 
@@ -624,6 +735,8 @@ def load_csv(path, label_column=0, delimiter=",", header=False, dtype=torch.floa
     With ``shard=(rank, world_size)`` only the lines that start in byte range ``rank`` of ``world_size`` equal
     ranges are read (:func:`read_byte_range`; no rank reads the whole file); concatenating the shards in rank order
     gives the whole file's rows. A header line (``header=True``) is dropped by the rank whose range holds byte 0.
+    ``.gz`` files are decompressed; lines end at ``\\n`` (``\\r\\n`` too; a form feed is an ordinary character);
+    blank lines are skipped; errors name the file and line.
 
     :param path: file path.
     :param int label_column: column of the labels (negative counts from the end), or ``None`` for no labels.
@@ -646,23 +759,33 @@ def load_csv(path, label_column=0, delimiter=",", header=False, dtype=torch.floa
     _check_float_dtype(dtype)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"path: no such file {str(path)!r}")
+    from .online._textio import open_binary, split_lines
+
     shard = _check_shard(shard)
     if shard is None:
-        with open(path, "rb") as f:
+        with open_binary(path) as f:
             data, start = f.read(), 0
     else:
         data, start = read_byte_range(path, shard)
-    lines = data.decode().splitlines()
+    first = 1 if start == 0 else _lines_before(path, start) + 1
+    lines = split_lines(data if not data or data.endswith(b"\n") else data + b"\n")
     if header and start == 0 and lines:
-        lines = lines[1:]
-    lines = [ln for ln in lines if ln.strip()]
-    if not lines:
-        table = np.zeros((0, 0))
-    else:
+        lines, first = lines[1:], 2
+    rows, width = [], None
+    for lineno, ln in enumerate(lines, first):
+        if not ln.strip():
+            continue
         try:
-            table = np.array([[float(v) for v in ln.split(delimiter)] for ln in lines], dtype=np.float64)
-        except ValueError as e:
-            raise ValueError(f"{path}: a non-numeric field ({e}); header=True skips a header line") from None
+            row = [float(v) for v in ln.decode("utf-8").split(delimiter)]
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}, line {lineno}: a non-numeric field ({e}); header=True skips a header "
+                             "line") from None
+        if width is None:
+            width = len(row)
+        elif len(row) != width:
+            raise ValueError(f"{path}, line {lineno}: {len(row)} fields, the lines before have {width}")
+        rows.append(row)
+    table = np.array(rows, dtype=np.float64) if rows else np.zeros((0, 0))
     if label_column is None:
         return torch.as_tensor(table, dtype=dtype, device=device), None
     if table.shape[0] == 0:
@@ -975,3 +1098,163 @@ def make_online_stream(*args, **kwargs):
     from .online.streams import make_online_stream as _make_online_stream
 
     return _make_online_stream(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- Criteo-layout text
+
+#: Vocabulary sizes of the 26 categorical columns of :func:`make_criteo_text` (a mix of small and large
+#: columns as in the Criteo display-advertising data, at a scale that keeps the generator fast).
+CRITEO_VOCAB_SIZES = (1000, 500, 100_000, 50_000, 300, 24, 10_000, 600, 3, 30_000, 5_000, 100_000, 3_000, 27,
+                      10_000, 80_000, 10, 4_000, 2_000, 4, 90_000, 15, 15, 40_000, 60, 30_000)
+
+CriteoText = namedtuple("CriteoText", "path vw_path n_rows w_true comparator_log_loss positive_rate")
+CriteoText.__doc__ = ("Result of :func:`make_criteo_text`: file paths, rows, true weights ``(num_features,)`` over "
+                      "the hashed features of :func:`~pyro_convexvb.online.iter_criteo`, the true model's total log "
+                      "loss on the file's labels, and the fraction of positive labels.")
+
+
+def make_criteo_text(path, n_rows, seed=0, num_features=2 ** 22, hash_seed=0, vw_path=None, weight_std=0.5,
+                     weight_density=0.3, positive_rate=0.25, zipf=1.1, missing=0.15, chunk_rows=50_000,
+                     vocab_sizes=CRITEO_VOCAB_SIZES):
+    r"""Write a file in the Criteo display-advertising layout whose labels follow a known sparse logistic model.
+
+    Each line is ``label \t I1 ... I13 \t C1 ... C26`` (tab-separated; Shamir & Szpankowski 2021, §4, describe the
+    layout): integer columns hold counts ``floor(exp(N(1, 1.5^2)))``, categorical columns 8-digit hex tokens drawn
+    from a Zipf law with exponent ``zipf`` over :data:`CRITEO_VOCAB_SIZES`; every field is empty with probability
+    ``missing``.  The row's features are those :func:`~pyro_convexvb.online.iter_criteo` forms (bias, integer
+    buckets, tokens, hashed into ``num_features`` buckets with ``hash_seed``), so the true model lives in the
+    learner's feature space: a weight ``N(0, weight_std^2)`` on the bucket of each token with probability
+    ``weight_density`` (0 otherwise), labels ``y ~ Bernoulli(sigmoid(b + x^T w))`` with the intercept ``b`` on the
+    bias bucket set so that about ``positive_rate`` of the labels are 1.
+
+    With ``vw_path`` the same rows are also written in Vowpal Wabbit's text format, ``{-1|1} |f tokens``, the
+    tokens being the ones the project hashes (``"5#L21"``, ``"17=0000a3f1"``); VW adds its own constant.
+
+    :param path: output file (text; ``.gz`` is compressed).
+    :param int n_rows: number of rows.
+    :param int seed: the file is a deterministic function of all arguments.
+    :param int num_features: hash buckets of the true model (use the same in the reader).
+    :param int hash_seed: hashing seed (``seed=`` of the reader).
+    :param vocab_sizes: the 26 vocabulary sizes of the categorical columns.
+    :returns: :class:`CriteoText`.
+
+    Example::
+
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> info = make_criteo_text(os.path.join(d, "c.txt"), 1000, seed=0, vw_path=os.path.join(d, "c.vw"))
+        >>> info.n_rows, info.w_true.shape, 0.15 < info.positive_rate < 0.35
+        (1000, (4194304,), True)
+    """
+    import gzip
+    import zlib
+
+    from .online._textio import integer_bin
+
+    if isinstance(n_rows, bool) or int(n_rows) != n_rows or n_rows < 0:
+        raise ValueError(f"n_rows: expected a non-negative integer, got {n_rows!r}")
+    if isinstance(num_features, bool) or int(num_features) != num_features or num_features < 1:
+        raise ValueError(f"num_features: expected a positive integer, got {num_features!r}")
+    if not 0 < positive_rate < 1:
+        raise ValueError(f"positive_rate: expected a number in (0, 1), got {positive_rate!r}")
+    if not 0 <= missing < 1:
+        raise ValueError(f"missing: expected a probability in [0, 1), got {missing!r}")
+    if not zipf > 1:
+        raise ValueError(f"zipf: expected an exponent > 1, got {zipf!r}")
+    vocab_sizes = tuple(int(v) for v in vocab_sizes)
+    if len(vocab_sizes) != 26 or min(vocab_sizes) < 1:
+        raise ValueError(f"vocab_sizes: expected 26 positive sizes, got {vocab_sizes!r}")
+    n_rows, d = int(n_rows), int(num_features)
+    rng = np.random.default_rng([seed, 7])
+    wrng = np.random.default_rng([seed, 8])
+    # vocabularies: token strings, their buckets and weights
+    vocab, vocab_col = [], []
+    w = np.zeros(d)
+    for j, size in enumerate(vocab_sizes, start=14):
+        ids = np.unique(wrng.integers(0, 1 << 28, size=2 * size))  # distinct token ids, then a random subset
+        ids = ids[wrng.permutation(len(ids))[:size]]
+        toks = np.array([f"{k:08x}" for k in ids], dtype=object)
+        cols = np.fromiter((zlib.crc32(f"{j}={t}".encode(), hash_seed) % d for t in toks), np.int64, size)
+        vocab.append(toks)
+        vocab_col.append(cols)
+    int_values = np.arange(0, 1 << 12)
+    bins = [np.fromiter((zlib.crc32(f"{j}#{integer_bin(v)}".encode(), hash_seed) % d for v in int_values),
+                        np.int64, len(int_values)) for j in range(1, 14)]
+    bias_col = zlib.crc32(b"__bias__", hash_seed) % d
+    touched = np.unique(np.concatenate(vocab_col + bins))
+    on = touched[wrng.random(len(touched)) < weight_density]
+    w[on] = wrng.normal(0.0, weight_std, size=len(on))
+    w[bias_col] = 0.0
+    zipf_cdf = [np.cumsum(np.arange(1, s + 1, dtype=np.float64) ** -zipf) for s in vocab_sizes]
+    # intercept from a pilot sample (its own generator, so the file does not depend on it)
+    prng = np.random.default_rng([seed, 9])
+
+    def draw(g, m):
+        ints = np.minimum(np.floor(np.exp(g.normal(1.0, 1.5, size=(m, 13)))), len(int_values) - 1).astype(np.int64)
+        ints_miss = g.random((m, 13)) < missing
+        cats = np.empty((m, 26), dtype=np.int64)
+        for c, cdf in enumerate(zipf_cdf):
+            cats[:, c] = np.minimum(np.searchsorted(cdf, g.random(m) * cdf[-1], side="right"), len(cdf) - 1)
+        cats_miss = g.random((m, 26)) < missing
+        s = np.zeros(m)
+        for c in range(13):
+            s += np.where(ints_miss[:, c], 0.0, w[bins[c][ints[:, c]]])
+        for c in range(26):
+            s += np.where(cats_miss[:, c], 0.0, w[vocab_col[c][cats[:, c]]])
+        return ints, ints_miss, cats, cats_miss, s
+
+    s_pilot = draw(prng, 20_000)[-1]
+    lo, hi = -30.0, 30.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if (1 / (1 + np.exp(-(s_pilot + mid)))).mean() < positive_rate else (lo, mid)
+    b = 0.5 * (lo + hi)
+    w[bias_col] = b
+
+    def opener(p):
+        return gzip.open(p, "wt", encoding="utf-8", newline="") if str(p).endswith(".gz") else \
+            open(p, "w", encoding="utf-8", newline="")
+
+    total_ll, n_pos = 0.0, 0
+    int_str = np.array([str(v) for v in int_values], dtype=object)
+    int_vw = [np.array([f"{j}#{integer_bin(v)}" for v in int_values], dtype=object) for j in range(1, 14)]
+    with opener(path) as fh, (opener(vw_path) if vw_path is not None else open(os.devnull, "w")) as fv:
+        for r0 in range(0, n_rows, int(chunk_rows)):
+            m = min(int(chunk_rows), n_rows - r0)
+            ints, ints_miss, cats, cats_miss, s = draw(rng, m)
+            z = s + b
+            y = rng.random(m) < 1 / (1 + np.exp(-z))
+            total_ll += float(np.sum(np.logaddexp(0.0, np.where(y, -z, z))))
+            n_pos += int(y.sum())
+            fields = [np.where(y, "1", "0").astype(object)]
+            fields += [np.where(ints_miss[:, c], "", int_str[ints[:, c]]) for c in range(13)]
+            fields += [np.where(cats_miss[:, c], "", vocab[c][cats[:, c]]) for c in range(26)]
+            fh.write("".join("\t".join(row) + "\n" for row in zip(*fields)))
+            if vw_path is not None:
+                vw = [np.where(y, "1 |f", "-1 |f").astype(object)]
+                vw += [np.where(ints_miss[:, c], "", " " + int_vw[c][ints[:, c]]) for c in range(13)]
+                vw += [np.where(cats_miss[:, c], "", f" {c + 14}=" + vocab[c][cats[:, c]]) for c in range(26)]
+                fv.write("".join("".join(row) + "\n" for row in zip(*vw)))
+    return CriteoText(str(path), None if vw_path is None else str(vw_path), n_rows, w, total_ll,
+                      n_pos / n_rows if n_rows else float("nan"))
+
+
+def svmlight_to_vw(path, vw_path):
+    """Rewrite an svmlight file in Vowpal Wabbit's text format (``{-1|1} |f idx:value ...``; labels ``> 0`` -> 1).
+
+    Example::
+
+        >>> svmlight_to_vw("data.svm", "data.vw")   # doctest: +SKIP
+    """
+    from .online._textio import iter_blocks, split_lines
+
+    with open(vw_path, "w", encoding="utf-8") as out:
+        for block, _ in iter_blocks(path):
+            lines = []
+            for ln in split_lines(block):
+                ln = ln.split(b"#", 1)[0].decode().split()
+                if not ln:
+                    continue
+                lab = "1" if float(ln[0]) > 0 else "-1"
+                lines.append(f"{lab} |f {' '.join(t for t in ln[1:] if not t.startswith('qid:'))}\n")
+            out.write("".join(lines))

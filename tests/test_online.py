@@ -222,12 +222,12 @@ def test_minibatch_sums_updates_in_natural_parameters():
     np.testing.assert_allclose(bat.coef_var_, seq.coef_var_, rtol=1e-13)
     # overlapping rows: precision and precision-mean increments from the batch-start state add up
     b = 6
-    m = OnlineBayesLogistic(D, batch_size=b, fast=False)
+    m = OnlineBayesLogistic(D, prior_var=1.0, batch_size=b, fast=False)
     m.partial_fit(X[:b], y[:b])
     h0, eta0 = np.ones(D), np.zeros(D)
     h, eta = h0.copy(), eta0.copy()
     for t in range(b):
-        single = OnlineBayesLogistic(D, fast=False).partial_fit(X[t], y[t:t + 1])
+        single = OnlineBayesLogistic(D, prior_var=1.0, fast=False).partial_fit(X[t], y[t:t + 1])
         h += 1 / single.coef_var_ - h0
         eta += single.coef_ / single.coef_var_ - eta0
     np.testing.assert_allclose(m.coef_var_, 1 / h, rtol=1e-12)
@@ -255,7 +255,7 @@ def test_hashing_maps_any_column_space_into_the_buckets():
 
 def test_probit_link_runs_end_to_end_and_predicts_with_eq24():
     X, y = _data(n=80, empty_rows=False)
-    m = OnlineBayesLogistic(D, link="probit").partial_fit(X, y)
+    m = OnlineBayesLogistic(D, link="probit", prior_var=1.0).partial_fit(X, y)
     mu_t, s2_t = m.score_moments(X)
     np.testing.assert_allclose(m.predict_proba(X)[:, 1], eq.link_cdf(mu_t / np.sqrt(1 + s2_t), "probit"), rtol=1e-14)
 

@@ -47,9 +47,9 @@ def test_one_process_is_the_sequential_algorithm():
 def test_a_feature_seen_by_one_rank_gets_that_ranks_update():
     X0 = sp.csr_matrix(np.array([[1.0, 0.0], [1.0, 0.0]]))
     X1 = sp.csr_matrix(np.array([[0.0, 1.0]]))
-    ests = [OnlineBayesLogistic(2), OnlineBayesLogistic(2)]
+    ests = [OnlineBayesLogistic(2, prior_var=1.0), OnlineBayesLogistic(2, prior_var=1.0)]
     simulate_sharded(ests, [(X0, np.array([1, 1])), (X1, np.array([-1]))], merge_every=5, classes=[-1, 1])
-    alone0, alone1 = OnlineBayesLogistic(2), OnlineBayesLogistic(2)
+    alone0, alone1 = OnlineBayesLogistic(2, prior_var=1.0), OnlineBayesLogistic(2, prior_var=1.0)
     alone0.partial_fit(X0, np.array([1, 1]), classes=[-1, 1])
     alone1.partial_fit(X1, np.array([-1]), classes=[-1, 1])
     np.testing.assert_allclose(ests[0].coef_, [alone0.coef_[0], alone1.coef_[1]], rtol=1e-12)

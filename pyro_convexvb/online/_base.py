@@ -1,7 +1,9 @@
 """Shared machinery of the online estimators: input handling, streaming driver, state, scikit-learn API."""
+import math
 import warnings
 
 import numpy as np
+import torch
 from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils.validation import check_array, check_is_fitted, column_or_1d, validate_data
 
@@ -29,6 +31,41 @@ def resolve_fast(fast):
             raise ImportError(_FAST_HINT) from exc
         return False
     return True
+
+
+#: Prior variances learned side by side with ``prior_var="auto"`` (Bayesian model averaging; see
+#: :class:`~pyro_convexvb.online.OnlineBayesLogistic`).
+AUTO_PRIOR_VARS = (0.01, 0.1, 1.0)
+
+#: Occam's window of ``prior_var="auto"``: a member whose cumulative log loss exceeds the best one's by more than
+#: this (posterior odds below 1e-9) leaves the average and is no longer updated (Madigan & Raftery 1994).
+AUTO_LOG_WINDOW = float(np.log(1e9))
+
+
+def _logsumexp(a):
+    """``log sum_k exp(a[..., k])``, stable."""
+    m = np.max(a, axis=-1)
+    m = np.where(np.isfinite(m), m, 0.0)
+    return m + np.log(np.sum(np.exp(a - m[..., None]), axis=-1))
+
+
+def _softmax(a):
+    e = np.exp(a - np.max(a))
+    return e / e.sum()
+
+
+def _plain(obj):
+    """``obj`` with NumPy scalars and arrays turned into Python numbers and lists (for ``torch.load`` with
+    ``weights_only=True``, which refuses NumPy objects)."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return _plain(obj.tolist())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
 
 
 def _kernels():
@@ -247,26 +284,35 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
         n = Xc.shape[0]
         p1 = np.empty(n)
         ll = np.empty(n)
+        unconverged = skipped = 0
         if n:
             indptr = Xc.indptr.astype(np.int64, copy=False)
             indices = Xc.indices.astype(np.int64, copy=False)
             data = Xc.data
-            if self.fast_:
-                unconverged, skipped = self._run_fast(indptr, indices, data, ypm, p1, ll)
-            else:
-                unconverged, skipped = self._run_reference(indptr, indices, data, ypm, p1, ll)
-            self.n_seen_ += n
-            self.cumulative_log_loss_ += float(ll.sum())
-            self.n_unconverged_ += int(unconverged)
-            self.n_skipped_ += int(skipped)
-            if unconverged:
-                warnings.warn(f"{type(self).__name__}: {unconverged} inner Newton solves stopped at "
-                              f"maxiter={getattr(self, 'maxiter', '?')} above tol={getattr(self, 'tol', '?')}",
-                              ConvergenceWarning, stacklevel=2)
-            if skipped:
-                warnings.warn(f"{type(self).__name__}: {skipped} mini-batch feature updates were dropped "
-                              "because the summed precision was not positive; use a smaller batch_size",
-                              ConvergenceWarning, stacklevel=2)
+            # a chunk is applied whole or not at all: the values it may change are saved first (O(nnz)), and
+            # restored on any exception, KeyboardInterrupt included
+            snap = self._snapshot(indices)
+            try:
+                if self.fast_:
+                    unconverged, skipped = self._run_fast(indptr, indices, data, ypm, p1, ll)
+                else:
+                    unconverged, skipped = self._run_reference(indptr, indices, data, ypm, p1, ll)
+                self.n_seen_ += n
+                self.cumulative_log_loss_ += float(ll.sum())
+                self.n_unconverged_ += int(unconverged)
+                self.n_skipped_ += int(skipped)
+            except BaseException:
+                self._restore(snap, first)
+                raise
+            self.__dict__.pop("_undo", None)
+        if unconverged:
+            warnings.warn(f"{type(self).__name__}: {unconverged} inner Newton solves stopped at "
+                          f"maxiter={getattr(self, 'maxiter', '?')} above tol={getattr(self, 'tol', '?')}",
+                          ConvergenceWarning, stacklevel=2)
+        if skipped:
+            warnings.warn(f"{type(self).__name__}: {skipped} mini-batch feature updates were dropped "
+                          "because the summed precision was not positive; use a smaller batch_size",
+                          ConvergenceWarning, stacklevel=2)
         out = []
         if return_predictions:
             out.append(p1)
@@ -275,6 +321,44 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
         if not out:
             return self
         return out[0] if len(out) == 1 else tuple(out)
+
+    _undo_log = False  # True: the fast kernels record old values (see _snapshot)
+    _SCALARS = ("n_seen_", "cumulative_log_loss_", "n_unconverged_", "n_skipped_", "_negative_known")
+
+    def _snapshot(self, indices):
+        """What a chunk with column ``indices`` may change: those entries of the state arrays, the counters,
+        ``classes_`` and the extra state."""
+        self.__dict__.pop("_undo", None)
+        if self.fast_ and self._undo_log:  # the kernel records the old values as it writes them
+            arrays = None
+        else:
+            arrays = {k: a[indices] for k, a in self._state_arrays().items()}  # fancy indexing copies
+        scalars = {k: self.__dict__[k] for k in self._SCALARS if k in self.__dict__}
+        classes = self.__dict__.get("classes_")
+        extra = self._extra_state()
+        return indices, arrays, scalars, None if classes is None else classes.copy(), extra
+
+    def _restore(self, snap, first):
+        """Undo a chunk (``first``: forget the state, as before the first call)."""
+        if first:
+            self._drop_state()
+            self.__dict__.pop("classes_", None)
+            return
+        indices, arrays, scalars, classes, extra = snap
+        if arrays is None:
+            undo = self.__dict__.pop("_undo", None)
+            if undo is not None:  # the kernel ran: replay its record of old values
+                if undo[0].ndim == 2:
+                    _kernels().undo_multi(undo[2], self._mu, self._s2, undo[0], undo[1], undo[3])
+                else:
+                    _kernels().undo(undo[2], self._mu, self._s2, undo[0], undo[1])
+        else:
+            for k, a in self._state_arrays().items():
+                a[indices] = arrays[k]
+        self.__dict__.update(scalars)
+        if classes is not None:
+            self.classes_ = classes
+        self._load_extra_state(extra)
 
     def fit(self, X, y):
         """Restart from the prior and make one pass of :meth:`partial_fit` over ``(X, y)``; returns ``self``.
@@ -312,7 +396,7 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
 
             >>> import numpy as np
             >>> from pyro_convexvb.online import OnlineBayesLogistic
-            >>> m = OnlineBayesLogistic(2).partial_fit(np.eye(2), [1, 0])
+            >>> m = OnlineBayesLogistic(2, prior_var=1.0).partial_fit(np.eye(2), [1, 0])
             >>> m.predict_proba(np.eye(2))[:, 1].round(3)
             array([0.586, 0.414])
         """
@@ -347,18 +431,18 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
             fresh._reset(fresh.num_features)
             return fresh.state_dict()
         classes = getattr(self, "classes_", None)
-        state = {"class": type(self).__name__, "config": self._config(),
-                 "n_seen": self.n_seen_, "cumulative_log_loss": self.cumulative_log_loss_,
-                 "n_unconverged": self.n_unconverged_, "n_skipped": self.n_skipped_,
-                 "classes": None if classes is None else classes.tolist(),
-                 "negative_known": self.__dict__.get("_negative_known", False),
-                 "n_features_in": getattr(self, "n_features_in_", None),
+        state = {"class": type(self).__name__, "config": _plain(self._config()),
+                 "n_seen": int(self.n_seen_), "cumulative_log_loss": float(self.cumulative_log_loss_),
+                 "n_unconverged": int(self.n_unconverged_), "n_skipped": int(self.n_skipped_),
+                 "classes": None if classes is None else _plain(classes.tolist()),
+                 "negative_known": bool(self.__dict__.get("_negative_known", False)),
+                 "n_features_in": None if not hasattr(self, "n_features_in_") else int(self.n_features_in_),
                  "feature_names_in": (None if not hasattr(self, "feature_names_in_")
-                                      else self.feature_names_in_.tolist())}
-        state.update({k: v.copy() for k, v in self._state_arrays().items()})
+                                      else [str(v) for v in self.feature_names_in_])}
+        state.update({k: torch.from_numpy(v.copy()) for k, v in self._state_arrays().items()})
         extra = self._extra_state()
         if extra:
-            state["extra"] = extra
+            state["extra"] = _plain(extra)
         return state
 
     def _extra_state(self):
@@ -367,43 +451,100 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
     def _load_extra_state(self, extra):
         pass
 
+    #: constraints checked by :meth:`load_state_dict` on the state arrays: ``"positive"`` or ``"nonnegative"``
+    _array_constraints = {}
+
     def load_state_dict(self, state):
-        """Restore :meth:`state_dict` output; the configuration must match this estimator's."""
+        """Restore :meth:`state_dict` output; the configuration must match this estimator's.
+
+        :raises ValueError: naming the key, for a missing key, an array of the wrong shape, non-finite values,
+            a non-positive variance, a negative counter, or a configuration that differs from this estimator's.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"state: expected a dict from state_dict(), got {type(state).__name__}")
+        for key in ("class", "config", "n_seen", "cumulative_log_loss", "n_unconverged", "n_skipped"):
+            if key not in state:
+                raise ValueError(f"state[{key!r}]: missing; not a state_dict() of {type(self).__name__}")
         if state.get("class") != type(self).__name__:
-            raise ValueError(f"state: saved from {state.get('class')!r}, cannot load into {type(self).__name__}")
+            raise ValueError(f"state['class']: saved from {state.get('class')!r}, cannot load into "
+                             f"{type(self).__name__}")
         saved = state["config"]
-        mine = self._config(num_features=saved["num_features"] if self.num_features is None else None)
-        if saved != mine:
-            raise ValueError(f"state: configuration {saved} differs from this estimator's "
+        if not isinstance(saved, dict) or "num_features" not in saved:
+            raise ValueError("state['config']: expected the configuration dict with 'num_features'")
+        d = saved["num_features"]
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1:
+            raise ValueError(f"state['config']['num_features']: expected a positive integer, got {d!r}")
+        mine = self._config(num_features=d if self.num_features is None else None)
+        if _plain(saved) != _plain(mine):
+            raise ValueError(f"state['config']: configuration {saved} differs from this estimator's "
                              f"{mine}; use {type(self).__name__}.from_state_dict(state)")
+        counters = {}
+        for key in ("n_seen", "n_unconverged", "n_skipped"):
+            v = state[key]
+            if isinstance(v, torch.Tensor):
+                v = v.item()
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"state[{key!r}]: expected a non-negative integer, got {v!r}")
+            counters[key] = int(v)
+        loss = state["cumulative_log_loss"]
+        loss = loss.item() if isinstance(loss, torch.Tensor) else loss
+        if isinstance(loss, bool) or not isinstance(loss, (int, float, np.number)) or not (
+                math.isfinite(loss) and loss >= 0):
+            raise ValueError(f"state['cumulative_log_loss']: expected a finite number >= 0, got {loss!r}")
         self._drop_state()
-        self._reset(saved["num_features"])
+        self._reset(int(d))
         arrays = self._state_arrays()
+        loaded = {}
         for key, arr in arrays.items():
-            new = np.asarray(state[key], dtype=np.float64)
-            if new.shape != arr.shape or not np.all(np.isfinite(new)):
-                raise ValueError(f"state[{key!r}]: expected finite values of shape {arr.shape}")
-            arr[...] = new
-        self.n_seen_ = int(state["n_seen"])
-        self.cumulative_log_loss_ = float(state["cumulative_log_loss"])
-        self.n_unconverged_ = int(state["n_unconverged"])
-        self.n_skipped_ = int(state["n_skipped"])
+            if key not in state:
+                raise ValueError(f"state[{key!r}]: missing")
+            new = from_torch(state[key])
+            new = np.asarray(new, dtype=np.float64) if not isinstance(new, np.ndarray) else new.astype(
+                np.float64, copy=False)
+            if new.shape != arr.shape:
+                self._drop_state()
+                raise ValueError(f"state[{key!r}]: expected shape {arr.shape}, got {new.shape}")
+            if not np.all(np.isfinite(new)):
+                self._drop_state()
+                raise ValueError(f"state[{key!r}]: holds NaN or infinite values")
+            rule = self._array_constraints.get(key)
+            if (rule == "positive" and not np.all(new > 0)) or (rule == "nonnegative" and not np.all(new >= 0)):
+                self._drop_state()
+                raise ValueError(f"state[{key!r}]: expected {rule} values (variances, sums of squares), got "
+                                 f"minimum {new.min()!r}")
+            loaded[key] = new
+        for key, arr in arrays.items():
+            arr[...] = loaded[key]
+        self.n_seen_ = counters["n_seen"]
+        self.cumulative_log_loss_ = float(loss)
+        self.n_unconverged_ = counters["n_unconverged"]
+        self.n_skipped_ = counters["n_skipped"]
         classes = state.get("classes")
         if classes is None and "coding" in state:  # states saved before classes_ existed
             classes = {"01": [0, 1], "pm1": [-1, 1]}.get(state["coding"])
         self._negative_known = bool(state.get("negative_known", classes is not None))
         if classes is not None:
-            self.classes_ = np.asarray(classes)
+            classes = np.asarray(classes)
+            if classes.shape != (2,) or classes[0] == classes[1]:
+                self._drop_state()
+                raise ValueError(f"state['classes']: expected two distinct labels, got {classes.tolist()}")
+            self.classes_ = classes
         if state.get("n_features_in") is not None:
             self.n_features_in_ = int(state["n_features_in"])
         if state.get("feature_names_in") is not None:
             self.feature_names_in_ = np.asarray(state["feature_names_in"], dtype=object)
-        self._load_extra_state(state.get("extra"))
+        try:
+            self._load_extra_state(state.get("extra"))
+        except ValueError:
+            self._drop_state()
+            raise
         return self
 
     @classmethod
     def from_state_dict(cls, state, fast=None):
-        """A new estimator with the saved configuration and state."""
+        """A new estimator with the saved configuration and state (validated as by :meth:`load_state_dict`)."""
+        if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
+            raise ValueError("state['config']: missing; not a state_dict() output")
         return cls(**state["config"], fast=fast).load_state_dict(state)
 
 
@@ -429,30 +570,104 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         self.batch_size = batch_size
         self.fast = fast
 
+    _array_constraints = {"s2": "positive"}
+    _supports_auto = False
+    _undo_log = True
+
+    def _auto(self):
+        return isinstance(self.prior_var, str)
+
+    def _check_options(self):
+        super()._check_options()
+        if isinstance(self.prior_var, str):
+            if self.prior_var != "auto":
+                raise ValueError(f"prior_var: expected a positive number, a (num_features,) array or 'auto', got "
+                                 f"{self.prior_var!r}")
+            if not self._supports_auto:
+                raise ValueError(f"prior_var: 'auto' is implemented for OnlineBayesLogistic only; give "
+                                 f"{type(self).__name__} a number")
+
     def _config(self, num_features=None):
         cfg = super()._config(num_features)
-        cfg["prior_mean"] = self.prior_mean if np.ndim(self.prior_mean) == 0 else np.asarray(self.prior_mean).tolist()
-        cfg["prior_var"] = self.prior_var if np.ndim(self.prior_var) == 0 else np.asarray(self.prior_var).tolist()
+        cfg["prior_mean"] = _plain(self.prior_mean if np.ndim(self.prior_mean) == 0 else np.asarray(self.prior_mean))
+        cfg["prior_var"] = (self.prior_var if isinstance(self.prior_var, str) else
+                            _plain(self.prior_var if np.ndim(self.prior_var) == 0 else np.asarray(self.prior_var)))
         return cfg
 
     def _new_state(self, num_features):
-        self._mu = per_feature(self.prior_mean, num_features, "prior_mean")
-        self._s2 = per_feature(self.prior_var, num_features, "prior_var", positive=True)
+        mu = per_feature(self.prior_mean, num_features, "prior_mean")
+        if self._auto():
+            grid = np.asarray(AUTO_PRIOR_VARS, dtype=np.float64)
+            self._mu = np.repeat(mu[:, None], len(grid), axis=1)
+            self._s2 = np.empty((num_features, len(grid)))
+            self._s2[:] = grid
+            self._member_loss = np.zeros(len(grid))
+            self._member_active = np.ones(len(grid), dtype=bool)
+        else:
+            self._mu = mu
+            self._s2 = per_feature(self.prior_var, num_features, "prior_var", positive=True)
 
     def _state_arrays(self):
         return {"mu": self._mu, "s2": self._s2}
 
+    def _extra_state(self):
+        if not self._auto():
+            return None
+        return {"prior_var_grid": list(AUTO_PRIOR_VARS), "member_log_loss": self._member_loss.tolist(),
+                "member_active": [bool(v) for v in self._member_active]}
+
+    def _load_extra_state(self, extra):
+        if not self._auto():
+            return
+        if not isinstance(extra, dict) or "member_log_loss" not in extra:
+            raise ValueError("state['extra']['member_log_loss']: missing (needed with prior_var='auto')")
+        if list(extra.get("prior_var_grid", ())) != list(AUTO_PRIOR_VARS):
+            raise ValueError(f"state['extra']['prior_var_grid']: {extra.get('prior_var_grid')} differs from this "
+                             f"version's grid {list(AUTO_PRIOR_VARS)}")
+        loss = np.asarray(extra["member_log_loss"], dtype=np.float64)
+        if loss.shape != (len(AUTO_PRIOR_VARS),) or not np.all(np.isfinite(loss)) or not np.all(loss >= 0):
+            raise ValueError(f"state['extra']['member_log_loss']: expected {len(AUTO_PRIOR_VARS)} finite values "
+                             f">= 0, got {extra['member_log_loss']!r}")
+        active = np.asarray(extra.get("member_active", [True] * len(AUTO_PRIOR_VARS)))
+        if active.shape != loss.shape or active.dtype != bool or not active.any():
+            raise ValueError(f"state['extra']['member_active']: expected {len(AUTO_PRIOR_VARS)} booleans, not all "
+                             f"False, got {extra.get('member_active')!r}")
+        self._member_loss = loss
+        self._member_active = active
+
+    # ------------------------------------------------------------ Bayesian model averaging (prior_var="auto")
+    @property
+    def prior_var_weights_(self):
+        """``(K,)`` posterior probabilities of the prior variances :data:`AUTO_PRIOR_VARS` (``prior_var="auto"``):
+        ``softmax(-member_log_loss)``, the members' cumulative predictive log likelihoods."""
+        check_is_fitted(self, "n_seen_")
+        if not self._auto():
+            raise AttributeError("prior_var_weights_: only with prior_var='auto'")
+        return _softmax(np.where(self._member_active, -self._member_loss, -np.inf))
+
+    def _member_scores(self, Xc):
+        """``(n, K)`` scores ``mu_t / c(sigma^2_t)`` of every member (Eqs. (6), (8))."""
+        return np.asarray(Xc @ self._mu) / eq.shrinkage(np.asarray(Xc.multiply(Xc) @ self._s2), self.link)
+
     # ------------------------------------------------------------ attributes
     @property
     def coef_(self):
-        """``(num_features,)`` posterior means ``mu_i`` (a copy)."""
+        """``(num_features,)`` posterior means ``mu_i`` (a copy; with ``prior_var="auto"`` the mean of the
+        model average, ``sum_k w_k mu_ik``)."""
         check_is_fitted(self)
+        if self._auto():
+            return self._mu @ self.prior_var_weights_
         return self._mu.copy()
 
     @property
     def coef_var_(self):
-        """``(num_features,)`` posterior variances ``sigma^2_i`` (a copy): per-feature uncertainty."""
+        """``(num_features,)`` posterior variances ``sigma^2_i`` (a copy): per-feature uncertainty (with
+        ``prior_var="auto"`` the variance of the mixture, ``sum_k w_k (sigma^2_ik + mu_ik^2) - coef_^2``)."""
         check_is_fitted(self)
+        if self._auto():
+            w = self.prior_var_weights_
+            m = self._mu @ w
+            return np.maximum((self._s2 + self._mu ** 2) @ w - m ** 2, 0.0)
         return self._s2.copy()
 
     # ------------------------------------------------------------ predictions
@@ -463,13 +678,46 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         :returns: ``(mu_t, sigma2_t)``, NumPy arrays ``(n,)`` each: the per-example predictive uncertainty.
         """
         Xc = self._transform(X)
-        return np.asarray(Xc @ self._mu), np.asarray(Xc.multiply(Xc) @ self._s2)
+        mu_t, s2_t = np.asarray(Xc @ self._mu), np.asarray(Xc.multiply(Xc) @ self._s2)
+        if self._auto():  # moments of the model average
+            w = self.prior_var_weights_
+            m = mu_t @ w
+            return m, np.maximum((s2_t + mu_t ** 2) @ w - m ** 2, 0.0)
+        return mu_t, s2_t
 
     def _score(self, Xc):
-        """``F^{-1}`` of Eq. (8) / (24): ``mu_t / c(sigma^2_t)`` for a canonical CSR matrix."""
+        """``F^{-1}`` of Eq. (8) / (24): ``mu_t / c(sigma^2_t)`` for a canonical CSR matrix (with
+        ``prior_var="auto"``, ``F^{-1}`` of the averaged probability)."""
+        if self._auto():
+            z = self._member_scores(Xc)
+            with np.errstate(divide="ignore"):  # a member outside Occam's window has weight 0
+                logw = np.log(self.prior_var_weights_)
+            lp1 = _logsumexp(eq.log_link_cdf(z, self.link) + logw)
+            lp0 = _logsumexp(eq.log_link_cdf(-z, self.link) + logw)
+            if self.link == "logit":
+                return lp1 - lp0
+            from scipy.special import ndtri
+
+            return np.where(lp1 < lp0, ndtri(np.exp(lp1)), -ndtri(np.exp(lp0)))
         mu_t = np.asarray(Xc @ self._mu)
         s2_t = np.asarray(Xc.multiply(Xc) @ self._s2)
         return mu_t / eq.shrinkage(s2_t, self.link)
+
+    def _mix(self, p1k, llk, p1, ll, until):
+        """Model average of the members' progressive predictions ``p1k``, losses ``llk`` (``(n, K)``) into
+        ``p1``, ``ll`` (``(n,)``); member ``k`` takes part in rows ``t < until[k]`` if it was active at the
+        start.  Advances the members' cumulative log losses and the active set."""
+        # sequential sums from the running totals: the same numbers however the stream is cut into chunks
+        cum = np.cumsum(np.concatenate([self._member_loss[None, :], llk]), axis=0)
+        before = cum[:-1]
+        rows = np.arange(len(llk))[:, None]
+        inside = self._member_active[None, :] & (rows < until[None, :])
+        score = np.where(inside, -before, -np.inf)
+        logw = score - _logsumexp(score)[:, None]  # log P(prior k | y_1..y_{t-1}) within Occam's window
+        p1[:] = np.sum(np.where(inside, np.exp(logw) * p1k, 0.0), axis=1)
+        ll[:] = -_logsumexp(np.where(inside, logw - llk, -np.inf))
+        self._member_loss = cum[-1].copy()
+        self._member_active = self._member_active & (until >= len(llk))
 
     # ------------------------------------------------------------ streaming
     def _kernel_flags(self):
@@ -483,25 +731,73 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         k = _kernels()
         mean_newton, var_value, tol, maxiter = self._kernel_flags()
         width = int(np.diff(indptr).max(initial=0))
+        if self._auto():
+            K = self._mu.shape[1]
+            p1k, llk = np.empty((len(y), K)), np.empty((len(y), K))
+            if int(self.batch_size) > 1:
+                acc_h, acc_eta = np.zeros((self._num_features, K)), np.zeros((self._num_features, K))
+            else:
+                acc_h = acc_eta = np.empty((0, K))
+            link = k.LOGIT if self.link == "logit" else k.PROBIT
+            active = self._member_active.astype(np.uint8)
+            self._undo = (np.empty((len(indices), K)), np.empty((len(indices), K)), indices, active.copy())
+            cum = self._member_loss.copy()
+            until = np.full(K, len(y), dtype=np.int64)
+            out = k.run_diagonal_multi(self._method_code, link, bool(mean_newton), bool(var_value), float(tol),
+                                       int(maxiter), int(self.batch_size), indptr, indices, data, y, self._mu,
+                                       self._s2, self._samples(len(y)), p1k, llk, acc_h, acc_eta, np.empty(width),
+                                       np.empty(width), self._undo[0], self._undo[1], cum, active, until,
+                                       AUTO_LOG_WINDOW)
+            self._mix(p1k, llk, p1, ll, until)
+            return out
         if int(self.batch_size) > 1:
             acc_h = np.zeros(self._num_features)
             acc_eta = np.zeros(self._num_features)
         else:
             acc_h = acc_eta = np.empty(0)
         link = k.LOGIT if self.link == "logit" else k.PROBIT
+        self._undo = (np.empty(len(indices)), np.empty(len(indices)), indices)
         return k.run_diagonal(self._method_code, link, bool(mean_newton), bool(var_value), float(tol),
                               int(maxiter), int(self.batch_size), indptr, indices, data, y, self._mu, self._s2,
-                              self._samples(len(y)), p1, ll, acc_h, acc_eta, np.empty(width), np.empty(width))
+                              self._samples(len(y)), p1, ll, acc_h, acc_eta, np.empty(width), np.empty(width),
+                              self._undo[0], self._undo[1])
 
     def _reference_update(self, x, y, mu_i, s2_i, mu_t, s2_t, log_p_t, samples):
         """New ``(mu, s2, n_unconverged)`` for the row's features; implemented per method."""
         raise NotImplementedError
 
     def _run_reference(self, indptr, indices, data, y, p1, ll):
+        if self._auto():  # batch by batch, the active members one after the other, then Occam's window
+            K = self._mu.shape[1]
+            n = len(y)
+            p1k, llk = np.full((n, K), 0.5), np.zeros((n, K))
+            unconverged = skipped = 0
+            active = self._member_active.copy()
+            cum = self._member_loss.copy()
+            until = np.full(K, n, dtype=np.int64)
+            batch = int(self.batch_size)
+            for b0 in range(0, n, batch):
+                b1 = min(n, b0 + batch)
+                sub = indptr[b0:b1 + 1] - indptr[b0]
+                sl = slice(indptr[b0], indptr[b1])
+                for m in np.flatnonzero(active):
+                    u, sk = self._run_members(sub, indices[sl], data[sl], y[b0:b1], p1k[b0:b1, m], llk[b0:b1, m],
+                                              self._mu[:, m], self._s2[:, m])
+                    unconverged += u
+                    skipped += sk
+                    for t in range(b0, b1):
+                        cum[m] += llk[t, m]
+                drop = active & (cum - cum[active].min() > AUTO_LOG_WINDOW)
+                until[drop] = b1
+                active &= ~drop
+            self._mix(p1k, llk, p1, ll, until)
+            return unconverged, skipped
+        return self._run_members(indptr, indices, data, y, p1, ll, self._mu, self._s2)
+
+    def _run_members(self, indptr, indices, data, y, p1, ll, mu, s2):
         n = len(y)
         unconverged = skipped = 0
         samples = self._samples(n)
-        mu, s2 = self._mu, self._s2
         batched = int(self.batch_size) > 1
         batch = int(self.batch_size)
         if batched:

@@ -224,10 +224,13 @@ def _row_update(method, link, a, mean_newton, var_value, tol, maxiter, y, start,
     return unconverged
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def run_diagonal(method, link, mean_newton, var_value, tol, maxiter, batch_size, indptr, indices,
-                 data, y, mu, s2, samples, p1_out, ll_out, acc_h, acc_eta, buf_mu, buf_s2):
+                 data, y, mu, s2, samples, p1_out, ll_out, acc_h, acc_eta, buf_mu, buf_s2, undo_mu, undo_s2):
     """Stream rows ``0..n-1`` of a CSR chunk, updating ``mu``/``s2`` in place.
+
+    Before entry ``k`` of the chunk is written, its old values go to ``undo_mu[k]``, ``undo_s2[k]``
+    (``(nnz,)``; every entry is recorded once), so :func:`undo` can restore the state before the chunk.
 
     Returns ``(unconverged, skipped)``: inner solves that hit ``maxiter`` and mini-batch
     feature updates dropped because the summed precision was not positive.
@@ -260,6 +263,8 @@ def run_diagonal(method, link, mean_newton, var_value, tol, maxiter, batch_size,
             if batch_size == 1:
                 for k in range(start, end):
                     i = indices[k]
+                    undo_mu[k] = mu[i]
+                    undo_s2[k] = s2[i]
                     mu[i] = buf_mu[k - start]
                     s2[i] = buf_s2[k - start]
             else:
@@ -270,6 +275,8 @@ def run_diagonal(method, link, mean_newton, var_value, tol, maxiter, batch_size,
         if batch_size > 1:
             for k in range(indptr[b0], indptr[b1]):
                 i = indices[k]
+                undo_mu[k] = mu[i]
+                undo_s2[k] = s2[i]
                 if acc_h[i] != 0.0 or acc_eta[i] != 0.0:
                     h = 1.0 / s2[i] + acc_h[i]
                     if h > 0.0 and math.isfinite(h):
@@ -284,7 +291,7 @@ def run_diagonal(method, link, mean_newton, var_value, tol, maxiter, batch_size,
     return unconverged, skipped
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def run_adagrad(link, eta, delta, indptr, indices, data, y, w, G, p1_out, ll_out):
     """SGD with AdaGrad step sizes (Duchi et al., 2011) on the log-loss of ``F(x^T w)``."""
     n = indptr.shape[0] - 1
@@ -304,3 +311,119 @@ def run_adagrad(link, eta, delta, indptr, indices, data, y, w, G, p1_out, ll_out
             G[i] += g * g
             w[i] -= eta * g / math.sqrt(G[i] + delta)
     return 0
+
+
+@njit(cache=True, nogil=True)
+def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch_size, indptr, indices,
+                       data, y, mu, s2, samples, p1_out, ll_out, acc_h, acc_eta, buf_mu, buf_s2, undo_mu, undo_s2,
+                       cum, active, until, log_window):
+    """:func:`run_diagonal` for ``K`` learners side by side on the same rows (``mu``, ``s2``: ``(d, K)``).
+
+    Member ``m`` sees exactly the arithmetic of :func:`run_diagonal` on ``mu[:, m]``, ``s2[:, m]``; rows are
+    interleaved (all members on row ``t``, then row ``t + 1``) so a row's features are fetched from memory
+    once for all members.  ``p1_out``, ``ll_out``: ``(n, K)``; ``acc_h``, ``acc_eta``: ``(d, K)`` when
+    ``batch_size > 1``; ``undo_mu``, ``undo_s2``: ``(nnz, K)``, the old values (see :func:`run_diagonal`).
+
+    Occam's window: ``cum`` (``(K,)``, in/out) are the members' cumulative log losses and ``active`` (``(K,)``
+    uint8, in/out) the members still in the average; at the end of every batch a member whose loss exceeds the
+    best active one's by more than ``log_window`` leaves for good (``until[m]`` = the first row without it).
+    An inactive member is neither predicted nor updated (``p1_out`` 0.5, ``ll_out`` 0 there).
+    Returns ``(unconverged, skipped)`` summed over members.
+    """
+    n = indptr.shape[0] - 1
+    K = mu.shape[1]
+    a = math.pi / 8.0 if link == LOGIT else 1.0
+    unconverged = 0
+    skipped = 0
+    b0 = 0
+    while b0 < n:
+        b1 = min(n, b0 + batch_size)
+        for t in range(b0, b1):
+            start = indptr[t]
+            end = indptr[t + 1]
+            yt = y[t]
+            for m in range(K):
+                if not active[m]:
+                    p1_out[t, m] = 0.5
+                    ll_out[t, m] = 0.0
+                    continue
+                mu_m = mu[:, m]
+                s2_m = s2[:, m]
+                mu_t = 0.0
+                s2_t = 0.0
+                for k in range(start, end):
+                    i = indices[k]
+                    x = data[k]
+                    mu_t += x * mu_m[i]
+                    s2_t += x * x * s2_m[i]
+                ct = math.sqrt(1.0 + a * s2_t)
+                p1_out[t, m] = _cdf(mu_t / ct, link)
+                log_p_t = _log_cdf(yt * mu_t / ct, link)
+                ll_out[t, m] = -log_p_t
+                cum[m] += -log_p_t
+                unconverged += _row_update(method, link, a, mean_newton, var_value, tol, maxiter, yt,
+                                           start, end, indices, data, mu_m, s2_m, mu_t, s2_t, log_p_t,
+                                           samples, t, buf_mu, buf_s2)
+                if batch_size == 1:
+                    for k in range(start, end):
+                        i = indices[k]
+                        undo_mu[k, m] = mu_m[i]
+                        undo_s2[k, m] = s2_m[i]
+                        mu_m[i] = buf_mu[k - start]
+                        s2_m[i] = buf_s2[k - start]
+                else:
+                    for k in range(start, end):
+                        i = indices[k]
+                        acc_h[i, m] += 1.0 / buf_s2[k - start] - 1.0 / s2_m[i]
+                        acc_eta[i, m] += buf_mu[k - start] / buf_s2[k - start] - mu_m[i] / s2_m[i]
+        if batch_size > 1:
+            for m in range(K):
+                if not active[m]:
+                    continue
+                for k in range(indptr[b0], indptr[b1]):
+                    i = indices[k]
+                    undo_mu[k, m] = mu[i, m]
+                    undo_s2[k, m] = s2[i, m]
+                    if acc_h[i, m] != 0.0 or acc_eta[i, m] != 0.0:
+                        h = 1.0 / s2[i, m] + acc_h[i, m]
+                        if h > 0.0 and math.isfinite(h):
+                            eta = mu[i, m] / s2[i, m] + acc_eta[i, m]
+                            s2[i, m] = 1.0 / h
+                            mu[i, m] = eta / h
+                        else:
+                            skipped += 1
+                        acc_h[i, m] = 0.0
+                        acc_eta[i, m] = 0.0
+        best = np.inf
+        for m in range(K):
+            if active[m] and cum[m] < best:
+                best = cum[m]
+        for m in range(K):
+            if active[m] and cum[m] - best > log_window:
+                active[m] = 0
+                until[m] = b1
+                for k in range(indptr[b1], indices.shape[0]):  # entries it will not write: not to be undone
+                    undo_mu[k, m] = np.nan
+        b0 = b1
+    return unconverged, skipped
+
+
+@njit(cache=True, nogil=True)
+def undo(indices, mu, s2, undo_mu, undo_s2):
+    """Restore ``mu``/``s2`` (``(d,)`` or ``(d, K)``) from the old values recorded by :func:`run_diagonal` /
+    :func:`run_diagonal_multi`, newest first, so each entry ends at its value before the chunk."""
+    for k in range(indices.shape[0] - 1, -1, -1):
+        mu[indices[k]] = undo_mu[k]
+        s2[indices[k]] = undo_s2[k]
+
+
+@njit(cache=True, nogil=True)
+def undo_multi(indices, mu, s2, undo_mu, undo_s2, active0):
+    """:func:`undo` for ``(d, K)`` states, for the members active at the start of the chunk (``active0``);
+    entries a member left unwritten after leaving Occam's window are NaN and skipped."""
+    for k in range(indices.shape[0] - 1, -1, -1):
+        i = indices[k]
+        for m in range(mu.shape[1]):
+            if active0[m] and undo_mu[k, m] == undo_mu[k, m]:
+                mu[i, m] = undo_mu[k, m]
+                s2[i, m] = undo_s2[k, m]

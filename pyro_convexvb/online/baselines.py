@@ -303,6 +303,7 @@ class OnlineAdaGradLogistic(OnlineEstimatorBase):
 
     _config_keys = ("learning_rate", "delta")
     _has_batch_size = False
+    _array_constraints = {"G": "nonnegative"}
 
     def __init__(self, num_features=None, learning_rate=0.1, delta=1e-8, link="logit", hashing=None, fast=None):
         self.num_features = num_features

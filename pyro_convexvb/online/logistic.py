@@ -32,7 +32,19 @@ class OnlineBayesLogistic(OnlineDiagonalGaussian):
     :param int num_features: ``d``, the number of features (hash buckets when hashing); ``None``
         takes the number of columns of the first batch.
     :param prior_mean: ``mu_0``, scalar or ``(d,)``.
-    :param prior_var: ``sigma^2_0 > 0``, scalar or ``(d,)``.
+    :param prior_var: ``"auto"`` (default), or ``sigma^2_0 > 0``, scalar or ``(d,)``.  ``"auto"`` learns one
+        model per prior variance of :data:`~pyro_convexvb.online._base.AUTO_PRIOR_VARS` (0.01, 0.1, 1) side by
+        side on the same rows and predicts with their Bayesian model average (Hoeting, Madigan, Raftery &
+        Volinsky 1999, Eq. (1)): the weight of prior ``k`` before row ``t`` is its posterior probability
+        ``w_k ∝ prod_{tau < t} p_k(y_tau | x_tau, past)`` under a uniform prior over the grid -- the marginal
+        likelihood written as the product of one-step predictive probabilities (Dawid 1984, §5, prequential
+        analysis), each ``p_k`` Algorithm 1's own prediction (8).  The progressive log-loss of the average is
+        at most the best member's plus ``log K`` (``K = 3``).  The members share the rows' memory traffic in
+        one compiled loop; a member whose posterior odds against the best fall below 1e-9 leaves the average
+        for good and is no longer updated (Occam's window, Madigan & Raftery 1994, §2), so once one prior
+        dominates the cost is one learner's; the state is ``K`` times larger.  Useful because hashed sparse rows
+        with tens of active features need a far smaller prior variance than 1, which a fixed default cannot
+        know.
     :param str link: ``"logit"`` or ``"probit"`` (Appendix B).
     :param str mean_update: ``"taylor"`` (Eq. (17)/(30)) or ``"newton"`` (Eq. (15)/(28)).
     :param str variance_update: ``"laplace"`` (Eq. (19)/(31)) or ``"value"`` (Eq. (18)).
@@ -47,7 +59,8 @@ class OnlineBayesLogistic(OnlineDiagonalGaussian):
     :param fast: ``None`` uses the numba kernel when numba is installed, ``True`` requires it
         (``ImportError`` otherwise), ``False`` uses the NumPy reference path.
 
-    Attributes: ``coef_`` / ``coef_var_`` (``(d,)`` means and variances), ``classes_``,
+    Attributes: ``coef_`` / ``coef_var_`` (``(d,)`` means and variances; of the model average with
+    ``prior_var="auto"``), ``prior_var_weights_`` (``(K,)`` with ``"auto"``), ``classes_``,
     ``n_features_in_`` (without hashing), ``n_seen_``, ``cumulative_log_loss_`` (progressive log-loss
     so far), ``fast_`` (path in use).
 
@@ -66,8 +79,9 @@ class OnlineBayesLogistic(OnlineDiagonalGaussian):
 
     _method_code = 0
     _config_keys = ("mean_update", "variance_update", "tol", "maxiter")
+    _supports_auto = True
 
-    def __init__(self, num_features=None, prior_mean=0.0, prior_var=1.0, link="logit", mean_update="taylor",
+    def __init__(self, num_features=None, prior_mean=0.0, prior_var="auto", link="logit", mean_update="taylor",
                  variance_update="laplace", hashing=None, batch_size=1, tol=1e-9, maxiter=50, fast=None):
         self.num_features = num_features
         self.prior_mean = prior_mean

@@ -8,7 +8,6 @@
 * :func:`hash_features` -- feature hashing of categorical tokens into a fixed number of columns;
 * :func:`progressive_regret` -- progressive-validation loss and regret ``R_t`` of Eq. (4).
 """
-import itertools
 import math
 import time
 import zlib
@@ -16,8 +15,8 @@ import zlib
 import numpy as np
 import scipy.sparse as sp
 
-from ..io import open_text as _open_text, parse_svmlight_lines
-from . import equations as eq
+from ..io import open_text as _open_text, parse_svmlight_lines  # noqa: F401  (re-exports)
+from . import _textio, equations as eq
 
 __all__ = [
     "OnlineStream",
@@ -244,41 +243,50 @@ def hash_features(rows, num_features, seed=0):
 
 
 # ----------------------------------------------------------------------------- svmlight
-def iter_svmlight(path, chunk_size=100_000, num_features=None, zero_based=False, hashing=None):
+def _reader(chunks, prefetch):
+    if prefetch is True or (isinstance(prefetch, int) and not isinstance(prefetch, bool) and prefetch > 0):
+        return _textio.prefetch(chunks, depth=2 if prefetch is True else int(prefetch))
+    if prefetch is False or prefetch == 0:
+        return chunks
+    raise ValueError(f"prefetch: expected True, False or a positive number of chunks, got {prefetch!r}")
+
+
+def iter_svmlight(path, chunk_size=100_000, num_features=None, zero_based=False, hashing=None, prefetch=True):
     """Read an svmlight / LIBSVM file (optionally ``.gz``) in chunks of ``chunk_size`` rows.
 
-    Lines are ``label idx:value ...`` with an optional ``# comment`` and ``qid:`` (ignored).
-    Memory is bounded by one chunk.
+    Lines are ``label idx:value ...`` with an optional ``# comment`` and ``qid:`` (ignored); blank and
+    comment lines give no row, so every chunk but the last holds exactly ``chunk_size`` rows.  Blocks of
+    lines are parsed by scikit-learn's compiled ``load_svmlight_file``; a block it rejects is re-read by
+    a Python parser that names the line (duplicated or negative indices raise, unsorted ones are sorted).
+    Memory is bounded by one chunk plus one 4 MB block (two chunks ahead with ``prefetch``).
 
     :param int num_features: number of columns (indices must be smaller after the 1-based
         shift); with ``hashing`` the number of buckets.
     :param bool zero_based: indices start at 0 (``False``: the LIBSVM convention, 1-based).
     :param hashing: ``None`` or an integer seed to hash indices into ``num_features`` buckets.
+    :param prefetch: ``True`` (default) reads in a background thread two chunks ahead, so parsing overlaps
+        learning; ``False`` reads in the caller's thread; an integer sets how many chunks ahead.
     :returns: iterator of ``(X, y)``: CSR ``(m, num_features)`` and float labels as written.
     :raises ValueError: malformed lines (with the line number) or out-of-range indices.
+
+    Example::
+
+        >>> for X, y in iter_svmlight("data.svm", num_features=2**20):   # doctest: +SKIP
+        ...     model.partial_fit(X, y)
     """
-    if num_features is None or int(num_features) != num_features or num_features < 1:
+    if num_features is None or isinstance(num_features, bool) or int(num_features) != num_features \
+            or num_features < 1:
         raise ValueError(f"num_features: a positive integer is needed to stream with constant memory, "
                          f"got {num_features!r}")
-    shift = 0 if zero_based else 1
-    with _open_text(path) as fh:
-        lineno = 0
-        while True:
-            lines = list(itertools.islice(fh, chunk_size))
-            if not lines:
-                return
-            indptr, cols, vals, labels = parse_svmlight_lines(lines, path, lineno + 1)
-            lineno += len(lines)
-            cols = cols - shift
-            if hashing is not None:
-                from ._validation import splitmix64
-                cols = (splitmix64(cols, int(hashing)) % np.uint64(num_features)).astype(np.int64)
-            elif cols.size and (cols.min() < 0 or cols.max() >= num_features):
-                raise ValueError(f"{path}: feature index out of range [0, {num_features}) near line {lineno} "
-                                 f"(zero_based={zero_based})")
-            X = sp.csr_matrix((vals, cols, indptr), shape=(len(labels), int(num_features)))
-            X.sum_duplicates()
-            yield X, labels
+    if zero_based not in (True, False):
+        raise ValueError(f"zero_based: expected True or False, got {zero_based!r}")
+    if hashing is not None and (isinstance(hashing, bool) or int(hashing) != hashing or hashing < 0):
+        raise ValueError(f"hashing: expected None or a non-negative integer seed, got {hashing!r}")
+    if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
+    chunks = _textio.iter_svmlight_chunks(path, int(chunk_size), int(num_features), 0 if zero_based else 1,
+                                          hashing)
+    return _reader(chunks, prefetch)
 
 
 # ----------------------------------------------------------------------------- CSV / Criteo
@@ -288,62 +296,58 @@ CRITEO_CATEGORICAL_COLUMNS = tuple(range(14, 40))
 
 def _integer_bin(value):
     """Bucket of a count feature: the value itself up to 2, then ``floor(log(v)^2)``."""
-    v = float(value)
-    if v <= 2:
-        return str(int(math.floor(v)))
-    return "L" + str(int(math.floor(math.log(v) ** 2)))
+    return _textio.integer_bin(value)
 
 
 def iter_csv(path, chunk_size=100_000, label_column=0, integer_columns=(), categorical_columns=(),
-             num_features=2 ** 20, seed=0, delimiter=",", header=False, add_bias=True):
-    """Read a delimited text file (optionally ``.gz``) in chunks and hash its columns.
+             num_features=2 ** 20, seed=0, delimiter=",", header=False, add_bias=True, prefetch=True):
+    """Read a delimited text file (optionally ``.gz``) in chunks of ``chunk_size`` rows and hash its columns.
 
     Every categorical column ``j`` with value ``v`` becomes the token ``"j=v"``; an integer
     column becomes ``"j#b"`` with ``b`` its logarithmic bucket (the value up to 2, then
-    ``floor(log(v)^2)``); empty fields are skipped.  Tokens are hashed by
-    :func:`hash_features`.  With ``add_bias`` every row also gets a constant feature.
+    ``"L" + floor(log(v)^2)``); empty fields are skipped.  Tokens are hashed as by
+    :func:`hash_features` (``crc32(token, seed) % num_features``, colliding tokens summed).  With ``add_bias``
+    every row also gets a constant feature.  Lines end at ``\\n`` (``\\r\\n`` too); blank lines are skipped.
+
+    The fields are split, binned and hashed by a compiled kernel over the raw bytes (numba); a row whose
+    label or integer field is not a plain integer (``1.5``, ``1e3``, ``inf``) is read by the Python rules,
+    so the result is the same either way.
 
     :param int label_column: column of the label (``0``/``1`` or ``-1``/``+1``).
+    :param prefetch: ``True`` (default) reads in a background thread two chunks ahead; ``False`` in the
+        caller's thread; an integer sets how many chunks ahead.
     :returns: iterator of ``(X, y)``: CSR ``(m, num_features)`` and float labels.
-    :raises ValueError: a short line or a non-numeric label / integer field (with line number).
+    :raises ValueError: a short line, a non-numeric label, or a non-numeric or non-finite integer field (with
+        the file and line number).
+
+    Example::
+
+        >>> import os, tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), "t.csv")
+        >>> _ = open(p, "w").write("1,3,a\\n0,,b\\n")
+        >>> (X, y), = iter_csv(p, integer_columns=[1], categorical_columns=[2], num_features=64)
+        >>> X.getnnz(axis=1).tolist(), y.tolist()
+        ([3, 2], [1.0, 0.0])
     """
-    int_cols = tuple(int(c) for c in integer_columns)
-    cat_cols = tuple(int(c) for c in categorical_columns)
-    need = max((label_column,) + int_cols + cat_cols) + 1
-    with _open_text(path) as fh:
-        if header:
-            next(fh, None)
-        lineno = int(bool(header))
-        while True:
-            lines = list(itertools.islice(fh, chunk_size))
-            if not lines:
-                return
-            labels, rows = [], []
-            for line in lines:
-                lineno += 1
-                line = line.rstrip("\r\n")
-                if not line:
-                    continue
-                f = line.split(delimiter)
-                if len(f) < need:
-                    raise ValueError(f"{path}: line {lineno}: expected at least {need} fields, got {len(f)}")
-                try:
-                    labels.append(float(f[label_column]))
-                    toks = ["__bias__"] if add_bias else []
-                    toks += [f"{j}#{_integer_bin(f[j])}" for j in int_cols if f[j] != ""]
-                except ValueError as exc:
-                    raise ValueError(f"{path}: line {lineno}: non-numeric label or integer field ({exc})") from None
-                toks += [f"{j}={f[j]}" for j in cat_cols if f[j] != ""]
-                rows.append(toks)
-            yield hash_features(rows, num_features, seed), np.asarray(labels)
+    spec = _textio.DelimitedSpec(label_column, integer_columns, categorical_columns, num_features, seed,
+                                 delimiter, add_bias)
+    if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
+    return _reader(_textio.iter_delimited(path, spec, int(chunk_size), header=header), prefetch)
 
 
-def iter_criteo(path, chunk_size=100_000, num_features=2 ** 22, seed=0, add_bias=True):
+def iter_criteo(path, chunk_size=100_000, num_features=2 ** 22, seed=0, add_bias=True, prefetch=True):
     """Chunks of the Criteo display-advertising layout: tab-separated label, 13 integer and 26
-    categorical columns (Shamir & Szpankowski 2021, §4); see :func:`iter_csv`."""
+    categorical columns (Shamir & Szpankowski 2021, §4); see :func:`iter_csv`.
+
+    Example::
+
+        >>> for X, y in iter_criteo("day_0.txt.gz"):   # doctest: +SKIP
+        ...     model.partial_fit(X, y)
+    """
     return iter_csv(path, chunk_size=chunk_size, label_column=0, integer_columns=CRITEO_INTEGER_COLUMNS,
                     categorical_columns=CRITEO_CATEGORICAL_COLUMNS, num_features=num_features, seed=seed,
-                    delimiter="\t", add_bias=add_bias)
+                    delimiter="\t", add_bias=add_bias, prefetch=prefetch)
 
 
 # ----------------------------------------------------------------------------- regret

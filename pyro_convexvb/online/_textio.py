@@ -1,0 +1,842 @@
+"""The reading core of the text streams: byte blocks, compiled field parsing and hashing, a prefetch thread.
+
+One core serves :func:`~pyro_convexvb.online.iter_criteo` / :func:`~pyro_convexvb.online.iter_csv` /
+:func:`~pyro_convexvb.online.iter_svmlight` and the whole-file readers of :mod:`pyro_convexvb.datasets`
+(``load_svmlight(backend="python")``, its ``shard=`` path, ``load_csv``):
+
+* :func:`iter_blocks` reads a plain or ``.gz`` file in blocks of whole lines (bytes; lines end at ``\\n``,
+  a ``\\r`` before it is dropped; no other character ends a line, so a form feed inside a comment does not
+  invent a row), with the number of the first line of each block for error messages;
+* delimited text (CSV / Criteo): a numba kernel over the raw bytes splits fields, bins integer fields and
+  hashes tokens with CRC-32 (bit-identical to ``zlib.crc32`` of the token text, so the columns are those of
+  :func:`~pyro_convexvb.online.hash_features` on every platform), one row after the other without a Python
+  loop; a row the kernel cannot read exactly (a number that is not a plain integer, e.g. ``1.5``, ``1e3``,
+  ``inf``) is handed to the Python reference code for that one row, so the output never differs;
+* svmlight: scikit-learn's compiled ``load_svmlight_file`` parses each block; a block it rejects
+  (a malformed line, unsorted or duplicated indices, a negative index) is re-read by the Python reference
+  parser :func:`parse_svmlight_block`, which accepts unsorted indices, and raises with the file and line
+  number otherwise;
+* :func:`prefetch` runs a chunk iterator in a reader thread (the compiled parsers and the learner's kernels
+  release the GIL), so reading overlaps learning.
+
+Chunks hold ``chunk_size`` *rows*: blank and comment lines never give a chunk of 0 rows.
+"""
+import gzip
+import io
+import math
+import queue
+import threading
+import zlib
+
+import numpy as np
+import scipy.sparse as sp
+
+_BLOCK_BYTES = 1 << 22
+
+
+# ----------------------------------------------------------------------------- blocks of lines
+def open_binary(path):
+    """Open ``path`` for reading bytes, decompressing a ``.gz`` file."""
+    path = str(path)
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def iter_blocks(path, block_bytes=_BLOCK_BYTES, fh=None):
+    """Yield ``(block, first_lineno)``: ``bytes`` of whole lines (each ends with ``\\n``), and the line number
+    of its first line (1-based).  A last line without ``\\n`` gets one."""
+    own = fh is None
+    fh = open_binary(path) if own else fh
+    try:
+        rest = b""
+        lineno = 1
+        while True:
+            new = fh.read(block_bytes)
+            if not new:
+                if rest:
+                    yield rest + b"\n", lineno
+                return
+            data = rest + new if rest else new
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                rest = data
+                continue
+            block, rest = data[:cut], data[cut:]
+            yield block, lineno
+            lineno += block.count(b"\n")
+    finally:
+        if own:
+            fh.close()
+
+
+def split_lines(block):
+    """Lines of a block (``\\n``-terminated bytes), ``\\r\\n`` read as ``\\n``; only ``\\n`` ends a line."""
+    lines = block.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return [ln[:-1] if ln.endswith(b"\r") else ln for ln in lines]
+
+
+# ----------------------------------------------------------------------------- CRC-32 and integer bins
+def _crc_table():
+    t = np.empty(256, dtype=np.uint32)
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (0xEDB88320 ^ (c >> 1)) if c & 1 else (c >> 1)
+        t[n] = c
+    return t
+
+
+_CRC_TABLE = _crc_table()
+
+
+def _crc_tables4():
+    """Slicing-by-4 tables ``(4, 256)``: ``T_k[n]`` is the CRC of byte ``n`` followed by ``k`` zero bytes."""
+    t = np.empty((4, 256), dtype=np.int64)
+    t[0] = _CRC_TABLE
+    for k in range(1, 4):
+        t[k] = (t[k - 1] >> 8) ^ t[0][t[k - 1] & 0xFF]
+    return t
+
+
+_CRC_TABLES4 = _crc_tables4()
+
+
+def integer_bin(value):
+    """Bucket of a count feature: the value itself up to 2, then ``"L" + floor(log(v)^2)``.
+
+    :raises ValueError: ``value`` is NaN or infinite (no bucket).
+    """
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{value!r} is not a finite number")
+    if v <= 2:
+        return str(int(math.floor(v)))
+    return "L" + str(int(math.floor(math.log(v) ** 2)))
+
+
+def _reference_row(line, path, lineno, delimiter, need, label_column, int_cols, cat_cols, add_bias,
+                   num_features, seed):
+    """Label and hashed columns of one delimited line by the plain Python rules (the reference)."""
+    text = line.decode("utf-8")
+    f = text.split(delimiter)
+    if len(f) < need:
+        raise ValueError(f"{path}: line {lineno}: expected at least {need} fields, got {len(f)}")
+    try:
+        label = float(f[label_column])
+    except ValueError as exc:
+        raise ValueError(f"{path}: line {lineno}: non-numeric label ({exc})") from None
+    toks = ["__bias__"] if add_bias else []
+    for j in int_cols:
+        if f[j] != "":
+            try:
+                toks.append(f"{j}#{integer_bin(f[j])}")
+            except ValueError as exc:
+                raise ValueError(f"{path}: line {lineno}: integer column {j}: {exc}") from None
+    toks += [f"{j}={f[j]}" for j in cat_cols if f[j] != ""]
+    cols = np.array([zlib.crc32(t.encode("utf-8"), seed) % num_features for t in toks], dtype=np.int64)
+    return label, cols
+
+
+# ----------------------------------------------------------------------------- compiled kernels
+try:  # pragma: no branch - numba is in the 'fast' extra
+    from numba import njit
+except ImportError:  # pragma: no cover - depends on the environment
+    njit = None
+
+if njit is not None:
+    @njit(cache=True, nogil=True)
+    def _crc_continue(state, buf, s, e, t4):
+        """``zlib.crc32(buf[s:e], state)``, four bytes a step (slicing-by-4)."""
+        c = (~state) & 0xFFFFFFFF
+        k = s
+        while e - k >= 4:
+            c ^= np.int64(buf[k]) | (np.int64(buf[k + 1]) << 8) | (np.int64(buf[k + 2]) << 16) \
+                | (np.int64(buf[k + 3]) << 24)
+            c = t4[3, c & 0xFF] ^ t4[2, (c >> 8) & 0xFF] ^ t4[1, (c >> 16) & 0xFF] ^ t4[0, c >> 24]
+            k += 4
+        while k < e:
+            c = t4[0, (c ^ buf[k]) & 0xFF] ^ (c >> 8)
+            k += 1
+        return (~c) & 0xFFFFFFFF
+
+    @njit(cache=True, nogil=True)
+    def _crc_digits(state, v, table, scratch):
+        """CRC continued over the decimal text of the integer ``v`` (with a minus sign when negative)."""
+        n = 0
+        neg = v < 0
+        u = -v if neg else v
+        if u == 0:
+            scratch[0] = 48
+            n = 1
+        while u > 0:
+            scratch[n] = 48 + u % 10
+            u //= 10
+            n += 1
+        c = (~state) & 0xFFFFFFFF
+        if neg:
+            c = table[(c ^ 45) & 0xFF] ^ (c >> 8)
+        for k in range(n - 1, -1, -1):
+            c = table[(c ^ scratch[k]) & 0xFF] ^ (c >> 8)
+        return (~c) & 0xFFFFFFFF
+
+    @njit(cache=True, nogil=True)
+    def _plain_int(buf, s, e):
+        """``(ok, value)``: the field is ``[+-]digits`` with at most 15 digits (exact as a float)."""
+        if s >= e:
+            return False, 0
+        neg = False
+        if buf[s] == 45 or buf[s] == 43:
+            neg = buf[s] == 45
+            s += 1
+        if s >= e or e - s > 15:
+            return False, 0
+        v = 0
+        for k in range(s, e):
+            b = buf[k]
+            if b < 48 or b > 57:
+                return False, 0
+            v = v * 10 + (b - 48)
+        return True, -v if neg else v
+
+    @njit(cache=True, nogil=True)
+    def _delimited_kernel(buf, pos, end, delim, need, label_column, kinds, prefix, bin_prefix, add_bias,
+                          bias_col, num_features, t4, max_rows, row0, nnz0, indptr, indices, data, labels,
+                          fstart, fend, scratch):
+        """Parse whole lines of ``buf[pos:end]`` into rows ``row0, row0 + 1, ...`` (at most ``max_rows``).
+
+        Returns ``(status, pos, row, nnz, lines)``: status 0 (block done or chunk full), 1 (the line at
+        ``pos`` needs the reference reader), 2 (the line at ``pos`` has fewer than ``need`` fields);
+        ``lines`` counts the lines consumed (blank ones included).
+        """
+        row = row0
+        nnz = nnz0
+        lines = 0
+        while pos < end and row < max_rows:
+            # one scan: field bounds up to the newline
+            nf = 0
+            s = pos
+            e = pos
+            while True:
+                b = buf[e]
+                if b == 10:
+                    break
+                if b == delim:
+                    if nf < need:
+                        fstart[nf] = s
+                        fend[nf] = e
+                    nf += 1
+                    s = e + 1
+                e += 1
+            nxt = e + 1
+            if e > s and buf[e - 1] == 13:
+                e -= 1
+            if e == pos:  # blank line
+                pos = nxt
+                lines += 1
+                continue
+            if nf < need:
+                fstart[nf] = s
+                fend[nf] = e
+            nf += 1
+            if nf < need:
+                return 2, pos, row, nnz, lines
+            ok, lab = _plain_int(buf, fstart[label_column], fend[label_column])
+            if not ok:
+                return 1, pos, row, nnz, lines
+            k0 = nnz
+            if add_bias:
+                indices[nnz] = bias_col
+                nnz += 1
+            for j in range(need):
+                kind = kinds[j]
+                if kind == 0 or fstart[j] == fend[j]:
+                    continue
+                if kind == 1:
+                    ok, v = _plain_int(buf, fstart[j], fend[j])
+                    if not ok:
+                        nnz = k0
+                        return 1, pos, row, nnz, lines
+                    if v <= 2:
+                        h = _crc_digits(prefix[j], v, t4[0], scratch)
+                    else:
+                        lg = math.log(float(v))
+                        h = _crc_digits(bin_prefix[j], np.int64(math.floor(lg * lg)), t4[0], scratch)
+                else:
+                    h = _crc_continue(prefix[j], buf, fstart[j], fend[j], t4)
+                indices[nnz] = h % num_features
+                nnz += 1
+            # sort the row's columns (insertion sort: a few dozen entries)
+            for a in range(k0 + 1, nnz):
+                key = indices[a]
+                b = a - 1
+                while b >= k0 and indices[b] > key:
+                    indices[b + 1] = indices[b]
+                    b -= 1
+                indices[b + 1] = key
+            # merge colliding columns (summed, as hash_features does)
+            out = k0
+            for a in range(k0, nnz):
+                if a > k0 and indices[a] == indices[out - 1]:
+                    data[out - 1] += 1.0
+                else:
+                    indices[out] = indices[a]
+                    data[out] = 1.0
+                    out += 1
+            nnz = out
+            labels[row] = lab
+            row += 1
+            indptr[row] = nnz
+            pos = nxt
+            lines += 1
+        return 0, pos, row, nnz, lines
+
+
+    @njit(cache=True, nogil=True, inline="always")
+    def _is_space(b):
+        return b == 32 or (9 <= b <= 13) or (28 <= b <= 31)
+
+    @njit(cache=True, nogil=True)
+    def _fast_float(buf, s, e, pow10):
+        """``(ok, value)``: ``[+-]digits[.digits][(e|E)[+-]digits]`` with at most 15 digits and a decimal
+        exponent within 22 -- then one correctly rounded operation gives Python's ``float`` (Clinger 1990)."""
+        if s >= e:
+            return False, 0.0
+        neg = False
+        if buf[s] == 45 or buf[s] == 43:
+            neg = buf[s] == 45
+            s += 1
+        m = 0
+        nd = 0
+        frac = 0
+        seen_dot = False
+        k = s
+        while k < e:
+            b = buf[k]
+            if 48 <= b <= 57:
+                if nd > 0 or b != 48:
+                    nd += 1
+                m = m * 10 + (b - 48)
+                if seen_dot:
+                    frac += 1
+                if nd > 15:
+                    return False, 0.0
+            elif b == 46 and not seen_dot:
+                seen_dot = True
+            else:
+                break
+            k += 1
+        digits = k - s - (1 if seen_dot else 0)
+        if digits == 0:
+            return False, 0.0
+        ex = 0
+        if k < e:
+            if buf[k] != 101 and buf[k] != 69:
+                return False, 0.0
+            k += 1
+            eneg = False
+            if k < e and (buf[k] == 45 or buf[k] == 43):
+                eneg = buf[k] == 45
+                k += 1
+            if k >= e or e - k > 3:
+                return False, 0.0
+            while k < e:
+                b = buf[k]
+                if b < 48 or b > 57:
+                    return False, 0.0
+                ex = ex * 10 + (b - 48)
+                k += 1
+            if eneg:
+                ex = -ex
+        ex -= frac
+        if ex < -22 or ex > 22:
+            return False, 0.0
+        v = float(m)
+        if ex >= 0:
+            v = v * pow10[ex]
+        else:
+            v = v / pow10[-ex]
+        return True, -v if neg else v
+
+    @njit(cache=True, nogil=True)
+    def _svm_kernel(buf, pos, end, max_rows, row0, nnz0, indptr, indices, values, labels, pow10):
+        """Parse whole svmlight lines of ``buf[pos:end]`` into rows ``row0, ...`` (at most ``max_rows``).
+
+        Returns ``(status, pos, row, nnz, lines)``: 0 (block done or chunk full), 1 (the line at ``pos`` needs
+        the Python parser: a non-ASCII byte, a number off the fast path, a duplicated or negative index, a
+        malformed token), 3 (the line at ``pos`` does not fit in ``indices``: grow it).
+        """
+        row = row0
+        nnz = nnz0
+        lines = 0
+        cap = indices.shape[0]
+        while pos < end and row < max_rows:
+            e = pos
+            while buf[e] != 10:
+                if buf[e] >= 128 or buf[e] == 35:  # non-ASCII, or the start of a comment
+                    break
+                e += 1
+            if buf[e] >= 128:
+                return 1, pos, row, nnz, lines
+            stop = e  # the data part ends at '#' or at the newline
+            while buf[e] != 10:
+                e += 1
+            nxt = e + 1
+            k = pos
+            while k < stop and _is_space(buf[k]):
+                k += 1
+            if k == stop:  # blank or comment-only line
+                pos = nxt
+                lines += 1
+                continue
+            t0 = k
+            while k < stop and not _is_space(buf[k]):
+                k += 1
+            ok, lab = _fast_float(buf, t0, k, pow10)
+            if not ok:
+                return 1, pos, row, nnz, lines
+            k0 = nnz
+            while True:
+                while k < stop and _is_space(buf[k]):
+                    k += 1
+                if k >= stop:
+                    break
+                t0 = k
+                colon = -1
+                while k < stop and not _is_space(buf[k]):
+                    if buf[k] == 58 and colon < 0:
+                        colon = k
+                    k += 1
+                if colon < 0:
+                    nnz = k0
+                    return 1, pos, row, nnz, lines
+                if colon - t0 == 3 and buf[t0] == 113 and buf[t0 + 1] == 105 and buf[t0 + 2] == 100:
+                    continue  # qid:...
+                if colon == t0 or colon - t0 > 15:
+                    nnz = k0
+                    return 1, pos, row, nnz, lines
+                idx = 0
+                for q in range(t0, colon):
+                    b = buf[q]
+                    if b < 48 or b > 57:
+                        nnz = k0
+                        return 1, pos, row, nnz, lines
+                    idx = idx * 10 + (b - 48)
+                ok, v = _fast_float(buf, colon + 1, k, pow10)
+                if not ok:
+                    nnz = k0
+                    return 1, pos, row, nnz, lines
+                if nnz >= cap:
+                    nnz = k0
+                    return 3, pos, row, nnz, lines
+                indices[nnz] = idx
+                values[nnz] = v
+                nnz += 1
+            # sort the row by index (insertion sort, values along); a duplicate goes to the Python parser
+            for a in range(k0 + 1, nnz):
+                key = indices[a]
+                val = values[a]
+                b = a - 1
+                while b >= k0 and indices[b] > key:
+                    indices[b + 1] = indices[b]
+                    values[b + 1] = values[b]
+                    b -= 1
+                indices[b + 1] = key
+                values[b + 1] = val
+            for a in range(k0 + 1, nnz):
+                if indices[a] == indices[a - 1]:
+                    nnz = k0
+                    return 1, pos, row, nnz, lines
+            labels[row] = lab
+            row += 1
+            indptr[row] = nnz
+            pos = nxt
+            lines += 1
+        return 0, pos, row, nnz, lines
+
+
+def have_kernels():
+    return njit is not None
+
+
+# ----------------------------------------------------------------------------- delimited text
+class DelimitedSpec:
+    """What to read from a delimited line (validated column lists, hashing seed, buckets)."""
+
+    def __init__(self, label_column, integer_columns, categorical_columns, num_features, seed, delimiter,
+                 add_bias):
+        if isinstance(num_features, bool) or int(num_features) != num_features or num_features < 1:
+            raise ValueError(f"num_features: expected a positive integer, got {num_features!r}")
+        if isinstance(seed, bool) or int(seed) != seed or not 0 <= seed < 2 ** 32:
+            raise ValueError(f"seed: expected an integer in [0, 2^32), got {seed!r}")
+        if not isinstance(delimiter, str) or len(delimiter.encode("utf-8")) != 1 or delimiter in "\r\n":
+            raise ValueError(f"delimiter: expected one ASCII character other than CR/LF, got {delimiter!r}")
+        self.label_column = int(label_column)
+        self.int_cols = tuple(int(c) for c in integer_columns)
+        self.cat_cols = tuple(int(c) for c in categorical_columns)
+        cols = (self.label_column,) + self.int_cols + self.cat_cols
+        if min(cols) < 0:
+            raise ValueError(f"label_column/integer_columns/categorical_columns: negative column {min(cols)}")
+        if len(set(cols)) != len(cols):
+            raise ValueError("label_column/integer_columns/categorical_columns: a column is named twice")
+        self.need = max(cols) + 1
+        self.num_features = int(num_features)
+        self.seed = int(seed)
+        self.delimiter = delimiter
+        self.add_bias = bool(add_bias)
+        self.width = int(self.add_bias) + len(self.int_cols) + len(self.cat_cols)
+        kinds = np.zeros(self.need, dtype=np.int64)
+        prefix = np.zeros(self.need, dtype=np.int64)
+        bin_prefix = np.zeros(self.need, dtype=np.int64)
+        for j in self.int_cols:
+            kinds[j] = 1
+            prefix[j] = zlib.crc32(f"{j}#".encode(), self.seed)
+            bin_prefix[j] = zlib.crc32(f"{j}#L".encode(), self.seed)
+        for j in self.cat_cols:
+            kinds[j] = 2
+            prefix[j] = zlib.crc32(f"{j}=".encode(), self.seed)
+        self.kinds, self.prefix, self.bin_prefix = kinds, prefix, bin_prefix
+        self.bias_col = zlib.crc32(b"__bias__", self.seed) % self.num_features
+
+    def reference_row(self, line, path, lineno):
+        return _reference_row(line, path, lineno, self.delimiter, self.need, self.label_column, self.int_cols,
+                              self.cat_cols, self.add_bias, self.num_features, self.seed)
+
+
+class _ChunkBuilder:
+    def __init__(self, chunk_size, width):
+        self.chunk_size = chunk_size
+        self.width = width
+        self.new()
+
+    def new(self):
+        self.indptr = np.zeros(self.chunk_size + 1, dtype=np.int64)
+        self.indices = np.empty(self.chunk_size * self.width, dtype=np.int64)
+        self.data = np.empty(self.chunk_size * self.width, dtype=np.float64)
+        self.labels = np.empty(self.chunk_size, dtype=np.float64)
+        self.row = 0
+        self.nnz = 0
+
+    def add(self, label, cols):
+        cols, counts = np.unique(cols, return_counts=True)
+        self.indices[self.nnz:self.nnz + len(cols)] = cols
+        self.data[self.nnz:self.nnz + len(cols)] = counts
+        self.nnz += len(cols)
+        self.labels[self.row] = label
+        self.row += 1
+        self.indptr[self.row] = self.nnz
+
+    def take(self, num_features):
+        """The chunk so far as canonical CSR (sorted, duplicate-free rows) and labels; starts a new chunk."""
+        m, nnz = self.row, self.nnz
+        X = sp.csr_matrix((self.data[:nnz], self.indices[:nnz], self.indptr[:m + 1]), shape=(m, num_features))
+        X.has_sorted_indices = True
+        X.has_canonical_format = True
+        y = self.labels[:m]
+        self.new()
+        return X, y
+
+
+def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTES, use_kernel=None):
+    """Chunks ``(X, y)`` of ``chunk_size`` rows of a delimited file (see :class:`DelimitedSpec`)."""
+    if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
+    chunk_size = int(chunk_size)
+    use_kernel = have_kernels() if use_kernel is None else use_kernel
+    out = _ChunkBuilder(chunk_size, spec.width)
+    delim = spec.delimiter.encode()[0]
+    t4 = _CRC_TABLES4
+    fstart = np.empty(spec.need, dtype=np.int64)
+    fend = np.empty(spec.need, dtype=np.int64)
+    scratch = np.empty(24, dtype=np.int64)
+    skip_header = bool(header)
+    for block, lineno in iter_blocks(path, block_bytes):
+        pos = 0
+        if skip_header:
+            pos = block.index(b"\n") + 1
+            lineno += 1
+            skip_header = False
+        if not use_kernel:
+            for line in split_lines(block[pos:]):
+                if line:
+                    out.add(*spec.reference_row(line, path, lineno))
+                    if out.row == chunk_size:
+                        yield out.take(spec.num_features)
+                lineno += 1
+            continue
+        buf = np.frombuffer(block, dtype=np.uint8)
+        end = len(block)
+        while pos < end:
+            status, pos, row, nnz, lines = _delimited_kernel(
+                buf, pos, end, delim, spec.need, spec.label_column, spec.kinds, spec.prefix, spec.bin_prefix,
+                spec.add_bias, spec.bias_col, spec.num_features, t4, chunk_size, out.row, out.nnz,
+                out.indptr, out.indices, out.data, out.labels, fstart, fend, scratch)
+            out.row, out.nnz = row, nnz
+            lineno += lines
+            if status == 0:
+                if out.row == chunk_size:
+                    yield out.take(spec.num_features)
+                continue
+            e = block.index(b"\n", pos)
+            line = block[pos:e]
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            out.add(*spec.reference_row(line, path, lineno))  # status 2 raises here
+            pos = e + 1
+            lineno += 1
+            if out.row == chunk_size:
+                yield out.take(spec.num_features)
+    if out.row:
+        yield out.take(spec.num_features)
+
+
+# ----------------------------------------------------------------------------- svmlight
+def parse_svmlight_block(lines, path, first_lineno):
+    """Reference parser of svmlight lines (bytes): ``(indptr, indices, values, labels)``, indices as written.
+
+    Lines are ``label idx:value ...`` with an optional ``# comment`` and ``qid:`` (ignored); blank and
+    comment lines give no row.  Indices may be unsorted; a duplicated index raises (as scikit-learn's
+    ``load_svmlight_file``), so does a negative one.
+
+    :raises ValueError: naming the file and line.
+    """
+    labels, indptr, indices, values = [], [0], [], []
+    for lineno, raw in enumerate(lines, first_lineno):
+        try:
+            line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}, line {lineno}: not UTF-8 text ({err})") from None
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        tokens = line.split()
+        row = []
+        try:
+            labels.append(float(tokens[0]))
+            for tok in tokens[1:]:
+                i, v = tok.split(":", 1)
+                if i == "qid":
+                    continue
+                row.append((int(i), float(v)))
+        except ValueError as err:
+            raise ValueError(f"{path}, line {lineno}: cannot parse {line[:60]!r} as LIBSVM ({err})") from None
+        idx = [i for i, _ in row]
+        if idx and min(idx) < 0:
+            raise ValueError(f"{path}, line {lineno}: negative feature index {min(idx)}")
+        if len(set(idx)) != len(idx):
+            dup = sorted(i for i in set(idx) if idx.count(i) > 1)[0]
+            raise ValueError(f"{path}, line {lineno}: feature index {dup} appears twice in a row "
+                             "(scikit-learn's load_svmlight_file rejects this too)")
+        indices.extend(idx)
+        values.extend(v for _, v in row)
+        indptr.append(len(indices))
+    return (np.array(indptr, dtype=np.int64), np.array(indices, dtype=np.int64),
+            np.array(values, dtype=np.float64), np.array(labels, dtype=np.float64))
+
+
+def parse_svmlight_bytes(block, path, first_lineno, use_sklearn=True, use_kernel=None):
+    """``(indptr, indices, values, labels)`` of a block of whole svmlight lines, indices as written, each
+    row's indices sorted: the compiled line parser (``use_kernel``, default: with ``use_sklearn`` when numba is
+    installed) up to the first line it declines, then scikit-learn's compiled parser when it accepts the rest,
+    else the reference parser."""
+    if use_kernel is None:
+        use_kernel = use_sklearn and have_kernels()
+    if use_kernel and block:
+        return _parse_block_kernel(block, path, first_lineno, use_sklearn)
+    if use_sklearn and b"\f" not in block and b"\r" not in block:
+        try:
+            from sklearn.datasets import load_svmlight_file
+
+            X, y = load_svmlight_file(io.BytesIO(block), zero_based=True, dtype=np.float64)
+            X = sp.csr_matrix(X)
+            return (X.indptr.astype(np.int64), X.indices.astype(np.int64), X.data, np.asarray(y, np.float64))
+        except ImportError:  # pragma: no cover - depends on the environment
+            pass
+        except ValueError:
+            pass  # the reference parser says why, with the line (or accepts unsorted indices)
+    indptr, indices, values, labels = parse_svmlight_block(split_lines(block), path, first_lineno)
+    if indices.size:  # sort within rows
+        rows = np.repeat(np.arange(len(labels)), np.diff(indptr))
+        order = np.lexsort((indices, rows))
+        indices, values = indices[order], values[order]
+    return indptr, indices, values, labels
+
+
+def _first_bad_line(block, first_lineno, bad_row):
+    """Line number of row ``bad_row`` (0-based) of a block (rows skip blank and comment lines)."""
+    r = -1
+    for k, line in enumerate(split_lines(block)):
+        if line.split(b"#", 1)[0].strip():
+            r += 1
+            if r == bad_row:
+                return first_lineno + k
+    return first_lineno
+
+
+def read_svmlight_rows(block, path, first_lineno, shift, num_features=None, hashing=None, use_sklearn=True,
+                       use_kernel=None):
+    """Rows of a block as zero-based CSR arrays, checked (or hashed); errors name the line."""
+    indptr, indices, values, labels = parse_svmlight_bytes(block, path, first_lineno, use_sklearn, use_kernel)
+    if shift:
+        indices = indices - shift
+    if indices.size and indices.min() < 0:
+        k = int(np.argmax(indices < 0))
+        row = int(np.searchsorted(indptr, k, side="right") - 1)
+        line = _first_bad_line(block, first_lineno, row)
+        raise ValueError(f"{path}, line {line}: feature index {int(indices[k]) + shift} is 0 in a file read as "
+                         "one-based; use zero_based=True")
+    if hashing is not None:
+        from ._validation import splitmix64
+
+        indices = (splitmix64(indices, int(hashing)) % np.uint64(num_features)).astype(np.int64)
+    elif num_features is not None and indices.size and indices.max() >= num_features:
+        k = int(np.argmax(indices >= num_features))
+        row = int(np.searchsorted(indptr, k, side="right") - 1)
+        line = _first_bad_line(block, first_lineno, row)
+        raise ValueError(f"{path}, line {line}: feature index {int(indices[k]) + shift} out of range "
+                         f"[{shift}, {num_features + shift}) (num_features={num_features}, "
+                         f"zero_based={shift == 0})")
+    return indptr, indices, values, labels
+
+
+_POW10 = np.array([10.0 ** k for k in range(23)])
+
+
+def _parse_block_kernel(block, path, first_lineno, use_sklearn):
+    """Rows of a block by the compiled line parser; from the first line it declines (a number off its exact
+    fast path, a duplicated or negative index, a malformed token, non-ASCII text) the rest of the block goes to
+    scikit-learn's parser (or the Python one), so the result is theirs."""
+    buf = np.frombuffer(block, dtype=np.uint8)
+    n_lines = block.count(b"\n")
+    indptr = np.zeros(n_lines + 1, dtype=np.int64)
+    labels = np.empty(n_lines, dtype=np.float64)
+    cap = max(1024, 16 * n_lines)
+    indices = np.empty(cap, dtype=np.int64)
+    values = np.empty(cap, dtype=np.float64)
+    pos = rows = nnz = lines = 0
+    while True:
+        status, pos, rows, nnz, done = _svm_kernel(buf, pos, len(block), n_lines, rows, nnz, indptr, indices,
+                                                   values, labels, _POW10)
+        lines += done
+        if status != 3:
+            break
+        indices = np.concatenate([indices, np.empty(len(indices), dtype=np.int64)])
+        values = np.concatenate([values, np.empty(len(values), dtype=np.float64)])
+    parts = (indptr[:rows + 1], indices[:nnz], values[:nnz], labels[:rows])
+    if status == 0:
+        return parts
+    rest = parse_svmlight_bytes(block[pos:], path, first_lineno + lines, use_sklearn, use_kernel=False)
+    return (np.concatenate([parts[0], rest[0][1:] + nnz]), np.concatenate([parts[1], rest[1]]),
+            np.concatenate([parts[2], rest[2]]), np.concatenate([parts[3], rest[3]]))
+
+
+_POW10 = np.array([10.0 ** k for k in range(23)])
+
+
+def iter_svmlight_chunks(path, chunk_size, num_features, shift, hashing=None, block_bytes=_BLOCK_BYTES,
+                         use_kernel=None):
+    """Chunks ``(X, y)`` of ``chunk_size`` rows of an svmlight file (plain or ``.gz``): each block by the
+    compiled line parser when numba is installed, and scikit-learn's parser from the first line it declines."""
+    if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
+    chunk_size = int(chunk_size)
+    pending = []
+    have = 0
+    for block, lineno in iter_blocks(path, block_bytes):
+        indptr, indices, values, labels = read_svmlight_rows(block, path, lineno, shift, num_features, hashing,
+                                                             use_kernel=use_kernel)
+        X = sp.csr_matrix((values, indices, indptr), shape=(len(labels), num_features))
+        if hashing is not None:
+            X.sum_duplicates()
+        if X.shape[0] == 0:
+            continue
+        pending.append((X, labels))
+        have += X.shape[0]
+        while have >= chunk_size:
+            Xs = sp.vstack([p[0] for p in pending], format="csr") if len(pending) > 1 else pending[0][0]
+            ys = np.concatenate([p[1] for p in pending]) if len(pending) > 1 else pending[0][1]
+            yield Xs[:chunk_size], ys[:chunk_size]
+            pending = [(Xs[chunk_size:], ys[chunk_size:])] if have > chunk_size else []
+            have -= chunk_size
+    if have:
+        Xs = sp.vstack([p[0] for p in pending], format="csr") if len(pending) > 1 else pending[0][0]
+        ys = np.concatenate([p[1] for p in pending]) if len(pending) > 1 else pending[0][1]
+        yield Xs, ys
+
+
+# ----------------------------------------------------------------------------- prefetch thread
+class prefetch:
+    """Iterate ``iterable`` in a reader thread, ``depth`` items ahead (exceptions re-raised in the consumer).
+
+    The compiled parsers release the GIL, as do the learner's kernels, so parsing the next chunk overlaps
+    learning from this one.  Closing the iterator (or leaving a ``for`` loop early) stops the thread.
+
+    Example::
+
+        >>> list(prefetch(iter(range(3))))
+        [0, 1, 2]
+    """
+
+    _END = object()
+
+    def __init__(self, iterable, depth=2):
+        self._q = queue.Queue(maxsize=max(1, int(depth)))
+        self._stop = threading.Event()
+        self._it = iterable
+        self._thread = threading.Thread(target=self._run, name="pcv-reader", daemon=True)
+        self._thread.start()
+
+    def _put(self, item):
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self):
+        try:
+            for item in self._it:
+                if not self._put((True, item)):
+                    return
+            self._put((True, self._END))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            self._put((False, exc))
+        finally:
+            close = getattr(self._it, "close", None)
+            if close is not None and self._stop.is_set():
+                try:
+                    close()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._stop.is_set():
+            raise StopIteration
+        ok, item = self._q.get()
+        if not ok:
+            self.close()
+            raise item
+        if item is self._END:
+            self.close()
+            raise StopIteration
+        return item
+
+    def close(self):
+        self._stop.set()
+        try:
+            while True:
+                self._q.get_nowait()
+        except queue.Empty:
+            pass
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def __del__(self):
+        self._stop.set()
