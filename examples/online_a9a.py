@@ -43,10 +43,10 @@ def main():
     X, y = X[order], y[order]
     d = X.shape[1]
     models = {
-        "Algorithm 1 (Taylor, Laplace), prior var 1": OnlineBayesLogistic(d),
-        "Algorithm 1 (Newton, value), prior var 1": OnlineBayesLogistic(d, mean_update="newton",
+        "Algorithm 1 (Taylor, Laplace), prior var 1": OnlineBayesLogistic(d, prior_var=1.0),
+        "Algorithm 1 (Newton, value), prior var 1": OnlineBayesLogistic(d, prior_var=1.0, mean_update="newton",
                                                                          variance_update="value"),
-        "Algorithm 1 probit, prior var 1": OnlineBayesLogistic(d, link="probit"),
+        "Algorithm 1 probit, prior var 1": OnlineBayesLogistic(d, prior_var=1.0, link="probit"),
         "ADF, prior var 1": OnlineADF(d),
         "DimGauss, prior var 1": OnlineDimGauss(d),
         "SGD AdaGrad, eta 0.1": OnlineAdaGradLogistic(d, learning_rate=0.1),
