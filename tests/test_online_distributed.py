@@ -16,7 +16,7 @@ def _shards(P, seed=0):
 def _sequential_loss(shards):
     X = sp.vstack([s[0] for s in shards], format="csr")
     y = np.concatenate([s[1] for s in shards])
-    return OnlineBayesLogistic(D).partial_fit(X, y, return_log_loss=True).sum()
+    return OnlineBayesLogistic(D, prior_var=1.0).partial_fit(X, y, return_log_loss=True).sum()
 
 
 def test_sharded_stream_blocks_are_the_global_blocks():
@@ -32,13 +32,13 @@ def test_sharded_stream_blocks_are_the_global_blocks():
 
 def test_one_process_is_the_sequential_algorithm():
     X, y = make_online_stream(d=50, d_t=5, seed=1).take(3000)
-    seq = OnlineBayesLogistic(50)
+    seq = OnlineBayesLogistic(50, prior_var=1.0)
     ll = seq.partial_fit(X, y, return_log_loss=True)
-    sh = ShardedOnline(OnlineBayesLogistic(50), merge_every=250)
+    sh = ShardedOnline(OnlineBayesLogistic(50, prior_var=1.0), merge_every=250)
     np.testing.assert_array_equal(sh.partial_fit(X, y), ll)
     np.testing.assert_array_equal(sh.estimator.coef_, seq.coef_)
     # one simulated rank: the merge is the identity up to rounding
-    est = OnlineBayesLogistic(50)
+    est = OnlineBayesLogistic(50, prior_var=1.0)
     ll1, = simulate_sharded([est], [(X, y)], 250)
     np.testing.assert_allclose(ll1, ll, rtol=1e-10)
     np.testing.assert_allclose(est.coef_var_, seq.coef_var_, rtol=1e-10)
@@ -67,7 +67,7 @@ def test_regret_cost_of_the_parallel_approximation(P, merge_every, merge, bound)
     """Extra progressive log-loss of P ranks merging every ``merge_every`` local rows, relative to the sequential
     algorithm's on the same rows (d = 200, 20 active features a row, 4096 rows a rank)."""
     shards = _shards(P)
-    ests = [OnlineBayesLogistic(D) for _ in range(P)]
+    ests = [OnlineBayesLogistic(D, prior_var=1.0) for _ in range(P)]
     loss = sum(ll.sum() for ll in simulate_sharded(ests, shards, merge_every, merge))
     seq = _sequential_loss(shards)
     extra = (loss - seq) / seq
@@ -78,10 +78,19 @@ def test_regret_cost_of_the_parallel_approximation(P, merge_every, merge, bound)
 
 def test_options_are_checked():
     with pytest.raises(ValueError, match="merge_every"):
-        ShardedOnline(OnlineBayesLogistic(5), merge_every=0)
+        ShardedOnline(OnlineBayesLogistic(5, prior_var=1.0), merge_every=0)
     with pytest.raises(ValueError, match="merge"):
-        ShardedOnline(OnlineBayesLogistic(5), merge="mean")
+        ShardedOnline(OnlineBayesLogistic(5, prior_var=1.0), merge="mean")
     with pytest.raises(ValueError, match="num_features"):
-        ShardedOnline(OnlineBayesLogistic()).partial_fit(sp.csr_matrix((0, 3)), np.empty(0))
+        ShardedOnline(OnlineBayesLogistic(prior_var=1.0)).partial_fit(sp.csr_matrix((0, 3)), np.empty(0))
     with pytest.raises(TypeError, match="estimator"):
         ShardedOnline(object())
+
+
+def test_the_model_average_prior_is_not_sharded():
+    """prior_var='auto' weighs its members by the predictive likelihood of the rows seen: per rank, the weights
+    (and so the ranks' predictions) would drift apart, so sharding it is refused."""
+    with pytest.raises(ValueError, match="prior_var='auto'.*cannot be sharded"):
+        ShardedOnline(OnlineBayesLogistic(5), merge_every=10)
+    with pytest.raises(ValueError, match="prior_var='auto'.*cannot be sharded"):
+        simulate_sharded([OnlineBayesLogistic(5), OnlineBayesLogistic(5)], [], 10)

@@ -670,7 +670,8 @@ class Engine:
             if not isinstance(self.model, LatentGaussianModel):
                 from ..lgm.extract import check_model_data
 
-                check_model_data(self.model, args, kwargs)
+                with forked_rng(0):  # its trace's prior draws leave the run's stream where it was
+                    check_model_data(self.model, args, kwargs)
             params = self._type2_params(args, kwargs)
             if params:
                 return self._run_type2(params, args, kwargs, t0)

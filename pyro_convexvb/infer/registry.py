@@ -137,8 +137,10 @@ def engines_that_fit(model, *args, lgm=None, **kwargs):
     names = list(engines())
     if lgm is None and not isinstance(model, LatentGaussianModel):
         from ..lgm.extract import check_model_data
+        from .engine import forked_rng
 
-        check_model_data(model, args, kwargs)
+        with forked_rng(0):  # its trace's prior draws leave the caller's stream where it was
+            check_model_data(model, args, kwargs)
     if lgm is None and not isinstance(model, LatentGaussianModel) and any(_ENGINES[n].takes == "lgm" for n in names):
         try:
             lgm = lgm_from_pyro(model, *args, **kwargs)

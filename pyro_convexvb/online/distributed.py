@@ -89,6 +89,10 @@ def _check_estimator(est):
     if not isinstance(est, OnlineDiagonalGaussian):
         raise TypeError(f"estimator: expected a diagonal-Gaussian online estimator (OnlineBayesLogistic, OnlineADF, "
                         f"OnlineMarginalVB), got {type(est).__name__}")
+    if isinstance(getattr(est, "prior_var", None), str):
+        raise ValueError("estimator: prior_var='auto' (the model average over prior variances) cannot be sharded: "
+                         "each rank would weigh the members by the predictive likelihood of its own rows, so the "
+                         "ranks' predictions would drift apart; give the estimator a fixed prior_var (e.g. 0.01)")
 
 
 class ShardedOnline:
@@ -100,7 +104,7 @@ class ShardedOnline:
     approximation, whose regret cost is measured in ``docs/online.md``.
 
     :param estimator: an unfitted (or previously merged) diagonal-Gaussian online estimator with
-        ``num_features`` set, e.g. ``OnlineBayesLogistic(d)``; it holds the state.
+        ``num_features`` set, e.g. ``OnlineBayesLogistic(d, prior_var=1.0)``; it holds the state.
     :param int merge_every: local rows between merges.
     :param str merge: ``"natural"`` (default): the shared state plus the sum of the ranks' changes in
         natural parameters (the rule above; close to the sequential algorithm when few rows pass between
@@ -117,7 +121,7 @@ class ShardedOnline:
 
         >>> from pyro_convexvb.online import OnlineBayesLogistic, make_online_stream
         >>> X, y = make_online_stream(d=50, d_t=5, seed=0).take(1000)
-        >>> sh = ShardedOnline(OnlineBayesLogistic(50), merge_every=200)
+        >>> sh = ShardedOnline(OnlineBayesLogistic(50, prior_var=1.0), merge_every=200)
         >>> ll = sh.partial_fit(X, y)
         >>> ll.shape, sh.estimator.coef_.shape
         ((1000,), (50,))

@@ -181,12 +181,12 @@ def case_online_sharded(rank, world):
     for merge in ("natural", "average"):
         if world == 1:
             shards = [make_online_stream(d=d, d_t=6, seed=5, shard=(r, P)).take(rows) for r in range(P)]
-            ests = [OnlineBayesLogistic(d) for _ in range(P)]
+            ests = [OnlineBayesLogistic(d, prior_var=1.0) for _ in range(P)]
             losses = simulate_sharded(ests, shards, m, merge)
             est, total = ests[0], sum(float(ll.sum()) for ll in losses)
         else:
             X, y = make_online_stream(d=d, d_t=6, seed=5, shard=(rank, world)).take(rows)
-            sh = ShardedOnline(OnlineBayesLogistic(d), merge_every=m, merge=merge)
+            sh = ShardedOnline(OnlineBayesLogistic(d, prior_var=1.0), merge_every=m, merge=merge)
             ll = sh.partial_fit(X, y)
             est, total = sh.estimator, float(pcv.distributed.all_reduce_sum(float(np.sum(ll))))
         out[f"{merge}_mean"] = torch.from_numpy(est.coef_)
