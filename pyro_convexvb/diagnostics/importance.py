@@ -68,6 +68,11 @@ class ImportanceDiagnostics:
         the hyper-latents, ``hyper="map"``).
     :ivar log_evidence_bound: the engine's bound, for comparison (``None`` if it has none).
     :ivar conditional_on: hyper-latent values held fixed (``hyper="map"`` results), else ``None``.
+    :ivar mean_shift: the largest ``|weighted mean - mean|`` over the unconstrained coordinates, in sds of the
+        draws, among coordinates where it exceeds 2 Monte Carlo errors (0 if none).
+    :ivar sd_ratio: ``(min, max)`` of ``weighted sd / sd`` over the coordinates where it differs from 1 by more
+        than 2 Monte Carlo errors (a ratio above 1 says ``q`` is too narrow there; an importance estimate from a
+        too narrow ``q`` is itself biased toward ``q``, so the true ratio is larger).
     :ivar log_ratios: ``(S,)`` raw ``log p(y, x_s) - log q(x_s)``; ``log_weights`` the smoothed normalised ones.
     :ivar draws: ``{site: (S, *unconstrained shape)}`` the draws.
     """
@@ -81,6 +86,8 @@ class ImportanceDiagnostics:
     log_evidence: Optional[float]
     log_evidence_bound: Optional[float]
     conditional_on: Any
+    mean_shift: float
+    sd_ratio: tuple
     log_ratios: np.ndarray = field(repr=False)
     log_weights: np.ndarray = field(repr=False)
     draws: Dict[str, torch.Tensor] = field(repr=False)
@@ -91,8 +98,25 @@ class ImportanceDiagnostics:
         return bool(self.k_hat <= self.threshold)
 
     @property
+    def moments_agree(self):
+        """The importance-weighted means and sds agree with the draws' own: no mean moved by more than 0.1 sds and
+        no sd by more than 20% (among departures beyond 2 Monte Carlo errors). A cheap complement of ``k_hat``, whose estimate is noisy
+        at a few hundred draws when ``q`` is too narrow in a few directions."""
+        return bool(self.mean_shift <= 0.1 and 0.8 <= self.sd_ratio[0] and self.sd_ratio[1] <= 1.2)
+
+    @property
+    def ok(self):
+        """``reliable and moments_agree``: nothing says the approximation is off."""
+        return self.reliable and self.moments_agree
+
+    @property
     def message(self):
         """One sentence: what ``k_hat`` says and what to do."""
+        if self.reliable and not self.moments_agree:
+            return (f"PSIS k_hat = {self.k_hat:.2f} ({self.num_draws} draws, importance ESS {self.ess:.0f}), but the "
+                    f"importance-weighted moments differ from the approximation's (sd ratio {self.sd_ratio[0]:.2f}–"
+                    f"{self.sd_ratio[1]:.2f}, mean shift {self.mean_shift:.2f} sds): its sds or means are off. Call "
+                    "res.corrected() (or fit with correct='psis') for corrected summaries with Monte Carlo errors")
         if self.reliable:
             return (f"PSIS k_hat = {self.k_hat:.2f} <= {self.threshold:.2f} ({self.num_draws} draws, proposal "
                     f"{self.proposal!r}): the approximation is close to the posterior in the sense of Yao et al. "
@@ -106,7 +130,8 @@ class ImportanceDiagnostics:
     def __repr__(self):
         ev = "None" if self.log_evidence is None else f"{self.log_evidence:.6g}"
         return (f"ImportanceDiagnostics(k_hat={self.k_hat:.3f}, ess={self.ess:.1f}, num_draws={self.num_draws}, "
-                f"reliable={self.reliable}, proposal={self.proposal!r}, log_evidence={ev})")
+                f"reliable={self.reliable}, sd_ratio=({self.sd_ratio[0]:.2f}, {self.sd_ratio[1]:.2f}), "
+                f"mean_shift={self.mean_shift:.2f}, proposal={self.proposal!r}, log_evidence={ev})")
 
 
 def _importance(result, num_draws, seed, proposal, progress):
@@ -118,13 +143,30 @@ def _importance(result, num_draws, seed, proposal, progress):
     out = lj.evaluate(values, progress=progress)
     lr = out["log_joint"] - log_q.double().cpu().numpy()
     lw, k = psis_smooth(lr)
+    shift, ratio = _moment_check(values, lw)
     S = int(num_draws)
     finite = lr[np.isfinite(lr)]
     log_ev = float(np.logaddexp.reduce(finite) - math.log(S)) if q.covers_hyper and finite.size else None
     return ImportanceDiagnostics(
         k_hat=float(k), ess=importance_ess(lw), num_draws=S, threshold=pareto_k_threshold(S), proposal=proposal,
         tried={proposal: float(k)}, log_evidence=log_ev, log_evidence_bound=result.log_evidence_bound,
-        conditional_on=q.fixed, log_ratios=lr, log_weights=lw, draws=values)
+        conditional_on=q.fixed, mean_shift=shift, sd_ratio=ratio, log_ratios=lr, log_weights=lw, draws=values)
+
+
+def _moment_check(values, log_weights):
+    x = np.concatenate([v.reshape(v.shape[0], -1).double().cpu().numpy() for v in values.values()], 1)
+    sd0 = x.std(0)
+    live = sd0 > 0
+    if not live.any():
+        return 0.0, (1.0, 1.0)
+    x, sd0 = x[:, live], sd0[live]
+    m, s, m_se, s_se = weighted_moments(x, np.exp(log_weights))
+    # only departures that are significant (beyond 2 Monte Carlo errors) count
+    shift = np.abs(m - x.mean(0))
+    shift = np.where(shift > 2 * m_se, shift / sd0, 0.0)
+    r = s / sd0
+    r = np.where(np.abs(r - 1) > 2 * s_se / sd0, r, 1.0)
+    return float(shift.max()), (float(min(r.min(), 1.0)), float(max(r.max(), 1.0)))
 
 
 def diagnose(result, num_draws=DIAGNOSTIC_DRAWS, seed=0, *, proposal="fitted", warn=True, progress=False):
@@ -153,7 +195,7 @@ def diagnose(result, num_draws=DIAGNOSTIC_DRAWS, seed=0, *, proposal="fitted", w
         True
     """
     d = _importance(result, num_draws, seed, proposal, progress)
-    if warn and not d.reliable:
+    if warn and not d.ok:
         warnings.warn(d.message, ApproximationWarning, stacklevel=3)
     return d
 
@@ -230,8 +272,10 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
 
     Draws from a proposal built from the fitted posterior are weighted by ``p(y, x) / q(x)`` (Pareto-smoothed,
     self-normalised). With ``proposal="auto"`` the fitted posterior is tried first; if its ``k_hat`` is above
-    the threshold, the defensive mixtures ``"widened"`` (scales times 1.5) and ``"student_t"`` (5 degrees of
-    freedom) are tried with fresh draws and the proposal with the smallest ``k_hat`` is used. A warning
+    the threshold or its weighted moments disagree with its own (:attr:`ImportanceDiagnostics.ok`), the defensive
+    mixtures ``"widened"`` (scales times 1.5) and ``"student_t"`` (5 degrees of freedom) are tried with fresh draws,
+    and the proposal used is the reliable one (``k_hat`` below the threshold) with the largest importance ESS, or,
+    if none is reliable, the one with the smallest ``k_hat``. A warning
     (:class:`ApproximationWarning`) says when even that one is unreliable.
 
     :param result: an :class:`~pyro_convexvb.InferenceResult` fitted on a Pyro model.
@@ -260,14 +304,16 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     if proposal == "auto":
         d = _importance(result, num_draws, seed, "fitted", progress)
         tried = {"fitted": d.k_hat}
-        if not d.reliable:
+        if not d.ok:
             for i, kind in enumerate(("widened", "student_t")):
                 try:
                     d2 = _importance(result, num_draws, seed + 1 + i, kind, progress)
                 except NotImplementedError:  # e.g. a mixture posterior: no Gaussian to widen
                     break
                 tried[kind] = d2.k_hat
-                if d2.k_hat < d.k_hat:
+                # a reliable k_hat first, then the largest importance ESS (smallest Monte Carlo errors); among
+                # unreliable ones the smallest k_hat
+                if (d2.reliable, d2.ess if d2.reliable else -d2.k_hat) > (d.reliable, d.ess if d.reliable else -d.k_hat):
                     d = d2
         d.tried = tried
     else:

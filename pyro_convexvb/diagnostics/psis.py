@@ -74,7 +74,8 @@ def psis_smooth(log_ratios, tail_len=None):
     :param int tail_len: number of tail draws fitted (default ``ceil(min(S / 5, 3 sqrt(S)))``).
     :returns: ``(log_weights (S,), k_hat)`` -- the smoothed log weights, normalised so that
         ``logsumexp(log_weights) = 0``, and the fitted Pareto shape (``inf`` when the tail is too short
-        to fit: fewer than 5 distinct tail draws).
+        to fit: fewer than 5 distinct tail draws; ``-inf`` when the largest ratios are equal to within ``1e-9``
+        relative, i.e. the proposal is the target up to rounding).
 
     Example::
 
@@ -94,7 +95,9 @@ def psis_smooth(log_ratios, tail_len=None):
         order = np.argsort(lr)
         tail_idx = order[-M:]
         cutoff = lr[order[-M - 1]]
-        if np.isfinite(cutoff) and lr[tail_idx].max() > cutoff:
+        if np.isfinite(cutoff) and -cutoff <= 1e-9:
+            k = -math.inf  # the tail is flat to rounding: the ratios are constant, q is the target
+        elif np.isfinite(cutoff) and lr[tail_idx].max() > cutoff:
             exc = np.exp(lr[tail_idx]) - np.exp(cutoff)
             if np.count_nonzero(exc > 0) >= 5:
                 k, sigma = gpd_fit(exc[exc > 0])
