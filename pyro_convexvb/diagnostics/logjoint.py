@@ -9,11 +9,16 @@ with every normalising constant (the model's ``log_prob_sum`` under ``poutine.co
 its full size), and, on request, the pointwise log-likelihood of each observation, its predictive CDF (for
 PIT values) and a replicated observation.
 
-The evaluation loops over draws: one trace of the model per draw. A vectorised evaluation (an outer plate
-over draws) would need every model to broadcast over a leading batch dimension, which models written with
-``X @ w`` do not; on the small models of the test suite the loop costs about 1 ms per draw.
+**Batching.** The model is traced once per draw, vectorised over draws with ``torch.func.vmap`` (chunks of 64
+draws; distribution argument validation is off inside, as ``vmap`` cannot branch on data): the model runs as
+written -- ``X @ w`` sees one ``w`` -- and the cost is that of a few traces. On the first evaluation the vmapped
+log joint and pointwise log-likelihoods are checked against plain traces of two draws; a model that ``vmap``
+cannot run (data-dependent Python control flow, ``.item()``, samplers without batching rules), or whose
+vmapped values disagree, is evaluated by the plain loop, one trace per draw (about 50 times slower: 2 ms per draw
+on a small logistic regression, against 0.04 ms vectorised).
 """
 import numpy as np
+import pyro
 import pyro.poutine as poutine
 import torch
 from torch.distributions import biject_to
@@ -56,6 +61,7 @@ class ModelLogJoint:
 
     :param model: the Pyro model.
     :param tuple args: its positional arguments; ``kwargs`` its keyword arguments (the data).
+    :param bool vectorise: try ``torch.func.vmap`` over draws (checked against plain traces on first use).
 
     Example::
 
@@ -65,12 +71,12 @@ class ModelLogJoint:
         ...     pyro.sample("y", dist.Normal(torch.tensor(0.0, dtype=torch.float64), s), obs=y)
         >>> lj = ModelLogJoint(model, (), {"y": torch.tensor(0.5, dtype=torch.float64)})
         >>> out = lj.evaluate({"s": torch.zeros(3, dtype=torch.float64)})   # s = exp(0) = 1
-        >>> float(out["log_joint"][0]) == float(dist.HalfNormal(1.).log_prob(torch.tensor(1.))
-        ...                                     + dist.Normal(0., 1.).log_prob(torch.tensor(0.5)))
+        >>> exact = dist.HalfNormal(1.).log_prob(torch.tensor(1.)) + dist.Normal(0., 1.).log_prob(torch.tensor(0.5))
+        >>> abs(float(out["log_joint"][0]) - float(exact)) < 1e-6     # log|d s / d log s| = log 1 = 0
         True
     """
 
-    def __init__(self, model, args=(), kwargs=None):
+    def __init__(self, model, args=(), kwargs=None, *, vectorise=True):
         from ..lgm.extract import latent_sites
 
         self.model, self.args, self.kwargs = model, tuple(args), dict(kwargs or {})
@@ -78,6 +84,21 @@ class ModelLogJoint:
         self.names = [n for n, _ in sites]
         self.transforms = {n: biject_to(s["fn"].support) for n, s in sites}
         self.shapes = {n: tuple(s["value"].shape) for n, s in sites}
+        #: ``None`` until the first evaluation decides, then whether ``torch.func.vmap`` runs the model
+        self.vectorised = None if vectorise else False
+        self.chunk_size = 64
+        self._masks = {}
+        from ..lgm.extract import full_data_plates
+
+        with torch.no_grad(), full_data_plates():
+            tr = poutine.trace(model).get_trace(*self.args, **self.kwargs)
+        for name, site in self._observed_sites(tr):
+            mask = site.get("mask")
+            shape = site["fn"].batch_shape
+            if isinstance(mask, torch.Tensor):
+                self._masks[name] = mask.expand(shape).reshape(-1).cpu().numpy().astype(bool)
+            elif mask is False:
+                self._masks[name] = np.zeros(int(np.prod(shape)), dtype=bool)
 
     def constrain(self, name, x):
         """Constrained values of site ``name`` from unconstrained draws ``x`` ``(S, *ushape)``."""
@@ -106,67 +127,136 @@ class ModelLogJoint:
         :returns: dict with ``log_joint`` ``(S,)`` numpy array (unconstrained density, all constants) and
             the requested extras.
         """
+        S = self._check(values)
+        data, ldj = {}, torch.zeros(S, dtype=torch.float64)
+        with torch.no_grad():
+            for n in self.names:
+                x = values[n]
+                t = self.transforms[n]
+                v = t(x)
+                data[n] = v
+                ldj = ldj + t.log_abs_det_jacobian(x, v).reshape(S, -1).sum(1).double().cpu()
+        flags = (pointwise or pit, pit, predictive)
+        out = None
+        if self.vectorised is not False:
+            try:
+                out = self._run_vmap(data, S, flags)
+                if self.vectorised is None:  # first use: check against plain traces of two draws
+                    m = min(S, 2)
+                    ref = self._run_loop({n: v[:m] for n, v in data.items()}, m, (True, False, False), False)
+                    got_ll = out[1]
+                    same = np.allclose(out[0][:m], ref[0], rtol=1e-9, atol=1e-9) and \
+                        (not flags[0] or (set(got_ll) == set(ref[1]) and all(
+                            np.allclose(got_ll[k][:m], ref[1][k], rtol=1e-9, atol=1e-9) for k in ref[1])))
+                    self.vectorised = bool(same)
+                    if not same:
+                        out = None
+            except Exception:  # noqa: BLE001 - anything vmap cannot run is evaluated by the loop
+                self.vectorised = False
+                out = None
+        if out is None:
+            out = self._run_loop(data, S, flags, progress)
+        lp, ll, cdf, rep = out
+        res = {"log_joint": lp + ldj.numpy()}
+        if flags[0]:
+            res["log_lik"] = ll
+        if pit:
+            res["cdf"] = cdf
+        if predictive:
+            res["y_rep"] = rep
+        return res
+
+    def _observed_sites(self, tr):
+        for name, site in tr.nodes.items():
+            if site["type"] != "sample" or not site["is_observed"] or name in self.transforms:
+                continue  # latent sites are observed here only because they are conditioned on
+            yield name, site
+
+    def _one(self, data, flags):
+        """``(log joint, {site: flat log lik}, {site: (below, at)}, {site: y_rep})`` of one draw (tensors)."""
+        want_ll, want_cdf, want_rep = flags
+        tr = poutine.trace(poutine.condition(self.model, data=data)).get_trace(*self.args, **self.kwargs)
+        lp = tr.log_prob_sum()
+        ll, cdf, rep = {}, {}, {}
+        for name, site in self._observed_sites(tr):
+            fn, y = site["fn"], site["value"]
+            if want_ll:
+                lpy = fn.log_prob(y)
+                ll[name] = lpy.reshape(-1)
+                if want_cdf:
+                    pair = _cdf_pair(fn, y)
+                    if pair is not None and pair[0].shape == lpy.shape:
+                        cdf[name] = (pair[0].reshape(-1), pair[1].reshape(-1))
+            if want_rep:
+                rep[name] = fn.sample()
+        return lp, ll, cdf, rep
+
+    def _keep(self, name, n):
+        keep = self._masks.get(name)
+        return None if keep is None or keep.shape[0] != n else keep
+
+    def _collect(self, lps, lls, cdfs, reps):
+        lp = np.concatenate([np.atleast_1d(np.asarray(a, dtype=np.float64)) for a in lps])
+        ll = {}
+        for k in (lls[0] if lls else {}):
+            a = np.concatenate([np.asarray(c[k], dtype=np.float64) for c in lls])
+            keep = self._keep(k, a.shape[1])
+            ll[k] = a if keep is None else a[:, keep]
+        cdf = {}
+        for k in (cdfs[0] if cdfs else {}):
+            if not all(k in c for c in cdfs):
+                continue
+            pair = []
+            for j in range(2):
+                a = np.concatenate([np.asarray(c[k][j], dtype=np.float64) for c in cdfs])
+                keep = self._keep(k, a.shape[1])
+                pair.append(a if keep is None else a[:, keep])
+            cdf[k] = tuple(pair)
+        rep = {k: np.concatenate([np.asarray(c[k], dtype=np.float64) for c in reps]) for k in (reps[0] if reps else {})}
+        return lp, ll, cdf, rep
+
+    def _run_vmap(self, data, S, flags):
+        from ..lgm.extract import full_data_plates
+
+        def f(d):
+            lp, ll, cdf, rep = self._one(d, flags)
+            return lp, ll, cdf, rep
+
+        vf = torch.func.vmap(f, randomness="different")
+        old = torch.distributions.Distribution._validate_args
+        torch.distributions.Distribution.set_default_validate_args(False)
+        chunks = ([], [], [], [])
+        try:
+            with torch.no_grad(), full_data_plates(), pyro.validation_enabled(False):
+                for start in range(0, S, self.chunk_size):
+                    d = {n: v[start:start + self.chunk_size] for n, v in data.items()}
+                    lp, ll, cdf, rep = vf(d)
+                    chunks[0].append(lp.double().cpu().numpy())
+                    chunks[1].append({k: v.double().cpu().numpy() for k, v in ll.items()})
+                    chunks[2].append({k: (a.double().cpu().numpy(), b.double().cpu().numpy()) for k, (a, b) in cdf.items()})
+                    chunks[3].append({k: v.double().cpu().numpy() for k, v in rep.items()})
+        finally:
+            torch.distributions.Distribution.set_default_validate_args(old)
+        return self._collect(*chunks)
+
+    def _run_loop(self, data, S, flags, progress):
         from tqdm.auto import tqdm
 
         from ..lgm.extract import full_data_plates
 
-        S = self._check(values)
-        lj = np.empty(S)
-        ll, cdf, rep = {}, {}, {}
+        chunks = ([], [], [], [])
         it = range(S)
         if progress:
             it = tqdm(it, desc="log joint", unit="draw", leave=False)
         with torch.no_grad(), full_data_plates():
             for s in it:
-                data, ldj = {}, 0.0
-                for n in self.names:
-                    x = values[n][s]
-                    t = self.transforms[n]
-                    v = t(x)
-                    data[n] = v
-                    ldj = ldj + float(t.log_abs_det_jacobian(x, v).sum())
-                tr = poutine.trace(poutine.condition(self.model, data=data)).get_trace(*self.args, **self.kwargs)
-                lp = float(tr.log_prob_sum())
-                lj[s] = lp + ldj
-                if not (pointwise or pit or predictive):
-                    continue
-                for name, site in tr.nodes.items():
-                    if site["type"] != "sample" or not site["is_observed"] or name in self.transforms:
-                        continue  # latent sites are observed here only because they are conditioned on
-                    if site.get("infer", {}).get("_deterministic") or site["fn"].__class__.__name__ == "Delta":
-                        continue
-                    fn, y = site["fn"], site["value"]
-                    keep = None
-                    if pointwise or pit:
-                        lpy = fn.log_prob(y)
-                        mask = site.get("mask")
-                        if isinstance(mask, torch.Tensor):
-                            keep = mask.expand_as(lpy).reshape(-1)
-                        elif mask is False:
-                            keep = torch.zeros(lpy.numel(), dtype=torch.bool)
-                        flat = lpy.reshape(-1)
-                        if keep is not None:
-                            flat = flat[keep]
-                        ll.setdefault(name, []).append(flat.double().cpu().numpy())
-                    if pit:
-                        pair = _cdf_pair(fn, y)
-                        if pair is not None and pair[0].shape == lpy.shape:
-                            below, at = (p.reshape(-1) for p in pair)
-                            if keep is not None:
-                                below, at = below[keep], at[keep]
-                            cdf.setdefault(name, ([], []))
-                            cdf[name][0].append(below.double().cpu().numpy())
-                            cdf[name][1].append(at.double().cpu().numpy())
-                    if predictive:
-                        rep.setdefault(name, []).append(fn.sample().double().cpu().numpy())
-        out = {"log_joint": lj}
-        if pointwise or pit:
-            out["log_lik"] = {k: np.stack(v) for k, v in ll.items()}
-        if pit:
-            out["cdf"] = {k: (np.stack(a), np.stack(b)) for k, (a, b) in cdf.items() if len(a) == S}
-        if predictive:
-            out["y_rep"] = {k: np.stack(v) for k, v in rep.items()}
-        return out
+                lp, ll, cdf, rep = self._one({n: v[s] for n, v in data.items()}, flags)
+                chunks[0].append(float(lp))
+                chunks[1].append({k: v.double().cpu().numpy()[None] for k, v in ll.items()})
+                chunks[2].append({k: (a.double().cpu().numpy()[None], b.double().cpu().numpy()[None])
+                                  for k, (a, b) in cdf.items()})
+                chunks[3].append({k: v.double().cpu().numpy()[None] for k, v in rep.items()})
+        return self._collect(*chunks)
 
     def observed(self):
         """``{observed site: flat numpy array}`` of the observations (masked entries dropped)."""
