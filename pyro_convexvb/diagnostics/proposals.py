@@ -26,15 +26,31 @@ WIDEN = 1.5
 T_DF = 5.0
 
 
+#: largest latent dimension at which a matrix-free precision is densified for its log density
+DENSE_MAX = 4000
+
+
+def _with_density(post):
+    """``post``, or for a matrix-free precision ``A`` (covariance ``precision_scale * A^{-1}``) up to
+    :data:`DENSE_MAX` latents the same Gaussian with its dense precision (exact samples and log density)."""
+    from ..infer.posterior import GaussianPosterior
+
+    if getattr(post, "kind", None) == "precision_operator" and post.n <= DENSE_MAX:
+        A = post.precision_operator.to_dense()
+        A = 0.5 * (A + A.transpose(0, 1)) / post.precision_scale
+        return GaussianPosterior(post.loc, precision=A, layout=post.layout)
+    return post
+
+
 class _GaussianParts:
     """Log densities of the fitted Gaussian ``q``, its widened version and the matching Student-t, at draws."""
 
     def __init__(self, post):
         if getattr(post, "kind", None) in ("precision_operator", "low_rank"):
             raise NotImplementedError(
-                f"importance diagnostics need the posterior's log density, which a {post.kind} posterior does not "
-                "give (a matrix-free or Lanczos representation); refit with a dense or sparse-Cholesky "
-                "representation")
+                f"importance diagnostics need the posterior's log density, which a {post.kind} posterior of "
+                f"{post.n} latents does not give (a matrix-free precision is densified up to {DENSE_MAX} latents; a "
+                "Lanczos factor is not a distribution); refit with a dense or Cholesky representation")
         self.post = post
         self.n = post.n
         self.lp_loc = float(post.log_prob(post.loc))  # = -n/2 log 2 pi - 1/2 log det Sigma
@@ -72,8 +88,9 @@ class Proposal:
 
 class GaussianProposal(Proposal):
     def __init__(self, post, kind):
-        self.post, self.name = post, kind
         self.layout = post.layout
+        post = _with_density(post)
+        self.post, self.name = post, kind
         if self.layout is None:
             raise ValueError("the posterior has no latent layout (it was not fitted on a Pyro model)")
         self.parts = None if kind == "fitted" and not hasattr(post, "kind") else _GaussianParts(post)
@@ -106,7 +123,8 @@ class HyperProposal(Proposal):
         self.hp, self.name = hp, kind
         self.density = hp.density
         self.covers_hyper = hp.density.kind != "point"
-        self.parts = [_GaussianParts(c) for c in hp.components]
+        self.components = [_with_density(c) for c in hp.components]
+        self.parts = [_GaussianParts(c) for c in self.components]
         if hp.layout is None:
             raise ValueError("the hyper-latent posterior has no field layout")
         if not self.covers_hyper:
@@ -161,7 +179,7 @@ class HyperProposal(Proposal):
         for j in k.unique().tolist():
             idx = (k == j).nonzero().reshape(-1)
             parts = self.parts[j]
-            draw = hp.components[j].sample(len(idx), generator=generator).reshape(len(idx), hp.n)
+            draw = self.components[j].sample(len(idx), generator=generator).reshape(len(idx), hp.n)
             sec = second[idx]
             if self.name != "fitted" and bool(sec.any()):
                 draw[sec] = parts.sample(int(sec.sum()), generator, self.name)
