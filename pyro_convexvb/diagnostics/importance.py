@@ -215,6 +215,8 @@ class CorrectedPosterior:
     :ivar sites: ``{site: {"mean", "sd", "quantiles": {p: ...}, "mean_mcse", "sd_mcse", "quantile_mcse": {p: ...}}}``
         in the model's constrained coordinates (tensors of the site's shape).
     :ivar hyper: the same for the hyper-latents only (``None`` when the result has none, or they were fixed).
+    :ivar unconstrained: ``{site: {"mean", "sd", "mean_mcse", "sd_mcse"}}`` in Pyro's unconstrained coordinates
+        (``log`` of a positive site), where the posteriors live.
     :ivar loc: ``(n,)`` corrected mean of the flat latent vector the posterior is over (unconstrained
         coordinates), ``scale`` its corrected sd; ``loc_mcse`` and ``scale_mcse`` their Monte Carlo errors.
     :ivar diagnostics: the :class:`ImportanceDiagnostics` of the proposal used (its ``k_hat`` says whether
@@ -230,6 +232,7 @@ class CorrectedPosterior:
     scale_mcse: Optional[torch.Tensor]
     diagnostics: ImportanceDiagnostics
     probs: tuple
+    unconstrained: Dict[str, Dict[str, Any]] = field(default_factory=dict, repr=False)
     _lj: Any = field(default=None, repr=False)
 
     @property
@@ -322,10 +325,13 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         warnings.warn("corrected posterior: " + d.message, ApproximationWarning, stacklevel=3)
     lj = _log_joint(result)
     w = np.exp(d.log_weights)
-    sites = {}
+    sites, unc = {}, {}
+    t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
     for n in lj.names:
         v = lj.constrain(n, d.draws[n]).double().cpu().numpy()
         sites[n] = _summary(v, w, probs)
+        m, s_, mse, sse = weighted_moments(d.draws[n].double().cpu().numpy(), w)
+        unc[n] = {"mean": t(m), "sd": t(s_), "mean_mcse": t(mse), "sd_mcse": t(sse)}
     hyper_names = getattr(getattr(result.posterior, "space", None), "names", None)
     hyper = {n: sites[n] for n in hyper_names} if hyper_names and d.conditional_on is None else None
     loc = scale = loc_se = scale_se = None
@@ -334,4 +340,4 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         u = layout.flatten({b.name: d.draws[b.name] for b in layout.blocks}).double().cpu().numpy()
         m, s, mse, sse = weighted_moments(u, w)
         loc, scale, loc_se, scale_se = (torch.as_tensor(a, dtype=torch.float64) for a in (m, s, mse, sse))
-    return CorrectedPosterior(sites, hyper, loc, scale, loc_se, scale_se, d, probs, lj)
+    return CorrectedPosterior(sites, hyper, loc, scale, loc_se, scale_se, d, probs, unc, lj)
