@@ -75,6 +75,30 @@ def gp_lengthscale(d2, y):
     return model, {"d2": jnp.asarray(d2.numpy()), "y": jnp.asarray(y.numpy())}, "ell", "f"
 
 
+def bym(E, y, Q0_dense):
+    """BYM: the proper CAR field's log density written out, the iid effects non-centred (``v = sigma_v e``)."""
+    import jax.numpy as jnp
+    import numpy as np
+    import numpyro
+    import numpyro.distributions as nd
+
+    Q0 = jnp.asarray(Q0_dense)
+    n = Q0.shape[0]
+    logdet_Q0 = float(np.linalg.slogdet(np.asarray(Q0_dense))[1])
+
+    def model(E, y):
+        kappa = numpyro.sample("kappa", nd.Gamma(2.0, 1.0))
+        sigma_v = numpyro.sample("sigma_v", nd.HalfNormal(0.5))
+        phi = numpyro.sample("phi", nd.ImproperUniform(nd.constraints.real_vector, (), (n,)))
+        numpyro.factor("phi_prior", 0.5 * (n * jnp.log(kappa) + logdet_Q0 - n * math.log(2 * math.pi))
+                       - 0.5 * kappa * phi @ (Q0 @ phi))
+        e = numpyro.sample("e", nd.Normal(jnp.zeros(n), 1.0).to_event(1))
+        v = numpyro.deterministic("v", sigma_v * e)
+        numpyro.sample("y", nd.Poisson(E * jnp.exp(phi + v)), obs=y)
+
+    return model, {"E": jnp.asarray(E.numpy()), "y": jnp.asarray(y.numpy())}, "sigma_v", "v"
+
+
 def build(name, margs, mkw, extra=None):
     """NumPyro version of case ``name`` from the torch data of ``hierarchical.py``."""
     _setup()
@@ -84,6 +108,8 @@ def build(name, margs, mkw, extra=None):
         return poisson_gmrf(margs[0], mkw["y"], extra)
     if name == "gp-lengthscale":
         return gp_lengthscale(margs[0], mkw["y"])
+    if name == "bym":
+        return bym(margs[0], mkw["y"], extra)
     raise KeyError(name)
 
 

@@ -8,7 +8,10 @@ Cases (float64):
   exposures ``E_i`` and a spatial field ``f ~ SparseGMRF(0, kappa (D - 0.99 W))`` (``W`` the 4-neighbour
   adjacency), precision ``kappa ~ Gamma(1, 0.1)``;
 * ``gp-lengthscale``: GP classification on keel *ionosphere* (the first 100 training rows) with an RBF
-  kernel of outputscale 4 and lengthscale ``ell ~ LogNormal(log 4, 0.5)``.
+  kernel of outputscale 4 and lengthscale ``ell ~ LogNormal(log 4, 0.5)``;
+* ``bym``: BYM disease mapping on an ``8 x 8`` lattice (quick: ``5 x 5``): a proper CAR field of precision
+  ``kappa (D - 0.99 W)`` plus iid effects of scale ``sigma_v``, two hyper-latents (reported: ``sigma_v`` and the
+  iid effects).
 
 Methods, alternating in the same run: ``dual_vg`` with the hyper-latents integrated over (grid, the
 default) and at their mode (``hyper="map"``), ``convex_relaxation`` (logistic case), and Pyro's
@@ -109,7 +112,32 @@ def gp_lengthscale(quick):
     return model, (d2,), {"y": y}, "ell", "f"
 
 
-CASES = {"logistic-sonar": logistic_sonar, "poisson-gmrf": poisson_gmrf, "gp-lengthscale": gp_lengthscale}
+def bym(quick):
+    """BYM disease mapping (Besag, York & Mollie 1991): proper CAR field ``phi`` of precision ``kappa (D - 0.99 W)``
+    plus iid effects ``v ~ N(0, sigma_v^2)``; two hyper-latents, ``kappa ~ Gamma(2, 1)``, ``sigma_v ~ HalfNormal(0.5)``.
+    Reported: ``sigma_v`` (weakly identified beside the spatial field) and the iid effects ``v``."""
+    m = 5 if quick else 8
+    Q0 = lattice_precision(m)
+    g = torch.Generator().manual_seed(4)
+    L = torch.linalg.cholesky(2.0 * Q0.to_dense())
+    phi = torch.linalg.solve_triangular(L.T, torch.randn(m * m, 1, generator=g, dtype=D), upper=True)[:, 0]
+    v = 0.3 * torch.randn(m * m, generator=g, dtype=D)
+    E = 5.0 + 10.0 * torch.rand(m * m, generator=g, dtype=D)
+    y = torch.poisson(E * torch.exp(phi + v), generator=g)
+
+    def model(E, y=None):
+        kappa = pyro.sample("kappa", dist.Gamma(torch.tensor(2.0, dtype=D), torch.tensor(1.0, dtype=D)))
+        sigma_v = pyro.sample("sigma_v", dist.HalfNormal(torch.tensor(0.5, dtype=D)))
+        phi = pyro.sample("phi", pcv.distributions.SparseGMRF(torch.zeros(m * m, dtype=D), Q0, precision_scale=kappa))
+        v = pyro.sample("v", dist.Normal(torch.zeros(m * m, dtype=D), sigma_v).to_event(1))
+        with pyro.plate("areas", m * m):
+            pyro.sample("y", dist.Poisson(E * torch.exp(phi + v)), obs=y)
+
+    return model, (E,), {"y": y}, "sigma_v", "v"
+
+
+CASES = {"logistic-sonar": logistic_sonar, "poisson-gmrf": poisson_gmrf, "gp-lengthscale": gp_lengthscale,
+         "bym": bym}
 
 
 def _gp_kernel(d2, ell):
@@ -131,8 +159,25 @@ def _gp_field(samples, d2):
     return torch.stack([torch.linalg.cholesky(_gp_kernel(d2, e)) @ vi for e, vi in zip(ell, v)])
 
 
+def _bym_noncentred(E, y=None):
+    """The BYM model in non-centred coordinates (``phi = L0^{-T} z / sqrt(kappa)``, ``v = sigma_v e``)."""
+    n = E.shape[0]
+    L0 = torch.linalg.cholesky(lattice_precision(int(round(math.sqrt(n)))).to_dense())
+    kappa = pyro.sample("kappa", dist.Gamma(torch.tensor(2.0, dtype=D), torch.tensor(1.0, dtype=D)))
+    sigma_v = pyro.sample("sigma_v", dist.HalfNormal(torch.tensor(0.5, dtype=D)))
+    z = pyro.sample("z", dist.Normal(torch.zeros(n, dtype=D), 1.0).to_event(1))
+    e = pyro.sample("e", dist.Normal(torch.zeros(n, dtype=D), 1.0).to_event(1))
+    phi = torch.linalg.solve_triangular(L0.T, z.unsqueeze(-1), upper=True).squeeze(-1) / kappa.sqrt()
+    with pyro.plate("areas", n):
+        pyro.sample("y", dist.Poisson(E * torch.exp(phi + sigma_v * e)), obs=y)
+
+
+def _bym_field(samples, E):
+    return samples["e"] * samples["sigma_v"].reshape(-1, 1)
+
+
 #: reference models in better-mixing coordinates: (model, samples -> field draws)
-REFERENCE_MODELS = {"gp-lengthscale": (_gp_whitened, _gp_field)}
+REFERENCE_MODELS = {"gp-lengthscale": (_gp_whitened, _gp_field), "bym": (_bym_noncentred, _bym_field)}
 
 
 # ----------------------------------------------------------------------------- reference
@@ -181,7 +226,7 @@ def _hyper_quantiles_from_gaussian(res, hyper):
     block = post.layout[hyper]
     z = post.loc[block.slice] + post.scale[block.slice] * torch.tensor([-1.6448536, 0.0, 1.6448536], dtype=D)
     site_support = {"tau": dist.constraints.positive, "kappa": dist.constraints.positive,
-                    "ell": dist.constraints.positive}[hyper]
+                    "ell": dist.constraints.positive, "sigma_v": dist.constraints.positive}[hyper]
     return biject_to(site_support)(z).tolist()
 
 
@@ -189,7 +234,7 @@ def _numpyro_case(name, margs, mkw):
     import _numpyro_models as npm
 
     extra = None
-    if name == "poisson-gmrf":
+    if name in ("poisson-gmrf", "bym"):
         m = int(round(math.sqrt(margs[0].shape[0])))
         extra = lattice_precision(m).to_dense().numpy()
     return npm.build(name, margs, mkw, extra)

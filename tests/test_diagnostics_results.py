@@ -222,3 +222,32 @@ def test_docstring_examples_run():
             warnings.simplefilter("ignore")
             res = doctest.testmod(mod)
         assert res.attempted > 0 and res.failed == 0, mod.__name__
+
+
+def test_bym_two_hyper_latents_corrected_against_long_nuts():
+    """BYM (proper CAR + iid effects; kappa and sigma_v integrated over on a 2-D grid): the corrected hyper-latent
+    quantiles within 5%, field means within 0.1 reference sds and sds within 10% of a 4 x 2,000 NUTS reference
+    (non-centred coordinates)."""
+    with open(REF) as f:
+        refs = json.load(f)
+    if "bym" not in refs:
+        pytest.skip("no BYM reference in tests/references/hyper_nuts.json (python tests/references/generate.py bym)")
+    ref = refs["bym"]["sites"]
+    model, args, kwargs = hm.bym()
+    res = pcv.fit(model, *args, engine="dual_vg", progress=False, **kwargs)
+    assert res.hyper["strategy"] == "grid" and res.posterior.space.names == ["kappa", "sigma_v"]
+    d = res.diagnostics
+    c = res.corrected(num_draws=4000)
+    assert c.diagnostics.reliable, c.diagnostics
+    for site in ("kappa", "sigma_v"):
+        for p, key in ((0.05, "q05"), (0.5, "q50"), (0.95, "q95")):
+            assert float(c.hyper[site]["quantiles"][p]) == pytest.approx(ref[site][key][0], rel=0.05), (site, p)
+    off = 0.0
+    for site in ("phi", "v"):
+        s, r = c.sites[site], ref[site]
+        rm, rs = torch.tensor(r["mean"], dtype=D), torch.tensor(r["sd"], dtype=D)
+        assert float(((s["mean"] - rm).abs() / rs).max()) < 0.1, site
+        assert float((s["sd"] / rs - 1).abs().max()) < 0.1, site
+        off = max(off, float((d.draws[site].std(0) / rs - 1).abs().max()))
+    if off > 0.2:
+        assert not d.ok, (off, d)
