@@ -226,7 +226,7 @@ def test_docstring_examples_run():
 
 def test_bym_two_hyper_latents_corrected_against_long_nuts():
     """BYM (proper CAR + iid effects; kappa and sigma_v integrated over on a 2-D grid): the corrected hyper-latent
-    quantiles within 5%, field means within 0.1 reference sds and sds within 10% of a 4 x 2,000 NUTS reference
+    quantiles within 5%, field means within 0.1 reference sds and sds within 10% of the long NUTS reference
     (non-centred coordinates)."""
     with open(REF) as f:
         refs = json.load(f)
