@@ -8,7 +8,10 @@ Cases (float64):
   exposures ``E_i`` and a spatial field ``f ~ SparseGMRF(0, kappa (D - 0.99 W))`` (``W`` the 4-neighbour
   adjacency), precision ``kappa ~ Gamma(1, 0.1)``;
 * ``gp-lengthscale``: GP classification on keel *ionosphere* (the first 100 training rows) with an RBF
-  kernel of outputscale 4 and lengthscale ``ell ~ LogNormal(log 4, 0.5)``.
+  kernel of outputscale 4 and lengthscale ``ell ~ LogNormal(log 4, 0.5)``;
+* ``bym``: BYM disease mapping on an ``8 x 8`` lattice (quick: ``5 x 5``): a proper CAR field of precision
+  ``kappa (D - 0.99 W)`` plus iid effects of scale ``sigma_v``, two hyper-latents (reported: ``sigma_v`` and the
+  iid effects).
 
 Methods, alternating in the same run: ``dual_vg`` with the hyper-latents integrated over (grid, the
 default) and at their mode (``hyper="map"``), ``convex_relaxation`` (logistic case), and Pyro's
@@ -19,9 +22,18 @@ full model (hyper-latents included, in unconstrained coordinates). The reference
 ESS reported), computed once and cached
 in ``benchmarks/results/hierarchical_reference*.json``.
 
+With ``+ psis`` an engine's result is importance-corrected (``res.corrected()``, 2,000 draws,
+``pyro_convexvb.diagnostics``; the time includes the correction), and every uncorrected result of our engines
+reports the PSIS ``k_hat`` of its posterior (``res.diagnostics``, 500 draws, not timed). When NumPyro is installed
+(the ``bench`` extra) ``numpyro nuts`` runs each case written independently in NumPyro
+(``_numpyro_models.py``): 4 chains of 1,000 warm-up steps and 1,000 draws, run sequentially (quick: 2 x 200 +
+200); its time includes JIT compilation on the first repeat (``seconds_compile``) and not on the others.
+ESS/s is the smallest bulk ESS over the hyper-latent and the field per second for the samplers, the importance
+ESS per second for corrected results.
+
 Accuracy: the hyper-latent's 5%, 50%, 95% quantiles relative to the reference (targets 15% for the
 median, 25% for the tails) and the latent field's means in reference posterior standard deviations
-(target 0.25). Time: median wall seconds over ``--repeats`` alternating runs; the ratio to NUTS.
+(target 0.25) and their sds relative to the reference sds (range over the field). Time: median wall seconds over ``--repeats`` alternating runs; the ratio to NUTS.
 
 Usage::
 
@@ -100,7 +112,32 @@ def gp_lengthscale(quick):
     return model, (d2,), {"y": y}, "ell", "f"
 
 
-CASES = {"logistic-sonar": logistic_sonar, "poisson-gmrf": poisson_gmrf, "gp-lengthscale": gp_lengthscale}
+def bym(quick):
+    """BYM disease mapping (Besag, York & Mollie 1991): proper CAR field ``phi`` of precision ``kappa (D - 0.99 W)``
+    plus iid effects ``v ~ N(0, sigma_v^2)``; two hyper-latents, ``kappa ~ Gamma(2, 1)``, ``sigma_v ~ HalfNormal(0.5)``.
+    Reported: ``sigma_v`` (weakly identified beside the spatial field) and the iid effects ``v``."""
+    m = 5 if quick else 8
+    Q0 = lattice_precision(m)
+    g = torch.Generator().manual_seed(4)
+    L = torch.linalg.cholesky(2.0 * Q0.to_dense())
+    phi = torch.linalg.solve_triangular(L.T, torch.randn(m * m, 1, generator=g, dtype=D), upper=True)[:, 0]
+    v = 0.3 * torch.randn(m * m, generator=g, dtype=D)
+    E = 5.0 + 10.0 * torch.rand(m * m, generator=g, dtype=D)
+    y = torch.poisson(E * torch.exp(phi + v), generator=g)
+
+    def model(E, y=None):
+        kappa = pyro.sample("kappa", dist.Gamma(torch.tensor(2.0, dtype=D), torch.tensor(1.0, dtype=D)))
+        sigma_v = pyro.sample("sigma_v", dist.HalfNormal(torch.tensor(0.5, dtype=D)))
+        phi = pyro.sample("phi", pcv.distributions.SparseGMRF(torch.zeros(m * m, dtype=D), Q0, precision_scale=kappa))
+        v = pyro.sample("v", dist.Normal(torch.zeros(m * m, dtype=D), sigma_v).to_event(1))
+        with pyro.plate("areas", m * m):
+            pyro.sample("y", dist.Poisson(E * torch.exp(phi + v)), obs=y)
+
+    return model, (E,), {"y": y}, "sigma_v", "v"
+
+
+CASES = {"logistic-sonar": logistic_sonar, "poisson-gmrf": poisson_gmrf, "gp-lengthscale": gp_lengthscale,
+         "bym": bym}
 
 
 def _gp_kernel(d2, ell):
@@ -122,8 +159,25 @@ def _gp_field(samples, d2):
     return torch.stack([torch.linalg.cholesky(_gp_kernel(d2, e)) @ vi for e, vi in zip(ell, v)])
 
 
+def _bym_noncentred(E, y=None):
+    """The BYM model in non-centred coordinates (``phi = L0^{-T} z / sqrt(kappa)``, ``v = sigma_v e``)."""
+    n = E.shape[0]
+    L0 = torch.linalg.cholesky(lattice_precision(int(round(math.sqrt(n)))).to_dense())
+    kappa = pyro.sample("kappa", dist.Gamma(torch.tensor(2.0, dtype=D), torch.tensor(1.0, dtype=D)))
+    sigma_v = pyro.sample("sigma_v", dist.HalfNormal(torch.tensor(0.5, dtype=D)))
+    z = pyro.sample("z", dist.Normal(torch.zeros(n, dtype=D), 1.0).to_event(1))
+    e = pyro.sample("e", dist.Normal(torch.zeros(n, dtype=D), 1.0).to_event(1))
+    phi = torch.linalg.solve_triangular(L0.T, z.unsqueeze(-1), upper=True).squeeze(-1) / kappa.sqrt()
+    with pyro.plate("areas", n):
+        pyro.sample("y", dist.Poisson(E * torch.exp(phi + sigma_v * e)), obs=y)
+
+
+def _bym_field(samples, E):
+    return samples["e"] * samples["sigma_v"].reshape(-1, 1)
+
+
 #: reference models in better-mixing coordinates: (model, samples -> field draws)
-REFERENCE_MODELS = {"gp-lengthscale": (_gp_whitened, _gp_field)}
+REFERENCE_MODELS = {"gp-lengthscale": (_gp_whitened, _gp_field), "bym": (_bym_noncentred, _bym_field)}
 
 
 # ----------------------------------------------------------------------------- reference
@@ -172,11 +226,43 @@ def _hyper_quantiles_from_gaussian(res, hyper):
     block = post.layout[hyper]
     z = post.loc[block.slice] + post.scale[block.slice] * torch.tensor([-1.6448536, 0.0, 1.6448536], dtype=D)
     site_support = {"tau": dist.constraints.positive, "kappa": dist.constraints.positive,
-                    "ell": dist.constraints.positive}[hyper]
+                    "ell": dist.constraints.positive, "sigma_v": dist.constraints.positive}[hyper]
     return biject_to(site_support)(z).tolist()
 
 
-def run_method(method, model, args, kwargs, hyper, field, quick):
+def _numpyro_case(name, margs, mkw):
+    import _numpyro_models as npm
+
+    extra = None
+    if name in ("poisson-gmrf", "bym"):
+        m = int(round(math.sqrt(margs[0].shape[0])))
+        extra = lattice_precision(m).to_dense().numpy()
+    return npm.build(name, margs, mkw, extra)
+
+
+def run_numpyro(name, margs, mkw, hyper, field, quick, seed=0):
+    import _numpyro_models as npm
+    import numpy as np
+    from numpyro.diagnostics import effective_sample_size
+
+    model, kw, h, f = _numpyro_case(name, margs, mkw)
+    size = dict(chains=2, warmup=200, samples=200) if quick else dict(chains=4, warmup=1000, samples=1000)
+    samples, sec = npm.run_nuts(model, kw, seed=seed, **size)
+    H = np.asarray(samples[h]).reshape(size["chains"], size["samples"], -1)
+    F = np.asarray(samples[f]).reshape(size["chains"], size["samples"], -1)
+    ess = float(min(effective_sample_size(np.log(H)).min(), effective_sample_size(F).min()))
+    hs = torch.tensor(np.array(H.reshape(-1)), dtype=D)
+    q = torch.quantile(hs, torch.tensor([0.05, 0.5, 0.95], dtype=D)).tolist()
+    Ff = torch.tensor(np.array(F.reshape(-1, F.shape[-1])), dtype=D)
+    return sec, q, Ff.mean(0), Ff.std(0), None, {"ess": ess}
+
+
+def run_method(method, model, args, kwargs, hyper, field, quick, name=None, seed=0):
+    """``(seconds, hyper quantiles, field mean, field sd, result, extras)`` of one method on one case."""
+    if method == "numpyro nuts":
+        return run_numpyro(name, args, kwargs, hyper, field, quick, seed=seed)
+    correct = method.endswith(" + psis")
+    base = method[:-len(" + psis")] if correct else method
     engine, opts = {
         "dual_vg (integrate)": ("dual_vg", {}),
         "dual_vg (map)": ("dual_vg", {"hyper": "map"}),
@@ -184,28 +270,48 @@ def run_method(method, model, args, kwargs, hyper, field, quick):
         "nuts": ("nuts", dict(num_samples=300 if quick else 1000, warmup_steps=200 if quick else 500)),
         "laplace": ("laplace", {}),
         "svi_automvn": ("svi_automvn", dict(max_steps=1000 if quick else 5000, lr=0.02)),
-    }[method]
+    }[base]
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
+    extras = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with Timer() as t:
             res = pcv.fit(model, *args, engine=engine, options=opts, progress=False, **kwargs)
+            c = res.corrected(seed=seed) if correct else None
+    if c is not None:
+        site_h, site_f = c.sites[hyper], c.sites[field]
+        q = [float(site_h["quantiles"][p]) for p in (0.05, 0.5, 0.95)]
+        extras.update(k_hat=c.k_hat, ess=c.ess, proposal=c.diagnostics.proposal)
+        return t.seconds, q, site_f["mean"].reshape(-1), site_f["sd"].reshape(-1), res, extras
+    if engine == "nuts":
+        from pyro.ops.stats import effective_sample_size
+
+        s = res.info["samples"][hyper].reshape(-1)
+        q = torch.quantile(s, torch.tensor([0.05, 0.5, 0.95], dtype=D)).tolist()
+        F = res.info["samples"][field].reshape(s.shape[0], -1)
+        both = torch.cat([torch.log(s).reshape(1, -1, 1), F.reshape(1, s.shape[0], -1)], -1)
+        extras["ess"] = float(effective_sample_size(both).min())
+        return t.seconds, q, F.mean(0), F.std(0), res, extras
     if res.hyper is not None:
         if res.hyper["marginals"] is not None:
             q = [float(v) for v in res.hyper["marginals"][hyper]["quantiles"].values()]
         else:
             m = float(res.hyper["mode"][hyper])
             q = [m, m, m]
-        field_mean = res.posterior.loc
-    elif engine == "nuts":
-        s = res.info["samples"][hyper].reshape(-1)
-        q = torch.quantile(s, torch.tensor([0.05, 0.5, 0.95], dtype=D)).tolist()
-        field_mean = res.info["samples"][field].reshape(s.shape[0], -1).mean(0)
+        field_mean, field_sd = res.posterior.loc, res.posterior.scale
     else:
         q = _hyper_quantiles_from_gaussian(res, hyper)
-        field_mean = res.posterior.loc[res.posterior.layout[field].slice]
-    return t.seconds, q, field_mean.detach(), res
+        sl = res.posterior.layout[field].slice
+        field_mean, field_sd = res.posterior.loc[sl], res.posterior.scale[sl]
+    try:  # the PSIS diagnostic of the uncorrected answer (not timed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            d = res.diagnostics
+        extras.update(k_hat=d.k_hat, diag_ok=d.ok)
+    except (NotImplementedError, ValueError) as e:
+        extras["k_hat_note"] = str(e)[:80]
+    return t.seconds, q, field_mean.detach(), field_sd.detach(), res, extras
 
 
 def main():
@@ -217,8 +323,14 @@ def main():
     args = parse_args(parser=parser)
     torch.set_default_dtype(D)
     repeats = args.repeats or (1 if args.quick else 3)
-    methods = ["dual_vg (integrate)", "dual_vg (map)", "convex_relaxation (integrate)", "nuts", "laplace",
-               "svi_automvn"]
+    methods = ["dual_vg (integrate)", "dual_vg (integrate) + psis", "dual_vg (map)", "dual_vg (map) + psis",
+               "convex_relaxation (integrate)", "nuts", "laplace", "laplace + psis", "svi_automvn"]
+    import _numpyro_models
+
+    if _numpyro_models.available():
+        methods.append("numpyro nuts")
+    else:
+        print("numpyro not installed (pip install 'pyro_convexvb[bench]'): numpyro nuts left out", flush=True)
     rows, figs = [], {}
     for name in args.cases.split(","):
         model, margs, mkw, hyper, field = CASES[name](args.quick)
@@ -227,37 +339,50 @@ def main():
         ref = nuts_reference(name, model, margs, mkw, hyper, field, args.quick, size)
         case_methods = [m for m in methods if not (m.startswith("convex") and name != "logistic-sonar")]
         times = {m: [] for m in case_methods}
+        compile_s = {}
         out, failed = {}, {}
         for rep in range(repeats):
             order = case_methods if rep % 2 == 0 else case_methods[::-1]
             for m in order:
                 try:
-                    sec, q, fmean, res = run_method(m, model, margs, mkw, hyper, field, args.quick)
+                    sec, q, fmean, fsd_m, res, extras = run_method(m, model, margs, mkw, hyper, field, args.quick,
+                                                                   name=name, seed=rep)
                 except Exception as e:  # a peer that fails on a case is reported, not hidden
                     failed[m] = f"{type(e).__name__}: {str(e)[:120]}"
                     print(f"  {m}: failed ({failed[m]})", flush=True)
                     continue
+                if m == "numpyro nuts" and m not in compile_s:
+                    compile_s[m] = sec  # the first run includes JIT compilation
+                    if repeats > 1:
+                        continue
                 times[m].append(sec)
-                out[m] = (q, fmean, res)
+                out[m] = (q, fmean, res, fsd_m, extras)
                 print(f"  {m}: {sec:.2f} s", flush=True)
         rq = ref["hyper_q"]
         fm, fsd = torch.tensor(ref["field_mean"], dtype=D), torch.tensor(ref["field_sd"], dtype=D)
         nuts_t = statistics.median(times["nuts"]) if times["nuts"] else math.nan
+        np_t = statistics.median(times["numpyro nuts"]) if times.get("numpyro nuts") else math.nan
         for m in case_methods:
             if m in failed:
-                rows.append({"case": name, "method": m, "seconds": math.nan, "vs_nuts": math.nan,
+                rows.append({"case": name, "method": m, "seconds": math.nan, "vs_nuts": math.nan, "vs_numpyro": math.nan,
                              "rel_err_q50": math.nan, "rel_err_tails": math.nan, "field_err_sd": math.nan,
                              "evaluations": None, "failed": failed[m]})
                 continue
-            q, fmean, res = out[m]
+            q, fmean, res, fsd_m, extras = out[m]
             med = statistics.median(times[m])
-            rows.append({"case": name, "method": m, "seconds": med, "vs_nuts": nuts_t / med,
+            ratio = fsd_m.reshape(-1) / fsd
+            rows.append({"case": name, "method": m, "seconds": med, "vs_nuts": nuts_t / med, "vs_numpyro": np_t / med,
+                         "seconds_compile": compile_s.get(m),
                          f"{hyper}_q05": q[0], f"{hyper}_q50": q[1], f"{hyper}_q95": q[2],
                          "rel_err_q50": abs(q[1] - rq[1]) / rq[1],
                          "rel_err_tails": max(abs(q[0] - rq[0]) / rq[0], abs(q[2] - rq[2]) / rq[2]),
                          "field_err_sd": float(((fmean - fm).abs() / fsd).max()),
-                         "evaluations": (res.hyper or {}).get("evaluations")})
-        figs[name] = (hyper, ref, {m: out[m][2] for m in case_methods if m in out})
+                         "field_sd_ratio_min": float(ratio.min()), "field_sd_ratio_max": float(ratio.max()),
+                         "k_hat": extras.get("k_hat"), "ess_per_s": (extras["ess"] / med) if "ess" in extras else None,
+                         "proposal": extras.get("proposal"),
+                         "evaluations": (res.hyper or {}).get("evaluations") if res is not None else None})
+        figs[name] = (hyper, ref, {m: out[m][2] for m in case_methods
+                                   if m in out and out[m][2] is not None and not m.endswith(" + psis")})
     print()
     print(markdown_table([{k: v for k, v in r.items() if not k.startswith(("tau_", "kappa_", "ell_"))}
                           for r in rows], floatfmt=".3g"))

@@ -160,7 +160,7 @@ def engines_that_fit(model, *args, lgm=None, **kwargs):
     return out
 
 
-def fit(model, *args, engine, options=None, progress=True, **kwargs):
+def fit(model, *args, engine, options=None, progress=True, correct=None, **kwargs):
     """Run inference engine ``engine`` on a Pyro model (or a :class:`LatentGaussianModel`).
 
     ``pcv.fit(model, *args, engine=name, options=opts, **kwargs)`` is
@@ -172,6 +172,8 @@ def fit(model, *args, engine, options=None, progress=True, **kwargs):
     :param dict options: the engine's options (fields of its options dataclass; unknown or ill-typed
         options raise :class:`TypeError`, out-of-range ones :class:`ValueError`).
     :param bool progress: show tqdm progress bars on long fits.
+    :param str correct: ``"psis"`` to also importance-correct the posterior summaries
+        (:meth:`~pyro_convexvb.InferenceResult.corrected`, stored as ``res.correction``); ``None`` (default) not to.
     :param kwargs: the model's keyword arguments (e.g. ``y=...``).
     :returns: :class:`~pyro_convexvb.infer.result.InferenceResult`.
 
@@ -193,4 +195,9 @@ def fit(model, *args, engine, options=None, progress=True, **kwargs):
         options = {}
     if not isinstance(options, dict):
         raise TypeError(f"options: expected a dict of engine '{engine}' options, got {type(options).__name__}")
-    return cls(model, progress=progress, **options).run(*args, **kwargs)
+    if correct not in (None, "psis"):
+        raise ValueError(f"correct: expected None or 'psis', got {correct!r}")
+    res = cls(model, progress=progress, **options).run(*args, **kwargs)
+    if correct == "psis":
+        res.corrected(progress=progress)
+    return res

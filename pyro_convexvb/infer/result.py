@@ -111,6 +111,50 @@ class InferenceResult:
                 post.model = None
         return dataclasses.replace(self, posterior=post, info=info, lgm=None)
 
+    # ------------------------------------------------------------ diagnostics (pyro_convexvb.diagnostics)
+    @property
+    def diagnostics(self):
+        """PSIS diagnostic of the posterior (:class:`~pyro_convexvb.diagnostics.ImportanceDiagnostics`: ``k_hat``,
+        importance ESS, an importance estimate of ``log p(y)``), computed on first access from 500 draws (one model
+        evaluation each) and cached; warns (:class:`~pyro_convexvb.diagnostics.ApproximationWarning`) when ``k_hat``
+        says the approximation is unreliable. See ``docs/diagnostics.md``."""
+        d = self.__dict__.get("_diagnostics")
+        if d is None:
+            from ..diagnostics import diagnose
+
+            d = diagnose(self)
+            self.__dict__["_diagnostics"] = d
+        return d
+
+    @property
+    def correction(self):
+        """The :class:`~pyro_convexvb.diagnostics.CorrectedPosterior` of ``pcv.fit(..., correct="psis")`` or of the
+        last :meth:`corrected` call, else ``None``."""
+        return self.__dict__.get("_correction")
+
+    def corrected(self, num_draws=None, seed=0, *, proposal="auto", probs=(0.05, 0.5, 0.95), progress=False):
+        """Importance-corrected means, sds and quantiles with Monte Carlo errors
+        (:func:`pyro_convexvb.diagnostics.correct`; default 2000 draws). Also stored as :attr:`correction`."""
+        from ..diagnostics import correct
+        from ..diagnostics.importance import CORRECTION_DRAWS
+
+        c = correct(self, CORRECTION_DRAWS if num_draws is None else num_draws, seed, proposal=proposal,
+                    probs=probs, progress=progress)
+        self.__dict__["_correction"] = c
+        return c
+
+    def loo(self, num_draws=None, seed=0, **kwargs):
+        """PSIS-LOO, WAIC, CPO and PIT of the fit (:func:`pyro_convexvb.diagnostics.loo`)."""
+        from ..diagnostics import loo
+
+        return loo(self, num_draws=num_draws, seed=seed, **kwargs)
+
+    def to_arviz(self, num_draws=None, seed=0, **kwargs):
+        """An ``arviz.InferenceData`` of the fit (:func:`pyro_convexvb.diagnostics.to_arviz`; needs ``arviz``)."""
+        from ..diagnostics import to_arviz
+
+        return to_arviz(self, num_draws=num_draws, seed=seed, **kwargs)
+
     def __repr__(self):
         b = "None" if self.log_evidence_bound is None else f"{self.log_evidence_bound:.6g}"
         return (f"InferenceResult(engine={self.engine!r}, log_evidence_bound={b}, converged={self.converged}, "

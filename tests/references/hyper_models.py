@@ -99,3 +99,72 @@ def _gp_sites(samples, x):
 
 #: references sampled from a reparametrised model: name -> (model, (samples, *args) -> {site: draws})
 NUTS_SAMPLERS = {"gp_lengthscale": (_gp_whitened, _gp_sites)}
+
+
+def _lattice_car(m, rho=0.99):
+    """``D - rho W`` of the 4-neighbour ``m x m`` lattice (a proper CAR precision), dense."""
+    n = m * m
+    W = torch.zeros(n, n, dtype=D)
+    for i in range(m):
+        for j in range(m):
+            k = i * m + j
+            if j + 1 < m:
+                W[k, k + 1] = W[k + 1, k] = 1.0
+            if i + 1 < m:
+                W[k, k + m] = W[k + m, k] = 1.0
+    return torch.diag(W.sum(1)) - rho * W
+
+
+def bym():
+    """BYM disease mapping on a 5 x 5 lattice (Besag, York & Mollié 1991): a proper CAR field ``phi`` with
+    precision ``kappa (D - 0.99 W)``, ``kappa ~ Gamma(2, 1)``, plus iid effects ``v ~ N(0, sigma_v^2)``,
+    ``sigma_v ~ HalfNormal(0.5)``; counts ``y_i ~ Poisson(E_i exp(phi_i + v_i))``. Two hyper-latents; ``sigma_v``
+    is weakly identified beside the spatial field, so its posterior is skewed toward zero."""
+    m = 5
+    Q0 = _lattice_car(m)
+    g = torch.Generator().manual_seed(14)
+    L = torch.linalg.cholesky(2.0 * Q0)
+    phi = torch.linalg.solve_triangular(L.T, torch.randn(m * m, 1, generator=g, dtype=D), upper=True)[:, 0]
+    v = 0.3 * torch.randn(m * m, generator=g, dtype=D)
+    E = 5.0 + 10.0 * torch.rand(m * m, generator=g, dtype=D)
+    y = torch.poisson(E * torch.exp(phi + v), generator=g)
+    Qs = Q0.to_sparse()
+
+    def model(E, y=None):
+        kappa = pyro.sample("kappa", dist.Gamma(torch.tensor(2.0, dtype=D), torch.tensor(1.0, dtype=D)))
+        sigma_v = pyro.sample("sigma_v", dist.HalfNormal(torch.tensor(0.5, dtype=D)))
+        from pyro_convexvb.distributions import SparseGMRF
+
+        phi = pyro.sample("phi", SparseGMRF(torch.zeros(m * m, dtype=D), Qs, precision_scale=kappa))
+        v = pyro.sample("v", dist.Normal(torch.zeros(m * m, dtype=D), sigma_v).to_event(1))
+        with pyro.plate("areas", m * m):
+            pyro.sample("y", dist.Poisson(E * torch.exp(phi + v)), obs=y)
+
+    return model, (E,), {"y": y}
+
+
+def _bym_noncentred(E, y=None):
+    """:func:`bym` in non-centred coordinates (``phi = L0^{-T} z / sqrt(kappa)``, ``v = sigma_v e``): the same
+    posterior, in coordinates NUTS mixes well in."""
+    n = E.shape[0]
+    m = int(round(math.sqrt(n)))
+    L0 = torch.linalg.cholesky(_lattice_car(m))
+    kappa = pyro.sample("kappa", dist.Gamma(torch.tensor(2.0, dtype=D), torch.tensor(1.0, dtype=D)))
+    sigma_v = pyro.sample("sigma_v", dist.HalfNormal(torch.tensor(0.5, dtype=D)))
+    z = pyro.sample("z", dist.Normal(torch.zeros(n, dtype=D), 1.0).to_event(1))
+    e = pyro.sample("e", dist.Normal(torch.zeros(n, dtype=D), 1.0).to_event(1))
+    phi = torch.linalg.solve_triangular(L0.T, z.unsqueeze(-1), upper=True).squeeze(-1) / kappa.sqrt()
+    with pyro.plate("areas", n):
+        pyro.sample("y", dist.Poisson(E * torch.exp(phi + sigma_v * e)), obs=y)
+
+
+def _bym_sites(samples, E):
+    n = E.shape[0]
+    L0 = torch.linalg.cholesky(_lattice_car(int(round(math.sqrt(n)))))
+    kappa, sigma_v = samples["kappa"].reshape(-1), samples["sigma_v"].reshape(-1)
+    phi = torch.linalg.solve_triangular(L0.T, samples["z"].T, upper=True).T / kappa.sqrt()[:, None]
+    return {"kappa": kappa, "sigma_v": sigma_v, "phi": phi, "v": samples["e"] * sigma_v[:, None]}
+
+
+NUTS_REFERENCES["bym"] = bym
+NUTS_SAMPLERS["bym"] = (_bym_noncentred, _bym_sites)

@@ -1,0 +1,109 @@
+"""ArviZ export of a fitted result: ``res.to_arviz()`` -> ``arviz.InferenceData``.
+
+ArviZ is an optional dependency (``pip install pyro_convexvb[arviz]``).
+"""
+import numpy as np
+import torch
+
+from .importance import _log_joint
+from .proposals import make_proposal
+
+__all__ = ["to_arviz"]
+
+#: default draws of :func:`to_arviz`
+ARVIZ_DRAWS = 1000
+
+
+def _import_arviz():
+    try:
+        import arviz
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("to_arviz needs ArviZ: pip install 'pyro_convexvb[arviz]' (arviz>=0.17,<1)") from e
+    return arviz
+
+
+def to_arviz(result, num_draws=None, seed=0, *, chains=4, corrected=None, progress=False):
+    """An ``arviz.InferenceData`` of the fit, for ``az.summary``, ``az.loo``, ``az.compare`` and ``az.plot_*``.
+
+    Groups: ``posterior`` (every latent site in the model's constrained coordinates), ``posterior_predictive``
+    (one replicated data set per draw), ``log_likelihood`` (pointwise, per observed site, masked entries
+    dropped; dimension ``<site>_obs``), ``observed_data``, ``sample_stats`` (``lp``: the log joint of each draw
+    in unconstrained coordinates) and attributes with the engine's report (engine, converged, stop reason,
+    seconds, evidence bound, PSIS ``k_hat`` when computed).
+
+    The draws are independent draws from the fitted posterior, split into ``chains`` pseudo-chains (so R-hat is a
+    check of nothing but Monte Carlo noise), or, for a corrected result, draws resampled by the importance
+    weights (multinomially, with replacement; repeated draws lower ArviZ's ESS accordingly). ArviZ's ``az.loo``
+    on the former is LOO of the approximate posterior; on the latter, of the corrected one.
+
+    :param result: an :class:`~pyro_convexvb.InferenceResult` fitted on a Pyro model.
+    :param int num_draws: total draws (default 1000; rounded down to a multiple of ``chains``).
+    :param int chains: pseudo-chains.
+    :param bool corrected: resample by the importance weights of ``result.correction`` (default: when the
+        result has a correction); ``True`` without one computes it (``result.corrected()``).
+    :returns: ``arviz.InferenceData``.
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> def model(X, y=None):
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.).to_event(1))
+        ...     with pyro.plate("data", X.shape[0]):
+        ...         pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+        >>> X = torch.randn(40, 2, dtype=torch.float64); y = (X[:, 0] > 0).double()
+        >>> idata = pcv.fit(model, X, y=y, engine="dual_vg", progress=False).to_arviz(num_draws=200)
+        >>> idata.posterior["w"].shape, idata.log_likelihood["y"].shape
+        ((4, 50, 2), (4, 50, 40))
+    """
+    az = _import_arviz()
+    if not isinstance(chains, int) or chains < 1:
+        raise ValueError(f"chains: expected a positive int, got {chains!r}")
+    S = int(1000 if num_draws is None else num_draws) // chains * chains
+    if S < chains:
+        raise ValueError(f"num_draws: need at least {chains} draws (one per chain), got {num_draws}")
+    lj = _log_joint(result)
+    corr = result.__dict__.get("_correction")
+    if corrected is None:
+        corrected = corr is not None
+    if corrected:
+        if corr is None:
+            corr = result.corrected()
+        values = corr.resample(S, seed=seed, constrained=False)
+        source = f"resampled by PSIS weights (proposal {corr.diagnostics.proposal!r}, k_hat {corr.k_hat:.3f})"
+    else:
+        q = make_proposal(result.posterior, "fitted")
+        gen = torch.Generator().manual_seed(int(seed))
+        with torch.no_grad():
+            values, _ = q.sample(S, gen)
+        source = "independent draws from the fitted posterior"
+    out = lj.evaluate(values, pointwise=True, predictive=True, progress=progress)
+
+    def shaped(a):
+        a = np.asarray(a)
+        return a.reshape((chains, S // chains) + a.shape[1:])
+
+    posterior = {n: shaped(lj.constrain(n, values[n]).double().cpu().numpy()) for n in lj.names}
+    log_lik = {n: shaped(v) for n, v in out["log_lik"].items()}
+    y_rep = {n: shaped(v) for n, v in out["y_rep"].items()}
+    obs = lj.observed()
+    dims = {n: [f"{n}_obs"] for n in log_lik}
+    attrs = {"inference_library": "pyro_convexvb", "engine": result.engine, "converged": int(bool(result.converged)),
+             "stop_reason": str(result.stop_reason), "seconds": float(result.seconds), "draws": source}
+    if result.log_evidence_bound is not None:
+        attrs["log_evidence_bound"] = float(result.log_evidence_bound)
+    d = result.__dict__.get("_diagnostics")
+    if d is not None:
+        attrs["psis_k_hat"] = float(d.k_hat)
+    if corr is not None:
+        attrs["corrected_k_hat"] = float(corr.k_hat)
+    observed = {n: v for n, v in obs.items() if n in log_lik}
+    # log_likelihood and observed data share the flat dimension when the site is one-dimensional
+    obs_dims = {n: [f"{n}_obs"] for n, v in observed.items() if v.ndim == 1 and v.shape[0] == log_lik[n].shape[-1]}
+    rep_dims = {}
+    for n, v in y_rep.items():
+        if v.ndim == 3 and n in obs_dims and v.shape[-1] == observed[n].shape[0]:
+            rep_dims[n] = [f"{n}_obs"]
+    return az.from_dict(posterior=posterior, posterior_predictive=y_rep, log_likelihood=log_lik,
+                        observed_data=observed, sample_stats={"lp": shaped(out["log_joint"])},
+                        dims={**dims, **obs_dims, **rep_dims}, attrs=attrs)

@@ -1,0 +1,343 @@
+r"""Is the approximation good enough? PSIS diagnostics and importance-corrected posteriors.
+
+With draws ``x_s ~ q`` from the fitted posterior (in Pyro's unconstrained coordinates) and the model's log joint
+evaluated through the Pyro model as written, the ratios ``r_s = p(y, x_s) / q(x_s)`` (every constant kept) give
+
+* the Pareto shape ``k_hat`` of their upper tail (Yao, Vehtari, Simpson & Gelman 2018, §2: ``k_hat`` above
+  0.7 means ``q`` misses mass of the posterior and expectations under ``q`` are unreliable; Vehtari et al. 2024,
+  §3.2.4, for the sample-size dependent threshold ``min(1 - 1/log10 S, 0.7)``);
+* the importance effective sample size ``1 / sum_s w_s^2`` of the Pareto-smoothed normalised weights;
+* an importance-sampling estimate of ``log p(y)`` (``log mean_s r_s``, raw ratios), to set against the bound;
+* self-normalised, Pareto-smoothed estimates of posterior means, sds and quantiles with Monte Carlo errors
+  (:func:`correct`).
+"""
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+
+from .logjoint import ModelLogJoint
+from .proposals import make_proposal
+from .psis import importance_ess, pareto_k_threshold, psis_smooth, weighted_moments, weighted_quantiles
+
+__all__ = ["ApproximationWarning", "ImportanceDiagnostics", "CorrectedPosterior", "diagnose", "correct",
+           "DIAGNOSTIC_DRAWS", "CORRECTION_DRAWS"]
+
+#: draws of the diagnostic computed on first access of ``InferenceResult.diagnostics``
+DIAGNOSTIC_DRAWS = 500
+#: default draws of :func:`correct`
+CORRECTION_DRAWS = 2000
+
+
+class ApproximationWarning(UserWarning):
+    """The Pareto ``k_hat`` of the importance ratios says the approximate posterior is unreliable."""
+
+
+def _model_of(result):
+    post = result.posterior
+    model = getattr(post, "model", None)
+    if model is None or not callable(model):
+        raise ValueError("importance diagnostics evaluate the Pyro model's log joint: this result was not fitted on "
+                         "a Pyro model (a LatentGaussianModel has no model to evaluate); fit the Pyro model instead")
+    args, kwargs = getattr(post, "model_args", ((), {}))
+    return model, args, kwargs
+
+
+def _log_joint(result):
+    lj = result.__dict__.get("_log_joint_evaluator")
+    if lj is None:
+        lj = ModelLogJoint(*_model_of(result))
+        result.__dict__["_log_joint_evaluator"] = lj
+    return lj
+
+
+@dataclass
+class ImportanceDiagnostics:
+    """PSIS diagnostic of a fitted posterior.
+
+    :ivar k_hat: Pareto shape of the importance ratios' tail (reliable below :attr:`threshold`).
+    :ivar ess: importance effective sample size of the smoothed weights (out of :attr:`num_draws`).
+    :ivar num_draws: ``S``, the draws from the proposal.
+    :ivar threshold: ``min(1 - 1/log10 S, 0.7)``.
+    :ivar proposal: the proposal the draws came from (``"fitted"``, ``"widened"``, ``"student_t"``).
+    :ivar tried: ``{proposal: k_hat}`` of every proposal tried.
+    :ivar log_evidence: importance-sampling estimate of ``log p(y)`` (``None`` when the proposal does not cover
+        the hyper-latents, ``hyper="map"``).
+    :ivar log_evidence_bound: the engine's bound, for comparison (``None`` if it has none).
+    :ivar conditional_on: hyper-latent values held fixed (``hyper="map"`` results), else ``None``.
+    :ivar mean_shift: the largest ``|weighted mean - mean|`` over the unconstrained coordinates, in sds of the
+        draws, among coordinates where it exceeds 2 Monte Carlo errors (0 if none).
+    :ivar sd_ratio: ``(min, max)`` of ``weighted sd / sd`` over the coordinates where it differs from 1 by more
+        than 2 Monte Carlo errors (a ratio above 1 says ``q`` is too narrow there; an importance estimate from a
+        too narrow ``q`` is itself biased toward ``q``, so the true ratio is larger).
+    :ivar log_ratios: ``(S,)`` raw ``log p(y, x_s) - log q(x_s)``; ``log_weights`` the smoothed normalised ones.
+    :ivar draws: ``{site: (S, *unconstrained shape)}`` the draws.
+    """
+
+    k_hat: float
+    ess: float
+    num_draws: int
+    threshold: float
+    proposal: str
+    tried: Dict[str, float]
+    log_evidence: Optional[float]
+    log_evidence_bound: Optional[float]
+    conditional_on: Any
+    mean_shift: float
+    sd_ratio: tuple
+    log_ratios: np.ndarray = field(repr=False)
+    log_weights: np.ndarray = field(repr=False)
+    draws: Dict[str, torch.Tensor] = field(repr=False)
+
+    @property
+    def reliable(self):
+        """``k_hat <= threshold``: importance-sampling estimates (and the approximation) can be trusted."""
+        return bool(self.k_hat <= self.threshold)
+
+    @property
+    def moments_agree(self):
+        """The importance-weighted means and sds agree with the draws' own: no mean moved by more than 0.1 sds and
+        no sd by more than 20% (among departures beyond 2 Monte Carlo errors). A cheap complement of ``k_hat``, whose estimate is noisy
+        at a few hundred draws when ``q`` is too narrow in a few directions."""
+        return bool(self.mean_shift <= 0.1 and 0.8 <= self.sd_ratio[0] and self.sd_ratio[1] <= 1.2)
+
+    @property
+    def ok(self):
+        """``reliable and moments_agree``: nothing says the approximation is off."""
+        return self.reliable and self.moments_agree
+
+    @property
+    def message(self):
+        """One sentence: what ``k_hat`` says and what to do."""
+        if self.reliable and not self.moments_agree:
+            return (f"PSIS k_hat = {self.k_hat:.2f} ({self.num_draws} draws, importance ESS {self.ess:.0f}), but the "
+                    f"importance-weighted moments differ from the approximation's (sd ratio {self.sd_ratio[0]:.2f}–"
+                    f"{self.sd_ratio[1]:.2f}, mean shift {self.mean_shift:.2f} sds): its sds or means are off. Call "
+                    "res.corrected() (or fit with correct='psis') for corrected summaries with Monte Carlo errors")
+        if self.reliable:
+            return (f"PSIS k_hat = {self.k_hat:.2f} <= {self.threshold:.2f} ({self.num_draws} draws, proposal "
+                    f"{self.proposal!r}): the approximation is close to the posterior in the sense of Yao et al. "
+                    f"(2018); importance ESS {self.ess:.0f}")
+        return (f"PSIS k_hat = {self.k_hat:.2f} > {self.threshold:.2f} ({self.num_draws} draws, proposal "
+                f"{self.proposal!r}, importance ESS {self.ess:.0f}): the Gaussian approximation misses part of the "
+                "posterior, so its sds and tail quantiles may be off. Call res.corrected() (tries wider proposals and "
+                "reports its own k_hat and Monte Carlo errors) or fit with correct='psis'; if k_hat stays above 0.7 "
+                "use engine='nuts'")
+
+    def __repr__(self):
+        ev = "None" if self.log_evidence is None else f"{self.log_evidence:.6g}"
+        return (f"ImportanceDiagnostics(k_hat={self.k_hat:.3f}, ess={self.ess:.1f}, num_draws={self.num_draws}, "
+                f"reliable={self.reliable}, sd_ratio=({self.sd_ratio[0]:.2f}, {self.sd_ratio[1]:.2f}), "
+                f"mean_shift={self.mean_shift:.2f}, proposal={self.proposal!r}, log_evidence={ev})")
+
+
+def _importance(result, num_draws, seed, proposal, progress):
+    lj = _log_joint(result)
+    q = make_proposal(result.posterior, proposal)
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    with torch.no_grad():
+        values, log_q = q.sample(int(num_draws), gen)
+    out = lj.evaluate(values, progress=progress)
+    lr = out["log_joint"] - log_q.double().cpu().numpy()
+    lw, k = psis_smooth(lr)
+    shift, ratio = _moment_check(values, lw)
+    S = int(num_draws)
+    finite = lr[np.isfinite(lr)]
+    log_ev = float(np.logaddexp.reduce(finite) - math.log(S)) if q.covers_hyper and finite.size else None
+    return ImportanceDiagnostics(
+        k_hat=float(k), ess=importance_ess(lw), num_draws=S, threshold=pareto_k_threshold(S), proposal=proposal,
+        tried={proposal: float(k)}, log_evidence=log_ev, log_evidence_bound=result.log_evidence_bound,
+        conditional_on=q.fixed, mean_shift=shift, sd_ratio=ratio, log_ratios=lr, log_weights=lw, draws=values)
+
+
+def _moment_check(values, log_weights):
+    x = np.concatenate([v.reshape(v.shape[0], -1).double().cpu().numpy() for v in values.values()], 1)
+    sd0 = x.std(0)
+    live = sd0 > 0
+    if not live.any():
+        return 0.0, (1.0, 1.0)
+    x, sd0 = x[:, live], sd0[live]
+    m, s, m_se, s_se = weighted_moments(x, np.exp(log_weights))
+    # only departures that are significant (beyond 2 Monte Carlo errors) count
+    shift = np.abs(m - x.mean(0))
+    shift = np.where(shift > 2 * m_se, shift / sd0, 0.0)
+    r = s / sd0
+    r = np.where(np.abs(r - 1) > 2 * s_se / sd0, r, 1.0)
+    return float(shift.max()), (float(min(r.min(), 1.0)), float(max(r.max(), 1.0)))
+
+
+def diagnose(result, num_draws=DIAGNOSTIC_DRAWS, seed=0, *, proposal="fitted", warn=True, progress=False):
+    """PSIS diagnostic of ``result``'s posterior (what ``result.diagnostics`` computes on first access).
+
+    :param result: an :class:`~pyro_convexvb.InferenceResult` fitted on a Pyro model.
+    :param int num_draws: draws from the proposal (one model evaluation each).
+    :param int seed: seed of the draws.
+    :param str proposal: ``"fitted"`` (the posterior itself; the diagnostic of the approximation), ``"widened"``
+        or ``"student_t"`` (:mod:`~pyro_convexvb.diagnostics.proposals`).
+    :param bool warn: warn (:class:`ApproximationWarning`) when ``k_hat`` exceeds the threshold.
+    :returns: :class:`ImportanceDiagnostics`.
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> def model(X, y=None):
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.).to_event(1))
+        ...     with pyro.plate("data", X.shape[0]):
+        ...         pyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+        >>> X = torch.randn(20, 2, dtype=torch.float64); y = X @ torch.tensor([1., -1.], dtype=torch.float64)
+        >>> res = pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
+        >>> d = diagnose(res, num_draws=200)
+        >>> d.k_hat < 0.5 and abs(d.log_evidence - res.log_evidence_bound) < 1e-6   # exact for a Gaussian model
+        True
+    """
+    d = _importance(result, num_draws, seed, proposal, progress)
+    if warn and not d.ok:
+        warnings.warn(d.message, ApproximationWarning, stacklevel=3)
+    return d
+
+
+def _summary(x, w, probs):
+    mean, sd, mean_se, sd_se = weighted_moments(x, w)
+    q, q_se = weighted_quantiles(x, w, probs)
+    t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
+    return {"mean": t(mean), "sd": t(sd), "quantiles": {p: t(q[i]) for i, p in enumerate(probs)},
+            "mean_mcse": t(mean_se), "sd_mcse": t(sd_se), "quantile_mcse": {p: t(q_se[i]) for i, p in enumerate(probs)}}
+
+
+@dataclass
+class CorrectedPosterior:
+    """Importance-corrected posterior summaries of a fit (:func:`correct`, ``res.corrected()``).
+
+    :ivar sites: ``{site: {"mean", "sd", "quantiles": {p: ...}, "mean_mcse", "sd_mcse", "quantile_mcse": {p: ...}}}``
+        in the model's constrained coordinates (tensors of the site's shape).
+    :ivar hyper: the same for the hyper-latents only (``None`` when the result has none, or they were fixed).
+    :ivar unconstrained: ``{site: {"mean", "sd", "mean_mcse", "sd_mcse"}}`` in Pyro's unconstrained coordinates
+        (``log`` of a positive site), where the posteriors live.
+    :ivar loc: ``(n,)`` corrected mean of the flat latent vector the posterior is over (unconstrained
+        coordinates), ``scale`` its corrected sd; ``loc_mcse`` and ``scale_mcse`` their Monte Carlo errors.
+    :ivar diagnostics: the :class:`ImportanceDiagnostics` of the proposal used (its ``k_hat`` says whether
+        these numbers can be trusted; ``tried`` lists every proposal tried).
+    :ivar probs: the quantile levels.
+    """
+
+    sites: Dict[str, Dict[str, Any]]
+    hyper: Optional[Dict[str, Dict[str, Any]]]
+    loc: Optional[torch.Tensor]
+    scale: Optional[torch.Tensor]
+    loc_mcse: Optional[torch.Tensor]
+    scale_mcse: Optional[torch.Tensor]
+    diagnostics: ImportanceDiagnostics
+    probs: tuple
+    unconstrained: Dict[str, Dict[str, Any]] = field(default_factory=dict, repr=False)
+    _lj: Any = field(default=None, repr=False)
+
+    @property
+    def k_hat(self):
+        return self.diagnostics.k_hat
+
+    @property
+    def ess(self):
+        return self.diagnostics.ess
+
+    @property
+    def weights(self):
+        """``(S,)`` normalised Pareto-smoothed importance weights of the draws."""
+        return np.exp(self.diagnostics.log_weights)
+
+    def resample(self, num_samples=None, seed=0, constrained=True):
+        """Draws resampled by the importance weights (multinomial, with replacement).
+
+        :param int num_samples: how many (default: the number of draws).
+        :returns: ``{site: (num_samples, *shape)}`` (constrained values by default).
+        """
+        d = self.diagnostics
+        m = d.num_draws if num_samples is None else int(num_samples)
+        gen = torch.Generator().manual_seed(int(seed))
+        idx = torch.multinomial(torch.as_tensor(self.weights), m, replacement=True, generator=gen)
+        out = {}
+        for n, v in d.draws.items():
+            v = v[idx]
+            out[n] = self._lj.constrain(n, v) if constrained else v
+        return out
+
+    def __repr__(self):
+        return (f"CorrectedPosterior(k_hat={self.k_hat:.3f}, ess={self.ess:.1f}, proposal="
+                f"{self.diagnostics.proposal!r}, sites={list(self.sites)})")
+
+
+def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", probs=(0.05, 0.5, 0.95), warn=True,
+            progress=False):
+    """Importance-corrected means, sds and quantiles of every latent site, with Monte Carlo errors.
+
+    Draws from a proposal built from the fitted posterior are weighted by ``p(y, x) / q(x)`` (Pareto-smoothed,
+    self-normalised). With ``proposal="auto"`` the fitted posterior is tried first; if its ``k_hat`` is above
+    the threshold or its weighted moments disagree with its own (:attr:`ImportanceDiagnostics.ok`), the defensive
+    mixtures ``"widened"`` (scales times 1.5) and ``"student_t"`` (5 degrees of freedom) are tried with fresh draws,
+    and the proposal used is the reliable one (``k_hat`` below the threshold) with the largest importance ESS, or,
+    if none is reliable, the one with the smallest ``k_hat``. A warning
+    (:class:`ApproximationWarning`) says when even that one is unreliable.
+
+    :param result: an :class:`~pyro_convexvb.InferenceResult` fitted on a Pyro model.
+    :param int num_draws: draws per proposal tried.
+    :param str proposal: ``"auto"``, ``"fitted"``, ``"widened"`` or ``"student_t"``.
+    :param probs: quantile levels.
+    :returns: :class:`CorrectedPosterior`.
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> def model(y=None):
+        ...     s = pyro.sample("s", dist.HalfNormal(torch.tensor(1.0, dtype=torch.float64)))
+        ...     with pyro.plate("data", 5):
+        ...         pyro.sample("y", dist.Normal(torch.tensor(0.0, dtype=torch.float64), s), obs=y)
+        >>> res = pcv.fit(model, y=torch.tensor([0.3, -0.5, 1.2, 0.1, -0.8], dtype=torch.float64),
+        ...               engine="laplace", progress=False)
+        >>> c = correct(res, num_draws=1000)
+        >>> sorted(c.sites["s"])[:3], c.sites["s"]["mean"].shape
+        (['mean', 'mean_mcse', 'quantile_mcse'], torch.Size([]))
+    """
+    probs = tuple(float(p) for p in probs)
+    if not all(0 < p < 1 for p in probs):
+        raise ValueError(f"probs: quantile levels must lie in (0, 1), got {probs}")
+    if proposal == "auto":
+        d = _importance(result, num_draws, seed, "fitted", progress)
+        tried = {"fitted": d.k_hat}
+        if not d.ok:
+            for i, kind in enumerate(("widened", "student_t")):
+                try:
+                    d2 = _importance(result, num_draws, seed + 1 + i, kind, progress)
+                except NotImplementedError:  # e.g. a mixture posterior: no Gaussian to widen
+                    break
+                tried[kind] = d2.k_hat
+                # a reliable k_hat first, then the largest importance ESS (smallest Monte Carlo errors); among
+                # unreliable ones the smallest k_hat
+                if (d2.reliable, d2.ess if d2.reliable else -d2.k_hat) > (d.reliable, d.ess if d.reliable else -d.k_hat):
+                    d = d2
+        d.tried = tried
+    else:
+        d = _importance(result, num_draws, seed, proposal, progress)
+    if warn and not d.reliable:
+        warnings.warn("corrected posterior: " + d.message, ApproximationWarning, stacklevel=3)
+    lj = _log_joint(result)
+    w = np.exp(d.log_weights)
+    sites, unc = {}, {}
+    t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
+    for n in lj.names:
+        v = lj.constrain(n, d.draws[n]).double().cpu().numpy()
+        sites[n] = _summary(v, w, probs)
+        m, s_, mse, sse = weighted_moments(d.draws[n].double().cpu().numpy(), w)
+        unc[n] = {"mean": t(m), "sd": t(s_), "mean_mcse": t(mse), "sd_mcse": t(sse)}
+    hyper_names = getattr(getattr(result.posterior, "space", None), "names", None)
+    hyper = {n: sites[n] for n in hyper_names} if hyper_names and d.conditional_on is None else None
+    loc = scale = loc_se = scale_se = None
+    layout = getattr(result.posterior, "layout", None)
+    if layout is not None:
+        u = layout.flatten({b.name: d.draws[b.name] for b in layout.blocks}).double().cpu().numpy()
+        m, s, mse, sse = weighted_moments(u, w)
+        loc, scale, loc_se, scale_se = (torch.as_tensor(a, dtype=torch.float64) for a in (m, s, mse, sse))
+    return CorrectedPosterior(sites, hyper, loc, scale, loc_se, scale_se, d, probs, unc, lj)
