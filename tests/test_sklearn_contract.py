@@ -406,8 +406,10 @@ def test_laplace_mean_is_the_map_of_scikit_learn_logistic_regression():
     """With a negligible intercept prior the Laplace posterior mean is LogisticRegression's MAP with C = prior_scale^2."""
     X, y = _cancer(200, 6, seed=4)
     Xs = StandardScaler().fit_transform(X)
+    # grad_tol 1e-8: L-BFGS stops where the loss (|log joint| ~ 60) stops changing in float64, measured at a relative
+    # gradient of 1e-9 to 2e-9 depending on its start; 1e-8 keeps the mode within ~1e-6 of scikit-learn's
     ours = pcv.BayesianLogisticRegression(engine="laplace", prior_scale=0.7, intercept_scale=1e4,
-                                          options={"grad_tol": 1e-9, "max_iter": 2000}).fit(Xs, y)
+                                          options={"grad_tol": 1e-8, "max_iter": 2000}).fit(Xs, y)
     ref = LogisticRegression(C=0.7**2, tol=1e-12, max_iter=10000).fit(Xs, y)
     np.testing.assert_allclose(ours.coef_, ref.coef_, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ours.intercept_, ref.intercept_, rtol=1e-5, atol=1e-6)

@@ -253,6 +253,8 @@ def check_model_data(model, args, kwargs):
             if not site["is_observed"]:
                 latent.append(name)
                 continue
+            if _is_factor(site):  # pyro.factor: an observed Unit site of no data
+                continue
             value = site["value"]
             if torch.is_tensor(value) and value.numel() == 0:
                 raise ValueError(f"site '{name}': there are no observations (the data have 0 rows), so there is "
