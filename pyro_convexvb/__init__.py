@@ -5,6 +5,16 @@ Write an ordinary Pyro model, then swap the inference engine with one word::
     import pyro_convexvb as pcv
     res = pcv.fit(model, X, y=y, engine="dual_vg")
 """
+import warnings as _warnings
+
+import torch as _torch
+
+# torch warns once per process that sparse CSR tensors are "in beta"; the package builds them on purpose (sparse
+# designs, precisions): take that one warning here, so that it does not reach users from inside a fit
+with _warnings.catch_warnings():
+    _warnings.simplefilter("ignore")
+    _torch.sparse_csr_tensor(_torch.tensor([0, 0]), _torch.tensor([], dtype=_torch.int64), _torch.tensor([]), (1, 1))
+
 from .errors import ConvergenceError, ConvergenceWarning, NonConvexWarning, NotPositiveDefiniteError, UnsupportedModelError
 from .infer.posterior import GaussianPosterior, GaussianPosteriorGuide
 from .infer.engine import Criterion, Engine, EngineOptions, Optimality, Solution, option
