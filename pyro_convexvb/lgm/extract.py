@@ -187,10 +187,8 @@ def _nonfinite(value):
         bad = ~np.isfinite(value)
         return (int(bad.sum()), tuple(int(i) for i in np.argwhere(bad)[0])) if bad.any() else (0, None)
     if torch.is_tensor(value) and value.is_floating_point():
-        if value.layout != torch.strided:
-            values = value.values() if value.layout == torch.sparse_coo else value.values()
-            n = int((~torch.isfinite(values)).sum())
-            return n, None
+        if value.layout != torch.strided:  # COO and CSR alike: the stored entries
+            return int((~torch.isfinite(value.values())).sum()), None
         bad = ~torch.isfinite(value)
         return (int(bad.sum()), tuple(int(i) for i in bad.nonzero()[0])) if bool(bad.any()) else (0, None)
     return 0, None

@@ -362,8 +362,7 @@ class LatentSpaceHessian:
         """``P^{-1} r`` (Woodbury; see the class docstring)."""
         if self._pre is None:
             be = self.backend
-            v = (self.G * self.G).sum(0)
-            Dp = self.diag + 0.5 * (self.dl * v) ** 2
+            Dp = self._site_diagonal()
             floor = 1e-12 * float(Dp.abs().max().clamp_min(1e-300))
             Dinv = 1.0 / Dp.clamp_min(floor)
             K = be.P + be._gram(Dinv)
@@ -379,9 +378,12 @@ class LatentSpaceHessian:
         The Woodbury form subtracts two nearly equal terms when ``D_p`` spans many orders of magnitude (sites
         far out in the tails of the prior, counts of 10^6, a design entry of 1e30), and rounding can then make
         ``r^T P^{-1} r <= 0``; Newton-CG falls back to this form for that step."""
+        return r / (self._site_diagonal() + self.backend.prior_marginals()[1]).clamp_min(torch.finfo(r.dtype).tiny)
+
+    def _site_diagonal(self):
+        """``D_p = diag(psi'' - l'' v_t / 2 + l'^2 v_t^2 / 2)`` with ``v_t = diag(V_t)`` (the class docstring)."""
         v = (self.G * self.G).sum(0)
-        Dp = self.diag + 0.5 * (self.dl * v) ** 2
-        return r / (Dp + self.backend.prior_marginals()[1]).clamp_min(torch.finfo(r.dtype).tiny)
+        return self.diag + 0.5 * (self.dl * v) ** 2
 
     def to_dense(self):
         """The ``N x N`` matrix (tests and small problems only; one process)."""
@@ -677,9 +679,7 @@ class SparsePrecisionHessian:
         """``P^{-1} r`` (Woodbury; see the class docstring)."""
         be = self.backend
         if self._pre is None:
-            _, Zd = be._factor(self.lam)
-            v = be.w**2 * Zd[be.col]
-            Dp = self.diag + 0.5 * (self.dl * v) ** 2
+            Dp = self._site_diagonal()
             floor = 1e-12 * max(float(np.abs(Dp).max()), 1e-300)
             Dinv = 1.0 / np.clip(Dp, floor, None)
             extra = np.bincount(be.col, weights=be.w**2 * Dinv, minlength=be.L)
@@ -695,10 +695,14 @@ class SparsePrecisionHessian:
         """``r / diag(P)``: the Jacobi form, positive definite in any arithmetic (see
         :meth:`LatentSpaceHessian.precondition_diagonal`)."""
         be = self.backend
-        _, Zd = be._factor(self.lam)
-        Dp = self.diag + 0.5 * (self.dl * be.w**2 * Zd[be.col]) ** 2
-        d = Dp + be._np(be.prior_marginals()[1])
+        d = self._site_diagonal() + be._np(be.prior_marginals()[1])
         return be._t(be._np(r) / np.clip(d, np.finfo(np.float64).tiny, None))
+
+    def _site_diagonal(self):
+        """``D_p = diag(psi'' - l'' v_t / 2 + l'^2 v_t^2 / 2)`` with ``v_t = diag(V_t)`` (the class docstring)."""
+        be = self.backend
+        _, Zd = be._factor(self.lam)
+        return self.diag + 0.5 * (self.dl * be.w**2 * Zd[be.col]) ** 2
 
     def to_dense(self):
         """The ``N x N`` matrix (tests and small problems only)."""
