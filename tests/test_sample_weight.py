@@ -133,3 +133,57 @@ def test_glm_integer_weights_equal_duplicated_rows():
     # the same objective and the same particles: the SVI paths agree to rounding
     np.testing.assert_allclose(a.posterior_.loc.numpy(), b.posterior_.loc.numpy(), rtol=0, atol=1e-10)
     np.testing.assert_allclose(a.predict_proba(X), b.predict_proba(X), rtol=0, atol=1e-10)
+
+
+def test_gp_classifier_integer_weights_equal_duplicated_rows_up_to_the_jitter():
+    """A repeated input is a second latent value correlated ``1 - O(jitter / k)`` with the first: as the jitter
+    goes to zero the repeated rows and the weighted row give the same predictions (and the weights do change the
+    answer)."""
+    from pyro_convexvb.gp import GPClassifier
+
+    X, y, w = _data(N=30)
+    engine, options, jitter, atol = "dual_vg", {"gap_tol": 1e-12}, 1e-8, 1e-6
+    a = GPClassifier(engine=engine, jitter=jitter, options=options).fit(X, y, sample_weight=w)
+    b = GPClassifier(engine=engine, jitter=jitter, options=options).fit(*_repeat(X, y, w))
+    np.testing.assert_allclose(a.predict_proba(X), b.predict_proba(X), rtol=0, atol=atol)
+    ma, va = a.predict_latent(X)
+    mb, vb = b.predict_latent(X)
+    np.testing.assert_allclose(ma, mb, rtol=0, atol=10 * atol)
+    np.testing.assert_allclose(va, vb, rtol=0, atol=10 * atol)
+    c = GPClassifier(engine=engine, jitter=jitter, options=options).fit(X, y)
+    assert np.abs(c.predict_proba(X) - a.predict_proba(X)).max() > 1e-3
+
+
+def test_gp_classifier_zero_weight_drops_the_row_and_invalid_weights_are_named():
+    from pyro_convexvb.gp import GPClassifier
+
+    X, y, w = _data(N=30)
+    w01 = (w > 0).astype(float)
+    a = GPClassifier().fit(X, y, sample_weight=w01)
+    b = GPClassifier().fit(X[w > 0], y[w > 0])
+    np.testing.assert_array_equal(a.predict_proba(X), b.predict_proba(X))
+    ones = GPClassifier().fit(X, y, sample_weight=np.ones(len(y)))
+    np.testing.assert_array_equal(ones.predict_proba(X), GPClassifier().fit(X, y).predict_proba(X))
+    with pytest.raises(ValueError, match="sample_weight: .* negative"):
+        GPClassifier().fit(X, y, sample_weight=-np.ones(len(y)))
+
+
+def test_gp_classifier_weights_reach_pyro_model_engines_through_poutine_scale():
+    """``laplace`` fits the Pyro model with ``poutine.scale``: its mode is the MAP of the weighted log joint,
+    ``sum_i w_i log p(y_i | f_i) + log N(f | m, K)``, found independently by scipy on the same ``K``."""
+    import scipy.optimize as so
+    from pyro_convexvb.gp import GPClassifier
+
+    X, y, w = _data(N=30)
+    w = w * 0.37 + 0.05
+    clf = GPClassifier(engine="laplace", options={"seed": 0}).fit(X, y, sample_weight=w)
+    K = clf.K_train_.numpy()
+    Kinv = np.linalg.inv(K)
+
+    def negjoint(f):
+        p = 1 / (1 + np.exp(-f))
+        return -(w * (y * f - np.logaddexp(0, f))).sum() + 0.5 * f @ Kinv @ f, -(w * (y - p)) + Kinv @ f
+
+    ref = so.minimize(negjoint, np.zeros(len(y)), jac=True, method="L-BFGS-B",
+                      options={"gtol": 1e-10, "ftol": 1e-15, "maxiter": 10000}).x
+    np.testing.assert_allclose(clf.posterior_.loc.numpy(), ref, rtol=0, atol=1e-4)

@@ -53,7 +53,18 @@ ESTIMATORS = [
 ]
 
 
-@parametrize_with_checks(ESTIMATORS)
+def _expected_failed_checks(estimator):
+    if isinstance(estimator, GPClassifier):
+        # a repeated input is a second latent value correlated 1 - O(jitter) with the first, so weights equal
+        # repeated rows only up to the jitter (~1e-7 relative at the default 1e-6; the check asks 1e-7):
+        # tests/test_sample_weight.py checks 1e-6 at jitter 1e-8
+        reason = "weights equal repeated inputs only up to O(jitter) in a GP"
+        return {"check_sample_weight_equivalence_on_dense_data": reason,
+                "check_sample_weight_equivalence_on_sparse_data": reason}
+    return {}
+
+
+@parametrize_with_checks(ESTIMATORS, expected_failed_checks=_expected_failed_checks)
 def test_scikit_learn_estimator_checks(estimator, check):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pcv.ConvergenceWarning)

@@ -508,8 +508,12 @@ def test_poutine_scale_with_integer_weights_is_the_data_repeated(engine, kind):
     idx = torch.repeat_interleave(torch.arange(X.shape[0]), weights.long())
     b = _fit(_model(kind, torch.ones(len(idx), dtype=D)), X[idx], y=obs[idx], engine=engine)
     assert pcv.lgm_from_pyro(_model(kind, weights), X, y=obs).sites[0].family.name.startswith("weighted_")
-    assert float((a.posterior.loc - b.posterior.loc).abs().max()) < 1e-8
-    assert float((a.posterior.covariance() - b.posterior.covariance()).abs().max()) < 1e-8
+    tol = 1e-8
+    if engine == "dual_vg":  # a gap g bounds the KL from the optimum: means within sqrt(2 g lambda_max(Sigma)) each
+        gap = max(r.optimality.criteria[0].tol for r in (a, b))
+        tol = max(tol, 2 * (2 * gap * float(torch.linalg.eigvalsh(a.posterior.covariance()).max())) ** 0.5)
+    assert float((a.posterior.loc - b.posterior.loc).abs().max()) < tol
+    assert float((a.posterior.covariance() - b.posterior.covariance()).abs().max()) < tol
     assert a.log_evidence_bound == pytest.approx(b.log_evidence_bound, abs=1e-8)
 
 

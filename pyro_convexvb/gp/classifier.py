@@ -17,30 +17,34 @@ import torch
 from sklearn.base import BaseEstimator
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from ..infer.dual_vg import DualVGEngine, make_bound, site_space_predictive
+from ..infer.dual_vg import DualVGEngine, site_space_predictive
 from ..infer.registry import get_engine
 from ..lgm.layout import LatentLayout
 from ..lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
 from ..blr import sklearn_input
-from ..lgm.sites import BernoulliLogit
+from ..lgm.sites import BernoulliLogit, Weighted
 from ..linalg.operators import DenseOperator, IdentityOperator
-from ..logistic import BinaryPredictiveClassifier, binary_targets, classifier_outputs, predictive_log_probs
+from ..logistic import (BinaryPredictiveClassifier, binary_targets, check_sample_weight, classifier_outputs,
+                        predictive_log_probs)
 from .predict import gp_classification_model, gp_latent_predictive
 
 __all__ = ["GPClassifier", "gp_classification_lgm"]
 
 
-def gp_classification_lgm(K, y, mean=0.0):
+def gp_classification_lgm(K, y, mean=0.0, weight=None):
     """Explicit :class:`~pyro_convexvb.LatentGaussianModel` of GP classification (latent site ``"f"``).
 
     :param torch.Tensor K: ``(N, N)`` prior covariance (kernel matrix with jitter).
     :param torch.Tensor y: ``(N,)`` labels in {0, 1}.
+    :param torch.Tensor weight: ``(N,)`` positive row weights (:class:`~pyro_convexvb.lgm.sites.Weighted`
+        sites) or ``None``.
     """
     N = K.shape[0]
     loc = torch.as_tensor(mean, dtype=K.dtype, device=K.device).expand(N).clone()
     prior = PriorBlock("f", loc, cov=DenseOperator(K))
     layout = LatentLayout.from_shapes([("f", (N,))], [1])
-    site = SiteGroup("y", BernoulliLogit(y), IdentityOperator(N, dtype=K.dtype, device=K.device),
+    family = BernoulliLogit(y) if weight is None else Weighted(BernoulliLogit(y), weight)
+    site = SiteGroup("y", family, IdentityOperator(N, dtype=K.dtype, device=K.device),
                      torch.zeros(N, dtype=K.dtype, device=K.device), (N,))
     return LatentGaussianModel(layout, [prior], [site])
 
@@ -153,16 +157,27 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
             return K + self.jitter * torch.eye(X.shape[0], dtype=K.dtype, device=K.device)
         return self.kernel_(X, X2).to_dense()
 
-    def fit(self, X, y):
+    def fit(self, X, y, sample_weight=None):
         """Fit to inputs ``X`` ``(n, d)`` and binary labels ``y`` ``(n,)`` (any two distinct values); returns ``self``.
 
         :param X: ``(n, d)`` array-like (NumPy, pandas, SciPy sparse, torch).
         :param y: ``(n,)`` labels; ``classes_[1]`` (the larger label) is the positive class.
+        :param sample_weight: ``(n,)`` nonnegative row weights (default: all one). Row ``i``'s log-likelihood
+            is multiplied by ``sample_weight[i]`` (weighted sites, ``poutine.scale``); rows of weight zero are
+            left out. An integer weight equals the row repeated, up to the jitter: repeated inputs have
+            latent values correlated ``1 - O(jitter)``, so their latents coincide in the limit.
         """
         self._check_options()
         X, y = self._check_X(X, y, reset=True)
         self.classes_, y01 = binary_targets(y)
         y01 = torch.as_tensor(y01, dtype=self._torch_dtype())
+        weight = check_sample_weight(sample_weight, X.shape[0])
+        if weight is not None:
+            keep = torch.from_numpy(weight > 0)
+            X, y01 = X[keep], y01[keep]
+            weight = torch.as_tensor(weight[weight > 0], dtype=X.dtype, device=X.device)
+            weight = None if bool((weight == 1).all()) else weight
+        self.weight_ = weight
         kernel = self.kernel if self.kernel is not None else self._default_kernel()
         self.kernel_ = copy.deepcopy(kernel).to(dtype=self._torch_dtype(), device=X.device)
         self.X_train_ = X
@@ -181,15 +196,16 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
                 if alpha0 is not None:
                     options.setdefault("alpha0", alpha0)
                 options.setdefault("form", "site")
-                res = DualVGEngine(gp_classification_lgm(K, y01, mean), progress=False, **options).run()
+                res = DualVGEngine(gp_classification_lgm(K, y01, mean, weight), progress=False, **options).run()
                 self.alpha_ = res.info["alpha"] if res.info["form"] == "site" else None
         if self.engine != "dual_vg":
             with torch.enable_grad():
                 engine = get_engine(self.engine)
                 if engine.takes == "lgm":
-                    res = engine(gp_classification_lgm(K, y01, mean), progress=False, **options).run()
+                    res = engine(gp_classification_lgm(K, y01, mean, weight), progress=False, **options).run()
                 else:
-                    res = engine(gp_classification_model, progress=False, **options).run(K, y=y01, mean=mean)
+                    res = engine(gp_classification_model, progress=False, **options).run(K, y=y01, mean=mean,
+                                                                                         weight=weight)
                 self.alpha_ = None
         self.result_ = res
         self.posterior_ = res.posterior
@@ -215,7 +231,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
                 if name not in fields:
                     raise TypeError(f"hyper_options: '{key}' is not an option of engine '{self.engine}'")
                 opts.setdefault(name, hyper[key])
-        model = _GPHyperModel(self.kernel_, self.jitter, self.learn_mean, float(self.mean), X.shape[0])
+        model = _GPHyperModel(self.kernel_, self.jitter, self.learn_mean, float(self.mean), X.shape[0], self.weight_)
         store = pyro.get_param_store()
         with store.scope():  # the user's param store is left as it was
             res = engine(model, progress=False, **opts).run(X, y01)
@@ -265,8 +281,9 @@ class _GPHyperModel:
     """Pyro model of GP classification with the kernel's hyperparameters (and the constant mean) as
     ``pyro.param`` sites, for type-II maximum likelihood (a picklable callable ``model(X, y=None)``)."""
 
-    def __init__(self, kernel, jitter, learn_mean, mean0, n):
+    def __init__(self, kernel, jitter, learn_mean, mean0, n, weight=None):
         self.kernel, self.jitter, self.learn_mean, self.mean0, self.n = kernel, jitter, learn_mean, mean0, n
+        self.weight = weight
 
     def __call__(self, X, y=None):
         import pyro
@@ -278,5 +295,5 @@ class _GPHyperModel:
             torch.tensor(self.mean0, dtype=X.dtype)
         K = self.kernel(X).to_dense() + self.jitter * torch.eye(n, dtype=X.dtype, device=X.device)
         f = pyro.sample("f", dist.MultivariateNormal(mean.expand(n), covariance_matrix=K))
-        with pyro.plate("data", n):
+        with pyro.plate("data", n), pyro.poutine.scale(scale=1.0 if self.weight is None else self.weight):
             pyro.sample("y", dist.Bernoulli(logits=f), obs=y)

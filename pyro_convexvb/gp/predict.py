@@ -1,6 +1,7 @@
 """GP helpers shared by every engine: kernel matrices from GPyTorch kernels, the Pyro GP
 classification model, and the latent predictive at test inputs for any Gaussian posterior."""
 import pyro
+from pyro import poutine
 import pyro.distributions as dist
 import torch
 
@@ -52,16 +53,18 @@ def _cholesky(K):
     return L
 
 
-def gp_classification_model(K, y=None, mean=0.0):
+def gp_classification_model(K, y=None, mean=0.0, weight=None):
     """Pyro model of GP binary classification: ``f ~ N(mean, K)``, ``y_i ~ Bernoulli(logits=f_i)``.
 
     :param torch.Tensor K: ``(n, n)`` kernel matrix of the training inputs (with jitter).
     :param torch.Tensor y: ``(n,)`` labels in {0, 1} or ``None``.
+    :param torch.Tensor weight: ``(n,)`` positive row weights (``poutine.scale``: row ``i``'s log-likelihood
+        times ``weight[i]``) or ``None``.
     """
     n = K.shape[0]
     loc = torch.as_tensor(mean, dtype=K.dtype, device=K.device).expand(n)
     f = pyro.sample("f", dist.MultivariateNormal(loc, scale_tril=_cholesky(K), validate_args=False))
-    with pyro.plate("data", n):
+    with pyro.plate("data", n), poutine.scale(scale=1.0 if weight is None else weight):
         return pyro.sample("y", dist.Bernoulli(logits=f), obs=y)
 
 

@@ -21,8 +21,8 @@ from ...linalg.operators import IdentityOperator, SparseOperator
 from ..engine import Criterion, Engine, LGMEngineOptions, Optimality, Solution, option
 from .bounds import LOGIT_BOUNDS, LogitJaakkolaBound, StackedBound, make_bound
 from .objective import BandedPrecisionBackend, LatentSpaceBackend, SiteSpaceBackend, exact_elbo
-from .optim import default_gap_tol, refine_exact, solve_dual
-from .sharding import sharded_design, site_reduction
+from .optim import refine_exact, solve_dual
+from .sharding import sharded_design
 
 __all__ = ["DualVG", "DualVGEngine", "DualVGOptions", "fit_dual_vg", "site_space_predictive", "dual_vg_applies",
            "build_dual_problem", "SUPPORTED_FAMILIES"]
@@ -296,12 +296,11 @@ class DualVGEngine(Engine):
         bound_value = float(exact_elbo(backend, lb, alpha, lam, terms, lgm.log_const))
         posterior = _posterior(backend, alpha, lam)
         posterior.layout = lgm.layout
-        gap_tol = default_gap_tol(site_reduction(backend).count(len(lb))) if o.gap_tol is None else o.gap_tol
         info.update(alpha=alpha, lam=lam, gap=sol.gap, dual_objective=sol.g, lvb_elbo=sol.g - sol.gap + lgm.log_const,
                     site_mean=terms.m_tilde, site_var=terms.v_tilde, iterations=sol.iterations,
                     evaluations=sol.evaluations, cg_iterations=sol.cg_iterations, form=form, bound=o.bound,
                     method=o.method, refine=o.refine, backend=backend, local_bound=lb)
-        opt = Optimality.single("duality gap (nats)", sol.gap, gap_tol)
+        opt = Optimality.single("duality gap (nats)", sol.gap, sol.gap_tol)
         if o.refine:  # the returned q is the refined one: judged by the exact VG fixed point as well
             opt = Optimality(opt.criteria + (Criterion("exact-VG fixed-point residual (relative change of the site natural parameters)",
                                                        info["refine_residual"], REFINE_RESIDUAL_TOL),))

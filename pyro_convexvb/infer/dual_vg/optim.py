@@ -19,7 +19,7 @@ import torch
 from ...errors import warn
 from ...linalg.cg import cg
 from ..result import History
-from .bounds import numerical_conjugate
+from .bounds import _QuadraticBound, numerical_conjugate
 from .objective import reduced_objective
 from .sharding import LOCAL, site_reduction
 
@@ -41,6 +41,7 @@ class DualSolution:
     converged: bool
     history: Any = field(default_factory=History)
     cg_iterations: int = 0  # conjugate-gradient steps of the matrix-free Newton systems (L-space form)
+    gap_tol: float = 0.0  # the tolerance the gap was held to: gap_tol, or the gap's rounding floor if larger
 
 
 def default_gap_tol(num_sites):
@@ -53,17 +54,103 @@ def initial_alpha(backend, bound):
     (:meth:`~.bounds.LocalBound.data_alpha`) where that has the lower reduced dual objective.
 
     ``docs/dual_vg.md``, § Algorithm and recovery, step 1.
-    """
-    from .objective import reduced_objective
 
+    Where the bound has a data start (sites of unbounded curvature, such as Poisson counts), a third candidate
+    is the dual point at the Laplace approximation (:func:`_laplace_start`); the candidate with the lowest
+    reduced dual objective is taken.
+    """
     h, rho = backend.prior_marginals()
     a = _clip_into(bound.alpha_star(h, rho), bound)
     b = _clip_into(bound.data_alpha(h, rho), bound)
     if torch.equal(a, b):
         return a
-    ga = reduced_objective(backend, bound, a, hessian=False).g
-    gb = reduced_objective(backend, bound, b, hessian=False).g
-    return b if torch.isfinite(gb) and not float(gb) >= float(ga) else a
+    best, g_best = a, reduced_objective(backend, bound, a, hessian=False).g
+    for cand in (b, _laplace_start(backend, bound, b)):
+        g = reduced_objective(backend, bound, cand, hessian=False).g if cand is not None else None
+        if g is not None and torch.isfinite(g) and float(g) < float(g_best):
+            best, g_best = cand, g
+    return best
+
+
+class _WorkingGaussian(_QuadraticBound):
+    """Gaussian pseudo-observations ``f = a (h^2 + rho) / 2 - b h``: the working likelihood of one Newton step
+    on the log joint (iteratively reweighted least squares)."""
+
+    name = "working_gaussian"
+    exact = True
+
+    def __init__(self, a, b):
+        super().__init__(None)
+        self._coef = (a, b, torch.zeros_like(a))
+
+    def __len__(self):
+        return self._coef[0].shape[0]
+
+    def _abc(self):
+        return self._coef
+
+
+def _site_derivatives(bound, h):
+    """``(f'(h, 0), f''(h, 0))`` per site by automatic differentiation (each ``f_n`` depends on ``h_n`` only)."""
+    h = h.detach().requires_grad_(True)
+    with torch.enable_grad():
+        d1, = torch.autograd.grad(bound.f(h, torch.zeros_like(h)).sum(), h, create_graph=True)
+        d2, = torch.autograd.grad(d1.sum(), h)
+    return d1.detach(), d2.detach()
+
+
+def _laplace_start(backend, bound, alpha0, max_newton=50):
+    r"""The dual point at the Laplace approximation: ``alpha = df/dh`` at its site means and variances.
+
+    Damped Newton on the log joint (iteratively reweighted least squares, McCullagh & Nelder 1989, §2.5),
+    written in the dual coordinates of the site means, ``m(a) = mu_t - Sigma_t a``, where the negative log
+    joint is ``Phi(a) = sum_n f_n(m_n(a), 0) + a^T (mu_t - m(a)) / 2``. At site means ``h`` the likelihood is
+    replaced by Gaussian pseudo-observations of precision ``f''(h, 0)`` and target ``h - f'(h, 0) / f''(h, 0)``:
+    a quadratic bound whose dual one Newton step solves exactly, on the same backend. The step to its
+    solution is halved until ``Phi`` decreases. The first linearisation is at the data start ``alpha0``, whose
+    site precisions are the curvatures ``e^h`` of Poisson sites at ``h = log lambda`` (for counts,
+    ``eta = log(y + 1/2)``). Returns ``None`` where the iteration produces no finite point.
+    """
+    red = site_reduction(backend)
+
+    def phi(a, m):
+        return float(red.sum(bound.f(m, torch.zeros_like(m)).sum() + 0.5 * (a * (backend.mu_t - m)).sum()))
+
+    def working_solution(h):
+        d1, d2 = _site_derivatives(bound, h)
+        if not red.all(bool(torch.isfinite(d1).all() and torch.isfinite(d2).all())):
+            return None
+        w = d2.clamp_min(-1e-12 * red.min(-float(d2.abs().max())) + torch.finfo(d2.dtype).tiny)
+        work = _WorkingGaussian(w, w * h - d1)
+        return solve_dual(backend, work, work.alpha_star(h, torch.zeros_like(h)), gap_tol=0.0, max_iter=2,
+                          on_fail="ignore")
+
+    lam0, _, _ = bound.ell(alpha0)
+    sol = working_solution(torch.log(lam0.clamp_min(torch.finfo(lam0.dtype).tiny)))
+    if sol is None:
+        return None
+    a, m, v, f = sol.alpha, sol.m_tilde, sol.v_tilde, phi(sol.alpha, sol.m_tilde)
+    for _ in range(max_newton):
+        sol = working_solution(m)
+        if sol is None or not math.isfinite(f):
+            break
+        t, accepted = 1.0, False
+        for _ in range(40):
+            a_t = a + t * (sol.alpha - a)
+            m_t = m + t * (sol.m_tilde - m)
+            f_t = phi(a_t, m_t)
+            if math.isfinite(f_t) and f_t <= f:
+                accepted = True
+                break
+            t *= 0.5
+        if not accepted:
+            break
+        done = f - f_t <= 1e-12 * max(1.0, abs(f))
+        a, m, v, f = a_t, m_t, sol.v_tilde, f_t
+        if done:
+            break
+    cand = _clip_into(bound.alpha_star(m, v), bound)
+    return cand if red.all(bool(torch.isfinite(cand).all())) else None
 
 
 def _clip_into(a, bound, margin=1e-10):
@@ -98,6 +185,23 @@ def _clip_direction(alpha, d, bound, fraction=0.995):
 
 def _gap(bound, alpha, val, red=LOCAL):
     return float(red.sum(bound.fenchel_young_residual(alpha, val.m_tilde, val.v_tilde).sum()))
+
+
+def gap_rounding_floor(bound, alpha, val, red=LOCAL):
+    r"""How small a duality gap float arithmetic can certify at this iterate: below it, the computed gap is
+    indistinguishable from zero.
+
+    The gap is a sum of ``N`` Fenchel-Young residuals ``f + psi - alpha h - lambda rho / 2``, each a difference
+    of terms of magnitude ``T_n = |f| + |psi| + |alpha h| + |lambda rho| / 2``. With a few operations per term
+    and pairwise summation, the rounding error of the computed sum is at most
+    ``(6 + ceil(log2 N)) eps sum_n T_n`` (Higham 2002, *Accuracy and Stability of Numerical Algorithms*, §4.2).
+    For sites with large counts (``y ~ 1e6``: each term ``~ 1e7`` nats) this exceeds the default ``1e-8 N``.
+    """
+    h, rho = val.m_tilde, val.v_tilde
+    lam = bound.ell(alpha)[0]
+    T = bound.f(h, rho).abs() + bound.psi(alpha)[0].abs() + (alpha * h).abs() + 0.5 * (lam * rho).abs()
+    n = red.count(alpha.shape[0])
+    return (6 + math.ceil(math.log2(max(n, 2)))) * torch.finfo(alpha.dtype).eps * float(red.sum(T.sum()))
 
 
 def _site_pcg(matvec, b, precond, rtol, max_iter, red):
@@ -200,7 +304,8 @@ def _finish(alpha, val, gap, it, nev, converged, history, on_fail, gap_tol, meth
             raise ConvergenceError(msg, residual=gap, iterations=it)
         if on_fail != "ignore":
             warn(msg)
-    return DualSolution(alpha, val.lam, float(val.g), gap, val.m_tilde, val.v_tilde, it, nev, converged, history)
+    return DualSolution(alpha, val.lam, float(val.g), gap, val.m_tilde, val.v_tilde, it, nev, converged, history,
+                        gap_tol=gap_tol)
 
 
 def _use_operator_hessian(backend, newton_solver):
@@ -247,15 +352,34 @@ def _newton_cg_step(H, grad, cg_max_iter, red):
         return solve(H.precondition_diagonal)
 
 
+def _newton_direction(val, cg_max_iter, red):
+    """Newton direction ``H d = -grad`` at ``val``: Cholesky of the dense Hessian (jittered until positive
+    definite in floating point) or :func:`_newton_cg_step` on the matrix-free one. :returns: ``(d, cg_its)``."""
+    H = val.hessian
+    if not torch.is_tensor(H):
+        return _newton_cg_step(H, val.grad, cg_max_iter, red)
+    Lh, info = torch.linalg.cholesky_ex(H)
+    jitter = 1e-12 * float(H.diagonal().abs().max())
+    while int(info) != 0:
+        jitter *= 10
+        Lh, info = torch.linalg.cholesky_ex(H + jitter * torch.eye(H.shape[0], dtype=H.dtype, device=H.device))
+    return -torch.cholesky_solve(val.grad[:, None], Lh)[:, 0], 0
+
+
 def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback, newton_solver="auto",
             cg_max_iter=200):
     mode = "operator" if _use_operator_hessian(backend, newton_solver) else True
+    # "auto" may switch from Newton-CG to the dense system when CG steps no longer change g (inexact directions
+    # at the limit of float resolution; seen with counts ~1e6), where the dense Hessian exists and fits in memory
+    can_densify = (newton_solver == "auto" and mode == "operator" and getattr(backend, "comm", None) is None
+                   and getattr(backend, "kind", "") != "banded" and backend.N <= 8000)
     red = site_reduction(backend)
+    unchanged, tol = 0, gap_tol
     cg_iterations = 0
     val = reduced_objective(backend, bound, alpha, hessian=mode)
     if not torch.isfinite(val.g):
         raise ValueError("the starting alpha lies outside the conjugate's domain")
-    nev, converged, it, stalled = 1, False, 0, 0
+    nev, converged, it = 1, False, 0
     for it in range(max_iter + 1):
         gap = _gap(bound, alpha, val, red)
         history.record(objective=float(val.g), gap=gap, elbo=float(val.g) - gap, evaluations=nev)
@@ -264,19 +388,15 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
         if gap <= gap_tol:
             converged = True
             break
+        if unchanged >= 2 or it == max_iter:  # g no longer changes: is the gap within float64's resolution?
+            floor = gap_rounding_floor(bound, alpha, val, red)
+            if gap <= floor:
+                converged, tol = True, floor
+                break
         if it == max_iter:
             break
-        H = val.hessian
-        if torch.is_tensor(H):
-            Lh, info = torch.linalg.cholesky_ex(H)
-            jitter = 1e-12 * float(H.diagonal().abs().max())
-            while int(info) != 0:
-                jitter *= 10
-                Lh, info = torch.linalg.cholesky_ex(H + jitter * torch.eye(H.shape[0], dtype=H.dtype, device=H.device))
-            d = -torch.cholesky_solve(val.grad[:, None], Lh)[:, 0]
-        else:
-            d, its = _newton_cg_step(H, val.grad, cg_max_iter, red)
-            cg_iterations += its
+        d, its = _newton_direction(val, cg_max_iter, red)
+        cg_iterations += its
         dc = _clip_direction(alpha, d, bound)
         if red.dot(val.grad, dc) < 0:
             d, t = dc, 1.0
@@ -292,13 +412,16 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
                 accepted = True
                 break
             t *= 0.5
-        if not accepted:
-            # at machine precision: no decrease possible any more
-            stalled += 1
+        if not accepted:  # at machine precision: no decrease possible any more
+            floor = gap_rounding_floor(bound, alpha, val, red)
+            converged, tol = (True, floor) if gap <= floor else (False, tol)
             break
+        unchanged = unchanged + 1 if float(new.g) == float(val.g) else 0
+        if can_densify and unchanged >= 3:
+            mode, can_densify, unchanged = True, False, 0
         alpha = cand
         val = reduced_objective(backend, bound, alpha, hessian=mode)  # reuses the factorisation of the trial
-    sol = _finish(alpha, val, gap, it, nev, converged, history, on_fail, gap_tol, "newton")
+    sol = _finish(alpha, val, gap, it, nev, converged, history, on_fail, tol, "newton")
     sol.cg_iterations = cg_iterations
     return sol
 
