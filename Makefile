@@ -19,11 +19,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	MPLBACKEND=Agg $(BIN)/python -m pyro_convexvb demo
 
+# one pytest worker per core (pytest-xdist); the torchrun cases of tests/distributed stay on one worker
 test: $(STAMP)
-	MPLBACKEND=Agg $(BIN)/python -m pytest -q
+	MPLBACKEND=Agg $(BIN)/python -m pytest -q -n auto --dist loadgroup
 
 test-all: $(STAMP)
-	MPLBACKEND=Agg $(BIN)/python -m pytest -q -m ''
+	MPLBACKEND=Agg $(BIN)/python -m pytest -q -n auto --dist loadgroup -m ''
 
 # the suite on one core with other kernels (SSE instead of AVX2 in MKL and ATen): other rounding, as on other CPUs;
 # a test whose tolerance is tighter than its algorithm's fails here

@@ -7,6 +7,8 @@ import os
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# the session fixtures launch torchrun once per pytest worker: keep every case on one worker (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("distributed")
 
 
 def case_keys(slow=False):
