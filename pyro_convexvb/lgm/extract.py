@@ -428,9 +428,9 @@ def _observed_site(name, site, dtype):
         if eta is not None:
             break
     else:
-        raise UnsupportedModelError(
-            name, f"unsupported likelihood {type(base).__name__}: use Bernoulli(logits=...), Poisson(rate=exp(...)) or Normal"
-        )
+        forms = [f.pyro_form for f in LIKELIHOODS if f.pyro_form]
+        raise UnsupportedModelError(name, f"unsupported likelihood {type(base).__name__}: use {', '.join(forms[:-1])} "
+                                          f"or {forms[-1]}")
     eta = eta.expand(batch).reshape(-1).to(dtype)
     y = y.expand(batch).reshape(-1).to(dtype)
     return family, base, eta, y, batch

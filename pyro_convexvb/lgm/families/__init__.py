@@ -6,6 +6,7 @@ how it is read from a Pyro site. Adding a family is one module here plus one ent
 (``docs/architecture_families.md``).
 """
 from .base import SiteFamily, Weighted, gauss_hermite, gaussian_expectation, tempered
+from .binomial import Binomial
 from .gaussian import Gaussian
 from .laplace import Laplace
 from .logit import BernoulliLogit
@@ -14,10 +15,10 @@ from .probit import BernoulliProbit
 from .stochastic_volatility import StochasticVolatility
 from .student_t import StudentT
 
-__all__ = ["SiteFamily", "BernoulliLogit", "BernoulliProbit", "Poisson", "Gaussian", "Laplace",
+__all__ = ["SiteFamily", "BernoulliLogit", "BernoulliProbit", "Binomial", "Poisson", "Gaussian", "Laplace",
            "StudentT", "StochasticVolatility", "Weighted", "tempered", "gauss_hermite", "gaussian_expectation",
            "LIKELIHOODS"]
 
 #: the families extraction reads from observed Pyro sites, asked in this order (:meth:`~.base.SiteFamily.predictor`;
 #: probit before logit: both read a ``Bernoulli``)
-LIKELIHOODS = (BernoulliProbit, BernoulliLogit, Poisson, Gaussian)
+LIKELIHOODS = (BernoulliProbit, BernoulliLogit, Binomial, Poisson, Gaussian)

@@ -58,8 +58,10 @@ class SiteFamily:
 
     name = "base"
     log_concave = True
-    #: Pyro/torch distribution classes whose observed sites this family reads (empty: built by hand only)
+    #: Pyro/torch distribution classes whose observed sites this family reads (empty: built by hand only), and
+    #: how a model writes such a site (named when extraction refuses a likelihood; ``None``: not named)
     distributions = ()
+    pyro_form = None
     #: why the family has no super-Gaussian potential / no convex local bound (``None``: a generic reason)
     no_potential = None
     no_bound = None

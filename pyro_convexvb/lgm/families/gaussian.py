@@ -20,6 +20,7 @@ class Gaussian(SiteFamily):
 
     name = "gaussian"
     distributions = (dist.Normal, torch.distributions.Normal)
+    pyro_form = "Normal"
 
     def __init__(self, y, scale):
         super().__init__(y=y, scale=scale)

@@ -51,6 +51,7 @@ class BernoulliLogit(SiteFamily):
 
     name = "bernoulli_logit"
     distributions = (dist.Bernoulli, torch.distributions.Bernoulli)
+    pyro_form = "Bernoulli(logits=...)"
 
     def __init__(self, y):
         super().__init__(y=y)

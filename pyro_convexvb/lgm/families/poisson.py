@@ -16,6 +16,7 @@ class Poisson(SiteFamily):
 
     name = "poisson"
     distributions = (dist.Poisson, torch.distributions.Poisson)
+    pyro_form = "Poisson(rate=exp(...))"
     no_potential = "Poisson sites are not super-Gaussian: y s - exp(s) has no even tilt (Nickisch & Seeger 2009, §2)"
 
     def __init__(self, y):
