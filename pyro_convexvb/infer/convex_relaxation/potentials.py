@@ -34,25 +34,10 @@ implemented too (:func:`h_implicit`, :func:`h_star_implicit`) -- it is needed fo
 arbitrary ``gamma`` (the objective ``phi(gamma)`` and the bound) and the tests check that both
 routes agree.
 
-Potentials provided:
-
-* :class:`LaplacePotential` -- ``t(s) = exp(-|s|/b) / (2b)``: ``h(gamma) = gamma / b^2``
-  (``tau^2 gamma`` with ``tau = 1/b``), ``h^*(s) = sqrt(z + s^2) / b`` (Nickisch & Seeger 2009, §2.2);
-* :class:`LogisticPotential` -- Bernoulli-logit ``t(s) = sigmoid(c tau s)``, ``c = +-1``:
-  ``beta = c tau / 2``, ``g(x) = -log cosh(v) - log 2``, ``v = tau sqrt(x) / 2``, with series
-  expansions at ``x ~ 0``, ``gamma_0 = 1/(2C)``, ``xi_0 = 3/(2C)``, ``C = tau^2/8`` (appendix);
-* :class:`StudentTPotential` -- Student-t observations; super-Gaussian but *not* log-concave
-  (the relaxation is then not convex, Nickisch & Seeger 2009 Theorem 2, and a
-  :class:`~pyro_convexvb.errors.NonConvexWarning` is issued);
-* :class:`GenericPotential` -- any user site given ``g, g', g''`` (log-concavity is checked on a
-  grid unless declared);
-* :class:`WeightedPotential` -- tempered sites ``t(s)^w`` of any of these (a likelihood under
-  ``poutine.scale``): ``w log t = w kappa + w beta s + w g(s^2)`` is super-Gaussian again, with
-  ``h_w(gamma) = w h(w gamma)``.
-
-Probit (``Phi(c s)``) and Poisson sites are **not** super-Gaussian: ``log Phi(s) - log Phi(-s)``
-is not linear in ``s`` (its tails grow like ``s^2/2``), so no ``beta`` makes ``log t(s) - beta s``
-even; :func:`potential_for` rejects them with that reason.
+Each site family owns its potential (:meth:`~pyro_convexvb.lgm.families.SiteFamily.super_gaussian`, in its
+module of :mod:`pyro_convexvb.lgm.families`: Laplace, Bernoulli-logit, binomial, Student-t, weighted sites);
+:class:`GenericPotential` takes any user site given ``g, g', g''``. Probit and Poisson sites are **not**
+super-Gaussian (no ``beta`` makes ``log t(s) - beta s`` even): their families refuse with that reason.
 """
 import torch
 
@@ -65,21 +50,9 @@ from ...lgm.families.student_t import StudentTPotential
 from ...lgm.stack import Stacked
 from ...linalg.scalar import newton_bisect_root, expand_bracket
 
-__all__ = [
-    "SuperGaussianPotential",
-    "LaplacePotential",
-    "LogisticPotential",
-    "StudentTPotential",
-    "GenericPotential",
-    "WeightedPotential",
-    "PotentialStack",
-    "StudentT",
-    "potential_for",
-    "h_star",
-    "h_implicit",
-    "h_star_implicit",
-    "gaussian_lower_bound",
-]
+__all__ = ["SuperGaussianPotential", "LaplacePotential", "LogisticPotential", "StudentTPotential", "GenericPotential",
+           "WeightedPotential", "PotentialStack", "StudentT", "potential_for", "h_star", "h_implicit",
+           "h_star_implicit", "gaussian_lower_bound"]
 
 #: the potentials of several site groups laid end to end (a :class:`~pyro_convexvb.lgm.stack.Stacked`)
 PotentialStack = Stacked

@@ -21,18 +21,9 @@ decreases in every ``lambda_n`` (its gradient there is ``-v_n / 2 < 0``), the du
 dual is convex: it is a convex, decreasing function of ``lambda`` composed with the concave
 ``ell`` plus convex terms.
 
-==================  =========================================  ======================  ===================
-bound               ``f(h, rho)``                              ``ell(alpha)``          ``psi(alpha)``
-==================  =========================================  ======================  ===================
-Poisson (exact)     ``e^{h+rho/2} - y h + log y!``             ``kappa = alpha + y``   ``kappa log kappa - kappa - log y!``
-SV (exact)          ``(h + y^2 e^{-h+rho/2} + log 2 pi)/2``    ``kappa = 1/2 - alpha`` ``kappa log(2 kappa / y^2) - kappa - log(2 pi)/2``
-Gaussian (exact)    ``((y-h)^2 + rho)/(2 s^2) + log s + c``    ``1/s^2``               quadratic
-logit "jensen"      ``log(1 + e^{h+rho/2}) - y h``             ``kappa = alpha + y``   ``H(kappa)``
-logit "bohning"     ``log(1 + e^h) + rho/8 - y h``             ``1/4``                 ``H(kappa)``
-logit "jaakkola"    ``lambda_xi (h^2 + rho - xi^2) + ...``     ``2 lambda_xi``         quadratic
-logit "tight"       ``sup_k k h + k(1-k) rho/2 - H(k) - y h``  ``kappa (1 - kappa)``   ``H(kappa)``
-probit (tight)      ``sup_p p c h + G(p) rho/2 - psi(p)``      ``G = 1 / psi''``       ``sup_x p x + log Phi(x)``
-==================  =========================================  ======================  ===================
+Each site family owns its bound (:meth:`~pyro_convexvb.lgm.families.SiteFamily.local_bound`, in its module of
+:mod:`pyro_convexvb.lgm.families`); the table of ``f``, ``ell`` and ``psi`` for every family is in
+``docs/dual_vg.md``, § Fenchel conjugates of the local bounds.
 
 (``H(k) = k log k + (1-k) log(1-k)``.) The ``tight`` logit bound is this package's default; it
 is convex by construction (a supremum of affine functions of ``(h, rho)``), exact to second order
@@ -76,25 +67,10 @@ from ...lgm.stack import Stacked
 #: local bounds of several site groups laid end to end (a :class:`~pyro_convexvb.lgm.stack.Stacked`)
 StackedBound = Stacked
 
-__all__ = [
-    "LocalBound",
-    "PoissonBound",
-    "StochasticVolatilityBound",
-    "GaussianBound",
-    "LogitJensenBound",
-    "LogitBohningBound",
-    "LogitJaakkolaBound",
-    "LogitTightBound",
-    "ProbitTightBound",
-    "StackedBound",
-    "WeightedBound",
-    "GenericBound",
-    "PiecewiseQuadraticBound",
-    "StochasticVolatility",
-    "numerical_conjugate",
-    "make_bound",
-    "LOGIT_BOUNDS",
-]
+__all__ = ["LocalBound", "PoissonBound", "StochasticVolatilityBound", "GaussianBound", "LogitJensenBound",
+           "LogitBohningBound", "LogitJaakkolaBound", "LogitTightBound", "ProbitTightBound", "StackedBound",
+           "WeightedBound", "GenericBound", "PiecewiseQuadraticBound", "StochasticVolatility", "numerical_conjugate",
+           "make_bound", "LOGIT_BOUNDS"]
 
 
 # ----------------------------------------------------------------------------- generic bounds

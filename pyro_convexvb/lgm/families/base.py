@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ...errors import UnsupportedModelError
-from .potential import WeightedPotential
+from .potential import WeightedPotential, check_weight
 
 __all__ = ["SiteFamily", "Weighted", "tempered", "gauss_hermite", "gaussian_expectation"]
 
@@ -54,6 +54,14 @@ class SiteFamily:
 
     Both engine hooks raise :class:`~pyro_convexvb.errors.UnsupportedModelError` with the reason (class attributes
     :attr:`no_potential`, :attr:`no_bound`) when the family has no such form.
+
+    Example::
+
+        >>> import torch
+        >>> from pyro_convexvb.lgm.families import Poisson
+        >>> fam = Poisson(torch.tensor([2.0, 0.0], dtype=torch.float64))
+        >>> type(fam.local_bound()).__name__, fam.no_potential[:36]
+        ('PoissonBound', 'Poisson sites are not super-Gaussian')
     """
 
     name = "base"
@@ -176,11 +184,7 @@ class Weighted(SiteFamily):
     """
 
     def __init__(self, base, weight):
-        weight = torch.as_tensor(weight)
-        if weight.dim() != 1 or weight.shape[0] != len(base):
-            raise ValueError(f"weight: expected shape ({len(base)},), got {tuple(weight.shape)}")
-        if not bool(torch.isfinite(weight).all()) or not bool((weight > 0).all()):
-            raise ValueError("weight: site weights must be positive and finite")
+        weight = check_weight(torch.as_tensor(weight), len(base))
         self.base = base
         self.params = {"weight": weight}
         self.name = "weighted_" + base.name

@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from .potential import check_weight
+
 __all__ = ["LocalBound", "WeightedBound"]
 
 
@@ -171,11 +173,7 @@ class WeightedBound(LocalBound):
     """
 
     def __init__(self, base, weight, family=None, log_const=None):
-        weight = torch.as_tensor(weight)
-        if weight.dim() != 1 or weight.shape[0] != len(base):
-            raise ValueError(f"weight: expected shape ({len(base)},), got {tuple(weight.shape)}")
-        if not bool(torch.isfinite(weight).all()) or not bool((weight > 0).all()):
-            raise ValueError("weight: site weights must be positive and finite")
+        weight = check_weight(torch.as_tensor(weight), len(base))
         self.base = base
         self.weight = weight
         self.family = family

@@ -7,6 +7,7 @@ import torch
 from ...errors import UnsupportedModelError
 from .base import SiteFamily
 from .bound import _QuadraticBound
+from .potential import check_weight
 
 __all__ = ["Gaussian", "GaussianBound"]
 
@@ -61,8 +62,7 @@ class Gaussian(SiteFamily):
     def tempered(self, weight):
         """``N(y | eta, s^2)^w = N(y | eta, s^2 / w)`` times ``-(w - 1) log s - log(w) / 2 - (w - 1) log(2 pi) / 2``."""
         y, s = self.params["y"], self.params["scale"]
-        if not bool(torch.isfinite(weight).all()) or not bool((weight > 0).all()):
-            raise ValueError("weight: site weights must be positive and finite")
+        check_weight(weight, len(self))
         const = -(weight - 1) * torch.log(s) - 0.5 * torch.log(weight) - 0.5 * (weight - 1) * math.log(2 * math.pi)
         return Gaussian(y, s / weight.sqrt()), float(const.sum())
 

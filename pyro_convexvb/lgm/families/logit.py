@@ -183,11 +183,22 @@ class LogisticPotential(SuperGaussianPotential):
         e = torch.exp(-2 * self._v(x))
         return (self.tau**2 / 4) * 4 * e / (1 + e) ** 2
 
-    def gamma_init(self, s):
-        return -1.0 / (2.0 * self.dg(1.0 + s * s))
+
+class _LogitBound(LocalBound):
+    """Bernoulli-logit bounds whose conjugate is ``H(kappa)``, ``kappa = alpha + y`` in ``(0, 1)``."""
+
+    def __init__(self, family):
+        super().__init__(family)
+        self.y = family.params["y"]
+
+    def psi(self, alpha):
+        return _entropy_terms(*_kappas(alpha, self.y))
+
+    def alpha_domain(self, like):
+        return -self.y.to(like), 1 - self.y.to(like)
 
 
-class LogitJensenBound(LocalBound):
+class LogitJensenBound(_LogitBound):
     """Bernoulli-logit "log" (Jensen) bound ``log(1 + e^{h + rho/2}) - y h``.
 
     ``docs/dual_vg.md``, § Fenchel conjugates of the local bounds, ``"jensen"`` row.
@@ -198,47 +209,27 @@ class LogitJensenBound(LocalBound):
 
     name = "jensen"
 
-    def __init__(self, family):
-        super().__init__(family)
-        self.y = family.params["y"]
-
     def f(self, h, rho):
         return torch.nn.functional.softplus(h + 0.5 * rho) - self.y * h
 
-    def psi(self, alpha):
-        return _entropy_terms(*_kappas(alpha, self.y))
-
     def ell(self, alpha):
         return alpha + self.y, torch.ones_like(alpha), torch.zeros_like(alpha)
-
-    def alpha_domain(self, like):
-        return -self.y.to(like), 1 - self.y.to(like)
 
     def alpha_star(self, h, rho):
         return torch.sigmoid(h + 0.5 * rho) - self.y
 
 
-class LogitBohningBound(LocalBound):
+class LogitBohningBound(_LogitBound):
     """Böhning's bound with its centre optimised: ``log(1 + e^h) + rho / 8 - y h`` (``lambda = 1/4`` pinned)."""
 
     name = "bohning"
 
-    def __init__(self, family):
-        super().__init__(family)
-        self.y = family.params["y"]
-
     def f(self, h, rho):
         return torch.nn.functional.softplus(h) + rho / 8 - self.y * h
-
-    def psi(self, alpha):
-        return _entropy_terms(*_kappas(alpha, self.y))
 
     def ell(self, alpha):
         z = torch.zeros_like(alpha)
         return z + 0.25, z, z
-
-    def alpha_domain(self, like):
-        return -self.y.to(like), 1 - self.y.to(like)
 
     def alpha_star(self, h, rho):
         return torch.sigmoid(h) - self.y
@@ -306,7 +297,7 @@ def _tight_kappa(h, rho, iters=200):
     return torch.sigmoid(z), z
 
 
-class LogitTightBound(LocalBound):
+class LogitTightBound(_LogitBound):
     r"""Default Bernoulli-logit bound: ``f(h, rho) = sup_k [k h + k (1 - k) rho / 2 - H(k)] - y h``.
 
     The conjugate is ``H(kappa)`` on ``{lambda <= kappa (1 - kappa)}``, ``kappa = alpha + y``: the
@@ -318,25 +309,15 @@ class LogitTightBound(LocalBound):
 
     name = "tight"
 
-    def __init__(self, family):
-        super().__init__(family)
-        self.y = family.params["y"]
-
     def f(self, h, rho):
         # kappa* is detached: by the envelope theorem the first derivatives of f stay exact under autograd
         k, z = _tight_kappa(h.detach(), rho.detach())
         H = _entropy_terms(k)[0]
         return k * h + 0.5 * k * (1 - k) * rho - H - self.y * h
 
-    def psi(self, alpha):
-        return _entropy_terms(*_kappas(alpha, self.y))
-
     def ell(self, alpha):
         k1, k0 = _kappas(alpha, self.y)
         return k1 * k0, k0 - k1, torch.full_like(alpha, -2.0)
-
-    def alpha_domain(self, like):
-        return -self.y.to(like), 1 - self.y.to(like)
 
     def alpha_star(self, h, rho):
         return _tight_kappa(h, rho)[0] - self.y

@@ -13,6 +13,15 @@ from ...linalg.scalar import minimize_convex_scalar
 __all__ = ["SuperGaussianPotential", "WeightedPotential", "h_implicit"]
 
 
+def check_weight(weight, size):
+    """``weight``, checked to be ``(size,)`` positive finite per-site weights of tempered sites ``t^w``."""
+    if weight.dim() != 1 or weight.shape[0] != size:
+        raise ValueError(f"weight: expected shape ({size},), got {tuple(weight.shape)}")
+    if not bool(torch.isfinite(weight).all()) or not bool((weight > 0).all()):
+        raise ValueError("weight: site weights must be positive and finite")
+    return weight
+
+
 def _t(x, like):
     return torch.as_tensor(x, dtype=like.dtype, device=like.device)
 
@@ -142,11 +151,7 @@ class WeightedPotential(SuperGaussianPotential):
     """
 
     def __init__(self, base, weight, log_const=None):
-        weight = _t(weight, base.beta)
-        if weight.dim() != 1 or weight.shape[0] != len(base):
-            raise ValueError(f"weight: expected shape ({len(base)},), got {tuple(weight.shape)}")
-        if not bool(torch.isfinite(weight).all()) or not bool((weight > 0).all()):
-            raise ValueError("weight: site weights must be positive and finite")
+        weight = check_weight(_t(weight, base.beta), len(base))
         self.base = base
         self.weight = weight
         self.name = "weighted_" + base.name

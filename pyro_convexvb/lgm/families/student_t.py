@@ -9,11 +9,6 @@ from .potential import SuperGaussianPotential, _t
 __all__ = ["StudentT", "StudentTPotential"]
 
 
-def _param(value, like):
-    """``value`` (number or ``(q,)``) as a ``(q,)`` tensor of ``like``'s dtype and device."""
-    return torch.as_tensor(value, dtype=like.dtype, device=like.device).expand_as(like).clone()
-
-
 class StudentT(SiteFamily):
     """``t_i(eta) = StudentT(y_i | eta, scale_i, df_i)`` for explicit latent Gaussian models.
 
@@ -38,7 +33,7 @@ class StudentT(SiteFamily):
     no_bound = "Student-t sites are not log-concave, so -E log p has no convex local bound"
 
     def __init__(self, y, df, scale):
-        super().__init__(y=y, df=_param(df, y), scale=_param(scale, y))
+        super().__init__(y=y, df=_t(df, y).expand_as(y).clone(), scale=_t(scale, y).expand_as(y).clone())
 
     def log_prob(self, eta):
         y, nu, b = self.params["y"], self.params["df"], self.params["scale"]
