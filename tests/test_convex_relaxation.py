@@ -188,8 +188,8 @@ def test_applies_rejects_non_super_gaussian_sites():
     X = torch.randn(5, 2, dtype=D)
     for fam in (BernoulliProbit(torch.ones(5, dtype=D)), Poisson(torch.ones(5, dtype=D))):
         lgm = LatentGaussianModel.from_design(X, fam)
-        ok, reason = applies(lgm)
-        assert not ok and "not super-Gaussian" in reason
+        err = applies(lgm)
+        assert isinstance(err, UnsupportedModelError) and "not super-Gaussian" in err.reason
         with pytest.raises(UnsupportedModelError, match="super-Gaussian"):
             ConvexVariationalRelaxation(lgm, progress=False).run()
 

@@ -447,9 +447,9 @@ def test_convex_relaxation_refuses_a_weighted_gaussian_family_and_non_super_gaus
     with pytest.raises(pcv.UnsupportedModelError, match="weighted by poutine.scale"):
         potential_for(wg)
     for fam in (Poisson(torch.ones(5, dtype=D)), BernoulliProbit(torch.ones(5, dtype=D))):
-        ok, reason = ConvexVariationalRelaxation.applies(_explicit_lgm(X, Weighted(fam, torch.full((5,), 0.5,
-                                                                                                   dtype=D))))
-        assert not ok and reason.startswith("site 'y': ") and "weighted by poutine.scale" in reason
+        err = ConvexVariationalRelaxation.applies(_explicit_lgm(X, Weighted(fam, torch.full((5,), 0.5, dtype=D))))
+        reason = str(err)
+        assert err.site == "y" and reason.startswith("site 'y': ") and "weighted by poutine.scale" in reason
         assert "not super-Gaussian" in reason
         assert not any(e in reason for e in pcv.engines())  # refusals never name engines
 
@@ -457,8 +457,9 @@ def test_convex_relaxation_refuses_a_weighted_gaussian_family_and_non_super_gaus
 def test_dual_vg_refuses_a_weighted_site_without_a_local_bound_naming_it():
     X = torch.randn(5, 2, dtype=D, generator=torch.Generator().manual_seed(0))
     fam = Weighted(StudentT(torch.zeros(5, dtype=D), 3.0, 1.0), torch.full((5,), 0.5, dtype=D))
-    ok, reason = dual_vg_applies(_explicit_lgm(X, fam))
-    assert not ok and reason.startswith("site 'y' ") and "weighted by poutine.scale" in reason
+    err = dual_vg_applies(_explicit_lgm(X, fam))
+    reason = str(err)
+    assert err.site == "y" and reason.startswith("site 'y': ") and "weighted by poutine.scale" in reason
     assert "student_t" in reason and not any(e in reason for e in pcv.engines())
     with pytest.raises(ValueError, match="weighted by poutine.scale"):
         make_bound(fam)

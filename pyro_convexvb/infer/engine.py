@@ -496,8 +496,9 @@ class Engine:
     # ------------------------------------------------------------------ hooks
     @classmethod
     def applies(cls, lgm):
-        """``(True, "")`` if the engine handles ``lgm``, else ``(False, reason)`` naming the site."""
-        return True, ""
+        """``None`` if the engine handles ``lgm``, else the :class:`~pyro_convexvb.UnsupportedModelError` naming
+        the site and the reason (returned, not raised)."""
+        return None
 
     def solve(self, problem, run):
         """Fit; ``problem`` is a :class:`~pyro_convexvb.LatentGaussianModel` (``takes = "lgm"``) or a
@@ -542,7 +543,8 @@ class Engine:
     # ------------------------------------------------------------------ the run
     @classmethod
     def model_applies(cls, model, args, kwargs):
-        """``(True, "")`` if an engine that runs on the Pyro model itself (``takes = "model"``) fits it.
+        """``None`` if an engine that runs on the Pyro model itself (``takes = "model"``) fits it, else the
+        :class:`~pyro_convexvb.UnsupportedModelError` naming the site.
 
         The default accepts every model whose latent sites are continuous (the engines of this kind
         work in Pyro's unconstrained coordinates).
@@ -551,12 +553,13 @@ class Engine:
 
         for name, site in latent_sites(model, args, kwargs):
             if getattr(site["fn"].support, "is_discrete", False):
-                return False, f"site '{name}': a discrete latent site (this engine needs continuous latents)"
-        return True, ""
+                return UnsupportedModelError(name, "a discrete latent site (this engine needs continuous latents)")
+        return None
 
     @classmethod
     def fits(cls, model, args=(), kwargs=None, lgm=None):
-        """``(ok, reason)``: whether this engine fits ``model`` with these arguments.
+        """``None`` if this engine fits ``model`` with these arguments, else the
+        :class:`~pyro_convexvb.UnsupportedModelError` that says where and why not.
 
         :param lgm: the model's :class:`~pyro_convexvb.LatentGaussianModel` if already extracted (or the
             :class:`~pyro_convexvb.infer.engine.LatentGaussianModel` itself as ``model``).
@@ -566,7 +569,8 @@ class Engine:
 
         kwargs = kwargs or {}
         if isinstance(model, LatentGaussianModel):
-            return cls.applies(model) if cls.takes == "lgm" else (False, "this engine runs on a Pyro model")
+            return cls.applies(model) if cls.takes == "lgm" else UnsupportedModelError("<model>", "this engine runs on "
+                                                                                               "a Pyro model")
         if cls.takes == "model":
             return cls.model_applies(model, args, kwargs)
         if lgm is None:
@@ -574,9 +578,7 @@ class Engine:
                 lgm = lgm_from_pyro(model, *args, **kwargs)
             except UnsupportedModelError as e:
                 # outside the class, the model may be a latent Gaussian model given a few hyper-latents
-                if cls.hyper_latents(model, args, kwargs):
-                    return True, ""
-                return False, str(e)
+                return None if cls.hyper_latents(model, args, kwargs) else e
         return cls.applies(lgm)
 
     @classmethod
@@ -592,44 +594,42 @@ class Engine:
 
     @classmethod
     def _hyper_check(cls, model, args, kwargs):
-        """``(hyper, reason)``: the hyper-latents this engine integrates over (else ``[]``), and why not
-        when the model given its hyper-latents is outside the engine's class (else ``""``)."""
+        """``(hyper, refusal)``: the hyper-latents this engine integrates over (else ``[]``), and the
+        :class:`~pyro_convexvb.UnsupportedModelError` when the model given its hyper-latents is outside the
+        engine's class (else ``None``)."""
         from ..lgm.extract import latent_sites, lgm_from_pyro
         from ..lgm.model import LatentGaussianModel
         from .hyper import conditioned_model, find_hyper_sites
 
         if isinstance(model, LatentGaussianModel) or cls.takes != "lgm" or \
                 not issubclass(cls.Options, LGMEngineOptions):
-            return [], ""
+            return [], None
         try:
             sites = dict(latent_sites(model, args, kwargs))
             hyper = find_hyper_sites(model, args, kwargs)
         except UnsupportedModelError:
-            return [], ""
+            return [], None
         if not hyper or len(hyper) == len(sites):
-            return [], ""  # nothing to integrate over, or no latent Gaussian field would be left
+            return [], None  # nothing to integrate over, or no latent Gaussian field would be left
         if any(getattr(sites[n]["fn"].support, "is_discrete", False) for n in hyper):
-            return [], ""  # a discrete latent: the extraction's refusal names it
+            return [], None  # a discrete latent: the extraction's refusal names it
         values = {n: sites[n]["value"].detach() for n in hyper}
         try:
             lgm = lgm_from_pyro(conditioned_model(model, values), *args, **kwargs)
         except UnsupportedModelError as e:
-            return [], str(e)
-        ok, reason = cls.applies(lgm)
-        return (hyper, "") if ok else ([], reason)
+            return [], e
+        err = cls.applies(lgm)
+        return (hyper, None) if err is None else ([], err)
 
-    def _refuse(self, reason, args, kwargs, lgm=None):
-        """An :class:`~pyro_convexvb.UnsupportedModelError` naming the site, the reason and the engines that fit."""
+    def _refuse(self, err, args, kwargs, lgm=None):
+        """The refusal ``err`` (an :class:`~pyro_convexvb.UnsupportedModelError`) again, naming this engine and the
+        engines that fit."""
         from .registry import engines_that_fit
 
-        site, why = "<model>", reason
-        if reason.startswith("site '") and reason.count("'") >= 2:
-            site = reason.split("'")[1]
-            why = reason.split("': ", 1)[1] if "': " in reason else reason
         others = [n for n in engines_that_fit(self.model, *args, lgm=lgm, **kwargs) if n != self.name]
         alt = (f"; engines that fit this model: {', '.join(others)}" if others
                else "; no registered engine fits this model")
-        return UnsupportedModelError(site, f"engine '{self.name}' does not apply: {why}{alt}")
+        return UnsupportedModelError(err.site, f"engine '{self.name}' does not apply: {err.reason}{alt}")
 
     def extract(self, *args, **kwargs):
         """The latent Gaussian model this engine fits (checked by :meth:`applies`).
@@ -648,10 +648,10 @@ class Engine:
             try:
                 lgm = lgm_from_pyro(self.model, *args, dtype=self.extract_dtype, **kwargs)
             except UnsupportedModelError as e:
-                raise self._refuse(str(e), args, kwargs) from None
-        ok, reason = self.applies(lgm)
-        if not ok:
-            raise self._refuse(reason, args, kwargs, lgm=lgm)
+                raise self._refuse(e, args, kwargs) from None
+        err = self.applies(lgm)
+        if err is not None:
+            raise self._refuse(err, args, kwargs, lgm=lgm)
         return lgm
 
     def run(self, *args, **kwargs):
@@ -681,7 +681,7 @@ class Engine:
                 except UnsupportedModelError:
                     # a model outside the class may be a latent Gaussian model given a few hyper-latents
                     hyper, reason = type(self)._hyper_check(self.model, args, kwargs)
-                    if reason:  # it is, but not one this engine fits: say why
+                    if reason is not None:  # it is, but not one this engine fits: say why
                         raise self._refuse(reason, args, kwargs) from None
                     if not hyper:
                         raise
@@ -690,9 +690,9 @@ class Engine:
             else:
                 if isinstance(self.model, LatentGaussianModel):
                     raise TypeError(f"engine '{self.name}' runs on a Pyro model, not on a LatentGaussianModel")
-                ok, reason = self.model_applies(self.model, args, kwargs)
-                if not ok:
-                    raise self._refuse(reason, args, kwargs)
+                err = self.model_applies(self.model, args, kwargs)
+                if err is not None:
+                    raise self._refuse(err, args, kwargs)
                 from ..lgm.extract import proper_missing
 
                 # the unused entries of obs_mask sites get a proper density (an improper flat one otherwise)

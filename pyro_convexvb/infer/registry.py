@@ -154,8 +154,7 @@ def engines_that_fit(model, *args, lgm=None, **kwargs):
             if cls.hyper_latents(model, args, kwargs):
                 out.append(name)
             continue
-        ok, _ = cls.fits(model, args, kwargs, lgm=lgm or None)
-        if ok:
+        if cls.fits(model, args, kwargs, lgm=lgm or None) is None:
             out.append(name)
     return out
 

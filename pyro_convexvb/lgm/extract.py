@@ -22,9 +22,9 @@ from ..linalg.operators import (
     SumOperator,
 )
 from .layout import LatentLayout
-from .linear import normal_cdf_argument, record_linear, record_normal_cdf
+from .linear import record_linear, record_normal_cdf
 from .model import ImputedBlock, LatentGaussianModel, PriorBlock, SiteGroup
-from .sites import BernoulliLogit, BernoulliProbit, Gaussian, Laplace, Poisson, tempered
+from .families import LIKELIHOODS, Gaussian, Laplace, tempered
 
 __all__ = ["lgm_from_pyro", "full_data_plates", "latent_sites", "unconstrained_layout", "DENSE_JACOBIAN_LIMIT"]
 
@@ -352,19 +352,6 @@ def _latent_prior(name, fn, shape, dtype, device):
     )
 
 
-def _check_obs(name, family, y):
-    if not torch.isfinite(y).all():
-        raise UnsupportedModelError(name, "observed data contain NaN or inf")
-    if family in ("bernoulli", "bernoulli_probit") and not ((y == 0) | (y == 1)).all():
-        bad = y[(y != 0) & (y != 1)][:3].tolist()
-        raise UnsupportedModelError(name, f"Bernoulli labels must be in {{0, 1}}, found {bad}")
-    if family == "poisson":
-        if (y < 0).any():
-            raise UnsupportedModelError(name, "Poisson counts must be nonnegative")
-        if (y != torch.round(y)).any():
-            raise UnsupportedModelError(name, "Poisson counts must be integers")
-
-
 def _rows(t, full_shape, event_dim, name, what):
     """A mask or scale that broadcasts over a site's batch shape, spread over its rows (batch + event, flattened)."""
     t = torch.as_tensor(t)
@@ -428,33 +415,25 @@ def _site_log_prob(site):
 
 
 def _observed_site(name, site, dtype):
-    """``(kind, base, eta, y, obs_shape)`` of an observed site; ``eta`` and ``y`` flattened over its rows."""
+    """``(family class, base, eta, y, obs_shape)`` of an observed site (the first of
+    :data:`~pyro_convexvb.lgm.families.LIKELIHOODS` that reads it); ``eta`` and ``y`` flattened over its rows."""
     fn = site["fn"]
     base, _ = _unwrap(fn)
     y = site["value"]
     if not torch.is_tensor(y):
         y = torch.as_tensor(y)
     batch = tuple(fn.batch_shape) + tuple(fn.event_shape)
-    if isinstance(base, (dist.Bernoulli, torch.distributions.Bernoulli)):
-        # probs = Normal(loc, scale).cdf(eta) (recorded while tracing): probit of (eta - loc) / scale
-        probit = normal_cdf_argument(base.probs) if "probs" in base.__dict__ else None
-        if probit is not None:
-            eta, kind = probit, "bernoulli_probit"
-        else:
-            eta, kind = base.logits, "bernoulli"
-    elif isinstance(base, (dist.Poisson, torch.distributions.Poisson)):
-        eta = torch.log(base.rate)
-        kind = "poisson"
-    elif isinstance(base, (dist.Normal, torch.distributions.Normal)):
-        eta = base.loc
-        kind = "gaussian"
+    for family in LIKELIHOODS:
+        eta = family.predictor(base)
+        if eta is not None:
+            break
     else:
-        raise UnsupportedModelError(
-            name, f"unsupported likelihood {type(base).__name__}: use Bernoulli(logits=...), Poisson(rate=exp(...)) or Normal"
-        )
+        forms = [f.pyro_form for f in LIKELIHOODS if f.pyro_form]
+        raise UnsupportedModelError(name, f"unsupported likelihood {type(base).__name__}: use {', '.join(forms[:-1])} "
+                                          f"or {forms[-1]}")
     eta = eta.expand(batch).reshape(-1).to(dtype)
     y = y.expand(batch).reshape(-1).to(dtype)
-    return kind, base, eta, y, batch
+    return family, base, eta, y, batch
 
 
 class _AutogradJacobian:
@@ -920,15 +899,17 @@ def _extract(model, args, kwargs, dtype):
     groups, log_const = [], 0.0
     for name in observed:
         site = tr.nodes[name]
-        kind, base, eta, y, batch = _observed_site(name, site, dtype)
+        family_cls, base, eta, y, batch = _observed_site(name, site, dtype)
         keep = _keep_rows(name, site)
         weight = _site_weight(name, site)
         if weight is not None:
             keep = (weight != 0) if keep is None else keep & (weight != 0)
         idx = None if keep is None or bool(keep.all()) else torch.nonzero(keep).reshape(-1)
         eta_k = eta if idx is None else eta[idx]
-        if kind == "gaussian" and _depends_on(base.scale, u0):
-            raise UnsupportedModelError(name, "the noise scale depends on a latent site (not an LGM)")
+        site_params = family_cls.fixed_params(base)
+        for value, what in site_params.values():
+            if _depends_on(value, u0):
+                raise UnsupportedModelError(name, f"the {what} depends on a latent site (not an LGM)")
         if not _depends_on(eta_k, u0):
             lp = _num(_site_log_prob(site))
             if not math.isfinite(float(lp)):
@@ -939,22 +920,13 @@ def _extract(model, args, kwargs, dtype):
         if idx is not None and idx.numel() == 0:
             continue
         y_k = y if idx is None else y[idx]
-        _check_obs(name, kind, y_k)
+        if not torch.isfinite(y_k).all():
+            raise UnsupportedModelError(name, "observed data contain NaN or inf")
+        params = {k: _d(v.expand(batch).reshape(-1).to(dtype)) for k, (v, _) in site_params.items()}
+        family = family_cls.from_site(name, y_k, **{k: v if idx is None else v[idx] for k, v in params.items()})
         u1, tr1, _, _ = second_trace()
         eta1 = _observed_site(name, tr1.nodes[name], dtype)[2].detach()
         op, offset = _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype, rows=idx)
-        if kind == "bernoulli":
-            family = BernoulliLogit(y_k)
-        elif kind == "bernoulli_probit":
-            family = BernoulliProbit(y_k)
-        elif kind == "poisson":
-            family = Poisson(y_k)
-        else:
-            scale = _d(base.scale.expand(batch).reshape(-1).to(dtype))
-            scale = scale if idx is None else scale[idx]
-            if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
-                raise UnsupportedModelError(name, "the noise scale must be positive and finite")
-            family = Gaussian(y_k, scale)
         if weight is not None:
             family, const = tempered(family, (weight if idx is None else weight[idx]).to(dtype))
             log_const += const

@@ -8,7 +8,7 @@ splitting a site vector into its groups and concatenating per-group outputs.
 """
 import torch
 
-__all__ = ["GroupStack"]
+__all__ = ["GroupStack", "Stacked"]
 
 
 class GroupStack:
@@ -65,7 +65,7 @@ class GroupStack:
         if len(parts) != len(self.groups):
             raise ValueError(f"parts: expected one output per group ({len(self.groups)}), got {len(parts)}")
         if parts and isinstance(parts[0], tuple):
-            return tuple(torch.cat(p) for p in zip(*parts))
+            return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
         return torch.cat(parts)
 
     def concat_attribute(self, name):
@@ -74,18 +74,74 @@ class GroupStack:
             return None
         return self.concat([getattr(g, name) for g in self.groups])
 
-    def map(self, method, *tensors):
+    def map(self, method, *tensors, **kwargs):
         """Call ``group.<method>(*pieces)`` on each group's slice of ``tensors`` and concatenate.
 
         With a single group the (checked) arguments are passed on whole and its output is returned as is.
 
         :param str method: method name.
         :param tensors: ``(q,)`` (or ``(q, ...)``) tensors, split by :meth:`split`.
-        :returns: as :meth:`concat`.
+        :param kwargs: passed to every group unchanged.
+        :returns: as :meth:`concat` (a ``None`` component of tuple outputs stays ``None``).
         :raises ValueError: if an argument's first dimension is not ``q`` (named by method and position).
         """
         pieces = [self.split(t, f"{method}: argument {i}") for i, t in enumerate(tensors)]
         if len(self.groups) == 1:
-            return getattr(self.groups[0], method)(*tensors)
+            return getattr(self.groups[0], method)(*tensors, **kwargs)
         args = list(zip(*pieces)) if pieces else [()] * len(self.groups)
-        return self.concat([getattr(g, method)(*a) for g, a in zip(self.groups, args)])
+        return self.concat([getattr(g, method)(*a, **kwargs) for g, a in zip(self.groups, args)])
+
+
+class Stacked:
+    """Per-group engine objects (super-Gaussian potentials, local bounds) acting as one on the site vector.
+
+    Every method of the groups is available on the stack: ``stack.<method>(*tensors, **kwargs)`` calls it on each
+    group's slice of the ``(q, ...)`` tensors and concatenates (:meth:`GroupStack.map`); a tensor attribute is the
+    concatenation of the groups' (e.g. a potential's ``beta``), a ``bool`` attribute holds when it holds for every
+    group (e.g. ``log_concave``, ``exact``); every attribute of an empty stack is ``None``. :meth:`split` gives
+    the groups.
+
+    :param groups: sequence of objects of ``len(group) = q_g`` sites each.
+
+    Example::
+
+        >>> import torch
+        >>> from pyro_convexvb.lgm.families import BernoulliLogit, Laplace
+        >>> y, b = torch.ones(2, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+        >>> pot = Stacked([BernoulliLogit(y).super_gaussian(), Laplace(b).super_gaussian()])
+        >>> len(pot), pot.beta.tolist(), pot.log_concave
+        (5, [0.5, 0.5, 0.0, 0.0, 0.0], True)
+    """
+
+    name = "stacked"
+
+    def __init__(self, groups):
+        self._stack = GroupStack(groups)
+        self.groups = self._stack.groups
+        self.sizes = self._stack.sizes
+        self.slices = self._stack.slices
+
+    def __len__(self):
+        return self._stack.total
+
+    def split(self):
+        """The per-group objects."""
+        return self.groups
+
+    def __getattr__(self, name):
+        groups = self.__dict__.get("groups")
+        if groups is None or name.startswith("_"):
+            raise AttributeError(name)
+        if not groups:
+            return None
+        first = getattr(groups[0], name)
+        if callable(first):
+            return lambda *tensors, **kwargs: self._stack.map(name, *tensors, **kwargs)
+        if isinstance(first, bool):
+            value = all(getattr(g, name) for g in groups)
+        elif torch.is_tensor(first):
+            value = self._stack.concat_attribute(name)
+        else:
+            raise AttributeError(f"{type(groups[0]).__name__}.{name} is neither a method, a bool nor a tensor")
+        setattr(self, name, value)
+        return value

@@ -16,13 +16,14 @@ __all__ = ["ConvexVariationalRelaxation", "ConvexRelaxationOptions", "applies", 
 
 
 def applies(lgm):
-    """``(True, "")`` if every non-Gaussian site family of ``lgm`` has a super-Gaussian representation."""
+    """``None`` if every non-Gaussian site family of ``lgm`` has a super-Gaussian representation, else the
+    :class:`~pyro_convexvb.UnsupportedModelError` naming the first site without one and why."""
     for g in lgm.nongaussian_groups:
         try:
             potential_for(g.family)
         except UnsupportedModelError as e:
-            return False, f"site '{g.name}': {e.reason}"
-    return True, ""
+            return UnsupportedModelError(g.name, e.reason)
+    return None
 
 
 @dataclass(frozen=True)

@@ -287,7 +287,7 @@ class RelaxationProblem:
             except UnsupportedModelError as e:
                 raise UnsupportedModelError(g.name, e.reason) from None
         self.pot = PotentialStack(pots)
-        self.q = self.pot.q
+        self.q = len(self.pot)
         if groups:
             B = groups[0].design if len(groups) == 1 else StackedOperator([g.design for g in groups])
             self.B = _Counted(B, self.counts, "B")

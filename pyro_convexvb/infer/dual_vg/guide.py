@@ -19,41 +19,35 @@ from pyro.nn.module import PyroParam
 from ...errors import UnsupportedModelError
 from ...linalg.operators import IdentityOperator, SparseOperator
 from ..engine import Criterion, Engine, LGMEngineOptions, Optimality, Solution, option
-from .bounds import LOGIT_BOUNDS, LogitJaakkolaBound, StackedBound, make_bound
+from ...lgm.stack import Stacked
+from .bounds import LOGIT_BOUNDS, LogitJaakkolaBound, make_bound
 from .objective import BandedPrecisionBackend, LatentSpaceBackend, SiteSpaceBackend, exact_elbo
 from .optim import refine_exact, solve_dual
 from .sharding import sharded_design
 
 __all__ = ["DualVG", "DualVGEngine", "DualVGOptions", "fit_dual_vg", "site_space_predictive", "dual_vg_applies",
-           "build_dual_problem", "SUPPORTED_FAMILIES"]
-
-#: site families with a convex local bound; each is also supported weighted (``Weighted``, ``"weighted_" + name``:
-#: a likelihood under ``poutine.scale``), with the bound scaled by the weight (:class:`~.bounds.WeightedBound`)
-SUPPORTED_FAMILIES = ("bernoulli_logit", "bernoulli_probit", "poisson", "gaussian", "stochastic_volatility")
+           "build_dual_problem"]
 
 #: largest accepted relative change of a site natural parameter by one more full CVI step after ``refine``
 REFINE_RESIDUAL_TOL = 1e-8
 
 
 def dual_vg_applies(lgm):
-    """``(ok, reason)``: DualVG needs Gaussian priors on every block and sites with a convex local bound
-    (families in :data:`SUPPORTED_FAMILIES`, weighted or not)."""
+    """``None`` if DualVG fits ``lgm`` (Gaussian priors on every block, and sites whose family has a convex local
+    bound, :meth:`~pyro_convexvb.lgm.families.SiteFamily.local_bound`), else the
+    :class:`~pyro_convexvb.UnsupportedModelError` naming the site and the reason."""
     for p in lgm.priors:
         if p.flat:
-            return False, f"latent '{p.name}' has no Gaussian prior (flat block, e.g. a Laplace prior)"
+            return UnsupportedModelError(p.name, f"latent '{p.name}' has no Gaussian prior (flat block, e.g. a "
+                                                 "Laplace prior)")
     for g in lgm.sites:
-        base = g.base_family
-        if base.name in SUPPORTED_FAMILIES:
-            continue
-        if g.weight is not None:
-            return False, (f"site '{g.name}' is weighted by poutine.scale and its family '{base.name}' has no convex "
-                           f"local bound (a weighted site takes its family's bound scaled by the weight; "
-                           f"supported: {', '.join(SUPPORTED_FAMILIES)})")
-        return False, (f"site '{g.name}' has family '{g.family.name}' without a convex local bound "
-                       f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
+        try:
+            g.family.local_bound()
+        except ValueError as e:  # UnsupportedModelError, or data outside the family's support
+            return UnsupportedModelError(g.name, getattr(e, "reason", str(e)))
     if not lgm.sites:
-        return False, "the model has no likelihood sites"
-    return True, ""
+        return UnsupportedModelError("<model>", "the model has no likelihood sites")
+    return None
 
 
 def _is_identity(op, n):
@@ -80,13 +74,13 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
     site and banded forms raise, since their ``N x N`` (or site-indexed sparse) matrices couple the
     sites of all ranks.
     """
-    ok, reason = dual_vg_applies(lgm)
-    if not ok:
-        raise UnsupportedModelError(reason.split("'")[1] if "'" in reason else "model", reason)
+    err = dual_vg_applies(lgm)
+    if err is not None:
+        raise err
     if form not in ("auto", "site", "latent", "banded"):
         raise ValueError(f"form: expected 'auto', 'site', 'latent' or 'banded', got {form!r}")
     bounds = [make_bound(g.family, bound, xi) for g in lgm.sites]
-    lb = bounds[0] if len(bounds) == 1 else StackedBound(bounds)
+    lb = bounds[0] if len(bounds) == 1 else Stacked(bounds)
     W, comm = sharded_design(lgm.design())
     d = lgm.offset()
     mu = lgm.prior_loc

@@ -1,0 +1,340 @@
+"""Bernoulli-logit sites: the family, its super-Gaussian potential and its local bounds."""
+import pyro.distributions as dist
+import torch
+
+from ...errors import UnsupportedModelError
+from .base import SiteFamily, gauss_hermite, gaussian_expectation
+from .bound import LocalBound, WeightedBound, _QuadraticBound, _entropy_terms, _kappas
+from .potential import SuperGaussianPotential
+
+__all__ = ["BernoulliLogit", "LogisticPotential", "LogitJensenBound", "LogitBohningBound", "LogitJaakkolaBound",
+           "LogitTightBound", "LOGIT_BOUNDS", "logit_bound"]
+
+LOGIT_BOUNDS = ("tight", "jensen", "bohning", "jaakkola")
+
+
+class _ExpectedSoftplus(torch.autograd.Function):
+    """``E_{N(eta | mean, var)}[softplus(eta)]`` by Gauss-Hermite, with both derivatives from the same pass.
+
+    ``d/dmean = E[sigmoid(eta)]`` and ``d/dvar = E[sigmoid'(eta)] / 2 = E[sigmoid(eta) x] / (2 sd)`` (Stein's
+    lemma, ``eta = mean + sd x``): one evaluation of ``softplus`` and ``sigmoid`` on the ``(q, P)`` nodes, and
+    a backward of ``O(q)`` instead of autograd's pass back through the nodes. Differentiable once (a
+    second derivative raises).
+    """
+
+    @staticmethod
+    def forward(ctx, mean, var, x, w):
+        sd = var.clamp_min(0).sqrt()
+        eta = mean.unsqueeze(-1) + sd.unsqueeze(-1) * x
+        sp = torch.nn.functional.softplus(eta)
+        sig = torch.exp(eta - sp)  # sigmoid(eta), stable at both ends
+        value = sp @ w
+        d_mean = sig @ w
+        # Stein: E[sigmoid'(eta)] = E[sigmoid(eta) x] / sd; at sd = 0 use sigmoid'(mean) directly
+        s0 = torch.sigmoid(mean)
+        d_var = torch.where(sd > 0, (sig @ (w * x)) / (2 * sd.clamp_min(1e-300)), 0.5 * s0 * (1 - s0))
+        ctx.save_for_backward(d_mean, d_var)
+        return value
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        d_mean, d_var = ctx.saved_tensors
+        return grad * d_mean, grad * d_var, None, None
+
+
+class BernoulliLogit(SiteFamily):
+    """``t_i(eta) = sigmoid(eta)^{y_i} sigmoid(-eta)^{1 - y_i}``, ``y_i in {0, 1}``.
+
+    :param torch.Tensor y: ``(q,)`` labels in {0, 1}.
+    """
+
+    name = "bernoulli_logit"
+    distributions = (dist.Bernoulli, torch.distributions.Bernoulli)
+    pyro_form = "Bernoulli(logits=...)"
+
+    def __init__(self, y):
+        super().__init__(y=y)
+
+    @property
+    def y(self):
+        return self.params["y"]
+
+    def log_prob(self, eta):
+        y = self.params["y"]
+        return y * eta - torch.nn.functional.softplus(eta)
+
+    def expected_log_prob(self, mean, var, num_points=64):
+        """``E[y eta - softplus(eta)] = y mean - E[softplus(eta)]``, the expectation by Gauss-Hermite with
+        derivatives from the same pass (:class:`_ExpectedSoftplus`; differentiable once)."""
+        x, w = gauss_hermite(num_points, mean.dtype, mean.device)
+        mean, var = torch.broadcast_tensors(mean, var)
+        return self.params["y"] * mean - _ExpectedSoftplus.apply(mean, var, x, w)
+
+    def predictive_mean(self, mean, var, num_points=64):
+        return gaussian_expectation(torch.sigmoid, mean, var, num_points)
+
+    def super_gaussian(self):
+        return LogisticPotential(self.params["y"])
+
+    def local_bound(self, kind="tight", xi=None):
+        y = self.params["y"]
+        if not bool(((y == 0) | (y == 1)).all()):
+            raise ValueError("y: Bernoulli-logit labels must be in {0, 1}")
+        return logit_bound(self, kind, xi)
+
+    @classmethod
+    def predictor(cls, dist):
+        return dist.logits if isinstance(dist, cls.distributions) else None
+
+    @classmethod
+    def from_site(cls, site, y):
+        check_labels(site, y)
+        return cls(y)
+
+
+def check_labels(site, y):
+    """Refuse Bernoulli labels outside ``{0, 1}``, naming the site."""
+    if not bool(((y == 0) | (y == 1)).all()):
+        bad = y[(y != 0) & (y != 1)][:3].tolist()
+        raise UnsupportedModelError(site, f"Bernoulli labels must be in {{0, 1}}, found {bad}")
+
+
+def logit_bound(family, kind="tight", xi=None):
+    """The Bernoulli-logit local bound ``kind`` (one of :data:`LOGIT_BOUNDS`) of ``family.params["y"]``; labels
+    may be fractions in ``[0, 1]`` (every bound here stays valid: ``f`` is affine in ``y``)."""
+    if kind == "tight":
+        return LogitTightBound(family)
+    if kind == "jensen":
+        return LogitJensenBound(family)
+    if kind == "bohning":
+        return LogitBohningBound(family)
+    if kind == "jaakkola":
+        return LogitJaakkolaBound(family, xi)
+    raise ValueError(f"bound: unknown Bernoulli-logit bound {kind!r}; choose one of {LOGIT_BOUNDS}")
+
+
+# series of tanh(v)/v and (tanh(v)/v + tanh(v)^2 - 1)/v^2 at v = 0 (exact rational coefficients)
+_TANH_OVER_V = (1.0, -1.0 / 3, 2.0 / 15, -17.0 / 315, 62.0 / 2835)
+_F_SERIES = (2.0 / 3, -8.0 / 15, 34.0 / 105, -496.0 / 2835, 2764.0 / 31185)
+_SMALL_V = 0.05
+
+
+def _poly(coefs, w):
+    out = torch.full_like(w, coefs[-1])
+    for c in reversed(coefs[:-1]):
+        out = out * w + c
+    return out
+
+
+class LogisticPotential(SuperGaussianPotential):
+    r"""Bernoulli (logistic) sites ``t(s) = (1 + exp(-c tau s))^{-1}``, ``c in {-1, +1}`` (Nickisch & Seeger 2009, Eq. (3)).
+
+    Appendix of Nickisch & Seeger 2009: ``beta = c tau / 2``, ``g(x) = -log cosh(v) - log 2`` with
+    ``v = tau sqrt(x) / 2``, ``g'(x) = -C tanh(v)/v``, ``g''(x) = (C/2) x^{-1} (tanh(v)/v + tanh(v)^2 - 1)``,
+    ``C = tau^2/8``, ``gamma_0 = 1/(2C)``, ``xi_0 = 3/(2C)``.  For ``v < 0.05`` the ratios are
+    evaluated by their Taylor series (the direct formula cancels catastrophically at ``x ~ 0``).
+
+    :param y: ``(q,)`` labels in ``{0, 1}`` (``c = 2 y - 1``).
+    :param tau: scale ``tau`` (the LGM's ``BernoulliLogit`` has ``tau = 1``).
+
+    Example::
+
+        >>> import torch
+        >>> pot = LogisticPotential(torch.tensor([1.0, 0.0], dtype=torch.float64))
+        >>> pot.gamma0(), pot.xi0()
+        (tensor([4., 4.], dtype=torch.float64), tensor([12., 12.], dtype=torch.float64))
+    """
+
+    name = "bernoulli_logit"
+
+    def __init__(self, y, tau=1.0):
+        c = 2 * y - 1
+        self.tau = float(tau)
+        self.C = self.tau**2 / 8
+        super().__init__(0.5 * self.tau * c, torch.zeros_like(y))
+
+    def _v(self, x):
+        return 0.5 * self.tau * torch.sqrt(x)
+
+    def g(self, x):
+        v = self._v(x)
+        return -(v + torch.log1p(torch.exp(-2 * v)))
+
+    def dg(self, x):
+        v = self._v(x)
+        small = v < _SMALL_V
+        vs = torch.where(small, torch.ones_like(v), v)
+        ratio = torch.where(small, _poly(_TANH_OVER_V, v * v), torch.tanh(vs) / vs)
+        return -self.C * ratio
+
+    def d2g(self, x):
+        v = self._v(x)
+        small = v < _SMALL_V
+        vs = torch.where(small, torch.ones_like(v), v)
+        th = torch.tanh(vs)
+        direct = (th / vs + th * th - 1) / (vs * vs)
+        f = torch.where(small, _poly(_F_SERIES, v * v), direct)
+        # g'' = (C/2) x^{-1} (...) = (C tau^2 / 8) f(v) with x = 4 v^2 / tau^2
+        return (self.C * self.tau**2 / 8) * f
+
+    def curv(self, x):
+        # -(d^2/ds^2) g(s^2) = (tau^2/4) sech^2(v), written without overflow
+        e = torch.exp(-2 * self._v(x))
+        return (self.tau**2 / 4) * 4 * e / (1 + e) ** 2
+
+
+class _LogitBound(LocalBound):
+    """Bernoulli-logit bounds whose conjugate is ``H(kappa)``, ``kappa = alpha + y`` in ``(0, 1)``."""
+
+    def __init__(self, family):
+        super().__init__(family)
+        self.y = family.params["y"]
+
+    def psi(self, alpha):
+        return _entropy_terms(*_kappas(alpha, self.y))
+
+    def alpha_domain(self, like):
+        return -self.y.to(like), 1 - self.y.to(like)
+
+
+class LogitJensenBound(_LogitBound):
+    """Bernoulli-logit "log" (Jensen) bound ``log(1 + e^{h + rho/2}) - y h``.
+
+    ``docs/dual_vg.md``, § Fenchel conjugates of the local bounds, ``"jensen"`` row.
+
+    The bound of the paper's Table 2 as reimplemented elsewhere: fastest, but loose, and its
+    ``lambda = sigmoid(m + v/2)`` overstates the site precisions.
+    """
+
+    name = "jensen"
+
+    def f(self, h, rho):
+        return torch.nn.functional.softplus(h + 0.5 * rho) - self.y * h
+
+    def ell(self, alpha):
+        return alpha + self.y, torch.ones_like(alpha), torch.zeros_like(alpha)
+
+    def alpha_star(self, h, rho):
+        return torch.sigmoid(h + 0.5 * rho) - self.y
+
+
+class LogitBohningBound(_LogitBound):
+    """Böhning's bound with its centre optimised: ``log(1 + e^h) + rho / 8 - y h`` (``lambda = 1/4`` pinned)."""
+
+    name = "bohning"
+
+    def f(self, h, rho):
+        return torch.nn.functional.softplus(h) + rho / 8 - self.y * h
+
+    def ell(self, alpha):
+        z = torch.zeros_like(alpha)
+        return z + 0.25, z, z
+
+    def alpha_star(self, h, rho):
+        return torch.sigmoid(h) - self.y
+
+
+class LogitJaakkolaBound(_QuadraticBound):
+    r"""Jaakkola-Jordan bound with fixed ``xi``: ``lambda_xi (h^2 + rho - xi^2) + (h - xi)/2 + log(1 + e^xi) - y h``.
+
+    ``lambda_xi = tanh(xi/2) / (4 xi)``. With ``xi`` optimised the bound is not jointly convex
+    (``docs/dual_vg.md``, § Primal variational-Gaussian problem), so ``xi`` stays fixed;
+    ``xi=None`` sets ``xi_n = sqrt(h_n^2 + rho_n)`` at the prior marginals once (:meth:`set_xi`).
+    """
+
+    name = "jaakkola"
+
+    def __init__(self, family, xi=None):
+        super().__init__(family)
+        self.y = family.params["y"]
+        self.xi = None
+        if xi is not None:
+            self.set_xi(torch.as_tensor(xi, dtype=self.y.dtype, device=self.y.device).expand_as(self.y))
+
+    def set_xi(self, xi):
+        xi = xi.abs().clamp_min(1e-6)
+        self.xi = xi
+        lam_xi = torch.tanh(0.5 * xi) / (4 * xi)
+        self._coef = (2 * lam_xi, self.y - 0.5,
+                      -lam_xi * xi**2 - 0.5 * xi + torch.nn.functional.softplus(xi))
+
+    def weighted(self, weight, family=None, log_const=None):
+        return _WeightedJaakkolaBound(self, weight, family, log_const)
+
+    def _abc(self):
+        if self.xi is None:
+            raise RuntimeError("jaakkola bound: xi is not set (call set_xi or pass xi=...)")
+        return self._coef
+
+
+def _tight_kappa(h, rho, iters=200):
+    """``kappa*(h, rho) = argmax_k k h + k (1 - k) rho / 2 - H(k)`` by safeguarded Newton in ``z = logit(k)``.
+
+    Root of the decreasing ``F(z) = h + rho (1 - 2 sigmoid(z)) / 2 - z``, bracketed by
+    ``[h - rho/2, h + rho/2]``. A Newton step that leaves the bracket, or that is not at most half the
+    step before it, is replaced by bisection (as in Numerical Recipes' ``rtsafe``): for large ``rho``
+    plain Newton can cycle between the ends of the bracket.
+    """
+    lo, hi = h - 0.5 * rho, h + 0.5 * rho
+    z = h.clone()
+    prev = (hi - lo).abs()
+    for _ in range(iters):
+        s = torch.sigmoid(z)
+        F = h + 0.5 * rho * (1 - 2 * s) - z
+        lo = torch.where(F > 0, z, lo)
+        hi = torch.where(F <= 0, z, hi)
+        step = F / (rho * s * (1 - s) + 1)
+        zn = z + step
+        bad = (zn < lo) | (zn > hi) | (2 * step.abs() > prev)
+        zn = torch.where(bad, 0.5 * (lo + hi), zn)
+        zn = torch.where(F == 0, z, zn)
+        change = (zn - z).abs()
+        prev = torch.where(bad, 0.5 * (hi - lo).abs(), step.abs())
+        z = zn
+        if bool(((change <= 1e-15 * (1 + z.abs())) | ((hi - lo).abs() <= 1e-15 * (1 + z.abs()))).all()):
+            break
+    return torch.sigmoid(z), z
+
+
+class LogitTightBound(_LogitBound):
+    r"""Default Bernoulli-logit bound: ``f(h, rho) = sup_k [k h + k (1 - k) rho / 2 - H(k)] - y h``.
+
+    The conjugate is ``H(kappa)`` on ``{lambda <= kappa (1 - kappa)}``, ``kappa = alpha + y``: the
+    site precision at the optimum, ``kappa (1 - kappa)``, is that of the tangent logistic at the
+    optimal ``kappa``, exactly like the exact VG fixed point ``lambda = E[sigmoid']`` to second order.
+    Convex (a supremum of affine functions), valid (see the module docstring) and tighter than
+    the Jensen and Böhning bounds. ``f`` is evaluated by a 1-D safeguarded Newton solve.
+    """
+
+    name = "tight"
+
+    def f(self, h, rho):
+        # kappa* is detached: by the envelope theorem the first derivatives of f stay exact under autograd
+        k, z = _tight_kappa(h.detach(), rho.detach())
+        H = _entropy_terms(k)[0]
+        return k * h + 0.5 * k * (1 - k) * rho - H - self.y * h
+
+    def ell(self, alpha):
+        k1, k0 = _kappas(alpha, self.y)
+        return k1 * k0, k0 - k1, torch.full_like(alpha, -2.0)
+
+    def alpha_star(self, h, rho):
+        return _tight_kappa(h, rho)[0] - self.y
+
+
+class _WeightedJaakkolaBound(WeightedBound, LogitJaakkolaBound):
+    """:class:`WeightedBound` of a Jaakkola bound; ``xi`` belongs to the base bound (the tangent point of
+    ``w f`` optimal for given marginals is that of ``f``), so the prior-marginal default applies unchanged."""
+
+    @property
+    def xi(self):
+        return self.base.xi
+
+    @xi.setter
+    def xi(self, value):  # LogitJaakkolaBound's attribute; kept on the base bound
+        if value is not None:
+            self.base.set_xi(value)
+
+    def set_xi(self, xi):
+        self.base.set_xi(xi)

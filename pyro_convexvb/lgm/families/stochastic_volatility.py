@@ -1,0 +1,78 @@
+"""Stochastic-volatility sites ``N(y | 0, e^eta)`` (Khan et al. 2013, §5): the family and its exact bound."""
+import math
+
+import torch
+
+from .base import SiteFamily
+from .bound import LocalBound
+
+__all__ = ["StochasticVolatility", "StochasticVolatilityBound"]
+
+
+class StochasticVolatility(SiteFamily):
+    """Stochastic-volatility sites ``t_n(eta) = N(y_n | 0, e^{eta})`` (Khan et al. 2013, §5).
+
+    :param torch.Tensor y: ``(q,)`` observations (exact zeros are replaced by ``zero_jitter``,
+        since ``log(1/y^2)`` enters the conjugate of its local bound).
+    :param float zero_jitter: the magnitude that replaces ``|y_n| < zero_jitter``.
+    :raises ValueError: if ``y`` contains NaN or inf.
+
+    Example::
+
+        >>> import torch
+        >>> fam = StochasticVolatility(torch.tensor([0.3, -1.2], dtype=torch.float64))
+        >>> fam.expected_log_prob(torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)).shape
+        torch.Size([2])
+    """
+
+    name = "stochastic_volatility"
+
+    def __init__(self, y, zero_jitter=1e-8):
+        y = torch.as_tensor(y)
+        if not torch.isfinite(y).all():
+            raise ValueError("y: stochastic-volatility observations contain NaN or inf")
+        y = torch.where(y.abs() < zero_jitter, torch.full_like(y, zero_jitter), y)
+        super().__init__(y=y)
+
+    def log_prob(self, eta):
+        y = self.params["y"]
+        return -0.5 * math.log(2 * math.pi) - 0.5 * eta - 0.5 * y**2 * torch.exp(-eta)
+
+    def expected_log_prob(self, mean, var, num_points=64):
+        y = self.params["y"]
+        return -0.5 * math.log(2 * math.pi) - 0.5 * mean - 0.5 * y**2 * torch.exp(-mean + 0.5 * var)
+
+    def predictive_mean(self, mean, var, num_points=64):
+        """Mean of ``y`` (zero); the predictive variance of ``y`` is ``exp(mean + var / 2)``."""
+        return torch.zeros_like(mean)
+
+    def local_bound(self, kind="tight", xi=None):
+        return StochasticVolatilityBound(self)
+
+
+class StochasticVolatilityBound(LocalBound):
+    """Stochastic volatility ``N(y | 0, e^eta)`` (exact); ``alpha = 1/2 - kappa``, ``lambda <= kappa``."""
+
+    name = "stochastic_volatility"
+    exact = True
+
+    def __init__(self, family):
+        super().__init__(family)
+        self.y2 = family.params["y"] ** 2
+
+    def f(self, h, rho):
+        return 0.5 * math.log(2 * math.pi) + 0.5 * h + 0.5 * self.y2 * torch.exp(-h + 0.5 * rho)
+
+    def psi(self, alpha):
+        k = 0.5 - alpha
+        val = torch.special.xlogy(k, 2 * k / self.y2) - k - 0.5 * math.log(2 * math.pi)
+        return val, -torch.log(2 * k / self.y2), 1.0 / k
+
+    def ell(self, alpha):
+        return 0.5 - alpha, -torch.ones_like(alpha), torch.zeros_like(alpha)
+
+    def alpha_domain(self, like):
+        return torch.full_like(like, -math.inf), torch.full_like(like, 0.5)
+
+    def alpha_star(self, h, rho):
+        return 0.5 - 0.5 * self.y2 * torch.exp(-h + 0.5 * rho)
