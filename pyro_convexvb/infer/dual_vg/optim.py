@@ -19,7 +19,8 @@ import torch
 from ...errors import warn
 from ...linalg.cg import cg
 from ..result import History
-from .bounds import _QuadraticBound, numerical_conjugate
+from ...lgm.families.bound import QuadraticBound
+from .bounds import numerical_conjugate
 from .objective import reduced_objective
 from .sharding import LOCAL, site_reduction
 
@@ -72,7 +73,7 @@ def initial_alpha(backend, bound):
     return best
 
 
-class _WorkingGaussian(_QuadraticBound):
+class _WorkingGaussian(QuadraticBound):
     """Gaussian pseudo-observations ``f = a (h^2 + rho) / 2 - b h``: the working likelihood of one Newton step
     on the log joint (iteratively reweighted least squares)."""
 

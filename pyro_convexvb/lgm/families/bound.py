@@ -10,7 +10,7 @@ import torch
 
 from .potential import check_weight
 
-__all__ = ["LocalBound", "WeightedBound"]
+__all__ = ["LocalBound", "QuadraticBound", "WeightedBound"]
 
 
 def _entropy_terms(kappa, kappa0=None):
@@ -106,7 +106,7 @@ class LocalBound:
         return WeightedBound(self, weight, family, log_const)
 
 
-class _QuadraticBound(LocalBound):
+class QuadraticBound(LocalBound):
     """``f = a (h^2 + rho) / 2 - b h + c``; ``f* = (alpha + b)^2 / (2 a) - c`` on ``lambda <= a``."""
 
     def _abc(self):

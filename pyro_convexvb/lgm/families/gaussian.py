@@ -6,7 +6,7 @@ import torch
 
 from ...errors import UnsupportedModelError
 from .base import SiteFamily
-from .bound import _QuadraticBound
+from .bound import QuadraticBound
 from .potential import check_weight
 
 __all__ = ["Gaussian", "GaussianBound"]
@@ -67,7 +67,7 @@ class Gaussian(SiteFamily):
         return Gaussian(y, s / weight.sqrt()), float(const.sum())
 
 
-class GaussianBound(_QuadraticBound):
+class GaussianBound(QuadraticBound):
     """Gaussian observations ``N(y | eta, s^2)`` (exact; ``lambda = 1 / s^2`` is pinned)."""
 
     name = "gaussian"

@@ -4,7 +4,7 @@ import torch
 
 from ...errors import UnsupportedModelError
 from .base import SiteFamily, gauss_hermite, gaussian_expectation
-from .bound import LocalBound, WeightedBound, _QuadraticBound, _entropy_terms, _kappas
+from .bound import LocalBound, WeightedBound, QuadraticBound, _entropy_terms, _kappas
 from .potential import SuperGaussianPotential
 
 __all__ = ["BernoulliLogit", "LogisticPotential", "LogitJensenBound", "LogitBohningBound", "LogitJaakkolaBound",
@@ -235,7 +235,7 @@ class LogitBohningBound(_LogitBound):
         return torch.sigmoid(h) - self.y
 
 
-class LogitJaakkolaBound(_QuadraticBound):
+class LogitJaakkolaBound(QuadraticBound):
     r"""Jaakkola-Jordan bound with fixed ``xi``: ``lambda_xi (h^2 + rho - xi^2) + (h - xi)/2 + log(1 + e^xi) - y h``.
 
     ``lambda_xi = tanh(xi/2) / (4 xi)``. With ``xi`` optimised the bound is not jointly convex
