@@ -110,7 +110,7 @@ def test_hyperparameter_learning_is_type2_on_the_dual_bound():
     clf = GPClassifier(_kernel(ls=1.0, os=1.0), learn_hyperparameters=True).fit(X, y)
     assert clf.hyper_converged_
     k = clf.kernel_
-    got = np.array([float(k.base_kernel.lengthscale), float(k.outputscale), float(clf.mean_)])
+    got = np.array([float(k.base_kernel.lengthscale.detach()), float(k.outputscale.detach()), float(clf.mean_)])
     np.testing.assert_allclose(got, [math.exp(ref.x[0]), math.exp(ref.x[1]), ref.x[2]], rtol=2e-3, atol=2e-3)
     assert clf.hyper_result_.info["type2"]["value"] == pytest.approx(-ref.fun, abs=1e-6)
 

@@ -183,7 +183,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self.X_train_ = X
         self.y_train_ = y01
         options = dict(self.options or {})
-        self.mean_ = torch.nn.Parameter(torch.as_tensor(float(self.mean), dtype=X.dtype, device=X.device))
+        self.mean_ = torch.as_tensor(float(self.mean), dtype=X.dtype, device=X.device)
         self.hyper_history_ = None
         alpha0 = None
         if self.learn_hyperparameters:
@@ -236,7 +236,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         with store.scope():  # the user's param store is left as it was
             res = engine(model, progress=False, **opts).run(X, y01)
             if self.learn_mean:
-                self.mean_ = torch.nn.Parameter(pyro.param("mean").detach().clone())
+                self.mean_ = pyro.param("mean").detach().clone()
         self.hyper_history_ = res.history
         self.hyper_converged_ = bool(res.converged)
         self.hyper_result_ = res
