@@ -436,7 +436,7 @@ def test_convex_relaxation_integer_weights_equal_the_rows_repeated(kind):
     assert float((a.posterior.variance - b.posterior.variance).abs().max()) < 1e-8
     assert a.log_evidence_bound == pytest.approx(b.log_evidence_bound, abs=1e-8)
     assert np.allclose(a.info["phi_history"], b.info["phi_history"], rtol=0, atol=1e-8)
-    ga, gb = a.info["gamma_all"], b.info["gamma_all"]
+    ga, gb = a.state.gamma, b.state.gamma
     first = torch.cumsum(torch.as_tensor(INT_WEIGHTS), 0) - torch.as_tensor(INT_WEIGHTS)
     torch.testing.assert_close(ga * w, gb[first], rtol=1e-8, atol=1e-10)
 
@@ -591,7 +591,7 @@ def test_fractional_weights_bound_below_the_log_evidence_by_quadrature(engine, k
     if engine == "convex_relaxation":
         # the relaxation's bound is log int of its Gaussian minorant: prior times, per site, w times the
         # logistic's Gaussian lower bound of width w gamma (Nickisch & Seeger 2009, §2), by quadrature
-        gamma = res.info["gamma_all"]
+        gamma = res.state.gamma
         base = LogisticPotential(obs)
 
         def log_minorant(B):

@@ -43,7 +43,9 @@ from ...linalg.cg import cg
 from ...linalg.lanczos import block_lanczos, pca_variances
 from ...linalg.operators import ComposedOperator, as_operator
 from .inner import inner_loop
+from .options import ConvexRelaxationOptions
 from .problem import operator_flops
+from .state import RelaxationState, h_value, phi_value
 
 __all__ = ["VarianceStep", "WhitenedLanczos", "variance_step", "variance_costs", "choose_variance_method",
            "choose_lanczos_estimator", "logdet_upper_bound", "h_value", "phi_value", "double_loop"]
@@ -99,6 +101,7 @@ class VarianceStep:
     :ivar estimator: ``"cholesky"``, ``"k-lanczos"``, ``"whitened"`` or ``"l-pca"`` (``"given"`` for a warm start).
     :ivar lower_bounds: ``True`` when every variance is a lower bound that may be strictly below the exact
         one (K-Lanczos and L-PCA, Seeger 2010 §4.1); ``False`` for exact variances and the whitened estimator.
+    :ivar pca_rank: ``L`` of an L-PCA step, else ``None``.
     """
 
     z: torch.Tensor
@@ -111,6 +114,7 @@ class VarianceStep:
     method: str = "exact"
     estimator: str = "cholesky"
     lower_bounds: bool = False
+    pca_rank: int = None
 
 
 class WhitenedLanczos:
@@ -233,7 +237,7 @@ def _resolve_estimator(prob, estimator):
     return estimator
 
 
-def variance_costs(prob, lanczos_rank, block_size=1, dense_logdet_max=2000, estimator="auto"):
+def variance_costs(prob, opts):
     r"""Predicted seconds of one exact and one Lanczos variance step (the cost model of ``variance="auto"``).
 
     With ``f_A`` the flops of one product with ``A`` (:meth:`~.problem.RelaxationProblem.mvm_flops`),
@@ -247,16 +251,14 @@ def variance_costs(prob, lanczos_rank, block_size=1, dense_logdet_max=2000, esti
       (``FORM_FLOP_SECONDS n f_A + EXACT_CUBIC_SECONDS n^3 / 4``, the Cholesky share of the cubic term).
 
     :param prob: :class:`~.problem.RelaxationProblem`.
-    :param int lanczos_rank: ``k``.
-    :param int block_size: ``b``.
-    :param int dense_logdet_max: see :func:`variance_step`.
-    :param str estimator: ``"auto"``, ``"k-lanczos"`` or ``"whitened"``.
+    :param opts: :class:`~.options.ConvexRelaxationOptions` (``lanczos_rank`` ``k``, ``lanczos_block_size`` ``b``,
+        ``dense_logdet_max``, ``lanczos_estimator``).
     :returns: ``dict(exact=seconds, lanczos=seconds, estimator=..., k=k)``.
     """
-    n = prob.n
-    est = _resolve_estimator(prob, estimator)
-    k = min(int(lanczos_rank), n)
-    b = max(1, min(int(block_size), k)) if k < n else 1
+    n, dense_logdet_max = prob.n, opts.dense_logdet_max
+    est = _resolve_estimator(prob, opts.lanczos_estimator)
+    k = min(opts.lanczos_rank, n)
+    b = max(1, min(opts.lanczos_block_size, k)) if k < n else 1
     f_a = prob.mvm_flops()
     f_b = operator_flops(prob.B) if prob.B is not None else 0.0
     exact = EXACT_CUBIC_SECONDS * n**3 + FORM_FLOP_SECONDS * n * (f_a + f_b)
@@ -268,16 +270,16 @@ def variance_costs(prob, lanczos_rank, block_size=1, dense_logdet_max=2000, esti
     return dict(exact=exact, lanczos=lz, estimator=est, k=k)
 
 
-def choose_variance_method(prob, lanczos_rank, block_size=1, exact_max=5000, dense_logdet_max=2000,
-                           estimator="auto"):
-    """``"exact"`` if ``n <= exact_max`` and the cost model predicts a dense Cholesky variance step to be
-    cheaper than a ``lanczos_rank``-step Lanczos one (:func:`variance_costs`), else ``"lanczos"``.
+def choose_variance_method(prob, opts):
+    """``"exact"`` if ``n <= opts.exact_max`` and the cost model predicts a dense Cholesky variance step to be
+    cheaper than a ``opts.lanczos_rank``-step Lanczos one (:func:`variance_costs`), else ``"lanczos"``.
 
+    :param opts: :class:`~.options.ConvexRelaxationOptions`.
     :returns: ``"exact"`` or ``"lanczos"``.
     """
-    if prob.n > int(exact_max):
+    if prob.n > opts.exact_max:
         return "lanczos"
-    c = variance_costs(prob, lanczos_rank, block_size, dense_logdet_max, estimator)
+    c = variance_costs(prob, opts)
     return "exact" if c["exact"] <= c["lanczos"] else "lanczos"
 
 
@@ -407,28 +409,23 @@ def _whitened_lanczos(prob, w, k, generator, block_size=1):
     return WhitenedLanczos(res, form), z, var_u
 
 
-def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generator=None,
-                  dense_logdet_max=2000, block_size=1, estimator="auto", exact_max=5000):
+def variance_step(prob, gamma, opts, generator=None):
     """Estimate ``z = diag(B A^{-1} B^T)``, ``diag(A^{-1})`` and ``log|A|`` at ``gamma`` (Nickisch & Seeger 2009, §2.3).
 
     :param prob: :class:`~.problem.RelaxationProblem`.
     :param gamma: ``(q,)`` site widths.
-    :param method: ``"lanczos"``, ``"pca"``, ``"exact"`` or ``"auto"`` (:func:`choose_variance_method`).
-    :param k: Lanczos steps.
-    :param pca_rank: ``L`` for ``"pca"``.
+    :param opts: :class:`~.options.ConvexRelaxationOptions`: ``variance`` (``"lanczos"``, ``"pca"``, ``"exact"`` or
+        ``"auto"``, :func:`choose_variance_method`), ``lanczos_rank`` ``k``, ``pca_rank`` ``L``,
+        ``dense_logdet_max`` (largest ``n`` for an exact, Cholesky ``log|A|`` in the Lanczos/PCA modes),
+        ``lanczos_block_size`` ``b`` (``1``: Nickisch & Seeger's (2009) single-vector Lanczos; ``b > 1``:
+        :func:`~pyro_convexvb.linalg.block_lanczos` with ``b`` vectors per product, used only while ``k < n``),
+        ``lanczos_estimator`` (module docstring) and ``exact_max``.
     :param generator: torch generator for the Lanczos start vector.
-    :param dense_logdet_max: largest ``n`` for an exact (Cholesky) ``log|A|`` in the Lanczos/PCA modes.
-    :param block_size: Lanczos block size ``b`` (``1``: Nickisch & Seeger's (2009) single-vector Lanczos; ``b > 1``:
-        :func:`~pyro_convexvb.linalg.block_lanczos` with ``b`` vectors per product, used only while ``k < n``).
-    :param estimator: Lanczos estimator, ``"auto"`` (:func:`choose_lanczos_estimator`), ``"k-lanczos"`` or
-        ``"whitened"`` (module docstring).
-    :param exact_max: largest ``n`` that ``method="auto"`` may give to the exact route.
     :returns: :class:`VarianceStep` (``method``, ``estimator`` and ``lower_bounds`` say what was used).
     """
-    if method not in _METHODS:
-        raise ValueError(f"variance: expected one of {_METHODS}, got {method!r}")
+    method = opts.variance
     if method == "auto":
-        method = choose_variance_method(prob, k, block_size, exact_max, dense_logdet_max, estimator)
+        method = choose_variance_method(prob, opts)
     w = 1.0 / gamma if prob.q else torch.zeros(0, dtype=prob.dtype, device=prob.device)
     n = prob.n
     if method == "exact":
@@ -439,17 +436,18 @@ def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generat
         return VarianceStep(z, var_u, logdet, "cholesky", n, None, L, "exact", "cholesky", False)
     A_op = prob.precision_operator(w)
     B = prob.B
-    k = min(int(k), n)
-    b = int(block_size) if k < n else 1
+    k = min(opts.lanczos_rank, n)
+    b = opts.lanczos_block_size if k < n else 1
+    L_rank = None
     if method == "lanczos":
-        est = _resolve_estimator(prob, estimator)
+        est = _resolve_estimator(prob, opts.lanczos_estimator)
         if est == "whitened":
             res, z, var_u = _whitened_lanczos(prob, w, k, generator, b)
         else:
             res, z, var_u = _k_lanczos(prob, w, k, generator, b)
         lower = est == "k-lanczos"
     else:
-        L_rank = max(1, min(n, int(pca_rank) if pca_rank is not None else max(1, k // 6)))
+        L_rank = max(1, min(n, opts.pca_rank if opts.pca_rank is not None else max(1, k // 6)))
         zq, res = pca_variances(A_op, B, L_rank, num_steps=max(k, L_rank), max_steps=max(k, L_rank),
                                 return_result=True, generator=generator, on_fail="ignore")
         U = res.ritz_vectors(torch.arange(L_rank))
@@ -459,27 +457,13 @@ def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generat
         est, lower = "l-pca", True
     num = res.num_mvm
     chol = None
-    if n <= dense_logdet_max:
+    if n <= opts.dense_logdet_max:
         chol = torch.linalg.cholesky(prob.dense_a(w))
         logdet, how = float(2 * torch.log(torch.diagonal(chol)).sum()), "cholesky"
         num += n
     else:
         logdet, how = logdet_upper_bound(prob, w, res)
-    return VarianceStep(z, var_u, logdet, how, num, res, chol, method, est, lower)
-
-
-def h_value(prob, gamma, x_star=None):
-    """``h(gamma) = sum_i h_i(gamma_i)``; closed form ``-(x_*/gamma + 2 g(x_*))`` when ``x_*(gamma)`` is known."""
-    if not prob.q:
-        return 0.0
-    if x_star is None:
-        return float(prob.site_sum(prob.pot.h(gamma).sum()))
-    return float(prob.site_sum((-(x_star / gamma + 2 * prob.pot.g(x_star))).sum()))
-
-
-def phi_value(prob, gamma, u, logdet, x_star=None):
-    """``phi(gamma) = log|A| + h(gamma) + R(u, gamma)`` (Nickisch & Seeger 2009, §2.1), ``u`` a (near-)minimiser of ``R``."""
-    return float(logdet) + h_value(prob, gamma, x_star) + float(prob.R(u, gamma))
+    return VarianceStep(z, var_u, logdet, how, num, res, chol, method, est, lower, L_rank)
 
 
 def solve_mean(prob, gamma, u0=None, cg_tol=1e-10, cg_max_iter=None, chol=None):
@@ -496,11 +480,12 @@ def solve_mean(prob, gamma, u0=None, cg_tol=1e-10, cg_max_iter=None, chol=None):
     return res.x, res.num_mvm
 
 
-def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, max_outer=5, max_newton=20, cg_tol=1e-6,
-                newton_tol=1e-8, gamma_tol=1e-3, phi_tol=1e-6, z_min=1e-10, gamma_init=None, generator=None,
-                dense_logdet_max=2000, cg_max_iter=None, history=None, progress=None, z_init=None, u_init=None,
-                logdet_init=None, lanczos_estimator="auto", exact_max=5000):
-    r"""The double-loop algorithm of Nickisch & Seeger 2009, §2.2.
+#: how a state built from the warm-start options names its fields in errors
+_OPTION_NAMES = {"gamma": "gamma_init", "z": "z_init", "u": "u_init"}
+
+
+def double_loop(prob, opts=None, state=None, run=None, *, state_names=None):
+    r"""The double-loop algorithm of Nickisch & Seeger 2009, §2.2, from ``state`` to a new state.
 
     ``t = 0, 1, ...``: variance step at ``gamma_t`` (gives ``z_t`` and completes ``phi(gamma_t)``);
     stop if ``t = max_outer`` or (``t > 0``) ``||gamma_t - gamma_{t-1}|| <= gamma_tol ||gamma_{t-1}||`` and
@@ -510,38 +495,43 @@ def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, 
     variances ``phi`` may rise between updates (Seeger 2010 §4.2 proves descent only for exact variances and
     L-PCA); the iterate with the smallest ``phi`` (largest bound) is returned, ``best_index`` says which.
 
-    ``variance="auto"`` picks ``"exact"`` or ``"lanczos"`` once, before the first step, by
-    :func:`choose_variance_method` (the cost does not depend on ``gamma``); ``lanczos_estimator`` is passed
-    to :func:`variance_step` (``"auto"``: :func:`choose_lanczos_estimator`).  ``exact_max`` caps the ``n``
-    that ``"auto"`` may give to the exact route.
+    A ``state`` with site variances ``z`` (and ``u``, ``logdet``) valid at its ``gamma`` replaces the first
+    variance step (Nickisch & Seeger 2009, §3): a fit resumed from a returned state continues where it stopped.
+    A state with ``gamma`` only starts there with a variance step; with ``max_outer = 0`` only ``gamma`` is used.
 
-    :returns: dict with ``u``, ``gamma``, ``x_star``, ``step`` (the :class:`VarianceStep` of the returned
-        iterate), ``phi`` (list), ``converged``, ``mvm`` (per phase), per-iteration statistics, and
-        ``variance_method`` (``"exact"``, ``"lanczos"`` or ``"pca"``: the method used, also under
-        ``variance="auto"``), ``variance_estimator`` (``"cholesky"``, ``"k-lanczos"``, ``"whitened"`` or
-        ``"l-pca"``) and ``variances_are_lower_bounds`` (``True`` for K-Lanczos and L-PCA).
+    ``variance="auto"`` picks ``"exact"`` or ``"lanczos"`` once, before the first step, by
+    :func:`choose_variance_method` (the cost does not depend on ``gamma``), as does ``lanczos_estimator="auto"``
+    (:func:`choose_lanczos_estimator`).
+
+    :param prob: :class:`~.problem.RelaxationProblem`.
+    :param opts: :class:`~.options.ConvexRelaxationOptions` (default options when ``None``); ``seed`` seeds the
+        Lanczos start vectors.
+    :param state: :class:`~.state.RelaxationState` to start from, or ``None`` (Gaussians touching each site).
+    :param run: a :class:`~pyro_convexvb.infer.engine.RunContext` (history and progress bar), or ``None``.
+    :param dict state_names: how to name the state's fields in errors (default ``init.gamma``, ...).
+    :returns: ``(state, report)``: the new :class:`~.state.RelaxationState` and a dict of statistics:
+        ``phi`` (list), ``best_phi``, ``best_index``, ``converged``, ``step`` (the :class:`VarianceStep` of the
+        returned iterate), ``mvm`` (per phase) and per-iteration lists (``logdet``, ``newton_steps``,
+        ``cg_iterations``, ``inner_converged``, ``rel_gamma``, ``lanczos_steps``, ``inner_mvm``, ``outer_mvm``).
     """
+    o = ConvexRelaxationOptions() if opts is None else opts
     n, q = prob.n, prob.q
-    if variance not in _METHODS:
-        raise ValueError(f"variance: expected one of {_METHODS}, got {variance!r}")
-    if variance == "auto":
-        variance = choose_variance_method(prob, k, block_size, exact_max, dense_logdet_max, lanczos_estimator)
-    estimator = _resolve_estimator(prob, lanczos_estimator) if variance == "lanczos" else lanczos_estimator
+    variance = choose_variance_method(prob, o) if o.variance == "auto" else o.variance
+    estimator = _resolve_estimator(prob, o.lanczos_estimator) if variance == "lanczos" else o.lanczos_estimator
+    o = o.replace(variance=variance, lanczos_estimator=estimator)
+    generator = torch.Generator(device=prob.device).manual_seed(int(o.seed))
+    history = None if run is None else run.history
+    progress = None if run is None else run.bar(total=o.max_outer + 1, unit="outer")
     dt, dev = prob.dtype, prob.device
     counts0 = dict(prob.counts)
-    if q:
-        s0 = prob.s(torch.zeros(n, dtype=dt, device=dev))
-        if gamma_init is None:
-            gamma = prob.pot.gamma_init(s0)
-        else:
-            gamma = torch.as_tensor(gamma_init, dtype=dt, device=dev).expand(q).clone()
-            if not bool((gamma > 0).all()) or not bool(torch.isfinite(gamma).all()):
-                raise ValueError("gamma_init: must be positive and finite")
-        x_star = None
-    else:
+    st = None if state is None else state.checked(prob, state_names)
+    if st is not None and o.max_outer < 1:
+        st = RelaxationState(st.gamma)  # no inner loop follows: the variance step at gamma is the answer
+    if not q:
         gamma = torch.zeros(0, dtype=dt, device=dev)
-        x_star = None
-    u, mvm_init = None, 0
+    else:
+        gamma = st.gamma if st is not None else prob.pot.gamma_init(prob.s(torch.zeros(n, dtype=dt, device=dev)))
+    x_star, u, mvm_init = None, None, 0
     stats = dict(phi=[], logdet=[], logdet_method=[], newton_steps=[], cg_iterations=[], inner_converged=[],
                  rel_gamma=[], lanczos_steps=[], inner_mvm=[], outer_mvm=[])
     mvm = {"init": mvm_init, "inner": 0, "outer": 0}
@@ -551,35 +541,22 @@ def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, 
     rel_gamma = math.inf
     step = None
     best = None
-    if z_init is not None:
-        if gamma_init is None:
-            raise ValueError("z_init: needs gamma_init (the widths the variances belong to)")
-        if int(max_outer) < 1:
-            raise ValueError("z_init: needs max_outer >= 1 (the warm start replaces the first variance step only)")
-        z_init = torch.as_tensor(z_init, dtype=dt, device=dev)
-        if z_init.shape != (q,) or not bool(torch.isfinite(z_init).all()):
-            raise ValueError(f"z_init: expected {q} finite site variances, got shape {tuple(z_init.shape)}")
-        if u_init is not None:
-            u_init = torch.as_tensor(u_init, dtype=dt, device=dev)
-            if u_init.shape != (n,) or not bool(torch.isfinite(u_init).all()):
-                raise ValueError(f"u_init: expected a finite ({n},) mean, got shape {tuple(u_init.shape)}")
-    for t in range(int(max_outer) + 1):
+    for t in range(o.max_outer + 1):
         c_before = prob.counts.get("B", 0)
         t_start = time.perf_counter()
-        warm = z_init is not None and t == 0
+        warm = t == 0 and st is not None and st.z is not None
         if warm:
-            ld = float(logdet_init) if logdet_init is not None else math.nan
-            step = VarianceStep(z_init, None, ld, "given", 0, method="given", estimator="given")
-            if u_init is not None:
-                u = u_init
+            ld = float(st.logdet) if st.logdet is not None else math.nan
+            step = VarianceStep(st.z, None, ld, "given", 0, method="given", estimator="given")
+            u = st.u
         else:
-            step = variance_step(prob, gamma, method=variance, k=k, pca_rank=pca_rank, generator=generator,
-                                 dense_logdet_max=dense_logdet_max, block_size=block_size, estimator=estimator)
+            step = variance_step(prob, gamma, o, generator)
         b_counts["outer"] += prob.counts.get("B", 0) - c_before
         seconds["outer"] += time.perf_counter() - t_start
         mvm["outer"] += step.num_mvm
         if u is None:  # u_0 = argmin_u R(u, gamma_0): Cholesky if the step has one, else PCG
-            u, mvm["init"] = solve_mean(prob, gamma, cg_tol=min(cg_tol, 1e-8), cg_max_iter=cg_max_iter, chol=step.chol)
+            u, mvm["init"] = solve_mean(prob, gamma, cg_tol=min(o.cg_tol, 1e-8), cg_max_iter=o.cg_max_iter,
+                                        chol=step.chol)
         stats["outer_mvm"].append(step.num_mvm)
         stats["lanczos_steps"].append(step.lanczos.k if step.lanczos is not None else 0)
         phi = phi_value(prob, gamma, u, step.logdet, x_star)
@@ -594,17 +571,18 @@ def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, 
         if progress is not None:
             progress.update(1)
             progress.set_postfix(phi=f"{phi:.6g}", dgamma=f"{rel_gamma:.2e}")
-        if t > 0 and rel_gamma <= gamma_tol and abs(stats["phi"][-1] - stats["phi"][-2]) <= phi_tol * max(1.0, abs(phi)):
+        if t > 0 and rel_gamma <= o.gamma_tol and \
+                abs(stats["phi"][-1] - stats["phi"][-2]) <= o.phi_tol * max(1.0, abs(phi)):
             converged = True
             break
-        if (t == int(max_outer) and not warm) or not q:
+        if (t == o.max_outer and not warm) or not q:
             converged = converged or not q
             break
-        z = step.z.clamp_min(z_min)
+        z = step.z.clamp_min(o.z_min)
         c_before = prob.counts.get("B", 0)
         t_start = time.perf_counter()
-        inner = inner_loop(prob, z, u, max_newton=max_newton, cg_tol=cg_tol, newton_tol=newton_tol,
-                           cg_max_iter=cg_max_iter, chol=step.chol)
+        inner = inner_loop(prob, z, u, max_newton=o.max_newton, cg_tol=o.cg_tol, newton_tol=o.newton_tol,
+                           cg_max_iter=o.cg_max_iter, chol=step.chol)
         seconds["inner"] += time.perf_counter() - t_start
         b_counts["inner"] += prob.counts.get("B", 0) - c_before
         mvm["inner"] += inner.num_mvm
@@ -625,6 +603,6 @@ def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, 
     mvm["total_B_products"] = prob.counts.get("B", 0) - counts0.get("B", 0)
     # with approximate variances phi need not decrease (Seeger 2010 §4.2): return the best iterate seen
     bstep = best["step"]
-    return dict(u=best["u"], gamma=best["gamma"], x_star=best["x_star"], step=bstep, best_phi=best["phi"],
-                best_index=best["index"], converged=converged, mvm=mvm, variance_method=bstep.method,
-                variance_estimator=bstep.estimator, variances_are_lower_bounds=bstep.lower_bounds, **stats)
+    out = RelaxationState(best["gamma"], best["u"], bstep.z, bstep.logdet, bstep.chol, bstep.lanczos, bstep.method,
+                          bstep.pca_rank)
+    return out, dict(step=bstep, best_phi=best["phi"], best_index=best["index"], converged=converged, mvm=mvm, **stats)
