@@ -32,7 +32,7 @@ from pyro_convexvb.infer.convex_relaxation import (
 from pyro_convexvb.infer.convex_relaxation.potentials import WeightedPotential, potential_for
 from pyro_convexvb.infer.dual_vg import fit_dual_vg, make_bound
 from pyro_convexvb.infer.dual_vg.bounds import WeightedBound
-from pyro_convexvb.infer.dual_vg.guide import dual_vg_applies
+from pyro_convexvb.infer.dual_vg.engine import dual_vg_applies
 from pyro_convexvb.lgm.layout import LatentLayout
 from pyro_convexvb.lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
 from pyro_convexvb.lgm.sites import (

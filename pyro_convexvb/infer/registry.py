@@ -15,7 +15,7 @@ __all__ = ["register_engine", "engines", "get_engine", "engines_that_fit", "fit"
 #: name -> "module:Class" of the built-in engines (imported lazily).
 BUILTIN_ENGINES = {
     "convex_relaxation": "pyro_convexvb.infer.convex_relaxation.engine:ConvexVariationalRelaxation",
-    "dual_vg": "pyro_convexvb.infer.dual_vg.guide:DualVGEngine",
+    "dual_vg": "pyro_convexvb.infer.dual_vg.engine:DualVGEngine",
     "diag_mixture": "pyro_convexvb.infer.diag_mixture:DiagMixtureEngine",
     "svi_autonormal": "pyro_convexvb.infer.baselines:SVIAutoNormal",
     "svi_automvn": "pyro_convexvb.infer.baselines:SVIAutoMultivariateNormal",

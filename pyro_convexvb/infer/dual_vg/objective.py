@@ -84,6 +84,9 @@ class SiteSpaceBackend:
 
     :param torch.Tensor Sigma_tilde: ``(N, N)`` ``W Sigma W^T`` (e.g. a GP kernel matrix ``K``).
     :param torch.Tensor mu_tilde: ``(N,)`` ``W mu + d``.
+    :param latent: ``(W Sigma, mu, Sigma)`` for a general design ``W`` (``None``: ``W = I``, the latent is
+        ``eta - d``), for :meth:`latent_posterior`.
+    :param torch.Tensor site_offset: ``(N,)`` offsets ``d`` (``None``: zero).
 
     Example::
 
@@ -96,8 +99,9 @@ class SiteSpaceBackend:
 
     kind = "site"
 
-    def __init__(self, Sigma_tilde, mu_tilde):
+    def __init__(self, Sigma_tilde, mu_tilde, latent=None, site_offset=None):
         N = mu_tilde.shape[0]
+        self.latent, self.site_offset = latent, site_offset
         if tuple(Sigma_tilde.shape) != (N, N):
             raise ValueError(f"Sigma_tilde: expected shape ({N}, {N}), got {tuple(Sigma_tilde.shape)}")
         if not torch.isfinite(Sigma_tilde).all() or not torch.isfinite(mu_tilde).all():
@@ -111,7 +115,7 @@ class SiteSpaceBackend:
     def prior_marginals(self):
         return self.mu_t, self.diag_St
 
-    def _chol(self, lam):
+    def factor(self, lam):
         """``(R, s)``: ``R R^T = B = I + Lam^1/2 Sigma_t Lam^1/2``, ``s = Lam^1/2`` (cached per ``lam``)."""
         if self._cache is None or not _same(self._cache[0], lam):
             s = lam.clamp_min(0).sqrt()
@@ -123,7 +127,7 @@ class SiteSpaceBackend:
         return self._cache[1]
 
     def _binv(self, lam):
-        R, _ = self._chol(lam)
+        R, _ = self.factor(lam)
         if self._cache[2] is None:
             self._cache[2] = torch.cholesky_inverse(R)
         return self._cache[2]
@@ -134,7 +138,7 @@ class SiteSpaceBackend:
 
     def _weak_columns(self, lam, weak):
         """``V_t[:, weak] = Sigma_t[:, weak] - Sigma_t Lam^1/2 B^{-1} Lam^1/2 Sigma_t[:, weak]``."""
-        _, s = self._chol(lam)
+        _, s = self.factor(lam)
         Y = self._binv(lam) @ (s[:, None] * self.St[:, weak])
         return self.St[:, weak] - self.St @ (s[:, None] * Y)
 
@@ -148,7 +152,7 @@ class SiteSpaceBackend:
         return v
 
     def evaluate(self, alpha, lam, hessian=False):
-        R, _ = self._chol(lam)
+        R, _ = self.factor(lam)
         St_a = self.St @ alpha
         if hessian:
             V = self.site_covariance(lam)
@@ -170,7 +174,7 @@ class SiteSpaceBackend:
         sites (``lam_n Sigma_nn < SMALL_PRECISION``, where ``1 - (B^{-1})_nn`` would cancel) come from
         ``Sigma_t - Sigma_t Lam^1/2 B^{-1} Lam^1/2 Sigma_t`` directly.
         """
-        _, s = self._chol(lam)
+        _, s = self.factor(lam)
         Binv = self._binv(lam)
         weak = self._weak_sites(lam)
         inv_s = torch.where(s > 0, 1.0 / s.clamp_min(torch.finfo(s.dtype).tiny), torch.zeros_like(s))
@@ -189,6 +193,22 @@ class SiteSpaceBackend:
         V = self.site_covariance(lam)
         V = 0.5 * (V + V.transpose(0, 1))
         return GaussianPosterior(m, covariance=V)
+
+    def latent_posterior(self, alpha, lam):
+        """``q(z)`` over the latent ``z`` (Khan et al. 2013, Eqs. 17-18): with a general design ``W``,
+        ``m = mu - Sigma W^T alpha``, ``V = Sigma - Sigma W^T Lam^1/2 B^{-1} Lam^1/2 W Sigma``; with ``W = I`` the
+        Gaussian over ``eta`` (:meth:`posterior`) shifted back by the offset, ``z = eta - d``."""
+        if self.latent is not None:
+            WS, mu, S = self.latent  # WS = W Sigma  (N, L)
+            R, s = self.factor(lam)
+            T = torch.linalg.solve_triangular(R, s[:, None] * WS, upper=False)  # R^{-1} Lam^1/2 W Sigma  (N, L)
+            V = S - T.transpose(0, 1) @ T
+            return GaussianPosterior(mu - WS.transpose(0, 1) @ alpha, covariance=0.5 * (V + V.transpose(0, 1)))
+        q = self.posterior(alpha, lam)
+        d = self.site_offset
+        if d is not None and bool((d != 0).any()):
+            q = GaussianPosterior(q.loc - d, covariance=q.covariance(force=True))
+        return q
 
 
 class LatentSpaceBackend:
@@ -302,6 +322,8 @@ class LatentSpaceBackend:
         A, R, G = self._factor(lam)
         m = self.mu - self.S @ self._rmv(alpha)
         return GaussianPosterior(m, precision=0.5 * (A + A.transpose(0, 1)))
+
+    latent_posterior = posterior  # the latent is z itself
 
 
 class LatentSpaceHessian:
@@ -631,6 +653,8 @@ class SparsePrecisionBackend:
         J = sp.vstack([self.cholQ.factor_matrix(), sp.diags(np.sqrt(np.clip(lam_np, 0, None))) @ self.Ws]).tocsr()
         return GaussianPosterior(self._t(m), self._t(Zd), precision_operator=_sparse_op(A, self.dtype, self.device),
                                  precision_factor=_sparse_op(J, self.dtype, self.device))
+
+    latent_posterior = posterior  # the latent is the field itself
 
 
 #: the former name of :class:`SparsePrecisionBackend` (a banded ``Q`` is one sparse ``Q``)
