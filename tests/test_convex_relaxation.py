@@ -32,7 +32,7 @@ from pyro_convexvb.infer.convex_relaxation import (
     h_star_implicit,
     predictive_marginals,
 )
-from pyro_convexvb.infer.convex_relaxation.options import ConvexRelaxationOptions as O
+from pyro_convexvb.infer.convex_relaxation import ConvexRelaxationOptions as O
 from pyro_convexvb.infer.convex_relaxation.outer import logdet_upper_bound, variance_step
 from pyro_convexvb.lgm.layout import LatentLayout
 from pyro_convexvb.lgm.model import LatentGaussianModel, PriorBlock, SiteGroup

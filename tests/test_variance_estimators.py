@@ -16,7 +16,7 @@ from pyro_convexvb.infer.convex_relaxation.outer import (
     variance_costs,
     variance_step,
 )
-from pyro_convexvb.infer.convex_relaxation.options import ConvexRelaxationOptions as O
+from pyro_convexvb.infer.convex_relaxation import ConvexRelaxationOptions as O
 from pyro_convexvb.infer.convex_relaxation.problem import RelaxationProblem, operator_flops
 from pyro_convexvb.lgm.layout import LatentLayout
 from pyro_convexvb.lgm.model import LatentGaussianModel, PriorBlock, SiteGroup

@@ -836,12 +836,8 @@ def _natural_gradient_refusal(call, lgm, n_guide, learn_params):
 
 @dataclass(frozen=True)
 class MixtureState:
-    """The fitted mixture of a ``diag_mixture`` fit, from which ``init=`` resumes (Steinberg et al. 2017, §1.3).
-
-    :ivar locs: ``(K, D)`` component means and :ivar variances: ``(K, D)`` variances, over the model's
-        unconstrained latent vector.
-    :ivar steps: optimiser steps of the fit; :ivar optimizer: ``"svi"`` or ``"natural_gradient"``.
-    """
+    """The fitted mixture (``locs``, ``variances``: ``(K, D)`` over the unconstrained latents) after ``steps`` of
+    ``optimizer`` (``"svi"`` or ``"natural_gradient"``); ``init=`` resumes from it (Steinberg et al. 2017, §1.3)."""
 
     engine: ClassVar[str] = "diag_mixture"
     options: ClassVar[tuple] = ()
@@ -852,7 +848,6 @@ class MixtureState:
     optimizer: str = "svi"
 
     def warm_start(self):
-        """The state a fit of a nearby model starts from: this mixture."""
         return self
 
 
@@ -1012,10 +1007,8 @@ class DiagMixtureEngine(SVIEngine):
         with poutine.block(), torch.no_grad():
             try:
                 guide(*call.args, **call.kwargs)  # builds the prototype and the initial parameters
-            except ValueError as e:
-                if start is None:
-                    raise
-                raise ValueError(f"init: {e} (a state of another model)") from None
+            except ValueError as e:  # an init state of another model
+                raise (e if start is None else ValueError(f"init: {e}")) from None
         if self._use_natural_gradient(call, lgm, guide, red):
             value, steps, reason = self._fit_natural_gradient(guide, lgm, run)
             info_opt = {"optimizer": "natural_gradient", "elbo_estimate": value, "steps": steps}

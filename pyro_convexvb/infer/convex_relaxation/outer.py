@@ -43,7 +43,6 @@ from ...linalg.cg import cg
 from ...linalg.lanczos import block_lanczos, pca_variances
 from ...linalg.operators import ComposedOperator, as_operator
 from .inner import inner_loop
-from .options import ConvexRelaxationOptions
 from .problem import operator_flops
 from .state import RelaxationState, h_value, phi_value
 
@@ -80,8 +79,6 @@ BLOCK_SPEEDUP_MAX = 3.0
 #: Whitened estimator: smallest fraction of the latent coordinates under dense-covariance prior blocks.
 WHITEN_DENSE_FRACTION = 0.5
 
-_METHODS = ("lanczos", "exact", "pca", "auto")
-_ESTIMATORS = ("auto", "k-lanczos", "whitened")
 
 
 @dataclass
@@ -158,15 +155,6 @@ class WhitenedLanczos:
         """Whether the run on ``A_v`` broke down (see :class:`~pyro_convexvb.linalg.LanczosResult`)."""
         return self.result.breakdown
 
-    @property
-    def Q(self):
-        raise AttributeError("WhitenedLanczos has no Q: its covariance is Sigma - L Q (I - T^-1) Q^T L^T, not "
-                             "Q T^-1 Q^T; use variances(D), covariance_factor(), or .result for the run on A_v")
-
-    def T(self):
-        """Not available (see :attr:`Q`)."""
-        raise AttributeError("WhitenedLanczos has no T in the covariance form Q T^-1 Q^T; use .result.T() for A_v")
-
     def variances(self, D=None, chunk=256):
         """``diag(D Cov D^T)`` in this approximation, for ``D`` ``(m, n)`` (``None``: the identity, ``Var[u]``).
 
@@ -227,8 +215,6 @@ def choose_lanczos_estimator(prob):
 
 
 def _resolve_estimator(prob, estimator):
-    if estimator not in _ESTIMATORS:
-        raise ValueError(f"lanczos_estimator: expected one of {_ESTIMATORS}, got {estimator!r}")
     if estimator == "auto":
         return choose_lanczos_estimator(prob)
     if estimator == "whitened" and prob.covariance_blocks() is None:
@@ -251,7 +237,7 @@ def variance_costs(prob, opts):
       (``FORM_FLOP_SECONDS n f_A + EXACT_CUBIC_SECONDS n^3 / 4``, the Cholesky share of the cubic term).
 
     :param prob: :class:`~.problem.RelaxationProblem`.
-    :param opts: :class:`~.options.ConvexRelaxationOptions` (``lanczos_rank`` ``k``, ``lanczos_block_size`` ``b``,
+    :param opts: :class:`~.engine.ConvexRelaxationOptions` (``lanczos_rank`` ``k``, ``lanczos_block_size`` ``b``,
         ``dense_logdet_max``, ``lanczos_estimator``).
     :returns: ``dict(exact=seconds, lanczos=seconds, estimator=..., k=k)``.
     """
@@ -274,7 +260,7 @@ def choose_variance_method(prob, opts):
     """``"exact"`` if ``n <= opts.exact_max`` and the cost model predicts a dense Cholesky variance step to be
     cheaper than a ``opts.lanczos_rank``-step Lanczos one (:func:`variance_costs`), else ``"lanczos"``.
 
-    :param opts: :class:`~.options.ConvexRelaxationOptions`.
+    :param opts: :class:`~.engine.ConvexRelaxationOptions`.
     :returns: ``"exact"`` or ``"lanczos"``.
     """
     if prob.n > opts.exact_max:
@@ -414,7 +400,7 @@ def variance_step(prob, gamma, opts, generator=None):
 
     :param prob: :class:`~.problem.RelaxationProblem`.
     :param gamma: ``(q,)`` site widths.
-    :param opts: :class:`~.options.ConvexRelaxationOptions`: ``variance`` (``"lanczos"``, ``"pca"``, ``"exact"`` or
+    :param opts: :class:`~.engine.ConvexRelaxationOptions`: ``variance`` (``"lanczos"``, ``"pca"``, ``"exact"`` or
         ``"auto"``, :func:`choose_variance_method`), ``lanczos_rank`` ``k``, ``pca_rank`` ``L``,
         ``dense_logdet_max`` (largest ``n`` for an exact, Cholesky ``log|A|`` in the Lanczos/PCA modes),
         ``lanczos_block_size`` ``b`` (``1``: Nickisch & Seeger's (2009) single-vector Lanczos; ``b > 1``:
@@ -484,7 +470,7 @@ def solve_mean(prob, gamma, u0=None, cg_tol=1e-10, cg_max_iter=None, chol=None):
 _OPTION_NAMES = {"gamma": "gamma_init", "z": "z_init", "u": "u_init"}
 
 
-def double_loop(prob, opts=None, state=None, run=None, *, state_names=None):
+def double_loop(prob, opts, state=None, run=None, *, state_names=None):
     r"""The double-loop algorithm of Nickisch & Seeger 2009, §2.2, from ``state`` to a new state.
 
     ``t = 0, 1, ...``: variance step at ``gamma_t`` (gives ``z_t`` and completes ``phi(gamma_t)``);
@@ -504,8 +490,7 @@ def double_loop(prob, opts=None, state=None, run=None, *, state_names=None):
     (:func:`choose_lanczos_estimator`).
 
     :param prob: :class:`~.problem.RelaxationProblem`.
-    :param opts: :class:`~.options.ConvexRelaxationOptions` (default options when ``None``); ``seed`` seeds the
-        Lanczos start vectors.
+    :param opts: :class:`~.engine.ConvexRelaxationOptions`; ``seed`` seeds the Lanczos start vectors.
     :param state: :class:`~.state.RelaxationState` to start from, or ``None`` (Gaussians touching each site).
     :param run: a :class:`~pyro_convexvb.infer.engine.RunContext` (history and progress bar), or ``None``.
     :param dict state_names: how to name the state's fields in errors (default ``init.gamma``, ...).
@@ -514,8 +499,7 @@ def double_loop(prob, opts=None, state=None, run=None, *, state_names=None):
         returned iterate), ``mvm`` (per phase) and per-iteration lists (``logdet``, ``newton_steps``,
         ``cg_iterations``, ``inner_converged``, ``rel_gamma``, ``lanczos_steps``, ``inner_mvm``, ``outer_mvm``).
     """
-    o = ConvexRelaxationOptions() if opts is None else opts
-    n, q = prob.n, prob.q
+    o, n, q = opts, prob.n, prob.q
     variance = choose_variance_method(prob, o) if o.variance == "auto" else o.variance
     estimator = _resolve_estimator(prob, o.lanczos_estimator) if variance == "lanczos" else o.lanczos_estimator
     o = o.replace(variance=variance, lanczos_estimator=estimator)

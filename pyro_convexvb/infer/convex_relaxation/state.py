@@ -1,8 +1,4 @@
-r"""``RelaxationState``: the immutable state of the double loop (Nickisch & Seeger 2009, §2.2), in and out.
-
-:func:`~.outer.double_loop` starts from a state (or from the default widths) and returns a new one;
-``InferenceResult.state`` carries it, and ``pcv.fit(..., init=res.state)`` resumes from it.
-"""
+"""The criterion ``phi`` and the immutable state in and out of the double loop (Nickisch & Seeger 2009, §2.1-2.2)."""
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Optional
 
@@ -29,20 +25,15 @@ def phi_value(prob, gamma, u, logdet, x_star=None):
 
 @dataclass(frozen=True)
 class RelaxationState:
-    r"""Site widths, mean and variances of one outer iteration of the double loop (Nickisch & Seeger 2009, §2.2).
+    r"""One outer iteration of the double loop: ``pcv.fit(..., init=state)`` resumes from it.
 
-    The sites ``s = B u`` are laid out as in :func:`~.api.site_designs` (one slice per non-Gaussian group).
-
-    :ivar gamma: ``(q,)`` site widths ``gamma``.
-    :ivar u: ``(n,)`` mean ``u_* = argmin_u R(u, gamma)``, or ``None`` (solved at the first step).
-    :ivar z: ``(q,)`` site variances ``diag(B A^{-1} B^T)`` at ``gamma``, or ``None``; given, a fit skips its
-        first variance step (the warm start of Nickisch & Seeger 2009, §3).
-    :ivar logdet: ``log|A|`` at ``gamma`` (exact, or a rigorous upper bound), or ``None``.
-    :ivar cholesky: ``(n, n)`` lower Cholesky factor of ``A`` when the variance step computed one, else ``None``.
-    :ivar lanczos: the variance step's Lanczos result (:class:`~pyro_convexvb.linalg.LanczosResult` for K-Lanczos
-        and L-PCA, :class:`~.outer.WhitenedLanczos` for the whitened estimator), else ``None``.
-    :ivar variance_method: ``"exact"``, ``"lanczos"``, ``"pca"`` or ``"given"`` (a state built by hand).
-    :ivar pca_rank: ``L`` of an L-PCA variance step, else ``None``.
+    :ivar gamma: ``(q,)`` site widths (sites ordered as :func:`~.api.site_designs`); :ivar u: ``(n,)`` mean
+        ``argmin_u R(u, gamma)`` or ``None``; :ivar z: ``(q,)`` ``diag(B A^{-1} B^T)`` at ``gamma`` or ``None``
+        (given, a fit skips its first variance step: Nickisch & Seeger 2009, §3); :ivar logdet: ``log|A|`` (or
+        a rigorous upper bound) or ``None``.
+    :ivar cholesky: ``(n, n)`` Cholesky factor of ``A``, else ``None``; :ivar lanczos: else the variance step's
+        Lanczos result (``LanczosResult`` or :class:`~.outer.WhitenedLanczos`).
+    :ivar variance_method: ``"exact"``, ``"lanczos"``, ``"pca"`` (``pca_rank`` ``L``) or ``"given"`` (by hand).
 
     Example::
 
@@ -52,10 +43,10 @@ class RelaxationState:
         >>> lgm = pcv.LatentGaussianModel.from_design(X, BernoulliLogit(y), prior_scale=1.0)
         >>> res = pcv.fit(lgm, engine="convex_relaxation", options={"variance": "exact", "max_outer": 30},
         ...               progress=False)
-        >>> st = res.state
-        >>> st.gamma.shape, st.z.shape, abs(float(st.bound_at(lgm)) - res.log_evidence_bound) < 1e-8
-        (torch.Size([40]), torch.Size([40]), True)
-        >>> again = pcv.fit(lgm, engine="convex_relaxation", options={"variance": "exact"}, init=st, progress=False)
+        >>> abs(float(res.state.bound_at(lgm)) - res.log_evidence_bound) < 1e-8
+        True
+        >>> again = pcv.fit(lgm, engine="convex_relaxation", options={"variance": "exact"}, init=res.state,
+        ...                 progress=False)
         >>> again.converged, len(again.history["objective"])
         (True, 2)
     """
@@ -74,18 +65,13 @@ class RelaxationState:
     pca_rank: Optional[int] = None
 
     def warm_start(self):
-        """A state for a fit of a nearby model (other hyperparameters, a conditioned model): the widths only,
-        since ``z``, ``u`` and ``log|A|`` belong to this model; ``None`` when there are no positive widths."""
+        """The widths only (``z``, ``u``, ``log|A|`` belong to this model), for a fit of a nearby model."""
         g = self.gamma
         return RelaxationState(g) if g.numel() and bool((g > 0).all()) else None
 
     def checked(self, prob, names=None):
-        """This state in ``prob``'s dtype and device, checked against its shapes.
-
-        :param prob: :class:`~.problem.RelaxationProblem`.
-        :param dict names: how to name each field in errors (default ``init.gamma``, ...).
-        :raises ValueError: naming the field, for a wrong shape or non-finite (or nonpositive ``gamma``) entries.
-        """
+        """This state in ``prob``'s dtype and device; :raises ValueError: naming the field (``names``, default
+        ``init.gamma``, ...) for a wrong shape or non-finite (or nonpositive ``gamma``) entries."""
         names = names or {f: f"init.{f}" for f in ("gamma", "z", "u")}
         dt, dev, q, n = prob.dtype, prob.device, prob.q, prob.n
         gamma = torch.as_tensor(self.gamma, dtype=dt, device=dev)
@@ -107,13 +93,8 @@ class RelaxationState:
         return replace(self, **out)
 
     def bound_at(self, lgm):
-        r"""``C(theta) - phi(gamma, u; theta)/2`` at this state's ``(gamma, u)`` on ``lgm`` (Nickisch & Seeger 2009,
-        §2.1), with the exact ``log|A|`` (dense Cholesky): the evidence bound of the model at other hyperparameters
-        ``theta`` (the type-II envelope, :mod:`~pyro_convexvb.infer.type2`).
-
-        :param lgm: a :class:`~pyro_convexvb.LatentGaussianModel` of the same shape.
-        :returns: a float.
-        """
+        r"""``C(theta) - phi(gamma, u; theta)/2`` at this ``(gamma, u)`` on ``lgm`` (the model at other
+        hyperparameters ``theta``; Nickisch & Seeger 2009, §2.1) with the exact ``log|A|``: the type-II envelope."""
         prob = RelaxationProblem(lgm)
         st = self.checked(prob)
         A = prob.dense_a(1.0 / st.gamma if prob.q else None)

@@ -1,12 +1,5 @@
-r"""The ``dual_vg`` engine (Khan et al. 2013): the storage form of the dual, the solve, the recovered ``q``.
-
-``fit_dual_vg(lgm, ...)`` builds the storage form of the dual that fits the model (``N x N``
-site space, ``L x L`` latent space, or a banded GMRF precision), minimises the reduced dual with
-:func:`~.optim.solve_dual`, recovers ``q = N(m*, V*)`` (Khan et al. 2013, Eqs. 17-18) and reports the exact
-variational-Gaussian bound of that ``q`` (closed-form or Gauss-Hermite site expectations; never
-``-g``), with the duality gap of every iteration in the history. The answer's :class:`~.state.DualState`
-resumes a fit (``init=``).
-"""
+"""The ``dual_vg`` engine (Khan et al. 2013): the storage form of the dual, the solve, the recovered ``q``
+(:class:`DualVGEngine`); its :class:`~.state.DualState` resumes a fit (``init=``)."""
 import typing
 from dataclasses import dataclass
 
@@ -16,7 +9,7 @@ from ...errors import UnsupportedModelError
 from ...linalg.operators import IdentityOperator, SparseOperator
 from ..engine import Criterion, Engine, LGMEngineOptions, Optimality, Solution, option
 from .bounds import LogitJaakkolaBound, StackedBound, make_bound
-from .objective import BandedPrecisionBackend, LatentSpaceBackend, SiteSpaceBackend, exact_elbo
+from .objective import LatentSpaceBackend, SiteSpaceBackend, SparsePrecisionBackend, exact_elbo
 from .optim import default_gap_tol, refine_exact, solve_dual
 from .sharding import sharded_design, site_reduction
 from .state import DualState
@@ -106,7 +99,7 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
         Q = lgm.priors[0].prec if len(lgm.priors) == 1 else None
         if Q is None:
             raise ValueError("form='banded' needs a single prior block given by a sparse precision")
-        backend = BandedPrecisionBackend(Q, mu, None if _is_identity(W, L) else W, d)
+        backend = SparsePrecisionBackend(Q, mu, None if _is_identity(W, L) else W, d)
     elif form == "latent":
         backend = LatentSpaceBackend(W, mu, d, prior_cov=None if precision_only else lgm.dense_prior_cov(),
                                      prior_prec=lgm.dense_prior_prec(), prior_logdet_cov=lgm.prior_logdet_cov(),
@@ -215,14 +208,19 @@ class DualVGEngine(Engine):
         return envelope_gradient(params, x, self.model, args, kwargs, result.state.bound_at, h, autograd=True)
 
     def initial_alpha(self, lgm, num_sites):
-        """``alpha`` the fit starts from: ``init.alpha``, else option ``alpha0``, else ``None``."""
+        """``alpha`` the fit starts from: ``init.alpha``, else option ``alpha0``, else ``None`` (checked)."""
         o = self.options
         if self.init is not None and o.alpha0 is not None:
             raise ValueError(f"engine '{self.name}': give init or option 'alpha0', not both")
         if self.init is None and o.alpha0 is None:
             return None
-        state, name = (self.init, "init.alpha") if o.alpha0 is None else (DualState(o.alpha0), "option 'alpha0'")
-        return state.checked_alpha(num_sites, lgm.dtype, lgm.device, name)
+        alpha, name = (self.init.alpha, "init.alpha") if o.alpha0 is None else (o.alpha0, "option 'alpha0'")
+        alpha = torch.as_tensor(alpha, dtype=lgm.dtype, device=lgm.device)
+        if alpha.shape != (num_sites,) or not bool(torch.isfinite(alpha).all()):
+            raise ValueError(f"engine '{self.name}': {name} must be a finite vector of one dual variable per observed "
+                             f"site entry, shape ({num_sites},); got shape {tuple(alpha.shape)}"
+                             + ("" if alpha.shape != (num_sites,) else " with non-finite entries"))
+        return alpha
 
     def solve(self, lgm, run):
         o = self.options
@@ -258,7 +256,7 @@ class DualVGEngine(Engine):
             opt = Optimality(opt.criteria + (Criterion("exact-VG fixed-point residual (relative change of the site natural parameters)",
                                                        info["refine_residual"], REFINE_RESIDUAL_TOL),))
         reason = "duality gap" if sol.converged else "max_iter"
-        state = DualState(alpha, lam, form, backend, lb, o.bound, o.xi, posterior)
+        state = DualState(alpha, lam, form, backend, o.bound, o.xi, posterior)
         return Solution(posterior, bound_value, opt, reason, info, state=state)
 
 
@@ -268,16 +266,8 @@ def fit_dual_vg(lgm, progress=True, **options):
 
 
 def site_space_predictive(result, K_cross, k_test_diag, prior_mean_test=0.0):
-    r"""Latent predictive at test inputs from a site-form ``dual_vg`` fit of a GP, without inverting ``K``:
-    :meth:`~.state.DualState.site_predictive` of ``result.state``.
-
-    :param result: an :class:`~pyro_convexvb.InferenceResult` of ``dual_vg`` in the ``"site"`` form with
-        an identity design (the latent is the GP's ``f`` at the training inputs).
-    :param torch.Tensor K_cross: ``(m, N)`` test-train kernel matrix.
-    :param torch.Tensor k_test_diag: ``(m,)`` prior variances at the test inputs.
-    :param prior_mean_test: prior mean at the test inputs (number or ``(m,)``).
-    :returns: ``(mean (m,), var (m,))``.
-    """
+    """Latent predictive ``(mean (m,), var (m,))`` at test inputs of a site-form ``dual_vg`` fit of a GP:
+    :meth:`~.state.DualState.site_predictive` of ``result.state``."""
     if not isinstance(result.state, DualState):
         raise ValueError("site_space_predictive needs a dual_vg result in the N x N site form with an identity "
                          "design (a GP over the training inputs)")

@@ -8,19 +8,12 @@ from torch import nn
 from pyro.infer.autoguide import AutoMultivariateNormal
 from pyro.nn.module import PyroParam
 
+from . import engine
 from .bounds import LOGIT_BOUNDS
-from .engine import (  # noqa: F401  (the engine's names, importable from here as before)
-    SUPPORTED_FAMILIES,
-    DualVGEngine,
-    DualVGOptions,
-    build_dual_problem,
-    dual_vg_applies,
-    fit_dual_vg,
-    site_space_predictive,
-)
+from .engine import *  # noqa: F401,F403  (the engine's names, importable from here as before)
+from .engine import DualVGEngine, DualVGOptions
 
-__all__ = ["DualVG", "DualVGEngine", "DualVGOptions", "fit_dual_vg", "site_space_predictive", "dual_vg_applies",
-           "build_dual_problem", "SUPPORTED_FAMILIES"]
+__all__ = ["DualVG"] + engine.__all__
 
 
 class DualVG(AutoMultivariateNormal):

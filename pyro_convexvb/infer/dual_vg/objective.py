@@ -419,79 +419,6 @@ class LatentSpaceHessian:
         return H
 
 
-# ----------------------------------------------------------------------------- banded selected inversion
-# (Takahashi recursion on a banded factor; the GMRF backend below uses the general sparse layer,
-# pyro_convexvb.linalg.SparseCholesky)
-def _to_band_lower(A_csr, b):
-    """scipy CSR symmetric -> lower band storage ``ab[d, i] = A[i + d, i]``, ``d = 0..b``."""
-    n = A_csr.shape[0]
-    ab = np.zeros((b + 1, n))
-    coo = A_csr.tocoo()
-    m = coo.row >= coo.col
-    r, c, v = coo.row[m], coo.col[m], coo.data[m]
-    np.add.at(ab, (r - c, c), v)
-    return ab
-
-
-def _takahashi_band(Lb):
-    """Selected inverse of ``A = L L^T`` within the band (Takahashi recursion), ``O(n b^2)``.
-
-    :param Lb: lower band storage of the Cholesky factor, ``Lb[d, i] = L[i + d, i]``.
-    :returns: ``Zb[d, i] = (A^{-1})[i + d, i]`` for ``d = 0..b``.
-    """
-    return _takahashi_kernel(np.ascontiguousarray(Lb))
-
-
-def _takahashi_py(Lb):
-    b1, n = Lb.shape
-    b = b1 - 1
-    Zb = np.zeros_like(Lb)
-
-    def Z(i, j):  # symmetric access, |i-j| <= b
-        if i < j:
-            i, j = j, i
-        return Zb[i - j, j]
-
-    for i in range(n - 1, -1, -1):
-        kmax = min(i + b, n - 1)
-        lii = Lb[0, i]
-        for j in range(kmax, i - 1, -1):
-            s = 0.0
-            for k in range(i + 1, kmax + 1):
-                s += Lb[k - i, i] * Z(k, j)
-            val = ((1.0 / lii if j == i else 0.0) - s) / lii
-            Zb[j - i, i] = val
-    return Zb
-
-
-try:  # pragma: no cover - numba is an installed dependency, fall back to Python otherwise
-    import numba
-
-    @numba.njit(cache=True)
-    def _takahashi_kernel(Lb):
-        b1, n = Lb.shape
-        b = b1 - 1
-        Zb = np.zeros_like(Lb)
-        for i in range(n - 1, -1, -1):
-            kmax = min(i + b, n - 1)
-            lii = Lb[0, i]
-            for j in range(kmax, i - 1, -1):
-                s = 0.0
-                for k in range(i + 1, kmax + 1):
-                    if k >= j:
-                        zkj = Zb[k - j, j]
-                    else:
-                        zkj = Zb[j - k, k]
-                    s += Lb[k - i, i] * zkj
-                if j == i:
-                    Zb[0, i] = (1.0 / lii - s) / lii
-                else:
-                    Zb[j - i, i] = -s / lii
-        return Zb
-except ImportError:  # pragma: no cover
-    _takahashi_kernel = _takahashi_py
-
-
 class SparsePrecisionBackend:
     r"""Latent GMRF form: sparse prior precision ``Q``; sites ``eta_n = w_n z_{j(n)} + d_n``.
 
@@ -759,17 +686,6 @@ def _to_scipy(M):
     if hasattr(M, "to_dense"):
         return sp.csr_matrix(M.to_dense().detach().cpu().numpy())
     return sp.csr_matrix(np.asarray(M))
-
-
-def _band_to_sparse(ab, n, symmetric=True):
-    import scipy.sparse as sp
-
-    b = ab.shape[0] - 1
-    low = sp.diags([ab[d, : n - d] for d in range(b + 1)], [-d for d in range(b + 1)], shape=(n, n), format="csr")
-    if not symmetric:
-        return low
-    up = sp.diags([ab[d, : n - d] for d in range(1, b + 1)], [d for d in range(1, b + 1)], shape=(n, n), format="csr")
-    return (low + up).tocsr()
 
 
 def _sparse_op(M, dtype, device):

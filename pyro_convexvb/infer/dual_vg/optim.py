@@ -145,7 +145,7 @@ def _site_pcg(matvec, b, precond, rtol, max_iter, red):
 
 
 def solve_dual(backend, bound, alpha0=None, *, method="newton", gap_tol=None, max_iter=None, memory=20,
-               history=None, on_fail="warn", progress=False, callback=None, newton_solver="auto"):
+               history=None, on_fail="warn", callback=None, newton_solver="auto"):
     r"""Minimise the reduced dual ``g(alpha)`` (Khan et al. 2013, Eq. 20 with ``lambda = ell(alpha)``).
 
     :param backend: :class:`~.objective.SiteSpaceBackend`, :class:`~.objective.LatentSpaceBackend` or

@@ -1,8 +1,4 @@
-r"""``DualState``: the immutable state of the ``dual_vg`` engine (Khan et al. 2013), in and out.
-
-The dual variables ``alpha`` (one per observed site entry) determine the fit: ``lambda = ell(alpha)`` and
-``q = N(m*, V*)`` (Khan et al. 2013, Eqs. 17-18) follow from them, so a fit resumes from ``alpha``.
-"""
+"""The immutable state in and out of the ``dual_vg`` engine: its dual variables and problem (Khan et al. 2013)."""
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -17,15 +13,13 @@ __all__ = ["DualState"]
 
 @dataclass(frozen=True)
 class DualState:
-    r"""The dual optimum of a ``dual_vg`` fit and the problem it belongs to.
+    r"""The dual optimum of a ``dual_vg`` fit: ``alpha`` determines ``lambda`` and ``q`` (Khan et al. 2013, Eqs.
+    17-18), so ``pcv.fit(..., init=state)`` resumes from it.
 
-    :ivar alpha: ``(N,)`` dual variables (Khan et al. 2013, Eq. 20), one per observed site entry.
-    :ivar lam: ``(N,)`` site precisions ``lambda = ell(alpha)``.
-    :ivar form: storage form of the dual: ``"site"`` (``N x N``), ``"latent"`` (``L x L``) or ``"banded"``.
-    :ivar backend: the dual problem in that form (:mod:`~.objective`).
-    :ivar local_bound: the local bound of the sites (:mod:`~.bounds`).
-    :ivar bound: the Bernoulli-logit bound option (``"tight"``, ...) and :ivar xi: the Jaakkola parameters option.
-    :ivar posterior: ``q(u) = N(m*, V*)`` over the latent vector of the fitted model.
+    :ivar alpha: ``(N,)`` dual variables (Eq. 20); :ivar lam: ``(N,)`` site precisions ``ell(alpha)``.
+    :ivar form: ``"site"`` (``N x N``), ``"latent"`` (``L x L``) or ``"banded"``; :ivar backend: the dual problem
+        in that form (:mod:`~.objective`); :ivar bound: and
+        :ivar xi: the ``bound`` and ``xi`` options; :ivar posterior: ``q(u) = N(m*, V*)`` of the fitted model.
 
     Example::
 
@@ -50,32 +44,18 @@ class DualState:
     lam: torch.Tensor = None
     form: str = ""
     backend: Any = None
-    local_bound: Any = None
     bound: str = "tight"
     xi: Any = None
     posterior: Any = None
 
     def warm_start(self):
-        """The state a fit of a nearby model (other hyperparameters) starts from: ``alpha`` (clipped into the
-        new bound's domain by :func:`~.optim.solve_dual`)."""
+        """``alpha`` alone, for a fit of a nearby model (clipped into its domain by :func:`~.optim.solve_dual`)."""
         return DualState(self.alpha)
 
-    def checked_alpha(self, num_sites, dtype, device, name="init.alpha"):
-        """``alpha`` in ``dtype``/``device``; :raises ValueError: naming ``name`` unless it is a finite ``(N,)``."""
-        alpha = torch.as_tensor(self.alpha, dtype=dtype, device=device)
-        if alpha.shape != (num_sites,) or not bool(torch.isfinite(alpha).all()):
-            raise ValueError(f"engine 'dual_vg': {name} must be a finite vector of one dual variable per observed "
-                             f"site entry, shape ({num_sites},); got shape {tuple(alpha.shape)}"
-                             + ("" if alpha.shape != (num_sites,) else " with non-finite entries"))
-        return alpha
-
     def bound_at(self, lgm):
-        r"""``ELBO_LVB(q*; theta)``: the local-bound ELBO of the fitted ``q*`` on ``lgm`` (the model at other
-        hyperparameters ``theta``; Khan et al. 2013, §5, the type-II envelope), a 0-d tensor, differentiable in
-        the params when ``lgm`` keeps their graph.
-
-        :raises ValueError: for the ``"jaakkola"`` bound (its ``xi`` depend on ``theta``) and row-sharded data.
-        """
+        r"""``ELBO_LVB(q*; theta)`` of the fitted ``q*`` on ``lgm`` (the model at other hyperparameters; Khan et al.
+        2013, §5: the type-II envelope), a 0-d tensor carrying ``lgm``'s graph; refused for ``bound='jaakkola'``
+        (its ``xi`` depend on ``theta``) and row-sharded data."""
         if self.bound == "jaakkola":
             raise ValueError("engine 'dual_vg': learn_params needs a local bound that does not depend on theta "
                              "through its variational parameters; the 'jaakkola' bound fixes xi at the prior "
@@ -95,17 +75,9 @@ class DualState:
         return val
 
     def site_predictive(self, K_cross, k_test_diag, prior_mean_test=0.0):
-        r"""Latent predictive at test inputs of a site-form fit of a GP (identity design), without inverting ``K``.
-
-        Mean ``mu_* - k_*^T alpha`` and variance ``k_** - ||R^{-1} Lambda^{1/2} k_*||^2`` with ``R`` the
-        Cholesky factor of ``I + Lambda^{1/2} K Lambda^{1/2}`` (docs/dual_vg.md, § Algorithm and recovery).
-
-        :param torch.Tensor K_cross: ``(m, N)`` test-train kernel matrix.
-        :param torch.Tensor k_test_diag: ``(m,)`` prior variances at the test inputs.
-        :param prior_mean_test: prior mean at the test inputs (number or ``(m,)``).
-        :returns: ``(mean (m,), var (m,))``.
-        :raises ValueError: unless the fit is in the ``N x N`` site form with an identity design.
-        """
+        r"""Latent predictive ``(mean (m,), var (m,))`` of a site-form GP fit (identity design) at test inputs, without
+        inverting ``K``: ``mu_* - k_*^T alpha`` and ``k_** - ||R^{-1} Lambda^{1/2} k_*||^2``, ``R R^T = I + Lambda^{1/2} K
+        Lambda^{1/2}`` (docs/dual_vg.md, § Algorithm and recovery); ``K_cross`` ``(m, N)``, ``k_test_diag`` ``(m,)``."""
         if not self.gp_site_form:
             raise ValueError("site_predictive needs a dual_vg fit in the N x N site form with an identity design (a GP "
                              "over the training inputs)")
