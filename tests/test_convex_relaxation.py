@@ -476,7 +476,7 @@ def test_logdet_upper_bound_is_rigorous():
     exact = float(torch.logdet(prob.dense_a(1 / gam)))
     for k in (1, 2, 4, 5):
         step = _step(prob, gam, variance="lanczos", lanczos_rank=k, dense_logdet_max=0,
-                             generator=torch.Generator().manual_seed(k))
+                     generator=torch.Generator().manual_seed(k))
         assert step.logdet >= exact - 1e-9
         assert step.logdet_method in ("fischer", "hadamard")
     assert step.logdet == pytest.approx(exact, abs=1e-8)  # k = n: Fischer is an equality
@@ -594,8 +594,8 @@ def test_variance_step_accumulated_z_equals_dense_formula(block_size):
     gam = torch.linspace(0.5, 8.0, prob.q, dtype=D)
     Bd = prob.B.to_dense()
     for k in (1, 2, 4, 5):
-        step = _step(prob, gam, lanczos_rank=k, lanczos_block_size=block_size, generator=torch.Generator().manual_seed(3),
-                             dense_logdet_max=0)
+        step = _step(prob, gam, lanczos_rank=k, lanczos_block_size=block_size,
+                     generator=torch.Generator().manual_seed(3), dense_logdet_max=0)
         Q, T = step.lanczos.Q, step.lanczos.T()
         C = Q @ torch.linalg.solve(T, Q.T)
         torch.testing.assert_close(step.z, torch.diagonal(Bd @ C @ Bd.T), rtol=1e-10, atol=1e-13)

@@ -756,7 +756,8 @@ class Engine:
             run.close()
         crit = Criterion("type-II gradient max |dB/dz| over the params", info["grad_norm"], info["gtol"])
         sol = Solution(res.posterior, res.log_evidence_bound, Optimality(res.optimality.criteria + (crit,)),
-                       f"type-II over {', '.join(names)}; {res.stop_reason}", dict(res.info, type2=info), state=res.state)
+                       f"type-II over {', '.join(names)}; {res.stop_reason}", dict(res.info, type2=info),
+                       state=res.state)
         out = self._result(sol, run, res.lgm, args, kwargs, t0)
         out.hyperparameters = info["learned"]
         return out

@@ -77,8 +77,8 @@ class GaussianPosterior:
     :param torch.Tensor cov_factor: ``(n, r)`` factor ``W`` of the low-rank part (with ``cov_diag``).
     :param torch.Tensor cov_diag: ``(n,)`` positive diagonal ``d`` (with ``cov_factor``).
     :param layout: optional :class:`~pyro_convexvb.lgm.LatentLayout` mapping ``u`` to Pyro sites.
-    :param torch.Tensor precision_cholesky: ``(n, n)`` Cholesky factor of ``C^{-1} / precision_scale``, or :param lanczos:
-        a Lanczos estimate of ``C`` (with ``variances(D)``): an engine's own factor, which :meth:`marginals` uses.
+    :param torch.Tensor precision_cholesky: ``(n, n)`` Cholesky factor of ``C^{-1} / precision_scale``, or
+        :param lanczos: a Lanczos estimate of ``C`` (with ``variances(D)``): an engine's own factor for :meth:`marginals`.
 
     Example::
 
@@ -267,9 +267,9 @@ class GaussianPosterior:
     def marginals(self, design, offset=None):
         """Means and variances of ``eta = design @ u + offset`` under q.
 
-        An engine's own factor comes first (``precision_cholesky``: exact; ``lanczos``: its estimate, a lower bound for
-        K-Lanczos, Seeger 2010 §4.1).  Dense representations give exact variances; ``low_rank`` gives the Lanczos estimate
-        ``diag(B Q T^{-1} Q^T B^T)``; ``low_rank_diagonal`` gives ``diag(B W W^T B^T) + B^2 d`` exactly;
+        An engine's own factor comes first (``precision_cholesky``: exact; ``lanczos``: its estimate, a lower bound
+        for K-Lanczos, Seeger 2010 §4.1).  Dense representations give exact variances; ``low_rank`` gives the Lanczos
+        estimate ``diag(B Q T^{-1} Q^T B^T)``; ``low_rank_diagonal`` gives ``diag(B W W^T B^T) + B^2 d`` exactly;
         ``diagonal`` assumes independence.
 
         :param design: ``(q, n)`` tensor or operator.

@@ -150,11 +150,6 @@ class WhitenedLanczos:
         """Products with ``A_v``."""
         return self.result.num_mvm
 
-    @property
-    def breakdown(self):
-        """Whether the run on ``A_v`` broke down (see :class:`~pyro_convexvb.linalg.LanczosResult`)."""
-        return self.result.breakdown
-
     def variances(self, D=None, chunk=256):
         """``diag(D Cov D^T)`` in this approximation, for ``D`` ``(m, n)`` (``None``: the identity, ``Var[u]``).
 

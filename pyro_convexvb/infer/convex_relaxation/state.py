@@ -75,8 +75,8 @@ class RelaxationState:
         names = names or {f: f"init.{f}" for f in ("gamma", "z", "u")}
         dt, dev, q, n = prob.dtype, prob.device, prob.q, prob.n
         gamma = torch.as_tensor(self.gamma, dtype=dt, device=dev)
-        if gamma.dim() == 0:
-            gamma = gamma.expand(q)
+        if gamma.numel() == 1:  # one width for every site
+            gamma = gamma.reshape(()).expand(q)
         if gamma.shape != (q,) or not bool((gamma > 0).all()) or not bool(torch.isfinite(gamma).all()):
             raise ValueError(f"{names['gamma']}: must be positive and finite, one width per site ({q},); got shape "
                              f"{tuple(gamma.shape)}")

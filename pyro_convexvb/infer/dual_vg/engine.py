@@ -231,8 +231,9 @@ class DualVGEngine(Engine):
             bar.update(1)
             bar.set_postfix(gap=f"{gap:.3g}")
 
-        sol = solve_dual(backend, lb, self.initial_alpha(lgm, len(lb)), method=o.method, gap_tol=o.gap_tol, max_iter=o.max_iter,
-                         history=run.history, on_fail="ignore", newton_solver=o.newton_solver, callback=callback)
+        sol = solve_dual(backend, lb, self.initial_alpha(lgm, len(lb)), method=o.method, gap_tol=o.gap_tol,
+                         max_iter=o.max_iter, history=run.history, on_fail="ignore", newton_solver=o.newton_solver,
+                         callback=callback)
         alpha, lam = sol.alpha, sol.lam
         info = {}
         if o.refine:

@@ -75,9 +75,10 @@ class DualState:
         return val
 
     def site_predictive(self, K_cross, k_test_diag, prior_mean_test=0.0):
-        r"""Latent predictive ``(mean (m,), var (m,))`` of a site-form GP fit (identity design) at test inputs, without
-        inverting ``K``: ``mu_* - k_*^T alpha`` and ``k_** - ||R^{-1} Lambda^{1/2} k_*||^2``, ``R R^T = I + Lambda^{1/2} K
-        Lambda^{1/2}`` (docs/dual_vg.md, § Algorithm and recovery); ``K_cross`` ``(m, N)``, ``k_test_diag`` ``(m,)``."""
+        r"""Latent predictive ``(mean (m,), var (m,))`` at test inputs of a site-form GP fit (identity design),
+        without inverting ``K``: ``mu_* - k_*^T alpha`` and ``k_** - ||R^{-1} Lambda^{1/2} k_*||^2``,
+        ``R R^T = I + Lambda^{1/2} K Lambda^{1/2}`` (docs/dual_vg.md, § Algorithm and recovery);
+        ``K_cross`` ``(m, N)``, ``k_test_diag`` ``(m,)``."""
         if not self.gp_site_form:
             raise ValueError("site_predictive needs a dual_vg fit in the N x N site form with an identity design (a GP "
                              "over the training inputs)")
