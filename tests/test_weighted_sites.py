@@ -223,10 +223,10 @@ def test_integer_weights_equal_the_rows_repeated(kind, name, form):
     qa, qb = a.posterior, b.posterior
     assert float((qa.loc - qb.loc).abs().max()) < 1e-8
     assert float((qa.covariance() - qb.covariance()).abs().max()) < 1e-8
-    summed = torch.zeros(N, dtype=D).index_add_(0, idx, b.info["alpha"])
-    assert float((a.info["alpha"] - summed).abs().max()) < 1e-8 * (1 + float(summed.abs().max()))
-    summed_lam = torch.zeros(N, dtype=D).index_add_(0, idx, b.info["lam"])
-    assert float((a.info["lam"] - summed_lam).abs().max()) < 1e-8 * (1 + float(summed_lam.abs().max()))
+    summed = torch.zeros(N, dtype=D).index_add_(0, idx, b.state.alpha)
+    assert float((a.state.alpha - summed).abs().max()) < 1e-8 * (1 + float(summed.abs().max()))
+    summed_lam = torch.zeros(N, dtype=D).index_add_(0, idx, b.state.lam)
+    assert float((a.state.lam - summed_lam).abs().max()) < 1e-8 * (1 + float(summed_lam.abs().max()))
     assert a.info["lvb_elbo"] == pytest.approx(b.info["lvb_elbo"], abs=1e-8)
     assert a.log_evidence_bound == pytest.approx(b.log_evidence_bound, abs=1e-8)
 

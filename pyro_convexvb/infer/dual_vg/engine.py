@@ -155,8 +155,8 @@ class DualVGEngine(Engine):
 
     :meth:`run` returns an :class:`~pyro_convexvb.InferenceResult` whose ``state`` is a
     :class:`~.state.DualState` (``alpha``, ``lam``, ``form``, the dual problem; ``init=`` resumes from it) and
-    whose ``info`` holds ``alpha``, ``lam``, ``gap``, ``dual_objective``, ``lvb_elbo`` (the local bound's own
-    ELBO), ``site_mean``/``site_var``, ``iterations`` and ``form``.
+    whose ``info`` holds ``gap``, ``dual_objective``, ``lvb_elbo`` (the local bound's own ELBO),
+    ``site_mean``/``site_var``, ``iterations`` and ``form``.
 
     Example::
 
@@ -248,7 +248,7 @@ class DualVGEngine(Engine):
         posterior = backend.latent_posterior(alpha, lam)
         posterior.layout = lgm.layout
         gap_tol = default_gap_tol(site_reduction(backend).count(len(lb))) if o.gap_tol is None else o.gap_tol
-        info.update(alpha=alpha, lam=lam, gap=sol.gap, dual_objective=sol.g, lvb_elbo=sol.g - sol.gap + lgm.log_const,
+        info.update(gap=sol.gap, dual_objective=sol.g, lvb_elbo=sol.g - sol.gap + lgm.log_const,
                     site_mean=terms.m_tilde, site_var=terms.v_tilde, iterations=sol.iterations,
                     evaluations=sol.evaluations, cg_iterations=sol.cg_iterations, form=form, bound=o.bound,
                     method=o.method, refine=o.refine)
