@@ -24,7 +24,6 @@ import math
 import typing
 import warnings
 from dataclasses import dataclass
-from typing import ClassVar
 
 import pyro
 import pyro.distributions as dist
@@ -839,8 +838,8 @@ class MixtureState:
     """The fitted mixture (``locs``, ``variances``: ``(K, D)`` over the unconstrained latents) after ``steps`` of
     ``optimizer`` (``"svi"`` or ``"natural_gradient"``); ``init=`` resumes from it (Steinberg et al. 2017, §1.3)."""
 
-    engine: ClassVar[str] = "diag_mixture"
-    options: ClassVar[tuple] = ()
+    engine: typing.ClassVar[str] = "diag_mixture"
+    options: typing.ClassVar[tuple] = ()
 
     locs: torch.Tensor
     variances: torch.Tensor

@@ -8,10 +8,9 @@ import torch
 from ...errors import UnsupportedModelError, warn
 from ..engine import Criterion, Engine, LGMEngineOptions, Optimality, Solution, option
 from ..posterior import GaussianPosterior
-from .outer import _OPTION_NAMES, double_loop
+from .outer import _OPTION_NAMES, RelaxationState, double_loop
 from .potentials import potential_for, warn_if_not_log_concave
 from .problem import RelaxationProblem
-from .state import RelaxationState
 
 __all__ = ["ConvexVariationalRelaxation", "ConvexRelaxationOptions", "applies", "predictive_marginals"]
 
@@ -92,7 +91,7 @@ class ConvexVariationalRelaxation(Engine):
     :meth:`run` returns an :class:`~pyro_convexvb.InferenceResult` with ``posterior`` over ``u``
     (``loc = u_*``, ``variance = Var_Q[u]``, matrix-free ``precision_operator = A``,
     ``precision_factor = J``, ``precision_scale = sigma^2 = 1``), ``log_evidence_bound = C - phi(gamma)/2``
-    ``state`` (a :class:`~.state.RelaxationState`: ``gamma``, ``u``, ``z``, ``logdet``, the Cholesky or Lanczos
+    ``state`` (a :class:`~.outer.RelaxationState`: ``gamma``, ``u``, ``z``, ``logdet``, the Cholesky or Lanczos
     factor; ``init=`` resumes from it) and ``info`` (site marginals, ``gamma`` and ``z`` per group, phi and MVM
     counts per phase, ...).
 
@@ -127,7 +126,7 @@ class ConvexVariationalRelaxation(Engine):
     # ------------------------------------------------------------------ type-II maximum likelihood
     def type2_gradient(self, params, x, result, args, kwargs, h):
         """Envelope theorem: ``d/dtheta [C - phi/2]`` at the fixed optimum ``(gamma*, u*)`` of ``phi``
-        (:meth:`~.state.RelaxationState.bound_at`, with the exact ``log|A|``)."""
+        (:meth:`~.outer.RelaxationState.bound_at`, with the exact ``log|A|``)."""
         from ..type2 import envelope_gradient
 
         n = result.state.u.shape[0]

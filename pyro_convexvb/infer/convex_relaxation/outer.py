@@ -33,9 +33,10 @@ rigorous *upper* bound (so the evidence bound stays a lower bound), the smaller 
 inequality plus AM-GM on the complement: ``log|A| <= log|T_k| + (n-k) log((tr A - tr T_k)/(n-k))``
 (for the whitened estimator applied to ``A_v``, with ``log|A| = log|A_v| - log|Sigma|``).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import math
 import time
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -43,10 +44,9 @@ from ...linalg.cg import cg
 from ...linalg.lanczos import block_lanczos, pca_variances
 from ...linalg.operators import ComposedOperator, as_operator
 from .inner import inner_loop
-from .problem import operator_flops
-from .state import RelaxationState, h_value, phi_value
+from .problem import RelaxationProblem, operator_flops
 
-__all__ = ["VarianceStep", "WhitenedLanczos", "variance_step", "variance_costs", "choose_variance_method",
+__all__ = ["RelaxationState", "VarianceStep", "WhitenedLanczos", "variance_step", "variance_costs", "choose_variance_method",
            "choose_lanczos_estimator", "logdet_upper_bound", "h_value", "phi_value", "double_loop"]
 
 # ---------------------------------------------------------------------------------------------------
@@ -395,12 +395,8 @@ def variance_step(prob, gamma, opts, generator=None):
 
     :param prob: :class:`~.problem.RelaxationProblem`.
     :param gamma: ``(q,)`` site widths.
-    :param opts: :class:`~.engine.ConvexRelaxationOptions`: ``variance`` (``"lanczos"``, ``"pca"``, ``"exact"`` or
-        ``"auto"``, :func:`choose_variance_method`), ``lanczos_rank`` ``k``, ``pca_rank`` ``L``,
-        ``dense_logdet_max`` (largest ``n`` for an exact, Cholesky ``log|A|`` in the Lanczos/PCA modes),
-        ``lanczos_block_size`` ``b`` (``1``: Nickisch & Seeger's (2009) single-vector Lanczos; ``b > 1``:
-        :func:`~pyro_convexvb.linalg.block_lanczos` with ``b`` vectors per product, used only while ``k < n``),
-        ``lanczos_estimator`` (module docstring) and ``exact_max``.
+    :param opts: :class:`~.engine.ConvexRelaxationOptions` (``variance``, ``lanczos_rank`` ``k``, ``pca_rank``,
+        ``dense_logdet_max``, ``lanczos_block_size`` ``b``, used only while ``k < n``, ``lanczos_estimator``).
     :param generator: torch generator for the Lanczos start vector.
     :returns: :class:`VarianceStep` (``method``, ``estimator`` and ``lower_bounds`` say what was used).
     """
@@ -447,6 +443,99 @@ def variance_step(prob, gamma, opts, generator=None):
     return VarianceStep(z, var_u, logdet, how, num, res, chol, method, est, lower, L_rank)
 
 
+def h_value(prob, gamma, x_star=None):
+    """``h(gamma) = sum_i h_i(gamma_i)``; closed form ``-(x_*/gamma + 2 g(x_*))`` when ``x_*(gamma)`` is known."""
+    if not prob.q:
+        return 0.0
+    if x_star is None:
+        return float(prob.site_sum(prob.pot.h(gamma).sum()))
+    return float(prob.site_sum((-(x_star / gamma + 2 * prob.pot.g(x_star))).sum()))
+
+
+def phi_value(prob, gamma, u, logdet, x_star=None):
+    """``phi(gamma) = log|A| + h(gamma) + R(u, gamma)`` (Nickisch & Seeger 2009, §2.1), ``u`` a (near-)minimiser of ``R``."""
+    return float(logdet) + h_value(prob, gamma, x_star) + float(prob.R(u, gamma))
+
+
+@dataclass(frozen=True)
+class RelaxationState:
+    r"""One outer iteration of the double loop: ``pcv.fit(..., init=state)`` resumes from it.
+
+    :ivar gamma: ``(q,)`` site widths (sites ordered as :func:`~.api.site_designs`); :ivar u: ``(n,)`` mean
+        ``argmin_u R(u, gamma)`` or ``None``; :ivar z: ``(q,)`` ``diag(B A^{-1} B^T)`` at ``gamma`` or ``None``
+        (given, a fit skips its first variance step: Nickisch & Seeger 2009, §3); :ivar logdet: ``log|A|`` (or
+        a rigorous upper bound) or ``None``.
+    :ivar cholesky: ``(n, n)`` Cholesky factor of ``A``, else ``None``; :ivar lanczos: else the variance step's
+        Lanczos result (``LanczosResult`` or :class:`~.outer.WhitenedLanczos`).
+    :ivar variance_method: ``"exact"``, ``"lanczos"``, ``"pca"`` (``pca_rank`` ``L``) or ``"given"`` (by hand).
+
+    Example::
+
+        >>> import torch, pyro_convexvb as pcv
+        >>> from pyro_convexvb.lgm.sites import BernoulliLogit
+        >>> X = torch.randn(40, 3, dtype=torch.float64); y = (X[:, 0] > 0).double()
+        >>> lgm = pcv.LatentGaussianModel.from_design(X, BernoulliLogit(y), prior_scale=1.0)
+        >>> res = pcv.fit(lgm, engine="convex_relaxation", options={"variance": "exact", "max_outer": 30},
+        ...               progress=False)
+        >>> abs(float(res.state.bound_at(lgm)) - res.log_evidence_bound) < 1e-8
+        True
+        >>> again = pcv.fit(lgm, engine="convex_relaxation", options={"variance": "exact"}, init=res.state,
+        ...                 progress=False)
+        >>> again.converged, len(again.history["objective"])
+        (True, 2)
+    """
+
+    engine: ClassVar[str] = "convex_relaxation"
+    #: the options a state replaces (an inner fit warm-started from a state resets them)
+    options: ClassVar[tuple] = ("gamma_init", "z_init", "u_init", "logdet_init")
+
+    gamma: torch.Tensor
+    u: Optional[torch.Tensor] = None
+    z: Optional[torch.Tensor] = None
+    logdet: Optional[float] = None
+    cholesky: Optional[torch.Tensor] = None
+    lanczos: Any = None
+    variance_method: str = "given"
+    pca_rank: Optional[int] = None
+
+    def warm_start(self):
+        """The widths only (``z``, ``u``, ``log|A|`` belong to this model), for a fit of a nearby model."""
+        g = self.gamma
+        return RelaxationState(g) if g.numel() and bool((g > 0).all()) else None
+
+    def checked(self, prob, names=None):
+        """This state in ``prob``'s dtype and device; :raises ValueError: naming the field (``names``, default
+        ``init.gamma``, ...) for a wrong shape or non-finite (or nonpositive ``gamma``) entries."""
+        names = names or {f: f"init.{f}" for f in ("gamma", "z", "u")}
+        dt, dev, q, n = prob.dtype, prob.device, prob.q, prob.n
+        gamma = torch.as_tensor(self.gamma, dtype=dt, device=dev)
+        if gamma.numel() == 1:  # one width for every site
+            gamma = gamma.reshape(()).expand(q)
+        if gamma.shape != (q,) or not bool((gamma > 0).all()) or not bool(torch.isfinite(gamma).all()):
+            raise ValueError(f"{names['gamma']}: must be positive and finite, one width per site ({q},); got shape "
+                             f"{tuple(gamma.shape)}")
+        out = {"gamma": gamma.clone()}
+        for f, size, what in (("z", q, "site variances"), ("u", n, "mean")):
+            v = getattr(self, f)
+            if v is not None:
+                v = torch.as_tensor(v, dtype=dt, device=dev)
+                if v.shape != (size,) or not bool(torch.isfinite(v).all()):
+                    raise ValueError(f"{names[f]}: expected a finite ({size},) {what}, got shape {tuple(v.shape)}")
+                out[f] = v
+        if self.u is not None and self.z is None:
+            raise ValueError(f"{names['u']}: a mean needs the site variances {names['z']} valid at {names['gamma']}")
+        return replace(self, **out)
+
+    def bound_at(self, lgm):
+        r"""``C(theta) - phi(gamma, u; theta)/2`` at this ``(gamma, u)`` on ``lgm`` (the model at other
+        hyperparameters ``theta``; Nickisch & Seeger 2009, §2.1) with the exact ``log|A|``: the type-II envelope."""
+        prob = RelaxationProblem(lgm)
+        st = self.checked(prob)
+        A = prob.dense_a(1.0 / st.gamma if prob.q else None)
+        logdet = 2 * torch.log(torch.diagonal(torch.linalg.cholesky(A))).sum()
+        return prob.log_const() - 0.5 * phi_value(prob, st.gamma, st.u, logdet)
+
+
 def solve_mean(prob, gamma, u0=None, cg_tol=1e-10, cg_max_iter=None, chol=None):
     """``argmin_u R(u, gamma)``: ``A u = X^T y~ + B^T (beta - o/gamma)`` by Jacobi-preconditioned CG
     (or directly from a dense Cholesky factor ``chol`` of ``A``)."""
@@ -476,23 +565,19 @@ def double_loop(prob, opts, state=None, run=None, *, state_names=None):
     variances ``phi`` may rise between updates (Seeger 2010 §4.2 proves descent only for exact variances and
     L-PCA); the iterate with the smallest ``phi`` (largest bound) is returned, ``best_index`` says which.
 
-    A ``state`` with site variances ``z`` (and ``u``, ``logdet``) valid at its ``gamma`` replaces the first
-    variance step (Nickisch & Seeger 2009, §3): a fit resumed from a returned state continues where it stopped.
-    A state with ``gamma`` only starts there with a variance step; with ``max_outer = 0`` only ``gamma`` is used.
-
-    ``variance="auto"`` picks ``"exact"`` or ``"lanczos"`` once, before the first step, by
-    :func:`choose_variance_method` (the cost does not depend on ``gamma``), as does ``lanczos_estimator="auto"``
-    (:func:`choose_lanczos_estimator`).
+    A ``state`` with site variances ``z`` valid at its ``gamma`` replaces the first variance step (Nickisch &
+    Seeger 2009, §3; with ``max_outer = 0`` only its ``gamma`` is used).  ``variance="auto"`` and
+    ``lanczos_estimator="auto"`` are resolved once, before the first step.  One function of 120 lines: the
+    per-iteration statistics it reports are updated at every phase of the loop.
 
     :param prob: :class:`~.problem.RelaxationProblem`.
     :param opts: :class:`~.engine.ConvexRelaxationOptions`; ``seed`` seeds the Lanczos start vectors.
     :param state: :class:`~.state.RelaxationState` to start from, or ``None`` (Gaussians touching each site).
     :param run: a :class:`~pyro_convexvb.infer.engine.RunContext` (history and progress bar), or ``None``.
     :param dict state_names: how to name the state's fields in errors (default ``init.gamma``, ...).
-    :returns: ``(state, report)``: the new :class:`~.state.RelaxationState` and a dict of statistics:
-        ``phi`` (list), ``best_phi``, ``best_index``, ``converged``, ``step`` (the :class:`VarianceStep` of the
-        returned iterate), ``mvm`` (per phase) and per-iteration lists (``logdet``, ``newton_steps``,
-        ``cg_iterations``, ``inner_converged``, ``rel_gamma``, ``lanczos_steps``, ``inner_mvm``, ``outer_mvm``).
+    :returns: ``(state, report)``: the new :class:`~.state.RelaxationState` and a dict: ``phi`` (list),
+        ``best_phi``, ``best_index``, ``converged``, ``step`` (the returned iterate's :class:`VarianceStep`),
+        ``mvm`` (per phase) and per-iteration lists (``newton_steps``, ``cg_iterations``, ``rel_gamma``, ...).
     """
     o, n, q = opts, prob.n, prob.q
     variance = choose_variance_method(prob, o) if o.variance == "auto" else o.variance

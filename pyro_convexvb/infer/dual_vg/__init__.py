@@ -29,8 +29,8 @@ from .objective import (
 )
 from .optim import DualSolution, initial_alpha, minimize_joint, solve_dual
 from .guide import DualVG
-from .state import DualState
 from .engine import (
+    DualState,
     DualVGEngine,
     DualVGOptions,
     build_dual_problem,

@@ -1,5 +1,6 @@
 """The ``dual_vg`` engine (Khan et al. 2013): the storage form of the dual, the solve, the recovered ``q``
-(:class:`DualVGEngine`); its :class:`~.state.DualState` resumes a fit (``init=``)."""
+(:class:`DualVGEngine`); its :class:`DualState` resumes a fit (``init=``)."""
+import math
 import typing
 from dataclasses import dataclass
 
@@ -12,9 +13,8 @@ from .bounds import LogitJaakkolaBound, StackedBound, make_bound
 from .objective import LatentSpaceBackend, SiteSpaceBackend, SparsePrecisionBackend, exact_elbo
 from .optim import default_gap_tol, refine_exact, solve_dual
 from .sharding import sharded_design, site_reduction
-from .state import DualState
 
-__all__ = ["DualVGEngine", "DualVGOptions", "fit_dual_vg", "site_space_predictive", "dual_vg_applies",
+__all__ = ["DualVGEngine", "DualVGOptions", "DualState", "fit_dual_vg", "site_space_predictive", "dual_vg_applies",
            "build_dual_problem", "SUPPORTED_FAMILIES"]
 
 #: site families with a convex local bound; each is also supported weighted (``Weighted``, ``"weighted_" + name``:
@@ -124,6 +124,87 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
 
 
 @dataclass(frozen=True)
+class DualState:
+    r"""The dual optimum of a ``dual_vg`` fit: ``alpha`` determines ``lambda`` and ``q`` (Khan et al. 2013, Eqs.
+    17-18), so ``pcv.fit(..., init=state)`` resumes from it.
+
+    :ivar alpha: ``(N,)`` dual variables (Eq. 20); :ivar lam: ``(N,)`` site precisions ``ell(alpha)``.
+    :ivar form: ``"site"`` (``N x N``), ``"latent"`` (``L x L``) or ``"banded"``; :ivar backend: the dual problem
+        in that form (:mod:`~.objective`); :ivar bound: and
+        :ivar xi: the ``bound`` and ``xi`` options; :ivar posterior: ``q(u) = N(m*, V*)`` of the fitted model.
+
+    Example::
+
+        >>> import torch, pyro_convexvb as pcv
+        >>> from pyro_convexvb.lgm.sites import Poisson
+        >>> X = torch.randn(30, 3, dtype=torch.float64)
+        >>> y = torch.poisson(torch.exp(X @ torch.tensor([.3, -.2, .1], dtype=torch.float64)))
+        >>> lgm = pcv.LatentGaussianModel.from_design(X, Poisson(y))
+        >>> res = pcv.fit(lgm, engine="dual_vg", progress=False)
+        >>> res.state.alpha.shape, res.state.form
+        (torch.Size([30]), 'latent')
+        >>> again = pcv.fit(lgm, engine="dual_vg", init=res.state, progress=False)
+        >>> again.info["iterations"], abs(again.log_evidence_bound - res.log_evidence_bound) < 1e-9
+        (0, True)
+    """
+
+    engine: typing.ClassVar[str] = "dual_vg"
+    #: the options a state replaces (an inner fit warm-started from a state resets them)
+    options: typing.ClassVar[tuple] = ("alpha0",)
+
+    alpha: torch.Tensor
+    lam: torch.Tensor = None
+    form: str = ""
+    backend: typing.Any = None
+    bound: str = "tight"
+    xi: typing.Any = None
+    posterior: typing.Any = None
+
+    def warm_start(self):
+        """``alpha`` alone, for a fit of a nearby model (clipped into its domain by :func:`~.optim.solve_dual`)."""
+        return DualState(self.alpha)
+
+    def bound_at(self, lgm):
+        r"""``ELBO_LVB(q*; theta)`` of the fitted ``q*`` on ``lgm`` (the model at other hyperparameters; Khan et al.
+        2013, §5: the type-II envelope), a 0-d tensor carrying ``lgm``'s graph; refused for ``bound='jaakkola'``
+        (its ``xi`` depend on ``theta``) and row-sharded data."""
+        if self.bound == "jaakkola":
+            raise ValueError("engine 'dual_vg': learn_params needs a local bound that does not depend on theta "
+                             "through its variational parameters; the 'jaakkola' bound fixes xi at the prior "
+                             "marginals -- use bound='tight', 'jensen' or 'bohning', or learn_params=False")
+        if sharded_design(lgm.design())[1] is not None:
+            raise ValueError("engine 'dual_vg': type-II learning of model parameters (learn_params) is not "
+                             "available on row-sharded data; fit with learn_params=False")
+        q = self.posterior
+        m = q.loc.to(lgm.dtype)
+        V = q.covariance().to(lgm.dtype)
+        L = torch.linalg.cholesky(V)
+        val = lgm.expected_log_prior(m, V) + torch.log(torch.diagonal(L)).sum() + \
+            0.5 * lgm.n * (1 + math.log(2 * math.pi)) + lgm.log_const
+        marginals = lgm.site_marginals(m, V)
+        for g in lgm.sites:
+            val = val - make_bound(g.family, self.bound, self.xi).f(*marginals[g.name]).sum()
+        return val
+
+    def site_predictive(self, K_cross, k_test_diag, prior_mean_test=0.0):
+        r"""Latent predictive ``(mean (m,), var (m,))`` at test inputs of a site-form GP fit (identity design),
+        without inverting ``K``: ``mu_* - k_*^T alpha`` and ``k_** - ||R^{-1} Lambda^{1/2} k_*||^2``,
+        ``R R^T = I + Lambda^{1/2} K Lambda^{1/2}`` (docs/dual_vg.md, § Algorithm and recovery);
+        ``K_cross`` ``(m, N)``, ``k_test_diag`` ``(m,)``."""
+        if not self.gp_site_form:
+            raise ValueError("site_predictive needs a dual_vg fit in the N x N site form with an identity design (a GP "
+                             "over the training inputs)")
+        R, s = self.backend.factor(self.lam)
+        Z = torch.linalg.solve_triangular(R, s[:, None] * K_cross.transpose(0, 1), upper=False)
+        return prior_mean_test - K_cross @ self.alpha, (k_test_diag - (Z * Z).sum(0)).clamp_min(0)
+
+    @property
+    def gp_site_form(self):
+        """Whether the fit is in the ``N x N`` site form with an identity design (the latent is the sites)."""
+        return self.form == "site" and self.backend is not None and self.backend.latent is None
+
+
+@dataclass(frozen=True)
 class DualVGOptions(LGMEngineOptions):
     bound: typing.Literal["tight", "jensen", "bohning", "jaakkola"] = option(
         "tight", "Bernoulli-logit local bound (other families use their own bounds: exact for Poisson, Gaussian and "
@@ -154,7 +235,7 @@ class DualVGEngine(Engine):
     ``<= gap_tol``.
 
     :meth:`run` returns an :class:`~pyro_convexvb.InferenceResult` whose ``state`` is a
-    :class:`~.state.DualState` (``alpha``, ``lam``, ``form``, the dual problem; ``init=`` resumes from it) and
+    :class:`DualState` (``alpha``, ``lam``, ``form``, the dual problem; ``init=`` resumes from it) and
     whose ``info`` holds ``gap``, ``dual_objective``, ``lvb_elbo`` (the local bound's own ELBO),
     ``site_mean``/``site_var``, ``iterations`` and ``form``.
 
@@ -200,7 +281,7 @@ class DualVGEngine(Engine):
 
     def type2_gradient(self, params, x, result, args, kwargs, h):
         """Envelope theorem (Khan et al. 2013, §5): ``d/dtheta ELBO_LVB(q*; theta)`` at the fixed ``q*``
-        (:meth:`~.state.DualState.bound_at`)."""
+        (:meth:`DualState.bound_at`)."""
         from ..type2 import envelope_gradient
 
         if result.posterior.n > 5000:
@@ -245,7 +326,7 @@ class DualVGEngine(Engine):
             info.update(refine_iterations=rit, refine_converged=rconv, refine_residual=resid)
         terms = backend.evaluate(alpha, lam)
         bound_value = float(exact_elbo(backend, lb, alpha, lam, terms, lgm.log_const))
-        posterior = backend.latent_posterior(alpha, lam)
+        posterior = backend.posterior(alpha, lam)
         posterior.layout = lgm.layout
         gap_tol = default_gap_tol(site_reduction(backend).count(len(lb))) if o.gap_tol is None else o.gap_tol
         info.update(gap=sol.gap, dual_objective=sol.g, lvb_elbo=sol.g - sol.gap + lgm.log_const,
@@ -268,7 +349,7 @@ def fit_dual_vg(lgm, progress=True, **options):
 
 def site_space_predictive(result, K_cross, k_test_diag, prior_mean_test=0.0):
     """Latent predictive ``(mean (m,), var (m,))`` at test inputs of a site-form ``dual_vg`` fit of a GP:
-    :meth:`~.state.DualState.site_predictive` of ``result.state``."""
+    :meth:`DualState.site_predictive` of ``result.state``."""
     if not isinstance(result.state, DualState):
         raise ValueError("site_space_predictive needs a dual_vg result in the N x N site form with an identity "
                          "design (a GP over the training inputs)")

@@ -85,7 +85,7 @@ class SiteSpaceBackend:
     :param torch.Tensor Sigma_tilde: ``(N, N)`` ``W Sigma W^T`` (e.g. a GP kernel matrix ``K``).
     :param torch.Tensor mu_tilde: ``(N,)`` ``W mu + d``.
     :param latent: ``(W Sigma, mu, Sigma)`` for a general design ``W`` (``None``: ``W = I``, the latent is
-        ``eta - d``), for :meth:`latent_posterior`.
+        ``eta - d``), for :meth:`posterior`.
     :param torch.Tensor site_offset: ``(N,)`` offsets ``d`` (``None``: zero).
 
     Example::
@@ -188,27 +188,19 @@ class SiteSpaceBackend:
         return V
 
     def posterior(self, alpha, lam, prior=None):
-        """Gaussian over the sites themselves (``W = I``; GP latent values ``f``): ``m = mu_t - Sigma_t alpha``."""
-        m = self.mu_t - self.St @ alpha
-        V = self.site_covariance(lam)
-        V = 0.5 * (V + V.transpose(0, 1))
-        return GaussianPosterior(m, covariance=V)
-
-    def latent_posterior(self, alpha, lam):
         """``q(z)`` over the latent ``z`` (Khan et al. 2013, Eqs. 17-18): with a general design ``W``,
         ``m = mu - Sigma W^T alpha``, ``V = Sigma - Sigma W^T Lam^1/2 B^{-1} Lam^1/2 W Sigma``; with ``W = I`` the
-        Gaussian over ``eta`` (:meth:`posterior`) shifted back by the offset, ``z = eta - d``."""
+        Gaussian over the sites ``eta`` (``m = mu_t - Sigma_t alpha``; GP latent values ``f``) shifted back by the
+        offset, ``z = eta - d``."""
         if self.latent is not None:
             WS, mu, S = self.latent  # WS = W Sigma  (N, L)
             R, s = self.factor(lam)
             T = torch.linalg.solve_triangular(R, s[:, None] * WS, upper=False)  # R^{-1} Lam^1/2 W Sigma  (N, L)
             V = S - T.transpose(0, 1) @ T
             return GaussianPosterior(mu - WS.transpose(0, 1) @ alpha, covariance=0.5 * (V + V.transpose(0, 1)))
-        q = self.posterior(alpha, lam)
-        d = self.site_offset
-        if d is not None and bool((d != 0).any()):
-            q = GaussianPosterior(q.loc - d, covariance=q.covariance(force=True))
-        return q
+        V = self.site_covariance(lam)
+        d = self.site_offset if self.site_offset is not None else torch.zeros_like(self.mu_t)
+        return GaussianPosterior(self.mu_t - self.St @ alpha - d, covariance=0.5 * (V + V.transpose(0, 1)))
 
 
 class LatentSpaceBackend:
@@ -322,8 +314,6 @@ class LatentSpaceBackend:
         A, R, G = self._factor(lam)
         m = self.mu - self.S @ self._rmv(alpha)
         return GaussianPosterior(m, precision=0.5 * (A + A.transpose(0, 1)))
-
-    latent_posterior = posterior  # the latent is z itself
 
 
 class LatentSpaceHessian:
@@ -580,8 +570,6 @@ class SparsePrecisionBackend:
         J = sp.vstack([self.cholQ.factor_matrix(), sp.diags(np.sqrt(np.clip(lam_np, 0, None))) @ self.Ws]).tocsr()
         return GaussianPosterior(self._t(m), self._t(Zd), precision_operator=_sparse_op(A, self.dtype, self.device),
                                  precision_factor=_sparse_op(J, self.dtype, self.device))
-
-    latent_posterior = posterior  # the latent is the field itself
 
 
 #: the former name of :class:`SparsePrecisionBackend` (a banded ``Q`` is one sparse ``Q``)
