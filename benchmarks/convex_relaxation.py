@@ -33,7 +33,11 @@ import torch  # noqa: E402
 from _common import PeakRSS, classification_metrics, make_parser, markdown_table, parse_args, peak_rss_mb, save_figure, write_json  # noqa: E402,E501
 
 from pyro_convexvb.datasets import load_a9a, make_sparse_classification  # noqa: E402
-from pyro_convexvb.infer.convex_relaxation import ConvexVariationalRelaxation, predictive_marginals  # noqa: E402
+from pyro_convexvb.infer.convex_relaxation import (  # noqa: E402
+    ConvexRelaxationOptions,
+    ConvexVariationalRelaxation,
+    predictive_marginals,
+)
 from pyro_convexvb.lgm.layout import LatentLayout  # noqa: E402
 from pyro_convexvb.lgm.model import LatentGaussianModel, PriorBlock, SiteGroup  # noqa: E402
 from pyro_convexvb.lgm.sites import BernoulliLogit, Laplace  # noqa: E402
@@ -178,7 +182,7 @@ def variance_accuracy(res, lgm, k, block_sizes, num_sites=200, seed=0, X=None):
     from pyro_convexvb.linalg import cg
 
     prob = RelaxationProblem(lgm)
-    gamma = res.info["gamma_all"]
+    gamma = res.state.gamma
     w = 1.0 / gamma
     g = torch.Generator().manual_seed(seed)
     idx = torch.randperm(prob.q, generator=g)[:num_sites]
@@ -191,8 +195,8 @@ def variance_accuracy(res, lgm, k, block_sizes, num_sites=200, seed=0, X=None):
     rows = []
     for b in block_sizes:
         with _timer() as t:
-            step = variance_step(prob, gamma, method="lanczos", k=k, generator=torch.Generator().manual_seed(seed),
-                                 dense_logdet_max=0, block_size=b)
+            opts = ConvexRelaxationOptions(variance="lanczos", lanczos_rank=k, dense_logdet_max=0, lanczos_block_size=b)
+            step = variance_step(prob, gamma, opts, torch.Generator().manual_seed(seed))
         ratio = step.z[idx] / exact
         rows.append(dict(block_size=b, k=k, seconds=t.seconds, ratio_mean=float(ratio.mean()),
                          ratio_median=float(ratio.median()), ratio_min=float(ratio.min()), ratio_max=float(ratio.max()),

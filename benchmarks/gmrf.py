@@ -92,7 +92,7 @@ def fit_once(kind, m, seed=0):
     if engine == "dual_vg":
         out["gap"] = float(res.info["gap"])
         out["form"] = res.info["form"]
-        backend = res.info.get("backend")
+        backend = res.state.backend
         chol = getattr(backend, "cholQ", None)
         out["factor_nnz"] = int(chol.nnz) if chol is not None else None
     return t.seconds, out

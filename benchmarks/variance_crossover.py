@@ -42,7 +42,7 @@ import torch  # noqa: E402
 from _common import Timer, make_parser, markdown_table, parse_args, write_json  # noqa: E402
 
 from pyro_convexvb.gp.classifier import gp_classification_lgm  # noqa: E402
-from pyro_convexvb.infer.convex_relaxation import outer  # noqa: E402
+from pyro_convexvb.infer.convex_relaxation import ConvexRelaxationOptions, outer  # noqa: E402
 from pyro_convexvb.infer.convex_relaxation.outer import variance_costs, variance_step  # noqa: E402
 from pyro_convexvb.infer.convex_relaxation.problem import RelaxationProblem, operator_flops  # noqa: E402
 from pyro_convexvb.lgm.model import LatentGaussianModel  # noqa: E402
@@ -91,14 +91,15 @@ def time_case(case, n, ks, block_size, rows_per_col, repeats, seed):
     ks = [k for k in ks if k < n]
 
     def exact():
-        return variance_step(prob, gamma, method="exact")
+        return variance_step(prob, gamma, ConvexRelaxationOptions(variance="exact"))
 
     def logdet():
         return torch.linalg.cholesky(prob.dense_a(w))
 
     def lanczos(k):
-        return lambda: variance_step(prob, gamma, method="lanczos", k=k, block_size=block_size, dense_logdet_max=0,
-                                     generator=torch.Generator().manual_seed(seed))
+        opts = ConvexRelaxationOptions(variance="lanczos", lanczos_rank=k, lanczos_block_size=block_size,
+                                       dense_logdet_max=0)
+        return lambda: variance_step(prob, gamma, opts, torch.Generator().manual_seed(seed))
 
     jobs = [("exact", exact), ("logdet", logdet)] + [(f"lanczos{k}", lanczos(k)) for k in ks]
     prob.covariance_form()  # one-time setup of the whitened estimator, cached by the problem (not timed)
@@ -116,13 +117,15 @@ def time_case(case, n, ks, block_size, rows_per_col, repeats, seed):
     nnz = int(prob.B.base.nnz) if hasattr(prob.B.base, "nnz") else int(prob.B.shape[0] * prob.B.shape[1])
     rows = []
     for k in ks:
-        pred = variance_costs(prob, k, block_size, dense_logdet_max=0)
+        opts = ConvexRelaxationOptions(lanczos_rank=k, lanczos_block_size=block_size, dense_logdet_max=0)
+        pred = variance_costs(prob, opts)
         rows.append(dict(case=case, n=n, q=prob.q, nnz=nnz if case != "gp" else n * n, k=k, b=block_size,
                          estimator=est, exact_s=med["exact"], lanczos_s=med[f"lanczos{k}"], logdet_s=med["logdet"],
                          lanczos_over_exact=med[f"lanczos{k}"] / med["exact"],
                          lanczos_dense_logdet_over_exact=(med[f"lanczos{k}"] + med["logdet"]) / med["exact"],
                          model_exact_s=pred["exact"], model_lanczos_s=pred["lanczos"],
-                         choice_now=outer.choose_variance_method(prob, k, block_size),
+                         choice_now=outer.choose_variance_method(
+                             prob, ConvexRelaxationOptions(lanczos_rank=k, lanczos_block_size=block_size)),
                          f_a=f_a, f_b=f_b, f_lanczos=f_lz, times=times))
     if not ks:  # no k below n: keep the exact time for the fit
         rows.append(dict(case=case, n=n, q=prob.q, k=None, b=block_size, estimator=est, exact_s=med["exact"],

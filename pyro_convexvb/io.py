@@ -409,6 +409,7 @@ _GAUSSIAN_REPS = ("covariance", "scale_tril", "precision")
 
 
 def _enc_gaussian(q, where):
+    factors = {k: getattr(q, k, None) for k in ("precision_cholesky", "lanczos")}  # an engine's own (marginals())
     q = q.compact(keep_model=False)
     f = {"loc": q.loc.detach(), "variance": q.variance.detach(), "kind": q.kind,
          "layout": _encode(q.layout, where + ".layout"), "cg_options": _encode(q.cg_options, where)}
@@ -420,6 +421,7 @@ def _enc_gaussian(q, where):
         f["cov_factor"], f["cov_diag"] = q.cov_factor.detach(), q.cov_diag.detach()
     elif q.kind == "precision_operator":
         f["precision_scale"] = q.precision_scale  # the operator itself holds the data: not stored
+    f.update({k: _encode(v, f"{where}.{k}") for k, v in factors.items() if v is not None})
     return _obj("GaussianPosterior", 1, **f)
 
 
@@ -428,15 +430,16 @@ def _dec_gaussian(s, where):
 
     f = s["fields"]
     kind, layout = f["kind"], _decode(f["layout"], where)
-    cg = _decode(f["cg_options"], where)
+    common = dict(cg_options=_decode(f["cg_options"], where),
+                  **{k: _decode(f[k], where) for k in ("precision_cholesky", "lanczos") if k in f})
     if kind in _GAUSSIAN_REPS:
-        return GaussianPosterior(f["loc"], f["variance"], layout=layout, cg_options=cg, **{kind: f["matrix"]})
+        return GaussianPosterior(f["loc"], f["variance"], layout=layout, **common, **{kind: f["matrix"]})
     if kind == "low_rank":
-        return GaussianPosterior(f["loc"], f["variance"], low_rank=(f["Q"], f["T"]), layout=layout, cg_options=cg)
+        return GaussianPosterior(f["loc"], f["variance"], low_rank=(f["Q"], f["T"]), layout=layout, **common)
     if kind == "low_rank_diagonal":
         return GaussianPosterior(f["loc"], f["variance"], cov_factor=f["cov_factor"], cov_diag=f["cov_diag"],
-                                 layout=layout, cg_options=cg)
-    q = GaussianPosterior(f["loc"], f["variance"], layout=layout, cg_options=cg)
+                                 layout=layout, **common)
+    q = GaussianPosterior(f["loc"], f["variance"], layout=layout, **common)
     if kind == "precision_operator":  # saved without its operator: moments only (compact())
         q.kind, q.precision_scale = kind, float(f["precision_scale"])
     elif kind != "diagonal":

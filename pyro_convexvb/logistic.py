@@ -147,21 +147,20 @@ def check_sample_weight(sample_weight, n):
 def compact_result(result, keep_model=True):
     """The part of an estimator's :class:`~pyro_convexvb.InferenceResult` that prediction needs, of model size.
 
-    :meth:`~pyro_convexvb.InferenceResult.compact` (no ``lgm``, no training data, no per-site ``info``),
-    keeping ``convex_relaxation``'s covariance representation (``info["cholesky"]``, ``(n, n)``, or its
-    Lanczos factors without their per-site projections), which its predictions use.  Estimators pickle
-    (and :func:`pyro_convexvb.save` stores) this form of ``result_``, so their size does not grow with
-    the number of training rows.
+    :meth:`~pyro_convexvb.InferenceResult.compact` (no ``lgm``, no training data, no per-site ``info``); the
+    posterior keeps its own covariance factor (``precision_cholesky``, ``(n, n)``, or its Lanczos factors without
+    their per-site projections), which its predictions use.  Estimators pickle (and :func:`pyro_convexvb.save`
+    stores) this form of ``result_``, so their size does not grow with the number of training rows.
     """
     from .infer.result import InferenceResult
 
     if not isinstance(result, InferenceResult):
         return result
-    keep = ("cholesky", "lanczos_result") if result.engine == "convex_relaxation" else ()
-    out = result.compact(keep_info=keep, keep_model=keep_model)
-    lz = out.info.get("lanczos_result")
-    if lz is not None:
-        out.info["lanczos_result"] = compact_lanczos(lz)
+    out = result.compact(keep_model=keep_model)
+    q = result.posterior
+    if getattr(q, "precision_cholesky", None) is not None or getattr(q, "lanczos", None) is not None:
+        out.posterior.precision_cholesky = q.precision_cholesky
+        out.posterior.lanczos = None if q.lanczos is None else compact_lanczos(q.lanczos)
     return out
 
 
@@ -464,7 +463,6 @@ class BayesianLogisticRegression(CompactPickleMixin, BinaryPredictiveClassifier,
         X = validate_data(self, sklearn_input(X), reset=False, accept_sparse="csr", dtype=np.float64)
         design = _design(X, self.fit_intercept)
         q = self.posterior_
-        info = self.result_.info
         means, variances = [], []
         with torch.no_grad():
             for start in range(0, design.shape[0], _PREDICT_CHUNK):
@@ -475,11 +473,6 @@ class BayesianLogisticRegression(CompactPickleMixin, BinaryPredictiveClassifier,
                     block = SparseOperator(design).rows(torch.arange(start, stop))
                 if hasattr(q, "component_marginals"):
                     m, v = q.component_marginals(block)
-                elif self.result_.engine == "convex_relaxation" and (
-                        info.get("cholesky") is not None or info.get("lanczos_result") is not None):
-                    from .infer.convex_relaxation import predictive_marginals
-
-                    m, v = predictive_marginals(self.result_, block)
                 else:
                     m, v = q.marginals(block)
                 means.append(m)

@@ -32,6 +32,7 @@ from pyro_convexvb.infer.convex_relaxation import (
     h_star_implicit,
     predictive_marginals,
 )
+from pyro_convexvb.infer.convex_relaxation import ConvexRelaxationOptions as O
 from pyro_convexvb.infer.convex_relaxation.outer import logdet_upper_bound, variance_step
 from pyro_convexvb.lgm.layout import LatentLayout
 from pyro_convexvb.lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
@@ -40,6 +41,11 @@ from pyro_convexvb.linalg import lanczos_variances
 from pyro_convexvb.linalg.operators import DenseOperator, DiagonalOperator
 
 D = torch.float64
+
+
+def _step(prob, gamma, generator=None, **options):
+    """One variance step with the engine's options (``variance`` defaults to ``"lanczos"`` here)."""
+    return variance_step(prob, gamma, O(**{"variance": "lanczos", **options}), generator)
 
 
 def _t(x):
@@ -351,7 +357,7 @@ def test_fixed_point_with_exact_variances_is_the_phi_minimiser(case):
     res = ConvexVariationalRelaxation(lgm, variance="exact", max_outer=400, gamma_tol=1e-10, phi_tol=0.0,
                                       newton_tol=1e-14, cg_tol=1e-12, progress=False).run()
     assert res.info["phi"] == pytest.approx(phi_ref, abs=1e-7)
-    torch.testing.assert_close(res.info["gamma_all"], torch.as_tensor(gam_ref), rtol=2e-4, atol=1e-6)
+    torch.testing.assert_close(res.state.gamma, torch.as_tensor(gam_ref), rtol=2e-4, atol=1e-6)
     # phi never increases over outer iterations (exact variances)
     ph = res.info["phi_history"]
     assert all(b <= a + 1e-9 for a, b in zip(ph, ph[1:]))
@@ -423,7 +429,7 @@ def test_bound_below_log_Z_by_quadrature_and_constants_exact(case):
     assert bound <= logZ
     # the bound is exactly log of the integral of the Gaussian minorant p~_gamma(y, u) <= p(y, u)
     prob = RelaxationProblem(lgm)
-    gam = res.info["gamma_all"]
+    gam = res.state.gamma
 
     def log_minorant(U):
         out = _lj_batched(lgm, U)
@@ -458,7 +464,7 @@ def test_lanczos_variances_are_lower_bounds_nondecreasing_in_k():
         assert bool((zk >= prev - 1e-12).all())
         prev = zk
     torch.testing.assert_close(prev, exact, rtol=1e-8, atol=1e-10)
-    step = variance_step(prob, gam, method="exact")
+    step = _step(prob, gam, variance="exact")
     torch.testing.assert_close(step.z, exact, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(step.var_u, torch.diagonal(torch.linalg.inv(A)), rtol=1e-10, atol=1e-12)
 
@@ -469,8 +475,8 @@ def test_logdet_upper_bound_is_rigorous():
     gam = torch.linspace(0.3, 9.0, prob.q, dtype=D)
     exact = float(torch.logdet(prob.dense_a(1 / gam)))
     for k in (1, 2, 4, 5):
-        step = variance_step(prob, gam, method="lanczos", k=k, dense_logdet_max=0,
-                             generator=torch.Generator().manual_seed(k))
+        step = _step(prob, gam, variance="lanczos", lanczos_rank=k, dense_logdet_max=0,
+                     generator=torch.Generator().manual_seed(k))
         assert step.logdet >= exact - 1e-9
         assert step.logdet_method in ("fischer", "hadamard")
     assert step.logdet == pytest.approx(exact, abs=1e-8)  # k = n: Fischer is an equality
@@ -570,9 +576,9 @@ def test_a9a_lanczos_against_exact_variances():
     la = ConvexVariationalRelaxation(lgm, lanczos_rank=80, max_outer=5, progress=False).run()
     # K-Lanczos underestimates every variance at a fixed gamma (Seeger 2010 §4.1)
     prob = RelaxationProblem(lgm)
-    g = ex.info["gamma_all"]
-    z_ex = variance_step(prob, g, method="exact").z
-    z_la = variance_step(prob, g, method="lanczos", k=80, generator=torch.Generator().manual_seed(0)).z
+    g = ex.state.gamma
+    z_ex = _step(prob, g, variance="exact").z
+    z_la = _step(prob, g, variance="lanczos", lanczos_rank=80, generator=torch.Generator().manual_seed(0)).z
     assert bool((z_la <= z_ex * (1 + 1e-8) + 1e-12).all())
     # means agree closely; the bound with Lanczos variances is not above the exact-z optimum
     assert float((la.posterior.loc - ex.posterior.loc).abs().max()) < 0.05 * float(ex.posterior.loc.abs().max())
@@ -588,8 +594,8 @@ def test_variance_step_accumulated_z_equals_dense_formula(block_size):
     gam = torch.linspace(0.5, 8.0, prob.q, dtype=D)
     Bd = prob.B.to_dense()
     for k in (1, 2, 4, 5):
-        step = variance_step(prob, gam, k=k, block_size=block_size, generator=torch.Generator().manual_seed(3),
-                             dense_logdet_max=0)
+        step = _step(prob, gam, lanczos_rank=k, lanczos_block_size=block_size,
+                     generator=torch.Generator().manual_seed(3), dense_logdet_max=0)
         Q, T = step.lanczos.Q, step.lanczos.T()
         C = Q @ torch.linalg.solve(T, Q.T)
         torch.testing.assert_close(step.z, torch.diagonal(Bd @ C @ Bd.T), rtol=1e-10, atol=1e-13)
@@ -608,19 +614,19 @@ def test_block_lanczos_variance_step_and_engine():
     Bd = prob.B.to_dense()
     exact = torch.diagonal(Bd @ torch.linalg.solve(A, Bd.T))
     for k in (2, 3, 4):
-        a = variance_step(prob, gam, k=k, block_size=2, generator=torch.Generator().manual_seed(1))
+        a = _step(prob, gam, lanczos_rank=k, lanczos_block_size=2, generator=torch.Generator().manual_seed(1))
         torch.testing.assert_close(a.z, a.lanczos.variances(prob.B), rtol=1e-10, atol=1e-13)
         assert bool((a.z <= exact * (1 + 1e-10) + 1e-13).all())
         assert a.lanczos.block_size <= 2 and a.num_mvm >= k
         logdet, how = logdet_upper_bound(prob, 1 / gam, a.lanczos)
         assert logdet >= float(torch.logdet(A)) - 1e-9
-    full = variance_step(prob, gam, k=5, block_size=2, generator=torch.Generator().manual_seed(1))
+    full = _step(prob, gam, lanczos_rank=5, lanczos_block_size=2, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(full.z, exact, rtol=1e-8, atol=1e-12)
     one = ConvexVariationalRelaxation(lgm, lanczos_rank=4, max_outer=3, variance="lanczos", progress=False).run()
     blk = ConvexVariationalRelaxation(lgm, lanczos_rank=4, lanczos_block_size=2, max_outer=3, variance="lanczos",
                                       progress=False).run()
     assert blk.info["lanczos_block_size"] == 2
-    Q, T = blk.info["lanczos"]
+    Q, T = blk.state.lanczos.Q, blk.state.lanczos.T()
     assert Q.shape == (5, 4) and T.shape == (4, 4)
     torch.testing.assert_close(blk.posterior.loc, one.posterior.loc, rtol=0.05, atol=0.02)
     with pytest.raises(ValueError, match="lanczos_block_size"):

@@ -1,4 +1,5 @@
 """ActiveLearner: within-block rank-one state vs a dense recomputation, score choice, history, validation."""
+import dataclasses
 import math
 
 import pyro
@@ -151,7 +152,7 @@ def test_block_end_refit_reuses_kept_marginals_single_lanczos(model):
                                            progress=False).run(X[idx], y[idx])
     warm = h.result
     # equal up to the inner loop's Newton/CG tolerances (the two start from different u)
-    torch.testing.assert_close(warm.info["gamma_all"], cold.info["gamma_all"], rtol=1e-4, atol=1e-8)
+    torch.testing.assert_close(warm.state.gamma, cold.state.gamma, rtol=1e-4, atol=1e-8)
     torch.testing.assert_close(warm.posterior.loc, cold.posterior.loc, rtol=1e-4, atol=1e-8)
     # Lanczos: one variance step (one Lanczos run) in the block-end refit
     Ll = ActiveLearner(model, X, lambda i: y[i], score="cu", refit_every=3, lanczos_rank=3, progress=False)
@@ -173,7 +174,7 @@ def test_nonpositive_model_variances_are_recomputed_by_cg():
     st = L.last_block
     assert st["recomputed"] == 0
     res0 = st["result"]
-    res0.info["z_all"] = res0.info["z_all"] - 10.0  # every kept model variance would be negative
+    res0.state = dataclasses.replace(res0.state, z=res0.state.z - 10.0)  # every kept model variance would be negative
     idx = list(range(8))
     L2 = ActiveLearner(_model, X, lambda i: y[i], score="cu", refit_every=2, variance="exact", progress=False)
     alive = torch.ones(80, dtype=torch.bool)

@@ -213,7 +213,7 @@ def test_delta_from_engine_factors_equals_dense_logdet():
     lgm = compressive_sensing_model(y, H8, H8, COLS, SIG2, TA, TR)
     B = torch.cat([_dense_haar(H8, H8), difference_operator(H8, H8).mv(torch.eye(n, dtype=D))])
     res = ConvexVariationalRelaxation(lgm, variance="exact", max_outer=3, progress=False).run()
-    gamma = res.info["gamma_all"]
+    gamma = res.state.gamma
     A = X.T @ X / SIG2 + B.T @ torch.diag(1 / gamma) @ B  # sigma^2 = 1 convention: Cov_Q = A^{-1}
     cov = torch.linalg.inv(A)
     cand = [2, 4]

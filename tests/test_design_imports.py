@@ -94,13 +94,13 @@ def test_site_designs_dense_order_and_engine_layout():
     torch.testing.assert_close(sd.offset, torch.tensor([-0.3, 0.2, -0.1] + [0.5] * 7, dtype=D), rtol=0, atol=1e-15)
     # the engine's layout: gamma_all is the per-group gamma in this order, z_all = diag(B A^{-1} B^T)
     res = ConvexVariationalRelaxation(lgm, variance="exact", max_outer=2, progress=False).run()
-    gam = res.info["gamma_all"]
+    gam = res.state.gamma
     torch.testing.assert_close(torch.cat([res.info["gamma"][n] for n in sd.names]), gam, rtol=0, atol=0)
     for n, sl in zip(sd.names, sd.slices):
         torch.testing.assert_close(gam[sl], res.info["gamma"][n], rtol=0, atol=0)
     A = B.T @ (B / gam[:, None])  # Laplace prior: no Gaussian part
     z_ref = torch.diagonal(B @ torch.linalg.solve(A, B.T))
-    torch.testing.assert_close(res.info["z_all"], z_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(res.state.z, z_ref, rtol=1e-10, atol=1e-12)
 
 
 def test_site_designs_without_nongaussian_sites_and_validation():

@@ -94,13 +94,13 @@ def test_fft_scores_equal_dense_logdets_with_exact_covariance():
     start = [0, 1]
     lgm = compressive_sensing_model(measure(start), H, H, start, SIG2, 0.08, 0.16)
     res = ConvexVariationalRelaxation(lgm, variance="exact", max_outer=30, progress=False).run()
-    cov = torch.linalg.inv(_dense_precision(lgm, res.info["gamma_all"], start))
+    cov = torch.linalg.inv(_dense_precision(lgm, res.state.gamma, start))
     cands = [2, 3, 4]
     ref = _dense_scores(cov, cands)
     got = phase_encode_scores(covariance_factor(res), H, H, SIG2, candidates=cands)
     assert torch.allclose(got, ref, rtol=1e-9, atol=1e-9)
     # K-Lanczos with K = n at the same gamma is exact
-    gamma = res.info["gamma_all"]
+    gamma = res.state.gamma
     lz = ConvexVariationalRelaxation(lgm, variance="lanczos", lanczos_rank=H * H, max_outer=0, gamma_init=gamma,
                                      progress=False).run()
     assert torch.allclose(phase_encode_scores(covariance_factor(lz), H, H, SIG2, candidates=cands), ref, rtol=1e-6)
@@ -113,9 +113,9 @@ def test_k_score_truncation_equals_a_shorter_lanczos_run():
     lgm = compressive_sensing_model(measure(start), H, H, start, SIG2, 0.08, 0.16)
     res = ConvexVariationalRelaxation(lgm, variance="lanczos", lanczos_rank=30, max_outer=2, seed=5,
                                       progress=False).run()
-    gamma = res.info["gamma_all"]
+    gamma = res.state.gamma
     A = _dense_precision(lgm, gamma, start)
-    lr = res.info["lanczos_result"]
+    lr = res.state.lanczos
     # an independent 12-step Lanczos run from the same start vector on the dense A
     short = lanczos(lambda v: A @ v, lr.Q[:, 0].clone(), 12)
     F_short = short.Q @ torch.linalg.inv(torch.linalg.cholesky(short.T())).T
@@ -143,7 +143,7 @@ def test_design_loop_scores_are_the_dense_ones_and_reproducible():
     assert len(h.seconds_inference) == len(h.seconds_scoring) == 3
     # step 0's scores equal dense log-determinants at the fit of the start design
     res, _ = d.fit([0])
-    cov = torch.linalg.inv(_dense_precision(d.model([0]), res.info["gamma_all"], [0]))
+    cov = torch.linalg.inv(_dense_precision(d.model([0]), res.state.gamma, [0]))
     cands = sorted(h.scores[0])
     ref = _dense_scores(cov, cands)
     assert torch.allclose(torch.tensor([h.scores[0][c] for c in cands], dtype=D), ref, rtol=1e-8, atol=1e-8)

@@ -243,7 +243,7 @@ def test_registry_imports_no_engine_module_in_a_cycle():
     """Every engine module imports on its own in a fresh interpreter, and the registry names them lazily."""
     code = ("import importlib, sys\n"
             "mods = ['pyro_convexvb.infer.registry', 'pyro_convexvb.infer.baselines', "
-            "'pyro_convexvb.infer.diag_mixture', 'pyro_convexvb.infer.dual_vg.guide', "
+            "'pyro_convexvb.infer.diag_mixture', 'pyro_convexvb.infer.dual_vg.engine', "
             "'pyro_convexvb.infer.convex_relaxation.engine']\n"
             "import ast, inspect\n"
             "import pyro_convexvb.infer.registry as r\n"
@@ -257,7 +257,7 @@ def test_registry_imports_no_engine_module_in_a_cycle():
             "        if isinstance(node, ast.ImportFrom):\n"
             "            assert 'registry' not in (node.module or ''), (m, node.module)\n")
     for first in ("pyro_convexvb.infer.baselines", "pyro_convexvb.infer.diag_mixture",
-                  "pyro_convexvb.infer.dual_vg.guide", "pyro_convexvb.infer.convex_relaxation.engine"):
+                  "pyro_convexvb.infer.dual_vg.engine", "pyro_convexvb.infer.convex_relaxation.engine"):
         out = subprocess.run([sys.executable, "-c", f"import {first}\n" + code], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
 

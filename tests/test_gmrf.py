@@ -530,7 +530,7 @@ def test_sparse_backend_posterior_samples_and_moments():
     model, y, Q = _poisson_lattice(6, kappa=0.5, seed=2)
     res = pcv.fit(model, y=y, engine="dual_vg", options=dict(gap_tol=1e-10), progress=False)
     q = res.posterior
-    lam = res.info["lam"]
+    lam = res.state.lam
     A = torch.as_tensor(Q.toarray()) + torch.diag(lam)
     V = torch.linalg.inv(A)
     torch.testing.assert_close(q.variance, torch.diagonal(V), rtol=0, atol=1e-12)

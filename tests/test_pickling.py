@@ -145,7 +145,7 @@ def test_large_sparse_logistic_regression_with_lanczos_variances_pickles_compact
         X = sp.random(N, 3000, density=0.003, format="csr", random_state=1)
         y = np.random.default_rng(0).integers(0, 2, N)
         clf = pcv.BayesianLogisticRegression(engine="convex_relaxation", options={"variance": "lanczos"}).fit(X, y)
-        assert clf.result_.info["lanczos_result"] is not None and clf.result_.info["cholesky"] is None
+        assert clf.result_.posterior.lanczos is not None and clf.result_.posterior.precision_cholesky is None
         blob = pickle.dumps(clf)
         clf2 = pickle.loads(blob)
         np.testing.assert_array_equal(clf2.predict_proba(X[:30]), clf.predict_proba(X[:30]))

@@ -23,7 +23,7 @@ from pyro_convexvb.errors import UnsupportedModelError
 from pyro_convexvb.infer.convex_relaxation.potentials import potential_for
 from pyro_convexvb.infer.dual_vg.bounds import (ProbitTightBound, make_bound, mills_inverse,
                                                 probit_curvature)
-from pyro_convexvb.infer.dual_vg.guide import DualVGEngine, dual_vg_applies
+from pyro_convexvb.infer.dual_vg.engine import DualVGEngine, dual_vg_applies
 from pyro_convexvb.infer.dual_vg.reference import primal_optimum
 from pyro_convexvb.lgm.sites import BernoulliProbit
 

@@ -120,7 +120,7 @@ def test_result_and_posterior_roundtrip(tmp_path):
     assert r2.log_evidence_bound == res.log_evidence_bound
     assert str(r2.optimality) == str(res.optimality)
     assert r2.history["objective"] == res.history["objective"]
-    assert torch.equal(r2.info["cholesky"], res.info["cholesky"]) and r2.lgm is None
+    assert torch.equal(r2.posterior.precision_cholesky, res.posterior.precision_cholesky) and r2.lgm is None
     # the matrix-free precision is stored dense (n <= MAX_COMPACT_DENSE): exact same covariance
     C = torch.linalg.inv(res.posterior.precision_operator.to_dense())
     assert torch.allclose(r2.posterior.covariance(), C, rtol=1e-10, atol=1e-13)

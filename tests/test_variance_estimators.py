@@ -16,6 +16,7 @@ from pyro_convexvb.infer.convex_relaxation.outer import (
     variance_costs,
     variance_step,
 )
+from pyro_convexvb.infer.convex_relaxation import ConvexRelaxationOptions as O
 from pyro_convexvb.infer.convex_relaxation.problem import RelaxationProblem, operator_flops
 from pyro_convexvb.lgm.layout import LatentLayout
 from pyro_convexvb.lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
@@ -27,6 +28,19 @@ D = torch.float64
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
+
+
+def _step(prob, gamma, generator=None, **options):
+    """One variance step with the engine's options (``variance`` defaults to ``"lanczos"`` here)."""
+    return variance_step(prob, gamma, O(**{"variance": "lanczos", **options}), generator)
+
+
+def _loop(prob, **options):
+    """The double loop with the engine's options; the state's and the report's entries in one dict."""
+    st, rep = double_loop(prob, O(**options))
+    step = rep["step"]
+    return dict(rep, gamma=st.gamma, u=st.u, variance_method=st.variance_method, variance_estimator=step.estimator,
+                variances_are_lower_bounds=step.lower_bounds)
 
 
 def _rbf(X, scale=2.0, ls=0.8, jitter=1e-6):
@@ -92,7 +106,7 @@ def test_whitened_estimate_equals_dense_formula_and_is_exact_at_k_n(b):
     Av = L.T @ A @ L
     C_exact = torch.linalg.inv(A)
     for k in (1, 5, 11, n):
-        step = variance_step(prob, gam, k=k, block_size=b, generator=_gen(3), dense_logdet_max=0)
+        step = _step(prob, gam, lanczos_rank=k, lanczos_block_size=b, generator=_gen(3), dense_logdet_max=0)
         assert step.estimator == "whitened" and step.lower_bounds is False and step.method == "lanczos"
         assert isinstance(step.lanczos, WhitenedLanczos)
         res = step.lanczos.result
@@ -148,7 +162,7 @@ def test_covariance_form_of_the_problem():
 @pytest.fixture(scope="module")
 def gp300():
     lgm = _gp_classification()
-    ex = double_loop(RelaxationProblem(lgm), variance="exact", generator=_gen(0))
+    ex = _loop(RelaxationProblem(lgm), variance="exact")
     return lgm, ex
 
 
@@ -158,7 +172,7 @@ def test_gp_classification_lanczos_variances_match_exact_fit(gp300):
     lgm, ex = gp300
     assert ex["variance_method"] == "exact" and ex["variance_estimator"] == "cholesky"
     prob = RelaxationProblem(lgm)
-    la = double_loop(prob, variance="lanczos", k=80, generator=_gen(0))
+    la = _loop(prob, variance="lanczos", lanczos_rank=80)
     assert la["variance_method"] == "lanczos" and la["variance_estimator"] == "whitened"
     assert la["variances_are_lower_bounds"] is False
     ze, zl = ex["step"].z, la["step"].z
@@ -171,12 +185,12 @@ def test_gp_classification_lanczos_variances_match_exact_fit(gp300):
     assert la["best_phi"] == pytest.approx(ex["best_phi"], abs=1e-4)
     # at the exact fit's gamma: accuracy against k, and exactness at k = n
     gam = ex["gamma"]
-    z40 = variance_step(prob, gam, k=40, generator=_gen(0)).z
+    z40 = _step(prob, gam, lanczos_rank=40, generator=_gen(0)).z
     assert float(((z40 - ze).abs() / ze).median()) < 2e-2  # measured 3.4e-3
-    zn = variance_step(prob, gam, k=prob.n, generator=_gen(0)).z
+    zn = _step(prob, gam, lanczos_rank=prob.n, generator=_gen(0)).z
     torch.testing.assert_close(zn, ze, rtol=1e-7, atol=1e-12)
     # the K-Lanczos lower bound on this model: below the exact values and almost all of them near 0
-    kl = variance_step(prob, gam, k=80, generator=_gen(0), estimator="k-lanczos")
+    kl = _step(prob, gam, lanczos_rank=80, generator=_gen(0), lanczos_estimator="k-lanczos")
     assert kl.estimator == "k-lanczos" and kl.lower_bounds
     assert bool((kl.z <= ze * (1 + 1e-8) + 1e-12).all())
     assert float((kl.z / ze).median()) < 0.05
@@ -195,16 +209,16 @@ def test_sparse_logistic_keeps_k_lanczos_lower_bounds():
     lgm = _sparse_logistic()
     prob = RelaxationProblem(lgm)
     assert choose_lanczos_estimator(prob) == "k-lanczos"
-    out = double_loop(prob, variance="lanczos", k=20, max_outer=3, generator=_gen(0))
+    out = _loop(prob, variance="lanczos", lanczos_rank=20, max_outer=3)
     assert out["variance_method"] == "lanczos" and out["variance_estimator"] == "k-lanczos"
     assert out["variances_are_lower_bounds"] is True
     gam = out["gamma"]
-    exact = variance_step(prob, gam, method="exact")
+    exact = _step(prob, gam, variance="exact")
     step = out["step"]
     assert bool((step.z <= exact.z * (1 + 1e-10) + 1e-14).all())
     assert bool((step.var_u <= exact.var_u * (1 + 1e-10) + 1e-14).all())
     assert float(step.z.sum() / exact.z.sum()) < 0.99  # a strict underestimate at k = 20 < n = 60
-    again = variance_step(prob, gam, k=20, generator=_gen(5))
+    again = _step(prob, gam, lanczos_rank=20, generator=_gen(5))
     assert again.lower_bounds and again.estimator == "k-lanczos"
     assert bool((again.z <= exact.z * (1 + 1e-10) + 1e-14).all())
 
@@ -225,18 +239,18 @@ def test_estimator_choice_rules_and_errors():
     assert prob.covariance_blocks() is None and prob.covariance_form() is None
     assert choose_lanczos_estimator(prob) == "k-lanczos"
     with pytest.raises(ValueError, match="whitened"):
-        variance_step(prob, torch.ones(3, dtype=D), k=2, estimator="whitened")
+        _step(prob, torch.ones(3, dtype=D), lanczos_rank=2, lanczos_estimator="whitened")
     with pytest.raises(ValueError, match="lanczos_estimator"):
-        double_loop(prob, variance="lanczos", k=2, lanczos_estimator="precision")
+        _loop(prob, variance="lanczos", lanczos_rank=2, lanczos_estimator="precision")
     with pytest.raises(ValueError, match="variance"):
-        double_loop(prob, variance="fast")
+        _loop(prob, variance="fast")
     # a diagonal Gaussian prior is in covariance form, but K-Lanczos is kept (no dense block)
     sp = RelaxationProblem(_sparse_logistic(q=50, n=8))
     assert sp.covariance_blocks() is not None and choose_lanczos_estimator(sp) == "k-lanczos"
     # forcing the whitened estimator there still gives the right answer at k = n
     gam = torch.linspace(0.5, 3.0, sp.q, dtype=D)
-    w_full = variance_step(sp, gam, k=8, estimator="whitened", generator=_gen(8))
-    torch.testing.assert_close(w_full.z, variance_step(sp, gam, method="exact").z, rtol=1e-8, atol=1e-12)
+    w_full = _step(sp, gam, lanczos_rank=8, lanczos_estimator="whitened", generator=_gen(8))
+    torch.testing.assert_close(w_full.z, _step(sp, gam, variance="exact").z, rtol=1e-8, atol=1e-12)
 
 
 # ------------------------------------------------------------------------------ variance="auto"
@@ -248,19 +262,19 @@ def test_variance_costs_follow_the_cost_model():
     f_a = n + 2 * 2 * nnz + q  # diagonal prior, B^T W B
     assert prob.mvm_flops() == f_a and operator_flops(prob.B) == 2 * nnz
     k, b = 20, 4
-    c = variance_costs(prob, k, b, dense_logdet_max=0)
+    c = variance_costs(prob, O(lanczos_rank=k, lanczos_block_size=b, dense_logdet_max=0))
     exact = outer.EXACT_CUBIC_SECONDS * n**3 + outer.FORM_FLOP_SECONDS * n * (f_a + 2 * nnz)
     lz = outer.STEP_SECONDS * 5 + (outer.MVM_FLOP_SECONDS * k * f_a + outer.ORTH_FLOP_SECONDS * 2 * n * k * k) / min(
         b, outer.BLOCK_SPEEDUP_MAX)
     assert c["exact"] == pytest.approx(exact, rel=1e-12) and c["lanczos"] == pytest.approx(lz, rel=1e-12)
     assert c["estimator"] == "k-lanczos" and c["k"] == k
     # with a dense log|A| the Lanczos route also pays for forming and factorising A
-    c2 = variance_costs(prob, k, b, dense_logdet_max=1000)
+    c2 = variance_costs(prob, O(lanczos_rank=k, lanczos_block_size=b, dense_logdet_max=1000))
     extra = outer.FORM_FLOP_SECONDS * n * f_a + 0.25 * outer.EXACT_CUBIC_SECONDS * n**3
     assert c2["lanczos"] == pytest.approx(lz + extra, rel=1e-12)
     # the GP model prices products with A_v = L^T A L
     gp = RelaxationProblem(_gp_mixed()[0])
-    cg_ = variance_costs(gp, 10, 1, dense_logdet_max=0)
+    cg_ = variance_costs(gp, O(lanczos_rank=10, dense_logdet_max=0))
     assert cg_["estimator"] == "whitened"
     nn = gp.n
     lz_gp = outer.STEP_SECONDS * 10 + outer.MVM_FLOP_SECONDS * 10 * gp.mvm_flops(True) + \
@@ -271,26 +285,26 @@ def test_variance_costs_follow_the_cost_model():
 def test_auto_picks_by_cost_and_reports_the_method(monkeypatch):
     lgm = _sparse_logistic(q=200, n=30)
     prob = RelaxationProblem(lgm)
-    ref_exact = double_loop(RelaxationProblem(lgm), variance="exact", max_outer=2, generator=_gen(0))
-    ref_lz = double_loop(RelaxationProblem(lgm), variance="lanczos", k=10, max_outer=2, generator=_gen(0))
+    ref_exact = _loop(RelaxationProblem(lgm), variance="exact", max_outer=2)
+    ref_lz = _loop(RelaxationProblem(lgm), variance="lanczos", lanczos_rank=10, max_outer=2)
     # make the dense route expensive: auto runs Lanczos, with the same numbers as the explicit choice
     monkeypatch.setattr(outer, "EXACT_CUBIC_SECONDS", 1.0)
-    assert choose_variance_method(prob, 10) == "lanczos"
-    out = double_loop(prob, variance="auto", k=10, max_outer=2, generator=_gen(0))
+    assert choose_variance_method(prob, O(lanczos_rank=10)) == "lanczos"
+    out = _loop(prob, variance="auto", lanczos_rank=10, max_outer=2)
     assert out["variance_method"] == "lanczos" and out["variance_estimator"] == "k-lanczos"
     assert out["variances_are_lower_bounds"] is True
     torch.testing.assert_close(out["step"].z, ref_lz["step"].z, rtol=0, atol=0)
     # make Lanczos expensive: auto runs the exact route
     monkeypatch.setattr(outer, "EXACT_CUBIC_SECONDS", 0.0)
     monkeypatch.setattr(outer, "FORM_FLOP_SECONDS", 0.0)
-    assert choose_variance_method(prob, 10) == "exact"
-    out = double_loop(RelaxationProblem(lgm), variance="auto", k=10, max_outer=2, generator=_gen(0))
+    assert choose_variance_method(prob, O(lanczos_rank=10)) == "exact"
+    out = _loop(RelaxationProblem(lgm), variance="auto", lanczos_rank=10, max_outer=2)
     assert out["variance_method"] == "exact" and out["variance_estimator"] == "cholesky"
     assert out["variances_are_lower_bounds"] is False
     torch.testing.assert_close(out["step"].z, ref_exact["step"].z, rtol=0, atol=0)
-    step = variance_step(prob, ref_exact["gamma"], method="auto", k=10)
+    step = _step(prob, ref_exact["gamma"], variance="auto", lanczos_rank=10)
     assert step.method == "exact"
     # n above exact_max never goes to the dense route
-    assert choose_variance_method(prob, 10, exact_max=29) == "lanczos"
-    out = double_loop(RelaxationProblem(lgm), variance="auto", k=10, max_outer=1, exact_max=29, generator=_gen(0))
+    assert choose_variance_method(prob, O(lanczos_rank=10, exact_max=29)) == "lanczos"
+    out = _loop(RelaxationProblem(lgm), variance="auto", lanczos_rank=10, max_outer=1, exact_max=29)
     assert out["variance_method"] == "lanczos"

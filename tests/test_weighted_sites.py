@@ -32,7 +32,7 @@ from pyro_convexvb.infer.convex_relaxation import (
 from pyro_convexvb.infer.convex_relaxation.potentials import WeightedPotential, potential_for
 from pyro_convexvb.infer.dual_vg import fit_dual_vg, make_bound
 from pyro_convexvb.infer.dual_vg.bounds import WeightedBound
-from pyro_convexvb.infer.dual_vg.guide import dual_vg_applies
+from pyro_convexvb.infer.dual_vg.engine import dual_vg_applies
 from pyro_convexvb.lgm.layout import LatentLayout
 from pyro_convexvb.lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
 from pyro_convexvb.lgm.sites import (
@@ -223,10 +223,10 @@ def test_integer_weights_equal_the_rows_repeated(kind, name, form):
     qa, qb = a.posterior, b.posterior
     assert float((qa.loc - qb.loc).abs().max()) < 1e-8
     assert float((qa.covariance() - qb.covariance()).abs().max()) < 1e-8
-    summed = torch.zeros(N, dtype=D).index_add_(0, idx, b.info["alpha"])
-    assert float((a.info["alpha"] - summed).abs().max()) < 1e-8 * (1 + float(summed.abs().max()))
-    summed_lam = torch.zeros(N, dtype=D).index_add_(0, idx, b.info["lam"])
-    assert float((a.info["lam"] - summed_lam).abs().max()) < 1e-8 * (1 + float(summed_lam.abs().max()))
+    summed = torch.zeros(N, dtype=D).index_add_(0, idx, b.state.alpha)
+    assert float((a.state.alpha - summed).abs().max()) < 1e-8 * (1 + float(summed.abs().max()))
+    summed_lam = torch.zeros(N, dtype=D).index_add_(0, idx, b.state.lam)
+    assert float((a.state.lam - summed_lam).abs().max()) < 1e-8 * (1 + float(summed_lam.abs().max()))
     assert a.info["lvb_elbo"] == pytest.approx(b.info["lvb_elbo"], abs=1e-8)
     assert a.log_evidence_bound == pytest.approx(b.log_evidence_bound, abs=1e-8)
 
@@ -436,7 +436,7 @@ def test_convex_relaxation_integer_weights_equal_the_rows_repeated(kind):
     assert float((a.posterior.variance - b.posterior.variance).abs().max()) < 1e-8
     assert a.log_evidence_bound == pytest.approx(b.log_evidence_bound, abs=1e-8)
     assert np.allclose(a.info["phi_history"], b.info["phi_history"], rtol=0, atol=1e-8)
-    ga, gb = a.info["gamma_all"], b.info["gamma_all"]
+    ga, gb = a.state.gamma, b.state.gamma
     first = torch.cumsum(torch.as_tensor(INT_WEIGHTS), 0) - torch.as_tensor(INT_WEIGHTS)
     torch.testing.assert_close(ga * w, gb[first], rtol=1e-8, atol=1e-10)
 
@@ -596,7 +596,7 @@ def test_fractional_weights_bound_below_the_log_evidence_by_quadrature(engine, k
     if engine == "convex_relaxation":
         # the relaxation's bound is log int of its Gaussian minorant: prior times, per site, w times the
         # logistic's Gaussian lower bound of width w gamma (Nickisch & Seeger 2009, §2), by quadrature
-        gamma = res.info["gamma_all"]
+        gamma = res.state.gamma
         base = LogisticPotential(obs)
 
         def log_minorant(B):

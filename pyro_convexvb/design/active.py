@@ -21,7 +21,7 @@ inclusions between two refits):
    set, warm-started at the current ``gamma`` (old sites keep theirs, new sites get the ``gamma_i`` of
    step 2) *and* at the kept-valid marginals: "the first outer loop update comes for free, since the
    model marginals, ``u_*`` and ``log|A|`` have been kept valid" (Nickisch & Seeger 2009 §3), so the engine skips
-   its first variance step (``z_init``).  Model-site variances that turned nonpositive are recomputed
+   its first variance step (a :class:`~pyro_convexvb.infer.convex_relaxation.RelaxationState` with ``z``).  Model-site variances that turned nonpositive are recomputed
    by CG first, as the paper prescribes.  With ``refit_outer=1`` (the paper's choice) a block costs
    one inner loop and a **single Lanczos run**, plus one pass of its factors over the pool.
 """
@@ -35,7 +35,7 @@ import torch
 from ..infer.convex_relaxation import (
     ConvexVariationalRelaxation,
     LogisticPotential,
-    predictive_marginals,
+    RelaxationState,
     site_designs,
 )
 from ..errors import ConvergenceWarning
@@ -101,7 +101,8 @@ class ActiveLearner:
     :param str score: ``"cu"`` (classifier uncertainty), ``"ig"`` (information gain) or ``"random"``.
     :param int refit_every: number of inclusions between joint refits of all ``gamma`` (the block size
         of Nickisch & Seeger 2009 §3); within a block the posterior is kept valid by rank-one updates.
-    :param int lanczos_rank: number of Lanczos steps of the engine (variances of model and candidate sites).
+    :param int lanczos_rank: number of Lanczos steps of the engine (variances of model and candidate sites);
+        ``None``: the engine's default ``lanczos_rank``.
     :param str variance: the engine's variance method (``"lanczos"``, or ``"exact"`` for small models).
     :param int init_outer: outer iterations of the initial fit.
     :param int refit_outer: outer iterations of each warm-started refit (``>= 1``; each costs one
@@ -128,13 +129,13 @@ class ActiveLearner:
         10
     """
 
-    def __init__(self, model, X_pool, oracle, score="cu", refit_every=1, lanczos_rank=80, *, variance="lanczos",
+    def __init__(self, model, X_pool, oracle, score="cu", refit_every=1, lanczos_rank=None, *, variance="lanczos",
                  init_outer=5, refit_outer=1, cg_tol=1e-8, engine_options=None, seed=0, progress=True):
         if score not in _SCORES:
             raise ValueError(f"score: expected one of {_SCORES}, got {score!r}")
         for name, v, lo in (("refit_every", refit_every, 1), ("lanczos_rank", lanczos_rank, 1),
                             ("init_outer", init_outer, 0), ("refit_outer", refit_outer, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            if (v is not None or name != "lanczos_rank") and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
                 raise ValueError(f"{name}: expected an integer >= {lo}, got {v!r}")
         if not torch.is_tensor(X_pool) or X_pool.dim() != 2:
             raise ValueError("X_pool: expected a 2-D dense tensor or torch sparse CSR matrix")
@@ -161,10 +162,10 @@ class ActiveLearner:
                              f"(found {len(lik)}); active learning needs the candidates' sites")
         return lik[0].design, lik[0].offset, lik[0].name
 
-    def _fit(self, idx, labels, gamma_init, max_outer, **warm):
-        eng = ConvexVariationalRelaxation(self.model, lanczos_rank=self.lanczos_rank, max_outer=max_outer,
-                                          variance=self.variance, gamma_init=gamma_init, seed=self.seed,
-                                          progress=False, **self.engine_options, **warm)
+    def _fit(self, idx, labels, max_outer, init=None):
+        rank = {} if self.lanczos_rank is None else {"lanczos_rank": self.lanczos_rank}
+        eng = ConvexVariationalRelaxation(self.model, max_outer=max_outer, variance=self.variance, seed=self.seed,
+                                          progress=False, init=init, **rank, **self.engine_options)
         with warnings.catch_warnings():
             # the outer-iteration budget of the fits is the algorithm's (Nickisch & Seeger 2009, §3): stopping
             # at max_outer is expected and recorded in ActiveHistory.converged, not warned about
@@ -224,7 +225,7 @@ class ActiveLearner:
         hist = ActiveHistory()
         idx = list(init)
         labels = self._labels(idx)
-        result = self._fit(idx, labels, None, self.init_outer)
+        result = self._fit(idx, labels, self.init_outer)
 
         def record(res):
             hist.converged.append(bool(res.converged))
@@ -257,12 +258,12 @@ class ActiveLearner:
 
     def _block(self, result, idx, labels, block, alive_all, rng, hist, bar):
         """One block: ``block`` inclusions with rank-one updates, then the warm-started refit."""
-        mean, var = predictive_marginals(result, self.B_pool, self.o_pool)
+        mean, var = result.posterior.marginals(self.B_pool, self.o_pool)
         u = result.posterior.loc.clone()
-        log_det = result.info.get("log_det")
+        log_det = result.state.logdet
         A0 = result.posterior.precision_operator
-        sites = site_designs(result.lgm)  # model sites: B_m, group order of z_all / gamma_all
-        z_model = result.info["z_all"].clone()
+        sites = site_designs(result.lgm)  # model sites: B_m, group order of state.z / state.gamma
+        z_model = result.state.z.clone()
         rows, gams = [], []
         alive = alive_all.clone()
 
@@ -310,7 +311,7 @@ class ActiveLearner:
         # block end: gamma, z and u of the enlarged model, in the engine's site order
         gamma_init, pieces = [], []  # pieces: (variances, rows of B as columns or the model-site slice)
         for name, sl in zip(sites.names, sites.slices):
-            gamma_init.append(result.info["gamma"][name])
+            gamma_init.append(result.state.gamma[sl])
             pieces.append((z_model[sl], sl))
             if name == self.lik_name:
                 gamma_init.append(torch.stack(new_gamma))
@@ -337,6 +338,5 @@ class ActiveLearner:
                                gamma=torch.stack(gams), labels=torch.cat(new_labels), alive=alive,
                                gamma_init=gamma_init, z_init=z_init, recomputed=recomputed)
         all_labels = torch.cat([labels] + new_labels)
-        result = self._fit(idx, all_labels, gamma_init, self.refit_outer, z_init=z_init, u_init=u,
-                           logdet_init=log_det)
+        result = self._fit(idx, all_labels, self.refit_outer, RelaxationState(gamma_init, u, z_init, log_det))
         return result, dropped, all_labels

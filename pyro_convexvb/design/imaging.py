@@ -388,7 +388,7 @@ def covariance_factor(result, pca_rank=None, score_steps=None):
     * ``"pca"``: L-PCA ``F = U_L Lambda_L^{-1/2}`` from the ``L`` smallest Ritz pairs of the run.
 
     :param result: the engine's :class:`~pyro_convexvb.InferenceResult`.
-    :param pca_rank: ``L`` for ``"pca"`` fits (default ``lanczos_rank // 6``, the engine's default).
+    :param pca_rank: ``L`` for ``"pca"`` fits (default: the ``L`` of the fit, ``state.pca_rank``).
     :param score_steps: ``K_score`` for ``"lanczos"`` fits of single-vector Lanczos (default: all ``K``
         steps); refused for the other methods.
     :returns: ``(n, k)`` tensor, for :func:`phase_encode_scores` or :func:`~.scores.design_score`.
@@ -404,18 +404,18 @@ def covariance_factor(result, pca_rank=None, score_steps=None):
         >>> covariance_factor(res).shape
         torch.Size([64, 10])
     """
-    info = result.info
-    method = info.get("variance_method")
+    st = result.state
+    method = st.variance_method
     if score_steps is not None:
         if isinstance(score_steps, bool) or not isinstance(score_steps, int) or score_steps < 1:
             raise ValueError(f"score_steps: expected an integer >= 1, got {score_steps!r}")
         if method != "lanczos":
             raise ValueError(f"score_steps: only K-Lanczos fits can be truncated (this fit used {method!r})")
     if method == "exact":
-        L = info["cholesky"]
+        L = st.cholesky
         eye = torch.eye(L.shape[0], dtype=L.dtype, device=L.device)
         return torch.linalg.solve_triangular(L, eye, upper=False).transpose(0, 1)
-    res = info.get("lanczos_result")
+    res = st.lanczos
     if res is None:
         raise ValueError("result: holds no Lanczos factors (was it fitted with max_outer >= 0 by this engine?)")
     if method == "lanczos":
@@ -427,8 +427,7 @@ def covariance_factor(result, pca_rank=None, score_steps=None):
         Ls = res.cholesky_L()[:score_steps, :score_steps]
         return torch.linalg.solve_triangular(Ls, res.Q[:, :score_steps].transpose(0, 1), upper=False).transpose(0, 1)
     if method == "pca":
-        L = int(pca_rank) if pca_rank is not None else max(1, int(info["lanczos_rank"]) // 6)
-        L = max(1, min(L, res.k))
+        L = max(1, min(int(pca_rank) if pca_rank is not None else st.pca_rank, res.k))
         U = res.ritz_vectors(torch.arange(L, device=res.Q.device))
         return U / torch.sqrt(res.ritz_values[:L])
     raise ValueError(f"result: unknown variance method {method!r}")

@@ -199,17 +199,14 @@ def lanczos_covariance_factor(lanczos):
     r"""``F = Q_k L^{-T}`` with ``T_k = L L^T``, so that ``F F^T = Q_k T_k^{-1} Q_k^T`` (the K-Lanczos
     covariance, Seeger 2010 §3); shape ``(n, k)``.
 
-    :param lanczos: a :class:`~pyro_convexvb.linalg.LanczosResult`, a pair ``(Q, T)``
-        (``info["lanczos"]`` of the convex relaxation), or any result with a ``covariance_factor()``
-        method (``info["lanczos_result"]``; for the engine's whitened estimator of a Gaussian-process prior,
-        :class:`~pyro_convexvb.infer.convex_relaxation.outer.WhitenedLanczos`, ``F`` has ``n + k`` columns).
+    :param lanczos: a :class:`~pyro_convexvb.linalg.LanczosResult` (``state.lanczos`` of the convex relaxation),
+        or any result with a ``covariance_factor()`` method (for the engine's whitened estimator of a
+        Gaussian-process prior, :class:`~pyro_convexvb.infer.convex_relaxation.outer.WhitenedLanczos`, ``F`` has
+        ``n + k`` columns).
     """
-    if hasattr(lanczos, "covariance_factor"):
-        return lanczos.covariance_factor()
-    Q, T = lanczos
-    L = torch.linalg.cholesky(T)
-    # F^T = L^{-1} Q^T
-    return torch.linalg.solve_triangular(L, Q.transpose(0, 1), upper=False).transpose(0, 1)
+    if not hasattr(lanczos, "covariance_factor"):
+        raise TypeError(f"lanczos: expected a LanczosResult (e.g. result.state.lanczos), got {type(lanczos).__name__}")
+    return lanczos.covariance_factor()
 
 
 def design_score(X_star, factor, noise_var=1.0, chunk_size=1024):

@@ -20,7 +20,6 @@ Variance methods (Seeger 2010 §3, §5): ``"lanczos"`` (K-Lanczos with ``K_var``
 variances and the first ``K_score <= K_var`` of the same run for the scores), ``"pca"`` (L-PCA: ``L`` smallest Ritz
 pairs of a ``6L``-step run, Seeger 2010 footnote 5, for both) and ``"exact"`` (dense Cholesky, small images).
 """
-import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -92,7 +91,8 @@ class DesignHistory:
     :ivar inner_seconds, outer_seconds: per step, the engine's own split of the refit (inner loops, variance steps).
     :ivar newton_steps, cg_iterations: per step, the refit's Newton steps and CG iterations (summed).
     :ivar converged: per step, whether the refit met its tolerances before ``max_outer``.
-    :ivar state: the final warm-start state (``gamma``, ``z``, ``u``, ``log_det``) for a continued run.
+    :ivar state: the final :class:`~pyro_convexvb.infer.convex_relaxation.RelaxationState` (``gamma``, ``z``,
+        ``u``, ``logdet``) for a continued run.
     """
 
     start: list
@@ -106,7 +106,7 @@ class DesignHistory:
     newton_steps: list = field(default_factory=list)
     cg_iterations: list = field(default_factory=list)
     converged: list = field(default_factory=list)
-    state: dict = None
+    state: object = None
 
     @property
     def columns(self):
@@ -200,22 +200,15 @@ class SequentialPhaseEncodeDesign:
             opts = dict(variance="pca", lanczos_rank=6 * self.pca_rank, pca_rank=self.pca_rank)
         else:
             opts = dict(variance="exact")
-        if state is None:
-            opts["max_outer"] = self.init_outer
-        else:
-            opts.update(max_outer=self.refit_outer, gamma_init=state["gamma"], z_init=state["z"], u_init=state["u"],
-                        logdet_init=state["log_det"])
+        opts["max_outer"] = self.init_outer if state is None else self.refit_outer
         eng = ConvexVariationalRelaxation(self.model(pairs), seed=self.seed * 1000003 + step, progress=False,
-                                          **opts, **self.engine_options)
+                                          init=state, **opts, **self.engine_options)
         with warnings.catch_warnings():
             # the per-step outer budget is the design loop's (Seeger et al. 2009): stopping at max_outer is expected
             warnings.filterwarnings("ignore", category=ConvergenceWarning,
                                     message=r"engine 'convex_relaxation' did not converge \(stopped by: max_outer\)")
             res = eng.run()
-        ld = res.info.get("log_det")
-        state = dict(gamma=res.info["gamma_all"], z=res.info["z_all"], u=res.posterior.loc,
-                     log_det=float(ld) if ld is not None and math.isfinite(float(ld)) else None)
-        return res, state
+        return res, res.state
 
     def factor(self, result):
         """The covariance factor the scores use (``K_score`` Lanczos vectors, ``L`` PCA pairs or exact)."""

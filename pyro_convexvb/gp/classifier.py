@@ -17,7 +17,7 @@ import torch
 from sklearn.base import BaseEstimator
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from ..infer.dual_vg import DualVGEngine, site_space_predictive
+from ..infer.dual_vg import DualState
 from ..infer.registry import get_engine
 from ..lgm.layout import LatentLayout
 from ..lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
@@ -185,28 +185,26 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         options = dict(self.options or {})
         self.mean_ = torch.as_tensor(float(self.mean), dtype=X.dtype, device=X.device)
         self.hyper_history_ = None
-        alpha0 = None
+        engine = get_engine(self.engine)
+        init = None
         if self.learn_hyperparameters:
-            alpha0 = self._learn_hyperparameters(X, y01, options)
+            init = self._learn_hyperparameters(X, y01, options)
+        if engine.State is DualState:  # the dual's N x N site form predicts without inverting K
+            options.setdefault("form", "site")
+        if "alpha0" in options:
+            init = None
         with torch.no_grad():
             K = self._K(X)
             self.K_train_ = K
             mean = float(self.mean_.detach())
-            if self.engine == "dual_vg":
-                if alpha0 is not None:
-                    options.setdefault("alpha0", alpha0)
-                options.setdefault("form", "site")
-                res = DualVGEngine(gp_classification_lgm(K, y01, mean, weight), progress=False, **options).run()
-                self.alpha_ = res.info["alpha"] if res.info["form"] == "site" else None
-        if self.engine != "dual_vg":
-            with torch.enable_grad():
-                engine = get_engine(self.engine)
-                if engine.takes == "lgm":
-                    res = engine(gp_classification_lgm(K, y01, mean, weight), progress=False, **options).run()
-                else:
-                    res = engine(gp_classification_model, progress=False, **options).run(K, y=y01, mean=mean,
-                                                                                         weight=weight)
-                self.alpha_ = None
+        with torch.enable_grad():
+            if engine.takes == "lgm":
+                res = engine(gp_classification_lgm(K, y01, mean, weight), progress=False, init=init, **options).run()
+            else:
+                res = engine(gp_classification_model, progress=False, **options).run(K, y=y01, mean=mean,
+                                                                                     weight=weight)
+        site = isinstance(res.state, DualState) and res.state.gp_site_form
+        self.alpha_ = res.state.alpha if site else None
         self.result_ = res
         self.posterior_ = res.posterior
         self.log_evidence_bound_ = res.log_evidence_bound
@@ -240,7 +238,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self.hyper_history_ = res.history
         self.hyper_converged_ = bool(res.converged)
         self.hyper_result_ = res
-        return res.info.get("alpha")
+        return res.state.warm_start() if isinstance(res.state, DualState) else None  # the dual starts from alpha
 
     # ------------------------------------------------------------------ prediction
     def _latent(self, X):
@@ -251,7 +249,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
             mean = float(self.mean_.detach())
             kdiag = self.kernel_(X, diag=True)
             if self.alpha_ is not None:
-                return site_space_predictive(self.result_, Kx, kdiag, mean)
+                return self.result_.state.site_predictive(Kx, kdiag, mean)
             return gp_latent_predictive(self.K_train_, Kx, kdiag, self.posterior_, mean, mean)
 
     def _outputs(self, X):

@@ -64,6 +64,7 @@ __all__ = [
     "DiagMixturePosterior",
     "DiagMixtureOptions",
     "DiagMixtureEngine",
+    "MixtureState",
     "mixture_evidence_bound",
 ]
 
@@ -832,6 +833,23 @@ def _natural_gradient_refusal(call, lgm, n_guide, learn_params):
     return None
 
 
+@dataclass(frozen=True)
+class MixtureState:
+    """The fitted mixture (``locs``, ``variances``: ``(K, D)`` over the unconstrained latents) after ``steps`` of
+    ``optimizer`` (``"svi"`` or ``"natural_gradient"``); ``init=`` resumes from it (Steinberg et al. 2017, §1.3)."""
+
+    engine: typing.ClassVar[str] = "diag_mixture"
+    options: typing.ClassVar[tuple] = ()
+
+    locs: torch.Tensor
+    variances: torch.Tensor
+    steps: int = 0
+    optimizer: str = "svi"
+
+    def warm_start(self):
+        return self
+
+
 class DiagMixtureEngine(SVIEngine):
     """SVI with :class:`AutoDiagMixture` and :class:`DiagMixtureELBO` (Steinberg et al. 2017, §1.3).
 
@@ -852,6 +870,7 @@ class DiagMixtureEngine(SVIEngine):
     name = "diag_mixture"
     description = "SVI with AutoDiagMixture (mixture of K diagonal Gaussians, closed-form entropy bound, revrand)"
     Options = DiagMixtureOptions
+    State = MixtureState
     optimality_measure = ("natural-gradient decrement of the mixture's evidence bound (block-diagonal Fisher) <= "
                           "decrement_tol; stops at an ELBO plateau or max_steps")
 
@@ -973,13 +992,22 @@ class DiagMixtureEngine(SVIEngine):
     def solve(self, call, run):
         o = self.options
         model = call.model if o.learn_params else poutine.block(call.model, hide_types=["param"])
+        start = None
+        if self.init is not None:
+            if self.init.locs.shape[0] != o.num_components:
+                raise ValueError(f"init: the state has {self.init.locs.shape[0]} mixture components, option "
+                                 f"num_components = {o.num_components}")
+            start = DiagMixturePosterior(self.init.locs, self.init.variances)
         guide = AutoDiagMixture(model, num_components=o.num_components, init_scale=o.init_scale,
-                                init_spread=o.init_spread)
+                                init_spread=o.init_spread, posterior=start)
         self.own_guide(guide)
         red = data_reduction(call.args, call.kwargs)
         lgm = None if o.optimizer == "svi" else try_lgm(call.source, call.args, call.kwargs)
         with poutine.block(), torch.no_grad():
-            guide(*call.args, **call.kwargs)  # builds the prototype and the initial parameters
+            try:
+                guide(*call.args, **call.kwargs)  # builds the prototype and the initial parameters
+            except ValueError as e:  # an init state of another model
+                raise (e if start is None else ValueError(f"init: {e}")) from None
         if self._use_natural_gradient(call, lgm, guide, red):
             value, steps, reason = self._fit_natural_gradient(guide, lgm, run)
             info_opt = {"optimizer": "natural_gradient", "elbo_estimate": value, "steps": steps}
@@ -1038,5 +1066,6 @@ class DiagMixtureEngine(SVIEngine):
         if exact:
             bound = value if measured == best else mixture_evidence_bound(lgm, posterior, best)
             info["bound_eq24"] = mixture_evidence_bound(lgm, posterior, "eq24")
+        state = MixtureState(posterior.locs, posterior.variances, info["steps"], info["optimizer"])
         return Solution(posterior, bound, Optimality.single(name, dec, o.decrement_tol), reason, info,
-                        lgm=lgm if exact else None)
+                        lgm=lgm if exact else None, state=state)

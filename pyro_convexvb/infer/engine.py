@@ -303,6 +303,7 @@ class Solution:
     :ivar stop_reason: which rule stopped the engine (e.g. ``"duality gap"``, ``"max_steps"``).
     :ivar info: engine-specific extras.
     :ivar lgm: the latent Gaussian model, for engines that run on the Pyro model but extracted one.
+    :ivar state: the engine's immutable state at the answer (its :attr:`Engine.State`), from which a fit resumes.
     """
 
     posterior: Any
@@ -311,6 +312,7 @@ class Solution:
     stop_reason: str
     info: Dict[str, Any] = field(default_factory=dict)
     lgm: Any = None
+    state: Any = None
 
 
 @dataclass
@@ -440,6 +442,8 @@ class Engine:
     :param model: a Pyro model, or a :class:`~pyro_convexvb.LatentGaussianModel` for engines that
         work on one (``takes = "lgm"``).
     :param bool progress: show tqdm progress bars.
+    :param init: a state of this engine (``result.state`` of an earlier fit of a model of the same shape) to
+        resume from, or ``None``.
     :param options: the engine's options (fields of its :attr:`Options` dataclass).
 
     Class attributes a subclass sets: ``name`` (registry name), ``description`` (one line),
@@ -453,6 +457,8 @@ class Engine:
     distributed: ClassVar[bool] = False
     description: ClassVar[str] = ""
     Options: ClassVar[type] = EngineOptions
+    #: the engine's immutable state type (``result.state``, ``init=``), or ``None`` when it has none
+    State: ClassVar[Optional[type]] = None
     takes: ClassVar[str] = "lgm"
     optimality_measure: ClassVar[str] = ""
 
@@ -484,10 +490,15 @@ class Engine:
             seed = int(broadcast(torch.tensor(seed, dtype=torch.int64)))
         return seed
 
-    def __init__(self, model, *, progress=True, **options):
+    def __init__(self, model, *, progress=True, init=None, **options):
         if not isinstance(progress, bool):
             raise TypeError(f"engine '{self.name}': progress expects a bool, got {progress!r}")
+        if init is not None and (self.State is None or not isinstance(init, self.State)):
+            want = f"a {self.State.__name__} (result.state of a '{self.name}' fit)" if self.State else "no state"
+            raise TypeError(f"init: engine '{self.name}' resumes from {want}, got {type(init).__name__}"
+                            + (f" of engine '{init.engine}'" if hasattr(init, "engine") else ""))
         self.model = model
+        self.init = init
         self.progress = progress
         self.options = self.Options.create(self.name, options)
         #: the options the caller set (they win over :meth:`precise_options` in inner fits)
@@ -505,26 +516,24 @@ class Engine:
         :class:`ModelCall`; ``run`` a :class:`RunContext`. Returns a :class:`Solution`."""
         raise NotImplementedError
 
-    def warm_start_options(self, result):
-        """Options that warm-start this engine from an earlier ``result`` on a nearby model (override)."""
-        return {}
-
     def precise_options(self):
         """Options that make the evidence bound accurate enough for finite differences over hyper-latents."""
         return {}
 
     def inner_engine(self, model, warm=None, **overrides):
         """An engine of the same class and options for ``model`` (e.g. a conditioned model), warm-started from
-        ``warm``, with precise bounds (:meth:`precise_options`, except for options the caller set) and the
-        ``overrides``; its ``seed`` is this run's."""
+        ``warm`` (an earlier result on a nearby model: its ``state.warm_start()``), with precise bounds
+        (:meth:`precise_options`, except for options the caller set) and the ``overrides``; its ``seed`` is this
+        run's."""
         opts = self.options.as_dict()
         opts.update({k: v for k, v in self.precise_options().items() if k not in self.given_options})
-        if warm is not None:
-            opts.update(self.warm_start_options(warm))
+        init = warm.state.warm_start() if warm is not None and warm.state is not None else None
+        if init is not None:  # the state replaces the options that warm-start by hand
+            opts.update({k: None for k in init.options})
         if opts.get("seed", 0) is None:  # every inner fit of a run uses the run's seed (common random numbers)
             opts["seed"] = self.run_seed
         opts.update(overrides)
-        return type(self)(model, progress=False, **opts)
+        return type(self)(model, progress=False, init=init, **opts)
 
     #: how this engine learns ``pyro.param`` sites: ``"outer"`` (type-II loop around fits) or ``"joint"``
     #: (the engine optimises them itself, e.g. SVI).
@@ -747,7 +756,8 @@ class Engine:
             run.close()
         crit = Criterion("type-II gradient max |dB/dz| over the params", info["grad_norm"], info["gtol"])
         sol = Solution(res.posterior, res.log_evidence_bound, Optimality(res.optimality.criteria + (crit,)),
-                       f"type-II over {', '.join(names)}; {res.stop_reason}", dict(res.info, type2=info))
+                       f"type-II over {', '.join(names)}; {res.stop_reason}", dict(res.info, type2=info),
+                       state=res.state)
         out = self._result(sol, run, res.lgm, args, kwargs, t0)
         out.hyperparameters = info["learned"]
         return out
@@ -813,7 +823,8 @@ class Engine:
                 post.model_args = (args, kwargs)
         res = InferenceResult(post, sol.log_evidence_bound, run.history, sol.optimality.converged, self.name,
                               sol.info, lgm, seconds=time.perf_counter() - t0, stop_reason=sol.stop_reason,
-                              optimality=sol.optimality, hyperparameters=sol.info.get("hyperparameters"))
+                              optimality=sol.optimality, hyperparameters=sol.info.get("hyperparameters"),
+                              state=sol.state)
         if not res.converged:
             msg = (f"engine '{self.name}' did not converge (stopped by: {sol.stop_reason}): {sol.optimality}")
             if self.options.on_fail == "raise":

@@ -481,7 +481,7 @@ class HyperObjective:
     """``f(z) = log p(theta(z)) + log|d theta/d z| + B(theta(z))``: the engine fitted on the conditioned model.
 
     Every evaluation is cached with the engine's result; a fit is warm-started from the result at the
-    nearest ``z`` already evaluated (:meth:`~pyro_convexvb.infer.engine.Engine.warm_start_options`).
+    nearest ``z`` already evaluated (its ``state.warm_start()``, passed by ``Engine.inner_engine``).
     """
 
     def __init__(self, engine, space, args, kwargs, history=None, bar=None):

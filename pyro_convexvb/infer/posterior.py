@@ -77,6 +77,8 @@ class GaussianPosterior:
     :param torch.Tensor cov_factor: ``(n, r)`` factor ``W`` of the low-rank part (with ``cov_diag``).
     :param torch.Tensor cov_diag: ``(n,)`` positive diagonal ``d`` (with ``cov_factor``).
     :param layout: optional :class:`~pyro_convexvb.lgm.LatentLayout` mapping ``u`` to Pyro sites.
+    :param torch.Tensor precision_cholesky: ``(n, n)`` Cholesky factor of ``C^{-1} / precision_scale``, or
+        :param lanczos: a Lanczos estimate of ``C`` (with ``variances(D)``): an engine's own factor for :meth:`marginals`.
 
     Example::
 
@@ -96,8 +98,10 @@ class GaussianPosterior:
 
     def __init__(self, loc, variance=None, *, covariance=None, scale_tril=None, precision=None,
                  precision_operator=None, precision_factor=None, precision_scale=1.0, low_rank=None,
-                 cov_factor=None, cov_diag=None, layout=None, model=None, cg_options=None):
+                 cov_factor=None, cov_diag=None, layout=None, model=None, cg_options=None, precision_cholesky=None,
+                 lanczos=None):
         self.loc = loc
+        self.precision_cholesky, self.lanczos = precision_cholesky, lanczos
         self.layout = layout
         self.model = model
         self.model_args = ((), {})
@@ -263,8 +267,9 @@ class GaussianPosterior:
     def marginals(self, design, offset=None):
         """Means and variances of ``eta = design @ u + offset`` under q.
 
-        Dense representations give exact variances; ``low_rank`` gives the Lanczos estimate
-        ``diag(B Q T^{-1} Q^T B^T)``; ``low_rank_diagonal`` gives ``diag(B W W^T B^T) + B^2 d`` exactly;
+        An engine's own factor comes first (``precision_cholesky``: exact; ``lanczos``: its estimate, a lower bound
+        for K-Lanczos, Seeger 2010 §4.1).  Dense representations give exact variances; ``low_rank`` gives the Lanczos
+        estimate ``diag(B Q T^{-1} Q^T B^T)``; ``low_rank_diagonal`` gives ``diag(B W W^T B^T) + B^2 d`` exactly;
         ``diagonal`` assumes independence.
 
         :param design: ``(q, n)`` tensor or operator.
@@ -274,7 +279,13 @@ class GaussianPosterior:
         mean = B.mv(self.loc)
         if offset is not None:
             mean = mean + offset
-        if self.kind == "diagonal":
+        if self.precision_cholesky is not None:
+            L = self.precision_cholesky
+            Linv = torch.linalg.solve_triangular(L, torch.eye(L.shape[0], dtype=L.dtype, device=L.device), upper=False)
+            var = self.precision_scale * (B.mv(Linv.transpose(0, 1).contiguous()) ** 2).sum(1)
+        elif self.lanczos is not None:
+            var = self.precision_scale * self.lanczos.variances(B)
+        elif self.kind == "diagonal":
             sq = B.squared()
             var = sq.mv(self.variance) if sq is not None else (B.to_dense() ** 2) @ self.variance
         elif self.kind == "low_rank":
@@ -409,7 +420,8 @@ class GaussianPosterior:
         ``precision`` posterior for ``n <= MAX_COMPACT_DENSE`` (``precision_operator.to_dense() /
         precision_scale``, ``n`` products); above that the operator is dropped: the mean and the
         engine's marginal variances stay, and sampling, ``covariance()``, ``marginals()`` and guides raise
-        ``ValueError`` saying so.
+        ``ValueError`` saying so.  An engine's ``precision_cholesky``/``lanczos`` factors are not kept (estimators
+        keep them, :func:`pyro_convexvb.logistic.compact_result`).
 
         :param bool keep_model: keep the Pyro model callable (a module-level function or object).
         :returns: a new :class:`GaussianPosterior`; ``self`` is unchanged.
@@ -433,8 +445,7 @@ class GaussianPosterior:
         if not keep_model:
             out.model = None
         if self.kind == "precision_operator":
-            out.precision_operator = None
-            out.precision_factor = None
+            out.precision_operator = out.precision_factor = out.precision_cholesky = out.lanczos = None
         return out
 
     def _require_operator(self, what):

@@ -15,7 +15,7 @@ __all__ = ["register_engine", "engines", "get_engine", "engines_that_fit", "fit"
 #: name -> "module:Class" of the built-in engines (imported lazily).
 BUILTIN_ENGINES = {
     "convex_relaxation": "pyro_convexvb.infer.convex_relaxation.engine:ConvexVariationalRelaxation",
-    "dual_vg": "pyro_convexvb.infer.dual_vg.guide:DualVGEngine",
+    "dual_vg": "pyro_convexvb.infer.dual_vg.engine:DualVGEngine",
     "diag_mixture": "pyro_convexvb.infer.diag_mixture:DiagMixtureEngine",
     "svi_autonormal": "pyro_convexvb.infer.baselines:SVIAutoNormal",
     "svi_automvn": "pyro_convexvb.infer.baselines:SVIAutoMultivariateNormal",
@@ -159,7 +159,7 @@ def engines_that_fit(model, *args, lgm=None, **kwargs):
     return out
 
 
-def fit(model, *args, engine, options=None, progress=True, correct=None, **kwargs):
+def fit(model, *args, engine, options=None, progress=True, correct=None, init=None, **kwargs):
     """Run inference engine ``engine`` on a Pyro model (or a :class:`LatentGaussianModel`).
 
     ``pcv.fit(model, *args, engine=name, options=opts, **kwargs)`` is
@@ -173,6 +173,8 @@ def fit(model, *args, engine, options=None, progress=True, correct=None, **kwarg
     :param bool progress: show tqdm progress bars on long fits.
     :param str correct: ``"psis"`` to also importance-correct the posterior summaries
         (:meth:`~pyro_convexvb.InferenceResult.corrected`, stored as ``res.correction``); ``None`` (default) not to.
+    :param init: ``result.state`` of an earlier fit of this engine on a model of the same shape: the fit resumes
+        from it (e.g. with more iterations, or after the data changed a little).
     :param kwargs: the model's keyword arguments (e.g. ``y=...``).
     :returns: :class:`~pyro_convexvb.infer.result.InferenceResult`.
 
@@ -196,7 +198,7 @@ def fit(model, *args, engine, options=None, progress=True, correct=None, **kwarg
         raise TypeError(f"options: expected a dict of engine '{engine}' options, got {type(options).__name__}")
     if correct not in (None, "psis"):
         raise ValueError(f"correct: expected None or 'psis', got {correct!r}")
-    res = cls(model, progress=progress, **options).run(*args, **kwargs)
+    res = cls(model, progress=progress, init=init, **options).run(*args, **kwargs)
     if correct == "psis":
         res.corrected(progress=progress)
     return res

@@ -53,6 +53,8 @@ class InferenceResult:
     :ivar optimality: the engine's :class:`~pyro_convexvb.infer.engine.Optimality` measure at the answer.
     :ivar hyper: for models with hyper-latents, their names, mode and marginals (``None`` otherwise).
     :ivar hyperparameters: the learned ``pyro.param`` values (type-II maximum likelihood), ``None`` otherwise.
+    :ivar state: the engine's immutable state at the answer (e.g. ``RelaxationState``, ``DualState``), from which
+        ``pcv.fit(..., init=result.state)`` resumes; ``None`` for engines without one.
     """
 
     posterior: Any
@@ -67,17 +69,16 @@ class InferenceResult:
     optimality: Any = None
     hyper: Any = None
     hyperparameters: Any = None
+    state: Any = None
 
-    def compact(self, keep_info=(), keep_model=True):
+    def compact(self, keep_model=True):
         """A copy without the training data, whose size does not grow with the number of data rows.
 
-        Drops ``lgm`` and the posterior's fitting data (:meth:`GaussianPosterior.compact`, or the same
-        for mixture posteriors), and every ``info`` entry that is not plain (``None``, ``bool``, ``int``,
-        ``float``, ``str``, or lists/tuples/dicts of them), except the keys in ``keep_info`` (which the
-        caller knows to be of model size, e.g. ``"cholesky"``).  The names of the dropped entries are in
-        ``info["dropped"]``.  Pickled estimators keep this form of their ``result_``.
+        Drops ``lgm``, ``state`` (of data size), the posterior's fitting data (:meth:`GaussianPosterior.compact`, or
+        the same for mixture posteriors), and every ``info`` entry that is not plain (``None``, ``bool``, ``int``,
+        ``float``, ``str``, or lists/tuples/dicts of them), listed in ``info["dropped"]``.  Pickled estimators keep
+        this form of their ``result_``.
 
-        :param keep_info: ``info`` keys to keep whatever their type.
         :param bool keep_model: keep the posterior's Pyro model callable.
         :returns: a new :class:`InferenceResult` (``self`` is unchanged).
 
@@ -94,7 +95,7 @@ class InferenceResult:
 
         info, dropped = {}, []
         for k, v in self.info.items():
-            if k in keep_info or _is_plain(v):
+            if _is_plain(v):
                 info[k] = v
             else:
                 dropped.append(k)
@@ -109,7 +110,7 @@ class InferenceResult:
             post.model_args = ((), {})
             if not keep_model:
                 post.model = None
-        return dataclasses.replace(self, posterior=post, info=info, lgm=None)
+        return dataclasses.replace(self, posterior=post, info=info, lgm=None, state=None)
 
     # ------------------------------------------------------------ diagnostics (pyro_convexvb.diagnostics)
     @property

@@ -7,7 +7,8 @@ Importing this package registers the engine ``convex_relaxation``::
 
 Modules: :mod:`.potentials` (super-Gaussian sites, implicit ``h``/``h^*``), :mod:`.problem` (an LGM
 in Nickisch & Seeger's (2009) form, constants of the bound), :mod:`.inner` (Newton/IRLS with PCG), :mod:`.outer`
-(Lanczos/PCA/exact variance updates, the double loop), :mod:`.engine` (the public class).
+(Lanczos/PCA/exact variance updates, the double loop and its state in and out), :mod:`.engine` (the options
+and the public class).
 """
 from .api import SiteDesigns, laplace_map, site_designs
 from .engine import ConvexRelaxationOptions, ConvexVariationalRelaxation, applies, predictive_marginals
@@ -24,12 +25,14 @@ from .potentials import (
     h_star_implicit,
     potential_for,
 )
+from .outer import RelaxationState
 from .problem import RelaxationProblem
 
 __all__ = [
     "ConvexVariationalRelaxation",
     "applies",
     "ConvexRelaxationOptions",
+    "RelaxationState",
     "predictive_marginals",
     "RelaxationProblem",
     "SuperGaussianPotential",

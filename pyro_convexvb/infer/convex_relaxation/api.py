@@ -1,7 +1,7 @@
 r"""Public helpers for code built on the convex relaxation (active learning, experimental design).
 
 * :func:`site_designs` -- the stacked design ``B`` (``(q, n)``) and offsets of a model's non-Gaussian
-  site groups, in the order of the engine's ``info["gamma_all"]`` and ``info["z_all"]``, with one slice
+  site groups, in the order of the engine's ``state.gamma`` and ``state.z``, with one slice
   per group (Nickisch & Seeger 2009 §2: ``s = B u``, one super-Gaussian potential per row).
 * :func:`laplace_map` -- the MAP estimate of a model whose non-Gaussian sites are Laplace, by the
   engine's Newton/CG inner loop at a decreasing constant ``z`` (Seeger 2010 §2, Eq. (3) and footnote 2).
@@ -29,7 +29,7 @@ class SiteDesigns:
     :ivar offset: ``(q,)`` offsets of the linear predictors ``eta = B u + offset``.
     :ivar names: site-group names, in order (the keys of the engine's ``info["gamma"]``).
     :ivar slices: one ``slice`` into ``0..q`` per group, aligned with ``names``; the engine's
-        ``info["gamma_all"]`` and ``info["z_all"]`` are laid out the same way.
+        ``state.gamma`` and ``state.z`` are laid out the same way.
     :ivar q: number of sites.
     """
 
@@ -50,10 +50,10 @@ def _check_lgm(lgm, fn):
 def site_designs(lgm):
     r"""Design and offsets of the non-Gaussian site groups of ``lgm``, stacked in the order the
     :class:`~pyro_convexvb.infer.convex_relaxation.ConvexVariationalRelaxation` engine uses for
-    ``info["gamma_all"]`` and ``info["z_all"]`` (Nickisch & Seeger 2009 §2: ``s = B u``).
+    ``state.gamma`` and ``state.z`` (Nickisch & Seeger 2009 §2: ``s = B u``).
 
-    With ``A`` the posterior precision of a fit, ``z_all = diag(B A^{-1} B^T)``, and
-    ``gamma_all[slices[j]] = info["gamma"][names[j]]``.
+    With ``A`` the posterior precision of a fit, ``state.z = diag(B A^{-1} B^T)``, and
+    ``state.gamma[slices[j]] = info["gamma"][names[j]]``.
 
     :param lgm: a :class:`~pyro_convexvb.LatentGaussianModel` (e.g. ``result.lgm`` of a fit).
     :returns: :class:`SiteDesigns` with ``design`` ``(q, n)``, ``offset`` ``(q,)``, ``names``,

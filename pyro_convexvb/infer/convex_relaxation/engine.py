@@ -8,7 +8,7 @@ import torch
 from ...errors import UnsupportedModelError, warn
 from ..engine import Criterion, Engine, LGMEngineOptions, Optimality, Solution, option
 from ..posterior import GaussianPosterior
-from .outer import double_loop
+from .outer import _OPTION_NAMES, RelaxationState, double_loop
 from .potentials import potential_for, warn_if_not_log_concave
 from .problem import RelaxationProblem
 
@@ -92,7 +92,9 @@ class ConvexVariationalRelaxation(Engine):
     :meth:`run` returns an :class:`~pyro_convexvb.InferenceResult` with ``posterior`` over ``u``
     (``loc = u_*``, ``variance = Var_Q[u]``, matrix-free ``precision_operator = A``,
     ``precision_factor = J``, ``precision_scale = sigma^2 = 1``), ``log_evidence_bound = C - phi(gamma)/2``
-    and ``info`` (site marginals, ``gamma``, ``z``, Lanczos ``(Q, T)``, MVM counts per phase, ...).
+    ``state`` (a :class:`~.outer.RelaxationState`: ``gamma``, ``u``, ``z``, ``logdet``, the Cholesky or Lanczos
+    factor; ``init=`` resumes from it) and ``info`` (site marginals, ``gamma`` and ``z`` per group, phi and MVM
+    counts per phase, ...).
 
     Example::
 
@@ -111,6 +113,7 @@ class ConvexVariationalRelaxation(Engine):
     description = ("convex variational relaxation for super-Gaussian sites (double loop: IRLS+CG inner, Lanczos "
                    "outer; Nickisch & Seeger 2009)")
     Options = ConvexRelaxationOptions
+    State = RelaxationState
     optimality_measure = ("relative change of gamma <= gamma_tol and of phi <= phi_tol between the last two outer "
                           "iterations")
 
@@ -118,35 +121,30 @@ class ConvexVariationalRelaxation(Engine):
     def applies(cls, lgm):
         return applies(lgm)
 
-    def warm_start_options(self, result):
-        g = result.info.get("gamma_all")
-        return {"gamma_init": g} if g is not None and g.numel() and bool((g > 0).all()) else {}
-
     def precise_options(self):
         return {"gamma_tol": 1e-7, "phi_tol": 1e-11, "max_outer": max(self.options.max_outer, 100)}
 
     # ------------------------------------------------------------------ type-II maximum likelihood
-    def bound_at(self, lgm, result):
-        """``C(theta) - phi(gamma*, u*; theta)/2`` of the fitted ``(gamma*, u*)`` on ``lgm`` (other hyperparameters)."""
-        from .outer import phi_value
-
-        if lgm.n > self.options.dense_logdet_max:
-            raise ValueError(f"engine '{self.name}': learn_params needs the exact log|A| (n = {lgm.n} > "
-                             f"dense_logdet_max = {self.options.dense_logdet_max}); raise dense_logdet_max or pass "
-                             "learn_params=False")
-        prob = RelaxationProblem(lgm)
-        gamma = result.info["gamma_all"]
-        q = result.posterior if result.posterior.n == lgm.n else lgm.latent_marginal(result.posterior)
-        u = q.loc
-        A = prob.dense_a(1.0 / gamma if prob.q else None)
-        logdet = 2 * torch.log(torch.diagonal(torch.linalg.cholesky(A))).sum()
-        return prob.log_const() - 0.5 * phi_value(prob, gamma, u.to(prob.dtype), logdet)
-
     def type2_gradient(self, params, x, result, args, kwargs, h):
-        """Envelope theorem: ``d/dtheta [C - phi/2]`` at the fixed optimum ``(gamma*, u*)`` of ``phi``."""
+        """Envelope theorem: ``d/dtheta [C - phi/2]`` at the fixed optimum ``(gamma*, u*)`` of ``phi``
+        (:meth:`~.outer.RelaxationState.bound_at`, with the exact ``log|A|``)."""
         from ..type2 import envelope_gradient
 
-        return envelope_gradient(params, x, self.model, args, kwargs, lambda lgm: self.bound_at(lgm, result), h)
+        n = result.state.u.shape[0]
+        if n > self.options.dense_logdet_max:
+            raise ValueError(f"engine '{self.name}': learn_params needs the exact log|A| (n = {n} > "
+                             f"dense_logdet_max = {self.options.dense_logdet_max}); raise dense_logdet_max or pass "
+                             "learn_params=False")
+        return envelope_gradient(params, x, self.model, args, kwargs, result.state.bound_at, h)
+
+    def initial_state(self):
+        """The state the fit starts from: ``init``, else the warm-start options (``gamma_init``, ...), else ``None``."""
+        o = self.options
+        if o.gamma_init is None:
+            return self.init
+        if self.init is not None:
+            raise ValueError(f"engine '{self.name}': give init or option 'gamma_init' (with z_init, ...), not both")
+        return RelaxationState(o.gamma_init, o.u_init, o.z_init, o.logdet_init)
 
     def solve(self, lgm, run):
         o = self.options
@@ -155,17 +153,9 @@ class ConvexVariationalRelaxation(Engine):
                              "use variance='lanczos' or 'auto'")
         prob = RelaxationProblem(lgm)
         warn_if_not_log_concave(prob.pot)
-        gen = torch.Generator(device=prob.device).manual_seed(int(o.seed))
-        bar = run.bar(total=o.max_outer + 1, unit="outer")
-        out = double_loop(prob, generator=gen, history=run.history, progress=bar, k=o.lanczos_rank,
-                          block_size=o.lanczos_block_size, max_outer=o.max_outer, max_newton=o.max_newton,
-                          cg_tol=o.cg_tol, variance=o.variance, pca_rank=o.pca_rank, newton_tol=o.newton_tol,
-                          gamma_tol=o.gamma_tol, phi_tol=o.phi_tol, z_min=o.z_min, gamma_init=o.gamma_init,
-                          dense_logdet_max=o.dense_logdet_max, cg_max_iter=o.cg_max_iter, z_init=o.z_init,
-                          u_init=o.u_init, logdet_init=o.logdet_init, lanczos_estimator=o.lanczos_estimator,
-                          exact_max=o.exact_max)
+        state, out = double_loop(prob, o, self.initial_state(), run,
+                                 state_names=_OPTION_NAMES if self.init is None else None)
         step = out["step"]
-        u, gamma = out["u"], out["gamma"]
         C = prob.log_const()
         phi = out["best_phi"]
         if step.logdet_method == "unavailable":
@@ -175,13 +165,14 @@ class ConvexVariationalRelaxation(Engine):
                 "for the rigorous log|A| bound, because a design operator has no entrywise square (give "
                 "FunctionOperators a `squared` operator, or raise dense_logdet_max)", RuntimeWarning)
         bound = C - 0.5 * phi if math.isfinite(phi) else None
-        w = 1.0 / gamma if prob.q else torch.zeros(0, dtype=prob.dtype, device=prob.device)
+        w = 1.0 / state.gamma if prob.q else torch.zeros(0, dtype=prob.dtype, device=prob.device)
         posterior = GaussianPosterior(
-            u, step.var_u.clamp_min(0), precision_operator=prob.precision_operator(w),
-            precision_factor=prob.factor(w), precision_scale=1.0, layout=lgm.layout)
-        info = self._info(prob, out, C, phi)
+            state.u, step.var_u.clamp_min(0), precision_operator=prob.precision_operator(w),
+            precision_factor=prob.factor(w), precision_scale=1.0, layout=lgm.layout,
+            precision_cholesky=state.cholesky, lanczos=None if state.cholesky is not None else state.lanczos)
+        info = self._info(prob, state, out, C, phi)
         optimality, reason = self._optimality(prob, out)
-        return Solution(posterior, bound, optimality, reason, info)
+        return Solution(posterior, bound, optimality, reason, info, state=state)
 
     def _optimality(self, prob, out):
         o = self.options
@@ -197,8 +188,8 @@ class ConvexVariationalRelaxation(Engine):
         opt = Optimality(crit)
         return opt, ("gamma and phi converged" if opt.converged else "max_outer")
 
-    def _info(self, prob, out, C, phi):
-        step, u, gamma = out["step"], out["u"], out["gamma"]
+    def _info(self, prob, state, out, C, phi):
+        step, u, gamma = out["step"], state.u, state.gamma
         s = prob.s(u) if prob.q else None
         marg, gam, zz = {}, {}, {}
         for g, sl in zip(prob.groups, prob.group_slices):
@@ -206,9 +197,6 @@ class ConvexVariationalRelaxation(Engine):
             marg[g.name] = (mean, step.z[sl])
             gam[g.name] = gamma[sl]
             zz[g.name] = step.z[sl]
-        lanczos = None
-        if step.lanczos is not None and out.get("variance_estimator") != "whitened":
-            lanczos = (step.lanczos.Q, step.lanczos.T())
         newton = out["newton_steps"]
         cg_its = out["cg_iterations"]
         mvm = dict(out["mvm"])
@@ -223,24 +211,18 @@ class ConvexVariationalRelaxation(Engine):
             "site_marginals": marg,
             "gamma": gam,
             "z": zz,
-            "gamma_all": gamma,
-            "z_all": step.z,
-            "lanczos": lanczos,
-            "lanczos_result": step.lanczos,
-            "cholesky": step.chol,
             "phi": phi,
             "phi_history": out["phi"],
             "best_outer_index": out["best_index"],
-            "log_det": step.logdet,
             "log_det_method": step.logdet_method,
             "log_det_history": out["logdet"],
             "log_const": C,
             "rel_gamma_history": out["rel_gamma"],
             "inner_converged": out["inner_converged"],
             "mvm": mvm,
-            "variance_method": out.get("variance_method", o.variance),
-            "variance_estimator": out.get("variance_estimator"),
-            "variances_are_lower_bounds": out.get("variances_are_lower_bounds"),
+            "variance_method": step.method,
+            "variance_estimator": step.estimator,
+            "variances_are_lower_bounds": step.lower_bounds,
             "lanczos_rank": o.lanczos_rank,
             "lanczos_block_size": o.lanczos_block_size,
             "sigma2": 1.0,
@@ -248,32 +230,6 @@ class ConvexVariationalRelaxation(Engine):
 
 
 def predictive_marginals(result, design, offset=None):
-    """Means and variances of ``eta = design @ u + offset`` under a fitted ``Q(u|D)`` (e.g. test rows).
-
-    Uses the engine's own covariance representation: the dense Cholesky factor when it was computed
-    (exact variances), else the Lanczos factors of the last variance step: K-Lanczos
-    ``diag(D Q T^{-1} Q^T D^T)``, a lower bound (Seeger 2010, §4.1), or the whitened covariance-form
-    estimate for models with dense prior covariances (``result.info["variance_estimator"]`` says which,
-    ``result.info["variances_are_lower_bounds"]`` whether they are lower bounds).
-
-    :param result: an :class:`~pyro_convexvb.InferenceResult` of this engine.
-    :param design: ``(m, n)`` dense/sparse tensor or operator.
-    :param offset: ``(m,)`` or ``None``.
-    :returns: ``(mean (m,), var (m,))``.
-    """
-    from ...linalg.operators import as_operator
-
-    D = as_operator(design)
-    mean = D.mv(result.posterior.loc)
-    if offset is not None:
-        mean = mean + offset
-    L = result.info.get("cholesky")
-    if L is not None:
-        n = L.shape[0]
-        Linv = torch.linalg.solve_triangular(L, torch.eye(n, dtype=L.dtype, device=L.device), upper=False)
-        W = D.mv(Linv.transpose(0, 1).contiguous())
-        return mean, (W * W).sum(1)
-    res = result.info.get("lanczos_result")
-    if res is None:
-        raise ValueError("the result holds neither a Cholesky factor nor Lanczos factors")
-    return mean, res.variances(D)
+    """``result.posterior.marginals(design, offset)``: means and variances ``(m,)`` of ``eta = design @ u + offset``
+    from the engine's own covariance factor (exact Cholesky, or the Lanczos estimate of the last variance step)."""
+    return result.posterior.marginals(design, offset)

@@ -33,9 +33,10 @@ rigorous *upper* bound (so the evidence bound stays a lower bound), the smaller 
 inequality plus AM-GM on the complement: ``log|A| <= log|T_k| + (n-k) log((tr A - tr T_k)/(n-k))``
 (for the whitened estimator applied to ``A_v``, with ``log|A| = log|A_v| - log|Sigma|``).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import math
 import time
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -43,9 +44,9 @@ from ...linalg.cg import cg
 from ...linalg.lanczos import block_lanczos, pca_variances
 from ...linalg.operators import ComposedOperator, as_operator
 from .inner import inner_loop
-from .problem import operator_flops
+from .problem import RelaxationProblem, operator_flops
 
-__all__ = ["VarianceStep", "WhitenedLanczos", "variance_step", "variance_costs", "choose_variance_method",
+__all__ = ["RelaxationState", "VarianceStep", "WhitenedLanczos", "variance_step", "variance_costs", "choose_variance_method",
            "choose_lanczos_estimator", "logdet_upper_bound", "h_value", "phi_value", "double_loop"]
 
 # ---------------------------------------------------------------------------------------------------
@@ -78,8 +79,6 @@ BLOCK_SPEEDUP_MAX = 3.0
 #: Whitened estimator: smallest fraction of the latent coordinates under dense-covariance prior blocks.
 WHITEN_DENSE_FRACTION = 0.5
 
-_METHODS = ("lanczos", "exact", "pca", "auto")
-_ESTIMATORS = ("auto", "k-lanczos", "whitened")
 
 
 @dataclass
@@ -99,6 +98,7 @@ class VarianceStep:
     :ivar estimator: ``"cholesky"``, ``"k-lanczos"``, ``"whitened"`` or ``"l-pca"`` (``"given"`` for a warm start).
     :ivar lower_bounds: ``True`` when every variance is a lower bound that may be strictly below the exact
         one (K-Lanczos and L-PCA, Seeger 2010 §4.1); ``False`` for exact variances and the whitened estimator.
+    :ivar pca_rank: ``L`` of an L-PCA step, else ``None``.
     """
 
     z: torch.Tensor
@@ -111,6 +111,7 @@ class VarianceStep:
     method: str = "exact"
     estimator: str = "cholesky"
     lower_bounds: bool = False
+    pca_rank: int = None
 
 
 class WhitenedLanczos:
@@ -148,20 +149,6 @@ class WhitenedLanczos:
     def num_mvm(self):
         """Products with ``A_v``."""
         return self.result.num_mvm
-
-    @property
-    def breakdown(self):
-        """Whether the run on ``A_v`` broke down (see :class:`~pyro_convexvb.linalg.LanczosResult`)."""
-        return self.result.breakdown
-
-    @property
-    def Q(self):
-        raise AttributeError("WhitenedLanczos has no Q: its covariance is Sigma - L Q (I - T^-1) Q^T L^T, not "
-                             "Q T^-1 Q^T; use variances(D), covariance_factor(), or .result for the run on A_v")
-
-    def T(self):
-        """Not available (see :attr:`Q`)."""
-        raise AttributeError("WhitenedLanczos has no T in the covariance form Q T^-1 Q^T; use .result.T() for A_v")
 
     def variances(self, D=None, chunk=256):
         """``diag(D Cov D^T)`` in this approximation, for ``D`` ``(m, n)`` (``None``: the identity, ``Var[u]``).
@@ -223,8 +210,6 @@ def choose_lanczos_estimator(prob):
 
 
 def _resolve_estimator(prob, estimator):
-    if estimator not in _ESTIMATORS:
-        raise ValueError(f"lanczos_estimator: expected one of {_ESTIMATORS}, got {estimator!r}")
     if estimator == "auto":
         return choose_lanczos_estimator(prob)
     if estimator == "whitened" and prob.covariance_blocks() is None:
@@ -233,7 +218,7 @@ def _resolve_estimator(prob, estimator):
     return estimator
 
 
-def variance_costs(prob, lanczos_rank, block_size=1, dense_logdet_max=2000, estimator="auto"):
+def variance_costs(prob, opts):
     r"""Predicted seconds of one exact and one Lanczos variance step (the cost model of ``variance="auto"``).
 
     With ``f_A`` the flops of one product with ``A`` (:meth:`~.problem.RelaxationProblem.mvm_flops`),
@@ -247,16 +232,14 @@ def variance_costs(prob, lanczos_rank, block_size=1, dense_logdet_max=2000, esti
       (``FORM_FLOP_SECONDS n f_A + EXACT_CUBIC_SECONDS n^3 / 4``, the Cholesky share of the cubic term).
 
     :param prob: :class:`~.problem.RelaxationProblem`.
-    :param int lanczos_rank: ``k``.
-    :param int block_size: ``b``.
-    :param int dense_logdet_max: see :func:`variance_step`.
-    :param str estimator: ``"auto"``, ``"k-lanczos"`` or ``"whitened"``.
+    :param opts: :class:`~.engine.ConvexRelaxationOptions` (``lanczos_rank`` ``k``, ``lanczos_block_size`` ``b``,
+        ``dense_logdet_max``, ``lanczos_estimator``).
     :returns: ``dict(exact=seconds, lanczos=seconds, estimator=..., k=k)``.
     """
-    n = prob.n
-    est = _resolve_estimator(prob, estimator)
-    k = min(int(lanczos_rank), n)
-    b = max(1, min(int(block_size), k)) if k < n else 1
+    n, dense_logdet_max = prob.n, opts.dense_logdet_max
+    est = _resolve_estimator(prob, opts.lanczos_estimator)
+    k = min(opts.lanczos_rank, n)
+    b = max(1, min(opts.lanczos_block_size, k)) if k < n else 1
     f_a = prob.mvm_flops()
     f_b = operator_flops(prob.B) if prob.B is not None else 0.0
     exact = EXACT_CUBIC_SECONDS * n**3 + FORM_FLOP_SECONDS * n * (f_a + f_b)
@@ -268,16 +251,16 @@ def variance_costs(prob, lanczos_rank, block_size=1, dense_logdet_max=2000, esti
     return dict(exact=exact, lanczos=lz, estimator=est, k=k)
 
 
-def choose_variance_method(prob, lanczos_rank, block_size=1, exact_max=5000, dense_logdet_max=2000,
-                           estimator="auto"):
-    """``"exact"`` if ``n <= exact_max`` and the cost model predicts a dense Cholesky variance step to be
-    cheaper than a ``lanczos_rank``-step Lanczos one (:func:`variance_costs`), else ``"lanczos"``.
+def choose_variance_method(prob, opts):
+    """``"exact"`` if ``n <= opts.exact_max`` and the cost model predicts a dense Cholesky variance step to be
+    cheaper than a ``opts.lanczos_rank``-step Lanczos one (:func:`variance_costs`), else ``"lanczos"``.
 
+    :param opts: :class:`~.engine.ConvexRelaxationOptions`.
     :returns: ``"exact"`` or ``"lanczos"``.
     """
-    if prob.n > int(exact_max):
+    if prob.n > opts.exact_max:
         return "lanczos"
-    c = variance_costs(prob, lanczos_rank, block_size, dense_logdet_max, estimator)
+    c = variance_costs(prob, opts)
     return "exact" if c["exact"] <= c["lanczos"] else "lanczos"
 
 
@@ -407,28 +390,19 @@ def _whitened_lanczos(prob, w, k, generator, block_size=1):
     return WhitenedLanczos(res, form), z, var_u
 
 
-def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generator=None,
-                  dense_logdet_max=2000, block_size=1, estimator="auto", exact_max=5000):
+def variance_step(prob, gamma, opts, generator=None):
     """Estimate ``z = diag(B A^{-1} B^T)``, ``diag(A^{-1})`` and ``log|A|`` at ``gamma`` (Nickisch & Seeger 2009, §2.3).
 
     :param prob: :class:`~.problem.RelaxationProblem`.
     :param gamma: ``(q,)`` site widths.
-    :param method: ``"lanczos"``, ``"pca"``, ``"exact"`` or ``"auto"`` (:func:`choose_variance_method`).
-    :param k: Lanczos steps.
-    :param pca_rank: ``L`` for ``"pca"``.
+    :param opts: :class:`~.engine.ConvexRelaxationOptions` (``variance``, ``lanczos_rank`` ``k``, ``pca_rank``,
+        ``dense_logdet_max``, ``lanczos_block_size`` ``b``, used only while ``k < n``, ``lanczos_estimator``).
     :param generator: torch generator for the Lanczos start vector.
-    :param dense_logdet_max: largest ``n`` for an exact (Cholesky) ``log|A|`` in the Lanczos/PCA modes.
-    :param block_size: Lanczos block size ``b`` (``1``: Nickisch & Seeger's (2009) single-vector Lanczos; ``b > 1``:
-        :func:`~pyro_convexvb.linalg.block_lanczos` with ``b`` vectors per product, used only while ``k < n``).
-    :param estimator: Lanczos estimator, ``"auto"`` (:func:`choose_lanczos_estimator`), ``"k-lanczos"`` or
-        ``"whitened"`` (module docstring).
-    :param exact_max: largest ``n`` that ``method="auto"`` may give to the exact route.
     :returns: :class:`VarianceStep` (``method``, ``estimator`` and ``lower_bounds`` say what was used).
     """
-    if method not in _METHODS:
-        raise ValueError(f"variance: expected one of {_METHODS}, got {method!r}")
+    method = opts.variance
     if method == "auto":
-        method = choose_variance_method(prob, k, block_size, exact_max, dense_logdet_max, estimator)
+        method = choose_variance_method(prob, opts)
     w = 1.0 / gamma if prob.q else torch.zeros(0, dtype=prob.dtype, device=prob.device)
     n = prob.n
     if method == "exact":
@@ -439,17 +413,18 @@ def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generat
         return VarianceStep(z, var_u, logdet, "cholesky", n, None, L, "exact", "cholesky", False)
     A_op = prob.precision_operator(w)
     B = prob.B
-    k = min(int(k), n)
-    b = int(block_size) if k < n else 1
+    k = min(opts.lanczos_rank, n)
+    b = opts.lanczos_block_size if k < n else 1
+    L_rank = None
     if method == "lanczos":
-        est = _resolve_estimator(prob, estimator)
+        est = _resolve_estimator(prob, opts.lanczos_estimator)
         if est == "whitened":
             res, z, var_u = _whitened_lanczos(prob, w, k, generator, b)
         else:
             res, z, var_u = _k_lanczos(prob, w, k, generator, b)
         lower = est == "k-lanczos"
     else:
-        L_rank = max(1, min(n, int(pca_rank) if pca_rank is not None else max(1, k // 6)))
+        L_rank = max(1, min(n, opts.pca_rank if opts.pca_rank is not None else max(1, k // 6)))
         zq, res = pca_variances(A_op, B, L_rank, num_steps=max(k, L_rank), max_steps=max(k, L_rank),
                                 return_result=True, generator=generator, on_fail="ignore")
         U = res.ritz_vectors(torch.arange(L_rank))
@@ -459,13 +434,13 @@ def variance_step(prob, gamma, *, method="lanczos", k=80, pca_rank=None, generat
         est, lower = "l-pca", True
     num = res.num_mvm
     chol = None
-    if n <= dense_logdet_max:
+    if n <= opts.dense_logdet_max:
         chol = torch.linalg.cholesky(prob.dense_a(w))
         logdet, how = float(2 * torch.log(torch.diagonal(chol)).sum()), "cholesky"
         num += n
     else:
         logdet, how = logdet_upper_bound(prob, w, res)
-    return VarianceStep(z, var_u, logdet, how, num, res, chol, method, est, lower)
+    return VarianceStep(z, var_u, logdet, how, num, res, chol, method, est, lower, L_rank)
 
 
 def h_value(prob, gamma, x_star=None):
@@ -482,6 +457,85 @@ def phi_value(prob, gamma, u, logdet, x_star=None):
     return float(logdet) + h_value(prob, gamma, x_star) + float(prob.R(u, gamma))
 
 
+@dataclass(frozen=True)
+class RelaxationState:
+    r"""One outer iteration of the double loop: ``pcv.fit(..., init=state)`` resumes from it.
+
+    :ivar gamma: ``(q,)`` site widths (sites ordered as :func:`~.api.site_designs`); :ivar u: ``(n,)`` mean
+        ``argmin_u R(u, gamma)`` or ``None``; :ivar z: ``(q,)`` ``diag(B A^{-1} B^T)`` at ``gamma`` or ``None``
+        (given, a fit skips its first variance step: Nickisch & Seeger 2009, §3); :ivar logdet: ``log|A|`` (or
+        a rigorous upper bound) or ``None``.
+    :ivar cholesky: ``(n, n)`` Cholesky factor of ``A``, else ``None``; :ivar lanczos: else the variance step's
+        Lanczos result (``LanczosResult`` or :class:`~.outer.WhitenedLanczos`).
+    :ivar variance_method: ``"exact"``, ``"lanczos"``, ``"pca"`` (``pca_rank`` ``L``) or ``"given"`` (by hand).
+
+    Example::
+
+        >>> import torch, pyro_convexvb as pcv
+        >>> from pyro_convexvb.lgm.sites import BernoulliLogit
+        >>> X = torch.randn(40, 3, dtype=torch.float64); y = (X[:, 0] > 0).double()
+        >>> lgm = pcv.LatentGaussianModel.from_design(X, BernoulliLogit(y), prior_scale=1.0)
+        >>> res = pcv.fit(lgm, engine="convex_relaxation", options={"variance": "exact", "max_outer": 30},
+        ...               progress=False)
+        >>> abs(float(res.state.bound_at(lgm)) - res.log_evidence_bound) < 1e-8
+        True
+        >>> again = pcv.fit(lgm, engine="convex_relaxation", options={"variance": "exact"}, init=res.state,
+        ...                 progress=False)
+        >>> again.converged, len(again.history["objective"])
+        (True, 2)
+    """
+
+    engine: ClassVar[str] = "convex_relaxation"
+    #: the options a state replaces (an inner fit warm-started from a state resets them)
+    options: ClassVar[tuple] = ("gamma_init", "z_init", "u_init", "logdet_init")
+
+    gamma: torch.Tensor
+    u: Optional[torch.Tensor] = None
+    z: Optional[torch.Tensor] = None
+    logdet: Optional[float] = None
+    cholesky: Optional[torch.Tensor] = None
+    lanczos: Any = None
+    variance_method: str = "given"
+    pca_rank: Optional[int] = None
+
+    def warm_start(self):
+        """The widths only (``z``, ``u``, ``log|A|`` belong to this model), for a fit of a nearby model."""
+        g = self.gamma
+        return RelaxationState(g) if g.numel() and bool((g > 0).all()) else None
+
+    def checked(self, prob, names=None):
+        """This state in ``prob``'s dtype and device; :raises ValueError: naming the field (``names``, default
+        ``init.gamma``, ...) for a wrong shape or non-finite (or nonpositive ``gamma``) entries."""
+        names = names or {f: f"init.{f}" for f in ("gamma", "z", "u")}
+        dt, dev, q, n = prob.dtype, prob.device, prob.q, prob.n
+        gamma = torch.as_tensor(self.gamma, dtype=dt, device=dev)
+        if gamma.numel() == 1:  # one width for every site
+            gamma = gamma.reshape(()).expand(q)
+        if gamma.shape != (q,) or not bool((gamma > 0).all()) or not bool(torch.isfinite(gamma).all()):
+            raise ValueError(f"{names['gamma']}: must be positive and finite, one width per site ({q},); got shape "
+                             f"{tuple(gamma.shape)}")
+        out = {"gamma": gamma.clone()}
+        for f, size, what in (("z", q, "site variances"), ("u", n, "mean")):
+            v = getattr(self, f)
+            if v is not None:
+                v = torch.as_tensor(v, dtype=dt, device=dev)
+                if v.shape != (size,) or not bool(torch.isfinite(v).all()):
+                    raise ValueError(f"{names[f]}: expected a finite ({size},) {what}, got shape {tuple(v.shape)}")
+                out[f] = v
+        if self.u is not None and self.z is None:
+            raise ValueError(f"{names['u']}: a mean needs the site variances {names['z']} valid at {names['gamma']}")
+        return replace(self, **out)
+
+    def bound_at(self, lgm):
+        r"""``C(theta) - phi(gamma, u; theta)/2`` at this ``(gamma, u)`` on ``lgm`` (the model at other
+        hyperparameters ``theta``; Nickisch & Seeger 2009, §2.1) with the exact ``log|A|``: the type-II envelope."""
+        prob = RelaxationProblem(lgm)
+        st = self.checked(prob)
+        A = prob.dense_a(1.0 / st.gamma if prob.q else None)
+        logdet = 2 * torch.log(torch.diagonal(torch.linalg.cholesky(A))).sum()
+        return prob.log_const() - 0.5 * phi_value(prob, st.gamma, st.u, logdet)
+
+
 def solve_mean(prob, gamma, u0=None, cg_tol=1e-10, cg_max_iter=None, chol=None):
     """``argmin_u R(u, gamma)``: ``A u = X^T y~ + B^T (beta - o/gamma)`` by Jacobi-preconditioned CG
     (or directly from a dense Cholesky factor ``chol`` of ``A``)."""
@@ -496,11 +550,12 @@ def solve_mean(prob, gamma, u0=None, cg_tol=1e-10, cg_max_iter=None, chol=None):
     return res.x, res.num_mvm
 
 
-def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, max_outer=5, max_newton=20, cg_tol=1e-6,
-                newton_tol=1e-8, gamma_tol=1e-3, phi_tol=1e-6, z_min=1e-10, gamma_init=None, generator=None,
-                dense_logdet_max=2000, cg_max_iter=None, history=None, progress=None, z_init=None, u_init=None,
-                logdet_init=None, lanczos_estimator="auto", exact_max=5000):
-    r"""The double-loop algorithm of Nickisch & Seeger 2009, §2.2.
+#: how a state built from the warm-start options names its fields in errors
+_OPTION_NAMES = {"gamma": "gamma_init", "z": "z_init", "u": "u_init"}
+
+
+def double_loop(prob, opts, state=None, run=None, *, state_names=None):
+    r"""The double-loop algorithm of Nickisch & Seeger 2009, §2.2, from ``state`` to a new state.
 
     ``t = 0, 1, ...``: variance step at ``gamma_t`` (gives ``z_t`` and completes ``phi(gamma_t)``);
     stop if ``t = max_outer`` or (``t > 0``) ``||gamma_t - gamma_{t-1}|| <= gamma_tol ||gamma_{t-1}||`` and
@@ -510,38 +565,37 @@ def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, 
     variances ``phi`` may rise between updates (Seeger 2010 §4.2 proves descent only for exact variances and
     L-PCA); the iterate with the smallest ``phi`` (largest bound) is returned, ``best_index`` says which.
 
-    ``variance="auto"`` picks ``"exact"`` or ``"lanczos"`` once, before the first step, by
-    :func:`choose_variance_method` (the cost does not depend on ``gamma``); ``lanczos_estimator`` is passed
-    to :func:`variance_step` (``"auto"``: :func:`choose_lanczos_estimator`).  ``exact_max`` caps the ``n``
-    that ``"auto"`` may give to the exact route.
+    A ``state`` with site variances ``z`` valid at its ``gamma`` replaces the first variance step (Nickisch &
+    Seeger 2009, §3; with ``max_outer = 0`` only its ``gamma`` is used).  ``variance="auto"`` and
+    ``lanczos_estimator="auto"`` are resolved once, before the first step.  One function of 120 lines: the
+    per-iteration statistics it reports are updated at every phase of the loop.
 
-    :returns: dict with ``u``, ``gamma``, ``x_star``, ``step`` (the :class:`VarianceStep` of the returned
-        iterate), ``phi`` (list), ``converged``, ``mvm`` (per phase), per-iteration statistics, and
-        ``variance_method`` (``"exact"``, ``"lanczos"`` or ``"pca"``: the method used, also under
-        ``variance="auto"``), ``variance_estimator`` (``"cholesky"``, ``"k-lanczos"``, ``"whitened"`` or
-        ``"l-pca"``) and ``variances_are_lower_bounds`` (``True`` for K-Lanczos and L-PCA).
+    :param prob: :class:`~.problem.RelaxationProblem`.
+    :param opts: :class:`~.engine.ConvexRelaxationOptions`; ``seed`` seeds the Lanczos start vectors.
+    :param state: :class:`~.state.RelaxationState` to start from, or ``None`` (Gaussians touching each site).
+    :param run: a :class:`~pyro_convexvb.infer.engine.RunContext` (history and progress bar), or ``None``.
+    :param dict state_names: how to name the state's fields in errors (default ``init.gamma``, ...).
+    :returns: ``(state, report)``: the new :class:`~.state.RelaxationState` and a dict: ``phi`` (list),
+        ``best_phi``, ``best_index``, ``converged``, ``step`` (the returned iterate's :class:`VarianceStep`),
+        ``mvm`` (per phase) and per-iteration lists (``newton_steps``, ``cg_iterations``, ``rel_gamma``, ...).
     """
-    n, q = prob.n, prob.q
-    if variance not in _METHODS:
-        raise ValueError(f"variance: expected one of {_METHODS}, got {variance!r}")
-    if variance == "auto":
-        variance = choose_variance_method(prob, k, block_size, exact_max, dense_logdet_max, lanczos_estimator)
-    estimator = _resolve_estimator(prob, lanczos_estimator) if variance == "lanczos" else lanczos_estimator
+    o, n, q = opts, prob.n, prob.q
+    variance = choose_variance_method(prob, o) if o.variance == "auto" else o.variance
+    estimator = _resolve_estimator(prob, o.lanczos_estimator) if variance == "lanczos" else o.lanczos_estimator
+    o = o.replace(variance=variance, lanczos_estimator=estimator)
+    generator = torch.Generator(device=prob.device).manual_seed(int(o.seed))
+    history = None if run is None else run.history
+    progress = None if run is None else run.bar(total=o.max_outer + 1, unit="outer")
     dt, dev = prob.dtype, prob.device
     counts0 = dict(prob.counts)
-    if q:
-        s0 = prob.s(torch.zeros(n, dtype=dt, device=dev))
-        if gamma_init is None:
-            gamma = prob.pot.gamma_init(s0)
-        else:
-            gamma = torch.as_tensor(gamma_init, dtype=dt, device=dev).expand(q).clone()
-            if not bool((gamma > 0).all()) or not bool(torch.isfinite(gamma).all()):
-                raise ValueError("gamma_init: must be positive and finite")
-        x_star = None
-    else:
+    st = None if state is None else state.checked(prob, state_names)
+    if st is not None and o.max_outer < 1:
+        st = RelaxationState(st.gamma)  # no inner loop follows: the variance step at gamma is the answer
+    if not q:
         gamma = torch.zeros(0, dtype=dt, device=dev)
-        x_star = None
-    u, mvm_init = None, 0
+    else:
+        gamma = st.gamma if st is not None else prob.pot.gamma_init(prob.s(torch.zeros(n, dtype=dt, device=dev)))
+    x_star, u, mvm_init = None, None, 0
     stats = dict(phi=[], logdet=[], logdet_method=[], newton_steps=[], cg_iterations=[], inner_converged=[],
                  rel_gamma=[], lanczos_steps=[], inner_mvm=[], outer_mvm=[])
     mvm = {"init": mvm_init, "inner": 0, "outer": 0}
@@ -551,35 +605,22 @@ def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, 
     rel_gamma = math.inf
     step = None
     best = None
-    if z_init is not None:
-        if gamma_init is None:
-            raise ValueError("z_init: needs gamma_init (the widths the variances belong to)")
-        if int(max_outer) < 1:
-            raise ValueError("z_init: needs max_outer >= 1 (the warm start replaces the first variance step only)")
-        z_init = torch.as_tensor(z_init, dtype=dt, device=dev)
-        if z_init.shape != (q,) or not bool(torch.isfinite(z_init).all()):
-            raise ValueError(f"z_init: expected {q} finite site variances, got shape {tuple(z_init.shape)}")
-        if u_init is not None:
-            u_init = torch.as_tensor(u_init, dtype=dt, device=dev)
-            if u_init.shape != (n,) or not bool(torch.isfinite(u_init).all()):
-                raise ValueError(f"u_init: expected a finite ({n},) mean, got shape {tuple(u_init.shape)}")
-    for t in range(int(max_outer) + 1):
+    for t in range(o.max_outer + 1):
         c_before = prob.counts.get("B", 0)
         t_start = time.perf_counter()
-        warm = z_init is not None and t == 0
+        warm = t == 0 and st is not None and st.z is not None
         if warm:
-            ld = float(logdet_init) if logdet_init is not None else math.nan
-            step = VarianceStep(z_init, None, ld, "given", 0, method="given", estimator="given")
-            if u_init is not None:
-                u = u_init
+            ld = float(st.logdet) if st.logdet is not None else math.nan
+            step = VarianceStep(st.z, None, ld, "given", 0, method="given", estimator="given")
+            u = st.u
         else:
-            step = variance_step(prob, gamma, method=variance, k=k, pca_rank=pca_rank, generator=generator,
-                                 dense_logdet_max=dense_logdet_max, block_size=block_size, estimator=estimator)
+            step = variance_step(prob, gamma, o, generator)
         b_counts["outer"] += prob.counts.get("B", 0) - c_before
         seconds["outer"] += time.perf_counter() - t_start
         mvm["outer"] += step.num_mvm
         if u is None:  # u_0 = argmin_u R(u, gamma_0): Cholesky if the step has one, else PCG
-            u, mvm["init"] = solve_mean(prob, gamma, cg_tol=min(cg_tol, 1e-8), cg_max_iter=cg_max_iter, chol=step.chol)
+            u, mvm["init"] = solve_mean(prob, gamma, cg_tol=min(o.cg_tol, 1e-8), cg_max_iter=o.cg_max_iter,
+                                        chol=step.chol)
         stats["outer_mvm"].append(step.num_mvm)
         stats["lanczos_steps"].append(step.lanczos.k if step.lanczos is not None else 0)
         phi = phi_value(prob, gamma, u, step.logdet, x_star)
@@ -594,17 +635,18 @@ def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, 
         if progress is not None:
             progress.update(1)
             progress.set_postfix(phi=f"{phi:.6g}", dgamma=f"{rel_gamma:.2e}")
-        if t > 0 and rel_gamma <= gamma_tol and abs(stats["phi"][-1] - stats["phi"][-2]) <= phi_tol * max(1.0, abs(phi)):
+        if t > 0 and rel_gamma <= o.gamma_tol and \
+                abs(stats["phi"][-1] - stats["phi"][-2]) <= o.phi_tol * max(1.0, abs(phi)):
             converged = True
             break
-        if (t == int(max_outer) and not warm) or not q:
+        if (t == o.max_outer and not warm) or not q:
             converged = converged or not q
             break
-        z = step.z.clamp_min(z_min)
+        z = step.z.clamp_min(o.z_min)
         c_before = prob.counts.get("B", 0)
         t_start = time.perf_counter()
-        inner = inner_loop(prob, z, u, max_newton=max_newton, cg_tol=cg_tol, newton_tol=newton_tol,
-                           cg_max_iter=cg_max_iter, chol=step.chol)
+        inner = inner_loop(prob, z, u, max_newton=o.max_newton, cg_tol=o.cg_tol, newton_tol=o.newton_tol,
+                           cg_max_iter=o.cg_max_iter, chol=step.chol)
         seconds["inner"] += time.perf_counter() - t_start
         b_counts["inner"] += prob.counts.get("B", 0) - c_before
         mvm["inner"] += inner.num_mvm
@@ -625,6 +667,6 @@ def double_loop(prob, *, variance="lanczos", k=80, block_size=1, pca_rank=None, 
     mvm["total_B_products"] = prob.counts.get("B", 0) - counts0.get("B", 0)
     # with approximate variances phi need not decrease (Seeger 2010 §4.2): return the best iterate seen
     bstep = best["step"]
-    return dict(u=best["u"], gamma=best["gamma"], x_star=best["x_star"], step=bstep, best_phi=best["phi"],
-                best_index=best["index"], converged=converged, mvm=mvm, variance_method=bstep.method,
-                variance_estimator=bstep.estimator, variances_are_lower_bounds=bstep.lower_bounds, **stats)
+    out = RelaxationState(best["gamma"], best["u"], bstep.z, bstep.logdet, bstep.chol, bstep.lanczos, bstep.method,
+                          bstep.pca_rank)
+    return out, dict(step=bstep, best_phi=best["phi"], best_index=best["index"], converged=converged, mvm=mvm, **stats)

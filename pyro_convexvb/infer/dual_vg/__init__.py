@@ -28,8 +28,9 @@ from .objective import (
     reduced_objective,
 )
 from .optim import DualSolution, initial_alpha, minimize_joint, solve_dual
-from .guide import (
-    DualVG,
+from .guide import DualVG
+from .engine import (
+    DualState,
     DualVGEngine,
     DualVGOptions,
     build_dual_problem,

@@ -84,6 +84,9 @@ class SiteSpaceBackend:
 
     :param torch.Tensor Sigma_tilde: ``(N, N)`` ``W Sigma W^T`` (e.g. a GP kernel matrix ``K``).
     :param torch.Tensor mu_tilde: ``(N,)`` ``W mu + d``.
+    :param latent: ``(W Sigma, mu, Sigma)`` for a general design ``W`` (``None``: ``W = I``, the latent is
+        ``eta - d``), for :meth:`posterior`.
+    :param torch.Tensor site_offset: ``(N,)`` offsets ``d`` (``None``: zero).
 
     Example::
 
@@ -96,8 +99,9 @@ class SiteSpaceBackend:
 
     kind = "site"
 
-    def __init__(self, Sigma_tilde, mu_tilde):
+    def __init__(self, Sigma_tilde, mu_tilde, latent=None, site_offset=None):
         N = mu_tilde.shape[0]
+        self.latent, self.site_offset = latent, site_offset
         if tuple(Sigma_tilde.shape) != (N, N):
             raise ValueError(f"Sigma_tilde: expected shape ({N}, {N}), got {tuple(Sigma_tilde.shape)}")
         if not torch.isfinite(Sigma_tilde).all() or not torch.isfinite(mu_tilde).all():
@@ -111,7 +115,7 @@ class SiteSpaceBackend:
     def prior_marginals(self):
         return self.mu_t, self.diag_St
 
-    def _chol(self, lam):
+    def factor(self, lam):
         """``(R, s)``: ``R R^T = B = I + Lam^1/2 Sigma_t Lam^1/2``, ``s = Lam^1/2`` (cached per ``lam``)."""
         if self._cache is None or not _same(self._cache[0], lam):
             s = lam.clamp_min(0).sqrt()
@@ -123,7 +127,7 @@ class SiteSpaceBackend:
         return self._cache[1]
 
     def _binv(self, lam):
-        R, _ = self._chol(lam)
+        R, _ = self.factor(lam)
         if self._cache[2] is None:
             self._cache[2] = torch.cholesky_inverse(R)
         return self._cache[2]
@@ -134,7 +138,7 @@ class SiteSpaceBackend:
 
     def _weak_columns(self, lam, weak):
         """``V_t[:, weak] = Sigma_t[:, weak] - Sigma_t Lam^1/2 B^{-1} Lam^1/2 Sigma_t[:, weak]``."""
-        _, s = self._chol(lam)
+        _, s = self.factor(lam)
         Y = self._binv(lam) @ (s[:, None] * self.St[:, weak])
         return self.St[:, weak] - self.St @ (s[:, None] * Y)
 
@@ -148,7 +152,7 @@ class SiteSpaceBackend:
         return v
 
     def evaluate(self, alpha, lam, hessian=False):
-        R, _ = self._chol(lam)
+        R, _ = self.factor(lam)
         St_a = self.St @ alpha
         if hessian:
             V = self.site_covariance(lam)
@@ -170,7 +174,7 @@ class SiteSpaceBackend:
         sites (``lam_n Sigma_nn < SMALL_PRECISION``, where ``1 - (B^{-1})_nn`` would cancel) come from
         ``Sigma_t - Sigma_t Lam^1/2 B^{-1} Lam^1/2 Sigma_t`` directly.
         """
-        _, s = self._chol(lam)
+        _, s = self.factor(lam)
         Binv = self._binv(lam)
         weak = self._weak_sites(lam)
         inv_s = torch.where(s > 0, 1.0 / s.clamp_min(torch.finfo(s.dtype).tiny), torch.zeros_like(s))
@@ -184,11 +188,19 @@ class SiteSpaceBackend:
         return V
 
     def posterior(self, alpha, lam, prior=None):
-        """Gaussian over the sites themselves (``W = I``; GP latent values ``f``): ``m = mu_t - Sigma_t alpha``."""
-        m = self.mu_t - self.St @ alpha
+        """``q(z)`` over the latent ``z`` (Khan et al. 2013, Eqs. 17-18): with a general design ``W``,
+        ``m = mu - Sigma W^T alpha``, ``V = Sigma - Sigma W^T Lam^1/2 B^{-1} Lam^1/2 W Sigma``; with ``W = I`` the
+        Gaussian over the sites ``eta`` (``m = mu_t - Sigma_t alpha``; GP latent values ``f``) shifted back by the
+        offset, ``z = eta - d``."""
+        if self.latent is not None:
+            WS, mu, S = self.latent  # WS = W Sigma  (N, L)
+            R, s = self.factor(lam)
+            T = torch.linalg.solve_triangular(R, s[:, None] * WS, upper=False)  # R^{-1} Lam^1/2 W Sigma  (N, L)
+            V = S - T.transpose(0, 1) @ T
+            return GaussianPosterior(mu - WS.transpose(0, 1) @ alpha, covariance=0.5 * (V + V.transpose(0, 1)))
         V = self.site_covariance(lam)
-        V = 0.5 * (V + V.transpose(0, 1))
-        return GaussianPosterior(m, covariance=V)
+        d = self.site_offset if self.site_offset is not None else torch.zeros_like(self.mu_t)
+        return GaussianPosterior(self.mu_t - self.St @ alpha - d, covariance=0.5 * (V + V.transpose(0, 1)))
 
 
 class LatentSpaceBackend:
@@ -395,79 +407,6 @@ class LatentSpaceHessian:
         H = Wt.transpose(0, 1) @ (be.S @ Wt) + 0.5 * self.dl[:, None] * (V * V) * self.dl[None, :]
         H.diagonal().add_(self.diag)
         return H
-
-
-# ----------------------------------------------------------------------------- banded selected inversion
-# (Takahashi recursion on a banded factor; the GMRF backend below uses the general sparse layer,
-# pyro_convexvb.linalg.SparseCholesky)
-def _to_band_lower(A_csr, b):
-    """scipy CSR symmetric -> lower band storage ``ab[d, i] = A[i + d, i]``, ``d = 0..b``."""
-    n = A_csr.shape[0]
-    ab = np.zeros((b + 1, n))
-    coo = A_csr.tocoo()
-    m = coo.row >= coo.col
-    r, c, v = coo.row[m], coo.col[m], coo.data[m]
-    np.add.at(ab, (r - c, c), v)
-    return ab
-
-
-def _takahashi_band(Lb):
-    """Selected inverse of ``A = L L^T`` within the band (Takahashi recursion), ``O(n b^2)``.
-
-    :param Lb: lower band storage of the Cholesky factor, ``Lb[d, i] = L[i + d, i]``.
-    :returns: ``Zb[d, i] = (A^{-1})[i + d, i]`` for ``d = 0..b``.
-    """
-    return _takahashi_kernel(np.ascontiguousarray(Lb))
-
-
-def _takahashi_py(Lb):
-    b1, n = Lb.shape
-    b = b1 - 1
-    Zb = np.zeros_like(Lb)
-
-    def Z(i, j):  # symmetric access, |i-j| <= b
-        if i < j:
-            i, j = j, i
-        return Zb[i - j, j]
-
-    for i in range(n - 1, -1, -1):
-        kmax = min(i + b, n - 1)
-        lii = Lb[0, i]
-        for j in range(kmax, i - 1, -1):
-            s = 0.0
-            for k in range(i + 1, kmax + 1):
-                s += Lb[k - i, i] * Z(k, j)
-            val = ((1.0 / lii if j == i else 0.0) - s) / lii
-            Zb[j - i, i] = val
-    return Zb
-
-
-try:  # pragma: no cover - numba is an installed dependency, fall back to Python otherwise
-    import numba
-
-    @numba.njit(cache=True)
-    def _takahashi_kernel(Lb):
-        b1, n = Lb.shape
-        b = b1 - 1
-        Zb = np.zeros_like(Lb)
-        for i in range(n - 1, -1, -1):
-            kmax = min(i + b, n - 1)
-            lii = Lb[0, i]
-            for j in range(kmax, i - 1, -1):
-                s = 0.0
-                for k in range(i + 1, kmax + 1):
-                    if k >= j:
-                        zkj = Zb[k - j, j]
-                    else:
-                        zkj = Zb[j - k, k]
-                    s += Lb[k - i, i] * zkj
-                if j == i:
-                    Zb[0, i] = (1.0 / lii - s) / lii
-                else:
-                    Zb[j - i, i] = -s / lii
-        return Zb
-except ImportError:  # pragma: no cover
-    _takahashi_kernel = _takahashi_py
 
 
 class SparsePrecisionBackend:
@@ -735,17 +674,6 @@ def _to_scipy(M):
     if hasattr(M, "to_dense"):
         return sp.csr_matrix(M.to_dense().detach().cpu().numpy())
     return sp.csr_matrix(np.asarray(M))
-
-
-def _band_to_sparse(ab, n, symmetric=True):
-    import scipy.sparse as sp
-
-    b = ab.shape[0] - 1
-    low = sp.diags([ab[d, : n - d] for d in range(b + 1)], [-d for d in range(b + 1)], shape=(n, n), format="csr")
-    if not symmetric:
-        return low
-    up = sp.diags([ab[d, : n - d] for d in range(1, b + 1)], [d for d in range(1, b + 1)], shape=(n, n), format="csr")
-    return (low + up).tocsr()
 
 
 def _sparse_op(M, dtype, device):

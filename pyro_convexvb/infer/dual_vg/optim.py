@@ -250,7 +250,7 @@ def _site_pcg(matvec, b, precond, rtol, max_iter, red):
 
 
 def solve_dual(backend, bound, alpha0=None, *, method="newton", gap_tol=None, max_iter=None, memory=20,
-               history=None, on_fail="warn", progress=False, callback=None, newton_solver="auto"):
+               history=None, on_fail="warn", callback=None, newton_solver="auto"):
     r"""Minimise the reduced dual ``g(alpha)`` (Khan et al. 2013, Eq. 20 with ``lambda = ell(alpha)``).
 
     :param backend: :class:`~.objective.SiteSpaceBackend`, :class:`~.objective.LatentSpaceBackend` or
@@ -659,7 +659,7 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
             lam_new = (1 - b) * lam + b * lam_hat
             nu_new = (1 - b) * nu + b * nu_hat
             x = lam_new * backend.mu_t - nu_new
-            R, s = backend._chol(lam_new)
+            R, s = backend.factor(lam_new)
             # Lam^1/2 B^{-1} Lam^1/2 Sigma_t x = s * R^{-T} R^{-1} (s * Sigma_t x)
             Tx = torch.linalg.solve_triangular(R, (s * (backend.St @ x))[:, None], upper=False)
             corr = s * torch.linalg.solve_triangular(R.transpose(0, 1), Tx, upper=True)[:, 0]

@@ -1,0 +1,349 @@
+"""The ``dual_vg`` engine (Khan et al. 2013): the storage form of the dual, the solve, the recovered ``q``
+(:class:`DualVGEngine`); its :class:`DualState` resumes a fit (``init=``)."""
+import math
+import typing
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import UnsupportedModelError
+from ...linalg.operators import IdentityOperator, SparseOperator
+from ..engine import Criterion, Engine, LGMEngineOptions, Optimality, Solution, option
+from ...lgm.stack import Stacked
+from .bounds import LogitJaakkolaBound, make_bound
+from .objective import LatentSpaceBackend, SiteSpaceBackend, SparsePrecisionBackend, exact_elbo
+from .optim import refine_exact, solve_dual
+from .sharding import sharded_design
+
+__all__ = ["DualVGEngine", "DualVGOptions", "DualState", "fit_dual_vg", "site_space_predictive", "dual_vg_applies",
+           "build_dual_problem"]
+
+#: largest accepted relative change of a site natural parameter by one more full CVI step after ``refine``
+REFINE_RESIDUAL_TOL = 1e-8
+
+
+def dual_vg_applies(lgm):
+    """``None`` if DualVG fits ``lgm`` (Gaussian priors on every block, and sites whose family has a convex local
+    bound, :meth:`~pyro_convexvb.lgm.families.SiteFamily.local_bound`), else the
+    :class:`~pyro_convexvb.UnsupportedModelError` naming the site and the reason."""
+    for p in lgm.priors:
+        if p.flat:
+            return UnsupportedModelError(p.name, f"latent '{p.name}' has no Gaussian prior (flat block, e.g. a "
+                                                 "Laplace prior)")
+    for g in lgm.sites:
+        try:
+            g.family.local_bound()
+        except ValueError as e:  # UnsupportedModelError, or data outside the family's support
+            return UnsupportedModelError(g.name, getattr(e, "reason", str(e)))
+    if not lgm.sites:
+        return UnsupportedModelError("<model>", "the model has no likelihood sites")
+    return None
+
+
+def _is_identity(op, n):
+    return isinstance(op, IdentityOperator) and op.shape == (n, n)
+
+
+def _one_per_row(op):
+    if not isinstance(op, SparseOperator):
+        return False
+    crow = op.matrix.crow_indices()
+    return bool(((crow[1:] - crow[:-1]) == 1).all())
+
+
+def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
+    """``(backend, local bound, latent-space kind)`` for a :class:`~pyro_convexvb.LatentGaussianModel`.
+
+    :param str form: ``"site"`` (``N x N``), ``"latent"`` (``L x L``), ``"banded"`` (sparse
+        precision) or ``"auto"``: banded when the prior is a sparse precision only and every site
+        reads one latent; else latent space when ``L < N``; else site space.
+
+    Row-sharded data (a design wrapped by :func:`pyro_convexvb.distributed.row_sharded` under an
+    initialised process group) runs in the ``L x L`` form only: each rank keeps its own sites, ``W^T u``
+    and ``W^T Lambda W`` are all-reduced (:mod:`.sharding`). ``form="auto"`` then selects it; the
+    site and banded forms raise, since their ``N x N`` (or site-indexed sparse) matrices couple the
+    sites of all ranks.
+    """
+    err = dual_vg_applies(lgm)
+    if err is not None:
+        raise err
+    if form not in ("auto", "site", "latent", "banded"):
+        raise ValueError(f"form: expected 'auto', 'site', 'latent' or 'banded', got {form!r}")
+    bounds = [make_bound(g.family, bound, xi) for g in lgm.sites]
+    lb = bounds[0] if len(bounds) == 1 else Stacked(bounds)
+    W, comm = sharded_design(lgm.design())
+    d = lgm.offset()
+    mu = lgm.prior_loc
+    N, L = W.shape
+    precision_only = lgm.prior_cov is None
+    if comm is not None:
+        if form in ("site", "banded"):
+            raise ValueError(f"dual_vg: form='{form}' cannot run on row-sharded data (its matrices couple the sites of "
+                             f"every rank); use form='latent' (the L x L form, or form='auto', which selects it)")
+        form = "latent"
+    if form == "auto":
+        if precision_only and len(lgm.priors) == 1 and isinstance(lgm.priors[0].prec, SparseOperator) \
+                and (_is_identity(W, L) or _one_per_row(W)):
+            form = "banded"
+        elif L < N:
+            form = "latent"
+        else:
+            form = "site"
+    if form == "banded":
+        Q = lgm.priors[0].prec if len(lgm.priors) == 1 else None
+        if Q is None:
+            raise ValueError("form='banded' needs a single prior block given by a sparse precision")
+        backend = SparsePrecisionBackend(Q, mu, None if _is_identity(W, L) else W, d)
+    elif form == "latent":
+        backend = LatentSpaceBackend(W, mu, d, prior_cov=None if precision_only else lgm.dense_prior_cov(),
+                                     prior_prec=lgm.dense_prior_prec(), prior_logdet_cov=lgm.prior_logdet_cov(),
+                                     comm=comm)
+    else:
+        S = lgm.dense_prior_cov()
+        if _is_identity(W, L):
+            St, latent = S, None
+        else:
+            Wd = W.to_dense()
+            WS = Wd @ S
+            St, latent = WS @ Wd.transpose(0, 1), (WS, mu, S)
+        # the site backend works on eta = W z + d; with W = I the latent is eta - d
+        backend = SiteSpaceBackend(0.5 * (St + St.transpose(0, 1)), W.mv(mu) + d, latent=latent, site_offset=d)
+    if isinstance(lb, LogitJaakkolaBound) or any(isinstance(b, LogitJaakkolaBound) for b in lb.split()):
+        h, rho = backend.prior_marginals()
+        parts = lb.split()
+        for b, hh, rr in zip(parts, h.split([len(b) for b in parts]), rho.split([len(b) for b in parts])):
+            if isinstance(b, LogitJaakkolaBound) and b.xi is None:
+                b.set_xi(torch.sqrt(hh**2 + rr))
+    return backend, lb, form
+
+
+@dataclass(frozen=True)
+class DualState:
+    r"""The dual optimum of a ``dual_vg`` fit: ``alpha`` determines ``lambda`` and ``q`` (Khan et al. 2013, Eqs.
+    17-18), so ``pcv.fit(..., init=state)`` resumes from it.
+
+    :ivar alpha: ``(N,)`` dual variables (Eq. 20); :ivar lam: ``(N,)`` site precisions ``ell(alpha)``.
+    :ivar form: ``"site"`` (``N x N``), ``"latent"`` (``L x L``) or ``"banded"``; :ivar backend: the dual problem
+        in that form (:mod:`~.objective`); :ivar bound: and
+        :ivar xi: the ``bound`` and ``xi`` options; :ivar posterior: ``q(u) = N(m*, V*)`` of the fitted model.
+
+    Example::
+
+        >>> import torch, pyro_convexvb as pcv
+        >>> from pyro_convexvb.lgm.sites import Poisson
+        >>> X = torch.randn(30, 3, dtype=torch.float64)
+        >>> y = torch.poisson(torch.exp(X @ torch.tensor([.3, -.2, .1], dtype=torch.float64)))
+        >>> lgm = pcv.LatentGaussianModel.from_design(X, Poisson(y))
+        >>> res = pcv.fit(lgm, engine="dual_vg", progress=False)
+        >>> res.state.alpha.shape, res.state.form
+        (torch.Size([30]), 'latent')
+        >>> again = pcv.fit(lgm, engine="dual_vg", init=res.state, progress=False)
+        >>> again.info["iterations"], abs(again.log_evidence_bound - res.log_evidence_bound) < 1e-9
+        (0, True)
+    """
+
+    engine: typing.ClassVar[str] = "dual_vg"
+    #: the options a state replaces (an inner fit warm-started from a state resets them)
+    options: typing.ClassVar[tuple] = ("alpha0",)
+
+    alpha: torch.Tensor
+    lam: torch.Tensor = None
+    form: str = ""
+    backend: typing.Any = None
+    bound: str = "tight"
+    xi: typing.Any = None
+    posterior: typing.Any = None
+
+    def warm_start(self):
+        """``alpha`` alone, for a fit of a nearby model (clipped into its domain by :func:`~.optim.solve_dual`)."""
+        return DualState(self.alpha)
+
+    def bound_at(self, lgm):
+        r"""``ELBO_LVB(q*; theta)`` of the fitted ``q*`` on ``lgm`` (the model at other hyperparameters; Khan et al.
+        2013, §5: the type-II envelope), a 0-d tensor carrying ``lgm``'s graph; refused for ``bound='jaakkola'``
+        (its ``xi`` depend on ``theta``) and row-sharded data."""
+        if self.bound == "jaakkola":
+            raise ValueError("engine 'dual_vg': learn_params needs a local bound that does not depend on theta "
+                             "through its variational parameters; the 'jaakkola' bound fixes xi at the prior "
+                             "marginals -- use bound='tight', 'jensen' or 'bohning', or learn_params=False")
+        if sharded_design(lgm.design())[1] is not None:
+            raise ValueError("engine 'dual_vg': type-II learning of model parameters (learn_params) is not "
+                             "available on row-sharded data; fit with learn_params=False")
+        q = self.posterior
+        m = q.loc.to(lgm.dtype)
+        V = q.covariance().to(lgm.dtype)
+        L = torch.linalg.cholesky(V)
+        val = lgm.expected_log_prior(m, V) + torch.log(torch.diagonal(L)).sum() + \
+            0.5 * lgm.n * (1 + math.log(2 * math.pi)) + lgm.log_const
+        marginals = lgm.site_marginals(m, V)
+        for g in lgm.sites:
+            val = val - make_bound(g.family, self.bound, self.xi).f(*marginals[g.name]).sum()
+        return val
+
+    def site_predictive(self, K_cross, k_test_diag, prior_mean_test=0.0):
+        r"""Latent predictive ``(mean (m,), var (m,))`` at test inputs of a site-form GP fit (identity design),
+        without inverting ``K``: ``mu_* - k_*^T alpha`` and ``k_** - ||R^{-1} Lambda^{1/2} k_*||^2``,
+        ``R R^T = I + Lambda^{1/2} K Lambda^{1/2}`` (docs/dual_vg.md, § Algorithm and recovery);
+        ``K_cross`` ``(m, N)``, ``k_test_diag`` ``(m,)``."""
+        if not self.gp_site_form:
+            raise ValueError("site_predictive needs a dual_vg fit in the N x N site form with an identity design (a GP "
+                             "over the training inputs)")
+        R, s = self.backend.factor(self.lam)
+        Z = torch.linalg.solve_triangular(R, s[:, None] * K_cross.transpose(0, 1), upper=False)
+        return prior_mean_test - K_cross @ self.alpha, (k_test_diag - (Z * Z).sum(0)).clamp_min(0)
+
+    @property
+    def gp_site_form(self):
+        """Whether the fit is in the ``N x N`` site form with an identity design (the latent is the sites)."""
+        return self.form == "site" and self.backend is not None and self.backend.latent is None
+
+
+@dataclass(frozen=True)
+class DualVGOptions(LGMEngineOptions):
+    bound: typing.Literal["tight", "jensen", "bohning", "jaakkola"] = option(
+        "tight", "Bernoulli-logit local bound (other families use their own bounds: exact for Poisson, Gaussian and "
+                 "stochastic volatility, the tight probit bound for probit)")
+    method: typing.Literal["newton", "lbfgs"] = option("newton", "dual minimiser")
+    form: typing.Literal["auto", "site", "latent", "banded"] = option(
+        "auto", "storage form: N x N site space, L x L latent space, a GMRF's sparse precision ('banded': sparse "
+                "Cholesky), or auto")
+    newton_solver: typing.Literal["auto", "dense", "cg"] = option(
+        "auto", "Newton systems in the L x L form: dense Cholesky, matrix-free CG, or the cheaper by a flop count")
+    gap_tol: typing.Optional[float] = option(None, "convergence: duality gap in nats (default 1e-8 N)", gt=0)
+    max_iter: typing.Optional[int] = option(None, "iteration cap (default 100 Newton / 2000 L-BFGS)", min=1)
+    alpha0: typing.Any = option(None, "(N,) warm start of the dual variables")
+    xi: typing.Any = option(None, "Jaakkola variational parameters (default: at the prior marginals)")
+    refine: bool = option(False, "polish q by natural-gradient (CVI) steps with exact expectations (site form)")
+
+
+class DualVGEngine(Engine):
+    r"""The ``dual_vg`` engine: the convex Fenchel dual of the variational-Gaussian bound (Khan et al. 2013).
+
+    Builds the storage form of the dual that fits the model (``N x N`` site space, ``L x L`` latent
+    space, or a banded GMRF precision; :func:`build_dual_problem`), minimises the reduced dual with
+    :func:`~.optim.solve_dual`, recovers ``q = N(m*, V*)`` (Khan et al. 2013, Eqs. 17-18) and reports
+    the exact variational-Gaussian bound of that ``q`` (closed-form or Gauss-Hermite site
+    expectations; never ``-g``), with the duality gap of every iteration in the history.
+
+    Convergence: the duality gap ``g(alpha) - ELBO_LVB`` (a sum of Fenchel-Young residuals, in nats)
+    ``<= gap_tol``.
+
+    :meth:`run` returns an :class:`~pyro_convexvb.InferenceResult` whose ``state`` is a
+    :class:`DualState` (``alpha``, ``lam``, ``form``, the dual problem; ``init=`` resumes from it) and
+    whose ``info`` holds ``gap``, ``dual_objective``, ``lvb_elbo`` (the local bound's own ELBO),
+    ``site_mean``/``site_var``, ``iterations`` and ``form``.
+
+    Example::
+
+        >>> import torch
+        >>> from pyro_convexvb import LatentGaussianModel
+        >>> from pyro_convexvb.lgm.sites import Poisson
+        >>> X = torch.randn(30, 3, dtype=torch.float64)
+        >>> y = torch.poisson(torch.exp(X @ torch.tensor([.3, -.2, .1], dtype=torch.float64)))
+        >>> res = DualVGEngine(LatentGaussianModel.from_design(X, Poisson(y)), progress=False).run()
+        >>> res.converged, res.info["gap"] < 1e-6
+        (True, True)
+    """
+
+    name = "dual_vg"
+    description = ("Dual variational Gaussian (Khan et al. 2013): convex Fenchel dual, Newton/L-BFGS, stops on the "
+                   "duality gap")
+    Options = DualVGOptions
+    State = DualState
+    optimality_measure = "duality gap (nats) <= gap_tol"
+    distributed = True  # row-sharded data in the L x L form (build_dual_problem)
+
+    @classmethod
+    def applies(cls, lgm):
+        return dual_vg_applies(lgm)
+
+    def extract(self, *args, **kwargs):
+        """The latent Gaussian model; on row-sharded data with a predictor whose Jacobian extraction probed into
+        local rows (``pcv.linear(Xs, w) + b``), its designs are marked row-sharded again
+        (:func:`~pyro_convexvb.infer.sharded_svi.reshard_lgm`)."""
+        from ..sharded_svi import reshard_lgm
+
+        return reshard_lgm(super().extract(*args, **kwargs), args, kwargs)
+
+    def precise_options(self):
+        return {"gap_tol": 1e-9}
+
+    # ------------------------------------------------------------------ type-II maximum likelihood
+    def type2_value(self, result):
+        """The dual's own bound: the local-bound ELBO at the dual optimum (``max_q ELBO_LVB``)."""
+        return float(result.info["lvb_elbo"])
+
+    def type2_gradient(self, params, x, result, args, kwargs, h):
+        """Envelope theorem (Khan et al. 2013, §5): ``d/dtheta ELBO_LVB(q*; theta)`` at the fixed ``q*``
+        (:meth:`DualState.bound_at`)."""
+        from ..type2 import envelope_gradient
+
+        if result.posterior.n > 5000:
+            return super().type2_gradient(params, x, result, args, kwargs, h)
+        return envelope_gradient(params, x, self.model, args, kwargs, result.state.bound_at, h, autograd=True)
+
+    def initial_alpha(self, lgm, num_sites):
+        """``alpha`` the fit starts from: ``init.alpha``, else option ``alpha0``, else ``None`` (checked)."""
+        o = self.options
+        if self.init is not None and o.alpha0 is not None:
+            raise ValueError(f"engine '{self.name}': give init or option 'alpha0', not both")
+        if self.init is None and o.alpha0 is None:
+            return None
+        alpha, name = (self.init.alpha, "init.alpha") if o.alpha0 is None else (o.alpha0, "option 'alpha0'")
+        alpha = torch.as_tensor(alpha, dtype=lgm.dtype, device=lgm.device)
+        if alpha.shape != (num_sites,) or not bool(torch.isfinite(alpha).all()):
+            raise ValueError(f"engine '{self.name}': {name} must be a finite vector of one dual variable per observed "
+                             f"site entry, shape ({num_sites},); got shape {tuple(alpha.shape)}"
+                             + ("" if alpha.shape != (num_sites,) else " with non-finite entries"))
+        return alpha
+
+    def solve(self, lgm, run):
+        o = self.options
+        backend, lb, form = build_dual_problem(lgm, o.bound, o.form, o.xi)
+        bar = run.bar(unit="iter")
+
+        def callback(alpha, val, gap):
+            bar.update(1)
+            bar.set_postfix(gap=f"{gap:.3g}")
+
+        sol = solve_dual(backend, lb, self.initial_alpha(lgm, len(lb)), method=o.method, gap_tol=o.gap_tol,
+                         max_iter=o.max_iter, history=run.history, on_fail="ignore", newton_solver=o.newton_solver,
+                         callback=callback)
+        alpha, lam = sol.alpha, sol.lam
+        info = {}
+        if o.refine:
+            if form != "site":
+                raise ValueError(f"engine '{self.name}': option 'refine' needs the N x N site form (form='site'); "
+                                 f"this model uses form='{form}'")
+            alpha, lam, _, rit, rconv, resid = refine_exact(backend, lb, alpha, lam, tol=1e-15,
+                                                             residual_tol=REFINE_RESIDUAL_TOL, return_residual=True)
+            info.update(refine_iterations=rit, refine_converged=rconv, refine_residual=resid)
+        terms = backend.evaluate(alpha, lam)
+        bound_value = float(exact_elbo(backend, lb, alpha, lam, terms, lgm.log_const))
+        posterior = backend.posterior(alpha, lam)
+        posterior.layout = lgm.layout
+        info.update(gap=sol.gap, dual_objective=sol.g, lvb_elbo=sol.g - sol.gap + lgm.log_const,
+                    site_mean=terms.m_tilde, site_var=terms.v_tilde, iterations=sol.iterations,
+                    evaluations=sol.evaluations, cg_iterations=sol.cg_iterations, form=form, bound=o.bound,
+                    method=o.method, refine=o.refine)
+        opt = Optimality.single("duality gap (nats)", sol.gap, sol.gap_tol)
+        if o.refine:  # the returned q is the refined one: judged by the exact VG fixed point as well
+            opt = Optimality(opt.criteria + (Criterion("exact-VG fixed-point residual (relative change of the site natural parameters)",
+                                                       info["refine_residual"], REFINE_RESIDUAL_TOL),))
+        reason = "duality gap" if sol.converged else "max_iter"
+        state = DualState(alpha, lam, form, backend, o.bound, o.xi, posterior)
+        return Solution(posterior, bound_value, opt, reason, info, state=state)
+
+
+def fit_dual_vg(lgm, progress=True, **options):
+    """``DualVGEngine(lgm, progress=progress, **options).run()``: the ``dual_vg`` engine on a latent Gaussian model."""
+    return DualVGEngine(lgm, progress=progress, **options).run()
+
+
+def site_space_predictive(result, K_cross, k_test_diag, prior_mean_test=0.0):
+    """Latent predictive ``(mean (m,), var (m,))`` at test inputs of a site-form ``dual_vg`` fit of a GP:
+    :meth:`DualState.site_predictive` of ``result.state``."""
+    if not isinstance(result.state, DualState):
+        raise ValueError("site_space_predictive needs a dual_vg result in the N x N site form with an identity "
+                         "design (a GP over the training inputs)")
+    return result.state.site_predictive(K_cross, k_test_diag, prior_mean_test)
