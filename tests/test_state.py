@@ -105,7 +105,7 @@ def test_dual_resumed_from_a_converged_state_and_capped_then_resumed():
     again = _fit(lgm, "dual_vg", init=res.state)
     assert again.converged and again.info["iterations"] == 0
     assert again.log_evidence_bound == pytest.approx(res.log_evidence_bound, abs=1e-10)
-    part = _fit(lgm, "dual_vg", max_iter=2)
+    part = _fit(lgm, "dual_vg", max_iter=1)  # the Laplace start of Poisson sites converges in 2 steps
     assert not part.converged
     rest = _fit(lgm, "dual_vg", init=part.state)
     assert rest.converged

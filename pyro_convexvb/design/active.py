@@ -40,6 +40,7 @@ from ..infer.convex_relaxation import (
 )
 from ..errors import ConvergenceWarning
 from ..lgm.extract import lgm_from_pyro
+from ..lgm.families import BernoulliLogit
 from ..linalg import cg
 from .scores import classifier_uncertainty, information_gain, minimize_site_phi, rank_one_include
 
@@ -156,7 +157,7 @@ class ActiveLearner:
     def _sites(self, X):
         y0 = torch.zeros(X.shape[0], dtype=X.dtype, device=X.device)
         lgm = lgm_from_pyro(self.model, X, y0)
-        lik = [g for g in lgm.nongaussian_groups if g.family.name == "bernoulli_logit"]
+        lik = [g for g in lgm.nongaussian_groups if isinstance(g.family, BernoulliLogit)]
         if len(lik) != 1:
             raise ValueError("model: expected exactly one Bernoulli-logit site group "
                              f"(found {len(lik)}); active learning needs the candidates' sites")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import warn
+from ...lgm.families import Laplace
 from .inner import inner_loop
 from .problem import RelaxationProblem
 
@@ -130,7 +131,7 @@ def laplace_map(lgm, u0=None, *, z_start=1e-2, z_final=1e-12, z_factor=1e-2, max
     _check_lgm(lgm, "laplace_map")
     groups = list(lgm.nongaussian_groups)
     for g in groups:
-        if g.family.name != "laplace":
+        if not isinstance(g.family, Laplace):
             raise ValueError(f"lgm: site group '{g.name}' is '{g.family.name}'; laplace_map needs Laplace sites")
     for name, v in (("z_start", z_start), ("z_final", z_final), ("z_factor", z_factor)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
