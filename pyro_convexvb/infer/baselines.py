@@ -42,7 +42,7 @@ from ..errors import UnsupportedModelError
 from ..lgm.extract import full_data_plates, latent_sites
 from .engine import Criterion, Engine, EngineOptions, Optimality, Solution, option
 from .optimality import gaussian_decrement, monte_carlo_objective
-from .posterior import GaussianPosterior
+from ..posterior.gaussian import GaussianPosterior, _apply_name_prefix
 from .sharded_svi import ShardedTraceELBO, data_reduction, sharded_lgm_or_none
 
 __all__ = [
@@ -282,8 +282,6 @@ class _PyroModelEngine(Engine):
 
     def own_guide(self, guide):
         """Give ``guide`` the engine's private parameter names and drop an earlier fit's entries under them."""
-        from .posterior import _apply_name_prefix
-
         _apply_name_prefix(guide, self.param_prefix)
         forget_params(self.param_prefix)
         return guide

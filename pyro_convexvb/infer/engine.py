@@ -802,15 +802,17 @@ class Engine:
         if post is not None and lgm is not None and getattr(lgm, "imputed", None) and post.n == lgm.n:
             post = lgm.complete_posterior(post)  # add the latent sites integrated out of u (e.g. obs_mask)
         if post is not None:
-            if getattr(post, "layout", None) is None and lgm is not None and lgm.n == post.n:
-                post.layout = lgm.layout
-            if getattr(post, "layout", None) is None and self.takes == "model":
-                from ..lgm.extract import unconstrained_layout
+            from ..lgm.extract import unconstrained_layout
 
-                post.layout = unconstrained_layout(self.model, args, kwargs)
+            layout = None
+            if post.layout is None and lgm is not None and lgm.n == post.n:
+                layout = lgm.layout
+            elif post.layout is None and self.takes == "model":
+                layout = unconstrained_layout(self.model, args, kwargs)
             if callable(self.model) and not isinstance(self.model, LatentGaussianModel):
-                post.model = self.model
-                post.model_args = (args, kwargs)
+                post = post.with_model(self.model, (args, kwargs), layout)
+            elif layout is not None:
+                post = post.with_model(layout=layout)
         res = InferenceResult(post, sol.log_evidence_bound, run.history, sol.optimality.converged, self.name,
                               sol.info, lgm, seconds=time.perf_counter() - t0, stop_reason=sol.stop_reason,
                               optimality=sol.optimality, hyperparameters=sol.info.get("hyperparameters"))

@@ -16,7 +16,7 @@ __all__ = ["register_engine", "engines", "get_engine", "engines_that_fit", "fit"
 BUILTIN_ENGINES = {
     "convex_relaxation": "pyro_convexvb.infer.convex_relaxation.engine:ConvexVariationalRelaxation",
     "dual_vg": "pyro_convexvb.infer.dual_vg.guide:DualVGEngine",
-    "diag_mixture": "pyro_convexvb.infer.diag_mixture:DiagMixtureEngine",
+    "diag_mixture": "pyro_convexvb.infer.diag_mixture.engine:DiagMixtureEngine",
     "svi_autonormal": "pyro_convexvb.infer.baselines:SVIAutoNormal",
     "svi_automvn": "pyro_convexvb.infer.baselines:SVIAutoMultivariateNormal",
     "svi_lowrank": "pyro_convexvb.infer.baselines:SVILowRank",

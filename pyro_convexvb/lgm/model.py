@@ -27,6 +27,7 @@ from ..linalg.operators import (
     StackedOperator,
     as_operator,
 )
+from ..posterior.gaussian import GaussianPosterior
 from .layout import LatentLayout
 from .sites import Gaussian, SiteFamily, Weighted
 
@@ -327,8 +328,6 @@ class LatentGaussianModel:
         """
         if not self.imputed:
             return posterior
-        from ..infer.posterior import GaussianPosterior
-
         if posterior.n != self.n:
             raise ValueError(f"the posterior has {posterior.n} coordinates, the latent vector u has {self.n}")
         m = posterior.loc.to(self.dtype)
@@ -364,8 +363,6 @@ class LatentGaussianModel:
         """
         if not self.imputed:
             return posterior
-        from ..infer.posterior import GaussianPosterior
-
         if posterior.n != self.model_layout.size:
             raise ValueError(f"the posterior has {posterior.n} coordinates, the model's latent sites {self.model_layout.size}")
         idx = torch.cat([torch.arange(self.model_layout[b.name].start, self.model_layout[b.name].start + b.size)
@@ -481,7 +478,6 @@ class LatentGaussianModel:
 
     def site_marginals(self, loc, cov):
         """Means and variances of every group's predictor under ``q = N(loc, cov)`` (dense ``cov``)."""
-        out = {}
         return {g.name: (g.eta(loc), self._marginal_var(g, cov)) for g in self.sites}
 
     @staticmethod
