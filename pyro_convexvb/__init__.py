@@ -17,9 +17,10 @@ with _warnings.catch_warnings():
 
 from .errors import ConvergenceError, ConvergenceWarning, NonConvexWarning, NotPositiveDefiniteError, UnsupportedModelError
 from .posterior.gaussian import GaussianPosterior, GaussianPosteriorGuide
-from .infer.engine import Criterion, Engine, EngineOptions, Optimality, Solution, option
+from .infer.engine import Engine
+from .infer.options import EngineOptions, option
 from .infer.registry import engines, engines_that_fit, fit, get_engine, register_engine
-from .infer.result import History, InferenceResult
+from .infer.result import Criterion, History, InferenceResult, Optimality, Solution
 from .lgm.extract import lgm_from_pyro
 from .lgm.layout import LatentLayout
 from .lgm.linear import linear

@@ -36,6 +36,7 @@ from torch.distributions import biject_to
 from ..errors import ConvergenceWarning, UnsupportedModelError
 from ..lgm.extract import _unwrap, full_data_plates, latent_sites
 from ..posterior.hyper import HyperMixtureGuide, HyperPosterior, ThetaDensity, ThetaSpace  # noqa: F401 (re-exported)
+from .rng import forked_rng
 
 __all__ = [
     "HYPER_MAX_DIM",
@@ -253,8 +254,6 @@ class HyperObjective:
 
 def _initial_z(model, args, kwargs, space, num=51, seed=0):
     """The coordinatewise prior median of the hyper-latents, on the unconstrained scale."""
-    from .engine import forked_rng
-
     zs = []
     with torch.no_grad(), full_data_plates(), forked_rng(seed):  # a fixed start, whatever the run's seed
         for _ in range(num):

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import ConvergenceWarning
 
-__all__ = ["model_params", "learn_params", "central_differences", "envelope_gradient", "refit_gradient"]
+__all__ = ["model_params", "maximize_bound", "central_differences", "envelope_gradient", "refit_gradient"]
 
 
 def model_params(model, args, kwargs):
@@ -62,7 +62,7 @@ class _Params:
         return {n: pyro.param(n).detach().clone() for n in self.names}
 
 
-def learn_params(engine, names, args, kwargs, *, max_iter=50, gtol=1e-5, fd_step=1e-5, run=None):
+def maximize_bound(engine, names, args, kwargs, *, max_iter=50, gtol=1e-5, fd_step=1e-5, run=None):
     """Maximise ``engine``'s type-II objective over the ``pyro.param`` sites ``names`` (updated in the store).
 
     :param engine: an :class:`~pyro_convexvb.infer.engine.Engine` with ``type2_value`` and ``type2_gradient``.

@@ -110,6 +110,8 @@ class ConvexVariationalRelaxation(Engine):
     description = ("convex variational relaxation for super-Gaussian sites (double loop: IRLS+CG inner, Lanczos "
                    "outer; Nickisch & Seeger 2009)")
     Options = ConvexRelaxationOptions
+    type2 = "outer"
+    integrates_hyper = True
     optimality_measure = ("relative change of gamma <= gamma_tol and of phi <= phi_tol between the last two outer "
                           "iterations")
 

@@ -14,9 +14,10 @@ from ...errors import UnsupportedModelError
 from ...posterior.gaussian import _write_guide_params
 from ...posterior.mixture import (_ENTROPY_BOUNDS, AutoDiagMixture, DiagMixturePosterior, _entropy_fn,
                                   mixture_evidence_bound)
-from ..baselines import SVIEngine, SVIOptions, flat_log_joint, model_param_values, svi_until_plateau, try_lgm
-from ..engine import Optimality, Solution, option
 from ..optimality import mixture_decrement, monte_carlo_objective
+from ..options import option
+from ..pyro_engines import SVIEngine, SVIOptions, flat_log_joint, model_param_values, svi_until_plateau, try_lgm
+from ..result import Optimality, Solution
 from ..sharded_svi import data_reduction, sharded_lgm_or_none
 from .elbo import DiagMixtureELBO
 

@@ -208,6 +208,8 @@ class DualVGEngine(Engine):
     description = ("Dual variational Gaussian (Khan et al. 2013): convex Fenchel dual, Newton/L-BFGS, stops on the "
                    "duality gap")
     Options = DualVGOptions
+    type2 = "outer"
+    integrates_hyper = True
     optimality_measure = "duality gap (nats) <= gap_tol"
     distributed = True  # row-sharded data in the L x L form (build_dual_problem)
 

@@ -40,8 +40,10 @@ from torch.distributions import biject_to
 
 from ..errors import UnsupportedModelError
 from ..lgm.extract import full_data_plates, latent_sites
-from .engine import Criterion, Engine, EngineOptions, Optimality, Solution, option
+from .engine import Engine
+from .options import EngineOptions, Type2Options, option
 from .optimality import gaussian_decrement, monte_carlo_objective
+from .result import Criterion, Optimality, Solution
 from ..posterior.gaussian import GaussianPosterior, _apply_name_prefix
 from .sharded_svi import ShardedTraceELBO, data_reduction, sharded_lgm_or_none
 
@@ -378,7 +380,7 @@ class SVILowRank(SVIEngine):
 # Laplace
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class LaplaceOptions(EngineOptions):
+class LaplaceOptions(Type2Options):
     max_iter: int = option(500, "L-BFGS iterations", min=1)
     learn_params: bool = option(True, "type-II: maximise the reported bound over the model's pyro.param sites "
                                       "(central differences of refits)")
@@ -401,6 +403,7 @@ class LaplaceEngine(_FullDataEngine):
     distributed = True
     description = "Pyro AutoLaplaceApproximation: MAP by L-BFGS, Gaussian from the Hessian"
     Options = LaplaceOptions
+    type2 = "outer"
     optimality_measure = "max |gradient| of the log joint at the mode, relative to 1 + |log joint|, <= grad_tol"
 
     def solve(self, call, run):
