@@ -538,3 +538,22 @@ def test_latent_layout_of_several_shapes_matches_the_unconstrained_layout():
     torch.testing.assert_close(vals["W"], u[1:7].reshape(3, 2))
     torch.testing.assert_close(lgm.layout.flatten(vals), u)
     _assert_log_joint_matches(lgm, model, X, yr)
+
+
+def test_full_data_plates_acts_only_inside_its_handler():
+    """FullDataPlates is a poutine handler: subsampled plates run on the full data inside it (also nested) and
+    Pyro's own subsampling is unchanged outside it."""
+    from pyro_convexvb.lgm.extract import full_data_plates
+
+    def sizes():
+        with pyro.plate("data", 10, subsample_size=3) as idx:
+            return len(idx)
+
+    with full_data_plates():
+        assert sizes() == 10
+        with full_data_plates():
+            assert sizes() == 10
+        assert sizes() == 10
+    assert sizes() == 3
+    tr = pyro.poutine.trace(full_data_plates()(sizes)).get_trace()
+    assert tr.nodes["_RETURN"]["value"] == 10

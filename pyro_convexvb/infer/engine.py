@@ -132,6 +132,8 @@ class Engine:
     integrates_hyper: ClassVar[bool] = False
 
     _run_seed = None
+    #: whether :meth:`check_data` may skip the data (an inner fit of a run that checked them)
+    data_checked = False
     #: dtype of the extracted latent Gaussian model (``None``: the model's own); the hyper-latent path sets
     #: float64 on its inner fits (:mod:`~pyro_convexvb.infer.hyper`)
     extract_dtype = None
@@ -186,7 +188,7 @@ class Engine:
     def inner_engine(self, model, warm=None, **overrides):
         """An engine of the same class and options for ``model`` (e.g. a conditioned model), warm-started from
         ``warm``, with precise bounds (:meth:`precise_options`, except for options the caller set) and the
-        ``overrides``; its ``seed`` is this run's."""
+        ``overrides``; its ``seed`` is this run's, and it does not check the data again (:meth:`check_data`)."""
         opts = self.options.as_dict()
         opts.update({k: v for k, v in self.precise_options().items() if k not in self.given_options})
         if warm is not None:
@@ -194,7 +196,9 @@ class Engine:
         if opts.get("seed", 0) is None:  # every inner fit of a run uses the run's seed (common random numbers)
             opts["seed"] = self.run_seed
         opts.update(overrides)
-        return type(self)(model, progress=False, **opts)
+        inner = type(self)(model, progress=False, **opts)
+        inner.data_checked = True  # the data are this run's, checked once by it
+        return inner
 
     def type2_value(self, result):
         """The type-II objective of a fit: the engine's evidence bound (override)."""
@@ -284,6 +288,8 @@ class Engine:
     def check_data(self, args, kwargs):
         """Refuse data no engine fits (:func:`~pyro_convexvb.lgm.extract.check_model_data`) and row-sharded data
         an engine without ``distributed`` would fit on this rank's rows only."""
+        if self.data_checked:
+            return
         self._check_distributed(args, kwargs)
         if not isinstance(self.model, LatentGaussianModel):
             with forked_rng(0):  # its trace's prior draws leave the run's stream where it was
