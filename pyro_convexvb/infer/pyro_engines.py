@@ -395,7 +395,7 @@ class _FullDataEngine(_PyroModelEngine):
     def full_data_model(self, call):
         """``call.model`` under :func:`~pyro_convexvb.lgm.extract.full_data_plates` (the run is seeded by
         :meth:`~pyro_convexvb.infer.engine.Engine.run`)."""
-        return _full_data(call.model)
+        return full_data_plates()(call.model)
 
 
 class LaplaceEngine(_FullDataEngine):
@@ -497,14 +497,6 @@ def _sharded_laplace(model, guide, args, kwargs):
     H = 0.5 * (H + H.transpose(0, 1)).detach()
     torch.linalg.cholesky(H)  # raises LinAlgError when not positive definite, as on one process
     return loc.detach().clone(), torch.cholesky_inverse(torch.linalg.cholesky(H))
-
-
-def _full_data(model):
-    def full(*args, **kwargs):
-        with full_data_plates():
-            return model(*args, **kwargs)
-
-    return full
 
 
 # ---------------------------------------------------------------------------------------------

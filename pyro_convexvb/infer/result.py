@@ -102,15 +102,8 @@ class InferenceResult:
                 dropped.append(k)
         info["dropped"] = sorted(set(dropped) | set(self.info.get("dropped", [])))
         post = self.posterior
-        if hasattr(post, "compact"):
+        if post is not None:
             post = post.compact(keep_model=keep_model)
-        elif hasattr(post, "model_args"):
-            import copy
-
-            post = copy.copy(post)
-            post.model_args = ((), {})
-            if not keep_model:
-                post.model = None
         return dataclasses.replace(self, posterior=post, info=info, lgm=None)
 
     # ------------------------------------------------------------ diagnostics (pyro_convexvb.diagnostics)

@@ -235,10 +235,6 @@ class LatentGaussianModel:
         return torch.cat([p.loc for p in self.priors])
 
     @property
-    def has_flat_blocks(self):
-        return any(p.flat for p in self.priors)
-
-    @property
     def prior_cov(self):
         """Block-diagonal prior covariance operator, or ``None`` if a block has none (flat or precision-only)."""
         if any(p.flat or p.cov is None for p in self.priors):

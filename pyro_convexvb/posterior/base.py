@@ -47,6 +47,10 @@ class Posterior(abc.ABC):
     def as_guide(self, model=None, *, trainable=True, **kwargs):
         """A Pyro guide over the model's latent sites that samples from this posterior."""
 
+    def compact(self, keep_model=True):
+        """A copy without the fitting data ``model_args`` (for pickling; ``keep_model=False`` drops the model too)."""
+        return self.with_model(self.model if keep_model else None)
+
     def with_model(self, model=None, model_args=((), {}), layout=None):
         """A copy of this posterior bound to the Pyro ``model`` it was fitted to, with its fitting arguments
         ``model_args = (args, kwargs)`` and, when given, its latent ``layout`` (the posterior's own is kept when

@@ -12,7 +12,6 @@ initialised at the posterior, so ``SVI`` can keep training from an engine's answ
 
 ``as_guide(trainable=False)`` gives the fixed, parameter-free :class:`GaussianPosteriorGuide`.
 """
-import copy
 import math
 
 import pyro
@@ -416,10 +415,7 @@ class GaussianPosterior(Posterior):
             out = GaussianPosterior(self.loc, self.variance, precision=A, layout=self.layout,
                                     model=self.model if keep_model else None, cg_options=self.cg_options)
             return out
-        out = copy.copy(self)
-        out.model_args = ((), {})
-        if not keep_model:
-            out.model = None
+        out = self.with_model(self.model if keep_model else None)
         if self.kind == "precision_operator":
             out.precision_operator = None
             out.precision_factor = None
@@ -595,13 +591,19 @@ class _InitialisedAtPosterior:
 
     _form = None
 
-    def _init_posterior(self, posterior, name_prefix):
+    def __init__(self, model, posterior, *, name_prefix=None):
         if not isinstance(posterior, GaussianPosterior):
             raise TypeError(f"expected a GaussianPosterior, got {type(posterior).__name__}")
+        super().__init__(model, init_loc_fn=init_to_feasible, **self._autoguide_options(posterior))
         _check_trainable(posterior, self._form)
         self.init_posterior = posterior
         self._init_values = self._values_from(posterior)
         _apply_name_prefix(self, name_prefix)
+
+    @staticmethod
+    def _autoguide_options(posterior):
+        """Keyword arguments of the Pyro autoguide's constructor (e.g. the rank) that follow the posterior."""
+        return {}
 
     def _setup_prototype(self, *args, **kwargs):
         AutoContinuous._setup_prototype(self, *args, **kwargs)  # the parameters come from the posterior
@@ -682,10 +684,6 @@ class PosteriorMultivariateNormal(_InitialisedAtPosterior, AutoMultivariateNorma
 
     _form = "full"
 
-    def __init__(self, model, posterior, *, name_prefix=None):
-        super().__init__(model, init_loc_fn=init_to_feasible)
-        self._init_posterior(posterior, name_prefix)
-
     @staticmethod
     def _values_from(q):
         if q.kind == "diagonal":
@@ -738,10 +736,6 @@ class PosteriorDiagonalNormal(_InitialisedAtPosterior, AutoDiagonalNormal):
 
     _form = "diagonal"
 
-    def __init__(self, model, posterior, *, name_prefix=None):
-        super().__init__(model, init_loc_fn=init_to_feasible)
-        self._init_posterior(posterior, name_prefix)
-
     @staticmethod
     def _values_from(q):
         return {"loc": q.loc, "scale": q.variance.sqrt()}
@@ -781,10 +775,9 @@ class PosteriorLowRankMultivariateNormal(_InitialisedAtPosterior, AutoLowRankMul
 
     _form = "low_rank"
 
-    def __init__(self, model, posterior, *, name_prefix=None):
-        rank = posterior.cov_factor.shape[1] if getattr(posterior, "cov_factor", None) is not None else None
-        super().__init__(model, init_loc_fn=init_to_feasible, rank=rank)
-        self._init_posterior(posterior, name_prefix)
+    @staticmethod
+    def _autoguide_options(posterior):
+        return {"rank": posterior.cov_factor.shape[1] if getattr(posterior, "cov_factor", None) is not None else None}
 
     @staticmethod
     def _values_from(q):
