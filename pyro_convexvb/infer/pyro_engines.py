@@ -139,8 +139,7 @@ def try_lgm(model, args, kwargs):
         return None
 
 
-def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, seed=0, mixture_objective=None,
-                           reduction=None):
+def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, seed=0, reduction=None):
     """Bound and natural-gradient decrement of a Gaussian ``posterior`` of ``call.model``.
 
     Exact variational-Gaussian bound when ``lgm`` (the model's latent Gaussian model) is given and
@@ -312,30 +311,40 @@ class SVIEngine(_PyroModelEngine):
 
     type2 = "joint"
 
+    def model_and_guide(self, call):
+        """The model SVI trains (its ``pyro.param`` sites hidden unless ``learn_params``) and the engine's own
+        guide for it (:meth:`make_guide`, with the engine's private parameter names)."""
+        model = call.model if self.options.learn_params else poutine.block(call.model, hide_types=["param"])
+        return model, self.own_guide(self.make_guide(model))
+
+    def run_svi(self, model, guide, loss, call, run, *, callback=None, name=None):
+        """Clipped-Adam SVI on ``loss`` until the ELBO plateaus or ``max_steps`` (:func:`svi_until_plateau`).
+
+        :returns: ``(losses, stop reason, mean ELBO of the last window)``.
+        """
+        o = self.options
+        optim = pyro.optim.ClippedAdam({"lr": o.lr, "betas": (0.9, 0.999), "clip_norm": o.clip_norm})
+        losses, reason = svi_until_plateau(SVI(model, guide, optim, loss), optim, call.args, call.kwargs,
+                                           max_steps=o.max_steps, min_steps=o.plateau_min_steps, window=o.window,
+                                           rtol=o.rtol, lr_decay=o.lr_decay, bar=run.bar(total=o.max_steps, unit="step"),
+                                           history=run.history, callback=callback, name=name or self.name)
+        return losses, reason, -sum(losses[-o.window:]) / min(o.window, len(losses))
+
     def solve(self, call, run):
         o = self.options
-        model = call.model if o.learn_params else poutine.block(call.model, hide_types=["param"])
-        guide = self.make_guide(model)
-        self.own_guide(guide)
-        optim = pyro.optim.ClippedAdam({"lr": o.lr, "betas": (0.9, 0.999), "clip_norm": o.clip_norm})
+        model, guide = self.model_and_guide(call)
         red = data_reduction(call.args, call.kwargs)
         if red is None:
             elbo = Trace_ELBO(num_particles=o.num_particles, vectorize_particles=o.vectorize_particles)
         else:  # row-sharded data: local surrogate, gradients all-reduced (see sharded_svi)
             elbo = ShardedTraceELBO(red, num_particles=o.num_particles, vectorize_particles=o.vectorize_particles)
-        svi = SVI(model, guide, optim, elbo)
-        bar = run.bar(total=o.max_steps, unit="step")
-        losses, reason = svi_until_plateau(svi, optim, call.args, call.kwargs, max_steps=o.max_steps,
-                                           min_steps=o.plateau_min_steps, window=o.window, rtol=o.rtol,
-                                           lr_decay=o.lr_decay,
-                                           bar=bar, history=run.history, name=self.name)
+        losses, reason, elbo_estimate = self.run_svi(model, guide, elbo, call, run)
         posterior = self.posterior_of(guide)
         lgm = sharded_lgm_or_none(try_lgm(call.source, call.args, call.kwargs), red, call.args, call.kwargs)
         with torch.enable_grad():
             bound, opt = variational_optimality(call, posterior, lgm, tol=o.decrement_tol,
                                                 check_particles=o.check_particles, seed=self.run_seed, reduction=red)
-        info = {"elbo_estimate": -sum(losses[-o.window:]) / min(o.window, len(losses)), "steps": len(losses),
-                "guide": guide, "hyperparameters": model_param_values(call)}
+        info = {"elbo_estimate": elbo_estimate, "steps": len(losses), "guide": guide, "hyperparameters": model_param_values(call)}
         return Solution(posterior, bound, opt, reason, info, lgm=lgm)
 
     @staticmethod

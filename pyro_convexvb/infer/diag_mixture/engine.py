@@ -4,8 +4,6 @@ import math
 import typing
 from dataclasses import dataclass
 
-import pyro
-import pyro.optim
 import pyro.poutine as poutine
 import torch
 from pyro.nn import PyroParam
@@ -16,7 +14,7 @@ from ...posterior.mixture import (_ENTROPY_BOUNDS, AutoDiagMixture, DiagMixtureP
                                   mixture_evidence_bound)
 from ..optimality import mixture_decrement, monte_carlo_objective
 from ..options import option
-from ..pyro_engines import SVIEngine, SVIOptions, flat_log_joint, model_param_values, svi_until_plateau, try_lgm
+from ..pyro_engines import SVIEngine, SVIOptions, flat_log_joint, model_param_values, try_lgm
 from ..result import Optimality, Solution
 from ..sharded_svi import data_reduction, sharded_lgm_or_none
 from .elbo import DiagMixtureELBO
@@ -80,6 +78,11 @@ class DiagMixtureEngine(SVIEngine):
     Options = DiagMixtureOptions
     optimality_measure = ("natural-gradient decrement of the mixture's evidence bound (block-diagonal Fisher) <= "
                           "decrement_tol; stops at an ELBO plateau or max_steps")
+
+    def make_guide(self, model):
+        o = self.options
+        return AutoDiagMixture(model, num_components=o.num_components, init_scale=o.init_scale,
+                               init_spread=o.init_spread)
 
     def _use_natural_gradient(self, call, lgm, guide, reduction=None):
         """Whether this run optimises the exact bound by natural gradients (``optimizer`` option); raises when
@@ -196,10 +199,7 @@ class DiagMixtureEngine(SVIEngine):
 
     def solve(self, call, run):
         o = self.options
-        model = call.model if o.learn_params else poutine.block(call.model, hide_types=["param"])
-        guide = AutoDiagMixture(model, num_components=o.num_components, init_scale=o.init_scale,
-                                init_spread=o.init_spread)
-        self.own_guide(guide)
+        model, guide = self.model_and_guide(call)
         red = data_reduction(call.args, call.kwargs)
         lgm = None if o.optimizer == "svi" else try_lgm(call.source, call.args, call.kwargs)
         with poutine.block(), torch.no_grad():
@@ -210,15 +210,10 @@ class DiagMixtureEngine(SVIEngine):
         else:
             loss = DiagMixtureELBO(num_particles=o.num_particles, entropy=o.entropy,
                                    vectorize_particles=o.vectorize_particles, reduction=red)
-            optim = pyro.optim.ClippedAdam({"lr": o.lr, "betas": (0.9, 0.999), "clip_norm": o.clip_norm})
-            svi = pyro.infer.SVI(model, guide, optim, loss)
             cb = None if o.callback is None else (lambda step, value: o.callback(step, value, guide))
-            losses, reason = svi_until_plateau(
-                svi, optim, call.args, call.kwargs, max_steps=o.max_steps, min_steps=o.plateau_min_steps,
-                window=o.window, rtol=o.rtol, lr_decay=o.lr_decay, bar=run.bar(total=o.max_steps, unit="step"),
-                history=run.history, callback=cb, name=f"AutoDiagMixture(K={o.num_components})")
-            info_opt = {"optimizer": "svi", "elbo_estimate": -sum(losses[-o.window:]) / min(o.window, len(losses)),
-                        "steps": len(losses)}
+            losses, reason, estimate = self.run_svi(model, guide, loss, call, run, callback=cb,
+                                                    name=f"AutoDiagMixture(K={o.num_components})")
+            info_opt = {"optimizer": "svi", "elbo_estimate": estimate, "steps": len(losses)}
         with torch.no_grad(), guide._pyro_context:
             locs, scales = guide._mixture_params()
             posterior = DiagMixturePosterior(locs.detach().clone(), scales.detach().clone() ** 2)
