@@ -97,7 +97,6 @@ class ModelCall:
         return self.as_written if self.as_written is not None else self.model
 
 
-
 # ---------------------------------------------------------------------------------------------
 # the base class
 # ---------------------------------------------------------------------------------------------
@@ -340,7 +339,7 @@ class Engine:
             if callable(self.model) and not isinstance(self.model, LatentGaussianModel):
                 post = post.with_model(self.model, (args, kwargs), layout)
             elif layout is not None:
-                post = post.with_model(layout=layout)
+                post = post.with_model(post.model, post.model_args, layout)
         res = InferenceResult(post, sol.log_evidence_bound, run.history, sol.optimality.converged, self.name,
                               sol.info, lgm, seconds=time.perf_counter() - t0, stop_reason=sol.stop_reason,
                               optimality=sol.optimality, hyperparameters=sol.info.get("hyperparameters"))

@@ -59,6 +59,8 @@ class _Params:
         self.in_store = any("$$$" in n for n in self.names)
         #: whether autograd through a graph-keeping extraction agreed with finite differences (None: unchecked)
         self.autograd_ok = None
+        #: the model's structure trace, shared by the extractions at every ``theta`` (:func:`~.lgm_from_pyro`)
+        self.extraction_cache = {}
 
     def get(self):
         return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in self.leaves])
@@ -83,11 +85,23 @@ class _Params:
             return (model, self.leaves) if requires_grad else model
         leaf = torch.as_tensor(x, dtype=torch.float64).clone().requires_grad_(requires_grad)
         values = {n: t(v) for n, t, (_, v) in zip(self.names, self.transforms, self._split(leaf))}
-        bound = poutine.substitute(model, data=values)
+        bound = _ModelAt(model, values, self.extraction_cache)
         return (bound, [leaf]) if requires_grad else bound
 
     def constrained(self):
         return {n: pyro.param(n).detach().clone() for n in self.names}
+
+
+class _ModelAt:
+    """A Pyro model with its params at ``values`` (``poutine.substitute``), carrying the ``extraction_cache`` of a
+    type-II run (:func:`~pyro_convexvb.lgm_from_pyro` traces the model's structure once per run)."""
+
+    def __init__(self, model, values, extraction_cache):
+        self.model, self.values, self.extraction_cache = model, values, extraction_cache
+
+    def __call__(self, *args, **kwargs):
+        with poutine.substitute(data=self.values):
+            return self.model(*args, **kwargs)
 
 
 def _refit(engine, params, x, warm, args, kwargs):

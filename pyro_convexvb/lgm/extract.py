@@ -707,6 +707,11 @@ def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
         and the latent sites, e.g. float64 when the data are float32 and the parameters float64).
         The model itself always runs in its own dtypes.
     :param kwargs: keyword arguments of the model (e.g. ``y=...`` observations).
+
+    A model with an ``extraction_cache`` dict attribute (type-II learning's model at other params,
+    :mod:`pyro_convexvb.infer.type2`) keeps its structure trace there, and later extractions at other params skip
+    it while the model's sample sites and their shapes stay the same.
+
     :raises UnsupportedModelError: naming the site and the reason, for models outside the class, and
         (site ``'<model>'``) for a model that fails on mixed float32/float64 tensors.
 
@@ -789,8 +794,18 @@ def _is_factor(site):
     return isinstance(_unwrap(site["fn"])[0], dist.Unit)
 
 
+def _sites(tr):
+    """The sample sites of a trace with their kind and shapes: what an extraction's structure depends on."""
+    return [(n, s["is_observed"], tuple(s["fn"].batch_shape), tuple(s["fn"].event_shape)) for n, s in tr.nodes.items()
+            if s["type"] == "sample" and not _is_subsample(s)]
+
+
 def _extract(model, args, kwargs, dtype, keep_graph):
-    tr0 = _first_trace(model, args, kwargs)
+    cache = getattr(model, "extraction_cache", None)
+    tr0 = None if cache is None else cache.get("structure")
+    cached = tr0 is not None
+    if not cached:
+        tr0 = _first_trace(model, args, kwargs)
 
     latent, observed, factors = [], [], []
     for name, site in tr0.nodes.items():
@@ -847,6 +862,11 @@ def _extract(model, args, kwargs, dtype, keep_graph):
     # latents whose distribution reads other latents: allowed only as Gaussian leaves nothing else reads
     uf = torch.randn(full_layout.size, generator=gen, dtype=dtype).to(device).requires_grad_(True)
     tr, records, vals = run_at(uf, full_layout)
+    if cached and _sites(tr) != _sites(tr0):  # the sites changed with the params: trace the structure again
+        del cache["structure"]
+        return _extract(model, args, kwargs, dtype, keep_graph)
+    if cache is not None:
+        cache["structure"] = tr0
     leaves = []
     for b in full_layout.blocks:
         site = tr.nodes[b.name]
