@@ -39,6 +39,12 @@ class Posterior(abc.ABC):
     def device(self):
         return self.loc.device
 
+    def unflatten(self, u=None):
+        """``{site: value}`` for ``u`` (default: the mean), using the layout."""
+        if self.layout is None:
+            raise ValueError("this posterior has no latent layout (it was not built from a Pyro model)")
+        return self.layout.unflatten(self.loc if u is None else u)
+
     @abc.abstractmethod
     def sample(self, num_samples=(), generator=None):
         """Draws ``(*num_samples, n)``."""

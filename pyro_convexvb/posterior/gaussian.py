@@ -296,12 +296,6 @@ class GaussianPosterior(Posterior):
         res = cg(self.precision_operator, Bt, **self.cg_options)
         return self.precision_scale * (Bt * res.x).sum(0)
 
-    def unflatten(self, u=None):
-        """``{site: value}`` for ``u`` (default: the mean), using the layout."""
-        if self.layout is None:
-            raise ValueError("this posterior has no latent layout (it was not built from a Pyro model)")
-        return self.layout.unflatten(self.loc if u is None else u)
-
     def to_distribution(self):
         """A Pyro distribution with ``event_shape (n,)`` (MultivariateNormal for dense kinds)."""
         if self.kind == "diagonal":

@@ -199,10 +199,6 @@ class HyperPosterior(Posterior):
         second = sum(w * (c.variance + c.loc**2) for w, c in zip(self.weights, self.components))
         return self._out((second - m**2).clamp_min(0))
 
-    @property
-    def scale(self):
-        return self.variance.sqrt()
-
     def sample_z(self, num_samples, generator=None):
         """Samples of the unconstrained hyper-latents ``(S, d)`` and the nearest design point of each ``(S,)``."""
         xs = self.density.sample_x(num_samples, generator)

@@ -529,11 +529,6 @@ class DiagMixturePosterior(Posterior):
         mean = m.mean(0)
         return mean, ((v + m**2).mean(0) - mean**2).clamp_min(0)
 
-    def unflatten(self, u=None):
-        if self.layout is None:
-            raise ValueError("this posterior has no latent layout (it was not built from a Pyro model)")
-        return self.layout.unflatten(self.loc if u is None else u)
-
     def as_guide(self, model=None, *, trainable=True, name_prefix=None, model_args=None, model_kwargs=None):
         """A Pyro guide over the model's latent sites, initialised at this mixture.
 
