@@ -16,17 +16,19 @@ with _warnings.catch_warnings():
     _torch.sparse_csr_tensor(_torch.tensor([0, 0]), _torch.tensor([], dtype=_torch.int64), _torch.tensor([]), (1, 1))
 
 from .errors import ConvergenceError, ConvergenceWarning, NonConvexWarning, NotPositiveDefiniteError, UnsupportedModelError
-from .infer.posterior import GaussianPosterior, GaussianPosteriorGuide
-from .infer.engine import Criterion, Engine, EngineOptions, Optimality, Solution, option
+from .posterior.gaussian import GaussianPosterior, GaussianPosteriorGuide
+from .infer.engine import Engine
+from .infer.options import EngineOptions, option
 from .infer.registry import engines, engines_that_fit, fit, get_engine, register_engine
-from .infer.result import History, InferenceResult
+from .infer.result import Criterion, History, InferenceResult, Optimality, Solution
 from .lgm.extract import lgm_from_pyro
 from .lgm.layout import LatentLayout
 from .lgm.linear import linear
 from .lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
 from .infer.convex_relaxation import ConvexVariationalRelaxation
 from .infer.dual_vg import DualVG, dual_vg_objective
-from .infer.diag_mixture import AutoDiagMixture, DiagMixtureELBO, DiagMixturePosterior
+from .infer.diag_mixture import DiagMixtureELBO
+from .posterior.mixture import AutoDiagMixture, DiagMixturePosterior
 from .blr import BayesianLinearRegression
 from .glm import GLM
 from .logistic import BayesianLogisticRegression

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pyro_convexvb.cli import preconditioned_gp_classification_model, preconditioner, whitened_gp_classification_model
-from pyro_convexvb.infer.posterior import GaussianPosterior
+from pyro_convexvb.posterior.gaussian import GaussianPosterior
 
 # our own defaults must reach their tolerances: an unconverged fit here is a failure, not a warning
 pytestmark = pytest.mark.filterwarnings("error::pyro_convexvb.ConvergenceWarning")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import pyro_convexvb as pcv
-from pyro_convexvb.infer.engine import EngineOptions, options_table
+from pyro_convexvb.infer.options import EngineOptions, options_table
 
 D = torch.float64
 BUILTIN = sorted(pcv.infer.registry.BUILTIN_ENGINES)
@@ -242,21 +242,22 @@ def test_convex_relaxation_unconverged_warns(data):
 def test_registry_imports_no_engine_module_in_a_cycle():
     """Every engine module imports on its own in a fresh interpreter, and the registry names them lazily."""
     code = ("import importlib, sys\n"
-            "mods = ['pyro_convexvb.infer.registry', 'pyro_convexvb.infer.baselines', "
+            "mods = ['pyro_convexvb.infer.registry', 'pyro_convexvb.infer.pyro_engines', "
             "'pyro_convexvb.infer.diag_mixture', 'pyro_convexvb.infer.dual_vg.engine', "
-            "'pyro_convexvb.infer.convex_relaxation.engine']\n"
+            "'pyro_convexvb.infer.convex_relaxation.engine', 'pyro_convexvb.infer.engine', "
+            "'pyro_convexvb.infer.meta']\n"
             "import ast, inspect\n"
             "import pyro_convexvb.infer.registry as r\n"
             "src = ast.parse(inspect.getsource(r))\n"
             "top = [n for n in src.body if isinstance(n, (ast.Import, ast.ImportFrom))]\n"
             "names = [getattr(n, 'module', '') or '' for n in top]\n"
-            "assert all('baselines' not in m and 'diag_mixture' not in m and 'dual_vg' not in m for m in names), names\n"
+            "assert all('pyro_engines' not in m and 'diag_mixture' not in m and 'dual_vg' not in m for m in names), names\n"
             "for m in mods[1:]:\n"
             "    mod = importlib.import_module(m)\n"
             "    for node in ast.walk(ast.parse(inspect.getsource(mod))):\n"
             "        if isinstance(node, ast.ImportFrom):\n"
             "            assert 'registry' not in (node.module or ''), (m, node.module)\n")
-    for first in ("pyro_convexvb.infer.baselines", "pyro_convexvb.infer.diag_mixture",
+    for first in ("pyro_convexvb.infer.pyro_engines", "pyro_convexvb.infer.diag_mixture",
                   "pyro_convexvb.infer.dual_vg.engine", "pyro_convexvb.infer.convex_relaxation.engine"):
         out = subprocess.run([sys.executable, "-c", f"import {first}\n" + code], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr

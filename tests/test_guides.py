@@ -15,9 +15,9 @@ from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoMultivariateNormal
 
 import pyro_convexvb as pcv
-from pyro_convexvb.infer import posterior as posterior_module
+from pyro_convexvb.posterior import gaussian as posterior_module
 from pyro_convexvb.infer.diag_mixture import AutoDiagMixture, DiagMixtureGuide, DiagMixturePosterior
-from pyro_convexvb.infer.posterior import (GaussianPosteriorGuide, PosteriorDiagonalNormal,
+from pyro_convexvb.posterior.gaussian import (GaussianPosteriorGuide, PosteriorDiagonalNormal,
                                            PosteriorLowRankMultivariateNormal, PosteriorMultivariateNormal)
 from pyro_convexvb.linalg.operators import DenseOperator
 

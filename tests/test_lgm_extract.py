@@ -538,3 +538,49 @@ def test_latent_layout_of_several_shapes_matches_the_unconstrained_layout():
     torch.testing.assert_close(vals["W"], u[1:7].reshape(3, 2))
     torch.testing.assert_close(lgm.layout.flatten(vals), u)
     _assert_log_joint_matches(lgm, model, X, yr)
+
+
+def test_full_data_plates_acts_only_inside_its_handler():
+    """FullDataPlates is a poutine handler: subsampled plates run on the full data inside it (also nested) and
+    Pyro's own subsampling is unchanged outside it."""
+    from pyro_convexvb.lgm.extract import full_data_plates
+
+    def sizes():
+        with pyro.plate("data", 10, subsample_size=3) as idx:
+            return len(idx)
+
+    with full_data_plates():
+        assert sizes() == 10
+        with full_data_plates():
+            assert sizes() == 10
+        assert sizes() == 10
+    assert sizes() == 3
+    tr = pyro.poutine.trace(full_data_plates()(sizes)).get_trace()
+    assert tr.nodes["_RETURN"]["value"] == 10
+
+
+def test_extraction_cache_is_traced_again_when_the_sites_change():
+    """A model's extraction_cache keeps its structure trace; when the model's sites change (here with a flag read
+    by the model), the extraction traces the structure again instead of using the stale one."""
+    X = torch.randn(8, 2, dtype=torch.float64)
+    y = torch.randn(8, dtype=torch.float64)
+
+    class Model:
+        extraction_cache = {}
+        wide = False
+
+        def __call__(self, X, y=None):
+            w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.0).to_event(1))
+            eta = X @ w
+            if self.wide:
+                eta = eta + pyro.sample("b", dist.Normal(torch.zeros((), dtype=X.dtype), 1.0))
+            with pyro.plate("data", 8):
+                pyro.sample("y", dist.Normal(eta, 0.5), obs=y)
+
+    m = Model()
+    assert pcv.lgm_from_pyro(m, X, y=y).n == 2 and "structure" in m.extraction_cache
+    m.wide = True
+    lgm = pcv.lgm_from_pyro(m, X, y=y)
+    ref = pcv.lgm_from_pyro(lambda X, y=None: m(X, y), X, y=y)
+    assert lgm.n == ref.n == 3
+    torch.testing.assert_close(lgm.sites[0].design.to_dense(), ref.sites[0].design.to_dense())

@@ -76,7 +76,7 @@ def test_compact_posterior_of_matrix_free_kind_is_dense_precision():
     m2, v2 = c.marginals(X[:5])
     assert torch.allclose(m, m2, rtol=0, atol=1e-14) and torch.allclose(v, v2, rtol=1e-10)
     # above MAX_COMPACT_DENSE the operator is dropped: the moments stay, the rest refuses clearly
-    import pyro_convexvb.infer.posterior as post
+    import pyro_convexvb.posterior.gaussian as post
 
     old = post.MAX_COMPACT_DENSE
     post.MAX_COMPACT_DENSE = 2

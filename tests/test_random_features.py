@@ -19,7 +19,7 @@ from gpytorch.kernels import (
 import pyro_convexvb as pcv
 from pyro_convexvb.blr import blr_posterior
 from pyro_convexvb.gp.random_features import RandomFeatureGP, RandomFourierFeatures, orthogonal_gaussian
-from pyro_convexvb.infer.posterior import GaussianPosterior
+from pyro_convexvb.posterior.gaussian import GaussianPosterior
 
 # our own defaults must reach their tolerances: an unconverged fit here is a failure, not a warning
 pytestmark = pytest.mark.filterwarnings("error::pyro_convexvb.ConvergenceWarning")

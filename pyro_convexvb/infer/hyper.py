@@ -27,21 +27,22 @@ only the mode (type-II maximum a posteriori for ``theta``).
 import itertools
 import math
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Dict, List
 
-import pyro
 import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
 from torch.distributions import biject_to
 
 from ..errors import ConvergenceWarning, UnsupportedModelError
+from ..lgm.extract import _unwrap, full_data_plates, latent_sites
+from ..posterior.hyper import HyperMixtureGuide, HyperPosterior, ThetaDensity, ThetaSpace  # noqa: F401 (re-exported)
+from .rng import forked_rng
 
 __all__ = [
     "HYPER_MAX_DIM",
     "find_hyper_sites",
     "ThetaSpace",
+    "theta_space",
     "conditioned_model",
     "design_points",
     "HyperPosterior",
@@ -59,8 +60,6 @@ _SCALE_PARAMS = ("scale", "scale_tril", "covariance_matrix", "precision_matrix",
 
 def _field_prior(fn):
     """Whether a latent site's prior makes it part of the latent Gaussian field."""
-    from ..lgm.extract import _unwrap
-
     base, _ = _unwrap(fn)
     field_types = (dist.Normal, torch.distributions.Normal, dist.MultivariateNormal,
                    torch.distributions.MultivariateNormal, dist.Laplace, torch.distributions.Laplace)
@@ -74,8 +73,6 @@ def _field_prior(fn):
 
 
 def _tensor_params(fn, names):
-    from ..lgm.extract import _unwrap
-
     base, _ = _unwrap(fn)
     out = []
     for attr in names:
@@ -99,8 +96,6 @@ def find_hyper_sites(model, args, kwargs):
     Gaussian latents that set a hyper-latent's prior are hyper-latents too (e.g. the ``Normal`` mean of a
     ``LogNormal`` scale).
     """
-    from ..lgm.extract import full_data_plates, latent_sites
-
     sites = latent_sites(model, args, kwargs)
     names = [n for n, _ in sites]
     values = {n: s["value"].detach().clone().requires_grad_(s["value"].is_floating_point()) for n, s in sites}
@@ -132,73 +127,23 @@ def find_hyper_sites(model, args, kwargs):
     return [n for n in names if n in hyper]
 
 
-@dataclass
-class ThetaSpace:
-    """The hyper-latents' unconstrained coordinates ``z`` (Pyro's ``biject_to`` of each support).
-
-    :ivar names: hyper-latent site names.
-    :ivar shapes: their constrained shapes; ``ushapes`` the unconstrained ones.
-    :ivar transforms: ``biject_to(support)`` per site.
-    :ivar dtype: dtype of ``z`` (float64, on the CPU: the hyper-latents' few dimensions are computed there);
-        ``site_dtypes`` and ``site_devices`` those of the model's own values, which :meth:`unpack` returns
-        (float32 data get float32 hyper-latents).
-    """
-
-    names: List[str]
-    shapes: List[tuple]
-    ushapes: List[tuple]
-    transforms: List[Any]
-    dtype: Any = torch.float64
-    site_dtypes: Any = None
-    site_devices: Any = None
-
-    @classmethod
-    def from_model(cls, model, args, kwargs, names, dtype=torch.float64):
-        from ..lgm.extract import latent_sites
-
-        sites = dict(latent_sites(model, args, kwargs))
-        shapes, ushapes, transforms, dtypes, devices = [], [], [], [], []
-        for n in names:
-            t = biject_to(sites[n]["fn"].support)
-            v = sites[n]["value"]
-            shapes.append(tuple(v.shape))
-            ushapes.append(tuple(t.inv(v).shape))
-            transforms.append(t)
-            dtypes.append(v.dtype)
-            devices.append(v.device)
-        space = cls(list(names), shapes, ushapes, transforms, dtype, dtypes, devices)
-        if space.dim > HYPER_MAX_DIM:
-            raise UnsupportedModelError(names[0], f"{space.dim} hyper-latent dimensions ({', '.join(names)}); "
-                                                  f"integration over them supports at most {HYPER_MAX_DIM}")
-        return space
-
-    @property
-    def sizes(self):
-        return [int(math.prod(s)) for s in self.ushapes]
-
-    @property
-    def dim(self):
-        return sum(self.sizes)
-
-    def unpack(self, z):
-        """``({site: constrained value}, log|d theta / d z|)`` for ``z`` of shape ``(dim,)``; the values in each
-        site's own dtype and device, the log-Jacobian computed in :attr:`dtype`."""
-        z = torch.as_tensor(z).detach().to(device="cpu", dtype=self.dtype)
-        vals, ld, start = {}, 0.0, 0
-        for k, (n, us, t, size) in enumerate(zip(self.names, self.ushapes, self.transforms, self.sizes)):
-            x = z[start:start + size].reshape(us)
-            start += size
-            v = t(x)
-            ld = ld + float(t.log_abs_det_jacobian(x, v).sum())
-            if self.site_dtypes is not None:
-                v = v.to(device=self.site_devices[k], dtype=self.site_dtypes[k])
-            vals[n] = v
-        return vals, ld
-
-    def pack(self, values):
-        """Flat unconstrained ``z`` ``(dim,)`` (:attr:`dtype`, CPU) of ``{site: constrained value}``."""
-        return torch.cat([t.inv(torch.as_tensor(values[n]).detach().to(device="cpu", dtype=self.dtype)).reshape(-1)
-                          for n, t in zip(self.names, self.transforms)])
+def theta_space(model, args, kwargs, names, dtype=torch.float64):
+    """The :class:`~pyro_convexvb.posterior.hyper.ThetaSpace` of the hyper-latents ``names`` of ``model``."""
+    sites = dict(latent_sites(model, args, kwargs))
+    shapes, ushapes, transforms, dtypes, devices = [], [], [], [], []
+    for n in names:
+        t = biject_to(sites[n]["fn"].support)
+        v = sites[n]["value"]
+        shapes.append(tuple(v.shape))
+        ushapes.append(tuple(t.inv(v).shape))
+        transforms.append(t)
+        dtypes.append(v.dtype)
+        devices.append(v.device)
+    space = ThetaSpace(list(names), shapes, ushapes, transforms, dtype, dtypes, devices)
+    if space.dim > HYPER_MAX_DIM:
+        raise UnsupportedModelError(names[0], f"{space.dim} hyper-latent dimensions ({', '.join(names)}); "
+                                              f"integration over them supports at most {HYPER_MAX_DIM}")
+    return space
 
 
 def conditioned_model(model, values):
@@ -208,8 +153,6 @@ def conditioned_model(model, values):
 
 def log_prior(model, args, kwargs, values):
     """``log p(theta)``: the hyper-latents' own prior log densities at ``values`` (constrained)."""
-    from ..lgm.extract import full_data_plates
-
     with torch.no_grad(), full_data_plates():
         tr = poutine.trace(poutine.condition(model, data=values)).get_trace(*args, **kwargs)
     return float(sum(tr.nodes[n]["fn"].log_prob(tr.nodes[n]["value"]).sum() for n in values))
@@ -256,222 +199,6 @@ def design_points(d, strategy, *, step=0.75, radius=3.5, f0=1.1):
         a[0] = 1.0 - 1.0 / f0**2
         return x, a
     raise ValueError(f"strategy: expected 'grid' or 'ccd', got {strategy!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# the integrated posterior
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class ThetaDensity:
-    """A smooth approximation of the hyper-posterior in standardised coordinates ``x`` (``z = z* + A^{-1} x``).
-
-    * ``"surface"`` (grid designs): the log density at the design points interpolated by a thin-plate
-      spline with a quadratic tail (exact for a Gaussian), evaluated on a fine grid inside the design's
-      radius; samples are fine-grid cells drawn by mass, uniform within a cell.
-    * ``"split-normal"`` (central composite designs): along each standardised axis a Gaussian with its
-      own scale on each side, ``s_+- = r / sqrt(2 (f(0) - f(+-r e_i)))`` from the axial points (the
-      asymmetric Gaussian of Rue, Martino & Chopin 2009, §6.5).
-    * ``"point"`` (``hyper="map"``): the mode.
-    """
-
-    kind: str
-    z_mode: torch.Tensor
-    A_inv: torch.Tensor
-    xs: Any = None
-    probs: Any = None
-    cell: float = 0.0
-    s_plus: Any = None
-    s_minus: Any = None
-
-    @classmethod
-    def surface(cls, z_mode, A_inv, x, logf, radius, resolution=None):
-        from scipy.interpolate import RBFInterpolator
-
-        d = x.shape[1]
-        m = resolution or (801 if d == 1 else 161)
-        ticks = torch.linspace(-radius, radius, m, dtype=torch.float64)
-        xs = ticks.reshape(-1, 1) if d == 1 else torch.cartesian_prod(ticks, ticks)
-        xs = xs[(xs**2).sum(1) <= radius**2]
-        f = (logf - logf.max()).numpy()
-        interp = RBFInterpolator(x.numpy(), f, kernel="thin_plate_spline", degree=2)
-        lp = torch.as_tensor(interp(xs.numpy()), dtype=torch.float64)
-        probs = torch.softmax(lp, 0)
-        return cls("surface", z_mode, A_inv, xs=xs, probs=probs, cell=float(ticks[1] - ticks[0]))
-
-    @classmethod
-    def split_normal(cls, z_mode, A_inv, x, logf):
-        d = x.shape[1]
-        r = float(x[1].norm())
-        drop_p = (logf[0] - logf[1:1 + d]).clamp_min(1e-6)
-        drop_m = (logf[0] - logf[1 + d:1 + 2 * d]).clamp_min(1e-6)
-        return cls("split-normal", z_mode, A_inv, s_plus=r / torch.sqrt(2 * drop_p), s_minus=r / torch.sqrt(2 * drop_m))
-
-    @classmethod
-    def point(cls, z_mode):
-        return cls("point", z_mode, None)
-
-    def sample_x(self, num_samples, generator=None):
-        d = self.z_mode.shape[0]
-        if self.kind == "point":
-            return torch.zeros(num_samples, d, dtype=torch.float64)
-        if self.kind == "surface":
-            k = torch.multinomial(self.probs, num_samples, replacement=True, generator=generator)
-            jitter = (torch.rand(num_samples, d, dtype=torch.float64, generator=generator) - 0.5) * self.cell
-            return self.xs[k] + jitter
-        e = torch.randn(num_samples, d, dtype=torch.float64, generator=generator)
-        return torch.where(e > 0, e * self.s_plus, e * self.s_minus)
-
-    def to_z(self, x):
-        if self.kind == "point":
-            return self.z_mode.expand(x.shape[0], -1).clone()
-        return self.z_mode + x @ self.A_inv.T
-
-
-@dataclass
-class HyperPosterior:
-    """Mixture over hyper-latent design points of the engine's posteriors of the latent field.
-
-    :ivar space: the :class:`ThetaSpace`.
-    :ivar z: ``(K, d)`` unconstrained design points; ``theta`` the constrained values per point.
-    :ivar weights: ``(K,)`` mixture weights (sum to one).
-    :ivar components: the engine's posterior over the field ``u`` at each point.
-    :ivar log_post: ``(K,)`` ``log p(theta_k) + B(theta_k) + log|J|`` (unconstrained density, up to a constant).
-    :ivar density: the :class:`ThetaDensity` giving smooth ``theta`` marginals and samples.
-    :ivar x: ``(K, d)`` the design points in standardised coordinates (pairs a ``theta`` sample with the
-        nearest design point's field posterior).
-    """
-
-    space: ThetaSpace
-    z: torch.Tensor
-    weights: torch.Tensor
-    components: list
-    log_post: torch.Tensor
-    density: ThetaDensity
-    x: torch.Tensor
-    mode: torch.Tensor
-    hessian: Any
-    layout: Any = None
-    model: Any = None
-    model_args: Any = ((), {})
-    info: Dict[str, Any] = field(default_factory=dict)
-    #: dtype of the field's summaries and samples (the model's own; the design-point fits run in float64)
-    out_dtype: Any = None
-
-    def _out(self, t):
-        return t if self.out_dtype is None else t.to(self.out_dtype)
-
-    @property
-    def num_points(self):
-        return int(self.weights.shape[0])
-
-    @property
-    def n(self):
-        return self.components[0].n
-
-    @property
-    def dtype(self):
-        return self.out_dtype or self.components[0].dtype
-
-    @property
-    def device(self):
-        return self.components[0].device
-
-    @property
-    def loc(self):
-        """Mixture mean of the latent field ``(n,)``."""
-        return self._out(self._loc())
-
-    def _loc(self):
-        return sum(w * c.loc for w, c in zip(self.weights, self.components))
-
-    @property
-    def variance(self):
-        """Mixture marginal variances of the latent field ``(n,)``."""
-        m = self._loc()
-        second = sum(w * (c.variance + c.loc**2) for w, c in zip(self.weights, self.components))
-        return self._out((second - m**2).clamp_min(0))
-
-    @property
-    def scale(self):
-        return self.variance.sqrt()
-
-    def sample_z(self, num_samples, generator=None):
-        """Samples of the unconstrained hyper-latents ``(S, d)`` and the nearest design point of each ``(S,)``."""
-        xs = self.density.sample_x(num_samples, generator)
-        k = torch.cdist(xs, self.x).argmin(1)
-        return self.density.to_z(xs), k
-
-    def theta_marginals(self, probs=(0.05, 0.5, 0.95), num_samples=20000, seed=0):
-        """``{site: {"mean", "sd", "quantiles"}}`` of the constrained hyper-latents (from :attr:`density`)."""
-        gen = torch.Generator().manual_seed(seed)
-        z, _ = self.sample_z(num_samples, gen)
-        out, start = {}, 0
-        for k, (n, us, t, size) in enumerate(zip(self.space.names, self.space.ushapes, self.space.transforms,
-                                                 self.space.sizes)):
-            v = t(z[:, start:start + size].reshape((num_samples,) + us)).reshape(num_samples, -1)
-            start += size
-            if self.space.site_dtypes is not None:  # computed in float64, reported in the site's dtype
-                v = v.to(device=self.space.site_devices[k], dtype=self.space.site_dtypes[k])
-            q = torch.quantile(v, torch.tensor(probs, dtype=v.dtype), dim=0)
-            out[n] = {"mean": v.mean(0), "sd": v.std(0), "quantiles": dict(zip(probs, q))}
-        return out
-
-    def sample(self, num_samples=(), generator=None):
-        """Samples of the latent field ``(*num_samples, n)`` from the mixture."""
-        shape = (num_samples,) if isinstance(num_samples, int) else tuple(num_samples)
-        m = int(math.prod(shape)) if shape else 1
-        k = torch.multinomial(self.weights, m, replacement=True, generator=generator)
-        out = torch.empty(m, self.n, dtype=self.components[0].dtype, device=self.device)
-        for j in k.unique().tolist():
-            idx = (k == j).nonzero().reshape(-1)
-            out[idx] = self.components[j].sample(len(idx), generator=generator).reshape(len(idx), self.n)
-        return self._out(out.reshape(shape + (self.n,)))
-
-    def as_guide(self, model=None, *, trainable=False):
-        """A Pyro guide sampling the hyper-latents and the latent field jointly (for ``Predictive``).
-
-        A design point ``k`` is drawn with probability ``w_k``; the hyper-latents from the kernel around
-        ``z_k`` (constrained by ``biject_to``) and the field from ``q(u | theta_k)``. The mixture over design
-        points is not a trainable family: ``trainable=True`` raises.
-        """
-        if trainable:
-            raise ValueError("a mixture over hyper-latent design points is not a trainable guide; use "
-                             "as_guide(trainable=False), or fit with hyper='map' for a Gaussian posterior whose "
-                             "guide trains")
-        if model is None:
-            model = self.model
-        if model is None:
-            raise ValueError("as_guide() needs the Pyro model (pass model=...)")
-        return HyperMixtureGuide(model, self)
-
-    def __repr__(self):
-        return (f"HyperPosterior(hyper={self.space.names}, points={self.num_points}, n={self.n}, "
-                f"components={type(self.components[0]).__name__})")
-
-
-class HyperMixtureGuide:
-    """Fixed guide of a :class:`HyperPosterior`: samples ``theta`` and the field ``u`` jointly.
-
-    Works with :class:`pyro.infer.Predictive` and ``poutine.trace``; every latent site of the model is
-    sampled as a ``Delta`` at the drawn value.
-    """
-
-    def __init__(self, model, posterior):
-        self.model = model
-        self.posterior = posterior
-
-    def __call__(self, *args, **kwargs):
-        post = self.posterior
-        z, k = post.sample_z(1)
-        theta, _ = post.space.unpack(z[0])
-        u = post._out(post.components[int(k[0])].sample(1).reshape(-1))
-        values = {}
-        for n in post.space.names:
-            values[n] = pyro.sample(n, dist.Delta(theta[n], event_dim=theta[n].dim()))
-        field_vals = post.layout.unflatten(u) if post.layout is not None else {}
-        for n, v in field_vals.items():
-            values[n] = pyro.sample(n, dist.Delta(v, event_dim=v.dim()))
-        return values
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,10 +254,6 @@ class HyperObjective:
 
 def _initial_z(model, args, kwargs, space, num=51, seed=0):
     """The coordinatewise prior median of the hyper-latents, on the unconstrained scale."""
-    from ..lgm.extract import full_data_plates
-
-    from .engine import forked_rng
-
     zs = []
     with torch.no_grad(), full_data_plates(), forked_rng(seed):  # a fixed start, whatever the run's seed
         for _ in range(num):
@@ -621,9 +344,7 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
         engine's result at the mode, and a dict with the mode, Hessian, points, weights and evaluations.
     """
     model = engine.model
-    space = ThetaSpace.from_model(model, args, kwargs, hyper_names)
-    from ..lgm.extract import latent_sites
-
+    space = theta_space(model, args, kwargs, hyper_names)
     field_dtypes = [s["value"].dtype for n, s in latent_sites(model, args, kwargs)
                     if n not in hyper_names and s["value"].is_floating_point()]
     out_dtype = field_dtypes[0] if field_dtypes else None  # the model's own dtype, reported back

@@ -8,7 +8,12 @@ are :class:`~pyro_convexvb.infer.engine.Engine` subclasses.
 """
 import importlib
 
+from ..errors import UnsupportedModelError
+from ..lgm.extract import check_model_data, lgm_from_pyro
+from ..lgm.model import LatentGaussianModel
 from .engine import Engine
+from .meta import hyper_latents
+from .rng import forked_rng
 
 __all__ = ["register_engine", "engines", "get_engine", "engines_that_fit", "fit"]
 
@@ -16,12 +21,12 @@ __all__ = ["register_engine", "engines", "get_engine", "engines_that_fit", "fit"
 BUILTIN_ENGINES = {
     "convex_relaxation": "pyro_convexvb.infer.convex_relaxation.engine:ConvexVariationalRelaxation",
     "dual_vg": "pyro_convexvb.infer.dual_vg.engine:DualVGEngine",
-    "diag_mixture": "pyro_convexvb.infer.diag_mixture:DiagMixtureEngine",
-    "svi_autonormal": "pyro_convexvb.infer.baselines:SVIAutoNormal",
-    "svi_automvn": "pyro_convexvb.infer.baselines:SVIAutoMultivariateNormal",
-    "svi_lowrank": "pyro_convexvb.infer.baselines:SVILowRank",
-    "laplace": "pyro_convexvb.infer.baselines:LaplaceEngine",
-    "nuts": "pyro_convexvb.infer.baselines:NUTSEngine",
+    "diag_mixture": "pyro_convexvb.infer.diag_mixture.engine:DiagMixtureEngine",
+    "svi_autonormal": "pyro_convexvb.infer.pyro_engines:SVIAutoNormal",
+    "svi_automvn": "pyro_convexvb.infer.pyro_engines:SVIAutoMultivariateNormal",
+    "svi_lowrank": "pyro_convexvb.infer.pyro_engines:SVILowRank",
+    "laplace": "pyro_convexvb.infer.pyro_engines:LaplaceEngine",
+    "nuts": "pyro_convexvb.infer.pyro_engines:NUTSEngine",
 }
 
 _ENGINES = {}
@@ -130,15 +135,8 @@ def engines_that_fit(model, *args, lgm=None, **kwargs):
         >>> pcv.engines_that_fit(model, y=torch.tensor(0.3, dtype=torch.float64))
         ['diag_mixture', 'laplace', 'nuts', 'svi_automvn', 'svi_autonormal', 'svi_lowrank']
     """
-    from ..lgm.extract import lgm_from_pyro
-    from ..lgm.model import LatentGaussianModel
-    from ..errors import UnsupportedModelError
-
     names = list(engines())
     if lgm is None and not isinstance(model, LatentGaussianModel):
-        from ..lgm.extract import check_model_data
-        from .engine import forked_rng
-
         with forked_rng(0):  # its trace's prior draws leave the caller's stream where it was
             check_model_data(model, args, kwargs)
     if lgm is None and not isinstance(model, LatentGaussianModel) and any(_ENGINES[n].takes == "lgm" for n in names):
@@ -151,7 +149,7 @@ def engines_that_fit(model, *args, lgm=None, **kwargs):
         cls = _ENGINES[name]
         if cls.takes == "lgm" and lgm is False:
             # outside the class: the engine may integrate over the model's hyper-latents
-            if cls.hyper_latents(model, args, kwargs):
+            if hyper_latents(cls, model, args, kwargs):
                 out.append(name)
             continue
         if cls.fits(model, args, kwargs, lgm=lgm or None) is None:
@@ -177,6 +175,8 @@ def fit(model, *args, engine, options=None, progress=True, correct=None, init=No
         from it (e.g. with more iterations, or after the data changed a little).
     :param kwargs: the model's keyword arguments (e.g. ``y=...``).
     :returns: :class:`~pyro_convexvb.infer.result.InferenceResult`.
+    :raises UnsupportedModelError: when the engine does not apply, naming the site, the reason and the registered
+        engines that fit the model.
 
     Example::
 
@@ -198,7 +198,15 @@ def fit(model, *args, engine, options=None, progress=True, correct=None, init=No
         raise TypeError(f"options: expected a dict of engine '{engine}' options, got {type(options).__name__}")
     if correct not in (None, "psis"):
         raise ValueError(f"correct: expected None or 'psis', got {correct!r}")
-    res = cls(model, progress=progress, init=init, **options).run(*args, **kwargs)
+    try:
+        res = cls(model, progress=progress, init=init, **options).run(*args, **kwargs)
+    except UnsupportedModelError as e:
+        if getattr(e, "refused_by", None) != cls.name:
+            raise
+        others = [n for n in engines_that_fit(model, *args, lgm=e.lgm, **kwargs) if n != cls.name]
+        alt = (f"; engines that fit this model: {', '.join(others)}" if others
+               else "; no registered engine fits this model")
+        raise UnsupportedModelError(e.site, e.reason + alt) from None
     if correct == "psis":
         res.corrected(progress=progress)
     return res

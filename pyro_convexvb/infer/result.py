@@ -1,9 +1,11 @@
-"""The result every engine returns."""
+"""What an engine's run produces: its :class:`Solution` (posterior, bound, :class:`Optimality`), the run's
+:class:`History` and progress bars (:class:`RunContext`), and the :class:`InferenceResult` handed to the user."""
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
-__all__ = ["History", "InferenceResult"]
+__all__ = ["History", "InferenceResult", "Criterion", "Optimality", "Solution", "RunContext"]
 
 
 class History(dict):
@@ -101,15 +103,8 @@ class InferenceResult:
                 dropped.append(k)
         info["dropped"] = sorted(set(dropped) | set(self.info.get("dropped", [])))
         post = self.posterior
-        if hasattr(post, "compact"):
+        if post is not None:
             post = post.compact(keep_model=keep_model)
-        elif hasattr(post, "model_args"):
-            import copy
-
-            post = copy.copy(post)
-            post.model_args = ((), {})
-            if not keep_model:
-                post.model = None
         return dataclasses.replace(self, posterior=post, info=info, lgm=None, state=None)
 
     # ------------------------------------------------------------ diagnostics (pyro_convexvb.diagnostics)
@@ -173,3 +168,111 @@ def _is_plain(v, depth=0):
     if isinstance(v, dict):
         return all(isinstance(k, str) and _is_plain(x, depth + 1) for k, x in v.items())
     return False
+
+
+@dataclass(frozen=True)
+class Criterion:
+    """One optimality criterion: ``value <= tol`` (a NaN or infinite value never passes)."""
+
+    name: str
+    value: float
+    tol: float
+
+    @property
+    def met(self):
+        return math.isfinite(self.value) and self.value <= self.tol
+
+    def __str__(self):
+        return f"{self.name} = {self.value:.3g} (tol {self.tol:.3g})"
+
+
+@dataclass(frozen=True)
+class Optimality:
+    """An engine's optimality measure at its answer: one or more :class:`Criterion`, all must be met.
+
+    Example::
+
+        >>> Optimality.single("duality gap (nats)", 3e-9, 1e-8).converged
+        True
+    """
+
+    criteria: Tuple[Criterion, ...]
+
+    @classmethod
+    def single(cls, name, value, tol):
+        return cls((Criterion(name, float(value), float(tol)),))
+
+    @classmethod
+    def exact(cls, name="closed-form solution"):
+        """For answers that are exact by construction (measure 0 with tolerance 0)."""
+        return cls.single(name, 0.0, 0.0)
+
+    @property
+    def converged(self):
+        return bool(self.criteria) and all(c.met for c in self.criteria)
+
+    def __str__(self):
+        return "; ".join(str(c) for c in self.criteria)
+
+
+@dataclass
+class Solution:
+    """What :meth:`Engine.solve` returns.
+
+    :ivar posterior: the approximate posterior over the flat latent vector.
+    :ivar log_evidence_bound: a lower bound on ``log p(y)`` of the model as written, or ``None``.
+    :ivar optimality: the engine's :class:`Optimality` at the answer.
+    :ivar stop_reason: which rule stopped the engine (e.g. ``"duality gap"``, ``"max_steps"``).
+    :ivar info: engine-specific extras.
+    :ivar lgm: the latent Gaussian model, for engines that run on the Pyro model but extracted one.
+    :ivar state: the engine's immutable state at the answer (its :attr:`Engine.State`), from which a fit resumes.
+    """
+
+    posterior: Any
+    log_evidence_bound: Optional[float]
+    optimality: Optimality
+    stop_reason: str
+    info: Dict[str, Any] = field(default_factory=dict)
+    lgm: Any = None
+    state: Any = None
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix(self, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
+class RunContext:
+    """Per-run services of :class:`Engine`: the history and progress bars.
+
+    :ivar history: the run's :class:`~pyro_convexvb.infer.result.History`.
+    :ivar progress: whether progress bars are shown.
+    """
+
+    def __init__(self, engine_name, progress):
+        self.engine_name = engine_name
+        self.progress = bool(progress)
+        self.history = History()
+        self._bars = []
+
+    def bar(self, total=None, unit="it", desc=None):
+        """A tqdm progress bar (closed by the engine when the run ends), or a no-op bar when disabled."""
+        if not self.progress:
+            return _NoBar()
+        from tqdm.auto import tqdm
+
+        b = tqdm(total=total, unit=unit, desc=desc or self.engine_name, leave=False)
+        self._bars.append(b)
+        return b
+
+    def close(self):
+        for b in self._bars:
+            b.close()
+        self._bars = []
+

@@ -17,71 +17,116 @@ previous one.
 """
 import warnings
 
+import numpy as np
 import pyro
 import pyro.poutine as poutine
+import scipy.optimize
 import torch
+from torch.distributions import transform_to
 
 from ..errors import ConvergenceWarning
+from ..lgm.extract import full_data_plates, lgm_from_pyro
 
-__all__ = ["model_params", "learn_params", "central_differences", "envelope_gradient", "refit_gradient"]
+__all__ = ["model_params", "maximize_bound", "central_differences", "envelope_gradient", "refit_gradient"]
 
 
 def model_params(model, args, kwargs):
     """Names of the ``pyro.param`` sites the model reads (``pyro.module`` parameters included), in trace order."""
-    from ..lgm.extract import full_data_plates
-
     with torch.no_grad(), full_data_plates():
         tr = poutine.trace(model, param_only=True).get_trace(*args, **kwargs)
     return [n for n, s in tr.nodes.items() if s["type"] == "param"]
 
 
 class _Params:
-    """The params' unconstrained leaves in Pyro's param store, as one flat vector."""
+    """The params ``theta`` as one flat vector ``x`` of their unconstrained values (as Pyro's param store keeps
+    them: ``transform_to`` of each param's constraint), handed to the model explicitly.
+
+    :meth:`bind` gives the model at ``x``: ``poutine.substitute`` with the constrained values, so a fit at another
+    ``theta`` reads nothing from the global param store (and, with ``requires_grad``, the values carry the graph
+    to a leaf ``x`` for envelope gradients). ``pyro.module`` parameters (names with ``$$$``) are read by the
+    module from its own tensors, which are the store's: when the model has one, :meth:`bind` writes ``x`` into
+    the store instead. :meth:`set` writes ``x`` into the store (the learned values at the end of a fit).
+    """
 
     def __init__(self, names):
-        store = pyro.get_param_store()
-        unconstrained = dict(store.named_parameters())
+        state = pyro.get_param_store().get_state()
+        unconstrained = dict(pyro.get_param_store().named_parameters())
         self.names = list(names)
         self.leaves = [unconstrained[n] for n in self.names]
         self.sizes = [p.numel() for p in self.leaves]
+        self.transforms = [transform_to(state["constraints"][n]) for n in self.names]
+        #: whether the params reach the model through the store (``pyro.module`` parameters) rather than substitute
+        self.in_store = any("$$$" in n for n in self.names)
         #: whether autograd through a graph-keeping extraction agreed with finite differences (None: unchecked)
         self.autograd_ok = None
+        #: the model's structure trace, shared by the extractions at every ``theta`` (:func:`~.lgm_from_pyro`)
+        self.extraction_cache = {}
 
     def get(self):
         return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in self.leaves])
 
-    def set(self, x):
-        x = torch.as_tensor(x, dtype=torch.float64)
+    def _split(self, x):
         start = 0
+        for p, k in zip(self.leaves, self.sizes):
+            yield p, x[start:start + k].reshape(p.shape).to(p.dtype)
+            start += k
+
+    def set(self, x):
+        """Write ``x`` into Pyro's param store."""
         with torch.no_grad():
-            for p, k in zip(self.leaves, self.sizes):
-                p.copy_(x[start:start + k].reshape(p.shape).to(p.dtype))
-                start += k
+            for p, v in self._split(torch.as_tensor(x, dtype=torch.float64)):
+                p.copy_(v)
+
+    def bind(self, model, x, requires_grad=False):
+        """``model`` with the params at ``x``; ``(model, leaf)`` with ``requires_grad`` (``leaf`` the tensor ``x``
+        to differentiate by: a fresh one, or with ``pyro.module`` parameters the store's leaves)."""
+        if self.in_store:
+            self.set(x)
+            return (model, self.leaves) if requires_grad else model
+        leaf = torch.as_tensor(x, dtype=torch.float64).clone().requires_grad_(requires_grad)
+        values = {n: t(v) for n, t, (_, v) in zip(self.names, self.transforms, self._split(leaf))}
+        bound = _ModelAt(model, values, self.extraction_cache)
+        return (bound, [leaf]) if requires_grad else bound
 
     def constrained(self):
         return {n: pyro.param(n).detach().clone() for n in self.names}
 
 
-def learn_params(engine, names, args, kwargs, *, max_iter=50, gtol=1e-5, fd_step=1e-5, run=None):
-    """Maximise ``engine``'s type-II objective over the ``pyro.param`` sites ``names`` (updated in the store).
+class _ModelAt:
+    """A Pyro model with its params at ``values`` (``poutine.substitute``), carrying the ``extraction_cache`` of a
+    type-II run (:func:`~pyro_convexvb.lgm_from_pyro` traces the model's structure once per run)."""
+
+    def __init__(self, model, values, extraction_cache):
+        self.model, self.values, self.extraction_cache = model, values, extraction_cache
+
+    def __call__(self, *args, **kwargs):
+        with poutine.substitute(data=self.values):
+            return self.model(*args, **kwargs)
+
+
+def _refit(engine, params, x, warm, args, kwargs):
+    """One fit of ``engine``'s class at the params ``x``, warm-started from ``warm``; its convergence is reported
+    once, by the outer loop."""
+    inner = engine.inner_engine(params.bind(engine.model, x), warm, learn_params=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        return inner.run(*args, **kwargs)
+
+
+def maximize_bound(engine, names, args, kwargs, *, max_iter=50, gtol=1e-5, fd_step=1e-5, run=None):
+    """Maximise ``engine``'s type-II objective over the ``pyro.param`` sites ``names``; the learned values are
+    written into Pyro's param store at the end.
 
     :param engine: an :class:`~pyro_convexvb.infer.engine.Engine` with ``type2_value`` and ``type2_gradient``.
     :param float gtol: convergence: ``max |dB/dz| <= gtol (1 + |B|)`` on the unconstrained scale ``z``.
     :returns: ``(final result, info)`` with the objective history, the gradient norm and the learned values.
     """
-    import numpy as np
-    import scipy.optimize
-
     params = _Params(names)
     state = {"res": None, "x": None, "evals": 0}
     bar = run.bar(unit="fit", desc=f"{engine.name} (type-II)") if run is not None else None
 
     def fit_at(x):
-        params.set(x)
-        inner = engine.inner_engine(engine.model, state["res"], learn_params=False)
-        with warnings.catch_warnings():  # the outer loop reports convergence once, for the final fit
-            warnings.simplefilter("ignore", ConvergenceWarning)
-            res = inner.run(*args, **kwargs)
+        res = _refit(engine, params, x, state["res"], args, kwargs)
         state["res"], state["x"] = res, x.copy()
         state["evals"] += 1
         if bar is not None:
@@ -92,7 +137,6 @@ def learn_params(engine, names, args, kwargs, *, max_iter=50, gtol=1e-5, fd_step
         res = fit_at(x)
         value = engine.type2_value(res)
         grad = engine.type2_gradient(params, x, res, args, kwargs, fd_step)
-        params.set(x)
         if run is not None:
             run.history.record(objective=value, grad_norm=float(np.abs(grad).max()))
         return -value, -grad
@@ -115,8 +159,6 @@ def learn_params(engine, names, args, kwargs, *, max_iter=50, gtol=1e-5, fd_step
 
 def central_differences(f, x, h):
     """Central differences of the scalar function ``f`` of a NumPy vector at ``x`` (step ``h (1 + |x_j|)``)."""
-    import numpy as np
-
     g = np.zeros_like(x)
     for j in range(x.shape[0]):
         step = h * (1.0 + abs(x[j]))
@@ -137,23 +179,17 @@ def envelope_gradient(params, x, model, args, kwargs, value_at_fixed_state, h, a
         then on when they disagree (a dependence on the params that the graph does not carry, e.g. a
         design built from a param).
     """
-    import numpy as np
-
-    from ..lgm.extract import lgm_from_pyro
-
     def f(xx):
-        params.set(xx)
         with torch.no_grad():
-            return float(value_at_fixed_state(lgm_from_pyro(model, *args, **kwargs)))
+            return float(value_at_fixed_state(lgm_from_pyro(params.bind(model, xx), *args, **kwargs)))
 
     try:
         if autograd and params.autograd_ok is not False:
-            params.set(x)
-            val = value_at_fixed_state(lgm_from_pyro(model, *args, keep_graph=True, **kwargs))
-            grads = torch.autograd.grad(val, params.leaves, allow_unused=True) if val.requires_grad else \
-                [None] * len(params.leaves)
+            bound, leaves = params.bind(model, x, requires_grad=True)
+            val = value_at_fixed_state(lgm_from_pyro(bound, *args, keep_graph=True, **kwargs))
+            grads = torch.autograd.grad(val, leaves, allow_unused=True) if val.requires_grad else [None] * len(leaves)
             g = np.concatenate([np.zeros(p.numel()) if gr is None else gr.detach().reshape(-1).double().numpy()
-                                for p, gr in zip(params.leaves, grads)])
+                                for p, gr in zip(leaves, grads)])
             if params.autograd_ok:
                 return g
             # the first time: check the graph against a central difference along a random direction
@@ -167,20 +203,14 @@ def envelope_gradient(params, x, model, args, kwargs, value_at_fixed_state, h, a
                 return g
         return central_differences(f, x, h)
     finally:
-        params.set(x)
+        if params.in_store:
+            params.set(x)
 
 
 def refit_gradient(engine, params, x, res, args, kwargs, h):
     """``dB/dz`` by central differences of the bound refitted at ``theta +- h e_j`` (warm-started from ``res``)."""
-
-    def f(xx):
-        params.set(xx)
-        inner = engine.inner_engine(engine.model, res, learn_params=False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ConvergenceWarning)
-            return engine.type2_value(inner.run(*args, **kwargs))
-
     try:
-        return central_differences(f, x, h)
+        return central_differences(lambda xx: engine.type2_value(_refit(engine, params, xx, res, args, kwargs)), x, h)
     finally:
-        params.set(x)
+        if params.in_store:
+            params.set(x)

@@ -1,12 +1,11 @@
 """Pyro model (+ its arguments) -> :class:`LatentGaussianModel`, with errors that name the site."""
-import contextlib
 import math
 
-import pyro
 import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
 from pyro.distributions.util import scale_and_mask
+from pyro.poutine.runtime import _PYRO_STACK
 from pyro.poutine.subsample_messenger import SubsampleMessenger
 
 from ..errors import UnsupportedModelError
@@ -26,7 +25,7 @@ from .linear import record_linear, record_normal_cdf
 from .model import ImputedBlock, LatentGaussianModel, PriorBlock, SiteGroup
 from .families import LIKELIHOODS, Gaussian, Laplace, tempered
 
-__all__ = ["lgm_from_pyro", "full_data_plates", "latent_sites", "unconstrained_layout", "DENSE_JACOBIAN_LIMIT"]
+__all__ = ["lgm_from_pyro", "full_data_plates", "FullDataPlates", "latent_sites", "unconstrained_layout", "DENSE_JACOBIAN_LIMIT"]
 
 #: Largest ``q * n`` for which a predictor that was not built with ``pcv.linear`` is materialised
 #: as a dense Jacobian (the model's own design is then dense already); larger ones stay as
@@ -35,19 +34,16 @@ DENSE_JACOBIAN_LIMIT = 25_000_000
 
 _AFFINE_RTOL = 1e-7
 
-#: when set (by ``lgm_from_pyro(..., keep_graph=True)``), the model's parameters keep their autograd history
-#: into the latent Gaussian model (prior parameters, noise scales, offsets, constants) for envelope gradients
-_KEEP_GRAPH = [False]
+
+def _d(t, keep_graph):
+    """``t.detach()``, unless the extraction keeps the graph to the model's ``pyro.param`` sites (``keep_graph``:
+    prior parameters, noise scales, offsets and constants keep their autograd history, for envelope gradients)."""
+    return t if keep_graph else t.detach()
 
 
-def _d(t):
-    """``t.detach()``, unless the extraction keeps the graph to the model's ``pyro.param`` sites."""
-    return t if _KEEP_GRAPH[0] else t.detach()
-
-
-def _num(t):
+def _num(t, keep_graph):
     """A Python float, or (keeping the graph) a 0-d tensor."""
-    return t if _KEEP_GRAPH[0] else float(t.detach())
+    return t if keep_graph else float(t.detach())
 
 #: Largest latent dimension for which a ``pyro.factor`` that depends on the latents is probed (dense Hessian).
 _FACTOR_MAX_LATENTS = 2000
@@ -129,26 +125,37 @@ def proper_missing(model):
     return wrapped
 
 
-@contextlib.contextmanager
-def full_data_plates():
-    """Context in which every subsampled ``pyro.plate`` runs on its full size (no mini-batch scaling).
+class FullDataPlates(poutine.messenger.Messenger):
+    """Every ``pyro.plate`` created inside runs on its full size (no mini-batch scaling).
 
-    Engines that fit all the data at once (the latent Gaussian model, Laplace, NUTS) run the model
-    inside it, so ``pyro.plate(..., subsample_size=M)`` does not make them see random mini-batches.
+    Engines that fit all the data at once (the latent Gaussian model, Laplace, NUTS) run the model inside it,
+    so ``pyro.plate(..., subsample_size=M)`` does not make them see random mini-batches. A plate's size and
+    indices are fixed when it is created, by Pyro's ``SubsampleMessenger._subsample``, which takes
+    ``subsample_size`` from the plate's arguments; no message can change them. The handler therefore works with
+    a hook installed once at import (:func:`_subsample`), which asks for the full size only while a
+    :class:`FullDataPlates` is on the effect-handler stack and calls Pyro's own code unchanged otherwise.
     """
-    original = SubsampleMessenger.__dict__["_subsample"]
-    orig_fn = original.__func__
 
-    def full(name, size=None, subsample_size=None, subsample=None, use_cuda=None, device=None):
-        if size is not None and subsample is None:
-            subsample_size = size
-        return orig_fn(name, size, subsample_size, subsample, use_cuda, device)
+    def _pyro_sample(self, msg):
+        pass  # a marker on the stack; the plates are sized by the hook
 
-    SubsampleMessenger._subsample = staticmethod(full)
-    try:
-        yield
-    finally:
-        SubsampleMessenger._subsample = original
+
+def full_data_plates():
+    """A :class:`FullDataPlates` handler (use as ``with full_data_plates(): ...``)."""
+    return FullDataPlates()
+
+
+_PYRO_SUBSAMPLE = SubsampleMessenger._subsample
+
+
+def _subsample(name, size=None, subsample_size=None, subsample=None, use_cuda=None, device=None):
+    """Pyro's ``SubsampleMessenger._subsample``, at the full size inside a :class:`FullDataPlates` handler."""
+    if size is not None and subsample is None and any(isinstance(m, FullDataPlates) for m in _PYRO_STACK):
+        subsample_size = size
+    return _PYRO_SUBSAMPLE(name, size, subsample_size, subsample, use_cuda, device)
+
+
+SubsampleMessenger._subsample = staticmethod(_subsample)
 
 
 def latent_sites(model, args, kwargs):
@@ -285,19 +292,32 @@ def unconstrained_layout(model, args, kwargs):
     return LatentLayout.from_shapes(named)
 
 
-def _trace(model, args, kwargs, values=None):
-    m = model
-    if values is not None:
-        tr = poutine.trace(m).get_trace(*args, **kwargs)
-        for name, v in values.items():
-            tr.nodes[name]["value"] = v
-        m = poutine.replay(m, trace=tr)
-    with record_linear() as records:
-        tr = poutine.trace(m).get_trace(*args, **kwargs)
+class _AtValues(poutine.messenger.Messenger):
+    """The latent sites named in ``values`` take those values, in one run of the model.
+
+    Each such site still takes its prior draw and drops it, so the global random stream moves as it would
+    under a trace of the model replayed at ``values`` (what happens after an extraction is unchanged).
+    """
+
+    def __init__(self, values):
+        super().__init__()
+        self.values = values
+
+    def _pyro_sample(self, msg):
+        if msg["name"] in self.values and not msg["is_observed"] and not msg["done"]:
+            msg["fn"](*msg["args"], **msg["kwargs"])
+            msg["value"] = self.values[msg["name"]]
+            msg["done"] = True
+
+
+def _trace(model, args, kwargs, values):
+    """The model's trace with its latent sites at ``values``, and the ``pcv.linear`` calls it made."""
+    with record_linear() as records, _AtValues(values):
+        tr = poutine.trace(model).get_trace(*args, **kwargs)
     return tr, records
 
 
-def _latent_prior(name, fn, shape, dtype, device):
+def _latent_prior(name, fn, shape, dtype, device, keep_graph=False):
     """PriorBlock (or 'laplace' marker) for a latent site; raises for anything else."""
     base, mask = _unwrap(fn)
     if mask is not None:
@@ -314,20 +334,20 @@ def _latent_prior(name, fn, shape, dtype, device):
             A = prec.matrix
             prec = SparseOperator(torch.sparse_csr_tensor(A.crow_indices(), A.col_indices(), A.values().to(dtype),
                                                           size=A.shape, check_invariants=False).to(device))
-        return PriorBlock(name, _d(base.loc).reshape(size).to(dtype=dtype, device=device), prec=prec,
-                          logdet_cov=-_num(base.log_det_precision())), None
+        return PriorBlock(name, _d(base.loc, keep_graph).reshape(size).to(dtype=dtype, device=device), prec=prec,
+                          logdet_cov=-_num(base.log_det_precision(), keep_graph)), None
     if isinstance(base, (dist.Normal, torch.distributions.Normal)):
         loc = base.loc.expand(shape).reshape(size).to(dtype)
         scale = base.scale.expand(shape).reshape(size).to(dtype)
         if (scale <= 0).any() or not torch.isfinite(scale).all():
             raise UnsupportedModelError(name, "prior scale must be positive and finite")
-        return PriorBlock(name, _d(loc), cov=DiagonalOperator(_d(scale) ** 2),
-                          prec=DiagonalOperator(_d(scale) ** -2),
-                          logdet_cov=_num(2 * torch.log(scale).sum())), None
+        return PriorBlock(name, _d(loc, keep_graph), cov=DiagonalOperator(_d(scale, keep_graph) ** 2),
+                          prec=DiagonalOperator(_d(scale, keep_graph) ** -2),
+                          logdet_cov=_num(2 * torch.log(scale).sum(), keep_graph)), None
     if isinstance(base, (dist.MultivariateNormal, torch.distributions.MultivariateNormal)):
         d = base.event_shape[0]
-        tril = _d(base.scale_tril.expand(tuple(shape[:-1]) + (d, d)).reshape(-1, d, d).to(dtype))
-        loc = _d(base.loc.expand(shape).reshape(size).to(dtype))
+        tril = _d(base.scale_tril.expand(tuple(shape[:-1]) + (d, d)).reshape(-1, d, d).to(dtype), keep_graph)
+        loc = _d(base.loc.expand(shape).reshape(size).to(dtype), keep_graph)
         covs, precs, logdet = [], [], 0.0
         for L in tril:
             if not torch.isfinite(L).all() or (torch.diagonal(L) <= 0).any():
@@ -335,13 +355,13 @@ def _latent_prior(name, fn, shape, dtype, device):
             cov = L @ L.transpose(-1, -2)
             covs.append(DenseOperator(cov))
             precs.append(DenseOperator(torch.cholesky_inverse(L)))
-            logdet = logdet + _num(2 * torch.log(torch.diagonal(L)).sum())
+            logdet = logdet + _num(2 * torch.log(torch.diagonal(L)).sum(), keep_graph)
         cov_op = covs[0] if len(covs) == 1 else BlockDiagonalOperator(covs)
         prec_op = precs[0] if len(precs) == 1 else BlockDiagonalOperator(precs)
         return PriorBlock(name, loc, cov=cov_op, prec=prec_op, logdet_cov=logdet), None
     if isinstance(base, (dist.Laplace, torch.distributions.Laplace)):
-        loc = _d(base.loc.expand(shape).reshape(size).to(dtype))
-        scale = _d(base.scale.expand(shape).reshape(size).to(dtype))
+        loc = _d(base.loc.expand(shape).reshape(size).to(dtype), keep_graph)
+        scale = _d(base.scale.expand(shape).reshape(size).to(dtype), keep_graph)
         if (scale <= 0).any():
             raise UnsupportedModelError(name, "Laplace prior scale must be positive")
         return PriorBlock(name, torch.zeros(size, dtype=dtype, device=device), flat=True), (loc, scale)
@@ -533,7 +553,7 @@ def _select_rows(op, idx):
     return ComposedOperator(_selection(idx, q, dtype=op.dtype, device=op.device), op)
 
 
-def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype, rows=None):
+def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype, rows=None, keep_graph=False):
     """``(operator, offset)`` with ``eta(u) = operator @ u + offset`` on ``rows`` (all rows by default).
 
     ``eta`` is the predictor at ``u0`` (with its autograd graph), ``eta1`` at ``u1``; raises if the
@@ -560,7 +580,7 @@ def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype,
     if op is None:
         q = eta.shape[0]
         op = DenseOperator(jac.dense()) if q * n <= DENSE_JACOBIAN_LIMIT else jac.operator()
-    offset = _d(eta - op.mv(u0.detach()).to(eta.dtype))
+    offset = _d(eta - op.mv(u0.detach()).to(eta.dtype), keep_graph)
     if rows is not None:
         op, offset = _select_rows(op, rows), offset[rows]
     return op, offset
@@ -666,6 +686,11 @@ def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
         and the latent sites, e.g. float64 when the data are float32 and the parameters float64).
         The model itself always runs in its own dtypes.
     :param kwargs: keyword arguments of the model (e.g. ``y=...`` observations).
+
+    A model with an ``extraction_cache`` dict attribute (type-II learning's model at other params,
+    :mod:`pyro_convexvb.infer.type2`) keeps its structure trace there, and later extractions at other params skip
+    it while the model's sample sites and their shapes stay the same.
+
     :raises UnsupportedModelError: naming the site and the reason, for models outside the class, and
         (site ``'<model>'``) for a model that fails on mixed float32/float64 tensors.
 
@@ -693,13 +718,8 @@ def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
         with local_only():
             lgm = lgm_from_pyro(model, *args, dtype=dtype, keep_graph=keep_graph, **kwargs)
         return shard_sites(lgm)
-    previous = _KEEP_GRAPH[0]
-    _KEEP_GRAPH[0] = bool(keep_graph)
-    try:
-        with full_data_plates(), record_normal_cdf(), torch.enable_grad():  # affinity is probed with autograd
-            return _extract(model, args, kwargs, dtype)
-    finally:
-        _KEEP_GRAPH[0] = previous
+    with full_data_plates(), record_normal_cdf(), torch.enable_grad():  # affinity is probed with autograd
+        return _extract(model, args, kwargs, dtype, bool(keep_graph))
 
 
 _DTYPE_WORDS = ("dtype", "scalar type", "Double", "Float", "Half")
@@ -753,8 +773,18 @@ def _is_factor(site):
     return isinstance(_unwrap(site["fn"])[0], dist.Unit)
 
 
-def _extract(model, args, kwargs, dtype):
-    tr0 = _first_trace(model, args, kwargs)
+def _sites(tr):
+    """The sample sites of a trace with their kind and shapes: what an extraction's structure depends on."""
+    return [(n, s["is_observed"], tuple(s["fn"].batch_shape), tuple(s["fn"].event_shape)) for n, s in tr.nodes.items()
+            if s["type"] == "sample" and not _is_subsample(s)]
+
+
+def _extract(model, args, kwargs, dtype, keep_graph):
+    cache = getattr(model, "extraction_cache", None)
+    tr0 = None if cache is None else cache.get("structure")
+    cached = tr0 is not None
+    if not cached:
+        tr0 = _first_trace(model, args, kwargs)
 
     latent, observed, factors = [], [], []
     for name, site in tr0.nodes.items():
@@ -811,6 +841,11 @@ def _extract(model, args, kwargs, dtype):
     # latents whose distribution reads other latents: allowed only as Gaussian leaves nothing else reads
     uf = torch.randn(full_layout.size, generator=gen, dtype=dtype).to(device).requires_grad_(True)
     tr, records, vals = run_at(uf, full_layout)
+    if cached and _sites(tr) != _sites(tr0):  # the sites changed with the params: trace the structure again
+        del cache["structure"]
+        return _extract(model, args, kwargs, dtype, keep_graph)
+    if cache is not None:
+        cache["structure"] = tr0
     leaves = []
     for b in full_layout.blocks:
         site = tr.nodes[b.name]
@@ -861,7 +896,7 @@ def _extract(model, args, kwargs, dtype):
         if keep is not None and not bool(keep.all()):
             raise UnsupportedModelError(b.name, "latent site is masked (poutine.mask or dist.mask): its masked entries "
                                                 "have no prior, an improper density outside the LGM class")
-        prior, lap = _latent_prior(b.name, fn, b.shape, dtype, device)
+        prior, lap = _latent_prior(b.name, fn, b.shape, dtype, device, keep_graph)
         priors.append(prior)
         if lap is not None:
             loc, scale = lap
@@ -886,13 +921,14 @@ def _extract(model, args, kwargs, dtype):
         full = tuple(site["fn"].batch_shape) + tuple(site["fn"].event_shape)
         if _depends_on(base.scale, u0):
             raise UnsupportedModelError(b.name, "the scale of a latent Normal depends on a latent site (not an LGM)")
-        scale = _d(base.scale.expand(full).reshape(-1).to(dtype))
+        scale = _d(base.scale.expand(full).reshape(-1).to(dtype), keep_graph)
         if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
             raise UnsupportedModelError(b.name, "prior scale must be positive and finite")
         eta = base.loc.expand(full).reshape(-1).to(dtype)
         u1, tr1, _, _ = second_trace()
         eta1 = _unwrap(tr1.nodes[b.name]["fn"])[0].loc.expand(full).reshape(-1).detach().to(dtype)
-        op, offset = _affine_operator(b.name, eta, eta1, u0, u1, gen, records, layout, vals, dtype)
+        op, offset = _affine_operator(b.name, eta, eta1, u0, u1, gen, records, layout, vals, dtype,
+                                      keep_graph=keep_graph)
         imputed.append(ImputedBlock(b.name, b.shape, op, offset, scale))
 
     # observed sites
@@ -911,7 +947,7 @@ def _extract(model, args, kwargs, dtype):
             if _depends_on(value, u0):
                 raise UnsupportedModelError(name, f"the {what} depends on a latent site (not an LGM)")
         if not _depends_on(eta_k, u0):
-            lp = _num(_site_log_prob(site))
+            lp = _num(_site_log_prob(site), keep_graph)
             if not math.isfinite(float(lp)):
                 raise UnsupportedModelError(name, "observed site that does not depend on the latents has log density "
                                                   f"{lp} at its data")
@@ -922,11 +958,12 @@ def _extract(model, args, kwargs, dtype):
         y_k = y if idx is None else y[idx]
         if not torch.isfinite(y_k).all():
             raise UnsupportedModelError(name, "observed data contain NaN or inf")
-        params = {k: _d(v.expand(batch).reshape(-1).to(dtype)) for k, (v, _) in site_params.items()}
+        params = {k: _d(v.expand(batch).reshape(-1).to(dtype), keep_graph) for k, (v, _) in site_params.items()}
         family = family_cls.from_site(name, y_k, **{k: v if idx is None else v[idx] for k, v in params.items()})
         u1, tr1, _, _ = second_trace()
         eta1 = _observed_site(name, tr1.nodes[name], dtype)[2].detach()
-        op, offset = _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype, rows=idx)
+        op, offset = _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype, rows=idx,
+                                      keep_graph=keep_graph)
         if weight is not None:
             family, const = tempered(family, (weight if idx is None else weight[idx]).to(dtype))
             log_const += const

@@ -27,6 +27,7 @@ from ..linalg.operators import (
     StackedOperator,
     as_operator,
 )
+from ..posterior.gaussian import GaussianPosterior
 from .layout import LatentLayout
 from .sites import Gaussian, SiteFamily, Weighted
 
@@ -234,10 +235,6 @@ class LatentGaussianModel:
         return torch.cat([p.loc for p in self.priors])
 
     @property
-    def has_flat_blocks(self):
-        return any(p.flat for p in self.priors)
-
-    @property
     def prior_cov(self):
         """Block-diagonal prior covariance operator, or ``None`` if a block has none (flat or precision-only)."""
         if any(p.flat or p.cov is None for p in self.priors):
@@ -327,8 +324,6 @@ class LatentGaussianModel:
         """
         if not self.imputed:
             return posterior
-        from ..infer.posterior import GaussianPosterior
-
         if posterior.n != self.n:
             raise ValueError(f"the posterior has {posterior.n} coordinates, the latent vector u has {self.n}")
         m = posterior.loc.to(self.dtype)
@@ -364,8 +359,6 @@ class LatentGaussianModel:
         """
         if not self.imputed:
             return posterior
-        from ..infer.posterior import GaussianPosterior
-
         if posterior.n != self.model_layout.size:
             raise ValueError(f"the posterior has {posterior.n} coordinates, the model's latent sites {self.model_layout.size}")
         idx = torch.cat([torch.arange(self.model_layout[b.name].start, self.model_layout[b.name].start + b.size)
@@ -481,7 +474,6 @@ class LatentGaussianModel:
 
     def site_marginals(self, loc, cov):
         """Means and variances of every group's predictor under ``q = N(loc, cov)`` (dense ``cov``)."""
-        out = {}
         return {g.name: (g.eta(loc), self._marginal_var(g, cov)) for g in self.sites}
 
     @staticmethod

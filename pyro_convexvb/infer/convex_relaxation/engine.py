@@ -114,6 +114,8 @@ class ConvexVariationalRelaxation(Engine):
                    "outer; Nickisch & Seeger 2009)")
     Options = ConvexRelaxationOptions
     State = RelaxationState
+    type2 = "outer"
+    integrates_hyper = True
     optimality_measure = ("relative change of gamma <= gamma_tol and of phi <= phi_tol between the last two outer "
                           "iterations")
 

@@ -250,6 +250,8 @@ class DualVGEngine(Engine):
                    "duality gap")
     Options = DualVGOptions
     State = DualState
+    type2 = "outer"
+    integrates_hyper = True
     optimality_measure = "duality gap (nats) <= gap_tol"
     distributed = True  # row-sharded data in the L x L form (build_dual_problem)
 

@@ -40,9 +40,11 @@ from torch.distributions import biject_to
 
 from ..errors import UnsupportedModelError
 from ..lgm.extract import full_data_plates, latent_sites
-from .engine import Criterion, Engine, EngineOptions, Optimality, Solution, option
+from .engine import Engine
+from .options import EngineOptions, Type2Options, option
 from .optimality import gaussian_decrement, monte_carlo_objective
-from .posterior import GaussianPosterior
+from .result import Criterion, Optimality, Solution
+from ..posterior.gaussian import GaussianPosterior, _apply_name_prefix
 from .sharded_svi import ShardedTraceELBO, data_reduction, sharded_lgm_or_none
 
 __all__ = [
@@ -137,8 +139,7 @@ def try_lgm(model, args, kwargs):
         return None
 
 
-def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, seed=0, mixture_objective=None,
-                           reduction=None):
+def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, seed=0, reduction=None):
     """Bound and natural-gradient decrement of a Gaussian ``posterior`` of ``call.model``.
 
     Exact variational-Gaussian bound when ``lgm`` (the model's latent Gaussian model) is given and
@@ -282,8 +283,6 @@ class _PyroModelEngine(Engine):
 
     def own_guide(self, guide):
         """Give ``guide`` the engine's private parameter names and drop an earlier fit's entries under them."""
-        from .posterior import _apply_name_prefix
-
         _apply_name_prefix(guide, self.param_prefix)
         forget_params(self.param_prefix)
         return guide
@@ -312,30 +311,40 @@ class SVIEngine(_PyroModelEngine):
 
     type2 = "joint"
 
+    def model_and_guide(self, call):
+        """The model SVI trains (its ``pyro.param`` sites hidden unless ``learn_params``) and the engine's own
+        guide for it (:meth:`make_guide`, with the engine's private parameter names)."""
+        model = call.model if self.options.learn_params else poutine.block(call.model, hide_types=["param"])
+        return model, self.own_guide(self.make_guide(model))
+
+    def run_svi(self, model, guide, loss, call, run, *, callback=None, name=None):
+        """Clipped-Adam SVI on ``loss`` until the ELBO plateaus or ``max_steps`` (:func:`svi_until_plateau`).
+
+        :returns: ``(losses, stop reason, mean ELBO of the last window)``.
+        """
+        o = self.options
+        optim = pyro.optim.ClippedAdam({"lr": o.lr, "betas": (0.9, 0.999), "clip_norm": o.clip_norm})
+        losses, reason = svi_until_plateau(SVI(model, guide, optim, loss), optim, call.args, call.kwargs,
+                                           max_steps=o.max_steps, min_steps=o.plateau_min_steps, window=o.window,
+                                           rtol=o.rtol, lr_decay=o.lr_decay, bar=run.bar(total=o.max_steps, unit="step"),
+                                           history=run.history, callback=callback, name=name or self.name)
+        return losses, reason, -sum(losses[-o.window:]) / min(o.window, len(losses))
+
     def solve(self, call, run):
         o = self.options
-        model = call.model if o.learn_params else poutine.block(call.model, hide_types=["param"])
-        guide = self.make_guide(model)
-        self.own_guide(guide)
-        optim = pyro.optim.ClippedAdam({"lr": o.lr, "betas": (0.9, 0.999), "clip_norm": o.clip_norm})
+        model, guide = self.model_and_guide(call)
         red = data_reduction(call.args, call.kwargs)
         if red is None:
             elbo = Trace_ELBO(num_particles=o.num_particles, vectorize_particles=o.vectorize_particles)
         else:  # row-sharded data: local surrogate, gradients all-reduced (see sharded_svi)
             elbo = ShardedTraceELBO(red, num_particles=o.num_particles, vectorize_particles=o.vectorize_particles)
-        svi = SVI(model, guide, optim, elbo)
-        bar = run.bar(total=o.max_steps, unit="step")
-        losses, reason = svi_until_plateau(svi, optim, call.args, call.kwargs, max_steps=o.max_steps,
-                                           min_steps=o.plateau_min_steps, window=o.window, rtol=o.rtol,
-                                           lr_decay=o.lr_decay,
-                                           bar=bar, history=run.history, name=self.name)
+        losses, reason, elbo_estimate = self.run_svi(model, guide, elbo, call, run)
         posterior = self.posterior_of(guide)
         lgm = sharded_lgm_or_none(try_lgm(call.source, call.args, call.kwargs), red, call.args, call.kwargs)
         with torch.enable_grad():
             bound, opt = variational_optimality(call, posterior, lgm, tol=o.decrement_tol,
                                                 check_particles=o.check_particles, seed=self.run_seed, reduction=red)
-        info = {"elbo_estimate": -sum(losses[-o.window:]) / min(o.window, len(losses)), "steps": len(losses),
-                "guide": guide, "hyperparameters": model_param_values(call)}
+        info = {"elbo_estimate": elbo_estimate, "steps": len(losses), "guide": guide, "hyperparameters": model_param_values(call)}
         return Solution(posterior, bound, opt, reason, info, lgm=lgm)
 
     @staticmethod
@@ -380,7 +389,7 @@ class SVILowRank(SVIEngine):
 # Laplace
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class LaplaceOptions(EngineOptions):
+class LaplaceOptions(Type2Options):
     max_iter: int = option(500, "L-BFGS iterations", min=1)
     learn_params: bool = option(True, "type-II: maximise the reported bound over the model's pyro.param sites "
                                       "(central differences of refits)")
@@ -395,7 +404,7 @@ class _FullDataEngine(_PyroModelEngine):
     def full_data_model(self, call):
         """``call.model`` under :func:`~pyro_convexvb.lgm.extract.full_data_plates` (the run is seeded by
         :meth:`~pyro_convexvb.infer.engine.Engine.run`)."""
-        return _full_data(call.model)
+        return full_data_plates()(call.model)
 
 
 class LaplaceEngine(_FullDataEngine):
@@ -403,6 +412,7 @@ class LaplaceEngine(_FullDataEngine):
     distributed = True
     description = "Pyro AutoLaplaceApproximation: MAP by L-BFGS, Gaussian from the Hessian"
     Options = LaplaceOptions
+    type2 = "outer"
     optimality_measure = "max |gradient| of the log joint at the mode, relative to 1 + |log joint|, <= grad_tol"
 
     def solve(self, call, run):
@@ -496,14 +506,6 @@ def _sharded_laplace(model, guide, args, kwargs):
     H = 0.5 * (H + H.transpose(0, 1)).detach()
     torch.linalg.cholesky(H)  # raises LinAlgError when not positive definite, as on one process
     return loc.detach().clone(), torch.cholesky_inverse(torch.linalg.cholesky(H))
-
-
-def _full_data(model):
-    def full(*args, **kwargs):
-        with full_data_plates():
-            return model(*args, **kwargs)
-
-    return full
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,187 @@
+"""Engine options: one frozen dataclass per engine, validated once, documented from its fields.
+
+Every engine declares an :class:`EngineOptions` subclass whose fields are made with :func:`option` (default, one
+line of documentation, range). :func:`options_table` renders it for ``docs/engines.md``.
+"""
+import dataclasses
+import difflib
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["option", "EngineOptions", "Type2Options", "LGMEngineOptions", "options_table"]
+
+
+def option(default, doc, *, min=None, gt=None, max=None, choices=None):
+    """A field of an :class:`EngineOptions` dataclass with its documentation and range.
+
+    :param default: default value (immutable, or ``None``).
+    :param str doc: one line for the docs' option table.
+    :param min: smallest allowed value (inclusive), for numbers.
+    :param gt: exclusive lower bound, for numbers.
+    :param max: largest allowed value (inclusive), for numbers.
+    :param choices: allowed values (for strings; ``typing.Literal`` annotations give them too).
+    """
+    return field(default=default, metadata=dict(doc=doc, min=min, gt=gt, max=max, choices=choices))
+
+
+def _type_name(hint):
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return " or ".join(repr(a) for a in typing.get_args(hint))
+    if origin is typing.Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    if hint is Any:
+        return "any value"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _literal_values(hint):
+    """The allowed values of a ``Literal`` (or ``Optional[Literal]``) annotation, else ``[]``."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return list(typing.get_args(hint))
+    if origin is typing.Union:
+        return [v for a in typing.get_args(hint) for v in _literal_values(a)]
+    return []
+
+
+def _matches(value, hint):
+    """Whether ``value`` has the annotated type (bool is not an int/float; int is a float)."""
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in typing.get_args(hint))
+    if origin is typing.Union:
+        return any(_matches(value, a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is not None:
+        return isinstance(value, origin)
+    if hint is Callable or origin is Callable:
+        return callable(value)
+    return isinstance(value, hint)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Base class of every engine's options: a frozen dataclass validated once, at construction.
+
+    Subclasses declare their fields with :func:`option` and type annotations (``int``, ``float``,
+    ``bool``, ``str``, ``typing.Literal[...]``, ``Optional[...]``, ``Any``). :meth:`create` rejects
+    unknown names; ``__post_init__`` checks types and ranges. Override :meth:`check` for checks that
+    involve several options.
+
+    :ivar on_fail: what an unconverged fit does: ``"warn"`` (one
+        :class:`~pyro_convexvb.ConvergenceWarning` with the optimality measure) or ``"raise"``
+        (:class:`~pyro_convexvb.ConvergenceError`).
+    """
+
+    on_fail: typing.Literal["warn", "raise"] = option(
+        "warn", "unconverged fits warn once (ConvergenceWarning) or raise (ConvergenceError)")
+
+    @classmethod
+    def create(cls, engine, options):
+        """Validated options of engine ``engine`` from a dict; unknown names raise :class:`TypeError`."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in options:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise TypeError(f"engine '{engine}': unknown option '{key}'{hint}; its options are: "
+                                f"{', '.join(sorted(names))}")
+        try:
+            return cls(**options)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"engine '{engine}': {e}") from None
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            hint = hints.get(f.name, Any)
+            if not _matches(value, hint):
+                allowed = _literal_values(hint)
+                if allowed and isinstance(value, str):
+                    raise ValueError(f"option '{f.name}' must be one of {allowed}, got {value!r}")
+                raise TypeError(f"option '{f.name}' expects {_type_name(hint)}, got {value!r} "
+                                f"({type(value).__name__})")
+            meta = f.metadata
+            if meta.get("choices") is not None and value not in meta["choices"]:
+                raise ValueError(f"option '{f.name}' must be one of {list(meta['choices'])}, got {value!r}")
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ValueError(f"option '{f.name}' must be a finite number, got {value!r}")
+                if meta.get("min") is not None and value < meta["min"]:
+                    raise ValueError(f"option '{f.name}' must be >= {meta['min']}, got {value!r}")
+                if meta.get("gt") is not None and not value > meta["gt"]:
+                    raise ValueError(f"option '{f.name}' must be > {meta['gt']}, got {value!r}")
+                if meta.get("max") is not None and value > meta["max"]:
+                    raise ValueError(f"option '{f.name}' must be <= {meta['max']}, got {value!r}")
+        self.check()
+
+    def check(self):
+        """Checks that involve several options (override; raise ``ValueError`` naming the options)."""
+
+    def replace(self, **changes):
+        """A validated copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self):
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class Type2Options(EngineOptions):
+    """Options of the engines that learn the model's ``pyro.param`` sites in an outer type-II loop (an engine
+    with ``type2 = "outer"``, see :mod:`~pyro_convexvb.infer.meta`)."""
+
+    learn_params: bool = option(True, "type-II maximum likelihood: maximise the bound over the model's pyro.param sites")
+    type2_max_iter: int = option(50, "type-II: L-BFGS-B iterations over the params", min=1)
+    type2_gtol: float = option(1e-5, "type-II convergence: max |dB/dz| <= type2_gtol (1 + |B|)", gt=0)
+
+
+@dataclass(frozen=True)
+class LGMEngineOptions(Type2Options):
+    """Options shared by the engines that fit latent Gaussian models with an evidence bound (type-II learning of
+    ``pyro.param`` sites, and hyper-latents: an engine with ``integrates_hyper = True``).
+
+    :ivar hyper: what to do with hyper-latents (non-Gaussian latent sites feeding the Gaussian part, see
+        :mod:`~pyro_convexvb.infer.hyper`): integrate over them (INLA-style), or keep only their mode.
+    :ivar hyper_strategy: design of the integration: a grid (dimension <= 2), a central composite design,
+        or ``"auto"`` (grid for dimension <= 2, as R-INLA does).
+    """
+
+    hyper: typing.Literal["auto", "integrate", "map"] = option(
+        "auto", "hyper-latents: integrate over them (INLA-style design points; 'auto') or keep their mode ('map')")
+    hyper_strategy: typing.Literal["auto", "grid", "ccd"] = option(
+        "auto", "design of the hyper-latent integration: grid (d <= 2 under 'auto'), central composite design")
+
+
+def options_table(engine_cls):
+    """Markdown table of an engine's options (name, type, default, meaning) from its dataclass."""
+    hints = typing.get_type_hints(engine_cls.Options)
+    lines = ["| option | type | default | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(engine_cls.Options):
+        doc = f.metadata.get("doc", "")
+        rng = []
+        for key, sym in (("min", ">="), ("gt", ">"), ("max", "<=")):
+            if f.metadata.get(key) is not None:
+                rng.append(f"{sym} {f.metadata[key]}")
+        if rng:
+            doc = f"{doc} ({', '.join(rng)})"
+        typ = _type_name(hints.get(f.name, Any))
+        cells = [f"`{f.name}`", typ, f"`{f.default!r}`", doc]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
+

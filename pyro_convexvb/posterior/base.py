@@ -1,0 +1,77 @@
+"""The :class:`Posterior` protocol that every posterior type of :mod:`pyro_convexvb.posterior` implements."""
+import abc
+import copy
+
+__all__ = ["Posterior"]
+
+
+class Posterior(abc.ABC):
+    """What every posterior of this package offers over the flat latent vector ``u`` ``(n,)``.
+
+    Marginal means and variances (:attr:`loc`, :attr:`variance`, :attr:`scale`), draws (:meth:`sample`), a Pyro
+    guide (:meth:`as_guide`), and the model it was fitted to (:attr:`layout` maps ``u`` to the model's sites,
+    :attr:`model` and :attr:`model_args` let :meth:`as_guide` run the model with its fitting data). An engine
+    builds its posterior complete with :meth:`with_model`, a new object; posteriors are not completed in place.
+
+    :ivar loc: mean ``(n,)`` (an attribute or a property).
+    :ivar variance: marginal variances ``(n,)`` (an attribute or a property).
+    """
+
+    layout = None
+    model = None
+    model_args = ((), {})
+
+    @property
+    @abc.abstractmethod
+    def n(self):
+        """Length of the latent vector."""
+
+    @property
+    def scale(self):
+        """Marginal standard deviations ``(n,)``."""
+        return self.variance.sqrt()
+
+    @property
+    def dtype(self):
+        return self.loc.dtype
+
+    @property
+    def device(self):
+        return self.loc.device
+
+    def unflatten(self, u=None):
+        """``{site: value}`` for ``u`` (default: the mean), using the layout."""
+        if self.layout is None:
+            raise ValueError("this posterior has no latent layout (it was not built from a Pyro model)")
+        return self.layout.unflatten(self.loc if u is None else u)
+
+    @abc.abstractmethod
+    def sample(self, num_samples=(), generator=None):
+        """Draws ``(*num_samples, n)``."""
+
+    @abc.abstractmethod
+    def as_guide(self, model=None, *, trainable=True, **kwargs):
+        """A Pyro guide over the model's latent sites that samples from this posterior."""
+
+    def compact(self, keep_model=True):
+        """A copy without the fitting data ``model_args`` (for pickling; ``keep_model=False`` drops the model too)."""
+        return self.with_model(self.model if keep_model else None)
+
+    def with_model(self, model=None, model_args=((), {}), layout=None):
+        """A copy of this posterior bound to the Pyro ``model`` it was fitted to, with its fitting arguments
+        ``model_args = (args, kwargs)`` and, when given, its latent ``layout`` (the posterior's own is kept when
+        ``layout`` is ``None``). ``self`` is unchanged.
+
+        Example::
+
+            >>> import torch
+            >>> from pyro_convexvb.posterior.gaussian import GaussianPosterior
+            >>> q = GaussianPosterior(torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+            >>> r = q.with_model(print, ((1,), {}))
+            >>> r.model is print, r.model_args, q.model
+            (True, ((1,), {}), None)
+        """
+        out = copy.copy(self)
+        out.__dict__.update(model=model, model_args=model_args, layout=self.layout if layout is None else layout)
+        return out
+
