@@ -34,6 +34,9 @@ user = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
 pyro.param("my_param", user.clone())
 pyro.param("AutoNormal.locs.w", torch.full((20,), 7.0, dtype=torch.float64))  # a user's own guide entry
 before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+# torch imports torch._dynamo lazily at the first optimizer; a SIGINT inside that import leaves torch half
+# imported (torch's own state, not ours), so the child takes it before the interrupt window opens
+torch.optim.LBFGS([torch.zeros(1, requires_grad=True)])
 print("start", flush=True)
 out = {"interrupted": False}
 try:
