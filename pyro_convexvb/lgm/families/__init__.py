@@ -10,15 +10,16 @@ from .binomial import Binomial
 from .gaussian import Gaussian
 from .laplace import Laplace
 from .logit import BernoulliLogit
+from .negative_binomial import NegativeBinomial
 from .poisson import Poisson
 from .probit import BernoulliProbit
 from .stochastic_volatility import StochasticVolatility
 from .student_t import StudentT
 
-__all__ = ["SiteFamily", "BernoulliLogit", "BernoulliProbit", "Binomial", "Poisson", "Gaussian", "Laplace",
-           "StudentT", "StochasticVolatility", "Weighted", "tempered", "gauss_hermite", "gaussian_expectation",
+__all__ = ["SiteFamily", "BernoulliLogit", "BernoulliProbit", "Binomial", "NegativeBinomial", "Poisson", "Gaussian",
+           "Laplace", "StudentT", "StochasticVolatility", "Weighted", "tempered", "gauss_hermite", "gaussian_expectation",
            "LIKELIHOODS"]
 
 #: the families extraction reads from observed Pyro sites, asked in this order (:meth:`~.base.SiteFamily.predictor`;
 #: probit before logit: both read a ``Bernoulli``)
-LIKELIHOODS = (BernoulliProbit, BernoulliLogit, Binomial, Poisson, Gaussian)
+LIKELIHOODS = (BernoulliProbit, BernoulliLogit, Binomial, NegativeBinomial, Poisson, Gaussian)
