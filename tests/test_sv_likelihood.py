@@ -121,3 +121,20 @@ def test_a_latent_mean_with_a_latent_scale_is_refused():
     with pytest.raises(pcv.UnsupportedModelError, match="noise scale .*depends on a latent site") as err:
         pcv.lgm_from_pyro(model, x, y=y)
     assert err.value.site == "y"
+
+
+def test_categorical_softmax_is_refused_with_the_reason_naming_the_site():
+    X = torch.randn(10, 2, dtype=D, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(10) % 3
+
+    def softmax(X, y=None):
+        W = pyro.sample("W", dist.Normal(torch.zeros(2, 3, dtype=D), 1.0).to_event(2))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Categorical(logits=X @ W), obs=y)
+
+    fitting = pcv.engines_that_fit(softmax, X, y=y)
+    assert "dual_vg" not in fitting and "convex_relaxation" not in fitting and "nuts" in fitting
+    for engine in ("dual_vg", "convex_relaxation"):
+        with pytest.raises(pcv.UnsupportedModelError, match="K x K posterior covariance") as err:
+            pcv.fit(softmax, X, y=y, engine=engine, progress=False)
+        assert err.value.site == "y"
