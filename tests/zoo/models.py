@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Tuple
 
 import gpytorch
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pyro.poutine as poutine
@@ -1033,3 +1034,105 @@ def _(args, kwargs):
                 + s[:, 0] + ll)
 
     return quadrature(lj, {"w": [0], "sigma": [1]}, 2, box=((-3.0, 3.0), (-4.0, 2.0)))
+
+
+# ---------------------------------------------------------------------------------------------
+# likelihood families: negative binomial, Gamma, heteroscedastic (stochastic-volatility) noise, Laplace
+# ---------------------------------------------------------------------------------------------
+def _two_weight_quadrature(loglik, box=None):
+    def lj(T):
+        return _std_normal_logpdf(T).sum(-1) + loglik(T)
+
+    return quadrature(lj, {"w": [0, 1]}, 2, box=box)
+
+
+@_zoo("negbin", "GLM", "quadrature",
+      "negative-binomial regression, log link: NegativeBinomial(total_count=3, logits=X @ w - log 3) (N=40)")
+def negbin():
+    g = _gen(140)
+    X = torch.cat([torch.ones(40, 1, dtype=D), 0.8 * torch.randn(40, 1, generator=g, dtype=D)], 1)
+    mu = torch.exp(X @ torch.tensor([1.0, -0.7], dtype=D))
+    lam = mu * torch.as_tensor(np.random.default_rng(140).gamma(3.0, 1.0 / 3.0, 40), dtype=D)
+    y = _poisson(g, lam)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(_zeros(X.shape[1]), 1.0).to_event(1))
+        r = torch.tensor(3.0, dtype=D)
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.NegativeBinomial(r, logits=X @ w - torch.log(r)), obs=y)
+
+    return model, (X,), {"y": y}
+
+
+@_reference_of("negbin")
+def _(args, kwargs):
+    X, y = args[0], kwargs["y"]
+    # GammaPoisson(concentration r, rate r / mu): the same density, written independently of the NB logits
+    return _two_weight_quadrature(lambda T: dist.GammaPoisson(torch.tensor(3.0, dtype=D),
+                                                              3.0 * torch.exp(-(T @ X.T))).log_prob(y).sum(-1))
+
+
+@_zoo("gamma_regression", "GLM", "quadrature",
+      "Gamma regression, log link: Gamma(2, rate=2 exp(-X @ w)) (N=40)")
+def gamma_regression():
+    g = _gen(141)
+    X = torch.cat([torch.ones(40, 1, dtype=D), torch.randn(40, 1, generator=g, dtype=D)], 1)
+    mu = torch.exp(X @ torch.tensor([0.5, -0.8], dtype=D))
+    y = mu * torch.as_tensor(np.random.default_rng(141).gamma(2.0, 0.5, 40), dtype=D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(_zeros(X.shape[1]), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Gamma(torch.tensor(2.0, dtype=D), 2.0 * torch.exp(-(X @ w))), obs=y)
+
+    return model, (X,), {"y": y}
+
+
+@_reference_of("gamma_regression")
+def _(args, kwargs):
+    X, y = args[0], kwargs["y"]
+    return _two_weight_quadrature(lambda T: dist.Gamma(torch.tensor(2.0, dtype=D),
+                                                       2.0 / torch.exp(T @ X.T)).log_prob(y).sum(-1))
+
+
+@_zoo("heteroscedastic", "GLM", "quadrature",
+      "heteroscedastic noise around a known mean: Normal(0.3, exp(X @ w / 2)), the stochastic-volatility site (N=40)")
+def heteroscedastic():
+    g = _gen(142)
+    X = torch.stack([torch.ones(40, dtype=D), torch.linspace(-1.5, 1.5, 40, dtype=D)], 1)
+    y = 0.3 + torch.exp(X @ torch.tensor([-0.5, 1.2], dtype=D) / 2) * torch.randn(40, generator=g, dtype=D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(_zeros(X.shape[1]), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Normal(0.3, torch.exp(X @ w / 2)), obs=y)
+
+    return model, (X,), {"y": y}
+
+
+@_reference_of("heteroscedastic")
+def _(args, kwargs):
+    X, y = args[0], kwargs["y"]
+    return _two_weight_quadrature(lambda T: dist.Normal(0.3, torch.exp(T @ X.T / 2)).log_prob(y).sum(-1))
+
+
+@_zoo("laplace_regression", "GLM", "quadrature",
+      "robust regression: Laplace(X @ w, 0.5) likelihood with 3 outliers (N=30)")
+def laplace_regression():
+    g = _gen(143)
+    X = torch.cat([torch.ones(30, 1, dtype=D), torch.randn(30, 1, generator=g, dtype=D)], 1)
+    y = X @ torch.tensor([0.5, -1.0], dtype=D) + 0.5 * torch.randn(30, generator=g, dtype=D)
+    y[:3] += torch.tensor([5.0, -4.0, 6.0], dtype=D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(_zeros(X.shape[1]), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Laplace(X @ w, 0.5), obs=y)
+
+    return model, (X,), {"y": y}
+
+
+@_reference_of("laplace_regression")
+def _(args, kwargs):
+    X, y = args[0], kwargs["y"]
+    return _two_weight_quadrature(lambda T: dist.Laplace(T @ X.T, 0.5).log_prob(y).sum(-1))
