@@ -111,12 +111,12 @@ def _summary(sites, mean, sd):
     return {s: {"mean": [float(mean[i]) for i in idx], "sd": [float(sd[i]) for i in idx]} for s, idx in sites.items()}
 
 
-def quadrature(log_joint, sites, d, box=None, n=None):
+def quadrature(log_joint, sites, d, box=None, n=None, width=10.0):
     """Posterior mean and sd of every coordinate by quadrature of an exact ``d``-dimensional density (d <= 2).
 
     ``log_joint(T)`` maps ``(G, d)`` points to ``(G,)`` unnormalised log densities (in the coordinates of
     the summary). The box starts at ``box`` (default ``[-8, 8]^d``) and is re-centred three times on the
-    mean +- 10 sd; the final tensor grid has ``n`` points per dimension (8001 in 1-D, 401 in 2-D), so the
+    mean +- ``width`` sd (10; wider for the polynomial tails of Student-t likelihoods); the final tensor grid has ``n`` points per dimension (8001 in 1-D, 401 in 2-D), so the
     rule is spectrally accurate for these smooth, rapidly decaying densities. The mass on the boundary of
     the final box is checked to be negligible.
 
@@ -134,7 +134,7 @@ def quadrature(log_joint, sites, d, box=None, n=None):
         mean = (w[:, None] * T).sum(0)
         sd = ((w[:, None] * (T - mean) ** 2).sum(0)).sqrt()
         if it < 3:
-            lo, hi = mean - 10 * sd, mean + 10 * sd
+            lo, hi = mean - width * sd, mean + width * sd
     edge = torch.zeros(T.shape[0], dtype=torch.bool)
     for k in range(d):
         edge |= (T[:, k] == lo[k]) | (T[:, k] == hi[k])
@@ -1136,3 +1136,66 @@ def laplace_regression():
 def _(args, kwargs):
     X, y = args[0], kwargs["y"]
     return _two_weight_quadrature(lambda T: dist.Laplace(T @ X.T, 0.5).log_prob(y).sum(-1))
+
+
+@_zoo("negbin_latent_concentration", "hierarchical", "quadrature",
+      "negative-binomial regression with a hyper-latent concentration: r ~ Gamma(2, 0.5), "
+      "y ~ NegativeBinomial(r, logits=0.5 + x w - log r) (N=80)")
+def negbin_latent_concentration():
+    g = _gen(144)
+    x = 0.8 * torch.randn(80, generator=g, dtype=D)
+    mu = torch.exp(0.5 + 0.7 * x)
+    y = _poisson(g, mu * torch.as_tensor(np.random.default_rng(144).gamma(4.0, 0.25, 80), dtype=D))
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        r = pyro.sample("r", dist.Gamma(torch.tensor(2.0, dtype=D), 0.5))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("y", dist.NegativeBinomial(r, logits=0.5 + x * w - torch.log(r)), obs=y)
+
+    return model, (x,), {"y": y}
+
+
+@_reference_of("negbin_latent_concentration")
+def _(args, kwargs):
+    x, y = args[0], kwargs["y"]
+
+    def lj(T):
+        w, s = T[:, :1], T[:, 1:]
+        r = s.exp()
+        ll = dist.GammaPoisson(r, r * torch.exp(-(0.5 + w * x))).log_prob(y).sum(-1)
+        return (_std_normal_logpdf(w[:, 0]) + dist.Gamma(torch.tensor(2.0, dtype=D), 0.5).log_prob(r[:, 0])
+                + s[:, 0] + ll)
+
+    return quadrature(lj, {"w": [0], "r": [1]}, 2, box=((-2.0, 3.0), (-2.0, 5.0)))
+
+
+@_zoo("student_t_latent_scale", "hierarchical", "quadrature",
+      "robust regression with a hyper-latent scale: s ~ HalfNormal(1), y ~ StudentT(4, x w, s), 3 outliers (N=30)")
+def student_t_latent_scale():
+    g = _gen(145)
+    x = torch.randn(30, generator=g, dtype=D)
+    y = 0.8 * x + 0.4 * torch.randn(30, generator=g, dtype=D)
+    y[:3] += torch.tensor([4.0, -5.0, 6.0], dtype=D)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        s = pyro.sample("s", dist.HalfNormal(torch.tensor(1.0, dtype=D)))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("y", dist.StudentT(4.0, x * w, s), obs=y)
+
+    return model, (x,), {"y": y}
+
+
+@_reference_of("student_t_latent_scale")
+def _(args, kwargs):
+    x, y = args[0], kwargs["y"]
+
+    def lj(T):
+        w, ls = T[:, :1], T[:, 1:]
+        s = ls.exp()
+        ll = dist.StudentT(4.0, w * x, s).log_prob(y).sum(-1)
+        return (_std_normal_logpdf(w[:, 0]) + dist.HalfNormal(torch.tensor(1.0, dtype=D)).log_prob(s[:, 0])
+                + ls[:, 0] + ll)
+
+    return quadrature(lj, {"w": [0], "s": [1]}, 2, box=((-3.0, 3.0), (-4.0, 2.0)), width=20.0)
