@@ -187,3 +187,15 @@ def test_refusals_name_the_site_and_the_reason():
     assert err.value.site == "y"
     with pytest.raises(pcv.UnsupportedModelError, match="concentration"):
         pcv.lgm_from_pyro(nb_model, X, y=y, r=torch.where(y > 2, 3.0, 0.0).to(D))
+
+
+def test_weighted_negative_binomial_is_the_site_repeated():
+    from pyro_convexvb.lgm.families import Weighted
+
+    fam, w = NegativeBinomial(Y, R), torch.full((len(Y),), 2.0, dtype=D)
+    h, rho = torch.linspace(-2, 2, len(Y), dtype=D), torch.linspace(0.1, 3, len(Y), dtype=D)
+    torch.testing.assert_close(make_bound(Weighted(fam, w)).f(h, rho), 2 * make_bound(fam).f(h, rho), rtol=1e-12,
+                               atol=1e-12)
+    s = torch.linspace(-2, 2, len(Y), dtype=D)
+    torch.testing.assert_close(potential_for(Weighted(fam, w)).log_prob(s), 2 * fam.log_prob(s), rtol=1e-12,
+                               atol=1e-12)
