@@ -1199,3 +1199,51 @@ def _(args, kwargs):
                 + ls[:, 0] + ll)
 
     return quadrature(lj, {"w": [0], "s": [1]}, 2, box=((-3.0, 3.0), (-4.0, 2.0)), width=20.0)
+
+
+def ar1_precision(T, phi, s):
+    """Sparse tridiagonal precision of a stationary AR(1) ``h_t = phi h_{t-1} + s eps_t`` (COO)."""
+    diag = torch.full((T,), (1 + phi ** 2) / s ** 2, dtype=D)
+    diag[0] = diag[-1] = 1 / s ** 2
+    i = torch.arange(T - 1)
+    rows = torch.cat([torch.arange(T), i, i + 1])
+    cols = torch.cat([torch.arange(T), i + 1, i])
+    vals = torch.cat([diag, torch.full((2 * (T - 1),), -phi / s ** 2, dtype=D)])
+    return torch.sparse_coo_tensor(torch.stack([rows, cols]), vals, (T, T)).coalesce()
+
+
+@_zoo("stochastic_volatility", "GMRF", "nuts",
+      "stochastic volatility: h ~ AR(1) (phi 0.9, innovation sd 0.4) as a SparseGMRF, y_t ~ Normal(0, exp(h_t / 2)) "
+      "(T=40)")
+def stochastic_volatility():
+    T, phi, s = 40, 0.9, 0.4
+    g = _gen(146)
+    Q = ar1_precision(T, phi, s)
+    L = torch.linalg.cholesky(Q.to_dense())
+    h = torch.linalg.solve_triangular(L.T, torch.randn(T, 1, generator=g, dtype=D), upper=True).reshape(T)
+    y = torch.exp(h / 2) * torch.randn(T, generator=g, dtype=D)
+
+    def model(y=None):
+        h = pyro.sample("h", pcv.distributions.SparseGMRF(_zeros(T), Q))
+        with pyro.plate("time", T):
+            pyro.sample("y", dist.Normal(0.0, torch.exp(h / 2)), obs=y)
+
+    return model, (), {"y": y}
+
+
+@_nuts_model_of("stochastic_volatility")
+def _whitened_sv(args, kwargs):
+    """``h = L^{-T} v`` with ``Q = L L^T`` dense and ``v ~ N(0, I)``: the same posterior of ``h``."""
+    T = kwargs["y"].shape[0]
+    L = torch.linalg.cholesky(ar1_precision(T, 0.9, 0.4).to_dense())
+
+    def field(v):
+        return torch.linalg.solve_triangular(L.T, v.reshape(-1, T).T, upper=True).T
+
+    def wmodel(y=None):
+        v = pyro.sample("v", dist.Normal(_zeros(T), 1.0).to_event(1))
+        h = field(v).reshape(T)
+        with pyro.plate("time", T):
+            pyro.sample("y", dist.Normal(0.0, torch.exp(h / 2)), obs=y)
+
+    return wmodel, lambda smp: {"h": field(smp["v"])}
