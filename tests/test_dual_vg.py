@@ -377,7 +377,7 @@ def test_engine_registry_and_errors():
     from pyro_convexvb.lgm.sites import Laplace
 
     lgm = LatentGaussianModel.from_design(X, Laplace(torch.ones(10, dtype=D)))  # no convex local bound
-    with pytest.raises(ValueError, match="laplace"):
+    with pytest.raises(ValueError, match="Laplace sites .*no local bound"):
         pcv.fit(lgm, engine="dual_vg", progress=False)
     with pytest.raises(ValueError, match="bound"):
         make_bound(BernoulliLogit(torch.zeros(3, dtype=D)), "nope")

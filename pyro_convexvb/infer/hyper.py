@@ -72,6 +72,15 @@ def _field_prior(fn):
     return isinstance(base, field_types)
 
 
+def _sv_site(fn):
+    """An observed ``Normal`` whose scale reads the latents and whose mean does not: a stochastic-volatility site
+    (:class:`~pyro_convexvb.lgm.families.StochasticVolatility`), its scale the predictor, not a noise parameter."""
+    from ..lgm.families import StochasticVolatility
+    from ..lgm.extract import _unwrap
+
+    return StochasticVolatility.predictor(_unwrap(fn)[0]) is not None
+
+
 def _tensor_params(fn, names):
     base, _ = _unwrap(fn)
     out = []
@@ -108,6 +117,8 @@ def find_hyper_sites(model, args, kwargs):
         observed = name not in values
         if observed:
             attrs = ("scale",)  # an observation's noise; its predictor (loc, logits, rate) is the field's
+            if _sv_site(site["fn"]):  # Normal(m, exp(eta / 2)): its scale is the predictor
+                attrs = ()
         elif _field_prior(site["fn"]):
             attrs = _SCALE_PARAMS  # a field site's location may read other latents affinely
         else:

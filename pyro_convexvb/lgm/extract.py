@@ -451,6 +451,9 @@ def _observed_site(name, site, dtype):
         forms = [f.pyro_form for f in LIKELIHOODS if f.pyro_form]
         raise UnsupportedModelError(name, f"unsupported likelihood {type(base).__name__}: use {', '.join(forms[:-1])} "
                                           f"or {forms[-1]}")
+    reason = family.refusal(base)
+    if reason is not None:
+        raise UnsupportedModelError(name, reason)
     eta = eta.expand(batch).reshape(-1).to(dtype)
     y = y.expand(batch).reshape(-1).to(dtype)
     return family, base, eta, y, batch

@@ -42,6 +42,9 @@ PAGE = os.path.join(ROOT, "docs", "supported_models.md")
 #: short labels of refusal reasons for the table cells (the full reasons are listed under the table)
 SHORT = [
     (r"not super-Gaussian", "not super-Gaussian"),
+    (r"not log-concave", "not log-concave"),
+    (r"Laplace sites .* no local bound", "Laplace: no local bound"),
+    (r"Categorical \(softmax\)", "Categorical likelihood"),
     (r"not an affine function", "non-affine predictor"),
     (r"unsupported likelihood (\w+)", r"\1 likelihood"),
     (r"discrete latent", "discrete latent"),
@@ -137,7 +140,9 @@ def page(results, engines, seconds):
     L.append("* **exact**: the conjugate posterior of linear-Gaussian models (with `poutine.scale` weights; the "
              "observed rows of an `obs_mask` site), and the two-component closed form of the discrete mixture.")
     L.append("* **quadrature**: the exact posterior density, written out independently of the Pyro model, "
-             "integrated on a tensor grid (8001 points in 1-D, 401 x 401 in 2-D) re-centred on the mean ± 10 sd; "
+             "integrated on a tensor grid (8001 points in 1-D, 401 x 401 in 2-D) re-centred on the mean ± 10 sd "
+             "(± 20 sd for `student_t_latent_scale`, whose Student-t likelihood gives the posterior of `w` "
+             "polynomial tails); "
              "for the latent noise scale of a linear regression, 1-D quadrature over log σ of the exact marginal "
              "likelihood with the weights integrated out in closed form.")
     L.append("* **nuts**: long NUTS runs made once by `tests/zoo/generate_references.py` and stored in "

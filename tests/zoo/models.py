@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Tuple
 
 import gpytorch
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pyro.poutine as poutine
@@ -110,12 +111,12 @@ def _summary(sites, mean, sd):
     return {s: {"mean": [float(mean[i]) for i in idx], "sd": [float(sd[i]) for i in idx]} for s, idx in sites.items()}
 
 
-def quadrature(log_joint, sites, d, box=None, n=None):
+def quadrature(log_joint, sites, d, box=None, n=None, width=10.0):
     """Posterior mean and sd of every coordinate by quadrature of an exact ``d``-dimensional density (d <= 2).
 
     ``log_joint(T)`` maps ``(G, d)`` points to ``(G,)`` unnormalised log densities (in the coordinates of
     the summary). The box starts at ``box`` (default ``[-8, 8]^d``) and is re-centred three times on the
-    mean +- 10 sd; the final tensor grid has ``n`` points per dimension (8001 in 1-D, 401 in 2-D), so the
+    mean +- ``width`` sd (10; wider for the polynomial tails of Student-t likelihoods); the final tensor grid has ``n`` points per dimension (8001 in 1-D, 401 in 2-D), so the
     rule is spectrally accurate for these smooth, rapidly decaying densities. The mass on the boundary of
     the final box is checked to be negligible.
 
@@ -133,7 +134,7 @@ def quadrature(log_joint, sites, d, box=None, n=None):
         mean = (w[:, None] * T).sum(0)
         sd = ((w[:, None] * (T - mean) ** 2).sum(0)).sqrt()
         if it < 3:
-            lo, hi = mean - 10 * sd, mean + 10 * sd
+            lo, hi = mean - width * sd, mean + width * sd
     edge = torch.zeros(T.shape[0], dtype=torch.bool)
     for k in range(d):
         edge |= (T[:, k] == lo[k]) | (T[:, k] == hi[k])
@@ -1033,3 +1034,216 @@ def _(args, kwargs):
                 + s[:, 0] + ll)
 
     return quadrature(lj, {"w": [0], "sigma": [1]}, 2, box=((-3.0, 3.0), (-4.0, 2.0)))
+
+
+# ---------------------------------------------------------------------------------------------
+# likelihood families: negative binomial, Gamma, heteroscedastic (stochastic-volatility) noise, Laplace
+# ---------------------------------------------------------------------------------------------
+def _two_weight_quadrature(loglik, box=None):
+    def lj(T):
+        return _std_normal_logpdf(T).sum(-1) + loglik(T)
+
+    return quadrature(lj, {"w": [0, 1]}, 2, box=box)
+
+
+@_zoo("negbin", "GLM", "quadrature",
+      "negative-binomial regression, log link: NegativeBinomial(total_count=3, logits=X @ w - log 3) (N=40)")
+def negbin():
+    g = _gen(140)
+    X = torch.cat([torch.ones(40, 1, dtype=D), 0.8 * torch.randn(40, 1, generator=g, dtype=D)], 1)
+    mu = torch.exp(X @ torch.tensor([1.0, -0.7], dtype=D))
+    lam = mu * torch.as_tensor(np.random.default_rng(140).gamma(3.0, 1.0 / 3.0, 40), dtype=D)
+    y = _poisson(g, lam)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(_zeros(X.shape[1]), 1.0).to_event(1))
+        r = torch.tensor(3.0, dtype=D)
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.NegativeBinomial(r, logits=X @ w - torch.log(r)), obs=y)
+
+    return model, (X,), {"y": y}
+
+
+@_reference_of("negbin")
+def _(args, kwargs):
+    X, y = args[0], kwargs["y"]
+    # GammaPoisson(concentration r, rate r / mu): the same density, written independently of the NB logits
+    return _two_weight_quadrature(lambda T: dist.GammaPoisson(torch.tensor(3.0, dtype=D),
+                                                              3.0 * torch.exp(-(T @ X.T))).log_prob(y).sum(-1))
+
+
+@_zoo("gamma_regression", "GLM", "quadrature",
+      "Gamma regression, log link: Gamma(2, rate=2 exp(-X @ w)) (N=40)")
+def gamma_regression():
+    g = _gen(141)
+    X = torch.cat([torch.ones(40, 1, dtype=D), torch.randn(40, 1, generator=g, dtype=D)], 1)
+    mu = torch.exp(X @ torch.tensor([0.5, -0.8], dtype=D))
+    y = mu * torch.as_tensor(np.random.default_rng(141).gamma(2.0, 0.5, 40), dtype=D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(_zeros(X.shape[1]), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Gamma(torch.tensor(2.0, dtype=D), 2.0 * torch.exp(-(X @ w))), obs=y)
+
+    return model, (X,), {"y": y}
+
+
+@_reference_of("gamma_regression")
+def _(args, kwargs):
+    X, y = args[0], kwargs["y"]
+    return _two_weight_quadrature(lambda T: dist.Gamma(torch.tensor(2.0, dtype=D),
+                                                       2.0 / torch.exp(T @ X.T)).log_prob(y).sum(-1))
+
+
+@_zoo("heteroscedastic", "GLM", "quadrature",
+      "heteroscedastic noise around a known mean: Normal(0.3, exp(X @ w / 2)), the stochastic-volatility site (N=40)")
+def heteroscedastic():
+    g = _gen(142)
+    X = torch.stack([torch.ones(40, dtype=D), torch.linspace(-1.5, 1.5, 40, dtype=D)], 1)
+    y = 0.3 + torch.exp(X @ torch.tensor([-0.5, 1.2], dtype=D) / 2) * torch.randn(40, generator=g, dtype=D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(_zeros(X.shape[1]), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Normal(0.3, torch.exp(X @ w / 2)), obs=y)
+
+    return model, (X,), {"y": y}
+
+
+@_reference_of("heteroscedastic")
+def _(args, kwargs):
+    X, y = args[0], kwargs["y"]
+    return _two_weight_quadrature(lambda T: dist.Normal(0.3, torch.exp(T @ X.T / 2)).log_prob(y).sum(-1))
+
+
+@_zoo("laplace_regression", "GLM", "quadrature",
+      "robust regression: Laplace(X @ w, 0.5) likelihood with 3 outliers (N=30)")
+def laplace_regression():
+    g = _gen(143)
+    X = torch.cat([torch.ones(30, 1, dtype=D), torch.randn(30, 1, generator=g, dtype=D)], 1)
+    y = X @ torch.tensor([0.5, -1.0], dtype=D) + 0.5 * torch.randn(30, generator=g, dtype=D)
+    y[:3] += torch.tensor([5.0, -4.0, 6.0], dtype=D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(_zeros(X.shape[1]), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Laplace(X @ w, 0.5), obs=y)
+
+    return model, (X,), {"y": y}
+
+
+@_reference_of("laplace_regression")
+def _(args, kwargs):
+    X, y = args[0], kwargs["y"]
+    return _two_weight_quadrature(lambda T: dist.Laplace(T @ X.T, 0.5).log_prob(y).sum(-1))
+
+
+@_zoo("negbin_latent_concentration", "hierarchical", "quadrature",
+      "negative-binomial regression with a hyper-latent concentration: r ~ Gamma(2, 0.5), "
+      "y ~ NegativeBinomial(r, logits=0.5 + x w - log r) (N=80)")
+def negbin_latent_concentration():
+    g = _gen(144)
+    x = 0.8 * torch.randn(80, generator=g, dtype=D)
+    mu = torch.exp(0.5 + 0.7 * x)
+    y = _poisson(g, mu * torch.as_tensor(np.random.default_rng(144).gamma(4.0, 0.25, 80), dtype=D))
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        r = pyro.sample("r", dist.Gamma(torch.tensor(2.0, dtype=D), 0.5))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("y", dist.NegativeBinomial(r, logits=0.5 + x * w - torch.log(r)), obs=y)
+
+    return model, (x,), {"y": y}
+
+
+@_reference_of("negbin_latent_concentration")
+def _(args, kwargs):
+    x, y = args[0], kwargs["y"]
+
+    def lj(T):
+        w, s = T[:, :1], T[:, 1:]
+        r = s.exp()
+        ll = dist.GammaPoisson(r, r * torch.exp(-(0.5 + w * x))).log_prob(y).sum(-1)
+        return (_std_normal_logpdf(w[:, 0]) + dist.Gamma(torch.tensor(2.0, dtype=D), 0.5).log_prob(r[:, 0])
+                + s[:, 0] + ll)
+
+    return quadrature(lj, {"w": [0], "r": [1]}, 2, box=((-2.0, 3.0), (-2.0, 5.0)))
+
+
+@_zoo("student_t_latent_scale", "hierarchical", "quadrature",
+      "robust regression with a hyper-latent scale: s ~ HalfNormal(1), y ~ StudentT(4, x w, s), 3 outliers (N=30)")
+def student_t_latent_scale():
+    g = _gen(145)
+    x = torch.randn(30, generator=g, dtype=D)
+    y = 0.8 * x + 0.4 * torch.randn(30, generator=g, dtype=D)
+    y[:3] += torch.tensor([4.0, -5.0, 6.0], dtype=D)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        s = pyro.sample("s", dist.HalfNormal(torch.tensor(1.0, dtype=D)))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("y", dist.StudentT(4.0, x * w, s), obs=y)
+
+    return model, (x,), {"y": y}
+
+
+@_reference_of("student_t_latent_scale")
+def _(args, kwargs):
+    x, y = args[0], kwargs["y"]
+
+    def lj(T):
+        w, ls = T[:, :1], T[:, 1:]
+        s = ls.exp()
+        ll = dist.StudentT(4.0, w * x, s).log_prob(y).sum(-1)
+        return (_std_normal_logpdf(w[:, 0]) + dist.HalfNormal(torch.tensor(1.0, dtype=D)).log_prob(s[:, 0])
+                + ls[:, 0] + ll)
+
+    return quadrature(lj, {"w": [0], "s": [1]}, 2, box=((-3.0, 3.0), (-4.0, 2.0)), width=20.0)
+
+
+def ar1_precision(T, phi, s):
+    """Sparse tridiagonal precision of a stationary AR(1) ``h_t = phi h_{t-1} + s eps_t`` (COO)."""
+    diag = torch.full((T,), (1 + phi ** 2) / s ** 2, dtype=D)
+    diag[0] = diag[-1] = 1 / s ** 2
+    i = torch.arange(T - 1)
+    rows = torch.cat([torch.arange(T), i, i + 1])
+    cols = torch.cat([torch.arange(T), i + 1, i])
+    vals = torch.cat([diag, torch.full((2 * (T - 1),), -phi / s ** 2, dtype=D)])
+    return torch.sparse_coo_tensor(torch.stack([rows, cols]), vals, (T, T)).coalesce()
+
+
+@_zoo("stochastic_volatility", "GMRF", "nuts",
+      "stochastic volatility: h ~ AR(1) (phi 0.9, innovation sd 0.4) as a SparseGMRF, y_t ~ Normal(0, exp(h_t / 2)) "
+      "(T=40)")
+def stochastic_volatility():
+    T, phi, s = 40, 0.9, 0.4
+    g = _gen(146)
+    Q = ar1_precision(T, phi, s)
+    L = torch.linalg.cholesky(Q.to_dense())
+    h = torch.linalg.solve_triangular(L.T, torch.randn(T, 1, generator=g, dtype=D), upper=True).reshape(T)
+    y = torch.exp(h / 2) * torch.randn(T, generator=g, dtype=D)
+
+    def model(y=None):
+        h = pyro.sample("h", pcv.distributions.SparseGMRF(_zeros(T), Q))
+        with pyro.plate("time", T):
+            pyro.sample("y", dist.Normal(0.0, torch.exp(h / 2)), obs=y)
+
+    return model, (), {"y": y}
+
+
+@_nuts_model_of("stochastic_volatility")
+def _whitened_sv(args, kwargs):
+    """``h = L^{-T} v`` with ``Q = L L^T`` dense and ``v ~ N(0, I)``: the same posterior of ``h``."""
+    T = kwargs["y"].shape[0]
+    L = torch.linalg.cholesky(ar1_precision(T, 0.9, 0.4).to_dense())
+
+    def field(v):
+        return torch.linalg.solve_triangular(L.T, v.reshape(-1, T).T, upper=True).T
+
+    def wmodel(y=None):
+        v = pyro.sample("v", dist.Normal(_zeros(T), 1.0).to_event(1))
+        h = field(v).reshape(T)
+        with pyro.plate("time", T):
+            pyro.sample("y", dist.Normal(0.0, torch.exp(h / 2)), obs=y)
+
+    return wmodel, lambda smp: {"h": field(smp["v"])}

@@ -162,7 +162,8 @@ def laplace_map(lgm, u0=None, *, z_start=1e-2, z_final=1e-12, z_factor=1e-2, max
              f"its test (Newton decrement {inner.decrement:.3g})")
     psi0 = 0.5 * float(prob.quad(u))
     if groups:
-        eta = lgm.design(groups).mv(u) + lgm.offset(groups)  # Laplace sites exp(-|eta_j| / b_j)
+        eta = lgm.design(groups).mv(u) + lgm.offset(groups)  # Laplace sites exp(-|eta_j - y_j| / b_j)
+        eta = eta - torch.cat([g.family.params["y"] for g in groups])
         b = torch.cat([g.family.params["scale"] for g in groups])
         psi0 += float((eta.abs() / b).sum())
     return u, {"objective": psi0, "smoothed_objective": inner.objective, "newton_steps": steps,

@@ -7,18 +7,22 @@ how it is read from a Pyro site. Adding a family is one module here plus one ent
 """
 from .base import SiteFamily, Weighted, gauss_hermite, gaussian_expectation, tempered
 from .binomial import Binomial
+from .categorical import Categorical
+from .gamma import GammaLog
 from .gaussian import Gaussian
 from .laplace import Laplace
 from .logit import BernoulliLogit
+from .negative_binomial import NegativeBinomial
 from .poisson import Poisson
 from .probit import BernoulliProbit
 from .stochastic_volatility import StochasticVolatility
 from .student_t import StudentT
 
-__all__ = ["SiteFamily", "BernoulliLogit", "BernoulliProbit", "Binomial", "Poisson", "Gaussian", "Laplace",
-           "StudentT", "StochasticVolatility", "Weighted", "tempered", "gauss_hermite", "gaussian_expectation",
+__all__ = ["SiteFamily", "BernoulliLogit", "BernoulliProbit", "Binomial", "NegativeBinomial", "GammaLog", "Poisson",
+           "Gaussian", "Laplace", "StudentT", "Categorical", "StochasticVolatility", "Weighted", "tempered", "gauss_hermite", "gaussian_expectation",
            "LIKELIHOODS"]
 
 #: the families extraction reads from observed Pyro sites, asked in this order (:meth:`~.base.SiteFamily.predictor`;
-#: probit before logit: both read a ``Bernoulli``)
-LIKELIHOODS = (BernoulliProbit, BernoulliLogit, Binomial, Poisson, Gaussian)
+#: probit before logit: both read a ``Bernoulli``; stochastic volatility before Gaussian: both read a ``Normal``)
+LIKELIHOODS = (BernoulliProbit, BernoulliLogit, Binomial, NegativeBinomial, Poisson, StochasticVolatility, Gaussian,
+               StudentT, Laplace, GammaLog, Categorical)

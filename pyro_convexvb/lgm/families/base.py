@@ -104,6 +104,12 @@ class SiteFamily:
         return None
 
     @classmethod
+    def refusal(cls, dist):
+        """Why extraction refuses a site this family recognises (``None``: it does not), e.g. a vector site the
+        engines cannot take yet (:class:`~pyro_convexvb.lgm.families.categorical.Categorical`)."""
+        return None
+
+    @classmethod
     def fixed_params(cls, dist):
         """``{name: (tensor, description)}``: the distribution's parameters besides ``eta`` that the family keeps
         (e.g. a Gaussian's noise scale); extraction refuses the site if one depends on a latent site."""

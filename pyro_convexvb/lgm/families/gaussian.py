@@ -51,7 +51,8 @@ class Gaussian(SiteFamily):
 
     @classmethod
     def fixed_params(cls, dist):
-        return {"scale": (dist.scale, "noise scale")}
+        return {"scale": (dist.scale, "noise scale (a Normal(m, exp(eta / 2)) whose mean m is free of latents is read "
+                                      "as a stochastic-volatility site; with a latent mean it is outside the class)")}
 
     @classmethod
     def from_site(cls, site, y, scale):

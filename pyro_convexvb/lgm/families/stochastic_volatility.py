@@ -1,8 +1,16 @@
-"""Stochastic-volatility sites ``N(y | 0, e^eta)`` (Khan et al. 2013, §5): the family and its exact bound."""
+"""Stochastic-volatility sites ``N(y | 0, e^eta)`` (Khan et al. 2013, §5): the family and its exact bound.
+
+Read from an observed Pyro site ``Normal(m, exp(eta / 2))`` (stochastic volatility, heteroscedastic noise) whose
+scale depends on the latents and whose mean ``m`` does not: the predictor is ``eta = 2 log scale`` (an affine
+function of the latents, else the site is refused as non-affine) and the data ``y - m``. A mean that depends on the
+latents as well is outside the class (the site is no longer a function of one linear predictor) and is refused.
+"""
 import math
 
+import pyro.distributions as dist
 import torch
 
+from ...errors import UnsupportedModelError
 from .base import SiteFamily
 from .bound import LocalBound
 
@@ -26,6 +34,9 @@ class StochasticVolatility(SiteFamily):
     """
 
     name = "stochastic_volatility"
+    distributions = (dist.Normal, torch.distributions.Normal)
+    no_potential = ("stochastic-volatility sites are not super-Gaussian: -eta / 2 - y^2 exp(-eta) / 2 has no even "
+                    "tilt (Nickisch & Seeger 2009, §2)")
 
     def __init__(self, y, zero_jitter=1e-8):
         y = torch.as_tensor(y)
@@ -48,6 +59,25 @@ class StochasticVolatility(SiteFamily):
 
     def local_bound(self, kind="tight", xi=None):
         return StochasticVolatilityBound(self)
+
+    @classmethod
+    def predictor(cls, d):
+        """``2 log scale`` of a ``Normal`` whose scale depends on the latents (its value carries an autograd graph
+        during extraction) and whose mean does not; otherwise ``None`` (a Gaussian site)."""
+        if not isinstance(d, cls.distributions):
+            return None
+        scale, loc = d.scale, d.loc
+        if torch.is_tensor(scale) and scale.requires_grad and not (torch.is_tensor(loc) and loc.requires_grad):
+            return 2 * torch.log(scale)
+        return None
+
+    @classmethod
+    def fixed_params(cls, d):
+        return {"loc": (torch.as_tensor(d.loc), "mean of the stochastic-volatility site Normal(m, exp(eta / 2))")}
+
+    @classmethod
+    def from_site(cls, site, y, loc):
+        return cls(y - loc)
 
 
 class StochasticVolatilityBound(LocalBound):

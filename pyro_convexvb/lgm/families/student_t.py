@@ -1,8 +1,16 @@
-"""Student-t observation sites: the family and its super-Gaussian (not log-concave) potential."""
+"""Student-t observation sites: the family and its super-Gaussian (not log-concave) potential.
+
+Robust regression ``y ~ StudentT(nu, loc=eta, scale=b)`` is read from a Pyro site (predictor ``loc``; ``df`` and
+``scale`` fixed, or hyper-latents integrated over as in ``docs/hyperparameters.md``). The site is super-Gaussian in
+``s = eta - y`` (Nickisch & Seeger 2009, §2 and §2.3: ``h`` and ``h^*`` implicit), so ``convex_relaxation`` takes
+it; it is not log-concave, so ``dual_vg`` has no convex local bound for it and refuses.
+"""
 import math
 
+import pyro.distributions as dist
 import torch
 
+from ...errors import UnsupportedModelError
 from .base import SiteFamily
 from .potential import SuperGaussianPotential, _t
 
@@ -10,11 +18,12 @@ __all__ = ["StudentT", "StudentTPotential"]
 
 
 class StudentT(SiteFamily):
-    """``t_i(eta) = StudentT(y_i | eta, scale_i, df_i)`` for explicit latent Gaussian models.
+    """``t_i(eta) = StudentT(y_i | df_i, loc=eta, scale=scale_i)``: robust regression.
 
-    Not produced by the Pyro extractor; build a :class:`~pyro_convexvb.SiteGroup` with it.  Its
-    super-Gaussian form (``convex_relaxation`` engine) is
-    :class:`~pyro_convexvb.infer.convex_relaxation.StudentTPotential`, which is not log-concave.
+    Read from an observed Pyro site ``StudentT(df, loc=..., scale)`` (the predictor is ``loc``) or built by hand in
+    a :class:`~pyro_convexvb.SiteGroup`.  Its super-Gaussian form (``convex_relaxation`` engine) is
+    :class:`StudentTPotential`, which is not log-concave (the relaxation warns with
+    :class:`~pyro_convexvb.errors.NonConvexWarning`); ``dual_vg`` refuses it.
 
     :param torch.Tensor y: ``(q,)`` observations.
     :param df: degrees of freedom ``nu > 0``, number or ``(q,)``.
@@ -30,7 +39,11 @@ class StudentT(SiteFamily):
 
     name = "student_t"
     log_concave = False
-    no_bound = "Student-t sites are not log-concave, so -E log p has no convex local bound"
+    distributions = (dist.StudentT, torch.distributions.StudentT)
+    pyro_form = "StudentT(df, loc=..., scale)"
+    no_bound = ("Student-t sites are not log-concave, so -E log p has no convex local bound (the dual of Khan et al. "
+                "2013, Eq. 10 needs one); they are super-Gaussian sites of the relaxation (Nickisch & Seeger 2009, "
+                "§2.3)")
 
     def __init__(self, y, df, scale):
         super().__init__(y=y, df=_t(df, y).expand_as(y).clone(), scale=_t(scale, y).expand_as(y).clone())
@@ -45,6 +58,21 @@ class StudentT(SiteFamily):
     def super_gaussian(self):
         p = self.params
         return StudentTPotential(p["y"], p["df"], p["scale"])
+
+    @classmethod
+    def predictor(cls, d):
+        return d.loc if isinstance(d, cls.distributions) else None
+
+    @classmethod
+    def fixed_params(cls, d):
+        return {"df": (d.df, "Student-t degrees of freedom"), "scale": (d.scale, "Student-t scale")}
+
+    @classmethod
+    def from_site(cls, site, y, df, scale):
+        for value, what in ((df, "degrees of freedom df"), (scale, "scale")):
+            if not bool(torch.isfinite(value).all()) or not bool((value > 0).all()):
+                raise UnsupportedModelError(site, f"the Student-t {what} must be positive and finite in every row")
+        return cls(y, df, scale)
 
 
 class StudentTPotential(SuperGaussianPotential):
