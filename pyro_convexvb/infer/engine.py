@@ -799,7 +799,8 @@ class Engine:
         from ..lgm.model import LatentGaussianModel
 
         post = sol.posterior
-        if post is not None and lgm is not None and getattr(lgm, "imputed", None) and post.n == lgm.n:
+        if post is not None and lgm is not None and (getattr(lgm, "imputed", None) or getattr(lgm, "chain", None)
+                                                     is not None) and post.n == lgm.n:
             post = lgm.complete_posterior(post)  # add the latent sites integrated out of u (e.g. obs_mask)
         if post is not None:
             if getattr(post, "layout", None) is None and lgm is not None and lgm.n == post.n:

@@ -136,7 +136,8 @@ class ConvexVariationalRelaxation(Engine):
                              "learn_params=False")
         prob = RelaxationProblem(lgm)
         gamma = result.info["gamma_all"]
-        q = result.posterior if result.posterior.n == lgm.n else lgm.latent_marginal(result.posterior)
+        q = result.posterior if result.posterior.n == lgm.n and getattr(result.posterior, "coordinates", None) \
+            != "model" else lgm.latent_marginal(result.posterior)
         u = q.loc
         A = prob.dense_a(1.0 / gamma if prob.q else None)
         logdet = 2 * torch.log(torch.diagonal(torch.linalg.cholesky(A))).sum()

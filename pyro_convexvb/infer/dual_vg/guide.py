@@ -240,7 +240,7 @@ class DualVGEngine(Engine):
             raise ValueError(f"engine '{self.name}': type-II learning of model parameters (learn_params) is not "
                              "available on row-sharded data; fit with learn_params=False")
         q = result.posterior
-        if q.n != lgm.n:
+        if q.n != lgm.n or getattr(q, "coordinates", None) == "model":
             q = lgm.latent_marginal(q)
         m = q.loc.to(lgm.dtype)
         V = q.covariance().to(lgm.dtype)
