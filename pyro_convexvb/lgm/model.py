@@ -329,7 +329,12 @@ class LatentGaussianModel:
         :param posterior: a :class:`~pyro_convexvb.GaussianPosterior` over ``u`` (``n`` coordinates).
         :returns: a :class:`~pyro_convexvb.GaussianPosterior` with a dense covariance and ``layout = model_layout``.
         """
-        if self.chain is not None and getattr(posterior, "coordinates", None) != "model":
+        components = getattr(posterior, "components", None)  # a mixture over hyper-latents: completed per point
+        if self.chain is not None and components is not None:
+            if not all(getattr(c, "coordinates", None) == "model" for c in components):
+                raise ValueError("a mixture posterior of an affine Gaussian chain needs components over the model's "
+                                 "sites (complete each component)")
+        elif self.chain is not None and getattr(posterior, "coordinates", None) != "model":
             if posterior.n != self.n:
                 raise ValueError(f"the posterior has {posterior.n} coordinates, the latent vector u has {self.n}")
             posterior = self.chain.to_model(posterior, layout=self.layout)
