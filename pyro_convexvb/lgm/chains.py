@@ -77,14 +77,34 @@ class AffineChain:
     :param device: its device.
     """
 
-    def __init__(self, A, children, dtype=torch.float64, device=None):
+    def __init__(self, A, children, dtype=torch.float64, device=None, intrinsic=()):
         n = A.shape[0]
         A = sp.csr_matrix(A)
         A.eliminate_zeros()
         if sp.triu(A).nnz:
             raise ValueError("AffineChain: A must be strictly lower triangular (a site's mean reads earlier sites)")
         self.A, self.children, self.dtype, self.device = A, list(children), dtype, device
+        self.intrinsic = list(intrinsic)
         eye = sp.identity(n, format="csr")
+        # intrinsic GMRF blocks: x_b = loc_b + phi(Pi w_b) (D and c0), their u-part w_b = Pi psi(x_b - loc_b) (Dinv)
+        D, Dinv, c0 = sp.lil_matrix((n, n)), sp.lil_matrix((n, n)), np.zeros(n)
+        plain = np.ones(n, dtype=bool)
+        self.dummy = np.zeros(n, dtype=bool)
+        for sl, fac, loc in self.intrinsic:
+            plain[sl] = False
+            idx = np.arange(sl.start, sl.stop)
+            Pi = np.eye(fac.n)
+            Pi[fac.P, fac.P] = 0.0
+            Phi = np.eye(fac.n) - fac.NK @ fac.C
+            N = fac.C.T
+            Psi = np.eye(fac.n) - N @ np.linalg.solve(N[fac.P], np.eye(fac.n)[fac.P])
+            D[np.ix_(idx, idx)] = Phi @ Pi
+            Dinv[np.ix_(idx, idx)] = Pi @ Psi
+            c0[idx] = loc
+            self.dummy[idx[fac.P]] = True
+        D, Dinv = D.tocsr(), Dinv.tocsr()
+        D = D + sp.diags(plain.astype(np.float64))
+        Dinv = Dinv + sp.diags(plain.astype(np.float64))
         M, term = eye.copy(), eye.copy()
         for _ in range(n + 1):  # (I - A)^{-1} = sum_k A^k; A is nilpotent (strictly lower triangular)
             term = (A @ term).tocsr()
@@ -92,8 +112,21 @@ class AffineChain:
             if term.nnz == 0:
                 break
             M = M + term
-        self.M = sp.csr_matrix(M)
-        self.T = (eye - A).tocsr()  # u = T x
+        Minv = sp.csr_matrix(M)  # (I - A)^{-1}
+        self.M = (Minv @ D).tocsr()  # x = M u + c
+        self.c = Minv @ c0
+        self.T = (Dinv @ (eye - A)).tocsr()  # u = T x - t on the range of M
+        self.t = Dinv @ c0
+
+    @property
+    def has_intrinsic(self):
+        return bool(self.intrinsic)
+
+    def offset(self, op, offset):
+        """The offset of a design ``B`` (acting on ``x``) in ``u`` coordinates: ``offset + B c``."""
+        if not self.c.any():
+            return offset
+        return offset + op.mv(torch.as_tensor(self.c, dtype=offset.dtype).to(offset.device))
 
     @property
     def n(self):
@@ -127,8 +160,10 @@ class AffineChain:
 
         kind = posterior.kind
         loc = posterior.loc
-        mean = torch.as_tensor(self.M @ loc.detach().cpu().numpy(), dtype=loc.dtype).to(loc.device)
+        mean = torch.as_tensor(self.M @ loc.detach().cpu().numpy() + self.c, dtype=loc.dtype).to(loc.device)
         layout = posterior.layout if layout is None else layout
+        if self.has_intrinsic and kind in ("precision", "scale_tril"):
+            kind = "covariance"  # M is singular on an intrinsic block: the posterior over its field is degenerate
         if kind == "precision":
             T = self._dense(self.T, loc)
             out = GaussianPosterior(mean, precision=T.transpose(0, 1) @ posterior._precision @ T, layout=layout)
@@ -151,9 +186,12 @@ class AffineChain:
         from ..infer.posterior import GaussianPosterior
 
         loc = posterior.loc
-        mean = torch.as_tensor(self.T @ loc.detach().cpu().numpy(), dtype=loc.dtype).to(loc.device)
+        mean = torch.as_tensor(self.T @ loc.detach().cpu().numpy() - self.t, dtype=loc.dtype).to(loc.device)
         T = self._dense(self.T, loc)
         C = T @ posterior.covariance(force=True) @ T.transpose(0, 1)
+        if self.dummy.any():  # the pivot coordinates of intrinsic blocks: not read by the model, N(0, 1)
+            d = torch.as_tensor(self.dummy, device=C.device)
+            C = C + torch.diag(d.to(C.dtype))
         return GaussianPosterior(mean, covariance=0.5 * (C + C.transpose(0, 1)),
                                  layout=posterior.layout if layout is None else layout)
 

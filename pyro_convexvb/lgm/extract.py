@@ -803,6 +803,38 @@ def _classify_dependent_latents(tr, layout, u):
     return imputed, chain
 
 
+def _intrinsic_prior(b, base, dtype, device):
+    """``(prior block, (slice, factor, loc, name))`` of an intrinsic ``SparseGMRF`` block: the prior of its
+    ``u``-part ``w`` (``N(0, (s Q_RR)^{-1})`` on the non-pivot coordinates ``R``, ``N(0, 1)`` on the ``k`` pivot
+    coordinates, which the model does not read), with ``x = loc + phi(Pi w)`` (:mod:`pyro_convexvb.lgm.chains`)."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    if _KEEP_GRAPH[0]:
+        raise UnsupportedModelError(b.name, "gradients of the evidence with respect to the parameters of an intrinsic "
+                                            "SparseGMRF (keep_graph, learn_params) are not available")
+    fac = base._intrinsic
+    s = float(base.precision_scale.detach())
+    A = base.precision.matrix
+    Q = sp.csr_matrix((A.values().detach().cpu().numpy(), A.col_indices().cpu().numpy(), A.crow_indices().cpu().numpy()),
+                      shape=A.shape).tocoo()
+    pivot = np.zeros(fac.n, dtype=bool)
+    pivot[fac.P] = True
+    keep = ~(pivot[Q.row] | pivot[Q.col])
+    rows = np.concatenate([Q.row[keep], fac.P])
+    cols = np.concatenate([Q.col[keep], fac.P])
+    vals = np.concatenate([s * Q.data[keep], np.ones(fac.k)])
+    P = sp.csr_matrix((vals, (rows, cols)), shape=Q.shape)
+    P.sort_indices()
+    prec = SparseOperator(torch.sparse_csr_tensor(torch.as_tensor(P.indptr, dtype=torch.int64),
+                                                  torch.as_tensor(P.indices, dtype=torch.int64),
+                                                  torch.as_tensor(P.data, dtype=dtype), size=P.shape).to(device))
+    logdet_cov = -((fac.n - fac.k) * math.log(s) + float(fac.chol.logdet()))
+    prior = PriorBlock(b.name, torch.zeros(fac.n, dtype=dtype, device=device), prec=prec, logdet_cov=logdet_cov)
+    loc = base.loc.detach().expand(fac.n).reshape(-1).to(torch.float64).cpu().numpy()
+    return prior, (b.slice, fac, loc, b.name)
+
+
 def _chain_prior(b, site, u0, u1, tr1, layout, chain_names, dtype, device):
     """``(prior block, (rows, cols, vals))`` of a chain child ``b``: its prior ``N(b, S)`` on ``u_b = x_b - A_b x``
     and the coordinates of ``A_b`` (rows within the block, columns of ``u``); refuses a mean that is not affine."""
@@ -920,7 +952,7 @@ def _extract(model, args, kwargs, dtype):
         return second
 
     # priors
-    priors, laplace_groups, chain_coo = [], [], []
+    priors, laplace_groups, chain_coo, intrinsic = [], [], [], []
     for b in layout.blocks:
         site = tr.nodes[b.name]
         fn = site["fn"]
@@ -930,7 +962,15 @@ def _extract(model, args, kwargs, dtype):
         if keep is not None and not bool(keep.all()):
             raise UnsupportedModelError(b.name, "latent site is masked (poutine.mask or dist.mask): its masked entries "
                                                 "have no prior, an improper density outside the LGM class")
-        if b.name in chain_names:
+        base_b = _unwrap(fn)[0]
+        if getattr(base_b, "is_intrinsic", False):  # intrinsic GMRF: x = loc + phi(Pi w) (pyro_convexvb.lgm.chains)
+            if b.name in chain_names:
+                raise UnsupportedModelError(b.name, "an intrinsic SparseGMRF (constraints=...) whose mean reads other "
+                                                    "latent sites is not supported; give it a constant mean")
+            prior, entry = _intrinsic_prior(b, base_b, dtype, device)
+            intrinsic.append(entry)
+            lap = None
+        elif b.name in chain_names:
             u1, tr1, _, _ = second_trace()
             prior, (r, c, v) = _chain_prior(b, site, u0, u1, tr1, layout, chain_names, dtype, device)
             chain_coo.append((r + b.start, c, v))
@@ -1027,17 +1067,20 @@ def _extract(model, args, kwargs, dtype):
                 and name not in full_layout.names:
             raise UnsupportedModelError(name, "latent site appeared only in some executions of the model")
     chain = None
-    if chain_coo:  # affine Gaussian chains: u = (I - A) x, designs B (I - A)^{-1} (pyro_convexvb.lgm.chains)
+    if chain_coo or intrinsic:  # affine Gaussian chains and intrinsic GMRFs: x = M u + c (pyro_convexvb.lgm.chains)
         import numpy as np
         import scipy.sparse as sp
 
         from .chains import AffineChain
 
-        A = sp.coo_matrix((np.concatenate([v for _, _, v in chain_coo]),
-                           (np.concatenate([r for r, _, _ in chain_coo]), np.concatenate([c for _, c, _ in chain_coo]))),
+        coo = chain_coo or [(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))]
+        A = sp.coo_matrix((np.concatenate([v for _, _, v in coo]),
+                           (np.concatenate([r for r, _, _ in coo]), np.concatenate([c for _, c, _ in coo]))),
                           shape=(n, n))
-        chain = AffineChain(A, chain_names, dtype=dtype, device=device)
+        chain = AffineChain(A, chain_names or [e[3] for e in intrinsic], dtype=dtype, device=device,
+                            intrinsic=[e[:3] for e in intrinsic])
         for g in laplace_groups + groups:
+            g.offset = chain.offset(g.design, g.offset)
             g.design = chain.design(g.design)
     return LatentGaussianModel(layout, priors, laplace_groups + groups, log_const=log_const, imputed=imputed,
                                model_layout=full_layout, chain=chain)
