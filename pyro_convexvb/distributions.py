@@ -133,7 +133,7 @@ class _IntrinsicFactor:
         if k == 0 or k >= n:
             raise ValueError(f"constraints: expected a (k, {n}) matrix with 0 < k < {n}, got {C.shape}")
         _, Rq, piv = scipy.linalg.qr(C, mode="economic", pivoting=True)
-        if abs(Rq[-1, -1]) <= 1e-10 * abs(Rq[0, 0]):
+        if abs(Rq[k - 1, k - 1]) <= 1e-10 * abs(Rq[0, 0]):
             raise ValueError("constraints: the constraint rows are linearly dependent")
         P = np.sort(piv[:k])
         keep = np.ones(n, dtype=bool)
@@ -147,6 +147,9 @@ class _IntrinsicFactor:
                              "the constant and the linear trend for a second-order random walk")
         try:
             self.chol = SparseCholesky(Q[R][:, R], name="precision")
+            pivots = np.asarray(self.chol.D)
+            if pivots.min() <= 1e-10 * pivots.max():  # a pivot at rounding level: a null direction left
+                raise NotPositiveDefiniteError("near-zero pivot")
         except NotPositiveDefiniteError:
             raise NotPositiveDefiniteError(
                 f"precision: positive semi-definite with more than {k} zero eigenvalues (or indefinite): give one "
