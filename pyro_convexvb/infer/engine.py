@@ -549,11 +549,15 @@ class Engine:
         The default accepts every model whose latent sites are continuous (the engines of this kind
         work in Pyro's unconstrained coordinates).
         """
-        from ..lgm.extract import latent_sites
+        from ..lgm.extract import _unwrap, latent_sites
 
         for name, site in latent_sites(model, args, kwargs):
             if getattr(site["fn"].support, "is_discrete", False):
                 return UnsupportedModelError(name, "a discrete latent site (this engine needs continuous latents)")
+            if getattr(_unwrap(site["fn"])[0], "is_intrinsic", False):
+                return UnsupportedModelError(name, "an intrinsic SparseGMRF: its Pyro density is flat along the null "
+                                                   "space of its precision, so an engine that runs the Pyro model does "
+                                                   "not enforce its constraints (dual_vg and convex_relaxation do)")
         return None
 
     @classmethod
@@ -799,8 +803,8 @@ class Engine:
         from ..lgm.model import LatentGaussianModel
 
         post = sol.posterior
-        if post is not None and lgm is not None and (getattr(lgm, "imputed", None) or getattr(lgm, "chain", None)
-                                                     is not None) and post.n == lgm.n:
+        if post is not None and lgm is not None and post.n == lgm.n and (
+                getattr(lgm, "imputed", None) or (getattr(lgm, "chain", None) is not None and self.takes == "lgm")):
             post = lgm.complete_posterior(post)  # add the latent sites integrated out of u (e.g. obs_mask)
         if post is not None:
             if getattr(post, "layout", None) is None and lgm is not None and lgm.n == post.n:
