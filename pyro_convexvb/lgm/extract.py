@@ -632,8 +632,11 @@ def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
     """Trace a Pyro model and return its :class:`LatentGaussianModel`.
 
     Recognised: latent sites (any shape, flattened and concatenated in model order) with Normal,
-    MultivariateNormal or Laplace priors whose parameters do not depend on other latents (a Laplace
-    prior becomes Laplace sites on the block, Nickisch & Seeger 2009 §2); observed sites Bernoulli(logits=... or
+    MultivariateNormal, SparseGMRF (intrinsic ones with ``constraints`` included) or Laplace priors (a Laplace
+    prior becomes Laplace sites on the block, Nickisch & Seeger 2009 §2); the mean of a Normal,
+    MultivariateNormal or SparseGMRF may be affine in other latent Gaussian sites (an affine Gaussian chain:
+    centred hierarchies, AR loops; :mod:`pyro_convexvb.lgm.chains`, then ``LatentGaussianModel.chain`` maps
+    ``u`` to the model's sites); observed sites Bernoulli(logits=... or
     probs=...; ``probs=Normal(loc, scale).cdf(eta)`` with fixed ``loc``, ``scale`` is a probit site of
     the predictor ``(eta - loc) / scale``), Poisson(rate=exp(...)) and Normal(loc=..., scale fixed) whose
     predictor is an affine function of the latents; plates, including subsampled ones (traced on the full data, so no
