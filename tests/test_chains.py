@@ -252,3 +252,21 @@ def test_eight_schools_centred_equals_noncentred_with_tau_integrated():
     assert abs(float(t1["mean"] - t2["mean"])) < 1e-6 and abs(float(t1["sd"] - t2["sd"])) < 1e-6
     # each component is the exact conditional posterior of (mu, theta) given tau: theta's mean shrinks to mu
     assert 4.0 < float(r1.posterior.loc[0]) < 4.8
+
+
+def test_complete_posterior_and_latent_marginal_are_inverse():
+    from pyro_convexvb.infer.posterior import GaussianPosterior
+
+    X, grp, y = _ri_data()
+    lgm = pcv.lgm_from_pyro(centred_ri, X, grp, y=y)
+    g = torch.Generator().manual_seed(0)
+    R = torch.randn(lgm.n, lgm.n, generator=g, dtype=D)
+    q = GaussianPosterior(torch.randn(lgm.n, generator=g, dtype=D), covariance=R @ R.T + torch.eye(lgm.n, dtype=D))
+    full = lgm.complete_posterior(q)
+    M = torch.as_tensor(lgm.chain.M.toarray())
+    assert torch.allclose(full.loc, M @ q.loc) and torch.allclose(full.covariance(), M @ q.covariance() @ M.T)
+    back = lgm.latent_marginal(full)
+    assert torch.allclose(back.loc, q.loc) and torch.allclose(back.covariance(), q.covariance())
+    # a precision posterior maps to the precision (I - A)^T P (I - A)
+    qp = GaussianPosterior(q.loc, precision=torch.linalg.inv(q.covariance()))
+    assert torch.allclose(lgm.complete_posterior(qp).covariance(), full.covariance(), atol=1e-8)

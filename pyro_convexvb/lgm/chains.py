@@ -147,6 +147,19 @@ class AffineChain:
     def _dense(self, m, like):
         return torch.as_tensor(m.toarray(), dtype=like.dtype).to(like.device)
 
+    @staticmethod
+    def _sparse(m, like):
+        m = sp.coo_matrix(m)
+        idx = torch.as_tensor(np.vstack([m.row, m.col]), dtype=torch.int64)
+        return torch.sparse_coo_tensor(idx, torch.as_tensor(m.data, dtype=like.dtype), m.shape).coalesce().to(like.device)
+
+    def _congruence(self, S, X):
+        """``S X S^T`` for a SciPy sparse ``S`` and a dense symmetric ``X`` (two sparse-dense products)."""
+        St = self._sparse(S, X)
+        Y = torch.sparse.mm(St, X)  # S X
+        Z = torch.sparse.mm(St, Y.transpose(0, 1).contiguous())  # S (S X)^T = S X S^T
+        return 0.5 * (Z + Z.transpose(0, 1))
+
     def to_model(self, posterior, layout=None):
         """The posterior over the model's sites ``x = (I - A)^{-1} u`` of a posterior over ``u``.
 
@@ -165,14 +178,12 @@ class AffineChain:
         if self.has_intrinsic and kind in ("precision", "scale_tril"):
             kind = "covariance"  # M is singular on an intrinsic block: the posterior over its field is degenerate
         if kind == "precision":
-            T = self._dense(self.T, loc)
-            out = GaussianPosterior(mean, precision=T.transpose(0, 1) @ posterior._precision @ T, layout=layout)
+            out = GaussianPosterior(mean, precision=self._congruence(self.T.T, posterior._precision), layout=layout)
         elif kind == "scale_tril":
             out = GaussianPosterior(mean, scale_tril=self._dense(self.M, loc) @ posterior._scale_tril, layout=layout)
         elif posterior.n <= DENSE_MAP_LIMIT and kind != "low_rank":
-            M = self._dense(self.M, loc)
-            C = M @ posterior.covariance(force=True) @ M.transpose(0, 1)
-            out = GaussianPosterior(mean, covariance=0.5 * (C + C.transpose(0, 1)), layout=layout)
+            out = GaussianPosterior(mean, covariance=self._congruence(self.M, posterior.covariance(force=True)),
+                                    layout=layout)
         else:
             raise UnsupportedModelError(
                 self.children[0], f"a {kind} posterior over {posterior.n} coordinates cannot be mapped exactly from "
@@ -187,13 +198,11 @@ class AffineChain:
 
         loc = posterior.loc
         mean = torch.as_tensor(self.T @ loc.detach().cpu().numpy() - self.t, dtype=loc.dtype).to(loc.device)
-        T = self._dense(self.T, loc)
-        C = T @ posterior.covariance(force=True) @ T.transpose(0, 1)
+        C = self._congruence(self.T, posterior.covariance(force=True))
         if self.dummy.any():  # the pivot coordinates of intrinsic blocks: not read by the model, N(0, 1)
             d = torch.as_tensor(self.dummy, device=C.device)
             C = C + torch.diag(d.to(C.dtype))
-        return GaussianPosterior(mean, covariance=0.5 * (C + C.transpose(0, 1)),
-                                 layout=posterior.layout if layout is None else layout)
+        return GaussianPosterior(mean, covariance=C, layout=posterior.layout if layout is None else layout)
 
 
 def chain_jacobian(name, loc, u0, parents, dtype):
