@@ -1115,6 +1115,8 @@ ZOO["ri_centred_gaussian"] = dataclasses.replace(ZOO["ri_centred_gaussian"], ref
 ZOO["ri_noncentred_gaussian"] = dataclasses.replace(ZOO["ri_noncentred_gaussian"], reference_fn=_ri_exact(False))
 
 
+@_zoo("ri_centred_logistic", "affine chains", "nuts",
+      "random intercepts, centred: alpha_j ~ N(mu, 0.7^2), y ~ Bernoulli(logits=alpha[g] + x b) (6 groups, N=48)")
 def ri_centred_logistic():
     X, grp, y = _ri_data(141, "bernoulli")
     return _ri_model(True, "bernoulli"), (X, grp), {"y": y}
