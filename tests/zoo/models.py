@@ -1122,6 +1122,7 @@ def ri_centred_logistic():
     return _ri_model(True, "bernoulli"), (X, grp), {"y": y}
 
 
+@_zoo("ri_noncentred_logistic", "affine chains", "nuts", "the same model non-centred: alpha = mu + 0.7 z")
 def ri_noncentred_logistic():
     X, grp, y = _ri_data(141, "bernoulli")
     return _ri_model(False, "bernoulli"), (X, grp), {"y": y}
