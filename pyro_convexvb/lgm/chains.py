@@ -75,6 +75,18 @@ class AffineChain:
     :param list children: names of the child sites (the sites whose mean reads other latents).
     :param dtype: dtype of the latent Gaussian model.
     :param device: its device.
+    :param intrinsic: ``[(slice, factor, loc)]`` of intrinsic ``SparseGMRF`` blocks (``x = loc + phi(Pi w)``).
+
+    Example (``mu`` then three intercepts ``alpha_j ~ N(mu, s)``)::
+
+        >>> import scipy.sparse as sp
+        >>> A = sp.csr_matrix(([1.0, 1.0, 1.0], ([1, 2, 3], [0, 0, 0])), shape=(4, 4))
+        >>> chain = AffineChain(A, ["alpha"])
+        >>> chain.M.toarray()[:, 0]  # x = M u: every alpha reads mu
+        array([1., 1., 1., 1.])
+        >>> lgm_design = chain.design(SparseOperator(torch.eye(4, dtype=torch.float64).to_sparse_csr()))
+        >>> lgm_design.nnz
+        7
     """
 
     def __init__(self, A, children, dtype=torch.float64, device=None, intrinsic=()):
