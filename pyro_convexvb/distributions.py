@@ -15,7 +15,7 @@ from torch.distributions import constraints
 from .linalg.operators import SparseOperator, to_csr
 from .linalg.sparse_cholesky import SparseCholesky
 
-__all__ = ["SparseGMRF"]
+__all__ = ["SparseGMRF", "icar_precision", "rw_precision", "bym2_scaling", "sum_to_zero"]
 
 # factorisations of precision objects shared by distribution instances built from the same object
 # (a Pyro model builds a new instance at every execution): id -> (weakref, version, dtype, operator, factor)
@@ -34,6 +34,33 @@ def _version(obj):
         return obj._version if torch.is_tensor(obj) else obj.matrix._version
     except (AttributeError, RuntimeError):
         return None
+
+
+_INTRINSIC = {}
+
+
+def _intrinsic_factor(precision, constraints, dtype, device):
+    """``(SparseOperator, _IntrinsicFactor)`` of an intrinsic precision, cached per (precision, constraints) object."""
+    key = (id(precision), constraints if isinstance(constraints, str) else id(constraints))
+    hit = _INTRINSIC.get(key)
+    if hit is not None:
+        ref, version, dt, dev, op, fac = hit
+        if ref() is precision and version == _version(precision) and dt == dtype and dev == device:
+            return op, fac
+    matrix = precision.matrix if isinstance(precision, SparseOperator) else precision
+    if not torch.is_tensor(matrix) or matrix.layout not in (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc):
+        raise TypeError("precision: expected a torch sparse tensor (COO/CSR/CSC) or a SparseOperator")
+    n = int(matrix.shape[0])
+    fac = _IntrinsicFactor(matrix.detach(), _constraint_matrix(constraints, n))
+    csr = to_csr(matrix.detach())
+    op = SparseOperator(torch.sparse_csr_tensor(csr.crow_indices(), csr.col_indices(), csr.values().to(dtype),
+                                                size=csr.shape, check_invariants=False).to(device))
+    try:
+        _INTRINSIC[key] = (weakref.ref(precision, lambda _: _INTRINSIC.pop(key, None)), _version(precision), dtype,
+                           device, op, fac)
+    except TypeError:  # pragma: no cover
+        pass
+    return op, fac
 
 
 def _precision_and_factor(precision, dtype, device):
@@ -72,6 +99,196 @@ def _precision_and_factor(precision, dtype, device):
     return op, chol
 
 
+def sum_to_zero(n, dtype=torch.float64):
+    """The ``(1, n)`` constraint matrix of ``sum(x) = 0``."""
+    return torch.ones(1, n, dtype=dtype)
+
+
+class _IntrinsicFactor:
+    r"""Factorisation of an intrinsic (rank-deficient) precision ``Q_0`` whose null space the rows of ``C`` span.
+
+    ``k`` pivot coordinates ``P`` with ``C_P`` invertible are chosen (pivoted QR of ``C``); ``Q_RR`` (the rest)
+    is then positive definite and factored sparsely. With ``N = C^T``:
+
+    * ``log|Q_0|* = log|Q_RR| + log|N^T N| - 2 log|det N_P|`` (the generalised determinant, the product of the
+      nonzero eigenvalues; Rue & Held 2005, §3.1);
+    * a draw of the constrained field is ``phi(z)``, ``z = (Q_RR^{-1/2} eps on R, 0 on P)``, with
+      ``phi(x) = x - N (C N)^{-1} C x``: ``phi`` maps ``{x_P = 0}`` linearly onto ``{C x = 0}`` along the null
+      space, leaving ``x^T Q_0 x`` unchanged (the pinned and the constrained fields are the same Gaussian on two
+      complements of the null space; Rue & Held 2005, §2.3.3 for conditioning by kriging);
+    * the constrained covariance is ``Phi S Phi^T`` with ``S = Q_RR^{-1}`` embedded in ``R``.
+    """
+
+    def __init__(self, matrix, C):
+        import numpy as np
+        import scipy.linalg
+
+        from .errors import NotPositiveDefiniteError
+        from .linalg.sparse_cholesky import as_scipy_csc
+
+        Q = as_scipy_csc(matrix, "precision")
+        n = Q.shape[0]
+        C = np.asarray(C, dtype=np.float64).reshape(-1, n)
+        k = C.shape[0]
+        if k == 0 or k >= n:
+            raise ValueError(f"constraints: expected a (k, {n}) matrix with 0 < k < {n}, got {C.shape}")
+        _, Rq, piv = scipy.linalg.qr(C, mode="economic", pivoting=True)
+        if abs(Rq[k - 1, k - 1]) <= 1e-10 * abs(Rq[0, 0]):
+            raise ValueError("constraints: the constraint rows are linearly dependent")
+        P = np.sort(piv[:k])
+        keep = np.ones(n, dtype=bool)
+        keep[P] = False
+        R = np.nonzero(keep)[0]
+        QC = Q @ C.T
+        if np.abs(QC).max() > 1e-9 * float(abs(Q).sum(1).max()) * float(np.abs(C).max()):
+            raise ValueError("constraints: an intrinsic SparseGMRF needs constraint rows that span the null space of "
+                             f"the precision (Q c = 0 for each row c; |Q C^T| = {np.abs(QC).max():.3g}): e.g. "
+                             "sum-to-zero for an ICAR field on a connected graph or a first-order random walk, "
+                             "the constant and the linear trend for a second-order random walk")
+        try:
+            self.chol = SparseCholesky(Q[R][:, R], name="precision")
+            pivots = np.asarray(self.chol.D)
+            if pivots.min() <= 1e-10 * pivots.max():  # a pivot at rounding level: a null direction left
+                raise NotPositiveDefiniteError("near-zero pivot")
+        except NotPositiveDefiniteError:
+            raise NotPositiveDefiniteError(
+                f"precision: positive semi-definite with more than {k} zero eigenvalues (or indefinite): give one "
+                "constraint per null direction (one sum-to-zero per connected component of an ICAR graph; the "
+                "constant and the linear trend of a second-order random walk)") from None
+        N = C.T
+        self.n, self.k, self.P, self.R, self.C = n, k, P, R, C
+        self.NK = N @ np.linalg.inv(C @ N)  # (n, k): phi(x) = x - NK C x
+        self.logdet_star = float(self.chol.logdet() + np.linalg.slogdet(N.T @ N)[1]
+                                 - 2 * np.linalg.slogdet(N[P])[1])
+        self._diag = None
+
+    def project(self, x):
+        """``phi(x) = x - N (C N)^{-1} C x`` for ``x`` of shape ``(n, B)`` (NumPy)."""
+        return x - self.NK @ (self.C @ x)
+
+    def sample(self, eps):
+        """Constrained draws ``(n, B)`` of ``N(0, Q_0^+)`` on ``{C x = 0}`` from ``eps`` of shape ``(n - k, B)``."""
+        import numpy as np
+
+        z = np.zeros((self.n, eps.shape[1]))
+        z[self.R] = self.chol.solve_Lt(eps)
+        return self.project(z)
+
+    def diag_covariance(self):
+        """``diag(Phi S Phi^T)``: the marginal variances of the constrained field (``(n,)``, NumPy)."""
+        import numpy as np
+
+        if self._diag is None:
+            S_diag = np.zeros(self.n)
+            S_diag[self.R] = self.chol.diag_inverse()
+            SCt = np.zeros((self.n, self.k))
+            SCt[self.R] = self.chol.solve(np.ascontiguousarray(self.C[:, self.R].T))
+            CSCt = self.C @ SCt
+            self._diag = S_diag - 2 * (self.NK * SCt).sum(1) + ((self.NK @ CSCt) * self.NK).sum(1)
+        return self._diag
+
+
+def _constraint_matrix(constraints, n):
+    import numpy as np
+
+    if isinstance(constraints, str):
+        if constraints != "sum_to_zero":
+            raise ValueError(f"constraints: expected 'sum_to_zero' or a (k, n) matrix, got {constraints!r}")
+        return np.ones((1, n))
+    C = constraints.detach().cpu().numpy() if torch.is_tensor(constraints) else np.asarray(constraints)
+    return np.asarray(C, dtype=np.float64).reshape(-1, n)
+
+
+def icar_precision(adjacency, dtype=torch.float64):
+    r"""``Q_0 = D - W`` of the intrinsic CAR model (Besag, York & Mollié 1991) on a graph given by its symmetric 0/1
+    adjacency ``W`` (``D = diag(W 1)``, the number of neighbours): a sparse CSR precision of rank ``n - c`` for ``c``
+    connected components. Use with ``SparseGMRF(..., constraints="sum_to_zero")`` on a connected graph.
+
+    :param adjacency: ``(n, n)`` dense or sparse (torch or SciPy) symmetric adjacency.
+    :returns: ``(n, n)`` torch sparse CSR tensor.
+
+    Example::
+
+        >>> W = torch.tensor([[0., 1, 0], [1, 0, 1], [0, 1, 0]])
+        >>> icar_precision(W).to_dense()
+        tensor([[ 1., -1.,  0.],
+                [-1.,  2., -1.],
+                [ 0., -1.,  1.]], dtype=torch.float64)
+    """
+    import numpy as np
+    import scipy.sparse as sp
+
+    if torch.is_tensor(adjacency):
+        W = sp.csr_matrix(adjacency.to_dense().cpu().numpy() if adjacency.layout != torch.strided else adjacency.cpu().numpy())
+    else:
+        W = sp.csr_matrix(adjacency)
+    W = (W != 0).astype(np.float64)
+    if (W != W.T).nnz:
+        raise ValueError("adjacency: must be symmetric")
+    W.setdiag(0)
+    W.eliminate_zeros()
+    return _to_torch_csr(sp.diags(np.asarray(W.sum(1)).ravel()) - W, dtype)
+
+
+def _to_torch_csr(M, dtype):
+    import scipy.sparse as sp
+
+    M = sp.csr_matrix(M)
+    M.sort_indices()
+    return torch.sparse_csr_tensor(torch.as_tensor(M.indptr, dtype=torch.int64), torch.as_tensor(M.indices, dtype=torch.int64),
+                                   torch.as_tensor(M.data, dtype=dtype), size=M.shape)
+
+
+def rw_precision(n, order=1, dtype=torch.float64):
+    r"""``Q_0 = D^T D`` of a random walk of order 1 or 2 on ``n`` equally spaced points (Rue & Held 2005, §3.3.1 and
+    §3.4.1; ``D`` the ``(n - order, n)`` difference matrix): rank ``n - order``. Constrain an RW1 to sum to zero and
+    an RW2 by its null space ``[1, t]`` (``constraints=torch.stack([torch.ones(n), torch.arange(n)])``).
+
+    Example::
+
+        >>> rw_precision(4).to_dense()
+        tensor([[ 1., -1.,  0.,  0.],
+                [-1.,  2., -1.,  0.],
+                [ 0., -1.,  2., -1.],
+                [ 0.,  0., -1.,  1.]], dtype=torch.float64)
+    """
+    import scipy.sparse as sp
+
+    if order not in (1, 2):
+        raise ValueError(f"order: expected 1 or 2, got {order}")
+    if n <= order:
+        raise ValueError(f"n: a random walk of order {order} needs more than {order} points, got {n}")
+    D = sp.diags([-1.0, 1.0], [0, 1], shape=(n - 1, n))
+    if order == 2:
+        D = sp.diags([1.0, -2.0, 1.0], [0, 1, 2], shape=(n - 2, n))
+    return _to_torch_csr(D.T @ D, dtype)
+
+
+def bym2_scaling(precision, constraints="sum_to_zero"):
+    r"""The factor ``c`` that scales an intrinsic precision to unit generalised variance: ``c Q_0`` has marginal
+    variances (under its constraints) of geometric mean one (Sørbye & Rue 2014; the scaling of the BYM2 model,
+    Riebler et al. 2016, §3). ``c`` is the geometric mean of the marginal variances of ``Q_0``'s constrained field.
+
+    :param precision: ``(n, n)`` sparse intrinsic precision (torch sparse or :class:`~pyro_convexvb.linalg.SparseOperator`).
+    :param constraints: ``"sum_to_zero"`` or a ``(k, n)`` matrix whose rows span the null space of ``precision``.
+    :returns: float ``c``; use ``SparseGMRF(loc, precision, precision_scale=c * tau, constraints=...)``.
+
+    Example::
+
+        >>> Q = rw_precision(5)
+        >>> c = bym2_scaling(Q)
+        >>> v = SparseGMRF(torch.zeros(5, dtype=torch.float64), Q, c, constraints="sum_to_zero").variance
+        >>> round(float(v.log().mean().exp()), 12)
+        1.0
+    """
+    import numpy as np
+
+    matrix = precision.matrix if isinstance(precision, SparseOperator) else precision
+    n = int(matrix.shape[0])
+    fac = _IntrinsicFactor(matrix, _constraint_matrix(constraints, n))
+    return float(np.exp(np.mean(np.log(fac.diag_covariance()))))
+
+
 class SparseGMRF(TorchDistribution):
     r"""Gaussian Markov random field ``x ~ N(loc, Q^{-1})`` with a sparse precision ``Q = s Q_0``.
 
@@ -100,6 +317,15 @@ class SparseGMRF(TorchDistribution):
     :param precision: ``(n, n)`` symmetric positive definite ``Q_0``: a torch sparse tensor (COO, CSR or
         CSC) or a :class:`~pyro_convexvb.linalg.SparseOperator`. Converted to the dtype of ``loc``.
     :param torch.Tensor precision_scale: optional positive scalar ``s`` (``Q = s Q_0``); default 1.
+    :param constraints: for an *intrinsic* field (Rue & Held 2005, ch. 3: ICAR, RW1, RW2; ``Q_0`` positive
+        semi-definite of rank ``n - k``): ``"sum_to_zero"`` or a ``(k, n)`` matrix ``C`` whose rows span the null
+        space of ``Q_0`` (checked: ``Q_0 C^T = 0``), and the field lives on ``{C (x - loc) = 0}``. Its density there
+        is ``log p(x) = -(n-k)/2 log 2 pi + 1/2 log|Q|* - 1/2 (x - loc)^T Q (x - loc)`` with the generalised
+        determinant ``|Q|*`` (the product of the nonzero eigenvalues; Rue & Held 2005, Eq. 3.18), the density
+        with respect to the Lebesgue measure of that ``(n - k)``-dimensional subspace; ``log_prob`` evaluates this
+        formula, which ignores the component of ``x - loc`` in the null space. Samples satisfy the constraints
+        exactly (:class:`_IntrinsicFactor`). Helpers: :func:`icar_precision`, :func:`rw_precision`,
+        :func:`bym2_scaling`. Default ``None``: ``Q_0`` must be positive definite.
     :raises TypeError: ``precision`` is dense or of an unknown type.
     :raises ValueError: shapes that do not match, a non-symmetric ``precision``, batch dimensions,
         a non-positive ``precision_scale``.
@@ -129,7 +355,7 @@ class SparseGMRF(TorchDistribution):
     support = constraints.real_vector
     has_rsample = True
 
-    def __init__(self, loc, precision, precision_scale=None, validate_args=None):
+    def __init__(self, loc, precision, precision_scale=None, validate_args=None, constraints=None):
         if not torch.is_tensor(loc):
             loc = torch.as_tensor(loc, dtype=torch.get_default_dtype())
         if not loc.is_floating_point():
@@ -160,8 +386,17 @@ class SparseGMRF(TorchDistribution):
         self.loc = loc
         self.precision_scale = precision_scale
         self._precision_obj = precision
-        self.precision, self._chol = _precision_and_factor(precision, loc.dtype, loc.device)
-        self._logdet0 = self._chol.logdet()
+        self.constraints = constraints
+        if constraints is None:
+            self.precision, self._chol = _precision_and_factor(precision, loc.dtype, loc.device)
+            self._intrinsic = None
+            self._logdet0 = self._chol.logdet()
+            self.rank = n
+        else:
+            self.precision, self._intrinsic = _intrinsic_factor(precision, constraints, loc.dtype, loc.device)
+            self._chol = None
+            self._logdet0 = self._intrinsic.logdet_star
+            self.rank = n - self._intrinsic.k
         super().__init__(torch.Size(), torch.Size([n]), validate_args=validate_args)
 
     # ------------------------------------------------------------------ torch.distributions API
@@ -179,13 +414,24 @@ class SparseGMRF(TorchDistribution):
 
     @property
     def variance(self):
-        """``diag(Q^{-1}) = diag(Q_0^{-1}) / s`` by selected inversion (``(n,)``; differentiable in ``s``)."""
-        z = torch.as_tensor(self._chol.diag_inverse(), dtype=self.loc.dtype, device=self.loc.device)
+        """``diag(Q^{-1}) = diag(Q_0^{-1}) / s`` by selected inversion (``(n,)``; differentiable in ``s``); for an
+        intrinsic field the marginal variances of the constrained field, ``diag(Q^+)`` (every basis of the null
+        space gives the same constrained field)."""
+        if self._intrinsic is not None:
+            z = torch.as_tensor(self._intrinsic.diag_covariance(), dtype=self.loc.dtype, device=self.loc.device)
+        else:
+            z = torch.as_tensor(self._chol.diag_inverse(), dtype=self.loc.dtype, device=self.loc.device)
         return z / self.precision_scale
 
+    @property
+    def is_intrinsic(self):
+        """Whether the precision is rank-deficient (``constraints`` given)."""
+        return self._intrinsic is not None
+
     def log_det_precision(self):
-        """``log|Q| = n log s + log|Q_0|`` as a tensor (differentiable in ``s``)."""
-        return self.n * torch.log(self.precision_scale) + self._logdet0
+        """``log|Q| = n log s + log|Q_0|`` as a tensor (differentiable in ``s``); for an intrinsic field the
+        generalised determinant ``log|Q|* = (n - k) log s + log|Q_0|*`` (Rue & Held 2005, §3.1)."""
+        return self.rank * torch.log(self.precision_scale) + self._logdet0
 
     def scaled_precision(self):
         """``Q = s Q_0`` as a :class:`~pyro_convexvb.linalg.SparseOperator` (detached values)."""
@@ -205,19 +451,24 @@ class SparseGMRF(TorchDistribution):
         batch = r.shape[:-1]
         flat = r.reshape(-1, n).transpose(0, 1)  # (n, B)
         quad = (flat * self.precision.mv(flat.contiguous())).sum(0).reshape(batch)
-        return (-0.5 * n * math.log(2 * math.pi) + 0.5 * self.log_det_precision()
+        return (-0.5 * self.rank * math.log(2 * math.pi) + 0.5 * self.log_det_precision()
                 - 0.5 * self.precision_scale * quad)
 
     def rsample(self, sample_shape=torch.Size()):
         shape = self._extended_shape(sample_shape)
         n = self.n
+        if self._intrinsic is not None:
+            B = int(math.prod(shape[:-1])) if len(shape) > 1 else 1
+            eps = torch.randn(self.rank, B, dtype=torch.float64)
+            z = torch.as_tensor(self._intrinsic.sample(eps.numpy()), dtype=self.loc.dtype, device=self.loc.device)
+            return self.loc + z.transpose(0, 1).reshape(shape) * torch.rsqrt(self.precision_scale)
         eps = torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
         z = self._chol.solve_Lt(eps.reshape(-1, n).transpose(0, 1).detach())  # (n, B): z ~ N(0, Q_0^{-1})
         z = z.transpose(0, 1).reshape(shape)
         return self.loc + z * torch.rsqrt(self.precision_scale)
 
     def entropy(self):
-        return 0.5 * self.n * (1.0 + math.log(2 * math.pi)) - 0.5 * self.log_det_precision()
+        return 0.5 * self.rank * (1.0 + math.log(2 * math.pi)) - 0.5 * self.log_det_precision()
 
     def __repr__(self):
         return f"SparseGMRF(n={self.n}, nnz(Q)={self.precision.nnz}, dtype={self.loc.dtype})"

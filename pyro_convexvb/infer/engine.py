@@ -57,7 +57,7 @@ import torch
 
 from ..distributed import broadcast, comm_of, find_comm
 from ..errors import ConvergenceError, UnsupportedModelError, warn
-from ..lgm.extract import check_model_data, latent_sites, lgm_from_pyro, proper_missing, unconstrained_layout
+from ..lgm.extract import _unwrap, check_model_data, latent_sites, lgm_from_pyro, proper_missing, unconstrained_layout
 from ..lgm.model import LatentGaussianModel
 from . import meta
 from .options import EngineOptions, LGMEngineOptions, option, options_table
@@ -227,6 +227,10 @@ class Engine:
         for name, site in latent_sites(model, args, kwargs):
             if getattr(site["fn"].support, "is_discrete", False):
                 return UnsupportedModelError(name, "a discrete latent site (this engine needs continuous latents)")
+            if getattr(_unwrap(site["fn"])[0], "is_intrinsic", False):
+                return UnsupportedModelError(name, "an intrinsic SparseGMRF: its Pyro density is flat along the null "
+                                                   "space of its precision, so an engine that runs the Pyro model does "
+                                                   "not enforce its constraints (dual_vg and convex_relaxation do)")
         return None
 
     @classmethod
@@ -334,7 +338,8 @@ class Engine:
         """The :class:`~pyro_convexvb.InferenceResult` of a :class:`Solution`: the posterior completed (latents
         integrated out of ``u``) and bound to the model and its data, the convergence warning or error."""
         post = sol.posterior
-        if post is not None and lgm is not None and getattr(lgm, "imputed", None) and post.n == lgm.n:
+        if post is not None and lgm is not None and post.n == lgm.n and (
+                getattr(lgm, "imputed", None) or (getattr(lgm, "chain", None) is not None and self.takes == "lgm")):
             post = lgm.complete_posterior(post)  # add the latent sites integrated out of u (e.g. obs_mask)
         if post is not None:
             layout = None

@@ -162,7 +162,8 @@ def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, see
             raise ValueError(f"the model has {n} unconstrained latent dimensions, the posterior {posterior.n}")
         objective = monte_carlo_objective(log_joint, n, check_particles, loc.dtype, loc.device, seed)
         name = f"natural-gradient decrement of a {check_particles}-draw Monte Carlo ELBO (nats)"
-    if lgm is not None and getattr(lgm, "imputed", None) and posterior.n == lgm.model_layout.size:
+    if lgm is not None and (getattr(lgm, "imputed", None) or getattr(lgm, "chain", None) is not None) \
+            and posterior.n == lgm.model_layout.size:
         # latent sites integrated out of the LGM (obs_mask): the bound of the marginal over u
         with torch.no_grad():
             q = lgm.latent_marginal(posterior)
@@ -457,7 +458,8 @@ class LaplaceEngine(_FullDataEngine):
         lgm = try_lgm(call.source, call.args, call.kwargs)
         bound = None
         q = posterior
-        if lgm is not None and getattr(lgm, "imputed", None) and posterior.n == lgm.model_layout.size:
+        if lgm is not None and (getattr(lgm, "imputed", None) or getattr(lgm, "chain", None) is not None) \
+                and posterior.n == lgm.model_layout.size:
             q = lgm.latent_marginal(posterior)  # latent sites integrated out of the LGM (obs_mask)
         if lgm is not None and lgm.n == q.n and q.n <= EXACT_BOUND_MAX:
             with torch.no_grad():

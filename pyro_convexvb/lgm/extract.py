@@ -317,9 +317,13 @@ def _trace(model, args, kwargs, values):
     return tr, records
 
 
-def _latent_prior(name, fn, shape, dtype, device, keep_graph=False):
-    """PriorBlock (or 'laplace' marker) for a latent site; raises for anything else."""
+def _latent_prior(name, fn, shape, dtype, device, keep_graph=False, loc=None):
+    """PriorBlock (or 'laplace' marker) for a latent site; raises for anything else.
+
+    ``loc`` (flattened, ``(size,)``) replaces the distribution's mean: the constant part ``b`` of the mean of an
+    affine Gaussian chain's child (:mod:`pyro_convexvb.lgm.chains`)."""
     base, mask = _unwrap(fn)
+    override = loc
     if mask is not None:
         raise UnsupportedModelError(name, "masked latent sites are not supported")
     size = int(math.prod(shape)) if shape else 1
@@ -334,10 +338,11 @@ def _latent_prior(name, fn, shape, dtype, device, keep_graph=False):
             A = prec.matrix
             prec = SparseOperator(torch.sparse_csr_tensor(A.crow_indices(), A.col_indices(), A.values().to(dtype),
                                                           size=A.shape, check_invariants=False).to(device))
-        return PriorBlock(name, _d(base.loc, keep_graph).reshape(size).to(dtype=dtype, device=device), prec=prec,
+        mean = _d(base.loc, keep_graph).reshape(size) if override is None else _d(override, keep_graph)
+        return PriorBlock(name, mean.to(dtype=dtype, device=device), prec=prec,
                           logdet_cov=-_num(base.log_det_precision(), keep_graph)), None
     if isinstance(base, (dist.Normal, torch.distributions.Normal)):
-        loc = base.loc.expand(shape).reshape(size).to(dtype)
+        loc = (base.loc.expand(shape).reshape(size) if override is None else override).to(dtype)
         scale = base.scale.expand(shape).reshape(size).to(dtype)
         if (scale <= 0).any() or not torch.isfinite(scale).all():
             raise UnsupportedModelError(name, "prior scale must be positive and finite")
@@ -347,7 +352,7 @@ def _latent_prior(name, fn, shape, dtype, device, keep_graph=False):
     if isinstance(base, (dist.MultivariateNormal, torch.distributions.MultivariateNormal)):
         d = base.event_shape[0]
         tril = _d(base.scale_tril.expand(tuple(shape[:-1]) + (d, d)).reshape(-1, d, d).to(dtype), keep_graph)
-        loc = _d(base.loc.expand(shape).reshape(size).to(dtype), keep_graph)
+        loc = _d((base.loc.expand(shape).reshape(size) if override is None else override).to(dtype), keep_graph)
         covs, precs, logdet = [], [], 0.0
         for L in tril:
             if not torch.isfinite(L).all() or (torch.diagonal(L) <= 0).any():
@@ -650,8 +655,11 @@ def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
     """Trace a Pyro model and return its :class:`LatentGaussianModel`.
 
     Recognised: latent sites (any shape, flattened and concatenated in model order) with Normal,
-    MultivariateNormal or Laplace priors whose parameters do not depend on other latents (a Laplace
-    prior becomes Laplace sites on the block, Nickisch & Seeger 2009 §2); observed sites Bernoulli(logits=... or
+    MultivariateNormal, SparseGMRF (intrinsic ones with ``constraints`` included) or Laplace priors (a Laplace
+    prior becomes Laplace sites on the block, Nickisch & Seeger 2009 §2); the mean of a Normal,
+    MultivariateNormal or SparseGMRF may be affine in other latent Gaussian sites (an affine Gaussian chain:
+    centred hierarchies, AR loops; :mod:`pyro_convexvb.lgm.chains`, then ``LatentGaussianModel.chain`` maps
+    ``u`` to the model's sites); observed sites Bernoulli(logits=... or
     probs=...; ``probs=Normal(loc, scale).cdf(eta)`` with fixed ``loc``, ``scale`` is a probit site of
     the predictor ``(eta - loc) / scale``), Poisson(rate=exp(...)) and Normal(loc=..., scale fixed) whose
     predictor is an affine function of the latents; plates, including subsampled ones (traced on the full data, so no
@@ -776,6 +784,140 @@ def _is_factor(site):
     return isinstance(_unwrap(site["fn"])[0], dist.Unit)
 
 
+_SCALE_ATTRS = ("scale", "scale_tril", "_unbroadcasted_scale_tril", "precision_scale")
+
+
+def _is_gaussian_chain_prior(base):
+    from ..distributions import SparseGMRF
+
+    return isinstance(base, (dist.Normal, torch.distributions.Normal, dist.MultivariateNormal,
+                             torch.distributions.MultivariateNormal, SparseGMRF))
+
+
+def _classify_dependent_latents(tr, layout, u):
+    """``(imputed names, chain names)`` of the latent sites whose distribution reads other latent sites.
+
+    A ``Normal(eta, s)`` that no other site reads is integrated out (an :class:`ImputedBlock`); a ``Normal``,
+    ``MultivariateNormal`` or ``SparseGMRF`` whose ``loc`` (only) reads other latents is a child of an affine
+    Gaussian chain (:mod:`pyro_convexvb.lgm.chains`); anything else is refused, naming the site and the reason.
+    """
+    imputed, chain = set(), []
+    for b in layout.blocks:
+        site = tr.nodes[b.name]
+        base, _ = _unwrap(site["fn"])
+        loc_dep = _depends_on(getattr(base, "loc", None), u)
+        scale_dep = any(_depends_on(getattr(base, a, None), u) for a in _SCALE_ATTRS)
+        if not (loc_dep or scale_dep):
+            continue
+        if scale_dep:
+            raise UnsupportedModelError(
+                b.name, "the scale (or precision) of the latent site depends on another latent site whose prior is "
+                        "Gaussian: only its mean may be affine in other latent Gaussian sites; a positive hyper-latent "
+                        "on the scale (e.g. HalfCauchy, LogNormal) is integrated by the engines' hyper option")
+        if not _is_gaussian_chain_prior(base):
+            raise UnsupportedModelError(
+                b.name, f"the parameters of its {type(base).__name__} prior depend on another latent site; only a "
+                        "Normal, MultivariateNormal or SparseGMRF mean may be affine in other latent Gaussian sites "
+                        "(an affine Gaussian chain)")
+        read = any(_reads(t, u, b.slice) for name, s in tr.nodes.items()
+                   if name != b.name and s["type"] == "sample" and not _is_subsample(s)
+                   and not _is_deterministic(s) for t in _site_tensors(s))
+        if not read and isinstance(base, (dist.Normal, torch.distributions.Normal)):
+            imputed.add(b.name)
+        else:
+            chain.append(b.name)
+    return imputed, chain
+
+
+def _intrinsic_prior(b, base, dtype, device, keep_graph=False):
+    """``(prior block, (slice, factor, loc, name))`` of an intrinsic ``SparseGMRF`` block: the prior of its
+    ``u``-part ``w`` (``N(0, (s Q_RR)^{-1})`` on the non-pivot coordinates ``R``, ``N(0, 1)`` on the ``k`` pivot
+    coordinates, which the model does not read), with ``x = loc + phi(Pi w)`` (:mod:`pyro_convexvb.lgm.chains`)."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    if keep_graph:
+        raise UnsupportedModelError(b.name, "gradients of the evidence with respect to the parameters of an intrinsic "
+                                            "SparseGMRF (keep_graph, learn_params) are not available")
+    fac = base._intrinsic
+    s = float(base.precision_scale.detach())
+    A = base.precision.matrix
+    Q = sp.csr_matrix((A.values().detach().cpu().numpy(), A.col_indices().cpu().numpy(), A.crow_indices().cpu().numpy()),
+                      shape=A.shape).tocoo()
+    pivot = np.zeros(fac.n, dtype=bool)
+    pivot[fac.P] = True
+    keep = ~(pivot[Q.row] | pivot[Q.col])
+    rows = np.concatenate([Q.row[keep], fac.P])
+    cols = np.concatenate([Q.col[keep], fac.P])
+    vals = np.concatenate([s * Q.data[keep], np.ones(fac.k)])
+    P = sp.csr_matrix((vals, (rows, cols)), shape=Q.shape)
+    P.sort_indices()
+    prec = SparseOperator(torch.sparse_csr_tensor(torch.as_tensor(P.indptr, dtype=torch.int64),
+                                                  torch.as_tensor(P.indices, dtype=torch.int64),
+                                                  torch.as_tensor(P.data, dtype=dtype), size=P.shape).to(device))
+    logdet_cov = -((fac.n - fac.k) * math.log(s) + float(fac.chol.logdet()))
+    prior = PriorBlock(b.name, torch.zeros(fac.n, dtype=dtype, device=device), prec=prec, logdet_cov=logdet_cov)
+    loc = base.loc.detach().expand(fac.n).reshape(-1).to(torch.float64).cpu().numpy()
+    return prior, (b.slice, fac, loc, b.name)
+
+
+def _reads_leaves_other_than(t, u):
+    """Whether the autograd graph of ``t`` reaches a leaf tensor other than ``u`` (e.g. a ``pyro.param`` value)."""
+    if not torch.is_tensor(t) or t.grad_fn is None:
+        return torch.is_tensor(t) and t.requires_grad and t is not u
+    seen, stack = set(), [t.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)  # AccumulateGrad: a leaf
+        if var is not None and var is not u:
+            return True
+        stack.extend(f for f, _ in fn.next_functions)
+    return False
+
+
+def _chain_prior(b, site, u0, u1, tr1, layout, chain_names, dtype, device, keep_graph=False):
+    """``(prior block, (rows, cols, vals))`` of a chain child ``b``: its prior ``N(b, S)`` on ``u_b = x_b - A_b x``
+    and the coordinates of ``A_b`` (rows within the block, columns of ``u``); refuses a mean that is not affine."""
+    from .chains import chain_jacobian
+
+    fn = site["fn"]
+    base, _ = _unwrap(fn)
+    full = tuple(fn.batch_shape) + tuple(fn.event_shape)
+    loc = base.loc.expand(full).reshape(-1).to(dtype)
+    if keep_graph and _reads_leaves_other_than(loc, u0):
+        raise UnsupportedModelError(
+            b.name, "the mean of this child of an affine Gaussian chain depends on a pyro.param value: its coefficients "
+                    "and constant are extracted as constants, so gradients of the evidence with respect to those "
+                    "params (keep_graph, learn_params) are not available; make the param a latent site, or fix it")
+    loc1 = _unwrap(tr1.nodes[b.name]["fn"])[0].loc.expand(full).reshape(-1).detach().to(dtype)
+    gen = torch.Generator().manual_seed(2)
+    w = (torch.rand(loc.shape, generator=gen, dtype=loc.dtype) + 0.5).to(loc.device)
+    g = torch.autograd.grad((loc * w).sum(), u0, retain_graph=True, allow_unused=True)[0]
+    parents = [p for p in layout.blocks if g is not None and bool(((g[p.slice] != 0) | torch.isnan(g[p.slice])).any())]
+    for p in parents:
+        if p.start >= b.start:
+            raise UnsupportedModelError(b.name, f"its mean reads the latent site '{p.name}', sampled after it")
+    rows, cols, vals = chain_jacobian(b.name, loc, u0, [p.slice for p in parents], dtype)
+    J = torch.sparse_coo_tensor(torch.stack([torch.as_tensor(rows), torch.as_tensor(cols)]),
+                                torch.as_tensor(vals, dtype=dtype), (loc.shape[0], u0.shape[0])).to(device)
+    du = (u1 - u0).detach()
+    e0 = loc.detach()
+    pred = e0 + torch.sparse.mm(J, du.unsqueeze(-1)).squeeze(-1)
+    err = _absmax(pred - loc1)
+    tol = _AFFINE_RTOL if dtype == torch.float64 else 1e-3
+    if not math.isfinite(err) or err > tol * (1.0 + _absmax(loc1) + _absmax(e0)):
+        raise UnsupportedModelError(
+            b.name, f"the mean of the latent site is not an affine function of the latent sites it reads "
+                    f"({', '.join(p.name for p in parents)}; deviation {err:.3g}); an affine Gaussian chain needs "
+                    "loc = A x + b")
+    offset = e0 - torch.sparse.mm(J, u0.detach().unsqueeze(-1)).squeeze(-1)
+    prior, lap = _latent_prior(b.name, fn, b.shape, dtype, device, keep_graph, loc=offset)
+    return prior, (rows, cols, vals)
+
+
 def _sites(tr):
     """The sample sites of a trace with their kind and shapes: what an extraction's structure depends on."""
     return [(n, s["is_observed"], tuple(s["fn"].batch_shape), tuple(s["fn"].event_shape)) for n, s in tr.nodes.items()
@@ -841,7 +983,8 @@ def _extract(model, args, kwargs, dtype, keep_graph):
         tr, recs = _trace(model, args, kwargs, values=all_vals)
         return tr, recs, vals
 
-    # latents whose distribution reads other latents: allowed only as Gaussian leaves nothing else reads
+    # latents whose distribution reads other latents: Gaussian leaves that nothing else reads are integrated out
+    # (ImputedBlock); Gaussian sites whose loc (only) is affine in other latents are affine Gaussian chains
     uf = torch.randn(full_layout.size, generator=gen, dtype=dtype).to(device).requires_grad_(True)
     tr, records, vals = run_at(uf, full_layout)
     if cached and _sites(tr) != _sites(tr0):  # the sites changed with the params: trace the structure again
@@ -849,24 +992,7 @@ def _extract(model, args, kwargs, dtype, keep_graph):
         return _extract(model, args, kwargs, dtype, keep_graph)
     if cache is not None:
         cache["structure"] = tr0
-    leaves = []
-    for b in full_layout.blocks:
-        site = tr.nodes[b.name]
-        base, _ = _unwrap(site["fn"])
-        if any(_depends_on(getattr(base, a, None), uf) for a in ("loc", "scale", "scale_tril", "precision_scale")):
-            leaves.append(b)
-    imputed_names = set()
-    if leaves:
-        for b in leaves:
-            read = any(_reads(t, uf, b.slice) for name, site in tr.nodes.items()
-                       if name != b.name and site["type"] == "sample" and not _is_subsample(site)
-                       and not _is_deterministic(site) for t in _site_tensors(site))
-            if read or not isinstance(_unwrap(tr.nodes[b.name]["fn"])[0], (dist.Normal, torch.distributions.Normal)):
-                raise UnsupportedModelError(
-                    b.name, "prior parameters depend on another latent site (hierarchical models are outside the LGM "
-                            "class; a latent Normal(eta, s) with an affine eta is integrated out only when no other "
-                            "site reads it)")
-            imputed_names.add(b.name)
+    imputed_names, chain_names = _classify_dependent_latents(tr, full_layout, uf)
     if imputed_names:
         layout = LatentLayout.from_shapes([(b.name, b.shape) for b in full_layout.blocks if b.name not in imputed_names],
                                           [b.event_dim for b in full_layout.blocks if b.name not in imputed_names])
@@ -889,7 +1015,7 @@ def _extract(model, args, kwargs, dtype, keep_graph):
         return second
 
     # priors
-    priors, laplace_groups = [], []
+    priors, laplace_groups, chain_coo, intrinsic = [], [], [], []
     for b in layout.blocks:
         site = tr.nodes[b.name]
         fn = site["fn"]
@@ -899,7 +1025,21 @@ def _extract(model, args, kwargs, dtype, keep_graph):
         if keep is not None and not bool(keep.all()):
             raise UnsupportedModelError(b.name, "latent site is masked (poutine.mask or dist.mask): its masked entries "
                                                 "have no prior, an improper density outside the LGM class")
-        prior, lap = _latent_prior(b.name, fn, b.shape, dtype, device, keep_graph)
+        base_b = _unwrap(fn)[0]
+        if getattr(base_b, "is_intrinsic", False):  # intrinsic GMRF: x = loc + phi(Pi w) (pyro_convexvb.lgm.chains)
+            if b.name in chain_names:
+                raise UnsupportedModelError(b.name, "an intrinsic SparseGMRF (constraints=...) whose mean reads other "
+                                                    "latent sites is not supported; give it a constant mean")
+            prior, entry = _intrinsic_prior(b, base_b, dtype, device, keep_graph)
+            intrinsic.append(entry)
+            lap = None
+        elif b.name in chain_names:
+            u1, tr1, _, _ = second_trace()
+            prior, (r, c, v) = _chain_prior(b, site, u0, u1, tr1, layout, chain_names, dtype, device, keep_graph)
+            chain_coo.append((r + b.start, c, v))
+            lap = None
+        else:
+            prior, lap = _latent_prior(b.name, fn, b.shape, dtype, device, keep_graph)
         priors.append(prior)
         if lap is not None:
             loc, scale = lap
@@ -991,5 +1131,21 @@ def _extract(model, args, kwargs, dtype, keep_graph):
         if site["type"] == "sample" and not site["is_observed"] and not _is_subsample(site) \
                 and name not in full_layout.names:
             raise UnsupportedModelError(name, "latent site appeared only in some executions of the model")
+    chain = None
+    if chain_coo or intrinsic:  # affine Gaussian chains and intrinsic GMRFs: x = M u + c (pyro_convexvb.lgm.chains)
+        import numpy as np
+        import scipy.sparse as sp
+
+        from .chains import AffineChain
+
+        coo = chain_coo or [(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))]
+        A = sp.coo_matrix((np.concatenate([v for _, _, v in coo]),
+                           (np.concatenate([r for r, _, _ in coo]), np.concatenate([c for _, c, _ in coo]))),
+                          shape=(n, n))
+        chain = AffineChain(A, chain_names or [e[3] for e in intrinsic], dtype=dtype, device=device,
+                            intrinsic=[e[:3] for e in intrinsic])
+        for g in laplace_groups + groups:
+            g.offset = chain.offset(g.design, g.offset)
+            g.design = chain.design(g.design)
     return LatentGaussianModel(layout, priors, laplace_groups + groups, log_const=log_const, imputed=imputed,
-                               model_layout=full_layout)
+                               model_layout=full_layout, chain=chain)

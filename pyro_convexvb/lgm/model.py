@@ -166,6 +166,10 @@ class LatentGaussianModel:
     log_const: float = 0.0
     imputed: List[ImputedBlock] = field(default_factory=list)
     model_layout: Optional[LatentLayout] = None
+    #: an :class:`~pyro_convexvb.lgm.chains.AffineChain` when ``u = (I - A) x`` holds the innovations of affine
+    #: Gaussian chains (centred hierarchies, AR loops) rather than the model's sites ``x`` (then the imputed
+    #: blocks' designs act on ``x``); :meth:`complete_posterior` maps a posterior back
+    chain: Optional[object] = None
 
     def __post_init__(self):
         if self.model_layout is None:
@@ -322,6 +326,15 @@ class LatentGaussianModel:
         :param posterior: a :class:`~pyro_convexvb.GaussianPosterior` over ``u`` (``n`` coordinates).
         :returns: a :class:`~pyro_convexvb.GaussianPosterior` with a dense covariance and ``layout = model_layout``.
         """
+        components = getattr(posterior, "components", None)  # a mixture over hyper-latents: completed per point
+        if self.chain is not None and components is not None:
+            if not all(getattr(c, "coordinates", None) == "model" for c in components):
+                raise ValueError("a mixture posterior of an affine Gaussian chain needs components over the model's "
+                                 "sites (complete each component)")
+        elif self.chain is not None and getattr(posterior, "coordinates", None) != "model":
+            if posterior.n != self.n:
+                raise ValueError(f"the posterior has {posterior.n} coordinates, the latent vector u has {self.n}")
+            posterior = self.chain.to_model(posterior, layout=self.layout)
         if not self.imputed:
             return posterior
         if posterior.n != self.n:
@@ -358,13 +371,14 @@ class LatentGaussianModel:
         :returns: a :class:`~pyro_convexvb.GaussianPosterior` over ``u`` with a dense covariance and ``layout = layout``.
         """
         if not self.imputed:
-            return posterior
+            return posterior if self.chain is None else self.chain.to_latent(posterior, layout=self.layout)
         if posterior.n != self.model_layout.size:
             raise ValueError(f"the posterior has {posterior.n} coordinates, the model's latent sites {self.model_layout.size}")
         idx = torch.cat([torch.arange(self.model_layout[b.name].start, self.model_layout[b.name].start + b.size)
                          for b in self.layout.blocks]).to(posterior.loc.device)
         C = posterior.covariance()[idx][:, idx]
-        return GaussianPosterior(posterior.loc[idx], covariance=C, layout=self.layout)
+        q = GaussianPosterior(posterior.loc[idx], covariance=C, layout=self.layout)
+        return q if self.chain is None else self.chain.to_latent(q, layout=self.layout)
 
     # ------------------------------------------------------------------ densities
     def log_prior(self, u):

@@ -135,6 +135,22 @@ KNOWN_MISSES = {
     ("gp_ard_rbf", "nuts"): "mean err 1.2, sd err 0.76: " + _GP_NUTS,
     ("hier_gp_lengthscale", "nuts"): "mean err 2.1 (log ell), sd err 0.78: " + _GP_NUTS,
 }
+_FUNNEL = ("the centred eight schools' posterior is a funnel in (log tau, theta): a Gaussian in the model's "
+           "unconstrained coordinates fitted by Adam (or one diagonal component) cannot follow it; dual_vg and "
+           "convex_relaxation integrate tau over a grid and fit the Gaussian field given tau exactly")
+KNOWN_MISSES.update({
+    ("ri_noncentred_gaussian", "svi_lowrank"): "sd err 0.54 > 0.5: Adam from init_scale 0.1 stops on its plateau rule "
+                                               "before the low-rank scales have grown",
+    ("eight_schools_centred", "diag_mixture"): "mean err 0.73 > 0.5 at theta[6] (unconverged): " + _FUNNEL,
+    ("eight_schools_centred", "svi_automvn"): "mean err 1.15 > 0.5 at mu: " + _FUNNEL,
+    ("eight_schools_centred", "svi_autonormal"): "mean err 1.17 > 0.5 at mu: " + _FUNNEL,
+    ("eight_schools_centred", "svi_lowrank"): "mean err 1.25 > 0.5 at mu: " + _FUNNEL,
+    ("eight_schools_centred", "laplace"): "NotPositiveDefiniteError: the joint mode is at the neck of the funnel "
+                                          "(tau -> 0), where the Hessian is not positive definite",
+    ("eight_schools_noncentred", "laplace"): "mean err 2.2 > 0.4: " + _LAPLACE_HYPER,
+    ("ri_noncentred_gaussian", "nuts"): "mean err 0.39 > 0.35: the Monte Carlo error of 200 draws of one chain "
+                                        "(seed 0)",
+})
 for _m, _errs in {"gp_rbf": (2.4, 2.0, 2.1, 1.9), "gp_matern52": (2.2, 2.0, 2.1, 2.1),
                   "gp_ard_rbf": (2.6, 2.7, 2.5, 2.6), "hier_gp_lengthscale": (3.9, 3.9, 4.1, 4.1)}.items():
     for _e, _err in zip(("svi_automvn", "svi_autonormal", "svi_lowrank", "diag_mixture"), _errs):

@@ -50,6 +50,7 @@ SHORT = [
     (r"discrete latent", "discrete latent"),
     (r"no Gaussian prior", "Laplace prior"),
     (r"unsupported prior (\w+)", r"\1 prior"),
+    (r"an intrinsic SparseGMRF", "intrinsic GMRF"),
 ]
 
 

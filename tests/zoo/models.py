@@ -1247,3 +1247,243 @@ def _whitened_sv(args, kwargs):
             pyro.sample("y", dist.Normal(0.0, torch.exp(h / 2)), obs=y)
 
     return wmodel, lambda smp: {"h": field(smp["v"])}
+
+
+# ---------------------------------------------------------------------------------------------
+# affine Gaussian chains (centred and non-centred twins) and intrinsic GMRFs
+# ---------------------------------------------------------------------------------------------
+_RI_J, _RI_SIGMA = 6, 0.7
+
+
+def _ri_data(seed, lik):
+    g = _gen(seed)
+    N = 48
+    grp = torch.arange(N) % _RI_J
+    X = torch.randn(N, 1, generator=g, dtype=D)
+    alpha = 0.3 + _RI_SIGMA * torch.randn(_RI_J, generator=g, dtype=D)
+    eta = alpha[grp] + 0.8 * X[:, 0]
+    y = eta + 0.5 * torch.randn(N, generator=g, dtype=D) if lik == "normal" else _bernoulli(g, eta)
+    return X, grp, y
+
+
+def _ri_model(centred, lik):
+    def model(X, grp, y=None):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 2.0))
+        b = pyro.sample("b", dist.Normal(_zeros(X.shape[1]), 1.0).to_event(1))
+        with pyro.plate("groups", _RI_J):
+            if centred:
+                alpha = pyro.sample("alpha", dist.Normal(mu, _RI_SIGMA))
+            else:
+                alpha = mu + _RI_SIGMA * pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        eta = alpha[grp] + X @ b
+        with pyro.plate("data", X.shape[0]):
+            if lik == "normal":
+                pyro.sample("y", dist.Normal(eta, 0.5), obs=y)
+            else:
+                pyro.sample("y", dist.Bernoulli(logits=eta), obs=y)
+
+    return model
+
+
+def _ri_exact(centred):
+    """Exact posterior of the Gaussian random-intercept model: conjugate in the non-centred coordinates
+    (mu, b, z) (independent priors), mapped linearly to (mu, b, alpha) for the centred form."""
+
+    def ref(args, kwargs):
+        X, grp, y = args[0], args[1], kwargs["y"]
+        N, p = X.shape
+        B = torch.zeros(N, 1 + p + _RI_J, dtype=D)
+        B[:, 0] = 1.0
+        B[:, 1:1 + p] = X
+        B[torch.arange(N), 1 + p + grp] = _RI_SIGMA
+        prior_var = torch.cat([torch.tensor([4.0], dtype=D), torch.ones(p + _RI_J, dtype=D)])
+        m, C = conjugate_gaussian(B, y, prior_var, 0.25)
+        if centred:
+            T = torch.eye(1 + p + _RI_J, dtype=D)
+            T[1 + p:, 0] = 1.0
+            T[1 + p:, 1 + p:] *= _RI_SIGMA
+            m, C = T @ m, T @ C @ T.T
+        sd = C.diagonal().sqrt()
+        last = "alpha" if centred else "z"
+        return _summary({"mu": [0], "b": list(range(1, 1 + p)), last: list(range(1 + p, 1 + p + _RI_J))}, m, sd)
+
+    return ref
+
+
+@_zoo("ri_centred_gaussian", "affine chains", "exact",
+      "random intercepts, centred: mu ~ N(0, 2^2), alpha_j ~ N(mu, 0.7^2), y ~ N(alpha[g] + x b, 0.5^2) (6 groups, "
+      "N=48)", gaussian=True)
+def ri_centred_gaussian():
+    X, grp, y = _ri_data(140, "normal")
+    return _ri_model(True, "normal"), (X, grp), {"y": y}
+
+
+@_zoo("ri_noncentred_gaussian", "affine chains", "exact",
+      "the same model non-centred: alpha = mu + 0.7 z, z_j ~ N(0, 1)", gaussian=True)
+def ri_noncentred_gaussian():
+    X, grp, y = _ri_data(140, "normal")
+    return _ri_model(False, "normal"), (X, grp), {"y": y}
+
+
+ZOO["ri_centred_gaussian"] = dataclasses.replace(ZOO["ri_centred_gaussian"], reference_fn=_ri_exact(True))
+ZOO["ri_noncentred_gaussian"] = dataclasses.replace(ZOO["ri_noncentred_gaussian"], reference_fn=_ri_exact(False))
+
+
+@_zoo("ri_centred_logistic", "affine chains", "nuts",
+      "random intercepts, centred: alpha_j ~ N(mu, 0.7^2), y ~ Bernoulli(logits=alpha[g] + x b) (6 groups, N=48)")
+def ri_centred_logistic():
+    X, grp, y = _ri_data(141, "bernoulli")
+    return _ri_model(True, "bernoulli"), (X, grp), {"y": y}
+
+
+@_zoo("ri_noncentred_logistic", "affine chains", "nuts", "the same model non-centred: alpha = mu + 0.7 z")
+def ri_noncentred_logistic():
+    X, grp, y = _ri_data(141, "bernoulli")
+    return _ri_model(False, "bernoulli"), (X, grp), {"y": y}
+
+
+_EIGHT_Y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0], dtype=D)
+_EIGHT_S = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0], dtype=D)
+
+
+def _eight_model(centred):
+    def model(s, y=None):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 5.0))
+        tau = pyro.sample("tau", dist.HalfCauchy(torch.tensor(5.0, dtype=D)))
+        with pyro.plate("schools", s.shape[0]):
+            if centred:
+                theta = pyro.sample("theta", dist.Normal(mu, tau))
+            else:
+                theta = mu + tau * pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+            pyro.sample("y", dist.Normal(theta, s), obs=y)
+
+    return model
+
+
+def _eight_exact(centred):
+    """1-D quadrature over t = log tau; given tau the field is conjugate Gaussian (mu and theta, or mu and z), its
+    moments mixed by the laws of total expectation and variance."""
+
+    def ref(args, kwargs):
+        s, y = args[0], kwargs["y"]
+        J = y.shape[0]
+        t = torch.linspace(math.log(1e-9), math.log(1e5), 30001, dtype=D)
+        tau = t.exp()
+        G = t.shape[0]
+        # non-centred coordinates (mu, z) given tau: y = mu + tau z + noise s (batched over the grid)
+        B = torch.zeros(G, J, J + 1, dtype=D)
+        B[:, :, 0] = 1.0
+        B[:, torch.arange(J), 1 + torch.arange(J)] = tau[:, None]
+        P0 = torch.diag(torch.cat([torch.tensor([1 / 25.0], dtype=D), torch.ones(J, dtype=D)]))
+        P = P0 + B.transpose(1, 2) @ (B / (s**2)[None, :, None])
+        C = torch.linalg.inv(P)
+        M = (C @ (B.transpose(1, 2) @ (y / s**2)[None, :, None]))[..., 0]
+        if centred:
+            T = torch.eye(J + 1, dtype=D).repeat(G, 1, 1)
+            T[:, 1:, 0] = 1.0
+            T[:, 1 + torch.arange(J), 1 + torch.arange(J)] = tau[:, None]
+            M = (T @ M[..., None])[..., 0]
+            C = T @ C @ T.transpose(1, 2)
+        V = C.diagonal(dim1=1, dim2=2)
+        cov_y = 25.0 + torch.diag_embed(tau[:, None] ** 2 + s**2)
+        L = dist.MultivariateNormal(torch.zeros(J, dtype=D), cov_y).log_prob(y)
+        lp = L + dist.HalfCauchy(torch.tensor(5.0, dtype=D)).log_prob(tau) + t
+        w = torch.softmax(lp, 0)
+        assert float(w[0] + w[-1]) < 1e-10
+        mean = (w[:, None] * M).sum(0)
+        var = (w[:, None] * (V + M**2)).sum(0) - mean**2
+        mt = float((w * t).sum())
+        st = float((w * (t - mt) ** 2).sum()) ** 0.5
+        out = _summary({"mu": [0], "theta" if centred else "z": list(range(1, J + 1))}, mean, var.sqrt())
+        out["tau"] = {"mean": [mt], "sd": [st]}
+        return out
+
+    return ref
+
+
+@_zoo("eight_schools_centred", "affine chains", "quadrature",
+      "eight schools, centred: theta_j ~ N(mu, tau), tau ~ HalfCauchy(5) (a hyper-latent), y_j ~ N(theta_j, s_j)")
+def eight_schools_centred():
+    return _eight_model(True), (_EIGHT_S,), {"y": _EIGHT_Y}
+
+
+@_zoo("eight_schools_noncentred", "affine chains", "quadrature", "the same model non-centred: theta = mu + tau z")
+def eight_schools_noncentred():
+    return _eight_model(False), (_EIGHT_S,), {"y": _EIGHT_Y}
+
+
+ZOO["eight_schools_centred"] = dataclasses.replace(ZOO["eight_schools_centred"], reference_fn=_eight_exact(True))
+ZOO["eight_schools_noncentred"] = dataclasses.replace(ZOO["eight_schools_noncentred"], reference_fn=_eight_exact(False))
+
+_AR_T, _AR_PHI, _AR_S = 10, 0.8, 0.5
+
+
+@_zoo("ar1_loop", "affine chains", "exact",
+      "AR(1) written as a loop: h_t ~ N(0.8 h_{t-1}, 0.5^2) (stationary start), y_t ~ N(h_t, 0.3^2) (T=10)",
+      gaussian=True)
+def ar1_loop():
+    y = torch.randn(_AR_T, generator=_gen(142), dtype=D)
+
+    def model(y=None):
+        h = pyro.sample("h_0", dist.Normal(torch.tensor(0.0, dtype=D), _AR_S / math.sqrt(1 - _AR_PHI**2)))
+        hs = [h]
+        for k in range(1, _AR_T):
+            h = pyro.sample(f"h_{k}", dist.Normal(_AR_PHI * h, _AR_S))
+            hs.append(h)
+        pyro.sample("y", dist.Normal(torch.stack(hs), 0.3).to_event(1), obs=y)
+
+    return model, (), {"y": y}
+
+
+@_reference_of("ar1_loop")
+def _(args, kwargs):
+    y = kwargs["y"]
+    T = _AR_T
+    L = torch.eye(T, dtype=D) - _AR_PHI * torch.diag(torch.ones(T - 1, dtype=D), -1)
+    S = torch.full((T,), _AR_S**2, dtype=D)
+    S[0] = _AR_S**2 / (1 - _AR_PHI**2)
+    Q = L.T @ torch.diag(1 / S) @ L + torch.eye(T, dtype=D) / 0.09
+    C = torch.linalg.inv(Q)
+    m = C @ (y / 0.09)
+    return _summary({f"h_{k}": [k] for k in range(T)}, m, C.diagonal().sqrt())
+
+
+def _rw1_data():
+    n = 12
+    g = _gen(143)
+    y = 0.5 + torch.sin(torch.arange(n, dtype=D) / 2) + 0.4 * torch.randn(n, generator=g, dtype=D)
+    return n, y
+
+
+@_zoo("rw1_intrinsic", "affine chains", "exact",
+      "intrinsic RW1 trend, sum-to-zero, BYM2-scaled precision 4 c Q_RW1, plus an intercept; y_t ~ N(b0 + x_t, 0.4^2)"
+      " (T=12)", gaussian=True)
+def rw1_intrinsic():
+    n, y = _rw1_data()
+    Q = pcv.distributions.rw_precision(n)
+    c = pcv.distributions.bym2_scaling(Q)
+
+    def model(y=None):
+        b0 = pyro.sample("b0", dist.Normal(torch.tensor(0.0, dtype=D), 3.0))
+        x = pyro.sample("x", pcv.distributions.SparseGMRF(_zeros(n), Q, torch.tensor(4.0 * c, dtype=D),
+                                                          constraints="sum_to_zero"))
+        pyro.sample("y", dist.Normal(b0 + x, 0.4).to_event(1), obs=y)
+
+    return model, (), {"y": y}
+
+
+@_reference_of("rw1_intrinsic")
+def _(args, kwargs):
+    """Exact, in an orthonormal basis V of the sum-to-zero subspace (the eigenvectors of Q_RW1 with nonzero
+    eigenvalues): x = V z, z ~ N(0, diag(4 c lambda)^{-1})."""
+    y = kwargs["y"]
+    n = y.shape[0]
+    Q = pcv.distributions.rw_precision(n).to_dense()
+    c = float(torch.linalg.pinv(Q).diagonal().log().mean().exp())
+    lam, U = torch.linalg.eigh(Q)
+    V = U[:, 1:]
+    B = torch.cat([torch.ones(n, 1, dtype=D), V], 1)
+    m, C = conjugate_gaussian(B, y, torch.cat([torch.tensor([9.0], dtype=D), 1 / (4 * c * lam[1:])]), 0.16)
+    T = torch.block_diag(torch.eye(1, dtype=D), V)
+    m, C = T @ m, T @ C @ T.T
+    return _summary({"b0": [0], "x": list(range(1, n + 1))}, m, C.diagonal().sqrt())

@@ -49,8 +49,9 @@ def _natural_gradient_refusal(call, lgm, n_guide, learn_params):
     """Why natural gradients on the exact bound do not apply to this model (``None`` when they do)."""
     if lgm is None:
         return "the model is not a latent Gaussian model that pyro_convexvb can extract"
-    if lgm.n != n_guide:
-        return "the guide's latent vector is not the latent Gaussian model's (constrained or extra latents)"
+    if lgm.n != n_guide or getattr(lgm, "chain", None) is not None:
+        return "the guide's latent vector is not the latent Gaussian model's (constrained or extra latents, or a " \
+               "reparametrised affine Gaussian chain or intrinsic GMRF)"
     if learn_params and model_param_values(call):
         return "the model has pyro.param sites to learn jointly (learn_params=True), which only SVI does"
     return None

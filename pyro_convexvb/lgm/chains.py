@@ -1,0 +1,257 @@
+r"""Affine Gaussian chains: latent Gaussian sites whose mean is affine in other latent Gaussian sites.
+
+A Pyro model that writes ``mu ~ N(m0, s0)``, ``alpha_j ~ N(mu, sigma)`` (a centred hierarchy) or
+``h_t ~ N(phi h_{t-1}, s)`` (an AR(1) loop) has latent values ``x`` with
+
+.. math:: x = A x + b + e, \qquad e \sim N(0, S) \text{ block-diagonal},
+
+``A`` strictly block-lower-triangular in trace order (a site's mean reads only sites sampled before it,
+and ``A`` has as many nonzeros as the means read). The joint prior is Gaussian with the sparse precision
+``Q = (I - A)^T S^{-1} (I - A)`` (Rue & Held 2005, §2.1.1 for the AR(1) case; Papaspiliopoulos et al. 2007 for
+centred and non-centred parametrisations). The extraction keeps it in the factored form: the latent
+vector ``u`` of the :class:`~pyro_convexvb.LatentGaussianModel` holds ``u = (I - A) x`` (the innovation plus
+the constant part of the mean, a block-diagonal prior ``N(b, S)``) and every design becomes
+``B (I - A)^{-1}``, a sparse product (``(I - A)^{-1} = I + A + A^2 + ...``, a finite sum since ``A`` is
+nilpotent; one term for a one-level hierarchy). The change of variables has unit Jacobian, so the
+evidence and every Gaussian variational optimum are those of the centred model; the fitted posterior
+over ``u`` is mapped back to the model's sites by :meth:`AffineChain.to_model`.
+"""
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from ..errors import UnsupportedModelError
+from ..linalg.operators import (
+    DenseOperator,
+    DiagonalOperator,
+    EmbedColumnsOperator,
+    SparseOperator,
+    SumOperator,
+)
+
+__all__ = ["AffineChain"]
+
+#: largest latent dimension for which a posterior form without an exact sparse map (diagonal, low rank plus
+#: diagonal, matrix-free precision) is mapped to the model's coordinates through its dense covariance
+DENSE_MAP_LIMIT = 10_000
+
+
+def _scipy_csr(op):
+    """``op`` as a SciPy CSR matrix, or ``None`` for operators that are not explicit matrices."""
+    if isinstance(op, SparseOperator):
+        A = op.matrix
+        return sp.csr_matrix((A.values().detach().cpu().numpy(), A.col_indices().cpu().numpy().astype(np.int64),
+                              A.crow_indices().cpu().numpy().astype(np.int64)), shape=op.shape)
+    if isinstance(op, DiagonalOperator):
+        return sp.diags(op.diag.detach().cpu().numpy()).tocsr()
+    if isinstance(op, DenseOperator):
+        return sp.csr_matrix(op.matrix.detach().cpu().numpy())
+    if isinstance(op, EmbedColumnsOperator):
+        base = _scipy_csr(op.base)
+        if base is None:
+            return None
+        base = base.tocoo()
+        return sp.csr_matrix((base.data, (base.row, base.col + op.start)), shape=op.shape)
+    if isinstance(op, SumOperator):
+        parts = [_scipy_csr(o) for o in op.operators]
+        if any(p is None for p in parts):
+            return None
+        return sum(c * p for c, p in zip(op.coefficients, parts)).tocsr()
+    return None
+
+
+def _torch_csr(m, dtype, device):
+    m = sp.csr_matrix(m)
+    m.sort_indices()
+    return torch.sparse_csr_tensor(torch.as_tensor(m.indptr, dtype=torch.int64), torch.as_tensor(m.indices, dtype=torch.int64),
+                                   torch.as_tensor(m.data, dtype=dtype), size=m.shape).to(device)
+
+
+class AffineChain:
+    r"""The change of variables ``u = (I - A) x`` of an affine Gaussian chain (see the module docstring).
+
+    :param A: SciPy sparse ``(n, n)`` strictly lower-triangular matrix: row block of a child site, columns
+        of the latent sites its mean reads (``loc = A x + b``).
+    :param list children: names of the child sites (the sites whose mean reads other latents).
+    :param dtype: dtype of the latent Gaussian model.
+    :param device: its device.
+    :param intrinsic: ``[(slice, factor, loc)]`` of intrinsic ``SparseGMRF`` blocks (``x = loc + phi(Pi w)``).
+
+    Example (``mu`` then three intercepts ``alpha_j ~ N(mu, s)``)::
+
+        >>> import scipy.sparse as sp
+        >>> A = sp.csr_matrix(([1.0, 1.0, 1.0], ([1, 2, 3], [0, 0, 0])), shape=(4, 4))
+        >>> chain = AffineChain(A, ["alpha"])
+        >>> chain.M.toarray()[:, 0]  # x = M u: every alpha reads mu
+        array([1., 1., 1., 1.])
+        >>> lgm_design = chain.design(SparseOperator(torch.eye(4, dtype=torch.float64).to_sparse_csr()))
+        >>> lgm_design.nnz
+        7
+    """
+
+    def __init__(self, A, children, dtype=torch.float64, device=None, intrinsic=()):
+        n = A.shape[0]
+        A = sp.csr_matrix(A)
+        A.eliminate_zeros()
+        if sp.triu(A).nnz:
+            raise ValueError("AffineChain: A must be strictly lower triangular (a site's mean reads earlier sites)")
+        self.A, self.children, self.dtype, self.device = A, list(children), dtype, device
+        self.intrinsic = list(intrinsic)
+        eye = sp.identity(n, format="csr")
+        # intrinsic GMRF blocks: x_b = loc_b + phi(Pi w_b) (D and c0), their u-part w_b = Pi psi(x_b - loc_b) (Dinv)
+        D, Dinv, c0 = sp.lil_matrix((n, n)), sp.lil_matrix((n, n)), np.zeros(n)
+        plain = np.ones(n, dtype=bool)
+        self.dummy = np.zeros(n, dtype=bool)
+        for sl, fac, loc in self.intrinsic:
+            plain[sl] = False
+            idx = np.arange(sl.start, sl.stop)
+            Pi = np.eye(fac.n)
+            Pi[fac.P, fac.P] = 0.0
+            Phi = np.eye(fac.n) - fac.NK @ fac.C
+            N = fac.C.T
+            Psi = np.eye(fac.n) - N @ np.linalg.solve(N[fac.P], np.eye(fac.n)[fac.P])
+            D[np.ix_(idx, idx)] = Phi @ Pi
+            Dinv[np.ix_(idx, idx)] = Pi @ Psi
+            c0[idx] = loc
+            self.dummy[idx[fac.P]] = True
+        D, Dinv = D.tocsr(), Dinv.tocsr()
+        D = D + sp.diags(plain.astype(np.float64))
+        Dinv = Dinv + sp.diags(plain.astype(np.float64))
+        M, term = eye.copy(), eye.copy()
+        for _ in range(n + 1):  # (I - A)^{-1} = sum_k A^k; A is nilpotent (strictly lower triangular)
+            term = (A @ term).tocsr()
+            term.eliminate_zeros()
+            if term.nnz == 0:
+                break
+            M = M + term
+        Minv = sp.csr_matrix(M)  # (I - A)^{-1}
+        self.M = (Minv @ D).tocsr()  # x = M u + c
+        self.c = Minv @ c0
+        self.T = (Dinv @ (eye - A)).tocsr()  # u = T x - t on the range of M
+        self.t = Dinv @ c0
+
+    @property
+    def has_intrinsic(self):
+        return bool(self.intrinsic)
+
+    def offset(self, op, offset):
+        """The offset of a design ``B`` (acting on ``x``) in ``u`` coordinates: ``offset + B c``."""
+        if not self.c.any():
+            return offset
+        return offset + op.mv(torch.as_tensor(self.c, dtype=offset.dtype).to(offset.device))
+
+    @property
+    def n(self):
+        return self.A.shape[0]
+
+    def design(self, op):
+        """The design ``B (I - A)^{-1}`` acting on ``u`` of a design ``B`` acting on ``x`` (sparse when ``B`` is)."""
+        B = _scipy_csr(op)
+        if B is None:
+            from ..linalg.operators import ComposedOperator
+
+            return ComposedOperator(op, SparseOperator(_torch_csr(self.M, op.dtype, op.device)))
+        out = (B @ self.M).tocsr()
+        if isinstance(op, DenseOperator):
+            return DenseOperator(torch.as_tensor(out.toarray(), dtype=op.dtype).to(op.device))
+        return SparseOperator(_torch_csr(out, op.dtype, op.device))
+
+    def _dense(self, m, like):
+        return torch.as_tensor(m.toarray(), dtype=like.dtype).to(like.device)
+
+    @staticmethod
+    def _sparse(m, like):
+        m = sp.coo_matrix(m)
+        idx = torch.as_tensor(np.vstack([m.row, m.col]), dtype=torch.int64)
+        return torch.sparse_coo_tensor(idx, torch.as_tensor(m.data, dtype=like.dtype), m.shape).coalesce().to(like.device)
+
+    def _congruence(self, S, X):
+        """``S X S^T`` for a SciPy sparse ``S`` and a dense symmetric ``X`` (two sparse-dense products)."""
+        St = self._sparse(S, X)
+        Y = torch.sparse.mm(St, X)  # S X
+        Z = torch.sparse.mm(St, Y.transpose(0, 1).contiguous())  # S (S X)^T = S X S^T
+        return 0.5 * (Z + Z.transpose(0, 1))
+
+    def to_model(self, posterior, layout=None):
+        """The posterior over the model's sites ``x = (I - A)^{-1} u`` of a posterior over ``u``.
+
+        Exact for every representation: dense covariance, scale_tril and precision are mapped as matrices
+        (``M C M^T``, ``M L``, ``T^T P T``); the others through their dense covariance up to
+        :data:`DENSE_MAP_LIMIT` coordinates.
+
+        :raises UnsupportedModelError: a matrix-free, low-rank or diagonal posterior above the limit.
+        """
+        from ..posterior.gaussian import GaussianPosterior
+
+        kind = posterior.kind
+        loc = posterior.loc
+        mean = torch.as_tensor(self.M @ loc.detach().cpu().numpy() + self.c, dtype=loc.dtype).to(loc.device)
+        layout = posterior.layout if layout is None else layout
+        if self.has_intrinsic and kind in ("precision", "scale_tril"):
+            kind = "covariance"  # M is singular on an intrinsic block: the posterior over its field is degenerate
+        if kind == "precision":
+            out = GaussianPosterior(mean, precision=self._congruence(self.T.T, posterior._precision), layout=layout)
+        elif kind == "scale_tril":
+            out = GaussianPosterior(mean, scale_tril=self._dense(self.M, loc) @ posterior._scale_tril, layout=layout)
+        elif posterior.n <= DENSE_MAP_LIMIT and kind != "low_rank":
+            out = GaussianPosterior(mean, covariance=self._congruence(self.M, posterior.covariance(force=True)),
+                                    layout=layout)
+        else:
+            raise UnsupportedModelError(
+                self.children[0], f"a {kind} posterior over {posterior.n} coordinates cannot be mapped exactly from "
+                                  "the chain's innovations to its sites (affine Gaussian chain); fit with an engine "
+                                  "whose posterior is a dense covariance or precision, or write the model non-centred")
+        out.coordinates = "model"
+        return out
+
+    def to_latent(self, posterior, layout=None):
+        """The inverse of :meth:`to_model`: a posterior over the model's sites as one over ``u = (I - A) x``."""
+        from ..posterior.gaussian import GaussianPosterior
+
+        loc = posterior.loc
+        mean = torch.as_tensor(self.T @ loc.detach().cpu().numpy() - self.t, dtype=loc.dtype).to(loc.device)
+        C = self._congruence(self.T, posterior.covariance(force=True))
+        if self.dummy.any():  # the pivot coordinates of intrinsic blocks: not read by the model, N(0, 1)
+            d = torch.as_tensor(self.dummy, device=C.device)
+            C = C + torch.diag(d.to(C.dtype))
+        return GaussianPosterior(mean, covariance=C, layout=posterior.layout if layout is None else layout)
+
+
+def chain_jacobian(name, loc, u0, parents, dtype):
+    """Sparse rows ``(rows, cols, vals)`` of ``d loc / d u`` restricted to the ``parents`` slices of ``u``.
+
+    Probed by forward products over the parents' coordinates when they are fewer than the rows, else by
+    backward products over the rows.
+    """
+    q = loc.shape[0]
+    cols_all = torch.cat([torch.arange(s.start, s.stop) for s in parents]) if parents else torch.zeros(0, dtype=torch.long)
+    rows, cols, vals = [], [], []
+    if cols_all.numel() <= q:
+        w = torch.zeros_like(loc, requires_grad=True)
+        g = torch.autograd.grad((loc * w).sum(), u0, create_graph=True, allow_unused=True)[0]
+        for j in cols_all.tolist():
+            col = torch.autograd.grad(g[j], w, retain_graph=True, allow_unused=True)[0] if g is not None \
+                and g.requires_grad else None
+            if col is None:
+                continue
+            col = col.detach()
+            nz = torch.nonzero(col).reshape(-1)
+            rows.append(nz.cpu())
+            cols.append(torch.full((nz.numel(),), j, dtype=torch.long))
+            vals.append(col[nz].cpu())
+    else:
+        for i in range(q):
+            r = torch.autograd.grad(loc[i], u0, retain_graph=True, allow_unused=True)[0]
+            if r is None:
+                continue
+            r = r.detach()[cols_all.to(r.device)]
+            nz = torch.nonzero(r).reshape(-1)
+            rows.append(torch.full((nz.numel(),), i, dtype=torch.long))
+            cols.append(cols_all[nz.cpu()])
+            vals.append(r[nz].cpu())
+    if not rows:
+        return (np.zeros(0, np.int64),) * 2 + (np.zeros(0),)
+    r, c, v = torch.cat(rows), torch.cat(cols), torch.cat(vals)
+    if not bool(torch.isfinite(v).all()):
+        raise UnsupportedModelError(name, "the mean of the latent site is not finite in the latents it reads")
+    return r.numpy(), c.numpy(), v.to(torch.float64).numpy()

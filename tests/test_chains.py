@@ -1,0 +1,296 @@
+"""Affine Gaussian chains (centred hierarchies, AR loops): extraction, exactness, centred = non-centred."""
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+import pyro_convexvb as pcv
+from pyro_convexvb.errors import UnsupportedModelError
+from pyro_convexvb.linalg.operators import SparseOperator
+
+D = torch.float64
+
+
+def _ri_data(J=6, N=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    grp = torch.randint(0, J, (N,), generator=g)
+    X = torch.randn(N, 2, generator=g, dtype=D)
+    a = 0.8 * torch.randn(J, generator=g, dtype=D)
+    y = (torch.rand(N, generator=g, dtype=D) < torch.sigmoid(a[grp] + X @ torch.tensor([1.0, -0.5], dtype=D))).to(D)
+    return X, grp, y
+
+
+def centred_ri(X, grp, y=None, J=6, sigma=0.7, lik="bernoulli"):
+    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.3, dtype=D), 2.0))
+    b = pyro.sample("b", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+    with pyro.plate("groups", J):
+        alpha = pyro.sample("alpha", dist.Normal(mu, sigma))
+    eta = alpha[grp] + X @ b
+    with pyro.plate("data", X.shape[0]):
+        if lik == "bernoulli":
+            pyro.sample("y", dist.Bernoulli(logits=eta), obs=y)
+        else:
+            pyro.sample("y", dist.Normal(eta, 0.5), obs=y)
+
+
+def noncentred_ri(X, grp, y=None, J=6, sigma=0.7, lik="bernoulli"):
+    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.3, dtype=D), 2.0))
+    b = pyro.sample("b", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+    with pyro.plate("groups", J):
+        z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+    eta = (mu + sigma * z)[grp] + X @ b
+    with pyro.plate("data", X.shape[0]):
+        if lik == "bernoulli":
+            pyro.sample("y", dist.Bernoulli(logits=eta), obs=y)
+        else:
+            pyro.sample("y", dist.Normal(eta, 0.5), obs=y)
+
+
+def _to_centred(q, J=6, sigma=0.7):
+    """Posterior of (mu, b, alpha) from the non-centred (mu, b, z): an exact affine map."""
+    T = torch.zeros(3 + J, 3 + J, dtype=D)
+    T[:3, :3] = torch.eye(3, dtype=D)
+    T[3:, 0] = 1.0
+    T[3:, 3:] = sigma * torch.eye(J, dtype=D)
+    return T @ q.loc, T @ q.covariance() @ T.transpose(0, 1)
+
+
+def test_extraction_is_the_factored_joint_prior():
+    X, grp, y = _ri_data()
+    lgm = pcv.lgm_from_pyro(centred_ri, X, grp, y=y)
+    assert lgm.chain is not None and lgm.chain.children == ["alpha"]
+    A = torch.as_tensor(lgm.chain.A.toarray())
+    assert torch.equal(A[3:, 0], torch.ones(6, dtype=D)) and int((A != 0).sum()) == 6
+    # joint prior of x = (mu, b, alpha): precision (I - A)^T S^{-1} (I - A), mean (I - A)^{-1} b
+    S = torch.cat([torch.tensor([4.0, 1.0, 1.0], dtype=D), torch.full((6,), 0.49, dtype=D)])
+    T = torch.eye(9, dtype=D) - A
+    Q = T.transpose(0, 1) @ torch.diag(1 / S) @ T
+    cov = torch.linalg.inv(Q)
+    assert torch.allclose(cov[3:, 3:], 4.0 + 0.49 * torch.eye(6, dtype=D), atol=1e-12)
+    assert torch.allclose(torch.as_tensor(lgm.chain.M @ lgm.prior_loc.numpy()), torch.full((9,), 0.3, dtype=D) *
+                          torch.tensor([1, 0, 0] + [1] * 6, dtype=D))
+
+
+def _exact_gaussian(X, grp, y, J=6, sigma=0.7):
+    """Exact posterior of the centred Gaussian model, built directly from its joint density."""
+    n = 3 + J
+    A = torch.zeros(n, n, dtype=D)
+    A[3:, 0] = 1.0
+    S = torch.cat([torch.tensor([4.0, 1.0, 1.0], dtype=D), torch.full((J,), sigma**2, dtype=D)])
+    T = torch.eye(n, dtype=D) - A
+    b = torch.zeros(n, dtype=D)
+    b[0] = 0.3
+    Q0 = T.transpose(0, 1) @ torch.diag(1 / S) @ T
+    B = torch.zeros(X.shape[0], n, dtype=D)
+    B[:, 1:3] = X
+    B[torch.arange(X.shape[0]), 3 + grp] = 1.0
+    Q = Q0 + B.transpose(0, 1) @ B / 0.25
+    cov = torch.linalg.inv(Q)
+    mean = cov @ (Q0 @ torch.linalg.solve(T, b) + B.transpose(0, 1) @ y / 0.25)
+    return mean, cov
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation"])
+def test_centred_gaussian_hierarchy_is_exact(engine):
+    X, grp, _ = _ri_data()
+    y = torch.randn(X.shape[0], generator=torch.Generator().manual_seed(3), dtype=D)
+    res = pcv.fit(centred_ri, X, grp, y=y, lik="normal", engine=engine, progress=False)
+    mean, cov = _exact_gaussian(X, grp, y)
+    q = res.posterior
+    assert q.layout.names == ["mu", "b", "alpha"]
+    assert torch.allclose(q.loc, mean, atol=1e-7)
+    assert torch.allclose(q.covariance(), cov, atol=1e-7)
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation"])
+def test_centred_and_noncentred_logistic_give_one_posterior(engine):
+    X, grp, y = _ri_data()
+    r1 = pcv.fit(centred_ri, X, grp, y=y, engine=engine, progress=False)
+    r2 = pcv.fit(noncentred_ri, X, grp, y=y, engine=engine, progress=False)
+    assert r1.converged and r2.converged
+    m2, C2 = _to_centred(r2.posterior)
+    sd = C2.diagonal().sqrt()
+    assert float(((r1.posterior.loc - m2).abs() / sd).max()) < 1e-5
+    assert torch.allclose(r1.posterior.covariance(), C2, atol=1e-6 * float(C2.abs().max()))
+    assert abs(r1.log_evidence_bound - r2.log_evidence_bound) < 1e-6
+
+
+def ar1_loop(y, phi=0.8, s=0.5):
+    T = y.shape[0]
+    h = pyro.sample("h_0", dist.Normal(torch.tensor(0.0, dtype=D), s / math.sqrt(1 - phi**2)))
+    hs = [h]
+    for t in range(1, T):
+        h = pyro.sample(f"h_{t}", dist.Normal(phi * h + 0.1, s))
+        hs.append(h)
+    pyro.sample("y", dist.Normal(torch.stack(hs), 0.3).to_event(1), obs=y)
+
+
+def test_ar1_loop_is_exact():
+    T, phi, s = 12, 0.8, 0.5
+    y = torch.randn(T, generator=torch.Generator().manual_seed(5), dtype=D)
+    res = pcv.fit(ar1_loop, y, engine="dual_vg", progress=False)
+    # independent reference: tridiagonal AR(1) precision with innovations N(0.1, s^2)
+    L = torch.eye(T, dtype=D) - phi * torch.diag(torch.ones(T - 1, dtype=D), -1)
+    S = torch.full((T,), s**2, dtype=D)
+    S[0] = s**2 / (1 - phi**2)
+    c = torch.full((T,), 0.1, dtype=D)
+    c[0] = 0.0
+    Q0 = L.transpose(0, 1) @ torch.diag(1 / S) @ L
+    Q = Q0 + torch.eye(T, dtype=D) / 0.09
+    cov = torch.linalg.inv(Q)
+    mean = cov @ (Q0 @ torch.linalg.solve(L, c) + y / 0.09)
+    assert torch.allclose(res.posterior.loc, mean, atol=1e-8)
+    assert torch.allclose(res.posterior.covariance(), cov, atol=1e-8)
+    assert abs(res.log_evidence_bound - float(dist.MultivariateNormal(
+        torch.linalg.solve(L, c), torch.linalg.inv(Q0) + 0.09 * torch.eye(T, dtype=D)).log_prob(y))) < 1e-7
+
+
+def mvn_child(y):
+    mu = pyro.sample("mu", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+    C = torch.tensor([[1.0, 0.3], [0.3, 0.5]], dtype=D)
+    x = pyro.sample("x", dist.MultivariateNormal(2.0 * mu + 1.0, covariance_matrix=C))
+    pyro.sample("y", dist.Normal(x, 0.4).to_event(1), obs=y)
+
+
+def test_multivariate_normal_child_is_exact():
+    y = torch.tensor([0.5, -1.0], dtype=D)
+    res = pcv.fit(mvn_child, y, engine="dual_vg", progress=False)
+    C = torch.tensor([[1.0, 0.3], [0.3, 0.5]], dtype=D)
+    # joint of (mu, x, y): x = 2 mu + 1 + e
+    Sx = 4 * torch.eye(2, dtype=D) + C
+    prior_cov = torch.cat([torch.cat([torch.eye(2, dtype=D), 2 * torch.eye(2, dtype=D)], 1),
+                           torch.cat([2 * torch.eye(2, dtype=D), Sx], 1)], 0)
+    prior_mean = torch.tensor([0, 0, 1, 1], dtype=D)
+    H = torch.cat([torch.zeros(2, 2, dtype=D), torch.eye(2, dtype=D)], 1)
+    K = prior_cov @ H.T @ torch.linalg.inv(H @ prior_cov @ H.T + 0.16 * torch.eye(2, dtype=D))
+    mean = prior_mean + K @ (y - H @ prior_mean)
+    cov = prior_cov - K @ H @ prior_cov
+    assert torch.allclose(res.posterior.loc, mean, atol=1e-9)
+    assert torch.allclose(res.posterior.covariance(), cov, atol=1e-9)
+
+
+def test_random_intercept_design_stays_sparse():
+    J, N = 300, 2000
+    grp = torch.randint(0, J, (N,), generator=torch.Generator().manual_seed(0))
+    G = torch.sparse_coo_tensor(torch.stack([torch.arange(N), grp]), torch.ones(N, dtype=D), (N, J)).to_sparse_csr()
+    y = (torch.rand(N, generator=torch.Generator().manual_seed(1)) < 0.4).to(D)
+
+    def model(G, y=None):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        with pyro.plate("groups", J):
+            alpha = pyro.sample("alpha", dist.Normal(mu, 0.5))
+        with pyro.plate("data", N):
+            pyro.sample("y", dist.Bernoulli(logits=pcv.linear(G, alpha)), obs=y)
+
+    lgm = pcv.lgm_from_pyro(model, G, y=y)
+    assert isinstance(lgm.sites[0].design, SparseOperator)
+    assert lgm.sites[0].design.nnz == 2 * N  # one alpha and mu per row
+
+
+def test_scale_reading_a_latent_is_refused():
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        x = pyro.sample("x", dist.Normal(torch.tensor(0.0, dtype=D), torch.exp(mu)))
+        pyro.sample("y", dist.Normal(x, 1.0), obs=y)
+
+    with pytest.raises(UnsupportedModelError) as e:
+        pcv.lgm_from_pyro(model, torch.tensor(0.3, dtype=D))
+    assert e.value.site == "x" and "scale" in e.value.reason
+
+
+def test_nonaffine_mean_is_refused():
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        x = pyro.sample("x", dist.Normal(torch.sin(mu), 1.0))
+        pyro.sample("y", dist.Normal(x, 1.0), obs=y)
+
+    with pytest.raises(UnsupportedModelError) as e:
+        pcv.lgm_from_pyro(model, torch.tensor(0.3, dtype=D))
+    assert e.value.site == "x" and "affine" in e.value.reason
+
+
+def test_laplace_child_is_refused():
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        x = pyro.sample("x", dist.Laplace(mu, 1.0))
+        pyro.sample("y", dist.Normal(x, 1.0), obs=y)
+
+    with pytest.raises(UnsupportedModelError) as e:
+        pcv.lgm_from_pyro(model, torch.tensor(0.3, dtype=D))
+    assert e.value.site == "x" and "Laplace" in e.value.reason
+
+
+EIGHT_Y = torch.tensor([28., 8., -3., 7., -1., 1., 18., 12.], dtype=D)
+EIGHT_S = torch.tensor([15., 10., 16., 11., 9., 11., 10., 18.], dtype=D)
+
+
+def eight_schools_centred(y, s):
+    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 5.0))
+    tau = pyro.sample("tau", dist.HalfCauchy(torch.tensor(5.0, dtype=D)))
+    with pyro.plate("J", 8):
+        theta = pyro.sample("theta", dist.Normal(mu, tau))
+        pyro.sample("obs", dist.Normal(theta, s), obs=y)
+
+
+def eight_schools_noncentred(y, s):
+    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 5.0))
+    tau = pyro.sample("tau", dist.HalfCauchy(torch.tensor(5.0, dtype=D)))
+    with pyro.plate("J", 8):
+        z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        pyro.sample("obs", dist.Normal(mu + tau * z, s), obs=y)
+
+
+def test_eight_schools_centred_equals_noncentred_with_tau_integrated():
+    r1 = pcv.fit(eight_schools_centred, EIGHT_Y, EIGHT_S, engine="dual_vg", progress=False)
+    r2 = pcv.fit(eight_schools_noncentred, EIGHT_Y, EIGHT_S, engine="dual_vg", progress=False)
+    assert r1.converged and r2.converged and r1.posterior.layout.names == ["mu", "theta"]
+    assert abs(float(r1.posterior.loc[0] - r2.posterior.loc[0])) < 1e-6
+    assert abs(float(r1.posterior.variance[0] - r2.posterior.variance[0])) < 1e-6
+    t1, t2 = r1.hyper["marginals"]["tau"], r2.hyper["marginals"]["tau"]
+    assert abs(float(t1["mean"] - t2["mean"])) < 1e-6 and abs(float(t1["sd"] - t2["sd"])) < 1e-6
+    # each component is the exact conditional posterior of (mu, theta) given tau: theta's mean shrinks to mu
+    assert 4.0 < float(r1.posterior.loc[0]) < 4.8
+
+
+def test_complete_posterior_and_latent_marginal_are_inverse():
+    from pyro_convexvb.infer.posterior import GaussianPosterior
+
+    X, grp, y = _ri_data()
+    lgm = pcv.lgm_from_pyro(centred_ri, X, grp, y=y)
+    g = torch.Generator().manual_seed(0)
+    R = torch.randn(lgm.n, lgm.n, generator=g, dtype=D)
+    q = GaussianPosterior(torch.randn(lgm.n, generator=g, dtype=D), covariance=R @ R.T + torch.eye(lgm.n, dtype=D))
+    full = lgm.complete_posterior(q)
+    M = torch.as_tensor(lgm.chain.M.toarray())
+    assert torch.allclose(full.loc, M @ q.loc) and torch.allclose(full.covariance(), M @ q.covariance() @ M.T)
+    back = lgm.latent_marginal(full)
+    assert torch.allclose(back.loc, q.loc) and torch.allclose(back.covariance(), q.covariance())
+    # a precision posterior maps to the precision (I - A)^T P (I - A)
+    qp = GaussianPosterior(q.loc, precision=torch.linalg.inv(q.covariance()))
+    assert torch.allclose(lgm.complete_posterior(qp).covariance(), full.covariance(), atol=1e-8)
+
+
+def test_keep_graph_refuses_a_chain_mean_that_reads_a_param():
+    """Type-II gradients: a param in a chain child's scale keeps its graph; one in its mean (extracted as constant
+    coefficients) is refused, naming the site, rather than given a zero gradient."""
+    X = torch.randn(12, 2, dtype=D, generator=torch.Generator().manual_seed(3))
+    y = torch.randn(12, dtype=D, generator=torch.Generator().manual_seed(4))
+
+    def model(X, y=None, param_in_mean=False):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        s = pyro.param("s", torch.tensor(0.7, dtype=D), constraint=dist.constraints.positive)
+        c = pyro.param("c", torch.tensor(0.2, dtype=D)) if param_in_mean else 0.2
+        a = pyro.sample("a", dist.Normal(mu + c, s).expand([2]).to_event(1))
+        pyro.sample("y", dist.Normal(X @ a, 0.5).to_event(1), obs=y)
+
+    pyro.clear_param_store()
+    lgm = pcv.lgm_from_pyro(model, X, y, keep_graph=True)
+    assert lgm.chain.children == ["a"]
+    assert float(lgm.priors[1].logdet_cov) == pytest.approx(2 * 2 * math.log(0.7))
+    assert lgm.priors[1].logdet_cov.requires_grad
+    with pytest.raises(UnsupportedModelError, match="depends on a pyro.param") as info:
+        pcv.lgm_from_pyro(model, X, y, param_in_mean=True, keep_graph=True)
+    assert info.value.site == "a"
+    assert pcv.lgm_from_pyro(model, X, y, param_in_mean=True).chain.children == ["a"]
