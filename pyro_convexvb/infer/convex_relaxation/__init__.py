@@ -7,7 +7,7 @@ Importing this package registers the engine ``convex_relaxation``::
 
 Modules: :mod:`.potentials` (super-Gaussian sites, implicit ``h``/``h^*``), :mod:`.problem` (an LGM
 in Nickisch & Seeger's (2009) form, constants of the bound), :mod:`.inner` (Newton/IRLS with PCG), :mod:`.outer`
-(Lanczos/PCA/exact variance updates, the double loop and its state in and out), :mod:`.engine` (the options
+(Lanczos/PCA/exact variance updates, the double loop and its state in and out), :mod:`~pyro_convexvb.infer.convex_relaxation.engine` (the options
 and the public class).
 """
 from .api import SiteDesigns, laplace_map, site_designs
