@@ -14,6 +14,7 @@ from scipy import integrate, stats
 import pyro_convexvb as pcv
 from pyro_convexvb.infer.dual_vg.bounds import make_bound
 from pyro_convexvb.lgm.families import GammaLog
+from _grid_quadrature import grid_posterior_2d
 
 D = torch.float64
 Y = torch.tensor([0.05, 1.0, 3.0, 0.7, 12.0, 2.0], dtype=D)
@@ -87,19 +88,11 @@ def gamma_model(X, y=None, k=2.0, form="gamma"):
 
 
 def _reference(X, y, k, n=401):
-    lo, hi = np.array([-2.0, -3.0]), np.array([3.0, 2.0])
-    for it in range(3):
-        a = [np.linspace(lo[j], hi[j], n) for j in range(2)]
-        W = np.stack(np.meshgrid(*a, indexing="ij"), -1).reshape(-1, 2)
+    def log_lik(W):
         mu = np.exp(W @ X.numpy().T)
-        lp = stats.norm.logpdf(W).sum(1) + stats.gamma.logpdf(y.numpy()[None], k, scale=mu / k).sum(1)
-        p = np.exp(lp - lp.max())
-        log_ev = float(np.log(p.sum() * np.prod((hi - lo) / (n - 1))) + lp.max())
-        p /= p.sum()
-        mean = p @ W
-        sd = np.sqrt(p @ (W - mean) ** 2)
-        lo, hi = mean - 10 * sd, mean + 10 * sd
-    return mean, sd, log_ev
+        return stats.gamma.logpdf(y.numpy()[None], k, scale=mu / k).sum(1)
+
+    return grid_posterior_2d(log_lik, [-2.0, -3.0], [3.0, 2.0], n)
 
 
 @pytest.mark.parametrize("form, k", [("gamma", 2.0), ("exponential", 1.0)])

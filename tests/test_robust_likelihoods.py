@@ -15,6 +15,7 @@ from scipy import integrate, stats
 import pyro_convexvb as pcv
 from pyro_convexvb.infer.convex_relaxation.potentials import gaussian_lower_bound, h_implicit, potential_for
 from pyro_convexvb.lgm.families import Laplace, StudentT
+from _grid_quadrature import grid_posterior_2d
 
 D = torch.float64
 Y = torch.tensor([0.0, 1.5, -3.0, 7.0, 0.2, -0.4], dtype=D)
@@ -94,18 +95,7 @@ def _log_lik(family, W, X, y):
 
 def _reference(family, X, y, n=401):
     """Posterior mean, sd of ``w`` and ``log p(y)`` by 2-D tensor-grid quadrature (scipy densities)."""
-    lo, hi = np.array([-3.0, -4.0]), np.array([3.0, 2.0])
-    for it in range(3):
-        a = [np.linspace(lo[k], hi[k], n) for k in range(2)]
-        W = np.stack(np.meshgrid(*a, indexing="ij"), -1).reshape(-1, 2)
-        lp = stats.norm.logpdf(W).sum(1) + _log_lik(family, W, X, y)
-        p = np.exp(lp - lp.max())
-        log_ev = float(np.log(p.sum() * np.prod((hi - lo) / (n - 1))) + lp.max())
-        p /= p.sum()
-        mean = p @ W
-        sd = np.sqrt(p @ (W - mean) ** 2)
-        lo, hi = mean - 10 * sd, mean + 10 * sd
-    return mean, sd, log_ev
+    return grid_posterior_2d(lambda W: _log_lik(family, W, X, y), [-3.0, -4.0], [3.0, 2.0], n)
 
 
 @pytest.mark.parametrize("family, tol", [

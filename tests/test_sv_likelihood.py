@@ -16,6 +16,7 @@ import pyro_convexvb as pcv
 from pyro_convexvb.infer.dual_vg.bounds import make_bound
 from pyro_convexvb.infer.hyper import find_hyper_sites
 from pyro_convexvb.lgm.families import StochasticVolatility
+from _grid_quadrature import grid_posterior_2d
 
 D = torch.float64
 
@@ -59,20 +60,13 @@ def test_extraction_reads_the_scale_as_the_predictor_and_the_bound_is_exact():
 
 
 def _reference(x, y, n=401):
-    lo, hi = np.array([-3.0, -3.0]), np.array([3.0, 3.0])
     xn, r = x.numpy(), (y - 0.3).numpy()
-    for it in range(3):
-        a = [np.linspace(lo[j], hi[j], n) for j in range(2)]
-        W = np.stack(np.meshgrid(*a, indexing="ij"), -1).reshape(-1, 2)
+
+    def log_lik(W):
         eta = W[:, :1] + W[:, 1:] * xn[None]
-        lp = stats.norm.logpdf(W).sum(1) + stats.norm.logpdf(r[None], 0.0, np.exp(eta / 2)).sum(1)
-        p = np.exp(lp - lp.max())
-        log_ev = float(np.log(p.sum() * np.prod((hi - lo) / (n - 1))) + lp.max())
-        p /= p.sum()
-        mean = p @ W
-        sd = np.sqrt(p @ (W - mean) ** 2)
-        lo, hi = mean - 10 * sd, mean + 10 * sd
-    return mean, sd, log_ev
+        return stats.norm.logpdf(r[None], 0.0, np.exp(eta / 2)).sum(1)
+
+    return grid_posterior_2d(log_lik, [-3.0, -3.0], [3.0, 3.0], n)
 
 
 def test_dual_vg_fits_the_exact_posterior_and_its_bound_is_below_the_evidence():
