@@ -404,3 +404,18 @@ def test_generator_full_rcv1_shape():
     X, y, w = D.make_sparse_classification("rcv1", seed=0)
     assert X.shape == (677_399, 42_736) and X.values().numel() == 49_556_258
     assert abs(float(y.sum()) / float((1 - y).sum()) - 1.10) < 0.005
+
+
+def test_a_sparse_load_does_not_surface_torch_beta_notices(tmp_path):
+    """torch's once-per-process CSR notices (beta support, invariant checks off) are taken at import; a user's
+    first sparse load prints no UserWarning (a fresh process, where the notices have not fired yet)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "tiny.svm"
+    path.write_text("1 1:0.5 3:1\n0 2:2\n")
+    code = ("import pyro_convexvb as pcv; "
+            f"X, y = pcv.datasets.load_svmlight({str(path)!r}); assert X.layout.__repr__() == 'torch.sparse_csr'")
+    out = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]

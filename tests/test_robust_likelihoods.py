@@ -50,6 +50,14 @@ def test_log_prob_is_torch_and_expectation_matches_quadrature(name):
     torch.testing.assert_close(got, ref, rtol=1e-8 if name == "student_t" else 1e-12, atol=1e-9)
 
 
+def test_student_t_predictive_mean_exists_only_above_one_degree_of_freedom():
+    """E[y] = E[eta] for df > 1; a Student-t with df <= 1 has no mean: nan, as torch's StudentT.mean."""
+    y, mean, var = torch.zeros(3, dtype=D), torch.tensor([0.5, -1.0, 2.0], dtype=D), torch.ones(3, dtype=D)
+    got = StudentT(y, torch.tensor([3.0, 1.0, 0.5], dtype=D), 1.0).predictive_mean(mean, var)
+    assert float(got[0]) == 0.5 and torch.isnan(got[1:]).all()
+    assert torch.isnan(torch.distributions.StudentT(torch.tensor([1.0, 0.5])).mean).all()
+
+
 @pytest.mark.parametrize("name", ["student_t", "laplace"])
 def test_potential_is_the_observed_site_at_s_equals_eta_minus_y_and_its_gaussian_bounds_touch_it(name):
     fam, _ = _families()[name]

@@ -17,7 +17,22 @@ gives the product a custom backward that uses the stored transpose, so autograd
 
 Device and dtype follow the wrapped tensors.
 """
+import warnings
+
 import torch
+
+
+def _consume_torch_sparse_notices():
+    """torch warns once per process, when the first sparse CSR tensor is built, that CSR support is in beta and
+    that invariant checks are off. The package builds CSR tensors for its own operators (svmlight loads, sparse
+    designs); the notice says nothing about the user's code, so it is taken here, once, instead of surfacing
+    at a user's first sparse load. No warning filter is installed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.sparse_csr_tensor(torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([1.0]), size=(1, 1)).to_dense()
+
+
+_consume_torch_sparse_notices()
 
 __all__ = [
     "LinearOperator",

@@ -53,7 +53,9 @@ class StudentT(SiteFamily):
         return torch.distributions.StudentT(nu, y, b).log_prob(eta)
 
     def predictive_mean(self, mean, var, num_points=64):
-        return mean
+        """``E[y] = E[eta]`` where it exists (``df > 1``); ``nan`` where ``df <= 1`` (no mean, as
+        ``torch.distributions.StudentT.mean``)."""
+        return torch.where(self.params["df"] > 1, mean, torch.full_like(mean, float("nan")))
 
     def super_gaussian(self):
         p = self.params
