@@ -194,3 +194,28 @@ def test_refusal_of_a_hierarchical_model_gives_the_conditioned_models_reason():
         pcv.fit(model, y=y, engine="convex_relaxation", progress=False)
     assert err.value.site == "y" and "dual_vg" in str(err.value)
     assert "dual_vg" in pcv.engines_that_fit(model, y=y) and "convex_relaxation" not in pcv.engines_that_fit(model, y=y)
+
+
+def test_a_grid_stopped_by_its_radius_cap_while_its_rim_carries_mass_is_not_converged(monkeypatch):
+    """BYM's sigma_v (half-normal prior, weakly identified beside the CAR field) has a log density linear in
+    log sigma_v toward zero: its grid needs ~25 Hessian units to drop by the pruning threshold. Before the cap
+    was raised, the grid stopped at 6 units and the 5% quantile of sigma_v came out 0.082 against the long NUTS
+    run's 0.037, reported converged. With the cap forced down, the truncation is reported; with the default
+    cap, the tail is reached."""
+    import functools
+
+    from pyro_convexvb.infer import hyper, meta
+
+    model, args, kwargs = hm.bym()
+    monkeypatch.setattr(meta, "integrate_hyper", functools.partial(hyper.integrate_hyper, max_radius=6.0))
+    with pytest.warns(pcv.ConvergenceWarning, match="grid rim"):
+        res = pcv.fit(model, *args, engine="dual_vg", progress=False, **kwargs)
+    assert not res.converged
+    monkeypatch.undo()
+    res = pcv.fit(model, *args, engine="dual_vg", progress=False, **kwargs)
+    assert res.converged
+    with open(REF) as f:
+        ref = json.load(f)["bym"]["sites"]["sigma_v"]
+    q = res.hyper["marginals"]["sigma_v"]["quantiles"]
+    for p, key in ((0.05, "q05"), (0.5, "q50"), (0.95, "q95")):
+        assert float(q[p]) == pytest.approx(ref[key][0], rel=0.1), p

@@ -346,8 +346,15 @@ def find_mode(obj, z0, *, max_iter=100, gtol=1e-4, fd_step=1e-3, bound=12.0, hes
 
 
 def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_step=1e-3, hess_step=2e-2,
-                    grid_step=0.75, grid_radius=3.0, max_radius=6.0, prune=7.0, f0=1.1, run=None):
+                    grid_step=0.75, grid_radius=3.0, max_radius=40.0, prune=7.0, f0=1.1, run=None):
     """INLA-style integration (or maximisation) over the hyper-latents ``hyper_names`` (see the module docstring).
+
+    The grid grows ring by ring, next to rim points whose log density is within ``prune`` of the top, up to
+    ``max_radius`` standardised units. The cap is far: a scale whose posterior reaches toward zero (a half-normal
+    or half-Cauchy prior on a weakly identified scale) has a log density linear in ``log sigma`` there, so it drops
+    by ``prune`` only some ``prune / slope`` Hessian units from the mode (about 25 in a BYM model). A grid
+    stopped by the cap while its rim still carries mass is reported (``info["truncated"]``), and the fit is then
+    not converged.
 
     :param engine: the outer :class:`~pyro_convexvb.infer.engine.Engine` (its class fits each conditioned model).
     :param str strategy: ``"grid"``, ``"ccd"``, ``"auto"`` (grid for ``d <= 2``) or ``"map"`` (the mode only).
@@ -398,6 +405,7 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
 
     evaluate(x)
     radius = grid_radius
+    truncated = False
     if strategy == "grid":
         # widen the grid ring by ring while its rim still carries mass (log density within `prune` of the top)
         while radius < max_radius:
@@ -412,6 +420,9 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
             evaluate(ring)
             x = torch.cat([x, ring])
             radius += grid_step
+        else:
+            lf = torch.tensor(logf, dtype=torch.float64)
+            truncated = bool((lf[(x**2).sum(1).sqrt() > radius - grid_step] >= lf.max() - prune).any())
         a = torch.exp(-0.5 * (x**2).sum(1))
     logf = torch.tensor(logf, dtype=torch.float64)
     if strategy == "grid":
@@ -430,7 +441,8 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     post = HyperPosterior(space, torch.stack([zs[k] for k in idx]), w, [results[k].posterior for k in idx],
                           logf[idx], density, x[idx], z_mode, H, layout=mode_res.posterior.layout,
                           out_dtype=out_dtype)
-    info.update(strategy=strategy, radius=radius, evaluations=len(obj.cache), hessian=H, design_x=x[idx],
+    info.update(strategy=strategy, radius=radius, truncated=truncated, evaluations=len(obj.cache), hessian=H,
+                design_x=x[idx],
                 design_a=a[idx],
                 results=[results[k] for k in idx])
     return post, mode_res, info

@@ -96,7 +96,8 @@ class ThetaDensity:
         from scipy.interpolate import RBFInterpolator
 
         d = x.shape[1]
-        m = resolution or (801 if d == 1 else 161)
+        # fine-grid cells of at most 0.25 standardised units (the mode's Hessian scale is 1)
+        m = resolution or (max(801, int(8 * radius) + 1) if d == 1 else max(161, int(8 * radius) + 1))
         ticks = torch.linspace(-radius, radius, m, dtype=torch.float64)
         xs = ticks.reshape(-1, 1) if d == 1 else torch.cartesian_prod(ticks, ticks)
         xs = xs[(xs**2).sum(1) <= radius**2]

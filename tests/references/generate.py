@@ -4,6 +4,7 @@ Usage (from the repository root)::
 
     python tests/references/generate.py            # every reference; several minutes
     python tests/references/generate.py gp_lengthscale
+    python tests/references/generate.py --numpyro bym   # the same protocol with NumPyro's NUTS (``bench`` extra)
 
 Each reference: 4 chains run one after another (different seeds) of 3,000 samples after 1,500 warm-up
 steps (GP models in whitened coordinates, the same posterior: ``NUTS_SAMPLERS``); per latent site the mean, standard deviation and the 5%, 50% and 95% quantiles of every
@@ -42,6 +43,32 @@ def run(name, builder, chains=4, num_samples=3000, warmup=1500):
     return out
 
 
+def run_numpyro(name, chains=4, num_samples=10000, warmup=2000):
+    """:func:`run` with NumPyro's NUTS on the model of ``numpyro_models.py`` (the same posterior, written
+    independently), longer chains (4 x 10,000 draws after 2,000 warm-up steps); for references whose Pyro NUTS
+    run takes hours."""
+    from tests.references import numpyro_models
+
+    numpyro_models.setup()
+    import jax
+    import numpy as np
+    from numpyro.infer import MCMC as NMCMC
+    from numpyro.infer import NUTS as NNUTS
+
+    _, args, kwargs = NUTS_REFERENCES[name]()
+    model, mkw, to_sites = numpyro_models.NUMPYRO_MODELS[name](args, kwargs)
+    per_chain = []
+    for c in range(chains):
+        mcmc = NMCMC(NNUTS(model, target_accept_prob=0.9), num_warmup=warmup, num_samples=num_samples,
+                     progress_bar=False)
+        mcmc.run(jax.random.PRNGKey(100 + c), **mkw)
+        draws = to_sites({k: np.array(v) for k, v in mcmc.get_samples().items()})
+        per_chain.append({k: torch.as_tensor(v, dtype=torch.float64) for k, v in draws.items()})
+    out = {"chains": chains, "num_samples": num_samples, "warmup_steps": warmup, "sampler": "numpyro"}
+    out.update(summarize_chains(per_chain, list(per_chain[0]), num_samples))
+    return out
+
+
 def summarize_chains(per_chain, sites, num_samples):
     """Per site, the mean, sd and 5/50/95% quantiles of every coordinate over all chains, with the largest
     split R-hat and the smallest effective sample size: ``{"sites": ..., "max_split_rhat", "min_ess"}``.
@@ -63,10 +90,12 @@ def summarize_chains(per_chain, sites, num_samples):
 
 
 def main(names):
+    use_numpyro = "--numpyro" in names
+    names = [n for n in names if n != "--numpyro"]
     refs = json.load(open(PATH)) if os.path.exists(PATH) else {}
     for name in names or list(NUTS_REFERENCES):
         print(f"{name} ...", flush=True)
-        refs[name] = run(name, NUTS_REFERENCES[name])
+        refs[name] = run_numpyro(name) if use_numpyro else run(name, NUTS_REFERENCES[name])
         print(f"  split R-hat {refs[name]['max_split_rhat']:.4f}, min ESS {refs[name]['min_ess']:.0f}")
         with open(PATH, "w") as f:
             json.dump(refs, f, indent=1)
