@@ -17,19 +17,17 @@ def setup():
     jax.config.update("jax_platform_name", "cpu")
 
 
-def bym(args, kwargs):
-    """BYM in non-centred coordinates: ``phi = L0^{-T} z / sqrt(kappa)`` with ``L0 L0^T = D - 0.99 W``,
-    ``v = sigma_v e``; ``kappa ~ Gamma(2, 1)``, ``sigma_v ~ HalfNormal(0.5)``, ``y ~ Poisson(E exp(phi + v))``."""
+def bym_noncentred(E, y, Q0):
+    """BYM in non-centred coordinates: ``phi = L0^{-T} z / sqrt(kappa)`` with ``L0 L0^T = Q0`` (a proper CAR
+    precision, dense ``(n, n)``), ``v = sigma_v e``; ``kappa ~ Gamma(2, 1)``, ``sigma_v ~ HalfNormal(0.5)``,
+    ``y ~ Poisson(E exp(phi + v))``. ``E``, ``y``: ``(n,)`` torch tensors."""
     import jax.numpy as jnp
     import jax.scipy.linalg as jsl
     import numpyro
     import numpyro.distributions as nd
 
-    from tests.references.hyper_models import _lattice_car
-
-    (E,), y = args, kwargs["y"]
     n = E.shape[0]
-    L0 = np.linalg.cholesky(_lattice_car(int(round(math.sqrt(n)))).numpy())
+    L0 = np.linalg.cholesky(np.asarray(Q0, dtype=np.float64))
     L0j = jnp.asarray(L0)
 
     def model(E, y):
@@ -46,6 +44,14 @@ def bym(args, kwargs):
         return {"kappa": kappa, "sigma_v": sigma_v, "phi": phi, "v": s["e"] * sigma_v[:, None]}
 
     return model, {"E": jnp.asarray(E.numpy()), "y": jnp.asarray(y.numpy())}, to_sites
+
+
+def bym(args, kwargs):
+    """:func:`bym_noncentred` on the data of ``hyper_models.bym`` (5 x 5 lattice, ``Q0 = D - 0.99 W``)."""
+    from tests.references.hyper_models import _lattice_car
+
+    (E,), y = args, kwargs["y"]
+    return bym_noncentred(E, y, _lattice_car(int(round(math.sqrt(E.shape[0])))).numpy())
 
 
 NUMPYRO_MODELS = {"bym": bym}
