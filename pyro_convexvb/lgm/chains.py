@@ -189,8 +189,11 @@ class AffineChain:
         layout = posterior.layout if layout is None else layout
         if self.has_intrinsic and kind in ("precision", "scale_tril"):
             kind = "covariance"  # M is singular on an intrinsic block: the posterior over its field is degenerate
+        sparse = None
         if kind == "precision_operator" and not self.has_intrinsic and posterior.precision_factor is not None:
-            out = self._sparse_precision_to_model(posterior, mean, layout)
+            sparse = self._sparse_precision_to_model(posterior, mean, layout)
+        if sparse is not None:
+            out = sparse
         elif kind == "precision":
             out = GaussianPosterior(mean, precision=self._congruence(self.T.T, posterior._precision), layout=layout)
         elif kind == "scale_tril":
@@ -208,15 +211,14 @@ class AffineChain:
 
     def _sparse_precision_to_model(self, posterior, mean, layout):
         """A sparse-precision posterior over ``u`` mapped to ``x = (I - A)^{-1} u`` without densifying: precision
-        ``T^T P T`` and factor ``J T`` (``T = I - A``), marginal variances by selected inversion of ``T^T P T``."""
+        ``T^T P T`` and factor ``J T`` (``T = I - A``), marginal variances by selected inversion of ``T^T P T``;
+        ``None`` when the precision or its factor is matrix-free."""
         from ..linalg.sparse_cholesky import SparseCholesky
         from ..posterior.gaussian import GaussianPosterior
 
         P, J = _scipy_csr(posterior.precision_operator), _scipy_csr(posterior.precision_factor)
-        if P is None or J is None:
-            raise UnsupportedModelError(
-                self.children[0], "a matrix-free precision posterior cannot be mapped from the chain's innovations to "
-                                  "its sites without densifying; fit with form='sparse' or 'latent'")
+        if P is None or J is None:  # matrix-free operators: mapped through the dense covariance (or refused)
+            return None
         Px = (self.T.T @ P @ self.T).tocsr()
         Px = 0.5 * (Px + Px.T)
         Jx = (J @ self.T).tocsr()

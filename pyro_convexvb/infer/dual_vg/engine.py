@@ -269,8 +269,10 @@ class DualState:
 @dataclass(frozen=True)
 class DualVGOptions(LGMEngineOptions):
     bound: typing.Literal["tight", "jensen", "bohning", "jaakkola"] = option(
-        "tight", "Bernoulli-logit local bound (other families use their own bounds: exact for Poisson, Gaussian and "
-                 "stochastic volatility, the tight probit bound for probit)")
+        "tight", "local bound of the logit families: Bernoulli-logit, Binomial and NegativeBinomial/GammaPoisson "
+                 "(log link) sites; the other families use their own: exact for Gaussian, Poisson, Gamma (log "
+                 "link) and stochastic-volatility sites, the tight probit bound for probit; Laplace and Student-t "
+                 "sites have none (convex_relaxation fits them)")
     method: typing.Literal["newton", "lbfgs"] = option("newton", "dual minimiser")
     form: typing.Literal["auto", "site", "latent", "banded", "sparse"] = option(
         "auto", "storage form: N x N site space, L x L latent space, a GMRF's sparse precision read one latent per "
