@@ -273,3 +273,23 @@ def test_type2_learning_of_a_param_outside_the_chain_is_the_marginal_likelihood_
     assert res.converged and "type-II" in res.stop_reason
     assert abs(float(pyro.param("s")) - float(np.exp(opt.x[0]))) < 1e-4
     assert abs(res.log_evidence_bound + opt.fun) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_probe_recovers_a_gather_in_four_products_and_refuses_two_per_row(dtype):
+    from pyro_convexvb.lgm.chains import probe_sparse_jacobian
+
+    K, J = 500, 2000
+    idx = torch.randint(0, K, (J,), generator=torch.Generator().manual_seed(0))
+    coef = (torch.rand(J, generator=torch.Generator().manual_seed(1)) + 0.5).to(dtype)
+    calls = []
+
+    def jvp(v):
+        calls.append(1)
+        return 0.5 * (coef * v[idx])
+
+    r, c, v = probe_sparse_jacobian(jvp, [slice(0, K)], J, K, dtype)
+    assert len(calls) == 4 and len(r) == J
+    assert np.array_equal(c[np.argsort(r)], idx.numpy())
+    assert np.allclose(v[np.argsort(r)], 0.5 * coef.double().numpy(), rtol=1e-6)
+    assert probe_sparse_jacobian(lambda v: v[idx] + v[(idx + 1) % K], [slice(0, K)], J, K, dtype) is None

@@ -266,6 +266,7 @@ def probe_sparse_jacobian(jvp, slices, q, n, dtype, device=None):
     """
     gen = torch.Generator().manual_seed(3)
     rows, cols, vals = [], [], []
+    tol = 64 * torch.finfo(dtype).eps  # a product of a few factors, rounded in another order
 
     def on_block(sl, vb):
         v = torch.zeros(n, dtype=dtype, device=device)
@@ -296,13 +297,13 @@ def probe_sparse_jacobian(jvp, slices, q, n, dtype, device=None):
         has = c != 0
         ratio = torch.where(has, s / torch.where(has, c, torch.ones_like(c)), torch.ones_like(c))
         idx = ratio.round()
-        if not bool(((idx >= 1) & (idx <= size) & ((ratio - idx).abs() <= 1e-6)).all()):
+        if not bool(((idx >= 1) & (idx <= size) & ((ratio - idx).abs() <= 0.25)).all()):
             return None
         idx = idx.long() - 1
         for v, y in ((r1, y1.cpu()), (torch.randn(size, generator=gen, dtype=dtype), None)):
             y = on_block(sl, v).cpu() if y is None else y
             pred = torch.where(has, c * v[idx], torch.zeros_like(c))
-            if not bool(((y - pred).abs() <= 1e-12 * (y.abs() + pred.abs())).all()):
+            if not bool(((y - pred).abs() <= tol * (y.abs() + pred.abs())).all()):
                 return None
         nz = torch.nonzero(has).reshape(-1)
         rows.append(nz)
