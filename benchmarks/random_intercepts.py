@@ -18,8 +18,8 @@ Cases: ``J`` groups with ``N = 10 J`` rows, ``J`` in ``(10^3, 3 10^3, 10^4)`` (q
 variant at 50 only). Per case the fit runs in a fresh process (``peak_rss_in_subprocess``): reported are the
 extraction and fit seconds (``hyper``: the whole integration, extractions included), the storage form ``dual_vg``
 chose, the peak resident memory of the process over its baseline before the call (MiB, ``resource.getrusage``;
-the imports of torch, Pyro and the package made inside the call are a constant part of it), the Python-allocation peak (``tracemalloc``, MiB: NumPy/SciPy arrays, not torch
-tensors) and the peak per group, whose constancy across ``J`` is linear memory. The fit's convergence and the
+the imports of torch, Pyro and the package made inside the call are a constant part of it), the
+Python-allocation peak (``tracemalloc``, MiB: NumPy/SciPy arrays, not torch tensors) and the peak per group, whose constancy across ``J`` is linear memory. The fit's convergence and the
 largest posterior sd of the intercepts are reported as a sanity check. Then the speed ratio to NUTS on a small
 case (``J = 100``, ``N = 1000``; quick: ``J = 20``): Pyro NUTS (``engine="nuts"``, one chain, 1000 samples after
 500 warm-up steps; quick: 100 and 100) against ``dual_vg`` on the same centred model, and the largest gap
