@@ -17,9 +17,8 @@ intercepts ``N(-0.5, 0.7^2)``.
 Cases: ``J`` groups with ``N = 10 J`` rows, ``J`` in ``(10^3, 3 10^3, 10^4)`` (quick: ``(50, 200)``, the ``hyper``
 variant at 50 only). Per case the fit runs in a fresh process (``peak_rss_in_subprocess``): reported are the
 extraction and fit seconds (``hyper``: the whole integration, extractions included), the storage form ``dual_vg``
-chose, the peak resident memory of the process over its baseline before the call (MiB, ``resource.getrusage``;
-the imports of torch, Pyro and the package made inside the call are a constant part of it), the
-Python-allocation peak (``tracemalloc``, MiB: NumPy/SciPy arrays, not torch tensors) and the peak per group, whose constancy across ``J`` is linear memory. The fit's convergence and the
+chose, the peak resident memory of the process over its baseline before the call, after the imports of torch,
+Pyro and the package (MiB, ``resource.getrusage``), the Python-allocation peak (``tracemalloc``, MiB: NumPy/SciPy arrays, not torch tensors) and the peak per group, whose constancy across ``J`` is linear memory. The fit's convergence and the
 largest posterior sd of the intercepts are reported as a sanity check. Then the speed ratio to NUTS on a small
 case (``J = 100``, ``N = 1000``; quick: ``J = 20``): Pyro NUTS (``engine="nuts"``, one chain, 1000 samples after
 500 warm-up steps; quick: 100 and 100) against ``dual_vg`` on the same centred model, and the largest gap
@@ -39,6 +38,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import markdown_table, parse_args, peak_rss_in_subprocess, write_json  # noqa: E402
+
+# imported here, so that a spawned child has them loaded before its baseline memory is taken
+import pyro  # noqa: E402, F401
+import torch  # noqa: E402, F401
+
+import pyro_convexvb  # noqa: E402, F401
 
 P = 5
 
