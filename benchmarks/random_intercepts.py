@@ -1,26 +1,33 @@
-"""Centred random-intercept logistic regression: time and peak memory of ``dual_vg`` against the number of groups.
+"""Random-intercept logistic regression with ``dual_vg``: time and peak memory against the number of groups.
 
 The model, written as textbooks write it (a centred hierarchy, an affine Gaussian chain of
 :mod:`pyro_convexvb.lgm.chains`)::
 
-    mu ~ N(0, 2^2),  b ~ N(0, I_p),  alpha_j ~ N(mu, 0.7^2)  (j = 1..J),
-    y_i ~ Bernoulli(logits = alpha[g_i] + x_i^T b)           (i = 1..N)
+    mu ~ N(0, 2^2),  b ~ N(0, I_p),  alpha_j ~ N(mu, sigma^2)  (j = 1..J),
+    y_i ~ Bernoulli(logits = alpha[g_i] + x_i^T b)             (i = 1..N)
 
-with the group indicator applied by ``pcv.linear`` on a sparse ``(N, J)`` matrix. Data are generated like a
-real hierarchical data set (school or hospital outcomes): group sizes drawn from a log-normal (a few large
-groups, many small ones, every group at least 2 rows), ``p = 5`` standardised covariates, true intercepts
-``N(-0.5, 0.7^2)``.
+in three variants: ``centred`` (``sigma = 0.7`` fixed, the group indicator applied by ``pcv.linear`` on a
+sparse ``(N, J)`` matrix), ``noncentred`` (``alpha = mu + sigma z``, ``z_j ~ N(0, 1)``, indexed as
+``(mu + sigma * z)[g]`` with no ``pcv.linear``: the extraction probes the design's sparse structure) and
+``hyper`` (centred, ``sigma ~ HalfNormal(1)`` a hyper-latent, integrated over as ``dual_vg`` does). Data are
+generated like a real hierarchical data set (school or hospital outcomes): group sizes drawn from a log-normal
+(a few large groups, many small ones, every group at least 2 rows), ``p = 5`` standardised covariates, true
+intercepts ``N(-0.5, 0.7^2)``.
 
-Cases: ``J`` groups with ``N = 10 J`` rows, ``J`` in ``(10^3, 10^4)`` (quick: ``(50, 200)``). Per case the
-fit runs in a fresh process (``peak_rss_in_subprocess``): reported are the extraction and fit seconds,
-the peak resident memory of the process over its baseline after the imports (MiB), the Python-allocation peak
-(``tracemalloc``, MiB) and the peak per group, whose constancy across ``J`` is linear memory. The fit's
-convergence and the largest posterior sd of the intercepts are reported as a sanity check.
+Cases: ``J`` groups with ``N = 10 J`` rows, ``J`` in ``(10^3, 3 10^3, 10^4)`` (quick: ``(50, 200)``, the ``hyper``
+variant at 50 only). Per case the fit runs in a fresh process (``peak_rss_in_subprocess``): reported are the
+extraction and fit seconds (``hyper``: the whole integration, extractions included), the storage form ``dual_vg``
+chose, the peak resident memory of the process over its baseline before the call, after the imports of torch,
+Pyro and the package (MiB, ``resource.getrusage``), the Python-allocation peak (``tracemalloc``, MiB: NumPy/SciPy arrays, not torch tensors) and the peak per group, whose constancy across ``J`` is linear memory. The fit's convergence and the
+largest posterior sd of the intercepts are reported as a sanity check. Then the speed ratio to NUTS on a small
+case (``J = 100``, ``N = 1000``; quick: ``J = 20``): Pyro NUTS (``engine="nuts"``, one chain, 1000 samples after
+500 warm-up steps; quick: 100 and 100) against ``dual_vg`` on the same centred model, and the largest gap
+between their posterior means in NUTS sds.
 
 Usage::
 
     python benchmarks/random_intercepts.py --quick
-    python benchmarks/random_intercepts.py            # J = 1e3, 1e4 (N = 1e4, 1e5)
+    python benchmarks/random_intercepts.py            # J = 1e3, 3e3, 1e4 (N = 1e4, 3e4, 1e5)
 
 Writes ``benchmarks/results/random_intercepts.json`` (``random_intercepts_quick.json`` with ``--quick``).
 """
@@ -31,6 +38,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import markdown_table, parse_args, peak_rss_in_subprocess, write_json  # noqa: E402
+
+# imported here, so that a spawned child has them loaded before its baseline memory is taken
+import pyro  # noqa: E402, F401
+import torch  # noqa: E402, F401
+
+import pyro_convexvb  # noqa: E402, F401
 
 P = 5
 
@@ -55,6 +68,7 @@ def make_data(J, rows_per_group=10, seed=0):
 
 
 def model(G, X, y=None):
+    """Centred, ``sigma = 0.7``, ``pcv.linear`` on the group indicator."""
     import pyro
     import pyro.distributions as dist
     import torch
@@ -70,7 +84,48 @@ def model(G, X, y=None):
         pyro.sample("y", dist.Bernoulli(logits=pcv.linear(G, alpha) + X @ b), obs=y)
 
 
-def run_case(J, seed):
+def model_noncentred(g, J, X, y=None):
+    """Non-centred, indexing ``(mu + sigma z)[g]`` (no ``pcv.linear``)."""
+    import pyro
+    import pyro.distributions as dist
+    import torch
+
+    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=X.dtype), 2.0))
+    b = pyro.sample("b", dist.Normal(torch.zeros(X.shape[1], dtype=X.dtype), 1.0).to_event(1))
+    with pyro.plate("groups", J):
+        z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=X.dtype), 1.0))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Bernoulli(logits=(mu + 0.7 * z)[g] + X @ b), obs=y)
+
+
+def model_hyper(G, X, y=None):
+    """Centred with ``sigma ~ HalfNormal(1)`` a hyper-latent."""
+    import pyro
+    import pyro.distributions as dist
+    import torch
+
+    import pyro_convexvb as pcv
+
+    J = G.shape[1]
+    sigma = pyro.sample("sigma", dist.HalfNormal(torch.tensor(1.0, dtype=X.dtype)))
+    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=X.dtype), 2.0))
+    b = pyro.sample("b", dist.Normal(torch.zeros(X.shape[1], dtype=X.dtype), 1.0).to_event(1))
+    with pyro.plate("groups", J):
+        alpha = pyro.sample("alpha", dist.Normal(mu, sigma))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Bernoulli(logits=pcv.linear(G, alpha) + X @ b), obs=y)
+
+
+def _model_and_args(variant, G, X, y):
+    if variant == "centred":
+        return model, (G, X), {"y": y}
+    if variant == "hyper":
+        return model_hyper, (G, X), {"y": y}
+    g = G.to_sparse_coo().coalesce().indices()[1]
+    return model_noncentred, (g, G.shape[1], X), {"y": y}
+
+
+def run_case(J, seed, variant="centred"):
     """Extract and fit one case (in a fresh process); returns the timings and the Python-allocation peak."""
     import time
     import tracemalloc
@@ -81,35 +136,69 @@ def run_case(J, seed):
 
     torch.set_num_threads(1)
     G, X, y = make_data(J, seed=seed)
+    fn, args, kwargs = _model_and_args(variant, G, X, y)
     tracemalloc.start()
     t0 = time.perf_counter()
-    lgm = pcv.lgm_from_pyro(model, G, X, y=y)
-    t1 = time.perf_counter()
-    res = pcv.fit(lgm, engine="dual_vg", progress=False)
+    if variant == "hyper":  # the hyper-latent is integrated over: extraction happens per point, inside the fit
+        res = pcv.fit(fn, *args, engine="dual_vg", progress=False, **kwargs)
+        t1 = t0
+    else:
+        lgm = pcv.lgm_from_pyro(fn, *args, **kwargs)
+        t1 = time.perf_counter()
+        res = pcv.fit(lgm, engine="dual_vg", progress=False)
     t2 = time.perf_counter()
     _, py_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     sd = res.posterior.variance.sqrt()
+    form = res.info.get("form", "") if isinstance(res.info, dict) else ""
     return {"extract_s": t1 - t0, "fit_s": t2 - t1, "tracemalloc_peak_mb": py_peak / 2**20,
-            "converged": bool(res.converged), "max_alpha_sd": float(sd[1 + P:].max()),
-            "posterior_kind": res.posterior.kind}
+            "converged": bool(res.converged), "max_alpha_sd": float(sd[-J:].max()), "form": form or "(hyper)",
+            "posterior_kind": getattr(res.posterior, "kind", type(res.posterior).__name__)}
+
+
+def run_nuts_ratio(J, seed, quick):
+    """Pyro NUTS and ``dual_vg`` on the same small centred case: seconds, ratio and the largest mean gap."""
+    import time
+
+    import torch
+
+    import pyro_convexvb as pcv
+
+    torch.set_num_threads(1)
+    G, X, y = make_data(J, seed=seed)
+    t0 = time.perf_counter()
+    vg = pcv.fit(model, G, X, y=y, engine="dual_vg", progress=False)
+    t1 = time.perf_counter()
+    n = 100 if quick else 1000
+    nuts = pcv.fit(model, G, X, y=y, engine="nuts", progress=False,
+                   options=dict(num_samples=n, warmup_steps=100 if quick else 500))
+    t2 = time.perf_counter()
+    gap = ((vg.posterior.loc - nuts.posterior.loc).abs() / nuts.posterior.variance.sqrt()).max()
+    return {"groups": J, "rows": 10 * J, "dual_vg_s": t1 - t0, "nuts_s": t2 - t1, "speedup": (t2 - t1) / (t1 - t0),
+            "max_mean_gap_nuts_sd": float(gap), "nuts_samples": n}
 
 
 def main():
     args = parse_args(__doc__.splitlines()[0])
-    sizes = (50, 200) if args.quick else (1_000, 10_000)
+    sizes = (50, 200) if args.quick else (1_000, 3_000, 10_000)
     rows = []
-    for J in sizes:
-        r = peak_rss_in_subprocess(run_case, J, args.seed, return_result=True)
-        out = r["result"]
-        rows.append({"groups": J, "rows": 10 * J, "extract_s": out["extract_s"], "fit_s": out["fit_s"],
-                     "rss_delta_mb": r["delta_mb"], "rss_per_group_kb": 1024 * r["delta_mb"] / J,
-                     "tracemalloc_peak_mb": out["tracemalloc_peak_mb"], "converged": out["converged"],
-                     "max_alpha_sd": out["max_alpha_sd"], "posterior": out["posterior_kind"]})
-        print(f"J = {J}: done", flush=True)
+    for variant in ("centred", "noncentred", "hyper"):
+        for J in sizes[:1] if (args.quick and variant == "hyper") else sizes:
+            r = peak_rss_in_subprocess(run_case, J, args.seed, variant, return_result=True)
+            out = r["result"]
+            rows.append({"variant": variant, "groups": J, "rows": 10 * J, "form": out["form"],
+                         "extract_s": out["extract_s"], "fit_s": out["fit_s"], "rss_delta_mb": r["delta_mb"],
+                         "rss_per_group_kb": 1024 * r["delta_mb"] / J,
+                         "tracemalloc_peak_mb": out["tracemalloc_peak_mb"], "converged": out["converged"],
+                         "max_alpha_sd": out["max_alpha_sd"], "posterior": out["posterior_kind"]})
+            print(f"{variant}, J = {J}: done", flush=True)
     print(markdown_table(rows))
+    ratio = peak_rss_in_subprocess(run_nuts_ratio, 20 if args.quick else 100, args.seed, args.quick,
+                                   return_result=True)["result"]
+    print()
+    print(markdown_table([ratio]))
     write_json("random_intercepts_quick" if args.quick else "random_intercepts",
-               {"cases": rows, "quick": args.quick, "seed": args.seed})
+               {"cases": rows, "nuts": ratio, "quick": args.quick, "seed": args.seed})
 
 
 if __name__ == "__main__":

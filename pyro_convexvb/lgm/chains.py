@@ -43,7 +43,7 @@ def _scipy_csr(op):
         return sp.csr_matrix((A.values().detach().cpu().numpy(), A.col_indices().cpu().numpy().astype(np.int64),
                               A.crow_indices().cpu().numpy().astype(np.int64)), shape=op.shape)
     if isinstance(op, DiagonalOperator):
-        return sp.diags(op.diag.detach().cpu().numpy()).tocsr()
+        return sp.diags(op.diag.detach().cpu().numpy(), shape=op.shape).tocsr()
     if isinstance(op, DenseOperator):
         return sp.csr_matrix(op.matrix.detach().cpu().numpy())
     if isinstance(op, EmbedColumnsOperator):
@@ -189,7 +189,12 @@ class AffineChain:
         layout = posterior.layout if layout is None else layout
         if self.has_intrinsic and kind in ("precision", "scale_tril"):
             kind = "covariance"  # M is singular on an intrinsic block: the posterior over its field is degenerate
-        if kind == "precision":
+        sparse = None
+        if kind == "precision_operator" and not self.has_intrinsic and posterior.precision_factor is not None:
+            sparse = self._sparse_precision_to_model(posterior, mean, layout)
+        if sparse is not None:
+            out = sparse
+        elif kind == "precision":
             out = GaussianPosterior(mean, precision=self._congruence(self.T.T, posterior._precision), layout=layout)
         elif kind == "scale_tril":
             out = GaussianPosterior(mean, scale_tril=self._dense(self.M, loc) @ posterior._scale_tril, layout=layout)
@@ -204,6 +209,25 @@ class AffineChain:
         out.coordinates = "model"
         return out
 
+    def _sparse_precision_to_model(self, posterior, mean, layout):
+        """A sparse-precision posterior over ``u`` mapped to ``x = (I - A)^{-1} u`` without densifying: precision
+        ``T^T P T`` and factor ``J T`` (``T = I - A``), marginal variances by selected inversion of ``T^T P T``;
+        ``None`` when the precision or its factor is matrix-free."""
+        from ..linalg.sparse_cholesky import SparseCholesky
+        from ..posterior.gaussian import GaussianPosterior
+
+        P, J = _scipy_csr(posterior.precision_operator), _scipy_csr(posterior.precision_factor)
+        if P is None or J is None:  # matrix-free operators: mapped through the dense covariance (or refused)
+            return None
+        Px = (self.T.T @ P @ self.T).tocsr()
+        Px = 0.5 * (Px + Px.T)
+        Jx = (J @ self.T).tocsr()
+        var = SparseCholesky(Px.tocsc(), name="posterior precision over the chain's sites").diag_inverse()
+        like = posterior.loc
+        return GaussianPosterior(mean, torch.as_tensor(var, dtype=like.dtype).to(like.device),
+                                 precision_operator=SparseOperator(_torch_csr(Px, like.dtype, like.device)),
+                                 precision_factor=SparseOperator(_torch_csr(Jx, like.dtype, like.device)), layout=layout)
+
     def to_latent(self, posterior, layout=None):
         """The inverse of :meth:`to_model`: a posterior over the model's sites as one over ``u = (I - A) x``."""
         from ..posterior.gaussian import GaussianPosterior
@@ -217,12 +241,107 @@ class AffineChain:
         return GaussianPosterior(mean, covariance=C, layout=posterior.layout if layout is None else layout)
 
 
+#: largest block of latents that :func:`probe_sparse_jacobian` probes one coordinate at a time (larger blocks are
+#: probed as "one nonzero per row", the structure of gathers ``x[g]``, broadcasts and lags, with four products)
+PROBE_COLUMNS = 64
+
+
+def probe_sparse_jacobian(jvp, slices, q, n, dtype, device=None):
+    r"""The sparse Jacobian ``(rows, cols, vals)`` of a linear map ``v -> J v`` (``q x n``) restricted to the column
+    ``slices``, from a few products, or ``None`` when its structure is not one this probing recovers exactly.
+
+    Per block of columns: a random product tells whether the map reads the block at all; a block of at most
+    :data:`PROBE_COLUMNS` coordinates is probed column by column; a larger one is decoded as *one nonzero per
+    row* (a gather ``x[g]``, a broadcast ``mu.expand(J)``, a lag ``h[t - 1]``): with ``c = J 1`` and
+    ``s = J (1, 2, ..., size)`` the row ``i`` has its nonzero ``c_i`` in column ``s_i / c_i - 1``, and two random
+    products must equal ``c_i v_{j_i}`` exactly (a row with two nonzeros, even cancelling ones, fails this
+    check and the whole probe returns ``None``, so the caller falls back to one product per coordinate). This
+    is a column compression of the Jacobian (Curtis, Powell & Reid 1974) whose coloring is read off the
+    products themselves. Each nonzero is one product term, so the values equal those of per-coordinate
+    products exactly.
+
+    :param jvp: ``v (n,) -> J v (q,)`` (torch tensors).
+    :param slices: column slices of the blocks to probe.
+    :returns: ``(rows, cols, vals)`` NumPy arrays (int64, int64, float64), or ``None``.
+    """
+    gen = torch.Generator().manual_seed(3)
+    rows, cols, vals = [], [], []
+    tol = 64 * torch.finfo(dtype).eps  # a product of a few factors, rounded in another order
+
+    def on_block(sl, vb):
+        v = torch.zeros(n, dtype=dtype, device=device)
+        v[sl] = vb.to(device)
+        out = jvp(v).detach().reshape(-1)
+        return out
+
+    for sl in slices:
+        size = sl.stop - sl.start
+        r1 = torch.rand(size, generator=gen, dtype=dtype) + 0.5
+        y1 = on_block(sl, r1)
+        if not bool(torch.isfinite(y1).all()):
+            return None
+        if not bool((y1 != 0).any()):
+            continue
+        if size <= PROBE_COLUMNS:
+            for j in range(size):
+                e = torch.zeros(size, dtype=dtype)
+                e[j] = 1.0
+                col = on_block(sl, e)
+                nz = torch.nonzero(col).reshape(-1)
+                rows.append(nz.cpu())
+                cols.append(torch.full((nz.numel(),), sl.start + j, dtype=torch.long))
+                vals.append(col[nz].cpu())
+            continue
+        c = on_block(sl, torch.ones(size, dtype=dtype)).cpu()
+        s = on_block(sl, torch.arange(1, size + 1, dtype=dtype)).cpu()
+        has = c != 0
+        ratio = torch.where(has, s / torch.where(has, c, torch.ones_like(c)), torch.ones_like(c))
+        idx = ratio.round()
+        if not bool(((idx >= 1) & (idx <= size) & ((ratio - idx).abs() <= 0.25)).all()):
+            return None
+        idx = idx.long() - 1
+        for v, y in ((r1, y1.cpu()), (torch.randn(size, generator=gen, dtype=dtype), None)):
+            y = on_block(sl, v).cpu() if y is None else y
+            pred = torch.where(has, c * v[idx], torch.zeros_like(c))
+            if not bool(((y - pred).abs() <= tol * (y.abs() + pred.abs())).all()):
+                return None
+        nz = torch.nonzero(has).reshape(-1)
+        rows.append(nz)
+        cols.append(sl.start + idx[nz])
+        vals.append(c[nz])
+    if not rows:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+    return (torch.cat(rows).numpy().astype(np.int64), torch.cat(cols).numpy().astype(np.int64),
+            torch.cat(vals).to(torch.float64).numpy())
+
+
 def chain_jacobian(name, loc, u0, parents, dtype):
     """Sparse rows ``(rows, cols, vals)`` of ``d loc / d u`` restricted to the ``parents`` slices of ``u``.
 
-    Probed by forward products over the parents' coordinates when they are fewer than the rows, else by
-    backward products over the rows.
+    By :func:`probe_sparse_jacobian` (a few products per parent block); when the structure is not one it
+    recovers, by one product per coordinate (:func:`chain_jacobian_by_coordinates`).
     """
+    q = loc.shape[0]
+    if parents:
+        w = torch.zeros_like(loc, requires_grad=True)
+        g = torch.autograd.grad((loc * w).sum(), u0, create_graph=True, allow_unused=True)[0]
+        if g is not None and g.requires_grad:
+            def jvp(v):
+                out = torch.autograd.grad((g * v).sum(), w, retain_graph=True, allow_unused=True)[0]
+                return torch.zeros_like(loc) if out is None else out
+
+            got = probe_sparse_jacobian(jvp, parents, q, u0.shape[0], loc.dtype, loc.device)
+            if got is not None:
+                if not np.isfinite(got[2]).all():
+                    raise UnsupportedModelError(name, "the mean of the latent site is not finite in the latents it reads")
+                return got
+    return chain_jacobian_by_coordinates(name, loc, u0, parents, dtype)
+
+
+def chain_jacobian_by_coordinates(name, loc, u0, parents, dtype):
+    """:func:`chain_jacobian` by one autograd product per coordinate: forward products over the parents'
+    coordinates when they are fewer than the rows, else backward products over the rows (the reference the
+    probing is tested against)."""
     q = loc.shape[0]
     cols_all = torch.cat([torch.arange(s.start, s.stop) for s in parents]) if parents else torch.zeros(0, dtype=torch.long)
     rows, cols, vals = [], [], []

@@ -31,6 +31,11 @@ __all__ = ["lgm_from_pyro", "full_data_plates", "FullDataPlates", "latent_sites"
 #: as a dense Jacobian (the model's own design is then dense already); larger ones stay as
 #: autograd-probed operators.
 DENSE_JACOBIAN_LIMIT = 25_000_000
+#: a predictor's Jacobian with more than this many entries (``rows x latents``) that no ``pcv.linear`` record
+#: reproduces is first probed for a sparse structure (:func:`~pyro_convexvb.lgm.chains.probe_sparse_jacobian`)
+PROBE_MIN_ENTRIES = 1_000_000
+#: largest fraction of nonzeros for which a probed Jacobian is kept sparse
+PROBE_MAX_DENSITY = 0.1
 
 _AFFINE_RTOL = 1e-7
 
@@ -561,6 +566,25 @@ def _select_rows(op, idx):
     return ComposedOperator(_selection(idx, q, dtype=op.dtype, device=op.device), op)
 
 
+def _probed_operator(jac, layout, q, n, dtype, device):
+    """A sparse design from :func:`~pyro_convexvb.lgm.chains.probe_sparse_jacobian` (a few products per latent
+    block: ``pcv.linear``-free predictors such as ``alpha[g] + X @ b``), or ``None`` when the probing does not
+    recover it or the result is not sparse (more than :data:`PROBE_MAX_DENSITY` nonzeros)."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    from .chains import _torch_csr, probe_sparse_jacobian
+
+    got = probe_sparse_jacobian(jac.jvp, [b.slice for b in layout.blocks], q, n, dtype, device)
+    if got is None or len(got[0]) > PROBE_MAX_DENSITY * q * n:
+        return None
+    r, c, v = got
+    if not np.isfinite(v).all():
+        return None
+    M = sp.csr_matrix((v, (r, c)), shape=(q, n))
+    return SparseOperator(_torch_csr(M, dtype, device))
+
+
 def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype, rows=None, keep_graph=False):
     """``(operator, offset)`` with ``eta(u) = operator @ u + offset`` on ``rows`` (all rows by default).
 
@@ -587,6 +611,8 @@ def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype,
     op = _recorded_operator(name, records, eta, u0, layout, vals, probe, rows=rows)
     if op is None:
         q = eta.shape[0]
+        op = _probed_operator(jac, layout, q, n, dtype, u0.device) if q * n > PROBE_MIN_ENTRIES else None
+    if op is None:
         op = DenseOperator(jac.dense()) if q * n <= DENSE_JACOBIAN_LIMIT else jac.operator()
     offset = _d(eta - op.mv(u0.detach()).to(eta.dtype), keep_graph)
     if rows is not None:

@@ -333,7 +333,38 @@ def _takahashi_jvp(n, Lp, Li, Lx, D, Zd, Zx, dLx, dD):
             dZx[q] = dz
             s += Lx[q] * dz + dLx[q] * Zx[q]
         dZd[j] = -dD[j] / (D[j] * D[j]) - s
-    return dZd
+    return dZd, dZx
+
+
+@_jit
+def _ldl_jvp(n, Lp, Li, Lx, D, Rp, Rk, Rpos, dAd, dAx):
+    """Forward-mode derivative ``(dL, dD)`` of ``L D L^T`` when the (permuted) matrix moves by ``dA``: its
+    diagonal ``dAd`` and its strict lower triangle ``dAx`` on the storage positions of ``L`` (the general form of
+    :func:`_ldl_jvp_diagonal`)."""
+    dLx = np.zeros(Lx.shape[0])
+    dD = np.zeros(n)
+    c = np.zeros(n)
+    for j in range(n):
+        for q in range(Lp[j], Lp[j + 1]):
+            c[Li[q]] = dAx[q]
+        cj = dAd[j]
+        for t in range(Rp[j], Rp[j + 1]):
+            k = Rk[t]
+            p = Rpos[t]
+            a = Lx[p]
+            da = dLx[p]
+            dk = D[k]
+            ddk = dD[k]
+            cj -= 2.0 * a * da * dk + a * a * ddk
+            c1 = a * dk
+            c2 = da * dk + a * ddk
+            for q in range(p + 1, Lp[k + 1]):
+                c[Li[q]] -= dLx[q] * c1 + Lx[q] * c2
+        dD[j] = cj
+        dj = D[j]
+        for q in range(Lp[j], Lp[j + 1]):
+            dLx[q] = (c[Li[q]] - Lx[q] * cj) / dj
+    return dLx, dD
 
 
 # ----------------------------------------------------------------------------- backends
@@ -683,10 +714,64 @@ class SparseCholesky:
         Rp, Rk, Rpos = self._rows
         dLx, dD = _ldl_jvp_diagonal(self.n, self.Lp, self.Li, self.Lx, self.D, Rp, Rk, Rpos,
                                     np.ascontiguousarray(d[self.perm]))
-        dZd = _takahashi_jvp(self.n, self.Lp, self.Li, self.Lx, self.D, Zd, Zx, dLx, dD)
+        dZd = _takahashi_jvp(self.n, self.Lp, self.Li, self.Lx, self.D, Zd, Zx, dLx, dD)[0]
         out = np.empty(self.n)
         out[self.perm] = dZd
         return out
+
+    # ------------------------------------------------------------------ entries of the selected inverse
+    def entry_positions(self, rows, cols):
+        """Positions of the symmetric entries ``(rows[i], cols[i])`` (original order) in the packed selected
+        inverse of :meth:`selected_values`: ``[diag(Z) (permuted order), Z on the storage of L]``.
+
+        :param numpy.ndarray rows: ``(m,)`` int.
+        :param numpy.ndarray cols: ``(m,)`` int.
+        :returns: ``(m,)`` int64 positions.
+        :raises ValueError: an entry outside the pattern of the factor (give those entries, even as explicit
+            zeros, in the matrix that was factored).
+        """
+        iperm = np.empty(self.n, dtype=np.int64)
+        iperm[self.perm] = np.arange(self.n)
+        pi, pj = iperm[np.asarray(rows, dtype=np.int64)], iperm[np.asarray(cols, dtype=np.int64)]
+        lo, hi = np.minimum(pi, pj), np.maximum(pi, pj)
+        out = lo.copy()
+        off = lo != hi
+        if off.any():
+            col_of = np.repeat(np.arange(self.n, dtype=np.int64), np.diff(self.Lp))
+            keys = col_of * self.n + self.Li
+            order = np.argsort(keys, kind="stable")
+            want = lo[off] * self.n + hi[off]
+            at = np.searchsorted(keys[order], want)
+            at = np.minimum(at, max(len(keys) - 1, 0))
+            if len(keys) == 0 or not np.array_equal(keys[order][at], want):
+                raise ValueError(f"{self.name}: an entry is outside the pattern of the Cholesky factor; give every "
+                                 "needed entry (an explicit zero will do) in the factored matrix")
+            out[off] = self.n + order[at]
+        return out
+
+    def selected_values(self):
+        """The packed selected inverse ``[diag(Z) (permuted order), Z on the storage of L]`` (``(n + nnz(L),)``),
+        indexed by :meth:`entry_positions`."""
+        Zd, Zx = self._selected()
+        return np.concatenate([Zd, Zx])
+
+    def selected_values_jvp(self, positions, values):
+        r"""Directional derivative of :meth:`selected_values` along ``Q + t dQ``: ``-(Z dQ Z)`` on the factor's pattern.
+
+        :param numpy.ndarray positions: ``(m,)`` positions (:meth:`entry_positions`) of the entries of the
+            symmetric perturbation ``dQ`` (each symmetric pair once; repeated positions add up).
+        :param numpy.ndarray values: ``(m,)`` their values.
+        :returns: ``(n + nnz(L),)`` NumPy array.
+        """
+        Zd, Zx = self._selected()
+        if self._rows is None:
+            self._rows = _row_structure(self.n, self.Lp, self.Li)
+        Rp, Rk, Rpos = self._rows
+        d = np.bincount(positions, weights=values, minlength=self.n + len(self.Li))
+        dLx, dD = _ldl_jvp(self.n, self.Lp, self.Li, self.Lx, self.D, Rp, Rk, Rpos,
+                           np.ascontiguousarray(d[:self.n]), np.ascontiguousarray(d[self.n:]))
+        dZd, dZx = _takahashi_jvp(self.n, self.Lp, self.Li, self.Lx, self.D, Zd, Zx, dLx, dD)
+        return np.concatenate([dZd, dZx])
 
     def __repr__(self):
         return f"SparseCholesky(n={self.n}, nnz(L)={self.nnz}, backend={self.backend!r})"

@@ -51,12 +51,57 @@ def _one_per_row(op):
     return bool(((crow[1:] - crow[:-1]) == 1).all())
 
 
+#: smallest latent dimension at which ``form='auto'`` prefers the sparse latent form (a sparse prior precision and a
+#: sparse design) to the dense ``L x L`` form; below it a dense Cholesky of ``L x L`` is cheap (docs/dual_vg.md)
+SPARSE_MIN_LATENTS = 1000
+#: largest fraction of nonzeros in the design for which ``form='auto'`` picks the sparse latent form
+SPARSE_MAX_DENSITY = 0.05
+
+
+def sparse_prior_precision(lgm):
+    """The block-diagonal prior precision of ``lgm`` as a SciPy CSR matrix, or ``None`` when a block is given
+    only by a covariance (or is flat): nothing is densified except blocks already dense."""
+    import scipy.sparse as sp
+
+    from ...linalg.operators import DenseOperator, DiagonalOperator
+    from ...linalg.sparse_cholesky import as_scipy_csc
+
+    blocks = []
+    for p in lgm.priors:
+        if p.flat or p.prec is None:
+            return None
+        if isinstance(p.prec, DiagonalOperator):
+            blocks.append(sp.diags(p.prec.diag.detach().cpu().double().numpy()))
+        elif isinstance(p.prec, (SparseOperator, DenseOperator)):
+            blocks.append(as_scipy_csc(p.prec, f"prior precision of '{p.name}'"))
+        else:
+            return None
+    return sp.block_diag(blocks, format="csr")
+
+
+def sparse_design(lgm):
+    """The stacked design of ``lgm`` as a SciPy CSR matrix when every group's design is an explicit sparse,
+    diagonal or embedded matrix (dense ones are converted), else ``None`` (matrix-free designs)."""
+    import scipy.sparse as sp
+
+    from ...lgm.chains import _scipy_csr
+
+    parts = [_scipy_csr(g.design) for g in lgm.sites]
+    if any(p is None for p in parts):
+        return None
+    return sp.vstack(parts, format="csr") if len(parts) > 1 else parts[0].tocsr()
+
+
 def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
     """``(backend, local bound, latent-space kind)`` for a :class:`~pyro_convexvb.LatentGaussianModel`.
 
     :param str form: ``"site"`` (``N x N``), ``"latent"`` (``L x L``), ``"banded"`` (sparse
-        precision) or ``"auto"``: banded when the prior is a sparse precision only and every site
-        reads one latent; else latent space when ``L < N``; else site space.
+        precision, one latent per site), ``"sparse"`` (sparse precision and sparse design:
+        :class:`~.sparse.SparseLatentBackend`) or ``"auto"``: banded when the prior is a sparse precision only
+        and every site reads one latent; sparse when every prior block has a diagonal or sparse precision, the
+        designs are explicit sparse matrices with at most :data:`SPARSE_MAX_DENSITY` nonzeros and
+        ``L >=`` :data:`SPARSE_MIN_LATENTS` (a random-intercept model with many groups); else latent space when
+        ``L < N``; else site space.
 
     Row-sharded data (a design wrapped by :func:`pyro_convexvb.distributed.row_sharded` under an
     initialised process group) runs in the ``L x L`` form only: each rank keeps its own sites, ``W^T u``
@@ -67,8 +112,8 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
     err = dual_vg_applies(lgm)
     if err is not None:
         raise err
-    if form not in ("auto", "site", "latent", "banded"):
-        raise ValueError(f"form: expected 'auto', 'site', 'latent' or 'banded', got {form!r}")
+    if form not in ("auto", "site", "latent", "banded", "sparse"):
+        raise ValueError(f"form: expected 'auto', 'site', 'latent', 'banded' or 'sparse', got {form!r}")
     bounds = [make_bound(g.family, bound, xi) for g in lgm.sites]
     lb = bounds[0] if len(bounds) == 1 else Stacked(bounds)
     W, comm = sharded_design(lgm.design())
@@ -77,7 +122,7 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
     N, L = W.shape
     precision_only = lgm.prior_cov is None
     if comm is not None:
-        if form in ("site", "banded"):
+        if form in ("site", "banded", "sparse"):
             raise ValueError(f"dual_vg: form='{form}' cannot run on row-sharded data (its matrices couple the sites of "
                              f"every rank); use form='latent' (the L x L form, or form='auto', which selects it)")
         form = "latent"
@@ -85,11 +130,24 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
         if precision_only and len(lgm.priors) == 1 and isinstance(lgm.priors[0].prec, SparseOperator) \
                 and (_is_identity(W, L) or _one_per_row(W)):
             form = "banded"
+        elif L >= SPARSE_MIN_LATENTS and _sparse_form_fits(lgm, W):
+            form = "sparse"
         elif L < N:
             form = "latent"
         else:
             form = "site"
-    if form == "banded":
+    if form == "sparse":
+        from .sparse import SparseLatentBackend
+
+        Q, Ws = sparse_prior_precision(lgm), sparse_design(lgm)
+        if Q is None:
+            raise ValueError("dual_vg: form='sparse' needs every prior block given by a precision (diagonal, sparse "
+                             "or dense); this model has a block given only by its covariance; use form='latent'")
+        if Ws is None:
+            raise ValueError("dual_vg: form='sparse' needs explicit (sparse or dense) designs; this model has a "
+                             "matrix-free design; use form='latent' or 'site'")
+        backend = SparseLatentBackend(Q, mu, Ws, d)
+    elif form == "banded":
         Q = lgm.priors[0].prec if len(lgm.priors) == 1 else None
         if Q is None:
             raise ValueError("form='banded' needs a single prior block given by a sparse precision")
@@ -115,6 +173,16 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
             if isinstance(b, LogitJaakkolaBound) and b.xi is None:
                 b.set_xi(torch.sqrt(hh**2 + rr))
     return backend, lb, form
+
+
+def _sparse_form_fits(lgm, W):
+    """Whether ``form='auto'`` should pick the sparse latent form (see :func:`build_dual_problem`)."""
+    from ...linalg.operators import DenseOperator
+
+    if any(isinstance(g.design, DenseOperator) for g in lgm.sites) or sparse_prior_precision(lgm) is None:
+        return False
+    Ws = sparse_design(lgm)
+    return Ws is not None and Ws.nnz <= SPARSE_MAX_DENSITY * W.shape[0] * W.shape[1]
 
 
 @dataclass(frozen=True)
@@ -201,12 +269,15 @@ class DualState:
 @dataclass(frozen=True)
 class DualVGOptions(LGMEngineOptions):
     bound: typing.Literal["tight", "jensen", "bohning", "jaakkola"] = option(
-        "tight", "Bernoulli-logit local bound (other families use their own bounds: exact for Poisson, Gaussian and "
-                 "stochastic volatility, the tight probit bound for probit)")
+        "tight", "local bound of the logit families: Bernoulli-logit, Binomial and NegativeBinomial/GammaPoisson "
+                 "(log link) sites; the other families use their own: exact for Gaussian, Poisson, Gamma (log "
+                 "link) and stochastic-volatility sites, the tight probit bound for probit; Laplace and Student-t "
+                 "sites have none (convex_relaxation fits them)")
     method: typing.Literal["newton", "lbfgs"] = option("newton", "dual minimiser")
-    form: typing.Literal["auto", "site", "latent", "banded"] = option(
-        "auto", "storage form: N x N site space, L x L latent space, a GMRF's sparse precision ('banded': sparse "
-                "Cholesky), or auto")
+    form: typing.Literal["auto", "site", "latent", "banded", "sparse"] = option(
+        "auto", "storage form: N x N site space, L x L latent space, a GMRF's sparse precision read one latent per "
+                "site ('banded'), a sparse precision with a sparse design ('sparse'; both by sparse Cholesky), or "
+                "auto")
     newton_solver: typing.Literal["auto", "dense", "cg"] = option(
         "auto", "Newton systems in the L x L form: dense Cholesky, matrix-free CG, or the cheaper by a flop count")
     gap_tol: typing.Optional[float] = option(None, "convergence: duality gap in nats (default 1e-8 N)", gt=0)

@@ -320,7 +320,7 @@ def _use_operator_hessian(backend, newton_solver):
         return True
     if not hasattr(backend, "hessian_operator") or newton_solver == "dense":
         return False
-    if newton_solver == "cg" or getattr(backend, "kind", "") == "banded":  # sparse GMRF: no dense Hessian
+    if newton_solver == "cg" or getattr(backend, "kind", "") in ("banded", "sparse"):  # sparse forms: no dense Hessian
         return True
     N, L = backend.N, backend.L
     # dense: Cholesky of H (N^3/3) and forming V_t, Sigma_t (2 N^2 L). PCG: a preconditioner set-up
@@ -373,7 +373,7 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
     # "auto" may switch from Newton-CG to the dense system when CG steps no longer change g (inexact directions
     # at the limit of float resolution; seen with counts ~1e6), where the dense Hessian exists and fits in memory
     can_densify = (newton_solver == "auto" and mode == "operator" and getattr(backend, "comm", None) is None
-                   and getattr(backend, "kind", "") != "banded" and backend.N <= 8000)
+                   and getattr(backend, "kind", "") not in ("banded", "sparse") and backend.N <= 8000)
     red = site_reduction(backend)
     unchanged, tol = 0, gap_tol
     cg_iterations = 0
