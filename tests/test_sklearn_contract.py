@@ -29,28 +29,14 @@ from sklearn.utils.estimator_checks import parametrize_with_checks
 
 import pyro_convexvb as pcv
 from pyro_convexvb.gp import GPClassifier
-from pyro_convexvb.online import (OnlineADF, OnlineAdaGradLogistic, OnlineBayesLogistic, OnlineDimGauss,
-                                  OnlineMarginalVB)
+from pyro_convexvb.online import OnlineBayesLogistic
+
+from conftest import estimator_factories
 
 # our own defaults must reach their tolerances: an unconverged fit here is a failure, not a warning
 pytestmark = pytest.mark.filterwarnings("error::pyro_convexvb.ConvergenceWarning")
 
-# GLM trains by SVI; the checks fit it ~40 times, so they use a small (but sufficient) step budget.
-_GLM_FAST = dict(max_steps=60, min_steps=60, window=20, lr=0.1)
-
-ESTIMATORS = [
-    pcv.BayesianLogisticRegression(),
-    pcv.BayesianLogisticRegression(prior_scale="auto"),
-    pcv.GLM("bernoulli", **_GLM_FAST),
-    pcv.GLM("gaussian", **_GLM_FAST),
-    pcv.BayesianLinearRegression(fit_intercept=True),
-    GPClassifier(),
-    OnlineBayesLogistic(),
-    OnlineADF(),
-    OnlineDimGauss(),
-    OnlineMarginalVB(num_samples=16),
-    OnlineAdaGradLogistic(),
-]
+ESTIMATORS = [make() for make in estimator_factories().values()]
 
 
 def _expected_failed_checks(estimator):
@@ -85,13 +71,13 @@ def _diabetes(n=150):
 
 CLASSIFIERS = {
     "logistic": lambda: pcv.BayesianLogisticRegression(),
-    "glm": lambda: pcv.GLM("bernoulli", max_steps=300, min_steps=150, window=50, lr=0.05),
+    "glm": lambda: pcv.GLM("bernoulli", max_iter=300, min_steps=150, window=50, lr=0.05),
     "gp": lambda: GPClassifier(),
     "online": lambda: OnlineBayesLogistic(),
 }
 REGRESSORS = {
     "blr": lambda: pcv.BayesianLinearRegression(fit_intercept=True),
-    "glm": lambda: pcv.GLM("gaussian", max_steps=300, min_steps=150, window=50, lr=0.05),
+    "glm": lambda: pcv.GLM("gaussian", max_iter=300, min_steps=150, window=50, lr=0.05),
 }
 
 

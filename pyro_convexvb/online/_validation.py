@@ -120,22 +120,6 @@ def from_torch(obj):
     return obj.cpu().numpy()
 
 
-def check_positive_float(value, name):
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: expected a positive number, got {value!r}")
-    if not np.isfinite(v) or v <= 0:
-        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
-    return v
-
-
-def check_choice(value, choices, name):
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {tuple(choices)}, got {value!r}")
-    return value
-
-
 def per_feature(value, num_features, name, positive=False):
     """A scalar or ``(num_features,)`` array as a float64 array of length ``num_features``."""
     if is_torch(value):
