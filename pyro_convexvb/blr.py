@@ -20,11 +20,11 @@ from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from .errors import warn
-from .estimator_base import (POSITIVE, POSITIVE_INT, check_sample_weight, check_Xy, dense_float64,  # noqa: F401
-                             design_matrix, fit_context, float_copy, sklearn_input)
+from .estimator_base import (POSITIVE, POSITIVE_INT, check_sample_weight, dense_float64,  # noqa: F401
+                             design_matrix, fit_context, float_copy, sklearn_input, validate_dense)
 
 __all__ = ["blr_log_marginal_likelihood", "blr_posterior", "BayesianLinearRegression", "design_matrix",
-           "check_Xy", "sklearn_input"]
+           "sklearn_input"]
 
 _LOG_2PI = math.log(2 * math.pi)
 
@@ -268,7 +268,7 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
         :returns: NumPy ``mean (M,)`` or ``(mean, std)``.
         """
         check_is_fitted(self, "posterior_")
-        X = dense_float64(validate_data(self, sklearn_input(X), reset=False, dtype=np.float64, accept_sparse="csr"))
+        X = validate_dense(self, X)
         with torch.no_grad():
             Phi = self._design(X)
             m = self.posterior_.loc

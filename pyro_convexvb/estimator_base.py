@@ -4,7 +4,7 @@ deprecated parameter names and the parameter constraints they have in common.
 
 Every estimator module (``blr``, ``logistic``, ``glm``, ``gp.classifier``, ``online``) imports from here and
 from the layers below, never from another estimator; parameters are declared in ``_parameter_constraints``
-(:mod:`sklearn.utils._param_validation`) and checked at ``fit`` by :func:`sklearn.base._fit_context`.
+(``sklearn.utils._param_validation``) and checked at ``fit`` by scikit-learn's ``sklearn.base._fit_context``.
 """
 import copy
 import dataclasses
@@ -20,10 +20,12 @@ from sklearn.base import ClassifierMixin, _fit_context
 from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Hidden, Interval, StrOptions
 from sklearn.utils.multiclass import check_classification_targets, type_of_target
+from sklearn.utils.validation import validate_data
 
-__all__ = ["sklearn_input", "check_Xy", "design_matrix", "dense_float64", "check_sample_weight", "binary_targets",
-           "predictive_log_probs", "classifier_outputs", "BinaryPredictiveClassifier", "CompactPickleMixin",
-           "compact_result", "compact_lanczos", "engine_options", "iterations", "renamed", "fit_context", "DEPRECATED"]
+__all__ = ["sklearn_input", "design_matrix", "dense_float64", "validate_dense", "check_sample_weight",
+           "binary_targets", "predictive_log_probs", "mixture_log_probs", "classifier_outputs",
+           "BinaryPredictiveClassifier", "CompactPickleMixin", "compact_result", "compact_lanczos", "engine_options",
+           "iterations", "seed_from", "renamed", "deprecated_alias", "NumberInterval"]
 
 fit_context = _fit_context  # scikit-learn's own decorator: validates _parameter_constraints before fit runs
 
@@ -32,7 +34,7 @@ DEPRECATED = "deprecated"
 
 
 class NumberInterval(Interval):
-    """:class:`~sklearn.utils._param_validation.Interval` that refuses booleans (``True`` is no iteration count)."""
+    """scikit-learn's ``Interval`` constraint, refusing booleans (``True`` is no iteration count)."""
 
     def is_satisfied_by(self, val):
         return not isinstance(val, (bool, np.bool_)) and super().is_satisfied_by(val)
@@ -102,26 +104,6 @@ def sklearn_input(obj):
                           obj.crow_indices().cpu().numpy()), shape=tuple(obj.shape))
 
 
-def check_Xy(X, y=None, dtype=None):
-    """Validate and convert ``X`` ``(N, d)`` (and ``y`` ``(N,)``) to tensors; errors name the argument."""
-    if not torch.is_tensor(X):
-        X = torch.as_tensor(X, dtype=dtype or torch.float64)
-    if X.dim() != 2:
-        raise ValueError(f"X must be 2-D (N, d), got shape {tuple(X.shape)}")
-    if not X.is_floating_point():
-        X = X.to(dtype or torch.float64)
-    if not torch.isfinite(X).all():
-        raise ValueError("X contains NaN or inf")
-    if y is None:
-        return X
-    y = torch.as_tensor(y, dtype=X.dtype, device=X.device)
-    if y.dim() != 1 or y.shape[0] != X.shape[0]:
-        raise ValueError(f"y must have shape ({X.shape[0]},), got {tuple(y.shape)}")
-    if not torch.isfinite(y).all():
-        raise ValueError("y contains NaN or inf")
-    return X, y
-
-
 def design_matrix(basis, X, fit_intercept=False):
     """``Phi = basis(X)`` (``X`` itself when ``basis`` is ``None``), with a ones column appended if asked."""
     Phi = X if basis is None else basis(X)
@@ -137,6 +119,14 @@ def dense_float64(X, dtype=np.float64):
     if hasattr(X, "toarray"):
         X = X.toarray()
     return torch.from_numpy(np.array(X, dtype=dtype, order="C"))
+
+
+def validate_dense(est, X, y="no_validation", reset=False, dtype=np.float64, **kwargs):
+    """scikit-learn's ``validate_data(est, X[, y])`` on NumPy, pandas, SciPy sparse or torch input, with ``X``
+    returned as a dense torch tensor of ``dtype`` (and ``y`` as validated when given)."""
+    out = validate_data(est, sklearn_input(X), sklearn_input(y), reset=reset, accept_sparse="csr", dtype=dtype,
+                        **kwargs)
+    return dense_float64(out, dtype) if isinstance(y, str) else (dense_float64(out[0], dtype), out[1])
 
 
 def float_copy(module):

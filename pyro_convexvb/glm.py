@@ -22,23 +22,18 @@ from sklearn.base import BaseEstimator
 from sklearn.utils import ClassifierTags, RegressorTags
 from sklearn.utils._param_validation import StrOptions
 from sklearn.utils.metaestimators import available_if
-from sklearn.utils.validation import check_is_fitted, validate_data
+from sklearn.utils.validation import check_is_fitted
 
 from .estimator_base import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, CompactPickleMixin,
-                             NumberInterval, binary_targets, check_sample_weight, classifier_outputs, dense_float64,
+                             NumberInterval, binary_targets, check_sample_weight, classifier_outputs,
                              deprecated_alias, design_matrix, fit_context, float_copy, mixture_log_probs, renamed,
-                             seed_from, sklearn_input, unsharded_weight)
+                             seed_from, sklearn_input, unsharded_weight, validate_dense)
 from .lgm.linear import linear
+from .lgm.sites import gauss_hermite
 
 __all__ = ["GLM"]
 
 _LIKELIHOODS = ("bernoulli", "gaussian", "poisson", "binomial")
-
-
-def _gh(num_points, dtype, device):
-    from .lgm.sites import gauss_hermite
-
-    return gauss_hermite(num_points, dtype, device)
 
 
 def _is_classifier(glm):
@@ -221,12 +216,8 @@ class GLM(CompactPickleMixin, BaseEstimator):
             raise ValueError("y exceeds n_trials for likelihood='binomial'")
 
     def _validate_X(self, X, y="no_validation", reset=False):
-        with_y = not (isinstance(y, str) and y == "no_validation")
-        extra = {"y_numeric": not _is_classifier(self)} if with_y else {}
-        out = validate_data(self, sklearn_input(X), sklearn_input(y), reset=reset, accept_sparse="csr",
-                            dtype=np.float64, **extra)
-        X, y = out if with_y else (out, None)
-        return (dense_float64(X), y) if with_y else dense_float64(X)
+        extra = {} if isinstance(y, str) else {"y_numeric": not _is_classifier(self)}
+        return validate_dense(self, X, y, reset, **extra)
 
     @fit_context(prefer_skip_nested_validation=True)
     def fit(self, X, y, n_trials=None, sample_weight=None):
@@ -311,7 +302,7 @@ class GLM(CompactPickleMixin, BaseEstimator):
             return M.mean(0)
         if self.likelihood == "poisson":
             return torch.exp(M + 0.5 * V).mean(0)
-        x, wts = _gh(64, M.dtype, M.device)
+        x, wts = gauss_hermite(64, M.dtype, M.device)
         p = (torch.sigmoid(M.unsqueeze(-1) + V.clamp_min(0).sqrt().unsqueeze(-1) * x) * wts).sum(-1).mean(0)
         if self.likelihood == "binomial":
             return p * self._trials(n_trials, p.shape[0], p)
@@ -377,7 +368,7 @@ class GLM(CompactPickleMixin, BaseEstimator):
         if self.likelihood == "gaussian":
             s = (V + self.noise_var_).sqrt()
             return torch.special.ndtr((alpha - M) / s).mean(0)
-        x, wts = _gh(num_points, M.dtype, M.device)
+        x, wts = gauss_hermite(num_points, M.dtype, M.device)
         f = M.unsqueeze(-1) + V.clamp_min(0).sqrt().unsqueeze(-1) * x  # (K, rows, Q)
         a = torch.floor(alpha).unsqueeze(-1)
         if self.likelihood == "bernoulli":

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 from sklearn.base import BaseEstimator
 from sklearn.utils._param_validation import StrOptions
-from sklearn.utils.validation import check_is_fitted, validate_data
+from sklearn.utils.validation import check_is_fitted
 
 from ..estimator_base import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier,
-                              binary_targets, check_sample_weight, classifier_outputs, dense_float64, engine_options,
-                              fit_context, iterations, predictive_log_probs, sklearn_input)
+                              binary_targets, check_sample_weight, classifier_outputs, engine_options, fit_context,
+                              iterations, predictive_log_probs, sklearn_input, validate_dense)
 from ..infer.dual_vg import DualState
 from ..infer.registry import get_engine
 from ..lgm.layout import LatentLayout
@@ -137,13 +137,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
 
     def _check_X(self, X, y="no_validation", reset=False):
         """Validate ``X`` (and ``y``) with scikit-learn's validators; ``X`` as a dense torch tensor."""
-        dt = self._torch_dtype()
-        np_dt = np.float64 if dt == torch.float64 else np.float32
-        with_y = not (isinstance(y, str) and y == "no_validation")
-        out = validate_data(self, sklearn_input(X), sklearn_input(y), reset=reset, accept_sparse="csr", dtype=np_dt)
-        X, y = out if with_y else (out, None)
-        X = dense_float64(X, np_dt)
-        return (X, y) if with_y else X
+        return validate_dense(self, X, y, reset, np.float64 if self._torch_dtype() == torch.float64 else np.float32)
 
     def _default_kernel(self):
         import gpytorch

@@ -5,12 +5,12 @@ from numbers import Real
 
 import numpy as np
 import torch
-from sklearn.base import BaseEstimator, ClassifierMixin
+from sklearn.base import BaseEstimator
 from sklearn.utils._param_validation import StrOptions
 from sklearn.utils.validation import check_array, check_is_fitted, column_or_1d, validate_data
 
 from ..errors import ConvergenceWarning
-from ..estimator_base import DEPRECATED, POSITIVE, POSITIVE_INT, NONNEGATIVE_INT, renamed
+from ..estimator_base import DEPRECATED, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier, renamed
 from . import equations as eq
 from ._validation import from_torch, per_feature, to_csr
 
@@ -89,7 +89,7 @@ def _check_hashing(hashing):
 _NUMERIC_CODINGS = {0.0: (0, 1), -1.0: (-1, 1)}
 
 
-class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
+class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
     """Common API: ``partial_fit`` row by row, progressive predictions, state save/load, scikit-learn contract.
 
     Constructor arguments are stored as given and validated when the state is created (the first
@@ -111,12 +111,6 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
 
     _parameter_constraints = {"num_features": POSITIVE_INT + [None], "link": [StrOptions(set(eq.LINKS))],
                               "hashing": ["boolean", *NONNEGATIVE_INT, None], "fast": ["boolean", None]}
-
-    def __sklearn_tags__(self):
-        tags = super().__sklearn_tags__()
-        tags.classifier_tags.multi_class = False
-        tags.input_tags.sparse = True
-        return tags
 
     def _param(self, name):
         """The value of parameter ``name``, or of its deprecated old name when that was set."""
@@ -389,29 +383,11 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
         """
         return self._score(self._transform(X))
 
-    def predict(self, X):
-        """``(n,)`` the most probable label of each row (``classes_[1]`` when its probability exceeds 1/2)."""
-        s = self.decision_function(X)
-        return self.classes_[(s > 0).astype(np.int64)]
-
-    def predict_proba(self, X):
-        """``(n, 2)`` class probabilities; column 1 is ``P(y = classes_[1] | x)``.
-
-        Example::
-
-            >>> import numpy as np
-            >>> from pyro_convexvb.online import OnlineBayesLogistic
-            >>> m = OnlineBayesLogistic(2, prior_var=1.0).partial_fit(np.eye(2), [1, 0])
-            >>> m.predict_proba(np.eye(2))[:, 1].round(3)
-            array([0.586, 0.414])
-        """
-        p = eq.link_cdf(self._score(self._transform(X)), self.link)
-        return np.stack([1.0 - p, p], axis=1)
-
-    def predict_log_proba(self, X):
-        """``(n, 2)`` log class probabilities, accurate in the tails."""
+    def _outputs(self, X):
         s = self._score(self._transform(X))
-        return np.stack([eq.log_link_cdf(-s, self.link), eq.log_link_cdf(s, self.link)], axis=1)
+        p = eq.link_cdf(s, self.link)
+        return s, np.stack([1.0 - p, p], axis=1), np.stack([eq.log_link_cdf(-s, self.link),
+                                                           eq.log_link_cdf(s, self.link)], axis=1)
 
     # ----------------------------------------------------------------- state
     def _state_arrays(self):
