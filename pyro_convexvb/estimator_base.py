@@ -10,7 +10,6 @@ import copy
 import dataclasses
 import inspect
 import math
-import warnings
 from numbers import Integral, Real
 
 import numpy as np
@@ -21,6 +20,8 @@ from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Hidden, Interval, StrOptions
 from sklearn.utils.multiclass import check_classification_targets, type_of_target
 from sklearn.utils.validation import validate_data
+
+from .errors import warn
 
 __all__ = ["sklearn_input", "design_matrix", "dense_float64", "validate_dense", "check_sample_weight",
            "binary_targets", "predictive_log_probs", "mixture_log_probs", "classifier_outputs",
@@ -73,8 +74,7 @@ def renamed(est, old, new):
     if default is not inspect.signature(type(est)).parameters[new].default and default != value:
         raise ValueError(f"{name}: both {old}={value!r} and {new}={default!r} given; {old} is the old name of "
                          f"{new}: pass {new} only")
-    warnings.warn(f"{name}: the parameter {old!r} is deprecated and will be removed; use {new}={value!r}",
-                  FutureWarning, stacklevel=3)
+    warn(f"{name}: the parameter {old!r} is deprecated and will be removed; use {new}={value!r}", FutureWarning)
     return value
 
 
