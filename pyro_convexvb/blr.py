@@ -21,7 +21,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from .errors import warn
 from .estimator_base import (POSITIVE, POSITIVE_INT, check_sample_weight, dense_float64,  # noqa: F401
-                             design_matrix, fit_context, float_copy, sklearn_input, validate_dense)
+                             design_matrix, fit_context, float_copy, positive_rows, sklearn_input, validate_dense)
 
 __all__ = ["blr_log_marginal_likelihood", "blr_posterior", "BayesianLinearRegression", "design_matrix",
            "sklearn_input"]
@@ -193,10 +193,8 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
         """
         X, y = validate_data(self, sklearn_input(X), sklearn_input(y), y_numeric=True, dtype=np.float64,
                              accept_sparse="csr")
-        weight = check_sample_weight(sample_weight, X.shape[0])
-        if weight is not None:
-            keep = np.flatnonzero(weight > 0)  # a zero weight drops the row
-            X, y, weight = X[keep], np.asarray(y)[keep], torch.from_numpy(weight[keep])
+        weight, X, y = positive_rows(check_sample_weight(sample_weight, X.shape[0]), X, np.asarray(y))
+        weight = None if weight is None else torch.from_numpy(weight)
         X, y = dense_float64(X), torch.from_numpy(np.array(y, dtype=np.float64))
         n_eff = X.shape[0] if weight is None else float(weight.sum())
         # the basis passed in is never trained: fit works on a float64 copy (basis_)

@@ -179,6 +179,15 @@ def check_sample_weight(sample_weight, n):
     return w
 
 
+def positive_rows(weight, *rows):
+    """``(weight, *rows)`` restricted to the rows of positive weight (a zero weight drops its row); ``rows`` are
+    NumPy, SciPy sparse or torch, rows first. ``weight=None`` leaves everything as it is."""
+    if weight is None:
+        return (None, *rows)
+    keep = np.flatnonzero(weight > 0)
+    return (weight[keep], *(r[torch.from_numpy(keep)] if torch.is_tensor(r) else r[keep] for r in rows))
+
+
 def unsharded_weight(weight, sharded):
     """``weight`` unchanged, or the ``ValueError`` naming ``sample_weight`` when the rows are sharded."""
     if weight is not None and sharded:

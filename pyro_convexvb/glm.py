@@ -27,7 +27,7 @@ from sklearn.utils.validation import check_is_fitted
 from .estimator_base import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, CompactPickleMixin,
                              NumberInterval, binary_targets, check_sample_weight, classifier_outputs,
                              deprecated_alias, design_matrix, fit_context, float_copy, mixture_log_probs, renamed,
-                             seed_from, sklearn_input, unsharded_weight, validate_dense)
+                             positive_rows, seed_from, sklearn_input, unsharded_weight, validate_dense)
 from .lgm.linear import linear
 from .lgm.sites import gauss_hermite
 
@@ -245,11 +245,10 @@ class GLM(CompactPickleMixin, BaseEstimator):
         else:
             self.__dict__.pop("classes_", None)
         weight = unsharded_weight(check_sample_weight(sample_weight, X.shape[0]), sharded)
-        if weight is not None:
-            keep = np.flatnonzero(weight > 0)  # a zero weight drops the row
-            if n_trials is not None and np.ndim(n_trials) == 1:
-                n_trials = np.asarray(n_trials)[keep]
-            X, y, weight = X[torch.from_numpy(keep)], np.asarray(y)[keep], torch.from_numpy(weight[keep])
+        if weight is not None and n_trials is not None and np.ndim(n_trials) == 1:
+            n_trials = positive_rows(weight, np.asarray(n_trials))[1]
+        weight, X, y = positive_rows(weight, X, np.asarray(y))
+        weight = None if weight is None else torch.from_numpy(weight)
         y = torch.from_numpy(np.array(y, dtype=np.float64))
         N = X.shape[0]
         batch = None if self.batch_size is None or self.batch_size >= N else int(self.batch_size)

@@ -17,7 +17,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from .estimator_base import (NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier,  # noqa: F401
                              CompactPickleMixin, binary_targets, check_sample_weight,
-                             classifier_outputs, compact_lanczos, compact_result, engine_options, fit_context, iterations,
+                             classifier_outputs, compact_lanczos, compact_result, engine_options, fit_context, iterations, positive_rows,
                              mixture_log_probs, predictive_log_probs, sklearn_input, unsharded_weight)
 
 __all__ = ["BayesianLogisticRegression", "binary_targets", "predictive_log_probs", "classifier_outputs"]
@@ -199,11 +199,8 @@ class BayesianLogisticRegression(CompactPickleMixin, BinaryPredictiveClassifier,
         sharded = sharded_estimator(self.distributed, "BayesianLogisticRegression")
         X, y = validate_data(self, sklearn_input(X), sklearn_input(y), accept_sparse="csr", dtype=np.float64)
         self.classes_, y01 = binary_targets(y, distributed=sharded)
-        weight = unsharded_weight(check_sample_weight(sample_weight, X.shape[0]), sharded)
-        if weight is not None:
-            keep = weight > 0  # a zero weight drops the row
-            if not keep.all():
-                X, y01, weight = X[np.flatnonzero(keep)], y01[keep], weight[keep]
+        weight, X, y01 = positive_rows(unsharded_weight(check_sample_weight(sample_weight, X.shape[0]), sharded),
+                                       X, y01)
         design = _design(X, self.fit_intercept)
         if sharded:
             design = row_sharded(design)

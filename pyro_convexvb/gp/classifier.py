@@ -20,7 +20,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from ..estimator_base import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier,
                               binary_targets, check_sample_weight, classifier_outputs, engine_options, fit_context,
-                              iterations, predictive_log_probs, sklearn_input, validate_dense)
+                              iterations, positive_rows, predictive_log_probs, sklearn_input, validate_dense)
 from ..infer.dual_vg import DualState
 from ..infer.registry import get_engine
 from ..lgm.layout import LatentLayout
@@ -167,12 +167,9 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         X, y = self._check_X(X, y, reset=True)
         self.classes_, y01 = binary_targets(y)
         y01 = torch.as_tensor(y01, dtype=self._torch_dtype())
-        weight = check_sample_weight(sample_weight, X.shape[0])
+        weight, X, y01 = positive_rows(check_sample_weight(sample_weight, X.shape[0]), X, y01)
         if weight is not None:
-            keep = torch.from_numpy(weight > 0)
-            X, y01 = X[keep], y01[keep]
-            weight = torch.as_tensor(weight[weight > 0], dtype=X.dtype, device=X.device)
-            weight = None if bool((weight == 1).all()) else weight
+            weight = None if bool((weight == 1).all()) else torch.as_tensor(weight, dtype=X.dtype, device=X.device)
         self.weight_ = weight
         kernel = self.kernel if self.kernel is not None else self._default_kernel()
         self.kernel_ = copy.deepcopy(kernel).to(dtype=self._torch_dtype(), device=X.device)
