@@ -65,3 +65,13 @@ def binary_problem(n=80, d=3, seed=0):
     X = rng.normal(size=(n, d))
     w = np.resize([1.5, -1.0, 0.5], d)
     return X, (rng.random(n) < 1 / (1 + np.exp(-X @ w))).astype(np.int64)
+
+
+def cancer_problem(n=150, d=6, seed=0):
+    """``n`` random rows and the first ``d`` features of scikit-learn's breast-cancer data ``(X, y in {0, 1})``."""
+    import numpy as np
+    from sklearn.datasets import load_breast_cancer
+
+    X, y = load_breast_cancer(return_X_y=True)
+    idx = np.random.default_rng(seed).permutation(X.shape[0])[:n]
+    return X[idx, :d], y[idx]
