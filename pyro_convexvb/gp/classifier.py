@@ -15,7 +15,7 @@ from numbers import Real
 import numpy as np
 import torch
 from sklearn.base import BaseEstimator
-from sklearn.utils._param_validation import StrOptions
+from sklearn.utils._param_validation import Options, StrOptions
 from sklearn.utils.validation import check_is_fitted
 
 from ..estimator_base import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier,
@@ -108,7 +108,8 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
     _parameter_constraints = {
         "kernel": [torch.nn.Module, None], "engine": [str], "learn_hyperparameters": ["boolean"], "mean": [Real],
         "learn_mean": ["boolean"], "jitter": NONNEGATIVE, "options": [dict, None], "hyper_options": [dict, None],
-        "num_points": POSITIVE_INT, "dtype": [StrOptions({"float64", "float32"}), torch.dtype],
+        "num_points": POSITIVE_INT,
+        "dtype": [StrOptions({"float64", "float32"}), Options(torch.dtype, {torch.float64, torch.float32})],
         "max_iter": NONNEGATIVE_INT + [None], "tol": POSITIVE + [None], "random_state": ["random_state"]}
 
     def __init__(self, kernel=None, engine="dual_vg", learn_hyperparameters=False, mean=0.0, learn_mean=True,
@@ -130,10 +131,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
 
     # ------------------------------------------------------------------ validation
     def _torch_dtype(self):
-        try:
-            return _DTYPES[self.dtype]
-        except (KeyError, TypeError):
-            raise ValueError(f"dtype: expected 'float64' or 'float32' (or the torch dtypes), got {self.dtype!r}") from None
+        return _DTYPES[self.dtype]  # one of its keys (_parameter_constraints)
 
     def _check_X(self, X, y="no_validation", reset=False):
         """Validate ``X`` (and ``y``) with scikit-learn's validators; ``X`` as a dense torch tensor."""
