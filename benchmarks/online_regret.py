@@ -115,7 +115,7 @@ def run_setting(name, T, quick, grid, vb_T, chunk_size):
         out["methods"][k] = {"family": family, "hyper": hyper, "r_T": r["r_T"], "R_T": r["R_T"],
                              "seconds": r["seconds"], "t": r["t"].tolist(), "regret": r["regret"].tolist()}
     if vb_T:
-        vb = {"VB-100 (D.3)": OnlineMarginalVB(d, prior_var=prior_var, num_samples=100, seed=0),
+        vb = {"VB-100 (D.3)": OnlineMarginalVB(d, prior_var=prior_var, num_samples=100, random_state=0),
               "ApproxL (Taylor 17, Laplace 19)": OnlineBayesLogistic(d, prior_var=prior_var),
               "Gauss-L (Newton 15, Laplace 19)": OnlineBayesLogistic(d, prior_var=prior_var, mean_update="newton")}
         rv = progressive_regret(vb, stream, vb_T, chunk_size=min(chunk_size, 10_000))

@@ -12,7 +12,6 @@ Notation note: the report writes ``C = [lambda I + Phi^T Phi / sigma^2]^{-1}`` (
 (13) and marginal likelihood (14) use ``lambda`` as the prior *variance*; we use the variance
 throughout, i.e. ``C = [I / lambda + Phi^T Phi / sigma^2]^{-1}``.
 """
-import copy
 import math
 
 import numpy as np
@@ -21,9 +20,11 @@ from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from .errors import warn
+from .estimator_base import (POSITIVE, POSITIVE_INT, check_sample_weight, dense_float64,  # noqa: F401
+                             design_matrix, fit_context, float_copy, positive_rows, sklearn_input, validate_dense)
 
 __all__ = ["blr_log_marginal_likelihood", "blr_posterior", "BayesianLinearRegression", "design_matrix",
-           "check_Xy", "sklearn_input"]
+           "sklearn_input"]
 
 _LOG_2PI = math.log(2 * math.pi)
 
@@ -115,84 +116,6 @@ def blr_posterior(Phi, y, noise_var, prior_var, weight=None):
     return m, 0.5 * (C + C.transpose(0, 1))
 
 
-def check_Xy(X, y=None, dtype=None):
-    """Validate and convert ``X`` ``(N, d)`` (and ``y`` ``(N,)``) to tensors; errors name the argument."""
-    if not torch.is_tensor(X):
-        X = torch.as_tensor(X, dtype=dtype or torch.float64)
-    if X.dim() != 2:
-        raise ValueError(f"X must be 2-D (N, d), got shape {tuple(X.shape)}")
-    if not X.is_floating_point():
-        X = X.to(dtype or torch.float64)
-    if not torch.isfinite(X).all():
-        raise ValueError("X contains NaN or inf")
-    if y is None:
-        return X
-    y = torch.as_tensor(y, dtype=X.dtype, device=X.device)
-    if y.dim() != 1 or y.shape[0] != X.shape[0]:
-        raise ValueError(f"y must have shape ({X.shape[0]},), got {tuple(y.shape)}")
-    if not torch.isfinite(y).all():
-        raise ValueError("y contains NaN or inf")
-    return X, y
-
-
-def sklearn_input(obj):
-    """A torch tensor as a NumPy array (dense, on the CPU) or a SciPy CSR matrix (sparse COO/CSR/CSC).
-
-    Anything else (NumPy, pandas, SciPy sparse, lists) is returned unchanged, ready for scikit-learn's
-    validators (:func:`sklearn.utils.validation.validate_data`).
-
-    Example::
-
-        >>> import torch
-        >>> sklearn_input(torch.eye(2, dtype=torch.float64)).dtype
-        dtype('float64')
-    """
-    if not torch.is_tensor(obj):
-        return obj
-    obj = obj.detach()
-    if obj.layout == torch.strided:
-        return obj.cpu().numpy()
-    import scipy.sparse as sp
-
-    if obj.layout in (torch.sparse_coo, torch.sparse_csc):
-        obj = obj.coalesce().to_sparse_csr() if obj.layout == torch.sparse_coo else obj.to_sparse_csr()
-    if obj.layout != torch.sparse_csr:
-        raise TypeError(f"X: unsupported torch layout {obj.layout}")
-    return sp.csr_matrix((obj.values().cpu().numpy(), obj.col_indices().cpu().numpy(),
-                          obj.crow_indices().cpu().numpy()), shape=tuple(obj.shape))
-
-
-def design_matrix(basis, X, fit_intercept=False):
-    """``Phi = basis(X)`` (``X`` itself when ``basis`` is ``None``), with a ones column appended if asked."""
-    Phi = X if basis is None else basis(X)
-    if Phi.dim() != 2 or Phi.shape[0] != X.shape[0]:
-        raise ValueError(f"basis must map (N, d) inputs to (N, D) features, got shape {tuple(Phi.shape)}")
-    if fit_intercept:
-        Phi = torch.cat([Phi, torch.ones_like(Phi[:, :1])], -1)
-    return Phi
-
-
-def _dense_float64(X):
-    """A validated array or SciPy sparse matrix as a dense float64 torch tensor."""
-    if hasattr(X, "toarray"):
-        X = X.toarray()
-    return torch.from_numpy(np.array(X, dtype=np.float64, order="C"))
-
-
-def _check_positive(value, name):
-    try:
-        ok = float(value) > 0 and math.isfinite(float(value))
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{name} must be positive and finite, got {value!r}")
-
-
-def _check_positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 class BayesianLinearRegression(RegressorMixin, BaseEstimator):
     """Bayesian linear regression with type-II maximum likelihood (Steinberg et al. 2017, §1.2): a scikit-learn regressor.
 
@@ -233,6 +156,11 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
         ((3,), True)
     """
 
+    _parameter_constraints = {
+        "basis": [None, callable], "noise_var": POSITIVE, "prior_var": POSITIVE, "learn_noise": ["boolean"],
+        "learn_prior_var": ["boolean"], "learn_basis": ["boolean"], "fit_intercept": ["boolean"],
+        "max_iter": POSITIVE_INT, "tol": POSITIVE}
+
     def __init__(self, basis=None, noise_var=1.0, prior_var=1.0, learn_noise=True, learn_prior_var=True,
                  learn_basis=True, fit_intercept=False, max_iter=200, tol=1e-6):
         self.basis = basis
@@ -253,6 +181,7 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
     def _design(self, X):
         return design_matrix(self.basis_, X, self.fit_intercept)
 
+    @fit_context(prefer_skip_nested_validation=True)
     def fit(self, X, y, sample_weight=None):
         """Maximise Eq. (14) over the hyperparameters, then compute the exact posterior. Returns ``self``.
 
@@ -262,24 +191,14 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
             raised to the power ``sample_weight[n]``, so an integer weight is the row repeated that many times
             and a zero weight drops the row (the evidence and the posterior are those of the repeated data).
         """
-        from .logistic import check_sample_weight
-
-        for name in ("noise_var", "prior_var", "tol"):
-            _check_positive(getattr(self, name), name)
-        _check_positive_int(self.max_iter, "max_iter")
-        if self.basis is not None and not callable(self.basis):
-            raise TypeError(f"basis: expected None, a callable or a torch.nn.Module, got {type(self.basis).__name__}")
         X, y = validate_data(self, sklearn_input(X), sklearn_input(y), y_numeric=True, dtype=np.float64,
                              accept_sparse="csr")
-        weight = check_sample_weight(sample_weight, X.shape[0])
-        if weight is not None:
-            keep = np.flatnonzero(weight > 0)  # a zero weight drops the row
-            X, y, weight = X[keep], np.asarray(y)[keep], torch.from_numpy(weight[keep])
-        X, y = _dense_float64(X), torch.from_numpy(np.array(y, dtype=np.float64))
+        weight, X, y = positive_rows(check_sample_weight(sample_weight, X.shape[0]), X, np.asarray(y))
+        weight = None if weight is None else torch.from_numpy(weight)
+        X, y = dense_float64(X), torch.from_numpy(np.array(y, dtype=np.float64))
         n_eff = X.shape[0] if weight is None else float(weight.sum())
         # the basis passed in is never trained: fit works on a float64 copy (basis_)
-        self.basis_ = (copy.deepcopy(self.basis).to(torch.float64) if isinstance(self.basis, torch.nn.Module)
-                       else self.basis)
+        self.basis_ = float_copy(self.basis)
         dt, dev = X.dtype, X.device
         log_s2 = torch.tensor(math.log(float(self.noise_var)), dtype=dt, device=dev, requires_grad=bool(self.learn_noise))
         log_lam = torch.tensor(math.log(float(self.prior_var)), dtype=dt, device=dev,
@@ -347,7 +266,7 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
         :returns: NumPy ``mean (M,)`` or ``(mean, std)``.
         """
         check_is_fitted(self, "posterior_")
-        X = _dense_float64(validate_data(self, sklearn_input(X), reset=False, dtype=np.float64, accept_sparse="csr"))
+        X = validate_dense(self, X)
         with torch.no_grad():
             Phi = self._design(X)
             m = self.posterior_.loc

@@ -6,6 +6,7 @@ import warnings
 from sklearn.exceptions import ConvergenceWarning as _SklearnConvergenceWarning
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_SKLEARN_FIT_CONTEXT = os.path.join("sklearn", "base.py")  # scikit-learn's _fit_context wraps estimators' fit
 
 
 class UnsupportedModelError(ValueError):
@@ -68,7 +69,8 @@ def warn(message, category=ConvergenceWarning):
         ('ConvergenceWarning', False)
     """
     level, frame = 2, sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+    while frame is not None and (os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR)
+                                 or frame.f_code.co_filename.endswith(_SKLEARN_FIT_CONTEXT)):  # fit's validation
         frame = frame.f_back
         level += 1
     warnings.warn(message, category, stacklevel=level)

@@ -10,8 +10,7 @@ with ``q(w) = (1/K) sum_k N(m_k, diag psi_k)``.  Predictions follow Eqs. (29)-(3
 ``"bernoulli"`` (labels ``classes_``, ``predict_proba``), a regressor otherwise.
 """
 import contextlib
-import copy
-import math
+from numbers import Integral
 
 import numpy as np
 import pyro
@@ -21,22 +20,20 @@ import torch
 from pyro.distributions import constraints
 from sklearn.base import BaseEstimator
 from sklearn.utils import ClassifierTags, RegressorTags
+from sklearn.utils._param_validation import StrOptions
 from sklearn.utils.metaestimators import available_if
-from sklearn.utils.validation import check_is_fitted, validate_data
+from sklearn.utils.validation import check_is_fitted
 
-from .blr import _dense_float64, design_matrix, sklearn_input
+from .estimator_base import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, CompactPickleMixin,
+                             NumberInterval, binary_targets, check_sample_weight, classifier_outputs,
+                             deprecated_alias, design_matrix, fit_context, float_copy, mixture_log_probs, renamed,
+                             positive_rows, seed_from, sklearn_input, unsharded_weight, validate_dense)
 from .lgm.linear import linear
-from .logistic import CompactPickleMixin
+from .lgm.sites import gauss_hermite
 
 __all__ = ["GLM"]
 
 _LIKELIHOODS = ("bernoulli", "gaussian", "poisson", "binomial")
-
-
-def _gh(num_points, dtype, device):
-    from .lgm.sites import gauss_hermite
-
-    return gauss_hermite(num_points, dtype, device)
 
 
 def _is_classifier(glm):
@@ -69,12 +66,14 @@ class GLM(CompactPickleMixin, BaseEstimator):
     :param int num_particles: samples per component per step (``L``).
     :param str entropy: entropy bound, ``"eq24"`` (Steinberg et al. 2017) or ``"bhattacharyya"``.
     :param float lr: Adam learning rate.
-    :param int max_steps: SVI step limit; the plateau rule of ``diag_mixture`` stops earlier.
+    :param int max_iter: SVI step limit (the engine's ``max_steps``); the plateau rule of ``diag_mixture`` stops
+        earlier.
     :param int min_steps: no plateau stop before this many steps.
     :param int window: steps per window of the plateau rule.
-    :param float rtol: relative decrease of the windowed loss below which SVI has plateaued.
+    :param float tol: relative decrease of the windowed loss below which SVI has plateaued (the engine's ``rtol``).
     :param float init_scale: initial posterior scale.
-    :param int seed: random seed (fits are reproducible).
+    :param random_state: an int (fits are reproducible; default 0), a :class:`numpy.random.RandomState` (a seed
+        is drawn from it) or ``None`` (the global torch RNG): the seed of the SVI draws.
     :param bool progress: show a progress bar.
     :param bool distributed: ``X``, ``y`` are this rank's rows of data spread over the ranks of an initialised
         ``torch.distributed`` process group (``torchrun``): the fit (``diag_mixture`` with its gradients
@@ -82,6 +81,9 @@ class GLM(CompactPickleMixin, BaseEstimator):
         predictions stay local. Needs full batches (``batch_size=None``) and a fixed basis (no trainable
         ``basis`` parameters). Without a process group (or with one rank) it fits the rows given
         (docs/distributed.md).
+    :param max_steps: deprecated name of ``max_iter`` (``FutureWarning``).
+    :param rtol: deprecated name of ``tol`` (``FutureWarning``).
+    :param seed: deprecated name of ``random_state`` (``FutureWarning``).
 
     Fitted attributes: ``posterior_`` (:class:`~pyro_convexvb.infer.diag_mixture.DiagMixturePosterior`
     over ``w``), ``prior_var_``, ``noise_var_`` (gaussian), ``classes_`` (bernoulli), ``result_`` (the
@@ -94,17 +96,29 @@ class GLM(CompactPickleMixin, BaseEstimator):
         >>> rng = np.random.default_rng(0)
         >>> X = rng.normal(size=(300, 2))
         >>> y = np.where(X[:, 0] - X[:, 1] > 0, "yes", "no")
-        >>> glm = GLM("bernoulli", num_components=2, max_steps=600, min_steps=300).fit(X, y)
+        >>> glm = GLM("bernoulli", num_components=2, max_iter=600, min_steps=300).fit(X, y)
         >>> glm.predict_proba(X[:2]).shape, bool(glm.score(X, y) > 0.9)
         ((2, 2), True)
     """
 
     _keep_model_in_pickle = False  # the Pyro model holds the design: pickles keep the posterior's moments only
 
+    _parameter_constraints = {
+        "likelihood": [StrOptions(set(_LIKELIHOODS))], "basis": [None, callable], "num_components": POSITIVE_INT,
+        "batch_size": POSITIVE_INT + [None], "prior_var": POSITIVE, "learn_prior_var": ["boolean"],
+        "noise_var": POSITIVE, "learn_noise": ["boolean"], "n_trials": NONNEGATIVE_INT + ["array-like"],
+        "learn_basis": ["boolean"], "fit_intercept": ["boolean"], "num_particles": POSITIVE_INT,
+        "entropy": [StrOptions({"eq24", "bhattacharyya"})], "lr": POSITIVE, "max_iter": POSITIVE_INT,
+        "min_steps": NONNEGATIVE_INT, "window": POSITIVE_INT, "tol": NONNEGATIVE, "init_scale": POSITIVE,
+        "random_state": ["random_state"], "progress": ["boolean"], "distributed": ["boolean"],
+        "max_steps": deprecated_alias(POSITIVE_INT), "rtol": deprecated_alias(NONNEGATIVE),
+        "seed": deprecated_alias([NumberInterval(Integral, 0, None, closed="left"), None])}
+
     def __init__(self, likelihood="bernoulli", basis=None, num_components=1, batch_size=None, prior_var=1.0,
                  learn_prior_var=True, noise_var=1.0, learn_noise=True, n_trials=1, learn_basis=True,
-                 fit_intercept=True, num_particles=1, entropy="eq24", lr=0.02, max_steps=20000, min_steps=500,
-                 window=250, rtol=2e-4, init_scale=0.1, seed=0, progress=False, distributed=False):
+                 fit_intercept=True, num_particles=1, entropy="eq24", lr=0.02, max_iter=20000, min_steps=500,
+                 window=250, tol=2e-4, init_scale=0.1, random_state=0, progress=False, distributed=False,
+                 max_steps="deprecated", rtol="deprecated", seed="deprecated"):
         self.likelihood = likelihood
         self.distributed = distributed
         self.basis = basis
@@ -120,13 +134,16 @@ class GLM(CompactPickleMixin, BaseEstimator):
         self.num_particles = num_particles
         self.entropy = entropy
         self.lr = lr
-        self.max_steps = max_steps
+        self.max_iter = max_iter
         self.min_steps = min_steps
         self.window = window
-        self.rtol = rtol
+        self.tol = tol
         self.init_scale = init_scale
-        self.seed = seed
+        self.random_state = random_state
         self.progress = progress
+        self.max_steps = max_steps
+        self.rtol = rtol
+        self.seed = seed
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -198,36 +215,11 @@ class GLM(CompactPickleMixin, BaseEstimator):
         if self.likelihood == "binomial" and (y > n_trials).any():
             raise ValueError("y exceeds n_trials for likelihood='binomial'")
 
-    def _check_options(self):
-        if self.likelihood not in _LIKELIHOODS:
-            raise ValueError(f"likelihood must be one of {_LIKELIHOODS}, got {self.likelihood!r}")
-        for name in ("num_components", "num_particles", "max_steps"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.batch_size is not None and (isinstance(self.batch_size, bool)
-                                            or not isinstance(self.batch_size, (int, np.integer))
-                                            or self.batch_size < 1):
-            raise ValueError(f"batch_size must be a positive integer or None, got {self.batch_size!r}")
-        for name in ("prior_var", "noise_var"):
-            v = getattr(self, name)
-            try:
-                ok = float(v) > 0 and math.isfinite(float(v))
-            except (TypeError, ValueError):
-                ok = False
-            if not ok:
-                raise ValueError(f"{name} must be positive and finite, got {v!r}")
-        if self.basis is not None and not callable(self.basis):
-            raise TypeError(f"basis: expected None, a callable or a torch.nn.Module, got {type(self.basis).__name__}")
-
     def _validate_X(self, X, y="no_validation", reset=False):
-        with_y = not (isinstance(y, str) and y == "no_validation")
-        extra = {"y_numeric": not _is_classifier(self)} if with_y else {}
-        out = validate_data(self, sklearn_input(X), sklearn_input(y), reset=reset, accept_sparse="csr",
-                            dtype=np.float64, **extra)
-        X, y = out if with_y else (out, None)
-        return (_dense_float64(X), y) if with_y else _dense_float64(X)
+        extra = {} if isinstance(y, str) else {"y_numeric": not _is_classifier(self)}
+        return validate_dense(self, X, y, reset, **extra)
 
+    @fit_context(prefer_skip_nested_validation=True)
     def fit(self, X, y, n_trials=None, sample_weight=None):
         """Fit ``q(w)`` and the hyperparameters by SVI on the mixture ELBO. Returns ``self``.
 
@@ -238,14 +230,11 @@ class GLM(CompactPickleMixin, BaseEstimator):
             multiplied by ``sample_weight[n]`` (``poutine.scale``), so an integer weight is the row repeated that
             many times and a zero weight drops the row.
         """
-        from .logistic import check_sample_weight
-
-        from .infer.diag_mixture import DiagMixtureEngine
-        from .logistic import binary_targets
-
         from .distributed import row_sharded, sharded_estimator
+        from .infer.diag_mixture import DiagMixtureEngine
 
-        self._check_options()
+        max_iter, tol = renamed(self, "max_steps", "max_iter"), renamed(self, "rtol", "tol")
+        random_state = renamed(self, "seed", "random_state")
         sharded = sharded_estimator(self.distributed, "GLM")
         if sharded and self.batch_size is not None:
             raise ValueError("GLM: distributed=True needs full batches (batch_size=None): mini-batches drawn on each "
@@ -255,23 +244,18 @@ class GLM(CompactPickleMixin, BaseEstimator):
             self.classes_, y = binary_targets(y, distributed=sharded)
         else:
             self.__dict__.pop("classes_", None)
-        weight = check_sample_weight(sample_weight, X.shape[0])
-        if weight is not None:
-            if sharded:
-                raise ValueError("sample_weight: not supported with distributed=True (fit on one process, or "
-                                 "repeat rows for integer weights)")
-            keep = np.flatnonzero(weight > 0)  # a zero weight drops the row
-            if n_trials is not None and np.ndim(n_trials) == 1:
-                n_trials = np.asarray(n_trials)[keep]
-            X, y, weight = X[torch.from_numpy(keep)], np.asarray(y)[keep], torch.from_numpy(weight[keep])
+        weight = unsharded_weight(check_sample_weight(sample_weight, X.shape[0]), sharded)
+        if weight is not None and n_trials is not None and np.ndim(n_trials) == 1:
+            n_trials = positive_rows(weight, np.asarray(n_trials))[1]
+        weight, X, y = positive_rows(weight, X, np.asarray(y))
+        weight = None if weight is None else torch.from_numpy(weight)
         y = torch.from_numpy(np.array(y, dtype=np.float64))
         N = X.shape[0]
         batch = None if self.batch_size is None or self.batch_size >= N else int(self.batch_size)
         trials = self._trials(n_trials, N, X) if self.likelihood == "binomial" else None
         self._check_y(y, trials)
         # the basis passed in is never trained: fit works on a float64 copy (basis_)
-        self.basis_ = (copy.deepcopy(self.basis).to(torch.float64) if isinstance(self.basis, torch.nn.Module)
-                       else self.basis)
+        self.basis_ = float_copy(self.basis)
         with torch.no_grad():
             self.n_weights_ = design_matrix(self.basis_, X[:2], self.fit_intercept).shape[1]
         if sharded and self._learn_basis():
@@ -285,8 +269,8 @@ class GLM(CompactPickleMixin, BaseEstimator):
             engine = DiagMixtureEngine(
                 model, progress=bool(self.progress), num_components=int(self.num_components),
                 num_particles=int(self.num_particles), entropy=self.entropy, lr=self.lr,
-                max_steps=int(self.max_steps), min_steps=self.min_steps, window=self.window, rtol=self.rtol,
-                init_scale=self.init_scale, seed=self.seed,
+                max_steps=int(max_iter), min_steps=self.min_steps, window=self.window, rtol=tol,
+                init_scale=self.init_scale, seed=None if random_state is None else seed_from(random_state),
                 vectorize_particles=int(self.num_components) * int(self.num_particles) > 1)
             res = engine.run(row_sharded(X) if sharded else X, y=y)
             params = {k: v.detach().clone() for k, v in store.items()}
@@ -317,7 +301,7 @@ class GLM(CompactPickleMixin, BaseEstimator):
             return M.mean(0)
         if self.likelihood == "poisson":
             return torch.exp(M + 0.5 * V).mean(0)
-        x, wts = _gh(64, M.dtype, M.device)
+        x, wts = gauss_hermite(64, M.dtype, M.device)
         p = (torch.sigmoid(M.unsqueeze(-1) + V.clamp_min(0).sqrt().unsqueeze(-1) * x) * wts).sum(-1).mean(0)
         if self.likelihood == "binomial":
             return p * self._trials(n_trials, p.shape[0], p)
@@ -341,12 +325,7 @@ class GLM(CompactPickleMixin, BaseEstimator):
         return self._mean(X, n_trials).numpy()
 
     def _class_outputs(self, X):
-        from .logistic import classifier_outputs, predictive_log_probs
-
-        M, V = self._latent(X)
-        lp0, lp1 = predictive_log_probs(M, V, 64)  # (K, M) per component
-        log_k = math.log(M.shape[0])
-        return classifier_outputs(torch.logsumexp(lp0, 0) - log_k, torch.logsumexp(lp1, 0) - log_k)
+        return classifier_outputs(*mixture_log_probs(*self._latent(X), 64))  # (K, M) per component
 
     @available_if(_is_classifier)
     def predict_proba(self, X):
@@ -388,7 +367,7 @@ class GLM(CompactPickleMixin, BaseEstimator):
         if self.likelihood == "gaussian":
             s = (V + self.noise_var_).sqrt()
             return torch.special.ndtr((alpha - M) / s).mean(0)
-        x, wts = _gh(num_points, M.dtype, M.device)
+        x, wts = gauss_hermite(num_points, M.dtype, M.device)
         f = M.unsqueeze(-1) + V.clamp_min(0).sqrt().unsqueeze(-1) * x  # (K, rows, Q)
         a = torch.floor(alpha).unsqueeze(-1)
         if self.likelihood == "bernoulli":

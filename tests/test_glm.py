@@ -110,7 +110,7 @@ def test_gaussian_glm_k1_matches_bayesian_linear_regression():
     blr = BayesianLinearRegression(fit_intercept=True).fit(X, y)
     with warnings.catch_warnings():  # a capped SVI budget, not a default: it may stop on its plateau rule
         warnings.simplefilter("ignore", pcv.ConvergenceWarning)
-        glm = GLM("gaussian", num_components=1, lr=0.05, max_steps=1500, min_steps=500, window=100, rtol=1e-3,
+        glm = GLM("gaussian", num_components=1, lr=0.05, max_iter=1500, min_steps=500, window=100, tol=1e-3,
                   num_particles=4).fit(X, y)
     sd = torch.from_numpy(blr.covariance_).diagonal().sqrt()
     assert ((glm.posterior_.loc - blr.posterior_.loc).abs() < 0.5 * sd).all()
@@ -125,7 +125,7 @@ def test_bernoulli_minibatch_mixture_fit():
     y = (torch.rand(400, generator=g, dtype=DT) < torch.sigmoid(2 * X[:, 0] - X[:, 1])).to(DT)
     with warnings.catch_warnings():  # a capped SVI budget, not a default
         warnings.simplefilter("ignore", pcv.ConvergenceWarning)
-        glm = GLM("bernoulli", num_components=2, batch_size=100, max_steps=800, min_steps=400, window=100,
+        glm = GLM("bernoulli", num_components=2, batch_size=100, max_iter=800, min_steps=400, window=100,
                   lr=0.05).fit(X, y)
     assert glm.posterior_.num_components == 2 and glm.n_steps_ <= 800
     p = torch.from_numpy(glm.predict_proba(X)[:, 1])
@@ -155,7 +155,7 @@ def test_input_validation():
         GLM().predict(X)
     with pytest.raises(ValueError, match="features"):
         _fitted("gaussian").predict(torch.randn(3, 4, dtype=DT))
-    glm = GLM(batch_size=1000, max_steps=20, min_steps=20, window=10)
+    glm = GLM(batch_size=1000, max_iter=20, min_steps=20, window=10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         glm.fit(X, torch.arange(10) % 2)

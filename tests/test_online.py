@@ -145,7 +145,7 @@ def test_bad_inputs_name_the_argument():
     for kwargs, name in [(dict(prior_var=0.0), "prior_var"), (dict(prior_mean=np.ones(2)), "prior_mean"),
                          (dict(link="cauchit"), "link"), (dict(mean_update="exact"), "mean_update"),
                          (dict(variance_update="ep"), "variance_update"), (dict(num_features=0), "num_features"),
-                         (dict(batch_size=0), "batch_size"), (dict(tol=-1.0), "tol"), (dict(maxiter=0), "maxiter"),
+                         (dict(batch_size=0), "batch_size"), (dict(tol=-1.0), "tol"), (dict(max_iter=0), "max_iter"),
                          (dict(hashing=-2, num_features=3), "hashing"), (dict(hashing=True), "num_features")]:
         est = OnlineBayesLogistic(**kwargs)  # construction stores the arguments unchanged
         assert est.get_params()[next(iter(kwargs))] is kwargs[next(iter(kwargs))]
@@ -236,8 +236,8 @@ def test_minibatch_sums_updates_in_natural_parameters():
 
 def test_newton_iteration_cap_is_reported():
     X, y = _data(n=20)
-    with pytest.warns(ConvergenceWarning, match="maxiter=1"):
-        m = OnlineBayesLogistic(D, mean_update="newton", maxiter=1).partial_fit(X, y)
+    with pytest.warns(ConvergenceWarning, match="max_iter=1"):
+        m = OnlineBayesLogistic(D, mean_update="newton", max_iter=1).partial_fit(X, y)
     assert m.n_unconverged_ > 0
 
 

@@ -119,7 +119,7 @@ def test_glm_pickle_size_independent_of_N():
         X, y = _data(N)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            glm = pcv.GLM(max_steps=60, min_steps=60, window=20, lr=0.1).fit(X, y)
+            glm = pcv.GLM(max_iter=60, min_steps=60, window=20, lr=0.1).fit(X, y)
         glm2 = pickle.loads(pickle.dumps(glm))
         np.testing.assert_array_equal(glm2.predict_proba(X[:30]), glm.predict_proba(X[:30]))
         sizes.append(_pickle_size(glm))

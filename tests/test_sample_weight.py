@@ -95,7 +95,7 @@ def test_logistic_fractional_weights_through_pyro_model_match_lgm_path():
 ])
 @pytest.mark.parametrize("make", [lambda: pcv.BayesianLogisticRegression(engine="laplace"),
                                   lambda: pcv.BayesianLinearRegression(),
-                                  lambda: pcv.GLM(max_steps=5, min_steps=5)])
+                                  lambda: pcv.GLM(max_iter=5, min_steps=5)])
 def test_invalid_weights_name_sample_weight(bad, match, make):
     X, y, _ = _data()
     with pytest.raises(ValueError, match=match):
@@ -125,7 +125,7 @@ def test_linear_regression_weights_equal_duplication_and_dropping():
 
 def test_glm_integer_weights_equal_duplicated_rows():
     X, y, w = _data()
-    kw = dict(max_steps=80, min_steps=80, window=20, lr=0.1)
+    kw = dict(max_iter=80, min_steps=80, window=20, lr=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pcv.ConvergenceWarning)  # a fixed, short SVI budget
         a = pcv.GLM(**kw).fit(X, y, sample_weight=w)

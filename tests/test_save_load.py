@@ -86,7 +86,7 @@ def test_glm_and_linear_regression_roundtrip(tmp_path):
     X, y = _data(200)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pcv.ConvergenceWarning)
-        glm = pcv.GLM(max_steps=60, min_steps=60, window=20, lr=0.1).fit(X, y)
+        glm = pcv.GLM(max_iter=60, min_steps=60, window=20, lr=0.1).fit(X, y)
     glm2 = _roundtrip(glm, tmp_path)
     np.testing.assert_array_equal(glm2.predict_proba(X[:20]), glm.predict_proba(X[:20]))
     assert glm2.param_state_["params"].keys() == glm.param_state_["params"].keys()

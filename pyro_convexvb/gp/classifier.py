@@ -10,22 +10,23 @@ the equivalent Pyro model (Pyro's engines); predictions then use
 predictive through the logistic link by Gauss-Hermite quadrature.
 """
 import copy
+from numbers import Real
 
 import numpy as np
-import scipy.sparse as sp
 import torch
 from sklearn.base import BaseEstimator
-from sklearn.utils.validation import check_is_fitted, validate_data
+from sklearn.utils._param_validation import Options, StrOptions
+from sklearn.utils.validation import check_is_fitted
 
+from ..estimator_base import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier,
+                              binary_targets, check_sample_weight, classifier_outputs, engine_options, fit_context,
+                              iterations, positive_rows, predictive_log_probs, sklearn_input, validate_dense)
 from ..infer.dual_vg import DualState
 from ..infer.registry import get_engine
 from ..lgm.layout import LatentLayout
 from ..lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
-from ..blr import sklearn_input
 from ..lgm.sites import BernoulliLogit, Weighted
 from ..linalg.operators import DenseOperator, IdentityOperator
-from ..logistic import (BinaryPredictiveClassifier, binary_targets, check_sample_weight, classifier_outputs,
-                        predictive_log_probs)
 from .predict import gp_classification_model, gp_latent_predictive
 
 __all__ = ["GPClassifier", "gp_classification_lgm"]
@@ -78,11 +79,19 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
     :param int num_points: Gauss-Hermite nodes of the predictive probabilities.
     :param dtype: ``"float64"`` (default) or ``"float32"`` (or the torch dtypes): the precision of the
         computation.
+    :param int max_iter: the engine's iteration cap, :class:`~pyro_convexvb.BayesianLogisticRegression`'s mapping
+        (``max_iter`` of ``dual_vg``, ``max_outer`` of ``convex_relaxation``, ...); ``None``: the engine's
+        default. The type-II loop's cap is ``hyper_options["max_iter"]``.
+    :param float tol: the engine's convergence tolerance (``gap_tol`` of ``dual_vg``, ``phi_tol`` of
+        ``convex_relaxation``, ...); ``None``: the engine's default.
+    :param random_state: an int or a :class:`numpy.random.RandomState` seeding the engine's random draws (its
+        ``seed`` option); ``None``: the engine's default. ``dual_vg`` draws no random numbers, so its fit is the
+        same for every ``random_state``.
 
     Learned attributes: ``kernel_`` (the fitted copy of ``kernel``), ``classes_``, ``n_features_in_``,
     ``feature_names_in_`` (pandas input), ``X_train_`` (torch), ``result_``
     (:class:`~pyro_convexvb.InferenceResult`), ``posterior_``, ``log_evidence_bound_``, ``alpha_``
-    (dual variables, ``dual_vg`` only), ``hyper_history_``.
+    (dual variables, ``dual_vg`` only), ``hyper_history_``, ``n_iter_`` (the engine's iterations).
 
     Example::
 
@@ -96,8 +105,16 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         True
     """
 
+    _parameter_constraints = {
+        "kernel": [torch.nn.Module, None], "engine": [str], "learn_hyperparameters": ["boolean"], "mean": [Real],
+        "learn_mean": ["boolean"], "jitter": NONNEGATIVE, "options": [dict, None], "hyper_options": [dict, None],
+        "num_points": POSITIVE_INT,
+        "dtype": [StrOptions({"float64", "float32"}), Options(torch.dtype, {torch.float64, torch.float32})],
+        "max_iter": NONNEGATIVE_INT + [None], "tol": POSITIVE + [None], "random_state": ["random_state"]}
+
     def __init__(self, kernel=None, engine="dual_vg", learn_hyperparameters=False, mean=0.0, learn_mean=True,
-                 jitter=1e-6, options=None, hyper_options=None, num_points=32, dtype="float64"):
+                 jitter=1e-6, options=None, hyper_options=None, num_points=32, dtype="float64", max_iter=None,
+                 tol=None, random_state=None):
         self.kernel = kernel
         self.engine = engine
         self.learn_hyperparameters = learn_hyperparameters
@@ -108,42 +125,17 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self.hyper_options = hyper_options
         self.num_points = num_points
         self.dtype = dtype
-
-    def __sklearn_tags__(self):
-        tags = super().__sklearn_tags__()
-        tags.classifier_tags.multi_class = False
-        tags.input_tags.sparse = True
-        return tags
+        self.max_iter = max_iter
+        self.tol = tol
+        self.random_state = random_state
 
     # ------------------------------------------------------------------ validation
     def _torch_dtype(self):
-        try:
-            return _DTYPES[self.dtype]
-        except (KeyError, TypeError):
-            raise ValueError(f"dtype: expected 'float64' or 'float32' (or the torch dtypes), got {self.dtype!r}") from None
+        return _DTYPES[self.dtype]  # one of its keys (_parameter_constraints)
 
     def _check_X(self, X, y="no_validation", reset=False):
         """Validate ``X`` (and ``y``) with scikit-learn's validators; ``X`` as a dense torch tensor."""
-        dt = self._torch_dtype()
-        np_dt = np.float64 if dt == torch.float64 else np.float32
-        with_y = not (isinstance(y, str) and y == "no_validation")
-        out = validate_data(self, sklearn_input(X), sklearn_input(y), reset=reset, accept_sparse="csr", dtype=np_dt)
-        X, y = out if with_y else (out, None)
-        if sp.issparse(X):
-            X = X.toarray()
-        X = torch.from_numpy(np.array(X, dtype=np_dt, order="C"))
-        return (X, y) if with_y else X
-
-    def _check_options(self):
-        if self.kernel is not None and not isinstance(self.kernel, torch.nn.Module):
-            raise TypeError(f"kernel: expected a gpytorch.kernels.Kernel or None, got {type(self.kernel).__name__}")
-        get_engine(self.engine)  # raises for unknown engine names
-        if self.options is not None and not isinstance(self.options, dict):
-            raise TypeError(f"options: expected a dict of engine options or None, got {type(self.options).__name__}")
-        if not (float(self.jitter) >= 0):
-            raise ValueError(f"jitter: expected a nonnegative number, got {self.jitter!r}")
-        if isinstance(self.num_points, bool) or not isinstance(self.num_points, (int, np.integer)) or self.num_points < 1:
-            raise ValueError(f"num_points: expected a positive integer, got {self.num_points!r}")
+        return validate_dense(self, X, y, reset, np.float64 if self._torch_dtype() == torch.float64 else np.float32)
 
     def _default_kernel(self):
         import gpytorch
@@ -157,6 +149,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
             return K + self.jitter * torch.eye(X.shape[0], dtype=K.dtype, device=K.device)
         return self.kernel_(X, X2).to_dense()
 
+    @fit_context(prefer_skip_nested_validation=True)
     def fit(self, X, y, sample_weight=None):
         """Fit to inputs ``X`` ``(n, d)`` and binary labels ``y`` ``(n,)`` (any two distinct values); returns ``self``.
 
@@ -167,25 +160,21 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
             left out. An integer weight equals the row repeated, up to the jitter: repeated inputs have
             latent values correlated ``1 - O(jitter)``, so their latents coincide in the limit.
         """
-        self._check_options()
+        engine = get_engine(self.engine)  # raises for unknown engine names
+        options = engine_options(self, engine, self.options)
         X, y = self._check_X(X, y, reset=True)
         self.classes_, y01 = binary_targets(y)
         y01 = torch.as_tensor(y01, dtype=self._torch_dtype())
-        weight = check_sample_weight(sample_weight, X.shape[0])
+        weight, X, y01 = positive_rows(check_sample_weight(sample_weight, X.shape[0]), X, y01)
         if weight is not None:
-            keep = torch.from_numpy(weight > 0)
-            X, y01 = X[keep], y01[keep]
-            weight = torch.as_tensor(weight[weight > 0], dtype=X.dtype, device=X.device)
-            weight = None if bool((weight == 1).all()) else weight
+            weight = None if bool((weight == 1).all()) else torch.as_tensor(weight, dtype=X.dtype, device=X.device)
         self.weight_ = weight
         kernel = self.kernel if self.kernel is not None else self._default_kernel()
         self.kernel_ = copy.deepcopy(kernel).to(dtype=self._torch_dtype(), device=X.device)
         self.X_train_ = X
         self.y_train_ = y01
-        options = dict(self.options or {})
         self.mean_ = torch.as_tensor(float(self.mean), dtype=X.dtype, device=X.device)
         self.hyper_history_ = None
-        engine = get_engine(self.engine)
         init = None
         if self.learn_hyperparameters:
             init = self._learn_hyperparameters(X, y01, options)
@@ -208,6 +197,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self.result_ = res
         self.posterior_ = res.posterior
         self.log_evidence_bound_ = res.log_evidence_bound
+        self.n_iter_ = iterations(res)
         return self
 
     def _learn_hyperparameters(self, X, y01, options):

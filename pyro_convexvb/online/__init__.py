@@ -12,8 +12,8 @@ The numba kernels (``pip install 'pyro_convexvb[fast]'``) are used when availabl
 reference path in :mod:`pyro_convexvb.online.equations` works without them.
 """
 from .baselines import OnlineADF, OnlineAdaGradLogistic, OnlineDimGauss, OnlineMarginalVB
-from .distributed import ShardedOnline, simulate_sharded
-from .logistic import OnlineBayesLogistic
+from .sharded import ShardedOnline, simulate_sharded
+from .bayes_logistic import OnlineBayesLogistic
 from .streams import (OnlineStream, hash_features, iter_criteo, iter_csv, iter_svmlight, make_online_stream,
                       progressive_regret)
 

@@ -1,15 +1,18 @@
 """Shared machinery of the online estimators: input handling, streaming driver, state, scikit-learn API."""
 import math
 import warnings
+from numbers import Real
 
 import numpy as np
 import torch
-from sklearn.base import BaseEstimator, ClassifierMixin
+from sklearn.base import BaseEstimator
+from sklearn.utils._param_validation import StrOptions
 from sklearn.utils.validation import check_array, check_is_fitted, column_or_1d, validate_data
 
 from ..errors import ConvergenceWarning
+from ..estimator_base import DEPRECATED, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier, renamed
 from . import equations as eq
-from ._validation import check_choice, from_torch, per_feature, to_csr
+from ._validation import from_torch, per_feature, to_csr
 
 _FAST_HINT = ("numba is needed for fast=True: install it with `pip install 'pyro_convexvb[fast]'`, "
               "or pass fast=False to use the NumPy reference path")
@@ -83,16 +86,10 @@ def _check_hashing(hashing):
     raise ValueError(f"hashing: expected None, True or a non-negative integer seed, got {hashing!r}")
 
 
-def _check_positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-    return int(value)
-
-
 _NUMERIC_CODINGS = {0.0: (0, 1), -1.0: (-1, 1)}
 
 
-class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
+class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
     """Common API: ``partial_fit`` row by row, progressive predictions, state save/load, scikit-learn contract.
 
     Constructor arguments are stored as given and validated when the state is created (the first
@@ -109,26 +106,27 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
 
     _config_keys = ()
     _has_batch_size = True
+    #: parameters renamed to scikit-learn's names: ``{new: old}`` (the old name warns with a ``FutureWarning``)
+    _renamed = {}
 
-    def __sklearn_tags__(self):
-        tags = super().__sklearn_tags__()
-        tags.classifier_tags.multi_class = False
-        tags.input_tags.sparse = True
-        return tags
+    _parameter_constraints = {"num_features": POSITIVE_INT + [None], "link": [StrOptions(set(eq.LINKS))],
+                              "hashing": ["boolean", *NONNEGATIVE_INT, None], "fast": ["boolean", None]}
+
+    def _param(self, name):
+        """The value of parameter ``name``, or of its deprecated old name when that was set."""
+        old = getattr(self, self._renamed[name], DEPRECATED) if name in self._renamed else DEPRECATED
+        return getattr(self, name) if isinstance(old, str) and old == DEPRECATED else old
 
     # ----------------------------------------------------------------- options and state
     _state_keys = ("_num_features", "_prior_config", "_prior_params", "_negative_known")
 
     def _check_options(self):
-        """Validate the constructor arguments; errors name the argument."""
-        if self.num_features is not None:
-            _check_positive_int(self.num_features, "num_features")
-        hashing = _check_hashing(self.hashing)
-        if hashing is not None and self.num_features is None:
+        """Validate the constructor arguments (``_parameter_constraints``, then their combinations)."""
+        self._validate_params()
+        for new, old in self._renamed.items():
+            renamed(self, old, new)  # FutureWarning for an old name; both names set differently is an error
+        if _check_hashing(self.hashing) is not None and self.num_features is None:
             raise ValueError("num_features: a number of hash buckets is needed with hashing=; got None")
-        check_choice(self.link, eq.LINKS, "link")
-        if self._has_batch_size:
-            _check_positive_int(self.batch_size, "batch_size")
 
     def _config(self, num_features=None):
         """The configuration saved with the state (constructor arguments, ``fast`` excluded)."""
@@ -138,7 +136,7 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
         if self._has_batch_size:
             cfg["batch_size"] = int(self.batch_size)
         for key in self._config_keys:
-            cfg[key] = getattr(self, key)
+            cfg[key] = self._param(key)
         return cfg
 
     def _initialised(self):
@@ -305,9 +303,10 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
                 self._restore(snap, first)
                 raise
             self.__dict__.pop("_undo", None)
+        self.n_iter_ = 1  # passes over the rows of this call, as SGDClassifier.partial_fit; max_iter caps Newton
         if unconverged:
             warnings.warn(f"{type(self).__name__}: {unconverged} inner Newton solves stopped at "
-                          f"maxiter={getattr(self, 'maxiter', '?')} above tol={getattr(self, 'tol', '?')}",
+                          f"max_iter={self._param('max_iter')} above tol={self.tol}",
                           ConvergenceWarning, stacklevel=2)
         if skipped:
             warnings.warn(f"{type(self).__name__}: {skipped} mini-batch feature updates were dropped "
@@ -384,29 +383,11 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
         """
         return self._score(self._transform(X))
 
-    def predict(self, X):
-        """``(n,)`` the most probable label of each row (``classes_[1]`` when its probability exceeds 1/2)."""
-        s = self.decision_function(X)
-        return self.classes_[(s > 0).astype(np.int64)]
-
-    def predict_proba(self, X):
-        """``(n, 2)`` class probabilities; column 1 is ``P(y = classes_[1] | x)``.
-
-        Example::
-
-            >>> import numpy as np
-            >>> from pyro_convexvb.online import OnlineBayesLogistic
-            >>> m = OnlineBayesLogistic(2, prior_var=1.0).partial_fit(np.eye(2), [1, 0])
-            >>> m.predict_proba(np.eye(2))[:, 1].round(3)
-            array([0.586, 0.414])
-        """
-        p = eq.link_cdf(self._score(self._transform(X)), self.link)
-        return np.stack([1.0 - p, p], axis=1)
-
-    def predict_log_proba(self, X):
-        """``(n, 2)`` log class probabilities, accurate in the tails."""
+    def _outputs(self, X):
         s = self._score(self._transform(X))
-        return np.stack([eq.log_link_cdf(-s, self.link), eq.log_link_cdf(s, self.link)], axis=1)
+        p = eq.link_cdf(s, self.link)
+        return s, np.stack([1.0 - p, p], axis=1), np.stack([eq.log_link_cdf(-s, self.link),
+                                                           eq.log_link_cdf(s, self.link)], axis=1)
 
     # ----------------------------------------------------------------- state
     def _state_arrays(self):
@@ -469,6 +450,8 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
             raise ValueError(f"state['class']: saved from {state.get('class')!r}, cannot load into "
                              f"{type(self).__name__}")
         saved = state["config"]
+        if isinstance(saved, dict):  # states saved before the renames (maxiter)
+            saved = self._current_names(saved)
         if not isinstance(saved, dict) or "num_features" not in saved:
             raise ValueError("state['config']: expected the configuration dict with 'num_features'")
         d = saved["num_features"]
@@ -545,7 +528,12 @@ class OnlineEstimatorBase(ClassifierMixin, BaseEstimator):
         """A new estimator with the saved configuration and state (validated as by :meth:`load_state_dict`)."""
         if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
             raise ValueError("state['config']: missing; not a state_dict() output")
-        return cls(**state["config"], fast=fast).load_state_dict(state)
+        return cls(**cls._current_names(state["config"]), fast=fast).load_state_dict(state)
+
+    @classmethod
+    def _current_names(cls, config):
+        old = {o: n for n, o in cls._renamed.items()}
+        return {old.get(k, k): v for k, v in config.items()}
 
 
 class OnlineDiagonalGaussian(OnlineEstimatorBase):
@@ -559,6 +547,9 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
     """
 
     _method_code = None
+
+    _parameter_constraints = {**OnlineEstimatorBase._parameter_constraints, "prior_mean": [Real, "array-like"],
+                              "prior_var": POSITIVE + ["array-like", str], "batch_size": POSITIVE_INT}
 
     def __init__(self, num_features=None, prior_mean=0.0, prior_var=1.0, link="logit", hashing=None,
                  batch_size=1, fast=None):

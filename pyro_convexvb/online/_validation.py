@@ -2,17 +2,9 @@
 import numpy as np
 import scipy.sparse as sp
 
-try:  # torch is a core dependency, but the online module itself only needs NumPy.
-    import torch
-except ImportError:  # pragma: no cover
-    torch = None
+from ..estimator_base import sklearn_input as from_torch  # noqa: F401  (torch tensors as NumPy / SciPy CSR)
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
-
-def is_torch(obj):
-    return torch is not None and isinstance(obj, torch.Tensor)
-
 
 def splitmix64(v, seed=0):
     """A fixed 64-bit integer mix (SplitMix64 finaliser) of ``v + seed``; vectorised, wraps mod 2^64."""
@@ -26,24 +18,13 @@ def splitmix64(v, seed=0):
 def to_csr(X, num_features, hashing=None, name="X"):
     """Any 2-D input as a canonical float64 CSR matrix with ``num_features`` columns.
 
-    Accepts scipy sparse matrices/arrays, NumPy arrays and torch tensors (dense, sparse COO or
-    CSR).  With ``hashing`` (an integer seed) column ``j`` moves to bucket
+    Accepts scipy sparse matrices/arrays, NumPy arrays and torch tensors (dense, sparse COO, CSR or CSC).  With ``hashing`` (an integer seed) column ``j`` moves to bucket
     ``splitmix64(j, seed) % num_features`` and colliding entries of a row are summed, so ``X``
     may have any number of columns.  Duplicate entries are summed and explicit zeros dropped.
 
     :raises ValueError: wrong dimension, wrong number of columns, NaN or inf entries.
     """
-    if is_torch(X):
-        X = X.detach()
-        if X.layout == torch.sparse_csr:
-            X = sp.csr_matrix((X.values().cpu().numpy(), X.col_indices().cpu().numpy(),
-                               X.crow_indices().cpu().numpy()), shape=tuple(X.shape))
-        elif X.layout == torch.sparse_coo:
-            X = X.coalesce()
-            idx = X.indices().cpu().numpy()
-            X = sp.csr_matrix((X.values().cpu().numpy(), (idx[0], idx[1])), shape=tuple(X.shape))
-        else:
-            X = X.cpu().numpy()
+    X = from_torch(X)
     if sp.issparse(X):
         if X.ndim != 2:
             raise ValueError(f"{name}: expected a 2-D matrix, got shape {X.shape}")
@@ -71,75 +52,9 @@ def to_csr(X, num_features, hashing=None, name="X"):
     return X
 
 
-def to_labels(y, n, name="y"):
-    """Labels in ``{0, 1}`` or ``{-1, +1}`` as a float64 array of ``+-1`` and the coding seen.
-
-    :returns: ``(y_pm, coding)`` with ``coding`` ``"01"``, ``"pm1"`` or ``None`` (only ones seen).
-    :raises ValueError: wrong length, non-finite values or labels outside both codings.
-    """
-    if is_torch(y):
-        y = y.detach().cpu().numpy()
-    y = np.asarray(y)
-    if y.ndim != 1:
-        y = y.reshape(-1) if (y.ndim == 2 and 1 in y.shape) else y
-    if y.ndim != 1 or y.shape[0] != n:
-        raise ValueError(f"{name}: expected {n} labels (one per row of X), got shape {y.shape}")
-    if y.dtype == bool:
-        y = y.astype(np.float64)
-    try:
-        yf = y.astype(np.float64)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: labels must be numbers in {{0, 1}} or {{-1, +1}}, got dtype {y.dtype}")
-    if not np.all(np.isfinite(yf)):
-        raise ValueError(f"{name}: contains NaN or inf")
-    is_one = yf == 1.0
-    is_zero = yf == 0.0
-    is_neg = yf == -1.0
-    if not np.all(is_one | is_zero | is_neg):
-        bad = np.unique(yf[~(is_one | is_zero | is_neg)])[:5]
-        raise ValueError(f"{name}: labels must be in {{0, 1}} or {{-1, +1}}; found {bad.tolist()}")
-    has_zero, has_neg = bool(is_zero.any()), bool(is_neg.any())
-    if has_zero and has_neg:
-        raise ValueError(f"{name}: mixes the codings {{0, 1}} and {{-1, +1}} (found 0 and -1)")
-    coding = "01" if has_zero else ("pm1" if has_neg else None)
-    return np.where(is_one, 1.0, -1.0), coding
-
-
-def from_torch(obj):
-    """A torch tensor as NumPy (dense) or SciPy CSR (sparse COO/CSR); anything else unchanged."""
-    if not is_torch(obj):
-        return obj
-    obj = obj.detach()
-    if obj.layout == torch.sparse_csr:
-        return sp.csr_matrix((obj.values().cpu().numpy(), obj.col_indices().cpu().numpy(),
-                              obj.crow_indices().cpu().numpy()), shape=tuple(obj.shape))
-    if obj.layout == torch.sparse_coo:
-        obj = obj.coalesce()
-        idx = obj.indices().cpu().numpy()
-        return sp.csr_matrix((obj.values().cpu().numpy(), (idx[0], idx[1])), shape=tuple(obj.shape))
-    return obj.cpu().numpy()
-
-
-def check_positive_float(value, name):
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: expected a positive number, got {value!r}")
-    if not np.isfinite(v) or v <= 0:
-        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
-    return v
-
-
-def check_choice(value, choices, name):
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {tuple(choices)}, got {value!r}")
-    return value
-
-
 def per_feature(value, num_features, name, positive=False):
     """A scalar or ``(num_features,)`` array as a float64 array of length ``num_features``."""
-    if is_torch(value):
-        value = value.detach().cpu().numpy()
+    value = from_torch(value)
     arr = np.asarray(value, dtype=np.float64)
     if arr.ndim == 0:
         arr = np.full(num_features, float(arr))

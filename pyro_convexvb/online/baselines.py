@@ -10,11 +10,12 @@
 The diagonal methods share the mini-batch mode of :class:`OnlineDiagonalGaussian`.
 """
 import numpy as np
+from sklearn.utils._param_validation import StrOptions
 from sklearn.utils.validation import check_is_fitted
 
+from ..estimator_base import POSITIVE, POSITIVE_INT, deprecated_alias, seed_from
 from . import equations as eq
 from ._base import OnlineDiagonalGaussian, OnlineEstimatorBase, _kernels
-from ._validation import check_choice, check_positive_float
 
 __all__ = [
     "OnlineADF",
@@ -25,16 +26,6 @@ __all__ = [
     "dimgauss_update",
     "marginal_vb_update",
 ]
-
-
-def _check_iter(maxiter, name="maxiter"):
-    try:
-        ok = not isinstance(maxiter, bool) and int(maxiter) == maxiter and maxiter >= 1
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{name}: expected a positive integer, got {maxiter!r}")
-    return int(maxiter)
 
 
 def adf_update(y, x, mu_i, s2_i, mu_t, s2_t, link):
@@ -189,10 +180,14 @@ class OnlineDimGauss(OnlineDiagonalGaussian):
     """
 
     _method_code = 2
-    _config_keys = ("mean_update", "tol", "maxiter")
+    _config_keys = ("mean_update", "tol", "max_iter")
+    _renamed = {"max_iter": "maxiter"}
+    _parameter_constraints = {**OnlineDiagonalGaussian._parameter_constraints,
+                              "mean_update": [StrOptions({"taylor", "newton"})], "tol": POSITIVE,
+                              "max_iter": POSITIVE_INT, "maxiter": deprecated_alias(POSITIVE_INT)}
 
     def __init__(self, num_features=None, prior_mean=0.0, prior_var=1.0, link="logit", mean_update="newton",
-                 hashing=None, batch_size=1, tol=1e-9, maxiter=50, fast=None):
+                 hashing=None, batch_size=1, tol=1e-9, max_iter=50, fast=None, maxiter="deprecated"):
         self.num_features = num_features
         self.prior_mean = prior_mean
         self.prior_var = prior_var
@@ -201,21 +196,16 @@ class OnlineDimGauss(OnlineDiagonalGaussian):
         self.hashing = hashing
         self.batch_size = batch_size
         self.tol = tol
-        self.maxiter = maxiter
+        self.max_iter = max_iter
         self.fast = fast
-
-    def _check_options(self):
-        super()._check_options()
-        check_choice(self.mean_update, ("taylor", "newton"), "mean_update")
-        check_positive_float(self.tol, "tol")
-        _check_iter(self.maxiter)
+        self.maxiter = maxiter
 
     def _kernel_flags(self):
-        return self.mean_update == "newton", False, float(self.tol), int(self.maxiter)
+        return self.mean_update == "newton", False, float(self.tol), int(self._param("max_iter"))
 
     def _reference_update(self, x, y, mu_i, s2_i, mu_t, s2_t, log_p_t, samples):
         mu_new, s2_new, ok = dimgauss_update(y, x, mu_i, s2_i, self.link, self.mean_update, float(self.tol),
-                                             int(self.maxiter))
+                                             int(self._param("max_iter")))
         return mu_new, s2_new, int(not ok)
 
 
@@ -227,21 +217,31 @@ class OnlineMarginalVB(OnlineDiagonalGaussian):
     :func:`marginal_vb_update`.
 
     :param int num_samples: ``N``.
-    :param int seed: seed of the sample generator.
+    :param float tol: relative step tolerance of the Newton iteration.
+    :param int max_iter: iteration cap of the Newton iteration.
+    :param random_state: seed of the sample generator: an int (default 0), a :class:`numpy.random.RandomState`
+        (a seed is drawn from it) or ``None`` (fresh entropy; the stream is then not reproducible).
+    :param maxiter: deprecated name of ``max_iter``; ``seed``: deprecated name of ``random_state``
+        (``FutureWarning``).
 
     Example::
 
         >>> import numpy as np
-        >>> m = OnlineMarginalVB(2, num_samples=200, seed=0).partial_fit(np.eye(2), [1, 0])
+        >>> m = OnlineMarginalVB(2, num_samples=200, random_state=0).partial_fit(np.eye(2), [1, 0])
         >>> bool(m.coef_[0] > 0 > m.coef_[1])
         True
     """
 
     _method_code = 3
-    _config_keys = ("num_samples", "tol", "maxiter")
+    _config_keys = ("num_samples", "tol", "max_iter")
+    _renamed = {"max_iter": "maxiter", "random_state": "seed"}
+    _parameter_constraints = {**OnlineDiagonalGaussian._parameter_constraints, "num_samples": POSITIVE_INT,
+                              "tol": POSITIVE, "max_iter": POSITIVE_INT, "random_state": ["random_state"],
+                              "maxiter": deprecated_alias(POSITIVE_INT), "seed": deprecated_alias(["random_state"])}
 
     def __init__(self, num_features=None, prior_mean=0.0, prior_var=1.0, link="logit", num_samples=100,
-                 hashing=None, batch_size=1, tol=1e-10, maxiter=20, seed=0, fast=None):
+                 hashing=None, batch_size=1, tol=1e-10, max_iter=20, random_state=0, fast=None, maxiter="deprecated",
+                 seed="deprecated"):
         self.num_features = num_features
         self.prior_mean = prior_mean
         self.prior_var = prior_var
@@ -250,24 +250,19 @@ class OnlineMarginalVB(OnlineDiagonalGaussian):
         self.hashing = hashing
         self.batch_size = batch_size
         self.tol = tol
+        self.max_iter = max_iter
+        self.random_state = random_state
+        self.fast = fast
         self.maxiter = maxiter
         self.seed = seed
-        self.fast = fast
-
-    def _check_options(self):
-        super()._check_options()
-        _check_iter(self.num_samples, "num_samples")
-        check_positive_float(self.tol, "tol")
-        _check_iter(self.maxiter)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
-            raise ValueError(f"seed: expected a non-negative integer, got {self.seed!r}")
 
     def _new_state(self, num_features):
         super()._new_state(num_features)
-        self._rng = np.random.default_rng(self.seed)
+        random_state = self._param("random_state")
+        self._rng = np.random.default_rng(None if random_state is None else seed_from(random_state))
 
     def _kernel_flags(self):
-        return False, False, float(self.tol), int(self.maxiter)
+        return False, False, float(self.tol), int(self._param("max_iter"))
 
     def _samples(self, n):
         return self._rng.standard_normal((n, int(self.num_samples)))
@@ -281,7 +276,7 @@ class OnlineMarginalVB(OnlineDiagonalGaussian):
 
     def _reference_update(self, x, y, mu_i, s2_i, mu_t, s2_t, log_p_t, samples):
         return marginal_vb_update(y, x, mu_i, s2_i, mu_t, s2_t, samples, self.link, float(self.tol),
-                                  int(self.maxiter))
+                                  int(self._param("max_iter")))
 
 
 class OnlineAdaGradLogistic(OnlineEstimatorBase):
@@ -304,6 +299,8 @@ class OnlineAdaGradLogistic(OnlineEstimatorBase):
     _config_keys = ("learning_rate", "delta")
     _has_batch_size = False
     _array_constraints = {"G": "nonnegative"}
+    _parameter_constraints = {**OnlineEstimatorBase._parameter_constraints, "learning_rate": POSITIVE,
+                              "delta": POSITIVE}
 
     def __init__(self, num_features=None, learning_rate=0.1, delta=1e-8, link="logit", hashing=None, fast=None):
         self.num_features = num_features
@@ -312,11 +309,6 @@ class OnlineAdaGradLogistic(OnlineEstimatorBase):
         self.link = link
         self.hashing = hashing
         self.fast = fast
-
-    def _check_options(self):
-        super()._check_options()
-        check_positive_float(self.learning_rate, "learning_rate")
-        check_positive_float(self.delta, "delta")
 
     def _new_state(self, num_features):
         self._w = np.zeros(num_features)

@@ -177,7 +177,7 @@ def case_blr_one_class_shard(rank, world):
 
 def case_glm_bernoulli(rank, world):
     X, y = _estimator_data(rank, world)
-    glm = pcv.GLM("bernoulli", num_components=2, max_steps=30, min_steps=30, window=10, distributed=True).fit(X, y)
+    glm = pcv.GLM("bernoulli", num_components=2, max_iter=30, min_steps=30, window=10, distributed=True).fit(X, y)
     return {"locs": glm.posterior_.locs, "variances": glm.posterior_.variances,
             "prior_var": glm.prior_var_, "steps": glm.n_steps_}
 

@@ -1,8 +1,9 @@
 """Algorithm 1 of Shamir & Szpankowski 2021: online sparse Bayesian logistic / probit regression."""
+from sklearn.utils._param_validation import StrOptions
+
+from ..estimator_base import POSITIVE, POSITIVE_INT, deprecated_alias
 from . import equations as eq
 from ._base import OnlineDiagonalGaussian
-from ._validation import check_choice, check_positive_float
-from .baselines import _check_iter
 
 __all__ = ["OnlineBayesLogistic"]
 
@@ -54,15 +55,17 @@ class OnlineBayesLogistic(OnlineDiagonalGaussian):
         update a whole mini-batch from the same state and sum the updates in natural
         parameters (Appendix D.1, remark).
     :param float tol: relative step tolerance of the Newton iteration.
-    :param int maxiter: iteration cap of the Newton iteration (a :class:`ConvergenceWarning`
+    :param int max_iter: iteration cap of the Newton iteration (a :class:`ConvergenceWarning`
         reports solves that hit it).
+    :param int maxiter: deprecated name of ``max_iter`` (``FutureWarning``).
     :param fast: ``None`` uses the numba kernel when numba is installed, ``True`` requires it
         (``ImportError`` otherwise), ``False`` uses the NumPy reference path.
 
     Attributes: ``coef_`` / ``coef_var_`` (``(d,)`` means and variances; of the model average with
     ``prior_var="auto"``), ``prior_var_weights_`` (``(K,)`` with ``"auto"``), ``classes_``,
-    ``n_features_in_`` (without hashing), ``n_seen_``, ``cumulative_log_loss_`` (progressive log-loss
-    so far), ``fast_`` (path in use).
+    ``n_features_in_`` (without hashing), ``n_seen_``, ``n_iter_`` (1: one pass over the rows of each call, as
+    :class:`~sklearn.linear_model.SGDClassifier`), ``cumulative_log_loss_`` (progressive log-loss so far),
+    ``fast_`` (path in use).
 
     Example::
 
@@ -78,11 +81,17 @@ class OnlineBayesLogistic(OnlineDiagonalGaussian):
     """
 
     _method_code = 0
-    _config_keys = ("mean_update", "variance_update", "tol", "maxiter")
+    _config_keys = ("mean_update", "variance_update", "tol", "max_iter")
     _supports_auto = True
+    _renamed = {"max_iter": "maxiter"}
+    _parameter_constraints = {**OnlineDiagonalGaussian._parameter_constraints,
+                              "mean_update": [StrOptions({"taylor", "newton"})],
+                              "variance_update": [StrOptions({"laplace", "value"})], "tol": POSITIVE,
+                              "max_iter": POSITIVE_INT, "maxiter": deprecated_alias(POSITIVE_INT)}
 
     def __init__(self, num_features=None, prior_mean=0.0, prior_var="auto", link="logit", mean_update="taylor",
-                 variance_update="laplace", hashing=None, batch_size=1, tol=1e-9, maxiter=50, fast=None):
+                 variance_update="laplace", hashing=None, batch_size=1, tol=1e-9, max_iter=50, fast=None,
+                 maxiter="deprecated"):
         self.num_features = num_features
         self.prior_mean = prior_mean
         self.prior_var = prior_var
@@ -92,18 +101,13 @@ class OnlineBayesLogistic(OnlineDiagonalGaussian):
         self.hashing = hashing
         self.batch_size = batch_size
         self.tol = tol
-        self.maxiter = maxiter
+        self.max_iter = max_iter
         self.fast = fast
-
-    def _check_options(self):
-        super()._check_options()
-        check_choice(self.mean_update, ("taylor", "newton"), "mean_update")
-        check_choice(self.variance_update, ("laplace", "value"), "variance_update")
-        check_positive_float(self.tol, "tol")
-        _check_iter(self.maxiter)
+        self.maxiter = maxiter
 
     def _kernel_flags(self):
-        return self.mean_update == "newton", self.variance_update == "value", float(self.tol), int(self.maxiter)
+        return (self.mean_update == "newton", self.variance_update == "value", float(self.tol),
+                int(self._param("max_iter")))
 
     def _reference_update(self, x, y, mu_i, s2_i, mu_t, s2_t, log_p_t, samples):
         link = self.link
@@ -111,7 +115,7 @@ class OnlineBayesLogistic(OnlineDiagonalGaussian):
         unconverged = 0
         if self.mean_update == "newton":
             mu_new, ok = eq.newton_mean(y, x, mu_i, s2_i, mu_minus, s2_minus, link, float(self.tol),
-                                        int(self.maxiter))
+                                        int(self._param("max_iter")))
             unconverged = int((~ok).sum())
         else:
             mu_new = eq.taylor_mean(y, x, mu_i, s2_i, mu_t, s2_minus, link)

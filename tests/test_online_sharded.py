@@ -1,4 +1,4 @@
-"""Sharded online learning (pyro_convexvb.online.distributed): the merge arithmetic, and the regret cost of
+"""Sharded online learning (pyro_convexvb.online.sharded): the merge arithmetic, and the regret cost of
 the parallel approximation against the sequential Algorithm 1 of Shamir & Szpankowski 2021 on the same rows."""
 import numpy as np
 import pytest

@@ -1,0 +1,216 @@
+"""The shared estimator layer (pyro_convexvb/estimator_base.py): declared parameter constraints, and
+``max_iter`` / ``tol`` / ``random_state`` with scikit-learn's meanings on every estimator where they apply --
+each either changes the fit or is refused -- with the deprecated old names (``seed``, ``maxiter``, ``max_steps``,
+``rtol``) still working behind a ``FutureWarning``."""
+import warnings
+
+import numpy as np
+import pytest
+from sklearn.utils._param_validation import InvalidParameterError
+from sklearn.utils.estimator_checks import check_param_validation
+
+import pyro_convexvb as pcv
+from pyro_convexvb.estimator_base import engine_options, renamed, seed_from
+from pyro_convexvb.gp import GPClassifier
+from pyro_convexvb.infer.registry import get_engine
+from pyro_convexvb.online import (OnlineADF, OnlineAdaGradLogistic, OnlineBayesLogistic, OnlineDimGauss,
+                                  OnlineMarginalVB)
+
+from conftest import binary_problem, estimator_factories
+
+FACTORIES = estimator_factories()
+
+
+def _quiet(fn):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pcv.ConvergenceWarning)
+        return fn()
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_every_parameter_is_declared_and_checked_at_fit(name):
+    """scikit-learn's own check: a constraint per parameter, and a bad type or value raises InvalidParameterError
+    naming the parameter from fit (and partial_fit)."""
+    est = FACTORIES[name]()
+    check_param_validation(type(est).__name__, est)
+
+
+def test_booleans_are_not_counts():
+    X, y = binary_problem()
+    for est, param in [(pcv.BayesianLogisticRegression(num_points=True), "num_points"),
+                       (pcv.BayesianLinearRegression(max_iter=True), "max_iter"),
+                       (pcv.GLM(num_components=True), "num_components"),
+                       (OnlineBayesLogistic(max_iter=True), "max_iter")]:
+        with pytest.raises(InvalidParameterError, match=f"'{param}' parameter of {type(est).__name__}"):
+            est.fit(X, y)
+
+
+def _coef(est):
+    return np.asarray(est.coef_).ravel()
+
+
+# ------------------------------------------------------------------------------ BayesianLogisticRegression
+def test_logistic_max_iter_and_tol_reach_the_engine():
+    X, y = binary_problem()
+    ref = pcv.BayesianLogisticRegression().fit(X, y)
+    capped = _quiet(lambda: pcv.BayesianLogisticRegression(max_iter=1).fit(X, y))
+    assert capped.n_iter_ < ref.n_iter_ and not capped.converged_
+    assert np.abs(_coef(capped) - _coef(ref)).max() > 1e-6
+    loose = pcv.BayesianLogisticRegression(tol=1.0).fit(X, y)  # duality gap of 1 nat
+    assert loose.n_iter_ < ref.n_iter_ and np.abs(_coef(loose) - _coef(ref)).max() > 1e-8
+    # the same fit as the engine's own option names
+    same = pcv.BayesianLogisticRegression(options={"gap_tol": 1.0}).fit(X, y)
+    np.testing.assert_array_equal(_coef(same), _coef(loose))
+    lap = pcv.BayesianLogisticRegression(engine="laplace", max_iter=2).fit
+    assert _quiet(lambda: lap(X, y)).n_iter_ <= 3
+
+
+def test_logistic_random_state_seeds_a_stochastic_engine_and_dual_vg_draws_nothing():
+    X, y = binary_problem(n=40)
+
+    def svi(rs):
+        return pcv.BayesianLogisticRegression(engine="svi_autonormal", max_iter=30, random_state=rs,
+                                              options={"min_steps": 30, "window": 10})
+    a, b, c = (_quiet(lambda rs=rs: svi(rs).fit(X, y)) for rs in (0, 0, 1))
+    np.testing.assert_array_equal(_coef(a), _coef(b))
+    assert np.abs(_coef(a) - _coef(c)).max() > 1e-6
+    d = _quiet(lambda: svi(np.random.RandomState(0)).fit(X, y))  # a RandomState: the seed drawn from it
+    e = _quiet(lambda: svi(seed_from(np.random.RandomState(0))).fit(X, y))
+    np.testing.assert_array_equal(_coef(d), _coef(e))
+    # dual_vg is deterministic: every random_state gives the same fit
+    np.testing.assert_array_equal(_coef(pcv.BayesianLogisticRegression(random_state=0).fit(X, y)),
+                                  _coef(pcv.BayesianLogisticRegression(random_state=7).fit(X, y)))
+
+
+def test_logistic_knobs_an_engine_lacks_or_set_twice_are_refused():
+    X, y = binary_problem(n=20)
+    with pytest.raises(ValueError, match="max_iter=5, but engine 'nuts' has no option"):
+        pcv.BayesianLogisticRegression(engine="nuts", max_iter=5).fit(X, y)
+    with pytest.raises(ValueError, match="tol=0.1, but engine 'nuts'"):
+        pcv.BayesianLogisticRegression(engine="nuts", tol=0.1).fit(X, y)
+    with pytest.raises(ValueError, match=r"max_iter=5 and options=\{'max_iter': 9\}"):
+        pcv.BayesianLogisticRegression(max_iter=5, options={"max_iter": 9}).fit(X, y)
+
+
+def test_engine_options_maps_onto_each_engines_names():
+    est = pcv.BayesianLogisticRegression(max_iter=7, tol=1e-3, random_state=3)
+    assert engine_options(est, get_engine("dual_vg"), None) == {"max_iter": 7, "gap_tol": 1e-3}
+    assert engine_options(est, get_engine("convex_relaxation"), {"cg_tol": 1e-9}) == {
+        "cg_tol": 1e-9, "max_outer": 7, "phi_tol": 1e-3, "seed": 3}
+    assert engine_options(est, get_engine("laplace"), None) == {"max_iter": 7, "grad_tol": 1e-3, "seed": 3}
+    assert engine_options(est, get_engine("svi_autonormal"), None) == {"max_steps": 7, "rtol": 1e-3, "seed": 3}
+    assert engine_options(pcv.BayesianLogisticRegression(), get_engine("dual_vg"), None) == {}
+
+
+# ------------------------------------------------------------------------------ GLM
+def _glm(**kw):
+    kw = {"min_steps": 20, "window": 10, "lr": 0.1, "max_iter": 40, **kw}
+    return pcv.GLM("bernoulli", **kw)
+
+
+def test_glm_max_iter_tol_random_state_change_the_fit():
+    X, y = binary_problem(n=60)
+    ref = _quiet(lambda: _glm().fit(X, y))
+    assert ref.n_iter_ == 40
+    short = _quiet(lambda: _glm(max_iter=25).fit(X, y))
+    assert short.n_iter_ == 25 and not np.allclose(short.posterior_.locs, ref.posterior_.locs)
+    # a loose plateau tolerance stops at the first window past min_steps
+    assert _quiet(lambda: _glm(max_iter=200, tol=10.0).fit(X, y)).n_iter_ < 200
+    np.testing.assert_array_equal(_quiet(lambda: _glm(random_state=0).fit(X, y)).posterior_.locs,
+                                  ref.posterior_.locs)
+    assert not np.allclose(_quiet(lambda: _glm(random_state=1).fit(X, y)).posterior_.locs, ref.posterior_.locs)
+
+
+def test_glm_old_names_warn_and_fit_alike():
+    X, y = binary_problem(n=60)
+    new = _quiet(lambda: _glm(max_iter=30, tol=1e-3, random_state=2).fit(X, y))
+    with pytest.warns(FutureWarning, match="'max_steps' is deprecated") as record:
+        old = _quiet(lambda: pcv.GLM("bernoulli", min_steps=20, window=10, lr=0.1, max_steps=30, rtol=1e-3,
+                                     seed=2).fit(X, y))
+    assert {w.filename for w in record if w.category is FutureWarning} == {__file__}  # the caller's line
+    np.testing.assert_array_equal(old.posterior_.locs, new.posterior_.locs)
+    assert old.n_iter_ == 30
+    with pytest.raises(ValueError, match="both seed=2 and random_state=3 given"):
+        pcv.GLM(seed=2, random_state=3).fit(X, y)
+
+
+# ------------------------------------------------------------------------------ BayesianLinearRegression
+def test_blr_max_iter_and_tol_change_the_fit_and_it_has_no_random_state():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(50, 3))
+    y = X @ [1.0, -2.0, 0.5] + 0.3 * rng.normal(size=50)
+    ref = pcv.BayesianLinearRegression().fit(X, y)
+    capped = _quiet(lambda: pcv.BayesianLinearRegression(max_iter=1).fit(X, y))
+    assert capped.n_iter_ < ref.n_iter_ and abs(capped.noise_var_ - ref.noise_var_) > 1e-6
+    loose = pcv.BayesianLinearRegression(tol=1e2).fit(X, y)
+    assert loose.n_iter_ < ref.n_iter_
+    assert "random_state" not in ref.get_params()  # closed form and L-BFGS: nothing random
+
+
+# ------------------------------------------------------------------------------ GPClassifier
+def test_gp_max_iter_tol_random_state_reach_the_engine():
+    X, y = binary_problem(n=30, d=2)
+    ref = GPClassifier().fit(X, y)
+    capped = _quiet(lambda: GPClassifier(max_iter=1).fit(X, y))
+    assert capped.n_iter_ < ref.n_iter_
+    assert np.abs(capped.predict_latent(X)[0] - ref.predict_latent(X)[0]).max() > 1e-6
+    assert GPClassifier(tol=10.0).fit(X, y).n_iter_ < ref.n_iter_
+
+    def svi(rs):
+        return _quiet(lambda: GPClassifier(engine="svi_autonormal", max_iter=20, random_state=rs,
+                                           options={"min_steps": 20, "window": 10}).fit(X, y).predict_latent(X)[0])
+    np.testing.assert_array_equal(svi(0), svi(0))
+    assert np.abs(svi(0) - svi(1)).max() > 1e-6
+
+
+# ------------------------------------------------------------------------------ online learners
+def test_online_max_iter_and_tol_change_the_newton_updates():
+    X, y = binary_problem(n=200, d=4)
+    for cls, kw in [(OnlineBayesLogistic, dict(prior_var=4.0, mean_update="newton")),
+                    (OnlineDimGauss, dict(prior_var=4.0))]:
+        ref = cls(fast=False, **kw).fit(X, y)
+        with pytest.warns(pcv.ConvergenceWarning, match="max_iter=1"):
+            capped = cls(fast=False, max_iter=1, **kw).fit(X, y)
+        assert np.abs(capped.coef_ - ref.coef_).max() > 1e-8
+        loose = cls(fast=False, tol=0.5, **kw).fit(X, y)
+        assert np.abs(loose.coef_ - ref.coef_).max() > 1e-10
+        with pytest.warns(FutureWarning, match="'maxiter' is deprecated"):
+            old = _quiet(lambda: cls(fast=False, maxiter=1, **kw).fit(X, y))
+        np.testing.assert_array_equal(old.coef_, capped.coef_)
+        assert old.state_dict()["config"]["max_iter"] == 1
+
+
+def test_online_state_saved_under_the_old_name_loads():
+    X, y = binary_problem(n=50, d=4)
+    m = OnlineBayesLogistic(prior_var=1.0, max_iter=7).fit(X, y)
+    state = m.state_dict()
+    state["config"] = {("maxiter" if k == "max_iter" else k): v for k, v in state["config"].items()}
+    again = OnlineBayesLogistic.from_state_dict(state)
+    assert again.max_iter == 7 and again.maxiter == "deprecated"
+    np.testing.assert_array_equal(again.coef_, m.coef_)
+    OnlineBayesLogistic(prior_var=1.0, max_iter=7).load_state_dict(state)
+
+
+def test_online_marginal_vb_random_state():
+    X, y = binary_problem(n=60, d=3)
+
+    def fit(**kw):
+        return OnlineMarginalVB(num_samples=8, fast=False, **kw).fit(X, y).coef_
+    np.testing.assert_array_equal(fit(random_state=3), fit(random_state=3))
+    assert np.abs(fit(random_state=3) - fit(random_state=4)).max() > 1e-8
+    with pytest.warns(FutureWarning, match="'seed' is deprecated"):
+        np.testing.assert_array_equal(fit(seed=3), fit(random_state=3))
+
+
+def test_online_learners_without_iterations_take_no_knobs():
+    for cls in (OnlineADF, OnlineAdaGradLogistic):
+        params = cls().get_params()
+        assert not {"max_iter", "tol", "random_state"} & set(params)
+
+
+def test_renamed_refuses_both_names():
+    est = OnlineMarginalVB(seed=1, random_state=2)
+    with pytest.raises(ValueError, match="both seed=1 and random_state=2"):
+        renamed(est, "seed", "random_state")
+    with pytest.warns(FutureWarning):
+        assert renamed(OnlineMarginalVB(seed=1, random_state=1), "seed", "random_state") == 1
