@@ -20,6 +20,10 @@ Nocedal & Wright 2006, Algorithm 7.1, line-search Newton-CG): the iterate before
 direction is returned, or the preconditioned residual step ``x0 + M^{-1} r0`` when it is met at the
 first iteration.  This is the inexact (truncated) Newton-CG step for a Hessian that is only positive
 semidefinite in floating point.
+
+With ``reduction=`` the vectors are the local rows of a system spread over processes (row-sharded sites):
+every inner product and norm is the local one summed by ``reduction.sum`` (an all-reduce), so all ranks take
+the same steps and stop together.
 """
 from dataclasses import dataclass, field
 import math
@@ -122,6 +126,7 @@ def cg(
     true_residual=True,
     max_restarts=5,
     on_negative_curvature="raise",
+    reduction=None,
 ):
     """Solve ``A x = b`` by preconditioned conjugate gradients.
 
@@ -153,6 +158,10 @@ def cg(
         of the solve, the step ``x0 + M^{-1} r0`` along the preconditioned residual -- and
         ``CGResult.truncated`` flags it; a truncated column is neither restarted nor counted as a
         failure for ``on_fail``.
+    :param reduction: ``None`` (every row in this process), or an object whose ``sum(t)`` sums a tensor over
+        the processes that hold the other rows (e.g. :class:`~pyro_convexvb.infer.dual_vg.sharding.SiteReduction`):
+        ``matmul``, ``precond``, ``rhs`` and ``x0`` then act on this process's rows, and inner products and
+        norms are summed over processes.
     :returns: :class:`CGResult`.
     :raises NotPositiveDefiniteError: if ``r^T M^{-1} r <= 0`` (preconditioner not SPD) is met, or a
         curvature ``p^T A p <= 0`` (``A`` not SPD) with ``on_negative_curvature="raise"``.
@@ -177,7 +186,9 @@ def cg(
     n = rhs.shape[0]
     if n_op is not None and n_op != n:
         raise ValueError(f"rhs: operator has size {n_op} but rhs has shape {tuple(rhs.shape)}")
-    _check_finite(rhs, "rhs")
+    dot, norm = _inner_products(reduction)
+    if reduction is None:
+        _check_finite(rhs, "rhs")
     if on_fail not in ("warn", "raise", "ignore"):
         raise ValueError(f"on_fail: expected 'warn', 'raise' or 'ignore', got {on_fail!r}")
     if on_negative_curvature not in ("raise", "truncate"):
@@ -220,10 +231,12 @@ def cg(
             x = x0.detach().to(dtype=b.dtype, device=b.device).reshape(b.shape).clone()
             r = b - product(x)
             num_mvm = k
-        bnorm = torch.linalg.vector_norm(b, dim=0)
+        bnorm = norm(b)
+        if reduction is not None:  # every rank raises together
+            _check_finite(bnorm, "rhs")
         scale = torch.where(bnorm > 0, bnorm, torch.ones_like(bnorm))
         tol = torch.clamp(rtol * bnorm, min=atol)
-        rnorm = torch.linalg.vector_norm(r, dim=0)
+        rnorm = norm(r)
         _check_finite(rnorm, "matmul(x0) (the initial residual)")
         history = [float((rnorm / scale).max())] if k > 0 else [0.0]
         truncated = torch.zeros(k, dtype=torch.bool, device=b.device)
@@ -232,13 +245,13 @@ def cg(
         restarts = 0
         while True:
             iterations, num_mvm = _cg_iterate(
-                product, prec, x, r, rnorm, tol, scale, max_iter, iterations, num_mvm, history, trunc
+                product, prec, x, r, rnorm, tol, scale, max_iter, iterations, num_mvm, history, trunc, dot, norm
             )
             if not true_residual or k == 0 or iterations == 0:
                 break  # with no iteration, r is exactly b - A x0
             r = b - product(x)
             num_mvm += k
-            rnorm = torch.linalg.vector_norm(r, dim=0)
+            rnorm = norm(r)
             _check_finite(rnorm, "matmul output")
             history[-1] = float((rnorm / scale).max())
             if not bool(((rnorm > tol) & ~truncated).any()) or iterations >= max_iter or restarts >= max_restarts:
@@ -271,7 +284,22 @@ def cg(
     )
 
 
-def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, num_mvm, history, trunc=None):
+def _inner_products(reduction):
+    """``(dot, norm)`` over the rows of ``(n, k)`` blocks, column by column; summed by ``reduction.sum`` if given."""
+    if reduction is None:
+        return (lambda a, b: torch.linalg.vecdot(a, b, dim=0)), (lambda a: torch.linalg.vector_norm(a, dim=0))
+
+    def dot(a, b):
+        return reduction.sum(torch.linalg.vecdot(a, b, dim=0))
+
+    return dot, (lambda a: dot(a, a).clamp_min(0).sqrt())
+
+
+_LOCAL_DOT, _LOCAL_NORM = _inner_products(None)
+
+
+def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, num_mvm, history, trunc=None,
+                dot=_LOCAL_DOT, norm=_LOCAL_NORM):
     """Run CG on the columns with ``rnorm > tol``, updating ``x``, ``r`` and ``rnorm`` in place.
 
     ``trunc``: ``None`` (non-positive curvature raises) or a boolean ``(k,)`` mask, updated in place,
@@ -290,7 +318,7 @@ def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, nu
     rest_max = float(rest.max())  # largest relative residual among the columns not iterated
     xa, ra, tola, sca = x[:, idx], r[:, idx], tol[idx], scale[idx]
     z = prec(ra) if prec is not None else ra
-    rz = torch.linalg.vecdot(ra, z, dim=0)
+    rz = dot(ra, z)
     p = z.clone()  # a preconditioner may return its input
     first = iterations == 0  # the iterate is still the starting point x0
     neg = None
@@ -298,7 +326,7 @@ def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, nu
         Ap = product(p)
         num_mvm += p.shape[1]
         iterations += 1
-        pAp = torch.linalg.vecdot(p, Ap, dim=0)
+        pAp = dot(p, Ap)
         alpha = rz / pAp
         if trunc is not None:
             # non-positive curvature: keep the iterate (step 0), or take the step p = M^{-1} r0 at the start
@@ -306,7 +334,7 @@ def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, nu
             alpha = torch.where(neg, torch.full_like(alpha, 1.0 if first else 0.0), alpha)
         xa.addcmul_(p, alpha)
         ra.addcmul_(Ap, alpha, value=-1.0)
-        rn = torch.linalg.vector_norm(ra, dim=0)
+        rn = norm(ra)
         rn_minus_tol = rn - tola
         if neg is not None:
             rn_minus_tol = torch.where(neg, torch.full_like(rn_minus_tol, -math.inf), rn_minus_tol)
@@ -340,7 +368,7 @@ def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, nu
             keep = ~done
             idx, xa, ra, p, rz, tola, sca = idx[keep], xa[:, keep], ra[:, keep], p[:, keep], rz[keep], tola[keep], sca[keep]
         z = prec(ra) if prec is not None else ra
-        rz_new = torch.linalg.vecdot(ra, z, dim=0)
+        rz_new = dot(ra, z)
         beta = rz_new / rz
         rz = rz_new
         p = torch.addcmul(z, p, beta)

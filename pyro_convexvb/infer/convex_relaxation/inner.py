@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...linalg.cg import cg
+from ...linalg.linesearch import backtrack
 
 
 @dataclass
@@ -123,15 +124,14 @@ def inner_loop(prob, z, u0, *, max_newton=20, cg_tol=1e-6, newton_tol=1e-8, cg_m
         a1 = float((xtxu - xty) @ d)
         a2 = float(d @ xtxd)
         Bd = prob.B.mv(d) if prob.q else None
-        t = 1.0
-        f_new = None
-        for _ in range(int(max_backtrack)):
+
+        def trial(t, Bd=Bd, a1=a1, a2=a2, f=f, slope=slope):
             site = _site_value(prob, s + t * Bd, z) if prob.q else 0.0
             f_new = 0.5 * float(quad) + t * a1 + 0.5 * t * t * a2 + float(site)
-            if f_new <= float(f) + armijo * t * slope:
-                break
-            t *= 0.5
-        else:
+            return f_new if f_new <= float(f) + armijo * t * slope else None
+
+        t, f_new = backtrack(trial, max_trials=max_backtrack)
+        if f_new is None:
             break  # no decrease possible at working precision
         u = u + t * d
         xtxu = xtxu + t * xtxd

@@ -9,6 +9,7 @@ import torch
 from pyro.nn import PyroParam
 
 from ...errors import UnsupportedModelError
+from ...linalg.linesearch import backtrack
 from ...posterior.gaussian import _write_guide_params
 from ...posterior.mixture import (_ENTROPY_BOUNDS, AutoDiagMixture, DiagMixturePosterior, _entropy_fn,
                                   mixture_evidence_bound)
@@ -202,20 +203,21 @@ class DiagMixtureEngine(SVIEngine):
                 reason = "decrement"
                 break
             step_m = newton_directions(g, d)
-            for _ in range(60):
+
+            def trial(b, M=M, V=V, gv=gv, val=val, step_m=step_m):
                 prec = 1.0 / V - 2 * K * b * gv
-                if bool((prec > 0).all()):
-                    V_new = 1.0 / prec
-                    M_new = M + b * step_m
-                    new = evaluate(M_new, V_new)
-                    if new[0] >= val - 1e-12 * (1 + abs(val)):
-                        break
-                b *= 0.5
-            else:
+                if not bool((prec > 0).all()):
+                    return None
+                M_new, V_new = M + b * step_m, 1.0 / prec
+                new = evaluate(M_new, V_new)
+                return (M_new, V_new, new) if new[0] >= val - 1e-12 * (1 + abs(val)) else None
+
+            b, accepted = backtrack(trial, b)
+            if accepted is None:
                 reason = "no ascent step"
                 break
+            M, V, new = accepted
             last_change = new[0] - val
-            M, V = M_new, V_new
             val, g, gv, d = new
             b = min(1.0, 2 * b)
         _write_guide_params(guide, {"locs": torch.nn.Parameter(M.to(locs0.dtype).clone()),
