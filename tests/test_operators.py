@@ -361,7 +361,7 @@ def test_diagonal_and_sqrt_factor_against_dense(name):
     R = op.sqrt_factor(dense_limit=10)
     Rd = R.to_dense()
     torch.testing.assert_close(Rd.T @ Rd, ref, rtol=1e-12, atol=1e-12)
-    # without densifying (dense_limit=0): a stored matrix still has its diagonal, a diagonal or sparse operator its
+    # never densifying (dense_limit=0): a stored matrix still has its diagonal, a diagonal or sparse operator its
     # factor; an opaque product (or a block of one) has neither, and a dense block no factor
-    assert (op.diagonal() is not None) == (name != "function")
-    assert (op.sqrt_factor() is not None) == (name in ("diagonal", "identity", "sparse"))
+    assert (op.diagonal(dense_limit=0) is not None) == (name != "function")
+    assert (op.sqrt_factor(dense_limit=0) is not None) == (name in ("diagonal", "identity", "sparse"))

@@ -45,6 +45,11 @@ def _check_vec(v, n, what):
         raise ValueError(f"{what}: expected leading dimension {n}, got shape {tuple(v.shape)}")
 
 
+#: largest ``n`` for which an ``n x n`` operator without a structured answer is made dense (its diagonal, its
+#: Cholesky factor, an exact bound that needs ``log|A|``): 5000 doubles squared are 200 MB
+DENSE_LIMIT = 5000
+
+
 class LinearOperator:
     """Base class. Subclasses implement ``_mv``, ``_rmv`` and set ``shape``, ``dtype``, ``device``."""
 
@@ -77,7 +82,7 @@ class LinearOperator:
         eye = torch.eye(self.shape[1], dtype=self.dtype, device=self.device)
         return self._mv(eye)
 
-    def diagonal(self, dense_limit=0):
+    def diagonal(self, dense_limit=DENSE_LIMIT):
         """Diagonal ``(n,)`` of a square operator without densifying a large one: from the structure where the
         class knows it, else from :meth:`to_dense` if ``n <= dense_limit``, else ``None``."""
         return torch.diagonal(self.to_dense()).clone() if self.shape[0] <= dense_limit else None
@@ -87,7 +92,7 @@ class LinearOperator:
         (``2 nnz`` for a sparse matrix, ``n`` for a diagonal, the parts' sum for a stack or a product)."""
         return 2.0 * self.shape[0] * self.shape[1]
 
-    def sqrt_factor(self, dense_limit=0):
+    def sqrt_factor(self, dense_limit=DENSE_LIMIT):
         """An operator ``R`` with ``R^T R = self`` for an SPD operator: from the structure (diagonal, block
         diagonal, a sparse Cholesky factor), else the dense Cholesky factor if ``n <= dense_limit``, else ``None``."""
         if self.shape[0] > dense_limit:
@@ -173,7 +178,7 @@ class DenseOperator(LinearOperator):
         w = self._gram_weights(weights)
         return self.matrix.transpose(0, 1) @ (w.unsqueeze(-1) * self.matrix)
 
-    def diagonal(self, dense_limit=0):
+    def diagonal(self, dense_limit=DENSE_LIMIT):
         return torch.diagonal(self.matrix).clone()
 
     def to_dense(self):
@@ -304,7 +309,7 @@ class SparseOperator(LinearOperator):
         sqt = torch.sparse_csr_tensor(At.crow_indices(), At.col_indices(), At.values() ** 2, size=At.shape, check_invariants=False)
         return SparseOperator(sq, transpose=sqt)
 
-    def diagonal(self, dense_limit=0):
+    def diagonal(self, dense_limit=DENSE_LIMIT):
         """Diagonal of a square CSR matrix from its stored entries (never densified)."""
         A = self.matrix
         n = A.shape[0]
@@ -316,7 +321,7 @@ class SparseOperator(LinearOperator):
     def flops(self):
         return 2.0 * self.nnz
 
-    def sqrt_factor(self, dense_limit=0):
+    def sqrt_factor(self, dense_limit=DENSE_LIMIT):
         """The sparse Cholesky factor ``R = D^{1/2} L^T P`` of an SPD sparse matrix (fill-reducing ordering;
         Rue & Held 2005, §2.4), of any size and never densified."""
         from .sparse_cholesky import SparseCholesky
@@ -370,13 +375,13 @@ class DiagonalOperator(LinearOperator):
     def weighted_gram(self, weights=None, chunk=256):
         return torch.diag(self.diag * self.diag * self._gram_weights(weights))
 
-    def diagonal(self, dense_limit=0):
+    def diagonal(self, dense_limit=DENSE_LIMIT):
         return self.diag
 
     def flops(self):
         return float(self.shape[0])
 
-    def sqrt_factor(self, dense_limit=0):
+    def sqrt_factor(self, dense_limit=DENSE_LIMIT):
         return DiagonalOperator(torch.sqrt(self.diag))
 
     def to_dense(self):
@@ -397,13 +402,13 @@ class IdentityOperator(DiagonalOperator):
     def squared(self):
         return self
 
-    def diagonal(self, dense_limit=0):
+    def diagonal(self, dense_limit=DENSE_LIMIT):
         return torch.ones(self.shape[0], dtype=self.dtype, device=self.device)
 
     def flops(self):
         return 0.0
 
-    def sqrt_factor(self, dense_limit=0):
+    def sqrt_factor(self, dense_limit=DENSE_LIMIT):
         return self
 
 
@@ -528,11 +533,11 @@ class BlockDiagonalOperator(LinearOperator):
     def flops(self):
         return float(sum(op.flops() for op in self.operators))
 
-    def diagonal(self, dense_limit=0):
+    def diagonal(self, dense_limit=DENSE_LIMIT):
         parts = [op.diagonal(dense_limit) for op in self.operators]
         return None if any(p is None for p in parts) else torch.cat(parts)
 
-    def sqrt_factor(self, dense_limit=0):
+    def sqrt_factor(self, dense_limit=DENSE_LIMIT):
         parts = [op.sqrt_factor(dense_limit) for op in self.operators]
         return None if any(p is None for p in parts) else BlockDiagonalOperator(parts)
 

@@ -59,14 +59,15 @@ def _site_value(prob, s, z):
     return prob.site_sum(prob.pot.h_star(s, z, derivatives=0)[0].sum())
 
 
-def inner_loop(prob, z, u0, *, max_newton=20, cg_tol=1e-6, newton_tol=1e-8, cg_max_iter=None,
-               precondition=True, chol=None, armijo=1e-4, max_backtrack=40):
+def inner_loop(prob, z, u0, *, max_newton, cg_tol, newton_tol, cg_max_iter=None, precondition=True, chol=None,
+               armijo=1e-4, max_backtrack=40):
     r"""Newton/IRLS minimisation of ``Psi(u) = ||y~ - X u||^2/2 + sum_i h_i^*(s_i)`` (Nickisch & Seeger 2009, §2.2).
 
     :param prob: a :class:`~.problem.RelaxationProblem`.
     :param z: ``(q,)`` outer-loop variances (``> 0``).
     :param u0: ``(n,)`` warm start.
-    :param max_newton: Newton steps (``N_Newt`` of Nickisch & Seeger 2009, §2.4).
+    :param max_newton: Newton steps (``N_Newt`` of Nickisch & Seeger 2009, §2.4); this and the two tolerances have
+        their defaults in :class:`~.engine.ConvexRelaxationOptions`.
     :param cg_tol: final relative CG residual.
     :param newton_tol: stop when the Newton decrement ``-grad^T d / 2 <= newton_tol * max(1, |Psi|)``.
     :param cg_max_iter: CG iteration cap per system.

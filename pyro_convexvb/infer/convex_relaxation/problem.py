@@ -45,6 +45,7 @@ import torch
 
 from ...errors import UnsupportedModelError
 from ...linalg.operators import (
+    DENSE_LIMIT,
     BlockDiagonalOperator,
     ComposedOperator,
     DenseOperator,
@@ -60,7 +61,7 @@ from .potentials import PotentialStack, potential_for
 __all__ = ["RelaxationProblem", "CovarianceForm"]
 
 #: largest prior block that is inverted/factorised densely when only a covariance is given
-DENSE_BLOCK_LIMIT = 5000
+DENSE_BLOCK_LIMIT = DENSE_LIMIT
 
 
 class _Counted(LinearOperator):
@@ -268,7 +269,7 @@ class RelaxationProblem:
         if self._diag_xtx is None:
             d = torch.zeros(self.n, dtype=self.dtype, device=self.device)
             for sl, P, _ in self.prior_blocks:
-                dp = P.base.diagonal(DENSE_BLOCK_LIMIT)
+                dp = P.base.diagonal()
                 if dp is not None:
                     d[sl] += dp
             for Bg, _, _, sd in self.gauss:
@@ -304,7 +305,7 @@ class RelaxationProblem:
         """Exact ``diag(X^T X + B^T diag(w) B)``, or ``None`` if some part is not available cheaply."""
         d = torch.zeros(self.n, dtype=self.dtype, device=self.device)
         for sl, P, _ in self.prior_blocks:
-            dp = P.base.diagonal(DENSE_BLOCK_LIMIT)
+            dp = P.base.diagonal()
             if dp is None:
                 return None
             d[sl] += dp
@@ -342,7 +343,7 @@ class RelaxationProblem:
         """``J`` with ``J^T J = X^T X + B^T diag(w) B`` (for exact perturb-and-solve sampling), or ``None``."""
         parts = []
         for sl, P, _ in self.prior_blocks:
-            R = P.base.sqrt_factor(DENSE_BLOCK_LIMIT)
+            R = P.base.sqrt_factor()
             if R is None:
                 return None
             parts.append(R if (sl.start == 0 and sl.stop == self.n) else EmbedColumnsOperator(R, sl.start, self.n))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import UnsupportedModelError
-from ...linalg.operators import IdentityOperator, SparseOperator
+from ...linalg.operators import DENSE_LIMIT, IdentityOperator, SparseOperator
 from ..engine import Criterion, Engine, LGMEngineOptions, Optimality, Solution, option
 from ...lgm.stack import Stacked
 from .bounds import LogitJaakkolaBound, make_bound
@@ -280,7 +280,7 @@ class DualVGEngine(Engine):
         (:meth:`DualState.bound_at`)."""
         from ..type2 import envelope_gradient
 
-        if result.posterior.n > 5000:
+        if result.posterior.n > DENSE_LIMIT:
             return super().type2_gradient(params, x, result, args, kwargs, h)
         return envelope_gradient(params, x, self.model, args, kwargs, result.state.bound_at, h, autograd=True)
 
