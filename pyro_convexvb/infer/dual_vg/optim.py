@@ -515,6 +515,9 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
                  residual_tol=None, return_residual=False):
     r"""Polish a dual optimum into the *exact* VG optimum by the natural-gradient (CVI) fixed point.
 
+    Over 80 lines: most of it is this docstring; the body is one damped fixed-point loop with its two stopping
+    rules.
+
     The LVB optimum is a few nats from the exact VG optimum for Bernoulli-logit sites (its bound
     is an upper bound on ``-E log p``). Starting from it, damped CVI updates (Khan & Lin 2017) of the
     site natural parameters ``nu = lam * m_t - alpha`` and ``lam`` with the exact Gauss-Hermite
