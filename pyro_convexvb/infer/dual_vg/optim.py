@@ -322,6 +322,32 @@ def _newton_direction(val, cg_max_iter, red):
     return -torch.cholesky_solve(val.grad[:, None], Lh)[:, 0], 0
 
 
+def _record(bound, alpha, val, red, history, evaluations, callback):
+    """Record an iterate (objective, duality gap, ELBO) and pass it to ``callback``. :returns: the gap."""
+    gap = _gap(bound, alpha, val, red)
+    history.record(objective=float(val.g), gap=gap, elbo=float(val.g) - gap, evaluations=evaluations)
+    if callback is not None:
+        callback(alpha, val, gap)
+    return gap
+
+
+def _line_search(backend, bound, alpha, d, val, t, red, **objective_options):
+    """Backtrack from step ``t`` along ``d`` until the reduced dual decreases enough (Armijo).
+
+    :returns: ``((alpha + t d, its objective) or None, objective evaluations)``.
+    """
+    slope, evaluations = red.dot(val.grad, d), 0
+
+    def trial(t):
+        nonlocal evaluations
+        cand = alpha + t * d
+        new = reduced_objective(backend, bound, cand, **objective_options)
+        evaluations += 1
+        return (cand, new) if armijo(float(new.g), float(val.g), t, slope) else None
+
+    return backtrack(trial, t)[1], evaluations
+
+
 def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback, newton_solver="auto",
             cg_max_iter=200):
     mode = "operator" if _use_operator_hessian(backend, newton_solver) else True
@@ -337,10 +363,7 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
         raise ValueError("the starting alpha lies outside the conjugate's domain")
     nev, converged, it = 1, False, 0
     for it in range(max_iter + 1):
-        gap = _gap(bound, alpha, val, red)
-        history.record(objective=float(val.g), gap=gap, elbo=float(val.g) - gap, evaluations=nev)
-        if callback is not None:
-            callback(alpha, val, gap)
+        gap = _record(bound, alpha, val, red, history, nev, callback)
         if gap <= gap_tol:
             converged = True
             break
@@ -358,16 +381,8 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
             d, t = dc, 1.0
         else:
             t = _max_step(alpha, d, bound, red=red)
-        slope = red.dot(val.grad, d)
-
-        def trial(t, d=d, val=val, slope=slope):
-            nonlocal nev
-            cand = alpha + t * d
-            new = reduced_objective(backend, bound, cand, hessian=False)
-            nev += 1
-            return (cand, new) if armijo(float(new.g), float(val.g), t, slope) else None
-
-        t, accepted = backtrack(trial, t)
+        accepted, evaluations = _line_search(backend, bound, alpha, d, val, t, red, hessian=False)
+        nev += evaluations
         if accepted is None:  # at machine precision: no decrease possible any more
             floor = gap_rounding_floor(bound, alpha, val, red)
             converged, tol = (True, floor) if gap <= floor else (False, tol)
@@ -391,26 +406,15 @@ def _lbfgs(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, c
     mem = LBFGSMemory(memory, red.dot)
     nev, converged, it = 1, False, 0
     for it in range(max_iter + 1):
-        gap = _gap(bound, alpha, val, red)
-        history.record(objective=float(val.g), gap=gap, elbo=float(val.g) - gap, evaluations=nev)
-        if callback is not None:
-            callback(alpha, val, gap)
+        gap = _record(bound, alpha, val, red, history, nev, callback)
         if gap <= gap_tol:
             converged = True
             break
         if it == max_iter:
             break
         d = mem.direction(val.grad)  # resets the memory where -H g is not a descent direction
-        slope = red.dot(val.grad, d)
-
-        def trial(t, d=d, val=val, slope=slope):
-            nonlocal nev
-            cand = alpha + t * d
-            new = reduced_objective(backend, bound, cand)
-            nev += 1
-            return (cand, new) if armijo(float(new.g), float(val.g), t, slope) else None
-
-        _, accepted = backtrack(trial, _max_step(alpha, d, bound, red=red))
+        accepted, evaluations = _line_search(backend, bound, alpha, d, val, _max_step(alpha, d, bound, red=red), red)
+        nev += evaluations
         if accepted is None:
             if len(mem):
                 mem.reset()
