@@ -32,10 +32,6 @@ class History(dict):
         except KeyError as e:
             raise AttributeError(key) from e
 
-    @property
-    def elapsed(self):
-        return time.perf_counter() - self._t0
-
 
 @dataclass
 class InferenceResult:

@@ -71,40 +71,6 @@ def to_csr(X, num_features, hashing=None, name="X"):
     return X
 
 
-def to_labels(y, n, name="y"):
-    """Labels in ``{0, 1}`` or ``{-1, +1}`` as a float64 array of ``+-1`` and the coding seen.
-
-    :returns: ``(y_pm, coding)`` with ``coding`` ``"01"``, ``"pm1"`` or ``None`` (only ones seen).
-    :raises ValueError: wrong length, non-finite values or labels outside both codings.
-    """
-    if is_torch(y):
-        y = y.detach().cpu().numpy()
-    y = np.asarray(y)
-    if y.ndim != 1:
-        y = y.reshape(-1) if (y.ndim == 2 and 1 in y.shape) else y
-    if y.ndim != 1 or y.shape[0] != n:
-        raise ValueError(f"{name}: expected {n} labels (one per row of X), got shape {y.shape}")
-    if y.dtype == bool:
-        y = y.astype(np.float64)
-    try:
-        yf = y.astype(np.float64)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: labels must be numbers in {{0, 1}} or {{-1, +1}}, got dtype {y.dtype}")
-    if not np.all(np.isfinite(yf)):
-        raise ValueError(f"{name}: contains NaN or inf")
-    is_one = yf == 1.0
-    is_zero = yf == 0.0
-    is_neg = yf == -1.0
-    if not np.all(is_one | is_zero | is_neg):
-        bad = np.unique(yf[~(is_one | is_zero | is_neg)])[:5]
-        raise ValueError(f"{name}: labels must be in {{0, 1}} or {{-1, +1}}; found {bad.tolist()}")
-    has_zero, has_neg = bool(is_zero.any()), bool(is_neg.any())
-    if has_zero and has_neg:
-        raise ValueError(f"{name}: mixes the codings {{0, 1}} and {{-1, +1}} (found 0 and -1)")
-    coding = "01" if has_zero else ("pm1" if has_neg else None)
-    return np.where(is_one, 1.0, -1.0), coding
-
-
 def from_torch(obj):
     """A torch tensor as NumPy (dense) or SciPy CSR (sparse COO/CSR); anything else unchanged."""
     if not is_torch(obj):

@@ -296,11 +296,6 @@ CRITEO_INTEGER_COLUMNS = tuple(range(1, 14))
 CRITEO_CATEGORICAL_COLUMNS = tuple(range(14, 40))
 
 
-def _integer_bin(value):
-    """Bucket of a count feature: the value itself up to 2, then ``floor(log(v)^2)``."""
-    return _textio.integer_bin(value)
-
-
 def iter_csv(path, chunk_size=100_000, label_column=0, integer_columns=(), categorical_columns=(),
              num_features=2 ** 20, seed=0, delimiter=",", header=False, add_bias=True, prefetch=True):
     """Read a delimited text file (optionally ``.gz``) in chunks of ``chunk_size`` rows and hash its columns.
