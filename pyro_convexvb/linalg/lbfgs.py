@@ -1,15 +1,10 @@
 """L-BFGS for the package: the two-loop recursion over a curvature memory, and a driver for torch parameters.
 
-* :class:`LBFGSMemory` -- the limited-memory inverse-Hessian product (Nocedal & Wright 2006, Algorithm 7.4)
-  with its inner products taken by a ``dot`` callable, so that vectors spread over ranks (row-sharded sites)
-  use one all-reduced inner product; the dual VG minimisers (:mod:`pyro_convexvb.infer.dual_vg.optim`) step
-  with it inside their own domain-aware backtracking (:func:`~pyro_convexvb.linalg.linesearch.backtrack`).
-* :func:`minimize_lbfgs` -- ``torch.optim.LBFGS`` (strong Wolfe) over autograd parameters, for smooth
-  objectives without a domain boundary.
+* :class:`LBFGSMemory` -- the two-loop product with inner products by a ``dot`` callable (an all-reduce for
+  row-sharded sites), for minimisers with their own domain-aware backtracking (the dual VG objective);
+* :func:`minimize_lbfgs` -- ``torch.optim.LBFGS`` (strong Wolfe) over autograd parameters.
 
-The type-II and hyper-latent searches (:mod:`pyro_convexvb.infer.type2`, :mod:`pyro_convexvb.infer.hyper`)
-keep SciPy's L-BFGS-B: their values come from inner fits (numpy, finite-difference or implicit gradients) and
-the hyper-latent search is box-constrained, which neither of the above does.
+The type-II and hyper-latent searches keep SciPy's L-BFGS-B (values from inner fits; a box for the hyper-latents).
 
 ``torch.optim.LBFGS`` stops silently on a gradient tolerance, a change tolerance or an evaluation
 cap, and its last closure call may be a line-search trial point. :func:`minimize_lbfgs` wraps it:

@@ -1,12 +1,5 @@
-"""Backtracking: the one step-halving line search of the package.
-
-Every damped iteration of the package (Newton and L-BFGS on the dual VG objective, the Laplace start,
-the exact-bound CVI polish, the relaxation's inner Newton loop, the mixture's natural-gradient ascent) cuts
-its step the same way: try ``t``, and while the trial is refused, halve ``t``, up to a fixed number of trials
-(Nocedal & Wright 2006, Algorithm 3.1, with contraction factor 1/2). What a trial computes and what it accepts
-(Armijo's sufficient decrease, a plain decrease, an ascent within rounding) is the caller's: it is the
-``trial`` callable.
-"""
+"""Backtracking, the one step-halving line search of every damped iteration of the package (Nocedal & Wright
+2006, Algorithm 3.1, contraction 1/2). What a trial computes and accepts is the caller's ``trial`` callable."""
 
 import math
 

@@ -84,7 +84,15 @@ class LinearOperator:
 
     def diagonal(self, dense_limit=DENSE_LIMIT):
         """Diagonal ``(n,)`` of a square operator without densifying a large one: from the structure where the
-        class knows it, else from :meth:`to_dense` if ``n <= dense_limit``, else ``None``."""
+        class knows it, else from :meth:`to_dense` if ``n <= dense_limit``, else ``None``.
+
+        Example::
+
+            >>> import torch
+            >>> A = StackedOperator([DiagonalOperator(torch.tensor([2.0, 3.0], dtype=torch.float64))])
+            >>> A.diagonal().tolist(), A.diagonal(dense_limit=0), A.flops()
+            ([2.0, 3.0], None, 2.0)
+        """
         return torch.diagonal(self.to_dense()).clone() if self.shape[0] <= dense_limit else None
 
     def flops(self):

@@ -132,7 +132,7 @@ class DiagMixtureEngine(SVIEngine):
         return why is None and not set_svi
 
     def _fit_natural_gradient(self, guide, lgm, run):
-        """:func:`natural_gradient_ascent` from the guide's parameters; the optimum is written back into them.
+        """:func:`_natural_gradient_ascent` from the guide's parameters; the optimum is written back into them.
 
         :returns: ``(F, iterations, stop reason)``.
         """
@@ -141,7 +141,7 @@ class DiagMixtureEngine(SVIEngine):
             locs0, scales0 = guide._mixture_params()
         M = locs0.detach().to(lgm.dtype).clone()
         V = scales0.detach().to(lgm.dtype).clone() ** 2
-        M, V, val, it, reason = natural_gradient_ascent(lgm, M, V, _entropy_fn(o.entropy), max_steps=o.max_steps,
+        M, V, val, it, reason = _natural_gradient_ascent(lgm, M, V, _entropy_fn(o.entropy), max_steps=o.max_steps,
                                                         decrement_tol=o.decrement_tol, run=run)
         _write_guide_params(guide, {"locs": torch.nn.Parameter(M.to(locs0.dtype).clone()),
                                     "scales": PyroParam(V.sqrt().to(scales0.dtype).clone(), guide.scale_constraint)})
@@ -248,7 +248,7 @@ def _newton_directions(lgm, P, g, d):
     return out
 
 
-def natural_gradient_ascent(lgm, M, V, entropy_fn, *, max_steps, decrement_tol, run):
+def _natural_gradient_ascent(lgm, M, V, entropy_fn, *, max_steps, decrement_tol, run):
     """Second-order ascent on the deterministic mixture bound (latent Gaussian models, full data).
 
     The objective is ``F = (1/K) sum_k E_{q_k} log p(y, u) + Hbound(q)`` with closed-form prior terms,

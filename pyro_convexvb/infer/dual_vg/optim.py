@@ -253,15 +253,20 @@ def solve_dual(backend, bound, alpha0=None, *, method="newton", gap_tol=None, ma
     return _lbfgs(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback)
 
 
-def _finish(alpha, val, gap, it, nev, converged, history, on_fail, gap_tol, method):
-    if not converged:
-        msg = (f"dual_vg ({method}) stopped after {it} iterations with duality gap {gap:.3g} > gap_tol {gap_tol:.3g}")
-        if on_fail == "raise":
-            from ...errors import ConvergenceError
+def _check_converged(converged, gap, it, on_fail, gap_tol, method):
+    """Raise, warn or stay silent (``on_fail``) when the gap was not closed."""
+    if converged or on_fail == "ignore":
+        return
+    msg = f"dual_vg ({method}) stopped after {it} iterations with duality gap {gap:.3g} > gap_tol {gap_tol:.3g}"
+    if on_fail == "raise":
+        from ...errors import ConvergenceError
 
-            raise ConvergenceError(msg, residual=gap, iterations=it)
-        if on_fail != "ignore":
-            warn(msg)
+        raise ConvergenceError(msg, residual=gap, iterations=it)
+    warn(msg)
+
+
+def _finish(alpha, val, gap, it, nev, converged, history, on_fail, gap_tol, method):
+    _check_converged(converged, gap, it, on_fail, gap_tol, method)
     return DualSolution(alpha, val.lam, float(val.g), gap, val.m_tilde, val.v_tilde, it, nev, converged, history,
                         gap_tol=gap_tol)
 
@@ -495,17 +500,8 @@ def minimize_joint(backend, bound, alpha0, lam0, *, gap_tol=None, max_iter=500, 
         mem.update(cand - x, gradn - grad)
         x, g, grad, extra = cand, gn, gradn, extran
         state["h"], state["rho"] = extra[1], extra[2]
-    t_ = extra[0]
-    sol = DualSolution(x[:N], x[N:], g, gap, t_.m_tilde, t_.v_tilde, it, nev, converged, history)
-    if not converged:
-        msg = f"dual_vg (joint L-BFGS) stopped after {it} iterations with duality gap {gap:.3g} > {gap_tol:.3g}"
-        if on_fail == "raise":
-            from ...errors import ConvergenceError
-
-            raise ConvergenceError(msg, residual=gap, iterations=it)
-        if on_fail != "ignore":
-            warn(msg)
-    return sol
+    _check_converged(converged, gap, it, on_fail, gap_tol, "joint L-BFGS")
+    return DualSolution(x[:N], x[N:], g, gap, extra[0].m_tilde, extra[0].v_tilde, it, nev, converged, history)
 
 
 # ----------------------------------------------------------------------------- exact refinement
