@@ -44,7 +44,7 @@ from _common import Timer, make_parser, markdown_table, parse_args, write_json  
 from pyro_convexvb.gp.classifier import gp_classification_lgm  # noqa: E402
 from pyro_convexvb.infer.convex_relaxation import ConvexRelaxationOptions, outer  # noqa: E402
 from pyro_convexvb.infer.convex_relaxation.outer import variance_costs, variance_step  # noqa: E402
-from pyro_convexvb.infer.convex_relaxation.problem import RelaxationProblem, operator_flops  # noqa: E402
+from pyro_convexvb.infer.convex_relaxation.problem import RelaxationProblem  # noqa: E402
 from pyro_convexvb.lgm.model import LatentGaussianModel  # noqa: E402
 from pyro_convexvb.lgm.sites import BernoulliLogit  # noqa: E402
 
@@ -111,7 +111,7 @@ def time_case(case, n, ks, block_size, rows_per_col, repeats, seed):
             times[name].append(t.seconds)
     med = {name: statistics.median(v) for name, v in times.items()}
     f_a = prob.mvm_flops()
-    f_b = operator_flops(prob.B) if prob.B is not None else 0.0
+    f_b = prob.B.flops() if prob.B is not None else 0.0
     est = outer.choose_lanczos_estimator(prob)
     f_lz = prob.mvm_flops(whitened=True) if est == "whitened" else f_a
     nnz = int(prob.B.base.nnz) if hasattr(prob.B.base, "nnz") else int(prob.B.shape[0] * prob.B.shape[1])

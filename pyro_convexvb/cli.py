@@ -165,6 +165,8 @@ def run_demo(dataset="ionosphere", engines=None, lengthscale=4.0, outputscale=4.
              seed=0, learn_hyperparameters=True):
     """Fit GP classification on a keel data set with every applicable engine; return the table rows.
 
+    Over 80 lines: a command-line script: argument handling, the run and its printed report in sequence.
+
     With ``learn_hyperparameters`` the kernel's lengthscale and outputscale are first learned by type-II
     maximum likelihood on ``dual_vg``'s bound (from ``lengthscale``, ``outputscale``); every engine and
     the NUTS reference then run on the learned kernel.
@@ -366,6 +368,8 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
                hash_seed=0, label_column=0, integer_columns=(), categorical_columns=(), delimiter=",",
                header=False, zero_based=False, progress=True, save_every=60.0, out=None):
     """Learn :class:`~pyro_convexvb.online.OnlineBayesLogistic` from a text file, one progressive pass.
+
+    Over 80 lines: a command-line script: argument handling, the run and its printed report in sequence.
 
     Every row is predicted, then learned (progressive validation); the progress bar shows rows/s and the
     running progressive log loss.  Every ``save_every`` seconds (after a whole chunk), at the end and on an

@@ -936,6 +936,8 @@ def make_sparse_classification(shape="a9a", scale=1.0, seed=0, dtype=torch.float
                                logit_std=None, device=None, return_intercept=False, shard=None):
     r"""Synthetic sparse logistic-regression data shaped like a row of Nickisch & Seeger's (2009) table.
 
+    Over 80 lines: a data generator whose many knobs each need their own check and a step of the recipe.
+
     Nickisch & Seeger 2009 (Section 5, data set table) lists q rows, n columns, the number of nonzeros and
     q+/q-: a9a 32,561 x 123, 451,592, 0.32; real-sim 72,201 x 20,958, 3,709,083, 0.44;
     rcv1 677,399 x 42,736, 49,556,258, 1.10. This generator reproduces them:
@@ -1117,6 +1119,8 @@ def make_criteo_text(path, n_rows, seed=0, num_features=2 ** 22, hash_seed=0, vw
                      weight_density=0.3, positive_rate=0.25, zipf=1.1, missing=0.15, chunk_rows=50_000,
                      vocab_sizes=CRITEO_VOCAB_SIZES):
     r"""Write a file in the Criteo display-advertising layout whose labels follow a known sparse logistic model.
+
+    Over 80 lines: a data generator whose many knobs each need their own check and a step of the recipe.
 
     Each line is ``label \t I1 ... I13 \t C1 ... C26`` (tab-separated; Shamir & Szpankowski 2021, §4, describe the
     layout): integer columns hold counts ``floor(exp(N(1, 1.5^2)))``, categorical columns 8-digit hex tokens drawn

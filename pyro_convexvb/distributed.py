@@ -421,6 +421,10 @@ class RowShardedOperator(LinearOperator):
         """The dense local rows ``(m_local, n)``."""
         return self.local.to_dense()
 
+    def flops(self):
+        """Flops of the local product (the rows this rank multiplies)."""
+        return self.local.flops()
+
     def __repr__(self):
         return f"RowShardedOperator(local={tuple(self.shape)}, global_rows={self.global_rows}, ranks={len(self.counts)})"
 

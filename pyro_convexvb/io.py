@@ -177,7 +177,7 @@ def save(obj, path):
     * online learners (:mod:`pyro_convexvb.online`): their ``state_dict()``;
     * :class:`~pyro_convexvb.InferenceResult`: posterior, bound, history, convergence, optimality,
       hyperparameters, and the ``info`` entries that are plain data or model-sized arrays; ``lgm``, the
-      Pyro model and its data are not stored (``info["dropped"]`` lists what was left out);
+      Pyro model and its data are not stored (the ``dropped`` entry of ``info`` lists what was left out);
     * :class:`~pyro_convexvb.GaussianPosterior` and mixture posteriors: mean, covariance representation,
       layout (:meth:`~pyro_convexvb.GaussianPosterior.compact`: a matrix-free precision is stored dense
       up to ``MAX_COMPACT_DENSE`` (1000) coordinates, else only its marginal variances);
@@ -460,12 +460,12 @@ def _dec_mixture(s, where):
 
 
 def _enc_result(r, where):
-    info, dropped = {}, list(r.info.get("dropped", []))
+    kept, dropped = {}, list(r.info.get("dropped", []))
     for k, v in r.info.items():
         if k == "dropped":
             continue
         try:
-            info[k] = _encode(v, f"{where}.info[{k!r}]")
+            kept[k] = _encode(v, f"{where}.info.{k}")
         except TypeError:
             dropped.append(k)
     fields = {}
@@ -475,11 +475,11 @@ def _enc_result(r, where):
         except TypeError:
             fields[name] = None
             dropped.append(name)
-    info["dropped"] = sorted(set(dropped))
+    kept["dropped"] = sorted(set(dropped))
     return _obj("InferenceResult", 1, posterior=_encode(r.posterior, where + ".posterior"),
                 log_evidence_bound=None if r.log_evidence_bound is None else float(r.log_evidence_bound),
                 history=_encode(r.history, where + ".history"), converged=bool(r.converged), engine=str(r.engine),
-                info=info, seconds=float(r.seconds), stop_reason=str(r.stop_reason),
+                info=kept, seconds=float(r.seconds), stop_reason=str(r.stop_reason),
                 optimality=_encode(r.optimality, where + ".optimality"), **fields)
 
 

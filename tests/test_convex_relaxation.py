@@ -651,3 +651,30 @@ def test_missing_log_det_bound_is_reported_not_silent():
         res = ConvexVariationalRelaxation(lgm, lanczos_rank=3, max_outer=2, dense_logdet_max=0, variance="lanczos",
                                           progress=False).run()
     assert res.log_evidence_bound is not None
+
+
+def test_work_report_counts_the_inner_loops_newton_steps_and_cg_iterations():
+    g = torch.Generator().manual_seed(12)
+    X = torch.randn(40, 3, generator=g, dtype=D)
+    y = (torch.rand(40, generator=g, dtype=D) < torch.sigmoid(X @ _t([1, -1, 0.5]))).to(D)
+    counted = {"newton": 0, "cg": 0}
+    import pyro_convexvb.infer.convex_relaxation.outer as outer_mod
+
+    inner = outer_mod.inner_loop
+
+    def counting(*args, **kwargs):
+        res = inner(*args, **kwargs)
+        counted["newton"] += res.newton_steps
+        counted["cg"] += sum(res.cg_iterations)
+        return res
+
+    outer_mod.inner_loop = counting
+    try:
+        r = pcv.fit(_logreg_model, X, y=y, engine="convex_relaxation", options=dict(variance="exact", max_outer=6),
+                    progress=False)
+    finally:
+        outer_mod.inner_loop = inner
+    w = r.work
+    assert (w.newton_steps, w.cg_iterations) == (counted["newton"], counted["cg"]) and w.newton_steps > 0
+    assert w.inner_seconds >= 0 and w.outer_seconds > 0
+    assert pcv.fit(_logreg_model, X, y=y, engine="laplace", progress=False).work is None

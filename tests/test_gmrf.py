@@ -26,7 +26,7 @@ from pyro_convexvb.lgm.model import LatentGaussianModel, PriorBlock
 from pyro_convexvb.lgm.sites import Poisson
 from pyro_convexvb.linalg import SparseCholesky, SparseOperator, DenseOperator
 from pyro_convexvb.linalg.sparse_cholesky import available_backends
-from pyro_convexvb.infer.convex_relaxation.problem import operator_diagonal, square_root_factor
+from pyro_convexvb.infer.convex_relaxation.problem import DENSE_BLOCK_LIMIT
 
 D = torch.float64
 BACKENDS = available_backends()
@@ -577,13 +577,13 @@ def test_convex_relaxation_on_a_lattice_gmrf_never_densifies(monkeypatch):
 def test_sparse_square_root_factor_and_diagonal():
     Q = lattice(6, 0.4, eight=True)
     op = SparseOperator(torch_csr(Q))
-    R = square_root_factor(op)
+    R = op.sqrt_factor(DENSE_BLOCK_LIMIT)
     assert isinstance(R, SparseOperator)
     Rd = R.to_dense()
     torch.testing.assert_close(Rd.T @ Rd, torch.as_tensor(Q.toarray()), rtol=0, atol=1e-12)
-    torch.testing.assert_close(operator_diagonal(op), torch.as_tensor(Q.diagonal()), rtol=0, atol=0)
+    torch.testing.assert_close(op.diagonal(DENSE_BLOCK_LIMIT), torch.as_tensor(Q.diagonal()), rtol=0, atol=0)
     big = SparseOperator(torch_csr(lattice(80, 0.1)))  # 6400 > DENSE_BLOCK_LIMIT: still exact, still sparse
-    torch.testing.assert_close(operator_diagonal(big), torch.as_tensor(lattice(80, 0.1).diagonal()), rtol=0, atol=0)
+    torch.testing.assert_close(big.diagonal(DENSE_BLOCK_LIMIT), torch.as_tensor(lattice(80, 0.1).diagonal()), rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------- large

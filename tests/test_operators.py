@@ -314,3 +314,54 @@ def test_weighted_gram_matches_dense_reference_for_every_operator_kind():
     e = EmbedColumnsOperator(DenseOperator(M), 2, 12)
     E = e.to_dense()
     assert torch.allclose(e.weighted_gram(w), E.T @ (w[:, None] * E), atol=1e-13)
+
+
+# ----------------------------------------------------------------------------- diagonal, flops, sqrt_factor
+def _expected_flops(name, ref):
+    """Flops of one product by counting: ``2 nnz`` per stored sparse entry, ``n`` per diagonal, ``2 m n`` dense."""
+    m, n = ref.shape
+    S = CASES["sparse_csr"][1]
+    nnz_s = int((S != 0).sum())
+    dense = {"dense": 2 * 35, "function": 2 * 35, "function_batched": 2 * 35, "composed": 2 * 35 + 2 * 30,
+             "matmul_compose": 2 * 35 + 2 * 30, "sum": 2 * 35 + 2 * nnz_s, "transposed_dense": 2 * 35,
+             "diagonal": 5, "identity": 0, "zero": 0, "stacked": 2 * 35 + 2 * nnz_s + 5,
+             "blockdiag": 2 * 20 + 2 * nnz_s + 2 * 6, "composed_diag_left": 7 + 2 * nnz_s,
+             "composed_diag_right": 2 * 35 + 5, "transposed_sparse": 2 * nnz_s, "embed_columns_dense": 2 * 20,
+             "embed_columns_sparse": 2 * nnz_s, "embed_columns_function": 2 * 6}
+    return dense.get(name, 2 * nnz_s if name.startswith("sparse") else None)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_flops_count_the_stored_structure(name):
+    op, ref, _ = CASES[name]
+    assert op.flops() == _expected_flops(name, ref)
+
+
+def _spd_cases():
+    g = _gen(5)
+    Q = torch.randn(4, 4, generator=g, dtype=DT)
+    A = Q @ Q.T + 4 * torch.eye(4, dtype=DT)
+    d = torch.rand(3, generator=g, dtype=DT) + 0.5
+    T = torch.diag(torch.full((5,), 2.5, dtype=DT)) - torch.diag(torch.ones(4, dtype=DT), 1) - torch.diag(torch.ones(4, dtype=DT), -1)
+    return {
+        "dense": (DenseOperator(A), A),
+        "diagonal": (DiagonalOperator(d), torch.diag(d)),
+        "identity": (IdentityOperator(3, dtype=DT), torch.eye(3, dtype=DT)),
+        "sparse": (SparseOperator(T.to_sparse_csr()), T),
+        "blockdiag": (BlockDiagonalOperator([DenseOperator(A), DiagonalOperator(d), SparseOperator(T.to_sparse_csr())]),
+                      torch.block_diag(A, torch.diag(d), T)),
+        "function": (FunctionOperator(lambda v: A @ v, lambda u: A @ u, (4, 4), dtype=DT, batched=True), A),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_spd_cases()))
+def test_diagonal_and_sqrt_factor_against_dense(name):
+    op, ref = _spd_cases()[name]
+    torch.testing.assert_close(op.diagonal(dense_limit=10), torch.diagonal(ref), rtol=0, atol=1e-14)
+    R = op.sqrt_factor(dense_limit=10)
+    Rd = R.to_dense()
+    torch.testing.assert_close(Rd.T @ Rd, ref, rtol=1e-12, atol=1e-12)
+    # never densifying (dense_limit=0): a stored matrix still has its diagonal, a diagonal or sparse operator its
+    # factor; an opaque product (or a block of one) has neither, and a dense block no factor
+    assert (op.diagonal(dense_limit=0) is not None) == (name != "function")
+    assert (op.sqrt_factor(dense_limit=0) is not None) == (name in ("diagonal", "identity", "sparse"))

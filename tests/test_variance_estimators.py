@@ -17,7 +17,7 @@ from pyro_convexvb.infer.convex_relaxation.outer import (
     variance_step,
 )
 from pyro_convexvb.infer.convex_relaxation import ConvexRelaxationOptions as O
-from pyro_convexvb.infer.convex_relaxation.problem import RelaxationProblem, operator_flops
+from pyro_convexvb.infer.convex_relaxation.problem import RelaxationProblem
 from pyro_convexvb.lgm.layout import LatentLayout
 from pyro_convexvb.lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
 from pyro_convexvb.lgm.sites import BernoulliLogit, Gaussian
@@ -260,7 +260,7 @@ def test_variance_costs_follow_the_cost_model():
     nnz = lgm.sites[0].design.nnz
     n, q = 50, 300
     f_a = n + 2 * 2 * nnz + q  # diagonal prior, B^T W B
-    assert prob.mvm_flops() == f_a and operator_flops(prob.B) == 2 * nnz
+    assert prob.mvm_flops() == f_a and prob.B.flops() == 2 * nnz
     k, b = 20, 4
     c = variance_costs(prob, O(lanczos_rank=k, lanczos_block_size=b, dense_logdet_max=0))
     exact = outer.EXACT_CUBIC_SECONDS * n**3 + outer.FORM_FLOP_SECONDS * n * (f_a + 2 * nnz)

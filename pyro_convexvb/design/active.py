@@ -258,7 +258,10 @@ class ActiveLearner:
         return hist
 
     def _block(self, result, idx, labels, block, alive_all, rng, hist, bar):
-        """One block: ``block`` inclusions with rank-one updates, then the warm-started refit."""
+        """One block: ``block`` inclusions with rank-one updates, then the warm-started refit.
+
+        Over 80 lines: each inclusion updates the mean, the log-determinant and the candidates' marginals in place
+        (Seeger 2010, §5), state that the steps of the loop share."""
         mean, var = result.posterior.marginals(self.B_pool, self.o_pool)
         u = result.posterior.loc.clone()
         log_det = result.state.logdet

@@ -267,12 +267,11 @@ class SequentialPhaseEncodeDesign:
                 hist.best_scores.append(float(d[j]))
                 hist.seconds_inference.append(t_inf)
                 hist.seconds_scoring.append(t_score)
-                sec = res.info["mvm"].get("seconds", {})
-                hist.inner_seconds.append(float(sec.get("inner", float("nan"))))
-                hist.outer_seconds.append(float(sec.get("outer", float("nan"))))
-                hist.newton_steps.append(int(sum(res.info["mvm"]["per_outer"][i]["newton_steps"]
-                                                 for i in range(len(res.info["mvm"]["per_outer"])))))
-                hist.cg_iterations.append(int(sum(sum(p["cg_iterations"]) for p in res.info["mvm"]["per_outer"])))
+                work = res.work
+                hist.inner_seconds.append(work.inner_seconds)
+                hist.outer_seconds.append(work.outer_seconds)
+                hist.newton_steps.append(int(work.newton_steps))
+                hist.cg_iterations.append(int(work.cg_iterations))
                 hist.converged.append(bool(res.converged))
                 if callback is not None:
                     callback(hist)

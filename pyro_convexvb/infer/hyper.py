@@ -345,6 +345,48 @@ def find_mode(obj, z0, *, max_iter=100, gtol=1e-4, fd_step=1e-3, bound=12.0, hes
     return z, obj(z), res
 
 
+def _widen_grid(x, logf, evaluate, d, step, radius, max_radius, prune):
+    """Widen the grid ring by ring while its rim still carries mass (log density within ``prune`` of the top),
+    adding points only next to rim points that still do; ``evaluate(points)`` appends their values to ``logf``.
+
+    :returns: ``(x, radius, truncated)``: the grown design, its radius, and whether ``max_radius`` stopped it while
+        its rim still carried mass.
+    """
+    while radius < max_radius:
+        lf = torch.tensor(logf, dtype=torch.float64)
+        rim = (x**2).sum(1).sqrt() > radius - step
+        if not bool((lf[rim] >= lf.max() - prune).any()):
+            break
+        wider, _ = design_points(d, "grid", step=step, radius=radius + step)
+        ring = wider[(wider**2).sum(1).sqrt() > radius + 1e-9]
+        alive = x[rim & (lf >= lf.max() - prune)]
+        ring = ring[torch.cdist(ring, alive).min(1).values <= 1.5 * step + 1e-9]
+        evaluate(ring)
+        x = torch.cat([x, ring])
+        radius += step
+    else:
+        lf = torch.tensor(logf, dtype=torch.float64)
+        return x, radius, bool((lf[(x**2).sum(1).sqrt() > radius - step] >= lf.max() - prune).any())
+    return x, radius, False
+
+
+def _design_weights(strategy, x, a, logf, prune):
+    """Normalised weights of the design points: the density values on a grid (pruned ``prune`` below the top), the
+    CCD weights ``a`` times the density over the standard normal elsewhere.
+
+    :returns: ``(keep, w, idx)``: the kept points, the weights of the points with positive weight, their indices.
+    """
+    if strategy == "grid":
+        logw = logf
+    else:
+        logw = torch.log(a) + logf + 0.5 * (x**2).sum(1)
+    keep = logf >= logf.max() - prune if strategy == "grid" else torch.ones_like(logf, dtype=torch.bool)
+    logw = torch.where(keep, logw, torch.full_like(logw, -math.inf))
+    w = torch.softmax(logw, 0)
+    idx = [k for k in range(len(logf)) if float(w[k]) > 0]
+    return keep, w[idx] / w[idx].sum(), idx
+
+
 def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_step=1e-3, hess_step=2e-2,
                     grid_step=0.75, grid_radius=3.0, max_radius=40.0, prune=7.0, f0=1.1, run=None):
     """INLA-style integration (or maximisation) over the hyper-latents ``hyper_names`` (see the module docstring).
@@ -407,33 +449,10 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     radius = grid_radius
     truncated = False
     if strategy == "grid":
-        # widen the grid ring by ring while its rim still carries mass (log density within `prune` of the top)
-        while radius < max_radius:
-            lf = torch.tensor(logf, dtype=torch.float64)
-            rim = (x**2).sum(1).sqrt() > radius - grid_step
-            if not bool((lf[rim] >= lf.max() - prune).any()):
-                break
-            wider, _ = design_points(d, "grid", step=grid_step, radius=radius + grid_step)
-            ring = wider[(wider**2).sum(1).sqrt() > radius + 1e-9]
-            alive = x[rim & (lf >= lf.max() - prune)]  # only next to rim points that still carry mass
-            ring = ring[torch.cdist(ring, alive).min(1).values <= 1.5 * grid_step + 1e-9]
-            evaluate(ring)
-            x = torch.cat([x, ring])
-            radius += grid_step
-        else:
-            lf = torch.tensor(logf, dtype=torch.float64)
-            truncated = bool((lf[(x**2).sum(1).sqrt() > radius - grid_step] >= lf.max() - prune).any())
+        x, radius, truncated = _widen_grid(x, logf, evaluate, d, grid_step, radius, max_radius, prune)
         a = torch.exp(-0.5 * (x**2).sum(1))
     logf = torch.tensor(logf, dtype=torch.float64)
-    if strategy == "grid":
-        logw = logf
-    else:
-        logw = torch.log(a) + logf + 0.5 * (x**2).sum(1)
-    keep = logf >= logf.max() - prune if strategy == "grid" else torch.ones_like(logf, dtype=torch.bool)
-    logw = torch.where(keep, logw, torch.full_like(logw, -math.inf))
-    w = torch.softmax(logw, 0)
-    idx = [k for k in range(len(results)) if float(w[k]) > 0]
-    w = w[idx] / w[idx].sum()
+    keep, w, idx = _design_weights(strategy, x, a, logf, prune)
     if strategy == "grid":
         density = ThetaDensity.surface(z_mode, A_inv, x[keep], logf[keep], radius)
     else:

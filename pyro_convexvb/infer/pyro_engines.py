@@ -39,6 +39,7 @@ from pyro.infer.autoguide import (
 from torch.distributions import biject_to
 
 from ..errors import UnsupportedModelError
+from ..linalg.operators import DENSE_LIMIT
 from ..lgm.extract import full_data_plates, latent_sites
 from .engine import Engine
 from .options import EngineOptions, Type2Options, option
@@ -69,7 +70,7 @@ __all__ = [
 SEED_DOC = (None, "random seed; None: drawn from the global torch RNG (pyro.set_rng_seed), which is never reset")
 
 #: largest latent dimension for which the exact bound and the decrement use a dense covariance.
-EXACT_BOUND_MAX = 5000
+EXACT_BOUND_MAX = DENSE_LIMIT
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-__all__ = ["History", "InferenceResult", "Criterion", "Optimality", "Solution", "RunContext"]
+__all__ = ["History", "InferenceResult", "WorkReport", "Criterion", "Optimality", "Solution", "RunContext"]
 
 
 class History(dict):
@@ -31,10 +31,6 @@ class History(dict):
             return self[key]
         except KeyError as e:
             raise AttributeError(key) from e
-
-    @property
-    def elapsed(self):
-        return time.perf_counter() - self._t0
 
 
 @dataclass
@@ -151,10 +147,32 @@ class InferenceResult:
 
         return to_arviz(self, num_draws=num_draws, seed=seed, **kwargs)
 
+    @property
+    def work(self):
+        """The fit's :class:`WorkReport` (Newton steps, CG iterations, seconds by loop) for the engines that count
+        their work so (``convex_relaxation``), else ``None``."""
+        return self.info.get("work")
+
     def __repr__(self):
         b = "None" if self.log_evidence_bound is None else f"{self.log_evidence_bound:.6g}"
         return (f"InferenceResult(engine={self.engine!r}, log_evidence_bound={b}, converged={self.converged}, "
                 f"stop_reason={self.stop_reason!r}, seconds={self.seconds:.3g}, posterior={self.posterior!r})")
+
+
+@dataclass(frozen=True)
+class WorkReport:
+    """The work of one double-loop fit (Nickisch & Seeger 2009, §2.2): inner loops (Newton with CG) and variance
+    (outer) steps.
+
+    :ivar newton_steps: Newton steps over all inner loops.
+    :ivar cg_iterations: CG iterations over all of their Newton systems.
+    :ivar inner_seconds: wall seconds in the inner loops; :ivar outer_seconds: in the variance steps.
+    """
+
+    newton_steps: int
+    cg_iterations: int
+    inner_seconds: float
+    outer_seconds: float
 
 
 def _is_plain(v, depth=0):

@@ -950,13 +950,9 @@ def _sites(tr):
             if s["type"] == "sample" and not _is_subsample(s)]
 
 
-def _extract(model, args, kwargs, dtype, keep_graph):
-    cache = getattr(model, "extraction_cache", None)
-    tr0 = None if cache is None else cache.get("structure")
-    cached = tr0 is not None
-    if not cached:
-        tr0 = _first_trace(model, args, kwargs)
-
+def _classify_sites(tr0):
+    """Latent, observed and factor site names of the structure trace; refuses discrete latents and latent sites of
+    a constrained support (before any run at random points)."""
     latent, observed, factors = [], [], []
     for name, site in tr0.nodes.items():
         if site["type"] != "sample" or _is_subsample(site) or _is_deterministic(site):
@@ -986,6 +982,11 @@ def _extract(model, args, kwargs, dtype, keep_graph):
             raise UnsupportedModelError(
                 name, f"unsupported prior {type(base).__name__} (support {support}): a latent site needs a Normal, "
                       "MultivariateNormal, Laplace or SparseGMRF prior")
+    return latent, observed, factors
+
+
+def _extraction_dtype(tr0, latent, observed, dtype):
+    """The dtype of the model (``dtype``, else the observed data's promoted with the latents'), and each latent's."""
     site_dtype = {n: tr0.nodes[n]["value"].dtype for n in latent}
     if dtype is None:
         floats = [site_dtype[n] for n in latent if site_dtype[n].is_floating_point]
@@ -994,56 +995,56 @@ def _extract(model, args, kwargs, dtype, keep_graph):
         dtype = obs_floats[0] if obs_floats else torch.float64
         for d in floats:
             dtype = torch.promote_types(dtype, d)
-    device = tr0.nodes[latent[0]]["value"].device
+    return dtype, site_dtype
 
-    shapes = [tuple(tr0.nodes[n]["value"].shape) for n in latent]
-    full_layout = LatentLayout.from_shapes(list(zip(latent, shapes)),
-                                           [tr0.nodes[n]["fn"].event_dim for n in latent])
-    gen = torch.Generator(device="cpu").manual_seed(0)
 
-    def run_at(u, layout, fixed=None):
-        vals = {b.name: u[b.slice].reshape(b.shape).to(site_dtype[b.name]) for b in layout.blocks}
+class _Extraction:
+    """One extraction's context: the model run at random latent points ``u0`` (and, on demand, ``u1``) of the
+    layout, from which each phase (:func:`_prior_blocks`, :func:`_imputed_blocks`, :func:`_observed_groups`,
+    :func:`_factor_groups`) reads its sites."""
+
+    def __init__(self, model, args, kwargs, dtype, keep_graph, site_dtype, device):
+        self.model, self.args, self.kwargs = model, args, kwargs
+        self.dtype, self.keep_graph, self.site_dtype, self.device = dtype, keep_graph, site_dtype, device
+        self.gen = torch.Generator(device="cpu").manual_seed(0)
+        self.fixed, self._second = None, None
+
+    def draw(self, n):
+        return torch.randn(n, generator=self.gen, dtype=self.dtype).to(self.device).requires_grad_(True)
+
+    def run_at(self, u, layout):
+        vals = {b.name: u[b.slice].reshape(b.shape).to(self.site_dtype[b.name]) for b in layout.blocks}
         all_vals = dict(vals)
-        if fixed:
-            all_vals.update(fixed)
-        tr, recs = _trace(model, args, kwargs, values=all_vals)
+        if self.fixed:
+            all_vals.update(self.fixed)
+        tr, recs = _trace(self.model, self.args, self.kwargs, values=all_vals)
         return tr, recs, vals
 
-    # latents whose distribution reads other latents: Gaussian leaves that nothing else reads are integrated out
-    # (ImputedBlock); Gaussian sites whose loc (only) is affine in other latents are affine Gaussian chains
-    uf = torch.randn(full_layout.size, generator=gen, dtype=dtype).to(device).requires_grad_(True)
-    tr, records, vals = run_at(uf, full_layout)
-    if cached and _sites(tr) != _sites(tr0):  # the sites changed with the params: trace the structure again
-        del cache["structure"]
-        return _extract(model, args, kwargs, dtype, keep_graph)
-    if cache is not None:
-        cache["structure"] = tr0
-    imputed_names, chain_names = _classify_dependent_latents(tr, full_layout, uf)
-    if imputed_names:
-        layout = LatentLayout.from_shapes([(b.name, b.shape) for b in full_layout.blocks if b.name not in imputed_names],
-                                          [b.event_dim for b in full_layout.blocks if b.name not in imputed_names])
-        fixed = {b.name: uf[b.slice].detach().reshape(b.shape).to(site_dtype[b.name])
-                 for b in full_layout.blocks if b.name in imputed_names}
-        if layout.size == 0:
-            raise UnsupportedModelError("<model>", "the model has no latent sample site that the likelihood reads")
-        u0 = torch.randn(layout.size, generator=gen, dtype=dtype).to(device).requires_grad_(True)
-        tr, records, vals = run_at(u0, layout, fixed)
-    else:
-        layout, fixed, u0 = full_layout, None, uf
-    n = layout.size
-    second = None
+    def at(self, u0, layout):
+        """Run the model at ``u0``: the trace every phase reads."""
+        self.u0, self.layout, self.n = u0, layout, layout.size
+        self.tr, self.records, self.vals = self.run_at(u0, layout)
 
-    def second_trace():
-        nonlocal second
-        if second is None:
-            u1 = torch.randn(n, generator=gen, dtype=dtype).to(device).requires_grad_(True)
-            second = (u1,) + run_at(u1, layout, fixed)
-        return second
+    def second_trace(self):
+        """``(u1, trace, records, values)`` at a second random point (drawn once, on first use)."""
+        if self._second is None:
+            u1 = self.draw(self.n)
+            self._second = (u1,) + self.run_at(u1, self.layout)
+        return self._second
 
-    # priors
+    def affine(self, name, eta, eta1, rows=None):
+        u1 = self.second_trace()[0]
+        return _affine_operator(name, eta, eta1, self.u0, u1, self.gen, self.records, self.layout, self.vals,
+                                self.dtype, rows=rows, keep_graph=self.keep_graph)
+
+
+def _prior_blocks(x, chain_names):
+    """The priors of the layout's blocks, Laplace prior sites as site groups, the affine chains' Jacobian entries
+    and the intrinsic GMRFs."""
+    dtype, device, keep_graph, n = x.dtype, x.device, x.keep_graph, x.n
     priors, laplace_groups, chain_coo, intrinsic = [], [], [], []
-    for b in layout.blocks:
-        site = tr.nodes[b.name]
+    for b in x.layout.blocks:
+        site = x.tr.nodes[b.name]
         fn = site["fn"]
         if not _is_one(site.get("scale", 1.0)):
             raise UnsupportedModelError(b.name, "latent site is scaled by poutine.scale; scaled priors are not supported")
@@ -1060,8 +1061,8 @@ def _extract(model, args, kwargs, dtype, keep_graph):
             intrinsic.append(entry)
             lap = None
         elif b.name in chain_names:
-            u1, tr1, _, _ = second_trace()
-            prior, (r, c, v) = _chain_prior(b, site, u0, u1, tr1, layout, chain_names, dtype, device, keep_graph)
+            u1, tr1, _, _ = x.second_trace()
+            prior, (r, c, v) = _chain_prior(b, site, x.u0, u1, tr1, x.layout, chain_names, dtype, device, keep_graph)
             chain_coo.append((r + b.start, c, v))
             lap = None
         else:
@@ -1072,14 +1073,17 @@ def _extract(model, args, kwargs, dtype, keep_graph):
             sel = IdentityOperator(b.size, dtype=dtype, device=device)
             design = sel if (b.start == 0 and b.size == n) else EmbedColumnsOperator(sel, b.start, n)
             laplace_groups.append(SiteGroup(b.name, Laplace(scale), design, -loc, b.shape, from_prior=True))
+    return priors, laplace_groups, chain_coo, intrinsic
 
-    # latents integrated out (the missing entries of obs_mask sites and other unread Gaussian leaves)
+
+def _imputed_blocks(x, full_layout, imputed_names):
+    """The latents integrated out (the missing entries of obs_mask sites and other unread Gaussian leaves)."""
     imputed = []
     for b in full_layout.blocks:
         if b.name not in imputed_names:
             continue
-        site = tr.nodes[b.name]
-        is_unobserved = b.name.endswith("_unobserved") and b.name[:-len("_unobserved")] + "_observed" in tr.nodes
+        site = x.tr.nodes[b.name]
+        is_unobserved = b.name.endswith("_unobserved") and b.name[:-len("_unobserved")] + "_observed" in x.tr.nodes
         keep = _keep_rows(b.name, site)
         if keep is not None and not bool(keep.all()) and not is_unobserved:
             raise UnsupportedModelError(b.name, "latent site is masked (poutine.mask or dist.mask): its masked entries "
@@ -1088,22 +1092,25 @@ def _extract(model, args, kwargs, dtype, keep_graph):
             raise UnsupportedModelError(b.name, "latent site is scaled by poutine.scale; scaled priors are not supported")
         base, _ = _unwrap(site["fn"])
         full = tuple(site["fn"].batch_shape) + tuple(site["fn"].event_shape)
-        if _depends_on(base.scale, u0):
+        if _depends_on(base.scale, x.u0):
             raise UnsupportedModelError(b.name, "the scale of a latent Normal depends on a latent site (not an LGM)")
-        scale = _d(base.scale.expand(full).reshape(-1).to(dtype), keep_graph)
+        scale = _d(base.scale.expand(full).reshape(-1).to(x.dtype), x.keep_graph)
         if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
             raise UnsupportedModelError(b.name, "prior scale must be positive and finite")
-        eta = base.loc.expand(full).reshape(-1).to(dtype)
-        u1, tr1, _, _ = second_trace()
-        eta1 = _unwrap(tr1.nodes[b.name]["fn"])[0].loc.expand(full).reshape(-1).detach().to(dtype)
-        op, offset = _affine_operator(b.name, eta, eta1, u0, u1, gen, records, layout, vals, dtype,
-                                      keep_graph=keep_graph)
+        eta = base.loc.expand(full).reshape(-1).to(x.dtype)
+        tr1 = x.second_trace()[1]
+        eta1 = _unwrap(tr1.nodes[b.name]["fn"])[0].loc.expand(full).reshape(-1).detach().to(x.dtype)
+        op, offset = x.affine(b.name, eta, eta1)
         imputed.append(ImputedBlock(b.name, b.shape, op, offset, scale))
+    return imputed
 
-    # observed sites
+
+def _observed_groups(x, observed):
+    """Site groups of the observed sites that read the latents, and the log density of those that do not."""
+    dtype, keep_graph = x.dtype, x.keep_graph
     groups, log_const = [], 0.0
     for name in observed:
-        site = tr.nodes[name]
+        site = x.tr.nodes[name]
         family_cls, base, eta, y, batch = _observed_site(name, site, dtype)
         keep = _keep_rows(name, site)
         weight = _site_weight(name, site)
@@ -1113,9 +1120,9 @@ def _extract(model, args, kwargs, dtype, keep_graph):
         eta_k = eta if idx is None else eta[idx]
         site_params = family_cls.fixed_params(base)
         for value, what in site_params.values():
-            if _depends_on(value, u0):
+            if _depends_on(value, x.u0):
                 raise UnsupportedModelError(name, f"the {what} depends on a latent site (not an LGM)")
-        if not _depends_on(eta_k, u0):
+        if not _depends_on(eta_k, x.u0):
             lp = _num(_site_log_prob(site), keep_graph)
             if not math.isfinite(float(lp)):
                 raise UnsupportedModelError(name, "observed site that does not depend on the latents has log density "
@@ -1129,49 +1136,102 @@ def _extract(model, args, kwargs, dtype, keep_graph):
             raise UnsupportedModelError(name, "observed data contain NaN or inf")
         params = {k: _d(v.expand(batch).reshape(-1).to(dtype), keep_graph) for k, (v, _) in site_params.items()}
         family = family_cls.from_site(name, y_k, **{k: v if idx is None else v[idx] for k, v in params.items()})
-        u1, tr1, _, _ = second_trace()
+        tr1 = x.second_trace()[1]
         eta1 = _observed_site(name, tr1.nodes[name], dtype)[2].detach()
-        op, offset = _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype, rows=idx,
-                                      keep_graph=keep_graph)
+        op, offset = x.affine(name, eta, eta1, rows=idx)
         if weight is not None:
             family, const = tempered(family, (weight if idx is None else weight[idx]).to(dtype))
             log_const += const
         groups.append(SiteGroup(name, family, op, offset, batch))
+    return groups, log_const
 
-    # factors
+
+def _factor_groups(x, factors, log_const):
+    """Site groups of the ``pyro.factor`` terms that read the latents; ``log_const`` plus the terms that do not."""
+    groups = []
     for name in factors:
-        site = tr.nodes[name]
+        site = x.tr.nodes[name]
         F0 = _site_log_prob(site)
-        if not _depends_on(F0, u0):
+        if not _depends_on(F0, x.u0):
             val = float(F0.detach())
             if not math.isfinite(val):
                 raise UnsupportedModelError(name, f"pyro.factor has the value {val}")
             log_const += val
             continue
-        u1, tr1, _, _ = second_trace()
-        group, const = _factor_group(name, F0.to(dtype), u0, _site_log_prob(tr1.nodes[name]).to(dtype), u1, dtype)
+        u1, tr1, _, _ = x.second_trace()
+        group, const = _factor_group(name, F0.to(x.dtype), x.u0, _site_log_prob(tr1.nodes[name]).to(x.dtype), u1,
+                                     x.dtype)
         groups.append(group)
         log_const += const
+    return groups, log_const
 
-    for name, site in tr.nodes.items():
+
+def _chain_of(n, chain_coo, intrinsic, chain_names, dtype, device):
+    """The :class:`~pyro_convexvb.lgm.chains.AffineChain` ``x = M u + c`` of the affine Gaussian chains and intrinsic
+    GMRFs, or ``None``."""
+    if not (chain_coo or intrinsic):
+        return None
+    import numpy as np
+    import scipy.sparse as sp
+
+    from .chains import AffineChain
+
+    coo = chain_coo or [(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))]
+    A = sp.coo_matrix((np.concatenate([v for _, _, v in coo]),
+                       (np.concatenate([r for r, _, _ in coo]), np.concatenate([c for _, c, _ in coo]))),
+                      shape=(n, n))
+    return AffineChain(A, chain_names or [e[3] for e in intrinsic], dtype=dtype, device=device,
+                       intrinsic=[e[:3] for e in intrinsic])
+
+
+def _extract(model, args, kwargs, dtype, keep_graph):
+    """The phases of an extraction: classify the sites of the structure trace, pick the dtype, run the model at a
+    random point of the latent layout (integrating unread Gaussian leaves out), then priors, imputed blocks,
+    observed sites and factors (:class:`_Extraction`), and the affine chain."""
+    cache = getattr(model, "extraction_cache", None)
+    tr0 = None if cache is None else cache.get("structure")
+    cached = tr0 is not None
+    if not cached:
+        tr0 = _first_trace(model, args, kwargs)
+    latent, observed, factors = _classify_sites(tr0)
+    dtype, site_dtype = _extraction_dtype(tr0, latent, observed, dtype)
+    device = tr0.nodes[latent[0]]["value"].device
+    shapes = [tuple(tr0.nodes[n]["value"].shape) for n in latent]
+    full_layout = LatentLayout.from_shapes(list(zip(latent, shapes)),
+                                           [tr0.nodes[n]["fn"].event_dim for n in latent])
+    x = _Extraction(model, args, kwargs, dtype, keep_graph, site_dtype, device)
+
+    # latents whose distribution reads other latents: Gaussian leaves that nothing else reads are integrated out
+    # (ImputedBlock); Gaussian sites whose loc (only) is affine in other latents are affine Gaussian chains
+    uf = x.draw(full_layout.size)
+    x.at(uf, full_layout)
+    if cached and _sites(x.tr) != _sites(tr0):  # the sites changed with the params: trace the structure again
+        del cache["structure"]
+        return _extract(model, args, kwargs, dtype, keep_graph)
+    if cache is not None:
+        cache["structure"] = tr0
+    imputed_names, chain_names = _classify_dependent_latents(x.tr, full_layout, uf)
+    if imputed_names:
+        layout = LatentLayout.from_shapes([(b.name, b.shape) for b in full_layout.blocks if b.name not in imputed_names],
+                                          [b.event_dim for b in full_layout.blocks if b.name not in imputed_names])
+        x.fixed = {b.name: uf[b.slice].detach().reshape(b.shape).to(site_dtype[b.name])
+                   for b in full_layout.blocks if b.name in imputed_names}
+        if layout.size == 0:
+            raise UnsupportedModelError("<model>", "the model has no latent sample site that the likelihood reads")
+        x.at(x.draw(layout.size), layout)
+    priors, laplace_groups, chain_coo, intrinsic = _prior_blocks(x, chain_names)
+    imputed = _imputed_blocks(x, full_layout, imputed_names)
+    groups, log_const = _observed_groups(x, observed)
+    factor_groups, log_const = _factor_groups(x, factors, log_const)
+    groups = groups + factor_groups
+    for name, site in x.tr.nodes.items():
         if site["type"] == "sample" and not site["is_observed"] and not _is_subsample(site) \
                 and name not in full_layout.names:
             raise UnsupportedModelError(name, "latent site appeared only in some executions of the model")
-    chain = None
-    if chain_coo or intrinsic:  # affine Gaussian chains and intrinsic GMRFs: x = M u + c (pyro_convexvb.lgm.chains)
-        import numpy as np
-        import scipy.sparse as sp
-
-        from .chains import AffineChain
-
-        coo = chain_coo or [(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))]
-        A = sp.coo_matrix((np.concatenate([v for _, _, v in coo]),
-                           (np.concatenate([r for r, _, _ in coo]), np.concatenate([c for _, c, _ in coo]))),
-                          shape=(n, n))
-        chain = AffineChain(A, chain_names or [e[3] for e in intrinsic], dtype=dtype, device=device,
-                            intrinsic=[e[:3] for e in intrinsic])
+    chain = _chain_of(x.n, chain_coo, intrinsic, chain_names, dtype, device)
+    if chain is not None:
         for g in laplace_groups + groups:
             g.offset = chain.offset(g.design, g.offset)
             g.design = chain.design(g.design)
-    return LatentGaussianModel(layout, priors, laplace_groups + groups, log_const=log_const, imputed=imputed,
+    return LatentGaussianModel(x.layout, priors, laplace_groups + groups, log_const=log_const, imputed=imputed,
                                model_layout=full_layout, chain=chain)

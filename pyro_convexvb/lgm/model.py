@@ -21,6 +21,7 @@ import torch
 
 from ..errors import UnsupportedModelError
 from ..linalg.operators import (
+    DENSE_LIMIT,
     BlockDiagonalOperator,
     DiagonalOperator,
     LinearOperator,
@@ -481,7 +482,7 @@ class LatentGaussianModel:
     def _block_precision_diagonal(p):
         if isinstance(p.prec, DiagonalOperator):
             return p.prec.diag
-        if p.size > 5000:
+        if p.size > DENSE_LIMIT:
             raise MemoryError(f"prior block '{p.name}': the diagonal of a {p.size} x {p.size} precision that is not "
                               "diagonal would need a dense matrix")
         return torch.diagonal(LatentGaussianModel._block_precision(p))

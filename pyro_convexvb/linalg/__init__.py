@@ -1,7 +1,11 @@
 """Shared numerical linear algebra, device/dtype generic.
 
 * operators (:mod:`.operators`): the product protocol ``mv``/``rmv``/``squared``/``to_dense``;
-* :func:`cg`: preconditioned conjugate gradients with batched right-hand sides;
+* :func:`cg`: preconditioned conjugate gradients with batched right-hand sides (and a reduction hook for rows
+  spread over processes);
+* :func:`backtrack` (:mod:`.linesearch`): the step-halving line search of every damped iteration;
+  :class:`LBFGSMemory` and :func:`minimize_lbfgs` (:mod:`.lbfgs`): the L-BFGS two-loop recursion and a
+  torch L-BFGS driver;
 * :func:`lanczos`, :func:`block_lanczos` (one :class:`LanczosResult`; single-vector Lanczos is block size 1),
   :func:`lanczos_variances`, :func:`pca_variances`: Lanczos with full reorthogonalisation and the K-Lanczos /
   L-PCA variance estimators (Nickisch & Seeger 2009 §2.3, Seeger 2010 §3);
@@ -21,6 +25,8 @@ from .lanczos import (
     pca_variances,
     tridiagonal_cholesky,
 )
+from .lbfgs import LBFGSMemory, LBFGSResult, minimize_lbfgs
+from .linesearch import armijo, backtrack
 from .operators import *  # noqa: F401,F403  (every operator class and helper in operators.__all__)
 from .scalar import expand_bracket, minimize_convex_scalar, newton_bisect_root
 from .sparse_cholesky import SparseCholesky
@@ -30,6 +36,11 @@ __all__ = list(_operators.__all__) + [
     "cg",
     "default_max_iter",
     "NotPositiveDefiniteError",
+    "backtrack",
+    "armijo",
+    "LBFGSMemory",
+    "LBFGSResult",
+    "minimize_lbfgs",
     "LanczosResult",
     "lanczos",
     "block_lanczos",

@@ -20,6 +20,10 @@ Nocedal & Wright 2006, Algorithm 7.1, line-search Newton-CG): the iterate before
 direction is returned, or the preconditioned residual step ``x0 + M^{-1} r0`` when it is met at the
 first iteration.  This is the inexact (truncated) Newton-CG step for a Hessian that is only positive
 semidefinite in floating point.
+
+With ``reduction=`` the vectors are the local rows of a system spread over processes (row-sharded sites):
+every inner product and norm is the local one summed by ``reduction.sum`` (an all-reduce), so all ranks take
+the same steps and stop together.
 """
 from dataclasses import dataclass, field
 import math
@@ -109,6 +113,32 @@ def _resolve_precond(precond, n, like):
     raise TypeError(f"precond: expected None, a tensor (Jacobi diagonal) or a callable, got {type(precond).__name__}")
 
 
+def _checked_arguments(matmul, rhs, rtol, atol, max_iter, on_fail, on_negative_curvature, reduction):
+    """Validate :func:`cg`'s arguments. :returns: ``(v -> A v, n, max_iter)``."""
+    apply_a, n_op, _, _ = _resolve_matmul(matmul)
+    if not isinstance(rhs, torch.Tensor):
+        raise TypeError(f"rhs: expected a tensor, got {type(rhs).__name__}")
+    if rhs.dim() not in (1, 2):
+        raise ValueError(f"rhs: expected shape (n,) or (n, k), got {tuple(rhs.shape)}")
+    if not rhs.is_floating_point():
+        raise TypeError(f"rhs: expected a floating point tensor, got {rhs.dtype}")
+    n = rhs.shape[0]
+    if n_op is not None and n_op != n:
+        raise ValueError(f"rhs: operator has size {n_op} but rhs has shape {tuple(rhs.shape)}")
+    if reduction is None:  # with a reduction the summed norm is checked, so that every rank raises together
+        _check_finite(rhs, "rhs")
+    if on_fail not in ("warn", "raise", "ignore"):
+        raise ValueError(f"on_fail: expected 'warn', 'raise' or 'ignore', got {on_fail!r}")
+    if on_negative_curvature not in ("raise", "truncate"):
+        raise ValueError(f"on_negative_curvature: expected 'raise' or 'truncate', got {on_negative_curvature!r}")
+    if not (rtol >= 0 and atol >= 0):
+        raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
+    max_iter = default_max_iter(n) if max_iter is None else int(max_iter)
+    if max_iter < 0:
+        raise ValueError(f"max_iter: must be >= 0, got {max_iter}")
+    return apply_a, n, max_iter
+
+
 def cg(
     matmul,
     rhs,
@@ -122,8 +152,12 @@ def cg(
     true_residual=True,
     max_restarts=5,
     on_negative_curvature="raise",
+    reduction=None,
 ):
     """Solve ``A x = b`` by preconditioned conjugate gradients.
+
+    Over 80 lines: most of it is this docstring (the solver's contract); the body is the restart loop around
+    :func:`_cg_iterate` and the report.
 
     Column ``j`` stops when ``||b_j - A x_j|| <= max(rtol * ||b_j||, atol)``.  With
     ``true_residual=True`` (default) the final residual is recomputed as ``b - A x`` (one extra
@@ -153,6 +187,10 @@ def cg(
         of the solve, the step ``x0 + M^{-1} r0`` along the preconditioned residual -- and
         ``CGResult.truncated`` flags it; a truncated column is neither restarted nor counted as a
         failure for ``on_fail``.
+    :param reduction: ``None`` (every row in this process), or an object whose ``sum(t)`` sums a tensor over
+        the processes that hold the other rows (e.g. :class:`~pyro_convexvb.infer.dual_vg.sharding.SiteReduction`):
+        ``matmul``, ``precond``, ``rhs`` and ``x0`` then act on this process's rows, and inner products and
+        norms are summed over processes.
     :returns: :class:`CGResult`.
     :raises NotPositiveDefiniteError: if ``r^T M^{-1} r <= 0`` (preconditioner not SPD) is met, or a
         curvature ``p^T A p <= 0`` (``A`` not SPD) with ``on_negative_curvature="raise"``.
@@ -167,26 +205,9 @@ def cg(
         >>> res.converged, torch.allclose(A @ res.x, torch.tensor([1.0, 2.0], dtype=torch.float64))
         (True, True)
     """
-    apply_a, n_op, _, _ = _resolve_matmul(matmul)
-    if not isinstance(rhs, torch.Tensor):
-        raise TypeError(f"rhs: expected a tensor, got {type(rhs).__name__}")
-    if rhs.dim() not in (1, 2):
-        raise ValueError(f"rhs: expected shape (n,) or (n, k), got {tuple(rhs.shape)}")
-    if not rhs.is_floating_point():
-        raise TypeError(f"rhs: expected a floating point tensor, got {rhs.dtype}")
-    n = rhs.shape[0]
-    if n_op is not None and n_op != n:
-        raise ValueError(f"rhs: operator has size {n_op} but rhs has shape {tuple(rhs.shape)}")
-    _check_finite(rhs, "rhs")
-    if on_fail not in ("warn", "raise", "ignore"):
-        raise ValueError(f"on_fail: expected 'warn', 'raise' or 'ignore', got {on_fail!r}")
-    if on_negative_curvature not in ("raise", "truncate"):
-        raise ValueError(f"on_negative_curvature: expected 'raise' or 'truncate', got {on_negative_curvature!r}")
-    if not (rtol >= 0 and atol >= 0):
-        raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
-    max_iter = default_max_iter(n) if max_iter is None else int(max_iter)
-    if max_iter < 0:
-        raise ValueError(f"max_iter: must be >= 0, got {max_iter}")
+    apply_a, n, max_iter = _checked_arguments(matmul, rhs, rtol, atol, max_iter, on_fail, on_negative_curvature,
+                                               reduction)
+    dot, norm = _inner_products(reduction)
 
     vector = rhs.dim() == 1
     if vector:
@@ -220,10 +241,12 @@ def cg(
             x = x0.detach().to(dtype=b.dtype, device=b.device).reshape(b.shape).clone()
             r = b - product(x)
             num_mvm = k
-        bnorm = torch.linalg.vector_norm(b, dim=0)
+        bnorm = norm(b)
+        if reduction is not None:
+            _check_finite(bnorm, "rhs")
         scale = torch.where(bnorm > 0, bnorm, torch.ones_like(bnorm))
         tol = torch.clamp(rtol * bnorm, min=atol)
-        rnorm = torch.linalg.vector_norm(r, dim=0)
+        rnorm = norm(r)
         _check_finite(rnorm, "matmul(x0) (the initial residual)")
         history = [float((rnorm / scale).max())] if k > 0 else [0.0]
         truncated = torch.zeros(k, dtype=torch.bool, device=b.device)
@@ -232,13 +255,13 @@ def cg(
         restarts = 0
         while True:
             iterations, num_mvm = _cg_iterate(
-                product, prec, x, r, rnorm, tol, scale, max_iter, iterations, num_mvm, history, trunc
+                product, prec, x, r, rnorm, tol, scale, max_iter, iterations, num_mvm, history, trunc, dot, norm
             )
             if not true_residual or k == 0 or iterations == 0:
                 break  # with no iteration, r is exactly b - A x0
             r = b - product(x)
             num_mvm += k
-            rnorm = torch.linalg.vector_norm(r, dim=0)
+            rnorm = norm(r)
             _check_finite(rnorm, "matmul output")
             history[-1] = float((rnorm / scale).max())
             if not bool(((rnorm > tol) & ~truncated).any()) or iterations >= max_iter or restarts >= max_restarts:
@@ -271,7 +294,22 @@ def cg(
     )
 
 
-def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, num_mvm, history, trunc=None):
+def _inner_products(reduction):
+    """``(dot, norm)`` over the rows of ``(n, k)`` blocks, column by column; summed by ``reduction.sum`` if given."""
+    if reduction is None:
+        return (lambda a, b: torch.linalg.vecdot(a, b, dim=0)), (lambda a: torch.linalg.vector_norm(a, dim=0))
+
+    def dot(a, b):
+        return reduction.sum(torch.linalg.vecdot(a, b, dim=0))
+
+    return dot, (lambda a: dot(a, a).clamp_min(0).sqrt())
+
+
+_LOCAL_DOT, _LOCAL_NORM = _inner_products(None)
+
+
+def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, num_mvm, history, trunc=None,
+                dot=_LOCAL_DOT, norm=_LOCAL_NORM):
     """Run CG on the columns with ``rnorm > tol``, updating ``x``, ``r`` and ``rnorm`` in place.
 
     ``trunc``: ``None`` (non-positive curvature raises) or a boolean ``(k,)`` mask, updated in place,
@@ -290,7 +328,7 @@ def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, nu
     rest_max = float(rest.max())  # largest relative residual among the columns not iterated
     xa, ra, tola, sca = x[:, idx], r[:, idx], tol[idx], scale[idx]
     z = prec(ra) if prec is not None else ra
-    rz = torch.linalg.vecdot(ra, z, dim=0)
+    rz = dot(ra, z)
     p = z.clone()  # a preconditioner may return its input
     first = iterations == 0  # the iterate is still the starting point x0
     neg = None
@@ -298,7 +336,7 @@ def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, nu
         Ap = product(p)
         num_mvm += p.shape[1]
         iterations += 1
-        pAp = torch.linalg.vecdot(p, Ap, dim=0)
+        pAp = dot(p, Ap)
         alpha = rz / pAp
         if trunc is not None:
             # non-positive curvature: keep the iterate (step 0), or take the step p = M^{-1} r0 at the start
@@ -306,7 +344,7 @@ def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, nu
             alpha = torch.where(neg, torch.full_like(alpha, 1.0 if first else 0.0), alpha)
         xa.addcmul_(p, alpha)
         ra.addcmul_(Ap, alpha, value=-1.0)
-        rn = torch.linalg.vector_norm(ra, dim=0)
+        rn = norm(ra)
         rn_minus_tol = rn - tola
         if neg is not None:
             rn_minus_tol = torch.where(neg, torch.full_like(rn_minus_tol, -math.inf), rn_minus_tol)
@@ -340,7 +378,7 @@ def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, nu
             keep = ~done
             idx, xa, ra, p, rz, tola, sca = idx[keep], xa[:, keep], ra[:, keep], p[:, keep], rz[keep], tola[keep], sca[keep]
         z = prec(ra) if prec is not None else ra
-        rz_new = torch.linalg.vecdot(ra, z, dim=0)
+        rz_new = dot(ra, z)
         beta = rz_new / rz
         rz = rz_new
         p = torch.addcmul(z, p, beta)

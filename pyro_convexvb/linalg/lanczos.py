@@ -321,7 +321,11 @@ class _LanczosRun:
             self.Tb = Tb
 
     def run(self, k):
-        """Extend to ``k`` Lanczos vectors in total (fewer on breakdown; at most ``n``)."""
+        """Extend to ``k`` Lanczos vectors in total (fewer on breakdown; at most ``n``).
+
+        Over 80 lines: block Lanczos with reorthogonalisation, breakdown handling and the projections shares its
+        state at every step of one loop.
+        """
         k = min(int(k), self.n)
         if self.truncated and k > self.filled:
             raise RuntimeError("Lanczos: a run whose last block was truncated cannot be extended")
@@ -619,6 +623,8 @@ def pca_variances(
     chunk_size=64,
 ):
     """L-PCA variance estimate ``diag(B U_L Lambda_L^{-1} U_L^T B^T)`` (Seeger 2010 §3, ``rho^(L)``).
+
+    Over 80 lines: most of it is this docstring; the body is under 80.
 
     ``(Lambda_L, U_L)`` are the ``L`` smallest eigenpairs of ``A``, computed as Ritz pairs of a
     Lanczos run with full reorthogonalisation that starts with ``num_steps`` steps and is extended

@@ -60,6 +60,11 @@ def _check_vec(v, n, what):
         raise ValueError(f"{what}: expected leading dimension {n}, got shape {tuple(v.shape)}")
 
 
+#: largest ``n`` for which an ``n x n`` operator without a structured answer is made dense (its diagonal, its
+#: Cholesky factor, an exact bound that needs ``log|A|``): 5000 doubles squared are 200 MB
+DENSE_LIMIT = 5000
+
+
 class LinearOperator:
     """Base class. Subclasses implement ``_mv``, ``_rmv`` and set ``shape``, ``dtype``, ``device``."""
 
@@ -91,6 +96,31 @@ class LinearOperator:
         """Dense ``(m, n)`` matrix (by probing with the identity unless overridden)."""
         eye = torch.eye(self.shape[1], dtype=self.dtype, device=self.device)
         return self._mv(eye)
+
+    def diagonal(self, dense_limit=DENSE_LIMIT):
+        """Diagonal ``(n,)`` of a square operator without densifying a large one: from the structure where the
+        class knows it, else from :meth:`to_dense` if ``n <= dense_limit``, else ``None``.
+
+        Example::
+
+            >>> import torch
+            >>> A = StackedOperator([DiagonalOperator(torch.tensor([2.0, 3.0], dtype=torch.float64))])
+            >>> A.diagonal().tolist(), A.diagonal(dense_limit=0), A.flops()
+            ([2.0, 3.0], None, 2.0)
+        """
+        return torch.diagonal(self.to_dense()).clone() if self.shape[0] <= dense_limit else None
+
+    def flops(self):
+        """Floating-point operations of one product with one vector: ``2 m n`` unless the structure needs fewer
+        (``2 nnz`` for a sparse matrix, ``n`` for a diagonal, the parts' sum for a stack or a product)."""
+        return 2.0 * self.shape[0] * self.shape[1]
+
+    def sqrt_factor(self, dense_limit=DENSE_LIMIT):
+        """An operator ``R`` with ``R^T R = self`` for an SPD operator: from the structure (diagonal, block
+        diagonal, a sparse Cholesky factor), else the dense Cholesky factor if ``n <= dense_limit``, else ``None``."""
+        if self.shape[0] > dense_limit:
+            return None
+        return DenseOperator(torch.linalg.cholesky(self.to_dense()).transpose(0, 1).contiguous())
 
     @property
     def T(self):
@@ -170,6 +200,9 @@ class DenseOperator(LinearOperator):
     def weighted_gram(self, weights=None, chunk=256):
         w = self._gram_weights(weights)
         return self.matrix.transpose(0, 1) @ (w.unsqueeze(-1) * self.matrix)
+
+    def diagonal(self, dense_limit=DENSE_LIMIT):
+        return torch.diagonal(self.matrix).clone()
 
     def to_dense(self):
         return self.matrix
@@ -299,6 +332,30 @@ class SparseOperator(LinearOperator):
         sqt = torch.sparse_csr_tensor(At.crow_indices(), At.col_indices(), At.values() ** 2, size=At.shape, check_invariants=False)
         return SparseOperator(sq, transpose=sqt)
 
+    def diagonal(self, dense_limit=DENSE_LIMIT):
+        """Diagonal of a square CSR matrix from its stored entries (never densified)."""
+        A = self.matrix
+        n = A.shape[0]
+        crow, col, val = A.crow_indices(), A.col_indices(), A.values()
+        rows = torch.repeat_interleave(torch.arange(n, device=A.device), (crow[1:] - crow[:-1]).long())
+        on = rows == col.long()
+        return torch.zeros(n, dtype=A.dtype, device=A.device).index_add_(0, rows[on], val[on])
+
+    def flops(self):
+        return 2.0 * self.nnz
+
+    def sqrt_factor(self, dense_limit=DENSE_LIMIT):
+        """The sparse Cholesky factor ``R = D^{1/2} L^T P`` of an SPD sparse matrix (fill-reducing ordering;
+        Rue & Held 2005, §2.4), of any size and never densified."""
+        from .sparse_cholesky import SparseCholesky
+
+        R = SparseCholesky(self, name="prior precision").factor_matrix()
+        csr = torch.sparse_csr_tensor(torch.as_tensor(R.indptr, dtype=torch.int64),
+                                      torch.as_tensor(R.indices, dtype=torch.int64),
+                                      torch.as_tensor(R.data, dtype=self.dtype), size=R.shape,
+                                      check_invariants=False).to(self.device)
+        return SparseOperator(csr)
+
     def to_dense(self):
         return self.matrix.to_dense()
 
@@ -341,6 +398,15 @@ class DiagonalOperator(LinearOperator):
     def weighted_gram(self, weights=None, chunk=256):
         return torch.diag(self.diag * self.diag * self._gram_weights(weights))
 
+    def diagonal(self, dense_limit=DENSE_LIMIT):
+        return self.diag
+
+    def flops(self):
+        return float(self.shape[0])
+
+    def sqrt_factor(self, dense_limit=DENSE_LIMIT):
+        return DiagonalOperator(torch.sqrt(self.diag))
+
     def to_dense(self):
         return torch.diag(self.diag)
 
@@ -357,6 +423,15 @@ class IdentityOperator(DiagonalOperator):
     _rmv = _mv
 
     def squared(self):
+        return self
+
+    def diagonal(self, dense_limit=DENSE_LIMIT):
+        return torch.ones(self.shape[0], dtype=self.dtype, device=self.device)
+
+    def flops(self):
+        return 0.0
+
+    def sqrt_factor(self, dense_limit=DENSE_LIMIT):
         return self
 
 
@@ -376,6 +451,9 @@ class ZeroOperator(LinearOperator):
 
     def squared(self):
         return self
+
+    def flops(self):
+        return 0.0
 
     def to_dense(self):
         return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
@@ -403,6 +481,9 @@ class TransposedOperator(LinearOperator):
     def squared(self):
         sq = self.base.squared()
         return None if sq is None else sq.T
+
+    def flops(self):
+        return self.base.flops()
 
     def to_dense(self):
         return self.base.to_dense().transpose(-1, -2)
@@ -444,6 +525,9 @@ class StackedOperator(LinearOperator):
         parts = torch.split(self._gram_weights(weights), self.sizes, 0)
         return sum(op.weighted_gram(p, chunk) for op, p in zip(self.operators, parts))
 
+    def flops(self):
+        return float(sum(op.flops() for op in self.operators))
+
     def to_dense(self):
         return torch.cat([op.to_dense() for op in self.operators], 0)
 
@@ -469,6 +553,17 @@ class BlockDiagonalOperator(LinearOperator):
         sqs = [op.squared() for op in self.operators]
         return None if any(s is None for s in sqs) else BlockDiagonalOperator(sqs)
 
+    def flops(self):
+        return float(sum(op.flops() for op in self.operators))
+
+    def diagonal(self, dense_limit=DENSE_LIMIT):
+        parts = [op.diagonal(dense_limit) for op in self.operators]
+        return None if any(p is None for p in parts) else torch.cat(parts)
+
+    def sqrt_factor(self, dense_limit=DENSE_LIMIT):
+        parts = [op.sqrt_factor(dense_limit) for op in self.operators]
+        return None if any(p is None for p in parts) else BlockDiagonalOperator(parts)
+
     def to_dense(self):
         return torch.block_diag(*[op.to_dense() for op in self.operators])
 
@@ -490,6 +585,9 @@ class ComposedOperator(LinearOperator):
 
     def _rmv(self, u):
         return self.right._rmv(self.left._rmv(u))
+
+    def flops(self):
+        return self.left.flops() + self.right.flops()
 
     def squared(self):
         # |(D A)_ij|^2 = d_i^2 |A_ij|^2 and likewise on the right: exact only for diagonal factors.
@@ -521,6 +619,9 @@ class SumOperator(LinearOperator):
 
     def _rmv(self, u):
         return sum(c * op._rmv(u) for c, op in zip(self.coefficients, self.operators))
+
+    def flops(self):
+        return float(sum(op.flops() for op in self.operators))
 
     def to_dense(self):
         return sum(c * op.to_dense() for c, op in zip(self.coefficients, self.operators))
@@ -610,6 +711,9 @@ class EmbedColumnsOperator(LinearOperator):
         sl = slice(self.start, self.start + self.base.shape[1])
         out[sl, sl] = g
         return out
+
+    def flops(self):
+        return self.base.flops()
 
     def to_dense(self):
         d = self.base.to_dense()

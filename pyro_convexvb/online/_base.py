@@ -438,6 +438,8 @@ class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
     def load_state_dict(self, state):
         """Restore :meth:`state_dict` output; the configuration must match this estimator's.
 
+        Over 80 lines: every saved field is checked in turn against the estimator's options.
+
         :raises ValueError: naming the key, for a missing key, an array of the wrong shape, non-finite values,
             a non-positive variance, a negative counter, or a configuration that differs from this estimator's.
         """

@@ -115,7 +115,11 @@ def _solve_zeta(z0, q, link, tol, maxiter):
 @njit(cache=True)
 def _row_update(method, link, a, mean_newton, var_value, tol, maxiter, y, start, end,
                 indices, data, mu, s2, mu_t, s2_t, log_p_t, samples, t, buf_mu, buf_s2):
-    """New (mean, variance) of the row's features into ``buf_*``; returns #unconverged solves."""
+    """New (mean, variance) of the row's features into ``buf_*``; returns #unconverged solves.
+
+    Over 80 lines: a numba kernel (no Python objects, no closures), compiled as one unit over the row loop of every
+    update method.
+    """
     unconverged = 0
     if method == M_ADF:
         # Appendix D.2: moment matching of N(mu_t, s2_t) times the normaliser (8)/(24).
@@ -318,6 +322,8 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
                        data, y, mu, s2, samples, p1_out, ll_out, acc_h, acc_eta, buf_mu, buf_s2, undo_mu, undo_s2,
                        cum, active, until, log_window):
     """:func:`run_diagonal` for ``K`` learners side by side on the same rows (``mu``, ``s2``: ``(d, K)``).
+
+    Over 80 lines: a numba kernel (no Python objects, no closures), compiled as one unit over the stream.
 
     Member ``m`` sees exactly the arithmetic of :func:`run_diagonal` on ``mu[:, m]``, ``s2[:, m]``; rows are
     interleaved (all members on row ``t``, then row ``t + 1``) so a row's features are fetched from memory

@@ -207,6 +207,8 @@ if njit is not None:
                           fstart, fend, scratch):
         """Parse whole lines of ``buf[pos:end]`` into rows ``row0, row0 + 1, ...`` (at most ``max_rows``).
 
+        Over 80 lines: a numba parser kernel (a byte-level state machine), compiled as one unit.
+
         Returns ``(status, pos, row, nnz, lines)``: status 0 (block done or chunk full), 1 (the line at
         ``pos`` needs the reference reader), 2 (the line at ``pos`` has fewer than ``need`` fields);
         ``lines`` counts the lines consumed (blank ones included).
@@ -363,6 +365,8 @@ if njit is not None:
     @njit(cache=True, nogil=True)
     def _svm_kernel(buf, pos, end, max_rows, row0, nnz0, indptr, indices, values, labels, pow10):
         """Parse whole svmlight lines of ``buf[pos:end]`` into rows ``row0, ...`` (at most ``max_rows``).
+
+        Over 80 lines: a numba parser kernel (a byte-level state machine), compiled as one unit.
 
         Returns ``(status, pos, row, nnz, lines)``: 0 (block done or chunk full), 1 (the line at ``pos`` needs
         the Python parser: a non-ASCII byte, a number off the fast path, a duplicated or negative index, a

@@ -113,6 +113,8 @@ def make_online_stream(d=200, d_t=20, weight_std=1.0, binary=True, categorical=N
                        link="logit", shard=None):
     """Synthetic sparse logistic (or probit) stream of Shamir & Szpankowski 2021, §4 and Appendix E.
 
+    Over 80 lines: most of it is this docstring (a generator with many knobs); the body is under 80.
+
     * Random features (``categorical=None``): each of the ``d`` features is present with
       probability ``d_t / d`` (so ``E[d_t]`` features per row); values are 1 (``binary=True``)
       or uniform on ``[0, 1]``.  Figure 1 / Table 1: ``d=200, d_t in {20, 40}, weight_std=1``.
@@ -292,11 +294,6 @@ def iter_svmlight(path, chunk_size=100_000, num_features=None, zero_based=False,
 # ----------------------------------------------------------------------------- CSV / Criteo
 CRITEO_INTEGER_COLUMNS = tuple(range(1, 14))
 CRITEO_CATEGORICAL_COLUMNS = tuple(range(14, 40))
-
-
-def _integer_bin(value):
-    """Bucket of a count feature: the value itself up to 2, then ``floor(log(v)^2)``."""
-    return _textio.integer_bin(value)
 
 
 def iter_csv(path, chunk_size=100_000, label_column=0, integer_columns=(), categorical_columns=(),

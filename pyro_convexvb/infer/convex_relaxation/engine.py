@@ -8,6 +8,7 @@ import torch
 from ...errors import UnsupportedModelError, warn
 from ..engine import Criterion, Engine, LGMEngineOptions, Optimality, Solution, option
 from ..posterior import GaussianPosterior
+from ..result import WorkReport
 from .outer import _OPTION_NAMES, RelaxationState, double_loop
 from .potentials import potential_for, warn_if_not_log_concave
 from .problem import RelaxationProblem
@@ -222,6 +223,9 @@ class ConvexVariationalRelaxation(Engine):
             "rel_gamma_history": out["rel_gamma"],
             "inner_converged": out["inner_converged"],
             "mvm": mvm,
+            "work": WorkReport(sum(p["newton_steps"] for p in mvm["per_outer"]),
+                               sum(sum(p["cg_iterations"]) for p in mvm["per_outer"]),
+                               float(mvm["seconds"]["inner"]), float(mvm["seconds"]["outer"])),
             "variance_method": step.method,
             "variance_estimator": step.estimator,
             "variances_are_lower_bounds": step.lower_bounds,

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...linalg.cg import cg
+from ...linalg.linesearch import backtrack
 
 
 @dataclass
@@ -58,14 +59,18 @@ def _site_value(prob, s, z):
     return prob.site_sum(prob.pot.h_star(s, z, derivatives=0)[0].sum())
 
 
-def inner_loop(prob, z, u0, *, max_newton=20, cg_tol=1e-6, newton_tol=1e-8, cg_max_iter=None,
-               precondition=True, chol=None, armijo=1e-4, max_backtrack=40):
+def inner_loop(prob, z, u0, *, max_newton, cg_tol, newton_tol, cg_max_iter=None, precondition=True, chol=None,
+               armijo=1e-4, max_backtrack=40):
     r"""Newton/IRLS minimisation of ``Psi(u) = ||y~ - X u||^2/2 + sum_i h_i^*(s_i)`` (Nickisch & Seeger 2009, §2.2).
+
+    Over 80 lines: most of it is this docstring; the body is one Newton loop whose incremental updates of ``X u``
+    and ``s`` share its state.
 
     :param prob: a :class:`~.problem.RelaxationProblem`.
     :param z: ``(q,)`` outer-loop variances (``> 0``).
     :param u0: ``(n,)`` warm start.
-    :param max_newton: Newton steps (``N_Newt`` of Nickisch & Seeger 2009, §2.4).
+    :param max_newton: Newton steps (``N_Newt`` of Nickisch & Seeger 2009, §2.4); this and the two tolerances have
+        their defaults in :class:`~.engine.ConvexRelaxationOptions`.
     :param cg_tol: final relative CG residual.
     :param newton_tol: stop when the Newton decrement ``-grad^T d / 2 <= newton_tol * max(1, |Psi|)``.
     :param cg_max_iter: CG iteration cap per system.
@@ -123,15 +128,14 @@ def inner_loop(prob, z, u0, *, max_newton=20, cg_tol=1e-6, newton_tol=1e-8, cg_m
         a1 = float((xtxu - xty) @ d)
         a2 = float(d @ xtxd)
         Bd = prob.B.mv(d) if prob.q else None
-        t = 1.0
-        f_new = None
-        for _ in range(int(max_backtrack)):
+
+        def trial(t, Bd=Bd, a1=a1, a2=a2, f=f, slope=slope):
             site = _site_value(prob, s + t * Bd, z) if prob.q else 0.0
             f_new = 0.5 * float(quad) + t * a1 + 0.5 * t * t * a2 + float(site)
-            if f_new <= float(f) + armijo * t * slope:
-                break
-            t *= 0.5
-        else:
+            return f_new if f_new <= float(f) + armijo * t * slope else None
+
+        t, f_new = backtrack(trial, max_trials=max_backtrack)
+        if f_new is None:
             break  # no decrease possible at working precision
         u = u + t * d
         xtxu = xtxu + t * xtxd

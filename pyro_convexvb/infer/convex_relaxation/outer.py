@@ -44,7 +44,7 @@ from ...linalg.cg import cg
 from ...linalg.lanczos import block_lanczos, pca_variances
 from ...linalg.operators import ComposedOperator, as_operator
 from .inner import inner_loop
-from .problem import RelaxationProblem, operator_flops
+from .problem import RelaxationProblem
 
 __all__ = ["RelaxationState", "VarianceStep", "WhitenedLanczos", "variance_step", "variance_costs", "choose_variance_method",
            "choose_lanczos_estimator", "logdet_upper_bound", "h_value", "phi_value", "double_loop"]
@@ -241,7 +241,7 @@ def variance_costs(prob, opts):
     k = min(opts.lanczos_rank, n)
     b = max(1, min(opts.lanczos_block_size, k)) if k < n else 1
     f_a = prob.mvm_flops()
-    f_b = operator_flops(prob.B) if prob.B is not None else 0.0
+    f_b = prob.B.flops() if prob.B is not None else 0.0
     exact = EXACT_CUBIC_SECONDS * n**3 + FORM_FLOP_SECONDS * n * (f_a + f_b)
     f_lz = prob.mvm_flops(whitened=True) if est == "whitened" else f_a
     lz = STEP_SECONDS * math.ceil(k / b) + (MVM_FLOP_SECONDS * k * f_lz + ORTH_FLOP_SECONDS * 2.0 * n * k * k) / min(
@@ -567,8 +567,8 @@ def double_loop(prob, opts, state=None, run=None, *, state_names=None):
 
     A ``state`` with site variances ``z`` valid at its ``gamma`` replaces the first variance step (Nickisch &
     Seeger 2009, §3; with ``max_outer = 0`` only its ``gamma`` is used).  ``variance="auto"`` and
-    ``lanczos_estimator="auto"`` are resolved once, before the first step.  One function of 120 lines: the
-    per-iteration statistics it reports are updated at every phase of the loop.
+    ``lanczos_estimator="auto"`` are resolved once, before the first step.  Over 80 lines: the per-iteration
+    statistics it reports are updated at every phase of the loop.
 
     :param prob: :class:`~.problem.RelaxationProblem`.
     :param opts: :class:`~.engine.ConvexRelaxationOptions`; ``seed`` seeds the Lanczos start vectors.

@@ -45,27 +45,23 @@ import torch
 
 from ...errors import UnsupportedModelError
 from ...linalg.operators import (
+    DENSE_LIMIT,
     BlockDiagonalOperator,
     ComposedOperator,
     DenseOperator,
     DiagonalOperator,
     EmbedColumnsOperator,
     FunctionOperator,
-    IdentityOperator,
     LinearOperator,
-    SparseOperator,
     StackedOperator,
-    SumOperator,
-    TransposedOperator,
-    ZeroOperator,
 )
-from ...distributed import RowShardedOperator, comm_of, reduce_sites
+from ...distributed import comm_of, reduce_sites
 from .potentials import PotentialStack, potential_for
 
-__all__ = ["RelaxationProblem", "CovarianceForm", "operator_diagonal", "operator_flops", "square_root_factor"]
+__all__ = ["RelaxationProblem", "CovarianceForm"]
 
 #: largest prior block that is inverted/factorised densely when only a covariance is given
-DENSE_BLOCK_LIMIT = 5000
+DENSE_BLOCK_LIMIT = DENSE_LIMIT
 
 
 class _Counted(LinearOperator):
@@ -92,6 +88,9 @@ class _Counted(LinearOperator):
     def to_dense(self):
         return self.base.to_dense()
 
+    def flops(self):
+        return self.base.flops()
+
     def weighted_gram(self, weights=None, chunk=256):
         """``base.T diag(w) base``, counted as ``2 n`` products (what probing with identity columns costs)."""
         self.counter[self.key] = self.counter.get(self.key, 0) + 2 * self.shape[1]
@@ -112,60 +111,6 @@ class _PrecisionProduct:
 
     def __call__(self, v):
         return self.problem.a_mv(v, self.w)
-
-
-def _csr_diagonal(A):
-    """Diagonal of a square torch CSR matrix from its stored entries (never densified)."""
-    n = A.shape[0]
-    crow, col, val = A.crow_indices(), A.col_indices(), A.values()
-    rows = torch.repeat_interleave(torch.arange(n, device=A.device), (crow[1:] - crow[:-1]).long())
-    on = rows == col.long()
-    out = torch.zeros(n, dtype=A.dtype, device=A.device)
-    return out.index_add_(0, rows[on], val[on])
-
-
-def operator_diagonal(op):
-    """Diagonal of a square operator without densifying it, or ``None`` when unknown and large."""
-    if isinstance(op, IdentityOperator):
-        return torch.ones(op.shape[0], dtype=op.dtype, device=op.device)
-    if isinstance(op, DiagonalOperator):
-        return op.diag
-    if isinstance(op, DenseOperator):
-        return torch.diagonal(op.matrix).clone()
-    if isinstance(op, SparseOperator):
-        return _csr_diagonal(op.matrix)
-    if isinstance(op, BlockDiagonalOperator):
-        parts = [operator_diagonal(o) for o in op.operators]
-        return None if any(p is None for p in parts) else torch.cat(parts)
-    if op.shape[0] <= DENSE_BLOCK_LIMIT:
-        return torch.diagonal(op.to_dense()).clone()
-    return None
-
-
-def operator_flops(op):
-    """Floating-point operations of one product ``op @ v`` with one vector: ``2 nnz`` for a matrix, ``n``
-    for a diagonal; a callable (:class:`~pyro_convexvb.linalg.FunctionOperator`) counts as dense.
-
-    :param op: a :class:`~pyro_convexvb.linalg.LinearOperator` of shape ``(m, n)``.
-    :returns: ``float``.
-    """
-    if isinstance(op, _Counted):
-        return operator_flops(op.base)
-    if isinstance(op, (IdentityOperator, ZeroOperator)):
-        return 0.0
-    if isinstance(op, DiagonalOperator):
-        return float(op.shape[0])
-    if isinstance(op, SparseOperator):
-        return 2.0 * op.nnz
-    if isinstance(op, RowShardedOperator):
-        return operator_flops(op.local)
-    if isinstance(op, (StackedOperator, BlockDiagonalOperator, SumOperator)):
-        return float(sum(operator_flops(o) for o in op.operators))
-    if isinstance(op, ComposedOperator):
-        return operator_flops(op.left) + operator_flops(op.right)
-    if isinstance(op, (TransposedOperator, EmbedColumnsOperator)):
-        return operator_flops(op.base)
-    return 2.0 * op.shape[0] * op.shape[1]
 
 
 @dataclass
@@ -191,36 +136,6 @@ class CovarianceForm:
     gauss_trace: float
     logdet: float
     dense_fraction: float
-
-
-def square_root_factor(op):
-    """An operator ``R`` with ``R^T R = op`` for an SPD prior precision, or ``None``.
-
-    A sparse precision (:class:`~pyro_convexvb.linalg.SparseOperator`, e.g. a Gaussian Markov random
-    field) gets its sparse Cholesky factor ``R = D^{1/2} L^T P`` (fill-reducing ordering; Rue & Held
-    2005, §2.4), of any size and never densified; a dense block up to ``DENSE_BLOCK_LIMIT`` its dense
-    Cholesky factor.
-    """
-    if isinstance(op, IdentityOperator):
-        return op
-    if isinstance(op, DiagonalOperator):
-        return DiagonalOperator(torch.sqrt(op.diag))
-    if isinstance(op, BlockDiagonalOperator):
-        parts = [square_root_factor(o) for o in op.operators]
-        return None if any(p is None for p in parts) else BlockDiagonalOperator(parts)
-    if isinstance(op, SparseOperator):
-        from ...linalg.sparse_cholesky import SparseCholesky
-
-        R = SparseCholesky(op, name="prior precision").factor_matrix()
-        csr = torch.sparse_csr_tensor(torch.as_tensor(R.indptr, dtype=torch.int64),
-                                      torch.as_tensor(R.indices, dtype=torch.int64),
-                                      torch.as_tensor(R.data, dtype=op.dtype), size=R.shape,
-                                      check_invariants=False).to(op.device)
-        return SparseOperator(csr)
-    if op.shape[0] <= DENSE_BLOCK_LIMIT:
-        L = torch.linalg.cholesky(op.to_dense())
-        return DenseOperator(L.transpose(0, 1).contiguous())
-    return None
 
 
 class RelaxationProblem:
@@ -354,7 +269,7 @@ class RelaxationProblem:
         if self._diag_xtx is None:
             d = torch.zeros(self.n, dtype=self.dtype, device=self.device)
             for sl, P, _ in self.prior_blocks:
-                dp = operator_diagonal(P.base)
+                dp = P.base.diagonal()
                 if dp is not None:
                     d[sl] += dp
             for Bg, _, _, sd in self.gauss:
@@ -390,7 +305,7 @@ class RelaxationProblem:
         """Exact ``diag(X^T X + B^T diag(w) B)``, or ``None`` if some part is not available cheaply."""
         d = torch.zeros(self.n, dtype=self.dtype, device=self.device)
         for sl, P, _ in self.prior_blocks:
-            dp = operator_diagonal(P.base)
+            dp = P.base.diagonal()
             if dp is None:
                 return None
             d[sl] += dp
@@ -428,7 +343,7 @@ class RelaxationProblem:
         """``J`` with ``J^T J = X^T X + B^T diag(w) B`` (for exact perturb-and-solve sampling), or ``None``."""
         parts = []
         for sl, P, _ in self.prior_blocks:
-            R = square_root_factor(P.base)
+            R = P.base.sqrt_factor()
             if R is None:
                 return None
             parts.append(R if (sl.start == 0 and sl.stop == self.n) else EmbedColumnsOperator(R, sl.start, self.n))
@@ -504,20 +419,20 @@ class RelaxationProblem:
 
     def mvm_flops(self, whitened=False):
         """Floating-point operations of one product with ``A`` (``whitened=True``: with ``A_v = L^T A L``,
-        computed as ``v + L^T (M_u (L v))``) for one vector, from :func:`operator_flops`.
+        computed as ``v + L^T (M_u (L v))``) for one vector, from the operators' ``flops()``.
 
         :returns: ``float``; the cost model of the outer loop's ``variance="auto"`` uses it.
         """
-        flops = sum(2.0 * operator_flops(Bg) + Bg.shape[0] for Bg, _, _, _ in self.gauss)
+        flops = sum(2.0 * Bg.flops() + Bg.shape[0] for Bg, _, _, _ in self.gauss)
         if self.B is not None:
-            flops += 2.0 * operator_flops(self.B) + self.q
+            flops += 2.0 * self.B.flops() + self.q
         if whitened:
             blocks = self.covariance_blocks()
             if blocks is None:
                 raise ValueError("mvm_flops: the model has no covariance form (a flat or precision-only prior block)")
             sizes = [(sl.stop - sl.start, dense) for sl, _, dense in blocks]
             return flops + 2.0 * sum(2.0 * m * m if dense else m for m, dense in sizes) + self.n
-        return flops + sum(operator_flops(P) for _, P, _ in self.prior_blocks)
+        return flops + sum(P.flops() for _, P, _ in self.prior_blocks)
 
     # ------------------------------------------------------------------ objective pieces
     def R(self, u, gamma, s=None):

@@ -9,6 +9,7 @@ import torch
 from pyro.nn import PyroParam
 
 from ...errors import UnsupportedModelError
+from ...linalg.linesearch import backtrack
 from ...posterior.gaussian import _write_guide_params
 from ...posterior.mixture import (_ENTROPY_BOUNDS, AutoDiagMixture, DiagMixturePosterior, _entropy_fn,
                                   mixture_evidence_bound)
@@ -131,93 +132,17 @@ class DiagMixtureEngine(SVIEngine):
         return why is None and not set_svi
 
     def _fit_natural_gradient(self, guide, lgm, run):
-        """Second-order ascent on the deterministic mixture bound (latent Gaussian models, full data).
+        """:func:`_natural_gradient_ascent` from the guide's parameters; the optimum is written back into them.
 
-        The objective is ``F = (1/K) sum_k E_{q_k} log p(y, u) + Hbound(q)`` with closed-form prior terms,
-        Gauss-Hermite site expectations and the training entropy bound (option ``entropy``). Each step
-        updates every component ``k``:
-
-        * variances by the natural-gradient (conjugate-computation, Khan & Lin 2017) step in the metric
-          of :func:`~pyro_convexvb.infer.optimality.mixture_decrement`:
-          ``1/v_k <- 1/v_k - 2 K b dF/dv_k`` (``b = 1``: the stationarity condition of ``v_k``);
-        * means by a Newton step with the expected curvature of the component's log joint,
-          ``m_k <- m_k + K b A_k^{-1} dF/dm_k``, ``A_k = P + sum_i b_i b_i^T (-2 dE_i/drho_i)`` (prior
-          precision ``P``, site rows ``b_i``, site variance ``rho_i``; by Price's theorem
-          ``E[d^2 log t_i] = 2 dE_i/drho_i``), so correlated latents do not slow it down as a diagonal
-          metric would.
-
-        Steps that lower ``F`` (or leave a precision nonpositive) are halved. The run stops when the
-        decrement is below ``decrement_tol`` and the last step changed ``F`` by less than it.
-
-        :returns: ``(F, iterations, stop reason)``; the optimum is written into the guide's parameters.
+        :returns: ``(F, iterations, stop reason)``.
         """
         o = self.options
-        entropy_fn = _entropy_fn(o.entropy)
         with torch.no_grad():
             locs0, scales0 = guide._mixture_params()
         M = locs0.detach().to(lgm.dtype).clone()
         V = scales0.detach().to(lgm.dtype).clone() ** 2
-        K, n = M.shape
-        P = lgm.dense_prior_prec()
-        groups = list(lgm.sites)
-
-        def evaluate(M, V):
-            """``F``, ``dF/dM``, ``dF/dV`` and, per component and site group, ``dE/drho`` of the sites."""
-            Mg, Vg = M.clone().requires_grad_(True), V.clone().requires_grad_(True)
-            with torch.enable_grad():
-                total, rhos = 0.0, []
-                for m, v in zip(Mg, Vg):
-                    e = lgm.expected_log_prior(m, variance=v) + lgm.log_const
-                    for g in groups:
-                        rho = lgm.diag_marginal_var(g, v)
-                        rhos.append(rho)
-                        e = e + g.family.expected_log_prob(g.eta(m), rho).sum()
-                    total = total + e
-                val = total / K + entropy_fn(Mg, Vg)
-                grads = torch.autograd.grad(val, [Mg, Vg] + rhos)
-            # dE_k/drho = K dF/drho (F weighs component k by 1/K)
-            d = [K * t for t in grads[2:]]
-            return float(val.detach()), grads[0], grads[1], d
-
-        def newton_directions(g, d):
-            out = torch.empty_like(g)
-            for k in range(K):
-                A = P.clone()
-                for j, grp in enumerate(groups):
-                    A = A + grp.design.weighted_gram((-2 * d[k * len(groups) + j]).clamp_min(0))
-                A.diagonal().add_(1e-12 * float(A.diagonal().abs().max()) + 1e-300)
-                out[k] = K * torch.cholesky_solve(g[k].unsqueeze(-1), torch.linalg.cholesky(A)).squeeze(-1)
-            return out
-
-        val, g, gv, d = evaluate(M, V)
-        b, reason, it, last_change = 1.0, "max_steps", 0, math.inf
-        bar = run.bar(total=o.max_steps, unit="iter")
-        for it in range(1, o.max_steps + 1):
-            dec = K * float((0.5 * g * g * V).sum() + ((gv * V) ** 2).sum())
-            run.history.record(objective=val, decrement=dec)
-            bar.update(1)
-            if not math.isfinite(dec):
-                raise FloatingPointError(f"diag_mixture: the natural-gradient decrement became {dec}")
-            if dec <= o.decrement_tol and last_change <= o.decrement_tol:
-                reason = "decrement"
-                break
-            step_m = newton_directions(g, d)
-            for _ in range(60):
-                prec = 1.0 / V - 2 * K * b * gv
-                if bool((prec > 0).all()):
-                    V_new = 1.0 / prec
-                    M_new = M + b * step_m
-                    new = evaluate(M_new, V_new)
-                    if new[0] >= val - 1e-12 * (1 + abs(val)):
-                        break
-                b *= 0.5
-            else:
-                reason = "no ascent step"
-                break
-            last_change = new[0] - val
-            M, V = M_new, V_new
-            val, g, gv, d = new
-            b = min(1.0, 2 * b)
+        M, V, val, it, reason = _natural_gradient_ascent(lgm, M, V, _entropy_fn(o.entropy), max_steps=o.max_steps,
+                                                        decrement_tol=o.decrement_tol, run=run)
         _write_guide_params(guide, {"locs": torch.nn.Parameter(M.to(locs0.dtype).clone()),
                                     "scales": PyroParam(V.sqrt().to(scales0.dtype).clone(), guide.scale_constraint)})
         return val, it, reason
@@ -288,3 +213,95 @@ class DiagMixtureEngine(SVIEngine):
         state = MixtureState(posterior.locs, posterior.variances, info["steps"], info["optimizer"])
         return Solution(posterior, bound, Optimality.single(name, dec, o.decrement_tol), reason, info,
                         lgm=lgm if exact else None, state=state)
+
+
+def _mixture_bound(lgm, entropy_fn, M, V):
+    """``F``, ``dF/dM``, ``dF/dV`` and, per component and site group, ``dE/drho`` of the sites."""
+    K = M.shape[0]
+    Mg, Vg = M.clone().requires_grad_(True), V.clone().requires_grad_(True)
+    with torch.enable_grad():
+        total, rhos = 0.0, []
+        for m, v in zip(Mg, Vg):
+            e = lgm.expected_log_prior(m, variance=v) + lgm.log_const
+            for g in lgm.sites:
+                rho = lgm.diag_marginal_var(g, v)
+                rhos.append(rho)
+                e = e + g.family.expected_log_prob(g.eta(m), rho).sum()
+            total = total + e
+        val = total / K + entropy_fn(Mg, Vg)
+        grads = torch.autograd.grad(val, [Mg, Vg] + rhos)
+    # dE_k/drho = K dF/drho (F weighs component k by 1/K)
+    d = [K * t for t in grads[2:]]
+    return float(val.detach()), grads[0], grads[1], d
+
+
+def _newton_directions(lgm, P, g, d):
+    """``K A_k^{-1} dF/dm_k`` per component, ``A_k = P + sum_i b_i b_i^T (-2 dE_i/drho_i)``."""
+    K, groups = g.shape[0], list(lgm.sites)
+    out = torch.empty_like(g)
+    for k in range(K):
+        A = P.clone()
+        for j, grp in enumerate(groups):
+            A = A + grp.design.weighted_gram((-2 * d[k * len(groups) + j]).clamp_min(0))
+        A.diagonal().add_(1e-12 * float(A.diagonal().abs().max()) + 1e-300)
+        out[k] = K * torch.cholesky_solve(g[k].unsqueeze(-1), torch.linalg.cholesky(A)).squeeze(-1)
+    return out
+
+
+def _natural_gradient_ascent(lgm, M, V, entropy_fn, *, max_steps, decrement_tol, run):
+    """Second-order ascent on the deterministic mixture bound (latent Gaussian models, full data).
+
+    The objective is ``F = (1/K) sum_k E_{q_k} log p(y, u) + Hbound(q)`` with closed-form prior terms,
+    Gauss-Hermite site expectations and the training entropy bound (option ``entropy``). Each step
+    updates every component ``k``:
+
+    * variances by the natural-gradient (conjugate-computation, Khan & Lin 2017) step in the metric
+      of :func:`~pyro_convexvb.infer.optimality.mixture_decrement`:
+      ``1/v_k <- 1/v_k - 2 K b dF/dv_k`` (``b = 1``: the stationarity condition of ``v_k``);
+    * means by a Newton step with the expected curvature of the component's log joint,
+      ``m_k <- m_k + K b A_k^{-1} dF/dm_k``, ``A_k = P + sum_i b_i b_i^T (-2 dE_i/drho_i)`` (prior
+      precision ``P``, site rows ``b_i``, site variance ``rho_i``; by Price's theorem
+      ``E[d^2 log t_i] = 2 dE_i/drho_i``), so correlated latents do not slow it down as a diagonal
+      metric would.
+
+    Steps that lower ``F`` (or leave a precision nonpositive) are halved. The run stops when the
+    decrement is below ``decrement_tol`` and the last step changed ``F`` by less than it.
+
+    :param M: ``(K, n)`` component means; :param V: ``(K, n)`` variances (the start).
+    :param entropy_fn: the entropy bound ``(M, V) -> H``.
+    :param run: the fit's :class:`~pyro_convexvb.infer.result.RunContext` (history and progress bar).
+    :returns: ``(M, V, F, iterations, stop reason)``.
+    """
+    K = M.shape[0]
+    P = lgm.dense_prior_prec()
+    val, g, gv, d = _mixture_bound(lgm, entropy_fn, M, V)
+    b, reason, it, last_change = 1.0, "max_steps", 0, math.inf
+    bar = run.bar(total=max_steps, unit="iter")
+    for it in range(1, max_steps + 1):
+        dec = K * float((0.5 * g * g * V).sum() + ((gv * V) ** 2).sum())
+        run.history.record(objective=val, decrement=dec)
+        bar.update(1)
+        if not math.isfinite(dec):
+            raise FloatingPointError(f"diag_mixture: the natural-gradient decrement became {dec}")
+        if dec <= decrement_tol and last_change <= decrement_tol:
+            reason = "decrement"
+            break
+        step_m = _newton_directions(lgm, P, g, d)
+
+        def trial(b, M=M, V=V, gv=gv, val=val, step_m=step_m):
+            prec = 1.0 / V - 2 * K * b * gv
+            if not bool((prec > 0).all()):
+                return None
+            M_new, V_new = M + b * step_m, 1.0 / prec
+            new = _mixture_bound(lgm, entropy_fn, M_new, V_new)
+            return (M_new, V_new, new) if new[0] >= val - 1e-12 * (1 + abs(val)) else None
+
+        b, accepted = backtrack(trial, b)
+        if accepted is None:
+            reason = "no ascent step"
+            break
+        M, V, new = accepted
+        last_change = new[0] - val
+        val, g, gv, d = new
+        b = min(1.0, 2 * b)
+    return M, V, val, it, reason

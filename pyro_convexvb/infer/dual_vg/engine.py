@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import UnsupportedModelError
-from ...linalg.operators import IdentityOperator, SparseOperator
+from ...linalg.operators import DENSE_LIMIT, IdentityOperator, SparseOperator
 from ..engine import Criterion, Engine, LGMEngineOptions, Optimality, Solution, option
 from ...lgm.stack import Stacked
 from .bounds import LogitJaakkolaBound, make_bound
@@ -121,21 +121,7 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
     mu = lgm.prior_loc
     N, L = W.shape
     precision_only = lgm.prior_cov is None
-    if comm is not None:
-        if form in ("site", "banded", "sparse"):
-            raise ValueError(f"dual_vg: form='{form}' cannot run on row-sharded data (its matrices couple the sites of "
-                             f"every rank); use form='latent' (the L x L form, or form='auto', which selects it)")
-        form = "latent"
-    if form == "auto":
-        if precision_only and len(lgm.priors) == 1 and isinstance(lgm.priors[0].prec, SparseOperator) \
-                and (_is_identity(W, L) or _one_per_row(W)):
-            form = "banded"
-        elif L >= SPARSE_MIN_LATENTS and _sparse_form_fits(lgm, W):
-            form = "sparse"
-        elif L < N:
-            form = "latent"
-        else:
-            form = "site"
+    form = _choose_form(lgm, W, form, comm, precision_only)
     if form == "sparse":
         from .sparse import SparseLatentBackend
 
@@ -173,6 +159,25 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
             if isinstance(b, LogitJaakkolaBound) and b.xi is None:
                 b.set_xi(torch.sqrt(hh**2 + rr))
     return backend, lb, form
+
+
+def _choose_form(lgm, W, form, comm, precision_only):
+    """The form :func:`build_dual_problem` runs in: ``form`` itself, or for ``"auto"`` the rule of its docstring;
+    row-sharded data runs in the latent form only."""
+    N, L = W.shape
+    if comm is not None:
+        if form in ("site", "banded", "sparse"):
+            raise ValueError(f"dual_vg: form='{form}' cannot run on row-sharded data (its matrices couple the sites of "
+                             f"every rank); use form='latent' (the L x L form, or form='auto', which selects it)")
+        return "latent"
+    if form != "auto":
+        return form
+    if precision_only and len(lgm.priors) == 1 and isinstance(lgm.priors[0].prec, SparseOperator) \
+            and (_is_identity(W, L) or _one_per_row(W)):
+        return "banded"
+    if L >= SPARSE_MIN_LATENTS and _sparse_form_fits(lgm, W):
+        return "sparse"
+    return "latent" if L < N else "site"
 
 
 def _sparse_form_fits(lgm, W):
@@ -351,7 +356,7 @@ class DualVGEngine(Engine):
         (:meth:`DualState.bound_at`)."""
         from ..type2 import envelope_gradient
 
-        if result.posterior.n > 5000:
+        if result.posterior.n > DENSE_LIMIT:
             return super().type2_gradient(params, x, result, args, kwargs, h)
         return envelope_gradient(params, x, self.model, args, kwargs, result.state.bound_at, h, autograd=True)
 

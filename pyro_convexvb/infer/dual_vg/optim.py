@@ -18,6 +18,8 @@ import torch
 
 from ...errors import warn
 from ...linalg.cg import cg
+from ...linalg.lbfgs import LBFGSMemory
+from ...linalg.linesearch import armijo, backtrack
 from ..result import History
 from ...lgm.families.bound import QuadraticBound
 from .bounds import numerical_conjugate
@@ -135,17 +137,16 @@ def _laplace_start(backend, bound, alpha0, max_newton=50):
         sol = working_solution(m)
         if sol is None or not math.isfinite(f):
             break
-        t, accepted = 1.0, False
-        for _ in range(40):
-            a_t = a + t * (sol.alpha - a)
-            m_t = m + t * (sol.m_tilde - m)
+
+        def trial(t, sol=sol, a=a, m=m, f=f):
+            a_t, m_t = a + t * (sol.alpha - a), m + t * (sol.m_tilde - m)
             f_t = phi(a_t, m_t)
-            if math.isfinite(f_t) and f_t <= f:
-                accepted = True
-                break
-            t *= 0.5
-        if not accepted:
+            return (a_t, m_t, f_t) if math.isfinite(f_t) and f_t <= f else None
+
+        _, accepted = backtrack(trial, max_trials=40)
+        if accepted is None:
             break
+        a_t, m_t, f_t = accepted
         done = f - f_t <= 1e-12 * max(1.0, abs(f))
         a, m, v, f = a_t, m_t, sol.v_tilde, f_t
         if done:
@@ -205,50 +206,6 @@ def gap_rounding_floor(bound, alpha, val, red=LOCAL):
     return (6 + math.ceil(math.log2(max(n, 2)))) * torch.finfo(alpha.dtype).eps * float(red.sum(T.sum()))
 
 
-def _site_pcg(matvec, b, precond, rtol, max_iter, red):
-    """Preconditioned CG on site vectors spread over ranks (inner products reduced by ``red``).
-
-    The one-column, ``x0 = 0``, ``true_residual=False``, ``on_negative_curvature="truncate"`` case of
-    :func:`~pyro_convexvb.linalg.cg` (Steihaug 1983), with the same arithmetic, so a row-sharded
-    Newton step takes the same CG iterations as the single-process one.
-
-    :returns: ``(x, iterations)``.
-    """
-    x = torch.zeros_like(b)
-    r = b.clone()
-    tol = rtol * red.norm(b)
-    rnorm = red.norm(r)
-    if not rnorm > tol or max_iter <= 0:
-        return x, 0
-    z = precond(r)
-    rz = red.dot(r, z)
-    p = z.clone()
-    first, it = True, 0
-    while True:
-        Ap = matvec(p)
-        it += 1
-        pAp = red.dot(p, Ap)
-        neg = not pAp > 0
-        if neg and not math.isfinite(pAp):
-            raise ValueError("matmul returned NaN or inf during CG")
-        alpha = (1.0 if first else 0.0) if neg else rz / pAp
-        x.add_(p, alpha=alpha)
-        r.add_(Ap, alpha=-alpha)
-        rn = red.norm(r)
-        if not rz > 0:
-            from ...errors import NotPositiveDefiniteError
-
-            raise NotPositiveDefiniteError("the preconditioner is not positive definite: r^T M^{-1} r <= 0 during CG")
-        if neg or rn <= tol or it >= max_iter:
-            return x, it
-        z = precond(r)
-        rz_new = red.dot(r, z)
-        beta = rz_new / rz
-        rz = rz_new
-        p = z + beta * p
-        first = False
-
-
 def solve_dual(backend, bound, alpha0=None, *, method="newton", gap_tol=None, max_iter=None, memory=20,
                history=None, on_fail="warn", callback=None, newton_solver="auto"):
     r"""Minimise the reduced dual ``g(alpha)`` (Khan et al. 2013, Eq. 20 with ``lambda = ell(alpha)``).
@@ -296,15 +253,20 @@ def solve_dual(backend, bound, alpha0=None, *, method="newton", gap_tol=None, ma
     return _lbfgs(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback)
 
 
-def _finish(alpha, val, gap, it, nev, converged, history, on_fail, gap_tol, method):
-    if not converged:
-        msg = (f"dual_vg ({method}) stopped after {it} iterations with duality gap {gap:.3g} > gap_tol {gap_tol:.3g}")
-        if on_fail == "raise":
-            from ...errors import ConvergenceError
+def _check_converged(converged, gap, it, on_fail, gap_tol, method):
+    """Raise, warn or stay silent (``on_fail``) when the gap was not closed."""
+    if converged or on_fail == "ignore":
+        return
+    msg = f"dual_vg ({method}) stopped after {it} iterations with duality gap {gap:.3g} > gap_tol {gap_tol:.3g}"
+    if on_fail == "raise":
+        from ...errors import ConvergenceError
 
-            raise ConvergenceError(msg, residual=gap, iterations=it)
-        if on_fail != "ignore":
-            warn(msg)
+        raise ConvergenceError(msg, residual=gap, iterations=it)
+    warn(msg)
+
+
+def _finish(alpha, val, gap, it, nev, converged, history, on_fail, gap_tol, method):
+    _check_converged(converged, gap, it, on_fail, gap_tol, method)
     return DualSolution(alpha, val.lam, float(val.g), gap, val.m_tilde, val.v_tilde, it, nev, converged, history,
                         gap_tol=gap_tol)
 
@@ -335,16 +297,14 @@ def _newton_cg_step(H, grad, cg_max_iter, red):
 
     The Woodbury preconditioner is tried first; where rounding makes it indefinite (its two terms cancel when
     the site curvatures span many orders of magnitude), the step is solved again with its diagonal (Jacobi)
-    form, which is positive definite in any arithmetic. Row-sharded sites use :func:`_site_pcg` (inner
-    products reduced over ranks). :returns: ``(d, cg_iterations)``."""
+    form, which is positive definite in any arithmetic. Row-sharded sites sum CG's inner products over ranks
+    (``cg(reduction=)``). :returns: ``(d, cg_iterations)``."""
     from ...errors import NotPositiveDefiniteError
 
     def solve(precond):
-        if red.active:
-            return _site_pcg(H.mv, -grad, precond, min(0.1, math.sqrt(red.norm(grad))), cg_max_iter, red)
-        res = cg(H.mv, -grad, precond=lambda R: precond(R[:, 0])[:, None],
-                 rtol=min(0.1, math.sqrt(float(grad.norm()))), max_iter=cg_max_iter, on_fail="ignore",
-                 true_residual=False, on_negative_curvature="truncate")
+        res = cg(H.mv, -grad, precond=lambda R: precond(R[:, 0])[:, None], rtol=min(0.1, math.sqrt(red.norm(grad))),
+                 max_iter=cg_max_iter, on_fail="ignore", true_residual=False, on_negative_curvature="truncate",
+                 reduction=red if red.active else None)
         return res.x, res.iterations
 
     try:
@@ -367,6 +327,32 @@ def _newton_direction(val, cg_max_iter, red):
     return -torch.cholesky_solve(val.grad[:, None], Lh)[:, 0], 0
 
 
+def _record(bound, alpha, val, red, history, evaluations, callback):
+    """Record an iterate (objective, duality gap, ELBO) and pass it to ``callback``. :returns: the gap."""
+    gap = _gap(bound, alpha, val, red)
+    history.record(objective=float(val.g), gap=gap, elbo=float(val.g) - gap, evaluations=evaluations)
+    if callback is not None:
+        callback(alpha, val, gap)
+    return gap
+
+
+def _line_search(backend, bound, alpha, d, val, t, red, **objective_options):
+    """Backtrack from step ``t`` along ``d`` until the reduced dual decreases enough (Armijo).
+
+    :returns: ``((alpha + t d, its objective) or None, objective evaluations)``.
+    """
+    slope, evaluations = red.dot(val.grad, d), 0
+
+    def trial(t):
+        nonlocal evaluations
+        cand = alpha + t * d
+        new = reduced_objective(backend, bound, cand, **objective_options)
+        evaluations += 1
+        return (cand, new) if armijo(float(new.g), float(val.g), t, slope) else None
+
+    return backtrack(trial, t)[1], evaluations
+
+
 def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback, newton_solver="auto",
             cg_max_iter=200):
     mode = "operator" if _use_operator_hessian(backend, newton_solver) else True
@@ -382,10 +368,7 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
         raise ValueError("the starting alpha lies outside the conjugate's domain")
     nev, converged, it = 1, False, 0
     for it in range(max_iter + 1):
-        gap = _gap(bound, alpha, val, red)
-        history.record(objective=float(val.g), gap=gap, elbo=float(val.g) - gap, evaluations=nev)
-        if callback is not None:
-            callback(alpha, val, gap)
+        gap = _record(bound, alpha, val, red, history, nev, callback)
         if gap <= gap_tol:
             converged = True
             break
@@ -403,20 +386,13 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
             d, t = dc, 1.0
         else:
             t = _max_step(alpha, d, bound, red=red)
-        dec = -red.dot(val.grad, d)
-        accepted = False
-        for _ in range(60):
-            cand = alpha + t * d
-            new = reduced_objective(backend, bound, cand, hessian=False)
-            nev += 1
-            if torch.isfinite(new.g) and float(new.g) <= float(val.g) - 1e-4 * t * dec:
-                accepted = True
-                break
-            t *= 0.5
-        if not accepted:  # at machine precision: no decrease possible any more
+        accepted, evaluations = _line_search(backend, bound, alpha, d, val, t, red, hessian=False)
+        nev += evaluations
+        if accepted is None:  # at machine precision: no decrease possible any more
             floor = gap_rounding_floor(bound, alpha, val, red)
             converged, tol = (True, floor) if gap <= floor else (False, tol)
             break
+        cand, new = accepted
         unchanged = unchanged + 1 if float(new.g) == float(val.g) else 0
         if can_densify and unchanged >= 3:
             mode, can_densify, unchanged = True, False, 0
@@ -432,64 +408,27 @@ def _lbfgs(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, c
     val = reduced_objective(backend, bound, alpha)
     if not torch.isfinite(val.g):
         raise ValueError("the starting alpha lies outside the conjugate's domain")
-    S, Y = [], []
+    mem = LBFGSMemory(memory, red.dot)
     nev, converged, it = 1, False, 0
     for it in range(max_iter + 1):
-        gap = _gap(bound, alpha, val, red)
-        history.record(objective=float(val.g), gap=gap, elbo=float(val.g) - gap, evaluations=nev)
-        if callback is not None:
-            callback(alpha, val, gap)
+        gap = _record(bound, alpha, val, red, history, nev, callback)
         if gap <= gap_tol:
             converged = True
             break
         if it == max_iter:
             break
-        d = -_two_loop(val.grad, S, Y, red)
-        if red.dot(val.grad, d) >= 0:  # not a descent direction: restart
-            S, Y = [], []
-            d = -val.grad
-        dec = -red.dot(val.grad, d)
-        t = _max_step(alpha, d, bound, red=red)
-        accepted = False
-        for _ in range(60):
-            cand = alpha + t * d
-            new = reduced_objective(backend, bound, cand)
-            nev += 1
-            if torch.isfinite(new.g) and float(new.g) <= float(val.g) - 1e-4 * t * dec:
-                accepted = True
-                break
-            t *= 0.5
-        if not accepted:
-            if S:
-                S, Y = [], []
+        d = mem.direction(val.grad)  # resets the memory where -H g is not a descent direction
+        accepted, evaluations = _line_search(backend, bound, alpha, d, val, _max_step(alpha, d, bound, red=red), red)
+        nev += evaluations
+        if accepted is None:
+            if len(mem):
+                mem.reset()
                 continue
             break
-        s, yv = cand - alpha, new.grad - val.grad
-        if red.dot(s, yv) > 1e-12 * red.dot(yv, yv):
-            S.append(s)
-            Y.append(yv)
-            if len(S) > memory:
-                S.pop(0)
-                Y.pop(0)
+        cand, new = accepted
+        mem.update(cand - alpha, new.grad - val.grad)
         alpha, val = cand, new
     return _finish(alpha, val, gap, it, nev, converged, history, on_fail, gap_tol, "lbfgs")
-
-
-def _two_loop(grad, S, Y, red=LOCAL):
-    q = grad.clone()
-    rhos, alphas = [], []
-    for s, y in zip(reversed(S), reversed(Y)):
-        rho = 1.0 / red.dot(y, s)
-        a = rho * red.dot(s, q)
-        q = q - a * y
-        rhos.append(rho)
-        alphas.append(a)
-    if S:
-        q = q * (red.dot(S[-1], Y[-1]) / red.dot(Y[-1], Y[-1]))
-    for (s, y), rho, a in zip(zip(S, Y), reversed(rhos), reversed(alphas)):
-        b = rho * red.dot(y, q)
-        q = q + (a - b) * s
-    return q
 
 
 # ----------------------------------------------------------------------------- joint form
@@ -528,7 +467,7 @@ def minimize_joint(backend, bound, alpha0, lam0, *, gap_tol=None, max_iter=500, 
     if not math.isfinite(g):
         raise ValueError("(alpha0, lam0) lies outside the conjugate's effective domain")
     state["h"], state["rho"] = extra[1], extra[2]
-    S, Y = [], []
+    mem = LBFGSMemory(memory)
     converged, it, nev = False, 0, 1
     gap = math.inf
     for it in range(max_iter + 1):
@@ -541,45 +480,28 @@ def minimize_joint(backend, bound, alpha0, lam0, *, gap_tol=None, max_iter=500, 
             break
         if it == max_iter:
             break
-        d = -_two_loop(grad, S, Y)
-        if float(grad @ d) >= 0:
-            S, Y = [], []
-            d = -grad
-        dec = -float(grad @ d)
-        step, accepted = 1.0, False
-        for _ in range(60):
-            cand = x + step * d
-            gn, gradn, extran = evaluate(cand)
+        d = mem.direction(grad)
+        slope = float(grad @ d)
+
+        def trial(t, d=d, g=g, slope=slope):
+            nonlocal nev
+            cand = x + t * d
+            new = evaluate(cand)
             nev += 1
-            if math.isfinite(gn) and gn <= g - 1e-4 * step * dec:
-                accepted = True
-                break
-            step *= 0.5
-        if not accepted:
-            if S:
-                S, Y = [], []
+            return (cand,) + new if armijo(new[0], g, t, slope) else None
+
+        _, accepted = backtrack(trial)
+        if accepted is None:
+            if len(mem):
+                mem.reset()
                 continue
             break
-        s, yv = cand - x, gradn - grad
-        if float(s @ yv) > 1e-12 * float(yv @ yv):
-            S.append(s)
-            Y.append(yv)
-            if len(S) > memory:
-                S.pop(0)
-                Y.pop(0)
+        cand, gn, gradn, extran = accepted
+        mem.update(cand - x, gradn - grad)
         x, g, grad, extra = cand, gn, gradn, extran
         state["h"], state["rho"] = extra[1], extra[2]
-    t_ = extra[0]
-    sol = DualSolution(x[:N], x[N:], g, gap, t_.m_tilde, t_.v_tilde, it, nev, converged, history)
-    if not converged:
-        msg = f"dual_vg (joint L-BFGS) stopped after {it} iterations with duality gap {gap:.3g} > {gap_tol:.3g}"
-        if on_fail == "raise":
-            from ...errors import ConvergenceError
-
-            raise ConvergenceError(msg, residual=gap, iterations=it)
-        if on_fail != "ignore":
-            warn(msg)
-    return sol
+    _check_converged(converged, gap, it, on_fail, gap_tol, "joint L-BFGS")
+    return DualSolution(x[:N], x[N:], g, gap, extra[0].m_tilde, extra[0].v_tilde, it, nev, converged, history)
 
 
 # ----------------------------------------------------------------------------- exact refinement
@@ -592,6 +514,9 @@ def _cvi_residual(lam, nu, lam_hat, nu_hat):
 def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-10, num_points=32, history=None,
                  residual_tol=None, return_residual=False):
     r"""Polish a dual optimum into the *exact* VG optimum by the natural-gradient (CVI) fixed point.
+
+    Over 80 lines: most of it is this docstring; the body is one damped fixed-point loop with its two stopping
+    rules.
 
     The LVB optimum is a few nats from the exact VG optimum for Bernoulli-logit sites (its bound
     is an upper bound on ``-E log p``). Starting from it, damped CVI updates (Khan & Lin 2017) of the
@@ -635,6 +560,19 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
         t = backend.evaluate(a, l)
         return float(exact_elbo(backend, bound, a, l, t)), t
 
+    def cvi_step(b, lam, nu, lam_hat, nu_hat, cur):
+        """The damped CVI step ``b``: ``(alpha, lam, bound, backend terms)``, or ``None`` if it lowers the bound."""
+        lam_new = (1 - b) * lam + b * lam_hat
+        nu_new = (1 - b) * nu + b * nu_hat
+        x = lam_new * backend.mu_t - nu_new
+        R, s = backend.factor(lam_new)
+        # Lam^1/2 B^{-1} Lam^1/2 Sigma_t x = s * R^{-T} R^{-1} (s * Sigma_t x)
+        Tx = torch.linalg.solve_triangular(R, (s * (backend.St @ x))[:, None], upper=False)
+        corr = s * torch.linalg.solve_triangular(R.transpose(0, 1), Tx, upper=True)[:, 0]
+        alpha_new = x - corr
+        new, t_new = value(alpha_new, lam_new)
+        return (alpha_new, lam_new, new, t_new) if new >= cur - 1e-12 * (1 + abs(cur)) else None
+
     cur, t = value(alpha, lam)
     history.record(objective=cur)
     converged, it, b = False, 0, float(step)
@@ -654,23 +592,10 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
             best_residual = min(best_residual, residual)
             if stalled >= 5:
                 break
-        accepted = False
-        for _ in range(30):
-            lam_new = (1 - b) * lam + b * lam_hat
-            nu_new = (1 - b) * nu + b * nu_hat
-            x = lam_new * backend.mu_t - nu_new
-            R, s = backend.factor(lam_new)
-            # Lam^1/2 B^{-1} Lam^1/2 Sigma_t x = s * R^{-T} R^{-1} (s * Sigma_t x)
-            Tx = torch.linalg.solve_triangular(R, (s * (backend.St @ x))[:, None], upper=False)
-            corr = s * torch.linalg.solve_triangular(R.transpose(0, 1), Tx, upper=True)[:, 0]
-            alpha_new = x - corr
-            new, t_new = value(alpha_new, lam_new)
-            if new >= cur - 1e-12 * (1 + abs(cur)):
-                accepted = True
-                break
-            b *= 0.5
-        if not accepted:
+        b, accepted = backtrack(lambda b: cvi_step(b, lam, nu, lam_hat, nu_hat, cur), b, max_trials=30)
+        if accepted is None:
             break
+        alpha_new, lam_new, new, t_new = accepted
         change = new - cur
         alpha, lam, cur, t = alpha_new, lam_new, new, t_new
         history.record(objective=cur)

@@ -125,8 +125,3 @@ def cvi_fixed_point(K, mu, family, *, step=1.0, max_iter=500, tol=1e-9, lam0=Non
     out["history"] = history
     return out
 
-
-def cvi_covariance(K, out):
-    """Dense ``V = K - T^T T`` of a :func:`cvi_fixed_point` result."""
-    T = out["T"]
-    return K - T.transpose(0, 1) @ T

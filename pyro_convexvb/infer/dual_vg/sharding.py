@@ -13,8 +13,6 @@ makes identical on every rank, so all ranks take the same branches.
 """
 import math
 
-import torch
-
 __all__ = ["SiteReduction", "LOCAL", "site_reduction", "sharded_design", "local_operator"]
 
 
@@ -121,7 +119,7 @@ def sharded_design(W):
 
     :raises ValueError: for such a mixed stack.
     """
-    from ...distributed import RowShardedOperator, comm_of
+    from ...distributed import comm_of
     from ...linalg.operators import StackedOperator
 
     comm = comm_of(W)
