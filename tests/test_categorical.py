@@ -249,6 +249,14 @@ def test_mask_drops_the_observations():
     assert abs(a.log_evidence_bound - b.log_evidence_bound) < 1e-9
 
 
+def test_state_bound_at_is_the_local_bound_elbo_of_the_fit():
+    """The type-II envelope value ``DualState.bound_at`` at the fitted ``q`` equals the dual's own bound."""
+    model, X, y = _tiny(3, ref_class=True)
+    lgm = lgm_from_pyro(model, X, y=y)
+    res = pcv.fit(lgm, engine="dual_vg", progress=False)
+    assert abs(float(res.state.bound_at(lgm)) - res.info["lvb_elbo"]) < 1e-8
+
+
 def test_newton_and_lbfgs_agree_and_warm_start_resumes():
     model, X, y = _tiny(3, ref_class=False)
     a = pcv.fit(model, X, y=y, engine="dual_vg", progress=False)

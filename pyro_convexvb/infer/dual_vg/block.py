@@ -305,6 +305,20 @@ def solve_block_dual(prob, kappas=None, method="newton", gap_tol=None, max_iter=
     :param float gap_tol: default ``1e-8`` times the number of design rows.
     :param int max_iter: default 100 Newton steps / 2000 L-BFGS evaluations.
     :raises ValueError: for ``method="newton"`` on more than :data:`NEWTON_MAX_VARIABLES` free variables.
+    :returns: a :class:`BlockSolution` (``kappas``, per group ``(n, K)``; ``g``, ``gap``, ``converged``, ...).
+
+    Example::
+
+        >>> import torch
+        >>> from pyro_convexvb import LatentGaussianModel
+        >>> from pyro_convexvb.lgm.families import Categorical
+        >>> X = torch.tensor([[1., 0., 0.5, 0., 0., 0.], [0., 1., 0., 0.5, 0., 0.], [0., 0., 0., 0., 0., 0.],
+        ...                   [1., 0., -1., 0., 0., 0.], [0., 1., 0., -1., 0., 0.], [0., 0., 0., 0., 0., 0.]],
+        ...                  dtype=torch.float64)  # 2 observations x 3 classes, 4 weights (last class at 0)
+        >>> lgm = LatentGaussianModel.from_design(X[:, :4], Categorical(torch.tensor([0., 2.], dtype=torch.float64), 3))
+        >>> sol = solve_block_dual(BlockDualProblem(lgm))
+        >>> sol.converged, [tuple(k.shape) for k in sol.kappas]
+        (True, [(2, 3)])
     """
     gap_tol = 1e-8 * prob.num_rows if gap_tol is None else gap_tol
     kappas = prob.initial() if kappas is None else kappas
