@@ -28,8 +28,9 @@ from ...posterior.gaussian import GaussianPosterior
 
 __all__ = ["BlockDualProblem", "solve_block_dual", "NEWTON_MAX_VARIABLES"]
 
-#: the largest number of free dual variables ``sum_i (K - 1)`` for which Newton forms the dense Hessian
-NEWTON_MAX_VARIABLES = 4000
+#: the largest number of free dual variables ``sum_i (K - 1)`` for which Newton forms the dense Hessian (its cross
+#: term builds an ``n^2 K^3`` array: about 120 MB at ``n = 750``, ``K = 3``)
+NEWTON_MAX_VARIABLES = 1500
 
 
 class BlockDualProblem:

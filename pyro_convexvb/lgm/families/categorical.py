@@ -108,7 +108,11 @@ def expected_lse(h, S, points=None):
                          f"Gauss-Hermite rule is used up to K = {MAX_QUADRATURE_CLASSES} classes (pass points=P for "
                          f"P^{K} nodes)")
     nodes, weights = _gh_grid(K, h.dtype, h.device, points)
-    return _ExpectedLse.apply(h, S, nodes, weights)
+    rows = max(1, int(4_000_000 // (nodes.shape[0] * K)))  # bounded memory: rows in chunks
+    if h.shape[0] <= rows:
+        return _ExpectedLse.apply(h, S, nodes, weights)
+    return torch.cat([_ExpectedLse.apply(h[i:i + rows], S[i:i + rows], nodes, weights)
+                      for i in range(0, h.shape[0], rows)])
 
 
 def tight_kappa(h, S, iters=100):
