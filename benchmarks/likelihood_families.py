@@ -1,11 +1,13 @@
-"""Likelihood families (negative binomial, Gamma, stochastic volatility, Laplace, Student-t): our engines against
+"""Likelihood families (negative binomial, Gamma, stochastic volatility, Laplace, Student-t, softmax): our engines against
 Pyro's NUTS on the zoo's models, each against the zoo's reference (exact 2-D quadrature; a long NUTS run for the
 AR(1) model).
 
 Cases: the zoo models ``negbin``, ``negbin_latent_concentration`` (hyper-latent ``r ~ Gamma``, integrated over),
 ``gamma_regression``, ``heteroscedastic`` (``Normal(0.3, exp(X w / 2))``: the stochastic-volatility site),
 ``stochastic_volatility`` (an AR(1) ``SparseGMRF`` log-volatility, 40 steps; a long NUTS reference),
-``laplace_regression``, ``laplace_latent_scale``, ``student_t``, ``student_t_latent_scale``
+``laplace_regression``, ``laplace_latent_scale``, ``student_t``, ``student_t_latent_scale``, and softmax
+regression on iris, ``softmax_iris`` (``Categorical(logits=X @ W)``, ``W`` 5 x 3) and
+``softmax_iris_reference_class`` (the last class's logit fixed at 0; long NUTS references)
 (``tests/zoo/models.py``, references in ``tests/zoo/references.json``). Methods, alternating in the same run:
 ``dual_vg`` where it fits (the log-concave families with a local bound), ``convex_relaxation`` (the super-Gaussian
 families: negative binomial, Laplace, Student-t), and Pyro's ``nuts`` (one chain, 1,000 draws after 500 warm-up
@@ -34,7 +36,8 @@ from tests.zoo.harness import load_references, run_cell  # noqa: E402
 from tests.zoo.models import ZOO  # noqa: E402
 
 CASES = ("negbin", "negbin_latent_concentration", "gamma_regression", "heteroscedastic", "stochastic_volatility",
-         "laplace_regression", "laplace_latent_scale", "student_t", "student_t_latent_scale")
+         "laplace_regression", "laplace_latent_scale", "student_t", "student_t_latent_scale", "softmax_iris",
+         "softmax_iris_reference_class")
 
 
 def main(argv=None):

@@ -76,7 +76,10 @@ def _is_subsample(site):
 def _depends_on(t, u):
     if not torch.is_tensor(t) or not t.requires_grad:
         return False
-    g = torch.autograd.grad(t.sum(), u, retain_graph=True, allow_unused=True)[0]
+    # unequal weights: a predictor whose entries sum to a constant (centred softmax logits) still depends on u
+    w = torch.linspace(1.0, 2.0, t.numel(), dtype=t.dtype, device=t.device).reshape(t.shape) if t.dim() else None
+    g = torch.autograd.grad(t if w is not None else t.sum(), u, grad_outputs=w, retain_graph=True,
+                            allow_unused=True)[0]
     return g is not None and bool((g != 0).any())
 
 
@@ -464,6 +467,9 @@ def _observed_site(name, site, dtype):
     reason = family.refusal(base)
     if reason is not None:
         raise UnsupportedModelError(name, reason)
+    if family.vector_site:  # K predictor rows per observation (Categorical): eta (n K,), y (n,)
+        eta, y, batch, _ = family.vector_rows(name, base, eta, y, dtype, batch)
+        return family, base, eta, y, batch
     eta = eta.expand(batch).reshape(-1).to(dtype)
     y = y.expand(batch).reshape(-1).to(dtype)
     return family, base, eta, y, batch
@@ -1117,7 +1123,11 @@ def _observed_groups(x, observed):
         if weight is not None:
             keep = (weight != 0) if keep is None else keep & (weight != 0)
         idx = None if keep is None or bool(keep.all()) else torch.nonzero(keep).reshape(-1)
-        eta_k = eta if idx is None else eta[idx]
+        rows = idx
+        if family_cls.vector_site and idx is not None:  # the kept observations' K design rows each
+            K = eta.shape[0] // y.shape[0]
+            rows = (idx.unsqueeze(-1) * K + torch.arange(K, device=idx.device)).reshape(-1)
+        eta_k = eta if rows is None else eta[rows]
         site_params = family_cls.fixed_params(base)
         for value, what in site_params.values():
             if _depends_on(value, x.u0):
@@ -1135,10 +1145,13 @@ def _observed_groups(x, observed):
         if not torch.isfinite(y_k).all():
             raise UnsupportedModelError(name, "observed data contain NaN or inf")
         params = {k: _d(v.expand(batch).reshape(-1).to(dtype), keep_graph) for k, (v, _) in site_params.items()}
-        family = family_cls.from_site(name, y_k, **{k: v if idx is None else v[idx] for k, v in params.items()})
+        if family_cls.vector_site:
+            params["num_classes"] = eta.shape[0] // y.shape[0]
+        family = family_cls.from_site(name, y_k, **{k: v if idx is None or not torch.is_tensor(v) else v[idx]
+                                                    for k, v in params.items()})
         tr1 = x.second_trace()[1]
         eta1 = _observed_site(name, tr1.nodes[name], dtype)[2].detach()
-        op, offset = x.affine(name, eta, eta1, rows=idx)
+        op, offset = x.affine(name, eta, eta1, rows=rows)
         if weight is not None:
             family, const = tempered(family, (weight if idx is None else weight[idx]).to(dtype))
             log_const += const

@@ -465,6 +465,10 @@ class LatentGaussianModel:
         e_prior = self.expected_log_prior(loc, cov, variance=variance)
         e_lik = loc.new_zeros(())
         for g in self.sites:
+            if g.family.vector_site:  # K x K covariance blocks of each observation's predictor rows
+                h, S = self.site_block_marginals(g, loc, cov, variance=variance)
+                e_lik = e_lik + g.family.expected_log_prob(h, S).sum()
+                continue
             m = g.eta(loc)
             v = self._marginal_var(g, cov) if variance is None else self.diag_marginal_var(g, variance)
             e_lik = e_lik + g.family.expected_log_prob(m, v, num_points).sum()
@@ -488,8 +492,29 @@ class LatentGaussianModel:
         return torch.diagonal(LatentGaussianModel._block_precision(p))
 
     def site_marginals(self, loc, cov):
-        """Means and variances of every group's predictor under ``q = N(loc, cov)`` (dense ``cov``)."""
-        return {g.name: (g.eta(loc), self._marginal_var(g, cov)) for g in self.sites}
+        """Means and variances of every group's predictor under ``q = N(loc, cov)`` (dense ``cov``); for a vector
+        site (``family.vector_site``) the block means ``(n, K)`` and covariance blocks ``(n, K, K)``
+        (:meth:`site_block_marginals`)."""
+        return {g.name: (self.site_block_marginals(g, loc, cov) if g.family.vector_site else
+                         (g.eta(loc), self._marginal_var(g, cov))) for g in self.sites}
+
+    @staticmethod
+    def site_block_marginals(group, loc, cov=None, *, variance=None):
+        """``(h (n, K), S (n, K, K))``: the mean and covariance of each observation's ``K`` predictor rows of a vector
+        site group under ``q = N(loc, cov)`` or ``N(loc, diag(variance))`` (dense design rows; small ``K``).
+
+        :raises ValueError: if neither or both of ``cov`` and ``variance`` are given.
+        """
+        if (cov is None) == (variance is None):
+            raise ValueError("site_block_marginals: give exactly one of cov and variance")
+        K = group.family.block_size
+        h = group.eta(loc).reshape(-1, K)
+        B = group.design.to_dense().to(loc).reshape(h.shape[0], K, -1)
+        if cov is not None:
+            S = torch.einsum("nkl,lm,njm->nkj", B, cov, B)
+        else:
+            S = torch.einsum("nkl,l,njl->nkj", B, variance, B)
+        return h, 0.5 * (S + S.transpose(-1, -2))
 
     @staticmethod
     def diag_marginal_var(group, variance):

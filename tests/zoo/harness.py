@@ -156,6 +156,9 @@ for _m, _errs in {"gp_rbf": (2.4, 2.0, 2.1, 1.9), "gp_matern52": (2.2, 2.0, 2.1,
     for _e, _err in zip(("svi_automvn", "svi_autonormal", "svi_lowrank", "diag_mixture"), _errs):
         KNOWN_MISSES[(_m, _e)] = f"mean err {_err} > 0.5 (sds ~0): " + _GP_SVI
 
+KNOWN_MISSES[("softmax_iris_reference_class", "svi_lowrank")] = (
+    "sd err 0.59 > 0.5: Adam from init_scale 0.1 stops on its plateau rule before the low-rank scales have grown")
+
 #: Models on which ``pcv.engines_that_fit`` disagrees with what runs (``xfail(strict=True)`` in the tests;
 #: none at present).
 KNOWN_LISTING = {}

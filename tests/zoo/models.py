@@ -1538,3 +1538,46 @@ def _bym_icar_whitened(args, kwargs):
             pyro.sample("y", dist.Poisson(E * torch.exp(b0 + T @ z + _BYM_SIGMA_V * e)), obs=y)
 
     return model, lambda s: {"b0": s["b0"], "s": s["z"] @ T.T, "v": _BYM_SIGMA_V * s["e"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# softmax (multinomial-logit) regression: Categorical(logits=X @ W), vector sites of K logits per row
+# ---------------------------------------------------------------------------------------------
+def _iris():
+    """Fisher's iris (scikit-learn ships it): 150 rows, an intercept column and the 4 standardised features;
+    classes 0, 1, 2."""
+    from sklearn.datasets import load_iris
+
+    data = load_iris()
+    F = torch.as_tensor(data.data, dtype=D)
+    F = (F - F.mean(0)) / F.std(0)
+    X = torch.cat([torch.ones(F.shape[0], 1, dtype=D), F], 1)
+    return X, torch.as_tensor(data.target, dtype=torch.long)
+
+
+@_zoo("softmax_iris", "GLM", "nuts",
+      "softmax regression on iris: W ~ N(0, 1) (5 x 3), y ~ Categorical(logits=X @ W) (N=150, K=3)")
+def softmax_iris():
+    X, y = _iris()
+
+    def model(X, y=None):
+        W = pyro.sample("W", dist.Normal(torch.zeros(X.shape[1], 3, dtype=D), 1.0).to_event(2))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Categorical(logits=X @ W), obs=y)
+
+    return model, (X,), {"y": y}
+
+
+@_zoo("softmax_iris_reference_class", "GLM", "nuts",
+      "softmax regression on iris, last class as reference: W ~ N(0, 1) (5 x 2), "
+      "y ~ Categorical(logits=[X @ W, 0]) (N=150, K=3)")
+def softmax_iris_reference_class():
+    X, y = _iris()
+
+    def model(X, y=None):
+        W = pyro.sample("W", dist.Normal(torch.zeros(X.shape[1], 2, dtype=D), 1.0).to_event(2))
+        logits = torch.cat([X @ W, torch.zeros(X.shape[0], 1, dtype=D)], -1)
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Categorical(logits=logits), obs=y)
+
+    return model, (X,), {"y": y}

@@ -53,6 +53,9 @@ def _natural_gradient_refusal(call, lgm, n_guide, learn_params):
     if lgm.n != n_guide or getattr(lgm, "chain", None) is not None:
         return "the guide's latent vector is not the latent Gaussian model's (constrained or extra latents, or a " \
                "reparametrised affine Gaussian chain or intrinsic GMRF)"
+    if any(g.family.vector_site for g in lgm.sites):
+        return "the model has vector (Categorical) sites, whose natural-gradient steps would need each row's K x K " \
+               "covariance blocks"
     if learn_params and model_param_values(call):
         return "the model has pyro.param sites to learn jointly (learn_params=True), which only SVI does"
     return None

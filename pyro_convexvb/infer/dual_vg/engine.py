@@ -37,6 +37,15 @@ def dual_vg_applies(lgm):
             return UnsupportedModelError(g.name, getattr(e, "reason", str(e)))
     if not lgm.sites:
         return UnsupportedModelError("<model>", "the model has no likelihood sites")
+    vector = [g for g in lgm.sites if g.family.vector_site]
+    if vector and len(vector) < len(lgm.sites):
+        scalar = next(g for g in lgm.sites if not g.family.vector_site)
+        return UnsupportedModelError(scalar.name, f"dual_vg fits vector (Categorical) sites such as '{vector[0].name}' "
+                                                  "only in models whose likelihood sites are all vector sites; "
+                                                  f"'{scalar.name}' is a scalar '{scalar.family.name}' site")
+    if vector and sharded_design(lgm.design())[1] is not None:
+        return UnsupportedModelError(vector[0].name, "dual_vg does not fit vector (Categorical) sites on row-sharded "
+                                                     "data")
     return None
 
 
@@ -248,9 +257,11 @@ class DualState:
         L = torch.linalg.cholesky(V)
         val = lgm.expected_log_prior(m, V) + torch.log(torch.diagonal(L)).sum() + \
             0.5 * lgm.n * (1 + math.log(2 * math.pi)) + lgm.log_const
-        marginals = lgm.site_marginals(m, V)
+        marginals = lgm.site_marginals(m, V)  # block means and covariances for vector sites
         for g in lgm.sites:
-            val = val - make_bound(g.family, self.bound, self.xi).f(*marginals[g.name]).sum()
+            bound = g.family.local_bound(self.bound) if g.family.vector_site else make_bound(g.family, self.bound,
+                                                                                               self.xi)
+            val = val - bound.f(*marginals[g.name]).sum()
         return val
 
     def site_predictive(self, K_cross, k_test_diag, prior_mean_test=0.0):
@@ -377,6 +388,11 @@ class DualVGEngine(Engine):
 
     def solve(self, lgm, run):
         o = self.options
+        if any(g.family.vector_site for g in lgm.sites):
+            err = dual_vg_applies(lgm)
+            if err is not None:
+                raise err
+            return self._solve_block(lgm, run)
         backend, lb, form = build_dual_problem(lgm, o.bound, o.form, o.xi)
         bar = run.bar(unit="iter")
 
@@ -411,6 +427,46 @@ class DualVGEngine(Engine):
         reason = "duality gap" if sol.converged else "max_iter"
         state = DualState(alpha, lam, form, backend, o.bound, o.xi, posterior)
         return Solution(posterior, bound_value, opt, reason, info, state=state)
+
+    def _solve_block(self, lgm, run):
+        """Vector (Categorical) sites: the reduced block dual of :mod:`.block` in the dense ``L x L`` form."""
+        from .block import BlockDualProblem, block_solution, solve_block_dual
+
+        o = self.options
+        for name, value, ok in (("form", o.form, ("auto", "latent")), ("newton_solver", o.newton_solver,
+                                                                        ("auto", "dense"))):
+            if value not in ok:
+                raise ValueError(f"engine '{self.name}': option '{name}'={value!r} is not available for vector "
+                                 f"(Categorical) sites, which use the dense L x L form; use {name}='auto'")
+        if o.refine:
+            raise ValueError(f"engine '{self.name}': option 'refine' (CVI steps on scalar sites in the N x N form) is "
+                             "not available for vector (Categorical) sites")
+        if o.bound not in ("tight", "bohning"):
+            raise ValueError(f"engine '{self.name}': option bound={o.bound!r} has no Categorical (softmax) form; use "
+                             "bound='tight' (default) or 'bohning'")
+        if o.xi is not None:
+            raise ValueError(f"engine '{self.name}': option 'xi' (Jaakkola tangent points) does not apply to "
+                             "Categorical sites")
+        prob = BlockDualProblem(lgm, o.bound)
+        alpha0 = self.initial_alpha(lgm, prob.num_rows)
+        bar = run.bar(unit="iter")
+
+        def callback(val, gap):
+            bar.update(1)
+            bar.set_postfix(gap=f"{gap:.3g}")
+
+        sol = solve_block_dual(prob, None if alpha0 is None else prob.from_alpha(alpha0), method=o.method,
+                               gap_tol=o.gap_tol, max_iter=o.max_iter, callback=callback, history=run.history)
+        posterior, exact, lvb, (alpha, lam) = block_solution(prob, sol)
+        posterior.layout = lgm.layout
+        bound_value = exact if exact is not None else lvb
+        info = dict(gap=sol.gap, dual_objective=sol.g, lvb_elbo=lvb, iterations=sol.iterations,
+                    evaluations=sol.evaluations, form="block", bound=o.bound, method=o.method, refine=False,
+                    reported_bound="exact" if exact is not None else "local bound (K > 5: no exact quadrature)")
+        opt = Optimality.single("duality gap (nats)", sol.gap, sol.gap_tol)
+        state = DualState(alpha, lam, "block", None, o.bound, None, posterior)
+        return Solution(posterior, bound_value, opt, "duality gap" if sol.converged else "max_iter", info,
+                        state=state)
 
 
 def fit_dual_vg(lgm, progress=True, **options):

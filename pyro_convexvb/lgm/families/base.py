@@ -73,6 +73,10 @@ class SiteFamily:
     #: why the family has no super-Gaussian potential / no convex local bound (``None``: a generic reason)
     no_potential = None
     no_bound = None
+    #: a vector site reads ``block_size`` consecutive design rows per observation (``Categorical``: ``K`` logits);
+    #: its expectations take each row's covariance block (``expected_log_prob(mean, cov (n, K, K))``)
+    vector_site = False
+    block_size = 1
 
     def __init__(self, **params):
         self.params = params

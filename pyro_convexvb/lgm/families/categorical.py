@@ -1,41 +1,399 @@
-r"""Categorical (multinomial-logit, softmax) likelihoods: recognised and refused with the reason.
+r"""Categorical (multinomial-logit, softmax) sites: ``y_i ~ Categorical(logits=eta_i)``, ``eta_i`` a ``K``-vector.
 
-``y_i ~ Categorical(logits=eta_i)`` with ``eta_i = W^T x_i`` a ``K``-vector per row. Böhning's bound (Böhning 1992,
-*Multinomial logistic regression algorithm*; a local bound of the kind Khan et al. 2013, Eq. 10 take) majorises
-``-log softmax_y(eta)`` by the quadratic
-``eta^T A eta / 2 - b(psi)^T eta + c(psi)`` with ``A = (I - 1 1^T / K) / 2``; its expectation needs the ``K x K``
-posterior covariance block of each row's ``eta_i``, whereas every site of this package is a scalar function of one
-linear predictor whose engines see only the marginal means and variances ``(h_n, rho_n)`` (``dual_vg``: one
-``(alpha_n, lambda_n)`` pair per site; ``convex_relaxation``: one width ``gamma_n``). Fitting it needs vector sites
-in the engines: per-row ``K x K`` blocks of ``Var[eta_i]`` (selected inverse of the posterior precision on the rows'
-predictor blocks), a ``K x K`` dual variable per row in ``dual_vg`` (or an outer loop on Böhning's expansion point
-``psi_i`` with the Gaussian pseudo-observations ``L^T eta_i``, ``A = L L^T``), and block-diagonal site precisions in
-the linear algebra. Until then extraction refuses the site, naming it.
+A *vector site*: each observation ``i`` reads ``K`` rows ``eta_i = W_i u + d_i`` of the design (row ``i K + k``
+is class ``k``), and ``log t_i(eta_i) = eta_{i, y_i} - lse(eta_i)``, ``lse(eta) = log sum_k exp(eta_k)``.
+Its expectations under a Gaussian need each row's ``K x K`` covariance block ``S_i = W_i V W_i^T``, not only
+the marginal variances, so every method here takes ``(h, S)`` with ``h`` ``(n, K)`` and ``S`` ``(n, K, K)``.
+
+Two local bounds ``f(h, S) >= -E_{N(eta | h, S)}[log t(eta)]`` for the dual (Khan et al. 2013, Eq. 10, with the
+pairing ``alpha^T h + tr(Lambda S) / 2`` of their Eq. 19 taken blockwise), both with conjugate ``H(kappa) =
+sum_k kappa_k log kappa_k`` at ``kappa = alpha + e_y`` in the simplex (``lse^*``):
+
+* :class:`SoftmaxTightBound` (default): ``f = sup_kappa [kappa^T h + tr(C(kappa) S) / 2 - H(kappa)] - h_y`` with
+  ``C(kappa) = diag(kappa) - kappa kappa^T``, the softmax curvature at the point of gradient ``kappa``; its
+  conjugate is ``H(kappa)`` on ``{Lambda <= C(kappa)}`` (PSD order). The ``K``-class form of the tight
+  Bernoulli-logit bound (``K = 2`` gives it back); valid by the argument of ``docs/dual_vg.md`` (§ Categorical
+  sites).
+* :class:`SoftmaxBohningBound`: ``f = lse(h) + tr(A S) / 2 - h_y`` with Böhning's curvature bound
+  ``A = (I - 1 1^T / K) / 2 >= C(kappa)`` (Böhning 1992); conjugate ``H(kappa)`` on ``{Lambda <= A}``.
+
+Exact expectations use a tensor-product Gauss-Hermite rule in the ``K`` dimensions of ``eta_i``
+(:func:`expected_lse`).
 """
+import math
+
+import numpy as np
 import pyro.distributions as dist
 import torch
 
+from ...errors import UnsupportedModelError
 from .base import SiteFamily
 
-__all__ = ["Categorical"]
+__all__ = ["Categorical", "SoftmaxTightBound", "SoftmaxBohningBound", "SOFTMAX_BOUNDS", "expected_lse",
+           "softmax_curvature", "tight_kappa", "MAX_QUADRATURE_CLASSES"]
+
+SOFTMAX_BOUNDS = ("tight", "bohning")
+#: Gauss-Hermite points per dimension of the ``K``-dimensional tensor rule, by ``K``
+_GH_POINTS = {1: 64, 2: 48, 3: 24, 4: 12, 5: 8}
+#: the largest ``K`` whose exact expectation is computed (the tensor rule has ``P^K`` nodes)
+MAX_QUADRATURE_CLASSES = max(_GH_POINTS)
+
+
+def _gh_grid(K, dtype, device, points=None):
+    """Nodes ``(P^K, K)`` and weights ``(P^K,)`` of the probabilists' tensor Gauss-Hermite rule in ``K`` dimensions."""
+    P = points or _GH_POINTS[K]
+    x, w = np.polynomial.hermite_e.hermegauss(P)
+    w = w / math.sqrt(2 * math.pi)
+    grids = np.meshgrid(*([x] * K), indexing="ij")
+    wg = np.meshgrid(*([w] * K), indexing="ij")
+    nodes = np.stack([g.reshape(-1) for g in grids], -1)
+    weights = np.prod(np.stack([g.reshape(-1) for g in wg], -1), -1)
+    return torch.as_tensor(nodes, dtype=dtype, device=device), torch.as_tensor(weights, dtype=dtype, device=device)
+
+
+def _psd_factor(S):
+    """A factor ``F`` with ``F F^T = S`` of symmetric PSD blocks ``(n, K, K)`` (eigenvalues clamped at 0)."""
+    evals, evecs = torch.linalg.eigh(0.5 * (S + S.transpose(-1, -2)))
+    return evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)
+
+
+def softmax_curvature(kappa):
+    """``C(kappa) = diag(kappa) - kappa kappa^T``, ``(n, K, K)`` for ``kappa`` ``(n, K)``."""
+    return torch.diag_embed(kappa) - kappa.unsqueeze(-1) * kappa.unsqueeze(-2)
+
+
+class _ExpectedLse(torch.autograd.Function):
+    """``E_{N(eta | h, S)}[lse(eta)]`` per row by the tensor Gauss-Hermite rule, with the Stein/Price derivatives
+    ``d/dh = E[softmax(eta)]`` and ``d/dS = E[C(softmax(eta))] / 2`` from the same nodes (no derivative through the
+    factorisation of ``S``, which may be singular). Differentiable once."""
+
+    @staticmethod
+    def forward(ctx, h, S, nodes, weights):
+        F = _psd_factor(S.detach())
+        eta = h.unsqueeze(-2) + torch.einsum("nkj,pj->npk", F, nodes)  # (n, P, K)
+        lse = torch.logsumexp(eta, -1)
+        p = torch.softmax(eta, -1)
+        value = lse @ weights
+        d_h = torch.einsum("npk,p->nk", p, weights)
+        d_S = 0.5 * (torch.diag_embed(d_h) - torch.einsum("npk,npj,p->nkj", p, p, weights))
+        ctx.save_for_backward(d_h, d_S)
+        return value
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        d_h, d_S = ctx.saved_tensors
+        return grad[:, None] * d_h, grad[:, None, None] * d_S, None, None
+
+
+def expected_lse(h, S, points=None):
+    r"""``E_{N(eta | h_i, S_i)}[log sum_k exp(eta_k)]`` per row, by a ``K``-dimensional tensor Gauss-Hermite rule.
+
+    :param torch.Tensor h: ``(n, K)`` means.
+    :param torch.Tensor S: ``(n, K, K)`` symmetric PSD covariances (singular allowed, e.g. a class fixed at 0).
+    :param int points: Gauss-Hermite points per dimension (default 64, 48, 24, 12, 8 for ``K = 1..5``).
+    :returns: ``(n,)``; differentiable once in ``h`` and ``S``.
+    :raises ValueError: for ``K > 5`` without ``points`` (the rule has ``points^K`` nodes).
+
+    Example::
+
+        >>> import math, torch
+        >>> h = torch.zeros(1, 2, dtype=torch.float64)
+        >>> abs(float(expected_lse(h, torch.zeros(1, 2, 2, dtype=torch.float64))) - math.log(2)) < 1e-14
+        True
+    """
+    K = h.shape[-1]
+    if points is None and K not in _GH_POINTS:
+        raise ValueError(f"expected_lse: the {K}-class expectation needs a {K}-dimensional quadrature rule; the tensor "
+                         f"Gauss-Hermite rule is used up to K = {MAX_QUADRATURE_CLASSES} classes (pass points=P for "
+                         f"P^{K} nodes)")
+    nodes, weights = _gh_grid(K, h.dtype, h.device, points)
+    rows = max(1, int(4_000_000 // (nodes.shape[0] * K)))  # bounded memory: rows in chunks
+    if h.shape[0] <= rows:
+        return _ExpectedLse.apply(h, S, nodes, weights)
+    return torch.cat([_ExpectedLse.apply(h[i:i + rows], S[i:i + rows], nodes, weights)
+                      for i in range(0, h.shape[0], rows)])
+
+
+def tight_kappa(h, S, iters=100):
+    r"""``kappa* = argmax_{kappa in simplex} kappa^T h + tr(C(kappa) S) / 2 - H(kappa)``, ``(n, K)``.
+
+    The objective ``phi(kappa) = kappa^T (h + diag(S) / 2) - kappa^T S kappa / 2 - sum kappa log kappa`` is strictly
+    concave; Newton's method on the simplex (the KKT system with the constraint ``1^T kappa = 1``) with a
+    fraction-to-the-boundary step and backtracking on ``phi``, from ``softmax(h)``.
+    """
+    h, S = h.detach(), 0.5 * (S.detach() + S.detach().transpose(-1, -2))
+    c = h + 0.5 * torch.diagonal(S, dim1=-2, dim2=-1)
+    n, K = h.shape
+
+    def phi(k):
+        return (k * c).sum(-1) - 0.5 * (k * (S @ k.unsqueeze(-1)).squeeze(-1)).sum(-1) - \
+            torch.special.xlogy(k, k).sum(-1)
+
+    kappa = torch.softmax(h, -1).clamp_min(1e-300)
+    kappa = kappa / kappa.sum(-1, keepdim=True)
+    ones = torch.ones(n, K, 1, dtype=h.dtype, device=h.device)
+    zero = torch.zeros(n, 1, 1, dtype=h.dtype, device=h.device)
+    for _ in range(iters):
+        grad = c - (S @ kappa.unsqueeze(-1)).squeeze(-1) - torch.log(kappa) - 1
+        H = -S - torch.diag_embed(1.0 / kappa)
+        KKT = torch.cat([torch.cat([H, ones], -1), torch.cat([ones.transpose(-1, -2), zero], -1)], -2)
+        rhs = torch.cat([-grad, torch.zeros(n, 1, dtype=h.dtype, device=h.device)], -1)
+        step = torch.linalg.solve(KKT, rhs)[:, :K]
+        dec = -(step * (H @ step.unsqueeze(-1)).squeeze(-1)).sum(-1)  # Newton decrement^2 (>= 0)
+        # phi* - phi ~ dec / 2: stop at dec < 1e-24; inside the quadratic region (dec < 1e-8) full steps
+        if float(dec.max()) < 1e-24:
+            break
+        if float(dec.max()) < 1e-8:
+            kappa = (kappa + step).clamp_min(1e-300)
+            kappa = kappa / kappa.sum(-1, keepdim=True)
+            continue
+        # fraction to the boundary (kappa + t step > 0), then backtracking (Armijo) on phi
+        neg = step < 0
+        tmax = torch.where(neg, -kappa / torch.where(neg, step, -torch.ones_like(step)), torch.full_like(step, math.inf))
+        t = torch.clamp(0.99 * tmax.min(-1).values, max=1.0)
+        f0 = phi(kappa)
+        for _ in range(60):
+            new = kappa + t.unsqueeze(-1) * step
+            ok = ((new > 0).all(-1) & (phi(new) >= f0 + 1e-4 * t * dec)) | (t < 1e-12)
+            if bool(ok.all()):
+                break
+            t = torch.where(ok, t, 0.5 * t)
+        if bool((t < 1e-12).all()):
+            break
+        kappa = (kappa + t.unsqueeze(-1) * step).clamp_min(1e-300)
+        kappa = kappa / kappa.sum(-1, keepdim=True)
+    return kappa
+
+
+def _onehot(y, K, like):
+    return torch.nn.functional.one_hot(y.long(), K).to(like)
+
+
+def _entropy(kappa):
+    """``H(kappa) = sum_k kappa_k log kappa_k`` (``0 log 0 = 0``), ``(n,)``."""
+    return torch.special.xlogy(kappa, kappa).sum(-1)
+
+
+class _SoftmaxBound:
+    """Block local bound of ``n`` Categorical sites: ``f(h, S)``, the conjugate ``H(kappa)`` on
+    ``{Lambda <= ell(kappa)}`` with ``kappa = alpha + e_y`` in the simplex."""
+
+    block = True
+
+    def __init__(self, family):
+        self.family = family
+        self.K = family.num_classes
+
+    def __len__(self):
+        return len(self.family)
+
+    @property
+    def num_obs(self):
+        return self.family.num_obs
+
+    def onehot(self, like):
+        return _onehot(self.family.params["y"], self.K, like)
+
+    def psi(self, kappa):
+        """The conjugate's value ``H(kappa)`` ``(n,)`` (``alpha = kappa - e_y``)."""
+        return _entropy(kappa)
+
+    def kappa_star(self, h, S):
+        """``kappa`` of the dual optimum for block marginals ``(h, S)``: ``df/dh + e_y``."""
+        raise NotImplementedError
+
+    def fenchel_young_residual(self, kappa, h, S):
+        """``f(h, S) + f*(alpha, ell) - alpha^T h - tr(ell S) / 2 >= 0`` per row, ``alpha = kappa - e_y``."""
+        alpha = kappa - self.onehot(kappa)
+        lam = self.ell(kappa)
+        return self.f(h, S) + self.psi(kappa) - (alpha * h).sum(-1) - 0.5 * (lam * S).sum((-1, -2))
+
+    def exact_expected_log_prob(self, h, S):
+        return self.family.expected_log_prob(h, S)
+
+
+class SoftmaxTightBound(_SoftmaxBound):
+    r"""``f(h, S) = sup_{kappa in simplex} [kappa^T h + tr(C(kappa) S) / 2 - H(kappa)] - h_y``; site precision block
+    ``ell(kappa) = C(kappa) = diag(kappa) - kappa kappa^T`` (``docs/dual_vg.md``, § Categorical sites)."""
+
+    name = "tight"
+
+    def f(self, h, S):
+        # kappa* detached: by the envelope theorem the first derivatives of f stay exact under autograd
+        k = tight_kappa(h, S)
+        return (k * h).sum(-1) + 0.5 * (softmax_curvature(k) * S).sum((-1, -2)) - _entropy(k) - \
+            (self.onehot(h) * h).sum(-1)
+
+    def ell(self, kappa):
+        return softmax_curvature(kappa)
+
+    def kappa_star(self, h, S):
+        return tight_kappa(h, S)
+
+
+class SoftmaxBohningBound(_SoftmaxBound):
+    r"""Böhning's bound ``f(h, S) = lse(h) + tr(A S) / 2 - h_y``, ``A = (I - 1 1^T / K) / 2`` (Böhning 1992): the
+    site precision block is pinned at ``A``."""
+
+    name = "bohning"
+
+    def A(self, like):
+        K = self.K
+        return 0.5 * (torch.eye(K, dtype=like.dtype, device=like.device) - 1.0 / K)
+
+    def f(self, h, S):
+        return torch.logsumexp(h, -1) + 0.5 * (self.A(h) * S).sum((-1, -2)) - (self.onehot(h) * h).sum(-1)
+
+    def ell(self, kappa):
+        return self.A(kappa).expand(kappa.shape[0], self.K, self.K)
+
+    def kappa_star(self, h, S):
+        return torch.softmax(h, -1)
 
 
 class Categorical(SiteFamily):
-    """Placeholder family of ``Categorical(logits=...)`` / ``OneHotCategorical`` sites: extraction refuses them with
-    :attr:`refusal_reason` (see the module docstring for what fitting them needs)."""
+    r"""``t_i(eta_i) = softmax(eta_i)_{y_i}``: ``n`` observations of ``K`` classes, a vector site of ``K`` design
+    rows each (row ``i K + k`` is ``eta_{i k}``; ``len()`` is ``n K``, the number of design rows).
+
+    :param torch.Tensor y: ``(n,)`` labels in ``{0, ..., K - 1}`` (any real dtype holding integers).
+    :param int num_classes: ``K >= 2``.
+
+    Example::
+
+        >>> import torch
+        >>> fam = Categorical(torch.tensor([2., 0.], dtype=torch.float64), num_classes=3)
+        >>> eta = torch.tensor([0., 0., 1., 2., 0., 0.], dtype=torch.float64)
+        >>> torch.allclose(fam.log_prob(eta), torch.distributions.Categorical(logits=eta.reshape(2, 3)).log_prob(
+        ...     torch.tensor([2, 0])).double())
+        True
+    """
 
     name = "categorical_logit"
-    distributions = (dist.Categorical, torch.distributions.Categorical, dist.OneHotCategorical,
-                     torch.distributions.OneHotCategorical)
-    no_potential = no_bound = refusal_reason = (
-        "Categorical (softmax) likelihoods are not supported: each row's K logits form a vector site, and Böhning's "
-        "bound (Böhning 1992) needs the K x K posterior covariance of each row's logits, which the engines' scalar "
-        "sites (one mean and variance per linear predictor) do not provide; a binary model is Bernoulli(logits=...)")
+    distributions = (dist.Categorical, torch.distributions.Categorical)
+    pyro_form = "Categorical(logits=...)"
+    no_potential = (
+        "Categorical (softmax) sites are not super-Gaussian potentials: each row's likelihood is a function of a "
+        "K-vector of logits, log-concave but not a product of scalar super-Gaussian factors t(s) = exp(beta s - "
+        "rho(s)) (Nickisch & Seeger 2009, §2), so the relaxation has no width per site for them")
+    #: extraction reads ``K`` predictor rows per observation (:meth:`vector_rows`)
+    vector_site = True
+
+    def __init__(self, y, num_classes):
+        num_classes = int(num_classes)
+        if num_classes < 2:
+            raise ValueError(f"num_classes: a Categorical site needs K >= 2 classes, got {num_classes}")
+        super().__init__(y=y)
+        self.num_classes = num_classes
+
+    @property
+    def block_size(self):
+        return self.num_classes
+
+    @property
+    def num_obs(self):
+        return int(self.params["y"].shape[0])
+
+    def __len__(self):
+        return self.num_obs * self.num_classes
+
+    def blocks(self, eta):
+        """``(n, K)`` view of a ``(n K,)`` predictor vector."""
+        return eta.reshape(self.num_obs, self.num_classes)
+
+    def log_prob(self, eta):
+        """``log softmax(eta_i)_{y_i}``, ``(n,)``, for ``eta`` ``(n K,)``."""
+        e = self.blocks(eta)
+        return torch.log_softmax(e, -1).gather(-1, self.params["y"].long().unsqueeze(-1)).squeeze(-1)
+
+    def expected_log_prob(self, mean, cov, num_points=None):
+        r"""``E_{N(eta_i | h_i, S_i)}[log softmax(eta_i)_{y_i}] = h_{i y_i} - E[lse(eta_i)]``, ``(n,)``.
+
+        :param mean: ``(n K,)`` or ``(n, K)`` block means ``h``.
+        :param cov: ``(n, K, K)`` covariance blocks ``S_i`` of each row's logits (marginal variances alone do not
+            determine the expectation: a ``(n K,)`` vector is refused).
+        :param num_points: Gauss-Hermite points per dimension (default by ``K``, :func:`expected_lse`).
+        """
+        h = mean.reshape(self.num_obs, self.num_classes)
+        K = self.num_classes
+        if cov.dim() != 3 or tuple(cov.shape) != (self.num_obs, K, K):
+            raise ValueError(f"cov: a Categorical site's expectation needs each row's {K} x {K} covariance block, shape "
+                             f"({self.num_obs}, {K}, {K}); got {tuple(cov.shape)} (marginal variances alone do not "
+                             "determine it)")
+        hy = h.gather(-1, self.params["y"].long().unsqueeze(-1)).squeeze(-1)
+        return hy - expected_lse(h, cov, points=num_points if num_points and K > 1 and num_points <= 64 and
+                                 num_points ** K <= 10 ** 6 else None)
+
+    def predictive_mean(self, mean, cov, num_points=None):
+        """``E[softmax(eta_i)]``, ``(n, K)`` (the gradient of :func:`expected_lse` in ``h``)."""
+        h = mean.reshape(self.num_obs, self.num_classes).detach().requires_grad_(True)
+        with torch.enable_grad():
+            (g,) = torch.autograd.grad(expected_lse(h, cov.detach()).sum(), h)
+        return g
+
+    def super_gaussian(self):
+        raise UnsupportedModelError(self.name, self.no_potential)
+
+    def local_bound(self, kind="tight", xi=None):
+        """:class:`SoftmaxTightBound` (``kind="tight"``) or :class:`SoftmaxBohningBound` (``"bohning"``).
+
+        :raises ValueError: for another ``kind`` or a ``xi`` (the Jaakkola tangent points have no softmax form here).
+        """
+        if xi is not None:
+            raise ValueError("xi: the Jaakkola tangent points apply to Bernoulli-logit sites; a Categorical site takes "
+                             "bound='tight' or 'bohning' without xi")
+        if kind == "tight":
+            return SoftmaxTightBound(self)
+        if kind == "bohning":
+            return SoftmaxBohningBound(self)
+        raise ValueError(f"bound: Categorical (softmax) sites take the bound 'tight' or 'bohning', got {kind!r}")
+
+    def subset(self, index):
+        raise NotImplementedError("Categorical sites are vector sites: select observations, not design rows")
+
+    def to(self, dtype=None, device=None):
+        return Categorical(self.params["y"].to(dtype=dtype, device=device), self.num_classes)
+
+    def tempered(self, weight):
+        raise UnsupportedModelError(self.name, "a Categorical site under poutine.scale (weighted rows) is not "
+                                               "supported by the latent-Gaussian engines; fit it unweighted or with "
+                                               "an SVI engine")
 
     @classmethod
     def predictor(cls, d):
-        return d.logits if isinstance(d, cls.distributions) else None
+        """The centred logits ``eta - mean_k(eta)`` of ``Categorical(logits=eta)``: torch stores the normalised
+        ``eta - lse(eta)``, which is not affine in ``eta``, but the likelihood depends on ``eta`` only up to a
+        shift per row, and centring the stored logits removes the ``lse`` exactly."""
+        if not isinstance(d, cls.distributions):
+            return None
+        return d.logits - d.logits.mean(-1, keepdim=True)
 
     @classmethod
     def refusal(cls, d):
-        return cls.refusal_reason
+        if getattr(d, "_param", None) is not None and d._param is d.__dict__.get("probs"):
+            return ("Categorical(probs=...) is not read as a linear predictor; write Categorical(logits=eta) with eta "
+                    "affine in the latents (e.g. X @ W)")
+        return None
+
+    @classmethod
+    def vector_rows(cls, name, d, eta, y, dtype, batch):
+        """``(eta (n K,), y (n,), obs_shape, K)`` of an observed Categorical site of (plate-expanded) batch shape
+        ``batch``: the logits flattened row-major over the batch and the class axis, the labels over the batch.
+
+        :raises UnsupportedModelError: naming ``name`` for labels that are not integers in ``[0, K)``.
+        """
+        K = int(d.logits.shape[-1])
+        eta = eta.expand(batch + (K,)).reshape(-1).to(dtype)
+        y = torch.as_tensor(y).expand(batch).reshape(-1)
+        yf = y.to(dtype)
+        if not bool(((yf >= 0) & (yf < K) & (yf == torch.round(yf))).all()):
+            raise UnsupportedModelError(name, f"Categorical labels must be integers in [0, {K}), found "
+                                              f"{y[(yf < 0) | (yf >= K) | (yf != torch.round(yf))][:3].tolist()}")
+        return eta, yf, batch, K
+
+    @classmethod
+    def from_site(cls, site, y, num_classes):
+        return cls(y, num_classes)
+
+    def __repr__(self):
+        return f"Categorical(rows={self.num_obs}, classes={self.num_classes})"

@@ -1,0 +1,333 @@
+"""Categorical (softmax) sites: the family, its block bounds and the block dual of ``dual_vg``, in float64 against
+independent references (grid and Monte Carlo expectations, a primal optimisation, a quadrature log evidence, the
+long NUTS runs of the iris zoo models)."""
+import json
+import math
+import os
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pyro.poutine as poutine
+import pytest
+import scipy.optimize
+import torch
+
+import pyro_convexvb as pcv
+from pyro_convexvb.errors import UnsupportedModelError
+from pyro_convexvb.lgm.extract import lgm_from_pyro
+from pyro_convexvb.lgm.families import BernoulliLogit, Categorical
+from pyro_convexvb.lgm.families.categorical import (SoftmaxBohningBound, SoftmaxTightBound, expected_lse,
+                                                    softmax_curvature, tight_kappa)
+from pyro_convexvb.lgm.families.logit import LogitTightBound
+
+D = torch.float64
+
+
+def _random_blocks(n, K, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    h = 2 * torch.randn(n, K, generator=g, dtype=D)
+    A = torch.randn(n, K, K, generator=g, dtype=D)
+    S = scale * A @ A.transpose(-1, -2) * torch.rand(n, 1, 1, generator=g, dtype=D)
+    y = torch.randint(0, K, (n,), generator=g).to(D)
+    return h, S, y
+
+
+def _grid_expected_lse_2d(h, S, half_width=9.0, num=1201):
+    """``E[lse(eta)]`` for ``eta ~ N(h, S)`` in 2-D by a dense Riemann sum over ``z`` with ``eta = h + L z``."""
+    L = np.linalg.cholesky(S)
+    z = np.linspace(-half_width, half_width, num)
+    Z1, Z2 = np.meshgrid(z, z, indexing="ij")
+    w = np.exp(-0.5 * (Z1**2 + Z2**2)) / (2 * np.pi) * (z[1] - z[0]) ** 2
+    e1 = h[0] + L[0, 0] * Z1
+    e2 = h[1] + L[1, 0] * Z1 + L[1, 1] * Z2
+    return float((np.logaddexp(e1, e2) * w).sum())
+
+
+def test_log_prob_matches_torch():
+    h, _, y = _random_blocks(5, 4, 0)
+    fam = Categorical(y, 4)
+    ref = torch.distributions.Categorical(logits=h).log_prob(y.long())
+    assert torch.allclose(fam.log_prob(h.reshape(-1)), ref, atol=1e-14)
+
+
+def test_expected_lse_against_a_2d_grid():
+    h = torch.tensor([[0.3, -1.2], [2.0, 1.5]], dtype=D)
+    S = torch.tensor([[[1.5, 0.4], [0.4, 0.8]], [[0.2, -0.1], [-0.1, 3.0]]], dtype=D)
+    got = expected_lse(h, S)
+    for i in range(2):
+        assert abs(float(got[i]) - _grid_expected_lse_2d(h[i].numpy(), S[i].numpy())) < 1e-9
+
+
+def test_expected_lse_three_classes_against_monte_carlo_and_a_singular_block():
+    h, S, _ = _random_blocks(3, 3, 1)
+    got = expected_lse(h, S)
+    g = torch.Generator().manual_seed(5)
+    eps = torch.randn(400_000, 3, generator=g, dtype=D)
+    for i in range(3):
+        eta = h[i] + eps @ torch.linalg.cholesky(S[i] + 1e-12 * torch.eye(3, dtype=D)).T
+        vals = torch.logsumexp(eta, -1)
+        se = float(vals.std()) / math.sqrt(vals.numel())
+        assert abs(float(got[i]) - float(vals.mean())) < 5 * se + 1e-6
+    # a class whose logit is fixed (reference class): S is singular; the last coordinate is 0 exactly
+    h2 = torch.tensor([[0.4, -0.3, 0.0]], dtype=D)
+    S2 = torch.zeros(1, 3, 3, dtype=D)
+    S2[0, :2, :2] = torch.tensor([[1.0, 0.3], [0.3, 0.5]], dtype=D)
+    ref = _grid_expected_lse_2d(np.array([0.4, -0.3]), S2[0, :2, :2].numpy())  # lse(e1, e2, 0): adjust below
+    L = np.linalg.cholesky(S2[0, :2, :2].numpy())
+    z = np.linspace(-9, 9, 1201)
+    Z1, Z2 = np.meshgrid(z, z, indexing="ij")
+    w = np.exp(-0.5 * (Z1**2 + Z2**2)) / (2 * np.pi) * (z[1] - z[0]) ** 2
+    e1, e2 = 0.4 + L[0, 0] * Z1, -0.3 + L[1, 0] * Z1 + L[1, 1] * Z2
+    ref = float((np.log(np.exp(e1) + np.exp(e2) + 1.0) * w).sum())
+    assert abs(float(expected_lse(h2, S2)[0]) - ref) < 1e-8
+
+
+def test_expected_lse_gradients_are_stein_identities():
+    h, S, _ = _random_blocks(2, 3, 2)
+    h.requires_grad_(True)
+    S.requires_grad_(True)
+    (gh, gS) = torch.autograd.grad(expected_lse(h, S).sum(), (h, S))
+    eps = 1e-5
+    for i, k in [(0, 0), (1, 2)]:
+        e = torch.zeros_like(h)
+        e[i, k] = eps
+        fd = (expected_lse(h + e, S) - expected_lse(h - e, S)).sum() / (2 * eps)
+        assert abs(float(fd) - float(gh[i, k].detach())) < 1e-7
+    E = torch.zeros_like(S)
+    E[0, 0, 1] = E[0, 1, 0] = eps  # symmetric perturbation: d/dt = 2 gS[0, 0, 1]
+    fd = (expected_lse(h, S + E) - expected_lse(h, S - E)).sum() / (2 * eps)
+    assert abs(float(fd) - 2 * float(gS[0, 0, 1])) < 1e-7
+
+
+@pytest.mark.parametrize("K", [2, 3, 4])
+def test_tight_bound_is_a_valid_bound_exact_at_zero_covariance_and_tighter_than_bohning(K):
+    h, S, y = _random_blocks(60, K, 10 + K, scale=2.0)
+    fam = Categorical(y, K)
+    neg_exact = -fam.expected_log_prob(h.reshape(-1), S)
+    tight, bohning = SoftmaxTightBound(fam).f(h, S), SoftmaxBohningBound(fam).f(h, S)
+    assert float((tight - neg_exact).min()) >= -1e-9
+    assert float((bohning - tight).min()) >= -1e-12
+    Z = torch.zeros_like(S)
+    assert torch.allclose(SoftmaxTightBound(fam).f(h, Z), -fam.log_prob(h.reshape(-1)), atol=1e-12)
+
+
+def test_tight_bound_with_two_classes_is_the_tight_logit_bound():
+    g = torch.Generator().manual_seed(3)
+    eta, rho = 3 * torch.randn(20, generator=g, dtype=D), 4 * torch.rand(20, generator=g, dtype=D)
+    cls = torch.randint(0, 2, (20,), generator=g).to(D)
+    h = torch.stack([eta, torch.zeros_like(eta)], -1)  # softmax([eta, 0])_0 = sigmoid(eta)
+    S = torch.zeros(20, 2, 2, dtype=D)
+    S[:, 0, 0] = rho
+    soft = SoftmaxTightBound(Categorical(cls, 2)).f(h, S)
+    logit = LogitTightBound(BernoulliLogit((cls == 0).to(D))).f(eta, rho)
+    assert torch.allclose(soft, logit, atol=1e-10)
+
+
+def test_tight_kappa_maximises_and_the_fenchel_young_residual_vanishes_there():
+    h, S, y = _random_blocks(30, 3, 4, scale=3.0)
+    fam = Categorical(y, 3)
+    b = SoftmaxTightBound(fam)
+    k = tight_kappa(h, S)
+    assert torch.allclose(k.sum(-1), torch.ones(30, dtype=D)) and bool((k > 0).all())
+    assert float(b.fenchel_young_residual(k, h, S).abs().max()) < 1e-10
+    g = torch.Generator().manual_seed(8)
+    other = torch.softmax(torch.randn(30, 3, generator=g, dtype=D), -1)
+    assert float(b.fenchel_young_residual(other, h, S).min()) > 0
+    # the conjugate's domain: C(kappa) is the largest Lambda, and f >= alpha h + tr(C S)/2 - H for any kappa
+    val = (other * h).sum(-1) + 0.5 * (softmax_curvature(other) * S).sum((-1, -2)) - \
+        torch.special.xlogy(other, other).sum(-1) - (torch.nn.functional.one_hot(y.long(), 3) * h).sum(-1)
+    assert bool((b.f(h, S) >= val - 1e-12).all())
+
+
+# ------------------------------------------------------------------ the block dual on tiny problems
+def _tiny(n=2, ref_class=True):
+    X = torch.tensor([[1.0, 0.5], [1.0, -1.0], [1.0, 2.0]], dtype=D)[:n]
+    y = torch.tensor([0, 2, 1])[:n]
+    Kf = 2 if ref_class else 3
+
+    def model(X, y=None):
+        W = pyro.sample("W", dist.Normal(torch.zeros(2, Kf, dtype=D), 1.5).to_event(2))
+        logits = X @ W
+        if ref_class:
+            logits = torch.cat([logits, torch.zeros(X.shape[0], 1, dtype=D)], -1)
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Categorical(logits=logits), obs=y)
+
+    return model, X, y
+
+
+def test_extracted_log_joint_matches_pyro():
+    for ref_class in (True, False):
+        model, X, y = _tiny(3, ref_class)
+        lgm = lgm_from_pyro(model, X, y=y)
+        g = torch.Generator().manual_seed(0)
+        u = torch.randn(lgm.n, generator=g, dtype=D)
+        tr = poutine.trace(poutine.condition(model, data={"W": u.reshape(2, -1)})).get_trace(X, y=y)
+        assert abs(float(lgm.log_joint(u)) - float(tr.log_prob_sum())) < 1e-10
+
+
+@pytest.mark.parametrize("bound", ["tight", "bohning"])
+def test_block_dual_equals_the_primal_optimum_of_the_same_bound(bound):
+    """Strong duality: the dual's ``q`` and ``min g`` equal the maximiser and maximum of the primal local-bound
+    ELBO over ``(m, chol V)`` found independently by scipy's L-BFGS."""
+    model, X, y = _tiny(3, ref_class=True)
+    lgm = lgm_from_pyro(model, X, y=y)
+    res = pcv.fit(lgm, engine="dual_vg", options=dict(bound=bound), progress=False)
+    assert res.converged and res.info["gap"] < 1e-9
+    n = lgm.n
+    fam = lgm.sites[0].family
+    b = fam.local_bound(bound)
+    tril = torch.tril_indices(n, n)
+
+    def unpack(x):
+        m = x[:n]
+        Lm = torch.zeros(n, n, dtype=D)
+        Lm[tril[0], tril[1]] = x[n:]
+        Lm = Lm.tril(-1) + torch.diag_embed(torch.exp(torch.diagonal(Lm)))
+        return m, Lm
+
+    def neg(xn):
+        x = torch.as_tensor(xn, dtype=D).requires_grad_(True)
+        m, Lm = unpack(x)
+        V = Lm @ Lm.T
+        val = lgm.expected_log_prior(m, V) + torch.log(torch.diagonal(Lm)).sum() + \
+            0.5 * n * (1 + math.log(2 * math.pi))
+        h, S = lgm.site_block_marginals(lgm.sites[0], m, V)
+        val = val - b.f(h, S).sum()
+        (gx,) = torch.autograd.grad(-val, x)
+        return float(-val), gx.numpy()
+
+    x0 = np.zeros(n + len(tril[0]))
+    opt = scipy.optimize.minimize(neg, x0, jac=True, method="L-BFGS-B", options=dict(gtol=1e-11, ftol=1e-15,
+                                                                                      maxiter=5000))
+    m, Lm = unpack(torch.as_tensor(opt.x, dtype=D))
+    assert abs(-opt.fun - (res.info["lvb_elbo"] - lgm.log_const)) < 1e-7
+    assert torch.allclose(res.posterior.loc, m, atol=1e-5)
+    assert torch.allclose(res.posterior.covariance(), Lm @ Lm.T, atol=1e-5)
+
+
+def test_reported_bounds_are_below_the_quadrature_log_evidence():
+    """Two observations, two latents (the reference-class model with one feature): ``log p(y)`` by a 2-D grid; the
+    exact bound of ``q`` lies between the local-bound ELBO and ``log p(y)``, for both bounds."""
+    X = torch.tensor([[0.7], [-1.3]], dtype=D)
+    y = torch.tensor([0, 2])
+
+    def model(X, y=None):
+        W = pyro.sample("W", dist.Normal(torch.zeros(1, 2, dtype=D), 1.0).to_event(2))
+        logits = torch.cat([X @ W, torch.zeros(X.shape[0], 1, dtype=D)], -1)
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Categorical(logits=logits), obs=y)
+
+    t = torch.linspace(-10, 10, 1601, dtype=D)
+    T1, T2 = torch.meshgrid(t, t, indexing="ij")
+    Wg = torch.stack([T1.reshape(-1), T2.reshape(-1)], -1)  # (G, 2)
+    logits = torch.cat([X[None, :, 0:1] * Wg[:, None, :], torch.zeros(Wg.shape[0], 2, 1, dtype=D)], -1)
+    lj = torch.distributions.Categorical(logits=logits).log_prob(y).sum(-1) + \
+        torch.distributions.Normal(0.0, 1.0).log_prob(Wg).sum(-1)
+    log_evidence = float(torch.logsumexp(lj, 0) + 2 * math.log(float(t[1] - t[0])))
+    for bound in ("tight", "bohning"):
+        res = pcv.fit(model, X, y=y, engine="dual_vg", options=dict(bound=bound), progress=False)
+        assert res.converged
+        assert res.info["lvb_elbo"] <= res.log_evidence_bound + 1e-10
+        assert res.log_evidence_bound <= log_evidence
+    assert log_evidence - res.log_evidence_bound < 0.2
+
+
+def test_mask_drops_the_observations():
+    model, X, y = _tiny(3, ref_class=True)
+
+    def masked(X, y=None):
+        W = pyro.sample("W", dist.Normal(torch.zeros(2, 2, dtype=D), 1.5).to_event(2))
+        logits = torch.cat([X @ W, torch.zeros(X.shape[0], 1, dtype=D)], -1)
+        with pyro.plate("data", X.shape[0]), poutine.mask(mask=torch.tensor([True, False, True])):
+            pyro.sample("y", dist.Categorical(logits=logits), obs=y)
+
+    a = pcv.fit(masked, X, y=y, engine="dual_vg", progress=False)
+    b = pcv.fit(model, X[[0, 2]], y=y[[0, 2]], engine="dual_vg", progress=False)
+    assert torch.allclose(a.posterior.loc, b.posterior.loc, atol=1e-9)
+    assert abs(a.log_evidence_bound - b.log_evidence_bound) < 1e-9
+
+
+def test_state_bound_at_is_the_local_bound_elbo_of_the_fit():
+    """The type-II envelope value ``DualState.bound_at`` at the fitted ``q`` equals the dual's own bound."""
+    model, X, y = _tiny(3, ref_class=True)
+    lgm = lgm_from_pyro(model, X, y=y)
+    res = pcv.fit(lgm, engine="dual_vg", progress=False)
+    assert abs(float(res.state.bound_at(lgm)) - res.info["lvb_elbo"]) < 1e-8
+
+
+def test_newton_and_lbfgs_agree_and_warm_start_resumes():
+    model, X, y = _tiny(3, ref_class=False)
+    a = pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
+    b = pcv.fit(model, X, y=y, engine="dual_vg", options=dict(method="lbfgs", gap_tol=1e-10), progress=False)
+    assert a.converged and b.converged
+    assert torch.allclose(a.posterior.loc, b.posterior.loc, atol=1e-4)
+    c = pcv.fit(model, X, y=y, engine="dual_vg", init=a.state, progress=False)
+    assert c.info["iterations"] == 0 and abs(c.log_evidence_bound - a.log_evidence_bound) < 1e-9
+
+
+# ------------------------------------------------------------------ refusals
+def test_refusals_name_the_site_and_the_reason():
+    model, X, y = _tiny(2)
+    with pytest.raises(UnsupportedModelError, match="not super-Gaussian") as e:
+        pcv.fit(model, X, y=y, engine="convex_relaxation", progress=False)
+    assert "dual_vg" in str(e.value)
+    with pytest.raises(ValueError, match="bound"):
+        pcv.fit(model, X, y=y, engine="dual_vg", options=dict(bound="jensen"), progress=False)
+    with pytest.raises(ValueError, match="refine"):
+        pcv.fit(model, X, y=y, engine="dual_vg", options=dict(refine=True), progress=False)
+
+    def mixed(X, y=None):
+        W = pyro.sample("W", dist.Normal(torch.zeros(2, 3, dtype=D), 1.0).to_event(2))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Categorical(logits=X @ W), obs=y)
+            pyro.sample("z", dist.Bernoulli(logits=X @ W[:, 0]), obs=torch.ones(X.shape[0], dtype=D))
+
+    with pytest.raises(UnsupportedModelError, match="'z'.*scalar|all vector sites"):
+        pcv.fit(mixed, X, y=y, engine="dual_vg", progress=False)
+
+    def probs(X, y=None):
+        W = pyro.sample("W", dist.Normal(torch.zeros(2, 3, dtype=D), 1.0).to_event(2))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Categorical(probs=torch.softmax(X @ W, -1)), obs=y)
+
+    with pytest.raises(UnsupportedModelError, match="logits"):
+        pcv.fit(probs, X, y=y, engine="dual_vg", progress=False)
+
+    def weighted(X, y=None):
+        with poutine.scale(scale=2.0):
+            model(X, y)
+
+    with pytest.raises(UnsupportedModelError, match="poutine.scale"):
+        pcv.fit(weighted, X, y=y, engine="dual_vg", progress=False)
+
+    with pytest.raises(ValueError, match="outside the support"):
+        pcv.fit(model, X, y=torch.tensor([0, 3]), engine="dual_vg", progress=False)
+    with pytest.raises(UnsupportedModelError, match="integers"):
+        Categorical.vector_rows("y", dist.Categorical(logits=torch.zeros(2, 3, dtype=D)), torch.zeros(2, 3, dtype=D),
+                                torch.tensor([0.5, 1.0], dtype=D), D, (2,))
+
+
+def test_expected_log_prob_refuses_marginal_variances():
+    fam = Categorical(torch.tensor([1.0], dtype=D), 3)
+    with pytest.raises(ValueError, match="covariance block"):
+        fam.expected_log_prob(torch.zeros(3, dtype=D), torch.ones(3, dtype=D))
+
+
+# ------------------------------------------------------------------ iris against long NUTS
+_REFS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo", "references.json")
+
+
+@pytest.mark.parametrize("name", ["softmax_iris", "softmax_iris_reference_class"])
+def test_iris_within_a_tenth_of_an_sd_and_ten_percent_of_the_nuts_reference(name):
+    from tests.zoo.models import build
+
+    ref = json.load(open(_REFS))[name]["sites"]["W"]
+    model, args, kwargs = build(name)
+    res = pcv.fit(model, *args, engine="dual_vg", progress=False, **kwargs)
+    assert res.converged
+    rm, rs = torch.tensor(ref["mean"], dtype=D), torch.tensor(ref["sd"], dtype=D)
+    m, sd = res.posterior.loc, res.posterior.variance.sqrt()
+    assert float(((m - rm) / rs).abs().max()) < 0.1
+    assert float((sd / rs - 1).abs().max()) < 0.1
