@@ -346,6 +346,8 @@ def main():
     parser = make_parser(__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=None, help="alternating repetitions (default 3, quick 1)")
     parser.add_argument("--cases", default=",".join(CASES), help="comma list of cases")
+    parser.add_argument("--methods", default=None,
+                        help="comma list of methods to run (default: all); e.g. leave out Pyro's slow peers")
     parser.add_argument("--reference", default=None,
                         help="NUTS reference size 'chains,samples,warmup' (default 4,3000,1500; quick 2,500,300)")
     args = parse_args(parser=parser)
@@ -359,6 +361,11 @@ def main():
         methods.append("numpyro nuts")
     else:
         print("numpyro not installed (pip install 'pyro_convexvb[bench]'): numpyro nuts left out", flush=True)
+    if args.methods:
+        unknown = set(args.methods.split(",")) - set(methods)
+        if unknown:
+            parser.error(f"--methods: unknown {sorted(unknown)}; choose from {methods}")
+        methods = [m for m in methods if m in args.methods.split(",")]
     rows, figs = [], {}
     for name in args.cases.split(","):
         model, margs, mkw, hyper, field = CASES[name](args.quick)
@@ -388,7 +395,7 @@ def main():
                 print(f"  {m}: {sec:.2f} s", flush=True)
         rq = ref["hyper_q"]
         fm, fsd = torch.tensor(ref["field_mean"], dtype=D), torch.tensor(ref["field_sd"], dtype=D)
-        nuts_t = statistics.median(times["nuts"]) if times["nuts"] else math.nan
+        nuts_t = statistics.median(times["nuts"]) if times.get("nuts") else math.nan
         np_t = statistics.median(times["numpyro nuts"]) if times.get("numpyro nuts") else math.nan
         for m in case_methods:
             if m in failed:

@@ -16,7 +16,7 @@ from pyro_convexvb.infer.registry import get_engine
 from pyro_convexvb.online import (OnlineADF, OnlineAdaGradLogistic, OnlineBayesLogistic, OnlineDimGauss,
                                   OnlineMarginalVB)
 
-from conftest import binary_problem, estimator_factories
+from _estimators import binary_problem, estimator_factories
 
 FACTORIES = estimator_factories()
 

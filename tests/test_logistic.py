@@ -16,7 +16,7 @@ from sklearn.preprocessing import StandardScaler
 
 import pyro_convexvb as pcv
 
-from conftest import cancer_problem as _cancer
+from _estimators import cancer_problem as _cancer
 
 # our own defaults must reach their tolerances: an unconverged fit here is a failure, not a warning
 pytestmark = pytest.mark.filterwarnings("error::pyro_convexvb.ConvergenceWarning")

@@ -25,7 +25,7 @@ import pyro_convexvb as pcv
 from pyro_convexvb.gp import GPClassifier
 from pyro_convexvb.online import OnlineBayesLogistic
 
-from conftest import cancer_problem, estimator_factories
+from _estimators import cancer_problem, estimator_factories
 
 # our own defaults must reach their tolerances: an unconverged fit here is a failure, not a warning
 pytestmark = pytest.mark.filterwarnings("error::pyro_convexvb.ConvergenceWarning")

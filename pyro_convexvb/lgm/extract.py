@@ -77,9 +77,10 @@ def _depends_on(t, u):
     if not torch.is_tensor(t) or not t.requires_grad:
         return False
     # unequal weights: a predictor whose entries sum to a constant (centred softmax logits) still depends on u
-    w = torch.linspace(1.0, 2.0, t.numel(), dtype=t.dtype, device=t.device).reshape(t.shape) if t.dim() else None
-    g = torch.autograd.grad(t if w is not None else t.sum(), u, grad_outputs=w, retain_graph=True,
-                            allow_unused=True)[0]
+    # (a weighted sum, not grad_outputs=: torch checks grad_outputs' shapes with its symbolic-shape machinery, whose
+    # first import costs ~0.5 s)
+    w = torch.linspace(1.0, 2.0, t.numel(), dtype=t.dtype, device=t.device).reshape(t.shape)
+    g = torch.autograd.grad((t * w).sum(), u, retain_graph=True, allow_unused=True)[0]
     return g is not None and bool((g != 0).any())
 
 
