@@ -37,7 +37,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import markdown_table, parse_args, peak_rss_in_subprocess, write_json  # noqa: E402
+from _common import make_parser, markdown_table, parse_args, peak_rss_in_subprocess, write_json  # noqa: E402
 
 # imported here, so that a spawned child has them loaded before its baseline memory is taken
 import pyro  # noqa: E402, F401
@@ -178,11 +178,21 @@ def run_nuts_ratio(J, seed, quick):
             "max_mean_gap_nuts_sd": float(gap), "nuts_samples": n}
 
 
+VARIANTS = ("centred", "noncentred", "hyper")
+
+
 def main():
-    args = parse_args(__doc__.splitlines()[0])
+    parser = make_parser(__doc__.splitlines()[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
+    parser.add_argument("--groups", default=None, help="comma list of group counts (default 1000,3000,10000)")
+    args = parse_args(parser=parser)
     sizes = (50, 200) if args.quick else (1_000, 3_000, 10_000)
+    if args.groups:
+        sizes = tuple(int(g) for g in args.groups.split(","))
     rows = []
-    for variant in ("centred", "noncentred", "hyper"):
+    for variant in args.variants.split(","):
+        if variant not in VARIANTS:
+            parser.error(f"--variants: unknown {variant!r}; choose from {VARIANTS}")
         for J in sizes[:1] if (args.quick and variant == "hyper") else sizes:
             r = peak_rss_in_subprocess(run_case, J, args.seed, variant, return_result=True)
             out = r["result"]
