@@ -327,7 +327,8 @@ def run_method(method, model, args, kwargs, hyper, field, quick, name=None, seed
         else:
             m = float(res.hyper["mode"][hyper])
             q = [m, m, m]
-        field_mean, field_sd = res.posterior.loc, res.posterior.scale
+        sl = res.posterior.layout[field].slice  # the reported field among the latent sites (BYM has phi and v)
+        field_mean, field_sd = res.posterior.loc[sl], res.posterior.scale[sl]
     else:
         q = _hyper_quantiles_from_gaussian(res, hyper)
         sl = res.posterior.layout[field].slice
