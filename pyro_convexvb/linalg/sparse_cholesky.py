@@ -260,39 +260,6 @@ def _row_structure(n, Lp, Li):
 
 
 @_jit
-def _ldl_jvp_diagonal(n, Lp, Li, Lx, D, Rp, Rk, Rpos, delta):
-    """Forward-mode derivative ``(dL, dD)`` of ``L D L^T`` when the matrix moves by ``diag(delta)``.
-
-    Left-looking differentiation of ``D_j = A_jj - sum_k L_jk^2 D_k`` and
-    ``L_ij D_j = A_ij - sum_k L_ik L_jk D_k`` (``k < j`` in the pattern of row ``j``).
-    """
-    dLx = np.zeros(Lx.shape[0])
-    dD = np.zeros(n)
-    c = np.zeros(n)
-    for j in range(n):
-        for q in range(Lp[j], Lp[j + 1]):
-            c[Li[q]] = 0.0
-        cj = delta[j]
-        for t in range(Rp[j], Rp[j + 1]):
-            k = Rk[t]
-            p = Rpos[t]
-            a = Lx[p]
-            da = dLx[p]
-            dk = D[k]
-            ddk = dD[k]
-            cj -= 2.0 * a * da * dk + a * a * ddk
-            c1 = a * dk
-            c2 = da * dk + a * ddk
-            for q in range(p + 1, Lp[k + 1]):
-                c[Li[q]] -= dLx[q] * c1 + Lx[q] * c2
-        dD[j] = cj
-        dj = D[j]
-        for q in range(Lp[j], Lp[j + 1]):
-            dLx[q] = (c[Li[q]] - Lx[q] * cj) / dj
-    return dLx, dD
-
-
-@_jit
 def _takahashi_jvp(n, Lp, Li, Lx, D, Zd, Zx, dLx, dD):
     """Forward-mode derivative of the Takahashi recursion: ``d diag(Z)`` given ``(dL, dD)``."""
     dZd = np.zeros(n)
@@ -339,8 +306,12 @@ def _takahashi_jvp(n, Lp, Li, Lx, D, Zd, Zx, dLx, dD):
 @_jit
 def _ldl_jvp(n, Lp, Li, Lx, D, Rp, Rk, Rpos, dAd, dAx):
     """Forward-mode derivative ``(dL, dD)`` of ``L D L^T`` when the (permuted) matrix moves by ``dA``: its
-    diagonal ``dAd`` and its strict lower triangle ``dAx`` on the storage positions of ``L`` (the general form of
-    :func:`_ldl_jvp_diagonal`)."""
+    diagonal ``dAd`` and its strict lower triangle ``dAx`` on the storage positions of ``L`` (``dAx = 0`` for a move
+    of the diagonal only).
+
+    Left-looking differentiation of ``D_j = A_jj - sum_k L_jk^2 D_k`` and
+    ``L_ij D_j = A_ij - sum_k L_ik L_jk D_k`` (``k < j`` in the pattern of row ``j``).
+    """
     dLx = np.zeros(Lx.shape[0])
     dD = np.zeros(n)
     c = np.zeros(n)
@@ -712,8 +683,8 @@ class SparseCholesky:
         if self._rows is None:
             self._rows = _row_structure(self.n, self.Lp, self.Li)
         Rp, Rk, Rpos = self._rows
-        dLx, dD = _ldl_jvp_diagonal(self.n, self.Lp, self.Li, self.Lx, self.D, Rp, Rk, Rpos,
-                                    np.ascontiguousarray(d[self.perm]))
+        dLx, dD = _ldl_jvp(self.n, self.Lp, self.Li, self.Lx, self.D, Rp, Rk, Rpos,
+                           np.ascontiguousarray(d[self.perm]), np.zeros(self.Lx.shape[0]))
         dZd = _takahashi_jvp(self.n, self.Lp, self.Li, self.Lx, self.D, Zd, Zx, dLx, dD)[0]
         out = np.empty(self.n)
         out[self.perm] = dZd
