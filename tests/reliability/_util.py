@@ -18,9 +18,16 @@ def child_env():
     return env
 
 
+#: the child takes SIGINT as a terminal's Ctrl-C does: a process started in the background of a shell without job
+#: control (a CI runner, ``nohup``, ``cmd &`` in a script) inherits SIGINT ignored, and Python then never raises
+#: ``KeyboardInterrupt``
+_SIGINT_DEFAULT = "import signal as _signal; _signal.signal(_signal.SIGINT, _signal.default_int_handler)\n"
+
+
 def start_child(code, *args, **kwargs):
-    """``subprocess.Popen`` of ``python -c code args...`` with line-buffered text pipes."""
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    """``subprocess.Popen`` of ``python -c code args...`` with line-buffered text pipes (SIGINT raising
+    ``KeyboardInterrupt`` in the child, whatever the parent's disposition)."""
+    return subprocess.Popen([sys.executable, "-c", _SIGINT_DEFAULT + code, *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, bufsize=1, env=child_env(), cwd=ROOT, **kwargs)
 
 
