@@ -93,11 +93,11 @@ def test_expected_lse_gradients_are_stein_identities():
         e = torch.zeros_like(h)
         e[i, k] = eps
         fd = (expected_lse(h + e, S) - expected_lse(h - e, S)).sum() / (2 * eps)
-        assert abs(float(fd) - float(gh[i, k].detach())) < 1e-7
+        assert abs(float(fd.detach()) - float(gh[i, k].detach())) < 1e-7
     E = torch.zeros_like(S)
     E[0, 0, 1] = E[0, 1, 0] = eps  # symmetric perturbation: d/dt = 2 gS[0, 0, 1]
     fd = (expected_lse(h, S + E) - expected_lse(h, S - E)).sum() / (2 * eps)
-    assert abs(float(fd) - 2 * float(gS[0, 0, 1])) < 1e-7
+    assert abs(float(fd.detach()) - 2 * float(gS[0, 0, 1])) < 1e-7
 
 
 @pytest.mark.parametrize("K", [2, 3, 4])
@@ -196,7 +196,7 @@ def test_block_dual_equals_the_primal_optimum_of_the_same_bound(bound):
         h, S = lgm.site_block_marginals(lgm.sites[0], m, V)
         val = val - b.f(h, S).sum()
         (gx,) = torch.autograd.grad(-val, x)
-        return float(-val), gx.numpy()
+        return float(-val.detach()), gx.numpy()
 
     x0 = np.zeros(n + len(tril[0]))
     opt = scipy.optimize.minimize(neg, x0, jac=True, method="L-BFGS-B", options=dict(gtol=1e-11, ftol=1e-15,

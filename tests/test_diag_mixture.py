@@ -389,6 +389,7 @@ def test_natural_gradient_reaches_the_independent_mean_field_optimum():
     assert pred["y"].shape == (5, X.shape[0])
 
 
+@pytest.mark.filterwarnings("ignore::pyro_convexvb.ConvergenceWarning")  # iterations capped on purpose
 def test_natural_gradient_mixture_converges_and_auto_choice_is_explicit():
     X, y = _nat_data()
     pyro.clear_param_store()
@@ -406,6 +407,7 @@ def test_natural_gradient_mixture_converges_and_auto_choice_is_explicit():
                 options=dict(optimizer="natural_gradient", lr=0.05), progress=False)
 
 
+@pytest.mark.filterwarnings("ignore::pyro_convexvb.ConvergenceWarning")  # iterations capped on purpose
 def test_natural_gradient_refuses_models_that_are_not_latent_gaussian():
     def model(y=None):
         s = pyro.sample("s", dist.LogNormal(0.0, 1.0))
@@ -420,6 +422,7 @@ def test_natural_gradient_refuses_models_that_are_not_latent_gaussian():
     assert res.info["optimizer"] == "svi"
 
 
+@pytest.mark.filterwarnings("ignore::pyro_convexvb.ConvergenceWarning")  # iterations capped on purpose
 def test_max_steps_alone_budgets_either_optimiser_and_an_explicit_min_steps_above_it_is_refused():
     X, y = _nat_data()
     r = pcv.fit(_nat_logistic_model, X, y=y, engine="diag_mixture", options=dict(max_steps=300), progress=False)

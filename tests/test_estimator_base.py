@@ -124,10 +124,13 @@ def test_glm_max_iter_tol_random_state_change_the_fit():
 def test_glm_old_names_warn_and_fit_alike():
     X, y = binary_problem(n=60)
     new = _quiet(lambda: _glm(max_iter=30, tol=1e-3, random_state=2).fit(X, y))
-    with pytest.warns(FutureWarning, match="'max_steps' is deprecated") as record:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
         old = _quiet(lambda: pcv.GLM("bernoulli", min_steps=20, window=10, lr=0.1, max_steps=30, rtol=1e-3,
                                      seed=2).fit(X, y))
-    assert {w.filename for w in record if w.category is FutureWarning} == {__file__}  # the caller's line
+    future = [w for w in record if w.category is FutureWarning]
+    assert {str(w.message).split("'")[1] for w in future} == {"max_steps", "rtol", "seed"}
+    assert {w.filename for w in future} == {__file__}  # the caller's line
     np.testing.assert_array_equal(old.posterior_.locs, new.posterior_.locs)
     assert old.n_iter_ == 30
     with pytest.raises(ValueError, match="both seed=2 and random_state=3 given"):
