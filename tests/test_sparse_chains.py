@@ -366,7 +366,7 @@ def test_a_three_level_chain_with_2000_pupils_and_few_rows_stays_sparse(monkeypa
     assert peak < 40_000 * n, peak  # n^2 float64 would be 39 MB
 
 
-# ----------------------------------------------------------------------------- the relaxation's posterior through a chain
+# ----------------------------------------------------------------------------- the relaxation's posterior, chains
 def test_matrix_free_precision_with_an_explicit_factor_maps_to_the_model_sparsely():
     """A posterior over ``u`` given by a matrix-free precision, a stacked factor ``[R; W^{1/2} B]`` and
     ``precision_scale = 2`` (the relaxation's form) maps to the chain's sites as the dense ``M C M^T`` does."""
@@ -387,9 +387,9 @@ def test_matrix_free_precision_with_an_explicit_factor_maps_to_the_model_sparsel
     P = J.to_dense().T @ J.to_dense()
     C = 2.0 * torch.linalg.inv(P)
     loc = torch.randn(n, generator=g, dtype=D)
-    post = GaussianPosterior(loc, C.diagonal().clone(), precision_operator=FunctionOperator(lambda v: P @ v, lambda v: P @ v,
-                                                                                             (n, n), dtype=D),
-                             precision_factor=J, precision_scale=2.0)
+    A_free = FunctionOperator(lambda v: P @ v, lambda v: P @ v, (n, n), dtype=D)
+    post = GaussianPosterior(loc, C.diagonal().clone(), precision_operator=A_free, precision_factor=J,
+                             precision_scale=2.0)
     out = chain.to_model(post)
     M = torch.as_tensor(chain.M.toarray())
     assert out.kind == "precision_operator"

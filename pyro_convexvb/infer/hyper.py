@@ -533,7 +533,8 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     post = HyperPosterior(space, torch.stack([zs[k] for k in idx]), w, [results[k].posterior for k in idx],
                           logf[idx], density, x[idx], z_mode, H, layout=mode_res.posterior.layout,
                           out_dtype=out_dtype)
-    info.update(strategy=strategy, radius=radius, truncated=truncated, evaluations=len(obj.cache), fits=obj.fits, hessian=H,
+    info.update(strategy=strategy, radius=radius, truncated=truncated, evaluations=len(obj.cache), fits=obj.fits,
+                hessian=H,
                 design_x=x[idx],
                 design_a=a[idx],
                 results=[results[k] for k in idx])

@@ -723,11 +723,9 @@ def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
       observed data.
 
     The affine map is taken from :func:`pyro_convexvb.linear` calls when the model uses them
-    (sparse designs stay sparse), otherwise probed with autograd: for a sparse structure first (a few products
-    per latent block: gathers ``x[g]``, broadcasts, lags) when ``q * n > PROBE_MIN_ENTRIES`` or
-    ``n >= PROBE_MIN_LATENTS``, else materialised as a dense Jacobian when ``q * n <= DENSE_JACOBIAN_LIMIT``
-    (the model's own design is dense then), else kept as a vjp/jvp operator. Affinity is checked at two random
-    points.
+    (sparse designs stay sparse), otherwise probed with autograd: for a sparse structure first when ``q * n >
+    PROBE_MIN_ENTRIES`` or ``n >= PROBE_MIN_LATENTS``, else as a dense Jacobian when ``q * n <=
+    DENSE_JACOBIAN_LIMIT``, else kept as a vjp/jvp operator. Affinity is checked at two random points.
 
     :param model: a Pyro model callable.
     :param args: positional arguments of the model (data).
