@@ -197,13 +197,20 @@ def test_reuse_and_released_results_leave_the_hyper_posterior_unchanged(monkeypa
     assert torch.allclose(r1.posterior.variance, r2.posterior.variance, rtol=1e-6, atol=1e-9)
 
 
-def test_only_the_mode_and_design_points_keep_their_full_results():
+def test_only_the_mode_keeps_its_full_result_and_design_points_their_posteriors():
     grp, J, X, y = _logistic_data(30)
     res = pcv.fit(ri_logistic, grp, J, X, y=y, engine="dual_vg", progress=False, options=dict(form="sparse"))
-    details = res.info["hyper_details"]
+    details, mode = res.info["hyper_details"], res.info["mode_result"]
     assert details["fits"] >= details["evaluations"]
-    assert len(details["results"]) == res.posterior.num_points
-    assert all(r.posterior is not None and r.lgm is not None for r in details["results"])
+    assert mode.lgm is not None and mode.state is not None and mode.state.backend is not None
+    points = details["results"]
+    assert len(points) == res.posterior.num_points
+    assert all(r.posterior is not None and r.converged for r in points)
+    assert all(r.lgm is None and r.state is None for r in points if r is not mode)
+    # the mixture's summaries are those of the kept posteriors
+    w = res.posterior.weights
+    loc = sum(wk * r.posterior.loc for wk, r in zip(w, points))
+    assert torch.allclose(res.posterior.loc, loc, atol=1e-12)
 
 
 @pytest.mark.slow

@@ -226,6 +226,19 @@ class _FitSummary:
         self.state = None if res.state is None else res.state.warm_start()
 
 
+class _PointResult:
+    """A design point's fit as the mixture needs it: the posterior, convergence, bound, optimality and report; the
+    data-sized model and state are released (``lgm`` and ``state`` are ``None``)."""
+
+    lgm = None
+    state = None
+
+    def __init__(self, res):
+        self.posterior, self.converged = res.posterior, res.converged
+        self.log_evidence_bound, self.optimality = res.log_evidence_bound, res.optimality
+        self.stop_reason, self.info = res.stop_reason, res.info
+
+
 class _WarmFrom:
     """A result-like object whose ``state.warm_start()`` is ``init`` (what :meth:`Engine.inner_engine` reads)."""
 
@@ -241,11 +254,12 @@ class HyperObjective:
     """``f(z) = log p(theta(z)) + log|d theta/d z| + B(theta(z))``: the engine fitted on the conditioned model.
 
     Every evaluation is cached; a fit is warm-started from the state at the nearest ``z`` already evaluated (its
-    ``state.warm_start()``, passed by ``Engine.inner_engine``). Only the points asked for with ``keep=True`` (the
-    mode and the design points, whose posteriors form the mixture) and the latest fit keep their full result;
-    the others keep a :class:`_FitSummary` (value, convergence, warm-start state), so memory does not grow with
-    the number of finite-difference evaluations. A point kept only as a summary and later asked for with
-    ``keep=True`` is fitted again from its own state (a few Newton steps at most); its value stays the first one.
+    ``state.warm_start()``, passed by ``Engine.inner_engine``). The points asked for with ``keep=True`` (the mode)
+    keep their full result, those asked for with ``keep="posterior"`` (the design points) a :class:`_PointResult`
+    (posterior, convergence, report), the latest fit its full result until the next one, and every other point a
+    :class:`_FitSummary` (value, convergence, warm-start state), so memory does not grow with the number of
+    finite-difference evaluations. A point asked for again with more than it kept is fitted again from its own
+    state (a few Newton steps at most); its value stays the first one.
 
     The conditioned models of all points share one ``extraction_cache`` (the structure trace is taken once), and
     when the engine's warm-start state can reuse the data-sized structure of the latest fit
@@ -256,8 +270,8 @@ class HyperObjective:
     def __init__(self, engine, space, args, kwargs, history=None, bar=None):
         self.engine, self.space, self.args, self.kwargs = engine, space, args, kwargs
         self.history, self.bar = history, bar
-        self.cache = {}  # key -> [value, summary, full result or None]
-        self.pinned = set()
+        self.cache = {}  # key -> [value, summary, full result, _PointResult or None]
+        self.pinned = {}  # key -> "full" or "posterior"
         self._latest = None  # key of the latest fit (its full result is kept until the next one)
         self._extraction_cache = {}
         self.fits = 0  # inner fits run (refits of released points included)
@@ -290,23 +304,39 @@ class HyperObjective:
                                                              f"theta = {values}; hyper-latents need one")
         return res
 
+    def _slim(self, key):
+        """What the entry ``key`` keeps once it is not the latest fit: by its pin level (see the class docstring)."""
+        entry, level = self.cache[key], self.pinned.get(key)
+        if level == "posterior" and entry[2] is not None and not isinstance(entry[2], _PointResult):
+            entry[2] = _PointResult(entry[2])
+        elif level is None:
+            entry[2] = None
+
     def _release_latest(self, key):
-        """Drop the full result of the previous latest fit unless it is pinned; ``key`` becomes the latest."""
+        """Slim the previous latest fit (:meth:`_slim`); ``key`` becomes the latest."""
         old = self._latest
-        if old is not None and old != key and old not in self.pinned:
-            self.cache[old][2] = None
         self._latest = key
+        if old is not None and old != key:
+            self._slim(old)
+
+    def _pin(self, key, keep):
+        if keep is True or keep == "full":
+            self.pinned[key] = "full"
+        elif keep == "posterior" and self.pinned.get(key) != "full":
+            self.pinned[key] = "posterior"
 
     def fit(self, z, keep=False):
-        """``(f(z), engine result)``; cached. With ``keep`` the full result is kept (refitted from its own state
-        if it had been released); without it the result may be a :class:`_FitSummary`."""
+        """``(f(z), engine result)``; cached. ``keep=True``: the full result is kept; ``keep="posterior"``: at least
+        a :class:`_PointResult`; either is refitted from the point's own state if it had been released. Otherwise
+        the result may be a :class:`_FitSummary`."""
         z = torch.as_tensor(z, dtype=torch.float64).reshape(-1)
         key = tuple(round(float(v), 12) for v in z)
         entry = self.cache.get(key)
         if entry is not None:
             if keep:
-                self.pinned.add(key)
-                if entry[2] is None:
+                self._pin(key, keep)
+                kept = entry[2]
+                if kept is None or (self.pinned[key] == "full" and isinstance(kept, _PointResult)):
                     values, _ = self.space.unpack(z)
                     entry[2] = self._run(z, values, entry[1])
                     self._release_latest(key)
@@ -317,7 +347,7 @@ class HyperObjective:
         value = lp + logjac + float(res.log_evidence_bound)
         self.cache[key] = [value, _FitSummary(res), res]
         if keep:
-            self.pinned.add(key)
+            self._pin(key, keep)
         self._release_latest(key)
         if self.history is not None:
             self.history.record(objective=value, converged=float(res.converged))
@@ -513,10 +543,10 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     def evaluate(points):
         for k in range(points.shape[0]):
             z = z_mode + A_inv @ points[k]
-            val, res = obj.fit(z, keep=True)
+            val, res = obj.fit(z, keep="posterior")
             zs.append(z)
             logf.append(val)
-            results.append(res)
+            results.append(res if res is mode_res or isinstance(res, _PointResult) else _PointResult(res))
 
     evaluate(x)
     radius = grid_radius
