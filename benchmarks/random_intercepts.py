@@ -33,7 +33,8 @@ Usage::
     python benchmarks/random_intercepts.py            # J = 1e3, 3e3, 1e4 (N = 1e4, 3e4, 1e5)
     python benchmarks/random_intercepts.py --variants hyper   # the hyper-latent variant alone
 
-Writes ``benchmarks/results/random_intercepts.json`` (``random_intercepts_quick.json`` with ``--quick``).
+Writes ``benchmarks/results/random_intercepts.json`` (``random_intercepts_quick.json`` with ``--quick``; a subset of
+``--variants`` writes ``random_intercepts_<variants>.json``, e.g. ``random_intercepts_hyper.json``).
 """
 import os
 import sys
@@ -229,7 +230,9 @@ def main():
                                    return_result=True)["result"]
     print()
     print(markdown_table([ratio]))
-    write_json("random_intercepts_quick" if args.quick else "random_intercepts",
+    variants = args.variants.split(",")
+    name = "random_intercepts" + ("" if tuple(variants) == VARIANTS else "_" + "_".join(variants))
+    write_json(name + ("_quick" if args.quick else ""),  # a subset of variants does not overwrite the full results
                {"cases": rows + hyper_rows, "nuts": ratio, "quick": args.quick, "seed": args.seed})
 
 
