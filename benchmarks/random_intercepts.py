@@ -14,12 +14,15 @@ generated like a real hierarchical data set (school or hospital outcomes): group
 (a few large groups, many small ones, every group at least 2 rows), ``p = 5`` standardised covariates, true
 intercepts ``N(-0.5, 0.7^2)``.
 
-Cases: ``J`` groups with ``N = 10 J`` rows, ``J`` in ``(10^3, 3 10^3, 10^4)`` (quick: ``(50, 200)``, the ``hyper``
-variant at 50 only). Per case the fit runs in a fresh process (``peak_rss_in_subprocess``): reported are the
-extraction and fit seconds (``hyper``: the whole integration, extractions included), the storage form ``dual_vg``
-chose, the peak resident memory of the process over its baseline before the call, after the imports of torch,
-Pyro and the package (MiB, ``resource.getrusage``), the Python-allocation peak (``tracemalloc``, MiB: NumPy/SciPy arrays, not torch tensors) and the peak per group, whose constancy across ``J`` is linear memory. The fit's convergence and the
-largest posterior sd of the intercepts are reported as a sanity check. Then the speed ratio to NUTS on a small
+Cases: ``J`` groups with ``N = 10 J`` rows, ``J`` in ``(10^3, 3 10^3, 10^4)`` for every variant (quick: ``(50, 200)``).
+Per case the fit runs in a fresh process (``peak_rss_in_subprocess``): reported are the extraction and fit seconds
+(``hyper``: the whole integration, every design point's extraction included), the storage form ``dual_vg`` chose
+(``hyper``: at the mode), the peak resident memory of the process over its baseline before the call, after the
+imports of torch, Pyro and the package (MiB, ``resource.getrusage``), the Python-allocation peak (``tracemalloc``,
+MiB: NumPy/SciPy arrays, not torch tensors) and the peak per group, whose constancy across ``J`` is linear memory.
+The fit's convergence and the largest posterior sd of the intercepts are reported as a sanity check; for ``hyper``
+also the number of inner fits and the posterior median and 90% interval of ``sigma``, and the fit's seconds per
+inner fit (constant in ``J`` per group when time is linear). Then the speed ratio to NUTS on a small
 case (``J = 100``, ``N = 1000``; quick: ``J = 20``): Pyro NUTS (``engine="nuts"``, one chain, 1000 samples after
 500 warm-up steps; quick: 100 and 100) against ``dual_vg`` on the same centred model, and the largest gap
 between their posterior means in NUTS sds.
@@ -28,8 +31,10 @@ Usage::
 
     python benchmarks/random_intercepts.py --quick
     python benchmarks/random_intercepts.py            # J = 1e3, 3e3, 1e4 (N = 1e4, 3e4, 1e5)
+    python benchmarks/random_intercepts.py --variants hyper   # the hyper-latent variant alone
 
-Writes ``benchmarks/results/random_intercepts.json`` (``random_intercepts_quick.json`` with ``--quick``).
+Writes ``benchmarks/results/random_intercepts.json`` (``random_intercepts_quick.json`` with ``--quick``; a subset of
+``--variants`` writes ``random_intercepts_<variants>.json``, e.g. ``random_intercepts_hyper.json``).
 """
 import os
 import sys
@@ -150,10 +155,16 @@ def run_case(J, seed, variant="centred"):
     _, py_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     sd = res.posterior.variance.sqrt()
-    form = res.info.get("form", "") if isinstance(res.info, dict) else ""
-    return {"extract_s": t1 - t0, "fit_s": t2 - t1, "tracemalloc_peak_mb": py_peak / 2**20,
-            "converged": bool(res.converged), "max_alpha_sd": float(sd[-J:].max()), "form": form or "(hyper)",
-            "posterior_kind": getattr(res.posterior, "kind", type(res.posterior).__name__)}
+    out = {"extract_s": t1 - t0, "fit_s": t2 - t1, "tracemalloc_peak_mb": py_peak / 2**20,
+           "converged": bool(res.converged), "max_alpha_sd": float(sd[-J:].max()), "form": res.info.get("form", ""),
+           "posterior_kind": getattr(res.posterior, "kind", type(res.posterior).__name__)}
+    if variant == "hyper":
+        q = res.hyper["marginals"]["sigma"]["quantiles"]
+        fits = res.info["hyper_details"]["fits"]
+        out.update(form=res.info["mode_result"].info.get("form", ""), hyper_fits=fits,
+                   seconds_per_fit=(t2 - t1) / fits, design_points=res.posterior.num_points,
+                   sigma_q05=float(q[0.05]), sigma_q50=float(q[0.5]), sigma_q95=float(q[0.95]))
+    return out
 
 
 def run_nuts_ratio(J, seed, quick):
@@ -189,26 +200,40 @@ def main():
     sizes = (50, 200) if args.quick else (1_000, 3_000, 10_000)
     if args.groups:
         sizes = tuple(int(g) for g in args.groups.split(","))
-    rows = []
+    rows, hyper_rows = [], []
     for variant in args.variants.split(","):
         if variant not in VARIANTS:
             parser.error(f"--variants: unknown {variant!r}; choose from {VARIANTS}")
-        for J in sizes[:1] if (args.quick and variant == "hyper") else sizes:
+        for J in sizes:
             r = peak_rss_in_subprocess(run_case, J, args.seed, variant, return_result=True)
             out = r["result"]
-            rows.append({"variant": variant, "groups": J, "rows": 10 * J, "form": out["form"],
-                         "extract_s": out["extract_s"], "fit_s": out["fit_s"], "rss_delta_mb": r["delta_mb"],
-                         "rss_per_group_kb": 1024 * r["delta_mb"] / J,
-                         "tracemalloc_peak_mb": out["tracemalloc_peak_mb"], "converged": out["converged"],
-                         "max_alpha_sd": out["max_alpha_sd"], "posterior": out["posterior_kind"]})
+            row = {"variant": variant, "groups": J, "rows": 10 * J, "form": out["form"],
+                   "extract_s": out["extract_s"], "fit_s": out["fit_s"], "rss_delta_mb": r["delta_mb"],
+                   "rss_per_group_kb": 1024 * r["delta_mb"] / J,
+                   "tracemalloc_peak_mb": out["tracemalloc_peak_mb"], "converged": out["converged"],
+                   "max_alpha_sd": out["max_alpha_sd"], "posterior": out["posterior_kind"]}
+            (hyper_rows if variant == "hyper" else rows).append(row)
+            if variant == "hyper":
+                row.update({k: out[k] for k in ("hyper_fits", "design_points", "seconds_per_fit", "sigma_q05",
+                                                "sigma_q50", "sigma_q95")})
+                row["us_per_fit_per_group"] = 1e6 * out["seconds_per_fit"] / J
             print(f"{variant}, J = {J}: done", flush=True)
-    print(markdown_table(rows))
+    if rows:
+        print(markdown_table(rows))
+    if hyper_rows:
+        print()
+        print(markdown_table(hyper_rows, ["groups", "rows", "form", "fit_s", "hyper_fits", "design_points",
+                                          "seconds_per_fit", ("us_per_fit_per_group", "µs per fit per group"),
+                                          "rss_delta_mb", "rss_per_group_kb", "tracemalloc_peak_mb", "converged",
+                                          "sigma_q05", "sigma_q50", "sigma_q95", "max_alpha_sd"]))
     ratio = peak_rss_in_subprocess(run_nuts_ratio, 20 if args.quick else 100, args.seed, args.quick,
                                    return_result=True)["result"]
     print()
     print(markdown_table([ratio]))
-    write_json("random_intercepts_quick" if args.quick else "random_intercepts",
-               {"cases": rows, "nuts": ratio, "quick": args.quick, "seed": args.seed})
+    variants = args.variants.split(",")
+    name = "random_intercepts" + ("" if tuple(variants) == VARIANTS else "_" + "_".join(variants))
+    write_json(name + ("_quick" if args.quick else ""),  # a subset of variants does not overwrite the full results
+               {"cases": rows + hyper_rows, "nuts": ratio, "quick": args.quick, "seed": args.seed})
 
 
 if __name__ == "__main__":

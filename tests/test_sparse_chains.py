@@ -294,3 +294,144 @@ def test_probe_recovers_a_gather_in_four_products_and_refuses_two_per_row(dtype)
     assert np.array_equal(c[np.argsort(r)], idx.numpy())
     assert np.allclose(v[np.argsort(r)], 0.5 * coef.double().numpy(), rtol=1e-6)
     assert probe_sparse_jacobian(lambda v: v[idx] + v[(idx + 1) % K], [slice(0, K)], J, K, dtype) is None
+
+
+# ----------------------------------------------------------------------------- deep chains
+def three_level(region_of_school, school_of_pupil, pupil_of_row, X, y=None):
+    """Region -> school -> pupil intercepts (a chain three deep), pupils observed through a gather."""
+    R, S, P = int(region_of_school.max()) + 1, region_of_school.shape[0], school_of_pupil.shape[0]
+    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 2.0))
+    b = pyro.sample("b", dist.Normal(torch.zeros(X.shape[1], dtype=D), 1.0).to_event(1))
+    with pyro.plate("regions", R):
+        r = pyro.sample("r", dist.Normal(mu, 0.5))
+    with pyro.plate("schools", S):
+        s = pyro.sample("s", dist.Normal(r[region_of_school], 0.4))
+    with pyro.plate("pupils", P):
+        a = pyro.sample("a", dist.Normal(s[school_of_pupil], 0.3))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Bernoulli(logits=a[pupil_of_row] + X @ b), obs=y)
+
+
+def _three_level_data(R, S, P, N, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ros, sop = torch.arange(S) % R, torch.arange(P) % S
+    por = torch.randint(0, P, (N,), generator=g)
+    X = torch.randn(N, 2, generator=g, dtype=D)
+    y = (torch.rand(N, generator=g, dtype=D) < torch.sigmoid(0.3 + X[:, 0])).to(D)
+    return (ros, sop, por, X), y
+
+
+def test_three_level_chain_sparse_form_equals_the_dense_latent_form():
+    args, y = _three_level_data(3, 8, 30, 60)
+    r1 = _fit(three_level, *args, y=y, form="sparse", gap_tol=1e-12)
+    r2 = _fit(three_level, *args, y=y, form="latent", gap_tol=1e-12)
+    assert r1.info["form"] == "sparse" and r1.converged and r2.converged
+    assert r1.posterior.layout.names == ["mu", "b", "r", "s", "a"]
+    assert torch.allclose(r1.posterior.loc, r2.posterior.loc, atol=1e-8)
+    assert torch.allclose(r1.posterior.variance.sqrt(), r2.posterior.variance.sqrt(), atol=1e-8)
+    assert abs(r1.log_evidence_bound - r2.log_evidence_bound) < 1e-8
+    A = pcv.lgm_from_pyro(three_level, *args, y=y).chain.A  # every region reads mu, school its region, pupil its school
+    assert A.nnz == 3 + 8 + 30
+
+
+def test_a_three_level_chain_with_2000_pupils_and_few_rows_stays_sparse(monkeypatch):
+    """2,000 pupil intercepts under 200 schools and 20 regions, observed in 400 rows (``q n`` below the probing
+    threshold of entries): the design is probed sparse, dual_vg runs in the sparse latent form, and no torch tensor
+    of ``n^2 / 4`` entries or more is created by the usual constructors or densified."""
+    import tracemalloc
+
+    args, y = _three_level_data(20, 200, 2000, 400)
+    n = 1 + 2 + 20 + 200 + 2000
+    big = []
+
+    def watch(fn):
+        def wrapped(*a, **k):
+            out = fn(*a, **k)
+            if torch.is_tensor(out) and out.numel() >= n * n // 4:
+                big.append((fn.__name__, tuple(out.shape)))
+            return out
+        return wrapped
+
+    for name in ("zeros", "ones", "empty", "eye", "full", "diag", "diag_embed", "zeros_like", "stack", "cat"):
+        monkeypatch.setattr(torch, name, watch(getattr(torch, name)))
+    monkeypatch.setattr(torch.Tensor, "to_dense", watch(torch.Tensor.to_dense))
+    tracemalloc.start()
+    lgm = pcv.lgm_from_pyro(three_level, *args, y=y)
+    res = pcv.fit(three_level, *args, y=y, engine="dual_vg", progress=False)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert isinstance(lgm.sites[0].design, SparseOperator)
+    assert res.info["form"] == "sparse" and res.converged and res.posterior.kind == "precision_operator"
+    assert not big, big
+    assert peak < 40_000 * n, peak  # n^2 float64 would be 39 MB
+
+
+# ----------------------------------------------------------------------------- the relaxation's posterior, chains
+def test_matrix_free_precision_with_an_explicit_factor_maps_to_the_model_sparsely():
+    """A posterior over ``u`` given by a matrix-free precision, a stacked factor ``[R; W^{1/2} B]`` and
+    ``precision_scale = 2`` (the relaxation's form) maps to the chain's sites as the dense ``M C M^T`` does."""
+    from pyro_convexvb.lgm.chains import AffineChain
+    from pyro_convexvb.linalg.operators import ComposedOperator, DiagonalOperator, FunctionOperator, StackedOperator
+    from pyro_convexvb.posterior.gaussian import GaussianPosterior
+
+    n, N = 6, 15
+    A = sp.csr_matrix(([1.0, 1.0, 0.5, 0.7], ([2, 3, 4, 5], [0, 0, 2, 1])), shape=(n, n))
+    chain = AffineChain(A, ["x"])
+    g = torch.Generator().manual_seed(0)
+    Bd = torch.zeros(N, n, dtype=D)
+    Bd[torch.arange(N), torch.randint(0, n, (N,), generator=g)] = 1.0
+    Bd[:, 1] = torch.randn(N, generator=g, dtype=D)
+    w = torch.rand(N, generator=g, dtype=D) + 0.2
+    R = DiagonalOperator(torch.rand(n, generator=g, dtype=D) + 0.5)
+    J = StackedOperator([R, ComposedOperator(DiagonalOperator(w.sqrt()), SparseOperator(Bd.to_sparse_csr()))])
+    P = J.to_dense().T @ J.to_dense()
+    C = 2.0 * torch.linalg.inv(P)
+    loc = torch.randn(n, generator=g, dtype=D)
+    A_free = FunctionOperator(lambda v: P @ v, lambda v: P @ v, (n, n), dtype=D)
+    post = GaussianPosterior(loc, C.diagonal().clone(), precision_operator=A_free, precision_factor=J,
+                             precision_scale=2.0)
+    out = chain.to_model(post)
+    M = torch.as_tensor(chain.M.toarray())
+    assert out.kind == "precision_operator"
+    assert torch.allclose(out.loc, M @ loc, atol=1e-12)
+    assert torch.allclose(out.variance, (M @ C @ M.T).diagonal(), rtol=1e-10)
+    assert torch.allclose(out.covariance(), M @ C @ M.T, rtol=1e-9, atol=1e-12)
+
+
+def test_convex_relaxation_on_2000_random_intercepts_keeps_the_design_sparse(monkeypatch):
+    """The relaxation's posterior over ``u`` (matrix-free precision) is mapped to the centred sites without the
+    dense ``N x n`` design or ``n x n`` covariance it went through before; on a small instance the mapped posterior
+    equals the dense map."""
+    J = 8
+    X, grp, y = _data(J)
+    r1 = pcv.fit(centred, X, grp, J, y=y, engine="convex_relaxation", progress=False)
+    import pyro_convexvb.lgm.chains as chains
+
+    with monkeypatch.context() as m:
+        m.setattr(chains.AffineChain, "_sparse_precision_to_model", lambda self, *a: None)
+        r2 = pcv.fit(centred, X, grp, J, y=y, engine="convex_relaxation", progress=False)
+    assert r1.posterior.kind == "precision_operator" and r2.posterior.kind == "covariance"
+    assert torch.allclose(r1.posterior.loc, r2.posterior.loc, atol=1e-10)
+    assert torch.allclose(r1.posterior.variance, r2.posterior.variance, rtol=1e-8, atol=1e-12)
+
+    J = 2000
+    X, grp, y = _big_problem(J, rows_per_group=3)
+    n, N = 1 + X.shape[1] + J, X.shape[0]
+    big = []
+
+    def watch(fn):
+        def wrapped(*a, **k):
+            out = fn(*a, **k)
+            if torch.is_tensor(out) and out.numel() >= n * n // 4:
+                big.append((fn.__name__, tuple(out.shape)))
+            return out
+        return wrapped
+
+    for name in ("zeros", "ones", "empty", "eye", "full", "diag", "zeros_like", "stack", "cat"):
+        monkeypatch.setattr(torch, name, watch(getattr(torch, name)))
+    monkeypatch.setattr(torch.Tensor, "to_dense", watch(torch.Tensor.to_dense))
+    monkeypatch.setattr(torch.Tensor, "__matmul__", watch(torch.Tensor.__matmul__))
+    with pytest.warns(pcv.ConvergenceWarning):  # two outer steps: the posterior's form is what is checked
+        res = pcv.fit(centred, X, grp, J, y=y, engine="convex_relaxation", progress=False, options=dict(max_outer=2))
+    assert res.posterior.kind == "precision_operator" and res.posterior.n == n
+    assert not big, big  # before: an eye(n), A applied to it (n x n) and B to it (N x n)

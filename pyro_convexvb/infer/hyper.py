@@ -215,17 +215,66 @@ def design_points(d, strategy, *, step=0.75, radius=3.5, f0=1.1):
 # ---------------------------------------------------------------------------------------------
 # the outer loop over theta
 # ---------------------------------------------------------------------------------------------
+class _FitSummary:
+    """What a design-point fit leaves behind once its full result is released: the value, whether it converged, the
+    bound and the state a nearby fit is warm-started from (``state.warm_start()``: ``alpha`` for ``dual_vg``, the
+    widths for ``convex_relaxation``), never the data-sized backend, model or posterior."""
+
+    def __init__(self, res):
+        self.converged = bool(res.converged)
+        self.log_evidence_bound = res.log_evidence_bound
+        self.state = None if res.state is None else res.state.warm_start()
+
+
+class _PointResult:
+    """A design point's fit as the mixture needs it: the posterior, convergence, bound, optimality and report; the
+    data-sized model and state are released (``lgm`` and ``state`` are ``None``)."""
+
+    lgm = None
+    state = None
+
+    def __init__(self, res):
+        self.posterior, self.converged = res.posterior, res.converged
+        self.log_evidence_bound, self.optimality = res.log_evidence_bound, res.optimality
+        self.stop_reason, self.info = res.stop_reason, res.info
+
+
+class _WarmFrom:
+    """A result-like object whose ``state.warm_start()`` is ``init`` (what :meth:`Engine.inner_engine` reads)."""
+
+    def __init__(self, init):
+        self.state = self
+        self._init = init
+
+    def warm_start(self):
+        return self._init
+
+
 class HyperObjective:
     """``f(z) = log p(theta(z)) + log|d theta/d z| + B(theta(z))``: the engine fitted on the conditioned model.
 
-    Every evaluation is cached with the engine's result; a fit is warm-started from the result at the
-    nearest ``z`` already evaluated (its ``state.warm_start()``, passed by ``Engine.inner_engine``).
+    Every evaluation is cached; a fit is warm-started from the state at the nearest ``z`` already evaluated (its
+    ``state.warm_start()``, passed by ``Engine.inner_engine``). The points asked for with ``keep=True`` (the mode)
+    keep their full result, those asked for with ``keep="posterior"`` (the design points) a :class:`_PointResult`
+    (posterior, convergence, report), the latest fit its full result until the next one, and every other point a
+    :class:`_FitSummary` (value, convergence, warm-start state), so memory does not grow with the number of
+    finite-difference evaluations. A point asked for again with more than it kept is fitted again from its own
+    state (a few Newton steps at most); its value stays the first one.
+
+    The conditioned models of all points share one ``extraction_cache`` (the structure trace is taken once), and
+    when the engine's warm-start state can reuse the data-sized structure of the latest fit
+    (``state.reusing(full_state)``: ``dual_vg``'s sparse latent form keeps the site pairs, the fill-reducing
+    ordering and the symbolic factorisations; only the prior's values change with ``theta``), it is passed on.
     """
 
     def __init__(self, engine, space, args, kwargs, history=None, bar=None):
         self.engine, self.space, self.args, self.kwargs = engine, space, args, kwargs
         self.history, self.bar = history, bar
-        self.cache = {}
+        self.cache = {}  # key -> [value, summary, full result, _PointResult or None]
+        self.pinned = {}  # key -> "full" or "posterior"
+        self._latest = None  # key of the latest fit (its full result is kept until the next one)
+        self._extraction_cache = {}
+        self.fits = 0  # inner fits run (refits of released points included)
 
     def _nearest(self, z):
         if not self.cache:
@@ -233,31 +282,78 @@ class HyperObjective:
         key = min(self.cache, key=lambda k: float(((torch.tensor(k, dtype=torch.float64) - z) ** 2).sum()))
         return self.cache[key][1]
 
-    def fit(self, z):
-        """``(f(z), engine result)``; cached."""
-        z = torch.as_tensor(z, dtype=torch.float64).reshape(-1)
-        key = tuple(round(float(v), 12) for v in z)
-        if key in self.cache:
-            return self.cache[key]
-        values, logjac = self.space.unpack(z)
+    def _run(self, z, values, warm):
         eng = self.engine
-        lp = log_prior(eng.model, self.args, self.kwargs, values)
-        warm = self._nearest(z)
-        inner = eng.inner_engine(conditioned_model(eng.model, values), warm, learn_params=False)
+        init = None if warm is None else warm.state
+        latest = None if self._latest is None else self.cache[self._latest][2]
+        if init is not None and latest is not None and latest.state is not None and hasattr(init, "reusing"):
+            init = init.reusing(latest.state)
+        model = conditioned_model(eng.model, values)
+        try:
+            model.extraction_cache = self._extraction_cache
+        except AttributeError:  # pragma: no cover - a handler that takes no attributes: extracted from scratch
+            pass
+        inner = eng.inner_engine(model, None if init is None else _WarmFrom(init), learn_params=False)
         inner.extract_dtype = torch.float64  # bounds accurate enough for finite differences over theta
         with warnings.catch_warnings():  # the outer fit counts unconverged design points and warns once
             warnings.simplefilter("ignore", ConvergenceWarning)
             res = inner.run(*self.args, **self.kwargs)
+        self.fits += 1
         if res.log_evidence_bound is None or not math.isfinite(res.log_evidence_bound):
             raise UnsupportedModelError(self.space.names[0], f"engine '{eng.name}' gave no evidence bound at "
                                                              f"theta = {values}; hyper-latents need one")
-        out = (lp + logjac + float(res.log_evidence_bound), res)
-        self.cache[key] = out
+        return res
+
+    def _slim(self, key):
+        """What the entry ``key`` keeps once it is not the latest fit: by its pin level (see the class docstring)."""
+        entry, level = self.cache[key], self.pinned.get(key)
+        if level == "posterior" and entry[2] is not None and not isinstance(entry[2], _PointResult):
+            entry[2] = _PointResult(entry[2])
+        elif level is None:
+            entry[2] = None
+
+    def _release_latest(self, key):
+        """Slim the previous latest fit (:meth:`_slim`); ``key`` becomes the latest."""
+        old = self._latest
+        self._latest = key
+        if old is not None and old != key:
+            self._slim(old)
+
+    def _pin(self, key, keep):
+        if keep is True or keep == "full":
+            self.pinned[key] = "full"
+        elif keep == "posterior" and self.pinned.get(key) != "full":
+            self.pinned[key] = "posterior"
+
+    def fit(self, z, keep=False):
+        """``(f(z), engine result)``; cached. ``keep=True``: the full result is kept; ``keep="posterior"``: at least
+        a :class:`_PointResult`; either is refitted from the point's own state if it had been released. Otherwise
+        the result may be a :class:`_FitSummary`."""
+        z = torch.as_tensor(z, dtype=torch.float64).reshape(-1)
+        key = tuple(round(float(v), 12) for v in z)
+        entry = self.cache.get(key)
+        if entry is not None:
+            if keep:
+                self._pin(key, keep)
+                kept = entry[2]
+                if kept is None or (self.pinned[key] == "full" and isinstance(kept, _PointResult)):
+                    values, _ = self.space.unpack(z)
+                    entry[2] = self._run(z, values, entry[1])
+                    self._release_latest(key)
+            return entry[0], entry[2] if entry[2] is not None else entry[1]
+        values, logjac = self.space.unpack(z)
+        lp = log_prior(self.engine.model, self.args, self.kwargs, values)
+        res = self._run(z, values, self._nearest(z))
+        value = lp + logjac + float(res.log_evidence_bound)
+        self.cache[key] = [value, _FitSummary(res), res]
+        if keep:
+            self._pin(key, keep)
+        self._release_latest(key)
         if self.history is not None:
-            self.history.record(objective=out[0], converged=float(res.converged))
+            self.history.record(objective=value, converged=float(res.converged))
         if self.bar is not None:
             self.bar.update(1)
-        return out
+        return value, res
 
     def __call__(self, z):
         return self.fit(z)[0]
@@ -316,16 +412,23 @@ def find_mode(obj, z0, *, max_iter=100, gtol=1e-4, fd_step=1e-3, bound=12.0, hes
     import numpy as np
     import scipy.optimize
 
+    # L-BFGS-B's first step on a boxed problem is the whole gradient (step length one): with |grad| ~ 80 at
+    # the prior median of a 3000-group scale it jumped to the box's edge (sigma ~ 1e5), where one inner fit took
+    # minutes. The objective is divided by |grad f(z0)|, so the first step has length one in z; the iterates that
+    # follow are those of L-BFGS-B on f (its curvature pairs scale with f), and its gradient tolerance is scaled back.
+    z0 = z0.to(torch.float64)
+    scale = max(1.0, float(_grad_fd(obj, z0, fd_step).norm()))
+
     def fun(x):
         z = torch.as_tensor(x, dtype=torch.float64)
         v = obj(z)
         g = _grad_fd(obj, z, fd_step)
-        return -v, -g.numpy()
+        return -v / scale, -g.numpy() / scale
 
     x0 = z0.numpy().astype(np.float64)
     res = scipy.optimize.minimize(fun, x0, jac=True, method="L-BFGS-B",
                                   bounds=[(v - bound, v + bound) for v in x0],
-                                  options=dict(maxiter=max_iter, gtol=gtol, ftol=1e-12))
+                                  options=dict(maxiter=max_iter, gtol=gtol / scale, ftol=1e-12))
     z = torch.as_tensor(res.x, dtype=torch.float64)
     lo, hi = z0.to(torch.float64) - bound, z0.to(torch.float64) + bound
     g = _grad_fd(obj, z, fd_step)
@@ -413,12 +516,12 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     z0 = _initial_z(model, args, kwargs, space)
     gtol = 1e-3
     z_mode, f_mode, opt = find_mode(obj, z0, fd_step=fd_step, gtol=gtol, hess_step=hess_step)
-    mode_res = obj.fit(z_mode)[1]
+    mode_res = obj.fit(z_mode, keep=True)[1]
     gnorm = float(_grad_fd(obj, z_mode, fd_step).abs().max())
     info = {"mode_z": z_mode, "mode_theta": space.unpack(z_mode)[0], "log_post_mode": f_mode,
             "mode_grad_norm": gnorm, "mode_gtol": gtol, "mode_message": str(opt.message), "space": space}
     if strategy == "map":
-        info["evaluations"] = len(obj.cache)
+        info.update(evaluations=len(obj.cache), fits=obj.fits)
         post = HyperPosterior(space, z_mode.reshape(1, -1), torch.ones(1, dtype=torch.float64),
                               [mode_res.posterior], torch.tensor([f_mode], dtype=torch.float64),
                               ThetaDensity.point(z_mode), torch.zeros(1, space.dim, dtype=torch.float64), z_mode,
@@ -440,10 +543,10 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     def evaluate(points):
         for k in range(points.shape[0]):
             z = z_mode + A_inv @ points[k]
-            val, res = obj.fit(z)
+            val, res = obj.fit(z, keep="posterior")
             zs.append(z)
             logf.append(val)
-            results.append(res)
+            results.append(res if res is mode_res or isinstance(res, _PointResult) else _PointResult(res))
 
     evaluate(x)
     radius = grid_radius
@@ -460,7 +563,8 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     post = HyperPosterior(space, torch.stack([zs[k] for k in idx]), w, [results[k].posterior for k in idx],
                           logf[idx], density, x[idx], z_mode, H, layout=mode_res.posterior.layout,
                           out_dtype=out_dtype)
-    info.update(strategy=strategy, radius=radius, truncated=truncated, evaluations=len(obj.cache), hessian=H,
+    info.update(strategy=strategy, radius=radius, truncated=truncated, evaluations=len(obj.cache), fits=obj.fits,
+                hessian=H,
                 design_x=x[idx],
                 design_a=a[idx],
                 results=[results[k] for k in idx])

@@ -22,10 +22,12 @@ import torch
 
 from ..errors import UnsupportedModelError
 from ..linalg.operators import (
+    ComposedOperator,
     DenseOperator,
     DiagonalOperator,
     EmbedColumnsOperator,
     SparseOperator,
+    StackedOperator,
     SumOperator,
 )
 
@@ -57,6 +59,16 @@ def _scipy_csr(op):
         if any(p is None for p in parts):
             return None
         return sum(c * p for c, p in zip(op.coefficients, parts)).tocsr()
+    if isinstance(op, StackedOperator):  # e.g. a precision factor [R_Q; W^{1/2} B] of the relaxation
+        parts = [_scipy_csr(o) for o in op.operators]
+        if any(p is None for p in parts):
+            return None
+        return sp.vstack(parts, format="csr")
+    if isinstance(op, ComposedOperator):
+        left, right = _scipy_csr(op.left), _scipy_csr(op.right)
+        if left is None or right is None:
+            return None
+        return (left @ right).tocsr()
     return None
 
 
@@ -148,8 +160,6 @@ class AffineChain:
         """The design ``B (I - A)^{-1}`` acting on ``u`` of a design ``B`` acting on ``x`` (sparse when ``B`` is)."""
         B = _scipy_csr(op)
         if B is None:
-            from ..linalg.operators import ComposedOperator
-
             return ComposedOperator(op, SparseOperator(_torch_csr(self.M, op.dtype, op.device)))
         out = (B @ self.M).tocsr()
         if isinstance(op, DenseOperator):
@@ -211,22 +221,29 @@ class AffineChain:
 
     def _sparse_precision_to_model(self, posterior, mean, layout):
         """A sparse-precision posterior over ``u`` mapped to ``x = (I - A)^{-1} u`` without densifying: precision
-        ``T^T P T`` and factor ``J T`` (``T = I - A``), marginal variances by selected inversion of ``T^T P T``;
-        ``None`` when the precision or its factor is matrix-free."""
+        ``T^T P T`` and factor ``J T`` (``T = I - A``), marginal variances by selected inversion of ``T^T P T``
+        (times the posterior's ``precision_scale``). A matrix-free ``P`` with an explicit factor ``J`` (stacked,
+        composed, diagonal and sparse parts: ``convex_relaxation``'s ``[R_Q; Gamma^{-1/2} B]``) is ``J^T J``.
+        ``None`` when the factor is matrix-free."""
         from ..linalg.sparse_cholesky import SparseCholesky
         from ..posterior.gaussian import GaussianPosterior
 
-        P, J = _scipy_csr(posterior.precision_operator), _scipy_csr(posterior.precision_factor)
-        if P is None or J is None:  # matrix-free operators: mapped through the dense covariance (or refused)
+        J = _scipy_csr(posterior.precision_factor)
+        if J is None:  # a matrix-free factor: mapped through the dense covariance (or refused)
             return None
+        P = _scipy_csr(posterior.precision_operator)
+        if P is None:  # a matrix-free precision (the relaxation's A v) with an explicit factor: A = J^T J
+            P = (J.T @ J).tocsr()
         Px = (self.T.T @ P @ self.T).tocsr()
         Px = 0.5 * (Px + Px.T)
         Jx = (J @ self.T).tocsr()
-        var = SparseCholesky(Px.tocsc(), name="posterior precision over the chain's sites").diag_inverse()
+        scale = posterior.precision_scale  # the covariance is scale * A^{-1}
+        var = scale * SparseCholesky(Px.tocsc(), name="posterior precision over the chain's sites").diag_inverse()
         like = posterior.loc
         return GaussianPosterior(mean, torch.as_tensor(var, dtype=like.dtype).to(like.device),
                                  precision_operator=SparseOperator(_torch_csr(Px, like.dtype, like.device)),
-                                 precision_factor=SparseOperator(_torch_csr(Jx, like.dtype, like.device)), layout=layout)
+                                 precision_factor=SparseOperator(_torch_csr(Jx, like.dtype, like.device)),
+                                 precision_scale=scale, layout=layout)
 
     def to_latent(self, posterior, layout=None):
         """The inverse of :meth:`to_model`: a posterior over the model's sites as one over ``u = (I - A) x``."""

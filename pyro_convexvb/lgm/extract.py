@@ -34,6 +34,11 @@ DENSE_JACOBIAN_LIMIT = 25_000_000
 #: a predictor's Jacobian with more than this many entries (``rows x latents``) that no ``pcv.linear`` record
 #: reproduces is first probed for a sparse structure (:func:`~pyro_convexvb.lgm.chains.probe_sparse_jacobian`)
 PROBE_MIN_ENTRIES = 1_000_000
+#: ... and so is every such predictor of a model with at least this many latents, whatever its number of rows: a
+#: hierarchy deeper than its data (2,000 pupil intercepts under schools and regions, a few hundred rows) needs a
+#: sparse design for the sparse latent form of ``dual_vg``, where a dense ``q x n`` Jacobian would send it to a
+#: dense ``L x L`` (or ``n x n`` prior covariance) form
+PROBE_MIN_LATENTS = 1_000
 #: largest fraction of nonzeros for which a probed Jacobian is kept sparse
 PROBE_MAX_DENSITY = 0.1
 
@@ -618,7 +623,8 @@ def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype,
     op = _recorded_operator(name, records, eta, u0, layout, vals, probe, rows=rows)
     if op is None:
         q = eta.shape[0]
-        op = _probed_operator(jac, layout, q, n, dtype, u0.device) if q * n > PROBE_MIN_ENTRIES else None
+        sparse_worth = q * n > PROBE_MIN_ENTRIES or n >= PROBE_MIN_LATENTS
+        op = _probed_operator(jac, layout, q, n, dtype, u0.device) if sparse_worth else None
     if op is None:
         op = DenseOperator(jac.dense()) if q * n <= DENSE_JACOBIAN_LIMIT else jac.operator()
     offset = _d(eta - op.mv(u0.detach()).to(eta.dtype), keep_graph)
@@ -717,9 +723,9 @@ def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
       observed data.
 
     The affine map is taken from :func:`pyro_convexvb.linear` calls when the model uses them
-    (sparse designs stay sparse), otherwise probed with autograd: materialised as a dense Jacobian
-    when ``q * n <= DENSE_JACOBIAN_LIMIT`` (the model's own design is dense then), else kept as a
-    vjp/jvp operator. Affinity is checked at two random points.
+    (sparse designs stay sparse), otherwise probed with autograd: for a sparse structure first when ``q * n >
+    PROBE_MIN_ENTRIES`` or ``n >= PROBE_MIN_LATENTS``, else as a dense Jacobian when ``q * n <=
+    DENSE_JACOBIAN_LIMIT``, else kept as a vjp/jvp operator. Affinity is checked at two random points.
 
     :param model: a Pyro model callable.
     :param args: positional arguments of the model (data).

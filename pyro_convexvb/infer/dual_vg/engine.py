@@ -1,5 +1,6 @@
 """The ``dual_vg`` engine (Khan et al. 2013): the storage form of the dual, the solve, the recovered ``q``
 (:class:`DualVGEngine`); its :class:`DualState` resumes a fit (``init=``)."""
+import dataclasses
 import math
 import typing
 from dataclasses import dataclass
@@ -101,8 +102,12 @@ def sparse_design(lgm):
     return sp.vstack(parts, format="csr") if len(parts) > 1 else parts[0].tocsr()
 
 
-def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
+def build_dual_problem(lgm, bound="tight", form="auto", xi=None, reuse=None):
     """``(backend, local bound, latent-space kind)`` for a :class:`~pyro_convexvb.LatentGaussianModel`.
+
+    :param reuse: a backend of an earlier fit (``None``: none); in the sparse latent form, when its design is this
+        model's, its structure is taken over (:meth:`~.sparse.SparseLatentBackend.reuse`), the result being the
+        backend a fresh build would give.
 
     :param str form: ``"site"`` (``N x N``), ``"latent"`` (``L x L``), ``"banded"`` (sparse
         precision, one latent per site), ``"sparse"`` (sparse precision and sparse design:
@@ -141,7 +146,9 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None):
         if Ws is None:
             raise ValueError("dual_vg: form='sparse' needs explicit (sparse or dense) designs; this model has a "
                              "matrix-free design; use form='latent' or 'site'")
-        backend = SparseLatentBackend(Q, mu, Ws, d)
+        backend = SparseLatentBackend.reuse(reuse, Q, mu, Ws, d) if isinstance(reuse, SparseLatentBackend) else None
+        if backend is None:
+            backend = SparseLatentBackend(Q, mu, Ws, d)
     elif form == "banded":
         Q = lgm.priors[0].prec if len(lgm.priors) == 1 else None
         if Q is None:
@@ -235,10 +242,20 @@ class DualState:
     bound: str = "tight"
     xi: typing.Any = None
     posterior: typing.Any = None
+    #: a backend of an earlier fit whose data-sized structure a fit of a nearby model may reuse (:meth:`reusing`)
+    structure: typing.Any = None
 
     def warm_start(self):
         """``alpha`` alone, for a fit of a nearby model (clipped into its domain by :func:`~.optim.solve_dual`)."""
         return DualState(self.alpha)
+
+    def reusing(self, state):
+        """This warm start with the backend of ``state`` (a full state of another fit) offered for reuse: a fit
+        in the sparse latent form whose design equals that backend's takes its site pairs, ordering and symbolic
+        factorisations and refactors only the new values (:meth:`~.sparse.SparseLatentBackend.reuse`; the
+        hyper-latent design points of a model whose ``theta`` enters only the prior). Anything else ignores it."""
+        backend = getattr(state, "backend", None)
+        return dataclasses.replace(self, structure=backend) if backend is not None else self
 
     def bound_at(self, lgm):
         r"""``ELBO_LVB(q*; theta)`` of the fitted ``q*`` on ``lgm`` (the model at other hyperparameters; Khan et al.
@@ -393,7 +410,8 @@ class DualVGEngine(Engine):
             if err is not None:
                 raise err
             return self._solve_block(lgm, run)
-        backend, lb, form = build_dual_problem(lgm, o.bound, o.form, o.xi)
+        reuse = getattr(self.init, "structure", None)
+        backend, lb, form = build_dual_problem(lgm, o.bound, o.form, o.xi, reuse=reuse)
         bar = run.bar(unit="iter")
 
         def callback(alpha, val, gap):

@@ -88,22 +88,9 @@ class SparseLatentBackend:
     def __init__(self, Q, mu, W, offset=None, cholesky_backend=None):
         import scipy.sparse as sp
 
-        from ...linalg.sparse_cholesky import as_scipy_csc
-
-        self.dtype, self.device = mu.dtype, mu.device
-        Qs = as_scipy_csc(Q, "Q")
+        Qs, Ws = _checked(Q, mu, W)
         L = Qs.shape[0]
-        if tuple(mu.shape) != (L,):
-            raise ValueError(f"mu: expected shape ({L},), got {tuple(mu.shape)}")
-        Ws = _to_scipy(W).tocsr().astype(np.float64)
-        Ws.sum_duplicates()
-        Ws.eliminate_zeros()
-        Ws.sort_indices()
-        if Ws.shape[1] != L:
-            raise ValueError(f"W: expected {L} columns, got {Ws.shape[1]}")
         self.L, self.N, self.Ws = L, Ws.shape[0], Ws
-        self.mu = mu.detach().cpu().numpy().astype(np.float64)
-        self.d = np.zeros(self.N) if offset is None else offset.detach().cpu().numpy().astype(np.float64)
         self.cholesky_backend = cholesky_backend
         site, j, k, w = _site_pairs(Ws)
         self._site, self._pw = site, w  # w_j w_k of each pair
@@ -122,12 +109,62 @@ class SparseLatentBackend:
         np.add.at(self._Qupper, np.searchsorted(keys, Qc.col[up].astype(np.int64) * L + Qc.row[up]), Qc.data[up])
         self._pair_upos = np.searchsorted(keys, k * L + j)  # position of each pair in the pattern of A
         self._pattern = (U.indptr, U.indices)
+        self._keys = keys
         self._chol = {}
-        self.cholQ = self._factor_values("Q", self._Qupper)
+        self._set_prior(Qs, mu, offset)
+
+    def _set_prior(self, Qs, mu, offset):
+        """The prior's values (``Q``, ``mu``) and the offset; ``self._Qupper`` already on the pattern of ``A``."""
+        self.dtype, self.device = mu.dtype, mu.device
+        self.mu = mu.detach().cpu().numpy().astype(np.float64)
+        self.d = np.zeros(self.N) if offset is None else offset.detach().cpu().numpy().astype(np.float64)
+        self._cache = None
+        self._cholQ = None
         self.logdet_S = -self.cholQ.logdet()
         self._Qs = Qs
-        self.mu_t = self._t(Ws @ self.mu + self.d)
-        self._cache = None
+        self.mu_t = self._t(self.Ws @ self.mu + self.d)
+
+    @property
+    def cholQ(self):
+        """The sparse Cholesky factor of ``Q`` (refactored on demand after :meth:`reuse` took this one's)."""
+        if self._cholQ is None:
+            self._cholQ = self._factor_values("Q", self._Qupper)
+        return self._cholQ
+
+    @classmethod
+    def reuse(cls, prev, Q, mu, W, offset=None):
+        """The backend of ``(Q, mu, W, offset)`` built from ``prev``'s structure, or ``None`` when it does not apply.
+
+        When ``W`` equals ``prev``'s design (same pattern and values) and ``Q``'s pattern lies in that of ``prev``'s
+        ``A``, the site pairs, the pattern of ``A``, the fill-reducing orderings, symbolic factorisations and
+        selected-inverse positions are ``prev``'s, and only the numeric factorisations are redone (the points of a
+        hyper-latent that enters only the prior: a group scale ``sigma`` of random intercepts). The factors are
+        moved, not shared: ``prev`` refactors its own on its next use, so both stay correct. The result equals a
+        fresh ``SparseLatentBackend(Q, mu, W, offset)`` to rounding (the same ordering, hence the same arithmetic).
+        """
+        if not isinstance(prev, cls):
+            return None
+        Qs, Ws = _checked(Q, mu, W)
+        P = prev.Ws
+        if Ws.shape != P.shape or not (np.array_equal(Ws.indptr, P.indptr) and np.array_equal(Ws.indices, P.indices)
+                                       and np.array_equal(Ws.data, P.data)):
+            return None
+        L = Qs.shape[0]
+        Qc = Qs.tocoo()
+        up = Qc.row <= Qc.col
+        want = Qc.col[up].astype(np.int64) * L + Qc.row[up]
+        pos = np.searchsorted(prev._keys, want)
+        if len(want) and (pos.max() >= len(prev._keys) or not np.array_equal(prev._keys[pos], want)):
+            return None  # Q reads entries outside the pattern of A: a fresh analysis
+        new = cls.__new__(cls)
+        for name in ("L", "N", "Ws", "cholesky_backend", "_site", "_pw", "_vcoef", "_pair_upos", "_pattern", "_keys"):
+            setattr(new, name, getattr(prev, name))
+        new._Qupper = np.zeros(len(prev._keys))
+        np.add.at(new._Qupper, pos, Qc.data[up])
+        new._chol, prev._chol = prev._chol, {}
+        prev._cholQ, prev._cache = None, None
+        new._set_prior(Qs, mu, offset)
+        return new
 
     # ------------------------------------------------------------------ helpers
     def _t(self, x):
@@ -224,6 +261,24 @@ class SparseLatentBackend:
                                  precision_factor=_sparse_op(J, self.dtype, self.device))
 
 
+def _checked(Q, mu, W):
+    """``(Q, W)`` as SciPy CSC and canonical CSR (float64, duplicates summed, zeros dropped, sorted), checked
+    against ``mu``'s length."""
+    from ...linalg.sparse_cholesky import as_scipy_csc
+
+    Qs = as_scipy_csc(Q, "Q")
+    L = Qs.shape[0]
+    if tuple(mu.shape) != (L,):
+        raise ValueError(f"mu: expected shape ({L},), got {tuple(mu.shape)}")
+    Ws = _to_scipy(W).tocsr().astype(np.float64)
+    Ws.sum_duplicates()
+    Ws.eliminate_zeros()
+    Ws.sort_indices()
+    if Ws.shape[1] != L:
+        raise ValueError(f"W: expected {L} columns, got {Ws.shape[1]}")
+    return Qs, Ws
+
+
 def _symmetric_from_upper(U):
     """The symmetric CSC matrix of an upper triangle ``U`` (diagonal included), explicit zeros kept."""
     import scipy.sparse as sp
@@ -252,8 +307,8 @@ class SparseLatentHessian(SparsePrecisionHessian):
         be = self.backend
         xn = be._np(x)
         St_x = be._W(be.cholQ.solve(be._Wt(xn)))
-        chol = be._chol["A"][0]
         be._factor(self.lam)
+        chol = be._chol["A"][0]
         dZ = chol.selected_values_jvp(chol._pair_pos, be._pw * (self.dl * xn)[be._site])
         had = -be._pair_quad(chol, dZ)
         return be._t(St_x + self.diag * xn + 0.5 * self.dl * had)
