@@ -32,6 +32,7 @@ import numpy as np
 import scipy.sparse as sp
 
 _BLOCK_BYTES = 1 << 22
+_INT_LUT = 1024  # integer fields 0 <= v < _INT_LUT take their hashed column from a table (DelimitedSpec.int_bucket)
 
 
 # ----------------------------------------------------------------------------- blocks of lines
@@ -204,15 +205,20 @@ if njit is not None:
     @njit(cache=True, nogil=True)
     def _delimited_kernel(buf, pos, end, delim, need, label_column, kinds, prefix, bin_prefix, add_bias,
                           bias_col, num_features, t4, max_rows, row0, nnz0, indptr, indices, data, labels,
-                          fstart, fend, scratch):
+                          fstart, fend, scratch, int_bucket):
         """Parse whole lines of ``buf[pos:end]`` into rows ``row0, row0 + 1, ...`` (at most ``max_rows``).
 
         Over 80 lines: a numba parser kernel (a byte-level state machine), compiled as one unit.
+
+        ``int_bucket[j, v]`` is the hashed column of integer column ``j`` holding ``0 <= v < int_bucket.shape[1]``
+        (the token ``"j#" + integer_bin(v)``, precomputed by :class:`DelimitedSpec`); other values are binned and
+        hashed here.
 
         Returns ``(status, pos, row, nnz, lines)``: status 0 (block done or chunk full), 1 (the line at
         ``pos`` needs the reference reader), 2 (the line at ``pos`` has fewer than ``need`` fields);
         ``lines`` counts the lines consumed (blank ones included).
         """
+        lut = int_bucket.shape[1]
         row = row0
         nnz = nnz0
         lines = 0
@@ -261,6 +267,10 @@ if njit is not None:
                     if not ok:
                         nnz = k0
                         return 1, pos, row, nnz, lines
+                    if 0 <= v < lut:
+                        indices[nnz] = int_bucket[j, v]
+                        nnz += 1
+                        continue
                     if v <= 2:
                         h = _crc_digits(prefix[j], v, t4[0], scratch)
                     else:
@@ -270,7 +280,8 @@ if njit is not None:
                     h = _crc_continue(prefix[j], buf, fstart[j], fend[j], t4)
                 indices[nnz] = h % num_features
                 nnz += 1
-            # sort the row's columns (insertion sort: a few dozen entries)
+            # sort the row's columns (insertion sort: a few dozen entries; counting ranks without branches and
+            # numba's sort were slower), then merge colliding columns (summed, as hash_features does)
             for a in range(k0 + 1, nnz):
                 key = indices[a]
                 b = a - 1
@@ -278,7 +289,6 @@ if njit is not None:
                     indices[b + 1] = indices[b]
                     b -= 1
                 indices[b + 1] = key
-            # merge colliding columns (summed, as hash_features does)
             out = k0
             for a in range(k0, nnz):
                 if a > k0 and indices[a] == indices[out - 1]:
@@ -503,6 +513,21 @@ class DelimitedSpec:
             prefix[j] = zlib.crc32(f"{j}=".encode(), self.seed)
         self.kinds, self.prefix, self.bin_prefix = kinds, prefix, bin_prefix
         self.bias_col = zlib.crc32(b"__bias__", self.seed) % self.num_features
+        # index arrays of the chunks: int32 when every value fits (halves their memory; scipy keeps them as they are)
+        self.index_dtype = np.int32 if self.num_features <= np.iinfo(np.int32).max else np.int64
+        self._int_bucket = None
+
+    @property
+    def int_bucket(self):
+        """``(need, _INT_LUT)`` hashed column of integer column ``j`` holding the value ``v`` (the token
+        ``"j#" + integer_bin(v)``, by the same ``zlib.crc32`` as :func:`_reference_row`), built on first use."""
+        if self._int_bucket is None:
+            table = np.zeros((self.need, _INT_LUT), dtype=self.index_dtype)
+            bins = [integer_bin(v) for v in range(_INT_LUT)]
+            for j in self.int_cols:
+                table[j] = [zlib.crc32(f"{j}#{b}".encode(), self.seed) % self.num_features for b in bins]
+            self._int_bucket = table
+        return self._int_bucket
 
     def reference_row(self, line, path, lineno):
         return _reference_row(line, path, lineno, self.delimiter, self.need, self.label_column, self.int_cols,
@@ -510,14 +535,18 @@ class DelimitedSpec:
 
 
 class _ChunkBuilder:
-    def __init__(self, chunk_size, width):
+    """The arrays of the chunk being filled (every chunk gets new ones: a chunk handed out is never overwritten)."""
+
+    def __init__(self, chunk_size, width, index_dtype=np.int64):
         self.chunk_size = chunk_size
         self.width = width
+        big = chunk_size * max(width, 1) > np.iinfo(np.int32).max
+        self.index_dtype = np.int64 if big else index_dtype
         self.new()
 
     def new(self):
-        self.indptr = np.zeros(self.chunk_size + 1, dtype=np.int64)
-        self.indices = np.empty(self.chunk_size * self.width, dtype=np.int64)
+        self.indptr = np.zeros(self.chunk_size + 1, dtype=self.index_dtype)
+        self.indices = np.empty(self.chunk_size * self.width, dtype=self.index_dtype)
         self.data = np.empty(self.chunk_size * self.width, dtype=np.float64)
         self.labels = np.empty(self.chunk_size, dtype=np.float64)
         self.row = 0
@@ -549,7 +578,8 @@ def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTE
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     chunk_size = int(chunk_size)
     use_kernel = have_kernels() if use_kernel is None else use_kernel
-    out = _ChunkBuilder(chunk_size, spec.width)
+    out = _ChunkBuilder(chunk_size, spec.width, spec.index_dtype)
+    int_bucket = spec.int_bucket if use_kernel else None
     delim = spec.delimiter.encode()[0]
     t4 = _CRC_TABLES4
     fstart = np.empty(spec.need, dtype=np.int64)
@@ -576,7 +606,7 @@ def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTE
             status, pos, row, nnz, lines = _delimited_kernel(
                 buf, pos, end, delim, spec.need, spec.label_column, spec.kinds, spec.prefix, spec.bin_prefix,
                 spec.add_bias, spec.bias_col, spec.num_features, t4, chunk_size, out.row, out.nnz,
-                out.indptr, out.indices, out.data, out.labels, fstart, fend, scratch)
+                out.indptr, out.indices, out.data, out.labels, fstart, fend, scratch, int_bucket)
             out.row, out.nnz = row, nnz
             lineno += lines
             if status == 0:
