@@ -746,7 +746,7 @@ def _parse_block_kernel(block, path, first_lineno, use_sklearn):
     n_lines = block.count(b"\n")
     indptr = np.zeros(n_lines + 1, dtype=np.int64)
     labels = np.empty(n_lines, dtype=np.float64)
-    cap = max(1024, 16 * n_lines)
+    cap = max(1024, block.count(b":") + 1)  # every entry has a colon: no regrowth on ordinary blocks
     indices = np.empty(cap, dtype=np.int64)
     values = np.empty(cap, dtype=np.float64)
     pos = rows = nnz = lines = 0
@@ -769,35 +769,77 @@ def _parse_block_kernel(block, path, first_lineno, use_sklearn):
 _POW10 = np.array([10.0 ** k for k in range(23)])
 
 
+def _take_rows(parts, m, num_features, index_dtype):
+    """The first ``m`` rows of the pending blocks ``parts`` (lists ``[indptr, indices, values, labels]``, consumed
+    in place) as one CSR chunk: the rows are copied once, into the chunk's own arrays."""
+    ptrs, idx, vals, labs = [], [], [], []
+    base = 0
+    need = m
+    while need:
+        indptr, indices, values, labels = parts[0]
+        r = min(need, len(labels))
+        ptrs.append(indptr[1:r + 1] - indptr[0] + base)
+        idx.append(indices[:indptr[r] - indptr[0]])
+        vals.append(values[:indptr[r] - indptr[0]])
+        labs.append(labels[:r])
+        base += int(indptr[r] - indptr[0])
+        if r == len(labels):
+            parts.pop(0)
+        else:  # the rest of the block stays pending (views, no copy)
+            cut = indptr[r] - indptr[0]
+            parts[0] = [indptr[r:], indices[cut:], values[cut:], labels[r:]]
+        need -= r
+    indptr = np.zeros(m + 1, dtype=index_dtype)
+    np.concatenate(ptrs, out=indptr[1:], casting="unsafe")
+    indices = np.concatenate(idx).astype(index_dtype, copy=False)
+    X = sp.csr_matrix((np.concatenate(vals), indices, indptr), shape=(m, num_features))
+    return X, np.concatenate(labs)
+
+
 def iter_svmlight_chunks(path, chunk_size, num_features, shift, hashing=None, block_bytes=_BLOCK_BYTES,
                          use_kernel=None):
     """Chunks ``(X, y)`` of ``chunk_size`` rows of an svmlight file (plain or ``.gz``): each block by the
-    compiled line parser when numba is installed, and scikit-learn's parser from the first line it declines."""
+    compiled line parser when numba is installed, and scikit-learn's parser from the first line it declines.
+
+    Rows of a block wait as arrays until a chunk is full and are then copied once into the chunk (int32
+    indices when ``num_features`` fits, as scipy would store them); every chunk's rows are sorted and distinct
+    (duplicated indices raise; after ``hashing`` colliding entries are summed)."""
     if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     chunk_size = int(chunk_size)
-    pending = []
+    big = max(num_features, chunk_size) > np.iinfo(np.int32).max
+    parts = []
     have = 0
     for block, lineno in iter_blocks(path, block_bytes):
         indptr, indices, values, labels = read_svmlight_rows(block, path, lineno, shift, num_features, hashing,
                                                              use_kernel=use_kernel)
-        X = sp.csr_matrix((values, indices, indptr), shape=(len(labels), num_features))
-        if hashing is not None:
-            X.sum_duplicates()
-        if X.shape[0] == 0:
+        del block
+        if len(labels) == 0:
             continue
-        pending.append((X, labels))
-        have += X.shape[0]
+        parts.append([indptr, indices, values, labels])
+        have += len(labels)
         while have >= chunk_size:
-            Xs = sp.vstack([p[0] for p in pending], format="csr") if len(pending) > 1 else pending[0][0]
-            ys = np.concatenate([p[1] for p in pending]) if len(pending) > 1 else pending[0][1]
-            yield Xs[:chunk_size], ys[:chunk_size]
-            pending = [(Xs[chunk_size:], ys[chunk_size:])] if have > chunk_size else []
+            X, y = _take_rows(parts, chunk_size, num_features, np.int64 if big or X_big(parts) else np.int32)
             have -= chunk_size
+            yield _canonical(X, hashing), y
     if have:
-        Xs = sp.vstack([p[0] for p in pending], format="csr") if len(pending) > 1 else pending[0][0]
-        ys = np.concatenate([p[1] for p in pending]) if len(pending) > 1 else pending[0][1]
-        yield Xs, ys
+        X, y = _take_rows(parts, have, num_features, np.int64 if big or X_big(parts) else np.int32)
+        yield _canonical(X, hashing), y
+
+
+def X_big(parts):
+    """Whether the pending rows hold more entries than int32 indptr can count."""
+    return sum(len(p[1]) for p in parts) > np.iinfo(np.int32).max
+
+
+def _canonical(X, hashing):
+    """Sum the entries that hashing made collide (and sort); rows read without hashing are canonical already."""
+    if hashing is not None:
+        X.sum_duplicates()
+    else:
+        X.has_sorted_indices = True
+        X.has_canonical_format = True
+    return X
 
 
 # ----------------------------------------------------------------------------- prefetch thread
