@@ -590,20 +590,29 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
 
     def _new_state(self, num_features):
         mu = per_feature(self.prior_mean, num_features, "prior_mean")
+        # The state is stored member by member ((K, d), C order: a member's state is contiguous, so once Occam's
+        # window has dropped the others a kernel touches one learner's memory), seen as (d, K) views.  For the
+        # fused kernel a feature's mean and variance are also interleaved ((K, d, 2)), so an update finds both
+        # in one cache line.
+        pair = self._fused()
         if self._auto():
-            # stored member by member ((K, d), C order: a member's state is contiguous, so once Occam's window
-            # has dropped the others the kernel touches one learner's memory); seen as (d, K) views
             grid = np.asarray(AUTO_PRIOR_VARS, dtype=np.float64)
-            store_mu = np.empty((len(grid), num_features))
+            store = np.empty((len(grid), num_features, 2) if pair else (2, len(grid), num_features))
+            store_mu, store_s2 = (store[..., 0], store[..., 1]) if pair else (store[0], store[1])
             store_mu[:] = mu
-            store_s2 = np.empty((len(grid), num_features))
             store_s2[:] = grid[:, None]
             self._mu, self._s2 = store_mu.T, store_s2.T
             self._member_loss = np.zeros(len(grid))
             self._member_active = np.ones(len(grid), dtype=bool)
         else:
+            s2 = per_feature(self.prior_var, num_features, "prior_var", positive=True)
+            if pair:
+                store = np.empty((num_features, 2))
+                store[:, 0] = mu
+                store[:, 1] = s2
+                mu, s2 = store[:, 0], store[:, 1]
             self._mu = mu
-            self._s2 = per_feature(self.prior_var, num_features, "prior_var", positive=True)
+            self._s2 = s2
 
     def _state_arrays(self):
         return {"mu": self._mu, "s2": self._s2}
