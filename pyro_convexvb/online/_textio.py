@@ -205,20 +205,23 @@ if njit is not None:
     @njit(cache=True, nogil=True)
     def _delimited_kernel(buf, pos, end, delim, need, label_column, kinds, prefix, bin_prefix, add_bias,
                           bias_col, num_features, t4, max_rows, row0, nnz0, indptr, indices, data, labels,
-                          fstart, fend, scratch, int_bucket):
+                          fstart, fend, scratch, int_bucket, shift):
         """Parse whole lines of ``buf[pos:end]`` into rows ``row0, row0 + 1, ...`` (at most ``max_rows``).
 
         Over 80 lines: a numba parser kernel (a byte-level state machine), compiled as one unit.
 
         ``int_bucket[j, v]`` is the hashed column of integer column ``j`` holding ``0 <= v < int_bucket.shape[1]``
         (the token ``"j#" + integer_bin(v)``, precomputed by :class:`DelimitedSpec`); other values are binned and
-        hashed here.
+        hashed here.  ``shift``: the row's columns are bucketed by ``column >> shift`` (64 buckets over
+        ``[0, num_features)``) before the insertion sort.
 
         Returns ``(status, pos, row, nnz, lines)``: status 0 (block done or chunk full), 1 (the line at
         ``pos`` needs the reference reader), 2 (the line at ``pos`` has fewer than ``need`` fields);
         ``lines`` counts the lines consumed (blank ones included).
         """
         lut = int_bucket.shape[1]
+        counts = np.zeros(65, dtype=np.int64)
+        tmp = np.empty(need + 1, dtype=indices.dtype)
         row = row0
         nnz = nnz0
         lines = 0
@@ -280,21 +283,34 @@ if njit is not None:
                     h = _crc_continue(prefix[j], buf, fstart[j], fend[j], t4)
                 indices[nnz] = h % num_features
                 nnz += 1
-            # sort the row's columns (insertion sort: a few dozen entries; counting ranks without branches and
-            # numba's sort were slower), then merge colliding columns (summed, as hash_features does)
-            for a in range(k0 + 1, nnz):
-                key = indices[a]
-                b = a - 1
-                while b >= k0 and indices[b] > key:
-                    indices[b + 1] = indices[b]
+            # sort the row's columns: a counting pass over 64 buckets of the (uniform) hashed columns, then an
+            # insertion sort of the nearly sorted row (a few dozen entries: about a quarter faster than the
+            # insertion sort alone; counting ranks without branches and numba's sort were slower)
+            for q in range(65):
+                counts[q] = 0
+            for q in range(k0, nnz):
+                counts[(indices[q] >> shift) + 1] += 1
+            for q in range(64):
+                counts[q + 1] += counts[q]
+            for q in range(k0, nnz):
+                bkt = indices[q] >> shift
+                tmp[counts[bkt]] = indices[q]
+                counts[bkt] += 1
+            w = nnz - k0
+            for q in range(1, w):
+                key = tmp[q]
+                b = q - 1
+                while b >= 0 and tmp[b] > key:
+                    tmp[b + 1] = tmp[b]
                     b -= 1
-                indices[b + 1] = key
+                tmp[b + 1] = key
+            # merge colliding columns (summed, as hash_features does)
             out = k0
-            for a in range(k0, nnz):
-                if a > k0 and indices[a] == indices[out - 1]:
+            for a in range(w):
+                if a > 0 and tmp[a] == indices[out - 1]:
                     data[out - 1] += 1.0
                 else:
-                    indices[out] = indices[a]
+                    indices[out] = tmp[a]
                     data[out] = 1.0
                     out += 1
             nnz = out
@@ -580,6 +596,7 @@ def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTE
     use_kernel = have_kernels() if use_kernel is None else use_kernel
     out = _ChunkBuilder(chunk_size, spec.width, spec.index_dtype)
     int_bucket = spec.int_bucket if use_kernel else None
+    shift = max(0, int(spec.num_features - 1).bit_length() - 6)  # 64 buckets of the row's columns for the sort
     delim = spec.delimiter.encode()[0]
     t4 = _CRC_TABLES4
     fstart = np.empty(spec.need, dtype=np.int64)
@@ -606,7 +623,7 @@ def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTE
             status, pos, row, nnz, lines = _delimited_kernel(
                 buf, pos, end, delim, spec.need, spec.label_column, spec.kinds, spec.prefix, spec.bin_prefix,
                 spec.add_bias, spec.bias_col, spec.num_features, t4, chunk_size, out.row, out.nnz,
-                out.indptr, out.indices, out.data, out.labels, fstart, fend, scratch, int_bucket)
+                out.indptr, out.indices, out.data, out.labels, fstart, fend, scratch, int_bucket, shift)
             out.row, out.nnz = row, nnz
             lineno += lines
             if status == 0:
