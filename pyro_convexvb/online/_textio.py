@@ -205,7 +205,7 @@ if njit is not None:
     @njit(cache=True, nogil=True)
     def _delimited_kernel(buf, pos, end, delim, need, label_column, kinds, prefix, bin_prefix, add_bias,
                           bias_col, num_features, t4, max_rows, row0, nnz0, indptr, indices, data, labels,
-                          fstart, fend, scratch, int_bucket, shift):
+                          fstart, fend, scratch, int_bucket, shift, mask):
         """Parse whole lines of ``buf[pos:end]`` into rows ``row0, row0 + 1, ...`` (at most ``max_rows``).
 
         Over 80 lines: a numba parser kernel (a byte-level state machine), compiled as one unit.
@@ -213,7 +213,8 @@ if njit is not None:
         ``int_bucket[j, v]`` is the hashed column of integer column ``j`` holding ``0 <= v < int_bucket.shape[1]``
         (the token ``"j#" + integer_bin(v)``, precomputed by :class:`DelimitedSpec`); other values are binned and
         hashed here.  ``shift``: the row's columns are bucketed by ``column >> shift`` (64 buckets over
-        ``[0, num_features)``) before the insertion sort.
+        ``[0, num_features)``) before the insertion sort.  ``mask``: ``num_features - 1`` when it is a power of two
+        (the bucket of a hash is then ``h & mask``), else -1.
 
         Returns ``(status, pos, row, nnz, lines)``: status 0 (block done or chunk full), 1 (the line at
         ``pos`` needs the reference reader), 2 (the line at ``pos`` has fewer than ``need`` fields);
@@ -281,7 +282,7 @@ if njit is not None:
                         h = _crc_digits(bin_prefix[j], np.int64(math.floor(lg * lg)), t4[0], scratch)
                 else:
                     h = _crc_continue(prefix[j], buf, fstart[j], fend[j], t4)
-                indices[nnz] = h % num_features
+                indices[nnz] = h & mask if mask >= 0 else h % num_features  # CRCs are >= 0: the same bucket
                 nnz += 1
             # sort the row's columns: a counting pass over 64 buckets of the (uniform) hashed columns, then an
             # insertion sort of the nearly sorted row (a few dozen entries: about a quarter faster than the
@@ -324,7 +325,8 @@ if njit is not None:
 
     @njit(cache=True, nogil=True, inline="always")
     def _is_space(b):
-        return b == 32 or (9 <= b <= 13) or (28 <= b <= 31)
+        """ASCII whitespace as ``str.split`` sees it (one comparison for the printable bytes)."""
+        return b <= 32 and (b == 32 or (9 <= b <= 13) or (28 <= b <= 31))
 
     @njit(cache=True, nogil=True)
     def _fast_float(buf, s, e, pow10):
@@ -597,6 +599,7 @@ def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTE
     out = _ChunkBuilder(chunk_size, spec.width, spec.index_dtype)
     int_bucket = spec.int_bucket if use_kernel else None
     shift = max(0, int(spec.num_features - 1).bit_length() - 6)  # 64 buckets of the row's columns for the sort
+    mask = spec.num_features - 1 if spec.num_features & (spec.num_features - 1) == 0 else -1
     delim = spec.delimiter.encode()[0]
     t4 = _CRC_TABLES4
     fstart = np.empty(spec.need, dtype=np.int64)
@@ -623,7 +626,7 @@ def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTE
             status, pos, row, nnz, lines = _delimited_kernel(
                 buf, pos, end, delim, spec.need, spec.label_column, spec.kinds, spec.prefix, spec.bin_prefix,
                 spec.add_bias, spec.bias_col, spec.num_features, t4, chunk_size, out.row, out.nnz,
-                out.indptr, out.indices, out.data, out.labels, fstart, fend, scratch, int_bucket, shift)
+                out.indptr, out.indices, out.data, out.labels, fstart, fend, scratch, int_bucket, shift, mask)
             out.row, out.nnz = row, nnz
             lineno += lines
             if status == 0:
