@@ -63,3 +63,26 @@ def test_a_chunk_handed_out_is_never_overwritten(tmp_path):
     np.testing.assert_array_equal(first[0].data, copy[0])
     np.testing.assert_array_equal(first[0].indices, copy[1])
     np.testing.assert_array_equal(first[1], copy[2])
+
+
+def test_svmlight_number_scan_equals_the_bounded_parser():
+    """The one-pass number reader of the svmlight kernel accepts exactly what the bounded one accepts, with the
+    same value, on well-formed and malformed value tokens."""
+    import pytest
+
+    pytest.importorskip("numba")
+    toks = ["1", "-0", "+3", ".5", "5.", "00012.50", "1e-5", "1E+22", "2.5e-23", "1e", "1e+", "1e1234", "1.2.3",
+            "1:2", "", "-", "+.", ".", "inf", "nan", "1_0", "0.000123456789012345", "123456789012345",
+            "1234567890123456", "3.14159", "7e-22", "7e22", "7e23", "1x", "1e5x", "٣", "0x10"]
+    rng = np.random.default_rng(0)
+    toks += [f"{v:.{rng.integers(1, 17)}g}" for v in rng.normal(size=200) * 10.0 ** rng.integers(-8, 8, 200)]
+    for tok in toks:
+        for tail in ("", " ", "\t5:1"):
+            raw = (tok + tail).encode()
+            buf = np.frombuffer(raw + b"\n", dtype=np.uint8)
+            end = len(tok.encode())
+            ok_b, v_b = _textio._fast_float(buf, 0, end, _textio._POW10)
+            ok_s, v_s, k = _textio._scan_float(buf, 0, len(raw), _textio._POW10)
+            assert ok_s == ok_b, (tok, tail)
+            if ok_b:
+                assert k == end and v_s == v_b and (v_s == float(tok)), (tok, tail)

@@ -391,6 +391,63 @@ if njit is not None:
         return True, -v if neg else v
 
     @njit(cache=True, nogil=True)
+    def _scan_float(buf, s, stop, pow10):
+        """``(ok, value, end)``: :func:`_fast_float` of the token starting at ``s``, which ends at the first
+        whitespace byte or at ``stop`` (found while reading, instead of in a pass of its own); ``ok`` is False
+        exactly when :func:`_fast_float` of ``buf[s:end]`` is."""
+        k = s
+        neg = False
+        if k < stop and (buf[k] == 45 or buf[k] == 43):
+            neg = buf[k] == 45
+            k += 1
+        m0 = k
+        m = 0
+        nd = 0
+        frac = 0
+        seen_dot = False
+        while k < stop:
+            b = buf[k]
+            if 48 <= b <= 57:
+                if nd > 0 or b != 48:
+                    nd += 1
+                m = m * 10 + (b - 48)
+                if seen_dot:
+                    frac += 1
+            elif b == 46 and not seen_dot:
+                seen_dot = True
+            else:
+                break
+            k += 1
+        if nd > 15 or k - m0 - (1 if seen_dot else 0) == 0:
+            return False, 0.0, k
+        ex = 0
+        if k < stop and (buf[k] == 101 or buf[k] == 69):
+            k += 1
+            eneg = False
+            if k < stop and (buf[k] == 45 or buf[k] == 43):
+                eneg = buf[k] == 45
+                k += 1
+            e0 = k
+            while k < stop and 48 <= buf[k] <= 57:
+                ex = ex * 10 + (buf[k] - 48)
+                k += 1
+            if k == e0 or k - e0 > 3:
+                return False, 0.0, k
+            if eneg:
+                ex = -ex
+        if k < stop and not _is_space(buf[k]):  # another byte in the token
+            return False, 0.0, k
+        ex -= frac
+        if ex < -22 or ex > 22:
+            return False, 0.0, k
+        v = float(m)
+        if ex >= 0:
+            v = v * pow10[ex]
+        else:
+            v = v / pow10[-ex]
+        return True, -v if neg else v, k
+
+    @njit(cache=True, nogil=True)
     def _svm_kernel(buf, pos, end, max_rows, row0, nnz0, indptr, indices, values, labels, pow10):
         """Parse whole svmlight lines of ``buf[pos:end]`` into rows ``row0, ...`` (at most ``max_rows``).
 
@@ -436,29 +493,25 @@ if njit is not None:
                 if k >= stop:
                     break
                 t0 = k
-                colon = -1
-                while k < stop and not _is_space(buf[k]):
-                    if buf[k] == 58 and colon < 0:
-                        colon = k
+                idx = 0  # the usual token, 1-15 digits, a colon, a number: read in one pass
+                while k < stop and 48 <= buf[k] <= 57:
+                    idx = idx * 10 + (buf[k] - 48)
                     k += 1
-                if colon < 0:
-                    nnz = k0
-                    return 1, pos, row, nnz, lines
-                if colon - t0 == 3 and buf[t0] == 113 and buf[t0 + 1] == 105 and buf[t0 + 2] == 100:
-                    continue  # qid:...
-                if colon == t0 or colon - t0 > 15:
-                    nnz = k0
-                    return 1, pos, row, nnz, lines
-                idx = 0
-                for q in range(t0, colon):
-                    b = buf[q]
-                    if b < 48 or b > 57:
+                if k < stop and buf[k] == 58 and 0 < k - t0 <= 15:
+                    ok, v, k = _scan_float(buf, k + 1, stop, pow10)
+                    if not ok:
                         nnz = k0
                         return 1, pos, row, nnz, lines
-                    idx = idx * 10 + (b - 48)
-                ok, v = _fast_float(buf, colon + 1, k, pow10)
-                if not ok:
-                    nnz = k0
+                else:  # anything else: find the token and its first colon
+                    k = t0
+                    colon = -1
+                    while k < stop and not _is_space(buf[k]):
+                        if buf[k] == 58 and colon < 0:
+                            colon = k
+                        k += 1
+                    if colon - t0 == 3 and buf[t0] == 113 and buf[t0 + 1] == 105 and buf[t0 + 2] == 100:
+                        continue  # qid:...
+                    nnz = k0  # no colon, an empty, long or non-digit index: the Python parser says what is wrong
                     return 1, pos, row, nnz, lines
                 if nnz >= cap:
                     nnz = k0
