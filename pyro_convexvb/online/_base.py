@@ -284,8 +284,8 @@ class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
         ll = np.empty(n)
         unconverged = skipped = 0
         if n:
-            indptr = Xc.indptr.astype(np.int64, copy=False)
-            indices = Xc.indices.astype(np.int64, copy=False)
+            # int32 or int64 index arrays as they come (the kernels are compiled for both): no copy of the chunk
+            indptr, indices = Xc.indptr, Xc.indices
             data = Xc.data
             # a chunk is applied whole or not at all: the values it may change are saved first (O(nnz)), and
             # restored on any exception, KeyboardInterrupt included
@@ -347,8 +347,9 @@ class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
         if arrays is None:
             undo = self.__dict__.pop("_undo", None)
             if undo is not None:  # the kernel ran: replay its record of old values
-                if undo[0].ndim == 2:
-                    _kernels().undo_multi(undo[2], self._mu, self._s2, undo[0], undo[1], undo[3])
+                if undo[0].ndim == 2:  # (K, d) members (prior_var="auto", or one learner as K = 1)
+                    mu, s2 = (self._mu.T, self._s2.T) if self._mu.ndim == 2 else (self._mu[None], self._s2[None])
+                    _kernels().undo_multi(undo[3], undo[2], mu, s2, undo[0], undo[1], undo[4], undo[5])
                 else:
                     _kernels().undo(undo[2], self._mu, self._s2, undo[0], undo[1])
         else:
@@ -589,16 +590,29 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
 
     def _new_state(self, num_features):
         mu = per_feature(self.prior_mean, num_features, "prior_mean")
+        # The state is stored member by member ((K, d), C order: a member's state is contiguous, so once Occam's
+        # window has dropped the others a kernel touches one learner's memory), seen as (d, K) views.  For the
+        # fused kernel a feature's mean and variance are also interleaved ((K, d, 2)), so an update finds both
+        # in one cache line.
+        pair = self._fused()
         if self._auto():
             grid = np.asarray(AUTO_PRIOR_VARS, dtype=np.float64)
-            self._mu = np.repeat(mu[:, None], len(grid), axis=1)
-            self._s2 = np.empty((num_features, len(grid)))
-            self._s2[:] = grid
+            store = np.empty((len(grid), num_features, 2) if pair else (2, len(grid), num_features))
+            store_mu, store_s2 = (store[..., 0], store[..., 1]) if pair else (store[0], store[1])
+            store_mu[:] = mu
+            store_s2[:] = grid[:, None]
+            self._mu, self._s2 = store_mu.T, store_s2.T
             self._member_loss = np.zeros(len(grid))
             self._member_active = np.ones(len(grid), dtype=bool)
         else:
+            s2 = per_feature(self.prior_var, num_features, "prior_var", positive=True)
+            if pair:
+                store = np.empty((num_features, 2))
+                store[:, 0] = mu
+                store[:, 1] = s2
+                mu, s2 = store[:, 0], store[:, 1]
             self._mu = mu
-            self._s2 = per_feature(self.prior_var, num_features, "prior_var", positive=True)
+            self._s2 = s2
 
     def _state_arrays(self):
         return {"mu": self._mu, "s2": self._s2}
@@ -720,35 +734,54 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
     def _samples(self, n):
         return np.empty((1, 0))
 
+    def _fused(self):
+        """Whether the stream runs through :func:`~pyro_convexvb.online._kernels.run_alg1_fused` (Algorithm 1 with
+        the default Taylor mean and Laplace variance, one row at a time)."""
+        mean_newton, var_value, _, _ = self._kernel_flags()
+        return self._method_code == 0 and not mean_newton and not var_value and int(self.batch_size) == 1
+
     def _run_fast(self, indptr, indices, data, y, p1, ll):
         k = _kernels()
         mean_newton, var_value, tol, maxiter = self._kernel_flags()
-        width = int(np.diff(indptr).max(initial=0))
-        if self._auto():
-            K = self._mu.shape[1]
+        link = k.LOGIT if self.link == "logit" else k.PROBIT
+        auto = self._auto()
+        if auto or self._fused():
+            mu, s2 = (self._mu.T, self._s2.T) if auto else (self._mu[None], self._s2[None])
+            K = mu.shape[0]
+            active = self._member_active.astype(np.uint8) if auto else np.ones(1, dtype=np.uint8)
+            slot = np.where(active > 0, np.cumsum(active) - 1, -1).astype(np.int64)
+            S = int(active.sum())
+            until = np.full(K, len(y), dtype=np.int64)
+            cum = self._member_loss.copy() if auto else np.zeros(1)
+            # the old values of every entry a member writes (rolled back if the chunk does not complete)
+            self._undo = (np.empty((S, len(indices))), np.empty((S, len(indices))), indices, indptr, slot, until)
+        if auto or self._fused():
+            if self._fused():
+                out = k.run_alg1_fused(link, indptr, indices, data, y, mu, s2, p1, ll, self._undo[0], self._undo[1],
+                                       slot, cum, active, until, AUTO_LOG_WINDOW if auto else np.inf)
+                if auto:
+                    self._member_loss = cum
+                    self._member_active = self._member_active & (until >= len(y))
+                return out
+            width = int(np.diff(indptr).max(initial=0))
             p1k, llk = np.empty((len(y), K)), np.empty((len(y), K))
             if int(self.batch_size) > 1:
-                acc_h, acc_eta = np.zeros((self._num_features, K)), np.zeros((self._num_features, K))
+                acc_h, acc_eta = np.zeros((K, self._num_features)), np.zeros((K, self._num_features))
             else:
-                acc_h = acc_eta = np.empty((0, K))
-            link = k.LOGIT if self.link == "logit" else k.PROBIT
-            active = self._member_active.astype(np.uint8)
-            self._undo = (np.empty((len(indices), K)), np.empty((len(indices), K)), indices, active.copy())
-            cum = self._member_loss.copy()
-            until = np.full(K, len(y), dtype=np.int64)
+                acc_h = acc_eta = np.empty((K, 0))
             out = k.run_diagonal_multi(self._method_code, link, bool(mean_newton), bool(var_value), float(tol),
-                                       int(maxiter), int(self.batch_size), indptr, indices, data, y, self._mu,
-                                       self._s2, self._samples(len(y)), p1k, llk, acc_h, acc_eta, np.empty(width),
-                                       np.empty(width), self._undo[0], self._undo[1], cum, active, until,
-                                       AUTO_LOG_WINDOW)
+                                       int(maxiter), int(self.batch_size), indptr, indices, data, y, mu, s2,
+                                       self._samples(len(y)), p1k, llk, acc_h, acc_eta, np.empty(width),
+                                       np.empty(width), self._undo[0], self._undo[1], slot, cum.copy(), active,
+                                       until, AUTO_LOG_WINDOW)
             self._mix(p1k, llk, p1, ll, until)
             return out
+        width = int(np.diff(indptr).max(initial=0))
         if int(self.batch_size) > 1:
             acc_h = np.zeros(self._num_features)
             acc_eta = np.zeros(self._num_features)
         else:
             acc_h = acc_eta = np.empty(0)
-        link = k.LOGIT if self.link == "logit" else k.PROBIT
         self._undo = (np.empty(len(indices)), np.empty(len(indices)), indices)
         return k.run_diagonal(self._method_code, link, bool(mean_newton), bool(var_value), float(tol),
                               int(maxiter), int(self.batch_size), indptr, indices, data, y, self._mu, self._s2,

@@ -75,6 +75,17 @@ def _psi(z, link):
     return r, r * (z + r)
 
 
+@njit(cache=True, inline="always", error_model="numpy")
+def _psi_fast(z, link):
+    """:func:`_psi` with the same values, the logit branch without a jump on the sign of ``z`` (a select)."""
+    if link == LOGIT:
+        e = math.exp(-abs(z))
+        r = 1.0 / (1.0 + e)
+        er = e * r
+        return er if z >= 0 else r, r * er
+    return _psi(z, link)
+
+
 @njit(cache=True)
 def _solve_zeta(z0, q, link, tol, maxiter):
     """Root of ``zeta = z0 + q psi1(zeta)`` by Newton's method, safeguarded by bisection.
@@ -320,15 +331,15 @@ def run_adagrad(link, eta, delta, indptr, indices, data, y, w, G, p1_out, ll_out
 @njit(cache=True, nogil=True)
 def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch_size, indptr, indices,
                        data, y, mu, s2, samples, p1_out, ll_out, acc_h, acc_eta, buf_mu, buf_s2, undo_mu, undo_s2,
-                       cum, active, until, log_window):
-    """:func:`run_diagonal` for ``K`` learners side by side on the same rows (``mu``, ``s2``: ``(d, K)``).
+                       slot, cum, active, until, log_window):
+    """:func:`run_diagonal` for ``K`` learners side by side on the same rows (``mu``, ``s2``: ``(K, d)``).
 
     Over 80 lines: a numba kernel (no Python objects, no closures), compiled as one unit over the stream.
 
-    Member ``m`` sees exactly the arithmetic of :func:`run_diagonal` on ``mu[:, m]``, ``s2[:, m]``; rows are
-    interleaved (all members on row ``t``, then row ``t + 1``) so a row's features are fetched from memory
-    once for all members.  ``p1_out``, ``ll_out``: ``(n, K)``; ``acc_h``, ``acc_eta``: ``(d, K)`` when
-    ``batch_size > 1``; ``undo_mu``, ``undo_s2``: ``(nnz, K)``, the old values (see :func:`run_diagonal`).
+    Member ``m`` sees exactly the arithmetic of :func:`run_diagonal` on ``mu[m]``, ``s2[m]``; rows are
+    interleaved (all members on row ``t``, then row ``t + 1``).  ``p1_out``, ``ll_out``: ``(n, K)``; ``acc_h``,
+    ``acc_eta``: ``(K, d)`` when ``batch_size > 1``; ``undo_mu``, ``undo_s2``: ``(S, nnz)``, the old values of
+    member ``m`` in row ``slot[m]`` (``S`` members active at the start; see :func:`undo_multi`).
 
     Occam's window: ``cum`` (``(K,)``, in/out) are the members' cumulative log losses and ``active`` (``(K,)``
     uint8, in/out) the members still in the average; at the end of every batch a member whose loss exceeds the
@@ -337,7 +348,7 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
     Returns ``(unconverged, skipped)`` summed over members.
     """
     n = indptr.shape[0] - 1
-    K = mu.shape[1]
+    K = mu.shape[0]
     a = math.pi / 8.0 if link == LOGIT else 1.0
     unconverged = 0
     skipped = 0
@@ -353,8 +364,9 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
                     p1_out[t, m] = 0.5
                     ll_out[t, m] = 0.0
                     continue
-                mu_m = mu[:, m]
-                s2_m = s2[:, m]
+                mu_m = mu[m]
+                s2_m = s2[m]
+                u = slot[m]
                 mu_t = 0.0
                 s2_t = 0.0
                 for k in range(start, end):
@@ -373,33 +385,34 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
                 if batch_size == 1:
                     for k in range(start, end):
                         i = indices[k]
-                        undo_mu[k, m] = mu_m[i]
-                        undo_s2[k, m] = s2_m[i]
+                        undo_mu[u, k] = mu_m[i]
+                        undo_s2[u, k] = s2_m[i]
                         mu_m[i] = buf_mu[k - start]
                         s2_m[i] = buf_s2[k - start]
                 else:
                     for k in range(start, end):
                         i = indices[k]
-                        acc_h[i, m] += 1.0 / buf_s2[k - start] - 1.0 / s2_m[i]
-                        acc_eta[i, m] += buf_mu[k - start] / buf_s2[k - start] - mu_m[i] / s2_m[i]
+                        acc_h[m, i] += 1.0 / buf_s2[k - start] - 1.0 / s2_m[i]
+                        acc_eta[m, i] += buf_mu[k - start] / buf_s2[k - start] - mu_m[i] / s2_m[i]
         if batch_size > 1:
             for m in range(K):
                 if not active[m]:
                     continue
+                u = slot[m]
                 for k in range(indptr[b0], indptr[b1]):
                     i = indices[k]
-                    undo_mu[k, m] = mu[i, m]
-                    undo_s2[k, m] = s2[i, m]
-                    if acc_h[i, m] != 0.0 or acc_eta[i, m] != 0.0:
-                        h = 1.0 / s2[i, m] + acc_h[i, m]
+                    undo_mu[u, k] = mu[m, i]
+                    undo_s2[u, k] = s2[m, i]
+                    if acc_h[m, i] != 0.0 or acc_eta[m, i] != 0.0:
+                        h = 1.0 / s2[m, i] + acc_h[m, i]
                         if h > 0.0 and math.isfinite(h):
-                            eta = mu[i, m] / s2[i, m] + acc_eta[i, m]
-                            s2[i, m] = 1.0 / h
-                            mu[i, m] = eta / h
+                            eta = mu[m, i] / s2[m, i] + acc_eta[m, i]
+                            s2[m, i] = 1.0 / h
+                            mu[m, i] = eta / h
                         else:
                             skipped += 1
-                        acc_h[i, m] = 0.0
-                        acc_eta[i, m] = 0.0
+                        acc_h[m, i] = 0.0
+                        acc_eta[m, i] = 0.0
         best = np.inf
         for m in range(K):
             if active[m] and cum[m] < best:
@@ -408,28 +421,183 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
             if active[m] and cum[m] - best > log_window:
                 active[m] = 0
                 until[m] = b1
-                for k in range(indptr[b1], indices.shape[0]):  # entries it will not write: not to be undone
-                    undo_mu[k, m] = np.nan
         b0 = b1
     return unconverged, skipped
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def run_alg1_fused(link, indptr, indices, data, y, mu, s2, p1_out, ll_out, undo_mu, undo_s2, slot, cum, active,
+                   until, log_window):
+    """Algorithm 1 with the default options (Taylor mean (17)/(30), Laplace variance (19)/(31), one row at a
+    time) for ``K`` learners at once, and their Bayesian model average.
+
+    Over 80 lines: a numba kernel (no Python objects, no closures), compiled as one unit over the stream.
+
+    ``mu``, ``s2``: ``(K, d)``, member ``m`` in row ``m`` (``K = 1``: one learner).  Each row's indices and
+    values are read once for all active members (the score moments (6) of every member in one pass over the
+    row, then every member's update of a feature in one pass), and each member's arithmetic is operation for
+    operation that of :func:`run_diagonal`, so the result equals ``K`` separate learners.  Rows must hold
+    distinct indices (canonical CSR): a feature's new values are written as soon as they are computed.
+
+    ``p1_out``, ``ll_out`` (``(n,)``) receive the model average's predictive probability of ``y = 1`` and its log
+    loss, with the weights ``w_m ∝ exp(-cum[m])`` of the members active before the row (Hoeting et al. 1999,
+    Eq. (1)); with one active member they are that member's own.  ``cum`` (in/out): the members' cumulative
+    log losses; ``active`` (uint8, in/out); after every row a member whose loss exceeds the best active
+    one's by more than ``log_window`` leaves for good and ``until[m]`` is set to the next row (Occam's
+    window, Madigan & Raftery 1994).  ``undo_mu``, ``undo_s2``: ``(S, nnz)``: entry ``k``'s old values of member
+    ``m`` go to row ``slot[m]`` before they are overwritten (see :func:`undo_multi`).
+    """
+    n = indptr.shape[0] - 1
+    K = mu.shape[0]
+    a = math.pi / 8.0 if link == LOGIT else 1.0
+    act = np.empty(K, dtype=np.int64)
+    na = 0
+    for m in range(K):
+        if active[m]:
+            act[na] = m
+            na += 1
+    mt = np.zeros(K)
+    vt = np.zeros(K)
+    lp = np.zeros(K)
+    pk = np.zeros(K)
+    # one member left (the usual case once Occam's window has closed): its rows of the arrays, no member loop
+    mu1, s2_1, um1, us1 = mu[act[0]], s2[act[0]], undo_mu[slot[act[0]]], undo_s2[slot[act[0]]]
+    for t in range(n):
+        start = indptr[t]
+        end = indptr[t + 1]
+        yt = y[t]
+        if na == 1:
+            p1_out[t], lp1 = _alg1_row(link, a, start, end, yt, indices, data, mu1, s2_1, um1, us1)
+            ll_out[t] = -lp1
+            cum[act[0]] += -lp1
+            continue
+        for j in range(na):
+            mt[j] = 0.0
+            vt[j] = 0.0
+        for k in range(start, end):  # Eq. (6) for every member
+            i = indices[k]
+            x = data[k]
+            for j in range(na):
+                m = act[j]
+                mt[j] += x * mu[m, i]
+                vt[j] += x * x * s2[m, i]
+        for j in range(na):  # Eq. (8) / (24)
+            ct = math.sqrt(1.0 + a * vt[j])
+            pk[j] = _cdf(mt[j] / ct, link)
+            lp[j] = _log_cdf(yt * mt[j] / ct, link)
+        # the model average (two or more members), as _mix: log-weights within the window, then log-sum-exp
+        mx = -np.inf
+        for j in range(na):
+            mx = max(mx, -cum[act[j]])
+        tot = 0.0
+        for j in range(na):
+            tot += math.exp(-cum[act[j]] - mx)
+        lse = mx + math.log(tot)
+        p = 0.0
+        mx2 = -np.inf
+        for j in range(na):
+            lw = -cum[act[j]] - lse
+            p += math.exp(lw) * pk[j]
+            mx2 = max(mx2, lw - (-lp[j]))
+        if not math.isfinite(mx2):
+            mx2 = 0.0
+        tot = 0.0
+        for j in range(na):
+            tot += math.exp((-cum[act[j]] - lse) - (-lp[j]) - mx2)
+        p1_out[t] = p
+        ll_out[t] = -(mx2 + math.log(tot))
+        for k in range(start, end):  # Eqs. (7), (17)/(30), (19)/(31) for every member
+            i = indices[k]
+            x = data[k]
+            for j in range(na):
+                m = act[j]
+                m_i = mu[m, i]
+                v_i = s2[m, i]
+                mum = mt[j] - x * m_i
+                s2m = max(vt[j] - x * x * v_i, 0.0)
+                c = math.sqrt(1.0 + a * s2m)
+                ic = 1.0 / c
+                q1, q2 = _psi_fast(yt * mt[j] * ic, link)
+                m_new = m_i + yt * x * v_i * q1 * ic / (1.0 + x * x * v_i * q2 * ic * ic)
+                z_plus = yt * (mum + x * m_new) * ic
+                _, q2 = _psi_fast(z_plus, link)
+                u = slot[m]
+                undo_mu[u, k] = m_i
+                undo_s2[u, k] = v_i
+                s2[m, i] = v_i / (1.0 + v_i * x * x * ic * ic * q2)
+                mu[m, i] = m_new
+        for j in range(na):
+            cum[act[j]] += -lp[j]
+        if na > 1:  # Occam's window
+            best = np.inf
+            for j in range(na):
+                best = min(best, cum[act[j]])
+            keep = 0
+            for j in range(na):
+                m = act[j]
+                if cum[m] - best > log_window:
+                    active[m] = 0
+                    until[m] = t + 1
+                else:
+                    act[keep] = m
+                    keep += 1
+            na = keep
+            mu1, s2_1, um1, us1 = mu[act[0]], s2[act[0]], undo_mu[slot[act[0]]], undo_s2[slot[act[0]]]
+    return 0, 0
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _alg1_row(link, a, start, end, yt, indices, data, mu, s2, undo_mu, undo_s2):
+    """One row of :func:`run_alg1_fused` for one member (``(d,)`` state): ``(P(y = 1), log p(y_t))``."""
+    mt = 0.0
+    vt = 0.0
+    for k in range(start, end):
+        i = indices[k]
+        x = data[k]
+        mt += x * mu[i]
+        vt += x * x * s2[i]
+    ct = math.sqrt(1.0 + a * vt)
+    p1 = _cdf(mt / ct, link)
+    lp = _log_cdf(yt * mt / ct, link)
+    for k in range(start, end):
+        i = indices[k]
+        x = data[k]
+        m_i = mu[i]
+        v_i = s2[i]
+        mum = mt - x * m_i
+        s2m = max(vt - x * x * v_i, 0.0)
+        c = math.sqrt(1.0 + a * s2m)
+        ic = 1.0 / c
+        q1, q2 = _psi_fast(yt * mt * ic, link)
+        m_new = m_i + yt * x * v_i * q1 * ic / (1.0 + x * x * v_i * q2 * ic * ic)
+        z_plus = yt * (mum + x * m_new) * ic
+        _, q2 = _psi_fast(z_plus, link)
+        undo_mu[k] = m_i
+        undo_s2[k] = v_i
+        s2[i] = v_i / (1.0 + v_i * x * x * ic * ic * q2)
+        mu[i] = m_new
+    return p1, lp
+
+
 @njit(cache=True, nogil=True)
 def undo(indices, mu, s2, undo_mu, undo_s2):
-    """Restore ``mu``/``s2`` (``(d,)`` or ``(d, K)``) from the old values recorded by :func:`run_diagonal` /
-    :func:`run_diagonal_multi`, newest first, so each entry ends at its value before the chunk."""
+    """Restore ``mu``/``s2`` (``(d,)``) from the old values recorded by :func:`run_diagonal`, newest first, so
+    each entry ends at its value before the chunk."""
     for k in range(indices.shape[0] - 1, -1, -1):
         mu[indices[k]] = undo_mu[k]
         s2[indices[k]] = undo_s2[k]
 
 
 @njit(cache=True, nogil=True)
-def undo_multi(indices, mu, s2, undo_mu, undo_s2, active0):
-    """:func:`undo` for ``(d, K)`` states, for the members active at the start of the chunk (``active0``);
-    entries a member left unwritten after leaving Occam's window are NaN and skipped."""
-    for k in range(indices.shape[0] - 1, -1, -1):
-        i = indices[k]
-        for m in range(mu.shape[1]):
-            if active0[m] and undo_mu[k, m] == undo_mu[k, m]:
-                mu[i, m] = undo_mu[k, m]
-                s2[i, m] = undo_s2[k, m]
+def undo_multi(indptr, indices, mu, s2, undo_mu, undo_s2, slot, until):
+    """:func:`undo` for ``(K, d)`` states (:func:`run_diagonal_multi`, :func:`run_alg1_fused`): member ``m`` with
+    ``slot[m] >= 0`` (active at the start of the chunk) wrote the entries of rows ``< until[m]``; they are
+    restored newest first."""
+    for m in range(mu.shape[0]):
+        u = slot[m]
+        if u < 0:
+            continue
+        for k in range(indptr[until[m]] - 1, -1, -1):
+            i = indices[k]
+            mu[m, i] = undo_mu[u, k]
+            s2[m, i] = undo_s2[u, k]

@@ -25,10 +25,15 @@ def to_csr(X, num_features, hashing=None, name="X"):
     :raises ValueError: wrong dimension, wrong number of columns, NaN or inf entries.
     """
     X = from_torch(X)
+    clean = False
     if sp.issparse(X):
         if X.ndim != 2:
             raise ValueError(f"{name}: expected a 2-D matrix, got shape {X.shape}")
-        X = sp.csr_matrix(X, dtype=np.float64, copy=True)
+        # a canonical float64 CSR matrix without stored zeros (what the text readers yield) is used as it is:
+        # nothing below would change it, so it is not copied
+        clean = (X.format == "csr" and X.dtype == np.float64 and hashing is None and X.has_canonical_format
+                 and not np.any(X.data == 0))
+        X = sp.csr_matrix(X, dtype=np.float64, copy=not clean)
     else:
         X = np.asarray(X)
         if X.ndim == 1:
@@ -47,8 +52,9 @@ def to_csr(X, num_features, hashing=None, name="X"):
     else:
         cols = (splitmix64(X.indices, hashing) % np.uint64(num_features)).astype(np.int64)
         X = sp.csr_matrix((X.data, cols, X.indptr), shape=(X.shape[0], num_features))
-    X.sum_duplicates()
-    X.eliminate_zeros()
+    if not clean:  # (a clean matrix is canonical and holds no zeros already)
+        X.sum_duplicates()
+        X.eliminate_zeros()
     return X
 
 

@@ -40,12 +40,14 @@ class OnlineBayesLogistic(OnlineDiagonalGaussian):
         ``w_k ∝ prod_{tau < t} p_k(y_tau | x_tau, past)`` under a uniform prior over the grid -- the marginal
         likelihood written as the product of one-step predictive probabilities (Dawid 1984, §5, prequential
         analysis), each ``p_k`` Algorithm 1's own prediction (8).  The progressive log-loss of the average is
-        at most the best member's plus ``log K`` (``K = 3``).  The members share the rows' memory traffic in
-        one compiled loop; a member whose posterior odds against the best fall below 1e-9 leaves the average
-        for good and is no longer updated (Occam's window, Madigan & Raftery 1994, §2), so once one prior
-        dominates the cost is one learner's; the state is ``K`` times larger.  Useful because hashed sparse rows
-        with tens of active features need a far smaller prior variance than 1, which a fixed default cannot
-        know.
+        at most the best member's plus ``log K`` (``K = 3``).  The members run in one compiled kernel that
+        reads each row once for all of them and mixes the average as it goes; a member whose posterior odds
+        against the best fall below 1e-9 leaves the average for good and is no longer updated (Occam's window,
+        Madigan & Raftery 1994, §2): at every later row the prediction then differs from the full average by at
+        most the full average's weight on the members that left (below ``2e-9`` when they leave).  Once one
+        prior dominates the cost is one learner's; the state is ``K`` times larger.  Useful because hashed
+        sparse rows with tens of active features need a far smaller prior variance than 1, which a fixed
+        default cannot know.
     :param str link: ``"logit"`` or ``"probit"`` (Appendix B).
     :param str mean_update: ``"taylor"`` (Eq. (17)/(30)) or ``"newton"`` (Eq. (15)/(28)).
     :param str variance_update: ``"laplace"`` (Eq. (19)/(31)) or ``"value"`` (Eq. (18)).

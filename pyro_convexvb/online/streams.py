@@ -247,7 +247,7 @@ def hash_features(rows, num_features, seed=0):
 # ----------------------------------------------------------------------------- svmlight
 def _reader(chunks, prefetch):
     if prefetch is True or (isinstance(prefetch, int) and not isinstance(prefetch, bool) and prefetch > 0):
-        return _textio.prefetch(chunks, depth=2 if prefetch is True else int(prefetch))
+        return _textio.prefetch(chunks, depth=1 if prefetch is True else int(prefetch))
     if prefetch is False or prefetch == 0:
         return chunks
     raise ValueError(f"prefetch: expected True, False or a positive number of chunks, got {prefetch!r}")
@@ -258,15 +258,17 @@ def iter_svmlight(path, chunk_size=100_000, num_features=None, zero_based=False,
 
     Lines are ``label idx:value ...`` with an optional ``# comment`` and ``qid:`` (ignored); blank and
     comment lines give no row, so every chunk but the last holds exactly ``chunk_size`` rows.  Blocks of
-    lines are parsed by scikit-learn's compiled ``load_svmlight_file``; a block it rejects is re-read by
-    a Python parser that names the line (duplicated or negative indices raise, unsorted ones are sorted).
-    Memory is bounded by one chunk plus one 4 MB block (two chunks ahead with ``prefetch``).
+    lines are parsed by a compiled line parser (numba; numbers it cannot read exactly go to scikit-learn's
+    ``load_svmlight_file``); a block both reject is re-read by a Python parser that names the line
+    (duplicated or negative indices raise, unsorted ones are sorted).
+    Memory is bounded by one chunk plus one 4 MB block (with ``prefetch``, three chunks: the one being
+    learned, one waiting, the one being read).
 
     :param int num_features: number of columns (indices must be smaller after the 1-based
         shift); with ``hashing`` the number of buckets.
     :param bool zero_based: indices start at 0 (``False``: the LIBSVM convention, 1-based).
     :param hashing: ``None`` or an integer seed to hash indices into ``num_features`` buckets.
-    :param prefetch: ``True`` (default) reads in a background thread two chunks ahead, so parsing overlaps
+    :param prefetch: ``True`` (default) reads in a background thread one chunk ahead, so parsing overlaps
         learning; ``False`` reads in the caller's thread; an integer sets how many chunks ahead.
     :returns: iterator of ``(X, y)``: CSR ``(m, num_features)`` and float labels as written.
     :raises ValueError: malformed lines (with the line number) or out-of-range indices.
@@ -311,7 +313,7 @@ def iter_csv(path, chunk_size=100_000, label_column=0, integer_columns=(), categ
     so the result is the same either way.
 
     :param int label_column: column of the label (``0``/``1`` or ``-1``/``+1``).
-    :param prefetch: ``True`` (default) reads in a background thread two chunks ahead; ``False`` in the
+    :param prefetch: ``True`` (default) reads in a background thread one chunk ahead; ``False`` in the
         caller's thread; an integer sets how many chunks ahead.
     :returns: iterator of ``(X, y)``: CSR ``(m, num_features)`` and float labels.
     :raises ValueError: a short line, a non-numeric label, or a non-numeric or non-finite integer field (with
