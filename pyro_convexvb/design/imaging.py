@@ -26,7 +26,7 @@ import math
 import torch
 
 from ..infer.convex_relaxation import laplace_map
-from ..linalg import FunctionOperator
+from ..linalg import CirculantSymbol, FunctionOperator, shift_class_symbol
 from .scores import _logdet_eye_plus, lanczos_covariance_factor
 
 __all__ = [
@@ -133,7 +133,26 @@ def haar_operator(H, W, levels=None, dtype=torch.float64, device=None):
     # every entry of B_a is a single product along the cascade, so B_a∘B_a is the cascade of squared steps
     sq = FunctionOperator(lambda v: fwd(v, True), lambda v: inv(v, True), (n, n), dtype=dtype, device=device,
                           batched=True)
-    return FunctionOperator(fwd, inv, (n, n), dtype=dtype, device=device, batched=True, squared=sq)
+    op = FunctionOperator(fwd, inv, (n, n), dtype=dtype, device=device, batched=True, squared=sq)
+    # the coefficients of one subband (level, orientation) are translates of one wavelet: 3 levels + 1 classes
+    cls = torch.full((H, W), 3 * levels, dtype=torch.long, device=device)
+    for j in range(levels):
+        h, w = H >> j, W >> j
+        cls[:h // 2, w // 2:w], cls[h // 2:h, :w // 2], cls[h // 2:h, w // 2:w] = 3 * j, 3 * j + 1, 3 * j + 2
+    op._gram_symbol = _lazy_symbol(op, cls.reshape(-1), (H, W))
+    return op
+
+
+def _lazy_symbol(op, classes, grid):
+    """``op.gram_symbol``: :func:`~pyro_convexvb.linalg.shift_class_symbol`, its spectra computed at the first call."""
+    cache = []
+
+    def symbol(w):
+        if not cache:
+            cache.append(shift_class_symbol(op, classes, grid))
+        return cache[0](w)
+
+    return symbol
 
 
 def difference_operator(H, W, dtype=torch.float64, device=None):
@@ -173,7 +192,11 @@ def difference_operator(H, W, dtype=torch.float64, device=None):
 
     shape = (nh + nv, H * W)
     sq = FunctionOperator(fwd_sq, lambda r: adj(r, 1.0), shape, dtype=dtype, device=device, batched=True)
-    return FunctionOperator(fwd, adj, shape, dtype=dtype, device=device, batched=True, squared=sq)
+    op = FunctionOperator(fwd, adj, shape, dtype=dtype, device=device, batched=True, squared=sq)
+    # two classes of translates: the horizontal and the vertical differences
+    cls = torch.cat([torch.zeros(nh, dtype=torch.long, device=device), torch.ones(nv, dtype=torch.long, device=device)])
+    op._gram_symbol = _lazy_symbol(op, cls, (H, W))
+    return op
 
 
 def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
@@ -249,9 +272,26 @@ def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
         X = torch.fft.ifft2(K).real * (H * W) + (re + im).sum((1, 2)).reshape(k, 1, 1)
         return _vectors((X / (2 * H * W)).contiguous(), one)
 
+    # circulant symbol of X^T diag(w) X: the row Re(F u)_{k,c} is <u, Re f>, f the Fourier mode of omega = (k, c), so
+    # |F row|^2 is 1/4 at omega and at -omega (Im rows alike), or, when omega = -omega, 1 for Re and 0 for Im
+    kk = torch.arange(H, device=device)
+    nk, nc = (-kk) % H, (-cols) % W
+    self_conj = (kk == nk).view(H, 1) & (cols == nc).view(1, m)  # (H, m)
+
+    def symbol(w):
+        wr, wi = w[:H * m].reshape(m, H).transpose(0, 1), w[H * m:].reshape(m, H).transpose(0, 1)
+        a = 0.25 * (wr + wi)
+        S = torch.zeros(H, W, dtype=w.dtype, device=w.device)
+        S.index_put_((kk.view(H, 1).expand(H, m), cols.view(1, m).expand(H, m)), torch.where(self_conj, wr, a),
+                     accumulate=True)
+        S.index_put_((nk.view(H, 1).expand(H, m), nc.view(1, m).expand(H, m)),
+                     torch.where(self_conj, torch.zeros_like(a), a), accumulate=True)
+        return CirculantSymbol((H, W), S[:, : W // 2 + 1].contiguous())
+
     shape = (2 * H * m, H * W)
     sq = FunctionOperator(fwd_sq, adj_sq, shape, dtype=dtype, device=device, batched=True)
-    return FunctionOperator(fwd, adj, shape, dtype=dtype, device=device, batched=True, squared=sq)
+    return FunctionOperator(fwd, adj, shape, dtype=dtype, device=device, batched=True, squared=sq,
+                            gram_symbol=symbol)
 
 
 def phase_encode_scores(factor, H, W, noise_var=1.0, candidates=None, chunk_size=32):
