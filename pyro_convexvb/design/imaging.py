@@ -26,7 +26,7 @@ import math
 import torch
 
 from ..infer.convex_relaxation import laplace_map
-from ..linalg import CirculantSymbol, FunctionOperator, shift_class_symbol
+from ..linalg import CirculantSymbol, FunctionOperator, TileBlocks, rows_in_tiles_blocks, shift_class_symbol, tile_layout
 from .scores import _logdet_eye_plus, lanczos_covariance_factor
 
 __all__ = [
@@ -139,7 +139,23 @@ def haar_operator(H, W, levels=None, dtype=torch.float64, device=None):
     for j in range(levels):
         h, w = H >> j, W >> j
         cls[:h // 2, w // 2:w], cls[h // 2:h, :w // 2], cls[h // 2:h, w // 2:w] = 3 * j, 3 * j + 1, 3 * j + 2
-    op._gram_symbol = _lazy_symbol(op, cls.reshape(-1), (H, W))
+    cls = cls.reshape(-1)
+    op._gram_symbol = _lazy_symbol(op, cls, (H, W))
+
+    def tiles(w, t):
+        # levels j < log2(t) lie inside one tile; coarser wavelets and the scaling functions are constant on tiles,
+        # so they add (sum_j w_j b_jp^2) 1 1^T to each tile's block
+        L = t.bit_length() - 1
+        if t < 2 or t != 1 << L or H % t or W % t or L > levels:
+            return None
+        fine = cls < 3 * L
+        out = rows_in_tiles_blocks(op, w, (H, W), t, fine)
+        coarse = sq.rmv(torch.where(fine, torch.zeros_like(w), w))
+        tile, _ = tile_layout(H, W, t, w.device)
+        per_tile = torch.zeros(out.blocks.shape[0], dtype=w.dtype, device=w.device).index_add_(0, tile, coarse) / (t * t)
+        return out + TileBlocks((H, W), t, per_tile.view(-1, 1, 1).expand_as(out.blocks).clone())
+
+    op._gram_tiles = tiles
     return op
 
 
@@ -196,6 +212,23 @@ def difference_operator(H, W, dtype=torch.float64, device=None):
     # two classes of translates: the horizontal and the vertical differences
     cls = torch.cat([torch.zeros(nh, dtype=torch.long, device=device), torch.ones(nv, dtype=torch.long, device=device)])
     op._gram_symbol = _lazy_symbol(op, cls, (H, W))
+
+    def tiles(w, t):
+        # differences inside a tile by comb probing; one crossing a tile border has one pixel in each of two tiles
+        # and adds w_j to those two diagonal entries only
+        if t < 2 or H % t or W % t:
+            return None
+        jh = torch.arange(W - 1, device=w.device).repeat(H)
+        iv = torch.arange(H - 1, device=w.device).repeat_interleave(W)
+        inside = torch.cat([jh % t != t - 1, iv % t != t - 1])
+        out = rows_in_tiles_blocks(op, w, (H, W), t, inside)
+        diag = sq.rmv(torch.where(inside, torch.zeros_like(w), w))
+        tile, off = tile_layout(H, W, t, w.device)
+        extra = torch.zeros_like(out.blocks)
+        extra[tile, off, off] = diag
+        return out + TileBlocks((H, W), t, extra)
+
+    op._gram_tiles = tiles
     return op
 
 
@@ -290,8 +323,15 @@ def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
 
     shape = (2 * H * m, H * W)
     sq = FunctionOperator(fwd_sq, adj_sq, shape, dtype=dtype, device=device, batched=True)
+    def tiles(w, t):
+        # X^T diag(w) X is circulant for one weight on every row: each tile's block is the symbol's tile block
+        if t < 1 or H % t or W % t or not bool((w == w[0]).all()):
+            return None
+        blk = symbol(w).tile_block(t)
+        return TileBlocks((H, W), t, blk.expand((H // t) * (W // t), t * t, t * t).clone())
+
     return FunctionOperator(fwd, adj, shape, dtype=dtype, device=device, batched=True, squared=sq,
-                            gram_symbol=symbol)
+                            gram_symbol=symbol, gram_tiles=tiles)
 
 
 def phase_encode_scores(factor, H, W, noise_var=1.0, candidates=None, chunk_size=32):

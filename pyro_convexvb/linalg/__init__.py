@@ -14,10 +14,12 @@
 * :class:`SparseCholesky`: sparse Cholesky with a fill-reducing ordering, log-determinant, solves,
   sampling and selected inversion (Rue & Held 2005, §2.4; Takahashi et al. 1973);
 * :class:`CirculantSymbol`, :func:`shift_class_symbol` (:mod:`.circulant`): 2-D circulant matrices applied with
-  real FFTs and T. Chan's (1988) optimal circulant approximation of ``B^T diag(w) B``.
+  real FFTs and T. Chan's (1988) optimal circulant approximation of ``B^T diag(w) B``; :class:`TileBlocks`
+  (:mod:`.tiles`): block diagonals over image tiles (block Jacobi).
 """
 from . import operators as _operators
 from .circulant import CirculantSymbol, shift_class_symbol
+from .tiles import TileBlocks, rows_in_tiles_blocks, tile_layout
 from .cg import CGResult, NotPositiveDefiniteError, cg, default_max_iter
 from .lanczos import (
     LanczosResult,
@@ -57,4 +59,7 @@ __all__ = list(_operators.__all__) + [
     "SparseCholesky",
     "CirculantSymbol",
     "shift_class_symbol",
+    "TileBlocks",
+    "rows_in_tiles_blocks",
+    "tile_layout",
 ]

@@ -92,6 +92,16 @@ class CirculantSymbol:
         rest = half[k][:, (W - c) % W]  # lambda(k, c) = lambda(-k, -c) for the columns above W / 2
         return torch.cat([half, rest], 1)
 
+    def tile_block(self, t):
+        """The ``(t^2, t^2)`` block of ``C`` on any aligned ``t x t`` tile (offsets ``o = (i % t) t + j % t``):
+        ``C_{p p'} = c(p - p')`` with ``c = ifft2(lambda)`` the first column."""
+        H, W = self.grid
+        c = torch.fft.irfft2(self.values, s=(H, W))  # C e_0: (1/n) sum_omega lambda(omega) e^{i omega p}
+        o = torch.arange(t * t, device=c.device)
+        di = ((o // t).view(-1, 1) - (o // t).view(1, -1)) % H
+        dj = ((o % t).view(-1, 1) - (o % t).view(1, -1)) % W
+        return c[di, dj]
+
     def diagonal_value(self):
         """The (constant) diagonal entry of ``C``: the mean of ``lambda`` over all frequencies."""
         return self.full().mean()

@@ -109,8 +109,9 @@ def laplace_map(lgm, u0=None, *, z_start=1e-2, z_final=1e-12, z_factor=1e-2, max
     :param int max_newton: Newton steps per ``z``.
     :param float cg_tol: final relative CG residual of the Newton systems.
     :param float newton_tol: Newton decrement test, relative to ``max(1, |Psi_z|)``.
-    :param str preconditioner: CG preconditioner of the Newton systems, ``"jacobi"``, ``"fourier"`` or
-        ``"circulant"`` (the latter two for image models whose operators offer a circulant symbol, e.g.
+    :param str preconditioner: CG preconditioner of the Newton systems, ``"jacobi"``, ``"fourier"``,
+        ``"circulant"``, ``"block2"`` or ``"block4"`` (all but Jacobi for image models whose operators offer the
+        structure, e.g.
         :func:`~pyro_convexvb.design.compressive_sensing_model`; see
         :meth:`~pyro_convexvb.infer.convex_relaxation.RelaxationProblem.preconditioner`).
     :returns: ``(u, info)``: ``u`` of shape ``(n,)``; ``info`` has ``objective`` (``Psi_0(u)``),

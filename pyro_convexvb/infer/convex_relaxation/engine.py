@@ -56,10 +56,11 @@ class ConvexRelaxationOptions(LGMEngineOptions):
                                    min=0)
     exact_max: int = option(5000, "largest n accepted by variance='exact'", min=1)
     cg_max_iter: typing.Optional[int] = option(None, "CG iteration cap (default: n)", min=1)
-    preconditioner: typing.Literal["jacobi", "fourier", "circulant"] = option(
+    preconditioner: typing.Literal["jacobi", "fourier", "circulant", "block2", "block4", "block8"] = option(
         "jacobi", "CG preconditioner of the inner loop's Newton systems and the mean solves: Jacobi, or for image "
-                  "models whose operators offer a circulant symbol the Jacobi-scaled circulant ('fourier') or T. "
-                  "Chan's optimal circulant ('circulant'); a dense Cholesky factor of the outer loop replaces it")
+                  "models whose operators offer the structure the Jacobi-scaled circulant ('fourier'), T. Chan's "
+                  "optimal circulant ('circulant') or block Jacobi on 2 x 2 / 4 x 4 / 8 x 8 pixel tiles ('block2', "
+                  "'block4', 'block8'); a dense Cholesky factor of the outer loop replaces it")
     seed: int = option(0, "seed of the Lanczos start vectors")
 
     def check(self):
