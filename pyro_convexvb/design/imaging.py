@@ -26,7 +26,14 @@ import math
 import torch
 
 from ..infer.convex_relaxation import laplace_map
-from ..linalg import CirculantSymbol, FunctionOperator, TileBlocks, rows_in_tiles_blocks, shift_class_symbol, tile_layout
+from ..linalg import (
+    CirculantSymbol,
+    FunctionOperator,
+    TileBlocks,
+    rows_in_tiles_blocks,
+    shift_class_symbol,
+    tile_layout,
+)
 from .scores import _logdet_eye_plus, lanczos_covariance_factor
 
 __all__ = [
@@ -142,6 +149,8 @@ def haar_operator(H, W, levels=None, dtype=torch.float64, device=None):
     cls = cls.reshape(-1)
     op._gram_symbol = _lazy_symbol(op, cls, (H, W))
 
+    fine_parts = {}  # t -> rows_in_tiles_blocks of the rows inside one tile (their comb products done once)
+
     def tiles(w, t):
         # levels j < log2(t) lie inside one tile; coarser wavelets and the scaling functions are constant on tiles,
         # so they add (sum_j w_j b_jp^2) 1 1^T to each tile's block
@@ -149,10 +158,13 @@ def haar_operator(H, W, levels=None, dtype=torch.float64, device=None):
         if t < 2 or t != 1 << L or H % t or W % t or L > levels:
             return None
         fine = cls < 3 * L
-        out = rows_in_tiles_blocks(op, w, (H, W), t, fine)
+        if t not in fine_parts:
+            fine_parts[t] = rows_in_tiles_blocks(op, (H, W), t, fine)
+        out = fine_parts[t](w)
         coarse = sq.rmv(torch.where(fine, torch.zeros_like(w), w))
         tile, _ = tile_layout(H, W, t, w.device)
-        per_tile = torch.zeros(out.blocks.shape[0], dtype=w.dtype, device=w.device).index_add_(0, tile, coarse) / (t * t)
+        per_tile = torch.zeros(out.blocks.shape[0], dtype=w.dtype, device=w.device).index_add_(0, tile, coarse)
+        per_tile = per_tile / (t * t)
         return out + TileBlocks((H, W), t, per_tile.view(-1, 1, 1).expand_as(out.blocks).clone())
 
     op._gram_tiles = tiles
@@ -213,15 +225,20 @@ def difference_operator(H, W, dtype=torch.float64, device=None):
     cls = torch.cat([torch.zeros(nh, dtype=torch.long, device=device), torch.ones(nv, dtype=torch.long, device=device)])
     op._gram_symbol = _lazy_symbol(op, cls, (H, W))
 
+    inside_parts = {}  # t -> (mask of the differences inside a tile, rows_in_tiles_blocks of them)
+
     def tiles(w, t):
         # differences inside a tile by comb probing; one crossing a tile border has one pixel in each of two tiles
         # and adds w_j to those two diagonal entries only
         if t < 2 or H % t or W % t:
             return None
-        jh = torch.arange(W - 1, device=w.device).repeat(H)
-        iv = torch.arange(H - 1, device=w.device).repeat_interleave(W)
-        inside = torch.cat([jh % t != t - 1, iv % t != t - 1])
-        out = rows_in_tiles_blocks(op, w, (H, W), t, inside)
+        if t not in inside_parts:
+            jh = torch.arange(W - 1, device=w.device).repeat(H)
+            iv = torch.arange(H - 1, device=w.device).repeat_interleave(W)
+            inside = torch.cat([jh % t != t - 1, iv % t != t - 1])
+            inside_parts[t] = inside, rows_in_tiles_blocks(op, (H, W), t, inside)
+        inside, part = inside_parts[t]
+        out = part(w)
         diag = sq.rmv(torch.where(inside, torch.zeros_like(w), w))
         tile, off = tile_layout(H, W, t, w.device)
         extra = torch.zeros_like(out.blocks)
@@ -240,6 +257,9 @@ def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
     and imaginary parts this is the Cartesian MRI-style design of Seeger 2010 §5 for a real image.
 
     :param columns: sequence of distinct column indices in ``[0, W)``.
+
+    Over 80 lines: besides the products it defines the operator's entrywise square, its circulant symbol
+    (``gram_symbol``) and tile blocks (``gram_tiles``), each a few lines sharing the column bookkeeping.
     """
     _check_shape(H, W)
     cols = torch.as_tensor(list(columns), dtype=torch.long, device=device)

