@@ -31,6 +31,8 @@ Usage::
     python benchmarks/compressive_sensing.py --full --blocks 0 --methods K200/200 --no-eval --tau-factor 1 \
         --tag timing --progress                                                             # one timed design
     python benchmarks/compressive_sensing.py --full --figures-only                            # redraw from JSON
+    python benchmarks/compressive_sensing.py --full ... --preconditioner jacobi --map-preconditioner jacobi  # CG
+                                                                 # preconditioners of refits and MAPs
 """
 import json
 import math
@@ -53,6 +55,7 @@ from pyro_convexvb.design.sequential import (  # noqa: E402
     pair_candidates,
 )
 from pyro_convexvb.errors import ConvergenceWarning  # noqa: E402
+from pyro_convexvb.infer.convex_relaxation.problem import PRECONDITIONERS  # noqa: E402
 
 D = torch.float64
 NOISE_VAR = 1e-3  # Seeger 2010 §5
@@ -61,6 +64,10 @@ TAU_PAPER = (0.08, 0.16)  # Seeger 2010 §5, on the paper's (unstated) image and
 MAP_OPTS = dict(z_start=1e-4, z_factor=0.1, z_final=1e-5, cg_tol=1e-6, newton_tol=1e-9)
 #: the double loop inside each design step (Seeger et al. 2009: a few Newton steps per refit)
 DESIGN_ENGINE = dict(max_newton=8, cg_tol=1e-5)
+#: CG preconditioners of the design refits (--preconditioner) and of the MAP solves (--map-preconditioner);
+#: docs/design.md, "Cost and the 15-minute target", has the CG counts of each on the start design
+PRECONDITIONER = "block4"
+MAP_PRECONDITIONER = "block4"
 SKIMAGE_PHOTOS = ["astronaut.png", "brick.png", "camera.png", "chelsea.png", "coffee.png", "coins.png", "grass.png",
                   "gravel.png", "moon.png", "motorcycle_left.png", "rocket.jpg"]
 SKLEARN_PHOTOS = ["china.jpg", "flower.jpg"]
@@ -133,8 +140,9 @@ def make_blocks(names, num_blocks, num_tests, seed):
 class Measurements:
     """Noisy measurements of every candidate pair of one image (one fixed draw per image)."""
 
-    def __init__(self, img, seed):
+    def __init__(self, img, seed, preconditioner=MAP_PRECONDITIONER):
         self.H = img.shape[0]
+        self.preconditioner = preconditioner
         self.u = torch.tensor(img, dtype=D).reshape(-1)
         self.cand = pair_candidates(self.H)
         X = fourier_columns_operator(self.H, self.H, self.cand)
@@ -151,7 +159,7 @@ class Measurements:
         lgm = compressive_sensing_model(self(pairs), self.H, self.H, list(pairs), NOISE_VAR, *tau)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
-            u, _ = laplace_map(lgm, u0, **MAP_OPTS)
+            u, _ = laplace_map(lgm, u0, preconditioner=self.preconditioner, **MAP_OPTS)
         return u
 
     def error(self, u):
@@ -254,10 +262,14 @@ def main(argv=None):
                         help="Newton steps per refit of a design step (recorded in the settings)")
     parser.add_argument("--design-cg-tol", type=float, default=DESIGN_ENGINE["cg_tol"],
                         help="final CG tolerance of the refits (recorded in the settings)")
+    parser.add_argument("--preconditioner", choices=list(PRECONDITIONERS), default=PRECONDITIONER,
+                        help="CG preconditioner of the design refits (recorded in the settings)")
+    parser.add_argument("--map-preconditioner", choices=list(PRECONDITIONERS), default=MAP_PRECONDITIONER,
+                        help="CG preconditioner of the MAP reconstructions (recorded in the settings)")
     args = parse_args(parser=parser, argv=argv)
     if args.design_newton < 1 or not 0 < args.design_cg_tol < 1:
         parser.error("--design-newton must be >= 1 and --design-cg-tol in (0, 1)")
-    design_engine = dict(max_newton=args.design_newton, cg_tol=args.design_cg_tol)
+    design_engine = dict(max_newton=args.design_newton, cg_tol=args.design_cg_tol, preconditioner=args.preconditioner)
     mode = "full" if args.full else ("quick" if args.quick else "default")
     cfg = dict(CONFIGS[mode])
     if args.tau_factor is not None:
@@ -265,7 +277,8 @@ def main(argv=None):
             parser.error("--tau-factor must be a positive number")
         cfg["tau_factors"] = [args.tau_factor]
     name = "compressive_sensing_" + mode + ("_" + args.tag if args.tag else "")
-    settings = dict(mode=mode, seed=args.seed, noise_var=NOISE_VAR, map_options=MAP_OPTS, design_engine=design_engine,
+    settings = dict(mode=mode, seed=args.seed, noise_var=NOISE_VAR, design_engine=design_engine,
+                    map_options=dict(MAP_OPTS, preconditioner=args.map_preconditioner),
                     **{k: v for k, v in cfg.items() if k not in ("methods",)})
     state = State(name, settings, args.restart)
     if args.restart and os.path.exists(os.path.join(results_dir(), name + "_residuals.npz")):
@@ -287,7 +300,8 @@ def main(argv=None):
 
     def meas_of(image):
         if image not in meas_cache:
-            meas_cache[image] = Measurements(pool[image][0], args.seed * 7919 + names.index(image))
+            meas_cache[image] = Measurements(pool[image][0], args.seed * 7919 + names.index(image),
+                                             args.map_preconditioner)
         return meas_cache[image]
 
     t_all = time.perf_counter()

@@ -26,7 +26,14 @@ import math
 import torch
 
 from ..infer.convex_relaxation import laplace_map
-from ..linalg import FunctionOperator
+from ..linalg import (
+    CirculantSymbol,
+    FunctionOperator,
+    TileBlocks,
+    rows_in_tiles_blocks,
+    shift_class_symbol,
+    tile_layout,
+)
 from .scores import _logdet_eye_plus, lanczos_covariance_factor
 
 __all__ = [
@@ -133,7 +140,47 @@ def haar_operator(H, W, levels=None, dtype=torch.float64, device=None):
     # every entry of B_a is a single product along the cascade, so B_a∘B_a is the cascade of squared steps
     sq = FunctionOperator(lambda v: fwd(v, True), lambda v: inv(v, True), (n, n), dtype=dtype, device=device,
                           batched=True)
-    return FunctionOperator(fwd, inv, (n, n), dtype=dtype, device=device, batched=True, squared=sq)
+    op = FunctionOperator(fwd, inv, (n, n), dtype=dtype, device=device, batched=True, squared=sq)
+    # the coefficients of one subband (level, orientation) are translates of one wavelet: 3 levels + 1 classes
+    cls = torch.full((H, W), 3 * levels, dtype=torch.long, device=device)
+    for j in range(levels):
+        h, w = H >> j, W >> j
+        cls[:h // 2, w // 2:w], cls[h // 2:h, :w // 2], cls[h // 2:h, w // 2:w] = 3 * j, 3 * j + 1, 3 * j + 2
+    cls = cls.reshape(-1)
+    op._gram_symbol = _lazy_symbol(op, cls, (H, W))
+
+    fine_parts = {}  # t -> rows_in_tiles_blocks of the rows inside one tile (their comb products done once)
+
+    def tiles(w, t):
+        # levels j < log2(t) lie inside one tile; coarser wavelets and the scaling functions are constant on tiles,
+        # so they add (sum_j w_j b_jp^2) 1 1^T to each tile's block
+        L = t.bit_length() - 1
+        if t < 2 or t != 1 << L or H % t or W % t or L > levels:
+            return None
+        fine = cls < 3 * L
+        if t not in fine_parts:
+            fine_parts[t] = rows_in_tiles_blocks(op, (H, W), t, fine)
+        out = fine_parts[t](w)
+        coarse = sq.rmv(torch.where(fine, torch.zeros_like(w), w))
+        tile, _ = tile_layout(H, W, t, w.device)
+        per_tile = torch.zeros(out.blocks.shape[0], dtype=w.dtype, device=w.device).index_add_(0, tile, coarse)
+        per_tile = per_tile / (t * t)
+        return out + TileBlocks((H, W), t, per_tile.view(-1, 1, 1).expand_as(out.blocks).clone())
+
+    op._gram_tiles = tiles
+    return op
+
+
+def _lazy_symbol(op, classes, grid):
+    """``op.gram_symbol``: :func:`~pyro_convexvb.linalg.shift_class_symbol`, its spectra computed at the first call."""
+    cache = []
+
+    def symbol(w):
+        if not cache:
+            cache.append(shift_class_symbol(op, classes, grid))
+        return cache[0](w)
+
+    return symbol
 
 
 def difference_operator(H, W, dtype=torch.float64, device=None):
@@ -173,7 +220,33 @@ def difference_operator(H, W, dtype=torch.float64, device=None):
 
     shape = (nh + nv, H * W)
     sq = FunctionOperator(fwd_sq, lambda r: adj(r, 1.0), shape, dtype=dtype, device=device, batched=True)
-    return FunctionOperator(fwd, adj, shape, dtype=dtype, device=device, batched=True, squared=sq)
+    op = FunctionOperator(fwd, adj, shape, dtype=dtype, device=device, batched=True, squared=sq)
+    # two classes of translates: the horizontal and the vertical differences
+    cls = torch.cat([torch.zeros(nh, dtype=torch.long, device=device), torch.ones(nv, dtype=torch.long, device=device)])
+    op._gram_symbol = _lazy_symbol(op, cls, (H, W))
+
+    inside_parts = {}  # t -> (mask of the differences inside a tile, rows_in_tiles_blocks of them)
+
+    def tiles(w, t):
+        # differences inside a tile by comb probing; one crossing a tile border has one pixel in each of two tiles
+        # and adds w_j to those two diagonal entries only
+        if t < 2 or H % t or W % t:
+            return None
+        if t not in inside_parts:
+            jh = torch.arange(W - 1, device=w.device).repeat(H)
+            iv = torch.arange(H - 1, device=w.device).repeat_interleave(W)
+            inside = torch.cat([jh % t != t - 1, iv % t != t - 1])
+            inside_parts[t] = inside, rows_in_tiles_blocks(op, (H, W), t, inside)
+        inside, part = inside_parts[t]
+        out = part(w)
+        diag = sq.rmv(torch.where(inside, torch.zeros_like(w), w))
+        tile, off = tile_layout(H, W, t, w.device)
+        extra = torch.zeros_like(out.blocks)
+        extra[tile, off, off] = diag
+        return out + TileBlocks((H, W), t, extra)
+
+    op._gram_tiles = tiles
+    return op
 
 
 def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
@@ -184,6 +257,9 @@ def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
     and imaginary parts this is the Cartesian MRI-style design of Seeger 2010 §5 for a real image.
 
     :param columns: sequence of distinct column indices in ``[0, W)``.
+
+    Over 80 lines: besides the products it defines the operator's entrywise square, its circulant symbol
+    (``gram_symbol``) and tile blocks (``gram_tiles``), each a few lines sharing the column bookkeeping.
     """
     _check_shape(H, W)
     cols = torch.as_tensor(list(columns), dtype=torch.long, device=device)
@@ -249,9 +325,33 @@ def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
         X = torch.fft.ifft2(K).real * (H * W) + (re + im).sum((1, 2)).reshape(k, 1, 1)
         return _vectors((X / (2 * H * W)).contiguous(), one)
 
+    # circulant symbol of X^T diag(w) X: the row Re(F u)_{k,c} is <u, Re f>, f the Fourier mode of omega = (k, c), so
+    # |F row|^2 is 1/4 at omega and at -omega (Im rows alike), or, when omega = -omega, 1 for Re and 0 for Im
+    kk = torch.arange(H, device=device)
+    nk, nc = (-kk) % H, (-cols) % W
+    self_conj = (kk == nk).view(H, 1) & (cols == nc).view(1, m)  # (H, m)
+
+    def symbol(w):
+        wr, wi = w[:H * m].reshape(m, H).transpose(0, 1), w[H * m:].reshape(m, H).transpose(0, 1)
+        a = 0.25 * (wr + wi)
+        S = torch.zeros(H, W, dtype=w.dtype, device=w.device)
+        S.index_put_((kk.view(H, 1).expand(H, m), cols.view(1, m).expand(H, m)), torch.where(self_conj, wr, a),
+                     accumulate=True)
+        S.index_put_((nk.view(H, 1).expand(H, m), nc.view(1, m).expand(H, m)),
+                     torch.where(self_conj, torch.zeros_like(a), a), accumulate=True)
+        return CirculantSymbol((H, W), S[:, : W // 2 + 1].contiguous())
+
     shape = (2 * H * m, H * W)
     sq = FunctionOperator(fwd_sq, adj_sq, shape, dtype=dtype, device=device, batched=True)
-    return FunctionOperator(fwd, adj, shape, dtype=dtype, device=device, batched=True, squared=sq)
+    def tiles(w, t):
+        # X^T diag(w) X is circulant for one weight on every row: each tile's block is the symbol's tile block
+        if t < 1 or H % t or W % t or not bool((w == w[0]).all()):
+            return None
+        blk = symbol(w).tile_block(t)
+        return TileBlocks((H, W), t, blk.expand((H // t) * (W // t), t * t, t * t).clone())
+
+    return FunctionOperator(fwd, adj, shape, dtype=dtype, device=device, batched=True, squared=sq,
+                            gram_symbol=symbol, gram_tiles=tiles)
 
 
 def phase_encode_scores(factor, H, W, noise_var=1.0, candidates=None, chunk_size=32):

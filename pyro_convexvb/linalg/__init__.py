@@ -12,9 +12,14 @@
 * :func:`newton_bisect_root`, :func:`expand_bracket`, :func:`minimize_convex_scalar`: vectorised
   safeguarded Newton/bisection for many independent scalar problems;
 * :class:`SparseCholesky`: sparse Cholesky with a fill-reducing ordering, log-determinant, solves,
-  sampling and selected inversion (Rue & Held 2005, §2.4; Takahashi et al. 1973).
+  sampling and selected inversion (Rue & Held 2005, §2.4; Takahashi et al. 1973);
+* :class:`CirculantSymbol`, :func:`shift_class_symbol` (:mod:`.circulant`): 2-D circulant matrices applied with
+  real FFTs and T. Chan's (1988) optimal circulant approximation of ``B^T diag(w) B``; :class:`TileBlocks`
+  (:mod:`.tiles`): block diagonals over image tiles (block Jacobi).
 """
 from . import operators as _operators
+from .circulant import CirculantSymbol, shift_class_symbol
+from .tiles import TileBlocks, rows_in_tiles_blocks, tile_layout
 from .cg import CGResult, NotPositiveDefiniteError, cg, default_max_iter
 from .lanczos import (
     LanczosResult,
@@ -52,4 +57,9 @@ __all__ = list(_operators.__all__) + [
     "expand_bracket",
     "minimize_convex_scalar",
     "SparseCholesky",
+    "CirculantSymbol",
+    "shift_class_symbol",
+    "TileBlocks",
+    "rows_in_tiles_blocks",
+    "tile_layout",
 ]

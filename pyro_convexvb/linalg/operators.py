@@ -167,6 +167,19 @@ class LinearOperator:
         w = torch.as_tensor(weights, dtype=self.dtype, device=self.device)
         return w.expand(self.shape[0]) if w.dim() == 0 else w
 
+    def gram_symbol(self, weights=None):
+        """Symbol of T. Chan's optimal 2-D circulant approximation of ``A.T diag(w) A`` (a
+        :class:`~.circulant.CirculantSymbol`), or ``None`` when the operator does not know it (the default).
+        Operators on images whose rows are Fourier modes or translates of a few patterns (convolutions,
+        wavelet subbands) provide it; it gives the convex relaxation a Fourier preconditioner."""
+        return None
+
+    def gram_tiles(self, weights, tile):
+        """Diagonal blocks of ``A.T diag(w) A`` over the aligned ``tile x tile`` pixel tiles of an image (a
+        :class:`~.tiles.TileBlocks`), or ``None`` when the operator does not know them (the default).
+        Image operators provide them; they give the convex relaxation a block-Jacobi preconditioner."""
+        return None
+
     def row_sq_norms(self, weights=None):
         """``diag(A diag(w) A.T)`` (length ``m``); ``None`` if ``squared()`` is unavailable."""
         sq = self.squared()
@@ -525,6 +538,26 @@ class StackedOperator(LinearOperator):
         parts = torch.split(self._gram_weights(weights), self.sizes, 0)
         return sum(op.weighted_gram(p, chunk) for op, p in zip(self.operators, parts))
 
+    def gram_symbol(self, weights=None):
+        parts = torch.split(self._gram_weights(weights), self.sizes, 0)
+        out = None
+        for op, p in zip(self.operators, parts):
+            s = op.gram_symbol(p)
+            if s is None:
+                return None
+            out = s if out is None else out + s
+        return out
+
+    def gram_tiles(self, weights, tile):
+        parts = torch.split(self._gram_weights(weights), self.sizes, 0)
+        out = None
+        for op, p in zip(self.operators, parts):
+            b = op.gram_tiles(p, tile)
+            if b is None:
+                return None
+            out = b if out is None else out + b
+        return out
+
     def flops(self):
         return float(sum(op.flops() for op in self.operators))
 
@@ -631,16 +664,21 @@ class FunctionOperator(LinearOperator):
     """An operator given by two callables ``mv`` and ``rmv`` (e.g. FFTs, wavelets, autograd probes).
 
     Both callables must accept vectors ``(n,)``; batched inputs ``(n, k)`` are handled column
-    by column unless ``batched=True`` says the callables accept them directly.
+    by column unless ``batched=True`` says the callables accept them directly. ``squared`` is the operator of
+    entrywise squares (:meth:`squared`), ``gram_symbol`` a callable ``w -> CirculantSymbol`` (:meth:`gram_symbol`),
+    ``gram_tiles`` a callable ``(w, tile) -> TileBlocks or None`` (:meth:`gram_tiles`).
     """
 
-    def __init__(self, mv, rmv, shape, dtype=torch.float64, device=None, batched=False, squared=None):
+    def __init__(self, mv, rmv, shape, dtype=torch.float64, device=None, batched=False, squared=None,
+                 gram_symbol=None, gram_tiles=None):
         self._f, self._fr = mv, rmv
         self.shape = tuple(shape)
         self.dtype = dtype
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.batched = batched
         self._squared = squared
+        self._gram_symbol = gram_symbol
+        self._gram_tiles = gram_tiles
 
     def _apply(self, f, v):
         if v.dim() == 1 or self.batched:
@@ -655,6 +693,12 @@ class FunctionOperator(LinearOperator):
 
     def squared(self):
         return self._squared
+
+    def gram_symbol(self, weights=None):
+        return None if self._gram_symbol is None else self._gram_symbol(self._gram_weights(weights))
+
+    def gram_tiles(self, weights, tile):
+        return None if self._gram_tiles is None else self._gram_tiles(self._gram_weights(weights), int(tile))
 
 
 def as_operator(x):

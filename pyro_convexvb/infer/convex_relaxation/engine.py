@@ -56,6 +56,11 @@ class ConvexRelaxationOptions(LGMEngineOptions):
                                    min=0)
     exact_max: int = option(5000, "largest n accepted by variance='exact'", min=1)
     cg_max_iter: typing.Optional[int] = option(None, "CG iteration cap (default: n)", min=1)
+    preconditioner: typing.Literal["jacobi", "fourier", "circulant", "block2", "block4", "block8"] = option(
+        "jacobi", "CG preconditioner of the inner loop's Newton systems and the mean solves: Jacobi, or for image "
+                  "models whose operators offer the structure the Jacobi-scaled circulant ('fourier'), T. Chan's "
+                  "optimal circulant ('circulant') or block Jacobi on 2 x 2 / 4 x 4 / 8 x 8 pixel tiles ('block2', "
+                  "'block4', 'block8'); a dense Cholesky factor of the outer loop replaces it")
     seed: int = option(0, "seed of the Lanczos start vectors")
 
     def check(self):
@@ -155,6 +160,8 @@ class ConvexVariationalRelaxation(Engine):
             raise ValueError(f"engine '{self.name}': variance='exact' with n = {lgm.n} > exact_max = {o.exact_max}; "
                              "use variance='lanczos' or 'auto'")
         prob = RelaxationProblem(lgm)
+        if o.preconditioner != "jacobi":  # refuse a model without a circulant symbol before any work
+            prob.preconditioner(torch.ones(prob.q, dtype=prob.dtype, device=prob.device), o.preconditioner)
         warn_if_not_log_concave(prob.pot)
         state, out = double_loop(prob, o, self.initial_state(), run,
                                  state_names=_OPTION_NAMES if self.init is None else None)

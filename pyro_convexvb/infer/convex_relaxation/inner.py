@@ -6,8 +6,9 @@ a penalised least-squares problem in ``u``.  We minimise
 .. math:: \Psi(u) = \tfrac12 \|\tilde y - X u\|^2 + \sum_i h_i^*(s_i), \qquad s = B u + o,
 
 by Newton's method (IRLS): each step solves ``(X^T X + B^T diag(e) B) d = -grad`` with
-``e = (h^*)''(s)`` by Jacobi-preconditioned CG (``diag(X^T X + B^T diag(e) B)`` from the sparse rows,
-``op.diag_gram(e)``), then a backtracking (Armijo) line search that costs no extra products: along
+``e = (h^*)''(s)`` by preconditioned CG (Jacobi, ``diag(X^T X + B^T diag(e) B)`` from the sparse rows,
+``op.diag_gram(e)``, or for image models a Fourier preconditioner, :meth:`.problem.RelaxationProblem.preconditioner`),
+then a backtracking (Armijo) line search that costs no extra products: along
 ``u + t d`` the quadratic part is an exact parabola and the site part only needs ``B d``.  Where a
 non-log-concave site makes ``(h^*)'' < 0`` its weight is replaced by the IRLS weight
 ``1/gamma_* > 0`` (a majorisation step), so the system stays positive definite.  ``gamma`` follows in
@@ -59,7 +60,7 @@ def _site_value(prob, s, z):
     return prob.site_sum(prob.pot.h_star(s, z, derivatives=0)[0].sum())
 
 
-def inner_loop(prob, z, u0, *, max_newton, cg_tol, newton_tol, cg_max_iter=None, precondition=True, chol=None,
+def inner_loop(prob, z, u0, *, max_newton, cg_tol, newton_tol, cg_max_iter=None, preconditioner="jacobi", chol=None,
                armijo=1e-4, max_backtrack=40):
     r"""Newton/IRLS minimisation of ``Psi(u) = ||y~ - X u||^2/2 + sum_i h_i^*(s_i)`` (Nickisch & Seeger 2009, §2.2).
 
@@ -74,7 +75,9 @@ def inner_loop(prob, z, u0, *, max_newton, cg_tol, newton_tol, cg_max_iter=None,
     :param cg_tol: final relative CG residual.
     :param newton_tol: stop when the Newton decrement ``-grad^T d / 2 <= newton_tol * max(1, |Psi|)``.
     :param cg_max_iter: CG iteration cap per system.
-    :param precondition: use the Jacobi preconditioner.
+    :param preconditioner: ``"jacobi"``, ``"circulant"`` or ``"fourier"``
+        (:meth:`~.problem.RelaxationProblem.preconditioner`, built afresh from each Newton system's weights ``e``),
+        or ``None`` for plain CG.
     :param chol: optional dense Cholesky factor of ``A(gamma)`` from the outer loop (small ``n``); when
         given it preconditions CG instead of Jacobi (same solution, far fewer iterations).
     :returns: :class:`InnerResult`.
@@ -106,9 +109,8 @@ def inner_loop(prob, z, u0, *, max_newton, cg_tol, newton_tol, cg_max_iter=None,
         precond = None
         if chol is not None:
             precond = lambda R, L=chol: torch.cholesky_solve(R, L)  # noqa: E731
-        elif precondition:
-            dj = prob.jacobi(e) if e is not None else prob.diag_xtx().clone()
-            precond = torch.where(dj > 0, dj, torch.ones_like(dj))
+        elif preconditioner is not None:
+            precond = prob.preconditioner(e, preconditioner)
         if e is not None:
             matmul = lambda v, e=e: prob.a_mv(v, e)  # noqa: E731
         else:

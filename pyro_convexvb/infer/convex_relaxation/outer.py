@@ -536,15 +536,15 @@ class RelaxationState:
         return prob.log_const() - 0.5 * phi_value(prob, st.gamma, st.u, logdet)
 
 
-def solve_mean(prob, gamma, u0=None, cg_tol=1e-10, cg_max_iter=None, chol=None):
-    """``argmin_u R(u, gamma)``: ``A u = X^T y~ + B^T (beta - o/gamma)`` by Jacobi-preconditioned CG
-    (or directly from a dense Cholesky factor ``chol`` of ``A``)."""
+def solve_mean(prob, gamma, u0=None, cg_tol=1e-10, cg_max_iter=None, chol=None, preconditioner="jacobi"):
+    """``argmin_u R(u, gamma)``: ``A u = X^T y~ + B^T (beta - o/gamma)`` by preconditioned CG
+    (:meth:`~.problem.RelaxationProblem.preconditioner` of kind ``preconditioner``), or directly from a dense
+    Cholesky factor ``chol`` of ``A``."""
     w = 1.0 / gamma if prob.q else None
     rhs = prob.mean_rhs(gamma) if prob.q else prob.xty().clone()
     if chol is not None:
         return torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1), 0
-    d = prob.jacobi(w) if prob.q else prob.diag_xtx().clone()
-    d = torch.where(d > 0, d, torch.ones_like(d))
+    d = prob.preconditioner(w, preconditioner)
     res = cg((lambda v: prob.a_mv(v, w)) if prob.q else prob.xtx_mv, rhs, precond=d, x0=u0, rtol=cg_tol,
              max_iter=cg_max_iter, on_fail="warn")
     return res.x, res.num_mvm
@@ -620,7 +620,7 @@ def double_loop(prob, opts, state=None, run=None, *, state_names=None):
         mvm["outer"] += step.num_mvm
         if u is None:  # u_0 = argmin_u R(u, gamma_0): Cholesky if the step has one, else PCG
             u, mvm["init"] = solve_mean(prob, gamma, cg_tol=min(o.cg_tol, 1e-8), cg_max_iter=o.cg_max_iter,
-                                        chol=step.chol)
+                                        chol=step.chol, preconditioner=o.preconditioner)
         stats["outer_mvm"].append(step.num_mvm)
         stats["lanczos_steps"].append(step.lanczos.k if step.lanczos is not None else 0)
         phi = phi_value(prob, gamma, u, step.logdet, x_star)
@@ -646,7 +646,7 @@ def double_loop(prob, opts, state=None, run=None, *, state_names=None):
         c_before = prob.counts.get("B", 0)
         t_start = time.perf_counter()
         inner = inner_loop(prob, z, u, max_newton=o.max_newton, cg_tol=o.cg_tol, newton_tol=o.newton_tol,
-                           cg_max_iter=o.cg_max_iter, chol=step.chol)
+                           cg_max_iter=o.cg_max_iter, chol=step.chol, preconditioner=o.preconditioner)
         seconds["inner"] += time.perf_counter() - t_start
         b_counts["inner"] += prob.counts.get("B", 0) - c_before
         mvm["inner"] += inner.num_mvm

@@ -60,6 +60,9 @@ from .potentials import PotentialStack, potential_for
 
 __all__ = ["RelaxationProblem", "CovarianceForm"]
 
+#: the CG preconditioners of :meth:`RelaxationProblem.preconditioner`
+PRECONDITIONERS = ("jacobi", "fourier", "circulant", "block2", "block4", "block8")
+
 #: largest prior block that is inverted/factorised densely when only a covariance is given
 DENSE_BLOCK_LIMIT = DENSE_LIMIT
 
@@ -85,6 +88,12 @@ class _Counted(LinearOperator):
     def squared(self):
         return self.base.squared()
 
+    def gram_symbol(self, weights=None):
+        return self.base.gram_symbol(weights)
+
+    def gram_tiles(self, weights, tile):
+        return self.base.gram_tiles(weights, tile)
+
     def to_dense(self):
         return self.base.to_dense()
 
@@ -100,6 +109,17 @@ class _Counted(LinearOperator):
         """The wrapped square operator as a dense matrix (``n`` products, or none when it stores one)."""
         self.counter[self.key] = self.counter.get(self.key, 0) + self.shape[1]
         return self.base.to_dense()
+
+
+class _ScaledCirculant:
+    """``R -> D^{-1/2} C^{-1} D^{-1/2} R`` (``root = D^{1/2}``), the ``"fourier"`` preconditioner."""
+
+    def __init__(self, symbol, root):
+        self.symbol, self.root = symbol, root
+
+    def __call__(self, R):
+        r = self.root if R.dim() == 1 else self.root.unsqueeze(-1)
+        return self.symbol.solve(R / r) / r
 
 
 class _PrecisionProduct:
@@ -300,6 +320,140 @@ class RelaxationProblem:
             if dg is not None:
                 d += dg
         return d
+
+    def circulant_symbol(self, w):
+        r"""Symbol of T. Chan's optimal circulant approximation ``c(A)`` of ``A = X^T X + B^T diag(w) B``
+        (:mod:`pyro_convexvb.linalg.circulant`), or ``None`` when some part does not offer one.
+
+        Available when the latent is one image (no non-flat prior block: a flat prior adds nothing to ``A``), every
+        Gaussian design and ``B`` report ``op.gram_symbol`` on the same grid (e.g. the Fourier columns, Haar and
+        difference operators of :mod:`pyro_convexvb.design.imaging`), and the sites are not row-sharded.
+        Exact (``c(A) = A``) when ``A`` is circulant, e.g. Fourier rows with constant noise, an orthonormal
+        wavelet transform with one weight, and periodic differences with one weight per direction.
+
+        :param w: ``(q,)`` site weights (``1/gamma`` or the Newton weights ``e``).
+        :returns: :class:`~pyro_convexvb.linalg.CirculantSymbol` or ``None``.
+        """
+        if self.comm is not None or self.prior_blocks:
+            return None
+        out = None
+        parts = [(Bg, sd**-2) for Bg, _, _, sd in self.gauss] + ([(self.B, w)] if self.B is not None else [])
+        for op, wt in parts:
+            sym = op.gram_symbol(wt)
+            if sym is None or (out is not None and sym.grid != out.grid):
+                return None
+            out = sym if out is None else out + sym
+        if out is None or out.grid[0] * out.grid[1] != self.n:
+            return None
+        return out
+
+    def tile_blocks(self, w, tile):
+        r"""Exact diagonal blocks of ``A = X^T X + B^T diag(w) B`` over the aligned ``tile x tile`` pixel tiles
+        (:class:`~pyro_convexvb.linalg.TileBlocks`), or ``None`` when some part does not offer them
+        (``op.gram_tiles``; same conditions as :meth:`circulant_symbol`).
+
+        :param w: ``(q,)`` site weights; :param int tile: tile side.
+        """
+        if self.comm is not None or self.prior_blocks:
+            return None
+        out = None
+        parts = [(Bg, sd**-2) for Bg, _, _, sd in self.gauss] + ([(self.B, w)] if self.B is not None else [])
+        for op, wt in parts:
+            b = op.gram_tiles(wt, tile)
+            if b is None or (out is not None and (b.grid, b.tile) != (out.grid, out.tile)):
+                return None
+            out = b if out is None else out + b
+        if out is None or out.grid[0] * out.grid[1] != self.n:
+            return None
+        return out
+
+    def _scaled_symbol(self, w, d):
+        """T. Chan symbol of ``D^{-1/2} A D^{-1/2}`` with each row's spectrum kept and its energy scaled:
+        row ``b_j`` counts with weight ``w_j ||D^{-1/2} b_j||^2 / ||b_j||^2`` (``D = diag(A)``)."""
+        inv = 1.0 / d
+        ones = torch.ones_like(d)
+        out = None
+        parts = [(Bg, sd**-2) for Bg, _, _, sd in self.gauss] + ([(self.B, w)] if self.B is not None else [])
+        for op, wt in parts:
+            sq = op.squared()
+            if sq is None:
+                return None
+            norms = sq.mv(ones)
+            scale = torch.where(norms > 0, sq.mv(inv) / norms.clamp_min(torch.finfo(d.dtype).tiny), 0.0)
+            sym = op.gram_symbol(wt * scale)
+            if sym is None:
+                return None
+            out = sym if out is None else out + sym
+        return out
+
+    def preconditioner(self, w, kind="jacobi"):
+        r"""Preconditioner for CG on ``A(w) = X^T X + B^T diag(w) B``, in the form :func:`~pyro_convexvb.linalg.cg`
+        takes (``precond=``).
+
+        * ``"jacobi"``: ``diag(A)`` (from ``op.diag_gram``), a ``(n,)`` tensor; available for every problem.
+        * ``"circulant"``: ``c(A)^{-1}``, T. Chan's optimal circulant approximation
+          (:meth:`circulant_symbol`), applied with two real FFTs.
+        * ``"block2"``, ``"block4"``, ``"block8"``: block Jacobi on the aligned ``t x t`` pixel tiles (``t`` = 2, 4,
+          8), the exact diagonal blocks of ``A`` (:meth:`tile_blocks`) factorised by batched Cholesky.
+        * ``"fourier"``: the Jacobi-scaled circulant ``D^{-1/2} c~^{-1} D^{-1/2}``, ``D = diag(A)`` and ``c~`` the
+          optimal circulant of ``D^{-1/2} A D^{-1/2}`` with every row's spectrum kept and its energy scaled by
+          ``D`` (:meth:`_scaled_symbol`): equal to ``"circulant"`` when ``D`` is constant, and to Jacobi in its
+          diagonal (``c~`` has unit diagonal). See docs/convex_relaxation.md, "Fourier preconditioners".
+
+        Example::
+
+            >>> import torch
+            >>> from pyro_convexvb.design import compressive_sensing_model, fourier_columns_operator
+            >>> u = torch.rand(64, dtype=torch.float64)
+            >>> lgm = compressive_sensing_model(fourier_columns_operator(8, 8, [0, 1]).mv(u), 8, 8, [0, 1], 1e-3,
+            ...                                 0.08, 0.16)
+            >>> prob = RelaxationProblem(lgm)
+            >>> e = torch.ones(prob.q, dtype=torch.float64)
+            >>> from pyro_convexvb.linalg import cg
+            >>> sol = cg(lambda v: prob.a_mv(v, e), prob.a_mv(u, e), precond=prob.preconditioner(e, "block4"),
+            ...          rtol=1e-10)
+            >>> torch.allclose(sol.x, u, atol=1e-6)
+            True
+
+        :param w: ``(q,)`` nonnegative site weights (``None`` without sites).
+        :param str kind: one of ``PRECONDITIONERS``: ``"jacobi"``, ``"fourier"``, ``"circulant"``, ``"block2"``,
+            ``"block4"``, ``"block8"``.
+        :returns: a positive ``(n,)`` tensor (Jacobi) or a callable ``R -> M^{-1} R`` for ``(n,)`` and ``(n, k)``.
+        :raises ValueError: for an unknown ``kind``, or a structured ``kind`` the problem does not offer (naming
+            what is missing), or when the symbol or a tile block is not positive definite.
+        """
+        if kind not in PRECONDITIONERS:
+            raise ValueError(f"preconditioner: expected one of {', '.join(map(repr, PRECONDITIONERS))}, got {kind!r}")
+        if kind.startswith("block"):
+            t = int(kind[5:])
+            blocks = self.tile_blocks(w, t)
+            if blocks is None:
+                raise ValueError(f"preconditioner={kind!r}: this model offers no {t} x {t} tile blocks (it needs one "
+                                 "image latent with a flat prior, sides divisible by the tile, and every design "
+                                 "operator with gram_tiles(), e.g. the operators of pyro_convexvb.design.imaging); "
+                                 "use preconditioner='jacobi'")
+            blocks.cholesky()  # raises, naming the tile, if a block is not positive definite
+            return blocks.solve
+        d = self.jacobi(w)
+        d = torch.where(d > 0, d, torch.ones_like(d))
+        if kind == "jacobi":
+            return d
+        sym = self.circulant_symbol(w)
+        if sym is None:
+            raise ValueError(f"preconditioner={kind!r}: this model offers no circulant symbol (it needs one image "
+                             "latent with a flat prior, and every design operator with gram_symbol(), e.g. the "
+                             "operators of pyro_convexvb.design.imaging); use preconditioner='jacobi'")
+        if kind == "fourier":
+            sym = self._scaled_symbol(w, d)
+        lam = sym.values
+        if not bool(torch.isfinite(lam).all()) or not bool((lam > 0).all()):
+            raise ValueError(f"preconditioner={kind!r}: the circulant symbol is not positive (min "
+                             f"{float(lam.min()):.3g}): A has directions no site or measurement constrains; use "
+                             "preconditioner='jacobi'")
+        if kind == "circulant":
+            return sym.solve
+        root = d.sqrt()
+        return _ScaledCirculant(sym, root)
 
     def diag_a(self, w):
         """Exact ``diag(X^T X + B^T diag(w) B)``, or ``None`` if some part is not available cheaply."""
