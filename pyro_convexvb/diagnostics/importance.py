@@ -91,6 +91,8 @@ class ImportanceDiagnostics:
     log_ratios: np.ndarray = field(repr=False)
     log_weights: np.ndarray = field(repr=False)
     draws: Dict[str, torch.Tensor] = field(repr=False)
+    #: the proposal object the draws came from (its per-draw conditional moments feed the control variates)
+    proposal_object: Any = field(default=None, repr=False)
 
     @property
     def reliable(self):
@@ -150,7 +152,8 @@ def _importance(result, num_draws, seed, proposal, progress):
     return ImportanceDiagnostics(
         k_hat=float(k), ess=importance_ess(lw), num_draws=S, threshold=pareto_k_threshold(S), proposal=proposal,
         tried={proposal: float(k)}, log_evidence=log_ev, log_evidence_bound=result.log_evidence_bound,
-        conditional_on=q.fixed, mean_shift=shift, sd_ratio=ratio, log_ratios=lr, log_weights=lw, draws=values)
+        conditional_on=q.fixed, mean_shift=shift, sd_ratio=ratio, log_ratios=lr, log_weights=lw, draws=values,
+        proposal_object=q)
 
 
 def _moment_check(values, log_weights):
@@ -206,6 +209,62 @@ def _summary(x, w, probs):
     t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
     return {"mean": t(mean), "sd": t(sd), "quantiles": {p: t(q[i]) for i, p in enumerate(probs)},
             "mean_mcse": t(mean_se), "sd_mcse": t(sd_se), "quantile_mcse": {p: t(q_se[i]) for i, p in enumerate(probs)}}
+
+
+def _integrates_hyper(result):
+    """The posterior is a mixture over hyper-latent design points that covers the hyper-latents."""
+    dens = getattr(result.posterior, "density", None)
+    return getattr(result.posterior, "components", None) is not None and getattr(dens, "kind", "point") != "point"
+
+
+def _elementwise(transform, x):
+    """``+1`` / ``-1``: ``transform`` acts elementwise and is increasing / decreasing; ``0``: neither."""
+    if getattr(getattr(transform, "domain", None), "event_dim", 1) != 0:
+        return 0
+    a = torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64)
+    with torch.no_grad():
+        v = transform(a)
+    if v.shape != a.shape:
+        return 0
+    dv = torch.diff(v)
+    return 1 if bool((dv > 0).all()) else (-1 if bool((dv < 0).all()) else 0)
+
+
+def _cv_site(transform, x, w, ctl, probs):
+    """Control-variate summaries of one site: ``(unconstrained, constrained)`` dicts (see :func:`correct`)."""
+    from .control_variates import cv_moments, cv_quantiles
+
+    t = lambda a, shape: torch.as_tensor(np.asarray(a), dtype=torch.float64).reshape(shape)  # noqa: E731
+    S = x.shape[0]
+    ushape = tuple(x.shape[1:])
+    xf = x.reshape(S, -1).numpy()
+    m, s_, mse, sse = cv_moments(xf, w, ctl)
+    unc = {"mean": t(m, ushape), "sd": t(s_, ushape), "mean_mcse": t(mse, ushape), "sd_mcse": t(sse, ushape)}
+    with torch.no_grad():
+        head = transform(x[:4])
+    identity = head.shape == x[:4].shape and torch.equal(head.double(), x[:4])
+    sign = 1 if identity else _elementwise(transform, x)
+    if sign == 0:  # e.g. a simplex: plain self-normalised summaries of the constrained values
+        with torch.no_grad():
+            v = transform(x).numpy()
+        return unc, _summary(v, w, probs)
+    # quantiles of the unconstrained coordinates, mapped through the monotone transform
+    uprobs = probs if sign > 0 else tuple(1.0 - p for p in probs)
+    q0, _ = weighted_quantiles(xf, w, uprobs)
+    qu, qse = cv_quantiles(xf, w, ctl, uprobs, q0)
+    with torch.no_grad():
+        T = lambda a: transform(torch.as_tensor(a, dtype=torch.float64)).numpy()  # noqa: E731
+        qc = T(qu)
+        qc_se = 0.5 * np.abs(T(qu + qse) - T(qu - qse))
+        if identity:
+            cm, cs, cmse, csse = m, s_, mse, sse
+        else:
+            cm, cs, cmse, csse = cv_moments(xf, w, ctl, transform=T)
+    shape = tuple(transform(x[:1]).shape[1:])
+    return unc, {"mean": t(cm, shape), "sd": t(cs, shape),
+                 "quantiles": {p: t(qc[i], shape) for i, p in enumerate(probs)},
+                 "mean_mcse": t(cmse, shape), "sd_mcse": t(csse, shape),
+                 "quantile_mcse": {p: t(qc_se[i], shape) for i, p in enumerate(probs)}}
 
 
 @dataclass
@@ -270,7 +329,7 @@ class CorrectedPosterior:
 
 
 def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", probs=(0.05, 0.5, 0.95), warn=True,
-            progress=False):
+            progress=False, estimator="cv"):
     """Importance-corrected means, sds and quantiles of every latent site, with Monte Carlo errors.
 
     Draws from a proposal built from the fitted posterior are weighted by ``p(y, x) / q(x)`` (Pareto-smoothed,
@@ -301,12 +360,16 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         >>> sorted(c.sites["s"])[:3], c.sites["s"]["mean"].shape
         (['mean', 'mean_mcse', 'quantile_mcse'], torch.Size([]))
     """
+    if estimator not in ("cv", "snis"):
+        raise ValueError(f"estimator: expected 'cv' (control variates from the proposal's known moments) or 'snis' "
+                         f"(plain self-normalised importance sampling), got {estimator!r}")
     probs = tuple(float(p) for p in probs)
     if not all(0 < p < 1 for p in probs):
         raise ValueError(f"probs: quantile levels must lie in (0, 1), got {probs}")
     if proposal == "auto":
-        d = _importance(result, num_draws, seed, "fitted", progress)
-        tried = {"fitted": d.k_hat}
+        first = "interpolated" if _integrates_hyper(result) else "fitted"
+        d = _importance(result, num_draws, seed, first, progress)
+        tried = {first: d.k_hat}
         if not d.ok:
             for i, kind in enumerate(("widened", "student_t")):
                 try:
@@ -325,19 +388,25 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         warnings.warn("corrected posterior: " + d.message, ApproximationWarning, stacklevel=3)
     lj = _log_joint(result)
     w = np.exp(d.log_weights)
+    q = d.proposal_object
+    layout = getattr(result.posterior, "layout", None)
     sites, unc = {}, {}
     t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
     for n in lj.names:
-        v = lj.constrain(n, d.draws[n]).double().cpu().numpy()
-        sites[n] = _summary(v, w, probs)
-        m, s_, mse, sse = weighted_moments(d.draws[n].double().cpu().numpy(), w)
-        unc[n] = {"mean": t(m), "sd": t(s_), "mean_mcse": t(mse), "sd_mcse": t(sse)}
+        x = d.draws[n].double().cpu()
+        ctl = q.controls(n, layout, seed=seed) if (estimator == "cv" and q is not None) else None
+        if ctl is None:
+            v = lj.constrain(n, d.draws[n]).double().cpu().numpy()
+            sites[n] = _summary(v, w, probs)
+            m, s_, mse, sse = weighted_moments(x.numpy(), w)
+            unc[n] = {"mean": t(m), "sd": t(s_), "mean_mcse": t(mse), "sd_mcse": t(sse)}
+            continue
+        unc[n], sites[n] = _cv_site(lj.transforms[n], x, w, ctl, probs)
     hyper_names = getattr(getattr(result.posterior, "space", None), "names", None)
     hyper = {n: sites[n] for n in hyper_names} if hyper_names and d.conditional_on is None else None
     loc = scale = loc_se = scale_se = None
-    layout = getattr(result.posterior, "layout", None)
     if layout is not None:
-        u = layout.flatten({b.name: d.draws[b.name] for b in layout.blocks}).double().cpu().numpy()
-        m, s, mse, sse = weighted_moments(u, w)
-        loc, scale, loc_se, scale_se = (torch.as_tensor(a, dtype=torch.float64) for a in (m, s, mse, sse))
+        names = [b.name for b in layout.blocks]
+        cat = lambda key: layout.flatten({b: unc[b][key].reshape(unc[b][key].shape) for b in names})  # noqa: E731
+        loc, scale, loc_se, scale_se = (cat(k).double() for k in ("mean", "sd", "mean_mcse", "sd_mcse"))
     return CorrectedPosterior(sites, hyper, loc, scale, loc_se, scale_se, d, probs, unc, lj)
