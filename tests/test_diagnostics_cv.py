@@ -184,3 +184,76 @@ def test_regression_estimate_without_controls_is_the_self_normalised_one():
     np.testing.assert_allclose(est, m, rtol=1e-12)
     np.testing.assert_allclose(se, mse, rtol=1e-12)
     assert beta.shape == (3, 0)
+
+
+def _small_hierarchical():
+    g = torch.Generator().manual_seed(5)
+    X = torch.randn(25, 3, generator=g, dtype=D)
+    y = (torch.rand(25, generator=g, dtype=D) < torch.sigmoid(X @ torch.tensor([1.0, -1.0, 0.5], dtype=D))).to(D)
+
+    def model(X, y=None):
+        tau = pyro.sample("tau", dist.HalfNormal(torch.tensor(2.0, dtype=D)))
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), tau).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    return pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
+
+
+def test_interpolated_and_adapted_proposals_have_exact_densities():
+    """The interpolated proposal: given theta, u ~ N(m(x), D Sigma_k D) (m and D interpolated between design points,
+    the design points' own at the points); the adapted one: an affine map of the base draws, N(m + s mu,
+    R Sigma R). Their log q against these closed forms."""
+    from pyro_convexvb.diagnostics.proposals import AdaptedProposal, make_proposal
+
+    res = _small_hierarchical()
+    hp = res.posterior
+    q = make_proposal(hp, "interpolated")
+    loc_pts, logsd_pts = q._interpolate(hp.x)
+    np.testing.assert_allclose(loc_pts, q._locs, atol=1e-12)
+    np.testing.assert_allclose(logsd_pts, q._logsd, atol=1e-12)
+    gen = torch.Generator().manual_seed(0)
+    values, lq = q.sample(200, gen)
+    z = values["tau"].reshape(200, -1)
+    x = (z - hp.density.z_mode) @ torch.linalg.inv(hp.density.A_inv).T
+    k = torch.cdist(x, hp.x).argmin(1)
+    u = hp.layout.flatten({b.name: values[b.name] for b in hp.layout.blocks})
+    m, logsd = q._interpolate(x)
+    ref = []
+    for s in range(200):
+        c = q.components[int(k[s])]
+        Dm = torch.diag(torch.as_tensor(np.exp(logsd[s] - q._logsd[int(k[s])])))
+        mvn = torch.distributions.MultivariateNormal(torch.as_tensor(m[s]), Dm @ c.covariance().double() @ Dm)
+        ref.append(float(mvn.log_prob(u[s].double())))
+    ref = np.array(ref) + q._log_qx(x).numpy() - q.log_det_A_inv
+    np.testing.assert_allclose(lq.numpy(), ref, atol=1e-8)
+
+    # adapted: from a Gaussian proposal (the laplace fit over every latent)
+    res_l = pcv.fit(res.posterior.model, *res.posterior.model_args[0], engine="laplace", progress=False,
+                    **res.posterior.model_args[1])
+    base = make_proposal(res_l.posterior, "fitted")
+    post = res_l.posterior
+    n = post.n
+    mu, rho = np.linspace(-0.3, 0.3, n), np.linspace(0.8, 1.3, n)
+    qa = AdaptedProposal(base, post.layout, mu, rho)
+    values, lq = qa.sample(100, torch.Generator().manual_seed(1))
+    u = post.layout.flatten({b.name: values[b.name] for b in post.layout.blocks}).double()
+    sd = post.scale.double()
+    R = torch.diag(torch.as_tensor(rho))
+    mvn = torch.distributions.MultivariateNormal(post.loc.double() + sd * torch.as_tensor(mu),
+                                                 R @ post.covariance().double() @ R)
+    np.testing.assert_allclose(lq.numpy(), mvn.log_prob(u).numpy(), atol=1e-8)
+    np.testing.assert_allclose(qa.cond_loc[0], (post.loc.double() + sd * torch.as_tensor(mu)).numpy(), atol=1e-12)
+
+
+def test_correct_adapts_and_reports_its_choice():
+    res = _small_hierarchical()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = correct(res, num_draws=400, seed=0)
+        c0 = correct(res, num_draws=400, seed=0, adapt=0)
+    assert "interpolated" in c.diagnostics.tried and "adapted" not in c0.diagnostics.tried
+    if c0.ess < 200:
+        assert "adapted" in c.diagnostics.tried
+    with pytest.raises(ValueError, match="adapt: expected"):
+        correct(res, num_draws=50, adapt=-1)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .logjoint import ModelLogJoint
-from .proposals import make_proposal
+from .proposals import AdaptedProposal, Proposal, make_proposal
 from .psis import importance_ess, pareto_k_threshold, psis_smooth, weighted_moments, weighted_quantiles
 
 __all__ = ["ApproximationWarning", "ImportanceDiagnostics", "CorrectedPosterior", "diagnose", "correct",
@@ -91,8 +91,10 @@ class ImportanceDiagnostics:
     log_ratios: np.ndarray = field(repr=False)
     log_weights: np.ndarray = field(repr=False)
     draws: Dict[str, torch.Tensor] = field(repr=False)
-    #: the proposal object the draws came from (its per-draw conditional moments feed the control variates)
+    #: the proposal object the draws came from, and its per-draw conditional moments of these draws (they feed
+    #: the control variates)
     proposal_object: Any = field(default=None, repr=False)
+    conditional: Any = field(default=None, repr=False)
 
     @property
     def reliable(self):
@@ -138,10 +140,12 @@ class ImportanceDiagnostics:
 
 def _importance(result, num_draws, seed, proposal, progress):
     lj = _log_joint(result)
-    q = make_proposal(result.posterior, proposal)
+    q = proposal if isinstance(proposal, Proposal) else make_proposal(result.posterior, proposal)
+    proposal = q.name
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     with torch.no_grad():
         values, log_q = q.sample(int(num_draws), gen)
+    cond = q.conditional()
     out = lj.evaluate(values, progress=progress)
     lr = out["log_joint"] - log_q.double().cpu().numpy()
     lw, k = psis_smooth(lr)
@@ -153,7 +157,7 @@ def _importance(result, num_draws, seed, proposal, progress):
         k_hat=float(k), ess=importance_ess(lw), num_draws=S, threshold=pareto_k_threshold(S), proposal=proposal,
         tried={proposal: float(k)}, log_evidence=log_ev, log_evidence_bound=result.log_evidence_bound,
         conditional_on=q.fixed, mean_shift=shift, sd_ratio=ratio, log_ratios=lr, log_weights=lw, draws=values,
-        proposal_object=q)
+        proposal_object=q, conditional=cond)
 
 
 def _moment_check(values, log_weights):
@@ -329,21 +333,33 @@ class CorrectedPosterior:
 
 
 def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", probs=(0.05, 0.5, 0.95), warn=True,
-            progress=False, estimator="cv"):
+            progress=False, estimator="cv", adapt=1):
     """Importance-corrected means, sds and quantiles of every latent site, with Monte Carlo errors.
 
     Draws from a proposal built from the fitted posterior are weighted by ``p(y, x) / q(x)`` (Pareto-smoothed,
-    self-normalised). With ``proposal="auto"`` the fitted posterior is tried first; if its ``k_hat`` is above
-    the threshold or its weighted moments disagree with its own (:attr:`ImportanceDiagnostics.ok`), the defensive
-    mixtures ``"widened"`` (scales times 1.5) and ``"student_t"`` (5 degrees of freedom) are tried with fresh draws,
-    and the proposal used is the reliable one (``k_hat`` below the threshold) with the largest importance ESS, or,
-    if none is reliable, the one with the smallest ``k_hat``. A warning
-    (:class:`ApproximationWarning`) says when even that one is unreliable.
+    self-normalised). With ``proposal="auto"`` the fitted posterior is tried first (for hyper-latents integrated
+    over, ``"interpolated"``: the field's Gaussian moved to the locations and scales interpolated between design
+    points); if its importance ESS is below half the draws, up to ``adapt`` further rounds draw from the proposal
+    moved to the last round's weighted per-coordinate means and scales (``"adapted"``,
+    :class:`~pyro_convexvb.diagnostics.proposals.AdaptedProposal`), kept while they improve the ESS; if the
+    proposal's ``k_hat`` is above the threshold or its weighted moments disagree with its own
+    (:attr:`ImportanceDiagnostics.ok`), the defensive mixtures ``"widened"`` (scales times 1.5) and ``"student_t"``
+    (5 degrees of freedom) are tried with fresh draws, and the proposal used is the reliable one (``k_hat`` below
+    the threshold) with the largest importance ESS, or, if none is reliable, the one with the smallest ``k_hat``.
+    A warning (:class:`ApproximationWarning`) says when even that one is unreliable.
+
+    The summaries are control-variate (regression) estimates by default (``estimator="cv"``,
+    :mod:`~pyro_convexvb.diagnostics.control_variates`): the proposal's exactly known conditional moments and CDFs
+    remove the Monte Carlo noise of the draws themselves (exact when the weights are flat), at no extra model
+    evaluation; ``estimator="snis"`` gives the plain self-normalised estimates.
 
     :param result: an :class:`~pyro_convexvb.InferenceResult` fitted on a Pyro model.
     :param int num_draws: draws per proposal tried.
-    :param str proposal: ``"auto"``, ``"fitted"``, ``"widened"`` or ``"student_t"``.
+    :param str proposal: ``"auto"``, ``"fitted"``, ``"interpolated"``, ``"widened"`` or ``"student_t"``.
     :param probs: quantile levels.
+    :param str estimator: ``"cv"`` or ``"snis"``.
+    :param int adapt: adaptation rounds at most (``proposal="auto"`` only; 0 for none), ``num_draws`` model
+        evaluations each.
     :returns: :class:`CorrectedPosterior`.
 
     Example::
@@ -360,6 +376,8 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         >>> sorted(c.sites["s"])[:3], c.sites["s"]["mean"].shape
         (['mean', 'mean_mcse', 'quantile_mcse'], torch.Size([]))
     """
+    if int(adapt) != adapt or adapt < 0:
+        raise ValueError(f"adapt: expected a number of adaptation rounds >= 0, got {adapt!r}")
     if estimator not in ("cv", "snis"):
         raise ValueError(f"estimator: expected 'cv' (control variates from the proposal's known moments) or 'snis' "
                          f"(plain self-normalised importance sampling), got {estimator!r}")
@@ -370,6 +388,20 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         first = "interpolated" if _integrates_hyper(result) else "fitted"
         d = _importance(result, num_draws, seed, first, progress)
         tried = {first: d.k_hat}
+        layout = getattr(result.posterior, "layout", None)
+        for r in range(int(adapt)):
+            # another round from the proposal moved to the last round's weighted moments, while the importance
+            # ESS is below half the draws and it improves
+            if layout is None or d.ess >= 0.5 * d.num_draws or not np.isfinite(d.k_hat):
+                break
+            q2 = AdaptedProposal.from_draws(d.proposal_object, layout, d.draws, d.log_weights, d.conditional)
+            if q2 is None:
+                break
+            d2 = _importance(result, num_draws, seed + 101 + r, q2, progress)
+            tried["adapted" if r == 0 else f"adapted{r + 1}"] = d2.k_hat
+            if (d2.reliable, d2.ess if d2.reliable else -d2.k_hat) <= (d.reliable, d.ess if d.reliable else -d.k_hat):
+                break
+            d = d2
         if not d.ok:
             for i, kind in enumerate(("widened", "student_t")):
                 try:
@@ -394,7 +426,7 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
     for n in lj.names:
         x = d.draws[n].double().cpu()
-        ctl = q.controls(n, layout, seed=seed) if (estimator == "cv" and q is not None) else None
+        ctl = q.controls(n, layout, seed=seed, conditional=d.conditional) if (estimator == "cv" and q is not None) else None
         if ctl is None:
             v = lj.constrain(n, d.draws[n]).double().cpu().numpy()
             sites[n] = _summary(v, w, probs)

@@ -9,6 +9,12 @@ Every proposal draws the model's latent sites in unconstrained coordinates and r
   (the interpolated surface of a grid design, the split normal of a central composite design) and the field
   from the Gaussian of the design point nearest to ``theta`` (the same rule its guide samples by), so
   ``q(z, u) = q(z) q_{k(z)}(u)``.
+* ``"interpolated"`` (hyper-latents integrated over; otherwise the same as ``"fitted"``): ``theta`` as fitted, the
+  field from the nearest design point's Gaussian moved to the location and log scales interpolated
+  piecewise-linearly between design points, ``u = m(theta) + D(theta) (u_k - m_k)``, density
+  ``q_k(u_k) / det D`` exactly;
+* ``"adapted"`` (:class:`AdaptedProposal`, built by :func:`~pyro_convexvb.diagnostics.correct` from a first round):
+  a proposal's draws shifted and scaled per coordinate to the first round's importance-weighted moments;
 * ``"widened"``: the defensive mixture ``(q + q_c) / 2`` (Hesterberg 1995), ``q_c`` the same Gaussians with every
   scale multiplied by ``c = 1.5`` (for hyper-latents: ``theta`` from a normal of scale ``c`` in the standardised
   coordinates of the integration design, or the split normal widened by ``c``).
@@ -20,7 +26,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["PROPOSALS", "make_proposal"]
+__all__ = ["PROPOSALS", "make_proposal", "AdaptedProposal"]
 
 PROPOSALS = ("fitted", "interpolated", "widened", "student_t")
 WIDEN = 1.5
@@ -95,16 +101,22 @@ class Proposal:
         none."""
         return None
 
-    def controls(self, name, layout, M=200_000, seed=0):
+    def conditional(self):
+        """``(cond_loc, cond_sd, cond_df)`` of the last :meth:`sample` (a snapshot: a later sample replaces them)."""
+        return self.cond_loc, self.cond_sd, self.cond_df
+
+    def controls(self, name, layout, M=200_000, seed=0, conditional=None):
         """:class:`~pyro_convexvb.diagnostics.control_variates.CoordinateControls` of site ``name`` (its flat
-        unconstrained coordinates) for the last :meth:`sample`, or ``None`` when nothing is known about it."""
+        unconstrained coordinates) for the draws whose :meth:`conditional` snapshot is ``conditional`` (default:
+        the last :meth:`sample`), or ``None`` when nothing is known about it."""
         from .control_variates import CoordinateControls
 
+        loc, sd, df = self.conditional() if conditional is None else conditional
         if layout is not None and name in [b.name for b in layout.blocks]:
-            if self.cond_loc is None:
+            if loc is None:
                 return None
             sl = layout[name].slice
-            return CoordinateControls(self.cond_loc[:, sl], self.cond_sd[:, sl], self.cond_df)
+            return CoordinateControls(loc[:, sl], sd[:, sl], df)
         ref = self._hyper_ref(M, seed)
         if ref is None:
             return None
@@ -318,6 +330,58 @@ class HyperProposal(Proposal):
             values[n] = z[:, start:start + size].reshape((S,) + tuple(us))
             start += size
         return values, lq
+
+
+class AdaptedProposal(Proposal):
+    """A proposal moved toward the importance-weighted posterior of a first round of draws (moment matching in the
+    spirit of Paananen, Piironen, Buerkner & Vehtari 2021, §3, restricted to a shift and a scale per coordinate).
+
+    Each latent coordinate of a base draw, standardised by its conditional location ``m_s`` and scale ``s_s``
+    (known per draw), ``e = (u - m_s) / s_s``, is mapped to ``mu + rho e`` with ``mu`` and ``rho^2`` the
+    importance-weighted mean and variance of ``e`` in the first round (``rho`` clipped to [0.5, 2], ``mu`` to
+    [-1, 1]). Given the base draw's component the map is affine and diagonal, so ``log q' = log q - sum log rho``
+    exactly, and the conditional moments move with it (the control variates stay exact).
+    """
+
+    def __init__(self, base, layout, mu, rho):
+        self.base, self.layout = base, layout
+        self.mu = np.clip(np.asarray(mu, dtype=np.float64), -1.0, 1.0)
+        self.rho = np.clip(np.asarray(rho, dtype=np.float64), 0.5, 2.0)
+        self.name = "adapted"
+        self.covers_hyper, self.fixed = base.covers_hyper, base.fixed
+        self.hp = getattr(base, "hp", None)
+
+    @classmethod
+    def from_draws(cls, base, layout, values, log_weights, conditional):
+        """Adapt ``base`` to its weighted draws ``values`` (whose conditional moments are ``conditional``, the
+        snapshot of :meth:`Proposal.conditional`); ``None`` if they are unknown."""
+        loc, sd, _ = conditional
+        if loc is None:
+            return None
+        u = layout.flatten({b.name: values[b.name] for b in layout.blocks}).double().cpu().numpy()
+        e = (u - loc) / sd
+        w = np.exp(np.asarray(log_weights, dtype=np.float64))
+        mu = w @ e
+        rho = np.sqrt(np.maximum(w @ (e - mu) ** 2, 1e-12))
+        return cls(base, layout, mu, rho)
+
+    def hyper_reference(self, M, generator=None):
+        return self.base.hyper_reference(M, generator)
+
+    def sample(self, S, generator=None):
+        values, lq = self.base.sample(S, generator)
+        names = [b.name for b in self.layout.blocks]
+        u0 = self.layout.flatten({n: values[n] for n in names})
+        u = u0.double().cpu().numpy()
+        loc, sd = self.base.cond_loc, self.base.cond_sd
+        un = loc + sd * (self.mu + self.rho * (u - loc) / sd)
+        self.cond_loc = loc + sd * self.mu
+        self.cond_sd = sd * self.rho
+        self.cond_df = self.base.cond_df
+        new = self.layout.unflatten(torch.as_tensor(un, dtype=u0.dtype, device=u0.device))
+        values = dict(values)
+        values.update({n: new[n] for n in names})
+        return values, lq - float(np.log(self.rho).sum())
 
 
 def make_proposal(posterior, kind="fitted"):
