@@ -341,6 +341,26 @@ class AdaptedProposal(Proposal):
     importance-weighted mean and variance of ``e`` in the first round (``rho`` clipped to [0.5, 2], ``mu`` to
     [-1, 1]). Given the base draw's component the map is affine and diagonal, so ``log q' = log q - sum log rho``
     exactly, and the conditional moments move with it (the control variates stay exact).
+
+    :param base: the proposal adapted (its draws carry conditional moments: a Gaussian or hyper-latent proposal).
+    :param layout: the latent layout of the flat field vector ``(n,)``.
+    :param mu: ``(n,)`` shifts and ``rho`` ``(n,)`` scales of the standardised coordinates.
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> def model(y=None):
+        ...     m = pyro.sample("m", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+        ...     with pyro.plate("data", 3):
+        ...         pyro.sample("y", dist.Normal(m, 1.0), obs=y)
+        >>> res = pcv.fit(model, y=torch.tensor([0.5, 1.0, 1.5], dtype=torch.float64), engine="laplace",
+        ...               progress=False)
+        >>> base = make_proposal(res.posterior, "fitted")
+        >>> q = AdaptedProposal(base, res.posterior.layout, [0.5], [1.2])
+        >>> values, log_q = q.sample(4, torch.Generator().manual_seed(0))
+        >>> values["m"].shape, log_q.shape
+        (torch.Size([4]), torch.Size([4]))
     """
 
     def __init__(self, base, layout, mu, rho):
