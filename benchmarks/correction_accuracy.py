@@ -75,8 +75,8 @@ def main():
             d = res.diagnostics
         sl = res.posterior.layout[field].slice
         q = [float(v) for v in res.hyper["marginals"][hyper]["quantiles"].values()]
-        rows.append({"case": name, "variant": "uncorrected", **metrics(q, res.posterior.loc[sl], res.posterior.scale[sl],
-                                                                         ref), "k_hat": d.k_hat, "ess": d.ess})
+        m0 = metrics(q, res.posterior.loc[sl], res.posterior.scale[sl], ref)
+        rows.append({"case": name, "variant": "uncorrected", **m0, "k_hat": d.k_hat, "ess": d.ess})
         print(f"[{name}] uncorrected: {rows[-1]}", flush=True)
         for v in variants:
             per_seed = []

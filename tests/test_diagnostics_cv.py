@@ -146,7 +146,8 @@ def test_reported_errors_are_calibrated_over_seeds():
     """p = N(0.2, 1.1^2) from q = N(0, 1) (PSIS weights, k about 0.2): over 200 seeds the z-scores of the
     control-variate mean, sd and quantiles have mean square near 1, and the actual errors are well below the plain
     estimator's. The sd's error is under-reported when q is too narrow (mean square 1.7 here, 2.8 for a target
-    1.2 times wider; the plain estimator's 1.2 and 1.5), and so are the tail quantiles' (about 2): docs/diagnostics.md says so."""
+    1.2 times wider; the plain estimator's 1.2 and 1.5), and so are the tail quantiles' (about 2):
+    docs/diagnostics.md says so."""
     sdp = 1.1
     truth_q = stats.norm(0.2, sdp).ppf(np.array(PROBS))
     z = {"mean": [], "sd": [], **{p: [] for p in PROBS}}

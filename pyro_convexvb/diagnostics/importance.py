@@ -215,6 +215,12 @@ def _summary(x, w, probs):
             "mean_mcse": t(mean_se), "sd_mcse": t(sd_se), "quantile_mcse": {p: t(q_se[i]) for i, p in enumerate(probs)}}
 
 
+def _rank(d):
+    """Order of preference among proposals: a reliable ``k_hat`` first, then the largest importance ESS; among
+    unreliable ones the smallest ``k_hat``."""
+    return (d.reliable, d.ess if d.reliable else -d.k_hat)
+
+
 def _integrates_hyper(result):
     """The posterior is a mixture over hyper-latent design points that covers the hyper-latents."""
     dens = getattr(result.posterior, "density", None)
@@ -399,7 +405,7 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
                 break
             d2 = _importance(result, num_draws, seed + 101 + r, q2, progress)
             tried["adapted" if r == 0 else f"adapted{r + 1}"] = d2.k_hat
-            if (d2.reliable, d2.ess if d2.reliable else -d2.k_hat) <= (d.reliable, d.ess if d.reliable else -d.k_hat):
+            if _rank(d2) <= _rank(d):
                 break
             d = d2
         if not d.ok:
@@ -411,7 +417,7 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
                 tried[kind] = d2.k_hat
                 # a reliable k_hat first, then the largest importance ESS (smallest Monte Carlo errors); among
                 # unreliable ones the smallest k_hat
-                if (d2.reliable, d2.ess if d2.reliable else -d2.k_hat) > (d.reliable, d.ess if d.reliable else -d.k_hat):
+                if _rank(d2) > _rank(d):
                     d = d2
         d.tried = tried
     else:
@@ -426,7 +432,9 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
     for n in lj.names:
         x = d.draws[n].double().cpu()
-        ctl = q.controls(n, layout, seed=seed, conditional=d.conditional) if (estimator == "cv" and q is not None) else None
+        ctl = None
+        if estimator == "cv" and q is not None:
+            ctl = q.controls(n, layout, seed=seed, conditional=d.conditional)
         if ctl is None:
             v = lj.constrain(n, d.draws[n]).double().cpu().numpy()
             sites[n] = _summary(v, w, probs)
