@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import pyro_convexvb as pcv
+from pyro_convexvb.diagnostics.psis import weighted_quantiles
 from pyro_convexvb.diagnostics import ApproximationWarning, correct, diagnose
 from tests.references import hyper_models as hm
 
@@ -239,9 +240,17 @@ def test_bym_two_hyper_latents_corrected_against_long_nuts():
     d = res.diagnostics
     c = res.corrected(num_draws=4000)
     assert c.diagnostics.reliable, c.diagnostics
+    w = c.weights
     for site in ("kappa", "sigma_v"):
+        v = c._lj.constrain(site, c.diagnostics.draws[site]).numpy()
         for p, key in ((0.05, "q05"), (0.5, "q50"), (0.95, "q95")):
-            assert float(c.hyper[site]["quantiles"][p]) == pytest.approx(ref[site][key][0], rel=0.05), (site, p)
+            # the reference's own Monte Carlo error, sqrt(p (1 - p) / ESS) / f, matters for sigma_v's 5% quantile
+            # near 0 (about 6% of it at ESS 5,500); f from the corrected draws
+            (lo, hi), _ = weighted_quantiles(v, w, (p - 0.01, p + 0.01))
+            ref_se = math.sqrt(p * (1 - p) / refs["bym"]["min_ess"]) * float(hi - lo) / 0.02
+            est, se = float(c.hyper[site]["quantiles"][p]), float(c.hyper[site]["quantile_mcse"][p])
+            tol = max(0.05 * ref[site][key][0], 3 * math.hypot(se, ref_se))
+            assert abs(est - ref[site][key][0]) < tol, (site, p, est, ref[site][key][0], se, ref_se)
     off = 0.0
     for site in ("phi", "v"):
         s, r = c.sites[site], ref[site]

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .logjoint import ModelLogJoint
-from .proposals import make_proposal
+from .proposals import AdaptedProposal, Proposal, make_proposal
 from .psis import importance_ess, pareto_k_threshold, psis_smooth, weighted_moments, weighted_quantiles
 
 __all__ = ["ApproximationWarning", "ImportanceDiagnostics", "CorrectedPosterior", "diagnose", "correct",
@@ -91,6 +91,10 @@ class ImportanceDiagnostics:
     log_ratios: np.ndarray = field(repr=False)
     log_weights: np.ndarray = field(repr=False)
     draws: Dict[str, torch.Tensor] = field(repr=False)
+    #: the proposal object the draws came from, and its per-draw conditional moments of these draws (they feed
+    #: the control variates)
+    proposal_object: Any = field(default=None, repr=False)
+    conditional: Any = field(default=None, repr=False)
 
     @property
     def reliable(self):
@@ -136,10 +140,12 @@ class ImportanceDiagnostics:
 
 def _importance(result, num_draws, seed, proposal, progress):
     lj = _log_joint(result)
-    q = make_proposal(result.posterior, proposal)
+    q = proposal if isinstance(proposal, Proposal) else make_proposal(result.posterior, proposal)
+    proposal = q.name
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     with torch.no_grad():
         values, log_q = q.sample(int(num_draws), gen)
+    cond = q.conditional()
     out = lj.evaluate(values, progress=progress)
     lr = out["log_joint"] - log_q.double().cpu().numpy()
     lw, k = psis_smooth(lr)
@@ -150,7 +156,8 @@ def _importance(result, num_draws, seed, proposal, progress):
     return ImportanceDiagnostics(
         k_hat=float(k), ess=importance_ess(lw), num_draws=S, threshold=pareto_k_threshold(S), proposal=proposal,
         tried={proposal: float(k)}, log_evidence=log_ev, log_evidence_bound=result.log_evidence_bound,
-        conditional_on=q.fixed, mean_shift=shift, sd_ratio=ratio, log_ratios=lr, log_weights=lw, draws=values)
+        conditional_on=q.fixed, mean_shift=shift, sd_ratio=ratio, log_ratios=lr, log_weights=lw, draws=values,
+        proposal_object=q, conditional=cond)
 
 
 def _moment_check(values, log_weights):
@@ -206,6 +213,68 @@ def _summary(x, w, probs):
     t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
     return {"mean": t(mean), "sd": t(sd), "quantiles": {p: t(q[i]) for i, p in enumerate(probs)},
             "mean_mcse": t(mean_se), "sd_mcse": t(sd_se), "quantile_mcse": {p: t(q_se[i]) for i, p in enumerate(probs)}}
+
+
+def _rank(d):
+    """Order of preference among proposals: a reliable ``k_hat`` first, then the largest importance ESS; among
+    unreliable ones the smallest ``k_hat``."""
+    return (d.reliable, d.ess if d.reliable else -d.k_hat)
+
+
+def _integrates_hyper(result):
+    """The posterior is a mixture over hyper-latent design points that covers the hyper-latents."""
+    dens = getattr(result.posterior, "density", None)
+    return getattr(result.posterior, "components", None) is not None and getattr(dens, "kind", "point") != "point"
+
+
+def _elementwise(transform, x):
+    """``+1`` / ``-1``: ``transform`` acts elementwise and is increasing / decreasing; ``0``: neither."""
+    if getattr(getattr(transform, "domain", None), "event_dim", 1) != 0:
+        return 0
+    a = torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64)
+    with torch.no_grad():
+        v = transform(a)
+    if v.shape != a.shape:
+        return 0
+    dv = torch.diff(v)
+    return 1 if bool((dv > 0).all()) else (-1 if bool((dv < 0).all()) else 0)
+
+
+def _cv_site(transform, x, w, ctl, probs):
+    """Control-variate summaries of one site: ``(unconstrained, constrained)`` dicts (see :func:`correct`)."""
+    from .control_variates import cv_moments, cv_quantiles
+
+    t = lambda a, shape: torch.as_tensor(np.asarray(a), dtype=torch.float64).reshape(shape)  # noqa: E731
+    S = x.shape[0]
+    ushape = tuple(x.shape[1:])
+    xf = x.reshape(S, -1).numpy()
+    m, s_, mse, sse = cv_moments(xf, w, ctl)
+    unc = {"mean": t(m, ushape), "sd": t(s_, ushape), "mean_mcse": t(mse, ushape), "sd_mcse": t(sse, ushape)}
+    with torch.no_grad():
+        head = transform(x[:4])
+    identity = head.shape == x[:4].shape and torch.equal(head.double(), x[:4])
+    sign = 1 if identity else _elementwise(transform, x)
+    if sign == 0:  # e.g. a simplex: plain self-normalised summaries of the constrained values
+        with torch.no_grad():
+            v = transform(x).numpy()
+        return unc, _summary(v, w, probs)
+    # quantiles of the unconstrained coordinates, mapped through the monotone transform
+    uprobs = probs if sign > 0 else tuple(1.0 - p for p in probs)
+    q0, _ = weighted_quantiles(xf, w, uprobs)
+    qu, qse = cv_quantiles(xf, w, ctl, uprobs, q0)
+    with torch.no_grad():
+        T = lambda a: transform(torch.as_tensor(a, dtype=torch.float64)).numpy()  # noqa: E731
+        qc = T(qu)
+        qc_se = 0.5 * np.abs(T(qu + qse) - T(qu - qse))
+        if identity:
+            cm, cs, cmse, csse = m, s_, mse, sse
+        else:
+            cm, cs, cmse, csse = cv_moments(xf, w, ctl, transform=T)
+    shape = tuple(transform(x[:1]).shape[1:])
+    return unc, {"mean": t(cm, shape), "sd": t(cs, shape),
+                 "quantiles": {p: t(qc[i], shape) for i, p in enumerate(probs)},
+                 "mean_mcse": t(cmse, shape), "sd_mcse": t(csse, shape),
+                 "quantile_mcse": {p: t(qc_se[i], shape) for i, p in enumerate(probs)}}
 
 
 @dataclass
@@ -270,21 +339,33 @@ class CorrectedPosterior:
 
 
 def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", probs=(0.05, 0.5, 0.95), warn=True,
-            progress=False):
+            progress=False, estimator="cv", adapt=1):
     """Importance-corrected means, sds and quantiles of every latent site, with Monte Carlo errors.
 
     Draws from a proposal built from the fitted posterior are weighted by ``p(y, x) / q(x)`` (Pareto-smoothed,
-    self-normalised). With ``proposal="auto"`` the fitted posterior is tried first; if its ``k_hat`` is above
-    the threshold or its weighted moments disagree with its own (:attr:`ImportanceDiagnostics.ok`), the defensive
-    mixtures ``"widened"`` (scales times 1.5) and ``"student_t"`` (5 degrees of freedom) are tried with fresh draws,
-    and the proposal used is the reliable one (``k_hat`` below the threshold) with the largest importance ESS, or,
-    if none is reliable, the one with the smallest ``k_hat``. A warning
-    (:class:`ApproximationWarning`) says when even that one is unreliable.
+    self-normalised). With ``proposal="auto"`` the fitted posterior is tried first (for hyper-latents integrated
+    over, ``"interpolated"``: the field's Gaussian moved to the locations and scales interpolated between design
+    points); if its importance ESS is below half the draws, up to ``adapt`` further rounds draw from the proposal
+    moved to the last round's weighted per-coordinate means and scales (``"adapted"``,
+    :class:`~pyro_convexvb.diagnostics.proposals.AdaptedProposal`), kept while they improve the ESS; if the
+    proposal's ``k_hat`` is above the threshold or its weighted moments disagree with its own
+    (:attr:`ImportanceDiagnostics.ok`), the defensive mixtures ``"widened"`` (scales times 1.5) and ``"student_t"``
+    (5 degrees of freedom) are tried with fresh draws, and the proposal used is the reliable one (``k_hat`` below
+    the threshold) with the largest importance ESS, or, if none is reliable, the one with the smallest ``k_hat``.
+    A warning (:class:`ApproximationWarning`) says when even that one is unreliable.
+
+    The summaries are control-variate (regression) estimates by default (``estimator="cv"``,
+    :mod:`~pyro_convexvb.diagnostics.control_variates`): the proposal's exactly known conditional moments and CDFs
+    remove the Monte Carlo noise of the draws themselves (exact when the weights are flat), at no extra model
+    evaluation; ``estimator="snis"`` gives the plain self-normalised estimates.
 
     :param result: an :class:`~pyro_convexvb.InferenceResult` fitted on a Pyro model.
     :param int num_draws: draws per proposal tried.
-    :param str proposal: ``"auto"``, ``"fitted"``, ``"widened"`` or ``"student_t"``.
+    :param str proposal: ``"auto"``, ``"fitted"``, ``"interpolated"``, ``"widened"`` or ``"student_t"``.
     :param probs: quantile levels.
+    :param str estimator: ``"cv"`` or ``"snis"``.
+    :param int adapt: adaptation rounds at most (``proposal="auto"`` only; 0 for none), ``num_draws`` model
+        evaluations each.
     :returns: :class:`CorrectedPosterior`.
 
     Example::
@@ -301,12 +382,32 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         >>> sorted(c.sites["s"])[:3], c.sites["s"]["mean"].shape
         (['mean', 'mean_mcse', 'quantile_mcse'], torch.Size([]))
     """
+    if int(adapt) != adapt or adapt < 0:
+        raise ValueError(f"adapt: expected a number of adaptation rounds >= 0, got {adapt!r}")
+    if estimator not in ("cv", "snis"):
+        raise ValueError(f"estimator: expected 'cv' (control variates from the proposal's known moments) or 'snis' "
+                         f"(plain self-normalised importance sampling), got {estimator!r}")
     probs = tuple(float(p) for p in probs)
     if not all(0 < p < 1 for p in probs):
         raise ValueError(f"probs: quantile levels must lie in (0, 1), got {probs}")
     if proposal == "auto":
-        d = _importance(result, num_draws, seed, "fitted", progress)
-        tried = {"fitted": d.k_hat}
+        first = "interpolated" if _integrates_hyper(result) else "fitted"
+        d = _importance(result, num_draws, seed, first, progress)
+        tried = {first: d.k_hat}
+        layout = getattr(result.posterior, "layout", None)
+        for r in range(int(adapt)):
+            # another round from the proposal moved to the last round's weighted moments, while the importance
+            # ESS is below half the draws and it improves
+            if layout is None or d.ess >= 0.5 * d.num_draws or not np.isfinite(d.k_hat):
+                break
+            q2 = AdaptedProposal.from_draws(d.proposal_object, layout, d.draws, d.log_weights, d.conditional)
+            if q2 is None:
+                break
+            d2 = _importance(result, num_draws, seed + 101 + r, q2, progress)
+            tried["adapted" if r == 0 else f"adapted{r + 1}"] = d2.k_hat
+            if _rank(d2) <= _rank(d):
+                break
+            d = d2
         if not d.ok:
             for i, kind in enumerate(("widened", "student_t")):
                 try:
@@ -316,7 +417,7 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
                 tried[kind] = d2.k_hat
                 # a reliable k_hat first, then the largest importance ESS (smallest Monte Carlo errors); among
                 # unreliable ones the smallest k_hat
-                if (d2.reliable, d2.ess if d2.reliable else -d2.k_hat) > (d.reliable, d.ess if d.reliable else -d.k_hat):
+                if _rank(d2) > _rank(d):
                     d = d2
         d.tried = tried
     else:
@@ -325,19 +426,27 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         warnings.warn("corrected posterior: " + d.message, ApproximationWarning, stacklevel=3)
     lj = _log_joint(result)
     w = np.exp(d.log_weights)
+    q = d.proposal_object
+    layout = getattr(result.posterior, "layout", None)
     sites, unc = {}, {}
     t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
     for n in lj.names:
-        v = lj.constrain(n, d.draws[n]).double().cpu().numpy()
-        sites[n] = _summary(v, w, probs)
-        m, s_, mse, sse = weighted_moments(d.draws[n].double().cpu().numpy(), w)
-        unc[n] = {"mean": t(m), "sd": t(s_), "mean_mcse": t(mse), "sd_mcse": t(sse)}
+        x = d.draws[n].double().cpu()
+        ctl = None
+        if estimator == "cv" and q is not None:
+            ctl = q.controls(n, layout, seed=seed, conditional=d.conditional)
+        if ctl is None:
+            v = lj.constrain(n, d.draws[n]).double().cpu().numpy()
+            sites[n] = _summary(v, w, probs)
+            m, s_, mse, sse = weighted_moments(x.numpy(), w)
+            unc[n] = {"mean": t(m), "sd": t(s_), "mean_mcse": t(mse), "sd_mcse": t(sse)}
+            continue
+        unc[n], sites[n] = _cv_site(lj.transforms[n], x, w, ctl, probs)
     hyper_names = getattr(getattr(result.posterior, "space", None), "names", None)
     hyper = {n: sites[n] for n in hyper_names} if hyper_names and d.conditional_on is None else None
     loc = scale = loc_se = scale_se = None
-    layout = getattr(result.posterior, "layout", None)
     if layout is not None:
-        u = layout.flatten({b.name: d.draws[b.name] for b in layout.blocks}).double().cpu().numpy()
-        m, s, mse, sse = weighted_moments(u, w)
-        loc, scale, loc_se, scale_se = (torch.as_tensor(a, dtype=torch.float64) for a in (m, s, mse, sse))
+        names = [b.name for b in layout.blocks]
+        cat = lambda key: layout.flatten({b: unc[b][key].reshape(unc[b][key].shape) for b in names})  # noqa: E731
+        loc, scale, loc_se, scale_se = (cat(k).double() for k in ("mean", "sd", "mean_mcse", "sd_mcse"))
     return CorrectedPosterior(sites, hyper, loc, scale, loc_se, scale_se, d, probs, unc, lj)

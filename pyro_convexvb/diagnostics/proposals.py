@@ -9,6 +9,12 @@ Every proposal draws the model's latent sites in unconstrained coordinates and r
   (the interpolated surface of a grid design, the split normal of a central composite design) and the field
   from the Gaussian of the design point nearest to ``theta`` (the same rule its guide samples by), so
   ``q(z, u) = q(z) q_{k(z)}(u)``.
+* ``"interpolated"`` (hyper-latents integrated over; otherwise the same as ``"fitted"``): ``theta`` as fitted, the
+  field from the nearest design point's Gaussian moved to the location and log scales interpolated
+  piecewise-linearly between design points, ``u = m(theta) + D(theta) (u_k - m_k)``, density
+  ``q_k(u_k) / det D`` exactly;
+* ``"adapted"`` (:class:`AdaptedProposal`, built by :func:`~pyro_convexvb.diagnostics.correct` from a first round):
+  a proposal's draws shifted and scaled per coordinate to the first round's importance-weighted moments;
 * ``"widened"``: the defensive mixture ``(q + q_c) / 2`` (Hesterberg 1995), ``q_c`` the same Gaussians with every
   scale multiplied by ``c = 1.5`` (for hyper-latents: ``theta`` from a normal of scale ``c`` in the standardised
   coordinates of the integration design, or the split normal widened by ``c``).
@@ -17,11 +23,12 @@ Every proposal draws the model's latent sites in unconstrained coordinates and r
 """
 import math
 
+import numpy as np
 import torch
 
-__all__ = ["PROPOSALS", "make_proposal"]
+__all__ = ["PROPOSALS", "make_proposal", "AdaptedProposal"]
 
-PROPOSALS = ("fitted", "widened", "student_t")
+PROPOSALS = ("fitted", "interpolated", "widened", "student_t")
 WIDEN = 1.5
 T_DF = 5.0
 
@@ -84,6 +91,49 @@ class Proposal:
     #: whether the draws cover the hyper-latents (``False`` for a ``hyper="map"`` result: theta is fixed)
     covers_hyper = True
     fixed = None
+    #: after :meth:`sample`: ``(S, n)`` location and scale of each flat latent coordinate given the draw's
+    #: component, and ``(S,)`` degrees of freedom (``inf``: normal); ``None`` when the proposal is not a
+    #: Gaussian (mixture) whose components are known
+    cond_loc = cond_sd = cond_df = None
+
+    def hyper_reference(self, M, generator=None):
+        """``(M, d)`` draws of the unconstrained hyper-latents from the proposal (no field); ``None`` if it has
+        none."""
+        return None
+
+    def conditional(self):
+        """``(cond_loc, cond_sd, cond_df)`` of the last :meth:`sample` (a snapshot: a later sample replaces them)."""
+        return self.cond_loc, self.cond_sd, self.cond_df
+
+    def controls(self, name, layout, M=200_000, seed=0, conditional=None):
+        """:class:`~pyro_convexvb.diagnostics.control_variates.CoordinateControls` of site ``name`` (its flat
+        unconstrained coordinates) for the draws whose :meth:`conditional` snapshot is ``conditional`` (default:
+        the last :meth:`sample`), or ``None`` when nothing is known about it."""
+        from .control_variates import CoordinateControls
+
+        loc, sd, df = self.conditional() if conditional is None else conditional
+        if layout is not None and name in [b.name for b in layout.blocks]:
+            if loc is None:
+                return None
+            sl = layout[name].slice
+            return CoordinateControls(loc[:, sl], sd[:, sl], df)
+        ref = self._hyper_ref(M, seed)
+        if ref is None:
+            return None
+        start = 0
+        for n, size in zip(self.hp.space.names, self.hp.space.sizes):
+            if n == name:
+                return CoordinateControls(reference=ref[:, start:start + size])
+            start += size
+        return None
+
+    def _hyper_ref(self, M, seed):
+        cache = self.__dict__.setdefault("_ref_cache", {})
+        if (M, seed) not in cache:
+            gen = __import__("torch").Generator().manual_seed(int(seed) + 7919)
+            z = self.hyper_reference(M, gen)
+            cache[(M, seed)] = None if z is None else z.double().cpu().numpy()
+        return cache[(M, seed)]
 
 
 class GaussianProposal(Proposal):
@@ -93,14 +143,28 @@ class GaussianProposal(Proposal):
         self.post, self.name = post, kind
         if self.layout is None:
             raise ValueError("the posterior has no latent layout (it was not fitted on a Pyro model)")
-        self.parts = None if kind == "fitted" and not hasattr(post, "kind") else _GaussianParts(post)
-        if kind != "fitted" and not hasattr(post, "kind"):
+        plain = kind in ("fitted", "interpolated")
+        self.parts = None if plain and not hasattr(post, "kind") else _GaussianParts(post)
+        if not plain and not hasattr(post, "kind"):
             raise NotImplementedError(f"the {kind!r} proposal is built from a Gaussian posterior, not from a "
                                       f"{type(post).__name__}")
 
+    def _record(self, S, second):
+        if not hasattr(self.post, "kind"):  # a mixture posterior: no conditional Gaussian known per draw
+            self.cond_loc = self.cond_sd = self.cond_df = None
+            return
+        loc = self.post.loc.detach().double().cpu().numpy()
+        sd = self.post.scale.detach().double().cpu().numpy()
+        sec = np.zeros(S, dtype=bool) if second is None else second.cpu().numpy()
+        self.cond_loc = np.broadcast_to(loc, (S, loc.shape[0]))
+        fac = np.where(sec & (self.name == "widened"), WIDEN, 1.0)
+        self.cond_sd = sd[None, :] * fac[:, None]
+        self.cond_df = np.where(sec & (self.name == "student_t"), T_DF, np.inf)
+
     def sample_flat(self, S, generator):
-        if self.name == "fitted":
+        if self.name in ("fitted", "interpolated"):
             u = self.post.sample(S, generator=generator).reshape(S, -1)
+            self._record(S, None)
             return u, self.post.log_prob(u)
         second = torch.rand(S, generator=generator) < 0.5
         u = self.post.sample(S, generator=generator).reshape(S, -1)
@@ -109,6 +173,7 @@ class GaussianProposal(Proposal):
             u[second] = self.parts.sample(m, generator, self.name)
         lp = self.parts.log_prob(u)
         lq = torch.logaddexp(lp, self.parts.log_prob_second(u, self.name, lp)) - math.log(2.0)
+        self._record(S, second)
         return u, lq
 
     def sample(self, S, generator=None):
@@ -132,6 +197,38 @@ class HyperProposal(Proposal):
             self.fixed = theta
         else:
             self.log_det_A_inv = float(torch.linalg.slogdet(hp.density.A_inv)[1])
+        self.mixture = kind in ("widened", "student_t")
+        if kind == "interpolated":
+            self._locs = torch.stack([c.loc.detach() for c in self.components]).double().cpu().numpy()
+            self._logsd = np.log(torch.stack([c.scale.detach() for c in self.components]).double().cpu().numpy())
+
+    def _interpolate(self, x):
+        """``(S, n)`` field locations and log scales at ``x (S, d)``: piecewise-linear interpolation of the design
+        points' (linear between neighbours in 1-D, on the Delaunay triangulation beyond), the nearest design
+        point's outside their hull."""
+        from scipy.interpolate import LinearNDInterpolator, NearestNDInterpolator
+
+        X = self.hp.x.double().cpu().numpy()
+        vals = np.concatenate([self._locs, self._logsd], 1)
+        xs = x.double().cpu().numpy()
+        n = self._locs.shape[1]
+        if len(X) < X.shape[1] + 2:
+            out = NearestNDInterpolator(X, vals)(xs)
+        elif X.shape[1] == 1:
+            order = np.argsort(X[:, 0])
+            Xo, Vo = X[order, 0], vals[order]
+            j = np.clip(np.searchsorted(Xo, xs[:, 0]) - 1, 0, len(Xo) - 2)
+            lam = np.clip((xs[:, 0] - Xo[j]) / (Xo[j + 1] - Xo[j]), 0.0, 1.0)[:, None]
+            out = (1 - lam) * Vo[j] + lam * Vo[j + 1]
+        else:
+            if not hasattr(self, "_lin"):
+                self._lin = LinearNDInterpolator(X, vals)
+                self._near = NearestNDInterpolator(X, vals)
+            out = self._lin(xs)
+            bad = ~np.isfinite(out).all(1)
+            if bad.any():
+                out[bad] = self._near(xs[bad])
+        return out[:, :n], out[:, n:]
 
     # ---- theta part, in the standardised coordinates x of the design
     def _log_qx(self, x):
@@ -159,9 +256,20 @@ class HyperProposal(Proposal):
             return (-0.5 * (x / s) ** 2 - torch.log(s) - 0.5 * math.log(2 * math.pi)).sum(1)
         return (-0.5 * (x / WIDEN) ** 2 - math.log(WIDEN) - 0.5 * math.log(2 * math.pi)).sum(1)
 
+    def hyper_reference(self, M, generator=None):
+        if not self.covers_hyper:
+            return None
+        x = self.density.sample_x(M, generator)
+        if self.mixture:
+            second = torch.rand(M, generator=generator) < 0.5
+            m = int(second.sum())
+            if m:
+                x[second] = self._wide_x(m, generator)
+        return self.density.to_z(x)
+
     def sample(self, S, generator=None):
         hp = self.hp
-        second = (torch.rand(S, generator=generator) < 0.5) if self.name != "fitted" else torch.zeros(S, dtype=torch.bool)
+        second = (torch.rand(S, generator=generator) < 0.5) if self.mixture else torch.zeros(S, dtype=torch.bool)
         if self.covers_hyper:
             x = self.density.sample_x(S, generator)
             m = int(second.sum())
@@ -181,28 +289,119 @@ class HyperProposal(Proposal):
             parts = self.parts[j]
             draw = self.components[j].sample(len(idx), generator=generator).reshape(len(idx), hp.n)
             sec = second[idx]
-            if self.name != "fitted" and bool(sec.any()):
+            if self.mixture and bool(sec.any()):
                 draw[sec] = parts.sample(int(sec.sum()), generator, self.name)
             u[idx] = draw
             lp = parts.log_prob(draw).double()
             lu1[idx] = lp
-            if self.name != "fitted":
+            if self.mixture:
                 lu2[idx] = parts.log_prob_second(draw, self.name, lp).double()
+        kk = k.cpu().numpy()
+        if self.name == "interpolated" and self.covers_hyper:
+            # u = loc(x) + D (u_k - loc_k), D = sd(x) / sd_k: the nearest point's Gaussian moved to the interpolated
+            # location and scales; log q(u | x) = log q_k(u_k) - sum log D
+            loc_x, logsd_x = self._interpolate(x)
+            logD = logsd_x - self._logsd[kk]
+            uk = u.double().cpu().numpy()
+            un = loc_x + np.exp(logD) * (uk - self._locs[kk])
+            u = torch.as_tensor(un, dtype=hp.dtype, device=hp.device)
+            lu1 = lu1 - torch.as_tensor(logD.sum(1), dtype=torch.float64)
         if self.covers_hyper:
             lq1 = self._log_qx(x) + lu1
-            if self.name == "fitted":
+            if not self.mixture:
                 lq = lq1
             else:
                 lq = torch.logaddexp(lq1, self._log_q_wide_x(x) + lu2) - math.log(2.0)
             lq = lq - self.log_det_A_inv
         else:
-            lq = lu1 if self.name == "fitted" else torch.logaddexp(lu1, lu2) - math.log(2.0)
+            lq = lu1 if not self.mixture else torch.logaddexp(lu1, lu2) - math.log(2.0)
+        sec = second.cpu().numpy()
+        if self.name == "interpolated" and self.covers_hyper:
+            self.cond_loc, self.cond_sd = loc_x, np.exp(logsd_x)
+        else:
+            locs = torch.stack([c.loc.detach() for c in self.components]).double().cpu().numpy()
+            sds = torch.stack([c.scale.detach() for c in self.components]).double().cpu().numpy()
+            self.cond_loc = locs[kk]
+            self.cond_sd = sds[kk] * np.where(sec & (self.name == "widened"), WIDEN, 1.0)[:, None]
+        self.cond_df = np.where(sec & (self.name == "student_t"), T_DF, np.inf)
         values = dict(hp.layout.unflatten(u))
         start = 0
         for n, us, size in zip(hp.space.names, hp.space.ushapes, hp.space.sizes):
             values[n] = z[:, start:start + size].reshape((S,) + tuple(us))
             start += size
         return values, lq
+
+
+class AdaptedProposal(Proposal):
+    """A proposal moved toward the importance-weighted posterior of a first round of draws (moment matching in the
+    spirit of Paananen, Piironen, Buerkner & Vehtari 2021, §3, restricted to a shift and a scale per coordinate).
+
+    Each latent coordinate of a base draw, standardised by its conditional location ``m_s`` and scale ``s_s``
+    (known per draw), ``e = (u - m_s) / s_s``, is mapped to ``mu + rho e`` with ``mu`` and ``rho^2`` the
+    importance-weighted mean and variance of ``e`` in the first round (``rho`` clipped to [0.5, 2], ``mu`` to
+    [-1, 1]). Given the base draw's component the map is affine and diagonal, so ``log q' = log q - sum log rho``
+    exactly, and the conditional moments move with it (the control variates stay exact).
+
+    :param base: the proposal adapted (its draws carry conditional moments: a Gaussian or hyper-latent proposal).
+    :param layout: the latent layout of the flat field vector ``(n,)``.
+    :param mu: ``(n,)`` shifts and ``rho`` ``(n,)`` scales of the standardised coordinates.
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> def model(y=None):
+        ...     m = pyro.sample("m", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+        ...     with pyro.plate("data", 3):
+        ...         pyro.sample("y", dist.Normal(m, 1.0), obs=y)
+        >>> res = pcv.fit(model, y=torch.tensor([0.5, 1.0, 1.5], dtype=torch.float64), engine="laplace",
+        ...               progress=False)
+        >>> base = make_proposal(res.posterior, "fitted")
+        >>> q = AdaptedProposal(base, res.posterior.layout, [0.5], [1.2])
+        >>> values, log_q = q.sample(4, torch.Generator().manual_seed(0))
+        >>> values["m"].shape, log_q.shape
+        (torch.Size([4]), torch.Size([4]))
+    """
+
+    def __init__(self, base, layout, mu, rho):
+        self.base, self.layout = base, layout
+        self.mu = np.clip(np.asarray(mu, dtype=np.float64), -1.0, 1.0)
+        self.rho = np.clip(np.asarray(rho, dtype=np.float64), 0.5, 2.0)
+        self.name = "adapted"
+        self.covers_hyper, self.fixed = base.covers_hyper, base.fixed
+        self.hp = getattr(base, "hp", None)
+
+    @classmethod
+    def from_draws(cls, base, layout, values, log_weights, conditional):
+        """Adapt ``base`` to its weighted draws ``values`` (whose conditional moments are ``conditional``, the
+        snapshot of :meth:`Proposal.conditional`); ``None`` if they are unknown."""
+        loc, sd, _ = conditional
+        if loc is None:
+            return None
+        u = layout.flatten({b.name: values[b.name] for b in layout.blocks}).double().cpu().numpy()
+        e = (u - loc) / sd
+        w = np.exp(np.asarray(log_weights, dtype=np.float64))
+        mu = w @ e
+        rho = np.sqrt(np.maximum(w @ (e - mu) ** 2, 1e-12))
+        return cls(base, layout, mu, rho)
+
+    def hyper_reference(self, M, generator=None):
+        return self.base.hyper_reference(M, generator)
+
+    def sample(self, S, generator=None):
+        values, lq = self.base.sample(S, generator)
+        names = [b.name for b in self.layout.blocks]
+        u0 = self.layout.flatten({n: values[n] for n in names})
+        u = u0.double().cpu().numpy()
+        loc, sd = self.base.cond_loc, self.base.cond_sd
+        un = loc + sd * (self.mu + self.rho * (u - loc) / sd)
+        self.cond_loc = loc + sd * self.mu
+        self.cond_sd = sd * self.rho
+        self.cond_df = self.base.cond_df
+        new = self.layout.unflatten(torch.as_tensor(un, dtype=u0.dtype, device=u0.device))
+        values = dict(values)
+        values.update({n: new[n] for n in names})
+        return values, lq - float(np.log(self.rho).sum())
 
 
 def make_proposal(posterior, kind="fitted"):

@@ -1,0 +1,109 @@
+"""Accuracy of the importance-corrected answers on the cases of ``hierarchical.py`` against their long NUTS references.
+
+One ``dual_vg`` fit per case (hyper-latents integrated, the default), then ``res.corrected()`` with several seeds
+for each estimator / proposal variant:
+
+* ``uncorrected``: the fit as it is (with the PSIS ``k_hat`` of its posterior);
+* ``snis-fitted``: plain self-normalised importance sampling from the engine's posterior (nearest design point's
+  Gaussian for the field) -- the correction before control variates;
+* ``snis-auto``: the same estimator from the proposal ``correct`` chooses (the interpolated field Gaussian first);
+* ``cv-auto``: control variates from the proposal's known moments and CDFs (the default of ``correct``).
+
+Reported per case and variant, the median over ``--seeds`` seeds: the hyper-latent's 5/50/95% quantile errors
+relative to the reference (``rel_err_q50``, ``rel_err_tails``), the field's largest mean error in reference sds
+(``field_err_sd``), the range of its sds relative to the reference sds, ``k_hat``, the importance ESS and the
+wall seconds of the correction (rough: accuracy, not time, is what this script measures; the time against NumPyro
+is ``hierarchical.py``'s job).
+
+Usage::
+
+    python benchmarks/correction_accuracy.py --quick
+    python benchmarks/correction_accuracy.py --cases logistic-sonar,poisson-gmrf,gp-lengthscale,bym --seeds 3
+"""
+import os
+import statistics
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from _common import Timer, make_parser, markdown_table, parse_args, write_json  # noqa: E402
+
+import hierarchical as H  # noqa: E402
+import pyro_convexvb as pcv  # noqa: E402
+from pyro_convexvb.diagnostics.importance import correct  # noqa: E402
+
+D = torch.float64
+VARIANTS = {"snis-fitted": dict(estimator="snis", proposal="fitted"),
+            "snis-auto": dict(estimator="snis", proposal="auto"),
+            "cv-auto": dict(estimator="cv", proposal="auto")}
+
+
+def metrics(q, fmean, fsd, ref):
+    rq = ref["hyper_q"]
+    fm, rs = torch.tensor(ref["field_mean"], dtype=D), torch.tensor(ref["field_sd"], dtype=D)
+    ratio = fsd.reshape(-1) / rs
+    return {"rel_err_q50": abs(q[1] - rq[1]) / rq[1],
+            "rel_err_tails": max(abs(q[0] - rq[0]) / rq[0], abs(q[2] - rq[2]) / rq[2]),
+            "field_err_sd": float(((fmean.reshape(-1) - fm).abs() / rs).max()),
+            "field_sd_ratio_min": float(ratio.min()), "field_sd_ratio_max": float(ratio.max())}
+
+
+def main():
+    parser = make_parser(__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(H.CASES), help="comma list of cases")
+    parser.add_argument("--seeds", type=int, default=3, help="correction seeds per variant (median reported)")
+    parser.add_argument("--draws", type=int, default=None, help="draws per proposal (default: correct()'s, 2000)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
+    args = parse_args(parser=parser)
+    torch.set_default_dtype(D)
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"--variants: unknown {sorted(unknown)}")
+    draws = args.draws or (500 if args.quick else 2000)
+    seeds = 1 if args.quick else args.seeds
+    rows = []
+    for name in args.cases.split(","):
+        model, margs, mkw, hyper, field = H.CASES[name](args.quick)
+        ref = H.nuts_reference(name, model, margs, mkw, hyper, field, args.quick)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = pcv.fit(model, *margs, engine="dual_vg", progress=False, **mkw)
+            d = res.diagnostics
+        sl = res.posterior.layout[field].slice
+        q = [float(v) for v in res.hyper["marginals"][hyper]["quantiles"].values()]
+        m0 = metrics(q, res.posterior.loc[sl], res.posterior.scale[sl], ref)
+        rows.append({"case": name, "variant": "uncorrected", **m0, "k_hat": d.k_hat, "ess": d.ess})
+        print(f"[{name}] uncorrected: {rows[-1]}", flush=True)
+        for v in variants:
+            per_seed = []
+            for seed in range(seeds):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    with Timer() as t:
+                        c = correct(res, draws, seed, **VARIANTS[v])
+                s_h, s_f = c.sites[hyper], c.sites[field]
+                qh = [float(s_h["quantiles"][p]) for p in (0.05, 0.5, 0.95)]
+                m = metrics(qh, s_f["mean"], s_f["sd"], ref)
+                m.update(k_hat=c.k_hat, ess=c.ess, seconds=t.seconds, proposal=c.diagnostics.proposal,
+                         mcse_field_mean_max=float((s_f["mean_mcse"].reshape(-1)
+                                                    / torch.tensor(ref["field_sd"], dtype=D)).max()))
+                per_seed.append(m)
+            row = {"case": name, "variant": v, "proposal": per_seed[0]["proposal"]}
+            for k in per_seed[0]:
+                if k != "proposal":
+                    row[k] = statistics.median(p[k] for p in per_seed)
+            rows.append(row)
+            print(f"[{name}] {v}: {row}", flush=True)
+    print()
+    print(markdown_table(rows, floatfmt=".3g"))
+    tag = ("_quick" if args.quick else "") + ("" if set(args.cases.split(",")) == set(H.CASES)
+                                              else "_" + "_".join(args.cases.split(",")))
+    write_json(f"correction_accuracy{tag}", {"rows": rows, "seeds": seeds, "draws": draws})
+
+
+if __name__ == "__main__":
+    main()
