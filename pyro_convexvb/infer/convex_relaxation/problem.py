@@ -334,18 +334,7 @@ class RelaxationProblem:
         :param w: ``(q,)`` site weights (``1/gamma`` or the Newton weights ``e``).
         :returns: :class:`~pyro_convexvb.linalg.CirculantSymbol` or ``None``.
         """
-        if self.comm is not None or self.prior_blocks:
-            return None
-        out = None
-        parts = [(Bg, sd**-2) for Bg, _, _, sd in self.gauss] + ([(self.B, w)] if self.B is not None else [])
-        for op, wt in parts:
-            sym = op.gram_symbol(wt)
-            if sym is None or (out is not None and sym.grid != out.grid):
-                return None
-            out = sym if out is None else out + sym
-        if out is None or out.grid[0] * out.grid[1] != self.n:
-            return None
-        return out
+        return self._summed_gram(w, lambda op, wt: op.gram_symbol(wt), lambda s: s.grid)
 
     def tile_blocks(self, w, tile):
         r"""Exact diagonal blocks of ``A = X^T X + B^T diag(w) B`` over the aligned ``tile x tile`` pixel tiles
@@ -354,13 +343,22 @@ class RelaxationProblem:
 
         :param w: ``(q,)`` site weights; :param int tile: tile side.
         """
+        return self._summed_gram(w, lambda op, wt: op.gram_tiles(wt, tile), lambda b: (b.grid, b.tile))
+
+    def _gram_parts(self, w):
+        """``[(op, weights)]``: the Gaussian designs with their noise precisions, then ``B`` with ``w``."""
+        return [(Bg, sd**-2) for Bg, _, _, sd in self.gauss] + ([(self.B, w)] if self.B is not None else [])
+
+    def _summed_gram(self, w, part, key):
+        """Sum over :meth:`_gram_parts` of ``part(op, weights)`` (a structured Gram summary), or ``None`` when the
+        latent is not one image (sharded sites, a prior block), some part offers none, two parts disagree in
+        ``key`` (grid, tile) or the grid does not cover the ``n`` latents."""
         if self.comm is not None or self.prior_blocks:
             return None
         out = None
-        parts = [(Bg, sd**-2) for Bg, _, _, sd in self.gauss] + ([(self.B, w)] if self.B is not None else [])
-        for op, wt in parts:
-            b = op.gram_tiles(wt, tile)
-            if b is None or (out is not None and (b.grid, b.tile) != (out.grid, out.tile)):
+        for op, wt in self._gram_parts(w):
+            b = part(op, wt)
+            if b is None or (out is not None and key(b) != key(out)):
                 return None
             out = b if out is None else out + b
         if out is None or out.grid[0] * out.grid[1] != self.n:
@@ -373,7 +371,7 @@ class RelaxationProblem:
         inv = 1.0 / d
         ones = torch.ones_like(d)
         out = None
-        parts = [(Bg, sd**-2) for Bg, _, _, sd in self.gauss] + ([(self.B, w)] if self.B is not None else [])
+        parts = self._gram_parts(w)
         for op, wt in parts:
             sq = op.squared()
             if sq is None:
