@@ -329,72 +329,13 @@ if njit is not None:
         return b <= 32 and (b == 32 or (9 <= b <= 13) or (28 <= b <= 31))
 
     @njit(cache=True, nogil=True)
-    def _fast_float(buf, s, e, pow10):
-        """``(ok, value)``: ``[+-]digits[.digits][(e|E)[+-]digits]`` with at most 15 digits and a decimal
-        exponent within 22 -- then one correctly rounded operation gives Python's ``float`` (Clinger 1990)."""
-        if s >= e:
-            return False, 0.0
-        neg = False
-        if buf[s] == 45 or buf[s] == 43:
-            neg = buf[s] == 45
-            s += 1
-        m = 0
-        nd = 0
-        frac = 0
-        seen_dot = False
-        k = s
-        while k < e:
-            b = buf[k]
-            if 48 <= b <= 57:
-                if nd > 0 or b != 48:
-                    nd += 1
-                m = m * 10 + (b - 48)
-                if seen_dot:
-                    frac += 1
-                if nd > 15:
-                    return False, 0.0
-            elif b == 46 and not seen_dot:
-                seen_dot = True
-            else:
-                break
-            k += 1
-        digits = k - s - (1 if seen_dot else 0)
-        if digits == 0:
-            return False, 0.0
-        ex = 0
-        if k < e:
-            if buf[k] != 101 and buf[k] != 69:
-                return False, 0.0
-            k += 1
-            eneg = False
-            if k < e and (buf[k] == 45 or buf[k] == 43):
-                eneg = buf[k] == 45
-                k += 1
-            if k >= e or e - k > 3:
-                return False, 0.0
-            while k < e:
-                b = buf[k]
-                if b < 48 or b > 57:
-                    return False, 0.0
-                ex = ex * 10 + (b - 48)
-                k += 1
-            if eneg:
-                ex = -ex
-        ex -= frac
-        if ex < -22 or ex > 22:
-            return False, 0.0
-        v = float(m)
-        if ex >= 0:
-            v = v * pow10[ex]
-        else:
-            v = v / pow10[-ex]
-        return True, -v if neg else v
-
-    @njit(cache=True, nogil=True)
     def _scan_float(buf, s, stop, pow10):
-        """``(ok, value, end)``: :func:`_fast_float` of the token starting at ``s``, which ends at the first
-        whitespace byte or at ``stop`` (found while reading, instead of in a pass of its own); ``ok`` is False
-        exactly when :func:`_fast_float` of ``buf[s:end]`` is."""
+        """``(ok, value, end)``: the number ``[+-]digits[.digits][(e|E)[+-]digits]`` starting at ``s``, whose
+        token ends at the first whitespace byte or at ``stop`` (found while reading, not in a pass of its own).
+
+        ``ok`` is True only on the fast path: at most 15 significant digits and a decimal exponent within 22,
+        where one correctly rounded operation gives Python's ``float`` (Clinger 1990); anything else (another
+        byte in the token, ``inf``, a long mantissa) returns ``ok = False`` for the Python parser to handle."""
         k = s
         neg = False
         if k < stop and (buf[k] == 45 or buf[k] == 43):
@@ -480,10 +421,7 @@ if njit is not None:
                 pos = nxt
                 lines += 1
                 continue
-            t0 = k
-            while k < stop and not _is_space(buf[k]):
-                k += 1
-            ok, lab = _fast_float(buf, t0, k, pow10)
+            ok, lab, k = _scan_float(buf, k, stop, pow10)
             if not ok:
                 return 1, pos, row, nnz, lines
             k0 = nnz
