@@ -124,6 +124,8 @@ KNOWN_MISSES = {
     ("laplace_latent_scale", "laplace"): "mean err 0.50 > 0.4, sd err 12 > 0.3: the Laplace likelihood has zero "
                                          "curvature almost everywhere, so the Hessian at the mode sees only the "
                                          "prior of w (L-BFGS stops unconverged at the kinks)",
+    ("binomial_bioassay", "laplace"): "mean err 0.45 > 0.4 at w[1]: 20 animals give a skewed posterior, whose mode "
+                                      "is shifted from its mean",
     ("hier_gmrf_gamma", "svi_automvn"): "sd err 0.56 > 0.5: the plateau rule stops before the guide's scales have "
                                         "grown from init_scale 0.1 (4000 steps, min_steps 500, window 100: 0.37)",
     ("hier_gmrf_gamma", "svi_lowrank"): "sd err 0.59 > 0.5: the plateau rule stops before the guide's scales have "

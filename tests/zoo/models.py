@@ -1072,6 +1072,60 @@ def _(args, kwargs):
                                                               3.0 * torch.exp(-(T @ X.T))).log_prob(y).sum(-1))
 
 
+#: Bliss (1935): beetles killed after five hours' exposure to carbon disulphide, per dose (log10 CS2 mg/l)
+BEETLES_DOSE = (1.6907, 1.7242, 1.7552, 1.7842, 1.8113, 1.8369, 1.8610, 1.8839)
+BEETLES_N = (59, 60, 62, 56, 63, 59, 62, 60)
+BEETLES_KILLED = (6, 13, 18, 28, 52, 53, 61, 60)
+#: Racine et al. (1986), the bioassay of Gelman et al. (2013, §3.7): deaths of 5 animals at 4 log doses (g/ml)
+BIOASSAY_DOSE = (-0.86, -0.30, -0.05, 0.73)
+BIOASSAY_N = (5, 5, 5, 5)
+BIOASSAY_DEATHS = (0, 1, 3, 5)
+
+
+def _binomial_data(dose, n, k):
+    x = torch.tensor(dose, dtype=D)
+    X = torch.stack([torch.ones_like(x), (x - x.mean()) / x.std()], 1)
+    return X, torch.tensor(n, dtype=D), torch.tensor(k, dtype=D)
+
+
+def _binomial_model(X, total, y=None):
+    w = pyro.sample("w", dist.Normal(_zeros(X.shape[1]), 2.5).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Binomial(total_count=total, logits=X @ w), obs=y)
+
+
+def _binomial_reference(args, kwargs):
+    X, total, y = args[0], args[1], kwargs["y"]
+
+    def lj(T):  # the binomial log-likelihood written out: k eta - n log(1 + e^eta) + log C(n, k)
+        eta = T @ X.T
+        c = torch.lgamma(total + 1) - torch.lgamma(y + 1) - torch.lgamma(total - y + 1)
+        return (_std_normal_logpdf(T, 2.5).sum(-1)
+                + (y * eta - total * torch.nn.functional.softplus(eta) + c).sum(-1))
+
+    return quadrature(lj, {"w": [0, 1]}, 2)
+
+
+@_zoo("binomial_beetles", "GLM", "quadrature",
+      "Binomial(total_count=n, logits=X @ w): beetle mortality against dose (Bliss 1935; 8 doses, 481 beetles), "
+      "standardised dose, w ~ N(0, 2.5^2)")
+def binomial_beetles():
+    X, total, y = _binomial_data(BEETLES_DOSE, BEETLES_N, BEETLES_KILLED)
+    return _binomial_model, (X, total), {"y": y}
+
+
+@_zoo("binomial_bioassay", "GLM", "quadrature",
+      "Binomial(total_count=5, logits=X @ w): the bioassay of Gelman et al. (2013, §3.7; 4 doses, 20 animals), "
+      "standardised log dose, w ~ N(0, 2.5^2): few rows, a skewed posterior")
+def binomial_bioassay():
+    X, total, y = _binomial_data(BIOASSAY_DOSE, BIOASSAY_N, BIOASSAY_DEATHS)
+    return _binomial_model, (X, total), {"y": y}
+
+
+_reference_of("binomial_beetles")(_binomial_reference)
+_reference_of("binomial_bioassay")(_binomial_reference)
+
+
 @_zoo("gamma_regression", "GLM", "quadrature",
       "Gamma regression, log link: Gamma(2, rate=2 exp(-X @ w)) (N=40)")
 def gamma_regression():
