@@ -193,6 +193,18 @@ class ConditionedModel:
     :param model: the Pyro model.
     :param dict values: ``{name: value}`` of the hyper-latents (constrained).
     :param dict extraction_cache: shared by the conditioned models of one integration, or ``None``.
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> def model():
+        ...     s = pyro.sample("s", dist.HalfNormal(torch.tensor(1.0, dtype=torch.float64)))
+        ...     return pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), s).to_event(1))
+        >>> m = ConditionedModel(model, {"s": torch.tensor(0.5, dtype=torch.float64)})
+        >>> list(pyro.poutine.trace(m).get_trace().nodes)  # s is fixed and hidden
+        ['_INPUT', 'w', '_RETURN']
+        >>> round(m.log_prior, 6)  # log HalfNormal(0.5 | 1)
+        -0.350791
     """
 
     def __init__(self, model, values, extraction_cache=None):
