@@ -6,10 +6,13 @@ The model, written as textbooks write it (a centred hierarchy, an affine Gaussia
     mu ~ N(0, 2^2),  b ~ N(0, I_p),  alpha_j ~ N(mu, sigma^2)  (j = 1..J),
     y_i ~ Bernoulli(logits = alpha[g_i] + x_i^T b)             (i = 1..N)
 
-in three variants: ``centred`` (``sigma = 0.7`` fixed, the group indicator applied by ``pcv.linear`` on a
+in four variants: ``centred`` (``sigma = 0.7`` fixed, the group indicator applied by ``pcv.linear`` on a
 sparse ``(N, J)`` matrix), ``noncentred`` (``alpha = mu + sigma z``, ``z_j ~ N(0, 1)``, indexed as
-``(mu + sigma * z)[g]`` with no ``pcv.linear``: the extraction probes the design's sparse structure) and
-``hyper`` (centred, ``sigma ~ HalfNormal(1)`` a hyper-latent, integrated over as ``dual_vg`` does). Data are
+``(mu + sigma * z)[g]`` with no ``pcv.linear``: the extraction probes the design's sparse structure),
+``hyper`` (centred, ``sigma ~ HalfNormal(1)`` a hyper-latent, integrated over as ``dual_vg`` does: each design
+point's model is built from the first extraction's affine maps, :mod:`pyro_convexvb.lgm.template`) and
+``hyper_fresh`` (the same with every design point extracted afresh, ``hyper.REUSE_EXTRACTION = False``: the
+cost the template removes). Data are
 generated like a real hierarchical data set (school or hospital outcomes): group sizes drawn from a log-normal
 (a few large groups, many small ones, every group at least 2 rows), ``p = 5`` standardised covariates, true
 intercepts ``N(-0.5, 0.7^2)``.
@@ -21,8 +24,9 @@ Per case the fit runs in a fresh process (``peak_rss_in_subprocess``): reported 
 imports of torch, Pyro and the package (MiB, ``resource.getrusage``), the Python-allocation peak (``tracemalloc``,
 MiB: NumPy/SciPy arrays, not torch tensors) and the peak per group, whose constancy across ``J`` is linear memory.
 The fit's convergence and the largest posterior sd of the intercepts are reported as a sanity check; for ``hyper``
-also the number of inner fits and the posterior median and 90% interval of ``sigma``, and the fit's seconds per
-inner fit (constant in ``J`` per group when time is linear). Then the speed ratio to NUTS on a small
+also the number of inner fits, the runs of the model per inner fit (whole fit, fixed overhead included), the
+extractions that reused every affine map, the posterior median and 90% interval of ``sigma``, and the fit's
+seconds per inner fit (constant in ``J`` per group when time is linear). Then the speed ratio to NUTS on a small
 case (``J = 100``, ``N = 1000``; quick: ``J = 20``): Pyro NUTS (``engine="nuts"``, one chain, 1000 samples after
 500 warm-up steps; quick: 100 and 100) against ``dual_vg`` on the same centred model, and the largest gap
 between their posterior means in NUTS sds.
@@ -31,7 +35,7 @@ Usage::
 
     python benchmarks/random_intercepts.py --quick
     python benchmarks/random_intercepts.py            # J = 1e3, 3e3, 1e4 (N = 1e4, 3e4, 1e5)
-    python benchmarks/random_intercepts.py --variants hyper   # the hyper-latent variant alone
+    python benchmarks/random_intercepts.py --variants hyper,hyper_fresh   # the hyper-latent variants alone
 
 Writes ``benchmarks/results/random_intercepts.json`` (``random_intercepts_quick.json`` with ``--quick``; a subset of
 ``--variants`` writes ``random_intercepts_<variants>.json``, e.g. ``random_intercepts_hyper.json``).
@@ -124,7 +128,7 @@ def model_hyper(G, X, y=None):
 def _model_and_args(variant, G, X, y):
     if variant == "centred":
         return model, (G, X), {"y": y}
-    if variant == "hyper":
+    if variant in ("hyper", "hyper_fresh"):
         return model_hyper, (G, X), {"y": y}
     g = G.to_sparse_coo().coalesce().indices()[1]
     return model_noncentred, (g, G.shape[1], X), {"y": y}
@@ -139,12 +143,24 @@ def run_case(J, seed, variant="centred"):
 
     import pyro_convexvb as pcv
 
+    from pyro_convexvb.infer import hyper
+
     torch.set_num_threads(1)
     G, X, y = make_data(J, seed=seed)
     fn, args, kwargs = _model_and_args(variant, G, X, y)
+    hyper_variant = variant in ("hyper", "hyper_fresh")
+    hyper.REUSE_EXTRACTION = variant != "hyper_fresh"
+    runs = []
+    if hyper_variant:
+        model_fn = fn
+
+        def fn(*a, **k):  # counts the runs of the model
+            runs.append(1)
+            return model_fn(*a, **k)
+
     tracemalloc.start()
     t0 = time.perf_counter()
-    if variant == "hyper":  # the hyper-latent is integrated over: extraction happens per point, inside the fit
+    if hyper_variant:  # the hyper-latent is integrated over: extraction happens per point, inside the fit
         res = pcv.fit(fn, *args, engine="dual_vg", progress=False, **kwargs)
         t1 = t0
     else:
@@ -158,11 +174,12 @@ def run_case(J, seed, variant="centred"):
     out = {"extract_s": t1 - t0, "fit_s": t2 - t1, "tracemalloc_peak_mb": py_peak / 2**20,
            "converged": bool(res.converged), "max_alpha_sd": float(sd[-J:].max()), "form": res.info.get("form", ""),
            "posterior_kind": getattr(res.posterior, "kind", type(res.posterior).__name__)}
-    if variant == "hyper":
+    if hyper_variant:
         q = res.hyper["marginals"]["sigma"]["quantiles"]
         fits = res.info["hyper_details"]["fits"]
         out.update(form=res.info["mode_result"].info.get("form", ""), hyper_fits=fits,
                    seconds_per_fit=(t2 - t1) / fits, design_points=res.posterior.num_points,
+                   model_runs_per_fit=len(runs) / fits, reused_extractions=res.hyper["extraction"]["reused"],
                    sigma_q05=float(q[0.05]), sigma_q50=float(q[0.5]), sigma_q95=float(q[0.95]))
     return out
 
@@ -189,7 +206,7 @@ def run_nuts_ratio(J, seed, quick):
             "max_mean_gap_nuts_sd": float(gap), "nuts_samples": n}
 
 
-VARIANTS = ("centred", "noncentred", "hyper")
+VARIANTS = ("centred", "noncentred", "hyper", "hyper_fresh")
 
 
 def main():
@@ -212,18 +229,20 @@ def main():
                    "rss_per_group_kb": 1024 * r["delta_mb"] / J,
                    "tracemalloc_peak_mb": out["tracemalloc_peak_mb"], "converged": out["converged"],
                    "max_alpha_sd": out["max_alpha_sd"], "posterior": out["posterior_kind"]}
-            (hyper_rows if variant == "hyper" else rows).append(row)
-            if variant == "hyper":
-                row.update({k: out[k] for k in ("hyper_fits", "design_points", "seconds_per_fit", "sigma_q05",
-                                                "sigma_q50", "sigma_q95")})
+            hyper_variant = variant in ("hyper", "hyper_fresh")
+            (hyper_rows if hyper_variant else rows).append(row)
+            if hyper_variant:
+                row.update({k: out[k] for k in ("hyper_fits", "design_points", "seconds_per_fit", "model_runs_per_fit",
+                                                "reused_extractions", "sigma_q05", "sigma_q50", "sigma_q95")})
                 row["us_per_fit_per_group"] = 1e6 * out["seconds_per_fit"] / J
             print(f"{variant}, J = {J}: done", flush=True)
     if rows:
         print(markdown_table(rows))
     if hyper_rows:
         print()
-        print(markdown_table(hyper_rows, ["groups", "rows", "form", "fit_s", "hyper_fits", "design_points",
+        print(markdown_table(hyper_rows, ["variant", "groups", "rows", "form", "fit_s", "hyper_fits", "design_points",
                                           "seconds_per_fit", ("us_per_fit_per_group", "µs per fit per group"),
+                                          "model_runs_per_fit", "reused_extractions",
                                           "rss_delta_mb", "rss_per_group_kb", "tracemalloc_peak_mb", "converged",
                                           "sigma_q05", "sigma_q50", "sigma_q95", "max_alpha_sd"]))
     ratio = peak_rss_in_subprocess(run_nuts_ratio, 20 if args.quick else 100, args.seed, args.quick,

@@ -15,6 +15,8 @@ from pyro_convexvb.infer.dual_vg.objective import reduced_objective
 from pyro_convexvb.infer.dual_vg.sparse import SparseLatentBackend
 from pyro_convexvb.lgm.sites import BernoulliLogit
 
+from _hierarchies import centred_hyper, random_intercepts
+
 D = torch.float64
 
 
@@ -151,28 +153,10 @@ def test_integrated_random_intercept_scale_matches_quadrature_with_the_exact_inn
 
 
 # ----------------------------------------------------------------------------- the same answer as before, less kept
-def ri_logistic(grp, J, X, y=None):
-    sigma = pyro.sample("sigma", dist.HalfNormal(torch.tensor(1.0, dtype=D)))
-    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 2.0))
-    b = pyro.sample("b", dist.Normal(torch.zeros(X.shape[1], dtype=D), 1.0).to_event(1))
-    with pyro.plate("groups", J):
-        alpha = pyro.sample("alpha", dist.Normal(mu, sigma))
-    with pyro.plate("data", X.shape[0]):
-        pyro.sample("y", dist.Bernoulli(logits=alpha[grp] + X @ b), obs=y)
-
-
-def _logistic_data(J, per=3, p=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    grp = torch.arange(J).repeat_interleave(per)
-    X = torch.randn(J * per, p, generator=g, dtype=D)
-    a = -0.3 + 0.8 * torch.randn(J, generator=g, dtype=D)
-    y = (torch.rand(J * per, generator=g, dtype=D) < torch.sigmoid(a[grp] + X @ torch.linspace(-1, 1, p, dtype=D)))
-    return grp, J, X, y.to(D)
-
-
 def test_reuse_and_released_results_leave_the_hyper_posterior_unchanged(monkeypatch):
     """The sparse form with the structure reused and only summaries kept equals fresh builds with every result kept."""
-    grp, J, X, y = _logistic_data(40)
+    J = 40
+    X, grp, y = random_intercepts(J, per=3, grouping="blocks")
     built = []
     init = SparseLatentBackend.__init__
 
@@ -182,12 +166,12 @@ def test_reuse_and_released_results_leave_the_hyper_posterior_unchanged(monkeypa
 
     monkeypatch.setattr(SparseLatentBackend, "__init__", counting_init)
     opts = dict(form="sparse")
-    r1 = pcv.fit(ri_logistic, grp, J, X, y=y, engine="dual_vg", progress=False, options=opts)
+    r1 = pcv.fit(centred_hyper, X, grp, J, y=y, engine="dual_vg", progress=False, options=opts)
     fresh_builds = len(built)
     assert fresh_builds <= 2, fresh_builds  # the first point builds it (and hyper_check's extraction is not fitted)
     monkeypatch.setattr(SparseLatentBackend, "reuse", classmethod(lambda cls, *a, **k: None))
     monkeypatch.setattr(hyper_mod.HyperObjective, "_release_latest", lambda self, key: setattr(self, "_latest", key))
-    r2 = pcv.fit(ri_logistic, grp, J, X, y=y, engine="dual_vg", progress=False, options=opts)
+    r2 = pcv.fit(centred_hyper, X, grp, J, y=y, engine="dual_vg", progress=False, options=opts)
     assert len(built) - fresh_builds == r2.hyper["evaluations"]  # one fresh build per point without reuse
     assert r1.converged and r2.converged and r1.hyper["evaluations"] == r2.hyper["evaluations"]
     for p in (0.05, 0.5, 0.95):
@@ -198,8 +182,9 @@ def test_reuse_and_released_results_leave_the_hyper_posterior_unchanged(monkeypa
 
 
 def test_only_the_mode_keeps_its_full_result_and_design_points_their_posteriors():
-    grp, J, X, y = _logistic_data(30)
-    res = pcv.fit(ri_logistic, grp, J, X, y=y, engine="dual_vg", progress=False, options=dict(form="sparse"))
+    J = 30
+    X, grp, y = random_intercepts(J, per=3, grouping="blocks")
+    res = pcv.fit(centred_hyper, X, grp, J, y=y, engine="dual_vg", progress=False, options=dict(form="sparse"))
     details, mode = res.info["hyper_details"], res.info["mode_result"]
     assert details["fits"] >= details["evaluations"]
     assert mode.lgm is not None and mode.state is not None and mode.state.backend is not None
@@ -220,7 +205,8 @@ def test_a_2000_group_hyper_fit_allocates_nothing_quadratic(monkeypatch):
     usual constructors or densified, and the NumPy/Python peak stays below a bound linear in ``n``."""
     import tracemalloc
 
-    grp, J, X, y = _logistic_data(2000, per=5, seed=1)
+    J = 2000
+    X, grp, y = random_intercepts(J, per=5, grouping="blocks", seed=1)
     n = 1 + X.shape[1] + J
     limit = n * n // 4
     big = []
@@ -237,7 +223,7 @@ def test_a_2000_group_hyper_fit_allocates_nothing_quadratic(monkeypatch):
         monkeypatch.setattr(torch, name, watch(getattr(torch, name)))
     monkeypatch.setattr(torch.Tensor, "to_dense", watch(torch.Tensor.to_dense))
     tracemalloc.start()
-    res = pcv.fit(ri_logistic, grp, J, X, y=y, engine="dual_vg", progress=False)
+    res = pcv.fit(centred_hyper, X, grp, J, y=y, engine="dual_vg", progress=False)
     loc, var = res.posterior.loc, res.posterior.variance
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()

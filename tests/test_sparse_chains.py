@@ -17,34 +17,9 @@ from pyro_convexvb.lgm.sites import BernoulliLogit
 from pyro_convexvb.linalg.operators import SparseOperator
 from pyro_convexvb.linalg.sparse_cholesky import SparseCholesky
 
+from _hierarchies import centred, noncentred, random_intercepts
+
 D = torch.float64
-
-
-def _data(J=8, N=60, p=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    grp = torch.randint(0, J, (N,), generator=g)
-    X = torch.randn(N, p, generator=g, dtype=D)
-    a = -0.3 + 0.8 * torch.randn(J, generator=g, dtype=D)
-    y = (torch.rand(N, generator=g, dtype=D) < torch.sigmoid(a[grp] + X @ torch.linspace(-1, 1, p, dtype=D))).to(D)
-    return X, grp, y
-
-
-def centred(X, grp, J, y=None, sigma=0.7):
-    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.2, dtype=D), 2.0))
-    b = pyro.sample("b", dist.Normal(torch.zeros(X.shape[1], dtype=D), 1.0).to_event(1))
-    with pyro.plate("groups", J):
-        alpha = pyro.sample("alpha", dist.Normal(mu, sigma))
-    with pyro.plate("data", X.shape[0]):
-        pyro.sample("y", dist.Bernoulli(logits=alpha[grp] + X @ b), obs=y)
-
-
-def noncentred(X, grp, J, y=None, sigma=0.7):
-    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.2, dtype=D), 2.0))
-    b = pyro.sample("b", dist.Normal(torch.zeros(X.shape[1], dtype=D), 1.0).to_event(1))
-    with pyro.plate("groups", J):
-        z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
-    with pyro.plate("data", X.shape[0]):
-        pyro.sample("y", dist.Bernoulli(logits=(mu + sigma * z)[grp] + X @ b), obs=y)
 
 
 def _fit(model, *args, y=None, **options):
@@ -173,7 +148,7 @@ def test_chain_matrix_of_a_two_level_hierarchy_equals_the_per_coordinate_one(mon
 # ----------------------------------------------------------------------------- fits
 def test_sparse_form_equals_the_dense_latent_form_on_a_centred_model():
     J = 8
-    X, grp, y = _data(J)
+    X, grp, y = random_intercepts(J, rows=60)
     r1 = _fit(centred, X, grp, J, y=y, form="sparse", gap_tol=1e-12)
     r2 = _fit(centred, X, grp, J, y=y, form="latent", gap_tol=1e-12)
     assert r1.info["form"] == "sparse" and r1.converged and r2.converged
@@ -194,7 +169,7 @@ def test_sparse_form_equals_the_dense_latent_form_on_a_centred_model():
 
 def test_centred_equals_noncentred_on_the_sparse_form():
     J, sigma = 8, 0.7
-    X, grp, y = _data(J, seed=3)
+    X, grp, y = random_intercepts(J, rows=60, seed=3)
     r1 = _fit(centred, X, grp, J, y=y, form="sparse", gap_tol=1e-12)
     r2 = _fit(noncentred, X, grp, J, y=y, form="sparse", gap_tol=1e-12)
     assert r2.info["form"] == "sparse"
@@ -209,13 +184,9 @@ def test_centred_equals_noncentred_on_the_sparse_form():
     assert abs(r1.log_evidence_bound - r2.log_evidence_bound) < 1e-8
 
 
-def _big_problem(J, rows_per_group=10, p=3):
-    g = torch.Generator().manual_seed(0)
-    N = rows_per_group * J
-    grp = torch.arange(N) % J
-    X = torch.randn(N, p, generator=g, dtype=D)
-    y = (torch.rand(N, generator=g, dtype=D) < torch.sigmoid(0.5 * torch.randn(J, generator=g, dtype=D)[grp])).to(D)
-    return X, grp, y
+def _big_problem(J):
+    """2000-group-scale data: three rows per group, round robin, three noise covariates."""
+    return random_intercepts(J, rows=3 * J, grouping="cyclic", p=3, intercept=(0.0, 0.5), slopes=False)
 
 
 def test_a_2000_group_model_allocates_nothing_quadratic():
@@ -224,7 +195,7 @@ def test_a_2000_group_model_allocates_nothing_quadratic():
     import tracemalloc
 
     J = 2000
-    X, grp, y = _big_problem(J, rows_per_group=3)
+    X, grp, y = _big_problem(J)
     n = 1 + X.shape[1] + J
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         tracemalloc.start()
@@ -255,7 +226,7 @@ def centred_gaussian(X, grp, J, y=None):
 @pytest.mark.parametrize("form", ["auto", "sparse"])
 def test_type2_learning_of_a_param_outside_the_chain_is_the_marginal_likelihood_optimum(form):
     J = 6
-    X, grp, _ = _data(J, N=40, seed=7)
+    X, grp, _ = random_intercepts(J, rows=40, seed=7)
     g = torch.Generator().manual_seed(8)
     y = 0.8 * torch.randn(J, generator=g, dtype=D)[grp] + X @ torch.tensor([1.0, -0.5], dtype=D) \
         + 0.6 * torch.randn(40, generator=g, dtype=D)
@@ -403,7 +374,7 @@ def test_convex_relaxation_on_2000_random_intercepts_keeps_the_design_sparse(mon
     dense ``N x n`` design or ``n x n`` covariance it went through before; on a small instance the mapped posterior
     equals the dense map."""
     J = 8
-    X, grp, y = _data(J)
+    X, grp, y = random_intercepts(J, rows=60)
     r1 = pcv.fit(centred, X, grp, J, y=y, engine="convex_relaxation", progress=False)
     import pyro_convexvb.lgm.chains as chains
 
@@ -415,7 +386,7 @@ def test_convex_relaxation_on_2000_random_intercepts_keeps_the_design_sparse(mon
     assert torch.allclose(r1.posterior.variance, r2.posterior.variance, rtol=1e-8, atol=1e-12)
 
     J = 2000
-    X, grp, y = _big_problem(J, rows_per_group=3)
+    X, grp, y = _big_problem(J)
     n, N = 1 + X.shape[1] + J, X.shape[0]
     big = []
 

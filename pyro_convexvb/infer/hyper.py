@@ -44,12 +44,18 @@ __all__ = [
     "ThetaSpace",
     "theta_space",
     "conditioned_model",
+    "ConditionedModel",
     "design_points",
     "HyperPosterior",
 ]
 
 #: Largest total (unconstrained) dimension of the hyper-latents integrated over.
 HYPER_MAX_DIM = 10
+
+#: Whether design points reuse the first extraction's affine maps (:class:`HyperObjective`; the result equals a fresh
+#: extraction at every point). ``False`` extracts every point afresh, as before: for benchmarks and tests that
+#: compare the two.
+REUSE_EXTRACTION = True
 
 #: Distribution parameters through which a latent site may feed another site's *prior* (or an
 #: observation's noise) -- dependence there makes it a hyper-latent.
@@ -162,6 +168,57 @@ def conditioned_model(model, values):
     return poutine.block(poutine.condition(model, data=values), hide=list(values))
 
 
+class _ThetaLogProb(poutine.messenger.Messenger):
+    """Records ``log p(theta)``, the hyper-latents' own prior log densities at their conditioned values."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names, self.terms = set(names), {}
+
+    def _pyro_post_sample(self, msg):
+        if msg["name"] in self.names:
+            with torch.no_grad():
+                self.terms[msg["name"]] = msg["fn"].log_prob(msg["value"]).sum()
+
+
+class ConditionedModel:
+    """``model`` with the hyper-latents fixed at ``values`` and hidden from traces (as :func:`conditioned_model`),
+    as a design point of :class:`HyperObjective` runs it.
+
+    It carries the integration's shared ``extraction_cache`` (the structure trace and the
+    :class:`~pyro_convexvb.lgm.template.ExtractionTemplate` of its affine maps), and every run records
+    ``log p(theta)`` in :attr:`log_prior` (a float, the sum of the hyper-latents' prior log densities in trace
+    order, as :func:`log_prior` computes it), so that a design point needs no run of its own for it.
+
+    :param model: the Pyro model.
+    :param dict values: ``{name: value}`` of the hyper-latents (constrained).
+    :param dict extraction_cache: shared by the conditioned models of one integration, or ``None``.
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> def model():
+        ...     s = pyro.sample("s", dist.HalfNormal(torch.tensor(1.0, dtype=torch.float64)))
+        ...     return pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), s).to_event(1))
+        >>> m = ConditionedModel(model, {"s": torch.tensor(0.5, dtype=torch.float64)})
+        >>> list(pyro.poutine.trace(m).get_trace().nodes)  # s is fixed and hidden
+        ['_INPUT', 'w', '_RETURN']
+        >>> round(m.log_prior, 6)  # log HalfNormal(0.5 | 1)
+        -0.350791
+    """
+
+    def __init__(self, model, values, extraction_cache=None):
+        self.model, self.values, self.extraction_cache = model, values, extraction_cache
+        self.log_prior = None
+
+    def __call__(self, *args, **kwargs):
+        rec = _ThetaLogProb(self.values)
+        with poutine.block(hide=list(self.values)), rec, poutine.condition(data=self.values):
+            out = self.model(*args, **kwargs)
+        self.log_prior = float(sum(rec.terms[n] for n in self.values)) if len(rec.terms) == len(self.values) else None
+        return out
+
+
 def log_prior(model, args, kwargs, values):
     """``log p(theta)``: the hyper-latents' own prior log densities at ``values`` (constrained)."""
     with torch.no_grad(), full_data_plates():
@@ -261,20 +318,33 @@ class HyperObjective:
     finite-difference evaluations. A point asked for again with more than it kept is fitted again from its own
     state (a few Newton steps at most); its value stays the first one.
 
-    The conditioned models of all points share one ``extraction_cache`` (the structure trace is taken once), and
-    when the engine's warm-start state can reuse the data-sized structure of the latest fit
-    (``state.reusing(full_state)``: ``dual_vg``'s sparse latent form keeps the site pairs, the fill-reducing
-    ordering and the symbolic factorisations; only the prior's values change with ``theta``), it is passed on.
+    The conditioned models of all points (:class:`ConditionedModel`) share one ``extraction_cache``: the structure
+    trace is taken once, and an :class:`~pyro_convexvb.lgm.template.ExtractionTemplate` keeps the affine maps of
+    the sites and chains, so each point runs the model once (that run also gives ``log p(theta)``) and updates the
+    values that read ``theta``; a map that changed with ``theta`` is extracted afresh, and what each extraction
+    reused is summarised by :meth:`extraction_report`. When the engine's warm-start state can reuse the
+    data-sized structure of the latest fit (``state.reusing(full_state)``: ``dual_vg``'s sparse latent form keeps
+    the site pairs, the fill-reducing ordering and the symbolic factorisations; only the prior's values change
+    with ``theta``), it is passed on.
+
+    :param bool reuse_extraction: keep the extraction template (default); ``False`` extracts every point afresh
+        (two runs of the model and the design's probes, and one more run for ``log p(theta)``), the reference the
+        template is tested against.
     """
 
-    def __init__(self, engine, space, args, kwargs, history=None, bar=None):
+    def __init__(self, engine, space, args, kwargs, history=None, bar=None, reuse_extraction=True):
+        from ..lgm.template import ExtractionTemplate
+
         self.engine, self.space, self.args, self.kwargs = engine, space, args, kwargs
         self.history, self.bar = history, bar
         self.cache = {}  # key -> [value, summary, full result, _PointResult or None]
         self.pinned = {}  # key -> "full" or "posterior"
         self._latest = None  # key of the latest fit (its full result is kept until the next one)
-        self._extraction_cache = {}
+        self.reuse_extraction = bool(reuse_extraction)
+        self._extraction_cache = {"template": ExtractionTemplate()} if self.reuse_extraction else {}
+        self.records = []  # the ExtractionRecord of every inner fit's extraction
         self.fits = 0  # inner fits run (refits of released points included)
+        self._log_prior = None  # log p(theta) recorded by the latest inner fit's run of the model
 
     def _nearest(self, z):
         if not self.cache:
@@ -288,17 +358,19 @@ class HyperObjective:
         latest = None if self._latest is None else self.cache[self._latest][2]
         if init is not None and latest is not None and latest.state is not None and hasattr(init, "reusing"):
             init = init.reusing(latest.state)
-        model = conditioned_model(eng.model, values)
-        try:
-            model.extraction_cache = self._extraction_cache
-        except AttributeError:  # pragma: no cover - a handler that takes no attributes: extracted from scratch
-            pass
+        model = ConditionedModel(eng.model, values, self._extraction_cache)
+        template = self._extraction_cache.get("template")
+        if template is not None:
+            template.record = None
         inner = eng.inner_engine(model, None if init is None else _WarmFrom(init), learn_params=False)
         inner.extract_dtype = torch.float64  # bounds accurate enough for finite differences over theta
         with warnings.catch_warnings():  # the outer fit counts unconverged design points and warns once
             warnings.simplefilter("ignore", ConvergenceWarning)
             res = inner.run(*self.args, **self.kwargs)
         self.fits += 1
+        self._log_prior = model.log_prior if self.reuse_extraction else None
+        if template is not None and template.record is not None:
+            self.records.append(template.record)
         if res.log_evidence_bound is None or not math.isfinite(res.log_evidence_bound):
             raise UnsupportedModelError(self.space.names[0], f"engine '{eng.name}' gave no evidence bound at "
                                                              f"theta = {values}; hyper-latents need one")
@@ -342,8 +414,10 @@ class HyperObjective:
                     self._release_latest(key)
             return entry[0], entry[2] if entry[2] is not None else entry[1]
         values, logjac = self.space.unpack(z)
-        lp = log_prior(self.engine.model, self.args, self.kwargs, values)
         res = self._run(z, values, self._nearest(z))
+        lp = self._log_prior  # recorded by the fit's own run of the model
+        if lp is None:
+            lp = log_prior(self.engine.model, self.args, self.kwargs, values)
         value = lp + logjac + float(res.log_evidence_bound)
         self.cache[key] = [value, _FitSummary(res), res]
         if keep:
@@ -357,6 +431,41 @@ class HyperObjective:
 
     def __call__(self, z):
         return self.fit(z)[0]
+
+    def extraction_report(self):
+        """What the design points' extractions took from the template (plain values, kept in ``res.hyper``).
+
+        ``extractions`` (inner fits), ``reused`` (extractions that took every affine map from the template),
+        ``re_extracted`` (component -> how many extractions extracted its map afresh although the template had
+        one) with the ``reasons``, ``structure_changes`` (extractions whose latent structure differed from the
+        template's, which was then dropped) and a one-line ``summary``.
+        """
+        if not self.reuse_extraction:
+            return {"extractions": self.fits, "reused": 0, "re_extracted": {}, "reasons": {}, "structure_changes": 0,
+                    "summary": "every design point extracted afresh (reuse_extraction=False)"}
+        counts, reasons, structure, first_structure = {}, {}, 0, None
+        for rec in self.records:
+            for name, why in rec.changed.items():
+                counts[name] = counts.get(name, 0) + 1
+                reasons.setdefault(name, why)
+            if rec.structure is not None:
+                structure += 1
+                first_structure = first_structure or rec.structure
+        reused = sum(rec.complete for rec in self.records)
+        parts = [f"{reused} of {len(self.records)} design-point extractions reused every affine map"]
+        if counts:
+            parts.append("extracted afresh: " + "; ".join(f"{n} at {c} (because {reasons[n]})"
+                                                          for n, c in counts.items()))
+        if structure:
+            parts.append(f"the model's structure changed with the hyper-latents at {structure} point"
+                         f"{'s' if structure > 1 else ''} ({first_structure}): extracted afresh there")
+        return {"extractions": len(self.records), "reused": reused, "re_extracted": counts, "reasons": reasons,
+                "structure_changes": structure, "structure_reason": first_structure, "summary": "; ".join(parts)}
+
+    def release_extraction(self):
+        """Drop the shared extraction cache (structure trace and template): the design points' posteriors keep
+        their conditioned models, which would otherwise keep it alive."""
+        self._extraction_cache.clear()
 
 
 def _initial_z(model, args, kwargs, space, num=51, seed=0):
@@ -491,7 +600,8 @@ def _design_weights(strategy, x, a, logf, prune):
 
 
 def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_step=1e-3, hess_step=2e-2,
-                    grid_step=0.75, grid_radius=3.0, max_radius=40.0, prune=7.0, f0=1.1, run=None):
+                    grid_step=0.75, grid_radius=3.0, max_radius=40.0, prune=7.0, f0=1.1, run=None,
+                    reuse_extraction=None):
     """INLA-style integration (or maximisation) over the hyper-latents ``hyper_names`` (see the module docstring).
 
     The grid grows ring by ring, next to rim points whose log density is within ``prune`` of the top, up to
@@ -503,16 +613,22 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
 
     :param engine: the outer :class:`~pyro_convexvb.infer.engine.Engine` (its class fits each conditioned model).
     :param str strategy: ``"grid"``, ``"ccd"``, ``"auto"`` (grid for ``d <= 2``) or ``"map"`` (the mode only).
+    :param reuse_extraction: build each design point's latent Gaussian model from the first extraction's affine
+        maps (:class:`HyperObjective`); ``None`` takes :data:`REUSE_EXTRACTION`.
     :returns: ``(posterior, mode result, info)``: a :class:`HyperPosterior` (``None`` for ``"map"``), the
-        engine's result at the mode, and a dict with the mode, Hessian, points, weights and evaluations.
+        engine's result at the mode, and a dict with the mode, Hessian, points, weights, evaluations and the
+        extraction report (:meth:`HyperObjective.extraction_report`).
     """
+    if reuse_extraction is None:
+        reuse_extraction = REUSE_EXTRACTION
     model = engine.model
     space = theta_space(model, args, kwargs, hyper_names)
     field_dtypes = [s["value"].dtype for n, s in latent_sites(model, args, kwargs)
                     if n not in hyper_names and s["value"].is_floating_point()]
     out_dtype = field_dtypes[0] if field_dtypes else None  # the model's own dtype, reported back
     bar = run.bar(unit="fit", desc=f"{engine.name} (hyper)") if run is not None else None
-    obj = HyperObjective(engine, space, args, kwargs, history=None if run is None else run.history, bar=bar)
+    obj = HyperObjective(engine, space, args, kwargs, history=None if run is None else run.history, bar=bar,
+                         reuse_extraction=reuse_extraction)
     z0 = _initial_z(model, args, kwargs, space)
     gtol = 1e-3
     z_mode, f_mode, opt = find_mode(obj, z0, fd_step=fd_step, gtol=gtol, hess_step=hess_step)
@@ -521,7 +637,8 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     info = {"mode_z": z_mode, "mode_theta": space.unpack(z_mode)[0], "log_post_mode": f_mode,
             "mode_grad_norm": gnorm, "mode_gtol": gtol, "mode_message": str(opt.message), "space": space}
     if strategy == "map":
-        info.update(evaluations=len(obj.cache), fits=obj.fits)
+        info.update(evaluations=len(obj.cache), fits=obj.fits, extraction=obj.extraction_report())
+        obj.release_extraction()
         post = HyperPosterior(space, z_mode.reshape(1, -1), torch.ones(1, dtype=torch.float64),
                               [mode_res.posterior], torch.tensor([f_mode], dtype=torch.float64),
                               ThetaDensity.point(z_mode), torch.zeros(1, space.dim, dtype=torch.float64), z_mode,
@@ -564,8 +681,10 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
                           logf[idx], density, x[idx], z_mode, H, layout=mode_res.posterior.layout,
                           out_dtype=out_dtype)
     info.update(strategy=strategy, radius=radius, truncated=truncated, evaluations=len(obj.cache), fits=obj.fits,
+                extraction=obj.extraction_report(),
                 hessian=H,
                 design_x=x[idx],
                 design_a=a[idx],
                 results=[results[k] for k in idx])
+    obj.release_extraction()
     return post, mode_res, info

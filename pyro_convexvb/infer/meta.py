@@ -135,9 +135,13 @@ def run_hyper(engine, hyper, args, kwargs, t0):
     else:
         marg = post.theta_marginals()
         reason = f"hyper-latents integrated ({info['strategy']}, {post.num_points} points)"
+    extraction = info["extraction"]
+    if extraction.get("structure_changes"):  # the model's structure read the hyper-latents: say where it was re-extracted
+        reason += (f"; the model's structure changed with the hyper-latents at {extraction['structure_changes']} "
+                   "design points, extracted afresh there")
     hyper_info = {"names": info["space"].names, "mode": info["mode_theta"], "marginals": marg,
                   "log_post_mode": info["log_post_mode"], "evaluations": info["evaluations"],
-                  "strategy": "map" if o.hyper == "map" else info["strategy"]}
+                  "strategy": "map" if o.hyper == "map" else info["strategy"], "extraction": extraction}
     sol = Solution(post, None, Optimality(crit), reason,
                    {"hyper": hyper_info, "mode_result": mode_res, "hyper_details": info})
     res = engine.assemble(sol, run, mode_res.lgm, args, kwargs, t0)

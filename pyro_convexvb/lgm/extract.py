@@ -598,7 +598,8 @@ def _probed_operator(jac, layout, q, n, dtype, device):
 
 
 def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype, rows=None, keep_graph=False):
-    """``(operator, offset)`` with ``eta(u) = operator @ u + offset`` on ``rows`` (all rows by default).
+    """``(operator, offset, B u0)`` with ``eta(u) = operator @ u + offset`` on ``rows`` (all rows by default) and
+    ``B u0`` the product of the map on all rows at ``u0`` (an extraction template's offsets follow from it).
 
     ``eta`` is the predictor at ``u0`` (with its autograd graph), ``eta1`` at ``u1``; raises if the
     two points do not lie on one affine map.
@@ -627,10 +628,11 @@ def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype,
         op = _probed_operator(jac, layout, q, n, dtype, u0.device) if sparse_worth else None
     if op is None:
         op = DenseOperator(jac.dense()) if q * n <= DENSE_JACOBIAN_LIMIT else jac.operator()
-    offset = _d(eta - op.mv(u0.detach()).to(eta.dtype), keep_graph)
+    Bu0 = op.mv(u0.detach()).to(eta.dtype)
+    offset = _d(eta - Bu0, keep_graph)
     if rows is not None:
         op, offset = _select_rows(op, rows), offset[rows]
-    return op, offset
+    return op, offset, Bu0
 
 
 def _factor_group(name, F0, u0, F1, u1, dtype):
@@ -738,8 +740,11 @@ def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
     :param kwargs: keyword arguments of the model (e.g. ``y=...`` observations).
 
     A model with an ``extraction_cache`` dict attribute (type-II learning's model at other params,
-    :mod:`pyro_convexvb.infer.type2`) keeps its structure trace there, and later extractions at other params skip
-    it while the model's sample sites and their shapes stay the same.
+    :mod:`pyro_convexvb.infer.type2`; the conditioned models of hyper-latent integration) keeps its structure trace
+    there, and later extractions at other params skip it while the model's sample sites and their shapes stay the
+    same. With an :class:`~pyro_convexvb.lgm.template.ExtractionTemplate` under ``"template"`` it also keeps the
+    affine maps of the sites and chains, which later extractions take where they recognise them (one run of the
+    model instead of two, no probing; the result is that of a fresh extraction).
 
     :raises UnsupportedModelError: naming the site and the reason, for models outside the class, and
         (site ``'<model>'``) for a model that fails on mixed float32/float64 tensors.
@@ -917,11 +922,14 @@ def _reads_leaves_other_than(t, u):
     return False
 
 
-def _chain_prior(b, site, u0, u1, tr1, layout, chain_names, dtype, device, keep_graph=False):
+def _chain_prior(x, b, site):
     """``(prior block, (rows, cols, vals))`` of a chain child ``b``: its prior ``N(b, S)`` on ``u_b = x_b - A_b x``
-    and the coordinates of ``A_b`` (rows within the block, columns of ``u``); refuses a mean that is not affine."""
+    and the coordinates of ``A_b`` (rows within the block, columns of ``u``); refuses a mean that is not affine.
+    With an extraction template (:mod:`~pyro_convexvb.lgm.template`) whose coefficients the mean matches, they are
+    the template's."""
     from .chains import chain_jacobian
 
+    dtype, device, keep_graph, u0, layout = x.dtype, x.device, x.keep_graph, x.u0, x.layout
     fn = site["fn"]
     base, _ = _unwrap(fn)
     full = tuple(fn.batch_shape) + tuple(fn.event_shape)
@@ -931,28 +939,37 @@ def _chain_prior(b, site, u0, u1, tr1, layout, chain_names, dtype, device, keep_
             b.name, "the mean of this child of an affine Gaussian chain depends on a pyro.param value: its coefficients "
                     "and constant are extracted as constants, so gradients of the evidence with respect to those "
                     "params (keep_graph, learn_params) are not available; make the param a latent site, or fix it")
-    loc1 = _unwrap(tr1.nodes[b.name]["fn"])[0].loc.expand(full).reshape(-1).detach().to(dtype)
-    gen = torch.Generator().manual_seed(2)
-    w = (torch.rand(loc.shape, generator=gen, dtype=loc.dtype) + 0.5).to(loc.device)
-    g = torch.autograd.grad((loc * w).sum(), u0, retain_graph=True, allow_unused=True)[0]
-    parents = [p for p in layout.blocks if g is not None and bool(((g[p.slice] != 0) | torch.isnan(g[p.slice])).any())]
-    for p in parents:
-        if p.start >= b.start:
-            raise UnsupportedModelError(b.name, f"its mean reads the latent site '{p.name}', sampled after it")
-    rows, cols, vals = chain_jacobian(b.name, loc, u0, [p.slice for p in parents], dtype)
-    J = torch.sparse_coo_tensor(torch.stack([torch.as_tensor(rows), torch.as_tensor(cols)]),
-                                torch.as_tensor(vals, dtype=dtype), (loc.shape[0], u0.shape[0])).to(device)
-    du = (u1 - u0).detach()
-    e0 = loc.detach()
-    pred = e0 + torch.sparse.mm(J, du.unsqueeze(-1)).squeeze(-1)
-    err = _absmax(pred - loc1)
-    tol = _AFFINE_RTOL if dtype == torch.float64 else 1e-3
-    if not math.isfinite(err) or err > tol * (1.0 + _absmax(loc1) + _absmax(e0)):
-        raise UnsupportedModelError(
-            b.name, f"the mean of the latent site is not an affine function of the latent sites it reads "
-                    f"({', '.join(p.name for p in parents)}; deviation {err:.3g}); an affine Gaussian chain needs "
-                    "loc = A x + b")
-    offset = e0 - torch.sparse.mm(J, u0.detach().unsqueeze(-1)).squeeze(-1)
+    hit = None if x.template is None else x.template.lookup("chain", b.name, loc, u0)
+    if hit is not None:
+        (rows, cols, vals), Ju0 = hit.value, hit.Bu0
+    else:
+        u1, tr1, _, _ = x.second_trace()
+        loc1 = _unwrap(tr1.nodes[b.name]["fn"])[0].loc.expand(full).reshape(-1).detach().to(dtype)
+        gen = torch.Generator().manual_seed(2)
+        w = (torch.rand(loc.shape, generator=gen, dtype=loc.dtype) + 0.5).to(loc.device)
+        g = torch.autograd.grad((loc * w).sum(), u0, retain_graph=True, allow_unused=True)[0]
+        parents = [p for p in layout.blocks
+                   if g is not None and bool(((g[p.slice] != 0) | torch.isnan(g[p.slice])).any())]
+        for p in parents:
+            if p.start >= b.start:
+                raise UnsupportedModelError(b.name, f"its mean reads the latent site '{p.name}', sampled after it")
+        rows, cols, vals = chain_jacobian(b.name, loc, u0, [p.slice for p in parents], dtype)
+        J = torch.sparse_coo_tensor(torch.stack([torch.as_tensor(rows), torch.as_tensor(cols)]),
+                                    torch.as_tensor(vals, dtype=dtype), (loc.shape[0], u0.shape[0])).to(device)
+        du = (u1 - u0).detach()
+        e0 = loc.detach()
+        pred = e0 + torch.sparse.mm(J, du.unsqueeze(-1)).squeeze(-1)
+        err = _absmax(pred - loc1)
+        tol = _AFFINE_RTOL if dtype == torch.float64 else 1e-3
+        if not math.isfinite(err) or err > tol * (1.0 + _absmax(loc1) + _absmax(e0)):
+            raise UnsupportedModelError(
+                b.name, f"the mean of the latent site is not an affine function of the latent sites it reads "
+                        f"({', '.join(p.name for p in parents)}; deviation {err:.3g}); an affine Gaussian chain needs "
+                        "loc = A x + b")
+        Ju0 = torch.sparse.mm(J, u0.detach().unsqueeze(-1)).squeeze(-1)
+        if x.template is not None:
+            x.template.store("chain", b.name, loc, u0, None, (rows, cols, vals), Ju0)
+    offset = loc.detach() - Ju0
     prior, lap = _latent_prior(b.name, fn, b.shape, dtype, device, keep_graph, loc=offset)
     return prior, (rows, cols, vals)
 
@@ -1021,6 +1038,9 @@ class _Extraction:
         self.dtype, self.keep_graph, self.site_dtype, self.device = dtype, keep_graph, site_dtype, device
         self.gen = torch.Generator(device="cpu").manual_seed(0)
         self.fixed, self._second = None, None
+        #: an :class:`~pyro_convexvb.lgm.template.ExtractionTemplate` whose affine maps this extraction reuses
+        #: where they match (``None``: every map is extracted)
+        self.template = None
 
     def draw(self, n):
         return torch.randn(n, generator=self.gen, dtype=self.dtype).to(self.device).requires_grad_(True)
@@ -1046,9 +1066,21 @@ class _Extraction:
         return self._second
 
     def affine(self, name, eta, eta1, rows=None):
+        """``(operator, offset)`` of the predictor ``eta`` (at ``u0``, with its graph) on ``rows``: the template's
+        operator when it recognises the map, else extracted with ``eta1`` (the predictor at ``u1``, or a callable
+        that reads it from the second trace, called only then)."""
+        tpl = self.template
+        hit = None if tpl is None else tpl.lookup("site", name, eta, self.u0, rows)
+        if hit is not None:
+            offset = _d(eta - hit.Bu0, self.keep_graph)
+            return hit.value, (offset if rows is None else offset[rows])
+        eta1 = eta1() if callable(eta1) else eta1
         u1 = self.second_trace()[0]
-        return _affine_operator(name, eta, eta1, self.u0, u1, self.gen, self.records, self.layout, self.vals,
-                                self.dtype, rows=rows, keep_graph=self.keep_graph)
+        op, offset, Bu0 = _affine_operator(name, eta, eta1, self.u0, u1, self.gen, self.records, self.layout,
+                                           self.vals, self.dtype, rows=rows, keep_graph=self.keep_graph)
+        if tpl is not None:
+            tpl.store("site", name, eta, self.u0, rows, op, Bu0)
+        return op, offset
 
 
 def _prior_blocks(x, chain_names):
@@ -1074,8 +1106,7 @@ def _prior_blocks(x, chain_names):
             intrinsic.append(entry)
             lap = None
         elif b.name in chain_names:
-            u1, tr1, _, _ = x.second_trace()
-            prior, (r, c, v) = _chain_prior(b, site, x.u0, u1, tr1, x.layout, chain_names, dtype, device, keep_graph)
+            prior, (r, c, v) = _chain_prior(x, b, site)
             chain_coo.append((r + b.start, c, v))
             lap = None
         else:
@@ -1111,8 +1142,11 @@ def _imputed_blocks(x, full_layout, imputed_names):
         if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
             raise UnsupportedModelError(b.name, "prior scale must be positive and finite")
         eta = base.loc.expand(full).reshape(-1).to(x.dtype)
-        tr1 = x.second_trace()[1]
-        eta1 = _unwrap(tr1.nodes[b.name]["fn"])[0].loc.expand(full).reshape(-1).detach().to(x.dtype)
+
+        def eta1(name=b.name):
+            tr1 = x.second_trace()[1]
+            return _unwrap(tr1.nodes[name]["fn"])[0].loc.expand(full).reshape(-1).detach().to(x.dtype)
+
         op, offset = x.affine(b.name, eta, eta1)
         imputed.append(ImputedBlock(b.name, b.shape, op, offset, scale))
     return imputed
@@ -1156,8 +1190,9 @@ def _observed_groups(x, observed):
             params["num_classes"] = eta.shape[0] // y.shape[0]
         family = family_cls.from_site(name, y_k, **{k: v if idx is None or not torch.is_tensor(v) else v[idx]
                                                     for k, v in params.items()})
-        tr1 = x.second_trace()[1]
-        eta1 = _observed_site(name, tr1.nodes[name], dtype)[2].detach()
+        def eta1(name=name):
+            return _observed_site(name, x.second_trace()[1].nodes[name], dtype)[2].detach()
+
         op, offset = x.affine(name, eta, eta1, rows=rows)
         if weight is not None:
             family, const = tempered(family, (weight if idx is None else weight[idx]).to(dtype))
@@ -1186,9 +1221,9 @@ def _factor_groups(x, factors, log_const):
     return groups, log_const
 
 
-def _chain_of(n, chain_coo, intrinsic, chain_names, dtype, device):
+def _chain_of(n, chain_coo, intrinsic, chain_names, dtype, device, template=None):
     """The :class:`~pyro_convexvb.lgm.chains.AffineChain` ``x = M u + c`` of the affine Gaussian chains and intrinsic
-    GMRFs, or ``None``."""
+    GMRFs, or ``None``; an extraction template's chain when its coefficients and intrinsic blocks are the same."""
     if not (chain_coo or intrinsic):
         return None
     import numpy as np
@@ -1197,11 +1232,19 @@ def _chain_of(n, chain_coo, intrinsic, chain_names, dtype, device):
     from .chains import AffineChain
 
     coo = chain_coo or [(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))]
-    A = sp.coo_matrix((np.concatenate([v for _, _, v in coo]),
-                       (np.concatenate([r for r, _, _ in coo]), np.concatenate([c for _, c, _ in coo]))),
-                      shape=(n, n))
-    return AffineChain(A, chain_names or [e[3] for e in intrinsic], dtype=dtype, device=device,
-                       intrinsic=[e[:3] for e in intrinsic])
+    rows, cols = np.concatenate([r for r, _, _ in coo]), np.concatenate([c for _, c, _ in coo])
+    vals = np.concatenate([v for _, _, v in coo])
+    children = chain_names or [e[3] for e in intrinsic]
+
+    def build():
+        A = sp.coo_matrix((vals, (rows, cols)), shape=(n, n))
+        return AffineChain(A, children, dtype=dtype, device=device, intrinsic=[e[:3] for e in intrinsic])
+
+    if template is None:
+        return build()
+    signature = (n, tuple(children), str(dtype), str(device), rows, cols, vals,
+                 tuple((e[0].start, e[0].stop, e[1], np.asarray(e[2])) for e in intrinsic))
+    return template.chain_for(signature, build)
 
 
 def _extract(model, args, kwargs, dtype, keep_graph):
@@ -1225,12 +1268,19 @@ def _extract(model, args, kwargs, dtype, keep_graph):
     # (ImputedBlock); Gaussian sites whose loc (only) is affine in other latents are affine Gaussian chains
     uf = x.draw(full_layout.size)
     x.at(uf, full_layout)
+    template = None if cache is None else cache.get("template")
     if cached and _sites(x.tr) != _sites(tr0):  # the sites changed with the params: trace the structure again
         del cache["structure"]
+        if template is not None:
+            template.note_structure_change("the model's sample sites or their shapes changed")
         return _extract(model, args, kwargs, dtype, keep_graph)
     if cache is not None:
         cache["structure"] = tr0
     imputed_names, chain_names = _classify_dependent_latents(x.tr, full_layout, uf)
+    if template is not None:  # maps kept by an extraction of the same latent structure (lgm.template)
+        template.begin((tuple((b.name, tuple(b.shape)) for b in full_layout.blocks), tuple(sorted(imputed_names)),
+                        tuple(chain_names), str(dtype), str(device), bool(keep_graph)))
+        x.template = template
     if imputed_names:
         layout = LatentLayout.from_shapes([(b.name, b.shape) for b in full_layout.blocks if b.name not in imputed_names],
                                           [b.event_dim for b in full_layout.blocks if b.name not in imputed_names])
@@ -1248,10 +1298,10 @@ def _extract(model, args, kwargs, dtype, keep_graph):
         if site["type"] == "sample" and not site["is_observed"] and not _is_subsample(site) \
                 and name not in full_layout.names:
             raise UnsupportedModelError(name, "latent site appeared only in some executions of the model")
-    chain = _chain_of(x.n, chain_coo, intrinsic, chain_names, dtype, device)
+    chain = _chain_of(x.n, chain_coo, intrinsic, chain_names, dtype, device, template)
     if chain is not None:
         for g in laplace_groups + groups:
             g.offset = chain.offset(g.design, g.offset)
-            g.design = chain.design(g.design)
+            g.design = chain.design(g.design) if template is None else template.compose(chain, g.name, g.design)
     return LatentGaussianModel(x.layout, priors, laplace_groups + groups, log_const=log_const, imputed=imputed,
                                model_layout=full_layout, chain=chain)
