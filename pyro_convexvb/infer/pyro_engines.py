@@ -41,7 +41,7 @@ from torch.distributions import biject_to
 from ..errors import UnsupportedModelError
 from ..linalg.operators import DENSE_LIMIT
 from ..lgm.extract import full_data_plates, latent_sites
-from .engine import Engine
+from .engine import ModelEngine
 from .options import EngineOptions, Type2Options, option
 from .optimality import gaussian_decrement, monte_carlo_objective
 from .result import Criterion, Optimality, Solution
@@ -271,11 +271,10 @@ class SVILowRankOptions(SVIOptions):
     rank: typing.Optional[int] = option(None, "rank of the covariance factor (default: Pyro's sqrt(n))", min=1)
 
 
-class _PyroModelEngine(Engine):
-    """Engines that run on the Pyro model itself: continuous latents, and observations valid for their
-    likelihood as the latent Gaussian extraction checks them (Pyro's NUTS would accept Bernoulli labels 2 or -1)."""
-
-    takes = "model"
+class _PyroModelEngine(ModelEngine):
+    """Pyro's engines on the Pyro model itself: continuous latents, and observations valid for their
+    likelihood as the latent Gaussian extraction checks them (Pyro's NUTS would accept Bernoulli labels 2 or -1);
+    their guides' parameters live under a private prefix of Pyro's param store."""
 
     @property
     def param_prefix(self):
@@ -300,7 +299,6 @@ class SVIEngine(_PyroModelEngine):
     all rows up to the order of floating-point additions. Subsampled plates are refused there.
     """
 
-    takes = "model"
     Options = SVIOptions
     guide_cls = None
     optimality_measure = ("natural-gradient decrement of the evidence bound <= decrement_tol (exact bound for latent "
