@@ -113,10 +113,10 @@ class Engine:
     :param options: the engine's options (fields of its :attr:`Options` dataclass).
 
     Class attributes a subclass sets: ``name`` (registry name), ``description`` (one line),
-    ``Options`` (its :class:`EngineOptions` subclass) and ``optimality_measure`` (what ``converged`` means, for the docs), ``distributed`` (``True`` when it fits
-    row-sharded data, :mod:`pyro_convexvb.distributed`, reducing every sum over sites across ranks; an engine
-    left at ``False`` refuses such data rather than fit this rank's rows only), and its capabilities ``type2``
-    and ``integrates_hyper``.
+    ``Options`` (its :class:`EngineOptions` subclass), ``optimality_measure`` (what ``converged`` means, for the
+    docs), ``distributed`` (``True`` when it fits row-sharded data, :mod:`pyro_convexvb.distributed`, reducing
+    every sum over sites across ranks; an engine left at ``False`` refuses such data rather than fit this rank's
+    rows only), and its capabilities ``type2`` and ``integrates_hyper``.
 
     The hooks that depend on what the engine runs on (:meth:`fits`, :meth:`problem`, :meth:`completed`) are, here,
     those of an engine on the latent Gaussian model extracted from the Pyro model; :class:`ModelEngine`

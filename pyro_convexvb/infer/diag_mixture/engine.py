@@ -17,7 +17,8 @@ from ..optimality import mixture_decrement, monte_carlo_objective
 from ..options import option
 from ..pyro_engines import SVIEngine, SVIOptions, flat_log_joint, model_param_values, try_lgm
 from ..result import Optimality, Solution
-from ..sharded_svi import data_reduction, sharded_lgm_or_none
+from ...distributed import find_comm
+from ..sharded_svi import sharded_lgm_or_none
 from .elbo import DiagMixtureELBO
 
 __all__ = ["DiagMixtureOptions", "SVI_ONLY_OPTIONS", "DiagMixtureEngine", "MixtureState"]
@@ -153,7 +154,7 @@ class DiagMixtureEngine(SVIEngine):
     def solve(self, call, run):
         o = self.options
         model, guide = self.model_and_guide(call)
-        red = data_reduction(call.args, call.kwargs)
+        red = find_comm(call.args, call.kwargs)
         lgm = None if o.optimizer == "svi" else try_lgm(call.source, call.args, call.kwargs)
         with poutine.block(), torch.no_grad():
             try:
