@@ -269,7 +269,7 @@ class Engine:
             post = lgm.complete_posterior(post)
         return post, (lgm.layout if post.layout is None and lgm is not None and lgm.n == post.n else None)
 
-    def _refuse(self, err, args, kwargs, lgm=None):
+    def refusal(self, err, args, kwargs, lgm=None):
         """The refusal ``err`` (an :class:`~pyro_convexvb.UnsupportedModelError`) again, naming this engine;
         ``pcv.fit`` adds the engines that fit the model (:func:`~pyro_convexvb.infer.registry.fit`), from
         ``refused_by`` and ``lgm``."""
@@ -290,10 +290,10 @@ class Engine:
             try:
                 lgm = lgm_from_pyro(self.model, *args, dtype=self.extract_dtype, **kwargs)
             except UnsupportedModelError as e:
-                raise self._refuse(e, args, kwargs) from None
+                raise self.refusal(e, args, kwargs) from None
         err = self.applies(lgm)
         if err is not None:
-            raise self._refuse(err, args, kwargs, lgm=lgm)
+            raise self.refusal(err, args, kwargs, lgm=lgm)
         return lgm
 
     def run(self, *args, **kwargs):
@@ -419,7 +419,7 @@ class ModelEngine(Engine):
             raise TypeError(f"engine '{self.name}' runs on a Pyro model, not on a LatentGaussianModel")
         err = self.model_applies(self.model, args, kwargs)
         if err is not None:
-            raise self._refuse(err, args, kwargs)
+            raise self.refusal(err, args, kwargs)
         return ModelCall(proper_missing(self.model), args, kwargs, self.model), lgm
 
     def completed(self, post, lgm, args, kwargs):

@@ -40,7 +40,7 @@ def run(engine, args, kwargs):
         # a model outside the class may be a latent Gaussian model given a few hyper-latents
         hyper, err = hyper_check(type(engine), engine.model, args, kwargs)
         if err is not None:  # it is, but not one this engine fits: say why
-            raise engine._refuse(err, args, kwargs) from None
+            raise engine.refusal(err, args, kwargs) from None
         if not hyper:
             raise
         return run_hyper(engine, hyper, args, kwargs, t0)
