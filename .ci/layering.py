@@ -108,7 +108,8 @@ def floors(mods):
         for line, t in imports(name, tree, mods, False):
             if low and t.split(".")[1:2] == ["infer"]:
                 bad.append(f"{path}:{line}: {name} imports {t}")
-            if name in ("pyro_convexvb.infer.engine", "pyro_convexvb.infer.meta") and t == "pyro_convexvb.infer.registry":
+            if name in ("pyro_convexvb.infer.engine", "pyro_convexvb.infer.meta") and \
+                    t == "pyro_convexvb.infer.registry":
                 bad.append(f"{path}:{line}: {name} imports the registry")
     return bad
 
