@@ -428,9 +428,6 @@ class _Local(Communicator):
 
     rank, world_size = 0, 1
 
-    def __repr__(self):
-        return "LOCAL"
-
 
 #: the communicator of the default process group
 WORLD = Communicator()

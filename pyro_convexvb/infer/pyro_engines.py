@@ -47,7 +47,7 @@ from .optimality import gaussian_decrement, monte_carlo_objective
 from .result import Criterion, Optimality, Solution
 from ..posterior.gaussian import GaussianPosterior, _apply_name_prefix
 from ..distributed import enter_local, find_comm, rank, sum_over_ranks
-from .sharded_svi import ShardedTraceELBO, local_args, local_log_prob, sharded_lgm_or_none
+from .sharded_svi import ShardedTraceELBO, local_args, local_log_prob, reshard_lgm
 
 __all__ = [
     "SVIOptions",
@@ -339,7 +339,7 @@ class SVIEngine(_PyroModelEngine):
             elbo = ShardedTraceELBO(red, num_particles=o.num_particles, vectorize_particles=o.vectorize_particles)
         losses, reason, elbo_estimate = self.run_svi(model, guide, elbo, call, run)
         posterior = self.posterior_of(guide)
-        lgm = sharded_lgm_or_none(try_lgm(call.source, call.args, call.kwargs), red, call.args, call.kwargs)
+        lgm = reshard_lgm(try_lgm(call.source, call.args, call.kwargs), call.args, call.kwargs)
         with torch.enable_grad():
             bound, opt = variational_optimality(call, posterior, lgm, tol=o.decrement_tol,
                                                 check_particles=o.check_particles, seed=self.run_seed, reduction=red)

@@ -38,7 +38,7 @@ from pyro.infer.util import is_identically_zero, torch_item
 
 from .. import distributed
 
-__all__ = ["local_args", "reshard_lgm", "sharded_lgm_or_none", "ShardedTraceELBO", "all_reduce_param_grads",
+__all__ = ["local_args", "reshard_lgm", "ShardedTraceELBO", "all_reduce_param_grads",
            "local_log_prob"]
 
 
@@ -83,14 +83,6 @@ def reshard_lgm(lgm, args, kwargs):
         if distributed.comm_of(g.design) is None:
             g.design = distributed.RowShardedOperator(g.design)
     return lgm
-
-
-def sharded_lgm_or_none(lgm, reduction, args=(), kwargs=None):
-    """:func:`reshard_lgm` when ``reduction`` (the data's communicator,
-    :func:`~pyro_convexvb.distributed.find_comm`) is set, else ``lgm`` as it is."""
-    if lgm is None or reduction is None:
-        return lgm
-    return reshard_lgm(lgm, args, kwargs or {})
 
 
 def check_full_plates(trace):

@@ -18,7 +18,7 @@ from ..options import option
 from ..pyro_engines import SVIEngine, SVIOptions, flat_log_joint, model_param_values, try_lgm
 from ..result import Optimality, Solution
 from ...distributed import find_comm
-from ..sharded_svi import sharded_lgm_or_none
+from ..sharded_svi import reshard_lgm
 from .elbo import DiagMixtureELBO
 
 __all__ = ["DiagMixtureOptions", "SVI_ONLY_OPTIONS", "DiagMixtureEngine", "MixtureState"]
@@ -176,7 +176,7 @@ class DiagMixtureEngine(SVIEngine):
             posterior = DiagMixturePosterior(locs.detach().clone(), scales.detach().clone() ** 2)
         if lgm is None:
             lgm = try_lgm(call.source, call.args, call.kwargs)
-        lgm = sharded_lgm_or_none(lgm, red, call.args, call.kwargs)
+        lgm = reshard_lgm(lgm, call.args, call.kwargs)
         exact = lgm is not None and lgm.n == posterior.n
         info = dict(info_opt, guide=guide, entropy=o.entropy, hyperparameters=model_param_values(call))
         best = "best"
