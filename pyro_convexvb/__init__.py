@@ -17,7 +17,7 @@ with _warnings.catch_warnings():
 
 from .errors import ConvergenceError, ConvergenceWarning, NonConvexWarning, NotPositiveDefiniteError, UnsupportedModelError
 from .posterior.gaussian import GaussianPosterior, GaussianPosteriorGuide
-from .infer.engine import Engine
+from .infer.engine import Engine, ModelEngine
 from .infer.options import EngineOptions, option
 from .infer.registry import engines, engines_that_fit, fit, get_engine, register_engine
 from .infer.result import Criterion, History, InferenceResult, Optimality, Solution

@@ -10,6 +10,11 @@ Each rank loads its own rows of the design and wraps them with :func:`row_sharde
 * every sum over sites goes through one reduction, :func:`all_reduce_sum` (or a
   :class:`Communicator`'s ``sum``/``dot``), so ``X.rmv(u) = X_globalᵀ u_global`` is replicated.
 
+This module owns every collective of the package: the reductions (:func:`all_reduce_sum`, ``_max``, ``_min``,
+:func:`broadcast`, :func:`all_gather_object`, :func:`all_reduce_grads`), the autograd-aware pair
+:func:`sum_over_ranks` / :func:`enter_local`, and the :class:`Communicator` through which engines sum over sites
+(:data:`LOCAL` is the single-process one).
+
 Without an initialised process group (or with one of size 1) nothing communicates and every function
 here is the identity. Importing this module does not import ``torch.distributed``'s collectives beyond
 what ``import torch`` already does.
@@ -42,12 +47,17 @@ __all__ = [
     "all_reduce_sum",
     "all_reduce_max",
     "all_reduce_min",
+    "all_reduce_grads",
+    "sum_over_ranks",
+    "enter_local",
     "broadcast",
     "row_sharded",
     "RowShardedOperator",
     "LocalOnlyOperator",
     "shard_sites",
     "Communicator",
+    "LOCAL",
+    "reduction_of",
     "comm_of",
     "find_comm",
     "reduce_sites",
@@ -166,10 +176,8 @@ def _reduce(t, op):
     return float(x) if scalar else x
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over ranks whose backward is the identity: for a replicated loss ``L(sum_r x_r)`` each rank's
-    ``dL/dx_r`` is ``dL/dy``; the gradient reaches replicated latents through :class:`RowShardedOperator`
-    products, whose backward sums over ranks."""
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) forward; backward :class:`_EnterLocal` (the replicated gradient passes to each rank)."""
 
     @staticmethod
     def forward(ctx, t):
@@ -177,15 +185,58 @@ class _AllReduceSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return _EnterLocal.apply(grad)
+
+
+class _EnterLocal(torch.autograd.Function):
+    """Identity forward; backward :class:`_SumOverRanks` (each rank's gradient of a replicated input, summed)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _SumOverRanks.apply(grad)
+
+
+def sum_over_ranks(t):
+    """Sum of a rank's local contribution ``t`` over ranks, differentiable: the backward passes the (replicated)
+    gradient to every rank's ``t`` unchanged, and is itself differentiable (:func:`enter_local`), so Hessians of a
+    replicated total work too. The identity without an active process group.
+
+    Pair it with :func:`enter_local` on the replicated inputs the local contributions are computed from:
+    ``F(z) = sum_over_ranks(f_r(enter_local(z)))`` has the gradient ``sum_r f_r'(z)`` on every rank.
+
+    Example::
+
+        >>> import torch
+        >>> sum_over_ranks(torch.ones(2)).tolist()   # one process: unchanged
+        [1.0, 1.0]
+    """
+    return _SumOverRanks.apply(t) if is_active() else t
+
+
+def enter_local(t):
+    """A replicated tensor ``t`` about to feed this rank's local computation: the identity forward; the backward
+    sums the ranks' gradients (so every rank gets the gradient of the global total). The identity without an
+    active process group.
+
+    Example::
+
+        >>> import torch
+        >>> enter_local(torch.ones(2)).tolist()
+        [1.0, 1.0]
+    """
+    return _EnterLocal.apply(t) if is_active() else t
 
 
 def all_reduce_sum(t):
     """Sum of ``t`` over ranks (a new tensor, replicated on every rank; ``t`` is not modified).
 
-    Differentiable: the backward of the sum is the identity on each rank, which with the all-reduced backward
-    of :class:`RowShardedOperator` products gives replicated latents the gradient of the global sum (a
-    log-likelihood of the local rows, summed with this function, has the gradient of all rows' likelihood).
+    Differentiable (:func:`sum_over_ranks`): the backward of the sum is the identity on each rank, which with the
+    all-reduced backward of :class:`RowShardedOperator` products gives replicated latents the gradient of the global
+    sum (a log-likelihood of the local rows, summed with this function, has the gradient of all rows' likelihood).
 
     :param t: tensor of any shape (the same on every rank) or a Python number.
     :returns: the sum, of ``t``'s shape and dtype (a float for a number); ``t`` itself when no process
@@ -200,7 +251,7 @@ def all_reduce_sum(t):
     if not is_active():
         return t
     if torch.is_tensor(t) and t.requires_grad and torch.is_grad_enabled():
-        return _AllReduceSum.apply(t)
+        return _SumOverRanks.apply(t)
     return _reduce(t, _dist().ReduceOp.SUM)
 
 
@@ -216,6 +267,40 @@ def all_reduce_min(t):
     if not is_active():
         return t
     return _reduce(t, _dist().ReduceOp.MIN)
+
+
+def all_reduce_grads(params):
+    """Sum the gradients of ``params`` over ranks in one all-reduce (as ``DistributedDataParallel``).
+
+    A parameter whose gradient is ``None`` on every rank keeps ``None`` (an optimiser skips it, as in one process);
+    otherwise a missing gradient counts as zeros. Every rank must pass the same parameters in the same order.
+    Nothing happens without an active process group.
+
+    :param params: a sequence of tensors (leaf parameters).
+
+    Example::
+
+        >>> import torch
+        >>> p = torch.ones(2, requires_grad=True); p.sum().backward(); all_reduce_grads([p]); p.grad.tolist()
+        [1.0, 1.0]
+    """
+    params = list(params)
+    if not params or not is_active():
+        return
+    device = params[0].device
+    flat = []
+    for p in params:  # each gradient, then a flag: 1 when this rank has it
+        g = p.grad
+        flat.append(torch.zeros(p.numel() + 1, dtype=torch.float64, device=device) if g is None else
+                    torch.cat([g.detach().reshape(-1).to(torch.float64), torch.ones(1, dtype=torch.float64,
+                                                                                  device=device)]))
+    buf = all_reduce_sum(torch.cat(flat))
+    start = 0
+    for p in params:
+        k = p.numel()
+        if float(buf[start + k]) > 0:
+            p.grad = buf[start:start + k].reshape(p.shape).to(p.dtype)
+        start += k + 1
 
 
 def broadcast(t, src=0):
@@ -263,12 +348,14 @@ def shard_range(n, rank_, world):
 
 
 class Communicator:
-    """Sums over the sites of all ranks (the one reduction engines use for site-indexed quantities).
+    """Sums over the sites of all ranks: the one reduction engines use for site-indexed quantities.
 
-    ``sum(t)`` returns the sum over ranks of a tensor or number; ``dot(a, b)`` the global inner product of
-    two site vectors; ``max``/``min``/``all`` the global extremum / conjunction of per-rank values. With
-    one rank (``world_size() == 1``) every method is the identity. All ranks must call the same methods in
-    the same order (the results are identical on every rank, so branches taken on them agree).
+    ``sum(t)`` returns the sum over ranks of a tensor or number; ``dot(a, b)`` the global inner product of two
+    site vectors (``a @ b`` summed); ``norm(a)`` its root; ``max``/``min``/``all`` the global extremum /
+    conjunction of per-rank values; ``count(n)`` the global number of sites. ``active`` is ``True``: its values
+    come from all ranks (:data:`LOCAL`, the single-process reduction, has ``active = False``). With one rank
+    every method returns the local value. All ranks must call the same methods in the same order (the results
+    are identical on every rank, so branches taken on them agree).
 
     Example::
 
@@ -278,11 +365,13 @@ class Communicator:
         3.0
     """
 
+    active = True
+
     def sum(self, t):
         return all_reduce_sum(t)
 
     def dot(self, a, b):
-        return float(all_reduce_sum((a * b).sum()))
+        return float(self.sum(a @ b))
 
     def norm(self, a):
         return math.sqrt(max(self.dot(a, a), 0.0))
@@ -296,6 +385,9 @@ class Communicator:
     def all(self, flag):
         return bool(all_reduce_min(1.0 if flag else 0.0) > 0.5)
 
+    def count(self, n):
+        return int(round(float(self.sum(float(n)))))
+
     @property
     def rank(self):
         return rank()
@@ -308,8 +400,52 @@ class Communicator:
         return f"Communicator(rank={self.rank}, world_size={self.world_size})"
 
 
+class _Local(Communicator):
+    """The sites of one process: every method on the local values, no communication."""
+
+    active = False
+
+    def sum(self, t):
+        return t
+
+    def dot(self, a, b):
+        return float(a @ b)
+
+    def norm(self, a):
+        return float(a.norm())
+
+    def max(self, x):
+        return x
+
+    def min(self, x):
+        return x
+
+    def all(self, flag):
+        return bool(flag)
+
+    def count(self, n):
+        return int(n)
+
+    rank, world_size = 0, 1
+
+
 #: the communicator of the default process group
 WORLD = Communicator()
+#: the reduction over the sites of one process (no communication)
+LOCAL = _Local()
+
+
+def reduction_of(obj):
+    """The reduction ``obj`` (e.g. a dual backend) carries in its ``comm`` attribute, or :data:`LOCAL` when it has
+    none (its sites are all the sites).
+
+    Example::
+
+        >>> reduction_of(object()) is LOCAL
+        True
+    """
+    comm = getattr(obj, "comm", None)
+    return LOCAL if comm is None else comm
 
 
 class _ShardedMatvec(torch.autograd.Function):
@@ -549,14 +685,30 @@ def comm_of(obj):
 
 
 def find_comm(*objs):
-    """The communicator of the first :class:`RowShardedOperator` among ``objs`` (searched one level into lists,
-    tuples and dicts, e.g. a model's ``args`` and ``kwargs``), or ``None``."""
+    """The communicator of the first :class:`RowShardedOperator` among ``objs``, searched two levels into lists,
+    tuples and dicts (e.g. ``find_comm(args, kwargs)`` finds a model's row-sharded argument, also inside a list,
+    tuple or dict argument), or ``None`` (also without an active process group).
+
+    Example::
+
+        >>> import torch
+        >>> find_comm((torch.eye(2),), {"y": torch.ones(2)}) is None
+        True
+    """
     for obj in objs:
-        items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else (obj,)
-        for x in items:
-            if isinstance(x, RowShardedOperator):
-                return x.comm if is_active() else None
+        for x in _items(obj):
+            for leaf in _items(x):
+                if isinstance(leaf, RowShardedOperator):
+                    return leaf.comm if is_active() else None
     return None
+
+
+def _items(obj):
+    if isinstance(obj, dict):
+        return list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return list(obj)
+    return [obj]
 
 
 def reduce_sites(comm, t):

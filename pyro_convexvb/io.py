@@ -460,22 +460,14 @@ def _dec_mixture(s, where):
 
 
 def _enc_result(r, where):
-    kept, dropped = {}, list(r.info.get("dropped", []))
-    for k, v in r.info.items():
-        if k == "dropped":
-            continue
-        try:
-            kept[k] = _encode(v, f"{where}.info.{k}")
-        except TypeError:
-            dropped.append(k)
-    fields = {}
+    fields, dropped = {}, []
     for name in ("hyper", "hyperparameters"):
         try:
             fields[name] = _encode(getattr(r, name), f"{where}.{name}")
         except TypeError:
             fields[name] = None
             dropped.append(name)
-    kept["dropped"] = sorted(set(dropped))
+    kept = r.info_to_store(lambda k, v: _encode(v, f"{where}.info.{k}"), dropped)
     return _obj("InferenceResult", 1, posterior=_encode(r.posterior, where + ".posterior"),
                 log_evidence_bound=None if r.log_evidence_bound is None else float(r.log_evidence_bound),
                 history=_encode(r.history, where + ".history"), converged=bool(r.converged), engine=str(r.engine),

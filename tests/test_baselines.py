@@ -136,6 +136,57 @@ def test_register_engine_and_swap(conjugate, scratch_registry):
     assert pred["y"].shape == (50, 40)
 
 
+def test_model_engine_runs_on_the_pyro_model(conjugate, scratch_registry):
+    """A ``pcv.ModelEngine`` receives the Pyro model and its data (a ``ModelCall``), refuses a
+    LatentGaussianModel, and its posterior is named by the model's unconstrained latent sites; an ``Engine``
+    receives the extracted latent Gaussian model."""
+    model, X, y, m, C, _ = conjugate
+    seen = {}
+
+    @pcv.register_engine(overwrite=True)
+    class ExactOnModel(pcv.ModelEngine):
+        name = "exact_on_model_test"
+        description = "closed form from the extracted model, run on the Pyro model (test)"
+
+        def solve(self, call, run):
+            seen["problem"] = call
+            lgm = pcv.lgm_from_pyro(call.model, *call.args, **call.kwargs)
+            (g,) = lgm.sites
+            A = g.design.to_dense()
+            P = lgm.dense_prior_prec() + A.T @ (A / (g.family.params["scale"] ** 2)[:, None])
+            cov = torch.linalg.inv(P)
+            loc = cov @ (A.T @ ((g.family.params["y"] - g.offset) / g.family.params["scale"] ** 2))
+            return pcv.Solution(pcv.GaussianPosterior(loc, covariance=cov), None, pcv.Optimality.exact(), "closed form")
+
+    assert ExactOnModel.takes == "model" and pcv.Engine.takes == "lgm"
+    res = pcv.fit(model, X, y=y, engine="exact_on_model_test")
+    assert isinstance(seen["problem"], pcv.infer.engine.ModelCall) and seen["problem"].args == (X,)
+    torch.testing.assert_close(res.posterior.loc, m)
+    torch.testing.assert_close(res.posterior.covariance(), C)
+    assert res.lgm is None and res.posterior.layout.names == ["w"]
+    assert "exact_on_model_test" in pcv.engines_that_fit(model, X, y=y)
+    lgm = pcv.lgm_from_pyro(model, X, y=y)
+    assert ExactOnModel.fits(lgm).reason == "this engine runs on a Pyro model"
+    with pytest.raises(TypeError, match="runs on a Pyro model, not on a LatentGaussianModel"):
+        ExactOnModel(lgm, progress=False).run()
+
+
+def test_takes_follows_the_base_class():
+    """``takes`` is read-only: it says which base the engine derives from, and an engine cannot claim the
+    other kind (it would get the other kind's hooks); hyper-latent integration needs an engine on the LGM."""
+    with pytest.raises(TypeError, match="derive from pyro_convexvb.ModelEngine"):
+        class Claims(pcv.Engine):  # noqa: F841
+            name = "claims_model_test"
+            takes = "model"
+    with pytest.raises(TypeError, match="integrates_hyper needs an engine on the latent Gaussian model"):
+        class Hyper(pcv.ModelEngine):  # noqa: F841
+            name = "hyper_model_test"
+            integrates_hyper = True
+    for name in pcv.engines():
+        cls = pcv.get_engine(name)
+        assert cls.takes == ("model" if issubclass(cls, pcv.ModelEngine) else "lgm"), name
+
+
 def test_entry_point_engines_are_loaded(monkeypatch):
     """Third-party engines declared in the ``pyro_convexvb.engines`` entry-point group appear in pcv.engines()."""
     import importlib.metadata

@@ -16,9 +16,10 @@ In the style of Pyro's autoguides (a base class owns the wiring, each guide over
   :class:`~pyro_convexvb.ConvergenceError` with ``on_fail="raise"``), result assembly and the wiring
   of the posterior to the model (layout, model, arguments).
 
-An engine overrides only :meth:`Engine.solve`, which receives the latent Gaussian model (or, for
-engines that run on the Pyro model itself, a :class:`ModelCall`) and a :class:`RunContext`, and returns
-a :class:`Solution`.
+An engine overrides only :meth:`Engine.solve`, which receives the latent Gaussian model and a
+:class:`RunContext`, and returns a :class:`Solution`. Engines that run on the Pyro model itself (Pyro's
+SVI, Laplace and NUTS) derive from :class:`ModelEngine`, whose hooks hand :meth:`~ModelEngine.solve` a
+:class:`ModelCall` instead; :class:`Engine` itself never asks which kind it is.
 
 Example (a complete engine for linear-Gaussian models)::
 
@@ -67,6 +68,7 @@ from .type2 import refit_gradient
 
 __all__ = [
     "Engine",
+    "ModelEngine",
     "EngineOptions",
     "option",
     "Criterion",
@@ -103,19 +105,23 @@ class ModelCall:
 class Engine:
     """Base class of every inference engine (see the module docstring).
 
-    :param model: a Pyro model, or a :class:`~pyro_convexvb.LatentGaussianModel` for engines that
-        work on one (``takes = "lgm"``).
+    :param model: a Pyro model, or a :class:`~pyro_convexvb.LatentGaussianModel` (engines on the latent Gaussian
+        model; a :class:`ModelEngine` needs the Pyro model).
     :param bool progress: show tqdm progress bars.
     :param init: a state of this engine (``result.state`` of an earlier fit of a model of the same shape) to
         resume from, or ``None``.
     :param options: the engine's options (fields of its :attr:`Options` dataclass).
 
     Class attributes a subclass sets: ``name`` (registry name), ``description`` (one line),
-    ``Options`` (its :class:`EngineOptions` subclass), ``takes`` (``"lgm"`` or ``"model"``) and
-    ``optimality_measure`` (what ``converged`` means, for the docs), ``distributed`` (``True`` when it fits
-    row-sharded data, :mod:`pyro_convexvb.distributed`, reducing every sum over sites across ranks; an engine
-    left at ``False`` refuses such data rather than fit this rank's rows only), and its capabilities ``type2``
-    and ``integrates_hyper``.
+    ``Options`` (its :class:`EngineOptions` subclass), ``optimality_measure`` (what ``converged`` means, for the
+    docs), ``distributed`` (``True`` when it fits row-sharded data, :mod:`pyro_convexvb.distributed`, reducing
+    every sum over sites across ranks; an engine left at ``False`` refuses such data rather than fit this rank's
+    rows only), and its capabilities ``type2`` and ``integrates_hyper``.
+
+    The hooks that depend on what the engine runs on (:meth:`fits`, :meth:`problem`, :meth:`completed`) are, here,
+    those of an engine on the latent Gaussian model extracted from the Pyro model; :class:`ModelEngine`
+    overrides them for engines that run on the Pyro model itself. ``takes`` (``"lgm"`` here, ``"model"`` there)
+    says which, for readers such as the estimators; it follows the base class and a subclass cannot change it.
     """
 
     name: ClassVar[str] = ""
@@ -124,6 +130,8 @@ class Engine:
     Options: ClassVar[type] = EngineOptions
     #: the engine's immutable state type (``result.state``, ``init=``), or ``None`` when it has none
     State: ClassVar[Optional[type]] = None
+    #: what :meth:`solve` receives: ``"lgm"`` (a :class:`~pyro_convexvb.LatentGaussianModel`) or, for a
+    #: :class:`ModelEngine`, ``"model"`` (a :class:`ModelCall`); read-only (it follows the base class)
     takes: ClassVar[str] = "lgm"
     optimality_measure: ClassVar[str] = ""
     #: how the engine learns the model's ``pyro.param`` sites: ``"outer"`` (a type-II loop around fits,
@@ -140,6 +148,14 @@ class Engine:
     #: dtype of the extracted latent Gaussian model (``None``: the model's own); the hyper-latent path sets
     #: float64 on its inner fits (:mod:`~pyro_convexvb.infer.hyper`)
     extract_dtype = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = next(b.__dict__["takes"] for b in cls.__mro__ if b.__module__ == __name__ and "takes" in b.__dict__)
+        if cls.takes != own:
+            raise TypeError(f"engine class {cls.__name__}: takes = {cls.takes!r} is set by the base class ({own!r} "
+                            "here): derive from pyro_convexvb.ModelEngine for an engine that runs on the Pyro model "
+                            "itself, from pyro_convexvb.Engine for one on the latent Gaussian model")
 
     @property
     def run_seed(self):
@@ -182,8 +198,8 @@ class Engine:
         return None
 
     def solve(self, problem, run):
-        """Fit; ``problem`` is a :class:`~pyro_convexvb.LatentGaussianModel` (``takes = "lgm"``) or a
-        :class:`ModelCall`; ``run`` a :class:`RunContext`. Returns a :class:`Solution`."""
+        """Fit; ``problem`` is what :meth:`problem` made (a :class:`~pyro_convexvb.LatentGaussianModel`, or for a
+        :class:`ModelEngine` a :class:`ModelCall`); ``run`` a :class:`RunContext`. Returns a :class:`Solution`."""
         raise NotImplementedError
 
     def precise_options(self):
@@ -215,24 +231,7 @@ class Engine:
         """``dB/dz`` over the params' unconstrained values ``x`` (default: central differences of refits)."""
         return refit_gradient(self, params, x, result, args, kwargs, max(h, 1e-4))
 
-    # ------------------------------------------------------------------ the run
-    @classmethod
-    def model_applies(cls, model, args, kwargs):
-        """``None`` if an engine that runs on the Pyro model itself (``takes = "model"``) fits it, else the
-        :class:`~pyro_convexvb.UnsupportedModelError` naming the site.
-
-        The default accepts every model whose latent sites are continuous (the engines of this kind
-        work in Pyro's unconstrained coordinates).
-        """
-        for name, site in latent_sites(model, args, kwargs):
-            if getattr(site["fn"].support, "is_discrete", False):
-                return UnsupportedModelError(name, "a discrete latent site (this engine needs continuous latents)")
-            if getattr(_unwrap(site["fn"])[0], "is_intrinsic", False):
-                return UnsupportedModelError(name, "an intrinsic SparseGMRF: its Pyro density is flat along the null "
-                                                   "space of its precision, so an engine that runs the Pyro model does "
-                                                   "not enforce its constraints (dual_vg and convex_relaxation do)")
-        return None
-
+    # ------------------------------------------------------------------ hooks of what the engine runs on
     @classmethod
     def fits(cls, model, args=(), kwargs=None, lgm=None):
         """``None`` if this engine fits ``model`` with these arguments, else the
@@ -243,10 +242,7 @@ class Engine:
         """
         kwargs = kwargs or {}
         if isinstance(model, LatentGaussianModel):
-            return cls.applies(model) if cls.takes == "lgm" else UnsupportedModelError("<model>", "this engine runs on "
-                                                                                               "a Pyro model")
-        if cls.takes == "model":
-            return cls.model_applies(model, args, kwargs)
+            return cls.applies(model)
         if lgm is None:
             try:
                 lgm = lgm_from_pyro(model, *args, **kwargs)
@@ -255,7 +251,25 @@ class Engine:
                 return None if meta.hyper_latents(cls, model, args, kwargs) else e
         return cls.applies(lgm)
 
-    def _refuse(self, err, args, kwargs, lgm=None):
+    def problem(self, args, kwargs, lgm=None):
+        """``(problem, lgm)``: what :meth:`solve` receives for the data ``(*args, **kwargs)`` and the latent
+        Gaussian model the result carries: here both are the extracted model (:meth:`extract`; ``lgm`` if given).
+
+        :raises UnsupportedModelError: naming the site and the reason.
+        """
+        lgm = lgm if lgm is not None else self.extract(*args, **kwargs)
+        return lgm, lgm
+
+    def completed(self, post, lgm, args, kwargs):
+        """``(posterior, layout)``: the solution's posterior with the latent sites the latent Gaussian model
+        integrated out of ``u`` added (``obs_mask`` entries, an affine chain's ``x``), and the layout that names
+        its coordinates (``None``: keep the posterior's own)."""
+        if lgm is not None and post.n == lgm.n and (getattr(lgm, "imputed", None) or getattr(lgm, "chain", None)
+                                                    is not None):
+            post = lgm.complete_posterior(post)
+        return post, (lgm.layout if post.layout is None and lgm is not None and lgm.n == post.n else None)
+
+    def refusal(self, err, args, kwargs, lgm=None):
         """The refusal ``err`` (an :class:`~pyro_convexvb.UnsupportedModelError`) again, naming this engine;
         ``pcv.fit`` adds the engines that fit the model (:func:`~pyro_convexvb.infer.registry.fit`), from
         ``refused_by`` and ``lgm``."""
@@ -276,10 +290,10 @@ class Engine:
             try:
                 lgm = lgm_from_pyro(self.model, *args, dtype=self.extract_dtype, **kwargs)
             except UnsupportedModelError as e:
-                raise self._refuse(e, args, kwargs) from None
+                raise self.refusal(e, args, kwargs) from None
         err = self.applies(lgm)
         if err is not None:
-            raise self._refuse(err, args, kwargs, lgm=lgm)
+            raise self.refusal(err, args, kwargs, lgm=lgm)
         return lgm
 
     def run(self, *args, **kwargs):
@@ -305,19 +319,10 @@ class Engine:
                 check_model_data(self.model, args, kwargs)
 
     def run_once(self, args, kwargs, t0, lgm=None):
-        """One fit: extract the latent Gaussian model (unless given as ``lgm``) or wrap the Pyro model, solve,
-        assemble (:meth:`assemble`); no type-II or hyper-latent routing (:meth:`run` does that)."""
-        if self.takes == "lgm":
-            problem = lgm if lgm is not None else self.extract(*args, **kwargs)
-            lgm = problem
-        else:
-            if isinstance(self.model, LatentGaussianModel):
-                raise TypeError(f"engine '{self.name}' runs on a Pyro model, not on a LatentGaussianModel")
-            err = self.model_applies(self.model, args, kwargs)
-            if err is not None:
-                raise self._refuse(err, args, kwargs)
-            # the unused entries of obs_mask sites get a proper density (an improper flat one otherwise)
-            problem = ModelCall(proper_missing(self.model), args, kwargs, self.model)
+        """One fit: the problem (:meth:`problem`: the latent Gaussian model, unless given as ``lgm``, or the
+        Pyro model), solve, assemble (:meth:`assemble`); no type-II or hyper-latent routing (:meth:`run` does
+        that)."""
+        problem, lgm = self.problem(args, kwargs, lgm)
         run = RunContext(self.name, self.progress)
         try:
             sol = self.solve(problem, run)
@@ -338,15 +343,8 @@ class Engine:
         """The :class:`~pyro_convexvb.InferenceResult` of a :class:`Solution`: the posterior completed (latents
         integrated out of ``u``) and bound to the model and its data, the convergence warning or error."""
         post = sol.posterior
-        if post is not None and lgm is not None and post.n == lgm.n and (
-                getattr(lgm, "imputed", None) or (getattr(lgm, "chain", None) is not None and self.takes == "lgm")):
-            post = lgm.complete_posterior(post)  # add the latent sites integrated out of u (e.g. obs_mask)
         if post is not None:
-            layout = None
-            if post.layout is None and lgm is not None and lgm.n == post.n:
-                layout = lgm.layout
-            elif post.layout is None and self.takes == "model":
-                layout = unconstrained_layout(self.model, args, kwargs)
+            post, layout = self.completed(post, lgm, args, kwargs)
             if callable(self.model) and not isinstance(self.model, LatentGaussianModel):
                 post = post.with_model(self.model, (args, kwargs), layout)
             elif layout is not None:
@@ -366,6 +364,75 @@ class Engine:
     def __repr__(self):
         return f"{type(self).__name__}(name={self.name!r}, options={self.options})"
 
+
+class ModelEngine(Engine):
+    """Base class of engines that run on the Pyro model itself (Pyro's SVI, Laplace and NUTS, ``diag_mixture``):
+    :meth:`solve` receives a :class:`ModelCall`, and the model's latent sites must be continuous
+    (:meth:`model_applies`). It overrides the hooks of :class:`Engine` that depend on what the engine runs on
+    (:meth:`fits`, :meth:`problem`, :meth:`completed`); an engine of this kind does not integrate over
+    hyper-latents (that works on a latent Gaussian model).
+    """
+
+    takes: ClassVar[str] = "model"
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.integrates_hyper:
+            raise TypeError(f"engine class {cls.__name__}: integrates_hyper needs an engine on the latent Gaussian "
+                            "model (pyro_convexvb.Engine), not one that runs on the Pyro model (ModelEngine)")
+
+    @classmethod
+    def model_applies(cls, model, args, kwargs):
+        """``None`` if the engine fits the Pyro model ``model``, else the
+        :class:`~pyro_convexvb.UnsupportedModelError` naming the site.
+
+        The default accepts every model whose latent sites are continuous (the engines of this kind
+        work in Pyro's unconstrained coordinates).
+        """
+        for name, site in latent_sites(model, args, kwargs):
+            if getattr(site["fn"].support, "is_discrete", False):
+                return UnsupportedModelError(name, "a discrete latent site (this engine needs continuous latents)")
+            if getattr(_unwrap(site["fn"])[0], "is_intrinsic", False):
+                return UnsupportedModelError(name, "an intrinsic SparseGMRF: its Pyro density is flat along the null "
+                                                   "space of its precision, so an engine that runs the Pyro model does "
+                                                   "not enforce its constraints (dual_vg and convex_relaxation do)")
+        return None
+
+    @classmethod
+    def fits(cls, model, args=(), kwargs=None, lgm=None):
+        """``None`` if this engine fits the Pyro model ``model`` with these arguments (:meth:`model_applies`),
+        else the :class:`~pyro_convexvb.UnsupportedModelError` that says where and why not (also for a
+        :class:`~pyro_convexvb.LatentGaussianModel`, which is not a Pyro model). ``lgm`` is not needed."""
+        if isinstance(model, LatentGaussianModel):
+            return UnsupportedModelError("<model>", "this engine runs on a Pyro model")
+        return cls.model_applies(model, args, kwargs or {})
+
+    def problem(self, args, kwargs, lgm=None):
+        """``(ModelCall, lgm)``: the Pyro model with its data, the unused entries of its ``obs_mask`` sites given a
+        proper density (an improper flat one otherwise); ``lgm`` is passed through (the engine's
+        :class:`Solution` may carry one it extracted).
+
+        :raises TypeError: for a :class:`~pyro_convexvb.LatentGaussianModel` as the model.
+        :raises UnsupportedModelError: when :meth:`model_applies` refuses the model.
+        """
+        if isinstance(self.model, LatentGaussianModel):
+            raise TypeError(f"engine '{self.name}' runs on a Pyro model, not on a LatentGaussianModel")
+        err = self.model_applies(self.model, args, kwargs)
+        if err is not None:
+            raise self.refusal(err, args, kwargs)
+        return ModelCall(proper_missing(self.model), args, kwargs, self.model), lgm
+
+    def completed(self, post, lgm, args, kwargs):
+        """``(posterior, layout)``: the posterior with the ``obs_mask`` entries the latent Gaussian model integrated
+        out added (when the engine found one), named by that model's layout, else by the Pyro model's
+        unconstrained latent sites."""
+        if lgm is not None and post.n == lgm.n and getattr(lgm, "imputed", None):
+            post = lgm.complete_posterior(post)
+        if post.layout is not None:
+            return post, None
+        if lgm is not None and lgm.n == post.n:
+            return post, lgm.layout
+        return post, unconstrained_layout(self.model, args, kwargs)
 
 
 def _subclasses(cls):

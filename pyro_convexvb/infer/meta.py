@@ -32,7 +32,7 @@ def run(engine, args, kwargs):
     names = type2_params(engine, args, kwargs)
     if names:
         return run_type2(engine, names, args, kwargs, t0)
-    if engine.takes != "lgm" or not engine.integrates_hyper:
+    if not engine.integrates_hyper:
         return engine.run_once(args, kwargs, t0)
     try:
         lgm = engine.extract(*args, **kwargs)
@@ -40,7 +40,7 @@ def run(engine, args, kwargs):
         # a model outside the class may be a latent Gaussian model given a few hyper-latents
         hyper, err = hyper_check(type(engine), engine.model, args, kwargs)
         if err is not None:  # it is, but not one this engine fits: say why
-            raise engine._refuse(err, args, kwargs) from None
+            raise engine.refusal(err, args, kwargs) from None
         if not hyper:
             raise
         return run_hyper(engine, hyper, args, kwargs, t0)
@@ -51,7 +51,7 @@ def hyper_latents(engine_cls, model, args, kwargs):
     """The hyper-latent sites ``engine_cls`` integrates over for ``model`` (see :mod:`~pyro_convexvb.infer.hyper`),
     or ``[]`` when it does not handle the model that way.
 
-    Non-empty only for engines with ``integrates_hyper`` that take a latent Gaussian model, when every
+    Non-empty only for engines with ``integrates_hyper`` (engines on a latent Gaussian model), when every
     hyper-latent is continuous, a latent Gaussian field is left, and the model conditioned on the hyper-latents'
     current values is one the engine applies to.
     """
@@ -62,7 +62,7 @@ def hyper_check(engine_cls, model, args, kwargs):
     """``(hyper, refusal)``: the hyper-latents ``engine_cls`` integrates over (else ``[]``), and the
     :class:`~pyro_convexvb.UnsupportedModelError` when the model given its hyper-latents is outside the engine's
     class (else ``None``)."""
-    if isinstance(model, LatentGaussianModel) or engine_cls.takes != "lgm" or not engine_cls.integrates_hyper:
+    if isinstance(model, LatentGaussianModel) or not engine_cls.integrates_hyper:
         return [], None
     try:
         sites = dict(latent_sites(model, args, kwargs))

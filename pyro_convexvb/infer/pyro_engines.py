@@ -41,12 +41,13 @@ from torch.distributions import biject_to
 from ..errors import UnsupportedModelError
 from ..linalg.operators import DENSE_LIMIT
 from ..lgm.extract import full_data_plates, latent_sites
-from .engine import Engine
+from .engine import ModelEngine
 from .options import EngineOptions, Type2Options, option
 from .optimality import gaussian_decrement, monte_carlo_objective
 from .result import Criterion, Optimality, Solution
 from ..posterior.gaussian import GaussianPosterior, _apply_name_prefix
-from .sharded_svi import ShardedTraceELBO, data_reduction, sharded_lgm_or_none
+from ..distributed import enter_local, find_comm, rank, sum_over_ranks
+from .sharded_svi import ShardedTraceELBO, local_args, local_log_prob, reshard_lgm
 
 __all__ = [
     "SVIOptions",
@@ -84,10 +85,11 @@ def flat_log_joint(model, args, kwargs, reduction=None):
     does), mapped to their supports by ``biject_to`` with the log-Jacobian added, and every
     subsampled plate runs at full size. Differentiable in ``U``.
 
-    With ``reduction`` (row-sharded data, :func:`~.sharded_svi.data_reduction`) the replicated ``U``
-    enters each rank's model run through :func:`~.sharded_svi.enter_local`, and the observed sites of
-    all ranks plus the latent sites and log-Jacobians counted once (on rank 0) are summed by
-    :func:`~.sharded_svi.sum_over_ranks`: value and gradient are those of the full-data log joint.
+    With ``reduction`` (row-sharded data: the data's communicator, :func:`~pyro_convexvb.distributed.find_comm`)
+    the replicated ``U`` enters each rank's model run through :func:`~pyro_convexvb.distributed.enter_local`, and
+    the observed sites of all ranks plus the latent sites and log-Jacobians counted once (on rank 0) are summed
+    by :func:`~pyro_convexvb.distributed.sum_over_ranks`: value and gradient are those of the full-data log
+    joint.
 
     :returns: ``(log_joint, n)``.
     """
@@ -98,17 +100,14 @@ def flat_log_joint(model, args, kwargs, reduction=None):
         shape = t.inv(site["value"]).shape
         parts.append((name, t, shape, int(math.prod(shape))))
     n = sum(p[3] for p in parts)
-    if reduction is not None:
-        from .sharded_svi import _rank, enter_local, local_args, local_log_prob, sum_over_ranks
-
-        first = _rank() == 0
+    sharded = reduction is not None
+    if sharded:
+        first = rank() == 0
         args, kwargs = local_args(args, kwargs)
-    else:
-        enter_local = None
 
     def log_joint(U):
         out = []
-        if enter_local is not None:
+        if sharded:
             U = enter_local(U)  # one collective in the backward, whatever the order autograd takes
         for u in U:
             vals, ld, start = {}, u.new_zeros(()), 0
@@ -120,12 +119,12 @@ def flat_log_joint(model, args, kwargs, reduction=None):
                 vals[name] = v
             with full_data_plates():
                 tr = poutine.trace(poutine.condition(model, data=vals)).get_trace(*args, **kwargs)
-            if enter_local is not None:
+            if sharded:
                 tr.compute_log_prob()
                 out.append(u.new_zeros(()) + local_log_prob(tr, first, vals) + (ld if first else 0.0))
                 continue
             out.append(tr.log_prob_sum() + ld)
-        return torch.stack(out) if enter_local is None else sum_over_ranks(torch.stack(out))
+        return sum_over_ranks(torch.stack(out)) if sharded else torch.stack(out)
 
     return log_joint, n
 
@@ -271,11 +270,10 @@ class SVILowRankOptions(SVIOptions):
     rank: typing.Optional[int] = option(None, "rank of the covariance factor (default: Pyro's sqrt(n))", min=1)
 
 
-class _PyroModelEngine(Engine):
-    """Engines that run on the Pyro model itself: continuous latents, and observations valid for their
-    likelihood as the latent Gaussian extraction checks them (Pyro's NUTS would accept Bernoulli labels 2 or -1)."""
-
-    takes = "model"
+class _PyroModelEngine(ModelEngine):
+    """Pyro's engines on the Pyro model itself: continuous latents, and observations valid for their
+    likelihood as the latent Gaussian extraction checks them (Pyro's NUTS would accept Bernoulli labels 2 or -1);
+    their guides' parameters live under a private prefix of Pyro's param store."""
 
     @property
     def param_prefix(self):
@@ -300,7 +298,6 @@ class SVIEngine(_PyroModelEngine):
     all rows up to the order of floating-point additions. Subsampled plates are refused there.
     """
 
-    takes = "model"
     Options = SVIOptions
     guide_cls = None
     optimality_measure = ("natural-gradient decrement of the evidence bound <= decrement_tol (exact bound for latent "
@@ -335,14 +332,14 @@ class SVIEngine(_PyroModelEngine):
     def solve(self, call, run):
         o = self.options
         model, guide = self.model_and_guide(call)
-        red = data_reduction(call.args, call.kwargs)
+        red = find_comm(call.args, call.kwargs)
         if red is None:
             elbo = Trace_ELBO(num_particles=o.num_particles, vectorize_particles=o.vectorize_particles)
         else:  # row-sharded data: local surrogate, gradients all-reduced (see sharded_svi)
             elbo = ShardedTraceELBO(red, num_particles=o.num_particles, vectorize_particles=o.vectorize_particles)
         losses, reason, elbo_estimate = self.run_svi(model, guide, elbo, call, run)
         posterior = self.posterior_of(guide)
-        lgm = sharded_lgm_or_none(try_lgm(call.source, call.args, call.kwargs), red, call.args, call.kwargs)
+        lgm = reshard_lgm(try_lgm(call.source, call.args, call.kwargs), call.args, call.kwargs)
         with torch.enable_grad():
             bound, opt = variational_optimality(call, posterior, lgm, tol=o.decrement_tol,
                                                 check_particles=o.check_particles, seed=self.run_seed, reduction=red)
@@ -428,8 +425,6 @@ class LaplaceEngine(_FullDataEngine):
         elbo.differentiable_loss(model, guide, *call.args, **call.kwargs)  # creates the parameters
         params = [p for name, p in pyro.get_param_store().named_parameters()
                   if name.startswith(guide._pyro_name + ".")]
-        from ..distributed import find_comm
-
         sharded = find_comm(call.args, call.kwargs) is not None
         if not sharded:
             loss = lambda: elbo.differentiable_loss(model, guide, *call.args, **call.kwargs)  # noqa: E731
@@ -479,9 +474,6 @@ def _sharded_map_loss(model, guide, args, kwargs):
     ``sum_over_ranks`` adds the observed sites of every rank and the latent sites of rank 0, so value, gradient
     and Hessian are those of the full-data log joint on every rank (the guide's own log density, replicated,
     is counted once outside the sum)."""
-    from ..distributed import rank
-    from .sharded_svi import enter_local, local_args, sum_over_ranks
-
     largs, lkwargs = local_args(args, kwargs)
     guide_tr = poutine.trace(guide).get_trace(*largs, **lkwargs)
     latent = {name: site["value"] for name, site in guide_tr.nodes.items()

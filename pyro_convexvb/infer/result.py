@@ -91,17 +91,39 @@ class InferenceResult:
         """
         import dataclasses
 
-        info, dropped = {}, []
-        for k, v in self.info.items():
-            if _is_plain(v):
-                info[k] = v
-            else:
-                dropped.append(k)
-        info["dropped"] = sorted(set(dropped) | set(self.info.get("dropped", [])))
+        info = self.info_to_store()
         post = self.posterior
         if post is not None:
             post = post.compact(keep_model=keep_model)
         return dataclasses.replace(self, posterior=post, info=info, lgm=None, state=None)
+
+    def info_to_store(self, convert=None, dropped=()):
+        """The ``info`` of a stored copy (:meth:`compact`, ``pcv.save``): each entry as ``convert(key, value)``
+        returns it, the entries it refuses with :class:`TypeError` left out, and ``info["dropped"]`` listing them
+        with ``dropped`` (other parts the caller left out) and whatever an earlier copy had left out.
+
+        :param convert: ``convert(key, value) -> stored value``; default: the value itself when it is plain
+            (``None``, ``bool``, ``int``, ``float``, ``str``, or lists/tuples/dicts of them), else ``TypeError``.
+        :param dropped: names of other parts left out (e.g. ``"hyper"``).
+        :returns: a new ``dict`` (``self.info`` is unchanged).
+
+        Example::
+
+            >>> r = InferenceResult(None, None, info={"site_var": object(), "iterations": 7})
+            >>> r.info_to_store(dropped=["hyper"])
+            {'iterations': 7, 'dropped': ['hyper', 'site_var']}
+        """
+        convert = _plain if convert is None else convert
+        kept, out = {}, list(dropped) + list(self.info.get("dropped", []))
+        for k, v in self.info.items():
+            if k == "dropped":
+                continue
+            try:
+                kept[k] = convert(k, v)
+            except TypeError:
+                out.append(k)
+        kept["dropped"] = sorted(set(out))
+        return kept
 
     # ------------------------------------------------------------ diagnostics (pyro_convexvb.diagnostics)
     @property
@@ -173,6 +195,13 @@ class WorkReport:
     cg_iterations: int
     inner_seconds: float
     outer_seconds: float
+
+
+def _plain(key, v):
+    """``v`` if it is plain (:func:`_is_plain`), else :class:`TypeError` naming ``key``."""
+    if not _is_plain(v):
+        raise TypeError(f"info[{key!r}] is not plain data")
+    return v
 
 
 def _is_plain(v, depth=0):

@@ -26,45 +26,24 @@ Every observed site (``obs=``, ``pyro.factor``) is taken to hold this rank's row
 observed factor, say) would count it once per rank: write such terms as latent priors.
 
 For functions of the replicated latents evaluated outside SVI (the Monte Carlo decrement of the
-engines' optimality check), :func:`enter_local` and :func:`sum_over_ranks` are the pair of
-autograd-aware collectives (identity forward / all-reduce backward, and all-reduce forward /
-identity backward) that give the full gradient with respect to replicated inputs.
+engines' optimality check, the sharded Laplace approximation),
+:func:`~pyro_convexvb.distributed.enter_local` and :func:`~pyro_convexvb.distributed.sum_over_ranks` are the pair
+of autograd-aware collectives (identity forward / all-reduce backward, and all-reduce forward / identity
+backward) that give the full gradient with respect to replicated inputs. Every collective is
+:mod:`pyro_convexvb.distributed`'s; this module only decides what each rank contributes.
 """
 import torch
 from pyro.infer import Trace_ELBO
 from pyro.infer.util import is_identically_zero, torch_item
 
-__all__ = ["data_reduction", "local_args", "reshard_lgm", "sharded_lgm_or_none", "ShardedTraceELBO", "all_reduce_param_grads", "enter_local", "sum_over_ranks",
+from .. import distributed
+
+__all__ = ["local_args", "reshard_lgm", "ShardedTraceELBO", "all_reduce_param_grads",
            "local_log_prob"]
 
 
-def _items(x):
-    if isinstance(x, (list, tuple)):
-        return list(x)
-    if isinstance(x, dict):
-        return list(x.values())
-    return [x]
-
-
-def data_reduction(args, kwargs):
-    """A :class:`~.dual_vg.sharding.SiteReduction` when a model argument (or an element of a list, tuple or
-    dict argument) is a row-sharded design (:func:`pyro_convexvb.distributed.row_sharded`) and a process
-    group of more than one rank is active, else ``None``."""
-    from .. import distributed
-    from .dual_vg.sharding import SiteReduction
-
-    if not distributed.is_active():
-        return None
-    for a in list(args) + list(kwargs.values()):
-        if any(isinstance(x, distributed.RowShardedOperator) for x in _items(a)):
-            return SiteReduction()
-    return None
-
-
 def _local(x):
-    from ..distributed import RowShardedOperator
-
-    if isinstance(x, RowShardedOperator):
+    if isinstance(x, distributed.RowShardedOperator):
         return x.local
     if isinstance(x, list):
         return [_local(v) for v in x]
@@ -94,9 +73,7 @@ def reshard_lgm(lgm, args, kwargs):
 
     :returns: ``lgm`` (modified in place when needed; unchanged without row-sharded arguments).
     """
-    from .. import distributed
-
-    if lgm is None or data_reduction(args, kwargs) is None or distributed.comm_of(lgm) is not None and all(
+    if lgm is None or distributed.find_comm(args, kwargs) is None or distributed.comm_of(lgm) is not None and all(
             distributed.comm_of(g.design) is not None for g in lgm.sites):
         return lgm
     if getattr(lgm, "imputed", None):
@@ -106,60 +83,6 @@ def reshard_lgm(lgm, args, kwargs):
         if distributed.comm_of(g.design) is None:
             g.design = distributed.RowShardedOperator(g.design)
     return lgm
-
-
-def sharded_lgm_or_none(lgm, reduction, args=(), kwargs=None):
-    """:func:`reshard_lgm` when ``reduction`` is set (row-sharded data), else ``lgm`` as it is."""
-    if lgm is None or reduction is None:
-        return lgm
-    return reshard_lgm(lgm, args, kwargs or {})
-
-
-def _rank():
-    import torch.distributed as dist
-
-    return dist.get_rank()
-
-
-class _SumOverRanks(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        import torch.distributed as dist
-
-        out = x.detach().clone()
-        dist.all_reduce(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _EnterLocal.apply(grad)
-
-
-class _EnterLocal(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _SumOverRanks.apply(grad)
-
-
-def sum_over_ranks(x):
-    """All-reduce (sum) ``x`` over ranks; backward: the gradient passes unchanged (it is replicated).
-
-    Use on a rank's local contribution to a replicated total; pair with :func:`enter_local` on the
-    replicated inputs it was computed from.
-    """
-    return _SumOverRanks.apply(x)
-
-
-def enter_local(x):
-    """Identity on a replicated tensor about to feed a rank's local computation; backward: all-reduce.
-
-    ``F(z) = sum_over_ranks(f_r(enter_local(z)))`` then has the gradient ``sum_r f_r'(z)`` on every rank.
-    """
-    return _EnterLocal.apply(x)
 
 
 def check_full_plates(trace):
@@ -190,32 +113,12 @@ def local_log_prob(trace, first_rank, latent_names=()):
     return total
 
 
-def all_reduce_param_grads(red):
-    """Sum the gradients of the Pyro param store's parameters over ranks (one all-reduce, as DDP).
-
-    A parameter whose gradient is ``None`` on every rank keeps ``None`` (the optimiser skips it, as in
-    one process); otherwise missing gradients count as zeros.
-    """
+def all_reduce_param_grads():
+    """Sum the gradients of the Pyro param store's parameters over ranks, in name order
+    (:func:`pyro_convexvb.distributed.all_reduce_grads`: one all-reduce, as DDP)."""
     import pyro
 
-    store = pyro.get_param_store()
-    params = [p for _, p in sorted(store.named_parameters(), key=lambda kv: kv[0])]
-    if not params:
-        return
-    ref = params[0]
-    flat = []
-    for p in params:
-        g = p.grad
-        flat.append(torch.zeros(p.numel() + 1, dtype=torch.float64, device=ref.device) if g is None else
-                    torch.cat([g.detach().reshape(-1).to(torch.float64), torch.ones(1, dtype=torch.float64,
-                                                                                  device=ref.device)]))
-    buf = red.sum(torch.cat(flat))
-    start = 0
-    for p in params:
-        k = p.numel()
-        if float(buf[start + k]) > 0:
-            p.grad = buf[start:start + k].reshape(p.shape).to(p.dtype)
-        start += k + 1
+    distributed.all_reduce_grads(p for _, p in sorted(pyro.get_param_store().named_parameters(), key=lambda kv: kv[0]))
 
 
 class ShardedTraceELBO(Trace_ELBO):
@@ -224,7 +127,8 @@ class ShardedTraceELBO(Trace_ELBO):
     See the module docstring. Reparameterised guides only (every autoguide is): a score-function
     term would need the other ranks' log-likelihoods per particle.
 
-    :param reduction: a :class:`~.dual_vg.sharding.SiteReduction`.
+    :param reduction: the data's :class:`~pyro_convexvb.distributed.Communicator`
+        (:func:`~pyro_convexvb.distributed.find_comm` of the model's arguments), or ``None`` (one process).
     :param kwargs: Pyro's ``Trace_ELBO`` options (``num_particles``, ``vectorize_particles``).
 
     Example (runs under ``torchrun``; one process shown, where it is ``Trace_ELBO``)::
@@ -259,7 +163,7 @@ class ShardedTraceELBO(Trace_ELBO):
     def loss_and_grads(self, model, guide, *args, **kwargs):
         if self.reduction is None:
             return super().loss_and_grads(model, guide, *args, **kwargs)
-        first = _rank() == 0
+        first = distributed.rank() == 0
         args, kwargs = local_args(args, kwargs)
         loss = 0.0
         for model_trace, guide_trace in self._get_traces(model, guide, args, kwargs):
@@ -269,13 +173,13 @@ class ShardedTraceELBO(Trace_ELBO):
             loss += loss_particle / self.num_particles
             if getattr(surrogate, "requires_grad", False):
                 (surrogate / self.num_particles).backward(retain_graph=self.retain_graph)
-        all_reduce_param_grads(self.reduction)
+        all_reduce_param_grads()
         return float(self.reduction.sum(torch.tensor(loss, dtype=torch.float64)))
 
     def loss(self, model, guide, *args, **kwargs):
         if self.reduction is None:
             return super().loss(model, guide, *args, **kwargs)
-        first = _rank() == 0
+        first = distributed.rank() == 0
         args, kwargs = local_args(args, kwargs)
         with torch.no_grad():
             loss = 0.0

@@ -188,7 +188,7 @@ def cg(
         ``CGResult.truncated`` flags it; a truncated column is neither restarted nor counted as a
         failure for ``on_fail``.
     :param reduction: ``None`` (every row in this process), or an object whose ``sum(t)`` sums a tensor over
-        the processes that hold the other rows (e.g. :class:`~pyro_convexvb.infer.dual_vg.sharding.SiteReduction`):
+        the processes that hold the other rows (e.g. a :class:`~pyro_convexvb.distributed.Communicator`):
         ``matmul``, ``precond``, ``rhs`` and ``x0`` then act on this process's rows, and inner products and
         norms are summed over processes.
     :returns: :class:`CGResult`.

@@ -30,6 +30,35 @@ def case_operator_products(rank, world):
     return out
 
 
+def case_collectives(rank, world):
+    """The collectives of pcv.distributed: the communicator a list argument carries reduces site vectors to their
+    global values; ``h(sum_over_ranks(f_r(enter_local(z))))`` and the same with ``all_reduce_sum`` have the global
+    gradient and Hessian (``h`` nonlinear, so the second derivative also crosses the sum's backward);
+    ``all_reduce_grads`` sums parameter gradients (a gradient no rank has stays ``None``)."""
+    from pyro_convexvb import distributed
+
+    X, y = _problem(rank, world)
+    start = shard_range(90, rank, world)[0]
+    red = distributed.find_comm(([row_sharded(X)],), {}) or distributed.LOCAL
+    a, b = X[:, 0], y - 0.5
+    out = {"dot": red.dot(a, b), "norm": red.norm(a), "sum": red.sum(a.sum()), "count": red.count(a.shape[0]),
+           "min": red.min(float(a.min())), "max": red.max(float(a.max())), "all": red.all(bool((y >= 0).all())),
+           "all_rows_before_60": red.all(bool((torch.arange(a.shape[0]) + start < 60).all()))}
+    z = torch.linspace(-0.5, 0.5, X.shape[1], dtype=torch.float64, requires_grad=True)
+    for name, total in (("pair", distributed.sum_over_ranks), ("all_reduce_sum", distributed.all_reduce_sum)):
+        F = total(torch.nn.functional.softplus(X @ distributed.enter_local(z)).sum())
+        F = F * F / 100.0
+        g, = torch.autograd.grad(F, z, create_graph=True)
+        out[f"{name}_value"], out[f"{name}_grad"] = F.detach(), g.detach()
+        out[f"{name}_hvp"] = torch.autograd.grad(g @ torch.ones_like(g), z)[0]
+    p = z.detach().clone().requires_grad_(True)
+    q = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    torch.nn.functional.softplus(X @ p).sum().backward()
+    distributed.all_reduce_grads([p, q])
+    out["param_grad"], out["unused_grad_is_none"] = p.grad, q.grad is None
+    return out
+
+
 def logistic_model(X, y, prior_scale=1.0):
     import pyro
     import pyro.distributions as dist

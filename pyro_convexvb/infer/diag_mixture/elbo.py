@@ -10,6 +10,7 @@ import torch
 from pyro.infer import ELBO
 from torch.distributions import biject_to
 
+from ...distributed import rank
 from ...errors import UnsupportedModelError
 from ...posterior.mixture import AutoDiagMixture, _entropy_fn
 
@@ -32,9 +33,9 @@ class DiagMixtureELBO(ELBO):
         inside an outermost plate (the model must broadcast over a leading batch dimension, e.g.
         use ``pcv.linear(X, w)`` instead of ``X @ w``); otherwise one model run per particle.
     :param max_plate_nesting: as in Pyro's ELBOs (guessed when needed).
-    :param reduction: ``None``, or for row-sharded data (:func:`~.sharded_svi.data_reduction`) the
-        reduction over ranks: every rank draws the same stratified particles (same seed), evaluates the
-        model on its own rows, and counts its observed sites plus -- on rank 0 only -- the latent
+    :param reduction: ``None``, or for row-sharded data the data's communicator
+        (:func:`~pyro_convexvb.distributed.find_comm`): every rank draws the same stratified particles (same
+        seed), evaluates the model on its own rows, and counts its observed sites plus -- on rank 0 only -- the latent
         sites, log-Jacobians and the entropy bound; gradients and the loss are then summed over ranks
         (as in ``DistributedDataParallel``), which is the single-process objective and gradient up
         to the order of floating-point additions (:mod:`~pyro_convexvb.infer.sharded_svi`).
@@ -54,10 +55,10 @@ class DiagMixtureELBO(ELBO):
         """``log p(y, z) + log|T'|`` of a model trace; on row-sharded data this rank's share (see ``reduction``)."""
         if self.reduction is None:
             return tr.log_prob_sum() + log_det
-        from ..sharded_svi import _rank, check_full_plates, local_log_prob
+        from ..sharded_svi import check_full_plates, local_log_prob
 
         check_full_plates(tr)
-        first = _rank() == 0
+        first = rank() == 0
         tr.compute_log_prob()
         return local_log_prob(tr, first, set(self._latent_names)) + (log_det if first else 0.0)
 
@@ -130,7 +131,7 @@ class DiagMixtureELBO(ELBO):
     def differentiable_loss(self, model, guide, *args, **kwargs):
         """``-ELBO`` as a differentiable scalar (one stratified draw of ``K * L`` particles)."""
         if self.reduction is not None:
-            from ..sharded_svi import _rank, local_args
+            from ..sharded_svi import local_args
 
             args, kwargs = local_args(args, kwargs)
         self._check_guide(guide, args, kwargs)
@@ -139,7 +140,7 @@ class DiagMixtureELBO(ELBO):
             e_log_joint = self._log_joint_vectorized(model, guide, z, args, kwargs)
         else:
             e_log_joint = self._log_joint_sequential(model, guide, z, args, kwargs)
-        if self.reduction is not None and _rank() != 0:  # the entropy bound is counted once, on rank 0
+        if self.reduction is not None and rank() != 0:  # the entropy bound is counted once, on rank 0
             return -e_log_joint
         return -(e_log_joint + _entropy_fn(self.entropy)(locs, variances))
 
@@ -156,6 +157,6 @@ class DiagMixtureELBO(ELBO):
             return float(loss.detach())
         from ..sharded_svi import all_reduce_param_grads
 
-        all_reduce_param_grads(self.reduction)
+        all_reduce_param_grads()
         return float(self.reduction.sum(loss.detach()))
 

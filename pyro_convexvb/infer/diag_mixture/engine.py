@@ -17,7 +17,8 @@ from ..optimality import mixture_decrement, monte_carlo_objective
 from ..options import option
 from ..pyro_engines import SVIEngine, SVIOptions, flat_log_joint, model_param_values, try_lgm
 from ..result import Optimality, Solution
-from ..sharded_svi import data_reduction, sharded_lgm_or_none
+from ...distributed import find_comm
+from ..sharded_svi import reshard_lgm
 from .elbo import DiagMixtureELBO
 
 __all__ = ["DiagMixtureOptions", "SVI_ONLY_OPTIONS", "DiagMixtureEngine", "MixtureState"]
@@ -153,7 +154,7 @@ class DiagMixtureEngine(SVIEngine):
     def solve(self, call, run):
         o = self.options
         model, guide = self.model_and_guide(call)
-        red = data_reduction(call.args, call.kwargs)
+        red = find_comm(call.args, call.kwargs)
         lgm = None if o.optimizer == "svi" else try_lgm(call.source, call.args, call.kwargs)
         with poutine.block(), torch.no_grad():
             try:
@@ -175,7 +176,7 @@ class DiagMixtureEngine(SVIEngine):
             posterior = DiagMixturePosterior(locs.detach().clone(), scales.detach().clone() ** 2)
         if lgm is None:
             lgm = try_lgm(call.source, call.args, call.kwargs)
-        lgm = sharded_lgm_or_none(lgm, red, call.args, call.kwargs)
+        lgm = reshard_lgm(lgm, call.args, call.kwargs)
         exact = lgm is not None and lgm.n == posterior.n
         info = dict(info_opt, guide=guide, entropy=o.entropy, hyperparameters=model_param_values(call))
         best = "best"

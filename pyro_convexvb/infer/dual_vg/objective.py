@@ -32,7 +32,7 @@ import torch
 
 from ..posterior import GaussianPosterior
 from ...linalg.operators import DenseOperator, SparseOperator, as_operator
-from .sharding import site_reduction
+from ...distributed import reduction_of
 
 __all__ = [
     "SiteSpaceBackend",
@@ -211,7 +211,7 @@ class LatentSpaceBackend:
     :param torch.Tensor prior_prec: ``(L, L)`` prior precision ``Sigma^{-1}``.
     :param torch.Tensor mu: ``(L,)`` prior mean.
     :param torch.Tensor offset: ``(N,)`` fixed offset ``d``.
-    :param comm: ``None`` (one process) or a :class:`~.sharding.SiteReduction`: then ``W`` and
+    :param comm: ``None`` (one process) or a :class:`~pyro_convexvb.distributed.Communicator`: then ``W`` and
         ``offset`` are this rank's rows of the design (``N`` is the local number of sites) and the
         latent-space products ``W^T u`` and ``W^T Lambda W`` are all-reduced, so ``A``, its Cholesky
         factor and the posterior are replicated while every site-sized vector stays local.
@@ -714,7 +714,7 @@ def reduced_objective(backend, bound, alpha, hessian=False):
         :class:`LatentSpaceHessian` when the backend offers one, else dense).
     :returns: :class:`DualValue` (``g = +inf`` outside the domain).
     """
-    red = site_reduction(backend)
+    red = reduction_of(backend)
     lo, hi = bound.alpha_domain(alpha)
     if not red.all(bool(((alpha > lo) & (alpha < hi)).all())):
         inf = torch.full((), math.inf, dtype=alpha.dtype, device=alpha.device)
@@ -723,11 +723,9 @@ def reduced_objective(backend, bound, alpha, hessian=False):
     psi, dpsi, d2psi = bound.psi(alpha)
     operator = hessian == "operator" and hasattr(backend, "hessian_operator")
     t = backend.evaluate(alpha, lam, hessian=bool(hessian) and not operator)
-    if red.active:  # the site sums of all ranks in one all_reduce
-        a_m, psi_sum = red.sum(torch.stack([alpha @ (backend.mu_t + t.m_tilde), psi.sum()]))
-        g = -0.5 * a_m - 0.5 * t.logdet_B + psi_sum
-    else:
-        g = -0.5 * alpha @ (backend.mu_t + t.m_tilde) - 0.5 * t.logdet_B + psi.sum()
+    # the site sums (of all ranks, in one all_reduce; -0.5 * a_m is exact, so one process rounds as before)
+    a_m, psi_sum = red.sum(torch.stack([alpha @ (backend.mu_t + t.m_tilde), psi.sum()]))
+    g = -0.5 * a_m - 0.5 * t.logdet_B + psi_sum
     grad = -t.m_tilde - 0.5 * dl * t.v_tilde + dpsi
     H = None
     if operator:
@@ -793,11 +791,8 @@ def lvb_elbo(backend, bound, alpha, lam, terms=None):
     A lower bound on ``log p(y)`` for every ``(alpha, lambda >= 0)``.
     """
     t = backend.evaluate(alpha, lam) if terms is None else terms
-    red = site_reduction(backend)
-    if red.active:
-        lv, fs = red.sum(torch.stack([lam @ t.v_tilde, bound.f(t.m_tilde, t.v_tilde).sum()]))
-        return 0.5 * (lv - t.quad - t.logdet_B) - fs
-    return 0.5 * (lam @ t.v_tilde - t.quad - t.logdet_B) - bound.f(t.m_tilde, t.v_tilde).sum()
+    lv, fs = reduction_of(backend).sum(torch.stack([lam @ t.v_tilde, bound.f(t.m_tilde, t.v_tilde).sum()]))
+    return 0.5 * (lv - t.quad - t.logdet_B) - fs
 
 
 def exact_elbo(backend, bound, alpha, lam, terms=None, log_const=0.0):
@@ -809,9 +804,6 @@ def exact_elbo(backend, bound, alpha, lam, terms=None, log_const=0.0):
     Gauss-Hermite) expected log-likelihoods at the site marginals; never inverts ``Sigma``.
     """
     t = backend.evaluate(alpha, lam) if terms is None else terms
-    red = site_reduction(backend)
-    if red.active:
-        lv, ex = red.sum(torch.stack([lam @ t.v_tilde, bound.exact_expected_log_prob(t.m_tilde, t.v_tilde).sum()]))
-        return 0.5 * (lv - t.quad - t.logdet_B) + ex + log_const
-    return (0.5 * (lam @ t.v_tilde - t.quad - t.logdet_B)
-            + bound.exact_expected_log_prob(t.m_tilde, t.v_tilde).sum() + log_const)
+    ex = bound.exact_expected_log_prob(t.m_tilde, t.v_tilde).sum()
+    lv, ex = reduction_of(backend).sum(torch.stack([lam @ t.v_tilde, ex]))
+    return 0.5 * (lv - t.quad - t.logdet_B) + ex + log_const

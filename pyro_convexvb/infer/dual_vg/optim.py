@@ -24,7 +24,7 @@ from ..result import History
 from ...lgm.families.bound import QuadraticBound
 from .bounds import numerical_conjugate
 from .objective import reduced_objective
-from .sharding import LOCAL, site_reduction
+from ...distributed import LOCAL, reduction_of
 
 __all__ = ["DualSolution", "solve_dual", "minimize_joint", "initial_alpha", "default_gap_tol", "refine_exact"]
 
@@ -114,7 +114,7 @@ def _laplace_start(backend, bound, alpha0, max_newton=50):
     site precisions are the curvatures ``e^h`` of Poisson sites at ``h = log lambda`` (for counts,
     ``eta = log(y + 1/2)``). Returns ``None`` where the iteration produces no finite point.
     """
-    red = site_reduction(backend)
+    red = reduction_of(backend)
 
     def phi(a, m):
         return float(red.sum(bound.f(m, torch.zeros_like(m)).sum() + 0.5 * (a * (backend.mu_t - m)).sum()))
@@ -240,7 +240,7 @@ def solve_dual(backend, bound, alpha0=None, *, method="newton", gap_tol=None, ma
         raise ValueError(f"method: expected 'newton' or 'lbfgs', got {method!r}")
     if method == "newton" and getattr(backend, "kind", "") == "banded" and not hasattr(backend, "hessian_operator"):
         method = "lbfgs"
-    red = site_reduction(backend)
+    red = reduction_of(backend)
     N = red.count(len(bound))
     gap_tol = default_gap_tol(N) if gap_tol is None else float(gap_tol)
     max_iter = (100 if method == "newton" else 2000) if max_iter is None else int(max_iter)
@@ -360,7 +360,7 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
     # at the limit of float resolution; seen with counts ~1e6), where the dense Hessian exists and fits in memory
     can_densify = (newton_solver == "auto" and mode == "operator" and getattr(backend, "comm", None) is None
                    and getattr(backend, "kind", "") not in ("banded", "sparse") and backend.N <= 8000)
-    red = site_reduction(backend)
+    red = reduction_of(backend)
     unchanged, tol = 0, gap_tol
     cg_iterations = 0
     val = reduced_objective(backend, bound, alpha, hessian=mode)
@@ -404,7 +404,7 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
 
 
 def _lbfgs(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback):
-    red = site_reduction(backend)
+    red = reduction_of(backend)
     val = reduced_objective(backend, bound, alpha)
     if not torch.isfinite(val.g):
         raise ValueError("the starting alpha lies outside the conjugate's domain")

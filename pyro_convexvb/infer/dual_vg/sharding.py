@@ -1,91 +1,21 @@
-r"""Reductions over the sites of a row-sharded dual problem (``torch.distributed``).
+r"""The row-sharded dual problem's design (``torch.distributed``): this rank's rows and the reduction over sites.
 
 In the ``L``-space form of the dual (Khan et al. 2013, Eq. 20 with ``A = Sigma^{-1} + W^T Lambda W``)
 every rank holds its own rows of the design ``W`` and the dual variables ``alpha``, ``lambda`` of its
 own sites; latent-sized quantities (``W^T alpha``, ``W^T Lambda W``, the posterior over ``z``) are
 all-reduced and so replicated. What stays to reduce are the sums over sites: the ``sum f*`` and
 ``alpha^T m`` terms of the objective, the duality gap, inner products of site vectors in the Newton-CG
-and L-BFGS iterations, and the fraction-to-boundary step (a minimum over sites). :class:`SiteReduction`
-does these; :data:`LOCAL` is the single-process one (no communication, bit-for-bit the former code path).
+and L-BFGS iterations, and the fraction-to-boundary step (a minimum over sites). They go through the
+backend's :class:`~pyro_convexvb.distributed.Communicator` (:func:`~pyro_convexvb.distributed.reduction_of`;
+:data:`~pyro_convexvb.distributed.LOCAL` on one process, no communication).
 
 Every convergence and line-search decision is taken from reduced values, which ``all_reduce``
 makes identical on every rank, so all ranks take the same branches.
 """
-import math
+# the former names of the reductions, now pyro_convexvb.distributed's
+from ...distributed import LOCAL, reduction_of as site_reduction, Communicator as SiteReduction  # noqa: F401
 
-__all__ = ["SiteReduction", "LOCAL", "site_reduction", "sharded_design", "local_operator"]
-
-
-class _Local:
-    """Sums over the sites of one process (no communication)."""
-
-    active = False
-
-    def sum(self, t):
-        return t
-
-    def dot(self, a, b):
-        return float(a @ b)
-
-    def norm(self, a):
-        return float(a.norm())
-
-    def min(self, x):
-        return float(x)
-
-    def all(self, flag):
-        return bool(flag)
-
-    def count(self, n):
-        return int(n)
-
-
-LOCAL = _Local()
-
-
-class SiteReduction(_Local):
-    """Sums over the sites of all ranks, through the process group's
-    :class:`~pyro_convexvb.distributed.Communicator` (one ``all_reduce`` each).
-
-    :param comm: the communicator (default: the world's).
-
-    Example (one process: every reduction is the identity)::
-
-        >>> import torch
-        >>> SiteReduction().dot(torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
-        3.0
-    """
-
-    active = True
-
-    def __init__(self, comm=None):
-        from ... import distributed
-
-        self.comm = distributed.WORLD if comm is None else comm
-
-    def sum(self, t):
-        return self.comm.sum(t)
-
-    def dot(self, a, b):
-        return float(self.comm.sum(a @ b))
-
-    def norm(self, a):
-        return math.sqrt(max(self.dot(a, a), 0.0))
-
-    def min(self, x):
-        return float(self.comm.min(float(x)))
-
-    def all(self, flag):
-        return self.comm.all(flag)
-
-    def count(self, n):
-        return int(round(float(self.comm.sum(float(n)))))
-
-
-def site_reduction(obj):
-    """The reduction a backend (or any object with a ``comm`` attribute) carries; :data:`LOCAL` if none."""
-    comm = getattr(obj, "comm", None)
-    return LOCAL if comm is None else comm
+__all__ = ["sharded_design", "local_operator"]
 
 
 def local_operator(W):
@@ -111,8 +41,8 @@ def local_operator(W):
 
 
 def sharded_design(W):
-    """``(local operator, SiteReduction)`` for a row-sharded design under an active process group, else
-    ``(W, None)``.
+    """``(local operator, communicator)`` for a row-sharded design under an active process group (the
+    :class:`~pyro_convexvb.distributed.Communicator` its sums over sites go through), else ``(W, None)``.
 
     A vertical stack of site groups is sharded when every group is; a stack mixing row-sharded and
     replicated groups is refused (its replicated rows would be counted once per rank).
@@ -130,4 +60,4 @@ def sharded_design(W):
         if not all(flags):
             raise ValueError("dual_vg: the model mixes row-sharded designs (pcv.distributed.row_sharded) with "
                              "designs given in full on every rank; shard every likelihood's rows, or none")
-    return local_operator(W), SiteReduction(comm)
+    return local_operator(W), comm
