@@ -43,9 +43,19 @@ def _with_density(post):
     from ..infer.posterior import GaussianPosterior
 
     if getattr(post, "kind", None) == "precision_operator" and post.n <= DENSE_MAX:
+        cached = post.__dict__.get("_dense_with_factor")
+        if cached is not None:
+            return cached
         A = post.precision_operator.to_dense()
         A = 0.5 * (A + A.transpose(0, 1)) / post.precision_scale
-        return GaussianPosterior(post.loc, precision=A, layout=post.layout)
+        # the exact marginal variances from the factor (diag A^{-1} = column norms of F^{-1}), which the proposal
+        # uses again (one Cholesky factorisation, no dense inverse)
+        F = torch.linalg.cholesky(A)
+        F_inv = torch.linalg.solve_triangular(F, torch.eye(A.shape[0], dtype=A.dtype, device=A.device), upper=False)
+        dense = GaussianPosterior(post.loc, (F_inv**2).sum(0), precision=A, layout=post.layout)
+        dense.__dict__["_precision_factor"] = (F, F_inv)
+        post.__dict__["_dense_with_factor"] = dense
+        return dense
     return post
 
 
@@ -69,7 +79,8 @@ class _GaussianParts:
         if self._fac is None:
             p = self.post
             if p.kind == "precision":
-                self._fac = ("precision", torch.linalg.cholesky(p._precision))
+                known = p.__dict__.get("_precision_factor")
+                self._fac = ("precision", known[0] if known is not None else torch.linalg.cholesky(p._precision))
             else:
                 self._fac = ("scale", p.scale_tril())
         return self._fac
@@ -122,7 +133,11 @@ class _GaussianParts:
             from scipy.linalg import solve_triangular
 
             kind, F = self._factor_np()
-            self._sqrt = solve_triangular(F.T, np.eye(self.n), lower=False) if kind == "precision" else F
+            known = self.post.__dict__.get("_precision_factor")
+            if kind == "precision" and known is not None:  # F^{-T}
+                self._sqrt = known[1].transpose(0, 1).detach().double().cpu().numpy()
+            else:
+                self._sqrt = solve_triangular(F.T, np.eye(self.n), lower=False) if kind == "precision" else F
         return self._sqrt
 
     def sample(self, m, generator, kind):
@@ -265,8 +280,12 @@ class HyperProposal(Proposal):
         self.hp, self.name = hp, kind
         self.density = hp.density
         self.covers_hyper = hp.density.kind != "point"
-        self.components = [_with_density(c) for c in hp.components]
-        self.parts = [_GaussianParts(c) for c in self.components]
+        # the densified components and their factors, shared by every proposal built from hp
+        shared = hp.__dict__.get("_proposal_parts")
+        if shared is None:
+            comps = [_with_density(c) for c in hp.components]
+            shared = hp.__dict__["_proposal_parts"] = (comps, [_GaussianParts(c) for c in comps])
+        self.components, self.parts = shared
         if hp.layout is None:
             raise ValueError("the hyper-latent posterior has no field layout")
         if not self.covers_hyper:

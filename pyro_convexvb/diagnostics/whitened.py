@@ -23,8 +23,8 @@ The map is fitted (:func:`fit_affine_map`) to the importance-weighted draws of t
 ``e`` under the target estimated with the proposal's own moments as control variates (exact when the weights are
 flat), and every estimated part shrunk by its Monte Carlo noise: the shift and the scales by positive-part
 James-Stein factors (toward 0 and toward the pooled scale; James & Stein 1961, Efron & Morris 1975), the
-directions kept only when both halves of the draws confirm their strength (a direction carried by a single heavy
-draw appears in one half only). The draws of all rounds are pooled with the deterministic-mixture weights
+directions found on one half of the draws and kept only when the other half, independent of the choice, confirms
+their strength. The draws of all rounds are pooled with the deterministic-mixture weights
 ``p / ((1/J) sum_j q_j)`` (the balance heuristic, Veach & Guibas 1995; adaptive multiple importance sampling,
 Cornuet, Marin, Mira & Robert 2012; Owen 2013, ch. 9, multiple importance sampling), whose mixture density is
 exact as all rounds share the base proposal's ``q(theta)`` and frames: ``log q_j(u) = C(u) + l_j(e)`` with
@@ -279,35 +279,30 @@ def fit_affine_map(eps, w, own, maps, seed=0, max_directions=MAX_DIRECTIONS):
 
 def _directions(eps, c, own, maps, frac, mean, s, seed, r_max):
     """Directions where the target's spread of ``z = (e - m) / s`` differs from 1 (``(n, r)`` orthonormal and
-    ``(r,)`` variance changes), or ``(None, None)``: candidates from the eigenvectors of the estimated
-    correlation departure, each kept when both halves of the draws estimate its variance change beyond 2 of their
-    Monte Carlo errors and with the same sign; its change is the smaller of the two (in absolute value)."""
+    ``(r,)`` variance changes), or ``(None, None)``. The draws are split in two halves: the candidates are the
+    leading eigenvectors of the correlation departure estimated from the first half, and each is kept when the
+    second half, independent of the choice, estimates its variance change beyond 2 of its Monte Carlo errors and
+    with the sign of the first; that unbiased second-half estimate is its change."""
     N, n = eps.shape
     K = sum(f * m.second_moment() for f, m in zip(frac, maps))
     half = np.random.default_rng(seed).permutation(N) < N // 2
-    R = []
+    R, cs = [], []
     for part in (half, ~half):
-        cs = np.where(part, c, 0.0) * N / part.sum()
-        M = eps.T @ (cs[:, None] * eps) + K
+        cs.append(np.where(part, c, 0.0) * N / part.sum())
+        M = eps.T @ (cs[-1][:, None] * eps) + K
         Ri = (M - np.outer(mean, mean)) / np.outer(s, s)
         np.fill_diagonal(Ri, 1.0)  # the scales s carry the diagonal
         R.append(Ri)
-    Rm = 0.5 * (R[0] + R[1])
-    lam_all, V = np.linalg.eigh(Rm - np.eye(n))
-    order = np.argsort(-np.abs(lam_all))[: 2 * r_max]
+    lam_a, V = np.linalg.eigh(R[0] - np.eye(n))
     z = (eps - mean) / s
     keep_u, keep_l = [], []
-    for j in order:
+    for j in np.argsort(-np.abs(lam_a))[: 2 * r_max]:
         u = V[:, j]
-        proj2 = (z @ u) ** 2
-        ests, ses = [], []
-        for i, part in enumerate((half, ~half)):
-            cs = np.where(part, c, 0.0) * N / part.sum()
-            ests.append(float(u @ R[i] @ u) - 1.0)
-            ses.append(math.sqrt(float((cs**2 * (proj2 - 1.0 - ests[-1]) ** 2).sum())))
-        if ests[0] * ests[1] > 0 and all(abs(e) > 2 * se + 1e-8 for e, se in zip(ests, ses)):
+        est = float(u @ R[1] @ u) - 1.0
+        se = math.sqrt(float((cs[1] ** 2 * ((z @ u) ** 2 - 1.0 - est) ** 2).sum()))
+        if est * lam_a[j] > 0 and abs(est) > 2 * se + 1e-8:
             keep_u.append(u)
-            keep_l.append(math.copysign(min(abs(ests[0]), abs(ests[1])), ests[0]))
+            keep_l.append(est)
         if len(keep_u) == r_max:
             break
     if not keep_u:
