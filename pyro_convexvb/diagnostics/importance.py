@@ -446,7 +446,9 @@ def _choose(result, num_draws, seed, progress, adapt, adaptation):
         d = _importance(result, num_draws, seed, q1, progress)
         tried[first] = d.k_hat
         d = _adapt_diagonal(result, d, num_draws, seed, progress, adapt, tried)
-    if not d.ok:
+    # the pooled adaptive rounds were fitted to the weighted moments: the defensive mixtures only when k_hat says
+    # they are unreliable; otherwise also when the moment check fails
+    if not (d.reliable if d.proposal == "affine" else d.ok):
         for i, kind in enumerate(("widened", "student_t")):
             try:
                 d2 = _importance(result, num_draws, seed + 1 + i, kind, progress)

@@ -279,10 +279,10 @@ def fit_affine_map(eps, w, own, maps, seed=0, max_directions=MAX_DIRECTIONS):
 
 def _directions(eps, c, own, maps, frac, mean, s, seed, r_max):
     """Directions where the target's spread of ``z = (e - m) / s`` differs from 1 (``(n, r)`` orthonormal and
-    ``(r,)`` variance changes), or ``(None, None)``. The draws are split in two halves: the candidates are the
-    leading eigenvectors of the correlation departure estimated from the first half, and each is kept when the
-    second half, independent of the choice, estimates its variance change beyond 2 of its Monte Carlo errors and
-    with the sign of the first; that unbiased second-half estimate is its change."""
+    ``(r,)`` variance changes), or ``(None, None)``, by cross-fitting on two halves of the draws: the candidates
+    are the leading eigenvectors of the correlation departure estimated from one half, each kept when the other
+    half, independent of the choice, estimates its variance change beyond 2 of its Monte Carlo errors and with the
+    same sign; the two halves' confirmed low-rank departures are averaged and re-diagonalised."""
     N, n = eps.shape
     K = sum(f * m.second_moment() for f, m in zip(frac, maps))
     half = np.random.default_rng(seed).permutation(N) < N // 2
@@ -293,18 +293,23 @@ def _directions(eps, c, own, maps, frac, mean, s, seed, r_max):
         Ri = (M - np.outer(mean, mean)) / np.outer(s, s)
         np.fill_diagonal(Ri, 1.0)  # the scales s carry the diagonal
         R.append(Ri)
-    lam_a, V = np.linalg.eigh(R[0] - np.eye(n))
     z = (eps - mean) / s
-    keep_u, keep_l = [], []
-    for j in np.argsort(-np.abs(lam_a))[: 2 * r_max]:
-        u = V[:, j]
-        est = float(u @ R[1] @ u) - 1.0
-        se = math.sqrt(float((cs[1] ** 2 * ((z @ u) ** 2 - 1.0 - est) ** 2).sum()))
-        if est * lam_a[j] > 0 and abs(est) > 2 * se + 1e-8:
-            keep_u.append(u)
-            keep_l.append(est)
-        if len(keep_u) == r_max:
-            break
-    if not keep_u:
+    low = np.zeros((n, n))
+    for a, b in ((0, 1), (1, 0)):
+        lam_a, V = np.linalg.eigh(R[a] - np.eye(n))
+        kept = 0
+        for j in np.argsort(-np.abs(lam_a))[: 2 * r_max]:
+            u = V[:, j]
+            est = float(u @ R[b] @ u) - 1.0
+            se = math.sqrt(float((cs[b] ** 2 * ((z @ u) ** 2 - 1.0 - est) ** 2).sum()))
+            if est * lam_a[j] > 0 and abs(est) > 2 * se + 1e-8:
+                low += 0.5 * est * np.outer(u, u)
+                kept += 1
+            if kept == r_max:
+                break
+    lam, V = np.linalg.eigh(low)
+    top = np.argsort(-np.abs(lam))[:r_max]
+    top = top[np.abs(lam[top]) > 1e-8]
+    if top.size == 0:
         return None, None
-    return np.stack(keep_u, 1), np.clip(np.array(keep_l), -0.6, 3.0)
+    return V[:, top], np.clip(lam[top], -0.6, 3.0)
