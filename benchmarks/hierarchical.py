@@ -24,7 +24,7 @@ ESS reported; the full-size ``bym`` reference with NumPyro's NUTS on the non-cen
 in ``benchmarks/results/hierarchical_reference*.json``.
 
 With ``+ psis`` an engine's result is importance-corrected (``res.corrected()``: 2,000 draws, and when their
-importance ESS is below half of them 2,000 more from the adapted proposal, pooled; ``pyro_convexvb.diagnostics``;
+importance ESS is below 80% of them 2,000 more from the adapted proposal, pooled; ``pyro_convexvb.diagnostics``;
 the time includes the correction), and every uncorrected result of our engines
 reports the PSIS ``k_hat`` of its posterior (``res.diagnostics``, 500 draws, not timed). When NumPyro is installed
 (the ``bench`` extra) ``numpyro nuts`` runs each case written independently in NumPyro

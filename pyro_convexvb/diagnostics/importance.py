@@ -356,7 +356,7 @@ class CorrectedPosterior:
 
 
 #: adapt while the importance ESS is below this fraction of the draws
-ADAPT_BELOW = 0.5
+ADAPT_BELOW = 0.8
 ADAPTATIONS = ("affine", "diagonal")
 
 
@@ -508,7 +508,7 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     Draws from a proposal built from the fitted posterior are weighted by ``p(y, x) / q(x)`` (Pareto-smoothed,
     self-normalised). With ``proposal="auto"`` the fitted posterior is tried first (for hyper-latents integrated
     over, ``"interpolated"``: the field's Gaussian moved to the locations and scales interpolated between design
-    points); if its importance ESS is below half the draws, up to ``adapt`` further rounds draw from the proposal
+    points); if its importance ESS is below 80% of the draws, up to ``adapt`` further rounds draw from the proposal
     adapted to the weighted draws so far: with ``adaptation="affine"`` (default) an affine map of the field's
     whitened coordinates moment-matched to them (a shift, scales and a few directions, each shrunk by its Monte
     Carlo noise; :mod:`~pyro_convexvb.diagnostics.whitened`), every round's draws pooled against the mixture of
