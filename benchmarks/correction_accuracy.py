@@ -113,7 +113,8 @@ def main():
     print(markdown_table(rows, floatfmt=".3g"))
     tag = ("_quick" if args.quick else "") + ("" if set(args.cases.split(",")) == set(H.CASES)
                                               else "_" + "_".join(args.cases.split(",")))
-    tag += "" if set(variants) == set(VARIANTS) else "_" + "_".join(variants)
+    tag += ("" if set(variants) == set(VARIANTS) else "_" + "_".join(variants)) + \
+        ("" if args.adapt == 1 else f"_adapt{args.adapt}")
     write_json(f"correction_accuracy{tag}", {"rows": rows, "seeds": seeds, "draws": draws, "adapt": args.adapt,
                                               "note": "seconds are rough (machine load not controlled)"})
 

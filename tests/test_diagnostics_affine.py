@@ -243,3 +243,14 @@ def test_whitened_docstrings_run():
         warnings.simplefilter("ignore")
         out = doctest.testmod(whitened)
     assert out.attempted > 0 and out.failed == 0
+
+
+def test_loo_of_an_adapted_correction_draws_from_its_proposal(normal_gamma, monkeypatch):
+    res, _ = normal_gamma
+    _forced(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = res.corrected(num_draws=300)
+        r = res.loo(num_draws=200)
+    assert c.diagnostics.proposal == "affine" and r.proposal == "affine"
+    assert r.pareto_k.shape == (30,) and np.isfinite(r.elpd_loo) and float(np.max(r.pareto_k)) < 0.7

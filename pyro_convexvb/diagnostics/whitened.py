@@ -38,7 +38,7 @@ import torch
 
 from .proposals import Proposal
 
-__all__ = ["AffineMap", "WhitenedProposal", "fit_affine_map", "whiten"]
+__all__ = ["AffineMap", "WhitenedProposal", "fit_affine_map", "mixture_log_q", "whiten"]
 
 #: largest field dimension at which the directions of the map are estimated (an ``(n, n)`` moment matrix)
 LOW_RANK_MAX_N = 3000
