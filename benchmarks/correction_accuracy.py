@@ -64,7 +64,7 @@ def main():
     parser.add_argument("--seeds", type=int, default=3, help="correction seeds per variant (median reported)")
     parser.add_argument("--draws", type=int, default=None, help="draws per proposal (default: correct()'s, 2000)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
-    parser.add_argument("--adapt", type=int, default=1, help="adaptation rounds at most (correct(adapt=...))")
+    parser.add_argument("--adapt", type=int, default=2, help="adaptation rounds at most (correct(adapt=...))")
     args = parse_args(parser=parser)
     torch.set_default_dtype(D)
     variants = args.variants.split(",")
@@ -114,7 +114,7 @@ def main():
     tag = ("_quick" if args.quick else "") + ("" if set(args.cases.split(",")) == set(H.CASES)
                                               else "_" + "_".join(args.cases.split(",")))
     tag += ("" if set(variants) == set(VARIANTS) else "_" + "_".join(variants)) + \
-        ("" if args.adapt == 1 else f"_adapt{args.adapt}")
+        ("" if args.adapt == 2 else f"_adapt{args.adapt}")
     write_json(f"correction_accuracy{tag}", {"rows": rows, "seeds": seeds, "draws": draws, "adapt": args.adapt,
                                               "note": "seconds are rough (machine load not controlled)"})
 

@@ -124,7 +124,8 @@ def test_a_too_narrow_posterior_is_flagged_and_corrected_with_a_wider_proposal(l
         warnings.simplefilter("ignore", ApproximationWarning)
         c = res_bad.corrected(num_draws=2000)  # an adapted round: the whitened scales widened
         c0 = correct(res_bad, num_draws=2000, adapt=0)  # no adaptation: the defensive mixtures
-    assert set(c.diagnostics.tried) == {"fitted", "affine"} and c.diagnostics.proposal == "affine"
+    assert {"fitted", "affine"} <= set(c.diagnostics.tried) <= {"fitted", "affine", "affine2"}
+    assert c.diagnostics.proposal == "affine"
     assert c.k_hat < 0.7 and c.diagnostics.maps[1].s.min() > 1.2  # sds 29% too small: scales about 1.4
     assert set(c0.diagnostics.tried) == {"fitted", "widened", "student_t"}
     assert c0.diagnostics.proposal in ("widened", "student_t") and c0.k_hat < 0.7

@@ -502,7 +502,7 @@ def _check_options(adapt, estimator, adaptation, probs):
 
 
 def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", probs=(0.05, 0.5, 0.95), warn=True,
-            progress=False, estimator="cv", adapt=1, adaptation="affine"):
+            progress=False, estimator="cv", adapt=2, adaptation="affine"):
     """Importance-corrected means, sds and quantiles of every latent site, with Monte Carlo errors.
 
     Draws from a proposal built from the fitted posterior are weighted by ``p(y, x) / q(x)`` (Pareto-smoothed,
