@@ -363,8 +363,9 @@ ADAPTATIONS = ("affine", "diagonal")
 def _pool(result, rounds, maps, q):
     """The rounds' draws pooled, weighted against the equal-weight mixture of their proposals (balance
     heuristic); ``rounds``: ``[(values, log_q, log_joint, conditional, eps)]``, round ``j`` drawn with ``maps[j]``."""
-    from .whitened import mixture_log_q
+    from .whitened import PooledProposal, mixture_log_q
 
+    q = PooledProposal(q.base, q.layout, maps)  # what the pooled draws come from (loo() draws afresh from it)
     values = {n: torch.cat([r[0][n] for r in rounds]) for n in rounds[0][0]}
     own = np.concatenate([np.full(r[1].shape[0], j) for j, r in enumerate(rounds)])
     eps = np.concatenate([r[4] for r in rounds])

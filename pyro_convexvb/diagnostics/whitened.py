@@ -38,7 +38,7 @@ import torch
 
 from .proposals import Proposal
 
-__all__ = ["AffineMap", "WhitenedProposal", "fit_affine_map", "mixture_log_q", "whiten"]
+__all__ = ["AffineMap", "WhitenedProposal", "PooledProposal", "fit_affine_map", "mixture_log_q", "whiten"]
 
 #: largest field dimension at which the directions of the map are estimated (an ``(n, n)`` moment matrix)
 LOW_RANK_MAX_N = 3000
@@ -203,18 +203,67 @@ class WhitenedProposal(Proposal):
         self.frame = frame
         return values, lq
 
-    def field_moments(self, frame):
-        """``(S, n)`` conditional means and sds of the field given each draw's component and frame."""
+    def field_moments(self, frame, amap=None):
+        """``(S, n)`` conditional means and sds of the field given each draw's component and frame (under
+        ``amap``, default this proposal's map)."""
+        amap = self.amap if amap is None else amap
         k, a, d = frame
         loc = np.empty_like(a, dtype=np.float64)
         sd = np.empty_like(loc)
         for j in np.unique(k):
             idx = np.nonzero(k == j)[0]
-            m, v = self.amap.field_moments(self.base.frame_parts[int(j)].sqrt())
+            m, v = amap.field_moments(self.base.frame_parts[int(j)].sqrt())
             loc[idx], sd[idx] = m, np.sqrt(v)
         if d is not None:
             loc, sd = loc * d, sd * d
         return a + loc, sd
+
+
+class PooledProposal(WhitenedProposal):
+    """The equal-weight mixture of the adaptive rounds' proposals (each draw's map chosen uniformly among ``maps``):
+    the distribution the pooled rounds were drawn from, as one proposal with the exact mixture density
+    (:func:`mixture_log_q`) and each draw's conditional moments under its own map.
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> from pyro_convexvb.diagnostics.proposals import make_proposal
+        >>> def model(y=None):
+        ...     m = pyro.sample("m", dist.Normal(torch.zeros(2, dtype=torch.float64), 1.0).to_event(1))
+        ...     pyro.sample("y", dist.Normal(m.sum(), 1.0), obs=y)
+        >>> res = pcv.fit(model, y=torch.tensor(0.5, dtype=torch.float64), engine="laplace", progress=False)
+        >>> q = PooledProposal(make_proposal(res.posterior, "fitted"), res.posterior.layout,
+        ...                    [AffineMap.identity(2), AffineMap(np.array([0.2, 0.0]), np.array([1.1, 0.9]))])
+        >>> values, log_q = q.sample(6, torch.Generator().manual_seed(0))
+        >>> values["m"].shape, log_q.shape
+        (torch.Size([6, 2]), torch.Size([6]))
+    """
+
+    def __init__(self, base, layout, maps):
+        super().__init__(base, layout, maps[-1])
+        self.maps, self.name = list(maps), "affine"
+
+    def sample(self, S, generator=None):
+        values, lq = self.base.sample(S, generator)
+        own = torch.randint(len(self.maps), (S,), generator=generator).numpy()
+        names = [b.name for b in self.layout.blocks]
+        u0 = self.layout.flatten({n: values[n] for n in names})
+        k, a, d = frame = self.base.frame
+        eps = whiten(self.base, u0.double().cpu().numpy(), frame)
+        e, log_det = np.empty_like(eps), np.empty(S)
+        loc, sd = np.empty_like(eps), np.empty_like(eps)
+        for j, m in enumerate(self.maps):
+            idx = np.nonzero(own == j)[0]
+            e[idx], log_det[idx] = m.forward(eps[idx]), m.log_det
+            loc[idx], sd[idx] = self.field_moments((k[idx], a[idx], None if d is None else d[idx]), m)
+        new = self.layout.unflatten(torch.as_tensor(_color(self.base, e, frame), dtype=u0.dtype, device=u0.device))
+        values = dict(values)
+        values.update({n: new[n] for n in names})
+        lq_mix = mixture_log_q(lq.double().cpu().numpy() - log_det, e, own, self.maps)
+        self.cond_loc, self.cond_sd, self.cond_df = loc, sd, np.full(S, np.inf)
+        self._eps, self._pending, self.frame = e, None, frame
+        return values, torch.as_tensor(lq_mix, dtype=torch.float64)
 
 
 def mixture_log_q(log_q_own, eps, own, maps):
