@@ -6,19 +6,25 @@ for each estimator / proposal variant:
 * ``uncorrected``: the fit as it is (with the PSIS ``k_hat`` of its posterior);
 * ``snis-fitted``: plain self-normalised importance sampling from the engine's posterior (nearest design point's
   Gaussian for the field) -- the correction before control variates;
-* ``snis-auto``: the same estimator from the proposal ``correct`` chooses (the interpolated field Gaussian first);
-* ``cv-auto``: control variates from the proposal's known moments and CDFs (the default of ``correct``).
+* ``cv-diagonal``: control variates, the interpolated proposal and one round adapted by a shift and scale per
+  coordinate (``adaptation="diagonal"``) -- the correction before the whitened affine adaptation;
+* ``snis-affine``: plain self-normalised estimates from the default proposal (the interpolated field Gaussian,
+  then rounds adapted by an affine map of the whitened field, pooled);
+* ``cv-affine``: control variates from the proposal's known moments and CDFs on the same (the default of
+  ``correct``).
 
 Reported per case and variant, the median over ``--seeds`` seeds: the hyper-latent's 5/50/95% quantile errors
 relative to the reference (``rel_err_q50``, ``rel_err_tails``), the field's largest mean error in reference sds
-(``field_err_sd``), the range of its sds relative to the reference sds, ``k_hat``, the importance ESS and the
-wall seconds of the correction (rough: accuracy, not time, is what this script measures; the time against NumPyro
-is ``hierarchical.py``'s job).
+(``field_err_sd``), the range of its sds relative to the reference sds, ``k_hat``, the importance ESS, the draws
+(model evaluations) behind the answer and the wall seconds of the fit (uncorrected row) and of the correction
+(rough, from whatever machine it ran on: accuracy, not time, is what this script measures; the time against
+NumPyro is ``hierarchical.py``'s job).
 
 Usage::
 
     python benchmarks/correction_accuracy.py --quick
-    python benchmarks/correction_accuracy.py --cases logistic-sonar,poisson-gmrf,gp-lengthscale,bym --seeds 3
+    python benchmarks/correction_accuracy.py --seeds 3
+    python benchmarks/correction_accuracy.py --cases logistic-sonar --variants cv-diagonal,cv-affine --seeds 3
 """
 import os
 import statistics
@@ -37,8 +43,9 @@ from pyro_convexvb.diagnostics.importance import correct  # noqa: E402
 
 D = torch.float64
 VARIANTS = {"snis-fitted": dict(estimator="snis", proposal="fitted"),
-            "snis-auto": dict(estimator="snis", proposal="auto"),
-            "cv-auto": dict(estimator="cv", proposal="auto")}
+            "cv-diagonal": dict(estimator="cv", proposal="auto", adaptation="diagonal"),
+            "snis-affine": dict(estimator="snis", proposal="auto", adaptation="affine"),
+            "cv-affine": dict(estimator="cv", proposal="auto", adaptation="affine")}
 
 
 def metrics(q, fmean, fsd, ref):
@@ -57,6 +64,7 @@ def main():
     parser.add_argument("--seeds", type=int, default=3, help="correction seeds per variant (median reported)")
     parser.add_argument("--draws", type=int, default=None, help="draws per proposal (default: correct()'s, 2000)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
+    parser.add_argument("--adapt", type=int, default=2, help="adaptation rounds at most (correct(adapt=...))")
     args = parse_args(parser=parser)
     torch.set_default_dtype(D)
     variants = args.variants.split(",")
@@ -71,12 +79,14 @@ def main():
         ref = H.nuts_reference(name, model, margs, mkw, hyper, field, args.quick)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            res = pcv.fit(model, *margs, engine="dual_vg", progress=False, **mkw)
+            with Timer() as t_fit:
+                res = pcv.fit(model, *margs, engine="dual_vg", progress=False, **mkw)
             d = res.diagnostics
         sl = res.posterior.layout[field].slice
         q = [float(v) for v in res.hyper["marginals"][hyper]["quantiles"].values()]
         m0 = metrics(q, res.posterior.loc[sl], res.posterior.scale[sl], ref)
-        rows.append({"case": name, "variant": "uncorrected", **m0, "k_hat": d.k_hat, "ess": d.ess})
+        rows.append({"case": name, "variant": "uncorrected", **m0, "k_hat": d.k_hat, "ess": d.ess,
+                     "draws": d.num_draws, "seconds": t_fit.seconds})
         print(f"[{name}] uncorrected: {rows[-1]}", flush=True)
         for v in variants:
             per_seed = []
@@ -84,11 +94,12 @@ def main():
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     with Timer() as t:
-                        c = correct(res, draws, seed, **VARIANTS[v])
+                        c = correct(res, draws, seed, adapt=args.adapt, **VARIANTS[v])
                 s_h, s_f = c.sites[hyper], c.sites[field]
                 qh = [float(s_h["quantiles"][p]) for p in (0.05, 0.5, 0.95)]
                 m = metrics(qh, s_f["mean"], s_f["sd"], ref)
-                m.update(k_hat=c.k_hat, ess=c.ess, seconds=t.seconds, proposal=c.diagnostics.proposal,
+                m.update(k_hat=c.k_hat, ess=c.ess, draws=c.diagnostics.num_draws, seconds=t.seconds,
+                         proposal=c.diagnostics.proposal,
                          mcse_field_mean_max=float((s_f["mean_mcse"].reshape(-1)
                                                     / torch.tensor(ref["field_sd"], dtype=D)).max()))
                 per_seed.append(m)
@@ -102,7 +113,10 @@ def main():
     print(markdown_table(rows, floatfmt=".3g"))
     tag = ("_quick" if args.quick else "") + ("" if set(args.cases.split(",")) == set(H.CASES)
                                               else "_" + "_".join(args.cases.split(",")))
-    write_json(f"correction_accuracy{tag}", {"rows": rows, "seeds": seeds, "draws": draws})
+    tag += ("" if set(variants) == set(VARIANTS) else "_" + "_".join(variants)) + \
+        ("" if args.adapt == 2 else f"_adapt{args.adapt}")
+    write_json(f"correction_accuracy{tag}", {"rows": rows, "seeds": seeds, "draws": draws, "adapt": args.adapt,
+                                              "note": "seconds are rough (machine load not controlled)"})
 
 
 if __name__ == "__main__":

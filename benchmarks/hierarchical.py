@@ -23,8 +23,9 @@ ESS reported; the full-size ``bym`` reference with NumPyro's NUTS on the non-cen
 ``tests/references/numpyro_models.py``, where Pyro's takes hours), computed once and cached
 in ``benchmarks/results/hierarchical_reference*.json``.
 
-With ``+ psis`` an engine's result is importance-corrected (``res.corrected()``, 2,000 draws,
-``pyro_convexvb.diagnostics``; the time includes the correction), and every uncorrected result of our engines
+With ``+ psis`` an engine's result is importance-corrected (``res.corrected()``: 2,000 draws, and when their
+importance ESS is below 80% of them 2,000 more from the adapted proposal, pooled; ``pyro_convexvb.diagnostics``;
+the time includes the correction), and every uncorrected result of our engines
 reports the PSIS ``k_hat`` of its posterior (``res.diagnostics``, 500 draws, not timed). When NumPyro is installed
 (the ``bench`` extra) ``numpyro nuts`` runs each case written independently in NumPyro
 (``_numpyro_models.py``): 4 chains of 1,000 warm-up steps and 1,000 draws, run sequentially (quick: 2 x 200 +
@@ -310,7 +311,7 @@ def run_method(method, model, args, kwargs, hyper, field, quick, name=None, seed
     if c is not None:
         site_h, site_f = c.sites[hyper], c.sites[field]
         q = [float(site_h["quantiles"][p]) for p in (0.05, 0.5, 0.95)]
-        extras.update(k_hat=c.k_hat, ess=c.ess, proposal=c.diagnostics.proposal)
+        extras.update(k_hat=c.k_hat, ess=c.ess, proposal=c.diagnostics.proposal, draws=c.diagnostics.num_draws)
         return t.seconds, q, site_f["mean"].reshape(-1), site_f["sd"].reshape(-1), res, extras
     if engine == "nuts":
         from pyro.ops.stats import effective_sample_size
@@ -415,7 +416,7 @@ def main():
                          "field_err_sd": float(((fmean - fm).abs() / fsd).max()),
                          "field_sd_ratio_min": float(ratio.min()), "field_sd_ratio_max": float(ratio.max()),
                          "k_hat": extras.get("k_hat"), "ess_per_s": (extras["ess"] / med) if "ess" in extras else None,
-                         "proposal": extras.get("proposal"),
+                         "proposal": extras.get("proposal"), "correction_draws": extras.get("draws"),
                          "evaluations": (res.hyper or {}).get("evaluations") if res is not None else None})
         figs[name] = (hyper, ref, {m: out[m][2] for m in case_methods
                                    if m in out and out[m][2] is not None and not m.endswith(" + psis")})

@@ -253,8 +253,8 @@ def test_correct_adapts_and_reports_its_choice():
         warnings.simplefilter("ignore")
         c = correct(res, num_draws=400, seed=0)
         c0 = correct(res, num_draws=400, seed=0, adapt=0)
-    assert "interpolated" in c.diagnostics.tried and "adapted" not in c0.diagnostics.tried
+    assert "interpolated" in c.diagnostics.tried and "affine" not in c0.diagnostics.tried
     if c0.ess < 200:
-        assert "adapted" in c.diagnostics.tried
+        assert "affine" in c.diagnostics.tried
     with pytest.raises(ValueError, match="adapt: expected"):
         correct(res, num_draws=50, adapt=-1)

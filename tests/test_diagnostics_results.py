@@ -122,13 +122,19 @@ def test_a_too_narrow_posterior_is_flagged_and_corrected_with_a_wider_proposal(l
     assert not d.ok and d.sd_ratio[1] > 1.2  # sds 29% too small
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ApproximationWarning)
-        c = res_bad.corrected(num_draws=2000)
-    assert set(c.diagnostics.tried) == {"fitted", "widened", "student_t"}
-    assert c.diagnostics.proposal in ("widened", "student_t") and c.k_hat < 0.7
+        c = res_bad.corrected(num_draws=2000)  # an adapted round: the whitened scales widened
+        c0 = correct(res_bad, num_draws=2000, adapt=0)  # no adaptation: the defensive mixtures
+    assert {"fitted", "affine"} <= set(c.diagnostics.tried) <= {"fitted", "affine", "affine2"}
+    assert c.diagnostics.proposal == "affine"
+    assert c.k_hat < 0.7 and c.diagnostics.maps[1].s.min() > 1.2  # sds 29% too small: scales about 1.4
+    assert set(c0.diagnostics.tried) == {"fitted", "widened", "student_t"}
+    assert c0.diagnostics.proposal in ("widened", "student_t") and c0.k_hat < 0.7
     m, S = _exact_posterior(X, y, noise)
-    s = c.sites["w"]
-    assert ((s["mean"] - m).abs() / S.diagonal().sqrt()).max() < 0.1
-    assert ((s["sd"] / S.diagonal().sqrt()) - 1).abs().max() < 0.1
+    for corrected in (c, c0):
+        s = corrected.sites["w"]
+        assert ((s["mean"] - m).abs() / S.diagonal().sqrt()).max() < 0.1
+        assert ((s["sd"] / S.diagonal().sqrt()) - 1).abs().max() < 0.1
+    assert c.ess > c0.ess
 
 
 def test_fit_correct_option(linear_fit):

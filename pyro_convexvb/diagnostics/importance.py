@@ -95,6 +95,13 @@ class ImportanceDiagnostics:
     #: the control variates)
     proposal_object: Any = field(default=None, repr=False)
     conditional: Any = field(default=None, repr=False)
+    #: ``(S,)`` ``log q`` of the draws (the pooled rounds' mixture density for ``"affine"``)
+    log_q: Any = field(default=None, repr=False)
+    #: pooled adaptive rounds: ``(S, n)`` the draws' whitened field coordinates in the base frame, ``(S,)`` the
+    #: round each came from, and the rounds' maps (:mod:`~pyro_convexvb.diagnostics.whitened`); else ``None``
+    eps: Any = field(default=None, repr=False)
+    own: Any = field(default=None, repr=False)
+    maps: Any = field(default=None, repr=False)
 
     @property
     def reliable(self):
@@ -138,26 +145,36 @@ class ImportanceDiagnostics:
                 f"mean_shift={self.mean_shift:.2f}, proposal={self.proposal!r}, log_evidence={ev})")
 
 
-def _importance(result, num_draws, seed, proposal, progress):
+def _draw(result, q, num_draws, seed, progress):
+    """One round of draws from ``q``: ``(values, log_q (S,), log_joint (S,), conditional snapshot)``."""
     lj = _log_joint(result)
-    q = proposal if isinstance(proposal, Proposal) else make_proposal(result.posterior, proposal)
-    proposal = q.name
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     with torch.no_grad():
         values, log_q = q.sample(int(num_draws), gen)
     cond = q.conditional()
     out = lj.evaluate(values, progress=progress)
-    lr = out["log_joint"] - log_q.double().cpu().numpy()
+    return values, log_q.double().cpu().numpy(), out["log_joint"], cond
+
+
+def _weigh(result, q, values, log_q, log_joint, cond, name=None):
+    """:class:`ImportanceDiagnostics` of draws ``values`` with densities ``log_q`` under the proposal ``q``."""
+    lr = log_joint - log_q
     lw, k = psis_smooth(lr)
     shift, ratio = _moment_check(values, lw)
-    S = int(num_draws)
+    S = int(lr.shape[0])
     finite = lr[np.isfinite(lr)]
     log_ev = float(np.logaddexp.reduce(finite) - math.log(S)) if q.covers_hyper and finite.size else None
+    name = name or q.name
     return ImportanceDiagnostics(
-        k_hat=float(k), ess=importance_ess(lw), num_draws=S, threshold=pareto_k_threshold(S), proposal=proposal,
-        tried={proposal: float(k)}, log_evidence=log_ev, log_evidence_bound=result.log_evidence_bound,
+        k_hat=float(k), ess=importance_ess(lw), num_draws=S, threshold=pareto_k_threshold(S), proposal=name,
+        tried={name: float(k)}, log_evidence=log_ev, log_evidence_bound=result.log_evidence_bound,
         conditional_on=q.fixed, mean_shift=shift, sd_ratio=ratio, log_ratios=lr, log_weights=lw, draws=values,
-        proposal_object=q, conditional=cond)
+        proposal_object=q, conditional=cond, log_q=log_q)
+
+
+def _importance(result, num_draws, seed, proposal, progress):
+    q = proposal if isinstance(proposal, Proposal) else make_proposal(result.posterior, proposal)
+    return _weigh(result, q, *_draw(result, q, num_draws, seed, progress))
 
 
 def _moment_check(values, log_weights):
@@ -338,92 +355,117 @@ class CorrectedPosterior:
                 f"{self.diagnostics.proposal!r}, sites={list(self.sites)})")
 
 
-def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", probs=(0.05, 0.5, 0.95), warn=True,
-            progress=False, estimator="cv", adapt=1):
-    """Importance-corrected means, sds and quantiles of every latent site, with Monte Carlo errors.
+#: adapt while the importance ESS is below this fraction of the draws
+ADAPT_BELOW = 0.8
+ADAPTATIONS = ("affine", "diagonal")
 
-    Draws from a proposal built from the fitted posterior are weighted by ``p(y, x) / q(x)`` (Pareto-smoothed,
-    self-normalised). With ``proposal="auto"`` the fitted posterior is tried first (for hyper-latents integrated
-    over, ``"interpolated"``: the field's Gaussian moved to the locations and scales interpolated between design
-    points); if its importance ESS is below half the draws, up to ``adapt`` further rounds draw from the proposal
-    moved to the last round's weighted per-coordinate means and scales (``"adapted"``,
-    :class:`~pyro_convexvb.diagnostics.proposals.AdaptedProposal`), kept while they improve the ESS; if the
-    proposal's ``k_hat`` is above the threshold or its weighted moments disagree with its own
-    (:attr:`ImportanceDiagnostics.ok`), the defensive mixtures ``"widened"`` (scales times 1.5) and ``"student_t"``
-    (5 degrees of freedom) are tried with fresh draws, and the proposal used is the reliable one (``k_hat`` below
-    the threshold) with the largest importance ESS, or, if none is reliable, the one with the smallest ``k_hat``.
-    A warning (:class:`ApproximationWarning`) says when even that one is unreliable.
 
-    The summaries are control-variate (regression) estimates by default (``estimator="cv"``,
-    :mod:`~pyro_convexvb.diagnostics.control_variates`): the proposal's exactly known conditional moments and CDFs
-    remove the Monte Carlo noise of the draws themselves (exact when the weights are flat), at no extra model
-    evaluation; ``estimator="snis"`` gives the plain self-normalised estimates.
+def _pool(result, rounds, maps, q):
+    """The rounds' draws pooled, weighted against the equal-weight mixture of their proposals (balance
+    heuristic); ``rounds``: ``[(values, log_q, log_joint, conditional, eps)]``, round ``j`` drawn with ``maps[j]``."""
+    from .whitened import PooledProposal, mixture_log_q
 
-    :param result: an :class:`~pyro_convexvb.InferenceResult` fitted on a Pyro model.
-    :param int num_draws: draws per proposal tried.
-    :param str proposal: ``"auto"``, ``"fitted"``, ``"interpolated"``, ``"widened"`` or ``"student_t"``.
-    :param probs: quantile levels.
-    :param str estimator: ``"cv"`` or ``"snis"``.
-    :param int adapt: adaptation rounds at most (``proposal="auto"`` only; 0 for none), ``num_draws`` model
-        evaluations each.
-    :returns: :class:`CorrectedPosterior`.
+    q = PooledProposal(q.base, q.layout, maps)  # what the pooled draws come from (loo() draws afresh from it)
+    values = {n: torch.cat([r[0][n] for r in rounds]) for n in rounds[0][0]}
+    own = np.concatenate([np.full(r[1].shape[0], j) for j, r in enumerate(rounds)])
+    eps = np.concatenate([r[4] for r in rounds])
+    log_q = mixture_log_q(np.concatenate([r[1] for r in rounds]), eps, own, maps)
+    cond = tuple(np.concatenate([np.broadcast_to(r[3][i], (r[1].shape[0],) + np.shape(r[3][i])[1:])
+                                 for r in rounds]) for i in range(3))
+    d = _weigh(result, q, values, log_q, np.concatenate([r[2] for r in rounds]), cond, name="affine")
+    d.eps, d.own, d.maps = eps, own, list(maps)
+    # the moment check asks whether the last proposal agrees with the weighted moments: its own draws
+    last = own == len(rounds) - 1
+    lw = d.log_weights[last]
+    d.mean_shift, d.sd_ratio = _moment_check(rounds[-1][0], lw - np.logaddexp.reduce(lw))
+    return d
 
-    Example::
 
-        >>> import pyro, pyro.distributions as dist, torch
-        >>> import pyro_convexvb as pcv
-        >>> def model(y=None):
-        ...     s = pyro.sample("s", dist.HalfNormal(torch.tensor(1.0, dtype=torch.float64)))
-        ...     with pyro.plate("data", 5):
-        ...         pyro.sample("y", dist.Normal(torch.tensor(0.0, dtype=torch.float64), s), obs=y)
-        >>> res = pcv.fit(model, y=torch.tensor([0.3, -0.5, 1.2, 0.1, -0.8], dtype=torch.float64),
-        ...               engine="laplace", progress=False)
-        >>> c = correct(res, num_draws=1000)
-        >>> sorted(c.sites["s"])[:3], c.sites["s"]["mean"].shape
-        (['mean', 'mean_mcse', 'quantile_mcse'], torch.Size([]))
-    """
-    if int(adapt) != adapt or adapt < 0:
-        raise ValueError(f"adapt: expected a number of adaptation rounds >= 0, got {adapt!r}")
-    if estimator not in ("cv", "snis"):
-        raise ValueError(f"estimator: expected 'cv' (control variates from the proposal's known moments) or 'snis' "
-                         f"(plain self-normalised importance sampling), got {estimator!r}")
-    probs = tuple(float(p) for p in probs)
-    if not all(0 < p < 1 for p in probs):
-        raise ValueError(f"probs: quantile levels must lie in (0, 1), got {probs}")
-    if proposal == "auto":
-        first = "interpolated" if _integrates_hyper(result) else "fitted"
-        d = _importance(result, num_draws, seed, first, progress)
-        tried = {first: d.k_hat}
-        layout = getattr(result.posterior, "layout", None)
-        for r in range(int(adapt)):
-            # another round from the proposal moved to the last round's weighted moments, while the importance
-            # ESS is below half the draws and it improves
-            if layout is None or d.ess >= 0.5 * d.num_draws or not np.isfinite(d.k_hat):
-                break
-            q2 = AdaptedProposal.from_draws(d.proposal_object, layout, d.draws, d.log_weights, d.conditional)
-            if q2 is None:
-                break
-            d2 = _importance(result, num_draws, seed + 101 + r, q2, progress)
-            tried["adapted" if r == 0 else f"adapted{r + 1}"] = d2.k_hat
-            if _rank(d2) <= _rank(d):
-                break
-            d = d2
-        if not d.ok:
-            for i, kind in enumerate(("widened", "student_t")):
-                try:
-                    d2 = _importance(result, num_draws, seed + 1 + i, kind, progress)
-                except NotImplementedError:  # e.g. a mixture posterior: no Gaussian to widen
-                    break
-                tried[kind] = d2.k_hat
-                # a reliable k_hat first, then the largest importance ESS (smallest Monte Carlo errors); among
-                # unreliable ones the smallest k_hat
-                if _rank(d2) > _rank(d):
-                    d = d2
-        d.tried = tried
+def _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried):
+    """Adaptive importance sampling from the plain proposal ``q1``: each round fits an affine map of the whitened
+    field (:func:`~pyro_convexvb.diagnostics.whitened.fit_affine_map`) to the pooled weighted draws so far, draws
+    ``num_draws`` more, and pools every round (:func:`_pool`); it stops when the importance ESS reaches
+    :data:`ADAPT_BELOW` of the draws or a round does not improve it."""
+    from .whitened import AffineMap, WhitenedProposal, fit_affine_map
+
+    layout = result.posterior.layout
+    q = WhitenedProposal(q1, layout, AffineMap.identity(result.posterior.n))
+    values, lq, ljv, cond = _draw(result, q, num_draws, seed, progress)
+    d = _weigh(result, q, values, lq, ljv, cond)
+    tried[d.proposal] = d.k_hat
+    rounds, maps = [(values, lq, ljv, cond, None)], [q.amap]
+    own = np.zeros(lq.shape[0], dtype=np.int64)
+    for r in range(int(adapt)):
+        if d.ess >= ADAPT_BELOW * d.num_draws or not np.isfinite(d.k_hat):
+            break
+        if r == 0:  # whitened only when adapting
+            eps = q.last_eps
+            rounds[0] = rounds[0][:4] + (eps,)
+        amap = fit_affine_map(eps, np.exp(d.log_weights), own, maps, seed=seed + r)
+        if amap.is_identity:
+            break
+        q2 = WhitenedProposal(q1, layout, amap)
+        values, lq, ljv, cond = _draw(result, q2, num_draws, seed + 101 + r, progress)
+        rounds.append((values, lq, ljv, cond, q2.last_eps))
+        maps.append(amap)
+        d2 = _pool(result, rounds, maps, q2)
+        tried["affine" if r == 0 else f"affine{r + 1}"] = d2.k_hat
+        if _rank(d2) <= _rank(d):
+            break
+        d, eps, own = d2, d2.eps, d2.own
+    return d
+
+
+def _adapt_diagonal(result, d, num_draws, seed, progress, adapt, tried):
+    """Rounds of :class:`~pyro_convexvb.diagnostics.proposals.AdaptedProposal` (a shift and a scale per
+    coordinate, the last round only), kept while they improve the importance ESS."""
+    layout = getattr(result.posterior, "layout", None)
+    for r in range(int(adapt)):
+        if layout is None or d.ess >= ADAPT_BELOW * d.num_draws or not np.isfinite(d.k_hat):
+            break
+        q2 = AdaptedProposal.from_draws(d.proposal_object, layout, d.draws, d.log_weights, d.conditional)
+        if q2 is None:
+            break
+        d2 = _importance(result, num_draws, seed + 101 + r, q2, progress)
+        tried["adapted" if r == 0 else f"adapted{r + 1}"] = d2.k_hat
+        if _rank(d2) <= _rank(d):
+            break
+        d = d2
+    return d
+
+
+def _choose(result, num_draws, seed, progress, adapt, adaptation):
+    """``proposal="auto"``: the plain proposal, adapted, then the defensive mixtures when it is not ``ok``; the
+    :class:`ImportanceDiagnostics` of the one used, ``tried`` filled in."""
+    first = "interpolated" if _integrates_hyper(result) else "fitted"
+    q1 = make_proposal(result.posterior, first)
+    tried = {}
+    if adapt and adaptation == "affine" and q1.frame_posteriors is not None \
+            and getattr(result.posterior, "layout", None) is not None:
+        d = _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried)
     else:
-        d = _importance(result, num_draws, seed, proposal, progress)
-    if warn and not d.reliable:
-        warnings.warn("corrected posterior: " + d.message, ApproximationWarning, stacklevel=3)
+        d = _importance(result, num_draws, seed, q1, progress)
+        tried[first] = d.k_hat
+        d = _adapt_diagonal(result, d, num_draws, seed, progress, adapt, tried)
+    # the pooled adaptive rounds were fitted to the weighted moments: the defensive mixtures only when k_hat says
+    # they are unreliable; otherwise also when the moment check fails
+    if not (d.reliable if d.proposal == "affine" else d.ok):
+        for i, kind in enumerate(("widened", "student_t")):
+            try:
+                d2 = _importance(result, num_draws, seed + 1 + i, kind, progress)
+            except NotImplementedError:  # e.g. a mixture posterior: no Gaussian to widen
+                break
+            tried[kind] = d2.k_hat
+            # a reliable k_hat first, then the largest importance ESS (smallest Monte Carlo errors); among
+            # unreliable ones the smallest k_hat
+            if _rank(d2) > _rank(d):
+                d = d2
+    d.tried = tried
+    return d
+
+
+def _summaries(result, d, estimator, probs, seed):
+    """``(sites, unconstrained)`` summaries of every latent site from the weighted draws of ``d``."""
     lj = _log_joint(result)
     w = np.exp(d.log_weights)
     q = d.proposal_object
@@ -442,11 +484,86 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
             unc[n] = {"mean": t(m), "sd": t(s_), "mean_mcse": t(mse), "sd_mcse": t(sse)}
             continue
         unc[n], sites[n] = _cv_site(lj.transforms[n], x, w, ctl, probs)
+    return sites, unc
+
+
+def _check_options(adapt, estimator, adaptation, probs):
+    if int(adapt) != adapt or adapt < 0:
+        raise ValueError(f"adapt: expected a number of adaptation rounds >= 0, got {adapt!r}")
+    if estimator not in ("cv", "snis"):
+        raise ValueError(f"estimator: expected 'cv' (control variates from the proposal's known moments) or 'snis' "
+                         f"(plain self-normalised importance sampling), got {estimator!r}")
+    if adaptation not in ADAPTATIONS:
+        raise ValueError(f"adaptation: expected 'affine' (a moment-matched affine map of the whitened field, rounds "
+                         f"pooled) or 'diagonal' (a shift and scale per coordinate), got {adaptation!r}")
+    probs = tuple(float(p) for p in probs)
+    if not all(0 < p < 1 for p in probs):
+        raise ValueError(f"probs: quantile levels must lie in (0, 1), got {probs}")
+    return probs
+
+
+def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", probs=(0.05, 0.5, 0.95), warn=True,
+            progress=False, estimator="cv", adapt=2, adaptation="affine"):
+    """Importance-corrected means, sds and quantiles of every latent site, with Monte Carlo errors.
+
+    Draws from a proposal built from the fitted posterior are weighted by ``p(y, x) / q(x)`` (Pareto-smoothed,
+    self-normalised). With ``proposal="auto"`` the fitted posterior is tried first (for hyper-latents integrated
+    over, ``"interpolated"``: the field's Gaussian moved to the locations and scales interpolated between design
+    points); if its importance ESS is below 80% of the draws, up to ``adapt`` further rounds draw from the proposal
+    adapted to the weighted draws so far: with ``adaptation="affine"`` (default) an affine map of the field's
+    whitened coordinates moment-matched to them (a shift, scales and a few directions, each shrunk by its Monte
+    Carlo noise; :mod:`~pyro_convexvb.diagnostics.whitened`), every round's draws pooled against the mixture of
+    the rounds' proposals (proposal ``"affine"``); with ``"diagonal"`` a shift and scale per coordinate
+    (:class:`~pyro_convexvb.diagnostics.proposals.AdaptedProposal`, the last round's draws only). Rounds are kept
+    while they improve the importance ESS. If the proposal's ``k_hat`` is above the threshold or its weighted
+    moments disagree with its own (:attr:`ImportanceDiagnostics.ok`), the defensive mixtures ``"widened"`` (scales
+    times 1.5) and ``"student_t"`` (5 degrees of freedom) are tried with fresh draws, and the proposal used is the
+    reliable one (``k_hat`` below the threshold) with the largest importance ESS, or, if none is reliable, the one
+    with the smallest ``k_hat``. A warning (:class:`ApproximationWarning`) says when even that one is unreliable.
+
+    The summaries are control-variate (regression) estimates by default (``estimator="cv"``,
+    :mod:`~pyro_convexvb.diagnostics.control_variates`): the proposal's exactly known conditional moments and CDFs
+    remove the Monte Carlo noise of the draws themselves (exact when the weights are flat), at no extra model
+    evaluation; ``estimator="snis"`` gives the plain self-normalised estimates.
+
+    :param result: an :class:`~pyro_convexvb.InferenceResult` fitted on a Pyro model.
+    :param int num_draws: draws per proposal tried (per round).
+    :param str proposal: ``"auto"``, ``"fitted"``, ``"interpolated"``, ``"widened"`` or ``"student_t"``.
+    :param probs: quantile levels.
+    :param str estimator: ``"cv"`` or ``"snis"``.
+    :param int adapt: adaptation rounds at most (``proposal="auto"`` only; 0 for none), ``num_draws`` model
+        evaluations each.
+    :param str adaptation: ``"affine"`` or ``"diagonal"`` (``proposal="auto"`` only).
+    :returns: :class:`CorrectedPosterior`.
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> def model(y=None):
+        ...     s = pyro.sample("s", dist.HalfNormal(torch.tensor(1.0, dtype=torch.float64)))
+        ...     with pyro.plate("data", 5):
+        ...         pyro.sample("y", dist.Normal(torch.tensor(0.0, dtype=torch.float64), s), obs=y)
+        >>> res = pcv.fit(model, y=torch.tensor([0.3, -0.5, 1.2, 0.1, -0.8], dtype=torch.float64),
+        ...               engine="laplace", progress=False)
+        >>> c = correct(res, num_draws=1000)
+        >>> sorted(c.sites["s"])[:3], c.sites["s"]["mean"].shape
+        (['mean', 'mean_mcse', 'quantile_mcse'], torch.Size([]))
+    """
+    probs = _check_options(adapt, estimator, adaptation, probs)
+    if proposal == "auto":
+        d = _choose(result, num_draws, seed, progress, adapt, adaptation)
+    else:
+        d = _importance(result, num_draws, seed, proposal, progress)
+    if warn and not d.reliable:
+        warnings.warn("corrected posterior: " + d.message, ApproximationWarning, stacklevel=3)
+    sites, unc = _summaries(result, d, estimator, probs, seed)
     hyper_names = getattr(getattr(result.posterior, "space", None), "names", None)
     hyper = {n: sites[n] for n in hyper_names} if hyper_names and d.conditional_on is None else None
     loc = scale = loc_se = scale_se = None
+    layout = getattr(result.posterior, "layout", None)
     if layout is not None:
         names = [b.name for b in layout.blocks]
         cat = lambda key: layout.flatten({b: unc[b][key].reshape(unc[b][key].shape) for b in names})  # noqa: E731
         loc, scale, loc_se, scale_se = (cat(k).double() for k in ("mean", "sd", "mean_mcse", "sd_mcse"))
-    return CorrectedPosterior(sites, hyper, loc, scale, loc_se, scale_se, d, probs, unc, lj)
+    return CorrectedPosterior(sites, hyper, loc, scale, loc_se, scale_se, d, probs, unc, _log_joint(result))

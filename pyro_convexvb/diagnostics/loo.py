@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .importance import _log_joint
-from .proposals import make_proposal
+from .proposals import PROPOSALS, make_proposal
 from .psis import pareto_k_threshold, psis, psis_smooth
 
 __all__ = ["LOOResult", "loo", "loo_from_log_lik"]
@@ -135,10 +135,14 @@ def loo(result, num_draws=None, seed=0, *, proposal=None, progress=False):
         ((40,), True)
     """
     lj = _log_joint(result)
+    q = None
     if proposal is None:
         c = result.__dict__.get("_correction")
         proposal = c.diagnostics.proposal if c is not None else "fitted"
-    q = make_proposal(result.posterior, proposal)
+        if proposal not in PROPOSALS:  # an adapted proposal: the correction's last one, drawn afresh
+            q = c.diagnostics.proposal_object
+    if q is None:
+        q = make_proposal(result.posterior, proposal)
     gen = torch.Generator().manual_seed(int(seed))
     with torch.no_grad():
         values, log_q = q.sample(LOO_DRAWS if num_draws is None else int(num_draws), gen)

@@ -43,9 +43,19 @@ def _with_density(post):
     from ..infer.posterior import GaussianPosterior
 
     if getattr(post, "kind", None) == "precision_operator" and post.n <= DENSE_MAX:
+        cached = post.__dict__.get("_dense_with_factor")
+        if cached is not None:
+            return cached
         A = post.precision_operator.to_dense()
         A = 0.5 * (A + A.transpose(0, 1)) / post.precision_scale
-        return GaussianPosterior(post.loc, precision=A, layout=post.layout)
+        # the exact marginal variances from the factor (diag A^{-1} = column norms of F^{-1}), which the proposal
+        # uses again (one Cholesky factorisation, no dense inverse)
+        F = torch.linalg.cholesky(A)
+        F_inv = torch.linalg.solve_triangular(F, torch.eye(A.shape[0], dtype=A.dtype, device=A.device), upper=False)
+        dense = GaussianPosterior(post.loc, (F_inv**2).sum(0), precision=A, layout=post.layout)
+        dense.__dict__["_precision_factor"] = (F, F_inv)
+        post.__dict__["_dense_with_factor"] = dense
+        return dense
     return post
 
 
@@ -60,22 +70,88 @@ class _GaussianParts:
                 "Lanczos factor is not a distribution); refit with a dense or Cholesky representation")
         self.post = post
         self.n = post.n
-        self.lp_loc = float(post.log_prob(post.loc))  # = -n/2 log 2 pi - 1/2 log det Sigma
+        self._fac = self._np = self._sqrt = None
+        self.lp_loc = float(self.log_prob(post.loc))  # = -n/2 log 2 pi - 1/2 log det Sigma
+
+    def factor(self):
+        """``(kind, F)``, computed once: ``"precision"`` with ``F`` the lower Cholesky factor of the precision
+        (``Sigma = F^{-T} F^{-1}``), or ``"scale"`` with ``F`` that of the covariance (``Sigma = F F^T``)."""
+        if self._fac is None:
+            p = self.post
+            if p.kind == "precision":
+                known = p.__dict__.get("_precision_factor")
+                self._fac = ("precision", known[0] if known is not None else torch.linalg.cholesky(p._precision))
+            else:
+                self._fac = ("scale", p.scale_tril())
+        return self._fac
 
     def log_prob(self, u):
-        return self.post.log_prob(u)
+        kind, F = self.factor()
+        x = (u - self.post.loc).reshape(-1, self.n).to(F.dtype)
+        if kind == "precision":
+            z, half_logdet = x @ F, -torch.log(torch.diagonal(F)).sum()
+        else:
+            z = torch.linalg.solve_triangular(F, x.transpose(0, 1), upper=False).transpose(0, 1)
+            half_logdet = torch.log(torch.diagonal(F)).sum()
+        lp = -0.5 * (z**2).sum(-1) - half_logdet - 0.5 * self.n * math.log(2 * math.pi)
+        return lp.reshape(u.shape[:-1])
+
+    def draw(self, m, generator):
+        """``(m, n)`` draws of the Gaussian ``N(loc, Sigma)`` by its factor."""
+        kind, F = self.factor()
+        eps = torch.randn((m, self.n), dtype=F.dtype, device=F.device, generator=generator)
+        if kind == "precision":
+            x = torch.linalg.solve_triangular(F.transpose(0, 1), eps.transpose(0, 1), upper=True).transpose(0, 1)
+        else:
+            x = eps @ F.transpose(0, 1)
+        return self.post.loc + x.to(self.post.loc.dtype)
+
+    # whitened coordinates eps of u - loc = W eps, W W^T = Sigma (numpy, float64)
+    def _factor_np(self):
+        if self._np is None:
+            kind, F = self.factor()
+            self._np = (kind, F.detach().double().cpu().numpy())
+        return self._np
+
+    def whiten(self, x):
+        """``(S, n)`` whitened coordinates of ``x = u - loc`` ``(S, n)``."""
+        from scipy.linalg import solve_triangular
+
+        kind, F = self._factor_np()
+        return x @ F if kind == "precision" else solve_triangular(F, x.T, lower=True).T
+
+    def color(self, e):
+        """``(S, n)`` ``W e`` (the inverse of :meth:`whiten`)."""
+        from scipy.linalg import solve_triangular
+
+        kind, F = self._factor_np()
+        return solve_triangular(F.T, e.T, lower=False).T if kind == "precision" else e @ F.T
+
+    def sqrt(self):
+        """``(n, n)`` the dense square root ``W`` of the covariance the whitened coordinates refer to."""
+        if self._sqrt is None:
+            from scipy.linalg import solve_triangular
+
+            kind, F = self._factor_np()
+            known = self.post.__dict__.get("_precision_factor")
+            if kind == "precision" and known is not None:  # F^{-T}
+                self._sqrt = known[1].transpose(0, 1).detach().double().cpu().numpy()
+            else:
+                self._sqrt = solve_triangular(F.T, np.eye(self.n), lower=False) if kind == "precision" else F
+        return self._sqrt
 
     def sample(self, m, generator, kind):
         """``m`` draws of the kind's *second* component (``"widened"``: scale c; ``"student_t"``: t_5)."""
-        g = self.post.sample(m, generator=generator).reshape(m, self.n) - self.post.loc
+        g = self.draw(m, generator).reshape(m, self.n) - self.post.loc
         if kind == "widened":
             return self.post.loc + WIDEN * g
-        chi2 = torch.distributions.Chi2(torch.tensor(T_DF, dtype=torch.float64)).sample((m,))
+        # chi^2 with T_DF (an integer) degrees of freedom from the seeded generator
+        chi2 = (torch.randn((m, int(T_DF)), dtype=torch.float64, generator=generator) ** 2).sum(1)
         return self.post.loc + g * torch.sqrt(T_DF / chi2).to(g.dtype).reshape(m, 1)
 
     def log_prob_second(self, u, kind, lp=None):
         if lp is None:
-            lp = self.post.log_prob(u)
+            lp = self.log_prob(u)
         maha = (-2.0 * (lp - self.lp_loc)).clamp_min(0)  # (u - m)^T Sigma^{-1} (u - m)
         if kind == "widened":
             return self.lp_loc - self.n * math.log(WIDEN) - 0.5 * maha / WIDEN**2
@@ -95,6 +171,15 @@ class Proposal:
     #: component, and ``(S,)`` degrees of freedom (``inf``: normal); ``None`` when the proposal is not a
     #: Gaussian (mixture) whose components are known
     cond_loc = cond_sd = cond_df = None
+    #: the field's Gaussians ``q_k`` (``None`` when the proposal is not a plain one of them: a defensive mixture,
+    #: a mixture posterior) and, after :meth:`sample`, ``frame = (k (S,), a (S, n), d (S, n) or None)``: the draw's
+    #: component and the affine frame ``u = a + d * (u_k - m_k)`` it was moved by (``d = None``: unmoved); with
+    #: ``u_k - m_k = W_k eps``, ``W_k`` the square root of ``q_k``'s covariance its factor gives
+    #: (``frame_parts[k].sqrt()``), ``eps`` are the draw's whitened coordinates
+    #: (:mod:`~pyro_convexvb.diagnostics.whitened`)
+    frame_posteriors = None
+    frame_parts = None
+    frame = None
 
     def hyper_reference(self, M, generator=None):
         """``(M, d)`` draws of the unconstrained hyper-latents from the proposal (no field); ``None`` if it has
@@ -145,6 +230,8 @@ class GaussianProposal(Proposal):
             raise ValueError("the posterior has no latent layout (it was not fitted on a Pyro model)")
         plain = kind in ("fitted", "interpolated")
         self.parts = None if plain and not hasattr(post, "kind") else _GaussianParts(post)
+        self.frame_posteriors = [post] if plain and hasattr(post, "kind") else None
+        self.frame_parts = None if self.frame_posteriors is None else [self.parts]
         if not plain and not hasattr(post, "kind"):
             raise NotImplementedError(f"the {kind!r} proposal is built from a Gaussian posterior, not from a "
                                       f"{type(post).__name__}")
@@ -163,11 +250,16 @@ class GaussianProposal(Proposal):
 
     def sample_flat(self, S, generator):
         if self.name in ("fitted", "interpolated"):
-            u = self.post.sample(S, generator=generator).reshape(S, -1)
             self._record(S, None)
-            return u, self.post.log_prob(u)
+            if self.parts is None:  # a mixture posterior
+                u = self.post.sample(S, generator=generator).reshape(S, -1)
+                return u, self.post.log_prob(u)
+            u = self.parts.draw(S, generator)
+            loc = self.post.loc.detach().double().cpu().numpy()
+            self.frame = (np.zeros(S, dtype=np.int64), np.broadcast_to(loc, (S, loc.shape[0])), None)
+            return u, self.parts.log_prob(u)
         second = torch.rand(S, generator=generator) < 0.5
-        u = self.post.sample(S, generator=generator).reshape(S, -1)
+        u = self.parts.draw(S, generator)
         m = int(second.sum())
         if m:
             u[second] = self.parts.sample(m, generator, self.name)
@@ -188,8 +280,12 @@ class HyperProposal(Proposal):
         self.hp, self.name = hp, kind
         self.density = hp.density
         self.covers_hyper = hp.density.kind != "point"
-        self.components = [_with_density(c) for c in hp.components]
-        self.parts = [_GaussianParts(c) for c in self.components]
+        # the densified components and their factors, shared by every proposal built from hp
+        shared = hp.__dict__.get("_proposal_parts")
+        if shared is None:
+            comps = [_with_density(c) for c in hp.components]
+            shared = hp.__dict__["_proposal_parts"] = (comps, [_GaussianParts(c) for c in comps])
+        self.components, self.parts = shared
         if hp.layout is None:
             raise ValueError("the hyper-latent posterior has no field layout")
         if not self.covers_hyper:
@@ -198,6 +294,8 @@ class HyperProposal(Proposal):
         else:
             self.log_det_A_inv = float(torch.linalg.slogdet(hp.density.A_inv)[1])
         self.mixture = kind in ("widened", "student_t")
+        self.frame_posteriors = None if self.mixture else self.components
+        self.frame_parts = None if self.mixture else self.parts
         if kind == "interpolated":
             self._locs = torch.stack([c.loc.detach() for c in self.components]).double().cpu().numpy()
             self._logsd = np.log(torch.stack([c.scale.detach() for c in self.components]).double().cpu().numpy())
@@ -287,7 +385,7 @@ class HyperProposal(Proposal):
         for j in k.unique().tolist():
             idx = (k == j).nonzero().reshape(-1)
             parts = self.parts[j]
-            draw = self.components[j].sample(len(idx), generator=generator).reshape(len(idx), hp.n)
+            draw = parts.draw(len(idx), generator).reshape(len(idx), hp.n)
             sec = second[idx]
             if self.mixture and bool(sec.any()):
                 draw[sec] = parts.sample(int(sec.sum()), generator, self.name)
@@ -318,11 +416,13 @@ class HyperProposal(Proposal):
         sec = second.cpu().numpy()
         if self.name == "interpolated" and self.covers_hyper:
             self.cond_loc, self.cond_sd = loc_x, np.exp(logsd_x)
+            self.frame = (kk, loc_x, np.exp(logD))
         else:
             locs = torch.stack([c.loc.detach() for c in self.components]).double().cpu().numpy()
             sds = torch.stack([c.scale.detach() for c in self.components]).double().cpu().numpy()
             self.cond_loc = locs[kk]
             self.cond_sd = sds[kk] * np.where(sec & (self.name == "widened"), WIDEN, 1.0)[:, None]
+            self.frame = None if self.mixture else (kk, self.cond_loc, None)
         self.cond_df = np.where(sec & (self.name == "student_t"), T_DF, np.inf)
         values = dict(hp.layout.unflatten(u))
         start = 0

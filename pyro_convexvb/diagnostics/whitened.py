@@ -1,0 +1,364 @@
+r"""Adaptive importance sampling by a whole-field affine moment match in whitened coordinates.
+
+A plain proposal built from the fitted posterior (:mod:`~pyro_convexvb.diagnostics.proposals`) draws, given the
+draw's component ``k`` (and for hyper-latents the interpolation frame ``a, d`` at its ``theta``), the field as
+
+.. math:: u = a + d \odot L_k \varepsilon, \qquad \varepsilon \sim N(0, I_n),
+
+``L_k`` a square root of the component's covariance (its lower Cholesky factor, or ``F^{-T}`` for ``F`` that of
+a precision). The *whitened coordinates* ``eps`` of a draw
+are therefore exactly standard normal under the proposal, whatever the component. The adapted proposal replaces
+``eps`` by ``e = mu + B eps`` with
+
+.. math:: B = \mathrm{diag}(s) (I + U \mathrm{diag}(g) U^\top), \qquad B B^\top
+   = \mathrm{diag}(s) (I + U \mathrm{diag}(\lambda) U^\top) \mathrm{diag}(s), \quad (1 + g)^2 = 1 + \lambda,
+
+``U`` ``(n, r)`` orthonormal: a shift, a scale per whitened coordinate and ``r`` directions of wider or narrower
+spread. Given the component the map is affine, so the density stays exact,
+``log q'(u) = log q(u_0) - log|det B|`` with ``u_0`` the base draw and ``log|det B| = sum log s + 1/2 sum
+log(1 + lambda)``, and the field's conditional moments are known (mean ``a + d L_k mu``, marginal variances
+``d^2 diag(L_k B B^T L_k^T)``), as the control variates need.
+
+The map is fitted (:func:`fit_affine_map`) to the importance-weighted draws of the rounds so far, the moments of
+``e`` under the target estimated with the proposal's own moments as control variates (exact when the weights are
+flat), and every estimated part shrunk by its Monte Carlo noise: the shift and the scales by positive-part
+James-Stein factors (toward 0 and toward the pooled scale; James & Stein 1961, Efron & Morris 1975), the
+directions found on one half of the draws and kept only when the other half, independent of the choice, confirms
+their strength. The draws of all rounds are pooled with the deterministic-mixture weights
+``p / ((1/J) sum_j q_j)`` (the balance heuristic, Veach & Guibas 1995; adaptive multiple importance sampling,
+Cornuet, Marin, Mira & Robert 2012; Owen 2013, ch. 9, multiple importance sampling), whose mixture density is
+exact as all rounds share the base proposal's ``q(theta)`` and frames: ``log q_j(u) = C(u) + l_j(e)`` with
+``l_j(e) = log N(B_j^{-1}(e - mu_j)) - log|det B_j|``. Adaptive importance sampling in general: Cappé, Douc,
+Guillin, Marin & Robert (2008); Owen (2013, ch. 10).
+"""
+import math
+
+import numpy as np
+import torch
+
+from .proposals import Proposal
+
+__all__ = ["AffineMap", "WhitenedProposal", "PooledProposal", "fit_affine_map", "mixture_log_q", "whiten"]
+
+#: largest field dimension at which the directions of the map are estimated (an ``(n, n)`` moment matrix)
+LOW_RANK_MAX_N = 3000
+#: at most this many directions
+MAX_DIRECTIONS = 10
+
+
+class AffineMap:
+    r"""``e = mu + diag(s) (I + U diag(g) U^T) eps`` on whitened coordinates (see the module docstring).
+
+    :param mu: ``(n,)`` shift; ``s`` ``(n,)`` positive scales.
+    :param U: ``(n, r)`` orthonormal directions (``None``: none); ``lam`` ``(r,)`` their variance changes
+        (``> -1``): the covariance of ``e`` is ``diag(s) (I + U diag(lam) U^T) diag(s)``.
+
+    Example::
+
+        >>> m = AffineMap(np.array([0.5, 0.0]), np.array([1.0, 2.0]))
+        >>> e = m.forward(np.array([[1.0, 1.0]]))
+        >>> e.tolist(), np.allclose(m.inverse(e), [[1.0, 1.0]]), round(m.log_det, 6)
+        ([[1.5, 2.0]], True, 0.693147)
+    """
+
+    def __init__(self, mu, s, U=None, lam=None):
+        self.mu = np.asarray(mu, dtype=np.float64)
+        self.s = np.asarray(s, dtype=np.float64)
+        n = self.mu.shape[0]
+        self.U = np.zeros((n, 0)) if U is None else np.asarray(U, dtype=np.float64).reshape(n, -1)
+        self.lam = np.zeros(0) if lam is None else np.asarray(lam, dtype=np.float64).reshape(-1)
+        if self.s.shape != (n,) or not np.all(self.s > 0) or self.lam.shape[0] != self.U.shape[1] \
+                or not np.all(self.lam > -1):
+            raise ValueError("AffineMap: expected mu (n,), s (n,) > 0, U (n, r) and lam (r,) > -1")
+        self.g = np.sqrt(1.0 + self.lam) - 1.0
+        self.log_det = float(np.log(self.s).sum() + 0.5 * np.log1p(self.lam).sum())
+
+    @classmethod
+    def identity(cls, n):
+        return cls(np.zeros(n), np.ones(n))
+
+    @property
+    def is_identity(self):
+        """The map moves nothing (to ``1e-12``)."""
+        return bool(np.abs(self.mu).max(initial=0) <= 1e-12 and np.abs(self.s - 1).max(initial=0) <= 1e-12
+                    and np.abs(self.lam).max(initial=0) <= 1e-12)
+
+    def forward(self, eps):
+        """``(S, n)`` whitened draws ``eps`` to ``e``."""
+        return self.mu + self.s * (eps + ((eps @ self.U) * self.g) @ self.U.T)
+
+    def inverse(self, e):
+        x = (e - self.mu) / self.s
+        return x - ((x @ self.U) * (self.g / (1.0 + self.g))) @ self.U.T
+
+    def log_kernel(self, e):
+        """``(S,)`` ``log N(B^{-1}(e - mu); 0, I) - log|det B|`` without the ``-n/2 log 2 pi``."""
+        z = self.inverse(e)
+        return -0.5 * (z**2).sum(1) - self.log_det
+
+    def covariance(self):
+        """``(n, n)`` covariance of ``e``."""
+        return (np.diag(np.ones_like(self.s)) + (self.U * self.lam) @ self.U.T) * np.outer(self.s, self.s)
+
+    def second_moment(self):
+        return self.covariance() + np.outer(self.mu, self.mu)
+
+    def field_moments(self, L):
+        """``(L mu, diag(L Cov L^T))`` for a square root ``L`` ``(n, n)`` of a component's covariance."""
+        Ls = L * self.s[None, :]
+        var = (Ls**2).sum(1)
+        if self.U.shape[1]:
+            var = var + ((Ls @ self.U) ** 2 * self.lam).sum(1)
+        return L @ self.mu, var
+
+
+def whiten(base, u, frame):
+    """``(S, n)`` whitened coordinates of flat field draws ``u`` ``(S, n)`` whose ``frame`` (``(k, a, d)``) is
+    that of ``base``'s sample they came from: ``eps = W_k^{-1} ((u - a) / d)``, ``W_k W_k^T`` the covariance of
+    component ``k`` (``W_k`` its lower Cholesky factor, or ``F^{-T}`` for ``F`` that of its precision)."""
+    k, a, d = frame
+    x = u - a if d is None else (u - a) / d
+    eps = np.empty_like(x)
+    for j in np.unique(k):
+        idx = np.nonzero(k == j)[0]
+        eps[idx] = base.frame_parts[int(j)].whiten(x[idx])
+    return eps
+
+
+def _color(base, e, frame):
+    k, a, d = frame
+    x = np.empty_like(e)
+    for j in np.unique(k):
+        idx = np.nonzero(k == j)[0]
+        x[idx] = base.frame_parts[int(j)].color(e[idx])
+    return a + (x if d is None else d * x)
+
+
+class WhitenedProposal(Proposal):
+    """The base proposal's draws moved by an :class:`AffineMap` of their whitened field coordinates.
+
+    :param base: a plain proposal (``"fitted"`` or ``"interpolated"``) whose draws carry frames
+        (:attr:`~pyro_convexvb.diagnostics.proposals.Proposal.frame_posteriors`).
+    :param layout: the latent layout of the flat field vector ``(n,)``.
+    :param amap: the :class:`AffineMap` (the identity: the base proposal itself).
+
+    After :meth:`sample`, ``last_eps`` ``(S, n)`` holds the draws' coordinates ``e`` in the base frame.
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> from pyro_convexvb.diagnostics.proposals import make_proposal
+        >>> def model(y=None):
+        ...     m = pyro.sample("m", dist.Normal(torch.zeros(2, dtype=torch.float64), 1.0).to_event(1))
+        ...     with pyro.plate("data", 3):
+        ...         pyro.sample("y", dist.Normal(m.sum(), 1.0), obs=y)
+        >>> res = pcv.fit(model, y=torch.tensor([0.5, 1.0, 1.5], dtype=torch.float64), engine="laplace",
+        ...               progress=False)
+        >>> base = make_proposal(res.posterior, "fitted")
+        >>> q = WhitenedProposal(base, res.posterior.layout, AffineMap(np.array([0.2, 0.0]), np.array([1.1, 0.9])))
+        >>> values, log_q = q.sample(4, torch.Generator().manual_seed(0))
+        >>> values["m"].shape, log_q.shape
+        (torch.Size([4, 2]), torch.Size([4]))
+    """
+
+    def __init__(self, base, layout, amap):
+        if base.frame_posteriors is None:
+            raise ValueError(f"the {base.name!r} proposal has no whitening frames (a defensive mixture or a mixture "
+                             "posterior): adapt a plain 'fitted' or 'interpolated' proposal")
+        self.base, self.layout, self.amap = base, layout, amap
+        self.name = base.name if amap.is_identity else "affine"
+        self.covers_hyper, self.fixed = base.covers_hyper, base.fixed
+        self.hp = getattr(base, "hp", None)
+        self._eps = self._pending = None
+
+    @property
+    def last_eps(self):
+        """``(S, n)`` the last draws' coordinates ``e`` in the base frame (whitened on first access)."""
+        if self._eps is None and self._pending is not None:
+            self._eps = whiten(self.base, *self._pending)
+        return self._eps
+
+    def hyper_reference(self, M, generator=None):
+        return self.base.hyper_reference(M, generator)
+
+    def sample(self, S, generator=None):
+        values, lq = self.base.sample(S, generator)
+        names = [b.name for b in self.layout.blocks]
+        u0 = self.layout.flatten({n: values[n] for n in names})
+        frame = self.base.frame
+        self._eps, self._pending = None, (u0.double().cpu().numpy(), frame)
+        if self.amap.is_identity:  # the base draws; whitened only if asked (last_eps)
+            self.cond_loc, self.cond_sd = self.base.cond_loc, self.base.cond_sd
+        else:
+            e = self.amap.forward(self.last_eps)
+            un = _color(self.base, e, frame)
+            new = self.layout.unflatten(torch.as_tensor(un, dtype=u0.dtype, device=u0.device))
+            values = dict(values)
+            values.update({n: new[n] for n in names})
+            lq = lq - self.amap.log_det
+            self.cond_loc, self.cond_sd = self.field_moments(frame)
+            self._eps, self._pending = e, None
+        self.cond_df = np.full(S, np.inf)
+        self.frame = frame
+        return values, lq
+
+    def field_moments(self, frame, amap=None):
+        """``(S, n)`` conditional means and sds of the field given each draw's component and frame (under
+        ``amap``, default this proposal's map)."""
+        amap = self.amap if amap is None else amap
+        k, a, d = frame
+        loc = np.empty_like(a, dtype=np.float64)
+        sd = np.empty_like(loc)
+        for j in np.unique(k):
+            idx = np.nonzero(k == j)[0]
+            m, v = amap.field_moments(self.base.frame_parts[int(j)].sqrt())
+            loc[idx], sd[idx] = m, np.sqrt(v)
+        if d is not None:
+            loc, sd = loc * d, sd * d
+        return a + loc, sd
+
+
+class PooledProposal(WhitenedProposal):
+    """The equal-weight mixture of the adaptive rounds' proposals (each draw's map chosen uniformly among ``maps``):
+    the distribution the pooled rounds were drawn from, as one proposal with the exact mixture density
+    (:func:`mixture_log_q`) and each draw's conditional moments under its own map.
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> from pyro_convexvb.diagnostics.proposals import make_proposal
+        >>> def model(y=None):
+        ...     m = pyro.sample("m", dist.Normal(torch.zeros(2, dtype=torch.float64), 1.0).to_event(1))
+        ...     pyro.sample("y", dist.Normal(m.sum(), 1.0), obs=y)
+        >>> res = pcv.fit(model, y=torch.tensor(0.5, dtype=torch.float64), engine="laplace", progress=False)
+        >>> q = PooledProposal(make_proposal(res.posterior, "fitted"), res.posterior.layout,
+        ...                    [AffineMap.identity(2), AffineMap(np.array([0.2, 0.0]), np.array([1.1, 0.9]))])
+        >>> values, log_q = q.sample(6, torch.Generator().manual_seed(0))
+        >>> values["m"].shape, log_q.shape
+        (torch.Size([6, 2]), torch.Size([6]))
+    """
+
+    def __init__(self, base, layout, maps):
+        super().__init__(base, layout, maps[-1])
+        self.maps, self.name = list(maps), "affine"
+
+    def sample(self, S, generator=None):
+        values, lq = self.base.sample(S, generator)
+        own = torch.randint(len(self.maps), (S,), generator=generator).numpy()
+        names = [b.name for b in self.layout.blocks]
+        u0 = self.layout.flatten({n: values[n] for n in names})
+        k, a, d = frame = self.base.frame
+        eps = whiten(self.base, u0.double().cpu().numpy(), frame)
+        e, log_det = np.empty_like(eps), np.empty(S)
+        loc, sd = np.empty_like(eps), np.empty_like(eps)
+        for j, m in enumerate(self.maps):
+            idx = np.nonzero(own == j)[0]
+            e[idx], log_det[idx] = m.forward(eps[idx]), m.log_det
+            loc[idx], sd[idx] = self.field_moments((k[idx], a[idx], None if d is None else d[idx]), m)
+        new = self.layout.unflatten(torch.as_tensor(_color(self.base, e, frame), dtype=u0.dtype, device=u0.device))
+        values = dict(values)
+        values.update({n: new[n] for n in names})
+        lq_mix = mixture_log_q(lq.double().cpu().numpy() - log_det, e, own, self.maps)
+        self.cond_loc, self.cond_sd, self.cond_df = loc, sd, np.full(S, np.inf)
+        self._eps, self._pending, self.frame = e, None, frame
+        return values, torch.as_tensor(lq_mix, dtype=torch.float64)
+
+
+def mixture_log_q(log_q_own, eps, own, maps):
+    """``(N,)`` log density of pooled draws under the equal-weight mixture of the rounds' proposals.
+
+    :param log_q_own: ``(N,)`` each draw's log density under the proposal it came from; ``eps`` ``(N, n)`` its
+        coordinates in the base frame; ``own`` ``(N,)`` the index of that proposal's map in ``maps``.
+    """
+    ker = np.stack([m.log_kernel(eps) for m in maps], 1)  # (N, J)
+    own_ker = ker[np.arange(ker.shape[0]), own]
+    return log_q_own - own_ker + np.logaddexp.reduce(ker, 1) - math.log(len(maps))
+
+
+def _js(excess_sq, noise):
+    """Positive-part James-Stein factor ``max(0, 1 - (p - 2)/p sum noise / sum excess^2)`` of ``p`` estimates
+    (no shrinkage for ``p <= 2``)."""
+    p = excess_sq.shape[0]
+    tot = float(excess_sq.sum())
+    if p <= 2:
+        return 1.0
+    return 0.0 if tot <= 0 else max(0.0, 1.0 - (p - 2) / p * float(noise.sum()) / tot)
+
+
+def fit_affine_map(eps, w, own, maps, seed=0, max_directions=MAX_DIRECTIONS):
+    r"""The :class:`AffineMap` moment-matched to importance-weighted draws in whitened coordinates.
+
+    :param eps: ``(N, n)`` coordinates of the pooled draws in the base frame; ``w`` ``(N,)`` their normalised
+        (Pareto-smoothed) importance weights; ``own`` ``(N,)`` the index in ``maps`` of the map each was drawn
+        with (the rounds' :class:`AffineMap`, equal numbers of draws each).
+    :returns: the fitted :class:`AffineMap`.
+
+    The target's mean and second moment of ``e`` are control-variate estimates (the controls ``e - mu_own`` and
+    ``e e^T - E_own[e e^T]``, exact under the round's proposal), ``m = sum_s w_s e_s - mean_s(e_s - mu_own)`` and
+    ``M = sum_s (w_s - 1/N) e_s e_s^T + mean_s E_own[e e^T]``; each part is shrunk by its Monte Carlo noise (module
+    docstring).
+    """
+    eps = np.asarray(eps, dtype=np.float64)
+    N, n = eps.shape
+    c = np.asarray(w, dtype=np.float64) - 1.0 / N
+    own = np.asarray(own)
+    frac = np.bincount(own, minlength=len(maps)) / N
+    mu_own = np.stack([m.mu for m in maps])[own]
+    mean = w @ eps - (eps - mu_own).mean(0)
+    dev = eps - mean
+    # diagonal of the covariance: sum_s c_s e_s^2 + mean_s E_own[e^2] - mean^2
+    known_diag = sum(f * (m.s**2 * (1 + (m.U**2 * m.lam).sum(1)) + m.mu**2) for f, m in zip(frac, maps))
+    var = np.maximum(c @ eps**2 + known_diag - mean**2, 1e-6)
+    c2 = c**2
+    # shift: James-Stein toward 0 (noise variance of each coordinate's estimate: sum_s c_s^2 (e - m)^2)
+    mu = np.clip(mean * _js(mean**2, c2 @ dev**2), -1.0, 1.0)
+    # scales: the pooled scale, and each coordinate's departure from it shrunk toward it
+    rho2 = float(var.mean())
+    v = rho2 + _js((var - rho2) ** 2, c2 @ (dev**2 - var) ** 2) * (var - rho2)
+    s = np.sqrt(np.clip(v, 0.25, 4.0))
+    U = lam = None
+    if 0 < max_directions and 2 < n <= LOW_RANK_MAX_N:
+        U, lam = _directions(eps, c, own, maps, frac, mean, s, seed, max_directions)
+        if U is not None:  # keep the marginal variances the scales matched
+            s = s / np.sqrt(1.0 + (U**2 * lam).sum(1))
+    return AffineMap(mu, s, U, lam)
+
+
+def _directions(eps, c, own, maps, frac, mean, s, seed, r_max):
+    """Directions where the target's spread of ``z = (e - m) / s`` differs from 1 (``(n, r)`` orthonormal and
+    ``(r,)`` variance changes), or ``(None, None)``, by cross-fitting on two halves of the draws: the candidates
+    are the leading eigenvectors of the correlation departure estimated from one half, each kept when the other
+    half, independent of the choice, estimates its variance change beyond 2 of its Monte Carlo errors and with the
+    same sign; the two halves' confirmed low-rank departures are averaged and re-diagonalised."""
+    N, n = eps.shape
+    K = sum(f * m.second_moment() for f, m in zip(frac, maps))
+    half = np.random.default_rng(seed).permutation(N) < N // 2
+    R, cs = [], []
+    for part in (half, ~half):
+        cs.append(np.where(part, c, 0.0) * N / part.sum())
+        M = eps.T @ (cs[-1][:, None] * eps) + K
+        Ri = (M - np.outer(mean, mean)) / np.outer(s, s)
+        np.fill_diagonal(Ri, 1.0)  # the scales s carry the diagonal
+        R.append(Ri)
+    z = (eps - mean) / s
+    low = np.zeros((n, n))
+    for a, b in ((0, 1), (1, 0)):
+        lam_a, V = np.linalg.eigh(R[a] - np.eye(n))
+        kept = 0
+        for j in np.argsort(-np.abs(lam_a))[: 2 * r_max]:
+            u = V[:, j]
+            est = float(u @ R[b] @ u) - 1.0
+            se = math.sqrt(float((cs[b] ** 2 * ((z @ u) ** 2 - 1.0 - est) ** 2).sum()))
+            if est * lam_a[j] > 0 and abs(est) > 2 * se + 1e-8:
+                low += 0.5 * est * np.outer(u, u)
+                kept += 1
+            if kept == r_max:
+                break
+    lam, V = np.linalg.eigh(low)
+    top = np.argsort(-np.abs(lam))[:r_max]
+    top = top[np.abs(lam[top]) > 1e-8]
+    if top.size == 0:
+        return None, None
+    return V[:, top], np.clip(lam[top], -0.6, 3.0)

@@ -1,0 +1,272 @@
+"""The whitened affine adaptation of the importance proposal (diagnostics/whitened.py): exact densities against
+direct evaluation, recovery of a Gaussian target, a conjugate model against its closed form within the reported
+Monte Carlo errors, and the calibration of those errors over seeds."""
+import doctest
+import math
+import warnings
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from scipy import stats
+
+import pyro_convexvb as pcv
+from pyro_convexvb.diagnostics import importance, whitened
+from pyro_convexvb.diagnostics.importance import correct
+from pyro_convexvb.diagnostics.proposals import make_proposal
+from pyro_convexvb.diagnostics.psis import psis_smooth
+from pyro_convexvb.diagnostics.whitened import (AffineMap, PooledProposal, WhitenedProposal, fit_affine_map,
+                                                mixture_log_q)
+
+D = torch.float64
+PROBS = (0.05, 0.5, 0.95)
+
+
+def _random_map(n, rng, r=2):
+    U, _ = np.linalg.qr(rng.normal(size=(n, r)))
+    return AffineMap(0.3 * rng.normal(size=n), rng.uniform(0.7, 1.4, size=n), U, np.array([1.2, -0.4])[:r])
+
+
+def test_affine_map_algebra():
+    rng = np.random.default_rng(0)
+    m = _random_map(6, rng)
+    eps = rng.normal(size=(5, 6))
+    e = m.forward(eps)
+    np.testing.assert_allclose(m.inverse(e), eps, atol=1e-12)
+    B = np.stack([m.forward(np.eye(6)[i][None])[0] - m.mu for i in range(6)], 1)  # the linear part, columnwise
+    np.testing.assert_allclose(B @ B.T, m.covariance(), atol=1e-12)
+    assert m.log_det == pytest.approx(float(np.linalg.slogdet(B)[1]), abs=1e-12)
+    L = np.linalg.cholesky(np.cov(rng.normal(size=(6, 40))))
+    mean, var = m.field_moments(L)
+    np.testing.assert_allclose(mean, L @ m.mu, atol=1e-12)
+    np.testing.assert_allclose(var, np.diag(L @ m.covariance() @ L.T), atol=1e-12)
+    with pytest.raises(ValueError, match="AffineMap"):
+        AffineMap(np.zeros(2), np.array([1.0, -1.0]))
+
+
+def _hierarchical():
+    g = torch.Generator().manual_seed(5)
+    X = torch.randn(25, 3, generator=g, dtype=D)
+    y = (torch.rand(25, generator=g, dtype=D) < torch.sigmoid(X @ torch.tensor([1.0, -1.0, 0.5], dtype=D))).to(D)
+
+    def model(X, y=None):
+        tau = pyro.sample("tau", dist.HalfNormal(torch.tensor(2.0, dtype=D)))
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), tau).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    return pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
+
+
+def _direct_log_q(base, hp, values, maps):
+    """``(S, J)`` log densities of draws ``values`` under each map's proposal, by direct multivariate normal
+    evaluation given theta, and ``(S,)`` components, ``(S, n)`` frames ``a`` and ``log sd`` for the moments."""
+    S = values["tau"].shape[0]
+    z = values["tau"].reshape(S, -1)
+    x = (z - hp.density.z_mode) @ torch.linalg.inv(hp.density.A_inv).T
+    k = torch.cdist(x, hp.x).argmin(1)
+    u = hp.layout.flatten({b.name: values[b.name] for b in hp.layout.blocks}).double()
+    a, logsd = base._interpolate(x)
+    theta_part = base._log_qx(x).numpy() - base.log_det_A_inv
+
+    def frame(s, m):
+        kk = int(k[s])
+        DL = torch.diag(torch.as_tensor(np.exp(logsd[s] - base._logsd[kk]))) @ torch.as_tensor(
+            base.frame_parts[kk].sqrt())
+        return torch.as_tensor(a[s]) + DL @ torch.as_tensor(m.mu), DL @ torch.as_tensor(m.covariance()) @ DL.T
+
+    out = np.array([[float(torch.distributions.MultivariateNormal(*frame(s, m)).log_prob(u[s])) for m in maps]
+                    for s in range(S)])
+    return out + theta_part[:, None], frame, k
+
+
+def test_whitened_proposal_density_against_direct_evaluation():
+    """Given theta, the adapted field is N(a + d W_k mu, D W_k Cov W_k^T D) (a, d the interpolation frame at theta,
+    W_k a square root of the nearest design point's covariance): log q against that closed form plus the theta
+    part; the rounds' mixture density, and the pooled proposal's draws, against the direct log-mean-exp of the two
+    proposals' densities."""
+    res = _hierarchical()
+    hp = res.posterior
+    base = make_proposal(hp, "interpolated")
+    amap = _random_map(hp.n, np.random.default_rng(1))
+    ident = AffineMap.identity(hp.n)
+    q = WhitenedProposal(base, hp.layout, amap)
+    values, lq = q.sample(150, torch.Generator().manual_seed(0))
+    direct, frame, k = _direct_log_q(base, hp, values, [ident, amap])
+    for kk in k.unique().tolist():  # the square roots W_k of the whitened coordinates: W_k W_k^T = Sigma_k
+        W = base.frame_parts[kk].sqrt()
+        np.testing.assert_allclose(W @ W.T, base.components[kk].covariance().double().numpy(), atol=1e-10)
+    np.testing.assert_allclose(lq.numpy(), direct[:, 1], atol=1e-8)
+    for s in range(5):  # the conditional moments the control variates use
+        loc, cov = frame(s, amap)
+        np.testing.assert_allclose(q.cond_loc[s], loc.numpy(), atol=1e-10)
+        np.testing.assert_allclose(q.cond_sd[s], cov.diagonal().sqrt().numpy(), rtol=1e-10)
+    # the mixture of the identity (the base) and amap, at these draws
+    mix = mixture_log_q(lq.numpy(), q.last_eps, np.ones(150, dtype=np.int64), [ident, amap])
+    np.testing.assert_allclose(mix, np.logaddexp(direct[:, 0], direct[:, 1]) - math.log(2), atol=1e-8)
+    # draws from the pooled proposal itself: the mixture density, each draw's moments under its own map
+    qp = PooledProposal(base, hp.layout, [ident, amap])
+    values, lq = qp.sample(80, torch.Generator().manual_seed(2))
+    direct, frame, _ = _direct_log_q(base, hp, values, [ident, amap])
+    np.testing.assert_allclose(lq.numpy(), np.logaddexp(direct[:, 0], direct[:, 1]) - math.log(2), atol=1e-8)
+    sds = np.stack([[frame(s, m)[1].diagonal().sqrt().numpy() for m in (ident, amap)] for s in range(80)])
+    own = np.argmin(np.abs(sds - qp.cond_sd[:, None, :]).max(2), 1)
+    assert 10 < own.sum() < 70  # both maps drawn from
+    np.testing.assert_allclose(qp.cond_sd, sds[np.arange(80), own], rtol=1e-10)
+
+
+def _gaussian_target(n=12, seed=0):
+    rng = np.random.default_rng(seed)
+    u = rng.normal(size=n)
+    u /= np.linalg.norm(u)
+    s = rng.uniform(0.8, 1.3, size=n)
+    cov = (np.eye(n) + 1.5 * np.outer(u, u)) * np.outer(s, s)
+    return 0.3 * rng.normal(size=n), cov
+
+
+def test_fit_affine_map_recovers_a_gaussian_target():
+    """Whitened draws eps ~ N(0, I) weighted toward N(mu, Sigma) (Sigma with scales 0.8-1.3 and one direction
+    2.5 times the variance): the fitted map's mean and covariance are Sigma's within Monte Carlo error, and a
+    second round from it, pooled with the first, nearly recovers the target (importance ESS above 80%)."""
+    mu, cov = _gaussian_target()
+    n, N = mu.shape[0], 4000
+    target = stats.multivariate_normal(mu, cov)
+    rng = np.random.default_rng(1)
+    eps = rng.normal(size=(N, n))
+    lr = target.logpdf(eps) - stats.multivariate_normal(np.zeros(n)).logpdf(eps)
+    lw, _ = psis_smooth(lr)
+    ess1 = 1 / np.exp(2 * lw).sum()
+    ident = AffineMap.identity(n)
+    m1 = fit_affine_map(eps, np.exp(lw), np.zeros(N, dtype=np.int64), [ident])
+    assert m1.U.shape[1] >= 1  # the wide direction is found
+    err_mu1 = np.abs(m1.mu - mu).max()
+    err_cov1 = np.abs(m1.covariance() - cov).max()
+    assert err_mu1 < 4 / math.sqrt(ess1) and err_cov1 < 0.35
+    # second round from m1, pooled
+    e2 = m1.forward(rng.normal(size=(N, n)))
+    both = np.concatenate([eps, e2])
+    own = np.repeat([0, 1], N)
+    lq_own = np.concatenate([stats.multivariate_normal(np.zeros(n)).logpdf(eps),
+                             stats.multivariate_normal(m1.mu, m1.covariance()).logpdf(e2)])
+    lq = mixture_log_q(lq_own, both, own, [ident, m1])
+    lw2, k = psis_smooth(target.logpdf(both) - lq)
+    m2 = fit_affine_map(both, np.exp(lw2), own, [ident, m1])
+    # a fresh round from m2 alone: nearly the target
+    e3 = m2.forward(rng.normal(size=(N, n)))
+    lw3, k3 = psis_smooth(target.logpdf(e3) - stats.multivariate_normal(m2.mu, m2.covariance()).logpdf(e3))
+    assert 1 / np.exp(2 * lw3).sum() > 0.8 * N and k3 < 0.5
+    assert np.abs(m2.mu - mu).max() < 0.1 and np.abs(m2.covariance() - cov).max() < 0.25
+
+
+def test_fit_affine_map_is_the_identity_for_flat_weights():
+    rng = np.random.default_rng(2)
+    eps = rng.normal(size=(500, 8))
+    m = fit_affine_map(eps, np.full(500, 1 / 500), np.zeros(500, dtype=np.int64), [AffineMap.identity(8)])
+    np.testing.assert_allclose(m.mu, 0, atol=1e-12)
+    np.testing.assert_allclose(m.s, 1, atol=1e-12)
+    assert m.U.shape[1] == 0 and m.is_identity
+
+
+def _normal_gamma(n=30, seed=0):
+    """y_i ~ N(mu, 1/tau), mu | tau ~ N(m0, 1/(k0 tau)), tau ~ Gamma(a0, b0): the marginal posteriors are a
+    Gamma and a Student-t in closed form."""
+    m0, k0, a0, b0 = 0.0, 1.0, 2.0, 1.0
+    y = torch.tensor(np.random.default_rng(seed).normal(1.0, 0.7, size=n), dtype=D)
+
+    def model(y=None):
+        tau = pyro.sample("tau", dist.Gamma(torch.tensor(a0, dtype=D), torch.tensor(b0, dtype=D)))
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(m0, dtype=D), 1.0 / torch.sqrt(k0 * tau)))
+        with pyro.plate("data", n):
+            pyro.sample("y", dist.Normal(mu, 1.0 / torch.sqrt(tau)), obs=y)
+
+    yn = y.numpy()
+    kn, an = k0 + n, a0 + n / 2
+    mn = (k0 * m0 + yn.sum()) / kn
+    bn = b0 + 0.5 * ((yn - yn.mean()) ** 2).sum() + k0 * n * (yn.mean() - m0) ** 2 / (2 * kn)
+    exact = {"tau": stats.gamma(an, scale=1 / bn), "mu": stats.t(2 * an, loc=mn, scale=math.sqrt(bn / (an * kn)))}
+    return model, y, exact
+
+
+@pytest.fixture(scope="module")
+def normal_gamma():
+    model, y, exact = _normal_gamma()
+    res = pcv.fit(model, y=y, engine="laplace", progress=False)
+    return res, exact
+
+
+def _forced(monkeypatch):
+    monkeypatch.setattr(importance, "ADAPT_BELOW", 1.01)  # adapt whatever the first round's ESS
+
+
+def test_conjugate_model_corrected_by_the_affine_rounds_matches_the_closed_form(normal_gamma, monkeypatch):
+    res, exact = normal_gamma
+    _forced(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = correct(res, num_draws=2000, seed=1, adapt=1)
+    d = c.diagnostics
+    assert d.proposal == "affine" and d.num_draws == 4000 and {"fitted", "affine"} <= set(d.tried)
+    assert d.ess > 0.8 * d.num_draws
+    for site, ref in exact.items():
+        s = c.sites[site]
+        assert abs(float(s["mean"]) - ref.mean()) < 4 * float(s["mean_mcse"]) + 1e-4, site
+        assert abs(float(s["sd"]) - ref.std()) < 4 * float(s["sd_mcse"]) + 1e-4, site
+        for p in PROBS:
+            assert abs(float(s["quantiles"][p]) - ref.ppf(p)) < 4 * float(s["quantile_mcse"][p]) + 1e-3, (site, p)
+
+
+def test_reported_errors_of_the_affine_rounds_are_calibrated_over_seeds(normal_gamma, monkeypatch):
+    """Over 40 seeds (300 draws a round, two rounds pooled) the z-scores of the corrected means, sds and
+    quantiles against the closed form have mean square within [0.3, 6]: the reported errors are of the right size
+    but under-report, by about 1.5 times for most (z^2 1.1-3) and 2.2 times for the sd of mu (z^2 4.9); without
+    adaptation the same holds (z^2 2-5 at 300 draws: the choice among proposals and the Pareto smoothing add a bias
+    the errors do not count; docs/diagnostics.md)."""
+    res, exact = normal_gamma
+    _forced(monkeypatch)
+    z = {}
+    for seed in range(40):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            c = correct(res, num_draws=300, seed=seed, adapt=1)
+        for site, ref in exact.items():
+            s = c.sites[site]
+            z.setdefault((site, "mean"), []).append((float(s["mean"]) - ref.mean()) / float(s["mean_mcse"]))
+            z.setdefault((site, "sd"), []).append((float(s["sd"]) - ref.std()) / float(s["sd_mcse"]))
+            for p in PROBS:
+                z.setdefault((site, p), []).append((float(s["quantiles"][p]) - ref.ppf(p))
+                                                   / float(s["quantile_mcse"][p]))
+    ms = {key: float(np.mean(np.square(v))) for key, v in z.items()}
+    assert all(0.3 < v < 6.0 for v in ms.values()), ms
+
+
+def test_correct_options_and_the_diagonal_adaptation(normal_gamma, monkeypatch):
+    res, _ = normal_gamma
+    _forced(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = correct(res, num_draws=300, adaptation="diagonal")
+        c0 = correct(res, num_draws=300, adapt=0)
+    assert "adapted" in c.diagnostics.tried and "affine" not in c.diagnostics.tried
+    assert set(c0.diagnostics.tried) <= {"fitted", "widened", "student_t"}
+    with pytest.raises(ValueError, match="adaptation: expected"):
+        correct(res, num_draws=50, adaptation="full")
+
+
+def test_whitened_docstrings_run():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = doctest.testmod(whitened)
+    assert out.attempted > 0 and out.failed == 0
+
+
+def test_loo_of_an_adapted_correction_draws_from_its_proposal(normal_gamma, monkeypatch):
+    res, _ = normal_gamma
+    _forced(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = res.corrected(num_draws=300)
+        r = res.loo(num_draws=200)
+    assert c.diagnostics.proposal == "affine" and r.proposal == "affine"
+    assert r.pareto_k.shape == (30,) and np.isfinite(r.elpd_loo) and float(np.max(r.pareto_k)) < 0.7
