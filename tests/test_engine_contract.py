@@ -38,12 +38,16 @@ def logistic_model(X, y=None):
         return pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
 
 
-@pytest.fixture(scope="module")
-def data():
+def _data():
     g = torch.Generator().manual_seed(0)
     X = torch.randn(40, 3, generator=g, dtype=D)
     y = (torch.rand(40, generator=g, dtype=D) < torch.sigmoid(X @ torch.tensor([1.0, -1.0, 0.5], dtype=D))).to(D)
     return X, y
+
+
+@pytest.fixture(scope="module")
+def data():
+    return _data()
 
 
 def _fit(engine, X, y, **extra):
@@ -54,10 +58,22 @@ def _fit(engine, X, y, **extra):
     return res, [w for w in caught if issubclass(w.category, pcv.ConvergenceWarning)]
 
 
+class _Fits(dict):
+    """``{engine: _fit(engine, X, y)}``, each fit made the first time a test asks for it: a pytest-xdist worker
+    fits only the engines of the tests it runs, once."""
+
+    def __init__(self, X, y):
+        super().__init__()
+        self.X, self.y = X, y
+
+    def __missing__(self, engine):
+        self[engine] = _fit(engine, self.X, self.y)
+        return self[engine]
+
+
 @pytest.fixture(scope="module")
 def results(data):
-    X, y = data
-    return {e: _fit(e, X, y) for e in BUILTIN}
+    return _Fits(*data)
 
 
 def test_every_engine_is_an_engine_with_typed_options():
@@ -158,10 +174,11 @@ def test_progress_is_honoured(engine, data, capfd, monkeypatch):
 
 
 @pytest.mark.parametrize("engine", BUILTIN)
-def test_inputs_are_not_mutated(engine, data):
+def test_inputs_are_not_mutated(engine, results, data):
+    """The shared fit (``results``) ran on the module's ``data``: they still equal a fresh copy."""
     X, y = data
-    X0, y0 = X.clone(), y.clone()
-    _fit(engine, X, y)
+    results[engine]
+    X0, y0 = _data()
     assert torch.equal(X, X0) and torch.equal(y, y0)
 
 
@@ -185,7 +202,7 @@ def test_nuts_posterior_lives_in_unconstrained_space():
             pyro.sample("y", dist.Normal(torch.zeros((), dtype=D), s), obs=y)
 
     y = torch.tensor([0.9, -1.2, 0.3, 1.8, -0.7, 0.1, -1.5, 1.1], dtype=D)
-    res = pcv.fit(model, y=y, engine="nuts", options=dict(num_samples=1500, warmup_steps=500), progress=False)
+    res = pcv.fit(model, y=y, engine="nuts", options=dict(num_samples=1000, warmup_steps=300), progress=False)
     sigma = res.info["samples"]["sigma"]
     torch.testing.assert_close(res.posterior.loc, torch.log(sigma).mean().reshape(1))
     guide = res.posterior.as_guide()
@@ -240,27 +257,37 @@ def test_convex_relaxation_unconverged_warns(data):
 
 
 def test_registry_imports_no_engine_module_in_a_cycle():
-    """Every engine module imports on its own in a fresh interpreter, and the registry names them lazily."""
-    code = ("import importlib, sys\n"
+    """Every engine module imports on its own in a fresh interpreter, and the registry names them lazily.
+
+    One interpreter serves every import order: between orders it forgets every ``pyro_convexvb`` module (torch,
+    Pyro and the other dependencies stay loaded, their import does not depend on the package's order)."""
+    code = ("import ast, importlib, inspect, sys\n"
+            "import pyro, torch\n"
             "mods = ['pyro_convexvb.infer.registry', 'pyro_convexvb.infer.pyro_engines', "
             "'pyro_convexvb.infer.diag_mixture', 'pyro_convexvb.infer.dual_vg.engine', "
             "'pyro_convexvb.infer.convex_relaxation.engine', 'pyro_convexvb.infer.engine', "
             "'pyro_convexvb.infer.meta']\n"
-            "import ast, inspect\n"
-            "import pyro_convexvb.infer.registry as r\n"
-            "src = ast.parse(inspect.getsource(r))\n"
-            "top = [n for n in src.body if isinstance(n, (ast.Import, ast.ImportFrom))]\n"
-            "names = [getattr(n, 'module', '') or '' for n in top]\n"
-            "assert all('pyro_engines' not in m and 'diag_mixture' not in m and 'dual_vg' not in m for m in names), names\n"
-            "for m in mods[1:]:\n"
-            "    mod = importlib.import_module(m)\n"
-            "    for node in ast.walk(ast.parse(inspect.getsource(mod))):\n"
-            "        if isinstance(node, ast.ImportFrom):\n"
-            "            assert 'registry' not in (node.module or ''), (m, node.module)\n")
-    for first in ("pyro_convexvb.infer.pyro_engines", "pyro_convexvb.infer.diag_mixture",
-                  "pyro_convexvb.infer.dual_vg.engine", "pyro_convexvb.infer.convex_relaxation.engine"):
-        out = subprocess.run([sys.executable, "-c", f"import {first}\n" + code], capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
+            "for first in sys.argv[1:]:\n"
+            "    for name in [m for m in sys.modules if m == 'pyro_convexvb' or m.startswith('pyro_convexvb.')]:\n"
+            "        del sys.modules[name]\n"
+            "    assert importlib.import_module(first).__name__ == first\n"
+            "    import pyro_convexvb.infer.registry as r\n"
+            "    src = ast.parse(inspect.getsource(r))\n"
+            "    top = [n for n in src.body if isinstance(n, (ast.Import, ast.ImportFrom))]\n"
+            "    names = [getattr(n, 'module', '') or '' for n in top]\n"
+            "    assert all('pyro_engines' not in m and 'diag_mixture' not in m and 'dual_vg' not in m "
+            "for m in names), names\n"
+            "    for m in mods[1:]:\n"
+            "        mod = importlib.import_module(m)\n"
+            "        for node in ast.walk(ast.parse(inspect.getsource(mod))):\n"
+            "            if isinstance(node, ast.ImportFrom):\n"
+            "                assert 'registry' not in (node.module or ''), (m, node.module)\n"
+            "    print('ok', first)\n")
+    firsts = ["pyro_convexvb.infer.pyro_engines", "pyro_convexvb.infer.diag_mixture",
+              "pyro_convexvb.infer.dual_vg.engine", "pyro_convexvb.infer.convex_relaxation.engine"]
+    out = subprocess.run([sys.executable, "-c", code, *firsts], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [w for f in firsts for w in ("ok", f)], out.stdout
 
 
 @pytest.mark.parametrize("engine", BUILTIN)
@@ -347,10 +374,13 @@ def test_refusals_list_the_engines_that_do_fit_and_those_fit():
         msg = str(err.value)
         assert err.value.site == "sigma" and f"engine '{engine}' does not apply" in msg
         assert msg.endswith("engines that fit this model: " + ", ".join(fitting))
-    for engine in fitting:  # each listed engine does fit it
+    # each listed engine does fit it (small budgets: the fit has to run, not to converge)
+    tiny = {"nuts": dict(num_samples=20, warmup_steps=20), "laplace": {}, "dual_vg": {}}
+    for engine in fitting:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            res = pcv.fit(model, y=y, engine=engine, options=QUICK.get(engine, {}), progress=False)
+            res = pcv.fit(model, y=y, engine=engine, options=tiny.get(engine, dict(max_steps=30, min_steps=0, window=10)),
+                          progress=False)
         assert bool(torch.isfinite(res.posterior.loc).all())
 
     def discrete(y=None):

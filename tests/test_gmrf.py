@@ -341,6 +341,9 @@ def test_nuts_on_a_small_lattice_matches_the_exact_posterior():
     assert ((x.std(0) / sd) - 1).abs().max() < 0.3
 
 
+# slow: the same property (SparseGMRF's density and gradient drive a Pyro inference to the exact posterior) is
+# checked faster by test_nuts_on_a_small_lattice_matches_the_exact_posterior
+@pytest.mark.slow
 def test_svi_on_a_small_lattice_matches_the_exact_posterior():
     from pyro.infer import SVI, Trace_ELBO
     from pyro.infer.autoguide import AutoMultivariateNormal

@@ -106,7 +106,7 @@ def test_hyperparameter_learning_is_type2_on_the_dual_bound():
         return -res.info["lvb_elbo"]
 
     ref = scipy.optimize.minimize(neg_bound, np.array([0.0, 0.0, 0.0]), method="Nelder-Mead",
-                                  options=dict(xatol=1e-8, fatol=1e-10, maxiter=4000))
+                                  options=dict(xatol=1e-6, fatol=1e-9, maxiter=4000))  # far inside the checks below
     clf = GPClassifier(_kernel(ls=1.0, os=1.0), learn_hyperparameters=True).fit(X, y)
     assert clf.hyper_converged_
     k = clf.kernel_

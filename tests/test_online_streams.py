@@ -108,13 +108,23 @@ def test_streams_read_svmlight_through_io_not_datasets():
     assert not [m for m in imported if m.split(".")[-1] == "datasets"], imported
 
 
-@pytest.mark.parametrize("order", [("pyro_convexvb.online.streams", "pyro_convexvb.datasets"),
-                                   ("pyro_convexvb.datasets", "pyro_convexvb.online.streams")])
-def test_datasets_and_streams_import_in_either_order(order):
-    code = f"import {order[0]}, {order[1]}; import pyro_convexvb.datasets as D; print(D.parse_svmlight_lines.__module__)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+def test_datasets_and_streams_import_in_either_order():
+    """Each order in a fresh package: one interpreter, which forgets every ``pyro_convexvb`` module between the
+    orders (its dependencies stay loaded)."""
+    orders = [("pyro_convexvb.online.streams", "pyro_convexvb.datasets"),
+              ("pyro_convexvb.datasets", "pyro_convexvb.online.streams")]
+    code = ("import importlib, sys\n"
+            "for order in sys.argv[1:]:\n"
+            "    for name in [m for m in sys.modules if m == 'pyro_convexvb' or m.startswith('pyro_convexvb.')]:\n"
+            "        del sys.modules[name]\n"
+            "    for m in order.split(','):\n"
+            "        importlib.import_module(m)\n"
+            "    import pyro_convexvb.datasets as D\n"
+            "    print(D.parse_svmlight_lines.__module__)\n")
+    out = subprocess.run([sys.executable, "-c", code, *(",".join(o) for o in orders)], capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "pyro_convexvb.io"
+    assert out.stdout.split() == ["pyro_convexvb.io"] * len(orders), out.stdout
 
 
 def test_open_text_reads_plain_and_gzip(tmp_path):

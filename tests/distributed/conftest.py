@@ -1,4 +1,4 @@
-"""One 2-process ``torchrun`` launch per session runs every distributed case (see ``worker.py``)."""
+"""One 2-process ``torchrun`` launch per test run runs every distributed case (see ``worker.py``)."""
 import os
 import subprocess
 import sys
@@ -22,14 +22,41 @@ def launch(out, slow=False, timeout=900):
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 
+def launch_once(tmp_path_factory, name, **kwargs):
+    """:func:`launch` once per test run, also when pytest-xdist runs the cases on several workers.
+
+    Under xdist each worker has its own session (and session fixtures): the workers' base temporary directories
+    share a parent, where the first worker to arrive launches under a file lock and the others read its results
+    (or its error) instead of launching again."""
+    from filelock import FileLock  # a dependency of torch
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    out = base / name
+    failed = base / f"{name}.failed"
+    with FileLock(str(base / f"{name}.lock")):
+        if failed.exists():
+            raise RuntimeError(f"(launched by another pytest worker) {failed.read_text()}")
+        if not (out / "complete").exists():
+            try:
+                results = launch(out, **kwargs)
+            except Exception as e:
+                failed.write_text(str(e))
+                raise
+            (out / "complete").write_text("")
+            return results
+    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
 @pytest.fixture(scope="session")
 def distributed_results(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("distributed"))
+    return launch_once(tmp_path_factory, "distributed")
 
 
 @pytest.fixture(scope="session")
 def distributed_slow_results(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("distributed_slow"), slow=True, timeout=3600)
+    return launch_once(tmp_path_factory, "distributed_slow", slow=True, timeout=3600)
 
 
 @pytest.fixture(scope="session")

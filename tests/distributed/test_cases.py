@@ -7,7 +7,8 @@ import os
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# the session fixtures launch torchrun once per pytest worker: keep every case on one worker (--dist loadgroup)
+# one torchrun launch serves every case (a lock across pytest-xdist workers, conftest.py); --dist loadgroup keeps
+# the cases on one worker, so that the other worker runs other tests meanwhile instead of waiting for the lock
 pytestmark = pytest.mark.xdist_group("distributed")
 
 
