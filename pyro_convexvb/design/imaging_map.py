@@ -21,9 +21,11 @@ periodic differences, so ``B~^T B~ = I + L_per`` with ``L_per`` the periodic 5-p
 .. math:: (X^T X / \sigma^2 + \rho (I + L_{per}))\, u = X^T y / \sigma^2 + \rho \tilde B^T (s - \lambda)
 
 is diagonal in the 2-D Fourier basis: one real FFT pair, exactly, no inner CG. The ``s``-update is soft
-thresholding at ``w_i / rho`` (identity on the wrap rows), the dual update ``lambda += B~ u - s``; the penalty
-``rho`` is adapted by residual balancing (Boyd et al. 2011, §3.4.1) and the run stops on the primal and dual
-residuals (§3.3.1). The derivation is in ``docs/design.md`` ("Fast exact MAP reconstructions").
+thresholding at ``w_i / rho`` (identity on the wrap rows), the dual update ``lambda += B~ u - s``. The fixed-point
+map of ``z = s + lambda`` is Anderson-accelerated (Walker & Ni 2011, safeguarded); ``rho`` is fixed by default
+(residual balancing, Boyd et al. 2011, §3.4.1, on request: it measured slower here) and the run stops on the
+primal and stationarity residuals (§3.3.1). The derivation is in ``docs/design.md`` ("Fast exact MAP
+reconstructions").
 """
 import math
 
@@ -150,36 +152,40 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
     the same objective as :func:`~pyro_convexvb.infer.convex_relaxation.laplace_map` reports (``Psi_0``), solved
     without smoothing. Split ``s = [B_a; B_r; E] u`` (``E``: the wrap-around differences, weight 0, so the
     ``u``-system ``X^T X / sigma^2 + rho (I + L_per)`` is diagonal in the 2-D Fourier basis); scaled duals
-    ``lambda``; penalty ``rho`` by residual balancing (§3.4.1: ``rho *= rho_factor`` when the primal residual
-    exceeds ``mu`` times the dual one, ``/=`` in the opposite case, only during the first half of ``max_iter``);
-    stop when ``||B~ u - s|| <= sqrt(p) atol + tol max(||B~ u||, ||s||)`` and
-    ``rho ||B~^T (s_k - s_{k-1})|| <= sqrt(n) atol + tol ||B~^T v||`` (§3.3.1), ``v = rho lambda``. Each iteration
-    is one product with ``B~`` and one with ``B~^T`` (a Haar transform and its inverse, the differences and their
-    adjoint) and one real FFT pair; ``X`` is used only for ``X^T y`` and the objective.
+    ``lambda``; the state ``z = s + lambda`` iterated by the ADMM fixed-point map with type-II Anderson acceleration
+    of ``memory`` past steps (an accelerated point that does not reduce the fixed-point residual is replaced by
+    the plain step). Penalty ``rho`` fixed unless ``adaptive`` (residual balancing, §3.4.1: ``rho *= rho_factor``
+    when the primal residual exceeds ``mu`` times the dual one, ``/=`` in the opposite case, during the first
+    ``adapt_iters`` iterations only). Stop when ``||B~ u - s|| <= sqrt(p) atol + tol max(||B~ u||, ||s||)`` and
+    ``||X^T (X u - y) / sigma^2 + B~^T v|| <= sqrt(n) atol + tol ||B~^T v||`` (§3.3.1), ``v = rho lambda``. Each
+    iteration is one product with ``B~`` and two with ``B~^T`` (Haar transforms, the differences and their
+    adjoints) and one real FFT solve; ``X`` is used only for ``X^T y`` and the objective.
 
-    At every iterate the multipliers satisfy ``v in w * d|s|`` exactly (``|v_j| <= 1/b_j``, ``v_j = sign(s_j)/b_j``
-    where ``s_j != 0``), and the dual residual is exactly the stationarity violation
+    At the returned point the multipliers satisfy ``v in w * d|s|`` exactly (``|v_j| <= 1/b_j``,
+    ``v_j = sign(s_j)/b_j`` where ``s_j != 0``), and the dual residual is the stationarity violation
     ``||X^T (X u - y) / sigma^2 + B~^T v||``: the two residuals are the optimality conditions of the MAP.
 
     :param lgm: the :class:`~pyro_convexvb.LatentGaussianModel` of :func:`~.imaging.compressive_sensing_model`
         (flat prior; one Gaussian group of k-space columns with one noise level; one Laplace group with an
         orthonormal design and one with the non-periodic differences; each checked by a probe product).
-    :param u0: ``(n,)`` start (default ``0``); ``s = B~ u0``, ``lambda = 0`` unless ``init`` is given.
-    :param dict init: ``report["state"]`` of an earlier run on the same image size (e.g. the previous design of a
-        sequence): its ``s``, ``lambda`` and ``rho`` start this run (warm start; ``u0`` should be its ``u``).
-    :param float tol: relative residual tolerance (``1e-6``: reconstruction errors to about ``1e-5`` relative at
-        256x256; ``1e-10`` for objectives to ``1e-8``).
+    :param u0: ``(n,)`` start (default ``0``): ``z = B~ u0`` unless ``init`` is given.
+    :param dict init: ``report["state"]`` (``z``, ``rho``) of an earlier run on the same image size (e.g. the
+        previous design of a sequence): its ``s`` and multipliers start this run (warm start).
+    :param float tol: relative residual tolerance (``1e-6``: reconstruction errors within ``1e-7`` relative of a
+        ``1e-9`` run at 64x64; ``1e-12`` for objectives to ``1e-10``).
     :param float atol: absolute residual tolerance per entry (default 0).
     :param int max_iter: iteration cap; a run that reaches it issues a
         :class:`~pyro_convexvb.errors.ConvergenceWarning` and reports ``converged=False``.
-    :param rho: first penalty (default: ``max`` of the ``X^T X / sigma^2`` symbol over 10, or the warm start's).
+    :param rho: penalty (default: ``max`` of the ``X^T X / sigma^2`` symbol over 10, i.e. ``1/(10 sigma^2)``, or
+        the warm start's).
     :param bool adaptive: residual balancing of ``rho``; :param float mu: its ratio;
-        :param float rho_factor: its step.
+        :param float rho_factor: its step; :param int adapt_iters: iterations during which it may change ``rho``.
+    :param int memory: Anderson memory (``0``: plain ADMM).
     :param bool progress: tqdm bar over the iterations.
     :returns: ``(u, report)``: ``u`` ``(n,)`` (dtype and device of the model); ``report`` has ``objective``
         (``Psi_0(u)``, the model's operators), ``iterations``, ``primal_residual``, ``dual_residual`` and their
-        tolerances, ``converged``, ``rho`` (final), ``rho_changes``, ``products`` (products with ``B~`` and
-        ``B~^T``, FFT solves counted apart in ``fft_solves``), ``multipliers`` (``v``, ``(q,)`` in the order of the
+        tolerances, ``converged``, ``rho`` (final), ``rho_changes``, ``anderson_steps``, ``anderson_rejected``,
+        ``products`` (products with ``B~`` or ``B~^T``; FFT solves counted apart in ``fft_solves``), ``multipliers`` (``v``, ``(q,)`` in the order of the
         model's Laplace groups) and ``state`` (for ``init``).
     :raises TypeError: if ``lgm`` is not a latent Gaussian model.
     :raises ValueError: if the model is not of the form above (naming the group and why), or for an invalid argument.
