@@ -267,7 +267,13 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
     converged, it, changes, accepted, rejected = False, 0, 0, 0, 0
     r_norm = d_norm = eps_pri = eps_dual = float("nan")
     sqrt_p, sqrt_n = math.sqrt(p), math.sqrt(n)
-    dZ, dG = [], []  # Anderson memory: differences of iterates and of fixed-point residuals
+    # Anderson memory: differences of iterates (rows of dZ) and of fixed-point residuals (rows of dG), a ring of
+    # ``memory`` rows, with the Gram matrix of dG kept up to date
+    mem = max(memory, 1)
+    dZ = torch.zeros(mem, p, dtype=dt, device=dev)
+    dG = torch.zeros(mem, p, dtype=dt, device=dev)
+    gram = torch.zeros(mem, mem, dtype=dt, device=dev)
+    filled, slot = 0, 0
     prev = None  # (z, g, plain successor T(z), ||g||) of the last iterate
     for it in range(1, max_iter + 1):
         # one ADMM step from the state z = s + lambda: s = prox(z), lambda = z - s
@@ -296,8 +302,7 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
         if prev is not None and prev[4] and g_norm > prev[3]:
             # safeguard: the Anderson point did not reduce the fixed-point residual; take the plain step instead
             rejected += 1
-            dZ.clear()
-            dG.clear()
+            filled = slot = 0
             z, prev = prev[2], None
             continue
         if adaptive and it <= adapt_until:
@@ -306,24 +311,22 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
                 rho *= f
                 z_new = s_new + lam_new / f
                 changes += 1
-                dZ.clear()
-                dG.clear()
+                filled = slot = 0
                 z, prev = z_new, None
                 continue
-        if prev is not None:
-            dZ.append(z - prev[0])
-            dG.append(g - prev[1])
-            if len(dZ) > memory:
-                dZ.pop(0)
-                dG.pop(0)
-        if dG:
-            # Anderson acceleration (type II, Walker & Ni 2011): gamma = argmin ||g - dG gamma||,
-            # z+ = z + g - (dZ + dG) gamma
-            G = torch.stack(dG, 1)
-            M = G.T @ G
-            M = M + (1e-12 * float(M.diagonal().max()) + 1e-300) * torch.eye(M.shape[0], dtype=dt, device=dev)
-            gamma = torch.linalg.solve(M, G.T @ g)
-            z_next = z + g - (torch.stack(dZ, 1) + G) @ gamma
+        if prev is not None and memory > 0:
+            dZ[slot], dG[slot] = z - prev[0], g - prev[1]
+            filled = min(filled + 1, memory)
+            col = dG[:filled] @ dG[slot]
+            gram[slot, :filled], gram[:filled, slot] = col, col
+            slot = (slot + 1) % memory
+        if filled:
+            # Anderson acceleration (type II, Walker & Ni 2011): gamma = argmin ||g - dG^T gamma||,
+            # z+ = z + g - (dZ + dG)^T gamma
+            M = gram[:filled, :filled]
+            M = M + (1e-12 * float(M.diagonal().max()) + 1e-300) * torch.eye(filled, dtype=dt, device=dev)
+            gamma = torch.linalg.solve(M, dG[:filled] @ g)
+            z_next = z + g - gamma @ dZ[:filled] - gamma @ dG[:filled]
             prev = (z, g, z_new, g_norm, True)
             accepted += 1
         else:
