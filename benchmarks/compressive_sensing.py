@@ -172,7 +172,10 @@ class Measurements:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ConvergenceWarning)
             if self.solver == "admm":
-                u, info = imaging_map(lgm, u0, init=init if u0 is not None else None, progress=False, **ADMM_OPTS)
+                if init is not None and u0 is not None:  # the previous solve's state (its u, s, multipliers)
+                    u, info = imaging_map(lgm, init=init, progress=False, **ADMM_OPTS)
+                else:
+                    u, info = imaging_map(lgm, u0, progress=False, **ADMM_OPTS)
                 rec = dict(solver="admm", iterations=info["iterations"], products=info["products"])
                 self.last_state = info["state"]
             else:

@@ -129,7 +129,7 @@ def test_not_converged_says_so():
 def test_warm_start_reaches_the_same_minimiser():
     lgm, X, y = _problem(16)
     u, rep = imaging_map(lgm, tol=1e-11, max_iter=20000, progress=False)
-    u2, rep2 = imaging_map(lgm, u, init=rep["state"], tol=1e-11, progress=False)
+    u2, rep2 = imaging_map(lgm, init=rep["state"], tol=1e-11, progress=False)
     assert rep2["iterations"] < rep["iterations"] // 2
     assert torch.allclose(u2, u, rtol=0, atol=1e-7)
 
@@ -156,6 +156,10 @@ def test_argument_and_model_checks():
         imaging_map(lgm, torch.zeros(3, dtype=D))
     with pytest.raises(ValueError, match="init"):
         imaging_map(lgm, init={"z": torch.zeros(3, dtype=D), "rho": 1.0})
+    with pytest.raises(ValueError, match="u0, init"):
+        imaging_map(lgm, torch.zeros(256, dtype=D), init={"z": torch.zeros(3, dtype=D), "rho": 1.0})
+    with pytest.raises(ValueError, match="adapt_iters"):
+        imaging_map(lgm, adapt_iters=-1)
     with pytest.raises(TypeError, match="LatentGaussianModel"):
         imaging_map("not a model")
     # a Laplace group whose design is not the differences (here: a second Haar transform)

@@ -169,9 +169,9 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
     :param lgm: the :class:`~pyro_convexvb.LatentGaussianModel` of :func:`~.imaging.compressive_sensing_model`
         (flat prior; one Gaussian group of k-space columns with one noise level; one Laplace group with an
         orthonormal design and one with the non-periodic differences; each checked by a probe product).
-    :param u0: ``(n,)`` start (default ``0``): ``z = B~ u0`` unless ``init`` is given.
+    :param u0: ``(n,)`` start (default ``0``): ``z = B~ u0``; not together with ``init``.
     :param dict init: ``report["state"]`` (``z``, ``rho``) of an earlier run on the same image size (e.g. the
-        previous design of a sequence): its ``s`` and multipliers start this run (warm start).
+        previous design of a sequence): its ``s`` and multipliers start this run (warm start, in place of ``u0``).
     :param float tol: relative residual tolerance (``1e-6``: reconstruction errors within ``1e-7`` relative of a
         ``1e-9`` run at 64x64; ``1e-12`` for objectives to ``1e-10``).
     :param float atol: absolute residual tolerance per entry (default 0).
@@ -216,8 +216,12 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
     if rho is not None and (isinstance(rho, bool) or not isinstance(rho, (int, float)) or not math.isfinite(rho)
                             or rho <= 0):
         raise ValueError(f"rho: expected None or a positive finite number, got {rho!r}")
-    if isinstance(memory, bool) or not isinstance(memory, int) or memory < 0:
-        raise ValueError(f"memory: expected an integer >= 0, got {memory!r}")
+    for name, v in (("memory", memory), ("adapt_iters", adapt_iters)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name}: expected an integer >= 0, got {v!r}")
+    if init is not None and u0 is not None:
+        raise ValueError("u0, init: give one start (init, the state of an earlier run, determines u, s and the "
+                         "multipliers)")
     X, y, sigma2, (Ba, wa), (Br, wr), grid, sx, lper, wrap, order = _model_parts(lgm)
     n, dt, dev = lgm.n, lgm.dtype, lgm.device
     H, W = grid
