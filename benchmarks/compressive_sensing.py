@@ -16,8 +16,9 @@ Protocol (``--full``; docs/design.md describes it and how it maps onto the paper
 * Methods: K-Lanczos ``K_var/K_score`` in {50/50, 100/100, 200/200, 500/200, 800/200}, L-PCA ``L`` in {33, 133}
   (``6 L`` Lanczos steps), random (3 seeds), low-pass.
 * Test error at every ``eval_every``-th step: ``||u* - u_true|| / ||u_lowpass - u_true||`` (same number of
-  columns) and ``/ ||u_32 - u_true||`` (the start design), ``u`` MAP reconstructions (``laplace_map``), averaged
-  over test images and blocks.
+  columns) and ``/ ||u_32 - u_true||`` (the start design), ``u`` MAP reconstructions, averaged over test images and
+  blocks: the exact MAP by ADMM (``imaging_map``, ``--map-solver admm``, default) or the smoothed Newton path
+  (``laplace_map``, ``--map-solver newton``); work and seconds of every solve go to ``map_stats`` in the JSON.
 
 Resumable: the JSON (``benchmarks/results/compressive_sensing_{quick,default,full}.json``) is rewritten after every
 design run and every MAP evaluation unit; a rerun with the same settings skips what it holds (``--restart``
