@@ -16,8 +16,9 @@ Protocol (``--full``; docs/design.md describes it and how it maps onto the paper
 * Methods: K-Lanczos ``K_var/K_score`` in {50/50, 100/100, 200/200, 500/200, 800/200}, L-PCA ``L`` in {33, 133}
   (``6 L`` Lanczos steps), random (3 seeds), low-pass.
 * Test error at every ``eval_every``-th step: ``||u* - u_true|| / ||u_lowpass - u_true||`` (same number of
-  columns) and ``/ ||u_32 - u_true||`` (the start design), ``u`` MAP reconstructions (``laplace_map``), averaged
-  over test images and blocks.
+  columns) and ``/ ||u_32 - u_true||`` (the start design), ``u`` MAP reconstructions, averaged over test images and
+  blocks: the exact MAP by ADMM (``imaging_map``, ``--map-solver admm``, default) or the smoothed Newton path
+  (``laplace_map``, ``--map-solver newton``); work and seconds of every solve go to ``map_stats`` in the JSON.
 
 Resumable: the JSON (``benchmarks/results/compressive_sensing_{quick,default,full}.json``) is rewritten after every
 design run and every MAP evaluation unit; a rerun with the same settings skips what it holds (``--restart``
@@ -48,6 +49,7 @@ import torch  # noqa: E402
 from _common import RESULTS_DIR, make_parser, markdown_table, parse_args, save_figure, write_json  # noqa: E402
 
 from pyro_convexvb.design.imaging import compressive_sensing_model, fourier_columns_operator, laplace_map  # noqa: E402
+from pyro_convexvb.design.imaging_map import imaging_map  # noqa: E402
 from pyro_convexvb.design.sequential import (  # noqa: E402
     SequentialPhaseEncodeDesign,
     known_columns,
@@ -60,8 +62,13 @@ from pyro_convexvb.infer.convex_relaxation.problem import PRECONDITIONERS  # noq
 D = torch.float64
 NOISE_VAR = 1e-3  # Seeger 2010 §5
 TAU_PAPER = (0.08, 0.16)  # Seeger 2010 §5, on the paper's (unstated) image and transform scaling
-#: MAP reconstructions: smoothing path z = 1e-4 -> 1e-5 (laplace_map), warm-started along each design
+#: MAP reconstructions, --map-solver newton: smoothing path z = 1e-4 -> 1e-5 (laplace_map), warm-started along each
+#: design
 MAP_OPTS = dict(z_start=1e-4, z_factor=0.1, z_final=1e-5, cg_tol=1e-6, newton_tol=1e-9)
+#: --map-solver admm (default): the exact MAP (imaging_map), residuals to 1e-5 relative (reconstruction errors within
+#: ~4e-5 relative of tighter solves at 256 x 256, docs/design.md), warm-started along each design
+ADMM_OPTS = dict(tol=1e-5, max_iter=20000)
+MAP_SOLVER = "admm"
 #: the double loop inside each design step (Seeger et al. 2009: a few Newton steps per refit)
 DESIGN_ENGINE = dict(max_newton=8, cg_tol=1e-5)
 #: CG preconditioners of the design refits (--preconditioner) and of the MAP solves (--map-preconditioner);
@@ -140,9 +147,12 @@ def make_blocks(names, num_blocks, num_tests, seed):
 class Measurements:
     """Noisy measurements of every candidate pair of one image (one fixed draw per image)."""
 
-    def __init__(self, img, seed, preconditioner=MAP_PRECONDITIONER):
+    def __init__(self, img, seed, preconditioner=MAP_PRECONDITIONER, solver=MAP_SOLVER):
+        if solver not in ("admm", "newton"):
+            raise ValueError(f"solver: expected 'admm' or 'newton', got {solver!r}")
         self.H = img.shape[0]
-        self.preconditioner = preconditioner
+        self.preconditioner, self.solver = preconditioner, solver
+        self.stats = []  # per MAP solve: solver, work counts, seconds
         self.u = torch.tensor(img, dtype=D).reshape(-1)
         self.cand = pair_candidates(self.H)
         X = fourier_columns_operator(self.H, self.H, self.cand)
@@ -155,11 +165,26 @@ class Measurements:
     def __call__(self, pairs):
         return torch.cat([self.re[c] for c in pairs] + [self.im[c] for c in pairs])
 
-    def map(self, pairs, tau, u0=None):
+    def map(self, pairs, tau, u0=None, init=None):
+        """MAP reconstruction under the design ``pairs``; ``u0`` (and, for ADMM, ``init``: the ``state`` of the
+        previous solve, kept in ``self.last_state``) warm-start it."""
         lgm = compressive_sensing_model(self(pairs), self.H, self.H, list(pairs), NOISE_VAR, *tau)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ConvergenceWarning)
-            u, _ = laplace_map(lgm, u0, preconditioner=self.preconditioner, **MAP_OPTS)
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ConvergenceWarning)
+            if self.solver == "admm":
+                if init is not None and u0 is not None:  # the previous solve's state (its u, s, multipliers)
+                    u, info = imaging_map(lgm, init=init, progress=False, **ADMM_OPTS)
+                else:
+                    u, info = imaging_map(lgm, u0, progress=False, **ADMM_OPTS)
+                rec = dict(solver="admm", iterations=info["iterations"], products=info["products"])
+                self.last_state = info["state"]
+            else:
+                u, info = laplace_map(lgm, u0, preconditioner=self.preconditioner, **MAP_OPTS)
+                rec = dict(solver="newton", newton_steps=sum(info["newton_steps"]),
+                           cg_iterations=sum(sum(c) for c in info["cg_iterations"]))
+        rec.update(seconds=time.perf_counter() - t0, converged=info["converged"], warnings=len(caught))
+        self.stats.append(rec)
         return u
 
     def error(self, u):
@@ -234,13 +259,16 @@ def map_key(image, pairs):
 def evaluate(state, meas_of, image, designs, tau):
     """MAP errors of ``image`` under each design (list of pair lists), cached by (image, pairs), warm-started."""
     cache = state.doc["map_errors"]
-    u0 = None
+    u0, init = None, None
     out = []
     for pairs in designs:
         key = map_key(image, pairs)
         if key not in cache:
-            u0 = meas_of(image).map(pairs, tau, u0)
-            cache[key] = meas_of(image).error(u0)
+            mm = meas_of(image)
+            u0 = mm.map(pairs, tau, u0, init)
+            init = getattr(mm, "last_state", None)
+            cache[key] = mm.error(u0)
+            state.doc.setdefault("map_stats", []).append(dict(key=key, **mm.stats[-1]))
         out.append(cache[key])
     return out
 
@@ -265,7 +293,10 @@ def main(argv=None):
     parser.add_argument("--preconditioner", choices=list(PRECONDITIONERS), default=PRECONDITIONER,
                         help="CG preconditioner of the design refits (recorded in the settings)")
     parser.add_argument("--map-preconditioner", choices=list(PRECONDITIONERS), default=MAP_PRECONDITIONER,
-                        help="CG preconditioner of the MAP reconstructions (recorded in the settings)")
+                        help="CG preconditioner of the Newton MAP reconstructions (recorded in the settings)")
+    parser.add_argument("--map-solver", choices=["admm", "newton"], default=MAP_SOLVER,
+                        help="MAP reconstructions: exact by ADMM (imaging_map) or the smoothed Newton path "
+                             "(laplace_map); recorded in the settings")
     args = parse_args(parser=parser, argv=argv)
     if args.design_newton < 1 or not 0 < args.design_cg_tol < 1:
         parser.error("--design-newton must be >= 1 and --design-cg-tol in (0, 1)")
@@ -278,7 +309,9 @@ def main(argv=None):
         cfg["tau_factors"] = [args.tau_factor]
     name = "compressive_sensing_" + mode + ("_" + args.tag if args.tag else "")
     settings = dict(mode=mode, seed=args.seed, noise_var=NOISE_VAR, design_engine=design_engine,
-                    map_options=dict(MAP_OPTS, preconditioner=args.map_preconditioner),
+                    map_solver=args.map_solver,
+                    map_options=dict(ADMM_OPTS) if args.map_solver == "admm" else
+                    dict(MAP_OPTS, preconditioner=args.map_preconditioner),
                     **{k: v for k, v in cfg.items() if k not in ("methods",)})
     state = State(name, settings, args.restart)
     if args.restart and os.path.exists(os.path.join(results_dir(), name + "_residuals.npz")):
@@ -301,7 +334,7 @@ def main(argv=None):
     def meas_of(image):
         if image not in meas_cache:
             meas_cache[image] = Measurements(pool[image][0], args.seed * 7919 + names.index(image),
-                                             args.map_preconditioner)
+                                             args.map_preconditioner, args.map_solver)
         return meas_cache[image]
 
     t_all = time.perf_counter()
@@ -354,9 +387,10 @@ def main(argv=None):
             for m in cfg["residual_methods"]:
                 if m not in blk["methods"] or all(f"{m}|{t}" in arrays for t in cfg["residual_steps"]):
                     continue
-                u0 = None
+                u0, init = None, None
                 for t in cfg["residual_steps"]:
-                    u0 = mm.map(start + blk["methods"][m]["added"][:t], tau, u0)
+                    u0 = mm.map(start + blk["methods"][m]["added"][:t], tau, u0, init)
+                    init = getattr(mm, "last_state", None)
                     arrays[f"{m}|{t}"] = (u0 - mm.u).reshape(size, size).numpy()
                 added = True
             if added:
@@ -409,6 +443,19 @@ def report(doc, name):
                                   newton_per_step=float(np.mean(r["newton_steps"][1:] or [math.nan])),
                                   cg_per_step=float(np.mean(r["cg_iterations"][1:] or [math.nan])),
                                   total_s=r["seconds_total"]))
+    stats = doc.get("map_stats", [])
+    if stats:
+        mrows = []
+        for solver in sorted({s["solver"] for s in stats}):
+            ss = [s for s in stats if s["solver"] == solver]
+            row = dict(solver=solver, solves=len(ss), seconds_per_solve=float(np.mean([s["seconds"] for s in ss])),
+                       not_converged=sum(not s["converged"] for s in ss))
+            for k in ("iterations", "products", "newton_steps", "cg_iterations"):
+                if k in ss[0]:
+                    row[k + "_per_solve"] = float(np.mean([s[k] for s in ss]))
+            mrows.append(row)
+        print("\nMAP reconstructions of the test errors (warm-started along each design):\n")
+        print(markdown_table(mrows, floatfmt=".4g"))
     if trows:
         print("\nDesign runs: cold fit of the start design, then per step: inference (warm double loop), scoring "
               "(FFT scores), Newton steps, CG iterations:\n")

@@ -73,3 +73,21 @@ def test_methods_and_measurements(cs):
     assert cs.run_design(m, [0, 1], 2, "lowpass", (0.08, 0.16), 0, False)["added"] == [2, 3]
     r = [cs.run_design(m, [0, 1], 3, "random-1", (0.08, 0.16), 0, False)["added"] for _ in range(2)]
     assert r[0] == r[1] and len(set(r[0])) == 3 and not set(r[0]) & {0, 1}
+
+
+def test_map_solvers_of_the_measurements(cs):
+    """``--map-solver``: ADMM (the exact MAP) and the Newton path record their work; warm starts give the same MAP."""
+    g = torch.Generator().manual_seed(1)
+    img = torch.rand(8, 8, generator=g, dtype=torch.float64).numpy()
+    with pytest.raises(ValueError, match="solver"):
+        cs.Measurements(img, seed=3, solver="lbfgs")
+    m = cs.Measurements(img, seed=3, solver="admm")
+    u1 = m.map([0, 1, 2], (0.08, 0.16))
+    u2 = m.map([0, 1, 2, 4], (0.08, 0.16), u1, m.last_state)
+    u2c = m.map([0, 1, 2, 4], (0.08, 0.16))
+    assert [s["solver"] for s in m.stats] == ["admm"] * 3 and all(s["converged"] for s in m.stats)
+    assert m.stats[1]["iterations"] < m.stats[2]["iterations"]
+    assert float(torch.linalg.vector_norm(u2 - u2c)) <= 1e-4 * float(torch.linalg.vector_norm(u2c))
+    n = cs.Measurements(img, seed=3, solver="newton")
+    n.map([0, 1, 2], (0.08, 0.16))
+    assert n.stats[0]["solver"] == "newton" and n.stats[0]["cg_iterations"] > 0

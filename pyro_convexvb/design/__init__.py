@@ -4,6 +4,8 @@
   rank-one marginal updates.
 * :mod:`.imaging` -- matrix-free Haar, difference and Fourier-column operators, phase-encode scores,
   the compressive-sensing model of Seeger 2010 §5 and its exact MAP.
+* :mod:`.imaging_map` -- :func:`imaging_map`, the fast exact MAP of that model (ADMM whose linear step is one FFT
+  solve).
 * :mod:`.sequential` -- :class:`SequentialPhaseEncodeDesign`, the warm-started sequential design of k-space
   column pairs of Seeger 2010 §5, and the conjugate-pair bookkeeping (:func:`pair_candidates`,
   :func:`known_columns`, :func:`lowpass_pairs`).
@@ -25,6 +27,7 @@ from .imaging import (
     laplace_map,
     phase_encode_scores,
 )
+from .imaging_map import imaging_map
 from .sequential import (
     DesignHistory,
     SequentialPhaseEncodeDesign,
@@ -54,6 +57,7 @@ __all__ = [
     "phase_encode_scores",
     "compressive_sensing_model",
     "laplace_map",
+    "imaging_map",
     "covariance_factor",
     "SequentialPhaseEncodeDesign",
     "DesignHistory",
