@@ -59,6 +59,27 @@ def _with_density(post):
     return post
 
 
+def _singular_message(post):
+    """Why a posterior with a singular covariance has no importance diagnostics, naming the sites its null space
+    lives on (a field with linear constraints, e.g. an intrinsic GMRF with a sum-to-zero constraint)."""
+    cov = post.covariance().detach().double()
+    cov = 0.5 * (cov + cov.transpose(0, 1))
+    lam, vec = torch.linalg.eigh(cov)
+    null = vec[:, lam <= 1e-10 * lam.abs().max().clamp_min(1e-300)]
+    sites = []
+    layout = getattr(post, "layout", None)
+    if layout is not None and null.shape[1]:
+        for b in layout.blocks:
+            if float(null[b.slice].abs().max()) > 1e-6:
+                sites.append(b.name)
+    where = f" (sites {', '.join(repr(n) for n in sites)})" if sites else ""
+    return (f"importance diagnostics and correct='psis' need a non-singular posterior covariance; this one is "
+            f"singular in {null.shape[1]} direction(s){where}: a latent field with linear constraints (e.g. an "
+            "intrinsic GMRF with a sum-to-zero constraint) lives on a subspace, which the proposals do not "
+            "support yet. The engine's Gaussian posterior itself is unaffected; for a sampling check use "
+            "engine='nuts'")
+
+
 class _GaussianParts:
     """Log densities of the fitted Gaussian ``q``, its widened version and the matching Student-t, at draws."""
 
@@ -82,7 +103,10 @@ class _GaussianParts:
                 known = p.__dict__.get("_precision_factor")
                 self._fac = ("precision", known[0] if known is not None else torch.linalg.cholesky(p._precision))
             else:
-                self._fac = ("scale", p.scale_tril())
+                try:
+                    self._fac = ("scale", p.scale_tril())
+                except torch.linalg.LinAlgError:
+                    raise NotImplementedError(_singular_message(p)) from None
         return self._fac
 
     def log_prob(self, u):

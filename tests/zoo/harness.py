@@ -343,11 +343,15 @@ def run_corrected_cell(model_name, engine, refs=None, num_draws=None):
     pyro.set_rng_seed(0)
     opts = {"seed": 0} if "seed" in {f.name for f in dataclasses.fields(pcv.get_engine(engine).Options)} else {}
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = pcv.fit(model, *args, engine=engine, options=opts, correct="psis", progress=False, **kwargs)
-        if num_draws is not None:
-            res.corrected(num_draws)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = pcv.fit(model, *args, engine=engine, options=opts, correct="psis", progress=False, **kwargs)
+            if num_draws is not None:
+                res.corrected(num_draws)
+    except NotImplementedError as e:  # e.g. a constrained field: no correction (the reason is in the error)
+        cell.status, cell.error, cell.seconds = "refused", e, time.perf_counter() - t0
+        return cell
     cell.seconds = time.perf_counter() - t0
     cell.converged = bool(res.converged)
     corr = res.correction
