@@ -59,13 +59,17 @@ def _with_density(post):
     return post
 
 
+#: pivots of the covariance's Cholesky factor below this fraction of its largest variance mark it singular
+SINGULAR_PIVOT = 1e-11
+
+
 def _singular_message(post):
     """Why a posterior with a singular covariance has no importance diagnostics, naming the sites its null space
     lives on (a field with linear constraints, e.g. an intrinsic GMRF with a sum-to-zero constraint)."""
     cov = post.covariance().detach().double()
     cov = 0.5 * (cov + cov.transpose(0, 1))
     lam, vec = torch.linalg.eigh(cov)
-    null = vec[:, lam <= 1e-10 * lam.abs().max().clamp_min(1e-300)]
+    null = vec[:, lam <= 10 * SINGULAR_PIVOT * lam.abs().max().clamp_min(1e-300)]
     sites = []
     layout = getattr(post, "layout", None)
     if layout is not None and null.shape[1]:
@@ -76,8 +80,7 @@ def _singular_message(post):
     return (f"importance diagnostics and correct='psis' need a non-singular posterior covariance; this one is "
             f"singular in {null.shape[1]} direction(s){where}: a latent field with linear constraints (e.g. an "
             "intrinsic GMRF with a sum-to-zero constraint) lives on a subspace, which the proposals do not "
-            "support yet. The engine's Gaussian posterior itself is unaffected; for a sampling check use "
-            "engine='nuts'")
+            "support yet. The engine's Gaussian posterior itself is unaffected")
 
 
 class _GaussianParts:
@@ -104,9 +107,14 @@ class _GaussianParts:
                 self._fac = ("precision", known[0] if known is not None else torch.linalg.cholesky(p._precision))
             else:
                 try:
-                    self._fac = ("scale", p.scale_tril())
+                    L = p.scale_tril()
                 except torch.linalg.LinAlgError:
                     raise NotImplementedError(_singular_message(p)) from None
+                # a pivot L_ii^2 bounds the smallest eigenvalue from above: a pivot at rounding level means a
+                # singular covariance that the factorisation got through by rounding (its density is then noise)
+                if float(torch.diagonal(L).min() ** 2) <= SINGULAR_PIVOT * float(torch.diagonal(p.covariance()).max()):
+                    raise NotImplementedError(_singular_message(p))
+                self._fac = ("scale", L)
         return self._fac
 
     def log_prob(self, u):
