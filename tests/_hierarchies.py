@@ -70,3 +70,21 @@ def noncentred_hyper(X, grp, J, y=None):
     """:func:`noncentred` with ``sigma ~ HalfNormal(1)`` a hyper-latent and ``mu ~ N(0, 2^2)``."""
     sigma = pyro.sample("sigma", dist.HalfNormal(torch.tensor(1.0, dtype=D)))
     noncentred(X, grp, J, y=y, sigma=sigma, mu_loc=0.0)
+
+
+def small_logistic_hierarchy_fit():
+    """``dual_vg`` fit of a small hierarchical logistic regression (25 rows, 3 weights ``w ~ N(0, tau^2)``,
+    ``tau ~ HalfNormal(2)`` integrated over): a hyper-latent result for the importance-correction tests."""
+    import pyro_convexvb as pcv
+
+    g = torch.Generator().manual_seed(5)
+    X = torch.randn(25, 3, generator=g, dtype=D)
+    y = (torch.rand(25, generator=g, dtype=D) < torch.sigmoid(X @ torch.tensor([1.0, -1.0, 0.5], dtype=D))).to(D)
+
+    def model(X, y=None):
+        tau = pyro.sample("tau", dist.HalfNormal(torch.tensor(2.0, dtype=D)))
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), tau).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    return pcv.fit(model, X, y=y, engine="dual_vg", progress=False)

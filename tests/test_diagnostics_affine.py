@@ -19,6 +19,7 @@ from pyro_convexvb.diagnostics.proposals import make_proposal
 from pyro_convexvb.diagnostics.psis import psis_smooth
 from pyro_convexvb.diagnostics.whitened import (AffineMap, PooledProposal, WhitenedProposal, fit_affine_map,
                                                 mixture_log_q)
+from _hierarchies import small_logistic_hierarchy_fit
 
 D = torch.float64
 PROBS = (0.05, 0.5, 0.95)
@@ -44,20 +45,6 @@ def test_affine_map_algebra():
     np.testing.assert_allclose(var, np.diag(L @ m.covariance() @ L.T), atol=1e-12)
     with pytest.raises(ValueError, match="AffineMap"):
         AffineMap(np.zeros(2), np.array([1.0, -1.0]))
-
-
-def _hierarchical():
-    g = torch.Generator().manual_seed(5)
-    X = torch.randn(25, 3, generator=g, dtype=D)
-    y = (torch.rand(25, generator=g, dtype=D) < torch.sigmoid(X @ torch.tensor([1.0, -1.0, 0.5], dtype=D))).to(D)
-
-    def model(X, y=None):
-        tau = pyro.sample("tau", dist.HalfNormal(torch.tensor(2.0, dtype=D)))
-        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), tau).to_event(1))
-        with pyro.plate("data", X.shape[0]):
-            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
-
-    return pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
 
 
 def _direct_log_q(base, hp, values, maps):
@@ -87,7 +74,7 @@ def test_whitened_proposal_density_against_direct_evaluation():
     W_k a square root of the nearest design point's covariance): log q against that closed form plus the theta
     part; the rounds' mixture density, and the pooled proposal's draws, against the direct log-mean-exp of the two
     proposals' densities."""
-    res = _hierarchical()
+    res = small_logistic_hierarchy_fit()
     hp = res.posterior
     base = make_proposal(hp, "interpolated")
     amap = _random_map(hp.n, np.random.default_rng(1))

@@ -15,6 +15,7 @@ from pyro_convexvb.diagnostics.control_variates import (CoordinateControls, cv_m
                                                         regression_estimate)
 from pyro_convexvb.diagnostics.importance import correct
 from pyro_convexvb.diagnostics.psis import psis_smooth, weighted_moments, weighted_quantiles
+from _hierarchies import small_logistic_hierarchy_fit
 
 D = torch.float64
 PROBS = (0.05, 0.5, 0.95)
@@ -187,27 +188,13 @@ def test_regression_estimate_without_controls_is_the_self_normalised_one():
     assert beta.shape == (3, 0)
 
 
-def _small_hierarchical():
-    g = torch.Generator().manual_seed(5)
-    X = torch.randn(25, 3, generator=g, dtype=D)
-    y = (torch.rand(25, generator=g, dtype=D) < torch.sigmoid(X @ torch.tensor([1.0, -1.0, 0.5], dtype=D))).to(D)
-
-    def model(X, y=None):
-        tau = pyro.sample("tau", dist.HalfNormal(torch.tensor(2.0, dtype=D)))
-        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), tau).to_event(1))
-        with pyro.plate("data", X.shape[0]):
-            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
-
-    return pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
-
-
 def test_interpolated_and_adapted_proposals_have_exact_densities():
     """The interpolated proposal: given theta, u ~ N(m(x), D Sigma_k D) (m and D interpolated between design points,
     the design points' own at the points); the adapted one: an affine map of the base draws, N(m + s mu,
     R Sigma R). Their log q against these closed forms."""
     from pyro_convexvb.diagnostics.proposals import AdaptedProposal, make_proposal
 
-    res = _small_hierarchical()
+    res = small_logistic_hierarchy_fit()
     hp = res.posterior
     q = make_proposal(hp, "interpolated")
     loc_pts, logsd_pts = q._interpolate(hp.x)
@@ -248,7 +235,7 @@ def test_interpolated_and_adapted_proposals_have_exact_densities():
 
 
 def test_correct_adapts_and_reports_its_choice():
-    res = _small_hierarchical()
+    res = small_logistic_hierarchy_fit()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         c = correct(res, num_draws=400, seed=0)
