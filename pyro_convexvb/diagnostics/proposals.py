@@ -112,7 +112,7 @@ class _GaussianParts:
                     raise NotImplementedError(_singular_message(p)) from None
                 # a pivot L_ii^2 bounds the smallest eigenvalue from above: a pivot at rounding level means a
                 # singular covariance that the factorisation got through by rounding (its density is then noise)
-                if float(torch.diagonal(L).min() ** 2) <= SINGULAR_PIVOT * float(torch.diagonal(p.covariance()).max()):
+                if float(torch.diagonal(L).min() ** 2) <= SINGULAR_PIVOT * float((L * L).sum(1).max()):  # max variance
                     raise NotImplementedError(_singular_message(p))
                 self._fac = ("scale", L)
         return self._fac
