@@ -10,8 +10,9 @@ for each estimator / proposal variant:
   coordinate (``adaptation="diagonal"``) -- the correction before the whitened affine adaptation;
 * ``snis-affine``: plain self-normalised estimates from the default proposal (the interpolated field Gaussian,
   then rounds adapted by an affine map of the whitened field, pooled);
-* ``cv-affine``: control variates from the proposal's known moments and CDFs on the same (the default of
-  ``correct``).
+* ``cv-affine-unshrunk``: control variates from the proposal's known moments and CDFs on the same;
+* ``cv-affine``: the same with each field statistic's corrections shrunk together toward the proposal's own answer
+  (positive-part James-Stein, ``shrink=True``; the default of ``correct``).
 
 Reported per case and variant, the median over ``--seeds`` seeds: the hyper-latent's 5/50/95% quantile errors
 relative to the reference (``rel_err_q50``, ``rel_err_tails``), the field's largest mean error in reference sds
@@ -45,6 +46,7 @@ D = torch.float64
 VARIANTS = {"snis-fitted": dict(estimator="snis", proposal="fitted"),
             "cv-diagonal": dict(estimator="cv", proposal="auto", adaptation="diagonal"),
             "snis-affine": dict(estimator="snis", proposal="auto", adaptation="affine"),
+            "cv-affine-unshrunk": dict(estimator="cv", proposal="auto", adaptation="affine", shrink=False),
             "cv-affine": dict(estimator="cv", proposal="auto", adaptation="affine")}
 
 

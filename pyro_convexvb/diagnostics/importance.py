@@ -257,16 +257,19 @@ def _elementwise(transform, x):
     return 1 if bool((dv > 0).all()) else (-1 if bool((dv < 0).all()) else 0)
 
 
-def _cv_site(transform, x, w, ctl, probs):
-    """Control-variate summaries of one site: ``(unconstrained, constrained)`` dicts (see :func:`correct`)."""
+def _cv_site(transform, x, w, ctl, probs, baseline=False):
+    """Control-variate summaries of one site: ``(unconstrained, constrained)`` dicts (see :func:`correct`); with
+    ``baseline``, also ``(unconstrained, constrained)`` dicts of the same estimates with flat weights (the
+    proposal's own answer from the same draws; ``None`` for a site without a monotone elementwise transform)."""
     from .control_variates import cv_moments, cv_quantiles
 
     t = lambda a, shape: torch.as_tensor(np.asarray(a), dtype=torch.float64).reshape(shape)  # noqa: E731
     S = x.shape[0]
     ushape = tuple(x.shape[1:])
     xf = x.reshape(S, -1).numpy()
-    m, s_, mse, sse = cv_moments(xf, w, ctl)
+    m, s_, mse, sse, *mb = cv_moments(xf, w, ctl, baseline=baseline)
     unc = {"mean": t(m, ushape), "sd": t(s_, ushape), "mean_mcse": t(mse, ushape), "sd_mcse": t(sse, ushape)}
+    base_unc = {"mean": t(mb[0], ushape), "sd": t(mb[1], ushape)} if baseline else None
     with torch.no_grad():
         head = transform(x[:4])
     identity = head.shape == x[:4].shape and torch.equal(head.double(), x[:4])
@@ -274,24 +277,27 @@ def _cv_site(transform, x, w, ctl, probs):
     if sign == 0:  # e.g. a simplex: plain self-normalised summaries of the constrained values
         with torch.no_grad():
             v = transform(x).numpy()
-        return unc, _summary(v, w, probs)
+        return unc, _summary(v, w, probs), base_unc, None
     # quantiles of the unconstrained coordinates, mapped through the monotone transform
     uprobs = probs if sign > 0 else tuple(1.0 - p for p in probs)
     q0, _ = weighted_quantiles(xf, w, uprobs)
-    qu, qse = cv_quantiles(xf, w, ctl, uprobs, q0)
+    qu, qse, *qb = cv_quantiles(xf, w, ctl, uprobs, q0, baseline=baseline)
     with torch.no_grad():
         T = lambda a: transform(torch.as_tensor(a, dtype=torch.float64)).numpy()  # noqa: E731
         qc = T(qu)
         qc_se = 0.5 * np.abs(T(qu + qse) - T(qu - qse))
         if identity:
-            cm, cs, cmse, csse = m, s_, mse, sse
+            cm, cs, cmse, csse, cmb = m, s_, mse, sse, mb
         else:
-            cm, cs, cmse, csse = cv_moments(xf, w, ctl, transform=T)
+            cm, cs, cmse, csse, *cmb = cv_moments(xf, w, ctl, transform=T, baseline=baseline)
+        qcb = T(qb[0]) if baseline else None
     shape = tuple(transform(x[:1]).shape[1:])
-    return unc, {"mean": t(cm, shape), "sd": t(cs, shape),
-                 "quantiles": {p: t(qc[i], shape) for i, p in enumerate(probs)},
-                 "mean_mcse": t(cmse, shape), "sd_mcse": t(csse, shape),
-                 "quantile_mcse": {p: t(qc_se[i], shape) for i, p in enumerate(probs)}}
+    out = {"mean": t(cm, shape), "sd": t(cs, shape), "quantiles": {p: t(qc[i], shape) for i, p in enumerate(probs)},
+           "mean_mcse": t(cmse, shape), "sd_mcse": t(csse, shape),
+           "quantile_mcse": {p: t(qc_se[i], shape) for i, p in enumerate(probs)}}
+    base = None if not baseline else {"mean": t(cmb[0], shape), "sd": t(cmb[1], shape),
+                                      "quantiles": {p: t(qcb[i], shape) for i, p in enumerate(probs)}}
+    return unc, out, base_unc, base
 
 
 @dataclass
@@ -308,6 +314,7 @@ class CorrectedPosterior:
     :ivar diagnostics: the :class:`ImportanceDiagnostics` of the proposal used (its ``k_hat`` says whether
         these numbers can be trusted; ``tried`` lists every proposal tried).
     :ivar probs: the quantile levels.
+    :ivar shrinkage: the James-Stein factor of each statistic of each shrunk site (see :func:`correct`).
     """
 
     sites: Dict[str, Dict[str, Any]]
@@ -320,6 +327,9 @@ class CorrectedPosterior:
     probs: tuple
     unconstrained: Dict[str, Dict[str, Any]] = field(default_factory=dict, repr=False)
     _lj: Any = field(default=None, repr=False)
+    #: ``{site: {"mean": c, "sd": c, p: c, ...}}`` the James-Stein factors applied to the corrections of each
+    #: statistic of the sites that were shrunk (``shrink=True``); 1 keeps the correction, 0 the proposal's answer
+    shrinkage: Dict[str, Dict[Any, float]] = field(default_factory=dict)
 
     @property
     def k_hat(self):
@@ -464,13 +474,15 @@ def _choose(result, num_draws, seed, progress, adapt, adaptation):
     return d
 
 
-def _summaries(result, d, estimator, probs, seed):
-    """``(sites, unconstrained)`` summaries of every latent site from the weighted draws of ``d``."""
+def _summaries(result, d, estimator, probs, seed, baseline=False):
+    """``(sites, unconstrained, baselines)`` summaries of every latent site from the weighted draws of ``d``;
+    ``baselines``: ``{site: (unconstrained, constrained)}`` the same control-variate estimates with flat weights
+    (with ``baseline``, for the sites with controls)."""
     lj = _log_joint(result)
     w = np.exp(d.log_weights)
     q = d.proposal_object
     layout = getattr(result.posterior, "layout", None)
-    sites, unc = {}, {}
+    sites, unc, bases = {}, {}, {}
     t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
     for n in lj.names:
         x = d.draws[n].double().cpu()
@@ -483,8 +495,46 @@ def _summaries(result, d, estimator, probs, seed):
             m, s_, mse, sse = weighted_moments(x.numpy(), w)
             unc[n] = {"mean": t(m), "sd": t(s_), "mean_mcse": t(mse), "sd_mcse": t(sse)}
             continue
-        unc[n], sites[n] = _cv_site(lj.transforms[n], x, w, ctl, probs)
-    return sites, unc
+        unc[n], sites[n], bu, bs = _cv_site(lj.transforms[n], x, w, ctl, probs, baseline=baseline)
+        if baseline:
+            bases[n] = (bu, bs)
+    return sites, unc, bases
+
+
+def _shrink(sites, unc, bases):
+    """Shrink each statistic's corrections over a site's coordinates toward the proposal's own answer from the same
+    draws (``bases``), positive-part James-Stein (:func:`~.control_variates.james_stein`); in place. Returns
+    ``{site: {statistic: factor}}`` for the sites shrunk."""
+    from .control_variates import SHRINK_MIN_COORDINATES, james_stein
+
+    def apply(out, base, key, se_key, q=None):
+        get = (lambda r, k: r[k]) if q is None else (lambda r, k: r[k][q])
+        v = get(out, key)
+        new, se, c = james_stein(v.numpy(), get(base, key).numpy(), get(out, se_key).numpy())
+        t = lambda a: torch.as_tensor(a, dtype=v.dtype).reshape(v.shape)  # noqa: E731
+        if q is None:
+            out[key], out[se_key] = t(new), t(se)
+        else:
+            out[key][q], out[se_key][q] = t(new), t(se)
+        return c
+
+    factors = {}
+    for n, (base_unc, base_sites) in bases.items():
+        if unc[n]["mean"].numel() < SHRINK_MIN_COORDINATES:
+            continue
+        f = {}
+        for out, base in ((unc[n], base_unc), (sites[n], base_sites)):
+            if base is None:  # no monotone elementwise transform: the constrained summaries are plain ones
+                continue
+            for k in ("quantiles", "quantile_mcse"):
+                if k in out:
+                    out[k] = dict(out[k])
+            f["mean"] = apply(out, base, "mean", "mean_mcse")
+            f["sd"] = apply(out, base, "sd", "sd_mcse")
+            for p in out.get("quantiles", {}):
+                f[p] = apply(out, base, "quantiles", "quantile_mcse", p)
+        factors[n] = f
+    return factors
 
 
 def _check_options(adapt, estimator, adaptation, probs):
@@ -503,7 +553,7 @@ def _check_options(adapt, estimator, adaptation, probs):
 
 
 def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", probs=(0.05, 0.5, 0.95), warn=True,
-            progress=False, estimator="cv", adapt=2, adaptation="affine"):
+            progress=False, estimator="cv", adapt=2, adaptation="affine", shrink=None):
     """Importance-corrected means, sds and quantiles of every latent site, with Monte Carlo errors.
 
     Draws from a proposal built from the fitted posterior are weighted by ``p(y, x) / q(x)`` (Pareto-smoothed,
@@ -526,6 +576,15 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     remove the Monte Carlo noise of the draws themselves (exact when the weights are flat), at no extra model
     evaluation; ``estimator="snis"`` gives the plain self-normalised estimates.
 
+    On a site with many coordinates (a field: at least
+    :data:`~pyro_convexvb.diagnostics.control_variates.SHRINK_MIN_COORDINATES`) the corrections of each statistic
+    (means, sds, each quantile level), relative to the proposal's own answer from the same draws, are shrunk
+    together by a positive-part James-Stein factor computed from their Monte Carlo errors
+    (:func:`~pyro_convexvb.diagnostics.control_variates.james_stein`; ``shrink=True``, the default with
+    ``estimator="cv"``): corrections that are noise are pulled back, a correction shared by the field is kept
+    (factor near 1). The factors are in :attr:`CorrectedPosterior.shrinkage`, and the reported errors include the
+    shrinkage's estimated risk.
+
     :param result: an :class:`~pyro_convexvb.InferenceResult` fitted on a Pyro model.
     :param int num_draws: draws per proposal tried (per round).
     :param str proposal: ``"auto"``, ``"fitted"``, ``"interpolated"``, ``"widened"`` or ``"student_t"``.
@@ -534,6 +593,8 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     :param int adapt: adaptation rounds at most (``proposal="auto"`` only; 0 for none), ``num_draws`` model
         evaluations each.
     :param str adaptation: ``"affine"`` or ``"diagonal"`` (``proposal="auto"`` only).
+    :param bool shrink: shrink the corrections of fields (default: with ``estimator="cv"``; the plain estimator's
+        own answer from flat weights carries the draws' noise, so ``shrink=True`` with ``"snis"`` is refused).
     :returns: :class:`CorrectedPosterior`.
 
     Example::
@@ -551,13 +612,22 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         (['mean', 'mean_mcse', 'quantile_mcse'], torch.Size([]))
     """
     probs = _check_options(adapt, estimator, adaptation, probs)
+    if shrink is None:
+        shrink = estimator == "cv"
+    elif shrink not in (True, False):
+        raise ValueError(f"shrink: expected True, False or None (True with estimator='cv'), got {shrink!r}")
+    elif shrink and estimator != "cv":
+        raise ValueError("shrink=True needs estimator='cv': the corrections are shrunk toward the proposal's answer "
+                         "from the same draws, which only the control-variate estimates give without the draws' "
+                         "own noise")
     if proposal == "auto":
         d = _choose(result, num_draws, seed, progress, adapt, adaptation)
     else:
         d = _importance(result, num_draws, seed, proposal, progress)
     if warn and not d.reliable:
         warnings.warn("corrected posterior: " + d.message, ApproximationWarning, stacklevel=3)
-    sites, unc = _summaries(result, d, estimator, probs, seed)
+    sites, unc, bases = _summaries(result, d, estimator, probs, seed, baseline=shrink)
+    factors = _shrink(sites, unc, bases) if shrink else {}
     hyper_names = getattr(getattr(result.posterior, "space", None), "names", None)
     hyper = {n: sites[n] for n in hyper_names} if hyper_names and d.conditional_on is None else None
     loc = scale = loc_se = scale_se = None
@@ -566,4 +636,4 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         names = [b.name for b in layout.blocks]
         cat = lambda key: layout.flatten({b: unc[b][key].reshape(unc[b][key].shape) for b in names})  # noqa: E731
         loc, scale, loc_se, scale_se = (cat(k).double() for k in ("mean", "sd", "mean_mcse", "sd_mcse"))
-    return CorrectedPosterior(sites, hyper, loc, scale, loc_se, scale_se, d, probs, unc, _log_joint(result))
+    return CorrectedPosterior(sites, hyper, loc, scale, loc_se, scale_se, d, probs, unc, _log_joint(result), factors)

@@ -146,14 +146,17 @@ class InferenceResult:
         last :meth:`corrected` call, else ``None``."""
         return self.__dict__.get("_correction")
 
-    def corrected(self, num_draws=None, seed=0, *, proposal="auto", probs=(0.05, 0.5, 0.95), progress=False):
+    def corrected(self, num_draws=None, seed=0, *, proposal="auto", probs=(0.05, 0.5, 0.95), progress=False,
+                  estimator="cv", adapt=2, adaptation="affine", shrink=None):
         """Importance-corrected means, sds and quantiles with Monte Carlo errors
-        (:func:`pyro_convexvb.diagnostics.correct`; default 2000 draws). Also stored as :attr:`correction`."""
+        (:func:`pyro_convexvb.diagnostics.correct`, which documents every option; default 2000 draws a round). Also
+        stored as :attr:`correction`."""
         from ..diagnostics import correct
         from ..diagnostics.importance import CORRECTION_DRAWS
 
         c = correct(self, CORRECTION_DRAWS if num_draws is None else num_draws, seed, proposal=proposal,
-                    probs=probs, progress=progress)
+                    probs=probs, progress=progress, estimator=estimator, adapt=adapt, adaptation=adaptation,
+                    shrink=shrink)
         self.__dict__["_correction"] = c
         return c
 
