@@ -211,11 +211,17 @@ def nuts_reference(name, model, args, kwargs, hyper, field, quick, size=None):
             fs.append((s[field] if to_field is None else to_field(s, *args)).reshape(ns, -1))
     H, F = torch.stack(hs), torch.stack(fs)
     both = torch.cat([torch.log(H), F], -1)
+    rhat, ess = split_gelman_rubin, effective_sample_size
+    if ns > 5000:  # Pyro's ESS takes O(samples^2) memory; NumPyro's (installed for these long runs) O(samples)
+        from numpyro import diagnostics as nd
+
+        rhat = lambda x: torch.as_tensor(nd.split_gelman_rubin(x.numpy()))  # noqa: E731
+        ess = lambda x: torch.as_tensor(nd.effective_sample_size(x.numpy()))  # noqa: E731
     ref = {"hyper_q": torch.quantile(H.reshape(-1), torch.tensor([0.05, 0.5, 0.95], dtype=D)).tolist(),
            "hyper_samples": H.reshape(-1)[:: max(1, H.numel() // 4000)].tolist(),
            "field_mean": F.reshape(-1, F.shape[-1]).mean(0).tolist(),
            "field_sd": F.reshape(-1, F.shape[-1]).std(0).tolist(),
-           "split_rhat": float(split_gelman_rubin(both).max()), "min_ess": float(effective_sample_size(both).min()),
+           "split_rhat": float(rhat(both).max()), "min_ess": float(ess(both).min()),
            "chains": chains, "num_samples": ns, "warmup_steps": nw, "seconds": t.seconds}
     refs[name] = ref
     os.makedirs(RESULTS_DIR, exist_ok=True)

@@ -28,6 +28,7 @@ by default), whose own Monte Carlo error ``Var(beta^T g) / M`` is added to the r
 import math
 
 import numpy as np
+import torch
 from scipy import special
 
 __all__ = ["regression_estimate", "cv_moments", "cv_quantiles", "CoordinateControls", "james_stein"]
@@ -63,6 +64,12 @@ def regression_estimate(h, w, G=None, G_ref=None):
     gm = G.mean(0)
     Gc = G - gm
     ac = a - a.mean(0)
+    if k == 1 and G_ref is None:  # one control (a CDF): the same least squares without the batched solves
+        g, g2 = Gc[..., 0], np.einsum("sp,sp->p", Gc[..., 0], Gc[..., 0])
+        b = np.einsum("sp,sp->p", g, ac) / (g2 * (1 + 1e-10) + 1e-300)
+        r = ac - g * b
+        var = np.einsum("sp,sp->p", r, r) / (S * max(S - 2, 1))
+        return mu - b * gm[:, 0], np.sqrt(var), b[:, None]
     C = np.einsum("spk,spl->pkl", Gc, Gc)
     c = np.einsum("spk,sp->pk", Gc, ac)
     scale = np.einsum("pkk->p", C) / k
@@ -144,9 +151,34 @@ class CoordinateControls:
         m = indR.mean(0)
         return (ind - m)[..., None], (indR - m)[..., None]
 
-    def density(self, x, w, t):
+    def at(self, x, t):
+        """Everything the quantile's Newton step needs at ``t (p,)``: ``(ind, G, G_ref, dens)`` with ``ind`` the
+        ``(S, p)`` indicators ``x <= t``, the CDF controls (as :meth:`cdf_controls`) and, for conditional controls,
+        the ``(S, p)`` conditional densities at ``t`` (``None`` for reference draws), from one standardisation."""
+        ind = (x <= t).astype(np.float64)
+        if not self.conditional:
+            indR = (self.reference <= t).astype(np.float64)
+            m = indR.mean(0)
+            return ind, (ind - m)[..., None], (indR - m)[..., None], None
+        z = (t - self.loc) / self.sd
+        F = torch.special.ndtr(torch.from_numpy(z)).numpy()
+        dens = np.exp(-0.5 * z**2) * (1.0 / math.sqrt(2 * math.pi))
+        rows = self._t_rows()
+        if rows.any():
+            nu = np.asarray(self.df, dtype=np.float64)[rows][:, None]
+            zr = z[rows]
+            F[rows] = special.stdtr(np.broadcast_to(nu, zr.shape), zr)
+            dens[rows] = np.exp(special.gammaln((nu + 1) / 2) - special.gammaln(nu / 2)
+                                - 0.5 * np.log(nu * math.pi) - (nu + 1) / 2 * np.log1p(zr**2 / nu))
+        dens /= self.sd
+        return ind, (ind - F)[..., None], None, dens
+
+    def density(self, x, w, t, dens=None):
         """``(p,)`` density at ``t`` of the importance-weighted posterior: the weighted mixture of the conditional
-        densities (conditional), or a weighted Gaussian kernel estimate (reference)."""
+        densities (conditional; ``dens`` the ``(S, p)`` conditional densities at ``t`` from :meth:`at`, if already
+        computed), or a weighted Gaussian kernel estimate (reference)."""
+        if dens is not None:
+            return w @ dens
         if self.conditional:
             z = (t - self.loc) / self.sd
             dens = np.exp(-0.5 * z**2) * (1.0 / math.sqrt(2 * math.pi))
@@ -236,10 +268,9 @@ def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False):
     for i, p in enumerate(probs):
         t = q[i]
         for it in range(iterations + 1):
-            G, G_ref = ctl.cdf_controls(x, t)
-            ind = (x <= t).astype(np.float64)
+            ind, G, G_ref, dens = ctl.at(x, t)
             F, F_se, _ = regression_estimate(ind, w, G, G_ref)
-            f = np.maximum(ctl.density(x, w, t), 1e-300)
+            f = np.maximum(ctl.density(x, w, t, dens), 1e-300)
             if it == iterations:
                 break
             step = np.clip((F - p) / f, -0.5 * (hi - lo), 0.5 * (hi - lo))
@@ -250,10 +281,9 @@ def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False):
             tb = t
             for it in range(iterations):
                 if it:
-                    G, G_ref = ctl.cdf_controls(x, tb)
-                    ind = (x <= tb).astype(np.float64)
+                    ind, G, G_ref, dens = ctl.at(x, tb)
                 Fb = regression_estimate(ind, flat, G, G_ref)[0]
-                fb = np.maximum(ctl.density(x, flat, tb), 1e-300)
+                fb = np.maximum(ctl.density(x, flat, tb, dens), 1e-300)
                 step = np.clip((Fb - p) / fb, -0.5 * (hi - lo), 0.5 * (hi - lo))
                 tb = np.clip(tb - step, lo, hi)
                 if np.abs(step).max() <= 1e-6 * float(np.max(hi - lo)):
