@@ -247,7 +247,8 @@ def main(argv=None):
                                                "parse us/row (CPU)": ".2f", "learn us/row (CPU)": ".2f"})
     print(table)
     payload["table"] = table
-    path = write_json("online_text_quick" if args.quick else "online_text", payload)
+    subset = "" if set(cases) == {"criteo", "svmlight", "regret"} else "_" + "_".join(cases)
+    path = write_json(("online_text_quick" if args.quick else "online_text") + subset, payload)
     print(f"wrote {path}; text files in {workdir}")
 
 
