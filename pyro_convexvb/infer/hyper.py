@@ -28,6 +28,7 @@ import itertools
 import math
 import warnings
 
+import numpy as np
 import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
@@ -349,8 +350,10 @@ class HyperObjective:
     def _nearest(self, z):
         if not self.cache:
             return None
-        key = min(self.cache, key=lambda k: float(((torch.tensor(k, dtype=torch.float64) - z) ** 2).sum()))
-        return self.cache[key][1]
+        keys = list(self.cache)  # the first of the nearest, in the order the points were fitted
+        zz = np.asarray(z.detach().cpu() if torch.is_tensor(z) else z, dtype=np.float64).reshape(-1)
+        d = ((np.asarray(keys, dtype=np.float64).reshape(len(keys), -1) - zz) ** 2).sum(1)
+        return self.cache[keys[int(np.argmin(d))]][1]
 
     def _run(self, z, values, warm):
         eng = self.engine

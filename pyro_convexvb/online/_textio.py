@@ -777,9 +777,6 @@ def _parse_block_kernel(block, path, first_lineno, use_sklearn):
             np.concatenate([parts[2], rest[2]]), np.concatenate([parts[3], rest[3]]))
 
 
-_POW10 = np.array([10.0 ** k for k in range(23)])
-
-
 def _take_rows(parts, m, num_features, index_dtype):
     """The first ``m`` rows of the pending blocks ``parts`` (lists ``[indptr, indices, values, labels]``, consumed
     in place) as one CSR chunk: the rows are copied once, into the chunk's own arrays."""
