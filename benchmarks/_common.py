@@ -345,8 +345,10 @@ def write_json(name, payload, results_dir=None):
     doc = {"benchmark": name, "machine": machine_info(), **payload}
     path = os.path.join(results_dir, f"{name}.json")
     text = json.dumps(_nan_to_none(doc), indent=2, default=_jsonable, allow_nan=False)
-    with open(path, "w") as f:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:  # written whole, then renamed: a run stopped mid-write keeps the previous file
         f.write(text + "\n")
+    os.replace(tmp, path)
     return path
 
 
