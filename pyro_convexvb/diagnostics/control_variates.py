@@ -131,35 +131,9 @@ class CoordinateControls:
         G = np.stack([fx, fx**2], -1) - m
         return G, gR - m
 
-    def cdf(self, t):
-        """``(S, p)`` conditional CDFs at ``t (p,)`` (conditional), or ``(p,)`` the reference CDF."""
-        if self.conditional:
-            z = (t - self.loc) / self.sd
-            rows = self._t_rows()
-            out = special.ndtr(z)
-            if rows.any():  # Student-t rows only (its CDF costs ~50 normal ones)
-                df = np.asarray(self.df, dtype=np.float64)[rows][:, None]
-                out[rows] = special.stdtr(np.broadcast_to(df, z[rows].shape), z[rows])
-            return out
-        return (self.reference <= t).mean(0)
-
-    def cdf_controls(self, x, t):
-        ind = (x <= t).astype(np.float64)
-        if self.conditional:
-            return (ind - self.cdf(t))[..., None], None
-        indR = (self.reference <= t).astype(np.float64)
-        m = indR.mean(0)
-        return (ind - m)[..., None], (indR - m)[..., None]
-
-    def at(self, x, t):
-        """Everything the quantile's Newton step needs at ``t (p,)``: ``(ind, G, G_ref, dens)`` with ``ind`` the
-        ``(S, p)`` indicators ``x <= t``, the CDF controls (as :meth:`cdf_controls`) and, for conditional controls,
-        the ``(S, p)`` conditional densities at ``t`` (``None`` for reference draws), from one standardisation."""
-        ind = (x <= t).astype(np.float64)
-        if not self.conditional:
-            indR = (self.reference <= t).astype(np.float64)
-            m = indR.mean(0)
-            return ind, (ind - m)[..., None], (indR - m)[..., None], None
+    def _conditional_at(self, t):
+        """``(F, dens)``: the ``(S, p)`` conditional CDFs and densities at ``t (p,)`` from one standardisation
+        (normal rows by ``erfc``, Student-t rows, whose CDF costs ~50 normal ones, only where there are any)."""
         z = (t - self.loc) / self.sd
         F = torch.erfc(torch.from_numpy(z) * (-1.0 / math.sqrt(2.0))).mul_(0.5).numpy()  # ndtr, at half its cost
         dens = np.exp(-0.5 * z**2) * (1.0 / math.sqrt(2 * math.pi))
@@ -170,25 +144,35 @@ class CoordinateControls:
             F[rows] = special.stdtr(np.broadcast_to(nu, zr.shape), zr)
             dens[rows] = np.exp(special.gammaln((nu + 1) / 2) - special.gammaln(nu / 2)
                                 - 0.5 * np.log(nu * math.pi) - (nu + 1) / 2 * np.log1p(zr**2 / nu))
-        dens /= self.sd
+        return F, dens / self.sd
+
+    def cdf(self, t):
+        """``(S, p)`` conditional CDFs at ``t (p,)`` (conditional), or ``(p,)`` the reference CDF."""
+        if self.conditional:
+            return self._conditional_at(t)[0]
+        return (self.reference <= t).mean(0)
+
+    def at(self, x, t):
+        """Everything the quantile's Newton step needs at ``t (p,)``: ``(ind, G, G_ref, dens)`` with ``ind`` the
+        ``(S, p)`` indicators ``x <= t``, the CDF controls ``ind - F_s(t)`` (``(S, p, 1)``; for reference draws
+        centred by the reference, whose centred indicators are ``G_ref``) and, for conditional controls, the
+        ``(S, p)`` conditional densities at ``t`` (``None`` for reference draws)."""
+        ind = (x <= t).astype(np.float64)
+        if not self.conditional:
+            indR = (self.reference <= t).astype(np.float64)
+            m = indR.mean(0)
+            return ind, (ind - m)[..., None], (indR - m)[..., None], None
+        F, dens = self._conditional_at(t)
         return ind, (ind - F)[..., None], None, dens
 
     def density(self, x, w, t, dens=None):
         """``(p,)`` density at ``t`` of the importance-weighted posterior: the weighted mixture of the conditional
         densities (conditional; ``dens`` the ``(S, p)`` conditional densities at ``t`` from :meth:`at`, if already
         computed), or a weighted Gaussian kernel estimate (reference)."""
+        if dens is None and self.conditional:
+            dens = self._conditional_at(t)[1]
         if dens is not None:
             return w @ dens
-        if self.conditional:
-            z = (t - self.loc) / self.sd
-            dens = np.exp(-0.5 * z**2) * (1.0 / math.sqrt(2 * math.pi))
-            rows = self._t_rows()
-            if rows.any():
-                nu = np.asarray(self.df, dtype=np.float64)[rows][:, None]
-                zr = z[rows]
-                dens[rows] = np.exp(special.gammaln((nu + 1) / 2) - special.gammaln(nu / 2)
-                                    - 0.5 * np.log(nu * math.pi) - (nu + 1) / 2 * np.log1p(zr**2 / nu))
-            return w @ (dens / self.sd)
         m = w @ x
         sd = np.sqrt(np.maximum(w @ (x - m) ** 2, 1e-300))
         ess = 1.0 / np.sum(w**2)
@@ -269,29 +253,33 @@ def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False, tol=0.1)
     qb = np.empty_like(q)
     flat = np.full_like(np.asarray(w, dtype=np.float64), 1.0 / x.shape[0])
     lo, hi = x.min(0), x.max(0)
+    span = 0.5 * (hi - lo)
+
+    def newton(t, p, wts, ev):
+        """``(step, mcse)`` of the quantile at ``t`` under weights ``wts``, from the evaluation ``ev`` of :meth:`at`."""
+        ind, G, G_ref, dens = ev
+        F, F_se, _ = regression_estimate(ind, wts, G, G_ref)
+        f = np.maximum(ctl.density(x, wts, t, dens), 1e-300)
+        return np.clip((F - p) / f, -span, span), F_se / f
+
     for i, p in enumerate(probs):
         t = q[i]
         for it in range(iterations + 1):
-            ind, G, G_ref, dens = ctl.at(x, t)
+            ev = ctl.at(x, t)
             t_eval = t
-            F, F_se, _ = regression_estimate(ind, w, G, G_ref)
-            f = np.maximum(ctl.density(x, w, t, dens), 1e-300)
-            se[i] = F_se / f
+            step, se[i] = newton(t, p, w, ev)
             if it == iterations:
                 break
-            step = np.clip((F - p) / f, -0.5 * (hi - lo), 0.5 * (hi - lo))
             t = np.clip(t - step, lo, hi)
             if np.all(np.abs(step) <= tol * se[i]):  # Newton's next correction is of order step^2: done
                 break
         q[i] = t
-        if baseline:  # Newton steps on the flat-weight CDF from the weighted quantile, the last controls reused first
+        if baseline:  # Newton steps on the flat-weight CDF from the weighted quantile, the last evaluation reused first
             tb = t_eval
             for it in range(iterations):
                 if it:
-                    ind, G, G_ref, dens = ctl.at(x, tb)
-                Fb = regression_estimate(ind, flat, G, G_ref)[0]
-                fb = np.maximum(ctl.density(x, flat, tb, dens), 1e-300)
-                step = np.clip((Fb - p) / fb, -0.5 * (hi - lo), 0.5 * (hi - lo))
+                    ev = ctl.at(x, tb)
+                step, _ = newton(tb, p, flat, ev)
                 tb = np.clip(tb - step, lo, hi)
                 if np.all(np.abs(step) <= tol * se[i]):
                     break

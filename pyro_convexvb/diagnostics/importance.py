@@ -507,15 +507,12 @@ def _shrink(sites, unc, bases):
     ``{site: {statistic: factor}}`` for the sites shrunk."""
     from .control_variates import SHRINK_MIN_COORDINATES, james_stein
 
-    def apply(out, base, key, se_key, q=None):
-        get = (lambda r, k: r[k]) if q is None else (lambda r, k: r[k][q])
-        v = get(out, key)
-        new, se, c = james_stein(v.numpy(), get(base, key).numpy(), get(out, se_key).numpy())
-        t = lambda a: torch.as_tensor(a, dtype=v.dtype).reshape(v.shape)  # noqa: E731
-        if q is None:
-            out[key], out[se_key] = t(new), t(se)
-        else:
-            out[key][q], out[se_key][q] = t(new), t(se)
+    def shrink(vals, key, base, ses, se_key):
+        """Shrink the estimates ``vals[key]`` toward ``base``; their errors ``ses[se_key]`` become the shrunk ones."""
+        v = vals[key]
+        new, se, c = james_stein(v.numpy(), base.numpy(), ses[se_key].numpy())
+        vals[key] = torch.as_tensor(new, dtype=v.dtype).reshape(v.shape)
+        ses[se_key] = torch.as_tensor(se, dtype=v.dtype).reshape(v.shape)
         return c
 
     factors = {}
@@ -526,13 +523,10 @@ def _shrink(sites, unc, bases):
         for out, base in ((unc[n], base_unc), (sites[n], base_sites)):
             if base is None:  # no monotone elementwise transform: the constrained summaries are plain ones
                 continue
-            for k in ("quantiles", "quantile_mcse"):
-                if k in out:
-                    out[k] = dict(out[k])
-            f["mean"] = apply(out, base, "mean", "mean_mcse")
-            f["sd"] = apply(out, base, "sd", "sd_mcse")
+            f["mean"] = shrink(out, "mean", base["mean"], out, "mean_mcse")
+            f["sd"] = shrink(out, "sd", base["sd"], out, "sd_mcse")
             for p in out.get("quantiles", {}):
-                f[p] = apply(out, base, "quantiles", "quantile_mcse", p)
+                f[p] = shrink(out["quantiles"], p, base["quantiles"][p], out["quantile_mcse"], p)
         factors[n] = f
     return factors
 

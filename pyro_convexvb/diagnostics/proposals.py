@@ -37,6 +37,20 @@ T_DF = 5.0
 DENSE_MAX = 4000
 
 
+def field_vector(layout, values):
+    """``(S, n)`` the flat field vector of the draws ``values`` (``{site: (S, ...)}``), the layout's blocks in order."""
+    return layout.flatten({b.name: values[b.name] for b in layout.blocks})
+
+
+def with_field(layout, values, u, like):
+    """``values`` with the layout's blocks replaced by the flat field draws ``u`` ``(S, n)`` (an array, made a tensor
+    of ``like``'s dtype and device); the other sites (hyper-latents) kept."""
+    new = layout.unflatten(torch.as_tensor(u, dtype=like.dtype, device=like.device))
+    out = dict(values)
+    out.update({b.name: new[b.name] for b in layout.blocks})
+    return out
+
+
 def _with_density(post):
     """``post``, or for a matrix-free precision ``A`` (covariance ``precision_scale * A^{-1}``) up to
     :data:`DENSE_MAX` latents the same Gaussian with its dense precision (exact samples and log density)."""
@@ -510,7 +524,7 @@ class AdaptedProposal(Proposal):
         loc, sd, _ = conditional
         if loc is None:
             return None
-        u = layout.flatten({b.name: values[b.name] for b in layout.blocks}).double().cpu().numpy()
+        u = field_vector(layout, values).double().cpu().numpy()
         e = (u - loc) / sd
         w = np.exp(np.asarray(log_weights, dtype=np.float64))
         mu = w @ e
@@ -522,18 +536,14 @@ class AdaptedProposal(Proposal):
 
     def sample(self, S, generator=None):
         values, lq = self.base.sample(S, generator)
-        names = [b.name for b in self.layout.blocks]
-        u0 = self.layout.flatten({n: values[n] for n in names})
+        u0 = field_vector(self.layout, values)
         u = u0.double().cpu().numpy()
         loc, sd = self.base.cond_loc, self.base.cond_sd
         un = loc + sd * (self.mu + self.rho * (u - loc) / sd)
         self.cond_loc = loc + sd * self.mu
         self.cond_sd = sd * self.rho
         self.cond_df = self.base.cond_df
-        new = self.layout.unflatten(torch.as_tensor(un, dtype=u0.dtype, device=u0.device))
-        values = dict(values)
-        values.update({n: new[n] for n in names})
-        return values, lq - float(np.log(self.rho).sum())
+        return with_field(self.layout, values, un, u0), lq - float(np.log(self.rho).sum())
 
 
 def make_proposal(posterior, kind="fitted"):

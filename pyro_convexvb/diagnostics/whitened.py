@@ -36,7 +36,7 @@ import math
 import numpy as np
 import torch
 
-from .proposals import Proposal
+from .proposals import Proposal, field_vector, with_field
 
 __all__ = ["AffineMap", "WhitenedProposal", "PooledProposal", "fit_affine_map", "mixture_log_q", "whiten"]
 
@@ -184,18 +184,14 @@ class WhitenedProposal(Proposal):
 
     def sample(self, S, generator=None):
         values, lq = self.base.sample(S, generator)
-        names = [b.name for b in self.layout.blocks]
-        u0 = self.layout.flatten({n: values[n] for n in names})
+        u0 = field_vector(self.layout, values)
         frame = self.base.frame
         self._eps, self._pending = None, (u0.double().cpu().numpy(), frame)
         if self.amap.is_identity:  # the base draws; whitened only if asked (last_eps)
             self.cond_loc, self.cond_sd = self.base.cond_loc, self.base.cond_sd
         else:
             e = self.amap.forward(self.last_eps)
-            un = _color(self.base, e, frame)
-            new = self.layout.unflatten(torch.as_tensor(un, dtype=u0.dtype, device=u0.device))
-            values = dict(values)
-            values.update({n: new[n] for n in names})
+            values = with_field(self.layout, values, _color(self.base, e, frame), u0)
             lq = lq - self.amap.log_det
             self.cond_loc, self.cond_sd = self.field_moments(frame)
             self._eps, self._pending = e, None
@@ -247,8 +243,7 @@ class PooledProposal(WhitenedProposal):
     def sample(self, S, generator=None):
         values, lq = self.base.sample(S, generator)
         own = torch.randint(len(self.maps), (S,), generator=generator).numpy()
-        names = [b.name for b in self.layout.blocks]
-        u0 = self.layout.flatten({n: values[n] for n in names})
+        u0 = field_vector(self.layout, values)
         k, a, d = frame = self.base.frame
         eps = whiten(self.base, u0.double().cpu().numpy(), frame)
         e, log_det = np.empty_like(eps), np.empty(S)
@@ -257,9 +252,7 @@ class PooledProposal(WhitenedProposal):
             idx = np.nonzero(own == j)[0]
             e[idx], log_det[idx] = m.forward(eps[idx]), m.log_det
             loc[idx], sd[idx] = self.field_moments((k[idx], a[idx], None if d is None else d[idx]), m)
-        new = self.layout.unflatten(torch.as_tensor(_color(self.base, e, frame), dtype=u0.dtype, device=u0.device))
-        values = dict(values)
-        values.update({n: new[n] for n in names})
+        values = with_field(self.layout, values, _color(self.base, e, frame), u0)
         lq_mix = mixture_log_q(lq.double().cpu().numpy() - log_det, e, own, self.maps)
         self.cond_loc, self.cond_sd, self.cond_df = loc, sd, np.full(S, np.inf)
         self._eps, self._pending, self.frame = e, None, frame
