@@ -256,7 +256,7 @@ def map_key(image, pairs):
     return image + "|" + ",".join(str(c) for c in sorted(pairs))
 
 
-def evaluate(state, meas_of, image, designs, tau):
+def evaluate(state, meas_of, image, designs, tau, quiet=True):
     """MAP errors of ``image`` under each design (list of pair lists), cached by (image, pairs), warm-started."""
     cache = state.doc["map_errors"]
     u0, init = None, None
@@ -268,7 +268,8 @@ def evaluate(state, meas_of, image, designs, tau):
             u0 = mm.map(pairs, tau, u0, init)
             init = getattr(mm, "last_state", None)
             cache[key] = mm.error(u0)
-            state.doc.setdefault("map_stats", []).append(dict(key=key, **mm.stats[-1]))
+            state.doc.setdefault("map_stats", []).append(dict(key=key, **mm.stats[-1], quiet=quiet,
+                                                              threads=torch.get_num_threads()))
         out.append(cache[key])
     return out
 
@@ -286,6 +287,9 @@ def main(argv=None):
     parser.add_argument("--tau-factor", type=float, default=None,
                         help="fix tau = F (0.08, 0.16) instead of choosing F on the grid (no tau MAP solves)")
     parser.add_argument("--tag", default=None, help="suffix of the results/figure names (e.g. a timing run)")
+    parser.add_argument("--shared-cpu", action="store_true",
+                        help="the machine is not quiet (other work beside this run): the design runs and MAP solves "
+                             "of this session are marked quiet=False in the JSON and the timing tables")
     parser.add_argument("--design-newton", type=int, default=DESIGN_ENGINE["max_newton"],
                         help="Newton steps per refit of a design step (recorded in the settings)")
     parser.add_argument("--design-cg-tol", type=float, default=DESIGN_ENGINE["cg_tol"],
@@ -370,6 +374,8 @@ def main(argv=None):
                 blk["methods"][m] = run_design(meas_of(blk["design_image"]), start, steps, m, tau,
                                                args.seed * 1009 + b, args.progress, design_engine)
                 blk["methods"][m]["seconds_total"] = time.perf_counter() - t0
+                blk["methods"][m]["threads"] = torch.get_num_threads()
+                blk["methods"][m]["quiet"] = not args.shared_cpu
                 state.save()
                 print(f"block {b} {m}: added {blk['methods'][m]['added']}", flush=True)
             if args.no_eval:
@@ -378,7 +384,7 @@ def main(argv=None):
             for image in blk["test_images"]:
                 key = f"{m}|{image}"
                 if key not in blk["errors"]:
-                    blk["errors"][key] = evaluate(state, meas_of, image, designs, tau)
+                    blk["errors"][key] = evaluate(state, meas_of, image, designs, tau, not args.shared_cpu)
                     state.save()
         if not args.no_eval and b == 0:  # residual images of the design image (Figure 3 analogue)
             res_path = os.path.join(results_dir(), name + "_residuals.npz")
@@ -437,7 +443,8 @@ def report(doc, name):
         for m, r in blk["methods"].items():
             if "seconds_inference" in r:
                 inf = r["seconds_inference"]
-                trows.append(dict(block=b, method=m, steps=len(r["added"]), cold_fit_s=inf[0],
+                trows.append(dict(block=b, method=m, threads=r.get("threads", 2), quiet=r.get("quiet", True),
+                                  steps=len(r["added"]), cold_fit_s=inf[0],
                                   inference_s_per_step=float(np.mean(inf[1:])) if len(inf) > 1 else float("nan"),
                                   scoring_s_per_step=float(np.mean(r["seconds_scoring"])),
                                   newton_per_step=float(np.mean(r["newton_steps"][1:] or [math.nan])),
@@ -446,9 +453,10 @@ def report(doc, name):
     stats = doc.get("map_stats", [])
     if stats:
         mrows = []
-        for solver in sorted({s["solver"] for s in stats}):
-            ss = [s for s in stats if s["solver"] == solver]
-            row = dict(solver=solver, solves=len(ss), seconds_per_solve=float(np.mean([s["seconds"] for s in ss])),
+        for solver, quiet in sorted({(s["solver"], s.get("quiet", True)) for s in stats}):
+            ss = [s for s in stats if s["solver"] == solver and s.get("quiet", True) == quiet]
+            row = dict(solver=solver, quiet=quiet, solves=len(ss),
+                       seconds_per_solve=float(np.mean([s["seconds"] for s in ss])),
                        not_converged=sum(not s["converged"] for s in ss))
             for k in ("iterations", "products", "newton_steps", "cg_iterations"):
                 if k in ss[0]:
