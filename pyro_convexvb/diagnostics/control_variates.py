@@ -57,27 +57,30 @@ def regression_estimate(h, w, G=None, G_ref=None):
     w = np.asarray(w, dtype=np.float64)
     S = h.shape[0]
     mu = w @ h
-    a = S * w[:, None] * (h - mu)
+    a = h - mu
+    a *= (S * w)[:, None]
     if G is None or G.shape[2] == 0:
-        return mu, np.sqrt((a**2).sum(0)) / S, np.zeros(h.shape[1:] + (0,))
+        return mu, np.sqrt(np.einsum("sp,sp->p", a, a)) / S, np.zeros(h.shape[1:] + (0,))
+    # the k x k normal equations of each coordinate from column products (k is 1 or 2: a batched einsum over
+    # (S, p, k) costs several times more)
     k = G.shape[2]
+    a -= a.mean(0)
     gm = G.mean(0)
-    Gc = G - gm
-    ac = a - a.mean(0)
-    if k == 1 and G_ref is None:  # one control (a CDF): the same least squares without the batched solves
-        g, g2 = Gc[..., 0], np.einsum("sp,sp->p", Gc[..., 0], Gc[..., 0])
-        b = np.einsum("sp,sp->p", g, ac) / (g2 * (1 + 1e-10) + 1e-300)
-        r = ac - g * b
-        var = np.einsum("sp,sp->p", r, r) / (S * max(S - 2, 1))
-        return mu - b * gm[:, 0], np.sqrt(var), b[:, None]
-    C = np.einsum("spk,spl->pkl", Gc, Gc)
-    c = np.einsum("spk,sp->pk", Gc, ac)
+    gs = [G[..., j] - gm[:, j] for j in range(k)]
+    C = np.empty((h.shape[1], k, k))
+    c = np.empty((h.shape[1], k))
+    for i in range(k):
+        c[:, i] = np.einsum("sp,sp->p", gs[i], a)
+        for j in range(i + 1):
+            C[:, i, j] = C[:, j, i] = np.einsum("sp,sp->p", gs[i], gs[j])
     scale = np.einsum("pkk->p", C) / k
     C = C + (1e-10 * scale + 1e-300)[:, None, None] * np.eye(k)
     beta = np.linalg.solve(C, c[..., None])[..., 0]
     est = mu - (beta * gm).sum(-1)
-    r = ac - np.einsum("spk,pk->sp", Gc, beta)
-    var = (r**2).sum(0) / (S * max(S - 1 - k, 1))
+    r = a
+    for j in range(k):
+        r -= gs[j] * beta[:, j]
+    var = np.einsum("sp,sp->p", r, r) / (S * max(S - 1 - k, 1))
     if G_ref is not None:
         comb = np.einsum("mpk,pk->mp", G_ref, beta)
         var = var + comb.var(0) / G_ref.shape[0]
@@ -131,20 +134,27 @@ class CoordinateControls:
         G = np.stack([fx, fx**2], -1) - m
         return G, gR - m
 
-    def _conditional_at(self, t):
+    def _conditional_at(self, t, cols=None):
         """``(F, dens)``: the ``(S, p)`` conditional CDFs and densities at ``t (p,)`` from one standardisation
-        (normal rows by ``erfc``, Student-t rows, whose CDF costs ~50 normal ones, only where there are any)."""
-        z = (t - self.loc) / self.sd
+        (normal rows by ``erfc``, Student-t rows, whose CDF costs ~50 normal ones, only where there are any); with
+        ``cols``, of those columns only (``t`` then of their length)."""
+        loc, sd = (self.loc, self.sd) if cols is None else (self.loc[:, cols], self.sd[:, cols])
+        z = t - loc
+        z /= sd
         F = torch.erfc(torch.from_numpy(z) * (-1.0 / math.sqrt(2.0))).mul_(0.5).numpy()  # ndtr, at half its cost
-        dens = np.exp(-0.5 * z**2) * (1.0 / math.sqrt(2 * math.pi))
+        dens = z * z
+        dens *= -0.5
+        np.exp(dens, out=dens)
         rows = self._t_rows()
         if rows.any():
             nu = np.asarray(self.df, dtype=np.float64)[rows][:, None]
             zr = z[rows]
             F[rows] = special.stdtr(np.broadcast_to(nu, zr.shape), zr)
-            dens[rows] = np.exp(special.gammaln((nu + 1) / 2) - special.gammaln(nu / 2)
-                                - 0.5 * np.log(nu * math.pi) - (nu + 1) / 2 * np.log1p(zr**2 / nu))
-        return F, dens / self.sd
+            dens[rows] = np.exp(special.gammaln((nu + 1) / 2) - special.gammaln(nu / 2) + 0.5 * math.log(2.0)
+                                - 0.5 * np.log(nu) - (nu + 1) / 2 * np.log1p(zr**2 / nu))
+        dens /= sd
+        dens *= 1.0 / math.sqrt(2 * math.pi)
+        return F, dens
 
     def cdf(self, t):
         """``(S, p)`` conditional CDFs at ``t (p,)`` (conditional), or ``(p,)`` the reference CDF."""
@@ -152,32 +162,38 @@ class CoordinateControls:
             return self._conditional_at(t)[0]
         return (self.reference <= t).mean(0)
 
-    def at(self, x, t):
+    def at(self, x, t, cols=None):
         """Everything the quantile's Newton step needs at ``t (p,)``: ``(ind, G, G_ref, dens)`` with ``ind`` the
         ``(S, p)`` indicators ``x <= t``, the CDF controls ``ind - F_s(t)`` (``(S, p, 1)``; for reference draws
         centred by the reference, whose centred indicators are ``G_ref``) and, for conditional controls, the
-        ``(S, p)`` conditional densities at ``t`` (``None`` for reference draws)."""
-        ind = (x <= t).astype(np.float64)
+        ``(S, p)`` conditional densities at ``t`` (``None`` for reference draws). With ``cols``, of those columns
+        of ``x (S, p)`` only (``t`` then of their length)."""
+        xs = x if cols is None else x[:, cols]
+        ind = (xs <= t).astype(np.float64)
         if not self.conditional:
-            indR = (self.reference <= t).astype(np.float64)
+            R = self.reference if cols is None else self.reference[:, cols]
+            indR = (R <= t).astype(np.float64)
             m = indR.mean(0)
             return ind, (ind - m)[..., None], (indR - m)[..., None], None
-        F, dens = self._conditional_at(t)
-        return ind, (ind - F)[..., None], None, dens
+        F, dens = self._conditional_at(t, cols)
+        F -= ind
+        F *= -1.0
+        return ind, F[..., None], None, dens
 
-    def density(self, x, w, t, dens=None):
+    def density(self, x, w, t, dens=None, cols=None):
         """``(p,)`` density at ``t`` of the importance-weighted posterior: the weighted mixture of the conditional
         densities (conditional; ``dens`` the ``(S, p)`` conditional densities at ``t`` from :meth:`at`, if already
-        computed), or a weighted Gaussian kernel estimate (reference)."""
+        computed), or a weighted Gaussian kernel estimate (reference); with ``cols``, of those columns of ``x``."""
         if dens is None and self.conditional:
-            dens = self._conditional_at(t)[1]
+            dens = self._conditional_at(t, cols)[1]
         if dens is not None:
             return w @ dens
-        m = w @ x
-        sd = np.sqrt(np.maximum(w @ (x - m) ** 2, 1e-300))
+        xs = x if cols is None else x[:, cols]
+        m = w @ xs
+        sd = np.sqrt(np.maximum(w @ (xs - m) ** 2, 1e-300))
         ess = 1.0 / np.sum(w**2)
         bw = 1.06 * sd * ess ** (-0.2)
-        z = (t - x) / bw
+        z = (t - xs) / bw
         return w @ (np.exp(-0.5 * z**2) / math.sqrt(2 * math.pi)) / bw
 
 
@@ -229,9 +245,9 @@ def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False, tol=0.1)
 
     :param start: ``(P, p)`` initial quantiles (the self-normalised ones).
     :param int iterations: Newton steps at most.
-    :param float tol: stop once every step is below ``tol`` times the quantile's Monte Carlo error (the step is
-        still taken; what remains is of the order of its square). With flat weights the error is zero and all
-        ``iterations`` steps are taken.
+    :param float tol: a column stops once its step is below ``tol`` times its quantile's Monte Carlo error (the
+        step is still taken; what remains is of the order of its square), and later steps evaluate the remaining
+        columns only. With flat weights the error is zero and all ``iterations`` steps are taken.
     :param bool baseline: also return the quantiles of the same estimator with flat weights (the proposal's own
         answer), by Newton steps from the weighted quantile, the first with the controls already evaluated there.
     :returns: ``(quantiles (P, p), mcse (P, p))``; with ``baseline``, the flat-weight quantiles ``(P, p)``
@@ -248,6 +264,7 @@ def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False, tol=0.1)
         [-1.6449, 1.6449]
     """
     x = np.asarray(x, dtype=np.float64)
+    P = x.shape[1]
     q = np.array(start, dtype=np.float64, copy=True)
     se = np.empty_like(q)
     qb = np.empty_like(q)
@@ -255,33 +272,50 @@ def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False, tol=0.1)
     lo, hi = x.min(0), x.max(0)
     span = 0.5 * (hi - lo)
 
-    def newton(t, p, wts, ev):
-        """``(step, mcse)`` of the quantile at ``t`` under weights ``wts``, from the evaluation ``ev`` of :meth:`at`."""
+    def evaluate(t, act, keep):
+        """:meth:`~CoordinateControls.at` on the columns ``act`` at ``t[act]``, written into ``keep`` (each
+        column's latest evaluation; the first, on every column, becomes ``keep``)."""
+        ev = ctl.at(x, t[act], None if act.size == P else act)
+        if not keep:
+            keep.extend(ev)
+        else:
+            for k, arr in ((0, ev[0]), (1, ev[1]), (2, ev[2]), (3, ev[3])):
+                if arr is not None:
+                    keep[k][:, act] = arr
+        return ev
+
+    def newton(t, act, p, wts, ev):
+        """``(step, mcse)`` of the quantiles of the columns ``act`` at ``t[act]`` under weights ``wts``, from the
+        evaluation ``ev`` there."""
         ind, G, G_ref, dens = ev
         F, F_se, _ = regression_estimate(ind, wts, G, G_ref)
-        f = np.maximum(ctl.density(x, wts, t, dens), 1e-300)
-        return np.clip((F - p) / f, -span, span), F_se / f
+        f = np.maximum(ctl.density(x, wts, t[act], dens, None if act.size == P else act), 1e-300)
+        return np.clip((F - p) / f, -span[act], span[act]), F_se / f
 
     for i, p in enumerate(probs):
-        t = q[i]
+        # Newton steps column by column: a column stops once its step is below tol times its error
+        t, act, keep = q[i], np.arange(P), []
+        t_eval = t.copy()
         for it in range(iterations + 1):
-            ev = ctl.at(x, t)
-            t_eval = t
-            step, se[i] = newton(t, p, w, ev)
+            ev = evaluate(t, act, keep)
+            t_eval[act] = t[act]
+            step, se[i, act] = newton(t, act, p, w, ev)
             if it == iterations:
                 break
-            t = np.clip(t - step, lo, hi)
-            if np.all(np.abs(step) <= tol * se[i]):  # Newton's next correction is of order step^2: done
+            t[act] = np.clip(t[act] - step, lo[act], hi[act])
+            act = act[np.abs(step) > tol * se[i, act]]  # Newton's next correction is of order step^2: done
+            if act.size == 0:
                 break
-        q[i] = t
-        if baseline:  # Newton steps on the flat-weight CDF from the weighted quantile, the last evaluation reused first
-            tb = t_eval
+        if baseline:  # Newton steps on the flat-weight CDF from the weighted quantile, each column's last evaluation
+            tb, act = t_eval, np.arange(P)  # reused first
+            ev = tuple(keep)
             for it in range(iterations):
                 if it:
-                    ev = ctl.at(x, tb)
-                step, _ = newton(tb, p, flat, ev)
-                tb = np.clip(tb - step, lo, hi)
-                if np.all(np.abs(step) <= tol * se[i]):
+                    ev = ctl.at(x, tb[act], None if act.size == P else act)
+                step, _ = newton(tb, act, p, flat, ev)
+                tb[act] = np.clip(tb[act] - step, lo[act], hi[act])
+                act = act[np.abs(step) > tol * se[i, act]]
+                if act.size == 0:
                     break
             qb[i] = tb
     return (q, se, qb) if baseline else (q, se)

@@ -179,14 +179,15 @@ def _importance(result, num_draws, seed, proposal, progress):
 
 def _moment_check(values, log_weights):
     x = np.concatenate([v.reshape(v.shape[0], -1).double().cpu().numpy() for v in values.values()], 1)
-    sd0 = x.std(0)
+    m0, sd0, _, _ = weighted_moments(x, np.full(x.shape[0], 1.0 / x.shape[0]))
     live = sd0 > 0
     if not live.any():
         return 0.0, (1.0, 1.0)
-    x, sd0 = x[:, live], sd0[live]
+    if not live.all():
+        x, m0, sd0 = x[:, live], m0[live], sd0[live]
     m, s, m_se, s_se = weighted_moments(x, np.exp(log_weights))
     # only departures that are significant (beyond 2 Monte Carlo errors) count
-    shift = np.abs(m - x.mean(0))
+    shift = np.abs(m - m0)
     shift = np.where(shift > 2 * m_se, shift / sd0, 0.0)
     r = s / sd0
     r = np.where(np.abs(r - 1) > 2 * s_se / sd0, r, 1.0)

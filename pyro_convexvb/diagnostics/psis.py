@@ -146,15 +146,21 @@ def weighted_moments(x, w):
     :returns: ``(mean, sd, mean_mcse, sd_mcse)``, each of shape ``x.shape[1:]``.
     """
     x = np.asarray(x, dtype=np.float64)
-    w = np.asarray(w, dtype=np.float64).reshape((-1,) + (1,) * (x.ndim - 1))
-    mean = (w * x).sum(0)
-    d = x - mean
-    var = (w * d**2).sum(0)
+    shape = x.shape[1:]
+    x = x.reshape(x.shape[0], -1)
+    w = np.asarray(w, dtype=np.float64).reshape(-1)
+    w2 = w * w
+    mean = w @ x
+    d2 = x - mean
+    d2 *= d2
+    var = w @ d2
     sd = np.sqrt(var)
-    mean_se = np.sqrt((w**2 * d**2).sum(0))
-    var_se = np.sqrt((w**2 * (d**2 - var) ** 2).sum(0))
+    mean_se = np.sqrt(w2 @ d2)
+    d2 -= var
+    d2 *= d2
+    var_se = np.sqrt(w2 @ d2)
     sd_se = var_se / (2 * np.maximum(sd, 1e-300))
-    return mean, sd, mean_se, sd_se
+    return mean.reshape(shape), sd.reshape(shape), mean_se.reshape(shape), sd_se.reshape(shape)
 
 
 def weighted_quantiles(x, w, probs):

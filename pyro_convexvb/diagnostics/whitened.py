@@ -92,9 +92,16 @@ class AffineMap:
         return x - ((x @ self.U) * (self.g / (1.0 + self.g))) @ self.U.T
 
     def log_kernel(self, e):
-        """``(S,)`` ``log N(B^{-1}(e - mu); 0, I) - log|det B|`` without the ``-n/2 log 2 pi``."""
-        z = self.inverse(e)
-        return -0.5 * (z**2).sum(1) - self.log_det
+        """``(S,)`` ``log N(B^{-1}(e - mu); 0, I) - log|det B|`` without the ``-n/2 log 2 pi``.
+
+        With ``x = (e - mu) / s`` and ``U`` orthonormal, ``|B^{-1}(e - mu)|^2 = |x|^2 - sum_j (1 - 1/(1 + lam_j))
+        (x^T u_j)^2``: the inverse is never formed."""
+        x = e - self.mu
+        x /= self.s
+        sq = np.einsum("ij,ij->i", x, x)
+        if self.U.shape[1]:
+            sq -= ((x @ self.U) ** 2) @ (1.0 - 1.0 / (1.0 + self.lam))
+        return -0.5 * sq - self.log_det
 
     def covariance(self):
         """``(n, n)`` covariance of ``e``."""
