@@ -24,6 +24,7 @@ chunks, then learn from them): the split says which stage bounds the overlapped 
     python benchmarks/online_text.py                      # 1M Criteo rows, real-sim, regret 1M; ~15 min
     python benchmarks/online_text.py --cases criteo --rows 300000
     python benchmarks/online_text.py --quick              # 20k rows, a 2% real-sim, < 2 min
+    python benchmarks/online_text.py --chunk-sizes 20000,50000,100000   # chunk sizes side by side (*_chunks.json)
 
 Writes ``benchmarks/results/online_text[_quick].json`` and prints a markdown table.
 """
@@ -187,10 +188,19 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cases", default="criteo,svmlight,regret")
     parser.add_argument("--workdir", default=None, help="where the text files go (default: a temporary folder)")
+    parser.add_argument("--chunk-sizes", default=None,
+                        help="comma list of chunk_size values (rows) for ours at prior_var='auto', each its own "
+                             "pipeline in the same alternating runs (default: the readers' default only)")
     args = parse_args(parser=parser, argv=argv)
     if args.quick:
         args.rows, args.svm_scale, args.repeats = min(args.rows, 20_000), min(args.svm_scale, 0.02), 1
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    try:
+        chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")] if args.chunk_sizes else [None]
+    except ValueError:
+        parser.error(f"--chunk-sizes: expected a comma list of positive integers, got {args.chunk_sizes!r}")
+    if any(c is not None and c < 1 for c in chunk_sizes):
+        parser.error(f"--chunk-sizes: expected positive integers, got {args.chunk_sizes!r}")
     bad = [c for c in cases if c not in ("criteo", "svmlight", "regret")]
     if bad:
         parser.error(f"--cases: unknown {bad}; choose from criteo, svmlight, regret")
@@ -211,8 +221,10 @@ def main(argv=None):
             files = write_regret(workdir, args.rows, args.seed)
         bits = args.bits if case == "criteo" else 18
         runners = {"VW (C++ parser, logistic, -b %d)" % bits: (run_vw, (files["vw"], bits))} if vw else {}
-        runners["ours, prior_var='auto' (default)"] = (run_ours, (files["ours"], files["fmt"], files["num_features"],
-                                                                 "auto"))
+        for c in chunk_sizes:
+            label = "ours, prior_var='auto' (default)" + ("" if c is None else f", chunk_size={c:,}")
+            runners[label] = (run_ours, (files["ours"], files["fmt"], files["num_features"], "auto")
+                              + (() if c is None else (c,)))
         runners["ours, prior_var=1 (one learner)"] = (run_ours, (files["ours"], files["fmt"], files["num_features"],
                                                                 1.0))
         runs = {k: [] for k in runners}
@@ -248,6 +260,7 @@ def main(argv=None):
     print(table)
     payload["table"] = table
     subset = "" if set(cases) == {"criteo", "svmlight", "regret"} else "_" + "_".join(cases)
+    subset += "" if args.chunk_sizes is None else "_chunks"
     path = write_json(("online_text_quick" if args.quick else "online_text") + subset, payload)
     print(f"wrote {path}; text files in {workdir}")
 
