@@ -338,12 +338,13 @@ def _directions(eps, c, own, maps, frac, mean, s, seed, r_max):
     R, cs = [], []
     for part in (half, ~half):
         cs.append(np.where(part, c, 0.0) * N / part.sum())
-        M = eps.T @ (cs[-1][:, None] * eps) + K
+        ep = eps[part]
+        M = ep.T @ (cs[-1][part][:, None] * ep) + K  # the other half's weights are zero
         Ri = (M - np.outer(mean, mean)) / np.outer(s, s)
         np.fill_diagonal(Ri, 1.0)  # the scales s carry the diagonal
         R.append(Ri)
     z = (eps - mean) / s
-    low = np.zeros((n, n))
+    kept_vectors = []  # (u, a): the confirmed low-rank departure is sum a u u^T
     for a, b in ((0, 1), (1, 0)):
         lam_a, V = np.linalg.eigh(R[a] - np.eye(n))
         kept = 0
@@ -352,11 +353,18 @@ def _directions(eps, c, own, maps, frac, mean, s, seed, r_max):
             est = float(u @ R[b] @ u) - 1.0
             se = math.sqrt(float((cs[b] ** 2 * ((z @ u) ** 2 - 1.0 - est) ** 2).sum()))
             if est * lam_a[j] > 0 and abs(est) > 2 * se + 1e-8:
-                low += 0.5 * est * np.outer(u, u)
+                kept_vectors.append((u, 0.5 * est))
                 kept += 1
             if kept == r_max:
                 break
-    lam, V = np.linalg.eigh(low)
+    if not kept_vectors:
+        return None, None
+    # low = B diag(a) B^T has rank <= 2 r_max: its eigenpairs from those of R diag(a) R^T, B = Q R (QR)
+    B = np.stack([u for u, _ in kept_vectors], 1)
+    Q, Rb = np.linalg.qr(B)
+    small = (Rb * np.array([a for _, a in kept_vectors])) @ Rb.T
+    lam, W = np.linalg.eigh(0.5 * (small + small.T))
+    V = Q @ W
     top = np.argsort(-np.abs(lam))[:r_max]
     top = top[np.abs(lam[top]) > 1e-8]
     if top.size == 0:
