@@ -22,7 +22,8 @@ Protocol (``--full``; docs/design.md describes it and how it maps onto the paper
 
 Resumable: the JSON (``benchmarks/results/compressive_sensing_{quick,default,full}.json``) is rewritten after every
 design run and every MAP evaluation unit; a rerun with the same settings skips what it holds (``--restart``
-starts afresh). ``--blocks`` and ``--methods`` restrict a run (e.g. one timed block of one method).
+starts afresh). ``--blocks`` and ``--methods`` restrict a run (e.g. one timed block of one method); runs of disjoint
+``--blocks`` may share the JSON at the same time (each save is locked and merges what the others wrote).
 
 Usage::
 
@@ -249,7 +250,41 @@ class State:
         self.doc = doc or dict(settings=settings, images={}, tau=None, blocks={}, map_errors={})
 
     def save(self):
-        write_json(self.name, {k: v for k, v in self.doc.items() if k not in ("benchmark", "machine")})
+        """Write the JSON; under a lock, after merging what another run with the same settings wrote meanwhile
+        (runs of disjoint ``--blocks`` can share the file, e.g. one per core)."""
+        import fcntl
+
+        with open(self.path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if os.path.exists(self.path):
+                with open(self.path) as f:
+                    disk = json.load(f)
+                if disk.get("settings") == self.doc["settings"]:
+                    merge_missing(self.doc, disk)
+            write_json(self.name, {k: v for k, v in self.doc.items() if k not in ("benchmark", "machine")})
+
+
+def merge_missing(doc, other):
+    """Add to ``doc`` (in place) the units of work ``other`` holds and ``doc`` does not: the tau choice, blocks,
+    their design runs and test errors, MAP errors and their stats, session times."""
+    if doc.get("tau") is None and other.get("tau") is not None:
+        doc["tau"] = other["tau"]
+    for b, blk in other.get("blocks", {}).items():
+        mine = doc["blocks"].setdefault(b, blk)
+        if mine is not blk:
+            for part in ("methods", "errors"):
+                for k, v in blk.get(part, {}).items():
+                    mine[part].setdefault(k, v)
+    for k, v in other.get("map_errors", {}).items():
+        doc["map_errors"].setdefault(k, v)
+    have = {s["key"] for s in doc.get("map_stats", [])}
+    extra = [s for s in other.get("map_stats", []) if s["key"] not in have]
+    if extra:
+        doc.setdefault("map_stats", []).extend(extra)
+    for k in ("seconds_sessions",):
+        theirs = [v for v in other.get(k, []) if v not in doc.get(k, [])]
+        if theirs:
+            doc.setdefault(k, []).extend(theirs)
 
 
 def map_key(image, pairs):
