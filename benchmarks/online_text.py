@@ -72,7 +72,7 @@ def _warm_kernels():
     os.remove(f.name)
 
 
-def run_split(path, fmt, num_features, prior_var, chunk_size=100_000):
+def run_split(path, fmt, num_features, prior_var, chunk_size=None):
     """Where the time goes, one stage at a time in this thread (CPU seconds, so a shared core matters less):
     reading + parsing + hashing the whole file into chunks, then learning from the chunks held in memory."""
     from pyro_convexvb.online import OnlineBayesLogistic, iter_criteo, iter_svmlight
@@ -97,7 +97,7 @@ def run_split(path, fmt, num_features, prior_var, chunk_size=100_000):
             "learn_us_per_row": 1e6 * (t3 - t2) / rows}
 
 
-def run_ours(path, fmt, num_features, prior_var, chunk_size=100_000):
+def run_ours(path, fmt, num_features, prior_var, chunk_size=None):
     """Read and learn the whole file; ``seconds`` from opening the file to the last update."""
     from pyro_convexvb.online import OnlineBayesLogistic, iter_criteo, iter_svmlight
 

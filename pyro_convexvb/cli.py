@@ -366,7 +366,7 @@ def _save_state_atomically(state, path):
     os.replace(tmp, path)
 
 
-def run_online(path, fmt, state_path=None, resume=False, num_features=None, chunk_size=100_000, prior_var="auto",
+def run_online(path, fmt, state_path=None, resume=False, num_features=None, chunk_size=None, prior_var="auto",
                hash_seed=0, label_column=0, integer_columns=(), categorical_columns=(), delimiter=",",
                header=False, zero_based=False, progress=True, save_every=60.0, out=None):
     """Learn :class:`~pyro_convexvb.online.OnlineBayesLogistic` from a text file, one progressive pass.
@@ -501,7 +501,8 @@ def main(argv=None):
     o.add_argument("--resume", action="store_true", help="continue from --state (skips the rows it learned)")
     o.add_argument("--num-features", type=int, default=None,
                    help="hash buckets (criteo/csv, default 2^22) or columns (svmlight, required)")
-    o.add_argument("--chunk-size", type=int, default=100_000)
+    o.add_argument("--chunk-size", type=int, default=None,
+                   help="rows per chunk (default: the readers' DEFAULT_CHUNK_ROWS, 50,000)")
     o.add_argument("--prior-var", default="auto", help="'auto' (default) or a positive number")
     o.add_argument("--hash-seed", type=int, default=0)
     o.add_argument("--label-column", type=int, default=0, help="csv")

@@ -276,3 +276,21 @@ def test_svmlight_kernel_equals_the_python_parser_on_odd_numbers(tmp_path, seed)
         np.testing.assert_array_equal(X.indices, Xr.indices)
         np.testing.assert_array_equal(X.data.view(np.int64), Xr.data.view(np.int64))  # bit for bit, NaN too
         np.testing.assert_array_equal(y, labels)
+
+
+def test_default_chunk_size_is_fifty_thousand_rows(tmp_path):
+    """``chunk_size=None`` (the default) cuts DEFAULT_CHUNK_ROWS rows; a bad value names the argument."""
+    from pyro_convexvb.online import DEFAULT_CHUNK_ROWS
+
+    assert DEFAULT_CHUNK_ROWS == 50_000
+    n = DEFAULT_CHUNK_ROWS + 7
+    p = tmp_path / "d.svm"
+    p.write_text("".join(f"{1 if i % 2 else -1} {i % 5 + 1}:1\n" for i in range(n)))
+    sizes = [X.shape[0] for X, _ in iter_svmlight(p, num_features=8)]
+    assert sizes == [DEFAULT_CHUNK_ROWS, 7]
+    c = tmp_path / "d.csv"
+    c.write_text("".join(f"{i % 2},{i % 3},a{i % 4}\n" for i in range(n)))
+    sizes = [X.shape[0] for X, _ in iter_csv(c, integer_columns=[1], categorical_columns=[2], num_features=64)]
+    assert sizes == [DEFAULT_CHUNK_ROWS, 7]
+    with pytest.raises(ValueError, match=r"chunk_size: expected a positive integer \(or None for 50,000\)"):
+        iter_svmlight(p, chunk_size=2.5, num_features=8)

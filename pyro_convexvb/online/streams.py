@@ -27,6 +27,7 @@ __all__ = [
     "iter_criteo",
     "CRITEO_INTEGER_COLUMNS",
     "CRITEO_CATEGORICAL_COLUMNS",
+    "DEFAULT_CHUNK_ROWS",
     "progressive_regret",
 ]
 
@@ -245,6 +246,22 @@ def hash_features(rows, num_features, seed=0):
 
 
 # ----------------------------------------------------------------------------- svmlight
+#: rows per chunk of the text readers when ``chunk_size`` is not given. Measured end to end (reader thread and
+#: learner, benchmarks/online_text.py --chunk-sizes): 50,000 rows beat 20,000 (more per-chunk overhead) and
+#: 100,000 (a file of fewer rows is one chunk, so reading and learning do not overlap) on Criteo-, real-sim- and
+#: regret-shaped files (docs/online.md).
+DEFAULT_CHUNK_ROWS = 50_000
+
+
+def _chunk_rows(chunk_size):
+    if chunk_size is None:
+        return DEFAULT_CHUNK_ROWS
+    if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive integer (or None for {DEFAULT_CHUNK_ROWS:,}), "
+                         f"got {chunk_size!r}")
+    return int(chunk_size)
+
+
 def _reader(chunks, prefetch):
     if prefetch is True or (isinstance(prefetch, int) and not isinstance(prefetch, bool) and prefetch > 0):
         return _textio.prefetch(chunks, depth=1 if prefetch is True else int(prefetch))
@@ -253,8 +270,9 @@ def _reader(chunks, prefetch):
     raise ValueError(f"prefetch: expected True, False or a positive number of chunks, got {prefetch!r}")
 
 
-def iter_svmlight(path, chunk_size=100_000, num_features=None, zero_based=False, hashing=None, prefetch=True):
-    """Read an svmlight / LIBSVM file (optionally ``.gz``) in chunks of ``chunk_size`` rows.
+def iter_svmlight(path, chunk_size=None, num_features=None, zero_based=False, hashing=None, prefetch=True):
+    """Read an svmlight / LIBSVM file (optionally ``.gz``) in chunks of ``chunk_size`` rows
+    (default :data:`DEFAULT_CHUNK_ROWS`, 50,000).
 
     Lines are ``label idx:value ...`` with an optional ``# comment`` and ``qid:`` (ignored); blank and
     comment lines give no row, so every chunk but the last holds exactly ``chunk_size`` rows.  Blocks of
@@ -286,9 +304,7 @@ def iter_svmlight(path, chunk_size=100_000, num_features=None, zero_based=False,
         raise ValueError(f"zero_based: expected True or False, got {zero_based!r}")
     if hashing is not None and (isinstance(hashing, bool) or int(hashing) != hashing or hashing < 0):
         raise ValueError(f"hashing: expected None or a non-negative integer seed, got {hashing!r}")
-    if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
-        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
-    chunks = _textio.iter_svmlight_chunks(path, int(chunk_size), int(num_features), 0 if zero_based else 1,
+    chunks = _textio.iter_svmlight_chunks(path, _chunk_rows(chunk_size), int(num_features), 0 if zero_based else 1,
                                           hashing)
     return _reader(chunks, prefetch)
 
@@ -298,9 +314,10 @@ CRITEO_INTEGER_COLUMNS = tuple(range(1, 14))
 CRITEO_CATEGORICAL_COLUMNS = tuple(range(14, 40))
 
 
-def iter_csv(path, chunk_size=100_000, label_column=0, integer_columns=(), categorical_columns=(),
+def iter_csv(path, chunk_size=None, label_column=0, integer_columns=(), categorical_columns=(),
              num_features=2 ** 20, seed=0, delimiter=",", header=False, add_bias=True, prefetch=True):
-    """Read a delimited text file (optionally ``.gz``) in chunks of ``chunk_size`` rows and hash its columns.
+    """Read a delimited text file (optionally ``.gz``) in chunks of ``chunk_size`` rows (default
+    :data:`DEFAULT_CHUNK_ROWS`, 50,000) and hash its columns.
 
     Every categorical column ``j`` with value ``v`` becomes the token ``"j=v"``; an integer
     column becomes ``"j#b"`` with ``b`` its logarithmic bucket (the value up to 2, then
@@ -330,12 +347,10 @@ def iter_csv(path, chunk_size=100_000, label_column=0, integer_columns=(), categ
     """
     spec = _textio.DelimitedSpec(label_column, integer_columns, categorical_columns, num_features, seed,
                                  delimiter, add_bias)
-    if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
-        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
-    return _reader(_textio.iter_delimited(path, spec, int(chunk_size), header=header), prefetch)
+    return _reader(_textio.iter_delimited(path, spec, _chunk_rows(chunk_size), header=header), prefetch)
 
 
-def iter_criteo(path, chunk_size=100_000, num_features=2 ** 22, seed=0, add_bias=True, prefetch=True):
+def iter_criteo(path, chunk_size=None, num_features=2 ** 22, seed=0, add_bias=True, prefetch=True):
     """Chunks of the Criteo display-advertising layout: tab-separated label, 13 integer and 26
     categorical columns (Shamir & Szpankowski 2021, §4); see :func:`iter_csv`.
 
