@@ -398,7 +398,7 @@ def main(argv=None):
                                     adhoc_pairs=adhoc, adhoc_columns=known_columns(adhoc, size))
         state.save()
     tau = (state.doc["tau"]["tau_a"], state.doc["tau"]["tau_r"])
-    eval_steps = sorted(set(list(range(0, steps + 1, cfg["eval_every"])) + [steps]))
+    eval_steps = evaluation_steps(settings)
     for b in which:
         blk = state.doc["blocks"].setdefault(str(b), dict(**blocks[b], start=start, methods={}, errors={}))
         if blk["design_image"] != blocks[b]["design_image"] or blk["test_images"] != blocks[b]["test_images"]:
@@ -437,17 +437,29 @@ def main(argv=None):
             if added:
                 np.savez_compressed(res_path, **arrays)
     state.doc["eval_steps"] = eval_steps
-    state.doc["columns_at_eval"] = [known_columns(start + list(range(start[-1] + 1, start[-1] + 1 + t)), size)
-                                    for t in eval_steps]
+    state.doc["columns_at_eval"] = columns_at(settings, eval_steps)
     state.doc.setdefault("seconds_sessions", []).append(time.perf_counter() - t_all)
     state.save()
     report(state.doc, name)
 
 
 # ----------------------------------------------------------------------------- report
+def evaluation_steps(settings):
+    """Design steps at which the test errors are computed: every ``eval_every``-th and the last."""
+    steps = settings["steps"]
+    return sorted(set(list(range(0, steps + 1, settings["eval_every"])) + [steps]))
+
+
+def columns_at(settings, eval_steps):
+    """Known k-space columns of a design after each of ``eval_steps`` steps (conjugate pairs counted as placed)."""
+    size = settings["size"]
+    start = lowpass_pairs(size, settings["central"])
+    return [known_columns(start + list(range(start[-1] + 1, start[-1] + 1 + t)), size) for t in eval_steps]
+
+
 def summarise(doc):
     """Mean test-error ratios per method and evaluation step (over test images and blocks)."""
-    steps = doc.get("eval_steps", [])
+    steps = doc.get("eval_steps") or evaluation_steps(doc["settings"])
     out = {}
     for blk in doc["blocks"].values():
         low = {img: e for key, e in blk["errors"].items() for m, img in [key.split("|")] if m == "lowpass"}
@@ -464,7 +476,7 @@ def summarise(doc):
 
 def report(doc, name):
     summ, steps = summarise(doc)
-    cols = doc.get("columns_at_eval", steps)
+    cols = doc.get("columns_at_eval") or columns_at(doc["settings"], steps)
     if summ:
         rows = [dict(method=m, count=v["count"], **{f"c{c}": x for c, x in zip(cols, v["vs_lowpass"])})
                 for m, v in summ.items()]
@@ -527,6 +539,9 @@ def figures(doc, name, summ, cols):
         a.set_title(title)
         a.legend(fontsize=8)
     ax[1].set_xlabel("known k-space columns")
+    done = [b for b, blk in doc["blocks"].items() if blk.get("errors")]
+    fig.suptitle(f"mean over {len(done)} of {doc['settings']['blocks']} blocks (blocks {', '.join(done)}), "
+                 f"{doc['settings']['tests']} test images each", fontsize=9)
     save_figure(fig, name + "_errors")
     res_path = os.path.join(results_dir(), name + "_residuals.npz")
     if os.path.exists(res_path):
