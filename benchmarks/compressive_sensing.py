@@ -281,10 +281,9 @@ def merge_missing(doc, other):
     extra = [s for s in other.get("map_stats", []) if s["key"] not in have]
     if extra:
         doc.setdefault("map_stats", []).extend(extra)
-    for k in ("seconds_sessions",):
-        theirs = [v for v in other.get(k, []) if v not in doc.get(k, [])]
-        if theirs:
-            doc.setdefault(k, []).extend(theirs)
+    theirs = [v for v in other.get("seconds_sessions", []) if v not in doc.get("seconds_sessions", [])]
+    if theirs:
+        doc.setdefault("seconds_sessions", []).extend(theirs)
 
 
 def map_key(image, pairs):

@@ -39,6 +39,9 @@ def test_affine_map_algebra():
     B = np.stack([m.forward(np.eye(6)[i][None])[0] - m.mu for i in range(6)], 1)  # the linear part, columnwise
     np.testing.assert_allclose(B @ B.T, m.covariance(), atol=1e-12)
     assert m.log_det == pytest.approx(float(np.linalg.slogdet(B)[1]), abs=1e-12)
+    # the log kernel (no inverse formed) is the normal log density of e, up to -n/2 log(2 pi)
+    ref = stats.multivariate_normal(m.mu, m.covariance()).logpdf(e) + 3.0 * math.log(2 * math.pi)
+    np.testing.assert_allclose(m.log_kernel(e), ref, rtol=0, atol=1e-10)
     L = np.linalg.cholesky(np.cov(rng.normal(size=(6, 40))))
     mean, var = m.field_moments(L)
     np.testing.assert_allclose(mean, L @ m.mu, atol=1e-12)

@@ -273,13 +273,15 @@ def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False, tol=0.1)
     span = 0.5 * (hi - lo)
 
     def evaluate(t, act, keep):
-        """:meth:`~CoordinateControls.at` on the columns ``act`` at ``t[act]``, written into ``keep`` (each
-        column's latest evaluation; the first, on every column, becomes ``keep``)."""
+        """:meth:`~CoordinateControls.at` on the columns ``act`` at ``t[act]``; with ``baseline``, also written into
+        ``keep`` (each column's latest evaluation; the first, on every column, becomes ``keep``)."""
         ev = ctl.at(x, t[act], None if act.size == P else act)
+        if not baseline:
+            return ev
         if not keep:
             keep.extend(ev)
         else:
-            for k, arr in ((0, ev[0]), (1, ev[1]), (2, ev[2]), (3, ev[3])):
+            for k, arr in enumerate(ev):
                 if arr is not None:
                     keep[k][:, act] = arr
         return ev
