@@ -428,6 +428,13 @@ class SparseGMRF(TorchDistribution):
         """Whether the precision is rank-deficient (``constraints`` given)."""
         return self._intrinsic is not None
 
+    @property
+    def constraint_factor(self):
+        """For an intrinsic field, the factorisation of ``Q_0`` with its constraints (:class:`_IntrinsicFactor`:
+        the ``(k, n)`` constraint matrix ``C``, the pivot coordinates ``P`` and the others ``R``); ``None`` for a
+        proper field."""
+        return self._intrinsic
+
     def log_det_precision(self):
         """``log|Q| = n log s + log|Q_0|`` as a tensor (differentiable in ``s``); for an intrinsic field the
         generalised determinant ``log|Q|* = (n - k) log s + log|Q_0|*`` (Rue & Held 2005, §3.1)."""

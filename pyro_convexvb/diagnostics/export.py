@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from .importance import _log_joint
+from .constrained import proposal_posterior
 from .proposals import make_proposal
 
 __all__ = ["to_arviz"]
@@ -74,7 +75,7 @@ def to_arviz(result, num_draws=None, seed=0, *, chains=4, corrected=None, progre
         values = corr.resample(S, seed=seed, constrained=False)
         source = f"resampled by PSIS weights (proposal {corr.diagnostics.proposal!r}, k_hat {corr.k_hat:.3f})"
     else:
-        q = make_proposal(result.posterior, "fitted")
+        q = make_proposal(proposal_posterior(result), "fitted")
         gen = torch.Generator().manual_seed(int(seed))
         with torch.no_grad():
             values, _ = q.sample(S, gen)

@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
+from .constrained import log_jacobian, proposal_posterior
 from .logjoint import ModelLogJoint
 from .proposals import AdaptedProposal, Proposal, make_proposal
 from .psis import importance_ess, pareto_k_threshold, psis_smooth, weighted_moments, weighted_quantiles
@@ -50,6 +51,7 @@ def _log_joint(result):
     lj = result.__dict__.get("_log_joint_evaluator")
     if lj is None:
         lj = ModelLogJoint(*_model_of(result))
+        lj.offset = log_jacobian(result)  # the density of the proposals' coordinates (constrained fields: free ones)
         result.__dict__["_log_joint_evaluator"] = lj
     return lj
 
@@ -173,7 +175,7 @@ def _weigh(result, q, values, log_q, log_joint, cond, name=None):
 
 
 def _importance(result, num_draws, seed, proposal, progress):
-    q = proposal if isinstance(proposal, Proposal) else make_proposal(result.posterior, proposal)
+    q = proposal if isinstance(proposal, Proposal) else make_proposal(proposal_posterior(result), proposal)
     return _weigh(result, q, *_draw(result, q, num_draws, seed, progress))
 
 
@@ -399,8 +401,9 @@ def _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried):
     :data:`ADAPT_BELOW` of the draws or a round does not improve it."""
     from .whitened import AffineMap, WhitenedProposal, fit_affine_map
 
-    layout = result.posterior.layout
-    q = WhitenedProposal(q1, layout, AffineMap.identity(result.posterior.n))
+    post = proposal_posterior(result)
+    layout = post.layout
+    q = WhitenedProposal(q1, layout, AffineMap.identity(post.n))
     values, lq, ljv, cond = _draw(result, q, num_draws, seed, progress)
     d = _weigh(result, q, values, lq, ljv, cond)
     tried[d.proposal] = d.k_hat
@@ -430,7 +433,7 @@ def _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried):
 def _adapt_diagonal(result, d, num_draws, seed, progress, adapt, tried):
     """Rounds of :class:`~pyro_convexvb.diagnostics.proposals.AdaptedProposal` (a shift and a scale per
     coordinate, the last round only), kept while they improve the importance ESS."""
-    layout = getattr(result.posterior, "layout", None)
+    layout = getattr(proposal_posterior(result), "layout", None)
     for r in range(int(adapt)):
         if layout is None or d.ess >= ADAPT_BELOW * d.num_draws or not np.isfinite(d.k_hat):
             break
@@ -449,10 +452,10 @@ def _choose(result, num_draws, seed, progress, adapt, adaptation):
     """``proposal="auto"``: the plain proposal, adapted, then the defensive mixtures when it is not ``ok``; the
     :class:`ImportanceDiagnostics` of the one used, ``tried`` filled in."""
     first = "interpolated" if _integrates_hyper(result) else "fitted"
-    q1 = make_proposal(result.posterior, first)
+    q1 = make_proposal(proposal_posterior(result), first)
     tried = {}
     if adapt and adaptation == "affine" and q1.frame_posteriors is not None \
-            and getattr(result.posterior, "layout", None) is not None:
+            and getattr(proposal_posterior(result), "layout", None) is not None:
         d = _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried)
     else:
         d = _importance(result, num_draws, seed, q1, progress)
@@ -482,7 +485,7 @@ def _summaries(result, d, estimator, probs, seed, baseline=False):
     lj = _log_joint(result)
     w = np.exp(d.log_weights)
     q = d.proposal_object
-    layout = getattr(result.posterior, "layout", None)
+    layout = getattr(proposal_posterior(result), "layout", None)
     sites, unc, bases = {}, {}, {}
     t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
     for n in lj.names:

@@ -63,6 +63,10 @@ class ModelLogJoint:
     :param tuple args: its positional arguments; ``kwargs`` its keyword arguments (the data).
     :param bool vectorise: try ``torch.func.vmap`` over draws (checked against plain traces on first use).
 
+    :ivar float offset: a constant added to every ``log_joint`` (0 by default): the log Jacobian of the coordinates
+        the draws' densities refer to, when they are not the model's own (constrained fields in free coordinates,
+        :mod:`~pyro_convexvb.diagnostics.constrained`).
+
     Example::
 
         >>> import pyro, pyro.distributions as dist
@@ -87,6 +91,7 @@ class ModelLogJoint:
         #: ``None`` until the first evaluation decides, then whether ``torch.func.vmap`` runs the model
         self.vectorised = None if vectorise else False
         self.chunk_size = 64
+        self.offset = 0.0
         self._masks = {}
         from ..lgm.extract import full_data_plates
 
@@ -157,7 +162,7 @@ class ModelLogJoint:
         if out is None:
             out = self._run_loop(data, S, flags, progress)
         lp, ll, cdf, rep = out
-        res = {"log_joint": lp + ldj.numpy()}
+        res = {"log_joint": lp + ldj.numpy() + self.offset}
         if flags[0]:
             res["log_lik"] = ll
         if pit:

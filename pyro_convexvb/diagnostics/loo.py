@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .importance import _log_joint
+from .constrained import proposal_posterior
 from .proposals import PROPOSALS, make_proposal
 from .psis import pareto_k_threshold, psis, psis_smooth
 
@@ -142,7 +143,7 @@ def loo(result, num_draws=None, seed=0, *, proposal=None, progress=False):
         if proposal not in PROPOSALS:  # an adapted proposal: the correction's last one, drawn afresh
             q = c.diagnostics.proposal_object
     if q is None:
-        q = make_proposal(result.posterior, proposal)
+        q = make_proposal(proposal_posterior(result), proposal)
     gen = torch.Generator().manual_seed(int(seed))
     with torch.no_grad():
         values, log_q = q.sample(LOO_DRAWS if num_draws is None else int(num_draws), gen)

@@ -92,9 +92,10 @@ def _singular_message(post):
                 sites.append(b.name)
     where = f" (sites {', '.join(repr(n) for n in sites)})" if sites else ""
     return (f"importance diagnostics and correct='psis' need a non-singular posterior covariance; this one is "
-            f"singular in {null.shape[1]} direction(s){where}: a latent field with linear constraints (e.g. an "
-            "intrinsic GMRF with a sum-to-zero constraint) lives on a subspace, which the proposals do not "
-            "support yet. The engine's Gaussian posterior itself is unaffected")
+            f"singular in {null.shape[1]} direction(s){where}. A latent field with linear constraints (e.g. an "
+            "intrinsic GMRF with a sum-to-zero constraint) lives on a subspace, where the proposals work in its free "
+            "coordinates; this singularity is not one of a constrained SparseGMRF site of the model (the only kind "
+            "the proposals reparametrise). The engine's Gaussian posterior itself is unaffected")
 
 
 class _GaussianParts:
@@ -244,7 +245,7 @@ class Proposal:
 
         loc, sd, df = self.conditional() if conditional is None else conditional
         if layout is not None and name in [b.name for b in layout.blocks]:
-            if loc is None:
+            if loc is None or name in getattr(layout, "mapped", ()):  # a constrained field: free coordinates
                 return None
             sl = layout[name].slice
             return CoordinateControls(loc[:, sl], sd[:, sl], df)
