@@ -158,13 +158,22 @@ class _IntrinsicFactor:
         N = C.T
         self.n, self.k, self.P, self.R, self.C = n, k, P, R, C
         self.NK = N @ np.linalg.inv(C @ N)  # (n, k): phi(x) = x - NK C x
-        self.logdet_star = float(self.chol.logdet() + np.linalg.slogdet(N.T @ N)[1]
-                                 - 2 * np.linalg.slogdet(N[P])[1])
+        self.NP_inv = np.linalg.inv(N[P])
+        # log sqrt(det(G^T G)) = log|det N_P| - 1/2 log det(N^T N), G = phi on {x_P = 0} (Sylvester's identity): the
+        # area factor between the pinned field's density and the constrained field's density on {C x = 0}
+        self.log_area = float(np.linalg.slogdet(N[P])[1] - 0.5 * np.linalg.slogdet(N.T @ N)[1])
+        self.logdet_star = float(self.chol.logdet() - 2 * self.log_area)
         self._diag = None
 
     def project(self, x):
         """``phi(x) = x - N (C N)^{-1} C x`` for ``x`` of shape ``(n, B)`` (NumPy)."""
         return x - self.NK @ (self.C @ x)
+
+    def pinned(self, x):
+        """The inverse of :meth:`project` on ``{x_P = 0}``: the coordinates ``z_R`` ``(n - k, B)`` of the pinned
+        field with ``phi(z) = x``, ``z = psi(x) = x - N N_P^{-1} x_P``, for ``x`` ``(n, B)`` on ``{C x = 0}``
+        (NumPy)."""
+        return (x - self.C.T @ (self.NP_inv @ x[self.P]))[self.R]
 
     def sample(self, eps):
         """Constrained draws ``(n, B)`` of ``N(0, Q_0^+)`` on ``{C x = 0}`` from ``eps`` of shape ``(n - k, B)``."""

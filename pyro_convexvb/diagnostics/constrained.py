@@ -30,42 +30,28 @@ __all__ = ["FreeCoordinates", "proposal_posterior", "log_jacobian"]
 
 
 class _ConstrainedBlock:
-    """The free-coordinate map of one constrained block (``m`` coordinates, ``k`` constraints)."""
+    """The free-coordinate map of one constrained block (``m`` coordinates, ``k`` constraints): the field's own
+    ``phi`` and its inverse (:meth:`~pyro_convexvb.distributions._IntrinsicFactor.project`, ``pinned``), on
+    ``(..., m)`` tensors of any dtype and device (computed in float64 NumPy, as the field samples)."""
 
     def __init__(self, fac, loc):
-        C = np.asarray(fac.C, dtype=np.float64)
-        self.m, self.k = fac.n, fac.k
-        self.P = np.asarray(fac.P, dtype=np.int64)
-        self.R = np.asarray(fac.R, dtype=np.int64)
-        N = C.T
-        self.C, self.NK, self.N = C, np.asarray(fac.NK, dtype=np.float64), N
-        self.NP_inv = np.linalg.inv(N[self.P])
+        self.fac, self.m, self.k = fac, fac.n, fac.k
         self.loc = np.broadcast_to(np.asarray(loc, dtype=np.float64), (self.m,)).copy()
-        self.log_jacobian = float(np.linalg.slogdet(N[self.P])[1] - 0.5 * np.linalg.slogdet(N.T @ N)[1])
-        self._torch = {}
-
-    def _t(self, like):
-        key = (like.dtype, like.device)
-        if key not in self._torch:
-            t = lambda a: torch.as_tensor(a, dtype=like.dtype, device=like.device)  # noqa: E731
-            self._torch[key] = (t(self.C), t(self.NK), t(self.N), t(self.NP_inv), t(self.loc),
-                                torch.as_tensor(self.R, device=like.device), torch.as_tensor(self.P, device=like.device))
-        return self._torch[key]
+        self.log_jacobian = fac.log_area
 
     def to_field(self, w, shift=True):
         """``(..., m)`` the field ``x = loc + phi(Pi w)`` of free coordinates ``w`` ``(..., m - k)``."""
-        C, NK, _, _, loc, R, _ = self._t(w)
-        z = w.new_zeros(w.shape[:-1] + (self.m,))
-        z[..., R] = w
-        x = z - (z @ C.transpose(0, 1)) @ NK.transpose(0, 1)
-        return x + loc if shift else x
+        flat = w.detach().reshape(-1, self.m - self.k).double().cpu().numpy()
+        z = np.zeros((self.m, flat.shape[0]))
+        z[self.fac.R] = flat.T
+        x = self.fac.project(z).T + (self.loc if shift else 0.0)
+        return torch.as_tensor(x, dtype=w.dtype, device=w.device).reshape(w.shape[:-1] + (self.m,))
 
     def to_free(self, x, shift=True):
         """``(..., m - k)`` the free coordinates ``w = (psi(x - loc))_R`` of a field ``x`` ``(..., m)``."""
-        _, _, N, NP_inv, loc, R, P = self._t(x)
-        r = x - loc if shift else x
-        p = r[..., P] @ NP_inv.transpose(0, 1)  # N_P^{-1} r_P, as rows
-        return (r - p @ N.transpose(0, 1))[..., R]
+        flat = x.detach().reshape(-1, self.m).double().cpu().numpy() - (self.loc if shift else 0.0)
+        w = self.fac.pinned(flat.T).T
+        return torch.as_tensor(w, dtype=x.dtype, device=x.device).reshape(x.shape[:-1] + (self.m - self.k,))
 
 
 class FreeCoordinates(LatentLayout):

@@ -452,10 +452,11 @@ def _choose(result, num_draws, seed, progress, adapt, adaptation):
     """``proposal="auto"``: the plain proposal, adapted, then the defensive mixtures when it is not ``ok``; the
     :class:`ImportanceDiagnostics` of the one used, ``tried`` filled in."""
     first = "interpolated" if _integrates_hyper(result) else "fitted"
-    q1 = make_proposal(proposal_posterior(result), first)
+    post = proposal_posterior(result)
+    q1 = make_proposal(post, first)
     tried = {}
     if adapt and adaptation == "affine" and q1.frame_posteriors is not None \
-            and getattr(proposal_posterior(result), "layout", None) is not None:
+            and getattr(post, "layout", None) is not None:
         d = _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried)
     else:
         d = _importance(result, num_draws, seed, q1, progress)
