@@ -22,7 +22,10 @@ Protocol (``--full``; docs/design.md describes it and how it maps onto the paper
 
 Resumable: the JSON (``benchmarks/results/compressive_sensing_{quick,default,full}.json``) is rewritten after every
 design run and every MAP evaluation unit; a rerun with the same settings skips what it holds (``--restart``
-starts afresh). ``--blocks`` and ``--methods`` restrict a run (e.g. one timed block of one method); runs of disjoint
+starts afresh). A design run in progress writes a checkpoint after every step
+(``benchmarks/results/<name>_checkpoints/``: its chosen pairs, per-step records and the refit's state ``gamma``,
+``z``, ``u``, ``log|A|`` in float64), and a rerun continues it from there with the same choices as an
+uninterrupted run; the checkpoint is removed when the design is in the JSON. ``--blocks`` and ``--methods`` restrict a run (e.g. one timed block of one method); runs of disjoint
 ``--blocks`` may share the JSON at the same time (each save is locked and merges what the others wrote).
 
 Usage::
@@ -39,6 +42,7 @@ Usage::
 import json
 import math
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -52,12 +56,14 @@ from _common import RESULTS_DIR, make_parser, markdown_table, parse_args, save_f
 from pyro_convexvb.design.imaging import compressive_sensing_model, fourier_columns_operator, laplace_map  # noqa: E402
 from pyro_convexvb.design.imaging_map import imaging_map  # noqa: E402
 from pyro_convexvb.design.sequential import (  # noqa: E402
+    DesignHistory,
     SequentialPhaseEncodeDesign,
     known_columns,
     lowpass_pairs,
     pair_candidates,
 )
 from pyro_convexvb.errors import ConvergenceWarning  # noqa: E402
+from pyro_convexvb.infer.convex_relaxation import RelaxationState  # noqa: E402
 from pyro_convexvb.infer.convex_relaxation.problem import PRECONDITIONERS  # noqa: E402
 
 D = torch.float64
@@ -209,8 +215,45 @@ def parse_method(m):
     raise ValueError(f"--methods: unknown method {m!r} (K<var>/<score>, PCA<L>, random-<seed>, lowpass)")
 
 
-def run_design(meas, start, steps, method, tau, seed, progress, engine_options=None):
-    """Ordered added pairs of one design, with per-step times for the Bayesian ones."""
+#: the per-step lists of a design history, as the JSON and the checkpoints hold them
+HISTORY_FIELDS = ("added", "best_scores", "scores", "seconds_inference", "seconds_scoring", "inner_seconds",
+                  "outer_seconds", "newton_steps", "cg_iterations", "converged")
+
+
+def load_checkpoint(path, key):
+    """``(history, seconds, resumed_at)`` of an interrupted design run saved at ``path`` by
+    :func:`save_checkpoint` (``resumed_at``: the steps it continued from before), or ``(None, 0, [])`` if there is
+    none; a checkpoint of another design (``key``: method, start, steps, tau, seed,
+    engine options) is an error."""
+    if path is None or not os.path.exists(path):
+        return None, 0.0, []
+    ck = torch.load(path, weights_only=True)
+    if ck.get("key") != key:
+        raise SystemExit(f"{path}: a checkpoint of another design ({ck.get('key')}, expected {key}); delete it or "
+                         "pass --restart")
+    st = ck["state"]
+    hist = DesignHistory(start=list(key["start"]), **{f: list(ck["history"][f]) for f in HISTORY_FIELDS},
+                         state=RelaxationState(st["gamma"], st["u"], st["z"], st["logdet"]))
+    return hist, float(ck["seconds"]), [int(t) for t in ck["resumed_at"]]
+
+
+def save_checkpoint(path, key, hist, seconds, resumed_at):
+    """Write the design run's history and the refit's warm-start state to ``path`` (atomically)."""
+    st = hist.state
+    state = {f: getattr(st, f).detach().to("cpu", copy=True) if getattr(st, f) is not None else None
+             for f in ("gamma", "z", "u")}
+    state["logdet"] = None if st.logdet is None else float(st.logdet)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save(dict(key=key, history={f: list(getattr(hist, f)) for f in HISTORY_FIELDS}, state=state,
+                    seconds=float(seconds), resumed_at=list(resumed_at)), tmp)
+    os.replace(tmp, path)
+
+
+def run_design(meas, start, steps, method, tau, seed, progress, engine_options=None, checkpoint=None):
+    """Ordered added pairs of one design, with per-step times for the Bayesian ones; with ``checkpoint`` (a path)
+    the Bayesian ones save their progress after every step and continue from a checkpoint found there
+    (``resumed_at``: the steps a run continued from; ``seconds_earlier``: the seconds spent before them)."""
     spec = parse_method(method)
     rest = [c for c in meas.cand if c not in start]
     if spec["kind"] == "lowpass":
@@ -223,10 +266,20 @@ def run_design(meas, start, steps, method, tau, seed, progress, engine_options=N
     d = SequentialPhaseEncodeDesign(meas, meas.H, meas.H, NOISE_VAR, *tau, seed=seed,
                                     engine_options=DESIGN_ENGINE if engine_options is None else engine_options,
                                     progress=progress, **kw)
-    h = d.run(start, steps)
-    return dict(added=h.added, best_scores=h.best_scores, scores=h.scores, seconds_inference=h.seconds_inference,
-                seconds_scoring=h.seconds_scoring, inner_seconds=h.inner_seconds, outer_seconds=h.outer_seconds,
-                newton_steps=h.newton_steps, cg_iterations=h.cg_iterations)
+    key = dict(method=method, start=[int(c) for c in start], steps=int(steps), tau=[float(t) for t in tau],
+               seed=int(seed), engine_options=dict(d.engine_options))
+    resume, earlier, resumed_at = load_checkpoint(checkpoint, key)
+    if resume is not None:
+        resumed_at = resumed_at + [len(resume.added)]
+    t0 = time.perf_counter()
+    callback = None if checkpoint is None else \
+        (lambda h: save_checkpoint(checkpoint, key, h, earlier + time.perf_counter() - t0, resumed_at))
+    h = d.run(start, steps, callback=callback, resume=resume)
+    out = {f: getattr(h, f) for f in HISTORY_FIELDS if f != "converged"}
+    if resumed_at:
+        out["resumed_at"] = resumed_at
+        out["seconds_earlier"] = earlier
+    return out
 
 
 # ----------------------------------------------------------------------------- state
@@ -352,8 +405,11 @@ def main(argv=None):
                     dict(MAP_OPTS, preconditioner=args.map_preconditioner),
                     **{k: v for k, v in cfg.items() if k not in ("methods",)})
     state = State(name, settings, args.restart)
+    ck_dir = os.path.join(results_dir(), name + "_checkpoints")
     if args.restart and os.path.exists(os.path.join(results_dir(), name + "_residuals.npz")):
         os.remove(os.path.join(results_dir(), name + "_residuals.npz"))
+    if args.restart and os.path.isdir(ck_dir):
+        shutil.rmtree(ck_dir)
     if args.figures_only:
         report(state.doc, name)
         return
@@ -405,12 +461,16 @@ def main(argv=None):
         for m in methods:
             if m not in blk["methods"]:
                 t0 = time.perf_counter()
-                blk["methods"][m] = run_design(meas_of(blk["design_image"]), start, steps, m, tau,
-                                               args.seed * 1009 + b, args.progress, design_engine)
-                blk["methods"][m]["seconds_total"] = time.perf_counter() - t0
-                blk["methods"][m]["threads"] = torch.get_num_threads()
-                blk["methods"][m]["quiet"] = not args.shared_cpu
+                ck = os.path.join(ck_dir, f"block{b}_{m.replace('/', '-')}.pt")
+                out = run_design(meas_of(blk["design_image"]), start, steps, m, tau, args.seed * 1009 + b,
+                                 args.progress, design_engine, checkpoint=ck)
+                out["seconds_total"] = time.perf_counter() - t0 + out.pop("seconds_earlier", 0.0)
+                out["threads"] = torch.get_num_threads()
+                out["quiet"] = not args.shared_cpu
+                blk["methods"][m] = out
                 state.save()
+                if os.path.exists(ck):
+                    os.remove(ck)
                 print(f"block {b} {m}: added {blk['methods'][m]['added']}", flush=True)
             if args.no_eval:
                 continue

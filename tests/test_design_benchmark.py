@@ -91,3 +91,34 @@ def test_map_solvers_of_the_measurements(cs):
     n = cs.Measurements(img, seed=3, solver="newton")
     n.map([0, 1, 2], (0.08, 0.16))
     assert n.stats[0]["solver"] == "newton" and n.stats[0]["cg_iterations"] > 0
+
+
+def test_an_interrupted_design_run_continues_from_its_checkpoint(cs, tmp_path, monkeypatch):
+    """A design run killed after a step continues from the checkpoint file with the choices of an uninterrupted
+    run; the checkpoint records where it resumed and refuses another design's settings."""
+    g = torch.Generator().manual_seed(2)
+    img = torch.rand(8, 8, generator=g, dtype=torch.float64).numpy()
+    m = cs.Measurements(img, seed=3)
+    opts = dict(max_newton=4, cg_tol=1e-6)
+    whole = cs.run_design(m, [0], 3, "K20/10", (0.08, 0.16), 5, False, opts)
+    assert "resumed_at" not in whole
+    path = str(tmp_path / "ck" / "block0_K20-10.pt")
+    original = cs.save_checkpoint
+
+    def killed_after_one_step(path_, key, hist, seconds, resumed_at):
+        original(path_, key, hist, seconds, resumed_at)
+        if len(hist.added) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cs, "save_checkpoint", killed_after_one_step)
+    with pytest.raises(KeyboardInterrupt):
+        cs.run_design(m, [0], 3, "K20/10", (0.08, 0.16), 5, False, opts, checkpoint=path)
+    monkeypatch.setattr(cs, "save_checkpoint", original)
+    assert os.path.exists(path)
+    with pytest.raises(SystemExit, match="another design"):
+        cs.run_design(m, [0], 3, "K20/10", (0.08, 0.16), 6, False, opts, checkpoint=path)
+    again = cs.run_design(m, [0], 3, "K20/10", (0.08, 0.16), 5, False, opts, checkpoint=path)
+    assert again["added"] == whole["added"]
+    assert again["best_scores"] == pytest.approx(whole["best_scores"], rel=1e-10)
+    assert again["resumed_at"] == [1] and again["seconds_earlier"] > 0
+    assert len(again["cg_iterations"]) == 3

@@ -12,6 +12,8 @@ from pyro_convexvb.design.imaging import (
     phase_encode_scores,
 )
 from pyro_convexvb.design.sequential import (
+    _PER_STEP,
+    DesignHistory,
     SequentialPhaseEncodeDesign,
     known_columns,
     lowpass_pairs,
@@ -153,6 +155,46 @@ def test_design_loop_scores_are_the_dense_ones_and_reproducible():
                                         progress=False).run([0], 3) for s in (7, 7)]
     assert runs[0].added == runs[1].added
     assert runs[0].best_scores == runs[1].best_scores
+
+
+def test_a_resumed_design_makes_the_choices_of_an_uninterrupted_one():
+    """The callback's history (with its state) is a checkpoint: continuing from step 2 of 4 repeats the refits, the
+    seeded Lanczos runs and the choices of the uninterrupted run."""
+    measure = _measure(_image(2), 3)
+
+    def design():
+        return SequentialPhaseEncodeDesign(measure, H, H, SIG2, 0.08, 0.16, k_var=20, k_score=10, seed=4,
+                                           progress=False)
+
+    saved = {}
+
+    def keep(h):
+        if len(h.added) == 2:
+            saved["h"] = DesignHistory(start=list(h.start), state=h.state,
+                                       **{f: list(getattr(h, f)) for f in _PER_STEP})
+
+    full = design().run([0], 4, callback=keep)
+    assert saved["h"].added == full.added[:2] and saved["h"].state is not None
+    resumed = design().run([0], 4, resume=saved["h"])
+    assert resumed.added == full.added
+    assert resumed.best_scores[:2] == full.best_scores[:2]
+    assert torch.allclose(torch.tensor(resumed.best_scores), torch.tensor(full.best_scores), rtol=1e-10, atol=0)
+    assert resumed.scores[3] == pytest.approx(full.scores[3], rel=1e-10)
+    assert torch.allclose(resumed.state.gamma, full.state.gamma, rtol=1e-10, atol=0)
+    assert len(resumed.seconds_inference) == len(resumed.cg_iterations) == 4
+    # a finished history resumes to itself; bad checkpoints are refused
+    assert design().run([0], 2, resume=saved["h"]).added == full.added[:2]
+    with pytest.raises(ValueError, match="start pairs"):
+        design().run([0, 1], 3, resume=saved["h"])
+    with pytest.raises(ValueError, match="num_steps"):
+        design().run([0], 1, resume=saved["h"])
+    bad = DesignHistory(start=[0], added=list(saved["h"].added), state=None,
+                        **{f: list(getattr(saved["h"], f)) for f in _PER_STEP if f != "added"})
+    with pytest.raises(ValueError, match="no state"):
+        design().run([0], 4, resume=bad)
+    bad.state, bad.scores = saved["h"].state, bad.scores[:1]
+    with pytest.raises(ValueError, match="unequal lengths"):
+        design().run([0], 4, resume=bad)
 
 
 def test_design_validation():

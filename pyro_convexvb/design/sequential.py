@@ -91,8 +91,9 @@ class DesignHistory:
     :ivar inner_seconds, outer_seconds: per step, the engine's own split of the refit (inner loops, variance steps).
     :ivar newton_steps, cg_iterations: per step, the refit's Newton steps and CG iterations (summed).
     :ivar converged: per step, whether the refit met its tolerances before ``max_outer``.
-    :ivar state: the final :class:`~pyro_convexvb.infer.convex_relaxation.RelaxationState` (``gamma``, ``z``,
-        ``u``, ``logdet``) for a continued run.
+    :ivar state: the :class:`~pyro_convexvb.infer.convex_relaxation.RelaxationState` (``gamma``, ``z``, ``u``,
+        ``logdet``) of the last refit, set after every step: with the lists above, what a run needs to continue
+        (``run(..., resume=history)``).
     """
 
     start: list
@@ -112,6 +113,11 @@ class DesignHistory:
     def columns(self):
         """All measured pairs: ``start + added``."""
         return list(self.start) + list(self.added)
+
+
+#: the per-step lists of a :class:`DesignHistory` (one entry per added pair)
+_PER_STEP = ("added", "best_scores", "scores", "seconds_inference", "seconds_scoring", "inner_seconds",
+             "outer_seconds", "newton_steps", "cg_iterations", "converged")
 
 
 class SequentialPhaseEncodeDesign:
@@ -223,13 +229,17 @@ class SequentialPhaseEncodeDesign:
         return phase_encode_scores(self.factor(result), self.H, self.W, self.noise_var, candidates=candidates)
 
     # ------------------------------------------------------------------ loop
-    def run(self, start, num_steps, candidates=None, callback=None):
+    def run(self, start, num_steps, candidates=None, callback=None, resume=None):
         """Add ``num_steps`` pairs to ``start`` one at a time.
 
         :param start: start pairs (e.g. :func:`lowpass_pairs`), distinct, in ``[0, W/2]``.
-        :param int num_steps: pairs to add.
+        :param int num_steps: pairs to add (in all, counting those of ``resume``).
         :param candidates: candidate pairs (default :func:`pair_candidates` minus ``start``).
-        :param callback: optional ``callback(history)`` after every step (e.g. to write partial results).
+        :param callback: optional ``callback(history)`` after every step, with ``history.state`` the state of the
+            step's refit: a checkpoint to ``resume`` from (e.g. written to disk).
+        :param resume: a :class:`DesignHistory` of an interrupted run of this design (same ``start``, candidates
+            and settings) as the callback saw it, ``state`` included: the run continues after its last step with
+            the same refits, Lanczos seeds and choices as an uninterrupted run (the state is the whole warm start).
         :returns: :class:`DesignHistory`.
         """
         start = [int(c) for c in start]
@@ -240,18 +250,38 @@ class SequentialPhaseEncodeDesign:
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or not 0 <= num_steps <= len(rest):
             raise ValueError(f"num_steps: expected an integer in [0, {len(rest)}] (remaining candidates), "
                              f"got {num_steps!r}")
-        hist = DesignHistory(start=start)
-        pairs = list(start)
-        t0 = time.perf_counter()
-        res, state = self.fit(pairs, None, 0)
-        t_inf = time.perf_counter() - t0
+        first = 0
+        if resume is None or not resume.added:
+            hist = DesignHistory(start=start)
+        else:
+            done = [int(c) for c in resume.added]
+            if [int(c) for c in resume.start] != start:
+                raise ValueError(f"resume: its start pairs {list(resume.start)} are not start {start}")
+            if len(done) > num_steps or not set(done) <= set(rest) or len(set(done)) != len(done):
+                raise ValueError(f"resume: its {len(done)} added pairs are not distinct candidates outside start, "
+                                 f"at most num_steps = {num_steps}")
+            if resume.state is None:
+                raise ValueError("resume: the history has no state (save history.state in the callback)")
+            lengths = {f: len(getattr(resume, f)) for f in _PER_STEP}
+            if set(lengths.values()) != {len(done)}:
+                raise ValueError(f"resume: per-step lists of unequal lengths {lengths}")
+            hist = DesignHistory(start=start, **{f: list(getattr(resume, f)) for f in _PER_STEP})
+            first = len(done)
+            rest = [c for c in rest if c not in set(done)]
+        pairs = list(start) + list(hist.added)
+        if first == 0:
+            t0 = time.perf_counter()
+            res, state = self.fit(pairs, None, 0)
+            t_inf = time.perf_counter() - t0
+        else:
+            state = resume.state
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=num_steps, desc=f"design[{self.variance}]", unit="pair", leave=False)
+            bar = tqdm(total=num_steps, initial=first, desc=f"design[{self.variance}]", unit="pair", leave=False)
         try:
-            for t in range(num_steps):
+            for t in range(first, num_steps):
                 if t > 0:
                     t0 = time.perf_counter()
                     res, state = self.fit(pairs, state, t)
@@ -273,6 +303,7 @@ class SequentialPhaseEncodeDesign:
                 hist.newton_steps.append(int(work.newton_steps))
                 hist.cg_iterations.append(int(work.cg_iterations))
                 hist.converged.append(bool(res.converged))
+                hist.state = state
                 if callback is not None:
                     callback(hist)
                 if bar is not None:
