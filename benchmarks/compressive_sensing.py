@@ -19,6 +19,8 @@ Protocol (``--full``; docs/design.md describes it and how it maps onto the paper
   columns) and ``/ ||u_32 - u_true||`` (the start design), ``u`` MAP reconstructions, averaged over test images and
   blocks: the exact MAP by ADMM (``imaging_map``, ``--map-solver admm``, default) or the smoothed Newton path
   (``laplace_map``, ``--map-solver newton``); work and seconds of every solve go to ``map_stats`` in the JSON.
+  The same errors on each block's own design image go to ``design_errors`` (a separate table, not in the test
+  means): how much of a design's gain on the image it was learned from survives on other images.
 
 Resumable: the JSON (``benchmarks/results/compressive_sensing_{quick,default,full}.json``) is rewritten after every
 design run and every MAP evaluation unit; a rerun with the same settings skips what it holds (``--restart``
@@ -319,13 +321,14 @@ class State:
 
 def merge_missing(doc, other):
     """Add to ``doc`` (in place) the units of work ``other`` holds and ``doc`` does not: the tau choice, blocks,
-    their design runs and test errors, MAP errors and their stats, session times."""
+    their design runs, test errors and design-image errors, MAP errors and their stats, session times."""
     if doc.get("tau") is None and other.get("tau") is not None:
         doc["tau"] = other["tau"]
     for b, blk in other.get("blocks", {}).items():
         mine = doc["blocks"].setdefault(b, blk)
         if mine is not blk:
-            for part in ("methods", "errors"):
+            for part in ("methods", "errors", "design_errors"):
+                mine.setdefault(part, {})
                 for k, v in blk.get(part, {}).items():
                     mine[part].setdefault(k, v)
     for k, v in other.get("map_errors", {}).items():
@@ -480,6 +483,12 @@ def main(argv=None):
                 if key not in blk["errors"]:
                     blk["errors"][key] = evaluate(state, meas_of, image, designs, tau, not args.shared_cpu)
                     state.save()
+            # the design image itself (not in the test means): how much of a design's gain survives the transfer
+            key = f"{m}|{blk['design_image']}"
+            if key not in blk.setdefault("design_errors", {}):
+                blk["design_errors"][key] = evaluate(state, meas_of, blk["design_image"], designs, tau,
+                                                     not args.shared_cpu)
+                state.save()
         if not args.no_eval and b == 0:  # residual images of the design image (Figure 3 analogue)
             res_path = os.path.join(results_dir(), name + "_residuals.npz")
             arrays = dict(np.load(res_path)) if os.path.exists(res_path) else {}
@@ -533,6 +542,19 @@ def summarise(doc):
                     count=len(v["vs_lowpass"])) for m, v in out.items()}, steps
 
 
+def summarise_design_images(doc):
+    """Error ratios to low-pass on each block's own design image (not a test image), mean over blocks."""
+    out = {}
+    for blk in doc["blocks"].values():
+        de = blk.get("design_errors", {})
+        low = de.get(f"lowpass|{blk['design_image']}")
+        if low is None:
+            continue
+        for key, errs in de.items():
+            out.setdefault(key.split("|")[0], []).append(np.array(errs) / np.array(low))
+    return {m: dict(vs_lowpass=np.mean(v, 0).tolist(), count=len(v)) for m, v in out.items()}
+
+
 def report(doc, name):
     summ, steps = summarise(doc)
     cols = doc.get("columns_at_eval") or columns_at(doc["settings"], steps)
@@ -540,6 +562,12 @@ def report(doc, name):
         rows = [dict(method=m, count=v["count"], **{f"c{c}": x for c, x in zip(cols, v["vs_lowpass"])})
                 for m, v in summ.items()]
         print("\nMean test error ||u* - u|| / ||u_lowpass - u|| (same number of columns) by number of known columns:\n")
+        print(markdown_table(rows, floatfmt=".4f"))
+    own = summarise_design_images(doc)
+    if own:
+        rows = [dict(method=m, blocks=v["count"], **{f"c{c}": x for c, x in zip(cols, v["vs_lowpass"])})
+                for m, v in own.items()]
+        print("\nOn the design images themselves (not test images): error relative to low-pass, mean over blocks:\n")
         print(markdown_table(rows, floatfmt=".4f"))
         rows = [dict(method=m, **{f"c{c}": x for c, x in zip(cols, v["vs_start"])}) for m, v in summ.items()]
         print("\nMean test error relative to the central-32 start design:\n")
