@@ -142,6 +142,88 @@ class _Wrap:
         return (2 - 2 * torch.cos(2 * math.pi * k / H)).view(-1, 1) + (2 - 2 * torch.cos(2 * math.pi * c / W)).view(1, -1)
 
 
+def _check_options(tol, atol, max_iter, rho, mu, rho_factor, adapt_iters, memory):
+    """Validate :func:`imaging_map`'s numeric options, naming the first bad one."""
+    for name, v in (("tol", tol), ("mu", mu), ("rho_factor", rho_factor)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{name}: expected a positive finite number, got {v!r}")
+    if not tol < 1:
+        raise ValueError(f"tol: expected a relative tolerance below 1, got {tol!r}")
+    if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not math.isfinite(atol) or atol < 0:
+        raise ValueError(f"atol: expected a finite number >= 0, got {atol!r}")
+    if not (mu > 1 and rho_factor > 1):
+        raise ValueError(f"mu, rho_factor: expected both > 1, got {mu!r}, {rho_factor!r}")
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
+        raise ValueError(f"max_iter: expected an integer >= 1, got {max_iter!r}")
+    if rho is not None and (isinstance(rho, bool) or not isinstance(rho, (int, float)) or not math.isfinite(rho)
+                            or rho <= 0):
+        raise ValueError(f"rho: expected None or a positive finite number, got {rho!r}")
+    for name, v in (("memory", memory), ("adapt_iters", adapt_iters)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name}: expected an integer >= 0, got {v!r}")
+
+
+def _start_state(init, u, rho, sx, fwd, prox, p):
+    """``(z, rho)``: the ADMM state ``z = s + lambda`` and penalty :func:`imaging_map` starts from: ``init``'s
+    (its multipliers ``v = rho lambda`` kept when ``rho`` is given anew), else that of a step that returned ``u``."""
+    if init is not None:
+        if not isinstance(init, dict) or not {"z", "rho"} <= set(init):
+            raise ValueError("init: expected the 'state' dict of an earlier imaging_map report (z, rho)")
+        if init["z"].shape != (p,):
+            raise ValueError(f"init: its state is for another problem size (expected ({p},), got "
+                             f"{tuple(init['z'].shape)})")
+        z = init["z"].to(dtype=u.dtype, device=u.device).clone()
+        r_old = float(init["rho"])
+        if rho is not None:  # keep s and the unscaled multipliers v = rho lambda
+            s = prox(z, r_old)
+            z = s + (z - s) * (r_old / float(rho))
+        return z, (r_old if rho is None else float(rho))
+    rho = float(sx.max()) / 10.0 if rho is None else float(rho)
+    if not rho > 0:
+        raise ValueError("lgm: no k-space column is measured (X^T X = 0); pass rho explicitly")
+    return fwd(u), rho  # s = prox(B~ u0), lambda = B~ u0 - s: the state of an ADMM step that returned u0
+
+
+class _Anderson:
+    """Type-II Anderson acceleration of a fixed-point map (Walker & Ni 2011) with ``memory`` past steps: a ring of
+    iterate differences (rows of ``dZ``) and residual differences (rows of ``dG``) with the Gram matrix of ``dG``
+    kept up to date."""
+
+    def __init__(self, memory, p, dtype, device):
+        mem = max(memory, 1)
+        self.memory = memory
+        self.dZ = torch.zeros(mem, p, dtype=dtype, device=device)
+        self.dG = torch.zeros(mem, p, dtype=dtype, device=device)
+        self.gram = torch.zeros(mem, mem, dtype=dtype, device=device)
+        self.filled = self.slot = 0
+
+    def reset(self):
+        """Forget the memory (the map changed, or an accelerated point was rejected)."""
+        self.filled = self.slot = 0
+
+    def push(self, dz, dg):
+        """Remember one step: ``dz`` the change of the iterate, ``dg`` that of its fixed-point residual."""
+        if self.memory == 0:
+            return
+        k = self.slot
+        self.dZ[k], self.dG[k] = dz, dg
+        self.filled = min(self.filled + 1, self.memory)
+        col = self.dG[:self.filled] @ self.dG[k]
+        self.gram[k, :self.filled], self.gram[:self.filled, k] = col, col
+        self.slot = (k + 1) % self.memory
+
+    def step(self, z, g):
+        """The accelerated point ``z + g - (dZ + dG)^T gamma``, ``gamma = argmin ||g - dG^T gamma||``, from the
+        iterate ``z`` and its residual ``g = T(z) - z``; ``None`` while the memory is empty."""
+        f = self.filled
+        if not f:
+            return None
+        M = self.gram[:f, :f]
+        M = M + (1e-12 * float(M.diagonal().max()) + 1e-300) * torch.eye(f, dtype=M.dtype, device=M.device)
+        gamma = torch.linalg.solve(M, self.dG[:f] @ g)
+        return z + g - gamma @ self.dZ[:f] - gamma @ self.dG[:f]
+
+
 def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, rho=None, adaptive=False, mu=10.0,
                 rho_factor=2.0, adapt_iters=100, memory=10, progress=True):
     r"""Exact MAP reconstruction ``argmin_u Psi_0(u)`` of :func:`~.imaging.compressive_sensing_model` by ADMM
@@ -161,6 +243,9 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
     iteration is one product with ``B~`` and one with ``B~^T`` (Haar transforms, the differences and their
     adjoints) and one real FFT solve, plus one more ``B~^T`` for the stationarity test once the primal test
     passes; ``X`` is used only for ``X^T y`` and the objective.
+
+    Over 80 lines: the iteration (ADMM step, residual tests, the Anderson safeguard, penalty adaptation) is one
+    loop over shared state; the checks, the start and the acceleration are helpers.
 
     At the returned point the multipliers satisfy ``v in w * d|s|`` exactly (``|v_j| <= 1/b_j``,
     ``v_j = sign(s_j)/b_j`` where ``s_j != 0``), and the dual residual is the stationarity violation
@@ -202,23 +287,7 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
         >>> u_map.shape, rep["converged"]
         (torch.Size([64]), True)
     """
-    for name, v in (("tol", tol), ("mu", mu), ("rho_factor", rho_factor)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"{name}: expected a positive finite number, got {v!r}")
-    if not tol < 1:
-        raise ValueError(f"tol: expected a relative tolerance below 1, got {tol!r}")
-    if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not math.isfinite(atol) or atol < 0:
-        raise ValueError(f"atol: expected a finite number >= 0, got {atol!r}")
-    if not (mu > 1 and rho_factor > 1):
-        raise ValueError(f"mu, rho_factor: expected both > 1, got {mu!r}, {rho_factor!r}")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-        raise ValueError(f"max_iter: expected an integer >= 1, got {max_iter!r}")
-    if rho is not None and (isinstance(rho, bool) or not isinstance(rho, (int, float)) or not math.isfinite(rho)
-                            or rho <= 0):
-        raise ValueError(f"rho: expected None or a positive finite number, got {rho!r}")
-    for name, v in (("memory", memory), ("adapt_iters", adapt_iters)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{name}: expected an integer >= 0, got {v!r}")
+    _check_options(tol, atol, max_iter, rho, mu, rho_factor, adapt_iters, memory)
     if init is not None and u0 is not None:
         raise ValueError("u0, init: give one start (init, the state of an earlier run, determines u, s and the "
                          "multipliers)")
@@ -243,23 +312,7 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
     u = torch.zeros(n, dtype=dt, device=dev) if u0 is None else torch.as_tensor(u0).to(dtype=dt, device=dev).clone()
     if u.shape != (n,) or not bool(torch.isfinite(u).all()):
         raise ValueError(f"u0: expected a finite ({n},) tensor")
-    if init is not None:
-        if not isinstance(init, dict) or not {"z", "rho"} <= set(init):
-            raise ValueError("init: expected the 'state' dict of an earlier imaging_map report (z, rho)")
-        if init["z"].shape != (p,):
-            raise ValueError(f"init: its state is for another problem size (expected ({p},), got "
-                             f"{tuple(init['z'].shape)})")
-        z = init["z"].to(dtype=dt, device=dev).clone()
-        r_old = float(init["rho"])
-        if rho is not None:  # keep s and the unscaled multipliers v = rho lambda
-            s = prox(z, r_old)
-            z = s + (z - s) * (r_old / float(rho))
-        rho = r_old if rho is None else float(rho)
-    else:
-        rho = float(sx.max()) / 10.0 if rho is None else float(rho)
-        if not rho > 0:
-            raise ValueError("lgm: no k-space column is measured (X^T X = 0); pass rho explicitly")
-        z = fwd(u)  # s = prox(B~ u0), lambda = B~ u0 - s: the state of an ADMM step that returned u0
+    z, rho = _start_state(init, u, rho, sx, fwd, prox, p)
     xty = X.rmv(y) / sigma2
     xty_hat = torch.fft.rfft2(xty.reshape(H, W), norm="ortho")
     one = 1.0 + lper
@@ -273,13 +326,7 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
     nprod = 0 if init is not None else 1  # products with B~ or B~^T
     r_norm = d_norm = eps_pri = eps_dual = float("nan")
     sqrt_p, sqrt_n = math.sqrt(p), math.sqrt(n)
-    # Anderson memory: differences of iterates (rows of dZ) and of fixed-point residuals (rows of dG), a ring of
-    # ``memory`` rows, with the Gram matrix of dG kept up to date
-    mem = max(memory, 1)
-    dZ = torch.zeros(mem, p, dtype=dt, device=dev)
-    dG = torch.zeros(mem, p, dtype=dt, device=dev)
-    gram = torch.zeros(mem, mem, dtype=dt, device=dev)
-    filled, slot = 0, 0
+    anderson = _Anderson(memory, p, dt, dev)
     prev = None  # (z, g, plain successor T(z), ||g||) of the last iterate
     for it in range(1, max_iter + 1):
         # one ADMM step from the state z = s + lambda: s = prox(z), lambda = z - s
@@ -314,7 +361,7 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
         if prev is not None and prev[4] and g_norm > prev[3]:
             # safeguard: the Anderson point did not reduce the fixed-point residual; take the plain step instead
             rejected += 1
-            filled = slot = 0
+            anderson.reset()
             z, prev = prev[2], None
             continue
         if adaptive and it <= adapt_until:
@@ -323,28 +370,15 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
                 rho *= f
                 z_new = s_new + lam_new / f
                 changes += 1
-                filled = slot = 0
+                anderson.reset()
                 z, prev = z_new, None
                 continue
-        if prev is not None and memory > 0:
-            dZ[slot], dG[slot] = z - prev[0], g - prev[1]
-            filled = min(filled + 1, memory)
-            col = dG[:filled] @ dG[slot]
-            gram[slot, :filled], gram[:filled, slot] = col, col
-            slot = (slot + 1) % memory
-        if filled:
-            # Anderson acceleration (type II, Walker & Ni 2011): gamma = argmin ||g - dG^T gamma||,
-            # z+ = z + g - (dZ + dG)^T gamma
-            M = gram[:filled, :filled]
-            M = M + (1e-12 * float(M.diagonal().max()) + 1e-300) * torch.eye(filled, dtype=dt, device=dev)
-            gamma = torch.linalg.solve(M, dG[:filled] @ g)
-            z_next = z + g - gamma @ dZ[:filled] - gamma @ dG[:filled]
-            prev = (z, g, z_new, g_norm, True)
-            accepted += 1
-        else:
-            z_next = z_new
-            prev = (z, g, z_new, g_norm, False)
-        z = z_next
+        if prev is not None:
+            anderson.push(z - prev[0], g - prev[1])
+        z_next = anderson.step(z, g)
+        accepted += z_next is not None
+        prev = (z, g, z_new, g_norm, z_next is not None)
+        z = z_new if z_next is None else z_next
     if bar is not None:
         bar.close()
     if not converged:

