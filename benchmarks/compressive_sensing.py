@@ -235,7 +235,8 @@ def load_checkpoint(path, key):
                          "pass --restart")
     st = ck["state"]
     hist = DesignHistory(start=list(key["start"]), **{f: list(ck["history"][f]) for f in HISTORY_FIELDS},
-                         state=RelaxationState(st["gamma"], st["u"], st["z"], st["logdet"]))
+                         state=RelaxationState(st["gamma"], st["u"], st["z"], st["logdet"]),
+                         settings=ck["history"]["settings"])
     return hist, float(ck["seconds"]), [int(t) for t in ck["resumed_at"]]
 
 
@@ -247,7 +248,9 @@ def save_checkpoint(path, key, hist, seconds, resumed_at):
     state["logdet"] = None if st.logdet is None else float(st.logdet)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
-    torch.save(dict(key=key, history={f: list(getattr(hist, f)) for f in HISTORY_FIELDS}, state=state,
+    history = {f: list(getattr(hist, f)) for f in HISTORY_FIELDS}
+    history["settings"] = hist.settings
+    torch.save(dict(key=key, history=history, state=state,
                     seconds=float(seconds), resumed_at=list(resumed_at)), tmp)
     os.replace(tmp, path)
 

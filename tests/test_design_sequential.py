@@ -170,7 +170,7 @@ def test_a_resumed_design_makes_the_choices_of_an_uninterrupted_one():
 
     def keep(h):
         if len(h.added) == 2:
-            saved["h"] = DesignHistory(start=list(h.start), state=h.state,
+            saved["h"] = DesignHistory(start=list(h.start), state=h.state, settings=dict(h.settings),
                                        **{f: list(getattr(h, f)) for f in _PER_STEP})
 
     full = design().run([0], 4, callback=keep)
@@ -188,7 +188,11 @@ def test_a_resumed_design_makes_the_choices_of_an_uninterrupted_one():
         design().run([0, 1], 3, resume=saved["h"])
     with pytest.raises(ValueError, match="num_steps"):
         design().run([0], 1, resume=saved["h"])
-    bad = DesignHistory(start=[0], added=list(saved["h"].added), state=None,
+    other = SequentialPhaseEncodeDesign(measure, H, H, SIG2, 0.08, 0.16, k_var=20, k_score=10, seed=5,
+                                        progress=False)
+    with pytest.raises(ValueError, match=r"other design settings \(\['seed'\]\)"):
+        other.run([0], 4, resume=saved["h"])
+    bad = DesignHistory(start=[0], added=list(saved["h"].added), state=None, settings=saved["h"].settings,
                         **{f: list(getattr(saved["h"], f)) for f in _PER_STEP if f != "added"})
     with pytest.raises(ValueError, match="no state"):
         design().run([0], 4, resume=bad)

@@ -94,6 +94,8 @@ class DesignHistory:
     :ivar state: the :class:`~pyro_convexvb.infer.convex_relaxation.RelaxationState` (``gamma``, ``z``, ``u``,
         ``logdet``) of the last refit, set after every step: with the lists above, what a run needs to continue
         (``run(..., resume=history)``).
+    :ivar settings: the design's settings (image size, noise, scales, variance method and ranks, seed, outer
+        budgets, engine options): a run resumes only a history of the same settings.
     """
 
     start: list
@@ -108,6 +110,7 @@ class DesignHistory:
     cg_iterations: list = field(default_factory=list)
     converged: list = field(default_factory=list)
     state: object = None
+    settings: dict = None
 
     @property
     def columns(self):
@@ -120,11 +123,16 @@ _PER_STEP = ("added", "best_scores", "scores", "seconds_inference", "seconds_sco
              "outer_seconds", "newton_steps", "cg_iterations", "converged")
 
 
-def _resumed(resume, start, rest, num_steps):
+def _resumed(resume, start, rest, num_steps, settings):
     """The history a run continues: a copy of ``resume``'s per-step lists (checked against the run's ``start``,
-    remaining candidates ``rest`` and ``num_steps``), or an empty one."""
+    remaining candidates ``rest``, ``num_steps`` and the design's ``settings``), or an empty one."""
     if resume is None or not resume.added:
-        return DesignHistory(start=start)
+        return DesignHistory(start=start, settings=settings)
+    if resume.settings != settings:
+        theirs = resume.settings or {}
+        diff = sorted(k for k in set(settings) | set(theirs) if theirs.get(k) != settings.get(k))
+        raise ValueError(f"resume: the history was made with other design settings ({diff}); a run continues "
+                         "only its own design")
     done = [int(c) for c in resume.added]
     if [int(c) for c in resume.start] != start:
         raise ValueError(f"resume: its start pairs {list(resume.start)} are not start {start}")
@@ -136,7 +144,7 @@ def _resumed(resume, start, rest, num_steps):
     lengths = {f: len(getattr(resume, f)) for f in _PER_STEP}
     if set(lengths.values()) != {len(done)}:
         raise ValueError(f"resume: per-step lists of unequal lengths {lengths}")
-    return DesignHistory(start=start, **{f: list(getattr(resume, f)) for f in _PER_STEP})
+    return DesignHistory(start=start, settings=settings, **{f: list(getattr(resume, f)) for f in _PER_STEP})
 
 
 class SequentialPhaseEncodeDesign:
@@ -209,6 +217,14 @@ class SequentialPhaseEncodeDesign:
         self.init_outer, self.refit_outer, self.seed, self.progress = init_outer, refit_outer, seed, progress
 
     # ------------------------------------------------------------------ pieces
+    def settings(self):
+        """The design's settings as a plain dict (recorded in every :class:`DesignHistory`; the measurements are
+        the caller's: a resumed run must be given the same ``measure``)."""
+        return dict(H=self.H, W=self.W, noise_var=float(self.noise_var), tau_a=float(self.tau_a),
+                    tau_r=float(self.tau_r), variance=self.variance, k_var=self.k_var, k_score=self.k_score,
+                    pca_rank=self.pca_rank, init_outer=self.init_outer, refit_outer=self.refit_outer,
+                    seed=self.seed, engine_options=dict(self.engine_options))
+
     def model(self, pairs):
         """The sparse linear model of the pairs ``pairs`` (:func:`~.imaging.compressive_sensing_model`)."""
         y = self.measure(list(pairs))
@@ -269,7 +285,7 @@ class SequentialPhaseEncodeDesign:
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or not 0 <= num_steps <= len(rest):
             raise ValueError(f"num_steps: expected an integer in [0, {len(rest)}] (remaining candidates), "
                              f"got {num_steps!r}")
-        hist = _resumed(resume, start, rest, num_steps)
+        hist = _resumed(resume, start, rest, num_steps, self.settings())
         first = len(hist.added)
         rest = [c for c in rest if c not in set(hist.added)]
         pairs = list(start) + list(hist.added)
