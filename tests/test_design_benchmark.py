@@ -122,3 +122,25 @@ def test_an_interrupted_design_run_continues_from_its_checkpoint(cs, tmp_path, m
     assert again["best_scores"] == pytest.approx(whole["best_scores"], rel=1e-10)
     assert again["resumed_at"] == [1] and again["seconds_earlier"] > 0
     assert len(again["cg_iterations"]) == 3
+
+
+def test_shared_results_merge_and_the_design_image_table(cs):
+    """Two runs sharing the JSON: a save keeps the other's design runs, test errors and design-image errors; the
+    design-image ratios to low-pass are averaged over blocks and kept out of the test means."""
+    mine = dict(tau=None, blocks={"0": dict(design_image="a", test_images=["b"], methods={"K": {}},
+                                            errors={"K|b": [1.0, 0.9], "lowpass|b": [1.0, 1.0]},
+                                            design_errors={"lowpass|a": [1.0, 0.5]})}, map_errors={})
+    theirs = dict(tau=dict(tau_a=0.08), blocks={
+        "0": dict(design_image="a", test_images=["b"], methods={"lowpass": {}}, errors={},
+                  design_errors={"K|a": [1.0, 0.4]}),
+        "1": dict(design_image="c", test_images=["b"], methods={}, errors={},
+                  design_errors={"K|c": [1.0, 0.3], "lowpass|c": [1.0, 0.6]})}, map_errors={"x": 1.0})
+    cs.merge_missing(mine, theirs)
+    assert set(mine["blocks"]) == {"0", "1"} and set(mine["blocks"]["0"]["methods"]) == {"K", "lowpass"}
+    assert mine["blocks"]["0"]["design_errors"] == {"lowpass|a": [1.0, 0.5], "K|a": [1.0, 0.4]}
+    assert mine["tau"] == dict(tau_a=0.08) and mine["map_errors"] == {"x": 1.0}
+    own = cs.summarise_design_images(mine)
+    assert own["K"]["count"] == 2 and own["K"]["vs_lowpass"] == pytest.approx([1.0, (0.8 + 0.5) / 2])
+    mine["settings"], mine["eval_steps"] = {}, [0, 1]
+    summ, _ = cs.summarise(mine)
+    assert summ["K"]["vs_lowpass"] == pytest.approx([1.0, 0.9]) and summ["K"]["count"] == 1
