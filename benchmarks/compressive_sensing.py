@@ -633,6 +633,23 @@ def figures(doc, name, summ, cols):
     fig.suptitle(f"mean over {len(done)} of {doc['settings']['blocks']} blocks (blocks {', '.join(done)}), "
                  f"{doc['settings']['tests']} test images each", fontsize=9)
     save_figure(fig, name + "_errors")
+    own = summarise_design_images(doc)
+    if own:
+        fig, a = plt.subplots(1, 1, figsize=(7, 4.5))
+        for m, v in own.items():
+            if not m.startswith(("random", "lowpass")):
+                a.plot(cols, v["vs_lowpass"], "o-", ms=3, label=m)
+        rnd = [m for m in own if m.startswith("random")]
+        if rnd:
+            a.plot(cols, np.mean([own[m]["vs_lowpass"] for m in rnd], 0), "s--", color="grey",
+                   label=f"random (mean of {len(rnd)})")
+        a.axhline(1.0, color="k", lw=0.8, ls=":", label="low-pass")
+        a.set_xlabel("known k-space columns")
+        a.set_ylabel("error / low-pass error")
+        a.set_title(f"on the design images themselves (mean over {max(v['count'] for v in own.values())} blocks)",
+                    fontsize=9)
+        a.legend(fontsize=8, ncol=2)
+        save_figure(fig, name + "_design_images")
     res_path = os.path.join(results_dir(), name + "_residuals.npz")
     if os.path.exists(res_path):
         arr = np.load(res_path)
