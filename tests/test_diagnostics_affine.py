@@ -89,10 +89,17 @@ def test_whitened_proposal_density_against_direct_evaluation():
         W = base.frame_parts[kk].sqrt()
         np.testing.assert_allclose(W @ W.T, base.components[kk].covariance().double().numpy(), atol=1e-10)
     np.testing.assert_allclose(lq.numpy(), direct[:, 1], atol=1e-8)
-    for s in range(5):  # the conditional moments the control variates use
+    for s in range(5):  # the conditional moments the control variates use, and the whole covariance
         loc, cov = frame(s, amap)
         np.testing.assert_allclose(q.cond_loc[s], loc.numpy(), atol=1e-10)
         np.testing.assert_allclose(q.cond_sd[s], cov.diagonal().sqrt().numpy(), rtol=1e-10)
+        fc = q.cond_cov
+        C = fc.matrix(int(fc.cls[s])) * np.outer(fc.scale[s], fc.scale[s])
+        np.testing.assert_allclose(C, cov.numpy(), rtol=1e-9, atol=1e-12)
+    bc = base.conditional()[3]  # the base (interpolated) proposal's: D_s Sigma_k D_s
+    for s in range(3):
+        np.testing.assert_allclose(bc.matrix(int(bc.cls[s])) * np.outer(bc.scale[s], bc.scale[s]),
+                                   frame(s, ident)[1].numpy(), rtol=1e-9, atol=1e-12)
     # the mixture of the identity (the base) and amap, at these draws
     mix = mixture_log_q(lq.numpy(), q.last_eps, np.ones(150, dtype=np.int64), [ident, amap])
     np.testing.assert_allclose(mix, np.logaddexp(direct[:, 0], direct[:, 1]) - math.log(2), atol=1e-8)
@@ -105,6 +112,10 @@ def test_whitened_proposal_density_against_direct_evaluation():
     own = np.argmin(np.abs(sds - qp.cond_sd[:, None, :]).max(2), 1)
     assert 10 < own.sum() < 70  # both maps drawn from
     np.testing.assert_allclose(qp.cond_sd, sds[np.arange(80), own], rtol=1e-10)
+    fc = qp.cond_cov
+    for s in range(4):
+        C = fc.matrix(int(fc.cls[s])) * np.outer(fc.scale[s], fc.scale[s])
+        np.testing.assert_allclose(C, frame(s, (ident, amap)[own[s]])[1].numpy(), rtol=1e-9, atol=1e-12)
 
 
 def _gaussian_target(n=12, seed=0):

@@ -75,6 +75,13 @@ def test_rw1_trend_gives_the_exact_evidence_and_posterior():
         assert bool(((got["mean"] - m_ref).abs() <= 4 * got["mean_mcse"] + 1e-8).all())
         assert bool(((got["sd"] - s_ref).abs() <= 4 * got["sd_mcse"] + 1e-8).all())
     assert float(corr.sites["x"]["mean"].sum().abs()) < 1e-10  # every draw satisfies the constraint
+    # flat weights: the field's control variates (its conditional moments through the free-coordinate map) return
+    # the proposal's, here the exact posterior's, moments whatever the draws
+    got = corr.sites["x"]
+    s_ref = torch.as_tensor(ref["x"]["sd"], dtype=D)
+    assert float(((got["mean"] - torch.as_tensor(ref["x"]["mean"], dtype=D)).abs() / s_ref).max()) < 1e-6
+    assert float(((got["sd"] - s_ref).abs() / s_ref).max()) < 1e-6
+    assert float((got["mean_mcse"] / s_ref).max()) < 1e-6
 
 
 def test_hyper_latent_precision_of_an_rw1_trend_against_quadrature():
@@ -174,3 +181,37 @@ def test_a_singular_posterior_that_is_not_a_constrained_site_is_refused():
     res.posterior = singular
     with pytest.raises(NotImplementedError, match=r"singular in 1 direction\(s\) \(sites 'w'\)"):
         res.diagnostics
+
+
+def test_constrained_field_controls_against_dense_conditional_moments():
+    """The controls of a constrained field: its conditional mean and variances given a draw's class and scales,
+    ``loc + G E[w]`` and ``diag(G diag(s) C diag(s) G^T)``, against dense products with the map's matrix G."""
+    from pyro_convexvb.diagnostics.proposals import FieldCovariance, _mapped_controls
+
+    m = 6
+    d = pcv.distributions.SparseGMRF(torch.linspace(0.0, 1.0, m, dtype=D), pcv.distributions.rw_precision(m),
+                                     constraints="sum_to_zero")
+    layout = LatentLayout.from_shapes([("b", (2,)), ("x", (m,))])
+    free = FreeCoordinates(layout, {"x": (d.constraint_factor, d.loc)})
+    rng = np.random.default_rng(3)
+    S, n = 7, free.size
+    covs = []
+    for _ in range(2):
+        A = rng.normal(size=(n, n))
+        covs.append(A @ A.T + 0.1 * np.eye(n))
+    cls = rng.integers(0, 2, size=S)
+    scale = np.exp(0.3 * rng.normal(size=(S, n)))
+    loc = rng.normal(size=(S, n))
+    fc = FieldCovariance(cls, scale, [lambda C=C: C for C in covs])
+    sl = free["x"].slice
+    ctl = _mapped_controls(free.constrained["x"], loc, np.full(S, np.inf), fc, sl)
+    G = torch.stack([free.unflatten(e, shift=False)["x"] for e in torch.eye(n, dtype=D)[sl]], 1).numpy()
+    for s in range(S):
+        Cs = (np.diag(scale[s]) @ covs[cls[s]] @ np.diag(scale[s]))[sl, sl]
+        np.testing.assert_allclose(ctl.loc[s], d.loc.numpy() + G @ loc[s, sl], atol=1e-12)
+        np.testing.assert_allclose(ctl.sd[s] ** 2, np.diag(G @ Cs @ G.T), rtol=1e-10)
+    # one class, no scales: the same variances for every draw; unknown covariances: no controls
+    one = _mapped_controls(free.constrained["x"], loc, np.full(S, np.inf),
+                           FieldCovariance(np.zeros(S, dtype=np.int64), None, [lambda: covs[0]]), sl)
+    np.testing.assert_allclose(one.sd ** 2, np.broadcast_to(np.diag(G @ covs[0][sl, sl] @ G.T), (S, m)), rtol=1e-10)
+    assert _mapped_controls(free.constrained["x"], loc, np.full(S, np.inf), None, sl) is None

@@ -383,8 +383,11 @@ def _pool(result, rounds, maps, q):
     own = np.concatenate([np.full(r[1].shape[0], j) for j, r in enumerate(rounds)])
     eps = np.concatenate([r[4] for r in rounds])
     log_q = mixture_log_q(np.concatenate([r[1] for r in rounds]), eps, own, maps)
+    from .proposals import FieldCovariance
+
     cond = tuple(np.concatenate([np.broadcast_to(r[3][i], (r[1].shape[0],) + np.shape(r[3][i])[1:])
                                  for r in rounds]) for i in range(3))
+    cond = cond + (FieldCovariance.pool([r[3][3] for r in rounds], [r[1].shape[0] for r in rounds], eps.shape[1]),)
     d = _weigh(result, q, values, log_q, np.concatenate([r[2] for r in rounds]), cond, name="affine")
     d.eps, d.own, d.maps = eps, own, list(maps)
     # the moment check asks whether the last proposal agrees with the weighted moments: its own draws

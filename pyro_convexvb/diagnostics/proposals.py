@@ -26,7 +26,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["PROPOSALS", "make_proposal", "AdaptedProposal"]
+__all__ = ["PROPOSALS", "make_proposal", "AdaptedProposal", "FieldCovariance"]
 
 PROPOSALS = ("fitted", "interpolated", "widened", "student_t")
 WIDEN = 1.5
@@ -207,6 +207,99 @@ class _GaussianParts:
                 - 0.5 * n * math.log(nu * math.pi) - 0.5 * (nu + n) * torch.log1p(maha / nu))
 
 
+class FieldCovariance:
+    """The conditional covariances of the flat field draws given their components:
+    ``Cov(u_s | s) = diag(scale_s) C_{cls_s} diag(scale_s)`` (for a Student-t draw, its scale matrix).
+
+    :param cls: ``(S,)`` each draw's class (a component, or a component and an adaptive round's map).
+    :param scale: ``(S, n)`` per-draw scales (an interpolation frame, a widened component, an adaptation), or
+        ``None`` (all 1).
+    :param covs: one zero-argument callable per class returning its ``(n, n)`` matrix ``C`` (evaluated on first
+        use and kept: only a constrained field's controls need them).
+    """
+
+    def __init__(self, cls, scale, covs):
+        self.cls = np.asarray(cls, dtype=np.int64)
+        self.scale = None if scale is None else np.asarray(scale, dtype=np.float64)
+        self._covs, self._done = list(covs), {}
+
+    def matrix(self, j):
+        """``(n, n)`` the class ``j``'s matrix ``C``."""
+        if j not in self._done:
+            C = np.asarray(self._covs[j](), dtype=np.float64)
+            self._done[j] = 0.5 * (C + C.T)
+        return self._done[j]
+
+    def scaled(self, factor):
+        """The covariances of the draws multiplied by ``diag(factor)`` on both sides (``factor`` ``(n,)`` or
+        ``(S, n)``)."""
+        f = np.asarray(factor, dtype=np.float64)
+        scale = np.broadcast_to(f, (self.cls.shape[0], f.shape[-1])) if self.scale is None else self.scale * f
+        out = FieldCovariance(self.cls, scale, self._covs)
+        out._done = self._done
+        return out
+
+    @staticmethod
+    def pool(parts, sizes, n):
+        """The draws of several rounds (``parts``, each of ``sizes[i]`` draws, or ``None``) in one, their classes
+        renumbered; ``None`` if any round has none."""
+        if any(p is None for p in parts):
+            return None
+        cls, scale, covs, offset = [], [], [], 0
+        for p, S in zip(parts, sizes):
+            cls.append(p.cls + offset)
+            scale.append(np.ones((S, n)) if p.scale is None else np.broadcast_to(p.scale, (S, n)))
+            covs.extend((lambda p=p, j=j: p.matrix(j)) for j in range(len(p._covs)))
+            offset += len(p._covs)
+        return FieldCovariance(np.concatenate(cls), np.concatenate(scale), covs)
+
+
+def _cov_of(parts):
+    """The zero-argument callable giving ``W W^T`` of a :class:`_GaussianParts` (its covariance)."""
+    def cov():
+        W = parts.sqrt()
+        return W @ W.T
+    return cov
+
+
+#: largest ``S m (m - k)^2`` (draws, field size, free coordinates) for which a constrained field's conditional
+#: variances are computed for its control variates; beyond it the field's summaries are plain self-normalised ones
+MAPPED_CONTROLS_MAX_FLOPS = 4e9
+
+
+def _mapped_controls(block, loc, df, cov, sl):
+    """:class:`~.control_variates.CoordinateControls` of a constrained field ``block`` (a
+    :class:`~.constrained._ConstrainedBlock`) from the draws' conditional means ``loc`` ``(S, n)`` of the free
+    vector and its covariances ``cov`` (:class:`FieldCovariance`), ``sl`` the field's free coordinates: the field
+    ``x = loc_x + G w`` is affine in them, so given a draw's component it has mean ``loc_x + G E[w]`` and variances
+    ``diag(G Cov(w) G^T)``; ``None`` when they are unknown or too costly (:data:`MAPPED_CONTROLS_MAX_FLOPS`)."""
+    from .control_variates import CoordinateControls
+
+    if loc is None or cov is None:
+        return None
+    S, f = loc.shape[0], sl.stop - sl.start
+    m = block.m
+    if S * m * f * f > MAPPED_CONTROLS_MAX_FLOPS:
+        return None
+    t = torch.as_tensor
+    mean = block.to_field(t(np.ascontiguousarray(loc[:, sl]))).numpy()
+    G = block.to_field(t(np.eye(f)), shift=False).numpy().T  # (m, f): d x / d w
+    var = np.empty((S, m))
+    for j in np.unique(cov.cls):
+        idx = np.nonzero(cov.cls == j)[0]
+        C = cov.matrix(int(j))[sl, sl]
+        lam, V = np.linalg.eigh(C)
+        R = V * np.sqrt(np.clip(lam, 0.0, None))  # C = R R^T
+        if cov.scale is None:
+            var[idx] = ((G @ R) ** 2).sum(1)
+            continue
+        for c in range(0, idx.size, 256):
+            rows = idx[c:c + 256]
+            M = G[None, :, :] * cov.scale[rows][:, None, sl]  # (s, m, f): G diag(scale_s)
+            var[rows] = ((M @ R) ** 2).sum(2)
+    return CoordinateControls(mean, np.sqrt(np.maximum(var, 1e-300)), df)
+
+
 class Proposal:
     """Base class: ``sample(S, generator) -> ({site: (S, *ushape)}, log_q (S,))``."""
 
@@ -218,6 +311,8 @@ class Proposal:
     #: component, and ``(S,)`` degrees of freedom (``inf``: normal); ``None`` when the proposal is not a
     #: Gaussian (mixture) whose components are known
     cond_loc = cond_sd = cond_df = None
+    #: after :meth:`sample`: the draws' conditional covariances (:class:`FieldCovariance`), or ``None``
+    cond_cov = None
     #: the field's Gaussians ``q_k`` (``None`` when the proposal is not a plain one of them: a defensive mixture,
     #: a mixture posterior) and, after :meth:`sample`, ``frame = (k (S,), a (S, n), d (S, n) or None)``: the draw's
     #: component and the affine frame ``u = a + d * (u_k - m_k)`` it was moved by (``d = None``: unmoved); with
@@ -234,8 +329,9 @@ class Proposal:
         return None
 
     def conditional(self):
-        """``(cond_loc, cond_sd, cond_df)`` of the last :meth:`sample` (a snapshot: a later sample replaces them)."""
-        return self.cond_loc, self.cond_sd, self.cond_df
+        """``(cond_loc, cond_sd, cond_df, cond_cov)`` of the last :meth:`sample` (a snapshot: a later sample
+        replaces them)."""
+        return self.cond_loc, self.cond_sd, self.cond_df, self.cond_cov
 
     def controls(self, name, layout, M=200_000, seed=0, conditional=None):
         """:class:`~pyro_convexvb.diagnostics.control_variates.CoordinateControls` of site ``name`` (its flat
@@ -243,9 +339,11 @@ class Proposal:
         the last :meth:`sample`), or ``None`` when nothing is known about it."""
         from .control_variates import CoordinateControls
 
-        loc, sd, df = self.conditional() if conditional is None else conditional
+        loc, sd, df, cov = self.conditional() if conditional is None else conditional
         if layout is not None and name in [b.name for b in layout.blocks]:
-            if loc is None or name in getattr(layout, "mapped", ()):  # a constrained field: free coordinates
+            if name in getattr(layout, "mapped", ()):  # a constrained field: affine in its free coordinates
+                return _mapped_controls(layout.constrained[name], loc, df, cov, layout[name].slice)
+            if loc is None:
                 return None
             sl = layout[name].slice
             return CoordinateControls(loc[:, sl], sd[:, sl], df)
@@ -285,7 +383,7 @@ class GaussianProposal(Proposal):
 
     def _record(self, S, second):
         if not hasattr(self.post, "kind"):  # a mixture posterior: no conditional Gaussian known per draw
-            self.cond_loc = self.cond_sd = self.cond_df = None
+            self.cond_loc = self.cond_sd = self.cond_df = self.cond_cov = None
             return
         loc = self.post.loc.detach().double().cpu().numpy()
         sd = self.post.scale.detach().double().cpu().numpy()
@@ -294,6 +392,8 @@ class GaussianProposal(Proposal):
         fac = np.where(sec & (self.name == "widened"), WIDEN, 1.0)
         self.cond_sd = sd[None, :] * fac[:, None]
         self.cond_df = np.where(sec & (self.name == "student_t"), T_DF, np.inf)
+        scale = None if second is None else np.broadcast_to(fac[:, None], (S, loc.shape[0]))
+        self.cond_cov = FieldCovariance(np.zeros(S, dtype=np.int64), scale, [_cov_of(self.parts)])
 
     def sample_flat(self, S, generator):
         if self.name in ("fitted", "interpolated"):
@@ -461,15 +561,20 @@ class HyperProposal(Proposal):
         else:
             lq = lu1 if not self.mixture else torch.logaddexp(lu1, lu2) - math.log(2.0)
         sec = second.cpu().numpy()
+        covs = [_cov_of(p) for p in self.parts]
         if self.name == "interpolated" and self.covers_hyper:
             self.cond_loc, self.cond_sd = loc_x, np.exp(logsd_x)
             self.frame = (kk, loc_x, np.exp(logD))
+            self.cond_cov = FieldCovariance(kk, np.exp(logD), covs)
         else:
             locs = torch.stack([c.loc.detach() for c in self.components]).double().cpu().numpy()
             sds = torch.stack([c.scale.detach() for c in self.components]).double().cpu().numpy()
             self.cond_loc = locs[kk]
             self.cond_sd = sds[kk] * np.where(sec & (self.name == "widened"), WIDEN, 1.0)[:, None]
             self.frame = None if self.mixture else (kk, self.cond_loc, None)
+            wide = sec & (self.name == "widened")
+            self.cond_cov = FieldCovariance(kk, np.broadcast_to(np.where(wide, WIDEN, 1.0)[:, None], (S, hp.n))
+                                            if wide.any() else None, covs)
         self.cond_df = np.where(sec & (self.name == "student_t"), T_DF, np.inf)
         values = dict(hp.layout.unflatten(u))
         start = 0
@@ -522,7 +627,7 @@ class AdaptedProposal(Proposal):
     def from_draws(cls, base, layout, values, log_weights, conditional):
         """Adapt ``base`` to its weighted draws ``values`` (whose conditional moments are ``conditional``, the
         snapshot of :meth:`Proposal.conditional`); ``None`` if they are unknown."""
-        loc, sd, _ = conditional
+        loc, sd = conditional[0], conditional[1]
         if loc is None:
             return None
         u = field_vector(layout, values).double().cpu().numpy()
@@ -544,6 +649,8 @@ class AdaptedProposal(Proposal):
         self.cond_loc = loc + sd * self.mu
         self.cond_sd = sd * self.rho
         self.cond_df = self.base.cond_df
+        cov = self.base.cond_cov
+        self.cond_cov = None if cov is None else cov.scaled(self.rho)
         return with_field(self.layout, values, un, u0), lq - float(np.log(self.rho).sum())
 
 

@@ -196,15 +196,33 @@ class WhitenedProposal(Proposal):
         self._eps, self._pending = None, (u0.double().cpu().numpy(), frame)
         if self.amap.is_identity:  # the base draws; whitened only if asked (last_eps)
             self.cond_loc, self.cond_sd = self.base.cond_loc, self.base.cond_sd
+            self.cond_cov = self.base.cond_cov
         else:
             e = self.amap.forward(self.last_eps)
             values = with_field(self.layout, values, _color(self.base, e, frame), u0)
             lq = lq - self.amap.log_det
             self.cond_loc, self.cond_sd = self.field_moments(frame)
+            self.cond_cov = self.field_covariance(frame, [self.amap], np.zeros(S, dtype=np.int64))
             self._eps, self._pending = e, None
         self.cond_df = np.full(S, np.inf)
         self.frame = frame
         return values, lq
+
+    def field_covariance(self, frame, maps, own):
+        """:class:`~pyro_convexvb.diagnostics.proposals.FieldCovariance` of draws in ``frame`` moved by
+        ``maps[own_s]``: ``Cov(u_s) = D_s W_k Cov_e W_k^T D_s``, ``Cov_e`` the map's covariance of ``e``."""
+        from .proposals import FieldCovariance
+
+        k, a, d = frame
+        J = len(maps)
+        K = len(self.base.frame_parts)
+
+        def cov(j):
+            W = self.base.frame_parts[j // J].sqrt()
+            return W @ maps[j % J].covariance() @ W.T
+
+        return FieldCovariance(np.asarray(k, dtype=np.int64) * J + np.asarray(own, dtype=np.int64), d,
+                               [(lambda j=j: cov(j)) for j in range(K * J)])
 
     def field_moments(self, frame, amap=None):
         """``(S, n)`` conditional means and sds of the field given each draw's component and frame (under
@@ -262,6 +280,7 @@ class PooledProposal(WhitenedProposal):
         values = with_field(self.layout, values, _color(self.base, e, frame), u0)
         lq_mix = mixture_log_q(lq.double().cpu().numpy() - log_det, e, own, self.maps)
         self.cond_loc, self.cond_sd, self.cond_df = loc, sd, np.full(S, np.inf)
+        self.cond_cov = self.field_covariance(frame, self.maps, own)
         self._eps, self._pending, self.frame = e, None, frame
         return values, torch.as_tensor(lq_mix, dtype=torch.float64)
 
