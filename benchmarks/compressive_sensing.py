@@ -545,6 +545,23 @@ def summarise(doc):
                     count=len(v["vs_lowpass"])) for m, v in out.items()}, steps
 
 
+def column_snr(doc):
+    """Per image of the pool: ``||u||`` and, per conjugate pair of k-space columns, the image's energy in a column
+    over the energy of the noise its measurement adds there (``sigma^2`` on the real and on the imaginary part of
+    each of its ``H`` coefficients: ``2 H sigma^2``):
+    the mean over the pairs just above the start design (the band the designs choose from first) and the number
+    of pairs above 1. Rows ``{image, norm, snr_next_40, pairs_above_noise}``."""
+    size = doc["settings"]["size"]
+    lo = doc["settings"]["central"] // 2 + 1
+    rows = []
+    for name, (img, _) in sorted(load_pool(size).items()):
+        energy = (np.abs(np.fft.fft2(img, norm="ortho")) ** 2).sum(0)[: size // 2 + 1]
+        snr = energy / (2 * size * doc["settings"]["noise_var"])
+        rows.append(dict(image=name, norm=float(np.linalg.norm(img)), snr_next_40=float(snr[lo:lo + 40].mean()),
+                         pairs_above_noise=int((snr > 1).sum())))
+    return rows
+
+
 def summarise_design_images(doc):
     """Error ratios to low-pass on each block's own design image (not a test image), mean over blocks."""
     out = {}
@@ -566,15 +583,18 @@ def report(doc, name):
                 for m, v in summ.items()]
         print("\nMean test error ||u* - u|| / ||u_lowpass - u|| (same number of columns) by number of known columns:\n")
         print(markdown_table(rows, floatfmt=".4f"))
+        rows = [dict(method=m, **{f"c{c}": x for c, x in zip(cols, v["vs_start"])}) for m, v in summ.items()]
+        print("\nMean test error relative to the central-32 start design:\n")
+        print(markdown_table(rows, floatfmt=".4f"))
     own = summarise_design_images(doc)
     if own:
         rows = [dict(method=m, blocks=v["count"], **{f"c{c}": x for c, x in zip(cols, v["vs_lowpass"])})
                 for m, v in own.items()]
         print("\nOn the design images themselves (not test images): error relative to low-pass, mean over blocks:\n")
         print(markdown_table(rows, floatfmt=".4f"))
-        rows = [dict(method=m, **{f"c{c}": x for c, x in zip(cols, v["vs_start"])}) for m, v in summ.items()]
-        print("\nMean test error relative to the central-32 start design:\n")
-        print(markdown_table(rows, floatfmt=".4f"))
+    print("\nSignal against measurement noise per k-space column pair (image energy / noise energy of a measurement; "
+          "snr_next_40: mean over the 40 pairs after the start design):\n")
+    print(markdown_table(column_snr(doc), floatfmt=".2f"))
     trows = []
     for b, blk in doc["blocks"].items():
         for m, r in blk["methods"].items():
