@@ -215,3 +215,13 @@ def test_constrained_field_controls_against_dense_conditional_moments():
                            FieldCovariance(np.zeros(S, dtype=np.int64), None, [lambda: covs[0]]), sl)
     np.testing.assert_allclose(one.sd ** 2, np.broadcast_to(np.diag(G @ covs[0][sl, sl] @ G.T), (S, m)), rtol=1e-10)
     assert _mapped_controls(free.constrained["x"], loc, np.full(S, np.inf), None, sl) is None
+    # pooled rounds (one without scales): the classes renumbered, the scales read per row without copies
+    rounds = [FieldCovariance(np.array([0, 0, 0]), None, [lambda: covs[1]]), fc]
+    pooled = FieldCovariance.pool(rounds, [3, S], n)
+    assert pooled.cls.tolist() == [0, 0, 0] + (cls + 1).tolist()
+    np.testing.assert_array_equal(pooled.scale[np.arange(3 + S)], np.concatenate([np.ones((3, n)), scale]))
+    np.testing.assert_array_equal(pooled.scale[4], scale[1])
+    np.testing.assert_array_equal(pooled.matrix(0), covs[1])
+    np.testing.assert_array_equal(pooled.matrix(int(pooled.cls[5])), covs[cls[2]])
+    assert FieldCovariance.pool([rounds[0], None], [3, S], n) is None
+    assert FieldCovariance.pool([rounds[0], rounds[0]], [3, 3], n).scale is None

@@ -234,7 +234,9 @@ class FieldCovariance:
         """The covariances of the draws multiplied by ``diag(factor)`` on both sides (``factor`` ``(n,)`` or
         ``(S, n)``)."""
         f = np.asarray(factor, dtype=np.float64)
-        scale = np.broadcast_to(f, (self.cls.shape[0], f.shape[-1])) if self.scale is None else self.scale * f
+        S = self.cls.shape[0]
+        own = self.scale[np.arange(S)] if isinstance(self.scale, _PooledRows) else self.scale
+        scale = np.broadcast_to(f, (S, f.shape[-1])) if own is None else own * f
         out = FieldCovariance(self.cls, scale, self._covs)
         out._done = self._done
         return out
@@ -242,16 +244,38 @@ class FieldCovariance:
     @staticmethod
     def pool(parts, sizes, n):
         """The draws of several rounds (``parts``, each of ``sizes[i]`` draws, or ``None``) in one, their classes
-        renumbered; ``None`` if any round has none."""
+        renumbered (the rounds' scales are kept, not copied); ``None`` if any round has none."""
         if any(p is None for p in parts):
             return None
-        cls, scale, covs, offset = [], [], [], 0
-        for p, S in zip(parts, sizes):
+        cls, covs, offset = [], [], 0
+        for p in parts:
             cls.append(p.cls + offset)
-            scale.append(np.ones((S, n)) if p.scale is None else np.broadcast_to(p.scale, (S, n)))
             covs.extend((lambda p=p, j=j: p.matrix(j)) for j in range(len(p._covs)))
             offset += len(p._covs)
-        return FieldCovariance(np.concatenate(cls), np.concatenate(scale), covs)
+        scaled = any(p.scale is not None for p in parts)
+        out = FieldCovariance(np.concatenate(cls), None, covs)
+        out.scale = _PooledRows([p.scale for p in parts], sizes, n) if scaled else None
+        return out
+
+
+class _PooledRows:
+    """Row access ``[rows]`` to the per-draw scales of pooled rounds (``None``: all 1) without concatenating them."""
+
+    def __init__(self, arrays, sizes, n):
+        self.arrays, self.n = arrays, n
+        self.starts = np.concatenate([[0], np.cumsum(sizes)])
+
+    def __getitem__(self, rows):
+        scalar = np.ndim(rows) == 0
+        rows = np.atleast_1d(np.asarray(rows))
+        out = np.ones((rows.size, self.n))
+        part = np.searchsorted(self.starts, rows, side="right") - 1
+        for j in np.unique(part):
+            a = self.arrays[int(j)]
+            if a is not None:
+                sel = part == j
+                out[sel] = a[rows[sel] - self.starts[j]]
+        return out[0] if scalar else out
 
 
 def _cov_of(parts):
@@ -565,7 +589,7 @@ class HyperProposal(Proposal):
         if self.name == "interpolated" and self.covers_hyper:
             self.cond_loc, self.cond_sd = loc_x, np.exp(logsd_x)
             self.frame = (kk, loc_x, np.exp(logD))
-            self.cond_cov = FieldCovariance(kk, np.exp(logD), covs)
+            self.cond_cov = FieldCovariance(kk, self.frame[2], covs)
         else:
             locs = torch.stack([c.loc.detach() for c in self.components]).double().cpu().numpy()
             sds = torch.stack([c.scale.detach() for c in self.components]).double().cpu().numpy()
