@@ -156,17 +156,17 @@ def make_blocks(names, num_blocks, num_tests, seed):
 class Measurements:
     """Noisy measurements of every candidate pair of one image (one fixed draw per image)."""
 
-    def __init__(self, img, seed, preconditioner=MAP_PRECONDITIONER, solver=MAP_SOLVER):
+    def __init__(self, img, seed, preconditioner=MAP_PRECONDITIONER, solver=MAP_SOLVER, noise_var=NOISE_VAR):
         if solver not in ("admm", "newton"):
             raise ValueError(f"solver: expected 'admm' or 'newton', got {solver!r}")
         self.H = img.shape[0]
-        self.preconditioner, self.solver = preconditioner, solver
+        self.preconditioner, self.solver, self.noise_var = preconditioner, solver, float(noise_var)
         self.stats = []  # per MAP solve: solver, work counts, seconds
         self.u = torch.tensor(img, dtype=D).reshape(-1)
         self.cand = pair_candidates(self.H)
         X = fourier_columns_operator(self.H, self.H, self.cand)
         g = torch.Generator().manual_seed(int(seed))
-        y = X.mv(self.u) + math.sqrt(NOISE_VAR) * torch.randn(X.shape[0], generator=g, dtype=D)
+        y = X.mv(self.u) + math.sqrt(self.noise_var) * torch.randn(X.shape[0], generator=g, dtype=D)
         m, H = len(self.cand), self.H
         self.re = [y[j * H:(j + 1) * H] for j in range(m)]
         self.im = [y[H * m + j * H:H * m + (j + 1) * H] for j in range(m)]
@@ -177,7 +177,7 @@ class Measurements:
     def map(self, pairs, tau, u0=None, init=None):
         """MAP reconstruction under the design ``pairs``; ``u0`` (and, for ADMM, ``init``: the ``state`` of the
         previous solve, kept in ``self.last_state``) warm-start it."""
-        lgm = compressive_sensing_model(self(pairs), self.H, self.H, list(pairs), NOISE_VAR, *tau)
+        lgm = compressive_sensing_model(self(pairs), self.H, self.H, list(pairs), self.noise_var, *tau)
         t0 = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ConvergenceWarning)
@@ -268,7 +268,7 @@ def run_design(meas, start, steps, method, tau, seed, progress, engine_options=N
         return dict(added=[int(c) for c in rng.choice(rest, size=steps, replace=False)])
     kw = dict(variance="lanczos", k_var=spec["k_var"], k_score=spec["k_score"]) if spec["kind"] == "lanczos" else \
         dict(variance="pca", pca_rank=spec["pca_rank"])
-    d = SequentialPhaseEncodeDesign(meas, meas.H, meas.H, NOISE_VAR, *tau, seed=seed,
+    d = SequentialPhaseEncodeDesign(meas, meas.H, meas.H, meas.noise_var, *tau, seed=seed,
                                     engine_options=DESIGN_ENGINE if engine_options is None else engine_options,
                                     progress=progress, **kw)
     key = dict(method=method, start=[int(c) for c in start], steps=int(steps), tau=[float(t) for t in tau],
@@ -391,12 +391,17 @@ def main(argv=None):
                         help="CG preconditioner of the design refits (recorded in the settings)")
     parser.add_argument("--map-preconditioner", choices=list(PRECONDITIONERS), default=MAP_PRECONDITIONER,
                         help="CG preconditioner of the Newton MAP reconstructions (recorded in the settings)")
+    parser.add_argument("--noise-var", type=float, default=NOISE_VAR,
+                        help="measurement noise variance sigma^2 on [0, 1] grey values (default 1e-3, Seeger 2010 "
+                             "§5; recorded in the settings; use with --tag)")
     parser.add_argument("--map-solver", choices=["admm", "newton"], default=MAP_SOLVER,
                         help="MAP reconstructions: exact by ADMM (imaging_map) or the smoothed Newton path "
                              "(laplace_map); recorded in the settings")
     args = parse_args(parser=parser, argv=argv)
     if args.design_newton < 1 or not 0 < args.design_cg_tol < 1:
         parser.error("--design-newton must be >= 1 and --design-cg-tol in (0, 1)")
+    if not (math.isfinite(args.noise_var) and args.noise_var > 0):
+        parser.error("--noise-var must be a positive number")
     design_engine = dict(max_newton=args.design_newton, cg_tol=args.design_cg_tol, preconditioner=args.preconditioner)
     mode = "full" if args.full else ("quick" if args.quick else "default")
     cfg = dict(CONFIGS[mode])
@@ -405,7 +410,7 @@ def main(argv=None):
             parser.error("--tau-factor must be a positive number")
         cfg["tau_factors"] = [args.tau_factor]
     name = "compressive_sensing_" + mode + ("_" + args.tag if args.tag else "")
-    settings = dict(mode=mode, seed=args.seed, noise_var=NOISE_VAR, design_engine=design_engine,
+    settings = dict(mode=mode, seed=args.seed, noise_var=args.noise_var, design_engine=design_engine,
                     map_solver=args.map_solver,
                     map_options=dict(ADMM_OPTS) if args.map_solver == "admm" else
                     dict(MAP_OPTS, preconditioner=args.map_preconditioner),
@@ -434,7 +439,7 @@ def main(argv=None):
     def meas_of(image):
         if image not in meas_cache:
             meas_cache[image] = Measurements(pool[image][0], args.seed * 7919 + names.index(image),
-                                             args.map_preconditioner, args.map_solver)
+                                             args.map_preconditioner, args.map_solver, args.noise_var)
         return meas_cache[image]
 
     t_all = time.perf_counter()
