@@ -58,6 +58,7 @@ from _common import RESULTS_DIR, make_parser, markdown_table, parse_args, save_f
 from pyro_convexvb.design.imaging import compressive_sensing_model, fourier_columns_operator, laplace_map  # noqa: E402
 from pyro_convexvb.design.imaging_map import imaging_map  # noqa: E402
 from pyro_convexvb.design.sequential import (  # noqa: E402
+    PER_STEP_FIELDS,
     DesignHistory,
     SequentialPhaseEncodeDesign,
     known_columns,
@@ -217,11 +218,6 @@ def parse_method(m):
     raise ValueError(f"--methods: unknown method {m!r} (K<var>/<score>, PCA<L>, random-<seed>, lowpass)")
 
 
-#: the per-step lists of a design history, as the JSON and the checkpoints hold them
-HISTORY_FIELDS = ("added", "best_scores", "scores", "seconds_inference", "seconds_scoring", "inner_seconds",
-                  "outer_seconds", "newton_steps", "cg_iterations", "converged")
-
-
 def load_checkpoint(path, key):
     """``(history, seconds, resumed_at)`` of an interrupted design run saved at ``path`` by
     :func:`save_checkpoint` (``resumed_at``: the steps it continued from before), or ``(None, 0, [])`` if there is
@@ -234,7 +230,7 @@ def load_checkpoint(path, key):
         raise SystemExit(f"{path}: a checkpoint of another design ({ck.get('key')}, expected {key}); delete it or "
                          "pass --restart")
     st = ck["state"]
-    hist = DesignHistory(start=list(key["start"]), **{f: list(ck["history"][f]) for f in HISTORY_FIELDS},
+    hist = DesignHistory(start=list(key["start"]), **{f: list(ck["history"][f]) for f in PER_STEP_FIELDS},
                          state=RelaxationState(st["gamma"], st["u"], st["z"], st["logdet"]),
                          settings=ck["history"]["settings"])
     return hist, float(ck["seconds"]), [int(t) for t in ck["resumed_at"]]
@@ -248,7 +244,7 @@ def save_checkpoint(path, key, hist, seconds, resumed_at):
     state["logdet"] = None if st.logdet is None else float(st.logdet)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
-    history = {f: list(getattr(hist, f)) for f in HISTORY_FIELDS}
+    history = {f: list(getattr(hist, f)) for f in PER_STEP_FIELDS}
     history["settings"] = hist.settings
     torch.save(dict(key=key, history=history, state=state,
                     seconds=float(seconds), resumed_at=list(resumed_at)), tmp)
@@ -280,7 +276,7 @@ def run_design(meas, start, steps, method, tau, seed, progress, engine_options=N
     callback = None if checkpoint is None else \
         (lambda h: save_checkpoint(checkpoint, key, h, earlier + time.perf_counter() - t0, resumed_at))
     h = d.run(start, steps, callback=callback, resume=resume)
-    out = {f: getattr(h, f) for f in HISTORY_FIELDS if f != "converged"}
+    out = {f: getattr(h, f) for f in PER_STEP_FIELDS if f != "converged"}
     if resumed_at:
         out["resumed_at"] = resumed_at
         out["seconds_earlier"] = earlier

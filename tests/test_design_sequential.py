@@ -12,7 +12,7 @@ from pyro_convexvb.design.imaging import (
     phase_encode_scores,
 )
 from pyro_convexvb.design.sequential import (
-    _PER_STEP,
+    PER_STEP_FIELDS,
     DesignHistory,
     SequentialPhaseEncodeDesign,
     known_columns,
@@ -171,7 +171,7 @@ def test_a_resumed_design_makes_the_choices_of_an_uninterrupted_one():
     def keep(h):
         if len(h.added) == 2:
             saved["h"] = DesignHistory(start=list(h.start), state=h.state, settings=dict(h.settings),
-                                       **{f: list(getattr(h, f)) for f in _PER_STEP})
+                                       **{f: list(getattr(h, f)) for f in PER_STEP_FIELDS})
 
     full = design().run([0], 4, callback=keep)
     assert saved["h"].added == full.added[:2] and saved["h"].state is not None
@@ -193,7 +193,7 @@ def test_a_resumed_design_makes_the_choices_of_an_uninterrupted_one():
     with pytest.raises(ValueError, match=r"other design settings \(\['seed'\]\)"):
         other.run([0], 4, resume=saved["h"])
     bad = DesignHistory(start=[0], added=list(saved["h"].added), state=None, settings=saved["h"].settings,
-                        **{f: list(getattr(saved["h"], f)) for f in _PER_STEP if f != "added"})
+                        **{f: list(getattr(saved["h"], f)) for f in PER_STEP_FIELDS if f != "added"})
     with pytest.raises(ValueError, match="no state"):
         design().run([0], 4, resume=bad)
     bad.state, bad.scores = saved["h"].state, bad.scores[:1]

@@ -30,7 +30,8 @@ from ..errors import ConvergenceWarning
 from ..infer.convex_relaxation import ConvexVariationalRelaxation
 from .imaging import _check_shape, compressive_sensing_model, covariance_factor, phase_encode_scores
 
-__all__ = ["pair_candidates", "known_columns", "lowpass_pairs", "DesignHistory", "SequentialPhaseEncodeDesign"]
+__all__ = ["pair_candidates", "known_columns", "lowpass_pairs", "DesignHistory", "PER_STEP_FIELDS",
+           "SequentialPhaseEncodeDesign"]
 
 _METHODS = ("lanczos", "pca", "exact")
 
@@ -118,8 +119,9 @@ class DesignHistory:
         return list(self.start) + list(self.added)
 
 
-#: the per-step lists of a :class:`DesignHistory` (one entry per added pair)
-_PER_STEP = ("added", "best_scores", "scores", "seconds_inference", "seconds_scoring", "inner_seconds",
+#: the per-step lists of a :class:`DesignHistory` (one entry per added pair): what a checkpoint of a run holds
+#: besides its start, state and settings
+PER_STEP_FIELDS = ("added", "best_scores", "scores", "seconds_inference", "seconds_scoring", "inner_seconds",
              "outer_seconds", "newton_steps", "cg_iterations", "converged")
 
 
@@ -141,10 +143,10 @@ def _resumed(resume, start, rest, num_steps, settings):
                          f"at most num_steps = {num_steps}")
     if resume.state is None:
         raise ValueError("resume: the history has no state (save history.state in the callback)")
-    lengths = {f: len(getattr(resume, f)) for f in _PER_STEP}
+    lengths = {f: len(getattr(resume, f)) for f in PER_STEP_FIELDS}
     if set(lengths.values()) != {len(done)}:
         raise ValueError(f"resume: per-step lists of unequal lengths {lengths}")
-    return DesignHistory(start=start, settings=settings, **{f: list(getattr(resume, f)) for f in _PER_STEP})
+    return DesignHistory(start=start, settings=settings, **{f: list(getattr(resume, f)) for f in PER_STEP_FIELDS})
 
 
 class SequentialPhaseEncodeDesign:
