@@ -202,7 +202,7 @@ def test_constrained_field_controls_against_dense_conditional_moments():
     cls = rng.integers(0, 2, size=S)
     scale = np.exp(0.3 * rng.normal(size=(S, n)))
     loc = rng.normal(size=(S, n))
-    fc = FieldCovariance(cls, scale, [lambda C=C: C for C in covs])
+    fc = FieldCovariance(cls, scale, [lambda sl, C=C: C[sl, sl] for C in covs])
     sl = free["x"].slice
     ctl = _mapped_controls(free.constrained["x"], loc, np.full(S, np.inf), fc, sl)
     G = torch.stack([free.unflatten(e, shift=False)["x"] for e in torch.eye(n, dtype=D)[sl]], 1).numpy()
@@ -212,16 +212,17 @@ def test_constrained_field_controls_against_dense_conditional_moments():
         np.testing.assert_allclose(ctl.sd[s] ** 2, np.diag(G @ Cs @ G.T), rtol=1e-10)
     # one class, no scales: the same variances for every draw; unknown covariances: no controls
     one = _mapped_controls(free.constrained["x"], loc, np.full(S, np.inf),
-                           FieldCovariance(np.zeros(S, dtype=np.int64), None, [lambda: covs[0]]), sl)
+                           FieldCovariance(np.zeros(S, dtype=np.int64), None, [lambda sl: covs[0][sl, sl]]), sl)
     np.testing.assert_allclose(one.sd ** 2, np.broadcast_to(np.diag(G @ covs[0][sl, sl] @ G.T), (S, m)), rtol=1e-10)
     assert _mapped_controls(free.constrained["x"], loc, np.full(S, np.inf), None, sl) is None
     # pooled rounds (one without scales): the classes renumbered, the scales read per row without copies
-    rounds = [FieldCovariance(np.array([0, 0, 0]), None, [lambda: covs[1]]), fc]
+    rounds = [FieldCovariance(np.array([0, 0, 0]), None, [lambda sl: covs[1][sl, sl]]), fc]
     pooled = FieldCovariance.pool(rounds, [3, S], n)
     assert pooled.cls.tolist() == [0, 0, 0] + (cls + 1).tolist()
     np.testing.assert_array_equal(pooled.scale[np.arange(3 + S)], np.concatenate([np.ones((3, n)), scale]))
     np.testing.assert_array_equal(pooled.scale[4], scale[1])
     np.testing.assert_array_equal(pooled.matrix(0), covs[1])
     np.testing.assert_array_equal(pooled.matrix(int(pooled.cls[5])), covs[cls[2]])
+    np.testing.assert_array_equal(pooled.matrix(int(pooled.cls[5]), sl), covs[cls[2]][sl, sl])
     assert FieldCovariance.pool([rounds[0], None], [3, S], n) is None
     assert FieldCovariance.pool([rounds[0], rounds[0]], [3, 3], n).scale is None

@@ -21,7 +21,7 @@ import torch
 
 from .constrained import log_jacobian, proposal_posterior
 from .logjoint import ModelLogJoint
-from .proposals import AdaptedProposal, Proposal, make_proposal
+from .proposals import AdaptedProposal, FieldCovariance, Proposal, make_proposal
 from .psis import importance_ess, pareto_k_threshold, psis_smooth, weighted_moments, weighted_quantiles
 
 __all__ = ["ApproximationWarning", "ImportanceDiagnostics", "CorrectedPosterior", "diagnose", "correct",
@@ -383,8 +383,6 @@ def _pool(result, rounds, maps, q):
     own = np.concatenate([np.full(r[1].shape[0], j) for j, r in enumerate(rounds)])
     eps = np.concatenate([r[4] for r in rounds])
     log_q = mixture_log_q(np.concatenate([r[1] for r in rounds]), eps, own, maps)
-    from .proposals import FieldCovariance
-
     cond = tuple(np.concatenate([np.broadcast_to(r[3][i], (r[1].shape[0],) + np.shape(r[3][i])[1:])
                                  for r in rounds]) for i in range(3))
     cond = cond + (FieldCovariance.pool([r[3][3] for r in rounds], [r[1].shape[0] for r in rounds], eps.shape[1]),)

@@ -214,8 +214,9 @@ class FieldCovariance:
     :param cls: ``(S,)`` each draw's class (a component, or a component and an adaptive round's map).
     :param scale: ``(S, n)`` per-draw scales (an interpolation frame, a widened component, an adaptation), or
         ``None`` (all 1).
-    :param covs: one zero-argument callable per class returning its ``(n, n)`` matrix ``C`` (evaluated on first
-        use and kept: only a constrained field's controls need them).
+    :param covs: one callable per class, ``cov(sl)`` returning the block ``C[sl, sl]`` of its ``(n, n)`` matrix on
+        the coordinates of the slice ``sl`` (evaluated on first use and kept: only a constrained field's controls
+        need them, and only the field's block).
     """
 
     def __init__(self, cls, scale, covs):
@@ -223,20 +224,19 @@ class FieldCovariance:
         self.scale = None if scale is None else np.asarray(scale, dtype=np.float64)
         self._covs, self._done = list(covs), {}
 
-    def matrix(self, j):
-        """``(n, n)`` the class ``j``'s matrix ``C``."""
-        if j not in self._done:
-            C = np.asarray(self._covs[j](), dtype=np.float64)
-            self._done[j] = 0.5 * (C + C.T)
-        return self._done[j]
+    def matrix(self, j, sl=slice(None)):
+        """The class ``j``'s matrix ``C`` on the coordinates ``sl`` (default all): ``C[sl, sl]``."""
+        key = (j, sl.start, sl.stop, sl.step)
+        if key not in self._done:
+            C = np.asarray(self._covs[j](sl), dtype=np.float64)
+            self._done[key] = 0.5 * (C + C.T)
+        return self._done[key]
 
     def scaled(self, factor):
         """The covariances of the draws multiplied by ``diag(factor)`` on both sides (``factor`` ``(n,)`` or
-        ``(S, n)``)."""
+        ``(S, n)``; not for pooled rounds)."""
         f = np.asarray(factor, dtype=np.float64)
-        S = self.cls.shape[0]
-        own = self.scale[np.arange(S)] if isinstance(self.scale, _PooledRows) else self.scale
-        scale = np.broadcast_to(f, (S, f.shape[-1])) if own is None else own * f
+        scale = np.broadcast_to(f, (self.cls.shape[0], f.shape[-1])) if self.scale is None else self.scale * f
         out = FieldCovariance(self.cls, scale, self._covs)
         out._done = self._done
         return out
@@ -250,7 +250,7 @@ class FieldCovariance:
         cls, covs, offset = [], [], 0
         for p in parts:
             cls.append(p.cls + offset)
-            covs.extend((lambda p=p, j=j: p.matrix(j)) for j in range(len(p._covs)))
+            covs.extend((lambda sl, p=p, j=j: p.matrix(j, sl)) for j in range(len(p._covs)))
             offset += len(p._covs)
         scaled = any(p.scale is not None for p in parts)
         out = FieldCovariance(np.concatenate(cls), None, covs)
@@ -279,9 +279,9 @@ class _PooledRows:
 
 
 def _cov_of(parts):
-    """The zero-argument callable giving ``W W^T`` of a :class:`_GaussianParts` (its covariance)."""
-    def cov():
-        W = parts.sqrt()
+    """The callable giving the block ``(W W^T)[sl, sl]`` of a :class:`_GaussianParts`' covariance."""
+    def cov(sl):
+        W = parts.sqrt()[sl]
         return W @ W.T
     return cov
 
@@ -311,7 +311,7 @@ def _mapped_controls(block, loc, df, cov, sl):
     var = np.empty((S, m))
     for j in np.unique(cov.cls):
         idx = np.nonzero(cov.cls == j)[0]
-        C = cov.matrix(int(j))[sl, sl]
+        C = cov.matrix(int(j), sl)
         lam, V = np.linalg.eigh(C)
         R = V * np.sqrt(np.clip(lam, 0.0, None))  # C = R R^T
         if cov.scale is None:
@@ -594,11 +594,11 @@ class HyperProposal(Proposal):
             locs = torch.stack([c.loc.detach() for c in self.components]).double().cpu().numpy()
             sds = torch.stack([c.scale.detach() for c in self.components]).double().cpu().numpy()
             self.cond_loc = locs[kk]
-            self.cond_sd = sds[kk] * np.where(sec & (self.name == "widened"), WIDEN, 1.0)[:, None]
-            self.frame = None if self.mixture else (kk, self.cond_loc, None)
             wide = sec & (self.name == "widened")
-            self.cond_cov = FieldCovariance(kk, np.broadcast_to(np.where(wide, WIDEN, 1.0)[:, None], (S, hp.n))
-                                            if wide.any() else None, covs)
+            fac = np.where(wide, WIDEN, 1.0)[:, None]
+            self.cond_sd = sds[kk] * fac
+            self.frame = None if self.mixture else (kk, self.cond_loc, None)
+            self.cond_cov = FieldCovariance(kk, np.broadcast_to(fac, (S, hp.n)) if wide.any() else None, covs)
         self.cond_df = np.where(sec & (self.name == "student_t"), T_DF, np.inf)
         values = dict(hp.layout.unflatten(u))
         start = 0

@@ -217,12 +217,12 @@ class WhitenedProposal(Proposal):
         J = len(maps)
         K = len(self.base.frame_parts)
 
-        def cov(j):
-            W = self.base.frame_parts[j // J].sqrt()
+        def cov(j, sl):
+            W = self.base.frame_parts[j // J].sqrt()[sl]
             return W @ maps[j % J].covariance() @ W.T
 
         return FieldCovariance(np.asarray(k, dtype=np.int64) * J + np.asarray(own, dtype=np.int64), d,
-                               [(lambda j=j: cov(j)) for j in range(K * J)])
+                               [(lambda sl, j=j: cov(j, sl)) for j in range(K * J)])
 
     def field_moments(self, frame, amap=None):
         """``(S, n)`` conditional means and sds of the field given each draw's component and frame (under
