@@ -512,7 +512,7 @@ def main(argv=None):
     state.doc["columns_at_eval"] = columns_at(settings, eval_steps)
     state.doc.setdefault("seconds_sessions", []).append(time.perf_counter() - t_all)
     state.save()
-    report(state.doc, name)
+    report(state.doc, name, pool)
 
 
 # ----------------------------------------------------------------------------- report
@@ -546,8 +546,8 @@ def summarise(doc):
                     count=len(v["vs_lowpass"])) for m, v in out.items()}, steps
 
 
-def column_snr(doc):
-    """Per image of the pool: ``||u||`` and, per conjugate pair of k-space columns, the image's energy in a column
+def column_snr(doc, pool=None):
+    """Per image of the pool (``pool``, as :func:`load_pool` gives it, loaded if ``None``): ``||u||`` and, per conjugate pair of k-space columns, the image's energy in a column
     over the energy of the noise its measurement adds there (``sigma^2`` on the real and on the imaginary part of
     each of its ``H`` coefficients: ``2 H sigma^2``):
     the mean over the pairs just above the start design (the band the designs choose from first) and the number
@@ -555,7 +555,7 @@ def column_snr(doc):
     size = doc["settings"]["size"]
     lo = doc["settings"]["central"] // 2 + 1
     rows = []
-    for name, (img, _) in sorted(load_pool(size).items()):
+    for name, (img, _) in sorted((pool or load_pool(size)).items()):
         energy = (np.abs(np.fft.fft2(img, norm="ortho")) ** 2).sum(0)[: size // 2 + 1]
         snr = energy / (2 * size * doc["settings"]["noise_var"])
         rows.append(dict(image=name, norm=float(np.linalg.norm(img)), snr_next_40=float(snr[lo:lo + 40].mean()),
@@ -576,7 +576,7 @@ def summarise_design_images(doc):
     return {m: dict(vs_lowpass=np.mean(v, 0).tolist(), count=len(v)) for m, v in out.items()}
 
 
-def report(doc, name):
+def report(doc, name, pool=None):
     summ, steps = summarise(doc)
     cols = doc.get("columns_at_eval") or columns_at(doc["settings"], steps)
     if summ:
@@ -595,7 +595,7 @@ def report(doc, name):
         print(markdown_table(rows, floatfmt=".4f"))
     print("\nSignal against measurement noise per k-space column pair (image energy / noise energy of a measurement; "
           "snr_next_40: mean over the 40 pairs after the start design):\n")
-    print(markdown_table(column_snr(doc), floatfmt=".2f"))
+    print(markdown_table(column_snr(doc, pool), floatfmt=".2f"))
     trows = []
     for b, blk in doc["blocks"].items():
         for m, r in blk["methods"].items():
