@@ -547,11 +547,12 @@ def summarise(doc):
 
 
 def column_snr(doc, pool=None):
-    """Per image of the pool (``pool``, as :func:`load_pool` gives it, loaded if ``None``): ``||u||`` and, per conjugate pair of k-space columns, the image's energy in a column
-    over the energy of the noise its measurement adds there (``sigma^2`` on the real and on the imaginary part of
-    each of its ``H`` coefficients: ``2 H sigma^2``):
-    the mean over the pairs just above the start design (the band the designs choose from first) and the number
-    of pairs above 1. Rows ``{image, norm, snr_next_40, pairs_above_noise}``."""
+    """Per image of the pool (``pool``, as :func:`load_pool` gives it, loaded if ``None``): ``||u||`` and, per
+    conjugate pair of k-space columns, the image's energy in a column over the energy of the noise its
+    measurement adds there (``sigma^2`` on the real and on the imaginary part of each of its ``H``
+    coefficients: ``2 H sigma^2``): the mean over the (at most 40) pairs just above the start design (the band
+    the designs choose from first) and the number of pairs above 1. Rows ``{image, norm, snr_next_40,
+    pairs_above_noise}``."""
     size = doc["settings"]["size"]
     lo = doc["settings"]["central"] // 2 + 1
     rows = []
@@ -594,7 +595,7 @@ def report(doc, name, pool=None):
         print("\nOn the design images themselves (not test images): error relative to low-pass, mean over blocks:\n")
         print(markdown_table(rows, floatfmt=".4f"))
     print("\nSignal against measurement noise per k-space column pair (image energy / noise energy of a measurement; "
-          "snr_next_40: mean over the 40 pairs after the start design):\n")
+          "snr_next_40: mean over the (at most) 40 pairs after the start design):\n")
     print(markdown_table(column_snr(doc, pool), floatfmt=".2f"))
     trows = []
     for b, blk in doc["blocks"].items():

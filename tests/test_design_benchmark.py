@@ -144,3 +144,39 @@ def test_shared_results_merge_and_the_design_image_table(cs):
     mine["settings"], mine["eval_steps"] = {}, [0, 1]
     summ, _ = cs.summarise(mine)
     assert summ["K"]["vs_lowpass"] == pytest.approx([1.0, 0.9]) and summ["K"]["count"] == 1
+
+
+def test_column_energy_table_against_a_closed_form(cs):
+    """A cosine along the rows of frequency 5 has all its energy, ``||u||^2`` minus the mean's, in the column pair
+    5 of the 2-D DFT: its ratio to the noise energy ``2 H sigma^2`` of a measured column is known in closed form."""
+    H = 16
+    j = np.arange(H)
+    img = 0.5 + 0.25 * np.cos(2 * np.pi * 5 * j / H)[None, :].repeat(H, 0)
+    settings = dict(size=H, central=4, noise_var=1e-3)
+    (row,) = cs.column_snr(dict(settings=settings), {"wave": (img, {})})
+    # energy of the cosine: H^2 * 0.25^2 / 2, split equally between columns 5 and H - 5; pair 5 counts column 5
+    snr5 = (H * H * 0.25**2 / 4) / (2 * H * 1e-3)
+    assert row["norm"] == pytest.approx(float(np.linalg.norm(img)), rel=1e-12)
+    # pairs 0 (the mean: H^2 * 0.25 / (2 H sigma^2)) and 5 are above the noise, the others carry nothing
+    assert row["pairs_above_noise"] == 2
+    assert row["snr_next_40"] == pytest.approx(snr5 / 6, rel=1e-10)  # the pairs after the start: 3 .. 8
+
+
+def test_report_prints_every_table(cs, tmp_path, monkeypatch, capsys):
+    """The report prints the test-error tables (to low-pass and to the start design) whether or not design-image
+    errors exist, the design-image table when they do, and the column-energy table."""
+    monkeypatch.setenv("PYRO_CONVEXVB_FIGURES_DIR", str(tmp_path))
+    monkeypatch.setenv("PYRO_CONVEXVB_RESULTS_DIR", str(tmp_path))
+    settings = dict(size=16, central=4, steps=2, eval_every=1, blocks=1, tests=1, noise_var=1e-3)
+    blk = dict(design_image="a", test_images=["b"], start=[0, 1, 2], methods={"K": {}, "lowpass": {}},
+               errors={"K|b": [1.0, 0.9, 0.8], "lowpass|b": [1.0, 1.0, 1.0]})
+    doc = dict(settings=settings, blocks={"0": blk}, map_errors={})
+    pool = {"a": (np.full((16, 16), 0.5), {})}
+    cs.report(doc, "t", pool)
+    out = capsys.readouterr().out
+    assert "relative to the central-32 start design" in out and "design images themselves" not in out
+    assert "Signal against measurement noise" in out
+    blk["design_errors"] = {"K|a": [1.0, 0.5, 0.5], "lowpass|a": [1.0, 1.0, 1.0]}
+    cs.report(doc, "t", pool)
+    out = capsys.readouterr().out
+    assert "relative to the central-32 start design" in out and "design images themselves" in out
