@@ -1046,7 +1046,7 @@ def make_sparse_classification(shape="a9a", scale=1.0, seed=0, dtype=torch.float
     chunk_rows = max(1, int(_CHUNK_NNZ // m))
     for r0 in range(0, q, chunk_rows):
         r1 = min(q, r0 + chunk_rows)
-        a, e = crow[r0], crow[r1]
+        a = crow[r0]
         keys = _sample_distinct_rows(counts[r0:r1], n, table, rng)
         local_rows = keys // n
         keys = np.sort(local_rows * n + ranking[keys - local_rows * n])  # (row, column) order
