@@ -651,7 +651,8 @@ def figures(doc, name, summ, cols):
         a.set_title(title)
         a.legend(fontsize=8)
     ax[1].set_xlabel("known k-space columns")
-    done = [b for b, blk in doc["blocks"].items() if any(k.startswith("lowpass|") for k in blk.get("errors", {}))]
+    done = sorted((b for b, blk in doc["blocks"].items() if any(k.startswith("lowpass|") for k in blk.get("errors", {}))),
+                  key=int)
     fig.suptitle(f"mean over {len(done)} of {doc['settings']['blocks']} blocks (blocks {', '.join(done)}), "
                  f"{doc['settings']['tests']} test images each", fontsize=9)
     save_figure(fig, name + "_errors")
