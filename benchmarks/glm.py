@@ -234,7 +234,7 @@ def part_b(args):
     gp = RandomFeatureGP(matern_kernel(Xtr.shape[1]), num_features=D, likelihood="bernoulli", learn_kernel=True,
                          subsample_size=batch, seed=args.seed)
     opts = dict(num_components=1, lr=0.02, max_steps=600 if args.quick else 8000, min_steps=500, window=250,
-                rtol=2e-4, vectorize_particles=True, exact_bound=False)
+                rtol=2e-4, vectorize_particles=True)
     with Timer() as t:
         res = pcv.fit(gp, Xtr, y=ytr, engine="diag_mixture", options=opts, progress=False)
     p = gp.predict(Xte, res.posterior)

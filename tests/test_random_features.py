@@ -234,6 +234,30 @@ def test_learn_kernel_registers_pyro_params():
     X = torch.randn(10, 1, dtype=DT)
     gp = RandomFeatureGP(RBFKernel().double(), num_features=4, learn_kernel=True)
     tr = pyro.poutine.trace(gp).get_trace(X, torch.zeros(10, dtype=DT))
-    assert any("raw_lengthscale" in n for n in pyro.get_param_store().keys())
+    # one name per hyperparameter: PyroModule's own registration of the feature map would add "features$$$..."
+    params = [n for n, s in tr.nodes.items() if s["type"] == "param"]
+    assert params == ["rff_kernel$$$kernel.raw_lengthscale"]
+    assert list(pyro.get_param_store().keys()) == params
     assert tr.nodes["y"]["fn"].loc.requires_grad
     pyro.clear_param_store()
+
+
+def test_fixed_kernel_is_neither_a_param_nor_learned():
+    """With ``learn_kernel=False`` (the default) the model has no ``pyro.param`` sites, so an engine's type-II
+    learning has nothing to learn and the user's GPyTorch kernel is left as it was."""
+    pyro.clear_param_store()
+    g = torch.Generator().manual_seed(5)
+    X = torch.randn(50, 2, generator=g, dtype=DT)
+    y = (X[:, 0] > 0).to(DT)
+    k = ScaleKernel(RBFKernel()).double()
+    before = [p.detach().clone() for p in k.parameters()]
+    gp = RandomFeatureGP(k, num_features=10, likelihood="bernoulli")
+    tr = pyro.poutine.trace(gp).get_trace(X, y)
+    assert [n for n, s in tr.nodes.items() if s["type"] == "param"] == []
+    res = pcv.fit(gp, X, y=y, engine="dual_vg", progress=False)
+    assert res.converged
+    assert len(pyro.get_param_store().keys()) == 0
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, k.parameters()))
+    # the fit is the dual_vg fit of the extracted LGM with the kernel as given
+    ref = pcv.fit(pcv.lgm_from_pyro(gp, X, y=y), engine="dual_vg", progress=False)
+    assert torch.allclose(res.posterior.loc, ref.posterior.loc, atol=1e-8)

@@ -410,15 +410,22 @@ class RandomFeatureGP(PyroModule):
         self.subsample_size = subsample_size
         self._cache = None
 
+    @property
+    def _rff(self):
+        """The feature map, read without :class:`~pyro.nn.PyroModule`'s automatic ``pyro.module`` registration of
+        plain ``nn.Module`` children: the kernel's hyperparameters become ``pyro.param`` sites only when
+        ``learn_kernel`` is set, and then once, under ``rff_kernel``."""
+        return self._modules["features"]
+
     def design(self, X):
         """``Phi(X)`` ``(N, 2D)``; cached for a fixed kernel (keyed on ``X`` and the hyperparameter values)."""
         if self.learn_kernel:
-            return self.features(X)
-        key = (id(X), X._version, tuple(float(p.detach().sum()) for p in self.features.kernel.parameters()))
+            return self._rff(X)
+        key = (id(X), X._version, tuple(float(p.detach().sum()) for p in self._rff.kernel.parameters()))
         if self._cache is not None and self._cache[0] == key and self._cache[1] is X:
             return self._cache[2]
         with torch.no_grad():
-            Phi = self.features(X)
+            Phi = self._rff(X)
         self._cache = (key, X, Phi)
         return Phi
 
@@ -431,8 +438,8 @@ class RandomFeatureGP(PyroModule):
             if self.likelihood == "bernoulli" and not ((y == 0) | (y == 1)).all():
                 raise ValueError("y must hold labels in {0, 1} for the bernoulli likelihood")
         if self.learn_kernel:
-            pyro.module("rff_kernel", self.features)
-        D2 = self.features.output_dim
+            pyro.module("rff_kernel", self._rff)
+        D2 = self._rff.output_dim
         w = pyro.sample("w", dist.Normal(X.new_zeros(D2), 1.0).to_event(1))
         # under vectorised particles w is (P, 1, 2D): drop the plate axis so f is (P, N)
         wl = w if w.dim() == 1 else w.reshape(w.shape[:-2] + w.shape[-1:]) if w.shape[-2] == 1 else w
@@ -440,7 +447,7 @@ class RandomFeatureGP(PyroModule):
             if self.subsample_size is None:
                 P = self.design(X)
             elif self.learn_kernel:  # features of the mini-batch only
-                P = self.features(X[idx])
+                P = self._rff(X[idx])
             else:
                 P = self.design(X)[idx]
             f = linear(P, wl) + self.mean
@@ -464,7 +471,7 @@ class RandomFeatureGP(PyroModule):
             :class:`~pyro_convexvb.infer.diag_mixture.DiagMixturePosterior`.
         """
         with torch.no_grad():
-            Phi = self.features(X)
+            Phi = self._rff(X)
             try:
                 m, v = posterior.marginals(Phi)
             except NotImplementedError:  # matrix-free precision: estimate from exact posterior samples
@@ -481,7 +488,7 @@ class RandomFeatureGP(PyroModule):
         from ..lgm.sites import gaussian_expectation
 
         with torch.no_grad():
-            Phi = self.features(X)
+            Phi = self._rff(X)
         if hasattr(posterior, "component_marginals"):
             M, V = posterior.component_marginals(Phi)
             M = M + self.mean
