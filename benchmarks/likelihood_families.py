@@ -72,13 +72,14 @@ def main(argv=None):
                                         else opts)
                 times[engine].append(cell.seconds)  # the fit alone (run_cell times pcv.fit)
                 cells[engine] = cell
-        t_nuts = statistics.median(times["nuts"])
+        # a ratio only between two fits: the time NUTS takes to refuse a model (intrinsic fields) is no peer time
+        t_nuts = statistics.median(times["nuts"]) if cells["nuts"].status == "fit" else None
         for engine, _ in methods:
             c = cells[engine]
             sec = statistics.median(times[engine])
+            ratio = t_nuts / sec if t_nuts is not None and c.status == "fit" and sec > 0 else None
             rows.append({"model": name, "engine": engine, "status": c.status, "mean_err": c.mean_err,
-                         "sd_err": c.sd_err, "converged": c.converged, "seconds": sec,
-                         "nuts_over_engine": t_nuts / sec if sec > 0 else None})
+                         "sd_err": c.sd_err, "converged": c.converged, "seconds": sec, "nuts_over_engine": ratio})
     cols = ["model", "engine", "status", ("mean_err", "mean err (sd)"), ("sd_err", "sd err"), "converged",
             "seconds", ("nuts_over_engine", "NUTS time / time")]
     print(markdown_table(rows, cols, ".3g"))
