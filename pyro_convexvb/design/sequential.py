@@ -122,7 +122,7 @@ class DesignHistory:
 #: the per-step lists of a :class:`DesignHistory` (one entry per added pair): what a checkpoint of a run holds
 #: besides its start, state and settings
 PER_STEP_FIELDS = ("added", "best_scores", "scores", "seconds_inference", "seconds_scoring", "inner_seconds",
-             "outer_seconds", "newton_steps", "cg_iterations", "converged")
+                   "outer_seconds", "newton_steps", "cg_iterations", "converged")
 
 
 def _resumed(resume, start, rest, num_steps, settings):
