@@ -406,3 +406,32 @@ def test_convex_relaxation_on_2000_random_intercepts_keeps_the_design_sparse(mon
         res = pcv.fit(centred, X, grp, J, y=y, engine="convex_relaxation", progress=False, options=dict(max_outer=2))
     assert res.posterior.kind == "precision_operator" and res.posterior.n == n
     assert not big, big  # before: an eye(n), A applied to it (n x n) and B to it (N x n)
+
+
+def _dense_precision_gp(idx, L, y=None):
+    g = torch.Generator().manual_seed(3)
+    A = torch.randn(L, L, generator=g, dtype=D)
+    Q = A @ A.T / L + torch.eye(L, dtype=D)  # every entry nonzero: a GP's precision
+    f = pyro.sample("f", dist.MultivariateNormal(torch.zeros(L, dtype=D), precision_matrix=Q))
+    with pyro.plate("data", len(idx)):
+        pyro.sample("y", dist.Bernoulli(logits=f[idx]), obs=y)
+
+
+def test_a_dense_prior_precision_keeps_the_dense_latent_form(monkeypatch):
+    """``form='auto'`` above the size threshold with a sparse design but a dense prior precision: the dense
+    ``L x L`` form (the sparse form would factor a full matrix); ``form='sparse'`` asked for takes the dense
+    precision's entries and gives the same fit."""
+    from pyro_convexvb.infer.dual_vg import engine as dual_engine
+
+    monkeypatch.setattr(dual_engine, "SPARSE_MIN_LATENTS", 10)
+    L, N = 30, 90
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, L, (N,), generator=g)
+    y = (torch.rand(N, generator=g, dtype=D) < 0.5).to(D)
+    r_auto = _fit(_dense_precision_gp, idx, L, y=y, gap_tol=1e-12)
+    r_sparse = _fit(_dense_precision_gp, idx, L, y=y, form="sparse", gap_tol=1e-12)
+    assert r_auto.info["form"] in ("latent", "site") and r_auto.converged
+    assert r_sparse.info["form"] == "sparse" and r_sparse.converged
+    assert torch.allclose(r_auto.posterior.loc, r_sparse.posterior.loc, atol=1e-8)
+    assert torch.allclose(r_auto.posterior.variance, r_sparse.posterior.variance, rtol=1e-6)
+    assert abs(r_auto.log_evidence_bound - r_sparse.log_evidence_bound) < 1e-8

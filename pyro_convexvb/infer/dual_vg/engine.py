@@ -82,8 +82,10 @@ def sparse_prior_precision(lgm):
             return None
         if isinstance(p.prec, DiagonalOperator):
             blocks.append(sp.diags(p.prec.diag.detach().cpu().double().numpy()))
-        elif isinstance(p.prec, (SparseOperator, DenseOperator)):
+        elif isinstance(p.prec, SparseOperator):
             blocks.append(as_scipy_csc(p.prec, f"prior precision of '{p.name}'"))
+        elif isinstance(p.prec, DenseOperator):  # its nonzeros only
+            blocks.append(as_scipy_csc(p.prec.matrix, f"prior precision of '{p.name}'"))
         else:
             return None
     return sp.block_diag(blocks, format="csr")
@@ -113,7 +115,7 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None, reuse=None):
         precision, one latent per site), ``"sparse"`` (sparse precision and sparse design:
         :class:`~.sparse.SparseLatentBackend`) or ``"auto"``: banded when the prior is a sparse precision only
         and every site reads one latent; sparse when every prior block has a diagonal or sparse precision, the
-        designs are explicit sparse matrices with at most :data:`SPARSE_MAX_DENSITY` nonzeros and
+        prior precision and the designs have at most :data:`SPARSE_MAX_DENSITY` nonzeros and
         ``L >=`` :data:`SPARSE_MIN_LATENTS` (a random-intercept model with many groups); else latent space when
         ``L < N``; else site space.
 
@@ -200,7 +202,10 @@ def _sparse_form_fits(lgm, W):
     """Whether ``form='auto'`` should pick the sparse latent form (see :func:`build_dual_problem`)."""
     from ...linalg.operators import DenseOperator
 
-    if any(isinstance(g.design, DenseOperator) for g in lgm.sites) or sparse_prior_precision(lgm) is None:
+    if any(isinstance(g.design, DenseOperator) for g in lgm.sites):
+        return False
+    Q = sparse_prior_precision(lgm)
+    if Q is None or Q.nnz > SPARSE_MAX_DENSITY * Q.shape[0] * Q.shape[1]:  # a dense precision (a GP's): L x L form
         return False
     Ws = sparse_design(lgm)
     return Ws is not None and Ws.nnz <= SPARSE_MAX_DENSITY * W.shape[0] * W.shape[1]
