@@ -46,6 +46,8 @@ __all__ = [
     "peak_rss_in_subprocess",
     "markdown_table",
     "machine_info",
+    "default_results_dir",
+    "default_figures_dir",
     "write_json",
     "save_figure",
     "make_parser",
@@ -329,6 +331,16 @@ def _jsonable(obj):
     raise TypeError(f"write_json: cannot serialise {type(obj).__name__}")
 
 
+def default_results_dir():
+    """Where results are written: ``$PYRO_CONVEXVB_RESULTS_DIR``, else ``benchmarks/results``."""
+    return os.environ.get("PYRO_CONVEXVB_RESULTS_DIR") or RESULTS_DIR
+
+
+def default_figures_dir():
+    """Where figures are written: ``$PYRO_CONVEXVB_FIGURES_DIR``, else ``docs/figures``."""
+    return os.environ.get("PYRO_CONVEXVB_FIGURES_DIR") or FIGURES_DIR
+
+
 def write_json(name, payload, results_dir=None):
     """Write ``payload`` (a dict) to ``<results_dir>/<name>.json`` with a ``machine`` entry.
 
@@ -340,10 +352,10 @@ def write_json(name, payload, results_dir=None):
     """
     if not isinstance(payload, dict):
         raise ValueError(f"payload: expected a dict, got {type(payload).__name__}")
-    results_dir = results_dir or os.environ.get("PYRO_CONVEXVB_RESULTS_DIR") or RESULTS_DIR
-    os.makedirs(results_dir, exist_ok=True)
+    directory = results_dir or default_results_dir()
+    os.makedirs(directory, exist_ok=True)
     doc = {"benchmark": name, "machine": machine_info(), **payload}
-    path = os.path.join(results_dir, f"{name}.json")
+    path = os.path.join(directory, f"{name}.json")
     text = json.dumps(_nan_to_none(doc), indent=2, default=_jsonable, allow_nan=False)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:  # written whole, then renamed: a run stopped mid-write keeps the previous file
@@ -370,9 +382,9 @@ def save_figure(fig, name, figures_dir=None, dpi=120):
     :param figures_dir: default ``docs/figures`` (or ``$PYRO_CONVEXVB_FIGURES_DIR``).
     :returns: the path written.
     """
-    figures_dir = figures_dir or os.environ.get("PYRO_CONVEXVB_FIGURES_DIR") or FIGURES_DIR
-    os.makedirs(figures_dir, exist_ok=True)
-    path = os.path.join(figures_dir, f"{name}.png")
+    directory = figures_dir or default_figures_dir()
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{name}.png")
     fig.savefig(path, dpi=dpi, bbox_inches="tight")
     import matplotlib.pyplot as plt
 

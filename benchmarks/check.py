@@ -37,6 +37,8 @@ OURS = re.compile(r"dual_vg|convex_relaxation|diag_mixture|pcv|ours|BayesianLogi
 TIME_FIELDS = ("seconds", "median_seconds", "wall_seconds", "fit_seconds", "time_s", "factor_s")
 #: fields that identify a row besides its method
 METHOD_FIELDS = ("method", "library", "engine", "model")
+#: fields that never identify a row: counts that vary from run to run, and free text (a note may quote a time)
+NOT_IDENTITY = ("converged", "iterations", "evaluations", "steps", "failed", "note", "notes", "source", "comment")
 
 
 def rows_of(payload):
@@ -62,7 +64,7 @@ def _method_field(row):
 def _identity(row, method_field):
     return tuple(sorted((k, v) for k, v in row.items()
                         if k != method_field and isinstance(v, (str, int, bool)) and not isinstance(v, float)
-                        and k not in ("converged", "iterations", "evaluations", "steps", "failed")))
+                        and k not in NOT_IDENTITY))
 
 
 def _time(row):

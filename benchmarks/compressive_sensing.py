@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from _common import RESULTS_DIR, make_parser, markdown_table, parse_args, save_figure, write_json  # noqa: E402
+from _common import default_results_dir as results_dir, make_parser, markdown_table, parse_args, save_figure, write_json  # noqa: E402
 
 from pyro_convexvb.design.imaging import compressive_sensing_model, fourier_columns_operator, laplace_map  # noqa: E402
 from pyro_convexvb.design.imaging_map import imaging_map  # noqa: E402
@@ -284,10 +284,6 @@ def run_design(meas, start, steps, method, tau, seed, progress, engine_options=N
 
 
 # ----------------------------------------------------------------------------- state
-def results_dir():
-    return os.environ.get("PYRO_CONVEXVB_RESULTS_DIR") or RESULTS_DIR
-
-
 class State:
     """The results JSON, rewritten after every unit of work."""
 

@@ -227,7 +227,7 @@ def learn_hypers(X, y, max_points=1000, seed=0):
         warnings.simplefilter("ignore")
         clf = GPClassifier(k, learn_hyperparameters=True, learn_mean=False, jitter=JITTER,
                            hyper_options={"max_iter": 60}).fit(X, y)
-    return float(clf.kernel.base_kernel.lengthscale), float(clf.kernel.outputscale), 0.0
+    return float(clf.kernel.base_kernel.lengthscale.detach()), float(clf.kernel.outputscale.detach()), 0.0
 
 
 def make_kernel(ls, os_):

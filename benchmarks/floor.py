@@ -44,7 +44,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from _common import make_parser, markdown_table, parse_args, write_json  # noqa: E402
+from _common import default_figures_dir, make_parser, markdown_table, parse_args, write_json  # noqa: E402
 
 D = torch.float64
 CASES = ["rates", "a9a", "realsim", "gp", "gp5000", "glm", "demo"]
@@ -299,8 +299,6 @@ def case_glm(args):
 # ----------------------------------------------------------------------------- machine rates
 def case_rates(args):
     """This machine's rates for the operations the floors are counted in (one thread unless stated)."""
-    import scipy.sparse as sp
-
     from pyro_convexvb.linalg.operators import SparseOperator
 
     def med(f, reps=7):
@@ -349,7 +347,7 @@ def case_demo(args):
     for rep in range(max(1, min(args.repeats, 3))):
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "pyro_convexvb", "demo", "--no-progress", "--out",
-                        os.path.join(root, "docs", "figures", "demo_engines.png")], check=True, cwd=root,
+                        os.path.join(default_figures_dir(), "demo_engines.png")], check=True, cwd=root,
                        env=dict(os.environ, MPLBACKEND="Agg"), stdout=subprocess.DEVNULL)
         times.append(time.perf_counter() - t)
     return [_row("demo", "python -m pyro_convexvb demo (end to end)", times)]

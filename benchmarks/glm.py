@@ -285,9 +285,9 @@ def main():
     name = "glm_quick" if args.quick else "glm"
     rows_a = []
     if args.skip_glm:  # reuse part A of the last run
-        from _common import RESULTS_DIR
+        from _common import default_results_dir
 
-        with open(os.path.join(RESULTS_DIR, f"{name}.json")) as f:
+        with open(os.path.join(default_results_dir(), f"{name}.json")) as f:
             rows_a = json.load(f)["glm"]
     else:
         for ds in ("magic", "spambase"):

@@ -295,9 +295,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small version (< 1 minute)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "linalg.json"))
-    p.add_argument("--figure", default=os.path.join(os.path.dirname(HERE), "docs", "figures", "linalg.png"))
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/linalg[_quick].json)")
+    p.add_argument("--figure", default=None, help="figure path (default docs/figures/linalg[_quick].png)")
     args = p.parse_args(argv)
+    sys.path.insert(0, HERE)
+    from _common import default_figures_dir, default_results_dir
+
+    stem = "linalg_quick" if args.quick else "linalg"
+    args.out = args.out or os.path.join(default_results_dir(), f"{stem}.json")
+    args.figure = args.figure or os.path.join(default_figures_dir(), f"{stem}.png")
     torch.set_num_threads(args.threads)
     try:  # numpy/scipy BLAS threads too: on a busy 2-core machine oversubscription costs 30x
         from threadpoolctl import threadpool_limits

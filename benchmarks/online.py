@@ -25,7 +25,9 @@ import numpy as np  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _common import default_figures_dir, default_results_dir  # noqa: E402
 from pyro_convexvb.online import (OnlineADF, OnlineAdaGradLogistic, OnlineBayesLogistic,  # noqa: E402
                                   OnlineDimGauss, OnlineMarginalVB, make_online_stream)
 
@@ -93,8 +95,8 @@ def main(argv=None):
     ap.add_argument("--fig", default=None, help="figure path (default docs/figures/online[_quick].png)")
     args = ap.parse_args(argv)
     stem = "online_quick" if args.quick else "online"
-    args.out = args.out or os.path.join(ROOT, "benchmarks", "results", f"{stem}.json")
-    args.fig = args.fig or os.path.join(ROOT, "docs", "figures", f"{stem}.png")
+    args.out = args.out or os.path.join(default_results_dir(), f"{stem}.json")
+    args.fig = args.fig or os.path.join(default_figures_dir(), f"{stem}.png")
     T = int(args.T or (2e5 if args.quick else 1e6))
     repeats = args.repeats or (1 if args.quick else 3)
     slow_rows = min(T, 20_000 if args.quick else 50_000)  # reference path, VB

@@ -21,7 +21,6 @@ All models of a setting share one pass over the stream.
 """
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -34,7 +33,9 @@ import numpy as np  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _common import default_figures_dir, default_results_dir  # noqa: E402
 from pyro_convexvb.online import (OnlineADF, OnlineAdaGradLogistic, OnlineBayesLogistic,  # noqa: E402
                                   OnlineDimGauss, OnlineMarginalVB, make_online_stream, progressive_regret)
 
@@ -252,7 +253,7 @@ def main(argv=None):
             saved = json.load(fh)
         stem = os.path.splitext(os.path.basename(args.replot))[0]
         print_tables(saved["settings"], saved["T"])
-        plot(saved["settings"], os.path.join(ROOT, "docs", "figures", f"{stem}.png"))
+        plot(saved["settings"], os.path.join(default_figures_dir(), f"{stem}.png"))
         return saved
     T = int(args.T or (5e4 if args.quick else 1e6))
     grid = args.grid or ("small" if args.quick else "full")
@@ -267,13 +268,13 @@ def main(argv=None):
         results[s] = run_setting(s, T, args.quick, grid, vb_T, args.chunk_size)
         print(f"  {s}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     print_tables(results, T)
-    out = os.path.join(ROOT, "benchmarks", "results", f"{name}.json")
+    out = os.path.join(default_results_dir(), f"{name}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as fh:
         json.dump({"T": T, "grid": grid, "quick": args.quick, "python": platform.python_version(),
                    "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
                    "settings": results}, fh)
-    plot(results, os.path.join(ROOT, "docs", "figures", f"{name}.png"))
+    plot(results, os.path.join(default_figures_dir(), f"{name}.png"))
     return results
 
 
