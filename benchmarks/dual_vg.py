@@ -216,7 +216,8 @@ def load(name, n_train, n_test, seed):
 
 
 def learn_hypers(X, y, max_points=1000, seed=0):
-    """Kernel hyperparameters and constant mean by DualVG evidence maximisation (not timed)."""
+    """Kernel hyperparameters (of the fitted copy ``kernel_``: the estimator leaves ``k`` as it is), constant mean
+    and whether type-II learning converged, by DualVG evidence maximisation (not timed)."""
     if X.shape[0] > max_points:
         i = torch.randperm(X.shape[0], generator=torch.Generator().manual_seed(seed))[:max_points]
         X, y = X[i], y[i]
@@ -227,7 +228,8 @@ def learn_hypers(X, y, max_points=1000, seed=0):
         warnings.simplefilter("ignore")
         clf = GPClassifier(k, learn_hyperparameters=True, learn_mean=False, jitter=JITTER,
                            hyper_options={"max_iter": 60}).fit(X, y)
-    return float(clf.kernel.base_kernel.lengthscale.detach()), float(clf.kernel.outputscale.detach()), 0.0
+    return (float(clf.kernel_.base_kernel.lengthscale.detach()), float(clf.kernel_.outputscale.detach()), 0.0,
+            bool(clf.hyper_converged_))
 
 
 def make_kernel(ls, os_):
@@ -241,7 +243,7 @@ def make_kernel(ls, os_):
 def run_dataset(name, n_train, n_test, args, peers=True, cap_factor=100.0, min_cap=2.0, max_cap=None, light=False):
     X, y, Xt, yt = load(name, n_train, n_test, args.seed)
     with Timer() as th:
-        ls, os_, mean = learn_hypers(X, y, seed=args.seed)
+        ls, os_, mean, hyper_converged = learn_hypers(X, y, seed=args.seed)
     kernel = make_kernel(ls, os_)
     with torch.no_grad():
         K = kernel(X).to_dense() + JITTER * torch.eye(X.shape[0], dtype=D)
@@ -250,7 +252,7 @@ def run_dataset(name, n_train, n_test, args, peers=True, cap_factor=100.0, min_c
         L = torch.linalg.cholesky(K)
     N = X.shape[0]
     rows, extra = [], {"hyper_seconds": th.seconds, "lengthscale": ls, "outputscale": os_, "mean": mean,
-                       "n_train": N, "n_test": Xt.shape[0], "d": X.shape[1]}
+                       "hyper_converged": hyper_converged, "n_train": N, "n_test": Xt.shape[0], "d": X.shape[1]}
     lgm = gp_classification_lgm(K, y, mean)
 
     # DualVG (tight bound, Newton)

@@ -167,7 +167,7 @@ def _gp_problem(name, n_train, seed=0):
     X, y, Xt, yt = B.load(name, n_train, 1000, seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ls, os_, mean = B.learn_hypers(X, y, seed=seed)
+        ls, os_, mean, _ = B.learn_hypers(X, y, seed=seed)
     k = B.make_kernel(ls, os_)
     with torch.no_grad():
         K = k(X).to_dense() + B.JITTER * torch.eye(X.shape[0], dtype=D)
