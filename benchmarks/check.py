@@ -33,6 +33,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = re.compile(r"dual_vg|convex_relaxation|diag_mixture|pcv|ours|BayesianLogisticRegression|"
                   r"BayesianLinearRegression|OnlineBayesLogistic|Algorithm 1|GPClassifier|SparseGMRF|qdldl",
                   re.IGNORECASE)
+#: methods of a peer even when they name one of our parts ("svi_autonormal, SparseGMRF": Pyro's SVI on our prior)
+PEERS = re.compile(r"^(svi_|pyro |numpyro|nuts|sklearn|scikit-learn|gpytorch|revrand|cvi|splu|cholmod|cholespy)",
+                   re.IGNORECASE)
+
+
+def is_ours(method):
+    """Whether ``method`` names one of this package's methods (else a peer's)."""
+    return bool(OURS.search(method)) and not PEERS.match(method)
+
+
 #: time fields, in order of preference
 TIME_FIELDS = ("seconds", "median_seconds", "wall_seconds", "fit_seconds", "time_s", "factor_s")
 #: fields that identify a row besides its method
@@ -61,10 +71,15 @@ def _method_field(row):
     return next((f for f in METHOD_FIELDS if isinstance(row.get(f), str)), None)
 
 
-def _identity(row, method_field):
-    return tuple(sorted((k, v) for k, v in row.items()
-                        if k != method_field and isinstance(v, (str, int, bool)) and not isinstance(v, float)
-                        and k not in NOT_IDENTITY))
+def _identifying(row, method_field):
+    """The fields of ``row`` that may identify it: strings, integers and booleans, not counts or free text."""
+    return {k for k, v in row.items()
+            if k != method_field and isinstance(v, (str, int, bool)) and k not in NOT_IDENTITY}
+
+
+def _identity(row, method_field, keys=None):
+    """``row``'s identifying ``(field, value)`` pairs, restricted to ``keys`` when given."""
+    return tuple(sorted((k, row[k]) for k in _identifying(row, method_field) if keys is None or k in keys))
 
 
 def _time(row):
@@ -76,13 +91,17 @@ def _time(row):
 
 
 def groups(rows):
-    """``{identity: {method: row}}`` over rows that name a method."""
+    """``{identity: {method: row}}`` over rows that name a method.
+
+    A row is identified by the fields that identify every row of its table (a count such as ``factor_nnz``,
+    given for our rows and ``None`` for a peer's, does not split a case).
+    """
+    named = [(r, _method_field(r)) for r in rows]
+    named = [(r, mf) for r, mf in named if mf is not None]
+    keys = set.intersection(*(_identifying(r, mf) for r, mf in named)) if named else set()
     out = {}
-    for r in rows:
-        mf = _method_field(r)
-        if mf is None:
-            continue
-        out.setdefault(_identity(r, mf), {})[r[mf]] = r
+    for r, mf in named:
+        out.setdefault(_identity(r, mf, keys), {})[r[mf]] = r
     return out
 
 
@@ -100,7 +119,7 @@ def compare(old_payload, new_payload, tolerance):
             label = ", ".join(f"{k}={v}" for k, v in ident) or "-"
             new_methods = new_g.get(ident)
             for m, old_row in old_methods.items():
-                if not OURS.search(m):
+                if not is_ours(m):
                     continue
                 if new_methods is None or m not in new_methods:
                     problems.append(f"{where} [{label}] {m}: missing from the new results")
@@ -112,7 +131,7 @@ def compare(old_payload, new_payload, tolerance):
                 if t_old is None or t_new is None:
                     continue
                 for peer, old_peer in old_methods.items():
-                    if OURS.search(peer) or peer not in new_methods:
+                    if is_ours(peer) or peer not in new_methods:
                         continue
                     p_old, p_new = _time(old_peer), _time(new_methods[peer])
                     if p_old is None or p_new is None:

@@ -56,3 +56,13 @@ def test_free_text_does_not_identify_a_row(check):
     new["rows"][0]["seconds"] = 2.0
     (msg,) = check.compare(old, new, 0.3)
     assert "dual_vg / svi_automvn: time ratio 0.1 -> 0.2" in msg
+
+
+def test_a_peer_run_on_our_prior_is_still_a_peer(check):
+    def payload(ours, peer):
+        return {"rows": [{"nodes": 2025, "method": "dual_vg, SparseGMRF", "seconds": ours},
+                         {"nodes": 2025, "method": "svi_autonormal, SparseGMRF", "seconds": peer}]}
+
+    assert check.is_ours("dual_vg, SparseGMRF") and not check.is_ours("svi_autonormal, SparseGMRF")
+    (msg,) = check.compare(payload(0.07, 4.6), payload(0.26, 8.9), 0.3)
+    assert "dual_vg, SparseGMRF / svi_autonormal, SparseGMRF" in msg

@@ -515,6 +515,24 @@ def test_sparse_backend_hessian_operator_equals_the_dense_hessian(design):
     torch.testing.assert_close(H.precondition(P @ r), r, rtol=0, atol=1e-10)
 
 
+def test_sparse_backend_hessian_of_a_quadratic_bound_needs_no_selected_inversion(monkeypatch):
+    """Gaussian pseudo-observations (the Laplace start's working likelihood): lambda does not move with alpha, the
+    Hessian is ``Sigma_t + diag(psi'')`` and a product solves with ``Q`` only."""
+    from pyro_convexvb.infer.dual_vg.optim import _WorkingGaussian
+
+    be, ref, _, N = _backend_pair(design="one-per-row")
+    rng = np.random.default_rng(5)
+    a = torch.as_tensor(rng.uniform(0.5, 2.0, N))
+    work = _WorkingGaussian(a, torch.as_tensor(rng.standard_normal(N)))
+    alpha = initial_alpha(ref, work)
+    H = reduced_objective(be, work, alpha, hessian="operator").hessian
+    Hd = reduced_objective(ref, work, alpha, hessian=True).hessian
+    monkeypatch.setattr(SparseCholesky, "diag_inverse_jvp", lambda *a, **k: pytest.fail("selected inversion"))
+    X = torch.randn(N, 2, dtype=D, generator=torch.Generator().manual_seed(1))
+    for j in range(2):
+        torch.testing.assert_close(H.mv(X[:, j]), Hd @ X[:, j], rtol=0, atol=1e-10)
+
+
 def test_newton_on_the_sparse_backend_matches_lbfgs_and_the_site_form():
     be, ref, bound, N = _backend_pair(k=8)
     tol = 1e-12

@@ -610,6 +610,8 @@ class SparsePrecisionHessian:
         be = self.backend
         xn = be._np(x)
         St_x = be._W(be.cholQ.solve(be._Wt(xn)))
+        if not self.dl.any():  # a quadratic bound (lambda constant): no V_t o V_t term, no selected inversion
+            return be._t(St_x + self.diag * xn)
         t = np.bincount(be.col, weights=be.w**2 * self.dl * xn, minlength=be.L)
         had = -be.w**2 * self._chol_A().diag_inverse_jvp(t)[be.col]
         return be._t(St_x + self.diag * xn + 0.5 * self.dl * had)

@@ -307,6 +307,8 @@ class SparseLatentHessian(SparsePrecisionHessian):
         be = self.backend
         xn = be._np(x)
         St_x = be._W(be.cholQ.solve(be._Wt(xn)))
+        if not self.dl.any():  # a quadratic bound (lambda constant): no V_t o V_t term
+            return be._t(St_x + self.diag * xn)
         be._factor(self.lam)
         chol = be._chol["A"][0]
         dZ = chol.selected_values_jvp(chol._pair_pos, be._pw * (self.dl * xn)[be._site])
