@@ -531,7 +531,8 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
     :param backend: a :class:`~.objective.SiteSpaceBackend`.
     :param bound: the local bound (only its families are used, for the exact expectations).
     :param residual_tol: if given, converged means the fixed-point residual (below) is at most this, and the
-        run stops there, or (not converged) when five steps in a row have not cut the residual by 10%, or at
+        run stops there, or (not converged) when five steps in a row have neither cut the residual by 10% nor
+        raised the bound by more than ``tol`` (relative), or at
         ``max_iter``; the bound's relative change ``tol`` is not used then (near the optimum the bound is flat
         to rounding while the residual still falls).
     :param bool return_residual: also return the fixed-point residual at the result: the largest change a
@@ -576,7 +577,7 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
     cur, t = value(alpha, lam)
     history.record(objective=cur)
     converged, it, b = False, 0, float(step)
-    best_residual, stalled = math.inf, 0
+    best_residual, stalled, last_change = math.inf, 0, 0.0
     for it in range(1, max_iter + 1):
         gm, gv = grads(t.m_tilde, t.v_tilde)
         nu = lam * t.m_tilde - alpha
@@ -587,8 +588,10 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
                 converged = True
                 break
             # near the optimum the bound is flat to rounding (it moves by ~residual^2), so a stalled bound does
-            # not stop a residual-judged run: the CVI steps go on while they still shrink the residual
-            stalled = 0 if residual < 0.9 * best_residual else stalled + 1
+            # not stop a residual-judged run: the CVI steps go on while they still shrink the residual; far from
+            # it the residual can stay put for many steps while the bound still rises, which does not stop it either
+            rising = it > 1 and last_change > tol * (1 + abs(cur))
+            stalled = 0 if residual < 0.9 * best_residual or rising else stalled + 1
             best_residual = min(best_residual, residual)
             if stalled >= 5:
                 break
@@ -596,7 +599,7 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
         if accepted is None:
             break
         alpha_new, lam_new, new, t_new = accepted
-        change = new - cur
+        change = last_change = new - cur
         alpha, lam, cur, t = alpha_new, lam_new, new, t_new
         history.record(objective=cur)
         if residual_tol is None and abs(change) <= tol * (1 + abs(cur)):
