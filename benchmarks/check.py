@@ -46,9 +46,9 @@ def is_ours(method):
 #: time fields, in order of preference
 TIME_FIELDS = ("seconds", "median_seconds", "wall_seconds", "fit_seconds", "time_s", "factor_s")
 #: fields that identify a row besides its method
-METHOD_FIELDS = ("method", "library", "engine", "model")
+METHOD_FIELDS = ("method", "library", "engine", "model", "solver")
 #: fields that never identify a row: counts that vary from run to run, and free text (a note may quote a time)
-NOT_IDENTITY = ("converged", "iterations", "evaluations", "steps", "failed", "note", "notes", "source", "comment")
+NOT_IDENTITY = ("converged", "iterations", "evaluations", "steps", "failed", "mvm", "note", "notes", "source", "comment")
 
 
 def rows_of(payload):
