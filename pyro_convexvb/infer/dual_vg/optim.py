@@ -511,6 +511,11 @@ def _cvi_residual(lam, nu, lam_hat, nu_hat):
                float(((nu_hat - nu).abs() / (1 + nu.abs())).max()))
 
 
+#: a residual-judged ``refine_exact`` run is still making progress while a step raises the exact bound by more than
+#: this (relative): far from the optimum the CVI residual can stay put for many such steps
+REFINE_RISE_RTOL = 1e-10
+
+
 def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-10, num_points=32, history=None,
                  residual_tol=None, return_residual=False):
     r"""Polish a dual optimum into the *exact* VG optimum by the natural-gradient (CVI) fixed point.
@@ -532,7 +537,7 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
     :param bound: the local bound (only its families are used, for the exact expectations).
     :param residual_tol: if given, converged means the fixed-point residual (below) is at most this, and the
         run stops there, or (not converged) when five steps in a row have neither cut the residual by 10% nor
-        raised the bound by more than ``tol`` (relative), or at
+        raised the bound by more than :data:`REFINE_RISE_RTOL` (relative), or at
         ``max_iter``; the bound's relative change ``tol`` is not used then (near the optimum the bound is flat
         to rounding while the residual still falls).
     :param bool return_residual: also return the fixed-point residual at the result: the largest change a
@@ -590,7 +595,7 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
             # near the optimum the bound is flat to rounding (it moves by ~residual^2), so a stalled bound does
             # not stop a residual-judged run: the CVI steps go on while they still shrink the residual; far from
             # it the residual can stay put for many steps while the bound still rises, which does not stop it either
-            rising = it > 1 and last_change > tol * (1 + abs(cur))
+            rising = it > 1 and last_change > REFINE_RISE_RTOL * (1 + abs(cur))
             stalled = 0 if residual < 0.9 * best_residual or rising else stalled + 1
             best_residual = min(best_residual, residual)
             if stalled >= 5:
