@@ -48,7 +48,8 @@ TIME_FIELDS = ("seconds", "median_seconds", "wall_seconds", "fit_seconds", "time
 #: fields that identify a row besides its method
 METHOD_FIELDS = ("method", "library", "engine", "model", "solver")
 #: fields that never identify a row: counts that vary from run to run, and free text (a note may quote a time)
-NOT_IDENTITY = ("converged", "iterations", "evaluations", "steps", "failed", "mvm", "note", "notes", "source", "comment")
+NOT_IDENTITY = ("converged", "iterations", "evaluations", "steps", "failed", "mvm",
+                "note", "notes", "source", "comment")
 
 
 def rows_of(payload):
@@ -77,9 +78,9 @@ def _identifying(row, method_field):
             if k != method_field and isinstance(v, (str, int, bool)) and k not in NOT_IDENTITY}
 
 
-def _identity(row, method_field, keys=None):
-    """``row``'s identifying ``(field, value)`` pairs, restricted to ``keys`` when given."""
-    return tuple(sorted((k, row[k]) for k in _identifying(row, method_field) if keys is None or k in keys))
+def _identity(row, method_field, keys):
+    """``row``'s identifying ``(field, value)`` pairs among ``keys`` (those every row of its table has)."""
+    return tuple(sorted((k, row[k]) for k in _identifying(row, method_field) & keys))
 
 
 def _time(row):

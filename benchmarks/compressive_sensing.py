@@ -53,7 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from _common import default_results_dir as results_dir, make_parser, markdown_table, parse_args, save_figure, write_json  # noqa: E402
+from _common import default_results_dir as results_dir  # noqa: E402
+from _common import make_parser, markdown_table, parse_args, save_figure, write_json  # noqa: E402
 
 from pyro_convexvb.design.imaging import compressive_sensing_model, fourier_columns_operator, laplace_map  # noqa: E402
 from pyro_convexvb.design.imaging_map import imaging_map  # noqa: E402
@@ -647,8 +648,8 @@ def figures(doc, name, summ, cols):
         a.set_title(title)
         a.legend(fontsize=8)
     ax[1].set_xlabel("known k-space columns")
-    done = sorted((b for b, blk in doc["blocks"].items() if any(k.startswith("lowpass|") for k in blk.get("errors", {}))),
-                  key=int)
+    done = sorted((b for b, blk in doc["blocks"].items()
+                   if any(k.startswith("lowpass|") for k in blk.get("errors", {}))), key=int)
     fig.suptitle(f"mean over {len(done)} of {doc['settings']['blocks']} blocks (blocks {', '.join(done)}), "
                  f"{doc['settings']['tests']} test images each", fontsize=9)
     save_figure(fig, name + "_errors")

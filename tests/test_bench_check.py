@@ -50,7 +50,8 @@ def test_nested_tables_and_library_rows(check):
 
 def test_free_text_does_not_identify_a_row(check):
     old, new = _payload(1.0, 10.0), _payload(1.0, 10.0)
-    old["rows"][0]["note"], new["rows"][0]["note"] = "warm start 0.5 s, not in the fit time", "warm start 0.7 s, not in the fit time"
+    old["rows"][0]["note"] = "warm start 0.5 s, not in the fit time"
+    new["rows"][0]["note"] = "warm start 0.7 s, not in the fit time"
     old["rows"][0]["source"] = "full run, printed table (rounded)"
     assert check.compare(old, new, 0.3) == []
     new["rows"][0]["seconds"] = 2.0
