@@ -64,6 +64,7 @@ from . import meta
 from .options import EngineOptions, LGMEngineOptions, option, options_table
 from .result import Criterion, InferenceResult, Optimality, RunContext, Solution
 from .rng import cuda_in_use, draw_seed, forked_rng
+from .runtime import pyro_runtime_restored
 from .type2 import refit_gradient
 
 __all__ = [
@@ -303,8 +304,10 @@ class Engine:
         (:meth:`run_once`) by :func:`pyro_convexvb.infer.meta.run`. The fit runs on a fork of the global random
         number generators (torch, NumPy, ``random``), seeded with the ``seed`` option, or without one with a
         seed drawn from the caller's torch stream (see :func:`forked_rng`): the caller's streams are never reset.
+        A fit that raises (a Ctrl-C included) leaves Pyro's handler stack and plate dimensions as they were
+        (:func:`~pyro_convexvb.infer.runtime.pyro_runtime_restored`).
         """
-        with forked_rng(self._resolve_seed(args, kwargs), cuda=cuda_in_use()) as seed:
+        with pyro_runtime_restored(), forked_rng(self._resolve_seed(args, kwargs), cuda=cuda_in_use()) as seed:
             self._run_seed = seed
             return meta.run(self, args, kwargs)
 

@@ -6,7 +6,6 @@
   before the chunk (a chunk is applied whole or not at all), so re-feeding the chunk does not count rows twice.
 """
 import json
-import os
 import signal
 import sys
 import time
@@ -123,3 +122,36 @@ def test_sigint_during_partial_fit_keeps_the_state_before_the_chunk():
     assert out["interrupted"], "the chunk finished before the signal: make it larger"
     changed = sorted(k for k, same in out["same"].items() if not same)
     assert not changed, f"state entries changed by an interrupted chunk: {changed}"
+
+
+def test_interrupt_inside_a_plate_enter_leaves_no_plate_allocated():
+    """A Ctrl-C landing in ``pyro.plate.__enter__`` after the plate's dimension is allocated (Pyro then never
+    frees it) must not leave the name taken: every later trace would fail with "duplicate plate 'data'"."""
+    import pyro
+    import pyro.distributions as dist
+    import torch
+    from pyro.poutine.runtime import _DIM_ALLOCATOR, _PYRO_STACK
+
+    import pyro_convexvb as pcv
+
+    calls = {"n": 0, "interrupt_at": 3}
+
+    def model(X, y=None):
+        calls["n"] += 1
+        w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=X.dtype), 1.0).to_event(1))
+        if calls["n"] == calls["interrupt_at"]:
+            _DIM_ALLOCATOR.allocate("data", None)  # what the interrupted __enter__ had done
+            raise KeyboardInterrupt
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    X = torch.randn(50, 3, dtype=torch.float64)
+    y = (X[:, 0] > 0).double()
+    dims_before, stack_before = list(_DIM_ALLOCATOR._stack), list(_PYRO_STACK)
+    with pytest.raises(KeyboardInterrupt):
+        pcv.fit(model, X, y=y, engine="diag_mixture", progress=False)
+    assert calls["n"] == calls["interrupt_at"]
+    assert list(_DIM_ALLOCATOR._stack) == dims_before and list(_PYRO_STACK) == stack_before
+    calls["interrupt_at"] = -1
+    res = pcv.fit(model, X, y=y, engine="laplace", progress=False)
+    assert res.converged
