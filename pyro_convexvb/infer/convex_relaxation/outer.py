@@ -54,24 +54,24 @@ __all__ = ["RelaxationState", "VarianceStep", "WhitenedLanczos", "variance_step"
 # times one exact and one Lanczos variance step over n, design density and k, fits these constants by
 # nonnegative least squares on relative errors and prints them; only their ratios affect the choice.
 # The values below are the fit of the full run (n = 100 .. 3200, k = 80 and 750, one quiet 2-core machine,
-# two torch threads) recorded in docs/convex_relaxation.md; the fit put no weight on the separate
-# reorthogonalisation term (its cost is absorbed by the per-product and per-step terms).
+# one torch thread, run of 2026-11-27) recorded in docs/convex_relaxation.md; the fit put no weight on the
+# separate reorthogonalisation term (its cost is absorbed by the per-product and per-step terms).
 # ---------------------------------------------------------------------------------------------------
 #: Seconds per ``n^3`` of the exact route's dense factorisations: the Cholesky factor of ``A``
 #: (``n^3/3`` flops) and its triangular inverse (``n^3`` flops).  Calibrated by benchmarks/variance_crossover.py.
-EXACT_CUBIC_SECONDS = 1.16e-10
+EXACT_CUBIC_SECONDS = 1.08e-10
 #: Seconds per flop of the batched products that form ``A`` densely (``n`` identity columns) and
 #: ``B L^{-T}``.  Calibrated by benchmarks/variance_crossover.py.
-FORM_FLOP_SECONDS = 3.35e-11
+FORM_FLOP_SECONDS = 1.31e-11
 #: Seconds per flop of the Lanczos products with ``A`` (or ``A_v``), one block per step.
 #: Calibrated by benchmarks/variance_crossover.py.
-MVM_FLOP_SECONDS = 4.56e-11
+MVM_FLOP_SECONDS = 8.33e-11
 #: Seconds per flop of the Gram-Schmidt reorthogonalisation (``2 n k^2`` flops for ``k`` steps).
 #: Calibrated by benchmarks/variance_crossover.py.
 ORTH_FLOP_SECONDS = 0.0
 #: Fixed seconds per Lanczos block step (Python and small factorisations).
 #: Calibrated by benchmarks/variance_crossover.py.
-STEP_SECONDS = 3.69e-4
+STEP_SECONDS = 5.56e-4
 #: Largest per-vector speed-up of block Lanczos (``b`` vectors per product and reorthogonalisation pass)
 #: over single vectors, applied as ``min(b, BLOCK_SPEEDUP_MAX)``; 3.6-3.9x was measured on real-sim at
 #: ``b = 8, 16`` (docs/convex_relaxation.md).  Calibrated by benchmarks/variance_crossover.py.
