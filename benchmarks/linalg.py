@@ -9,6 +9,9 @@ Same-run comparison (float64, one thread by default):
   - ``gmrf``: an explicit sparse CSR precision, a 2-D grid Laplacian + 1e-3 I, badly scaled by a
     diagonal over 1.5 decades (Jacobi preconditioning matters);
   plus batched right-hand sides.
+Every solver of a problem runs ``--repeat`` times (3 by default), alternating (the order reverses each
+round), and the median is reported.
+
 * Lanczos: ours vs ``linear_operator.utils.lanczos.lanczos_tridiag`` (time, orthogonality, ``Q^T A Q - T``,
   steps on a matrix scaled by 1e-8).
 * Variances: K-Lanczos and L-PCA against exact ``diag(X A^{-1} X^T)`` (Seeger 2010 §3-4).
@@ -112,42 +115,69 @@ def timed(fn, repeat=1):
     return best, out
 
 
-def run_cg_peers(name, apply, b, rtol, diag=None, scipy_A=None, max_iter=None, lo_default_cap=None, dense=None):
-    """One row per solver: iterations, products, seconds, final true relative residual."""
+def alternated(solvers, repeat):
+    """Run every ``(label, fn)`` of ``solvers`` ``repeat`` times, round by round, in an order that reverses from
+    one round to the next; returns ``{label: (median wall seconds, median CPU seconds, last output)}``.
+
+    Alternating spreads this machine's speed drift over every solver instead of charging it to whichever ran
+    first (the first solver of a single pass also paid the cold caches)."""
+    walls = {label: [] for label, _ in solvers}
+    cpus = {label: [] for label, _ in solvers}
+    outs = {}
+    for rnd in range(repeat):
+        for label, fn in (solvers if rnd % 2 == 0 else solvers[::-1]):
+            t, c = time.perf_counter(), time.process_time()
+            outs[label] = fn()
+            walls[label].append(time.perf_counter() - t)
+            cpus[label].append(time.process_time() - c)
+    return {label: (float(np.median(walls[label])), float(np.median(cpus[label])), outs[label])
+            for label, _ in solvers}
+
+
+def run_cg_peers(name, apply, b, rtol, diag=None, scipy_A=None, max_iter=None, lo_default_cap=None, dense=None,
+                 repeat=3, extra=()):
+    """One row per solver: iterations, products, median seconds (alternated, :func:`alternated`), final true
+    relative residual. ``extra``: more ``(label, fn)`` solvers, ``fn`` returning ``(iters, mvm, x, note)``."""
     from linear_operator.utils.linear_cg import linear_cg
 
-    rows = []
     n = b.shape[0]
     cap = max_iter or 10 * n
+    solvers = []
 
-    def add(solver, seconds, iters, mvm, x, note=""):
-        rows.append(
-            dict(problem=name, rtol=rtol, solver=solver, seconds=seconds, cpu_seconds=CPU["last"], iterations=iters,
-                 mvm=mvm, rel_residual=rel_res(apply, x, b), note=note)
-        )
+    def ours(pre):
+        def fn():
+            c = Counter(apply)
+            res = cg(c, b, rtol=rtol, precond=pre, max_iter=cap, on_fail="ignore")
+            return res.iterations, res.num_mvm, res.x, "" if res.converged else "not converged"
+        return fn
 
     for pre, label in ((None, "ours"), (diag, "ours+jacobi")):
         if label.endswith("jacobi") and diag is None:
             continue
-        c = Counter(apply)
-        s, res = timed(lambda: cg(c, b, rtol=rtol, precond=pre, max_iter=cap, on_fail="ignore"))
-        add(label, s, res.iterations, res.num_mvm, res.x, "" if res.converged else "not converged")
+        solvers.append((label, ours(pre)))
+
     # linear_operator: its default eps=1e-10 guard, then a tuned one
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for eps, label in ((1e-10, "linear_cg (default eps)"), (1e-300, "linear_cg (eps=1e-300)")):
+    def lo(eps, lim, pre):
+        kw = dict(tolerance=rtol, max_iter=lim, eps=eps)
+        if eps != 1e-10:
+            kw["stop_updating_after"] = 0.0
+        if pre is not None:
+            dinv = (1.0 / pre).unsqueeze(-1)
+            kw["preconditioner"] = lambda r: r * dinv
+
+        def fn():
             c = Counter(apply)
-            lim = lo_default_cap if (eps == 1e-10 and lo_default_cap) else cap
-            kw = dict(tolerance=rtol, max_iter=lim, eps=eps)
-            if eps != 1e-10:
-                kw["stop_updating_after"] = 0.0
-            s, x = timed(lambda: linear_cg(c, b, **kw))
-            add(label, s, c.calls, c.cols, x, f"max_iter={lim}")
-            if diag is not None:
-                c = Counter(apply)
-                dinv = (1.0 / diag).unsqueeze(-1)
-                s, x = timed(lambda: linear_cg(c, b, preconditioner=lambda r: r * dinv, **kw))
-                add(label + "+jacobi", s, c.calls, c.cols, x, f"max_iter={lim}")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                x = linear_cg(c, b, **kw)
+            return c.calls, c.cols, x, f"max_iter={lim}"
+        return fn
+
+    for eps, label in ((1e-10, "linear_cg (default eps)"), (1e-300, "linear_cg (eps=1e-300)")):
+        lim = lo_default_cap if (eps == 1e-10 and lo_default_cap) else cap
+        solvers.append((label, lo(eps, lim, None)))
+        if diag is not None:
+            solvers.append((label + "+jacobi", lo(eps, lim, diag)))
     # scipy
     if b.dim() == 1:
         bn = b.numpy()
@@ -155,38 +185,57 @@ def run_cg_peers(name, apply, b, rtol, diag=None, scipy_A=None, max_iter=None, l
             Aop = spla.LinearOperator((n, n), matvec=lambda v: apply(torch.from_numpy(v)).numpy(), dtype=np.float64)
         else:
             Aop = scipy_A
-        for M, label in ((None, "scipy cg"), ("jac", "scipy cg+jacobi")):
-            if M is not None and diag is None:
-                continue
-            Mop = None if M is None else sp.diags(1.0 / diag.numpy())
-            it = [0]
 
-            def cb(xk):
-                it[0] += 1
+        def sc(Mop):
+            def fn():
+                it = [0]
 
-            s, (x, info) = timed(lambda: spla.cg(Aop, bn, rtol=rtol, atol=0.0, maxiter=cap, M=Mop, callback=cb))
-            add(label, s, it[0], it[0] + 1, torch.from_numpy(x), "" if info == 0 else f"info={info}")
+                def cb(xk):
+                    it[0] += 1
+
+                x, info = spla.cg(Aop, bn, rtol=rtol, atol=0.0, maxiter=cap, M=Mop, callback=cb)
+                return it[0], it[0] + 1, torch.from_numpy(x), "" if info == 0 else f"info={info}"
+            return fn
+
+        solvers.append(("scipy cg", sc(None)))
+        if diag is not None:
+            solvers.append(("scipy cg+jacobi", sc(sp.diags(1.0 / diag.numpy()))))
     if dense is not None:
-        s, x = timed(lambda: torch.linalg.solve(dense, b))
-        add("torch.linalg.solve (dense)", s, 0, 0, x)
-        s, x = timed(lambda: torch.cholesky_solve(b.unsqueeze(-1) if b.dim() == 1 else b, torch.linalg.cholesky(dense)))
-        add("torch cholesky (dense)", s, 0, 0, x.squeeze(-1) if b.dim() == 1 else x)
+        solvers.append(("torch.linalg.solve (dense)", lambda: (0, 0, torch.linalg.solve(dense, b), "")))
+        bb = b.unsqueeze(-1) if b.dim() == 1 else b
+
+        def chol():
+            x = torch.cholesky_solve(bb, torch.linalg.cholesky(dense))
+            return 0, 0, x.squeeze(-1) if b.dim() == 1 else x, ""
+        solvers.append(("torch cholesky (dense)", chol))
+    solvers += list(extra)
+    out = alternated(solvers, repeat)
+    rows = []
+    for label, _ in solvers:
+        wall, cpu, (iters, mvm, x, note) = out[label]
+        rows.append(dict(problem=name, rtol=rtol, solver=label, seconds=wall, cpu_seconds=cpu, iterations=iters,
+                         mvm=mvm, rel_residual=None if x is None else rel_res(apply, x, b), note=note))
     return rows
 
 
-def run_lanczos_peers(apply, n, ks, seed=0):
+def run_lanczos_peers(apply, n, ks, seed=0, repeat=3):
     from linear_operator.utils.lanczos import lanczos_tridiag
 
     rows = []
     v0 = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=DT)
     for k in ks:
-        s, res = timed(lambda: lanczos(apply, v0, k))
+        out = alternated([("ours", lambda: lanczos(apply, v0, k)),
+                          ("lanczos_tridiag", lambda: lanczos_tridiag(apply, k, DT, torch.device("cpu"), (n, n),
+                                                                      init_vecs=v0.unsqueeze(-1)))], repeat)
+        s, c, res = out["ours"]
         Q, T = res.Q, res.T()
-        rows.append(dict(solver="ours", k=k, seconds=s, cpu_seconds=CPU["last"], steps=res.k, orth_err=(Q.T @ Q - torch.eye(res.k, dtype=DT)).abs().max().item(),
+        rows.append(dict(solver="ours", k=k, seconds=s, cpu_seconds=c, steps=res.k,
+                         orth_err=(Q.T @ Q - torch.eye(res.k, dtype=DT)).abs().max().item(),
                          tri_err=(Q.T @ apply(Q.contiguous()) - T).abs().max().item()))
-        s, (Ql, Tl) = timed(lambda: lanczos_tridiag(apply, k, DT, torch.device("cpu"), (n, n), init_vecs=v0.unsqueeze(-1)))
+        s, c, (Ql, Tl) = out["lanczos_tridiag"]
         kk = Ql.shape[-1]
-        rows.append(dict(solver="lanczos_tridiag", k=k, seconds=s, cpu_seconds=CPU["last"], steps=kk, orth_err=(Ql.T @ Ql - torch.eye(kk, dtype=DT)).abs().max().item(),
+        rows.append(dict(solver="lanczos_tridiag", k=k, seconds=s, cpu_seconds=c, steps=kk,
+                         orth_err=(Ql.T @ Ql - torch.eye(kk, dtype=DT)).abs().max().item(),
                          tri_err=(Ql.T @ apply(Ql.contiguous()) - Tl).abs().max().item()))
     # relative breakdown: the same operator scaled by 1e-8
     small = lambda v: 1e-8 * apply(v)  # noqa: E731
@@ -295,6 +344,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small version (< 1 minute)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=3, help="alternated repetitions per solver (median reported)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/linalg[_quick].json)")
     p.add_argument("--figure", default=None, help="figure path (default docs/figures/linalg[_quick].png)")
     args = p.parse_args(argv)
@@ -313,6 +363,7 @@ def main(argv=None):
         limits = None
     warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
     q = args.quick
+    rep = args.repeat
     n_big = 5000 if q else 20000
     side = 70 if q else 141
     n_small = 1500 if q else 3000
@@ -329,25 +380,29 @@ def main(argv=None):
     apply, X, w, diag, _ = glm_problem(n_big)
     b = torch.randn(n_big, generator=g, dtype=DT)
     for rtol in (1e-6, 1e-10):
-        cg_rows += run_cg_peers(f"glm n={n_big}", apply, b, rtol, diag=diag, lo_default_cap=lo_cap)
+        cg_rows += run_cg_peers(f"glm n={n_big}", apply, b, rtol, diag=diag, lo_default_cap=lo_cap, repeat=rep)
     A = gmrf_problem(side)
     Aop = SparseOperator(A)
     dA = torch.from_numpy(A.diagonal().copy())
     bg = torch.randn(A.shape[0], generator=g, dtype=DT)
-    cg_rows += run_cg_peers(f"gmrf n={A.shape[0]}", Aop.mv, bg, 1e-8, diag=dA, scipy_A=A, lo_default_cap=lo_cap)
+    cg_rows += run_cg_peers(f"gmrf n={A.shape[0]}", Aop.mv, bg, 1e-8, diag=dA, scipy_A=A, lo_default_cap=lo_cap,
+                            repeat=rep)
     apply_s, Xs, ws, diag_s, _ = glm_problem(n_small, seed=2)
     Xd = torch.from_numpy(Xs.toarray())
     dense = torch.eye(n_small, dtype=DT) + Xd.T @ (ws.unsqueeze(-1) * Xd)
     bs = torch.randn(n_small, generator=g, dtype=DT)
-    cg_rows += run_cg_peers(f"glm n={n_small}", apply_s, bs, 1e-10, diag=diag_s, dense=dense, lo_default_cap=lo_cap)
+    cg_rows += run_cg_peers(f"glm n={n_small}", apply_s, bs, 1e-10, diag=diag_s, dense=dense, lo_default_cap=lo_cap,
+                            repeat=rep)
     # batched right-hand sides
     Bm = torch.randn(n_big, 8, generator=g, dtype=DT) * torch.logspace(0, 3, 8, dtype=DT)
-    batched = run_cg_peers(f"glm n={n_big}, 8 rhs", apply, Bm, 1e-8, lo_default_cap=lo_cap)
-    c = Counter(apply)
-    s, _ = timed(lambda: [cg(c, Bm[:, j].contiguous(), rtol=1e-8) for j in range(8)])
-    batched.append(dict(problem=f"glm n={n_big}, 8 rhs", rtol=1e-8, solver="ours, column by column", seconds=s,
-                        cpu_seconds=CPU["last"], iterations=c.calls, mvm=c.cols, rel_residual=None, note=""))
-    cg_rows += batched
+    def by_column():
+        c = Counter(apply)
+        for j in range(8):
+            cg(c, Bm[:, j].contiguous(), rtol=1e-8)
+        return c.calls, c.cols, None, ""
+
+    cg_rows += run_cg_peers(f"glm n={n_big}, 8 rhs", apply, Bm, 1e-8, lo_default_cap=lo_cap, repeat=rep,
+                            extra=[("ours, column by column", by_column)])
     hist = {}
     for pre, label in ((None, "plain"), (dA, "Jacobi")):
         hist[label] = cg(Aop, bg, rtol=1e-8, precond=pre, on_fail="ignore").residual_history
@@ -355,7 +410,7 @@ def main(argv=None):
 
     # --- Lanczos ---
     ks = (50, 100) if q else (50, 200)
-    lz_rows, scaled = run_lanczos_peers(apply, n_big, ks)
+    lz_rows, scaled = run_lanczos_peers(apply, n_big, ks, repeat=rep)
     results["lanczos"] = lz_rows
     results["lanczos_scaled_1e-8"] = scaled
 

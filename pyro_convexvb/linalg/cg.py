@@ -295,9 +295,23 @@ def cg(
 
 
 def _inner_products(reduction):
-    """``(dot, norm)`` over the rows of ``(n, k)`` blocks, column by column; summed by ``reduction.sum`` if given."""
+    """``(dot, norm)`` over the rows of ``(n, k)`` blocks, column by column; summed by ``reduction.sum`` if given.
+
+    A single column goes through the 1-D kernels (``torch.dot``, a 1-D norm): column reductions of an
+    ``(n, 1)`` block cost twice as much, and CG on a cheap operator spends most of its time in them."""
     if reduction is None:
-        return (lambda a, b: torch.linalg.vecdot(a, b, dim=0)), (lambda a: torch.linalg.vector_norm(a, dim=0))
+
+        def dot(a, b):
+            if a.shape[1] == 1:
+                return torch.dot(a.reshape(-1), b.reshape(-1)).reshape(1)
+            return torch.linalg.vecdot(a, b, dim=0)
+
+        def norm(a):
+            if a.shape[1] == 1:
+                return torch.linalg.vector_norm(a.reshape(-1)).reshape(1)
+            return torch.linalg.vector_norm(a, dim=0)
+
+        return dot, norm
 
     def dot(a, b):
         return reduction.sum(torch.linalg.vecdot(a, b, dim=0))
@@ -348,9 +362,12 @@ def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, nu
         rn_minus_tol = rn - tola
         if neg is not None:
             rn_minus_tol = torch.where(neg, torch.full_like(rn_minus_tol, -math.inf), rn_minus_tol)
-        min_pap, min_rz, margin, rel = torch.stack(
-            (pAp.min(), rz.min(), rn_minus_tol.max(), (rn / sca).max())
-        ).tolist()
+        if pAp.shape[0] == 1:  # one column: its four numbers are the reductions (one small copy, one sync)
+            min_pap, min_rz, margin, rel = torch.cat((pAp, rz, rn_minus_tol, rn / sca)).tolist()
+        else:
+            min_pap, min_rz, margin, rel = torch.stack(
+                (pAp.min(), rz.min(), rn_minus_tol.max(), (rn / sca).max())
+            ).tolist()
         if not min_rz > 0:
             _raise_bad_preconditioner(min_rz)
         if not min_pap > 0:
@@ -376,9 +393,14 @@ def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, nu
             x[:, idx], r[:, idx], rnorm[idx] = xa, ra, rn
             rest_max = max(rest_max, float((rn[done] / sca[done]).max()))
             keep = ~done
-            idx, xa, ra, p, rz, tola, sca = idx[keep], xa[:, keep], ra[:, keep], p[:, keep], rz[keep], tola[keep], sca[keep]
-        z = prec(ra) if prec is not None else ra
-        rz_new = dot(ra, z)
+            idx, xa, ra, p, rz, tola, sca, rn = (idx[keep], xa[:, keep], ra[:, keep], p[:, keep], rz[keep], tola[keep],
+                                                 sca[keep], rn[keep])
+        if prec is not None:
+            z = prec(ra)
+            rz_new = dot(ra, z)
+        else:  # r^T r is the squared residual norm just computed
+            z = ra
+            rz_new = rn * rn
         beta = rz_new / rz
         rz = rz_new
         p = torch.addcmul(z, p, beta)
