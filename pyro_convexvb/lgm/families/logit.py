@@ -268,31 +268,31 @@ class LogitJaakkolaBound(QuadraticBound):
         return self._coef
 
 
-def _tight_kappa(h, rho, iters=200):
-    """``kappa*(h, rho) = argmax_k k h + k (1 - k) rho / 2 - H(k)`` by safeguarded Newton in ``z = logit(k)``.
+def _tight_kappa(h, rho, iters=100):
+    """``kappa*(h, rho) = argmax_k k h + k (1 - k) rho / 2 - H(k)`` by monotone Newton in ``z = logit(k)``.
 
-    Root of the decreasing ``F(z) = h + rho (1 - 2 sigmoid(z)) / 2 - z``, bracketed by
-    ``[h - rho/2, h + rho/2]``. A Newton step that leaves the bracket, or that is not at most half the
-    step before it, is replaced by bisection (as in Numerical Recipes' ``rtsafe``): for large ``rho``
-    plain Newton can cycle between the ends of the bracket.
+    ``z*`` is the root of the increasing ``G(z) = z + rho sigmoid(z) - h - rho / 2`` (``G' = 1 + rho s (1 - s)``
+    with ``s = sigmoid(z)``), which is convex for ``z < 0`` and concave for ``z > 0``. ``G(0) = -h``, so for
+    ``h >= 0`` the root lies in the concave half, at or above ``max(0, h - rho/2)`` (where ``G <= 0``); Newton
+    started there stays below the root and rises to it monotonically (a concave function lies below its
+    tangents). For ``h < 0`` the mirror image holds from ``min(0, h + rho/2)`` in the convex half. No bracket
+    or bisection safeguard is needed, and from these starts 16 steps reach rounding level for every
+    ``|h|, rho`` in ``[1e-4, 1e12]`` (``tests/test_logistic.py``). The loop stops when ``|G|`` is within a few
+    units in the last place of its terms.
+
+    :param h: ``(N,)`` means of the site's linear predictor.
+    :param rho: ``(N,)`` its variances (``>= 0``).
+    :returns: ``(kappa, z)``, each ``(N,)``.
     """
-    lo, hi = h - 0.5 * rho, h + 0.5 * rho
-    z = h.clone()
-    prev = (hi - lo).abs()
+    c = h + 0.5 * rho
+    z = torch.where(h >= 0, (h - 0.5 * rho).clamp_min(0), c.clamp_max(0))
+    tol = 4.5 * torch.finfo(z.dtype).eps
     for _ in range(iters):
         s = torch.sigmoid(z)
-        F = h + 0.5 * rho * (1 - 2 * s) - z
-        lo = torch.where(F > 0, z, lo)
-        hi = torch.where(F <= 0, z, hi)
-        step = F / (rho * s * (1 - s) + 1)
-        zn = z + step
-        bad = (zn < lo) | (zn > hi) | (2 * step.abs() > prev)
-        zn = torch.where(bad, 0.5 * (lo + hi), zn)
-        zn = torch.where(F == 0, z, zn)
-        change = (zn - z).abs()
-        prev = torch.where(bad, 0.5 * (hi - lo).abs(), step.abs())
-        z = zn
-        if bool(((change <= 1e-15 * (1 + z.abs())) | ((hi - lo).abs() <= 1e-15 * (1 + z.abs()))).all()):
+        rs = rho * s
+        G = z + rs - c
+        z = z - G / (1 + rs * (1 - s))
+        if bool((G.abs() <= tol * (z.abs() + rs + c.abs())).all()):
             break
     return torch.sigmoid(z), z
 
