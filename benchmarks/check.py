@@ -91,15 +91,22 @@ def _time(row):
     return None
 
 
-def groups(rows):
-    """``{identity: {method: row}}`` over rows that name a method.
+def identity_keys(*tables):
+    """The fields that may identify every method-naming row of all ``tables`` (a count such as ``factor_nnz``,
+    given for our rows and ``None`` for a peer's, does not split a case; comparing two runs, the keys are those
+    of both, so a peer that reported ``None`` in one run only does not split the cases of the other)."""
+    named = [(r, _method_field(r)) for rows in tables for r in rows]
+    named = [(r, mf) for r, mf in named if mf is not None]
+    return set.intersection(*(_identifying(r, mf) for r, mf in named)) if named else set()
 
-    A row is identified by the fields that identify every row of its table (a count such as ``factor_nnz``,
-    given for our rows and ``None`` for a peer's, does not split a case).
-    """
+
+def groups(rows, keys=None):
+    """``{identity: {method: row}}`` over rows that name a method, identified by ``keys`` (default: the
+    :func:`identity_keys` of ``rows``)."""
     named = [(r, _method_field(r)) for r in rows]
     named = [(r, mf) for r, mf in named if mf is not None]
-    keys = set.intersection(*(_identifying(r, mf) for r, mf in named)) if named else set()
+    if keys is None:
+        keys = identity_keys(rows)
     out = {}
     for r, mf in named:
         out.setdefault(_identity(r, mf, keys), {})[r[mf]] = r
@@ -114,7 +121,8 @@ def compare(old_payload, new_payload, tolerance):
         old_rows = old_tables.get(path)
         if old_rows is None:
             continue
-        old_g, new_g = groups(old_rows), groups(new_rows)
+        keys = identity_keys(old_rows, new_rows)
+        old_g, new_g = groups(old_rows, keys), groups(new_rows, keys)
         where = "/".join(path) or "rows"
         for ident, old_methods in old_g.items():
             label = ", ".join(f"{k}={v}" for k, v in ident) or "-"

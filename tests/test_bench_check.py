@@ -67,3 +67,17 @@ def test_a_peer_run_on_our_prior_is_still_a_peer(check):
     assert check.is_ours("dual_vg, SparseGMRF") and not check.is_ours("svi_autonormal, SparseGMRF")
     (msg,) = check.compare(payload(0.07, 4.6), payload(0.26, 8.9), 0.3)
     assert "dual_vg, SparseGMRF / svi_autonormal, SparseGMRF" in msg
+
+
+def test_a_count_given_for_every_row_in_one_run_only_does_not_split_cases(check):
+    """Old run: a peer reported ``nnz_L = None`` (so ``nnz_L`` identified no row); new run: every row reports it.
+    The two runs' rows still match on the fields both can identify them by."""
+    old = {"libraries_table": [{"n": 10, "library": "qdldl", "factor_s": 1.0, "nnz_L": 50},
+                               {"n": 10, "library": "splu", "factor_s": 2.0, "nnz_L": 60},
+                               {"n": 10, "library": "cholmod", "factor_s": 2.0, "nnz_L": None}]}
+    new = {"libraries_table": [{"n": 10, "library": "qdldl", "factor_s": 1.0, "nnz_L": 50},
+                               {"n": 10, "library": "splu", "factor_s": 2.0, "nnz_L": 60}]}
+    assert check.compare(old, new, 0.3) == []
+    new["libraries_table"][0]["factor_s"] = 3.0
+    (msg,) = check.compare(old, new, 0.3)
+    assert msg.startswith("libraries_table [n=10] qdldl / splu: time ratio 0.5 -> 1.5")

@@ -64,7 +64,8 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
     :param kernel: a ``gpytorch.kernels.Kernel`` (default ``None``: ``ScaleKernel(RBFKernel())`` with
         GPyTorch's initial hyperparameters). It is never modified: :meth:`fit` works on a copy
         (``kernel_``, in ``dtype``), whose hyperparameters are used as they are unless
-        ``learn_hyperparameters``.
+        ``learn_hyperparameters``. Learned hyperparameters are read from ``kernel_``: ``kernel`` keeps its
+        starting values (as scikit-learn's ``GaussianProcessClassifier`` keeps ``kernel`` and fits ``kernel_``).
     :param str engine: registry engine name (default ``"dual_vg"``).
     :param bool learn_hyperparameters: type-II maximum likelihood: maximise the engine's evidence bound
         over the kernel hyperparameters (and the constant mean if ``learn_mean``): the kernel copy is
@@ -102,6 +103,11 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         >>> clf.predict_proba(X[:3]).shape, clf.classes_.tolist()
         ((3, 2), ['neg', 'pos'])
         >>> clf.score(X, y) > 0.8
+        True
+        >>> import gpytorch
+        >>> k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+        >>> learned = GPClassifier(kernel=k, learn_hyperparameters=True).fit(X, y)
+        >>> learned.kernel_.outputscale.item() != k.outputscale.item()  # the learned values live on kernel_
         True
     """
 

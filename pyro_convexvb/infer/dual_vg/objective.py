@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..posterior import GaussianPosterior
-from ...linalg.operators import DenseOperator, SparseOperator, as_operator
+from ...linalg.operators import SparseOperator, as_operator
 from ...distributed import reduction_of
 
 __all__ = [
@@ -523,7 +523,7 @@ class SparsePrecisionBackend:
         data = self._Qupper.copy()
         data[self._diag_pos] += extra
         if cur is None:
-            chol = SparseCholesky((self._Qs + sp.diags(extra)).tocsc(), self.cholesky_backend, name=f"Q + W^T Lam W")
+            chol = SparseCholesky((self._Qs + sp.diags(extra)).tocsc(), self.cholesky_backend, name="Q + W^T Lam W")
         else:
             chol = cur[0].update_values(data)
         self._chol[key] = (chol, extra.copy())
@@ -609,12 +609,16 @@ class SparsePrecisionHessian:
         """``H x`` for ``x`` of shape ``(N,)`` (tensor in, tensor out)."""
         be = self.backend
         xn = be._np(x)
-        St_x = be._W(be.cholQ.solve(be._Wt(xn)))
-        if not self.dl.any():  # a quadratic bound (lambda constant): no V_t o V_t term, no selected inversion
-            return be._t(St_x + self.diag * xn)
-        t = np.bincount(be.col, weights=be.w**2 * self.dl * xn, minlength=be.L)
-        had = -be.w**2 * self._chol_A().diag_inverse_jvp(t)[be.col]
-        return be._t(St_x + self.diag * xn + 0.5 * self.dl * had)
+        out = be._W(be.cholQ.solve(be._Wt(xn))) + self.diag * xn
+        if self.dl.any():  # a quadratic bound (lambda constant) has no V_t o V_t term: no selected inversion
+            out = out + 0.5 * self.dl * self._hadamard(self.dl * xn)
+        return be._t(out)
+
+    def _hadamard(self, v):
+        """``(V_t \\circ V_t) v`` (NumPy ``(N,)``), by one forward-mode selected inversion of ``A``."""
+        be = self.backend
+        t = np.bincount(be.col, weights=be.w**2 * v, minlength=be.L)
+        return -be.w**2 * self._chol_A().diag_inverse_jvp(t)[be.col]
 
     def precondition(self, r):
         """``P^{-1} r`` (Woodbury; see the class docstring)."""

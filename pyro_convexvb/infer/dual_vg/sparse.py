@@ -302,18 +302,12 @@ class SparseLatentHessian(SparsePrecisionHessian):
     Woodbury identity with a factorisation of ``Q + W^T D_p^{-1} W`` on the pattern of ``A``.
     """
 
-    def mv(self, x):
-        """``H x`` for ``x`` of shape ``(N,)`` (tensor in, tensor out)."""
+    def _hadamard(self, v):
+        """``(V_t \\circ V_t) v`` along ``W^T diag(v) W`` (the product of the base class uses it)."""
         be = self.backend
-        xn = be._np(x)
-        St_x = be._W(be.cholQ.solve(be._Wt(xn)))
-        if not self.dl.any():  # a quadratic bound (lambda constant): no V_t o V_t term
-            return be._t(St_x + self.diag * xn)
-        be._factor(self.lam)
-        chol = be._chol["A"][0]
-        dZ = chol.selected_values_jvp(chol._pair_pos, be._pw * (self.dl * xn)[be._site])
-        had = -be._pair_quad(chol, dZ)
-        return be._t(St_x + self.diag * xn + 0.5 * self.dl * had)
+        chol = self._chol_A()
+        dZ = chol.selected_values_jvp(chol._pair_pos, be._pw * v[be._site])
+        return -be._pair_quad(chol, dZ)
 
     def precondition(self, r):
         """``P^{-1} r`` (Woodbury; see the class docstring)."""
