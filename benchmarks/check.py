@@ -100,13 +100,11 @@ def identity_keys(*tables):
     return set.intersection(*(_identifying(r, mf) for r, mf in named)) if named else set()
 
 
-def groups(rows, keys=None):
-    """``{identity: {method: row}}`` over rows that name a method, identified by ``keys`` (default: the
-    :func:`identity_keys` of ``rows``)."""
+def groups(rows, keys):
+    """``{identity: {method: row}}`` over rows that name a method, identified by ``keys``
+    (:func:`identity_keys`)."""
     named = [(r, _method_field(r)) for r in rows]
     named = [(r, mf) for r, mf in named if mf is not None]
-    if keys is None:
-        keys = identity_keys(rows)
     out = {}
     for r, mf in named:
         out.setdefault(_identity(r, mf, keys), {})[r[mf]] = r

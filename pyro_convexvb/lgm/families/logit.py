@@ -277,7 +277,7 @@ def _tight_kappa(h, rho, iters=100):
     started there stays below the root and rises to it monotonically (a concave function lies below its
     tangents). For ``h < 0`` the mirror image holds from ``min(0, h + rho/2)`` in the convex half. No bracket
     or bisection safeguard is needed, and from these starts 16 steps reach rounding level for every
-    ``|h|, rho`` in ``[1e-4, 1e12]`` (``tests/test_logistic.py``). The loop stops when ``|G|`` is within a few
+    ``|h|, rho`` in ``[1e-4, 1e12]`` (``tests/test_dual_vg.py``). The loop stops when ``|G|`` is within a few
     units in the last place of its terms.
 
     :param h: ``(N,)`` means of the site's linear predictor.
