@@ -29,6 +29,8 @@ from tests.zoo.harness import (  # noqa: E402
     KNOWN_LISTING,
     KNOWN_MISSES,
     TOLERANCES,
+    NUTS_IN_CI,
+    SVI_IN_CI,
     is_slow,
     load_references,
     refusal_reason,
@@ -191,7 +193,9 @@ def page(results, engines, seconds):
         L.append("On every zoo model, `pcv.engines_that_fit` lists exactly the engines that run.")
     L.append("")
     slow = [(m, e) for m in ZOO for e in engines if is_slow(m, e)]
-    L.append(f"## Run time\n\n{len(ZOO) * len(engines) - len(slow)} of the {len(ZOO) * len(engines)} cells run in CI; "
+    L.append(f"## Run time\n\n{len(ZOO) * len(engines) - len(slow)} of the {len(ZOO) * len(engines)} cells run in CI "
+             f"(NUTS on {len(NUTS_IN_CI)} models and the full- and low-rank SVI guides on {len(SVI_IN_CI)}, `SVI_IN_CI` "
+             f"in `tests/zoo/harness.py`; `svi_autonormal`, the same wrapper, runs on all); "
              f"the others are marked `slow` (`pytest -m slow tests/zoo`). This table took {seconds / 60:.0f} "
              f"minutes to make ({datetime.date.today().isoformat()}).\n")
     return "\n".join(L)
