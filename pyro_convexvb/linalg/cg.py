@@ -362,24 +362,7 @@ def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, nu
         rn_minus_tol = rn - tola
         if neg is not None:
             rn_minus_tol = torch.where(neg, torch.full_like(rn_minus_tol, -math.inf), rn_minus_tol)
-        if pAp.shape[0] == 1:  # one column: its four numbers are the reductions (one small copy, one sync)
-            min_pap, min_rz, margin, rel = torch.cat((pAp, rz, rn_minus_tol, rn / sca)).tolist()
-        else:
-            min_pap, min_rz, margin, rel = torch.stack(
-                (pAp.min(), rz.min(), rn_minus_tol.max(), (rn / sca).max())
-            ).tolist()
-        if not min_rz > 0:
-            _raise_bad_preconditioner(min_rz)
-        if not min_pap > 0:
-            if not math.isfinite(min_pap):
-                raise ValueError("matmul returned NaN or inf during CG")
-            if trunc is None:
-                raise NotPositiveDefiniteError(
-                    f"matmul is not positive definite: curvature p^T A p <= 0 in {int((pAp <= 0).sum())} column(s) "
-                    f"at CG iteration {iterations} (min {min_pap:.3e})"
-                )
-        if not math.isfinite(rel):
-            raise ValueError("matmul returned NaN or inf during CG")
+        min_pap, margin, rel = _reduce_and_check(pAp, rz, rn_minus_tol, rn / sca, iterations, trunc is None)
         history.append(max(rel, rest_max))
         if neg is not None and min_pap <= 0:
             trunc[idx[neg]] = True
@@ -405,6 +388,31 @@ def _cg_iterate(product, prec, x, r, rnorm, tol, scale, max_iter, iterations, nu
         rz = rz_new
         p = torch.addcmul(z, p, beta)
         first = False
+
+
+def _reduce_and_check(pAp, rz, rn_minus_tol, rel, iterations, strict):
+    """One CG iteration's reductions in one host copy (one synchronisation), and its checks.
+
+    Returns ``(min p^T A p, max (||r|| - tol), max relative residual)`` over the active columns. Raises on a
+    preconditioner that is not positive definite (``r^T z <= 0``), on NaN/inf, and, when ``strict``, on
+    non-positive curvature (:class:`NotPositiveDefiniteError`)."""
+    if pAp.shape[0] == 1:  # one column: its four numbers are the reductions
+        min_pap, min_rz, margin, max_rel = torch.cat((pAp, rz, rn_minus_tol, rel)).tolist()
+    else:
+        min_pap, min_rz, margin, max_rel = torch.stack((pAp.min(), rz.min(), rn_minus_tol.max(), rel.max())).tolist()
+    if not min_rz > 0:
+        _raise_bad_preconditioner(min_rz)
+    if not min_pap > 0:
+        if not math.isfinite(min_pap):
+            raise ValueError("matmul returned NaN or inf during CG")
+        if strict:
+            raise NotPositiveDefiniteError(
+                f"matmul is not positive definite: curvature p^T A p <= 0 in {int((pAp <= 0).sum())} column(s) "
+                f"at CG iteration {iterations} (min {min_pap:.3e})"
+            )
+    if not math.isfinite(max_rel):
+        raise ValueError("matmul returned NaN or inf during CG")
+    return min_pap, margin, max_rel
 
 
 def _raise_bad_preconditioner(min_rz):
