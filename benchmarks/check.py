@@ -91,22 +91,25 @@ def _time(row):
     return None
 
 
+def _named(rows):
+    """``(row, its method field)`` for the rows that name a method."""
+    pairs = ((r, _method_field(r)) for r in rows)
+    return [(r, mf) for r, mf in pairs if mf is not None]
+
+
 def identity_keys(*tables):
     """The fields that may identify every method-naming row of all ``tables`` (a count such as ``factor_nnz``,
     given for our rows and ``None`` for a peer's, does not split a case; comparing two runs, the keys are those
     of both, so a peer that reported ``None`` in one run only does not split the cases of the other)."""
-    named = [(r, _method_field(r)) for rows in tables for r in rows]
-    named = [(r, mf) for r, mf in named if mf is not None]
+    named = [pair for rows in tables for pair in _named(rows)]
     return set.intersection(*(_identifying(r, mf) for r, mf in named)) if named else set()
 
 
 def groups(rows, keys):
     """``{identity: {method: row}}`` over rows that name a method, identified by ``keys``
     (:func:`identity_keys`)."""
-    named = [(r, _method_field(r)) for r in rows]
-    named = [(r, mf) for r, mf in named if mf is not None]
     out = {}
-    for r, mf in named:
+    for r, mf in _named(rows):
         out.setdefault(_identity(r, mf, keys), {})[r[mf]] = r
     return out
 
