@@ -14,7 +14,12 @@ Usage (from the repository root; not part of CI — run it before committing eng
 
     python benchmarks/check.py                    # every changed results file against HEAD
     python benchmarks/check.py --rev HEAD~3 benchmarks/results/gmrf.json
+    python benchmarks/check.py --baseline benchmarks/results/hierarchical.json \
+        benchmarks/results/hierarchical_gp-lengthscale.json   # a one-case run against the all-case file
     make bench-check
+
+With ``--baseline``, every file given is compared with that one committed file instead of its own committed
+version, and only the cases present in the new file are compared (a one-case run does not miss the others).
 
 Exit status 1 when something is flagged.
 """
@@ -114,8 +119,9 @@ def groups(rows, keys):
     return out
 
 
-def compare(old_payload, new_payload, tolerance):
-    """Messages for every regression of ``new_payload`` against ``old_payload``."""
+def compare(old_payload, new_payload, tolerance, subset=False):
+    """Messages for every regression of ``new_payload`` against ``old_payload``; with ``subset``, the cases absent
+    from ``new_payload`` are not compared (a run of some of the cases against a run of all of them)."""
     problems = []
     old_tables = dict(rows_of(old_payload))
     for path, new_rows in rows_of(new_payload):
@@ -128,6 +134,8 @@ def compare(old_payload, new_payload, tolerance):
         for ident, old_methods in old_g.items():
             label = ", ".join(f"{k}={v}" for k, v in ident) or "-"
             new_methods = new_g.get(ident)
+            if subset and new_methods is None:
+                continue
             for m, old_row in old_methods.items():
                 if not is_ours(m):
                     continue
@@ -168,11 +176,20 @@ def main(argv=None):
     ap.add_argument("files", nargs="*", help="results files (default: every benchmarks/results/*.json)")
     ap.add_argument("--rev", default="HEAD", help="git revision to compare with")
     ap.add_argument("--tolerance", type=float, default=0.3, help="flag ratios that grew by more than this")
+    ap.add_argument("--baseline", default=None,
+                    help="compare every file given with this committed results file (its cases only)")
     args = ap.parse_args(argv)
+    if args.baseline and not args.files:
+        ap.error("--baseline: name the results files to compare with it")
     files = args.files or sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json")))
+    base = None
+    if args.baseline:
+        base = committed(os.path.abspath(args.baseline), args.rev)
+        if base is None:
+            ap.error(f"--baseline: {args.baseline} is not committed at {args.rev}")
     flagged, checked = 0, 0
     for f in files:
-        old = committed(os.path.abspath(f), args.rev)
+        old = base if base is not None else committed(os.path.abspath(f), args.rev)
         if old is None:
             continue
         with open(f) as fh:
@@ -180,10 +197,11 @@ def main(argv=None):
         if new == old:
             continue
         checked += 1
-        for msg in compare(old, new, args.tolerance):
+        for msg in compare(old, new, args.tolerance, subset=base is not None):
             print(f"{os.path.relpath(f, ROOT)}: {msg}")
             flagged += 1
-    print(f"{checked} changed results file(s) compared with {args.rev}; {flagged} regression(s) flagged "
+    against = f"{os.path.relpath(os.path.abspath(args.baseline), ROOT)} at {args.rev}" if base is not None else args.rev
+    print(f"{checked} changed results file(s) compared with {against}; {flagged} regression(s) flagged "
           f"(tolerance {100 * args.tolerance:.0f}%)")
     return 1 if flagged else 0
 

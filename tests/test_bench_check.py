@@ -81,3 +81,15 @@ def test_a_count_given_for_every_row_in_one_run_only_does_not_split_cases(check)
     new["libraries_table"][0]["factor_s"] = 3.0
     (msg,) = check.compare(old, new, 0.3)
     assert msg.startswith("libraries_table [n=10] qdldl / splu: time ratio 0.5 -> 1.5")
+
+
+def test_a_run_of_some_cases_against_a_run_of_all_of_them(check):
+    """``--baseline``: a one-case run is compared on its case only; the other cases are not reported missing."""
+    old = _payload(1.0, 10.0)
+    old["rows"] += [dict(r, case="sonar") for r in old["rows"]]
+    new = _payload(1.0, 10.0)
+    assert check.compare(old, new, 0.3, subset=True) == []
+    assert check.compare(old, new, 0.3) == ["rows [case=sonar, n=100] dual_vg: missing from the new results"]
+    new["rows"][0]["seconds"] = 2.0
+    (msg,) = check.compare(old, new, 0.3, subset=True)
+    assert msg.startswith("rows [case=a9a, n=100] dual_vg / svi_automvn: time ratio 0.1 -> 0.2")
