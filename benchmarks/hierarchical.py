@@ -37,6 +37,9 @@ Accuracy: the hyper-latent's 5%, 50%, 95% quantiles relative to the reference (t
 median, 25% for the tails) and the latent field's means in reference posterior standard deviations
 (target 0.25) and their sds relative to the reference sds (range over the field). Time: median wall seconds over ``--repeats`` alternating runs; the ratio to NUTS.
 
+The results file (``hierarchical.json``, or ``hierarchical_<cases>.json`` for ``--cases``) is rewritten after
+every case with ``cases_done`` and ``complete``, so a run stopped partway keeps the cases it finished.
+
 Usage::
 
     python benchmarks/hierarchical.py --quick      # small sizes, short NUTS reference
@@ -377,8 +380,11 @@ def main():
         if unknown:
             parser.error(f"--methods: unknown {sorted(unknown)}; choose from {methods}")
         methods = [m for m in methods if m in args.methods.split(",")]
-    rows, figs = [], {}
-    for name in args.cases.split(","):
+    rows, figs, ref_rows = [], {}, []
+    cases = args.cases.split(",")
+    # a run of some cases writes its own file (cases are run one at a time within the machine's quiet windows)
+    tag = ("_quick" if args.quick else "") + ("" if set(cases) == set(CASES) else "_" + "_".join(cases))
+    for name in cases:
         model, margs, mkw, hyper, field = CASES[name](args.quick)
         print(f"[{name}] reference ...", flush=True)
         size = tuple(int(v) for v in args.reference.split(",")) if args.reference else None
@@ -429,20 +435,16 @@ def main():
                          "evaluations": (res.hyper or {}).get("evaluations") if res is not None else None})
         figs[name] = (hyper, ref, {m: out[m][2] for m in case_methods
                                    if m in out and out[m][2] is not None and not m.endswith(" + psis")})
+        ref_rows.append({"case": name, "reference": f"{ref['chains']} x {ref['num_samples']} NUTS",
+                         "split_rhat": ref["split_rhat"], "min_ess": ref["min_ess"], "seconds": ref["seconds"]})
+        # rewritten after every case: a run stopped partway keeps the cases it finished
+        write_json(f"hierarchical{tag}", {"rows": rows, "references": ref_rows, "repeats": repeats,
+                                          "cases_done": list(figs), "complete": len(figs) == len(cases)})
     print()
     print(markdown_table([{k: v for k, v in r.items() if not k.startswith(("tau_", "kappa_", "ell_"))}
                           for r in rows], floatfmt=".3g"))
-    ref_rows = []
-    for name in args.cases.split(","):
-        ref = figs[name][1]
-        ref_rows.append({"case": name, "reference": f"{ref['chains']} x {ref['num_samples']} NUTS",
-                         "split_rhat": ref["split_rhat"], "min_ess": ref["min_ess"], "seconds": ref["seconds"]})
     print()
     print(markdown_table(ref_rows, floatfmt=".4g"))
-    cases = args.cases.split(",")
-    # a run of some cases writes its own file (cases are run one at a time within the machine's quiet windows)
-    tag = ("_quick" if args.quick else "") + ("" if set(cases) == set(CASES) else "_" + "_".join(cases))
-    write_json(f"hierarchical{tag}", {"rows": rows, "references": ref_rows, "repeats": repeats})
     plot(figs, f"hierarchical{tag}")
 
 
