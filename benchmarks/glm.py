@@ -18,7 +18,8 @@ the model is a latent Gaussian model, the deterministic evidence lower bound of 
 (Gauss-Hermite site expectations; mixtures use the Eq. 24 entropy bound, and the Bhattacharyya
 bound which is exact at K = 1).
 
-Usage: ``python benchmarks/glm.py [--quick] [--threads 1] [--repeats 3] [--revrand-python /tmp/revrand-venv/bin/python]``.
+Usage: ``python benchmarks/glm.py [--quick] [--threads 1] [--repeats 3]
+[--revrand-python /tmp/revrand-venv/bin/python]``.
 """
 import json
 import math
