@@ -19,7 +19,8 @@ Usage (from the repository root; not part of CI — run it before committing eng
     make bench-check
 
 With ``--baseline``, every file given is compared with that one committed file instead of its own committed
-version, and only the cases present in the new file are compared (a one-case run does not miss the others).
+version, and only the cases present in the new file are compared (a one-case run does not miss the others); a
+case of the new file that the baseline lacks is reported, not passed.
 
 Exit status 1 when something is flagged.
 """
@@ -131,6 +132,10 @@ def compare(old_payload, new_payload, tolerance, subset=False):
         keys = identity_keys(old_rows, new_rows)
         old_g, new_g = groups(old_rows, keys), groups(new_rows, keys)
         where = "/".join(path) or "rows"
+        if subset:  # a case the baseline does not have is not compared: say so rather than pass it
+            for ident in new_g.keys() - old_g.keys():
+                label = ", ".join(f"{k}={v}" for k, v in ident) or "-"
+                problems.append(f"{where} [{label}]: not in the baseline, not compared")
         for ident, old_methods in old_g.items():
             label = ", ".join(f"{k}={v}" for k, v in ident) or "-"
             new_methods = new_g.get(ident)
@@ -201,7 +206,7 @@ def main(argv=None):
             print(f"{os.path.relpath(f, ROOT)}: {msg}")
             flagged += 1
     against = f"{os.path.relpath(os.path.abspath(args.baseline), ROOT)} at {args.rev}" if base is not None else args.rev
-    print(f"{checked} changed results file(s) compared with {against}; {flagged} regression(s) flagged "
+    print(f"{checked} changed results file(s) compared with {against}; {flagged} regression(s) or uncompared case(s) flagged "
           f"(tolerance {100 * args.tolerance:.0f}%)")
     return 1 if flagged else 0
 

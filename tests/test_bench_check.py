@@ -93,3 +93,8 @@ def test_a_run_of_some_cases_against_a_run_of_all_of_them(check):
     new["rows"][0]["seconds"] = 2.0
     (msg,) = check.compare(old, new, 0.3, subset=True)
     assert msg.startswith("rows [case=a9a, n=100] dual_vg / svi_automvn: time ratio 0.1 -> 0.2")
+    only_new = _payload(1.0, 10.0)
+    for r in only_new["rows"]:
+        r["case"] = "bym"
+    msgs = check.compare(old, only_new, 0.3, subset=True)
+    assert msgs == ["rows [case=bym, n=100]: not in the baseline, not compared"]
