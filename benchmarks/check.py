@@ -206,8 +206,8 @@ def main(argv=None):
             print(f"{os.path.relpath(f, ROOT)}: {msg}")
             flagged += 1
     against = f"{os.path.relpath(os.path.abspath(args.baseline), ROOT)} at {args.rev}" if base is not None else args.rev
-    print(f"{checked} changed results file(s) compared with {against}; {flagged} regression(s) or uncompared case(s) flagged "
-          f"(tolerance {100 * args.tolerance:.0f}%)")
+    print(f"{checked} changed results file(s) compared with {against}; {flagged} regression(s) or uncompared "
+          f"case(s) flagged (tolerance {100 * args.tolerance:.0f}%)")
     return 1 if flagged else 0
 
 
