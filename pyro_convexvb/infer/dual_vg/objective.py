@@ -165,6 +165,23 @@ class SiteSpaceBackend:
             terms.Sigma_tilde = self.St
         return terms
 
+    def working_means(self, lam, b):
+        r"""Site means of the Gaussian that multiplies the prior by site potentials ``exp(b_n h_n - lam_n h_n^2 / 2)``.
+
+        ``m = mu_t + (Sigma_t^{-1} + Lam)^{-1} r`` with ``r = b - Lam mu_t``, evaluated as
+        ``Sigma_t r - Sigma_t Lam^1/2 B^{-1} Lam^1/2 Sigma_t r`` with the Cholesky factor of ``B`` (shared with
+        :meth:`evaluate` at the same ``lam``): no inverse and no variances. This is one step of iteratively
+        reweighted least squares (:func:`~.optim.initial_alpha`'s Laplace start).
+
+        :param torch.Tensor lam: ``(N,)`` non-negative site precisions.
+        :param torch.Tensor b: ``(N,)`` linear coefficients.
+        :returns: ``(N,)`` site means.
+        """
+        R, s = self.factor(lam)
+        u = self.St @ (b - lam * self.mu_t)
+        y = torch.cholesky_solve((s * u)[:, None], R).squeeze(-1)
+        return self.mu_t + u - self.St @ (s * y)
+
     def site_covariance(self, lam):
         """``V_t = W V W^T = Sigma_t - Sigma_t Lam^1/2 B^{-1} Lam^1/2 Sigma_t`` (``N x N``).
 
@@ -303,6 +320,19 @@ class LatentSpaceBackend:
             Wt = self._Wt_dense()
             terms.Sigma_tilde = Wt.transpose(0, 1) @ (self.S @ Wt)
         return terms
+
+    def working_means(self, lam, b):
+        r"""Site means of the Gaussian that multiplies the prior by site potentials ``exp(b_n h_n - lam_n h_n^2 / 2)``:
+        ``W z + d`` with ``z = mu + A^{-1} W^T (b - Lam mu_t)`` by the Cholesky factor of ``A`` (shared with
+        :meth:`evaluate` at the same ``lam``; all-reduced when row-sharded), without variances.
+
+        :param torch.Tensor lam: ``(N,)`` non-negative site precisions (this rank's sites when row-sharded).
+        :param torch.Tensor b: ``(N,)`` linear coefficients.
+        :returns: ``(N,)`` site means.
+        """
+        A, R, G = self._factor(lam)
+        z = self.mu + torch.cholesky_solve(self._rmv(b - lam * self.mu_t)[:, None], R).squeeze(-1)
+        return self.op.mv(z) + self.d
 
     def hessian_operator(self, lam, dl, diag):
         """The reduced-dual Hessian at ``lambda`` as a :class:`LatentSpaceHessian` (never ``N x N``)."""
@@ -549,6 +579,22 @@ class SparsePrecisionBackend:
         v = self.w**2 * Zd[self.col]
         logdet_B = logdet_A + self.logdet_S
         return PriorTerms(self._t(self._W(m) + self.d), self._t(v), self._t(logdet_B), self._t(Wa @ SWa))
+
+    def working_means(self, lam, b):
+        r"""Site means of the Gaussian that multiplies the prior by site potentials ``exp(b_n h_n - lam_n h_n^2 / 2)``:
+        ``W z + d`` with ``z = mu + A^{-1} W^T (b - Lam mu_t)``. One numeric factorisation of ``A`` (symbolic
+        analysis reused) and one solve; no selected inversion.
+
+        :param torch.Tensor lam: ``(N,)`` non-negative site precisions.
+        :param torch.Tensor b: ``(N,)`` linear coefficients.
+        :returns: ``(N,)`` site means.
+        """
+        lam_np = self._np(lam)
+        if self._cache is not None and not _same(self._cache[0], lam):
+            self._cache = None  # the factor of A is refactored below: the cached variances belong to another lam
+        chol = self._factor_with_diagonal("A", np.bincount(self.col, weights=self.w**2 * lam_np, minlength=self.L))
+        z = self.mu + chol.solve(self._Wt(self._np(b) - lam_np * self._np(self.mu_t)))
+        return self._t(self._W(z) + self.d)
 
     def hessian_operator(self, lam, dl, diag):
         """The reduced-dual Hessian at ``lambda`` as a :class:`SparsePrecisionHessian` (matrix-free, never ``N x N``)."""

@@ -21,7 +21,6 @@ from ...linalg.cg import cg
 from ...linalg.lbfgs import LBFGSMemory
 from ...linalg.linesearch import armijo, backtrack
 from ..result import History
-from ...lgm.families.bound import QuadraticBound
 from .bounds import numerical_conjugate
 from .objective import reduced_objective
 from ...distributed import LOCAL, reduction_of
@@ -75,24 +74,6 @@ def initial_alpha(backend, bound):
     return best
 
 
-class _WorkingGaussian(QuadraticBound):
-    """Gaussian pseudo-observations ``f = a (h^2 + rho) / 2 - b h``: the working likelihood of one Newton step
-    on the log joint (iteratively reweighted least squares)."""
-
-    name = "working_gaussian"
-    exact = True
-
-    def __init__(self, a, b):
-        super().__init__(None)
-        self._coef = (a, b, torch.zeros_like(a))
-
-    def __len__(self):
-        return self._coef[0].shape[0]
-
-    def _abc(self):
-        return self._coef
-
-
 def _site_derivatives(bound, h):
     """``(f'(h, 0), f''(h, 0))`` per site by automatic differentiation (each ``f_n`` depends on ``h_n`` only)."""
     h = h.detach().requires_grad_(True)
@@ -114,11 +95,13 @@ def _laplace_start(backend, bound, alpha0, max_newton=50):
     Damped Newton on the log joint (iteratively reweighted least squares, McCullagh & Nelder 1989, §2.5),
     written in the dual coordinates of the site means, ``m(a) = mu_t - Sigma_t a``, where the negative log
     joint is ``Phi(a) = sum_n f_n(m_n(a), 0) + a^T (mu_t - m(a)) / 2``. At site means ``h`` the likelihood is
-    replaced by Gaussian pseudo-observations of precision ``f''(h, 0)`` and target ``h - f'(h, 0) / f''(h, 0)``:
-    a quadratic bound whose dual one Newton step solves exactly, on the same backend. The step to its
-    solution is halved until ``Phi`` decreases, and the iteration stops once a step gains at most
-    :data:`LAPLACE_START_TOL` nats per site. The first linearisation is at the data start ``alpha0``, whose
-    site precisions are the curvatures ``e^h`` of Poisson sites at ``h = log lambda`` (for counts,
+    replaced by Gaussian pseudo-observations of precision ``w = f''(h, 0)`` and target ``h - f'(h, 0) / w``,
+    i.e. site potentials ``exp(b h - w h^2 / 2)`` with ``b = w h - f'(h, 0)``; the backend's ``working_means``
+    gives the means of that Gaussian (one factorisation and solve, no variances), and its dual point is
+    ``a = w m - b``. The step to it is halved until ``Phi`` decreases, and the iteration stops once a step
+    gains at most :data:`LAPLACE_START_TOL` nats per site. The site variances are computed once, at the end,
+    with the precisions of the last accepted step. The first linearisation is at the data start ``alpha0``,
+    whose site precisions are the curvatures ``e^h`` of Poisson sites at ``h = log lambda`` (for counts,
     ``eta = log(y + 1/2)``). Returns ``None`` where the iteration produces no finite point.
     """
     red = reduction_of(backend)
@@ -127,27 +110,32 @@ def _laplace_start(backend, bound, alpha0, max_newton=50):
         return float(red.sum(bound.f(m, torch.zeros_like(m)).sum() + 0.5 * (a * (backend.mu_t - m)).sum()))
 
     def working_solution(h):
+        """``(w, a, m)``: site precisions, dual point and site means of the Gaussian step at site means ``h``."""
         d1, d2 = _site_derivatives(bound, h)
         if not red.all(bool(torch.isfinite(d1).all() and torch.isfinite(d2).all())):
             return None
         w = d2.clamp_min(-1e-12 * red.min(-float(d2.abs().max())) + torch.finfo(d2.dtype).tiny)
-        work = _WorkingGaussian(w, w * h - d1)
-        return solve_dual(backend, work, work.alpha_star(h, torch.zeros_like(h)), gap_tol=0.0, max_iter=2,
-                          on_fail="ignore")
+        b = w * h - d1
+        m = backend.working_means(w, b)
+        if not red.all(bool(torch.isfinite(m).all())):
+            return None
+        return w, w * m - b, m
 
     num_sites = max(1, red.count(alpha0.shape[0]))  # over every rank, as f is
     lam0, _, _ = bound.ell(alpha0)
     sol = working_solution(torch.log(lam0.clamp_min(torch.finfo(lam0.dtype).tiny)))
     if sol is None:
         return None
-    a, m, v, f = sol.alpha, sol.m_tilde, sol.v_tilde, phi(sol.alpha, sol.m_tilde)
+    w, a, m = sol
+    f = phi(a, m)
     for _ in range(max_newton):
         sol = working_solution(m)
         if sol is None or not math.isfinite(f):
             break
+        w_new, a_new, m_new = sol
 
-        def trial(t, sol=sol, a=a, m=m, f=f):
-            a_t, m_t = a + t * (sol.alpha - a), m + t * (sol.m_tilde - m)
+        def trial(t, a_new=a_new, m_new=m_new, a=a, m=m, f=f):
+            a_t, m_t = a + t * (a_new - a), m + t * (m_new - m)
             f_t = phi(a_t, m_t)
             return (a_t, m_t, f_t) if math.isfinite(f_t) and f_t <= f else None
 
@@ -156,9 +144,10 @@ def _laplace_start(backend, bound, alpha0, max_newton=50):
             break
         a_t, m_t, f_t = accepted
         done = f - f_t <= max(LAPLACE_START_TOL * num_sites, 1e-12 * max(1.0, abs(f)))
-        a, m, v, f = a_t, m_t, sol.v_tilde, f_t
+        a, m, w, f = a_t, m_t, w_new, f_t
         if done:
             break
+    v = backend.evaluate(a, w).v_tilde
     cand = _clip_into(bound.alpha_star(m, v), bound)
     return cand if red.all(bool(torch.isfinite(cand).all())) else None
 

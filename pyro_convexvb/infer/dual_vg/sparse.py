@@ -239,6 +239,22 @@ class SparseLatentBackend:
         return PriorTerms(self._t(self._W(m) + self.d), self._t(v), self._t(logdet_A + self.logdet_S),
                           self._t(Wa @ SWa))
 
+    def working_means(self, lam, b):
+        r"""Site means of the Gaussian that multiplies the prior by site potentials ``exp(b_n h_n - lam_n h_n^2 / 2)``:
+        ``W z + d`` with ``z = mu + A^{-1} W^T (b - Lam mu_t)``. One numeric factorisation of ``A`` (ordering and
+        symbolic analysis reused) and one solve; no selected inversion.
+
+        :param torch.Tensor lam: ``(N,)`` non-negative site precisions.
+        :param torch.Tensor b: ``(N,)`` linear coefficients.
+        :returns: ``(N,)`` site means.
+        """
+        lam_np = self._np(lam)
+        if self._cache is not None and not _same(self._cache[0], lam):
+            self._cache = None  # the factor of A is refactored below: the cached variances belong to another lam
+        chol = self._factor_values("A", self._gram_upper(lam_np))
+        z = self.mu + chol.solve(self._Wt(self._np(b) - lam_np * self._np(self.mu_t)))
+        return self._t(self._W(z) + self.d)
+
     def hessian_operator(self, lam, dl, diag):
         """The reduced-dual Hessian at ``lambda`` as a :class:`SparseLatentHessian` (matrix-free, never ``N x N``)."""
         self._factor(lam)
