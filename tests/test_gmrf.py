@@ -762,3 +762,34 @@ def test_laplace_start_reaches_the_laplace_mode_on_every_backend():
             optim.LAPLACE_START_TOL = old
         want = bound.alpha_star(torch.as_tensor(h), torch.as_tensor(np.diag(V).copy()))
         torch.testing.assert_close(cand, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("which", range(4), ids=["site", "latent", "sparse-latent", "sparse-precision"])
+def test_value_only_objective_equals_the_full_one_without_variances(which, monkeypatch):
+    """``reduced_objective(..., gradient=False)`` returns the same ``g`` and site means as the full evaluation, with
+    no site variances; the sparse forms then run no selected inversion, and a full evaluation at the same ``lambda``
+    afterwards adds it (float64)."""
+    from pyro_convexvb.infer.dual_vg.optim import initial_alpha as start
+
+    backends, refs = _working_cases()
+    be, (St, mu_t) = backends[which], refs[which]
+    N = mu_t.shape[0]
+    y = torch.as_tensor(np.random.default_rng(1).poisson(2.0, N), dtype=D)
+    bound = make_bound(Poisson(y))
+    alpha = start(be, bound) * 0.9
+    calls = []
+    for name in ("diag_inverse", "selected_values"):
+        orig = getattr(SparseCholesky, name)
+        monkeypatch.setattr(SparseCholesky, name, lambda self, *a, _o=orig, **k: calls.append(1) or _o(self, *a, **k))
+    part = reduced_objective(be, bound, alpha, gradient=False)
+    assert not calls and part.grad is None and part.v_tilde is None
+    full = reduced_objective(be, bound, alpha)
+    assert bool(calls) == (which >= 2)
+    assert float(part.g) == pytest.approx(float(full.g), rel=1e-14, abs=1e-12)
+    torch.testing.assert_close(part.m_tilde, full.m_tilde, rtol=0, atol=1e-13)
+    lam = bound.ell(alpha)[0].numpy()
+    S = St.numpy()
+    V = S - S @ np.linalg.solve(np.eye(N) + lam[:, None] * S, lam[:, None] * S)
+    np.testing.assert_allclose(full.v_tilde.numpy(), np.diag(V), rtol=0, atol=1e-11)
+    with pytest.raises(ValueError, match="gradient"):
+        reduced_objective(be, bound, alpha, hessian=True, gradient=False)

@@ -70,7 +70,7 @@ class PriorTerms:
     """What a backend returns at ``lambda`` (and ``alpha``)."""
 
     m_tilde: torch.Tensor  # (N,) site means  mu_t - Sigma_t alpha
-    v_tilde: torch.Tensor  # (N,) site variances diag(W V W^T)
+    v_tilde: Optional[torch.Tensor]  # (N,) site variances diag(W V W^T) (None: evaluate(..., variances=False))
     logdet_B: torch.Tensor  # log|I + Lam^1/2 Sigma_t Lam^1/2|
     quad: torch.Tensor  # alpha^T Sigma_t alpha
     V_tilde: Optional[torch.Tensor] = None  # (N, N) W V W^T (only when a Hessian is requested)
@@ -151,15 +151,16 @@ class SiteSpaceBackend:
             v[weak] = self._weak_columns(lam, weak)[weak, torch.arange(weak.numel(), device=weak.device)]
         return v
 
-    def evaluate(self, alpha, lam, hessian=False):
+    def evaluate(self, alpha, lam, hessian=False, variances=True):
         R, _ = self.factor(lam)
         St_a = self.St @ alpha
         if hessian:
             V = self.site_covariance(lam)
             v = V.diagonal().clone()
         else:
-            v = self.site_variances(lam)
-        terms = PriorTerms(self.mu_t - St_a, v.clamp_min(0), 2 * torch.log(torch.diagonal(R)).sum(), alpha @ St_a)
+            v = self.site_variances(lam) if variances else None
+        terms = PriorTerms(self.mu_t - St_a, None if v is None else v.clamp_min(0),
+                           2 * torch.log(torch.diagonal(R)).sum(), alpha @ St_a)
         if hessian:
             terms.V_tilde = V
             terms.Sigma_tilde = self.St
@@ -304,12 +305,12 @@ class LatentSpaceBackend:
         self._cache = (lam, out)
         return out
 
-    def evaluate(self, alpha, lam, hessian=False):
+    def evaluate(self, alpha, lam, hessian=False, variances=True):
         A, R, G = self._factor(lam)
         Wa = self._rmv(alpha)
         SWa = self.S @ Wa
         m = self.mu - SWa
-        v = (G * G).sum(0)
+        v = (G * G).sum(0) if variances or hessian else None
         logdet_B = 2 * torch.log(torch.diagonal(R)).sum() + self.logdet_S
         terms = PriorTerms(self.op.mv(m) + self.d, v, logdet_B, Wa @ SWa)
         if hessian:
@@ -559,26 +560,35 @@ class SparsePrecisionBackend:
         self._chol[key] = (chol, extra.copy())
         return chol
 
-    def _factor(self, lam):
+    def _factor(self, lam, variances=True):
+        """``(log|A|, diag(A^{-1}) or None)`` at ``lam``; the selected inversion only when ``variances``. While the
+        cache holds a ``lam``, ``self._chol["A"]`` is that ``lam``'s factor."""
         if self._cache is not None and _same(self._cache[0], lam):
-            return self._cache[1]
-        lam_np = self._np(lam)
-        chol = self._factor_with_diagonal("A", np.bincount(self.col, weights=self.w**2 * lam_np, minlength=self.L))
-        out = (chol.logdet(), chol.diag_inverse())
+            logdet, Zd = self._cache[1]
+            if Zd is not None or not variances:
+                return self._cache[1]
+            chol = self._chol["A"][0]
+        else:
+            lam_np = self._np(lam)
+            chol = self._factor_with_diagonal("A", np.bincount(self.col, weights=self.w**2 * lam_np,
+                                                               minlength=self.L))
+            logdet = chol.logdet()
+        out = (logdet, chol.diag_inverse() if variances else None)
         self._cache = (lam, out)
         return out
 
-    def evaluate(self, alpha, lam, hessian=False):
+    def evaluate(self, alpha, lam, hessian=False, variances=True):
         if hessian:
             raise NotImplementedError("the sparse-precision GMRF backend has no dense Hessian: use its matrix-free "
                                       "hessian_operator (Newton with newton_solver='cg') or method='lbfgs'")
-        logdet_A, Zd = self._factor(lam)
+        logdet_A, Zd = self._factor(lam, variances)
         Wa = self._Wt(self._np(alpha))
         SWa = self.cholQ.solve(Wa)
         m = self.mu - SWa
-        v = self.w**2 * Zd[self.col]
+        v = self.w**2 * Zd[self.col] if variances else None
         logdet_B = logdet_A + self.logdet_S
-        return PriorTerms(self._t(self._W(m) + self.d), self._t(v), self._t(logdet_B), self._t(Wa @ SWa))
+        return PriorTerms(self._t(self._W(m) + self.d), None if v is None else self._t(v), self._t(logdet_B),
+                          self._t(Wa @ SWa))
 
     def working_means(self, lam, b):
         r"""Site means of the Gaussian that multiplies the prior by site potentials ``exp(b_n h_n - lam_n h_n^2 / 2)``:
@@ -648,7 +658,7 @@ class SparsePrecisionHessian:
 
     def _chol_A(self):
         be = self.backend
-        be._factor(self.lam)
+        be._factor(self.lam, variances=False)
         return be._chol["A"][0]
 
     def mv(self, x):
@@ -751,7 +761,7 @@ class DualValue:
     grad_lam: Optional[torch.Tensor] = None
 
 
-def reduced_objective(backend, bound, alpha, hessian=False):
+def reduced_objective(backend, bound, alpha, hessian=False, gradient=True):
     r"""Reduced dual ``g(alpha) = g(alpha, ell(alpha))`` with gradient and optional Hessian.
 
     Khan et al. 2013, Eq. (20) with ``lambda`` eliminated (``docs/dual_vg.md``, § Dual
@@ -764,8 +774,12 @@ def reduced_objective(backend, bound, alpha, hessian=False):
 
     :param hessian: ``False``, ``True`` (dense ``N x N`` Hessian) or ``"operator"`` (a matrix-free
         :class:`LatentSpaceHessian` when the backend offers one, else dense).
+    :param bool gradient: ``False``: the value ``g`` alone, without the site variances (no selected inversion on
+        the sparse forms, no inverse of ``B`` on the site form); ``grad`` and ``v_tilde`` are then ``None``.
     :returns: :class:`DualValue` (``g = +inf`` outside the domain).
     """
+    if not gradient and hessian:
+        raise ValueError("reduced_objective: a Hessian needs the gradient (gradient=True)")
     red = reduction_of(backend)
     lo, hi = bound.alpha_domain(alpha)
     if not red.all(bool(((alpha > lo) & (alpha < hi)).all())):
@@ -774,10 +788,15 @@ def reduced_objective(backend, bound, alpha, hessian=False):
     lam, dl, d2l = bound.ell(alpha)
     psi, dpsi, d2psi = bound.psi(alpha)
     operator = hessian == "operator" and hasattr(backend, "hessian_operator")
-    t = backend.evaluate(alpha, lam, hessian=bool(hessian) and not operator)
+    if gradient:
+        t = backend.evaluate(alpha, lam, hessian=bool(hessian) and not operator)
+    else:
+        t = backend.evaluate(alpha, lam, variances=False)
     # the site sums (of all ranks, in one all_reduce; -0.5 * a_m is exact, so one process rounds as before)
     a_m, psi_sum = red.sum(torch.stack([alpha @ (backend.mu_t + t.m_tilde), psi.sum()]))
     g = -0.5 * a_m - 0.5 * t.logdet_B + psi_sum
+    if not gradient:
+        return DualValue(g, None, t.m_tilde, None, lam, None)
     grad = -t.m_tilde - 0.5 * dl * t.v_tilde + dpsi
     H = None
     if operator:

@@ -66,9 +66,9 @@ def initial_alpha(backend, bound):
     b = _clip_into(bound.data_alpha(h, rho), bound)
     if torch.equal(a, b):
         return a
-    best, g_best = a, reduced_objective(backend, bound, a, hessian=False).g
+    best, g_best = a, reduced_objective(backend, bound, a, gradient=False).g
     for cand in (b, _laplace_start(backend, bound, b)):
-        g = reduced_objective(backend, bound, cand, hessian=False).g if cand is not None else None
+        g = reduced_objective(backend, bound, cand, gradient=False).g if cand is not None else None
         if g is not None and torch.isfinite(g) and float(g) < float(g_best):
             best, g_best = cand, g
     return best
@@ -383,7 +383,7 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
             d, t = dc, 1.0
         else:
             t = _max_step(alpha, d, bound, red=red)
-        accepted, evaluations = _line_search(backend, bound, alpha, d, val, t, red, hessian=False)
+        accepted, evaluations = _line_search(backend, bound, alpha, d, val, t, red, gradient=False)
         nev += evaluations
         if accepted is None:  # at machine precision: no decrease possible any more
             floor = gap_rounding_floor(bound, alpha, val, red)

@@ -220,24 +220,31 @@ class SparseLatentBackend:
     def prior_marginals(self):
         return self.mu_t, self._t(self._pair_quad(self.cholQ, self.cholQ.selected_values()))
 
-    def _factor(self, lam):
+    def _factor(self, lam, variances=True):
+        """``(log|A|, site variances or None)`` at ``lam``; the selected inversion only when ``variances``. While
+        the cache holds a ``lam``, ``self._chol["A"]`` is that ``lam``'s factor."""
         if self._cache is not None and _same(self._cache[0], lam):
-            return self._cache[1]
-        chol = self._factor_values("A", self._gram_upper(self._np(lam)))
-        out = (chol.logdet(), self._pair_quad(chol, chol.selected_values()))
+            logdet, v = self._cache[1]
+            if v is not None or not variances:
+                return self._cache[1]
+            chol = self._chol["A"][0]
+        else:
+            chol = self._factor_values("A", self._gram_upper(self._np(lam)))
+            logdet = chol.logdet()
+        out = (logdet, self._pair_quad(chol, chol.selected_values()) if variances else None)
         self._cache = (lam, out)
         return out
 
-    def evaluate(self, alpha, lam, hessian=False):
+    def evaluate(self, alpha, lam, hessian=False, variances=True):
         if hessian:
             raise NotImplementedError("the sparse latent form has no dense Hessian: use its matrix-free "
                                       "hessian_operator (Newton with newton_solver='cg' or 'auto') or method='lbfgs'")
-        logdet_A, v = self._factor(lam)
+        logdet_A, v = self._factor(lam, variances)
         Wa = self._Wt(self._np(alpha))
         SWa = self.cholQ.solve(Wa)
         m = self.mu - SWa
-        return PriorTerms(self._t(self._W(m) + self.d), self._t(v), self._t(logdet_A + self.logdet_S),
-                          self._t(Wa @ SWa))
+        return PriorTerms(self._t(self._W(m) + self.d), None if v is None else self._t(v),
+                          self._t(logdet_A + self.logdet_S), self._t(Wa @ SWa))
 
     def working_means(self, lam, b):
         r"""Site means of the Gaussian that multiplies the prior by site potentials ``exp(b_n h_n - lam_n h_n^2 / 2)``:
