@@ -447,7 +447,7 @@ class DualVGEngine(Engine):
         if o.refine:  # the returned q is the refined one: judged by the exact VG fixed point as well
             opt = Optimality(opt.criteria + (Criterion("exact-VG fixed-point residual (relative change of the site natural parameters)",
                                                        info["refine_residual"], REFINE_RESIDUAL_TOL),))
-        reason = "duality gap" if sol.converged else "max_iter"
+        reason = sol.stop_reason
         state = DualState(alpha, lam, form, backend, o.bound, o.xi, posterior)
         return Solution(posterior, bound_value, opt, reason, info, state=state)
 

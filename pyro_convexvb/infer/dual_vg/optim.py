@@ -44,6 +44,13 @@ class DualSolution:
     history: Any = field(default_factory=History)
     cg_iterations: int = 0  # conjugate-gradient steps of the matrix-free Newton systems (L-space form)
     gap_tol: float = 0.0  # the tolerance the gap was held to: gap_tol, or the gap's rounding floor if larger
+    stop_reason: str = ""  # "duality gap", "max_iter", or why the iteration stopped early without closing the gap
+
+
+#: Newton stops, unconverged, once ``g`` no longer changes in float64 and the duality gap has not fallen below 99% of
+#: its best value for this many steps (seen at counts ~1e6, where rounding in the site means holds the gap at 1-3x
+#: its rounding floor; the steps up to the cap of 100 changed nothing)
+STALL_STEPS = 10
 
 
 def default_gap_tol(num_sites):
@@ -250,11 +257,13 @@ def solve_dual(backend, bound, alpha0=None, *, method="newton", gap_tol=None, ma
     return _lbfgs(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback)
 
 
-def _check_converged(converged, gap, it, on_fail, gap_tol, method):
+def _check_converged(converged, gap, it, on_fail, gap_tol, method, reason=None):
     """Raise, warn or stay silent (``on_fail``) when the gap was not closed."""
     if converged or on_fail == "ignore":
         return
     msg = f"dual_vg ({method}) stopped after {it} iterations with duality gap {gap:.3g} > gap_tol {gap_tol:.3g}"
+    if reason:
+        msg += f": {reason}"
     if on_fail == "raise":
         from ...errors import ConvergenceError
 
@@ -262,10 +271,11 @@ def _check_converged(converged, gap, it, on_fail, gap_tol, method):
     warn(msg)
 
 
-def _finish(alpha, val, gap, it, nev, converged, history, on_fail, gap_tol, method):
-    _check_converged(converged, gap, it, on_fail, gap_tol, method)
+def _finish(alpha, val, gap, it, nev, converged, history, on_fail, gap_tol, method, reason=None):
+    _check_converged(converged, gap, it, on_fail, gap_tol, method, reason)
+    stop = "duality gap" if converged else (reason or "max_iter")
     return DualSolution(alpha, val.lam, float(val.g), gap, val.m_tilde, val.v_tilde, it, nev, converged, history,
-                        gap_tol=gap_tol)
+                        gap_tol=gap_tol, stop_reason=stop)
 
 
 def _use_operator_hessian(backend, newton_solver):
@@ -358,7 +368,8 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
     can_densify = (newton_solver == "auto" and mode == "operator" and getattr(backend, "comm", None) is None
                    and getattr(backend, "kind", "") not in ("banded", "sparse") and backend.N <= 8000)
     red = reduction_of(backend)
-    unchanged, tol = 0, gap_tol
+    unchanged, tol, reason = 0, gap_tol, None
+    best_gap, since_best = math.inf, 0
     cg_iterations = 0
     val = reduced_objective(backend, bound, alpha, hessian=mode)
     if not torch.isfinite(val.g):
@@ -369,10 +380,15 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
         if gap <= gap_tol:
             converged = True
             break
+        best_gap, since_best = (gap, 0) if gap < 0.99 * best_gap else (best_gap, since_best + 1)
         if unchanged >= 2 or it == max_iter:  # g no longer changes: is the gap within float64's resolution?
             floor = gap_rounding_floor(bound, alpha, val, red)
             if gap <= floor:
                 converged, tol = True, floor
+                break
+            if unchanged >= 2 and since_best >= STALL_STEPS and not can_densify:
+                reason = (f"no progress at float64 resolution: g constant and the gap not lower for {since_best} "
+                          f"steps, {gap / floor:.2g}x its rounding floor {floor:.2g}")
                 break
         if it == max_iter:
             break
@@ -388,6 +404,7 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
         if accepted is None:  # at machine precision: no decrease possible any more
             floor = gap_rounding_floor(bound, alpha, val, red)
             converged, tol = (True, floor) if gap <= floor else (False, tol)
+            reason = None if converged else f"no decrease along the Newton direction (gap rounding floor {floor:.2g})"
             break
         cand, new = accepted
         unchanged = unchanged + 1 if float(new.g) == float(val.g) else 0
@@ -395,7 +412,7 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
             mode, can_densify, unchanged = True, False, 0
         alpha = cand
         val = reduced_objective(backend, bound, alpha, hessian=mode)  # reuses the factorisation of the trial
-    sol = _finish(alpha, val, gap, it, nev, converged, history, on_fail, tol, "newton")
+    sol = _finish(alpha, val, gap, it, nev, converged, history, on_fail, tol, "newton", reason)
     sol.cg_iterations = cg_iterations
     return sol
 
