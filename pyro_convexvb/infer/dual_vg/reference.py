@@ -88,11 +88,10 @@ def cvi_fixed_point(K, mu, family, *, step=1.0, max_iter=500, tol=1e-9, lam0=Non
     :returns: dict with ``elbo`` (exact VG bound), ``loc`` ``(N,)``, ``cov`` ``(N, N)``, ``lam``, ``nu``,
         ``iterations``, ``converged``, ``history``.
     """
-    N = K.shape[0]
     history = History() if history is None else history
     lam = torch.full_like(mu, 0.25) if lam0 is None else lam0.clone()
     nu = torch.zeros_like(mu) if nu0 is None else nu0.clone()
-    prev, converged, t0 = None, False, time.perf_counter()
+    prev, delta, converged, t0 = None, None, False, time.perf_counter()
     out = {}
     for it in range(max_iter):
         s = lam.clamp_min(0).sqrt()
