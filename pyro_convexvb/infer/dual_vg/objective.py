@@ -440,7 +440,45 @@ class LatentSpaceHessian:
         return H
 
 
-class SparsePrecisionBackend:
+class _SparseAForm:
+    """What the two sparse forms (:class:`SparsePrecisionBackend`, :class:`~.sparse.SparseLatentBackend`) share:
+    the cached factorisation of ``A = Q + W^T Lambda W`` at ``lam`` with its selected inverse on demand, and the
+    working means. A form supplies ``_refactor_A(lam_np)`` (the factor of ``A``, stored as ``self._chol["A"]``)
+    and ``_selected_of(chol)`` (what its evaluations read from the selected inverse)."""
+
+    def _factor(self, lam, variances=True):
+        """``(log|A|, self._selected_of(factor) or None)`` at ``lam``; the selected inversion only when
+        ``variances``. While the cache holds a ``lam``, ``self._chol["A"]`` is that ``lam``'s factor."""
+        if self._cache is not None and _same(self._cache[0], lam):
+            logdet, sel = self._cache[1]
+            if sel is not None or not variances:
+                return self._cache[1]
+            chol = self._chol["A"][0]
+        else:
+            chol = self._refactor_A(self._np(lam))
+            logdet = chol.logdet()
+        out = (logdet, self._selected_of(chol) if variances else None)
+        self._cache = (lam, out)
+        return out
+
+    def working_means(self, lam, b):
+        r"""Site means of the Gaussian that multiplies the prior by site potentials ``exp(b_n h_n - lam_n h_n^2 / 2)``:
+        ``W z + d`` with ``z = mu + A^{-1} W^T (b - Lam mu_t)``. One numeric factorisation of ``A`` (ordering and
+        symbolic analysis reused) and one solve; no selected inversion.
+
+        :param torch.Tensor lam: ``(N,)`` non-negative site precisions.
+        :param torch.Tensor b: ``(N,)`` linear coefficients.
+        :returns: ``(N,)`` site means.
+        """
+        lam_np = self._np(lam)
+        if self._cache is not None and not _same(self._cache[0], lam):
+            self._cache = None  # the factor of A is refactored below: the cached variances belong to another lam
+        chol = self._refactor_A(lam_np)
+        z = self.mu + chol.solve(self._Wt(self._np(b) - lam_np * self._np(self.mu_t)))
+        return self._t(self._W(z) + self.d)
+
+
+class SparsePrecisionBackend(_SparseAForm):
     r"""Latent GMRF form: sparse prior precision ``Q``; sites ``eta_n = w_n z_{j(n)} + d_n``.
 
     Every site reads one latent coordinate (``W`` has one nonzero per row, e.g. counts observed
@@ -560,22 +598,11 @@ class SparsePrecisionBackend:
         self._chol[key] = (chol, extra.copy())
         return chol
 
-    def _factor(self, lam, variances=True):
-        """``(log|A|, diag(A^{-1}) or None)`` at ``lam``; the selected inversion only when ``variances``. While the
-        cache holds a ``lam``, ``self._chol["A"]`` is that ``lam``'s factor."""
-        if self._cache is not None and _same(self._cache[0], lam):
-            logdet, Zd = self._cache[1]
-            if Zd is not None or not variances:
-                return self._cache[1]
-            chol = self._chol["A"][0]
-        else:
-            lam_np = self._np(lam)
-            chol = self._factor_with_diagonal("A", np.bincount(self.col, weights=self.w**2 * lam_np,
-                                                               minlength=self.L))
-            logdet = chol.logdet()
-        out = (logdet, chol.diag_inverse() if variances else None)
-        self._cache = (lam, out)
-        return out
+    def _refactor_A(self, lam_np):
+        return self._factor_with_diagonal("A", np.bincount(self.col, weights=self.w**2 * lam_np, minlength=self.L))
+
+    def _selected_of(self, chol):
+        return chol.diag_inverse()  # diag(A^{-1}) over the latents; site variances w^2 Zd[col]
 
     def evaluate(self, alpha, lam, hessian=False, variances=True):
         if hessian:
@@ -589,22 +616,6 @@ class SparsePrecisionBackend:
         logdet_B = logdet_A + self.logdet_S
         return PriorTerms(self._t(self._W(m) + self.d), None if v is None else self._t(v), self._t(logdet_B),
                           self._t(Wa @ SWa))
-
-    def working_means(self, lam, b):
-        r"""Site means of the Gaussian that multiplies the prior by site potentials ``exp(b_n h_n - lam_n h_n^2 / 2)``:
-        ``W z + d`` with ``z = mu + A^{-1} W^T (b - Lam mu_t)``. One numeric factorisation of ``A`` (symbolic
-        analysis reused) and one solve; no selected inversion.
-
-        :param torch.Tensor lam: ``(N,)`` non-negative site precisions.
-        :param torch.Tensor b: ``(N,)`` linear coefficients.
-        :returns: ``(N,)`` site means.
-        """
-        lam_np = self._np(lam)
-        if self._cache is not None and not _same(self._cache[0], lam):
-            self._cache = None  # the factor of A is refactored below: the cached variances belong to another lam
-        chol = self._factor_with_diagonal("A", np.bincount(self.col, weights=self.w**2 * lam_np, minlength=self.L))
-        z = self.mu + chol.solve(self._Wt(self._np(b) - lam_np * self._np(self.mu_t)))
-        return self._t(self._W(z) + self.d)
 
     def hessian_operator(self, lam, dl, diag):
         """The reduced-dual Hessian at ``lambda`` as a :class:`SparsePrecisionHessian` (matrix-free, never ``N x N``)."""

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..posterior import GaussianPosterior
-from .objective import PriorTerms, SparsePrecisionHessian, _same, _sparse_op, _to_scipy
+from .objective import PriorTerms, SparsePrecisionHessian, _SparseAForm, _sparse_op, _to_scipy
 
 __all__ = ["SparseLatentBackend", "SparseLatentHessian", "MAX_SITE_PAIRS"]
 
@@ -57,7 +57,7 @@ def _site_pairs(Ws):
     return np.concatenate(site), np.concatenate(j), np.concatenate(k), np.concatenate(w)
 
 
-class SparseLatentBackend:
+class SparseLatentBackend(_SparseAForm):
     r"""Sparse latent form of the dual: ``A = Q + W^T Lambda W`` by sparse Cholesky (see the module docstring).
 
     :param Q: ``(L, L)`` sparse (SciPy, torch sparse or :class:`~pyro_convexvb.linalg.SparseOperator`)
@@ -220,20 +220,11 @@ class SparseLatentBackend:
     def prior_marginals(self):
         return self.mu_t, self._t(self._pair_quad(self.cholQ, self.cholQ.selected_values()))
 
-    def _factor(self, lam, variances=True):
-        """``(log|A|, site variances or None)`` at ``lam``; the selected inversion only when ``variances``. While
-        the cache holds a ``lam``, ``self._chol["A"]`` is that ``lam``'s factor."""
-        if self._cache is not None and _same(self._cache[0], lam):
-            logdet, v = self._cache[1]
-            if v is not None or not variances:
-                return self._cache[1]
-            chol = self._chol["A"][0]
-        else:
-            chol = self._factor_values("A", self._gram_upper(self._np(lam)))
-            logdet = chol.logdet()
-        out = (logdet, self._pair_quad(chol, chol.selected_values()) if variances else None)
-        self._cache = (lam, out)
-        return out
+    def _refactor_A(self, lam_np):
+        return self._factor_values("A", self._gram_upper(lam_np))
+
+    def _selected_of(self, chol):
+        return self._pair_quad(chol, chol.selected_values())  # the site variances
 
     def evaluate(self, alpha, lam, hessian=False, variances=True):
         if hessian:
@@ -245,22 +236,6 @@ class SparseLatentBackend:
         m = self.mu - SWa
         return PriorTerms(self._t(self._W(m) + self.d), None if v is None else self._t(v),
                           self._t(logdet_A + self.logdet_S), self._t(Wa @ SWa))
-
-    def working_means(self, lam, b):
-        r"""Site means of the Gaussian that multiplies the prior by site potentials ``exp(b_n h_n - lam_n h_n^2 / 2)``:
-        ``W z + d`` with ``z = mu + A^{-1} W^T (b - Lam mu_t)``. One numeric factorisation of ``A`` (ordering and
-        symbolic analysis reused) and one solve; no selected inversion.
-
-        :param torch.Tensor lam: ``(N,)`` non-negative site precisions.
-        :param torch.Tensor b: ``(N,)`` linear coefficients.
-        :returns: ``(N,)`` site means.
-        """
-        lam_np = self._np(lam)
-        if self._cache is not None and not _same(self._cache[0], lam):
-            self._cache = None  # the factor of A is refactored below: the cached variances belong to another lam
-        chol = self._factor_values("A", self._gram_upper(lam_np))
-        z = self.mu + chol.solve(self._Wt(self._np(b) - lam_np * self._np(self.mu_t)))
-        return self._t(self._W(z) + self.d)
 
     def hessian_operator(self, lam, dl, diag):
         """The reduced-dual Hessian at ``lambda`` as a :class:`SparseLatentHessian` (matrix-free, never ``N x N``)."""
