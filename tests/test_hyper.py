@@ -35,6 +35,25 @@ def test_grid_design_approximates_the_normal_moments():
         torch.testing.assert_close(cov, torch.eye(d, dtype=D), atol=tol, rtol=0)
 
 
+@pytest.mark.parametrize("d, radius", [(1, 3.0), (2, 3.0), (2, 11.25)])
+def test_surface_log_density_is_the_nearest_cells_mass_over_its_volume(d, radius):
+    from pyro_convexvb.posterior.hyper import ThetaDensity
+
+    g = torch.Generator().manual_seed(d)
+    x = 2 * torch.randn(40, d, dtype=D, generator=g)
+    td = ThetaDensity.surface(torch.zeros(d, dtype=D), torch.eye(d, dtype=D), x, -0.5 * (x**2).sum(1), radius)
+    xq = torch.cat([td.sample_x(3000, g), 0.8 * radius * torch.randn(2000, d, dtype=D, generator=g)])
+    # brute force: the nearest fine-grid point, and x within its square cell
+    dist_, j = torch.cdist(xq, td.xs).min(1)
+    inside = (xq - td.xs[j]).abs().max(1).values <= 0.5 * td.cell + 1e-12
+    ref = torch.where(inside, torch.log(td.probs[j]) - d * math.log(td.cell), torch.tensor(-math.inf, dtype=D))
+    lq = td.log_prob_x(xq)
+    assert bool((torch.isfinite(lq) == inside).all()) and 0 < int((~inside).sum()) < 2000
+    torch.testing.assert_close(lq[inside], ref[inside], atol=1e-12, rtol=0)
+    # a density: the cells' masses sum to one
+    assert float((torch.exp(td.log_prob_x(td.xs)) * td.cell**d).sum()) == pytest.approx(1.0, abs=1e-12)
+
+
 def test_hyper_sites_are_found():
     for builder, names in ((hm.logistic_halfcauchy, ["tau"]), (hm.gp_lengthscale, ["ell"]),
                            (hm.linear_noise_and_scale, ["tau", "sigma"])):

@@ -501,15 +501,7 @@ class HyperProposal(Proposal):
 
     # ---- theta part, in the standardised coordinates x of the design
     def _log_qx(self, x):
-        d = self.density
-        if d.kind == "split-normal":
-            s = torch.where(x > 0, d.s_plus, d.s_minus)
-            return (-0.5 * (x / s) ** 2 - torch.log(s) - 0.5 * math.log(2 * math.pi)).sum(1)
-        # the surface: uniform within the fine-grid cell of the nearest grid point
-        dist_, j = torch.cdist(x, d.xs).min(1)
-        inside = (x - d.xs[j]).abs().max(1).values <= 0.5 * d.cell + 1e-12
-        lq = torch.log(d.probs[j]) - x.shape[1] * math.log(d.cell)
-        return torch.where(inside, lq, torch.full_like(lq, -math.inf))
+        return self.density.log_prob_x(x)
 
     def _wide_x(self, m, generator):
         d = self.density

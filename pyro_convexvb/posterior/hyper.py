@@ -90,6 +90,9 @@ class ThetaDensity:
     cell: float = 0.0
     s_plus: Any = None
     s_minus: Any = None
+    #: the surface's fine grid: ``ticks`` per axis from ``-radius`` (``xs`` keeps those within ``radius``)
+    radius: float = 0.0
+    ticks: int = 0
 
     @classmethod
     def surface(cls, z_mode, A_inv, x, logf, radius, resolution=None):
@@ -105,7 +108,8 @@ class ThetaDensity:
         interp = RBFInterpolator(x.numpy(), f, kernel="thin_plate_spline", degree=2)
         lp = torch.as_tensor(interp(xs.numpy()), dtype=torch.float64)
         probs = torch.softmax(lp, 0)
-        return cls("surface", z_mode, A_inv, xs=xs, probs=probs, cell=float(ticks[1] - ticks[0]))
+        return cls("surface", z_mode, A_inv, xs=xs, probs=probs, cell=float(ticks[1] - ticks[0]), radius=radius,
+                   ticks=m)
 
     @classmethod
     def split_normal(cls, z_mode, A_inv, x, logf):
@@ -129,6 +133,36 @@ class ThetaDensity:
             return self.xs[k] + jitter
         e = torch.randn(num_samples, d, dtype=torch.float64, generator=generator)
         return torch.where(e > 0, e * self.s_plus, e * self.s_minus)
+
+    def log_prob_x(self, x):
+        """``(S,)`` log density at ``x (S, d)`` of the draws of :meth:`sample_x` (``-inf`` outside a surface's
+        cells): a surface's probability of the fine-grid cell holding ``x`` over the cell's volume, found by rounding
+        to the grid (no search over its points), or the split normal's density."""
+        if self.kind == "split-normal":
+            s = torch.where(x > 0, self.s_plus, self.s_minus)
+            return (-0.5 * (x / s) ** 2 - torch.log(s) - 0.5 * math.log(2 * math.pi)).sum(1)
+        if self.kind != "surface":
+            raise ValueError(f"a {self.kind!r} hyper-latent density has no density in x")
+        d = x.shape[1]
+        table = self.__dict__.get("_log_table")
+        if table is None:  # log cell probability on the full (ticks,)*d grid, -inf at the points outside radius
+            idx = torch.round((self.xs + self.radius) / self.cell).long()
+            table = torch.full((self.ticks ** d,), -math.inf, dtype=torch.float64)
+            table[self._flat(idx)] = torch.log(self.probs) - d * math.log(self.cell)
+            self.__dict__["_log_table"] = table
+        idx = torch.round((x + self.radius) / self.cell).long()
+        ok = ((idx >= 0) & (idx < self.ticks)).all(1)
+        idx = idx.clamp(0, self.ticks - 1)
+        # the grid point's own square cell (ties at a shared edge go to the rounded point)
+        ok &= (x - (idx * self.cell - self.radius)).abs().max(1).values <= 0.5 * self.cell + 1e-12
+        lq = table[self._flat(idx)]
+        return torch.where(ok, lq, torch.full_like(lq, -math.inf))
+
+    def _flat(self, idx):
+        out = idx[:, 0].clone()
+        for j in range(1, idx.shape[1]):
+            out = out * self.ticks + idx[:, j]
+        return out
 
     def to_z(self, x):
         if self.kind == "point":
