@@ -236,22 +236,33 @@ def cv_moments(x, w, ctl, transform=None, baseline=False):
     return out + (mean_b, np.sqrt(np.maximum(m2_b - (mean_b - c) ** 2, 0.0)))
 
 
+#: a column whose Newton iterates bracket a root of ``F_cv(t) = p`` within this many Monte Carlo errors of the quantile
+#: stops after its step into the bracket (``F_cv`` is a step function: Newton steps chatter across its jumps)
+BRACKET_TOL = 0.5
+
+
 def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False, tol=0.1):
-    r"""Control-variate quantiles of ``x`` ``(S, p)``: solve ``F_cv(t) = p`` by Newton steps from ``start``.
+    r"""Control-variate quantiles of ``x`` ``(S, p)``: solve ``F_cv(t) = p`` by safeguarded Newton steps from
+    ``start``.
 
     Over 80 lines: most of it is this docstring; the body is under 80.
 
     ``F_cv(t)`` is the regression estimate of ``P(x <= t)`` with the control ``1[x <= t] - F_q(t)``; the
     density in the Newton step is the weighted mixture of the conditional densities (Rao-Blackwellised) or a
     kernel estimate for reference coordinates. The Monte Carlo error of a quantile is ``se(F_cv) / f(t)``.
+    ``F_cv`` jumps at every draw (by ``w_s - beta / S``), so near a root Newton steps can chatter across a jump
+    instead of shrinking; each column keeps the last points on either side of the root, steps that would leave
+    that bracket become secant steps within it, and a bracket narrower than :data:`BRACKET_TOL` Monte Carlo errors
+    ends the column after its step.
 
     :param start: ``(P, p)`` initial quantiles (the self-normalised ones).
-    :param int iterations: Newton steps at most.
+    :param int iterations: evaluations of ``F_cv`` after the first at most; every evaluation is followed by a step,
+        the last one without evaluating ``F_cv`` after it.
     :param float tol: a column stops once its step is below ``tol`` times its quantile's Monte Carlo error (the
         step is still taken; what remains is of the order of its square), and later steps evaluate the remaining
         columns only. With flat weights the error is zero and all ``iterations`` steps are taken.
     :param bool baseline: also return the quantiles of the same estimator with flat weights (the proposal's own
-        answer), by Newton steps from the weighted quantile, the first with the controls already evaluated there.
+        answer), by ``iterations - 1`` steps from the last weighted evaluation, whose controls it reuses.
     :returns: ``(quantiles (P, p), mcse (P, p))``; with ``baseline``, the flat-weight quantiles ``(P, p)``
         appended.
 
@@ -275,10 +286,10 @@ def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False, tol=0.1)
     span = 0.5 * (hi - lo)
 
     def evaluate(t, act, keep):
-        """:meth:`~CoordinateControls.at` on the columns ``act`` at ``t[act]``; with ``baseline``, also written into
-        ``keep`` (each column's latest evaluation; the first, on every column, becomes ``keep``)."""
+        """:meth:`~CoordinateControls.at` on the columns ``act`` at ``t[act]``; with ``keep`` (a list), also written
+        into it (each column's latest evaluation; the first, on every column, becomes ``keep``)."""
         ev = ctl.at(x, t[act], None if act.size == P else act)
-        if not baseline:
+        if keep is None:
             return ev
         if not keep:
             keep.extend(ev)
@@ -288,40 +299,56 @@ def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False, tol=0.1)
                     keep[k][:, act] = arr
         return ev
 
-    def newton(t, act, p, wts, ev):
-        """``(step, mcse)`` of the quantiles of the columns ``act`` at ``t[act]`` under weights ``wts``, from the
-        evaluation ``ev`` there."""
-        ind, G, G_ref, dens = ev
-        F, F_se, _ = regression_estimate(ind, wts, G, G_ref)
-        f = np.maximum(ctl.density(x, wts, t[act], dens, None if act.size == P else act), 1e-300)
-        return np.clip((F - p) / f, -span[act], span[act]), F_se / f
-
-    for i, p in enumerate(probs):
-        # Newton steps column by column: a column stops once its step is below tol times its error
-        t, act, keep = q[i], np.arange(P), []
-        t_eval = t.copy()
+    def solve(t, p, wts, se_out, err, keep=None, t_eval=None, ev=None, iterations=iterations):
+        """Safeguarded Newton steps on the columns of ``t`` (in place) under weights ``wts``; ``se_out`` receives
+        each column's Monte Carlo error (``None``: not kept), ``err`` gives the error scale of the stopping rules
+        (``None``: the errors just computed); ``ev`` an evaluation at ``t`` on every column, if already made."""
+        act = np.arange(P)
+        below = np.full((2, P), np.nan)  # the last point with F_cv < p: (t, F_cv - p)
+        above = np.full((2, P), np.nan)  # ... with F_cv >= p
         for it in range(iterations + 1):
-            ev = evaluate(t, act, keep)
-            t_eval[act] = t[act]
-            step, se[i, act] = newton(t, act, p, w, ev)
-            if it == iterations:
+            if ev is None:
+                ev = evaluate(t, act, keep)
+            if t_eval is not None:
+                t_eval[act] = t[act]
+            ind, G, G_ref, dens = ev
+            ev = None
+            F, F_se, _ = regression_estimate(ind, wts, G, G_ref)
+            f = np.maximum(ctl.density(x, wts, t[act], dens, None if act.size == P else act), 1e-300)
+            r = F - p
+            step = np.clip(r / f, -span[act], span[act])
+            s = F_se / f
+            if se_out is not None:
+                se_out[act] = s
+            scale = s if err is None else err[act]
+            side = np.where(r < 0, 0, 1)
+            for k, store in enumerate((below, above)):
+                sel = side == k
+                store[0, act[sel]], store[1, act[sel]] = t[act[sel]], r[sel]
+            a_t, a_r, b_t, b_r = below[0, act], below[1, act], above[0, act], above[1, act]
+            bracketed = np.isfinite(a_t) & np.isfinite(b_t)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                secant = np.where(bracketed, a_t - a_r * (b_t - a_t) / (b_r - a_r), np.nan)
+            narrow = bracketed & (np.abs(b_t - a_t) <= BRACKET_TOL * scale)
+            new = t[act] - step
+            outside = bracketed & ((new - a_t) * (new - b_t) > 0)  # a step leaving the bracket: the secant instead
+            new = np.where(outside, secant, new)
+            if it == iterations:  # no evaluation left: the last step is taken
+                t[act] = np.clip(new, lo[act], hi[act])
                 break
-            t[act] = np.clip(t[act] - step, lo[act], hi[act])
-            act = act[np.abs(step) > tol * se[i, act]]  # Newton's next correction is of order step^2: done
+            t[act] = np.clip(new, lo[act], hi[act])
+            # Newton's next correction is of order step^2: done; a narrow bracket: done
+            act = act[(np.abs(step) > tol * scale) & ~narrow]
             if act.size == 0:
                 break
+
+    for i, p in enumerate(probs):
+        keep = [] if baseline else None
+        t_eval = q[i].copy()
+        solve(q[i], p, w, se[i], None, keep, t_eval)
         if baseline:  # Newton steps on the flat-weight CDF from the weighted quantile, each column's last evaluation
-            tb, act = t_eval, np.arange(P)  # reused first
-            ev = tuple(keep)
-            for it in range(iterations):
-                if it:
-                    ev = ctl.at(x, tb[act], None if act.size == P else act)
-                step, _ = newton(tb, act, p, flat, ev)
-                tb[act] = np.clip(tb[act] - step, lo[act], hi[act])
-                act = act[np.abs(step) > tol * se[i, act]]
-                if act.size == 0:
-                    break
-            qb[i] = tb
+            qb[i] = t_eval  # reused first
+            solve(qb[i], p, flat, None, se[i], ev=tuple(keep), iterations=iterations - 1)
     return (q, se, qb) if baseline else (q, se)
 
 
