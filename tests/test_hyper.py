@@ -2,8 +2,6 @@
 import json
 import math
 import os
-import warnings
-
 import numpy as np
 import pyro
 import pyro.distributions as dist
@@ -196,6 +194,29 @@ def test_too_many_hyper_dimensions_are_refused():
 
     with pytest.raises(pcv.UnsupportedModelError, match="11 hyper-latent dimensions.*at most 10"):
         pcv.fit(model, y=torch.tensor(0.3, dtype=D), engine="dual_vg", progress=False)
+
+
+def test_a_grid_over_three_hyper_latent_dimensions_is_refused_before_any_fit():
+    def model(y=None):
+        s = pyro.sample("s", dist.HalfCauchy(torch.ones(3, dtype=D)).to_event(1))
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), s).to_event(1))
+        pyro.sample("y", dist.Normal(w.sum(), 1.0), obs=y)
+
+    calls = []
+    with pytest.raises(ValueError, match=r"hyper_strategy='grid'.*'s' have 3.*'ccd'"):
+        pcv.fit(poutine_counting(model, calls), y=torch.tensor(0.3, dtype=D), engine="dual_vg",
+                options={"hyper_strategy": "grid"}, progress=False)
+    assert len(calls) < 30  # refused while the model is inspected (10 runs), not after the design's fits (hundreds)
+    res = pcv.fit(model, y=torch.tensor(0.3, dtype=D), engine="dual_vg", options={"hyper_strategy": "ccd"},
+                  progress=False)
+    assert res.hyper["strategy"] == "ccd"
+
+
+def poutine_counting(model, calls):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return model(*args, **kwargs)
+    return counted
 
 
 def test_refusal_of_a_hierarchical_model_gives_the_conditioned_models_reason():

@@ -628,6 +628,10 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
         reuse_extraction = REUSE_EXTRACTION
     model = engine.model
     space = theta_space(model, args, kwargs, hyper_names)
+    if strategy == "grid" and space.dim > 2:
+        raise ValueError(f"hyper_strategy='grid': a grid integrates over at most 2 hyper-latent dimensions, and "
+                         f"{', '.join(repr(n) for n in space.names)} have {space.dim}; use 'ccd' (or 'auto', which "
+                         "chooses it above 2) or hyper='map'")
     field_dtypes = [s["value"].dtype for n, s in latent_sites(model, args, kwargs)
                     if n not in hyper_names and s["value"].is_floating_point()]
     out_dtype = field_dtypes[0] if field_dtypes else None  # the model's own dtype, reported back
