@@ -52,6 +52,32 @@ def test_surface_log_density_is_the_nearest_cells_mass_over_its_volume(d, radius
     assert float((torch.exp(td.log_prob_x(td.xs)) * td.cell**d).sum()) == pytest.approx(1.0, abs=1e-12)
 
 
+@pytest.mark.parametrize("rotated", [False, True])
+def test_surface_marginals_are_the_gaussians_own_by_quadrature(rotated):
+    """A surface through a Gaussian's log density (the thin-plate spline with a quadratic tail is exact for it):
+    the marginals of z = z* + A^{-1} x, read by quadrature over the fine grid, are the normal ones, also when the
+    grid's cells line up with a coordinate (A^{-1} diagonal)."""
+    from torch.distributions import transforms as T
+
+    from pyro_convexvb.posterior.hyper import ThetaDensity, ThetaSpace, surface_marginals
+
+    x, _ = design_points(2, "grid", step=0.75, radius=6.0)
+    A_inv = torch.tensor([[0.5, 0.3], [-0.2, 0.8]], dtype=D) if rotated else torch.diag(torch.tensor([0.5, 2.0], dtype=D))
+    z_mode = torch.tensor([1.0, -2.0], dtype=D)
+    td = ThetaDensity.surface(z_mode, A_inv, x, -0.5 * (x**2).sum(1), 6.0)
+    space = ThetaSpace(["a", "b"], [(), ()], [(), ()], [T.identity_transform, T.ExpTransform()])
+    m = surface_marginals(space, td, (0.05, 0.5, 0.95))
+    sd = A_inv.norm(dim=1)  # z_i ~ N(z*_i, |row i of A^{-1}|^2)
+    za = torch.tensor([-1.6448536269514722, 0.0, 1.6448536269514722], dtype=D)
+    qa = torch.stack([m["a"]["quantiles"][p] for p in (0.05, 0.5, 0.95)]).reshape(-1)
+    torch.testing.assert_close(qa, z_mode[0] + sd[0] * za, atol=2e-3, rtol=0)
+    assert float(m["a"]["mean"]) == pytest.approx(1.0, abs=1e-3) and float(m["a"]["sd"]) == pytest.approx(float(sd[0]),
+                                                                                                      rel=2e-3)
+    qb = torch.stack([m["b"]["quantiles"][p] for p in (0.05, 0.5, 0.95)]).reshape(-1)  # lognormal
+    torch.testing.assert_close(qb, torch.exp(z_mode[1] + sd[1] * za), rtol=5e-3, atol=0)
+    assert float(m["b"]["mean"]) == pytest.approx(math.exp(-2.0 + 0.5 * float(sd[1]) ** 2), rel=3e-3)
+
+
 def test_hyper_sites_are_found():
     for builder, names in ((hm.logistic_halfcauchy, ["tau"]), (hm.gp_lengthscale, ["ell"]),
                            (hm.linear_noise_and_scale, ["tau", "sigma"])):

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import torch
@@ -170,6 +171,49 @@ class ThetaDensity:
         return self.z_mode + x @ self.A_inv.T
 
 
+def _weighted_quantiles(v, w, probs):
+    """``(P, p)`` quantiles of the columns of ``v (N, p)`` under the weights ``w (N,)`` (summing to one): the
+    weighted CDF interpolated between the sorted points' mid-masses."""
+    out = torch.empty(len(probs), v.shape[1], dtype=v.dtype)
+    for j in range(v.shape[1]):
+        order = torch.argsort(v[:, j])
+        ws = w[order]
+        cdf = (torch.cumsum(ws, 0) - 0.5 * ws).numpy()
+        out[:, j] = torch.as_tensor(np.interp(np.asarray(probs, dtype=np.float64), cdf, v[order, j].numpy()))
+    return out
+
+
+#: points per fine-grid cell in :func:`surface_marginals` (a Fibonacci number: the 2-D lattice's size)
+SUBCELLS = 21
+
+
+def surface_marginals(space, density, probs=(0.05, 0.5, 0.95)):
+    """``{site: {"mean", "sd", "quantiles"}}`` of the constrained hyper-latents under a surface
+    :class:`ThetaDensity`, by quadrature over its fine grid (each cell's mass spread evenly over
+    :data:`SUBCELLS` points in it, as its draws are uniform in it)."""
+    # each cell's mass spread over SUBCELLS points inside it with distinct coordinates on every axis (its centre
+    # alone, or a sub-grid, would put many cells' masses on one value of a coordinate when the cells line up with
+    # it): evenly spaced in 1-D, a Fibonacci lattice (21 points, generator 13) in 2-D
+    d = density.xs.shape[1]
+    i = torch.arange(SUBCELLS, dtype=torch.float64)
+    cols = [(i + 0.5) / SUBCELLS] + ([torch.remainder((i * 13 + 0.5) / SUBCELLS, 1.0)] if d == 2 else [])
+    offsets = (torch.stack(cols, 1) - 0.5) * density.cell
+    z = density.to_z((density.xs[:, None, :] + offsets[None]).reshape(-1, d))
+    w = (density.probs.double()[:, None] / offsets.shape[0]).expand(-1, offsets.shape[0]).reshape(-1)
+    out, start = {}, 0
+    for k, (n, us, t, size) in enumerate(zip(space.names, space.ushapes, space.transforms, space.sizes)):
+        u = z[:, start:start + size]
+        start += size
+        v = t(u.reshape((u.shape[0],) + tuple(us))).reshape(u.shape[0], -1).double()
+        mean = w @ v
+        sd = (w @ (v - mean) ** 2).sqrt()
+        q = _weighted_quantiles(v, w, probs)
+        if space.site_dtypes is not None:  # computed in float64, reported in the site's dtype
+            mean, sd, q = (a.to(device=space.site_devices[k], dtype=space.site_dtypes[k]) for a in (mean, sd, q))
+        out[n] = {"mean": mean, "sd": sd, "quantiles": dict(zip(probs, q))}
+    return out
+
+
 @dataclass
 class HyperPosterior(Posterior):
     """Mixture over hyper-latent design points of the engine's posteriors of the latent field.
@@ -241,7 +285,13 @@ class HyperPosterior(Posterior):
         return self.density.to_z(xs), k
 
     def theta_marginals(self, probs=(0.05, 0.5, 0.95), num_samples=20000, seed=0):
-        """``{site: {"mean", "sd", "quantiles"}}`` of the constrained hyper-latents (from :attr:`density`)."""
+        """``{site: {"mean", "sd", "quantiles"}}`` of the constrained hyper-latents (from :attr:`density`): a
+        surface's by quadrature over its fine grid (:func:`surface_marginals`; no sampling noise), a split
+        normal's from ``num_samples`` draws."""
+        return surface_marginals(self.space, self.density, probs) if self.density.kind == "surface" else \
+            self._sampled_marginals(probs, num_samples, seed)
+
+    def _sampled_marginals(self, probs, num_samples, seed):
         gen = torch.Generator().manual_seed(seed)
         z, _ = self.sample_z(num_samples, gen)
         out, start = {}, 0
