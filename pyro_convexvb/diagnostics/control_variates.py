@@ -333,10 +333,9 @@ def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False, tol=0.1)
             new = t[act] - step
             outside = bracketed & ((new - a_t) * (new - b_t) > 0)  # a step leaving the bracket: the secant instead
             new = np.where(outside, secant, new)
-            if it == iterations:  # no evaluation left: the last step is taken
-                t[act] = np.clip(new, lo[act], hi[act])
-                break
             t[act] = np.clip(new, lo[act], hi[act])
+            if it == iterations:  # no evaluation left: the last step is taken unchecked
+                break
             # Newton's next correction is of order step^2: done; a narrow bracket: done
             act = act[(np.abs(step) > tol * scale) & ~narrow]
             if act.size == 0:
