@@ -448,6 +448,10 @@ class DualVGEngine(Engine):
             opt = Optimality(opt.criteria + (Criterion("exact-VG fixed-point residual (relative change of the site natural parameters)",
                                                        info["refine_residual"], REFINE_RESIDUAL_TOL),))
         reason = sol.stop_reason
+        if o.refine:  # the refinement decides what is returned: its own stopping rule is part of the reason
+            how = ("reached" if info["refine_converged"] else "stopped short of")
+            reason = (f"{reason}; refinement: {info['refine_iterations']} CVI steps {how} the exact-VG fixed point "
+                      f"(residual {info['refine_residual']:.2g}, tolerance {REFINE_RESIDUAL_TOL:.0e})")
         state = DualState(alpha, lam, form, backend, o.bound, o.xi, posterior)
         return Solution(posterior, bound_value, opt, reason, info, state=state)
 
