@@ -271,3 +271,25 @@ def test_loo_of_an_adapted_correction_draws_from_its_proposal(normal_gamma, monk
         r = res.loo(num_draws=200)
     assert c.diagnostics.proposal == "affine" and r.proposal == "affine"
     assert r.pareto_k.shape == (30,) and np.isfinite(r.elpd_loo) and float(np.max(r.pareto_k)) < 0.7
+
+
+def test_leading_eigenpairs_by_lanczos_are_the_full_decompositions_largest():
+    """Fields from LANCZOS_MIN_N coordinates on take the affine map's candidate directions from ARPACK: the same
+    eigenvalues of largest magnitude, and the same eigenvectors up to sign, as the full decomposition."""
+    from pyro_convexvb.diagnostics.whitened import LANCZOS_MIN_N, _leading_eigenpairs
+
+    n, k = LANCZOS_MIN_N + 100, 20
+    rng = np.random.default_rng(3)
+    B = rng.normal(size=(n, 6))
+    A = 0.02 * rng.normal(size=(n, n))
+    A = (A + A.T) / 2 + B @ np.diag([2.0, -1.0, 0.5, 0.3, -0.2, 0.1]) @ B.T / n
+    lam, V = _leading_eigenpairs(A, k, seed=0)
+    assert lam.shape == (k,) and V.shape == (n, k)
+    full, W = np.linalg.eigh(A)
+    top = np.argsort(-np.abs(full))[:k]
+    order = np.argsort(-np.abs(lam))
+    np.testing.assert_allclose(lam[order], full[top], atol=1e-12)
+    for j in range(6):  # the well separated leading ones
+        assert abs(abs(float(V[:, order[j]] @ W[:, top[j]])) - 1.0) < 1e-8
+    lam_s, V_s = _leading_eigenpairs(A[:50, :50], k, seed=0)  # small: the full decomposition
+    assert lam_s.shape == (50,)
