@@ -284,10 +284,11 @@ class HyperPosterior(Posterior):
         k = torch.cdist(xs, self.x).argmin(1)
         return self.density.to_z(xs), k
 
-    def theta_marginals(self, probs=(0.05, 0.5, 0.95), num_samples=20000, seed=0):
+    def theta_marginals(self, probs=(0.05, 0.5, 0.95), num_samples=200_000, seed=0):
         """``{site: {"mean", "sd", "quantiles"}}`` of the constrained hyper-latents (from :attr:`density`): a
         surface's by quadrature over its fine grid (:func:`surface_marginals`; no sampling noise), a split
-        normal's from ``num_samples`` draws."""
+        normal's from ``num_samples`` draws (for a normal marginal a 5% quantile's sampling error is about 0.005
+        of its sd at 200,000 draws, 0.015 at 20,000)."""
         return surface_marginals(self.space, self.density, probs) if self.density.kind == "surface" else \
             self._sampled_marginals(probs, num_samples, seed)
 
