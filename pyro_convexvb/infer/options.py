@@ -5,6 +5,7 @@ line of documentation, range). :func:`options_table` renders it for ``docs/engin
 """
 import dataclasses
 import difflib
+import functools
 import math
 import typing
 from dataclasses import dataclass, field
@@ -106,7 +107,7 @@ class EngineOptions:
             raise type(e)(f"engine '{engine}': {e}") from None
 
     def __post_init__(self):
-        hints = typing.get_type_hints(type(self))
+        hints = _type_hints(type(self))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             hint = hints.get(f.name, Any)
@@ -139,6 +140,13 @@ class EngineOptions:
 
     def as_dict(self):
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls):
+    """The resolved annotations of an options class, once per class (every engine built validates its options:
+    an integrated fit builds one per design point)."""
+    return typing.get_type_hints(cls)
 
 
 @dataclass(frozen=True)
