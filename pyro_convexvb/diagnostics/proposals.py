@@ -136,22 +136,28 @@ class _GaussianParts:
         kind, F = self.factor()
         x = (u - self.post.loc).reshape(-1, self.n).to(F.dtype)
         if kind == "precision":
-            z, half_logdet = x @ F, -torch.log(torch.diagonal(F)).sum()
+            z = x @ F
         else:
             z = torch.linalg.solve_triangular(F, x.transpose(0, 1), upper=False).transpose(0, 1)
-            half_logdet = torch.log(torch.diagonal(F)).sum()
-        lp = -0.5 * (z**2).sum(-1) - half_logdet - 0.5 * self.n * math.log(2 * math.pi)
-        return lp.reshape(u.shape[:-1])
+        return self.log_prob_white(z).reshape(u.shape[:-1])
 
-    def draw(self, m, generator):
-        """``(m, n)`` draws of the Gaussian ``N(loc, Sigma)`` by its factor."""
+    def log_prob_white(self, eps):
+        """``(m,)`` log density at the draws whose whitened coordinates (``u - loc = W eps``) are ``eps (m, n)``."""
+        kind, F = self.factor()
+        half_logdet = torch.log(torch.diagonal(F)).sum() * (-1.0 if kind == "precision" else 1.0)
+        return -0.5 * (eps**2).sum(-1) - half_logdet - 0.5 * self.n * math.log(2 * math.pi)
+
+    def draw(self, m, generator, white=False):
+        """``(m, n)`` draws of the Gaussian ``N(loc, Sigma)`` by its factor; with ``white``, also their whitened
+        coordinates ``eps`` (``u - loc = W eps``, :meth:`whiten`), the standard normal draws they were made from."""
         kind, F = self.factor()
         eps = torch.randn((m, self.n), dtype=F.dtype, device=F.device, generator=generator)
         if kind == "precision":
             x = torch.linalg.solve_triangular(F.transpose(0, 1), eps.transpose(0, 1), upper=True).transpose(0, 1)
         else:
             x = eps @ F.transpose(0, 1)
-        return self.post.loc + x.to(self.post.loc.dtype)
+        u = self.post.loc + x.to(self.post.loc.dtype)
+        return (u, eps) if white else u
 
     # whitened coordinates eps of u - loc = W eps, W W^T = Sigma (numpy, float64)
     def _factor_np(self):
@@ -346,6 +352,9 @@ class Proposal:
     frame_posteriors = None
     frame_parts = None
     frame = None
+    #: after :meth:`sample` of a plain proposal: ``(S, n)`` the draws' whitened coordinates ``eps`` in their frame
+    #: (the standard normal draws they were made from), or ``None``
+    frame_eps = None
 
     def hyper_reference(self, M, generator=None):
         """``(M, d)`` draws of the unconstrained hyper-latents from the proposal (no field); ``None`` if it has
@@ -425,10 +434,11 @@ class GaussianProposal(Proposal):
             if self.parts is None:  # a mixture posterior
                 u = self.post.sample(S, generator=generator).reshape(S, -1)
                 return u, self.post.log_prob(u)
-            u = self.parts.draw(S, generator)
+            u, eps = self.parts.draw(S, generator, white=True)
             loc = self.post.loc.detach().double().cpu().numpy()
             self.frame = (np.zeros(S, dtype=np.int64), np.broadcast_to(loc, (S, loc.shape[0])), None)
-            return u, self.parts.log_prob(u)
+            self.frame_eps = eps.detach().double().cpu().numpy()
+            return u, self.parts.log_prob_white(eps)
         second = torch.rand(S, generator=generator) < 0.5
         u = self.parts.draw(S, generator)
         m = int(second.sum())
@@ -545,15 +555,21 @@ class HyperProposal(Proposal):
         u = torch.empty(S, hp.n, dtype=hp.dtype, device=hp.device)
         lu1 = torch.empty(S, dtype=torch.float64)
         lu2 = torch.empty(S, dtype=torch.float64)
+        eps = None if self.mixture else np.empty((S, hp.n))  # the plain draws' whitened coordinates
         for j in k.unique().tolist():
             idx = (k == j).nonzero().reshape(-1)
             parts = self.parts[j]
-            draw = parts.draw(len(idx), generator).reshape(len(idx), hp.n)
+            draw, e = parts.draw(len(idx), generator, white=True)
+            draw = draw.reshape(len(idx), hp.n)
             sec = second[idx]
             if self.mixture and bool(sec.any()):
                 draw[sec] = parts.sample(int(sec.sum()), generator, self.name)
             u[idx] = draw
-            lp = parts.log_prob(draw).double()
+            if self.mixture:
+                lp = parts.log_prob(draw).double()
+            else:
+                lp = parts.log_prob_white(e).double()
+                eps[idx.cpu().numpy()] = e.detach().double().cpu().numpy()
             lu1[idx] = lp
             if self.mixture:
                 lu2[idx] = parts.log_prob_second(draw, self.name, lp).double()
@@ -591,6 +607,7 @@ class HyperProposal(Proposal):
             self.cond_sd = sds[kk] * fac
             self.frame = None if self.mixture else (kk, self.cond_loc, None)
             self.cond_cov = FieldCovariance(kk, np.broadcast_to(fac, (S, hp.n)) if wide.any() else None, covs)
+        self.frame_eps = eps
         self.cond_df = np.where(sec & (self.name == "student_t"), T_DF, np.inf)
         values = dict(hp.layout.unflatten(u))
         start = 0

@@ -193,7 +193,9 @@ class WhitenedProposal(Proposal):
         values, lq = self.base.sample(S, generator)
         u0 = field_vector(self.layout, values)
         frame = self.base.frame
-        self._eps, self._pending = None, (u0.double().cpu().numpy(), frame)
+        # the base draws' whitened coordinates: the standard normal draws they were made from, else whitened
+        known = getattr(self.base, "frame_eps", None)
+        self._eps, self._pending = (known, None) if known is not None else (None, (u0.double().cpu().numpy(), frame))
         if self.amap.is_identity:  # the base draws; whitened only if asked (last_eps)
             self.cond_loc, self.cond_sd = self.base.cond_loc, self.base.cond_sd
             self.cond_cov = self.base.cond_cov
