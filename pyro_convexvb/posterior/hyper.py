@@ -294,7 +294,7 @@ class HyperPosterior(Posterior):
 
     def _sampled_marginals(self, probs, num_samples, seed):
         gen = torch.Generator().manual_seed(seed)
-        z, _ = self.sample_z(num_samples, gen)
+        z = self.density.to_z(self.density.sample_x(num_samples, gen))  # the draws of sample_z, no nearest point
         out, start = {}, 0
         for k, (n, us, t, size) in enumerate(zip(self.space.names, self.space.ushapes, self.space.transforms,
                                                  self.space.sizes)):
