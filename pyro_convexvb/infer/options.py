@@ -178,7 +178,7 @@ class LGMEngineOptions(Type2Options):
 
 def options_table(engine_cls):
     """Markdown table of an engine's options (name, type, default, meaning) from its dataclass."""
-    hints = typing.get_type_hints(engine_cls.Options)
+    hints = _type_hints(engine_cls.Options)
     lines = ["| option | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(engine_cls.Options):
         doc = f.metadata.get("doc", "")
