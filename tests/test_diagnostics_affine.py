@@ -293,3 +293,31 @@ def test_leading_eigenpairs_by_lanczos_are_the_full_decompositions_largest():
         assert abs(abs(float(V[:, order[j]] @ W[:, top[j]])) - 1.0) < 1e-8
     lam_s, V_s = _leading_eigenpairs(A[:50, :50], k, seed=0)  # small: the full decomposition
     assert lam_s.shape == (50,)
+
+
+@pytest.mark.parametrize("kind", ["fitted", "interpolated"])
+def test_plain_proposals_keep_their_draws_whitened_coordinates(kind):
+    """The whitened coordinates a plain proposal keeps from drawing (and the affine adaptation reuses) are those
+    of its draws in their frame: whitening the draws again gives them back."""
+    from tests.references import hyper_models as hm
+
+    from pyro_convexvb.diagnostics.constrained import proposal_posterior
+    from pyro_convexvb.diagnostics.proposals import field_vector
+    from pyro_convexvb.diagnostics.whitened import whiten
+
+    model, args, kwargs = hm.logistic_halfcauchy()
+    res = pcv.fit(model, *args, engine="dual_vg", progress=False, **kwargs)
+    post = proposal_posterior(res)
+    q = make_proposal(post, kind)
+    values, log_q = q.sample(300, torch.Generator().manual_seed(2))
+    u = field_vector(post.layout, values).double().numpy()
+    np.testing.assert_allclose(q.frame_eps, whiten(q, u, q.frame), atol=1e-12, rtol=0)
+    # and the log density taken from them is the component's density at the draw moved back into its frame
+    k, a, d = q.frame
+    x = u - a if d is None else (u - a) / d
+    for j in np.unique(k):
+        rows = np.nonzero(k == j)[0]
+        part = q.parts[int(j)]
+        lp = part.log_prob_white(torch.as_tensor(q.frame_eps[rows]))
+        ref = part.log_prob(part.post.loc.double() + torch.as_tensor(x[rows]))
+        torch.testing.assert_close(lp, ref, atol=1e-9, rtol=0)
