@@ -321,3 +321,16 @@ def test_plain_proposals_keep_their_draws_whitened_coordinates(kind):
         lp = part.log_prob_white(torch.as_tensor(q.frame_eps[rows]))
         ref = part.log_prob(part.post.loc.double() + torch.as_tensor(x[rows]))
         torch.testing.assert_close(lp, ref, atol=1e-9, rtol=0)
+
+
+def test_triangular_inverse_against_a_dense_inverse():
+    """The densified components' factor inverse (LAPACK trtri on the CPU) against a general dense inverse."""
+    from pyro_convexvb.diagnostics.proposals import _triangular_inverse
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        A = torch.randn(60, 60, generator=g, dtype=torch.float64)
+        L = torch.linalg.cholesky(A @ A.T + 60 * torch.eye(60, dtype=torch.float64)).to(dtype)
+        inv = _triangular_inverse(L)
+        assert inv.dtype == dtype and bool((torch.triu(inv, 1) == 0).all())
+        torch.testing.assert_close(inv.double(), torch.linalg.inv(L.double()), rtol=tol, atol=tol)

@@ -213,6 +213,79 @@ def test_regression_estimate_without_controls_is_the_self_normalised_one():
     assert beta.shape == (3, 0)
 
 
+def test_cdf_estimate_from_sums_is_the_regression_estimate():
+    """The CDF's control-variate estimate from weighted sums (what the quantile solver uses) against the generic
+    regression on the explicit controls, under uneven, flat and degenerate (one draw carries all the weight)
+    weights, with conditional CDFs varying across the draws."""
+    from pyro_convexvb.diagnostics.control_variates import cdf_estimate
+
+    rng = np.random.default_rng(7)
+    S, p = 400, 6
+    F = rng.uniform(size=(S, p))
+    ind = (rng.uniform(size=(S, p)) < F).astype(np.float64)
+    ind[:, 0] = 1.0  # every draw below t
+    uneven = rng.exponential(size=S) ** 2
+    one = np.zeros(S)
+    one[3] = 1.0
+    for w in (uneven / uneven.sum(), np.full(S, 1.0 / S), one):
+        est, se = cdf_estimate(ind.T, F.T, w)
+        ref, ref_se, _ = regression_estimate(ind, w, (ind - F)[..., None])
+        np.testing.assert_allclose(est, ref, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(se, ref_se, rtol=1e-7, atol=1e-12)
+
+
+def test_conditional_cdfs_in_single_precision_are_within_1e7_of_the_exact_ones():
+    """The conditional normal CDFs and densities of the quantile solver (float32 after a float64 standardisation)
+    against scipy's float64 ones, including locations of 1e6 whose differences to ``t`` are of order one (a
+    float32 standardisation would lose them); Student-t draws are exact."""
+    rng = np.random.default_rng(8)
+    S, p = 300, 4
+    loc = rng.normal(size=(S, p)) + np.array([0.0, 1e6, -3e4, 5.0])
+    sd = rng.uniform(0.01, 3.0, size=(S, p))
+    df = np.where(np.arange(S) % 5 == 0, 5.0, np.inf)
+    ctl = CoordinateControls(loc, sd, df)
+    t = np.array([0.3, 1e6 + 0.7, -3e4 - 1.1, 5.2])
+    z = (t - loc) / sd
+    F, dens = ctl._conditional_at(t)
+    normal = np.isinf(df)
+    F_ref = np.where(normal[:, None], stats.norm.cdf(z), stats.t.cdf(z, 5.0))
+    f_ref = np.where(normal[:, None], stats.norm.pdf(z), stats.t.pdf(z, 5.0)) / sd
+    assert F.dtype == np.float64 and dens.dtype == np.float32
+    np.testing.assert_allclose(F.T, F_ref, rtol=0, atol=1e-7)
+    # exp(-z^2 / 2) in float32: relative error about z^2 / 2 times float32's epsilon; below float32's range (z > 13)
+    # it is zero
+    assert np.all(np.abs(dens.T - f_ref) <= 1e-6 * (1 + z**2) * f_ref + 1e-30)
+    np.testing.assert_allclose(F.T[~normal], F_ref[~normal], rtol=1e-12, atol=1e-15)
+
+
+def test_quantiles_do_not_depend_on_the_block_size(monkeypatch):
+    """Coordinates are solved a block at a time: every block size gives the same quantiles and errors, to rounding
+    (the Newton steps' densities are float32 sums, whose rounding depends on the block's shape: well below 1e-3 of
+    the quantiles' Monte Carlo errors)."""
+    from pyro_convexvb.diagnostics import control_variates as cv
+
+    rng = np.random.default_rng(9)
+    S, p = 1000, 70
+    m, s = rng.normal(size=p), rng.uniform(0.5, 2.0, size=p)
+    z = rng.normal(size=(S, p))
+    x = m + s * z
+    lw, _ = psis_smooth((stats.norm(0.3, 1.2).logpdf(z) - stats.norm.logpdf(z)).sum(1) / 5)
+    w = np.exp(lw)
+    ctl = _normal_controls(x, m, s)
+    q0, _ = weighted_quantiles(x, w, PROBS)
+    runs = []
+    for block in (7, 32, 1000):
+        monkeypatch.setattr(cv, "QUANTILE_BLOCK", block)
+        runs.append(cv_quantiles(x, w, ctl, PROBS, q0, baseline=True) + cv_moments(x, w, ctl, baseline=True))
+    se = runs[0][1]
+    for other in runs[1:]:
+        for i, (a, b) in enumerate(zip(runs[0], other)):
+            if i < 3:  # quantiles, their errors, the flat-weight quantiles
+                assert np.all(np.abs(a - b) <= 1e-3 * se), i
+            else:  # the moments: float64 throughout
+                np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14)
+
+
 def test_interpolated_and_adapted_proposals_have_exact_densities():
     """The interpolated proposal: given theta, u ~ N(m(x), D Sigma_k D) (m and D interpolated between design points,
     the design points' own at the points); the adapted one: an affine map of the base draws, N(m + s mu,

@@ -223,7 +223,7 @@ def test_docstring_examples_run():
 
     import importlib
 
-    for name in ("psis", "logjoint", "importance", "loo", "export", "constrained"):
+    for name in ("psis", "logjoint", "importance", "loo", "export", "constrained", "control_variates"):
         mod = importlib.import_module(f"pyro_convexvb.diagnostics.{name}")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -22,6 +22,7 @@ import torch
 from .constrained import log_jacobian, proposal_posterior
 from .logjoint import ModelLogJoint
 from .proposals import AdaptedProposal, FieldCovariance, Proposal, make_proposal
+from ..posterior.empirical import weighted_quantiles as start_quantiles
 from .psis import importance_ess, pareto_k_threshold, psis_smooth, weighted_moments, weighted_quantiles
 
 __all__ = ["ApproximationWarning", "ImportanceDiagnostics", "CorrectedPosterior", "diagnose", "correct",
@@ -158,11 +159,13 @@ def _draw(result, q, num_draws, seed, progress):
     return values, log_q.double().cpu().numpy(), out["log_joint"], cond
 
 
-def _weigh(result, q, values, log_q, log_joint, cond, name=None):
-    """:class:`ImportanceDiagnostics` of draws ``values`` with densities ``log_q`` under the proposal ``q``."""
+def _weigh(result, q, values, log_q, log_joint, cond, name=None, check=True):
+    """:class:`ImportanceDiagnostics` of draws ``values`` with densities ``log_q`` under the proposal ``q``; without
+    ``check``, the moment check is left to the caller (``mean_shift = 0``, ``sd_ratio = (1, 1)`` until it sets
+    them)."""
     lr = log_joint - log_q
     lw, k = psis_smooth(lr)
-    shift, ratio = _moment_check(values, lw)
+    shift, ratio = _moment_check(values, lw) if check else (0.0, (1.0, 1.0))
     S = int(lr.shape[0])
     finite = lr[np.isfinite(lr)]
     log_ev = float(np.logaddexp.reduce(finite) - math.log(S)) if q.covers_hyper and finite.size else None
@@ -283,7 +286,7 @@ def _cv_site(transform, x, w, ctl, probs, baseline=False):
         return unc, _summary(v, w, probs), base_unc, None
     # quantiles of the unconstrained coordinates, mapped through the monotone transform
     uprobs = probs if sign > 0 else tuple(1.0 - p for p in probs)
-    q0, _ = weighted_quantiles(xf, w, uprobs)
+    q0 = start_quantiles(xf, w, uprobs)  # the self-normalised ones (their errors are not needed)
     qu, qse, *qb = cv_quantiles(xf, w, ctl, uprobs, q0, baseline=baseline)
     with torch.no_grad():
         T = lambda a: transform(torch.as_tensor(a, dtype=torch.float64)).numpy()  # noqa: E731
@@ -386,7 +389,7 @@ def _pool(result, rounds, maps, q):
     cond = tuple(np.concatenate([np.broadcast_to(r[3][i], (r[1].shape[0],) + np.shape(r[3][i])[1:])
                                  for r in rounds]) for i in range(3))
     cond = cond + (FieldCovariance.pool([r[3][3] for r in rounds], [r[1].shape[0] for r in rounds], eps.shape[1]),)
-    d = _weigh(result, q, values, log_q, np.concatenate([r[2] for r in rounds]), cond, name="affine")
+    d = _weigh(result, q, values, log_q, np.concatenate([r[2] for r in rounds]), cond, name="affine", check=False)
     d.eps, d.own, d.maps = eps, own, list(maps)
     # the moment check asks whether the last proposal agrees with the weighted moments: its own draws
     last = own == len(rounds) - 1

@@ -51,6 +51,18 @@ def with_field(layout, values, u, like):
     return out
 
 
+def _triangular_inverse(F):
+    """``F^{-1}`` of a lower triangular ``F`` ``(n, n)``: LAPACK's ``trtri`` on the CPU (``n^3 / 3`` flops, a third
+    of a triangular solve against the identity, which is what it does on other devices)."""
+    if F.device.type == "cpu" and F.dtype in (torch.float32, torch.float64):
+        from scipy.linalg import lapack
+
+        inv, info = (lapack.dtrtri if F.dtype == torch.float64 else lapack.strtri)(F.detach().numpy(), lower=1)
+        if info == 0:
+            return torch.from_numpy(np.tril(inv))
+    return torch.linalg.solve_triangular(F, torch.eye(F.shape[0], dtype=F.dtype, device=F.device), upper=False)
+
+
 def _with_density(post):
     """``post``, or for a matrix-free precision ``A`` (covariance ``precision_scale * A^{-1}``) up to
     :data:`DENSE_MAX` latents the same Gaussian with its dense precision (exact samples and log density)."""
@@ -65,7 +77,7 @@ def _with_density(post):
         # the exact marginal variances from the factor (diag A^{-1} = column norms of F^{-1}), which the proposal
         # uses again (one Cholesky factorisation, no dense inverse)
         F = torch.linalg.cholesky(A)
-        F_inv = torch.linalg.solve_triangular(F, torch.eye(A.shape[0], dtype=A.dtype, device=A.device), upper=False)
+        F_inv = _triangular_inverse(F)
         dense = GaussianPosterior(post.loc, (F_inv**2).sum(0), precision=A, layout=post.layout)
         dense.__dict__["_precision_factor"] = (F, F_inv)
         post.__dict__["_dense_with_factor"] = dense
@@ -498,7 +510,9 @@ class HyperProposal(Proposal):
             Xo, Vo = X[order, 0], vals[order]
             j = np.clip(np.searchsorted(Xo, xs[:, 0]) - 1, 0, len(Xo) - 2)
             lam = np.clip((xs[:, 0] - Xo[j]) / (Xo[j + 1] - Xo[j]), 0.0, 1.0)[:, None]
-            out = (1 - lam) * Vo[j] + lam * Vo[j + 1]
+            out = np.diff(Vo, axis=0)[j]  # V_j + lam (V_{j+1} - V_j)
+            out *= lam
+            out += Vo[j]
         else:
             if not hasattr(self, "_lin"):
                 self._lin = LinearNDInterpolator(X, vals)

@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 
+from ..posterior.empirical import weighted_quantiles as _quantiles
+
 __all__ = ["gpd_fit", "psis_smooth", "psis", "pareto_k_threshold", "importance_ess", "weighted_quantiles",
            "weighted_moments"]
 
@@ -166,28 +168,12 @@ def weighted_moments(x, w):
 def weighted_quantiles(x, w, probs):
     """Weighted quantiles of ``x`` ``(S, ...)`` and their Monte Carlo errors.
 
-    The quantile at ``p`` interpolates the weighted empirical CDF at the draws' mid-points. Its Monte Carlo
-    error is read off the CDF: ``F_hat(q)`` has error ``s = sqrt(sum_s w_s^2 (1[x_s <= q] - p)^2)``, and the
-    error of the quantile is half the distance between the quantiles at ``p - s`` and ``p + s``.
+    The quantile at ``p`` interpolates the weighted empirical CDF at the draws' mid-points; its Monte Carlo error
+    is read off the CDF (:mod:`~pyro_convexvb.posterior.empirical`).
 
     :returns: ``(quantiles, mcse)`` of shape ``(len(probs),) + x.shape[1:]``.
     """
     x = np.asarray(x, dtype=np.float64)
-    S = x.shape[0]
-    flat = x.reshape(S, -1)
-    w = np.asarray(w, dtype=np.float64)
-    probs = np.asarray(probs, dtype=np.float64)
-    q = np.empty((len(probs), flat.shape[1]))
-    se = np.empty_like(q)
-    for j in range(flat.shape[1]):
-        order = np.argsort(flat[:, j])
-        xs, ws = flat[order, j], w[order]
-        cdf = np.cumsum(ws) - 0.5 * ws
-        qj = np.interp(probs, cdf, xs)
-        q[:, j] = qj
-        for i, (p, qv) in enumerate(zip(probs, qj)):
-            s = math.sqrt(float(np.sum(w**2 * ((flat[:, j] <= qv) - p) ** 2)))
-            lo, hi = np.interp([max(p - s, 0.0), min(p + s, 1.0)], cdf, xs)
-            se[i, j] = 0.5 * (hi - lo)
+    q, se = _quantiles(x.reshape(x.shape[0], -1), w, probs, mcse=True)
     shape = (len(probs),) + x.shape[1:]
     return q.reshape(shape), se.reshape(shape)

@@ -7,12 +7,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
-import numpy as np
 import pyro
 import pyro.distributions as dist
 import torch
 
 from .base import Posterior
+from .empirical import weighted_quantiles
 
 __all__ = ["ThetaSpace", "ThetaDensity", "HyperPosterior", "HyperMixtureGuide"]
 
@@ -171,18 +171,6 @@ class ThetaDensity:
         return self.z_mode + x @ self.A_inv.T
 
 
-def _weighted_quantiles(v, w, probs):
-    """``(P, p)`` quantiles of the columns of ``v (N, p)`` under the weights ``w (N,)`` (summing to one): the
-    weighted CDF interpolated between the sorted points' mid-masses."""
-    out = torch.empty(len(probs), v.shape[1], dtype=v.dtype)
-    for j in range(v.shape[1]):
-        order = torch.argsort(v[:, j])
-        ws = w[order]
-        cdf = (torch.cumsum(ws, 0) - 0.5 * ws).numpy()
-        out[:, j] = torch.as_tensor(np.interp(np.asarray(probs, dtype=np.float64), cdf, v[order, j].numpy()))
-    return out
-
-
 #: points per fine-grid cell in :func:`surface_marginals` (a Fibonacci number: the 2-D lattice's size)
 SUBCELLS = 21
 
@@ -207,7 +195,7 @@ def surface_marginals(space, density, probs=(0.05, 0.5, 0.95)):
         v = t(u.reshape((u.shape[0],) + tuple(us))).reshape(u.shape[0], -1).double()
         mean = w @ v
         sd = (w @ (v - mean) ** 2).sqrt()
-        q = _weighted_quantiles(v, w, probs)
+        q = torch.as_tensor(weighted_quantiles(v.numpy(), w.numpy(), probs), dtype=torch.float64)
         if space.site_dtypes is not None:  # computed in float64, reported in the site's dtype
             mean, sd, q = (a.to(device=space.site_devices[k], dtype=space.site_dtypes[k]) for a in (mean, sd, q))
         out[n] = {"mean": mean, "sd": sd, "quantiles": dict(zip(probs, q))}
