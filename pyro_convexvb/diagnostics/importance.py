@@ -382,19 +382,30 @@ def _pool(result, rounds, maps, q):
     from .whitened import PooledProposal, mixture_log_q
 
     q = PooledProposal(q.base, q.layout, maps)  # what the pooled draws come from (loo() draws afresh from it)
-    values = {n: torch.cat([r[0][n] for r in rounds]) for n in rounds[0][0]}
     own = np.concatenate([np.full(r[1].shape[0], j) for j, r in enumerate(rounds)])
     eps = np.concatenate([r[4] for r in rounds])
     log_q = mixture_log_q(np.concatenate([r[1] for r in rounds]), eps, own, maps)
-    cond = tuple(np.concatenate([np.broadcast_to(r[3][i], (r[1].shape[0],) + np.shape(r[3][i])[1:])
-                                 for r in rounds]) for i in range(3))
-    cond = cond + (FieldCovariance.pool([r[3][3] for r in rounds], [r[1].shape[0] for r in rounds], eps.shape[1]),)
-    d = _weigh(result, q, values, log_q, np.concatenate([r[2] for r in rounds]), cond, name="affine", check=False)
-    d.eps, d.own, d.maps = eps, own, list(maps)
+    # the pooled draws and their conditional moments are gathered only for the rounds' final answer (_gather)
+    d = _weigh(result, q, None, log_q, np.concatenate([r[2] for r in rounds]), None, name="affine", check=False)
+    d.eps, d.own, d.maps, d.rounds = eps, own, list(maps), list(rounds)
     # the moment check asks whether the last proposal agrees with the weighted moments: its own draws
     last = own == len(rounds) - 1
     lw = d.log_weights[last]
     d.mean_shift, d.sd_ratio = _moment_check(rounds[-1][0], lw - np.logaddexp.reduce(lw))
+    return d
+
+
+def _gather(d):
+    """The pooled draws and their conditional moments of a :func:`_pool` result, in place (once)."""
+    rounds = getattr(d, "rounds", None)
+    if rounds is None or d.draws is not None:
+        return d
+    d.draws = {n: torch.cat([r[0][n] for r in rounds]) for n in rounds[0][0]}
+    cond = tuple(np.concatenate([np.broadcast_to(r[3][i], (r[1].shape[0],) + np.shape(r[3][i])[1:])
+                                 for r in rounds]) for i in range(3))
+    d.conditional = cond + (FieldCovariance.pool([r[3][3] for r in rounds], [r[1].shape[0] for r in rounds],
+                                                 d.eps.shape[1]),)
+    d.rounds = None
     return d
 
 
@@ -431,7 +442,7 @@ def _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried):
         if _rank(d2) <= _rank(d):
             break
         d, eps, own = d2, d2.eps, d2.own
-    return d
+    return _gather(d)
 
 
 def _adapt_diagonal(result, d, num_draws, seed, progress, adapt, tried):
