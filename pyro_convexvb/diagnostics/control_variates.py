@@ -271,7 +271,7 @@ class CoordinateControls:
 
 
 #: :func:`cv_moments` and :func:`cv_quantiles` work on this many coordinates at a time: their ``(S, block)`` arrays
-#: stay in the processor's cache (on 6,000 draws of 900 coordinates, about 2 times faster than all at once)
+#: stay in the processor's cache (the quantiles of 6,000 draws of 900 coordinates: 0.8 s instead of 1.1 s at once)
 QUANTILE_BLOCK = 32
 
 
