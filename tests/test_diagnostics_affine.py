@@ -334,3 +334,12 @@ def test_triangular_inverse_against_a_dense_inverse():
         inv = _triangular_inverse(L)
         assert inv.dtype == dtype and bool((torch.triu(inv, 1) == 0).all())
         torch.testing.assert_close(inv.double(), torch.linalg.inv(L.double()), rtol=tol, atol=tol)
+
+
+def test_weighted_gram_against_the_general_product():
+    """The affine map's moment matrices by symmetric rank-k updates: X^T diag(c) X with weights of both signs, of one
+    sign, and with zero weights."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(50, 7))
+    for c in (rng.normal(size=50), np.abs(rng.normal(size=50)), np.where(np.arange(50) % 3 == 0, 0.0, -1.0)):
+        np.testing.assert_allclose(whitened._weighted_gram(X, c), X.T @ (c[:, None] * X), rtol=1e-12, atol=1e-12)
