@@ -155,7 +155,9 @@ class ThetaDensity:
         ok = ((idx >= 0) & (idx < self.ticks)).all(1)
         idx = idx.clamp(0, self.ticks - 1)
         # the grid point's own square cell (ties at a shared edge go to the rounded point)
-        ok &= (x - (idx * self.cell - self.radius)).abs().max(1).values <= 0.5 * self.cell + 1e-12
+        # (the centres in x's dtype: an integer tensor times a Python float is float32, whose centres are off by
+        # 1e-7 and put a draw within that of its cell's edge outside every cell)
+        ok &= (x - (idx.to(x.dtype) * self.cell - self.radius)).abs().max(1).values <= 0.5 * self.cell + 1e-12
         lq = table[self._flat(idx)]
         return torch.where(ok, lq, torch.full_like(lq, -math.inf))
 
