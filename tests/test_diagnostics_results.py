@@ -266,3 +266,26 @@ def test_bym_two_hyper_latents_corrected_against_long_nuts():
         off = max(off, float((d.draws[site].std(0) / rs - 1).abs().max()))
     if off > 0.2:
         assert not d.ok, (off, d)
+
+
+def test_a_model_density_that_is_nan_at_some_draws_is_named_not_smoothed(linear_fit):
+    """A log joint that is NaN or +inf at a draw (a model whose densities break down at extreme values) stops the
+    weighting with an error that says so, instead of PSIS's generic complaint about its input; a proposal whose own
+    density is not finite at its draws is reported as a defect."""
+    from pyro_convexvb.diagnostics import importance
+    from pyro_convexvb.diagnostics.proposals import make_proposal
+
+    res = linear_fit[4]
+    q = make_proposal(res.posterior, "fitted")
+    values, log_q = q.sample(50, torch.Generator().manual_seed(0))
+    log_q = log_q.numpy()
+    lj = np.zeros(50)
+    for bad in (np.nan, np.inf):
+        lj[7] = bad
+        with pytest.raises(ValueError, match="log joint density is NaN or \\+inf at 1 of 50 draws"):
+            importance._weigh(res, q, values, log_q, lj, q.conditional())
+    lj[7] = -np.inf  # probability zero under the model: a zero weight
+    assert importance._weigh(res, q, values, log_q, lj, q.conditional()).num_draws == 50
+    log_q[3] = -np.inf
+    with pytest.raises(RuntimeError, match="proposal's log density is not finite"):
+        importance._weigh(res, q, values, log_q, np.zeros(50), q.conditional())

@@ -163,6 +163,16 @@ def _weigh(result, q, values, log_q, log_joint, cond, name=None, check=True):
     """:class:`ImportanceDiagnostics` of draws ``values`` with densities ``log_q`` under the proposal ``q``; without
     ``check``, the moment check is left to the caller (``mean_shift = 0``, ``sd_ratio = (1, 1)`` until it sets
     them)."""
+    bad = np.isnan(log_joint) | (log_joint == np.inf)
+    if bad.any():
+        raise ValueError(f"the model's log joint density is NaN or +inf at {int(bad.sum())} of {bad.size} draws from "
+                         f"the {name or q.name!r} proposal: importance weights need it finite (or -inf where the "
+                         "model gives those values probability zero); check the model's densities at extreme values "
+                         "of its latent sites (e.g. a covariance that stops being positive definite)")
+    if not np.all(np.isfinite(log_q)):
+        raise RuntimeError(f"the {name or q.name!r} proposal's log density is not finite at "
+                           f"{int((~np.isfinite(log_q)).sum())} of its own draws: a defect of the proposal, please "
+                           "report it")
     lr = log_joint - log_q
     lw, k = psis_smooth(lr)
     shift, ratio = _moment_check(values, lw) if check else (0.0, (1.0, 1.0))
