@@ -305,6 +305,7 @@ class State:
         (runs of disjoint ``--blocks`` can share the file, e.g. one per core)."""
         import fcntl
 
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)  # a fresh $PYRO_CONVEXVB_RESULTS_DIR
         with open(self.path + ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if os.path.exists(self.path):

@@ -297,21 +297,12 @@ def cg(
 def _inner_products(reduction):
     """``(dot, norm)`` over the rows of ``(n, k)`` blocks, column by column; summed by ``reduction.sum`` if given.
 
-    A single column goes through the 1-D kernels (``torch.dot``, a 1-D norm): column reductions of an
-    ``(n, 1)`` block cost twice as much, and CG on a cheap operator spends most of its time in them."""
+    Column reductions of the ``(n, k)`` block also for one column: ``torch.dot`` on the column is about twice as
+    fast but is MKL's ``ddot``, whose rounding depends on the thread count, and the Lanczos variances built on CG
+    amplify that into answers that differ between machines (26% in a variance on the real-sim shape,
+    ``tests/reliability/test_thread_count.py``)."""
     if reduction is None:
-
-        def dot(a, b):
-            if a.shape[1] == 1:
-                return torch.dot(a.reshape(-1), b.reshape(-1)).reshape(1)
-            return torch.linalg.vecdot(a, b, dim=0)
-
-        def norm(a):
-            if a.shape[1] == 1:
-                return torch.linalg.vector_norm(a.reshape(-1)).reshape(1)
-            return torch.linalg.vector_norm(a, dim=0)
-
-        return dot, norm
+        return (lambda a, b: torch.linalg.vecdot(a, b, dim=0)), (lambda a: torch.linalg.vector_norm(a, dim=0))
 
     def dot(a, b):
         return reduction.sum(torch.linalg.vecdot(a, b, dim=0))
