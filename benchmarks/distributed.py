@@ -69,6 +69,9 @@ def worker(args):
                mean_head=res.posterior.loc[:5].tolist())
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
+    if pcv.distributed.is_active():  # leave the process group before exit (a live one can abort a rank at teardown)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def launch(P, args, out):
