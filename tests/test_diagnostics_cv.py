@@ -26,6 +26,18 @@ def _normal_controls(x, m, s, df=np.inf):
     return CoordinateControls(np.broadcast_to(m, (S, p)), np.broadcast_to(s, (S, p)), np.full(S, df))
 
 
+def _shifted_target(seed, S, p, shift, scale, temper):
+    """``(x, w, ctl)``: ``S`` draws of ``p`` normal coordinates (random locations and scales) and their
+    Pareto-smoothed weights toward ``N(shift, scale^2)`` in every standardised coordinate, the summed log ratio
+    divided by ``temper``."""
+    rng = np.random.default_rng(seed)
+    m, s = rng.normal(size=p), rng.uniform(0.5, 2.0, size=p)
+    z = rng.normal(size=(S, p))
+    x = m + s * z
+    lw, _ = psis_smooth((stats.norm(shift, scale).logpdf(z) - stats.norm.logpdf(z)).sum(1) / temper)
+    return x, np.exp(lw), _normal_controls(x, m, s)
+
+
 def test_target_equal_to_proposal_gives_the_proposal_moments_exactly():
     """Flat weights (target = proposal): the control-variate mean, sd and quantiles are the proposal's own, whatever
     the draws, with zero Monte Carlo error; the plain self-normalised ones carry the draws' noise."""
@@ -55,16 +67,10 @@ def test_quantiles_under_uneven_weights_lie_within_their_error_of_a_root():
     """``F_cv`` jumps at every draw: under uneven weights Newton steps chatter across the jumps. Each returned
     quantile must still have ``F_cv - p`` change sign within its Monte Carlo error on either side (within half of it
     for all but a few columns)."""
-    rng = np.random.default_rng(4)
     S, p = 3000, 60
-    m, s = rng.normal(size=p), rng.uniform(0.5, 2.0, size=p)
-    z = rng.normal(size=(S, p))
-    x = m + s * z
     # the target: a shifted, wider normal in every coordinate (weights far from flat: ESS about a quarter of S)
-    lw, _ = psis_smooth((stats.norm(0.4, 1.3).logpdf(z) - stats.norm.logpdf(z)).sum(1) / 3)
-    w = np.exp(lw)
+    x, w, ctl = _shifted_target(4, S, p, 0.4, 1.3, 3)
     assert 1.0 / np.sum(w**2) < 0.3 * S
-    ctl = _normal_controls(x, m, s)
     q0, _ = weighted_quantiles(x, w, PROBS)
     q, qse = cv_quantiles(x, w, ctl, PROBS, q0)
     for i, prob in enumerate(PROBS):
@@ -264,14 +270,7 @@ def test_quantiles_do_not_depend_on_the_block_size(monkeypatch):
     the quantiles' Monte Carlo errors)."""
     from pyro_convexvb.diagnostics import control_variates as cv
 
-    rng = np.random.default_rng(9)
-    S, p = 1000, 70
-    m, s = rng.normal(size=p), rng.uniform(0.5, 2.0, size=p)
-    z = rng.normal(size=(S, p))
-    x = m + s * z
-    lw, _ = psis_smooth((stats.norm(0.3, 1.2).logpdf(z) - stats.norm.logpdf(z)).sum(1) / 5)
-    w = np.exp(lw)
-    ctl = _normal_controls(x, m, s)
+    x, w, ctl = _shifted_target(9, 1000, 70, 0.3, 1.2, 5)
     q0, _ = weighted_quantiles(x, w, PROBS)
     runs = []
     for block in (7, 32, 1000):

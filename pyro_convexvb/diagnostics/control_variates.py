@@ -371,8 +371,6 @@ def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False, tol=0.5)
     return tuple(out)
 
 
-
-
 def _block_quantiles(x, w, ctl, probs, start, iterations, baseline, tol):
     """:func:`cv_quantiles` on the columns of ``x``, all at once."""
     P = x.shape[1]

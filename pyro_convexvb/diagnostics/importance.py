@@ -19,10 +19,10 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
+from ..posterior.empirical import weighted_quantiles as start_quantiles
 from .constrained import log_jacobian, proposal_posterior
 from .logjoint import ModelLogJoint
 from .proposals import AdaptedProposal, FieldCovariance, Proposal, make_proposal
-from ..posterior.empirical import weighted_quantiles as start_quantiles
 from .psis import importance_ess, pareto_k_threshold, psis_smooth, weighted_moments, weighted_quantiles
 
 __all__ = ["ApproximationWarning", "ImportanceDiagnostics", "CorrectedPosterior", "diagnose", "correct",
