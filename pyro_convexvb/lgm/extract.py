@@ -215,9 +215,14 @@ def _nonfinite(value):
     return 0, None
 
 
+#: what to do about inf/NaN data
+_NONFINITE_HINT = "remove or impute those entries (for missing responses use pyro.sample(..., obs_mask=...))"
+
+
 def _check_support(name, fn, value, mask):
     """Observed values outside the support of their distribution are a data error (e.g. Bernoulli labels 2 or
-    -1, negative or fractional counts), whatever the engine."""
+    -1, negative or fractional counts), whatever the engine: raised here; for inf/NaN values the message is returned
+    (the caller names the argument holding them when there is one)."""
     support = getattr(fn, "support", None)
     if support is None or not torch.is_tensor(value):
         return
@@ -234,6 +239,10 @@ def _check_support(name, fn, value, mask):
     if not bool(ok.all()):
         bad = value[~ok] if ok.shape == value.shape else value.flatten()
         base, _ = _unwrap(fn)
+        if value.is_floating_point() and not bool(torch.isfinite(bad).all()):
+            count = int((~torch.isfinite(bad)).sum())
+            return (f"site '{name}': {count} observed value{'s are' if count > 1 else ' is'} inf or NaN: no engine "
+                    f"fits non-finite data; {_NONFINITE_HINT}")
         raise ValueError(f"site '{name}': observed values outside the support of {type(base).__name__} "
                          f"({support}), e.g. {bad.flatten()[:3].tolist()}; recode the data (Bernoulli labels "
                          "as 0/1, counts as nonnegative integers)")
@@ -254,11 +263,14 @@ def check_model_data(model, args, kwargs):
     """
     from ..distributed import find_comm
 
-    masked = []
+    masked, nonfinite = [], None
     if find_comm(args, kwargs) is None:
         try:
             with torch.no_grad(), full_data_plates():
                 tr = _first_trace(proper_missing(model), args, kwargs)
+        except ValueError:  # e.g. a NaN input makes a distribution's parameter invalid: name the input instead
+            _check_finite_arguments(model, args, kwargs, ())
+            raise
         except ZeroDivisionError:  # pyro.plate(name, 0)
             empty = [n for n, v in _named_arguments(model, args, kwargs) if 0 in tuple(getattr(v, "shape", ()))]
             which = (f": argument{'s' if len(empty) > 1 else ''} {', '.join(repr(n) for n in empty)} "
@@ -281,10 +293,18 @@ def check_model_data(model, args, kwargs):
             mask = site.get("mask")
             if name.endswith("_observed") and torch.is_tensor(mask):
                 masked.append(value)
-            _check_support(name, site["fn"], value, mask)
+            nonfinite = nonfinite or _check_support(name, site["fn"], value, mask)
         if not latent:
             raise ValueError("the model has no latent sample site (every pyro.sample is observed), so there is no "
                              "posterior to infer")
+    _check_finite_arguments(model, args, kwargs, masked)
+    if nonfinite:  # inf/NaN observations that no argument holds
+        raise ValueError(nonfinite)
+
+
+def _check_finite_arguments(model, args, kwargs, masked):
+    """Raise for the first argument with ``inf``/``NaN`` entries, other than the observed values of ``obs_mask``
+    sites in ``masked``."""
     for name, value in _named_arguments(model, args, kwargs):
         if any(value is m for m in masked):
             continue
@@ -292,8 +312,7 @@ def check_model_data(model, args, kwargs):
         if count:
             at = f", the first at index {where}" if where is not None else ""
             raise ValueError(f"argument '{name}' has {count} non-finite entr{'y' if count == 1 else 'ies'} (inf or "
-                             f"NaN){at}: no engine fits non-finite data; remove or impute those entries (for missing "
-                             "responses use pyro.sample(..., obs_mask=...))")
+                             f"NaN){at}: no engine fits non-finite data; {_NONFINITE_HINT}") from None
 
 
 def unconstrained_layout(model, args, kwargs):

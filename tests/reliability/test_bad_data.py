@@ -51,6 +51,33 @@ def test_non_finite_inputs_name_the_argument_and_entry(engine):
         pcv.fit(logistic, X, y=y, engine=engine, progress=False)
 
 
+@pytest.mark.parametrize("engine", ["dual_vg", "laplace"])
+@pytest.mark.parametrize("where", ["X", "y"])
+def test_nan_inputs_name_the_argument_and_entry(engine, where):
+    """A NaN makes a distribution's parameter (or an observation) invalid while the model is traced: the error still
+    names the argument and the entry, as for inf, not the distribution's parameter."""
+    X, y = _data()
+    if where == "X":
+        X[2, 1], at = float("nan"), r"\(2, 1\)"
+    else:
+        y[3], at = float("nan"), r"\(3,\)"
+    with pytest.raises(ValueError, match=rf"argument '{where}' has 1 non-finite entry .* index {at}"):
+        pcv.fit(logistic, X, y=y, engine=engine, progress=False)
+
+
+def test_nan_observations_held_by_no_argument_name_the_site():
+    X, y = _data()
+    y[3] = float("nan")
+
+    def closure(X):
+        w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match=r"site 'y': 1 observed value is inf or NaN: .* obs_mask"):
+        pcv.fit(closure, X, engine="dual_vg", progress=False)
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_model_without_latent_sites_is_refused(engine):
     X, y = _data()
