@@ -289,3 +289,29 @@ def test_a_model_density_that_is_nan_at_some_draws_is_named_not_smoothed(linear_
     log_q[3] = -np.inf
     with pytest.raises(RuntimeError, match="proposal's log density is not finite"):
         importance._weigh(res, q, values, log_q, np.zeros(50), q.conditional())
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_mixture_posterior_is_corrected_with_its_own_density(K):
+    """A ``diag_mixture`` posterior has no Gaussian to widen: the correction keeps the mixture as its proposal (it
+    crashed looking for a Gaussian's factor) and, on a 2-D logistic regression, agrees with grid quadrature."""
+    from tests._grid_quadrature import grid_posterior_2d
+
+    g = torch.Generator().manual_seed(1)
+    X = torch.cat([torch.ones(25, 1, dtype=D), torch.randn(25, 1, generator=g, dtype=D)], 1)
+    y = torch.bernoulli(torch.sigmoid(X @ torch.tensor([0.5, 1.5], dtype=D)), generator=g)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    Xn, yn = X.numpy(), y.numpy()
+    m, s, _ = grid_posterior_2d(lambda W: (yn * (W @ Xn.T) - np.logaddexp(0, W @ Xn.T)).sum(1), [-5, -5], [5, 5])
+    res = pcv.fit(model, X, y=y, engine="diag_mixture", options={"seed": 0, "num_components": K}, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ApproximationWarning)  # the diagonal components miss the correlation
+        c = res.corrected(num_draws=2000)
+    assert set(c.diagnostics.tried) == {"fitted"}
+    assert np.abs((c.sites["w"]["mean"].numpy() - m) / s).max() < 0.1
+    assert np.abs(c.sites["w"]["sd"].numpy() / s - 1).max() < 0.1

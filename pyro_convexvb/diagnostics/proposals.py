@@ -419,12 +419,12 @@ class GaussianProposal(Proposal):
         if self.layout is None:
             raise ValueError("the posterior has no latent layout (it was not fitted on a Pyro model)")
         plain = kind in ("fitted", "interpolated")
-        self.parts = None if plain and not hasattr(post, "kind") else _GaussianParts(post)
-        self.frame_posteriors = [post] if plain and hasattr(post, "kind") else None
-        self.frame_parts = None if self.frame_posteriors is None else [self.parts]
         if not plain and not hasattr(post, "kind"):
             raise NotImplementedError(f"the {kind!r} proposal is built from a Gaussian posterior, not from a "
                                       f"{type(post).__name__}")
+        self.parts = None if plain and not hasattr(post, "kind") else _GaussianParts(post)
+        self.frame_posteriors = [post] if plain and hasattr(post, "kind") else None
+        self.frame_parts = None if self.frame_posteriors is None else [self.parts]
 
     def _record(self, S, second):
         if not hasattr(self.post, "kind"):  # a mixture posterior: no conditional Gaussian known per draw
