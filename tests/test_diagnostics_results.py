@@ -1,5 +1,6 @@
 """Diagnostics of fitted results: PSIS k_hat, corrected marginals, LOO/WAIC/CPO/PIT and the ArviZ round trip,
 against closed forms (a conjugate Gaussian model) and the long NUTS reference of a hierarchical logistic model."""
+import importlib.util
 import json
 import math
 import os
@@ -315,3 +316,32 @@ def test_a_mixture_posterior_is_corrected_with_its_own_density(K):
     assert set(c.diagnostics.tried) == {"fitted"}
     assert np.abs((c.sites["w"]["mean"].numpy() - m) / s).max() < 0.1
     assert np.abs(c.sites["w"]["sd"].numpy() / s - 1).max() < 0.1
+
+
+def test_float32_model_with_hyper_latents_is_diagnosed_corrected_and_exported():
+    """The design points' fits run in float64 whatever the model's dtype: the proposal's draws were put into a
+    float32 buffer (an index_put dtype error ended diagnostics, corrected() and to_arviz() of float32 models with
+    hyper-latents). The float32 answers equal the float64 ones from the same draws, up to float32 rounding."""
+    def centred(sigma, y=None):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=sigma.dtype), 5.0))
+        tau = pyro.sample("tau", dist.HalfCauchy(torch.tensor(5.0, dtype=sigma.dtype)))
+        with pyro.plate("J", 8):
+            theta = pyro.sample("theta", dist.Normal(mu, tau))
+            pyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+    y = torch.tensor([28.0, 8, -3, 7, -1, 1, 18, 12], dtype=D)
+    sigma = torch.tensor([15.0, 10, 16, 11, 9, 11, 10, 18], dtype=D)
+    out = {}
+    for dt in (torch.float64, torch.float32):
+        res = pcv.fit(centred, sigma.to(dt), y=y.to(dt), engine="dual_vg", progress=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ApproximationWarning)
+            out[dt] = (res.diagnostics, res.corrected(num_draws=1000))
+    (d64, c64), (d32, c32) = out[torch.float64], out[torch.float32]
+    assert d32.k_hat == pytest.approx(d64.k_hat, abs=0.02)
+    for site in ("mu", "theta"):
+        sd = c64.sites[site]["sd"].double()
+        assert float(((c32.sites[site]["mean"].double() - c64.sites[site]["mean"].double()) / sd).abs().max()) < 1e-3
+    assert c32.hyper["tau"]["quantiles"][0.5] == pytest.approx(float(c64.hyper["tau"]["quantiles"][0.5]), rel=1e-3)
+    if importlib.util.find_spec("arviz") is not None:  # the optional extra
+        assert "posterior" in res.to_arviz().groups()

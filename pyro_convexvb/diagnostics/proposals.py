@@ -566,7 +566,8 @@ class HyperProposal(Proposal):
             x = torch.zeros(S, 0, dtype=torch.float64)
             k = torch.zeros(S, dtype=torch.long)
             z = hp.z[0].reshape(1, -1).expand(S, -1)  # theta fixed at its mode; q covers the field only
-        u = torch.empty(S, hp.n, dtype=hp.dtype, device=hp.device)
+        fdt = hp.components[0].dtype  # the design points' fits run in float64, whatever the model's dtype
+        u = torch.empty(S, hp.n, dtype=fdt, device=hp.device)
         lu1 = torch.empty(S, dtype=torch.float64)
         lu2 = torch.empty(S, dtype=torch.float64)
         eps = None if self.mixture else np.empty((S, hp.n))  # the plain draws' whitened coordinates
@@ -595,7 +596,7 @@ class HyperProposal(Proposal):
             logD = logsd_x - self._logsd[kk]
             uk = u.double().cpu().numpy()
             un = loc_x + np.exp(logD) * (uk - self._locs[kk])
-            u = torch.as_tensor(un, dtype=hp.dtype, device=hp.device)
+            u = torch.as_tensor(un, dtype=fdt, device=hp.device)
             lu1 = lu1 - torch.as_tensor(logD.sum(1), dtype=torch.float64)
         if self.covers_hyper:
             lq1 = self._log_qx(x) + lu1
