@@ -150,11 +150,15 @@ def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, see
     """
     loc = posterior.loc.detach()
     exact = lgm is not None and lgm.n == posterior.n and posterior.n <= EXACT_BOUND_MAX
+    chain = getattr(lgm, "chain", None) if exact else None
+    if exact and (getattr(lgm, "imputed", None) or (chain is not None and chain.has_intrinsic)):
+        exact = False  # a map between the two coordinates that is not a bijection: the marginal's bound below
     if exact:
         def objective(m, S):
             m = m.to(lgm.dtype)
             S = S.to(lgm.dtype)
-            return lgm.evidence_lower_bound(m, variance=S) if S.dim() == 1 else lgm.evidence_lower_bound(m, S)
+            # the posterior is over the model's sites x (an affine chain's LGM is over its innovations u)
+            return lgm.model_evidence_lower_bound(m, variance=S) if S.dim() == 1 else lgm.model_evidence_lower_bound(m, S)
         name = "natural-gradient decrement of the exact evidence bound (nats)"
     else:
         log_joint, n = flat_log_joint(call.model, call.args, call.kwargs, reduction)

@@ -245,6 +245,21 @@ class AffineChain:
                                  precision_factor=SparseOperator(_torch_csr(Jx, like.dtype, like.device)),
                                  precision_scale=scale, layout=layout)
 
+    def latent_moments(self, loc, cov=None, *, variance=None):
+        """Mean ``(n,)`` and dense covariance ``(n, n)`` over ``u = T x - t`` of a Gaussian over the model's sites
+        ``x`` given by ``loc`` and ``cov`` ``(n, n)`` or ``variance`` ``(n,)``: differentiable in both (dense ``T``,
+        for the small models whose evidence bound is evaluated densely), as :meth:`to_latent` maps a posterior.
+        """
+        T = self.__dict__.get("_T_dense")
+        if T is None or T.dtype != loc.dtype or T.device != loc.device:
+            T = self.__dict__["_T_dense"] = self._dense(self.T, loc)
+        mean = T @ loc - torch.as_tensor(self.t, dtype=loc.dtype).to(loc.device)
+        C = (T * variance) @ T.transpose(0, 1) if variance is not None else T @ cov @ T.transpose(0, 1)
+        C = 0.5 * (C + C.transpose(0, 1))
+        if self.dummy.any():  # the pivot coordinates of intrinsic blocks: not read by the model, N(0, 1)
+            C = C + torch.diag(torch.as_tensor(self.dummy, device=C.device).to(C.dtype))
+        return mean, C
+
     def to_latent(self, posterior, layout=None):
         """The inverse of :meth:`to_model`: a posterior over the model's sites as one over ``u = (I - A) x``."""
         from ..posterior.gaussian import GaussianPosterior

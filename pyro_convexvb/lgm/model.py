@@ -431,13 +431,14 @@ class LatentGaussianModel:
         """
         if (cov is None) == (variance is None):
             raise ValueError("evidence_lower_bound: give exactly one of cov and variance")
-        n = self.n
-        if variance is not None:
-            entropy = 0.5 * n * (1 + math.log(2 * math.pi)) + 0.5 * torch.log(variance).sum()
-        else:
-            L = torch.linalg.cholesky(cov)
-            entropy = 0.5 * n * (1 + math.log(2 * math.pi)) + torch.log(torch.diagonal(L)).sum()
-        return self.expected_log_joint(loc, cov, num_points, variance=variance) + entropy
+        return self.expected_log_joint(loc, cov, num_points, variance=variance) + _gaussian_entropy(cov, variance)
+
+    def model_evidence_lower_bound(self, loc, cov=None, *, variance=None):
+        """:meth:`evidence_lower_bound` of a Gaussian over the Pyro model's latent sites ``x``
+        (:meth:`model_expected_log_joint` plus the entropy of ``q`` over ``x``); differentiable."""
+        if (cov is None) == (variance is None):
+            raise ValueError("model_evidence_lower_bound: give exactly one of cov and variance")
+        return self.model_expected_log_joint(loc, cov, variance=variance) + _gaussian_entropy(cov, variance)
 
     def expected_log_prior(self, loc, cov=None, *, variance=None):
         """``E_q[log N(u | mu, Sigma)]`` over the non-flat prior blocks (normalising constants included)."""
@@ -454,6 +455,23 @@ class LatentGaussianModel:
                 quad, tr = r @ P @ r, (P * cov[b.slice, b.slice]).sum()
             e_prior = e_prior - 0.5 * (quad + tr + p.size * math.log(2 * math.pi))
         return e_prior - 0.5 * self.prior_logdet_cov()
+
+    def model_expected_log_joint(self, loc, cov=None, *, variance=None):
+        """``E_q[log p(y, x)]`` for a Gaussian ``q`` over the Pyro model's latent sites ``x`` (:attr:`model_layout`),
+        given by ``loc`` ``(n,)`` and ``cov`` ``(n, n)`` or ``variance`` ``(n,)``; differentiable.
+
+        Without an affine chain ``x`` is ``u`` (:meth:`expected_log_joint`). A chain's ``u = (I - A) x - c`` has
+        Jacobian one, so ``log p(y, x) = log p(y, u)`` and ``q`` is mapped to ``u`` exactly
+        (:meth:`~pyro_convexvb.lgm.chains.AffineChain.latent_moments`).
+
+        :raises ValueError: for a chain with intrinsic blocks, or imputed sites, whose maps are not bijections.
+        """
+        if self.chain is None and not self.imputed:
+            return self.expected_log_joint(loc, cov, variance=variance)
+        if self.imputed or self.chain.has_intrinsic:
+            raise ValueError("model_expected_log_joint: the model's latent sites map to u through imputed sites or "
+                             "an intrinsic GMRF's constraint, not a bijection")
+        return self.expected_log_joint(*self.chain.latent_moments(loc, cov, variance=variance))
 
     def expected_log_joint(self, loc, cov=None, num_points=64, *, variance=None):
         """``E_q[log p(y, u)]`` (every constant included) for ``q = N(loc, cov)`` or ``N(loc, diag(variance))``.
@@ -527,3 +545,11 @@ class LatentGaussianModel:
     def _marginal_var(group, cov):
         # diag(B V B^T) = rowsum((B V) * B); B V is (q, n) dense like cov itself (small problems only)
         return (group.design.mv(cov) * group.design.to_dense()).sum(-1)
+
+
+def _gaussian_entropy(cov=None, variance=None):
+    """Entropy of ``N(m, cov)`` (``cov`` ``(n, n)``) or ``N(m, diag(variance))`` (``variance`` ``(n,)``)."""
+    if variance is not None:
+        return 0.5 * variance.shape[0] * (1 + math.log(2 * math.pi)) + 0.5 * torch.log(variance).sum()
+    L = torch.linalg.cholesky(cov)
+    return 0.5 * cov.shape[0] * (1 + math.log(2 * math.pi)) + torch.log(torch.diagonal(L)).sum()

@@ -584,12 +584,12 @@ def _mixture_entropy_bound(locs, variances, entropy):
 def mixture_evidence_bound(lgm, posterior, entropy="eq24"):
     """Deterministic lower bound on ``log p(y)`` for a mixture posterior on a latent Gaussian model.
 
-    ``(1/K) sum_k E_{q_k}[log p(y, u)] + Hbound(q)`` with exact (quadrature) expectations
-    (:meth:`~pyro_convexvb.LatentGaussianModel.expected_log_joint`): the quantity
+    ``(1/K) sum_k E_{q_k}[log p(y, x)] + Hbound(q)`` over the Pyro model's latent sites ``x``, with exact
+    (quadrature) expectations (:meth:`~pyro_convexvb.LatentGaussianModel.model_expected_log_joint`): the quantity
     :class:`~pyro_convexvb.infer.diag_mixture.DiagMixtureELBO` estimates stochastically. ``entropy`` is ``"eq24"``, ``"bhattacharyya"``
     or ``"best"`` (the larger of the two entropy bounds, still a lower bound).
     """
     locs, variances = posterior.locs.to(lgm.dtype), posterior.variances.to(lgm.dtype)
-    e = torch.stack([lgm.expected_log_joint(m, variance=v) for m, v in zip(locs, variances)]).mean()
+    e = torch.stack([lgm.model_expected_log_joint(m, variance=v) for m, v in zip(locs, variances)]).mean()
     return float(e + _mixture_entropy_bound(locs, variances, entropy))
 

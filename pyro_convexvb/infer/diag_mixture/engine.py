@@ -177,7 +177,8 @@ class DiagMixtureEngine(SVIEngine):
         if lgm is None:
             lgm = try_lgm(call.source, call.args, call.kwargs)
         lgm = reshard_lgm(lgm, call.args, call.kwargs)
-        exact = lgm is not None and lgm.n == posterior.n
+        exact = lgm is not None and lgm.n == posterior.n and not lgm.imputed \
+            and (lgm.chain is None or not lgm.chain.has_intrinsic)
         info = dict(info_opt, guide=guide, entropy=o.entropy, hyperparameters=model_param_values(call))
         best = "best"
         with torch.no_grad():
@@ -190,7 +191,7 @@ class DiagMixtureEngine(SVIEngine):
             posterior.layout = lgm.layout
 
             def objective(M, V):
-                e = torch.stack([lgm.expected_log_joint(m, variance=v) for m, v in zip(M, V)]).mean()
+                e = torch.stack([lgm.model_expected_log_joint(m, variance=v) for m, v in zip(M, V)]).mean()
                 return e + _entropy_fn(measured)(M, V)
 
             name = "natural-gradient decrement of the exact mixture evidence bound (nats)"
