@@ -85,8 +85,11 @@ def test_a_model_without_latent_sites_is_refused(engine):
         pcv.fit(no_latent, X, y=y, engine=engine, progress=False)
 
 
-def test_masked_out_responses_may_hold_nan():
-    """``obs_mask``'s unused entries are never read: NaN there is not an input error."""
+@pytest.mark.parametrize("engine", ["dual_vg", "laplace", "svi_automvn", "nuts"])
+def test_masked_out_responses_may_hold_nan(engine):
+    """``obs_mask``'s unused entries are never read: NaN there is not an input error, for the engines that run the
+    Pyro model too (Pyro validates and differentiates the masked-out entries' log density before masking it: a
+    NaN there failed its support check)."""
     def masked(X, y=None, m=None):
         w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=D), 1.0).to_event(1))
         with pyro.plate("data", X.shape[0]):
@@ -96,9 +99,16 @@ def test_masked_out_responses_may_hold_nan():
     y = X @ torch.tensor([1.0, 2.0, 3.0], dtype=D)
     m = torch.ones(len(y), dtype=torch.bool)
     m[3], y[3] = False, float("nan")
-    res = pcv.fit(masked, X, y=y, m=m, engine="dual_vg", progress=False)
+    assert engine in pcv.engines_that_fit(masked, X, y=y, m=m)
+    opts = {"nuts": dict(num_samples=100, warmup_steps=100, seed=0), "svi_automvn": dict(seed=0, max_steps=1500)}.get(engine, {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pcv.ConvergenceWarning)
+        res = pcv.fit(masked, X, y=y, m=m, engine=engine, options=opts, progress=False)
     full = pcv.fit(masked, X[m], y=y[m], m=m[m], engine="dual_vg", progress=False)
-    assert res.converged and torch.allclose(res.posterior.loc[:3], full.posterior.loc[:3], atol=1e-8)
+    err = (res.posterior.loc[:3] - full.posterior.loc[:3]).abs() / full.posterior.scale[:3]
+    assert float(err.max()) < {"dual_vg": 1e-7, "laplace": 1e-5}.get(engine, 0.3)
+    if engine == "dual_vg":
+        assert res.converged
 
 
 def test_infinite_and_nan_options_are_refused():
