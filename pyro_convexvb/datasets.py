@@ -769,9 +769,15 @@ def load_csv(path, label_column=0, delimiter=",", header=False, dtype=torch.floa
         data, start = read_byte_range(path, shard)
     first = 1 if start == 0 else _lines_before(path, start) + 1
     lines = split_lines(data if not data or data.endswith(b"\n") else data + b"\n")
-    if header and start == 0 and lines:
-        lines, first = lines[1:], 2
-    rows, width = [], None
+    width = None
+    if header and start == 0:
+        blank = 0
+        while blank < len(lines) and not lines[blank].strip():  # blank lines before the header
+            blank += 1
+        if blank < len(lines):
+            width = len(lines[blank].split(delimiter.encode("utf-8")))
+            lines, first = lines[blank + 1:], blank + 2
+    rows = []
     for lineno, ln in enumerate(lines, first):
         if not ln.strip():
             continue
@@ -783,13 +789,18 @@ def load_csv(path, label_column=0, delimiter=",", header=False, dtype=torch.floa
         if width is None:
             width = len(row)
         elif len(row) != width:
-            raise ValueError(f"{path}, line {lineno}: {len(row)} fields, the lines before have {width}")
+            raise ValueError(f"{path}, line {lineno}: {len(row)} fields, the "
+                             f"{'header has' if header and not rows else 'lines before have'} {width}")
         rows.append(row)
-    table = np.array(rows, dtype=np.float64) if rows else np.zeros((0, 0))
+    table = np.array(rows, dtype=np.float64) if rows else np.zeros((0, width or 0))
     if label_column is None:
         return torch.as_tensor(table, dtype=dtype, device=device), None
+    if table.shape[1] and not -table.shape[1] <= label_column < table.shape[1]:
+        raise ValueError(f"label_column={label_column}: {path} has {table.shape[1]} columns (0 to "
+                         f"{table.shape[1] - 1}, or negative from the end)")
     if table.shape[0] == 0:
-        return torch.zeros(0, 0, dtype=dtype, device=device), torch.zeros(0, dtype=dtype, device=device)
+        d = max(table.shape[1] - 1, 0)
+        return torch.zeros(0, d, dtype=dtype, device=device), torch.zeros(0, dtype=dtype, device=device)
     col = label_column % table.shape[1]
     X = np.delete(table, col, axis=1)
     return torch.as_tensor(X, dtype=dtype, device=device), torch.as_tensor(table[:, col], dtype=dtype, device=device)

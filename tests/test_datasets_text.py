@@ -77,6 +77,24 @@ def test_csv_form_feed_gz_crlf_and_errors(tmp_path, name):
         D.load_csv(bad)
 
 
+def test_csv_label_column_outside_the_table_header_only_and_blank_lines_before_the_header(tmp_path):
+    """A label column outside the table is refused (it wrapped round: column 3 of a 3-column file was column 0);
+    a header-only file keeps the header's feature count; blank lines before the header are skipped (the first blank
+    line was taken as the header)."""
+    p = _write(tmp_path, "t.csv", b"1,0.5,2\n0,1,3\n")
+    for col in (3, 5, -4):
+        with pytest.raises(ValueError, match=rf"label_column={col}: .* has 3 columns"):
+            D.load_csv(p, label_column=col)
+    X, y = D.load_csv(p, label_column=-1)
+    assert y.tolist() == [2.0, 3.0] and X.tolist() == [[1.0, 0.5], [0.0, 1.0]]
+    X, y = D.load_csv(_write(tmp_path, "h.csv", b"y,a,b\n"), header=True)
+    assert tuple(X.shape) == (0, 2) and tuple(y.shape) == (0,)
+    X, y = D.load_csv(_write(tmp_path, "bh.csv", b"\n\ny,a,b\n1,2,3\n"), header=True)
+    assert X.tolist() == [[2.0, 3.0]] and y.tolist() == [1.0]
+    with pytest.raises(ValueError, match=r"line 4: 2 fields, the header has 3"):
+        D.load_csv(_write(tmp_path, "bw.csv", b"\n\ny,a,b\n1,2\n"), header=True)
+
+
 def test_make_criteo_text_labels_follow_its_model_in_the_readers_feature_space(tmp_path):
     from pyro_convexvb.online import iter_criteo
 
