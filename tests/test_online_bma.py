@@ -255,3 +255,20 @@ def test_rollback_of_a_chunk_in_which_members_leave_the_window(fast, monkeypatch
     for k, v in _arrays(m).items():
         np.testing.assert_array_equal(v, before[0][k])
     assert m.state_dict()["extra"] == before[1]
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_members_leaving_on_a_chunks_last_row_leave_whatever_the_chunking(fast):
+    """A member that leaves Occam's window on the last row of a chunk leaves then (it stayed, updated with a weight
+    of 1e-13, when every chunk was one row, since 'left on the last row' and 'stayed' were stored alike): row by
+    row equals one call, in predictions, active set and weights."""
+    X, y = make_online_stream(d=D, d_t=6, weight_std=3.0, seed=2).take(400)
+    one = OnlineBayesLogistic(D, fast=fast)
+    p_one = one.partial_fit(X, y, return_predictions=True)
+    rows = OnlineBayesLogistic(D, fast=fast)
+    p_rows = np.concatenate([rows.partial_fit(X[i:i + 1], y[i:i + 1], classes=np.unique(y), return_predictions=True)
+                             for i in range(X.shape[0])])
+    assert not one._member_active.all()  # members did leave on this stream
+    np.testing.assert_array_equal(rows._member_active, one._member_active)
+    np.testing.assert_allclose(p_rows, p_one, rtol=1e-12, atol=0)
+    np.testing.assert_array_equal(rows.prior_var_weights_ == 0, one.prior_var_weights_ == 0)

@@ -710,10 +710,11 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         s2_t = np.asarray(Xc.multiply(Xc) @ self._s2)
         return mu_t / eq.shrinkage(s2_t, self.link)
 
-    def _mix(self, p1k, llk, p1, ll, until):
+    def _mix(self, p1k, llk, p1, ll, until, active):
         """Model average of the members' progressive predictions ``p1k``, losses ``llk`` (``(n, K)``) into
         ``p1``, ``ll`` (``(n,)``); member ``k`` takes part in rows ``t < until[k]`` if it was active at the
-        start.  Advances the members' cumulative log losses and the active set."""
+        start.  Advances the members' cumulative log losses; ``active`` ``(K,)`` is the active set at the end of
+        the chunk (a member that left on the chunk's last row has ``until[k] = n``, as one that stayed)."""
         # sequential sums from the running totals: the same numbers however the stream is cut into chunks
         cum = np.cumsum(np.concatenate([self._member_loss[None, :], llk]), axis=0)
         before = cum[:-1]
@@ -724,7 +725,7 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         p1[:] = np.sum(np.where(inside, np.exp(logw) * p1k, 0.0), axis=1)
         ll[:] = -_logsumexp(np.where(inside, logw - llk, -np.inf))
         self._member_loss = cum[-1].copy()
-        self._member_active = self._member_active & (until >= len(llk))
+        self._member_active = self._member_active & np.asarray(active, dtype=bool)
 
     # ------------------------------------------------------------ streaming
     def _kernel_flags(self):
@@ -761,7 +762,7 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
                                        slot, cum, active, until, AUTO_LOG_WINDOW if auto else np.inf)
                 if auto:
                     self._member_loss = cum
-                    self._member_active = self._member_active & (until >= len(y))
+                    self._member_active = self._member_active & active.astype(bool)
                 return out
             width = int(np.diff(indptr).max(initial=0))
             p1k, llk = np.empty((len(y), K)), np.empty((len(y), K))
@@ -774,7 +775,7 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
                                        self._samples(len(y)), p1k, llk, acc_h, acc_eta, np.empty(width),
                                        np.empty(width), self._undo[0], self._undo[1], slot, cum.copy(), active,
                                        until, AUTO_LOG_WINDOW)
-            self._mix(p1k, llk, p1, ll, until)
+            self._mix(p1k, llk, p1, ll, until, active)
             return out
         width = int(np.diff(indptr).max(initial=0))
         if int(self.batch_size) > 1:
@@ -816,7 +817,7 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
                 drop = active & (cum - cum[active].min() > AUTO_LOG_WINDOW)
                 until[drop] = b1
                 active &= ~drop
-            self._mix(p1k, llk, p1, ll, until)
+            self._mix(p1k, llk, p1, ll, until, active)
             return unconverged, skipped
         return self._run_members(indptr, indices, data, y, p1, ll, self._mu, self._s2)
 
