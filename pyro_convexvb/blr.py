@@ -88,6 +88,50 @@ def _weighted_rows(Phi, y, weight):
     return Phi * r.unsqueeze(-1), y * r
 
 
+#: most iterations of :func:`evidence_fixed_point` (each costs O(min(N, D)) after one thin SVD)
+FIXED_POINT_MAX_ITER = 100_000
+
+
+def evidence_fixed_point(Phi, y, noise_var, prior_var, weight=None, *, learn_noise=True, learn_prior_var=True,
+                         noise_floor=0.0, rtol=1e-12, max_iter=FIXED_POINT_MAX_ITER):
+    """Maximise the evidence Eq. (14) over ``sigma^2`` and ``lambda`` for a fixed design by MacKay's fixed point.
+
+    With ``gamma = sum_i lambda e_i / (lambda e_i + sigma^2)`` (``e_i`` the eigenvalues of ``Phi^T Phi``),
+    ``lambda <- |m|^2 / gamma`` and ``sigma^2 <- |y - Phi m|^2 / (N - gamma)`` (MacKay 1992; Bishop 2006,
+    Eqs. 3.92 and 3.95, with ``lambda = 1 / alpha`` and ``sigma^2 = 1 / beta``), every quantity a sum over the
+    ``min(N, D)`` singular values of ``Phi`` after one thin SVD. Unlike a gradient test, its stopping rule (the
+    relative change of both parameters below ``rtol``) is not fooled where the evidence is nearly flat in
+    ``log lambda`` over decades (uncentred targets with ``fit_intercept=False``: it rose by 0.2 nats between
+    ``lambda = 0.9`` and ``2 10^4`` on 100 rows of the diabetes data).
+
+    :param weight: ``(N,)`` positive row weights (row ``n``'s likelihood to the power ``w_n``), or ``None``.
+    :param float noise_floor: ``sigma^2`` is kept at or above it.
+    :returns: ``(sigma^2, lambda, iterations, converged)`` as floats, int and bool.
+    """
+    Phi = torch.as_tensor(Phi, dtype=torch.float64).detach().cpu()
+    y = torch.as_tensor(y, dtype=torch.float64).detach().cpu()
+    n_eff = float(Phi.shape[0]) if weight is None else float(torch.as_tensor(weight, dtype=torch.float64).sum())
+    if weight is not None:
+        Phi, y = _weighted_rows(Phi, y, torch.as_tensor(weight, dtype=torch.float64).cpu())
+    U, S, _ = torch.linalg.svd(Phi, full_matrices=False)
+    e, c = (S**2).numpy(), (U.transpose(0, 1) @ y).numpy()
+    outside = max(float(y @ y) - float(c @ c), 0.0)  # |y|^2 off the range of Phi: never fitted
+    s2, lam = float(noise_var), float(prior_var)
+    for it in range(1, int(max_iter) + 1):
+        d = lam * e + s2
+        gamma = float((lam * e / d).sum())
+        new_lam = float((lam**2 * e * c**2 / d**2).sum()) / gamma if learn_prior_var and gamma > 0 else lam
+        new_s2 = s2
+        if learn_noise and n_eff - gamma > 0:
+            new_s2 = max((outside + float((s2**2 * c**2 / d**2).sum())) / (n_eff - gamma), noise_floor)
+        done = abs(new_lam - lam) <= rtol * lam and abs(new_s2 - s2) <= rtol * s2
+        s2, lam = new_s2, new_lam
+        if done or not (math.isfinite(lam) and math.isfinite(s2) and lam > 0 and s2 > 0):
+            break
+    ok = math.isfinite(lam) and math.isfinite(s2) and lam > 0 and s2 > 0
+    return s2, lam, it, bool(done and ok)
+
+
 def blr_posterior(Phi, y, noise_var, prior_var, weight=None):
     """Exact posterior ``w | y ~ N(m, C)`` -- Steinberg et al. 2017, §1.2 (the equations below Eq. 14).
 
@@ -134,8 +178,11 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
     :param bool learn_prior_var: optimise ``lambda``.
     :param bool learn_basis: optimise the basis module's parameters.
     :param bool fit_intercept: append a ones column to ``Phi`` (its weight shares the prior).
-    :param int max_iter: L-BFGS iterations.
-    :param float tol: gradient tolerance (relative to ``1 + |log ML|``) for convergence.
+    :param int max_iter: iterations: with a fixed design, MacKay's fixed point for ``sigma^2`` and ``lambda``
+        (:func:`evidence_fixed_point`) and then L-BFGS, which checks its gradient; with a learned basis, L-BFGS.
+    :param float tol: gradient tolerance (relative to ``1 + |log ML|``) for convergence (with a fixed design the
+        fixed point must also have converged: the evidence can be flat over decades of ``lambda``, where a gradient
+        test alone stops early).
 
     Fitted attributes: ``coef_`` ``(D,)`` (posterior mean of the weights of the basis features),
     ``intercept_`` (posterior mean of the intercept; ``0.0`` without ``fit_intercept``),
@@ -225,6 +272,16 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
             return -blr_log_marginal_likelihood(Phi, y, noise(), log_lam.exp(), weight) / n_eff
 
         self.n_iter_, self.converged_ = 0, True
+        fixed_point = True
+        if params and fixed_design is not None:  # sigma^2 and lambda only: the fixed point first (its docstring)
+            s2, lam, self.n_iter_, fixed_point = evidence_fixed_point(
+                fixed_design, y, float(noise().detach()), float(log_lam.detach().exp()), weight,
+                learn_noise=bool(self.learn_noise), learn_prior_var=bool(self.learn_prior_var), noise_floor=s2_floor,
+                max_iter=int(self.max_iter))
+            if math.isfinite(s2) and math.isfinite(lam) and s2 > 0 and lam > 0:  # L-BFGS goes on from there
+                with torch.no_grad():
+                    log_s2.fill_(math.log(max(s2 - s2_floor, 1e-300)))
+                    log_lam.fill_(math.log(lam))
         if params:
             from .linalg.lbfgs import minimize_lbfgs
 
@@ -233,14 +290,17 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
                 history.append(float(loss.detach()))
                 return loss
 
-            res = minimize_lbfgs(params, loss_fn, max_iter=int(self.max_iter), grad_tol=float(self.tol) * 1e-2,
+            res = minimize_lbfgs(params, loss_fn, max_iter=max(int(self.max_iter) - self.n_iter_, 1),
+                                 grad_tol=float(self.tol) * 1e-2,
                                  change_tol=1e-12, history_size=20, name="BayesianLinearRegression")
             history.pop()  # the final gradient check is not an iteration
-            self.n_iter_ = res.evaluations
-            self.converged_ = res.grad_norm <= float(self.tol) * (1 + abs(res.value))
+            self.n_iter_ += res.evaluations
+            self.converged_ = fixed_point and res.grad_norm <= float(self.tol) * (1 + abs(res.value))
             if not self.converged_:
                 warn(f"BayesianLinearRegression: L-BFGS stopped ({res.stop_reason}) after {res.evaluations} "
-                              f"evaluations with gradient {res.grad_norm:.3g} (tol {self.tol:.1g}); raise max_iter")
+                     f"evaluations with gradient {res.grad_norm:.3g} (tol {self.tol:.1g})"
+                     + ("" if fixed_point else "; the evidence fixed point had not converged when L-BFGS took over")
+                     + "; raise max_iter")
         with torch.no_grad():
             Phi = self._design(X)
             self.noise_var_ = float(noise())
