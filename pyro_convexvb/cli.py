@@ -357,7 +357,42 @@ def run_bench(quick=True, only=None):
 
 
 def _int_list(text):
-    return tuple(int(v) for v in text.split(",") if v.strip()) if text else ()
+    """argparse type of a comma-separated list of column numbers."""
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip()) if text else ()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated column numbers, got {text!r}") from None
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _check_writable(state_path):
+    """Refuse a state path that cannot be written before any row is learned (not after the whole pass)."""
+    folder = os.path.dirname(os.path.abspath(state_path))
+    if os.path.isdir(state_path):
+        raise ValueError(f"--state: {state_path!r} is a folder; give a file path")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"--state: no folder {folder!r} for the state file {state_path!r}")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--state: the folder {folder!r} is not writable")
 
 
 def _save_state_atomically(state, path):
@@ -366,9 +401,39 @@ def _save_state_atomically(state, path):
     os.replace(tmp, path)
 
 
-def run_online(path, fmt, state_path=None, resume=False, num_features=None, chunk_size=None, prior_var="auto",
-               hash_seed=0, label_column=0, integer_columns=(), categorical_columns=(), delimiter=",",
-               header=False, zero_based=False, progress=True, save_every=60.0, out=None):
+#: how run_online reads a file when an option is not given (and the state holds none): the settings a resumed
+#: run must share with the state's
+READING_DEFAULTS = {"hash_seed": 0, "label_column": 0, "integer_columns": (), "categorical_columns": (),
+                    "delimiter": ",", "header": False, "zero_based": False}
+
+
+def _reading_settings(fmt, saved, given):
+    """The reading settings of a run: those ``given`` (not ``None``), else the resumed state's, else the defaults;
+    a given setting that differs from the state's raises (the state's features were hashed or indexed that way)."""
+    relevant = {"criteo": ("hash_seed",), "csv": ("hash_seed", "label_column", "integer_columns",
+                                                  "categorical_columns", "delimiter", "header"),
+                "svmlight": ("zero_based",)}[fmt]
+    for key, value in given.items():
+        if value is not None and key not in relevant:
+            raise ValueError(f"--{key.replace('_', '-')}: does not apply to --format {fmt}")
+    out = {}
+    for key in relevant:
+        value = given.get(key)
+        value = tuple(value) if isinstance(value, list) else value
+        if saved is not None and key in saved:
+            have = tuple(saved[key]) if isinstance(saved[key], list) else saved[key]
+            if value is not None and value != have:
+                raise ValueError(f"--resume: --{key.replace('_', '-')} {value!r} differs from the state's "
+                                 f"{have!r} (its model was learned from features read that way); leave it "
+                                 "out or give the state's value")
+            value = have
+        out[key] = READING_DEFAULTS[key] if value is None else value
+    return out
+
+
+def run_online(path, fmt, state_path=None, resume=False, num_features=None, chunk_size=None, prior_var=None,
+               hash_seed=None, label_column=None, integer_columns=None, categorical_columns=None, delimiter=None,
+               header=None, zero_based=None, progress=True, save_every=60.0, out=None):
     """Learn :class:`~pyro_convexvb.online.OnlineBayesLogistic` from a text file, one progressive pass.
 
     Over 80 lines: a command-line script: argument handling, the run and its printed report in sequence.
@@ -387,8 +452,13 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
         ``"svmlight"``.
     :param num_features: hash buckets (criteo/csv; default ``2^22``), or the number of columns (svmlight;
         required).
-    :param prior_var: ``"auto"`` or a positive number.
+    :param prior_var: ``"auto"`` (default) or a positive number.
     :param float save_every: seconds between state saves (0: after every chunk).
+
+    The reading settings (``hash_seed``, the csv columns, ``delimiter``, ``header``, ``zero_based``) and
+    ``num_features``, ``prior_var`` are stored in the state. A resumed run takes them from it; one given that
+    differs raises ``ValueError`` (features hashed with another seed, or read from other columns, are other
+    features). Options that do not apply to ``fmt`` raise too.
     :returns: dict with ``rows`` (learned by this call), ``total_rows``, ``seconds``, ``rows_per_s``,
         ``log_loss`` (progressive, per row, over this call's rows) and ``state_path``.
 
@@ -396,7 +466,6 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
 
         >>> run_online("day_0.gz", "criteo", state_path="day_0.state.pt")   # doctest: +SKIP
     """
-    import numpy as np
 
     from .online import OnlineBayesLogistic, iter_criteo, iter_csv, iter_svmlight
 
@@ -405,34 +474,48 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
     if not os.path.isfile(path):
         raise FileNotFoundError(f"FILE: no such file {str(path)!r}")
     state_path = state_path or f"{path}.state.pt"
+    _check_writable(state_path)
+    given = dict(hash_seed=hash_seed, label_column=label_column, integer_columns=integer_columns,
+                 categorical_columns=categorical_columns, delimiter=delimiter, header=header, zero_based=zero_based)
     skip = 0
     if resume:
         if not os.path.isfile(state_path):
             raise FileNotFoundError(f"--resume: no state file {state_path!r}; run once without --resume")
-        saved = torch.load(state_path)
+        try:
+            saved = torch.load(state_path)
+            est = OnlineBayesLogistic.from_state_dict(saved["estimator"])
+        except Exception as e:  # a truncated or foreign file
+            raise ValueError(f"--resume: {state_path!r} is not a state written by this command ({type(e).__name__}: "
+                             f"{e})") from None
         if saved.get("format") != fmt:
             raise ValueError(f"--resume: the state was learned from {saved.get('format')!r} input, not {fmt!r}")
-        est = OnlineBayesLogistic.from_state_dict(saved["estimator"])
+        for key, value in (("num_features", num_features), ("prior_var", prior_var)):
+            have = est._num_features if key == "num_features" else est.prior_var
+            if value is not None and value != have:
+                raise ValueError(f"--resume: --{key.replace('_', '-')} {value!r} differs from the state's {have!r}; "
+                                 "leave it out or give the state's value")
         num_features = est._num_features
+        reading = _reading_settings(fmt, saved.get("reading"), given)
         if os.path.abspath(saved.get("file", "")) == os.path.abspath(str(path)):
             skip = int(saved.get("file_rows", 0))
     else:
         if fmt == "svmlight" and num_features is None:
-            raise ValueError("--num-features: needed with --format svmlight (the number of columns, or of hash "
-                             "buckets)")
-        num_features = int(num_features or 2 ** 22)
-        est = OnlineBayesLogistic(num_features, prior_var=prior_var)
+            raise ValueError("--num-features: needed with --format svmlight (the number of columns)")
+        reading = _reading_settings(fmt, None, given)
+        num_features = int(2 ** 22 if num_features is None else num_features)
+        if num_features < 1:
+            raise ValueError(f"--num-features: expected a positive number, got {num_features}")
+        est = OnlineBayesLogistic(num_features, prior_var="auto" if prior_var is None else prior_var)
     if fmt == "criteo":
-        chunks = iter_criteo(path, chunk_size=chunk_size, num_features=num_features, seed=hash_seed)
-        classes = None
+        chunks = iter_criteo(path, chunk_size=chunk_size, num_features=num_features, seed=reading["hash_seed"])
     elif fmt == "csv":
-        chunks = iter_csv(path, chunk_size=chunk_size, label_column=label_column, integer_columns=integer_columns,
-                          categorical_columns=categorical_columns, num_features=num_features, seed=hash_seed,
-                          delimiter=delimiter, header=header)
-        classes = None
+        chunks = iter_csv(path, chunk_size=chunk_size, num_features=num_features, seed=reading["hash_seed"],
+                          label_column=reading["label_column"], integer_columns=reading["integer_columns"],
+                          categorical_columns=reading["categorical_columns"], delimiter=reading["delimiter"],
+                          header=reading["header"])
     else:
-        chunks = iter_svmlight(path, chunk_size=chunk_size, num_features=num_features, zero_based=zero_based)
-        classes = None
+        chunks = iter_svmlight(path, chunk_size=chunk_size, num_features=num_features,
+                               zero_based=reading["zero_based"])
     from tqdm.auto import tqdm
 
     bar = tqdm(unit=" rows", unit_scale=True, disable=not progress, desc=os.path.basename(str(path)), file=out)
@@ -443,7 +526,9 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
 
     def save():
         _save_state_atomically({"estimator": est.state_dict(), "file": os.path.abspath(str(path)),
-                                "file_rows": file_rows, "format": fmt}, state_path)
+                                "file_rows": file_rows, "format": fmt,
+                                "reading": {k: list(v) if isinstance(v, tuple) else v for k, v in reading.items()}},
+                               state_path)
     try:
         for X, y in chunks:
             if skip:
@@ -451,11 +536,9 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
                 X, y, skip, file_rows = X[k:], y[k:], skip - k, file_rows + k
                 if X.shape[0] == 0:
                     continue
-            if classes is None:
-                labels = np.unique(y)
-                classes = [-1, 1] if -1 in labels else [0, 1]
-            ll = est.partial_fit(X, y, classes=classes if not hasattr(est, "classes_") else None,
-                                 return_log_loss=True)
+            # the estimator infers the label coding from the stream ({0, 1}, {-1, +1}, LIBSVM's {1, 2}, ...): a
+            # first chunk of one label does not fix it
+            ll = est.partial_fit(X, y, return_log_loss=True)
             rows += X.shape[0]
             file_rows += X.shape[0]
             loss += float(ll.sum())
@@ -499,19 +582,22 @@ def main(argv=None):
     o.add_argument("--format", required=True, choices=["criteo", "csv", "svmlight"])
     o.add_argument("--state", default=None, help="state file (default FILE.state.pt), written after every chunk")
     o.add_argument("--resume", action="store_true", help="continue from --state (skips the rows it learned)")
-    o.add_argument("--num-features", type=int, default=None,
-                   help="hash buckets (criteo/csv, default 2^22) or columns (svmlight, required)")
-    o.add_argument("--chunk-size", type=int, default=None,
+    o.add_argument("--num-features", type=_positive_int, default=None,
+                   help="hash buckets (criteo/csv, default 2^22) or columns (svmlight, required); a resumed run "
+                        "takes it from the state")
+    o.add_argument("--chunk-size", type=_positive_int, default=None,
                    help="rows per chunk (default: the readers' DEFAULT_CHUNK_ROWS, 50,000)")
-    o.add_argument("--prior-var", default="auto", help="'auto' (default) or a positive number")
-    o.add_argument("--hash-seed", type=int, default=0)
-    o.add_argument("--label-column", type=int, default=0, help="csv")
-    o.add_argument("--integer-columns", default="", help="csv: comma-separated column numbers")
-    o.add_argument("--categorical-columns", default="", help="csv: comma-separated column numbers")
-    o.add_argument("--delimiter", default=",", help="csv")
-    o.add_argument("--header", action="store_true", help="csv: skip a header line")
-    o.add_argument("--zero-based", action="store_true", help="svmlight: indices start at 0")
-    o.add_argument("--save-every", type=float, default=60.0, help="seconds between state saves (default 60)")
+    o.add_argument("--prior-var", default=None, help="'auto' (default) or a positive number")
+    o.add_argument("--hash-seed", type=int, default=None, help="criteo/csv (default 0)")
+    o.add_argument("--label-column", type=int, default=None, help="csv (default 0)")
+    o.add_argument("--integer-columns", type=_int_list, default=None, help="csv: comma-separated column numbers")
+    o.add_argument("--categorical-columns", type=_int_list, default=None,
+                   help="csv: comma-separated column numbers")
+    o.add_argument("--delimiter", default=None, help="csv (default ',')")
+    o.add_argument("--header", action="store_const", const=True, default=None, help="csv: skip a header line")
+    o.add_argument("--zero-based", action="store_const", const=True, default=None,
+                   help="svmlight: indices start at 0")
+    o.add_argument("--save-every", type=_seconds, default=60.0, help="seconds between state saves (default 60)")
     o.add_argument("--no-progress", action="store_true")
     b = sub.add_parser("bench", help="run the benchmark scripts (source checkout)")
     b.add_argument("--full", action="store_true", help="full sizes instead of --quick")
@@ -523,7 +609,7 @@ def main(argv=None):
         return 0
     if args.cmd == "online":
         prior_var = args.prior_var
-        if prior_var != "auto":
+        if prior_var not in (None, "auto"):
             try:
                 prior_var = float(prior_var)
             except ValueError:
@@ -532,12 +618,13 @@ def main(argv=None):
             res = run_online(args.file, args.format, state_path=args.state, resume=args.resume,
                              num_features=args.num_features, chunk_size=args.chunk_size, prior_var=prior_var,
                              hash_seed=args.hash_seed, label_column=args.label_column,
-                             integer_columns=_int_list(args.integer_columns),
-                             categorical_columns=_int_list(args.categorical_columns), delimiter=args.delimiter,
+                             integer_columns=args.integer_columns,
+                             categorical_columns=args.categorical_columns, delimiter=args.delimiter,
                              header=args.header, zero_based=args.zero_based, progress=not args.no_progress,
                              save_every=args.save_every)
-        except (ValueError, FileNotFoundError) as err:
-            print(f"error: {err}", file=sys.stderr)
+        except (ValueError, OSError, EOFError) as err:  # bad input, state or file (a corrupt .gz: BadGzipFile)
+            print(f"error: {type(err).__name__ + ': ' if isinstance(err, (OSError, EOFError)) else ''}{err}",
+                  file=sys.stderr)
             return 2
         print(f"{res['rows']} rows in {res['seconds']:.2f} s ({res['rows_per_s']:,.0f} rows/s), progressive log "
               f"loss {res['log_loss']:.4f}; {res['total_rows']} rows learned in all; state: {res['state_path']}")

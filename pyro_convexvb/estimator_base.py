@@ -364,7 +364,11 @@ def engine_options(est, engine, options):
 
 
 def iterations(result):
-    """``n_iter_`` of a fit: the iterations the engine recorded in ``result.history`` (one row per iteration)."""
+    """``n_iter_`` of a fit: the SVI steps of the engines that take them (``info["steps"]``: their history has a row
+    per window of steps only), else the iterations the engine recorded in ``result.history`` (one row each)."""
+    steps = (getattr(result, "info", None) or {}).get("steps")
+    if steps is not None:
+        return int(steps)
     return len(result.history.get("seconds", ())) if result.history is not None else 0
 
 

@@ -69,3 +69,56 @@ def test_online_command_reads_csv_and_svmlight(tmp_path):
     assert res["rows"] == 2
     with pytest.raises(ValueError, match="--num-features"):
         run_online(s, "svmlight", state_path=tmp_path / "s2.pt", progress=False)
+
+
+def test_resume_keeps_the_states_reading_settings_and_refuses_others(criteo, tmp_path, capsys):
+    """The hash seed, csv columns, feature count and prior are the state's: a resumed run that gives another value
+    is refused (they were silently ignored, or the new file hashed with another seed into the old model's buckets);
+    options of another format are refused."""
+    state = str(tmp_path / "s.pt")
+    base = ["online", str(criteo), "--format", "criteo", "--state", state, "--no-progress"]
+    assert main(base + ["--num-features", "4096", "--hash-seed", "7", "--prior-var", "0.1"]) == 0
+    assert torch.load(state)["reading"] == {"hash_seed": 7}
+    capsys.readouterr()
+    for extra, name in ((["--hash-seed", "8"], "--hash-seed 8"), (["--num-features", "123"], "--num-features 123"),
+                        (["--prior-var", "5"], "--prior-var 5.0")):
+        assert main(base + ["--resume"] + extra) == 2
+        assert f"error: --resume: {name} differs from the state's" in capsys.readouterr().err
+    assert main(base + ["--resume", "--hash-seed", "7"]) == 0  # the state's own value, or none, is fine
+    assert main(base + ["--resume", "--zero-based"]) == 2
+    assert "--zero-based: does not apply to --format criteo" in capsys.readouterr().err
+
+
+def test_bad_state_paths_and_option_values_fail_before_learning(criteo, tmp_path, capsys):
+    base = ["online", str(criteo), "--format", "criteo", "--no-progress"]
+    assert main(base + ["--state", str(tmp_path / "no" / "s.pt")]) == 2
+    assert "--state: no folder" in capsys.readouterr().err
+    assert main(base + ["--state", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing learned, no stray temporary file
+    for bad in (["--num-features", "0"], ["--save-every", "nan"], ["--save-every", "-1"], ["--chunk-size", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(base + bad)
+        assert e.value.code == 2 and bad[0] in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["online", str(criteo), "--format", "csv", "--integer-columns", "1,a"])
+    assert "--integer-columns: expected comma-separated column numbers" in capsys.readouterr().err
+    gz = tmp_path / "bad.gz"
+    gz.write_bytes(b"not gzip")
+    assert main(["online", str(gz), "--format", "criteo", "--state", str(tmp_path / "g.pt"), "--no-progress"]) == 2
+    assert "error: BadGzipFile" in capsys.readouterr().err
+
+
+def test_label_coding_is_the_streams_not_the_first_chunks(tmp_path):
+    """{-1, +1} labels whose first chunk is all +1, and LIBSVM's {1, 2}: the estimator infers the coding (the
+    command fixed it from the first chunk as {0, 1} or {-1, +1}, then refused the file)."""
+    rows = ["1 1:1"] * 10 + ["-1 2:1", "1 1:0.5"] * 5
+    p = tmp_path / "pm.svm"
+    p.write_text("\n".join(rows) + "\n")
+    res = run_online(p, "svmlight", state_path=tmp_path / "a.pt", num_features=3, chunk_size=10, progress=False)
+    assert res["total_rows"] == 20
+    q = tmp_path / "12.svm"  # (a first chunk of label 1 alone would read as {0, 1}: this one has both)
+    q.write_text("\n".join(r.replace("-1 ", "2 ") for r in rows[10:] + rows[:10]) + "\n")
+    res = run_online(q, "svmlight", state_path=tmp_path / "b.pt", num_features=3, chunk_size=10, progress=False)
+    m = OnlineBayesLogistic.from_state_dict(torch.load(tmp_path / "b.pt")["estimator"])
+    assert res["total_rows"] == 20 and m.classes_.tolist() == [1, 2]
