@@ -11,7 +11,6 @@
 """
 import gzip
 
-import numpy as np
 
 __all__ = ["parse_svmlight_lines", "read_svmlight", "open_text", "save", "load", "atomic_write", "to_state",
            "from_state"]
@@ -28,10 +27,11 @@ def open_text(path):
 def parse_svmlight_lines(lines, path="<lines>", first_lineno=1):
     """Parse LIBSVM/svmlight lines (``label idx:value ...``; ``#`` comments, ``qid:`` ignored).
 
-    Shared by :func:`pyro_convexvb.datasets.load_svmlight` (whole files, via :func:`read_svmlight`)
-    and :func:`pyro_convexvb.online.iter_svmlight` (chunks of a stream).
+    The reference parser of the reading core (:func:`pyro_convexvb.online._textio.parse_svmlight_block`), for lines
+    already in memory: a duplicated index in a row and a negative index raise, as in scikit-learn's
+    ``load_svmlight_file`` and :func:`pyro_convexvb.datasets.load_svmlight`.
 
-    :param lines: iterable of text lines.
+    :param lines: iterable of text (or bytes) lines.
     :param path: name used in error messages.
     :param int first_lineno: line number of the first line (for error messages).
     :returns: ``(indptr, indices, values, labels)`` numpy arrays of shapes ``(N + 1,)``,
@@ -44,29 +44,14 @@ def parse_svmlight_lines(lines, path="<lines>", first_lineno=1):
         >>> indptr.tolist(), indices.tolist(), values.tolist(), labels.tolist()
         ([0, 2, 3], [3, 7, 1], [0.5, 2.0, 1.0], [1.0, -1.0])
     """
-    labels, indptr, indices, values = [], [0], [], []
-    for lineno, line in enumerate(lines, first_lineno):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        tokens = line.split()
-        try:
-            labels.append(float(tokens[0]))
-            for tok in tokens[1:]:
-                i, v = tok.split(":", 1)
-                if i == "qid":
-                    continue
-                indices.append(int(i))
-                values.append(float(v))
-        except ValueError as err:
-            raise ValueError(f"{path}, line {lineno}: cannot parse {line[:60]!r} as LIBSVM ({err})") from None
-        indptr.append(len(indices))
-    return (np.array(indptr, dtype=np.int64), np.array(indices, dtype=np.int64), np.array(values, dtype=np.float64),
-            np.array(labels, dtype=np.float64))
+    from .online._textio import parse_svmlight_block
+
+    return parse_svmlight_block(lines, path, first_lineno)
 
 
 def read_svmlight(path, zero_based="auto"):
-    """Read a whole LIBSVM/svmlight file with :func:`parse_svmlight_lines`.
+    """Read a whole LIBSVM/svmlight file with :func:`parse_svmlight_lines` (:func:`pyro_convexvb.datasets.load_svmlight`
+    reads it faster, as a CSR tensor).
 
     :param path: file path (plain text).
     :param zero_based: ``True``, ``False`` or ``"auto"`` (one-based unless an index 0 occurs, as

@@ -294,3 +294,36 @@ def test_default_chunk_size_is_fifty_thousand_rows(tmp_path):
     assert sizes == [DEFAULT_CHUNK_ROWS, 7]
     with pytest.raises(ValueError, match=r"chunk_size: expected a positive integer \(or None for 50,000\)"):
         iter_svmlight(p, chunk_size=2.5, num_features=8)
+
+
+def test_bytes_that_are_not_utf8_hash_alike_on_both_paths(tmp_path):
+    """A categorical field of bytes that are not UTF-8 hashes as those bytes on the compiled path; a row sent to the
+    Python path (its label '0.0' is not a plain integer) raised a bare UnicodeDecodeError. Both give one hash."""
+    fast, slow = tmp_path / "a.csv", tmp_path / "b.csv"
+    fast.write_bytes(b"1,abc\n0,\xff\xfe\n")
+    slow.write_bytes(b"1,abc\n0.0,\xff\xfe\n")
+    (Xa, ya), = list(iter_csv(fast, categorical_columns=[1], num_features=2 ** 20))
+    (Xb, yb), = list(iter_csv(slow, categorical_columns=[1], num_features=2 ** 20))
+    assert (Xa != Xb).nnz == 0 and np.array_equal(ya, yb)
+    col = (zlib.crc32(b"1=\xff\xfe", 0) % 2 ** 20)
+    assert col in Xb[1].indices
+
+
+def test_svmlight_index_beyond_int64_names_file_and_line(tmp_path):
+    from pyro_convexvb.datasets import load_svmlight
+
+    p = tmp_path / "o.svm"
+    p.write_text("1 1:1\n-1 2:1\n1 99999999999999999999:1\n")
+    with pytest.raises(ValueError, match=r"o.svm, line 3: feature index 99999999999999999999 is too large"):
+        list(iter_svmlight(p, num_features=10))
+    with pytest.raises(ValueError, match=r"line 3: feature index 99999999999999999999 is too large"):
+        load_svmlight(p)
+
+
+def test_public_line_parser_refuses_duplicated_and_negative_indices():
+    from pyro_convexvb.io import parse_svmlight_lines
+
+    with pytest.raises(ValueError, match="line 1: feature index 3 appears twice"):
+        parse_svmlight_lines(["1 3:1 3:2"])
+    with pytest.raises(ValueError, match="line 2: negative feature index -2"):
+        parse_svmlight_lines(["1 1:1", "-1 -2:1"])

@@ -121,7 +121,7 @@ def integer_bin(value):
 def _reference_row(line, path, lineno, delimiter, need, label_column, int_cols, cat_cols, add_bias,
                    num_features, seed):
     """Label and hashed columns of one delimited line by the plain Python rules (the reference)."""
-    text = line.decode("utf-8")
+    text = line.decode("utf-8", "surrogateescape")  # bytes that are not UTF-8 hash as themselves, as compiled
     f = text.split(delimiter)
     if len(f) < need:
         raise ValueError(f"{path}: line {lineno}: expected at least {need} fields, got {len(f)}")
@@ -137,7 +137,8 @@ def _reference_row(line, path, lineno, delimiter, need, label_column, int_cols, 
             except ValueError as exc:
                 raise ValueError(f"{path}: line {lineno}: integer column {j}: {exc}") from None
     toks += [f"{j}={f[j]}" for j in cat_cols if f[j] != ""]
-    cols = np.array([zlib.crc32(t.encode("utf-8"), seed) % num_features for t in toks], dtype=np.int64)
+    cols = np.array([zlib.crc32(t.encode("utf-8", "surrogateescape"), seed) % num_features for t in toks],
+                    dtype=np.int64)
     return label, cols
 
 
@@ -670,6 +671,8 @@ def parse_svmlight_block(lines, path, first_lineno):
         idx = [i for i, _ in row]
         if idx and min(idx) < 0:
             raise ValueError(f"{path}, line {lineno}: negative feature index {min(idx)}")
+        if idx and max(idx) >= 2**62:
+            raise ValueError(f"{path}, line {lineno}: feature index {max(idx)} is too large")
         if len(set(idx)) != len(idx):
             dup = sorted(i for i in set(idx) if idx.count(i) > 1)[0]
             raise ValueError(f"{path}, line {lineno}: feature index {dup} appears twice in a row "
@@ -699,7 +702,7 @@ def parse_svmlight_bytes(block, path, first_lineno, use_sklearn=True, use_kernel
             return (X.indptr.astype(np.int64), X.indices.astype(np.int64), X.data, np.asarray(y, np.float64))
         except ImportError:  # pragma: no cover - depends on the environment
             pass
-        except ValueError:
+        except (ValueError, OverflowError):
             pass  # the reference parser says why, with the line (or accepts unsorted indices)
     indptr, indices, values, labels = parse_svmlight_block(split_lines(block), path, first_lineno)
     if indices.size:  # sort within rows
