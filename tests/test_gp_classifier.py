@@ -174,3 +174,21 @@ def test_input_validation():
         GPClassifier(kernel="rbf").fit(X, y)
     with pytest.raises(ValueError, match="engine 'nuts' has none"):
         GPClassifier(_kernel(), engine="nuts", learn_hyperparameters=True).fit(X, y)
+
+
+def test_converged_attribute_and_hyper_options_checked_whether_or_not_learning():
+    """``converged_`` is set as on every estimator; a misspelt ``hyper_options`` key raises also without learning (it
+    was accepted silently then), and known keys that a fit without learning does not use warn."""
+    import warnings
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(30, 2))
+    y = (X[:, 0] > 0).astype(int)
+    m = GPClassifier().fit(X, y)
+    assert m.converged_ is True and m.converged_ == m.result_.converged
+    with pytest.raises(TypeError, match=r"hyper_options: unknown keys \['maxiter'\]"):
+        GPClassifier(hyper_options={"maxiter": 3}).fit(X, y)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        GPClassifier(hyper_options={"max_iter": 3}).fit(X, y)
+    assert any("only apply with learn_hyperparameters=True" in str(x.message) for x in w)

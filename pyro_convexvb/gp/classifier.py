@@ -21,6 +21,7 @@ from sklearn.utils.validation import check_is_fitted
 from ..estimator_base import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier,
                               binary_targets, check_sample_weight, classifier_outputs, engine_options, fit_context,
                               iterations, positive_rows, predictive_log_probs, sklearn_input, validate_dense)
+from ..errors import warn
 from ..infer.dual_vg import DualState
 from ..infer.registry import get_engine
 from ..lgm.layout import LatentLayout
@@ -92,7 +93,8 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
     Learned attributes: ``kernel_`` (the fitted copy of ``kernel``), ``classes_``, ``n_features_in_``,
     ``feature_names_in_`` (pandas input), ``X_train_`` (torch), ``result_``
     (:class:`~pyro_convexvb.InferenceResult`), ``posterior_``, ``log_evidence_bound_``, ``alpha_``
-    (dual variables, ``dual_vg`` only), ``hyper_history_``, ``n_iter_`` (the engine's iterations).
+    (dual variables, ``dual_vg`` only), ``hyper_history_``, ``converged_`` (the engine's optimality measure),
+    ``n_iter_`` (the engine's iterations).
 
     Example::
 
@@ -184,6 +186,9 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         init = None
         if self.learn_hyperparameters:
             init = self._learn_hyperparameters(X, y01, options)
+        elif self._hyper_options():
+            warn("GPClassifier: hyper_options only apply with learn_hyperparameters=True; they are not used",
+                 UserWarning)
         if engine.State is DualState:  # the dual's N x N site form predicts without inverting K
             options.setdefault("form", "site")
         if "alpha0" in options:
@@ -203,8 +208,17 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self.result_ = res
         self.posterior_ = res.posterior
         self.log_evidence_bound_ = res.log_evidence_bound
+        self.converged_ = bool(res.converged)
         self.n_iter_ = iterations(res)
         return self
+
+    def _hyper_options(self):
+        """``hyper_options`` as a dict; unknown keys raise, whether or not the hyperparameters are learned."""
+        hyper = dict(self.hyper_options or {})
+        unknown = set(hyper) - {"max_iter", "gtol"}
+        if unknown:
+            raise TypeError(f"hyper_options: unknown keys {sorted(unknown)}; use 'max_iter' and 'gtol'")
+        return hyper
 
     def _learn_hyperparameters(self, X, y01, options):
         """Type-II over the kernel copy's parameters (and the mean): the engine's ``learn_params`` on a Pyro model."""
@@ -214,10 +228,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         if engine.type2 != "outer" or "learn_params" not in engine.Options.__dataclass_fields__:
             raise ValueError(f"learn_hyperparameters=True needs an engine with a type-II loop over pyro.param sites "
                              f"(dual_vg, convex_relaxation, laplace); engine '{self.engine}' has none")
-        hyper = dict(self.hyper_options or {})
-        unknown = set(hyper) - {"max_iter", "gtol"}
-        if unknown:
-            raise TypeError(f"hyper_options: unknown keys {sorted(unknown)}; use 'max_iter' and 'gtol'")
+        hyper = self._hyper_options()
         opts = dict(options, learn_params=True)
         fields = engine.Options.__dataclass_fields__
         for key, name in (("max_iter", "type2_max_iter"), ("gtol", "type2_gtol")):
