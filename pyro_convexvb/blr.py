@@ -181,8 +181,8 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
     :param int max_iter: iterations: with a fixed design, MacKay's fixed point for ``sigma^2`` and ``lambda``
         (:func:`evidence_fixed_point`) and then L-BFGS, which checks its gradient; with a learned basis, L-BFGS.
     :param float tol: gradient tolerance (relative to ``1 + |log ML|``) for convergence (with a fixed design the
-        fixed point must also have converged: the evidence can be flat over decades of ``lambda``, where a gradient
-        test alone stops early).
+        fixed point must also have converged, to a relative change of ``1e-6 tol``: the evidence can be flat over
+        decades of ``lambda``, where a gradient test alone stops early).
 
     Fitted attributes: ``coef_`` ``(D,)`` (posterior mean of the weights of the basis features),
     ``intercept_`` (posterior mean of the intercept; ``0.0`` without ``fit_intercept``),
@@ -277,7 +277,7 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
             s2, lam, self.n_iter_, fixed_point = evidence_fixed_point(
                 fixed_design, y, float(noise().detach()), float(log_lam.detach().exp()), weight,
                 learn_noise=bool(self.learn_noise), learn_prior_var=bool(self.learn_prior_var), noise_floor=s2_floor,
-                max_iter=int(self.max_iter))
+                max_iter=int(self.max_iter), rtol=1e-6 * float(self.tol))
             if math.isfinite(s2) and math.isfinite(lam) and s2 > 0 and lam > 0:  # L-BFGS goes on from there
                 with torch.no_grad():
                     log_s2.fill_(math.log(max(s2 - s2_floor, 1e-300)))

@@ -192,3 +192,22 @@ def test_converged_attribute_and_hyper_options_checked_whether_or_not_learning()
         warnings.simplefilter("always")
         GPClassifier(hyper_options={"max_iter": 3}).fit(X, y)
     assert any("only apply with learn_hyperparameters=True" in str(x.message) for x in w)
+
+
+def test_float32_learns_the_hyperparameters_of_float64():
+    """The float32 bound's rounding swamped the type-II loop's finite differences: it took no step (outputscale and
+    lengthscale stayed at 0.69 with the gradient at 542). It now learns in float64 on the float32 inputs."""
+    from sklearn.datasets import load_breast_cancer
+    from sklearn.preprocessing import StandardScaler
+
+    X, y = load_breast_cancer(return_X_y=True)
+    X = StandardScaler().fit_transform(X)[:, :5]
+    idx = np.random.default_rng(0).choice(len(y), 60, replace=False)
+    fits = {dt: GPClassifier(dtype=dt, learn_hyperparameters=True, hyper_options={"max_iter": 30}).fit(X[idx], y[idx])
+            for dt in ("float64", "float32")}
+    a, b = fits["float64"], fits["float32"]
+    assert b.kernel_.base_kernel.lengthscale.dtype == torch.float32
+    for get in (lambda m: m.kernel_.outputscale, lambda m: m.kernel_.base_kernel.lengthscale):
+        assert float(get(b)) == pytest.approx(float(get(a)), rel=0.02)
+    assert float(get(b)) != pytest.approx(math.log(2.0), rel=0.05)  # moved from its start (softplus(0))
+    np.testing.assert_allclose(b.predict_proba(X[:20]), a.predict_proba(X[:20]), atol=1e-3)

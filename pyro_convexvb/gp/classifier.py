@@ -80,7 +80,9 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         ``type2_gtol`` options.
     :param int num_points: Gauss-Hermite nodes of the predictive probabilities.
     :param dtype: ``"float64"`` (default) or ``"float32"`` (or the torch dtypes): the precision of the
-        computation.
+        computation (with ``learn_hyperparameters``, the type-II loop runs in float64 on the float32 inputs, whose
+        bounds are too coarse for its finite differences and line searches; the fit at the learned values runs in
+        ``dtype``).
     :param int max_iter: the engine's iteration cap, :class:`~pyro_convexvb.BayesianLogisticRegression`'s mapping
         (``max_iter`` of ``dual_vg``, ``max_outer`` of ``convex_relaxation``, ...); ``None``: the engine's
         default. The type-II loop's cap is ``hyper_options["max_iter"]``.
@@ -236,16 +238,26 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
                 if name not in fields:
                     raise TypeError(f"hyper_options: '{key}' is not an option of engine '{self.engine}'")
                 opts.setdefault(name, hyper[key])
-        model = _GPHyperModel(self.kernel_, self.jitter, self.learn_mean, float(self.mean), X.shape[0], self.weight_)
+        # learned in float64 whatever ``dtype``: the float32 bound's rounding (about 1e-5 of it) swamps the
+        # finite-difference gradients and line searches of the type-II loop, which then took no step at all
+        single = X.dtype != torch.float64
+        kernel = copy.deepcopy(self.kernel_).double() if single else self.kernel_
+        weight = None if self.weight_ is None else self.weight_.double()
+        model = _GPHyperModel(kernel, self.jitter, self.learn_mean, float(self.mean), X.shape[0], weight)
         store = pyro.get_param_store()
         with store.scope():  # the user's param store is left as it was
-            res = engine(model, progress=False, **opts).run(X, y01)
+            res = engine(model, progress=False, **opts).run(X.double(), y01.double())
             if self.learn_mean:
-                self.mean_ = pyro.param("mean").detach().clone()
+                self.mean_ = pyro.param("mean").detach().clone().to(X.dtype)
+        if single:  # the learned values into the float32 copy
+            with torch.no_grad():
+                self.kernel_.load_state_dict(kernel.state_dict())
         self.hyper_history_ = res.history
         self.hyper_converged_ = bool(res.converged)
         self.hyper_result_ = res
-        return res.state.warm_start() if isinstance(res.state, DualState) else None  # the dual starts from alpha
+        if single or not isinstance(res.state, DualState):
+            return None
+        return res.state.warm_start()  # the dual starts from alpha
 
     # ------------------------------------------------------------------ prediction
     def _latent(self, X):
