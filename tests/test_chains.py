@@ -74,8 +74,9 @@ def test_extraction_is_the_factored_joint_prior():
                           torch.tensor([1, 0, 0] + [1] * 6, dtype=D))
 
 
-def _exact_gaussian(X, grp, y, J=6, sigma=0.7):
-    """Exact posterior of the centred Gaussian model, built directly from its joint density."""
+def _joint_density(X, grp, J=6, sigma=0.7):
+    """The centred Gaussian model's joint density of ``x = (mu, b, alpha)`` and ``y`` (Normal likelihood, noise 0.5),
+    built directly: prior ``N(m0, Q0^{-1})``, design ``B``."""
     n = 3 + J
     A = torch.zeros(n, n, dtype=D)
     A[3:, 0] = 1.0
@@ -87,9 +88,14 @@ def _exact_gaussian(X, grp, y, J=6, sigma=0.7):
     B = torch.zeros(X.shape[0], n, dtype=D)
     B[:, 1:3] = X
     B[torch.arange(X.shape[0]), 3 + grp] = 1.0
-    Q = Q0 + B.transpose(0, 1) @ B / 0.25
-    cov = torch.linalg.inv(Q)
-    mean = cov @ (Q0 @ torch.linalg.solve(T, b) + B.transpose(0, 1) @ y / 0.25)
+    return torch.linalg.solve(T, b), Q0, B
+
+
+def _exact_gaussian(X, grp, y, J=6, sigma=0.7):
+    """Exact posterior of the centred Gaussian model, built directly from its joint density."""
+    m0, Q0, B = _joint_density(X, grp, J, sigma)
+    cov = torch.linalg.inv(Q0 + B.transpose(0, 1) @ B / 0.25)
+    mean = cov @ (Q0 @ m0 + B.transpose(0, 1) @ y / 0.25)
     return mean, cov
 
 
@@ -300,18 +306,8 @@ def test_keep_graph_refuses_a_chain_mean_that_reads_a_param():
 def _exact_elbo(X, grp, y, loc, cov, J=6, sigma=0.7):
     """ELBO of ``N(loc, cov)`` over the centred model's sites ``x = (mu, b, alpha)`` (Normal likelihood, noise 0.5),
     in closed form from the joint density ``N(x | m0, Q0^{-1}) N(y | B x, 0.25 I)``."""
-    n = 3 + J
-    A = torch.zeros(n, n, dtype=D)
-    A[3:, 0] = 1.0
-    S = torch.cat([torch.tensor([4.0, 1.0, 1.0], dtype=D), torch.full((J,), sigma**2, dtype=D)])
-    T = torch.eye(n, dtype=D) - A
-    b = torch.zeros(n, dtype=D)
-    b[0] = 0.3
-    Q0 = T.transpose(0, 1) @ torch.diag(1 / S) @ T
-    m0 = torch.linalg.solve(T, b)
-    B = torch.zeros(X.shape[0], n, dtype=D)
-    B[:, 1:3] = X
-    B[torch.arange(X.shape[0]), 3 + grp] = 1.0
+    m0, Q0, B = _joint_density(X, grp, J, sigma)
+    n = m0.shape[0]
     r = loc - m0
     prior = 0.5 * torch.logdet(Q0) - 0.5 * n * math.log(2 * math.pi) - 0.5 * (r @ Q0 @ r + (Q0 * cov).sum())
     e = y - B @ loc

@@ -158,7 +158,9 @@ def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, see
             m = m.to(lgm.dtype)
             S = S.to(lgm.dtype)
             # the posterior is over the model's sites x (an affine chain's LGM is over its innovations u)
-            return lgm.model_evidence_lower_bound(m, variance=S) if S.dim() == 1 else lgm.model_evidence_lower_bound(m, S)
+            if S.dim() == 1:
+                return lgm.model_evidence_lower_bound(m, variance=S)
+            return lgm.model_evidence_lower_bound(m, S)
         name = "natural-gradient decrement of the exact evidence bound (nats)"
     else:
         log_joint, n = flat_log_joint(call.model, call.args, call.kwargs, reduction)

@@ -100,7 +100,8 @@ def test_masked_out_responses_may_hold_nan(engine):
     m = torch.ones(len(y), dtype=torch.bool)
     m[3], y[3] = False, float("nan")
     assert engine in pcv.engines_that_fit(masked, X, y=y, m=m)
-    opts = {"nuts": dict(num_samples=100, warmup_steps=100, seed=0), "svi_automvn": dict(seed=0, max_steps=1500)}.get(engine, {})
+    opts = {"nuts": dict(num_samples=100, warmup_steps=100, seed=0),
+            "svi_automvn": dict(seed=0, max_steps=1500)}.get(engine, {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pcv.ConvergenceWarning)
         res = pcv.fit(masked, X, y=y, m=m, engine=engine, options=opts, progress=False)
