@@ -16,7 +16,7 @@ from ...posterior.mixture import (_ENTROPY_BOUNDS, AutoDiagMixture, DiagMixtureP
 from ..optimality import mixture_decrement, monte_carlo_objective
 from ..options import option
 from ..pyro_engines import SVIEngine, SVIOptions, flat_log_joint, model_param_values, try_lgm
-from ..result import Optimality, Solution
+from ..result import Criterion, Optimality, Solution
 from ...distributed import find_comm
 from ..sharded_svi import reshard_lgm
 from .elbo import DiagMixtureELBO
@@ -41,6 +41,9 @@ class DiagMixtureOptions(SVIOptions):
         if self.optimizer != "natural_gradient":
             super().check()
 
+
+#: name of the natural-gradient ascent's second criterion
+REMAINING_NAME = "gain still to come of the natural-gradient ascent, from its last two gains (nats)"
 
 #: options that only the stochastic optimiser uses ('auto' picks SVI when one differs from its default)
 SVI_ONLY_OPTIONS = ("lr", "min_steps", "window", "rtol", "lr_decay", "num_particles", "vectorize_particles",
@@ -145,11 +148,12 @@ class DiagMixtureEngine(SVIEngine):
             locs0, scales0 = guide._mixture_params()
         M = locs0.detach().to(lgm.dtype).clone()
         V = scales0.detach().to(lgm.dtype).clone() ** 2
-        M, V, val, it, reason = _natural_gradient_ascent(lgm, M, V, _entropy_fn(o.entropy), max_steps=o.max_steps,
-                                                        decrement_tol=o.decrement_tol, run=run)
+        M, V, val, it, reason, remaining = _natural_gradient_ascent(lgm, M, V, _entropy_fn(o.entropy),
+                                                                   max_steps=o.max_steps,
+                                                                   decrement_tol=o.decrement_tol, run=run)
         _write_guide_params(guide, {"locs": torch.nn.Parameter(M.to(locs0.dtype).clone()),
                                     "scales": PyroParam(V.sqrt().to(scales0.dtype).clone(), guide.scale_constraint)})
-        return val, it, reason
+        return val, it, reason, remaining
 
     def solve(self, call, run):
         o = self.options
@@ -162,8 +166,9 @@ class DiagMixtureEngine(SVIEngine):
             except ValueError as e:  # an init state of another model
                 raise (e if self.init is None else ValueError(f"init: {e}")) from None
         if self._use_natural_gradient(call, lgm, guide, red):
-            value, steps, reason = self._fit_natural_gradient(guide, lgm, run)
-            info_opt = {"optimizer": "natural_gradient", "elbo_estimate": value, "steps": steps}
+            value, steps, reason, remaining = self._fit_natural_gradient(guide, lgm, run)
+            info_opt = {"optimizer": "natural_gradient", "elbo_estimate": value, "steps": steps,
+                        "remaining_gain": remaining}
         else:
             loss = DiagMixtureELBO(num_particles=o.num_particles, entropy=o.entropy,
                                    vectorize_particles=o.vectorize_particles, reduction=red)
@@ -216,8 +221,10 @@ class DiagMixtureEngine(SVIEngine):
             bound = value if measured == best else mixture_evidence_bound(lgm, posterior, best)
             info["bound_eq24"] = mixture_evidence_bound(lgm, posterior, "eq24")
         state = MixtureState(posterior.locs, posterior.variances, info["steps"], info["optimizer"])
-        return Solution(posterior, bound, Optimality.single(name, dec, o.decrement_tol), reason, info,
-                        lgm=lgm if exact else None, state=state)
+        opt = Optimality.single(name, dec, o.decrement_tol)
+        if "remaining_gain" in info:  # the ascent's own estimate of what its linear convergence has left
+            opt = Optimality(opt.criteria + (Criterion(REMAINING_NAME, info["remaining_gain"], o.decrement_tol),))
+        return Solution(posterior, bound, opt, reason, info, lgm=lgm if exact else None, state=state)
 
 
 def _mixture_bound(lgm, entropy_fn, M, V):
@@ -269,15 +276,20 @@ def _natural_gradient_ascent(lgm, M, V, entropy_fn, *, max_steps, decrement_tol,
       ``E[d^2 log t_i] = 2 dE_i/drho_i``), so correlated latents do not slow it down as a diagonal
       metric would.
 
-    Steps that lower ``F`` (or leave a precision nonpositive) are halved. The run stops when the
-    decrement is below ``decrement_tol`` and the last step changed ``F`` by less than it.
+    Steps that lower ``F`` (or leave a precision nonpositive) are halved. The means' and the variances' steps
+    alternate in effect, so where they are strongly coupled (a GP prior's correlated latents) the ascent converges
+    linearly, gaining a nearly constant fraction ``r`` less each step while each step's decrement is small: 0.01
+    nats a step with 0.7 nats still to gain on a 60-point GP classification. The run therefore stops when the
+    decrement and the last gain are below ``decrement_tol`` and so is the gain still to come by the geometric
+    series of the last two gains, ``c r / (1 - r)`` with ``r = c_t / c_{t-1}`` (:func:`_remaining_gain`).
 
     :param M: ``(K, n)`` component means; :param V: ``(K, n)`` variances (the start).
     :param entropy_fn: the entropy bound ``(M, V) -> H``.
     :param run: the fit's :class:`~pyro_convexvb.infer.result.RunContext` (history and progress bar).
-    :returns: ``(M, V, F, iterations, stop reason)``.
+    :returns: ``(M, V, F, iterations, stop reason, remaining gain)``.
     """
     K = M.shape[0]
+    gains = []
     P = lgm.dense_prior_prec()
     val, g, gv, d = _mixture_bound(lgm, entropy_fn, M, V)
     b, reason, it, last_change = 1.0, "max_steps", 0, math.inf
@@ -288,7 +300,8 @@ def _natural_gradient_ascent(lgm, M, V, entropy_fn, *, max_steps, decrement_tol,
         bar.update(1)
         if not math.isfinite(dec):
             raise FloatingPointError(f"diag_mixture: the natural-gradient decrement became {dec}")
-        if dec <= decrement_tol and last_change <= decrement_tol:
+        remaining = _remaining_gain(gains, val)
+        if dec <= decrement_tol and last_change <= decrement_tol and remaining <= decrement_tol:
             reason = "decrement"
             break
         step_m = _newton_directions(lgm, P, g, d)
@@ -307,6 +320,20 @@ def _natural_gradient_ascent(lgm, M, V, entropy_fn, *, max_steps, decrement_tol,
             break
         M, V, new = accepted
         last_change = new[0] - val
+        gains.append(float(last_change))
         val, g, gv, d = new
         b = min(1.0, 2 * b)
-    return M, V, val, it, reason
+    return M, V, val, it, reason, _remaining_gain(gains, val)
+
+
+def _remaining_gain(gains, value):
+    """Gain still to come of a linearly converging ascent from its last two gains ``c_{t-1}, c_t``: the geometric
+    series ``c_t r / (1 - r)``, ``r = c_t / c_{t-1}``; ``inf`` before two gains or while they do not shrink, 0 once
+    the last gain is at rounding level."""
+    if len(gains) < 2:
+        return math.inf
+    prev, last = gains[-2], gains[-1]
+    if last <= 1e-12 * (1.0 + abs(value)):
+        return 0.0
+    r = last / prev if prev > 0 else math.inf
+    return last * r / (1.0 - r) if r < 1.0 else math.inf
