@@ -26,6 +26,51 @@ from torch.distributions import biject_to
 __all__ = ["ModelLogJoint"]
 
 
+class _UnmaskImputed(poutine.messenger.Messenger):
+    """The entries of an ``obs_mask`` site's ``<name>_unobserved`` latent that the model masks out (those at observed
+    positions) get the site's own conditional density instead of none.
+
+    They have no density in the model, while a proposal (the completed posterior) draws them from exactly that
+    conditional given the field: the ratio ``p / q`` then carried ``1 / q`` of every such entry and its weights
+    degenerated (k_hat 2.5 on an exact fit). With the density the target is ``p(y, x) prod_i p(z_i | x)`` on the
+    extended space, a proper auxiliary factor whose marginal is the model's, so every importance estimate of the
+    model's variables is unchanged in expectation and the masked entries cancel for the fitted proposal.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._observed = set()
+
+    def _process_message(self, msg):
+        if msg["type"] != "sample":
+            return
+        name = msg["name"]
+        if msg["is_observed"]:
+            if name.endswith("_observed") and torch.is_tensor(msg.get("mask")):
+                from ..lgm.extract import fill_unused_entries
+
+                self._observed.add(name[:-len("_observed")])
+                fill_unused_entries(msg)  # NaN in unused entries: Pyro still validates their density
+            return
+        if name.endswith("_unobserved") and name[:-len("_unobserved")] in self._observed \
+                and torch.is_tensor(msg.get("mask")):
+            msg["mask"] = None
+
+
+def _unmask_imputed(model):
+    def wrapped(*args, **kwargs):
+        with _UnmaskImputed():
+            return model(*args, **kwargs)
+
+    return wrapped
+
+
+def _is_deterministic(site):
+    """A ``pyro.deterministic`` site (Pyro records it as an observed ``Delta``; ``obs_mask`` ends with one): not an
+    observation."""
+    return bool((site.get("infer") or {}).get("_deterministic"))
+
+
 def _base(fn):
     """``(base distribution, reinterpreted event dims)`` under ``Independent``/``MaskedDistribution`` wrappers."""
     while True:
@@ -83,7 +128,7 @@ class ModelLogJoint:
     def __init__(self, model, args=(), kwargs=None, *, vectorise=True):
         from ..lgm.extract import latent_sites
 
-        self.model, self.args, self.kwargs = model, tuple(args), dict(kwargs or {})
+        self.model, self.args, self.kwargs = _unmask_imputed(model), tuple(args), dict(kwargs or {})
         sites = latent_sites(model, self.args, self.kwargs)
         self.names = [n for n, _ in sites]
         self.transforms = {n: biject_to(s["fn"].support) for n, s in sites}
@@ -173,7 +218,8 @@ class ModelLogJoint:
 
     def _observed_sites(self, tr):
         for name, site in tr.nodes.items():
-            if site["type"] != "sample" or not site["is_observed"] or name in self.transforms:
+            if site["type"] != "sample" or not site["is_observed"] or name in self.transforms \
+                    or _is_deterministic(site):
                 continue  # latent sites are observed here only because they are conditioned on
             yield name, site
 
@@ -271,7 +317,8 @@ class ModelLogJoint:
             tr = poutine.trace(self.model).get_trace(*self.args, **self.kwargs)
         out = {}
         for name, site in tr.nodes.items():
-            if site["type"] == "sample" and site["is_observed"] and name not in self.transforms:
+            if site["type"] == "sample" and site["is_observed"] and name not in self.transforms \
+                    and not _is_deterministic(site):
                 y = site["value"]
                 mask = site.get("mask")
                 flat = y.reshape(-1)

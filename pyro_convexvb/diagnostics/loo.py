@@ -30,6 +30,8 @@ __all__ = ["LOOResult", "loo", "loo_from_log_lik"]
 
 #: default draws of :func:`loo`
 LOO_DRAWS = 1000
+#: fewest draws of :func:`loo` (the tail of ten draws is the least a Pareto fit takes)
+MIN_LOO_DRAWS = 10
 
 
 @dataclass
@@ -144,9 +146,13 @@ def loo(result, num_draws=None, seed=0, *, proposal=None, progress=False):
             q = c.diagnostics.proposal_object
     if q is None:
         q = make_proposal(proposal_posterior(result), proposal)
+    S = LOO_DRAWS if num_draws is None else num_draws
+    if isinstance(S, bool) or int(S) != S or S < MIN_LOO_DRAWS:
+        raise ValueError(f"num_draws: expected an integer >= {MIN_LOO_DRAWS} (Pareto smoothing fits the largest "
+                         f"ratios of the draws; default {LOO_DRAWS}), got {num_draws!r}")
     gen = torch.Generator().manual_seed(int(seed))
     with torch.no_grad():
-        values, log_q = q.sample(LOO_DRAWS if num_draws is None else int(num_draws), gen)
+        values, log_q = q.sample(int(S), gen)
     out = lj.evaluate(values, pointwise=True, pit=True, progress=progress)
     lr = out["log_joint"] - log_q.double().cpu().numpy()
     names = list(out["log_lik"])
@@ -161,4 +167,24 @@ def loo(result, num_draws=None, seed=0, *, proposal=None, progress=False):
         cdf = (np.concatenate([out["cdf"][n][0] for n in names], 1), np.concatenate([out["cdf"][n][1] for n in names], 1))
     r = loo_from_log_lik(lr, ll, cdf)
     r.sites, r.proposal = sites, proposal
+    _warn_unreliable(r, lr)
     return r
+
+
+def _warn_unreliable(r, log_ratios):
+    """Warn (:class:`~.importance.ApproximationWarning`) when the draws' own ``k_hat`` or observations' ``k_hat`` are
+    above the threshold, as ``az.loo`` does: the estimates then rest on draws that miss part of the posterior."""
+    import warnings
+
+    from .importance import ApproximationWarning
+
+    _, k_all = psis_smooth(np.asarray(log_ratios, dtype=np.float64))
+    parts = []
+    if k_all > r.threshold:  # inf (too few distinct tail draws to fit) too
+        parts.append(f"the proposal's k_hat over all observations is {k_all:.2f}")
+    if r.num_high_k:
+        parts.append(f"{r.num_high_k} of {len(r.pareto_k)} observations have k_hat above it")
+    if parts:
+        warnings.warn(f"PSIS-LOO may be unreliable: {'; '.join(parts)} (threshold {r.threshold:.2f}). Call "
+                      "res.corrected() first (loo then uses its proposal), or use more draws (num_draws)",
+                      ApproximationWarning, stacklevel=3)

@@ -111,7 +111,7 @@ class _ProperMissing(poutine.messenger.Messenger):
         if msg["is_observed"]:
             if name.endswith("_observed"):
                 self._observed.add(name[:-len("_observed")])
-                self._fill_unused(msg)
+                fill_unused_entries(msg)
             return
         base = name[:-len("_unobserved")] if name.endswith("_unobserved") else None
         mask = msg.get("mask")
@@ -129,24 +129,24 @@ class _ProperMissing(poutine.messenger.Messenger):
         msg["fn"] = dist.MaskedMixture(keep, filler, fn)
         msg["mask"] = None
 
-    @staticmethod
-    def _fill_unused(msg):
-        """The unused (masked-out) entries of an ``obs_mask`` site's data may hold NaN: Pyro still evaluates and
-        validates their log density (masked afterwards), and a NaN there fails the support check or poisons the
-        gradients through the mask. They are set to a value in the support (``biject_to(support)(0)``, or 0 for
-        a discrete support), which no other variable reads."""
-        value, mask, fn = msg["value"], msg.get("mask"), msg["fn"]
-        if not (torch.is_tensor(value) and value.is_floating_point() and torch.is_tensor(mask)):
-            return
-        unused = ~torch.isfinite(value) & ~mask.bool()
-        if not bool(unused.any()):
-            return
-        from torch.distributions import biject_to
 
-        zero = torch.zeros((), dtype=value.dtype, device=value.device)
-        fill = zero if fn.support.is_discrete else biject_to(fn.support)(zero)
-        msg["value"] = torch.where(unused, fill, value)
-        msg["infer"] = dict(msg.get("infer") or {}, data=value)  # the data as given (check_model_data names it)
+def fill_unused_entries(msg):
+    """The unused (masked-out) entries of an ``obs_mask`` site's data may hold NaN: Pyro still evaluates and
+    validates their log density (masked afterwards), and a NaN there fails the support check or poisons the
+    gradients through the mask. They are set to a value in the support (``biject_to(support)(0)``, or 0 for
+    a discrete support), which no other variable reads."""
+    value, mask, fn = msg["value"], msg.get("mask"), msg["fn"]
+    if not (torch.is_tensor(value) and value.is_floating_point() and torch.is_tensor(mask)):
+        return
+    unused = ~torch.isfinite(value) & ~mask.bool()
+    if not bool(unused.any()):
+        return
+    from torch.distributions import biject_to
+
+    zero = torch.zeros((), dtype=value.dtype, device=value.device)
+    fill = zero if fn.support.is_discrete else biject_to(fn.support)(zero)
+    msg["value"] = torch.where(unused, fill, value)
+    msg["infer"] = dict(msg.get("infer") or {}, data=value)  # the data as given (check_model_data names it)
 
 
 def proper_missing(model):
