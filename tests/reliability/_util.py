@@ -26,9 +26,37 @@ _SIGINT_DEFAULT = "import signal as _signal; _signal.signal(_signal.SIGINT, _sig
 
 def start_child(code, *args, **kwargs):
     """``subprocess.Popen`` of ``python -c code args...`` with line-buffered text pipes (SIGINT raising
-    ``KeyboardInterrupt`` in the child, whatever the parent's disposition)."""
-    return subprocess.Popen([sys.executable, "-c", _SIGINT_DEFAULT + code, *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, bufsize=1, env=child_env(), cwd=ROOT, **kwargs)
+    ``KeyboardInterrupt`` in the child, whatever the parent's disposition), in a session of its own so that
+    :func:`stop_child` also ends the processes it forks."""
+    kwargs.setdefault("start_new_session", True)
+    return subprocess.Popen([sys.executable, "-c", _SIGINT_DEFAULT + code, *map(str, args)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=child_env(),
+                            cwd=ROOT, **kwargs)
+
+
+def stop_child(proc):
+    """SIGKILL the child and every process of its session (a forked writer left alive kept the pipes open, so
+    reading the child's stderr after a timeout blocked for ever), then reap it."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        if proc.poll() is None:
+            proc.kill()
+    proc.wait(timeout=30)
+
+
+def _stderr_tail(proc):
+    """The end of the stopped child's stderr, read without waiting for ever."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stderr, selectors.EVENT_READ)
+    try:
+        return proc.stderr.read()[-3000:] if sel.select(5) else "(stderr not readable)"
+    finally:
+        sel.close()
 
 
 def read_line(proc, expect_prefix, timeout=STARTUP_TIMEOUT):
@@ -43,14 +71,14 @@ def read_line(proc, expect_prefix, timeout=STARTUP_TIMEOUT):
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sel.select(left):
-                proc.kill()
+                stop_child(proc)
                 raise AssertionError(f"child: no {expect_prefix!r} line within {timeout} s; stderr:\n"
-                                     f"{proc.stderr.read()[-3000:]}")
+                                     f"{_stderr_tail(proc)}")
             line = proc.stdout.readline()
             if not line:
-                proc.wait(timeout=10)
+                stop_child(proc)
                 raise AssertionError(f"child exited ({proc.returncode}) before {expect_prefix!r}; stderr:\n"
-                                     f"{proc.stderr.read()[-3000:]}")
+                                     f"{_stderr_tail(proc)}")
             if line.startswith(expect_prefix):
                 return line.rstrip("\n")
     finally:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ._util import read_line, start_child
+from ._util import read_line, start_child, stop_child
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process needs POSIX signals")
 
@@ -63,9 +63,7 @@ def _interrupt_after_start(code, delay, *args):
         proc.send_signal(signal.SIGINT)
         line = read_line(proc, "result", timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
+        stop_child(proc)
     return json.loads(line.split(" ", 1)[1])
 
 

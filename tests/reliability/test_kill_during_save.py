@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from ._util import read_line, start_child
+from ._util import read_line, start_child, stop_child
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32" or not hasattr(os, "fork"),
                                 reason="kill -9 scenarios need POSIX fork and SIGKILL")
@@ -79,8 +79,7 @@ def test_kill_9_during_save_never_leaves_a_truncated_checkpoint(tmp_path):
             stale, inside = tmp_files, inside + (tmp_files > stale)
     finally:
         server.stdin.close()
-        server.kill()
-        server.wait(timeout=30)
+        stop_child(server)  # the server and a writer it may have left
     # the checkpoint itself is the only complete file; stray temporaries are never read
     assert os.path.exists(path)
     print(f"{KILLS} kills, {inside} landed inside a save (left a temporary file)")
