@@ -213,3 +213,22 @@ def test_float32_learns_the_hyperparameters_of_float64():
     assert values(b) == pytest.approx(values(a), rel=0.02)
     assert values(b)[1] != pytest.approx(math.log(2.0), rel=0.05)  # moved from its start (softplus(0))
     np.testing.assert_allclose(b.predict_proba(X[:20]), a.predict_proba(X[:20]), atol=1e-3)
+
+
+def test_kernel_priors_make_type2_maximum_a_posteriori():
+    """GPyTorch priors on the kernel's hyperparameters enter the type-II objective (they were ignored: the learned
+    values equalled those without priors to every digit). A tight prior holds its hyperparameter near its mode;
+    the user's kernel keeps its values."""
+    from scipy.special import expit
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(60, 2))
+    y = (rng.random(60) < expit(2 * np.sin(2 * X[:, 0]) + X[:, 1])).astype(int)
+    K, P = gpytorch.kernels, gpytorch.priors
+    plain = GPClassifier(kernel=K.ScaleKernel(K.RBFKernel()), learn_hyperparameters=True).fit(X, y)
+    tight = K.ScaleKernel(K.RBFKernel(lengthscale_prior=P.GammaPrior(500.0, 100.0)))  # mode 4.99, sd 0.22
+    before = {k: v.clone() for k, v in tight.state_dict().items()}
+    m = GPClassifier(kernel=tight, learn_hyperparameters=True).fit(X, y)
+    assert float(plain.kernel_.base_kernel.lengthscale) < 1.0
+    assert float(m.kernel_.base_kernel.lengthscale.detach()) == pytest.approx(5.0, rel=0.1) and m.hyper_converged_
+    assert all(torch.equal(v, tight.state_dict()[k]) for k, v in before.items())

@@ -72,7 +72,8 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         over the kernel hyperparameters (and the constant mean if ``learn_mean``): the kernel copy is
         registered with ``pyro.module`` in a Pyro model and fitted with the engine's ``learn_params``
         (:mod:`~pyro_convexvb.infer.type2`; envelope-theorem gradients for ``dual_vg`` and
-        ``convex_relaxation``), in a private param-store scope.
+        ``convex_relaxation``), in a private param-store scope. GPyTorch priors on the kernel's hyperparameters
+        (``lengthscale_prior=...``) are added to the objective (a ``pyro.factor``): maximum a posteriori type-II.
     :param float mean: constant prior mean.
     :param float jitter: added to the diagonal of ``K``.
     :param dict options: engine options (e.g. ``{"bound": "jensen"}`` for ``dual_vg``).
@@ -308,6 +309,10 @@ class _GPHyperModel:
 
         n = self.n
         pyro.module("kernel", self.kernel)
+        priors = list(self.kernel.named_priors()) if hasattr(self.kernel, "named_priors") else []
+        if priors:  # GPyTorch priors on the hyperparameters: maximum a posteriori type-II (a factor of no latent)
+            pyro.factor("kernel_priors", sum(prior.log_prob(closure(module)).sum()
+                                             for _, module, prior, closure, _ in priors))
         mean = pyro.param("mean", torch.tensor(self.mean0, dtype=X.dtype)) if self.learn_mean else \
             torch.tensor(self.mean0, dtype=X.dtype)
         K = self.kernel(X).to_dense() + self.jitter * torch.eye(n, dtype=X.dtype, device=X.device)

@@ -141,18 +141,23 @@ def maximize_bound(engine, names, args, kwargs, *, max_iter=50, gtol=1e-5, fd_st
             run.history.record(objective=value, grad_norm=float(np.abs(grad).max()))
         return -value, -grad
 
-    x0 = params.get().numpy()
-    f0, _ = fun(x0)  # the gradient test is relative to the bound's size: scale it once at the start
-    opt = scipy.optimize.minimize(fun, x0, jac=True, method="L-BFGS-B",
-                                  options=dict(maxiter=max_iter, gtol=0.5 * gtol * (1.0 + abs(f0)), ftol=1e-14))
-    x = opt.x
-    res = fit_at(x) if state["x"] is None or not np.array_equal(state["x"], x) else state["res"]
-    value = engine.type2_value(res)
-    grad = engine.type2_gradient(params, x, res, args, kwargs, fd_step)
+    x = params.get().numpy()
+    f0, _ = fun(x)  # the gradient test is relative to the bound's size at the start of each run
+    nit, left = 0, max_iter
+    for _ in range(3):  # a run whose test was scaled by a far larger start (e.g. a prior's density far from its mode)
+        opt = scipy.optimize.minimize(fun, x, jac=True, method="L-BFGS-B",
+                                      options=dict(maxiter=left, gtol=0.5 * gtol * (1.0 + abs(f0)), ftol=1e-14))
+        x, nit, left = opt.x, nit + int(opt.nit), left - int(opt.nit)
+        res = fit_at(x) if state["x"] is None or not np.array_equal(state["x"], x) else state["res"]
+        value = engine.type2_value(res)
+        grad = engine.type2_gradient(params, x, res, args, kwargs, fd_step)
+        if float(np.abs(grad).max()) <= gtol * (1.0 + abs(value)) or left <= 0 or abs(value) >= 0.5 * abs(f0):
+            break
+        f0 = value  # again from here, the test scaled by the bound where it now is
     params.set(x)
     gnorm = float(np.abs(grad).max())
     info = {"learned": params.constrained(), "value": value, "grad_norm": gnorm,
-            "gtol": gtol * (1.0 + abs(value)), "iterations": int(opt.nit), "fits": state["evals"],
+            "gtol": gtol * (1.0 + abs(value)), "iterations": nit, "fits": state["evals"],
             "message": str(opt.message)}
     return res, info
 
