@@ -210,7 +210,15 @@ def load(path, map_location=None):
     """
     import torch
 
-    payload = torch.load(path, map_location=map_location, weights_only=True)
+    import os
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # empty, truncated or foreign bytes: torch's reader fails in many ways
+        raise ValueError(f"{path}: not a readable file written by pyro_convexvb.save (it is empty, truncated or "
+                         f"corrupt: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'})") from None
     if not isinstance(payload, dict) or payload.get("format") != SAVE_FORMAT:
         raise ValueError(f"{path}: not a file written by pyro_convexvb.save (no format tag {SAVE_FORMAT!r})")
     if payload.get("format_version") != SAVE_FORMAT_VERSION:

@@ -317,3 +317,20 @@ def test_a_grid_stopped_by_its_radius_cap_while_its_rim_carries_mass_is_not_conv
     q = res.hyper["marginals"]["sigma_v"]["quantiles"]
     for p, key in ((0.05, "q05"), (0.5, "q50"), (0.95, "q95")):
         assert float(q[p]) == pytest.approx(ref[key][0], rel=0.1), p
+
+
+def test_grid_refusal_for_three_hyper_dimensions_is_not_chained_to_the_extraction():
+    """The integration's error was raised while handling the extraction's ('unsupported prior HalfNormal'), which the
+    traceback printed first and which wrongly suggested the prior was the problem."""
+    X = torch.randn(30, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    y = (X[:, 0] > 0).double()
+
+    def model(X, y=None):
+        t = pyro.sample("t", dist.HalfNormal(torch.ones(3, dtype=torch.float64)).to_event(1))
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=torch.float64), t).to_event(1))
+        with pyro.plate("d", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    with pytest.raises(ValueError, match="a grid integrates over at most 2") as e:
+        pcv.fit(model, X, y=y, engine="dual_vg", options={"hyper_strategy": "grid"}, progress=False)
+    assert e.value.__context__ is None

@@ -153,6 +153,18 @@ def test_refuses_unknown_class_version_and_format(tmp_path):
     torch.save({"w": torch.ones(2)}, tmp_path / "o.pt")
     with pytest.raises(ValueError, match="not a file written by pyro_convexvb.save"):
         pcv.load(tmp_path / "o.pt")
+    # empty, garbage, a flipped byte, a truncated file: a ValueError naming the file (raw KeyError, EOFError,
+    # UnicodeDecodeError, RuntimeError before)
+    good = path.read_bytes()
+    flipped = bytearray(good)
+    flipped[200] ^= 0xFF
+    for name, data in (("empty", b""), ("garbage", b"hello world\n" * 10), ("flipped", bytes(flipped)),
+                       ("half", good[:len(good) // 2])):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=rf"{name}: not a readable file written by pyro_convexvb.save"):
+            pcv.load(tmp_path / name)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        pcv.load(tmp_path / "missing.pt")
 
 
 def test_refuses_objects_without_plain_state(tmp_path):

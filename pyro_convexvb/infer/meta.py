@@ -43,8 +43,10 @@ def run(engine, args, kwargs):
             raise engine.refusal(err, args, kwargs) from None
         if not hyper:
             raise
-        return run_hyper(engine, hyper, args, kwargs, t0)
-    return engine.run_once(args, kwargs, t0, lgm)
+    else:
+        return engine.run_once(args, kwargs, t0, lgm)
+    # outside the handler: an error of the integration is not shown as raised while handling the extraction's
+    return run_hyper(engine, hyper, args, kwargs, t0)
 
 
 def hyper_latents(engine_cls, model, args, kwargs):
