@@ -170,7 +170,9 @@ def test_to_arviz_round_trip(logistic_hyper):
         summ = az.summary(idata)
         l_az = az.loo(idata)
     assert summ.loc["tau", "mean"] == pytest.approx(ref["tau"]["mean"][0], abs=4 * summ.loc["tau", "mcse_mean"] + 0.05)
-    ours = res.loo(num_draws=400)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ApproximationWarning)  # 2 of 80 observations' k_hat above it at 400 draws
+        ours = res.loo(num_draws=400)
     assert abs(ours.elpd_loo - l_az.elpd_loo) < 0.5 * l_az.se
     # a corrected result exports draws resampled by the importance weights
     res.corrected(num_draws=400)
