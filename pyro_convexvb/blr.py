@@ -290,15 +290,22 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
                 history.append(float(loss.detach()))
                 return loss
 
-            res = minimize_lbfgs(params, loss_fn, max_iter=max(int(self.max_iter) - self.n_iter_, 1),
-                                 grad_tol=float(self.tol) * 1e-2,
-                                 change_tol=1e-12, history_size=20, name="BayesianLinearRegression")
-            history.pop()  # the final gradient check is not an iteration
-            self.n_iter_ += res.evaluations
-            self.converged_ = fixed_point and res.grad_norm <= float(self.tol) * (1 + abs(res.value))
+            left = int(self.max_iter) - self.n_iter_  # the fixed point's iterations count against max_iter
+            if left > 0:
+                res = minimize_lbfgs(params, loss_fn, max_iter=left, grad_tol=float(self.tol) * 1e-2,
+                                     change_tol=1e-12, history_size=20, name="BayesianLinearRegression")
+                history.pop()  # the final gradient check is not an iteration
+                value, gnorm, stop, iters = res.value, res.grad_norm, res.stop_reason, res.iterations
+            else:  # the budget went to the fixed point: the gradient is checked where it stopped
+                loss = objective()
+                grads = torch.autograd.grad(loss, params)
+                value, gnorm, stop, iters = float(loss.detach()), max(float(g.abs().max()) for g in grads), \
+                    "max_iter", 0
+            self.n_iter_ += iters
+            self.converged_ = fixed_point and gnorm <= float(self.tol) * (1 + abs(value))
             if not self.converged_:
-                warn(f"BayesianLinearRegression: L-BFGS stopped ({res.stop_reason}) after {res.evaluations} "
-                     f"evaluations with gradient {res.grad_norm:.3g} (tol {self.tol:.1g})"
+                warn(f"BayesianLinearRegression: L-BFGS stopped ({stop}) after {iters} "
+                     f"iterations with gradient {gnorm:.3g} (tol {self.tol:.1g})"
                      + ("" if fixed_point else "; the evidence fixed point had not converged when L-BFGS took over")
                      + "; raise max_iter")
         with torch.no_grad():

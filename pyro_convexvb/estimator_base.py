@@ -364,11 +364,13 @@ def engine_options(est, engine, options):
 
 
 def iterations(result):
-    """``n_iter_`` of a fit: the SVI steps of the engines that take them (``info["steps"]``: their history has a row
-    per window of steps only), else the iterations the engine recorded in ``result.history`` (one row each)."""
-    steps = (getattr(result, "info", None) or {}).get("steps")
-    if steps is not None:
-        return int(steps)
+    """``n_iter_`` of a fit: the iterations the engine counted (``info["iterations"]``: ``dual_vg``'s steps,
+    ``convex_relaxation``'s outer updates, ``laplace``'s L-BFGS iterations; ``info["steps"]``: the SVI steps, whose
+    history has a row per window of steps only), else the rows of ``result.history``."""
+    info = getattr(result, "info", None) or {}
+    for key in ("iterations", "steps"):
+        if info.get(key) is not None:
+            return int(info[key])
     return len(result.history.get("seconds", ())) if result.history is not None else 0
 
 

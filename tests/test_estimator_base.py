@@ -217,3 +217,19 @@ def test_renamed_refuses_both_names():
         renamed(est, "seed", "random_state")
     with pytest.warns(FutureWarning):
         assert renamed(OnlineMarginalVB(seed=1, random_state=1), "seed", "random_state") == 1
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation", "laplace", "svi_autonormal"])
+def test_n_iter_counts_the_engines_iterations_within_max_iter(engine):
+    """``n_iter_`` is the engine's own count: it was the history's rows (one above max_iter where the history holds
+    the start) or, for the SVI engines, windows of 250 steps (0 after 50 steps)."""
+    X, y = binary_problem(n=60, d=3)
+    for cap in (1, 3, 50):
+        m = _quiet(lambda: pcv.BayesianLogisticRegression(engine=engine, max_iter=cap).fit(X, y))
+        assert 1 <= m.n_iter_ <= cap
+    if engine == "svi_autonormal":
+        assert m.n_iter_ == 50  # stopped by the cap: every step counts
+    rng = np.random.default_rng(0)
+    Xr = rng.normal(size=(40, 3))
+    yr = Xr @ [1.0, -2.0, 0.5] + rng.normal(size=40)
+    assert _quiet(lambda: pcv.BayesianLinearRegression(max_iter=1).fit(Xr, yr)).n_iter_ == 1

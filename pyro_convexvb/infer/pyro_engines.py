@@ -468,7 +468,8 @@ class LaplaceEngine(_FullDataEngine):
                 bound = float(lgm.evidence_lower_bound(q.loc.to(lgm.dtype), q.covariance().to(lgm.dtype)))
         reason = "gradient" if rel <= o.grad_tol else res.stop_reason
         opt = Optimality.single("max |gradient| of the log joint at the mode / (1 + |log joint|)", rel, o.grad_tol)
-        return Solution(posterior, bound, opt, reason, {"map_grad_norm": res.grad_norm, "evaluations": res.evaluations},
+        return Solution(posterior, bound, opt, reason, {"map_grad_norm": res.grad_norm, "evaluations": res.evaluations,
+                                                   "iterations": res.iterations},
                         lgm=lgm)
 
 

@@ -106,6 +106,8 @@ class LBFGSResult:
     evaluations: int
     converged: bool
     stop_reason: str
+    #: L-BFGS iterations (each takes one or more evaluations in its line search)
+    iterations: int = 0
 
 
 def minimize_lbfgs(params, loss_fn, *, max_iter=500, grad_tol=1e-8, change_tol=1e-14, history_size=50, lr=1.0,
@@ -165,4 +167,4 @@ def minimize_lbfgs(params, loss_fn, *, max_iter=500, grad_tol=1e-8, change_tol=1
     else:
         reason = "no progress"
     opt.zero_grad()
-    return LBFGSResult(float(loss.detach()), gnorm, count[0], converged, reason)
+    return LBFGSResult(float(loss.detach()), gnorm, count[0], converged, reason, int(n_iter))

@@ -223,6 +223,7 @@ class ConvexVariationalRelaxation(Engine):
             "z": zz,
             "phi": phi,
             "phi_history": out["phi"],
+            "iterations": max(len(out["phi"]) - 1, 0),  # outer variance updates (the first inner loop is not one)
             "best_outer_index": out["best_index"],
             "log_det_method": step.logdet_method,
             "log_det_history": out["logdet"],
