@@ -191,3 +191,32 @@ def test_bad_input():
         design_score(torch.eye(3, dtype=D), torch.eye(3, dtype=D), noise_var=0.0)
     with pytest.raises(ValueError, match="X_star"):
         design_score(torch.eye(4, dtype=D), torch.eye(3, dtype=D))
+
+
+def test_design_score_checks_its_arguments():
+    """NaN in 2-D candidates or in the factor gave NaN scores silently (argmax then picked the NaN row); NumPy and
+    0-d torch noise variances were refused, True accepted as 1; a zero chunk size and empty 3-D candidates raised
+    raw Python/torch errors; float32 candidates with a float64 factor a dtype error."""
+    from pyro_convexvb.design.scores import design_score
+
+    g = torch.Generator().manual_seed(0)
+    L = torch.linalg.cholesky(torch.eye(5, dtype=torch.float64) + 0.1)
+    X = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    ref = design_score(X, L)
+    for nv in (np.float32(1.0), np.int64(1), torch.tensor(1.0)):
+        assert torch.allclose(design_score(X, L, noise_var=nv), ref)
+    for nv in (True, 0.0, float("nan"), "1"):
+        with pytest.raises(ValueError, match="noise_var: expected a positive finite number"):
+            design_score(X, L, noise_var=nv)
+    bad = X.clone()
+    bad[0, 1] = float("nan")
+    with pytest.raises(ValueError, match="X_star: contains NaN/inf"):
+        design_score(bad, L)
+    with pytest.raises(ValueError, match="X_star: contains NaN/inf"):
+        design_score(bad.to_sparse_csr(), L)
+    with pytest.raises(ValueError, match="factor: contains NaN/inf"):
+        design_score(X, L * float("nan"))
+    with pytest.raises(ValueError, match="chunk_size: expected a positive integer"):
+        design_score(X[:, None, :], L, chunk_size=0)
+    assert design_score(X[:0, None, :], L).shape == (0,)
+    assert torch.allclose(design_score(X.float(), L).double(), ref, rtol=1e-5)

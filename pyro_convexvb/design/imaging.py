@@ -34,7 +34,7 @@ from ..linalg import (
     shift_class_symbol,
     tile_layout,
 )
-from .scores import _logdet_eye_plus, lanczos_covariance_factor
+from .scores import _logdet_eye_plus, check_noise_var, lanczos_covariance_factor
 
 __all__ = [
     "haar_operator",
@@ -384,8 +384,7 @@ def phase_encode_scores(factor, H, W, noise_var=1.0, candidates=None, chunk_size
         True
     """
     _check_shape(H, W)
-    if not (isinstance(noise_var, (int, float)) and math.isfinite(noise_var) and noise_var > 0):
-        raise ValueError(f"noise_var: expected a positive finite number, got {noise_var!r}")
+    noise_var = check_noise_var(noise_var)
     if not torch.is_tensor(factor) or factor.dim() != 2 or factor.shape[0] != H * W:
         raise ValueError(f"factor: expected a tensor of shape ({H * W}, k), got "
                          f"{tuple(factor.shape) if torch.is_tensor(factor) else type(factor).__name__}")

@@ -15,6 +15,7 @@ shape ``(N,)``); no candidate loop in Python.
 * :func:`rank_one_include` -- the marginal updates of Nickisch & Seeger 2009 §3 when a site is included.
 """
 import math
+import numbers
 from collections import namedtuple
 
 import torch
@@ -209,6 +210,16 @@ def lanczos_covariance_factor(lanczos):
     return lanczos.covariance_factor()
 
 
+def check_noise_var(noise_var):
+    """``noise_var`` as a float: a positive finite real number (Python, NumPy or 0-d torch; not a bool)."""
+    if torch.is_tensor(noise_var) and noise_var.numel() == 1 and not noise_var.dtype.is_complex:
+        noise_var = noise_var.item()
+    ok = isinstance(noise_var, numbers.Real) and not isinstance(noise_var, bool)
+    if not (ok and math.isfinite(float(noise_var)) and float(noise_var) > 0):
+        raise ValueError(f"noise_var: expected a positive finite number, got {noise_var!r}")
+    return float(noise_var)
+
+
 def design_score(X_star, factor, noise_var=1.0, chunk_size=1024):
     r"""``Delta(X_*) = log|I + X_* Cov X_*^H / noise_var|`` for many candidates at once (Seeger 2010 §2.2).
 
@@ -234,15 +245,23 @@ def design_score(X_star, factor, noise_var=1.0, chunk_size=1024):
         >>> torch.allclose(d, torch.log1p(torch.diagonal(C)))
         True
     """
-    if not (isinstance(noise_var, (int, float)) and math.isfinite(noise_var) and noise_var > 0):
-        raise ValueError(f"noise_var: expected a positive finite number, got {noise_var!r}")
-    if factor.dim() != 2:
-        raise ValueError(f"factor: expected (n, k), got shape {tuple(factor.shape)}")
+    noise_var = check_noise_var(noise_var)
+    if not torch.is_tensor(factor) or factor.dim() != 2:
+        raise ValueError(f"factor: expected an (n, k) tensor, got "
+                         f"{tuple(factor.shape) if torch.is_tensor(factor) else type(factor).__name__}")
+    if not bool(torch.isfinite(factor).all()):
+        raise ValueError("factor: contains NaN/inf")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     if isinstance(X_star, LinearOperator) or (torch.is_tensor(X_star) and X_star.dim() == 2):
+        if torch.is_tensor(X_star):
+            vals = X_star.values() if X_star.layout != torch.strided else X_star  # sparse: its stored entries
+            if not bool(torch.isfinite(vals).all()):
+                raise ValueError("X_star: contains NaN/inf")
         op = as_operator(X_star)
         if op.shape[1] != factor.shape[0]:
             raise ValueError(f"X_star: {op.shape[1]} columns but factor has {factor.shape[0]} rows")
-        W = op.mv(factor)
+        W = op.mv(factor.to(op.dtype) if op.dtype != factor.dtype and not factor.is_complex() else factor)
         return torch.log1p((W.abs() ** 2).sum(-1) / noise_var)
     if not torch.is_tensor(X_star) or X_star.dim() != 3:
         raise ValueError("X_star: expected (N, n) rows / operator or a dense (N, r, n) tensor")
@@ -250,7 +269,9 @@ def design_score(X_star, factor, noise_var=1.0, chunk_size=1024):
         raise ValueError(f"X_star: {X_star.shape[-1]} columns but factor has {factor.shape[0]} rows")
     if not bool(torch.isfinite(X_star).all()):
         raise ValueError("X_star: contains NaN/inf")
-    F = factor.to(X_star.dtype) if X_star.is_complex() else factor
+    if X_star.shape[0] == 0:
+        return torch.zeros(0, dtype=factor.real.dtype if factor.is_complex() else factor.dtype, device=factor.device)
+    F = factor.to(X_star.dtype) if X_star.is_complex() or X_star.dtype != factor.dtype else factor
     return torch.cat([_logdet_eye_plus(X_star[start:start + chunk_size] @ F, noise_var)
                       for start in range(0, X_star.shape[0], chunk_size)])
 
