@@ -220,3 +220,27 @@ def test_design_score_checks_its_arguments():
         design_score(X[:, None, :], L, chunk_size=0)
     assert design_score(X[:0, None, :], L).shape == (0,)
     assert torch.allclose(design_score(X.float(), L).double(), ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tau", [1.0, 2.5])
+def test_predictive_probability_is_accurate_for_any_variance(tau):
+    """32 Gauss-Hermite nodes straddled the sigmoid's step on a wide Gaussian: 7e-3 off at variance 100, and 0.5 for
+    0.5004 at variance 1e4 (a classifier-uncertainty score 1000 times too small). Against adaptive quadrature."""
+    from scipy import special
+
+    from pyro_convexvb.design.scores import predictive_probability
+
+    means = [0.0, 0.5, 3.0, -7.0, 30.0]
+    sds = [0.3, 0.99, 1.01, 2.0, 10.0, 100.0, 1000.0]
+    m = torch.tensor([a for a in means for _ in sds], dtype=torch.float64)
+    sd = torch.tensor([b for _ in means for b in sds], dtype=torch.float64)
+    p = predictive_probability(m, sd**2, tau=tau)
+    for k in range(len(m)):
+        mk, sk = float(m[k]), float(sd[k])
+
+        def f(s):
+            return special.expit(tau * s) * np.exp(-0.5 * ((s - mk) / sk) ** 2) / (sk * math.sqrt(2 * math.pi))
+
+        ref = integrate.quad(f, mk - 12 * sk, mk + 12 * sk, points=[0.0] if abs(mk) < 12 * sk else None, limit=500,
+                             epsabs=1e-14)[0]
+        assert abs(float(p[k]) - ref) < 1e-8, (mk, sk)  # the reference itself is good to about 1e-9 at sd 1000
