@@ -1250,8 +1250,9 @@ def _factor_groups(x, factors, log_const):
         F0 = _site_log_prob(site)
         if not _depends_on(F0, x.u0):
             val = _num(F0, x.keep_graph)  # with keep_graph, its dependence on the params (a prior on them) is kept
-            if not math.isfinite(float(val)):
-                raise UnsupportedModelError(name, f"pyro.factor has the value {float(val)}")
+            plain = float(F0.detach())
+            if not math.isfinite(plain):
+                raise UnsupportedModelError(name, f"pyro.factor has the value {plain}")
             log_const += val
             continue
         u1, tr1, _, _ = x.second_trace()

@@ -61,9 +61,14 @@ class ConvexRelaxationOptions(LGMEngineOptions):
                   "models whose operators offer the structure the Jacobi-scaled circulant ('fourier'), T. Chan's "
                   "optimal circulant ('circulant') or block Jacobi on 2 x 2 / 4 x 4 / 8 x 8 pixel tiles ('block2', "
                   "'block4', 'block8'); a dense Cholesky factor of the outer loop replaces it")
-    seed: int = option(0, "seed of the Lanczos start vectors")
+    seed: int = option(0, "seed of the Lanczos start vectors", min=0)
 
     def check(self):
+        for name in ("u_init", "logdet_init"):  # they complete z_init's warm start; alone they were ignored
+            if getattr(self, name) is not None and self.z_init is None:
+                raise ValueError(f"{name}: a {'mean' if name == 'u_init' else 'log|A|'} needs the site variances "
+                                 "z_init valid at gamma_init: it completes their warm start of the first variance "
+                                 "step (alone it would be ignored)")
         if self.z_init is not None and self.gamma_init is None:
             raise ValueError("option 'z_init' needs 'gamma_init' (the widths the variances belong to)")
         if self.z_init is not None and self.max_outer < 1:

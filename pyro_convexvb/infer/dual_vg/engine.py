@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import UnsupportedModelError
+from ...errors import NotPositiveDefiniteError, UnsupportedModelError
 from ...linalg.operators import DENSE_LIMIT, IdentityOperator, SparseOperator
 from ..engine import Criterion, Engine, LGMEngineOptions, Optimality, Solution, option
 from ...lgm.stack import Stacked
@@ -324,6 +324,14 @@ class DualVGOptions(LGMEngineOptions):
     xi: typing.Any = option(None, "Jaakkola variational parameters (default: at the prior marginals)")
     refine: bool = option(False, "polish q by natural-gradient (CVI) steps with exact expectations (site form)")
 
+    def check(self):
+        if self.xi is not None and self.bound != "jaakkola":  # the other bounds have no xi: it was ignored
+            raise ValueError(f"option 'xi' (the Jaakkola bound's variational parameters) needs bound='jaakkola'; "
+                             f"bound={self.bound!r} has none")
+        if self.newton_solver != "auto" and self.method != "newton":
+            raise ValueError(f"option 'newton_solver' sets how method='newton' solves its systems; method="
+                             f"{self.method!r} has none")
+
 
 class DualVGEngine(Engine):
     r"""The ``dual_vg`` engine: the convex Fenchel dual of the variational-Gaussian bound (Khan et al. 2013).
@@ -426,6 +434,13 @@ class DualVGEngine(Engine):
         sol = solve_dual(backend, lb, self.initial_alpha(lgm, len(lb)), method=o.method, gap_tol=o.gap_tol,
                          max_iter=o.max_iter, history=run.history, on_fail="ignore", newton_solver=o.newton_solver,
                          callback=callback)
+        if not (math.isfinite(sol.gap) and bool(torch.isfinite(sol.alpha).all())):
+            # the iteration left the conjugate's domain (its posterior means of 1e17 are no answer to report)
+            raise NotPositiveDefiniteError(
+                f"dual_vg: the dual iteration diverged (duality gap {sol.gap}) from its start at the prior "
+                "marginals, which put the sites' predictors far out (e.g. Gamma or Poisson rates of exp(100) from "
+                "covariates of large scale); standardise the covariates or tighten the prior, or use "
+                "engine='laplace'")
         alpha, lam = sol.alpha, sol.lam
         info = {}
         if o.refine:

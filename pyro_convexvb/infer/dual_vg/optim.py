@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ...errors import warn
+from ...errors import NotPositiveDefiniteError, warn
 from ...linalg.cg import cg
 from ...linalg.lbfgs import LBFGSMemory
 from ...linalg.linesearch import armijo, backtrack
@@ -71,14 +71,38 @@ def initial_alpha(backend, bound):
     h, rho = backend.prior_marginals()
     a = _clip_into(bound.alpha_star(h, rho), bound)
     b = _clip_into(bound.data_alpha(h, rho), bound)
-    if torch.equal(a, b):
-        return a
-    best, g_best = a, reduced_objective(backend, bound, a, gradient=False).g
-    for cand in (b, _laplace_start(backend, bound, b)):
-        g = reduced_objective(backend, bound, cand, gradient=False).g if cand is not None else None
-        if g is not None and torch.isfinite(g) and float(g) < float(g_best):
+    same = torch.equal(a, b)
+    best, g_best = None, math.inf
+    for cand in ((a,) if same else (a, b)) + (None,):
+        if cand is None:  # the Laplace start, from the data start (with one start, only where that one fails)
+            if same and best is not None:
+                break
+            try:
+                cand = _laplace_start(backend, bound, b)
+            except (torch.linalg.LinAlgError, NotPositiveDefiniteError):
+                cand = None
+            if cand is None:
+                continue
+        g = _start_value(backend, bound, cand)
+        if math.isfinite(g) and g < g_best:
             best, g_best = cand, g
+    if best is None:
+        raise NotPositiveDefiniteError(
+            "dual_vg: no starting point of the dual (prior marginals, data start, Laplace start) has a positive "
+            "definite posterior precision: the prior marginals put the sites' predictors far out (e.g. Poisson or "
+            "Gamma rates of exp(100) from covariates of large scale); standardise the covariates or tighten the "
+            "prior, or use engine='laplace'")
     return best
+
+
+def _start_value(backend, bound, alpha):
+    """The reduced dual objective at a candidate start, ``inf`` where the precision it implies is not positive
+    definite (a start at the prior marginals with rates of ``exp(100)`` is one)."""
+    try:
+        g = reduced_objective(backend, bound, alpha, gradient=False).g
+    except (torch.linalg.LinAlgError, NotPositiveDefiniteError):
+        return math.inf
+    return float(g) if torch.isfinite(g) else math.inf
 
 
 def _site_derivatives(bound, h):
