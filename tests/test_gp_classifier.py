@@ -229,6 +229,6 @@ def test_kernel_priors_make_type2_maximum_a_posteriori():
     tight = K.ScaleKernel(K.RBFKernel(lengthscale_prior=P.GammaPrior(500.0, 100.0)))  # mode 4.99, sd 0.22
     before = {k: v.clone() for k, v in tight.state_dict().items()}
     m = GPClassifier(kernel=tight, learn_hyperparameters=True).fit(X, y)
-    assert float(plain.kernel_.base_kernel.lengthscale) < 1.0
+    assert float(plain.kernel_.base_kernel.lengthscale.detach()) < 1.0
     assert float(m.kernel_.base_kernel.lengthscale.detach()) == pytest.approx(5.0, rel=0.1) and m.hyper_converged_
     assert all(torch.equal(v, tight.state_dict()[k]) for k, v in before.items())
