@@ -23,10 +23,12 @@ import pyro.poutine as poutine
 import torch
 from torch.distributions import biject_to
 
+from ..lgm.extract import ObsMaskMessenger
+
 __all__ = ["ModelLogJoint"]
 
 
-class _UnmaskImputed(poutine.messenger.Messenger):
+class _UnmaskImputed(ObsMaskMessenger):
     """The entries of an ``obs_mask`` site's ``<name>_unobserved`` latent that the model masks out (those at observed
     positions) get the site's own conditional density instead of none.
 
@@ -37,24 +39,8 @@ class _UnmaskImputed(poutine.messenger.Messenger):
     model's variables is unchanged in expectation and the masked entries cancel for the fitted proposal.
     """
 
-    def __init__(self):
-        super().__init__()
-        self._observed = set()
-
-    def _process_message(self, msg):
-        if msg["type"] != "sample":
-            return
-        name = msg["name"]
-        if msg["is_observed"]:
-            if name.endswith("_observed") and torch.is_tensor(msg.get("mask")):
-                from ..lgm.extract import fill_unused_entries
-
-                self._observed.add(name[:-len("_observed")])
-                fill_unused_entries(msg)  # NaN in unused entries: Pyro still validates their density
-            return
-        if name.endswith("_unobserved") and name[:-len("_unobserved")] in self._observed \
-                and torch.is_tensor(msg.get("mask")):
-            msg["mask"] = None
+    def _imputed(self, msg):
+        msg["mask"] = None
 
 
 def _unmask_imputed(model):

@@ -89,16 +89,9 @@ def _depends_on(t, u):
     return g is not None and bool((g != 0).any())
 
 
-class _ProperMissing(poutine.messenger.Messenger):
-    """Give the masked-out entries of ``obs_mask``'s ``<name>_unobserved`` sites a proper density.
-
-    ``pyro.sample(name, fn, obs=y, obs_mask=m)`` samples ``<name>_unobserved`` with the full batch shape
-    under ``poutine.mask(~m)``, so its entries at observed positions have a flat (improper) density.
-    They never enter the model (``torch.where`` takes the data there), so an independent standard
-    density on them (``Normal(0, 1)`` pushed through ``biject_to(fn.support)``) leaves the joint of every
-    other variable unchanged and makes the joint proper, which engines that sample or optimise the
-    unconstrained joint (SVI, Laplace, NUTS) need.
-    """
+class ObsMaskMessenger(poutine.messenger.Messenger):
+    """Base of the handlers of ``obs_mask`` sites: NaN in the unused entries of ``<name>_observed`` is filled
+    (:func:`fill_unused_entries`), and :meth:`_imputed` sees every ``<name>_unobserved`` latent with a tensor mask."""
 
     def __init__(self):
         super().__init__()
@@ -109,14 +102,31 @@ class _ProperMissing(poutine.messenger.Messenger):
             return
         name = msg["name"]
         if msg["is_observed"]:
-            if name.endswith("_observed"):
+            if name.endswith("_observed") and torch.is_tensor(msg.get("mask")):
                 self._observed.add(name[:-len("_observed")])
                 fill_unused_entries(msg)
             return
-        base = name[:-len("_unobserved")] if name.endswith("_unobserved") else None
-        mask = msg.get("mask")
-        if base not in self._observed or mask is None or not torch.is_tensor(mask):
-            return
+        if name.endswith("_unobserved") and name[:-len("_unobserved")] in self._observed \
+                and torch.is_tensor(msg.get("mask")):
+            self._imputed(msg)
+
+    def _imputed(self, msg):
+        raise NotImplementedError
+
+
+class _ProperMissing(ObsMaskMessenger):
+    """Give the masked-out entries of ``obs_mask``'s ``<name>_unobserved`` sites a proper density.
+
+    ``pyro.sample(name, fn, obs=y, obs_mask=m)`` samples ``<name>_unobserved`` with the full batch shape
+    under ``poutine.mask(~m)``, so its entries at observed positions have a flat (improper) density.
+    They never enter the model (``torch.where`` takes the data there), so an independent standard
+    density on them (``Normal(0, 1)`` pushed through ``biject_to(fn.support)``) leaves the joint of every
+    other variable unchanged and makes the joint proper, which engines that sample or optimise the
+    unconstrained joint (SVI, Laplace, NUTS) need.
+    """
+
+    def _imputed(self, msg):
+        mask = msg["mask"]
         fn = msg["fn"]
         if fn.support.is_discrete or fn.event_shape != () or fn.support.event_dim != 0:
             return
