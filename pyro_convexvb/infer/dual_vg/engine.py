@@ -333,6 +333,12 @@ class DualVGOptions(LGMEngineOptions):
                              f"{self.method!r} has none")
 
 
+#: why a dual start or iteration fails on some data, and what to do
+_FAR_START = ("The start at the prior marginals put the sites' predictors far out (e.g. Gamma or Poisson rates of "
+              "exp(100) from covariates of large scale); standardise the covariates or tighten the prior, or use "
+              "engine='laplace'")
+
+
 class DualVGEngine(Engine):
     r"""The ``dual_vg`` engine: the convex Fenchel dual of the variational-Gaussian bound (Khan et al. 2013).
 
@@ -431,16 +437,16 @@ class DualVGEngine(Engine):
             bar.update(1)
             bar.set_postfix(gap=f"{gap:.3g}")
 
-        sol = solve_dual(backend, lb, self.initial_alpha(lgm, len(lb)), method=o.method, gap_tol=o.gap_tol,
-                         max_iter=o.max_iter, history=run.history, on_fail="ignore", newton_solver=o.newton_solver,
-                         callback=callback)
+        try:
+            sol = solve_dual(backend, lb, self.initial_alpha(lgm, len(lb)), method=o.method, gap_tol=o.gap_tol,
+                             max_iter=o.max_iter, history=run.history, on_fail="ignore",
+                             newton_solver=o.newton_solver, callback=callback)
+        except torch.linalg.LinAlgError as e:
+            raise NotPositiveDefiniteError(f"dual_vg: {e}. {_FAR_START}") from None
         if not (math.isfinite(sol.gap) and bool(torch.isfinite(sol.alpha).all())):
             # the iteration left the conjugate's domain (its posterior means of 1e17 are no answer to report)
-            raise NotPositiveDefiniteError(
-                f"dual_vg: the dual iteration diverged (duality gap {sol.gap}) from its start at the prior "
-                "marginals, which put the sites' predictors far out (e.g. Gamma or Poisson rates of exp(100) from "
-                "covariates of large scale); standardise the covariates or tighten the prior, or use "
-                "engine='laplace'")
+            raise NotPositiveDefiniteError(f"dual_vg: the dual iteration diverged (duality gap {sol.gap}). "
+                                           f"{_FAR_START}")
         alpha, lam = sol.alpha, sol.lam
         info = {}
         if o.refine:

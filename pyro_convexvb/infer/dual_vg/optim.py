@@ -71,12 +71,11 @@ def initial_alpha(backend, bound):
     h, rho = backend.prior_marginals()
     a = _clip_into(bound.alpha_star(h, rho), bound)
     b = _clip_into(bound.data_alpha(h, rho), bound)
-    same = torch.equal(a, b)
+    if torch.equal(a, b):
+        return a  # one candidate (an infeasible one fails in the solver, which says so)
     best, g_best = None, math.inf
-    for cand in ((a,) if same else (a, b)) + (None,):
-        if cand is None:  # the Laplace start, from the data start (with one start, only where that one fails)
-            if same and best is not None:
-                break
+    for cand in (a, b, None):
+        if cand is None:  # the Laplace start, from the data start
             try:
                 cand = _laplace_start(backend, bound, b)
             except (torch.linalg.LinAlgError, NotPositiveDefiniteError):
