@@ -334,3 +334,26 @@ def test_grid_refusal_for_three_hyper_dimensions_is_not_chained_to_the_extractio
     with pytest.raises(ValueError, match="a grid integrates over at most 2") as e:
         pcv.fit(model, X, y=y, engine="dual_vg", options={"hyper_strategy": "grid"}, progress=False)
     assert e.value.__context__ is None
+
+
+def test_engines_that_fit_leaves_out_engines_that_refuse_params_beside_hyper_latents():
+    """A model with a pyro.param and a hyper-latent: dual_vg and convex_relaxation learn params by default, which
+    they refuse beside hyper-latents, yet engines_that_fit listed them. It lists exactly the engines that run."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(30, 2, generator=g, dtype=torch.float64)
+    y = X @ torch.tensor([1.0, -1.0], dtype=torch.float64) + 0.5 * torch.randn(30, generator=g, dtype=torch.float64)
+
+    def model(X, y=None):
+        s = pyro.param("s", torch.tensor(0.5, dtype=torch.float64), constraint=dist.constraints.positive)
+        tau = pyro.sample("tau", dist.HalfNormal(torch.tensor(1.0, dtype=torch.float64)))
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), tau).to_event(1))
+        with pyro.plate("d", X.shape[0]):
+            pyro.sample("y", dist.Normal(X @ w, s), obs=y)
+
+    pyro.clear_param_store()
+    listed = pcv.engines_that_fit(model, X, y=y)
+    assert "dual_vg" not in listed and "convex_relaxation" not in listed and "laplace" in listed
+    with pytest.raises(pcv.UnsupportedModelError, match="pyro.param hyperparameters and hyper-latents"):
+        pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
+    res = pcv.fit(model, X, y=y, engine="dual_vg", options={"learn_params": False}, progress=False)
+    assert res.converged

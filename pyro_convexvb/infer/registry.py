@@ -14,6 +14,7 @@ from ..lgm.model import LatentGaussianModel
 from .engine import Engine
 from .meta import hyper_latents
 from .rng import forked_rng
+from .type2 import model_params
 
 __all__ = ["register_engine", "engines", "get_engine", "engines_that_fit", "fit"]
 
@@ -144,13 +145,17 @@ def engines_that_fit(model, *args, lgm=None, **kwargs):
             lgm = lgm_from_pyro(model, *args, **kwargs)
         except UnsupportedModelError:
             lgm = False
-    out = []
+    out, params = [], None
     for name in names:
         cls = _ENGINES[name]
         if cls.takes == "lgm" and lgm is False:
-            # outside the class: the engine may integrate over the model's hyper-latents
+            # outside the class: the engine may integrate over the model's hyper-latents, unless it would also
+            # learn pyro.param sites (by default), which it refuses beside hyper-latents (run_type2)
             if hyper_latents(cls, model, args, kwargs):
-                out.append(name)
+                if cls.type2 == "outer" and params is None:
+                    params = model_params(model, args, kwargs)
+                if not (cls.type2 == "outer" and params):
+                    out.append(name)
             continue
         if cls.fits(model, args, kwargs, lgm=lgm or None) is None:
             out.append(name)
