@@ -26,7 +26,7 @@ from .errors import warn
 __all__ = ["sklearn_input", "design_matrix", "dense_float64", "validate_dense", "check_sample_weight",
            "binary_targets", "predictive_log_probs", "mixture_log_probs", "classifier_outputs",
            "BinaryPredictiveClassifier", "CompactPickleMixin", "compact_result", "compact_lanczos", "engine_options",
-           "iterations", "seed_from", "renamed", "deprecated_alias", "NumberInterval"]
+           "seed_from", "renamed", "deprecated_alias", "NumberInterval"]
 
 fit_context = _fit_context  # scikit-learn's own decorator: validates _parameter_constraints before fit runs
 
@@ -361,17 +361,6 @@ def engine_options(est, engine, options):
                              f"engine option; give one")
         options[field] = seed_from(value) if knob == "random_state" else value
     return options
-
-
-def iterations(result):
-    """``n_iter_`` of a fit: the iterations the engine counted (``info["iterations"]``: ``dual_vg``'s steps,
-    ``convex_relaxation``'s outer updates, ``laplace``'s L-BFGS iterations; ``info["steps"]``: the SVI steps, whose
-    history has a row per window of steps only), else the rows of ``result.history``."""
-    info = getattr(result, "info", None) or {}
-    for key in ("iterations", "steps"):
-        if info.get(key) is not None:
-            return int(info[key])
-    return len(result.history.get("seconds", ())) if result.history is not None else 0
 
 
 # ------------------------------------------------------------------------------------------------ pickles

@@ -17,8 +17,8 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from .estimator_base import (NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier,  # noqa: F401
                              CompactPickleMixin, binary_targets, check_sample_weight,
-                             classifier_outputs, compact_lanczos, compact_result, engine_options, fit_context, iterations, positive_rows,
-                             mixture_log_probs, predictive_log_probs, sklearn_input, unsharded_weight)
+                             classifier_outputs, compact_lanczos, compact_result, engine_options, fit_context,
+                             positive_rows, mixture_log_probs, predictive_log_probs, sklearn_input, unsharded_weight)
 
 __all__ = ["BayesianLogisticRegression", "binary_targets", "predictive_log_probs", "classifier_outputs"]
 
@@ -225,7 +225,7 @@ class BayesianLogisticRegression(CompactPickleMixin, BinaryPredictiveClassifier,
         self.prior_scale_ = float(res.hyperparameters["prior_scale"]) if auto else float(self.prior_scale)
         self.log_evidence_bound_ = res.log_evidence_bound
         self.converged_ = bool(res.converged)
-        self.n_iter_ = iterations(res)
+        self.n_iter_ = res.iterations
         loc = res.posterior.loc.detach().cpu().numpy()
         var = res.posterior.variance.detach().cpu().numpy()
         self.coef_ = loc[None, :d].copy()

@@ -283,11 +283,11 @@ def design_score(X_star, factor, noise_var=1.0, chunk_size=1024):
         raise ValueError("factor: contains NaN/inf")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
+    if torch.is_tensor(X_star):
+        vals = X_star.values() if X_star.layout != torch.strided else X_star  # sparse: its stored entries
+        if not bool(torch.isfinite(vals).all()):
+            raise ValueError("X_star: contains NaN/inf")
     if isinstance(X_star, LinearOperator) or (torch.is_tensor(X_star) and X_star.dim() == 2):
-        if torch.is_tensor(X_star):
-            vals = X_star.values() if X_star.layout != torch.strided else X_star  # sparse: its stored entries
-            if not bool(torch.isfinite(vals).all()):
-                raise ValueError("X_star: contains NaN/inf")
         op = as_operator(X_star)
         if op.shape[1] != factor.shape[0]:
             raise ValueError(f"X_star: {op.shape[1]} columns but factor has {factor.shape[0]} rows")
@@ -297,8 +297,6 @@ def design_score(X_star, factor, noise_var=1.0, chunk_size=1024):
         raise ValueError("X_star: expected (N, n) rows / operator or a dense (N, r, n) tensor")
     if X_star.shape[-1] != factor.shape[0]:
         raise ValueError(f"X_star: {X_star.shape[-1]} columns but factor has {factor.shape[0]} rows")
-    if not bool(torch.isfinite(X_star).all()):
-        raise ValueError("X_star: contains NaN/inf")
     if X_star.shape[0] == 0:
         return torch.zeros(0, dtype=factor.real.dtype if factor.is_complex() else factor.dtype, device=factor.device)
     F = factor.to(X_star.dtype) if X_star.is_complex() or X_star.dtype != factor.dtype else factor

@@ -43,14 +43,6 @@ class _UnmaskImputed(ObsMaskMessenger):
         msg["mask"] = None
 
 
-def _unmask_imputed(model):
-    def wrapped(*args, **kwargs):
-        with _UnmaskImputed():
-            return model(*args, **kwargs)
-
-    return wrapped
-
-
 def _is_deterministic(site):
     """A ``pyro.deterministic`` site (Pyro records it as an observed ``Delta``; ``obs_mask`` ends with one): not an
     observation."""
@@ -114,7 +106,7 @@ class ModelLogJoint:
     def __init__(self, model, args=(), kwargs=None, *, vectorise=True):
         from ..lgm.extract import latent_sites
 
-        self.model, self.args, self.kwargs = _unmask_imputed(model), tuple(args), dict(kwargs or {})
+        self.model, self.args, self.kwargs = _UnmaskImputed.wrap(model), tuple(args), dict(kwargs or {})
         sites = latent_sites(model, self.args, self.kwargs)
         self.names = [n for n, _ in sites]
         self.transforms = {n: biject_to(s["fn"].support) for n, s in sites}
@@ -302,13 +294,11 @@ class ModelLogJoint:
         with torch.no_grad(), full_data_plates():
             tr = poutine.trace(self.model).get_trace(*self.args, **self.kwargs)
         out = {}
-        for name, site in tr.nodes.items():
-            if site["type"] == "sample" and site["is_observed"] and name not in self.transforms \
-                    and not _is_deterministic(site):
-                y = site["value"]
-                mask = site.get("mask")
-                flat = y.reshape(-1)
-                if isinstance(mask, torch.Tensor) and mask.numel() > 1:
-                    flat = flat[mask.expand(y.shape).reshape(-1)]
-                out[name] = flat.double().cpu().numpy()
+        for name, site in self._observed_sites(tr):
+            y = site["value"]
+            mask = site.get("mask")
+            flat = y.reshape(-1)
+            if isinstance(mask, torch.Tensor) and mask.numel() > 1:
+                flat = flat[mask.expand(y.shape).reshape(-1)]
+            out[name] = flat.double().cpu().numpy()
         return out

@@ -20,7 +20,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from ..estimator_base import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier,
                               binary_targets, check_sample_weight, classifier_outputs, engine_options, fit_context,
-                              iterations, positive_rows, predictive_log_probs, sklearn_input, validate_dense)
+                              positive_rows, predictive_log_probs, sklearn_input, validate_dense)
 from ..errors import warn
 from ..infer.dual_vg import DualState
 from ..infer.registry import get_engine
@@ -212,7 +212,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self.posterior_ = res.posterior
         self.log_evidence_bound_ = res.log_evidence_bound
         self.converged_ = bool(res.converged)
-        self.n_iter_ = iterations(res)
+        self.n_iter_ = res.iterations
         return self
 
     def _hyper_options(self):

@@ -149,10 +149,9 @@ def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, see
     :returns: ``(bound or None, Optimality)``.
     """
     loc = posterior.loc.detach()
-    exact = lgm is not None and lgm.n == posterior.n and posterior.n <= EXACT_BOUND_MAX
-    chain = getattr(lgm, "chain", None) if exact else None
-    if exact and (getattr(lgm, "imputed", None) or (chain is not None and chain.has_intrinsic)):
-        exact = False  # a map between the two coordinates that is not a bijection: the marginal's bound below
+    # not where the model's sites map onto the LGM's latents through imputed sites or a constraint: the marginal's
+    # bound below
+    exact = lgm is not None and lgm.n == posterior.n and posterior.n <= EXACT_BOUND_MAX and lgm.model_bijective
     if exact:
         def objective(m, S):
             m = m.to(lgm.dtype)

@@ -152,10 +152,11 @@ def engines_that_fit(model, *args, lgm=None, **kwargs):
             # outside the class: the engine may integrate over the model's hyper-latents, unless it would also
             # learn pyro.param sites (by default), which it refuses beside hyper-latents (run_type2)
             if hyper_latents(cls, model, args, kwargs):
-                if cls.type2 == "outer" and params is None:
-                    params = model_params(model, args, kwargs)
-                if not (cls.type2 == "outer" and params):
-                    out.append(name)
+                if cls.type2 == "outer":
+                    params = model_params(model, args, kwargs) if params is None else params
+                    if params:
+                        continue
+                out.append(name)
             continue
         if cls.fits(model, args, kwargs, lgm=lgm or None) is None:
             out.append(name)

@@ -173,6 +173,16 @@ class InferenceResult:
         return to_arviz(self, num_draws=num_draws, seed=seed, **kwargs)
 
     @property
+    def iterations(self):
+        """The engine's own iteration count: ``info["iterations"]`` (``dual_vg``'s steps, ``convex_relaxation``'s outer
+        updates, ``laplace``'s L-BFGS iterations) or ``info["steps"]`` (the SVI steps, whose history has a row per
+        window of steps only), else the rows of :attr:`history`."""
+        for key in ("iterations", "steps"):
+            if self.info.get(key) is not None:
+                return int(self.info[key])
+        return len(self.history.get("seconds", ())) if self.history is not None else 0
+
+    @property
     def work(self):
         """The fit's :class:`WorkReport` (Newton steps, CG iterations, seconds by loop) for the engines that count
         their work so (``convex_relaxation``), else ``None``."""

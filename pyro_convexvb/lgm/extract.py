@@ -113,6 +113,16 @@ class ObsMaskMessenger(poutine.messenger.Messenger):
     def _imputed(self, msg):
         raise NotImplementedError
 
+    @classmethod
+    def wrap(cls, model):
+        """``model`` run under a fresh handler of this class at every call."""
+
+        def wrapped(*args, **kwargs):
+            with cls():
+                return model(*args, **kwargs)
+
+        return wrapped
+
 
 class _ProperMissing(ObsMaskMessenger):
     """Give the masked-out entries of ``obs_mask``'s ``<name>_unobserved`` sites a proper density.
@@ -161,12 +171,7 @@ def fill_unused_entries(msg):
 
 def proper_missing(model):
     """``model`` with a proper density on the unused entries of its ``obs_mask`` sites (see :class:`_ProperMissing`)."""
-
-    def wrapped(*args, **kwargs):
-        with _ProperMissing():
-            return model(*args, **kwargs)
-
-    return wrapped
+    return _ProperMissing.wrap(model)
 
 
 class FullDataPlates(poutine.messenger.Messenger):

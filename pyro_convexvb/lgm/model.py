@@ -456,6 +456,12 @@ class LatentGaussianModel:
             e_prior = e_prior - 0.5 * (quad + tr + p.size * math.log(2 * math.pi))
         return e_prior - 0.5 * self.prior_logdet_cov()
 
+    @property
+    def model_bijective(self):
+        """Whether the Pyro model's latent sites ``x`` map one to one onto ``u`` (no imputed sites, no intrinsic
+        chain block), so that :meth:`model_expected_log_joint` applies."""
+        return not self.imputed and (self.chain is None or not self.chain.has_intrinsic)
+
     def model_expected_log_joint(self, loc, cov=None, *, variance=None):
         """``E_q[log p(y, x)]`` for a Gaussian ``q`` over the Pyro model's latent sites ``x`` (:attr:`model_layout`),
         given by ``loc`` ``(n,)`` and ``cov`` ``(n, n)`` or ``variance`` ``(n,)``; differentiable.
@@ -466,11 +472,11 @@ class LatentGaussianModel:
 
         :raises ValueError: for a chain with intrinsic blocks, or imputed sites, whose maps are not bijections.
         """
-        if self.chain is None and not self.imputed:
-            return self.expected_log_joint(loc, cov, variance=variance)
-        if self.imputed or self.chain.has_intrinsic:
+        if not self.model_bijective:
             raise ValueError("model_expected_log_joint: the model's latent sites map to u through imputed sites or "
                              "an intrinsic GMRF's constraint, not a bijection")
+        if self.chain is None:
+            return self.expected_log_joint(loc, cov, variance=variance)
         return self.expected_log_joint(*self.chain.latent_moments(loc, cov, variance=variance))
 
     def expected_log_joint(self, loc, cov=None, num_points=64, *, variance=None):

@@ -182,8 +182,7 @@ class DiagMixtureEngine(SVIEngine):
         if lgm is None:
             lgm = try_lgm(call.source, call.args, call.kwargs)
         lgm = reshard_lgm(lgm, call.args, call.kwargs)
-        exact = lgm is not None and lgm.n == posterior.n and not lgm.imputed \
-            and (lgm.chain is None or not lgm.chain.has_intrinsic)
+        exact = lgm is not None and lgm.n == posterior.n and lgm.model_bijective
         info = dict(info_opt, guide=guide, entropy=o.entropy, hyperparameters=model_param_values(call))
         best = "best"
         with torch.no_grad():

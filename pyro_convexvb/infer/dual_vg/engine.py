@@ -13,7 +13,7 @@ from ..engine import Criterion, Engine, LGMEngineOptions, Optimality, Solution, 
 from ...lgm.stack import Stacked
 from .bounds import LogitJaakkolaBound, make_bound
 from .objective import LatentSpaceBackend, SiteSpaceBackend, SparsePrecisionBackend, exact_elbo
-from .optim import refine_exact, solve_dual
+from .optim import FAR_START, refine_exact, solve_dual
 from .sharding import sharded_design
 
 __all__ = ["DualVGEngine", "DualVGOptions", "DualState", "fit_dual_vg", "site_space_predictive", "dual_vg_applies",
@@ -333,12 +333,6 @@ class DualVGOptions(LGMEngineOptions):
                              f"{self.method!r} has none")
 
 
-#: why a dual start or iteration fails on some data, and what to do
-_FAR_START = ("The start at the prior marginals put the sites' predictors far out (e.g. Gamma or Poisson rates of "
-              "exp(100) from covariates of large scale); standardise the covariates or tighten the prior, or use "
-              "engine='laplace'")
-
-
 class DualVGEngine(Engine):
     r"""The ``dual_vg`` engine: the convex Fenchel dual of the variational-Gaussian bound (Khan et al. 2013).
 
@@ -442,11 +436,11 @@ class DualVGEngine(Engine):
                              max_iter=o.max_iter, history=run.history, on_fail="ignore",
                              newton_solver=o.newton_solver, callback=callback)
         except torch.linalg.LinAlgError as e:
-            raise NotPositiveDefiniteError(f"dual_vg: {e}. {_FAR_START}") from None
+            raise NotPositiveDefiniteError(f"dual_vg: {e}. {FAR_START}") from None
         if not (math.isfinite(sol.gap) and bool(torch.isfinite(sol.alpha).all())):
             # the iteration left the conjugate's domain (its posterior means of 1e17 are no answer to report)
             raise NotPositiveDefiniteError(f"dual_vg: the dual iteration diverged (duality gap {sol.gap}). "
-                                           f"{_FAR_START}")
+                                           f"{FAR_START}")
         alpha, lam = sol.alpha, sol.lam
         info = {}
         if o.refine:

@@ -58,6 +58,12 @@ def default_gap_tol(num_sites):
     return 1e-8 * max(1, num_sites)
 
 
+#: why a dual start or iteration fails on some data, and what to do
+FAR_START = ("The start at the prior marginals put the sites' predictors far out (e.g. Gamma or Poisson rates of "
+             "exp(100) from covariates of large scale); standardise the covariates or tighten the prior, or use "
+             "engine='laplace'")
+
+
 def initial_alpha(backend, bound):
     r"""Start ``alpha_n = df_n/dh`` at the prior marginals ``(mu_t, diag Sigma_t)``, or at the bound's data start
     (:meth:`~.bounds.LocalBound.data_alpha`) where that has the lower reduced dual objective.
@@ -86,11 +92,8 @@ def initial_alpha(backend, bound):
         if math.isfinite(g) and g < g_best:
             best, g_best = cand, g
     if best is None:
-        raise NotPositiveDefiniteError(
-            "dual_vg: no starting point of the dual (prior marginals, data start, Laplace start) has a positive "
-            "definite posterior precision: the prior marginals put the sites' predictors far out (e.g. Poisson or "
-            "Gamma rates of exp(100) from covariates of large scale); standardise the covariates or tighten the "
-            "prior, or use engine='laplace'")
+        raise NotPositiveDefiniteError("dual_vg: no starting point of the dual (prior marginals, data start, Laplace "
+                                       f"start) has a positive definite posterior precision. {FAR_START}")
     return best
 
 
