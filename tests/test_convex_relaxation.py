@@ -216,6 +216,43 @@ def test_bad_options_name_the_argument():
         ConvexVariationalRelaxation(lgm, gamma_init=-1.0, progress=False).run()
 
 
+def test_variance_options_the_method_does_not_read_are_refused():
+    """An explicitly set option the variance method would not read is refused, naming it, why and the fix;
+    under 'auto' the Lanczos options take part (in the cost comparison and in the step), pca_rank does not."""
+    lgm = LatentGaussianModel.from_design(torch.randn(30, 2, dtype=D), BernoulliLogit(torch.ones(30, dtype=D)))
+    refused = [(dict(variance="exact", pca_rank=1), "'pca_rank'.*variance='exact'.*variance='pca'"),
+               (dict(variance="auto", pca_rank=1), "'pca_rank'.*'auto'.*never L-PCA.*variance='pca'"),
+               (dict(pca_rank=1), "'pca_rank'.*'auto'.*never L-PCA"),
+               (dict(variance="lanczos", pca_rank=1), "'pca_rank'.*variance='lanczos'"),
+               (dict(variance="exact", lanczos_estimator="whitened"), "'lanczos_estimator'.*variance='exact'"),
+               (dict(variance="exact", lanczos_estimator="k-lanczos"), "'lanczos_estimator'.*variance='lanczos'"),
+               (dict(variance="pca", lanczos_estimator="k-lanczos"), "'lanczos_estimator'.*variance='pca'"),
+               (dict(variance="exact", lanczos_rank=10), "'lanczos_rank'.*variance='exact'"),
+               (dict(variance="exact", lanczos_block_size=2), "'lanczos_block_size'.*variance='exact'"),
+               (dict(variance="pca", lanczos_block_size=2), "'lanczos_block_size'.*variance='pca'"),
+               (dict(variance="lanczos", lanczos_rank=1, lanczos_block_size=4),
+                r"'lanczos_block_size' \(4\) exceeds 'lanczos_rank' \(1\).*lanczos_block_size <= lanczos_rank"),
+               (dict(lanczos_rank=3, lanczos_block_size=4), "exceeds 'lanczos_rank'")]
+    for kw, msg in refused:
+        with pytest.raises(ValueError, match=msg):
+            ConvexVariationalRelaxation(lgm, **kw)
+        with pytest.raises(ValueError, match=msg):
+            pcv.fit(lgm, engine="convex_relaxation", options=kw, progress=False)
+    # accepted: the defaults passed explicitly, and the options each method reads
+    ref = ConvexVariationalRelaxation(lgm, variance="exact", max_outer=30, progress=False).run()
+    for kw in (dict(variance="exact", lanczos_rank=80, lanczos_block_size=1, lanczos_estimator="auto"),
+               dict(variance="pca", lanczos_rank=2, pca_rank=2),
+               dict(variance="lanczos", lanczos_rank=2, lanczos_block_size=2, lanczos_estimator="k-lanczos"),
+               dict(lanczos_estimator="k-lanczos"), dict(lanczos_rank=2, lanczos_block_size=2)):
+        res = ConvexVariationalRelaxation(lgm, max_outer=30, progress=False, **kw).run()
+        # n = 2: every method is exact here (k = n, L = n), so each fit reproduces the exact one
+        assert abs(res.log_evidence_bound - ref.log_evidence_bound) < 1e-8, kw
+        torch.testing.assert_close(res.posterior.loc, ref.posterior.loc, rtol=0, atol=1e-6)
+    # 'auto' with an explicit estimator resolves by cost (here to the exact step) and says which it ran
+    res = ConvexVariationalRelaxation(lgm, lanczos_estimator="k-lanczos", max_outer=30, progress=False).run()
+    assert res.info["variance_method"] == "exact" and res.info["variance_estimator"] == "cholesky"
+
+
 # ----------------------------------------------------------------------------- test problems
 
 
@@ -594,7 +631,7 @@ def test_variance_step_accumulated_z_equals_dense_formula(block_size):
     prob = RelaxationProblem(lgm)
     gam = torch.linspace(0.5, 8.0, prob.q, dtype=D)
     Bd = prob.B.to_dense()
-    for k in (1, 2, 4, 5):
+    for k in (k for k in (1, 2, 4, 5) if k >= block_size):  # the options refuse a block larger than the run
         step = _step(prob, gam, lanczos_rank=k, lanczos_block_size=block_size,
                      generator=torch.Generator().manual_seed(3), dense_logdet_max=0)
         Q, T = step.lanczos.Q, step.lanczos.T()

@@ -30,18 +30,24 @@ def applies(lgm):
 @dataclass(frozen=True)
 class ConvexRelaxationOptions(LGMEngineOptions):
     lanczos_rank: int = option(80, "Lanczos steps k per variance update (80 for a9a, 750 for real-sim/rcv1 in "
-                                    "Nickisch & Seeger 2009)", min=1)
+                                    "Nickisch & Seeger 2009); set with variance='exact' it is refused (unused)",
+                               min=1)
     max_outer: int = option(5, "outer-loop variance updates (each followed by one inner loop)", min=0)
     max_newton: int = option(20, "Newton steps per inner loop", min=1)
     cg_tol: float = option(1e-6, "relative CG residual of the final Newton systems", gt=0)
     variance: typing.Literal["auto", "lanczos", "exact", "pca"] = option(
         "auto", "variance method: exact (dense Cholesky) when cheaper than K-Lanczos ('auto'), K-Lanczos, exact, "
                 "or L-PCA (Seeger 2010)")
-    lanczos_block_size: int = option(1, "block size b of block Lanczos (1: Nickisch & Seeger's Lanczos)", min=1)
+    lanczos_block_size: int = option(1, "block size b <= lanczos_rank of block Lanczos (1: Nickisch & Seeger's "
+                                        "Lanczos); set with variance='exact' or 'pca' it is refused (unused)", min=1)
     lanczos_estimator: typing.Literal["auto", "k-lanczos", "whitened"] = option(
         "auto", "Lanczos variance estimator: K-Lanczos lower bounds on the precision (sparse designs), the "
-                "whitened covariance form (GP-type dense prior covariances), or chosen by the model ('auto')")
-    pca_rank: typing.Optional[int] = option(None, "L of L-PCA (default lanczos_rank // 6)", min=1)
+                "whitened covariance form (GP-type dense prior covariances), or chosen by the model ('auto'); with "
+                "variance='lanczos', or 'auto' (the Lanczos step it weighs against an exact one); refused with "
+                "'exact' or 'pca'")
+    pca_rank: typing.Optional[int] = option(None, "L of L-PCA (default lanczos_rank // 6); only with "
+                                                  "variance='pca' ('auto' never chooses L-PCA: refused otherwise)",
+                                            min=1)
     newton_tol: float = option(1e-8, "Newton decrement tolerance (relative to |Psi|)", gt=0)
     gamma_tol: float = option(1e-3, "convergence: relative change of gamma between outer iterations", min=0)
     phi_tol: float = option(1e-6, "convergence: relative change of phi between outer iterations", min=0)
@@ -63,7 +69,13 @@ class ConvexRelaxationOptions(LGMEngineOptions):
                   "'block4', 'block8'); a dense Cholesky factor of the outer loop replaces it")
     seed: int = option(0, "seed of the Lanczos start vectors", min=0)
 
+    def _set(self, name):
+        """Whether option ``name`` differs from its default (how an option the caller set is told from one left
+        alone; a default passed explicitly is the default)."""
+        return getattr(self, name) != type(self).__dataclass_fields__[name].default
+
     def check(self):
+        self._check_variance_options()
         for name in ("u_init", "logdet_init"):  # they complete z_init's warm start; alone they were ignored
             if getattr(self, name) is not None and self.z_init is None:
                 raise ValueError(f"{name}: a {'mean' if name == 'u_init' else 'log|A|'} needs the site variances "
@@ -74,6 +86,34 @@ class ConvexRelaxationOptions(LGMEngineOptions):
         if self.z_init is not None and self.max_outer < 1:
             raise ValueError("option 'z_init' needs 'max_outer' >= 1 (the warm start replaces the first variance "
                              "step only)")
+
+    def _check_variance_options(self):
+        """Refuse the variance options the chosen ``variance`` would not use (each names the option, why, and the fix).
+
+        ``variance="auto"`` weighs an exact step against the Lanczos step that ``lanczos_rank``,
+        ``lanczos_block_size`` and ``lanczos_estimator`` describe, so those take effect under it (in the choice, and
+        in the step when Lanczos is chosen); it never chooses L-PCA, so ``pca_rank`` needs ``variance="pca"``.
+        """
+        v = self.variance
+        if self.pca_rank is not None and v != "pca":
+            why = ("variance='auto' chooses between exact and Lanczos variances and never L-PCA" if v == "auto"
+                   else f"variance='{v}' does not run L-PCA")
+            raise ValueError(f"option 'pca_rank' is the number L of eigenpairs of L-PCA and {why}; pass "
+                             "variance='pca' to use it, or leave pca_rank unset")
+        unused = {"exact": ("lanczos_rank", "lanczos_block_size", "lanczos_estimator"),
+                  "pca": ("lanczos_block_size", "lanczos_estimator")}.get(v, ())
+        for name in unused:
+            if self._set(name):
+                how = ("computes exact variances from a dense Cholesky factor and runs no Lanczos" if v == "exact"
+                       else "runs single-vector Lanczos for the L-PCA eigenpairs")
+                raise ValueError(f"option '{name}' configures the Lanczos variance step, but variance='{v}' {how}; "
+                                 f"pass variance='lanczos' (or 'auto', which weighs Lanczos against an exact step) "
+                                 f"to use it, or leave {name} unset")
+        if self.lanczos_block_size > self.lanczos_rank:
+            raise ValueError(f"option 'lanczos_block_size' ({self.lanczos_block_size}) exceeds 'lanczos_rank' "
+                             f"({self.lanczos_rank}): a run of k = {self.lanczos_rank} Lanczos vectors is one block of "
+                             "k random start vectors, so a block size above k has no effect; set "
+                             "lanczos_block_size <= lanczos_rank")
 
 
 class ConvexVariationalRelaxation(Engine):

@@ -390,7 +390,7 @@ def _whitened_lanczos(prob, w, k, generator, block_size=1):
     return WhitenedLanczos(res, form), z, var_u
 
 
-def variance_step(prob, gamma, opts, generator=None):
+def variance_step(prob, gamma, opts, generator=None, *, method=None):
     """Estimate ``z = diag(B A^{-1} B^T)``, ``diag(A^{-1})`` and ``log|A|`` at ``gamma`` (Nickisch & Seeger 2009, §2.3).
 
     :param prob: :class:`~.problem.RelaxationProblem`.
@@ -398,9 +398,11 @@ def variance_step(prob, gamma, opts, generator=None):
     :param opts: :class:`~.engine.ConvexRelaxationOptions` (``variance``, ``lanczos_rank`` ``k``, ``pca_rank``,
         ``dense_logdet_max``, ``lanczos_block_size`` ``b``, used only while ``k < n``, ``lanczos_estimator``).
     :param generator: torch generator for the Lanczos start vector.
+    :param method: the variance method to run (``"exact"``, ``"lanczos"`` or ``"pca"``), e.g. what ``"auto"``
+        resolved to; default ``opts.variance``.
     :returns: :class:`VarianceStep` (``method``, ``estimator`` and ``lower_bounds`` say what was used).
     """
-    method = opts.variance
+    method = opts.variance if method is None else method
     if method == "auto":
         method = choose_variance_method(prob, opts)
     w = 1.0 / gamma if prob.q else torch.zeros(0, dtype=prob.dtype, device=prob.device)
@@ -581,8 +583,8 @@ def double_loop(prob, opts, state=None, run=None, *, state_names=None):
     """
     o, n, q = opts, prob.n, prob.q
     variance = choose_variance_method(prob, o) if o.variance == "auto" else o.variance
-    estimator = _resolve_estimator(prob, o.lanczos_estimator) if variance == "lanczos" else o.lanczos_estimator
-    o = o.replace(variance=variance, lanczos_estimator=estimator)
+    if variance == "lanczos":
+        o = o.replace(lanczos_estimator=_resolve_estimator(prob, o.lanczos_estimator))
     generator = torch.Generator(device=prob.device).manual_seed(int(o.seed))
     history = None if run is None else run.history
     progress = None if run is None else run.bar(total=o.max_outer + 1, unit="outer")
@@ -614,7 +616,7 @@ def double_loop(prob, opts, state=None, run=None, *, state_names=None):
             step = VarianceStep(st.z, None, ld, "given", 0, method="given", estimator="given")
             u = st.u
         else:
-            step = variance_step(prob, gamma, o, generator)
+            step = variance_step(prob, gamma, o, generator, method=variance)
         b_counts["outer"] += prob.counts.get("B", 0) - c_before
         seconds["outer"] += time.perf_counter() - t_start
         mvm["outer"] += step.num_mvm
