@@ -212,8 +212,20 @@ def test_bad_options_name_the_argument():
             ConvexVariationalRelaxation(lgm, **kw)
     with pytest.raises(ValueError, match="exact_max"):
         ConvexVariationalRelaxation(lgm, variance="exact", exact_max=1, progress=False).run()
-    with pytest.raises(ValueError, match="gamma_init"):
-        ConvexVariationalRelaxation(lgm, gamma_init=-1.0, progress=False).run()
+    # a wrong value is reported as a value (not as the shape, which is right), a wrong shape as a shape
+    for g, msg in ((-1.0, r"gamma_init: the site widths must be positive and finite; 5 of 5 are not \(entry 0 is "
+                          r"-1.0\)"),
+                   (0.0, r"gamma_init: .*positive.*5 of 5 are not \(entry 0 is 0.0\)"),
+                   (torch.tensor([1.0, 2.0, -3.0, 1.0, 1.0], dtype=D), r"1 of 5 are not \(entry 2 is -3.0\)"),
+                   (torch.tensor([1.0, 2.0, math.inf, 1.0, 1.0], dtype=D), r"1 of 5 are not \(entry 2 is inf\)"),
+                   (torch.ones(3, dtype=D), r"gamma_init: expected a single number or one width per site, "
+                                            r"shape \(5,\); got shape \(3,\)")):
+        with pytest.raises(ValueError, match=msg) as err:
+            ConvexVariationalRelaxation(lgm, gamma_init=g, progress=False).run()
+        assert ("shape" in str(err.value)) == (g.shape == (3,) if torch.is_tensor(g) else False)
+    with pytest.raises(ValueError, match=r"z_init: the site variances must be finite; 1 of 5 entries are not"):
+        ConvexVariationalRelaxation(lgm, gamma_init=1.0, z_init=torch.tensor([1.0, math.nan, 1, 1, 1], dtype=D),
+                                    progress=False).run()
 
 
 def test_variance_options_the_method_does_not_read_are_refused():

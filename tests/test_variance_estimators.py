@@ -17,6 +17,7 @@ from pyro_convexvb.infer.convex_relaxation.outer import (
     variance_step,
 )
 from pyro_convexvb.infer.convex_relaxation import ConvexRelaxationOptions as O
+from pyro_convexvb.infer.convex_relaxation import ConvexVariationalRelaxation
 from pyro_convexvb.infer.convex_relaxation.problem import RelaxationProblem
 from pyro_convexvb.lgm.layout import LatentLayout
 from pyro_convexvb.lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
@@ -238,8 +239,14 @@ def test_estimator_choice_rules_and_errors():
     prob = RelaxationProblem(lap)
     assert prob.covariance_blocks() is None and prob.covariance_form() is None
     assert choose_lanczos_estimator(prob) == "k-lanczos"
-    with pytest.raises(ValueError, match="whitened"):
+    # the refusal names the site and the reason, with the limit's value rather than an internal name
+    assert "site 'u'" in prob.covariance_obstacle() and "flat" in prob.covariance_obstacle()
+    with pytest.raises(ValueError, match="whitened.*site 'u' has no Gaussian prior.*lanczos_estimator='k-lanczos'"):
         _step(prob, torch.ones(3, dtype=D), lanczos_rank=2, lanczos_estimator="whitened")
+    with pytest.raises(ValueError, match="whitened.*site 'u'") as err:
+        ConvexVariationalRelaxation(lap, variance="lanczos", lanczos_rank=2, lanczos_estimator="whitened",
+                                    progress=False).run()
+    assert "DENSE_BLOCK_LIMIT" not in str(err.value)
     with pytest.raises(ValueError, match="lanczos_estimator"):
         _loop(prob, variance="lanczos", lanczos_rank=2, lanczos_estimator="precision")
     with pytest.raises(ValueError, match="variance"):
@@ -251,6 +258,24 @@ def test_estimator_choice_rules_and_errors():
     gam = torch.linspace(0.5, 3.0, sp.q, dtype=D)
     w_full = _step(sp, gam, lanczos_rank=8, lanczos_estimator="whitened", generator=_gen(8))
     torch.testing.assert_close(w_full.z, _step(sp, gam, variance="exact").z, rtol=1e-8, atol=1e-12)
+
+
+def test_whitened_refusal_names_a_dense_block_too_large_by_its_size(monkeypatch):
+    """A dense prior covariance above the limit is named with its size and the limit's value."""
+    from pyro_convexvb.infer.convex_relaxation import problem
+
+    monkeypatch.setattr(problem, "DENSE_BLOCK_LIMIT", 2)
+    X = torch.randn(6, 3, generator=_gen(1), dtype=D)
+    lgm = LatentGaussianModel(LatentLayout.from_shapes([("f", (3,))]),
+                              [PriorBlock("f", torch.zeros(3, dtype=D), cov=DenseOperator(torch.eye(3, dtype=D) + 0.5),
+                                          prec=DenseOperator(torch.linalg.inv(torch.eye(3, dtype=D) + 0.5)))],
+                              [SiteGroup("y", BernoulliLogit(torch.ones(6, dtype=D)), DenseOperator(X),
+                                         torch.zeros(6, dtype=D), (6,))])
+    prob = RelaxationProblem(lgm)
+    assert prob.covariance_obstacle() == ("the dense prior covariance of site 'f' has 3 coordinates, more than the 2 "
+                                          "factorised densely")
+    with pytest.raises(ValueError, match="site 'f' has 3 coordinates, more than the 2 factorised densely"):
+        _step(prob, torch.ones(6, dtype=D), lanczos_rank=2, lanczos_estimator="whitened")
 
 
 # ------------------------------------------------------------------------------ variance="auto"

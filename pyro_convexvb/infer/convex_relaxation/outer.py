@@ -212,9 +212,11 @@ def choose_lanczos_estimator(prob):
 def _resolve_estimator(prob, estimator):
     if estimator == "auto":
         return choose_lanczos_estimator(prob)
-    if estimator == "whitened" and prob.covariance_blocks() is None:
-        raise ValueError("lanczos_estimator='whitened': every prior block needs a covariance (no flat or "
-                         "precision-only block, dense blocks of at most DENSE_BLOCK_LIMIT coordinates)")
+    if estimator == "whitened":
+        why = prob.covariance_obstacle()
+        if why is not None:
+            raise ValueError(f"lanczos_estimator='whitened' needs every latent coordinate under a Gaussian prior "
+                             f"given by a covariance, but {why}; use lanczos_estimator='k-lanczos' (or 'auto')")
     return estimator
 
 
@@ -513,16 +515,24 @@ class RelaxationState:
         gamma = torch.as_tensor(self.gamma, dtype=dt, device=dev)
         if gamma.numel() == 1:  # one width for every site
             gamma = gamma.reshape(()).expand(q)
-        if gamma.shape != (q,) or not bool((gamma > 0).all()) or not bool(torch.isfinite(gamma).all()):
-            raise ValueError(f"{names['gamma']}: must be positive and finite, one width per site ({q},); got shape "
-                             f"{tuple(gamma.shape)}")
+        if gamma.shape != (q,):
+            raise ValueError(f"{names['gamma']}: expected a single number or one width per site, shape ({q},); got "
+                             f"shape {tuple(gamma.shape)}")
+        bad = ~(torch.isfinite(gamma) & (gamma > 0))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"{names['gamma']}: the site widths must be positive and finite; {int(bad.sum())} of "
+                             f"{q} are not (entry {i} is {float(gamma[i])!r})")
         out = {"gamma": gamma.clone()}
         for f, size, what in (("z", q, "site variances"), ("u", n, "mean")):
             v = getattr(self, f)
             if v is not None:
                 v = torch.as_tensor(v, dtype=dt, device=dev)
-                if v.shape != (size,) or not bool(torch.isfinite(v).all()):
+                if v.shape != (size,):
                     raise ValueError(f"{names[f]}: expected a finite ({size},) {what}, got shape {tuple(v.shape)}")
+                if not bool(torch.isfinite(v).all()):
+                    raise ValueError(f"{names[f]}: the {what} must be finite; {int((~torch.isfinite(v)).sum())} of "
+                                     f"{size} entries are not")
                 out[f] = v
         if self.u is not None and self.z is None:
             raise ValueError(f"{names['u']}: a mean needs the site variances {names['z']} valid at {names['gamma']}")

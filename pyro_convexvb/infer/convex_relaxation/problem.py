@@ -511,19 +511,34 @@ class RelaxationProblem:
         Gaussian prior given by a covariance, else ``None``.
 
         ``None`` when some block is flat (e.g. a Laplace prior turned into sites), is given by its precision
-        only, or is a dense covariance larger than ``DENSE_BLOCK_LIMIT``.  ``dense`` is ``False`` for a
-        diagonal covariance.  No computation: this only inspects the model.
+        only, or is a dense covariance larger than ``DENSE_BLOCK_LIMIT``; :meth:`covariance_obstacle` says which.
+        ``dense`` is ``False`` for a diagonal covariance.  No computation: this only inspects the model.
         """
+        return self._covariance_scan()[0]
+
+    def covariance_obstacle(self):
+        """``None`` when :meth:`covariance_blocks` exists, else why not, naming the prior site (a phrase)."""
+        return self._covariance_scan()[1]
+
+    def _covariance_scan(self):
         out, pos = [], 0
         for p, b in zip(self.lgm.priors, self.lgm.layout.blocks):
-            if p.flat or p.cov is None or b.slice.start != pos:
-                return None
+            if b.slice.start != pos:
+                return None, f"latent coordinates {pos}..{b.slice.start - 1} have no prior block"
+            if p.flat:
+                return None, (f"site '{p.name}' has no Gaussian prior of its own (a flat block, e.g. a Laplace prior "
+                              "turned into sites)")
+            if p.cov is None:
+                return None, f"the Gaussian prior of site '{p.name}' is given by its precision only"
             dense = not isinstance(p.cov, DiagonalOperator)
             if dense and p.size > DENSE_BLOCK_LIMIT:
-                return None
+                return None, (f"the dense prior covariance of site '{p.name}' has {p.size} coordinates, more than "
+                              f"the {DENSE_BLOCK_LIMIT} factorised densely")
             out.append((b.slice, p.cov, dense))
             pos = b.slice.stop
-        return out if pos == self.n else None
+        if pos != self.n:
+            return None, f"latent coordinates {pos}..{self.n - 1} have no prior block"
+        return out, None
 
     def covariance_form(self, chunk=256):
         """The prior in covariance form (:class:`CovarianceForm`), or ``None`` (see :meth:`covariance_blocks`).
