@@ -32,7 +32,8 @@ class ConvexRelaxationOptions(LGMEngineOptions):
     lanczos_rank: int = option(80, "Lanczos steps k per variance update (80 for a9a, 750 for real-sim/rcv1 in "
                                     "Nickisch & Seeger 2009); set with variance='exact' it is refused (unused)",
                                min=1)
-    max_outer: int = option(5, "outer-loop variance updates (each followed by one inner loop)", min=0)
+    max_outer: int = option(10, "outer-loop variance updates (each followed by one inner loop); the loop stops "
+                                "earlier once gamma_tol and phi_tol are met", min=0)
     max_newton: int = option(20, "Newton steps per inner loop", min=1)
     cg_tol: float = option(1e-6, "relative CG residual of the final Newton systems", gt=0)
     variance: typing.Literal["auto", "lanczos", "exact", "pca"] = option(
