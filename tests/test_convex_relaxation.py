@@ -290,6 +290,33 @@ def test_default_outer_budget_converges_robust_regressions():
         assert float(((res.posterior.loc - ref.posterior.loc) / sd).abs().max()) < 5e-3
 
 
+def test_hyper_latent_integration_issues_an_engine_warning_once():
+    """A Student-t regression with a hyper-latent nu: every design-point fit meets the same non-log-concave
+    potential, and one pcv.fit says so once (even under the 'always' filter), attributed to the caller's line;
+    a filter that turns it into an error still raises."""
+    g = torch.Generator().manual_seed(7)
+    X = torch.randn(20, 2, generator=g, dtype=D)
+    y = torch.randn(20, generator=g, dtype=D)
+
+    def model(X, y=None):
+        nu = pyro.sample("nu", dist.Gamma(_t(2.0), _t(0.1)))
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        with pyro.plate("n", X.shape[0]):
+            pyro.sample("y", dist.StudentT(nu, X @ w, 1.0), obs=y)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = pcv.fit(model, X, y=y, engine="convex_relaxation", progress=False)
+    assert res.info["hyper_details"]["fits"] > 10
+    nonconvex = [w for w in caught if issubclass(w.category, NonConvexWarning)]
+    assert len(nonconvex) == 1 and "site potential 'student_t' is not log-concave" in str(nonconvex[0].message)
+    assert nonconvex[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NonConvexWarning)
+        with pytest.raises(NonConvexWarning, match="student_t"):
+            pcv.fit(model, X, y=y, engine="convex_relaxation", progress=False)
+
+
 # ----------------------------------------------------------------------------- test problems
 
 
