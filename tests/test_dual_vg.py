@@ -671,3 +671,35 @@ def test_lbfgs_reaches_the_newton_optimum_on_poisson_rates_of_many_scales(seed, 
     assert lb.log_evidence_bound == pytest.approx(new.log_evidence_bound, abs=4e-7)
     sd = new.posterior.variance.sqrt()
     assert torch.allclose(lb.posterior.loc, new.posterior.loc, atol=1e-3 * float(sd.min()))
+
+
+def test_form_banded_is_refused_without_a_gmrf_read_one_latent_per_site():
+    # it failed inside the backend with "Q: expected a sparse matrix ..., got DiagonalOperator"
+    model, X, y = _logit_regression_30()
+    with pytest.raises(ValueError, match=r"option form='banded' needs a Gaussian Markov random field prior .*"
+                                         r"the prior of 'w' has a precision of type DiagonalOperator, not a sparse "
+                                         r"matrix\. Use form='auto' .* 'sparse', 'latent', 'site'"):
+        pcv.fit(model, X, y=y, engine="dual_vg", options={"form": "banded"}, progress=False)
+    ref = pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
+    for form in ("sparse", "latent", "site"):  # the forms the message offers run the model
+        r = pcv.fit(model, X, y=y, engine="dual_vg", options={"form": form}, progress=False)
+        # the exact VG bound of q, not the dual's objective: first order in q's distance from the default gap_tol
+        assert r.converged and r.log_evidence_bound == pytest.approx(ref.log_evidence_bound, abs=2e-5)
+
+    # a GMRF prior whose sites each read two latents (a chain of 6, sites on neighbouring pairs)
+    import scipy.sparse as sp
+    Q = sp.diags([-0.4 * np.ones(5), 1.5 * np.ones(6), -0.4 * np.ones(5)], [-1, 0, 1], format="csr")
+    Qt = torch.sparse_csr_tensor(torch.as_tensor(Q.indptr), torch.as_tensor(Q.indices), torch.as_tensor(Q.data),
+                                 size=(6, 6), dtype=D)
+    Xp = torch.zeros(5, 6, dtype=D)
+    Xp[torch.arange(5), torch.arange(5)] = 1.0
+    Xp[torch.arange(5), torch.arange(1, 6)] = 1.0
+    yp = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0], dtype=D)
+
+    def gmrf_model(Xp, y=None):
+        x = pyro.sample("x", pcv.distributions.SparseGMRF(torch.zeros(6, dtype=D), Qt))
+        with pyro.plate("n", 5):
+            pyro.sample("y", dist.Bernoulli(logits=Xp @ x), obs=y)
+    with pytest.raises(ValueError, match=r"option form='banded' .* site row 0 reads 2 latents\. Use form='auto'"):
+        pcv.fit(gmrf_model, Xp, y=yp, engine="dual_vg", options={"form": "banded"}, progress=False)
+    assert pcv.fit(gmrf_model, Xp, y=yp, engine="dual_vg", options={"form": "site"}, progress=False).converged

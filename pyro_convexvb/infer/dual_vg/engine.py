@@ -152,9 +152,8 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None, reuse=None):
         if backend is None:
             backend = SparseLatentBackend(Q, mu, Ws, d)
     elif form == "banded":
-        Q = lgm.priors[0].prec if len(lgm.priors) == 1 else None
-        if Q is None:
-            raise ValueError("form='banded' needs a single prior block given by a sparse precision")
+        _check_banded(lgm, W)
+        Q = lgm.priors[0].prec
         backend = SparsePrecisionBackend(Q, mu, None if _is_identity(W, L) else W, d)
     elif form == "latent":
         backend = LatentSpaceBackend(W, mu, d, prior_cov=None if precision_only else lgm.dense_prior_cov(),
@@ -177,6 +176,29 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None, reuse=None):
             if isinstance(b, LogitJaakkolaBound) and b.xi is None:
                 b.set_xi(torch.sqrt(hh**2 + rr))
     return backend, lb, form
+
+
+def _check_banded(lgm, W):
+    """Refuse ``form='banded'`` for a model that is not a GMRF read one latent per site, naming the option, the
+    reason and the forms that do run it."""
+    if len(lgm.priors) != 1:
+        why = f"this model has {len(lgm.priors)} prior blocks"
+    elif lgm.priors[0].flat or not isinstance(lgm.priors[0].prec, SparseOperator):
+        p = lgm.priors[0]
+        given = ("is flat" if p.flat else "is given only by a covariance" if p.prec is None
+                 else f"has a precision of type {type(p.prec).__name__}, not a sparse matrix")
+        why = f"the prior of '{p.name}' {given}"
+    else:
+        rows = (None if _is_identity(W, W.shape[1]) or _one_per_row(W)
+                else (W.to_dense() != 0).sum(1))
+        if rows is None or bool((rows == 1).all()):
+            return
+        bad = int((rows != 1).nonzero()[0, 0])
+        why = f"site row {bad} reads {int(rows[bad])} latents"
+    works = "'sparse', " if sparse_prior_precision(lgm) is not None and sparse_design(lgm) is not None else ""
+    raise ValueError(f"engine 'dual_vg': option form='banded' needs a Gaussian Markov random field prior (one prior "
+                     f"block given by a sparse precision) with every site reading one latent; {why}. Use "
+                     f"form='auto' (it picks the form that fits), or one of {works}'latent', 'site'")
 
 
 def _choose_form(lgm, W, form, comm, precision_only):
