@@ -703,3 +703,46 @@ def test_form_banded_is_refused_without_a_gmrf_read_one_latent_per_site():
     with pytest.raises(ValueError, match=r"option form='banded' .* site row 0 reads 2 latents\. Use form='auto'"):
         pcv.fit(gmrf_model, Xp, y=yp, engine="dual_vg", options={"form": "banded"}, progress=False)
     assert pcv.fit(gmrf_model, Xp, y=yp, engine="dual_vg", options={"form": "site"}, progress=False).converged
+
+
+def test_xi_and_alpha0_of_the_wrong_shape_or_type_are_refused_by_name():
+    # xi of the wrong shape failed with torch's "The expanded size of the tensor (30) must match ..." and
+    # alpha0='abc' with "new(): invalid data type 'str'"
+    model, X, y = _logit_regression_30()
+
+    def fit(**options):
+        return pcv.fit(model, X, y=y, engine="dual_vg", options=options, progress=False)
+    with pytest.raises(ValueError, match=r"option 'xi' must be a finite scalar or a \(30,\) tensor, one Jaakkola "
+                                         r"tangent point per observed site entry; got shape \(3,\)$"):
+        fit(bound="jaakkola", xi=torch.ones(3, dtype=D))
+    with pytest.raises(ValueError, match=r"option 'xi' .* got shape \(30,\) with non-finite entries"):
+        fit(bound="jaakkola", xi=torch.full((30,), math.nan, dtype=D))
+    with pytest.raises(TypeError, match=r"option 'xi' expects a finite scalar or a \(30,\) tensor.*, got 'abc' "
+                                        r"\(str\)"):
+        fit(bound="jaakkola", xi="abc")
+    with pytest.raises(TypeError, match=r"option 'alpha0' expects a \(30,\) tensor of real numbers, got 'abc' \(str\)"):
+        fit(alpha0="abc")
+    with pytest.raises(ValueError, match=r"option 'alpha0' must be a finite vector .* shape \(30,\); got shape \(3,\)"):
+        fit(alpha0=[0.1, 0.2, 0.3])
+    # a scalar xi is every site's: the same fit as the vector; the bound is the closed form's at the optimum
+    r_scalar, r_vec = fit(bound="jaakkola", xi=3.0), fit(bound="jaakkola", xi=torch.full((30,), 3.0, dtype=D))
+    assert r_scalar.converged and r_scalar.log_evidence_bound == pytest.approx(-17.202657942, abs=1e-8)
+    assert r_vec.log_evidence_bound == r_scalar.log_evidence_bound
+
+
+def test_xi_vector_is_split_over_several_site_groups():
+    # two Bernoulli-logit groups: one xi per observed entry, in site order (it failed in torch's expand before)
+    model, X, y = _logit_regression_30()
+
+    def two_groups(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.5).to_event(1))
+        with pyro.plate("a", 12):
+            pyro.sample("ya", dist.Bernoulli(logits=X[:12] @ w), obs=None if y is None else y[:12])
+        with pyro.plate("b", 18):
+            pyro.sample("yb", dist.Bernoulli(logits=X[12:] @ w), obs=None if y is None else y[12:])
+    xi = torch.linspace(0.5, 4.0, 30, dtype=D)
+    one = pcv.fit(model, X, y=y, engine="dual_vg", options={"bound": "jaakkola", "xi": xi}, progress=False)
+    two = pcv.fit(two_groups, X, y=y, engine="dual_vg", options={"bound": "jaakkola", "xi": xi}, progress=False)
+    assert one.converged and two.converged
+    assert two.log_evidence_bound == pytest.approx(one.log_evidence_bound, abs=1e-9)
+    assert torch.allclose(two.posterior.loc, one.posterior.loc, atol=1e-8)
