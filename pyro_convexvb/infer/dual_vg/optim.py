@@ -476,14 +476,14 @@ class PreconditionedLBFGSMemory(LBFGSMemory):
         """``-H grad`` with ``H^0 = precondition``; where that is not a descent direction the memory is reset and
         ``-precondition(grad)`` is taken, or, where rounding makes that one no descent direction either (the
         Woodbury form subtracts nearly equal terms when the site curvatures span many orders of magnitude),
-        ``-grad / diagonal`` (positive ``diagonal``: a descent direction in any arithmetic)."""
+        ``-diagonal(grad)`` (division by the Hessian's positive diagonal: a descent direction in any arithmetic)."""
         self._pre = precondition
         d = -self._two_loop(grad)
         if self.dot(grad, d) >= 0:
             self.reset()
             d = -precondition(grad)
             if self.dot(grad, d) >= 0:
-                d = -grad / diagonal
+                d = -diagonal(grad)
         return d
 
     def _two_loop(self, grad):
@@ -504,22 +504,27 @@ class PreconditionedLBFGSMemory(LBFGSMemory):
 
 
 def _preconditioner(backend, bound, alpha, val, prior_var):
-    r"""``(precondition, diagonal)`` of the reduced dual Hessian at ``alpha`` (:func:`~.objective.reduced_objective`).
+    r"""``(precondition, diagonal)``: two approximations ``r -> P^{-1} r`` of the inverse reduced dual Hessian at
+    ``alpha`` (:func:`~.objective.reduced_objective`), the second by its diagonal
+    ``diag(Sigma_t) + ell'^2 v_t^2 / 2 + psi'' - ell'' v_t / 2``, which is positive (each term is nonnegative,
+    and ``psi''``, the curvature of a strictly convex conjugate, is positive inside the domain).
 
-    ``diagonal = diag(Sigma_t) + ell'^2 v_t^2 / 2 + psi'' - ell'' v_t / 2``, from the prior site variances
-    ``prior_var = diag(Sigma_t)`` and the site variances ``v_t`` of the iterate, is positive (each term is
-    nonnegative, and ``psi''``, the curvature of a strictly convex conjugate, is positive inside the domain).
-    ``precondition`` applies the Woodbury preconditioner of :class:`~.objective.LatentSpaceHessian` on the latent
-    form (it keeps the rank-``L`` prior part exactly), the inverse diagonal on the others.
+    On the latent form ``precondition`` is the Woodbury preconditioner of :class:`~.objective.LatentSpaceHessian`
+    (it keeps the rank-``L`` prior part exactly); on the others, the diagonal, from ``prior_var()`` (the prior
+    site variances ``diag(Sigma_t)``, computed once) and the site variances ``v_t`` of the iterate.
     """
     _, dl, d2l = bound.ell(alpha)
     d2psi = bound.psi(alpha)[2]
     v = val.v_tilde
     site = d2psi - 0.5 * d2l * v
-    diagonal = (prior_var + 0.5 * dl * dl * v * v + site).clamp_min(torch.finfo(v.dtype).tiny)
     if getattr(backend, "kind", "") == "latent":
-        return backend.hessian_operator(val.lam, dl, site).precondition, diagonal
-    return (lambda r: r / diagonal), diagonal
+        H = backend.hessian_operator(val.lam, dl, site)
+        return H.precondition, H.precondition_diagonal
+    diagonal = (prior_var() + 0.5 * dl * dl * v * v + site).clamp_min(torch.finfo(v.dtype).tiny)
+
+    def jacobi(r):
+        return r / diagonal
+    return jacobi, jacobi
 
 
 def _lbfgs(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback):
@@ -528,7 +533,13 @@ def _lbfgs(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, c
     if not torch.isfinite(val.g):
         raise ValueError("the starting alpha lies outside the conjugate's domain")
     mem = PreconditionedLBFGSMemory(memory, red.dot)
-    prior_var = backend.prior_marginals()[1]
+    cache = {}
+
+    def prior_var():
+        if "v" not in cache:
+            cache["v"] = backend.prior_marginals()[1]
+        return cache["v"]
+
     nev, converged, it = 1, False, 0
     for it in range(max_iter + 1):
         gap = _record(bound, alpha, val, red, history, nev, callback)
