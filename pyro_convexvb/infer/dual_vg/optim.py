@@ -1,8 +1,8 @@
 r"""Minimisers of the dual VG objective that never leave the conjugates' domains and stop on the duality gap.
 
 * :func:`solve_dual` -- the reduced dual in ``alpha`` (``lambda = ell(alpha)``): Newton with the
-  closed-form Hessian (default; ``O(N^3)`` per step, a handful of steps) or L-BFGS preconditioned by the
-  Hessian's prior part and diagonal (``O(N L^2 + L^3)`` per step in L-space).
+  closed-form Hessian (default; ``O(N^3)`` per step, a handful of steps) or L-BFGS preconditioned like
+  Newton-CG (``O(N L^2 + L^3)`` per step in L-space).
   The components of a step that would leave the domain are cut to a fraction of their distance to its boundary
   (the whole step where that is no descent direction), then the step is backtracked
   (Armijo); the iteration stops when the duality gap ``g - ELBO_LVB = sum_n FY_n`` (a sum of
@@ -467,9 +467,10 @@ class PreconditionedLBFGSMemory(LBFGSMemory):
     so the diagonal of the dual Hessian spans as many orders of magnitude as the site rates, and on a latent
     form the prior part ``Sigma_t = W Sigma W^T`` has rank ``L``: one scalar scales neither (with it the
     iteration was still ``1e-4`` nats from closing the gap after 2000 steps on 36 Poisson sites with rates from
-    ``1e-5`` to ``400``). :func:`_preconditioner` gives the latent form's Woodbury preconditioner
-    ``(Sigma_t + D_p)^{-1}`` of its Newton-CG (:class:`~.objective.LatentSpaceHessian`), ``O(N L^2)`` per iterate,
-    and the other forms the inverse of the Hessian's diagonal (Jacobi), ``O(N)``.
+    ``1e-5`` to ``400``). :func:`_preconditioner` gives the Woodbury preconditioner ``(Sigma_t + D_p)^{-1}`` of
+    Newton-CG where the form has a matrix-free Hessian (:class:`~.objective.LatentSpaceHessian`, ``O(N L^2)`` per
+    iterate; :class:`~.objective.SparsePrecisionHessian` and :class:`~.sparse.SparseLatentHessian`, one sparse
+    factorisation per iterate), and the ``N x N`` site form the inverse of the Hessian's diagonal (Jacobi), ``O(N)``.
     """
 
     def direction(self, grad, precondition, diagonal):
@@ -509,15 +510,16 @@ def _preconditioner(backend, bound, alpha, val, prior_var):
     ``diag(Sigma_t) + ell'^2 v_t^2 / 2 + psi'' - ell'' v_t / 2``, which is positive (each term is nonnegative,
     and ``psi''``, the curvature of a strictly convex conjugate, is positive inside the domain).
 
-    On the latent form ``precondition`` is the Woodbury preconditioner of :class:`~.objective.LatentSpaceHessian`
-    (it keeps the rank-``L`` prior part exactly); on the others, the diagonal, from ``prior_var()`` (the prior
-    site variances ``diag(Sigma_t)``, computed once) and the site variances ``v_t`` of the iterate.
+    Where the backend has a matrix-free Hessian (the latent, banded and sparse forms), ``precondition`` is its
+    Woodbury preconditioner (it keeps the prior part ``Sigma_t`` exactly) and ``diagonal`` its Jacobi form; on the
+    site form both are the diagonal, from ``prior_var()`` (the prior site variances ``diag(Sigma_t)``, computed
+    once) and the site variances ``v_t`` of the iterate.
     """
     _, dl, d2l = bound.ell(alpha)
     d2psi = bound.psi(alpha)[2]
     v = val.v_tilde
     site = d2psi - 0.5 * d2l * v
-    if getattr(backend, "kind", "") == "latent":
+    if hasattr(backend, "hessian_operator"):
         H = backend.hessian_operator(val.lam, dl, site)
         return H.precondition, H.precondition_diagonal
     diagonal = (prior_var() + 0.5 * dl * dl * v * v + site).clamp_min(torch.finfo(v.dtype).tiny)
