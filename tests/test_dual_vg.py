@@ -657,7 +657,7 @@ def _poisson_regression(seed, scale, prior_sd):
 
 
 @pytest.mark.parametrize("seed,scale,prior_sd,form", [(101, 1.0, 2.0, "latent"), (102, 3.0, 5.0, "latent"),
-                                                      (101, 1.0, 2.0, "site")])
+                                                      (102, 3.0, 5.0, "sparse"), (101, 1.0, 2.0, "site")])
 def test_lbfgs_reaches_the_newton_optimum_on_poisson_rates_of_many_scales(seed, scale, prior_sd, form):
     # site rates from 1e-5 to 1e3 make the conjugate curvature 1 / lambda span eight orders of magnitude; with the
     # scalar initial scaling L-BFGS was 4e-5 and 1.5e-4 nats from closing the gap after 2000 iterations
