@@ -601,3 +601,148 @@ def test_poisson_regression_with_wide_covariates_fits_and_a_diverging_start_is_n
             assert "standardise the covariates" in str(e) and "engine='laplace'" in str(e)
         else:
             assert math.isfinite(r.log_evidence_bound) and bool(r.posterior.loc.abs().max() < 10)
+
+
+def _logit_regression_30():
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(30, 2, generator=g, dtype=D)
+    y = (torch.rand(30, generator=g, dtype=D) < torch.sigmoid(X @ torch.tensor([1.5, -1.0], dtype=D))).to(D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.5).to_event(1))
+        with pyro.plate("n", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+    return model, X, y
+
+
+def _quadrature_log_evidence(loglik, prior_sd, lim=8.0, n=801):
+    """``log p(y)`` of a 2-coefficient model with an ``N(0, prior_sd^2 I)`` prior by a fixed 2-D grid."""
+    g = torch.linspace(-lim, lim, n, dtype=D)
+    W1, W2 = torch.meshgrid(g, g, indexing="ij")
+    W = torch.stack([W1.reshape(-1), W2.reshape(-1)], 1)
+    lp = loglik(W) + torch.distributions.Normal(0.0, prior_sd).log_prob(W).sum(1)
+    return float(torch.logsumexp(lp, 0) + 2 * math.log(float(g[1] - g[0])))
+
+
+def test_lbfgs_leaves_the_domain_boundary_jensen_logit():
+    # the prior-marginal start of the Jensen bound puts kappa within 8e-8 of 1 at one site, whose own descent heads
+    # for the boundary: a step cut to 99.5% of that site's distance for every site moved nothing in 20000 iterations
+    # (dual objective +119.77 against -18.4768)
+    model, X, y = _logit_regression_30()
+    fits = {m: pcv.fit(model, X, y=y, engine="dual_vg", options={"bound": "jensen", "method": m}, progress=False)
+            for m in ("newton", "lbfgs")}
+    new, lb = fits["newton"], fits["lbfgs"]
+    assert new.converged and lb.converged and lb.info["iterations"] < 100
+    assert new.info["dual_objective"] == pytest.approx(-18.4767784, abs=1e-6)
+    assert lb.info["dual_objective"] == pytest.approx(new.info["dual_objective"], abs=3e-7)
+    assert lb.log_evidence_bound == pytest.approx(new.log_evidence_bound, abs=1e-5)
+    assert torch.allclose(lb.posterior.loc, new.posterior.loc, atol=1e-4)
+    log_p = _quadrature_log_evidence(lambda W: (y * (W @ X.T) - torch.nn.functional.softplus(W @ X.T)).sum(1), 1.5)
+    assert log_p == pytest.approx(-17.025, abs=1e-3) and -17.75 < lb.log_evidence_bound < log_p
+
+
+def _poisson_regression(seed, scale, prior_sd):
+    torch.manual_seed(seed)
+    N = int(torch.randint(3, 40, ()).item())
+    X = torch.randn(N, 2, dtype=D) * scale
+    w0 = torch.randn(2, dtype=D) * 2
+    torch.rand(N, dtype=D)
+    y = torch.poisson(torch.exp((X @ w0).clamp(max=6)))
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), prior_sd).to_event(1))
+        with pyro.plate("n", X.shape[0]):
+            pyro.sample("y", dist.Poisson(torch.exp(X @ w)), obs=y)
+    return model, X, y
+
+
+@pytest.mark.parametrize("seed,scale,prior_sd,form", [(101, 1.0, 2.0, "latent"), (102, 3.0, 5.0, "latent"),
+                                                      (102, 3.0, 5.0, "sparse"), (101, 1.0, 2.0, "site")])
+def test_lbfgs_reaches_the_newton_optimum_on_poisson_rates_of_many_scales(seed, scale, prior_sd, form):
+    # site rates from 1e-5 to 1e3 make the conjugate curvature 1 / lambda span eight orders of magnitude; with the
+    # scalar initial scaling L-BFGS was 4e-5 and 1.5e-4 nats from closing the gap after 2000 iterations
+    model, X, y = _poisson_regression(seed, scale, prior_sd)
+    assert X.shape[0] == 36 and float(y.max()) > 400 and float(y.min()) == 0
+    fits = {m: pcv.fit(model, X, y=y, engine="dual_vg", options={"method": m, "form": form}, progress=False)
+            for m in ("newton", "lbfgs")}
+    new, lb = fits["newton"], fits["lbfgs"]
+    assert new.converged and lb.converged and lb.info["iterations"] < 500
+    assert lb.info["dual_objective"] == pytest.approx(new.info["dual_objective"], abs=4e-7)
+    assert lb.log_evidence_bound == pytest.approx(new.log_evidence_bound, abs=4e-7)
+    sd = new.posterior.variance.sqrt()
+    assert torch.allclose(lb.posterior.loc, new.posterior.loc, atol=1e-3 * float(sd.min()))
+
+
+def test_form_banded_is_refused_without_a_gmrf_read_one_latent_per_site():
+    # it failed inside the backend with "Q: expected a sparse matrix ..., got DiagonalOperator"
+    model, X, y = _logit_regression_30()
+    with pytest.raises(ValueError, match=r"option form='banded' needs a Gaussian Markov random field prior .*"
+                                         r"the prior of 'w' has a precision of type DiagonalOperator, not a sparse "
+                                         r"matrix\. Use form='auto' .* 'sparse', 'latent', 'site'"):
+        pcv.fit(model, X, y=y, engine="dual_vg", options={"form": "banded"}, progress=False)
+    ref = pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
+    for form in ("sparse", "latent", "site"):  # the forms the message offers run the model
+        r = pcv.fit(model, X, y=y, engine="dual_vg", options={"form": form}, progress=False)
+        # the exact VG bound of q, not the dual's objective: first order in q's distance from the default gap_tol
+        assert r.converged and r.log_evidence_bound == pytest.approx(ref.log_evidence_bound, abs=2e-5)
+
+    # a GMRF prior whose sites each read two latents (a chain of 6, sites on neighbouring pairs)
+    import scipy.sparse as sp
+    Q = sp.diags([-0.4 * np.ones(5), 1.5 * np.ones(6), -0.4 * np.ones(5)], [-1, 0, 1], format="csr")
+    Qt = torch.sparse_csr_tensor(torch.as_tensor(Q.indptr), torch.as_tensor(Q.indices), torch.as_tensor(Q.data),
+                                 size=(6, 6), dtype=D)
+    Xp = torch.zeros(5, 6, dtype=D)
+    Xp[torch.arange(5), torch.arange(5)] = 1.0
+    Xp[torch.arange(5), torch.arange(1, 6)] = 1.0
+    yp = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0], dtype=D)
+
+    def gmrf_model(Xp, y=None):
+        x = pyro.sample("x", pcv.distributions.SparseGMRF(torch.zeros(6, dtype=D), Qt))
+        with pyro.plate("n", 5):
+            pyro.sample("y", dist.Bernoulli(logits=Xp @ x), obs=y)
+    with pytest.raises(ValueError, match=r"option form='banded' .* site row 0 reads 2 latents\. Use form='auto'"):
+        pcv.fit(gmrf_model, Xp, y=yp, engine="dual_vg", options={"form": "banded"}, progress=False)
+    assert pcv.fit(gmrf_model, Xp, y=yp, engine="dual_vg", options={"form": "site"}, progress=False).converged
+
+
+def test_xi_and_alpha0_of_the_wrong_shape_or_type_are_refused_by_name():
+    # xi of the wrong shape failed with torch's "The expanded size of the tensor (30) must match ..." and
+    # alpha0='abc' with "new(): invalid data type 'str'"
+    model, X, y = _logit_regression_30()
+
+    def fit(**options):
+        return pcv.fit(model, X, y=y, engine="dual_vg", options=options, progress=False)
+    with pytest.raises(ValueError, match=r"option 'xi' must be a finite scalar or a \(30,\) tensor, one Jaakkola "
+                                         r"tangent point per observed site entry; got shape \(3,\)$"):
+        fit(bound="jaakkola", xi=torch.ones(3, dtype=D))
+    with pytest.raises(ValueError, match=r"option 'xi' .* got shape \(30,\) with non-finite entries"):
+        fit(bound="jaakkola", xi=torch.full((30,), math.nan, dtype=D))
+    with pytest.raises(TypeError, match=r"option 'xi' expects a finite scalar or a \(30,\) tensor.*, got 'abc' "
+                                        r"\(str\)"):
+        fit(bound="jaakkola", xi="abc")
+    with pytest.raises(TypeError, match=r"option 'alpha0' expects a \(30,\) tensor of real numbers, got 'abc' \(str\)"):
+        fit(alpha0="abc")
+    with pytest.raises(ValueError, match=r"option 'alpha0' must be a finite vector .* shape \(30,\); got shape \(3,\)"):
+        fit(alpha0=[0.1, 0.2, 0.3])
+    # a scalar xi is every site's: the same fit as the vector; the bound is the closed form's at the optimum
+    r_scalar, r_vec = fit(bound="jaakkola", xi=3.0), fit(bound="jaakkola", xi=torch.full((30,), 3.0, dtype=D))
+    assert r_scalar.converged and r_scalar.log_evidence_bound == pytest.approx(-17.202657942, abs=1e-8)
+    assert r_vec.log_evidence_bound == r_scalar.log_evidence_bound
+
+
+def test_xi_vector_is_split_over_several_site_groups():
+    # two Bernoulli-logit groups: one xi per observed entry, in site order (it failed in torch's expand before)
+    model, X, y = _logit_regression_30()
+
+    def two_groups(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.5).to_event(1))
+        with pyro.plate("a", 12):
+            pyro.sample("ya", dist.Bernoulli(logits=X[:12] @ w), obs=None if y is None else y[:12])
+        with pyro.plate("b", 18):
+            pyro.sample("yb", dist.Bernoulli(logits=X[12:] @ w), obs=None if y is None else y[12:])
+    xi = torch.linspace(0.5, 4.0, 30, dtype=D)
+    one = pcv.fit(model, X, y=y, engine="dual_vg", options={"bound": "jaakkola", "xi": xi}, progress=False)
+    two = pcv.fit(two_groups, X, y=y, engine="dual_vg", options={"bound": "jaakkola", "xi": xi}, progress=False)
+    assert one.converged and two.converged
+    assert two.log_evidence_bound == pytest.approx(one.log_evidence_bound, abs=1e-9)
+    assert torch.allclose(two.posterior.loc, one.posterior.loc, atol=1e-8)

@@ -553,7 +553,7 @@ def test_newton_on_the_sparse_backend_matches_lbfgs_and_the_site_form():
     lb = solve_dual(be, bound, method="lbfgs", gap_tol=tol)
     nt = _newton(be, bound, initial_alpha(be, bound), tol, 50, 20, History(), "raise", None, newton_solver="cg")
     assert lb.converged and nt.converged
-    assert nt.iterations <= 10 and nt.iterations < lb.iterations
+    assert nt.iterations <= 10 and lb.iterations <= 10  # L-BFGS with the Woodbury preconditioner of Newton-CG
     for sol in (lb, nt):
         torch.testing.assert_close(sol.m_tilde, sol_ref.m_tilde, rtol=0, atol=1e-6)
         torch.testing.assert_close(sol.v_tilde, sol_ref.v_tilde, rtol=0, atol=1e-6)

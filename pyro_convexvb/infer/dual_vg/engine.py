@@ -130,7 +130,9 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None, reuse=None):
         raise err
     if form not in ("auto", "site", "latent", "banded", "sparse"):
         raise ValueError(f"form: expected 'auto', 'site', 'latent', 'banded' or 'sparse', got {form!r}")
-    bounds = [make_bound(g.family, bound, xi) for g in lgm.sites]
+    sizes = [len(g.family) for g in lgm.sites]
+    xis = _split_xi(xi, sizes, lgm) if xi is not None else [None] * len(sizes)
+    bounds = [make_bound(g.family, bound, x) for g, x in zip(lgm.sites, xis)]
     lb = bounds[0] if len(bounds) == 1 else Stacked(bounds)
     W, comm = sharded_design(lgm.design())
     d = lgm.offset()
@@ -152,9 +154,8 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None, reuse=None):
         if backend is None:
             backend = SparseLatentBackend(Q, mu, Ws, d)
     elif form == "banded":
-        Q = lgm.priors[0].prec if len(lgm.priors) == 1 else None
-        if Q is None:
-            raise ValueError("form='banded' needs a single prior block given by a sparse precision")
+        _check_banded(lgm, W)
+        Q = lgm.priors[0].prec
         backend = SparsePrecisionBackend(Q, mu, None if _is_identity(W, L) else W, d)
     elif form == "latent":
         backend = LatentSpaceBackend(W, mu, d, prior_cov=None if precision_only else lgm.dense_prior_cov(),
@@ -177,6 +178,55 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None, reuse=None):
             if isinstance(b, LogitJaakkolaBound) and b.xi is None:
                 b.set_xi(torch.sqrt(hh**2 + rr))
     return backend, lb, form
+
+
+def _as_real_tensor(value, name, expected, dtype, device):
+    """``value`` as a real tensor of ``dtype``, or a ``TypeError`` naming the option ``name``, the ``expected``
+    input and what was given."""
+    try:
+        out = torch.as_tensor(value, dtype=dtype, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        out = None
+    if out is None or (torch.is_tensor(value) and (value.is_complex() or value.is_sparse)):
+        raise TypeError(f"{name} expects {expected}, got {value!r:.60} ({type(value).__name__})")
+    return out
+
+
+def _split_xi(xi, sizes, lgm):
+    """Option ``xi`` checked and split by site group: a scalar for every site, or one value per observed site entry
+    (``(N,)``, in the order of the sites)."""
+    num_sites = sum(sizes)
+    expected = f"a finite scalar or a ({num_sites},) tensor, one Jaakkola tangent point per observed site entry"
+    xi = _as_real_tensor(xi, "engine 'dual_vg': option 'xi'", expected, lgm.dtype, lgm.device)
+    if xi.dim() == 0 and bool(torch.isfinite(xi)):
+        return [xi] * len(sizes)
+    if xi.shape != (num_sites,) or not bool(torch.isfinite(xi).all()):
+        raise ValueError(f"engine 'dual_vg': option 'xi' must be {expected}; got shape {tuple(xi.shape)}"
+                         + (" with non-finite entries" if xi.shape in ((), (num_sites,)) else ""))
+    return list(xi.split(sizes))
+
+
+def _check_banded(lgm, W):
+    """Refuse ``form='banded'`` for a model that is not a GMRF read one latent per site, naming the option, the
+    reason and the forms that do run it."""
+    if len(lgm.priors) != 1:
+        why = f"this model has {len(lgm.priors)} prior blocks"
+    elif lgm.priors[0].flat or not isinstance(lgm.priors[0].prec, SparseOperator):
+        p = lgm.priors[0]
+        given = ("is flat" if p.flat else "is given only by a covariance" if p.prec is None
+                 else f"has a precision of type {type(p.prec).__name__}, not a sparse matrix")
+        why = f"the prior of '{p.name}' {given}"
+    else:
+        rows = (None if _is_identity(W, W.shape[1]) or _one_per_row(W)
+                else (W.to_dense() != 0).sum(1))
+        if rows is None or bool((rows == 1).all()):
+            return
+        bad = int((rows != 1).nonzero()[0, 0])
+        why = f"site row {bad} reads {int(rows[bad])} latents"
+    works = "'sparse', " if sparse_prior_precision(lgm) is not None and sparse_design(lgm) is not None else ""
+    raise ValueError(f"engine 'dual_vg': option form='banded' needs a Gaussian Markov random field prior (one prior "
+                     f"block given by a sparse precision) with every site reading one latent; {why}. Use "
+                     f"form='auto' (it picks the form that fits), or one of {works}'latent', 'site'")
 
 
 def _choose_form(lgm, W, form, comm, precision_only):
@@ -320,8 +370,9 @@ class DualVGOptions(LGMEngineOptions):
         "auto", "Newton systems in the L x L form: dense Cholesky, matrix-free CG, or the cheaper by a flop count")
     gap_tol: typing.Optional[float] = option(None, "convergence: duality gap in nats (default 1e-8 N)", gt=0)
     max_iter: typing.Optional[int] = option(None, "iteration cap (default 100 Newton / 2000 L-BFGS)", min=1)
-    alpha0: typing.Any = option(None, "(N,) warm start of the dual variables")
-    xi: typing.Any = option(None, "Jaakkola variational parameters (default: at the prior marginals)")
+    alpha0: typing.Any = option(None, "(N,) warm start of the dual variables, one per observed site entry")
+    xi: typing.Any = option(None, "Jaakkola variational parameters (bound='jaakkola'): a scalar for every site or one "
+                                  "per observed site entry, (N,) in site order (default: at the prior marginals)")
     refine: bool = option(False, "polish q by natural-gradient (CVI) steps with exact expectations (site form)")
 
     def check(self):
@@ -409,7 +460,8 @@ class DualVGEngine(Engine):
         if self.init is None and o.alpha0 is None:
             return None
         alpha, name = (self.init.alpha, "init.alpha") if o.alpha0 is None else (o.alpha0, "option 'alpha0'")
-        alpha = torch.as_tensor(alpha, dtype=lgm.dtype, device=lgm.device)
+        alpha = _as_real_tensor(alpha, f"engine '{self.name}': {name}", f"a ({num_sites},) tensor of real numbers",
+                                lgm.dtype, lgm.device)
         if alpha.shape != (num_sites,) or not bool(torch.isfinite(alpha).all()):
             raise ValueError(f"engine '{self.name}': {name} must be a finite vector of one dual variable per observed "
                              f"site entry, shape ({num_sites},); got shape {tuple(alpha.shape)}"

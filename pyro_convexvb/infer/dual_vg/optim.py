@@ -1,9 +1,10 @@
 r"""Minimisers of the dual VG objective that never leave the conjugates' domains and stop on the duality gap.
 
 * :func:`solve_dual` -- the reduced dual in ``alpha`` (``lambda = ell(alpha)``): Newton with the
-  closed-form Hessian (default; ``O(N^3)`` per step, a handful of steps) or L-BFGS
-  (``O(N L^2 + L^3)`` per step in L-space, the only choice for the banded GMRF backend).
-  Steps are cut to a fraction of the distance to the domain boundary, then backtracked
+  closed-form Hessian (default; ``O(N^3)`` per step, a handful of steps) or L-BFGS preconditioned like
+  Newton-CG (``O(N L^2 + L^3)`` per step in L-space).
+  The components of a step that would leave the domain are cut to a fraction of their distance to its boundary
+  (the whole step where that is no descent direction), then the step is backtracked
   (Armijo); the iteration stops when the duality gap ``g - ELBO_LVB = sum_n FY_n`` (a sum of
   per-site Fenchel-Young residuals; ``docs/dual_vg.md``, § Dual decomposition) is below ``gap_tol``.
 * :func:`minimize_joint` -- the joint ``(alpha, lambda)`` dual for a
@@ -215,6 +216,24 @@ def _clip_direction(alpha, d, bound, fraction=0.995):
     return torch.minimum(torch.maximum(d, dn), up)
 
 
+def _fraction_to_boundary(alpha, d, val, bound, red=LOCAL):
+    """The search direction and first step of a line search from ``alpha`` along ``d`` that stays in the domain.
+
+    The components of ``d`` that would leave the domain are shortened (:func:`_clip_direction`) and the full step
+    is tried, as long as that is still a descent direction; otherwise the whole step is cut to a fraction of the
+    distance to the boundary (:func:`_max_step`). The global rule alone jams wherever one site's own descent
+    heads for its boundary: each step then covers 99.5% of that site's remaining distance and the step of every
+    other site shrinks with it, geometrically (a logistic dual started at ``kappa = 1 - 8e-8`` whose conditional
+    optimum sits at ``1 - 1e-25`` moved no site by more than ``1e-9`` in 20000 iterations).
+
+    :returns: ``(d, t)``.
+    """
+    dc = _clip_direction(alpha, d, bound)
+    if red.dot(val.grad, dc) < 0:
+        return dc, 1.0
+    return d, _max_step(alpha, d, bound, red=red)
+
+
 def _gap(bound, alpha, val, red=LOCAL):
     return float(red.sum(bound.fenchel_young_residual(alpha, val.m_tilde, val.v_tilde).sum()))
 
@@ -420,11 +439,7 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
             break
         d, its = _newton_direction(val, cg_max_iter, red)
         cg_iterations += its
-        dc = _clip_direction(alpha, d, bound)
-        if red.dot(val.grad, dc) < 0:
-            d, t = dc, 1.0
-        else:
-            t = _max_step(alpha, d, bound, red=red)
+        d, t = _fraction_to_boundary(alpha, d, val, bound, red)
         accepted, evaluations = _line_search(backend, bound, alpha, d, val, t, red, gradient=False)
         nev += evaluations
         if accepted is None:  # at machine precision: no decrease possible any more
@@ -443,12 +458,90 @@ def _newton(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, 
     return sol
 
 
+class PreconditionedLBFGSMemory(LBFGSMemory):
+    r"""L-BFGS whose initial inverse Hessian ``H_k^0`` is a preconditioner of the reduced dual Hessian taken afresh
+    at every iterate, instead of the scalar ``s^T y / y^T y`` (Nocedal & Wright 2006, §7.2 and §9.1: any positive
+    definite ``H_k^0``, which may change from one iteration to the next).
+
+    The conjugate's curvature ``psi''(alpha_n)`` is ``1 / lambda_n`` for Poisson sites (``alpha = lambda - y``),
+    so the diagonal of the dual Hessian spans as many orders of magnitude as the site rates, and on a latent
+    form the prior part ``Sigma_t = W Sigma W^T`` has rank ``L``: one scalar scales neither (with it the
+    iteration was still ``1e-4`` nats from closing the gap after 2000 steps on 36 Poisson sites with rates from
+    ``1e-5`` to ``400``). :func:`_preconditioner` gives the Woodbury preconditioner ``(Sigma_t + D_p)^{-1}`` of
+    Newton-CG where the form has a matrix-free Hessian (:class:`~.objective.LatentSpaceHessian`, ``O(N L^2)`` per
+    iterate; :class:`~.objective.SparsePrecisionHessian` and :class:`~.sparse.SparseLatentHessian`, one sparse
+    factorisation per iterate), and the ``N x N`` site form the inverse of the Hessian's diagonal (Jacobi), ``O(N)``.
+    """
+
+    def direction(self, grad, precondition, diagonal):
+        """``-H grad`` with ``H^0 = precondition``; where that is not a descent direction the memory is reset and
+        ``-precondition(grad)`` is taken, or, where rounding makes that one no descent direction either (the
+        Woodbury form subtracts nearly equal terms when the site curvatures span many orders of magnitude),
+        ``-diagonal(grad)`` (division by the Hessian's positive diagonal: a descent direction in any arithmetic)."""
+        self._pre = precondition
+        d = -self._two_loop(grad)
+        if self.dot(grad, d) >= 0:
+            self.reset()
+            d = -precondition(grad)
+            if self.dot(grad, d) >= 0:
+                d = -diagonal(grad)
+        return d
+
+    def _two_loop(self, grad):
+        S, Y, dot = self.S, self.Y, self.dot
+        q = grad.clone()
+        rhos, alphas = [], []
+        for s, y in zip(reversed(S), reversed(Y)):
+            rho = 1.0 / dot(y, s)
+            a = rho * dot(s, q)
+            q = q - a * y
+            rhos.append(rho)
+            alphas.append(a)
+        q = self._pre(q)
+        for (s, y), rho, a in zip(zip(S, Y), reversed(rhos), reversed(alphas)):
+            b = rho * dot(y, q)
+            q = q + (a - b) * s
+        return q
+
+
+def _preconditioner(backend, bound, alpha, val, prior_var):
+    r"""``(precondition, diagonal)``: two approximations ``r -> P^{-1} r`` of the inverse reduced dual Hessian at
+    ``alpha`` (:func:`~.objective.reduced_objective`), the second by its diagonal
+    ``diag(Sigma_t) + ell'^2 v_t^2 / 2 + psi'' - ell'' v_t / 2``, which is positive (each term is nonnegative,
+    and ``psi''``, the curvature of a strictly convex conjugate, is positive inside the domain).
+
+    Where the backend has a matrix-free Hessian (the latent, banded and sparse forms), ``precondition`` is its
+    Woodbury preconditioner (it keeps the prior part ``Sigma_t`` exactly) and ``diagonal`` its Jacobi form; on the
+    site form both are the diagonal, from ``prior_var()`` (the prior site variances ``diag(Sigma_t)``, computed
+    once) and the site variances ``v_t`` of the iterate.
+    """
+    _, dl, d2l = bound.ell(alpha)
+    d2psi = bound.psi(alpha)[2]
+    v = val.v_tilde
+    site = d2psi - 0.5 * d2l * v
+    if hasattr(backend, "hessian_operator"):
+        H = backend.hessian_operator(val.lam, dl, site)
+        return H.precondition, H.precondition_diagonal
+    diagonal = (prior_var() + 0.5 * dl * dl * v * v + site).clamp_min(torch.finfo(v.dtype).tiny)
+
+    def jacobi(r):
+        return r / diagonal
+    return jacobi, jacobi
+
+
 def _lbfgs(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, callback):
     red = reduction_of(backend)
     val = reduced_objective(backend, bound, alpha)
     if not torch.isfinite(val.g):
         raise ValueError("the starting alpha lies outside the conjugate's domain")
-    mem = LBFGSMemory(memory, red.dot)
+    mem = PreconditionedLBFGSMemory(memory, red.dot)
+    cache = {}
+
+    def prior_var():
+        if "v" not in cache:
+            cache["v"] = backend.prior_marginals()[1]
+        return cache["v"]
+
     nev, converged, it = 1, False, 0
     for it in range(max_iter + 1):
         gap = _record(bound, alpha, val, red, history, nev, callback)
@@ -457,8 +550,9 @@ def _lbfgs(backend, bound, alpha, gap_tol, max_iter, memory, history, on_fail, c
             break
         if it == max_iter:
             break
-        d = mem.direction(val.grad)  # resets the memory where -H g is not a descent direction
-        accepted, evaluations = _line_search(backend, bound, alpha, d, val, _max_step(alpha, d, bound, red=red), red)
+        d = mem.direction(val.grad, *_preconditioner(backend, bound, alpha, val, prior_var))
+        d, t = _fraction_to_boundary(alpha, d, val, bound, red)
+        accepted, evaluations = _line_search(backend, bound, alpha, d, val, t, red)
         nev += evaluations
         if accepted is None:
             if len(mem):
