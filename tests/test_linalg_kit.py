@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pyro_convexvb.linalg import cg
-from pyro_convexvb.linalg.lbfgs import LBFGSMemory
+from pyro_convexvb.linalg.lbfgs import LBFGSMemory, minimize_lbfgs
 from pyro_convexvb.linalg.linesearch import armijo, backtrack
 
 DT = torch.float64
@@ -83,6 +83,67 @@ def test_lbfgs_memory_skips_pairs_of_nonpositive_curvature_and_resets_on_ascent(
     d = mem.direction(grad)
     assert len(mem) == 0
     torch.testing.assert_close(d, -grad)
+
+
+# ----------------------------------------------------------------------------- minimize_lbfgs and non-finite trials
+def _barrier_1d(outside):
+    """``4 x - log x`` (minimum at ``x = 1/4``), ``outside`` (inf or NaN) for ``x <= 0``; counts trials there."""
+    x = torch.tensor([0.9], dtype=DT, requires_grad=True)
+    hits = [0]
+
+    def loss():
+        if float(x.detach()) <= 0:
+            hits[0] += 1
+            return (x * 0).sum() + outside
+        return (4 * x - torch.log(x)).sum()
+    return x, loss, hits
+
+
+@pytest.mark.parametrize("outside", [math.inf, math.nan])
+def test_minimize_lbfgs_backtracks_from_a_trial_point_with_a_non_finite_loss(outside):
+    # the first step, of length 1 along -grad (grad 2.9), lands at x = -0.1 where the loss is not finite
+    x, loss, hits = _barrier_1d(outside)
+    res = minimize_lbfgs([x], loss, grad_tol=1e-10, change_tol=0.0)
+    assert hits[0] >= 1
+    assert res.converged and res.stop_reason == "gradient"
+    assert float(x.detach()) == pytest.approx(0.25, rel=1e-9)
+    assert res.value == pytest.approx(1.0 - math.log(0.25), rel=1e-12)
+
+
+def test_minimize_lbfgs_log_barrier_2d_matches_the_closed_form():
+    # a^T x - log(1 - |x|^2): the minimum is x = -r a/|a| with |a| r^2 + 2 r - |a| = 0
+    a = torch.tensor([3.0, 4.0], dtype=DT)
+    x = torch.zeros(2, dtype=DT, requires_grad=True)
+    hits = [0]
+
+    def loss():
+        inside = 1 - (x * x).sum()
+        if float(inside.detach()) <= 0:
+            hits[0] += 1
+        return a @ x - torch.log(inside)  # NaN outside the unit disc
+    res = minimize_lbfgs([x], loss, grad_tol=1e-10, change_tol=0.0)
+    na = float(a.norm())
+    r = (math.sqrt(1 + na * na) - 1) / na
+    assert hits[0] >= 1
+    assert res.converged
+    torch.testing.assert_close(x.detach(), -r * a / na, rtol=0, atol=1e-11)
+
+
+def test_minimize_lbfgs_refuses_a_non_finite_loss_at_the_start():
+    x = torch.tensor([-1.0], dtype=DT, requires_grad=True)
+    with pytest.raises(FloatingPointError, match="at the starting point"):
+        minimize_lbfgs([x], lambda: torch.log(x).sum())
+
+
+def test_minimize_lbfgs_reports_a_line_search_that_finds_no_finite_point():
+    # loss x on x >= 1, +inf below: every step along the descent direction -1 is infinite
+    x = torch.tensor([1.0], dtype=DT, requires_grad=True)
+
+    def loss():
+        return x.sum() if float(x.detach()) >= 1 else x.sum() + math.inf
+    with pytest.raises(FloatingPointError, match="found no point with a finite loss"):
+        minimize_lbfgs([x], loss)
+    assert float(x.detach()) == 1.0
 
 
 # ----------------------------------------------------------------------------- CG with a reduction

@@ -303,3 +303,23 @@ def test_newton_paths_agree_and_converge_with_a_wide_prior(cls):
                                ref.partial_fit(X, y, return_log_loss=True), rtol=1e-12, atol=1e-13)
     np.testing.assert_allclose(fast.coef_, ref.coef_, rtol=1e-11, atol=1e-12)
     assert fast.n_unconverged_ == ref.n_unconverged_ == 0
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("kw", [dict(prior_var=1.0), dict(), dict(prior_var=1.0, mean_update="newton"),
+                                dict(prior_var=1.0, batch_size=4)])
+def test_overflowing_score_moments_raise_and_leave_the_state_unchanged(kw, fast):
+    # x = 1e160: x^2 sigma^2 overflows float64 in Eq. (6); the batch is refused, naming row and column
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(10, 3)), rng.integers(0, 2, 10)
+    m = OnlineBayesLogistic(3, fast=fast, **kw).partial_fit(X, y)
+    coef, var, loss = m.coef_.copy(), m.coef_var_.copy(), m.cumulative_log_loss_
+    Xb = X.copy()
+    Xb[6, 1] = 1e160
+    with pytest.raises(FloatingPointError, match=r"row 6 of this batch, column 1 = 1e\+160.*overflow"):
+        m.partial_fit(Xb, y)
+    assert np.array_equal(m.coef_, coef) and np.array_equal(m.coef_var_, var)
+    assert m.cumulative_log_loss_ == loss and m.n_seen_ == 10
+    OnlineBayesLogistic.from_state_dict(m.state_dict())  # still a valid state
+    Xb[6, 1] = 1e100  # x^2 sigma^2 = 1e200: finite, accepted
+    assert np.isfinite(m.partial_fit(Xb, y, return_log_loss=True)).all()

@@ -8,7 +8,11 @@ The type-II and hyper-latent searches keep SciPy's L-BFGS-B (values from inner f
 
 ``torch.optim.LBFGS`` stops silently on a gradient tolerance, a change tolerance or an evaluation
 cap, and its last closure call may be a line-search trial point. :func:`minimize_lbfgs` wraps it:
-the closure records the history and refuses non-finite losses, the gradient is re-evaluated at the
+the closure records the history, refuses a non-finite loss at the starting point, and reports a
+non-finite loss at a line-search trial point as ``+inf`` with a NaN gradient, which the strong-Wolfe
+search reads as "too far" (the trial closes its bracket and, the cubic fit being undefined, the next
+trial bisects it), so a step into a region where the loss is ``+inf`` or NaN (a log barrier, an
+overflowed ``exp``) is shortened instead of ending the run. The gradient is re-evaluated at the
 returned point, and the result says which rule stopped the run and whether the gradient test (the
 optimality measure) is met.
 """
@@ -122,6 +126,11 @@ def minimize_lbfgs(params, loss_fn, *, max_iter=500, grad_tol=1e-8, change_tol=1
         per evaluation, or ``None``.
     :param bar: a progress bar with ``update()``, or ``None``.
     :returns: :class:`LBFGSResult`.
+    :raises FloatingPointError: if the loss or its gradient is not finite at the starting point, or if a line
+        search, shortening its step on non-finite trial losses, finds no finite point before the run stops.
+
+    A non-finite loss (or gradient) at a line-search trial point is treated as "step too long": the search bisects
+    back towards the last finite point (a log barrier or an overflowed ``exp`` beyond the first step is fine).
 
     Example::
 
@@ -138,13 +147,32 @@ def minimize_lbfgs(params, loss_fn, *, max_iter=500, grad_tol=1e-8, change_tol=1
                             tolerance_change=float(change_tol), history_size=int(history_size),
                             line_search_fn="strong_wolfe")
     count = [0]
+    bad = {"streak": 0, "total": 0, "value": None}  # trial points with a non-finite loss or gradient
 
     def closure():
         opt.zero_grad()
         loss = loss_fn()
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"{name}: the loss became {float(loss)} after {count[0]} evaluations")
-        loss.backward()
+        finite = bool(torch.isfinite(loss))
+        if finite:
+            loss.backward()
+            finite = all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+        if not finite:
+            value = float(loss.detach())
+            what = f"the loss is {value}" if not math.isfinite(value) else "the gradient is not finite"
+            if count[0] == 0:
+                raise FloatingPointError(f"{name}: {what} at the starting point; start from a point where the "
+                                         "loss and its gradient are finite")
+            # a trial point of the line search: "too far" (+inf loss, NaN gradient, so the bracket is bisected)
+            bad["streak"] += 1
+            bad["total"] += 1
+            bad["value"] = what
+            count[0] += 1
+            if bar is not None:
+                bar.update(1)
+            for p in params:
+                p.grad = torch.full_like(p, math.nan)
+            return torch.tensor(math.inf, dtype=loss.dtype)
+        bad["streak"] = 0
         count[0] += 1
         if history is not None:
             history.record(objective=-float(loss.detach()))
@@ -166,5 +194,12 @@ def minimize_lbfgs(params, loss_fn, *, max_iter=500, grad_tol=1e-8, change_tol=1
         reason = "max_iter"
     else:
         reason = "no progress"
+        if bad["streak"]:
+            raise FloatingPointError(
+                f"{name}: the line search found no point with a finite loss along its direction ({bad['value']} at "
+                f"its last {bad['streak']} trial points, down to steps near zero) after {count[0]} evaluations "
+                f"and {int(n_iter)} iterations; the loss is not finite arbitrarily close to the current point (its "
+                f"value there is {float(loss.detach())}, largest gradient entry {gnorm:.3g}): check the model "
+                "for an overflow or a domain boundary at the optimum")
     opt.zero_grad()
     return LBFGSResult(float(loss.detach()), gnorm, count[0], converged, reason, int(n_iter))

@@ -295,8 +295,11 @@ class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
                     unconverged, skipped = self._run_fast(indptr, indices, data, ypm, p1, ll)
                 else:
                     unconverged, skipped = self._run_reference(indptr, indices, data, ypm, p1, ll)
+                total = float(ll.sum())  # NaN when a row's score moments overflowed (the kernels mark it)
+                if not math.isfinite(total):
+                    raise self._overflow_error(Xc, ll)
                 self.n_seen_ += n
-                self.cumulative_log_loss_ += float(ll.sum())
+                self.cumulative_log_loss_ += total
                 self.n_unconverged_ += int(unconverged)
                 self.n_skipped_ += int(skipped)
             except BaseException:
@@ -320,6 +323,22 @@ class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
         if not out:
             return self
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _overflow_error(self, Xc, ll):
+        """The error for a chunk whose row ``t`` has a non-finite progressive log loss: its score moments (6)
+        overflowed float64 (huge feature values)."""
+        t = int(np.flatnonzero(~np.isfinite(ll))[0])
+        row = Xc.getrow(t)
+        where = ""
+        if row.nnz:
+            k = int(np.argmax(np.abs(row.data)))
+            col = "hash bucket" if _check_hashing(self.hashing) is not None else "column"
+            where = f", {col} {int(row.indices[k])} = {row.data[k]:.3g}"
+        return FloatingPointError(
+            f"X: row {t} of this batch{where}: the score moments sum_i x_i mu_i and sum_i x_i^2 sigma_i^2 "
+            "(Shamir & Szpankowski 2021, Eq. (6)) overflow float64 (x^2 times the variance exceeds ~1.8e308); "
+            "rescale the features (e.g. standardise them). The batch was not applied: the learner's state is "
+            "as before this call")
 
     _undo_log = False  # True: the fast kernels record old values (see _snapshot)
     _SCALARS = ("n_seen_", "cumulative_log_loss_", "n_unconverged_", "n_skipped_", "_negative_known")
@@ -836,7 +855,11 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
                 sl = slice(indptr[t], indptr[t + 1])
                 idx, x = indices[sl], data[sl]
                 mu_i, s2_i = mu[idx], s2[idx]
-                mu_t, s2_t = eq.score_moments(x, mu_i, s2_i)  # Eq. (6)
+                with np.errstate(over="ignore", invalid="ignore"):
+                    mu_t, s2_t = eq.score_moments(x, mu_i, s2_i)  # Eq. (6)
+                if not math.isfinite(mu_t + s2_t):  # overflow: partial_fit reports the row and undoes the chunk
+                    p1[t], ll[t] = 0.5, math.nan
+                    return unconverged, skipped
                 p1[t] = eq.predict_proba(mu_t, s2_t, self.link)  # Eq. (8) / (24)
                 log_p_t = float(eq.log_link_cdf(y[t] * mu_t / eq.shrinkage(s2_t, self.link), self.link))
                 ll[t] = -log_p_t

@@ -271,7 +271,7 @@ def run_diagonal(method, link, mean_newton, var_value, tol, maxiter, batch_size,
             yt = y[t]
             p1_out[t] = _cdf(mu_t / ct, link)
             log_p_t = _log_cdf(yt * mu_t / ct, link)
-            ll_out[t] = -log_p_t
+            ll_out[t] = -log_p_t + 0.0 * (mu_t + s2_t)  # NaN when the score moments (6) overflowed
             unconverged += _row_update(method, link, a, mean_newton, var_value, tol, maxiter, yt,
                                        start, end, indices, data, mu, s2, mu_t, s2_t, log_p_t,
                                        samples, t, buf_mu, buf_s2)
@@ -377,8 +377,9 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
                 ct = math.sqrt(1.0 + a * s2_t)
                 p1_out[t, m] = _cdf(mu_t / ct, link)
                 log_p_t = _log_cdf(yt * mu_t / ct, link)
-                ll_out[t, m] = -log_p_t
-                cum[m] += -log_p_t
+                bad = 0.0 * (mu_t + s2_t)  # NaN when the score moments (6) overflowed
+                ll_out[t, m] = -log_p_t + bad
+                cum[m] += -log_p_t + bad
                 unconverged += _row_update(method, link, a, mean_newton, var_value, tol, maxiter, yt,
                                            start, end, indices, data, mu_m, s2_m, mu_t, s2_t, log_p_t,
                                            samples, t, buf_mu, buf_s2)
@@ -484,7 +485,7 @@ def run_alg1_fused(link, indptr, indices, data, y, mu, s2, p1_out, ll_out, undo_
         for j in range(na):  # Eq. (8) / (24)
             ct = math.sqrt(1.0 + a * vt[j])
             pk[j] = _cdf(mt[j] / ct, link)
-            lp[j] = _log_cdf(yt * mt[j] / ct, link)
+            lp[j] = _log_cdf(yt * mt[j] / ct, link) + 0.0 * (mt[j] + vt[j])  # NaN when (6) overflowed
         # the model average (two or more members), as _mix: log-weights within the window, then log-sum-exp
         mx = -np.inf
         for j in range(na):
@@ -558,7 +559,7 @@ def _alg1_row(link, a, start, end, yt, indices, data, mu, s2, undo_mu, undo_s2):
         vt += x * x * s2[i]
     ct = math.sqrt(1.0 + a * vt)
     p1 = _cdf(mt / ct, link)
-    lp = _log_cdf(yt * mt / ct, link)
+    lp = _log_cdf(yt * mt / ct, link) + 0.0 * (mt + vt)  # NaN when the score moments (6) overflowed
     for k in range(start, end):
         i = indices[k]
         x = data[k]
