@@ -328,3 +328,6 @@ def test_laplace_hyperparameter_learning_is_type2_on_its_bound():
     np.testing.assert_allclose(got, [math.exp(ref.x[0]), math.exp(ref.x[1]), ref.x[2]], rtol=2e-3, atol=2e-3)
     assert clf.hyper_result_.info["type2"]["value"] == pytest.approx(-ref.fun, abs=1e-6)
     assert clf.log_evidence_bound_ == pytest.approx(-ref.fun, abs=1e-6)
+    # the fit at the learned values starts at the mode the type-II loop found there
+    assert clf.n_iter_ <= 1
+    torch.testing.assert_close(clf.posterior_.loc, clf.hyper_result_.posterior.loc, rtol=0, atol=1e-9)
