@@ -1,6 +1,7 @@
 """engine='laplace': the mode by safeguarded Newton steps (method='newton'|'lbfgs'|'auto'), checked against
 independent optima (closed-form Hessians, scipy's trust-region Newton) in float64."""
 import math
+import warnings
 
 import numpy as np
 import pyro
@@ -28,7 +29,7 @@ def test_newton_map_descends_a_nonconvex_loss_to_a_minimum():
     w = torch.tensor([0.1], dtype=D, requires_grad=True)  # f'' = 3 w^2 - 1 < 0 at the start
     res = newton_map(w, lambda: (w ** 4 / 4 - w ** 2 / 2 - 0.1 * w).sum(), max_iter=100, grad_tol=1e-12)
     ref = max(np.roots([1.0, 0.0, -1.0, -0.1]).real)  # the minimum on the right: w^3 - w - 0.1 = 0
-    assert res.stop_reason == "gradient" and float(w) == pytest.approx(ref, abs=1e-13)
+    assert res.stop_reason == "gradient" and float(w.detach()) == pytest.approx(ref, abs=1e-13)
     assert float(res.hessian) == pytest.approx(3 * ref**2 - 1, rel=1e-12)
 
 
@@ -107,3 +108,20 @@ def test_method_option_and_the_auto_rule(monkeypatch):
     assert pcv.fit(model, X, y=y, engine="laplace", progress=False).info["method"] == "newton"
     monkeypatch.setattr(pyro_engines, "NEWTON_AUTO_MAX", 3)  # 4 latent dimensions: above the rule's limit
     assert pcv.fit(model, X, y=y, engine="laplace", progress=False).info["method"] == "lbfgs"
+
+
+def test_an_overflowing_trial_step_is_shortened_without_a_word():
+    """From w = 0 the first Newton step of a Poisson count of 1e6 is 1e6 long: exp(w) overflows at the trial point,
+    whose non-finite loss (Pyro warns 'Encountered NaN') only shortens the step. Mode: exp(w) + w / 100 = 1e6."""
+    def model(y=None):
+        w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=D), 10.0))
+        pyro.sample("y", dist.Poisson(torch.exp(w)), obs=y)
+
+    y = torch.tensor(1e6, dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = pcv.fit(model, y=y, engine="laplace", init=pyro_engines.LaplaceState(torch.zeros(1, dtype=D)),
+                      progress=False)
+    ref = scipy.optimize.brentq(lambda w: math.exp(w) + w / 100 - 1e6, 10.0, 20.0, xtol=1e-15)
+    assert res.converged and float(res.posterior.loc) == pytest.approx(ref, abs=1e-10)
+    assert float(res.posterior.covariance()) == pytest.approx(1 / (math.exp(ref) + 1 / 100), rel=1e-9)

@@ -23,6 +23,7 @@ Engines that fit all data at once (``laplace``, ``nuts``) run the model with eve
 """
 import math
 import typing
+import warnings
 from dataclasses import dataclass
 
 import pyro
@@ -474,12 +475,15 @@ def newton_map(x, loss_fn, *, max_iter, grad_tol, history=None, bar=None, batche
     """
     evals = [0]
 
-    def value_at(point):
-        with torch.no_grad():
+    def value_at(point):  # a trial point of the line search: a non-finite loss there only shortens the step
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Encountered (NaN|[+-]?inf)")  # Pyro's warn_if_nan/warn_if_inf
             saved = x.detach().clone()
             x.copy_(point)
             try:
                 v = float(loss_fn().detach())
+            except ValueError:  # a distribution's argument check refused the point (e.g. an overflowed rate)
+                v = math.inf
             finally:
                 x.copy_(saved)
         evals[0] += 1
