@@ -232,3 +232,102 @@ def test_kernel_priors_make_type2_maximum_a_posteriori():
     assert float(plain.kernel_.base_kernel.lengthscale.detach()) < 1.0
     assert float(m.kernel_.base_kernel.lengthscale.detach()) == pytest.approx(5.0, rel=0.1) and m.hyper_converged_
     assert all(torch.equal(v, tight.state_dict()[k]) for k, v in before.items())
+
+
+# ------------------------------------------------------------------------------ laplace: the mode by Newton steps
+def _rbf_np(X, ls, os_, jitter=1e-6):
+    X = np.asarray(X, dtype=np.float64)
+    d2 = ((X[:, None, :] - X[None, :, :]) ** 2).sum(-1)
+    return os_ * np.exp(-0.5 * d2 / ls**2) + jitter * np.eye(len(X))
+
+
+def _laplace_rw(K, y, mu=0.0):
+    """Mode and covariance of the Laplace approximation of GP classification (logistic link), NumPy/SciPy:
+    Rasmussen & Williams 2006, Algorithm 3.1 (Newton steps on f with B = I + W^1/2 K W^1/2), covariance
+    (K^-1 + W)^-1 = K - K W^1/2 B^-1 W^1/2 K (Eq. 3.27)."""
+    from scipy.special import expit
+
+    n = len(y)
+    f = np.full(n, mu)
+    for _ in range(100):
+        pi = expit(f)
+        W = pi * (1 - pi)
+        sW = np.sqrt(W)
+        L = np.linalg.cholesky(np.eye(n) + sW[:, None] * K * sW[None, :])
+        b = W * (f - mu) + (y - pi)
+        a = b - sW * np.linalg.solve(L.T, np.linalg.solve(L, sW * (K @ b)))
+        f_new = K @ a + mu
+        if np.abs(f_new - f).max() < 1e-14 * (1 + np.abs(f).max()):
+            f = f_new
+            break
+        f = f_new
+    pi = expit(f)
+    sW = np.sqrt(pi * (1 - pi))
+    L = np.linalg.cholesky(np.eye(n) + sW[:, None] * K * sW[None, :])
+    V = np.linalg.solve(L, sW[:, None] * K)
+    return f, K - V.T @ V
+
+
+def _vg_bound_np(K, y, m, S, mu=0.0):
+    """The variational-Gaussian bound of q = N(m, S) under f ~ N(mu, K), y ~ Bernoulli(sigmoid(f)): expected
+    log-likelihood by 96-point Gauss-Hermite quadrature minus KL(q || prior)."""
+    from scipy.special import log_expit
+
+    x, w = np.polynomial.hermite_e.hermegauss(96)
+    w = w / w.sum()
+    s = 2 * y - 1
+    ell = (log_expit(s[:, None] * (m[:, None] + np.sqrt(np.diag(S))[:, None] * x)) * w).sum()
+    n = len(y)
+    Lk = np.linalg.cholesky(K)
+    Ki = np.linalg.inv(K)
+    kl = 0.5 * (np.trace(Ki @ S) + (m - mu) @ Ki @ (m - mu) - n + 2 * np.log(np.diag(Lk)).sum()
+                - np.linalg.slogdet(S)[1])
+    return ell - kl
+
+
+def test_laplace_mode_and_covariance_are_newtons_in_a_few_steps():
+    """engine='laplace' finds the mode of an ill-conditioned GP prior (lengthscale 2, outputscale 3, jitter 1e-6)
+    by Newton steps, as Rasmussen & Williams 2006 Algorithm 3.1 in NumPy does: same mode and covariance, converged in
+    a handful of steps (L-BFGS on the raw latents stopped at 500 iterations, unconverged)."""
+    X, y = _data(150, seed=2)
+    clf = GPClassifier(_kernel(ls=2.0, os=3.0), engine="laplace").fit(X, y)
+    assert clf.converged_ and clf.n_iter_ <= 8 and clf.result_.info["method"] == "newton"
+    K = _rbf_np(X.numpy(), 2.0, 3.0)
+    f, S = _laplace_rw(K, y.numpy().astype(np.float64))
+    np.testing.assert_allclose(clf.posterior_.loc.numpy(), f, rtol=0, atol=1e-9 * np.abs(f).max())
+    np.testing.assert_allclose(clf.posterior_.covariance().numpy(), S, rtol=0, atol=1e-8 * np.abs(S).max())
+    assert clf.log_evidence_bound_ == pytest.approx(_vg_bound_np(K, y.numpy().astype(np.float64), f, S), abs=1e-7)
+    # method='lbfgs' is still there: on the raw latents of this prior it stalls short of the test, and says so
+    with pytest.warns(pcv.ConvergenceWarning, match="did not converge"):
+        lb = GPClassifier(_kernel(ls=2.0, os=3.0), engine="laplace", options={"method": "lbfgs"}).fit(X, y)
+    assert lb.result_.info["method"] == "lbfgs" and not lb.converged_ and lb.n_iter_ == 500
+    assert lb.result_.optimality.criteria[0].value > 1e-6
+
+
+def test_laplace_hyperparameter_learning_is_type2_on_its_bound():
+    """learn_hyperparameters with engine='laplace' maximises the bound of the Laplace Gaussian: the same objective
+    written in NumPy (the mode by Algorithm 3.1, the VG bound by quadrature) maximised by scipy's BFGS over
+    (log lengthscale, log outputscale, mean) gives the same hyperparameters; each refit of the type-II loop is a
+    few Newton steps from the previous mode."""
+    import scipy.optimize
+
+    X, y = _data(25, seed=4)
+    Xn, yn = X.numpy(), y.numpy().astype(np.float64)
+
+    def neg(z):
+        K = _rbf_np(Xn, math.exp(z[0]), math.exp(z[1]))
+        f, S = _laplace_rw(K, yn, z[2])
+        return -_vg_bound_np(K, yn, f, S, z[2])
+
+    ref = scipy.optimize.minimize(neg, np.zeros(3), method="BFGS", jac="3-point", options=dict(gtol=1e-8))
+    assert np.abs(ref.jac).max() < 1e-5  # stopped by rounding (precision loss) at a stationary point
+    clf = GPClassifier(_kernel(ls=1.0, os=1.0), engine="laplace", learn_hyperparameters=True).fit(X, y)
+    assert clf.hyper_converged_ and clf.converged_
+    k = clf.kernel_
+    got = np.array([float(k.base_kernel.lengthscale.detach()), float(k.outputscale.detach()), float(clf.mean_)])
+    np.testing.assert_allclose(got, [math.exp(ref.x[0]), math.exp(ref.x[1]), ref.x[2]], rtol=2e-3, atol=2e-3)
+    assert clf.hyper_result_.info["type2"]["value"] == pytest.approx(-ref.fun, abs=1e-6)
+    assert clf.log_evidence_bound_ == pytest.approx(-ref.fun, abs=1e-6)
+    # the fit at the learned values starts at the mode the type-II loop found there
+    assert clf.n_iter_ <= 1
+    torch.testing.assert_close(clf.posterior_.loc, clf.hyper_result_.posterior.loc, rtol=0, atol=1e-9)

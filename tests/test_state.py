@@ -82,8 +82,10 @@ def test_relaxation_init_errors_name_init():
     with pytest.raises(TypeError, match="init: engine 'convex_relaxation' resumes from a RelaxationState .* "
                                         "DualState of engine 'dual_vg'"):
         _fit(small, "convex_relaxation", init=dual.state)
-    with pytest.raises(TypeError, match="init: engine 'laplace' resumes from no state"):
+    with pytest.raises(TypeError, match="init: engine 'laplace' resumes from a LaplaceState .* RelaxationState"):
         _fit(small, "laplace", init=res.state)
+    with pytest.raises(TypeError, match="init: engine 'nuts' resumes from no state"):
+        _fit(small, "nuts", init=res.state)
     with pytest.raises(ValueError, match="init or option 'gamma_init'"):
         _fit(small, "convex_relaxation", init=res.state, gamma_init=1.0)
     with pytest.raises(ValueError, match="u_init: a mean needs the site variances z_init"):

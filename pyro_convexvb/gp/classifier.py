@@ -23,6 +23,7 @@ from ..estimator_base import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_I
                               positive_rows, predictive_log_probs, sklearn_input, validate_dense)
 from ..errors import warn
 from ..infer.dual_vg import DualState
+from ..infer.pyro_engines import LaplaceState
 from ..infer.registry import get_engine
 from ..lgm.layout import LatentLayout
 from ..lgm.model import LatentGaussianModel, PriorBlock, SiteGroup
@@ -72,8 +73,11 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         over the kernel hyperparameters (and the constant mean if ``learn_mean``): the kernel copy is
         registered with ``pyro.module`` in a Pyro model and fitted with the engine's ``learn_params``
         (:mod:`~pyro_convexvb.infer.type2`; envelope-theorem gradients for ``dual_vg`` and
-        ``convex_relaxation``), in a private param-store scope. GPyTorch priors on the kernel's hyperparameters
-        (``lengthscale_prior=...``) are added to the objective (a ``pyro.factor``): maximum a posteriori type-II.
+        ``convex_relaxation``, central differences of refits for ``laplace``, each a few Newton steps from the
+        previous mode), in a private param-store scope. The fit at the learned values starts from the type-II
+        loop's last state (``dual_vg``'s dual variables, ``laplace``'s mode). GPyTorch priors on the kernel's
+        hyperparameters (``lengthscale_prior=...``) are added to the objective (a ``pyro.factor``): maximum a
+        posteriori type-II.
     :param float mean: constant prior mean.
     :param float jitter: added to the diagonal of ``K``.
     :param dict options: engine options (e.g. ``{"bound": "jensen"}`` for ``dual_vg``).
@@ -204,8 +208,8 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
             if engine.takes == "lgm":
                 res = engine(gp_classification_lgm(K, y01, mean, weight), progress=False, init=init, **options).run()
             else:
-                res = engine(gp_classification_model, progress=False, **options).run(K, y=y01, mean=mean,
-                                                                                     weight=weight)
+                res = engine(gp_classification_model, progress=False, init=init, **options).run(K, y=y01, mean=mean,
+                                                                                                weight=weight)
         site = isinstance(res.state, DualState) and res.state.gp_site_form
         self.alpha_ = res.state.alpha if site else None
         self.result_ = res
@@ -256,9 +260,9 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self.hyper_history_ = res.history
         self.hyper_converged_ = bool(res.converged)
         self.hyper_result_ = res
-        if single or not isinstance(res.state, DualState):
+        if single or not isinstance(res.state, (DualState, LaplaceState)):
             return None
-        return res.state.warm_start()  # the dual starts from alpha
+        return res.state.warm_start()  # the dual starts from alpha, the Laplace mode search from the learned mode
 
     # ------------------------------------------------------------------ prediction
     def _latent(self, X):

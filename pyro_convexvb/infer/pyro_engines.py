@@ -1,7 +1,7 @@
 r"""Pyro's own inference engines as registry baselines: swap them for ours with one word.
 
 ``svi_autonormal``, ``svi_automvn``, ``svi_lowrank`` (SVI with clipped Adam until the windowed ELBO
-plateaus), ``laplace`` (``AutoLaplaceApproximation``: MAP by L-BFGS, then the Hessian) and ``nuts``
+plateaus), ``laplace`` (``AutoLaplaceApproximation``: MAP by Newton steps or L-BFGS, then the Hessian) and ``nuts``
 (MCMC). Every posterior is a :class:`~pyro_convexvb.GaussianPosterior` over the model's flat latent
 vector in Pyro's unconstrained coordinates (the space of every other engine and of
 :class:`~pyro.infer.autoguide.AutoContinuous` guides), so a ``HalfCauchy`` scale is summarised by
@@ -23,6 +23,7 @@ Engines that fit all data at once (``laplace``, ``nuts``) run the model with eve
 """
 import math
 import typing
+import warnings
 from dataclasses import dataclass
 
 import pyro
@@ -53,6 +54,7 @@ __all__ = [
     "SVIOptions",
     "SVILowRankOptions",
     "LaplaceOptions",
+    "LaplaceState",
     "NUTSOptions",
     "SVIEngine",
     "SVIAutoNormal",
@@ -61,6 +63,7 @@ __all__ = [
     "LaplaceEngine",
     "NUTSEngine",
     "svi_until_plateau",
+    "newton_map",
     "latent_sites",
     "flat_log_joint",
     "try_lgm",
@@ -392,9 +395,163 @@ class SVILowRank(SVIEngine):
 # ---------------------------------------------------------------------------------------------
 # Laplace
 # ---------------------------------------------------------------------------------------------
+#: largest latent dimension for which ``method='auto'`` finds the mode by Newton steps (each forms the dense
+#: ``n x n`` Hessian, ``n`` backward passes); above it, L-BFGS (the Hessian is then formed once, at the mode)
+NEWTON_AUTO_MAX = 1000
+#: Hessian rows formed by one batched backward pass (:func:`loss_hessian`)
+HESSIAN_BATCH = 64
+
+
+@dataclass(frozen=True)
+class LaplaceState:
+    """The mode ``loc`` (the flat latent vector in Pyro's unconstrained coordinates) of a ``laplace`` fit;
+    ``init=`` starts the next mode search there (type-II refits at nearby params are warm-started from it)."""
+
+    engine: typing.ClassVar[str] = "laplace"
+    #: options the state replaces (none: the start point has no option of its own)
+    options: typing.ClassVar[tuple] = ()
+
+    loc: torch.Tensor
+
+    def warm_start(self):
+        return self
+
+
+@dataclass
+class NewtonResult:
+    """Outcome of :func:`newton_map` (the fields of :class:`~pyro_convexvb.linalg.lbfgs.LBFGSResult`, and the
+    Hessian at the returned point)."""
+
+    value: float
+    grad_norm: float
+    evaluations: int
+    stop_reason: str
+    iterations: int
+    hessian: torch.Tensor
+
+
+def loss_hessian(loss_fn, x, batched=True):
+    """``(loss, gradient, Hessian)`` of ``loss_fn()`` in the leaf tensor ``x`` (1-D) by autograd: the Hessian's
+    rows by batched backward passes (``is_grads_batched``, :data:`HESSIAN_BATCH` rows each) when ``batched`` and
+    the model's operations allow it, else one backward pass per row (what Pyro's ``AutoLaplaceApproximation``
+    does). Symmetrised."""
+    loss = loss_fn()
+    (g,) = torch.autograd.grad(loss, x, create_graph=True)
+    n = x.shape[0]
+    if not g.requires_grad:  # the loss is linear in x
+        return loss.detach(), g.detach(), x.new_zeros(n, n)
+    H = None
+    if batched:
+        eye = torch.eye(n, dtype=x.dtype, device=x.device)
+        try:  # HESSIAN_BATCH rows per backward pass: the batched pass holds that many copies of the graph's buffers
+            H = torch.cat([torch.autograd.grad(g, x, grad_outputs=eye[i:i + HESSIAN_BATCH], retain_graph=True,
+                                               is_grads_batched=True, allow_unused=True)[0]
+                           for i in range(0, n, HESSIAN_BATCH)])
+        except (RuntimeError, NotImplementedError, TypeError):  # an operation without a batching rule
+            H = None
+    if H is None:
+        rows = [torch.autograd.grad(g[i], x, retain_graph=True, allow_unused=True)[0] for i in range(n)]
+        H = torch.stack([x.new_zeros(n) if r is None else r for r in rows])
+    return loss.detach(), g.detach(), (0.5 * (H + H.transpose(0, 1))).detach()
+
+
+def newton_map(x, loss_fn, *, max_iter, grad_tol, history=None, bar=None, batched=True, name="Newton"):
+    r"""Minimise ``loss_fn()`` over the 1-D leaf tensor ``x`` (updated in place) by a safeguarded Newton method.
+
+    Each step solves ``(H + lam I) d = -g`` with the autograd Hessian ``H``: ``lam = 0`` when ``H`` is positive
+    definite (the plain Newton step; for a latent Gaussian model with a log-concave likelihood it is the step of
+    Rasmussen & Williams 2006, §3.4.1, Eq. 3.18), else the smallest of ``tau, 10 tau, 100 tau, ...`` (``tau``
+    a ``1e-8`` share of the largest diagonal entry) that makes it so (Nocedal & Wright 2006, §3.4, Algorithm 3.3).
+    A backtracking line search (Armijo, halving the step) makes every step descend; when it fails, ``lam`` grows
+    tenfold and the step is tried again, so a non-convex loss still descends.
+
+    Stops (``"gradient"``) when ``max |g| / (1 + |loss|) <= grad_tol`` and the next undamped Newton step is below
+    ``1e3`` machine epsilons of ``1 + max |x|`` or no longer shrinks fourfold (rounding): the steps past the test,
+    at most three, make the mode exact to rounding by quadratic convergence, which the finite differences of
+    refits in a type-II loop need. Also stops when no step lowers the loss any more (``"gradient"`` if the test
+    holds there, else ``"no progress"``), or after ``max_iter`` steps (``"max_iter"``).
+
+    :returns: :class:`NewtonResult` (the Hessian at the returned point included).
+    """
+    evals = [0]
+
+    def value_at(point):  # a trial point of the line search: a non-finite loss there only shortens the step
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Encountered (NaN|[+-]?inf)")  # Pyro's warn_if_nan/warn_if_inf
+            saved = x.detach().clone()
+            x.copy_(point)
+            try:
+                v = float(loss_fn().detach())
+            except ValueError:  # a distribution's argument check refused the point (e.g. an overflowed rate)
+                v = math.inf
+            finally:
+                x.copy_(saved)
+        evals[0] += 1
+        return v
+
+    reason, it, polished, last = "max_iter", 0, 0, math.inf
+    eps = torch.finfo(x.dtype).eps
+    loss, g, H = loss_hessian(loss_fn, x, batched)
+    evals[0] += 1
+    while True:
+        value = float(loss)
+        if not math.isfinite(value) or not bool(torch.isfinite(g).all()):
+            raise FloatingPointError(f"{name}: the loss or its gradient became {value} after {it} steps")
+        rel = float(g.abs().max()) / (1.0 + abs(value)) if g.numel() else 0.0
+        if history is not None:
+            history.record(objective=-value, grad_norm=float(g.abs().max()) if g.numel() else 0.0)
+        if bar is not None:
+            bar.update(1)
+        if it >= max_iter:
+            reason = "gradient" if rel <= grad_tol else "max_iter"
+            break
+        step_tol = 1e3 * eps * (1.0 + (float(x.detach().abs().max()) if x.numel() else 0.0))
+        diag = H.diagonal().abs().max() if H.numel() else H.new_zeros(())
+        tau = 1e-8 * float(diag) if float(diag) > 0 else 1e-8
+        lam, step, accepted = 0.0, None, False
+        for _ in range(40):  # damping: lam = 0, tau, 10 tau, ... until a descent step is found
+            L, info = torch.linalg.cholesky_ex(H + lam * torch.eye(H.shape[0], dtype=H.dtype, device=H.device))
+            if int(info) != 0:
+                lam = tau if lam == 0.0 else 10.0 * lam
+                continue
+            d = -torch.cholesky_solve(g.unsqueeze(-1), L).squeeze(-1)
+            dec = -float(g @ d)
+            dmax = float(d.abs().max()) if d.numel() else 0.0
+            if rel <= grad_tol and (polished >= 3 or lam == 0.0 and (dmax <= step_tol or dmax > 0.25 * last)):
+                reason = "gradient"
+                break
+            t = 1.0
+            for _ in range(30):  # Armijo backtracking
+                trial = value_at(x.detach() + t * d)
+                if math.isfinite(trial) and trial <= value - 1e-4 * t * dec:
+                    step, accepted = t * d, True
+                    break
+                t *= 0.5
+            if accepted or rel <= grad_tol:  # past the test, a failed search means rounding: stop there
+                break
+            lam = tau if lam == 0.0 else 10.0 * lam
+        if reason == "gradient" and not accepted:
+            break
+        if not accepted:  # no step lowers the loss: at the mode to rounding, or stuck
+            reason = "gradient" if rel <= grad_tol else "no progress"
+            break
+        with torch.no_grad():
+            x.add_(step)
+        it += 1
+        polished += rel <= grad_tol
+        last = dmax if rel <= grad_tol else math.inf
+        loss, g, H = loss_hessian(loss_fn, x, batched)
+        evals[0] += 1
+    return NewtonResult(float(loss), float(g.abs().max()) if g.numel() else 0.0, evals[0], reason, it, H)
+
+
 @dataclass(frozen=True)
 class LaplaceOptions(Type2Options):
-    max_iter: int = option(500, "L-BFGS iterations", min=1)
+    method: typing.Literal["auto", "newton", "lbfgs"] = option(
+        "auto", "mode search: 'newton' (safeguarded Newton steps on the autograd Hessian), 'lbfgs' (L-BFGS on the "
+                "gradient, the Hessian formed once at the mode), 'auto' (newton up to 1000 latent dimensions, lbfgs "
+                "above)")
+    max_iter: int = option(500, "Newton steps or L-BFGS iterations", min=1)
     learn_params: bool = option(True, "type-II: maximise the reported bound over the model's pyro.param sites "
                                       "(central differences of refits)")
     grad_tol: float = option(1e-6, "convergence: max |gradient| of the log joint at the mode / (1 + |log joint|)",
@@ -412,10 +569,20 @@ class _FullDataEngine(_PyroModelEngine):
 
 
 class LaplaceEngine(_FullDataEngine):
+    """Laplace approximation on the Pyro model: the mode of the log joint in Pyro's unconstrained coordinates and
+    the Gaussian with the inverse Hessian there as covariance (Pyro's ``AutoLaplaceApproximation``).
+
+    The mode is found by Newton steps (:func:`newton_map`; for GP classification, the iteration of Rasmussen &
+    Williams 2006, §3.4.1, converging in a handful of steps however ill-conditioned the prior) or by L-BFGS
+    (``method``; ``'auto'`` takes Newton up to :data:`NEWTON_AUTO_MAX` latent dimensions, where a dense Hessian
+    per step is affordable). ``result.state`` (a :class:`LaplaceState`) holds the mode; ``init=`` starts there.
+    """
+
     name = "laplace"
     distributed = True
-    description = "Pyro AutoLaplaceApproximation: MAP by L-BFGS, Gaussian from the Hessian"
+    description = "Pyro AutoLaplaceApproximation: MAP by Newton steps or L-BFGS, Gaussian from the Hessian"
     Options = LaplaceOptions
+    State = LaplaceState
     type2 = "outer"
     optimality_measure = "max |gradient| of the log joint at the mode, relative to 1 + |log joint|, <= grad_tol"
 
@@ -428,34 +595,49 @@ class LaplaceEngine(_FullDataEngine):
         self.own_guide(guide)
         elbo = Trace_ELBO()
         elbo.differentiable_loss(model, guide, *call.args, **call.kwargs)  # creates the parameters
-        params = [p for name, p in pyro.get_param_store().named_parameters()
-                  if name.startswith(guide._pyro_name + ".")]
+        loc = guide.loc
+        if self.init is not None:
+            start = self.init.loc
+            if tuple(start.shape) != tuple(loc.shape):
+                raise ValueError(f"init.loc: the model has {loc.shape[0]} unconstrained latent dimensions; the state "
+                                 f"has shape {tuple(start.shape)}")
+            with torch.no_grad():
+                loc.copy_(start.to(dtype=loc.dtype, device=loc.device))
         sharded = find_comm(call.args, call.kwargs) is not None
         if not sharded:
             loss = lambda: elbo.differentiable_loss(model, guide, *call.args, **call.kwargs)  # noqa: E731
         else:  # row-sharded data: the likelihood of this rank's rows, summed over ranks; the prior once
             loss = lambda: _sharded_map_loss(model, guide, call.args, call.kwargs)  # noqa: E731
-        res = minimize_lbfgs(params, loss,
-                             max_iter=o.max_iter, grad_tol=0.0, history=run.history,
-                             bar=run.bar(total=int(1.25 * o.max_iter), unit="eval"), name=self.name)
+        method = o.method if o.method != "auto" else ("newton" if loc.shape[0] <= NEWTON_AUTO_MAX else "lbfgs")
+        H = None
+        if method == "newton":
+            # row-sharded data: one backward pass per Hessian row, so every rank issues the same collectives
+            res = newton_map(loc, loss, max_iter=o.max_iter, grad_tol=o.grad_tol, history=run.history,
+                             bar=run.bar(total=o.max_iter, unit="step"), batched=not sharded, name=self.name)
+            H = res.hessian
+        else:
+            params = [p for name, p in pyro.get_param_store().named_parameters()
+                      if name.startswith(guide._pyro_name + ".")]
+            res = minimize_lbfgs(params, loss,
+                                 max_iter=o.max_iter, grad_tol=0.0, history=run.history,
+                                 bar=run.bar(total=int(1.25 * o.max_iter), unit="eval"), name=self.name)
         rel = res.grad_norm / (1.0 + abs(res.value))
         try:
-            if sharded:
-                loc, cov = _sharded_laplace(model, guide, call.args, call.kwargs)
+            if H is not None:
+                posterior = GaussianPosterior(loc.detach().clone(), covariance=_inverse_pd(H))
+            elif sharded:
+                m, cov = _sharded_laplace(model, guide, call.args, call.kwargs)
+                posterior = GaussianPosterior(m, covariance=cov)
             else:
-                lap = guide.laplace_approximation(*call.args, **call.kwargs)
+                q = guide.laplace_approximation(*call.args, **call.kwargs).get_posterior()
+                posterior = GaussianPosterior(q.loc.detach().clone(), covariance=q.covariance_matrix.detach().clone())
         except torch.linalg.LinAlgError as e:
             from ..errors import NotPositiveDefiniteError
 
             raise NotPositiveDefiniteError(
-                f"engine '{self.name}': the Hessian of the negative log joint at the mode found by L-BFGS is not "
+                f"engine '{self.name}': the Hessian of the negative log joint at the mode found by {method} is not "
                 "positive definite, so the Laplace approximation does not exist there (a hierarchical model's "
                 "mode often sits at the neck of its funnel, where a scale goes to 0)") from e
-        if sharded:
-            posterior = GaussianPosterior(loc, covariance=cov)
-        else:
-            q = lap.get_posterior()
-            posterior = GaussianPosterior(q.loc.detach().clone(), covariance=q.covariance_matrix.detach().clone())
         lgm = try_lgm(call.source, call.args, call.kwargs)
         bound = None
         q = posterior
@@ -468,8 +650,13 @@ class LaplaceEngine(_FullDataEngine):
         reason = "gradient" if rel <= o.grad_tol else res.stop_reason
         opt = Optimality.single("max |gradient| of the log joint at the mode / (1 + |log joint|)", rel, o.grad_tol)
         return Solution(posterior, bound, opt, reason, {"map_grad_norm": res.grad_norm, "evaluations": res.evaluations,
-                                                   "iterations": res.iterations},
-                        lgm=lgm)
+                                                   "iterations": res.iterations, "method": method},
+                        lgm=lgm, state=LaplaceState(posterior.loc.detach().clone()))
+
+
+def _inverse_pd(H):
+    """``H^{-1}`` of a symmetric positive definite ``H`` (raises ``LinAlgError`` when it is not)."""
+    return torch.cholesky_inverse(torch.linalg.cholesky(H))
 
 
 def _sharded_map_loss(model, guide, args, kwargs):
@@ -505,8 +692,7 @@ def _sharded_laplace(model, guide, args, kwargs):
     g = torch.autograd.grad(loss, loc, create_graph=True)[0]
     H = torch.stack([torch.autograd.grad(g[i], loc, retain_graph=True)[0] for i in range(loc.shape[0])])
     H = 0.5 * (H + H.transpose(0, 1)).detach()
-    torch.linalg.cholesky(H)  # raises LinAlgError when not positive definite, as on one process
-    return loc.detach().clone(), torch.cholesky_inverse(torch.linalg.cholesky(H))
+    return loc.detach().clone(), _inverse_pd(H)  # raises LinAlgError when not positive definite, as on one process
 
 
 # ---------------------------------------------------------------------------------------------
