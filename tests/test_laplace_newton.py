@@ -125,3 +125,31 @@ def test_an_overflowing_trial_step_is_shortened_without_a_word():
     ref = scipy.optimize.brentq(lambda w: math.exp(w) + w / 100 - 1e6, 10.0, 20.0, xtol=1e-15)
     assert res.converged and float(res.posterior.loc) == pytest.approx(ref, abs=1e-10)
     assert float(res.posterior.covariance()) == pytest.approx(1 / (math.exp(ref) + 1 / 100), rel=1e-9)
+
+
+def test_laplace_on_a_kinked_log_joint_stops_instead_of_crawling():
+    """A Laplace likelihood (robust regression with outliers, 30 rows) has kinks at the mode: Newton steps on the
+    autograd Hessian (the prior's alone) overshoot them, and steps found only by damping crawl. The fit stops with
+    "no progress", unconverged, after a bounded number of loss evaluations (it used to take 500 steps of about
+    500 evaluations each, four minutes), within 0.1 nats of the log joint at L-BFGS's stopping point."""
+    g = torch.Generator().manual_seed(143)
+    X = torch.cat([torch.ones(30, 1, dtype=D), torch.randn(30, 1, generator=g, dtype=D)], 1)
+    y = X @ torch.tensor([0.5, -1.0], dtype=D) + 0.5 * torch.randn(30, generator=g, dtype=D)
+    y[:3] += torch.tensor([5.0, -4.0, 6.0], dtype=D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", 30):
+            pyro.sample("y", dist.Laplace(X @ w, 0.5), obs=y)
+
+    def neg_log_joint(res):
+        w = res.posterior.loc
+        return float(-dist.Normal(0.0, 1.0).log_prob(w).sum() - dist.Laplace(X @ w, 0.5).log_prob(y).sum())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        new = pcv.fit(model, X, y=y, engine="laplace", options=dict(method="newton"), progress=False)
+        old = pcv.fit(model, X, y=y, engine="laplace", options=dict(method="lbfgs"), progress=False)
+    assert not new.converged and new.stop_reason == "no progress"
+    assert new.info["iterations"] <= 60 and new.info["evaluations"] <= 3000
+    assert neg_log_joint(new) == pytest.approx(neg_log_joint(old), abs=0.1)  # both stop near the kinked mode

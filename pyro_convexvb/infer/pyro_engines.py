@@ -398,6 +398,10 @@ class SVILowRank(SVIEngine):
 #: largest latent dimension for which ``method='auto'`` finds the mode by Newton steps (each forms the dense
 #: ``n x n`` Hessian, ``n`` backward passes); above it, L-BFGS (the Hessian is then formed once, at the mode)
 NEWTON_AUTO_MAX = 1000
+#: :func:`newton_map`: damped retries of a step whose line search failed, and steps in a row found only by them,
+#: before it stops with ``"no progress"`` (a loss that is not smooth at the mode, e.g. a Laplace likelihood's kinks,
+#: otherwise makes it crawl: 500 steps of 500 loss evaluations each on 30 rows)
+NEWTON_RETRIES = 3
 #: Hessian rows formed by one batched backward pass (:func:`loss_hessian`)
 HESSIAN_BATCH = 64
 
@@ -463,13 +467,15 @@ def newton_map(x, loss_fn, *, max_iter, grad_tol, history=None, bar=None, batche
     Rasmussen & Williams 2006, §3.4.1, Eq. 3.18), else the smallest of ``tau, 10 tau, 100 tau, ...`` (``tau``
     a ``1e-8`` share of the largest diagonal entry) that makes it so (Nocedal & Wright 2006, §3.4, Algorithm 3.3).
     A backtracking line search (Armijo, halving the step) makes every step descend; when it fails, ``lam`` grows
-    tenfold and the step is tried again, so a non-convex loss still descends.
+    to ``max(1e3 tau, 100 lam)`` and the step is tried again, at most :data:`NEWTON_RETRIES` times, so a
+    non-convex loss still descends.
 
     Stops (``"gradient"``) when ``max |g| / (1 + |loss|) <= grad_tol`` and the next undamped Newton step is below
     ``1e3`` machine epsilons of ``1 + max |x|`` or no longer shrinks fourfold (rounding): the steps past the test,
     at most three, make the mode exact to rounding by quadratic convergence, which the finite differences of
     refits in a type-II loop need. Also stops when no step lowers the loss any more (``"gradient"`` if the test
-    holds there, else ``"no progress"``), or after ``max_iter`` steps (``"max_iter"``).
+    holds there, else ``"no progress"``; also after more than :data:`NEWTON_RETRIES` steps in a row found only by
+    those retries, the sign of a loss that is not smooth there), or after ``max_iter`` steps (``"max_iter"``).
 
     :returns: :class:`NewtonResult` (the Hessian at the returned point included).
     """
@@ -489,7 +495,7 @@ def newton_map(x, loss_fn, *, max_iter, grad_tol, history=None, bar=None, batche
         evals[0] += 1
         return v
 
-    reason, it, polished, last = "max_iter", 0, 0, math.inf
+    reason, it, polished, last, struggling = "max_iter", 0, 0, math.inf, 0
     eps = torch.finfo(x.dtype).eps
     loss, g, H = loss_hessian(loss_fn, x, batched)
     evals[0] += 1
@@ -508,7 +514,7 @@ def newton_map(x, loss_fn, *, max_iter, grad_tol, history=None, bar=None, batche
         step_tol = 1e3 * eps * (1.0 + (float(x.detach().abs().max()) if x.numel() else 0.0))
         diag = H.diagonal().abs().max() if H.numel() else H.new_zeros(())
         tau = 1e-8 * float(diag) if float(diag) > 0 else 1e-8
-        lam, step, accepted = 0.0, None, False
+        lam, step, accepted, retries = 0.0, None, False, 0
         for _ in range(40):  # damping: lam = 0, tau, 10 tau, ... until a descent step is found
             L, info = torch.linalg.cholesky_ex(H + lam * torch.eye(H.shape[0], dtype=H.dtype, device=H.device))
             if int(info) != 0:
@@ -527,11 +533,15 @@ def newton_map(x, loss_fn, *, max_iter, grad_tol, history=None, bar=None, batche
                     step, accepted = t * d, True
                     break
                 t *= 0.5
-            if accepted or rel <= grad_tol:  # past the test, a failed search means rounding: stop there
+            if accepted or rel <= grad_tol or retries == NEWTON_RETRIES:  # past the test: rounding
                 break
-            lam = tau if lam == 0.0 else 10.0 * lam
+            retries += 1  # a descent direction that found no decrease: a shorter, more gradient-like step
+            lam = max(1e3 * tau, 100.0 * lam)
         if reason == "gradient" and not accepted:
             break
+        struggling = struggling + 1 if accepted and retries else 0
+        if struggling > NEWTON_RETRIES:  # steps found only by damping, again and again: the loss is not smooth
+            accepted = False
         if not accepted:  # no step lowers the loss: at the mode to rounding, or stuck
             reason = "gradient" if rel <= grad_tol else "no progress"
             break
