@@ -76,6 +76,13 @@ class LBFGSMemory:
             d = -grad
         return d
 
+    def initial(self, q):
+        """``H^0 q``, the initial inverse Hessian of the two-loop recursion: the scalar ``s^T y / y^T y`` of the
+        newest pair (Nocedal & Wright 2006, Eq. 7.20); a subclass may take any positive definite ``H^0``."""
+        if self.S:
+            q = q * (self.dot(self.S[-1], self.Y[-1]) / self.dot(self.Y[-1], self.Y[-1]))
+        return q
+
     def _two_loop(self, grad):
         S, Y, dot = self.S, self.Y, self.dot
         q = grad.clone()
@@ -86,8 +93,7 @@ class LBFGSMemory:
             q = q - a * y
             rhos.append(rho)
             alphas.append(a)
-        if S:
-            q = q * (dot(S[-1], Y[-1]) / dot(Y[-1], Y[-1]))
+        q = self.initial(q)
         for (s, y), rho, a in zip(zip(S, Y), reversed(rhos), reversed(alphas)):
             b = rho * dot(y, q)
             q = q + (a - b) * s

@@ -487,21 +487,9 @@ class PreconditionedLBFGSMemory(LBFGSMemory):
                 d = -diagonal(grad)
         return d
 
-    def _two_loop(self, grad):
-        S, Y, dot = self.S, self.Y, self.dot
-        q = grad.clone()
-        rhos, alphas = [], []
-        for s, y in zip(reversed(S), reversed(Y)):
-            rho = 1.0 / dot(y, s)
-            a = rho * dot(s, q)
-            q = q - a * y
-            rhos.append(rho)
-            alphas.append(a)
-        q = self._pre(q)
-        for (s, y), rho, a in zip(zip(S, Y), reversed(rhos), reversed(alphas)):
-            b = rho * dot(y, q)
-            q = q + (a - b) * s
-        return q
+    def initial(self, q):
+        """``H^0 q``: the preconditioner of the current iterate."""
+        return self._pre(q)
 
 
 def _preconditioner(backend, bound, alpha, val, prior_var):
