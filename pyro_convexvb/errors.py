@@ -1,4 +1,5 @@
 """Exceptions and warnings raised by pyro_convexvb."""
+import contextlib
 import os
 import sys
 import warnings
@@ -74,3 +75,48 @@ def warn(message, category=ConvergenceWarning):
         frame = frame.f_back
         level += 1
     warnings.warn(message, category, stacklevel=level)
+
+
+class WarningsOnce:
+    """The warnings of repeated inner fits (the design points of a hyper-latent integration, the refits of a type-II
+    loop), each distinct one (category and text) issued once, as its first fit issued it.
+
+    Every inner fit would repeat the same engine warning (e.g. a non-convex site potential), and a
+    ``warnings.catch_warnings`` block around each fit resets Python's once-per-location memory, so even the
+    ``"default"`` filter repeated it. The caller's filters apply when a warning is passed on (``"error"`` raises).
+
+    :param tuple drop: categories left out (e.g. ``ConvergenceWarning`` where the outer fit reports convergence).
+
+    Example::
+
+        >>> import warnings
+        >>> once = WarningsOnce()
+        >>> with warnings.catch_warnings(record=True) as w:
+        ...     warnings.simplefilter("always")
+        ...     for _ in range(3):
+        ...         with once.collect():
+        ...             warnings.warn("the same", NonConvexWarning)
+        >>> len(w)
+        1
+    """
+
+    def __init__(self, drop=()):
+        self.drop = tuple(drop)
+        self.issued = set()
+
+    @contextlib.contextmanager
+    def collect(self):
+        """Record the warnings issued inside (all of them), then pass on those not issued before."""
+        record = warnings.catch_warnings(record=True)
+        caught = record.__enter__()
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            record.__exit__(None, None, None)
+            for w in caught:
+                key = (w.category, str(w.message))
+                if issubclass(w.category, self.drop) or key in self.issued:
+                    continue
+                self.issued.add(key)
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)

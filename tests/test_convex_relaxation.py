@@ -317,6 +317,31 @@ def test_hyper_latent_integration_issues_an_engine_warning_once():
             pcv.fit(model, X, y=y, engine="convex_relaxation", progress=False)
 
 
+
+def test_type2_refits_issue_an_engine_warning_once():
+    """A Student-t regression with a pyro.param prior scale: every refit of the type-II loop meets the same
+    non-log-concave potential (it was said 6 times in one fit), and one pcv.fit says so once, attributed to the
+    caller's line, with the learned scale unchanged."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(30, 2, generator=g, dtype=D)
+    y = X @ torch.tensor([1.0, -1.0], dtype=D) + 0.3 * torch.randn(30, generator=g, dtype=D)
+
+    def model(X, y=None):
+        s = pyro.param("s", _t(1.0), constraint=torch.distributions.constraints.positive)
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), s).to_event(1))
+        with pyro.plate("n", X.shape[0]):
+            pyro.sample("y", dist.StudentT(_t(4.0), X @ w, 0.5), obs=y)
+
+    pyro.clear_param_store()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = pcv.fit(model, X, y=y, engine="convex_relaxation", progress=False)
+    assert res.converged
+    nonconvex = [w for w in caught if issubclass(w.category, NonConvexWarning)]
+    assert len(nonconvex) == 1 and "student_t" in str(nonconvex[0].message)
+    assert nonconvex[0].filename == __file__
+    pyro.clear_param_store()
+
 # ----------------------------------------------------------------------------- test problems
 
 

@@ -26,7 +26,6 @@ only the mode (type-II maximum a posteriori for ``theta``).
 """
 import itertools
 import math
-import warnings
 
 import numpy as np
 import pyro.distributions as dist
@@ -34,7 +33,7 @@ import pyro.poutine as poutine
 import torch
 from torch.distributions import biject_to
 
-from ..errors import ConvergenceWarning, UnsupportedModelError
+from ..errors import ConvergenceWarning, UnsupportedModelError, WarningsOnce
 from ..lgm.extract import _unwrap, full_data_plates, latent_sites
 from ..posterior.hyper import HyperMixtureGuide, HyperPosterior, ThetaDensity, ThetaSpace  # noqa: F401 (re-exported)
 from .rng import forked_rng
@@ -346,7 +345,9 @@ class HyperObjective:
         self.records = []  # the ExtractionRecord of every inner fit's extraction
         self.fits = 0  # inner fits run (refits of released points included)
         self._log_prior = None  # log p(theta) recorded by the latest inner fit's run of the model
-        self._warned = set()  # (category, text) of the inner fits' warnings issued so far (:meth:`_pass_on`)
+        #: the inner fits' warnings, each distinct one issued once per integration; convergence warnings are left
+        #: out: the outer fit counts the unconverged design points and warns once about them
+        self._warnings = WarningsOnce(drop=(ConvergenceWarning,))
 
     def _nearest(self, z):
         if not self.cache:
@@ -368,10 +369,8 @@ class HyperObjective:
             template.record = None
         inner = eng.inner_engine(model, None if init is None else _WarmFrom(init), learn_params=False)
         inner.extract_dtype = torch.float64  # bounds accurate enough for finite differences over theta
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with self._warnings.collect():
             res = inner.run(*self.args, **self.kwargs)
-        self._pass_on(caught)
         self.fits += 1
         self._log_prior = model.log_prior if self.reuse_extraction else None
         if template is not None and template.record is not None:
@@ -380,18 +379,6 @@ class HyperObjective:
             raise UnsupportedModelError(self.space.names[0], f"engine '{eng.name}' gave no evidence bound at "
                                                              f"theta = {values}; hyper-latents need one")
         return res
-
-    def _pass_on(self, caught):
-        """Issue the warnings an inner fit recorded, each distinct one (category and text) once per integration, as
-        its first fit issued it (attributed to the caller's line): every design point would repeat the same
-        engine warning, e.g. a non-convex site potential. Convergence warnings are left out: the outer fit counts
-        the unconverged design points and warns once about them."""
-        for w in caught:
-            key = (w.category, str(w.message))
-            if issubclass(w.category, ConvergenceWarning) or key in self._warned:
-                continue
-            self._warned.add(key)
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
     def _slim(self, key):
         """What the entry ``key`` keeps once it is not the latest fit: by its pin level (see the class docstring)."""

@@ -24,7 +24,7 @@ import scipy.optimize
 import torch
 from torch.distributions import transform_to
 
-from ..errors import ConvergenceWarning
+from ..errors import ConvergenceWarning, WarningsOnce
 from ..lgm.extract import full_data_plates, lgm_from_pyro
 
 __all__ = ["model_params", "maximize_bound", "central_differences", "envelope_gradient", "refit_gradient"]
@@ -121,6 +121,11 @@ def maximize_bound(engine, names, args, kwargs, *, max_iter=50, gtol=1e-5, fd_st
     :param float gtol: convergence: ``max |dB/dz| <= gtol (1 + |B|)`` on the unconstrained scale ``z``.
     :returns: ``(final result, info)`` with the objective history, the gradient norm and the learned values.
     """
+    with WarningsOnce().collect():  # every refit would repeat the engine's warnings: each passed on once
+        return _maximize_bound(engine, names, args, kwargs, max_iter, gtol, fd_step, run)
+
+
+def _maximize_bound(engine, names, args, kwargs, max_iter, gtol, fd_step, run):
     params = _Params(names)
     state = {"res": None, "x": None, "evals": 0}
     bar = run.bar(unit="fit", desc=f"{engine.name} (type-II)") if run is not None else None
