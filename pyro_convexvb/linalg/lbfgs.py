@@ -153,7 +153,7 @@ def minimize_lbfgs(params, loss_fn, *, max_iter=500, grad_tol=1e-8, change_tol=1
                             tolerance_change=float(change_tol), history_size=int(history_size),
                             line_search_fn="strong_wolfe")
     count = [0]
-    bad = {"streak": 0, "total": 0, "value": None}  # trial points with a non-finite loss or gradient
+    bad = {"streak": 0, "value": None}  # trial points in a row with a non-finite loss or gradient
 
     def closure():
         opt.zero_grad()
@@ -170,7 +170,6 @@ def minimize_lbfgs(params, loss_fn, *, max_iter=500, grad_tol=1e-8, change_tol=1
                                          "loss and its gradient are finite")
             # a trial point of the line search: "too far" (+inf loss, NaN gradient, so the bracket is bisected)
             bad["streak"] += 1
-            bad["total"] += 1
             bad["value"] = what
             count[0] += 1
             if bar is not None:

@@ -54,11 +54,21 @@ def _is_identity(op, n):
     return isinstance(op, IdentityOperator) and op.shape == (n, n)
 
 
+def _row_counts(op):
+    """Nonzeros per row of a sparse or dense design operator, read from its entries (a sparse one is not
+    densified), or ``None`` for another operator."""
+    from ...linalg.operators import DenseOperator
+
+    if isinstance(op, SparseOperator):
+        crow = op.matrix.crow_indices()
+        return crow[1:] - crow[:-1]
+    if isinstance(op, DenseOperator):
+        return (op.matrix != 0).sum(1)
+    return None
+
+
 def _one_per_row(op):
-    if not isinstance(op, SparseOperator):
-        return False
-    crow = op.matrix.crow_indices()
-    return bool(((crow[1:] - crow[:-1]) == 1).all())
+    return isinstance(op, SparseOperator) and bool((_row_counts(op) == 1).all())
 
 
 #: smallest latent dimension at which ``form='auto'`` prefers the sparse latent form (a sparse prior precision and a
@@ -217,12 +227,16 @@ def _check_banded(lgm, W):
                  else f"has a precision of type {type(p.prec).__name__}, not a sparse matrix")
         why = f"the prior of '{p.name}' {given}"
     else:
-        rows = (None if _is_identity(W, W.shape[1]) or _one_per_row(W)
-                else (W.to_dense() != 0).sum(1))
-        if rows is None or bool((rows == 1).all()):
+        if _is_identity(W, W.shape[1]):
             return
-        bad = int((rows != 1).nonzero()[0, 0])
-        why = f"site row {bad} reads {int(rows[bad])} latents"
+        rows = _row_counts(W)
+        if rows is None:
+            why = f"the design is a {type(W).__name__}, not a matrix with one nonzero per row"
+        elif bool((rows == 1).all()):
+            return
+        else:
+            bad = int((rows != 1).nonzero()[0, 0])
+            why = f"site row {bad} reads {int(rows[bad])} latents"
     works = "'sparse', " if sparse_prior_precision(lgm) is not None and sparse_design(lgm) is not None else ""
     raise ValueError(f"engine 'dual_vg': option form='banded' needs a Gaussian Markov random field prior (one prior "
                      f"block given by a sparse precision) with every site reading one latent; {why}. Use "
