@@ -698,10 +698,8 @@ def _sharded_laplace(model, guide, args, kwargs):
     """``(loc, covariance)`` of the Laplace approximation from the Hessian of :func:`_sharded_map_loss` (what
     ``AutoLaplaceApproximation.laplace_approximation`` computes on one process)."""
     loc = guide.loc
-    loss = _sharded_map_loss(model, guide, args, kwargs)
-    g = torch.autograd.grad(loss, loc, create_graph=True)[0]
-    H = torch.stack([torch.autograd.grad(g[i], loc, retain_graph=True)[0] for i in range(loc.shape[0])])
-    H = 0.5 * (H + H.transpose(0, 1)).detach()
+    # one backward pass per Hessian row, so every rank issues the same collectives
+    H = loss_hessian(lambda: _sharded_map_loss(model, guide, args, kwargs), loc, batched=False)[2]
     return loc.detach().clone(), _inverse_pd(H)  # raises LinAlgError when not positive definite, as on one process
 
 

@@ -180,6 +180,21 @@ def case_blr_convex_relaxation(rank, world):
             "proba": torch.as_tensor(clf.predict_proba(_estimator_data(0, 1)[0][:5]))[:, 1]}
 
 
+
+def case_laplace_logistic_lbfgs(rank, world):
+    """The same fit with the mode found by L-BFGS: the Hessian at the mode then comes from the sharded loss, one
+    backward pass per row on every rank."""
+    X, y = _problem(rank, world)
+    res = pcv.fit(logistic_model, row_sharded(X.to_sparse_csr()), y, engine="laplace",
+                  options={"learn_params": False, "method": "lbfgs"})
+    assert res.info["method"] == "lbfgs"
+    out = _fit_summary(res)
+    out["covariance"] = res.posterior.covariance()
+    X1, _ = _problem(0, 1)
+    out.update(laplace_tolerances(res, X1, {"mean": slice(None), "variance": slice(None),
+                                            "covariance": slice(None)}))
+    return out
+
 def case_blr_laplace(rank, world):
     X, y = _estimator_data(rank, world)
     clf = pcv.BayesianLogisticRegression(engine="laplace", distributed=True).fit(X, y)
