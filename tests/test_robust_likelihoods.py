@@ -128,7 +128,7 @@ def test_convex_relaxation_fits_the_exact_posterior_and_its_bound_is_below_the_e
 
 
 @pytest.mark.parametrize("family", ["student_t", "laplace"])
-def test_engines_that_fit_and_dual_vg_refuses_with_the_reason(family):
+def test_both_families_are_extracted_and_dual_vg_refuses_only_student_t_with_the_reason(family):
     X, y = robust_data()
     lgm = pcv.lgm_from_pyro(robust_model, X, y=y, family=family)
     (g,) = lgm.sites
@@ -136,11 +136,62 @@ def test_engines_that_fit_and_dual_vg_refuses_with_the_reason(family):
     torch.testing.assert_close(g.family.params["y"], y)
     torch.testing.assert_close(g.design.to_dense(), X, rtol=1e-10, atol=1e-10)
     fitting = pcv.engines_that_fit(robust_model, X, y=y, family=family)
-    assert "convex_relaxation" in fitting and "dual_vg" not in fitting
-    why = "not log-concave" if family == "student_t" else "sqrt\\(rho\\)"
-    with pytest.raises(pcv.UnsupportedModelError, match=why) as err:
+    assert "convex_relaxation" in fitting
+    if family == "laplace":  # log-concave: dual_vg refines to the exact VG optimum
+        assert "dual_vg" in fitting
+        return
+    assert "dual_vg" not in fitting
+    with pytest.raises(pcv.UnsupportedModelError, match="not log-concave") as err:
         pcv.fit(robust_model, X, y=y, family=family, engine="dual_vg", progress=False)
     assert err.value.site == "y"
+
+
+def test_laplace_expectation_terms_are_the_derivatives_of_the_closed_form():
+    """dE/dmean and dE/dvar of Laplace.expected_log_prob_terms against central differences of the closed-form E
+    (itself checked against quadrature above); quadrature of the second derivative would give dE/dvar = 0."""
+    fam, _ = _families()["laplace"]
+    mean = torch.tensor([-2.0, -0.5, 0.0, 6.0, 1.5, 3.0], dtype=D)
+    var = torch.tensor([0.01, 0.5, 2.0, 1.0, 0.3, 0.2], dtype=D)
+    E, dm, dv = fam.expected_log_prob_terms(mean, var)
+    torch.testing.assert_close(E, fam.expected_log_prob(mean, var), rtol=1e-14, atol=1e-14)
+    h = 1e-6
+    fd_m = (fam.expected_log_prob(mean + h, var) - fam.expected_log_prob(mean - h, var)) / (2 * h)
+    fd_v = (fam.expected_log_prob(mean, var + h * var) - fam.expected_log_prob(mean, var - h * var)) / (2 * h * var)
+    torch.testing.assert_close(dm, fd_m, rtol=1e-7, atol=1e-8)
+    torch.testing.assert_close(dv, fd_v, rtol=1e-6, atol=1e-8)
+    assert bool((dv < 0).all())  # log-concave: the curvature term is strictly negative
+
+
+@pytest.mark.parametrize("form", ["latent", "site"])
+def test_dual_vg_fits_laplace_likelihoods_at_the_exact_vg_optimum(form):
+    """The surrogate bound's dual optimum, refined: the exact VG optimum (found independently by maximising the exact
+    bound over the mean and Cholesky factor), within 0.05 sds in mean and 10% in sd of the quadrature posterior here
+    (20 rows, 3 outliers; measured 0.02 sds and 7%: the relaxation's Gaussian is 0.33 sds off), and its bound below
+    the evidence."""
+    from pyro_convexvb.infer.dual_vg.reference import primal_optimum
+
+    X, y = robust_data()
+    mean, sd, log_ev = _reference("laplace", X, y)
+    res = pcv.fit(robust_model, X, y=y, family="laplace", engine="dual_vg", options=dict(form=form), progress=False)
+    assert res.converged and res.info["refine"] and res.info["form"] == form
+    assert "refinement" in res.stop_reason and res.info["refine_residual"] <= 1e-8
+    lgm = pcv.lgm_from_pyro(robust_model, X, y=y, family="laplace")
+    fam = lgm.sites[0].family
+    value, m, V = primal_optimum(torch.eye(2, dtype=D), torch.zeros(2, dtype=D), X, torch.zeros(20, dtype=D),
+                                 fam.expected_log_prob)
+    assert abs(res.log_evidence_bound - value) < 1e-8
+    torch.testing.assert_close(res.posterior.loc, m, rtol=0, atol=1e-6)
+    torch.testing.assert_close(res.posterior.covariance(), V, rtol=0, atol=1e-6)
+    assert res.log_evidence_bound <= log_ev
+    q_sd = res.posterior.scale.numpy()
+    assert (np.abs(res.posterior.loc.numpy() - mean) / sd).max() < 0.05
+    assert np.abs(q_sd / sd - 1).max() < 0.10
+
+
+def test_dual_vg_refuses_refine_false_on_laplace_sites():
+    X, y = robust_data()
+    with pytest.raises(ValueError, match="refine=False: site 'y' \\(laplace\\) has no exact local bound"):
+        pcv.fit(robust_model, X, y=y, family="laplace", engine="dual_vg", options=dict(refine=False), progress=False)
 
 
 def test_invalid_scales_are_refused_naming_the_site():
@@ -166,3 +217,33 @@ def test_diabetes_example_runs_and_the_student_t_fit_resists_the_outliers():
     rmse = {name.split(",")[0]: float(((Xt @ mean - yt) ** 2).mean().sqrt()) for name, mean, *_ in rows}
     assert all(r[4] for r in rows)  # converged
     assert rmse["Student-t"] < rmse["Gaussian"] - 0.02
+
+
+def test_laplace_surrogate_bound_is_a_valid_convex_upper_bound_on_the_expected_loss():
+    """The dual's starting bound f(h, rho) >= -E log p at every (h, rho): the unrefined dual answer is a lower
+    bound on log p(y) too."""
+    fam, _ = _families()["laplace"]
+    bound = fam.local_bound()
+    assert bound.surrogate and not bound.exact
+    for h in torch.linspace(-8, 8, 33, dtype=D):
+        for rho in torch.logspace(-6, 3, 19, dtype=D):
+            hh, rr = h.expand(6), rho.expand(6)
+            assert bool((bound.f(hh, rr) >= -fam.expected_log_prob(hh, rr) - 1e-12).all())
+
+
+def test_weighted_laplace_sites_equal_repeated_rows():
+    """poutine.scale(scale=2) on every Laplace row is the data twice (the weighted terms of the refinement)."""
+    X, y = robust_data()
+
+    def scaled(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]), pyro.poutine.scale(scale=2.0):
+            pyro.sample("y", dist.Laplace(X @ w, 0.5), obs=y)
+
+    a = pcv.fit(scaled, X, y=y, engine="dual_vg", progress=False)
+    b = pcv.fit(robust_model, torch.cat([X, X]), y=torch.cat([y, y]), family="laplace", engine="dual_vg",
+                progress=False)
+    assert a.converged and b.converged
+    torch.testing.assert_close(a.posterior.loc, b.posterior.loc, rtol=0, atol=1e-7)
+    torch.testing.assert_close(a.posterior.covariance(), b.posterior.covariance(), rtol=0, atol=1e-7)
+    assert abs(a.log_evidence_bound - b.log_evidence_bound) < 1e-6

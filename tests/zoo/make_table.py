@@ -45,7 +45,6 @@ PAGE = os.path.join(ROOT, "docs", "supported_models.md")
 SHORT = [
     (r"not super-Gaussian", "not super-Gaussian"),
     (r"not log-concave", "not log-concave"),
-    (r"Laplace sites .* no local bound", "Laplace: no local bound"),
     (r"Categorical \(softmax\)", "Categorical likelihood"),
     (r"not an affine function", "non-affine predictor"),
     (r"unsupported likelihood (\w+)", r"\1 likelihood"),

@@ -373,8 +373,9 @@ class DualVGOptions(LGMEngineOptions):
     bound: typing.Literal["tight", "jensen", "bohning", "jaakkola"] = option(
         "tight", "local bound of the logit families: Bernoulli-logit, Binomial and NegativeBinomial/GammaPoisson "
                  "(log link) sites; the other families use their own: exact for Gaussian, Poisson, Gamma (log "
-                 "link) and stochastic-volatility sites, the tight probit bound for probit; Laplace and Student-t "
-                 "sites have none (convex_relaxation fits them)")
+                 "link) and stochastic-volatility sites, the tight probit bound for probit, a quadratic surrogate "
+                 "refined to the exact VG optimum for Laplace sites; Student-t sites have none (convex_relaxation "
+                 "fits them)")
     method: typing.Literal["newton", "lbfgs"] = option("newton", "dual minimiser")
     form: typing.Literal["auto", "site", "latent", "banded", "sparse"] = option(
         "auto", "storage form: N x N site space, L x L latent space, a GMRF's sparse precision read one latent per "
@@ -387,7 +388,10 @@ class DualVGOptions(LGMEngineOptions):
     alpha0: typing.Any = option(None, "(N,) warm start of the dual variables, one per observed site entry")
     xi: typing.Any = option(None, "Jaakkola variational parameters (bound='jaakkola'): a scalar for every site or one "
                                   "per observed site entry, (N,) in site order (default: at the prior marginals)")
-    refine: bool = option(False, "polish q by natural-gradient (CVI) steps with exact expectations (site form)")
+    refine: typing.Optional[bool] = option(
+        None, "polish q by natural-gradient (CVI) steps with exact expectations to the exact variational-Gaussian "
+              "optimum; None: only when a site's local bound is a surrogate (Laplace likelihoods), where it is "
+              "required")
 
     def check(self):
         if self.xi is not None and self.bound != "jaakkola":  # the other bounds have no xi: it was ignored
@@ -454,15 +458,16 @@ class DualVGEngine(Engine):
 
     # ------------------------------------------------------------------ type-II maximum likelihood
     def type2_value(self, result):
-        """The dual's own bound: the local-bound ELBO at the dual optimum (``max_q ELBO_LVB``)."""
-        return float(result.info["lvb_elbo"])
+        """The dual's own bound: the local-bound ELBO at the dual optimum (``max_q ELBO_LVB``); for a refined fit the
+        exact VG bound it reports (the optimum of that bound over ``q``)."""
+        return float(result.log_evidence_bound if result.info.get("refine") else result.info["lvb_elbo"])
 
     def type2_gradient(self, params, x, result, args, kwargs, h):
         """Envelope theorem (Khan et al. 2013, §5): ``d/dtheta ELBO_LVB(q*; theta)`` at the fixed ``q*``
         (:meth:`DualState.bound_at`)."""
         from ..type2 import envelope_gradient
 
-        if result.posterior.n > DENSE_LIMIT:
+        if result.posterior.n > DENSE_LIMIT or result.info.get("refine"):  # refined: q* is not the LVB's optimum
             return super().type2_gradient(params, x, result, args, kwargs, h)
         return envelope_gradient(params, x, self.model, args, kwargs, result.state.bound_at, h, autograd=True)
 
@@ -509,10 +514,8 @@ class DualVGEngine(Engine):
                                            f"{FAR_START}")
         alpha, lam = sol.alpha, sol.lam
         info = {}
-        if o.refine:
-            if form != "site":
-                raise ValueError(f"engine '{self.name}': option 'refine' needs the N x N site form (form='site'); "
-                                 f"this model uses form='{form}'")
+        refine = self._refine(lgm, lb)
+        if refine:
             alpha, lam, _, rit, rconv, resid = refine_exact(backend, lb, alpha, lam, tol=1e-15,
                                                              residual_tol=REFINE_RESIDUAL_TOL, return_residual=True)
             info.update(refine_iterations=rit, refine_converged=rconv, refine_residual=resid)
@@ -523,18 +526,36 @@ class DualVGEngine(Engine):
         info.update(gap=sol.gap, dual_objective=sol.g, lvb_elbo=sol.g - sol.gap + lgm.log_const,
                     site_mean=terms.m_tilde, site_var=terms.v_tilde, iterations=sol.iterations,
                     evaluations=sol.evaluations, cg_iterations=sol.cg_iterations, form=form, bound=o.bound,
-                    method=o.method, refine=o.refine)
+                    method=o.method, refine=refine)
         opt = Optimality.single("duality gap (nats)", sol.gap, sol.gap_tol)
-        if o.refine:  # the returned q is the refined one: judged by the exact VG fixed point as well
+        if refine:  # the returned q is the refined one: judged by the exact VG fixed point as well
             opt = Optimality(opt.criteria + (Criterion("exact-VG fixed-point residual (relative change of the site natural parameters)",
                                                        info["refine_residual"], REFINE_RESIDUAL_TOL),))
         reason = sol.stop_reason
-        if o.refine:  # the refinement decides what is returned: its own stopping rule is part of the reason
+        if refine:  # the refinement decides what is returned: its own stopping rule is part of the reason
             how = ("reached" if info["refine_converged"] else "stopped short of")
             reason = (f"{reason}; refinement: {info['refine_iterations']} CVI steps {how} the exact-VG fixed point "
                       f"(residual {info['refine_residual']:.2g}, tolerance {REFINE_RESIDUAL_TOL:.0e})")
         state = DualState(alpha, lam, form, backend, o.bound, o.xi, posterior)
         return Solution(posterior, bound_value, opt, reason, info, state=state)
+
+    def _refine(self, lgm, lb):
+        """Whether the dual's Gaussian is refined to the exact VG optimum (option ``refine``; ``None``: when a site's
+        local bound is only a surrogate, :attr:`~pyro_convexvb.lgm.families.bound.LocalBound.surrogate`)."""
+        o = self.options
+        surrogate = [g for g, b in zip(lgm.sites, lb.split()) if b.surrogate]
+        if not surrogate:
+            return bool(o.refine)
+        g = surrogate[0]
+        if o.refine is False:
+            raise ValueError(f"engine '{self.name}': option refine=False: site '{g.name}' ({g.family.name}) has no "
+                             "exact local bound, only a loose surrogate, so its Gaussian must be refined to the exact "
+                             "variational-Gaussian optimum; leave refine at None (or True)")
+        if sharded_design(lgm.design())[1] is not None:
+            raise UnsupportedModelError(g.name, f"dual_vg fits {g.family.name} sites by refining to the exact "
+                                                "variational-Gaussian optimum, which is not available on row-sharded "
+                                                "data; fit without sharding, or with engine='convex_relaxation'")
+        return True
 
     def _solve_block(self, lgm, run):
         """Vector (Categorical) sites: the reduced block dual of :mod:`.block` in the dense ``L x L`` form."""

@@ -646,16 +646,18 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
     rules.
 
     The LVB optimum is a few nats from the exact VG optimum for Bernoulli-logit sites (its bound
-    is an upper bound on ``-E log p``). Starting from it, damped CVI updates (Khan & Lin 2017) of the
-    site natural parameters ``nu = lam * m_t - alpha`` and ``lam`` with the exact Gauss-Hermite
-    gradients, ``lam <- (1-b) lam - 2 b dE/dv``, ``nu <- (1-b) nu + b (dE/dm - 2 m_t dE/dv)``, reach the
-    exact optimum (where ``alpha = -dE/dm`` and ``lam = -2 dE/dv``, the Opper-Archambeau conditions)
-    in a few ``O(N^3)`` steps. The new ``alpha`` solves ``(I + Lam Sigma_t) alpha = Lam mu_t - nu`` via
-    the Woodbury form ``(I + Lam Sigma_t)^{-1} = I - Lam^{1/2} B^{-1} Lam^{1/2} Sigma_t``. Every iterate
-    is a Gaussian of the dual form, so the exact bound is evaluated without ``Sigma^{-1}``; steps that
-    lower it are halved.
+    is an upper bound on ``-E log p``), and further for a surrogate bound (Laplace sites). Starting from it, damped
+    CVI updates (Khan & Lin 2017) of the site natural parameters ``nu = lam * m_t - alpha`` and ``lam`` with the
+    exact gradients (:meth:`~pyro_convexvb.lgm.families.SiteFamily.expected_log_prob_terms`: Gauss-Hermite or a
+    family's closed forms), ``lam <- (1-b) lam - 2 b dE/dv``, ``nu <- (1-b) nu + b (dE/dm - 2 m_t dE/dv)``, reach
+    the exact optimum (where ``alpha = -dE/dm`` and ``lam = -2 dE/dv``, the Opper-Archambeau conditions) in a few
+    steps of one factorisation each. The new ``alpha = lam m_t - nu``, with ``m_t`` the site means of
+    ``prior x prod_n exp(nu_n h_n - lam_n h_n^2 / 2)`` (the backend's ``working_means``: in the site form
+    ``(I + Lam Sigma_t) alpha = Lam mu_t - nu`` by the Woodbury form of ``B``, in the latent and sparse forms one
+    solve with ``A = Sigma^{-1} + W^T Lam W``). Every iterate is a Gaussian of the dual form, so the exact bound is
+    evaluated as the dual's own terms are; steps that lower it are halved.
 
-    :param backend: a :class:`~.objective.SiteSpaceBackend`.
+    :param backend: a site, latent or sparse backend of :mod:`.objective` (not row-sharded).
     :param bound: the local bound (only its families are used, for the exact expectations).
     :param residual_tol: if given, converged means the fixed-point residual (below) is at most this, and the
         run stops there, or (not converged) when five steps in a row have neither cut the residual by 10% nor
@@ -670,8 +672,8 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
     from .objective import exact_elbo
     from .reference import site_elbo_terms
 
-    if getattr(backend, "kind", "") != "site":
-        raise ValueError("refine_exact needs the N x N site form (form='site')")
+    if getattr(backend, "comm", None) is not None:
+        raise ValueError("refine_exact: the exact-VG refinement is not available on row-sharded sites")
     history = History() if history is None else history
     parts = bound.split()
     sizes = [len(b) for b in parts]
@@ -692,12 +694,9 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
         """The damped CVI step ``b``: ``(alpha, lam, bound, backend terms)``, or ``None`` if it lowers the bound."""
         lam_new = (1 - b) * lam + b * lam_hat
         nu_new = (1 - b) * nu + b * nu_hat
-        x = lam_new * backend.mu_t - nu_new
-        R, s = backend.factor(lam_new)
-        # Lam^1/2 B^{-1} Lam^1/2 Sigma_t x = s * R^{-T} R^{-1} (s * Sigma_t x)
-        Tx = torch.linalg.solve_triangular(R, (s * (backend.St @ x))[:, None], upper=False)
-        corr = s * torch.linalg.solve_triangular(R.transpose(0, 1), Tx, upper=True)[:, 0]
-        alpha_new = x - corr
+        # q(nu, lam) = prior x prod_n exp(nu_n h_n - lam_n h_n^2 / 2) in the dual's parametrisation: its site means
+        # (any storage form's working_means) give alpha = lam m_t - nu
+        alpha_new = lam_new * backend.working_means(lam_new, nu_new) - nu_new
         new, t_new = value(alpha_new, lam_new)
         return (alpha_new, lam_new, new, t_new) if new >= cur - 1e-12 * (1 + abs(cur)) else None
 

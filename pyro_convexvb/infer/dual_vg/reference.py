@@ -16,7 +16,6 @@ import torch
 
 from ...linalg.lbfgs import minimize_lbfgs
 
-from ...lgm.sites import gauss_hermite
 from ..result import History
 
 __all__ = ["primal_optimum", "cvi_fixed_point", "site_elbo_terms"]
@@ -65,14 +64,10 @@ def primal_optimum(Sigma, mu, W, d, site_term, max_iter=5000, tol=1e-12, m0=None
 
 
 def site_elbo_terms(family, h, rho, num_points=32):
-    """``E log p`` and its derivatives ``dE/dh``, ``dE/drho`` by Gauss-Hermite (Price/Bonnet: ``dE/drho = E[d2 log p] / 2``)."""
-    x, w = gauss_hermite(num_points, h.dtype, h.device)
-    eta = (h[:, None] + rho.clamp_min(0).sqrt()[:, None] * x).detach().requires_grad_(True)
-    with torch.enable_grad():
-        lp = family._broadcast_log_prob(eta)
-        g1 = torch.autograd.grad(lp.sum(), eta, create_graph=True)[0]
-        g2 = torch.autograd.grad(g1.sum(), eta)[0]
-    return (lp.detach() * w).sum(-1), (g1.detach() * w).sum(-1), 0.5 * (g2 * w).sum(-1)
+    """``E log p`` and its derivatives ``dE/dh``, ``dE/drho`` at the site marginals ``N(h, rho)``
+    (:meth:`~pyro_convexvb.lgm.families.SiteFamily.expected_log_prob_terms`: Gauss-Hermite, Price/Bonnet, or the
+    family's closed forms)."""
+    return family.expected_log_prob_terms(h, rho, num_points)
 
 
 def cvi_fixed_point(K, mu, family, *, step=1.0, max_iter=500, tol=1e-9, lam0=None, nu0=None, num_points=32,

@@ -137,6 +137,20 @@ class SiteFamily:
     def expected_log_prob(self, mean, var, num_points=64):
         return gaussian_expectation(lambda e: self._broadcast_log_prob(e), mean, var, num_points)
 
+    def expected_log_prob_terms(self, mean, var, num_points=32):
+        """``E log p`` under ``eta ~ N(mean, var)`` and its derivatives ``dE/dmean``, ``dE/dvar``, each ``(q,)``: by
+        Gauss-Hermite quadrature of ``d log p / d eta`` and ``d2 log p / d eta2`` (Bonnet's and Price's theorems,
+        ``dE/dvar = E[d2 log p / d eta2] / 2``; Opper & Archambeau 2009). The exact-VG fixed point of ``dual_vg``
+        (``refine``) reads them. A family whose ``log p`` has a kink (where quadrature of the second derivative
+        misses the curvature) overrides this with closed forms."""
+        x, w = gauss_hermite(num_points, mean.dtype, mean.device)
+        eta = (mean[:, None] + var.clamp_min(0).sqrt()[:, None] * x).detach().requires_grad_(True)
+        with torch.enable_grad():
+            lp = self._broadcast_log_prob(eta)
+            g1 = torch.autograd.grad(lp.sum(), eta, create_graph=True)[0]
+            g2 = torch.autograd.grad(g1.sum(), eta)[0]
+        return (lp.detach() * w).sum(-1), (g1.detach() * w).sum(-1), 0.5 * (g2 * w).sum(-1)
+
     def _broadcast_log_prob(self, eta):
         # eta: (q, K); parameters are (q,) -> add a trailing axis
         saved = self.params
@@ -216,6 +230,9 @@ class Weighted(SiteFamily):
 
     def expected_log_prob(self, mean, var, num_points=64):
         return self.weight * self.base.expected_log_prob(mean, var, num_points)
+
+    def expected_log_prob_terms(self, mean, var, num_points=32):
+        return tuple(self.weight * t for t in self.base.expected_log_prob_terms(mean, var, num_points))
 
     def predictive_mean(self, mean, var, num_points=64):
         return self.base.predictive_mean(mean, var, num_points)

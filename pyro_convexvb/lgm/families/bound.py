@@ -38,6 +38,9 @@ class LocalBound:
     name = "base"
     #: the bound equals ``-E log p`` exactly (Poisson, SV, Gaussian)
     exact = False
+    #: the bound is only a starting point: no local bound of the family is exact where it matters (Laplace sites), so
+    #: ``dual_vg`` refines the dual's Gaussian to the exact variational-Gaussian optimum (option ``refine``)
+    surrogate = False
 
     def __init__(self, family):
         self.family = family
@@ -180,6 +183,7 @@ class WeightedBound(LocalBound):
         self.log_const = torch.zeros_like(weight) if log_const is None else log_const
         self.name = "weighted_" + base.name
         self.exact = base.exact
+        self.surrogate = base.surrogate
         self._last = None
 
     def __len__(self):

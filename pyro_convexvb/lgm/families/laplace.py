@@ -3,11 +3,16 @@
 An observed ``y ~ Laplace(loc=eta, scale=b)`` (least absolute deviations) is the same potential at
 ``s = eta - y`` (``shift = y``), log-concave and super-Gaussian (Nickisch & Seeger 2009, Eq. (2) and §2.3), so
 ``convex_relaxation`` takes it with the closed forms ``h(gamma) = gamma / b^2``, ``h^*(s) = sqrt(z + s^2) / b``.
-``dual_vg`` refuses it: ``E|eta - y|`` grows like ``sqrt(rho)`` in the marginal variance ``rho`` at ``h = y``, and a
-function that is jointly convex in ``(h, rho)`` cannot bound it with the slack vanishing at ``rho -> 0`` (a convex
-``f(y, rho) >= sqrt(2 rho / pi) / b + f(y, 0)`` would need an infinite slope at ``rho = 0``), so there is no local
-bound of Khan et al. 2013 (Eq. 10) that is exact at ``rho = 0``; a bound with a fixed width (the Gaussian lower
-bound at one ``gamma``) is convex but its slack is not tightened by the dual.
+
+``dual_vg`` has no exact local bound for it: ``E|eta - y|`` grows like ``sqrt(rho)`` in the marginal variance
+``rho`` at ``h = y``, and a function that is jointly convex in ``(h, rho)`` cannot bound it with the slack
+vanishing at ``rho -> 0`` (a convex ``f(y, rho) >= sqrt(2 rho / pi) / b + f(y, 0)`` would need an infinite slope at
+``rho = 0``), so no local bound of Khan et al. 2013 (Eq. 10) is exact. ``dual_vg`` therefore solves its dual with
+the quadratic *surrogate* :class:`LaplaceQuadraticBound` (``|x| <= x^2 / (2 xi) + xi / 2`` at the fixed width
+``xi = 2 b``: a valid but loose bound) and refines that Gaussian to the exact variational-Gaussian optimum by the
+natural-gradient fixed point (Khan & Lin 2017) with the closed-form expectations of
+:meth:`Laplace.expected_log_prob_terms`; the Laplace likelihood is log-concave, so the exact VG bound is concave in
+the mean and Cholesky factor (Challis & Barber 2013) and its optimum unique.
 """
 import math
 
@@ -16,9 +21,10 @@ import torch
 
 from ...errors import UnsupportedModelError
 from .base import SiteFamily
+from .bound import QuadraticBound
 from .potential import SuperGaussianPotential
 
-__all__ = ["Laplace", "LaplacePotential"]
+__all__ = ["Laplace", "LaplaceQuadraticBound", "LaplacePotential"]
 
 
 def _normal_abs_moment(mean, var):
@@ -48,11 +54,6 @@ class Laplace(SiteFamily):
     name = "laplace"
     distributions = (dist.Laplace, torch.distributions.Laplace)
     pyro_form = "Laplace(loc=..., scale)"
-    no_bound = ("Laplace sites (likelihoods or sparsity priors) have no local bound of dual_vg: E|eta - y| grows "
-                "like sqrt(rho) in the marginal variance rho at h = y, which no function jointly convex in (h, rho) "
-                "and exact at rho = 0 bounds (the dual of Khan et al. 2013, Eq. 10 needs one); they are log-concave "
-                "super-Gaussian sites of the relaxation (Nickisch & Seeger 2009, §2.3)")
-
     def __init__(self, scale, y=None):
         super().__init__(scale=scale, y=torch.zeros_like(scale) if y is None else y)
 
@@ -63,6 +64,22 @@ class Laplace(SiteFamily):
     def expected_log_prob(self, mean, var, num_points=64):
         b, y = self.params["scale"], self.params["y"]
         return -_normal_abs_moment(mean - y, var) / b - torch.log(2 * b)
+
+    def expected_log_prob_terms(self, mean, var, num_points=32):
+        """``E log p``, ``dE/dmean``, ``dE/dvar`` in closed form (the kink at ``eta = y`` has curvature
+        ``2 delta(eta - y) / b``, which quadrature of the second derivative misses): with ``r = mean - y`` and
+        ``sd = sqrt(var)``, ``dE/dmean = -erf(r / (sd sqrt 2)) / b`` and ``dE/dvar = -phi(r / sd) / (sd b)``."""
+        b, y = self.params["scale"], self.params["y"]
+        r = mean - y
+        sd = var.clamp_min(1e-300).sqrt()
+        z = r / sd
+        dens = torch.exp(-0.5 * z * z) / (sd * math.sqrt(2 * math.pi))
+        return (-_normal_abs_moment(r, var) / b - torch.log(2 * b), -torch.erf(z / math.sqrt(2)) / b, -dens / b)
+
+    def local_bound(self, kind="tight", xi=None):
+        """The quadratic surrogate :class:`LaplaceQuadraticBound` (module docstring): ``dual_vg`` refines its
+        Gaussian to the exact variational-Gaussian optimum. ``kind`` and ``xi`` concern the logit families."""
+        return LaplaceQuadraticBound(self)
 
     def predictive_mean(self, mean, var, num_points=64):
         return mean
@@ -83,6 +100,25 @@ class Laplace(SiteFamily):
         if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
             raise UnsupportedModelError(site, "the Laplace scale must be positive and finite in every row")
         return cls(scale, y)
+
+
+class LaplaceQuadraticBound(QuadraticBound):
+    r"""``f(h, rho) = ((h - y)^2 + rho) / (2 xi b) + xi / (2 b) + log(2 b) >= E|eta - y| / b + log(2 b)`` at the width
+    ``xi = 2 b`` (from ``|x| <= x^2 / (2 xi) + xi / 2``): a Gaussian site of variance ``2 b^2``, the Laplace
+    likelihood's own variance. A surrogate (:attr:`surrogate`): valid, jointly convex, but loose; ``dual_vg`` starts
+    the exact-VG refinement from its dual optimum."""
+
+    name = "laplace_quadratic"
+    surrogate = True
+
+    def __init__(self, family):
+        super().__init__(family)
+        b, y = family.params["scale"], family.params["y"]
+        a = 0.5 / b**2
+        self._coef = (a, a * y, 0.5 * a * y**2 + 1.0 + torch.log(2 * b))
+
+    def _abc(self):
+        return self._coef
 
 
 class LaplacePotential(SuperGaussianPotential):
