@@ -691,23 +691,34 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
         return float(exact_elbo(backend, bound, a, l, t)), t
 
     def cvi_step(b, lam, nu, lam_hat, nu_hat, cur):
-        """The damped CVI step ``b``: ``(alpha, lam, bound, backend terms)``, or ``None`` if it lowers the bound."""
+        """The damped CVI step ``b``: ``(alpha, lam, nu, site means, bound, backend terms)``, or ``None`` if it
+        lowers the bound."""
         lam_new = (1 - b) * lam + b * lam_hat
         nu_new = (1 - b) * nu + b * nu_hat
         # q(nu, lam) = prior x prod_n exp(nu_n h_n - lam_n h_n^2 / 2) in the dual's parametrisation: its site means
         # (any storage form's working_means) give alpha = lam m_t - nu
-        alpha_new = lam_new * backend.working_means(lam_new, nu_new) - nu_new
+        m_new = backend.working_means(lam_new, nu_new)
+        alpha_new = lam_new * m_new - nu_new
         new, t_new = value(alpha_new, lam_new)
-        return (alpha_new, lam_new, new, t_new) if new >= cur - 1e-12 * (1 + abs(cur)) else None
+        return (alpha_new, lam_new, nu_new, m_new, new, t_new) if new >= cur - 1e-12 * (1 + abs(cur)) else None
+
+    def targets(m, v):
+        """``(lam_hat, nu_hat)``: the natural parameters of a full CVI step from site marginals ``(m, v)``."""
+        gm, gv = grads(m, v)
+        return (-2 * gv).clamp_min(0), gm - 2 * gv * m
 
     cur, t = value(alpha, lam)
+    # the iteration carries (lam, nu) and the site means of q(nu, lam) from the working means: the means from
+    # alpha (m_t = mu_t - Sigma_t alpha) lose digits to Sigma_t's norm, which grows with the number of sites, and
+    # a site with a sharp likelihood (a Laplace kink) turns that into a noise floor of the residual (1e-7 at
+    # 10^4 rows); the variances depend on lam alone
+    m_t, v_t = t.m_tilde, t.v_tilde
+    nu = lam * m_t - alpha
     history.record(objective=cur)
     converged, it, b = False, 0, float(step)
     best_residual, stalled, last_change = math.inf, 0, 0.0
     for it in range(1, max_iter + 1):
-        gm, gv = grads(t.m_tilde, t.v_tilde)
-        nu = lam * t.m_tilde - alpha
-        lam_hat, nu_hat = (-2 * gv).clamp_min(0), gm - 2 * gv * t.m_tilde
+        lam_hat, nu_hat = targets(m_t, v_t)
         residual = _cvi_residual(lam, nu, lam_hat, nu_hat)
         if residual_tol is not None:
             if residual <= residual_tol:
@@ -724,9 +735,10 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
         b, accepted = backtrack(lambda b: cvi_step(b, lam, nu, lam_hat, nu_hat, cur), b, max_trials=30)
         if accepted is None:
             break
-        alpha_new, lam_new, new, t_new = accepted
+        alpha, lam, nu, m_t, new, t = accepted
+        v_t = t.v_tilde
         change = last_change = new - cur
-        alpha, lam, cur, t = alpha_new, lam_new, new, t_new
+        cur = new
         history.record(objective=cur)
         if residual_tol is None and abs(change) <= tol * (1 + abs(cur)):
             converged = True
@@ -735,9 +747,7 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
     if return_residual or residual_tol is not None:
         # optimality of the exact VG bound: the largest (relative) change a full CVI step would make to the site
         # natural parameters (zero exactly at the optimum, where alpha = -dE/dm and lam = -2 dE/dv)
-        gm, gv = grads(t.m_tilde, t.v_tilde)
-        nu = lam * t.m_tilde - alpha
-        res = _cvi_residual(lam, nu, (-2 * gv).clamp_min(0), gm - 2 * gv * t.m_tilde)
+        res = _cvi_residual(lam, nu, *targets(m_t, v_t))
         if residual_tol is not None:
             converged = res <= residual_tol
         if return_residual:
