@@ -217,6 +217,7 @@ def test_diabetes_example_runs_and_the_student_t_fit_resists_the_outliers():
     rmse = {name.split(",")[0]: float(((Xt @ mean - yt) ** 2).mean().sqrt()) for name, mean, *_ in rows}
     assert all(r[4] for r in rows)  # converged
     assert rmse["Student-t"] < rmse["Gaussian"] - 0.02
+    assert rmse["Laplace"] < rmse["Gaussian"] - 0.02  # measured 0.671 against 0.717
 
 
 def test_laplace_surrogate_bound_is_a_valid_convex_upper_bound_on_the_expected_loss():
