@@ -164,3 +164,21 @@ def test_input_validation():
         GLM(num_components=0).fit(X, torch.arange(10) % 2)
     with pytest.raises(ValueError, match=r"\(0, 1\)"):
         _fitted("gaussian").predict_interval(X, 1.5)
+
+
+def test_a_learned_basis_fits_without_torch_warnings():
+    """The evidence bound of a fit whose basis has trainable parameters is read without torch's 'Converting a tensor
+    with requires_grad=True to a scalar' UserWarning reaching the user."""
+    import gpytorch
+
+    from pyro_convexvb.gp import RandomFourierFeatures
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(40, 2))
+    y = np.sin(X[:, 0]) + 0.1 * rng.normal(size=40)
+    basis = RandomFourierFeatures(gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()), num_features=8)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        glm = GLM("gaussian", basis=basis, max_iter=30, min_steps=30, window=10).fit(X, y)
+    assert [str(m.message) for m in w if m.category is UserWarning] == []
+    assert np.isfinite(glm.log_evidence_bound_)
