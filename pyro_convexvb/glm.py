@@ -312,6 +312,8 @@ class GLM(CompactPickleMixin, BaseEstimator):
         self.prior_var_ = float(params["prior_var"]) if "prior_var" in params else float(self.prior_var)
         if self.likelihood == "gaussian":
             self.noise_var_ = float(params["noise_var"]) if "noise_var" in params else float(self.noise_var)
+        else:  # not a previous gaussian fit's
+            self.__dict__.pop("noise_var_", None)
         self.n_steps_ = self.n_iter_ = res.state.steps
         self.converged_ = res.converged
         self.log_evidence_bound_ = res.log_evidence_bound

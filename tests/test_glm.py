@@ -225,3 +225,22 @@ def test_a_learned_basis_fits_without_torch_warnings():
         glm = GLM("gaussian", basis=basis, max_iter=30, min_steps=30, window=10).fit(X, y)
     assert [str(m.message) for m in w if m.category is UserWarning] == []
     assert np.isfinite(glm.log_evidence_bound_)
+
+
+def test_a_refit_with_another_likelihood_keeps_no_attribute_of_the_previous_fit():
+    """``noise_var_`` (gaussian) and ``classes_`` (bernoulli) describe the last fit only: a refit with another
+    likelihood removes them (``noise_var_`` of a gaussian fit outlived a poisson refit)."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(30, 2))
+    y = rng.poisson(np.exp(0.5 * X[:, 0]))
+    glm = GLM("gaussian", max_iter=10, min_steps=10, window=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pcv.ConvergenceWarning)  # a fixed, short SVI budget
+        glm.fit(X, y.astype(float))
+        assert glm.noise_var_ > 0
+        glm.set_params(likelihood="poisson").fit(X, y)
+        assert not hasattr(glm, "noise_var_") and not hasattr(glm, "classes_")
+        glm.set_params(likelihood="bernoulli").fit(X, y > 0)
+        assert glm.classes_.tolist() == [False, True]
+        glm.set_params(likelihood="poisson").fit(X, y)
+        assert not hasattr(glm, "classes_")
