@@ -180,9 +180,11 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
     :param bool fit_intercept: append a ones column to ``Phi`` (its weight shares the prior).
     :param int max_iter: iterations: with a fixed design, MacKay's fixed point for ``sigma^2`` and ``lambda``
         (:func:`evidence_fixed_point`) and then L-BFGS, which checks its gradient; with a learned basis, L-BFGS.
-    :param float tol: gradient tolerance (relative to ``1 + |log ML|``) for convergence (with a fixed design the
-        fixed point must also have converged, to a relative change of ``1e-6 tol``: the evidence can be flat over
-        decades of ``lambda``, where a gradient test alone stops early).
+    :param float tol: convergence: the largest gradient entry of the negative log evidence per row,
+        ``-log ML / N`` (over ``log sigma^2``, ``log lambda`` and the learned basis parameters), at most
+        ``tol (1 + |log ML| / N)`` (``N``: the sum of the sample weights); with a fixed design the fixed point must
+        also have converged, to a relative change of ``1e-6 tol`` (the evidence can be flat over decades of
+        ``lambda``, where a gradient test alone stops early).
 
     Fitted attributes: ``coef_`` ``(D,)`` (posterior mean of the weights of the basis features),
     ``intercept_`` (posterior mean of the intercept; ``0.0`` without ``fit_intercept``),

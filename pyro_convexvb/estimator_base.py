@@ -26,7 +26,8 @@ from .errors import warn
 __all__ = ["sklearn_input", "design_matrix", "dense_float64", "validate_dense", "check_sample_weight",
            "binary_targets", "predictive_log_probs", "mixture_log_probs", "classifier_outputs",
            "BinaryPredictiveClassifier", "CompactPickleMixin", "compact_result", "compact_lanczos", "engine_options",
-           "seed_from", "renamed", "deprecated_alias", "NumberInterval"]
+           "seed_from", "renamed", "deprecated_alias", "NumberInterval", "warn_unused",
+           "registered_engine"]
 
 fit_context = _fit_context  # scikit-learn's own decorator: validates _parameter_constraints before fit runs
 
@@ -181,11 +182,13 @@ def check_sample_weight(sample_weight, n):
 
 def positive_rows(weight, *rows):
     """``(weight, *rows)`` restricted to the rows of positive weight (a zero weight drops its row); ``rows`` are
-    NumPy, SciPy sparse or torch, rows first. ``weight=None`` leaves everything as it is."""
+    NumPy, SciPy sparse or torch, rows first, or ``None`` (passed through). ``weight=None`` leaves everything as it
+    is."""
     if weight is None:
         return (None, *rows)
     keep = np.flatnonzero(weight > 0)
-    return (weight[keep], *(r[torch.from_numpy(keep)] if torch.is_tensor(r) else r[keep] for r in rows))
+    return (weight[keep], *(None if r is None else r[torch.from_numpy(keep)] if torch.is_tensor(r) else r[keep]
+                            for r in rows))
 
 
 def unsharded_weight(weight, sharded):
@@ -194,6 +197,43 @@ def unsharded_weight(weight, sharded):
         raise ValueError("sample_weight: not supported with distributed=True (fit on one process, or repeat rows "
                          "for integer weights)")
     return weight
+
+
+def _is_default(value, default):
+    """``value`` is the scalar ``default`` (of the same kind: ``1`` is not ``True``); arrays never are."""
+    if value is default:
+        return True
+    if np.ndim(value) != 0 or isinstance(value, (bool, np.bool_)) != isinstance(default, (bool, np.bool_)):
+        return False
+    try:
+        return bool(value == default)
+    except (TypeError, ValueError):
+        return False
+
+
+def warn_unused(est, names, reason):
+    """A ``UserWarning`` naming those of the parameters ``names`` of ``est`` that are set to other than their
+    defaults although ``est``'s configuration does not use them (as scikit-learn's ``LogisticRegression`` warns of an
+    ``l1_ratio`` without ``penalty="elasticnet"``): no option is accepted and ignored silently.
+
+    :param reason: which setting leaves them out, e.g. ``"fit_intercept=False fits no intercept"``.
+
+    Example::
+
+        >>> from pyro_convexvb.glm import GLM
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as w:
+        ...     warnings.simplefilter("always")
+        ...     warn_unused(GLM("poisson", noise_var=2.0), ["noise_var", "learn_noise"], "no noise variance")
+        >>> str(w[0].message)
+        'GLM: noise_var=2.0 is not used (no noise variance); leave it at its default'
+    """
+    defaults = inspect.signature(type(est)).parameters
+    changed = [n for n in names if not _is_default(getattr(est, n), defaults[n].default)]
+    if changed:
+        its = "it at its default" if len(changed) == 1 else "them at their defaults"
+        warn(f"{type(est).__name__}: {', '.join(f'{n}={getattr(est, n)!r}' for n in changed)} "
+             f"{'is' if len(changed) == 1 else 'are'} not used ({reason}); leave {its}", UserWarning)
 
 
 # ------------------------------------------------------------------------------------------------ classifiers
@@ -332,6 +372,22 @@ def seed_from(random_state):
     if isinstance(random_state, (Integral, np.integer)):
         return int(random_state)
     return int(check_random_state(random_state).randint(np.iinfo(np.int32).max))
+
+
+def registered_engine(est):
+    """The engine class registered as ``est.engine``.
+
+    :raises ValueError: naming the parameter ``engine`` and the registered names, for a name that is not registered
+        (the registry's own ``KeyError`` is no ``ValueError``: ``GridSearchCV`` and scikit-learn callers expect one
+        for a bad parameter value).
+    """
+    from .infer.registry import engines, get_engine
+
+    try:
+        return get_engine(est.engine)
+    except KeyError:
+        raise ValueError(f"{type(est).__name__}: engine={est.engine!r} is not a registered engine; use one of "
+                         f"{sorted(engines())} (or register it with pyro_convexvb.register_engine)") from None
 
 
 def engine_options(est, engine, options):

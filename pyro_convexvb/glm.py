@@ -27,7 +27,7 @@ from sklearn.utils.validation import check_is_fitted
 from .estimator_base import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, CompactPickleMixin,
                              NumberInterval, binary_targets, check_sample_weight, classifier_outputs,
                              deprecated_alias, design_matrix, fit_context, float_copy, mixture_log_probs, renamed,
-                             positive_rows, seed_from, sklearn_input, unsharded_weight, validate_dense)
+                             positive_rows, seed_from, sklearn_input, unsharded_weight, validate_dense, warn_unused)
 from .lgm.linear import linear
 from .lgm.sites import gauss_hermite
 
@@ -60,8 +60,19 @@ class GLM(CompactPickleMixin, BaseEstimator):
     :param int num_components: ``K`` mixture components of ``q(w)``.
     :param int batch_size: mini-batch size ``M`` (``None``, or ``M >= N``: full batch).
     :param float prior_var: initial ``lambda`` (learned when ``learn_prior_var``).
-    :param float noise_var: initial Gaussian noise variance (learned when ``learn_noise``).
-    :param int n_trials: default binomial number of trials (``fit``/``predict`` accept per-row counts).
+    :param bool learn_prior_var: learn ``lambda`` along with ``q(w)`` (type-II maximum likelihood on the ELBO);
+        else it stays at ``prior_var``.
+    :param float noise_var: initial Gaussian noise variance (learned when ``learn_noise``); ``"gaussian"`` only.
+    :param bool learn_noise: learn the Gaussian noise variance; else it stays at ``noise_var``. ``"gaussian"``
+        only: a ``noise_var`` or ``learn_noise`` other than the default with another likelihood is unused and
+        warned of (``UserWarning``).
+    :param n_trials: default binomial number of trials: one count, or one per training row (then used by ``fit``
+        only; the prediction methods need their own ``n_trials=`` for other rows). ``fit`` and the prediction
+        methods take an ``n_trials`` argument (one count or one per row of their ``X``) that replaces it.
+        ``"binomial"`` only: a value other than the default with another likelihood is warned of, and an
+        ``n_trials`` argument is refused (``ValueError``).
+    :param bool learn_basis: learn the basis module's parameters (a :class:`torch.nn.Module` basis with
+        trainable parameters); else the design ``Phi`` is computed once and fixed.
     :param bool fit_intercept: append a ones column to ``Phi``.
     :param int num_particles: samples per component per step (``L``).
     :param str entropy: entropy bound, ``"eq24"`` (Steinberg et al. 2017) or ``"bhattacharyya"``.
@@ -164,11 +175,30 @@ class GLM(CompactPickleMixin, BaseEstimator):
             p.requires_grad for p in self.basis_.parameters())
 
     def _trials(self, n_trials, N, like):
-        n = self.n_trials if n_trials is None else n_trials
-        n = torch.as_tensor(n, dtype=like.dtype, device=like.device).expand(N)
-        if (n < 0).any() or (n != torch.round(n)).any():
-            raise ValueError("n_trials must be nonnegative integers")
-        return n
+        """Binomial trials of ``N`` rows as a ``(N,)`` tensor of ``like``'s dtype and device: ``n_trials`` as passed
+        to a method, else the constructor's ``n_trials``; ``None`` for the other likelihoods.
+
+        :raises ValueError: naming ``n_trials``: passed to a method with a likelihood other than ``"binomial"``
+            (it would be ignored), neither one count nor ``N`` (one per row of ``X``), or not nonnegative integers.
+        """
+        if self.likelihood != "binomial":
+            if n_trials is not None:
+                raise ValueError(f"n_trials: given, but likelihood={self.likelihood!r} has no number of trials "
+                                 "(only 'binomial' has); leave n_trials=None")
+            return None
+        source = "n_trials" if n_trials is not None else "n_trials (the constructor's, GLM(n_trials=...))"
+        n = sklearn_input(self.n_trials if n_trials is None else n_trials)
+        try:
+            n = np.asarray(n, dtype=np.float64)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{source}: expected counts, got {type(n).__name__} ({e})") from None
+        if n.ndim > 1 or (n.ndim == 1 and n.shape[0] != N):
+            hint = "" if n_trials is not None else " (pass n_trials= for rows other than the training rows)"
+            raise ValueError(f"{source}: has shape {n.shape}, but X has {N} rows: give one count, or one per row of "
+                             f"X{hint}")
+        if not np.all(np.isfinite(n)) or (n < 0).any() or (n != np.round(n)).any():
+            raise ValueError(f"{source}: must be nonnegative integers")
+        return torch.as_tensor(n, dtype=like.dtype, device=like.device).expand(N)
 
     def _model(self, X, y=None, n_trials=None, Phi=None, batch=None, weight=None):
         N = X.shape[0]
@@ -225,7 +255,7 @@ class GLM(CompactPickleMixin, BaseEstimator):
 
         :param X: ``(N, d)`` inputs (NumPy, pandas, SciPy sparse, torch).
         :param y: ``(N,)`` targets: two class labels (bernoulli), counts (poisson, binomial) or reals.
-        :param n_trials: binomial trials per row (int or ``(N,)``), default ``self.n_trials``.
+        :param n_trials: binomial trials, one count or ``(N,)`` (default ``self.n_trials``); binomial only.
         :param sample_weight: ``(N,)`` nonnegative row weights (default: all one): row ``n``'s log-likelihood is
             multiplied by ``sample_weight[n]`` (``poutine.scale``), so an integer weight is the row repeated that
             many times and a zero weight drops the row.
@@ -244,15 +274,17 @@ class GLM(CompactPickleMixin, BaseEstimator):
             self.classes_, y = binary_targets(y, distributed=sharded)
         else:
             self.__dict__.pop("classes_", None)
+        if self.likelihood != "gaussian":
+            warn_unused(self, ("noise_var", "learn_noise"), f"likelihood={self.likelihood!r} has no noise variance")
+        if self.likelihood != "binomial":
+            warn_unused(self, ("n_trials",), f"likelihood={self.likelihood!r} has no number of trials")
         weight = unsharded_weight(check_sample_weight(sample_weight, X.shape[0]), sharded)
-        if weight is not None and n_trials is not None and np.ndim(n_trials) == 1:
-            n_trials = positive_rows(weight, np.asarray(n_trials))[1]
-        weight, X, y = positive_rows(weight, X, np.asarray(y))
+        trials = self._trials(n_trials, X.shape[0], X)  # (N,) for binomial, per-row counts kept with their rows
+        weight, X, y, trials = positive_rows(weight, X, np.asarray(y), trials)
         weight = None if weight is None else torch.from_numpy(weight)
         y = torch.from_numpy(np.array(y, dtype=np.float64))
         N = X.shape[0]
         batch = None if self.batch_size is None or self.batch_size >= N else int(self.batch_size)
-        trials = self._trials(n_trials, N, X) if self.likelihood == "binomial" else None
         self._check_y(y, trials)
         # the basis passed in is never trained: fit works on a float64 copy (basis_)
         self.basis_ = float_copy(self.basis)
@@ -280,6 +312,8 @@ class GLM(CompactPickleMixin, BaseEstimator):
         self.prior_var_ = float(params["prior_var"]) if "prior_var" in params else float(self.prior_var)
         if self.likelihood == "gaussian":
             self.noise_var_ = float(params["noise_var"]) if "noise_var" in params else float(self.noise_var)
+        else:  # not a previous gaussian fit's
+            self.__dict__.pop("noise_var_", None)
         self.n_steps_ = self.n_iter_ = res.state.steps
         self.converged_ = res.converged
         self.log_evidence_bound_ = res.log_evidence_bound
@@ -297,6 +331,7 @@ class GLM(CompactPickleMixin, BaseEstimator):
     def _mean(self, X, n_trials=None):
         """Predictive expectation ``E[y*]`` (torch), Eq. (29); for bernoulli ``P(y* = classes_[1])``."""
         M, V = self._latent(X)
+        trials = self._trials(n_trials, M.shape[1], M)
         if self.likelihood == "gaussian":
             return M.mean(0)
         if self.likelihood == "poisson":
@@ -304,7 +339,7 @@ class GLM(CompactPickleMixin, BaseEstimator):
         x, wts = gauss_hermite(64, M.dtype, M.device)
         p = (torch.sigmoid(M.unsqueeze(-1) + V.clamp_min(0).sqrt().unsqueeze(-1) * x) * wts).sum(-1).mean(0)
         if self.likelihood == "binomial":
-            return p * self._trials(n_trials, p.shape[0], p)
+            return p * trials
         return p
 
     def predict(self, X, n_trials=None):
@@ -316,10 +351,11 @@ class GLM(CompactPickleMixin, BaseEstimator):
         there is ``predict_proba(X)[:, 1]``).
 
         :param X: ``(M, d)`` inputs.
-        :param n_trials: binomial trials per row (default ``self.n_trials``).
+        :param n_trials: binomial trials, one count or ``(M,)`` (default ``self.n_trials``); binomial only.
         :returns: NumPy ``(M,)``.
         """
         if _is_classifier(self):
+            self._trials(n_trials, 0, None)  # refused: a classifier has no trials
             positive = self.decision_function(X) > 0
             return self.classes_[positive.astype(np.int64)]
         return self._mean(X, n_trials).numpy()
@@ -342,28 +378,37 @@ class GLM(CompactPickleMixin, BaseEstimator):
         """``(M,)`` predictive log-odds of ``classes_[1]`` (bernoulli); positive favours it."""
         return self._class_outputs(X)[0]
 
-    def score(self, X, y, sample_weight=None):
-        """Accuracy (bernoulli) or coefficient of determination ``R^2`` of :meth:`predict` (other likelihoods)."""
+    def score(self, X, y, sample_weight=None, n_trials=None):
+        """Accuracy (bernoulli) or coefficient of determination ``R^2`` of :meth:`predict` (other likelihoods).
+
+        :param n_trials: binomial trials of the rows of ``X`` (one count or ``(M,)``; default ``self.n_trials``):
+            the counts ``y`` are compared with ``predict(X, n_trials)``.
+        """
         from sklearn.metrics import accuracy_score, r2_score
 
         if _is_classifier(self):
-            return accuracy_score(sklearn_input(y), self.predict(X), sample_weight=sample_weight)
-        return r2_score(sklearn_input(y), self.predict(X), sample_weight=sample_weight)
+            return accuracy_score(sklearn_input(y), self.predict(X, n_trials), sample_weight=sample_weight)
+        return r2_score(sklearn_input(y), self.predict(X, n_trials), sample_weight=sample_weight)
 
     def predictive_cdf(self, X, alpha, n_trials=None, num_points=32):
         """``P(y* <= alpha | data)`` per row -- Steinberg et al. 2017, Eq. (30), by quadrature over ``q``.
 
         For bernoulli, ``y*`` is coded 0/1 (``classes_[0]``/``classes_[1]``).
 
-        :param alpha: ``(M,)`` or broadcastable thresholds.
+        :param alpha: one threshold or ``(M,)``.
+        :param n_trials: binomial trials, one count or ``(M,)`` (default ``self.n_trials``); binomial only.
         :returns: NumPy ``(M,)``.
         """
         M, V = self._latent(X)
+        trials = self._trials(n_trials, M.shape[1], M)
         alpha = torch.as_tensor(np.asarray(sklearn_input(alpha), dtype=np.float64), dtype=M.dtype, device=M.device)
-        return self._cdf(M, V, alpha.expand(M.shape[1:]), n_trials, num_points).numpy()
+        if alpha.dim() > 1 or (alpha.dim() == 1 and alpha.shape[0] not in (1, M.shape[1])):
+            raise ValueError(f"alpha: has shape {tuple(alpha.shape)}, but X has {M.shape[1]} rows: give one threshold "
+                             "or one per row of X")
+        return self._cdf(M, V, alpha.expand(M.shape[1:]), trials, num_points).numpy()
 
-    def _cdf(self, M, V, alpha, n_trials, num_points=32):
-        # M, V: (K, rows); alpha: (rows,) -> (rows,)
+    def _cdf(self, M, V, alpha, trials, num_points=32):
+        # M, V: (K, rows); alpha: (rows,); trials: (rows,) for binomial -> (rows,)
         if self.likelihood == "gaussian":
             s = (V + self.noise_var_).sqrt()
             return torch.special.ndtr((alpha - M) / s).mean(0)
@@ -375,8 +420,7 @@ class GLM(CompactPickleMixin, BaseEstimator):
         elif self.likelihood == "poisson":
             F = torch.where(a < 0, torch.zeros_like(f), torch.special.gammaincc(a.clamp_min(0) + 1, torch.exp(f)))
         else:
-            n = self._trials(n_trials, M.shape[1], M).unsqueeze(-1)
-            F = _binomial_cdf(a, n, f)
+            F = _binomial_cdf(a, trials.unsqueeze(-1), f)
         return (F * wts).sum(-1).mean(0)
 
     def predict_quantile(self, X, q, n_trials=None):
@@ -393,6 +437,7 @@ class GLM(CompactPickleMixin, BaseEstimator):
         if not 0 < float(q) < 1:
             raise ValueError(f"q must lie in (0, 1), got {q}")
         M, V = self._latent(X)
+        trials = self._trials(n_trials, M.shape[1], M)
         if self.likelihood == "gaussian":
             return mixture_quantiles(M, (V + self.noise_var_).sqrt(), [float(q)])[0].numpy()
         rows = M.shape[1]
@@ -400,17 +445,17 @@ class GLM(CompactPickleMixin, BaseEstimator):
         if self.likelihood == "bernoulli":
             hi = torch.ones(rows, dtype=M.dtype, device=M.device)
         elif self.likelihood == "binomial":
-            hi = self._trials(n_trials, rows, M).clone()
+            hi = trials.clone()
         else:
             hi = torch.ceil(torch.exp(M + 0.5 * V).max(0).values + 10 * torch.exp(M + V).max(0).values.sqrt() + 10)
             for _ in range(60):
-                bad = self._cdf(M, V, hi, n_trials) < q
+                bad = self._cdf(M, V, hi, trials) < q
                 if not bad.any():
                     break
                 hi = torch.where(bad, 2 * hi, hi)
         while bool((hi - lo > 1).any()):
             mid = torch.floor((lo + hi) / 2)
-            ok = self._cdf(M, V, mid, n_trials) >= q
+            ok = self._cdf(M, V, mid, trials) >= q
             move = hi - lo > 1
             hi = torch.where(move & ok, mid, hi)
             lo = torch.where(move & ~ok, mid, lo)

@@ -18,7 +18,8 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from .estimator_base import (NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier,  # noqa: F401
                              CompactPickleMixin, binary_targets, check_sample_weight,
                              classifier_outputs, compact_lanczos, compact_result, engine_options, fit_context,
-                             positive_rows, mixture_log_probs, predictive_log_probs, sklearn_input, unsharded_weight)
+                             positive_rows, mixture_log_probs, predictive_log_probs, registered_engine, sklearn_input,
+                             unsharded_weight, warn_unused)
 
 __all__ = ["BayesianLogisticRegression", "binary_targets", "predictive_log_probs", "classifier_outputs"]
 
@@ -101,7 +102,8 @@ class BayesianLogisticRegression(CompactPickleMixin, BinaryPredictiveClassifier,
     :param str engine: registry engine name (``pcv.engines()``).
     :param prior_scale: standard deviation of the weights' prior (``> 0``), or ``"auto"``.
     :param bool fit_intercept: add an intercept ``b``.
-    :param float intercept_scale: standard deviation of the intercept's prior (``> 0``).
+    :param float intercept_scale: standard deviation of the intercept's prior (``> 0``); with
+        ``fit_intercept=False`` a value other than the default is unused and warned of (``UserWarning``).
     :param dict options: engine options (``pcv.fit``'s ``options``; e.g. ``{"gap_tol": 1e-10}``).
     :param int num_points: Gauss-Hermite nodes of the predictive probabilities.
     :param bool distributed: ``X``, ``y`` are this rank's rows of data spread over the ranks of an initialised
@@ -164,9 +166,7 @@ class BayesianLogisticRegression(CompactPickleMixin, BinaryPredictiveClassifier,
 
     # ------------------------------------------------------------------ validation
     def _check_options(self):
-        from .infer.registry import get_engine
-
-        engine = get_engine(self.engine)
+        engine = registered_engine(self)
         auto = isinstance(self.prior_scale, str)
         options = engine_options(self, engine, self.options)
         if auto:
@@ -196,6 +196,8 @@ class BayesianLogisticRegression(CompactPickleMixin, BinaryPredictiveClassifier,
         from .distributed import row_sharded, sharded_estimator
 
         engine, auto, options = self._check_options()
+        if not self.fit_intercept:
+            warn_unused(self, ("intercept_scale",), "fit_intercept=False fits no intercept")
         sharded = sharded_estimator(self.distributed, "BayesianLogisticRegression")
         X, y = validate_data(self, sklearn_input(X), sklearn_input(y), accept_sparse="csr", dtype=np.float64)
         self.classes_, y01 = binary_targets(y, distributed=sharded)

@@ -233,3 +233,40 @@ def test_n_iter_counts_the_engines_iterations_within_max_iter(engine):
     Xr = rng.normal(size=(40, 3))
     yr = Xr @ [1.0, -2.0, 0.5] + rng.normal(size=40)
     assert _quiet(lambda: pcv.BayesianLinearRegression(max_iter=1).fit(Xr, yr)).n_iter_ == 1
+
+
+@pytest.mark.parametrize("cls", [pcv.BayesianLinearRegression, pcv.GLM, pcv.BayesianLogisticRegression, GPClassifier])
+def test_every_parameter_is_documented(cls):
+    """Every constructor parameter has a ``:param ...:`` entry in the class docstring (GLM's ``learn_prior_var``,
+    ``learn_noise``, ``learn_basis`` and GPClassifier's ``learn_mean`` had none)."""
+    import re
+
+    documented = set(re.findall(r":param (?:[\w\[\], .]+ )?(\w+):", cls.__doc__))
+    assert sorted(set(cls().get_params()) - documented) == []
+
+
+def test_logistic_intercept_scale_without_an_intercept_is_warned_of():
+    """An ``intercept_scale`` that ``fit_intercept=False`` leaves unused is named in a UserWarning (it was ignored
+    silently); the default, or an intercept, warns of nothing; the fit is the one without it."""
+    X, y = binary_problem()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a = pcv.BayesianLogisticRegression(fit_intercept=False, intercept_scale=0.5).fit(X, y)
+        pcv.BayesianLogisticRegression(fit_intercept=False).fit(X, y)
+        pcv.BayesianLogisticRegression(intercept_scale=0.5).fit(X, y)
+    assert [str(m.message) for m in w if m.category is UserWarning] == [
+        "BayesianLogisticRegression: intercept_scale=0.5 is not used (fit_intercept=False fits no intercept); leave "
+        "it at its default"]
+    b = pcv.BayesianLogisticRegression(fit_intercept=False).fit(X, y)
+    np.testing.assert_array_equal(a.coef_, b.coef_)
+    assert a.intercept_.tolist() == [0.0]
+
+
+@pytest.mark.parametrize("make", [lambda: pcv.BayesianLogisticRegression(engine="nope"),
+                                  lambda: GPClassifier(engine="nope")])
+def test_an_unregistered_engine_name_is_a_value_error_naming_engine(make):
+    """A bad ``engine`` value raises a ``ValueError`` (what scikit-learn's callers catch for a bad parameter value)
+    naming the parameter and the registered engines, not the registry's ``KeyError``."""
+    X, y = binary_problem()
+    with pytest.raises(ValueError, match=r"engine='nope' is not a registered engine; use one of \[.*'dual_vg'"):
+        make().fit(X, y)

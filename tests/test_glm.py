@@ -164,3 +164,83 @@ def test_input_validation():
         GLM(num_components=0).fit(X, torch.arange(10) % 2)
     with pytest.raises(ValueError, match=r"\(0, 1\)"):
         _fitted("gaussian").predict_interval(X, 1.5)
+
+
+def test_n_trials_is_checked_and_never_ignored():
+    """``n_trials``: a binomial model's per-row counts must match the rows of ``X`` (a ``ValueError`` naming
+    ``n_trials``, not torch's RuntimeError); another likelihood refuses an ``n_trials`` argument (it was silently
+    ignored) and warns of a non-default constructor value; ``score`` of a binomial model takes the rows' trials."""
+    X = X_TEST.numpy()
+    binomial = _fitted("binomial", n_trials=np.array([3, 4, 5, 6]))  # the constructor's counts: 4 training rows
+    with pytest.raises(ValueError, match=r"n_trials \(the constructor's.*3 rows.*pass n_trials="):
+        binomial.predict(X)
+    with pytest.raises(ValueError, match=r"n_trials: has shape \(2,\), but X has 3 rows"):
+        binomial.predict(X, n_trials=[1, 2])
+    with pytest.raises(ValueError, match="n_trials: must be nonnegative integers"):
+        binomial.predict(X, n_trials=[1, 2.5, 3])
+    trials = np.array([2, 7, 4])
+    mean = binomial.predict(X, n_trials=trials)
+    # Eq. (29) per row: n_i E[sigmoid(f_i)], the mixture's expectation by Gauss-Hermite (checked against Monte
+    # Carlo above), proportional to each row's trials
+    p = _fitted("binomial").predict(X)
+    np.testing.assert_allclose(mean, trials * p, rtol=1e-13)
+    y = np.array([1.0, 5.0, 2.0])
+    r2 = 1 - np.sum((y - trials * p) ** 2) / np.sum((y - y.mean()) ** 2)
+    assert binomial.score(X, y, n_trials=trials) == pytest.approx(r2, rel=1e-12)
+    with pytest.raises(ValueError, match="alpha: has shape"):
+        binomial.predictive_cdf(X, [0.0, 1.0], n_trials=trials)
+    for likelihood in ("gaussian", "poisson", "bernoulli"):
+        glm = _fitted(likelihood)
+        for method in (glm.predict, glm.predictive_cdf, glm.predict_quantile):
+            args = (X,) if method == glm.predict else (X, 0.5)
+            with pytest.raises(ValueError, match=f"n_trials: given, but likelihood='{likelihood}'"):
+                method(*args, n_trials=3)
+    y = np.array([0, 1, 0, 1, 1, 0, 2, 1, 0, 1])
+    Xf = np.random.default_rng(0).normal(size=(10, 2))
+    with pytest.raises(ValueError, match="n_trials: given, but likelihood='poisson'"):
+        GLM("poisson").fit(Xf, y, n_trials=3)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        GLM("poisson", n_trials=4, noise_var=2.0, learn_noise=False, max_iter=5, min_steps=5, window=5).fit(Xf, y)
+    messages = [str(m.message) for m in w if m.category is UserWarning]
+    assert messages == ["GLM: noise_var=2.0, learn_noise=False are not used (likelihood='poisson' has no noise "
+                        "variance); leave them at their defaults",
+                        "GLM: n_trials=4 is not used (likelihood='poisson' has no number of trials); leave it at its "
+                        "default"]
+
+
+def test_a_learned_basis_fits_without_torch_warnings():
+    """The evidence bound of a fit whose basis has trainable parameters is read without torch's 'Converting a tensor
+    with requires_grad=True to a scalar' UserWarning reaching the user."""
+    import gpytorch
+
+    from pyro_convexvb.gp import RandomFourierFeatures
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(40, 2))
+    y = np.sin(X[:, 0]) + 0.1 * rng.normal(size=40)
+    basis = RandomFourierFeatures(gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()), num_features=8)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        glm = GLM("gaussian", basis=basis, max_iter=30, min_steps=30, window=10).fit(X, y)
+    assert [str(m.message) for m in w if m.category is UserWarning] == []
+    assert np.isfinite(glm.log_evidence_bound_)
+
+
+def test_a_refit_with_another_likelihood_keeps_no_attribute_of_the_previous_fit():
+    """``noise_var_`` (gaussian) and ``classes_`` (bernoulli) describe the last fit only: a refit with another
+    likelihood removes them (``noise_var_`` of a gaussian fit outlived a poisson refit)."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(30, 2))
+    y = rng.poisson(np.exp(0.5 * X[:, 0]))
+    glm = GLM("gaussian", max_iter=10, min_steps=10, window=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pcv.ConvergenceWarning)  # a fixed, short SVI budget
+        glm.fit(X, y.astype(float))
+        assert glm.noise_var_ > 0
+        glm.set_params(likelihood="poisson").fit(X, y)
+        assert not hasattr(glm, "noise_var_") and not hasattr(glm, "classes_")
+        glm.set_params(likelihood="bernoulli").fit(X, y > 0)
+        assert glm.classes_.tolist() == [False, True]
+        glm.set_params(likelihood="poisson").fit(X, y)
+        assert not hasattr(glm, "classes_")

@@ -187,3 +187,23 @@ def test_gp_classifier_weights_reach_pyro_model_engines_through_poutine_scale():
     ref = so.minimize(negjoint, np.zeros(len(y)), jac=True, method="L-BFGS-B",
                       options={"gtol": 1e-10, "ftol": 1e-15, "maxiter": 10000}).x
     np.testing.assert_allclose(clf.posterior_.loc.numpy(), ref, rtol=0, atol=1e-4)
+
+
+def test_glm_binomial_per_row_trials_follow_their_rows_under_weights():
+    """Per-row binomial trials, given to ``fit`` or to the constructor, stay with their rows when zero weights drop
+    rows: the weighted fit is the fit on the repeated rows with the trials repeated alike (the constructor's
+    per-row ``n_trials`` with zero weights used to raise torch's RuntimeError from a shape mismatch)."""
+    X, _, w = _data()
+    rng = np.random.default_rng(5)
+    trials = rng.integers(1, 6, X.shape[0])
+    y = rng.binomial(trials, 1 / (1 + np.exp(-(X[:, 0] - 0.5 * X[:, 1]))))
+    kw = dict(max_iter=80, min_steps=80, window=20, lr=0.1)
+    k = w.astype(int)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pcv.ConvergenceWarning)  # a fixed, short SVI budget
+        ref = pcv.GLM("binomial", **kw).fit(np.repeat(X, k, 0), np.repeat(y, k), n_trials=np.repeat(trials, k))
+        a = pcv.GLM("binomial", **kw).fit(X, y, n_trials=trials, sample_weight=w)
+        b = pcv.GLM("binomial", n_trials=trials, **kw).fit(X, y, sample_weight=w)
+    for est in (a, b):
+        np.testing.assert_allclose(est.posterior_.loc.numpy(), ref.posterior_.loc.numpy(), rtol=0, atol=1e-10)
+        np.testing.assert_allclose(est.predict(X, n_trials=trials), ref.predict(X, n_trials=trials), rtol=1e-10)

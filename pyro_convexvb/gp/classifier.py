@@ -20,7 +20,8 @@ from sklearn.utils.validation import check_is_fitted
 
 from ..estimator_base import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier,
                               binary_targets, check_sample_weight, classifier_outputs, engine_options, fit_context,
-                              positive_rows, predictive_log_probs, sklearn_input, validate_dense)
+                              positive_rows, predictive_log_probs, registered_engine, sklearn_input,
+                              validate_dense)
 from ..errors import warn
 from ..infer.dual_vg import DualState
 from ..infer.pyro_engines import LaplaceState
@@ -78,7 +79,9 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         loop's last state (``dual_vg``'s dual variables, ``laplace``'s mode). GPyTorch priors on the kernel's
         hyperparameters (``lengthscale_prior=...``) are added to the objective (a ``pyro.factor``): maximum a
         posteriori type-II.
-    :param float mean: constant prior mean.
+    :param float mean: constant prior mean (the starting value when it is learned).
+    :param bool learn_mean: with ``learn_hyperparameters``, learn the constant mean along with the kernel's
+        hyperparameters; else it stays at ``mean``.
     :param float jitter: added to the diagonal of ``K``.
     :param dict options: engine options (e.g. ``{"bound": "jensen"}`` for ``dual_vg``).
     :param dict hyper_options: ``{"max_iter": ..., "gtol": ...}``: the engine's ``type2_max_iter`` and
@@ -175,7 +178,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
             left out. An integer weight equals the row repeated, up to the jitter: repeated inputs have
             latent values correlated ``1 - O(jitter)``, so their latents coincide in the limit.
         """
-        engine = get_engine(self.engine)  # raises for unknown engine names
+        engine = registered_engine(self)  # a ValueError naming engine for unknown names
         options = engine_options(self, engine, self.options)
         X, y = self._check_X(X, y, reset=True)
         self.classes_, y01 = binary_targets(y)

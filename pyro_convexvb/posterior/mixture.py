@@ -591,5 +591,5 @@ def mixture_evidence_bound(lgm, posterior, entropy="eq24"):
     """
     locs, variances = posterior.locs.to(lgm.dtype), posterior.variances.to(lgm.dtype)
     e = torch.stack([lgm.model_expected_log_joint(m, variance=v) for m, v in zip(locs, variances)]).mean()
-    return float(e + _mixture_entropy_bound(locs, variances, entropy))
+    return float((e + _mixture_entropy_bound(locs, variances, entropy)).detach())  # the model may hold trained modules
 
