@@ -194,6 +194,18 @@ def test_converged_attribute_and_hyper_options_checked_whether_or_not_learning()
     assert any("only apply with learn_hyperparameters=True" in str(x.message) for x in w)
 
 
+def test_refit_without_learning_drops_the_previous_fits_hyperparameter_results():
+    """A refit with learn_hyperparameters=False keeps no hyper_converged_ / hyper_result_ of an earlier learning fit
+    (they described hyperparameters that this fit did not learn)."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(30, 2))
+    y = (X[:, 0] > 0).astype(int)
+    m = GPClassifier(learn_hyperparameters=True).fit(X, y)
+    assert hasattr(m, "hyper_converged_") and m.hyper_result_ is not None
+    m.set_params(learn_hyperparameters=False).fit(X, y)
+    assert not hasattr(m, "hyper_converged_") and not hasattr(m, "hyper_result_") and m.hyper_history_ is None
+
+
 def test_float32_learns_the_hyperparameters_of_float64():
     """The float32 bound's rounding swamped the type-II loop's finite differences: it took no step (outputscale and
     lengthscale stayed at 0.69 with the gradient at 542). It now learns in float64 on the float32 inputs."""

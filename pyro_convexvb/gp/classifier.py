@@ -104,7 +104,8 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
     ``feature_names_in_`` (pandas input), ``X_train_`` (torch), ``result_``
     (:class:`~pyro_convexvb.InferenceResult`), ``posterior_``, ``log_evidence_bound_``, ``alpha_``
     (dual variables, ``dual_vg`` only), ``hyper_history_``, ``converged_`` (the engine's optimality measure),
-    ``n_iter_`` (the engine's iterations).
+    ``n_iter_`` (the engine's iterations); with ``learn_hyperparameters=True`` also ``hyper_converged_`` (the
+    type-II loop's convergence) and ``hyper_result_`` (its :class:`~pyro_convexvb.InferenceResult`).
 
     Example::
 
@@ -193,6 +194,8 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self.y_train_ = y01
         self.mean_ = torch.as_tensor(float(self.mean), dtype=X.dtype, device=X.device)
         self.hyper_history_ = None
+        for stale in ("hyper_converged_", "hyper_result_"):  # of an earlier fit that learned them
+            self.__dict__.pop(stale, None)
         init = None
         if self.learn_hyperparameters:
             init = self._learn_hyperparameters(X, y01, options)
