@@ -88,6 +88,9 @@ def _check_hashing(hashing):
 
 _NUMERIC_CODINGS = {0.0: (0, 1), -1.0: (-1, 1)}
 
+#: the smallest valid value of a state array under each rule of ``_array_constraints``
+_FLOORS = {"positive": float(np.finfo(np.float64).tiny), "nonnegative": 0.0}
+
 
 class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
     """Common API: ``partial_fit`` row by row, progressive predictions, state save/load, scikit-learn contract.
@@ -267,6 +270,10 @@ class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
             *before* the update on row ``t`` (progressive validation), shape ``(n,)``.
         :param bool return_log_loss: return the progressive log-loss ``-log p_t(y_t)``, ``(n,)``.
         :returns: ``self``, or the requested NumPy arrays (a tuple when both are requested).
+        :raises FloatingPointError: the batch left float64 -- a row's score (moments) or log loss overflowed, or an
+            update wrote a mean or weight that is not finite or a variance below the smallest normal float64 --;
+            the message names the row and column that broke first, and the batch was not applied (the state is
+            as before the call).
         """
         first = not self._initialised()
         self._check_options()
@@ -276,6 +283,7 @@ class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
             self.__dict__.pop("classes_", None)
             self._negative_known = False
         Xc = self._validate_X(X, reset=first)
+        labels = self.__dict__.get("classes_"), self.__dict__.get("_negative_known")  # before this batch's labels
         ypm = self._validate_y(y, Xc.shape[0], classes)
         if first:
             self._reset(Xc.shape[1])
@@ -289,15 +297,13 @@ class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
             data = Xc.data
             # a chunk is applied whole or not at all: the values it may change are saved first (O(nnz)), and
             # restored on any exception, KeyboardInterrupt included
-            snap = self._snapshot(indices)
+            snap = self._snapshot(indices, labels)
             try:
-                if self.fast_:
-                    unconverged, skipped = self._run_fast(indptr, indices, data, ypm, p1, ll)
-                else:
-                    unconverged, skipped = self._run_reference(indptr, indices, data, ypm, p1, ll)
+                unconverged, skipped = self._run(indptr, indices, data, ypm, p1, ll)
                 total = float(ll.sum())  # NaN when a row's score moments overflowed (the kernels mark it)
-                if not math.isfinite(total):
-                    raise self._overflow_error(Xc, ll)
+                # ... and the state the chunk wrote must be valid: finite, variances >= 2.2e-308 (one vectorised pass)
+                if not math.isfinite(total) or self._invalid_state(indices):
+                    raise self._overflow_error(Xc, ypm, snap)
                 self.n_seen_ += n
                 self.cumulative_log_loss_ += total
                 self.n_unconverged_ += int(unconverged)
@@ -324,35 +330,147 @@ class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
             return self
         return out[0] if len(out) == 1 else tuple(out)
 
-    def _overflow_error(self, Xc, ll):
-        """The error for a chunk whose row ``t`` has a non-finite progressive log loss: its score moments (6)
-        overflowed float64 (huge feature values)."""
-        t = int(np.flatnonzero(~np.isfinite(ll))[0])
-        row = Xc.getrow(t)
+    def _run(self, indptr, indices, data, y, p1, ll):
+        """Stream the CSR rows through the compiled kernels or the reference path; ``(unconverged, skipped)``."""
+        if self.fast_:
+            return self._run_fast(indptr, indices, data, y, p1, ll)
+        return self._run_reference(indptr, indices, data, y, p1, ll)
+
+    # ----------------------------------------------------------------- float64 overflow
+    #: what overflows when a row's progressive log loss is not finite (the kernels mark a row whose score does)
+    _score_overflow = ("the score moments sum_i x_i mu_i and sum_i x_i^2 sigma_i^2 (Shamir & Szpankowski 2021, "
+                       "Eq. (6)) overflow float64 (x^2 times the variance exceeds ~1.8e308)")
+    #: the update whose result is checked, what it must give, and the names of the state arrays, in messages
+    _update_name = "the update of this feature"
+    _state_valid = "finite values"
+    _state_names = {}
+
+    def _overflow_hint(self):
+        """What to do about an overflowing row (the end of the error message)."""
+        return "rescale the features (e.g. standardise them)"
+
+    def _invalid_state(self, indices):
+        """Whether a state array holds a value :meth:`load_state_dict` would refuse (not finite, or below the
+        floor of its ``_array_constraints``) at the columns ``indices`` a chunk wrote: min and max of each array
+        over those entries (over the whole array when it is not longer than ``indices``: contiguous, and the
+        entries not written are valid already)."""
+        for key, a in self._state_arrays().items():
+            v = a if a.shape[0] <= indices.shape[0] else a[indices]
+            if v.size == 0:
+                continue
+            lo, hi = v.min(), v.max()  # NaN propagates
+            if not (hi < np.inf and lo >= _FLOORS.get(self._array_constraints.get(key), -np.inf) and lo > -np.inf):
+                return True
+        return False
+
+    def _bad_entries(self, values):
+        """``(nnz,)`` mask of the entries whose gathered state ``values`` (``{key: (nnz,) or (nnz, K)}``) is not
+        valid (see :meth:`_invalid_state`)."""
+        bad = None
+        for key, v in values.items():
+            ok = np.isfinite(v) & (v >= _FLOORS.get(self._array_constraints.get(key), -np.inf))
+            ok = ok.reshape(len(v), -1).all(axis=1)
+            bad = ~ok if bad is None else bad | ~ok
+        return bad
+
+    def _trial(self, indptr, indices, data, y, rows, snap):
+        """Error path: stream rows ``[0, rows)`` of the chunk from the state before it, then restore that state.
+
+        :returns: ``(ll, values)``: ``(rows,)`` progressive log losses and ``{key: (nnz_rows, ...)}`` the state
+            arrays at the rows' entries after the run."""
+        e = int(indptr[rows])
+        p1, ll = np.empty(rows), np.empty(rows)
+        try:
+            with np.errstate(all="ignore"):  # the reference path meets the same overflow again
+                self._run(indptr[:rows + 1], indices[:e], data[:e], y[:rows], p1, ll)
+            values = {k: a[indices[:e]] for k, a in self._state_arrays().items()}
+        finally:
+            self._restore(snap, False)
+        return ll, values
+
+    def _overflow_error(self, Xc, y, snap):
+        """The error for a chunk that overflowed float64: a row's progressive log loss is not finite (its score
+        moments (6) overflowed, the kernels mark it), or the state it wrote is not (a non-finite mean or weight,
+        a variance below the smallest normal float64).
+
+        Error path only: the state is restored (``snap``), then the chunk is streamed again from it, its first
+        ``m`` rows (whole mini-batches) for a bisection on ``m``, to find the row after which the stream first
+        fails: the error names it (a row that inherited a broken state from an earlier one is not blamed).
+        The state is left as before the chunk."""
+        indptr, indices, data = Xc.indptr, Xc.indices, Xc.data
+        self._restore(snap, False)
+        n = Xc.shape[0]
+        b = int(self.batch_size) if self._has_batch_size else 1
+        rows = lambda j: min(n, j * b)  # noqa: E731
+        lo, hi = 0, -(-n // b)  # the first lo batches stream cleanly; the first hi do not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            ll, values = self._trial(indptr, indices, data, y, rows(mid), snap)
+            if np.all(np.isfinite(ll)) and not self._bad_entries(values).any():
+                lo = mid
+            else:
+                hi = mid
+        r0, r1 = rows(lo), rows(hi)
+        ll, values = self._trial(indptr, indices, data, y, r1, snap)
+        over = np.flatnonzero(~np.isfinite(ll[r0:]))
+        if over.size:  # the score (moments) of row r0 + over[0] overflowed
+            return self._row_error(Xc, r0 + int(over[0]), self._score_overflow + ", or the log loss of the row's "
+                                   "prediction does")
+        k0 = int(indptr[r0])
+        bad = self._bad_entries(values)[k0:]
+        if not bad.any():  # not reproduced (cannot happen: the stream is deterministic)
+            return FloatingPointError(f"X: this batch overflowed float64; {self._overflow_hint()}. The batch was "
+                                      "not applied: the learner's state is as before this call")
+        cand = np.flatnonzero(bad) + k0
+        k = int(cand[np.argmax(np.abs(data[cand]))])  # the largest |x| among the entries on a broken column
+        t = int(np.searchsorted(indptr, k, side="right")) - 1
+        got = ", ".join(f"{self._state_names.get(key, key)} = {np.array2string(np.asarray(v[k]), precision=3)}"
+                        for key, v in values.items())
+        rows_of = f"row {r0}" if r1 - r0 == 1 else f"rows {r0} to {r1 - 1}"
+        batch = f", summed over the mini-batch of {rows_of} in natural parameters (Appendix D.1)," if b > 1 else ""
+        return self._row_error(Xc, t, f"{self._update_name}{batch} gave {got}, not {self._state_valid} (float64 "
+                                      "overflow, underflow or cancellation at this scale of x)", k)
+
+    def _row_error(self, Xc, t, cause, k=None, batch=True):
+        """``FloatingPointError`` naming row ``t`` of ``Xc`` and its entry ``k`` (default: the row's largest
+        ``|x|``), with ``cause``; ``batch``: raised by :meth:`partial_fit` (the batch was undone)."""
+        a, b = int(Xc.indptr[t]), int(Xc.indptr[t + 1])
+        if k is None and b > a:
+            k = a + int(np.argmax(np.abs(Xc.data[a:b])))
         where = ""
-        if row.nnz:
-            k = int(np.argmax(np.abs(row.data)))
+        if k is not None:
             col = "hash bucket" if _check_hashing(self.hashing) is not None else "column"
-            where = f", {col} {int(row.indices[k])} = {row.data[k]:.3g}"
-        return FloatingPointError(
-            f"X: row {t} of this batch{where}: the score moments sum_i x_i mu_i and sum_i x_i^2 sigma_i^2 "
-            "(Shamir & Szpankowski 2021, Eq. (6)) overflow float64 (x^2 times the variance exceeds ~1.8e308); "
-            "rescale the features (e.g. standardise them). The batch was not applied: the learner's state is "
-            "as before this call")
+            where = f", {col} {int(Xc.indices[k])} = {Xc.data[k]:.3g}"
+        undone = " The batch was not applied: the learner's state is as before this call" if batch else ""
+        return FloatingPointError(f"X: row {t}{' of this batch' if batch else ''}{where}: {cause}; "
+                                  f"{self._overflow_hint()}.{undone}")
+
+    def _check_scores(self, Xc, *arrays):
+        """Predictions: ``FloatingPointError`` naming the first row of ``Xc`` where one of ``arrays``
+        (``(n,)`` or ``(n, K)`` scores or score moments) is not finite (float64 overflow)."""
+        for a in arrays:
+            a = np.asarray(a)
+            if not np.all(np.isfinite(a)):
+                t = int(np.flatnonzero(~np.isfinite(a.reshape(len(a), -1)).all(axis=1))[0])
+                raise self._row_error(Xc, t, self._score_overflow + ": the prediction would be meaningless",
+                                      batch=False)
 
     _undo_log = False  # True: the fast kernels record old values (see _snapshot)
     _SCALARS = ("n_seen_", "cumulative_log_loss_", "n_unconverged_", "n_skipped_", "_negative_known")
 
-    def _snapshot(self, indices):
+    def _snapshot(self, indices, labels):
         """What a chunk with column ``indices`` may change: those entries of the state arrays, the counters,
-        ``classes_`` and the extra state."""
+        ``classes_`` and the extra state; ``labels``: ``(classes_, _negative_known)`` before the chunk's labels
+        were read (they may name the negative class)."""
         self.__dict__.pop("_undo", None)
         if self.fast_ and self._undo_log:  # the kernel records the old values as it writes them
             arrays = None
         else:
             arrays = {k: a[indices] for k, a in self._state_arrays().items()}  # fancy indexing copies
         scalars = {k: self.__dict__[k] for k in self._SCALARS if k in self.__dict__}
-        classes = self.__dict__.get("classes_")
+        classes, negative_known = labels
+        if negative_known is not None:
+            scalars["_negative_known"] = negative_known
         extra = self._extra_state()
         return indices, arrays, scalars, None if classes is None else classes.copy(), extra
 
@@ -400,6 +518,8 @@ class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
 
         Positive values favour ``classes_[1]``; for the logit link this is the log-odds of
         :meth:`predict_proba`.
+
+        :raises FloatingPointError: naming the first row whose score (moments) overflow float64.
         """
         return self._score(self._transform(X))
 
@@ -452,7 +572,9 @@ class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
     def _load_extra_state(self, extra):
         pass
 
-    #: constraints checked by :meth:`load_state_dict` on the state arrays: ``"positive"`` or ``"nonnegative"``
+    #: constraints on the state arrays, checked by :meth:`load_state_dict` and after every chunk of
+    #: :meth:`partial_fit`: ``"positive"`` (a normal float64, ``>= 2.2e-308``: a precision ``1 / sigma^2`` is then
+    #: finite) or ``"nonnegative"``; every entry must also be finite
     _array_constraints = {}
 
     def load_state_dict(self, state):
@@ -513,10 +635,10 @@ class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
                 self._drop_state()
                 raise ValueError(f"state[{key!r}]: holds NaN or infinite values")
             rule = self._array_constraints.get(key)
-            if (rule == "positive" and not np.all(new > 0)) or (rule == "nonnegative" and not np.all(new >= 0)):
+            if rule is not None and not np.all(new >= _FLOORS[rule]):
                 self._drop_state()
-                raise ValueError(f"state[{key!r}]: expected {rule} values (variances, sums of squares), got "
-                                 f"minimum {new.min()!r}")
+                raise ValueError(f"state[{key!r}]: expected {rule} values (variances, at least the smallest normal "
+                                 f"float64 {_FLOORS['positive']:.3g}; sums of squares), got minimum {new.min()!r}")
             loaded[key] = new
         for key, arr in arrays.items():
             arr[...] = loaded[key]
@@ -586,6 +708,8 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
     _array_constraints = {"s2": "positive"}
     _supports_auto = False
     _undo_log = True
+    _state_names = {"mu": "mu_i", "s2": "sigma_i^2"}
+    _state_valid = "a finite mean and a finite variance of at least 2.2e-308 (the smallest normal float64)"
 
     def _auto(self):
         return isinstance(self.prior_var, str)
@@ -672,8 +796,21 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         return _softmax(np.where(self._member_active, -self._member_loss, -np.inf))
 
     def _member_scores(self, Xc):
-        """``(n, K)`` scores ``mu_t / c(sigma^2_t)`` of every member (Eqs. (6), (8))."""
-        return np.asarray(Xc @ self._mu) / eq.shrinkage(np.asarray(Xc.multiply(Xc) @ self._s2), self.link)
+        """``(n, K)`` scores ``mu_t / c(sigma^2_t)`` of every member (Eqs. (6), (8)).
+
+        :raises FloatingPointError: a row's score moments overflow float64."""
+        mu_t, s2_t = self._moments(Xc)
+        return mu_t / eq.shrinkage(s2_t, self.link)
+
+    def _moments(self, Xc):
+        """Eq. (6) for every row of ``Xc`` (``(n,)`` each, ``(n, K)`` with ``prior_var="auto"``).
+
+        :raises FloatingPointError: naming the first row whose moments overflow float64 (the prediction from them
+            would be meaningless: ``c(inf)`` shrinks any score to 0)."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            mu_t, s2_t = np.asarray(Xc @ self._mu), np.asarray(Xc.multiply(Xc) @ self._s2)
+        self._check_scores(Xc, mu_t, s2_t)
+        return mu_t, s2_t
 
     # ------------------------------------------------------------ attributes
     @property
@@ -702,13 +839,17 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
 
         :param X: ``(n, num_features)``.
         :returns: ``(mu_t, sigma2_t)``, NumPy arrays ``(n,)`` each: the per-example predictive uncertainty.
+        :raises FloatingPointError: naming the first row whose moments overflow float64.
         """
         Xc = self._transform(X)
-        mu_t, s2_t = np.asarray(Xc @ self._mu), np.asarray(Xc.multiply(Xc) @ self._s2)
+        mu_t, s2_t = self._moments(Xc)
         if self._auto():  # moments of the model average
             w = self.prior_var_weights_
             m = mu_t @ w
-            return m, np.maximum((s2_t + mu_t ** 2) @ w - m ** 2, 0.0)
+            with np.errstate(over="ignore", invalid="ignore"):
+                v = np.maximum((s2_t + mu_t ** 2) @ w - m ** 2, 0.0)
+            self._check_scores(Xc, v)
+            return m, v
         return mu_t, s2_t
 
     def _score(self, Xc):
@@ -725,8 +866,7 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
             from scipy.special import ndtri
 
             return np.where(lp1 < lp0, ndtri(np.exp(lp1)), -ndtri(np.exp(lp0)))
-        mu_t = np.asarray(Xc @ self._mu)
-        s2_t = np.asarray(Xc.multiply(Xc) @ self._s2)
+        mu_t, s2_t = self._moments(Xc)
         return mu_t / eq.shrinkage(s2_t, self.link)
 
     def _mix(self, p1k, llk, p1, ll, until, active):
@@ -849,6 +989,7 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         if batched:
             acc_h = np.zeros(self._num_features)
             acc_eta = np.zeros(self._num_features)
+            new_mu, new_s2 = np.zeros(len(indices)), np.ones(len(indices))  # each entry's update by its row
         for b0 in range(0, n, batch):
             b1 = min(n, b0 + batch)
             for t in range(b0, b1):
@@ -871,14 +1012,24 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
                 if batched:
                     np.add.at(acc_h, idx, 1.0 / s2_new - 1.0 / s2_i)
                     np.add.at(acc_eta, idx, mu_new / s2_new - mu_i / s2_i)
+                    new_mu[sl], new_s2[sl] = mu_new, s2_new
                 else:
                     mu[idx], s2[idx] = mu_new, s2_new
             if batched:
+                # a row's update that overflowed marks its features' sums (an infinite variance would otherwise
+                # look like a zero precision, and the update be dropped as if the summed precision were not positive)
+                sl = slice(indptr[b0], indptr[b1])
+                valid = np.isfinite(new_mu[sl]) & (new_s2[sl] > 0) & (new_s2[sl] < np.inf)
+                acc_h[indices[sl][~valid]] = np.nan
                 touched = np.unique(indices[indptr[b0]:indptr[b1]])
                 touched = touched[(acc_h[touched] != 0) | (acc_eta[touched] != 0)]
                 h = 1.0 / s2[touched] + acc_h[touched]
-                ok = (h > 0) & np.isfinite(h)
-                skipped += int((~ok).sum())
+                finite = np.isfinite(h)
+                ok = (h > 0) & finite
+                skipped += int((finite & ~ok).sum())
+                # a sum of precisions that overflowed (or a row's update that did) is not a dropped update: the
+                # variance is marked NaN, so that partial_fit's check of the state names the row and undoes the chunk
+                s2[touched[~finite]] = np.nan
                 good = touched[ok]
                 eta = mu[good] / s2[good] + acc_eta[good]
                 s2[good] = 1.0 / h[ok]

@@ -5,7 +5,9 @@ One kernel, :func:`run_diagonal`, streams CSR rows through every diagonal-Gaussi
 optional mini-batch accumulation in natural parameters; :func:`run_adagrad` streams SGD with
 AdaGrad.  The arithmetic mirrors :mod:`pyro_convexvb.online.equations` and
 :mod:`pyro_convexvb.online.baselines` (the reference path) operation by operation; the tests
-hold the two paths to 1e-12.
+hold the two paths to 1e-12.  The diagonal-Gaussian kernels divide as NumPy does (``error_model="numpy"``):
+a division by zero gives inf or NaN instead of raising, and ``partial_fit``'s check of the state it wrote
+names the row and undoes the chunk, as on the reference path.
 
 Importing this module requires numba (``pip install 'pyro_convexvb[fast]'``).
 """
@@ -123,7 +125,7 @@ def _solve_zeta(z0, q, link, tol, maxiter):
     return zeta, False
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _row_update(method, link, a, mean_newton, var_value, tol, maxiter, y, start, end,
                 indices, data, mu, s2, mu_t, s2_t, log_p_t, samples, t, buf_mu, buf_s2):
     """New (mean, variance) of the row's features into ``buf_*``; returns #unconverged solves.
@@ -239,7 +241,15 @@ def _row_update(method, link, a, mean_newton, var_value, tol, maxiter, y, start,
     return unconverged
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, inline="always")
+def _valid_update(m, v):
+    """Whether a row's new mean ``m`` and variance ``v`` of a feature are a finite mean and a finite positive
+    variance (a mini-batch sums them in natural parameters, where an infinite variance would look like a zero
+    precision)."""
+    return math.isfinite(m) and v > 0.0 and v < np.inf
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def run_diagonal(method, link, mean_newton, var_value, tol, maxiter, batch_size, indptr, indices,
                  data, y, mu, s2, samples, p1_out, ll_out, acc_h, acc_eta, buf_mu, buf_s2, undo_mu, undo_s2):
     """Stream rows ``0..n-1`` of a CSR chunk, updating ``mu``/``s2`` in place.
@@ -248,7 +258,9 @@ def run_diagonal(method, link, mean_newton, var_value, tol, maxiter, batch_size,
     (``(nnz,)``; every entry is recorded once), so :func:`undo` can restore the state before the chunk.
 
     Returns ``(unconverged, skipped)``: inner solves that hit ``maxiter`` and mini-batch
-    feature updates dropped because the summed precision was not positive.
+    feature updates dropped because the summed precision was finite but not positive.  A row's update that is not
+    a finite mean and a positive finite variance, or a summed precision that is not finite (float64 overflow),
+    sets the feature's variance to NaN instead: ``partial_fit``'s check of the state then refuses the chunk.
     """
     n = indptr.shape[0] - 1
     a = math.pi / 8.0 if link == LOGIT else 1.0
@@ -287,6 +299,8 @@ def run_diagonal(method, link, mean_newton, var_value, tol, maxiter, batch_size,
                     i = indices[k]
                     acc_h[i] += 1.0 / buf_s2[k - start] - 1.0 / s2[i]
                     acc_eta[i] += buf_mu[k - start] / buf_s2[k - start] - mu[i] / s2[i]
+                    if not _valid_update(buf_mu[k - start], buf_s2[k - start]):
+                        acc_h[i] = math.nan  # the row's update overflowed: the sum is marked (see below)
         if batch_size > 1:
             for k in range(indptr[b0], indptr[b1]):
                 i = indices[k]
@@ -298,8 +312,10 @@ def run_diagonal(method, link, mean_newton, var_value, tol, maxiter, batch_size,
                         eta = mu[i] / s2[i] + acc_eta[i]
                         s2[i] = 1.0 / h
                         mu[i] = eta / h
-                    else:
+                    elif math.isfinite(h):
                         skipped += 1
+                    else:  # overflow: marked for partial_fit's check of the state
+                        s2[i] = math.nan
                     acc_h[i] = 0.0
                     acc_eta[i] = 0.0
         b0 = b1
@@ -317,6 +333,10 @@ def run_adagrad(link, eta, delta, indptr, indices, data, y, w, G, p1_out, ll_out
         for k in range(start, end):
             m += data[k] * w[indices[k]]
         yt = y[t]
+        if not math.isfinite(m):  # the score overflowed: partial_fit names the row and undoes the chunk
+            p1_out[t] = 0.5
+            ll_out[t] = math.nan
+            return 0
         p1_out[t] = _cdf(m, link)
         ll_out[t] = -_log_cdf(yt * m, link)
         q1, _ = _psi(yt * m, link)
@@ -328,7 +348,7 @@ def run_adagrad(link, eta, delta, indptr, indices, data, y, w, G, p1_out, ll_out
     return 0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch_size, indptr, indices,
                        data, y, mu, s2, samples, p1_out, ll_out, acc_h, acc_eta, buf_mu, buf_s2, undo_mu, undo_s2,
                        slot, cum, active, until, log_window):
@@ -395,6 +415,8 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
                         i = indices[k]
                         acc_h[m, i] += 1.0 / buf_s2[k - start] - 1.0 / s2_m[i]
                         acc_eta[m, i] += buf_mu[k - start] / buf_s2[k - start] - mu_m[i] / s2_m[i]
+                        if not _valid_update(buf_mu[k - start], buf_s2[k - start]):
+                            acc_h[m, i] = math.nan  # the row's update overflowed: the sum is marked (see below)
         if batch_size > 1:
             for m in range(K):
                 if not active[m]:
@@ -410,8 +432,10 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
                             eta = mu[m, i] / s2[m, i] + acc_eta[m, i]
                             s2[m, i] = 1.0 / h
                             mu[m, i] = eta / h
-                        else:
+                        elif math.isfinite(h):
                             skipped += 1
+                        else:  # overflow: marked for partial_fit's check of the state
+                            s2[m, i] = math.nan
                         acc_h[m, i] = 0.0
                         acc_eta[m, i] = 0.0
         best = np.inf

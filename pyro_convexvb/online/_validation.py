@@ -23,6 +23,8 @@ def to_csr(X, num_features, hashing=None, name="X"):
     may have any number of columns.  Duplicate entries are summed and explicit zeros dropped.
 
     :raises ValueError: wrong dimension, wrong number of columns, NaN or inf entries.
+    :raises FloatingPointError: finite entries of a row that share a column (duplicates, or columns hashed to one
+        bucket) sum to more than float64 holds.
     """
     X = from_torch(X)
     clean = False
@@ -53,7 +55,15 @@ def to_csr(X, num_features, hashing=None, name="X"):
         cols = (splitmix64(X.indices, hashing) % np.uint64(num_features)).astype(np.int64)
         X = sp.csr_matrix((X.data, cols, X.indptr), shape=(X.shape[0], num_features))
     if not clean:  # (a clean matrix is canonical and holds no zeros already)
+        summed = not X.has_canonical_format
         X.sum_duplicates()
+        if summed and not np.all(np.isfinite(X.data)):
+            k = int(np.flatnonzero(~np.isfinite(X.data))[0])
+            t = int(np.searchsorted(X.indptr, k, side="right")) - 1
+            col = f"hash bucket {int(X.indices[k])}" if hashing is not None else f"column {int(X.indices[k])}"
+            shared = "the columns hashed to it" if hashing is not None else "its duplicate entries"
+            raise FloatingPointError(f"{name}: row {t}, {col}: the sum of {shared} overflows float64 "
+                                     f"({X.data[k]}); rescale the features (e.g. standardise them)")
         X.eliminate_zeros()
     return X
 

@@ -9,6 +9,8 @@
 
 The diagonal methods share the mini-batch mode of :class:`OnlineDiagonalGaussian`.
 """
+import math
+
 import numpy as np
 from sklearn.utils._param_validation import StrOptions
 from sklearn.utils.validation import check_is_fitted
@@ -155,6 +157,7 @@ class OnlineADF(OnlineDiagonalGaussian):
     """
 
     _method_code = 1
+    _update_name = "the moment-matching update of this feature (Shamir & Szpankowski 2021, Appendix D.2)"
 
     def _reference_update(self, x, y, mu_i, s2_i, mu_t, s2_t, log_p_t, samples):
         mu_new, s2_new = adf_update(y, x, mu_i, s2_i, mu_t, s2_t, self.link)
@@ -180,6 +183,8 @@ class OnlineDimGauss(OnlineDiagonalGaussian):
     """
 
     _method_code = 2
+    _update_name = ("the Sherman-Morrison update of this feature (Shamir & Szpankowski 2021, Appendix D.1, "
+                    "Eqs. (37)-(46))")
     _config_keys = ("mean_update", "tol", "max_iter")
     _renamed = {"max_iter": "maxiter"}
     _parameter_constraints = {**OnlineDiagonalGaussian._parameter_constraints,
@@ -233,6 +238,7 @@ class OnlineMarginalVB(OnlineDiagonalGaussian):
     """
 
     _method_code = 3
+    _update_name = "the variational update of this feature (Shamir & Szpankowski 2021, Appendix D.3, Eqs. (49)-(54))"
     _config_keys = ("num_samples", "tol", "max_iter")
     _renamed = {"max_iter": "maxiter", "random_state": "seed"}
     _parameter_constraints = {**OnlineDiagonalGaussian._parameter_constraints, "num_samples": POSITIVE_INT,
@@ -299,6 +305,9 @@ class OnlineAdaGradLogistic(OnlineEstimatorBase):
     _config_keys = ("learning_rate", "delta")
     _has_batch_size = False
     _array_constraints = {"G": "nonnegative"}
+    _score_overflow = "the score x_t^T w = sum_i x_i w_i overflows float64"
+    _update_name = "the AdaGrad step of this feature (Shamir & Szpankowski 2021, §4)"
+    _state_names = {"w": "w_i", "G": "G_i (its sum of squared gradients)"}
     _parameter_constraints = {**OnlineEstimatorBase._parameter_constraints, "learning_rate": POSITIVE,
                               "delta": POSITIVE}
 
@@ -324,8 +333,13 @@ class OnlineAdaGradLogistic(OnlineEstimatorBase):
         return self._w.copy()
 
     def _score(self, Xc):
-        """The scores ``x^T w`` (``F^{-1}`` of the predicted probability)."""
-        return np.asarray(Xc @ self._w)
+        """The scores ``x^T w`` (``F^{-1}`` of the predicted probability).
+
+        :raises FloatingPointError: naming the first row whose score overflows float64."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            s = np.asarray(Xc @ self._w)
+        self._check_scores(Xc, s)
+        return s
 
     def _run_fast(self, indptr, indices, data, y, p1, ll):
         k = _kernels()
@@ -340,6 +354,9 @@ class OnlineAdaGradLogistic(OnlineEstimatorBase):
             sl = slice(indptr[t], indptr[t + 1])
             idx, x = indices[sl], data[sl]
             m = float(np.dot(x, w[idx]))
+            if not math.isfinite(m):  # the score overflowed: partial_fit names the row and undoes the chunk
+                p1[t], ll[t] = 0.5, math.nan
+                return 0, 0
             p1[t] = eq.link_cdf(m, self.link)
             ll[t] = -eq.log_link_cdf(y[t] * m, self.link)
             g = -y[t] * float(eq.psi1(y[t] * m, self.link)) * x

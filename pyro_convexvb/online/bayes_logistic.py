@@ -83,6 +83,8 @@ class OnlineBayesLogistic(OnlineDiagonalGaussian):
     """
 
     _method_code = 0
+    _update_name = ("the update of this feature (Shamir & Szpankowski 2021, Algorithm 1: Eqs. (15)-(19); probit "
+                    "(28)-(31))")
     _config_keys = ("mean_update", "variance_update", "tol", "max_iter")
     _supports_auto = True
     _renamed = {"max_iter": "maxiter"}
@@ -110,6 +112,12 @@ class OnlineBayesLogistic(OnlineDiagonalGaussian):
     def _kernel_flags(self):
         return (self.mean_update == "newton", self.variance_update == "value", float(self.tol),
                 int(self._param("max_iter")))
+
+    def _overflow_hint(self):
+        hint = super()._overflow_hint()
+        if self.variance_update == "value":  # Eq. (18) can grow a variance by exp(...) in one row
+            hint += ", or use variance_update='laplace' (Eq. (19)), under which a variance can only shrink"
+        return hint
 
     def _reference_update(self, x, y, mu_i, s2_i, mu_t, s2_t, log_p_t, samples):
         link = self.link
