@@ -353,6 +353,36 @@ def test_trainable_false_gives_the_fixed_guide():
     assert type(fixed_mix) is DiagMixtureGuide and list(fixed_mix.parameters()) == []
 
 
+def test_fixed_guide_of_a_matrix_free_posterior_has_its_log_density():
+    """``log_prob`` raised for a matrix-free posterior, so ``Trace_ELBO``/``poutine.trace(...).log_prob_sum()`` of
+    its fixed guide (the documented guide of ``convex_relaxation`` results too large to train) failed."""
+    X, y = _logreg_data()
+    q, C = _posterior("precision_operator", X, y)
+    guide = _attach(q, logreg, X, y=y).as_guide(trainable=False)
+    tr = poutine.trace(guide).get_trace(X, y=y)
+    w = tr.nodes["w"]["value"]
+    exact = dist.MultivariateNormal(q.loc, covariance_matrix=C)
+    assert float(tr.log_prob_sum()) == pytest.approx(float(exact.log_prob(w)), abs=1e-10)
+    u = exact.sample((5,))
+    torch.testing.assert_close(q.log_prob(u), exact.log_prob(u), rtol=0, atol=1e-10)
+    # with the engine's own factor of A (C = precision_scale * A^{-1}), as convex_relaxation gives it
+    A = q.precision_operator.to_dense()
+    q_chol = pcv.GaussianPosterior(q.loc, q.variance, precision_operator=q.precision_operator,
+                                   precision_factor=q.precision_factor, precision_scale=q.precision_scale,
+                                   precision_cholesky=torch.linalg.cholesky(A))
+    torch.testing.assert_close(q_chol.log_prob(u), exact.log_prob(u), rtol=0, atol=1e-10)
+    elbo = -Trace_ELBO(num_particles=20000, vectorize_particles=True, max_plate_nesting=1).loss(
+        _vectorised_logreg, guide, X, y=y)
+    assert elbo == pytest.approx(_gh_elbo([q.loc], [C], X, y), abs=0.01)
+
+
+def _vectorised_logreg(X, y=None):
+    """:func:`logreg`, written to broadcast over a leading sample dimension of ``w``."""
+    w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), 1.0).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        return pyro.sample("y", dist.Bernoulli(logits=(X * w).sum(-1)), obs=y)
+
+
 # ------------------------------------------------------------------------------------------ mixtures
 def test_diag_mixture_as_guide_store_stale_svi_and_predictive():
     X, y = _logreg_data()

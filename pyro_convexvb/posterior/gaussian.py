@@ -78,8 +78,9 @@ class GaussianPosterior(Posterior):
     :param torch.Tensor cov_factor: ``(n, r)`` factor ``W`` of the low-rank part (with ``cov_diag``).
     :param torch.Tensor cov_diag: ``(n,)`` positive diagonal ``d`` (with ``cov_factor``).
     :param layout: optional :class:`~pyro_convexvb.lgm.LatentLayout` mapping ``u`` to Pyro sites.
-    :param torch.Tensor precision_cholesky: ``(n, n)`` lower Cholesky factor of ``C^{-1} / precision_scale``: an
-        engine's own factor, used by :meth:`marginals`.
+    :param torch.Tensor precision_cholesky: ``(n, n)`` lower Cholesky factor of ``precision_scale * C^{-1}`` (the
+        operator ``A`` of a matrix-free posterior): an engine's own factor, used by :meth:`marginals` and
+        :meth:`log_prob`.
     :param lanczos: a Lanczos estimate of ``C`` (with ``variances(D)``): an engine's own factor for :meth:`marginals`.
     :param model: the Pyro model it was fitted to, and ``model_args = (args, kwargs)`` its fitting arguments
         (for :meth:`as_guide`; see :meth:`~pyro_convexvb.posterior.base.Posterior.with_model`).
@@ -234,9 +235,23 @@ class GaussianPosterior(Posterior):
         return (math.sqrt(self.precision_scale) * res.x).transpose(0, 1)
 
     def log_prob(self, u):
-        """Log density of ``u`` ``(..., n)`` (dense representations only)."""
-        if self.kind in ("precision_operator", "low_rank"):
-            raise NotImplementedError(f"log_prob is not available for a {self.kind} posterior")
+        """Log density of ``u`` ``(..., n)``; a matrix-free posterior's through the dense Cholesky factor of its
+        precision (the engine's ``precision_cholesky``, else factorised at the first call and kept; ``n <= MAX_DENSE``).
+        A Lanczos ``low_rank`` covariance is singular and has none."""
+        if self.kind == "low_rank":
+            raise NotImplementedError("log_prob is not available for a low_rank (Lanczos) posterior: its covariance "
+                                      "is singular")
+        if self.kind == "precision_operator":
+            L = self.precision_cholesky if self.precision_cholesky is not None else self.__dict__.get("_dense_chol")
+            if L is None:
+                if self.n > MAX_DENSE:
+                    raise NotImplementedError(
+                        f"log_prob of a matrix-free posterior factorises its dense n x n precision, and n = {self.n} > "
+                        f"MAX_DENSE = {MAX_DENSE}: evaluate densities on a smaller model, or sample without them")
+                L = self.__dict__["_dense_chol"] = torch.linalg.cholesky(self._require_operator("log_prob").to_dense())
+            r = (u - self.loc) @ L  # L^T (u - loc), with C = precision_scale * (L L^T)^{-1}
+            s = self.precision_scale
+            return -0.5 * (r**2).sum(-1) / s - 0.5 * self.n * math.log(2 * math.pi * s) + torch.log(L.diagonal()).sum()
         if self.kind == "diagonal":
             return dist.Normal(self.loc, self.variance.sqrt()).to_event(1).log_prob(u)
         if self.kind == "precision":
@@ -425,6 +440,7 @@ class GaussianPosterior(Posterior):
         out = self.with_model(self.model if keep_model else None)
         if self.kind == "precision_operator":
             out.precision_operator = out.precision_factor = out.precision_cholesky = out.lanczos = None
+            out.__dict__.pop("_dense_chol", None)  # log_prob's dense factor of the dropped operator (n^2 numbers)
         return out
 
     def _require_operator(self, what):
