@@ -383,6 +383,19 @@ def _vectorised_logreg(X, y=None):
         return pyro.sample("y", dist.Bernoulli(logits=(X * w).sum(-1)), obs=y)
 
 
+def test_as_guide_with_the_fitted_model_keeps_the_fitting_data_for_new_inputs():
+    """``as_guide(model)`` with the fitted model itself was built at its first call: ``Predictive`` on new inputs
+    (no ``y``) then built it with ``y`` latent, and refused ("cannot handle discrete sample site 'y'")."""
+    X, y = _logreg_data()
+    res = pcv.fit(logreg, X, y=y, engine="laplace", progress=False)
+    X_new = X[:7] + 0.5
+    pred = Predictive(logreg, guide=res.posterior.as_guide(logreg), num_samples=1000)(X_new)
+    assert pred["y"].shape == (1000, 7)
+    w = pred["w"].reshape(1000, 3)
+    se = res.posterior.scale / math.sqrt(1000)
+    assert float(((w.mean(0) - res.posterior.loc).abs() / se).max()) < 4.5
+
+
 # ------------------------------------------------------------------------------------------ mixtures
 def test_diag_mixture_as_guide_store_stale_svi_and_predictive():
     X, y = _logreg_data()

@@ -370,8 +370,8 @@ class GaussianPosterior(Posterior):
         :param str form: ``"full"``, ``"diagonal"`` or ``"low_rank"`` (trainable guides only; default by kind).
         :param str name_prefix: prefix of the parameter names in the param store.
         :param tuple model_args: positional arguments used to build the guide's prototype trace now
-            (default: the fitting arguments when ``model`` is ``None``; else the guide is built at its
-            first call).
+            (default: the fitting arguments when ``model`` is ``None`` or the fitted model; else the guide is
+            built at its first call).
         :param dict model_kwargs: keyword arguments for the same.
         :returns: an :class:`~pyro.infer.autoguide.AutoContinuous` guide over the flat latent vector of
             length ``n`` (the order of Pyro's ``AutoContinuous`` packing of the latent sites, unconstrained).
@@ -558,8 +558,10 @@ def _prototype_dtype(guide, default):
 
 
 def _guide_model_and_data(posterior, model, model_args, model_kwargs):
-    """``(model, args, kwargs, build_now)`` for ``as_guide``: the fitting model and data by default."""
-    if model is None:
+    """``(model, args, kwargs, build_now)`` for ``as_guide``: the fitting model and data by default, and the fitting
+    data when ``model`` is the fitted model itself (so that ``Predictive`` on new inputs keeps the observed sites
+    observed instead of building the guide from a call without them)."""
+    if model is None or model is posterior.model:
         model, (args, kwargs) = posterior.model, posterior.model_args
         if model is None:
             raise ValueError("as_guide() needs the Pyro model (pass model=...)")

@@ -544,7 +544,7 @@ class DiagMixturePosterior(Posterior):
         :param bool trainable: ``False`` gives the fixed, parameter-free :class:`DiagMixtureGuide`.
         :param str name_prefix: prefix of the parameter names in the param store.
         :param tuple model_args: positional arguments used to build the guide now (default: the fitting
-            arguments when ``model`` is ``None``; else the guide is built at its first call).
+            arguments when ``model`` is ``None`` or the fitted model; else the guide is built at its first call).
         :param dict model_kwargs: keyword arguments for the same.
 
         Example::
