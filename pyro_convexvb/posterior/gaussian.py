@@ -544,8 +544,21 @@ def _apply_name_prefix(guide, name_prefix):
 
 
 def _check_latent_dim(guide, posterior):
+    """Refuse a model whose packed latent vector is not the posterior's: another length or, when the posterior knows
+    its :attr:`~pyro_convexvb.posterior.base.Posterior.layout`, other sites or another order (which would hand one
+    site's values to another)."""
     if guide.latent_dim != posterior.n:
         raise ValueError(f"the model has {guide.latent_dim} latent dimensions but the posterior has {posterior.n}")
+    if posterior.layout is None:
+        return
+    model_sites = [(name, math.prod(shape)) for name, shape in guide._unconstrained_shapes.items()]
+    fitted = [(b.name, b.size) for b in posterior.layout.blocks]
+    for k, (ours, theirs) in enumerate(zip(model_sites, fitted)):
+        if ours != theirs:
+            raise ValueError(
+                f"latent site {k} of the model is {ours[0]!r} ({ours[1]} unconstrained coordinates) but the posterior's "
+                f"is {theirs[0]!r} ({theirs[1]}): the posterior's latent vector follows the sites of the model it was "
+                f"fitted to, in trace order ({[n for n, _ in fitted]}); pass that model")
 
 
 def _prototype_dtype(guide, default):

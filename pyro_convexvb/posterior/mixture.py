@@ -425,9 +425,7 @@ class DiagMixtureGuide(_MixtureGuideMixin, AutoContinuous):
 
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
-        if self.latent_dim != self.posterior.n:
-            raise ValueError(
-                f"the model has {self.latent_dim} latent dimensions but the posterior has {self.posterior.n}")
+        _check_latent_dim(self, self.posterior)
 
     def _mixture_params(self):
         return self.posterior.locs, self.posterior.variances.sqrt()
