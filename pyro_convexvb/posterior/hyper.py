@@ -506,6 +506,15 @@ class HyperPosterior(Posterior):
             guide._setup_prototype(*args, **kwargs)
         return guide
 
+    def compact(self, keep_model=True):
+        """A copy without the fitting data: the model's arguments and those of every design point's posterior,
+        each compacted as :meth:`GaussianPosterior.compact <pyro_convexvb.posterior.gaussian.GaussianPosterior.compact>`
+        does (a matrix-free precision becomes its dense precision up to ``MAX_COMPACT_DENSE`` coordinates, else is
+        dropped), so that its size does not grow with the number of data rows. ``self`` is unchanged."""
+        out = super().compact(keep_model)
+        out.components = [c.compact(keep_model=False) for c in self.components]
+        return out
+
     def __repr__(self):
         return (f"HyperPosterior(hyper={self.space.names}, points={self.num_points}, n={self.n}, "
                 f"components={type(self.components[0]).__name__})")
