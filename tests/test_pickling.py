@@ -78,6 +78,9 @@ def test_compact_posterior_of_matrix_free_kind_is_dense_precision():
     # above MAX_COMPACT_DENSE the operator is dropped: the moments stay, the rest refuses clearly
     import pyro_convexvb.posterior.gaussian as post
 
+    q = q.with_model(q.model)  # without the engine's factor: log_prob factorises the operator and keeps the factor
+    q.precision_cholesky = None
+    q.log_prob(q.loc)
     old = post.MAX_COMPACT_DENSE
     post.MAX_COMPACT_DENSE = 2
     try:
@@ -86,7 +89,7 @@ def test_compact_posterior_of_matrix_free_kind_is_dense_precision():
         post.MAX_COMPACT_DENSE = old
     assert d.kind == "precision_operator" and d.precision_operator is None
     assert torch.equal(d.loc, q.loc) and torch.equal(d.variance, q.variance)
-    for call in (lambda: d.sample(2), lambda: d.marginals(X[:2]), lambda: d.covariance()):
+    for call in (lambda: d.sample(2), lambda: d.marginals(X[:2]), lambda: d.covariance(), lambda: d.log_prob(d.loc)):
         with pytest.raises(ValueError, match="without its precision operator"):
             call()
 

@@ -40,7 +40,9 @@ class Posterior(abc.ABC):
         return self.loc.device
 
     def unflatten(self, u=None):
-        """``{site: value}`` for ``u`` (default: the mean), using the layout."""
+        """``{site: value}`` for ``u`` (default: the mean), using the layout, in the posterior's *unconstrained*
+        coordinates (``biject_to`` of each support: a positive site appears as its logarithm); the guide's
+        ``median()`` (:meth:`as_guide`) gives constrained values."""
         if self.layout is None:
             raise ValueError("this posterior has no latent layout (it was not built from a Pyro model)")
         return self.layout.unflatten(self.loc if u is None else u)

@@ -78,8 +78,9 @@ class GaussianPosterior(Posterior):
     :param torch.Tensor cov_factor: ``(n, r)`` factor ``W`` of the low-rank part (with ``cov_diag``).
     :param torch.Tensor cov_diag: ``(n,)`` positive diagonal ``d`` (with ``cov_factor``).
     :param layout: optional :class:`~pyro_convexvb.lgm.LatentLayout` mapping ``u`` to Pyro sites.
-    :param torch.Tensor precision_cholesky: ``(n, n)`` lower Cholesky factor of ``C^{-1} / precision_scale``: an
-        engine's own factor, used by :meth:`marginals`.
+    :param torch.Tensor precision_cholesky: ``(n, n)`` lower Cholesky factor of ``precision_scale * C^{-1}`` (the
+        operator ``A`` of a matrix-free posterior): an engine's own factor, used by :meth:`marginals` and
+        :meth:`log_prob`.
     :param lanczos: a Lanczos estimate of ``C`` (with ``variances(D)``): an engine's own factor for :meth:`marginals`.
     :param model: the Pyro model it was fitted to, and ``model_args = (args, kwargs)`` its fitting arguments
         (for :meth:`as_guide`; see :meth:`~pyro_convexvb.posterior.base.Posterior.with_model`).
@@ -234,9 +235,23 @@ class GaussianPosterior(Posterior):
         return (math.sqrt(self.precision_scale) * res.x).transpose(0, 1)
 
     def log_prob(self, u):
-        """Log density of ``u`` ``(..., n)`` (dense representations only)."""
-        if self.kind in ("precision_operator", "low_rank"):
-            raise NotImplementedError(f"log_prob is not available for a {self.kind} posterior")
+        """Log density of ``u`` ``(..., n)``; a matrix-free posterior's through the dense Cholesky factor of its
+        precision (the engine's ``precision_cholesky``, else factorised at the first call and kept; ``n <= MAX_DENSE``).
+        A Lanczos ``low_rank`` covariance is singular and has none."""
+        if self.kind == "low_rank":
+            raise NotImplementedError("log_prob is not available for a low_rank (Lanczos) posterior: its covariance "
+                                      "is singular")
+        if self.kind == "precision_operator":
+            L = self.precision_cholesky if self.precision_cholesky is not None else self.__dict__.get("_dense_chol")
+            if L is None:
+                if self.n > MAX_DENSE:
+                    raise NotImplementedError(
+                        f"log_prob of a matrix-free posterior factorises its dense n x n precision, and n = {self.n} > "
+                        f"MAX_DENSE = {MAX_DENSE}: evaluate densities on a smaller model, or sample without them")
+                L = self.__dict__["_dense_chol"] = torch.linalg.cholesky(self._require_operator("log_prob").to_dense())
+            r = (u - self.loc) @ L  # L^T (u - loc), with C = precision_scale * (L L^T)^{-1}
+            s = self.precision_scale
+            return -0.5 * (r**2).sum(-1) / s - 0.5 * self.n * math.log(2 * math.pi * s) + torch.log(L.diagonal()).sum()
         if self.kind == "diagonal":
             return dist.Normal(self.loc, self.variance.sqrt()).to_event(1).log_prob(u)
         if self.kind == "precision":
@@ -355,8 +370,8 @@ class GaussianPosterior(Posterior):
         :param str form: ``"full"``, ``"diagonal"`` or ``"low_rank"`` (trainable guides only; default by kind).
         :param str name_prefix: prefix of the parameter names in the param store.
         :param tuple model_args: positional arguments used to build the guide's prototype trace now
-            (default: the fitting arguments when ``model`` is ``None``; else the guide is built at its
-            first call).
+            (default: the fitting arguments when ``model`` is ``None`` or the fitted model; else the guide is
+            built at its first call).
         :param dict model_kwargs: keyword arguments for the same.
         :returns: an :class:`~pyro.infer.autoguide.AutoContinuous` guide over the flat latent vector of
             length ``n`` (the order of Pyro's ``AutoContinuous`` packing of the latent sites, unconstrained).
@@ -425,6 +440,7 @@ class GaussianPosterior(Posterior):
         out = self.with_model(self.model if keep_model else None)
         if self.kind == "precision_operator":
             out.precision_operator = out.precision_factor = out.precision_cholesky = out.lanczos = None
+            out.__dict__.pop("_dense_chol", None)  # log_prob's dense factor of the dropped operator (n^2 numbers)
         return out
 
     def _require_operator(self, what):
@@ -528,8 +544,21 @@ def _apply_name_prefix(guide, name_prefix):
 
 
 def _check_latent_dim(guide, posterior):
+    """Refuse a model whose packed latent vector is not the posterior's: another length or, when the posterior knows
+    its :attr:`~pyro_convexvb.posterior.base.Posterior.layout`, other sites or another order (which would hand one
+    site's values to another)."""
     if guide.latent_dim != posterior.n:
         raise ValueError(f"the model has {guide.latent_dim} latent dimensions but the posterior has {posterior.n}")
+    if posterior.layout is None:
+        return
+    model_sites = [(name, math.prod(shape)) for name, shape in guide._unconstrained_shapes.items()]
+    fitted = [(b.name, b.size) for b in posterior.layout.blocks]
+    for k, (ours, theirs) in enumerate(zip(model_sites, fitted)):
+        if ours != theirs:
+            raise ValueError(
+                f"latent site {k} of the model is {ours[0]!r} ({ours[1]} unconstrained coordinates) but the posterior's "
+                f"is {theirs[0]!r} ({theirs[1]}): the posterior's latent vector follows the sites of the model it was "
+                f"fitted to, in trace order ({[n for n, _ in fitted]}); pass that model")
 
 
 def _prototype_dtype(guide, default):
@@ -542,8 +571,10 @@ def _prototype_dtype(guide, default):
 
 
 def _guide_model_and_data(posterior, model, model_args, model_kwargs):
-    """``(model, args, kwargs, build_now)`` for ``as_guide``: the fitting model and data by default."""
-    if model is None:
+    """``(model, args, kwargs, build_now)`` for ``as_guide``: the fitting model and data by default, and the fitting
+    data when ``model`` is the fitted model itself (so that ``Predictive`` on new inputs keeps the observed sites
+    observed instead of building the guide from a call without them)."""
+    if model is None or model is posterior.model:
         model, (args, kwargs) = posterior.model, posterior.model_args
         if model is None:
             raise ValueError("as_guide() needs the Pyro model (pass model=...)")

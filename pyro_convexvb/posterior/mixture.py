@@ -425,9 +425,7 @@ class DiagMixtureGuide(_MixtureGuideMixin, AutoContinuous):
 
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
-        if self.latent_dim != self.posterior.n:
-            raise ValueError(
-                f"the model has {self.latent_dim} latent dimensions but the posterior has {self.posterior.n}")
+        _check_latent_dim(self, self.posterior)
 
     def _mixture_params(self):
         return self.posterior.locs, self.posterior.variances.sqrt()
@@ -544,7 +542,7 @@ class DiagMixturePosterior(Posterior):
         :param bool trainable: ``False`` gives the fixed, parameter-free :class:`DiagMixtureGuide`.
         :param str name_prefix: prefix of the parameter names in the param store.
         :param tuple model_args: positional arguments used to build the guide now (default: the fitting
-            arguments when ``model`` is ``None``; else the guide is built at its first call).
+            arguments when ``model`` is ``None`` or the fitted model; else the guide is built at its first call).
         :param dict model_kwargs: keyword arguments for the same.
 
         Example::
