@@ -179,3 +179,17 @@ def test_intrinsic_precision_is_checked_like_a_proper_one():
         SparseGMRF(torch.zeros(4, dtype=D), Q.to_sparse_csr().requires_grad_(), constraints="sum_to_zero")
     with pytest.raises(TypeError, match="got a dense tensor"):
         SparseGMRF(torch.zeros(4, dtype=D), Q, constraints="sum_to_zero")
+
+
+def test_a_plate_of_intrinsic_fields_is_refused_naming_the_site():
+    """A plate over an intrinsic field is a batch of fields, which the extraction does not stack; it is refused
+    like a batch of proper ones (it failed deep in the chain's construction with a NumPy broadcasting error)."""
+    n = 5
+
+    def model(y):
+        with pyro.plate("replicates", 2):
+            x = pyro.sample("x", SparseGMRF(torch.zeros(n, dtype=D), rw_precision(n), constraints="sum_to_zero"))
+        pyro.sample("y", dist.Normal(x, 0.5).to_event(2), obs=y)
+
+    with pytest.raises(pcv.UnsupportedModelError, match=r"site 'x'.*SparseGMRF latent site must have shape \(5,\)"):
+        pcv.lgm_from_pyro(model, torch.zeros(2, n, dtype=D))

@@ -398,9 +398,7 @@ def _latent_prior(name, fn, shape, dtype, device, keep_graph=False, loc=None):
     from ..distributions import SparseGMRF
 
     if isinstance(base, SparseGMRF):  # sparse precision kept sparse; log|Q| from its sparse Cholesky factor
-        if tuple(shape) != (base.n,):
-            raise UnsupportedModelError(name, f"a SparseGMRF latent site must have shape ({base.n},) (batch shape ()), "
-                                              f"got {tuple(shape)}")
+        _check_gmrf_shape(name, base, shape)
         prec = base.scaled_precision()
         if prec.dtype != dtype or prec.device != device:
             A = prec.matrix
@@ -443,6 +441,14 @@ def _latent_prior(name, fn, shape, dtype, device, keep_graph=False, loc=None):
     raise UnsupportedModelError(
         name, f"unsupported prior {type(base).__name__}: a latent site needs a Normal, MultivariateNormal or Laplace prior"
     )
+
+
+def _check_gmrf_shape(name, base, shape):
+    """A ``SparseGMRF`` latent site is one field: shape ``(n,)``, not a batch of fields (a plate, ``expand``)."""
+    if tuple(shape) != (base.n,):
+        raise UnsupportedModelError(name, f"a SparseGMRF latent site must have shape ({base.n},) (batch shape ()), "
+                                          f"got {tuple(shape)}: a plate or expand() over the field makes a batch of "
+                                          "independent fields, which the extraction does not stack")
 
 
 def _rows(t, full_shape, event_dim, name, what):
@@ -939,6 +945,7 @@ def _intrinsic_prior(b, base, dtype, device, keep_graph=False):
     if keep_graph:
         raise UnsupportedModelError(b.name, "gradients of the evidence with respect to the parameters of an intrinsic "
                                             "SparseGMRF (keep_graph, learn_params) are not available")
+    _check_gmrf_shape(b.name, base, b.shape)
     fac = base._intrinsic
     s = float(base.precision_scale.detach())
     A = base.precision.matrix
