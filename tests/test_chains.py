@@ -218,6 +218,36 @@ def test_nonaffine_mean_is_refused():
     assert e.value.site == "x" and "affine" in e.value.reason
 
 
+_KINKS = {"abs": torch.abs, "relu": torch.relu, "relu(-x)": lambda t: torch.relu(-t)}
+
+
+@pytest.mark.parametrize("kink", list(_KINKS))
+@pytest.mark.parametrize("where", ["chain mean", "prior scale"])
+def test_a_kink_at_zero_in_a_prior_is_refused(kink, where):
+    """A mean or scale that is piecewise linear in a latent (``abs``, ``relu``) is affine on each orthant. The
+    affinity was tested at two independent random points, which share the orthant of the coordinates read with
+    probability ``2^-d`` (here ``abs(b[j])`` was extracted as ``+b[j]`` for every ``j``), and a dependence with zero
+    derivative at the first point (``relu(-b)``, ``b > 0``) was taken for a constant. Every parameter that an
+    extraction finds constant or affine from derivatives at ``u0`` is now compared at a second point in the
+    opposite orthant."""
+    f = _KINKS[kink]
+    y = torch.randn(10, generator=torch.Generator().manual_seed(0), dtype=D)
+    for j in range(3):
+        def model(y):
+            b = pyro.sample("b", dist.Normal(torch.zeros(4, dtype=D), 1.0).to_event(1))
+            with pyro.plate("groups", 3):
+                if where == "chain mean":
+                    a = pyro.sample("a", dist.Normal(f(b[j]) + b[3], 1.0))
+                else:
+                    a = pyro.sample("a", dist.Normal(torch.tensor(0.0, dtype=D), 1.0 + f(b[j])))
+            pyro.sample("y", dist.Normal(a.sum() + b[3] + torch.zeros(10, dtype=D), 1.0).to_event(1), obs=y)
+
+        with pytest.raises(UnsupportedModelError) as e:
+            pcv.lgm_from_pyro(model, y)
+        assert e.value.site == "a", (j, e.value.site)
+        assert "affine" in e.value.reason or "depends on" in e.value.reason
+
+
 def test_laplace_child_is_refused():
     def model(y):
         mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))

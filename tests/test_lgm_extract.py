@@ -219,6 +219,28 @@ def test_unsupported_models_name_the_site(case, match):
     assert f"site '{site}'" in str(info.value)
 
 
+@pytest.mark.parametrize("kink", ["abs", "relu", "relu(-x)"])
+@pytest.mark.parametrize("where", ["predictor", "noise scale", "predictor alone"])
+def test_a_kink_at_zero_in_a_likelihood_is_refused(kink, where):
+    """A predictor or noise scale with a kink at zero in a latent (``abs``, ``relu``) passed the affinity test when
+    the two random points shared the orthant of the coordinates read, and a site with zero derivative at the first
+    point (``relu(-b)`` with ``b > 0``) was taken for a constant and its log density at that point added to the
+    evidence. The second point now lies in the opposite orthant, and sites found constant are compared there."""
+    f = {"abs": torch.abs, "relu": torch.relu, "relu(-x)": lambda t: torch.relu(-t)}[kink]
+    y = torch.randn(10, generator=torch.Generator().manual_seed(0), dtype=D)
+    for j in range(3):
+        def model(y):
+            b = pyro.sample("b", dist.Normal(torch.zeros(4, dtype=D), 1.0).to_event(1))
+            loc = (f(b[j]) if where == "predictor alone" else f(b[j]) + b[3]) if where != "noise scale" else b[3]
+            scale = 1.0 + f(b[j]) if where == "noise scale" else torch.tensor(1.0, dtype=D)
+            pyro.sample("y", dist.Normal(loc + torch.zeros(10, dtype=D), scale).to_event(1), obs=y)
+
+        with pytest.raises(pcv.UnsupportedModelError) as e:
+            pcv.lgm_from_pyro(model, y)
+        assert e.value.site == "y", (j, e.value.site)
+        assert "affine" in e.value.reason or "depends on" in e.value.reason
+
+
 def test_explicit_constructor_matches_traced_model():
     X, y = _data(q=30, n=4)
     traced = pcv.lgm_from_pyro(logistic, X, y=y)
