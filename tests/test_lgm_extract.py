@@ -138,6 +138,22 @@ def test_subsampled_plate_is_traced_on_full_data():
     assert tr.nodes["y"]["value"].shape == (7,)
 
 
+def test_latent_site_in_a_plate_with_explicit_subsample_indices_is_refused_saying_so():
+    """A latent site under ``pyro.plate(size, subsample=idx)`` has its prior scaled by ``size / len(idx)``: refused
+    naming the site and the plate's subsample indices as the cause (the message named only poutine.scale)."""
+    y = torch.randn(10, dtype=D)
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        with pyro.plate("groups", 6, subsample=torch.tensor([0, 2, 4])):
+            a = pyro.sample("a", dist.Normal(mu, 1.0))
+        pyro.sample("y", dist.Normal(a.sum() + torch.zeros(10, dtype=D), 1.0).to_event(1), obs=y)
+
+    with pytest.raises(pcv.UnsupportedModelError, match=r"site 'a'.*explicit subsample= indices") as e:
+        pcv.lgm_from_pyro(model, y)
+    assert e.value.site == "a"
+
+
 def test_masked_observations_drop_rows():
     X, y = _data(q=20, n=3)
     mask = torch.arange(20) % 3 != 0

@@ -1151,6 +1151,12 @@ class _Extraction:
         return op, offset
 
 
+#: why a latent site with a scale factor is refused
+_SCALED_LATENT = ("latent site is scaled (by poutine.scale, or by a pyro.plate with explicit subsample= indices, which "
+                  "scales its prior by size / len(subsample)); scaled priors are not supported: sample the latent "
+                  "over its full plate (subsample_size= is fine: it is traced at full size)")
+
+
 def _prior_blocks(x, chain_names):
     """The priors of the layout's blocks, Laplace prior sites as site groups, the affine chains' Jacobian entries
     and the intrinsic GMRFs."""
@@ -1160,7 +1166,7 @@ def _prior_blocks(x, chain_names):
         site = x.tr.nodes[b.name]
         fn = site["fn"]
         if not _is_one(site.get("scale", 1.0)):
-            raise UnsupportedModelError(b.name, "latent site is scaled by poutine.scale; scaled priors are not supported")
+            raise UnsupportedModelError(b.name, _SCALED_LATENT)
         keep = _keep_rows(b.name, site)
         if keep is not None and not bool(keep.all()):
             raise UnsupportedModelError(b.name, "latent site is masked (poutine.mask or dist.mask): its masked entries "
@@ -1201,7 +1207,7 @@ def _imputed_blocks(x, full_layout, imputed_names):
             raise UnsupportedModelError(b.name, "latent site is masked (poutine.mask or dist.mask): its masked entries "
                                                 "have no prior, an improper density outside the LGM class")
         if not _is_one(site.get("scale", 1.0)):
-            raise UnsupportedModelError(b.name, "latent site is scaled by poutine.scale; scaled priors are not supported")
+            raise UnsupportedModelError(b.name, _SCALED_LATENT)
         base, _ = _unwrap(site["fn"])
         full = tuple(site["fn"].batch_shape) + tuple(site["fn"].event_shape)
         if _depends_on(base.scale, x.u0):
