@@ -138,6 +138,26 @@ def test_subsampled_plate_is_traced_on_full_data():
     assert tr.nodes["y"]["value"].shape == (7,)
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_site_that_a_latent_switches_on_is_refused(sign):
+    """A model whose sample sites depend on a latent's value (``if b[0] > 0: pyro.sample(...)``) is refused naming the
+    site, whichever runs contain it: it was fitted without the site when the second run alone had it, and failed
+    with a KeyError when only the first did."""
+    y = torch.randn(5, dtype=D)
+
+    def model(y):
+        b = pyro.sample("b", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        pyro.sample("y", dist.Normal(b[1] + torch.zeros(5, dtype=D), 1.0).to_event(1), obs=y)
+        if sign * b[0] > 0:
+            pyro.sample("y2", dist.Normal(b[1], 1.0), obs=torch.tensor(0.5, dtype=D))
+
+    for seed in range(4):  # the structure trace runs at a prior draw
+        pyro.set_rng_seed(seed)
+        with pytest.raises(pcv.UnsupportedModelError, match="branches on a latent") as e:
+            pcv.lgm_from_pyro(model, y)
+        assert e.value.site == "y2"
+
+
 def test_latent_site_in_a_plate_with_explicit_subsample_indices_is_refused_saying_so():
     """A latent site under ``pyro.plate(size, subsample=idx)`` has its prior scaled by ``size / len(idx)``: refused
     naming the site and the plate's subsample indices as the cause (the message named only poutine.scale)."""

@@ -1039,6 +1039,18 @@ def _chain_prior(x, b, site):
     return prior, (rows, cols, vals)
 
 
+def _same_sites(tr, other):
+    """Refuse a model whose sample sites (names, kinds, shapes) differ between two runs at different latent values,
+    naming the first site that differs: a model that branches on a latent."""
+    from itertools import zip_longest
+
+    for s, t in zip_longest(_sites(tr), _sites(other)):
+        if s != t:
+            raise UnsupportedModelError((s or t)[0], "the site is sampled, or has a shape, at some values of the "
+                                                     "latent sites and not at others (the model branches on a "
+                                                     "latent): outside the latent Gaussian model class")
+
+
 def _sites(tr):
     """The sample sites of a trace with their kind and shapes: what an extraction's structure depends on."""
     return [(n, s["is_observed"], tuple(s["fn"].batch_shape), tuple(s["fn"].event_shape)) for n, s in tr.nodes.items()
@@ -1131,6 +1143,7 @@ class _Extraction:
         if self._second is None:
             u1 = (-torch.sign(self.u0.detach()) * self.draw(self.n).detach().abs()).requires_grad_(True)
             self._second = (u1,) + self.run_at(u1, self.layout)
+            _same_sites(self.tr, self._second[1])
         return self._second
 
     def affine(self, name, eta, eta1, rows=None):
@@ -1332,11 +1345,7 @@ def _check_at_second_point(x, chain_names, imputed_names, read):
     for name, site in x.tr.nodes.items():
         if site["type"] != "sample" or _is_subsample(site) or _is_deterministic(site):
             continue
-        site1 = tr1.nodes.get(name)
-        if site1 is None or site1["type"] != "sample":
-            raise UnsupportedModelError(name, "the site is sampled at some values of the latent sites and not at "
-                                              "others (the model branches on a latent): outside the latent Gaussian "
-                                              "model class")
+        site1 = tr1.nodes[name]  # the same sites (second_trace)
         if not site["is_observed"]:
             skip = "loc" if name in chain_names or name in imputed_names else None
             p0, p1 = _parameters(site["fn"]), _parameters(site1["fn"])
@@ -1407,6 +1416,8 @@ def _extract(model, args, kwargs, dtype, keep_graph):
         if template is not None:
             template.note_structure_change("the model's sample sites or their shapes changed")
         return _extract(model, args, kwargs, dtype, keep_graph)
+    if not cached:
+        _same_sites(tr0, x.tr)  # the structure trace ran at a prior draw, x.tr at uf
     if cache is not None:
         cache["structure"] = tr0
     imputed_names, chain_names = _classify_dependent_latents(x.tr, full_layout, uf)
@@ -1422,6 +1433,7 @@ def _extract(model, args, kwargs, dtype, keep_graph):
         if layout.size == 0:
             raise UnsupportedModelError("<model>", "the model has no latent sample site that the likelihood reads")
         x.at(x.draw(layout.size), layout)
+        _same_sites(tr0, x.tr)
     priors, laplace_groups, chain_coo, intrinsic = _prior_blocks(x, chain_names)
     imputed = _imputed_blocks(x, full_layout, imputed_names)
     groups, log_const = _observed_groups(x, observed)
