@@ -39,18 +39,26 @@ def _version(obj):
 _INTRINSIC = {}
 
 
+def _constraints_key(constraints, n):
+    """The cache key of ``constraints``: the string, or the bytes of its float64 ``(k, n)`` matrix (the object's id
+    would be reused by a later, different matrix once the first is freed)."""
+    if isinstance(constraints, str):
+        return constraints
+    C = _constraint_matrix(constraints, n)
+    return (C.shape, C.tobytes())
+
+
 def _intrinsic_factor(precision, constraints, dtype, device):
-    """``(SparseOperator, _IntrinsicFactor)`` of an intrinsic precision, cached per (precision, constraints) object."""
-    key = (id(precision), constraints if isinstance(constraints, str) else id(constraints))
+    """``(SparseOperator, _IntrinsicFactor)`` of an intrinsic precision, cached per precision object and constraint
+    values."""
+    matrix = _precision_matrix(precision)
+    n = int(matrix.shape[0])
+    key = (id(precision), _constraints_key(constraints, n))
     hit = _INTRINSIC.get(key)
     if hit is not None:
         ref, version, dt, dev, op, fac = hit
         if ref() is precision and version == _version(precision) and dt == dtype and dev == device:
             return op, fac
-    matrix = precision.matrix if isinstance(precision, SparseOperator) else precision
-    if not torch.is_tensor(matrix) or matrix.layout not in (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc):
-        raise TypeError("precision: expected a torch sparse tensor (COO/CSR/CSC) or a SparseOperator")
-    n = int(matrix.shape[0])
     fac = _IntrinsicFactor(matrix.detach(), _constraint_matrix(constraints, n))
     csr = to_csr(matrix.detach())
     op = SparseOperator(torch.sparse_csr_tensor(csr.crow_indices(), csr.col_indices(), csr.values().to(dtype),
@@ -63,20 +71,16 @@ def _intrinsic_factor(precision, constraints, dtype, device):
     return op, fac
 
 
-def _precision_and_factor(precision, dtype, device):
-    """``(SparseOperator, SparseCholesky)`` of ``precision`` in ``dtype``, cached per precision object."""
-    key = id(precision)
-    hit = _FACTORS.get(key)
-    if hit is not None:
-        ref, version, dt, dev, op, chol = hit
-        if ref() is precision and version == _version(precision) and dt == dtype and dev == device:
-            return op, chol
+def _precision_matrix(precision):
+    """The torch sparse matrix of a ``precision`` argument (a torch sparse tensor or a SparseOperator), checked to be
+    square and without gradient; raises naming the argument otherwise."""
     if isinstance(precision, SparseOperator):
         matrix = precision.matrix
     elif torch.is_tensor(precision):
         if precision.layout not in (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc):
             raise TypeError("precision: expected a torch sparse tensor (COO/CSR/CSC) or a SparseOperator, got a dense "
-                            "tensor; for a dense precision use pyro.distributions.MultivariateNormal(precision_matrix=...)")
+                            "tensor; for a dense precision use "
+                            "pyro.distributions.MultivariateNormal(precision_matrix=...)")
         matrix = precision
     else:
         raise TypeError(f"precision: expected a torch sparse tensor (COO/CSR/CSC) or a SparseOperator, "
@@ -86,6 +90,18 @@ def _precision_and_factor(precision, dtype, device):
     if matrix.requires_grad:
         raise ValueError("precision: the sparse precision is a fixed matrix (no gradient flows into its values); "
                          "give a learnable overall scale as precision_scale")
+    return matrix
+
+
+def _precision_and_factor(precision, dtype, device):
+    """``(SparseOperator, SparseCholesky)`` of ``precision`` in ``dtype``, cached per precision object."""
+    key = id(precision)
+    hit = _FACTORS.get(key)
+    if hit is not None:
+        ref, version, dt, dev, op, chol = hit
+        if ref() is precision and version == _version(precision) and dt == dtype and dev == device:
+            return op, chol
+    matrix = _precision_matrix(precision)
     chol = SparseCholesky(matrix, name="precision")  # checks symmetry and positive definiteness
     csr = to_csr(matrix.detach())
     csr = torch.sparse_csr_tensor(csr.crow_indices(), csr.col_indices(), csr.values().to(dtype), size=csr.shape,
@@ -124,9 +140,10 @@ class _IntrinsicFactor:
         import scipy.linalg
 
         from .errors import NotPositiveDefiniteError
-        from .linalg.sparse_cholesky import as_scipy_csc
+        from .linalg.sparse_cholesky import _check_symmetric, as_scipy_csc
 
         Q = as_scipy_csc(matrix, "precision")
+        _check_symmetric(Q, "precision")  # the factor below sees Q_RR only: the rows and columns of P too
         n = Q.shape[0]
         C = np.asarray(C, dtype=np.float64).reshape(-1, n)
         k = C.shape[0]

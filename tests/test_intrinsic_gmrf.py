@@ -135,3 +135,61 @@ def test_icar_poisson_equals_its_subspace_parametrisation():
     assert torch.allclose(r1.posterior.loc, m2, atol=1e-6)
     assert torch.allclose(r1.posterior.covariance(), C2, atol=1e-6)
     assert abs(r1.log_evidence_bound - r2.log_evidence_bound) < 1e-6
+
+
+def test_constraints_are_cached_by_their_values():
+    """The factorisation is shared by instances with equal constraint values (a model that builds its constraint
+    matrix at every execution factors once) and never by a matrix whose values differ: the cache was keyed by the
+    object's id, so a matrix changed in place (or a new one at the id of a freed one) reused the factorisation of
+    the old values and skipped their checks (an RW2 given one constraint instead of two was accepted with k = 2)."""
+    n = 7
+    Q = rw_precision(n, 2)
+
+    def basis():
+        return torch.stack([torch.ones(n, dtype=D), torch.arange(n, dtype=D)])
+
+    C1, C2 = basis(), basis()
+    d1 = SparseGMRF(torch.zeros(n, dtype=D), Q, constraints=C1)
+    assert SparseGMRF(torch.zeros(n, dtype=D), Q, constraints=C2).constraint_factor is d1.constraint_factor
+    C1[1] = torch.linspace(0.0, 1.0, n, dtype=D) ** 2  # no longer in the null space of Q
+    with pytest.raises(ValueError, match="span the null space"):
+        SparseGMRF(torch.zeros(n, dtype=D), Q, constraints=C1)
+    C1[1] = 3.0 * torch.arange(n, dtype=D) - 1.0  # another basis of the same null space: the same field
+    d3 = SparseGMRF(torch.zeros(n, dtype=D), Q, torch.tensor(1.7, dtype=D), constraints=C1)
+    assert d3.constraint_factor is not d1.constraint_factor
+    lam = torch.linalg.eigvalsh(1.7 * Q.to_dense())
+    assert abs(float(d3.log_det_precision()) - float(lam[2:].log().sum())) < 1e-9
+    assert torch.allclose(d3.variance, torch.linalg.pinv(1.7 * Q.to_dense()).diagonal(), atol=1e-10)
+
+
+def test_intrinsic_precision_is_checked_like_a_proper_one():
+    """Only ``Q_RR`` is factored for an intrinsic field, so an asymmetry in the pivot rows (each row still summing to
+    zero) went unnoticed and ``log_prob`` used a matrix the factor never saw; a precision with a gradient was
+    accepted although no gradient flows into its values. Both are refused as for a proper field."""
+    Q = torch.tensor([[2., -1, -1, 0], [-1, 2, 0, -1], [-1, 0, 2, -1], [0, -1, -1, 2]], dtype=D)
+    P = int(SparseGMRF(torch.zeros(4, dtype=D), Q.to_sparse_csr(), constraints="sum_to_zero").constraint_factor.P[0])
+    asym = Q.clone()
+    cols = [c for c in range(4) if c != P and Q[P, c] != 0]
+    asym[P, cols[0]] -= 0.5
+    asym[P, cols[1]] += 0.5
+    assert torch.equal(asym.sum(1), torch.zeros(4, dtype=D))
+    with pytest.raises(ValueError, match="precision: the matrix is not symmetric"):
+        SparseGMRF(torch.zeros(4, dtype=D), asym.to_sparse_csr(), constraints="sum_to_zero")
+    with pytest.raises(ValueError, match="precision: the sparse precision is a fixed matrix"):
+        SparseGMRF(torch.zeros(4, dtype=D), Q.to_sparse_csr().requires_grad_(), constraints="sum_to_zero")
+    with pytest.raises(TypeError, match="got a dense tensor"):
+        SparseGMRF(torch.zeros(4, dtype=D), Q, constraints="sum_to_zero")
+
+
+def test_a_plate_of_intrinsic_fields_is_refused_naming_the_site():
+    """A plate over an intrinsic field is a batch of fields, which the extraction does not stack; it is refused
+    like a batch of proper ones (it failed deep in the chain's construction with a NumPy broadcasting error)."""
+    n = 5
+
+    def model(y):
+        with pyro.plate("replicates", 2):
+            x = pyro.sample("x", SparseGMRF(torch.zeros(n, dtype=D), rw_precision(n), constraints="sum_to_zero"))
+        pyro.sample("y", dist.Normal(x, 0.5).to_event(2), obs=y)
+
+    with pytest.raises(pcv.UnsupportedModelError, match=r"site 'x'.*SparseGMRF latent site must have shape \(5,\)"):
+        pcv.lgm_from_pyro(model, torch.zeros(2, n, dtype=D))

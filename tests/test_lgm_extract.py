@@ -138,6 +138,42 @@ def test_subsampled_plate_is_traced_on_full_data():
     assert tr.nodes["y"]["value"].shape == (7,)
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_site_that_a_latent_switches_on_is_refused(sign):
+    """A model whose sample sites depend on a latent's value (``if b[0] > 0: pyro.sample(...)``) is refused naming the
+    site, whichever runs contain it: it was fitted without the site when the second run alone had it, and failed
+    with a KeyError when only the first did."""
+    y = torch.randn(5, dtype=D)
+
+    def model(y):
+        b = pyro.sample("b", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        pyro.sample("y", dist.Normal(b[1] + torch.zeros(5, dtype=D), 1.0).to_event(1), obs=y)
+        if sign * b[0] > 0:
+            pyro.sample("y2", dist.Normal(b[1], 1.0), obs=torch.tensor(0.5, dtype=D))
+
+    for seed in range(4):  # the structure trace runs at a prior draw
+        pyro.set_rng_seed(seed)
+        with pytest.raises(pcv.UnsupportedModelError, match="branches on a latent") as e:
+            pcv.lgm_from_pyro(model, y)
+        assert e.value.site == "y2"
+
+
+def test_latent_site_in_a_plate_with_explicit_subsample_indices_is_refused_saying_so():
+    """A latent site under ``pyro.plate(size, subsample=idx)`` has its prior scaled by ``size / len(idx)``: refused
+    naming the site and the plate's subsample indices as the cause (the message named only poutine.scale)."""
+    y = torch.randn(10, dtype=D)
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        with pyro.plate("groups", 6, subsample=torch.tensor([0, 2, 4])):
+            a = pyro.sample("a", dist.Normal(mu, 1.0))
+        pyro.sample("y", dist.Normal(a.sum() + torch.zeros(10, dtype=D), 1.0).to_event(1), obs=y)
+
+    with pytest.raises(pcv.UnsupportedModelError, match=r"site 'a'.*explicit subsample= indices") as e:
+        pcv.lgm_from_pyro(model, y)
+    assert e.value.site == "a"
+
+
 def test_masked_observations_drop_rows():
     X, y = _data(q=20, n=3)
     mask = torch.arange(20) % 3 != 0
@@ -217,6 +253,28 @@ def test_unsupported_models_name_the_site(case, match):
         pcv.lgm_from_pyro(model, X, y=y)
     assert info.value.site == site
     assert f"site '{site}'" in str(info.value)
+
+
+@pytest.mark.parametrize("kink", ["abs", "relu", "relu(-x)"])
+@pytest.mark.parametrize("where", ["predictor", "noise scale", "predictor alone"])
+def test_a_kink_at_zero_in_a_likelihood_is_refused(kink, where):
+    """A predictor or noise scale with a kink at zero in a latent (``abs``, ``relu``) passed the affinity test when
+    the two random points shared the orthant of the coordinates read, and a site with zero derivative at the first
+    point (``relu(-b)`` with ``b > 0``) was taken for a constant and its log density at that point added to the
+    evidence. The second point now lies in the opposite orthant, and sites found constant are compared there."""
+    f = {"abs": torch.abs, "relu": torch.relu, "relu(-x)": lambda t: torch.relu(-t)}[kink]
+    y = torch.randn(10, generator=torch.Generator().manual_seed(0), dtype=D)
+    for j in range(3):
+        def model(y):
+            b = pyro.sample("b", dist.Normal(torch.zeros(4, dtype=D), 1.0).to_event(1))
+            loc = (f(b[j]) if where == "predictor alone" else f(b[j]) + b[3]) if where != "noise scale" else b[3]
+            scale = 1.0 + f(b[j]) if where == "noise scale" else torch.tensor(1.0, dtype=D)
+            pyro.sample("y", dist.Normal(loc + torch.zeros(10, dtype=D), scale).to_event(1), obs=y)
+
+        with pytest.raises(pcv.UnsupportedModelError) as e:
+            pcv.lgm_from_pyro(model, y)
+        assert e.value.site == "y", (j, e.value.site)
+        assert "affine" in e.value.reason or "depends on" in e.value.reason
 
 
 def test_explicit_constructor_matches_traced_model():

@@ -398,9 +398,7 @@ def _latent_prior(name, fn, shape, dtype, device, keep_graph=False, loc=None):
     from ..distributions import SparseGMRF
 
     if isinstance(base, SparseGMRF):  # sparse precision kept sparse; log|Q| from its sparse Cholesky factor
-        if tuple(shape) != (base.n,):
-            raise UnsupportedModelError(name, f"a SparseGMRF latent site must have shape ({base.n},) (batch shape ()), "
-                                              f"got {tuple(shape)}")
+        _check_gmrf_shape(name, base, shape)
         prec = base.scaled_precision()
         if prec.dtype != dtype or prec.device != device:
             A = prec.matrix
@@ -443,6 +441,14 @@ def _latent_prior(name, fn, shape, dtype, device, keep_graph=False, loc=None):
     raise UnsupportedModelError(
         name, f"unsupported prior {type(base).__name__}: a latent site needs a Normal, MultivariateNormal or Laplace prior"
     )
+
+
+def _check_gmrf_shape(name, base, shape):
+    """A ``SparseGMRF`` latent site is one field: shape ``(n,)``, not a batch of fields (a plate, ``expand``)."""
+    if tuple(shape) != (base.n,):
+        raise UnsupportedModelError(name, f"a SparseGMRF latent site must have shape ({base.n},) (batch shape ()), "
+                                          f"got {tuple(shape)}: a plate or expand() over the field makes a batch of "
+                                          "independent fields, which the extraction does not stack")
 
 
 def _rows(t, full_shape, event_dim, name, what):
@@ -783,7 +789,9 @@ def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
     The affine map is taken from :func:`pyro_convexvb.linear` calls when the model uses them
     (sparse designs stay sparse), otherwise probed with autograd: for a sparse structure first when ``q * n >
     PROBE_MIN_ENTRIES`` or ``n >= PROBE_MIN_LATENTS``, else as a dense Jacobian when ``q * n <=
-    DENSE_JACOBIAN_LIMIT``, else kept as a vjp/jvp operator. Affinity is checked at two random points.
+    DENSE_JACOBIAN_LIMIT``, else kept as a vjp/jvp operator. Affinity is checked at two random points, the second
+    in the orthant opposite to the first; what the derivatives at the first say is constant is compared at the
+    second.
 
     :param model: a Pyro model callable.
     :param args: positional arguments of the model (data).
@@ -939,6 +947,7 @@ def _intrinsic_prior(b, base, dtype, device, keep_graph=False):
     if keep_graph:
         raise UnsupportedModelError(b.name, "gradients of the evidence with respect to the parameters of an intrinsic "
                                             "SparseGMRF (keep_graph, learn_params) are not available")
+    _check_gmrf_shape(b.name, base, b.shape)
     fac = base._intrinsic
     s = float(base.precision_scale.detach())
     A = base.precision.matrix
@@ -1030,6 +1039,18 @@ def _chain_prior(x, b, site):
     return prior, (rows, cols, vals)
 
 
+def _same_sites(tr, other):
+    """Refuse a model whose sample sites (names, kinds, shapes) differ between two runs at different latent values,
+    naming the first site that differs: a model that branches on a latent."""
+    from itertools import zip_longest
+
+    for s, t in zip_longest(_sites(tr), _sites(other)):
+        if s != t:
+            raise UnsupportedModelError((s or t)[0], "the site is sampled, or has a shape, at some values of the "
+                                                     "latent sites and not at others (the model branches on a "
+                                                     "latent): outside the latent Gaussian model class")
+
+
 def _sites(tr):
     """The sample sites of a trace with their kind and shapes: what an extraction's structure depends on."""
     return [(n, s["is_observed"], tuple(s["fn"].batch_shape), tuple(s["fn"].event_shape)) for n, s in tr.nodes.items()
@@ -1115,10 +1136,14 @@ class _Extraction:
         self.tr, self.records, self.vals = self.run_at(u0, layout)
 
     def second_trace(self):
-        """``(u1, trace, records, values)`` at a second random point (drawn once, on first use)."""
+        """``(u1, trace, records, values)`` at a second random point (drawn once, on first use), every coordinate of
+        the sign opposite to ``u0``'s: a map with a kink at zero (``abs``, ``relu``, a clamp at 0) is affine on
+        each orthant, so two points of one orthant (probability ``2^-d`` for ``d`` coordinates read) would pass the
+        affinity tests with the map of that orthant."""
         if self._second is None:
-            u1 = self.draw(self.n)
+            u1 = (-torch.sign(self.u0.detach()) * self.draw(self.n).detach().abs()).requires_grad_(True)
             self._second = (u1,) + self.run_at(u1, self.layout)
+            _same_sites(self.tr, self._second[1])
         return self._second
 
     def affine(self, name, eta, eta1, rows=None):
@@ -1139,6 +1164,12 @@ class _Extraction:
         return op, offset
 
 
+#: why a latent site with a scale factor is refused
+_SCALED_LATENT = ("latent site is scaled (by poutine.scale, or by a pyro.plate with explicit subsample= indices, which "
+                  "scales its prior by size / len(subsample)); scaled priors are not supported: sample the latent "
+                  "over its full plate (subsample_size= is fine: it is traced at full size)")
+
+
 def _prior_blocks(x, chain_names):
     """The priors of the layout's blocks, Laplace prior sites as site groups, the affine chains' Jacobian entries
     and the intrinsic GMRFs."""
@@ -1148,7 +1179,7 @@ def _prior_blocks(x, chain_names):
         site = x.tr.nodes[b.name]
         fn = site["fn"]
         if not _is_one(site.get("scale", 1.0)):
-            raise UnsupportedModelError(b.name, "latent site is scaled by poutine.scale; scaled priors are not supported")
+            raise UnsupportedModelError(b.name, _SCALED_LATENT)
         keep = _keep_rows(b.name, site)
         if keep is not None and not bool(keep.all()):
             raise UnsupportedModelError(b.name, "latent site is masked (poutine.mask or dist.mask): its masked entries "
@@ -1189,7 +1220,7 @@ def _imputed_blocks(x, full_layout, imputed_names):
             raise UnsupportedModelError(b.name, "latent site is masked (poutine.mask or dist.mask): its masked entries "
                                                 "have no prior, an improper density outside the LGM class")
         if not _is_one(site.get("scale", 1.0)):
-            raise UnsupportedModelError(b.name, "latent site is scaled by poutine.scale; scaled priors are not supported")
+            raise UnsupportedModelError(b.name, _SCALED_LATENT)
         base, _ = _unwrap(site["fn"])
         full = tuple(site["fn"].batch_shape) + tuple(site["fn"].event_shape)
         if _depends_on(base.scale, x.u0):
@@ -1278,6 +1309,60 @@ def _factor_groups(x, factors, log_const):
     return groups, log_const
 
 
+def _parameters(fn):
+    """``{(depth, attribute): tensor}`` of the dense floating tensors of a distribution and of its wrappers."""
+    out, depth = {}, 0
+    while fn is not None:
+        out.update({(depth, k): v for k, v in vars(fn).items()
+                    if torch.is_tensor(v) and v.layout == torch.strided and v.is_floating_point()})
+        fn, depth = getattr(fn, "base_dist", None), depth + 1
+    return out
+
+
+def _changed(a, b):
+    """Whether two values of a quantity that should not depend on the latents differ (the affinity test's
+    tolerance; a shape change or NaN counts)."""
+    a, b = torch.as_tensor(a).detach(), torch.as_tensor(b).detach()
+    if a.shape != b.shape:
+        return True
+    if a.numel() == 0:
+        return False
+    tol = _AFFINE_RTOL if a.dtype == torch.float64 else 1e-3
+    return not bool(((a - b).abs() <= tol * (1.0 + a.abs() + b.abs())).all())
+
+
+def _check_at_second_point(x, chain_names, imputed_names, read):
+    """Compare at the second point ``u1`` what the extraction found not to depend on the latents from derivatives at
+    ``u0`` alone: the parameters of latent priors (but the mean of chain children and integrated leaves, checked
+    affine by their own test), the fixed parameters of likelihood sites that read the latents, and the log density of
+    the observed sites and factors in ``read`` that do not (taken as constants). A flat region at ``u0``
+    (``relu(-mu)`` with ``mu > 0``, a clamp, a step) has zero derivative there; ``u1`` lies in the opposite orthant.
+
+    :raises UnsupportedModelError: naming the first site that changes."""
+    tr1 = x.second_trace()[1]
+    flat = ("it has zero derivative in the latents at one point but another value at a second point (a flat piece of "
+            "relu, clamp, abs or a step): not an affine function of the latent sites")
+    for name, site in x.tr.nodes.items():
+        if site["type"] != "sample" or _is_subsample(site) or _is_deterministic(site):
+            continue
+        site1 = tr1.nodes[name]  # the same sites (second_trace)
+        if not site["is_observed"]:
+            skip = "loc" if name in chain_names or name in imputed_names else None
+            p0, p1 = _parameters(site["fn"]), _parameters(site1["fn"])
+            for key in p0.keys() & p1.keys():
+                if key[1] != skip and _changed(p0[key], p1[key]):
+                    raise UnsupportedModelError(name, f"the parameter '{key[1]}' of its prior depends on the latent "
+                                                      f"sites: {flat}")
+        elif name in read and not _is_factor(site):
+            family_cls, base = _observed_site(name, site, x.dtype)[:2]
+            p1 = family_cls.fixed_params(_observed_site(name, site1, x.dtype)[1])
+            for key, (value, what) in family_cls.fixed_params(base).items():
+                if key in p1 and _changed(value, p1[key][0]):
+                    raise UnsupportedModelError(name, f"the {what} depends on a latent site: {flat}")
+        elif name not in read and _changed(_site_log_prob(site), _site_log_prob(site1)):
+            raise UnsupportedModelError(name, f"the site's log density depends on the latent sites: {flat}")
+
+
 def _chain_of(n, chain_coo, intrinsic, chain_names, dtype, device, template=None):
     """The :class:`~pyro_convexvb.lgm.chains.AffineChain` ``x = M u + c`` of the affine Gaussian chains and intrinsic
     GMRFs, or ``None``; an extraction template's chain when its coefficients and intrinsic blocks are the same."""
@@ -1331,6 +1416,8 @@ def _extract(model, args, kwargs, dtype, keep_graph):
         if template is not None:
             template.note_structure_change("the model's sample sites or their shapes changed")
         return _extract(model, args, kwargs, dtype, keep_graph)
+    if not cached:
+        _same_sites(tr0, x.tr)  # the structure trace ran at a prior draw, x.tr at uf
     if cache is not None:
         cache["structure"] = tr0
     imputed_names, chain_names = _classify_dependent_latents(x.tr, full_layout, uf)
@@ -1346,11 +1433,14 @@ def _extract(model, args, kwargs, dtype, keep_graph):
         if layout.size == 0:
             raise UnsupportedModelError("<model>", "the model has no latent sample site that the likelihood reads")
         x.at(x.draw(layout.size), layout)
+        _same_sites(tr0, x.tr)
     priors, laplace_groups, chain_coo, intrinsic = _prior_blocks(x, chain_names)
     imputed = _imputed_blocks(x, full_layout, imputed_names)
     groups, log_const = _observed_groups(x, observed)
     factor_groups, log_const = _factor_groups(x, factors, log_const)
     groups = groups + factor_groups
+    if x.template is None or x._second is not None:  # (a template's maps were checked by its first extraction)
+        _check_at_second_point(x, chain_names, imputed_names, {g.name for g in groups})
     for name, site in x.tr.nodes.items():
         if site["type"] == "sample" and not site["is_observed"] and not _is_subsample(site) \
                 and name not in full_layout.names:
