@@ -53,9 +53,11 @@ def test_fused_kernel_equals_K_separate_learners(link):
     n, nnz = X.shape[0], X.nnz
     p_mix, ll_mix = np.empty(n), np.empty(n)
     cum, active, until = np.zeros(K), np.ones(K, np.uint8), np.full(K, n, dtype=np.int64)
+    bad = np.zeros(1, dtype=np.uint8)
     _kernels.run_alg1_fused(_kernels.LOGIT if link == "logit" else _kernels.PROBIT, X.indptr.astype(np.int64),
                             X.indices.astype(np.int64), X.data, y, mu, s2, p_mix, ll_mix, np.empty((K, nnz)),
-                            np.empty((K, nnz)), np.arange(K), cum, active, until, np.inf)
+                            np.empty((K, nnz)), np.arange(K), cum, active, until, np.inf, bad)
+    assert bad[0] == 0  # every value written is a finite mean and a normal variance
     p1, ll, members = _separate(X, y, link, [(0, n)])
     for k, m in enumerate(members):  # every member's posterior is its separate learner's
         np.testing.assert_allclose(mu[k], m.coef_, rtol=1e-12, atol=1e-15)
@@ -145,3 +147,38 @@ def test_dropping_members_moves_predictions_by_at_most_their_weight(fast, monkey
                                rtol=1e-12)
     assert np.all(np.abs(p_win - p_full) <= w_out + 1e-12)
     assert np.abs(p_win - p_full).max() > 0  # the bound is not vacuous here: the window changed something
+
+
+def test_fused_kernel_flags_a_variance_below_the_smallest_normal_float64():
+    """The fused kernel checks the values it writes (the chunk's state check is skipped on that path): a variance
+    of 3e-308 shrunk by a row with x = 1e154 (x^2 v = 3, finite score moments) falls below 2.2e-308 and sets
+    ``bad``; a variance of 1e-300 stays normal and does not."""
+    indptr, indices, data = np.array([0, 1], dtype=np.int64), np.array([0], dtype=np.int64), np.array([1e154])
+    for v0, expected in ((3e-308, 1), (1e-300, 0)):
+        mu, s2 = np.zeros((1, 1)), np.full((1, 1), v0)
+        bad = np.zeros(1, dtype=np.uint8)
+        _kernels.run_alg1_fused(_kernels.LOGIT, indptr, indices, data, np.array([1.0]), mu, s2, np.empty(1),
+                                np.empty(1), np.empty((1, 1)), np.empty((1, 1)), np.zeros(1, dtype=np.int64),
+                                np.zeros(1), np.ones(1, np.uint8), np.full(1, 1, dtype=np.int64), np.inf, bad)
+        assert int(bad[0]) == expected, (v0, s2)
+
+
+def test_fused_path_refuses_a_chunk_whose_update_leaves_a_subnormal_variance():
+    """End to end on the default (fused) path: the kernel's flag makes partial_fit refuse the chunk and undo it."""
+    import scipy.sparse as sp
+    import torch
+
+    from pyro_convexvb.online import OnlineBayesLogistic
+
+    est = OnlineBayesLogistic(num_features=4, prior_var=1.0)
+    est.partial_fit(sp.csr_matrix(np.array([[1.0, 0, 0, 0]])), np.array([1]), classes=[0, 1])
+    st = est.state_dict()
+    st["s2"] = torch.tensor([3e-308, 1.0, 1.0, 1.0], dtype=torch.float64)  # a normal float64, just above tiny
+    st["mu"] = torch.zeros(4, dtype=torch.float64)  # a zero score: the update's curvature term is 1/4
+    est.load_state_dict(st)
+    before = {k: v.clone() if hasattr(v, "clone") else v for k, v in est.state_dict().items()}
+    with pytest.raises(FloatingPointError, match="row 0 of this batch, column 0"):
+        est.partial_fit(sp.csr_matrix(np.array([[1e154, 0, 0, 0]])), np.array([1]))
+    after = est.state_dict()
+    for k, v in before.items():
+        assert (bool((after[k] == v).all()) if hasattr(v, "clone") else after[k] == v), k

@@ -332,6 +332,7 @@ class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
 
     def _run(self, indptr, indices, data, y, p1, ll):
         """Stream the CSR rows through the compiled kernels or the reference path; ``(unconverged, skipped)``."""
+        self.__dict__.pop("_state_checked", None)  # set by a kernel that checks the values it writes (this chunk's)
         if self.fast_:
             return self._run_fast(indptr, indices, data, y, p1, ll)
         return self._run_reference(indptr, indices, data, y, p1, ll)
@@ -354,6 +355,9 @@ class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
         floor of its ``_array_constraints``) at the columns ``indices`` a chunk wrote: min and max of each array
         over those entries (over the whole array when it is not longer than ``indices``: contiguous, and the
         entries not written are valid already)."""
+        checked = self.__dict__.pop("_state_checked", None)
+        if checked is not None:  # the fused kernel checked each value as it wrote it
+            return not checked
         for key, a in self._state_arrays().items():
             v = a if a.shape[0] <= indices.shape[0] else a[indices]
             if v.size == 0:
@@ -917,8 +921,10 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
             self._undo = (np.empty((S, len(indices))), np.empty((S, len(indices))), indices, indptr, slot, until)
         if auto or self._fused():
             if self._fused():
+                bad = np.zeros(1, dtype=np.uint8)
                 out = k.run_alg1_fused(link, indptr, indices, data, y, mu, s2, p1, ll, self._undo[0], self._undo[1],
-                                       slot, cum, active, until, AUTO_LOG_WINDOW if auto else np.inf)
+                                       slot, cum, active, until, AUTO_LOG_WINDOW if auto else np.inf, bad)
+                self._state_checked = not bool(bad[0])  # the kernel checked every value it wrote
                 if auto:
                     self._member_loss = cum
                     self._member_active = self._member_active & active.astype(bool)

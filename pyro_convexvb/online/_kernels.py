@@ -27,6 +27,8 @@ _SQRT2 = math.sqrt(2.0)
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _TAIL = -35.0
+#: the smallest normal float64: a variance below it is refused (``_base._FLOORS["positive"]``)
+TINY = float(np.finfo(np.float64).tiny)
 
 
 @njit(cache=True, inline="always")
@@ -452,7 +454,7 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def run_alg1_fused(link, indptr, indices, data, y, mu, s2, p1_out, ll_out, undo_mu, undo_s2, slot, cum, active,
-                   until, log_window):
+                   until, log_window, bad):
     """Algorithm 1 with the default options (Taylor mean (17)/(30), Laplace variance (19)/(31), one row at a
     time) for ``K`` learners at once, and their Bayesian model average.
 
@@ -470,7 +472,9 @@ def run_alg1_fused(link, indptr, indices, data, y, mu, s2, p1_out, ll_out, undo_
     log losses; ``active`` (uint8, in/out); after every row a member whose loss exceeds the best active
     one's by more than ``log_window`` leaves for good and ``until[m]`` is set to the next row (Occam's
     window, Madigan & Raftery 1994).  ``undo_mu``, ``undo_s2``: ``(S, nnz)``: entry ``k``'s old values of member
-    ``m`` go to row ``slot[m]`` before they are overwritten (see :func:`undo_multi`).
+    ``m`` go to row ``slot[m]`` before they are overwritten (see :func:`undo_multi`).  ``bad`` (``(1,)`` uint8,
+    out) is set to 1 when a write leaves a mean that is not finite or a variance that is not a finite normal float64
+    (below ``tiny``): the caller's state check, done here at no extra pass over the state.
     """
     n = indptr.shape[0] - 1
     K = mu.shape[0]
@@ -492,7 +496,7 @@ def run_alg1_fused(link, indptr, indices, data, y, mu, s2, p1_out, ll_out, undo_
         end = indptr[t + 1]
         yt = y[t]
         if na == 1:
-            p1_out[t], lp1 = _alg1_row(link, a, start, end, yt, indices, data, mu1, s2_1, um1, us1)
+            p1_out[t], lp1 = _alg1_row(link, a, start, end, yt, indices, data, mu1, s2_1, um1, us1, bad)
             ll_out[t] = -lp1
             cum[act[0]] += -lp1
             continue
@@ -549,8 +553,11 @@ def run_alg1_fused(link, indptr, indices, data, y, mu, s2, p1_out, ll_out, undo_
                 u = slot[m]
                 undo_mu[u, k] = m_i
                 undo_s2[u, k] = v_i
-                s2[m, i] = v_i / (1.0 + v_i * x * x * ic * ic * q2)
+                v_new = v_i / (1.0 + v_i * x * x * ic * ic * q2)
+                s2[m, i] = v_new
                 mu[m, i] = m_new
+                if not (abs(m_new) < np.inf and TINY <= v_new < np.inf):  # NaN fails both
+                    bad[0] = 1
         for j in range(na):
             cum[act[j]] += -lp[j]
         if na > 1:  # Occam's window
@@ -572,8 +579,9 @@ def run_alg1_fused(link, indptr, indices, data, y, mu, s2, p1_out, ll_out, undo_
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _alg1_row(link, a, start, end, yt, indices, data, mu, s2, undo_mu, undo_s2):
-    """One row of :func:`run_alg1_fused` for one member (``(d,)`` state): ``(P(y = 1), log p(y_t))``."""
+def _alg1_row(link, a, start, end, yt, indices, data, mu, s2, undo_mu, undo_s2, bad):
+    """One row of :func:`run_alg1_fused` for one member (``(d,)`` state): ``(P(y = 1), log p(y_t))``; ``bad`` as
+    there."""
     mt = 0.0
     vt = 0.0
     for k in range(start, end):
@@ -599,8 +607,11 @@ def _alg1_row(link, a, start, end, yt, indices, data, mu, s2, undo_mu, undo_s2):
         _, q2 = _psi_fast(z_plus, link)
         undo_mu[k] = m_i
         undo_s2[k] = v_i
-        s2[i] = v_i / (1.0 + v_i * x * x * ic * ic * q2)
+        v_new = v_i / (1.0 + v_i * x * x * ic * ic * q2)
+        s2[i] = v_new
         mu[i] = m_new
+        if not (abs(m_new) < np.inf and TINY <= v_new < np.inf):  # NaN fails both
+            bad[0] = 1
     return p1, lp
 
 
