@@ -307,3 +307,4 @@ def test_dual_vg_learns_a_laplace_scale_param_at_the_maximum_of_the_exact_vg_bou
     ref = scipy.optimize.minimize_scalar(neg_bound, bounds=(-3, 2), method="bounded", options=dict(xatol=1e-7))
     assert float(pyro.param("b")) == pytest.approx(math.exp(ref.x), rel=1e-4)
     assert res.log_evidence_bound == pytest.approx(-ref.fun, abs=1e-8)
+

@@ -31,11 +31,15 @@ def dual_vg_applies(lgm):
         if p.flat:
             return UnsupportedModelError(p.name, f"latent '{p.name}' has no Gaussian prior (flat block, e.g. a "
                                                  "Laplace prior)")
+    surrogate = None
     for g in lgm.sites:
         try:
-            g.family.local_bound()
+            if getattr(g.family.local_bound(), "surrogate", False) and surrogate is None:  # block bounds have none
+                surrogate = g
         except ValueError as e:  # UnsupportedModelError, or data outside the family's support
             return UnsupportedModelError(g.name, getattr(e, "reason", str(e)))
+    if surrogate is not None and sharded_design(lgm.design())[1] is not None:
+        return _sharded_surrogate(surrogate)
     if not lgm.sites:
         return UnsupportedModelError("<model>", "the model has no likelihood sites")
     vector = [g for g in lgm.sites if g.family.vector_site]
@@ -48,6 +52,12 @@ def dual_vg_applies(lgm):
         return UnsupportedModelError(vector[0].name, "dual_vg does not fit vector (Categorical) sites on row-sharded "
                                                      "data")
     return None
+
+
+def _sharded_surrogate(g):
+    return UnsupportedModelError(g.name, f"dual_vg fits {g.family.name} sites by refining to the exact "
+                                         "variational-Gaussian optimum, which is not available on row-sharded data; fit "
+                                         "without sharding, or with engine='convex_relaxation'")
 
 
 def _is_identity(op, n):
@@ -552,9 +562,7 @@ class DualVGEngine(Engine):
                              "exact local bound, only a loose surrogate, so its Gaussian must be refined to the exact "
                              "variational-Gaussian optimum; leave refine at None (or True)")
         if sharded_design(lgm.design())[1] is not None:
-            raise UnsupportedModelError(g.name, f"dual_vg fits {g.family.name} sites by refining to the exact "
-                                                "variational-Gaussian optimum, which is not available on row-sharded "
-                                                "data; fit without sharding, or with engine='convex_relaxation'")
+            raise _sharded_surrogate(g)
         return True
 
     def _solve_block(self, lgm, run):
