@@ -56,8 +56,8 @@ def dual_vg_applies(lgm):
 
 def _sharded_surrogate(g):
     return UnsupportedModelError(g.name, f"dual_vg fits {g.family.name} sites by refining to the exact "
-                                         "variational-Gaussian optimum, which is not available on row-sharded data; fit "
-                                         "without sharding, or with engine='convex_relaxation'")
+                                         "variational-Gaussian optimum, which is not available on row-sharded data; "
+                                         "fit without sharding, or with engine='convex_relaxation'")
 
 
 def _is_identity(op, n):
