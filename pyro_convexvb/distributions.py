@@ -405,8 +405,8 @@ class SparseGMRF(TorchDistribution):
                                  "(SparseGMRF has batch_shape (); batched parameters are not supported)")
             precision_scale = precision_scale.reshape(())
             validate = self._validate_args if validate_args is None else validate_args
-            # a scale that underflowed to 0 (an MCMC proposal exp(z), z < -745) gives log_prob = -inf, as a
-            # vanishing scale does in torch's distributions; negative or NaN scales are errors
+            # negative or NaN scales are errors here; a scale of 0 (an MCMC proposal exp(z), z < -745) is refused by
+            # torch's check of arg_constraints (positive) under validation, and gives log_prob = -inf without it
             if validate and not torch._C._get_tracing_state() and not bool(precision_scale.detach() >= 0):
                 raise ValueError(f"precision_scale: must be positive, got {float(precision_scale.detach()):.6g}")
         self.loc = loc
@@ -484,8 +484,12 @@ class SparseGMRF(TorchDistribution):
         batch = r.shape[:-1]
         flat = r.reshape(-1, n).transpose(0, 1)  # (n, B)
         quad = (flat * self.precision.mv(flat.contiguous())).sum(0).reshape(batch)
-        return (-0.5 * self.rank * math.log(2 * math.pi) + 0.5 * self.log_det_precision()
-                - 0.5 * self.precision_scale * quad)
+        lp = (-0.5 * self.rank * math.log(2 * math.pi) + 0.5 * self.log_det_precision()
+              - 0.5 * self.precision_scale * quad)
+        if bool(torch.isinf(self.precision_scale.detach())):  # a point mass at loc (inf - inf was NaN): as torch's
+            # Normal with scale 0 or a precision scale overflowed to inf (an MCMC proposal exp(z), z > 709)
+            lp = torch.where(quad > 0, torch.full_like(lp, -math.inf), torch.full_like(lp, math.inf))
+        return lp
 
     def rsample(self, sample_shape=torch.Size()):
         shape = self._extended_shape(sample_shape)

@@ -793,3 +793,22 @@ def test_value_only_objective_equals_the_full_one_without_variances(which, monke
     np.testing.assert_allclose(full.v_tilde.numpy(), np.diag(V), rtol=0, atol=1e-11)
     with pytest.raises(ValueError, match="gradient"):
         reduced_objective(be, bound, alpha, hessian=True, gradient=False)
+
+
+def test_log_prob_at_an_infinite_precision_scale_is_that_of_a_point_mass_not_nan():
+    """precision_scale = inf (an MCMC proposal exp(z) that overflowed) gave inf - inf = NaN; now -inf off loc (the
+    limit, as torch's distributions give for a vanishing scale) and +inf at loc; 0 gives -inf (unvalidated)."""
+    from pyro_convexvb.distributions import SparseGMRF
+
+    n = 3
+    Q = (2 * torch.eye(n, dtype=torch.float64) - torch.diag(torch.ones(n - 1, dtype=torch.float64), 1)
+         - torch.diag(torch.ones(n - 1, dtype=torch.float64), -1)).to_sparse_csr()
+    x = torch.tensor([[0.1, -0.2, 0.3], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    d = SparseGMRF(torch.zeros(n, dtype=torch.float64), Q, precision_scale=torch.tensor(math.inf, dtype=torch.float64))
+    assert d.log_prob(x).tolist() == [-math.inf, math.inf]
+    d0 = SparseGMRF(torch.zeros(n, dtype=torch.float64), Q, precision_scale=torch.tensor(0.0, dtype=torch.float64),
+                    validate_args=False)
+    assert d0.log_prob(x[:1]).tolist() == [-math.inf]
+    finite = SparseGMRF(torch.zeros(n, dtype=torch.float64), Q,
+                        precision_scale=torch.tensor(1e300, dtype=torch.float64))
+    assert math.isfinite(float(finite.log_prob(x[1])))  # a large finite scale is untouched
