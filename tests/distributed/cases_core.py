@@ -128,16 +128,21 @@ def case_convex_relaxation_logistic_lanczos(rank, world):
     return _fit_summary(res)
 
 
-def case_laplace_logistic(rank, world):
+def _laplace_logistic(rank, world, **options):
+    """The laplace engine on the sharded logistic problem (``options`` beside ``learn_params=False``)."""
     X, y = _problem(rank, world)
     res = pcv.fit(logistic_model, row_sharded(X.to_sparse_csr()), y, engine="laplace",
-                  options={"learn_params": False})
+                  options=dict(options, learn_params=False))
     out = _fit_summary(res)
     out["covariance"] = res.posterior.covariance()
     X1, _ = _problem(0, 1)
     out.update(laplace_tolerances(res, X1, {"mean": slice(None), "variance": slice(None),
                                             "covariance": slice(None)}))
-    return out
+    return res, out
+
+
+def case_laplace_logistic(rank, world):
+    return _laplace_logistic(rank, world)[1]
 
 
 def case_refusals(rank, world):
@@ -180,20 +185,13 @@ def case_blr_convex_relaxation(rank, world):
             "proba": torch.as_tensor(clf.predict_proba(_estimator_data(0, 1)[0][:5]))[:, 1]}
 
 
-
 def case_laplace_logistic_lbfgs(rank, world):
     """The same fit with the mode found by L-BFGS: the Hessian at the mode then comes from the sharded loss, one
     backward pass per row on every rank."""
-    X, y = _problem(rank, world)
-    res = pcv.fit(logistic_model, row_sharded(X.to_sparse_csr()), y, engine="laplace",
-                  options={"learn_params": False, "method": "lbfgs"})
+    res, out = _laplace_logistic(rank, world, method="lbfgs")
     assert res.info["method"] == "lbfgs"
-    out = _fit_summary(res)
-    out["covariance"] = res.posterior.covariance()
-    X1, _ = _problem(0, 1)
-    out.update(laplace_tolerances(res, X1, {"mean": slice(None), "variance": slice(None),
-                                            "covariance": slice(None)}))
     return out
+
 
 def case_blr_laplace(rank, world):
     X, y = _estimator_data(rank, world)
