@@ -486,10 +486,10 @@ class SparseGMRF(TorchDistribution):
         quad = (flat * self.precision.mv(flat.contiguous())).sum(0).reshape(batch)
         lp = (-0.5 * self.rank * math.log(2 * math.pi) + 0.5 * self.log_det_precision()
               - 0.5 * self.precision_scale * quad)
-        if bool(torch.isinf(self.precision_scale.detach())):  # a point mass at loc (inf - inf was NaN): as torch's
-            # Normal with scale 0 or a precision scale overflowed to inf (an MCMC proposal exp(z), z > 709)
-            lp = torch.where(quad > 0, torch.full_like(lp, -math.inf), torch.full_like(lp, math.inf))
-        return lp
+        # a precision scale overflowed to inf (an MCMC proposal exp(z), z > 709) is a point mass at loc, as torch's
+        # Normal with scale 0 (inf - inf was NaN); elementwise, without a Python branch, so torch.func.vmap runs it
+        point = torch.where(quad > 0, torch.full_like(lp, -math.inf), torch.full_like(lp, math.inf))
+        return torch.where(torch.isinf(self.precision_scale.detach()), point, lp)
 
     def rsample(self, sample_shape=torch.Size()):
         shape = self._extended_shape(sample_shape)
