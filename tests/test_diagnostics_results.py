@@ -212,8 +212,12 @@ def test_vectorised_and_looped_log_joint_agree_and_unvectorisable_models_fall_ba
         pyro.sample("y", dist.Normal(loc, s), obs=y)
 
     lj = ModelLogJoint(branchy, (), {"y": torch.tensor(0.3, dtype=D)})
-    out = lj.evaluate({"s": torch.tensor([-1.0, 1.0], dtype=D)})
+    with pytest.warns(RuntimeWarning, match=r"model 'branchy'.*one trace per draw.*vmap cannot run it"):
+        out = lj.evaluate({"s": torch.tensor([-1.0, 1.0], dtype=D)})
     assert lj.vectorised is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once, not at every evaluation
+        lj.evaluate({"s": torch.tensor([0.5], dtype=D)})
     exact = [float(dist.HalfNormal(torch.tensor(1.0, dtype=D)).log_prob(torch.tensor(math.exp(z), dtype=D)) + z
                    + dist.Normal(torch.tensor(loc, dtype=D), torch.tensor(math.exp(z), dtype=D)).log_prob(
                        torch.tensor(0.3, dtype=D)))
