@@ -94,3 +94,18 @@ def test_the_model_average_prior_is_not_sharded():
         ShardedOnline(OnlineBayesLogistic(5), merge_every=10)
     with pytest.raises(ValueError, match="prior_var='auto'.*cannot be sharded"):
         simulate_sharded([OnlineBayesLogistic(5), OnlineBayesLogistic(5)], [], 10)
+
+
+def test_a_feature_whose_merged_precision_is_not_positive_keeps_its_state_and_is_named():
+    """The rule sum_r (lambda_r - lambda) can leave a feature without a positive precision when a learner's variance
+    update grows a variance; that feature keeps its pre-merge state, now with a warning that names it."""
+    from pyro_convexvb.online.sharded import _apply, _snapshot, _start
+
+    est = OnlineBayesLogistic(3, prior_var=1.0)
+    _start(est, None)
+    snap = _snapshot(est)
+    total = np.array([-2.0, 0.5, 0.0, 0.1, 0.2, 0.3])  # [lambda changes, eta changes]; feature 0: 1 - 2 < 0
+    with pytest.warns(RuntimeWarning, match=r"1 of 3 features .* features \[0\]"):
+        _apply(est, snap, total)
+    np.testing.assert_allclose(est._s2, [1.0, 1 / 1.5, 1.0], rtol=1e-15)
+    np.testing.assert_allclose(est._mu, [0.0, 0.2 / 1.5, 0.3], rtol=1e-15)

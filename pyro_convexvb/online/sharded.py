@@ -20,8 +20,8 @@ the precision-weighted combination of independent Gaussian updates (each rank's 
 message of its rows; the same rule as the mini-batch remark of Shamir & Szpankowski 2021,
 Appendix D.1, and the parallel training of adPredictor, Graepel et al. 2010). A feature that only
 one rank touched gets exactly that rank's update. Should the summed precision of a feature not be
-positive (it cannot for the Laplace variance update, whose precision only grows), that feature
-keeps its pre-merge state.
+positive and finite (it cannot for the Laplace variance update, whose precision only grows), that
+feature keeps its pre-merge state, with a ``RuntimeWarning`` naming the features.
 
 The cost of the approximation is measured as the extra progressive log-loss (regret) against the
 sequential algorithm on the same rows (``tests/test_online_distributed.py``; ``docs/online.md``).
@@ -30,6 +30,7 @@ One merge all-reduces ``2 d`` float64 numbers (``d`` features). Without an activ
 (or with one rank) :class:`ShardedOnline` is exactly the sequential algorithm on the local rows.
 """
 import math
+import warnings
 
 import numpy as np
 
@@ -60,9 +61,15 @@ def _apply(est, snap, total, merge="natural", ranks=1):
         eta = eta0 + total[d:]
     else:  # precision-weighted average of the ranks' means: sum_r eta_r / sum_r lambda_r, times the new precision
         eta = total[d:] / (ranks * lam0 + total[:d]) * lam
-    bad = ~(lam > 0) | ~np.isfinite(eta)
+    bad = ~(lam > 0) | ~np.isfinite(lam) | ~np.isfinite(eta)
     if bad.any():
         lam[bad], eta[bad] = lam0[bad], eta0[bad]
+        idx = np.flatnonzero(bad)
+        warnings.warn(f"merge: the merged precision of {idx.size} of {d} features is not positive and finite (or "
+                      f"their mean is not finite), so they keep their state from before this merge and the rows "
+                      f"since the last merge are lost for them: features {idx[:10].tolist()}"
+                      f"{' ...' if idx.size > 10 else ''}; merge='average' or a smaller merge_every keeps each "
+                      "rank's change smaller", RuntimeWarning, stacklevel=3)
     est._mu[...] = eta / lam
     est._s2[...] = 1.0 / lam
 
