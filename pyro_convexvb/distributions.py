@@ -480,8 +480,8 @@ class SparseGMRF(TorchDistribution):
         if self._validate_args:
             self._validate_sample(value)
         n = self.n
-        r = value - self.loc
-        batch = r.shape[:-1]
+        r = (value - self.loc).to(self.loc.dtype)  # a value of another dtype is evaluated in the distribution's, as
+        batch = r.shape[:-1]  # torch's MultivariateNormal does
         flat = r.reshape(-1, n).transpose(0, 1)  # (n, B)
         quad = (flat * self.precision.mv(flat.contiguous())).sum(0).reshape(batch)
         lp = (-0.5 * self.rank * math.log(2 * math.pi) + 0.5 * self.log_det_precision()

@@ -812,3 +812,18 @@ def test_log_prob_at_an_infinite_precision_scale_is_that_of_a_point_mass_not_nan
     finite = SparseGMRF(torch.zeros(n, dtype=torch.float64), Q,
                         precision_scale=torch.tensor(1e300, dtype=torch.float64))
     assert math.isfinite(float(finite.log_prob(x[1])))  # a large finite scale is untouched
+
+
+def test_log_prob_of_a_value_in_another_dtype_is_evaluated_in_the_distributions_dtype():
+    """A float32 SparseGMRF given a float64 value raised torch's raw 'addmv ... same dtype' error; now it is evaluated
+    in the distribution's dtype, as torch's MultivariateNormal does, and agrees with it."""
+    from pyro_convexvb.distributions import SparseGMRF
+
+    n = 3
+    Q = 2 * torch.eye(n) - torch.diag(torch.ones(n - 1), 1) - torch.diag(torch.ones(n - 1), -1)
+    x = torch.tensor([0.1, -0.2, 0.3], dtype=torch.float64)
+    lp = SparseGMRF(torch.zeros(n), Q.to_sparse_csr()).log_prob(x)
+    ref = torch.distributions.MultivariateNormal(torch.zeros(n), precision_matrix=Q).log_prob(x)
+    assert lp.dtype == torch.float32 and float(lp) == pytest.approx(float(ref), rel=1e-6)
+    lp64 = SparseGMRF(torch.zeros(n, dtype=torch.float64), Q.double().to_sparse_csr()).log_prob(x.float())
+    assert lp64.dtype == torch.float64 and float(lp64) == pytest.approx(float(ref), rel=1e-6)
