@@ -415,8 +415,20 @@ def engine_options(est, engine, options):
         if field in options:
             raise ValueError(f"{name}: {knob}={value!r} and options={{{field!r}: {options[field]!r}}} set the same "
                              f"engine option; give one")
+        if knob != "random_state":
+            _check_range(name, knob, value, engine.name, field, fields[field].metadata)
         options[field] = seed_from(value) if knob == "random_state" else value
     return options
+
+
+def _check_range(name, knob, value, engine_name, field, meta):
+    """Refuse an estimator parameter outside the range of the engine option it sets, naming both."""
+    bounds = [(key, sym, meta.get(key)) for key, sym in (("min", ">="), ("gt", ">"), ("max", "<="))]
+    ok = {"min": lambda b: value >= b, "gt": lambda b: value > b, "max": lambda b: value <= b}
+    broken = [f"{sym} {b}" for key, sym, b in bounds if b is not None and not ok[key](b)]
+    if broken:
+        raise ValueError(f"{name}: {knob}={value!r} sets option '{field}' of engine '{engine_name}', which must be "
+                         f"{' and '.join(broken)}")
 
 
 # ------------------------------------------------------------------------------------------------ pickles

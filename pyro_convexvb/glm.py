@@ -265,6 +265,9 @@ class GLM(CompactPickleMixin, BaseEstimator):
 
         max_iter, tol = renamed(self, "max_steps", "max_iter"), renamed(self, "rtol", "tol")
         random_state = renamed(self, "seed", "random_state")
+        if self.min_steps > max_iter:
+            raise ValueError(f"GLM: min_steps={self.min_steps} exceeds max_iter={max_iter}: no plateau stop could come "
+                             "before the cap; lower min_steps or raise max_iter")
         sharded = sharded_estimator(self.distributed, "GLM")
         if sharded and self.batch_size is not None:
             raise ValueError("GLM: distributed=True needs full batches (batch_size=None): mini-batches drawn on each "

@@ -90,6 +90,12 @@ def test_logistic_knobs_an_engine_lacks_or_set_twice_are_refused():
         pcv.BayesianLogisticRegression(engine="nuts", tol=0.1).fit(X, y)
     with pytest.raises(ValueError, match=r"max_iter=5 and options=\{'max_iter': 9\}"):
         pcv.BayesianLogisticRegression(max_iter=5, options={"max_iter": 9}).fit(X, y)
+    # out of the engine option's range: named by the estimator's parameter and the option it sets
+    with pytest.raises(ValueError, match="max_iter=0 sets option 'max_steps' of engine 'svi_autonormal', which must "
+                                         "be >= 1"):
+        pcv.BayesianLogisticRegression(engine="svi_autonormal", max_iter=0).fit(X, y)
+    with pytest.raises(ValueError, match="max_iter=0 sets option 'max_iter' of engine 'dual_vg', which must be >= 1"):
+        pcv.BayesianLogisticRegression(max_iter=0).fit(X, y)
 
 
 def test_engine_options_maps_onto_each_engines_names():
@@ -119,6 +125,12 @@ def test_glm_max_iter_tol_random_state_change_the_fit():
     np.testing.assert_array_equal(_quiet(lambda: _glm(random_state=0).fit(X, y)).posterior_.locs,
                                   ref.posterior_.locs)
     assert not np.allclose(_quiet(lambda: _glm(random_state=1).fit(X, y)).posterior_.locs, ref.posterior_.locs)
+
+
+def test_glm_min_steps_beyond_max_iter_is_refused_by_the_estimators_names():
+    X, y = binary_problem(n=20)
+    with pytest.raises(ValueError, match="GLM: min_steps=50 exceeds max_iter=40"):
+        _glm(min_steps=50).fit(X, y)
 
 
 def test_glm_old_names_warn_and_fit_alike():
