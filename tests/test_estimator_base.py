@@ -247,6 +247,14 @@ def test_n_iter_counts_the_engines_iterations_within_max_iter(engine):
     assert _quiet(lambda: pcv.BayesianLinearRegression(max_iter=1).fit(Xr, yr)).n_iter_ == 1
 
 
+def test_n_iter_of_nuts_is_its_steps_with_warm_up():
+    """NUTS has no max_iter; its n_iter_ was 1 (the history's single row), now the chain's steps."""
+    X, y = binary_problem(n=30, d=2)
+    m = _quiet(lambda: pcv.BayesianLogisticRegression(engine="nuts", options={"num_samples": 20, "warmup_steps": 10},
+                                                      random_state=0).fit(X, y))
+    assert m.n_iter_ == 30
+
+
 @pytest.mark.parametrize("cls", [pcv.BayesianLinearRegression, pcv.GLM, pcv.BayesianLogisticRegression, GPClassifier])
 def test_every_parameter_is_documented(cls):
     """Every constructor parameter has a ``:param ...:`` entry in the class docstring (GLM's ``learn_prior_var``,

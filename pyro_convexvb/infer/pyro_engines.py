@@ -758,7 +758,8 @@ class NUTSEngine(_FullDataEngine):
         ess = float(effective_sample_size(chains).min())
         run.history.record(objective=float("nan"), r_hat=rhat, min_ess=ess)
         posterior = GaussianPosterior(loc, covariance=cov)
-        info = {"samples": samples, "unconstrained_samples": flat, "r_hat": rhat, "min_ess": ess}
+        info = {"samples": samples, "unconstrained_samples": flat, "r_hat": rhat, "min_ess": ess,
+                "iterations": o.warmup_steps + o.num_samples}  # the chain's steps, warm-up included
         ess_short = max(0.0, o.min_ess - ess) if math.isfinite(ess) else math.inf
         opt = Optimality((Criterion("largest split R-hat", rhat if math.isfinite(rhat) else math.inf, o.max_rhat),
                           Criterion(f"smallest effective sample size: shortfall below min_ess = {o.min_ess:g} (draws)",
