@@ -67,6 +67,24 @@ class LatentLayout:
                 return b
         raise KeyError(name)
 
+    def blocks_at(self, mask):
+        """The blocks, in layout order, holding a ``True`` coordinate of the boolean ``mask`` ``(n,)`` (one pass over
+        its nonzeros, not one test per block).
+
+        Example::
+
+            >>> layout = LatentLayout.from_shapes([("a", (2,)), ("b", ()), ("c", (3,))])
+            >>> [b.name for b in layout.blocks_at(torch.tensor([False, False, False, False, True, True]))]
+            ['c']
+        """
+        owner = self.__dict__.get("_owner")
+        if owner is None or owner.shape[0] != self.size:  # block index of each coordinate, kept for the next call
+            owner = torch.repeat_interleave(torch.arange(len(self.blocks)),
+                                            torch.tensor([b.size for b in self.blocks], dtype=torch.int64))
+            self.__dict__["_owner"] = owner
+        hit = torch.unique(owner[torch.nonzero(mask.reshape(-1).cpu()).reshape(-1)])
+        return [self.blocks[int(k)] for k in hit]
+
     def unflatten(self, u):
         """Split ``u`` of shape ``(..., n)`` into ``{site: tensor of shape (..., *site_shape)}``."""
         batch = u.shape[:-1]
