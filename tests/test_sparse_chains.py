@@ -267,6 +267,68 @@ def test_probe_recovers_a_gather_in_four_products_and_refuses_two_per_row(dtype)
     assert probe_sparse_jacobian(lambda v: v[idx] + v[(idx + 1) % K], [slice(0, K)], J, K, dtype) is None
 
 
+def test_probe_in_vectorised_batches_equals_one_product_at_a_time():
+    """The same Jacobian, small blocks column by column and large ones as gathers, with the products batched
+    (jvp_many, several batches) or one at a time."""
+    from pyro_convexvb.lgm import chains
+    from pyro_convexvb.lgm.chains import probe_sparse_jacobian
+
+    K, J = 300, 700
+    idx = torch.randint(0, K, (J,), generator=torch.Generator().manual_seed(0))
+    W = torch.randn(J, 3, generator=torch.Generator().manual_seed(1), dtype=D)
+
+    def jvp(v):  # a gather of a K-block plus a dense (J, 3) block, on columns [0, K) and [K, K + 3)
+        return 2.0 * v[idx] + W @ v[K:K + 3]
+
+    slices = [slice(0, K), slice(K, K + 3)] + [slice(K + 3 + j, K + 4 + j) for j in range(600)]  # 600 unread blocks
+    n = K + 603
+    calls = []
+
+    def many(V):
+        calls.append(V.shape[0])
+        return torch.stack([jvp(v) for v in V])
+
+    one = probe_sparse_jacobian(jvp, slices, J, n, D)
+    batched = probe_sparse_jacobian(jvp, slices, J, n, D, jvp_many=many)
+    assert max(calls) == chains.PROBE_BATCH and len(calls) == 5  # 602 first products in 3 batches, then 3 + 3
+    for a, b in zip(one, batched):
+        np.testing.assert_array_equal(a, b)
+    M = sp.csr_matrix((batched[2], (batched[0], batched[1])), shape=(J, n)).toarray()
+    ref = np.zeros((J, n))
+    ref[np.arange(J), idx.numpy()] = 2.0
+    ref[:, K:K + 3] = W.numpy()
+    np.testing.assert_allclose(M, ref, rtol=1e-15)
+
+
+def test_a_long_ar1_loop_takes_the_batched_products_and_gives_the_exact_posterior():
+    """An AR(1) loop of 260 sites (batched Jacobian products in extraction) against the exact Gaussian posterior of
+    its sparse precision."""
+    from pyro_convexvb.lgm import extract
+
+    T, phi, s, noise = 260, 0.8, 0.5, 0.3
+    assert T >= extract.BATCHED_PRODUCTS_FROM
+    y = torch.randn(T, generator=torch.Generator().manual_seed(5), dtype=D)
+
+    def model(y=None):
+        h = pyro.sample("h_0", dist.Normal(torch.tensor(0.0, dtype=D), s / (1 - phi**2) ** 0.5))
+        hs = [h]
+        for k in range(1, T):
+            h = pyro.sample(f"h_{k}", dist.Normal(phi * h, s))
+            hs.append(h)
+        pyro.sample("y", dist.Normal(torch.stack(hs), noise).to_event(1), obs=y)
+
+    res = pcv.fit(model, y=y, engine="dual_vg", progress=False)
+    L = torch.eye(T, dtype=D) - phi * torch.diag(torch.ones(T - 1, dtype=D), -1)
+    S = torch.full((T,), s**2, dtype=D)
+    S[0] = s**2 / (1 - phi**2)
+    Q = L.T @ torch.diag(1 / S) @ L + torch.eye(T, dtype=D) / noise**2
+    C = torch.linalg.inv(Q)
+    post = res.posterior
+    assert res.converged and post.layout.names == [f"h_{k}" for k in range(T)]
+    np.testing.assert_allclose(post.loc.detach().numpy(), (C @ (y / noise**2)).numpy(), rtol=1e-8, atol=1e-9)
+    np.testing.assert_allclose(post.variance.detach().sqrt().numpy(), C.diagonal().sqrt().numpy(), rtol=1e-8)
+
+
 # ----------------------------------------------------------------------------- deep chains
 def three_level(region_of_school, school_of_pupil, pupil_of_row, X, y=None):
     """Region -> school -> pupil intercepts (a chain three deep), pupils observed through a gather."""

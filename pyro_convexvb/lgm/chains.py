@@ -276,9 +276,11 @@ class AffineChain:
 #: largest block of latents that :func:`probe_sparse_jacobian` probes one coordinate at a time (larger blocks are
 #: probed as "one nonzero per row", the structure of gathers ``x[g]``, broadcasts and lags, with four products)
 PROBE_COLUMNS = 64
+#: products per vectorised batch of :func:`probe_sparse_jacobian` (memory: this many latent-sized vectors)
+PROBE_BATCH = 256
 
 
-def probe_sparse_jacobian(jvp, slices, q, n, dtype, device=None):
+def probe_sparse_jacobian(jvp, slices, q, n, dtype, device=None, jvp_many=None):
     r"""The sparse Jacobian ``(rows, cols, vals)`` of a linear map ``v -> J v`` (``q x n``) restricted to the column
     ``slices``, from a few products, or ``None`` when its structure is not one this probing recovers exactly.
 
@@ -294,46 +296,59 @@ def probe_sparse_jacobian(jvp, slices, q, n, dtype, device=None):
 
     :param jvp: ``v (n,) -> J v (q,)`` (torch tensors).
     :param slices: column slices of the blocks to probe.
+    :param jvp_many: optional ``V (B, n) -> J V^T`` as ``(B, q)``: the products of each round (one per block, then
+        one per column of the small blocks, then three per large block) in batches, e.g. one vectorised backward
+        pass (:meth:`~pyro_convexvb.lgm.extract._AutogradJacobian.jvp_many`) instead of one per product.
     :returns: ``(rows, cols, vals)`` NumPy arrays (int64, int64, float64), or ``None``.
     """
     gen = torch.Generator().manual_seed(3)
     rows, cols, vals = [], [], []
     tol = 64 * torch.finfo(dtype).eps  # a product of a few factors, rounded in another order
 
-    def on_block(sl, vb):
-        v = torch.zeros(n, dtype=dtype, device=device)
-        v[sl] = vb.to(device)
-        out = jvp(v).detach().reshape(-1)
-        return out
+    def products(pairs):
+        """``J v`` for each ``(slice, block vector)`` of ``pairs`` (``v`` zero off the slice), ``(len, q)`` on the CPU."""
+        out = []
+        for a in range(0, len(pairs), PROBE_BATCH if jvp_many is not None else 1):
+            chunk = pairs[a:a + PROBE_BATCH] if jvp_many is not None else pairs[a:a + 1]
+            V = torch.zeros(len(chunk), n, dtype=dtype, device=device)
+            for k, (sl, vb) in enumerate(chunk):
+                V[k, sl] = vb.to(device=device, dtype=dtype)
+            got = jvp_many(V) if jvp_many is not None else jvp(V[0]).reshape(1, -1)
+            out.append(got.detach().reshape(len(chunk), -1).cpu())
+        return torch.cat(out) if out else torch.zeros(0, q, dtype=dtype)
 
-    for sl in slices:
-        size = sl.stop - sl.start
-        r1 = torch.rand(size, generator=gen, dtype=dtype) + 0.5
-        y1 = on_block(sl, r1)
-        if not bool(torch.isfinite(y1).all()):
-            return None
-        if not bool((y1 != 0).any()):
-            continue
-        if size <= PROBE_COLUMNS:
-            for j in range(size):
-                e = torch.zeros(size, dtype=dtype)
-                e[j] = 1.0
-                col = on_block(sl, e)
-                nz = torch.nonzero(col).reshape(-1)
-                rows.append(nz.cpu())
-                cols.append(torch.full((nz.numel(),), sl.start + j, dtype=torch.long))
-                vals.append(col[nz].cpu())
-            continue
-        c = on_block(sl, torch.ones(size, dtype=dtype)).cpu()
-        s = on_block(sl, torch.arange(1, size + 1, dtype=dtype)).cpu()
+    r1s = [torch.rand(sl.stop - sl.start, generator=gen, dtype=dtype) + 0.5 for sl in slices]
+    y1s = products(list(zip(slices, r1s)))
+    if not bool(torch.isfinite(y1s).all()):
+        return None
+    read = [k for k in range(len(slices)) if bool((y1s[k] != 0).any())]
+    small = [k for k in read if slices[k].stop - slices[k].start <= PROBE_COLUMNS]
+    large = [k for k in read if slices[k].stop - slices[k].start > PROBE_COLUMNS]
+    unit = [(slices[k], j) for k in small for j in range(slices[k].stop - slices[k].start)]
+    cols_out = products([(sl, torch.nn.functional.one_hot(torch.tensor(j), sl.stop - sl.start).to(dtype))
+                         for sl, j in unit])
+    for (sl, j), col in zip(unit, cols_out):
+        nz = torch.nonzero(col).reshape(-1)
+        rows.append(nz)
+        cols.append(torch.full((nz.numel(),), sl.start + j, dtype=torch.long))
+        vals.append(col[nz])
+    checks = [torch.randn(slices[k].stop - slices[k].start, generator=gen, dtype=dtype) for k in large]
+    pairs = []
+    for k, v in zip(large, checks):
+        size = slices[k].stop - slices[k].start
+        pairs += [(slices[k], torch.ones(size, dtype=dtype)), (slices[k], torch.arange(1, size + 1, dtype=dtype)),
+                  (slices[k], v)]
+    outs = products(pairs)
+    for i, (k, v2) in enumerate(zip(large, checks)):
+        sl, size = slices[k], slices[k].stop - slices[k].start
+        c, s_, y2 = outs[3 * i], outs[3 * i + 1], outs[3 * i + 2]
         has = c != 0
-        ratio = torch.where(has, s / torch.where(has, c, torch.ones_like(c)), torch.ones_like(c))
+        ratio = torch.where(has, s_ / torch.where(has, c, torch.ones_like(c)), torch.ones_like(c))
         idx = ratio.round()
         if not bool(((idx >= 1) & (idx <= size) & ((ratio - idx).abs() <= 0.25)).all()):
             return None
         idx = idx.long() - 1
-        for v, y in ((r1, y1.cpu()), (torch.randn(size, generator=gen, dtype=dtype), None)):
-            y = on_block(sl, v).cpu() if y is None else y
+        for v, y in ((r1s[k], y1s[k]), (v2, y2)):
             pred = torch.where(has, c * v[idx], torch.zeros_like(c))
             if not bool(((y - pred).abs() <= tol * (y.abs() + pred.abs())).all()):
                 return None

@@ -1,5 +1,6 @@
 """Pyro model (+ its arguments) -> :class:`LatentGaussianModel`, with errors that name the site."""
 import math
+import warnings
 
 import pyro.distributions as dist
 import pyro.poutine as poutine
@@ -20,6 +21,7 @@ from ..linalg.operators import (
     SparseOperator,
     SumOperator,
 )
+from .chains import PROBE_BATCH
 from .layout import LatentLayout
 from .linear import record_linear, record_normal_cdf
 from .model import ImputedBlock, LatentGaussianModel, PriorBlock, SiteGroup
@@ -41,6 +43,9 @@ PROBE_MIN_ENTRIES = 1_000_000
 PROBE_MIN_LATENTS = 1_000
 #: largest fraction of nonzeros for which a probed Jacobian is kept sparse
 PROBE_MAX_DENSITY = 0.1
+#: Jacobian products from this many on are computed in vectorised batches (one backward pass per batch; below it
+#: the first such pass's one-off set-up, about half a second, would cost more than it saves)
+BATCHED_PRODUCTS_FROM = 200
 
 _AFFINE_RTOL = 1e-7
 
@@ -564,13 +569,30 @@ class _AutogradJacobian:
         out = torch.autograd.grad((self.g * v.detach()).sum(), self.w, retain_graph=True, allow_unused=True)[0]
         return torch.zeros_like(self.eta).detach() if out is None else out.detach()
 
+    def jvp_many(self, V):
+        """``(B, q)`` products ``J v`` of the rows of ``V`` ``(B, n)``: one backward pass vectorised over the batch
+        (``is_grads_batched``) instead of ``B`` passes through the graph, a loop of :meth:`jvp` where the graph's
+        operations have no batching rule."""
+        if not self.g.requires_grad:
+            return torch.zeros(V.shape[0], self.eta.shape[0], dtype=self.eta.dtype, device=self.eta.device)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # torch's own slow fallback for an op without a batching rule
+                out = torch.autograd.grad(self.g, self.w, grad_outputs=V.detach(), retain_graph=True,
+                                          allow_unused=True, is_grads_batched=True)[0]
+        except (RuntimeError, UserWarning):
+            return torch.stack([self.jvp(v) for v in V])
+        return torch.zeros(V.shape[0], self.eta.shape[0], dtype=self.eta.dtype, device=self.eta.device) \
+            if out is None else out.detach()
+
     def dense(self):
         q, n = self.eta.shape[0], self.u.shape[0]
+        eye = torch.eye(min(n, q), dtype=self.u.dtype, device=self.u.device)
         if n <= q:
-            cols = [self.jvp(e) for e in torch.eye(n, dtype=self.u.dtype, device=self.u.device)]
-            return torch.stack(cols, 1)
-        rows = [self.vjp(e) for e in torch.eye(q, dtype=self.u.dtype, device=self.u.device)]
-        return torch.stack(rows, 0)
+            if n < BATCHED_PRODUCTS_FROM:
+                return torch.stack([self.jvp(e) for e in eye], 1)
+            return torch.cat([self.jvp_many(eye[a:a + PROBE_BATCH]) for a in range(0, n, PROBE_BATCH)]).T
+        return torch.stack([self.vjp(e) for e in eye], 0)
 
     def operator(self):
         q, n = self.eta.shape[0], self.u.shape[0]
@@ -647,7 +669,8 @@ def _probed_operator(jac, layout, q, n, dtype, device):
 
     from .chains import _torch_csr, probe_sparse_jacobian
 
-    got = probe_sparse_jacobian(jac.jvp, [b.slice for b in layout.blocks], q, n, dtype, device)
+    many = jac.jvp_many if len(layout.blocks) >= BATCHED_PRODUCTS_FROM else None
+    got = probe_sparse_jacobian(jac.jvp, [b.slice for b in layout.blocks], q, n, dtype, device, jvp_many=many)
     if got is None or len(got[0]) > PROBE_MAX_DENSITY * q * n:
         return None
     r, c, v = got
