@@ -449,7 +449,7 @@ def test_convex_relaxation_on_2000_random_intercepts_keeps_the_design_sparse(mon
 
     J = 2000
     X, grp, y = _big_problem(J)
-    n, N = 1 + X.shape[1] + J, X.shape[0]
+    n = 1 + X.shape[1] + J
     big = []
 
     def watch(fn):

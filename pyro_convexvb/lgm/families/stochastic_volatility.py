@@ -10,7 +10,6 @@ import math
 import pyro.distributions as dist
 import torch
 
-from ...errors import UnsupportedModelError
 from .base import SiteFamily
 from .bound import LocalBound
 
