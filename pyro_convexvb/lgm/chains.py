@@ -129,14 +129,18 @@ class AffineChain:
         D, Dinv = D.tocsr(), Dinv.tocsr()
         D = D + sp.diags(plain.astype(np.float64))
         Dinv = Dinv + sp.diags(plain.astype(np.float64))
-        M, term = eye.copy(), eye.copy()
+        terms, term = [eye.tocoo()], eye.copy()
         for _ in range(n + 1):  # (I - A)^{-1} = sum_k A^k; A is nilpotent (strictly lower triangular)
             term = (A @ term).tocsr()
             term.eliminate_zeros()
             if term.nnz == 0:
                 break
-            M = M + term
-        Minv = sp.csr_matrix(M)  # (I - A)^{-1}
+            terms.append(term.tocoo())
+        # summed once (duplicates added by the conversion), not power by power: a chain of depth T (an AR loop) has
+        # T powers, and adding each to the growing sum cost O(T^3)
+        Minv = sp.csr_matrix((np.concatenate([t.data for t in terms]),
+                              (np.concatenate([t.row for t in terms]), np.concatenate([t.col for t in terms]))),
+                             shape=(n, n))  # (I - A)^{-1}
         self.M = (Minv @ D).tocsr()  # x = M u + c
         self.c = Minv @ c0
         self.T = (Dinv @ (eye - A)).tocsr()  # u = T x - t on the range of M
@@ -317,11 +321,20 @@ def probe_sparse_jacobian(jvp, slices, q, n, dtype, device=None, jvp_many=None):
             out.append(got.detach().reshape(len(chunk), -1).cpu())
         return torch.cat(out) if out else torch.zeros(0, q, dtype=dtype)
 
-    r1s = [torch.rand(sl.stop - sl.start, generator=gen, dtype=dtype) + 0.5 for sl in slices]
+    # a one-coordinate block's first product, with weight 1, is its column: it is not probed again
+    r1s = [torch.rand(sl.stop - sl.start, generator=gen, dtype=dtype) + 0.5 if sl.stop - sl.start > 1
+           else torch.ones(1, dtype=dtype) for sl in slices]
     y1s = products(list(zip(slices, r1s)))
     if not bool(torch.isfinite(y1s).all()):
         return None
     read = [k for k in range(len(slices)) if bool((y1s[k] != 0).any())]
+    for k in read:
+        if slices[k].stop - slices[k].start == 1:
+            nz = torch.nonzero(y1s[k]).reshape(-1)
+            rows.append(nz)
+            cols.append(torch.full((nz.numel(),), slices[k].start, dtype=torch.long))
+            vals.append(y1s[k][nz])
+    read = [k for k in read if slices[k].stop - slices[k].start > 1]
     small = [k for k in read if slices[k].stop - slices[k].start <= PROBE_COLUMNS]
     large = [k for k in read if slices[k].stop - slices[k].start > PROBE_COLUMNS]
     unit = [(slices[k], j) for k in small for j in range(slices[k].stop - slices[k].start)]
