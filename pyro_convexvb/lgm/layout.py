@@ -78,7 +78,8 @@ class LatentLayout:
             ['c']
         """
         owner = self.__dict__.get("_owner")
-        if owner is None or owner.shape[0] != self.size:  # block index of each coordinate, kept for the next call
+        last = self.blocks[-1] if self.blocks else None
+        if owner is None or owner.shape[0] != (last.start + last.size if last else 0):  # kept for the next call
             owner = torch.repeat_interleave(torch.arange(len(self.blocks)),
                                             torch.tensor([b.size for b in self.blocks], dtype=torch.int64))
             self.__dict__["_owner"] = owner
