@@ -8,7 +8,6 @@ import torch
 
 import pyro_convexvb as pcv
 from pyro_convexvb.gp.classifier import GPClassifier, gp_classification_lgm
-from pyro_convexvb.infer.dual_vg import SiteSpaceBackend, make_bound, solve_dual
 from pyro_convexvb.infer.dual_vg.reference import cvi_fixed_point
 from pyro_convexvb.lgm.sites import BernoulliLogit
 
