@@ -925,15 +925,16 @@ class _Readers:
                 if m is not None:
                     mask = m if mask is None else mask | m
             if mask is not None:
-                self.own[name] = mask
+                self.own[name] = torch.nonzero(mask).reshape(-1)  # the coordinates it reads (not an n-mask per site)
                 self.count += mask.long()
 
     def read_by_others(self, name, sl):
         """Whether a sample site other than ``name`` reads ``u[sl]``."""
-        c = self.count[sl]
+        c = self.count[sl].clone()
         own = self.own.get(name)
         if own is not None:
-            c = c - own[sl].long()
+            mine = own[(own >= sl.start) & (own < sl.stop)]
+            c[mine - sl.start] -= 1
         return bool((c > 0).any())
 
 
