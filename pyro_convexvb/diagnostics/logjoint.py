@@ -52,12 +52,18 @@ def _is_deterministic(site):
 
 
 def _base(fn):
-    """``(base distribution, reinterpreted event dims)`` under ``Independent``/``MaskedDistribution`` wrappers."""
-    while True:
-        if hasattr(fn, "base_dist"):
-            fn = fn.base_dist
-        else:
-            return fn
+    """The distribution under ``Independent``, ``MaskedDistribution`` and ``ExpandedDistribution`` wrappers, which
+    leave each element's distribution unchanged.
+
+    Other wrappers with a ``base_dist`` change it (``LogNormal`` and ``HalfNormal`` transform a ``Normal``,
+    ``ZeroInflatedPoisson`` mixes a ``Poisson`` with a point mass) and are returned as they are, so that
+    :func:`_cdf_pair` gives no CDF for them rather than their base's.
+    """
+    from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
+
+    while isinstance(fn, (torch.distributions.Independent, MaskedDistribution, ExpandedDistribution)):
+        fn = fn.base_dist
+    return fn
 
 
 def _cdf_pair(fn, y):
