@@ -55,3 +55,107 @@ def test_loo_pit_of_a_lognormal_likelihood_is_nan_not_the_normal_cdf():
         mean = rest.sum() / 0.25 / prec
         ex.append(stats.norm.logpdf(ly[i], mean, np.sqrt(0.25 + 1.0 / prec)) - ly[i])
     np.testing.assert_allclose(r.elpd_i, ex, atol=0.02)
+
+
+def _masked_data():
+    torch.manual_seed(0)
+    X = torch.randn(12, 2, dtype=F64)
+    y = X @ torch.tensor([1.0, -1.0], dtype=F64) + torch.randn(12, dtype=F64)
+    m = torch.ones(12, dtype=torch.bool)
+    m[[2, 5]] = False
+    return X, y, m
+
+
+def _exact_loo(X, y):
+    """Closed-form leave-one-out log predictive densities of y ~ N(X w, 1), w ~ N(0, I)."""
+    X, y = X.numpy(), y.numpy()
+    out = []
+    for i in range(len(y)):
+        k = np.arange(len(y)) != i
+        C = np.linalg.inv(np.eye(X.shape[1]) + X[k].T @ X[k])
+        out.append(stats.norm.logpdf(y[i], X[i] @ C @ X[k].T @ y[k], np.sqrt(1 + X[i] @ C @ X[i])))
+    return np.array(out)
+
+
+def test_entries_masked_by_the_distribution_are_no_observations():
+    """``dist.Normal(...).mask(m)`` used to leave its masked entries in LOO as observations of log density 0 (12
+    elpd_i, two of them 0, a PIT for each unobserved value) and in to_arviz; now as poutine.mask: dropped."""
+    X, y, m = _masked_data()
+
+    def model_dist(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=F64), 1.0).to_event(1))
+        with pyro.plate("data", 12):
+            pyro.sample("y", dist.Normal(X @ w, 1.0).mask(m), obs=y)
+
+    res = pcv.fit(model_dist, X, y=y, engine="laplace", progress=False)
+    r = res.loo(num_draws=2000)
+    assert r.sites == {"y": slice(0, 10)}
+    np.testing.assert_allclose(r.elpd_i, _exact_loo(X[m], y[m]), atol=0.06)  # PSIS error, 2,000 draws
+    assert np.all(np.isfinite(r.pit))
+    idata = res.to_arviz(num_draws=200)
+    np.testing.assert_array_equal(idata.observed_data["y"].values, y[m].numpy())
+    np.testing.assert_array_equal(idata.log_likelihood["y_obs"].values, np.flatnonzero(m.numpy()))
+
+
+def test_to_arviz_aligns_replicates_with_observations_of_masked_and_vector_sites():
+    """posterior_predictive kept every entry of a masked site (12 against 10 in log_likelihood and observed_data,
+    under the same dimension, so the replicate at position 2 was set against observation 3), and a vector site's
+    observed_data was flattened (36 values on a 12-long dimension whose replicates were 12 x 3)."""
+    X, y, m = _masked_data()
+    yv = torch.randn(12, 3, dtype=F64)
+
+    def model(X, y=None, yv=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=F64), 1.0).to_event(1))
+        with pyro.plate("data", 12):
+            with pyro.poutine.mask(mask=m):
+                pyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
+            pyro.sample("yv", dist.Normal((X @ w)[:, None].expand(12, 3), 1.0).to_event(1), obs=yv)
+
+    res = pcv.fit(model, X, y=y, yv=yv, engine="laplace", progress=False)
+    idata = res.to_arviz(num_draws=400)
+    keep = np.flatnonzero(m.numpy())
+    assert idata.posterior_predictive["y"].shape == (4, 100, 10)
+    np.testing.assert_array_equal(idata.posterior_predictive["y_obs"].values, keep)
+    np.testing.assert_array_equal(idata.observed_data["y"].values, y[m].numpy())
+    # replicates follow the fitted mean at the observation's own row: check the alignment by regression on X w
+    w = idata.posterior["w"].values.reshape(-1, 2)
+    rep = idata.posterior_predictive["y"].values.reshape(-1, 10)
+    resid = rep - w @ X[m].numpy().T
+    assert abs(resid.mean()) < 0.05 and abs(resid.std() - 1.0) < 0.05
+    assert idata.observed_data["yv"].shape == (12, 3)
+    np.testing.assert_array_equal(idata.observed_data["yv"].values, yv.numpy())
+    assert idata.posterior_predictive["yv"].dims == ("chain", "draw", "yv_obs", "yv_dim_1")
+    assert idata.observed_data["yv"].dims == ("yv_obs", "yv_dim_1")
+
+
+def test_a_site_without_a_cdf_does_not_blank_the_pit_of_the_others():
+    """PIT was all-NaN as soon as one observed site had no CDF here (a .to_event site), Poisson sites included."""
+    torch.manual_seed(1)
+    X = torch.randn(15, 2, dtype=F64)
+    yv = torch.randn(15, 2, dtype=F64)
+    yc = torch.poisson(torch.full((15,), 2.0, dtype=F64))
+
+    def model(event):
+        def m(X, yv=None, yc=None):
+            w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=F64), 1.0).to_event(1))
+            with pyro.plate("data", 15):
+                loc = (X @ w)[:, None].expand(15, 2)
+                if event:
+                    pyro.sample("yv", dist.Normal(loc, 1.0).to_event(1), obs=yv)
+                else:
+                    with pyro.plate("cols", 2, dim=-2):
+                        pyro.sample("yv", dist.Normal(loc.T, 1.0), obs=yv.T)
+                pyro.sample("yc", dist.Poisson(torch.exp(0.3 * X @ w)), obs=yc)
+        return m
+
+    r = {}
+    for event in (True, False):
+        res = pcv.fit(model(event), X, yv=yv, yc=yc, engine="laplace", progress=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            r[event] = res.loo(num_draws=1000)
+    assert np.all(np.isnan(r[True].pit[r[True].sites["yv"]]))
+    pit_c = r[True].pit[r[True].sites["yc"]]
+    # the same posterior written with the vector site elementwise (which has a CDF): the same Poisson PIT
+    np.testing.assert_allclose(pit_c, r[False].pit[r[False].sites["yc"]], atol=1e-6)
+    assert np.all((pit_c > 0) & (pit_c < 1))

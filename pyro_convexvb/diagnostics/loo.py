@@ -163,8 +163,10 @@ def loo(result, num_draws=None, seed=0, *, proposal=None, progress=False):
         sites[n] = slice(start, start + m)
         start += m
     cdf = None
-    if out.get("cdf") and all(n in out["cdf"] for n in names):
-        cdf = (np.concatenate([out["cdf"][n][0] for n in names], 1), np.concatenate([out["cdf"][n][1] for n in names], 1))
+    if out.get("cdf"):  # sites without a CDF here get NaN (0 * NaN stays NaN in the PIT sum)
+        nan = {n: np.full(out["log_lik"][n].shape, np.nan) for n in names if n not in out["cdf"]}
+        cdf = tuple(np.concatenate([out["cdf"][n][j] if n in out["cdf"] else nan[n] for n in names], 1)
+                    for j in range(2))
     r = loo_from_log_lik(lr, ll, cdf)
     r.sites, r.proposal = sites, proposal
     _warn_unreliable(r, lr)
