@@ -159,3 +159,25 @@ def test_a_site_without_a_cdf_does_not_blank_the_pit_of_the_others():
     # the same posterior written with the vector site elementwise (which has a CDF): the same Poisson PIT
     np.testing.assert_allclose(pit_c, r[False].pit[r[False].sites["yc"]], atol=1e-6)
     assert np.all((pit_c > 0) & (pit_c < 1))
+
+
+def test_to_arviz_and_loo_refuse_draw_counts_and_seeds_they_would_truncate():
+    """to_arviz(num_draws=10.7) exported 10 draws, num_draws=True one, and seed=1.5 in loo / to_arviz was seed 1."""
+    import pytest
+
+    y = torch.randn(10, dtype=F64)
+
+    def model(y=None):
+        m = pyro.sample("m", dist.Normal(torch.tensor(0.0, dtype=F64), 1.0))
+        with pyro.plate("d", 10):
+            pyro.sample("y", dist.Normal(m, 1.0), obs=y)
+
+    res = pcv.fit(model, y=y, engine="laplace", progress=False)
+    for bad in (10.7, True, "100", 3):
+        with pytest.raises(ValueError, match="num_draws: expected an integer of at least chains=4"):
+            res.to_arviz(num_draws=bad)
+    with pytest.raises(ValueError, match="seed: expected an integer"):
+        res.to_arviz(num_draws=8, seed=1.5)
+    with pytest.raises(ValueError, match="seed: expected an integer"):
+        res.loo(num_draws=50, seed=1.5)
+    assert res.to_arviz(num_draws=10, seed=np.int64(3)).posterior["m"].shape == (4, 2)  # rounded down to chains

@@ -60,11 +60,15 @@ def to_arviz(result, num_draws=None, seed=0, *, chains=4, corrected=None, progre
         ((4, 50, 2), (4, 50, 40))
     """
     az = _import_arviz()
-    if not isinstance(chains, int) or chains < 1:
+    if isinstance(chains, bool) or not isinstance(chains, int) or chains < 1:
         raise ValueError(f"chains: expected a positive int, got {chains!r}")
-    S = int(1000 if num_draws is None else num_draws) // chains * chains
-    if S < chains:
-        raise ValueError(f"num_draws: need at least {chains} draws (one per chain), got {num_draws}")
+    n = ARVIZ_DRAWS if num_draws is None else num_draws
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < chains:
+        raise ValueError(f"num_draws: expected an integer of at least chains={chains} (one draw per chain; default "
+                         f"{ARVIZ_DRAWS}), got {num_draws!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed: expected an integer, got {seed!r}")
+    S = int(n) // chains * chains
     lj = _log_joint(result)
     corr = result.__dict__.get("_correction")
     if corrected is None:

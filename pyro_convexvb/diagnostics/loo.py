@@ -147,9 +147,11 @@ def loo(result, num_draws=None, seed=0, *, proposal=None, progress=False):
     if q is None:
         q = make_proposal(proposal_posterior(result), proposal)
     S = LOO_DRAWS if num_draws is None else num_draws
-    if isinstance(S, bool) or int(S) != S or S < MIN_LOO_DRAWS:
+    if isinstance(S, bool) or not isinstance(S, (int, np.integer, float)) or int(S) != S or S < MIN_LOO_DRAWS:
         raise ValueError(f"num_draws: expected an integer >= {MIN_LOO_DRAWS} (Pareto smoothing fits the largest "
                          f"ratios of the draws; default {LOO_DRAWS}), got {num_draws!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed: expected an integer, got {seed!r}")
     gen = torch.Generator().manual_seed(int(seed))
     with torch.no_grad():
         values, log_q = q.sample(int(S), gen)
