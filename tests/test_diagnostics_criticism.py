@@ -181,3 +181,28 @@ def test_to_arviz_and_loo_refuse_draw_counts_and_seeds_they_would_truncate():
     with pytest.raises(ValueError, match="seed: expected an integer"):
         res.loo(num_draws=50, seed=1.5)
     assert res.to_arviz(num_draws=10, seed=np.int64(3)).posterior["m"].shape == (4, 2)  # rounded down to chains
+
+
+def test_a_zero_likelihood_at_some_draws_is_named_not_a_bare_nan_error():
+    """An observation with p(y_i | x_s) = 0 at a draw made the leave-one-out ratio -inf - (-inf) = NaN, and the Pareto
+    fit refused 'log_ratios' without saying which observation or why."""
+    import pytest
+
+    from pyro_convexvb.diagnostics import loo_from_log_lik
+
+    rng = np.random.default_rng(0)
+    ll = rng.normal(size=(200, 5)) - 1
+    lr = 0.1 * ll.sum(1)
+    ll[7, 2], lr[7] = -np.inf, -np.inf
+    with pytest.raises(ValueError, match=r"observation 2 has log-likelihood -inf at draw 7 \(1 of 200 draws"):
+        loo_from_log_lik(lr, ll)
+    ll[7, 2], lr[7] = np.nan, np.nan
+    with pytest.raises(ValueError, match=r"observation 2 has log-likelihood nan"):
+        loo_from_log_lik(lr, ll)
+
+    from pyro_convexvb.diagnostics.loo import _check_log_lik
+
+    ll = np.zeros((4, 3))
+    ll[[1, 3], 2] = -np.inf
+    with pytest.raises(ValueError, match=r"site 'y', observation 2 .* at draw 1 \(2 of 4 draws; 1 observations"):
+        _check_log_lik(ll, lambda j: f"site 'y', observation {j}")
