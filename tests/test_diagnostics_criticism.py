@@ -180,6 +180,8 @@ def test_to_arviz_and_loo_refuse_draw_counts_and_seeds_they_would_truncate():
         res.to_arviz(num_draws=8, seed=1.5)
     with pytest.raises(ValueError, match="seed: expected an integer"):
         res.loo(num_draws=50, seed=1.5)
+    with pytest.raises(ValueError, match="corrected: expected None"):
+        res.to_arviz(num_draws=8, corrected="yes")  # a truthy string used to compute and export a correction
     assert res.to_arviz(num_draws=10, seed=np.int64(3)).posterior["m"].shape == (4, 2)  # rounded down to chains
 
 

@@ -71,6 +71,9 @@ def to_arviz(result, num_draws=None, seed=0, *, chains=4, corrected=None, progre
     S = int(n) // chains * chains
     lj = _log_joint(result)
     corr = result.__dict__.get("_correction")
+    if corrected not in (None, True, False):
+        raise ValueError(f"corrected: expected None (resample when the result has a correction), True or False, got "
+                         f"{corrected!r}")
     if corrected is None:
         corrected = corr is not None
     if corrected:
