@@ -60,13 +60,20 @@ def to_arviz(result, num_draws=None, seed=0, *, chains=4, corrected=None, progre
         ((4, 50, 2), (4, 50, 40))
     """
     az = _import_arviz()
-    if not isinstance(chains, int) or chains < 1:
+    if isinstance(chains, bool) or not isinstance(chains, int) or chains < 1:
         raise ValueError(f"chains: expected a positive int, got {chains!r}")
-    S = int(1000 if num_draws is None else num_draws) // chains * chains
-    if S < chains:
-        raise ValueError(f"num_draws: need at least {chains} draws (one per chain), got {num_draws}")
+    n = ARVIZ_DRAWS if num_draws is None else num_draws
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < chains:
+        raise ValueError(f"num_draws: expected an integer of at least chains={chains} (one draw per chain; default "
+                         f"{ARVIZ_DRAWS}), got {num_draws!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed: expected an integer, got {seed!r}")
+    S = int(n) // chains * chains
     lj = _log_joint(result)
     corr = result.__dict__.get("_correction")
+    if corrected not in (None, True, False):
+        raise ValueError(f"corrected: expected None (resample when the result has a correction), True or False, got "
+                         f"{corrected!r}")
     if corrected is None:
         corrected = corr is not None
     if corrected:
@@ -88,9 +95,17 @@ def to_arviz(result, num_draws=None, seed=0, *, chains=4, corrected=None, progre
 
     posterior = {n: shaped(lj.constrain(n, values[n]).double().cpu().numpy()) for n in lj.names}
     log_lik = {n: shaped(v) for n, v in out["log_lik"].items()}
-    y_rep = {n: shaped(v) for n, v in out["y_rep"].items()}
     obs = lj.observed()
-    dims = {n: [f"{n}_obs"] for n in log_lik}
+    y_rep, dims, coords = {}, {}, {}
+    for n, v in out["y_rep"].items():
+        # replicates per observation, masked entries dropped, so that they line up with log_likelihood and
+        # observed_data along <site>_obs (whose coordinate is the flat index into the site's batch shape)
+        r = lj.by_observation(n, v) if n in lj.obs_shapes else None
+        y_rep[n] = shaped(v if r is None else r)
+    for n in log_lik:
+        dims[n] = [f"{n}_obs"]
+        if n in lj.obs_shapes:
+            coords[f"{n}_obs"] = lj.observation_index(n)
     attrs = {"inference_library": "pyro_convexvb", "engine": result.engine, "converged": int(bool(result.converged)),
              "stop_reason": str(result.stop_reason), "seconds": float(result.seconds), "draws": source}
     if result.log_evidence_bound is not None:
@@ -101,12 +116,16 @@ def to_arviz(result, num_draws=None, seed=0, *, chains=4, corrected=None, progre
     if corr is not None:
         attrs["corrected_k_hat"] = float(corr.k_hat)
     observed = {n: v for n, v in obs.items() if n in log_lik}
-    # log_likelihood and observed data share the flat dimension when the site is one-dimensional
-    obs_dims = {n: [f"{n}_obs"] for n, v in observed.items() if v.ndim == 1 and v.shape[0] == log_lik[n].shape[-1]}
-    rep_dims = {}
-    for n, v in y_rep.items():
-        if v.ndim == 3 and n in obs_dims and v.shape[-1] == observed[n].shape[0]:
-            rep_dims[n] = [f"{n}_obs"]
+    for n, idx in list(coords.items()):
+        site = n[:-len("_obs")]
+        if log_lik[site].shape[-1] != idx.shape[0] or (site in observed and observed[site].shape[0] != idx.shape[0]) \
+                or (site in y_rep and y_rep[site].shape[2] != idx.shape[0]):
+            del coords[n]  # a site whose value does not have its distribution's shape: plain positions
+    for group, vals in (("observed_data", observed), ("posterior_predictive", y_rep)):
+        for n, v in vals.items():
+            if n in dims and v.shape[2 if group == "posterior_predictive" else 0] != log_lik[n].shape[-1]:
+                raise RuntimeError(f"to_arviz: site '{n}': {group} has {v.shape} against {log_lik[n].shape[-1]} "
+                                   "observations in log_likelihood; please report the model")
     return az.from_dict(posterior=posterior, posterior_predictive=y_rep, log_likelihood=log_lik,
                         observed_data=observed, sample_stats={"lp": shaped(out["log_joint"])},
-                        dims={**dims, **obs_dims, **rep_dims}, attrs=attrs)
+                        dims=dims, coords=coords, attrs=attrs)

@@ -52,12 +52,47 @@ def _is_deterministic(site):
 
 
 def _base(fn):
-    """``(base distribution, reinterpreted event dims)`` under ``Independent``/``MaskedDistribution`` wrappers."""
-    while True:
-        if hasattr(fn, "base_dist"):
-            fn = fn.base_dist
+    """The distribution under ``Independent``, ``MaskedDistribution`` and ``ExpandedDistribution`` wrappers, which
+    leave each element's distribution unchanged.
+
+    Other wrappers with a ``base_dist`` change it (``LogNormal`` and ``HalfNormal`` transform a ``Normal``,
+    ``ZeroInflatedPoisson`` mixes a ``Poisson`` with a point mass) and are returned as they are, so that
+    :func:`_cdf_pair` gives no CDF for them rather than their base's.
+    """
+    from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
+
+    while isinstance(fn, (torch.distributions.Independent, MaskedDistribution, ExpandedDistribution)):
+        fn = fn.base_dist
+    return fn
+
+
+def _observed_entries(site, shape):
+    """``(prod(shape),)`` bool array of the entries of an observed site that the model scores (``None``: all).
+
+    An entry is dropped when ``poutine.mask`` (the site's ``mask``) or the distribution's own ``.mask(m)``
+    (``MaskedDistribution``, outside any ``.to_event``) masks it out: its log density is then 0 whatever the draw,
+    so it is no observation.
+    """
+    from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
+
+    fn = site["fn"]
+    keep = torch.ones(shape, dtype=torch.bool)
+    masks = [site.get("mask")]
+    d = fn
+    while isinstance(d, (MaskedDistribution, ExpandedDistribution)):  # masks below .to_event cover parts of events
+        if isinstance(d, MaskedDistribution):
+            masks.append(d._mask)
+        d = d.base_dist
+    changed = False
+    for m in masks:
+        if m is None or m is True:
+            continue
+        changed = True
+        if m is False:
+            keep = torch.zeros_like(keep)
         else:
-            return fn
+            keep = keep & torch.as_tensor(m, device="cpu").bool().expand(shape)
+    return keep.reshape(-1).numpy().copy() if changed else None
 
 
 def _cdf_pair(fn, y):
@@ -125,13 +160,17 @@ class ModelLogJoint:
 
         with torch.no_grad(), full_data_plates():
             tr = poutine.trace(model).get_trace(*self.args, **self.kwargs)
+        #: ``{observed site: (batch shape, event shape)}`` of its distribution
+        self.obs_shapes = {}
         for name, site in self._observed_sites(tr):
-            mask = site.get("mask")
-            shape = site["fn"].batch_shape
-            if isinstance(mask, torch.Tensor):
-                self._masks[name] = mask.expand(shape).reshape(-1).cpu().numpy().astype(bool)
-            elif mask is False:
-                self._masks[name] = np.zeros(int(np.prod(shape)), dtype=bool)
+            event = tuple(site["fn"].event_shape)
+            v = site["value"]
+            # the shape of log_prob(value): a value may broadcast the distribution (an observed vector, no plate)
+            shape = tuple(torch.broadcast_shapes(site["fn"].batch_shape, v.shape[:v.dim() - len(event)]))
+            self.obs_shapes[name] = (shape, event)
+            keep = _observed_entries(site, shape)
+            if keep is not None:
+                self._masks[name] = keep
 
     def constrain(self, name, x):
         """Constrained values of site ``name`` from unconstrained draws ``x`` ``(S, *ushape)``."""
@@ -300,18 +339,37 @@ class ModelLogJoint:
                 chunks[3].append({k: v.double().cpu().numpy()[None] for k, v in rep.items()})
         return self._collect(*chunks)
 
+    def observation_index(self, name):
+        """``(N_site,)`` flat indices, into the site's batch shape, of the observations of site ``name`` that
+        :meth:`evaluate` returns (masked entries dropped)."""
+        n = int(np.prod(self.obs_shapes[name][0]))
+        keep = self._keep(name, n)
+        return np.arange(n) if keep is None else np.flatnonzero(keep)
+
+    def by_observation(self, name, a):
+        """Values ``a`` ``(..., *batch, *event)`` of site ``name`` (observations or replicates) as
+        ``(..., N_site, *event)``: the batch flattened and masked entries dropped, aligned with :meth:`evaluate`'s
+        ``log_lik``. ``None`` when ``a``'s trailing shape is not the site's ``batch + event`` shape (``batch`` the
+        shape of the site's ``log_prob``)."""
+        batch, event = self.obs_shapes[name]
+        a = np.asarray(a)
+        k = len(batch) + len(event)
+        if a.ndim < k or tuple(a.shape[a.ndim - k:]) != batch + event:
+            return None
+        a = a.reshape(a.shape[:a.ndim - k] + (int(np.prod(batch)),) + event)
+        return np.take(a, self.observation_index(name), axis=a.ndim - 1 - len(event))
+
     def observed(self):
-        """``{observed site: flat numpy array}`` of the observations (masked entries dropped)."""
+        """``{observed site: numpy array (N_site, *event_shape)}`` of the observations (the batch flattened, masked
+        entries dropped, as :meth:`evaluate`'s ``log_lik``; flat when the site's value does not have the site's
+        ``batch + event`` shape)."""
         from ..lgm.extract import full_data_plates
 
         with torch.no_grad(), full_data_plates():
             tr = poutine.trace(self.model).get_trace(*self.args, **self.kwargs)
         out = {}
         for name, site in self._observed_sites(tr):
-            y = site["value"]
-            mask = site.get("mask")
-            flat = y.reshape(-1)
-            if isinstance(mask, torch.Tensor) and mask.numel() > 1:
-                flat = flat[mask.expand(y.shape).reshape(-1)]
-            out[name] = flat.double().cpu().numpy()
+            y = site["value"].double().cpu().numpy()
+            v = self.by_observation(name, y) if name in self.obs_shapes else None
+            out[name] = y.reshape(-1) if v is None else v
         return out

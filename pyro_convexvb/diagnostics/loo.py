@@ -96,6 +96,7 @@ def loo_from_log_lik(log_ratios, log_lik, cdf=None):
     lr = np.asarray(log_ratios, dtype=np.float64)
     ll = np.asarray(log_lik, dtype=np.float64)
     S, N = ll.shape
+    _check_log_lik(ll, lambda j: f"observation {j}")
     lw_full, k_full = psis_smooth(lr)
     lw_loo, ks = psis(lr[:, None] - ll, axis=0)
     elpd_i = np.logaddexp.reduce(lw_loo + ll, axis=0)
@@ -113,6 +114,21 @@ def loo_from_log_lik(log_ratios, log_lik, cdf=None):
         pareto_k=ks, threshold=pareto_k_threshold(S), elpd_i=elpd_i, cpo=np.exp(elpd_i), pit=pit,
         elpd_waic=float(waic_i.sum()), se_waic=float(math.sqrt(N * np.var(waic_i))), p_waic=float(p_waic_i.sum()),
         k_hat=float(k_full), num_draws=S)
+
+
+def _check_log_lik(ll, where):
+    """Refuse a pointwise log-likelihood that is not finite: at a draw where ``p(y_i | x_s) = 0`` the full-data log
+    joint is ``-inf`` too, so the leave-one-out ratio ``p(y_{-i}, x_s) / q(x_s)`` cannot be recovered from it (it was
+    ``-inf - (-inf)``, NaN, and the Pareto fit refused the column without saying which observation)."""
+    bad = ~np.isfinite(ll)
+    if bad.any():
+        s, j = (int(a[0]) for a in np.nonzero(bad))
+        raise ValueError(
+            f"log_lik: {where(j)} has log-likelihood {ll[s, j]} at draw {s} ({int(bad[:, j].sum())} of "
+            f"{ll.shape[0]} draws; {int(bad.any(0).sum())} observations affected). PSIS-LOO needs p(y_i | x) > 0 and "
+            "finite wherever the draws' distribution puts mass: a likelihood whose support depends on a latent "
+            "(Uniform(0, theta), a truncated family) or a rate that underflows gives zero density there. Give the "
+            "likelihood full support (or parameterise it so that it cannot vanish) before calling loo")
 
 
 def loo(result, num_draws=None, seed=0, *, proposal=None, progress=False):
@@ -147,9 +163,11 @@ def loo(result, num_draws=None, seed=0, *, proposal=None, progress=False):
     if q is None:
         q = make_proposal(proposal_posterior(result), proposal)
     S = LOO_DRAWS if num_draws is None else num_draws
-    if isinstance(S, bool) or int(S) != S or S < MIN_LOO_DRAWS:
+    if isinstance(S, bool) or not isinstance(S, (int, np.integer, float)) or int(S) != S or S < MIN_LOO_DRAWS:
         raise ValueError(f"num_draws: expected an integer >= {MIN_LOO_DRAWS} (Pareto smoothing fits the largest "
                          f"ratios of the draws; default {LOO_DRAWS}), got {num_draws!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed: expected an integer, got {seed!r}")
     gen = torch.Generator().manual_seed(int(seed))
     with torch.no_grad():
         values, log_q = q.sample(int(S), gen)
@@ -162,9 +180,13 @@ def loo(result, num_draws=None, seed=0, *, proposal=None, progress=False):
         m = out["log_lik"][n].shape[1]
         sites[n] = slice(start, start + m)
         start += m
+    _check_log_lik(ll, lambda j: next(f"site '{n}', observation {j - sl.start} (flat index, masked entries "
+                                      "dropped)" for n, sl in sites.items() if sl.start <= j < sl.stop))
     cdf = None
-    if out.get("cdf") and all(n in out["cdf"] for n in names):
-        cdf = (np.concatenate([out["cdf"][n][0] for n in names], 1), np.concatenate([out["cdf"][n][1] for n in names], 1))
+    if out.get("cdf"):  # sites without a CDF here get NaN (0 * NaN stays NaN in the PIT sum)
+        nan = {n: np.full(out["log_lik"][n].shape, np.nan) for n in names if n not in out["cdf"]}
+        cdf = tuple(np.concatenate([out["cdf"][n][j] if n in out["cdf"] else nan[n] for n in names], 1)
+                    for j in range(2))
     r = loo_from_log_lik(lr, ll, cdf)
     r.sites, r.proposal = sites, proposal
     _warn_unreliable(r, lr)
