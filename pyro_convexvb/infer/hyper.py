@@ -684,7 +684,7 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     logf = torch.tensor(logf, dtype=torch.float64)
     keep, w, idx = _design_weights(strategy, x, a, logf, prune)
     if strategy == "grid":
-        density = ThetaDensity.surface(z_mode, A_inv, x[keep], logf[keep], radius)
+        density = ThetaDensity.surface(z_mode, A_inv, x, logf, radius, grid_step)
     else:
         density = ThetaDensity.split_normal(z_mode, A_inv, x, logf)
     post = HyperPosterior(space, torch.stack([zs[k] for k in idx]), w, [results[k].posterior for k in idx],
