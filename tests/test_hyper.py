@@ -287,6 +287,13 @@ def test_a_central_composite_design_warns_that_its_hyper_marginals_are_coarse():
     assert "'t1', 't2', 's'" in msg and "res.corrected()" in msg
 
 
+def test_a_design_strategy_with_hyper_map_is_refused_not_ignored():
+    """hyper='map' fits the mode only; a hyper_strategy beside it was silently ignored."""
+    model, X, y, _ = _exact_1d_gamma_scale()
+    with pytest.raises(ValueError, match=r"hyper='map'.*hyper_strategy='ccd'.*'tau'.*hyper='integrate'"):
+        pcv.fit(model, X, y=y, engine="dual_vg", options={"hyper": "map", "hyper_strategy": "ccd"}, progress=False)
+
+
 def _nuts_ref(name):
     if not os.path.exists(REF):
         pytest.skip("NUTS references not generated (python tests/references/generate.py)")
