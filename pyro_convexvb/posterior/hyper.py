@@ -118,7 +118,9 @@ class ThetaDensity:
         ticks = torch.linspace(-radius, radius, m, dtype=torch.float64)
         xs = ticks.reshape(-1, 1) if d == 1 else torch.cartesian_prod(ticks, ticks)
         xs = xs[(xs**2).sum(1) <= radius**2]
-        xs = xs[torch.cdist(xs, x, p=math.inf).min(1).values <= 0.5 * step + 1e-9]  # the design's cells only
+        near = torch.cat([torch.cdist(xs[i:i + 4096], x, p=math.inf).min(1).values  # (4096, K) at a time
+                          for i in range(0, xs.shape[0], 4096)])
+        xs = xs[near <= 0.5 * step + 1e-9]  # the design's cells only
         f = (logf - logf.max()).numpy()
         interp = RBFInterpolator(x.numpy(), f, kernel="thin_plate_spline", degree=2)
         lp = torch.as_tensor(interp(xs.numpy()), dtype=torch.float64)
