@@ -609,7 +609,8 @@ def _warn_split_normal(space):
          "integrated with a central composite design: their marginals (res.hyper['marginals'] and the guide's draws "
          "of them) are an asymmetric Gaussian through the design's axial points (Rue, Martino & Chopin 2009, "
          "section 6.5), coarse for a skewed hyper-posterior (a scale's quantiles 12-19% off exact quadrature on a "
-         "3-scale Gaussian model, where the field's mixture means were within 0.01 sd and its sds within 2%). For accurate hyper-latent marginals use res.corrected() "
+         "3-scale Gaussian model, where the field's mixture means were within 0.01 sd and its sds within 2%). "
+         "For accurate hyper-latent marginals use res.corrected() "
          "(importance sampling through the model) and check res.diagnostics", UserWarning)
 
 
