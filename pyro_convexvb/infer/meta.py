@@ -120,6 +120,10 @@ def run_type2(engine, names, args, kwargs, t0):
 def run_hyper(engine, hyper, args, kwargs, t0):
     """Integrate over (or maximise) the hyper-latents ``hyper``; each design point is one fit of ``engine``'s class."""
     o = engine.options
+    if o.hyper == "map" and o.hyper_strategy != "auto":
+        raise ValueError(f"options: hyper='map' keeps only the hyper-latents' mode, so hyper_strategy="
+                         f"{o.hyper_strategy!r} (a design to integrate over {', '.join(repr(n) for n in hyper)}) "
+                         "would be ignored; drop hyper_strategy, or pass hyper='integrate' to use it")
     strategy = "map" if o.hyper == "map" else o.hyper_strategy
     run = RunContext(engine.name, engine.progress)
     try:

@@ -99,7 +99,17 @@ class ThetaDensity:
     ticks: int = 0
 
     @classmethod
-    def surface(cls, z_mode, A_inv, x, logf, radius, resolution=None):
+    def surface(cls, z_mode, A_inv, x, logf, radius, step, resolution=None):
+        """The surface through ``logf (K,)`` at the design points ``x (K, d)`` (those kept by the pruning).
+
+        The fine grid covers only the design's cells (points within ``step / 2`` of a design point on every axis):
+        the grid grows only next to rim points that still carry mass, so most of the disc of ``radius`` can lie
+        beyond the last points kept, where the spline's quadratic tail is an extrapolation (on a 1-D Gaussian model
+        with a ``Gamma`` prior scale it put the log density 1.4 nats too high one step past the design and 26 too
+        high at the radius, and the scale's sd 2% high against quadrature of the exact hyper-posterior).
+
+        :param float step: the design's grid spacing (standardised units).
+        """
         from scipy.interpolate import RBFInterpolator
 
         d = x.shape[1]
@@ -108,6 +118,9 @@ class ThetaDensity:
         ticks = torch.linspace(-radius, radius, m, dtype=torch.float64)
         xs = ticks.reshape(-1, 1) if d == 1 else torch.cartesian_prod(ticks, ticks)
         xs = xs[(xs**2).sum(1) <= radius**2]
+        near = torch.cat([torch.cdist(xs[i:i + 4096], x, p=math.inf).min(1).values  # (4096, K) at a time
+                          for i in range(0, xs.shape[0], 4096)])
+        xs = xs[near <= 0.5 * step + 1e-9]  # the design's cells only
         f = (logf - logf.max()).numpy()
         interp = RBFInterpolator(x.numpy(), f, kernel="thin_plate_spline", degree=2)
         lp = torch.as_tensor(interp(xs.numpy()), dtype=torch.float64)
