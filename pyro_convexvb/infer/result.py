@@ -175,8 +175,8 @@ class InferenceResult:
     @property
     def iterations(self):
         """The engine's own iteration count: ``info["iterations"]`` (``dual_vg``'s steps, ``convex_relaxation``'s outer
-        updates, ``laplace``'s L-BFGS iterations, ``nuts``'s steps with warm-up) or ``info["steps"]`` (the SVI steps, whose history has a row per
-        window of steps only), else the rows of :attr:`history`."""
+        updates, ``laplace``'s L-BFGS iterations, ``nuts``'s steps with warm-up) or ``info["steps"]`` (the SVI steps,
+        whose history has a row per window of steps only), else the rows of :attr:`history`."""
         for key in ("iterations", "steps"):
             if self.info.get(key) is not None:
                 return int(self.info[key])

@@ -310,7 +310,7 @@ def probe_sparse_jacobian(jvp, slices, q, n, dtype, device=None, jvp_many=None):
     tol = 64 * torch.finfo(dtype).eps  # a product of a few factors, rounded in another order
 
     def products(pairs):
-        """``J v`` for each ``(slice, block vector)`` of ``pairs`` (``v`` zero off the slice), ``(len, q)`` on the CPU."""
+        """``J v`` for each ``(slice, block vector)`` of ``pairs`` (``v`` zero off the slice): ``(len, q)``, CPU."""
         out = []
         for a in range(0, len(pairs), PROBE_BATCH if jvp_many is not None else 1):
             chunk = pairs[a:a + PROBE_BATCH] if jvp_many is not None else pairs[a:a + 1]
