@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import warnings
 import numpy as np
 import pyro
 import pyro.distributions as dist
@@ -292,6 +293,26 @@ def test_a_design_strategy_with_hyper_map_is_refused_not_ignored():
     model, X, y, _ = _exact_1d_gamma_scale()
     with pytest.raises(ValueError, match=r"hyper='map'.*hyper_strategy='ccd'.*'tau'.*hyper='integrate'"):
         pcv.fit(model, X, y=y, engine="dual_vg", options={"hyper": "map", "hyper_strategy": "ccd"}, progress=False)
+
+
+def test_hyper_options_on_a_model_without_hyper_latents_are_said_to_have_no_effect():
+    """hyper= and hyper_strategy= set on a model whose latents are all Gaussian were silently unused."""
+    X = torch.randn(20, 2, dtype=D, generator=torch.Generator().manual_seed(0))
+    y = (X[:, 0] > 0).to(D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", 20):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    with pytest.warns(UserWarning, match=r"option hyper='integrate' and hyper_strategy='grid' has no effect: the "
+                                         r"model has no hyper-latents") as rec:
+        res = pcv.fit(model, X, y=y, engine="dual_vg", options={"hyper": "integrate", "hyper_strategy": "grid"},
+                      progress=False)
+    assert res.converged and any(r.filename == __file__ for r in rec)  # attributed to the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the defaults say nothing
+        pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
 
 
 def _nuts_ref(name):

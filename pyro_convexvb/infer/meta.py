@@ -14,7 +14,7 @@ The engine itself only extracts, solves and assembles; this module knows nothing
 """
 import time
 
-from ..errors import UnsupportedModelError
+from ..errors import UnsupportedModelError, warn
 from ..lgm.extract import latent_sites, lgm_from_pyro
 from ..lgm.model import LatentGaussianModel
 from .hyper import conditioned_model, find_hyper_sites, integrate_hyper
@@ -44,9 +44,22 @@ def run(engine, args, kwargs):
         if not hyper:
             raise
     else:
+        _warn_unused_hyper_options(engine)
         return engine.run_once(args, kwargs, t0, lgm)
     # outside the handler: an error of the integration is not shown as raised while handling the extraction's
     return run_hyper(engine, hyper, args, kwargs, t0)
+
+
+def _warn_unused_hyper_options(engine):
+    """Say that hyper-latent options set away from their defaults have no effect on a model without hyper-latents;
+    not for an inner engine (``data_checked``: a design point's fit of the model conditioned on the hyper-latents)."""
+    if engine.data_checked:
+        return
+    o = engine.options
+    unused = [f"{k}={getattr(o, k)!r}" for k in ("hyper", "hyper_strategy") if getattr(o, k) != "auto"]
+    if unused:
+        warn(f"engine '{engine.name}': option {' and '.join(unused)} has no effect: the model has no hyper-latents "
+             "(every latent site is part of its latent Gaussian field); drop the option", UserWarning)
 
 
 def hyper_latents(engine_cls, model, args, kwargs):
