@@ -422,13 +422,14 @@ def engine_options(est, engine, options):
 
 
 def _check_range(name, knob, value, engine_name, field, meta):
-    """Refuse an estimator parameter outside the range of the engine option it sets, naming both."""
-    bounds = [(key, sym, meta.get(key)) for key, sym in (("min", ">="), ("gt", ">"), ("max", "<="))]
-    ok = {"min": lambda b: value >= b, "gt": lambda b: value > b, "max": lambda b: value <= b}
-    broken = [f"{sym} {b}" for key, sym, b in bounds if b is not None and not ok[key](b)]
-    if broken:
+    """Refuse an estimator parameter outside the range of the engine option it sets, naming both (the engine's own
+    check would name only its option)."""
+    from .infer.options import range_violation
+
+    bound = range_violation(value, meta)
+    if bound is not None:
         raise ValueError(f"{name}: {knob}={value!r} sets option '{field}' of engine '{engine_name}', which must be "
-                         f"{' and '.join(broken)}")
+                         f"{bound}")
 
 
 # ------------------------------------------------------------------------------------------------ pickles

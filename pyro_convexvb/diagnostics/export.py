@@ -5,7 +5,7 @@ ArviZ is an optional dependency (``pip install pyro_convexvb[arviz]``).
 import numpy as np
 import torch
 
-from .importance import _log_joint
+from .importance import _log_joint, check_seed
 from .constrained import proposal_posterior
 from .proposals import make_proposal
 
@@ -66,8 +66,7 @@ def to_arviz(result, num_draws=None, seed=0, *, chains=4, corrected=None, progre
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < chains:
         raise ValueError(f"num_draws: expected an integer of at least chains={chains} (one draw per chain; default "
                          f"{ARVIZ_DRAWS}), got {num_draws!r}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ValueError(f"seed: expected an integer, got {seed!r}")
+    check_seed(seed)
     S = int(n) // chains * chains
     lj = _log_joint(result)
     corr = result.__dict__.get("_correction")

@@ -48,6 +48,12 @@ def _model_of(result):
     return model, args, kwargs
 
 
+def check_seed(seed):
+    """Refuse a ``seed`` that is not an integer (a float or a bool was truncated to another seed silently)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed: expected an integer, got {seed!r}")
+
+
 def _log_joint(result):
     lj = result.__dict__.get("_log_joint_evaluator")
     if lj is None:

@@ -21,7 +21,7 @@ from typing import Dict
 import numpy as np
 import torch
 
-from .importance import _log_joint
+from .importance import _log_joint, check_seed
 from .constrained import proposal_posterior
 from .proposals import PROPOSALS, make_proposal
 from .psis import pareto_k_threshold, psis, psis_smooth
@@ -75,12 +75,14 @@ class LOOResult:
         return float(np.sum(np.log(self.cpo)))
 
 
-def loo_from_log_lik(log_ratios, log_lik, cdf=None):
+def loo_from_log_lik(log_ratios, log_lik, cdf=None, *, observation=None):
     """PSIS-LOO, WAIC, CPO and PIT from importance ratios and a pointwise log-likelihood.
 
     :param log_ratios: ``(S,)`` ``log p(y, x_s) - log q(x_s)`` (zeros for exact posterior draws).
     :param log_lik: ``(S, N)`` ``log p(y_i | x_s)``.
     :param cdf: optional ``((S, N), (S, N))`` of ``P(Y_i < y_i | x_s)`` and ``P(Y_i = y_i | x_s)`` for PIT.
+    :param observation: ``j -> str`` naming column ``j`` in the error for a non-finite log-likelihood (default
+        ``"observation j"``).
     :returns: :class:`LOOResult`.
 
     Example (exact posterior draws, as ``az.loo`` takes them)::
@@ -96,7 +98,7 @@ def loo_from_log_lik(log_ratios, log_lik, cdf=None):
     lr = np.asarray(log_ratios, dtype=np.float64)
     ll = np.asarray(log_lik, dtype=np.float64)
     S, N = ll.shape
-    _check_log_lik(ll, lambda j: f"observation {j}")
+    _check_log_lik(ll, observation or (lambda j: f"observation {j}"))
     lw_full, k_full = psis_smooth(lr)
     lw_loo, ks = psis(lr[:, None] - ll, axis=0)
     elpd_i = np.logaddexp.reduce(lw_loo + ll, axis=0)
@@ -166,8 +168,7 @@ def loo(result, num_draws=None, seed=0, *, proposal=None, progress=False):
     if isinstance(S, bool) or not isinstance(S, (int, np.integer, float)) or int(S) != S or S < MIN_LOO_DRAWS:
         raise ValueError(f"num_draws: expected an integer >= {MIN_LOO_DRAWS} (Pareto smoothing fits the largest "
                          f"ratios of the draws; default {LOO_DRAWS}), got {num_draws!r}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ValueError(f"seed: expected an integer, got {seed!r}")
+    check_seed(seed)
     gen = torch.Generator().manual_seed(int(seed))
     with torch.no_grad():
         values, log_q = q.sample(int(S), gen)
@@ -180,14 +181,14 @@ def loo(result, num_draws=None, seed=0, *, proposal=None, progress=False):
         m = out["log_lik"][n].shape[1]
         sites[n] = slice(start, start + m)
         start += m
-    _check_log_lik(ll, lambda j: next(f"site '{n}', observation {j - sl.start} (flat index, masked entries "
-                                      "dropped)" for n, sl in sites.items() if sl.start <= j < sl.stop))
     cdf = None
     if out.get("cdf"):  # sites without a CDF here get NaN (0 * NaN stays NaN in the PIT sum)
         nan = {n: np.full(out["log_lik"][n].shape, np.nan) for n in names if n not in out["cdf"]}
         cdf = tuple(np.concatenate([out["cdf"][n][j] if n in out["cdf"] else nan[n] for n in names], 1)
                     for j in range(2))
-    r = loo_from_log_lik(lr, ll, cdf)
+    r = loo_from_log_lik(lr, ll, cdf, observation=lambda j: next(
+        f"site '{n}', observation {j - sl.start} (flat index, masked entries dropped)"
+        for n, sl in sites.items() if sl.start <= j < sl.stop))
     r.sites, r.proposal = sites, proposal
     _warn_unreliable(r, lr)
     return r

@@ -11,7 +11,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["option", "EngineOptions", "Type2Options", "LGMEngineOptions", "options_table"]
+__all__ = ["option", "EngineOptions", "Type2Options", "LGMEngineOptions", "options_table", "range_violation"]
 
 
 def option(default, doc, *, min=None, gt=None, max=None, choices=None):
@@ -25,6 +25,18 @@ def option(default, doc, *, min=None, gt=None, max=None, choices=None):
     :param choices: allowed values (for strings; ``typing.Literal`` annotations give them too).
     """
     return field(default=default, metadata=dict(doc=doc, min=min, gt=gt, max=max, choices=choices))
+
+
+def range_violation(value, meta):
+    """The range of an option's ``metadata`` (:func:`option`) that the number ``value`` breaks, as text
+    (``">= 1"``), or ``None`` when it is within range."""
+    if meta.get("min") is not None and value < meta["min"]:
+        return f">= {meta['min']}"
+    if meta.get("gt") is not None and not value > meta["gt"]:
+        return f"> {meta['gt']}"
+    if meta.get("max") is not None and value > meta["max"]:
+        return f"<= {meta['max']}"
+    return None
 
 
 def _type_name(hint):
@@ -123,12 +135,9 @@ class EngineOptions:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 if isinstance(value, float) and not math.isfinite(value):
                     raise ValueError(f"option '{f.name}' must be a finite number, got {value!r}")
-                if meta.get("min") is not None and value < meta["min"]:
-                    raise ValueError(f"option '{f.name}' must be >= {meta['min']}, got {value!r}")
-                if meta.get("gt") is not None and not value > meta["gt"]:
-                    raise ValueError(f"option '{f.name}' must be > {meta['gt']}, got {value!r}")
-                if meta.get("max") is not None and value > meta["max"]:
-                    raise ValueError(f"option '{f.name}' must be <= {meta['max']}, got {value!r}")
+                bound = range_violation(value, meta)
+                if bound is not None:
+                    raise ValueError(f"option '{f.name}' must be {bound}, got {value!r}")
         self.check()
 
     def check(self):

@@ -309,17 +309,26 @@ def probe_sparse_jacobian(jvp, slices, q, n, dtype, device=None, jvp_many=None):
     rows, cols, vals = [], [], []
     tol = 64 * torch.finfo(dtype).eps  # a product of a few factors, rounded in another order
 
+    step = PROBE_BATCH if jvp_many is not None else 1
+
     def products(pairs):
         """``J v`` for each ``(slice, block vector)`` of ``pairs`` (``v`` zero off the slice): ``(len, q)``, CPU."""
         out = []
-        for a in range(0, len(pairs), PROBE_BATCH if jvp_many is not None else 1):
-            chunk = pairs[a:a + PROBE_BATCH] if jvp_many is not None else pairs[a:a + 1]
+        for a in range(0, len(pairs), step):
+            chunk = pairs[a:a + step]
             V = torch.zeros(len(chunk), n, dtype=dtype, device=device)
             for k, (sl, vb) in enumerate(chunk):
                 V[k, sl] = vb.to(device=device, dtype=dtype)
             got = jvp_many(V) if jvp_many is not None else jvp(V[0]).reshape(1, -1)
             out.append(got.detach().reshape(len(chunk), -1).cpu())
         return torch.cat(out) if out else torch.zeros(0, q, dtype=dtype)
+
+    def add_column(col, j):
+        """The nonzeros of the Jacobian's column ``j``."""
+        nz = torch.nonzero(col).reshape(-1)
+        rows.append(nz)
+        cols.append(torch.full((nz.numel(),), j, dtype=torch.long))
+        vals.append(col[nz])
 
     # a one-coordinate block's first product, with weight 1, is its column: it is not probed again
     r1s = [torch.rand(sl.stop - sl.start, generator=gen, dtype=dtype) + 0.5 if sl.stop - sl.start > 1
@@ -330,10 +339,7 @@ def probe_sparse_jacobian(jvp, slices, q, n, dtype, device=None, jvp_many=None):
     read = [k for k in range(len(slices)) if bool((y1s[k] != 0).any())]
     for k in read:
         if slices[k].stop - slices[k].start == 1:
-            nz = torch.nonzero(y1s[k]).reshape(-1)
-            rows.append(nz)
-            cols.append(torch.full((nz.numel(),), slices[k].start, dtype=torch.long))
-            vals.append(y1s[k][nz])
+            add_column(y1s[k], slices[k].start)
     read = [k for k in read if slices[k].stop - slices[k].start > 1]
     small = [k for k in read if slices[k].stop - slices[k].start <= PROBE_COLUMNS]
     large = [k for k in read if slices[k].stop - slices[k].start > PROBE_COLUMNS]
@@ -341,10 +347,7 @@ def probe_sparse_jacobian(jvp, slices, q, n, dtype, device=None, jvp_many=None):
     cols_out = products([(sl, torch.nn.functional.one_hot(torch.tensor(j), sl.stop - sl.start).to(dtype))
                          for sl, j in unit])
     for (sl, j), col in zip(unit, cols_out):
-        nz = torch.nonzero(col).reshape(-1)
-        rows.append(nz)
-        cols.append(torch.full((nz.numel(),), sl.start + j, dtype=torch.long))
-        vals.append(col[nz])
+        add_column(col, sl.start + j)
     checks = [torch.randn(slices[k].stop - slices[k].start, generator=gen, dtype=dtype) for k in large]
     pairs = []
     for k, v in zip(large, checks):

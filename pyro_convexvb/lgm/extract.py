@@ -573,17 +573,18 @@ class _AutogradJacobian:
         """``(B, q)`` products ``J v`` of the rows of ``V`` ``(B, n)``: one backward pass vectorised over the batch
         (``is_grads_batched``) instead of ``B`` passes through the graph, a loop of :meth:`jvp` where the graph's
         operations have no batching rule."""
-        if not self.g.requires_grad:
+        out = None
+        if self.g.requires_grad:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")  # torch's own slow fallback for an op without a batching rule
+                    out = torch.autograd.grad(self.g, self.w, grad_outputs=V.detach(), retain_graph=True,
+                                              allow_unused=True, is_grads_batched=True)[0]
+            except (RuntimeError, UserWarning):
+                return torch.stack([self.jvp(v) for v in V])
+        if out is None:  # eta does not read u
             return torch.zeros(V.shape[0], self.eta.shape[0], dtype=self.eta.dtype, device=self.eta.device)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")  # torch's own slow fallback for an op without a batching rule
-                out = torch.autograd.grad(self.g, self.w, grad_outputs=V.detach(), retain_graph=True,
-                                          allow_unused=True, is_grads_batched=True)[0]
-        except (RuntimeError, UserWarning):
-            return torch.stack([self.jvp(v) for v in V])
-        return torch.zeros(V.shape[0], self.eta.shape[0], dtype=self.eta.dtype, device=self.eta.device) \
-            if out is None else out.detach()
+        return out.detach()
 
     def dense(self):
         q, n = self.eta.shape[0], self.u.shape[0]

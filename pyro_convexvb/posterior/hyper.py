@@ -118,9 +118,8 @@ class ThetaDensity:
         ticks = torch.linspace(-radius, radius, m, dtype=torch.float64)
         xs = ticks.reshape(-1, 1) if d == 1 else torch.cartesian_prod(ticks, ticks)
         xs = xs[(xs**2).sum(1) <= radius**2]
-        near = torch.cat([torch.cdist(xs[i:i + 4096], x, p=math.inf).min(1).values  # (4096, K) at a time
-                          for i in range(0, xs.shape[0], 4096)])
-        xs = xs[near <= 0.5 * step + 1e-9]  # the design's cells only
+        near2 = _neighbours(xs, x, 1, p=math.inf)[1][:, 0]  # squared distance to the nearest design point, per axis
+        xs = xs[near2 <= (0.5 * step + 1e-9) ** 2]  # the design's cells only
         f = (logf - logf.max()).numpy()
         interp = RBFInterpolator(x.numpy(), f, kernel="thin_plate_spline", degree=2)
         lp = torch.as_tensor(interp(xs.numpy()), dtype=torch.float64)
@@ -249,12 +248,12 @@ def surface_marginals(space, density, probs=(0.05, 0.5, 0.95)):
     return out
 
 
-def _neighbours(x, centres, L, chunk=8192):
+def _neighbours(x, centres, L, chunk=8192, p=2.0):
     """``(idx (S, L), squared distances (S, L))`` of the ``L`` points of ``centres (K, d)`` nearest to each row of
-    ``x (S, d)``, nearest first."""
+    ``x (S, d)`` in the ``p``-norm (Euclidean by default), nearest first; ``chunk`` rows at a time."""
     idx, d2 = [], []
     for i in range(0, x.shape[0], chunk):
-        dist2 = torch.cdist(x[i:i + chunk], centres) ** 2
+        dist2 = torch.cdist(x[i:i + chunk], centres, p=p) ** 2
         v, j = torch.topk(dist2, L, dim=1, largest=False)
         idx.append(j)
         d2.append(v)
