@@ -84,6 +84,30 @@ def test_flat_weight_baselines_are_the_flat_weight_estimates():
     np.testing.assert_allclose(qf, m + s * stats.norm.ppf(np.array(PROBS))[:, None], atol=1e-6)
 
 
+def test_baselines_over_the_gaussian_draws_exclude_the_defensive_ones():
+    """Draws of a proposal with a defensive share (a fifth of them with every scale times r, r^2 = 5 / chi2_5, and
+    controls given r): the baseline over the other draws (``base_rows``) is the Gaussian's own mean and sd exactly
+    (moments) or to the Newton steps' precision (quantiles); over all draws it is the wider mixture's."""
+    rng = np.random.default_rng(4)
+    S, p = 4000, 25
+    m, s = rng.normal(size=p), rng.uniform(0.5, 2.0, size=p)
+    r = np.where(rng.uniform(size=S) < 0.2, np.sqrt(5.0 / rng.chisquare(5, size=S)), 1.0)
+    sd = s * r[:, None]
+    x = m + sd * rng.normal(size=(S, p))
+    w = rng.uniform(0.5, 1.5, size=S)
+    w /= w.sum()
+    ctl = CoordinateControls(np.broadcast_to(m, (S, p)), sd, np.full(S, np.inf))
+    rows = r == 1.0
+    *_, mb, sb = cv_moments(x, w, ctl, baseline=True, base_rows=rows)
+    np.testing.assert_allclose(mb, m, atol=1e-8)
+    np.testing.assert_allclose(sb, s, rtol=2e-3)  # about the weighted mean: second order in its offset
+    *_, sb_all = cv_moments(x, w, ctl, baseline=True)
+    assert float(np.median(sb_all / s)) > 1.03  # the mixture's spread (1 + 0.2 * 2/3 in variance)
+    q0, _ = weighted_quantiles(x, w, PROBS)
+    _, _, qb = cv_quantiles(x, w, ctl, PROBS, q0, baseline=True, base_rows=rows)
+    np.testing.assert_allclose(qb, m + s * stats.norm.ppf(np.array(PROBS))[:, None], atol=1e-4)
+
+
 J, PER = 40, 4
 
 

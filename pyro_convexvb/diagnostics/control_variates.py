@@ -87,7 +87,7 @@ def regression_estimate(h, w, G=None, G_ref=None):
     return est, np.sqrt(var), beta
 
 
-def cdf_estimate(ind, F, w):
+def cdf_estimate(ind, F, w, rows=None):
     r""":func:`regression_estimate` of a CDF, ``h = ind`` with the one control ``g = ind - F``, from weighted sums.
 
     With ``n_s = S w_s``, ``a_s = n_s (ind_s - mu)`` and ``ind_s^2 = ind_s``, every product the normal equations and
@@ -98,6 +98,8 @@ def cdf_estimate(ind, F, w):
 
     :param ind: ``(p, S)`` indicators ``x_s <= t`` (0/1, float64); ``F`` ``(p, S)`` the conditional CDFs at ``t``;
         ``w`` ``(S,)`` normalised weights.
+    :param rows: ``(S,)`` boolean: the estimate from those draws only (``w`` zero elsewhere), as if the others
+        were not there (``None``: all).
     :returns: ``(estimate (p,), mcse (p,))``.
 
     Example (the same numbers as the generic regression)::
@@ -110,9 +112,9 @@ def cdf_estimate(ind, F, w):
         >>> bool(np.allclose(est, est2, atol=1e-12) and np.allclose(se, se2, atol=1e-12))
         True
     """
-    S = ind.shape[1]
+    one = np.ones(ind.shape[1]) if rows is None else np.asarray(rows, dtype=np.float64)
+    S = int(one.sum())  # every sum below runs over the rows (one and n are zero elsewhere)
     n = np.asarray(w, dtype=np.float64) * S
-    one = np.ones(S)
     FI = F * ind
     s_ind = ind @ np.stack([one, n, n * n], 1)  # (p, 3): sums of ind, n ind, n^2 ind
     s_F = F @ np.stack([one, n], 1)
@@ -275,7 +277,7 @@ class CoordinateControls:
 QUANTILE_BLOCK = 32
 
 
-def cv_moments(x, w, ctl, transform=None, baseline=False):
+def cv_moments(x, w, ctl, transform=None, baseline=False, base_rows=None):
     """Control-variate mean and sd of ``x`` (or ``transform(x)``) ``(S, p)`` with their Monte Carlo errors.
 
     The second moment is taken about the self-normalised mean ``c`` (a constant once the draws are given), and
@@ -285,6 +287,8 @@ def cv_moments(x, w, ctl, transform=None, baseline=False):
         :class:`CoordinateControls` (``None``: the plain self-normalised estimates).
     :param bool baseline: also return the same estimates with flat weights from the same draws and controls (the
         proposal's own answer, :func:`james_stein`'s baseline).
+    :param base_rows: ``(S,)`` boolean, the draws the baseline is taken over (``None``: all; e.g. the draws of the
+        fitted Gaussians without a defensive component's), flat over them.
     :returns: ``(mean, sd, mean_mcse, sd_mcse)``, each ``(p,)``; with ``baseline``, ``(mean, sd)`` of the flat
         weights appended.
 
@@ -300,7 +304,8 @@ def cv_moments(x, w, ctl, transform=None, baseline=False):
     x = np.asarray(x, dtype=np.float64)
     if x.shape[1] > QUANTILE_BLOCK:  # a block of columns at a time (the transform acts elementwise)
         blocks = [slice(b, b + QUANTILE_BLOCK) for b in range(0, x.shape[1], QUANTILE_BLOCK)]
-        parts = [cv_moments(x[:, c], w, None if ctl is None else ctl.block(c), transform, baseline) for c in blocks]
+        parts = [cv_moments(x[:, c], w, None if ctl is None else ctl.block(c), transform, baseline, base_rows)
+                 for c in blocks]
         return tuple(np.concatenate(r) for r in zip(*parts))
     G, G_ref = (None, None) if ctl is None else ctl.moment_controls(x, transform)
     h = x if transform is None else transform(x)
@@ -312,7 +317,9 @@ def cv_moments(x, w, ctl, transform=None, baseline=False):
     out = (mean, sd, mean_se, m2_se / (2 * np.maximum(sd, 1e-300)))
     if not baseline:
         return out
-    flat = np.full_like(w, 1.0 / len(w))
+    if base_rows is not None:  # the controls are centred given the draw's component: exact on any such subset
+        h, G = h[base_rows], None if G is None else G[base_rows]
+    flat = np.full(h.shape[0], 1.0 / h.shape[0])
     mean_b = regression_estimate(h, flat, G, G_ref)[0]
     m2_b = regression_estimate((h - c) ** 2, flat, G, G_ref)[0]
     return out + (mean_b, np.sqrt(np.maximum(m2_b - (mean_b - c) ** 2, 0.0)))
@@ -323,7 +330,7 @@ def cv_moments(x, w, ctl, transform=None, baseline=False):
 BRACKET_TOL = 0.5
 
 
-def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False, tol=0.5):
+def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False, tol=0.5, base_rows=None):
     r"""Control-variate quantiles of ``x`` ``(S, p)``: solve ``F_cv(t) = p`` by safeguarded Newton steps from
     ``start``.
 
@@ -346,7 +353,8 @@ def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False, tol=0.5)
         below ``sigma / 20``), and later steps evaluate the remaining columns only. With flat weights the error is
         zero and all ``iterations`` steps are taken.
     :param bool baseline: also return the quantiles of the same estimator with flat weights (the proposal's own
-        answer), by ``iterations - 1`` steps from the last weighted evaluation, whose controls it reuses.
+        answer), by ``iterations - 1`` steps from the last weighted evaluation, whose controls it reuses;
+        ``base_rows`` ``(S,)`` boolean: flat over those draws only (zero weight on the others).
     :returns: ``(quantiles (P, p), mcse (P, p))``; with ``baseline``, the flat-weight quantiles ``(P, p)``
         appended.
 
@@ -365,19 +373,24 @@ def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False, tol=0.5)
     out = [np.empty_like(start) for _ in range(3 if baseline else 2)]
     for b in range(0, x.shape[1], QUANTILE_BLOCK):  # every column's Newton steps are its own
         cols = slice(b, b + QUANTILE_BLOCK)
-        part = _block_quantiles(x[:, cols], w, ctl.block(cols), probs, start[:, cols], iterations, baseline, tol)
+        part = _block_quantiles(x[:, cols], w, ctl.block(cols), probs, start[:, cols], iterations, baseline, tol,
+                                base_rows)
         for o, r in zip(out, part):
             o[:, cols] = r
     return tuple(out)
 
 
-def _block_quantiles(x, w, ctl, probs, start, iterations, baseline, tol):
+def _block_quantiles(x, w, ctl, probs, start, iterations, baseline, tol, base_rows=None):
     """:func:`cv_quantiles` on the columns of ``x``, all at once."""
     P = x.shape[1]
     q = np.array(start, dtype=np.float64, copy=True)
     se = np.empty_like(q)
     qb = np.empty_like(q)
     flat = np.full_like(np.asarray(w, dtype=np.float64), 1.0 / x.shape[0])
+    if base_rows is not None and ctl.conditional:  # controls centred given the draw's component: exact on a subset
+        flat = np.where(base_rows, 1.0 / max(int(np.count_nonzero(base_rows)), 1), 0.0)
+    else:  # reference controls are centred over all draws (and the defensive share leaves their coordinates alone)
+        base_rows = None
     lo, hi = x.min(0), x.max(0)
     span = 0.5 * (hi - lo)
 
@@ -401,7 +414,7 @@ def _block_quantiles(x, w, ctl, probs, start, iterations, baseline, tol):
                     keep[k][:, act] = arr
         return ev
 
-    def solve(t, p, wts, se_out, err, keep=None, t_eval=None, ev=None, iterations=iterations):
+    def solve(t, p, wts, se_out, err, keep=None, t_eval=None, ev=None, iterations=iterations, rows=None):
         """Safeguarded Newton steps on the columns of ``t`` (in place) under weights ``wts``; ``se_out`` receives
         each column's Monte Carlo error (``None``: not kept), ``err`` gives the error scale of the stopping rules
         (``None``: the errors just computed); ``ev`` an evaluation at ``t`` on every column, if already made."""
@@ -415,7 +428,8 @@ def _block_quantiles(x, w, ctl, probs, start, iterations, baseline, tol):
                 t_eval[act] = t[act]
             ind, G, G_ref, dens = ev
             ev = None
-            F, F_se = cdf_estimate(ind, G, wts) if ctl.conditional else regression_estimate(ind.T, wts, G, G_ref)[:2]
+            F, F_se = cdf_estimate(ind, G, wts, rows) if ctl.conditional else \
+                regression_estimate(ind.T, wts, G, G_ref)[:2]
             f = np.maximum(ctl.density(x, wts, t[act], dens, None if act.size == P else act), 1e-300)
             r = F - p
             step = np.clip(r / f, -span[act], span[act])
@@ -449,7 +463,7 @@ def _block_quantiles(x, w, ctl, probs, start, iterations, baseline, tol):
         solve(q[i], p, w, se[i], None, keep, t_eval)
         if baseline:  # Newton steps on the flat-weight CDF from the weighted quantile, each column's last evaluation
             qb[i] = t_eval  # reused first
-            solve(qb[i], p, flat, None, se[i], ev=tuple(keep), iterations=iterations - 1)
+            solve(qb[i], p, flat, None, se[i], ev=tuple(keep), iterations=iterations - 1, rows=base_rows)
     return (q, se, qb) if baseline else (q, se)
 
 

@@ -111,6 +111,8 @@ class ImportanceDiagnostics:
     eps: Any = field(default=None, repr=False)
     own: Any = field(default=None, repr=False)
     maps: Any = field(default=None, repr=False)
+    #: ``(S,)`` boolean: the draws made by a defensive component (:data:`~.whitened.DEFENSIVE_WEIGHT`), or ``None``
+    defensive: Any = field(default=None, repr=False)
 
     @property
     def reliable(self):
@@ -190,7 +192,7 @@ def _weigh(result, q, values, log_q, log_joint, cond, name=None, check=True):
         k_hat=float(k), ess=importance_ess(lw), num_draws=S, threshold=pareto_k_threshold(S), proposal=name,
         tried={name: float(k)}, log_evidence=log_ev, log_evidence_bound=result.log_evidence_bound,
         conditional_on=q.fixed, mean_shift=shift, sd_ratio=ratio, log_ratios=lr, log_weights=lw, draws=values,
-        proposal_object=q, conditional=cond, log_q=log_q)
+        proposal_object=q, conditional=cond, log_q=log_q, defensive=getattr(q, "defensive_draws", None))
 
 
 def _importance(result, num_draws, seed, proposal, progress):
@@ -279,17 +281,18 @@ def _elementwise(transform, x):
     return 1 if bool((dv > 0).all()) else (-1 if bool((dv < 0).all()) else 0)
 
 
-def _cv_site(transform, x, w, ctl, probs, baseline=False):
+def _cv_site(transform, x, w, ctl, probs, baseline=False, base_rows=None):
     """Control-variate summaries of one site: ``(unconstrained, constrained)`` dicts (see :func:`correct`); with
     ``baseline``, also ``(unconstrained, constrained)`` dicts of the same estimates with flat weights (the
-    proposal's own answer from the same draws; ``None`` for a site without a monotone elementwise transform)."""
+    proposal's own answer from the same draws, over ``base_rows`` if given: the draws of its Gaussians without
+    their defensive share; ``None`` for a site without a monotone elementwise transform)."""
     from .control_variates import cv_moments, cv_quantiles
 
     t = lambda a, shape: torch.as_tensor(np.asarray(a), dtype=torch.float64).reshape(shape)  # noqa: E731
     S = x.shape[0]
     ushape = tuple(x.shape[1:])
     xf = x.reshape(S, -1).numpy()
-    m, s_, mse, sse, *mb = cv_moments(xf, w, ctl, baseline=baseline)
+    m, s_, mse, sse, *mb = cv_moments(xf, w, ctl, baseline=baseline, base_rows=base_rows)
     unc = {"mean": t(m, ushape), "sd": t(s_, ushape), "mean_mcse": t(mse, ushape), "sd_mcse": t(sse, ushape)}
     base_unc = {"mean": t(mb[0], ushape), "sd": t(mb[1], ushape)} if baseline else None
     with torch.no_grad():
@@ -303,7 +306,7 @@ def _cv_site(transform, x, w, ctl, probs, baseline=False):
     # quantiles of the unconstrained coordinates, mapped through the monotone transform
     uprobs = probs if sign > 0 else tuple(1.0 - p for p in probs)
     q0 = start_quantiles(xf, w, uprobs)  # the self-normalised ones (their errors are not needed)
-    qu, qse, *qb = cv_quantiles(xf, w, ctl, uprobs, q0, baseline=baseline)
+    qu, qse, *qb = cv_quantiles(xf, w, ctl, uprobs, q0, baseline=baseline, base_rows=base_rows)
     with torch.no_grad():
         T = lambda a: transform(torch.as_tensor(a, dtype=torch.float64)).numpy()  # noqa: E731
         qc = T(qu)
@@ -311,7 +314,7 @@ def _cv_site(transform, x, w, ctl, probs, baseline=False):
         if identity:
             cm, cs, cmse, csse, cmb = m, s_, mse, sse, mb
         else:
-            cm, cs, cmse, csse, *cmb = cv_moments(xf, w, ctl, transform=T, baseline=baseline)
+            cm, cs, cmse, csse, *cmb = cv_moments(xf, w, ctl, transform=T, baseline=baseline, base_rows=base_rows)
         qcb = T(qb[0]) if baseline else None
     shape = tuple(transform(x[:1]).shape[1:])
     out = {"mean": t(cm, shape), "sd": t(cs, shape), "quantiles": {p: t(qc[i], shape) for i, p in enumerate(probs)},
@@ -404,6 +407,7 @@ def _pool(result, rounds, maps, q):
     # the pooled draws and their conditional moments are gathered only for the rounds' final answer (_gather)
     d = _weigh(result, q, None, log_q, np.concatenate([r[2] for r in rounds]), None, name="affine", check=False)
     d.eps, d.own, d.maps, d.rounds = eps, own, list(maps), list(rounds)
+    d.defensive = np.concatenate([np.zeros(r[1].shape[0], dtype=bool) if r[5] is None else r[5] for r in rounds])
     # the moment check asks whether the last proposal agrees with the weighted moments: its own draws
     last = own == len(rounds) - 1
     lw = d.log_weights[last]
@@ -430,7 +434,7 @@ def _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried):
     field (:func:`~pyro_convexvb.diagnostics.whitened.fit_affine_map`) to the pooled weighted draws so far, draws
     ``num_draws`` more, and pools every round (:func:`_pool`); it stops when the importance ESS reaches
     :data:`ADAPT_BELOW` of the draws or a round does not improve it."""
-    from .whitened import AffineMap, WhitenedProposal, fit_affine_map
+    from .whitened import DEFENSIVE_WEIGHT, AffineMap, WhitenedProposal, fit_affine_map
 
     post = proposal_posterior(result)
     layout = post.layout
@@ -438,20 +442,21 @@ def _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried):
     values, lq, ljv, cond = _draw(result, q, num_draws, seed, progress)
     d = _weigh(result, q, values, lq, ljv, cond)
     tried[d.proposal] = d.k_hat
-    rounds, maps = [(values, lq, ljv, cond, None)], [q.amap]
+    rounds, maps = [(values, lq, ljv, cond, None, None)], [q.amap]
     own = np.zeros(lq.shape[0], dtype=np.int64)
     for r in range(int(adapt)):
         if d.ess >= ADAPT_BELOW * d.num_draws or not np.isfinite(d.k_hat):
             break
         if r == 0:  # whitened only when adapting
             eps = q.last_eps
-            rounds[0] = rounds[0][:4] + (eps,)
+            rounds[0] = rounds[0][:4] + (eps, None)
         amap = fit_affine_map(eps, np.exp(d.log_weights), own, maps, seed=seed + r)
         if amap.is_identity:
             break
+        amap = amap.defended(DEFENSIVE_WEIGHT)
         q2 = WhitenedProposal(q1, layout, amap)
         values, lq, ljv, cond = _draw(result, q2, num_draws, seed + 101 + r, progress)
-        rounds.append((values, lq, ljv, cond, q2.last_eps))
+        rounds.append((values, lq, ljv, cond, q2.last_eps, q2.defensive_draws))
         maps.append(amap)
         d2 = _pool(result, rounds, maps, q2)
         tried["affine" if r == 0 else f"affine{r + 1}"] = d2.k_hat
@@ -519,6 +524,8 @@ def _summaries(result, d, estimator, probs, seed, baseline=False):
     q = d.proposal_object
     layout = getattr(proposal_posterior(result), "layout", None)
     sites, unc, bases = {}, {}, {}
+    # the proposal's own answer (the shrinkage's baseline) is that of its Gaussians, without the defensive draws
+    base_rows = None if d.defensive is None or not d.defensive.any() else ~d.defensive
     t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
     for n in lj.names:
         x = d.draws[n].double().cpu()
@@ -531,7 +538,8 @@ def _summaries(result, d, estimator, probs, seed, baseline=False):
             m, s_, mse, sse = weighted_moments(x.numpy(), w)
             unc[n] = {"mean": t(m), "sd": t(s_), "mean_mcse": t(mse), "sd_mcse": t(sse)}
             continue
-        unc[n], sites[n], bu, bs = _cv_site(lj.transforms[n], x, w, ctl, probs, baseline=baseline)
+        unc[n], sites[n], bu, bs = _cv_site(lj.transforms[n], x, w, ctl, probs, baseline=baseline,
+                                            base_rows=base_rows)
         if baseline:
             bases[n] = (bu, bs)
     return sites, unc, bases
@@ -594,8 +602,10 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     points); if its importance ESS is below 80% of the draws, up to ``adapt`` further rounds draw from the proposal
     adapted to the weighted draws so far: with ``adaptation="affine"`` (default) an affine map of the field's
     whitened coordinates moment-matched to them (a shift, scales and a few directions, each shrunk by its Monte
-    Carlo noise; :mod:`~pyro_convexvb.diagnostics.whitened`), every round's draws pooled against the mixture of
-    the rounds' proposals (proposal ``"affine"``); with ``"diagonal"`` a shift and scale per coordinate
+    Carlo noise; :mod:`~pyro_convexvb.diagnostics.whitened`; a fifth of each adapted round's draws Student-t
+    through the same map, a defensive share that keeps the weights bounded in tails the Gaussian misses), every
+    round's draws pooled against the mixture of the rounds' proposals (proposal ``"affine"``); with ``"diagonal"`` a
+    shift and scale per coordinate
     (:class:`~pyro_convexvb.diagnostics.proposals.AdaptedProposal`, the last round's draws only). Rounds are kept
     while they improve the importance ESS. If the proposal's ``k_hat`` is above the threshold or its weighted
     moments disagree with its own (:attr:`ImportanceDiagnostics.ok`), the defensive mixtures ``"widened"`` (scales

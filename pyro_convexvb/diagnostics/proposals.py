@@ -367,6 +367,9 @@ class Proposal:
     #: after :meth:`sample` of a plain proposal: ``(S, n)`` the draws' whitened coordinates ``eps`` in their frame
     #: (the standard normal draws they were made from), or ``None``
     frame_eps = None
+    #: after :meth:`sample`: ``(S,)`` boolean, the draws made by a defensive component of an adapted proposal
+    #: (:mod:`~pyro_convexvb.diagnostics.whitened`), or ``None``
+    defensive_draws = None
 
     def hyper_reference(self, M, generator=None):
         """``(M, d)`` draws of the unconstrained hyper-latents from the proposal (no field); ``None`` if it has

@@ -30,6 +30,12 @@ Cornuet, Marin, Mira & Robert 2012; Owen 2013, ch. 9, multiple importance sampli
 exact as all rounds share the base proposal's ``q(theta)`` and frames: ``log q_j(u) = C(u) + l_j(e)`` with
 ``l_j(e) = log N(B_j^{-1}(e - mu_j)) - log|det B_j|``. Adaptive importance sampling in general: Cappé, Douc,
 Guillin, Marin & Robert (2008); Owen (2013, ch. 10).
+
+Every adapted round has a defensive share (Hesterberg 1995): its ``eps`` comes from
+``g = (1 - a) N(0, I) + a t_5(0, I)`` (:data:`DEFENSIVE_WEIGHT`, ``a``), so ``l_j`` has ``log g`` in place of
+``log N`` and the weights stay bounded in tails heavier than the Gaussian's, which moment-matched rounds alone never
+reach; a draw given its Student-t scale factor ``r`` is normal with its scales times ``r`` (the conditional moments
+the control variates use).
 """
 import math
 
@@ -46,12 +52,25 @@ LOW_RANK_MAX_N = 3000
 MAX_DIRECTIONS = 10
 
 
+#: the defensive share of the adaptive rounds' draws: each round draws ``eps`` from ``(1 - a) N(0, I) + a t_nu(0, I)``
+#: instead of ``N(0, I)`` (Hesterberg 1995, defensive importance sampling), so that the importance weights stay
+#: bounded (by ``1 / (1 - a)`` times the Gaussian's weights in the bulk, and by the heavy component in tails that are
+#: heavier than any Gaussian's), whatever the tails of the target; ``a = 0.2``
+DEFENSIVE_WEIGHT = 0.2
+#: the degrees of freedom of the defensive component
+DEFENSIVE_DF = 5
+
+
 class AffineMap:
     r"""``e = mu + diag(s) (I + U diag(g) U^T) eps`` on whitened coordinates (see the module docstring).
 
     :param mu: ``(n,)`` shift; ``s`` ``(n,)`` positive scales.
     :param U: ``(n, r)`` orthonormal directions (``None``: none); ``lam`` ``(r,)`` their variance changes
-        (``> -1``): the covariance of ``e`` is ``diag(s) (I + U diag(lam) U^T) diag(s)``.
+        (``> -1``): the scale matrix of ``e`` is ``diag(s) (I + U diag(lam) U^T) diag(s)`` (its covariance when
+        ``defensive`` is 0).
+    :param float defensive: the share ``a`` in ``[0, 1)`` of draws whose ``eps`` is multivariate Student-t with
+        :data:`DEFENSIVE_DF` degrees of freedom (the others standard normal): ``eps`` has the density
+        ``g = (1 - a) N(0, I) + a t_nu(0, I)`` and the covariance ``(1 - a + a nu / (nu - 2)) I``.
 
     Example::
 
@@ -61,7 +80,12 @@ class AffineMap:
         ([[1.5, 2.0]], True, 0.693147)
     """
 
-    def __init__(self, mu, s, U=None, lam=None):
+    def __init__(self, mu, s, U=None, lam=None, defensive=0.0):
+        if not 0.0 <= float(defensive) < 1.0:
+            raise ValueError(f"AffineMap: expected a defensive share in [0, 1), got {defensive!r}")
+        self.defensive, self.df = float(defensive), DEFENSIVE_DF
+        #: the variance of each coordinate of ``eps`` under ``g``
+        self.spread = 1.0 - self.defensive + self.defensive * self.df / (self.df - 2.0)
         self.mu = np.asarray(mu, dtype=np.float64)
         self.s = np.asarray(s, dtype=np.float64)
         n = self.mu.shape[0]
@@ -74,14 +98,50 @@ class AffineMap:
         self.log_det = float(np.log(self.s).sum() + 0.5 * np.log1p(self.lam).sum())
 
     @classmethod
-    def identity(cls, n):
-        return cls(np.zeros(n), np.ones(n))
+    def identity(cls, n, defensive=0.0):
+        return cls(np.zeros(n), np.ones(n), defensive=defensive)
+
+    def defended(self, share=DEFENSIVE_WEIGHT):
+        """The same map with the defensive share ``share``."""
+        return AffineMap(self.mu, self.s, self.U, self.lam, defensive=share)
 
     @property
     def is_identity(self):
-        """The map moves nothing (to ``1e-12``)."""
+        """The map moves nothing (to ``1e-12``; whatever its defensive share)."""
         return bool(np.abs(self.mu).max(initial=0) <= 1e-12 and np.abs(self.s - 1).max(initial=0) <= 1e-12
                     and np.abs(self.lam).max(initial=0) <= 1e-12)
+
+    @property
+    def is_plain(self):
+        """The identity without a defensive share: the base proposal itself."""
+        return self.is_identity and self.defensive == 0.0
+
+    def defend(self, eps, generator):
+        """``(x (S, n), r (S,))``: the standard normal ``eps`` ``(S, n)`` with a share :attr:`defensive` of its rows
+        (each independently) turned multivariate Student-t, ``x = r eps`` with ``r = sqrt(nu / chi2_nu)`` (the
+        others unchanged, ``r = 1``), drawn with the torch ``generator``; ``x`` has the density ``g``. Given ``r``
+        a draw is normal with its scales times ``r``: the conditional moments the control variates use."""
+        S = eps.shape[0]
+        r = np.ones(S)
+        if self.defensive == 0.0:
+            return eps, r
+        heavy = (torch.rand(S, dtype=torch.float64, generator=generator) < self.defensive).numpy()
+        chi2 = (torch.randn((int(heavy.sum()), self.df), dtype=torch.float64, generator=generator) ** 2).sum(1)
+        r[heavy] = np.sqrt(self.df / chi2.numpy())
+        return eps * r[:, None], r
+
+    def log_base(self, x):
+        """``(S,)`` ``log g(x) + n/2 log 2 pi`` at ``x`` ``(S, n)`` (``-|x|^2 / 2`` without a defensive share)."""
+        sq = np.einsum("ij,ij->i", x, x)
+        return self._log_base_sq(sq, x.shape[1])
+
+    def _log_base_sq(self, sq, n):
+        if self.defensive == 0.0:
+            return -0.5 * sq
+        nu = float(self.df)
+        log_t = (math.lgamma(0.5 * (nu + n)) - math.lgamma(0.5 * nu) - 0.5 * n * math.log(0.5 * nu)
+                 - 0.5 * (nu + n) * np.log1p(sq / nu))
+        return np.logaddexp(math.log1p(-self.defensive) - 0.5 * sq, math.log(self.defensive) + log_t)
 
     def forward(self, eps):
         """``(S, n)`` whitened draws ``eps`` to ``e``."""
@@ -92,7 +152,8 @@ class AffineMap:
         return x - ((x @ self.U) * (self.g / (1.0 + self.g))) @ self.U.T
 
     def log_kernel(self, e):
-        """``(S,)`` ``log N(B^{-1}(e - mu); 0, I) - log|det B|`` without the ``-n/2 log 2 pi``.
+        """``(S,)`` ``log g(B^{-1}(e - mu)) - log|det B|`` without the ``-n/2 log 2 pi`` (``g`` standard normal
+        without a defensive share).
 
         With ``x = (e - mu) / s`` and ``U`` orthonormal, ``|B^{-1}(e - mu)|^2 = |x|^2 - sum_j (1 - 1/(1 + lam_j))
         (x^T u_j)^2``: the inverse is never formed."""
@@ -101,14 +162,15 @@ class AffineMap:
         sq = np.einsum("ij,ij->i", x, x)
         if self.U.shape[1]:
             sq -= ((x @ self.U) ** 2) @ (1.0 - 1.0 / (1.0 + self.lam))
-        return -0.5 * sq - self.log_det
+        return self._log_base_sq(sq, e.shape[1]) - self.log_det
 
     def covariance(self):
-        """``(n, n)`` covariance of ``e``."""
+        """``(n, n)`` scale matrix ``B B^T`` of ``e`` (its covariance without a defensive share)."""
         return (np.diag(np.ones_like(self.s)) + (self.U * self.lam) @ self.U.T) * np.outer(self.s, self.s)
 
     def second_moment(self):
-        return self.covariance() + np.outer(self.mu, self.mu)
+        """``(n, n)`` ``E[e e^T]`` under the map (the defensive share's heavier spread included)."""
+        return self.spread * self.covariance() + np.outer(self.mu, self.mu)
 
     def field_moments(self, L):
         """``(L mu, diag(L Cov L^T))`` for a square root ``L`` ``(n, n)`` of a component's covariance."""
@@ -174,7 +236,7 @@ class WhitenedProposal(Proposal):
             raise ValueError(f"the {base.name!r} proposal has no whitening frames (a defensive mixture or a mixture "
                              "posterior): adapt a plain 'fitted' or 'interpolated' proposal")
         self.base, self.layout, self.amap = base, layout, amap
-        self.name = base.name if amap.is_identity else "affine"
+        self.name = base.name if amap.is_identity else "affine"  # a defensive share keeps the name
         self.covers_hyper, self.fixed = base.covers_hyper, base.fixed
         self.hp = getattr(base, "hp", None)
         self._eps = self._pending = None
@@ -196,26 +258,34 @@ class WhitenedProposal(Proposal):
         # the base draws' whitened coordinates: the standard normal draws they were made from, else whitened
         known = getattr(self.base, "frame_eps", None)
         self._eps, self._pending = (known, None) if known is not None else (None, (u0.double().cpu().numpy(), frame))
-        if self.amap.is_identity:  # the base draws; whitened only if asked (last_eps)
+        self.defensive_draws = None
+        if self.amap.is_plain:  # the base draws; whitened only if asked (last_eps)
             self.cond_loc, self.cond_sd = self.base.cond_loc, self.base.cond_sd
             self.cond_cov = self.base.cond_cov
+            self.cond_df = np.full(S, np.inf)
         else:
-            e = self.amap.forward(self.last_eps)
+            eps = self.last_eps
+            x, r = self.amap.defend(eps, generator)
+            self.defensive_draws = r != 1.0
+            e = self.amap.forward(x)
             values = with_field(self.layout, values, _color(self.base, e, frame), u0)
-            lq = lq - self.amap.log_det
-            self.cond_loc, self.cond_sd = self.field_moments(frame)
-            self.cond_cov = self.field_covariance(frame, [self.amap], np.zeros(S, dtype=np.int64))
+            lq = lq + torch.as_tensor(_moved_density(self.amap, eps, x), dtype=lq.dtype, device=lq.device)
+            self.cond_loc, self.cond_sd = self.field_moments(frame, r=r)
+            self.cond_cov = self.field_covariance(frame, [self.amap], np.zeros(S, dtype=np.int64), r)
+            self.cond_df = np.full(S, np.inf)
             self._eps, self._pending = e, None
-        self.cond_df = np.full(S, np.inf)
         self.frame = frame
         return values, lq
 
-    def field_covariance(self, frame, maps, own):
+    def field_covariance(self, frame, maps, own, r=None):
         """:class:`~pyro_convexvb.diagnostics.proposals.FieldCovariance` of draws in ``frame`` moved by
-        ``maps[own_s]``: ``Cov(u_s) = D_s W_k Cov_e W_k^T D_s``, ``Cov_e`` the map's covariance of ``e``."""
+        ``maps[own_s]``: ``Cov(u_s) = r_s^2 D_s W_k B B^T W_k^T D_s``, ``B B^T`` the map's scale matrix of ``e``
+        and ``r`` ``(S,)`` the draws' defensive scale factors (:meth:`AffineMap.defend`; ``None``: 1)."""
         from .proposals import FieldCovariance
 
         k, a, d = frame
+        if r is not None and np.any(r != 1.0):
+            d = r[:, None] * (np.ones(a.shape) if d is None else d)
         J = len(maps)
         K = len(self.base.frame_parts)
 
@@ -226,9 +296,9 @@ class WhitenedProposal(Proposal):
         return FieldCovariance(np.asarray(k, dtype=np.int64) * J + np.asarray(own, dtype=np.int64), d,
                                [(lambda sl, j=j: cov(j, sl)) for j in range(K * J)])
 
-    def field_moments(self, frame, amap=None):
+    def field_moments(self, frame, amap=None, r=None):
         """``(S, n)`` conditional means and sds of the field given each draw's component and frame (under
-        ``amap``, default this proposal's map)."""
+        ``amap``, default this proposal's map), and its defensive scale factor ``r`` ``(S,)`` (``None``: 1)."""
         amap = self.amap if amap is None else amap
         k, a, d = frame
         loc = np.empty_like(a, dtype=np.float64)
@@ -239,7 +309,7 @@ class WhitenedProposal(Proposal):
             loc[idx], sd[idx] = m, np.sqrt(v)
         if d is not None:
             loc, sd = loc * d, sd * d
-        return a + loc, sd
+        return a + loc, sd if r is None else sd * r[:, None]
 
 
 class PooledProposal(WhitenedProposal):
@@ -273,18 +343,27 @@ class PooledProposal(WhitenedProposal):
         u0 = field_vector(self.layout, values)
         k, a, d = frame = self.base.frame
         eps = whiten(self.base, u0.double().cpu().numpy(), frame)
-        e, log_det = np.empty_like(eps), np.empty(S)
+        e, moved, r = np.empty_like(eps), np.empty(S), np.empty(S)
         loc, sd = np.empty_like(eps), np.empty_like(eps)
         for j, m in enumerate(self.maps):
             idx = np.nonzero(own == j)[0]
-            e[idx], log_det[idx] = m.forward(eps[idx]), m.log_det
-            loc[idx], sd[idx] = self.field_moments((k[idx], a[idx], None if d is None else d[idx]), m)
+            x, r[idx] = m.defend(eps[idx], generator)
+            e[idx], moved[idx] = m.forward(x), _moved_density(m, eps[idx], x)
+            loc[idx], sd[idx] = self.field_moments((k[idx], a[idx], None if d is None else d[idx]), m, r[idx])
         values = with_field(self.layout, values, _color(self.base, e, frame), u0)
-        lq_mix = mixture_log_q(lq.double().cpu().numpy() - log_det, e, own, self.maps)
+        lq_mix = mixture_log_q(lq.double().cpu().numpy() + moved, e, own, self.maps)
         self.cond_loc, self.cond_sd, self.cond_df = loc, sd, np.full(S, np.inf)
-        self.cond_cov = self.field_covariance(frame, self.maps, own)
+        self.cond_cov = self.field_covariance(frame, self.maps, own, r)
+        self.defensive_draws = r != 1.0
         self._eps, self._pending, self.frame = e, None, frame
         return values, torch.as_tensor(lq_mix, dtype=torch.float64)
+
+
+def _moved_density(amap, eps, x):
+    """``(S,)`` what moving base draws of whitened coordinates ``eps`` ``(S, n)`` (standard normal) to
+    ``e = amap.forward(x)``, ``x`` the draws :meth:`AffineMap.defend` made of them, adds to their log density:
+    ``log g(x) - log N(eps) - log|det B|``."""
+    return amap.log_base(x) + 0.5 * np.einsum("ij,ij->i", eps, eps) - amap.log_det
 
 
 def mixture_log_q(log_q_own, eps, own, maps):
@@ -330,7 +409,7 @@ def fit_affine_map(eps, w, own, maps, seed=0, max_directions=MAX_DIRECTIONS):
     mean = w @ eps - (eps - mu_own).mean(0)
     dev = eps - mean
     # diagonal of the covariance: sum_s c_s e_s^2 + mean_s E_own[e^2] - mean^2
-    known_diag = sum(f * (m.s**2 * (1 + (m.U**2 * m.lam).sum(1)) + m.mu**2) for f, m in zip(frac, maps))
+    known_diag = sum(f * (m.spread * m.s**2 * (1 + (m.U**2 * m.lam).sum(1)) + m.mu**2) for f, m in zip(frac, maps))
     var = np.maximum(c @ eps**2 + known_diag - mean**2, 1e-6)
     c2 = c**2
     # shift: James-Stein toward 0 (noise variance of each coordinate's estimate: sum_s c_s^2 (e - m)^2)
