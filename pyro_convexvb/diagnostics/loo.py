@@ -42,7 +42,8 @@ class LOOResult:
     :ivar p_loo: effective number of parameters ``lpd - elpd_loo``.
     :ivar pareto_k: ``(N,)`` per-observation ``k_hat``; ``threshold`` the reliability threshold.
     :ivar elpd_i: ``(N,)`` pointwise ``elpd``; ``cpo`` ``(N,)`` = ``exp(elpd_i)``; ``pit`` ``(N,)`` (NaN for
-        families without a CDF here: Normal, Bernoulli and Poisson sites have one).
+        sites without a CDF here: vector observations and families beyond those of
+        :meth:`~pyro_convexvb.diagnostics.logjoint.ModelLogJoint.evaluate`).
     :ivar elpd_waic, se_waic, p_waic: WAIC on the same draws.
     :ivar sites: ``{observed site: slice of the N observations}``.
     :ivar k_hat: the full-data ``k_hat`` of the draws (the approximation's diagnostic).
