@@ -288,6 +288,34 @@ def test_a_central_composite_design_warns_that_its_hyper_marginals_are_coarse():
     assert "'t1', 't2', 's'" in msg and "res.corrected()" in msg
 
 
+def test_a_central_composite_design_whose_axial_point_rises_above_the_mode_is_refused():
+    """The split normal's scale along an axis is r / sqrt(2 drop) with drop the log density's fall from the mode to
+    the axial point; a drop at or below zero was clamped to 1e-6 (a scale 700 times the design's radius, silently).
+    Now the fit is refused, naming the hyper-latents, the axial point and by how much it rises."""
+    from pyro_convexvb.errors import UnsupportedModelError
+    from pyro_convexvb.infer import hyper as H
+    from pyro_convexvb.posterior.hyper import ThetaDensity
+
+    one = torch.tensor(1.0, dtype=D)
+
+    def model():
+        for n in ("t1", "t2", "s"):
+            pyro.sample(n, dist.HalfNormal(one))
+
+    space = H.theta_space(model, (), {}, ["t1", "t2", "s"])
+    x, _ = H.design_points(3, "ccd")
+    z, A_inv = torch.zeros(3, dtype=D), torch.eye(3, dtype=D)
+    logf = -0.5 * (x**2).sum(1)
+    H._check_axial_drops(space, z, A_inv, x, logf)  # a concave quadratic: fine
+    ThetaDensity.split_normal(z, A_inv, x, logf)
+    logf[1 + 4] = 0.3  # the axial point -r e_1 (t2 = exp(-1.1 sqrt 3) = 0.149) above the mode's 0
+    with pytest.raises(UnsupportedModelError, match=r"'t1, t2, s'.*axial point t1=1\.0, t2=0\.1488, s=1\.0 is 0\.3 "
+                                                    r"nats above"):
+        H._check_axial_drops(space, z, A_inv, x, logf)
+    with pytest.raises(ValueError, match="below the mode"):
+        ThetaDensity.split_normal(z, A_inv, x, logf)
+
+
 def test_a_design_strategy_with_hyper_map_is_refused_not_ignored():
     """hyper='map' fits the mode only; a hyper_strategy beside it was silently ignored."""
     model, X, y, _ = _exact_1d_gamma_scale()

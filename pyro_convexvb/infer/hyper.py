@@ -603,6 +603,27 @@ def _design_weights(strategy, x, a, logf, prune):
     return keep, w[idx] / w[idx].sum(), idx
 
 
+def _check_axial_drops(space, z_mode, A_inv, x, logf):
+    """Refuse a central composite design whose axial point ``k`` (``x[k]``, ``k = 1 .. 2d``) has a log density
+    ``logf[k]`` not below the mode's ``logf[0]``: the split normal's scale there, ``r / sqrt(2 drop)``, would be
+    infinite or imaginary (a second mode along that direction, or a density too flat for the design)."""
+    d = x.shape[1]
+    drops = logf[0] - logf[1:1 + 2 * d]
+    k = int(torch.argmin(drops))
+    if float(drops[k]) > 0:
+        return
+    theta = space.unpack(z_mode + A_inv @ x[1 + k])[0]
+    vals = {n: [float(f"{float(a):.4g}") for a in torch.as_tensor(v).reshape(-1)] for n, v in theta.items()}
+    at = ", ".join(f"{n}={v[0] if len(v) == 1 else v}" for n, v in vals.items())
+    raise UnsupportedModelError(
+        ", ".join(space.names),
+        f"the log hyper-posterior at the central composite design's axial point {at} is {-float(drops[k]):.3g} nats "
+        "above its value at the mode, so the mode found is not its maximum along that direction (a second mode, or "
+        "a surface too flat for the design) and the asymmetric Gaussian through the axial points does not exist; "
+        "integrate fewer hyper-latents (hyper_strategy='grid' handles up to 2), fix the others, or sample with "
+        "engine='nuts'")
+
+
 def _warn_split_normal(space):
     """Say that the hyper-latents' marginals of a central composite design are the asymmetric Gaussian's."""
     warn(f"hyper-latents {', '.join(repr(n) for n in space.names)} ({space.dim} unconstrained dimensions) were "
@@ -697,6 +718,7 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     if strategy == "grid":
         density = ThetaDensity.surface(z_mode, A_inv, x, logf, radius, grid_step)
     else:
+        _check_axial_drops(space, z_mode, A_inv, x, logf)
         density = ThetaDensity.split_normal(z_mode, A_inv, x, logf)
         _warn_split_normal(space)
     post = HyperPosterior(space, torch.stack([zs[k] for k in idx]), w, [results[k].posterior for k in idx],

@@ -131,8 +131,11 @@ class ThetaDensity:
     def split_normal(cls, z_mode, A_inv, x, logf):
         d = x.shape[1]
         r = float(x[1].norm())
-        drop_p = (logf[0] - logf[1:1 + d]).clamp_min(1e-6)
-        drop_m = (logf[0] - logf[1 + d:1 + 2 * d]).clamp_min(1e-6)
+        drop_p = logf[0] - logf[1:1 + d]
+        drop_m = logf[0] - logf[1 + d:1 + 2 * d]
+        if not bool((drop_p > 0).all() and (drop_m > 0).all()):
+            raise ValueError("split_normal: every axial point's log density must lie below the mode's (drops "
+                             f"{drop_p.tolist()} and {drop_m.tolist()})")
         return cls("split-normal", z_mode, A_inv, s_plus=r / torch.sqrt(2 * drop_p), s_minus=r / torch.sqrt(2 * drop_m))
 
     @classmethod
