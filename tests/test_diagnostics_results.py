@@ -439,6 +439,21 @@ def test_obs_mask_and_deterministic_sites_are_diagnosed_as_the_model_reads_them(
             assert az.loo(idata).elpd_loo == pytest.approx(sum(exact), abs=0.5)
 
 
+def test_correct_and_diagnose_refuse_draw_counts_and_seeds_they_would_truncate(linear_fit):
+    """correct() and diagnose() truncated a float seed or draw count silently (seed=1.5 ran seed 1)."""
+    from pyro_convexvb.diagnostics.importance import correct, diagnose
+
+    res = linear_fit[-1]
+    for fn in (correct, diagnose):
+        for bad in (0, 5, 300.5, True):
+            with pytest.raises(ValueError, match="num_draws: expected an integer >= 10"):
+                fn(res, bad)
+        with pytest.raises(ValueError, match="seed: expected an integer"):
+            fn(res, 200, seed=1.5)
+    with pytest.raises(ValueError, match="seed: expected an integer"):
+        res.corrected(num_draws=200, seed=True)
+
+
 def test_loo_validates_its_draws_and_warns_when_its_weights_are_unreliable(linear_fit):
     model, X, y, noise, res = linear_fit
     for bad in (0, 1, 2.5, True):

@@ -54,6 +54,19 @@ def check_seed(seed):
         raise ValueError(f"seed: expected an integer, got {seed!r}")
 
 
+#: fewest draws a PSIS diagnostic, correction or LOO accepts (Pareto smoothing fits the largest ratios of the draws)
+MIN_DRAWS = 10
+
+
+def check_draws(num_draws, minimum=MIN_DRAWS, default=None):
+    """Refuse a ``num_draws`` that is not an integer of at least ``minimum`` (a float was truncated silently)."""
+    if isinstance(num_draws, bool) or not isinstance(num_draws, (int, np.integer, float)) \
+            or int(num_draws) != num_draws or num_draws < minimum:
+        dflt = "" if default is None else f"; default {default}"
+        raise ValueError(f"num_draws: expected an integer >= {minimum} (Pareto smoothing fits the largest ratios of "
+                         f"the draws{dflt}), got {num_draws!r}")
+
+
 def _log_joint(result):
     lj = result.__dict__.get("_log_joint_evaluator")
     if lj is None:
@@ -242,6 +255,8 @@ def diagnose(result, num_draws=DIAGNOSTIC_DRAWS, seed=0, *, proposal="fitted", w
         >>> d.k_hat < 0.5 and abs(d.log_evidence - res.log_evidence_bound) < 1e-6   # exact for a Gaussian model
         True
     """
+    check_draws(num_draws, default=DIAGNOSTIC_DRAWS)
+    check_seed(seed)
     d = _importance(result, num_draws, seed, proposal, progress)
     if warn and not d.ok:
         warnings.warn(d.message, ApproximationWarning, stacklevel=3)
@@ -654,6 +669,8 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         (['mean', 'mean_mcse', 'quantile_mcse'], torch.Size([]))
     """
     probs = _check_options(adapt, estimator, adaptation, probs)
+    check_draws(num_draws, default=CORRECTION_DRAWS)
+    check_seed(seed)
     if shrink is None:
         shrink = estimator == "cv"
     elif shrink not in (True, False):

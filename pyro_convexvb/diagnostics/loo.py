@@ -21,7 +21,7 @@ from typing import Dict
 import numpy as np
 import torch
 
-from .importance import _log_joint, check_seed
+from .importance import _log_joint, check_draws, check_seed
 from .constrained import proposal_posterior
 from .proposals import PROPOSALS, make_proposal
 from .psis import pareto_k_threshold, psis, psis_smooth
@@ -166,9 +166,7 @@ def loo(result, num_draws=None, seed=0, *, proposal=None, progress=False):
     if q is None:
         q = make_proposal(proposal_posterior(result), proposal)
     S = LOO_DRAWS if num_draws is None else num_draws
-    if isinstance(S, bool) or not isinstance(S, (int, np.integer, float)) or int(S) != S or S < MIN_LOO_DRAWS:
-        raise ValueError(f"num_draws: expected an integer >= {MIN_LOO_DRAWS} (Pareto smoothing fits the largest "
-                         f"ratios of the draws; default {LOO_DRAWS}), got {num_draws!r}")
+    check_draws(S, MIN_LOO_DRAWS, LOO_DRAWS)
     check_seed(seed)
     gen = torch.Generator().manual_seed(int(seed))
     with torch.no_grad():
