@@ -102,7 +102,7 @@ def _cdf_parts(fn, y):
     vectorised model run); otherwise the family's parameters broadcast to ``y``, for :func:`_cdf_from_parts` to
     evaluate with :mod:`scipy.special` after the run (torch has no incomplete beta function): ``"student_t"``
     ``(y, df, loc, scale)``, ``"binomial"`` ``(y, n, p)``, ``"negative_binomial"`` ``(y, r, p)`` (failures ``y``
-    before the ``r``-th success of probability ``p``)."""
+    before the ``r``-th success of probability ``p``), ``"zi_negative_binomial"`` ``(y, r, p, gate)``."""
     import pyro.distributions as dist
 
     td = torch.distributions
@@ -127,6 +127,9 @@ def _cdf_parts(fn, y):
         return "pair", (torch.where(y > 0.5, 1 - p1, torch.zeros_like(p1)), torch.where(y > 0.5, p1, 1 - p1))
     if isinstance(b, td.Poisson):
         return "pair", _poisson_pair(b.rate, y)
+    if isinstance(b, dist.ZeroInflatedNegativeBinomial):  # gate g: a point mass at 0, else negative binomial
+        nb = b.base_dist
+        return "zi_negative_binomial", torch.broadcast_tensors(y, nb.total_count, 1 - nb.probs, b.gate)
     if isinstance(b, dist.ZeroInflatedPoisson):  # gate g: a point mass at 0, else Poisson
         g = b.gate
         below, at = _poisson_pair(b.base_dist.rate, y)
@@ -158,6 +161,10 @@ def _cdf_from_parts(kind, parts):
     if kind == "student_t":
         y, df, loc, scale = parts
         return special.stdtr(df, (y - loc) / scale), np.zeros_like(y)
+    if kind == "zi_negative_binomial":
+        y, n, p, g = parts
+        below, at = _cdf_from_parts("negative_binomial", (y, n, p))
+        return (1 - g) * below + g * (y > 0), (1 - g) * at + g * (y == 0)
     y, n, p = parts
     if kind == "binomial":
         return stats.binom.cdf(y - 1, n, p), stats.binom.pmf(y, n, p)
@@ -257,8 +264,8 @@ class ModelLogJoint:
             observations' own log densities (unscaled; masked entries dropped).
         :param bool pit: also return ``cdf``: ``{site: ((S, N_site), (S, N_site))}`` of ``P(Y < y)`` and
             ``P(Y = y)`` (Normal, LogNormal, HalfNormal, Laplace, StudentT, Gamma, Exponential, Bernoulli, Binomial,
-            Poisson, ZeroInflatedPoisson, NegativeBinomial and GammaPoisson sites, elementwise; others are left
-            out).
+            Poisson, ZeroInflatedPoisson, NegativeBinomial, ZeroInflatedNegativeBinomial and GammaPoisson sites,
+            elementwise; others are left out).
         :param bool predictive: also return ``y_rep``: ``{site: (S, *shape)}`` replicated observations.
         :returns: dict with ``log_joint`` ``(S,)`` numpy array (unconstrained density, all constants) and
             the requested extras.
