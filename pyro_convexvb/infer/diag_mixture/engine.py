@@ -179,7 +179,10 @@ class DiagMixtureEngine(SVIEngine):
         with torch.no_grad(), guide._pyro_context:
             locs, scales = guide._mixture_params()
             posterior = DiagMixturePosterior(locs.detach().clone(), scales.detach().clone() ** 2)
-        if lgm is None:
+        learned = model_param_values(call) if o.learn_params else None
+        if lgm is None or learned:
+            # SVI moved the model's pyro.param sites: the model extracted before it (at their initial values) is not
+            # the fitted model, whose bound and decrement are reported
             lgm = try_lgm(call.source, call.args, call.kwargs)
         lgm = reshard_lgm(lgm, call.args, call.kwargs)
         exact = lgm is not None and lgm.n == posterior.n and lgm.model_bijective
