@@ -67,7 +67,7 @@ class GLM(CompactPickleMixin, BaseEstimator):
         only: a ``noise_var`` or ``learn_noise`` other than the default with another likelihood is unused and
         warned of (``UserWarning``).
     :param n_trials: default binomial number of trials: one count, or one per training row (then used by ``fit``
-        only; the prediction methods need their own ``n_trials=`` for other rows). ``fit`` and the prediction
+        only; the prediction methods refuse to guess and need their own ``n_trials=``). ``fit`` and the prediction
         methods take an ``n_trials`` argument (one count or one per row of their ``X``) that replaces it.
         ``"binomial"`` only: a value other than the default with another likelihood is warned of, and an
         ``n_trials`` argument is refused (``ValueError``).
@@ -174,12 +174,14 @@ class GLM(CompactPickleMixin, BaseEstimator):
         return self.learn_basis and isinstance(self.basis_, torch.nn.Module) and any(
             p.requires_grad for p in self.basis_.parameters())
 
-    def _trials(self, n_trials, N, like):
+    def _trials(self, n_trials, N, like, fitting=False):
         """Binomial trials of ``N`` rows as a ``(N,)`` tensor of ``like``'s dtype and device: ``n_trials`` as passed
         to a method, else the constructor's ``n_trials``; ``None`` for the other likelihoods.
 
         :raises ValueError: naming ``n_trials``: passed to a method with a likelihood other than ``"binomial"``
-            (it would be ignored), neither one count nor ``N`` (one per row of ``X``), or not nonnegative integers.
+            (it would be ignored), neither one count nor ``N`` (one per row of ``X``), or not nonnegative integers;
+            or, outside ``fit`` (``fitting=False``), left to the constructor's counts when those are per row (they
+            belong to the training rows, whatever the rows of this ``X``).
         """
         if self.likelihood != "binomial":
             if n_trials is not None:
@@ -188,6 +190,10 @@ class GLM(CompactPickleMixin, BaseEstimator):
             return None
         source = "n_trials" if n_trials is not None else "n_trials (the constructor's, GLM(n_trials=...))"
         n = sklearn_input(self.n_trials if n_trials is None else n_trials)
+        if n_trials is None and not fitting and np.ndim(n) == 1:
+            raise ValueError(f"n_trials: the constructor's counts are one per training row (GLM(n_trials=...) of "
+                             f"shape {np.shape(n)}), which fit uses; pass n_trials= (one count or one per row of "
+                             f"X) for these {N} rows")
         try:
             n = np.asarray(n, dtype=np.float64)
         except (TypeError, ValueError) as e:
@@ -282,7 +288,7 @@ class GLM(CompactPickleMixin, BaseEstimator):
         if self.likelihood != "binomial":
             warn_unused(self, ("n_trials",), f"likelihood={self.likelihood!r} has no number of trials")
         weight = unsharded_weight(check_sample_weight(sample_weight, X.shape[0]), sharded)
-        trials = self._trials(n_trials, X.shape[0], X)  # (N,) for binomial, per-row counts kept with their rows
+        trials = self._trials(n_trials, X.shape[0], X, fitting=True)  # (N,) for binomial, per-row counts kept with their rows
         weight, X, y, trials = positive_rows(weight, X, np.asarray(y), trials)
         weight = None if weight is None else torch.from_numpy(weight)
         y = torch.from_numpy(np.array(y, dtype=np.float64))

@@ -172,8 +172,13 @@ def test_n_trials_is_checked_and_never_ignored():
     ignored) and warns of a non-default constructor value; ``score`` of a binomial model takes the rows' trials."""
     X = X_TEST.numpy()
     binomial = _fitted("binomial", n_trials=np.array([3, 4, 5, 6]))  # the constructor's counts: 4 training rows
-    with pytest.raises(ValueError, match=r"n_trials \(the constructor's.*3 rows.*pass n_trials="):
+    with pytest.raises(ValueError, match=r"n_trials: the constructor's counts are one per training row.*3 rows"):
         binomial.predict(X)
+    # as many prediction rows as training rows: the training rows' counts were used for them, silently
+    same = _fitted("binomial", n_trials=np.array([3, 4, 5]))
+    for method, args in ((same.predict, (X,)), (same.predictive_cdf, (X, 1.0)), (same.predict_quantile, (X, 0.5))):
+        with pytest.raises(ValueError, match=r"n_trials: the constructor's counts are one per training row"):
+            method(*args)
     with pytest.raises(ValueError, match=r"n_trials: has shape \(2,\), but X has 3 rows"):
         binomial.predict(X, n_trials=[1, 2])
     with pytest.raises(ValueError, match="n_trials: must be nonnegative integers"):
