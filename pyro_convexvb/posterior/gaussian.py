@@ -593,17 +593,39 @@ def _full_param_name(module, name):
     return f"{prefix}.{name}" if prefix else name
 
 
+def _store_backed(value):
+    """``value`` as a :class:`~pyro.nn.PyroParam`: a plain :class:`torch.nn.Parameter` becomes one with constraint
+    ``real`` (the same tensor, the same param-store name), a PyroParam is returned as it is.
+
+    A :class:`~pyro.nn.PyroModule` reads a PyroParam attribute from the param store, but a plain ``nn.Parameter``
+    attribute from the module itself, while the ``pyro.param`` site it records (the tensor SVI's optimiser collects)
+    holds the store's entry. Once the two differ (``get_param_store().set_state()``/``load()`` of a saved store, or a
+    second guide writing entries of the same names) the guide drew from its own ``loc`` with the store's ``scale``
+    and ``scale_tril``, and SVI left ``loc`` where it was (its recorded param gets no gradient): Pyro's
+    ``AutoMultivariateNormal`` and ``AutoDiagonalNormal`` do so with their ``loc`` (Pyro 1.9).
+    """
+    if isinstance(value, PyroParam):
+        return value
+    if isinstance(value, nn.Parameter):
+        return PyroParam(value.detach(), constraints.real)
+    raise TypeError(f"expected a torch.nn.Parameter or a pyro.nn.PyroParam, got {type(value).__name__}")
+
+
 def _write_guide_params(guide, params):
     """Set a Pyro module's parameters and make the param store hold exactly these values.
 
     :class:`~pyro.nn.PyroModule` takes the param store's value whenever an entry of the parameter's full
     name exists there, so a stale entry (an earlier fit, a loaded store) would silently replace a value
     written to the module.  This removes the store entries of these names, sets the attributes, and
-    registers the module's own tensors under those names; other store entries are untouched.
+    registers the module's own tensors under those names; other store entries are untouched.  Every
+    parameter is set as a :class:`~pyro.nn.PyroParam` (a plain ``nn.Parameter`` with constraint ``real``,
+    :func:`_store_backed`), so the guide reads all of them through the store, as its recorded ``pyro.param``
+    sites (and SVI's optimiser) see them.
 
     :param guide: a :class:`~pyro.nn.PyroModule` (e.g. an autoguide).
     :param dict params: ``{attribute name: torch.nn.Parameter or pyro.nn.PyroParam}``.
     """
+    params = {name: _store_backed(value) for name, value in params.items()}
     use_store = not pyro.settings.get("module_local_params")
     if use_store:
         store = pyro.get_param_store()
@@ -655,7 +677,8 @@ class _InitialisedAtPosterior:
     def _loc_scale(self, *args, **kwargs):
         if self.prototype_trace is None:  # median()/quantiles() before the first call
             self._setup_prototype(*args, **kwargs)
-        return super()._loc_scale(*args, **kwargs)
+        with self._pyro_context:  # read through the param store, as a guide call does (e.g. after set_state())
+            return super()._loc_scale(*args, **kwargs)
 
     def _current(self, *names):
         if self.prototype_trace is None:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from pyro.infer.autoguide import AutoMultivariateNormal
 from pyro.nn.module import PyroParam
+from torch.distributions import constraints
 
 from . import engine
 from .bounds import LOGIT_BOUNDS
@@ -59,6 +60,17 @@ class DualVG(AutoMultivariateNormal):
         # validated once, here: unknown or ill-typed options fail at construction, naming the option
         self.engine_options = DualVGOptions.create(DualVGEngine.name, dict(options, bound=bound, method=method))
         self.result = None
+
+    def _setup_prototype(self, *args, **kwargs):
+        super()._setup_prototype(*args, **kwargs)
+        # Pyro's loc is a plain nn.Parameter, read from the module while its recorded param site holds the param
+        # store's entry (they part after get_param_store().set_state()); a PyroParam is read through the store
+        # (pyro_convexvb.posterior.gaussian._store_backed)
+        self.loc = PyroParam(self._parameters["loc"].detach(), constraints.real)
+
+    def _loc_scale(self, *args, **kwargs):
+        with self._pyro_context:  # median()/quantiles() read through the param store, as a guide call does
+            return super()._loc_scale(*args, **kwargs)
 
     def fit(self, *args, progress=False, warm_start=True, **kwargs):
         """Minimise the dual for the model's data ``(*args, **kwargs)``; returns the :class:`InferenceResult`."""
