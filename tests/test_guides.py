@@ -562,3 +562,41 @@ def test_a_restored_param_store_is_what_the_guide_samples_and_trains(kind):
         torch.testing.assert_close(guide.median()["w"], after, rtol=0, atol=0)
     else:
         torch.testing.assert_close(guide.to_posterior().loc, after, rtol=0, atol=0)
+
+
+class _LinearRegression:
+    """A model written as a method: ``w ~ N(0, I)``, ``y ~ N(X w, 0.5^2)`` (vectorisable over draws of ``w``)."""
+
+    noise = 0.5
+
+    def model(self, X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            return pyro.sample("y", dist.Normal((X * w.unsqueeze(-2)).sum(-1), self.noise), obs=y)
+
+
+@pytest.mark.parametrize("trainable", [True, False])
+def test_a_method_model_is_recognised_as_the_fitted_model(trainable):
+    """``as_guide(obj.model)`` compared the model by identity, and every ``obj.model`` is a new bound-method object:
+    the guide was built at its first call, and ``Predictive`` on new inputs (no ``y``) refused with "the model has 12
+    latent dimensions but the posterior has 3". The draws must follow the exact conjugate posterior."""
+    X, _ = _logreg_data()
+    y = X @ torch.tensor([1.0, -1.0, 0.5], dtype=D) + 0.5 * torch.randn(40, generator=torch.Generator().manual_seed(3),
+                                                                       dtype=D)
+    obj = _LinearRegression()
+    res = pcv.fit(obj.model, X, y=y, engine="laplace", progress=False)
+    precision = torch.eye(3, dtype=D) + X.T @ X / obj.noise**2  # the closed-form posterior
+    cov = torch.linalg.inv(precision)
+    mean = cov @ (X.T @ y) / obj.noise**2
+    guide = res.posterior.as_guide(obj.model, trainable=trainable)
+    assert guide.prototype_trace is not None  # built now, with the fitting data
+    n = 4000
+    pred = Predictive(obj.model, guide=guide, num_samples=n, parallel=True)(X[:9] + 0.5)
+    assert pred["y"].shape == (n, 9)
+    w = pred["w"].reshape(n, 3)
+    assert float(((w.mean(0) - mean).abs() / (cov.diagonal().sqrt() / math.sqrt(n))).max()) < 4.5
+    torch.testing.assert_close(torch.cov(w.T), cov, rtol=0, atol=6 * float(cov.diagonal().max()) / math.sqrt(n))
+    # without the fitting data, the observed site that became latent is named
+    pyro.clear_param_store()
+    with pytest.raises(ValueError, match=r"latent site\(s\) \['y'\] of the model are not in the posterior.*model_args"):
+        Predictive(obj.model, guide=res.compact().posterior.as_guide(trainable=trainable), num_samples=5)(X[:9])

@@ -12,6 +12,7 @@ initialised at the posterior, so ``SVI`` can keep training from an engine's answ
 
 ``as_guide(trainable=False)`` gives the fixed, parameter-free :class:`GaussianPosteriorGuide`.
 """
+import inspect
 import math
 
 import pyro
@@ -547,12 +548,18 @@ def _check_latent_dim(guide, posterior):
     """Refuse a model whose packed latent vector is not the posterior's: another length or, when the posterior knows
     its :attr:`~pyro_convexvb.posterior.base.Posterior.layout`, other sites or another order (which would hand one
     site's values to another)."""
+    model_sites = [(name, math.prod(shape)) for name, shape in guide._unconstrained_shapes.items()]
+    fitted = [] if posterior.layout is None else [(b.name, b.size) for b in posterior.layout.blocks]
+    extra = [name for name, _ in model_sites if fitted and name not in {n for n, _ in fitted}]
+    if extra:
+        raise ValueError(
+            f"latent site(s) {extra} of the model are not in the posterior (its sites: {[n for n, _ in fitted]}): an "
+            "observed site called without its data is latent; build the guide with the fitting data "
+            "(as_guide(model_args=..., model_kwargs=...)), or pass the model it was fitted to")
     if guide.latent_dim != posterior.n:
         raise ValueError(f"the model has {guide.latent_dim} latent dimensions but the posterior has {posterior.n}")
     if posterior.layout is None:
         return
-    model_sites = [(name, math.prod(shape)) for name, shape in guide._unconstrained_shapes.items()]
-    fitted = [(b.name, b.size) for b in posterior.layout.blocks]
     for k, (ours, theirs) in enumerate(zip(model_sites, fitted)):
         if ours != theirs:
             raise ValueError(
@@ -570,11 +577,20 @@ def _prototype_dtype(guide, default):
     return default.dtype, default.device
 
 
+def _is_fitted_model(model, fitted):
+    """Whether ``model`` is the ``fitted`` model: the same object, or the same method of the same object (each
+    attribute access ``obj.model`` makes a new bound-method object, so identity alone missed it)."""
+    if model is fitted:
+        return True
+    return inspect.ismethod(model) and inspect.ismethod(fitted) and model.__self__ is fitted.__self__ \
+        and model.__func__ is fitted.__func__
+
+
 def _guide_model_and_data(posterior, model, model_args, model_kwargs):
     """``(model, args, kwargs, build_now)`` for ``as_guide``: the fitting model and data by default, and the fitting
     data when ``model`` is the fitted model itself (so that ``Predictive`` on new inputs keeps the observed sites
     observed instead of building the guide from a call without them)."""
-    if model is None or model is posterior.model:
+    if model is None or _is_fitted_model(model, posterior.model):
         model, (args, kwargs) = posterior.model, posterior.model_args
         if model is None:
             raise ValueError("as_guide() needs the Pyro model (pass model=...)")
