@@ -9,6 +9,7 @@ from pyro.infer.autoguide import AutoMultivariateNormal
 from pyro.nn.module import PyroParam
 from torch.distributions import constraints
 
+from ...posterior.gaussian import GaussianPosterior
 from . import engine
 from .bounds import LOGIT_BOUNDS
 from .engine import *  # noqa: F401,F403  (the engine's names, importable from here as before)
@@ -83,9 +84,15 @@ class DualVG(AutoMultivariateNormal):
                 raise
             # the warm start belongs to other data: start cold
             res = DualVGEngine(self.model, progress=progress, **opts).run(*args, **kwargs)
+        q = res.posterior
+        if not isinstance(q, GaussianPosterior):  # a HyperPosterior: the model has hyper-latents
+            names = getattr(getattr(q, "space", None), "names", None)
+            raise ValueError(f"DualVG: the model has hyper-latents {names}, whose posterior is not a Gaussian over all "
+                             "latent sites (a mixture over their design points, or a point mass with hyper='map'), so "
+                             "this AutoMultivariateNormal cannot hold it; use pcv.fit(model, ..., engine='dual_vg') "
+                             "and res.posterior.as_guide()")
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
-        q = res.posterior
         if self.latent_dim != q.n:
             raise ValueError(f"the model has {self.latent_dim} latent dimensions but the dual posterior has {q.n}")
         self._set_from_posterior(q)
