@@ -3,6 +3,7 @@
 References are independent of the guide code: covariances are rebuilt from the raw param-store entries
 with Pyro's parametrisations, and ELBOs are computed by tensor-product Gauss-Hermite quadrature.
 """
+import copy
 import math
 
 import numpy as np
@@ -489,3 +490,113 @@ def test_dual_vg_fit_writes_its_optimum_into_the_param_store():
     torch.testing.assert_close(cov2, res2.posterior.covariance(), rtol=0, atol=TOL)
     guide(X[:30], y=y[:30])
     torch.testing.assert_close(pyro.param("DualVG.loc").detach(), res2.posterior.loc, rtol=0, atol=TOL)
+
+
+# ------------------------------------------------------------------------------------------ a restored param store
+def _shifted_state(shift):
+    """The param store's state with every ``*.loc``/``*.locs`` entry moved by ``shift`` (a saved, trained store)."""
+    state = copy.deepcopy(pyro.get_param_store().get_state())
+    for k in state["params"]:
+        if k.endswith(".loc") or k.endswith(".locs"):
+            state["params"][k] = state["params"][k].detach() + shift
+    return state
+
+
+@pytest.mark.parametrize("kind", KINDS + ["mixture", "dual_vg"])
+def test_a_restored_param_store_is_what_the_guide_samples_and_trains(kind):
+    """``loc`` (``locs``, ``cov_factor``) was a plain ``nn.Parameter``, which a PyroModule reads from itself while the
+    ``pyro.param`` site it records holds the store's entry: after ``get_param_store().set_state()`` of a saved store
+    the guide drew from its old ``loc`` with the restored ``scale``/``scale_tril`` (``Predictive`` means 65 to 94
+    standard errors from the restored ``loc``, trace log densities up to 1.9 nats off), ``median()`` gave the old
+    ``loc`` and SVI never moved ``loc`` (by 0.0: its recorded param got no gradient)."""
+    X, y = _logreg_data()
+    if kind == "mixture":
+        m, C = _laplace(X, y)
+        q = _attach(DiagMixturePosterior(torch.stack([m - 0.3, m + 0.3]), torch.stack([C.diagonal()] * 2)),
+                    logreg, X, y=y)
+        guide, prefix = q.as_guide(), "AutoDiagMixture"
+    elif kind == "dual_vg":
+        guide, prefix = pcv.DualVG(logreg), "DualVG"
+        guide.fit(X, y=y)
+    else:
+        q, _ = _posterior(kind, X, y)
+        guide = _attach(q, logreg, X, y=y).as_guide()
+        prefix = type(guide).__name__
+    shift = torch.tensor([0.5, -0.25, 0.125], dtype=D)
+    pyro.get_param_store().set_state(_shifted_state(shift))
+    # the independent reference: the restored store's raw entries with Pyro's parametrisation
+    if kind == "mixture":
+        locs = pyro.param("AutoDiagMixture.locs").detach().clone()
+        scales = pyro.param("AutoDiagMixture.scales").detach()
+        reference = dist.MixtureSameFamily(dist.Categorical(logits=torch.zeros(2, dtype=D)),
+                                           dist.Normal(locs, scales).to_event(1))
+        loc = reference.mean
+        torch.testing.assert_close(guide.median()["w"], guide.quantiles([0.5])["w"][0], rtol=0, atol=0)
+        med = guide.median()["w"]
+        torch.testing.assert_close(dist.Normal(locs, scales).cdf(med).mean(0), torch.full((3,), 0.5, dtype=D),
+                                   rtol=0, atol=1e-9)  # the marginal medians of the restored mixture
+    else:
+        base = AutoMultivariateNormal if kind == "dual_vg" else PYRO_BASE[kind]
+        loc, cov = _store_loc_cov(base, prefix)
+        reference = dist.MultivariateNormal(loc, covariance_matrix=cov)
+        torch.testing.assert_close(guide.median()["w"], loc, rtol=0, atol=TOL)
+        torch.testing.assert_close(guide.quantiles([0.9])["w"][0],
+                                   loc + 1.2815515655446004 * cov.diagonal().sqrt(), rtol=0, atol=1e-9)
+    tr = poutine.trace(guide).get_trace(X, y=y)
+    tr.compute_log_prob()
+    latent = tr.nodes[f"_{prefix}_latent"]
+    assert float(latent["log_prob_sum"].detach()) == pytest.approx(float(reference.log_prob(latent["value"].detach())),
+                                                          abs=1e-10)
+    n = 4000
+    w = Predictive(logreg, guide=guide, num_samples=n)(X)["w"].reshape(n, 3)
+    se = reference.variance.sqrt() / math.sqrt(n)
+    assert float(((w.mean(0) - loc).abs() / se).max()) < 4.5
+    # SVI trains the restored values, and the guide reports what it trained
+    before = pyro.param(f"{prefix}.{'locs' if kind == 'mixture' else 'loc'}").detach().clone()
+    _svi_steps(guide, steps=10, lr=0.02)
+    after = pyro.param(f"{prefix}.{'locs' if kind == 'mixture' else 'loc'}").detach()
+    assert float((after - before).abs().max()) > 0.05
+    if kind == "mixture":
+        torch.testing.assert_close(guide.to_posterior().locs, after, rtol=0, atol=0)
+    elif kind == "dual_vg":
+        torch.testing.assert_close(guide.median()["w"], after, rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(guide.to_posterior().loc, after, rtol=0, atol=0)
+
+
+class _LinearRegression:
+    """A model written as a method: ``w ~ N(0, I)``, ``y ~ N(X w, 0.5^2)`` (vectorisable over draws of ``w``)."""
+
+    noise = 0.5
+
+    def model(self, X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            return pyro.sample("y", dist.Normal((X * w.unsqueeze(-2)).sum(-1), self.noise), obs=y)
+
+
+@pytest.mark.parametrize("trainable", [True, False])
+def test_a_method_model_is_recognised_as_the_fitted_model(trainable):
+    """``as_guide(obj.model)`` compared the model by identity, and every ``obj.model`` is a new bound-method object:
+    the guide was built at its first call, and ``Predictive`` on new inputs (no ``y``) refused with "the model has 12
+    latent dimensions but the posterior has 3". The draws must follow the exact conjugate posterior."""
+    X, _ = _logreg_data()
+    y = X @ torch.tensor([1.0, -1.0, 0.5], dtype=D) + 0.5 * torch.randn(40, generator=torch.Generator().manual_seed(3),
+                                                                       dtype=D)
+    obj = _LinearRegression()
+    res = pcv.fit(obj.model, X, y=y, engine="laplace", progress=False)
+    precision = torch.eye(3, dtype=D) + X.T @ X / obj.noise**2  # the closed-form posterior
+    cov = torch.linalg.inv(precision)
+    mean = cov @ (X.T @ y) / obj.noise**2
+    guide = res.posterior.as_guide(obj.model, trainable=trainable)
+    assert guide.prototype_trace is not None  # built now, with the fitting data
+    n = 4000
+    pred = Predictive(obj.model, guide=guide, num_samples=n, parallel=True)(X[:9] + 0.5)
+    assert pred["y"].shape == (n, 9)
+    w = pred["w"].reshape(n, 3)
+    assert float(((w.mean(0) - mean).abs() / (cov.diagonal().sqrt() / math.sqrt(n))).max()) < 4.5
+    torch.testing.assert_close(torch.cov(w.T), cov, rtol=0, atol=6 * float(cov.diagonal().max()) / math.sqrt(n))
+    # without the fitting data, the observed site that became latent is named
+    pyro.clear_param_store()
+    with pytest.raises(ValueError, match=r"latent site\(s\) \['y'\] of the model are not in the posterior.*model_args"):
+        Predictive(obj.model, guide=res.compact().posterior.as_guide(trainable=trainable), num_samples=5)(X[:9])

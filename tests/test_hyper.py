@@ -382,7 +382,7 @@ def test_guide_samples_hyper_latents_and_field_jointly():
     assert pred["tau"].reshape(-1).shape == (300,) and pred["w"].shape[-1] == 4 and pred["y"].shape[-1] == 80
     tau_med = res.hyper["marginals"]["tau"]["quantiles"][0.5]
     assert abs(float(pred["tau"].median()) - float(tau_med)) < 0.2 * float(tau_med)
-    with pytest.raises(ValueError, match="not a trainable guide"):
+    with pytest.raises(ValueError, match="not a trainable family"):
         res.posterior.as_guide(trainable=True)
 
 

@@ -204,3 +204,29 @@ def test_compact_drops_the_design_points_data():
                       num_samples=S, parallel=True)(g)
     a = pred["a"].reshape(S, J)
     assert float(((a.mean(0) - post.loc).abs() / (post.variance / S).sqrt()).max()) < 4.5
+
+
+@pytest.mark.parametrize("hyper", ["map", "integrate"])
+def test_trainable_is_refused_naming_the_hyper_latents_and_the_guides_that_train(hyper):
+    """``as_guide(trainable=True)`` said "fit with hyper='map' for a Gaussian posterior whose guide trains", but a
+    ``hyper='map'`` fit refuses the same way. The guide it points to, ``components[k].as_guide()``, is checked against
+    the closed-form posterior of the field given ``s`` at design point ``k``; ``DualVG`` on this model now names
+    ``s`` (it reported 5 latent dimensions against the posterior's 4)."""
+    g, y = _data(6)
+    res = pcv.fit(group_model, g, y=y, engine="dual_vg", options=dict(hyper=hyper), progress=False)
+    q = res.posterior
+    with pytest.raises(ValueError, match=r"trainable=True.*\['s'\].*components\[k\]\.as_guide\(\).*\['a'\].*'laplace'"):
+        q.as_guide(trainable=True)
+    k = int(q.weights.argmax())
+    s = float(q.space.unpack(q.z[k])[0]["s"])
+    A = torch.nn.functional.one_hot(g, J).to(D)
+    cov = torch.linalg.inv(torch.eye(J, dtype=D) / s**2 + A.T @ A)  # y | a ~ N(A a, I), a ~ N(0, s^2 I)
+    mean = cov @ (A.T @ y)
+    guide = q.components[k].as_guide()
+    torch.testing.assert_close(guide.median()["a"], mean, rtol=0, atol=1e-6)
+    torch.testing.assert_close(guide.to_posterior().covariance(), cov, rtol=0, atol=1e-6)
+    svi = pyro.infer.SVI(q.components[k].model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
+    svi.step(*q.components[k].model_args[0], **q.components[k].model_args[1])
+    if hyper == "map":
+        with pytest.raises(ValueError, match=r"DualVG: the model has hyper-latents \['s'\].*engine='dual_vg'"):
+            pcv.DualVG(group_model, hyper="map").fit(g, y=y)

@@ -12,6 +12,7 @@ initialised at the posterior, so ``SVI`` can keep training from an engine's answ
 
 ``as_guide(trainable=False)`` gives the fixed, parameter-free :class:`GaussianPosteriorGuide`.
 """
+import inspect
 import math
 
 import pyro
@@ -547,12 +548,18 @@ def _check_latent_dim(guide, posterior):
     """Refuse a model whose packed latent vector is not the posterior's: another length or, when the posterior knows
     its :attr:`~pyro_convexvb.posterior.base.Posterior.layout`, other sites or another order (which would hand one
     site's values to another)."""
+    model_sites = [(name, math.prod(shape)) for name, shape in guide._unconstrained_shapes.items()]
+    fitted = [] if posterior.layout is None else [(b.name, b.size) for b in posterior.layout.blocks]
+    extra = [name for name, _ in model_sites if fitted and name not in {n for n, _ in fitted}]
+    if extra:
+        raise ValueError(
+            f"latent site(s) {extra} of the model are not in the posterior (its sites: {[n for n, _ in fitted]}): an "
+            "observed site called without its data is latent; build the guide with the fitting data "
+            "(as_guide(model_args=..., model_kwargs=...)), or pass the model it was fitted to")
     if guide.latent_dim != posterior.n:
         raise ValueError(f"the model has {guide.latent_dim} latent dimensions but the posterior has {posterior.n}")
     if posterior.layout is None:
         return
-    model_sites = [(name, math.prod(shape)) for name, shape in guide._unconstrained_shapes.items()]
-    fitted = [(b.name, b.size) for b in posterior.layout.blocks]
     for k, (ours, theirs) in enumerate(zip(model_sites, fitted)):
         if ours != theirs:
             raise ValueError(
@@ -570,11 +577,20 @@ def _prototype_dtype(guide, default):
     return default.dtype, default.device
 
 
+def _is_fitted_model(model, fitted):
+    """Whether ``model`` is the ``fitted`` model: the same object, or the same method of the same object (each
+    attribute access ``obj.model`` makes a new bound-method object, so identity alone missed it)."""
+    if model is fitted:
+        return True
+    return inspect.ismethod(model) and inspect.ismethod(fitted) and model.__self__ is fitted.__self__ \
+        and model.__func__ is fitted.__func__
+
+
 def _guide_model_and_data(posterior, model, model_args, model_kwargs):
     """``(model, args, kwargs, build_now)`` for ``as_guide``: the fitting model and data by default, and the fitting
     data when ``model`` is the fitted model itself (so that ``Predictive`` on new inputs keeps the observed sites
     observed instead of building the guide from a call without them)."""
-    if model is None or model is posterior.model:
+    if model is None or _is_fitted_model(model, posterior.model):
         model, (args, kwargs) = posterior.model, posterior.model_args
         if model is None:
             raise ValueError("as_guide() needs the Pyro model (pass model=...)")
@@ -593,17 +609,39 @@ def _full_param_name(module, name):
     return f"{prefix}.{name}" if prefix else name
 
 
+def _store_backed(value):
+    """``value`` as a :class:`~pyro.nn.PyroParam`: a plain :class:`torch.nn.Parameter` becomes one with constraint
+    ``real`` (the same tensor, the same param-store name), a PyroParam is returned as it is.
+
+    A :class:`~pyro.nn.PyroModule` reads a PyroParam attribute from the param store, but a plain ``nn.Parameter``
+    attribute from the module itself, while the ``pyro.param`` site it records (the tensor SVI's optimiser collects)
+    holds the store's entry. Once the two differ (``get_param_store().set_state()``/``load()`` of a saved store, or a
+    second guide writing entries of the same names) the guide drew from its own ``loc`` with the store's ``scale``
+    and ``scale_tril``, and SVI left ``loc`` where it was (its recorded param gets no gradient): Pyro's
+    ``AutoMultivariateNormal`` and ``AutoDiagonalNormal`` do so with their ``loc`` (Pyro 1.9).
+    """
+    if isinstance(value, PyroParam):
+        return value
+    if isinstance(value, nn.Parameter):
+        return PyroParam(value.detach(), constraints.real)
+    raise TypeError(f"expected a torch.nn.Parameter or a pyro.nn.PyroParam, got {type(value).__name__}")
+
+
 def _write_guide_params(guide, params):
     """Set a Pyro module's parameters and make the param store hold exactly these values.
 
     :class:`~pyro.nn.PyroModule` takes the param store's value whenever an entry of the parameter's full
     name exists there, so a stale entry (an earlier fit, a loaded store) would silently replace a value
     written to the module.  This removes the store entries of these names, sets the attributes, and
-    registers the module's own tensors under those names; other store entries are untouched.
+    registers the module's own tensors under those names; other store entries are untouched.  Every
+    parameter is set as a :class:`~pyro.nn.PyroParam` (a plain ``nn.Parameter`` with constraint ``real``,
+    :func:`_store_backed`), so the guide reads all of them through the store, as its recorded ``pyro.param``
+    sites (and SVI's optimiser) see them.
 
     :param guide: a :class:`~pyro.nn.PyroModule` (e.g. an autoguide).
     :param dict params: ``{attribute name: torch.nn.Parameter or pyro.nn.PyroParam}``.
     """
+    params = {name: _store_backed(value) for name, value in params.items()}
     use_store = not pyro.settings.get("module_local_params")
     if use_store:
         store = pyro.get_param_store()
@@ -655,7 +693,8 @@ class _InitialisedAtPosterior:
     def _loc_scale(self, *args, **kwargs):
         if self.prototype_trace is None:  # median()/quantiles() before the first call
             self._setup_prototype(*args, **kwargs)
-        return super()._loc_scale(*args, **kwargs)
+        with self._pyro_context:  # read through the param store, as a guide call does (e.g. after set_state())
+            return super()._loc_scale(*args, **kwargs)
 
     def _current(self, *names):
         if self.prototype_trace is None:

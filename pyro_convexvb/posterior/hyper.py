@@ -512,9 +512,18 @@ class HyperPosterior(Posterior):
         :param dict model_kwargs: keyword arguments for the same.
         """
         if trainable:
-            raise ValueError("a mixture over hyper-latent design points is not a trainable guide; use "
-                             "as_guide(trainable=False), or fit with hyper='map' for a Gaussian posterior whose "
-                             "guide trains")
+            names = self.space.names
+            field = self.layout.names if self.layout is not None else []
+            alternatives = (f"res.posterior.components[k].as_guide() is the trainable Gaussian guide of the field "
+                            f"{field} for the model conditioned at design point k (its .model), or fit with an engine "
+                            f"that treats {names} as ordinary latent sites (e.g. 'laplace', 'svi_automvn'), whose "
+                            "Gaussian guide over all latent sites trains")
+            if self.density.kind == "point":
+                raise ValueError(f"trainable=True: with hyper='map' the hyper-latents {names} are fixed at their mode, "
+                                 "a point mass, which is not a trainable family; as_guide(trainable=False) samples it; "
+                                 + alternatives.replace("design point k", "the mode (k = 0)"))
+            raise ValueError(f"trainable=True: a mixture over the design points of the hyper-latents {names} is not a "
+                             "trainable family; as_guide(trainable=False) samples it; " + alternatives)
         model, args, kwargs, build_now = _guide_model_and_data(self, model, model_args, model_kwargs)
         guide = HyperMixtureGuide(model, self, name_prefix=name_prefix)
         if build_now:

@@ -365,11 +365,14 @@ class AutoDiagMixture(_MixtureGuideMixin, AutoContinuous):
         K = self.num_components
         offsets = self._init_spread * torch.randn((K, loc0.shape[0]), dtype=loc0.dtype, device=loc0.device)
         offsets[0] = 0
-        self.locs = torch.nn.Parameter(loc0.unsqueeze(0) + offsets)
+        # a PyroParam (read through the param store, as the recorded param site) rather than a plain nn.Parameter
+        # (read from the module): see pyro_convexvb.posterior.gaussian._store_backed
+        self.locs = PyroParam(loc0.unsqueeze(0) + offsets, constraints.real)
         self.scales = PyroParam(torch.full_like(self.locs, self._init_scale), self.scale_constraint)
 
     def _mixture_params(self):
-        return self.locs, self.scales
+        with self._pyro_context:  # read through the param store, as a guide call does (e.g. after set_state())
+            return self.locs, self.scales
 
     def to_posterior(self):
         """The guide's current mixture as a :class:`DiagMixturePosterior` (``locs``, ``variances`` ``(K, D)``)."""

@@ -7,7 +7,9 @@ import torch
 from torch import nn
 from pyro.infer.autoguide import AutoMultivariateNormal
 from pyro.nn.module import PyroParam
+from torch.distributions import constraints
 
+from ...posterior.gaussian import GaussianPosterior
 from . import engine
 from .bounds import LOGIT_BOUNDS
 from .engine import *  # noqa: F401,F403  (the engine's names, importable from here as before)
@@ -60,6 +62,17 @@ class DualVG(AutoMultivariateNormal):
         self.engine_options = DualVGOptions.create(DualVGEngine.name, dict(options, bound=bound, method=method))
         self.result = None
 
+    def _setup_prototype(self, *args, **kwargs):
+        super()._setup_prototype(*args, **kwargs)
+        # Pyro's loc is a plain nn.Parameter, read from the module while its recorded param site holds the param
+        # store's entry (they part after get_param_store().set_state()); a PyroParam is read through the store
+        # (pyro_convexvb.posterior.gaussian._store_backed)
+        self.loc = PyroParam(self._parameters["loc"].detach(), constraints.real)
+
+    def _loc_scale(self, *args, **kwargs):
+        with self._pyro_context:  # median()/quantiles() read through the param store, as a guide call does
+            return super()._loc_scale(*args, **kwargs)
+
     def fit(self, *args, progress=False, warm_start=True, **kwargs):
         """Minimise the dual for the model's data ``(*args, **kwargs)``; returns the :class:`InferenceResult`."""
         opts = self.engine_options.as_dict()
@@ -71,9 +84,15 @@ class DualVG(AutoMultivariateNormal):
                 raise
             # the warm start belongs to other data: start cold
             res = DualVGEngine(self.model, progress=progress, **opts).run(*args, **kwargs)
+        q = res.posterior
+        if not isinstance(q, GaussianPosterior):  # a HyperPosterior: the model has hyper-latents
+            names = getattr(getattr(q, "space", None), "names", None)
+            raise ValueError(f"DualVG: the model has hyper-latents {names}, whose posterior is not a Gaussian over all "
+                             "latent sites (a mixture over their design points, or a point mass with hyper='map'), so "
+                             "this AutoMultivariateNormal cannot hold it; use pcv.fit(model, ..., engine='dual_vg') "
+                             "and res.posterior.as_guide()")
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
-        q = res.posterior
         if self.latent_dim != q.n:
             raise ValueError(f"the model has {self.latent_dim} latent dimensions but the dual posterior has {q.n}")
         self._set_from_posterior(q)
