@@ -261,3 +261,30 @@ def test_fixed_kernel_is_neither_a_param_nor_learned():
     # the fit is the dual_vg fit of the extracted LGM with the kernel as given
     ref = pcv.fit(pcv.lgm_from_pyro(gp, X, y=y), engine="dual_vg", progress=False)
     assert torch.allclose(res.posterior.loc, ref.posterior.loc, atol=1e-8)
+
+
+def test_fixed_kernel_design_follows_every_hyperparameter_change():
+    """The cached design of a fixed kernel was keyed on the sum of each hyperparameter tensor: swapping two ARD
+    lengthscales (0.5, 2) -> (2, 0.5) kept the sum, and the model (and every engine's extraction of it) silently used
+    the old features. The design is compared with Eq. (35) of Steinberg et al. 2017 written out from the fixed
+    standard-normal draws, ``sqrt(1/D) [cos(X S^T), sin(X S^T)]`` with ``S = eps / ell``."""
+    k = RBFKernel(ard_num_dims=2).double()
+    k.lengthscale = torch.tensor([[0.5, 2.0]], dtype=DT)
+    D = 20
+    gp = RandomFeatureGP(k, num_features=D, noise_scale=0.1)
+    X = torch.randn(7, 2, dtype=DT, generator=torch.Generator().manual_seed(6))
+    y = torch.sin(X[:, 0])
+    lgm0 = pcv.lgm_from_pyro(gp, X, y=y)
+    eps = gp.features.spectral.eps
+
+    def eq35(ell):
+        proj = X @ (eps / torch.tensor(ell, dtype=DT)).T
+        return torch.cat([proj.cos(), proj.sin()], -1) / math.sqrt(D)
+
+    torch.testing.assert_close(lgm0.sites[0].design.to_dense(), eq35([0.5, 2.0]), rtol=0, atol=1e-14)
+    k.lengthscale = torch.tensor([[2.0, 0.5]], dtype=DT)  # same sum of raw values
+    lgm1 = pcv.lgm_from_pyro(gp, X, y=y)
+    torch.testing.assert_close(lgm1.sites[0].design.to_dense(), eq35([2.0, 0.5]), rtol=0, atol=1e-14)
+    assert float((eq35([2.0, 0.5]) - eq35([0.5, 2.0])).abs().max()) > 0.1
+    torch.testing.assert_close(gp.design(X), eq35([2.0, 0.5]), rtol=0, atol=1e-14)
+    assert gp.design(X) is gp.design(X)  # unchanged hyperparameters and X: the cached design

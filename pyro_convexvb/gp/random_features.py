@@ -418,15 +418,19 @@ class RandomFeatureGP(PyroModule):
         return self._modules["features"]
 
     def design(self, X):
-        """``Phi(X)`` ``(N, 2D)``; cached for a fixed kernel (keyed on ``X`` and the hyperparameter values)."""
+        """``Phi(X)`` ``(N, 2D)``; cached for a fixed kernel, keyed on the tensor ``X`` (object and version) and a
+        copy of every hyperparameter's values (a change of any one entry recomputes it)."""
         if self.learn_kernel:
             return self._rff(X)
-        key = (id(X), X._version, tuple(float(p.detach().sum()) for p in self._rff.kernel.parameters()))
-        if self._cache is not None and self._cache[0] == key and self._cache[1] is X:
-            return self._cache[2]
+        values = [p.detach() for p in self._rff.kernel.parameters()]
+        if self._cache is not None:
+            key, X0, params, Phi = self._cache
+            if X0 is X and key == (X._version, X.shape) and len(params) == len(values) and all(
+                    a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(params, values)):
+                return Phi
         with torch.no_grad():
             Phi = self._rff(X)
-        self._cache = (key, X, Phi)
+        self._cache = ((X._version, X.shape), X, [v.clone() for v in values], Phi)
         return Phi
 
     def forward(self, X, y=None):
