@@ -7,7 +7,8 @@ dual (``N x N`` form; Khan et al. 2013) and test predictions use the dual variab
 Eqs. 17-18; docs/dual_vg.md, § Algorithm and recovery), with no inverse of ``K``. Other engines receive the same latent Gaussian model (``takes="lgm"`` engines) or
 the equivalent Pyro model (Pyro's engines); predictions then use
 :func:`~pyro_convexvb.gp.predict.gp_latent_predictive`. Class probabilities push the latent
-predictive through the logistic link by Gauss-Hermite quadrature.
+predictive through the logistic link by Gauss-Hermite quadrature; for a mixture posterior (``diag_mixture``),
+each component's predictive, averaged over the components.
 """
 import copy
 from numbers import Real
@@ -20,7 +21,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from ..estimator_base import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier,
                               binary_targets, check_sample_weight, classifier_outputs, engine_options, fit_context,
-                              positive_rows, predictive_log_probs, registered_engine, sklearn_input,
+                              mixture_log_probs, positive_rows, registered_engine, sklearn_input,
                               validate_dense)
 from ..errors import warn
 from ..infer.dual_vg import DualState
@@ -271,7 +272,9 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         return res.state.warm_start()  # the dual starts from alpha, the Laplace mode search from the learned mode
 
     # ------------------------------------------------------------------ prediction
-    def _latent(self, X):
+    def _latent(self, X, components=False):
+        """Latent predictive ``(mean, var)`` ``(m,)`` at ``X``; with ``components``, ``(C, m)`` per component of a
+        mixture posterior (``C = 1`` for a Gaussian one)."""
         check_is_fitted(self, "result_")
         X = self._check_X(X)
         with torch.no_grad():
@@ -279,15 +282,18 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
             mean = float(self.mean_.detach())
             kdiag = self.kernel_(X, diag=True)
             if self.alpha_ is not None:
-                return self.result_.state.site_predictive(Kx, kdiag, mean)
-            return gp_latent_predictive(self.K_train_, Kx, kdiag, self.posterior_, mean, mean)
+                m, v = self.result_.state.site_predictive(Kx, kdiag, mean)
+                return (m.unsqueeze(0), v.unsqueeze(0)) if components else (m, v)
+            return gp_latent_predictive(self.K_train_, Kx, kdiag, self.posterior_, mean, mean, components=components)
 
     def _outputs(self, X):
-        m, v = self._latent(X)
-        return classifier_outputs(*predictive_log_probs(m, v, self.num_points))
+        # a mixture posterior (diag_mixture) averages the probabilities of its components' predictives: the
+        # probabilities of the mixture's moment-matched Gaussian are not the mixture's
+        return classifier_outputs(*mixture_log_probs(*self._latent(X, components=True), self.num_points))
 
     def predict_latent(self, X):
-        """Latent predictive mean and variance at inputs ``X`` ``(m, d)``: NumPy arrays ``(m,)``, ``(m,)``."""
+        """Latent predictive mean and variance at inputs ``X`` ``(m, d)``: NumPy arrays ``(m,)``, ``(m,)`` (a mixture
+        posterior's: the mixture's moments)."""
         m, v = self._latent(X)
         return m.cpu().numpy(), v.cpu().numpy()
 
