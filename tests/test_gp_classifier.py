@@ -403,3 +403,15 @@ def test_mixture_posterior_probabilities_average_the_components():
     # the moment-matched Gaussian's probabilities are measurably different here (the test tells them apart)
     p_gauss = expit(mix_mean[:, None] + np.sqrt(mix_var)[:, None] * z) @ w
     assert np.abs(p_gauss - p_ref).max() > 1e-5
+
+
+def test_batched_kernels_are_refused_naming_the_kernel():
+    """A kernel with a batch_shape (or a part with one) gives a batch of kernel matrices; the engines failed on it
+    with messages about a DenseOperator or a Python scalar, or (batch_shape [1]) broadcast shapes."""
+    X, y = _data(20)
+    K = gpytorch.kernels
+    for kernel in (K.RBFKernel(batch_shape=torch.Size([2])),
+                   K.ScaleKernel(K.RBFKernel(batch_shape=torch.Size([1])), batch_shape=torch.Size([1]))):
+        for engine in ("dual_vg", "laplace"):
+            with pytest.raises(ValueError, match=r"kernel: .* a batch of .*without batch_shape"):
+                GPClassifier(kernel, engine=engine).fit(X, y)

@@ -191,6 +191,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self.weight_ = weight
         kernel = self.kernel if self.kernel is not None else self._default_kernel()
         self.kernel_ = copy.deepcopy(kernel).to(dtype=self._torch_dtype(), device=X.device)
+        self._check_kernel_output(X)
         self.X_train_ = X
         self.y_train_ = y01
         self.mean_ = torch.as_tensor(float(self.mean), dtype=X.dtype, device=X.device)
@@ -225,6 +226,16 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self.converged_ = bool(res.converged)
         self.n_iter_ = res.iterations
         return self
+
+    def _check_kernel_output(self, X):
+        """Refuse a kernel whose ``kernel(X)`` is not one ``(n, n)`` matrix (a batch of them, from a ``batch_shape``
+        of the kernel or of a part of it): the classifier has one latent GP."""
+        with torch.no_grad():
+            shape = tuple(self.kernel_(X[:2]).shape)  # lazily evaluated: the shape costs no kernel evaluation
+        if shape != (min(2, X.shape[0]),) * 2:
+            raise ValueError(f"kernel: {type(self.kernel_).__name__} maps (n, d) inputs to kernel matrices of shape "
+                             f"{shape[:-2] + ('n', 'n')}, a batch of {shape[:-2]}; GPClassifier fits one latent GP and "
+                             f"needs one (n, n) matrix: build the kernel (and its parts) without batch_shape")
 
     def _hyper_options(self):
         """``hyper_options`` as a dict; unknown keys raise, whether or not the hyperparameters are learned."""
