@@ -288,3 +288,22 @@ def test_fixed_kernel_design_follows_every_hyperparameter_change():
     assert float((eq35([2.0, 0.5]) - eq35([0.5, 2.0])).abs().max()) > 0.1
     torch.testing.assert_close(gp.design(X), eq35([2.0, 0.5]), rtol=0, atol=1e-14)
     assert gp.design(X) is gp.design(X)  # unchanged hyperparameters and X: the cached design
+
+
+def test_scale_kernel_of_a_kernel_with_active_dims_converges_to_it():
+    """GPyTorch's ScaleKernel copies its base kernel's active_dims onto itself, so ``ScaleKernel(RBFKernel(
+    active_dims=[2]))`` was refused ("put active_dims on the base kernel", which it was). It is the kernel on column 2
+    only; the features converge to GPyTorch's kernel matrix at the root-D rate. A ScaleKernel's own active_dims over
+    a base kernel without them (GPyTorch would select those columns) is still refused, naming both."""
+    torch.manual_seed(7)
+    x = torch.randn(20, 3, dtype=DT)
+    k = (ScaleKernel(RBFKernel(active_dims=[2])) + ScaleKernel(MaternKernel(nu=2.5, active_dims=[0, 1]))).double()
+    k.kernels[0].outputscale = 0.3
+    k.kernels[0].base_kernel.lengthscale = 0.5
+    e_small, e_large = _rel_err(k, x, 64, 8), _rel_err(k, x, 4096, 8)
+    slope = (math.log(e_large) - math.log(e_small)) / math.log(64)
+    assert -0.65 < slope < -0.35 and e_large < 0.05, (e_small, e_large, slope)
+    S, _ = RandomFourierFeatures(k, 10, input_dim=3, seed=0).frequencies()
+    assert torch.equal(S[:5, :2], torch.zeros(5, 2, dtype=DT)) and bool((S[:5, 2] != 0).all())  # column 2 only
+    with pytest.raises(ValueError, match=r"ScaleKernel active_dims \[1\] differ from its base kernel's \(None\)"):
+        RandomFourierFeatures(ScaleKernel(RBFKernel(), active_dims=[1]), 10)(x)

@@ -229,8 +229,14 @@ class _SumSpectrum(torch.nn.Module):
 def _build_spectrum(kernel, D, d, generator, orthogonal):
     K = _kernels()
     if isinstance(kernel, K.ScaleKernel):
-        if getattr(kernel, "active_dims", None) is not None:
-            raise ValueError("RandomFourierFeatures: put active_dims on the base kernel, not on the ScaleKernel")
+        act, base_act = getattr(kernel, "active_dims", None), getattr(kernel.base_kernel, "active_dims", None)
+        # GPyTorch's ScaleKernel takes its base kernel's active_dims as its own (and then calls the base kernel's
+        # forward on the inputs it selected): the same columns, once; other active_dims on the ScaleKernel would
+        # override the base kernel's
+        if act is not None and (base_act is None or not torch.equal(act.cpu(), base_act.cpu())):
+            raise ValueError(f"RandomFourierFeatures: ScaleKernel active_dims {act.tolist()} differ from its base "
+                             f"kernel's ({None if base_act is None else base_act.tolist()}); put active_dims on the "
+                             f"base kernel only")
         return _ScaleSpectrum(kernel, _build_spectrum(kernel.base_kernel, D, d, generator, orthogonal))
     if isinstance(kernel, K.ProductKernel):
         return _ProductSpectrum([_build_spectrum(k, D, d, generator, orthogonal) for k in kernel.kernels])
