@@ -362,3 +362,56 @@ def test_laplace_hyperparameter_learning_is_type2_on_its_bound():
     # the fit at the learned values starts at the mode the type-II loop found there
     assert clf.n_iter_ <= 1
     torch.testing.assert_close(clf.posterior_.loc, clf.hyper_result_.posterior.loc, rtol=0, atol=1e-9)
+
+
+def test_mixture_posterior_probabilities_average_the_components():
+    """engine='diag_mixture' gives a mixture q(f) = (1/C) sum_c N(m_c, diag psi_c): the class probability is the
+    average over the components of E[sigmoid(f_*)] under each component's predictive. The probabilities were those of
+    the mixture's moment-matched Gaussian, 3.5e-5 off here. Reference: each component's predictive from an explicit
+    K^{-1} (NumPy) and 200-point Gauss-Hermite quadrature; the latent mean and variance are the mixture's moments."""
+    from scipy.special import expit
+
+    X = np.array([[0.0], [0.3], [0.6], [1.0]])
+    y = np.array([0, 1, 0, 1])
+    k = _kernel(ls=3.0, os=9.0)
+    m = GPClassifier(k, engine="diag_mixture", options={"num_components": 4}, random_state=0,
+                     num_points=96).fit(X, y)
+    q = m.posterior_
+    assert m.converged_ and q.num_components == 4
+    Xs = np.array([[-3.0], [0.5], [4.0]])
+    Xn = X.astype(np.float64)
+
+    def rbf(a, b):
+        return 9.0 * np.exp(-0.5 * (a[:, None, 0] - b[None, :, 0]) ** 2 / 3.0**2)
+
+    K = rbf(Xn, Xn) + 1e-6 * np.eye(4)
+    Kx = rbf(Xs, Xn)
+    A = Kx @ np.linalg.inv(K)
+    prior_var = 9.0 - (A * Kx).sum(-1)
+    locs, variances = q.locs.numpy(), q.variances.numpy()
+    means = locs @ A.T  # (C, m)
+    vars_ = prior_var + variances @ (A**2).T
+    z, w = np.polynomial.hermite_e.hermegauss(200)
+    w = w / w.sum()
+    p_ref = (expit(means[..., None] + np.sqrt(vars_)[..., None] * z) @ w).mean(0)
+    np.testing.assert_allclose(m.predict_proba(Xs)[:, 1], p_ref, rtol=0, atol=1e-11)
+    mix_mean = means.mean(0)
+    mix_var = (vars_ + means**2).mean(0) - mix_mean**2
+    lat_m, lat_v = m.predict_latent(Xs)
+    np.testing.assert_allclose(lat_m, mix_mean, rtol=0, atol=1e-9)  # K^{-1} of cond ~1e7
+    np.testing.assert_allclose(lat_v, mix_var, rtol=0, atol=1e-8)  # cancellation in 9 - diag(A K_n*)
+    # the moment-matched Gaussian's probabilities are measurably different here (the test tells them apart)
+    p_gauss = expit(mix_mean[:, None] + np.sqrt(mix_var)[:, None] * z) @ w
+    assert np.abs(p_gauss - p_ref).max() > 1e-5
+
+
+def test_batched_kernels_are_refused_naming_the_kernel():
+    """A kernel with a batch_shape (or a part with one) gives a batch of kernel matrices; the engines failed on it
+    with messages about a DenseOperator or a Python scalar, or (batch_shape [1]) broadcast shapes."""
+    X, y = _data(20)
+    K = gpytorch.kernels
+    for kernel in (K.RBFKernel(batch_shape=torch.Size([2])),
+                   K.ScaleKernel(K.RBFKernel(batch_shape=torch.Size([1])), batch_shape=torch.Size([1]))):
+        for engine in ("dual_vg", "laplace"):
+            with pytest.raises(ValueError, match=r"kernel: .* a batch of .*without batch_shape"):
+                GPClassifier(kernel, engine=engine).fit(X, y)

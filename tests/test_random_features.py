@@ -261,3 +261,49 @@ def test_fixed_kernel_is_neither_a_param_nor_learned():
     # the fit is the dual_vg fit of the extracted LGM with the kernel as given
     ref = pcv.fit(pcv.lgm_from_pyro(gp, X, y=y), engine="dual_vg", progress=False)
     assert torch.allclose(res.posterior.loc, ref.posterior.loc, atol=1e-8)
+
+
+def test_fixed_kernel_design_follows_every_hyperparameter_change():
+    """The cached design of a fixed kernel was keyed on the sum of each hyperparameter tensor: swapping two ARD
+    lengthscales (0.5, 2) -> (2, 0.5) kept the sum, and the model (and every engine's extraction of it) silently used
+    the old features. The design is compared with Eq. (35) of Steinberg et al. 2017 written out from the fixed
+    standard-normal draws, ``sqrt(1/D) [cos(X S^T), sin(X S^T)]`` with ``S = eps / ell``."""
+    k = RBFKernel(ard_num_dims=2).double()
+    k.lengthscale = torch.tensor([[0.5, 2.0]], dtype=DT)
+    D = 20
+    gp = RandomFeatureGP(k, num_features=D, noise_scale=0.1)
+    X = torch.randn(7, 2, dtype=DT, generator=torch.Generator().manual_seed(6))
+    y = torch.sin(X[:, 0])
+    lgm0 = pcv.lgm_from_pyro(gp, X, y=y)
+    eps = gp.features.spectral.eps
+
+    def eq35(ell):
+        proj = X @ (eps / torch.tensor(ell, dtype=DT)).T
+        return torch.cat([proj.cos(), proj.sin()], -1) / math.sqrt(D)
+
+    torch.testing.assert_close(lgm0.sites[0].design.to_dense(), eq35([0.5, 2.0]), rtol=0, atol=1e-14)
+    k.lengthscale = torch.tensor([[2.0, 0.5]], dtype=DT)  # same sum of raw values
+    lgm1 = pcv.lgm_from_pyro(gp, X, y=y)
+    torch.testing.assert_close(lgm1.sites[0].design.to_dense(), eq35([2.0, 0.5]), rtol=0, atol=1e-14)
+    assert float((eq35([2.0, 0.5]) - eq35([0.5, 2.0])).abs().max()) > 0.1
+    torch.testing.assert_close(gp.design(X), eq35([2.0, 0.5]), rtol=0, atol=1e-14)
+    assert gp.design(X) is gp.design(X)  # unchanged hyperparameters and X: the cached design
+
+
+def test_scale_kernel_of_a_kernel_with_active_dims_converges_to_it():
+    """GPyTorch's ScaleKernel copies its base kernel's active_dims onto itself, so ``ScaleKernel(RBFKernel(
+    active_dims=[2]))`` was refused ("put active_dims on the base kernel", which it was). It is the kernel on column 2
+    only; the features converge to GPyTorch's kernel matrix at the root-D rate. A ScaleKernel's own active_dims over
+    a base kernel without them (GPyTorch would select those columns) is still refused, naming both."""
+    torch.manual_seed(7)
+    x = torch.randn(20, 3, dtype=DT)
+    k = (ScaleKernel(RBFKernel(active_dims=[2])) + ScaleKernel(MaternKernel(nu=2.5, active_dims=[0, 1]))).double()
+    k.kernels[0].outputscale = 0.3
+    k.kernels[0].base_kernel.lengthscale = 0.5
+    e_small, e_large = _rel_err(k, x, 64, 8), _rel_err(k, x, 4096, 8)
+    slope = (math.log(e_large) - math.log(e_small)) / math.log(64)
+    assert -0.65 < slope < -0.35 and e_large < 0.05, (e_small, e_large, slope)
+    S, _ = RandomFourierFeatures(k, 10, input_dim=3, seed=0).frequencies()
+    assert torch.equal(S[:5, :2], torch.zeros(5, 2, dtype=DT)) and bool((S[:5, 2] != 0).all())  # column 2 only
+    with pytest.raises(ValueError, match=r"ScaleKernel active_dims \[1\] differ from its base kernel's \(None\)"):
+        RandomFourierFeatures(ScaleKernel(RBFKernel(), active_dims=[1]), 10)(x)

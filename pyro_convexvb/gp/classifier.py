@@ -7,7 +7,8 @@ dual (``N x N`` form; Khan et al. 2013) and test predictions use the dual variab
 Eqs. 17-18; docs/dual_vg.md, § Algorithm and recovery), with no inverse of ``K``. Other engines receive the same latent Gaussian model (``takes="lgm"`` engines) or
 the equivalent Pyro model (Pyro's engines); predictions then use
 :func:`~pyro_convexvb.gp.predict.gp_latent_predictive`. Class probabilities push the latent
-predictive through the logistic link by Gauss-Hermite quadrature.
+predictive through the logistic link by Gauss-Hermite quadrature; for a mixture posterior (``diag_mixture``),
+each component's predictive, averaged over the components.
 """
 import copy
 from numbers import Real
@@ -20,7 +21,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from ..estimator_base import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier,
                               binary_targets, check_sample_weight, classifier_outputs, engine_options, fit_context,
-                              positive_rows, predictive_log_probs, registered_engine, sklearn_input,
+                              mixture_log_probs, positive_rows, registered_engine, sklearn_input,
                               validate_dense)
 from ..errors import warn
 from ..infer.dual_vg import DualState
@@ -78,7 +79,10 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         previous mode), in a private param-store scope. The fit at the learned values starts from the type-II
         loop's last state (``dual_vg``'s dual variables, ``laplace``'s mode). GPyTorch priors on the kernel's
         hyperparameters (``lengthscale_prior=...``) are added to the objective (a ``pyro.factor``): maximum a
-        posteriori type-II.
+        posteriori type-II. The maximised objective is ``hyper_result_.info["type2"]["value"]``, the engine's own
+        (docs/hyperparameters.md): for ``dual_vg`` the local-bound ELBO at the dual optimum (Khan et al. 2013,
+        Eq. 20), which lies below the exact VG bound ``log_evidence_bound_`` reported at the learned values; that
+        reported bound is not itself maximised (its gradient there need not vanish).
     :param float mean: constant prior mean (the starting value when it is learned).
     :param bool learn_mean: with ``learn_hyperparameters``, learn the constant mean along with the kernel's
         hyperparameters; else it stays at ``mean``.
@@ -190,6 +194,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self.weight_ = weight
         kernel = self.kernel if self.kernel is not None else self._default_kernel()
         self.kernel_ = copy.deepcopy(kernel).to(dtype=self._torch_dtype(), device=X.device)
+        self._check_kernel_output(X)
         self.X_train_ = X
         self.y_train_ = y01
         self.mean_ = torch.as_tensor(float(self.mean), dtype=X.dtype, device=X.device)
@@ -224,6 +229,16 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self.converged_ = bool(res.converged)
         self.n_iter_ = res.iterations
         return self
+
+    def _check_kernel_output(self, X):
+        """Refuse a kernel whose ``kernel(X)`` is not one ``(n, n)`` matrix (a batch of them, from a ``batch_shape``
+        of the kernel or of a part of it): the classifier has one latent GP."""
+        with torch.no_grad():
+            shape = tuple(self.kernel_(X[:2]).shape)  # lazily evaluated: the shape costs no kernel evaluation
+        if shape != (min(2, X.shape[0]),) * 2:
+            raise ValueError(f"kernel: {type(self.kernel_).__name__} maps (n, d) inputs to kernel matrices of shape "
+                             f"{shape[:-2] + ('n', 'n')}, a batch of {shape[:-2]}; GPClassifier fits one latent GP and "
+                             f"needs one (n, n) matrix: build the kernel (and its parts) without batch_shape")
 
     def _hyper_options(self):
         """``hyper_options`` as a dict; unknown keys raise, whether or not the hyperparameters are learned."""
@@ -271,7 +286,9 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         return res.state.warm_start()  # the dual starts from alpha, the Laplace mode search from the learned mode
 
     # ------------------------------------------------------------------ prediction
-    def _latent(self, X):
+    def _latent(self, X, components=False):
+        """Latent predictive ``(mean, var)`` ``(m,)`` at ``X``; with ``components``, ``(C, m)`` per component of a
+        mixture posterior (``C = 1`` for a Gaussian one)."""
         check_is_fitted(self, "result_")
         X = self._check_X(X)
         with torch.no_grad():
@@ -279,15 +296,18 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
             mean = float(self.mean_.detach())
             kdiag = self.kernel_(X, diag=True)
             if self.alpha_ is not None:
-                return self.result_.state.site_predictive(Kx, kdiag, mean)
-            return gp_latent_predictive(self.K_train_, Kx, kdiag, self.posterior_, mean, mean)
+                m, v = self.result_.state.site_predictive(Kx, kdiag, mean)
+                return (m.unsqueeze(0), v.unsqueeze(0)) if components else (m, v)
+            return gp_latent_predictive(self.K_train_, Kx, kdiag, self.posterior_, mean, mean, components=components)
 
     def _outputs(self, X):
-        m, v = self._latent(X)
-        return classifier_outputs(*predictive_log_probs(m, v, self.num_points))
+        # a mixture posterior (diag_mixture) averages the probabilities of its components' predictives: the
+        # probabilities of the mixture's moment-matched Gaussian are not the mixture's
+        return classifier_outputs(*mixture_log_probs(*self._latent(X, components=True), self.num_points))
 
     def predict_latent(self, X):
-        """Latent predictive mean and variance at inputs ``X`` ``(m, d)``: NumPy arrays ``(m,)``, ``(m,)``."""
+        """Latent predictive mean and variance at inputs ``X`` ``(m, d)``: NumPy arrays ``(m,)``, ``(m,)`` (a mixture
+        posterior's: the mixture's moments)."""
         m, v = self._latent(X)
         return m.cpu().numpy(), v.cpu().numpy()
 

@@ -68,20 +68,39 @@ def gp_classification_model(K, y=None, mean=0.0, weight=None):
         return pyro.sample("y", dist.Bernoulli(logits=f), obs=y)
 
 
-def gp_latent_predictive(K_train, K_cross, k_test_diag, posterior, prior_mean_train=0.0, prior_mean_test=0.0):
-    """Latent GP predictive ``q(f_*) = int p(f_* | f) q(f) df`` at test inputs, for any Gaussian ``q(f)``.
+def gp_latent_predictive(K_train, K_cross, k_test_diag, posterior, prior_mean_train=0.0, prior_mean_test=0.0,
+                         components=False):
+    """Latent GP predictive ``q(f_*) = int p(f_* | f) q(f) df`` at test inputs, for any Gaussian ``q(f)``
+    (or mixture of Gaussians).
 
     With ``A = K_*n K^{-1}``: mean ``m_* + A (mu_q - m)``, variance ``k_** - diag(A K_n*) + diag(A V_q A^T)``.
+    For a mixture ``q(f) = (1/C) sum_c N(mu_c, V_c)`` (a posterior with ``component_marginals``, e.g.
+    :class:`~pyro_convexvb.infer.diag_mixture.DiagMixturePosterior`) the predictive is the mixture of the
+    components' predictives; its mean and variance are the mixture's moments, or with ``components=True`` the
+    components' own.
 
     :param torch.Tensor K_train: ``(n, n)`` training kernel matrix (as used in the model).
     :param torch.Tensor K_cross: ``(m, n)`` test-train kernel matrix.
     :param torch.Tensor k_test_diag: ``(m,)`` test prior variances.
-    :param posterior: a :class:`~pyro_convexvb.GaussianPosterior` over the ``n`` training latents.
-    :returns: ``(mean (m,), var (m,))``.
+    :param posterior: a :class:`~pyro_convexvb.GaussianPosterior` (or a mixture) over the ``n`` training latents.
+    :param bool components: return each mixture component's predictive, ``(C, m)`` means and variances (a
+        Gaussian posterior is one component, ``C = 1``), for averaging a nonlinear function of ``f_*`` over the
+        mixture (e.g. class probabilities).
+    :returns: ``(mean (m,), var (m,))``; with ``components=True``, ``(mean (C, m), var (C, m))``.
     """
     L = torch.linalg.cholesky(K_train)
     A = torch.cholesky_solve(K_cross.transpose(0, 1), L).transpose(0, 1)  # (m, n)
-    mean = prior_mean_test + A @ (posterior.loc - prior_mean_train)
-    _, var_q = posterior.marginals(A)
-    var = k_test_diag - (A * K_cross).sum(-1) + var_q
-    return mean, var.clamp_min(0.0)
+    prior_var = k_test_diag - (A * K_cross).sum(-1)
+    if hasattr(posterior, "component_marginals"):
+        m_q, var_q = posterior.component_marginals(A, -(A @ torch.as_tensor(
+            prior_mean_train, dtype=A.dtype, device=A.device).expand(A.shape[1])))  # (C, m)
+    else:
+        m_q, var_q = posterior.marginals(A, -(A @ torch.as_tensor(
+            prior_mean_train, dtype=A.dtype, device=A.device).expand(A.shape[1])))
+        m_q, var_q = m_q.unsqueeze(0), var_q.unsqueeze(0)
+    mean = prior_mean_test + m_q
+    var = (prior_var + var_q).clamp_min(0.0)
+    if components:
+        return mean, var
+    mix_mean = mean.mean(0)
+    return mix_mean, ((var + mean**2).mean(0) - mix_mean**2).clamp_min(0.0)

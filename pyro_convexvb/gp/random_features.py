@@ -229,8 +229,14 @@ class _SumSpectrum(torch.nn.Module):
 def _build_spectrum(kernel, D, d, generator, orthogonal):
     K = _kernels()
     if isinstance(kernel, K.ScaleKernel):
-        if getattr(kernel, "active_dims", None) is not None:
-            raise ValueError("RandomFourierFeatures: put active_dims on the base kernel, not on the ScaleKernel")
+        act, base_act = getattr(kernel, "active_dims", None), getattr(kernel.base_kernel, "active_dims", None)
+        # GPyTorch's ScaleKernel takes its base kernel's active_dims as its own (and then calls the base kernel's
+        # forward on the inputs it selected): the same columns, once; other active_dims on the ScaleKernel would
+        # override the base kernel's
+        if act is not None and (base_act is None or not torch.equal(act.cpu(), base_act.cpu())):
+            raise ValueError(f"RandomFourierFeatures: ScaleKernel active_dims {act.tolist()} differ from its base "
+                             f"kernel's ({None if base_act is None else base_act.tolist()}); put active_dims on the "
+                             f"base kernel only")
         return _ScaleSpectrum(kernel, _build_spectrum(kernel.base_kernel, D, d, generator, orthogonal))
     if isinstance(kernel, K.ProductKernel):
         return _ProductSpectrum([_build_spectrum(k, D, d, generator, orthogonal) for k in kernel.kernels])
@@ -418,15 +424,19 @@ class RandomFeatureGP(PyroModule):
         return self._modules["features"]
 
     def design(self, X):
-        """``Phi(X)`` ``(N, 2D)``; cached for a fixed kernel (keyed on ``X`` and the hyperparameter values)."""
+        """``Phi(X)`` ``(N, 2D)``; cached for a fixed kernel, keyed on the tensor ``X`` (object and version) and a
+        copy of every hyperparameter's values (a change of any one entry recomputes it)."""
         if self.learn_kernel:
             return self._rff(X)
-        key = (id(X), X._version, tuple(float(p.detach().sum()) for p in self._rff.kernel.parameters()))
-        if self._cache is not None and self._cache[0] == key and self._cache[1] is X:
-            return self._cache[2]
+        values = [p.detach() for p in self._rff.kernel.parameters()]
+        if self._cache is not None:
+            key, X0, params, Phi = self._cache
+            if X0 is X and key == (X._version, X.shape) and len(params) == len(values) and all(
+                    a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(params, values)):
+                return Phi
         with torch.no_grad():
             Phi = self._rff(X)
-        self._cache = (key, X, Phi)
+        self._cache = ((X._version, X.shape), X, [v.clone() for v in values], Phi)
         return Phi
 
     def forward(self, X, y=None):
