@@ -1,9 +1,7 @@
 """Random Fourier features from GPyTorch kernels (Steinberg et al. 2017 §1.4) against GPyTorch's exact kernel matrices."""
 import math
 
-import gpytorch
 import pyro
-import pyro.distributions as dist
 import pytest
 import torch
 from gpytorch.kernels import (
