@@ -112,6 +112,7 @@ def test_hyperparameter_learning_is_type2_on_the_dual_bound():
     got = np.array([float(k.base_kernel.lengthscale.detach()), float(k.outputscale.detach()), float(clf.mean_)])
     np.testing.assert_allclose(got, [math.exp(ref.x[0]), math.exp(ref.x[1]), ref.x[2]], rtol=2e-3, atol=2e-3)
     assert clf.hyper_result_.info["type2"]["value"] == pytest.approx(-ref.fun, abs=1e-6)
+    assert clf.hyper_result_.type2_objective == clf.hyper_result_.info["type2"]["value"]
 
 
 def test_hyperparameter_learning_improves_the_bound():

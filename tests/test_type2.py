@@ -84,6 +84,7 @@ def test_type2_optimum_equals_golden_section_on_the_engines_bound(engine):
     assert res.converged
     assert float(res.hyperparameters["tau"]) == pytest.approx(math.exp(ref.x), rel=1e-4)
     assert res.info["type2"]["value"] == pytest.approx(-ref.fun, abs=1e-8)
+    assert res.type2_objective == res.info["type2"]["value"]
 
 
 @pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation"])

@@ -79,7 +79,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         previous mode), in a private param-store scope. The fit at the learned values starts from the type-II
         loop's last state (``dual_vg``'s dual variables, ``laplace``'s mode). GPyTorch priors on the kernel's
         hyperparameters (``lengthscale_prior=...``) are added to the objective (a ``pyro.factor``): maximum a
-        posteriori type-II. The maximised objective is ``hyper_result_.info["type2"]["value"]``, the engine's own
+        posteriori type-II. The maximised objective is ``hyper_result_.type2_objective``, the engine's own
         (docs/hyperparameters.md): for ``dual_vg`` the local-bound ELBO at the dual optimum (Khan et al. 2013,
         Eq. 20), which lies below the exact VG bound ``log_evidence_bound_`` reported at the learned values; that
         reported bound is not itself maximised (its gradient there need not vanish).

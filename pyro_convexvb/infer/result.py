@@ -188,6 +188,13 @@ class InferenceResult:
         their work so (``convex_relaxation``), else ``None``."""
         return self.info.get("work")
 
+    @property
+    def type2_objective(self):
+        """The objective a type-II fit maximised over the learned ``pyro.param`` values (the engine's own:
+        :meth:`~pyro_convexvb.infer.engine.Engine.type2_value`), at those values; ``None`` without type-II."""
+        report = self.info.get("type2")
+        return None if report is None else float(report["value"])
+
     def __repr__(self):
         b = "None" if self.log_evidence_bound is None else f"{self.log_evidence_bound:.6g}"
         return (f"InferenceResult(engine={self.engine!r}, log_evidence_bound={b}, converged={self.converged}, "
