@@ -64,9 +64,10 @@ def test_cdf_pair_of_continuous_families_against_quadrature(fn):
 
 
 @pytest.mark.parametrize("fn", [dist.Binomial(_t(10.0), _t(0.3)), dist.NegativeBinomial(_t(4.0), _t(0.6)),
-                                dist.GammaPoisson(_t(2.5), _t(0.7)), dist.Poisson(_t(2.2)),
+                                dist.GammaPoisson(_t(2.5), _t(0.7)), dist.Poisson(_t(2.2)), dist.Poisson(_t(0.0)),
                                 dist.ZeroInflatedNegativeBinomial(_t(3.0), logits=_t(0.4), gate=_t(0.25))],
-                         ids=["binomial", "negative_binomial", "gamma_poisson", "poisson", "zi_negative_binomial"])
+                         ids=["binomial", "negative_binomial", "gamma_poisson", "poisson", "poisson_zero_rate",
+                              "zi_negative_binomial"])
 def test_cdf_pair_of_count_families_against_their_own_pmf(fn):
     k = _t(0, 1, 3, 7)
     below, at = _cdf_pair(fn, k)

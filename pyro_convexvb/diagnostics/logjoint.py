@@ -58,7 +58,7 @@ def _base(fn):
 
     Other wrappers with a ``base_dist`` change it (``LogNormal`` and ``HalfNormal`` transform a ``Normal``,
     ``ZeroInflatedPoisson`` mixes a ``Poisson`` with a point mass) and are returned as they are, so that
-    :func:`_cdf_pair` gives no CDF for them rather than their base's.
+    :func:`_cdf_parts` gives them their own CDF (or none), never their base's.
     """
     from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
 
@@ -131,9 +131,7 @@ def _cdf_parts(fn, y):
         nb = b.base_dist
         return "zi_negative_binomial", torch.broadcast_tensors(y, nb.total_count, 1 - nb.probs, b.gate)
     if isinstance(b, dist.ZeroInflatedPoisson):  # gate g: a point mass at 0, else Poisson
-        g = b.gate
-        below, at = _poisson_pair(b.base_dist.rate, y)
-        return "pair", ((1 - g) * below + g * (y > 0).to(y.dtype), (1 - g) * at + g * (y == 0).to(y.dtype))
+        return "pair", _zero_inflated(b.gate, y, *_poisson_pair(b.base_dist.rate, y))
     if isinstance(b, td.StudentT):
         return "student_t", torch.broadcast_tensors(y, b.df, b.loc, b.scale)
     if isinstance(b, td.Binomial):
@@ -147,9 +145,15 @@ def _cdf_parts(fn, y):
 
 def _poisson_pair(rate, y):
     rate = rate.expand_as(y)
-    at = torch.exp(y * torch.log(rate) - rate - torch.lgamma(y + 1))
+    at = torch.exp(torch.xlogy(y, rate) - rate - torch.lgamma(y + 1))
     # P(Y <= y) = Q(y + 1, rate), the regularised upper incomplete gamma function
     return torch.special.gammaincc(y + 1, rate) - at, at
+
+
+def _zero_inflated(gate, y, below, at):
+    """``(P(Y < y), P(Y = y))`` of a point mass at 0 of probability ``gate`` mixed with a count distribution whose
+    pair is ``(below, at)`` (torch tensors or numpy arrays alike)."""
+    return (1 - gate) * below + gate * (y > 0), (1 - gate) * at + gate * (y == 0)
 
 
 def _cdf_from_parts(kind, parts):
@@ -163,8 +167,7 @@ def _cdf_from_parts(kind, parts):
         return special.stdtr(df, (y - loc) / scale), np.zeros_like(y)
     if kind == "zi_negative_binomial":
         y, n, p, g = parts
-        below, at = _cdf_from_parts("negative_binomial", (y, n, p))
-        return (1 - g) * below + g * (y > 0), (1 - g) * at + g * (y == 0)
+        return _zero_inflated(g, y, *_cdf_from_parts("negative_binomial", (y, n, p)))
     y, n, p = parts
     if kind == "binomial":
         return stats.binom.cdf(y - 1, n, p), stats.binom.pmf(y, n, p)
