@@ -262,7 +262,6 @@ class WhitenedProposal(Proposal):
         if self.amap.is_plain:  # the base draws; whitened only if asked (last_eps)
             self.cond_loc, self.cond_sd = self.base.cond_loc, self.base.cond_sd
             self.cond_cov = self.base.cond_cov
-            self.cond_df = np.full(S, np.inf)
         else:
             eps = self.last_eps
             x, r = self.amap.defend(eps, generator)
@@ -272,8 +271,8 @@ class WhitenedProposal(Proposal):
             lq = lq + torch.as_tensor(_moved_density(self.amap, eps, x), dtype=lq.dtype, device=lq.device)
             self.cond_loc, self.cond_sd = self.field_moments(frame, r=r)
             self.cond_cov = self.field_covariance(frame, [self.amap], np.zeros(S, dtype=np.int64), r)
-            self.cond_df = np.full(S, np.inf)
             self._eps, self._pending = e, None
+        self.cond_df = np.full(S, np.inf)  # given its component (and defensive scale factor) a draw is normal
         self.frame = frame
         return values, lq
 
@@ -285,7 +284,7 @@ class WhitenedProposal(Proposal):
 
         k, a, d = frame
         if r is not None and np.any(r != 1.0):
-            d = r[:, None] * (np.ones(a.shape) if d is None else d)
+            d = np.broadcast_to(r[:, None], a.shape) if d is None else r[:, None] * d
         J = len(maps)
         K = len(self.base.frame_parts)
 
