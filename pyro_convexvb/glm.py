@@ -288,7 +288,8 @@ class GLM(CompactPickleMixin, BaseEstimator):
         if self.likelihood != "binomial":
             warn_unused(self, ("n_trials",), f"likelihood={self.likelihood!r} has no number of trials")
         weight = unsharded_weight(check_sample_weight(sample_weight, X.shape[0]), sharded)
-        trials = self._trials(n_trials, X.shape[0], X, fitting=True)  # (N,) for binomial, per-row counts kept with their rows
+        # (N,) for binomial, per-row counts kept with their rows
+        trials = self._trials(n_trials, X.shape[0], X, fitting=True)
         weight, X, y, trials = positive_rows(weight, X, np.asarray(y), trials)
         weight = None if weight is None else torch.from_numpy(weight)
         y = torch.from_numpy(np.array(y, dtype=np.float64))

@@ -91,13 +91,11 @@ def gp_latent_predictive(K_train, K_cross, k_test_diag, posterior, prior_mean_tr
     L = torch.linalg.cholesky(K_train)
     A = torch.cholesky_solve(K_cross.transpose(0, 1), L).transpose(0, 1)  # (m, n)
     prior_var = k_test_diag - (A * K_cross).sum(-1)
+    shift = -(A @ torch.as_tensor(prior_mean_train, dtype=A.dtype, device=A.device).expand(A.shape[1]))
     if hasattr(posterior, "component_marginals"):
-        m_q, var_q = posterior.component_marginals(A, -(A @ torch.as_tensor(
-            prior_mean_train, dtype=A.dtype, device=A.device).expand(A.shape[1])))  # (C, m)
+        m_q, var_q = posterior.component_marginals(A, shift)  # (C, m)
     else:
-        m_q, var_q = posterior.marginals(A, -(A @ torch.as_tensor(
-            prior_mean_train, dtype=A.dtype, device=A.device).expand(A.shape[1])))
-        m_q, var_q = m_q.unsqueeze(0), var_q.unsqueeze(0)
+        m_q, var_q = (t.unsqueeze(0) for t in posterior.marginals(A, shift))
     mean = prior_mean_test + m_q
     var = (prior_var + var_q).clamp_min(0.0)
     if components:
