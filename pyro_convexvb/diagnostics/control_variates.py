@@ -381,7 +381,10 @@ def cv_quantiles(x, w, ctl, probs, start, iterations=3, baseline=False, tol=0.5,
 
 
 def _block_quantiles(x, w, ctl, probs, start, iterations, baseline, tol, base_rows=None):
-    """:func:`cv_quantiles` on the columns of ``x``, all at once."""
+    """:func:`cv_quantiles` on the columns of ``x``, all at once.
+
+    Over 80 lines: the evaluation and the safeguarded Newton solver are closures over the block's draws, controls
+    and kept evaluations, which the weighted quantiles and their flat-weight baselines share."""
     P = x.shape[1]
     q = np.array(start, dtype=np.float64, copy=True)
     se = np.empty_like(q)

