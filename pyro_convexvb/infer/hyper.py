@@ -35,7 +35,13 @@ from torch.distributions import biject_to
 
 from ..errors import ConvergenceWarning, UnsupportedModelError, WarningsOnce, warn
 from ..lgm.extract import _unwrap, full_data_plates, latent_sites
-from ..posterior.hyper import HyperMixtureGuide, HyperPosterior, ThetaDensity, ThetaSpace  # noqa: F401 (re-exported)
+from ..posterior.hyper import (  # noqa: F401 (re-exported)
+    GridWarp,
+    HyperMixtureGuide,
+    HyperPosterior,
+    ThetaDensity,
+    ThetaSpace,
+)
 from .rng import forked_rng
 
 __all__ = [
@@ -56,6 +62,9 @@ HYPER_MAX_DIM = 10
 #: extraction at every point). ``False`` extracts every point afresh, as before: for benchmarks and tests that
 #: compare the two.
 REUSE_EXTRACTION = True
+
+#: Spacing ratio of consecutive grid rings past ``grid_radius`` (:class:`~pyro_convexvb.posterior.hyper.GridWarp`).
+GRID_GROWTH = 1.25
 
 #: Distribution parameters through which a latent site may feed another site's *prior* (or an
 #: observation's noise) -- dependence there makes it a hyper-latent.
@@ -561,14 +570,16 @@ def find_mode(obj, z0, *, max_iter=100, gtol=1e-4, fd_step=1e-3, bound=12.0, hes
     return z, obj(z), res
 
 
-def _widen_grid(x, logf, evaluate, d, step, radius, max_radius, prune):
+def _widen_grid(x, logf, evaluate, d, step, radius, max_radius, prune, warp):
     """Widen the grid ring by ring while its rim still carries mass (log density within ``prune`` of the top),
     adding points only next to rim points that still do; ``evaluate(points)`` appends their values to ``logf``.
+    The design ``x``, ``step`` and ``radius`` are in the lattice coordinates of ``warp`` (:class:`GridWarp`);
+    ``max_radius`` in standardised units.
 
     :returns: ``(x, radius, truncated)``: the grown design, its radius, and whether ``max_radius`` stopped it while
         its rim still carried mass.
     """
-    while radius < max_radius:
+    while float(warp.to_x(torch.tensor(radius, dtype=torch.float64))) < max_radius:
         lf = torch.tensor(logf, dtype=torch.float64)
         rim = (x**2).sum(1).sqrt() > radius - step
         if not bool((lf[rim] >= lf.max() - prune).any()):
@@ -586,14 +597,15 @@ def _widen_grid(x, logf, evaluate, d, step, radius, max_radius, prune):
     return x, radius, False
 
 
-def _design_weights(strategy, x, a, logf, prune):
-    """Normalised weights of the design points: the density values on a grid (pruned ``prune`` below the top), the
-    CCD weights ``a`` times the density over the standard normal elsewhere.
+def _design_weights(strategy, x, a, logf, prune, log_volume=None):
+    """Normalised weights of the design points: the density values times the cells' volumes ``exp(log_volume)`` on
+    a grid (pruned ``prune`` below the top), the CCD weights ``a`` times the density over the standard normal
+    elsewhere.
 
     :returns: ``(keep, w, idx)``: the kept points, the weights of the points with positive weight, their indices.
     """
     if strategy == "grid":
-        logw = logf
+        logw = logf if log_volume is None else logf + log_volume
     else:
         logw = torch.log(a) + logf + 0.5 * (x**2).sum(1)
     keep = logf >= logf.max() - prune if strategy == "grid" else torch.ones_like(logf, dtype=torch.bool)
@@ -636,8 +648,8 @@ def _warn_split_normal(space):
 
 
 def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_step=1e-3, hess_step=2e-2,
-                    grid_step=0.75, grid_radius=3.0, max_radius=40.0, prune=7.0, f0=1.1, run=None,
-                    reuse_extraction=None):
+                    grid_step=0.75, grid_radius=3.0, grid_growth=None, max_radius=40.0, prune=7.0, f0=1.1,
+                    run=None, reuse_extraction=None):
     """INLA-style integration (or maximisation) over the hyper-latents ``hyper_names`` (see the module docstring).
 
     Over 80 lines: most of it is this docstring; the body is under 80.
@@ -645,9 +657,10 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     The grid grows ring by ring, next to rim points whose log density is within ``prune`` of the top, up to
     ``max_radius`` standardised units. The cap is far: a scale whose posterior reaches toward zero (a half-normal
     or half-Cauchy prior on a weakly identified scale) has a log density linear in ``log sigma`` there, so it drops
-    by ``prune`` only some ``prune / slope`` Hessian units from the mode (about 25 in a BYM model). A grid
-    stopped by the cap while its rim still carries mass is reported (``info["truncated"]``), and the fit is then
-    not converged.
+    by ``prune`` only some ``prune / slope`` Hessian units from the mode (about 25 in a BYM model). Past
+    ``grid_radius`` the spacing grows by ``grid_growth`` per ring (:class:`GridWarp`; the cells' volumes weight the
+    design points), so such a tail takes a dozen rings, not thirty. A grid stopped by the cap while its rim still
+    carries mass is reported (``info["truncated"]``), and the fit is then not converged.
 
     :param engine: the outer :class:`~pyro_convexvb.infer.engine.Engine` (its class fits each conditioned model).
     :param str strategy: ``"grid"``, ``"ccd"``, ``"auto"`` (grid for ``d <= 2``) or ``"map"`` (the mode only).
@@ -699,9 +712,12 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     x, a = design_points(d, strategy, step=grid_step, radius=grid_radius, f0=f0)
     zs, logf, results = [], [], []
 
-    def evaluate(points):
+    growth = GRID_GROWTH if grid_growth is None else grid_growth
+    warp = GridWarp(core=grid_radius, step=grid_step, growth=growth) if strategy == "grid" else GridWarp()
+
+    def evaluate(points):  # lattice coordinates of the warp
         for k in range(points.shape[0]):
-            z = z_mode + A_inv @ points[k]
+            z = z_mode + A_inv @ warp.to_x(points[k])
             val, res = obj.fit(z, keep="posterior")
             zs.append(z)
             logf.append(val)
@@ -710,13 +726,16 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     evaluate(x)
     radius = grid_radius
     truncated = False
+    log_volume = None
     if strategy == "grid":
-        x, radius, truncated = _widen_grid(x, logf, evaluate, d, grid_step, radius, max_radius, prune)
+        xi, radius, truncated = _widen_grid(x, logf, evaluate, d, grid_step, radius, max_radius, prune, warp)
+        x, log_volume = warp.to_x(xi), warp.log_jacobian(xi)
         a = torch.exp(-0.5 * (x**2).sum(1))
     logf = torch.tensor(logf, dtype=torch.float64)
-    keep, w, idx = _design_weights(strategy, x, a, logf, prune)
+    keep, w, idx = _design_weights(strategy, x, a, logf, prune, log_volume)
     if strategy == "grid":
-        density = ThetaDensity.surface(z_mode, A_inv, x, logf, radius, grid_step)
+        density = ThetaDensity.surface(z_mode, A_inv, x, logf, radius, grid_step, warp=warp)
+        radius = float(warp.to_x(torch.tensor(radius, dtype=torch.float64)))
     else:
         _check_axial_drops(space, z_mode, A_inv, x, logf)
         density = ThetaDensity.split_normal(z_mode, A_inv, x, logf)

@@ -17,7 +17,7 @@ from .base import Posterior
 from .empirical import weighted_quantiles
 from .gaussian import _apply_name_prefix, _guide_model_and_data, _prototype_dtype
 
-__all__ = ["ThetaSpace", "ThetaDensity", "HyperPosterior", "HyperMixtureGuide"]
+__all__ = ["ThetaSpace", "GridWarp", "ThetaDensity", "HyperPosterior", "HyperMixtureGuide"]
 
 
 @dataclass
@@ -73,13 +73,70 @@ class ThetaSpace:
 # ---------------------------------------------------------------------------------------------
 # the integrated posterior
 # ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GridWarp:
+    r"""The per-axis map ``x = g(xi)`` from a grid design's lattice coordinates ``xi`` to standardised ``x``.
+
+    The identity on ``|xi| <= core``; beyond, the spacing grows geometrically: a lattice of spacing ``step`` in
+    ``xi`` has spacing ``step (growth - 1) / log(growth) growth^j`` in ``x`` at the ``j``-th step past the core,
+
+    .. math:: g(\xi) = \operatorname{sign}(\xi)\,\Big(c + s\,\frac{\gamma^{(|\xi| - c)/s} - 1}{\log\gamma}
+              \Big) \quad (|\xi| > c),
+
+    continuously differentiable at ``|xi| = c``. A hyper-posterior close to Gaussian lies inside the core (the
+    design of a Gaussian stops near 3.75 standardised units), where nothing changes; a scale that no data bound
+    from below has a log density about linear in ``log sigma`` far from the mode (about 25 Hessian units in a
+    BYM model), smooth enough for cells growing with the distance, which a uniform grid tiles with hundreds of fits.
+    ``growth = 1`` is the identity everywhere.
+
+    :param float core: radius (standardised units) of the uniform core.
+    :param float step: the lattice spacing in ``xi``.
+    :param float growth: spacing ratio of consecutive steps past the core (``>= 1``).
+    """
+
+    core: float = math.inf
+    step: float = 1.0
+    growth: float = 1.0
+
+    @property
+    def identity(self):
+        return self.growth == 1.0 or math.isinf(self.core)
+
+    def _rate(self):
+        return math.log(self.growth) / self.step
+
+    def to_x(self, xi):
+        """``x`` of lattice coordinates ``xi`` (any shape, elementwise)."""
+        if self.identity:
+            return xi
+        a = xi.abs()
+        out = self.core + torch.expm1((a - self.core).clamp_min(0) * self._rate()) / self._rate()
+        return torch.where(a <= self.core, xi, torch.sign(xi) * out)
+
+    def to_xi(self, x):
+        """The inverse of :meth:`to_x`."""
+        if self.identity:
+            return x
+        a = x.abs()
+        out = self.core + torch.log1p((a - self.core).clamp_min(0) * self._rate()) / self._rate()
+        return torch.where(a <= self.core, x, torch.sign(x) * out)
+
+    def log_jacobian(self, xi):
+        """``(S,)`` ``log |det dx / dxi|`` at ``xi (S, d)``: the sum over axes of ``log g'``."""
+        if self.identity:
+            return torch.zeros(xi.shape[0], dtype=xi.dtype)
+        return ((xi.abs() - self.core).clamp_min(0) * self._rate()).sum(1)
+
+
 @dataclass
 class ThetaDensity:
     """A smooth approximation of the hyper-posterior in standardised coordinates ``x`` (``z = z* + A^{-1} x``).
 
     * ``"surface"`` (grid designs): the log density at the design points interpolated by a thin-plate
       spline with a quadratic tail (exact for a Gaussian), evaluated on a fine grid inside the design's
-      radius; samples are fine-grid cells drawn by mass, uniform within a cell.
+      radius; samples are fine-grid cells drawn by mass, uniform within a cell. Grid, cells and radius are in the
+      design's lattice coordinates ``xi`` (:class:`GridWarp` ``warp``, ``x = g(xi)``; the identity unless the
+      design's spacing grows past its core), and the density in ``x`` carries the warp's Jacobian.
     * ``"split-normal"`` (central composite designs): along each standardised axis a Gaussian with its
       own scale on each side, ``s_+- = r / sqrt(2 (f(0) - f(+-r e_i)))`` from the axial points (the
       asymmetric Gaussian of Rue, Martino & Chopin 2009, §6.5).
@@ -94,12 +151,14 @@ class ThetaDensity:
     cell: float = 0.0
     s_plus: Any = None
     s_minus: Any = None
-    #: the surface's fine grid: ``ticks`` per axis from ``-radius`` (``xs`` keeps those within ``radius``)
+    #: the surface's fine grid: ``ticks`` per axis from ``-radius`` (``xs`` keeps those within ``radius``); all in
+    #: the lattice coordinates ``xi`` of ``warp``
     radius: float = 0.0
     ticks: int = 0
+    warp: GridWarp = field(default_factory=GridWarp)
 
     @classmethod
-    def surface(cls, z_mode, A_inv, x, logf, radius, step, resolution=None):
+    def surface(cls, z_mode, A_inv, x, logf, radius, step, resolution=None, warp=None):
         """The surface through ``logf (K,)`` at the design points ``x (K, d)`` (those kept by the pruning).
 
         The fine grid covers only the design's cells (points within ``step / 2`` of a design point on every axis):
@@ -108,24 +167,28 @@ class ThetaDensity:
         with a ``Gamma`` prior scale it put the log density 1.4 nats too high one step past the design and 26 too
         high at the radius, and the scale's sd 2% high against quadrature of the exact hyper-posterior).
 
-        :param float step: the design's grid spacing (standardised units).
+        :param float step: the design's grid spacing (in the lattice coordinates).
+        :param float radius: the design's radius (in the lattice coordinates).
+        :param GridWarp warp: the design's map from lattice coordinates to ``x`` (default: the identity).
         """
         from scipy.interpolate import RBFInterpolator
 
+        warp = warp or GridWarp()
         d = x.shape[1]
-        # fine-grid cells of at most 0.25 standardised units (the mode's Hessian scale is 1)
+        # fine-grid cells of at most 0.25 lattice units (the mode's Hessian scale is 1 in the core)
         m = resolution or (max(801, int(8 * radius) + 1) if d == 1 else max(161, int(8 * radius) + 1))
         ticks = torch.linspace(-radius, radius, m, dtype=torch.float64)
         xs = ticks.reshape(-1, 1) if d == 1 else torch.cartesian_prod(ticks, ticks)
         xs = xs[(xs**2).sum(1) <= radius**2]
-        near2 = _neighbours(xs, x, 1, p=math.inf)[1][:, 0]  # squared distance to the nearest design point, per axis
+        # squared distance to the nearest design point, per axis
+        near2 = _neighbours(xs, warp.to_xi(x), 1, p=math.inf)[1][:, 0]
         xs = xs[near2 <= (0.5 * step + 1e-9) ** 2]  # the design's cells only
         f = (logf - logf.max()).numpy()
         interp = RBFInterpolator(x.numpy(), f, kernel="thin_plate_spline", degree=2)
-        lp = torch.as_tensor(interp(xs.numpy()), dtype=torch.float64)
+        lp = torch.as_tensor(interp(warp.to_x(xs).numpy()), dtype=torch.float64) + warp.log_jacobian(xs)
         probs = torch.softmax(lp, 0)
         return cls("surface", z_mode, A_inv, xs=xs, probs=probs, cell=float(ticks[1] - ticks[0]), radius=radius,
-                   ticks=m)
+                   ticks=m, warp=warp)
 
     @classmethod
     def split_normal(cls, z_mode, A_inv, x, logf):
@@ -149,14 +212,15 @@ class ThetaDensity:
         if self.kind == "surface":
             k = torch.multinomial(self.probs, num_samples, replacement=True, generator=generator)
             jitter = (torch.rand(num_samples, d, dtype=torch.float64, generator=generator) - 0.5) * self.cell
-            return self.xs[k] + jitter
+            return self.warp.to_x(self.xs[k] + jitter)
         e = torch.randn(num_samples, d, dtype=torch.float64, generator=generator)
         return torch.where(e > 0, e * self.s_plus, e * self.s_minus)
 
     def log_prob_x(self, x):
         """``(S,)`` log density at ``x (S, d)`` of the draws of :meth:`sample_x` (``-inf`` outside a surface's
-        cells): a surface's probability of the fine-grid cell holding ``x`` over the cell's volume, found by rounding
-        to the grid (no search over its points), or the split normal's density."""
+        cells): a surface's probability of the fine-grid cell holding ``x`` over the cell's volume (in the lattice
+        coordinates, with the warp's Jacobian at ``x``), found by rounding to the grid (no search over its points), or
+        the split normal's density."""
         if self.kind == "split-normal":
             s = torch.where(x > 0, self.s_plus, self.s_minus)
             return (-0.5 * (x / s) ** 2 - torch.log(s) - 0.5 * math.log(2 * math.pi)).sum(1)
@@ -169,6 +233,8 @@ class ThetaDensity:
             table = torch.full((self.ticks ** d,), -math.inf, dtype=torch.float64)
             table[self._flat(idx)] = torch.log(self.probs) - d * math.log(self.cell)
             self.__dict__["_log_table"] = table
+        xi = self.warp.to_xi(x)
+        x = xi
         idx = torch.round((x + self.radius) / self.cell).long()
         ok = ((idx >= 0) & (idx < self.ticks)).all(1)
         idx = idx.clamp(0, self.ticks - 1)
@@ -176,7 +242,7 @@ class ThetaDensity:
         # (the centres in x's dtype: an integer tensor times a Python float is float32, whose centres are off by
         # 1e-7 and put a draw within that of its cell's edge outside every cell)
         ok &= (x - (idx.to(x.dtype) * self.cell - self.radius)).abs().max(1).values <= 0.5 * self.cell + 1e-12
-        lq = table[self._flat(idx)]
+        lq = table[self._flat(idx)] - self.warp.log_jacobian(xi)
         return torch.where(ok, lq, torch.full_like(lq, -math.inf))
 
     def _flat(self, idx):
@@ -215,11 +281,11 @@ class ThetaDensity:
             return torch.where(e > 0, e * self.s_plus, e * self.s_minus), \
                 torch.full((SOBOL_POINTS,), 1.0 / SOBOL_POINTS, dtype=torch.float64)
         if not subcells:
-            return self.xs, self.probs.double()
+            return self.warp.to_x(self.xs), self.probs.double()
         i = torch.arange(SUBCELLS, dtype=torch.float64)
         cols = [(i + 0.5) / SUBCELLS] + ([torch.remainder((i * 13 + 0.5) / SUBCELLS, 1.0)] if d == 2 else [])
         offsets = (torch.stack(cols, 1) - 0.5) * self.cell
-        x = (self.xs[:, None, :] + offsets[None]).reshape(-1, d)
+        x = self.warp.to_x((self.xs[:, None, :] + offsets[None]).reshape(-1, d))
         w = (self.probs.double()[:, None] / offsets.shape[0]).expand(-1, offsets.shape[0]).reshape(-1)
         return x, w
 
