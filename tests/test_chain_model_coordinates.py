@@ -59,7 +59,8 @@ def ar_gmrf(T, y=None, lik="bernoulli"):
 def _data(T, lik, seed=0):
     g = torch.Generator().manual_seed(seed)
     mean, Q, L, Sd = ar_prior(T)
-    h = torch.as_tensor(np.linalg.solve(L.toarray(), np.sqrt(Sd) * np.random.default_rng(seed).standard_normal(T)) + mean)
+    e = np.sqrt(Sd) * np.random.default_rng(seed).standard_normal(T)
+    h = torch.as_tensor(np.linalg.solve(L.toarray(), e) + mean)
     if lik == "bernoulli":
         return torch.bernoulli(torch.sigmoid(h), generator=g)
     return h + NOISE * torch.randn(T, generator=g, dtype=D)
@@ -205,6 +206,25 @@ def test_a_2000_step_loop_stores_o_of_t_entries_and_fits_in_the_banded_form():
     np.testing.assert_allclose(res.posterior.variance.numpy(), ref.posterior.variance.numpy(), rtol=1e-9)
 
 
+def _pyro_exact(model, y):
+    """``(mean, covariance, log p(y))`` of a Gaussian Pyro model from the derivatives of Pyro's own log joint at 0
+    (dense float64; it never sees the extraction)."""
+    tr = pyro.poutine.trace(model).get_trace(y)
+    nodes = [(n, s["value"].shape) for n, s in tr.nodes.items()
+             if s["type"] == "sample" and not s["is_observed"] and type(s["fn"]).__name__ != "_Subsample"]
+    sizes = [int(math.prod(sh)) for _, sh in nodes]
+
+    def log_joint(v):
+        vals = {n: c.reshape(sh) for (n, sh), c in zip(nodes, v.split(sizes))}
+        return pyro.poutine.trace(pyro.poutine.condition(model, vals)).get_trace(y).log_prob_sum()
+
+    v0 = torch.zeros(sum(sizes), dtype=D)
+    cov = torch.linalg.inv(-torch.autograd.functional.hessian(log_joint, v0))
+    mean = cov @ torch.autograd.functional.jacobian(log_joint, v0)
+    logml = float(log_joint(mean)) + 0.5 * float(torch.logdet(cov)) + 0.5 * len(v0) * math.log(2 * math.pi)
+    return mean, cov, logml
+
+
 def test_a_hierarchy_beside_an_ar_loop_keeps_its_innovation_form(monkeypatch):
     """A one-level hierarchy (mu, alpha_j ~ N(mu, s)) and an AR loop in one model: the hierarchy stays in the
     chain (innovation form, unchanged), the loop is one prior block; the posterior over the model's sites is the
@@ -231,20 +251,7 @@ def test_a_hierarchy_beside_an_ar_loop_keeps_its_innovation_form(monkeypatch):
     monkeypatch.setattr(chains, "FILL_FACTOR", math.inf)
     old = pcv.fit(model, y=y, engine="dual_vg", progress=False)
     assert res.lgm.chain.children == ["alpha"] and old.lgm.chain.children == ["alpha"] + [f"h_{t}" for t in range(1, T)]
-    sizes = [1, J] + [1] * T
-    tr = pyro.poutine.trace(model).get_trace(y)
-    names = [n for n, s in tr.nodes.items()
-             if s["type"] == "sample" and not s["is_observed"] and type(s["fn"]).__name__ != "_Subsample"]
-
-    def log_joint(v):
-        vals = {n: c.reshape(tr.nodes[n]["value"].shape) for n, c in zip(names, v.split(sizes))}
-        return pyro.poutine.trace(pyro.poutine.condition(model, vals)).get_trace(y).log_prob_sum()
-
-    v0 = torch.zeros(sum(sizes), dtype=D)
-    H = -torch.autograd.functional.hessian(log_joint, v0)
-    cov = torch.linalg.inv(H)
-    mean = cov @ torch.autograd.functional.jacobian(log_joint, v0)
-    logml = float(log_joint(mean)) + 0.5 * float(torch.logdet(cov)) + 0.5 * len(v0) * math.log(2 * math.pi)
+    mean, cov, logml = _pyro_exact(model, y)
     for r in (res, old):
         np.testing.assert_allclose(r.posterior.loc.numpy(), mean.numpy(), rtol=0, atol=1e-10)
         np.testing.assert_allclose(r.posterior.covariance().numpy(), cov.numpy(), rtol=0, atol=1e-12)
@@ -282,3 +289,48 @@ def test_an_intrinsic_gmrf_read_by_a_long_chain_keeps_the_innovation_form():
     assert lgm.chain.children == [f"h_{t}" for t in range(T)]
     res = pcv.fit(model, y=y, engine="dual_vg", progress=False)
     assert res.converged and np.isfinite(res.log_evidence_bound)
+
+
+def test_a_site_sampled_inside_the_loop_joins_the_prior_block():
+    """A coefficient sampled between the loop's sites (not part of the chain) joins the run's prior block with its
+    own prior; the answer is the exact one from Pyro's log joint."""
+    T = 30
+    x = torch.linspace(-1, 1, T, dtype=D)
+    y = torch.randn(T, generator=torch.Generator().manual_seed(3), dtype=D)
+
+    def model(y=None):
+        h = pyro.sample("h_0", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        hs = [h]
+        for t in pyro.markov(range(1, T)):
+            if t == 10:
+                beta = pyro.sample("beta", dist.Normal(torch.zeros(2, dtype=D), 2.0).to_event(1))
+            h = pyro.sample(f"h_{t}", dist.Normal(PHI * h, S))
+            hs.append(h)
+        pyro.sample("y", dist.Normal(torch.stack(hs) + beta[0] + beta[1] * x, NOISE).to_event(1), obs=y)
+
+    lgm = pcv.lgm_from_pyro(model, y=y)
+    assert lgm.chain is None and [p.name for p in lgm.priors] == ["h_0..h_29"] and lgm.priors[0].size == T + 2
+    mean, cov, logml = _pyro_exact(model, y)
+    res = pcv.fit(model, y=y, engine="dual_vg", progress=False)
+    assert res.posterior.layout.names[9:12] == ["h_9", "beta", "h_10"]
+    np.testing.assert_allclose(res.posterior.loc.numpy(), mean.numpy(), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(res.posterior.covariance().numpy(), cov.numpy(), rtol=0, atol=1e-12)
+    assert res.log_evidence_bound == pytest.approx(logml, abs=1e-9)
+
+
+def test_a_laplace_root_of_a_long_chain_keeps_the_innovation_form():
+    """A flat block (a Laplace prior, turned into sites) in the run keeps the innovation form, as documented."""
+    T = 30
+    y = torch.randn(T, generator=torch.Generator().manual_seed(4), dtype=D)
+
+    def model(y=None):
+        mu = pyro.sample("mu", dist.Laplace(torch.tensor(0.0, dtype=D), 1.0))
+        h = pyro.sample("h_0", dist.Normal(mu, 1.0))
+        hs = [h]
+        for t in pyro.markov(range(1, T)):
+            h = pyro.sample(f"h_{t}", dist.Normal(PHI * h + mu, S))
+            hs.append(h)
+        pyro.sample("y", dist.Normal(torch.stack(hs), NOISE).to_event(1), obs=y)
+
+    lgm = pcv.lgm_from_pyro(model, y=y)
+    assert lgm.chain is not None and lgm.priors[0].flat and len(lgm.priors) == T + 1

@@ -412,6 +412,17 @@ def model_coordinate_spans(A, starts, excluded, factor=None):
             banned[comp[a:b]] = True
 
 
+def joins_a_joint_prior(prior):
+    """Whether a :class:`~pyro_convexvb.lgm.model.PriorBlock` can be part of a :func:`joint_prior`: Gaussian, with an
+    explicit precision (diagonal, sparse, dense, or block-diagonal of those) and its ``log |Sigma|``."""
+    def explicit(op):
+        if isinstance(op, BlockDiagonalOperator):
+            return all(explicit(o) for o in op.operators)
+        return isinstance(op, (DiagonalOperator, SparseOperator, DenseOperator))
+
+    return not prior.flat and prior.prec is not None and prior.logdet_cov is not None and explicit(prior.prec)
+
+
 def _merged_runs(runs):
     """Overlapping half-open runs ``[(a, b)]`` merged, in order."""
     out = []

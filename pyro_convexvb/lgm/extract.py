@@ -785,8 +785,9 @@ def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
     MultivariateNormal, SparseGMRF (intrinsic ones with ``constraints`` included) or Laplace priors (a Laplace
     prior becomes Laplace sites on the block, Nickisch & Seeger 2009 §2); the mean of a Normal,
     MultivariateNormal or SparseGMRF may be affine in other latent Gaussian sites (an affine Gaussian chain:
-    centred hierarchies, AR loops; :mod:`pyro_convexvb.lgm.chains`, then ``LatentGaussianModel.chain`` maps
-    ``u`` to the model's sites); observed sites Bernoulli(logits=... or
+    centred hierarchies, AR loops; :mod:`pyro_convexvb.lgm.chains`: hierarchies in the innovation form, where
+    ``LatentGaussianModel.chain`` maps ``u`` to the model's sites, chains that would fill in (an AR loop) as one
+    prior block of sparse precision over the sites themselves); observed sites Bernoulli(logits=... or
     probs=...; ``probs=Normal(loc, scale).cdf(eta)`` with fixed ``loc``, ``scale`` is a probit site of
     the predictor ``(eta - loc) / scale``), Poisson(rate=exp(...)) and Normal(loc=..., scale fixed) whose
     predictor is an affine function of the latents; plates, including subsampled ones (traced on the full data, so no
@@ -1427,7 +1428,7 @@ def _chain_of(x, priors, chain_coo, intrinsic, chain_names, template=None):
     import numpy as np
     import scipy.sparse as sp
 
-    from .chains import AffineChain, joint_prior, model_coordinate_spans
+    from .chains import AffineChain, joins_a_joint_prior, joint_prior, model_coordinate_spans
 
     n, dtype, device, blocks = x.n, x.dtype, x.device, x.layout.blocks
     coo = chain_coo or [(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))]
@@ -1437,7 +1438,7 @@ def _chain_of(x, priors, chain_coo, intrinsic, chain_names, template=None):
     if len(rows) and not x.keep_graph:  # (keep_graph: the prior blocks carry the graph of the params; see chains)
         starts = np.array([b.start for b in blocks] + [n])
         intrinsic_at = {e[0].start for e in intrinsic}
-        excluded = np.array([p.flat or p.prec is None or b.start in intrinsic_at for p, b in zip(priors, blocks)])
+        excluded = np.array([not joins_a_joint_prior(p) or b.start in intrinsic_at for p, b in zip(priors, blocks)])
         spans = model_coordinate_spans(sp.coo_matrix((vals, (rows, cols)), shape=(n, n)), starts, excluded)
     if spans:
         A = sp.csr_matrix((vals, (rows, cols)), shape=(n, n))

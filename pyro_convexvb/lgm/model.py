@@ -170,8 +170,9 @@ class LatentGaussianModel:
     imputed: List[ImputedBlock] = field(default_factory=list)
     model_layout: Optional[LatentLayout] = None
     #: an :class:`~pyro_convexvb.lgm.chains.AffineChain` when ``u = (I - A) x`` holds the innovations of affine
-    #: Gaussian chains (centred hierarchies, AR loops) rather than the model's sites ``x`` (then the imputed
-    #: blocks' designs act on ``x``); :meth:`complete_posterior` maps a posterior back
+    #: Gaussian chains (centred hierarchies) rather than the model's sites ``x`` (then the imputed blocks' designs
+    #: act on ``x``); :meth:`complete_posterior` maps a posterior back. Chains that would fill in (AR loops) are
+    #: over ``x`` as one prior block of sparse precision, outside ``chain`` (:mod:`pyro_convexvb.lgm.chains`)
     chain: Optional[object] = None
 
     def __post_init__(self):
