@@ -69,7 +69,7 @@ def _data(T, lik, seed=0):
 def _fit(model, T, y, lik, engine, innovation=False, monkeypatch=None, form=None):
     if innovation:
         monkeypatch.setattr(chains, "FILL_FACTOR", math.inf)
-    opts = {"gap_tol": 1e-13} if engine == "dual_vg" else {"grad_tol": 1e-13}
+    opts = {"dual_vg": {"gap_tol": 1e-13}, "laplace": {"grad_tol": 1e-13}}.get(engine, {})
     if form is not None:
         opts["form"] = form
     with warnings.catch_warnings():
@@ -135,7 +135,7 @@ def test_model_coordinates_equal_the_innovation_form_and_one_sparse_gmrf(engine,
         np.testing.assert_allclose(new.posterior.variance.numpy(), ref.posterior.variance.numpy(), rtol=1e-12)
 
 
-@pytest.mark.parametrize("engine", ["dual_vg", "laplace"])
+@pytest.mark.parametrize("engine", ["dual_vg", "laplace", "convex_relaxation"])
 def test_gaussian_ar_loop_gives_the_exact_conjugate_posterior_and_marginal_likelihood(engine):
     """Normal likelihood: the posterior and ``log p(y)`` in closed form with dense NumPy (``Q + I / noise^2``, and
     ``N(y | m0, Q^{-1} + noise^2 I)``)."""
@@ -194,10 +194,10 @@ def test_a_2000_step_loop_stores_o_of_t_entries_and_fits_in_the_banded_form():
     T = 2000
     y = _data(T, "bernoulli")
     lgm = pcv.lgm_from_pyro(ar_loop, T, y=y)
-    assert lgm.chain is None and not lgm.imputed
     stored = sum(_stored_entries(p.prec) + _stored_entries(p.cov) + p.size for p in lgm.priors)
     stored += sum(_stored_entries(g.design) + g.offset.numel() for g in lgm.sites)
     assert stored <= 6 * T, stored  # 3T - 2 precision, T means, T design entries, T offsets
+    assert lgm.chain is None and not lgm.imputed  # (nothing stored in a chain's maps either)
     res = pcv.fit(lgm, engine="dual_vg", progress=False)
     ref = pcv.fit(ar_gmrf, T, y=y, engine="dual_vg", progress=False)
     assert res.info["form"] == ref.info["form"] == "banded" and res.converged
@@ -334,3 +334,29 @@ def test_a_laplace_root_of_a_long_chain_keeps_the_innovation_form():
 
     lgm = pcv.lgm_from_pyro(model, y=y)
     assert lgm.chain is not None and lgm.priors[0].flat and len(lgm.priors) == T + 1
+
+
+def test_a_hyper_latent_innovation_scale_integrates_to_the_innovation_forms_answer(monkeypatch):
+    """``s ~ HalfNormal`` on the loop's innovation scale (a hyper-latent, one extraction per design point, each
+    rebuilding the joint prior block): the mixture posterior and the hyper-marginal equal those of the innovation
+    form to rounding."""
+    T = 30
+
+    def model(y=None):
+        s = pyro.sample("s", dist.HalfNormal(torch.tensor(1.0, dtype=D)))
+        h = pyro.sample("h_0", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        hs = [h]
+        for t in pyro.markov(range(1, T)):
+            h = pyro.sample(f"h_{t}", dist.Normal(PHI * h, s))
+            hs.append(h)
+        pyro.sample("y", dist.Normal(torch.stack(hs), NOISE).to_event(1), obs=y)
+
+    y = torch.randn(T, generator=torch.Generator().manual_seed(0), dtype=D)
+    new = pcv.fit(model, y=y, engine="dual_vg", progress=False)
+    monkeypatch.setattr(chains, "FILL_FACTOR", math.inf)
+    old = pcv.fit(model, y=y, engine="dual_vg", progress=False)
+    np.testing.assert_allclose(new.posterior.loc.numpy(), old.posterior.loc.numpy(), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(new.posterior.variance.numpy(), old.posterior.variance.numpy(), rtol=1e-12)
+    m1, m2 = new.hyper["marginals"]["s"], old.hyper["marginals"]["s"]
+    assert float(m1["mean"]) == pytest.approx(float(m2["mean"]), rel=1e-12)
+    assert float(m1["sd"]) == pytest.approx(float(m2["sd"]), rel=1e-10)
