@@ -9,7 +9,15 @@ in two variants: ``loop`` (``T`` scalar sample sites in a ``pyro.markov`` loop, 
 Gaussian chain of :mod:`pyro_convexvb.lgm.chains`, whose map ``(I - A)^{-1}`` is dense lower-triangular, ``T (T + 1)
 / 2`` nonzeros, and whose extraction probes the predictor through a graph of ``T`` sites) and ``gmrf`` (one
 ``SparseGMRF`` site with the tridiagonal precision ``Q = (I - A)^T S^{-1} (I - A)`` of the same prior, sparse at
-any length). Per case a fresh process (``peak_rss_in_subprocess``): extraction and fit seconds, the storage form
+any length). Since the chain fills in, the extraction now takes the ``loop`` variant in the model's coordinates as
+one prior block of that same sparse ``Q`` (the ``SparseGMRF`` representation; designs stay the identity), so from
+``T = 1000`` on (below, the extraction stores the predictor's identity Jacobian densely, as for any model of fewer
+than ``PROBE_MIN_LATENTS`` latents, and ``dual_vg`` may pick another form) both variants reach ``dual_vg`` as the
+same latent Gaussian model and differ in extraction only; the results stored in
+``benchmarks/results/ar_loop.json`` and docs/benchmarks.md were measured before, when the loop was taken in the
+innovation form ``u = (I - A) x`` with designs ``(I - A)^{-1}``.
+
+Per case a fresh process (``peak_rss_in_subprocess``): extraction and fit seconds, the storage form
 ``dual_vg`` chose, the peak resident memory over the process's baseline after imports, convergence; and the largest
 gap between the two variants' posterior means and sds (in posterior sds), which are the same model.
 

@@ -7,14 +7,37 @@ A Pyro model that writes ``mu ~ N(m0, s0)``, ``alpha_j ~ N(mu, sigma)`` (a centr
 
 ``A`` strictly block-lower-triangular in trace order (a site's mean reads only sites sampled before it,
 and ``A`` has as many nonzeros as the means read). The joint prior is Gaussian with the sparse precision
-``Q = (I - A)^T S^{-1} (I - A)`` (Rue & Held 2005, §2.1.1 for the AR(1) case; Papaspiliopoulos et al. 2007 for
-centred and non-centred parametrisations). The extraction keeps it in the factored form: the latent
-vector ``u`` of the :class:`~pyro_convexvb.LatentGaussianModel` holds ``u = (I - A) x`` (the innovation plus
-the constant part of the mean, a block-diagonal prior ``N(b, S)``) and every design becomes
-``B (I - A)^{-1}``, a sparse product (``(I - A)^{-1} = I + A + A^2 + ...``, a finite sum since ``A`` is
-nilpotent; one term for a one-level hierarchy). The change of variables has unit Jacobian, so the
-evidence and every Gaussian variational optimum are those of the centred model; the fitted posterior
-over ``u`` is mapped back to the model's sites by :meth:`AffineChain.to_model`.
+``Q = (I - A)^T S^{-1} (I - A)`` and mean ``(I - A)^{-1} b`` (Rue & Held 2005, §2.1.1 for the AR(1) case;
+Papaspiliopoulos et al. 2007 for centred and non-centred parametrisations). The extraction represents each
+connected component of the chain (the sites linked by the entries of ``A``) in one of two exact forms, chosen
+structurally by the fill-in of ``(I - A)^{-1}`` (:func:`filling_components`, :data:`FILL_FACTOR`):
+
+* **Innovation form** (components that do not fill in: one-level hierarchies, where ``(I - A)^{-1} = I + A`` has
+  the nonzeros of ``I - A``, and shallow hierarchies). The latent vector ``u`` of the
+  :class:`~pyro_convexvb.LatentGaussianModel` holds ``u = (I - A) x`` (the innovation plus the constant part of
+  the mean, a block-diagonal prior ``N(b, S)``) and every design becomes ``B (I - A)^{-1}``, a sparse product
+  (``(I - A)^{-1} = I + A + A^2 + ...``, a finite sum since ``A`` is nilpotent). The change of variables has unit
+  Jacobian, so the evidence and every Gaussian variational optimum are those of the centred model; the fitted
+  posterior over ``u`` is mapped back to the model's sites by :meth:`AffineChain.to_model`.
+* **Model coordinates** (components that fill in: an AR loop of ``T`` scalar sites, whose ``(I - A)^{-1}`` is
+  dense lower-triangular, ``T (T + 1) / 2`` nonzeros against ``2 T - 1``). ``u`` holds the model's sites ``x``
+  themselves; the run of blocks from the component's first site to its last is one prior block with the
+  sparse precision ``Q`` above, the mean ``(I - A)^{-1} b`` by a sparse triangular solve and
+  ``log |Q^{-1}| = log |S|`` (:func:`joint_prior`): the representation of a ``SparseGMRF`` site, which the
+  engines use as they use one (``dual_vg`` takes its banded or sparse latent form). Designs stay ``B``. Every
+  stored object has ``O(nnz(A) + n)`` entries, as for the same prior written as one ``SparseGMRF``
+  (:func:`model_coordinate_spans`). Posteriors are over the model's sites already: no map back.
+
+Both forms give the same evidence and posteriors (to rounding): they are the same Gaussian prior, parametrised
+with unit Jacobian. Cases that keep the innovation form even where it fills in (correct, with its
+``O(nnz((I - A)^{-1}))`` designs), as :func:`model_coordinate_spans` and the extraction decide:
+
+* a component whose run of blocks holds an intrinsic ``SparseGMRF`` (``constraints=``: its ``u``-part is the
+  constrained coordinates ``w`` with ``x = loc + phi(Pi w)``, and its pivot coordinates are ``dummy`` coordinates
+  the model does not read), a flat block (a Laplace prior, turned into sites) or a block without an explicit
+  precision;
+* extractions that keep the autograd graph to the model's params (``keep_graph``: type-II gradients), whose
+  prior blocks carry that graph while the joint precision is assembled in SciPy.
 """
 import numpy as np
 import scipy.sparse as sp
@@ -22,6 +45,7 @@ import torch
 
 from ..errors import UnsupportedModelError
 from ..linalg.operators import (
+    BlockDiagonalOperator,
     ComposedOperator,
     DenseOperator,
     DiagonalOperator,
@@ -59,6 +83,11 @@ def _scipy_csr(op):
         if any(p is None for p in parts):
             return None
         return sum(c * p for c, p in zip(op.coefficients, parts)).tocsr()
+    if isinstance(op, BlockDiagonalOperator):  # e.g. the precisions of a plate of MultivariateNormal sites
+        parts = [_scipy_csr(o) for o in op.operators]
+        if any(p is None for p in parts):
+            return None
+        return sp.block_diag(parts, format="csr")
     if isinstance(op, StackedOperator):  # e.g. a precision factor [R_Q; W^{1/2} B] of the relaxation
         parts = [_scipy_csr(o) for o in op.operators]
         if any(p is None for p in parts):
@@ -275,6 +304,171 @@ class AffineChain:
             d = torch.as_tensor(self.dummy, device=C.device)
             C = C + torch.diag(d.to(C.dtype))
         return GaussianPosterior(mean, covariance=C, layout=posterior.layout if layout is None else layout)
+
+
+#: the innovation form ``u = (I - A) x`` is kept for a component of the chain while ``(I - A)^{-1}`` has at most this
+#: many times the structural nonzeros of ``I - A`` there (a one-level hierarchy has exactly as many, a hierarchy of
+#: depth ``d`` fewer than ``d`` times as many); a component above it (an AR loop of ``T`` steps: ``T (T + 1) / 2``
+#: against ``2 T - 1``) is extracted in the model's coordinates with its joint sparse precision
+#: (:func:`model_coordinate_spans`, :func:`joint_prior`)
+FILL_FACTOR = 4
+
+
+def _block_components(A, starts):
+    """``(block component (nb,), coordinate component (n,), ncomp)`` of the graph whose nodes are the layout's blocks
+    (``starts``: ``(nb + 1,)`` block boundaries) and whose edges are the entries of ``A``."""
+    from scipy.sparse.csgraph import connected_components
+
+    n, nb = A.shape[0], len(starts) - 1
+    block_of = np.repeat(np.arange(nb), np.diff(starts))
+    coo = A.tocoo()
+    G = sp.coo_matrix((np.ones(coo.nnz), (block_of[coo.row], block_of[coo.col])), shape=(nb, nb))
+    ncomp, comp = connected_components(G, directed=False)
+    return comp, comp[block_of] if n else np.zeros(0, np.int64), ncomp
+
+
+def filling_components(A, coord_comp, ncomp, factor=None):
+    """Boolean ``(ncomp,)``: the components whose ``(I - A)^{-1}`` has more than ``factor`` (default
+    :data:`FILL_FACTOR`) times the structural nonzeros of ``I - A`` on their rows.
+
+    Structural: the pattern of ``(I - A)^{-1} = I + A + A^2 + ...`` (``A`` nilpotent) is the union of the patterns
+    of ``|A|^k`` (a path of length ``k`` in the graph of the means), accumulated power by power and per component
+    until the component passes its budget; a component that does is dropped from the next powers, so the count
+    never stores more than ``factor`` times ``nnz(I - A)`` entries (no ``T^2`` object for an AR loop of ``T``
+    steps).
+
+    :param A: SciPy sparse ``(n, n)`` strictly lower-triangular.
+    :param coord_comp: ``(n,)`` component of each coordinate (rows and columns of an entry share it).
+    :returns: boolean ``(ncomp,)``.
+    """
+    factor = FILL_FACTOR if factor is None else factor
+    n = A.shape[0]
+    absA = abs(sp.csr_matrix(A))
+    absA.eliminate_zeros()
+    base = np.bincount(coord_comp, minlength=ncomp) + np.bincount(coord_comp[absA.tocoo().row], minlength=ncomp)
+    budget = factor * base
+    over = np.zeros(ncomp, dtype=bool)
+    pattern = sp.identity(n, format="csr")
+    term = pattern.copy()
+    for _ in range(n + 1):
+        term = (absA @ term).tocsr()
+        term.eliminate_zeros()
+        if term.nnz == 0:
+            break
+        pattern = (pattern + term).tocsr()
+        counts = np.bincount(coord_comp[pattern.tocoo().row], minlength=ncomp)
+        new = (counts > budget) & ~over
+        if new.any():
+            over |= new
+            keep = sp.diags((~over[coord_comp]).astype(np.float64))
+            term, pattern = (keep @ term).tocsr(), (keep @ pattern).tocsr()
+            term.eliminate_zeros()
+            pattern.eliminate_zeros()
+    return over
+
+
+def model_coordinate_spans(A, starts, excluded, factor=None):
+    """The runs of layout blocks ``[(first, stop)]`` whose chain is extracted in the model's coordinates ``x``.
+
+    The components of the chain (blocks linked by the entries of ``A``) that fill in
+    (:func:`filling_components`) are taken with every block between their first and last block: a run must be
+    contiguous in ``u`` to be one prior block. A component of the chain inside a run joins it (the model
+    coordinates are exact for any chain; a one-level hierarchy alone keeps the innovation form). A run holding an
+    ``excluded`` block (a flat block, whose prior is sites; an intrinsic GMRF, whose ``u``-part is its constrained
+    coordinates; a prior without an explicit precision) keeps the innovation form for its components.
+
+    :param A: SciPy sparse ``(n, n)`` strictly lower-triangular.
+    :param starts: ``(nb + 1,)`` block boundaries in ``u``.
+    :param excluded: boolean ``(nb,)``, blocks that cannot be part of a joint prior block.
+    :returns: ``list`` of ``(first block, stop block)``, in order, disjoint.
+    """
+    starts = np.asarray(starts)
+    comp, coord_comp, ncomp = _block_components(A, starts)
+    fill = filling_components(A, coord_comp, ncomp, factor)
+    if not fill.any():
+        return []
+    in_chain = np.zeros(ncomp, dtype=bool)
+    in_chain[coord_comp[A.tocoo().row]] = True
+    first = np.full(ncomp, len(comp))
+    last = np.full(ncomp, -1)
+    np.minimum.at(first, comp, np.arange(len(comp)))
+    np.maximum.at(last, comp, np.arange(len(comp)))
+    banned = np.zeros(ncomp, dtype=bool)
+    while True:
+        chosen = fill & ~banned
+        while True:
+            spans = _merged_runs([(first[c], last[c] + 1) for c in np.flatnonzero(chosen)])
+            inside = np.zeros(ncomp, dtype=bool)
+            for a, b in spans:
+                inside[comp[a:b]] = True
+            grow = inside & in_chain & ~chosen
+            if not grow.any():
+                break
+            chosen |= grow
+        bad = [(a, b) for a, b in spans if excluded[a:b].any()]
+        if not bad:
+            return spans
+        for a, b in bad:
+            banned[comp[a:b]] = True
+
+
+def joins_a_joint_prior(prior):
+    """Whether a :class:`~pyro_convexvb.lgm.model.PriorBlock` can be part of a :func:`joint_prior`: Gaussian, with an
+    explicit precision (diagonal, sparse, dense, or block-diagonal of those) and its ``log |Sigma|``."""
+    def explicit(op):
+        if isinstance(op, BlockDiagonalOperator):
+            return all(explicit(o) for o in op.operators)
+        return isinstance(op, (DiagonalOperator, SparseOperator, DenseOperator))
+
+    return not prior.flat and prior.prec is not None and prior.logdet_cov is not None and explicit(prior.prec)
+
+
+def _merged_runs(runs):
+    """Overlapping half-open runs ``[(a, b)]`` merged, in order."""
+    out = []
+    for a, b in sorted(runs):
+        if out and a < out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def joint_prior(A, priors, start, name, dtype, device):
+    r"""The joint Gaussian prior, over the model's coordinates ``x``, of a run of blocks of an affine Gaussian chain:
+    the representation of a ``SparseGMRF`` site (a :class:`~pyro_convexvb.lgm.model.PriorBlock` with a sparse
+    precision and ``log |Sigma|``).
+
+    With ``v = (I - A) x ~ N(b, P^{-1})`` (``b`` and ``P`` the blocks' means and precisions: the constant part and
+    the innovation precision of a child, the prior of a root), ``x`` has precision
+    ``Q = (I - A)^T P (I - A)``, mean ``(I - A)^{-1} b`` (a sparse triangular solve) and, since
+    ``det(I - A) = 1``, ``log |Q^{-1}| = log |P^{-1}|`` (Rue & Held 2005, §2.1.1 and §2.3).
+
+    :param A: SciPy sparse ``(n, n)``; the rows of the run read only columns of the run.
+    :param list priors: the :class:`~pyro_convexvb.lgm.model.PriorBlock` of each block of the run (each with an
+        explicit precision and ``logdet_cov``).
+    :param int start: the run's first coordinate in ``u``.
+    :param str name: the prior block's name.
+    :returns: a :class:`~pyro_convexvb.lgm.model.PriorBlock` of size ``sum(p.size for p in priors)``.
+    """
+    from scipy.sparse.linalg import spsolve_triangular
+
+    from .model import PriorBlock
+
+    m = sum(p.size for p in priors)
+    rows = sp.csr_matrix(A)[start:start + m]
+    if rows[:, :start].nnz or rows[:, start + m:].nnz:
+        raise ValueError(f"joint_prior: the rows of '{name}' read latents outside it")
+    Ts = (sp.identity(m, format="csr") - rows[:, start:start + m]).tocsr()
+    P = sp.block_diag([_scipy_csr(p.prec) for p in priors], format="csr")
+    b = np.concatenate([p.loc.detach().cpu().double().numpy() for p in priors])
+    Q = (Ts.T @ P @ Ts).tocsr()
+    Q = (0.5 * (Q + Q.T)).tocsr()
+    Q.eliminate_zeros()
+    mean = spsolve_triangular(Ts, b, lower=True) if Ts.nnz > m else b
+    logdet = float(sum(p.logdet_cov for p in priors))
+    return PriorBlock(name, torch.as_tensor(mean, dtype=dtype).to(device),
+                      prec=SparseOperator(_torch_csr(Q, dtype, device)), logdet_cov=logdet)
 
 
 #: largest block of latents that :func:`probe_sparse_jacobian` probes one coordinate at a time (larger blocks are

@@ -785,8 +785,9 @@ def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
     MultivariateNormal, SparseGMRF (intrinsic ones with ``constraints`` included) or Laplace priors (a Laplace
     prior becomes Laplace sites on the block, Nickisch & Seeger 2009 §2); the mean of a Normal,
     MultivariateNormal or SparseGMRF may be affine in other latent Gaussian sites (an affine Gaussian chain:
-    centred hierarchies, AR loops; :mod:`pyro_convexvb.lgm.chains`, then ``LatentGaussianModel.chain`` maps
-    ``u`` to the model's sites); observed sites Bernoulli(logits=... or
+    centred hierarchies, AR loops; :mod:`pyro_convexvb.lgm.chains`: hierarchies in the innovation form, where
+    ``LatentGaussianModel.chain`` maps ``u`` to the model's sites, chains that would fill in (an AR loop) as one
+    prior block of sparse precision over the sites themselves); observed sites Bernoulli(logits=... or
     probs=...; ``probs=Normal(loc, scale).cdf(eta)`` with fixed ``loc``, ``scale`` is a probit site of
     the predictor ``(eta - loc) / scale``), Poisson(rate=exp(...)) and Normal(loc=..., scale fixed) whose
     predictor is an affine function of the latents; plates, including subsampled ones (traced on the full data, so no
@@ -1416,19 +1417,45 @@ def _check_at_second_point(x, chain_names, imputed_names, read):
             raise UnsupportedModelError(name, f"the site's log density depends on the latent sites: {flat}")
 
 
-def _chain_of(n, chain_coo, intrinsic, chain_names, dtype, device, template=None):
-    """The :class:`~pyro_convexvb.lgm.chains.AffineChain` ``x = M u + c`` of the affine Gaussian chains and intrinsic
-    GMRFs, or ``None``; an extraction template's chain when its coefficients and intrinsic blocks are the same."""
+def _chain_of(x, priors, chain_coo, intrinsic, chain_names, template=None):
+    """``(chain, priors)``: the :class:`~pyro_convexvb.lgm.chains.AffineChain` ``x = M u + c`` of the affine Gaussian
+    chains and intrinsic GMRFs in the innovation form (or ``None``), and the prior blocks, where the runs of blocks
+    whose chain would fill in (:func:`~pyro_convexvb.lgm.chains.model_coordinate_spans`: an AR loop) are one prior
+    block over the model's coordinates (:func:`~pyro_convexvb.lgm.chains.joint_prior`) and leave the chain; an
+    extraction template's chain when its coefficients and intrinsic blocks are the same."""
     if not (chain_coo or intrinsic):
-        return None
+        return None, priors
     import numpy as np
     import scipy.sparse as sp
 
-    from .chains import AffineChain
+    from .chains import AffineChain, joins_a_joint_prior, joint_prior, model_coordinate_spans
 
+    n, dtype, device, blocks = x.n, x.dtype, x.device, x.layout.blocks
     coo = chain_coo or [(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))]
     rows, cols = np.concatenate([r for r, _, _ in coo]), np.concatenate([c for _, c, _ in coo])
     vals = np.concatenate([v for _, _, v in coo])
+    spans = []
+    if len(rows) and not x.keep_graph:  # (keep_graph: the prior blocks carry the graph of the params; see chains)
+        starts = np.array([b.start for b in blocks] + [n])
+        intrinsic_at = {e[0].start for e in intrinsic}
+        excluded = np.array([not joins_a_joint_prior(p) or b.start in intrinsic_at for p, b in zip(priors, blocks)])
+        spans = model_coordinate_spans(sp.coo_matrix((vals, (rows, cols)), shape=(n, n)), starts, excluded)
+    if spans:
+        A = sp.csr_matrix((vals, (rows, cols)), shape=(n, n))
+        merged, moved, pos = [], np.zeros(n, dtype=bool), 0
+        for a, b in spans:
+            merged += priors[pos:a]
+            name = blocks[a].name if b == a + 1 else f"{blocks[a].name}..{blocks[b - 1].name}"
+            merged.append(joint_prior(A, priors[a:b], blocks[a].start, name, dtype, device))
+            moved[blocks[a].start:blocks[b - 1].start + blocks[b - 1].size] = True
+            pos = b
+        priors = merged + priors[pos:]
+        keep = ~moved[rows]
+        rows, cols, vals = rows[keep], cols[keep], vals[keep]
+        inside = {bl.name for a, b in spans for bl in blocks[a:b]}
+        chain_names = [c for c in chain_names if c not in inside]
+        if not (len(rows) or intrinsic):
+            return None, priors
     children = chain_names or [e[3] for e in intrinsic]
 
     def build():
@@ -1436,10 +1463,10 @@ def _chain_of(n, chain_coo, intrinsic, chain_names, dtype, device, template=None
         return AffineChain(A, children, dtype=dtype, device=device, intrinsic=[e[:3] for e in intrinsic])
 
     if template is None:
-        return build()
+        return build(), priors
     signature = (n, tuple(children), str(dtype), str(device), rows, cols, vals,
                  tuple((e[0].start, e[0].stop, e[1], np.asarray(e[2])) for e in intrinsic))
-    return template.chain_for(signature, build)
+    return template.chain_for(signature, build), priors
 
 
 def _extract(model, args, kwargs, dtype, keep_graph):
@@ -1498,7 +1525,7 @@ def _extract(model, args, kwargs, dtype, keep_graph):
         if site["type"] == "sample" and not site["is_observed"] and not _is_subsample(site) \
                 and name not in full_layout.names:
             raise UnsupportedModelError(name, "latent site appeared only in some executions of the model")
-    chain = _chain_of(x.n, chain_coo, intrinsic, chain_names, dtype, device, template)
+    chain, priors = _chain_of(x, priors, chain_coo, intrinsic, chain_names, template)
     if chain is not None:
         for g in laplace_groups + groups:
             g.offset = chain.offset(g.design, g.offset)

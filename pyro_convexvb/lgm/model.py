@@ -141,7 +141,9 @@ class LatentGaussianModel:
     too large to trace (e.g. a sparse design with millions of rows).
 
     :param layout: how ``u`` splits into the model's latent sites.
-    :param priors: one :class:`PriorBlock` per layout block, in order.
+    :param priors: :class:`PriorBlock` s covering ``u`` in order: one per layout block, or one for a run of whole
+        blocks (an AR loop written as a loop of scalar sites, whose joint prior is one sparse precision:
+        :mod:`pyro_convexvb.lgm.chains`); :attr:`prior_slices` gives their coordinates.
     :param sites: the site groups.
     :param log_const: constant added to the log joint (factors of the Pyro model that do not
         depend on ``u``), so that bounds refer to ``log p(y)`` of the model as written.
@@ -168,8 +170,9 @@ class LatentGaussianModel:
     imputed: List[ImputedBlock] = field(default_factory=list)
     model_layout: Optional[LatentLayout] = None
     #: an :class:`~pyro_convexvb.lgm.chains.AffineChain` when ``u = (I - A) x`` holds the innovations of affine
-    #: Gaussian chains (centred hierarchies, AR loops) rather than the model's sites ``x`` (then the imputed
-    #: blocks' designs act on ``x``); :meth:`complete_posterior` maps a posterior back
+    #: Gaussian chains (centred hierarchies) rather than the model's sites ``x`` (then the imputed blocks' designs
+    #: act on ``x``); :meth:`complete_posterior` maps a posterior back. Chains that would fill in (AR loops) are
+    #: over ``x`` as one prior block of sparse precision, outside ``chain`` (:mod:`pyro_convexvb.lgm.chains`)
     chain: Optional[object] = None
 
     def __post_init__(self):
@@ -184,13 +187,18 @@ class LatentGaussianModel:
                 raise ValueError(f"imputed block '{b.name}': design has {b.design.shape[1]} columns, latent has {self.n}")
             if b.offset.shape != (b.size,) or b.scale.shape != (b.size,) or self.model_layout[b.name].size != b.size:
                 raise ValueError(f"imputed block '{b.name}': design, offset, scale and layout sizes differ")
-        if len(self.priors) != len(self.layout.blocks):
-            raise ValueError("one PriorBlock per latent block is required")
-        for p, b in zip(self.priors, self.layout.blocks):
-            if p.size != b.size:
-                raise ValueError(f"prior of '{b.name}' has size {p.size}, block has {b.size}")
+        bounds = {b.start for b in self.layout.blocks} | {self.n}
+        pos = 0
+        for p in self.priors:
+            if pos + p.size not in bounds:
+                raise ValueError(f"prior of '{p.name}' has size {p.size}: it ends at coordinate {pos + p.size}, "
+                                 "inside a latent block (a PriorBlock covers one latent block, or a run of whole "
+                                 "blocks)")
             if not p.flat and p.cov is None and p.prec is None:
-                raise ValueError(f"prior of '{b.name}' needs a covariance or a precision")
+                raise ValueError(f"prior of '{p.name}' needs a covariance or a precision")
+            pos += p.size
+        if pos != self.n:
+            raise ValueError(f"the prior blocks cover {pos} coordinates, the latent blocks {self.n}")
         for g in self.sites:
             if g.design.shape[1] != self.n:
                 raise ValueError(f"site group '{g.name}': design has {g.design.shape[1]} columns, latent has {self.n}")
@@ -234,6 +242,15 @@ class LatentGaussianModel:
     @property
     def device(self):
         return self.priors[0].loc.device
+
+    @property
+    def prior_slices(self):
+        """The slice of ``u`` of each prior block (one per entry of :attr:`priors`, in order)."""
+        out, pos = [], 0
+        for p in self.priors:
+            out.append(slice(pos, pos + p.size))
+            pos += p.size
+        return out
 
     @property
     def prior_loc(self):
@@ -385,10 +402,10 @@ class LatentGaussianModel:
     def log_prior(self, u):
         """``log N(u | mu, Sigma)`` over non-flat blocks, for ``u`` of shape ``(n,)``."""
         total = u.new_zeros(())
-        for p, b in zip(self.priors, self.layout.blocks):
+        for p, sl in zip(self.priors, self.prior_slices):
             if p.flat:
                 continue
-            r = u[b.slice] - p.loc
+            r = u[sl] - p.loc
             if p.prec is not None:
                 quad = r @ p.prec.mv(r)
             else:
@@ -443,16 +460,16 @@ class LatentGaussianModel:
     def expected_log_prior(self, loc, cov=None, *, variance=None):
         """``E_q[log N(u | mu, Sigma)]`` over the non-flat prior blocks (normalising constants included)."""
         e_prior = loc.new_zeros(())
-        for p, b in zip(self.priors, self.layout.blocks):
+        for p, sl in zip(self.priors, self.prior_slices):
             if p.flat:
                 continue
-            r = loc[b.slice] - p.loc
+            r = loc[sl] - p.loc
             if variance is not None:
                 quad = r @ (p.prec.mv(r) if p.prec is not None else self._block_precision(p) @ r)
-                tr = (self._block_precision_diagonal(p) * variance[b.slice]).sum()
+                tr = (self._block_precision_diagonal(p) * variance[sl]).sum()
             else:
                 P = self._block_precision(p)
-                quad, tr = r @ P @ r, (P * cov[b.slice, b.slice]).sum()
+                quad, tr = r @ P @ r, (P * cov[sl, sl]).sum()
             e_prior = e_prior - 0.5 * (quad + tr + p.size * math.log(2 * math.pi))
         return e_prior - 0.5 * self.prior_logdet_cov()
 

@@ -186,7 +186,7 @@ class RelaxationProblem:
                                 "(e.g. a Laplace prior's sites): use a Gaussian prior, or fit on one process")
         # ---- Gaussian prior blocks
         self.prior_blocks = []  # (slice, precision operator, loc)
-        for p, b in zip(lgm.priors, lgm.layout.blocks):
+        for p, sl in zip(lgm.priors, lgm.prior_slices):
             if p.flat:
                 continue
             if p.prec is not None:
@@ -204,7 +204,7 @@ class RelaxationProblem:
                         f"fails at pivot {int(info)} of {p.size}), e.g. a kernel matrix of repeated or very close "
                         "inputs; add jitter to its diagonal (GPClassifier(jitter=...)) or give the prior a precision")
                 prec = DenseOperator(torch.cholesky_inverse(L))
-            self.prior_blocks.append((b.slice, _Counted(prec, self.counts, "prior"), p.loc))
+            self.prior_blocks.append((sl, _Counted(prec, self.counts, "prior"), p.loc))
         # ---- Gaussian observation groups
         self.gauss = []
         for g in lgm.gaussian_groups:
@@ -522,9 +522,9 @@ class RelaxationProblem:
 
     def _covariance_scan(self):
         out, pos = [], 0
-        for p, b in zip(self.lgm.priors, self.lgm.layout.blocks):
-            if b.slice.start != pos:
-                return None, f"latent coordinates {pos}..{b.slice.start - 1} have no prior block"
+        for p, sl in zip(self.lgm.priors, self.lgm.prior_slices):
+            if sl.start != pos:
+                return None, f"latent coordinates {pos}..{sl.start - 1} have no prior block"
             if p.flat:
                 return None, (f"site '{p.name}' has no Gaussian prior of its own (a flat block, e.g. a Laplace prior "
                               "turned into sites)")
@@ -534,8 +534,8 @@ class RelaxationProblem:
             if dense and p.size > DENSE_BLOCK_LIMIT:
                 return None, (f"the dense prior covariance of site '{p.name}' has {p.size} coordinates, more than "
                               f"the {DENSE_BLOCK_LIMIT} factorised densely")
-            out.append((b.slice, p.cov, dense))
-            pos = b.slice.stop
+            out.append((sl, p.cov, dense))
+            pos = sl.stop
         if pos != self.n:
             return None, f"latent coordinates {pos}..{self.n - 1} have no prior block"
         return out, None
