@@ -156,11 +156,13 @@ def reference_probs(K, K_cross, k_diag, f_samples, num_points=32):
 
 
 def _predictive_probs(posterior, K, K_cross, k_diag):
+    """``p(y* = 1 | y)`` ``(m,)``: the logistic link's expectation under the latent predictive, averaged over the
+    components of a mixture posterior (the moment-matched Gaussian of a mixture has other probabilities)."""
+    from .estimator_base import mixture_log_probs
     from .gp.predict import gp_latent_predictive
-    from .lgm.sites import gaussian_expectation
 
-    mean, var = gp_latent_predictive(K, K_cross, k_diag, posterior)
-    return gaussian_expectation(torch.sigmoid, mean, var, 64).clamp(1e-12, 1 - 1e-12)
+    mean, var = gp_latent_predictive(K, K_cross, k_diag, posterior, components=True)
+    return mixture_log_probs(mean, var, 64)[1].exp().clamp(1e-12, 1 - 1e-12)
 
 
 def run_demo(dataset="ionosphere", engines=None, lengthscale=4.0, outputscale=4.0, out=None, progress=True,
