@@ -460,7 +460,10 @@ def joint_prior(A, priors, start, name, dtype, device):
     if rows[:, :start].nnz or rows[:, start + m:].nnz:
         raise ValueError(f"joint_prior: the rows of '{name}' read latents outside it")
     Ts = (sp.identity(m, format="csr") - rows[:, start:start + m]).tocsr()
-    P = sp.block_diag([_scipy_csr(p.prec) for p in priors], format="csr")
+    if all(type(p.prec) is DiagonalOperator for p in priors):  # scalar or Normal sites (an AR loop): one diagonal
+        P = sp.diags(np.concatenate([p.prec.diag.detach().cpu().numpy().reshape(-1) for p in priors])).tocsr()
+    else:
+        P = sp.block_diag([_scipy_csr(p.prec) for p in priors], format="csr")
     b = np.concatenate([p.loc.detach().cpu().double().numpy() for p in priors])
     Q = (Ts.T @ P @ Ts).tocsr()
     Q = (0.5 * (Q + Q.T)).tocsr()
@@ -572,6 +575,52 @@ def probe_sparse_jacobian(jvp, slices, q, n, dtype, device=None, jvp_many=None):
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
     return (torch.cat(rows).numpy().astype(np.int64), torch.cat(cols).numpy().astype(np.int64),
             torch.cat(vals).to(torch.float64).numpy())
+
+
+#: moduli ``K`` tried in turn by :func:`probe_by_residues` (a row may read at most one coordinate of each residue
+#: class ``j mod K``: ``K = 1`` one coordinate per row, ``K = 2`` two neighbours, ``K = 8`` a window of eight)
+PROBE_MODULI = (1, 2, 4, 8)
+
+
+def probe_by_residues(jvp, q, n, dtype, device=None, moduli=PROBE_MODULI):
+    r"""The sparse Jacobian ``(rows, cols, vals)`` of a linear map ``v -> J v`` (``q x n``) from ``O(K)`` products,
+    whatever the latent blocks, when every row reads at most one coordinate of each residue class ``j mod K`` for
+    some ``K`` of ``moduli`` (its nonzeros lie within ``K`` consecutive coordinates: the one parent of an AR(1) mean or
+    of a hierarchy's intercept, ``h_{t-1}`` and ``h_{t-2}`` of an AR(2) mean, a predictor ``x_t`` read from a loop of
+    ``T`` scalar sites); else ``None``.
+
+    For each ``K`` in turn, the coordinates are permuted so that each residue class is contiguous and the map is
+    probed by :func:`probe_sparse_jacobian` with one column block per class: a class of more than
+    :data:`PROBE_COLUMNS` coordinates is decoded as one nonzero per row with its exact checks, which reject the
+    grouping when a row reads two coordinates of one class (then the next ``K`` is tried). This is the column
+    compression of Curtis, Powell & Reid (1974) with the coloring ``j mod K``, which is valid for banded rows; it
+    costs ``4 K`` products per ``K`` tried (one per class that tells whether the map reads it, three to decode it),
+    against one per latent block for per-block probing, and gives the same values (each nonzero is one product
+    term). Moduli whose classes would have :data:`PROBE_COLUMNS`
+    coordinates or fewer are skipped, but ``K = 1``, which is then probed coordinate by coordinate (exact for any
+    structure).
+
+    :param jvp: ``v (n,) -> J v (q,)`` (torch tensors).
+    :param moduli: the ``K`` to try, in order.
+    :returns: ``(rows, cols, vals)`` NumPy arrays (int64, int64, float64), or ``None``.
+    """
+    for K in moduli:
+        if K > 1 and n // K <= PROBE_COLUMNS:
+            break
+        perm = torch.cat([torch.arange(r, n, K, device=device) for r in range(K)])
+        bounds = np.cumsum([0] + [len(range(r, n, K)) for r in range(K)])
+        slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+        def permuted(v, perm=perm):
+            w = torch.zeros_like(v)
+            w[perm] = v  # v's k-th entry is coordinate perm[k]
+            return jvp(w)
+
+        got = probe_sparse_jacobian(permuted if K > 1 else jvp, slices, q, n, dtype, device)
+        if got is not None:
+            r, c, v = got
+            return r, (perm.cpu().numpy()[c] if K > 1 else c), v
+    return None
 
 
 def chain_jacobian(name, loc, u0, parents, dtype):

@@ -46,6 +46,10 @@ PROBE_MAX_DENSITY = 0.1
 #: Jacobian products from this many on are computed in vectorised batches (one backward pass per batch; below it
 #: the first such pass's one-off set-up, about half a second, would cost more than it saves)
 BATCHED_PRODUCTS_FROM = 200
+#: a predictor of a model with at least this many latent blocks (a loop of scalar sites) is first probed by residue
+#: classes of its coordinates (:func:`~pyro_convexvb.lgm.chains.probe_by_residues`: a few products through the
+#: model's graph instead of one per block, each of which walks the whole graph), for its sparse or its dense design
+RESIDUE_PROBE_FROM_BLOCKS = 200
 
 _AFFINE_RTOL = 1e-7
 
@@ -551,12 +555,24 @@ class _AutogradJacobian:
 
     Products are differentiated as scalars ``(eta * r).sum()``: ``torch.autograd.grad`` with explicit
     ``grad_outputs`` imports torch's symbolic-shape machinery (and sympy) on first use, about half a
-    second of the first fit in a process."""
+    second of the first fit in a process.
 
-    def __init__(self, eta, u):
+    ``parts`` (optional): the tensors the model read as its latent sites, views of ``u`` whose flattened
+    concatenation is ``u`` (:meth:`_Extraction.parts`). The forward products then differentiate ``eta`` with respect
+    to them instead of ``u``: the same values (the views only place entries), without the graph's every read of a
+    site writing a ``u``-sized gradient (``O(T)`` work per site read, so ``O(T^2)`` per product, for a loop of ``T``
+    scalar sites)."""
+
+    def __init__(self, eta, u, parts=None):
         self.eta, self.u = eta, u
         self.w = torch.zeros_like(eta, requires_grad=True)
-        g = torch.autograd.grad((eta * self.w).sum(), u, create_graph=True, allow_unused=True)[0]
+        if parts is None:
+            g = torch.autograd.grad((eta * self.w).sum(), u, create_graph=True, allow_unused=True)[0]
+        else:
+            gs = torch.autograd.grad((eta * self.w).sum(), parts, create_graph=True, allow_unused=True)
+            g = None if all(gi is None for gi in gs) else torch.cat(
+                [torch.zeros(p.numel(), dtype=u.dtype, device=u.device) if gi is None else gi.reshape(-1)
+                 for p, gi in zip(parts, gs)])
         self.g = torch.zeros_like(u) if g is None else g
 
     def vjp(self, r):
@@ -670,8 +686,10 @@ def _probed_operator(jac, layout, q, n, dtype, device):
 
     from .chains import _torch_csr, probe_sparse_jacobian
 
-    many = jac.jvp_many if len(layout.blocks) >= BATCHED_PRODUCTS_FROM else None
-    got = probe_sparse_jacobian(jac.jvp, [b.slice for b in layout.blocks], q, n, dtype, device, jvp_many=many)
+    got = _residue_probe(jac, layout, q, n, dtype, device)
+    if got is None:
+        many = jac.jvp_many if len(layout.blocks) >= BATCHED_PRODUCTS_FROM else None
+        got = probe_sparse_jacobian(jac.jvp, [b.slice for b in layout.blocks], q, n, dtype, device, jvp_many=many)
     if got is None or len(got[0]) > PROBE_MAX_DENSITY * q * n:
         return None
     r, c, v = got
@@ -681,15 +699,33 @@ def _probed_operator(jac, layout, q, n, dtype, device):
     return SparseOperator(_torch_csr(M, dtype, device))
 
 
-def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype, rows=None, keep_graph=False):
+def _residue_probe(jac, layout, q, n, dtype, device):
+    """``(rows, cols, vals)`` of the predictor's Jacobian by :func:`~pyro_convexvb.lgm.chains.probe_by_residues` when
+    the layout has at least :data:`RESIDUE_PROBE_FROM_BLOCKS` blocks (else, or when its structure is not banded,
+    ``None``)."""
+    import numpy as np
+
+    from .chains import probe_by_residues
+
+    if len(layout.blocks) < RESIDUE_PROBE_FROM_BLOCKS:
+        return None
+    got = probe_by_residues(jac.jvp, q, n, dtype, device)
+    if got is None or not np.isfinite(got[2]).all():
+        return None
+    return got
+
+
+def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype, rows=None, keep_graph=False,
+                     parts=None):
     """``(operator, offset, B u0)`` with ``eta(u) = operator @ u + offset`` on ``rows`` (all rows by default) and
     ``B u0`` the product of the map on all rows at ``u0`` (an extraction template's offsets follow from it).
 
     ``eta`` is the predictor at ``u0`` (with its autograd graph), ``eta1`` at ``u1``; raises if the
-    two points do not lie on one affine map.
+    two points do not lie on one affine map. ``parts``: the site values as views of ``u0``
+    (:class:`_AutogradJacobian`).
     """
     n = u0.shape[0]
-    jac = _AutogradJacobian(eta, u0)
+    jac = _AutogradJacobian(eta, u0, parts)
     du = (u1 - u0).detach()
     jdu = jac.jvp(du)
     e0, e1, jd = eta.detach(), eta1, jdu
@@ -710,8 +746,18 @@ def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype,
         q = eta.shape[0]
         sparse_worth = q * n > PROBE_MIN_ENTRIES or n >= PROBE_MIN_LATENTS
         op = _probed_operator(jac, layout, q, n, dtype, u0.device) if sparse_worth else None
+    if op is None and q * n <= DENSE_JACOBIAN_LIMIT:
+        # the entries jac.dense() takes by one forward product per column (n <= q), from a few such products
+        got = _residue_probe(jac, layout, q, n, dtype, u0.device) if n <= q else None
+        if got is not None:
+            dense = torch.zeros(q, n, dtype=dtype, device=u0.device)
+            r, c, v = (torch.as_tensor(a).to(u0.device) for a in got)
+            dense[r, c] = v.to(dtype)
+            op = DenseOperator(dense)
+        else:
+            op = DenseOperator(jac.dense())
     if op is None:
-        op = DenseOperator(jac.dense()) if q * n <= DENSE_JACOBIAN_LIMIT else jac.operator()
+        op = jac.operator()
     Bu0 = op.mv(u0.detach()).to(eta.dtype)
     offset = _d(eta - Bu0, keep_graph)
     if rows is not None:
@@ -1042,11 +1088,68 @@ def _reads_leaves_other_than(t, u):
     return False
 
 
-def _chain_prior(x, b, site):
+def _chain_batch(x, chain_names):
+    """``{child: (rows, cols, vals, J u0)}``: the mean coefficients of every child of the affine Gaussian chain at
+    once, or ``None`` (the children are then extracted one by one, by :func:`_chain_prior`, which names the site of
+    any refusal).
+
+    The children's means, stacked, are one linear map of ``u`` probed by
+    :func:`~pyro_convexvb.lgm.chains.probe_by_residues`: a few products through the model's graph, where one
+    gradient per child would cost ``O(T)`` products for a loop of ``T`` sites, each also ``O(T)``. The entries are
+    those of the per-child probing (each nonzero one product term); a mean that reads a site sampled after it, is not
+    finite or not affine (tested at the second point as per child), or a structure the residue classes do not
+    recover gives ``None``."""
+    import numpy as np
+
+    from .chains import probe_by_residues
+
+    if len(chain_names) < 2 or x.keep_graph:
+        return None
+    dtype, u0, layout = x.dtype, x.u0, x.layout
+    by_name = {b.name: b for b in layout.blocks}
+    u1, tr1, _, _ = x.second_trace()
+    locs, locs1 = [], []
+    for name in chain_names:
+        fn = x.tr.nodes[name]["fn"]
+        full = tuple(fn.batch_shape) + tuple(fn.event_shape)
+        locs.append(_unwrap(fn)[0].loc.expand(full).reshape(-1).to(dtype))
+        locs1.append(_unwrap(tr1.nodes[name]["fn"])[0].loc.expand(full).reshape(-1).detach().to(dtype))
+    sizes = np.array([t.shape[0] for t in locs])
+    if np.any(sizes != np.array([by_name[nm].size for nm in chain_names])) or not sizes.all():
+        return None
+    L, m = torch.cat(locs), int(sizes.sum())
+    got = probe_by_residues(_AutogradJacobian(L, u0, x.parts()).jvp, m, u0.shape[0], dtype, u0.device)
+    if got is None or not np.isfinite(got[2]).all():
+        return None
+    first = np.concatenate([[0], np.cumsum(sizes)])  # the children's first rows in L
+    child = np.repeat(np.arange(len(chain_names)), sizes)
+    starts = np.array([by_name[nm].start for nm in chain_names])
+    r, c, v = got
+    if (c >= starts[child[r]]).any():  # a mean reads a site sampled after it
+        return None
+    J = torch.sparse_coo_tensor(torch.stack([torch.as_tensor(r), torch.as_tensor(c)]), torch.as_tensor(v, dtype=dtype),
+                                (m, u0.shape[0])).coalesce().to(u0.device)
+    r, c = (a.cpu().numpy() for a in J.indices())
+    v = J.values().cpu().to(torch.float64).numpy()
+    e0, e1 = L.detach(), torch.cat(locs1)
+    pred = e0 + torch.sparse.mm(J, (u1 - u0).detach().unsqueeze(-1)).squeeze(-1)
+    tol = _AFFINE_RTOL if dtype == torch.float64 else 1e-3
+    err, ref1, ref0 = (np.maximum.reduceat(t.abs().cpu().numpy(), first[:-1])  # per child: the max over its rows
+                       for t in (pred - e1, e1, e0))
+    if not (np.isfinite(err).all() and (err <= tol * (1.0 + ref1 + ref0)).all()):
+        return None
+    Ju0 = torch.sparse.mm(J, u0.detach().unsqueeze(-1)).squeeze(-1)
+    lo = np.searchsorted(r, first)  # r is sorted (coalesced): each child's entries are one run
+    return {nm: (r[lo[k]:lo[k + 1]] - first[k], c[lo[k]:lo[k + 1]], v[lo[k]:lo[k + 1]], Ju0[first[k]:first[k + 1]])
+            for k, nm in enumerate(chain_names)}
+
+
+def _chain_prior(x, b, site, batch=None):
     """``(prior block, (rows, cols, vals))`` of a chain child ``b``: its prior ``N(b, S)`` on ``u_b = x_b - A_b x``
     and the coordinates of ``A_b`` (rows within the block, columns of ``u``); refuses a mean that is not affine.
     With an extraction template (:mod:`~pyro_convexvb.lgm.template`) whose coefficients the mean matches, they are
-    the template's."""
+    the template's; else those of ``batch`` (a callable giving :func:`_chain_batch`'s dict or ``None``) when it has
+    them."""
     from .chains import chain_jacobian
 
     dtype, device, keep_graph, u0, layout = x.dtype, x.device, x.keep_graph, x.u0, x.layout
@@ -1060,8 +1163,13 @@ def _chain_prior(x, b, site):
                     "and constant are extracted as constants, so gradients of the evidence with respect to those "
                     "params (keep_graph, learn_params) are not available; make the param a latent site, or fix it")
     hit = None if x.template is None else x.template.lookup("chain", b.name, loc, u0)
+    pre = None if hit is not None or batch is None else (batch() or {}).get(b.name)
     if hit is not None:
         (rows, cols, vals), Ju0 = hit.value, hit.Bu0
+    elif pre is not None:
+        rows, cols, vals, Ju0 = pre
+        if x.template is not None:
+            x.template.store("chain", b.name, loc, u0, None, (rows, cols, vals), Ju0)
     else:
         u1, tr1, _, _ = x.second_trace()
         loc1 = _unwrap(tr1.nodes[b.name]["fn"])[0].loc.expand(full).reshape(-1).detach().to(dtype)
@@ -1189,6 +1297,15 @@ class _Extraction:
         self.u0, self.layout, self.n = u0, layout, layout.size
         self.tr, self.records, self.vals = self.run_at(u0, layout)
 
+    def parts(self):
+        """The values the model read as its latent sites at ``u0``, in layout order (views of ``u0`` whose flattened
+        concatenation is ``u0``), or ``None`` when a site runs in another dtype than the extraction (its value is
+        then a converted copy, and products are taken with respect to ``u0``)."""
+        vals = [self.vals[b.name] for b in self.layout.blocks]
+        if any(v.dtype != self.dtype or not v.requires_grad for v in vals):
+            return None
+        return vals
+
     def second_trace(self):
         """``(u1, trace, records, values)`` at a second random point (drawn once, on first use), every coordinate of
         the sign opposite to ``u0``'s: a map with a kink at zero (``abs``, ``relu``, a clamp at 0) is affine on
@@ -1212,7 +1329,8 @@ class _Extraction:
         eta1 = eta1() if callable(eta1) else eta1
         u1 = self.second_trace()[0]
         op, offset, Bu0 = _affine_operator(name, eta, eta1, self.u0, u1, self.gen, self.records, self.layout,
-                                           self.vals, self.dtype, rows=rows, keep_graph=self.keep_graph)
+                                           self.vals, self.dtype, rows=rows, keep_graph=self.keep_graph,
+                                           parts=self.parts())
         if tpl is not None:
             tpl.store("site", name, eta, self.u0, rows, op, Bu0)
         return op, offset
@@ -1229,6 +1347,13 @@ def _prior_blocks(x, chain_names):
     and the intrinsic GMRFs."""
     dtype, device, keep_graph, n = x.dtype, x.device, x.keep_graph, x.n
     priors, laplace_groups, chain_coo, intrinsic = [], [], [], []
+    batched = []
+
+    def batch():  # every child's coefficients at once, computed when the first child needs them
+        if not batched:
+            batched.append(_chain_batch(x, chain_names))
+        return batched[0]
+
     for b in x.layout.blocks:
         site = x.tr.nodes[b.name]
         fn = site["fn"]
@@ -1247,7 +1372,7 @@ def _prior_blocks(x, chain_names):
             intrinsic.append(entry)
             lap = None
         elif b.name in chain_names:
-            prior, (r, c, v) = _chain_prior(x, b, site)
+            prior, (r, c, v) = _chain_prior(x, b, site, batch)
             chain_coo.append((r + b.start, c, v))
             lap = None
         else:
@@ -1521,9 +1646,10 @@ def _extract(model, args, kwargs, dtype, keep_graph):
     groups = groups + factor_groups
     if x.template is None or x._second is not None:  # (a template's maps were checked by its first extraction)
         _check_at_second_point(x, chain_names, imputed_names, {g.name for g in groups})
+    latent_names = set(full_layout.names)  # (a set: a list looked up per site is quadratic in a loop's length)
     for name, site in x.tr.nodes.items():
         if site["type"] == "sample" and not site["is_observed"] and not _is_subsample(site) \
-                and name not in full_layout.names:
+                and name not in latent_names:
             raise UnsupportedModelError(name, "latent site appeared only in some executions of the model")
     chain, priors = _chain_of(x, priors, chain_coo, intrinsic, chain_names, template)
     if chain is not None:
