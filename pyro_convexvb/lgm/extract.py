@@ -50,6 +50,9 @@ BATCHED_PRODUCTS_FROM = 200
 #: classes of its coordinates (:func:`~pyro_convexvb.lgm.chains.probe_by_residues`: a few products through the
 #: model's graph instead of one per block, each of which walks the whole graph), for its sparse or its dense design
 RESIDUE_PROBE_FROM_BLOCKS = 200
+#: an affine Gaussian chain of at least this many children has their mean coefficients probed all at once
+#: (:func:`_chain_batch`: at most 60 products, against a few per child one by one)
+CHAIN_BATCH_FROM = 20
 
 _AFFINE_RTOL = 1e-7
 
@@ -560,8 +563,8 @@ class _AutogradJacobian:
     ``parts`` (optional): the tensors the model read as its latent sites, views of ``u`` whose flattened
     concatenation is ``u`` (:meth:`_Extraction.parts`). The forward products then differentiate ``eta`` with respect
     to them instead of ``u``: the same values (the views only place entries), without the graph's every read of a
-    site writing a ``u``-sized gradient (``O(T)`` work per site read, so ``O(T^2)`` per product, for a loop of ``T``
-    scalar sites)."""
+    site writing a ``u``-sized gradient into each product (for a loop of ``T`` scalar sites, ``O(T)`` work per
+    site)."""
 
     def __init__(self, eta, u, parts=None):
         self.eta, self.u = eta, u
@@ -1098,12 +1101,12 @@ def _chain_batch(x, chain_names):
     gradient per child would cost ``O(T)`` products for a loop of ``T`` sites, each also ``O(T)``. The entries are
     those of the per-child probing (each nonzero one product term); a mean that reads a site sampled after it, is not
     finite or not affine (tested at the second point as per child), or a structure the residue classes do not
-    recover gives ``None``."""
+    recover gives ``None``; so does a chain of fewer than :data:`CHAIN_BATCH_FROM` children."""
     import numpy as np
 
     from .chains import probe_by_residues
 
-    if len(chain_names) < 2 or x.keep_graph:
+    if len(chain_names) < max(CHAIN_BATCH_FROM, 2):
         return None
     dtype, u0, layout = x.dtype, x.u0, x.layout
     by_name = {b.name: b for b in layout.blocks}
@@ -1347,7 +1350,7 @@ def _prior_blocks(x, chain_names):
     and the intrinsic GMRFs."""
     dtype, device, keep_graph, n = x.dtype, x.device, x.keep_graph, x.n
     priors, laplace_groups, chain_coo, intrinsic = [], [], [], []
-    batched = []
+    batched, children = [], set(chain_names)
 
     def batch():  # every child's coefficients at once, computed when the first child needs them
         if not batched:
@@ -1365,13 +1368,13 @@ def _prior_blocks(x, chain_names):
                                                 "have no prior, an improper density outside the LGM class")
         base_b = _unwrap(fn)[0]
         if getattr(base_b, "is_intrinsic", False):  # intrinsic GMRF: x = loc + phi(Pi w) (pyro_convexvb.lgm.chains)
-            if b.name in chain_names:
+            if b.name in children:
                 raise UnsupportedModelError(b.name, "an intrinsic SparseGMRF (constraints=...) whose mean reads other "
                                                     "latent sites is not supported; give it a constant mean")
             prior, entry = _intrinsic_prior(b, base_b, dtype, device, keep_graph)
             intrinsic.append(entry)
             lap = None
-        elif b.name in chain_names:
+        elif b.name in children:
             prior, (r, c, v) = _chain_prior(x, b, site, batch)
             chain_coo.append((r + b.start, c, v))
             lap = None
@@ -1519,6 +1522,7 @@ def _check_at_second_point(x, chain_names, imputed_names, read):
 
     :raises UnsupportedModelError: naming the first site that changes."""
     tr1 = x.second_trace()[1]
+    chain_names = set(chain_names)
     flat = ("it has zero derivative in the latents at one point but another value at a second point (a flat piece of "
             "relu, clamp, abs or a step): not an affine function of the latent sites")
     for name, site in x.tr.nodes.items():
