@@ -18,8 +18,14 @@ def long_functions(root, limit=80):
                     yield lines, f"{path}:{node.lineno}", node.name, reason
 
 
-if __name__ == "__main__":
-    rows = sorted(long_functions(sys.argv[1] if len(sys.argv) > 1 else "pyro_convexvb"), reverse=True)
+def main(root="pyro_convexvb"):
+    """Print every function over 80 lines with ``reason given`` or ``NO REASON``; ``1`` if one has none, else ``0``
+    (the exit status; ``tests/test_layering.py`` runs it on the package)."""
+    rows = sorted(long_functions(root), reverse=True)
     for lines, where, name, reason in rows:
         print(f"{lines:5d}  {where}  {name}  {'reason given' if reason else 'NO REASON'}")
-    sys.exit(0 if all(r[3] for r in rows) else 1)
+    return 0 if all(r[3] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))

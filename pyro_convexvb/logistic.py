@@ -127,8 +127,10 @@ class BayesianLogisticRegression(CompactPickleMixin, BinaryPredictiveClassifier,
     ``coef_var_``/``coef_std_`` ``(1, d)`` and ``intercept_var_`` ``(1,)`` posterior variances / standard
     deviations; ``prior_scale_`` (the learned or given scale); ``log_evidence_bound_`` (the engine's
     lower bound on ``log p(y)``, ``None`` for NUTS); ``posterior_`` (over ``[w, b]``); ``result_``
-    (the :class:`~pyro_convexvb.InferenceResult`); ``converged_``; ``n_iter_`` (the engine's iterations);
-    ``n_features_in_``;
+    (the :class:`~pyro_convexvb.InferenceResult`); ``converged_``; ``n_iter_`` (iterations of the outer optimiser, as
+    scikit-learn's ``BayesianRidge``: with ``prior_scale="auto"`` the type-II L-BFGS-B iterations over the prior
+    scale, at most option ``type2_max_iter``, each refitting the model; else the engine's own iterations, at most
+    ``max_iter``; ``result_.iterations`` is the count of the last fit); ``n_features_in_``;
     ``feature_names_in_`` (pandas input).
 
     Example::
@@ -227,7 +229,7 @@ class BayesianLogisticRegression(CompactPickleMixin, BinaryPredictiveClassifier,
         self.prior_scale_ = float(res.hyperparameters["prior_scale"]) if auto else float(self.prior_scale)
         self.log_evidence_bound_ = res.log_evidence_bound
         self.converged_ = bool(res.converged)
-        self.n_iter_ = res.iterations
+        self.n_iter_ = res.iterations if res.type2_iterations is None else res.type2_iterations
         loc = res.posterior.loc.detach().cpu().numpy()
         var = res.posterior.variance.detach().cpu().numpy()
         self.coef_ = loc[None, :d].copy()

@@ -12,6 +12,7 @@ import torch
 import pyro_convexvb as pcv
 from pyro_convexvb.infer.dual_vg import (
     BandedPrecisionBackend,
+    DualState,
     DualVG,
     GenericBound,
     LatentSpaceBackend,
@@ -420,6 +421,73 @@ def test_guide_is_a_pyro_autoguide():
     # warm start of a second fit
     res2 = guide.fit(X, y=y)
     assert res2.info["iterations"] <= 1
+
+
+def _logreg_data(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, 3, dtype=D, generator=gen)
+    y = (torch.rand(n, dtype=D, generator=gen) < torch.sigmoid(X @ _t([1.0, -1.0, 0.5]))).to(D)
+    return X, y
+
+
+def test_guide_warm_start_on_data_of_another_size_starts_cold():
+    """The previous state has 60 dual variables, the new data 45 observations: the guide checks before the run
+    and starts cold, giving the answer (and the iterations) of a fresh guide's cold fit on the 45."""
+    pyro.clear_param_store()
+    X, y = _logreg_data(60)
+    guide = DualVG(_logreg)
+    first = guide.fit(X, y=y)
+    assert first.state.alpha.shape == (60,) and first.state.mismatch(first.lgm) is None
+    Xs, ys = X[:45], y[:45]
+    reason = first.state.mismatch(pcv.fit(_logreg, Xs, y=ys, engine="dual_vg", progress=False).lgm)
+    assert reason == "the state has (60,) dual variables, the model 45 observed site entries"
+    warm = guide.fit(Xs, y=ys)
+    pyro.clear_param_store()
+    cold = DualVG(_logreg).fit(Xs, y=ys)
+    assert warm.converged and cold.converged and cold.info["iterations"] >= 2
+    assert warm.info["iterations"] == cold.info["iterations"]
+    assert torch.allclose(warm.posterior.loc, cold.posterior.loc, rtol=0, atol=1e-12)
+    assert torch.allclose(warm.posterior.covariance(), cold.posterior.covariance(), rtol=0, atol=1e-12)
+    assert warm.log_evidence_bound == pytest.approx(cold.log_evidence_bound, abs=1e-12)
+    # the same data again: the state fits, the warm start is used (the optimum already: no iteration)
+    again = guide.fit(Xs, y=ys)
+    assert again.info["iterations"] == 0
+    assert again.log_evidence_bound == pytest.approx(cold.log_evidence_bound, abs=1e-9)
+
+
+def test_dual_state_mismatch_names_what_differs():
+    X, y = _logreg_data(30)
+    res = pcv.fit(_logreg, X, y=y, engine="dual_vg", progress=False)
+    st = res.state
+    assert st.mismatch(res.lgm) is None
+    other = pcv.fit(_logreg, torch.cat([X, X[:, :1]], 1), y=y, engine="dual_vg", progress=False)  # 5 latents
+    assert st.mismatch(other.lgm) == "the state's Gaussian is over 4 latent coordinates, the model's over 5"
+    assert DualState(st.alpha, form="block").mismatch(res.lgm) == (
+        "the state is of the 'block' form, the model has no vector sites")
+    assert DualState(st.alpha).mismatch(other.lgm) is None  # a bare warm start (alpha only) needs the size alone
+
+
+def test_guide_warm_started_fit_propagates_its_errors(monkeypatch):
+    """An error raised inside a warm-started fit is not swallowed by a cold restart (it was, for any
+    ValueError/RuntimeError)."""
+    from pyro_convexvb.infer.dual_vg import engine as dual_engine
+
+    pyro.clear_param_store()
+    X, y = _logreg_data(60)
+    guide = DualVG(_logreg)
+    guide.fit(X, y=y)
+    real = dual_engine.solve_dual
+    for exc in (RuntimeError, ValueError):
+        def failing(backend, lb, alpha0, exc=exc, **kw):
+            if alpha0 is not None:
+                raise exc("solver failure from the warm start")
+            return real(backend, lb, alpha0, **kw)
+
+        monkeypatch.setattr(dual_engine, "solve_dual", failing)
+        with pytest.raises(exc, match="solver failure from the warm start"):
+            guide.fit(X, y=y)
+    cold = guide.fit(X, y=y, warm_start=False)  # the cold path does not reach the failure
+    assert cold.converged and cold.info["iterations"] >= 2
 
 
 def test_engine_registry_and_errors():

@@ -247,6 +247,31 @@ def test_n_iter_counts_the_engines_iterations_within_max_iter(engine):
     assert _quiet(lambda: pcv.BayesianLinearRegression(max_iter=1).fit(Xr, yr)).n_iter_ == 1
 
 
+@pytest.mark.parametrize("engine", ["laplace", "dual_vg"])
+def test_n_iter_of_a_type2_fit_counts_the_outer_loop(engine):
+    """With type-II learning (``prior_scale="auto"``, ``learn_hyperparameters=True``) ``n_iter_`` is the outer
+    L-BFGS-B loop's iterations, as BayesianLinearRegression's evidence maximisation and scikit-learn's
+    BayesianRidge; it was the last refit's own count. A loop capped at k iterations reports k."""
+    X, y = binary_problem(n=80, d=3)
+    full = _quiet(lambda: pcv.BayesianLogisticRegression(engine=engine, prior_scale="auto").fit(X, y))
+    outer = full.result_.info["type2"]["iterations"]
+    assert full.n_iter_ == outer == full.result_.type2_iterations and outer >= 3
+    assert full.result_.iterations != outer  # the last fit's own count, not the loop's
+    for k in (1, 2):
+        capped = _quiet(lambda: pcv.BayesianLogisticRegression(engine=engine, prior_scale="auto",
+                                                               options={"type2_max_iter": k}).fit(X, y))
+        assert capped.n_iter_ == k and capped.result_.type2_iterations == k
+        assert abs(capped.prior_scale_ - full.prior_scale_) > 1e-6  # the cap stopped the loop short
+    fixed = pcv.BayesianLogisticRegression(engine=engine).fit(X, y)  # no type-II: the engine's own count
+    assert fixed.result_.type2_iterations is None and fixed.n_iter_ == fixed.result_.iterations >= 1
+    gpc = _quiet(lambda: GPClassifier(engine=engine, learn_hyperparameters=True, hyper_options={"max_iter": 3})
+                 .fit(X, y))
+    assert gpc.n_iter_ == 3 == gpc.hyper_result_.info["type2"]["iterations"]
+    assert gpc.result_.iterations <= 1  # the fit at the learned values starts from the loop's last state
+    plain = GPClassifier(engine=engine).fit(X, y)
+    assert plain.n_iter_ == plain.result_.iterations >= 1
+
+
 def test_n_iter_of_nuts_is_its_steps_with_warm_up():
     """NUTS has no max_iter; its n_iter_ was 1 (the history's single row), now the chain's steps."""
     X, y = binary_problem(n=30, d=2)

@@ -240,6 +240,58 @@ def _exact_1d_gamma_scale(prior=None, n=15, effect=0.7):
     return model, X, y, ref
 
 
+@pytest.mark.parametrize("strategy", ["grid", "ccd"])
+def test_a_scalar_hyper_latents_summaries_have_the_sites_shape(strategy):
+    """``tau ~ HalfNormal(1)`` is a scalar site (shape ``()``): its mean, sd and every quantile are 0-d, as Pyro's
+    sample site and an AutoNormal's ``quantiles`` (shape ``(3,) + ()`` for three probabilities) have them; they
+    were ``(1,)``. The grid's values against exact quadrature of ``log tau``, within 0.5%."""
+    model, X, y, ref = _exact_1d_gamma_scale(dist.HalfNormal(torch.tensor(1.0, dtype=D)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the central composite design warns that it is coarse
+        res = pcv.fit(model, X, y=y, engine="dual_vg", options={"hyper_strategy": strategy}, progress=False)
+    assert res.converged and res.hyper["strategy"] == strategy
+    site = pyro.poutine.trace(model).get_trace(X, y=y).nodes["tau"]["value"]
+    guide = pyro.infer.autoguide.AutoNormal(model)
+    with pyro.get_param_store().scope():
+        guide(X, y=y)
+        pyro_q = guide.quantiles([0.05, 0.5, 0.95], X, y=y)["tau"]
+    assert site.shape == () and pyro_q.shape == (3,)
+    m = res.hyper["marginals"]["tau"]
+    again = res.posterior.theta_marginals()["tau"]
+    assert again["mean"].shape == () and all(q.shape == () for q in again["quantiles"].values())
+    assert m["mean"].shape == () and m["sd"].shape == () and m["mean"].dtype == D
+    assert all(q.shape == () for q in m["quantiles"].values())
+    assert torch.stack(list(m["quantiles"].values())).shape == pyro_q.shape
+    corrected = res.corrected(num_draws=200).hyper["tau"]  # the importance-corrected ones as well
+    assert corrected["mean"].shape == () and all(q.shape == () for q in corrected["quantiles"].values())
+    if strategy == "grid":  # the split normal is coarse for a scale (its warning): its values are not tested here
+        assert float(m["mean"]) == pytest.approx(ref["mean"], rel=5e-3)
+        assert float(m["sd"]) == pytest.approx(ref["sd"], rel=5e-3)
+        for p, r in zip((0.05, 0.5, 0.95), ref["quantiles"]):
+            assert float(m["quantiles"][p]) == pytest.approx(r, rel=5e-3), p
+
+
+def test_hyper_summaries_of_vector_and_matrix_sites_keep_their_shapes():
+    """A ``(2,)`` and a ``(2, 2)`` hyper-latent: summaries of shapes ``(2,)`` and ``(2, 2)`` (the matrix's were
+    flattened to ``(4,)``), equal entry by entry (row-major) to the summaries of the flattened draws."""
+    from pyro_convexvb.posterior.hyper import HyperPosterior, ThetaDensity, ThetaSpace
+
+    tr = [dist.transforms.ExpTransform(), dist.transforms.ExpTransform()]
+    space = ThetaSpace(["s", "M"], [(2,), (2, 2)], [(2,), (2, 2)], tr, D)
+    ones = torch.ones(6, dtype=D)
+    dens = ThetaDensity("split-normal", torch.zeros(6, dtype=D), 0.3 * torch.eye(6, dtype=D), s_plus=ones,
+                        s_minus=2 * ones)
+    post = type("P", (), {"space": space, "density": dens})()  # what theta_marginals reads of a HyperPosterior
+    out = HyperPosterior._sampled_marginals(post, (0.1, 0.9), 4000, 0)
+    assert out["s"]["mean"].shape == (2,) and out["M"]["mean"].shape == (2, 2)
+    assert out["M"]["sd"].shape == (2, 2) and out["M"]["quantiles"][0.9].shape == (2, 2)
+    z = dens.to_z(dens.sample_x(4000, torch.Generator().manual_seed(0)))
+    v = z[:, 2:].exp()  # M's draws, flattened in row-major order
+    torch.testing.assert_close(out["M"]["mean"].reshape(-1), v.mean(0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out["M"]["quantiles"][0.1].reshape(-1), torch.quantile(v, 0.1, dim=0), rtol=0,
+                               atol=1e-12)
+
+
 def test_one_scale_marginals_match_exact_quadrature_beyond_the_pruned_side():
     """The grid stops on the steep side of ``log tau`` one ring past the last point within the pruning threshold
     (x = 3 kept, 3.75 pruned), while the lower side grows to radius 6.75. The surface once covered the whole disc

@@ -7,10 +7,42 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("layering", ROOT / ".ci" / "layering.py")
 layering = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(layering)
+spec = importlib.util.spec_from_file_location("long_functions", ROOT / ".ci" / "long_functions.py")
+long_functions = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(long_functions)
 
 
 def test_the_package_passes_every_check(capsys):
     assert layering.main(str(ROOT / "pyro_convexvb")) == 0, capsys.readouterr().out
+
+
+def test_every_function_over_80_lines_says_why(capsys):
+    """``.ci/long_functions.py`` on the package: a function over 80 lines gives its reason in its docstring
+    ("Over 80 lines: ..."); the failure lists each with ``NO REASON``."""
+    status = long_functions.main(str(ROOT / "pyro_convexvb"))
+    out = capsys.readouterr().out
+    assert status == 0, "functions over 80 lines without a reason in their docstring:\n" + "\n".join(
+        line for line in out.splitlines() if line.endswith("NO REASON"))
+
+
+def test_long_functions_finds_a_long_function_without_a_reason(tmp_path, capsys):
+    """81 lines without a reason fails, 81 with one and 80 without pass (the docstring counts)."""
+    def function(name, lines, doc):
+        body = "".join(f"    x{i} = {i}\n" for i in range(lines - 2))
+        return f"def {name}():\n    \"\"\"{doc}\"\"\"\n{body}"
+
+    root = tmp_path / "pkg"
+    root.mkdir()
+    (root / "m.py").write_text(function("long_without", 81, "Does things.") + function("long_with", 81, "Over 80 "
+                               "lines: one table.") + function("exactly_80", 80, "Short enough."))
+    assert long_functions.main(str(root)) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(tuple(line.split("  ")[-2:]) for line in out) == [("long_with", "reason given"),
+                                                                   ("long_without", "NO REASON")]
+    assert len(out) == 2 and all(line.split()[0] == "81" for line in out)
+    (root / "m.py").write_text(function("long_with", 81, "Over 80 lines: one table.")
+                               + function("exactly_80", 80, "Short enough."))
+    assert long_functions.main(str(root)) == 0
 
 
 def _package(tmp_path, files):

@@ -108,7 +108,11 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
     ``feature_names_in_`` (pandas input), ``X_train_`` (torch), ``result_``
     (:class:`~pyro_convexvb.InferenceResult`), ``posterior_``, ``log_evidence_bound_``, ``alpha_``
     (dual variables, ``dual_vg`` only), ``hyper_history_``, ``converged_`` (the engine's optimality measure),
-    ``n_iter_`` (the engine's iterations); with ``learn_hyperparameters=True`` also ``hyper_converged_`` (the
+    ``n_iter_`` (iterations of the outer optimiser, as scikit-learn's ``BayesianRidge``: with
+    ``learn_hyperparameters=True`` the type-II L-BFGS-B iterations over the hyperparameters, at most
+    ``hyper_options["max_iter"]``, each refitting the model; else the engine's own iterations, at most
+    ``max_iter``; ``result_.iterations`` is the count of the fit at the learned values); with
+    ``learn_hyperparameters=True`` also ``hyper_converged_`` (the
     type-II loop's convergence) and ``hyper_result_`` (its :class:`~pyro_convexvb.InferenceResult`).
 
     Example::
@@ -227,7 +231,8 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self.posterior_ = res.posterior
         self.log_evidence_bound_ = res.log_evidence_bound
         self.converged_ = bool(res.converged)
-        self.n_iter_ = res.iterations
+        outer = getattr(self.__dict__.get("hyper_result_"), "type2_iterations", None)  # None: no type-II loop ran
+        self.n_iter_ = res.iterations if outer is None else outer
         return self
 
     def _check_kernel_output(self, X):

@@ -176,7 +176,9 @@ class InferenceResult:
     def iterations(self):
         """The engine's own iteration count: ``info["iterations"]`` (``dual_vg``'s steps, ``convex_relaxation``'s outer
         updates, ``laplace``'s L-BFGS iterations, ``nuts``'s steps with warm-up) or ``info["steps"]`` (the SVI steps,
-        whose history has a row per window of steps only), else the rows of :attr:`history`."""
+        whose history has a row per window of steps only), else the rows of :attr:`history`. For a type-II result
+        (``learn_params``) that is the count of the last fit, at the learned values; the type-II loop's own is
+        :attr:`type2_iterations`."""
         for key in ("iterations", "steps"):
             if self.info.get(key) is not None:
                 return int(self.info[key])
@@ -194,6 +196,14 @@ class InferenceResult:
         :meth:`~pyro_convexvb.infer.engine.Engine.type2_value`), at those values; ``None`` without type-II."""
         report = self.info.get("type2")
         return None if report is None else float(report["value"])
+
+    @property
+    def type2_iterations(self):
+        """The iterations of a type-II fit's outer optimiser (L-BFGS-B over the learned ``pyro.param`` values,
+        :func:`~pyro_convexvb.infer.type2.maximize_bound`; each iteration refits the model one or more times);
+        ``None`` without type-II."""
+        report = self.info.get("type2")
+        return None if report is None else int(report["iterations"])
 
     def __repr__(self):
         b = "None" if self.log_evidence_bound is None else f"{self.log_evidence_bound:.6g}"

@@ -298,7 +298,8 @@ SOBOL_POINTS = 2**16
 
 
 def surface_marginals(space, density, probs=(0.05, 0.5, 0.95)):
-    """``{site: {"mean", "sd", "quantiles"}}`` of the constrained hyper-latents under a surface
+    """``{site: {"mean", "sd", "quantiles": {p: ...}}}`` (each of the site's shape) of the constrained hyper-latents
+    under a surface
     :class:`ThetaDensity`, by quadrature over its fine grid (:meth:`ThetaDensity.quadrature`: each cell's mass
     spread evenly over :data:`SUBCELLS` points in it, as its draws are uniform in it)."""
     x, w = density.quadrature()
@@ -313,8 +314,17 @@ def surface_marginals(space, density, probs=(0.05, 0.5, 0.95)):
         q = torch.as_tensor(weighted_quantiles(v.numpy(), w.numpy(), probs), dtype=torch.float64)
         if space.site_dtypes is not None:  # computed in float64, reported in the site's dtype
             mean, sd, q = (a.to(device=space.site_devices[k], dtype=space.site_dtypes[k]) for a in (mean, sd, q))
-        out[n] = {"mean": mean, "sd": sd, "quantiles": dict(zip(probs, q))}
+        out[n] = _site_summary(mean, sd, q, probs, space.shapes[k])
     return out
+
+
+def _site_summary(mean, sd, q, probs, shape):
+    """``{"mean", "sd", "quantiles": {p: ...}}`` of one hyper-latent from its flattened summaries (``mean``, ``sd``
+    ``(size,)``, ``q`` ``(len(probs), size)``), each in the site's constrained ``shape`` (``()`` for a scalar
+    site, as Pyro's sample site and its autoguides' ``median()``/``quantiles()`` have it)."""
+    shape = tuple(shape)
+    return {"mean": mean.reshape(shape), "sd": sd.reshape(shape),
+            "quantiles": {p: q[i].reshape(shape) for i, p in enumerate(probs)}}
 
 
 def _neighbours(x, centres, L, chunk=8192, p=2.0):
@@ -532,7 +542,8 @@ class HyperPosterior(Posterior):
         return lz + torch.logsumexp(logp + lu, 1)
 
     def theta_marginals(self, probs=(0.05, 0.5, 0.95), num_samples=200_000, seed=0):
-        """``{site: {"mean", "sd", "quantiles"}}`` of the constrained hyper-latents (from :attr:`density`): a
+        """``{site: {"mean", "sd", "quantiles": {p: ...}}}`` of the constrained hyper-latents, each of the site's
+        shape (``()`` for a scalar site; ``space.shapes``), from :attr:`density`: a
         surface's by quadrature over its fine grid (:func:`surface_marginals`; no sampling noise), a split
         normal's from ``num_samples`` draws (for a normal marginal a 5% quantile's sampling error is about 0.005
         of its sd at 200,000 draws, 0.015 at 20,000)."""
@@ -550,7 +561,7 @@ class HyperPosterior(Posterior):
             if self.space.site_dtypes is not None:  # computed in float64, reported in the site's dtype
                 v = v.to(device=self.space.site_devices[k], dtype=self.space.site_dtypes[k])
             q = torch.quantile(v, torch.tensor(probs, dtype=v.dtype), dim=0)
-            out[n] = {"mean": v.mean(0), "sd": v.std(0), "quantiles": dict(zip(probs, q))}
+            out[n] = _site_summary(v.mean(0), v.std(0), q, probs, self.space.shapes[k])
         return out
 
     def sample(self, num_samples=(), generator=None):

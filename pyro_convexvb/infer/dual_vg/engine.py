@@ -328,6 +328,23 @@ class DualState:
         """``alpha`` alone, for a fit of a nearby model (clipped into its domain by :func:`~.optim.solve_dual`)."""
         return DualState(self.alpha)
 
+    def mismatch(self, lgm):
+        """Why this state cannot warm-start a fit of ``lgm``, or ``None`` when it can: ``alpha`` must hold one dual
+        variable per observed site entry of ``lgm``, shape ``(lgm.num_sites,)`` (Khan et al. 2013, Eq. 20), the
+        Gaussian it carries must be over ``lgm``'s ``lgm.n`` latent coordinates, and a fit of vector (Categorical)
+        sites resumes only a ``"block"`` state (and the other way round). ``lgm`` is not fitted."""
+        if tuple(self.alpha.shape) != (lgm.num_sites,):
+            return (f"the state has {tuple(self.alpha.shape)} dual variables, the model {lgm.num_sites} observed "
+                    "site entries")
+        n = getattr(self.posterior, "n", None)
+        if n is not None and n != lgm.n:
+            return f"the state's Gaussian is over {n} latent coordinates, the model's over {lgm.n}"
+        block = any(g.family.vector_site for g in lgm.sites)
+        if self.form and (self.form == "block") != block:
+            return (f"the state is of the {self.form!r} form, the model has "
+                    + ("vector (Categorical) sites, fitted in the 'block' form" if block else "no vector sites"))
+        return None
+
     def reusing(self, state):
         """This warm start with the backend of ``state`` (a full state of another fit) offered for reuse: a fit
         in the sparse latent form whose design equals that backend's takes its site pairs, ordering and symbolic

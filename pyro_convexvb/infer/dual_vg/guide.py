@@ -9,11 +9,14 @@ from pyro.infer.autoguide import AutoMultivariateNormal
 from pyro.nn.module import PyroParam
 from torch.distributions import constraints
 
+from ...errors import UnsupportedModelError
 from ...posterior.gaussian import GaussianPosterior
+from ..rng import forked_rng
+from ..runtime import pyro_runtime_restored
 from . import engine
 from .bounds import LOGIT_BOUNDS
 from .engine import *  # noqa: F401,F403  (the engine's names, importable from here as before)
-from .engine import DualVGEngine, DualVGOptions
+from .engine import DualState, DualVGEngine, DualVGOptions
 
 __all__ = ["DualVG"] + engine.__all__
 
@@ -74,16 +77,21 @@ class DualVG(AutoMultivariateNormal):
             return super()._loc_scale(*args, **kwargs)
 
     def fit(self, *args, progress=False, warm_start=True, **kwargs):
-        """Minimise the dual for the model's data ``(*args, **kwargs)``; returns the :class:`InferenceResult`."""
+        """Minimise the dual for the model's data ``(*args, **kwargs)``; returns the :class:`InferenceResult`.
+
+        :param bool warm_start: start from the dual variables of the previous :meth:`fit` when they fit the new
+            data, that is when :meth:`DualState.mismatch` finds none: one dual variable per observed site entry
+            (shape ``(N,)``), a Gaussian over the same number of latent coordinates, the same (block or scalar)
+            form. Otherwise, and when the model has no plain latent Gaussian form (hyper-latents) or option
+            ``alpha0`` is set, the fit starts cold, as with ``warm_start=False``: the optimum is the same, only
+            the number of iterations differs. Whatever the fit raises, warm or cold, propagates.
+        """
         opts = self.engine_options.as_dict()
-        init = self.result.state if warm_start and self.result is not None and opts["alpha0"] is None else None
-        try:
-            res = DualVGEngine(self.model, progress=progress, init=init, **opts).run(*args, **kwargs)
-        except (ValueError, RuntimeError):
-            if init is None:
-                raise
-            # the warm start belongs to other data: start cold
-            res = DualVGEngine(self.model, progress=progress, **opts).run(*args, **kwargs)
+        engine = DualVGEngine(self.model, progress=progress, **opts)
+        if warm_start and self.result is not None and opts["alpha0"] is None and self._warm_start_fits(
+                engine, args, kwargs):
+            engine = DualVGEngine(self.model, progress=progress, init=self.result.state, **opts)
+        res = engine.run(*args, **kwargs)
         q = res.posterior
         if not isinstance(q, GaussianPosterior):  # a HyperPosterior: the model has hyper-latents
             names = getattr(getattr(q, "space", None), "names", None)
@@ -99,6 +107,21 @@ class DualVG(AutoMultivariateNormal):
         res.info["guide"] = self
         self.result = res
         return res
+
+    def _warm_start_fits(self, engine, args, kwargs):
+        """Whether the previous fit's state can warm-start ``engine``'s fit of the data ``(*args, **kwargs)``
+        (:meth:`DualState.mismatch` on the model extracted for them; the extraction draws on a forked random
+        stream, so the caller's is left as it was). A model outside the latent Gaussian class (one with
+        hyper-latents) has no state of this kind to resume: ``False``; the run then fits or refuses it."""
+        state = self.result.state
+        if not isinstance(state, DualState):
+            return False
+        try:
+            with pyro_runtime_restored(), forked_rng(0):
+                lgm = engine.extract(*args, **kwargs)
+        except UnsupportedModelError:
+            return False
+        return state.mismatch(lgm) is None
 
     def _set_from_posterior(self, q):
         """Write ``q`` into ``loc``, ``scale``, ``scale_tril`` and make the param store hold these values.
