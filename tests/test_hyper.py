@@ -630,3 +630,16 @@ def test_engines_that_fit_leaves_out_engines_that_refuse_params_beside_hyper_lat
         pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
     res = pcv.fit(model, X, y=y, engine="dual_vg", options={"learn_params": False}, progress=False)
     assert res.converged
+
+
+def test_init_with_hyper_latents_is_refused_not_ignored():
+    """A state given as ``init`` to a fit that integrates over hyper-latents would start none of its design-point
+    fits (each starts from the nearest point fitted): refused, naming the hyper-latents."""
+    model, X, y, _ = _exact_1d_gamma_scale()
+
+    def fixed(X, y=None):
+        return pyro.condition(model, data={"tau": torch.tensor(0.9, dtype=D)})(X, y)
+
+    state = pcv.fit(fixed, X, y=y, engine="dual_vg", progress=False).state
+    with pytest.raises(ValueError, match="init: engine 'dual_vg' integrates over the hyper-latents 'tau'"):
+        pcv.fit(model, X, y=y, engine="dual_vg", progress=False, init=state)

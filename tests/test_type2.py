@@ -158,3 +158,29 @@ def test_type2_runs_the_model_a_bounded_number_of_times(engine, most, before):
     assert res.converged and res.info["type2"]["fits"] == 5
     assert counted.calls <= most < before
     assert float(pyro.param("tau").detach()) == pytest.approx(float(res.hyperparameters["tau"]))
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation"])
+def test_type2_fit_resumes_its_first_fit_from_init(engine, monkeypatch):
+    """``pcv.fit(..., init=res.state)`` on a model with ``pyro.param`` sites: the type-II loop's first fit starts
+    from the given state (it was started cold, the option accepted and ignored), and the learned value is the one
+    of a cold start."""
+    from pyro_convexvb.infer.engine import Engine
+
+    model, X, y = _logistic()
+    pyro.clear_param_store()
+    cold = pcv.fit(model, X, y=y, engine=engine, progress=False)
+    assert cold.converged and cold.state is not None
+    seen = []
+    inner = Engine.inner_engine
+
+    def spy(self, model, warm=None, **overrides):
+        seen.append(None if warm is None else warm.state.warm_start())
+        return inner(self, model, warm, **overrides)
+
+    monkeypatch.setattr(Engine, "inner_engine", spy)
+    pyro.clear_param_store()
+    res = pcv.fit(model, X, y=y, engine=engine, progress=False, init=cold.state)
+    assert seen[0] is cold.state
+    assert res.converged
+    assert float(res.hyperparameters["tau"]) == pytest.approx(float(cold.hyperparameters["tau"]), rel=1e-4)

@@ -43,6 +43,7 @@ from ..posterior.hyper import (  # noqa: F401 (re-exported)
     ThetaSpace,
 )
 from .rng import forked_rng
+from .type2 import _WarmFrom
 
 __all__ = [
     "HYPER_MAX_DIM",
@@ -303,17 +304,6 @@ class _PointResult:
         self.posterior, self.converged = res.posterior, res.converged
         self.log_evidence_bound, self.optimality = res.log_evidence_bound, res.optimality
         self.stop_reason, self.info = res.stop_reason, res.info
-
-
-class _WarmFrom:
-    """A result-like object whose ``state.warm_start()`` is ``init`` (what :meth:`Engine.inner_engine` reads)."""
-
-    def __init__(self, init):
-        self.state = self
-        self._init = init
-
-    def warm_start(self):
-        return self._init
 
 
 class HyperObjective:

@@ -133,6 +133,11 @@ def run_type2(engine, names, args, kwargs, t0):
 def run_hyper(engine, hyper, args, kwargs, t0):
     """Integrate over (or maximise) the hyper-latents ``hyper``; each design point is one fit of ``engine``'s class."""
     o = engine.options
+    if engine.init is not None:
+        raise ValueError(f"init: engine '{engine.name}' integrates over the hyper-latents "
+                         f"{', '.join(repr(n) for n in hyper)}, one fit per design point, each warm-started from the "
+                         "nearest point already fitted; a state of one fit cannot start them, so init would be "
+                         "ignored; drop init (or fix the hyper-latents with pyro.condition to resume that model)")
     if o.hyper == "map" and o.hyper_strategy != "auto":
         raise ValueError(f"options: hyper='map' keeps only the hyper-latents' mode, so hyper_strategy="
                          f"{o.hyper_strategy!r} (a design to integrate over {', '.join(repr(n) for n in hyper)}) "

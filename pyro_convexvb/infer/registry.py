@@ -178,7 +178,9 @@ def fit(model, *args, engine, options=None, progress=True, correct=None, init=No
     :param str correct: ``"psis"`` to also importance-correct the posterior summaries
         (:meth:`~pyro_convexvb.InferenceResult.corrected`, stored as ``res.correction``); ``None`` (default) not to.
     :param init: ``result.state`` of an earlier fit of this engine on a model of the same shape: the fit resumes
-        from it (e.g. with more iterations, or after the data changed a little).
+        from it (e.g. with more iterations, or after the data changed a little); with ``pyro.param`` sites learned
+        (type-II), the first of its fits does. Refused for a model with hyper-latents (each design point starts
+        from the nearest one fitted).
     :param kwargs: the model's keyword arguments (e.g. ``y=...``).
     :returns: :class:`~pyro_convexvb.infer.result.InferenceResult`.
     :raises UnsupportedModelError: when the engine does not apply, naming the site, the reason and the registered

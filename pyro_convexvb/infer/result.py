@@ -175,10 +175,10 @@ class InferenceResult:
     @property
     def iterations(self):
         """The engine's own iteration count: ``info["iterations"]`` (``dual_vg``'s steps, ``convex_relaxation``'s outer
-        updates, ``laplace``'s L-BFGS iterations, ``nuts``'s steps with warm-up) or ``info["steps"]`` (the SVI steps,
-        whose history has a row per window of steps only), else the rows of :attr:`history`. For a type-II result
-        (``learn_params``) that is the count of the last fit, at the learned values; the type-II loop's own is
-        :attr:`type2_iterations`."""
+        updates, ``laplace``'s Newton steps (L-BFGS iterations with ``method="lbfgs"``), ``nuts``'s steps with warm-up)
+        or ``info["steps"]`` (the SVI steps, whose history has a row per window of steps only), else the rows of
+        :attr:`history`. For a type-II result (``learn_params``) that is the count of the last fit, at the learned
+        values; the type-II loop's own is :attr:`type2_iterations`."""
         for key in ("iterations", "steps"):
             if self.info.get(key) is not None:
                 return int(self.info[key])

@@ -125,9 +125,22 @@ def maximize_bound(engine, names, args, kwargs, *, max_iter=50, gtol=1e-5, fd_st
         return _maximize_bound(engine, names, args, kwargs, max_iter, gtol, fd_step, run)
 
 
+class _WarmFrom:
+    """A result-like object whose ``state.warm_start()`` is ``init`` (what
+    :meth:`~pyro_convexvb.infer.engine.Engine.inner_engine` reads): an inner fit resumes from that state."""
+
+    def __init__(self, init):
+        self.state = self
+        self._init = init
+
+    def warm_start(self):
+        return self._init
+
+
 def _maximize_bound(engine, names, args, kwargs, max_iter, gtol, fd_step, run):
     params = _Params(names)
-    state = {"res": None, "x": None, "evals": 0}
+    # the first fit resumes from the caller's init (pcv.fit(..., init=res.state)), the later ones from the previous
+    state = {"res": None if engine.init is None else _WarmFrom(engine.init), "x": None, "evals": 0}
     bar = run.bar(unit="fit", desc=f"{engine.name} (type-II)") if run is not None else None
 
     def fit_at(x):
