@@ -643,3 +643,39 @@ def test_init_with_hyper_latents_is_refused_not_ignored():
     state = pcv.fit(fixed, X, y=y, engine="dual_vg", progress=False).state
     with pytest.raises(ValueError, match="init: engine 'dual_vg' integrates over the hyper-latents 'tau'"):
         pcv.fit(model, X, y=y, engine="dual_vg", progress=False, init=state)
+
+
+def test_a_defended_surface_mixes_in_its_tempered_self_with_an_exact_density():
+    """``ThetaDensity.defended(a, beta)``: the cells' masses ``(1 - a) p + a p^beta / sum p^beta``, the density of its
+    draws (cell frequencies within 5 standard errors; ``log_prob_x`` the mixture's mass over the cell's volume), and
+    the correction's ``"interpolated"`` proposal draws its hyper-latents from it while the diagnostic's ``"fitted"``
+    one keeps the posterior's own surface."""
+    from pyro_convexvb.diagnostics.proposals import HYPER_DEFENSIVE_WEIGHT, HYPER_TEMPER, make_proposal
+    from pyro_convexvb.posterior.hyper import ThetaDensity
+
+    x, _ = design_points(1, "grid", step=0.75, radius=4.5)
+    td = ThetaDensity.surface(torch.zeros(1, dtype=D), torch.eye(1, dtype=D), x, -0.5 * (x**2).sum(1), 4.5, 0.75)
+    dd = td.defended(0.2, 0.5)
+    tempered = td.probs**0.5 / (td.probs**0.5).sum()
+    torch.testing.assert_close(dd.probs, 0.8 * td.probs + 0.2 * tempered, rtol=1e-12, atol=0)
+    assert float(dd.probs.sum()) == pytest.approx(1.0, abs=1e-12)
+    torch.testing.assert_close(dd.log_prob_x(dd.xs), torch.log(dd.probs) - math.log(dd.cell), rtol=1e-12, atol=1e-12)
+    g = torch.Generator().manual_seed(0)
+    S = 400_000
+    s = dd.sample_x(S, g)
+    idx = torch.round((s[:, 0] + dd.radius) / dd.cell).long()
+    cells = torch.round((dd.xs[:, 0] + dd.radius) / dd.cell).long()
+    freq = torch.bincount(idx, minlength=int(cells.max()) + 1)[cells].double() / S
+    se = (dd.probs * (1 - dd.probs) / S).sqrt()
+    assert float(((freq - dd.probs).abs() / se).max()) < 5.0
+    # a tempered Gaussian surface is wider: its variance about 1 / beta times, here 1.8 with the share of 0.2
+    xq, wq = dd.quadrature()
+    assert float((wq * xq[:, 0] ** 2).sum()) == pytest.approx(0.8 + 0.2 * 2.0, rel=0.02)
+    assert td.defended(0.0, 0.5) is td
+
+    model, X, y, _ = _exact_1d_gamma_scale()
+    res = pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
+    hp = res.posterior
+    q = make_proposal(hp, "interpolated")
+    torch.testing.assert_close(q.density.probs, hp.density.defended(HYPER_DEFENSIVE_WEIGHT, HYPER_TEMPER).probs)
+    assert make_proposal(hp, "fitted").density is hp.density

@@ -30,6 +30,14 @@ __all__ = ["PROPOSALS", "make_proposal", "AdaptedProposal", "FieldCovariance"]
 
 PROPOSALS = ("fitted", "interpolated", "widened", "student_t")
 WIDEN = 1.5
+
+#: the share of the hyper-latents' draws that the correction's ``"interpolated"`` proposal takes from the tempered
+#: surface (:meth:`~pyro_convexvb.posterior.hyper.ThetaDensity.defended`): the adaptive rounds move the field's
+#: proposal but not the hyper-latents', whose surface is that of the evidence bound; where the bound falls faster than
+#: the evidence (a scale's upper tail), the surface's own draws leave that tail to a few large weights
+HYPER_DEFENSIVE_WEIGHT = 0.2
+#: the tempering exponent of that share: ``surface^beta``, about twice a Gaussian's variance
+HYPER_TEMPER = 0.5
 T_DF = 5.0
 
 
@@ -474,7 +482,10 @@ class HyperProposal(Proposal):
 
     def __init__(self, hp, kind):
         self.hp, self.name = hp, kind
-        self.density = hp.density
+        # the correction's proposal: the fitted surface with a defensive tempered share (the diagnostic's "fitted"
+        # proposal is the posterior itself)
+        self.density = hp.density.defended(HYPER_DEFENSIVE_WEIGHT, HYPER_TEMPER) if kind == "interpolated" \
+            else hp.density
         self.covers_hyper = hp.density.kind != "point"
         # the densified components and their factors, shared by every proposal built from hp
         shared = hp.__dict__.get("_proposal_parts")
