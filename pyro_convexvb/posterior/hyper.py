@@ -246,15 +246,14 @@ class ThetaDensity:
             table = torch.full((self.ticks ** d,), -math.inf, dtype=torch.float64)
             table[self._flat(idx)] = torch.log(self.probs) - d * math.log(self.cell)
             self.__dict__["_log_table"] = table
-        xi = self.warp.to_xi(x)
-        x = xi
-        idx = torch.round((x + self.radius) / self.cell).long()
+        xi = self.warp.to_xi(x)  # the fine grid's (lattice) coordinates
+        idx = torch.round((xi + self.radius) / self.cell).long()
         ok = ((idx >= 0) & (idx < self.ticks)).all(1)
         idx = idx.clamp(0, self.ticks - 1)
         # the grid point's own square cell (ties at a shared edge go to the rounded point)
-        # (the centres in x's dtype: an integer tensor times a Python float is float32, whose centres are off by
+        # (the centres in xi's dtype: an integer tensor times a Python float is float32, whose centres are off by
         # 1e-7 and put a draw within that of its cell's edge outside every cell)
-        ok &= (x - (idx.to(x.dtype) * self.cell - self.radius)).abs().max(1).values <= 0.5 * self.cell + 1e-12
+        ok &= (xi - (idx.to(xi.dtype) * self.cell - self.radius)).abs().max(1).values <= 0.5 * self.cell + 1e-12
         lq = table[self._flat(idx)] - self.warp.log_jacobian(xi)
         return torch.where(ok, lq, torch.full_like(lq, -math.inf))
 
