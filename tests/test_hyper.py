@@ -679,3 +679,12 @@ def test_a_defended_surface_mixes_in_its_tempered_self_with_an_exact_density():
     q = make_proposal(hp, "interpolated")
     torch.testing.assert_close(q.density.probs, hp.density.defended(HYPER_DEFENSIVE_WEIGHT, HYPER_TEMPER).probs)
     assert make_proposal(hp, "fitted").density is hp.density
+
+
+def test_the_hyper_posterior_modules_examples_run():
+    import doctest
+
+    import pyro_convexvb.posterior.hyper as mod
+
+    out = doctest.testmod(mod)
+    assert out.attempted >= 3 and out.failed == 0

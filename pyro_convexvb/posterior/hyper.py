@@ -92,6 +92,15 @@ class GridWarp:
     :param float core: radius (standardised units) of the uniform core.
     :param float step: the lattice spacing in ``xi``.
     :param float growth: spacing ratio of consecutive steps past the core (``>= 1``).
+
+    Example (a lattice of spacing 0.75: the identity up to 3, then gaps growing by 1.25)::
+
+        >>> w = GridWarp(core=3.0, step=0.75, growth=1.25)
+        >>> x = w.to_x(torch.tensor([2.25, 3.0, 3.75, 4.5, 5.25], dtype=torch.float64))
+        >>> [round(v, 3) for v in x.tolist()], [round(v, 3) for v in x.diff().tolist()]
+        ([2.25, 3.0, 3.84, 4.891, 6.204], [0.75, 0.84, 1.05, 1.313])
+        >>> bool(torch.allclose(w.to_xi(x), torch.tensor([2.25, 3.0, 3.75, 4.5, 5.25], dtype=torch.float64)))
+        True
     """
 
     core: float = math.inf
