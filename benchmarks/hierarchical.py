@@ -19,8 +19,9 @@ default) and at their mode (``hyper="map"``), ``convex_relaxation`` (logistic ca
 full model (hyper-latents included, in unconstrained coordinates). The reference is a long NUTS run
 (the GP case in whitened coordinates ``f = L(ell) v``, the same posterior)
 (4 chains of 3,000 samples after 1,500 warm-up steps by default, ``--reference`` sets the size; split R-hat and
-ESS reported; the full-size ``bym`` reference with NumPyro's NUTS on the non-centred model of
-``tests/references/numpyro_models.py``, where Pyro's takes hours), computed once and cached
+ESS reported; the full-size ``bym`` reference, and a ``logistic-sonar`` one of more than 5,000 draws per chain, with
+NumPyro's NUTS on the non-centred models of ``tests/references/numpyro_models.py``, where Pyro's takes hours),
+computed once and cached
 in ``benchmarks/results/hierarchical_reference*.json``.
 
 With ``+ psis`` an engine's result is importance-corrected (``res.corrected()``: 2,000 draws, and when their
@@ -206,6 +207,8 @@ def nuts_reference(name, model, args, kwargs, hyper, field, quick, size=None):
     with Timer() as t:
         if name == "bym" and not quick:  # Pyro's NUTS takes hours here; NumPyro's runs the same protocol in minutes
             hs, fs = _numpyro_bym_reference(args, kwargs, chains, ns, nw)
+        elif name == "logistic-sonar" and not quick and ns > 5000:  # long runs: NumPyro, non-centred
+            hs, fs = _numpyro_sonar_reference(args, kwargs, chains, ns, nw)
         for c in range(chains if not hs else 0):
             pyro.set_rng_seed(1000 + c)
             ref_model, to_field = REFERENCE_MODELS.get(name, (model, None))
@@ -257,6 +260,28 @@ def _numpyro_bym_reference(args, kwargs, chains, ns, nw):
         s = to_sites({k: np.array(v) for k, v in mcmc.get_samples().items()})
         hs.append(torch.as_tensor(s["sigma_v"], dtype=D).reshape(ns, -1))
         fs.append(torch.as_tensor(s["v"], dtype=D).reshape(ns, -1))
+    return hs, fs
+
+
+def _numpyro_sonar_reference(args, kwargs, chains, ns, nw):
+    """Per chain, the draws of ``tau`` ``(ns, 1)`` and of ``w`` ``(ns, p)`` from NumPyro's NUTS on the non-centred
+    logistic regression (``tests/references/numpyro_models.py``: the same posterior, written independently)."""
+    import jax
+    import numpy as np
+    from numpyro.infer import MCMC as NMCMC
+    from numpyro.infer import NUTS as NNUTS
+
+    from tests.references import numpyro_models
+
+    numpyro_models.setup()
+    model, mkw, to_sites = numpyro_models.sonar_noncentred(args[0], kwargs["y"])
+    hs, fs = [], []
+    for c in range(chains):
+        mcmc = NMCMC(NNUTS(model, target_accept_prob=0.9), num_warmup=nw, num_samples=ns, progress_bar=False)
+        mcmc.run(jax.random.PRNGKey(1000 + c), **mkw)
+        s = to_sites({k: np.array(v) for k, v in mcmc.get_samples().items()})
+        hs.append(torch.as_tensor(s["tau"], dtype=D).reshape(ns, -1))
+        fs.append(torch.as_tensor(s["w"], dtype=D).reshape(ns, -1))
     return hs, fs
 
 

@@ -54,4 +54,26 @@ def bym(args, kwargs):
     return bym_noncentred(E, y, _lattice_car(int(round(math.sqrt(E.shape[0])))).numpy())
 
 
+def sonar_noncentred(X, y):
+    """Bayesian logistic regression with a shared prior scale in non-centred coordinates: ``tau ~ HalfCauchy(1)``,
+    ``z ~ N(0, I)``, ``w = tau z``, ``y ~ Bernoulli(logits = X w)`` (the centred model of ``benchmarks/hierarchical.py``'s
+    ``logistic-sonar`` case, whose funnel slows NUTS). ``X`` ``(N, p)``, ``y`` ``(N,)``: torch tensors."""
+    import jax.numpy as jnp
+    import numpyro
+    import numpyro.distributions as nd
+
+    p = X.shape[1]
+
+    def model(X, y):
+        tau = numpyro.sample("tau", nd.HalfCauchy(1.0))
+        z = numpyro.sample("z", nd.Normal(jnp.zeros(p), 1.0).to_event(1))
+        numpyro.sample("y", nd.Bernoulli(logits=X @ (tau * z)), obs=y)
+
+    def to_sites(s):
+        tau = s["tau"].reshape(-1)
+        return {"tau": tau, "w": s["z"] * tau[:, None]}
+
+    return model, {"X": jnp.asarray(X.numpy()), "y": jnp.asarray(y.numpy())}, to_sites
+
+
 NUMPYRO_MODELS = {"bym": bym}
