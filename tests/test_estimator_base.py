@@ -307,6 +307,26 @@ def test_logistic_intercept_scale_without_an_intercept_is_warned_of():
     assert a.intercept_.tolist() == [0.0]
 
 
+@pytest.mark.parametrize("cls", [OnlineBayesLogistic, OnlineDimGauss])
+def test_online_newton_options_with_the_taylor_update_are_warned_of(cls):
+    """``tol`` and ``max_iter`` bound the Newton iteration of ``mean_update="newton"``; the one-step ``"taylor"``
+    update has none, so they were accepted and ignored silently: now named in a UserWarning. The fit is the one
+    with the defaults (bit for bit); with ``"newton"`` they warn of nothing and change the fit."""
+    X, y = binary_problem()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a = cls(mean_update="taylor", tol=0.1, max_iter=1).fit(X, y)
+        cls(mean_update="taylor").fit(X, y)
+        c = cls(mean_update="newton", tol=0.1, max_iter=1).fit(X, y)
+    assert [str(m.message) for m in w if m.category is UserWarning] == [
+        f"{cls.__name__}: tol=0.1, max_iter=1 are not used (mean_update='taylor' is one closed-form step; tol and "
+        "max_iter bound mean_update='newton'); leave them at their defaults"]
+    b = cls(mean_update="taylor").fit(X, y)
+    np.testing.assert_array_equal(a.coef_, b.coef_)
+    d = cls(mean_update="newton").fit(X, y)
+    assert np.abs(c.coef_ - d.coef_).max() > 1e-6
+
+
 @pytest.mark.parametrize("make", [lambda: pcv.BayesianLogisticRegression(engine="nope"),
                                   lambda: GPClassifier(engine="nope")])
 def test_an_unregistered_engine_name_is_a_value_error_naming_engine(make):
