@@ -343,10 +343,15 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
         """Predictive mean ``phi*^T m`` (Eq. 16) and optionally std ``sqrt(sigma^2 + phi*^T C phi*)`` (Eq. 17).
 
         :param X: ``(M, d)`` inputs.
-        :param bool include_noise: include ``sigma^2`` in the predictive variance (else the latent variance).
+        :param bool return_std: return the predictive standard deviation as well.
+        :param bool include_noise: include ``sigma^2`` in the predictive variance (else the latent variance); it
+            shapes the std only, so ``include_noise=False`` without ``return_std=True`` is a ``ValueError``.
         :returns: NumPy ``mean (M,)`` or ``(mean, std)``.
         """
         check_is_fitted(self, "posterior_")
+        if not return_std and not include_noise:
+            raise ValueError("include_noise=False: it chooses the variance behind the predictive std, which "
+                             "return_std=False does not return; pass return_std=True (or leave include_noise)")
         X = validate_dense(self, X)
         with torch.no_grad():
             Phi = self._design(X)

@@ -410,8 +410,13 @@ class GLM(CompactPickleMixin, BaseEstimator):
 
         :param alpha: one threshold or ``(M,)``.
         :param n_trials: binomial trials, one count or ``(M,)`` (default ``self.n_trials``); binomial only.
+        :param int num_points: Gauss-Hermite nodes of the quadrature over ``q``; the ``"gaussian"`` likelihood's CDF is
+            closed-form, and a value other than 32 is a ``ValueError`` there.
         :returns: NumPy ``(M,)``.
         """
+        if self.likelihood == "gaussian" and num_points != 32:
+            raise ValueError(f"num_points={num_points!r}: likelihood='gaussian' has a closed-form predictive CDF and "
+                             "no quadrature; num_points applies to the other likelihoods, leave it at 32")
         M, V = self._latent(X)
         trials = self._trials(n_trials, M.shape[1], M)
         alpha = torch.as_tensor(np.asarray(sklearn_input(alpha), dtype=np.float64), dtype=M.dtype, device=M.device)

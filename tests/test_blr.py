@@ -246,3 +246,17 @@ def test_options_that_a_closed_form_fit_does_not_use_are_warned_of():
     assert b.n_iter_ == 0
     with pytest.warns(ConvergenceWarning):  # where it applies, max_iter caps the fit
         assert BayesianLinearRegression(max_iter=1).fit(X, yv).n_iter_ == 1
+
+
+def test_include_noise_without_return_std_is_refused():
+    """``include_noise`` chooses the variance behind the std: with ``return_std=False`` it was ignored silently (the
+    mean came back); now a ValueError naming both. With ``return_std=True`` the two stds differ by the noise."""
+    Phi, y = _data(30, 3)
+    X, yv = Phi.numpy(), y.numpy()
+    blr = BayesianLinearRegression().fit(X, yv)
+    with pytest.raises(ValueError, match="include_noise=False: .* pass return_std=True"):
+        blr.predict(X, include_noise=False)
+    np.testing.assert_array_equal(blr.predict(X, include_noise=True), blr.predict(X))
+    _, s_y = blr.predict(X, return_std=True)
+    _, s_f = blr.predict(X, return_std=True, include_noise=False)
+    np.testing.assert_allclose(s_y ** 2, s_f ** 2 + blr.noise_var_, rtol=1e-12)
