@@ -102,8 +102,9 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
     :param float tol: the engine's convergence tolerance (``gap_tol`` of ``dual_vg``, ``phi_tol`` of
         ``convex_relaxation``, ...); ``None``: the engine's default.
     :param random_state: an int or a :class:`numpy.random.RandomState` seeding the engine's random draws (its
-        ``seed`` option); ``None``: the engine's default. ``dual_vg`` draws no random numbers, so its fit is the
-        same for every ``random_state``.
+        ``seed`` option); ``None``: the engine's default. ``dual_vg`` and ``laplace`` draw no random numbers here,
+        nor does ``convex_relaxation`` with exact variances (``variance="exact"``, or ``"auto"`` on a small
+        problem): their fits are the same for every ``random_state``.
 
     Learned attributes: ``kernel_`` (the fitted copy of ``kernel``), ``classes_``, ``n_features_in_``,
     ``feature_names_in_`` (pandas input), ``X_train_`` (torch), ``result_``
