@@ -208,13 +208,13 @@ def test_online_max_iter_and_tol_change_the_newton_updates():
 
 def test_online_state_saved_under_the_old_name_loads():
     X, y = binary_problem(n=50, d=4)
-    m = OnlineBayesLogistic(prior_var=1.0, max_iter=7).fit(X, y)
+    m = OnlineBayesLogistic(prior_var=1.0, mean_update="newton", max_iter=7).fit(X, y)
     state = m.state_dict()
     state["config"] = {("maxiter" if k == "max_iter" else k): v for k, v in state["config"].items()}
     again = OnlineBayesLogistic.from_state_dict(state)
     assert again.max_iter == 7 and again.maxiter == "deprecated"
     np.testing.assert_array_equal(again.coef_, m.coef_)
-    OnlineBayesLogistic(prior_var=1.0, max_iter=7).load_state_dict(state)
+    OnlineBayesLogistic(prior_var=1.0, mean_update="newton", max_iter=7).load_state_dict(state)
 
 
 def test_online_marginal_vb_random_state():
