@@ -21,7 +21,8 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from .errors import warn
 from .estimator_base import (POSITIVE, POSITIVE_INT, check_sample_weight, dense_float64,  # noqa: F401
-                             design_matrix, fit_context, float_copy, positive_rows, sklearn_input, validate_dense)
+                             design_matrix, fit_context, float_copy, positive_rows, sklearn_input, validate_dense,
+                             warn_unused)
 
 __all__ = ["blr_log_marginal_likelihood", "blr_posterior", "BayesianLinearRegression", "design_matrix",
            "sklearn_input"]
@@ -176,7 +177,10 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
     :param bool learn_noise: optimise ``sigma^2`` (kept above ``1e-10`` times the variance of ``y``, where
         targets that the features fit exactly would drive it to zero).
     :param bool learn_prior_var: optimise ``lambda``.
-    :param bool learn_basis: optimise the basis module's parameters.
+    :param bool learn_basis: optimise the basis module's parameters (``learn_basis=False`` with a basis that is not
+        a :class:`torch.nn.Module` is unused and named in a ``UserWarning``; so are ``max_iter`` and ``tol`` other
+        than the defaults when nothing is learned: ``learn_noise=False``, ``learn_prior_var=False`` and no learned
+        basis parameters).
     :param bool fit_intercept: append a ones column to ``Phi`` (its weight shares the prior).
     :param int max_iter: iterations: with a fixed design, MacKay's fixed point for ``sigma^2`` and ``lambda``
         (:func:`evidence_fixed_point`) and then L-BFGS, which checks its gradient; with a learned basis, L-BFGS.
@@ -261,6 +265,11 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
             self.basis_(X[:1])  # build lazily created buffers before collecting parameters
             basis_params = [p for p in self.basis_.parameters() if p.requires_grad]
         params += basis_params
+        if not isinstance(self.basis_, torch.nn.Module):
+            warn_unused(self, ("learn_basis",), "the basis is not a torch.nn.Module: it has no parameters to learn")
+        if not params:
+            warn_unused(self, ("max_iter", "tol"), "learn_noise=False and learn_prior_var=False with no learned basis "
+                        "parameters: the fit is closed-form, nothing is optimised")
         fixed_design = None if basis_params else self._design(X).detach()
         history = []
 
@@ -334,10 +343,15 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
         """Predictive mean ``phi*^T m`` (Eq. 16) and optionally std ``sqrt(sigma^2 + phi*^T C phi*)`` (Eq. 17).
 
         :param X: ``(M, d)`` inputs.
-        :param bool include_noise: include ``sigma^2`` in the predictive variance (else the latent variance).
+        :param bool return_std: return the predictive standard deviation as well.
+        :param bool include_noise: include ``sigma^2`` in the predictive variance (else the latent variance); it
+            shapes the std only, so ``include_noise=False`` without ``return_std=True`` is a ``ValueError``.
         :returns: NumPy ``mean (M,)`` or ``(mean, std)``.
         """
         check_is_fitted(self, "posterior_")
+        if not return_std and not include_noise:
+            raise ValueError("include_noise=False: it chooses the variance behind the predictive std, which "
+                             "return_std=False does not return; pass return_std=True (or leave include_noise)")
         X = validate_dense(self, X)
         with torch.no_grad():
             Phi = self._design(X)

@@ -72,7 +72,8 @@ class GLM(CompactPickleMixin, BaseEstimator):
         ``"binomial"`` only: a value other than the default with another likelihood is warned of, and an
         ``n_trials`` argument is refused (``ValueError``).
     :param bool learn_basis: learn the basis module's parameters (a :class:`torch.nn.Module` basis with
-        trainable parameters); else the design ``Phi`` is computed once and fixed.
+        trainable parameters); else the design ``Phi`` is computed once and fixed.  ``learn_basis=False`` with a
+        basis that is not a :class:`torch.nn.Module` (``None``, a function) is unused and warned of.
     :param bool fit_intercept: append a ones column to ``Phi``.
     :param int num_particles: samples per component per step (``L``).
     :param str entropy: entropy bound, ``"eq24"`` (Steinberg et al. 2017) or ``"bhattacharyya"``.
@@ -287,6 +288,8 @@ class GLM(CompactPickleMixin, BaseEstimator):
             warn_unused(self, ("noise_var", "learn_noise"), f"likelihood={self.likelihood!r} has no noise variance")
         if self.likelihood != "binomial":
             warn_unused(self, ("n_trials",), f"likelihood={self.likelihood!r} has no number of trials")
+        if not isinstance(self.basis, torch.nn.Module):
+            warn_unused(self, ("learn_basis",), "the basis is not a torch.nn.Module: it has no parameters to learn")
         weight = unsharded_weight(check_sample_weight(sample_weight, X.shape[0]), sharded)
         # (N,) for binomial, per-row counts kept with their rows
         trials = self._trials(n_trials, X.shape[0], X, fitting=True)
@@ -407,8 +410,13 @@ class GLM(CompactPickleMixin, BaseEstimator):
 
         :param alpha: one threshold or ``(M,)``.
         :param n_trials: binomial trials, one count or ``(M,)`` (default ``self.n_trials``); binomial only.
+        :param int num_points: Gauss-Hermite nodes of the quadrature over ``q``; the ``"gaussian"`` likelihood's CDF is
+            closed-form, and a value other than 32 is a ``ValueError`` there.
         :returns: NumPy ``(M,)``.
         """
+        if self.likelihood == "gaussian" and num_points != 32:
+            raise ValueError(f"num_points={num_points!r}: likelihood='gaussian' has a closed-form predictive CDF and "
+                             "no quadrature; num_points applies to the other likelihoods, leave it at 32")
         M, V = self._latent(X)
         trials = self._trials(n_trials, M.shape[1], M)
         alpha = torch.as_tensor(np.asarray(sklearn_input(alpha), dtype=np.float64), dtype=M.dtype, device=M.device)

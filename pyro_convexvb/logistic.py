@@ -120,7 +120,8 @@ class BayesianLogisticRegression(CompactPickleMixin, BinaryPredictiveClassifier,
         ``phi_tol`` of ``convex_relaxation``, ``rtol`` of the SVI engines); ``None``: the engine's default.
     :param random_state: an int or a :class:`numpy.random.RandomState` seeding the engine's random draws (its
         ``seed`` option: Lanczos probes, SVI, NUTS); ``None``: the engine's default seed. ``dual_vg`` draws no
-        random numbers, so its fit is the same for every ``random_state``.
+        random numbers, so its fit is the same for every ``random_state``; nor does ``convex_relaxation`` with exact
+        variances (``variance="exact"``, or ``"auto"`` on a small dense problem).
 
     Fitted attributes (shapes as in :class:`~sklearn.linear_model.LogisticRegression`):
     ``classes_`` ``(2,)``; ``coef_`` ``(1, d)`` and ``intercept_`` ``(1,)`` posterior means;

@@ -212,3 +212,51 @@ def test_uncentred_targets_reach_the_evidence_maximum_of_bayesian_ridge(rows):
     assert twice.converged_ and twice.prior_var_ == pytest.approx(both.prior_var_, rel=1e-8)
     assert twice.noise_var_ == pytest.approx(both.noise_var_, rel=1e-8)
     assert m.n_iter_ <= m.max_iter
+
+
+def test_options_that_a_closed_form_fit_does_not_use_are_warned_of():
+    """``learn_basis=False`` without a :class:`torch.nn.Module` basis, and ``max_iter`` / ``tol`` when nothing is
+    learned (``learn_noise=False``, ``learn_prior_var=False``, no learned basis), were accepted and ignored silently:
+    now named in a UserWarning, and the fit is the default one (bit for bit, the closed-form posterior at the given
+    variances).  Where they apply they warn of nothing and change the fit."""
+    import warnings
+
+    Phi, y = _data(30, 3)
+    X, yv = Phi.numpy(), y.numpy()
+    fixed = dict(noise_var=0.2, prior_var=3.0, learn_noise=False, learn_prior_var=False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a = BayesianLinearRegression(learn_basis=False).fit(X, yv)
+        b = BayesianLinearRegression(max_iter=1, tol=0.1, **fixed).fit(X, yv)
+        BayesianLinearRegression(**fixed).fit(X, yv)
+        BayesianLinearRegression(basis=RandomFourierFeatures(gpytorch.kernels.RBFKernel().double(), 8, seed=0),
+                                 learn_basis=False, **fixed).fit(X, yv)  # a module, kept fixed: nothing unused
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        BayesianLinearRegression(max_iter=1, tol=0.1).fit(X, yv)  # the variances are learned: both used
+    assert [str(m.message) for m in w if m.category is UserWarning] == [
+        "BayesianLinearRegression: learn_basis=False is not used (the basis is not a torch.nn.Module: it has no "
+        "parameters to learn); leave it at its default",
+        "BayesianLinearRegression: max_iter=1, tol=0.1 are not used (learn_noise=False and learn_prior_var=False with "
+        "no learned basis parameters: the fit is closed-form, nothing is optimised); leave them at their defaults"]
+    np.testing.assert_array_equal(a.coef_, BayesianLinearRegression().fit(X, yv).coef_)
+    ref = BayesianLinearRegression(**fixed).fit(X, yv)
+    np.testing.assert_array_equal(b.coef_, ref.coef_)
+    m, C = blr_posterior(Phi, y, 0.2, 3.0)  # the closed form at the given variances
+    np.testing.assert_allclose(b.coef_, m.numpy(), rtol=1e-12)
+    assert b.n_iter_ == 0
+    with pytest.warns(ConvergenceWarning):  # where it applies, max_iter caps the fit
+        assert BayesianLinearRegression(max_iter=1).fit(X, yv).n_iter_ == 1
+
+
+def test_include_noise_without_return_std_is_refused():
+    """``include_noise`` chooses the variance behind the std: with ``return_std=False`` it was ignored silently (the
+    mean came back); now a ValueError naming both. With ``return_std=True`` the two stds differ by the noise."""
+    Phi, y = _data(30, 3)
+    X, yv = Phi.numpy(), y.numpy()
+    blr = BayesianLinearRegression().fit(X, yv)
+    with pytest.raises(ValueError, match="include_noise=False: .* pass return_std=True"):
+        blr.predict(X, include_noise=False)
+    np.testing.assert_array_equal(blr.predict(X, include_noise=True), blr.predict(X))
+    _, s_y = blr.predict(X, return_std=True)
+    _, s_f = blr.predict(X, return_std=True, include_noise=False)
+    np.testing.assert_allclose(s_y ** 2, s_f ** 2 + blr.noise_var_, rtol=1e-12)

@@ -80,6 +80,13 @@ def test_logistic_random_state_seeds_a_stochastic_engine_and_dual_vg_draws_nothi
     # dual_vg is deterministic: every random_state gives the same fit
     np.testing.assert_array_equal(_coef(pcv.BayesianLogisticRegression(random_state=0).fit(X, y)),
                                   _coef(pcv.BayesianLogisticRegression(random_state=7).fit(X, y)))
+    # so is convex_relaxation with exact variances ("auto" on this small dense problem), as documented; with
+    # Lanczos variances the seed of the start vectors changes the fit
+    for variance, same in (("auto", True), ("exact", True), ("lanczos", False)):
+        cr = [_quiet(lambda rs=rs: pcv.BayesianLogisticRegression(
+            engine="convex_relaxation", random_state=rs, options={"variance": variance, "lanczos_rank": 2}
+            if variance == "lanczos" else {"variance": variance}).fit(X, y)) for rs in (0, 7)]
+        assert np.array_equal(_coef(cr[0]), _coef(cr[1])) == same, variance
 
 
 def test_logistic_knobs_an_engine_lacks_or_set_twice_are_refused():
@@ -176,6 +183,10 @@ def test_gp_max_iter_tol_random_state_reach_the_engine():
                                            options={"min_steps": 20, "window": 10}).fit(X, y).predict_latent(X)[0])
     np.testing.assert_array_equal(svi(0), svi(0))
     assert np.abs(svi(0) - svi(1)).max() > 1e-6
+    # as documented, dual_vg and laplace draw nothing for a GP classifier: every random_state gives the same fit
+    for engine in ("dual_vg", "laplace"):
+        np.testing.assert_array_equal(GPClassifier(engine=engine, random_state=0).fit(X, y).predict_latent(X)[0],
+                                      GPClassifier(engine=engine, random_state=7).fit(X, y).predict_latent(X)[0])
 
 
 # ------------------------------------------------------------------------------ online learners
@@ -197,13 +208,13 @@ def test_online_max_iter_and_tol_change_the_newton_updates():
 
 def test_online_state_saved_under_the_old_name_loads():
     X, y = binary_problem(n=50, d=4)
-    m = OnlineBayesLogistic(prior_var=1.0, max_iter=7).fit(X, y)
+    m = OnlineBayesLogistic(prior_var=1.0, mean_update="newton", max_iter=7).fit(X, y)
     state = m.state_dict()
     state["config"] = {("maxiter" if k == "max_iter" else k): v for k, v in state["config"].items()}
     again = OnlineBayesLogistic.from_state_dict(state)
     assert again.max_iter == 7 and again.maxiter == "deprecated"
     np.testing.assert_array_equal(again.coef_, m.coef_)
-    OnlineBayesLogistic(prior_var=1.0, max_iter=7).load_state_dict(state)
+    OnlineBayesLogistic(prior_var=1.0, mean_update="newton", max_iter=7).load_state_dict(state)
 
 
 def test_online_marginal_vb_random_state():
@@ -305,6 +316,26 @@ def test_logistic_intercept_scale_without_an_intercept_is_warned_of():
     b = pcv.BayesianLogisticRegression(fit_intercept=False).fit(X, y)
     np.testing.assert_array_equal(a.coef_, b.coef_)
     assert a.intercept_.tolist() == [0.0]
+
+
+@pytest.mark.parametrize("cls", [OnlineBayesLogistic, OnlineDimGauss])
+def test_online_newton_options_with_the_taylor_update_are_warned_of(cls):
+    """``tol`` and ``max_iter`` bound the Newton iteration of ``mean_update="newton"``; the one-step ``"taylor"``
+    update has none, so they were accepted and ignored silently: now named in a UserWarning. The fit is the one
+    with the defaults (bit for bit); with ``"newton"`` they warn of nothing and change the fit."""
+    X, y = binary_problem()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a = cls(mean_update="taylor", tol=0.1, max_iter=1).fit(X, y)
+        cls(mean_update="taylor").fit(X, y)
+        c = cls(mean_update="newton", tol=0.1, max_iter=1).fit(X, y)
+    assert [str(m.message) for m in w if m.category is UserWarning] == [
+        f"{cls.__name__}: tol=0.1, max_iter=1 are not used (mean_update='taylor' is one closed-form step; tol and "
+        "max_iter bound mean_update='newton'); leave them at their defaults"]
+    b = cls(mean_update="taylor").fit(X, y)
+    np.testing.assert_array_equal(a.coef_, b.coef_)
+    d = cls(mean_update="newton").fit(X, y)
+    assert np.abs(c.coef_ - d.coef_).max() > 1e-6
 
 
 @pytest.mark.parametrize("make", [lambda: pcv.BayesianLogisticRegression(engine="nope"),

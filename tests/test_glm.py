@@ -287,3 +287,38 @@ def test_bound_and_convergence_are_those_of_the_learned_hyperparameters(likeliho
     log_ev = math.log(integrate.quad(lambda w: math.exp(loglik(w) + scipy.stats.norm.logpdf(w, 0, math.sqrt(lam))
                                                         + 20), -15, 15, limit=400)[0]) - 20
     assert elbo <= log_ev < elbo + 0.05
+
+
+def test_learn_basis_without_a_module_basis_is_warned_of():
+    """``learn_basis=False`` with no basis (or a plain function) has no parameters to keep fixed: it was accepted and
+    ignored silently, and is now named in a UserWarning; the fit is the default one (bit for bit, same seed)."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(30, 2))
+    y = (X[:, 0] > 0).astype(int)
+    kw = dict(max_iter=40, min_steps=5, window=5)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a = GLM(learn_basis=False, **kw).fit(X, y)
+        b = GLM(**kw).fit(X, y)
+        GLM(basis=lambda t: t ** 2, learn_basis=False, **kw).fit(X, y)
+    assert [str(m.message) for m in w if m.category is UserWarning] == [
+        "GLM: learn_basis=False is not used (the basis is not a torch.nn.Module: it has no parameters to learn); "
+        "leave it at its default"] * 2
+    np.testing.assert_array_equal(a.predict_proba(X), b.predict_proba(X))
+    assert a.prior_var_ == b.prior_var_ and a.n_iter_ == b.n_iter_
+
+
+def test_predictive_cdf_num_points_with_the_closed_form_gaussian_cdf_is_refused():
+    """The Gaussian likelihood's predictive CDF is closed-form: ``num_points`` was ignored silently there, now a
+    ValueError naming it; with a likelihood that has a quadrature it changes the result (and 32 is the default)."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(30, 2))
+    kw = dict(max_iter=40, min_steps=5, window=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pcv.ConvergenceWarning)  # 40 steps: a rough posterior is enough here
+        g = GLM("gaussian", **kw).fit(X, X[:, 0] + 0.1 * rng.normal(size=30))
+        p = GLM("poisson", **kw).fit(X, rng.poisson(1.0, size=30))
+    with pytest.raises(ValueError, match="num_points=8: likelihood='gaussian' has a closed-form"):
+        g.predictive_cdf(X, 0.0, num_points=8)
+    np.testing.assert_array_equal(g.predictive_cdf(X, 0.0, num_points=32), g.predictive_cdf(X, 0.0))
+    assert np.abs(p.predictive_cdf(X, 1.0, num_points=2) - p.predictive_cdf(X, 1.0)).max() > 1e-6

@@ -194,6 +194,31 @@ def test_converged_attribute_and_hyper_options_checked_whether_or_not_learning()
     assert any("only apply with learn_hyperparameters=True" in str(x.message) for x in w)
 
 
+def test_learn_mean_without_learning_hyperparameters_is_warned_of():
+    """``learn_mean`` applies to the type-II loop of ``learn_hyperparameters=True`` only; without it nothing is
+    learned and ``learn_mean=False`` was accepted and ignored silently: now named in a UserWarning, and the fit is the
+    default one (bit for bit).  With learning it fixes the mean at ``mean`` (the learned fit moves it)."""
+    import warnings
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(30, 2))
+    y = (X[:, 0] + 0.3 * rng.normal(size=30) > 0).astype(int)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a = GPClassifier(mean=0.5, learn_mean=False).fit(X, y)
+        b = GPClassifier(mean=0.5).fit(X, y)
+    assert [str(x.message) for x in w if x.category is UserWarning] == [
+        "GPClassifier: learn_mean=False is not used (learn_hyperparameters=False learns nothing: the mean stays at "
+        "mean); leave it at its default"]
+    np.testing.assert_array_equal(a.predict_proba(X), b.predict_proba(X))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pcv.ConvergenceWarning)  # three type-II steps: enough to move the mean
+        fixed = GPClassifier(mean=0.5, learn_mean=False, learn_hyperparameters=True,
+                             hyper_options={"max_iter": 3}).fit(X, y)
+        learned = GPClassifier(mean=0.5, learn_hyperparameters=True, hyper_options={"max_iter": 3}).fit(X, y)
+    assert float(fixed.mean_) == 0.5 and abs(float(learned.mean_) - 0.5) > 1e-3
+
+
 def test_refit_without_learning_drops_the_previous_fits_hyperparameter_results():
     """A refit with learn_hyperparameters=False keeps no hyper_converged_ / hyper_result_ of an earlier learning fit
     (they described hyperparameters that this fit did not learn)."""

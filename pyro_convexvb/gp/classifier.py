@@ -22,7 +22,7 @@ from sklearn.utils.validation import check_is_fitted
 from ..estimator_base import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier,
                               binary_targets, check_sample_weight, classifier_outputs, engine_options, fit_context,
                               mixture_log_probs, positive_rows, registered_engine, sklearn_input,
-                              validate_dense)
+                              validate_dense, warn_unused)
 from ..errors import warn
 from ..infer.dual_vg import DualState
 from ..infer.pyro_engines import LaplaceState
@@ -85,7 +85,8 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         reported bound is not itself maximised (its gradient there need not vanish).
     :param float mean: constant prior mean (the starting value when it is learned).
     :param bool learn_mean: with ``learn_hyperparameters``, learn the constant mean along with the kernel's
-        hyperparameters; else it stays at ``mean``.
+        hyperparameters; else it stays at ``mean``.  Without ``learn_hyperparameters`` nothing is learned, and
+        ``learn_mean=False`` is unused and named in a ``UserWarning``.
     :param float jitter: added to the diagonal of ``K``.
     :param dict options: engine options (e.g. ``{"bound": "jensen"}`` for ``dual_vg``).
     :param dict hyper_options: ``{"max_iter": ..., "gtol": ...}``: the engine's ``type2_max_iter`` and
@@ -101,8 +102,9 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
     :param float tol: the engine's convergence tolerance (``gap_tol`` of ``dual_vg``, ``phi_tol`` of
         ``convex_relaxation``, ...); ``None``: the engine's default.
     :param random_state: an int or a :class:`numpy.random.RandomState` seeding the engine's random draws (its
-        ``seed`` option); ``None``: the engine's default. ``dual_vg`` draws no random numbers, so its fit is the
-        same for every ``random_state``.
+        ``seed`` option); ``None``: the engine's default. ``dual_vg`` and ``laplace`` draw no random numbers here,
+        nor does ``convex_relaxation`` with exact variances (``variance="exact"``, or ``"auto"`` on a small
+        problem): their fits are the same for every ``random_state``.
 
     Learned attributes: ``kernel_`` (the fitted copy of ``kernel``), ``classes_``, ``n_features_in_``,
     ``feature_names_in_`` (pandas input), ``X_train_`` (torch), ``result_``
@@ -206,6 +208,8 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         for stale in ("hyper_converged_", "hyper_result_"):  # of an earlier fit that learned them
             self.__dict__.pop(stale, None)
         init = None
+        if not self.learn_hyperparameters:
+            warn_unused(self, ("learn_mean",), "learn_hyperparameters=False learns nothing: the mean stays at mean")
         if self.learn_hyperparameters:
             init = self._learn_hyperparameters(X, y01, options)
         elif self._hyper_options():

@@ -10,7 +10,8 @@ from sklearn.utils._param_validation import StrOptions
 from sklearn.utils.validation import check_array, check_is_fitted, column_or_1d, validate_data
 
 from ..errors import ConvergenceWarning
-from ..estimator_base import DEPRECATED, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier, renamed
+from ..estimator_base import (DEPRECATED, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, BinaryPredictiveClassifier, renamed,
+                              warn_unused)
 from . import equations as eq
 from ._validation import from_torch, per_feature, to_csr
 
@@ -727,6 +728,10 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
             if not self._supports_auto:
                 raise ValueError(f"prior_var: 'auto' is implemented for OnlineBayesLogistic only; give "
                                  f"{type(self).__name__} a number")
+        if getattr(self, "mean_update", "newton") != "newton":  # tol and max_iter belong to the Newton iteration
+            warn_unused(self, ("tol", "max_iter", "maxiter"),
+                        f"mean_update={self.mean_update!r} is one closed-form step; tol and max_iter bound "
+                        "mean_update='newton'")
 
     def _config(self, num_features=None):
         cfg = super()._config(num_features)

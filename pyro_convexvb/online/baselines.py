@@ -172,7 +172,8 @@ class OnlineDimGauss(OnlineDiagonalGaussian):
     keeps the diagonal.  ``mean_update="newton"`` (default) iterates Eqs. (37)-(40) to the mode;
     ``"taylor"`` is the one-step form Eqs. (42)-(46), which overshoots when
     ``x^T Sigma_t x`` is large (wide priors, many active features) and a row is predicted
-    confidently wrong.  See :func:`dimgauss_update`.
+    confidently wrong.  See :func:`dimgauss_update`.  ``tol`` and ``max_iter`` bound the Newton iteration: with
+    ``"taylor"`` a value other than the default is unused and named in a ``UserWarning``.
 
     Example::
 

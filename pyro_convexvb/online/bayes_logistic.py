@@ -58,7 +58,8 @@ class OnlineBayesLogistic(OnlineDiagonalGaussian):
         parameters (Appendix D.1, remark).
     :param float tol: relative step tolerance of the Newton iteration.
     :param int max_iter: iteration cap of the Newton iteration (a :class:`ConvergenceWarning`
-        reports solves that hit it).
+        reports solves that hit it).  ``tol`` and ``max_iter`` apply to ``mean_update="newton"`` only: with
+        ``"taylor"`` a value other than the default is unused and named in a ``UserWarning``.
     :param int maxiter: deprecated name of ``max_iter`` (``FutureWarning``).
     :param fast: ``None`` uses the numba kernel when numba is installed, ``True`` requires it
         (``ImportError`` otherwise), ``False`` uses the NumPy reference path.
