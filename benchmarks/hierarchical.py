@@ -239,50 +239,42 @@ def nuts_reference(name, model, args, kwargs, hyper, field, quick, size=None):
     return ref
 
 
-def _numpyro_bym_reference(args, kwargs, chains, ns, nw):
-    """Per chain, the draws of ``sigma_v`` ``(ns, 1)`` and of the iid effects ``(ns, n)`` from NumPyro's NUTS on
-    the non-centred BYM (``tests/references/numpyro_models.py``: the same posterior, written independently)."""
+def _numpyro_reference(built, hyper, field, chains, ns, nw):
+    """Per chain, the draws of ``hyper`` ``(ns, 1)`` and ``field`` ``(ns, n)`` from NumPyro's NUTS on ``built``, a
+    ``(model, kwargs, to_sites)`` of ``tests/references/numpyro_models.py`` (the same posterior, written
+    independently)."""
     import jax
     import numpy as np
     from numpyro.infer import MCMC as NMCMC
     from numpyro.infer import NUTS as NNUTS
 
+    model, mkw, to_sites = built
+    hs, fs = [], []
+    for c in range(chains):
+        mcmc = NMCMC(NNUTS(model, target_accept_prob=0.9), num_warmup=nw, num_samples=ns, progress_bar=False)
+        mcmc.run(jax.random.PRNGKey(1000 + c), **mkw)
+        s = to_sites({k: np.array(v) for k, v in mcmc.get_samples().items()})
+        hs.append(torch.as_tensor(s[hyper], dtype=D).reshape(ns, -1))
+        fs.append(torch.as_tensor(s[field], dtype=D).reshape(ns, -1))
+    return hs, fs
+
+
+def _numpyro_bym_reference(args, kwargs, chains, ns, nw):
+    """``sigma_v`` and the iid effects ``v`` of the non-centred BYM (:func:`_numpyro_reference`)."""
     from tests.references import numpyro_models
 
     numpyro_models.setup()
     (E,), y = args, kwargs["y"]
-    model, mkw, to_sites = numpyro_models.bym_noncentred(E, y, lattice_precision(int(round(math.sqrt(E.shape[0]))))
-                                                          .to_dense().numpy())
-    hs, fs = [], []
-    for c in range(chains):
-        mcmc = NMCMC(NNUTS(model, target_accept_prob=0.9), num_warmup=nw, num_samples=ns, progress_bar=False)
-        mcmc.run(jax.random.PRNGKey(1000 + c), **mkw)
-        s = to_sites({k: np.array(v) for k, v in mcmc.get_samples().items()})
-        hs.append(torch.as_tensor(s["sigma_v"], dtype=D).reshape(ns, -1))
-        fs.append(torch.as_tensor(s["v"], dtype=D).reshape(ns, -1))
-    return hs, fs
+    built = numpyro_models.bym_noncentred(E, y, lattice_precision(int(round(math.sqrt(E.shape[0])))).to_dense().numpy())
+    return _numpyro_reference(built, "sigma_v", "v", chains, ns, nw)
 
 
 def _numpyro_sonar_reference(args, kwargs, chains, ns, nw):
-    """Per chain, the draws of ``tau`` ``(ns, 1)`` and of ``w`` ``(ns, p)`` from NumPyro's NUTS on the non-centred
-    logistic regression (``tests/references/numpyro_models.py``: the same posterior, written independently)."""
-    import jax
-    import numpy as np
-    from numpyro.infer import MCMC as NMCMC
-    from numpyro.infer import NUTS as NNUTS
-
+    """``tau`` and ``w`` of the non-centred logistic regression (:func:`_numpyro_reference`)."""
     from tests.references import numpyro_models
 
     numpyro_models.setup()
-    model, mkw, to_sites = numpyro_models.sonar_noncentred(args[0], kwargs["y"])
-    hs, fs = [], []
-    for c in range(chains):
-        mcmc = NMCMC(NNUTS(model, target_accept_prob=0.9), num_warmup=nw, num_samples=ns, progress_bar=False)
-        mcmc.run(jax.random.PRNGKey(1000 + c), **mkw)
-        s = to_sites({k: np.array(v) for k, v in mcmc.get_samples().items()})
-        hs.append(torch.as_tensor(s["tau"], dtype=D).reshape(ns, -1))
-        fs.append(torch.as_tensor(s["w"], dtype=D).reshape(ns, -1))
-    return hs, fs
+    return _numpyro_reference(numpyro_models.sonar_noncentred(args[0], kwargs["y"]), "tau", "w", chains, ns, nw)
 
 
 # ----------------------------------------------------------------------------- methods
