@@ -114,21 +114,21 @@ class GridWarp:
     def _rate(self):
         return math.log(self.growth) / self.step
 
+    def _past_core(self, v, f):
+        """``v`` inside the core; beyond it ``sign(v) (core + f((|v| - core) rate) / rate)``, elementwise."""
+        if self.identity:
+            return v
+        a = v.abs()
+        out = self.core + f((a - self.core).clamp_min(0) * self._rate()) / self._rate()
+        return torch.where(a <= self.core, v, torch.sign(v) * out)
+
     def to_x(self, xi):
         """``x`` of lattice coordinates ``xi`` (any shape, elementwise)."""
-        if self.identity:
-            return xi
-        a = xi.abs()
-        out = self.core + torch.expm1((a - self.core).clamp_min(0) * self._rate()) / self._rate()
-        return torch.where(a <= self.core, xi, torch.sign(xi) * out)
+        return self._past_core(xi, torch.expm1)
 
     def to_xi(self, x):
         """The inverse of :meth:`to_x`."""
-        if self.identity:
-            return x
-        a = x.abs()
-        out = self.core + torch.log1p((a - self.core).clamp_min(0) * self._rate()) / self._rate()
-        return torch.where(a <= self.core, x, torch.sign(x) * out)
+        return self._past_core(x, torch.log1p)
 
     def log_jacobian(self, xi):
         """``(S,)`` ``log |det dx / dxi|`` at ``xi (S, d)``: the sum over axes of ``log g'``."""
