@@ -138,6 +138,39 @@ def test_a_too_narrow_posterior_is_flagged_and_corrected_with_a_wider_proposal(l
     assert c.ess > c0.ess
 
 
+def test_affine_rounds_stop_when_a_round_adds_draws_but_not_efficiency(linear_fit, monkeypatch):
+    """A pooled round that raises the importance ESS but not the ESS per draw is kept and ends the rounds: its map
+    was no better than the last one's, so a further round would only add draws."""
+    from pyro_convexvb.diagnostics import importance as imp
+
+    model, X, y, noise, res = linear_fit
+    bad = pcv.GaussianPosterior(res.posterior.loc, covariance=0.5 * res.posterior.covariance())
+    bad.layout, bad.model, bad.model_args = res.posterior.layout, model, ((X,), {"y": y})
+    res_bad = pcv.InferenceResult(bad, None, engine="test")
+    weigh, pool, pooled = imp._weigh, imp._pool, []
+
+    def first_round(*a, **k):  # the plain round: ESS 100 of 2,000 draws (5% a draw)
+        d = weigh(*a, **k)
+        if d.proposal == "fitted":
+            d.ess = 100.0
+        return d
+
+    def pooled_round(*a, **k):  # each pooled round: one more effective draw, 4,000 or more draws (under 5%)
+        d = pool(*a, **k)
+        d.ess = 101.0 + len(pooled)
+        pooled.append(d.num_draws)
+        return d
+
+    monkeypatch.setattr(imp, "_weigh", first_round)
+    monkeypatch.setattr(imp, "_pool", pooled_round)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ApproximationWarning)
+        c = correct(res_bad, num_draws=2000, adapt=2)
+    assert pooled == [4000]  # no third round
+    assert c.diagnostics.proposal == "affine" and c.diagnostics.num_draws == 4000 and c.ess == 101.0
+    assert set(c.diagnostics.tried) == {"fitted", "affine"}
+
+
 def test_fit_correct_option(linear_fit):
     model, X, y, noise, _ = linear_fit
     with pytest.raises(ValueError, match="correct: expected None or 'psis'"):

@@ -448,7 +448,9 @@ def _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried):
     """Adaptive importance sampling from the plain proposal ``q1``: each round fits an affine map of the whitened
     field (:func:`~pyro_convexvb.diagnostics.whitened.fit_affine_map`) to the pooled weighted draws so far, draws
     ``num_draws`` more, and pools every round (:func:`_pool`); it stops when the importance ESS reaches
-    :data:`ADAPT_BELOW` of the draws or a round does not improve it."""
+    :data:`ADAPT_BELOW` of the draws or a round does not improve it. A round that raises the ESS but not the ESS per
+    draw is kept (its draws are paid for) and ends the rounds: its map was no better than the last, so another
+    round would add draws, not a better proposal (more draws are what ``num_draws`` is for)."""
     from .whitened import DEFENSIVE_WEIGHT, AffineMap, WhitenedProposal, fit_affine_map
 
     post = proposal_posterior(result)
@@ -477,7 +479,10 @@ def _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried):
         tried["affine" if r == 0 else f"affine{r + 1}"] = d2.k_hat
         if _rank(d2) <= _rank(d):
             break
+        sharper = d2.ess / d2.num_draws > d.ess / d.num_draws
         d, eps, own = d2, d2.eps, d2.own
+        if not sharper:  # more draws, no better proposal: another round would only add draws
+            break
     return _gather(d)
 
 
@@ -622,7 +627,7 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     round's draws pooled against the mixture of the rounds' proposals (proposal ``"affine"``); with ``"diagonal"`` a
     shift and scale per coordinate
     (:class:`~pyro_convexvb.diagnostics.proposals.AdaptedProposal`, the last round's draws only). Rounds are kept
-    while they improve the importance ESS. If the proposal's ``k_hat`` is above the threshold or its weighted
+    while they improve the importance ESS, and the affine rounds go on while they also improve the ESS per draw. If the proposal's ``k_hat`` is above the threshold or its weighted
     moments disagree with its own (:attr:`ImportanceDiagnostics.ok`), the defensive mixtures ``"widened"`` (scales
     times 1.5) and ``"student_t"`` (5 degrees of freedom) are tried with fresh draws, and the proposal used is the
     reliable one (``k_hat`` below the threshold) with the largest importance ESS, or, if none is reliable, the one
