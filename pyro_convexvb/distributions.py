@@ -466,10 +466,13 @@ class SparseGMRF(TorchDistribution):
         generalised determinant ``log|Q|* = (n - k) log s + log|Q_0|*`` (Rue & Held 2005, §3.1)."""
         return self.rank * torch.log(self.precision_scale) + self._logdet0
 
-    def scaled_precision(self):
-        """``Q = s Q_0`` as a :class:`~pyro_convexvb.linalg.SparseOperator` (detached values)."""
+    def scaled_precision(self, keep_graph=False):
+        """``Q = s Q_0`` as a :class:`~pyro_convexvb.linalg.SparseOperator`: detached values, or with ``keep_graph``
+        values carrying the autograd graph of ``precision_scale`` (for envelope gradients)."""
         s = float(self.precision_scale.detach())
-        if s == 1.0:
+        if keep_graph and torch.is_tensor(self.precision_scale) and self.precision_scale.requires_grad:
+            s = self.precision_scale.reshape(())
+        elif s == 1.0:
             return self.precision
         A = self.precision.matrix
         csr = torch.sparse_csr_tensor(A.crow_indices(), A.col_indices(), A.values() * s, size=A.shape,

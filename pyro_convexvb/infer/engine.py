@@ -228,6 +228,14 @@ class Engine:
         """The type-II objective of a fit: the engine's evidence bound (override)."""
         return result.log_evidence_bound
 
+    def envelope_bound(self, result, lgm):
+        """The fit's evidence bound as a function of the model's parameters at its fixed optimal state, for envelope
+        gradients over hyper-latents (:meth:`~pyro_convexvb.infer.hyper.HyperObjective.gradient`): a 0-d tensor
+        carrying ``lgm``'s autograd graph, ``lgm`` the model re-extracted at the same parameters with their graph,
+        whose derivative is that of ``result.log_evidence_bound`` because the state maximises that very bound; or
+        ``None`` when the engine has no such form (default), and the caller differentiates refits instead."""
+        return None
+
     def type2_gradient(self, params, x, result, args, kwargs, h):
         """``dB/dz`` over the params' unconstrained values ``x`` (default: central differences of refits)."""
         return refit_gradient(self, params, x, result, args, kwargs, max(h, 1e-4))

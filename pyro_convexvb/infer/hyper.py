@@ -181,13 +181,13 @@ def conditioned_model(model, values):
 class _ThetaLogProb(poutine.messenger.Messenger):
     """Records ``log p(theta)``, the hyper-latents' own prior log densities at their conditioned values."""
 
-    def __init__(self, names):
+    def __init__(self, names, keep_graph=False):
         super().__init__()
-        self.names, self.terms = set(names), {}
+        self.names, self.terms, self.keep_graph = set(names), {}, keep_graph
 
     def _pyro_post_sample(self, msg):
         if msg["name"] in self.names:
-            with torch.no_grad():
+            with torch.set_grad_enabled(self.keep_graph and torch.is_grad_enabled()):
                 self.terms[msg["name"]] = msg["fn"].log_prob(msg["value"]).sum()
 
 
@@ -203,6 +203,8 @@ class ConditionedModel:
     :param model: the Pyro model.
     :param dict values: ``{name: value}`` of the hyper-latents (constrained).
     :param dict extraction_cache: shared by the conditioned models of one integration, or ``None``.
+    :param bool keep_graph: record ``log p(theta)`` with the autograd graph of ``values`` as well
+        (:attr:`log_prior_tensor`, a 0-d tensor), for envelope gradients.
 
     Example::
 
@@ -217,15 +219,18 @@ class ConditionedModel:
         -0.350791
     """
 
-    def __init__(self, model, values, extraction_cache=None):
+    def __init__(self, model, values, extraction_cache=None, keep_graph=False):
         self.model, self.values, self.extraction_cache = model, values, extraction_cache
-        self.log_prior = None
+        self.keep_graph = keep_graph
+        self.log_prior, self.log_prior_tensor = None, None
 
     def __call__(self, *args, **kwargs):
-        rec = _ThetaLogProb(self.values)
+        rec = _ThetaLogProb(self.values, self.keep_graph)
         with poutine.block(hide=list(self.values)), rec, poutine.condition(data=self.values):
             out = self.model(*args, **kwargs)
-        self.log_prior = float(sum(rec.terms[n] for n in self.values)) if len(rec.terms) == len(self.values) else None
+        complete = len(rec.terms) == len(self.values)
+        self.log_prior_tensor = sum(rec.terms[n] for n in self.values) if complete else None
+        self.log_prior = float(self.log_prior_tensor.detach()) if complete else None
         return out
 
 
@@ -347,6 +352,78 @@ class HyperObjective:
         #: the inner fits' warnings, each distinct one issued once per integration; convergence warnings are left
         #: out: the outer fit counts the unconverged design points and warns once about them
         self._warnings = WarningsOnce(drop=(ConvergenceWarning,))
+        #: whether envelope gradients agreed with central differences of fits (``None``: not yet checked, ``False``:
+        #: they did not, or the engine has none, and :meth:`gradient` differences fits) and why not
+        self.envelope_ok, self.envelope_note = None, None
+        self.gradients = {"envelope": 0, "differences": 0}  # gradients taken each way
+        self._grad_cache = {"template": ExtractionTemplate()}  # the graph-keeping extractions' own structure
+
+    def gradient(self, z, fd_step):
+        """``df/dz`` ``(d,)`` at ``z``: by the envelope theorem when the engine's bound allows it
+        (:meth:`~pyro_convexvb.infer.engine.Engine.envelope_bound`: the bound at the fitted state, differentiated
+        through a graph-keeping extraction of the model at ``theta(z)``; one extraction and no fit beyond the one
+        at ``z``), else by central differences of fits (step ``fd_step``, ``2 d`` fits).
+
+        The first envelope gradient of an integration is checked against a central difference of fits along a
+        random direction; when they disagree (a dependence on ``theta`` the extraction's graph does not carry,
+        e.g. a design scaled by a hyper-latent, which extraction detaches) every gradient is differenced.
+        """
+        z = torch.as_tensor(z, dtype=torch.float64).reshape(-1)
+        if self.envelope_ok is not False:
+            g = self._envelope_gradient(z)
+            if g is not None and self.envelope_ok is None:
+                self.envelope_ok = self._check_envelope(z, g, fd_step)
+            if g is not None and self.envelope_ok:
+                self.gradients["envelope"] += 1
+                return g
+        self.gradients["differences"] += 1
+        return _grad_fd(self, z, fd_step)
+
+    def _envelope_gradient(self, z):
+        """The envelope gradient at ``z`` (:meth:`gradient`), or ``None`` (then :attr:`envelope_ok` is ``False``)."""
+        from ..lgm.extract import lgm_from_pyro
+
+        value, _ = self.fit(z)
+        key = tuple(round(float(v), 12) for v in z)
+        full = self.cache[key][2]
+        if full is None or isinstance(full, _PointResult):  # released: fitted again from its own state
+            full = self._run(z, self.space.unpack(z)[0], self.cache[key][1])
+        zl = z.clone().requires_grad_(True)
+        values, logjac = self.space.unpack(zl, keep_graph=True)
+        model = ConditionedModel(self.engine.model, values, self._grad_cache, keep_graph=True)
+        with self._warnings.collect():
+            lgm = lgm_from_pyro(model, *self.args, dtype=torch.float64, keep_graph=True, **self.kwargs)
+            bound = self.engine.envelope_bound(full, lgm)
+        why = None
+        if bound is None:
+            why = f"engine '{self.engine.name}' has no envelope form of its bound here"
+        elif model.log_prior_tensor is None:
+            why = "the model's run did not record log p(theta)"
+        else:
+            total = model.log_prior_tensor + logjac + bound
+            if abs(float(total.detach()) - value) > 1e-6 * (1.0 + abs(value)):
+                why = (f"the bound at the fitted state, {float(total.detach()):.10g}, is not the fit's value "
+                       f"{value:.10g}")
+        if why is not None:
+            self.envelope_ok, self.envelope_note = False, why
+            return None
+        (g,) = torch.autograd.grad(total, zl, allow_unused=True) if total.requires_grad else (None,)
+        return torch.zeros_like(z) if g is None else g.detach().to(torch.float64)
+
+    def _check_envelope(self, z, g, fd_step):
+        """Whether the envelope gradient ``g`` at ``z`` agrees with a central difference of fits along a random unit
+        direction (step ``fd_step``; two fits), to ``1e-3 (1 + |difference|)``: above the differences' own error
+        (the fits' errors over the step, about 1e-4) and far below a missed dependence."""
+        gen = torch.Generator().manual_seed(z.shape[0])
+        d = torch.randn(z.shape[0], generator=gen, dtype=torch.float64)
+        d = d / d.norm()
+        fd = (self(z + fd_step * d) - self(z - fd_step * d)) / (2 * fd_step)
+        gd = float(g @ d)
+        if abs(fd - gd) <= 1e-3 * (1.0 + abs(fd)):
+            return True
+        self.envelope_note = (f"the envelope gradient along a random direction, {gd:.6g}, disagreed with central "
+                              f"differences of fits, {fd:.6g}")
+        return False
 
     def _nearest(self, z):
         if not self.cache:
@@ -505,16 +582,19 @@ def _hessian_fd(f, z, h):
     return H
 
 
-def find_mode(obj, z0, *, max_iter=100, gtol=1e-4, fd_step=1e-3, bound=12.0, hess_step=2e-2, newton_steps=3):
-    """Maximise ``obj`` (a :class:`HyperObjective`) over ``z`` by L-BFGS-B with central-difference gradients,
-    then Newton steps on the central-difference Hessian while ``max |grad| > gtol``.
+def find_mode(obj, z0, *, max_iter=100, gtol=1e-4, fd_step=1e-3, bound=12.0, hess_step=2e-2, newton_steps=3,
+              grad=None):
+    """Maximise ``obj`` (a :class:`HyperObjective`) over ``z`` by L-BFGS-B with the gradients ``grad(z)`` (default:
+    central differences of ``obj``, step ``fd_step``; :meth:`HyperObjective.gradient` gives envelope gradients
+    where the engine allows), then Newton steps on the central-difference Hessian while ``max |grad| > gtol``.
 
     The Newton steps are needed because every value of ``obj`` is an inner fit stopped at its own tolerance
     and warm-started from the nearest point fitted before: its error (about 1e-7 to 1e-6 nats) depends on
     that starting point. L-BFGS-B's line search compares values at different points, and near the mode,
     where a step gains only about ``|g|^2 / H``, that error decides it: the search fails ("ABNORMAL") with
     ``|g|`` above ``gtol``. A gradient or Hessian stencil is fitted from its own centre, so its differences
-    cancel the error; Newton steps use only those and reach ``gtol``.
+    cancel the error, and an envelope gradient reads no difference of values at all; Newton steps use only
+    those and reach ``gtol``.
 
     :param float hess_step: step of the central-difference Hessian of the Newton steps.
     :param int newton_steps: most Newton steps after L-BFGS-B (each stops early when it does not reduce
@@ -528,13 +608,16 @@ def find_mode(obj, z0, *, max_iter=100, gtol=1e-4, fd_step=1e-3, bound=12.0, hes
     # the prior median of a 3000-group scale it jumped to the box's edge (sigma ~ 1e5), where one inner fit took
     # minutes. The objective is divided by |grad f(z0)|, so the first step has length one in z; the iterates that
     # follow are those of L-BFGS-B on f (its curvature pairs scale with f), and its gradient tolerance is scaled back.
+    if grad is None:
+        def grad(z):
+            return _grad_fd(obj, z, fd_step)
     z0 = z0.to(torch.float64)
-    scale = max(1.0, float(_grad_fd(obj, z0, fd_step).norm()))
+    scale = max(1.0, float(grad(z0).norm()))
 
     def fun(x):
         z = torch.as_tensor(x, dtype=torch.float64)
         v = obj(z)
-        g = _grad_fd(obj, z, fd_step)
+        g = grad(z)
         return -v / scale, -g.numpy() / scale
 
     x0 = z0.numpy().astype(np.float64)
@@ -543,7 +626,7 @@ def find_mode(obj, z0, *, max_iter=100, gtol=1e-4, fd_step=1e-3, bound=12.0, hes
                                   options=dict(maxiter=max_iter, gtol=gtol / scale, ftol=1e-12))
     z = torch.as_tensor(res.x, dtype=torch.float64)
     lo, hi = z0.to(torch.float64) - bound, z0.to(torch.float64) + bound
-    g = _grad_fd(obj, z, fd_step)
+    g = grad(z)
     for _ in range(newton_steps):
         if float(g.abs().max()) <= gtol:
             break
@@ -553,7 +636,7 @@ def find_mode(obj, z0, *, max_iter=100, gtol=1e-4, fd_step=1e-3, bound=12.0, hes
         except torch.linalg.LinAlgError:
             break  # not locally concave: no Newton step (the caller reports the gradient)
         z_new = torch.minimum(torch.maximum(z + torch.cholesky_solve(g.reshape(-1, 1), L).reshape(-1), lo), hi)
-        g_new = _grad_fd(obj, z_new, fd_step)
+        g_new = grad(z_new)
         if float(g_new.abs().max()) >= float(g.abs().max()):
             break
         z, g = z_new, g_new
@@ -676,11 +759,13 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
                          reuse_extraction=reuse_extraction)
     z0 = _initial_z(model, args, kwargs, space)
     gtol = 1e-3
-    z_mode, f_mode, opt = find_mode(obj, z0, fd_step=fd_step, gtol=gtol, hess_step=hess_step)
+    z_mode, f_mode, opt = find_mode(obj, z0, fd_step=fd_step, gtol=gtol, hess_step=hess_step,
+                                    grad=lambda z: obj.gradient(z, fd_step))
     mode_res = obj.fit(z_mode, keep=True)[1]
-    gnorm = float(_grad_fd(obj, z_mode, fd_step).abs().max())
+    gnorm = float(obj.gradient(z_mode, fd_step).abs().max())
     info = {"mode_z": z_mode, "mode_theta": space.unpack(z_mode)[0], "log_post_mode": f_mode,
-            "mode_grad_norm": gnorm, "mode_gtol": gtol, "mode_message": str(opt.message), "space": space}
+            "mode_grad_norm": gnorm, "mode_gtol": gtol, "mode_message": str(opt.message), "space": space,
+            "gradients": dict(obj.gradients, envelope_ok=obj.envelope_ok, envelope_note=obj.envelope_note)}
     if strategy == "map":
         info.update(evaluations=len(obj.cache), fits=obj.fits, extraction=obj.extraction_report())
         obj.release_extraction()

@@ -411,7 +411,7 @@ def _latent_prior(name, fn, shape, dtype, device, keep_graph=False, loc=None):
 
     if isinstance(base, SparseGMRF):  # sparse precision kept sparse; log|Q| from its sparse Cholesky factor
         _check_gmrf_shape(name, base, shape)
-        prec = base.scaled_precision()
+        prec = base.scaled_precision(keep_graph=keep_graph)
         if prec.dtype != dtype or prec.device != device:
             A = prec.matrix
             prec = SparseOperator(torch.sparse_csr_tensor(A.crow_indices(), A.col_indices(), A.values().to(dtype),

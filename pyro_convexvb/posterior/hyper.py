@@ -48,16 +48,19 @@ class ThetaSpace:
     def dim(self):
         return sum(self.sizes)
 
-    def unpack(self, z):
+    def unpack(self, z, keep_graph=False):
         """``({site: constrained value}, log|d theta / d z|)`` for ``z`` of shape ``(dim,)``; the values in each
-        site's own dtype and device, the log-Jacobian computed in :attr:`dtype`."""
-        z = torch.as_tensor(z).detach().to(device="cpu", dtype=self.dtype)
+        site's own dtype and device, the log-Jacobian computed in :attr:`dtype` (a float; with ``keep_graph`` a 0-d
+        tensor, and values and log-Jacobian carry ``z``'s autograd graph)."""
+        z = torch.as_tensor(z)
+        z = (z if keep_graph else z.detach()).to(device="cpu", dtype=self.dtype)
         vals, ld, start = {}, 0.0, 0
         for k, (n, us, t, size) in enumerate(zip(self.names, self.ushapes, self.transforms, self.sizes)):
             x = z[start:start + size].reshape(us)
             start += size
             v = t(x)
-            ld = ld + float(t.log_abs_det_jacobian(x, v).sum())
+            jac = t.log_abs_det_jacobian(x, v).sum()
+            ld = ld + (jac if keep_graph else float(jac))
             if self.site_dtypes is not None:
                 v = v.to(device=self.site_devices[k], dtype=self.site_dtypes[k])
             vals[n] = v

@@ -498,6 +498,21 @@ class DualVGEngine(Engine):
             return super().type2_gradient(params, x, result, args, kwargs, h)
         return envelope_gradient(params, x, self.model, args, kwargs, result.state.bound_at, h, autograd=True)
 
+    def envelope_bound(self, result, lgm):
+        """``ELBO_LVB(q*; theta)`` (:meth:`DualState.bound_at`) when it is the reported bound's envelope: every
+        site's local bound is exact (``-E log p`` itself: Poisson, Gaussian, stochastic volatility), so ``q*``
+        maximises the reported exact VG bound too and ``dB/dtheta = dELBO_LVB(q*; theta)/dtheta`` (Khan et al.
+        2013, §5); ``None`` for a refined fit, a block (vector-site) or Jaakkola fit, a posterior above
+        ``DENSE_LIMIT`` or any inexact local bound (e.g. Bernoulli's, whose LVB lies below the reported bound)."""
+        st = result.state
+        if not isinstance(st, DualState) or st.form == "block" or st.bound == "jaakkola" \
+                or result.info.get("refine") or result.posterior.n > DENSE_LIMIT \
+                or sharded_design(lgm.design())[1] is not None:
+            return None
+        if any(g.family.vector_site or not make_bound(g.family, st.bound, None).exact for g in lgm.sites):
+            return None
+        return st.bound_at(lgm)
+
     def initial_alpha(self, lgm, num_sites):
         """``alpha`` the fit starts from: ``init.alpha``, else option ``alpha0``, else ``None`` (checked)."""
         o = self.options
