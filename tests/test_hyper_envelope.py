@@ -156,3 +156,29 @@ def test_bernoulli_sites_have_no_envelope_and_are_differenced():
     fd = hyper_mod._grad_fd(obj, z, 1e-3)
     assert torch.allclose(g, fd, atol=1e-12)
     assert not math.isnan(float(g[0]))
+
+
+def test_an_intrinsic_gmrf_whose_graph_keeping_extraction_is_refused_is_differenced():
+    """An RW1 trend's precision scale as a hyper-latent: a graph-keeping extraction of an intrinsic ``SparseGMRF`` is
+    refused (``UnsupportedModelError``), so the envelope is not taken, the reason is reported and the gradients are
+    differenced (the fit used to fail with that error)."""
+    n = 10
+    g = torch.Generator().manual_seed(5)
+    counts = torch.poisson(3.0 * torch.exp(torch.sin(torch.arange(n, dtype=D) / 2)), generator=g)
+    Q = pcv.distributions.rw_precision(n)
+
+    def model(y=None):
+        tau = pyro.sample("tau", dist.Gamma(torch.tensor(2.0, dtype=D), 0.5))
+        x = pyro.sample("x", pcv.distributions.SparseGMRF(torch.zeros(n, dtype=D), Q, tau,
+                                                          constraints="sum_to_zero"))
+        with pyro.plate("data", n):
+            pyro.sample("y", dist.Poisson(3.0 * torch.exp(x)), obs=y)
+
+    obj = _hyper_objective(model, (), {"y": counts})
+    z = torch.tensor([0.3], dtype=D)
+    grad = obj.gradient(z, 1e-3)
+    assert obj.envelope_ok is False and "refused" in obj.envelope_note and "intrinsic" in obj.envelope_note
+    assert obj.gradients == {"envelope": 0, "differences": 1}
+    assert torch.allclose(grad, hyper_mod._grad_fd(obj, z, 1e-3), atol=1e-12)
+    res = pcv.fit(model, engine="dual_vg", progress=False, y=counts)
+    assert res.info["hyper_details"]["gradients"]["envelope_ok"] is False

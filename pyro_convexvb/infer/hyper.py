@@ -391,15 +391,16 @@ class HyperObjective:
         zl = z.clone().requires_grad_(True)
         values, logjac = self.space.unpack(zl, keep_graph=True)
         model = ConditionedModel(self.engine.model, values, self._grad_cache, keep_graph=True)
-        with self._warnings.collect():
-            lgm = lgm_from_pyro(model, *self.args, dtype=torch.float64, keep_graph=True, **self.kwargs)
-            bound = self.engine.envelope_bound(full, lgm)
-        why = None
-        if bound is None:
-            why = f"engine '{self.engine.name}' has no envelope form of its bound here"
-        elif model.log_prior_tensor is None:
+        try:
+            with self._warnings.collect():
+                lgm = lgm_from_pyro(model, *self.args, dtype=torch.float64, keep_graph=True, **self.kwargs)
+                bound = self.engine.envelope_bound(full, lgm)
+            why = None if bound is not None else f"engine '{self.engine.name}' has no envelope form of its bound here"
+        except UnsupportedModelError as e:  # e.g. an intrinsic GMRF, whose graph-keeping extraction is refused
+            why = f"the graph-keeping extraction was refused: {e}"
+        if why is None and model.log_prior_tensor is None:
             why = "the model's run did not record log p(theta)"
-        else:
+        if why is None:
             total = model.log_prior_tensor + logjac + bound
             if abs(float(total.detach()) - value) > 1e-6 * (1.0 + abs(value)):
                 why = (f"the bound at the fitted state, {float(total.detach()):.10g}, is not the fit's value "
