@@ -38,8 +38,9 @@ The project's promise, checked in ``promise`` for ``ours + psis``: ``mean_err <=
 
 Time: median wall seconds over ``--repeats`` (default 3, quick 1) alternating repetitions; ``vs_numpyro`` is
 NumPyro's median over the method's (how many times faster). torch runs on one thread, NumPyro on one CPU device.
-The results file (``zoo_hierarchical.json``, ``_quick`` under ``--quick``, ``_<models>`` for ``--models``) is
-rewritten after every model.
+The figure (``docs/figures/zoo_hierarchical*.png``) shows the seconds and the mean errors. The results file
+(``zoo_hierarchical.json``, ``_quick`` under ``--quick``, ``_<models>`` for ``--models``) is rewritten after every
+model.
 
 Usage::
 
@@ -61,7 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import pyro  # noqa: E402
 import torch  # noqa: E402
-from _common import Timer, make_parser, markdown_table, parse_args, write_json  # noqa: E402
+from _common import Timer, make_parser, markdown_table, parse_args, save_figure, write_json  # noqa: E402
 from torch.distributions import biject_to  # noqa: E402
 
 import pyro_convexvb as pcv  # noqa: E402
@@ -116,7 +117,7 @@ def errors(case, summary, hyper_q):
         if float(em.max()) > mean_err:
             mean_err, worst = float(em.max()), f"{site}[{int(em.argmax())}]" if rm.numel() > 1 else site
         lo, hi = min(lo, float(ratio.min())), max(hi, float(ratio.max()))
-    out = {"mean_err": mean_err, "worst": worst, "sd_ratio_min": lo, "sd_ratio_max": hi}
+    out = {"mean_err": mean_err, "detail": {"worst": worst}, "sd_ratio_min": lo, "sd_ratio_max": hi}
     h = case["hyper"]
     rh = case["ref"][h]
     if "q05" in rh and hyper_q is not None:
@@ -269,14 +270,17 @@ def main():
                 print(f"  {m}: {sec:.2f} s, mean err {err['mean_err']:.3f} sd", flush=True)
         np_t = statistics.median(times["numpyro nuts"]) if times.get("numpyro nuts") else math.nan
         for m in methods:
-            row = {"model": name, "engine": case["engine"] if m != "numpyro nuts" else "nuts", "method": m}
+            # every row of a model carries the same identifying fields (model, our_engine): benchmarks/check.py
+            # groups rows that differ only in their method
+            row = {"model": name, "our_engine": case["engine"], "method": m}
             if m not in out:
                 row.update(seconds=math.nan, vs_numpyro=math.nan, failed=failed.get(m, "no timed run"))
                 rows.append(row)
                 continue
             err, extras = out[m]
             med = statistics.median(times[m])
-            row.update(seconds=med, vs_numpyro=np_t / med, timed_runs=len(times[m]), **err, **extras)
+            row.update(seconds=med, vs_numpyro=np_t / med, **err, **extras)
+            row["detail"]["timed_runs"] = len(times[m])
             if m == "numpyro nuts":
                 row.update(seconds_compile=compile_s, includes_compile=repeats == 1)
             if m == "ours + psis":
@@ -290,10 +294,12 @@ def main():
                            for n in done},
             "models_done": done, "complete": len(done) == len(models)})
     print()
+    table = [{**r, **r.get("detail", {}), "engine": r["our_engine"] if r["method"] != "numpyro nuts" else "-"}
+             for r in rows]
     cols = ["model", "engine", "method", ("seconds", "seconds"), ("vs_numpyro", "x NumPyro"),
             ("mean_err", "mean err (ref sd)"), "worst", ("sd_ratio_min", "sd/ref min"), ("sd_ratio_max", "sd/ref max"),
             ("q_err", "hyper q err"), "k_hat", ("diag_seconds", "k_hat s"), "promise"]
-    print(markdown_table(rows, cols, floatfmt=".3g"))
+    print(markdown_table(table, cols, floatfmt=".3g"))
     np_rows = [r for r in rows if r["method"] == "numpyro nuts" and "split_rhat" in r]
     if np_rows:
         print()
@@ -307,6 +313,35 @@ def main():
         print("hyper-latent quantiles (constrained) relative to the nuts references' (quadrature references store "
               "none):")
         print(markdown_table(q_rows, ["model", "method", "q_err_q05", "q_err_q50", "q_err_q95"], floatfmt=".3g"))
+    plot(rows, f"zoo_hierarchical{tag}")
+
+
+def plot(rows, name):
+    """Seconds (log scale) and the largest mean error per model and method, the promise's 0.1 sds marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    by = {(r["model"], r["method"]): r for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / max(1, len(methods))
+    for j, m in enumerate(methods):
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(models))]
+        for ax, key in zip(axes, ("seconds", "mean_err")):
+            ax.bar(xs, [by.get((mo, m), {}).get(key, math.nan) for mo in models], width, label=m)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("seconds (median)")
+    axes[1].axhline(PROMISE["mean_err"], color="k", lw=0.8, ls="--")
+    axes[1].set_ylabel("largest |mean - ref| / ref sd")
+    for ax in axes:
+        ax.set_xticks(range(len(models)))
+        ax.set_xticklabels(models, rotation=30, ha="right", fontsize=7)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":
