@@ -285,6 +285,19 @@ def enable_compile_cache(directory):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def use_temporary_compile_cache(prefix):
+    """:func:`enable_compile_cache` in a fresh temporary directory (removed at exit): the first run compiles, later
+    chains and runs load the programs. Returns the directory."""
+    import atexit
+    import shutil
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, directory, True)
+    enable_compile_cache(directory)
+    return directory
+
+
 def _nuts(model, kwargs, chains, warmup, samples, seed, extra_fields=()):
     import jax
     from numpyro.infer import MCMC, NUTS

@@ -30,7 +30,12 @@ the time includes the correction), and every uncorrected result of our engines
 reports the PSIS ``k_hat`` of its posterior (``res.diagnostics``, 500 draws, not timed). When NumPyro is installed
 (the ``bench`` extra) ``numpyro nuts`` runs each case written independently in NumPyro
 (``_numpyro_models.py``): 4 chains of 1,000 warm-up steps and 1,000 draws, run sequentially (quick: 2 x 200 +
-200); its time includes JIT compilation on the first repeat (``seconds_compile``) and not on the others.
+200); its time includes JIT compilation on the first repeat (``seconds_compile``) and not on the others:
+NumPyro's ``MCMC.run`` wraps its sampling loop in a new ``jax.jit`` on every call, so each chain of each run
+would compile it again (about 1.6-2 s a chain here), and XLA's compiled programs are kept in a temporary persistent
+cache from which later chains and runs load them (still traced and lowered, about 0.2 s a chain);
+``--numpyro-compile-cache off`` times the recompilations (the protocol before 2026-11-28 evening, whose NumPyro
+times, and so our ratios against them, included one compilation per chain).
 ESS/s is the smallest bulk ESS over the hyper-latent and the field per second for the samplers, the importance
 ESS per second for corrected results.
 
@@ -381,6 +386,8 @@ def main():
                         help="comma list of methods to run (default: all); e.g. leave out Pyro's slow peers")
     parser.add_argument("--reference", default=None,
                         help="NUTS reference size 'chains,samples,warmup' (default 4,3000,1500; quick 2,500,300)")
+    parser.add_argument("--numpyro-compile-cache", choices=("on", "off"), default="on",
+                        help="keep NumPyro's compiled sampling loop in a temporary persistent cache (default on)")
     args = parse_args(parser=parser)
     torch.set_default_dtype(D)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -397,6 +404,8 @@ def main():
         if unknown:
             parser.error(f"--methods: unknown {sorted(unknown)}; choose from {methods}")
         methods = [m for m in methods if m in args.methods.split(",")]
+    if "numpyro nuts" in methods and args.numpyro_compile_cache == "on":
+        _numpyro_models.use_temporary_compile_cache("hierarchical_xla_")
     rows, figs, ref_rows = [], {}, []
     cases = args.cases.split(",")
     # a run of some cases writes its own file (cases are run one at a time within the machine's quiet windows)
@@ -456,6 +465,7 @@ def main():
                          "split_rhat": ref["split_rhat"], "min_ess": ref["min_ess"], "seconds": ref["seconds"]})
         # rewritten after every case: a run stopped partway keeps the cases it finished
         write_json(f"hierarchical{tag}", {"rows": rows, "references": ref_rows, "repeats": repeats,
+                                          "numpyro_compile_cache": args.numpyro_compile_cache,
                                           "cases_done": list(figs), "complete": len(figs) == len(cases)})
     print()
     print(markdown_table([{k: v for k, v in r.items() if not k.startswith(("tau_", "kappa_", "ell_"))}

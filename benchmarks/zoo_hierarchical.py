@@ -47,14 +47,11 @@ Usage::
     python benchmarks/zoo_hierarchical.py --quick --repeats 1   # short NumPyro chains, checks that it runs
     python benchmarks/zoo_hierarchical.py                       # the comparison (run on a quiet machine)
 """
-import atexit
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -238,9 +235,7 @@ def main():
                   "and vs_numpyro with them", flush=True)
             methods.remove("numpyro nuts")
         elif args.numpyro_compile_cache == "on":
-            cache_dir = tempfile.mkdtemp(prefix="zoo_hierarchical_xla_")  # fresh: the first repetition compiles
-            atexit.register(shutil.rmtree, cache_dir, True)
-            _numpyro_models.enable_compile_cache(cache_dir)
+            cache_dir = _numpyro_models.use_temporary_compile_cache("zoo_hierarchical_xla_")
     with open(REFERENCES) as f:
         refs = json.load(f)
     tag = ("_quick" if args.quick else "") + ("" if set(models) == set(MODELS) else "_" + "_".join(models))

@@ -182,3 +182,16 @@ def test_an_intrinsic_gmrf_whose_graph_keeping_extraction_is_refused_is_differen
     assert torch.allclose(grad, hyper_mod._grad_fd(obj, z, 1e-3), atol=1e-12)
     res = pcv.fit(model, engine="dual_vg", progress=False, y=counts)
     assert res.info["hyper_details"]["gradients"]["envelope_ok"] is False
+
+
+def test_posteriors_above_the_envelope_size_are_differenced(monkeypatch):
+    """Above ``ENVELOPE_MAX_N`` coordinates the envelope (which forms the posterior's dense covariance) is not taken:
+    the same small BYM model with the limit below its 32 coordinates differences every gradient."""
+    from pyro_convexvb.infer.dual_vg import engine as dual_engine
+
+    monkeypatch.setattr(dual_engine, "ENVELOPE_MAX_N", 31)
+    model, args, kwargs = _bym()
+    res = pcv.fit(model, *args, engine="dual_vg", options={"hyper": "map"}, progress=False, **kwargs)
+    grads = res.info["hyper_details"]["gradients"]
+    assert grads["envelope_ok"] is False and grads["envelope"] == 0 and grads["differences"] > 0
+    assert "no envelope form" in grads["envelope_note"]
