@@ -629,9 +629,10 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     (:class:`~pyro_convexvb.diagnostics.proposals.AdaptedProposal`, the last round's draws only). Rounds are kept
     while they improve the importance ESS, and the affine rounds go on while they also improve the ESS per draw.
     If the proposal's ``k_hat`` is above the threshold or its weighted moments disagree with its own
-    (:attr:`ImportanceDiagnostics.ok`), the defensive mixtures ``"widened"`` (scales times 1.5) and
-    ``"student_t"`` (5 degrees of freedom) are tried with fresh draws, and the proposal used is the reliable one (``k_hat`` below the threshold) with the largest importance ESS, or, if none is reliable, the one
-    with the smallest ``k_hat``. A warning (:class:`ApproximationWarning`) says when even that one is unreliable.
+    (:attr:`ImportanceDiagnostics.ok`), the defensive mixtures ``"widened"`` (scales times 1.5) and ``"student_t"``
+    (5 degrees of freedom) are tried with fresh draws, and the proposal used is the reliable one (``k_hat`` below
+    the threshold) with the largest importance ESS, or, if none is reliable, the one with the smallest ``k_hat``. A
+    warning (:class:`ApproximationWarning`) says when even that one is unreliable.
 
     The summaries are control-variate (regression) estimates by default (``estimator="cv"``,
     :mod:`~pyro_convexvb.diagnostics.control_variates`): the proposal's exactly known conditional moments and CDFs
