@@ -194,3 +194,20 @@ def test_posteriors_above_the_envelope_size_are_differenced(monkeypatch):
     grads = res.info["hyper_details"]["gradients"]
     assert grads["envelope_ok"] is False and grads["envelope"] == 0 and grads["differences"] > 0
     assert "no envelope form" in grads["envelope_note"]
+
+
+def test_the_mode_criterion_is_differenced_not_the_envelope_that_drove_the_search(monkeypatch):
+    """The reported optimality measure at the mode comes from differences of fits: an envelope gradient that missed a
+    dependence on ``theta`` (here: shifted by 0.05 after its check) leads the search to a wrong mode, and the fit says
+    it is not converged instead of certifying that mode with the same wrong gradient."""
+    model, args, kwargs = _bym()
+    good = pcv.fit(model, *args, engine="dual_vg", options={"hyper": "map"}, progress=False, **kwargs)
+    assert good.converged and good.info["hyper_details"]["mode_grad_norm"] <= 1e-3
+    envelope = hyper_mod.HyperObjective._envelope_gradient
+    monkeypatch.setattr(hyper_mod.HyperObjective, "_check_envelope", lambda self, z, g, fd_step: True)
+    monkeypatch.setattr(hyper_mod.HyperObjective, "_envelope_gradient",
+                        lambda self, z: None if (g := envelope(self, z)) is None else g + 0.05)
+    with pytest.warns(UserWarning):
+        bad = pcv.fit(model, *args, engine="dual_vg", options={"hyper": "map"}, progress=False, **kwargs)
+    assert bad.info["hyper_details"]["gradients"]["envelope"] > 0
+    assert bad.info["hyper_details"]["mode_grad_norm"] > 0.04 and not bad.converged
