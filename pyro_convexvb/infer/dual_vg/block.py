@@ -158,7 +158,7 @@ class BlockDualProblem:
         coordinates are ``kappa_i = T x_i + e_K``, ``T = [I; -1^T]``.
         """
         K = self.Ks[0]
-        W, k, Y = torch.cat(self.W), torch.cat(kappas), torch.cat(self.Y)
+        W, k = torch.cat(self.W), torch.cat(kappas)
         n, L = W.shape[0], W.shape[-1]
         tight = self.bounds[0].name == "tight"
         with torch.no_grad():
@@ -190,14 +190,6 @@ class BlockDualProblem:
             gfree = (grad @ T).reshape(-1)
             Hfree = torch.einsum("ka,ikjl,lb->iajb", T, H, T).reshape(n * (K - 1), n * (K - 1))
         return val, gfree, 0.5 * (Hfree + Hfree.transpose(0, 1)), marg
-
-    def lvb_bound_terms(self, m, V):
-        """``-sum_i f_i(h_i, S_i)`` at ``q = N(m, V)``: the local bounds' expected log likelihood (differentiable)."""
-        total = m.new_zeros(())
-        for b, g in zip(self.bounds, self.groups):
-            h, S = self.lgm.site_block_marginals(g, m, V)
-            total = total - b.f(h, S).sum()
-        return total
 
 
 @dataclass
