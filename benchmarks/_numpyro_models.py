@@ -292,6 +292,13 @@ def use_temporary_compile_cache(prefix):
     return directory
 
 
+def add_compile_cache_option(parser):
+    """``--numpyro-compile-cache on|off`` (default on): whether :func:`use_temporary_compile_cache` keeps NumPyro's
+    compiled sampling loop between chains and runs (``off`` times every recompilation)."""
+    parser.add_argument("--numpyro-compile-cache", choices=("on", "off"), default="on",
+                        help="keep NumPyro's compiled sampling loop in a temporary persistent cache (default on)")
+
+
 def _nuts(model, kwargs, chains, warmup, samples, seed, extra_fields=()):
     import jax
     from numpyro.infer import MCMC, NUTS

@@ -60,6 +60,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.references
 
+import _numpyro_models  # noqa: E402
 import pyro  # noqa: E402
 import pyro.distributions as dist  # noqa: E402
 import torch  # noqa: E402
@@ -386,15 +387,12 @@ def main():
                         help="comma list of methods to run (default: all); e.g. leave out Pyro's slow peers")
     parser.add_argument("--reference", default=None,
                         help="NUTS reference size 'chains,samples,warmup' (default 4,3000,1500; quick 2,500,300)")
-    parser.add_argument("--numpyro-compile-cache", choices=("on", "off"), default="on",
-                        help="keep NumPyro's compiled sampling loop in a temporary persistent cache (default on)")
+    _numpyro_models.add_compile_cache_option(parser)
     args = parse_args(parser=parser)
     torch.set_default_dtype(D)
     repeats = args.repeats or (1 if args.quick else 3)
     methods = ["dual_vg (integrate)", "dual_vg (integrate) + psis", "dual_vg (map)", "dual_vg (map) + psis",
                "convex_relaxation (integrate)", "nuts", "laplace", "laplace + psis", "svi_automvn"]
-    import _numpyro_models
-
     if _numpyro_models.available():
         methods.append("numpyro nuts")
     else:

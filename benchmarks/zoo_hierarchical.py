@@ -57,6 +57,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.zoo
 
+import _numpyro_models  # noqa: E402
 import pyro  # noqa: E402
 import torch  # noqa: E402
 from _common import Timer, make_parser, markdown_table, parse_args, save_figure, write_json  # noqa: E402
@@ -212,8 +213,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=None, help="alternating repetitions (default 3, quick 1)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma list of zoo models (default: all six)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma list of methods (default: {METHODS})")
-    parser.add_argument("--numpyro-compile-cache", choices=("on", "off"), default="on",
-                        help="keep NumPyro's compiled sampling loop in a temporary persistent cache (default on)")
+    _numpyro_models.add_compile_cache_option(parser)
     args = parse_args(parser=parser)  # torch: one thread unless --threads
     repeats = args.repeats or (1 if args.quick else 3)
     if repeats < 1:
@@ -226,8 +226,6 @@ def main():
     unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
         parser.error(f"--methods: unknown {sorted(unknown)}; choose from {METHODS}")
-    import _numpyro_models
-
     cache_dir = None
     if "numpyro nuts" in methods:
         if not _numpyro_models.available():
