@@ -12,10 +12,12 @@ One core serves :func:`~pyro_convexvb.online.iter_criteo` / :func:`~pyro_convexv
   :func:`~pyro_convexvb.online.hash_features` on every platform), one row after the other without a Python
   loop; a row the kernel cannot read exactly (a number that is not a plain integer, e.g. ``1.5``, ``1e3``,
   ``inf``) is handed to the Python reference code for that one row, so the output never differs;
-* svmlight: scikit-learn's compiled ``load_svmlight_file`` parses each block; a block it rejects
-  (a malformed line, unsorted or duplicated indices, a negative index) is re-read by the Python reference
-  parser :func:`parse_svmlight_block`, which accepts unsorted indices, and raises with the file and line
-  number otherwise;
+* svmlight (:func:`iter_svmlight_chunks`): without hashing, :func:`_svm_chunk_kernel` parses each block of
+  a reused buffer straight into the chunk's arrays (indices shifted, range-checked, int32); a block with a line
+  it declines is read again by the block path: :func:`_svm_kernel` up to the first line it declines, then
+  scikit-learn's compiled ``load_svmlight_file``, and for a block that rejects (a malformed line, a duplicated
+  or negative index) the Python reference parser :func:`parse_svmlight_block`, which accepts unsorted indices
+  and raises with the file and line number otherwise;
 * :func:`prefetch` runs a chunk iterator in a reader thread (the compiled parsers and the learner's kernels
   release the GIL), so reading overlaps learning.
 
