@@ -12,10 +12,12 @@ One core serves :func:`~pyro_convexvb.online.iter_criteo` / :func:`~pyro_convexv
   :func:`~pyro_convexvb.online.hash_features` on every platform), one row after the other without a Python
   loop; a row the kernel cannot read exactly (a number that is not a plain integer, e.g. ``1.5``, ``1e3``,
   ``inf``) is handed to the Python reference code for that one row, so the output never differs;
-* svmlight: scikit-learn's compiled ``load_svmlight_file`` parses each block; a block it rejects
-  (a malformed line, unsorted or duplicated indices, a negative index) is re-read by the Python reference
-  parser :func:`parse_svmlight_block`, which accepts unsorted indices, and raises with the file and line
-  number otherwise;
+* svmlight (:func:`iter_svmlight_chunks`): without hashing, :func:`_svm_chunk_kernel` parses each block of
+  a reused buffer straight into the chunk's arrays (indices shifted, range-checked, int32); a block with a line
+  it declines is read again by the block path: :func:`_svm_kernel` up to the first line it declines, then
+  scikit-learn's compiled ``load_svmlight_file``, and for a block that rejects (a malformed line, a duplicated
+  or negative index) the Python reference parser :func:`parse_svmlight_block`, which accepts unsorted indices
+  and raises with the file and line number otherwise;
 * :func:`prefetch` runs a chunk iterator in a reader thread (the compiled parsers and the learner's kernels
   release the GIL), so reading overlaps learning.
 
@@ -480,6 +482,190 @@ if njit is not None:
             lines += 1
         return 0, pos, row, nnz, lines
 
+    @njit(cache=True, nogil=True)
+    def _scan_number(buf, k, pow10):
+        """:func:`_scan_float` on a block that ends with ``\\n``, with no bound to check per byte: the number at
+        ``k`` ends at a whitespace byte or at ``#`` (the data part of the line ends there).  Returns ``(ok, value,
+        end)``; ``ok`` exactly where :func:`_scan_float`'s is, with its value: its "at most 15 significant
+        digits" is ``m < 10**15`` for the integer ``m`` of all the digits (leading zeros do not change ``m``),
+        counted digit by digit only past 18 digits, where ``m`` could otherwise have overflowed."""
+        neg = False
+        b = buf[k]
+        if b == 45 or b == 43:
+            neg = b == 45
+            k += 1
+        m = 0
+        k0 = k
+        while True:
+            d = np.int64(buf[k]) - 48
+            if d < 0 or d > 9:
+                break
+            m = m * 10 + d
+            k += 1
+        nd = k - k0
+        frac = 0
+        if buf[k] == 46:
+            k += 1
+            f0 = k
+            while True:
+                d = np.int64(buf[k]) - 48
+                if d < 0 or d > 9:
+                    break
+                m = m * 10 + d
+                k += 1
+            frac = k - f0
+            nd += frac
+        if nd == 0:
+            return False, 0.0, k
+        if nd > 18:  # leading zeros leave m exact: count the significant digits (rare)
+            z = 0
+            q = k0
+            while buf[q] == 48 or buf[q] == 46:
+                z += buf[q] == 48
+                q += 1
+            if nd - z > 15:
+                return False, 0.0, k
+        elif m >= 1000000000000000:  # more than 15 significant digits
+            return False, 0.0, k
+        ex = 0
+        b = buf[k]
+        if b == 101 or b == 69:
+            k += 1
+            eneg = False
+            b = buf[k]
+            if b == 45 or b == 43:
+                eneg = b == 45
+                k += 1
+            e0 = k
+            while 48 <= buf[k] <= 57:
+                ex = ex * 10 + (np.int64(buf[k]) - 48)
+                k += 1
+            if k == e0 or k - e0 > 3:
+                return False, 0.0, k
+            if eneg:
+                ex = -ex
+        b = buf[k]
+        if b != 35 and not _is_space(b):  # another byte in the token
+            return False, 0.0, k
+        ex -= frac
+        if ex < -22 or ex > 22:
+            return False, 0.0, k
+        v = float(m)
+        if ex >= 0:
+            v = v * pow10[ex]
+        else:
+            v = v / pow10[-ex]
+        return True, -v if neg else v, k
+
+    @njit(cache=True, nogil=True)
+    def _svm_chunk_kernel(buf, pos, end, max_rows, row0, nnz0, indptr, indices, values, labels, pow10, shift,
+                          num_features):
+        """Parse whole svmlight lines of ``buf[pos:end]`` (``buf[end - 1]`` is ``\\n``) straight into the arrays
+        of a chunk, rows ``row0, ...`` (at most ``max_rows``): each row's indices shifted by ``shift``, checked
+        to lie in ``[0, num_features)``, sorted, distinct.
+
+        Over 80 lines: a numba parser kernel (a byte-level state machine), compiled as one unit.
+
+        It accepts a subset of what :func:`_svm_kernel` accepts (one pass over each line, no bound checked per
+        byte, out-of-range indices declined), with the same values.  Returns ``(status, pos, row, nnz, lines)``:
+        0 (``end`` reached or ``max_rows`` rows), 1 (the line at ``pos`` is declined: the caller reads the block
+        by the former path, which says what is wrong or reads it), 3 (the line at ``pos`` does not fit in
+        ``indices``: grow it).
+        """
+        row = row0
+        nnz = nnz0
+        lines = 0
+        cap = indices.shape[0]
+        while pos < end and row < max_rows:
+            k = pos
+            b = buf[k]
+            while b != 10 and _is_space(b):
+                k += 1
+                b = buf[k]
+            if b == 10 or b == 35:  # blank or comment-only line
+                while buf[k] != 10:
+                    k += 1
+                pos = k + 1
+                lines += 1
+                continue
+            ok, lab, k = _scan_number(buf, k, pow10)
+            if not ok:
+                return 1, pos, row, nnz, lines
+            k0 = nnz
+            while True:
+                b = buf[k]
+                while b != 10 and _is_space(b):
+                    k += 1
+                    b = buf[k]
+                if b == 10 or b == 35:
+                    break
+                t0 = k
+                idx = 0  # the usual token, 1-15 digits, a colon, a number: read in one pass
+                while True:
+                    d = np.int64(buf[k]) - 48
+                    if d < 0 or d > 9:
+                        break
+                    idx = idx * 10 + d
+                    k += 1
+                if buf[k] == 58 and 0 < k - t0 <= 15:
+                    ok, v, k = _scan_number(buf, k + 1, pow10)
+                    if not ok:
+                        return 1, pos, row, k0, lines
+                else:  # anything else: a qid:... token is skipped, the rest declined
+                    k = t0
+                    colon = -1
+                    b = buf[k]
+                    while b != 35 and not _is_space(b):
+                        if b >= 128:
+                            return 1, pos, row, k0, lines
+                        if b == 58 and colon < 0:
+                            colon = k
+                        k += 1
+                        b = buf[k]
+                    if colon - t0 == 3 and buf[t0] == 113 and buf[t0 + 1] == 105 and buf[t0 + 2] == 100:
+                        continue
+                    return 1, pos, row, k0, lines
+                j = idx - shift
+                if j < 0 or j >= num_features:
+                    return 1, pos, row, k0, lines
+                if nnz >= cap:
+                    return 3, pos, row, k0, lines
+                # insertion into the sorted row (values along); a duplicate is declined
+                a = nnz
+                while a > k0 and indices[a - 1] > j:
+                    indices[a] = indices[a - 1]
+                    values[a] = values[a - 1]
+                    a -= 1
+                if a > k0 and indices[a - 1] == j:
+                    return 1, pos, row, k0, lines
+                indices[a] = j
+                values[a] = v
+                nnz += 1
+            while buf[k] != 10:  # to the end of a comment
+                k += 1
+            labels[row] = lab
+            row += 1
+            indptr[row] = nnz
+            pos = k + 1
+            lines += 1
+        return 0, pos, row, nnz, lines
+
+    @njit(cache=True, nogil=True)
+    def _last_newline(buf, n):
+        """Index of the last ``\\n`` in ``buf[:n]``, -1 if none."""
+        for k in range(n - 1, -1, -1):
+            if buf[k] == 10:
+                return k
+        return -1
+
+    @njit(cache=True, nogil=True)
+    def _count_byte(buf, n, byte):
+        """How many bytes of ``buf[:n]`` equal ``byte``."""
+        c = 0
+        for k in range(n):
+            c += buf[k] == byte
+        return c
+
 
 def have_kernels():
     return njit is not None
@@ -809,15 +995,24 @@ def _take_rows(parts, m, num_features, index_dtype):
 
 def iter_svmlight_chunks(path, chunk_size, num_features, shift, hashing=None, block_bytes=_BLOCK_BYTES,
                          use_kernel=None):
-    """Chunks ``(X, y)`` of ``chunk_size`` rows of an svmlight file (plain or ``.gz``): each block by the
-    compiled line parser when numba is installed, and scikit-learn's parser from the first line it declines.
+    """Chunks ``(X, y)`` of ``chunk_size`` rows of an svmlight file (plain or ``.gz``), every row's indices
+    sorted and distinct (duplicated indices raise; after ``hashing`` colliding entries are summed).
 
-    Rows of a block wait as arrays until a chunk is full and are then copied once into the chunk (int32
-    indices when ``num_features`` fits, as scipy would store them); every chunk's rows are sorted and distinct
-    (duplicated indices raise; after ``hashing`` colliding entries are summed)."""
+    Without ``hashing``, when numba is installed (``use_kernel`` None or True): :func:`_svm_chunk_kernel` parses
+    each block of lines straight into the chunk's arrays (int32 indices when ``num_features`` fits), shifting
+    and checking the indices on the way; a block with a line it declines is read again, whole, by the block
+    path below, so values, errors and their line numbers are that path's.  Otherwise (``hashing``, no numba,
+    ``use_kernel=False``) each block is parsed into arrays of its own (:func:`read_svmlight_rows`: the compiled
+    line parser when ``use_kernel`` allows, scikit-learn's parser from the first line it declines), which wait
+    until a chunk is full and are then copied once into the chunk."""
     if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     chunk_size = int(chunk_size)
+    if use_kernel is None:
+        use_kernel = have_kernels()
+    if use_kernel and hashing is None:
+        yield from _iter_svmlight_direct(path, chunk_size, num_features, shift, block_bytes)
+        return
     big = max(num_features, chunk_size) > np.iinfo(np.int32).max
     parts = []
     have = 0
@@ -836,6 +1031,163 @@ def iter_svmlight_chunks(path, chunk_size, num_features, shift, hashing=None, bl
     if have:
         X, y = _take_rows(parts, have, num_features, np.int64 if big or X_big(parts) else np.int32)
         yield _canonical(X, hashing), y
+
+
+def _read_into(fh, buf, offset, n):
+    """Read up to ``n`` bytes of ``fh`` into ``buf[offset:]``; fewer only at the end of the file (as
+    ``fh.read(n)``, so the blocks are those of :func:`iter_blocks`)."""
+    view = memoryview(buf)[offset:offset + n]
+    got = 0
+    while got < n:
+        r = fh.readinto(view[got:])
+        if not r:
+            break
+        got += r
+    return got
+
+
+class _SvmChunkBuilder:
+    """The arrays of the svmlight chunk being filled: ``chunk_size`` rows, an entry capacity from the entries
+    per row seen so far (more than needed is address space, not memory: pages never written are not resident);
+    every chunk gets new arrays, so a chunk handed out is never overwritten."""
+
+    _INT32_MAX = np.iinfo(np.int32).max
+
+    def __init__(self, chunk_size, num_features, per_row):
+        self.chunk_size = chunk_size
+        self.num_features = num_features
+        self.index_dtype = np.int64 if max(num_features, chunk_size) > self._INT32_MAX else np.int32
+        self.per_row = per_row
+        self.rows_done = self.nnz_done = 0
+        self.new()
+
+    def new(self):
+        cap = int(self.chunk_size * self.per_row * 1.2) + 1024
+        dt = np.int64 if cap > self._INT32_MAX else self.index_dtype
+        self.indptr = np.zeros(self.chunk_size + 1, dtype=dt)
+        self.indices = np.empty(cap, dtype=dt)
+        self.values = np.empty(cap, dtype=np.float64)
+        self.labels = np.empty(self.chunk_size, dtype=np.float64)
+        self.row = self.nnz = 0
+
+    def state(self):
+        return self.indptr, self.indices, self.values, self.labels, self.row, self.nnz
+
+    def restore(self, state):
+        self.indptr, self.indices, self.values, self.labels, self.row, self.nnz = state
+
+    def grow(self, need):
+        """Room for at least ``need`` entries (the entries so far kept)."""
+        cap = max(2 * len(self.indices), need)
+        if cap > self._INT32_MAX and self.indices.dtype != np.int64:
+            self.indptr = self.indptr.astype(np.int64)
+        dt = np.int64 if cap > self._INT32_MAX else self.indices.dtype
+        indices = np.empty(cap, dtype=dt)
+        values = np.empty(cap, dtype=np.float64)
+        indices[:self.nnz] = self.indices[:self.nnz]
+        values[:self.nnz] = self.values[:self.nnz]
+        self.indices, self.values = indices, values
+
+    def take(self):
+        """The chunk so far as canonical CSR and its labels; starts a new chunk."""
+        m, nnz = self.row, self.nnz
+        X = sp.csr_matrix((self.values[:nnz], self.indices[:nnz], self.indptr[:m + 1]),
+                          shape=(m, self.num_features))
+        X.has_sorted_indices = True
+        X.has_canonical_format = True
+        y = self.labels[:m]
+        self.rows_done += m
+        self.nnz_done += nnz
+        self.per_row = self.nnz_done / max(self.rows_done, 1)
+        self.new()
+        return X, y
+
+    def append(self, indptr, indices, values, labels, ready):
+        """Copy rows read by the block path into the chunk(s); full chunks go to ``ready``."""
+        r, n = 0, len(labels)
+        while r < n:
+            t = min(self.chunk_size - self.row, n - r)
+            a, b = int(indptr[r]), int(indptr[r + t])
+            if self.nnz + b - a > len(self.indices):
+                self.grow(self.nnz + b - a)
+            self.indices[self.nnz:self.nnz + b - a] = indices[a:b]
+            self.values[self.nnz:self.nnz + b - a] = values[a:b]
+            self.indptr[self.row + 1:self.row + t + 1] = indptr[r + 1:r + t + 1] - a + self.nnz
+            self.labels[self.row:self.row + t] = labels[r:r + t]
+            self.row += t
+            self.nnz += b - a
+            r += t
+            if self.row == self.chunk_size:
+                ready.append(self.take())
+
+
+def _iter_svmlight_direct(path, chunk_size, num_features, shift, block_bytes):
+    """:func:`iter_svmlight_chunks` by :func:`_svm_chunk_kernel`: the file read into one reused buffer in the
+    blocks of :func:`iter_blocks` (no copy of a block, no pass to count its lines: the kernel counts them), each
+    block parsed into the chunk's arrays.  The chunks a block completes are handed out once the whole block is
+    read, so a block with an error gives no chunk of its rows (as the block path)."""
+    fh = open_binary(path)
+    try:
+        buf = np.empty(2 * block_bytes + 1, dtype=np.uint8)
+        have = 0  # bytes of a partial line carried over at the start of buf
+        lineno = 1
+        out = None
+        while True:
+            if len(buf) < have + block_bytes + 1:  # a line longer than a block
+                bigger = np.empty(2 * (have + block_bytes) + 1, dtype=np.uint8)
+                bigger[:have] = buf[:have]
+                buf = bigger
+            n = _read_into(fh, buf, have, block_bytes)
+            total = have + n
+            if n == 0:
+                if have == 0:
+                    break
+                buf[have] = 10  # a last line without a newline gets one
+                end = total + 1
+            else:
+                end = _last_newline(buf, total) + 1
+                if end == 0:
+                    have = total
+                    continue
+            if out is None:  # entries per row of the first block: the first chunk's capacity
+                out = _SvmChunkBuilder(chunk_size, num_features,
+                                       _count_byte(buf, end, 58) / max(1, _count_byte(buf, end, 10)))
+            start = out.state()
+            ready = []
+            pos = lines = 0
+            declined = False
+            while pos < end:
+                status, pos, out.row, out.nnz, done = _svm_chunk_kernel(
+                    buf, pos, end, chunk_size, out.row, out.nnz, out.indptr, out.indices, out.values, out.labels,
+                    _POW10, shift, num_features)
+                lines += done
+                if status == 0:
+                    if out.row == chunk_size:
+                        ready.append(out.take())
+                elif status == 3:
+                    out.grow(len(out.indices) + 1)
+                else:
+                    declined = True
+                    break
+            if declined:  # the whole block by the block path: its rows, or its error with the line
+                out.restore(start)
+                ready = []
+                block = buf[:end].tobytes()
+                out.append(*read_svmlight_rows(block, path, lineno, shift, num_features), ready)
+                lines = block.count(b"\n")
+                del block
+            lineno += lines
+            yield from ready
+            del ready
+            if n == 0:
+                break
+            rest = total - end
+            buf[:rest] = buf[end:total]
+            have = rest
+        if out is not None and out.row:
+            yield out.take()
+    finally:
+        fh.close()
 
 
 def X_big(parts):

@@ -276,9 +276,11 @@ def iter_svmlight(path, chunk_size=None, num_features=None, zero_based=False, ha
 
     Lines are ``label idx:value ...`` with an optional ``# comment`` and ``qid:`` (ignored); blank and
     comment lines give no row, so every chunk but the last holds exactly ``chunk_size`` rows.  Blocks of
-    lines are parsed by a compiled line parser (numba; numbers it cannot read exactly go to scikit-learn's
-    ``load_svmlight_file``); a block both reject is re-read by a Python parser that names the line
-    (duplicated or negative indices raise, unsorted ones are sorted).
+    lines are parsed by a compiled line parser (numba) straight into the chunk's arrays; a block with a line it
+    declines (a number it cannot read exactly, a malformed token, a bad index) is read again, whole, by the
+    former compiled parser and scikit-learn's ``load_svmlight_file`` from the first line that one declines, and
+    a block both reject by a Python parser that names the line (duplicated or negative indices raise, unsorted
+    ones are sorted).
     Memory is bounded by one chunk plus one 4 MB block (with ``prefetch``, three chunks: the one being
     learned, one waiting, the one being read).
 
