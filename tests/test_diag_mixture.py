@@ -331,6 +331,33 @@ def test_errors_are_clear():
         mixture_quantiles(torch.zeros(2, 1), torch.ones(2, 1), [1.0])
 
 
+def test_model_failing_inside_the_particle_plate_is_blamed_on_vectorisation():
+    """``X @ w`` with ``w`` of shape ``(P, 1, D)`` raises inside the plate (a torch shape error, before any site
+    exists): the loss says it is the vectorisation and names the option; a model that fails without the plate too
+    keeps its own error."""
+    X, y = _logistic_data()
+
+    def matmul_model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=DT), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    g = AutoDiagMixture(matmul_model, num_components=2)
+    with pytest.raises(ValueError, match="fails inside the particle plate .*vectorize_particles=False") as info:
+        DiagMixtureELBO(vectorize_particles=True).loss(matmul_model, g, X, y)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert np.isfinite(DiagMixtureELBO(vectorize_particles=False).loss(matmul_model, g, X, y))
+
+    def broken_model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=DT), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=X[:, :2] @ w[..., :2] + X[:, 5]), obs=y)  # no column 5
+
+    g2 = AutoDiagMixture(broken_model, num_components=2)
+    with pytest.raises(IndexError):
+        DiagMixtureELBO(vectorize_particles=True).loss(broken_model, g2, X, y)
+
+
 # ----------------------------------------------------------------------------- natural-gradient optimiser
 def _nat_logistic_model(X, y=None):
     w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=X.dtype), 1.5).to_event(1))

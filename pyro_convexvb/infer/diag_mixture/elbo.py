@@ -85,8 +85,12 @@ class DiagMixtureELBO(ELBO):
         mpn = int(self.max_plate_nesting)
         values, log_det = self._constrain(guide, z.reshape((P,) + (1,) * mpn + z.shape[-1:]))
         self._latent_names = tuple(values)
-        with pyro.plate("_diag_mixture_particles", P, dim=-(mpn + 1)):
-            tr = poutine.trace(poutine.condition(model, data=values)).get_trace(*args, **kwargs)
+        try:
+            with pyro.plate("_diag_mixture_particles", P, dim=-(mpn + 1)):
+                tr = poutine.trace(poutine.condition(model, data=values)).get_trace(*args, **kwargs)
+        except (RuntimeError, ValueError, IndexError) as e:
+            self._blame_vectorisation(model, guide, z[0], args, kwargs, e)
+            raise
         self._check_model_trace(tr, guide)
         for name, site in tr.nodes.items():
             if site["type"] == "sample" and type(site["fn"]).__name__ != "_Subsample" and \
@@ -97,6 +101,22 @@ class DiagMixtureELBO(ELBO):
                     "does not broadcast over the particle plate (e.g. a global vector latent of shape (P, 1, D) "
                     "multiplied into (P, 1, N)); use vectorize_particles=False")
         return self._joint_terms(tr, log_det) / P
+
+    def _blame_vectorisation(self, model, guide, z0, args, kwargs, error):
+        """The model failed inside the particle plate: when it runs at one particle ``z0`` without the plate, the
+        failure is the vectorisation's, and a ``ValueError`` says so (the model's own error is chained); otherwise
+        the caller re-raises the model's error."""
+        try:
+            with torch.no_grad(), poutine.block():
+                values, _ = self._constrain(guide, z0.detach())
+                poutine.trace(poutine.condition(model, data=values)).get_trace(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - the model fails without the plate too: its own error stands
+            return
+        raise ValueError(
+            "DiagMixtureELBO(vectorize_particles=True): the model runs at one particle but fails inside the "
+            f"particle plate ({type(error).__name__}: {str(error).splitlines()[0][:200]}), so it does not broadcast "
+            "over a leading particle dimension (e.g. a global vector latent of shape (P, 1, D) in 'X @ w'); use "
+            "vectorize_particles=False, or write the model to broadcast (see the diag_mixture docs)") from error
 
     def _log_joint_sequential(self, model, guide, z, args, kwargs):
         total = 0.0
