@@ -91,6 +91,9 @@ def _weighted_rows(Phi, y, weight):
 
 #: most iterations of :func:`evidence_fixed_point` (each costs O(min(N, D)) after one thin SVD)
 FIXED_POINT_MAX_ITER = 100_000
+#: the smallest relative change the evidence fixed point is asked for: float64 rounding moves ``sigma^2`` and
+#: ``lambda`` by about ``1e-15`` relative each iteration, so a smaller ``1e-6 tol`` could never be met
+FIXED_POINT_RTOL_FLOOR = 1e-14
 
 
 def evidence_fixed_point(Phi, y, noise_var, prior_var, weight=None, *, learn_noise=True, learn_prior_var=True,
@@ -187,8 +190,8 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
     :param float tol: convergence: the largest gradient entry of the negative log evidence per row,
         ``-log ML / N`` (over ``log sigma^2``, ``log lambda`` and the learned basis parameters), at most
         ``tol (1 + |log ML| / N)`` (``N``: the sum of the sample weights); with a fixed design the fixed point must
-        also have converged, to a relative change of ``1e-6 tol`` (the evidence can be flat over decades of
-        ``lambda``, where a gradient test alone stops early).
+        also have converged, to a relative change of ``max(1e-6 tol, 1e-14)`` (the evidence can be flat over
+        decades of ``lambda``, where a gradient test alone stops early; ``1e-14`` is float64's rounding).
 
     Fitted attributes: ``coef_`` ``(D,)`` (posterior mean of the weights of the basis features),
     ``intercept_`` (posterior mean of the intercept; ``0.0`` without ``fit_intercept``),
@@ -291,7 +294,7 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
             s2, lam, self.n_iter_, fixed_point = evidence_fixed_point(
                 fixed_design, y, float(noise().detach()), float(log_lam.detach().exp()), weight,
                 learn_noise=bool(self.learn_noise), learn_prior_var=bool(self.learn_prior_var), noise_floor=s2_floor,
-                max_iter=int(self.max_iter), rtol=1e-6 * float(self.tol))
+                max_iter=int(self.max_iter), rtol=max(1e-6 * float(self.tol), FIXED_POINT_RTOL_FLOOR))
             if math.isfinite(s2) and math.isfinite(lam) and s2 > 0 and lam > 0:  # L-BFGS goes on from there
                 with torch.no_grad():
                     log_s2.fill_(math.log(max(s2 - s2_floor, 1e-300)))
@@ -317,7 +320,11 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
                     "max_iter", 0
             self.n_iter_ += iters
             self.converged_ = fixed_point and gnorm <= float(self.tol) * (1 + abs(value))
-            if not self.converged_:
+            if not self.converged_ and left <= 0:
+                warn(f"BayesianLinearRegression: the evidence fixed point for sigma^2 and lambda did not converge in "
+                     f"max_iter={self.max_iter} iterations (gradient {gnorm:.3g} there, tol {self.tol:.1g}); "
+                     "raise max_iter")
+            elif not self.converged_:
                 warn(f"BayesianLinearRegression: L-BFGS stopped ({stop}) after {iters} "
                      f"iterations with gradient {gnorm:.3g} (tol {self.tol:.1g})"
                      + ("" if fixed_point else "; the evidence fixed point had not converged when L-BFGS took over")

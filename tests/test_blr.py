@@ -260,3 +260,24 @@ def test_include_noise_without_return_std_is_refused():
     _, s_y = blr.predict(X, return_std=True)
     _, s_f = blr.predict(X, return_std=True, include_noise=False)
     np.testing.assert_allclose(s_y ** 2, s_f ** 2 + blr.noise_var_, rtol=1e-12)
+
+
+def test_tight_tol_converges_at_rounding_and_an_exhausted_fixed_point_says_so():
+    """``tol=1e-10`` asked the evidence fixed point for a relative change of 1e-16, below float64's rounding, so it
+    used all of ``max_iter`` and warned of an L-BFGS that stopped "after 0 iterations" with a gradient of 1e-17;
+    the fixed point now stops at 1e-14 and converges, at the answer of the default ``tol``."""
+    import warnings
+
+    from sklearn.datasets import load_diabetes
+
+    X, y = load_diabetes(return_X_y=True)
+    X, y = 10 * X[:200], y[:200] - y[:200].mean()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tight = pcv.BayesianLinearRegression(tol=1e-10, max_iter=2000).fit(X, y)
+    ref = pcv.BayesianLinearRegression().fit(X, y)
+    assert tight.converged_ and tight.n_iter_ < 100
+    np.testing.assert_allclose([tight.noise_var_, tight.prior_var_], [ref.noise_var_, ref.prior_var_], rtol=1e-5)
+    with pytest.warns(ConvergenceWarning, match="fixed point for sigma.2 and lambda did not converge in max_iter=2 "):
+        short = pcv.BayesianLinearRegression(max_iter=2).fit(X, y)
+    assert not short.converged_
