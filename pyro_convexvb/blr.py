@@ -184,7 +184,9 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
         a :class:`torch.nn.Module` is unused and named in a ``UserWarning``; so are ``max_iter`` and ``tol`` other
         than the defaults when nothing is learned: ``learn_noise=False``, ``learn_prior_var=False`` and no learned
         basis parameters).
-    :param bool fit_intercept: append a ones column to ``Phi`` (its weight shares the prior).
+    :param bool fit_intercept: append a ones column to ``Phi`` (its weight shares the prior ``N(0, lambda)``, so,
+        unlike scikit-learn's ``BayesianRidge``, the answer depends on the level of ``y``: centre ``y`` when its
+        mean is far from 0 on the scale of the weights).
     :param int max_iter: iterations: with a fixed design, MacKay's fixed point for ``sigma^2`` and ``lambda``
         (:func:`evidence_fixed_point`) and then L-BFGS, which checks its gradient; with a learned basis, L-BFGS.
     :param float tol: convergence: the largest gradient entry of the negative log evidence per row,
