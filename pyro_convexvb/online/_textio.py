@@ -11,7 +11,10 @@ One core serves :func:`~pyro_convexvb.online.iter_criteo` / :func:`~pyro_convexv
   hashes tokens with CRC-32 (bit-identical to ``zlib.crc32`` of the token text, so the columns are those of
   :func:`~pyro_convexvb.online.hash_features` on every platform), one row after the other without a Python
   loop; a row the kernel cannot read exactly (a number that is not a plain integer, e.g. ``1.5``, ``1e3``,
-  ``inf``) is handed to the Python reference code for that one row, so the output never differs;
+  ``inf``) is handed to the Python reference code for that one row, so the output never differs.
+  :func:`iter_delimited` reads by default into one reused buffer (:func:`_iter_delimited_direct`:
+  :func:`_delimited_chunk_kernel`, fields found and tokens hashed 8 bytes at a time, straight into the chunk's
+  arrays); ``direct=False`` keeps the block path (:func:`iter_blocks`, :func:`_delimited_kernel`);
 * svmlight (:func:`iter_svmlight_chunks`): without hashing, :func:`_svm_chunk_kernel` parses each block of
   a reused buffer straight into the chunk's arrays (indices shifted, range-checked, int32); a block with a line
   it declines is read again by the block path: :func:`_svm_kernel` up to the first line it declines, then
