@@ -11,7 +11,10 @@ One core serves :func:`~pyro_convexvb.online.iter_criteo` / :func:`~pyro_convexv
   hashes tokens with CRC-32 (bit-identical to ``zlib.crc32`` of the token text, so the columns are those of
   :func:`~pyro_convexvb.online.hash_features` on every platform), one row after the other without a Python
   loop; a row the kernel cannot read exactly (a number that is not a plain integer, e.g. ``1.5``, ``1e3``,
-  ``inf``) is handed to the Python reference code for that one row, so the output never differs;
+  ``inf``) is handed to the Python reference code for that one row, so the output never differs.
+  :func:`iter_delimited` reads by default into one reused buffer (:func:`_iter_delimited_direct`:
+  :func:`_delimited_chunk_kernel`, fields found and tokens hashed 8 bytes at a time, straight into the chunk's
+  arrays); ``direct=False`` keeps the block path (:func:`iter_blocks`, :func:`_delimited_kernel`);
 * svmlight (:func:`iter_svmlight_chunks`): without hashing, :func:`_svm_chunk_kernel` parses each block of
   a reused buffer straight into the chunk's arrays (indices shifted, range-checked, int32); a block with a line
   it declines is read again by the block path: :func:`_svm_kernel` up to the first line it declines, then
@@ -107,6 +110,20 @@ def _crc_tables4():
 _CRC_TABLES4 = _crc_tables4()
 
 
+def _crc_tables8():
+    """Slicing-by-8 tables, flattened ``(8 * 256,)``: entry ``256 k + n`` is the CRC of byte ``n`` followed by
+    ``k`` zero bytes (the first four rows are :data:`_CRC_TABLES4`)."""
+    t = np.empty((8, 256), dtype=np.int64)
+    t[0] = _CRC_TABLE
+    for k in range(1, 8):
+        t[k] = (t[k - 1] >> 8) ^ t[0][t[k - 1] & 0xFF]
+    return t.ravel().astype(np.uint64)
+
+
+_CRC_TABLES8 = _crc_tables8()
+_DIRECT_PAD = 16  # bytes after a block in the direct path's buffer: its kernel reads 8 bytes at a time
+
+
 def integer_bin(value):
     """Bucket of a count feature: the value itself up to 2, then ``"L" + floor(log(v)^2)``.
 
@@ -147,6 +164,7 @@ def _reference_row(line, path, lineno, delimiter, need, label_column, int_cols, 
 # ----------------------------------------------------------------------------- compiled kernels
 try:  # pragma: no branch - numba is in the 'fast' extra
     from numba import njit
+    from numba.cpython.unsafe.numbers import trailing_zeros
 except ImportError:  # pragma: no cover - depends on the environment
     njit = None
 
@@ -325,6 +343,161 @@ if njit is not None:
             lines += 1
         return 0, pos, row, nnz, lines
 
+
+    @njit(cache=True, nogil=True, inline="always")
+    def _load8(buf, k):
+        """The 8 bytes ``buf[k:k + 8]`` as a little-endian ``uint64`` (one unaligned load: the index is unsigned,
+        so no negative-index wraparound keeps LLVM from combining the byte loads)."""
+        u = np.uint64(k)
+        return (np.uint64(buf[u]) | (np.uint64(buf[u + np.uint64(1)]) << np.uint64(8))
+                | (np.uint64(buf[u + np.uint64(2)]) << np.uint64(16))
+                | (np.uint64(buf[u + np.uint64(3)]) << np.uint64(24))
+                | (np.uint64(buf[u + np.uint64(4)]) << np.uint64(32))
+                | (np.uint64(buf[u + np.uint64(5)]) << np.uint64(40))
+                | (np.uint64(buf[u + np.uint64(6)]) << np.uint64(48))
+                | (np.uint64(buf[u + np.uint64(7)]) << np.uint64(56)))
+
+    @njit(cache=True, nogil=True)
+    def _crc_continue8(state, buf, s, e, t8):
+        """``zlib.crc32(buf[s:e], state)``, eight bytes a step (slicing-by-8 over ``t8``, :data:`_CRC_TABLES8`),
+        the rest a byte at a time; ``buf`` must be readable up to ``e + 7``."""
+        ff = np.uint64(0xFF)
+        c = np.uint64((~state) & 0xFFFFFFFF)
+        k = s
+        while e - k >= 8:
+            w = _load8(buf, k) ^ c
+            c = (t8[np.uint64(1792) + (w & ff)] ^ t8[np.uint64(1536) + ((w >> np.uint64(8)) & ff)]
+                 ^ t8[np.uint64(1280) + ((w >> np.uint64(16)) & ff)] ^ t8[np.uint64(1024) + ((w >> np.uint64(24)) & ff)]
+                 ^ t8[np.uint64(768) + ((w >> np.uint64(32)) & ff)] ^ t8[np.uint64(512) + ((w >> np.uint64(40)) & ff)]
+                 ^ t8[np.uint64(256) + ((w >> np.uint64(48)) & ff)] ^ t8[w >> np.uint64(56)])
+            k += 8
+        while k < e:
+            c = t8[(c ^ np.uint64(buf[k])) & ff] ^ (c >> np.uint64(8))
+            k += 1
+        return np.int64((~c) & np.uint64(0xFFFFFFFF))
+
+    @njit(cache=True, nogil=True)
+    def _delimited_chunk_kernel(buf, pos, end, delim, need, label_column, kinds, prefix, bin_prefix, add_bias,
+                                bias_col, num_features, t4, t8, max_rows, row0, nnz0, indptr, indices, data, labels,
+                                fstart, fend, scratch, int_bucket, shift, mask):
+        """:func:`_delimited_kernel` for a block of the direct path's buffer: the same arguments (and ``t8``,
+        :data:`_CRC_TABLES8`), the same rows, values and statuses; ``buf[end - 1]`` is ``\\n`` and ``buf`` is
+        readable up to ``end + 7`` (:data:`_DIRECT_PAD`).
+
+        Over 80 lines: a numba parser kernel (a byte-level state machine), compiled as one unit.
+
+        The fields are found 8 bytes at a time (a word with no delimiter and no newline is skipped in one step;
+        otherwise the first such byte is the lowest zero byte of ``word ^ broadcast(byte)``, found with the
+        borrow trick, which is exact for the lowest one) and categorical tokens hashed 8 bytes a step
+        (:func:`_crc_continue8`); the label, integer fields, bins, sort and merge are :func:`_delimited_kernel`'s.
+        """
+        lut = int_bucket.shape[1]
+        counts = np.zeros(65, dtype=np.int64)
+        tmp = np.empty(need + 1, dtype=indices.dtype)
+        ones = np.uint64(0x0101010101010101)
+        highs = np.uint64(0x8080808080808080)
+        dmask = np.uint64(delim) * ones
+        nmask = np.uint64(10) * ones
+        row = row0
+        nnz = nnz0
+        lines = 0
+        while pos < end and row < max_rows:
+            nf = 0
+            s = pos
+            k = pos
+            while True:
+                w = _load8(buf, k)
+                x = w ^ dmask
+                z = w ^ nmask
+                hit = (((x - ones) & ~x) | ((z - ones) & ~z)) & highs
+                if hit == 0:
+                    k += 8
+                    continue
+                k += np.int64(trailing_zeros(hit)) >> 3
+                if buf[k] == 10:
+                    break
+                if nf < need:
+                    fstart[nf] = s
+                    fend[nf] = k
+                nf += 1
+                k += 1
+                s = k
+            e = k
+            nxt = e + 1
+            if e > s and buf[e - 1] == 13:
+                e -= 1
+            if e == pos:  # blank line
+                pos = nxt
+                lines += 1
+                continue
+            if nf < need:
+                fstart[nf] = s
+                fend[nf] = e
+            nf += 1
+            if nf < need:
+                return 2, pos, row, nnz, lines
+            ok, lab = _plain_int(buf, fstart[label_column], fend[label_column])
+            if not ok:
+                return 1, pos, row, nnz, lines
+            k0 = nnz
+            if add_bias:
+                indices[nnz] = bias_col
+                nnz += 1
+            for j in range(need):
+                kind = kinds[j]
+                if kind == 0 or fstart[j] == fend[j]:
+                    continue
+                if kind == 1:
+                    ok, v = _plain_int(buf, fstart[j], fend[j])
+                    if not ok:
+                        nnz = k0
+                        return 1, pos, row, nnz, lines
+                    if 0 <= v < lut:
+                        indices[nnz] = int_bucket[j, v]
+                        nnz += 1
+                        continue
+                    if v <= 2:
+                        h = _crc_digits(prefix[j], v, t4[0], scratch)
+                    else:
+                        lg = math.log(float(v))
+                        h = _crc_digits(bin_prefix[j], np.int64(math.floor(lg * lg)), t4[0], scratch)
+                else:
+                    h = _crc_continue8(prefix[j], buf, fstart[j], fend[j], t8)
+                indices[nnz] = h & mask if mask >= 0 else h % num_features
+                nnz += 1
+            for q in range(65):
+                counts[q] = 0
+            for q in range(k0, nnz):
+                counts[(indices[q] >> shift) + 1] += 1
+            for q in range(64):
+                counts[q + 1] += counts[q]
+            for q in range(k0, nnz):
+                bkt = indices[q] >> shift
+                tmp[counts[bkt]] = indices[q]
+                counts[bkt] += 1
+            w2 = nnz - k0
+            for q in range(1, w2):
+                key = tmp[q]
+                b = q - 1
+                while b >= 0 and tmp[b] > key:
+                    tmp[b + 1] = tmp[b]
+                    b -= 1
+                tmp[b + 1] = key
+            out = k0
+            for a in range(w2):
+                if a > 0 and tmp[a] == indices[out - 1]:
+                    data[out - 1] += 1.0
+                else:
+                    indices[out] = tmp[a]
+                    data[out] = 1.0
+                    out += 1
+            nnz = out
+            labels[row] = lab
+            row += 1
+            indptr[row] = nnz
+            pos = nxt
+            lines += 1
+        return 0, pos, row, nnz, lines
 
     @njit(cache=True, nogil=True, inline="always")
     def _is_space(b):
@@ -659,6 +832,13 @@ if njit is not None:
         return -1
 
     @njit(cache=True, nogil=True)
+    def _next_newline(buf, pos, end):
+        """Index of the first ``\\n`` in ``buf[pos:end]`` (the caller knows there is one)."""
+        while pos < end and buf[pos] != 10:
+            pos += 1
+        return pos
+
+    @njit(cache=True, nogil=True)
     def _count_byte(buf, n, byte):
         """How many bytes of ``buf[:n]`` equal ``byte``."""
         c = 0
@@ -768,21 +948,48 @@ class _ChunkBuilder:
         return X, y
 
 
-def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTES, use_kernel=None):
-    """Chunks ``(X, y)`` of ``chunk_size`` rows of a delimited file (see :class:`DelimitedSpec`)."""
+def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTES, use_kernel=None, direct=None):
+    """Chunks ``(X, y)`` of ``chunk_size`` rows of a delimited file (see :class:`DelimitedSpec`): canonical CSR
+    ``(m, spec.num_features)`` (``spec.index_dtype`` indices, float64 counts) and float64 labels ``(m,)``.
+
+    ``use_kernel`` (default: when numba is installed) parses by the compiled kernels, ``False`` by the Python
+    reference rules line by line.  With the kernels, ``direct`` (default True) takes the direct path
+    (:func:`_iter_delimited_direct`: one reused buffer, :func:`_delimited_chunk_kernel`); ``direct=False`` the
+    block path (:func:`iter_blocks`, :func:`_delimited_kernel`).  Both give the same chunks, values and errors;
+    a line either kernel declines is read by :meth:`DelimitedSpec.reference_row` (which raises, with the file and
+    line number, on a short line or a field that is not a number)."""
     if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     chunk_size = int(chunk_size)
-    use_kernel = have_kernels() if use_kernel is None else use_kernel
-    out = _ChunkBuilder(chunk_size, spec.width, spec.index_dtype)
-    int_bucket = spec.int_bucket if use_kernel else None
+    use_kernel = have_kernels() if use_kernel is None else bool(use_kernel)
+    if use_kernel and not have_kernels():
+        raise ValueError("use_kernel=True: numba is not installed (pip install numba), so there is no compiled kernel")
+    if direct is None:
+        direct = use_kernel
+    elif direct and not use_kernel:
+        raise ValueError("direct=True: the direct path is a compiled kernel; it needs use_kernel (and numba)")
+    if direct:
+        yield from _iter_delimited_direct(path, spec, chunk_size, header, block_bytes)
+        return
+    yield from _iter_delimited_blocks(path, spec, chunk_size, header, block_bytes, use_kernel)
+
+
+def _kernel_args(spec):
+    """The per-file arguments of the delimited kernels: ``(int_bucket, shift, mask, delim, fstart, fend,
+    scratch)``."""
     shift = max(0, int(spec.num_features - 1).bit_length() - 6)  # 64 buckets of the row's columns for the sort
     mask = spec.num_features - 1 if spec.num_features & (spec.num_features - 1) == 0 else -1
-    delim = spec.delimiter.encode()[0]
+    return (spec.int_bucket, shift, mask, spec.delimiter.encode()[0], np.empty(spec.need, dtype=np.int64),
+            np.empty(spec.need, dtype=np.int64), np.empty(24, dtype=np.int64))
+
+
+def _iter_delimited_blocks(path, spec, chunk_size, header, block_bytes, use_kernel):
+    """The block path of :func:`iter_delimited`: blocks of :func:`iter_blocks` (bytes), each parsed by
+    :func:`_delimited_kernel` (or, without ``use_kernel``, the Python reference) into the chunk's arrays."""
+    out = _ChunkBuilder(chunk_size, spec.width, spec.index_dtype)
+    if use_kernel:
+        int_bucket, shift, mask, delim, fstart, fend, scratch = _kernel_args(spec)
     t4 = _CRC_TABLES4
-    fstart = np.empty(spec.need, dtype=np.int64)
-    fend = np.empty(spec.need, dtype=np.int64)
-    scratch = np.empty(24, dtype=np.int64)
     skip_header = bool(header)
     for block, lineno in iter_blocks(path, block_bytes):
         pos = 0
@@ -822,6 +1029,72 @@ def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTE
                 yield out.take(spec.num_features)
     if out.row:
         yield out.take(spec.num_features)
+
+
+def _iter_delimited_direct(path, spec, chunk_size, header, block_bytes):
+    """The direct path of :func:`iter_delimited`: the file read (``readinto``) into one reused buffer in the
+    blocks of :func:`iter_blocks` -- no copy of a block, no pass to count its lines (the kernel counts them) --,
+    each block parsed by :func:`_delimited_chunk_kernel` straight into the chunk's arrays; a line it declines is
+    read by :meth:`DelimitedSpec.reference_row`, as on the block path, so rows, values, errors and line numbers
+    are the same.  A chunk is handed out as soon as it is full (the buffer is not written while the generator
+    waits)."""
+    out = _ChunkBuilder(chunk_size, spec.width, spec.index_dtype)
+    int_bucket, shift, mask, delim, fstart, fend, scratch = _kernel_args(spec)
+    t4, t8 = _CRC_TABLES4, _CRC_TABLES8
+    skip_header = bool(header)
+    fh = open_binary(path)
+    try:
+        buf = np.zeros(2 * block_bytes + 1 + _DIRECT_PAD, dtype=np.uint8)
+        have = 0  # bytes of a partial line carried over at the start of buf
+        lineno = 1
+        while True:
+            if len(buf) < have + block_bytes + 1 + _DIRECT_PAD:  # a line longer than a block
+                bigger = np.zeros(2 * (have + block_bytes) + 1 + _DIRECT_PAD, dtype=np.uint8)
+                bigger[:have] = buf[:have]
+                buf = bigger
+            n = _read_into(fh, buf, have, block_bytes)
+            total = have + n
+            if n == 0:
+                if have == 0:
+                    break
+                buf[have] = 10  # a last line without a newline gets one
+                end = total + 1
+            else:
+                end = _last_newline(buf, total) + 1
+                if end == 0:
+                    have = total
+                    continue
+            pos = 0
+            if skip_header:
+                pos = _next_newline(buf, 0, end) + 1
+                lineno += 1
+                skip_header = False
+            while pos < end:
+                status, pos, row, nnz, lines = _delimited_chunk_kernel(
+                    buf, pos, end, delim, spec.need, spec.label_column, spec.kinds, spec.prefix, spec.bin_prefix,
+                    spec.add_bias, spec.bias_col, spec.num_features, t4, t8, chunk_size, out.row, out.nnz,
+                    out.indptr, out.indices, out.data, out.labels, fstart, fend, scratch, int_bucket, shift, mask)
+                out.row, out.nnz = row, nnz
+                lineno += lines
+                if status != 0:  # this one line by the reference rules (status 2, a short line, raises there)
+                    e = _next_newline(buf, pos, end)
+                    line = buf[pos:e].tobytes()
+                    if line.endswith(b"\r"):
+                        line = line[:-1]
+                    out.add(*spec.reference_row(line, path, lineno))
+                    pos = e + 1
+                    lineno += 1
+                if out.row == chunk_size:
+                    yield out.take(spec.num_features)
+            if n == 0:
+                break
+            rest = total - end
+            buf[:rest] = buf[end:total]
+            have = rest
+        if out.row:
+            yield out.take(spec.num_features)
+    finally:
+        fh.close()
 
 
 # ----------------------------------------------------------------------------- svmlight

@@ -327,9 +327,9 @@ def iter_csv(path, chunk_size=None, label_column=0, integer_columns=(), categori
     :func:`hash_features` (``crc32(token, seed) % num_features``, colliding tokens summed).  With ``add_bias``
     every row also gets a constant feature.  Lines end at ``\\n`` (``\\r\\n`` too); blank lines are skipped.
 
-    The fields are split, binned and hashed by a compiled kernel over the raw bytes (numba); a row whose
-    label or integer field is not a plain integer (``1.5``, ``1e3``, ``inf``) is read by the Python rules,
-    so the result is the same either way.
+    The file is read into one reused buffer and its fields split, binned and hashed by a compiled kernel over
+    the raw bytes (numba), straight into the chunk's arrays; a row whose label or integer field is not a plain
+    integer (``1.5``, ``1e3``, ``inf``) is read by the Python rules, so the result is the same either way.
 
     :param int label_column: column of the label (``0``/``1`` or ``-1``/``+1``).
     :param prefetch: ``True`` (default) reads in a background thread one chunk ahead; ``False`` in the
