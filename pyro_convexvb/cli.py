@@ -470,6 +470,7 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
     """
 
     from .online import OnlineBayesLogistic, iter_criteo, iter_csv, iter_svmlight
+    from .online._base import AUTO_PRIOR_VARS
 
     if fmt not in ("criteo", "csv", "svmlight"):
         raise ValueError(f"format: expected 'criteo', 'csv' or 'svmlight', got {fmt!r}")
@@ -563,7 +564,7 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
            "rows_per_s": rows / seconds if seconds > 0 else float("nan"),
            "log_loss": loss / rows if rows else float("nan"), "state_path": state_path, "interrupted": interrupted}
     if hasattr(est, "prior_var_weights_") and est.prior_var == "auto" and rows:
-        res["prior_var_weights"] = dict(zip((0.01, 0.1, 1.0), est.prior_var_weights_.round(4).tolist()))
+        res["prior_var_weights"] = dict(zip(AUTO_PRIOR_VARS, est.prior_var_weights_.round(4).tolist()))
     return res
 
 
@@ -582,7 +583,8 @@ def main(argv=None):
     o = sub.add_parser("online", help="learn OnlineBayesLogistic from a text file (progressive, resumable)")
     o.add_argument("file", help="criteo / csv / svmlight text file (.gz allowed)")
     o.add_argument("--format", required=True, choices=["criteo", "csv", "svmlight"])
-    o.add_argument("--state", default=None, help="state file (default FILE.state.pt), written after every chunk")
+    o.add_argument("--state", default=None, help="state file (default FILE.state.pt), written every --save-every seconds (after a whole "
+                   "chunk), at the end and on Ctrl-C")
     o.add_argument("--resume", action="store_true", help="continue from --state (skips the rows it learned)")
     o.add_argument("--num-features", type=_positive_int, default=None,
                    help="hash buckets (criteo/csv, default 2^22) or columns (svmlight, required); a resumed run "
@@ -628,8 +630,13 @@ def main(argv=None):
             print(f"error: {type(err).__name__ + ': ' if isinstance(err, (OSError, EOFError)) else ''}{err}",
                   file=sys.stderr)
             return 2
-        print(f"{res['rows']} rows in {res['seconds']:.2f} s ({res['rows_per_s']:,.0f} rows/s), progressive log "
-              f"loss {res['log_loss']:.4f}; {res['total_rows']} rows learned in all; state: {res['state_path']}")
+        if res["rows"] == 0 and not res["interrupted"]:
+            print(f"0 new rows: the state had already learned every row of {args.file}; {res['total_rows']} rows "
+                  f"learned in all; state: {res['state_path']}")
+        else:
+            print(f"{res['rows']} rows in {res['seconds']:.2f} s ({res['rows_per_s']:,.0f} rows/s), progressive "
+                  f"log loss {res['log_loss']:.4f}; {res['total_rows']} rows learned in all; state: "
+                  f"{res['state_path']}")
         if "prior_var_weights" in res:
             print(f"prior variance weights: {res['prior_var_weights']}")
         if res["interrupted"]:

@@ -122,3 +122,20 @@ def test_label_coding_is_the_streams_not_the_first_chunks(tmp_path):
     res = run_online(q, "svmlight", state_path=tmp_path / "b.pt", num_features=3, chunk_size=10, progress=False)
     m = OnlineBayesLogistic.from_state_dict(torch.load(tmp_path / "b.pt")["estimator"])
     assert res["total_rows"] == 20 and m.classes_.tolist() == [1, 2]
+
+
+def test_resume_on_a_file_read_to_the_end_says_so(criteo, tmp_path, capsys):
+    """A resumed run on the file its state has read to the end learns nothing: it says so, without a 'nan' log
+    loss; ``--help`` describes when the state is written."""
+    state = str(tmp_path / "s.pt")
+    base = ["online", str(criteo), "--format", "criteo", "--state", state, "--no-progress", "--num-features", "4096"]
+    assert main(base) == 0
+    first = capsys.readouterr().out
+    total = int(first.split(" rows learned in all")[0].split("; ")[-1])
+    assert main(base[:-2] + ["--resume"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"0 new rows: the state had already learned every row of {criteo}; {total} rows learned")
+    assert "nan" not in out
+    with pytest.raises(SystemExit):
+        main(["online", "--help"])
+    assert "every --save-every seconds" in " ".join(capsys.readouterr().out.split())
