@@ -39,7 +39,7 @@ def main(learn=False, n_train=400, seed=0):
     acc, nlpd = clf.score(Xt, yt), clf.nlpd(Xt, yt)
     ls, os_ = float(clf.kernel_.base_kernel.lengthscale.detach()), float(clf.kernel_.outputscale.detach())
     print(f"{'learned' if learn else 'fixed'} hyperparameters: lengthscale {ls:.3f}, outputscale {os_:.3f}, "
-          f"mean {float(clf.mean_.detach()):.3f}")
+          f"mean {clf.mean_:.3f}")
     print(f"fit {secs:.2f} s, exact VG bound {clf.log_evidence_bound_:.3f}, test accuracy {acc:.3f}, NLPD {nlpd:.3f}")
 
     lo, hi = X.min(0).values - 0.5, X.max(0).values + 0.5

@@ -125,7 +125,7 @@ def test_hyperparameter_learning_improves_the_bound():
     h = learned.hyper_history_["objective"]
     assert max(h) == pytest.approx(h[-1], abs=1e-6)
     # the learned q is the dual optimum at the learned hyperparameters (warm start and refit agree)
-    again = GPClassifier(learned.kernel_, mean=float(learned.mean_.detach()), options={"gap_tol": 1e-11}).fit(X, y)
+    again = GPClassifier(learned.kernel_, mean=learned.mean_, options={"gap_tol": 1e-11}).fit(X, y)
     assert again.log_evidence_bound_ == pytest.approx(learned.log_evidence_bound_, abs=1e-6)
 
 
@@ -441,3 +441,28 @@ def test_batched_kernels_are_refused_naming_the_kernel():
         for engine in ("dual_vg", "laplace"):
             with pytest.raises(ValueError, match=r"kernel: .* a batch of .*without batch_shape"):
                 GPClassifier(kernel, engine=engine).fit(X, y)
+
+
+def test_fitted_kernel_and_mean_read_as_plain_values_and_the_users_kernel_is_untouched():
+    """``mean_`` is a float and ``kernel_``'s parameters carry no gradient, so reading them needs no ``detach``
+    (``float()`` of a parameter that requires grad warned); the kernel passed in keeps its values and its
+    ``requires_grad``."""
+    import warnings
+
+    import gpytorch
+
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(30, 1))
+    y = (np.sin(2 * X[:, 0]) + 0.3 * rng.normal(size=30) > 0).astype(int)
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    before = {n: v.clone() for n, v in k.state_dict().items()}
+    for learn in (False, True):
+        clf = GPClassifier(k, learn_hyperparameters=learn, learn_mean=learn).fit(X, y)
+        assert type(clf.mean_) is float
+        assert not any(p.requires_grad for p in clf.kernel_.parameters())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            float(clf.kernel_.outputscale), clf.kernel_.base_kernel.lengthscale.numpy()
+        assert all(p.requires_grad for p in k.parameters())
+        assert all(torch.equal(v, before[n]) for n, v in k.state_dict().items())
+    assert clf.mean_ != 0.0 and float(clf.kernel_.outputscale) != float(k.outputscale.detach())

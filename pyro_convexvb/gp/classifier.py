@@ -106,7 +106,8 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         nor does ``convex_relaxation`` with exact variances (``variance="exact"``, or ``"auto"`` on a small
         problem): their fits are the same for every ``random_state``.
 
-    Learned attributes: ``kernel_`` (the fitted copy of ``kernel``), ``classes_``, ``n_features_in_``,
+    Learned attributes: ``kernel_`` (the fitted copy of ``kernel``, its parameters without gradients), ``mean_``
+    (the prior mean, a float: ``mean``, or its learned value with ``learn_mean``), ``classes_``, ``n_features_in_``,
     ``feature_names_in_`` (pandas input), ``X_train_`` (torch), ``result_``
     (:class:`~pyro_convexvb.InferenceResult`), ``posterior_``, ``log_evidence_bound_``, ``alpha_``
     (dual variables, ``dual_vg`` only), ``hyper_history_``, ``converged_`` (the engine's optimality measure),
@@ -203,7 +204,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self._check_kernel_output(X)
         self.X_train_ = X
         self.y_train_ = y01
-        self.mean_ = torch.as_tensor(float(self.mean), dtype=X.dtype, device=X.device)
+        self.mean_ = float(self.mean)
         self.hyper_history_ = None
         for stale in ("hyper_converged_", "hyper_result_"):  # of an earlier fit that learned them
             self.__dict__.pop(stale, None)
@@ -222,7 +223,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         with torch.no_grad():
             K = self._K(X)
             self.K_train_ = K
-            mean = float(self.mean_.detach())
+            mean = self.mean_
         with torch.enable_grad():
             if engine.takes == "lgm":
                 res = engine(gp_classification_lgm(K, y01, mean, weight), progress=False, init=init, **options).run()
@@ -237,6 +238,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self.converged_ = bool(res.converged)
         outer = getattr(self.__dict__.get("hyper_result_"), "type2_iterations", None)  # None: no type-II loop ran
         self.n_iter_ = res.iterations if outer is None else outer
+        self.kernel_.requires_grad_(False)  # fitted values: reading them (float(), .numpy()) needs no detach
         return self
 
     def _check_kernel_output(self, X):
@@ -283,7 +285,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         with store.scope():  # the user's param store is left as it was
             res = engine(model, progress=False, **opts).run(X.double(), y01.double())
             if self.learn_mean:
-                self.mean_ = pyro.param("mean").detach().clone().to(X.dtype)
+                self.mean_ = float(pyro.param("mean").detach())
         if single:  # the learned values into the float32 copy
             with torch.no_grad():
                 self.kernel_.load_state_dict(kernel.state_dict())
@@ -302,7 +304,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         X = self._check_X(X)
         with torch.no_grad():
             Kx = self._K(X, self.X_train_)  # (m, n)
-            mean = float(self.mean_.detach())
+            mean = self.mean_
             kdiag = self.kernel_(X, diag=True)
             if self.alpha_ is not None:
                 m, v = self.result_.state.site_predictive(Kx, kdiag, mean)
