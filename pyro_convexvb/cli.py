@@ -568,6 +568,18 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
     return res
 
 
+def _print_online_report(res, path):
+    """The ``online`` command's summary of a :func:`run_online` result."""
+    if res["rows"] == 0 and not res["interrupted"]:
+        print(f"0 new rows: the state had already learned every row of {path}; {res['total_rows']} rows learned in "
+              f"all; state: {res['state_path']}")
+    else:
+        print(f"{res['rows']} rows in {res['seconds']:.2f} s ({res['rows_per_s']:,.0f} rows/s), progressive log "
+              f"loss {res['log_loss']:.4f}; {res['total_rows']} rows learned in all; state: {res['state_path']}")
+    if "prior_var_weights" in res:
+        print(f"prior variance weights: {res['prior_var_weights']}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m pyro_convexvb")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -583,8 +595,8 @@ def main(argv=None):
     o = sub.add_parser("online", help="learn OnlineBayesLogistic from a text file (progressive, resumable)")
     o.add_argument("file", help="criteo / csv / svmlight text file (.gz allowed)")
     o.add_argument("--format", required=True, choices=["criteo", "csv", "svmlight"])
-    o.add_argument("--state", default=None, help="state file (default FILE.state.pt), written every --save-every seconds (after a whole "
-                   "chunk), at the end and on Ctrl-C")
+    o.add_argument("--state", default=None, help="state file (default FILE.state.pt), written every --save-every "
+                   "seconds (after a whole chunk), at the end and on Ctrl-C")
     o.add_argument("--resume", action="store_true", help="continue from --state (skips the rows it learned)")
     o.add_argument("--num-features", type=_positive_int, default=None,
                    help="hash buckets (criteo/csv, default 2^22) or columns (svmlight, required); a resumed run "
@@ -630,15 +642,7 @@ def main(argv=None):
             print(f"error: {type(err).__name__ + ': ' if isinstance(err, (OSError, EOFError)) else ''}{err}",
                   file=sys.stderr)
             return 2
-        if res["rows"] == 0 and not res["interrupted"]:
-            print(f"0 new rows: the state had already learned every row of {args.file}; {res['total_rows']} rows "
-                  f"learned in all; state: {res['state_path']}")
-        else:
-            print(f"{res['rows']} rows in {res['seconds']:.2f} s ({res['rows_per_s']:,.0f} rows/s), progressive "
-                  f"log loss {res['log_loss']:.4f}; {res['total_rows']} rows learned in all; state: "
-                  f"{res['state_path']}")
-        if "prior_var_weights" in res:
-            print(f"prior variance weights: {res['prior_var_weights']}")
+        _print_online_report(res, args.file)
         if res["interrupted"]:
             print("interrupted: the state holds every whole chunk learned; continue with --resume")
             return 130
