@@ -276,73 +276,17 @@ if njit is not None:
             nf += 1
             if nf < need:
                 return 2, pos, row, nnz, lines
-            ok, lab = _plain_int(buf, fstart[label_column], fend[label_column])
-            if not ok:
-                return 1, pos, row, nnz, lines
-            k0 = nnz
-            if add_bias:
-                indices[nnz] = bias_col
-                nnz += 1
-            for j in range(need):
-                kind = kinds[j]
-                if kind == 0 or fstart[j] == fend[j]:
-                    continue
-                if kind == 1:
-                    ok, v = _plain_int(buf, fstart[j], fend[j])
-                    if not ok:
-                        nnz = k0
-                        return 1, pos, row, nnz, lines
-                    if 0 <= v < lut:
-                        indices[nnz] = int_bucket[j, v]
-                        nnz += 1
-                        continue
-                    if v <= 2:
-                        h = _crc_digits(prefix[j], v, t4[0], scratch)
-                    else:
-                        lg = math.log(float(v))
-                        h = _crc_digits(bin_prefix[j], np.int64(math.floor(lg * lg)), t4[0], scratch)
-                else:
-                    h = _crc_continue(prefix[j], buf, fstart[j], fend[j], t4)
-                indices[nnz] = h & mask if mask >= 0 else h % num_features  # CRCs are >= 0: the same bucket
-                nnz += 1
-            # sort the row's columns: a counting pass over 64 buckets of the (uniform) hashed columns, then an
-            # insertion sort of the nearly sorted row (a few dozen entries: about a quarter faster than the
-            # insertion sort alone; counting ranks without branches and numba's sort were slower)
-            for q in range(65):
-                counts[q] = 0
-            for q in range(k0, nnz):
-                counts[(indices[q] >> shift) + 1] += 1
-            for q in range(64):
-                counts[q + 1] += counts[q]
-            for q in range(k0, nnz):
-                bkt = indices[q] >> shift
-                tmp[counts[bkt]] = indices[q]
-                counts[bkt] += 1
-            w = nnz - k0
-            for q in range(1, w):
-                key = tmp[q]
-                b = q - 1
-                while b >= 0 and tmp[b] > key:
-                    tmp[b + 1] = tmp[b]
-                    b -= 1
-                tmp[b + 1] = key
-            # merge colliding columns (summed, as hash_features does)
-            out = k0
-            for a in range(w):
-                if a > 0 and tmp[a] == indices[out - 1]:
-                    data[out - 1] += 1.0
-                else:
-                    indices[out] = tmp[a]
-                    data[out] = 1.0
-                    out += 1
-            nnz = out
+            status, lab, nnz = _finish_row(buf, need, label_column, kinds, prefix, bin_prefix, add_bias, bias_col,
+                                           num_features, t4, _CRC_TABLES8, False, nnz, indices, data, fstart, fend,
+                                           scratch, int_bucket, lut, shift, mask, counts, tmp)
+            if status:
+                return status, pos, row, nnz, lines
             labels[row] = lab
             row += 1
             indptr[row] = nnz
             pos = nxt
             lines += 1
         return 0, pos, row, nnz, lines
-
 
     @njit(cache=True, nogil=True, inline="always")
     def _load8(buf, k):
@@ -375,6 +319,76 @@ if njit is not None:
             c = t8[(c ^ np.uint64(buf[k])) & ff] ^ (c >> np.uint64(8))
             k += 1
         return np.int64((~c) & np.uint64(0xFFFFFFFF))
+
+    @njit(cache=True, nogil=True, inline="always")
+    def _finish_row(buf, need, label_column, kinds, prefix, bin_prefix, add_bias, bias_col, num_features, t4, t8,
+                    wide, nnz, indices, data, fstart, fend, scratch, int_bucket, lut, shift, mask, counts, tmp):
+        """One row of the delimited kernels from its field bounds ``fstart``/``fend``: the label, then the row's
+        hashed columns written from ``indices[nnz]`` on (integer fields binned, tokens hashed -- 8 bytes a step
+        by :func:`_crc_continue8` when ``wide``, else 4 by :func:`_crc_continue`), sorted and merged.
+
+        Returns ``(status, label, nnz)``: status 0, or 1 when the line needs the reference reader (``nnz``
+        then unchanged)."""
+        ok, lab = _plain_int(buf, fstart[label_column], fend[label_column])
+        if not ok:
+            return 1, 0, nnz
+        k0 = nnz
+        if add_bias:
+            indices[nnz] = bias_col
+            nnz += 1
+        for j in range(need):
+            kind = kinds[j]
+            if kind == 0 or fstart[j] == fend[j]:
+                continue
+            if kind == 1:
+                ok, v = _plain_int(buf, fstart[j], fend[j])
+                if not ok:
+                    return 1, 0, k0
+                if 0 <= v < lut:
+                    indices[nnz] = int_bucket[j, v]
+                    nnz += 1
+                    continue
+                if v <= 2:
+                    h = _crc_digits(prefix[j], v, t4[0], scratch)
+                else:
+                    lg = math.log(float(v))
+                    h = _crc_digits(bin_prefix[j], np.int64(math.floor(lg * lg)), t4[0], scratch)
+            else:
+                h = _crc_continue8(prefix[j], buf, fstart[j], fend[j], t8) if wide else \
+                    _crc_continue(prefix[j], buf, fstart[j], fend[j], t4)
+            indices[nnz] = h & mask if mask >= 0 else h % num_features  # CRCs are >= 0: the same bucket
+            nnz += 1
+        # sort the row's columns: a counting pass over 64 buckets of the (uniform) hashed columns, then an
+        # insertion sort of the nearly sorted row (a few dozen entries: about a quarter faster than the
+        # insertion sort alone; counting ranks without branches and numba's sort were slower)
+        for q in range(65):
+            counts[q] = 0
+        for q in range(k0, nnz):
+            counts[(indices[q] >> shift) + 1] += 1
+        for q in range(64):
+            counts[q + 1] += counts[q]
+        for q in range(k0, nnz):
+            bkt = indices[q] >> shift
+            tmp[counts[bkt]] = indices[q]
+            counts[bkt] += 1
+        w = nnz - k0
+        for q in range(1, w):
+            key = tmp[q]
+            b = q - 1
+            while b >= 0 and tmp[b] > key:
+                tmp[b + 1] = tmp[b]
+                b -= 1
+            tmp[b + 1] = key
+        # merge colliding columns (summed, as hash_features does)
+        out = k0
+        for a in range(w):
+            if a > 0 and tmp[a] == indices[out - 1]:
+                data[out - 1] += 1.0
+            else:
+                indices[out] = tmp[a]
+                data[out] = 1.0
+                out += 1
+        return 0, lab, out
 
     @njit(cache=True, nogil=True)
     def _delimited_chunk_kernel(buf, pos, end, delim, need, label_column, kinds, prefix, bin_prefix, add_bias,
@@ -436,62 +450,11 @@ if njit is not None:
             nf += 1
             if nf < need:
                 return 2, pos, row, nnz, lines
-            ok, lab = _plain_int(buf, fstart[label_column], fend[label_column])
-            if not ok:
-                return 1, pos, row, nnz, lines
-            k0 = nnz
-            if add_bias:
-                indices[nnz] = bias_col
-                nnz += 1
-            for j in range(need):
-                kind = kinds[j]
-                if kind == 0 or fstart[j] == fend[j]:
-                    continue
-                if kind == 1:
-                    ok, v = _plain_int(buf, fstart[j], fend[j])
-                    if not ok:
-                        nnz = k0
-                        return 1, pos, row, nnz, lines
-                    if 0 <= v < lut:
-                        indices[nnz] = int_bucket[j, v]
-                        nnz += 1
-                        continue
-                    if v <= 2:
-                        h = _crc_digits(prefix[j], v, t4[0], scratch)
-                    else:
-                        lg = math.log(float(v))
-                        h = _crc_digits(bin_prefix[j], np.int64(math.floor(lg * lg)), t4[0], scratch)
-                else:
-                    h = _crc_continue8(prefix[j], buf, fstart[j], fend[j], t8)
-                indices[nnz] = h & mask if mask >= 0 else h % num_features
-                nnz += 1
-            for q in range(65):
-                counts[q] = 0
-            for q in range(k0, nnz):
-                counts[(indices[q] >> shift) + 1] += 1
-            for q in range(64):
-                counts[q + 1] += counts[q]
-            for q in range(k0, nnz):
-                bkt = indices[q] >> shift
-                tmp[counts[bkt]] = indices[q]
-                counts[bkt] += 1
-            w2 = nnz - k0
-            for q in range(1, w2):
-                key = tmp[q]
-                b = q - 1
-                while b >= 0 and tmp[b] > key:
-                    tmp[b + 1] = tmp[b]
-                    b -= 1
-                tmp[b + 1] = key
-            out = k0
-            for a in range(w2):
-                if a > 0 and tmp[a] == indices[out - 1]:
-                    data[out - 1] += 1.0
-                else:
-                    indices[out] = tmp[a]
-                    data[out] = 1.0
-                    out += 1
-            nnz = out
+            status, lab, nnz = _finish_row(buf, need, label_column, kinds, prefix, bin_prefix, add_bias, bias_col,
+                                           num_features, t4, t8, True, nnz, indices, data, fstart, fend, scratch,
+                                           int_bucket, lut, shift, mask, counts, tmp)
+            if status:
+                return status, pos, row, nnz, lines
             labels[row] = lab
             row += 1
             indptr[row] = nnz
