@@ -107,10 +107,10 @@ class GLM(CompactPickleMixin, BaseEstimator):
         >>> import numpy as np
         >>> rng = np.random.default_rng(0)
         >>> X = rng.normal(size=(300, 2))
-        >>> y = np.where(X[:, 0] - X[:, 1] > 0, "yes", "no")
-        >>> glm = GLM("bernoulli", num_components=2, max_iter=600, min_steps=300).fit(X, y)
-        >>> glm.predict_proba(X[:2]).shape, bool(glm.score(X, y) > 0.9)
-        ((2, 2), True)
+        >>> y = np.where(X[:, 0] - X[:, 1] + rng.normal(size=300) > 0, "yes", "no")   # not separable
+        >>> glm = GLM("bernoulli", num_components=2).fit(X, y)
+        >>> glm.predict_proba(X[:2]).shape, bool(glm.score(X, y) > 0.8), glm.converged_
+        ((2, 2), True, True)
     """
 
     _keep_model_in_pickle = False  # the Pyro model holds the design: pickles keep the posterior's moments only
