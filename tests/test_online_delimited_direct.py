@@ -1,6 +1,7 @@
 """The direct path of the delimited reader (``iter_delimited(direct=True)``: one reused buffer,
-``_delimited_chunk_kernel``) against the block path it replaces (``direct=False``, kept as it was) and the Python
-reference rules (``use_kernel=False``): the same chunks (values, dtypes, chunk boundaries), the same errors."""
+``_delimited_kernel`` in its ``wide`` mode) against the block path (``direct=False``, the kernel a byte at a
+time) and the Python reference rules (``use_kernel=False``): the same chunks (values, dtypes, chunk boundaries),
+the same errors."""
 import gzip
 import zlib
 

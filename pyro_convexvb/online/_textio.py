@@ -12,9 +12,9 @@ One core serves :func:`~pyro_convexvb.online.iter_criteo` / :func:`~pyro_convexv
   :func:`~pyro_convexvb.online.hash_features` on every platform), one row after the other without a Python
   loop; a row the kernel cannot read exactly (a number that is not a plain integer, e.g. ``1.5``, ``1e3``,
   ``inf``) is handed to the Python reference code for that one row, so the output never differs.
-  :func:`iter_delimited` reads by default into one reused buffer (:func:`_iter_delimited_direct`:
-  :func:`_delimited_chunk_kernel`, fields found and tokens hashed 8 bytes at a time, straight into the chunk's
-  arrays); ``direct=False`` keeps the block path (:func:`iter_blocks`, :func:`_delimited_kernel`);
+  :func:`iter_delimited` reads by default into one reused buffer (:func:`_iter_delimited_direct`,
+  :func:`_line_blocks`: the kernel finds fields and hashes tokens 8 bytes at a time, straight into the chunk's
+  arrays); ``direct=False`` keeps the block path (:func:`iter_blocks`, the kernel a byte at a time);
 * svmlight (:func:`iter_svmlight_chunks`): without hashing, :func:`_svm_chunk_kernel` parses each block of
   a reused buffer straight into the chunk's arrays (indices shifted, range-checked, int32); a block with a line
   it declines is read again by the block path: :func:`_svm_kernel` up to the first line it declines, then
@@ -26,6 +26,7 @@ One core serves :func:`~pyro_convexvb.online.iter_criteo` / :func:`~pyro_convexv
 
 Chunks hold ``chunk_size`` *rows*: blank and comment lines never give a chunk of 0 rows.
 """
+import contextlib
 import gzip
 import io
 import math
@@ -223,71 +224,6 @@ if njit is not None:
             v = v * 10 + (b - 48)
         return True, -v if neg else v
 
-    @njit(cache=True, nogil=True)
-    def _delimited_kernel(buf, pos, end, delim, need, label_column, kinds, prefix, bin_prefix, add_bias,
-                          bias_col, num_features, t4, max_rows, row0, nnz0, indptr, indices, data, labels,
-                          fstart, fend, scratch, int_bucket, shift, mask):
-        """Parse whole lines of ``buf[pos:end]`` into rows ``row0, row0 + 1, ...`` (at most ``max_rows``).
-
-        Over 80 lines: a numba parser kernel (a byte-level state machine), compiled as one unit.
-
-        ``int_bucket[j, v]`` is the hashed column of integer column ``j`` holding ``0 <= v < int_bucket.shape[1]``
-        (the token ``"j#" + integer_bin(v)``, precomputed by :class:`DelimitedSpec`); other values are binned and
-        hashed here.  ``shift``: the row's columns are bucketed by ``column >> shift`` (64 buckets over
-        ``[0, num_features)``) before the insertion sort.  ``mask``: ``num_features - 1`` when it is a power of two
-        (the bucket of a hash is then ``h & mask``), else -1.
-
-        Returns ``(status, pos, row, nnz, lines)``: status 0 (block done or chunk full), 1 (the line at
-        ``pos`` needs the reference reader), 2 (the line at ``pos`` has fewer than ``need`` fields);
-        ``lines`` counts the lines consumed (blank ones included).
-        """
-        lut = int_bucket.shape[1]
-        counts = np.zeros(65, dtype=np.int64)
-        tmp = np.empty(need + 1, dtype=indices.dtype)
-        row = row0
-        nnz = nnz0
-        lines = 0
-        while pos < end and row < max_rows:
-            # one scan: field bounds up to the newline
-            nf = 0
-            s = pos
-            e = pos
-            while True:
-                b = buf[e]
-                if b == 10:
-                    break
-                if b == delim:
-                    if nf < need:
-                        fstart[nf] = s
-                        fend[nf] = e
-                    nf += 1
-                    s = e + 1
-                e += 1
-            nxt = e + 1
-            if e > s and buf[e - 1] == 13:
-                e -= 1
-            if e == pos:  # blank line
-                pos = nxt
-                lines += 1
-                continue
-            if nf < need:
-                fstart[nf] = s
-                fend[nf] = e
-            nf += 1
-            if nf < need:
-                return 2, pos, row, nnz, lines
-            status, lab, nnz = _finish_row(buf, need, label_column, kinds, prefix, bin_prefix, add_bias, bias_col,
-                                           num_features, t4, _CRC_TABLES8, False, nnz, indices, data, fstart, fend,
-                                           scratch, int_bucket, lut, shift, mask, counts, tmp)
-            if status:
-                return status, pos, row, nnz, lines
-            labels[row] = lab
-            row += 1
-            indptr[row] = nnz
-            pos = nxt
-            lines += 1
-        return 0, pos, row, nnz, lines
-
     @njit(cache=True, nogil=True, inline="always")
     def _load8(buf, k):
         """The 8 bytes ``buf[k:k + 8]`` as a little-endian ``uint64`` (one unaligned load: the index is unsigned,
@@ -391,19 +327,29 @@ if njit is not None:
         return 0, lab, out
 
     @njit(cache=True, nogil=True)
-    def _delimited_chunk_kernel(buf, pos, end, delim, need, label_column, kinds, prefix, bin_prefix, add_bias,
-                                bias_col, num_features, t4, t8, max_rows, row0, nnz0, indptr, indices, data, labels,
-                                fstart, fend, scratch, int_bucket, shift, mask):
-        """:func:`_delimited_kernel` for a block of the direct path's buffer: the same arguments (and ``t8``,
-        :data:`_CRC_TABLES8`), the same rows, values and statuses; ``buf[end - 1]`` is ``\\n`` and ``buf`` is
-        readable up to ``end + 7`` (:data:`_DIRECT_PAD`).
+    def _delimited_kernel(buf, pos, end, delim, need, label_column, kinds, prefix, bin_prefix, add_bias,
+                          bias_col, num_features, t4, t8, wide, max_rows, row0, nnz0, indptr, indices, data, labels,
+                          fstart, fend, scratch, int_bucket, shift, mask):
+        """Parse whole lines of ``buf[pos:end]`` into rows ``row0, row0 + 1, ...`` (at most ``max_rows``).
 
         Over 80 lines: a numba parser kernel (a byte-level state machine), compiled as one unit.
 
-        The fields are found 8 bytes at a time (a word with no delimiter and no newline is skipped in one step;
-        otherwise the first such byte is the lowest zero byte of ``word ^ broadcast(byte)``, found with the
-        borrow trick, which is exact for the lowest one) and categorical tokens hashed 8 bytes a step
-        (:func:`_crc_continue8`); the label, integer fields, bins, sort and merge are :func:`_delimited_kernel`'s.
+        ``int_bucket[j, v]`` is the hashed column of integer column ``j`` holding ``0 <= v < int_bucket.shape[1]``
+        (the token ``"j#" + integer_bin(v)``, precomputed by :class:`DelimitedSpec`); other values are binned and
+        hashed here.  ``shift``: the row's columns are bucketed by ``column >> shift`` (64 buckets over
+        ``[0, num_features)``) before the insertion sort.  ``mask``: ``num_features - 1`` when it is a power of two
+        (the bucket of a hash is then ``h & mask``), else -1.
+
+        With ``wide`` (the direct path: ``buf[end - 1]`` is ``\\n`` and ``buf`` is readable up to ``end + 7``,
+        :data:`_DIRECT_PAD`) the fields are found 8 bytes at a time (a word with no delimiter and no newline is
+        skipped in one step; otherwise the first such byte is the lowest zero byte of ``word ^ broadcast(byte)``,
+        found with the borrow trick, which is exact for the lowest one) and categorical tokens hashed 8 bytes a
+        step (:func:`_crc_continue8` over ``t8``, :data:`_CRC_TABLES8`); otherwise a byte at a time and by
+        :func:`_crc_continue` over ``t4``.  Both give the same rows and values.
+
+        Returns ``(status, pos, row, nnz, lines)``: status 0 (block done or chunk full), 1 (the line at
+        ``pos`` needs the reference reader), 2 (the line at ``pos`` has fewer than ``need`` fields);
+        ``lines`` counts the lines consumed (blank ones included).
         """
         lut = int_bucket.shape[1]
         counts = np.zeros(65, dtype=np.int64)
@@ -416,27 +362,40 @@ if njit is not None:
         nnz = nnz0
         lines = 0
         while pos < end and row < max_rows:
+            # one scan: field bounds up to the newline
             nf = 0
             s = pos
-            k = pos
-            while True:
-                w = _load8(buf, k)
-                x = w ^ dmask
-                z = w ^ nmask
-                hit = (((x - ones) & ~x) | ((z - ones) & ~z)) & highs
-                if hit == 0:
-                    k += 8
-                    continue
-                k += np.int64(trailing_zeros(hit)) >> 3
-                if buf[k] == 10:
-                    break
-                if nf < need:
-                    fstart[nf] = s
-                    fend[nf] = k
-                nf += 1
-                k += 1
-                s = k
-            e = k
+            e = pos
+            if wide:
+                while True:
+                    w = _load8(buf, e)
+                    x = w ^ dmask
+                    z = w ^ nmask
+                    hit = (((x - ones) & ~x) | ((z - ones) & ~z)) & highs
+                    if hit == 0:
+                        e += 8
+                        continue
+                    e += np.int64(trailing_zeros(hit)) >> 3
+                    if buf[e] == 10:
+                        break
+                    if nf < need:
+                        fstart[nf] = s
+                        fend[nf] = e
+                    nf += 1
+                    e += 1
+                    s = e
+            else:
+                while True:
+                    b = buf[e]
+                    if b == 10:
+                        break
+                    if b == delim:
+                        if nf < need:
+                            fstart[nf] = s
+                            fend[nf] = e
+                        nf += 1
+                        s = e + 1
+                    e += 1
             nxt = e + 1
             if e > s and buf[e - 1] == 13:
                 e -= 1
@@ -451,7 +410,7 @@ if njit is not None:
             if nf < need:
                 return 2, pos, row, nnz, lines
             status, lab, nnz = _finish_row(buf, need, label_column, kinds, prefix, bin_prefix, add_bias, bias_col,
-                                           num_features, t4, t8, True, nnz, indices, data, fstart, fend, scratch,
+                                           num_features, t4, t8, wide, nnz, indices, data, fstart, fend, scratch,
                                            int_bucket, lut, shift, mask, counts, tmp)
             if status:
                 return status, pos, row, nnz, lines
@@ -466,6 +425,20 @@ if njit is not None:
     def _is_space(b):
         """ASCII whitespace as ``str.split`` sees it (one comparison for the printable bytes)."""
         return b <= 32 and (b == 32 or (9 <= b <= 13) or (28 <= b <= 31))
+
+    @njit(cache=True, nogil=True, inline="always")
+    def _exact_value(m, ex, neg, pow10):
+        """``(ok, ±m 10^ex)`` for an integer ``m < 10^15``: exact when ``|ex| <= 22``, where one correctly rounded
+        multiplication or division by an exact power of ten gives Python's ``float`` (Clinger 1990); ``ok`` False
+        otherwise."""
+        if ex < -22 or ex > 22:
+            return False, 0.0
+        v = float(m)
+        if ex >= 0:
+            v = v * pow10[ex]
+        else:
+            v = v / pow10[-ex]
+        return True, -v if neg else v
 
     @njit(cache=True, nogil=True)
     def _scan_float(buf, s, stop, pow10):
@@ -517,15 +490,8 @@ if njit is not None:
                 ex = -ex
         if k < stop and not _is_space(buf[k]):  # another byte in the token
             return False, 0.0, k
-        ex -= frac
-        if ex < -22 or ex > 22:
-            return False, 0.0, k
-        v = float(m)
-        if ex >= 0:
-            v = v * pow10[ex]
-        else:
-            v = v / pow10[-ex]
-        return True, -v if neg else v, k
+        ok, v = _exact_value(m, ex - frac, neg, pow10)
+        return ok, v, k
 
     @njit(cache=True, nogil=True)
     def _svm_kernel(buf, pos, end, max_rows, row0, nnz0, indptr, indices, values, labels, pow10):
@@ -618,6 +584,18 @@ if njit is not None:
             lines += 1
         return 0, pos, row, nnz, lines
 
+    @njit(cache=True, nogil=True, inline="always")
+    def _digits(buf, k, m):
+        """The decimal digits from ``buf[k]`` on appended to the integer ``m``: ``(m, index after them)``; the
+        caller knows a non-digit byte follows (a block ends with ``\\n``)."""
+        while True:
+            d = np.int64(buf[k]) - 48
+            if d < 0 or d > 9:
+                break
+            m = m * 10 + d
+            k += 1
+        return m, k
+
     @njit(cache=True, nogil=True)
     def _scan_number(buf, k, pow10):
         """:func:`_scan_float` on a block that ends with ``\\n``, with no bound to check per byte: the number at
@@ -630,25 +608,13 @@ if njit is not None:
         if b == 45 or b == 43:
             neg = b == 45
             k += 1
-        m = 0
         k0 = k
-        while True:
-            d = np.int64(buf[k]) - 48
-            if d < 0 or d > 9:
-                break
-            m = m * 10 + d
-            k += 1
+        m, k = _digits(buf, k, 0)
         nd = k - k0
         frac = 0
         if buf[k] == 46:
-            k += 1
-            f0 = k
-            while True:
-                d = np.int64(buf[k]) - 48
-                if d < 0 or d > 9:
-                    break
-                m = m * 10 + d
-                k += 1
+            f0 = k + 1
+            m, k = _digits(buf, f0, m)
             frac = k - f0
             nd += frac
         if nd == 0:
@@ -683,15 +649,8 @@ if njit is not None:
         b = buf[k]
         if b != 35 and not _is_space(b):  # another byte in the token
             return False, 0.0, k
-        ex -= frac
-        if ex < -22 or ex > 22:
-            return False, 0.0, k
-        v = float(m)
-        if ex >= 0:
-            v = v * pow10[ex]
-        else:
-            v = v / pow10[-ex]
-        return True, -v if neg else v, k
+        ok, v = _exact_value(m, ex - frac, neg, pow10)
+        return ok, v, k
 
     @njit(cache=True, nogil=True)
     def _svm_chunk_kernel(buf, pos, end, max_rows, row0, nnz0, indptr, indices, values, labels, pow10, shift,
@@ -736,13 +695,7 @@ if njit is not None:
                 if b == 10 or b == 35:
                     break
                 t0 = k
-                idx = 0  # the usual token, 1-15 digits, a colon, a number: read in one pass
-                while True:
-                    d = np.int64(buf[k]) - 48
-                    if d < 0 or d > 9:
-                        break
-                    idx = idx * 10 + d
-                    k += 1
+                idx, k = _digits(buf, k, 0)  # the usual token, 1-15 digits, a colon, a number: read in one pass
                 if buf[k] == 58 and 0 < k - t0 <= 15:
                     ok, v, k = _scan_number(buf, k + 1, pow10)
                     if not ok:
@@ -917,10 +870,10 @@ def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTE
 
     ``use_kernel`` (default: when numba is installed) parses by the compiled kernels, ``False`` by the Python
     reference rules line by line.  With the kernels, ``direct`` (default True) takes the direct path
-    (:func:`_iter_delimited_direct`: one reused buffer, :func:`_delimited_chunk_kernel`); ``direct=False`` the
-    block path (:func:`iter_blocks`, :func:`_delimited_kernel`).  Both give the same chunks, values and errors;
-    a line either kernel declines is read by :meth:`DelimitedSpec.reference_row` (which raises, with the file and
-    line number, on a short line or a field that is not a number)."""
+    (:func:`_iter_delimited_direct`: one reused buffer, :func:`_delimited_kernel` 8 bytes at a time);
+    ``direct=False`` the block path (:func:`iter_blocks`, the kernel a byte at a time).  Both give the same chunks,
+    values and errors; a line the kernel declines is read by :meth:`DelimitedSpec.reference_row` (which raises,
+    with the file and line number, on a short line or a field that is not a number)."""
     if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     chunk_size = int(chunk_size)
@@ -946,13 +899,36 @@ def _kernel_args(spec):
             np.empty(spec.need, dtype=np.int64), np.empty(24, dtype=np.int64))
 
 
+def _delimited_block(out, spec, kargs, buf, pos, end, wide, lineno, path, chunk_size):
+    """The whole lines ``buf[pos:end]`` (line ``lineno`` first) into ``out`` by :func:`_delimited_kernel`
+    (``wide``: the direct path's buffer), a line it declines by :meth:`DelimitedSpec.reference_row` (which raises
+    on a short line); yields each chunk as it fills and returns the number of the line after the block."""
+    int_bucket, shift, mask, delim, fstart, fend, scratch = kargs
+    while pos < end:
+        status, pos, row, nnz, lines = _delimited_kernel(
+            buf, pos, end, delim, spec.need, spec.label_column, spec.kinds, spec.prefix, spec.bin_prefix,
+            spec.add_bias, spec.bias_col, spec.num_features, _CRC_TABLES4, _CRC_TABLES8, wide, chunk_size, out.row,
+            out.nnz, out.indptr, out.indices, out.data, out.labels, fstart, fend, scratch, int_bucket, shift, mask)
+        out.row, out.nnz = row, nnz
+        lineno += lines
+        if status != 0:  # this one line by the reference rules (status 2, a short line, raises there)
+            e = _next_newline(buf, pos, end)
+            line = buf[pos:e].tobytes()
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            out.add(*spec.reference_row(line, path, lineno))
+            pos = e + 1
+            lineno += 1
+        if out.row == chunk_size:
+            yield out.take(spec.num_features)
+    return lineno
+
+
 def _iter_delimited_blocks(path, spec, chunk_size, header, block_bytes, use_kernel):
     """The block path of :func:`iter_delimited`: blocks of :func:`iter_blocks` (bytes), each parsed by
     :func:`_delimited_kernel` (or, without ``use_kernel``, the Python reference) into the chunk's arrays."""
     out = _ChunkBuilder(chunk_size, spec.width, spec.index_dtype)
-    if use_kernel:
-        int_bucket, shift, mask, delim, fstart, fend, scratch = _kernel_args(spec)
-    t4 = _CRC_TABLES4
+    kargs = _kernel_args(spec) if use_kernel else None
     skip_header = bool(header)
     for block, lineno in iter_blocks(path, block_bytes):
         pos = 0
@@ -968,96 +944,32 @@ def _iter_delimited_blocks(path, spec, chunk_size, header, block_bytes, use_kern
                         yield out.take(spec.num_features)
                 lineno += 1
             continue
-        buf = np.frombuffer(block, dtype=np.uint8)
-        end = len(block)
-        while pos < end:
-            status, pos, row, nnz, lines = _delimited_kernel(
-                buf, pos, end, delim, spec.need, spec.label_column, spec.kinds, spec.prefix, spec.bin_prefix,
-                spec.add_bias, spec.bias_col, spec.num_features, t4, chunk_size, out.row, out.nnz,
-                out.indptr, out.indices, out.data, out.labels, fstart, fend, scratch, int_bucket, shift, mask)
-            out.row, out.nnz = row, nnz
-            lineno += lines
-            if status == 0:
-                if out.row == chunk_size:
-                    yield out.take(spec.num_features)
-                continue
-            e = block.index(b"\n", pos)
-            line = block[pos:e]
-            if line.endswith(b"\r"):
-                line = line[:-1]
-            out.add(*spec.reference_row(line, path, lineno))  # status 2 raises here
-            pos = e + 1
-            lineno += 1
-            if out.row == chunk_size:
-                yield out.take(spec.num_features)
+        yield from _delimited_block(out, spec, kargs, np.frombuffer(block, dtype=np.uint8), pos, len(block), False,
+                                    lineno, path, chunk_size)
     if out.row:
         yield out.take(spec.num_features)
 
 
 def _iter_delimited_direct(path, spec, chunk_size, header, block_bytes):
-    """The direct path of :func:`iter_delimited`: the file read (``readinto``) into one reused buffer in the
-    blocks of :func:`iter_blocks` -- no copy of a block, no pass to count its lines (the kernel counts them) --,
-    each block parsed by :func:`_delimited_chunk_kernel` straight into the chunk's arrays; a line it declines is
-    read by :meth:`DelimitedSpec.reference_row`, as on the block path, so rows, values, errors and line numbers
-    are the same.  A chunk is handed out as soon as it is full (the buffer is not written while the generator
-    waits)."""
+    """The direct path of :func:`iter_delimited`: the blocks of :func:`_line_blocks` (one reused buffer, no copy
+    of a block, no pass to count its lines: the kernel counts them), each parsed by :func:`_delimited_kernel`
+    (``wide``) straight into the chunk's arrays; a line it declines is read by
+    :meth:`DelimitedSpec.reference_row`, as on the block path, so rows, values, errors and line numbers are the
+    same.  A chunk is handed out as soon as it is full (the buffer is not written while the generator waits)."""
     out = _ChunkBuilder(chunk_size, spec.width, spec.index_dtype)
-    int_bucket, shift, mask, delim, fstart, fend, scratch = _kernel_args(spec)
-    t4, t8 = _CRC_TABLES4, _CRC_TABLES8
+    kargs = _kernel_args(spec)
     skip_header = bool(header)
-    fh = open_binary(path)
-    try:
-        buf = np.zeros(2 * block_bytes + 1 + _DIRECT_PAD, dtype=np.uint8)
-        have = 0  # bytes of a partial line carried over at the start of buf
-        lineno = 1
-        while True:
-            if len(buf) < have + block_bytes + 1 + _DIRECT_PAD:  # a line longer than a block
-                bigger = np.zeros(2 * (have + block_bytes) + 1 + _DIRECT_PAD, dtype=np.uint8)
-                bigger[:have] = buf[:have]
-                buf = bigger
-            n = _read_into(fh, buf, have, block_bytes)
-            total = have + n
-            if n == 0:
-                if have == 0:
-                    break
-                buf[have] = 10  # a last line without a newline gets one
-                end = total + 1
-            else:
-                end = _last_newline(buf, total) + 1
-                if end == 0:
-                    have = total
-                    continue
+    lineno = 1
+    with contextlib.closing(_line_blocks(path, block_bytes, _DIRECT_PAD)) as blocks:
+        for buf, end in blocks:
             pos = 0
             if skip_header:
                 pos = _next_newline(buf, 0, end) + 1
                 lineno += 1
                 skip_header = False
-            while pos < end:
-                status, pos, row, nnz, lines = _delimited_chunk_kernel(
-                    buf, pos, end, delim, spec.need, spec.label_column, spec.kinds, spec.prefix, spec.bin_prefix,
-                    spec.add_bias, spec.bias_col, spec.num_features, t4, t8, chunk_size, out.row, out.nnz,
-                    out.indptr, out.indices, out.data, out.labels, fstart, fend, scratch, int_bucket, shift, mask)
-                out.row, out.nnz = row, nnz
-                lineno += lines
-                if status != 0:  # this one line by the reference rules (status 2, a short line, raises there)
-                    e = _next_newline(buf, pos, end)
-                    line = buf[pos:e].tobytes()
-                    if line.endswith(b"\r"):
-                        line = line[:-1]
-                    out.add(*spec.reference_row(line, path, lineno))
-                    pos = e + 1
-                    lineno += 1
-                if out.row == chunk_size:
-                    yield out.take(spec.num_features)
-            if n == 0:
-                break
-            rest = total - end
-            buf[:rest] = buf[end:total]
-            have = rest
-        if out.row:
-            yield out.take(spec.num_features)
-    finally:
-        fh.close()
+            lineno = yield from _delimited_block(out, spec, kargs, buf, pos, end, True, lineno, path, chunk_size)
+    if out.row:
+        yield out.take(spec.num_features)
 
 
 # ----------------------------------------------------------------------------- svmlight
@@ -1282,6 +1194,39 @@ def _read_into(fh, buf, offset, n):
     return got
 
 
+def _line_blocks(path, block_bytes, pad=0):
+    """The blocks of :func:`iter_blocks` read (``readinto``) into one reused buffer: yields ``(buf, end)``,
+    ``buf[:end]`` a block's whole lines (each ends with ``\\n``; a last line without one gets one) and ``buf``
+    readable up to ``end + pad``.  The buffer is rewritten when the next block is asked for (the part line after
+    ``end`` moved to its start), so nothing may keep a view of it."""
+    fh = open_binary(path)
+    try:
+        buf = np.zeros(2 * block_bytes + 1 + pad, dtype=np.uint8)
+        have = 0  # bytes of a partial line carried over at the start of buf
+        while True:
+            if len(buf) < have + block_bytes + 1 + pad:  # a line longer than a block
+                bigger = np.zeros(2 * (have + block_bytes) + 1 + pad, dtype=np.uint8)
+                bigger[:have] = buf[:have]
+                buf = bigger
+            n = _read_into(fh, buf, have, block_bytes)
+            total = have + n
+            if n == 0:
+                if have:
+                    buf[have] = 10  # a last line without a newline gets one
+                    yield buf, total + 1
+                return
+            end = _last_newline(buf, total) + 1
+            if end == 0:
+                have = total
+                continue
+            yield buf, end
+            rest = total - end
+            buf[:rest] = buf[end:total]
+            have = rest
+    finally:
+        fh.close()
+
+
 class _SvmChunkBuilder:
     """The arrays of the svmlight chunk being filled: ``chunk_size`` rows, an entry capacity from the entries
     per row seen so far (more than needed is address space, not memory: pages never written are not resident);
@@ -1358,33 +1303,14 @@ class _SvmChunkBuilder:
 
 
 def _iter_svmlight_direct(path, chunk_size, num_features, shift, block_bytes):
-    """:func:`iter_svmlight_chunks` by :func:`_svm_chunk_kernel`: the file read into one reused buffer in the
-    blocks of :func:`iter_blocks` (no copy of a block, no pass to count its lines: the kernel counts them), each
-    block parsed into the chunk's arrays.  The chunks a block completes are handed out once the whole block is
-    read, so a block with an error gives no chunk of its rows (as the block path)."""
-    fh = open_binary(path)
-    try:
-        buf = np.empty(2 * block_bytes + 1, dtype=np.uint8)
-        have = 0  # bytes of a partial line carried over at the start of buf
-        lineno = 1
-        out = None
-        while True:
-            if len(buf) < have + block_bytes + 1:  # a line longer than a block
-                bigger = np.empty(2 * (have + block_bytes) + 1, dtype=np.uint8)
-                bigger[:have] = buf[:have]
-                buf = bigger
-            n = _read_into(fh, buf, have, block_bytes)
-            total = have + n
-            if n == 0:
-                if have == 0:
-                    break
-                buf[have] = 10  # a last line without a newline gets one
-                end = total + 1
-            else:
-                end = _last_newline(buf, total) + 1
-                if end == 0:
-                    have = total
-                    continue
+    """:func:`iter_svmlight_chunks` by :func:`_svm_chunk_kernel`: the blocks of :func:`_line_blocks` (one reused
+    buffer, no copy of a block, no pass to count its lines: the kernel counts them), each parsed into the chunk's
+    arrays.  The chunks a block completes are handed out once the whole block is read, so a block with an error
+    gives no chunk of its rows (as the block path)."""
+    lineno = 1
+    out = None
+    with contextlib.closing(_line_blocks(path, block_bytes)) as blocks:
+        for buf, end in blocks:
             if out is None:  # entries per row of the first block: the first chunk's capacity
                 out = _SvmChunkBuilder(chunk_size, num_features,
                                        _count_byte(buf, end, 58) / max(1, _count_byte(buf, end, 10)))
@@ -1415,15 +1341,8 @@ def _iter_svmlight_direct(path, chunk_size, num_features, shift, block_bytes):
             lineno += lines
             yield from ready
             del ready
-            if n == 0:
-                break
-            rest = total - end
-            buf[:rest] = buf[end:total]
-            have = rest
-        if out is not None and out.row:
-            yield out.take()
-    finally:
-        fh.close()
+    if out is not None and out.row:
+        yield out.take()
 
 
 def X_big(parts):
