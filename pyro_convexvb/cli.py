@@ -445,8 +445,9 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
     interrupt, the state -- the estimator's ``state_dict()``, the file and the number of its rows learned -- is
     written atomically to ``state_path`` (``torch.save`` to a temporary file, then renamed; it loads with
     ``torch.load``'s default ``weights_only=True``).  With ``resume`` the estimator is restored from it; on the
-    same file the rows already learned are skipped, on another file learning continues from its first row.
-    An interrupt (Ctrl-C) keeps the state of the last whole chunk.
+    same file the rows already learned are skipped, on another file learning continues from its first row; a
+    file shorter than the rows its state has learned raises ``ValueError`` (it is not the file learned from).
+    An interrupt (Ctrl-C) keeps the state of the last whole chunk (during the skip: the state as it was).
 
     :param path: the file (``.gz`` allowed).
     :param str fmt: ``"criteo"`` (tab-separated label, 13 integer, 26 categorical columns), ``"csv"`` (columns
@@ -527,9 +528,9 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
     t0 = last_save = time.perf_counter()
     interrupted = False
 
-    def save():
+    def save():  # rows the state had learned and this run has not yet passed (an interrupt while skipping) count
         _save_state_atomically({"estimator": est.state_dict(), "file": os.path.abspath(str(path)),
-                                "file_rows": file_rows, "format": fmt,
+                                "file_rows": file_rows + skip, "format": fmt,
                                 "reading": {k: list(v) if isinstance(v, tuple) else v for k, v in reading.items()}},
                                state_path)
     try:
@@ -557,6 +558,9 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
         if close is not None:
             close()
         bar.close()
+    if skip and not interrupted:  # learning from the rows past the end would mix two files' rows in one state
+        raise ValueError(f"--resume: the state has learned {file_rows + skip} rows of {path}, but the file has only "
+                         f"{file_rows}: it changed since; start again without --resume (or give another --state)")
     if hasattr(est, "n_seen_"):
         save()
     seconds = time.perf_counter() - t0  # including the final save

@@ -139,3 +139,48 @@ def test_resume_on_a_file_read_to_the_end_says_so(criteo, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["online", "--help"])
     assert "every --save-every seconds" in " ".join(capsys.readouterr().out.split())
+
+
+def test_resume_refuses_a_file_shorter_than_its_state(criteo, tmp_path, capsys):
+    """A state that learned 300 rows of a path now holding 100 rows (the file was replaced) refuses, and stays."""
+    path = tmp_path / "c.txt"
+    path.write_bytes(criteo.read_bytes())
+    state = tmp_path / "s.pt"
+    run_online(path, "criteo", state_path=state, num_features=4096, chunk_size=100, progress=False)
+    before = torch.load(state)
+    path.write_bytes(b"".join(criteo.read_bytes().splitlines(keepends=True)[:100]))
+    with pytest.raises(ValueError, match="learned 300 rows of .* the file has only 100"):
+        run_online(path, "criteo", state_path=state, resume=True, chunk_size=100, progress=False)
+    after = torch.load(state)
+    assert after["file_rows"] == 300 and torch.equal(after["estimator"]["mu"], before["estimator"]["mu"])
+    assert main(["online", str(path), "--format", "criteo", "--state", str(state), "--resume", "--no-progress"]) == 2
+    assert "the file has only 100" in capsys.readouterr().err
+
+
+def test_interrupt_while_a_resume_skips_keeps_the_states_row_count(criteo, tmp_path, monkeypatch):
+    """Ctrl-C while a resume is still passing the rows its state learned writes the state's row count back, not the
+    rows passed so far (a later resume would learn rows 100-199 twice)."""
+    state = tmp_path / "s.pt"
+    path = tmp_path / "c.txt"
+    lines = criteo.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:200]))
+    run_online(path, "criteo", state_path=state, num_features=4096, chunk_size=100, progress=False)
+    path.write_bytes(b"".join(lines))  # 100 rows appended
+    import pyro_convexvb.online as online
+
+    real = online.iter_criteo
+
+    def interrupted_after_one_chunk(*a, **k):
+        it = real(*a, **k)
+        yield next(it)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(online, "iter_criteo", interrupted_after_one_chunk)
+    res = run_online(path, "criteo", state_path=state, resume=True, chunk_size=100, progress=False)
+    assert res["interrupted"] and res["rows"] == 0 and torch.load(state)["file_rows"] == 200
+    monkeypatch.setattr(online, "iter_criteo", real)
+    res = run_online(path, "criteo", state_path=state, resume=True, chunk_size=100, progress=False)
+    assert res["rows"] == 100 and res["total_rows"] == 300
+    whole = torch.load(state)["estimator"]
+    run_online(path, "criteo", state_path=tmp_path / "w.pt", num_features=4096, chunk_size=100, progress=False)
+    assert torch.equal(whole["mu"], torch.load(tmp_path / "w.pt")["estimator"]["mu"])
