@@ -494,5 +494,6 @@ def test_loo_validates_its_draws_and_warns_when_its_weights_are_unreliable(linea
             res.loo(num_draws=bad)
     bad_q = pcv.GaussianPosterior(res.posterior.loc, covariance=0.2 * res.posterior.covariance())
     bad_q.layout, bad_q.model, bad_q.model_args = res.posterior.layout, model, ((X,), {"y": y})
-    with pytest.warns(ApproximationWarning, match=r"PSIS-LOO may be unreliable: .* above"):
+    wording = r"PSIS-LOO may be unreliable: .* have their own k_hat above the threshold \(the k_hat threshold at "
+    with pytest.warns(ApproximationWarning, match=wording + r"500 draws is 0\.\d\d\)"):
         pcv.InferenceResult(bad_q, None, engine="test").loo(num_draws=500)

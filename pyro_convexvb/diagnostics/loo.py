@@ -205,8 +205,9 @@ def _warn_unreliable(r, log_ratios):
     if k_all > r.threshold:  # inf (too few distinct tail draws to fit) too
         parts.append(f"the proposal's k_hat over all observations is {k_all:.2f}")
     if r.num_high_k:
-        parts.append(f"{r.num_high_k} of {len(r.pareto_k)} observations have k_hat above it")
+        parts.append(f"{r.num_high_k} of {len(r.pareto_k)} observations have their own k_hat above the threshold")
     if parts:
-        warnings.warn(f"PSIS-LOO may be unreliable: {'; '.join(parts)} (threshold {r.threshold:.2f}). Call "
+        warnings.warn(f"PSIS-LOO may be unreliable: {'; '.join(parts)} (the k_hat threshold at {r.num_draws} draws "
+                      f"is {r.threshold:.2f}). Call "
                       "res.corrected() first (loo then uses its proposal), or use more draws (num_draws)",
                       ApproximationWarning, stacklevel=3)

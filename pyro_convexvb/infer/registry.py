@@ -206,6 +206,10 @@ def fit(model, *args, engine, options=None, progress=True, correct=None, init=No
         raise TypeError(f"options: expected a dict of engine '{engine}' options, got {type(options).__name__}")
     if correct not in (None, "psis"):
         raise ValueError(f"correct: expected None or 'psis', got {correct!r}")
+    for key in ("progress", "init"):
+        if key in options:  # arguments of fit itself: as an option it would collide with (or silently beat) them
+            raise TypeError(f"options: {key!r} is an argument of pcv.fit, not an engine option: pass "
+                            f"pcv.fit(..., {key}={options[key]!r})")
     try:
         res = cls(model, progress=progress, init=init, **options).run(*args, **kwargs)
     except UnsupportedModelError as e:

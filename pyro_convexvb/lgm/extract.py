@@ -21,6 +21,7 @@ from ..linalg.operators import (
     SparseOperator,
     SumOperator,
 )
+from ..linalg.scalar import _broadcast_shapes
 from .chains import PROBE_BATCH
 from .layout import LatentLayout
 from .linear import record_linear, record_normal_cdf
@@ -295,6 +296,39 @@ def _check_support(name, fn, value, mask):
                          "as 0/1, counts as nonnegative integers)")
 
 
+def _check_scoreable(name, fn, value):
+    """An observed value that the model as written cannot score (a NumPy array, integer labels where the
+    likelihood computes in floating point) is a data error whatever the engine: Pyro's own inference, the
+    diagnostics and ``Predictive`` all evaluate ``log_prob`` of the model as written. Raised here, naming the site."""
+    base = type(_unwrap(fn)[0]).__name__
+    if not torch.is_tensor(value):
+        raise ValueError(f"site '{name}': the observed value is a {type(value).__module__}.{type(value).__name__}, "
+                         f"not a torch tensor, so {base}.log_prob of the model as written cannot score it; pass "
+                         "torch.as_tensor(y) (floating point, the dtype of the model's parameters)")
+    shape = tuple(fn.batch_shape + fn.event_shape)
+    try:
+        both = tuple(_broadcast_shapes(value.shape, torch.Size(shape)))
+        wider = both != shape
+    except RuntimeError:
+        wider = False  # shapes that do not broadcast: the distribution's own validation names them
+    if wider:
+        hint = f", e.g. y.squeeze({value.dim() - 1})" if value.shape[-1:] == (1,) else ""
+        raise ValueError(f"site '{name}': the observed value has shape {tuple(value.shape)}, wider than the "
+                         f"distribution's shape {shape} (batch {tuple(fn.batch_shape)}, event "
+                         f"{tuple(fn.event_shape)}): log_prob would broadcast every observation against every "
+                         f"row, to shape {both}; pass the "
+                         f"observations in the distribution's shape{hint}")
+    try:
+        with torch.no_grad():
+            fn.log_prob(value)
+    except ValueError:  # the distribution's own validation (values outside its support): reported by the caller
+        return
+    except (RuntimeError, TypeError) as e:
+        hint = ("; pass the labels as floating point, e.g. y.double()" if not value.is_floating_point() else "")
+        raise ValueError(f"site '{name}': {base}.log_prob of the model as written fails on the observed value "
+                         f"({value.dtype}, shape {tuple(value.shape)}): {str(e).splitlines()[0]}{hint}") from None
+
+
 def check_model_data(model, args, kwargs):
     """Refuse data that no engine can fit, before any engine runs, with an error that names the input.
 
@@ -302,7 +336,9 @@ def check_model_data(model, args, kwargs):
       values of ``obs_mask`` sites (their masked-out entries are never read);
     * an observed site with no entries (``0`` rows of data);
     * a model with no latent sample site (nothing to infer);
-    * observed values outside the support of their distribution (Bernoulli labels 2 or -1, negative counts).
+    * observed values outside the support of their distribution (Bernoulli labels 2 or -1, negative counts);
+    * observed values that the model as written cannot score (a NumPy array; integer labels where ``log_prob``
+      computes in floating point).
 
     Row-sharded data (:mod:`pyro_convexvb.distributed`) are checked on this rank's arguments only.
 
@@ -341,6 +377,7 @@ def check_model_data(model, args, kwargs):
             if name.endswith("_observed") and torch.is_tensor(mask):
                 masked.append((site.get("infer") or {}).get("data", value))
             nonfinite = nonfinite or _check_support(name, site["fn"], value, mask)
+            _check_scoreable(name, site["fn"], value)
         if not latent:
             raise ValueError("the model has no latent sample site (every pyro.sample is observed), so there is no "
                              "posterior to infer")

@@ -222,3 +222,39 @@ def test_labels_outside_the_support_are_a_data_error_for_every_engine(engine, la
     with pytest.raises(ValueError, match=r"site 'y': observed values outside the support of Bernoulli") as e:
         pcv.fit(logistic, X, y=y, engine=engine, progress=False)
     assert "engines that fit" not in str(e.value)
+
+
+def gaussian(X, y=None):
+    w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=X.dtype), 1.0).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_observations_the_model_cannot_score_are_a_data_error_for_every_engine(engine):
+    """Integer Bernoulli labels and a NumPy response fail in Pyro's own log_prob of the model as written (so in the
+    diagnostics, LOO and Predictive too): every engine refuses them up front, naming the site and the remedy,
+    instead of a bare torch error from inside a solver (or a fit whose diagnostics then crash)."""
+    X, y = _data()
+    with pytest.raises(ValueError, match=r"site 'y': Bernoulli.log_prob .* \(torch.int64, shape \(20,\)\).*"
+                                         r"y.double\(\)"):
+        pcv.fit(logistic, X, y=y.long(), engine=engine, progress=False)
+    with pytest.raises(ValueError, match=r"site 'y': the observed value is a numpy.ndarray, not a torch tensor.*"
+                                         r"torch.as_tensor\(y\)"):
+        pcv.fit(logistic, X, y=y.numpy(), engine=engine, progress=False)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_column_response_is_a_data_error_for_every_engine(engine):
+    """``y`` of shape (N, 1) under a plate of N would broadcast to N x N log-densities: refused, naming the shapes."""
+    X, y = _data()
+    with pytest.raises(ValueError, match=r"site 'y': the observed value has shape \(20, 1\), wider than the "
+                                         r"distribution's shape \(20,\).*\(20, 20\).*y.squeeze\(1\)"):
+        pcv.fit(gaussian, X, y=y[:, None], engine=engine, progress=False)
+
+
+def test_fit_arguments_given_as_options_name_the_argument():
+    X, y = _data()
+    for key in ("progress", "init"):
+        with pytest.raises(TypeError, match=rf"options: '{key}' is an argument of pcv.fit, not an engine option"):
+            pcv.fit(logistic, X, y=y, engine="dual_vg", options={key: None})
