@@ -301,3 +301,28 @@ def test_a_zero_likelihood_at_some_draws_is_named_not_a_bare_nan_error():
     ll[[1, 3], 2] = -np.inf
     with pytest.raises(ValueError, match=r"site 'y', observation 2 .* at draw 1 \(2 of 4 draws; 1 observations"):
         _check_log_lik(ll, lambda j: f"site 'y', observation {j}")
+
+
+def test_loo_over_one_observation_says_so_and_has_no_standard_error():
+    """Rows written as one event (``.to_event(1)``) are one observation for LOO: it warns, naming the site and the
+    plate that would leave rows out one at a time, and the standard errors are NaN (0 would claim an exact sum)."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(30, 2, generator=g, dtype=torch.float64)
+    y = (X[:, 0] + 0.3 * torch.randn(30, generator=g, dtype=torch.float64) > 0).double()
+
+    def event(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.).to_event(1))
+        pyro.sample("y", dist.Bernoulli(logits=X @ w).to_event(1), obs=y)
+
+    def plate(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    with pytest.warns(UserWarning, match=r"one observation \(site 'y'\).*pyro.plate"):
+        one = pcv.fit(event, X, y=y, engine="dual_vg", progress=False).loo(num_draws=300)
+    assert one.pareto_k.shape == (1,) and np.isnan(one.se) and np.isnan(one.se_waic) and np.isfinite(one.elpd_loo)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="PSIS-LOO over one observation")
+        rows = pcv.fit(plate, X, y=y, engine="dual_vg", progress=False).loo(num_draws=300)
+    assert rows.pareto_k.shape == (30,) and rows.se > 0

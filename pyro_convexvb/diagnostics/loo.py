@@ -113,10 +113,17 @@ def loo_from_log_lik(log_ratios, log_lik, cdf=None, *, observation=None):
         below, at = (np.asarray(a, dtype=np.float64) for a in cdf)
         pit = (np.exp(lw_loo) * (below + 0.5 * at)).sum(0)
     return LOOResult(
-        elpd_loo=float(elpd_i.sum()), se=float(math.sqrt(N * np.var(elpd_i))), p_loo=float(lpd_i.sum() - elpd_i.sum()),
+        elpd_loo=float(elpd_i.sum()), se=_se(elpd_i), p_loo=float(lpd_i.sum() - elpd_i.sum()),
         pareto_k=ks, threshold=pareto_k_threshold(S), elpd_i=elpd_i, cpo=np.exp(elpd_i), pit=pit,
-        elpd_waic=float(waic_i.sum()), se_waic=float(math.sqrt(N * np.var(waic_i))), p_waic=float(p_waic_i.sum()),
+        elpd_waic=float(waic_i.sum()), se_waic=_se(waic_i), p_waic=float(p_waic_i.sum()),
         k_hat=float(k_full), num_draws=S)
+
+
+def _se(pointwise):
+    """Standard error of a sum of ``N`` pointwise terms, ``sqrt(N var)``; NaN for one term (there is no spread to
+    estimate it from: 0 would claim an exact answer)."""
+    n = pointwise.shape[0]
+    return float(math.sqrt(n * np.var(pointwise))) if n > 1 else float("nan")
 
 
 def _check_log_lik(ll, where):
@@ -189,6 +196,13 @@ def loo(result, num_draws=None, seed=0, *, proposal=None, progress=False):
         f"site '{n}', observation {j - sl.start} (flat index, masked entries dropped)"
         for n, sl in sites.items() if sl.start <= j < sl.stop))
     r.sites, r.proposal = sites, proposal
+    if ll.shape[1] == 1:
+        import warnings
+
+        warnings.warn(f"PSIS-LOO over one observation (site '{names[0]}'): the model's likelihood is one term, so LOO "
+                      "leaves all the data out at once and its standard errors are NaN. A site whose rows are one "
+                      "event (.to_event(1)) is one observation: put its rows in a pyro.plate to leave one row out at "
+                      "a time", UserWarning, stacklevel=3)
     _warn_unreliable(r, lr)
     return r
 
