@@ -321,7 +321,7 @@ def _check_scoreable(name, fn, value):
     try:
         with torch.no_grad():
             fn.log_prob(value)
-    except ValueError:  # the distribution's own validation (values outside its support): reported by the caller
+    except (ValueError, NotImplementedError):  # its own validation (values outside the support): the caller's
         return
     except (RuntimeError, TypeError) as e:
         hint = ("; pass the labels as floating point, e.g. y.double()" if not value.is_floating_point() else "")
