@@ -312,12 +312,16 @@ def _check_scoreable(name, fn, value):
     except RuntimeError:
         wider = False  # shapes that do not broadcast: the distribution's own validation names them
     if wider:
-        hint = f", e.g. y.squeeze({value.dim() - 1})" if value.shape[-1:] == (1,) else ""
-        raise ValueError(f"site '{name}': the observed value has shape {tuple(value.shape)}, wider than the "
-                         f"distribution's shape {shape} (batch {tuple(fn.batch_shape)}, event "
-                         f"{tuple(fn.event_shape)}): log_prob would broadcast every observation against every "
-                         f"row, to shape {both}; pass the "
-                         f"observations in the distribution's shape{hint}")
+        head = (f"site '{name}': the observed value has shape {tuple(value.shape)}, wider than the distribution's "
+                f"shape {shape} (batch {tuple(fn.batch_shape)}, event {tuple(fn.event_shape)})")
+        if math.prod(both) > value.numel():  # (N, 1) against (N,): cross terms
+            hint = f", e.g. y.squeeze({value.dim() - 1})" if value.shape[-1:] == (1,) else ""
+            raise ValueError(f"{head}: log_prob would broadcast every observation against every row, to shape "
+                             f"{both}; pass the observations in the distribution's shape{hint}")
+        raise ValueError(f"{head}: its extra dimensions are declared by no pyro.plate, which Pyro's own inference "
+                         f"refuses too ('invalid log_prob shape'); put the rows in a pyro.plate (with "
+                         f"pyro.plate('data', {value.shape[0]}): ...), or give the distribution their shape "
+                         "(.expand(y.shape).to_event(y.dim()))")
     try:
         with torch.no_grad():
             fn.log_prob(value)

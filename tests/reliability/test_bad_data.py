@@ -246,11 +246,21 @@ def test_observations_the_model_cannot_score_are_a_data_error_for_every_engine(e
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_column_response_is_a_data_error_for_every_engine(engine):
-    """``y`` of shape (N, 1) under a plate of N would broadcast to N x N log-densities: refused, naming the shapes."""
+    """``y`` of shape (N, 1) under a plate of N would broadcast to N x N log-densities, and ``y`` of shape (N,) on a
+    scalar distribution outside any plate has batch dimensions no plate declares: both refused, naming the shapes."""
     X, y = _data()
     with pytest.raises(ValueError, match=r"site 'y': the observed value has shape \(20, 1\), wider than the "
                                          r"distribution's shape \(20,\).*\(20, 20\).*y.squeeze\(1\)"):
         pcv.fit(gaussian, X, y=y[:, None], engine=engine, progress=False)
+
+    def no_plate(y):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match=r"site 'y': the observed value has shape \(20,\), wider than the "
+                                         r"distribution's shape \(\).*declared by no pyro.plate.*"
+                                         r"pyro.plate\('data', 20\)"):
+        pcv.fit(no_plate, y, engine=engine, progress=False)
 
 
 def test_fit_arguments_given_as_options_name_the_argument():
