@@ -646,7 +646,28 @@ def test_refine_stops_on_a_flat_bound_and_runs_on_while_it_rises():
     assert it2 <= 6 and not conv2
     assert abs(e2 - e1) <= 1e-9 * abs(e1)
     ref = cvi_fixed_point(K, torch.zeros(N, dtype=D), BernoulliLogit(y), tol=1e-15, max_iter=3000)
-    assert e1 == pytest.approx(ref["elbo"], abs=1e-5)  # stalled within 1e-5 nats of the optimum, not at it
+    # at the optimum of its own (64-point) bound; the reference's fixed point is that of a 32-point quadrature
+    assert e1 == pytest.approx(ref["elbo"], abs=1e-5)
+
+
+def test_refine_reaches_the_fixed_point_of_a_weakly_determined_logistic_regression():
+    """Sonar (208 rows, 61 weights, nearly separable) under a wide N(0, 1.2^2) prior: the CVI targets were
+    quadratures of d log p and d2 log p (32 points) and the bound a 64-point quadrature of log p, which part by
+    1e-4 at the wide site variances here, so full CVI steps went downhill on the reported bound and the
+    refinement stalled at a residual of 4.5e-4 (converged=False; 3 of the hierarchical benchmark's 10 design points
+    did so). With the derivatives of the reported quadrature itself it reaches the fixed point."""
+    Xtr, ytr, _, _ = pcv.datasets.load_keel("sonar", seed=0)
+    X = torch.cat([Xtr.to(D), torch.ones(Xtr.shape[0], 1, dtype=D)], 1)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=D), 1.2).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    plain = pcv.fit(model, X, y=ytr.to(D), engine="dual_vg", progress=False)
+    res = pcv.fit(model, X, y=ytr.to(D), engine="dual_vg", options={"refine": True}, progress=False)
+    assert res.converged and res.info["refine_converged"] and res.info["refine_residual"] <= 1e-8
+    assert res.log_evidence_bound > plain.log_evidence_bound + 0.1
 
 
 def test_poisson_regression_with_wide_covariates_fits_and_a_diverging_start_is_named():

@@ -638,7 +638,12 @@ def _cvi_residual(lam, nu, lam_hat, nu_hat):
 REFINE_RISE_RTOL = 1e-10
 
 
-def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-10, num_points=32, history=None,
+#: the CVI residual (a relative change) cannot be resolved below this: under it, its changes are rounding's, and a
+#: residual-judged ``refine_exact`` run that only wobbles there has stalled
+REFINE_RESIDUAL_FLOOR = 1e-13
+
+
+def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-10, num_points=64, history=None,
                  residual_tol=None, return_residual=False):
     r"""Polish a dual optimum into the *exact* VG optimum by the natural-gradient (CVI) fixed point.
 
@@ -648,8 +653,8 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
     The LVB optimum is a few nats from the exact VG optimum for Bernoulli-logit sites (its bound
     is an upper bound on ``-E log p``), and further for a surrogate bound (Laplace sites). Starting from it, damped
     CVI updates (Khan & Lin 2017) of the site natural parameters ``nu = lam * m_t - alpha`` and ``lam`` with the
-    exact gradients (:meth:`~pyro_convexvb.lgm.families.SiteFamily.expected_log_prob_terms`: Gauss-Hermite or a
-    family's closed forms), ``lam <- (1-b) lam - 2 b dE/dv``, ``nu <- (1-b) nu + b (dE/dm - 2 m_t dE/dv)``, reach
+    exact gradients (:meth:`~pyro_convexvb.lgm.families.SiteFamily.expected_log_prob_terms`: Gauss-Hermite on the
+    ``num_points`` nodes of the reported bound's quadrature, or a family's closed forms), ``lam <- (1-b) lam - 2 b dE/dv``, ``nu <- (1-b) nu + b (dE/dm - 2 m_t dE/dv)``, reach
     the exact optimum (where ``alpha = -dE/dm`` and ``lam = -2 dE/dv``, the Opper-Archambeau conditions) in a few
     steps of one factorisation each. The new ``alpha = lam m_t - nu``, with ``m_t`` the site means of
     ``prior x prod_n exp(nu_n h_n - lam_n h_n^2 / 2)`` (the backend's ``working_means``: in the site form
@@ -660,8 +665,8 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
     :param backend: a site, latent or sparse backend of :mod:`.objective` (not row-sharded).
     :param bound: the local bound (only its families are used, for the exact expectations).
     :param residual_tol: if given, converged means the fixed-point residual (below) is at most this, and the
-        run stops there, or (not converged) when five steps in a row have neither cut the residual by 10% nor
-        raised the bound by more than :data:`REFINE_RISE_RTOL` (relative), or at
+        run stops there, or (not converged) when five steps in a row have neither cut the residual by 10% (above
+        :data:`REFINE_RESIDUAL_FLOOR`) nor raised the bound by more than :data:`REFINE_RISE_RTOL` (relative), or at
         ``max_iter``; the bound's relative change ``tol`` is not used then (near the optimum the bound is flat
         to rounding while the residual still falls).
     :param bool return_residual: also return the fixed-point residual at the result: the largest change a
@@ -728,7 +733,8 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
             # not stop a residual-judged run: the CVI steps go on while they still shrink the residual; far from
             # it the residual can stay put for many steps while the bound still rises, which does not stop it either
             rising = it > 1 and last_change > REFINE_RISE_RTOL * (1 + abs(cur))
-            stalled = 0 if residual < 0.9 * best_residual or rising else stalled + 1
+            falling = REFINE_RESIDUAL_FLOOR < residual < 0.9 * best_residual  # below the floor: rounding's wobble
+            stalled = 0 if falling or rising else stalled + 1
             best_residual = min(best_residual, residual)
             if stalled >= 5:
                 break
