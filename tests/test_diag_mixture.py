@@ -505,3 +505,32 @@ def test_natural_gradient_on_a_gp_classifier_reaches_the_mean_field_optimum():
     q = m.posterior_
     assert best - 0.02 <= m.log_evidence_bound_ <= best + 1e-8
     assert float((q.loc.detach() - mu.detach()).abs().max()) < 0.15
+
+
+@pytest.mark.parametrize("engine", ["diag_mixture", "svi_autonormal"])
+def test_a_later_fit_leaves_an_earlier_results_guide_alone(engine):
+    """``info["guide"]`` reads its parameters from Pyro's param store: a later fit of the same engine (another
+    model, other data) used to write its own optimum under the same names, so the first result's guide drew from
+    the second posterior without a word (or failed with a bare AssertionError on another size)."""
+    D64 = torch.float64
+    g = torch.Generator().manual_seed(0)
+
+    def linear_model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=D64), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+
+    X1 = torch.randn(40, 3, generator=g, dtype=D64)
+    y1 = X1 @ torch.tensor([1.0, -0.5, 0.25], dtype=D64) + 0.5 * torch.randn(40, generator=g, dtype=D64)
+    X2 = torch.randn(30, 4, generator=g, dtype=D64)
+    y2 = X2 @ torch.tensor([-2.0, 1.0, 0.5, 3.0], dtype=D64)
+    opts = {"max_steps": 300} if engine != "diag_mixture" else {}
+    r1 = pcv.fit(linear_model, X1, y=y1, engine=engine, options=opts, progress=False)
+
+    def draws_mean():
+        pyro.set_rng_seed(1)
+        return Predictive(linear_model, guide=r1.info["guide"], num_samples=4000, return_sites=["w"])(X1)["w"].mean(0)
+
+    before = draws_mean()
+    pcv.fit(linear_model, X2, y=y2, engine=engine, options=opts, progress=False)
+    assert torch.equal(draws_mean(), before)

@@ -21,7 +21,9 @@ estimate otherwise); ``laplace``, the largest gradient entry of the log joint at
 Engines that fit all data at once (``laplace``, ``nuts``) run the model with every subsampled
 ``pyro.plate`` at full size; the SVI engines keep Pyro's mini-batches (that is what SVI is for).
 """
+import itertools
 import math
+import re
 import typing
 import warnings
 from dataclasses import dataclass
@@ -234,10 +236,16 @@ def model_param_values(call):
 
 
 def forget_params(prefix):
-    """Remove the param-store entries of a guide named ``prefix`` (an earlier fit's), leaving others alone."""
+    """Remove the param-store entries of a guide named ``prefix`` (an earlier fit's), leaving others alone (the
+    numbered guides results keep, ``"<prefix>.<k>.*"``, included)."""
     store = pyro.get_param_store()
-    for key in [k for k in store.keys() if k == prefix or k.startswith(prefix + ".")]:
+    kept = re.compile(re.escape(prefix) + r"\.\d+\.")
+    for key in [k for k in store.keys() if (k == prefix or k.startswith(prefix + ".")) and not kept.match(k)]:
         del store[key]
+
+
+#: numbers of the guides results keep (:meth:`_PyroModelEngine.own_guide`)
+_KEPT_GUIDES = itertools.count(1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,8 +297,14 @@ class _PyroModelEngine(ModelEngine):
         private, so a fit never touches the user's entries (e.g. their own ``"AutoMultivariateNormal.loc"``)."""
         return f"_pyro_convexvb.{self.name}"
 
-    def own_guide(self, guide):
-        """Give ``guide`` the engine's private parameter names and drop an earlier fit's entries under them."""
+    def own_guide(self, guide, keep=False):
+        """Give ``guide`` the engine's private parameter names. A guide the result hands out (``keep``:
+        ``info["guide"]``) gets names of its own, ``"<param_prefix>.<k>"`` with ``k`` numbering this process's
+        fits, so a later fit never rewrites an earlier result's guide; a working guide reuses the engine's names,
+        an earlier fit's entries under them dropped."""
+        if keep:
+            _apply_name_prefix(guide, f"{self.param_prefix}.{next(_KEPT_GUIDES)}")
+            return guide
         _apply_name_prefix(guide, self.param_prefix)
         forget_params(self.param_prefix)
         return guide
@@ -322,7 +336,7 @@ class SVIEngine(_PyroModelEngine):
         """The model SVI trains (its ``pyro.param`` sites hidden unless ``learn_params``) and the engine's own
         guide for it (:meth:`make_guide`, with the engine's private parameter names)."""
         model = call.model if self.options.learn_params else poutine.block(call.model, hide_types=["param"])
-        return model, self.own_guide(self.make_guide(model))
+        return model, self.own_guide(self.make_guide(model), keep=True)
 
     def run_svi(self, model, guide, loss, call, run, *, callback=None, name=None):
         """Clipped-Adam SVI on ``loss`` until the ELBO plateaus or ``max_steps`` (:func:`svi_until_plateau`).
