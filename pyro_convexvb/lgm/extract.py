@@ -58,6 +58,14 @@ CHAIN_BATCH_FROM = 20
 _AFFINE_RTOL = 1e-7
 
 
+def _affine_tol(*computed):
+    """Relative tolerance of the affinity checks: :data:`_AFFINE_RTOL` when every tensor (or dtype) ``computed`` --
+    the extraction's and what the model computed with it -- is float64, else 1e-3 (a float32 model's predictor
+    deviates from affine by its rounding, about 1e-6, also when the extraction runs in float64)."""
+    dts = [c if isinstance(c, torch.dtype) else c.dtype for c in computed if c is not None]
+    return _AFFINE_RTOL if all(d == torch.float64 for d in dts) else 1e-3
+
+
 def _d(t, keep_graph):
     """``t.detach()``, unless the extraction keeps the graph to the model's ``pyro.param`` sites (``keep_graph``:
     prior parameters, noise scales, offsets and constants keep their autograd history, for envelope gradients)."""
@@ -760,9 +768,11 @@ def _residue_probe(jac, layout, q, n, dtype, device):
 
 
 def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype, rows=None, keep_graph=False,
-                     parts=None):
+                     parts=None, computed=None):
     """``(operator, offset, B u0)`` with ``eta(u) = operator @ u + offset`` on ``rows`` (all rows by default) and
     ``B u0`` the product of the map on all rows at ``u0`` (an extraction template's offsets follow from it).
+    ``computed``: the dtype the model computed the predictor in, when lower than ``dtype`` (the affinity test
+    allows its rounding).
 
     ``eta`` is the predictor at ``u0`` (with its autograd graph), ``eta1`` at ``u1``; raises if the
     two points do not lie on one affine map. ``parts``: the site values as views of ``u0``
@@ -779,7 +789,7 @@ def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype,
         raise UnsupportedModelError(name, "the predictor is not finite (e.g. log of a zero Poisson rate or exposure)")
     lin_err = _absmax((e1 - e0 - jd))
     scale_ref = 1.0 + _absmax(e1) + _absmax(e0)
-    tol = _AFFINE_RTOL if dtype == torch.float64 else 1e-3
+    tol = _affine_tol(dtype, e0, e1, computed)
     if not math.isfinite(lin_err) or lin_err > tol * scale_ref:
         raise UnsupportedModelError(
             name, f"the predictor is not an affine function of the latent variables (deviation {lin_err:.3g})")
@@ -834,7 +844,7 @@ def _factor_group(name, F0, u0, F1, u1, dtype):
     g0, F0v, F1v, g1 = g0.detach(), float(F0.detach()), float(F1.detach()), g1.detach()
     ref = 1.0 + abs(F0v) + abs(F1v)
     du = (u1 - u0).detach()
-    tol = _AFFINE_RTOL if dtype == torch.float64 else 1e-3
+    tol = _affine_tol(dtype, F0, F1)
     ok = bool(torch.isfinite(H).all()) and math.isfinite(F0v) and math.isfinite(F1v)
     if ok:
         pred_F = F0v + float(g0 @ du) + 0.5 * float(du @ H @ du)
@@ -1177,7 +1187,7 @@ def _chain_batch(x, chain_names):
     v = J.values().cpu().to(torch.float64).numpy()
     e0, e1 = L.detach(), torch.cat(locs1)
     pred = e0 + torch.sparse.mm(J, (u1 - u0).detach().unsqueeze(-1)).squeeze(-1)
-    tol = _AFFINE_RTOL if dtype == torch.float64 else 1e-3
+    tol = _affine_tol(dtype, e0, e1)
     err, ref1, ref0 = (np.maximum.reduceat(t.abs().cpu().numpy(), first[:-1])  # per child: the max over its rows
                        for t in (pred - e1, e1, e0))
     if not (np.isfinite(err).all() and (err <= tol * (1.0 + ref1 + ref0)).all()):
@@ -1231,7 +1241,7 @@ def _chain_prior(x, b, site, batch=None):
         e0 = loc.detach()
         pred = e0 + torch.sparse.mm(J, du.unsqueeze(-1)).squeeze(-1)
         err = _absmax(pred - loc1)
-        tol = _AFFINE_RTOL if dtype == torch.float64 else 1e-3
+        tol = _affine_tol(dtype, e0, loc1)
         if not math.isfinite(err) or err > tol * (1.0 + _absmax(loc1) + _absmax(e0)):
             raise UnsupportedModelError(
                 b.name, f"the mean of the latent site is not an affine function of the latent sites it reads "
@@ -1328,6 +1338,13 @@ class _Extraction:
     def draw(self, n):
         return torch.randn(n, generator=self.gen, dtype=self.dtype).to(self.device).requires_grad_(True)
 
+    @property
+    def computed_dtype(self):
+        """The precision the model computes in: its latents' lowest (a float32 model extracted in float64 for the
+        hyper-latent path still rounds its predictors in float32)."""
+        dts = [d for d in self.site_dtype.values() if d.is_floating_point]
+        return torch.float64 if all(d == torch.float64 for d in dts) else torch.float32
+
     def run_at(self, u, layout):
         vals = {b.name: u[b.slice].reshape(b.shape).to(self.site_dtype[b.name]) for b in layout.blocks}
         all_vals = dict(vals)
@@ -1374,7 +1391,7 @@ class _Extraction:
         u1 = self.second_trace()[0]
         op, offset, Bu0 = _affine_operator(name, eta, eta1, self.u0, u1, self.gen, self.records, self.layout,
                                            self.vals, self.dtype, rows=rows, keep_graph=self.keep_graph,
-                                           parts=self.parts())
+                                           parts=self.parts(), computed=self.computed_dtype)
         if tpl is not None:
             tpl.store("site", name, eta, self.u0, rows, op, Bu0)
         return op, offset
@@ -1550,7 +1567,7 @@ def _changed(a, b):
         return True
     if a.numel() == 0:
         return False
-    tol = _AFFINE_RTOL if a.dtype == torch.float64 else 1e-3
+    tol = _affine_tol(a, b)
     return not bool(((a - b).abs() <= tol * (1.0 + a.abs() + b.abs())).all())
 
 
