@@ -403,6 +403,9 @@ class ModelEngine(Engine):
         for name, site in latent_sites(model, args, kwargs):
             if getattr(site["fn"].support, "is_discrete", False):
                 return UnsupportedModelError(name, "a discrete latent site (this engine needs continuous latents)")
+            err = _wider_mask_or_scale(name, site)
+            if err is not None:
+                return err
             if getattr(_unwrap(site["fn"])[0], "is_intrinsic", False):
                 return UnsupportedModelError(name, "an intrinsic SparseGMRF: its Pyro density is flat along the null "
                                                    "space of its precision, so an engine that runs the Pyro model does "
@@ -444,6 +447,27 @@ class ModelEngine(Engine):
         if lgm is not None and lgm.n == post.n:
             return post, lgm.layout
         return post, unconstrained_layout(self.model, args, kwargs)
+
+
+def _wider_mask_or_scale(name, site):
+    """The refusal of a latent site whose ``poutine.mask``/``poutine.scale`` (e.g. a row mask around the whole model)
+    is wider than its batch shape: its log density would be counted once per entry, which Pyro's own inference
+    refuses ('invalid log_prob shape') and its NUTS does silently."""
+    batch = tuple(site["fn"].batch_shape)
+    for what in ("mask", "scale"):
+        t = site.get(what)
+        if not torch.is_tensor(t) or t.dim() == 0:
+            continue
+        try:
+            wider = tuple(torch.broadcast_shapes(tuple(t.shape), batch)) != batch
+        except RuntimeError:
+            wider = True
+        if wider:
+            return UnsupportedModelError(
+                name, f"a poutine.{what} of shape {tuple(t.shape)} reaches this latent site of batch shape {batch}: its "
+                      f"log density would count once per {what} entry (Pyro's own inference refuses this: 'invalid "
+                      f"log_prob shape'); apply the {what} to the observed sites only (inside their pyro.plate)")
+    return None
 
 
 def _subclasses(cls):

@@ -268,3 +268,17 @@ def test_fit_arguments_given_as_options_name_the_argument():
     for key in ("progress", "init"):
         with pytest.raises(TypeError, match=rf"options: '{key}' is an argument of pcv.fit, not an engine option"):
             pcv.fit(logistic, X, y=y, engine="dual_vg", options={key: None})
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_row_mask_around_the_whole_model_is_refused_by_every_engine(engine):
+    """``poutine.mask(model, mask=(N,))`` also reaches the prior's site ``w``, whose log density would count once
+    per row: Pyro's SVI refuses it, Pyro's NUTS and diag_mixture fitted the prior counted 14 times; now no engine
+    claims the model and the refusal lists none."""
+    from pyro import poutine
+
+    X, y = _data()
+    masked = poutine.mask(gaussian, mask=torch.arange(20) % 3 != 0)
+    assert pcv.engines_that_fit(masked, X, y=y) == []
+    with pytest.raises(pcv.UnsupportedModelError, match=r"site 'w'.*mask.*no registered engine fits this model"):
+        pcv.fit(masked, X, y=y, engine=engine, progress=False)
