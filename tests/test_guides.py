@@ -600,3 +600,23 @@ def test_a_method_model_is_recognised_as_the_fitted_model(trainable):
     pyro.clear_param_store()
     with pytest.raises(ValueError, match=r"latent site\(s\) \['y'\] of the model are not in the posterior.*model_args"):
         Predictive(obj.model, guide=res.compact().posterior.as_guide(trainable=trainable), num_samples=5)(X[:9])
+
+
+def test_a_guide_whose_shared_names_another_model_took_says_so():
+    """Two guides of the default name share their param-store entries (as Pyro's autoguides do): after a guide of
+    another size wrote them, the first one raised a bare, empty AssertionError from inside Pyro."""
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            return pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    pyro.clear_param_store()
+    X, y = _logreg_data()
+    g1 = pcv.fit(model, X, y=y, engine="dual_vg", progress=False).posterior.as_guide()
+    Predictive(model, guide=g1, num_samples=5)(X)
+    X4 = torch.cat([X, X[:, :1] ** 2], 1)
+    pcv.fit(model, X4, y=y, engine="dual_vg", progress=False).posterior.as_guide()(X4)
+    with pytest.raises(ValueError, match=r"guide 'PosteriorMultivariateNormal': its parameters .* hold 4 latent "
+                                         r"coordinates, the model has 3.*name_prefix"):
+        Predictive(model, guide=g1, num_samples=5)(X)
+    pyro.clear_param_store()

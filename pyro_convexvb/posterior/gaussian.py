@@ -519,6 +519,14 @@ class GaussianPosteriorGuide(AutoContinuous):
     def get_posterior(self, *args, **kwargs):
         return self.posterior.to_distribution()
 
+    def _unpack_latent(self, latent):
+        if latent.shape[-1] != self.latent_dim:  # Pyro's own check is a bare assert
+            raise ValueError(f"guide '{self._pyro_name}': its parameters in Pyro's param store hold "
+                             f"{latent.shape[-1]} latent coordinates, the model has {self.latent_dim}: another guide "
+                             f"of the same name (another model's) wrote them; give each guide a name of its own "
+                             f"(as_guide(name_prefix=...))")
+        return super()._unpack_latent(latent)
+
     def _loc_scale(self, *args, **kwargs):
         if self.prototype_trace is None:  # median()/quantiles() before the first call
             self._setup_prototype(*args, **kwargs)
@@ -689,6 +697,14 @@ class _InitialisedAtPosterior:
         dtype, device = _prototype_dtype(self, q.loc)
         values = {k: v.detach().to(dtype=dtype, device=device).clone() for k, v in values.items()}
         _write_guide_params(self, self._make_params(values))
+
+    def _unpack_latent(self, latent):
+        if latent.shape[-1] != self.latent_dim:  # Pyro's own check is a bare assert
+            raise ValueError(f"guide '{self._pyro_name}': its parameters in Pyro's param store hold "
+                             f"{latent.shape[-1]} latent coordinates, the model has {self.latent_dim}: another guide "
+                             f"of the same name (another model's) wrote them; give each guide a name of its own "
+                             f"(as_guide(name_prefix=...))")
+        return super()._unpack_latent(latent)
 
     def _loc_scale(self, *args, **kwargs):
         if self.prototype_trace is None:  # median()/quantiles() before the first call
