@@ -178,7 +178,7 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
     :param float noise_var: initial ``sigma^2``.
     :param float prior_var: initial ``lambda``.
     :param bool learn_noise: optimise ``sigma^2`` (kept above ``1e-10`` times the variance of ``y``, where
-        targets that the features fit exactly would drive it to zero).
+        targets that the features fit exactly would drive it to zero; a ``UserWarning`` says when it stops there).
     :param bool learn_prior_var: optimise ``lambda``.
     :param bool learn_basis: optimise the basis module's parameters (``learn_basis=False`` with a basis that is not
         a :class:`torch.nn.Module` is unused and named in a ``UserWarning``; so are ``max_iter`` and ``tol`` other
@@ -331,6 +331,12 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
                      f"iterations with gradient {gnorm:.3g} (tol {self.tol:.1g})"
                      + ("" if fixed_point else "; the evidence fixed point had not converged when L-BFGS took over")
                      + "; raise max_iter")
+        if s2_floor > 0 and float(log_s2.detach().exp()) <= 1e-3 * s2_floor:
+            warn(f"BayesianLinearRegression: the learned noise variance stopped at its floor, 1e-10 times the "
+                 f"targets' variance ({s2_floor:.3g}): the features fit the targets to within that, and the evidence "
+                 "would grow without bound below it. noise_var_, the evidence and the predictive sds are those at "
+                 "the floor (the sds wider than an unfloored optimum's); if the targets are that precise, pass "
+                 "learn_noise=False with the known noise_var", UserWarning)
         with torch.no_grad():
             Phi = self._design(X)
             self.noise_var_ = float(noise())

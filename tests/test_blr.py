@@ -1,5 +1,6 @@
 """Bayesian linear regression (Steinberg et al. 2017 §1.2) against dense closed forms and scipy type-II ML."""
 import math
+import warnings
 
 import gpytorch
 import numpy as np
@@ -281,3 +282,18 @@ def test_tight_tol_converges_at_rounding_and_an_exhausted_fixed_point_says_so():
     with pytest.warns(ConvergenceWarning, match="fixed point for sigma.2 and lambda did not converge in max_iter=2 "):
         short = pcv.BayesianLinearRegression(max_iter=2).fit(X, y)
     assert not short.converged_
+
+
+def test_a_noise_variance_stopped_at_its_floor_is_said():
+    """Targets of noise sd 1e-6 on a scale of 3.5: the learned noise variance stops at its floor (1e-10 var(y)), its
+    predictive sds 40 times BayesianRidge's; the fit says so instead of passing silently."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(60, 3))
+    y = X @ [1.0, 2.0, 3.0] + 1e-6 * rng.normal(size=60)
+    with pytest.warns(UserWarning, match="noise variance stopped at its floor"):
+        m = BayesianLinearRegression().fit(X, y)
+    assert m.noise_var_ == pytest.approx(1e-10 * y.var(), rel=0.05)
+    y = X @ [1.0, 2.0, 3.0] + 1e-3 * rng.normal(size=60)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*noise variance stopped at its floor")
+        BayesianLinearRegression().fit(X, y)
