@@ -466,3 +466,26 @@ def test_fitted_kernel_and_mean_read_as_plain_values_and_the_users_kernel_is_unt
         assert all(p.requires_grad for p in k.parameters())
         assert all(torch.equal(v, before[n]) for n, v in k.state_dict().items())
     assert clf.mean_ != 0.0 and float(clf.kernel_.outputscale) != float(k.outputscale.detach())
+
+
+def test_predictive_probabilities_match_quadrature_at_wide_latents():
+    """With an outputscale of 29 (what type-II learning reaches on make_moons) the latent sds reach 5 away from the
+    data; the class probabilities are the latent Gaussian's expectation of the sigmoid: within 1e-4 of adaptive
+    quadrature (the former 32 Gauss-Hermite nodes were 1.3e-3 off)."""
+    from scipy import integrate
+    from scipy.special import expit
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(60, 2, generator=g, dtype=torch.float64)
+    y = (X[:, 0] * X[:, 1] + 0.3 * torch.randn(60, generator=g, dtype=torch.float64) > 0).long().numpy()
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    kernel.outputscale = 29.0
+    kernel.base_kernel.lengthscale = 0.9
+    clf = GPClassifier(kernel=kernel).fit(X.numpy(), y)
+    Xt = 2.5 * torch.randn(40, 2, generator=g, dtype=torch.float64).numpy()
+    m, v = clf.predict_latent(Xt)
+    assert v.max() > 9.0
+    ref = np.array([integrate.quad(lambda f: expit(f) * math.exp(-0.5 * (f - mi) ** 2 / vi) / math.sqrt(2 * math.pi * vi),
+                                   mi - 40 * math.sqrt(vi), mi + 40 * math.sqrt(vi), epsabs=1e-12)[0]
+                    for mi, vi in zip(m, v)])
+    np.testing.assert_allclose(clf.predict_proba(Xt)[:, 1], ref, atol=1e-4)
