@@ -83,6 +83,8 @@ class GLM(CompactPickleMixin, BaseEstimator):
     :param int min_steps: no plateau stop before this many steps.
     :param int window: steps per window of the plateau rule.
     :param float tol: relative decrease of the windowed loss below which SVI has plateaued (the engine's ``rtol``).
+        A window whose mean rises by the SVI noise counts as a plateau too, so a ``tol`` below that noise (about
+        1e-4 of the loss at the default ``lr``) stops where the default does; a lower ``lr`` fits tighter.
     :param float init_scale: initial posterior scale.
     :param random_state: an int (fits are reproducible; default 0), a :class:`numpy.random.RandomState` (a seed
         is drawn from it) or ``None`` (the global torch RNG): the seed of the SVI draws.
