@@ -464,8 +464,8 @@ def _wider_mask_or_scale(name, site):
             wider = True
         if wider:
             return UnsupportedModelError(
-                name, f"a poutine.{what} of shape {tuple(t.shape)} reaches this latent site of batch shape {batch}: its "
-                      f"log density would count once per {what} entry (Pyro's own inference refuses this: 'invalid "
+                name, f"a poutine.{what} of shape {tuple(t.shape)} reaches this latent site of batch shape {batch}: "
+                      f"its log density would count once per {what} entry (Pyro's own inference refuses this: 'invalid "
                       f"log_prob shape'); apply the {what} to the observed sites only (inside their pyro.plate)")
     return None
 

@@ -654,7 +654,8 @@ def refine_exact(backend, bound, alpha, lam, *, step=1.0, max_iter=100, tol=1e-1
     is an upper bound on ``-E log p``), and further for a surrogate bound (Laplace sites). Starting from it, damped
     CVI updates (Khan & Lin 2017) of the site natural parameters ``nu = lam * m_t - alpha`` and ``lam`` with the
     exact gradients (:meth:`~pyro_convexvb.lgm.families.SiteFamily.expected_log_prob_terms`: Gauss-Hermite on the
-    ``num_points`` nodes of the reported bound's quadrature, or a family's closed forms), ``lam <- (1-b) lam - 2 b dE/dv``, ``nu <- (1-b) nu + b (dE/dm - 2 m_t dE/dv)``, reach
+    ``num_points`` nodes of the reported bound's quadrature, or a family's closed forms),
+    ``lam <- (1-b) lam - 2 b dE/dv``, ``nu <- (1-b) nu + b (dE/dm - 2 m_t dE/dv)``, reach
     the exact optimum (where ``alpha = -dE/dm`` and ``lam = -2 dE/dv``, the Opper-Archambeau conditions) in a few
     steps of one factorisation each. The new ``alpha = lam m_t - nu``, with ``m_t`` the site means of
     ``prior x prod_n exp(nu_n h_n - lam_n h_n^2 / 2)`` (the backend's ``working_means``: in the site form
