@@ -520,11 +520,7 @@ class GaussianPosteriorGuide(AutoContinuous):
         return self.posterior.to_distribution()
 
     def _unpack_latent(self, latent):
-        if latent.shape[-1] != self.latent_dim:  # Pyro's own check is a bare assert
-            raise ValueError(f"guide '{self._pyro_name}': its parameters in Pyro's param store hold "
-                             f"{latent.shape[-1]} latent coordinates, the model has {self.latent_dim}: another guide "
-                             f"of the same name (another model's) wrote them; give each guide a name of its own "
-                             f"(as_guide(name_prefix=...))")
+        _check_unpacked(self, latent)
         return super()._unpack_latent(latent)
 
     def _loc_scale(self, *args, **kwargs):
@@ -699,11 +695,7 @@ class _InitialisedAtPosterior:
         _write_guide_params(self, self._make_params(values))
 
     def _unpack_latent(self, latent):
-        if latent.shape[-1] != self.latent_dim:  # Pyro's own check is a bare assert
-            raise ValueError(f"guide '{self._pyro_name}': its parameters in Pyro's param store hold "
-                             f"{latent.shape[-1]} latent coordinates, the model has {self.latent_dim}: another guide "
-                             f"of the same name (another model's) wrote them; give each guide a name of its own "
-                             f"(as_guide(name_prefix=...))")
+        _check_unpacked(self, latent)
         return super()._unpack_latent(latent)
 
     def _loc_scale(self, *args, **kwargs):
@@ -722,6 +714,15 @@ class _InitialisedAtPosterior:
     def _posterior_like(self, loc, **rep):
         q = self.init_posterior
         return GaussianPosterior(loc, layout=q.layout, model=q.model, model_args=q.model_args, **rep)
+
+
+def _check_unpacked(guide, latent):
+    """Refuse a latent vector of another size than the guide's model (Pyro's own check is a bare assert): the
+    guide's default-named param-store entries were written by another model's guide."""
+    if latent.shape[-1] != guide.latent_dim:
+        raise ValueError(f"guide '{guide._pyro_name}': its parameters in Pyro's param store hold {latent.shape[-1]} "
+                         f"latent coordinates, the model has {guide.latent_dim}: another guide of the same name "
+                         "(another model's) wrote them; give each guide a name of its own (as_guide(name_prefix=...))")
 
 
 def _default_guide_form(q):
