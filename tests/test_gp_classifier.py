@@ -492,3 +492,14 @@ def test_predictive_probabilities_match_quadrature_at_wide_latents():
 
     ref = np.array([expected_sigmoid(mi, vi) for mi, vi in zip(m, v)])
     np.testing.assert_allclose(clf.predict_proba(Xt)[:, 1], ref, atol=1e-4)
+
+
+def test_converged_includes_the_hyperparameter_loop():
+    """A type-II loop stopped by its iteration cap leaves converged_ False, as BayesianLogisticRegression's does (a
+    GridSearch filtering on converged_ kept such fits)."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(40, 2, generator=g, dtype=torch.float64).numpy()
+    y = (X[:, 0] > 0).astype(int)
+    with pytest.warns(UserWarning):
+        clf = GPClassifier(learn_hyperparameters=True, hyper_options={"max_iter": 1}).fit(X, y)
+    assert clf.result_.converged and not clf.hyper_converged_ and not clf.converged_

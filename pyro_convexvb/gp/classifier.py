@@ -111,7 +111,8 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
     (the prior mean, a float: ``mean``, or its learned value with ``learn_mean``), ``classes_``, ``n_features_in_``,
     ``feature_names_in_`` (pandas input), ``X_train_`` (torch), ``result_``
     (:class:`~pyro_convexvb.InferenceResult`), ``posterior_``, ``log_evidence_bound_``, ``alpha_``
-    (dual variables, ``dual_vg`` only), ``hyper_history_``, ``converged_`` (the engine's optimality measure),
+    (dual variables, ``dual_vg`` only), ``hyper_history_``, ``converged_`` (the engine's optimality measure, and with
+    ``learn_hyperparameters=True`` the type-II loop's too),
     ``n_iter_`` (iterations of the outer optimiser, as scikit-learn's ``BayesianRidge``: with
     ``learn_hyperparameters=True`` the type-II L-BFGS-B iterations over the hyperparameters, at most
     ``hyper_options["max_iter"]``, each refitting the model; else the engine's own iterations, at most
@@ -236,7 +237,9 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         self.result_ = res
         self.posterior_ = res.posterior
         self.log_evidence_bound_ = res.log_evidence_bound
-        self.converged_ = bool(res.converged)
+        # with learned hyperparameters also the type-II loop's: a fit whose kernel stopped short is not converged (as
+        # BayesianLogisticRegression's with prior_scale="auto")
+        self.converged_ = bool(res.converged) and bool(self.__dict__.get("hyper_converged_", True))
         outer = getattr(self.__dict__.get("hyper_result_"), "type2_iterations", None)  # None: no type-II loop ran
         self.n_iter_ = res.iterations if outer is None else outer
         self.kernel_.requires_grad_(False)  # fitted values: reading them (float(), .numpy()) needs no detach
