@@ -343,7 +343,9 @@ class BinaryPredictiveClassifier(ClassifierMixin):
         return self._outputs(X)[1]
 
     def predict_log_proba(self, X):
-        """``(m, 2)`` log predictive probabilities (accurate in the tails)."""
+        """``(m, 2)`` log predictive probabilities, from log-sum-exp of the quadrature terms, so a probability that
+        rounds to 0 in :meth:`predict_proba` keeps its logarithm; its relative error stays below 1e-3 while the latent
+        predictive sd is under about 5 (far outside the data, at sds of 13, log p of -31 came 0.1 nats off)."""
         return self._outputs(X)[2]
 
     def predict(self, X):

@@ -385,7 +385,8 @@ class GLM(CompactPickleMixin, BaseEstimator):
 
     @available_if(_is_classifier)
     def predict_log_proba(self, X):
-        """``(M, 2)`` log class probabilities (bernoulli), accurate in the tails."""
+        """``(M, 2)`` log class probabilities (bernoulli), from log-sum-exp of the quadrature terms (see
+        :meth:`~pyro_convexvb.estimator_base.BinaryPredictiveClassifier.predict_log_proba` for their accuracy)."""
         return self._class_outputs(X)[2]
 
     @available_if(_is_classifier)
