@@ -40,6 +40,12 @@ def _is_classifier(glm):
     return glm.likelihood == "bernoulli"
 
 
+#: plateaus of the SVI loss met by cutting Adam's learning rate by 5 before one stops a GLM fit: with one cut (the
+#: engines' default) every default fit of 15 small Gaussian, Poisson and Bernoulli problems stopped with a
+#: natural-gradient decrement just above its 0.01-nat test, with three 14 of 15 passed it, for a third more steps
+GLM_LR_CUTS = 3
+
+
 class GLM(CompactPickleMixin, BaseEstimator):
     """Bayesian GLM estimator (revrand's ``GeneralizedLinearModel``) with the scikit-learn API.
 
@@ -82,9 +88,10 @@ class GLM(CompactPickleMixin, BaseEstimator):
         earlier.
     :param int min_steps: no plateau stop before this many steps.
     :param int window: steps per window of the plateau rule.
-    :param float tol: relative decrease of the windowed loss below which SVI has plateaued (the engine's ``rtol``).
-        A window whose mean rises by the SVI noise counts as a plateau too, so a ``tol`` below that noise (about
-        1e-4 of the loss at the default ``lr``) stops where the default does; a lower ``lr`` fits tighter.
+    :param float tol: relative decrease of the windowed loss below which SVI has plateaued (the engine's ``rtol``);
+        the first three plateaus cut the learning rate by 5, the fourth stops the fit (:data:`GLM_LR_CUTS`).
+        A window whose mean rises by the SVI noise counts as a plateau too, so a ``tol`` below that noise stops where
+        the default does; the cuts are what take the fit below it.
     :param float init_scale: initial posterior scale.
     :param random_state: an int (fits are reproducible; default 0), a :class:`numpy.random.RandomState` (a seed
         is drawn from it) or ``None`` (the global torch RNG): the seed of the SVI draws.
@@ -317,6 +324,7 @@ class GLM(CompactPickleMixin, BaseEstimator):
                 model, progress=bool(self.progress), num_components=int(self.num_components),
                 num_particles=int(self.num_particles), entropy=self.entropy, lr=self.lr,
                 max_steps=int(max_iter), min_steps=self.min_steps, window=self.window, rtol=tol,
+                lr_cuts=GLM_LR_CUTS,
                 init_scale=self.init_scale, seed=None if random_state is None else seed_from(random_state),
                 vectorize_particles=int(self.num_components) * int(self.num_particles) > 1)
             res = engine.run(row_sharded(X) if sharded else X, y=y)

@@ -322,3 +322,32 @@ def test_predictive_cdf_num_points_with_the_closed_form_gaussian_cdf_is_refused(
         g.predictive_cdf(X, 0.0, num_points=8)
     np.testing.assert_array_equal(g.predictive_cdf(X, 0.0, num_points=32), g.predictive_cdf(X, 0.0))
     assert np.abs(p.predictive_cdf(X, 1.0, num_points=2) - p.predictive_cdf(X, 1.0)).max() > 1e-6
+
+
+@pytest.mark.parametrize("likelihood", ["gaussian", "bernoulli"])
+def test_default_fits_of_easy_problems_converge(likelihood):
+    """With one learning-rate cut every default fit of these small problems stopped with a natural-gradient
+    decrement just above its 0.01-nat test (converged_=False, a ConvergenceWarning); three cuts take them below."""
+    from scipy.special import expit
+
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(100, 3))
+    eta = X @ [0.5, -0.3, 0.2]
+    y = eta + 0.5 * rng.normal(size=100) if likelihood == "gaussian" else (rng.random(100) < expit(2 * eta)).astype(int)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pcv.ConvergenceWarning)
+        m = GLM(likelihood).fit(X, y)
+    assert m.converged_ and m.n_iter_ <= 3000
+
+
+def test_lr_cuts_without_lr_decay_is_refused():
+    def model(y=None):
+        import pyro
+        import pyro.distributions as dist
+
+        w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+        pyro.sample("y", dist.Normal(w, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match="option 'lr_cuts' .* lr_decay=False"):
+        pcv.fit(model, y=torch.tensor(0.5, dtype=torch.float64), engine="svi_autonormal",
+                options={"lr_decay": False, "lr_cuts": 3})

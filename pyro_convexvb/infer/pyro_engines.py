@@ -190,17 +190,17 @@ def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, see
 
 
 def svi_until_plateau(svi, optim, args, kwargs, *, max_steps, min_steps, window, rtol, lr_decay, bar, history,
-                      callback=None, name="SVI"):
+                      callback=None, name="SVI", cuts=1):
     """Run ``svi.step`` until the windowed mean loss plateaus; shared by every SVI-based engine.
 
     Every ``window`` steps (after ``min_steps``) the mean loss of the last window is compared with the
-    previous one; a decrease below ``rtol * (|mean| + 1)`` first divides the learning rate by 5 (when
-    ``lr_decay``) and stops the second time. This is a *stopping* rule, not an optimality test: the
+    previous one; a decrease below ``rtol * (|mean| + 1)`` divides the learning rate by 5 (when ``lr_decay``, the
+    first ``cuts`` times) and stops the fit the next time. This is a *stopping* rule, not an optimality test: the
     engines judge convergence by the natural-gradient decrement afterwards.
 
     :returns: ``(losses, stop_reason)`` with ``stop_reason`` ``"plateau"`` or ``"max_steps"``.
     """
-    losses, prev, decayed = [], None, False
+    losses, prev, decays = [], None, 0
     for step in range(max_steps):
         loss = svi.step(*args, **kwargs)
         if not math.isfinite(loss):
@@ -216,8 +216,8 @@ def svi_until_plateau(svi, optim, args, kwargs, *, max_steps, min_steps, window,
             history.record(objective=-cur, step=step + 1)
             bar.set_postfix(elbo=f"{-cur:.6g}")
             if prev is not None and step + 1 >= min_steps and prev - cur < rtol * (abs(cur) + 1):
-                if lr_decay and not decayed:
-                    decayed = True
+                if lr_decay and decays < cuts:
+                    decays += 1
                     for opt in optim.optim_objs.values():
                         for g in opt.param_groups:
                             g["lr"] *= 0.2
@@ -259,7 +259,9 @@ class SVIOptions(EngineOptions):
                            min=0)
     window: int = option(250, "steps per window of the plateau rule", min=1)
     rtol: float = option(2e-4, "plateau: windowed mean loss decreased by less than rtol (|mean| + 1)", min=0)
-    lr_decay: bool = option(True, "divide the learning rate by 5 at the first plateau instead of stopping")
+    lr_decay: bool = option(True, "divide the learning rate by 5 at a plateau instead of stopping (lr_cuts times)")
+    lr_cuts: int = option(1, "with lr_decay: plateaus met by a cut of the learning rate before one stops the fit",
+                          min=1)
     num_particles: int = option(1, "particles per ELBO estimate", min=1)
     vectorize_particles: bool = option(False, "vectorise the particles over a plate")
     init_scale: float = option(0.1, "initial posterior scale of the guide", gt=0)
@@ -270,6 +272,9 @@ class SVIOptions(EngineOptions):
     check_particles: int = option(64, "Monte Carlo draws of the decrement for models that are not LGMs", min=1)
 
     def check(self):
+        if self.lr_cuts != 1 and not self.lr_decay:
+            raise ValueError(f"option 'lr_cuts' ({self.lr_cuts}) counts the cuts of lr_decay=True; with "
+                             "lr_decay=False the first plateau stops the fit")
         # left at its default, min_steps is capped at max_steps (max_steps alone budgets a fit); set explicitly
         # above max_steps it is an error
         if self.min_steps > self.max_steps and self.min_steps != type(self).__dataclass_fields__["min_steps"].default:
@@ -348,7 +353,8 @@ class SVIEngine(_PyroModelEngine):
         losses, reason = svi_until_plateau(SVI(model, guide, optim, loss), optim, call.args, call.kwargs,
                                            max_steps=o.max_steps, min_steps=o.plateau_min_steps, window=o.window,
                                            rtol=o.rtol, lr_decay=o.lr_decay, bar=run.bar(total=o.max_steps, unit="step"),
-                                           history=run.history, callback=callback, name=name or self.name)
+                                           history=run.history, callback=callback, name=name or self.name,
+                                           cuts=o.lr_cuts)
         return losses, reason, -sum(losses[-o.window:]) / min(o.window, len(losses))
 
     def solve(self, call, run):

@@ -46,8 +46,8 @@ class DiagMixtureOptions(SVIOptions):
 REMAINING_NAME = "gain still to come of the natural-gradient ascent, from its last two gains (nats)"
 
 #: options that only the stochastic optimiser uses ('auto' picks SVI when one differs from its default)
-SVI_ONLY_OPTIONS = ("lr", "min_steps", "window", "rtol", "lr_decay", "num_particles", "vectorize_particles",
-                    "clip_norm", "callback", "check_particles")
+SVI_ONLY_OPTIONS = ("lr", "min_steps", "window", "rtol", "lr_decay", "lr_cuts", "num_particles",
+                    "vectorize_particles", "clip_norm", "callback", "check_particles")
 
 
 def _natural_gradient_refusal(call, lgm, n_guide, learn_params):
