@@ -475,7 +475,7 @@ def test_natural_gradient_on_a_gp_classifier_reaches_the_mean_field_optimum():
     idx = np.random.default_rng(0).choice(len(y), 60, replace=False)
     m = pcv.gp.GPClassifier(engine="diag_mixture", random_state=0).fit(X[idx], y[idx])
     assert m.converged_ and m.result_.info["optimizer"] == "natural_gradient"
-    K = m.K_train_.detach().double()
+    K = torch.as_tensor(m.K_train_).double()
     n = K.shape[0]
     ys = torch.tensor(2.0 * y[idx] - 1)
     Kinv = torch.cholesky_inverse(torch.linalg.cholesky(K))

@@ -36,7 +36,7 @@ def test_predictions_match_dense_reference():
     X, y = _data()
     Xt, yt = _data(40, seed=1)
     clf = GPClassifier(_kernel(), options={"gap_tol": 1e-11}).fit(X, y)
-    K = clf.K_train_
+    K = torch.as_tensor(clf.K_train_)
     Kx = clf.kernel(Xt, X).to_dense().detach()
     kd = clf.kernel(Xt, diag=True).detach()
     q = clf.posterior_
@@ -67,10 +67,11 @@ def test_predictions_match_dense_reference():
 def test_bound_is_exact_vg_bound_and_close_to_exact_optimum():
     X, y = _data()
     clf = GPClassifier(_kernel()).fit(X, y)
-    lgm = gp_classification_lgm(clf.K_train_, clf.y_train_)
+    lgm = gp_classification_lgm(torch.as_tensor(clf.K_train_), torch.as_tensor(clf.y_train_))
     q = clf.posterior_
     assert clf.log_evidence_bound_ == pytest.approx(float(lgm.evidence_lower_bound(q.loc, q.covariance())), abs=1e-8)
-    best = cvi_fixed_point(clf.K_train_, torch.zeros(60, dtype=D), BernoulliLogit(clf.y_train_), tol=1e-13)
+    best = cvi_fixed_point(torch.as_tensor(clf.K_train_), torch.zeros(60, dtype=D),
+                           BernoulliLogit(torch.as_tensor(clf.y_train_)), tol=1e-13)
     assert best["converged"]
     gap = best["elbo"] - clf.log_evidence_bound_
     assert 0 <= gap < 0.05
@@ -80,7 +81,8 @@ def test_bound_is_exact_vg_bound_and_close_to_exact_optimum():
     # a Pyro engine through the same classifier: its exact VG bound cannot beat the exact optimum
     Xs, ys = X[:25], y[:25]
     dual = GPClassifier(_kernel()).fit(Xs, ys)
-    best_s = cvi_fixed_point(dual.K_train_, torch.zeros(25, dtype=D), BernoulliLogit(dual.y_train_), tol=1e-13)
+    best_s = cvi_fixed_point(torch.as_tensor(dual.K_train_), torch.zeros(25, dtype=D),
+                             BernoulliLogit(torch.as_tensor(dual.y_train_)), tol=1e-13)
     lap = GPClassifier(_kernel(), engine="laplace", options={"max_iter": 200}).fit(Xs, ys)
     assert lap.log_evidence_bound_ <= best_s["elbo"] + 1e-8
     assert lap.score(Xs, ys) > 0.8
@@ -503,3 +505,15 @@ def test_converged_includes_the_hyperparameter_loop():
     with pytest.warns(UserWarning):
         clf = GPClassifier(learn_hyperparameters=True, hyper_options={"max_iter": 1}).fit(X, y)
     assert clf.result_.converged and not clf.hyper_converged_ and not clf.converged_
+
+
+def test_fitted_arrays_are_numpy():
+    """scikit-learn's GaussianProcessClassifier keeps its training data as NumPy arrays; so does GPClassifier
+    (the tensors it predicts with are private)."""
+    X, y = _data()
+    w = np.linspace(0.5, 1.5, X.shape[0])
+    clf = GPClassifier(_kernel()).fit(X.numpy(), y.numpy(), sample_weight=w)
+    for name in ("X_train_", "y_train_", "K_train_", "alpha_", "weight_"):
+        assert isinstance(getattr(clf, name), np.ndarray), name
+    assert clf.K_train_.shape == (X.shape[0],) * 2 and np.array_equal(clf.weight_, w)
+    assert GPClassifier(_kernel()).fit(X.numpy(), y.numpy()).weight_ is None

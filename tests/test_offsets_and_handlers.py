@@ -185,7 +185,7 @@ def test_gp_classifier_mean_equals_the_offset_model():
     kern = gpytorch.kernels.RBFKernel().double()
     kern.lengthscale = 0.9
     clf = GPClassifier(kern, mean=C_OFF, jitter=1e-6, options={"gap_tol": 1e-11}).fit(X, y)
-    K = clf.K_train_
+    K = torch.as_tensor(clf.K_train_)
     res = fit(gp_offset, K, y=y.to(D), engine="dual_vg")
     assert torch.allclose(torch.as_tensor(clf.posterior_.loc), res.posterior.loc + C_OFF, atol=1e-7)
     Xt = torch.randn(5, 2, generator=g, dtype=D)

@@ -177,7 +177,7 @@ def test_gp_classifier_weights_reach_pyro_model_engines_through_poutine_scale():
     X, y, w = _data(N=30)
     w = w * 0.37 + 0.05
     clf = GPClassifier(engine="laplace", options={"seed": 0}).fit(X, y, sample_weight=w)
-    K = clf.K_train_.numpy()
+    K = clf.K_train_
     Kinv = np.linalg.inv(K)
 
     def negjoint(f):

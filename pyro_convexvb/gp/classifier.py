@@ -109,9 +109,10 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
 
     Learned attributes: ``kernel_`` (the fitted copy of ``kernel``, its parameters without gradients), ``mean_``
     (the prior mean, a float: ``mean``, or its learned value with ``learn_mean``), ``classes_``, ``n_features_in_``,
-    ``feature_names_in_`` (pandas input), ``X_train_`` (torch), ``result_``
+    ``feature_names_in_`` (pandas input), ``X_train_``, ``y_train_`` (0/1), ``K_train_`` (the kernel matrix with its
+    jitter), ``weight_`` (``sample_weight``, or ``None``) as NumPy arrays, ``result_``
     (:class:`~pyro_convexvb.InferenceResult`), ``posterior_``, ``log_evidence_bound_``, ``alpha_``
-    (dual variables, ``dual_vg`` only), ``hyper_history_``, ``converged_`` (the engine's optimality measure, and with
+    (dual variables, ``dual_vg`` only; NumPy), ``hyper_history_``, ``converged_`` (the engine's optimality measure, and with
     ``learn_hyperparameters=True`` the type-II loop's too),
     ``n_iter_`` (iterations of the outer optimiser, as scikit-learn's ``BayesianRidge``: with
     ``learn_hyperparameters=True`` the type-II L-BFGS-B iterations over the hyperparameters, at most
@@ -200,12 +201,13 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         weight, X, y01 = positive_rows(check_sample_weight(sample_weight, X.shape[0]), X, y01)
         if weight is not None:
             weight = None if bool((weight == 1).all()) else torch.as_tensor(weight, dtype=X.dtype, device=X.device)
-        self.weight_ = weight
+        self._weight = weight
+        self.weight_ = None if weight is None else weight.detach().cpu().numpy()
         kernel = self.kernel if self.kernel is not None else self._default_kernel()
         self.kernel_ = copy.deepcopy(kernel).to(dtype=self._torch_dtype(), device=X.device)
         self._check_kernel_output(X)
-        self.X_train_ = X
-        self.y_train_ = y01
+        self._X_train = X
+        self.X_train_, self.y_train_ = X.detach().cpu().numpy(), y01.detach().cpu().numpy()
         self.mean_ = float(self.mean)
         self.hyper_history_ = None
         for stale in ("hyper_converged_", "hyper_result_"):  # of an earlier fit that learned them
@@ -224,7 +226,8 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
             init = None
         with torch.no_grad():
             K = self._K(X)
-            self.K_train_ = K
+            self._K_train = K
+            self.K_train_ = K.detach().cpu().numpy()  # on CPU a view of the tensor: no second copy
             mean = self.mean_
         with torch.enable_grad():
             if engine.takes == "lgm":
@@ -233,7 +236,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
                 res = engine(gp_classification_model, progress=False, init=init, **options).run(K, y=y01, mean=mean,
                                                                                                 weight=weight)
         site = isinstance(res.state, DualState) and res.state.gp_site_form
-        self.alpha_ = res.state.alpha if site else None
+        self.alpha_ = res.state.alpha.detach().cpu().numpy() if site else None
         self.result_ = res
         self.posterior_ = res.posterior
         self.log_evidence_bound_ = res.log_evidence_bound
@@ -283,7 +286,7 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         # finite-difference gradients and line searches of the type-II loop, which then took no step at all
         single = X.dtype != torch.float64
         kernel = copy.deepcopy(self.kernel_).double() if single else self.kernel_
-        weight = None if self.weight_ is None else self.weight_.double()
+        weight = None if self._weight is None else self._weight.double()
         model = _GPHyperModel(kernel, self.jitter, self.learn_mean, float(self.mean), X.shape[0], weight)
         store = pyro.get_param_store()
         with store.scope():  # the user's param store is left as it was
@@ -307,13 +310,13 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         check_is_fitted(self, "result_")
         X = self._check_X(X)
         with torch.no_grad():
-            Kx = self._K(X, self.X_train_)  # (m, n)
+            Kx = self._K(X, self._X_train)  # (m, n)
             mean = self.mean_
             kdiag = self.kernel_(X, diag=True)
             if self.alpha_ is not None:
                 m, v = self.result_.state.site_predictive(Kx, kdiag, mean)
                 return (m.unsqueeze(0), v.unsqueeze(0)) if components else (m, v)
-            return gp_latent_predictive(self.K_train_, Kx, kdiag, self.posterior_, mean, mean, components=components)
+            return gp_latent_predictive(self._K_train, Kx, kdiag, self.posterior_, mean, mean, components=components)
 
     def _outputs(self, X):
         # a mixture posterior (diag_mixture) averages the probabilities of its components' predictives: the
