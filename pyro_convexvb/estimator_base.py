@@ -293,7 +293,7 @@ def predictive_log_probs(mean, var, num_points=64):
     """
     from .lgm.sites import gauss_hermite
 
-    v = var.clamp_min(0)
+    mean, v = torch.broadcast_tensors(mean, var.clamp_min(0))
     x, w = gauss_hermite(num_points, mean.dtype, mean.device)
     eta = mean.unsqueeze(-1) + v.sqrt().unsqueeze(-1) * x
     lw = torch.log(w)

@@ -60,6 +60,7 @@ from ..distributed import broadcast, comm_of, find_comm
 from ..errors import ConvergenceError, UnsupportedModelError, warn
 from ..lgm.extract import _unwrap, check_model_data, latent_sites, lgm_from_pyro, proper_missing, unconstrained_layout
 from ..lgm.model import LatentGaussianModel
+from ..linalg.scalar import _broadcast_shapes
 from . import meta
 from .options import EngineOptions, LGMEngineOptions, option, options_table
 from .result import Criterion, InferenceResult, Optimality, RunContext, Solution
@@ -459,7 +460,7 @@ def _wider_mask_or_scale(name, site):
         if not torch.is_tensor(t) or t.dim() == 0:
             continue
         try:
-            wider = tuple(torch.broadcast_shapes(tuple(t.shape), batch)) != batch
+            wider = tuple(_broadcast_shapes(t.shape, torch.Size(batch))) != batch
         except RuntimeError:
             wider = True
         if wider:

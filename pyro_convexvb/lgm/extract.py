@@ -62,8 +62,8 @@ def _affine_tol(*computed):
     """Relative tolerance of the affinity checks: :data:`_AFFINE_RTOL` when every tensor (or dtype) ``computed`` --
     the extraction's and what the model computed with it -- is float64, else 1e-3 (a float32 model's predictor
     deviates from affine by its rounding, about 1e-6, also when the extraction runs in float64)."""
-    dts = [c if isinstance(c, torch.dtype) else c.dtype for c in computed if c is not None]
-    return _AFFINE_RTOL if all(d == torch.float64 for d in dts) else 1e-3
+    dts = [c if isinstance(c, torch.dtype) else c.dtype for c in computed]
+    return _AFFINE_RTOL if all(d == torch.float64 for d in dts if d.is_floating_point) else 1e-3
 
 
 def _d(t, keep_graph):
@@ -768,11 +768,11 @@ def _residue_probe(jac, layout, q, n, dtype, device):
 
 
 def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype, rows=None, keep_graph=False,
-                     parts=None, computed=None):
+                     parts=None, computed=()):
     """``(operator, offset, B u0)`` with ``eta(u) = operator @ u + offset`` on ``rows`` (all rows by default) and
     ``B u0`` the product of the map on all rows at ``u0`` (an extraction template's offsets follow from it).
-    ``computed``: the dtype the model computed the predictor in, when lower than ``dtype`` (the affinity test
-    allows its rounding).
+    ``computed``: the dtypes the model computed the predictor in (its latents'), whose rounding the affinity test
+    allows when lower than ``dtype``.
 
     ``eta`` is the predictor at ``u0`` (with its autograd graph), ``eta1`` at ``u1``; raises if the
     two points do not lie on one affine map. ``parts``: the site values as views of ``u0``
@@ -789,7 +789,7 @@ def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype,
         raise UnsupportedModelError(name, "the predictor is not finite (e.g. log of a zero Poisson rate or exposure)")
     lin_err = _absmax((e1 - e0 - jd))
     scale_ref = 1.0 + _absmax(e1) + _absmax(e0)
-    tol = _affine_tol(dtype, e0, e1, computed)
+    tol = _affine_tol(dtype, e0, e1, *computed)
     if not math.isfinite(lin_err) or lin_err > tol * scale_ref:
         raise UnsupportedModelError(
             name, f"the predictor is not an affine function of the latent variables (deviation {lin_err:.3g})")
@@ -1338,13 +1338,6 @@ class _Extraction:
     def draw(self, n):
         return torch.randn(n, generator=self.gen, dtype=self.dtype).to(self.device).requires_grad_(True)
 
-    @property
-    def computed_dtype(self):
-        """The precision the model computes in: its latents' lowest (a float32 model extracted in float64 for the
-        hyper-latent path still rounds its predictors in float32)."""
-        dts = [d for d in self.site_dtype.values() if d.is_floating_point]
-        return torch.float64 if all(d == torch.float64 for d in dts) else torch.float32
-
     def run_at(self, u, layout):
         vals = {b.name: u[b.slice].reshape(b.shape).to(self.site_dtype[b.name]) for b in layout.blocks}
         all_vals = dict(vals)
@@ -1391,7 +1384,7 @@ class _Extraction:
         u1 = self.second_trace()[0]
         op, offset, Bu0 = _affine_operator(name, eta, eta1, self.u0, u1, self.gen, self.records, self.layout,
                                            self.vals, self.dtype, rows=rows, keep_graph=self.keep_graph,
-                                           parts=self.parts(), computed=self.computed_dtype)
+                                           parts=self.parts(), computed=tuple(self.site_dtype.values()))
         if tpl is not None:
             tpl.store("site", name, eta, self.u0, rows, op, Bu0)
         return op, offset
