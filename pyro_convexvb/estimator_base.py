@@ -22,6 +22,7 @@ from sklearn.utils.multiclass import check_classification_targets, type_of_targe
 from sklearn.utils.validation import validate_data
 
 from .errors import warn
+from .lgm.families.logit import predictive_log_probs  # re-exported by logistic
 
 __all__ = ["sklearn_input", "design_matrix", "dense_float64", "validate_dense", "check_sample_weight",
            "binary_targets", "predictive_log_probs", "mixture_log_probs", "classifier_outputs",
@@ -266,79 +267,6 @@ def binary_targets(y, distributed=False):
     if classes.shape[0] < 2:
         raise ValueError(f"y: binary classification needs two classes, but y holds one class ({classes[0]!r})")
     return classes, (y == classes[1]).astype(np.float64)
-
-
-def predictive_log_probs(mean, var, num_points=64):
-    """``log E[sigmoid(-eta)]`` and ``log E[sigmoid(eta)]`` for ``eta ~ N(mean, var)``, by Gauss-Hermite.
-
-    The expectations are summed in log space (log-sum-exp over the nodes), so both stay accurate when one of them
-    is tiny. For a predictive variance above :data:`ADAPTIVE_QUADRATURE_VAR` plain nodes miss the soft step of
-    the sigmoid (``log p`` off by 4e-3 to 2e-2 at a variance of 90, by 0.1 at 400); there the smaller probability's
-    integrand ``sigmoid(s eta) N(eta; mean, var)`` gets nodes centred at its own mode and scaled by its curvature
-    (adaptive Gauss-Hermite, Liu & Pierce 1994; within 1e-5 at 90 up to means of 30, within 2e-3 at 400), and the
-    larger one is its complement, ``log1p(-p)``.  Leading dimensions are kept (e.g. mixture components, which the
-    caller averages with :func:`torch.logsumexp` minus ``log K``).
-
-    :param torch.Tensor mean: ``(..., m)`` predictive means of the linear predictor.
-    :param torch.Tensor var: ``(..., m)`` predictive variances (nonnegative).
-    :param int num_points: Gauss-Hermite nodes.
-    :returns: ``(log_p0, log_p1)``, each ``(..., m)``.
-
-    Example::
-
-        >>> import torch
-        >>> lp0, lp1 = predictive_log_probs(torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64))
-        >>> round(float(lp0.exp() + lp1.exp()), 12)
-        1.0
-    """
-    from .lgm.sites import gauss_hermite
-
-    mean, v = torch.broadcast_tensors(mean, var.clamp_min(0))
-    x, w = gauss_hermite(num_points, mean.dtype, mean.device)
-    eta = mean.unsqueeze(-1) + v.sqrt().unsqueeze(-1) * x
-    lw = torch.log(w)
-    logsig = torch.nn.functional.logsigmoid
-    lp0, lp1 = torch.logsumexp(lw + logsig(-eta), -1), torch.logsumexp(lw + logsig(eta), -1)
-    wide = v > ADAPTIVE_QUADRATURE_VAR
-    if bool(wide.any()):
-        m, vw = mean[wide].double(), v[wide].double()
-        first = m >= 0  # the smaller probability: P(y = 0) for a nonnegative mean
-        small = _mode_centred(m, vw, torch.where(first, -1.0, 1.0).to(m), num_points).clamp_max(math.log(0.5))
-        large = torch.log1p(-torch.exp(small))
-        lp0, lp1 = lp0.clone(), lp1.clone()
-        lp0[wide] = torch.where(first, small, large).to(lp0.dtype)
-        lp1[wide] = torch.where(first, large, small).to(lp1.dtype)
-    return lp0.clamp_max(0.0), lp1.clamp_max(0.0)
-
-
-#: predictive variances above which :func:`predictive_log_probs` centres its nodes at the integrand's mode
-ADAPTIVE_QUADRATURE_VAR = 4.0
-
-
-def _mode_centred(mean, v, sign, num_points):
-    """``log E[sigmoid(sign eta)]``, ``eta ~ N(mean, v)``, by Gauss-Hermite centred at the integrand's mode and
-    scaled by its curvature there (Liu & Pierce 1994); ``mean``, ``v > 0`` and ``sign`` (+-1) ``(k,)``, float64."""
-    from .lgm.sites import gauss_hermite
-
-    logsig = torch.nn.functional.logsigmoid
-    # the mode of h(eta) = log sigmoid(sign eta) - (eta - mean)^2 / (2 v): h' decreases, with its root between mean
-    # and mean + sign v; bisection to 1e-9 of that bracket, then Newton steps
-    lo = torch.minimum(mean, mean + sign * v)
-    hi = torch.maximum(mean, mean + sign * v)
-    for _ in range(30):
-        mid = 0.5 * (lo + hi)
-        up = sign * torch.sigmoid(-sign * mid) - (mid - mean) / v > 0
-        lo, hi = torch.where(up, mid, lo), torch.where(up, hi, mid)
-    mode = 0.5 * (lo + hi)
-    for _ in range(3):
-        p = torch.sigmoid(sign * mode)
-        mode = mode + (sign * (1 - p) - (mode - mean) / v) / (p * (1 - p) + 1 / v)
-    p = torch.sigmoid(sign * mode)
-    tau = (p * (1 - p) + 1 / v).rsqrt()
-    x, w = gauss_hermite(num_points, mean.dtype, mean.device)
-    eta = mode.unsqueeze(-1) + tau.unsqueeze(-1) * x
-    log_g = logsig(sign.unsqueeze(-1) * eta) - 0.5 * (eta - mean.unsqueeze(-1)) ** 2 / v.unsqueeze(-1)
-    return torch.logsumexp(torch.log(w) + log_g + 0.5 * x**2, -1) + torch.log(tau) - 0.5 * torch.log(v)
 
 
 def mixture_log_probs(mean, var, num_points=64):
