@@ -128,6 +128,8 @@ def reference_nuts(loc_v, C, shift, M, y, *, num_samples=500, warmup_steps=300, 
     from pyro.infer import MCMC, NUTS
     from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 
+    from .infer.result import Optimality
+
     kernel = NUTS(potential_fn=preconditioned_potential(loc_v, C, shift, M, y),
                   target_accept_prob=target_accept_prob)
     mcmc = MCMC(kernel, num_samples=num_samples, warmup_steps=warmup_steps,
@@ -136,9 +138,9 @@ def reference_nuts(loc_v, C, shift, M, y, *, num_samples=500, warmup_steps=300, 
     z = mcmc.get_samples()["z"]
     rhat = float(split_gelman_rubin(z.unsqueeze(0)).max())
     ess = float(effective_sample_size(z.unsqueeze(0)).min())
-    summary = types.SimpleNamespace(
-        converged=rhat <= max_rhat, log_evidence_bound=None, r_hat=rhat, min_ess=ess,
-        optimality=f"largest split R-hat = {rhat:.3g} (tol {max_rhat:g}), smallest ESS {ess:.0f}")
+    crit = Optimality.single("largest split R-hat", rhat, max_rhat)
+    summary = types.SimpleNamespace(converged=crit.converged, log_evidence_bound=None, r_hat=rhat, min_ess=ess,
+                                    optimality=f"{crit}, smallest ESS {ess:.0f}")
     return shift + z @ M.transpose(0, 1), summary
 
 

@@ -389,3 +389,14 @@ def test_refusals_list_the_engines_that_do_fit_and_those_fit():
 
     with pytest.raises(pcv.UnsupportedModelError, match="site 'z'.*no registered engine fits this model"):
         pcv.fit(discrete, y=torch.tensor(0.3, dtype=D), engine="nuts", progress=False)
+
+
+def test_an_unmet_criterion_never_prints_its_value_equal_to_its_tolerance():
+    """A warning read 'largest split R-hat = 1.01 (tol 1.01)' for an R-hat of 1.0104: digits are added until the
+    value and the tolerance differ in print; a met or exact criterion keeps three significant digits."""
+    crit = pcv.Optimality.single("largest split R-hat", 1.0104, 1.01)
+    assert not crit.converged
+    assert str(crit) == "largest split R-hat = 1.0104 (tol 1.01)"
+    assert str(pcv.Optimality.single("gap", 3.21e-9, 1e-8)) == "gap = 3.21e-09 (tol 1e-08)"
+    assert str(pcv.Optimality.exact()) == "closed-form solution = 0 (tol 0)"
+    assert str(pcv.Optimality.single("gap", float("nan"), 1e-8)) == "gap = nan (tol 1e-08)"
