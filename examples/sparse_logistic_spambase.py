@@ -7,7 +7,7 @@ relaxation (exact variances; n = 21) and compare its posterior means and standar
 the marginals of Pyro's NUTS on the same model, and report test error/NLPD, the evidence lower bound
 and timings.  Writes ``docs/figures/convex_relaxation_spambase.png``.
 
-    python examples/sparse_logistic_spambase.py [--samples 400]
+    python examples/sparse_logistic_spambase.py [--samples 800]
 """
 import argparse
 import os
@@ -43,7 +43,7 @@ def model(X, y=None):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=400, help="NUTS samples (and warm-up steps)")
+    ap.add_argument("--samples", type=int, default=800, help="NUTS samples (and warm-up steps)")
     ap.add_argument("--features", type=int, default=20)
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -280,6 +280,44 @@ def test_fit_affine_map_is_the_identity_for_flat_weights():
     assert m.U.shape[1] == 0 and m.is_identity
 
 
+def test_fit_affine_map_widens_past_twice_the_scales_of_the_rounds_so_far():
+    """Each round may double a coordinate's scale relative to the rounds so far, not to the base proposal: draws
+    pooled from the identity and a map of scale 2, weighted toward N(0, 3^2 I), give scales near 3 (the clip at
+    twice the base's scale used to stop them at 2, so a posterior five times wider than the Gaussian was never
+    reached); a single round from the identity still stops at 2."""
+    n, N = 4, 20000
+    rng = np.random.default_rng(3)
+    ident, wide = AffineMap.identity(n), AffineMap(np.zeros(n), np.full(n, 2.0))
+    both = np.concatenate([rng.normal(size=(N, n)), wide.forward(rng.normal(size=(N, n)))])
+    own = np.repeat([0, 1], N)
+    target = stats.multivariate_normal(np.zeros(n), 9.0 * np.eye(n))
+    lq = np.logaddexp(stats.multivariate_normal(np.zeros(n)).logpdf(both),
+                      stats.multivariate_normal(np.zeros(n), 4.0 * np.eye(n)).logpdf(both)) - math.log(2)
+    lw, _ = psis_smooth(target.logpdf(both) - lq)
+    m = fit_affine_map(both, np.exp(lw), own, [ident, wide])
+    assert np.all(m.s > 2.5) and np.all(m.s < 3.5), m.s
+    eps = rng.normal(size=(N, n))
+    lw1, _ = psis_smooth(target.logpdf(eps) - stats.multivariate_normal(np.zeros(n)).logpdf(eps))
+    m1 = fit_affine_map(eps, np.exp(lw1), np.zeros(N, dtype=np.int64), [ident])
+    np.testing.assert_allclose(m1.s, 2.0)
+
+
+def test_adapt_auto_runs_two_rounds_at_least_and_stops_once_settled(normal_gamma, monkeypatch):
+    """``adapt="auto"``: at least two adapted rounds (as ``adapt=2``) when they improve, then more only while the
+    last proposal is narrower than its weighted draws; ``adapt`` must be ``"auto"`` or a count."""
+    res, _ = normal_gamma
+    _forced(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        auto = correct(res, num_draws=400)
+        two = correct(res, num_draws=400, adapt=2)
+    assert auto.diagnostics.sd_ratio[1] <= importance.SETTLED_SD_RATIO or len(auto.diagnostics.tried) == 9
+    assert list(auto.diagnostics.tried)[:len(two.diagnostics.tried)] == list(two.diagnostics.tried)
+    for bad in ("more", True, -1, 1.5):
+        with pytest.raises(ValueError, match="adapt: expected 'auto' or a number"):
+            correct(res, num_draws=50, adapt=bad)
+
+
 def _normal_gamma(n=30, seed=0):
     """y_i ~ N(mu, 1/tau), mu | tau ~ N(m0, 1/(k0 tau)), tau ~ Gamma(a0, b0): the marginal posteriors are a
     Gamma and a Student-t in closed form."""

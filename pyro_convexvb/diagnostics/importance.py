@@ -408,6 +408,14 @@ class CorrectedPosterior:
 #: adapt while the importance ESS is below this fraction of the draws
 ADAPT_BELOW = 0.8
 ADAPTATIONS = ("affine", "diagonal")
+#: ``adapt="auto"``: adapted rounds at most, and the rounds after which the adaptation stops once it has settled
+AUTO_ROUNDS, AUTO_MIN_ROUNDS = 8, 2
+#: the adaptation has settled when no coordinate's importance-weighted sd exceeds the last proposal's own by more
+#: than this factor (beyond 2 Monte Carlo errors: :attr:`ImportanceDiagnostics.sd_ratio`)
+SETTLED_SD_RATIO = 1.1
+#: a correction whose last proposal is narrower than its weighted draws by more than this factor is reported as
+#: not settled (its estimates are biased toward that proposal)
+NARROW_SD_RATIO = 1.2
 
 
 def _pool(result, rounds, maps, q):
@@ -450,9 +458,13 @@ def _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried):
     ``num_draws`` more, and pools every round (:func:`_pool`); it stops when the importance ESS reaches
     :data:`ADAPT_BELOW` of the draws or a round does not improve it. A round that raises the ESS but not the ESS per
     draw is kept (its draws are paid for) and ends the rounds: its map was no better than the last, so another
-    round would add draws, not a better proposal (more draws are what ``num_draws`` is for)."""
+    round would add draws, not a better proposal (more draws are what ``num_draws`` is for). With
+    ``adapt="auto"`` the rounds also stop after :data:`AUTO_MIN_ROUNDS` adapted ones once the last proposal is
+    nowhere narrower than the weighted draws (:data:`SETTLED_SD_RATIO`), and after :data:`AUTO_ROUNDS` at most."""
     from .whitened import DEFENSIVE_WEIGHT, AffineMap, WhitenedProposal, fit_affine_map
 
+    auto = adapt == "auto"
+    rounds_max = AUTO_ROUNDS if auto else int(adapt)
     post = proposal_posterior(result)
     layout = post.layout
     q = WhitenedProposal(q1, layout, AffineMap.identity(post.n))
@@ -461,8 +473,10 @@ def _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried):
     tried[d.proposal] = d.k_hat
     rounds, maps = [(values, lq, ljv, cond, None, None)], [q.amap]
     own = np.zeros(lq.shape[0], dtype=np.int64)
-    for r in range(int(adapt)):
+    for r in range(rounds_max):
         if d.ess >= ADAPT_BELOW * d.num_draws or not np.isfinite(d.k_hat):
+            break
+        if auto and r >= AUTO_MIN_ROUNDS and d.sd_ratio[1] <= SETTLED_SD_RATIO:
             break
         if r == 0:  # whitened only when adapting
             eps = q.last_eps
@@ -490,7 +504,7 @@ def _adapt_diagonal(result, d, num_draws, seed, progress, adapt, tried):
     """Rounds of :class:`~pyro_convexvb.diagnostics.proposals.AdaptedProposal` (a shift and a scale per
     coordinate, the last round only), kept while they improve the importance ESS."""
     layout = getattr(proposal_posterior(result), "layout", None)
-    for r in range(int(adapt)):
+    for r in range(AUTO_MIN_ROUNDS if adapt == "auto" else int(adapt)):
         if layout is None or d.ess >= ADAPT_BELOW * d.num_draws or not np.isfinite(d.k_hat):
             break
         q2 = AdaptedProposal.from_draws(d.proposal_object, layout, d.draws, d.log_weights, d.conditional)
@@ -595,9 +609,19 @@ def _shrink(sites, unc, bases):
     return factors
 
 
+def _unsettled_message(d, adapt):
+    """The warning of a correction whose last proposal is still narrower than its weighted draws."""
+    more = f"adapt={AUTO_ROUNDS}" if adapt != "auto" and adapt < AUTO_ROUNDS else "more adaptation rounds (adapt=)"
+    return (f"corrected posterior: PSIS k_hat = {d.k_hat:.2f} ({d.num_draws} draws, proposal {d.proposal!r}), but the "
+            f"importance-weighted sd of some coordinate is {d.sd_ratio[1]:.2f} times the proposal's own: the "
+            "proposal is still too narrow there, and importance estimates from a too narrow proposal are biased toward "
+            f"it (sds and tails too small). Call res.corrected() with {more}, or use engine='nuts'")
+
+
 def _check_options(adapt, estimator, adaptation, probs):
-    if int(adapt) != adapt or adapt < 0:
-        raise ValueError(f"adapt: expected a number of adaptation rounds >= 0, got {adapt!r}")
+    if adapt != "auto" and (isinstance(adapt, (bool, str)) or not isinstance(adapt, (int, np.integer, float))
+                            or int(adapt) != adapt or adapt < 0):
+        raise ValueError(f"adapt: expected 'auto' or a number of adaptation rounds >= 0, got {adapt!r}")
     if estimator not in ("cv", "snis"):
         raise ValueError(f"estimator: expected 'cv' (control variates from the proposal's known moments) or 'snis' "
                          f"(plain self-normalised importance sampling), got {estimator!r}")
@@ -611,7 +635,7 @@ def _check_options(adapt, estimator, adaptation, probs):
 
 
 def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", probs=(0.05, 0.5, 0.95), warn=True,
-            progress=False, estimator="cv", adapt=2, adaptation="affine", shrink=None):
+            progress=False, estimator="cv", adapt="auto", adaptation="affine", shrink=None):
     """Importance-corrected means, sds and quantiles of every latent site, with Monte Carlo errors.
 
     Over 80 lines: most of it is this docstring; the body is under 80.
@@ -627,12 +651,18 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     round's draws pooled against the mixture of the rounds' proposals (proposal ``"affine"``); with ``"diagonal"`` a
     shift and scale per coordinate
     (:class:`~pyro_convexvb.diagnostics.proposals.AdaptedProposal`, the last round's draws only). Rounds are kept
-    while they improve the importance ESS, and the affine rounds go on while they also improve the ESS per draw.
+    while they improve the importance ESS, and the affine rounds go on while they also improve the ESS per draw;
+    with ``adapt="auto"`` (default) they stop after two adapted rounds once the last proposal is nowhere narrower
+    than the weighted draws (no coordinate's weighted sd above 1.1 times the proposal's own, beyond 2 Monte Carlo
+    errors), else after at most eight (each round may halve or double a whitened coordinate's scale, so a posterior
+    several times wider than the Gaussian is reached).
     If the proposal's ``k_hat`` is above the threshold or its weighted moments disagree with its own
     (:attr:`ImportanceDiagnostics.ok`), the defensive mixtures ``"widened"`` (scales times 1.5) and ``"student_t"``
     (5 degrees of freedom) are tried with fresh draws, and the proposal used is the reliable one (``k_hat`` below
     the threshold) with the largest importance ESS, or, if none is reliable, the one with the smallest ``k_hat``. A
-    warning (:class:`ApproximationWarning`) says when even that one is unreliable.
+    warning (:class:`ApproximationWarning`) says when even that one is unreliable, or when the last proposal is
+    still narrower than its weighted draws by more than 20% in some coordinate (importance estimates from a too
+    narrow proposal are biased toward it, whatever ``k_hat`` says).
 
     The summaries are control-variate (regression) estimates by default (``estimator="cv"``,
     :mod:`~pyro_convexvb.diagnostics.control_variates`): the proposal's exactly known conditional moments and CDFs
@@ -653,7 +683,8 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     :param str proposal: ``"auto"``, ``"fitted"``, ``"interpolated"``, ``"widened"`` or ``"student_t"``.
     :param probs: quantile levels.
     :param str estimator: ``"cv"`` or ``"snis"``.
-    :param int adapt: adaptation rounds at most (``proposal="auto"`` only; 0 for none), ``num_draws`` model
+    :param adapt: ``"auto"`` or the number of adaptation rounds at most (``proposal="auto"`` only; 0 for none;
+        ``"auto"`` is 2 for ``adaptation="diagonal"``), ``num_draws`` model
         evaluations each.
     :param str adaptation: ``"affine"`` or ``"diagonal"`` (``proposal="auto"`` only).
     :param bool shrink: shrink the corrections of fields (default: with ``estimator="cv"``; the plain estimator's
@@ -691,6 +722,8 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         d = _importance(result, num_draws, seed, proposal, progress)
     if warn and not d.reliable:
         warnings.warn("corrected posterior: " + d.message, ApproximationWarning, stacklevel=3)
+    elif warn and d.sd_ratio[1] > NARROW_SD_RATIO:
+        warnings.warn(_unsettled_message(d, adapt), ApproximationWarning, stacklevel=3)
     sites, unc, bases = _summaries(result, d, estimator, probs, seed, baseline=shrink)
     factors = _shrink(sites, unc, bases) if shrink else {}
     hyper_names = getattr(getattr(result.posterior, "space", None), "names", None)

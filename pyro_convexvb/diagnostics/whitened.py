@@ -408,7 +408,8 @@ def fit_affine_map(eps, w, own, maps, seed=0, max_directions=MAX_DIRECTIONS):
     mean = w @ eps - (eps - mu_own).mean(0)
     dev = eps - mean
     # diagonal of the covariance: sum_s c_s e_s^2 + mean_s E_own[e^2] - mean^2
-    known_diag = sum(f * (m.spread * m.s**2 * (1 + (m.U**2 * m.lam).sum(1)) + m.mu**2) for f, m in zip(frac, maps))
+    map_var = np.stack([m.spread * m.s**2 * (1 + (m.U**2 * m.lam).sum(1)) for m in maps])  # (J, n) each map's
+    known_diag = frac @ (map_var + np.stack([m.mu**2 for m in maps]))
     var = np.maximum(c @ eps**2 + known_diag - mean**2, 1e-6)
     c2 = c**2
     # shift: James-Stein toward 0 (noise variance of each coordinate's estimate: sum_s c_s^2 (e - m)^2)
@@ -416,7 +417,9 @@ def fit_affine_map(eps, w, own, maps, seed=0, max_directions=MAX_DIRECTIONS):
     # scales: the pooled scale, and each coordinate's departure from it shrunk toward it
     rho2 = float(var.mean())
     v = rho2 + _js((var - rho2) ** 2, c2 @ (dev**2 - var) ** 2) * (var - rho2)
-    s = np.sqrt(np.clip(v, 0.25, 4.0))
+    # each round may halve or double a coordinate's scale relative to the rounds' proposals so far (a posterior
+    # several times wider than the Gaussian is reached in a few rounds, while one noisy round cannot run away)
+    s = np.sqrt(np.clip(v, 0.25 * map_var.min(0), 4.0 * map_var.max(0)))
     U = lam = None
     if 0 < max_directions and 2 < n <= LOW_RANK_MAX_N:
         U, lam = _directions(eps, c, own, maps, frac, mean, s, seed, max_directions)
