@@ -60,10 +60,12 @@ def to_arviz(result, num_draws=None, seed=0, *, chains=4, corrected=None, progre
         ((4, 50, 2), (4, 50, 40))
     """
     az = _import_arviz()
-    if isinstance(chains, bool) or not isinstance(chains, int) or chains < 1:
+    if isinstance(chains, bool) or not isinstance(chains, (int, np.integer)) or chains < 1:
         raise ValueError(f"chains: expected a positive int, got {chains!r}")
+    chains = int(chains)
     n = ARVIZ_DRAWS if num_draws is None else num_draws
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < chains:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer, float)) \
+            or (isinstance(n, float) and not n.is_integer()) or n < chains:
         raise ValueError(f"num_draws: expected an integer of at least chains={chains} (one draw per chain; default "
                          f"{ARVIZ_DRAWS}), got {num_draws!r}")
     check_seed(seed)

@@ -61,7 +61,7 @@ MIN_DRAWS = 10
 def check_draws(num_draws, minimum=MIN_DRAWS, default=None):
     """Refuse a ``num_draws`` that is not an integer of at least ``minimum`` (a float was truncated silently)."""
     if isinstance(num_draws, bool) or not isinstance(num_draws, (int, np.integer, float)) \
-            or int(num_draws) != num_draws or num_draws < minimum:
+            or (isinstance(num_draws, float) and not num_draws.is_integer()) or num_draws < minimum:
         dflt = "" if default is None else f"; default {default}"
         raise ValueError(f"num_draws: expected an integer >= {minimum} (Pareto smoothing fits the largest ratios of "
                          f"the draws{dflt}), got {num_draws!r}")
@@ -209,6 +209,10 @@ def _weigh(result, q, values, log_q, log_joint, cond, name=None, check=True):
 
 
 def _importance(result, num_draws, seed, proposal, progress):
+    if proposal == "interpolated" and not _integrates_hyper(result):
+        raise ValueError("proposal='interpolated' moves the field's Gaussian between the design points of "
+                         "hyper-latents integrated over; this fit has none (it would be the 'fitted' proposal): use "
+                         "proposal='fitted'")
     q = proposal if isinstance(proposal, Proposal) else make_proposal(proposal_posterior(result), proposal)
     return _weigh(result, q, *_draw(result, q, num_draws, seed, progress))
 
@@ -271,10 +275,25 @@ def _summary(x, w, probs):
             "mean_mcse": t(mean_se), "sd_mcse": t(sd_se), "quantile_mcse": {p: t(q_se[i]) for i, p in enumerate(probs)}}
 
 
-def _rank(d):
-    """Order of preference among proposals: a reliable ``k_hat`` first, then the largest importance ESS; among
-    unreliable ones the smallest ``k_hat``."""
-    return (d.reliable, d.ess if d.reliable else -d.k_hat)
+def _settled(d, sd_ratio=None, shift=None):
+    """The weighted draws have not moved far from the proposal they came from: no coordinate's weighted sd above
+    ``sd_ratio`` times the proposal's own (it is too narrow there) and no weighted mean more than ``shift`` of its
+    sds away (beyond 2 Monte Carlo errors each; defaults :data:`NARROW_SD_RATIO`, :data:`BIASED_SHIFT`). Importance
+    estimates from a proposal that misses this way are biased toward it, whatever ``k_hat`` says. The sd test does not
+    apply to the ``"student_t"`` proposal: its polynomial tails bound the weights of any target with lighter tails
+    (``k_hat`` judges it), and its draws' own sd is no measure of its reach."""
+    sd_ratio = NARROW_SD_RATIO if sd_ratio is None else sd_ratio
+    shift = BIASED_SHIFT if shift is None else shift
+    narrow = d.proposal != "student_t" and d.sd_ratio[1] > sd_ratio
+    return bool(not narrow and d.mean_shift <= shift)
+
+
+def _rank(d, settled=False):
+    """Order of preference among proposals: a reliable ``k_hat`` first, then (with ``settled``, among the final
+    candidates) a settled one (:func:`_settled`: a too narrow proposal's own ESS is biased upward), then the largest
+    importance ESS; among unreliable ones the smallest ``k_hat``. The adaptive rounds are kept by ESS alone: a
+    round on its way to the posterior need not have settled yet."""
+    return (d.reliable, settled and d.reliable and _settled(d), d.ess if d.reliable else -d.k_hat)
 
 
 def _integrates_hyper(result):
@@ -413,9 +432,13 @@ AUTO_ROUNDS, AUTO_MIN_ROUNDS = 8, 2
 #: the adaptation has settled when no coordinate's importance-weighted sd exceeds the last proposal's own by more
 #: than this factor (beyond 2 Monte Carlo errors: :attr:`ImportanceDiagnostics.sd_ratio`)
 SETTLED_SD_RATIO = 1.1
+#: ... and no weighted mean is more than this many of its sds from the last proposal's
+SETTLED_SHIFT = 0.3
 #: a correction whose last proposal is narrower than its weighted draws by more than this factor is reported as
 #: not settled (its estimates are biased toward that proposal)
 NARROW_SD_RATIO = 1.2
+#: ... or whose weighted means moved more than this many sds from it
+BIASED_SHIFT = 0.5
 
 
 def _pool(result, rounds, maps, q):
@@ -460,7 +483,8 @@ def _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried):
     draw is kept (its draws are paid for) and ends the rounds: its map was no better than the last, so another
     round would add draws, not a better proposal (more draws are what ``num_draws`` is for). With
     ``adapt="auto"`` the rounds also stop after :data:`AUTO_MIN_ROUNDS` adapted ones once the last proposal is
-    nowhere narrower than the weighted draws (:data:`SETTLED_SD_RATIO`), and after :data:`AUTO_ROUNDS` at most."""
+    nowhere narrower than the weighted draws (:data:`SETTLED_SD_RATIO`) and its means are near theirs
+    (:data:`SETTLED_SHIFT`), and after :data:`AUTO_ROUNDS` at most."""
     from .whitened import DEFENSIVE_WEIGHT, AffineMap, WhitenedProposal, fit_affine_map
 
     auto = adapt == "auto"
@@ -476,7 +500,7 @@ def _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried):
     for r in range(rounds_max):
         if d.ess >= ADAPT_BELOW * d.num_draws or not np.isfinite(d.k_hat):
             break
-        if auto and r >= AUTO_MIN_ROUNDS and d.sd_ratio[1] <= SETTLED_SD_RATIO:
+        if auto and r >= AUTO_MIN_ROUNDS and _settled(d, SETTLED_SD_RATIO, SETTLED_SHIFT):
             break
         if r == 0:  # whitened only when adapting
             eps = q.last_eps
@@ -533,8 +557,8 @@ def _choose(result, num_draws, seed, progress, adapt, adaptation):
         tried[first] = d.k_hat
         d = _adapt_diagonal(result, d, num_draws, seed, progress, adapt, tried)
     # the pooled adaptive rounds were fitted to the weighted moments: the defensive mixtures only when k_hat says
-    # they are unreliable; otherwise also when the moment check fails
-    if not (d.reliable if d.proposal == "affine" else d.ok):
+    # they are unreliable or they have not settled; otherwise also when the (stricter) moment check fails
+    if not (d.reliable and _settled(d) if d.proposal == "affine" else d.ok):
         for i, kind in enumerate(("widened", "student_t")):
             try:
                 d2 = _importance(result, num_draws, seed + 1 + i, kind, progress)
@@ -543,7 +567,7 @@ def _choose(result, num_draws, seed, progress, adapt, adaptation):
             tried[kind] = d2.k_hat
             # a reliable k_hat first, then the largest importance ESS (smallest Monte Carlo errors); among
             # unreliable ones the smallest k_hat
-            if _rank(d2) > _rank(d):
+            if _rank(d2, settled=True) > _rank(d, settled=True):
                 d = d2
     d.tried = tried
     return d
@@ -610,12 +634,17 @@ def _shrink(sites, unc, bases):
 
 
 def _unsettled_message(d, adapt):
-    """The warning of a correction whose last proposal is still narrower than its weighted draws."""
-    more = f"adapt={AUTO_ROUNDS}" if adapt != "auto" and adapt < AUTO_ROUNDS else "more adaptation rounds (adapt=)"
-    return (f"corrected posterior: PSIS k_hat = {d.k_hat:.2f} ({d.num_draws} draws, proposal {d.proposal!r}), but the "
-            f"importance-weighted sd of some coordinate is {d.sd_ratio[1]:.2f} times the proposal's own: the "
-            "proposal is still too narrow there, and importance estimates from a too narrow proposal are biased toward "
-            f"it (sds and tails too small). Call res.corrected() with {more}, or use engine='nuts'")
+    """The warning of a correction whose weighted draws moved far from the proposal they came from."""
+    how = []
+    if d.sd_ratio[1] > NARROW_SD_RATIO:
+        how.append(f"the importance-weighted sd of some coordinate is {d.sd_ratio[1]:.2f} times the proposal's own "
+                   "(the proposal is still too narrow there)")
+    if d.mean_shift > BIASED_SHIFT:
+        how.append(f"a weighted mean lies {d.mean_shift:.2f} of its sds from the proposal's")
+    more = f"adapt={AUTO_ROUNDS}, " if adapt != "auto" and adapt < AUTO_ROUNDS else ""
+    return (f"corrected posterior: PSIS k_hat = {d.k_hat:.2f} ({d.num_draws} draws, proposal {d.proposal!r}), but "
+            f"{' and '.join(how)}: importance estimates from a proposal that misses the posterior this way are biased "
+            f"toward it. Call res.corrected() with {more}more draws (num_draws) or another seed, or use engine='nuts'")
 
 
 def _check_options(adapt, estimator, adaptation, probs):
@@ -628,7 +657,11 @@ def _check_options(adapt, estimator, adaptation, probs):
     if adaptation not in ADAPTATIONS:
         raise ValueError(f"adaptation: expected 'affine' (a moment-matched affine map of the whitened field, rounds "
                          f"pooled) or 'diagonal' (a shift and scale per coordinate), got {adaptation!r}")
-    probs = tuple(float(p) for p in probs)
+    try:
+        probs = tuple(float(p) for p in probs)
+    except TypeError:
+        raise ValueError(f"probs: expected a sequence of quantile levels in (0, 1), e.g. (0.05, 0.5, 0.95), got "
+                         f"{probs!r}") from None
     if not all(0 < p < 1 for p in probs):
         raise ValueError(f"probs: quantile levels must lie in (0, 1), got {probs}")
     return probs
@@ -653,16 +686,17 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     (:class:`~pyro_convexvb.diagnostics.proposals.AdaptedProposal`, the last round's draws only). Rounds are kept
     while they improve the importance ESS, and the affine rounds go on while they also improve the ESS per draw;
     with ``adapt="auto"`` (default) they stop after two adapted rounds once the last proposal is nowhere narrower
-    than the weighted draws (no coordinate's weighted sd above 1.1 times the proposal's own, beyond 2 Monte Carlo
-    errors), else after at most eight (each round may halve or double a whitened coordinate's scale, so a posterior
+    than the weighted draws and centred on them (no coordinate's weighted sd above 1.1 times the proposal's own, no
+    weighted mean 0.3 sds from its own, beyond 2 Monte Carlo errors), else after at most eight (each round may halve or double a whitened coordinate's scale, so a posterior
     several times wider than the Gaussian is reached).
     If the proposal's ``k_hat`` is above the threshold or its weighted moments disagree with its own
     (:attr:`ImportanceDiagnostics.ok`), the defensive mixtures ``"widened"`` (scales times 1.5) and ``"student_t"``
-    (5 degrees of freedom) are tried with fresh draws, and the proposal used is the reliable one (``k_hat`` below
-    the threshold) with the largest importance ESS, or, if none is reliable, the one with the smallest ``k_hat``. A
-    warning (:class:`ApproximationWarning`) says when even that one is unreliable, or when the last proposal is
-    still narrower than its weighted draws by more than 20% in some coordinate (importance estimates from a too
-    narrow proposal are biased toward it, whatever ``k_hat`` says).
+    (5 degrees of freedom) are tried with fresh draws (also when the adapted proposal has not settled, below), and
+    the proposal used is a reliable one (``k_hat`` below the threshold), among those a settled one, then the one
+    with the largest importance ESS, or, if none is reliable, the one with the smallest ``k_hat``. A warning
+    (:class:`ApproximationWarning`) says when even that one is unreliable, or when it has not settled: its weighted
+    draws are wider than the proposal by more than 20% in some coordinate or their means moved more than 0.5 sds
+    from its own (importance estimates from such a proposal are biased toward it, whatever ``k_hat`` says).
 
     The summaries are control-variate (regression) estimates by default (``estimator="cv"``,
     :mod:`~pyro_convexvb.diagnostics.control_variates`): the proposal's exactly known conditional moments and CDFs
@@ -706,6 +740,9 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         (['mean', 'mean_mcse', 'quantile_mcse'], torch.Size([]))
     """
     probs = _check_options(adapt, estimator, adaptation, probs)
+    if proposal != "auto" and (adapt != "auto" or adaptation != "affine"):
+        raise ValueError(f"adapt and adaptation apply to proposal='auto' only (its rounds adapt the fitted proposal); "
+                         f"proposal={proposal!r} draws from that proposal alone: leave them at their defaults")
     check_draws(num_draws, default=CORRECTION_DRAWS)
     check_seed(seed)
     if shrink is None:
@@ -722,7 +759,7 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         d = _importance(result, num_draws, seed, proposal, progress)
     if warn and not d.reliable:
         warnings.warn("corrected posterior: " + d.message, ApproximationWarning, stacklevel=3)
-    elif warn and d.sd_ratio[1] > NARROW_SD_RATIO:
+    elif warn and not _settled(d):
         warnings.warn(_unsettled_message(d, adapt), ApproximationWarning, stacklevel=3)
     sites, unc, bases = _summaries(result, d, estimator, probs, seed, baseline=shrink)
     factors = _shrink(sites, unc, bases) if shrink else {}
