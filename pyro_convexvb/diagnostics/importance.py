@@ -565,8 +565,8 @@ def _choose(result, num_draws, seed, progress, adapt, adaptation):
             except NotImplementedError:  # e.g. a mixture posterior: no Gaussian to widen
                 break
             tried[kind] = d2.k_hat
-            # a reliable k_hat first, then the largest importance ESS (smallest Monte Carlo errors); among
-            # unreliable ones the smallest k_hat
+            # a reliable k_hat first, then a settled proposal, then the largest importance ESS (smallest Monte
+            # Carlo errors); among unreliable ones the smallest k_hat
             if _rank(d2, settled=True) > _rank(d, settled=True):
                 d = d2
     d.tried = tried
@@ -649,7 +649,7 @@ def _unsettled_message(d, adapt):
 
 def _check_options(adapt, estimator, adaptation, probs):
     if adapt != "auto" and (isinstance(adapt, (bool, str)) or not isinstance(adapt, (int, np.integer, float))
-                            or int(adapt) != adapt or adapt < 0):
+                            or (isinstance(adapt, float) and not adapt.is_integer()) or adapt < 0):
         raise ValueError(f"adapt: expected 'auto' or a number of adaptation rounds >= 0, got {adapt!r}")
     if estimator not in ("cv", "snis"):
         raise ValueError(f"estimator: expected 'cv' (control variates from the proposal's known moments) or 'snis' "
@@ -687,8 +687,8 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     while they improve the importance ESS, and the affine rounds go on while they also improve the ESS per draw;
     with ``adapt="auto"`` (default) they stop after two adapted rounds once the last proposal is nowhere narrower
     than the weighted draws and centred on them (no coordinate's weighted sd above 1.1 times the proposal's own, no
-    weighted mean 0.3 sds from its own, beyond 2 Monte Carlo errors), else after at most eight (each round may halve or double a whitened coordinate's scale, so a posterior
-    several times wider than the Gaussian is reached).
+    weighted mean 0.3 sds from its own, beyond 2 Monte Carlo errors), else after at most eight (each round may halve
+    or double a whitened coordinate's scale, so a posterior several times wider than the Gaussian is reached).
     If the proposal's ``k_hat`` is above the threshold or its weighted moments disagree with its own
     (:attr:`ImportanceDiagnostics.ok`), the defensive mixtures ``"widened"`` (scales times 1.5) and ``"student_t"``
     (5 degrees of freedom) are tried with fresh draws (also when the adapted proposal has not settled, below), and
