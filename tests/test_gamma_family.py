@@ -120,3 +120,39 @@ def test_refusals_name_the_site():
     with pyro.validation_enabled(False), pytest.raises(pcv.UnsupportedModelError, match="must be positive") as err:
         pcv.lgm_from_pyro(gamma_model, X, y=torch.where(y > 1, y, -y))
     assert err.value.site == "y"
+
+
+@pytest.mark.parametrize("family", ["gamma", "exponential", "stochastic_volatility"])
+def test_dual_vg_under_a_wide_prior_starts_from_the_data(family):
+    """``b, w ~ N(0, 30^2)``: the dual's start at the prior marginals puts ``E exp(-eta)`` at ``exp(450)``. It
+    diverged (means 1e34-1e43, a bound of -1e80) from a prior sd of 7-10, and raised an error about an 'alpha0'
+    nobody passed at 30; the data start (``kappa = 1/2`` at ``eta = log y^2``, as Poisson's ``log(y + 1/2)``) fits
+    it, against 2-D quadrature."""
+    ps, n = 30.0, 30
+    rng = np.random.default_rng(19)
+    x = np.linspace(-1, 1, n)
+    e0 = 0.3 + 0.5 * x
+    if family == "gamma":
+        y = rng.gamma(2.0, np.exp(e0) / 2)
+        site, ll = (lambda e: dist.Gamma(2.0, 2.0 * torch.exp(-e))), (lambda e: stats.gamma.logpdf(y, 2.0, scale=np.exp(e) / 2))
+    elif family == "exponential":
+        y = rng.exponential(np.exp(e0))
+        site, ll = (lambda e: dist.Exponential(torch.exp(-e))), (lambda e: stats.expon.logpdf(y, scale=np.exp(e)))
+    else:
+        y = np.exp(e0 / 2) * rng.normal(size=n)
+        site, ll = (lambda e: dist.Normal(0.0, torch.exp(e / 2))), (lambda e: stats.norm.logpdf(y, 0, np.exp(e / 2)))
+
+    def model(x, y=None):
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=D), ps))
+        w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=D), ps))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("y", site(b + w * x), obs=y)
+
+    # quadrature in v = (b, w) / ps, whose prior is N(0, I)
+    mean, sd, log_ev = grid_posterior_2d(lambda V: ll(ps * V[:, :1] + ps * V[:, 1:] * x).sum(1), [-0.1, -0.1],
+                                         [0.1, 0.1], n=301, rounds=4)
+    res = pcv.fit(model, torch.tensor(x, dtype=D), y=torch.tensor(y, dtype=D), engine="dual_vg", progress=False)
+    assert res.converged
+    np.testing.assert_allclose(res.posterior.loc.numpy(), ps * mean, atol=0.01 * ps * sd.max())
+    np.testing.assert_allclose(res.posterior.scale.numpy(), ps * sd, rtol=0.05)
+    assert -0.05 < res.log_evidence_bound - log_ev <= 1e-9

@@ -84,7 +84,7 @@ def initial_alpha(backend, bound):
     for cand in (a, b, None):
         if cand is None:  # the Laplace start, from the data start
             try:
-                cand = _laplace_start(backend, bound, b)
+                cand = _laplace_start(backend, bound, b, h=h)
             except (torch.linalg.LinAlgError, NotPositiveDefiniteError):
                 cand = None
             if cand is None:
@@ -123,7 +123,7 @@ def _site_derivatives(bound, h):
 LAPLACE_START_TOL = 1e-4
 
 
-def _laplace_start(backend, bound, alpha0, max_newton=50):
+def _laplace_start(backend, bound, alpha0, max_newton=50, h=None):
     r"""The dual point at the Laplace approximation: ``alpha = df/dh`` at its site means and variances.
 
     Damped Newton on the log joint (iteratively reweighted least squares, McCullagh & Nelder 1989, §2.5),
@@ -134,9 +134,10 @@ def _laplace_start(backend, bound, alpha0, max_newton=50):
     gives the means of that Gaussian (one factorisation and solve, no variances), and its dual point is
     ``a = w m - b``. The step to it is halved until ``Phi`` decreases, and the iteration stops once a step
     gains at most :data:`LAPLACE_START_TOL` nats per site. The site variances are computed once, at the end,
-    with the precisions of the last accepted step. The first linearisation is at the data start ``alpha0``,
-    whose site precisions are the curvatures ``e^h`` of Poisson sites at ``h = log lambda`` (for counts,
-    ``eta = log(y + 1/2)``). Returns ``None`` where the iteration produces no finite point.
+    with the precisions of the last accepted step. The first linearisation is at the bound's data start, its
+    sites' own maximum-likelihood predictors (:meth:`~pyro_convexvb.lgm.families.bound.LocalBound.data_mean`: for
+    counts ``eta = log(y + 1/2)``, for Gamma responses ``log y``). Returns ``None`` where the iteration produces no
+    finite point. ``h``: the prior marginals' means, the linearisation point of sites without a data start.
     """
     red = reduction_of(backend)
 
@@ -156,8 +157,9 @@ def _laplace_start(backend, bound, alpha0, max_newton=50):
         return w, w * m - b, m
 
     num_sites = max(1, red.count(alpha0.shape[0]))  # over every rank, as f is
-    lam0, _, _ = bound.ell(alpha0)
-    sol = working_solution(torch.log(lam0.clamp_min(torch.finfo(lam0.dtype).tiny)))
+    if h is None:
+        h, _ = backend.prior_marginals()
+    sol = working_solution(bound.data_mean(h).to(alpha0))
     if sol is None:
         return None
     w, a, m = sol

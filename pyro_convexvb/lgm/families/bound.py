@@ -74,6 +74,12 @@ class LocalBound:
         one with the lower dual objective."""
         return self.alpha_star(h, rho)
 
+    def data_mean(self, h):
+        """``(q,)`` the site means the data start :meth:`data_alpha` linearises at: each site's own maximum-likelihood
+        predictor, where :meth:`data_alpha` is the curvature there; for a bound without a data start the prior means
+        ``h`` ``(q,)``."""
+        return h
+
     def conjugate(self, alpha, lam):
         """Joint-form conjugate ``f*(alpha, lambda)``: ``psi(alpha)`` where ``lambda <= ell(alpha)``, else ``+inf``.
 
@@ -221,6 +227,9 @@ class WeightedBound(LocalBound):
 
     def data_alpha(self, h, rho):
         return self.weight * self.base.data_alpha(h, rho)
+
+    def data_mean(self, h):
+        return self.base.data_mean(h)
 
     def conjugate(self, alpha, lam):
         w = self.weight.to(alpha)

@@ -85,3 +85,6 @@ class PoissonBound(LocalBound):
         (the usual start of Poisson IRLS, McCullagh & Nelder 1989, §2.5). Where the prior marginals are wide
         (``rho`` of tens), ``exp(h + rho / 2)`` starts the dual at rates of ``e^25`` and beyond."""
         return torch.full_like(h, 0.5)
+
+    def data_mean(self, h):
+        return torch.log(self.y + 0.5).to(h)

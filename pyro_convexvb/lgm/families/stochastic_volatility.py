@@ -105,3 +105,13 @@ class StochasticVolatilityBound(LocalBound):
 
     def alpha_star(self, h, rho):
         return 0.5 - 0.5 * self.y2 * torch.exp(-h + 0.5 * rho)
+
+    def data_alpha(self, h, rho):
+        """``alpha = 0``: site precision ``kappa = 1/2``, the curvature of ``-log p`` at its maximiser
+        ``eta = log y^2`` (for Gamma sites, through the weighting, ``k`` at ``eta = log y``). Where the prior
+        marginals are wide (``rho`` of tens), ``y^2 exp(-h + rho / 2)`` starts the dual at precisions of ``e^25``
+        and beyond, and at ``rho`` of hundreds at infinity."""
+        return torch.zeros_like(h)
+
+    def data_mean(self, h):
+        return torch.log(self.y2).to(h)
