@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import types
 import warnings
 import numpy as np
 import pyro
@@ -688,3 +689,31 @@ def test_the_hyper_posterior_modules_examples_run():
 
     out = doctest.testmod(mod)
     assert out.attempted >= 3 and out.failed == 0
+
+
+def test_a_non_concave_hyper_mode_whose_field_fit_did_not_converge_says_so(monkeypatch):
+    """Where the field's fit at the hyper-latents' mode did not converge, the curvature there means nothing: the
+    error is a ConvergenceError naming that fit, not an UnsupportedModelError blaming the model (a diverged Gamma
+    fit's Hessian of -1e137 was reported as a non-concave hyper-posterior)."""
+    from pyro_convexvb.errors import ConvergenceError, UnsupportedModelError
+    from pyro_convexvb.infer import hyper
+
+    model, args, kwargs = hm.logistic_halfcauchy()
+    monkeypatch.setattr(hyper, "_hessian_fd", lambda obj, z, step: torch.eye(z.shape[0], dtype=torch.float64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(UnsupportedModelError, match="not locally concave"):
+            pcv.fit(model, *args, engine="dual_vg", progress=False, **kwargs)
+        fit = hyper.HyperObjective.fit
+
+        def unconverged_at_the_mode(self, z, keep=False):
+            value, res = fit(self, z, keep)
+            if keep is True:  # the mode's fit
+                res = types.SimpleNamespace(posterior=res.posterior, converged=False,
+                                            optimality="duality gap (nats) = 3.5 (tol 1e-09)")
+            return value, res
+
+        monkeypatch.setattr(hyper.HyperObjective, "fit", unconverged_at_the_mode)
+        with pytest.raises(ConvergenceError, match=r"the fit of the latent field at the mode of \['tau'\] did not "
+                                                   r"converge \(duality gap"):
+            pcv.fit(model, *args, engine="dual_vg", progress=False, **kwargs)

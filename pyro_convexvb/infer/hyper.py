@@ -33,7 +33,7 @@ import pyro.poutine as poutine
 import torch
 from torch.distributions import biject_to
 
-from ..errors import ConvergenceWarning, UnsupportedModelError, WarningsOnce, warn
+from ..errors import ConvergenceError, ConvergenceWarning, UnsupportedModelError, WarningsOnce, warn
 from ..lgm.extract import _unwrap, full_data_plates, latent_sites
 from ..posterior.hyper import (  # noqa: F401 (re-exported)
     GridWarp,
@@ -780,6 +780,11 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     H = -_hessian_fd(obj, z_mode, hess_step)
     H = 0.5 * (H + H.T)
     evals, evecs = torch.linalg.eigh(H)
+    if not bool((evals > 0).all()) and not mode_res.converged:
+        raise ConvergenceError(f"hyper-latent integration: the fit of the latent field at the mode of "
+                               f"{space.names} did not converge ({mode_res.optimality}), so the curvature of the "
+                               f"hyper-posterior bound there means nothing (Hessian eigenvalues {evals.tolist()}); "
+                               "tighten the priors or standardise the covariates, or use engine='laplace' or 'nuts'")
     if not bool((evals > 0).all()):
         raise UnsupportedModelError(space.names[0], "the hyper-posterior bound is not locally concave at its mode "
                                                     f"(Hessian eigenvalues {evals.tolist()}); integration needs a mode")
