@@ -156,3 +156,44 @@ def test_dual_vg_under_a_wide_prior_starts_from_the_data(family):
     np.testing.assert_allclose(res.posterior.loc.numpy(), ps * mean, atol=0.01 * ps * sd.max())
     np.testing.assert_allclose(res.posterior.scale.numpy(), ps * sd, rtol=0.05)
     assert -0.05 < res.log_evidence_bound - log_ev <= 1e-9
+
+
+def test_obs_mask_on_a_gamma_likelihood_fits_with_the_engines_on_the_pyro_model():
+    """The missing entries of ``obs_mask`` get a proper filler density; for a Gamma site the filler's support was
+    ``GreaterThan(0)`` against the site's ``GreaterThanEq(0)``, so the mixture's support became a
+    ``MaskedConstraint`` and every engine that ``engines_that_fit`` listed (laplace, diag_mixture, nuts, SVI) crashed
+    in Pyro ("Cannot transform MaskedConstraint constraints"). Now laplace fits it: its ``(b, w)`` mode equals that of
+    the observed rows alone (for a log-link Gamma the missing entries' joint mode does not depend on ``b, w``)."""
+    rng = np.random.default_rng(11)
+    n = 30
+    x = torch.tensor(rng.normal(size=n), dtype=D)
+    y = torch.tensor(rng.gamma(2.0, np.exp(0.3 + 0.8 * x.numpy()) / 2.0), dtype=D)
+    keep = torch.arange(n) % 3 != 0
+    y_missing = torch.where(keep, y, torch.full_like(y, float("nan")))
+
+    def model(x, keep=None, y=None):
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=D), 2.0))
+        w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=D), 2.0))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("y", dist.Gamma(2.0, 2.0 * torch.exp(-(b + w * x))), obs=y, obs_mask=keep)
+
+    assert "laplace" in pcv.engines_that_fit(model, x, keep, y=y_missing)
+    res = pcv.fit(model, x, keep, y=y_missing, engine="laplace", progress=False)
+    sub = pcv.fit(model, x[keep], y=y[keep], engine="laplace", progress=False)
+    assert res.converged
+    np.testing.assert_allclose(res.posterior.loc[:2].numpy(), sub.posterior.loc.numpy(), atol=1e-6)
+
+
+def test_a_latent_site_without_an_unconstrained_transform_is_refused_by_the_model_engines():
+    """A latent site whose support Pyro cannot transform is refused by name (it crashed inside Pyro's guide)."""
+    from pyro.distributions.constraints import positive, real
+    from pyro.distributions.mixture import MaskedConstraint
+
+    class Odd(dist.Normal):
+        support = MaskedConstraint(torch.tensor([True]), real, positive)
+
+    def model():
+        pyro.sample("odd", Odd(torch.zeros(1, dtype=D), 1.0).to_event(1))
+
+    err = pcv.get_engine("laplace").fits(model)
+    assert err is not None and "site 'odd'" in str(err) and "no transform to unconstrained" in str(err)

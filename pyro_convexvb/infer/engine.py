@@ -377,6 +377,20 @@ class Engine:
         return f"{type(self).__name__}(name={self.name!r}, options={self.options})"
 
 
+def _untransformable(name, site):
+    """The refusal of a latent site whose support Pyro cannot map to unconstrained coordinates (where the engines on
+    the Pyro model work), else ``None``."""
+    from torch.distributions import biject_to
+
+    support = site["fn"].support
+    try:
+        biject_to(support)
+    except NotImplementedError:
+        return UnsupportedModelError(name, f"its support {support} has no transform to unconstrained coordinates "
+                                           "(these engines work in Pyro's unconstrained coordinates)")
+    return None
+
+
 class ModelEngine(Engine):
     """Base class of engines that run on the Pyro model itself (Pyro's SVI, Laplace and NUTS, ``diag_mixture``):
     :meth:`solve` receives a :class:`ModelCall`, and the model's latent sites must be continuous
@@ -404,7 +418,7 @@ class ModelEngine(Engine):
         for name, site in latent_sites(model, args, kwargs):
             if getattr(site["fn"].support, "is_discrete", False):
                 return UnsupportedModelError(name, "a discrete latent site (this engine needs continuous latents)")
-            err = _wider_mask_or_scale(name, site)
+            err = _wider_mask_or_scale(name, site) or _untransformable(name, site)
             if err is not None:
                 return err
             if getattr(_unwrap(site["fn"])[0], "is_intrinsic", False):

@@ -145,6 +145,25 @@ class ObsMaskMessenger(poutine.messenger.Messenger):
         return wrapped
 
 
+class _Filler(dist.TransformedDistribution):
+    """``base`` pushed through ``transforms`` onto ``support``, which it reports as its own: the mixture with the
+    site's distribution then has that support (not a ``MaskedConstraint``, which Pyro cannot map to unconstrained
+    coordinates; ``biject_to(GreaterThanEq(0))`` reports ``GreaterThan(0)``, e.g., for a Gamma site)."""
+
+    def __init__(self, base, transforms, support):
+        self._own_support = support
+        super().__init__(base, transforms)
+
+    @property
+    def support(self):
+        return self._own_support
+
+    def expand(self, batch_shape, _instance=None):
+        new = super().expand(batch_shape, _instance=_instance)
+        new._own_support = self._own_support
+        return new
+
+
 class _ProperMissing(ObsMaskMessenger):
     """Give the masked-out entries of ``obs_mask``'s ``<name>_unobserved`` sites a proper density.
 
@@ -165,7 +184,7 @@ class _ProperMissing(ObsMaskMessenger):
 
         zero = torch.zeros(fn.batch_shape, dtype=fn.mean.dtype if fn.mean.is_floating_point() else torch.float64,
                            device=mask.device)
-        filler = dist.TransformedDistribution(dist.Normal(zero, 1.0), [biject_to(fn.support)])
+        filler = _Filler(dist.Normal(zero, 1.0), [biject_to(fn.support)], fn.support)
         keep = mask.expand(fn.batch_shape) if mask.shape != fn.batch_shape else mask
         msg["fn"] = dist.MaskedMixture(keep, filler, fn)
         msg["mask"] = None
