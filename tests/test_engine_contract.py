@@ -400,3 +400,26 @@ def test_an_unmet_criterion_never_prints_its_value_equal_to_its_tolerance():
     assert str(pcv.Optimality.single("gap", 3.21e-9, 1e-8)) == "gap = 3.21e-09 (tol 1e-08)"
     assert str(pcv.Optimality.exact()) == "closed-form solution = 0 (tol 0)"
     assert str(pcv.Optimality.single("gap", float("nan"), 1e-8)) == "gap = nan (tol 1e-08)"
+
+
+def test_local_latents_of_a_plate_subsampled_by_explicit_indices_are_left_to_nuts():
+    """``pyro.plate(..., subsample=idx)`` around a latent site: Pyro scales its prior by ``size / len(idx)``. Laplace
+    ran and stopped away from the mode of that log joint (gradient 0.41, only a warning) while ``engines_that_fit``
+    listed it; now every engine but NUTS (which samples the log joint as written) refuses by site and plate."""
+    g = torch.arange(6).repeat_interleave(2)
+    y = torch.randn(12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def model(g, y=None, idx=torch.tensor([0, 2, 4])):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 2.0))
+        with pyro.plate("groups", 6, subsample=idx) as gi:
+            theta = pyro.sample("theta", dist.Normal(mu, 0.5))
+        pos = torch.full((6,), -1, dtype=torch.long)
+        pos[gi] = torch.arange(len(gi))
+        rows = (pos[g] >= 0).nonzero().squeeze(-1)
+        with pyro.plate("data", len(rows)):
+            pyro.sample("y", dist.Normal(theta[pos[g[rows]]], 0.5), obs=y[rows])
+
+    assert pcv.engines_that_fit(model, g, y=y) == ["nuts"]
+    with pytest.raises(pcv.UnsupportedModelError, match=r"site 'theta'.*inside plate 'groups' subsampled by explicit "
+                                                         r"indices \(3 of 6"):
+        pcv.fit(model, g, y=y, engine="laplace", progress=False)

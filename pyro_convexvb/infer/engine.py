@@ -377,6 +377,17 @@ class Engine:
         return f"{type(self).__name__}(name={self.name!r}, options={self.options})"
 
 
+def _subsampled_local(name, site):
+    """The refusal of a latent site inside a plate subsampled by explicit indices, else ``None`` (the model is traced
+    with every other plate at full size, so only explicit ``subsample=`` indices leave a plate smaller)."""
+    for frame in site["cond_indep_stack"]:
+        if getattr(frame, "full_size", None) not in (None, frame.size):
+            return UnsupportedModelError(name, f"a local latent site inside plate '{frame.name}' subsampled by explicit "
+                                               f"indices ({frame.size} of {frame.full_size}; Pyro scales its prior by "
+                                               "their ratio), which this engine's guide does not follow")
+    return None
+
+
 def _untransformable(name, site):
     """The refusal of a latent site whose support Pyro cannot map to unconstrained coordinates (where the engines on
     the Pyro model work), else ``None``."""
@@ -400,6 +411,10 @@ class ModelEngine(Engine):
     """
 
     takes: ClassVar[str] = "model"
+    #: whether the engine fits local latent sites of plates subsampled by explicit indices (``subsample=idx``,
+    #: whose prior Pyro scales by ``size / len(idx)``): NUTS samples that log joint as written; the guides of
+    #: Laplace and SVI do not follow it (Laplace stopped away from its mode)
+    subsampled_locals: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -418,7 +433,8 @@ class ModelEngine(Engine):
         for name, site in latent_sites(model, args, kwargs):
             if getattr(site["fn"].support, "is_discrete", False):
                 return UnsupportedModelError(name, "a discrete latent site (this engine needs continuous latents)")
-            err = _wider_mask_or_scale(name, site) or _untransformable(name, site)
+            err = _wider_mask_or_scale(name, site) or _untransformable(name, site) \
+                or (None if cls.subsampled_locals else _subsampled_local(name, site))
             if err is not None:
                 return err
             if getattr(_unwrap(site["fn"])[0], "is_intrinsic", False):

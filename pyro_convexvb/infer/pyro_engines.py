@@ -749,6 +749,7 @@ class NUTSEngine(_FullDataEngine):
     Options = NUTSOptions
     optimality_measure = ("largest split R-hat over all unconstrained latent coordinates <= max_rhat, and smallest "
                           "effective sample size >= min_ess")
+    subsampled_locals = True
 
     def solve(self, call, run):
         from pyro.ops.stats import effective_sample_size, split_gelman_rubin
