@@ -3,6 +3,8 @@ mini-batches, input validation, regret determinism."""
 import math
 import sys
 
+import warnings
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -57,6 +59,24 @@ def test_fast_path_equals_reference_path(cls, kw, batch_size, link):
     np.testing.assert_allclose(fast.coef_, ref.coef_, rtol=1e-12, atol=1e-13)
     np.testing.assert_allclose(fast.coef_var_, ref.coef_var_, rtol=1e-12, atol=1e-13)
     assert fast.n_unconverged_ == ref.n_unconverged_ == 0
+
+
+@pytest.mark.parametrize("cls", [OnlineBayesLogistic])
+@pytest.mark.parametrize("tol,max_iter", [(1e-9, 1), (1e-9, 2), (1e-2, 50), (1e-4, 50)])
+def test_newton_paths_agree_where_the_iteration_stops_early(cls, tol, max_iter):
+    """Loose ``tol`` or a small ``max_iter``: Algorithm 1's fast kernel (Newton in the score) stopped on its own
+    scale and read the mean off psi1 of the last score, 1e-3 (max_iter=1) away from the reference path's iterate
+    in ``w``, with different ``n_unconverged_``. Now the same iterates and stopping rule. (DimGauss's kernel still
+    reads psi1 of the last score: the two paths agree where its Newton iteration converges.)"""
+    X, y = _data()
+    kw = dict(prior_var=1.5, mean_update="newton", tol=tol, max_iter=max_iter)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = cls(D, fast=True, **kw).fit(X, y)
+        ref = cls(D, fast=False, **kw).fit(X, y)
+    np.testing.assert_allclose(fast.coef_, ref.coef_, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(fast.coef_var_, ref.coef_var_, rtol=1e-12, atol=1e-13)
+    assert fast.n_unconverged_ == ref.n_unconverged_
 
 
 @pytest.mark.parametrize("link", ["logit", "probit"])

@@ -91,7 +91,7 @@ def _psi_fast(z, link):
 
 
 @njit(cache=True)
-def _solve_zeta(z0, q, link, tol, maxiter):
+def _solve_zeta(z0, q, link, tol, maxiter, w0, a):
     """Root of ``zeta = z0 + q psi1(zeta)`` by Newton's method, safeguarded by bisection.
 
     The score after the update solves this scalar equation in both Newton options:
@@ -99,7 +99,9 @@ def _solve_zeta(z0, q, link, tol, maxiter):
     ``q = x^2 sigma^2_i / c^2`` (Newton is affine invariant, so the iterates are those of
     Eqs. (32)-(34) in ``w``), and DimGauss, Eq. (37) along ``v_t`` with ``q = x^T Sigma_t x``.
     The root lies in ``[z0, z0 + q psi1(z0)]``; Newton steps that leave the bracket or are
-    more than half the previous step are replaced by bisection (as ``rtsafe``).
+    more than half the previous step are replaced by bisection (as ``rtsafe``). The iteration stops as the
+    reference path's does, on the step in its own variable ``w = w0 + a (zeta - z0)`` (the weight for Algorithm 1,
+    ``a = c / (y x)``; the score itself for DimGauss, ``a = 1``): ``|a dx| <= tol (1 + |w|)``.
     """
     p1, _ = _psi(z0, link)
     lo = z0
@@ -116,7 +118,7 @@ def _solve_zeta(z0, q, link, tol, maxiter):
             lo = zeta
         dx = g / h
         z_new = zeta - dx
-        if abs(dx) <= tol * (1.0 + abs(zeta)):
+        if abs(a * dx) <= tol * (1.0 + abs(w0 + a * (zeta - z0))):
             return z_new, True
         if z_new < lo or z_new > hi or abs(dx) > 0.5 * abs(dx_old):
             z_new = 0.5 * (lo + hi)
@@ -151,7 +153,7 @@ def _row_update(method, link, a, mean_newton, var_value, tol, maxiter, y, start,
         z0 = y * mu_t
         q = s2_t
         if mean_newton:
-            zeta, ok = _solve_zeta(z0, q, link, tol, maxiter)
+            zeta, ok = _solve_zeta(z0, q, link, tol, maxiter, z0, 1.0)
             if not ok:
                 unconverged += 1
             delta, _ = _psi(zeta, link)
@@ -224,11 +226,12 @@ def _row_update(method, link, a, mean_newton, var_value, tol, maxiter, y, start,
             continue
         # Algorithm 1: mean by (17)/(30) or Newton on (15)/(28); variance by (18) or (19)/(31).
         if mean_newton:
-            zeta, ok = _solve_zeta(y * mu_t * ic, x * x * v_i * ic * ic, link, tol, maxiter)
+            z0 = y * mu_t * ic
+            dw = 1.0 / (y * x * ic) if x != 0.0 else 0.0  # w = m_i + dw (zeta - z0)
+            zeta, ok = _solve_zeta(z0, x * x * v_i * ic * ic, link, tol, maxiter, m_i, dw)
             if not ok:
                 unconverged += 1
-            q1, _ = _psi(zeta, link)
-            m_new = m_i + y * x * v_i * q1 * ic
+            m_new = m_i + dw * (zeta - z0)  # the Newton iterate in w (y x v_i psi1(zeta) / c only at the root)
         else:
             q1, q2 = _psi(y * mu_t * ic, link)
             m_new = m_i + y * x * v_i * q1 * ic / (1.0 + x * x * v_i * q2 * ic * ic)
