@@ -368,6 +368,17 @@ def _int_list(text):
         raise argparse.ArgumentTypeError(f"expected comma-separated column numbers, got {text!r}") from None
 
 
+def _two_labels(text):
+    """argparse type of two numeric labels ``A,B`` (sorted: the larger is the positive class)."""
+    try:
+        labels = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        labels = ()
+    if len(labels) != 2 or labels[0] == labels[1]:
+        raise argparse.ArgumentTypeError(f"expected two different numeric labels A,B, got {text!r}")
+    return tuple(sorted(labels))
+
+
 def _positive_int(text):
     try:
         value = int(text)
@@ -437,7 +448,7 @@ def _reading_settings(fmt, saved, given):
 
 def run_online(path, fmt, state_path=None, resume=False, num_features=None, chunk_size=None, prior_var=None,
                hash_seed=None, label_column=None, integer_columns=None, categorical_columns=None, delimiter=None,
-               header=None, zero_based=None, progress=True, save_every=60.0, out=None):
+               header=None, zero_based=None, progress=True, save_every=60.0, out=None, classes=None):
     """Learn :class:`~pyro_convexvb.online.OnlineBayesLogistic` from a text file, one progressive pass.
 
     Over 80 lines: a command-line script: argument handling, the run and its printed report in sequence.
@@ -458,6 +469,10 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
     :param num_features: hash buckets (criteo/csv; default ``2^22``), or the number of columns (svmlight;
         required).
     :param prior_var: ``"auto"`` (default) or a positive number.
+    :param classes: the two labels (``classes_``, sorted: the larger is the positive class), e.g. ``(1, 2)`` for
+        LIBSVM's coding; by default the
+        estimator infers ``{0, 1}`` or ``{-1, +1}`` from the stream (a first chunk of label 1 only leaves the
+        negative label open), and a stream of other labels needs them given (a resumed run keeps the state's).
     :param float save_every: seconds between state saves (0: after every chunk).
 
     The reading settings (``hash_seed``, the csv columns, ``delimiter``, ``header``, ``zero_based``) and
@@ -542,9 +557,13 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
                 X, y, skip, file_rows = X[k:], y[k:], skip - k, file_rows + k
                 if X.shape[0] == 0:
                     continue
-            # the estimator infers the label coding from the stream ({0, 1}, {-1, +1}, LIBSVM's {1, 2}, ...): a
-            # first chunk of one label does not fix it
-            ll = est.partial_fit(X, y, return_log_loss=True)
+            # the estimator infers the coding {0, 1} or {-1, +1} from the stream (a first chunk of label 1 only
+            # leaves the negative label open); other codings (LIBSVM's {1, 2}) come with classes=
+            try:
+                ll = est.partial_fit(X, y, classes=classes, return_log_loss=True)
+            except (ValueError, FloatingPointError) as e:  # bad values or labels: the file and its rows named
+                raise ValueError(f"{path}: the chunk of data rows {file_rows + 1} to {file_rows + X.shape[0]} (rows "
+                                 f"as read: comment and blank lines not counted) was not learned: {e}") from e
             rows += X.shape[0]
             file_rows += X.shape[0]
             loss += float(ll.sum())
@@ -576,7 +595,9 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
 
 def _print_online_report(res, path):
     """The ``online`` command's summary of a :func:`run_online` result."""
-    if res["rows"] == 0 and not res["interrupted"]:
+    if res["rows"] == 0 and not res["interrupted"] and res["total_rows"] == 0:
+        print(f"0 rows: {path} holds no data rows; no state written")
+    elif res["rows"] == 0 and not res["interrupted"]:
         print(f"0 new rows: the state had already learned every row of {path}; {res['total_rows']} rows learned in "
               f"all; state: {res['state_path']}")
     else:
@@ -610,6 +631,9 @@ def main(argv=None):
     o.add_argument("--chunk-size", type=_positive_int, default=None,
                    help="rows per chunk (default: the readers' DEFAULT_CHUNK_ROWS, 50,000)")
     o.add_argument("--prior-var", default=None, help="'auto' (default) or a positive number")
+    o.add_argument("--classes", type=_two_labels, default=None,
+                   help="the file's two labels A,B (the larger is the positive class), e.g. 1,2 for LIBSVM's "
+                        "coding (default: {0, 1} or {-1, +1}, inferred from the stream)")
     o.add_argument("--hash-seed", type=int, default=None, help="criteo/csv (default 0)")
     o.add_argument("--label-column", type=int, default=None, help="csv (default 0)")
     o.add_argument("--integer-columns", type=_int_list, default=None, help="csv: comma-separated column numbers")
@@ -643,7 +667,7 @@ def main(argv=None):
                              integer_columns=args.integer_columns,
                              categorical_columns=args.categorical_columns, delimiter=args.delimiter,
                              header=args.header, zero_based=args.zero_based, progress=not args.no_progress,
-                             save_every=args.save_every)
+                             save_every=args.save_every, classes=args.classes)
         except (ValueError, OSError, EOFError) as err:  # bad input, state or file (a corrupt .gz: BadGzipFile)
             print(f"error: {type(err).__name__ + ': ' if isinstance(err, (OSError, EOFError)) else ''}{err}",
                   file=sys.stderr)

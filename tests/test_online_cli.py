@@ -184,3 +184,43 @@ def test_interrupt_while_a_resume_skips_keeps_the_states_row_count(criteo, tmp_p
     whole = torch.load(state)["estimator"]
     run_online(path, "criteo", state_path=tmp_path / "w.pt", num_features=4096, chunk_size=100, progress=False)
     assert torch.equal(whole["mu"], torch.load(tmp_path / "w.pt")["estimator"]["mu"])
+
+
+def test_libsvm_labels_sorted_by_class_need_classes_and_bad_rows_name_the_file(tmp_path, capsys):
+    """A LIBSVM file sorted by class (first chunk all 1, later 2s): the docs said the coding {1, 2} is inferred from
+    the stream; it cannot be (1 was learned as the positive label), so ``--classes 1,2`` gives it, and without it
+    the error names the file and the chunk's rows. A value that overflows float64 ended in a traceback
+    (FloatingPointError); now exit 2 naming the file. A fresh run on an empty file said the state had learned
+    every row, writing none."""
+    rows = ["1 1:1"] * 10 + ["2 2:1", "2 1:0.5"] * 5
+    p = tmp_path / "sorted.svm"
+    p.write_text("\n".join(rows) + "\n")
+    args = ["online", str(p), "--format", "svmlight", "--num-features", "3", "--chunk-size", "10", "--no-progress"]
+    assert main(args + ["--state", str(tmp_path / "a.pt")]) == 2
+    err = capsys.readouterr().err
+    assert f"{p}: the chunk of data rows 11 to 20" in err and "not among the classes" in err
+    assert main(args + ["--state", str(tmp_path / "b.pt"), "--classes", "2,1"]) == 0
+    m = OnlineBayesLogistic.from_state_dict(torch.load(tmp_path / "b.pt")["estimator"])
+    ref = OnlineBayesLogistic(3, prior_var="auto")
+    y = np.array([float(r.split()[0]) for r in rows])
+    X = np.zeros((20, 3))
+    for i, r in enumerate(rows):
+        j, v = r.split()[1].split(":")
+        X[i, int(j) - 1] = float(v)  # one-based indices
+    for k in (0, 10):
+        ref.partial_fit(X[k:k + 10], y[k:k + 10], classes=[1.0, 2.0])
+    assert m.classes_.tolist() == [1, 2] and m.n_seen_ == 20
+    np.testing.assert_allclose(m.coef_, ref.coef_, rtol=1e-12)
+    big = tmp_path / "big.svm"
+    big.write_text("\n".join(["1 1:1", "0 2:1"] * 3 + ["1 2:1e200"]) + "\n")
+    capsys.readouterr()
+    assert main(["online", str(big), "--format", "svmlight", "--num-features", "3", "--no-progress", "--state",
+                 str(tmp_path / "c.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {big}: the chunk of data rows 1 to 7") and "1e+200" in err
+    empty = tmp_path / "empty.svm"
+    empty.write_text("")
+    assert main(["online", str(empty), "--format", "svmlight", "--num-features", "3", "--no-progress", "--state",
+                 str(tmp_path / "d.pt")]) == 0
+    assert "holds no data rows; no state written" in capsys.readouterr().out
+    assert not (tmp_path / "d.pt").exists()
