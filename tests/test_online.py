@@ -343,3 +343,15 @@ def test_overflowing_score_moments_raise_and_leave_the_state_unchanged(kw, fast)
     OnlineBayesLogistic.from_state_dict(m.state_dict())  # still a valid state
     Xb[6, 1] = 1e100  # x^2 sigma^2 = 1e200: finite, accepted
     assert np.isfinite(m.partial_fit(Xb, y, return_log_loss=True)).all()
+
+
+def test_set_params_fast_after_the_stream_started_switches_paths():
+    """``set_params(fast=False)`` mid-stream was silently ignored (``fast_`` stayed True); it now switches paths,
+    whose updates agree, so the stream continues as one run on either path would."""
+    X, y = _data()
+    m = OnlineBayesLogistic(D, prior_var=1.5, fast=True).partial_fit(X[:40], y[:40])
+    m.set_params(fast=False)
+    m.partial_fit(X[40:], y[40:])
+    assert m.fast_ is False
+    ref = OnlineBayesLogistic(D, prior_var=1.5, fast=True).fit(X, y)
+    np.testing.assert_allclose(m.coef_, ref.coef_, rtol=1e-12, atol=1e-13)

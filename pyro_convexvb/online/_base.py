@@ -168,7 +168,9 @@ class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
         raise NotImplementedError
 
     def _check_unchanged(self):
-        """Options that shape the running stream cannot change under it (``fit`` restarts)."""
+        """Options that shape the running stream cannot change under it (``fit`` restarts); ``fast`` may (the two
+        paths give the same updates), and a ``set_params(fast=...)`` takes effect here."""
+        self.fast_ = resolve_fast(self.fast)
         if all(getattr(self, k) is v for k, v in self._prior_params.items()):
             return
         now = self._config()
