@@ -729,6 +729,17 @@ def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_
     return _scipy_csr_to_torch(m, dtype, device), torch.as_tensor(y, dtype=dtype, device=device)
 
 
+def _first_line_width(path, delimiter):
+    """The number of fields of the file's first non-blank line (the header, or the first row)."""
+    from .online._textio import open_binary
+
+    with open_binary(path) as f:
+        for ln in f:
+            if ln.strip():
+                return len(ln.rstrip(b"\r\n").split(delimiter.encode("utf-8")))
+    return None
+
+
 def load_csv(path, label_column=0, delimiter=",", header=False, dtype=torch.float64, device=None, shard=None):
     r"""Read a numeric CSV file of rows ``label, x_1, ..., x_d`` (the label in column ``label_column``).
 
@@ -736,7 +747,8 @@ def load_csv(path, label_column=0, delimiter=",", header=False, dtype=torch.floa
     ranges are read (:func:`read_byte_range`; no rank reads the whole file); concatenating the shards in rank order
     gives the whole file's rows. A header line (``header=True``) is dropped by the rank whose range holds byte 0.
     ``.gz`` files are decompressed; lines end at ``\\n`` (``\\r\\n`` too; a form feed is an ordinary character);
-    blank lines are skipped; errors name the file and line.
+    blank lines are skipped; errors name the file and line. A shard checks its lines' number of fields against
+    the file's first line (its header, or first row), so a ragged line raises on the rank that reads it.
 
     :param path: file path.
     :param int label_column: column of the labels (negative counts from the end), or ``None`` for no labels.
@@ -777,6 +789,10 @@ def load_csv(path, label_column=0, delimiter=",", header=False, dtype=torch.floa
         if blank < len(lines):
             width = len(lines[blank].split(delimiter.encode("utf-8")))
             lines, first = lines[blank + 1:], blank + 2
+    if width is None and start > 0:  # a later shard: the width is the file's first line's, as when read whole
+        width, first_is_header = _first_line_width(path, delimiter), header
+    else:
+        first_is_header = False
     rows = []
     for lineno, ln in enumerate(lines, first):
         if not ln.strip():
@@ -790,7 +806,8 @@ def load_csv(path, label_column=0, delimiter=",", header=False, dtype=torch.floa
             width = len(row)
         elif len(row) != width:
             raise ValueError(f"{path}, line {lineno}: {len(row)} fields, the "
-                             f"{'header has' if header and not rows else 'lines before have'} {width}")
+                             f"{'header has' if (header and not rows) or first_is_header else 'lines before have'} "
+                             f"{width}")
         rows.append(row)
     table = np.array(rows, dtype=np.float64) if rows else np.zeros((0, width or 0))
     if label_column is None:

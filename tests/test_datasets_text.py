@@ -120,3 +120,20 @@ def test_make_criteo_text_labels_follow_its_model_in_the_readers_feature_space(t
     toks = vw[0].split()[2:]
     assert len(toks) == sum(v != "" for v in first[1:])
     assert (vw[0].startswith("1 ")) == (first[0] == "1")
+
+
+def test_load_csv_shards_check_their_width_against_the_files_first_line(tmp_path):
+    """A ragged file raised when read whole but each shard returned its own width (ranks with matrices of
+    different widths, no error); a later shard now takes the width of the file's first line (or header)."""
+    from pyro_convexvb.datasets import load_csv
+
+    p = tmp_path / "ragged.csv"
+    p.write_text("".join(f"{i % 2},10,20\n" for i in range(30)) + "".join(f"{i % 2},10000\n" for i in range(30)))
+    with pytest.raises(ValueError, match=r"ragged.csv, line 31: 2 fields, the lines before have 3"):
+        load_csv(p, shard=(1, 2))
+    h = tmp_path / "ragged_h.csv"
+    h.write_text("y,a,b\n" + "".join(f"{i % 2},{i}\n" for i in range(60)))
+    with pytest.raises(ValueError, match=r"ragged_h.csv, line 33: 2 fields, the header has 3"):
+        load_csv(h, header=True, shard=(1, 2))
+    X, y = load_csv(p, shard=(0, 2))  # its own lines are whole: the rank reading line 31 raises
+    assert X.shape == (30, 2)
