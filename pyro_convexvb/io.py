@@ -53,14 +53,16 @@ def read_svmlight(path, zero_based="auto"):
     """Read a whole LIBSVM/svmlight file with :func:`parse_svmlight_lines` (:func:`pyro_convexvb.datasets.load_svmlight`
     reads it faster, as a CSR tensor).
 
-    :param path: file path (plain text).
+    :param path: file path (``.gz`` is decompressed); lines end at ``\n`` (``\r\n`` too), as in the reading core.
     :param zero_based: ``True``, ``False`` or ``"auto"`` (one-based unless an index 0 occurs, as
         in scikit-learn).
     :returns: ``(indptr, indices, values, labels)`` numpy arrays as in :func:`parse_svmlight_lines`,
         with ``indices`` zero-based.
     :raises ValueError: a malformed line, or an index 0 in a file read as one-based.
     """
-    with open(path) as f:
+    from .online._textio import open_binary
+
+    with open_binary(path) as f:  # bytes lines: a lone \r is an ordinary character, not a line end
         indptr, indices, values, labels = parse_svmlight_lines(f, path)
     if zero_based is False or (zero_based == "auto" and (indices.size == 0 or indices.min() > 0)):
         indices -= 1

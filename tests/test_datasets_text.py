@@ -137,3 +137,18 @@ def test_load_csv_shards_check_their_width_against_the_files_first_line(tmp_path
         load_csv(h, header=True, shard=(1, 2))
     X, y = load_csv(p, shard=(0, 2))  # its own lines are whole: the rank reading line 31 raises
     assert X.shape == (30, 2)
+
+
+def test_read_svmlight_reads_as_the_reading_core_does(tmp_path):
+    """``pcv.io.read_svmlight`` opened the file as text (a lone carriage return ended a line, where the reading
+    core keeps it inside a comment) and could not read ``.gz`` (a bare UnicodeDecodeError)."""
+    from pyro_convexvb.io import read_svmlight
+
+    p = tmp_path / "a.svm"
+    p.write_bytes(b"1 1:1 # a\rb\n-1 2:3\r\n")
+    indptr, indices, values, labels = read_svmlight(p)
+    assert indptr.tolist() == [0, 1, 2] and indices.tolist() == [0, 1] and labels.tolist() == [1.0, -1.0]
+    g = tmp_path / "a.svm.gz"
+    with gzip.open(g, "wb") as f:
+        f.write(b"1 1:1\n-1 2:3\n")
+    assert read_svmlight(g)[1].tolist() == [0, 1]
