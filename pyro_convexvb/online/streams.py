@@ -326,6 +326,8 @@ def iter_csv(path, chunk_size=None, label_column=0, integer_columns=(), categori
     ``"L" + floor(log(v)^2)``); empty fields are skipped.  Tokens are hashed as by
     :func:`hash_features` (``crc32(token, seed) % num_features``, colliding tokens summed).  With ``add_bias``
     every row also gets a constant feature.  Lines end at ``\\n`` (``\\r\\n`` too); blank lines are skipped.
+    Fields are split at every ``delimiter``: CSV quoting is not interpreted (``"a,b"`` is two fields, quotes
+    included), as in Criteo's tab-separated logs; quoted fields need another reader (``csv``, pandas).
 
     The file is read into one reused buffer and its fields split, binned and hashed by a compiled kernel over
     the raw bytes (numba), straight into the chunk's arrays; a row whose label or integer field is not a plain
