@@ -789,10 +789,8 @@ def load_csv(path, label_column=0, delimiter=",", header=False, dtype=torch.floa
         if blank < len(lines):
             width = len(lines[blank].split(delimiter.encode("utf-8")))
             lines, first = lines[blank + 1:], blank + 2
-    if width is None and start > 0:  # a later shard: the width is the file's first line's, as when read whole
-        width, first_is_header = _first_line_width(path, delimiter), header
-    else:
-        first_is_header = False
+    first_is_header = bool(header) and width is None and start > 0  # a later shard: the first line's width
+    width = _first_line_width(path, delimiter) if width is None and start > 0 else width
     rows = []
     for lineno, ln in enumerate(lines, first):
         if not ln.strip():
