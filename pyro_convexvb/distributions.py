@@ -13,6 +13,7 @@ from pyro.distributions.torch_distribution import TorchDistribution
 from torch.distributions import constraints
 
 from .linalg.operators import SparseOperator, to_csr
+from .errors import NotPositiveDefiniteError
 from .linalg.sparse_cholesky import SparseCholesky
 
 __all__ = ["SparseGMRF", "icar_precision", "rw_precision", "bym2_scaling", "sum_to_zero"]
@@ -102,7 +103,11 @@ def _precision_and_factor(precision, dtype, device):
         if ref() is precision and version == _version(precision) and dt == dtype and dev == device:
             return op, chol
     matrix = _precision_matrix(precision)
-    chol = SparseCholesky(matrix, name="precision")  # checks symmetry and positive definiteness
+    try:
+        chol = SparseCholesky(matrix, name="precision")  # checks symmetry and positive definiteness
+    except NotPositiveDefiniteError as err:
+        raise NotPositiveDefiniteError(f"{err}; an intrinsic precision (singular, e.g. rw_precision or "
+                                       "icar_precision) needs constraints=, e.g. 'sum_to_zero'") from None
     csr = to_csr(matrix.detach())
     csr = torch.sparse_csr_tensor(csr.crow_indices(), csr.col_indices(), csr.values().to(dtype), size=csr.shape,
                                   check_invariants=False).to(device)
@@ -222,7 +227,13 @@ def _constraint_matrix(constraints, n):
             raise ValueError(f"constraints: expected 'sum_to_zero' or a (k, n) matrix, got {constraints!r}")
         return np.ones((1, n))
     C = constraints.detach().cpu().numpy() if torch.is_tensor(constraints) else np.asarray(constraints)
-    return np.asarray(C, dtype=np.float64).reshape(-1, n)
+    C = np.asarray(C, dtype=np.float64)
+    if C.ndim > 2 or C.size == 0 or C.size % n or (C.ndim == 2 and C.shape[1] != n):
+        raise ValueError(f"constraints: expected 'sum_to_zero' or a (k, n) matrix with n = {n} columns (one per "
+                         f"entry of the field), got shape {tuple(C.shape)}")
+    if not np.all(np.isfinite(C)):
+        raise ValueError("constraints: the matrix has non-finite entries")
+    return C.reshape(-1, n)
 
 
 def icar_precision(adjacency, dtype=torch.float64):

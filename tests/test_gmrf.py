@@ -827,3 +827,46 @@ def test_log_prob_of_a_value_in_another_dtype_is_evaluated_in_the_distributions_
     assert lp.dtype == torch.float32 and float(lp) == pytest.approx(float(ref), rel=1e-6)
     lp64 = SparseGMRF(torch.zeros(n, dtype=torch.float64), Q.double().to_sparse_csr()).log_prob(x.float())
     assert lp64.dtype == torch.float64 and float(lp64) == pytest.approx(float(ref), rel=1e-6)
+
+
+def test_gmrf_input_errors_name_the_argument():
+    """Bare NumPy/SciPy errors for a constraint matrix of the wrong width or with NaN; 'the parameter depends on the
+    latent sites' for a non-finite loc or precision_scale; 'Q:' with no hint for a singular precision without
+    constraints; newton_solver='dense' on a sparse-precision form ended in a NotImplementedError; a rejected far start
+    leaked numpy's overflow warning."""
+    from pyro_convexvb.distributions import SparseGMRF, rw_precision
+
+    D = torch.float64
+    n = 8
+    with pytest.raises(ValueError, match=r"constraints: expected 'sum_to_zero' or a \(k, n\) matrix with n = 8"):
+        SparseGMRF(torch.zeros(n, dtype=D), rw_precision(n), constraints=torch.ones(1, n + 1, dtype=D))
+    with pytest.raises(ValueError, match="constraints: the matrix has non-finite entries"):
+        SparseGMRF(torch.zeros(n, dtype=D), rw_precision(n), constraints=torch.full((1, n), float("nan"), dtype=D))
+    with pytest.raises(NotPositiveDefiniteError, match=r"^precision: the matrix is not positive definite.*needs "
+                                                       r"constraints="):
+        SparseGMRF(torch.zeros(n, dtype=D), rw_precision(n))
+    Q = (rw_precision(n).to_dense() + torch.eye(n, dtype=D)).to_sparse_csr()
+    y = torch.arange(n, dtype=D) / n
+
+    def model(bad, y=None):  # the non-finite parameter computed inside the model (an argument is checked first)
+        loc = torch.full((n,), math.inf if bad == "loc" else 0.0, dtype=D)
+        scale = torch.tensor(math.inf if bad == "precision_scale" else 1.0, dtype=D)
+        x = pyro.sample("x", SparseGMRF(loc, Q, scale))
+        with pyro.plate("o", n):
+            pyro.sample("y", dist.Normal(x, 1.0), obs=y)
+
+    for bad in ("loc", "precision_scale"):
+        with pytest.raises(ValueError, match=rf"site 'x': the parameter '{bad}' of its prior is not finite"):
+            pcv.fit(model, bad, y=y, engine="dual_vg", progress=False)
+
+    def counts(y=None):
+        x = pyro.sample("x", SparseGMRF(torch.zeros(n, dtype=D), Q, torch.tensor(1e-3, dtype=D)))
+        with pyro.plate("o", n):
+            pyro.sample("y", dist.Poisson(torch.exp(x)), obs=y)
+
+    c = torch.tensor([3.0, 0, 5, 2, 1, 4, 0, 2], dtype=D)
+    with pytest.raises(ValueError, match="newton_solver='dense' needs the N x N Hessian"):
+        pcv.fit(counts, y=c, engine="dual_vg", options=dict(newton_solver="dense"), progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert pcv.fit(counts, y=c, engine="dual_vg", progress=False).converged

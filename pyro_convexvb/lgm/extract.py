@@ -1603,6 +1603,10 @@ def _check_at_second_point(x, chain_names, imputed_names, read):
             skip = "loc" if name in chain_names or name in imputed_names else None
             p0, p1 = _parameters(site["fn"]), _parameters(site1["fn"])
             for key in p0.keys() & p1.keys():
+                value = torch.as_tensor(p0[key]).detach()
+                if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                    raise ValueError(f"site '{name}': the parameter '{key[1]}' of its prior is not finite "
+                                     f"({value.flatten()[~torch.isfinite(value.flatten())][:3].tolist()})")
                 if key[1] != skip and _changed(p0[key], p1[key]):
                     raise UnsupportedModelError(name, f"the parameter '{key[1]}' of its prior depends on the latent "
                                                       f"sites: {flat}")

@@ -353,7 +353,7 @@ class _QDLDL:
         try:
             return f()
         except RuntimeError as err:  # QDLDL: a zero pivot ("not quasi-definite")
-            raise NotPositiveDefiniteError(f"Q: the matrix is not positive definite (a zero pivot in the "
+            raise NotPositiveDefiniteError(f"the matrix is not positive definite (a zero pivot in the "
                                            f"L D L^T factorisation: {err})") from None
 
     def factors(self):
@@ -514,7 +514,10 @@ class SparseCholesky:
         self.n = M.shape[0]
         U = _upper_with_diagonal(M)
         self._pattern = (U.indptr.copy(), U.indices.copy())
-        self._impl = _BACKEND_CLASSES[backend](U)
+        try:
+            self._impl = _BACKEND_CLASSES[backend](U)
+        except NotPositiveDefiniteError as err:
+            raise NotPositiveDefiniteError(f"{self.name}: {err}") from None
         self.backend = backend
         self._symbolic = None
         self._load()
@@ -557,11 +560,14 @@ class SparseCholesky:
             raise ValueError(f"{self.name}: expected shape ({self.n}, {self.n}), got {M.shape}")
         _check_symmetric(M, self.name)
         U = _upper_with_diagonal(M)
-        if np.array_equal(U.indptr, self._pattern[0]) and np.array_equal(U.indices, self._pattern[1]):
-            self._impl.refactor(U)
-        else:
-            self._pattern = (U.indptr.copy(), U.indices.copy())
-            self._impl = _BACKEND_CLASSES[self.backend](U)
+        try:
+            if np.array_equal(U.indptr, self._pattern[0]) and np.array_equal(U.indices, self._pattern[1]):
+                self._impl.refactor(U)
+            else:
+                self._pattern = (U.indptr.copy(), U.indices.copy())
+                self._impl = _BACKEND_CLASSES[self.backend](U)
+        except NotPositiveDefiniteError as err:
+            raise NotPositiveDefiniteError(f"{self.name}: {err}") from None
         self._load()
         return self
 

@@ -101,8 +101,11 @@ def initial_alpha(backend, bound):
 def _start_value(backend, bound, alpha):
     """The reduced dual objective at a candidate start, ``inf`` where the precision it implies is not positive
     definite (a start at the prior marginals with rates of ``exp(100)`` is one)."""
+    import numpy as np
+
     try:
-        g = reduced_objective(backend, bound, alpha, gradient=False).g
+        with np.errstate(over="ignore", invalid="ignore"):  # a far candidate overflows; it is rejected, not reported
+            g = reduced_objective(backend, bound, alpha, gradient=False).g
     except (torch.linalg.LinAlgError, NotPositiveDefiniteError):
         return math.inf
     return float(g) if torch.isfinite(g) else math.inf
@@ -334,6 +337,10 @@ def _use_operator_hessian(backend, newton_solver):
             raise ValueError("dual_vg: option newton_solver='dense' needs every site in one process; with row-sharded "
                              "data use newton_solver='cg' or 'auto' (matrix-free Newton-CG)")
         return True
+    if newton_solver == "dense" and getattr(backend, "kind", "") in ("banded", "sparse"):
+        raise ValueError(f"dual_vg: option newton_solver='dense' needs the N x N Hessian, which the {backend.kind} form "
+                         "(a sparse precision) never forms; use newton_solver='cg' or 'auto' (matrix-free Newton-CG), "
+                         "or method='lbfgs'")
     if not hasattr(backend, "hessian_operator") or newton_solver == "dense":
         return False
     if newton_solver == "cg" or getattr(backend, "kind", "") in ("banded", "sparse"):  # sparse forms: no dense Hessian
