@@ -870,3 +870,35 @@ def test_gmrf_input_errors_name_the_argument():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         assert pcv.fit(counts, y=c, engine="dual_vg", progress=False).converged
+
+
+def test_an_intrinsic_fields_posterior_samples_on_its_constraint_subspace():
+    """The posterior covariance of an ICAR field has rank n - 1: ``posterior.sample()`` raised torch's bare
+    LinAlgError (a Cholesky of a singular matrix). Draws now come from its eigen-root: they sum to zero and have its
+    covariance."""
+    from pyro_convexvb.distributions import SparseGMRF, icar_precision
+
+    D = torch.float64
+    W = torch.zeros(12, 12, dtype=D)
+    for i in range(3):
+        for j in range(4):
+            k = 4 * i + j
+            if j < 3:
+                W[k, k + 1] = W[k + 1, k] = 1
+            if i < 2:
+                W[k, k + 4] = W[k + 4, k] = 1
+    Q = icar_precision(W)
+    y = torch.randn(12, dtype=D, generator=torch.Generator().manual_seed(0))
+
+    def model(y=None):
+        x = pyro.sample("x", SparseGMRF(torch.zeros(12, dtype=D), Q, torch.tensor(2.0, dtype=D),
+                                        constraints="sum_to_zero"))
+        with pyro.plate("o", 12):
+            pyro.sample("y", dist.Normal(x, 0.4), obs=y)
+
+    post = pcv.fit(model, y=y, engine="dual_vg", progress=False).posterior
+    S = post.sample(40000, generator=torch.Generator().manual_seed(1))
+    assert float(S.sum(1).abs().max()) < 1e-10
+    C = post.covariance()
+    emp = torch.cov(S.T)
+    assert float((emp - C).abs().max()) < 0.05 * float(C.diagonal().max())

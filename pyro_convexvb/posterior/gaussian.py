@@ -26,6 +26,7 @@ from pyro.nn import PyroParam
 from torch import nn
 from torch.distributions import constraints
 
+from ..errors import NotPositiveDefiniteError
 from ..linalg.cg import cg
 from ..linalg.operators import as_operator
 from .base import Posterior
@@ -223,8 +224,23 @@ class GaussianPosterior(Posterior):
                 "a low-rank (Lanczos) covariance is an approximation for scores and variances; "
                 "sample from the engine's precision representation instead")
         else:
-            x = eps @ self.scale_tril().transpose(-1, -2)
+            x = eps @ self._sampling_root().transpose(-1, -2)
         return (self.loc + x).reshape(shape + (self.n,))
+
+    def _sampling_root(self):
+        """``R`` with ``R R^T = covariance``: the Cholesky factor, or, for a covariance singular to rounding (the
+        posterior of an intrinsic field on its constraint subspace, rank ``n - k``), its eigen-root, whose draws
+        satisfy the constraints; a covariance with a clearly negative eigenvalue raises."""
+        try:
+            return self.scale_tril()
+        except torch.linalg.LinAlgError:
+            C = self.covariance()
+            lam, V = torch.linalg.eigh(0.5 * (C + C.transpose(-1, -2)))
+            if bool((lam < -1e-9 * lam.abs().max()).any()):
+                raise NotPositiveDefiniteError(f"the posterior covariance has a negative eigenvalue "
+                                               f"({float(lam.min()):.3g}, largest {float(lam.max()):.3g}): no "
+                                               "Gaussian to sample") from None
+            return V * lam.clamp_min(0).sqrt()
 
     def _sample_matrix_free(self, m, generator):
         self._require_operator("sample()")
