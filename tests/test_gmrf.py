@@ -902,3 +902,23 @@ def test_an_intrinsic_fields_posterior_samples_on_its_constraint_subspace():
     C = post.covariance()
     emp = torch.cov(S.T)
     assert float((emp - C).abs().max()) < 0.05 * float(C.diagonal().max())
+
+
+def test_an_intrinsic_field_above_the_dense_limit_is_refused_by_name(monkeypatch):
+    """Intrinsic fields are still extracted through a dense n x n constraint map (about 40 n^2 x 8 bytes); one
+    above INTRINSIC_MAX_N is refused by site instead of exhausting memory (a 100 x 100 ICAR field needed ~29 GB)."""
+    from pyro_convexvb.distributions import SparseGMRF, rw_precision
+    from pyro_convexvb.lgm import extract
+
+    monkeypatch.setattr(extract, "INTRINSIC_MAX_N", 10)
+    D = torch.float64
+
+    def model(y=None):
+        x = pyro.sample("field", SparseGMRF(torch.zeros(12, dtype=D), rw_precision(12), torch.tensor(1.0, dtype=D),
+                                            constraints="sum_to_zero"))
+        with pyro.plate("o", 12):
+            pyro.sample("y", dist.Normal(x, 1.0), obs=y)
+
+    with pytest.raises(UnsupportedModelError, match=r"site 'field'.*intrinsic SparseGMRF of 12 nodes.*limits to "
+                                                    r"n <= 10"):
+        pcv.fit(model, y=torch.zeros(12, dtype=D), engine="dual_vg", progress=False)

@@ -1620,6 +1620,11 @@ def _check_at_second_point(x, chain_names, imputed_names, read):
             raise UnsupportedModelError(name, f"the site's log density depends on the latent sites: {flat}")
 
 
+#: the largest intrinsic GMRF the extraction takes: its constraint map x = phi(Pi w) is built as a dense n x n matrix
+#: (the chain's design then fills in), about 40 n^2 x 8 bytes of peak memory (n = 2,025: 1.2 GB, 13 s)
+INTRINSIC_MAX_N = 5000
+
+
 def _chain_of(x, priors, chain_coo, intrinsic, chain_names, template=None):
     """``(chain, priors)``: the :class:`~pyro_convexvb.lgm.chains.AffineChain` ``x = M u + c`` of the affine Gaussian
     chains and intrinsic GMRFs in the innovation form (or ``None``), and the prior blocks, where the runs of blocks
@@ -1660,6 +1665,13 @@ def _chain_of(x, priors, chain_coo, intrinsic, chain_names, template=None):
         if not (len(rows) or intrinsic):
             return None, priors
     children = chain_names or [e[3] for e in intrinsic]
+    for e in intrinsic:
+        if e[1].n > INTRINSIC_MAX_N:
+            raise UnsupportedModelError(e[3], f"an intrinsic SparseGMRF of {e[1].n} nodes: its constraint correction "
+                                              f"is applied as a dense n x n map (about 40 n^2 x 8 bytes, "
+                                              f"{40 * 8 * e[1].n ** 2 / 2 ** 30:.0f} GiB here), which this version "
+                                              f"limits to n <= {INTRINSIC_MAX_N}; a proper precision (e.g. a CAR "
+                                              "D - rho W with rho < 1) stays sparse at any size")
 
     def build():
         A = sp.coo_matrix((vals, (rows, cols)), shape=(n, n))
