@@ -853,3 +853,38 @@ def test_xi_vector_is_split_over_several_site_groups():
     assert one.converged and two.converged
     assert two.log_evidence_bound == pytest.approx(one.log_evidence_bound, abs=1e-9)
     assert torch.allclose(two.posterior.loc, one.posterior.loc, atol=1e-8)
+
+
+def test_a_logit_bound_option_on_a_model_without_logit_sites_warns():
+    """``bound='jaakkola'`` on a Poisson model changed nothing, silently (``hyper='map'`` on a model without
+    hyper-latents already warned); it now warns that it has no effect. On a logistic model it does not."""
+    D = torch.float64
+    X = torch.randn(20, 2, dtype=D, generator=torch.Generator().manual_seed(0))
+
+    def model(X, y=None, logit=False):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        with pyro.plate("d", 20):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w) if logit else dist.Poisson(torch.exp(X @ w)), obs=y)
+
+    with pytest.warns(UserWarning, match=r"option bound='jaakkola' has no effect: the model has no logit-family"):
+        pcv.fit(model, X, y=torch.ones(20, dtype=D), engine="dual_vg", options=dict(bound="jaakkola"),
+                progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        pcv.fit(model, X, y=(X[:, 0] > 0).double(), logit=True, engine="dual_vg", options=dict(bound="jaakkola"),
+                progress=False)
+
+
+def test_a_logit_bound_option_on_weighted_logit_sites_does_not_warn():
+    """Weighted (``poutine.scale``) logit sites wrap their bound: the option takes effect, no warning."""
+    D = torch.float64
+    X = torch.randn(20, 2, dtype=D, generator=torch.Generator().manual_seed(0))
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        with pyro.plate("d", 20), pyro.poutine.scale(scale=torch.full((20,), 2.0, dtype=D)):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        pcv.fit(model, X, y=(X[:, 0] > 0).double(), engine="dual_vg", options=dict(bound="jensen"), progress=False)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import NotPositiveDefiniteError, UnsupportedModelError
+from ...errors import NotPositiveDefiniteError, UnsupportedModelError, warn
 from ...linalg.operators import DENSE_LIMIT, IdentityOperator, SparseOperator
 from ..engine import Criterion, Engine, LGMEngineOptions, Optimality, Solution, option
 from ...lgm.stack import Stacked
@@ -129,6 +129,13 @@ def sparse_design(lgm):
     return sp.vstack(parts, format="csr") if len(parts) > 1 else parts[0].tocsr()
 
 
+def _bound_kind(b):
+    """The class of a local bound under its weighting wrappers (``WeightedBound.base``)."""
+    while hasattr(b, "base") and hasattr(b, "weight"):
+        b = b.base
+    return type(b)
+
+
 def build_dual_problem(lgm, bound="tight", form="auto", xi=None, reuse=None):
     """``(backend, local bound, latent-space kind)`` for a :class:`~pyro_convexvb.LatentGaussianModel`.
 
@@ -158,6 +165,11 @@ def build_dual_problem(lgm, bound="tight", form="auto", xi=None, reuse=None):
     sizes = [len(g.family) for g in lgm.sites]
     xis = _split_xi(xi, sizes, lgm) if xi is not None else [None] * len(sizes)
     bounds = [make_bound(g.family, bound, x) for g, x in zip(lgm.sites, xis)]
+    if bound != "tight" and all(_bound_kind(b) is _bound_kind(make_bound(g.family, "tight"))
+                                for g, b in zip(lgm.sites, bounds)):
+        warn(f"engine 'dual_vg': option bound={bound!r} has no effect: the model has no logit-family sites "
+             "(Bernoulli-logit, Binomial, NegativeBinomial), and its other sites use their own bounds; drop the "
+             "option", UserWarning)
     lb = bounds[0] if len(bounds) == 1 else Stacked(bounds)
     W, comm = sharded_design(lgm.design())
     d = lgm.offset()
