@@ -134,7 +134,8 @@ def test_dual_vg_under_a_wide_prior_starts_from_the_data(family):
     e0 = 0.3 + 0.5 * x
     if family == "gamma":
         y = rng.gamma(2.0, np.exp(e0) / 2)
-        site, ll = (lambda e: dist.Gamma(2.0, 2.0 * torch.exp(-e))), (lambda e: stats.gamma.logpdf(y, 2.0, scale=np.exp(e) / 2))
+        site = lambda e: dist.Gamma(2.0, 2.0 * torch.exp(-e))  # noqa: E731
+        ll = lambda e: stats.gamma.logpdf(y, 2.0, scale=np.exp(e) / 2)  # noqa: E731
     elif family == "exponential":
         y = rng.exponential(np.exp(e0))
         site, ll = (lambda e: dist.Exponential(torch.exp(-e))), (lambda e: stats.expon.logpdf(y, scale=np.exp(e)))

@@ -382,9 +382,9 @@ def _subsampled_local(name, site):
     with every other plate at full size, so only explicit ``subsample=`` indices leave a plate smaller)."""
     for frame in site["cond_indep_stack"]:
         if getattr(frame, "full_size", None) not in (None, frame.size):
-            return UnsupportedModelError(name, f"a local latent site inside plate '{frame.name}' subsampled by explicit "
-                                               f"indices ({frame.size} of {frame.full_size}; Pyro scales its prior by "
-                                               "their ratio), which this engine's guide does not follow")
+            return UnsupportedModelError(name, f"a local latent site inside plate '{frame.name}' subsampled by "
+                                               f"explicit indices ({frame.size} of {frame.full_size}; Pyro scales its "
+                                               "prior by their ratio), which this engine's guide does not follow")
     return None
 
 

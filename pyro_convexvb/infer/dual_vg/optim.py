@@ -338,9 +338,9 @@ def _use_operator_hessian(backend, newton_solver):
                              "data use newton_solver='cg' or 'auto' (matrix-free Newton-CG)")
         return True
     if newton_solver == "dense" and getattr(backend, "kind", "") in ("banded", "sparse"):
-        raise ValueError(f"dual_vg: option newton_solver='dense' needs the N x N Hessian, which the {backend.kind} form "
-                         "(a sparse precision) never forms; use newton_solver='cg' or 'auto' (matrix-free Newton-CG), "
-                         "or method='lbfgs'")
+        raise ValueError(f"dual_vg: option newton_solver='dense' needs the N x N Hessian, which the "
+                         f"{backend.kind} form (a sparse precision) never forms; use newton_solver='cg' or 'auto' "
+                         "(matrix-free Newton-CG), or method='lbfgs'")
     if not hasattr(backend, "hessian_operator") or newton_solver == "dense":
         return False
     if newton_solver == "cg" or getattr(backend, "kind", "") in ("banded", "sparse"):  # sparse forms: no dense Hessian
