@@ -176,3 +176,16 @@ def test_float32_laplace_converges_whatever_the_seed():
         assert r32.optimality.criteria[0].tol == pytest.approx(1.19e-5, rel=1e-2)
         assert float(((r32.posterior.loc.double() - r64.posterior.loc) / r64.posterior.scale).abs().max()) < 1e-4
     assert r64.optimality.criteria[0].tol == 1e-6
+
+
+def test_a_non_finite_log_joint_at_the_start_says_where_to_look():
+    """A prior loc of inf made Laplace report 'the loss or its gradient became nan after 0 steps'; it now says the
+    log joint is not finite at the starting point and what to check."""
+    D = torch.float64
+
+    def model(y=None):
+        x = pyro.sample("x", dist.Normal(torch.full((3,), math.inf, dtype=D), 1.0).to_event(1))
+        pyro.sample("y", dist.Normal(x.sum(), 1.0), obs=y)
+
+    with pytest.raises(FloatingPointError, match="at the starting point: the model's log joint is not finite there"):
+        pcv.fit(model, y=torch.tensor(0.5, dtype=D), engine="laplace", progress=False)

@@ -524,7 +524,9 @@ def newton_map(x, loss_fn, *, max_iter, grad_tol, history=None, bar=None, batche
     while True:
         value = float(loss)
         if not math.isfinite(value) or not bool(torch.isfinite(g).all()):
-            raise FloatingPointError(f"{name}: the loss or its gradient became {value} after {it} steps")
+            where = ("at the starting point: the model's log joint is not finite there (check the parameters of its "
+                     "distributions, e.g. a non-finite loc or scale)" if it == 0 else f"after {it} steps")
+            raise FloatingPointError(f"{name}: the loss or its gradient became {value} {where}")
         rel = float(g.abs().max()) / (1.0 + abs(value)) if g.numel() else 0.0
         if history is not None:
             history.record(objective=-value, grad_norm=float(g.abs().max()) if g.numel() else 0.0)
