@@ -470,9 +470,9 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
         required).
     :param prior_var: ``"auto"`` (default) or a positive number.
     :param classes: the two labels (``classes_``, sorted: the larger is the positive class), e.g. ``(1, 2)`` for
-        LIBSVM's coding; by default the
-        estimator infers ``{0, 1}`` or ``{-1, +1}`` from the stream (a first chunk of label 1 only leaves the
-        negative label open), and a stream of other labels needs them given (a resumed run keeps the state's).
+        LIBSVM's coding; by default the estimator infers ``{0, 1}`` or ``{-1, +1}`` from the stream (a first chunk
+        of label 1 only leaves the negative label open), and a stream of other labels needs them given (a resumed
+        run keeps the state's).
     :param float save_every: seconds between state saves (0: after every chunk).
 
     The reading settings (``hash_seed``, the csv columns, ``delimiter``, ``header``, ``zero_based``) and

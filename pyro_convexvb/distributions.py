@@ -12,8 +12,8 @@ import torch
 from pyro.distributions.torch_distribution import TorchDistribution
 from torch.distributions import constraints
 
-from .linalg.operators import SparseOperator, to_csr
 from .errors import NotPositiveDefiniteError
+from .linalg.operators import SparseOperator, to_csr
 from .linalg.sparse_cholesky import SparseCholesky
 
 __all__ = ["SparseGMRF", "icar_precision", "rw_precision", "bym2_scaling", "sum_to_zero"]

@@ -377,6 +377,27 @@ class Engine:
         return f"{type(self).__name__}(name={self.name!r}, options={self.options})"
 
 
+def _wider_mask_or_scale(name, site):
+    """The refusal of a latent site whose ``poutine.mask``/``poutine.scale`` (e.g. a row mask around the whole model)
+    is wider than its batch shape: its log density would be counted once per entry, which Pyro's own inference
+    refuses ('invalid log_prob shape') and its NUTS does silently."""
+    batch = tuple(site["fn"].batch_shape)
+    for what in ("mask", "scale"):
+        t = site.get(what)
+        if not torch.is_tensor(t) or t.dim() == 0:
+            continue
+        try:
+            wider = tuple(_broadcast_shapes(t.shape, torch.Size(batch))) != batch
+        except RuntimeError:
+            wider = True
+        if wider:
+            return UnsupportedModelError(
+                name, f"a poutine.{what} of shape {tuple(t.shape)} reaches this latent site of batch shape {batch}: "
+                      f"its log density would count once per {what} entry (Pyro's own inference refuses this: 'invalid "
+                      f"log_prob shape'); apply the {what} to the observed sites only (inside their pyro.plate)")
+    return None
+
+
 def _subsampled_local(name, site):
     """The refusal of a latent site inside a plate subsampled by explicit indices, else ``None`` (the model is traced
     with every other plate at full size, so only explicit ``subsample=`` indices leave a plate smaller)."""
@@ -478,27 +499,6 @@ class ModelEngine(Engine):
         if lgm is not None and lgm.n == post.n:
             return post, lgm.layout
         return post, unconstrained_layout(self.model, args, kwargs)
-
-
-def _wider_mask_or_scale(name, site):
-    """The refusal of a latent site whose ``poutine.mask``/``poutine.scale`` (e.g. a row mask around the whole model)
-    is wider than its batch shape: its log density would be counted once per entry, which Pyro's own inference
-    refuses ('invalid log_prob shape') and its NUTS does silently."""
-    batch = tuple(site["fn"].batch_shape)
-    for what in ("mask", "scale"):
-        t = site.get(what)
-        if not torch.is_tensor(t) or t.dim() == 0:
-            continue
-        try:
-            wider = tuple(_broadcast_shapes(t.shape, torch.Size(batch))) != batch
-        except RuntimeError:
-            wider = True
-        if wider:
-            return UnsupportedModelError(
-                name, f"a poutine.{what} of shape {tuple(t.shape)} reaches this latent site of batch shape {batch}: "
-                      f"its log density would count once per {what} entry (Pyro's own inference refuses this: 'invalid "
-                      f"log_prob shape'); apply the {what} to the observed sites only (inside their pyro.plate)")
-    return None
 
 
 def _subclasses(cls):

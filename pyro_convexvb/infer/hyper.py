@@ -780,12 +780,13 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     H = -_hessian_fd(obj, z_mode, hess_step)
     H = 0.5 * (H + H.T)
     evals, evecs = torch.linalg.eigh(H)
-    if not bool((evals > 0).all()) and not mode_res.converged:
-        raise ConvergenceError(f"hyper-latent integration: the fit of the latent field at the mode of "
-                               f"{space.names} did not converge ({mode_res.optimality}), so the curvature of the "
-                               f"hyper-posterior bound there means nothing (Hessian eigenvalues {evals.tolist()}); "
-                               "tighten the priors or standardise the covariates, or use engine='laplace' or 'nuts'")
     if not bool((evals > 0).all()):
+        if not mode_res.converged:
+            raise ConvergenceError(f"hyper-latent integration: the fit of the latent field at the mode of "
+                                   f"{space.names} did not converge ({mode_res.optimality}), so the curvature of the "
+                                   f"hyper-posterior bound there means nothing (Hessian eigenvalues "
+                                   f"{evals.tolist()}); tighten the priors or standardise the covariates, or use "
+                                   "engine='laplace' or 'nuts'")
         raise UnsupportedModelError(space.names[0], "the hyper-posterior bound is not locally concave at its mode "
                                                     f"(Hessian eigenvalues {evals.tolist()}); integration needs a mode")
     A_inv = evecs @ torch.diag(evals.rsqrt())  # z = z* + A_inv x

@@ -1665,11 +1665,11 @@ def _chain_of(x, priors, chain_coo, intrinsic, chain_names, template=None):
         if not (len(rows) or intrinsic):
             return None, priors
     children = chain_names or [e[3] for e in intrinsic]
-    for e in intrinsic:
-        if e[1].n > INTRINSIC_MAX_N:
-            raise UnsupportedModelError(e[3], f"an intrinsic SparseGMRF of {e[1].n} nodes: its constraint correction "
-                                              f"is applied as a dense n x n map (about 40 n^2 x 8 bytes, "
-                                              f"{40 * 8 * e[1].n ** 2 / 2 ** 30:.0f} GiB here), which this version "
+    for _, factor, _, site in intrinsic:
+        if factor.n > INTRINSIC_MAX_N:
+            raise UnsupportedModelError(site, f"an intrinsic SparseGMRF of {factor.n} nodes: its constraint "
+                                              f"correction is applied as a dense n x n map (about 40 n^2 x 8 bytes, "
+                                              f"{40 * 8 * factor.n ** 2 / 2 ** 30:.0f} GiB here), which this version "
                                               f"limits to n <= {INTRINSIC_MAX_N}; a proper precision (e.g. a CAR "
                                               "D - rho W with rho < 1) stays sparse at any size")
 

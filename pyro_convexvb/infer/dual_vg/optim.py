@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...errors import NotPositiveDefiniteError, warn
@@ -101,8 +102,6 @@ def initial_alpha(backend, bound):
 def _start_value(backend, bound, alpha):
     """The reduced dual objective at a candidate start, ``inf`` where the precision it implies is not positive
     definite (a start at the prior marginals with rates of ``exp(100)`` is one)."""
-    import numpy as np
-
     try:
         with np.errstate(over="ignore", invalid="ignore"):  # a far candidate overflows; it is rejected, not reported
             g = reduced_objective(backend, bound, alpha, gradient=False).g
@@ -337,13 +336,14 @@ def _use_operator_hessian(backend, newton_solver):
             raise ValueError("dual_vg: option newton_solver='dense' needs every site in one process; with row-sharded "
                              "data use newton_solver='cg' or 'auto' (matrix-free Newton-CG)")
         return True
-    if newton_solver == "dense" and getattr(backend, "kind", "") in ("banded", "sparse"):
+    sparse_form = getattr(backend, "kind", "") in ("banded", "sparse")  # sparse precision forms: no dense Hessian
+    if newton_solver == "dense" and sparse_form:
         raise ValueError(f"dual_vg: option newton_solver='dense' needs the N x N Hessian, which the "
                          f"{backend.kind} form (a sparse precision) never forms; use newton_solver='cg' or 'auto' "
                          "(matrix-free Newton-CG), or method='lbfgs'")
     if not hasattr(backend, "hessian_operator") or newton_solver == "dense":
         return False
-    if newton_solver == "cg" or getattr(backend, "kind", "") in ("banded", "sparse"):  # sparse forms: no dense Hessian
+    if newton_solver == "cg" or sparse_form:
         return True
     N, L = backend.N, backend.L
     # dense: Cholesky of H (N^3/3) and forming V_t, Sigma_t (2 N^2 L). PCG: a preconditioner set-up
