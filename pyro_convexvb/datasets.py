@@ -729,6 +729,11 @@ def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_
     return _scipy_csr_to_torch(m, dtype, device), torch.as_tensor(y, dtype=dtype, device=device)
 
 
+def _field_count(line, delimiter):
+    """The number of ``delimiter``-separated fields of a bytes ``line`` (its line ending not counted)."""
+    return len(line.rstrip(b"\r\n").split(delimiter.encode("utf-8")))
+
+
 def _first_line_width(path, delimiter):
     """The number of fields of the file's first non-blank line (the header, or the first row)."""
     from .online._textio import open_binary
@@ -736,7 +741,7 @@ def _first_line_width(path, delimiter):
     with open_binary(path) as f:
         for ln in f:
             if ln.strip():
-                return len(ln.rstrip(b"\r\n").split(delimiter.encode("utf-8")))
+                return _field_count(ln, delimiter)
     return None
 
 
@@ -787,7 +792,7 @@ def load_csv(path, label_column=0, delimiter=",", header=False, dtype=torch.floa
         while blank < len(lines) and not lines[blank].strip():  # blank lines before the header
             blank += 1
         if blank < len(lines):
-            width = len(lines[blank].split(delimiter.encode("utf-8")))
+            width = _field_count(lines[blank], delimiter)
             lines, first = lines[blank + 1:], blank + 2
     first_is_header = bool(header) and width is None and start > 0  # a later shard: the first line's width
     width = _first_line_width(path, delimiter) if width is None and start > 0 else width

@@ -5,7 +5,7 @@ ArviZ is an optional dependency (``pip install pyro_convexvb[arviz]``).
 import numpy as np
 import torch
 
-from .importance import _log_joint, check_seed
+from .importance import _log_joint, check_seed, whole_number_at_least
 from .constrained import proposal_posterior
 from .proposals import make_proposal
 
@@ -64,8 +64,7 @@ def to_arviz(result, num_draws=None, seed=0, *, chains=4, corrected=None, progre
         raise ValueError(f"chains: expected a positive int, got {chains!r}")
     chains = int(chains)
     n = ARVIZ_DRAWS if num_draws is None else num_draws
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer, float)) \
-            or (isinstance(n, float) and not n.is_integer()) or n < chains:
+    if not whole_number_at_least(n, chains):
         raise ValueError(f"num_draws: expected an integer of at least chains={chains} (one draw per chain; default "
                          f"{ARVIZ_DRAWS}), got {num_draws!r}")
     check_seed(seed)

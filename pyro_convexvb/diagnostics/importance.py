@@ -58,10 +58,17 @@ def check_seed(seed):
 MIN_DRAWS = 10
 
 
+def whole_number_at_least(value, minimum):
+    """Whether ``value`` is an integer (a NumPy integer or an integral float too; not a bool) of at least
+    ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer, float)):
+        return False
+    return (not isinstance(value, float) or value.is_integer()) and value >= minimum
+
+
 def check_draws(num_draws, minimum=MIN_DRAWS, default=None):
     """Refuse a ``num_draws`` that is not an integer of at least ``minimum`` (a float was truncated silently)."""
-    if isinstance(num_draws, bool) or not isinstance(num_draws, (int, np.integer, float)) \
-            or (isinstance(num_draws, float) and not num_draws.is_integer()) or num_draws < minimum:
+    if not whole_number_at_least(num_draws, minimum):
         dflt = "" if default is None else f"; default {default}"
         raise ValueError(f"num_draws: expected an integer >= {minimum} (Pareto smoothing fits the largest ratios of "
                          f"the draws{dflt}), got {num_draws!r}")
@@ -137,7 +144,8 @@ class ImportanceDiagnostics:
         """The importance-weighted means and sds agree with the draws' own: no mean moved by more than 0.1 sds and
         no sd by more than 20% (among departures beyond 2 Monte Carlo errors). A cheap complement of ``k_hat``, whose estimate is noisy
         at a few hundred draws when ``q`` is too narrow in a few directions."""
-        return bool(self.mean_shift <= 0.1 and 0.8 <= self.sd_ratio[0] and self.sd_ratio[1] <= 1.2)
+        return bool(self.mean_shift <= AGREE_SHIFT and AGREE_SD_LOW <= self.sd_ratio[0]
+                    and self.sd_ratio[1] <= NARROW_SD_RATIO)
 
     @property
     def ok(self):
@@ -439,6 +447,9 @@ SETTLED_SHIFT = 0.3
 NARROW_SD_RATIO = 1.2
 #: ... or whose weighted means moved more than this many sds from it
 BIASED_SHIFT = 0.5
+#: :attr:`ImportanceDiagnostics.moments_agree`: no weighted mean more than this many sds from the draws' own, and
+#: no sd ratio below this (nor above :data:`NARROW_SD_RATIO`)
+AGREE_SHIFT, AGREE_SD_LOW = 0.1, 0.8
 
 
 def _pool(result, rounds, maps, q):
