@@ -188,3 +188,42 @@ def test_nonpositive_model_variances_are_recomputed_by_cg():
     A = P + Bd.T @ (Bd / st2["gamma_init"][:, None])
     z_ref = torch.diagonal(Bd @ torch.linalg.solve(A, Bd.T))
     torch.testing.assert_close(st2["z_init"], z_ref, rtol=1e-7, atol=1e-10)
+
+
+def test_block_whose_candidates_are_all_dropped_ends_early(monkeypatch):
+    """Every candidate's variance turning nonpositive within a block (an underestimated Lanczos variance, here
+    forced) ends the block and refits: no case is chosen twice (argmax over all -inf was index 0, a training
+    case)."""
+    import pyro_convexvb.design.active as active
+
+    X, y = _data(N=20, n=3)
+    original = active.rank_one_include
+    monkeypatch.setattr(active, "rank_one_include", lambda *a, **k: original(*a, **k)._replace(
+        var=original(*a, **k).var - 1e6))
+    h = ActiveLearner(_model, X, lambda i: y[i], refit_every=3, variance="exact", progress=False).run(
+        3, init=torch.arange(5))
+    assert len(h.chosen) == 3 and len(set(h.chosen)) == 3 and not set(h.chosen) & set(range(5))
+    assert h.num_included == [5, 6, 7, 8] and all(math.isfinite(s) for s in h.scores)
+
+
+def test_inputs_are_checked_by_name():
+    X, y = _data(N=30)
+    oracle = lambda i: y[i]  # noqa: E731
+    for kwargs, name in ((dict(seed=-1), "seed"), (dict(cg_tol=-1.0), "cg_tol"),
+                         (dict(engine_options={"max_outer": 3}), "engine_options"),
+                         (dict(lanczos_rank=5, engine_options={"lanczos_rank": 3}), "engine_options")):
+        with pytest.raises(ValueError, match=name):
+            ActiveLearner(_model, X, oracle, **kwargs)
+    with pytest.raises(ValueError, match="X_pool: has no rows"):
+        ActiveLearner(_model, X[:0], oracle)
+    Xs = X.clone()
+    Xs[3, 1] = float("nan")
+    with pytest.raises(ValueError, match="X_pool: contains NaN"):
+        ActiveLearner(_model, Xs.to_sparse_csr(), oracle)
+    L = ActiveLearner(_model, X, oracle, variance="exact", progress=False)
+    with pytest.raises(ValueError, match="init: expected integer"):
+        L.run(1, init=[0.5, 1.7, 3.2])
+    with pytest.raises(ValueError, match="X_test: expected 5 columns"):
+        L.run(1, init=torch.arange(5), X_test=X[:4, :4], y_test=y[:4])
+    with pytest.raises(ValueError, match="y_test: labels must be coded"):  # {-1, 1} gave a test error of 0.5
+        L.run(1, init=torch.arange(5), X_test=X[:10], y_test=2 * y[:10] - 1)

@@ -110,6 +110,15 @@ def test_validation():
         fourier_columns_operator(4, 4, [1, 1])
     with pytest.raises(ValueError, match="factor"):
         phase_encode_scores(torch.zeros(5, 2, dtype=D), 4, 4)
+    # non-integral indices and levels were truncated (levels=2.7 built levels=2; column 1.7 was column 1)
+    with pytest.raises(ValueError, match="levels"):
+        haar_operator(8, 8, levels=2.7)
+    with pytest.raises(ValueError, match="columns: expected integer"):
+        fourier_columns_operator(4, 4, [1.7])
+    with pytest.raises(ValueError, match="columns: expected a sequence"):
+        fourier_columns_operator(4, 4, 2)
+    with pytest.raises(ValueError, match="candidates: expected integer"):
+        phase_encode_scores(torch.zeros(16, 2, dtype=D), 4, 4, candidates=[1.5])
 
 
 # ----------------------------------------------------------------------------- squared operators
@@ -237,6 +246,17 @@ def test_delta_from_engine_factors_equals_dense_logdet():
     cov6 = V[:, :6] @ torch.diag(1 / lam[:6]) @ V[:, :6].T
     F6 = covariance_factor(pc, pca_rank=6)
     assert torch.allclose(F6 @ F6.T, cov6, atol=1e-8 * float(cov6.abs().max()))
+    # options that do not apply, or out of range, are refused (pca_rank=0 gave 1 column, 100 every Ritz pair)
+    for fit, kwargs, name in ((res, dict(pca_rank=5), "pca_rank"), (lz8, dict(pca_rank=5), "pca_rank"),
+                              (lz8, dict(score_steps=9), "score_steps"), (pc, dict(pca_rank=0), "pca_rank"),
+                              (pc, dict(pca_rank=2.7), "pca_rank"), (pc, dict(pca_rank=n + 1), "pca_rank")):
+        with pytest.raises(ValueError, match=name):
+            covariance_factor(fit, **kwargs)
+    with pytest.raises(TypeError, match="result"):
+        covariance_factor(F6)
+    for bad in (torch.full_like(F, float("nan")), F.to(torch.complex128)):
+        with pytest.raises(ValueError, match="factor"):
+            phase_encode_scores(bad, H8, H8, SIG2, candidates=cand)
 
 
 def test_laplace_map_equals_scipy_optimum():

@@ -244,3 +244,28 @@ def test_predictive_probability_is_accurate_for_any_variance(tau):
         ref = integrate.quad(f, mk - 12 * sk, mk + 12 * sk, points=[0.0] if abs(mk) < 12 * sk else None, limit=500,
                              epsabs=1e-14)[0]
         assert abs(float(p[k]) - ref) < 1e-8, (mk, sk)  # the reference itself is good to about 1e-9 at sd 1000
+
+
+def test_quadrature_and_update_arguments_are_checked():
+    from pyro_convexvb.design.scores import rank_one_include
+
+    m, v = torch.zeros(2, dtype=D), torch.ones(2, dtype=D)
+    for kwargs, name in ((dict(num_points=0), "num_points"), (dict(num_points=2.5), "num_points"),
+                         (dict(tau=float("nan")), "tau"), (dict(tau=-1.0), "tau")):
+        with pytest.raises(ValueError, match=name):
+            predictive_probability(m, v, **kwargs)
+    with pytest.raises(ValueError, match="pot, mean"):
+        minimize_site_phi(LogisticPotential(torch.ones(3, dtype=D)), m, v)
+    with pytest.raises(ValueError, match="mean_J, var_J, w"):  # a (1,) w was broadcast into wrong variances
+        rank_one_include(m, v, torch.ones(1, dtype=D), torch.ones(3, dtype=D), torch.zeros(3, dtype=D), 0.0,
+                         mean_i=0.0, var_i=1.0, beta_i=0.5, gamma_i=1.0)
+
+
+def test_design_score_rows_in_column_chunks():
+    """``chunk_size`` bounds the memory of ``(N, n)`` rows too (columns of the factor per batch): same scores."""
+    g = torch.Generator().manual_seed(3)
+    X, F = torch.randn(7, 5, generator=g, dtype=D), torch.randn(5, 4, generator=g, dtype=D)
+    ref = torch.log1p(((X @ F) ** 2).sum(1) / 0.5)
+    for chunk in (1, 3, 4, 100):
+        assert torch.allclose(design_score(X, F, 0.5, chunk_size=chunk), ref, rtol=1e-13)
+        assert torch.allclose(design_score(X.to_sparse_csr(), F, 0.5, chunk_size=chunk), ref, rtol=1e-13)

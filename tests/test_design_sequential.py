@@ -211,6 +211,15 @@ def test_design_validation():
         SequentialPhaseEncodeDesign(m, H, H, SIG2, 0.08, 0.16, variance="pca")
     with pytest.raises(ValueError, match="engine_options"):
         SequentialPhaseEncodeDesign(m, H, H, SIG2, 0.08, 0.16, engine_options={"lanczos_rank": 5})
+    with pytest.raises(ValueError, match="k_var"):  # accepted and unused with variance='exact'
+        SequentialPhaseEncodeDesign(m, H, H, SIG2, 0.08, 0.16, variance="exact", k_var=5)
+    with pytest.raises(ValueError, match="engine_options"):
+        SequentialPhaseEncodeDesign(m, H, H, SIG2, 0.08, 0.16, engine_options={"init": None})
+    assert SequentialPhaseEncodeDesign(m, H, H, SIG2, 0.08, 0.16).k_var == 200
     d = SequentialPhaseEncodeDesign(m, H, H, SIG2, 0.08, 0.16, variance="exact", progress=False)
     with pytest.raises(ValueError, match="num_steps"):
         d.run([0, 1], 10)
+    with pytest.raises(ValueError, match="start: expected at least one"):
+        d.run([], 1)
+    with pytest.raises(ValueError, match="start: expected integer"):
+        d.run([0, 1.5], 1)

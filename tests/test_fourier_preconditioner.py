@@ -332,10 +332,12 @@ def _dense_tiles(A, H, W, t):
 
 
 @pytest.mark.parametrize("t", [2, 4])
-@pytest.mark.parametrize("which", ["haar", "haar2", "differences", "fourier_half", "fourier_full"])
+@pytest.mark.parametrize("which", ["haar", "haar2", "haar1", "differences", "fourier_half", "fourier_full"])
 def test_gram_tiles_are_the_dense_diagonal_blocks(which, t):
+    """(``haar1`` at ``t = 4``: every wavelet lies inside one tile, coarser than the transform's levels.)"""
     H, W = 8, 8
-    op = {"haar": haar_operator(H, W), "haar2": haar_operator(H, W, levels=2), "differences": difference_operator(H, W),
+    op = {"haar": haar_operator(H, W), "haar2": haar_operator(H, W, levels=2), "haar1": haar_operator(H, W, levels=1),
+          "differences": difference_operator(H, W),
           "fourier_half": fourier_columns_operator(H, W, [0, 1, 3, 4]),
           "fourier_full": fourier_columns_operator(H, W, [1, 5, 6])}[which]
     w = torch.rand(op.shape[0], generator=torch.Generator().manual_seed(5), dtype=D) + 0.1
@@ -372,7 +374,6 @@ def test_tile_blocks_products_solves_and_refusals():
     bad[3] = -torch.eye(t * t, dtype=D)
     with pytest.raises(ValueError, match="tile 3 is not positive definite"):
         TileBlocks((H, W), t, bad).solve(r)
-    assert haar_operator(8, 8, levels=1).gram_tiles(torch.ones(64, dtype=D), 4) is None  # LL finer than a tile
 
 
 @pytest.mark.parametrize("kind", ["block2", "block4", "block8"])

@@ -14,7 +14,8 @@ inclusions between two refits):
    underestimation, as the paper does), solve ``gamma_i = argmin phi_i`` for the observed label and
    apply the rank-one updates of Nickisch & Seeger 2009 §3 to ``mu``, ``rho`` of all pool rows, to ``u_*`` and to
    ``log|A|`` (:func:`~pyro_convexvb.design.scores.rank_one_include`). Candidates whose ``rho``
-   turned nonpositive are dropped from scoring for the rest of the block.
+   turned nonpositive are dropped from scoring for the rest of the block; a block whose candidates are all
+   dropped ends early (its refit gives every candidate fresh marginals).
    The variances ``z`` of the *model* sites (the training cases, and Laplace prior sites) get the same
    rank-one updates, so they stay valid for the enlarged model.
 3. **Block end.** All ``gamma`` are refitted jointly: the engine is rerun on the enlarged training
@@ -47,6 +48,22 @@ from .scores import classifier_uncertainty, information_gain, minimize_site_phi,
 __all__ = ["ActiveLearner", "ActiveHistory"]
 
 _SCORES = ("cu", "ig", "random")
+#: engine options the learner sets itself
+_RESERVED = frozenset({"max_outer", "variance", "seed", "progress", "init"})
+
+
+def _check_rows(X, name, columns=None):
+    """Refuse a design ``X`` that is not a 2-D dense tensor or torch sparse CSR matrix with rows, finite entries and
+    (when given) ``columns`` columns, naming it."""
+    if not torch.is_tensor(X) or X.dim() != 2 or X.layout not in (torch.strided, torch.sparse_csr, torch.sparse_coo):
+        raise ValueError(f"{name}: expected a 2-D dense tensor or torch sparse (CSR/COO) matrix")
+    if X.shape[0] == 0:
+        raise ValueError(f"{name}: has no rows")
+    if columns is not None and X.shape[1] != columns:
+        raise ValueError(f"{name}: expected {columns} columns (those of X_pool), got {X.shape[1]}")
+    values = X if X.layout == torch.strided else (X.coalesce() if X.layout == torch.sparse_coo else X).values()
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError(f"{name}: contains NaN/inf")
 
 
 @dataclass
@@ -138,12 +155,18 @@ class ActiveLearner:
                             ("init_outer", init_outer, 0), ("refit_outer", refit_outer, 1)):
             if (v is not None or name != "lanczos_rank") and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
                 raise ValueError(f"{name}: expected an integer >= {lo}, got {v!r}")
-        if not torch.is_tensor(X_pool) or X_pool.dim() != 2:
-            raise ValueError("X_pool: expected a 2-D dense tensor or torch sparse CSR matrix")
-        if X_pool.layout == torch.strided and not bool(torch.isfinite(X_pool).all()):
-            raise ValueError("X_pool: contains NaN/inf")
+        _check_rows(X_pool, "X_pool")
         if not callable(oracle):
             raise TypeError("oracle: expected a callable indices -> labels")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed: expected a nonnegative integer, got {seed!r}")
+        if isinstance(cg_tol, bool) or not isinstance(cg_tol, (int, float)) or not 0 < cg_tol < 1:
+            raise ValueError(f"cg_tol: expected a relative residual in (0, 1), got {cg_tol!r}")
+        clash = sorted((_RESERVED | ({"lanczos_rank"} if lanczos_rank is not None else set()))
+                       & set(engine_options or {}))
+        if clash:
+            raise ValueError(f"engine_options: {clash} are set by the active learner (use its own arguments: "
+                             "init_outer/refit_outer, variance, lanczos_rank, seed)")
         self.model, self.X_pool, self.oracle = model, X_pool, oracle
         self.score, self.refit_every, self.lanczos_rank = score, refit_every, lanczos_rank
         self.init_outer, self.refit_outer, self.cg_tol = init_outer, refit_outer, cg_tol
@@ -208,7 +231,11 @@ class ActiveLearner:
         :returns: :class:`ActiveHistory`.
         """
         t0 = time.perf_counter()
-        init = [int(i) for i in torch.as_tensor(init).reshape(-1).tolist()]
+        init = torch.as_tensor(init).reshape(-1)
+        if init.is_floating_point() and not bool((init == init.round()).all()) or init.is_complex() \
+                or init.dtype == torch.bool:
+            raise ValueError("init: expected integer indices into X_pool")
+        init = [int(i) for i in init.tolist()]
         if len(init) == 0 or len(set(init)) != len(init) or min(init) < 0 or max(init) >= self.N:
             raise ValueError("init: expected distinct indices into X_pool")
         if isinstance(num_inclusions, bool) or not isinstance(num_inclusions, int) or num_inclusions < 0:
@@ -218,10 +245,13 @@ class ActiveLearner:
         if (X_test is None) != (y_test is None):
             raise ValueError("X_test, y_test: give both or neither")
         if X_test is not None:
+            _check_rows(X_test, "X_test", self.X_pool.shape[1])
             B_test, o_test, _ = self._sites(X_test)
             y_test = torch.as_tensor(y_test, dtype=self.X_pool.dtype, device=self.X_pool.device)
             if y_test.shape != (X_test.shape[0],):
                 raise ValueError(f"y_test: expected shape ({X_test.shape[0]},), got {tuple(y_test.shape)}")
+            if not bool(((y_test == 0) | (y_test == 1)).all()):
+                raise ValueError("y_test: labels must be coded {0, 1} (as the oracle's)")
         rng = np.random.default_rng(self.seed)
         hist = ActiveHistory()
         idx = list(init)
@@ -247,8 +277,9 @@ class ActiveLearner:
         try:
             while done < num_inclusions:
                 block = min(self.refit_every, num_inclusions - done)
-                result, dropped, labels = self._block(result, idx, labels, block, alive_all, rng, hist, bar)
-                done += block
+                result, dropped, labels, included = self._block(result, idx, labels, block, alive_all, rng, hist,
+                                                                bar)
+                done += included  # fewer than block when every candidate left in the block was dropped
                 hist.dropped.append(dropped)
                 record(result)
         finally:
@@ -282,6 +313,8 @@ class ActiveLearner:
         for _ in range(block):
             s = self._scores(mean, var, alive, rng)
             i = int(torch.argmax(s))
+            if not bool(torch.isfinite(s[i])):  # every candidate left was dropped: refit now (fresh marginals)
+                break
             hist.chosen.append(i)
             hist.scores.append(float("nan") if self.score == "random" else float(s[i]))
             y_i = self._labels([i])
@@ -312,6 +345,10 @@ class ActiveLearner:
             alive &= ~bad
             if bar is not None:
                 bar.update(1)
+        if not new_idx:
+            raise RuntimeError(f"active learning: no remaining candidate has a positive predictive variance under "
+                               f"the fit of {len(idx)} cases (score {self.score!r}, variance {self.variance!r}); "
+                               "use variance='exact' or a larger lanczos_rank")
         # block end: gamma, z and u of the enlarged model, in the engine's site order
         gamma_init, pieces = [], []  # pieces: (variances, rows of B as columns or the model-site slice)
         for name, sl in zip(sites.names, sites.slices):
@@ -343,4 +380,4 @@ class ActiveLearner:
                                gamma_init=gamma_init, z_init=z_init, recomputed=recomputed)
         all_labels = torch.cat([labels] + new_labels)
         result = self._fit(idx, all_labels, self.refit_outer, RelaxationState(gamma_init, u, z_init, log_det))
-        return result, dropped, all_labels
+        return result, dropped, all_labels, len(new_idx)

@@ -98,6 +98,24 @@ def _ihaar_level(X, h, w, squared=False):
     X[:, :h, :w] = blk.reshape(k, h, w)
 
 
+def _index_list(values, name):
+    """``values`` as a list of Python ints; a non-integral entry (1.7 would be truncated to 1), a bool or a scalar
+    instead of a sequence raises naming ``name``."""
+    if torch.is_tensor(values):
+        values = values.reshape(-1).tolist()
+    try:
+        values = list(values)
+    except TypeError:
+        raise ValueError(f"{name}: expected a sequence of indices, got {type(values).__name__}") from None
+    out = []
+    for c in values:
+        c = c.item() if torch.is_tensor(c) and c.numel() == 1 else c
+        if isinstance(c, bool) or not (isinstance(c, float) and c.is_integer() or hasattr(c, "__index__")):
+            raise ValueError(f"{name}: expected integer indices, got {c!r}")
+        out.append(int(c))
+    return out
+
+
 def haar_operator(H, W, levels=None, dtype=torch.float64, device=None):
     r"""Orthonormal 2-D Haar wavelet transform ``B_a`` (``n x n``), ``levels`` of separable steps
     on the low-pass corner (default: as many as both sides allow). ``B_a^T = B_a^{-1}``.
@@ -115,7 +133,9 @@ def haar_operator(H, W, levels=None, dtype=torch.float64, device=None):
     """
     _check_shape(H, W, pow2=True)
     max_levels = int(math.log2(min(H, W)))
-    levels = max_levels if levels is None else int(levels)
+    if levels is not None and (isinstance(levels, bool) or not isinstance(levels, int)):
+        raise ValueError(f"levels: expected an integer in 1..{max_levels}, got {levels!r}")
+    levels = max_levels if levels is None else levels
     if not 1 <= levels <= max_levels:
         raise ValueError(f"levels: expected 1..{max_levels}, got {levels}")
 
@@ -155,7 +175,7 @@ def haar_operator(H, W, levels=None, dtype=torch.float64, device=None):
         # levels j < log2(t) lie inside one tile; coarser wavelets and the scaling functions are constant on tiles,
         # so they add (sum_j w_j b_jp^2) 1 1^T to each tile's block
         L = t.bit_length() - 1
-        if t < 2 or t != 1 << L or H % t or W % t or L > levels:
+        if t < 2 or t != 1 << L or H % t or W % t:  # L > levels: every row lies inside one tile
             return None
         fine = cls < 3 * L
         if t not in fine_parts:
@@ -262,7 +282,7 @@ def fourier_columns_operator(H, W, columns, dtype=torch.float64, device=None):
     (``gram_symbol``) and tile blocks (``gram_tiles``), each a few lines sharing the column bookkeeping.
     """
     _check_shape(H, W)
-    cols = torch.as_tensor(list(columns), dtype=torch.long, device=device)
+    cols = torch.as_tensor(_index_list(columns, "columns"), dtype=torch.long, device=device)
     if cols.numel() == 0 or len(set(cols.tolist())) != cols.numel() or int(cols.min()) < 0 or int(cols.max()) >= W:
         raise ValueError(f"columns: expected distinct indices in [0, {W})")
     m = cols.numel()
@@ -388,9 +408,12 @@ def phase_encode_scores(factor, H, W, noise_var=1.0, candidates=None, chunk_size
     if not torch.is_tensor(factor) or factor.dim() != 2 or factor.shape[0] != H * W:
         raise ValueError(f"factor: expected a tensor of shape ({H * W}, k), got "
                          f"{tuple(factor.shape) if torch.is_tensor(factor) else type(factor).__name__}")
+    if factor.is_complex() or not factor.is_floating_point() or not bool(torch.isfinite(factor).all()):
+        raise ValueError("factor: expected a real floating-point tensor without NaN/inf")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected an integer >= 1, got {chunk_size!r}")
-    cand = torch.arange(W) if candidates is None else torch.as_tensor(list(candidates), dtype=torch.long)
+    cand = torch.arange(W) if candidates is None else torch.as_tensor(_index_list(candidates, "candidates"),
+                                                                      dtype=torch.long)
     if cand.dim() != 1 or cand.numel() == 0 or int(cand.min()) < 0 or int(cand.max()) >= W:
         raise ValueError(f"candidates: expected a non-empty list of column indices in [0, {W})")
     mirror = torch.minimum(cand, (W - cand) % W)
@@ -487,8 +510,9 @@ def covariance_factor(result, pca_rank=None, score_steps=None):
     * ``"pca"``: L-PCA ``F = U_L Lambda_L^{-1/2}`` from the ``L`` smallest Ritz pairs of the run.
 
     :param result: the engine's :class:`~pyro_convexvb.InferenceResult`.
-    :param pca_rank: ``L`` for ``"pca"`` fits (default: the ``L`` of the fit, ``state.pca_rank``).
-    :param score_steps: ``K_score`` for ``"lanczos"`` fits of single-vector Lanczos (default: all ``K``
+    :param pca_rank: ``L`` for ``"pca"`` fits, at most the run's number of Ritz pairs (default: the ``L`` of the
+        fit, ``state.pca_rank``); refused for the other methods.
+    :param score_steps: ``K_score <= K`` for ``"lanczos"`` fits of single-vector Lanczos (default: all ``K``
         steps); refused for the other methods.
     :returns: ``(n, k)`` tensor, for :func:`phase_encode_scores` or :func:`~.scores.design_score`.
 
@@ -503,13 +527,17 @@ def covariance_factor(result, pca_rank=None, score_steps=None):
         >>> covariance_factor(res).shape
         torch.Size([64, 10])
     """
-    st = result.state
-    method = st.variance_method
-    if score_steps is not None:
-        if isinstance(score_steps, bool) or not isinstance(score_steps, int) or score_steps < 1:
-            raise ValueError(f"score_steps: expected an integer >= 1, got {score_steps!r}")
-        if method != "lanczos":
-            raise ValueError(f"score_steps: only K-Lanczos fits can be truncated (this fit used {method!r})")
+    st = getattr(result, "state", None)
+    method = getattr(st, "variance_method", None)
+    if method is None:
+        raise TypeError(f"result: expected the InferenceResult of a convex_relaxation fit, got {type(result).__name__}")
+    for name, v in (("score_steps", score_steps), ("pca_rank", pca_rank)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
+    if score_steps is not None and method != "lanczos":
+        raise ValueError(f"score_steps: only K-Lanczos fits can be truncated (this fit used {method!r})")
+    if pca_rank is not None and method != "pca":
+        raise ValueError(f"pca_rank: only L-PCA fits (variance='pca') have a PCA rank (this fit used {method!r})")
     if method == "exact":
         L = st.cholesky
         eye = torch.eye(L.shape[0], dtype=L.dtype, device=L.device)
@@ -518,7 +546,9 @@ def covariance_factor(result, pca_rank=None, score_steps=None):
     if res is None:
         raise ValueError("result: holds no Lanczos factors (was it fitted with max_outer >= 0 by this engine?)")
     if method == "lanczos":
-        if score_steps is None or score_steps >= res.k:
+        if score_steps is not None and score_steps > res.k:
+            raise ValueError(f"score_steps: the fit ran {res.k} Lanczos steps, got {score_steps}")
+        if score_steps is None or score_steps == res.k:
             return lanczos_covariance_factor(res)
         if getattr(res, "block_size", None) != 1 or not hasattr(res, "cholesky_L"):
             raise ValueError("score_steps: needs a single-vector K-Lanczos run (lanczos_block_size=1, K-Lanczos "
@@ -526,7 +556,9 @@ def covariance_factor(result, pca_rank=None, score_steps=None):
         Ls = res.cholesky_L()[:score_steps, :score_steps]
         return torch.linalg.solve_triangular(Ls, res.Q[:, :score_steps].transpose(0, 1), upper=False).transpose(0, 1)
     if method == "pca":
-        L = max(1, min(int(pca_rank) if pca_rank is not None else st.pca_rank, res.k))
+        if pca_rank is not None and pca_rank > res.k:
+            raise ValueError(f"pca_rank: the fit has {res.k} Ritz pairs, got {pca_rank}")
+        L = min(pca_rank if pca_rank is not None else st.pca_rank, res.k)
         U = res.ritz_vectors(torch.arange(L, device=res.Q.device))
         return U / torch.sqrt(res.ritz_values[:L])
     raise ValueError(f"result: unknown variance method {method!r}")

@@ -50,6 +50,15 @@ def _check_marginals(mean, var, name_mean="mean", name_var="var"):
         raise ValueError(f"{name_var}: must be finite and nonnegative")
 
 
+def _check_quadrature(tau, num_points):
+    """Refuse a logistic scale ``tau`` that is not a positive finite number and a ``num_points`` that is not an
+    integer >= 1, naming them."""
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not math.isfinite(tau) or tau <= 0:
+        raise ValueError(f"tau: expected a positive finite number, got {tau!r}")
+    if isinstance(num_points, bool) or not isinstance(num_points, numbers.Integral) or num_points < 1:
+        raise ValueError(f"num_points: expected an integer >= 1 (quadrature nodes), got {num_points!r}")
+
+
 def predictive_probability(mean, var, tau=1.0, num_points=32):
     r"""``Q(c_i = +1) = E_{N(s | mu_i, rho_i)}[sigmoid(tau s)]`` by Gauss-Hermite quadrature (Nickisch & Seeger 2009 §3).
 
@@ -67,6 +76,7 @@ def predictive_probability(mean, var, tau=1.0, num_points=32):
         True
     """
     _check_marginals(mean, var)
+    _check_quadrature(tau, num_points)
     p = gaussian_expectation(lambda s: torch.sigmoid(tau * s), mean, var, num_points)
     wide = tau * var.sqrt() > WIDE_SD
     if bool(wide.any()):  # the sigmoid is a step on the Gaussian's scale: Gauss-Hermite nodes straddle it
@@ -163,6 +173,9 @@ def minimize_site_phi(pot, mean, var, *, rtol=1e-13, max_iter=400):
     _check_marginals(mean, var)
     if bool((var <= 0).any()):
         raise ValueError("var: the tilted-site minimisation needs strictly positive variances")
+    if pot.beta.shape != mean.shape:
+        raise ValueError(f"pot, mean: the potential has {tuple(pot.beta.shape)} sites, the marginals "
+                         f"{tuple(mean.shape)}")
     r = mean + var * pot.beta
 
     def gam(x):
@@ -263,7 +276,8 @@ def design_score(X_star, factor, noise_var=1.0, chunk_size=1024):
         candidate, e.g. a k-space column), real or complex.
     :param torch.Tensor factor: ``(n, k)``.
     :param float noise_var: measurement noise variance ``sigma^2`` of the new rows.
-    :param int chunk_size: candidates per batch (memory ``chunk_size * r * k``).
+    :param int chunk_size: for ``(N, r, n)`` candidates, candidates per batch (memory ``chunk_size * r * k``); for
+        ``(N, n)`` rows, columns of ``F`` per batch (memory ``N * chunk_size``).
     :returns: ``(N,)`` real scores.
 
     Example::
@@ -291,8 +305,12 @@ def design_score(X_star, factor, noise_var=1.0, chunk_size=1024):
         op = as_operator(X_star)
         if op.shape[1] != factor.shape[0]:
             raise ValueError(f"X_star: {op.shape[1]} columns but factor has {factor.shape[0]} rows")
-        W = op.mv(factor.to(op.dtype) if op.dtype != factor.dtype and not factor.is_complex() else factor)
-        return torch.log1p((W.abs() ** 2).sum(-1) / noise_var)
+        F = factor.to(op.dtype) if op.dtype != factor.dtype and not factor.is_complex() else factor
+        sq = sum((op.mv(F[:, start:start + chunk_size]).abs() ** 2).sum(-1)
+                 for start in range(0, F.shape[1], chunk_size))  # ||X_* F||^2 per row, chunk_size columns of F at once
+        if F.shape[1] == 0:
+            sq = torch.zeros(op.shape[0], dtype=F.real.dtype if F.is_complex() else F.dtype, device=F.device)
+        return torch.log1p(sq / noise_var)
     if not torch.is_tensor(X_star) or X_star.dim() != 3:
         raise ValueError("X_star: expected (N, n) rows / operator or a dense (N, r, n) tensor")
     if X_star.shape[-1] != factor.shape[0]:
@@ -339,6 +357,10 @@ def rank_one_include(mean_J, var_J, w, d, u, log_det, *, mean_i, var_i, beta_i, 
     """
     if not float(gamma_i) > 0 or not float(var_i) >= 0:
         raise ValueError(f"gamma_i, var_i: expected gamma_i > 0 and var_i >= 0, got {float(gamma_i)}, {float(var_i)}")
+    if not (mean_J.shape == var_J.shape == w.shape and d.shape == u.shape):
+        raise ValueError(f"mean_J, var_J, w: expected equal shapes (|J|,), got {tuple(mean_J.shape)}, "
+                         f"{tuple(var_J.shape)}, {tuple(w.shape)}; d, u: equal shapes (n,), got {tuple(d.shape)}, "
+                         f"{tuple(u.shape)}")
     kappa = 1 + var_i / gamma_i
     step = (beta_i - mean_i / gamma_i) / kappa
     var_new = var_J - w * w / (var_i + gamma_i)

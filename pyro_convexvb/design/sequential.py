@@ -28,12 +28,14 @@ import torch
 
 from ..errors import ConvergenceWarning
 from ..infer.convex_relaxation import ConvexVariationalRelaxation
-from .imaging import _check_shape, compressive_sensing_model, covariance_factor, phase_encode_scores
+from .imaging import _check_shape, _index_list, compressive_sensing_model, covariance_factor, phase_encode_scores
 
 __all__ = ["pair_candidates", "known_columns", "lowpass_pairs", "DesignHistory", "PER_STEP_FIELDS",
            "SequentialPhaseEncodeDesign"]
 
 _METHODS = ("lanczos", "pca", "exact")
+#: Lanczos steps ``K_var`` of every variance update when ``variance="lanczos"`` and ``k_var`` is not given
+DEFAULT_K_VAR = 200
 
 
 def pair_candidates(W):
@@ -48,6 +50,15 @@ def pair_candidates(W):
     return list(range(W // 2 + 1))
 
 
+def _pair_indices(pairs, W, name="pairs"):
+    """``pairs`` as a list of distinct ints in ``[0, W/2]``; a non-integral entry (1.5 was truncated to 1) or an
+    index out of range raises naming ``name``."""
+    out = _index_list(pairs, name)
+    if len(set(out)) != len(out) or any(c < 0 or c > W // 2 for c in out):
+        raise ValueError(f"{name}: expected distinct pair indices in [0, {W // 2}]")
+    return out
+
+
 def known_columns(pairs, W):
     """Number of k-space columns determined by the measured pairs ``pairs`` (2 per pair, 1 for ``0`` and ``W/2``).
 
@@ -57,10 +68,7 @@ def known_columns(pairs, W):
         (5, 1)
     """
     _check_shape(2, W)
-    pairs = [int(c) for c in pairs]
-    if len(set(pairs)) != len(pairs) or any(c < 0 or c > W // 2 for c in pairs):
-        raise ValueError(f"pairs: expected distinct pair indices in [0, {W // 2}]")
-    return sum(1 if c == 0 or 2 * c == W else 2 for c in pairs)
+    return sum(1 if c == 0 or 2 * c == W else 2 for c in _pair_indices(pairs, W))
 
 
 def lowpass_pairs(W, central=32):
@@ -159,7 +167,8 @@ class SequentialPhaseEncodeDesign:
     :param float noise_var: ``sigma^2``; :param float tau_a: wavelet scale; :param float tau_r: difference scale
         (:func:`~pyro_convexvb.design.imaging.compressive_sensing_model`).
     :param str variance: ``"lanczos"``, ``"pca"`` or ``"exact"``.
-    :param int k_var: Lanczos steps ``K_var`` of every variance update (``"lanczos"``).
+    :param int k_var: Lanczos steps ``K_var`` of every variance update (``"lanczos"`` only; default
+        :data:`DEFAULT_K_VAR`).
     :param int k_score: Lanczos steps ``K_score <= K_var`` of the scores (default ``K_var``), the first ``K_score``
         vectors of the same run (:func:`~pyro_convexvb.design.imaging.covariance_factor`).
     :param int pca_rank: ``L`` of L-PCA (``"pca"``), with ``6 L`` Lanczos steps (Seeger 2010 footnote 5).
@@ -185,14 +194,18 @@ class SequentialPhaseEncodeDesign:
         (2, True)
     """
 
-    def __init__(self, measure, H, W, noise_var, tau_a, tau_r, *, variance="lanczos", k_var=200, k_score=None,
+    def __init__(self, measure, H, W, noise_var, tau_a, tau_r, *, variance="lanczos", k_var=None, k_score=None,
                  pca_rank=None, init_outer=3, refit_outer=1, seed=0, engine_options=None, progress=True):
         _check_shape(H, W, pow2=True)
         if not callable(measure):
             raise TypeError("measure: expected a callable pairs -> measurements")
         if variance not in _METHODS:
             raise ValueError(f"variance: expected one of {_METHODS}, got {variance!r}")
-        for name, v, lo in (("init_outer", init_outer, 1), ("refit_outer", refit_outer, 1), ("k_var", k_var, 1)):
+        if k_var is not None and variance != "lanczos":
+            raise ValueError(f"k_var: only for variance='lanczos' (got variance={variance!r})")
+        k_var = DEFAULT_K_VAR if k_var is None and variance == "lanczos" else k_var
+        for name, v, lo in (("init_outer", init_outer, 1), ("refit_outer", refit_outer, 1),
+                            ("k_var", 1 if k_var is None else k_var, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name}: expected an integer >= {lo}, got {v!r}")
         if k_score is not None:
@@ -209,7 +222,7 @@ class SequentialPhaseEncodeDesign:
             raise ValueError(f"seed: expected a nonnegative integer, got {seed!r}")
         self.engine_options = dict(engine_options or {})
         reserved = {"variance", "lanczos_rank", "pca_rank", "max_outer", "gamma_init", "z_init", "u_init",
-                    "logdet_init", "seed", "progress"}
+                    "logdet_init", "seed", "progress", "init"}
         clash = sorted(reserved & set(self.engine_options))
         if clash:
             raise ValueError(f"engine_options: {clash} are set by the design loop (use its own arguments)")
@@ -279,10 +292,11 @@ class SequentialPhaseEncodeDesign:
             the same refits, Lanczos seeds and choices as an uninterrupted run (the state is the whole warm start).
         :returns: :class:`DesignHistory`.
         """
-        start = [int(c) for c in start]
-        known_columns(start, self.W)  # validates
-        cand = pair_candidates(self.W) if candidates is None else [int(c) for c in candidates]
-        known_columns(cand, self.W)
+        start = _pair_indices(start, self.W, "start")
+        if not start:
+            raise ValueError("start: expected at least one pair (e.g. lowpass_pairs(W)): the first fit needs "
+                             "measurements")
+        cand = pair_candidates(self.W) if candidates is None else _pair_indices(candidates, self.W, "candidates")
         rest = [c for c in cand if c not in set(start)]
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or not 0 <= num_steps <= len(rest):
             raise ValueError(f"num_steps: expected an integer in [0, {len(rest)}] (remaining candidates), "
