@@ -517,3 +517,52 @@ def test_fitted_arrays_are_numpy():
         assert isinstance(getattr(clf, name), np.ndarray), name
     assert clf.K_train_.shape == (X.shape[0],) * 2 and np.array_equal(clf.weight_, w)
     assert GPClassifier(_kernel()).fit(X.numpy(), y.numpy()).weight_ is None
+
+
+def test_wide_latent_probability_keeps_the_class_right():
+    """An outputscale of 2500 (type-II reaches the hundreds to thousands on small problems): far from the data the
+    latent is N(~0.5, ~2500); the probability is the exact expectation (0.50399 at N(0.5, 2500), where Gauss-Hermite
+    gave 0.50000 and predict returned classes_[0])."""
+    from scipy import integrate
+    from scipy.special import expit
+
+    X, y = _data(n=20)
+    clf = GPClassifier(kernel=_kernel(ls=0.5, os=2500.0), mean=0.5).fit(X.numpy(), y.numpy())
+    Xt = np.array([[40.0, 40.0], [-50.0, 30.0]])  # far from the data: the prior N(mean, outputscale)
+    m, v = clf.predict_latent(Xt)
+    np.testing.assert_allclose(m, 0.5, atol=1e-8)
+    ref = [integrate.quad(lambda f: expit(f) * math.exp(-0.5 * (f - mi) ** 2 / vi) / math.sqrt(2 * math.pi * vi),
+                          -400, 400, points=[0.0], limit=500, epsabs=1e-14)[0] for mi, vi in zip(m, v)]
+    np.testing.assert_allclose(clf.predict_proba(Xt)[:, 1], ref, atol=1e-12)
+    assert (clf.predict(Xt) == clf.classes_[1]).all()
+
+
+def test_type2_option_conflicts_and_unused_options_are_reported():
+    """The same type-II knob given twice, ``learn_params=False`` with learning on, engine options the classifier sets
+    itself and a non-finite mean are errors; type-II options of a fit without learning warn (they were ignored)."""
+    import warnings
+
+    X, y = _data(n=24)
+    for kwargs, match in ((dict(learn_hyperparameters=True, options={"type2_max_iter": 2},
+                                hyper_options={"max_iter": 50}), "set the same type-II option"),
+                          (dict(learn_hyperparameters=True, options={"learn_params": False}), "contradicts"),
+                          (dict(options={"progress": True}), "set by GPClassifier"),
+                          (dict(options={"init": None}), "set by GPClassifier"),
+                          (dict(mean=float("nan")), "mean: expected a finite")):
+        with pytest.raises(ValueError, match=match):
+            GPClassifier(kernel=_kernel(), **kwargs).fit(X.numpy(), y.numpy())
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        GPClassifier(kernel=_kernel(), options={"type2_max_iter": 3}).fit(X.numpy(), y.numpy())
+    assert any("options['type2_max_iter'] only apply with learn_hyperparameters=True" in str(x.message) for x in w)
+
+
+@pytest.mark.parametrize("kernel, match", [
+    (torch.nn.Linear(2, 2), "not an \\(3, 3\\) kernel matrix"),
+    (gpytorch.kernels.RBFKernel(active_dims=[0, 5]), "fails on three rows of X"),
+    (gpytorch.kernels.RBFKernel(ard_num_dims=3), "fails on three rows of X"),
+])
+def test_kernels_that_do_not_fit_the_inputs_are_refused_naming_kernel(kernel, match):
+    X, y = _data(n=10)
+    with pytest.raises(ValueError, match="kernel: .*" + match):
+        GPClassifier(kernel=kernel).fit(X.numpy(), y.numpy())

@@ -305,3 +305,21 @@ def test_scale_kernel_of_a_kernel_with_active_dims_converges_to_it():
     assert torch.equal(S[:5, :2], torch.zeros(5, 2, dtype=DT)) and bool((S[:5, 2] != 0).all())  # column 2 only
     with pytest.raises(ValueError, match=r"ScaleKernel active_dims \[1\] differ from its base kernel's \(None\)"):
         RandomFourierFeatures(ScaleKernel(RBFKernel(), active_dims=[1]), 10)(x)
+
+
+def test_predictions_take_float32_queries_and_large_stored_covariances(monkeypatch):
+    """Float32 query inputs of a float64 fit are promoted (a raw addmv dtype error before); a dense stored covariance
+    above MAX_DENSE still gives marginals (covariance() refused n > 10,000 although the matrix was stored)."""
+    import pyro_convexvb.posterior.gaussian as gaussian
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(40, 2, generator=g, dtype=torch.float64)
+    y = (X[:, 0] > 0).double()
+    gp = RandomFeatureGP(RBFKernel().double(), num_features=10, likelihood="bernoulli")
+    res = pcv.fit(gp, X, y=y, engine="dual_vg", options={"form": "site"},
+                  progress=False)  # a dense covariance posterior
+    ref = gp.predict(X[:5], res.posterior)
+    assert torch.allclose(gp.predict(X[:5].float(), res.posterior), ref, atol=1e-6)
+    monkeypatch.setattr(gaussian, "MAX_DENSE", 5)
+    assert res.posterior.kind == "covariance"
+    torch.testing.assert_close(gp.predict(X[:5], res.posterior), ref, rtol=1e-12, atol=1e-12)

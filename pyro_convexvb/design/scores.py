@@ -21,6 +21,7 @@ from collections import namedtuple
 import torch
 
 from ..infer.convex_relaxation import LogisticPotential
+from ..lgm.families.logit import predictive_log_probs
 from ..lgm.sites import gaussian_expectation
 from ..linalg import LinearOperator, as_operator
 
@@ -80,34 +81,14 @@ def predictive_probability(mean, var, tau=1.0, num_points=32):
     p = gaussian_expectation(lambda s: torch.sigmoid(tau * s), mean, var, num_points)
     wide = tau * var.sqrt() > WIDE_SD
     if bool(wide.any()):  # the sigmoid is a step on the Gaussian's scale: Gauss-Hermite nodes straddle it
-        p = torch.where(wide, _wide_sigmoid_expectation(mean, var, tau), p)
+        p = torch.where(wide, predictive_log_probs(tau * mean, tau * tau * var)[1].exp(), p)
     return p
 
 
-#: ``tau sd`` above which :func:`predictive_probability` splits off the step (Gauss-Hermite's 32 nodes were 7e-3 off
-#: at variance 100 and gave 0.5000000 for 0.5004 at variance 1e4)
+#: ``tau sd`` above which :func:`predictive_probability` takes the classifiers' predictive probabilities
+#: (:func:`~pyro_convexvb.lgm.families.logit.predictive_log_probs`: the step split off; Gauss-Hermite's 32 nodes were
+#: 7e-3 off at variance 100 and gave 0.5000000 for 0.5004 at variance 1e4)
 WIDE_SD = 1.0
-
-
-def _wide_sigmoid_expectation(mean, var, tau, num_points=64):
-    """``E[sigmoid(tau s)]``, ``s ~ N(mean, var)``, as ``P(s > 0) + E[sigmoid(tau s) - 1{s > 0}]``: the step in
-    closed form, the remainder (smooth on each side of 0, below ``e^{-40}`` beyond ``|s| = 40 / tau``) by
-    Gauss-Legendre on ``[-40/tau, 0]`` and ``[0, 40/tau]``, where a Gaussian of sd above ``1 / tau`` is smooth."""
-    import numpy as np
-
-    x, w = np.polynomial.legendre.leggauss(num_points)
-    half = 20.0 / tau
-    s = torch.as_tensor(half * (x + 1.0), dtype=mean.dtype, device=mean.device)  # nodes on [0, 40 / tau]
-    w = torch.as_tensor(half * w, dtype=mean.dtype, device=mean.device)
-    sd = var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()[:, None]
-    m = mean[:, None]
-
-    def density(t):
-        return torch.exp(-0.5 * ((t - m) / sd) ** 2) / (sd * math.sqrt(2 * math.pi))
-
-    g = torch.sigmoid(-tau * s)  # 1 - sigmoid(tau s) on s > 0, sigmoid(tau s) on s < 0 at -s
-    rest = ((density(-s) - density(s)) * g * w).sum(-1)
-    return torch.special.ndtr(mean / sd[:, 0]) + rest
 
 
 def classifier_uncertainty(mean, var, tau=1.0, num_points=32):

@@ -11,6 +11,7 @@ predictive through the logistic link by Gauss-Hermite quadrature; for a mixture 
 each component's predictive, averaged over the components.
 """
 import copy
+import math
 from numbers import Real
 
 import numpy as np
@@ -54,6 +55,8 @@ def gp_classification_lgm(K, y, mean=0.0, weight=None):
     return LatentGaussianModel(layout, [prior], [site])
 
 
+#: engine options of the type-II loop (used with learn_hyperparameters=True only)
+_TYPE2_OPTIONS = frozenset({"learn_params", "type2_max_iter", "type2_gtol"})
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, torch.float64: torch.float64,
            torch.float32: torch.float32}
 
@@ -91,8 +94,9 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
     :param dict options: engine options (e.g. ``{"bound": "jensen"}`` for ``dual_vg``).
     :param dict hyper_options: ``{"max_iter": ..., "gtol": ...}``: the engine's ``type2_max_iter`` and
         ``type2_gtol`` options.
-    :param int num_points: Gauss-Hermite nodes of the predictive probabilities (64: within 1e-4 of quadrature at
-        the latent sds of 5 that learned outputscales reach; 32 were 1.3e-3 off there).
+    :param int num_points: Gauss-Hermite nodes of the predictive probabilities at latent variances up to 4 (64:
+        within 1e-10 of quadrature there); wider latents split the step of the sigmoid off and integrate the rest
+        on panels (:func:`~pyro_convexvb.lgm.families.logit.predictive_log_probs`), whatever ``num_points``.
     :param dtype: ``"float64"`` (default) or ``"float32"`` (or the torch dtypes): the precision of the
         computation (with ``learn_hyperparameters``, the type-II loop runs in float64 on the float32 inputs, whose
         bounds are too coarse for its finite differences and line searches; the fit at the learned values runs in
@@ -195,6 +199,12 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         """
         engine = registered_engine(self)  # a ValueError naming engine for unknown names
         options = engine_options(self, engine, self.options)
+        reserved = sorted({"progress", "init"} & set(options))
+        if reserved:
+            raise ValueError(f"options: {reserved} are set by GPClassifier (no progress bar; warm starts come from "
+                             "the hyperparameter fit or options={'alpha0': ...}); leave them out")
+        if not math.isfinite(float(self.mean)):
+            raise ValueError(f"mean: expected a finite constant prior mean of the latent function, got {self.mean!r}")
         X, y = self._check_X(X, y, reset=True)
         self.classes_, y01 = binary_targets(y)
         y01 = torch.as_tensor(y01, dtype=self._torch_dtype())
@@ -217,9 +227,12 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
             warn_unused(self, ("learn_mean",), "learn_hyperparameters=False learns nothing: the mean stays at mean")
         if self.learn_hyperparameters:
             init = self._learn_hyperparameters(X, y01, options)
-        elif self._hyper_options():
-            warn("GPClassifier: hyper_options only apply with learn_hyperparameters=True; they are not used",
+        elif self._hyper_options() or set(options) & _TYPE2_OPTIONS:
+            unused = ["hyper_options"] * bool(self._hyper_options()) + [f"options[{k!r}]" for k in
+                                                                         sorted(set(options) & _TYPE2_OPTIONS)]
+            warn(f"GPClassifier: {', '.join(unused)} only apply with learn_hyperparameters=True; they are not used",
                  UserWarning)
+            options = {k: v for k, v in options.items() if k not in _TYPE2_OPTIONS}
         if engine.State is DualState:  # the dual's N x N site form predicts without inverting K
             options.setdefault("form", "site")
         if "alpha0" in options:
@@ -251,9 +264,20 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
     def _check_kernel_output(self, X):
         """Refuse a kernel whose ``kernel(X)`` is not one ``(n, n)`` matrix (a batch of them, from a ``batch_shape``
         of the kernel or of a part of it): the classifier has one latent GP."""
-        with torch.no_grad():
-            shape = tuple(self.kernel_(X[:2]).shape)  # lazily evaluated: the shape costs no kernel evaluation
-        if shape != (min(2, X.shape[0]),) * 2:
+        r = min(3, X.shape[0])  # three rows: a module mapping (n, d) to (n, 2) is not a kernel
+        try:
+            with torch.no_grad():
+                out = self.kernel_(X[:3])
+                shape = tuple(out.shape)
+                if len(shape) >= 2 and shape[-2:] == (r, r):
+                    out.to_dense()  # evaluated on three rows: active_dims, ARD sizes and the like fail here
+        except Exception as err:
+            raise ValueError(f"kernel: {type(self.kernel_).__name__} fails on three rows of X ({X.shape[1]} "
+                             f"features): {type(err).__name__}: {err}") from err
+        if len(shape) < 2 or shape[-2:] != (r, r):
+            raise ValueError(f"kernel: {type(self.kernel_).__name__} maps ({r}, {X.shape[1]}) inputs to shape {shape}, "
+                             f"not an ({r}, {r}) kernel matrix; give a GPyTorch kernel (e.g. ScaleKernel(RBFKernel()))")
+        if shape != (r, r):
             raise ValueError(f"kernel: {type(self.kernel_).__name__} maps (n, d) inputs to kernel matrices of shape "
                              f"{shape[:-2] + ('n', 'n')}, a batch of {shape[:-2]}; GPClassifier fits one latent GP and "
                              f"needs one (n, n) matrix: build the kernel (and its parts) without batch_shape")
@@ -275,13 +299,19 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
             raise ValueError(f"learn_hyperparameters=True needs an engine with a type-II loop over pyro.param sites "
                              f"(dual_vg, convex_relaxation, laplace); engine '{self.engine}' has none")
         hyper = self._hyper_options()
+        if options.get("learn_params", True) is not True:
+            raise ValueError(f"options={{'learn_params': {options['learn_params']!r}}} contradicts "
+                             "learn_hyperparameters=True (the type-II loop learns the kernel's parameters); give one")
         opts = dict(options, learn_params=True)
         fields = engine.Options.__dataclass_fields__
         for key, name in (("max_iter", "type2_max_iter"), ("gtol", "type2_gtol")):
             if key in hyper:
                 if name not in fields:
                     raise TypeError(f"hyper_options: '{key}' is not an option of engine '{self.engine}'")
-                opts.setdefault(name, hyper[key])
+                if name in options:
+                    raise ValueError(f"hyper_options={{{key!r}: {hyper[key]!r}}} and options={{{name!r}: "
+                                     f"{options[name]!r}}} set the same type-II option; give one")
+                opts[name] = hyper[key]
         # learned in float64 whatever ``dtype``: the float32 bound's rounding (about 1e-5 of it) swamps the
         # finite-difference gradients and line searches of the type-II loop, which then took no step at all
         single = X.dtype != torch.float64

@@ -480,6 +480,7 @@ class RandomFeatureGP(PyroModule):
         :param posterior: :class:`~pyro_convexvb.GaussianPosterior` or
             :class:`~pyro_convexvb.infer.diag_mixture.DiagMixturePosterior`.
         """
+        X = _query(X, posterior)
         with torch.no_grad():
             Phi = self._rff(X)
             try:
@@ -493,10 +494,12 @@ class RandomFeatureGP(PyroModule):
         """Predictive mean of ``y`` (``P(y=1)`` for bernoulli, the rate for poisson), and optionally its std.
 
         Mixture posteriors are averaged over their components (exact per-component Gaussian
-        marginals, Gauss-Hermite for the Bernoulli case).
+        marginals; for the Bernoulli case the classifiers' probabilities,
+        :func:`~pyro_convexvb.lgm.families.logit.predictive_log_probs`).
         """
-        from ..lgm.sites import gaussian_expectation
+        from ..lgm.families.logit import predictive_log_probs
 
+        X = _query(X, posterior)
         with torch.no_grad():
             Phi = self._rff(X)
         if hasattr(posterior, "component_marginals"):
@@ -508,7 +511,7 @@ class RandomFeatureGP(PyroModule):
         if self.likelihood == "gaussian":
             mean_k, second_k = M, V + M**2 + self.noise_scale**2
         elif self.likelihood == "bernoulli":
-            mean_k = gaussian_expectation(torch.sigmoid, M.reshape(-1), V.reshape(-1)).reshape(M.shape)
+            mean_k = predictive_log_probs(M, V)[1].exp()  # the classifiers' probabilities (wide latents too)
             second_k = mean_k
         else:
             mean_k = torch.exp(M + 0.5 * V)
@@ -517,3 +520,12 @@ class RandomFeatureGP(PyroModule):
         if not return_std:
             return mean
         return mean, (second_k.mean(0) - mean**2).clamp_min(0).sqrt()
+
+
+def _query(X, posterior):
+    """Query inputs ``X`` as a tensor in the posterior's dtype and device (float32 inputs of a float64 fit are
+    promoted, as scikit-learn's estimators take any float input); anything else raises naming ``X``."""
+    if not torch.is_tensor(X) or X.dim() != 2 or X.is_complex():
+        raise ValueError(f"X: expected an (N, d) real tensor, got "
+                         f"{tuple(X.shape) if torch.is_tensor(X) else type(X).__name__}")
+    return X.to(dtype=posterior.dtype, device=posterior.device)

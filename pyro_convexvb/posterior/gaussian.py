@@ -175,11 +175,12 @@ class GaussianPosterior(Posterior):
         raise ValueError(f"cannot compute variances for kind {self.kind}")
 
     def covariance(self, force=False):
-        """Dense ``(n, n)`` covariance; refuses ``n > MAX_DENSE`` unless ``force=True``."""
-        if self.n > MAX_DENSE and not force:
-            raise MemoryError(f"covariance(): n = {self.n} > {MAX_DENSE}; pass force=True to materialise it")
+        """Dense ``(n, n)`` covariance; refuses ``n > MAX_DENSE`` unless ``force=True`` or it is stored already
+        (kind ``"covariance"``)."""
         if self.kind == "covariance":
             return self._covariance
+        if self.n > MAX_DENSE and not force:
+            raise MemoryError(f"covariance(): n = {self.n} > {MAX_DENSE}; pass force=True to materialise it")
         if self.kind == "scale_tril":
             return self._scale_tril @ self._scale_tril.transpose(-1, -2)
         if self.kind == "precision":
@@ -321,6 +322,8 @@ class GaussianPosterior(Posterior):
             var = var + (B.mv(self.cov_factor) ** 2).sum(-1)
         elif self.kind == "precision_operator":
             var = self._precision_operator_quad(B)
+        elif self.kind == "covariance":  # diag(B C B^T) from the stored C: no factorisation
+            var = (B.mv(self._covariance) * B.to_dense()).sum(-1)
         else:
             L = self.scale_tril()
             var = (B.mv(L) ** 2).sum(-1)
