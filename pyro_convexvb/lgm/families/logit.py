@@ -131,8 +131,8 @@ def predictive_log_probs(mean, var, num_points=64):
     is tiny. For a predictive variance above :data:`SPLIT_VAR` plain nodes miss the soft step of the sigmoid
     (``log p`` off by 4e-3 to 2e-2 at a variance of 90, by 0.1 at 400); there the smaller probability splits the
     step off in closed form and integrates the smooth rest on panels (:func:`_split_log_sigmoid`; within 1e-12 of
-    adaptive quadrature at any variance), and the larger one is its complement, ``log1p(-p)``.  Leading dimensions are kept (e.g. mixture components, which the
-    caller averages with :func:`torch.logsumexp` minus ``log K``).
+    adaptive quadrature at any variance), and the larger one is its complement, ``log1p(-p)``.  Leading dimensions
+    are kept (e.g. mixture components, which the caller averages with :func:`torch.logsumexp` minus ``log K``).
 
     :param torch.Tensor mean: ``(..., m)`` predictive means of the linear predictor.
     :param torch.Tensor var: ``(..., m)`` predictive variances (nonnegative).
