@@ -207,8 +207,8 @@ def load(path, map_location=None):
     :param map_location: as in :func:`torch.load` (e.g. ``"cpu"`` for a file saved from CUDA tensors).
     :returns: the rebuilt object (an online learner, :class:`~pyro_convexvb.InferenceResult`, posterior or
         estimator).
-    :raises ValueError: a file not written by :func:`save`, of another format version, or naming an
-        unknown class or class version.
+    :raises ValueError: a file not written by :func:`save`, of another format version, naming an unknown class or
+        class version, or whose object is malformed (a field missing, of the wrong type or shape).
     """
     import torch
 
@@ -227,7 +227,15 @@ def load(path, map_location=None):
         raise ValueError(f"{path}: file format version {payload.get('format_version')!r} (written by pyro_convexvb "
                          f"{payload.get('library_version')!r}); this version reads version {SAVE_FORMAT_VERSION}: "
                          "load it with the library version that wrote it")
-    return from_state(payload["object"])
+    if "object" not in payload:
+        raise ValueError(f"{path}: a pyro_convexvb.save file without its object (corrupt)")
+    try:
+        return from_state(payload["object"])
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    except (KeyError, AttributeError, TypeError, IndexError, RuntimeError) as e:  # a field missing or of a wrong type
+        raise ValueError(f"{path}: a pyro_convexvb.save file whose object is malformed (corrupt or edited: "
+                         f"{type(e).__name__}: {e})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,6 +285,8 @@ def _encode(x, where):
         return {_TAG: "dtype", "name": str(x).replace("torch.", "")}
     if isinstance(x, slice):
         return {_TAG: "slice", "args": [x.start, x.stop, x.step]}
+    if type(x) is np.random.RandomState:  # an estimator's random_state: its generator state, restored on load
+        return {_TAG: "random_state", "state": _encode(x.get_state(), where)}
     if isinstance(x, tuple) and not hasattr(x, "_fields"):
         return {_TAG: "tuple", "items": [_encode(v, f"{where}[{i}]") for i, v in enumerate(x)]}
     if isinstance(x, list):
@@ -321,9 +331,16 @@ def _decode(x, where):
         items = [_decode(v, where) for v in x["items"]]
         return np.array(items, dtype=object if x["dtype"] == "object" else np.dtype(x["dtype"])).reshape(x["shape"])
     if tag == "dtype":
-        return getattr(torch, x["name"])
+        dtype = getattr(torch, str(x["name"]), None)
+        if not isinstance(dtype, torch.dtype):  # only dtypes: a name such as 'load' would give a function
+            raise ValueError(f"pyro_convexvb.load: {where}: {x['name']!r} is not a torch dtype")
+        return dtype
     if tag == "slice":
         return slice(*x["args"])
+    if tag == "random_state":
+        rs = np.random.RandomState()
+        rs.set_state(_decode(x["state"], where))
+        return rs
     if tag == "tuple":
         return tuple(_decode(v, where) for v in x["items"])
     if tag == "dict":

@@ -199,3 +199,27 @@ def test_plain_state_of_nested_values():
     back = pcv.io.from_state(state)
     assert back["b"] == (1, "x") and back[3] is None and back["c"].tolist() == ["u", "v"]
     np.testing.assert_array_equal(back["a"], np.arange(3))
+
+
+def test_malformed_objects_raise_naming_the_file_and_random_states_round_trip(tmp_path):
+    """A valid container whose object was edited (a field missing or of the wrong type, a dtype tag naming a torch
+    function, variances of another shape) is a ValueError naming the file (bare KeyError/AttributeError, or a
+    silent load, before); an estimator's numpy RandomState saves with its generator state."""
+    X, y = _data(100)
+    clf = pcv.BayesianLogisticRegression(engine="laplace", random_state=np.random.RandomState(3)).fit(X, y)
+    clf2 = _roundtrip(clf, tmp_path)
+    assert isinstance(clf2.random_state, np.random.RandomState)
+    assert clf2.random_state.randint(1 << 30) == clf.random_state.randint(1 << 30)  # the state as saved
+    q = pcv.GaussianPosterior(torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
+    path = tmp_path / "q.pt"
+    pcv.save(q, path)
+    payload = torch.load(path)
+    fields = payload["object"]["fields"]
+    for name, obj in (("nofields", {k: v for k, v in payload["object"].items() if k != "fields"}),
+                      ("noloc", dict(payload["object"], fields={k: v for k, v in fields.items() if k != "loc"})),
+                      ("strloc", dict(payload["object"], fields=dict(fields, loc="abc"))),
+                      ("shape", dict(payload["object"], fields=dict(fields, variance=torch.ones(5, dtype=torch.float64)))),
+                      ("dtype", {"__pcv__": "dtype", "name": "load"})):
+        torch.save(dict(payload, object=obj), tmp_path / f"{name}.pt")
+        with pytest.raises(ValueError, match=rf"{name}\.pt: "):
+            pcv.load(tmp_path / f"{name}.pt")

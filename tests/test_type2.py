@@ -184,3 +184,27 @@ def test_type2_fit_resumes_its_first_fit_from_init(engine, monkeypatch):
     assert seen[0] is cold.state
     assert res.converged
     assert float(res.hyperparameters["tau"]) == pytest.approx(float(cold.hyperparameters["tau"]), rel=1e-4)
+
+
+def test_convex_relaxation_type2_refuses_lanczos_variances_below_full_rank():
+    """K-Lanczos variances (k < n) move gamma off the relaxation's optimum, so the envelope gradient is not the
+    bound's: its sign flipped on a 5-latent model (and a loose-tolerance fit reported converged 360 tolerances away)."""
+    model, X, y = _logistic()
+    pyro.clear_param_store()
+    with pytest.raises(ValueError, match="learn_params needs the relaxation's optimum"):
+        pcv.fit(model, X, y=y, engine="convex_relaxation", options={"variance": "lanczos", "lanczos_rank": 2},
+                progress=False)
+
+
+def test_type2_options_on_a_model_without_params_warn():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(30, 2, generator=g, dtype=D)
+    y = (X[:, 0] > 0).to(D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", 30):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    with pytest.warns(UserWarning, match="type2_max_iter=2 has no effect: the model has no pyro.param"):
+        pcv.fit(model, X, y=y, engine="convex_relaxation", options={"type2_max_iter": 2}, progress=False)

@@ -656,3 +656,46 @@ def test_refine_to_the_exact_vg_optimum_with_weights():
     assert a.log_evidence_bound == pytest.approx(b.log_evidence_bound, abs=1e-8)
     assert a.log_evidence_bound > a.info["lvb_elbo"]  # the exact optimum lies above the tight-bound optimum
     assert float((a.posterior.loc - b.posterior.loc).abs().max()) < 1e-8
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation", "laplace"])
+def test_scale_factor_is_kept_in_double_precision(engine):
+    """``poutine.scale(0.3)`` on a Gaussian site is a Gaussian of precision 0.3 / sigma^2: the bound is the closed-form
+    evidence to 1e-12 (the weight was rounded to float32, 0.30000001192, and every engine's bound was 8.6e-8 off)."""
+    D = torch.float64
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(2, 2, generator=g, dtype=D)
+    y = torch.randn(2, generator=g, dtype=D)
+    s = 0.5
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", 2), poutine.scale(scale=0.3):
+            pyro.sample("y", dist.Normal(X @ w, s), obs=y)
+
+    # the tempered site N(y; eta, s)^0.3 = N(y; eta, s^2 / 0.3) * c, c = (2 pi s^2)^(-0.15) (2 pi s^2 / 0.3)^(1/2)
+    var = s * s / 0.3
+    log_c = -0.3 * 0.5 * math.log(2 * math.pi * s * s) + 0.5 * math.log(2 * math.pi * var)
+    exact = torch.distributions.MultivariateNormal(torch.zeros(2, dtype=D), X @ X.T + var * torch.eye(2, dtype=D))
+    ref = float(exact.log_prob(y)) + 2 * log_c
+    res = pcv.fit(model, X, y=y, engine=engine, progress=False)
+    assert res.log_evidence_bound == pytest.approx(ref, abs=1e-10)
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation"])
+def test_numerically_singular_prior_is_named(engine):
+    """A MultivariateNormal prior whose scale_tril has a diagonal entry of 9e-15 (a value a type-II search over it
+    reaches): an error that says the prior covariance is numerically singular (a bare LinAlgError from
+    convex_relaxation, a hint about Poisson rates from dual_vg before)."""
+    D = torch.float64
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randn(30, 2, generator=g, dtype=D), torch.randn(30, generator=g, dtype=D)
+    L = torch.tensor([[0.9656, 0.0], [1.1866, 9e-15]], dtype=D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.MultivariateNormal(torch.zeros(2, dtype=D), scale_tril=L))
+        with pyro.plate("d", 30):
+            pyro.sample("y", dist.Normal(X @ w, 0.4), obs=y)
+
+    with pytest.raises(pcv.NotPositiveDefiniteError, match="prior covariance is numerically singular"):
+        pcv.fit(model, X, y=y, engine=engine, progress=False)

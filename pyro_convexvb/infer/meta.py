@@ -32,6 +32,7 @@ def run(engine, args, kwargs):
     names = type2_params(engine, args, kwargs)
     if names:
         return run_type2(engine, names, args, kwargs, t0)
+    _warn_unused_type2_options(engine)
     if not engine.integrates_hyper:
         return engine.run_once(args, kwargs, t0)
     try:
@@ -60,6 +61,20 @@ def _warn_unused_hyper_options(engine):
     if unused:
         warn(f"engine '{engine.name}': option {' and '.join(unused)} has no effect: the model has no hyper-latents "
              "(every latent site is part of its latent Gaussian field); drop the option", UserWarning)
+
+
+def _warn_unused_type2_options(engine):
+    """Say that type-II options set away from their defaults have no effect on a model without ``pyro.param``
+    sites (``learn_params`` on, nothing to learn; not for an inner engine of an integration)."""
+    o = engine.options
+    if engine.data_checked or engine.type2 != "outer" or not getattr(o, "learn_params", False):
+        return
+    fields = type(o).__dataclass_fields__
+    unused = [f"{k}={getattr(o, k)!r}" for k in ("type2_max_iter", "type2_gtol")
+              if k in fields and getattr(o, k) != fields[k].default]
+    if unused:
+        warn(f"engine '{engine.name}': option {' and '.join(unused)} has no effect: the model has no pyro.param "
+             "sites to learn; drop the option", UserWarning)
 
 
 def hyper_latents(engine_cls, model, args, kwargs):

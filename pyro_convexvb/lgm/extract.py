@@ -580,7 +580,8 @@ def _site_weight(name, site):
         return None
     fn = site["fn"]
     full = tuple(fn.batch_shape) + tuple(fn.event_shape)
-    w = _rows(torch.as_tensor(scale).detach(), full, fn.event_dim, name, "poutine.scale factor")
+    scale = scale.detach() if torch.is_tensor(scale) else torch.tensor(float(scale), dtype=torch.float64)  # not float32
+    w = _rows(scale, full, fn.event_dim, name, "poutine.scale factor")
     if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
         raise UnsupportedModelError(name, "poutine.scale factors of a likelihood site must be nonnegative and finite "
                                           "(a negative weight is not a likelihood)")

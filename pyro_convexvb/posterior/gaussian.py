@@ -149,6 +149,8 @@ class GaussianPosterior(Posterior):
                 raise ValueError("precision_operator posteriors need their marginal variances (estimate them, e.g. by Lanczos)")
             variance = self._dense_variance()
         self.variance = variance
+        if tuple(variance.shape) != tuple(loc.shape):
+            raise ValueError(f"variance must have the shape of loc {tuple(loc.shape)}, got {tuple(variance.shape)}")
         if (self.variance < 0).any() or not torch.isfinite(self.variance).all():
             raise ValueError("marginal variances must be finite and nonnegative")
 
@@ -437,8 +439,9 @@ class GaussianPosterior(Posterior):
         ``precision`` posterior for ``n <= MAX_COMPACT_DENSE`` (``precision_operator.to_dense() /
         precision_scale``, ``n`` products); above that the operator is dropped: the mean and the
         engine's marginal variances stay, and sampling, ``covariance()``, ``marginals()`` and guides raise
-        ``ValueError`` saying so.  An engine's ``precision_cholesky``/``lanczos`` factors are not kept (estimators
-        keep them, :func:`pyro_convexvb.logistic.compact_result`).
+        ``ValueError`` saying so.  An engine's ``precision_cholesky``/``lanczos`` factors are not kept here
+        (:func:`pyro_convexvb.save` and the estimators keep them, :func:`pyro_convexvb.logistic.compact_result`, so
+        their ``marginals()`` still work).
 
         :param bool keep_model: keep the Pyro model callable (a module-level function or object).
         :returns: a new :class:`GaussianPosterior`; ``self`` is unchanged.

@@ -189,6 +189,13 @@ class ConvexVariationalRelaxation(Engine):
             raise ValueError(f"engine '{self.name}': learn_params needs the exact log|A| (n = {n} > "
                              f"dense_logdet_max = {self.options.dense_logdet_max}); raise dense_logdet_max or pass "
                              "learn_params=False")
+        method, lanczos = result.state.variance_method, result.state.lanczos
+        if method != "exact" and (lanczos is None or lanczos.k < n):
+            raise ValueError(f"engine '{self.name}': learn_params needs the relaxation's optimum, which Lanczos "
+                             f"variances (variance='{method}', {getattr(lanczos, 'k', 0)} steps for n = {n}) move "
+                             "gamma off, so the envelope gradient is not the bound's (its sign can flip); use "
+                             f"variance='exact' or 'auto' (n <= exact_max = {self.options.exact_max}), or "
+                             f"lanczos_rank >= {n}")
         return envelope_gradient(params, x, self.model, args, kwargs, result.state.bound_at, h)
 
     def initial_state(self):

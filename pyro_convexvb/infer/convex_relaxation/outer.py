@@ -40,6 +40,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
+from ...errors import NotPositiveDefiniteError
 from ...linalg.cg import cg
 from ...linalg.lanczos import block_lanczos, pca_variances
 from ...linalg.operators import ComposedOperator, as_operator
@@ -411,7 +412,13 @@ def variance_step(prob, gamma, opts, generator=None, *, method=None):
     n = prob.n
     if method == "exact":
         A = prob.dense_a(w)
-        L = torch.linalg.cholesky(A)
+        L, info = torch.linalg.cholesky_ex(A)
+        if int(info) != 0:  # positive definite in exact arithmetic: the prior's precision is numerically singular
+            raise NotPositiveDefiniteError(
+                f"convex_relaxation: the posterior precision A = prior precision + B^T Gamma^-1 B is not numerically "
+                f"positive definite (Cholesky failed at column {int(info)}): the model's prior covariance is "
+                "numerically singular (e.g. a MultivariateNormal scale_tril with a diagonal entry near 0); give a "
+                "positive definite prior")
         z, var_u = _exact_z(prob, L)
         logdet = float(2 * torch.log(torch.diagonal(L)).sum())
         return VarianceStep(z, var_u, logdet, "cholesky", n, None, L, "exact", "cholesky", False)

@@ -30,6 +30,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ...errors import NotPositiveDefiniteError
 from ..posterior import GaussianPosterior
 from ...linalg.operators import SparseOperator, as_operator
 from ...distributed import reduction_of
@@ -58,6 +59,17 @@ def _chol(M, what):
     if int(info) != 0:
         raise torch.linalg.LinAlgError(f"{what} is not positive definite (Cholesky failed at column {int(info)})")
     return L
+
+
+def _prior_chol(M, what):
+    """:func:`_chol` of the prior's covariance or precision: a failure is the model's prior (numerically singular),
+    not the dual's iterate, and says so."""
+    try:
+        return _chol(M, what)
+    except torch.linalg.LinAlgError as err:
+        raise NotPositiveDefiniteError(f"dual_vg: the model's {err}: its prior covariance is numerically singular "
+                                       "(e.g. a MultivariateNormal scale_tril with a diagonal entry near 0); give a "
+                                       "positive definite prior") from None
 
 
 #: ``lam_n Sigma_nn`` below which a site's variance is computed from its column of ``V_t``: the relative error of
@@ -247,12 +259,12 @@ class LatentSpaceBackend:
         if prior_prec is None and prior_cov is None:
             raise ValueError("prior_cov or prior_prec is required")
         if prior_prec is None:
-            prior_prec = torch.cholesky_inverse(_chol(prior_cov, "prior_cov"))
+            prior_prec = torch.cholesky_inverse(_prior_chol(prior_cov, "prior covariance"))
         if prior_cov is None:
-            prior_cov = torch.cholesky_inverse(_chol(prior_prec, "prior_prec"))
+            prior_cov = torch.cholesky_inverse(_prior_chol(prior_prec, "prior precision"))
         self.P, self.S = prior_prec, prior_cov
         if prior_logdet_cov is None:
-            prior_logdet_cov = -2 * torch.log(torch.diagonal(_chol(prior_prec, "prior_prec"))).sum()
+            prior_logdet_cov = -2 * torch.log(torch.diagonal(_prior_chol(prior_prec, "prior precision"))).sum()
         self.logdet_S = torch.as_tensor(prior_logdet_cov, dtype=mu.dtype, device=mu.device)
         if isinstance(op, SparseOperator):
             import scipy.sparse as sp
@@ -269,7 +281,7 @@ class LatentSpaceBackend:
         self._cache = None
 
     def prior_marginals(self):
-        G = torch.linalg.solve_triangular(_chol(self.P, "prior precision"), self._Wt_dense(), upper=False)
+        G = torch.linalg.solve_triangular(_prior_chol(self.P, "prior precision"), self._Wt_dense(), upper=False)
         return self.mu_t, (G * G).sum(0)
 
     def _Wt_dense(self):

@@ -61,9 +61,10 @@ def default_gap_tol(num_sites):
 
 
 #: why a dual start or iteration fails on some data, and what to do
-FAR_START = ("The start at the prior marginals put the sites' predictors far out (e.g. Gamma or Poisson rates of "
-             "exp(100) from covariates of large scale); standardise the covariates or tighten the prior, or use "
-             "engine='laplace'")
+FAR_START = ("Either the start at the prior marginals put the sites' predictors far out (e.g. Gamma or Poisson rates "
+             "of exp(100) from covariates of large scale: standardise the covariates or tighten the prior, or use "
+             "engine='laplace'), or the prior covariance is numerically singular (e.g. a MultivariateNormal "
+             "scale_tril with a diagonal entry near 0, which a type-II search over it can reach: give it a floor)")
 
 
 def initial_alpha(backend, bound):
