@@ -218,7 +218,8 @@ def test_malformed_objects_raise_naming_the_file_and_random_states_round_trip(tm
     for name, obj in (("nofields", {k: v for k, v in payload["object"].items() if k != "fields"}),
                       ("noloc", dict(payload["object"], fields={k: v for k, v in fields.items() if k != "loc"})),
                       ("strloc", dict(payload["object"], fields=dict(fields, loc="abc"))),
-                      ("shape", dict(payload["object"], fields=dict(fields, variance=torch.ones(5, dtype=torch.float64)))),
+                      ("shape", dict(payload["object"],
+                                     fields=dict(fields, variance=torch.ones(5, dtype=torch.float64)))),
                       ("dtype", {"__pcv__": "dtype", "name": "load"})):
         torch.save(dict(payload, object=obj), tmp_path / f"{name}.pt")
         with pytest.raises(ValueError, match=rf"{name}\.pt: "):
