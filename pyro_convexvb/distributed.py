@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from .linalg.operators import LinearOperator, as_operator
+from .linalg.operators import DenseOperator, LinearOperator, as_operator
 
 __all__ = [
     "init",
@@ -518,15 +518,21 @@ class RowShardedOperator(LinearOperator):
         if _counts is None:
             P = world_size() if is_active() else 1
             if P > 1:
-                counts = torch.zeros(P + 1, dtype=torch.float64)
+                # rows per rank, then the number of columns and the dtype's size, each with its square: equal on
+                # all ranks exactly when the mean of the squares is the square of the mean (every rank decides alike)
+                counts = torch.zeros(P + 4, dtype=torch.float64)
                 counts[rank()] = self.shape[0]
-                counts[P] = self.shape[1]
+                item = float(torch.empty(0, dtype=self.dtype).element_size() + 100 * self.dtype.is_complex)
+                counts[P:] = torch.tensor([self.shape[1], self.shape[1] ** 2, item, item ** 2], dtype=torch.float64)
                 counts = all_reduce_sum(counts)
-                n_cols = counts[P] / P
-                if float(n_cols) != float(self.shape[1]):
+                mean = counts[P:] / P
+                if float(mean[1]) != float(mean[0]) ** 2:
                     raise ValueError(
                         f"row_sharded: the local rows have {self.shape[1]} columns on rank {rank()} but the ranks "
                         "disagree on the number of columns (give n_features to the loader)")
+                if float(mean[3]) != float(mean[2]) ** 2:
+                    raise ValueError(f"row_sharded: the local rows are {self.dtype} on rank {rank()} but the ranks "
+                                     "hold different dtypes; convert every shard to the same dtype")
                 _counts = [int(c) for c in counts[:P].tolist()]
                 if min(_counts) == 0:
                     raise ValueError(f"row_sharded: rank {_counts.index(0)} holds no rows; every rank needs at least "
@@ -550,8 +556,13 @@ class RowShardedOperator(LinearOperator):
         return linear(self, v)
 
     def squared(self):
+        """The row-sharded operator of elementwise squares; a local operator without one (a sum of probed parts, on
+        a rank with few rows) is squared densely here, so products with it keep the sharded backward (a dense
+        square outside would give a gradient of this rank's rows only, and the ranks different collectives)."""
         sq = self.local.squared()
-        return None if sq is None else RowShardedOperator(sq, _counts=self.counts)
+        if sq is None:
+            sq = DenseOperator(self.local.to_dense() ** 2)
+        return RowShardedOperator(sq, _counts=self.counts)
 
     def to_dense(self):
         """The dense local rows ``(m_local, n)``."""
@@ -606,8 +617,8 @@ def shard_sites(lgm):
     :class:`RowShardedOperator` of its local rows, so ``Bᵀ u`` is all-reduced and site sums are reduced.
     Every observed site of a rank's model holds that rank's rows. Collective (one all-reduce a wrapped group).
 
-    :raises UnsupportedModelError: for sites that belong to no rank's rows (a Laplace prior's sites, replicated)
-        and for imputed (``obs_mask``) blocks.
+    :raises UnsupportedModelError: for sites that belong to no rank's rows (a Laplace prior's sites, replicated;
+        an observed site whose rows are the same on every rank) and for imputed (``obs_mask``) blocks.
     """
     from .errors import UnsupportedModelError
 
@@ -618,9 +629,83 @@ def shard_sites(lgm):
         if getattr(g, "from_prior", False):
             raise UnsupportedModelError(g.name, "a Laplace prior's sites are replicated, not rows of the data; "
                                                 "with row-sharded data use a Gaussian prior or fit on one process")
+    replicated = _replicated_groups(lgm.sites)
+    if replicated:
+        raise UnsupportedModelError(replicated[0], "this observed site holds the same rows on every rank, so a "
+                                                   "fit would count them once per rank: with row-sharded data every "
+                                                   "observed site must hold this rank's share of its rows (give rank "
+                                                   "0 the side observations and the other ranks none, or fit on one "
+                                                   "process)")
+    for g in lgm.sites:
         if not _pure_sharded(g.design):
             g.design = RowShardedOperator(LocalOnlyOperator(g.design))
     return lgm
+
+
+def _replicated_groups(groups):
+    """Names of the site groups whose rows are identical on every rank (number of rows, observations and design
+    probed along a fixed direction): :func:`replicated_names`. Collective; ``[]`` on one process."""
+    if not is_active() or not groups:
+        return []
+    prints = []
+    for g in groups:
+        rows = g.design.shape[0]
+        v = torch.cos(torch.arange(1, g.design.shape[1] + 1, dtype=torch.float64)).to(g.design.dtype)
+        local = g.design.local if isinstance(g.design, RowShardedOperator) else g.design
+        obs = [t for t in g.family.params.values() if torch.is_tensor(t) and t.dim() >= 1 and t.shape[0] == rows]
+        prints.append((g.name, [local.mv(v.to(local.device))] + obs[:2]))
+    return replicated_names(prints)
+
+
+def replicated_names(prints):
+    """The names among ``prints`` (``[(name, [tensor, ...])]``, each tensor's leading dimension the site's rows)
+    whose tensors are the same on every rank: fingerprints (row count, a fixed weighting of each tensor's rows) and
+    their squares are all-reduced once, and a fingerprint is equal on all ranks exactly when its variance over ranks
+    is zero (to rounding). Collective: every rank passes the same names in the same order; ``[]`` on one process."""
+    if not is_active() or not prints:
+        return []
+    width = 1 + max(len(ts) for _, ts in prints)
+    f = torch.zeros(len(prints), width, dtype=torch.float64)
+    for i, (_, tensors) in enumerate(prints):
+        rows = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 0
+        f[i, 0] = rows
+        c = torch.sin(torch.arange(1, rows + 1, dtype=torch.float64))  # a fixed weighting of the rows
+        for j, t in enumerate(tensors, 1):
+            f[i, j] = float(c @ t.detach().double().reshape(rows, -1).sum(1).cpu()) if rows else 0.0
+    total = all_reduce_sum(torch.cat([f, f * f], 1))
+    P = world_size()
+    mean, mean_sq = total[:, :width] / P, total[:, width:] / P
+    same = ((mean_sq - mean * mean).abs() <= 1e-13 * (1 + mean_sq.abs())).all(1) & (mean[:, 0] > 0)
+    return [name for (name, _), s_ in zip(prints, same.tolist()) if s_]
+
+
+def agree_on_errors(fn):
+    """``fn()`` on every rank, with a failure on one rank raised on all of them: the ranks all-reduce which of them
+    failed, the failing ranks re-raise their own error and the others one of the same kind (a refusal, a
+    ``ValueError``, else a ``RuntimeError``) naming those ranks (a rank that raised alone left the others waiting in
+    their next collective). Collective (one all-reduce); on one process just ``fn()``."""
+    from .errors import UnsupportedModelError
+
+    if not is_active():
+        return fn()
+    err, out = None, None
+    try:
+        out = fn()
+    except Exception as e:  # re-raised below, on every rank
+        err = e
+    failed = torch.zeros(world_size(), dtype=torch.float64)  # 0 fine, 1 an error, 2 a ValueError, 3 a refusal
+    if err is not None:
+        failed[rank()] = 3.0 if isinstance(err, UnsupportedModelError) else 2.0 if isinstance(err, ValueError) else 1.0
+    failed = all_reduce_sum(failed)
+    if err is not None:
+        raise err
+    if bool(failed.any()):  # the same kind of error as the failing ranks', so every rank takes the same path on
+        ranks = [int(r) for r in torch.nonzero(failed).reshape(-1)]  # (e.g. pcv.fit's list of the engines that fit)
+        why = f"refused on the rows of rank(s) {ranks} (see the error there); this rank stops with them"
+        code = float(failed.max())
+        raise (UnsupportedModelError(f"<rank {ranks[0]}>", why) if code == 3.0 else
+               ValueError(why) if code == 2.0 else RuntimeError(why))
+    return out
 
 
 def row_sharded(X_local):

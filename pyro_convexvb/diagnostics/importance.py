@@ -45,6 +45,13 @@ def _model_of(result):
         raise ValueError("importance diagnostics evaluate the Pyro model's log joint: this result was not fitted on "
                          "a Pyro model (a LatentGaussianModel has no model to evaluate); fit the Pyro model instead")
     args, kwargs = getattr(post, "model_args", ((), {}))
+    from ..distributed import find_comm
+
+    if find_comm(args, kwargs) is not None:
+        raise ValueError("importance diagnostics (diagnostics, corrected(), loo(), to_arviz()) evaluate the model's "
+                         "log joint on this process's rows only: on a fit to row-sharded data they would weigh the "
+                         "posterior of all rows against one shard's likelihood (and differ between ranks); run them "
+                         "in one process on all rows")
     return model, args, kwargs
 
 

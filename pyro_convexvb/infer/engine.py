@@ -328,7 +328,7 @@ class Engine:
         self._check_distributed(args, kwargs)
         if not isinstance(self.model, LatentGaussianModel):
             with forked_rng(0):  # its trace's prior draws leave the run's stream where it was
-                check_model_data(self.model, args, kwargs)
+                check_model_data(self.model, args, kwargs)  # (on row-sharded data: a failure raised on every rank)
 
     def run_once(self, args, kwargs, t0, lgm=None):
         """One fit: the problem (:meth:`problem`: the latent Gaussian model, unless given as ``lgm``, or the

@@ -50,7 +50,8 @@ from .optimality import gaussian_decrement, monte_carlo_objective
 from .result import Criterion, Optimality, Solution
 from ..posterior.gaussian import GaussianPosterior, _apply_name_prefix
 from ..distributed import enter_local, find_comm, rank, sum_over_ranks
-from .sharded_svi import ShardedTraceELBO, local_args, local_log_prob, reshard_lgm
+from .sharded_svi import (ShardedTraceELBO, check_full_plates, check_sharded_rows, local_args, local_log_prob,
+                          reshard_lgm)
 
 __all__ = [
     "SVIOptions",
@@ -708,11 +709,21 @@ def _sharded_map_loss(model, guide, args, kwargs):
     guide_tr = poutine.trace(guide).get_trace(*largs, **lkwargs)
     latent = {name: site["value"] for name, site in guide_tr.nodes.items()
               if site["type"] == "sample" and not site["is_observed"]}
-    values = {name: enter_local(v) for name, v in latent.items()}
+    # every latent enters through ONE enter_local, used on every rank (0 * its sum): each backward then issues the
+    # same single all-reduce on all ranks, also for a latent that only the prior reads (counted on rank 0 only)
+    flat = enter_local(torch.cat([v.reshape(-1) for v in latent.values()]))
+    values, at = {}, 0
+    for name, v in latent.items():
+        values[name] = flat[at:at + v.numel()].reshape(v.shape)
+        at += v.numel()
     model_tr = poutine.trace(poutine.condition(model, data=values)).get_trace(*largs, **lkwargs)
+    check_full_plates(model_tr)
+    if not guide.__dict__.get("_rows_checked"):  # once per fit (a collective)
+        check_sharded_rows(model_tr, latent)
+        guide.__dict__["_rows_checked"] = True
     model_tr.compute_log_prob()
     first = rank() == 0
-    local = guide_tr.log_prob_sum().new_zeros(())
+    local = 0.0 * flat.sum()
     for name, site in model_tr.nodes.items():
         if site["type"] != "sample" or type(site["fn"]).__name__ == "_Subsample":
             continue

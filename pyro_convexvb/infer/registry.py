@@ -8,6 +8,7 @@ are :class:`~pyro_convexvb.infer.engine.Engine` subclasses.
 """
 import importlib
 
+from ..distributed import find_comm
 from ..errors import UnsupportedModelError
 from ..lgm.extract import check_model_data, lgm_from_pyro
 from ..lgm.model import LatentGaussianModel
@@ -126,6 +127,9 @@ def engines_that_fit(model, *args, lgm=None, **kwargs):
     :raises ValueError: for data that no engine fits (non-finite inputs, no rows, observed values outside their
         distribution's support; :func:`~pyro_convexvb.lgm.extract.check_model_data`).
 
+    On row-sharded data (:func:`pyro_convexvb.distributed.row_sharded`) only engines that fit such data are
+    considered.
+
     Example::
 
         >>> import pyro, pyro.distributions as dist, torch
@@ -137,6 +141,8 @@ def engines_that_fit(model, *args, lgm=None, **kwargs):
         ['diag_mixture', 'laplace', 'nuts', 'svi_automvn', 'svi_autonormal', 'svi_lowrank']
     """
     names = list(engines())
+    if find_comm(args, kwargs) is not None:  # row-sharded data: only the engines that reduce over ranks
+        names = [n for n in names if _ENGINES[n].distributed]
     if lgm is None and not isinstance(model, LatentGaussianModel):
         with forked_rng(0):  # its trace's prior draws leave the caller's stream where it was
             check_model_data(model, args, kwargs)

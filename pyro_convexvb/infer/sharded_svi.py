@@ -85,12 +85,41 @@ def reshard_lgm(lgm, args, kwargs):
     return lgm
 
 
+def check_sharded_rows(trace, latent=()):
+    """Refuse an observed site whose rows (its values and its distribution's mean at the replicated draw) are the
+    same on every rank: each rank's ELBO would count them, once per rank. ``latent``: names of latent sites the
+    trace conditions on (observed in it, replicated by design). Collective (one all-reduce)."""
+    from ..errors import UnsupportedModelError
+
+    prints = []
+    for name, site in trace.nodes.items():
+        if site["type"] == "sample" and site["is_observed"] and name not in latent and torch.is_tensor(site["value"]):
+            value = site["value"].reshape(1) if site["value"].dim() == 0 else site["value"]
+            try:
+                mean = site["fn"].mean.expand(site["value"].shape).reshape(value.shape)
+            except (NotImplementedError, RuntimeError, AttributeError):
+                mean = torch.zeros_like(value)
+            prints.append((name, [value, mean]))
+    same = distributed.replicated_names(prints)
+    if same:
+        raise UnsupportedModelError(same[0], "this observed site holds the same rows on every rank, so the ELBO "
+                                             "would count them once per rank: with row-sharded data every observed "
+                                             "site must hold this rank's share of its rows (give rank 0 the side "
+                                             "observations and the other ranks none, or fit on one process)")
+
+
 def check_full_plates(trace):
     """Refuse subsampled plates on row-sharded data: each rank would draw its mini-batch indices from its own
-    number of rows, the random streams of the ranks would drift apart and the replicated draws with them."""
+    number of rows, the random streams of the ranks would drift apart and the replicated draws with them. Refuse
+    ``obs_mask`` imputation too: its ``<name>_unobserved`` latents are this rank's rows, not replicated latents."""
     for name, site in trace.nodes.items():
         if site["type"] != "sample":
             continue
+        if name.endswith("_unobserved") and name[:-len("_unobserved")] + "_observed" in trace.nodes:
+            raise NotImplementedError(
+                f"site '{name[:-len('_unobserved')]}': obs_mask imputation is not supported on row-sharded data "
+                "(pcv.distributed.row_sharded): the imputed entries are latents of this rank's rows, not replicated "
+                "ones; drop the unobserved rows from the shards, or fit on one process")
         for f in site.get("cond_indep_stack", ()):
             full = getattr(f, "full_size", None)
             if full is not None and f.size is not None and f.size < full:
@@ -169,6 +198,9 @@ class ShardedTraceELBO(Trace_ELBO):
         for model_trace, guide_trace in self._get_traces(model, guide, args, kwargs):
             check_full_plates(model_trace)
             check_full_plates(guide_trace)
+            if not self.__dict__.get("_rows_checked"):
+                check_sharded_rows(model_trace)
+                self._rows_checked = True
             loss_particle, surrogate = self._local_particle(model_trace, guide_trace, first)
             loss += loss_particle / self.num_particles
             if getattr(surrogate, "requires_grad", False):

@@ -375,8 +375,14 @@ def check_model_data(model, args, kwargs):
 
     :raises ValueError: naming the argument or the site and what to do.
     """
-    from ..distributed import find_comm
+    from ..distributed import agree_on_errors, find_comm, local_only
 
+    if find_comm(args, kwargs) is not None:  # row-sharded data: this rank's rows, a failure raised on every rank
+        def local():
+            with local_only():
+                return check_model_data(model, args, kwargs)
+
+        return agree_on_errors(local)
     masked, nonfinite = [], None
     if find_comm(args, kwargs) is None:
         try:
@@ -974,14 +980,17 @@ def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
         >>> torch.allclose(lgm.sites[0].design.to_dense(), X)
         True
     """
-    from ..distributed import find_comm, local_only, shard_sites
+    from ..distributed import agree_on_errors, find_comm, local_only, shard_sites
 
     if find_comm(args, kwargs) is not None:
         # row-sharded data (pcv.distributed): extract on this rank's rows with no communication (probes are
-        # local), then mark every site group as this rank's rows of the global design
-        with local_only():
-            lgm = lgm_from_pyro(model, *args, dtype=dtype, keep_graph=keep_graph, **kwargs)
-        return shard_sites(lgm)
+        # local), then mark every site group as this rank's rows of the global design; a rank's refusal is raised
+        # on every rank (the others would wait in shard_sites' collective)
+        def local():
+            with local_only():
+                return lgm_from_pyro(model, *args, dtype=dtype, keep_graph=keep_graph, **kwargs)
+
+        return shard_sites(agree_on_errors(local))
     with full_data_plates(), record_normal_cdf(), torch.enable_grad():  # affinity is probed with autograd
         return _extract(model, args, kwargs, dtype, bool(keep_graph))
 

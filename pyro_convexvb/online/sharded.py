@@ -164,6 +164,15 @@ class ShardedOnline:
             raise ValueError(f"y: expected {n} labels (one per row of X), got {y.shape[0]}")
         active = distributed.is_active()
         rounds = math.ceil(n / self.merge_every)
+        if active and not self.__dict__.get("_features_checked"):  # once: every rank merges states of one size
+            import torch
+
+            d = float(est.num_features)
+            total = distributed.all_reduce_sum(torch.tensor([d, d * d], dtype=torch.float64)) / distributed.world_size()
+            if float(total[1]) != float(total[0]) ** 2:
+                raise ValueError(f"num_features: {est.num_features} on rank {distributed.rank()}, but the ranks' "
+                                 "learners differ; give every rank's learner the same num_features")
+            self._features_checked = True
         if active:
             rounds = int(distributed.all_reduce_max(float(rounds)))
         losses = []

@@ -606,7 +606,7 @@ class RelaxationProblem:
         """``R(u, gamma) = ||y~ - X u||^2 + s^T Gamma^{-1} s - 2 beta^T s`` (Nickisch & Seeger 2009, §2.1)."""
         s = self.s(u) if s is None else s
         val = self.quad(u)
-        if self.q or self.comm is not None:
+        if self.groups and (self.q or self.comm is not None):  # (no non-Gaussian site groups: no term on any rank)
             val = val + self.site_sum((s * s / gamma - 2 * self.pot.beta * s).sum())
         return val
 

@@ -380,7 +380,8 @@ class DualState:
                              "marginals -- use bound='tight', 'jensen' or 'bohning', or learn_params=False")
         if sharded_design(lgm.design())[1] is not None:
             raise ValueError("engine 'dual_vg': type-II learning of model parameters (learn_params) is not "
-                             "available on row-sharded data; fit with learn_params=False")
+                             "available on row-sharded data; learn them with engine 'convex_relaxation' or "
+                             "'laplace' (which reduce type-II over ranks), or keep them fixed (learn_params=False)")
         q = self.posterior
         m = q.loc.to(lgm.dtype)
         V = q.covariance().to(lgm.dtype)
