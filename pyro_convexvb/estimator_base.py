@@ -109,6 +109,12 @@ def sklearn_input(obj):
 def design_matrix(basis, X, fit_intercept=False):
     """``Phi = basis(X)`` (``X`` itself when ``basis`` is ``None``), with a ones column appended if asked."""
     Phi = X if basis is None else basis(X)
+    if not torch.is_tensor(Phi) or not Phi.is_floating_point():
+        raise ValueError(f"basis must return a floating-point torch tensor (the inputs' {X.dtype}), got "
+                         f"{type(Phi).__name__ if not torch.is_tensor(Phi) else Phi.dtype}")
+    if Phi.dtype != X.dtype:
+        raise ValueError(f"basis must return features in the inputs' dtype {X.dtype}, got {Phi.dtype} (e.g. build "
+                         "its module in float64, or convert its output)")
     if Phi.dim() != 2 or Phi.shape[0] != X.shape[0]:
         raise ValueError(f"basis must map (N, d) inputs to (N, D) features, got shape {tuple(Phi.shape)}")
     if fit_intercept:

@@ -419,3 +419,15 @@ def test_logit_expected_log_prob_at_wide_site_variances(mean, var):
     fd_v = float(fam.expected_log_prob_terms(m, v + hv)[0] - fam.expected_log_prob_terms(m, v - hv)[0]) / (2 * hv)
     assert float(d_mean) == pytest.approx(fd_m, abs=1e-8)
     assert float(d_var) == pytest.approx(fd_v, abs=1e-8, rel=1e-6)
+
+
+@pytest.mark.parametrize("out", ["numpy", "float32"])
+def test_a_basis_returning_another_type_is_named(out):
+    """A user basis returning NumPy or float32 features: an error naming ``basis`` (a bare AttributeError or torch's
+    addmv dtype error before)."""
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(30, 2)), rng.normal(size=30)
+    basis = (lambda Z: Z.numpy()) if out == "numpy" else (lambda Z: Z.float())
+    for est in (pcv.BayesianLinearRegression(basis=basis), pcv.GLM("gaussian", basis=basis)):
+        with pytest.raises(ValueError, match="basis must return"):
+            est.fit(X, y)

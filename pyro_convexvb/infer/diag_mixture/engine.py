@@ -8,7 +8,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.nn import PyroParam
 
-from ...errors import UnsupportedModelError
+from ...errors import UnsupportedModelError, warn
 from ...linalg.linesearch import backtrack
 from ...posterior.gaussian import _write_guide_params
 from ...posterior.mixture import (_ENTROPY_BOUNDS, AutoDiagMixture, DiagMixturePosterior, _entropy_fn,
@@ -40,6 +40,13 @@ class DiagMixtureOptions(SVIOptions):
         # min_steps is an SVI option (SVIOptions.check: an unset one is capped at max_steps)
         if self.optimizer != "natural_gradient":
             super().check()
+        if self.num_components == 1:  # one component: no spread of means; the entropy bounds differ by a constant
+            unused = ["init_spread"] * (self.init_spread is not None) + ["entropy"] * (self.entropy != "eq24")
+            if unused:
+                warn(f"engine 'diag_mixture': option {' and '.join(unused)} has no effect with num_components=1 "
+                     "(one component has no spread of means, and the entropy bounds differ by a constant there, so "
+                     "the fit is the same); drop it or raise "
+                     "num_components", UserWarning)
 
 
 #: name of the natural-gradient ascent's second criterion
@@ -47,7 +54,7 @@ REMAINING_NAME = "gain still to come of the natural-gradient ascent, from its la
 
 #: options that only the stochastic optimiser uses ('auto' picks SVI when one differs from its default)
 SVI_ONLY_OPTIONS = ("lr", "min_steps", "window", "rtol", "lr_decay", "lr_cuts", "num_particles",
-                    "vectorize_particles", "clip_norm", "callback", "check_particles")
+                    "vectorize_particles", "clip_norm", "callback")
 
 
 def _natural_gradient_refusal(call, lgm, n_guide, learn_params):
@@ -62,6 +69,24 @@ def _natural_gradient_refusal(call, lgm, n_guide, learn_params):
                "covariance blocks"
     if learn_params and model_param_values(call):
         return "the model has pyro.param sites to learn jointly (learn_params=True), which only SVI does"
+    plate = _subsampled_plate(call)
+    if plate is not None:
+        return f"plate '{plate}' is subsampled (mini-batches), and natural-gradient steps take all the data"
+    return None
+
+
+def _subsampled_plate(call):
+    """The name of a plate of the model that subsamples its rows (``subsample_size`` or ``subsample``), or
+    ``None``: one trace of the model, its random draws in a forked stream."""
+    from ..rng import forked_rng
+
+    with forked_rng(0), torch.no_grad():
+        tr = poutine.trace(call.model).get_trace(*call.args, **call.kwargs)
+    for site in tr.nodes.values():
+        for f in site.get("cond_indep_stack", ()):
+            full = getattr(f, "full_size", None)
+            if full is not None and f.size is not None and f.size < full:
+                return f.name
     return None
 
 
@@ -186,6 +211,10 @@ class DiagMixtureEngine(SVIEngine):
             lgm = try_lgm(call.source, call.args, call.kwargs)
         lgm = reshard_lgm(lgm, call.args, call.kwargs)
         exact = lgm is not None and lgm.n == posterior.n and lgm.model_bijective
+        if exact and o.check_particles != type(o).__dataclass_fields__["check_particles"].default:
+            warn("engine 'diag_mixture': option check_particles has no effect: the model is a latent Gaussian model, "
+                 "whose optimality is measured on the exact bound (Monte Carlo draws only for other models)",
+                 UserWarning)
         info = dict(info_opt, guide=guide, entropy=o.entropy, hyperparameters=model_param_values(call))
         best = "best"
         with torch.no_grad():
@@ -204,7 +233,7 @@ class DiagMixtureEngine(SVIEngine):
             name = "natural-gradient decrement of the exact mixture evidence bound (nats)"
             if measured != best:
                 name = f"natural-gradient decrement of the exact mixture evidence bound, {measured} entropy (nats)"
-        else:
+        else:  # check_particles: the Monte Carlo check of a model that is not a latent Gaussian model
             log_joint, n = flat_log_joint(call.model, call.args, call.kwargs, red)
             mc = [monte_carlo_objective(log_joint, n, o.check_particles, locs.dtype, locs.device, self.run_seed + k)
                   for k in range(o.num_components)]
