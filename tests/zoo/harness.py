@@ -121,7 +121,7 @@ def is_slow(model_name, engine):
 
 _GP_SVI = ("the GP prior K in f-space is badly conditioned (smooth kernel, jitter 1e-6): the mean-field optimum "
            "itself collapses the marginal sds (its variances are 1 / diag of the posterior precision; diag_mixture "
-           "reaches it, converged, by natural-gradient steps and still misses the means), and Adam "
+           "reaches it by natural-gradient steps on the exact bound, its means within 0.25 reference sds), and Adam "
            "on a full or low-rank Gaussian does not reach the VG optimum (3000 steps of svi_automvn on gp_rbf: "
            "mean err 3.8, sds ~0); dual_vg and convex_relaxation, which work with K directly, pass")
 _GP_NUTS = ("200 + 200 draws of one chain with a diagonal mass matrix and tree depth 8 do not explore the "
@@ -173,7 +173,8 @@ KNOWN_MISSES.update({
 for _m, _errs in {"gp_rbf": (2.4, 2.0, 2.1, 1.9), "gp_matern52": (2.2, 2.0, 2.1, 2.1),
                   "gp_ard_rbf": (2.6, 2.7, 2.5, 2.6), "hier_gp_lengthscale": (3.9, 3.9, 4.1, 4.1)}.items():
     for _e, _err in zip(("svi_automvn", "svi_autonormal", "svi_lowrank", "diag_mixture"), _errs):
-        KNOWN_MISSES[(_m, _e)] = f"mean err {_err} > 0.5 (sds ~0): " + _GP_SVI
+        if _e != "diag_mixture" or _m == "hier_gp_lengthscale":  # (a hyper-latent: the SVI budget, not the exact bound)
+            KNOWN_MISSES[(_m, _e)] = f"mean err {_err} > 0.5 (sds ~0): " + _GP_SVI
 
 KNOWN_MISSES[("softmax_iris_reference_class", "svi_lowrank")] = (
     "sd err 0.59 > 0.5: Adam from init_scale 0.1 stops on its plateau rule before the low-rank scales have grown")
