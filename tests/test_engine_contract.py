@@ -423,3 +423,47 @@ def test_local_latents_of_a_plate_subsampled_by_explicit_indices_are_left_to_nut
     with pytest.raises(pcv.UnsupportedModelError, match=r"site 'theta'.*inside plate 'groups' subsampled by explicit "
                                                          r"indices \(3 of 6"):
         pcv.fit(model, g, y=y, engine="laplace", progress=False)
+
+
+def test_sequential_plates_and_mini_batched_locals_are_refused_where_the_guide_cannot_follow():
+    """``for t in pyro.plate(...)``: Pyro's autoguides refuse a latent in it (a bare NotImplementedError after
+    engines_that_fit listed laplace, the SVI engines and diag_mixture); a local latent of a ``subsample_size`` plate:
+    the full- and low-rank guides and diag_mixture crashed after every SVI step. Both refused up front by site."""
+    D = torch.float64
+    y = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(0))
+
+    def loop_model(y):
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        for t in pyro.plate("T", 4):
+            z = pyro.sample(f"z_{t}", dist.Normal(b, 1.0))
+            pyro.sample(f"y_{t}", dist.Normal(z, 0.5), obs=y[t])
+
+    assert pcv.engines_that_fit(loop_model, y) == ["convex_relaxation", "dual_vg", "nuts"]
+    with pytest.raises(pcv.UnsupportedModelError, match=r"site 'z_0'.*sequential pyro.plate 'T'"):
+        pcv.fit(loop_model, y, engine="laplace", progress=False)
+
+    def batch_model(y):
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        with pyro.plate("data", 4, subsample_size=2) as i:
+            z = pyro.sample("z", dist.Normal(b, 1.0))
+            pyro.sample("y", dist.Normal(z, 0.5), obs=y[i])
+
+    fits = pcv.engines_that_fit(batch_model, y)
+    assert not {"svi_automvn", "svi_lowrank", "diag_mixture"} & set(fits) and {"laplace", "svi_autonormal"} <= set(fits)
+    with pytest.raises(pcv.UnsupportedModelError, match=r"site 'z'.*plate 'data', which the model subsamples"):
+        pcv.fit(batch_model, y, engine="svi_automvn", progress=False)
+
+
+def test_a_model_that_does_not_broadcast_over_particles_is_named():
+    D = torch.float64
+    X = torch.randn(10, 2, dtype=D, generator=torch.Generator().manual_seed(0))
+    y = (X[:, 0] > 0).to(D)
+
+    def model(X, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", 10):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    with pytest.raises(ValueError, match="vectorize_particles=True: the model runs with one particle"):
+        pcv.fit(model, X, y, engine="svi_autonormal", options=dict(num_particles=4, vectorize_particles=True),
+                progress=False)

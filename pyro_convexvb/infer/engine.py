@@ -409,6 +409,23 @@ def _subsampled_local(name, site):
     return None
 
 
+def _plate_refusal(name, site, cls):
+    """The refusal of a latent site in a sequential ``pyro.plate`` (a Python loop; Pyro's autoguides refuse it) or
+    a local latent of a mini-batched plate (``subsample_size``: full-rank guides cannot follow it), for an engine
+    class that does not fit it, else ``None``."""
+    if not cls.sequential_plates:
+        loop = next((f.name for f in site["cond_indep_stack"] if not f.vectorized), None)
+        if loop is not None:
+            return UnsupportedModelError(name, f"a latent site inside the sequential pyro.plate '{loop}' (a Python "
+                                               "loop over the plate), which this engine's Pyro autoguide does not "
+                                               "support; write the plate as a vectorised `with pyro.plate(...)`")
+    if not cls.mini_batched_locals and site.get("mini_batched_plates"):
+        return UnsupportedModelError(name, f"a local latent site inside plate '{site['mini_batched_plates'][0]}', "
+                                           "which the model subsamples (subsample_size): this engine's guide "
+                                           "couples every latent and cannot follow a mini-batch of them")
+    return None
+
+
 def _untransformable(name, site):
     """The refusal of a latent site whose support Pyro cannot map to unconstrained coordinates (where the engines on
     the Pyro model work), else ``None``."""
@@ -436,6 +453,10 @@ class ModelEngine(Engine):
     #: whose prior Pyro scales by ``size / len(idx)``): NUTS samples that log joint as written; the guides of
     #: Laplace and SVI do not follow it (Laplace stopped away from its mode)
     subsampled_locals: ClassVar[bool] = False
+    #: whether the engine fits latent sites of sequential plates (``for i in pyro.plate(...)``; Pyro's autoguides
+    #: refuse them) and local latent sites of plates the model mini-batches (``subsample_size``)
+    sequential_plates: ClassVar[bool] = False
+    mini_batched_locals: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -455,7 +476,7 @@ class ModelEngine(Engine):
             if getattr(site["fn"].support, "is_discrete", False):
                 return UnsupportedModelError(name, "a discrete latent site (this engine needs continuous latents)")
             err = _wider_mask_or_scale(name, site) or _untransformable(name, site) \
-                or (None if cls.subsampled_locals else _subsampled_local(name, site))
+                or (None if cls.subsampled_locals else _subsampled_local(name, site)) or _plate_refusal(name, site, cls)
             if err is not None:
                 return err
             if getattr(_unwrap(site["fn"])[0], "is_intrinsic", False):

@@ -366,7 +366,12 @@ class SVIEngine(_PyroModelEngine):
             elbo = Trace_ELBO(num_particles=o.num_particles, vectorize_particles=o.vectorize_particles)
         else:  # row-sharded data: local surrogate, gradients all-reduced (see sharded_svi)
             elbo = ShardedTraceELBO(red, num_particles=o.num_particles, vectorize_particles=o.vectorize_particles)
-        losses, reason, elbo_estimate = self.run_svi(model, guide, elbo, call, run)
+        try:
+            losses, reason, elbo_estimate = self.run_svi(model, guide, elbo, call, run)
+        except (RuntimeError, ValueError, IndexError) as e:
+            if o.vectorize_particles and o.num_particles > 1:
+                _blame_particle_plate(model, guide, call, e)
+            raise
         posterior = self.posterior_of(guide)
         lgm = reshard_lgm(try_lgm(call.source, call.args, call.kwargs), call.args, call.kwargs)
         with torch.enable_grad():
@@ -391,6 +396,22 @@ class SVIEngine(_PyroModelEngine):
             return GaussianPosterior(q.loc.clone(), scale_tril=q.scale_tril.clone())
 
 
+def _blame_particle_plate(model, guide, call, error):
+    """The model failed under ``vectorize_particles=True``: when one unvectorised ELBO evaluation runs, the failure
+    is the particle plate's, and a ``ValueError`` says so (the model's own error chained); else the caller re-raises
+    the model's error."""
+    try:
+        with torch.no_grad(), poutine.block():
+            Trace_ELBO().loss(model, guide, *call.args, **call.kwargs)
+    except Exception:  # noqa: BLE001 - the model fails without the particle plate too: its own error stands
+        return
+    raise ValueError(
+        f"option vectorize_particles=True: the model runs with one particle but fails inside Pyro's particle plate "
+        f"({type(error).__name__}: {str(error).splitlines()[0][:200]}), so it does not broadcast over a leading "
+        "particle dimension (e.g. a global vector latent of shape (P, 1, D) in 'X @ w'); use "
+        "vectorize_particles=False, or write the predictor with pcv.linear(X, w)") from error
+
+
 class SVIAutoNormal(SVIEngine):
     name = "svi_autonormal"
     description = "Pyro SVI + AutoNormal (mean-field Gaussian), Adam until the ELBO plateaus"
@@ -399,12 +420,14 @@ class SVIAutoNormal(SVIEngine):
 
 class SVIAutoMultivariateNormal(SVIEngine):
     name = "svi_automvn"
+    mini_batched_locals = False  # one dense covariance over every latent
     description = "Pyro SVI + AutoMultivariateNormal (full-rank Gaussian), Adam until the ELBO plateaus"
     guide_cls = AutoMultivariateNormal
 
 
 class SVILowRank(SVIEngine):
     name = "svi_lowrank"
+    mini_batched_locals = False  # one low-rank covariance over every latent
     description = "Pyro SVI + AutoLowRankMultivariateNormal, Adam until the ELBO plateaus"
     guide_cls = AutoLowRankMultivariateNormal
     Options = SVILowRankOptions
@@ -763,6 +786,7 @@ class NUTSEngine(_FullDataEngine):
     optimality_measure = ("largest split R-hat over all unconstrained latent coordinates <= max_rhat, and smallest "
                           "effective sample size >= min_ess")
     subsampled_locals = True
+    sequential_plates = True  # samples the log joint as written
 
     def solve(self, call, run):
         from pyro.ops.stats import effective_sample_size, split_gelman_rubin

@@ -225,6 +225,11 @@ class FullDataPlates(poutine.messenger.Messenger):
     :class:`FullDataPlates` is on the effect-handler stack and calls Pyro's own code unchanged otherwise.
     """
 
+    def __init__(self):
+        super().__init__()
+        #: names of the plates the model asked to subsample (``subsample_size`` below its size), run at full size
+        self.mini_batched = set()
+
     def _pyro_sample(self, msg):
         pass  # a marker on the stack; the plates are sized by the hook
 
@@ -239,7 +244,10 @@ _PYRO_SUBSAMPLE = SubsampleMessenger._subsample
 
 def _subsample(name, size=None, subsample_size=None, subsample=None, use_cuda=None, device=None):
     """Pyro's ``SubsampleMessenger._subsample``, at the full size inside a :class:`FullDataPlates` handler."""
-    if size is not None and subsample is None and any(isinstance(m, FullDataPlates) for m in _PYRO_STACK):
+    handler = next((m for m in _PYRO_STACK if isinstance(m, FullDataPlates)), None)
+    if size is not None and subsample is None and handler is not None:
+        if subsample_size is not None and subsample_size < size:
+            handler.mini_batched.add(name)
         subsample_size = size
     return _PYRO_SUBSAMPLE(name, size, subsample_size, subsample, use_cuda, device)
 
@@ -249,11 +257,15 @@ SubsampleMessenger._subsample = staticmethod(_subsample)
 
 def latent_sites(model, args, kwargs):
     """``[(name, site)]`` of the model's latent sample sites in trace order (the packing order of Pyro's
-    :class:`~pyro.infer.autoguide.AutoContinuous`), traced with every plate at full size."""
-    with torch.no_grad(), full_data_plates():
+    :class:`~pyro.infer.autoguide.AutoContinuous`), traced with every plate at full size; each site's
+    ``"mini_batched_plates"`` lists its plates that the model subsamples (``subsample_size``)."""
+    with torch.no_grad(), full_data_plates() as plates:
         tr = poutine.trace(model).get_trace(*args, **kwargs)
-    return [(n, s) for n, s in tr.nodes.items()
-            if s["type"] == "sample" and not s["is_observed"] and not _is_subsample(s)]
+    out = [(n, s) for n, s in tr.nodes.items()
+           if s["type"] == "sample" and not s["is_observed"] and not _is_subsample(s)]
+    for _, s in out:  # the plates of each site that the model mini-batches (run here at full size)
+        s["mini_batched_plates"] = [f.name for f in s["cond_indep_stack"] if f.name in plates.mini_batched]
+    return out
 
 
 def _named_arguments(model, args, kwargs):

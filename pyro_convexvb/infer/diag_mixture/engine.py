@@ -125,6 +125,7 @@ class DiagMixtureEngine(SVIEngine):
     """
 
     name = "diag_mixture"
+    mini_batched_locals = False  # its guide packs every latent into one vector
     description = "SVI with AutoDiagMixture (mixture of K diagonal Gaussians, closed-form entropy bound, revrand)"
     Options = DiagMixtureOptions
     State = MixtureState
