@@ -157,7 +157,8 @@ def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, see
     loc = posterior.loc.detach()
     # not where the model's sites map onto the LGM's latents through imputed sites or a constraint: the marginal's
     # bound below
-    exact = lgm is not None and lgm.n == posterior.n and posterior.n <= EXACT_BOUND_MAX and lgm.model_bijective
+    exact = lgm is not None and lgm.model_layout.size == posterior.n and posterior.n <= EXACT_BOUND_MAX \
+        and lgm.model_exact  # (imputed blocks: the joint bound over u and them, in closed form)
     if exact:
         def objective(m, S):
             m = m.to(lgm.dtype)
@@ -187,7 +188,10 @@ def variational_optimality(call, posterior, lgm, *, tol, check_particles=64, see
         dec, value = gaussian_decrement(objective, loc, cov_factor=posterior.cov_factor, cov_diag=posterior.cov_diag)
     else:
         dec, value = gaussian_decrement(objective, loc, covariance=posterior.covariance())
-    return (value if exact else marginal_bound), Optimality.single(name, dec, tol)
+    # where latents are integrated out, the marginal's bound is the larger valid one (the joint's minus the expected
+    # KL of the imputed sites' conditionals)
+    return (marginal_bound if marginal_bound is not None else value if exact else None), \
+        Optimality.single(name, dec, tol)
 
 
 def svi_until_plateau(svi, optim, args, kwargs, *, max_steps, min_steps, window, rtol, lr_decay, bar, history,

@@ -1509,7 +1509,8 @@ def _imputed_blocks(x, full_layout, imputed_names):
             return _unwrap(tr1.nodes[name]["fn"])[0].loc.expand(full).reshape(-1).detach().to(x.dtype)
 
         op, offset = x.affine(b.name, eta, eta1)
-        imputed.append(ImputedBlock(b.name, b.shape, op, offset, scale))
+        filler = None if keep is None or not is_unobserved else ~keep  # obs_mask's unused entries
+        imputed.append(ImputedBlock(b.name, b.shape, op, offset, scale, filler))
     return imputed
 
 

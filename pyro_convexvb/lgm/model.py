@@ -120,6 +120,8 @@ class ImputedBlock:
     :param design: linear operator ``(q, n)``, ``q = prod(shape)``.
     :param offset: ``(q,)``.
     :param scale: ``(q,)`` positive standard deviations.
+    :param filler: ``(q,)`` boolean, the entries an ``obs_mask`` site masks out (observed positions), which the
+        engines on the Pyro model give an independent ``N(0, 1)`` density (``None``: none).
     """
 
     name: str
@@ -127,6 +129,7 @@ class ImputedBlock:
     design: LinearOperator
     offset: torch.Tensor
     scale: torch.Tensor
+    filler: Optional[torch.Tensor] = None
 
     @property
     def size(self):
@@ -487,14 +490,54 @@ class LatentGaussianModel:
         Jacobian one, so ``log p(y, x) = log p(y, u)`` and ``q`` is mapped to ``u`` exactly
         (:meth:`~pyro_convexvb.lgm.chains.AffineChain.latent_moments`).
 
-        :raises ValueError: for a chain with intrinsic blocks, or imputed sites, whose maps are not bijections.
+        With imputed blocks ``x_k = B_k u + o_k + s_k eps_k`` (and no chain), ``log p(y, u, x) = log p(y, u) +
+        sum_k log N(x_k | B_k u + o_k, diag(s_k^2))``, closed-form in the joint moments; the masked-out entries of an
+        ``obs_mask`` site (``filler``) have the ``N(0, 1)`` density the engines on the Pyro model give them.
+
+        :raises ValueError: for a chain with intrinsic blocks, or a chain beside imputed sites.
         """
+        if self.imputed and self.chain is None:
+            return self._expected_log_joint_with_imputed(loc, cov, variance)
         if not self.model_bijective:
             raise ValueError("model_expected_log_joint: the model's latent sites map to u through imputed sites or "
                              "an intrinsic GMRF's constraint, not a bijection")
         if self.chain is None:
             return self.expected_log_joint(loc, cov, variance=variance)
         return self.expected_log_joint(*self.chain.latent_moments(loc, cov, variance=variance))
+
+    @property
+    def model_exact(self):
+        """Whether :meth:`model_expected_log_joint` evaluates a Gaussian over the Pyro model's latent sites (a
+        bijection to ``u``, or imputed blocks beside ``u`` without a chain)."""
+        return self.model_bijective or (bool(self.imputed) and self.chain is None)
+
+    def _expected_log_joint_with_imputed(self, loc, cov=None, variance=None):
+        """``E_q[log p(y, u) + sum_k log p(x_k | u)]`` for ``q`` over the model's sites in :attr:`model_layout` order
+        (``u``'s blocks and the imputed blocks ``x_k``; see :meth:`model_expected_log_joint`)."""
+        def pos(name, size):
+            return torch.arange(self.model_layout[name].start, self.model_layout[name].start + size,
+                                device=loc.device)
+
+        iu = torch.cat([pos(b.name, b.size) for b in self.layout.blocks])
+        m_u = loc[iu]
+        S_uu = None if cov is None else cov[iu][:, iu]
+        e = self.expected_log_joint(m_u, S_uu, variance=None if variance is None else variance[iu])
+        for b in self.imputed:
+            ik = pos(b.name, b.size)
+            B = b.design.to_dense().to(loc.dtype)
+            mean, s2 = B @ m_u + b.offset.to(loc.dtype), b.scale.to(loc.dtype) ** 2
+            if variance is not None:  # x_k - B_k u under a diagonal q: var(x_k) + B_k^2 var(u)
+                v_cond, v_own = variance[ik] + (B * B) @ variance[iu], variance[ik]
+            else:
+                v_own = torch.diagonal(cov[ik][:, ik])
+                v_cond = v_own + ((B @ S_uu) * B).sum(1) - 2 * (B * cov[ik][:, iu]).sum(1)
+            r = loc[ik] - mean
+            terms = -0.5 * (torch.log(2 * math.pi * s2) + (r * r + v_cond) / s2)
+            if b.filler is not None:  # obs_mask's unused entries: N(0, 1), independent of u
+                filler = b.filler.to(loc.device)
+                terms = torch.where(filler, -0.5 * (math.log(2 * math.pi) + loc[ik] ** 2 + v_own), terms)
+            e = e + terms.sum()
+        return e
 
     def expected_log_joint(self, loc, cov=None, num_points=64, *, variance=None):
         """``E_q[log p(y, u)]`` (every constant included) for ``q = N(loc, cov)`` or ``N(loc, diag(variance))``.
