@@ -280,7 +280,11 @@ class BayesianLinearRegression(RegressorMixin, BaseEstimator):
 
         # a learned sigma^2 is kept above 1e-10 of the targets' variance: on data the features fit exactly the
         # evidence grows without bound as sigma^2 -> 0 and the posterior's factorisation breaks down
-        scale_y = float(y.var()) if y.numel() > 1 and float(y.var()) > 0 else max(float((y**2).mean()), 1.0)
+        # (the variance of the rows as weighted, so that integer weights give the floor of the repeated rows)
+        wy = torch.ones_like(y) if weight is None else weight.to(y.dtype)
+        mean_y = float((wy * y).sum() / wy.sum())
+        var_y = float((wy * (y - mean_y) ** 2).sum() / max(float(wy.sum()) - 1.0, 1e-300)) if wy.sum() > 1 else 0.0
+        scale_y = var_y if var_y > 0 else max(float((wy * y**2).sum() / wy.sum()), 1.0)
         s2_floor = 1e-10 * scale_y if self.learn_noise else 0.0
 
         def noise():

@@ -207,3 +207,20 @@ def test_glm_binomial_per_row_trials_follow_their_rows_under_weights():
     for est in (a, b):
         np.testing.assert_allclose(est.posterior_.loc.numpy(), ref.posterior_.loc.numpy(), rtol=0, atol=1e-10)
         np.testing.assert_allclose(est.predict(X, n_trials=trials), ref.predict(X, n_trials=trials), rtol=1e-10)
+
+
+def test_linear_regression_weights_equal_repeated_rows_at_the_noise_floor():
+    """More features than rows: the learned noise stops at its floor, 1e-10 of the targets' variance, which was that
+    of the unweighted rows (a floor of 1.7e-9 against the repeated rows' 9.4e-10, the evidence 1.8 nats apart)."""
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(7, 10))
+    y = X @ rng.normal(size=10) + 0.5 * rng.normal(size=7) + 0.3
+    w = rng.integers(0, 4, size=7).astype(float)
+    w[0], w[1] = 0, 3
+    rep = np.repeat(np.arange(7), w.astype(int))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the floor's own warning
+        a = pcv.BayesianLinearRegression().fit(X, y, sample_weight=w)
+        b = pcv.BayesianLinearRegression().fit(X[rep], y[rep])
+    assert a.noise_var_ == pytest.approx(b.noise_var_, rel=1e-6)
+    assert a.log_marginal_likelihood_ == pytest.approx(b.log_marginal_likelihood_, abs=1e-4)
