@@ -365,3 +365,49 @@ def test_diagonal_and_sqrt_factor_against_dense(name):
     # factor; an opaque product (or a block of one) has neither, and a dense block no factor
     assert (op.diagonal(dense_limit=0) is not None) == (name != "function")
     assert (op.sqrt_factor(dense_limit=0) is not None) == (name in ("diagonal", "identity", "sparse"))
+
+
+def test_duplicate_entries_are_summed_before_entrywise_maps():
+    """A SciPy (or unsorted torch CSR) matrix holding (i, j) twice: products were right, but squared() squared each
+    stored value, a^2 + b^2 for (a + b)^2, and so did row_sq_norms, diag_gram and the Jacobi diagonals."""
+    A = sp.csr_matrix((np.array([1.0, 2.0, 3.0]), np.array([0, 0, 1]), np.array([0, 2, 3])), shape=(2, 2))
+    assert not A.has_canonical_format
+    op = SparseOperator(A)
+    assert torch.equal(op.squared().to_dense(), torch.tensor([[9.0, 0.0], [0.0, 9.0]], dtype=DT))
+    assert torch.equal(op.row_sq_norms(), torch.tensor([9.0, 9.0], dtype=DT))
+    assert A.data.tolist() == [1.0, 2.0, 3.0]  # the caller's matrix is left as it was
+
+
+def test_gradient_reaches_the_values_of_a_sparse_design_whatever_requires_grad():
+    vals = torch.tensor([1.0, 2.0, 3.0], dtype=DT, requires_grad=True)
+    A = torch.sparse_csr_tensor(torch.tensor([0, 2, 3]), torch.tensor([0, 1, 1]), vals, size=(2, 2))
+    v = torch.tensor([1.0, 2.0], dtype=DT, requires_grad=True)
+    SparseOperator(A).mv(v).sum().backward()
+    assert vals.grad is not None and vals.grad.tolist() == [1.0, 2.0, 2.0]  # d/dA_ij of sum(A v) = v_j
+    assert v.grad.tolist() == [1.0, 5.0]
+
+
+def test_sum_operator_refuses_mismatched_coefficients():
+    eye = torch.eye(2, dtype=DT)
+    with pytest.raises(ValueError, match="1 coefficients for 2 operators"):
+        SumOperator([eye, 5 * eye], [3.0])
+    with pytest.raises(ValueError, match="at least one operator"):
+        SumOperator([])
+
+
+def test_sparse_cholesky_refuses_complex_input_and_names_the_splu_limit():
+    from pyro_convexvb.linalg.sparse_cholesky import SparseCholesky
+
+    with pytest.raises(TypeError, match="complex matrix"):
+        SparseCholesky(sp.csc_matrix(np.array([[2.0, 1j], [-1j, 2.0]])))
+    chol = SparseCholesky(sp.csc_matrix(np.array([[2.0, 1.0], [1.0, 2.0]])))
+    with pytest.raises(TypeError, match="complex right-hand side"):
+        chol.solve(np.array([1.0 + 1j, 0.0]))
+    # a precision R^T R whose factor has a cancelling entry: SuperLU drops it, selected inversion needs it
+    Q = sp.csc_matrix(np.array([[1.0, 1.0, 1.0], [1.0, 2.0, 1.0], [1.0, 1.0, 2.0]]))
+    assert np.allclose(SparseCholesky(Q).diag_inverse(), np.diag(np.linalg.inv(Q.toarray())))
+    try:
+        splu = SparseCholesky(Q, backend="splu")
+        splu.diag_inverse()
+    except RuntimeError as e:
+        assert "backend='qdldl'" in str(e)

@@ -222,7 +222,8 @@ class DenseOperator(LinearOperator):
 
 
 def to_csr(matrix):
-    """Convert a torch sparse COO/CSR/CSC tensor (or scipy sparse matrix) to torch CSR."""
+    """Convert a torch sparse COO/CSR/CSC tensor (or scipy sparse matrix) to torch CSR, in canonical form (sorted,
+    duplicate entries summed: entrywise maps such as :meth:`SparseOperator.squared` see each entry once)."""
     if not isinstance(matrix, torch.Tensor):
         try:
             import scipy.sparse as sp
@@ -230,9 +231,9 @@ def to_csr(matrix):
             sp = None
         if sp is not None and sp.issparse(matrix):
             m = matrix.tocsr()
-            if not m.has_sorted_indices:
+            if not m.has_canonical_format:  # unsorted or duplicate entries: squared() must see their sums
                 m = m.copy()  # never reorder the caller's matrix in place
-                m.sort_indices()
+                m.sum_duplicates()
             return torch.sparse_csr_tensor(
                 torch.from_numpy(m.indptr.astype("int64")),
                 torch.from_numpy(m.indices.astype("int64")),
@@ -242,6 +243,11 @@ def to_csr(matrix):
             )
         raise TypeError(f"cannot convert {type(matrix).__name__} to a sparse CSR tensor")
     if matrix.layout == torch.sparse_csr:
+        crow, col = matrix.crow_indices(), matrix.col_indices()
+        rows = torch.repeat_interleave(torch.arange(matrix.shape[0], device=col.device), (crow[1:] - crow[:-1]).long())
+        keys = rows * matrix.shape[1] + col.long()
+        if keys.numel() > 1 and not bool((keys[1:] > keys[:-1]).all()):  # unsorted or duplicate entries: summed
+            return matrix.to_sparse_coo().coalesce().to_sparse_csr()
         return matrix
     if matrix.layout in (torch.sparse_coo, torch.sparse_csc):
         return matrix.coalesce().to_sparse_csr() if matrix.layout == torch.sparse_coo else matrix.to_sparse_csr()
@@ -297,8 +303,10 @@ def _spmm(A, v):
 
 
 def sparse_matvec(A, At, v):
-    """``A @ v`` for CSR ``A`` with a backward that uses the stored CSR transpose ``At``."""
-    if v.requires_grad and torch.is_grad_enabled():
+    """``A @ v`` for CSR ``A`` with a backward that uses the stored CSR transpose ``At`` (for ``v``; a matrix whose
+    values require grad, e.g. a learned sparse design, goes through torch's own product, which differentiates in
+    both)."""
+    if v.requires_grad and torch.is_grad_enabled() and not A.requires_grad:
         return _SparseMatvec.apply(v, A, At)
     return _spmm(A, v)
 
@@ -638,6 +646,10 @@ class SumOperator(LinearOperator):
 
     def __init__(self, operators, coefficients=None):
         self.operators = [as_operator(op) for op in operators]
+        if not self.operators:
+            raise ValueError("SumOperator: expected at least one operator")
+        if coefficients is not None and len(list(coefficients)) != len(self.operators):
+            raise ValueError(f"SumOperator: {len(list(coefficients))} coefficients for {len(self.operators)} operators")
         shape = self.operators[0].shape
         for op in self.operators:
             if op.shape != shape:

@@ -95,6 +95,9 @@ def as_scipy_csc(Q, name="Q"):
 
     if isinstance(Q, SparseOperator):
         Q = Q.matrix
+    if (torch.is_tensor(Q) and Q.is_complex()) or (sp.issparse(Q) and np.iscomplexobj(Q.data)) \
+            or (isinstance(Q, np.ndarray) and np.iscomplexobj(Q)):
+        raise TypeError(f"{name}: a complex matrix; the sparse Cholesky layer factorises real symmetric matrices")
     if sp.issparse(Q):
         M = Q.tocsc()
     elif torch.is_tensor(Q):
@@ -368,7 +371,11 @@ class _CHOLMOD:
     name = "cholmod"
 
     def __init__(self, U):
-        from cvxopt import cholmod
+        try:
+            from cvxopt import cholmod
+        except ImportError:
+            raise ImportError("backend='cholmod' needs the cvxopt package (pip install cvxopt); the default backend "
+                              "'qdldl' needs nothing more") from None
 
         self.cholmod = cholmod
         self.n = U.shape[0]
@@ -597,6 +604,9 @@ class SparseCholesky:
         import torch
 
         is_torch = torch.is_tensor(b)
+        if (b.is_complex() if is_torch else np.iscomplexobj(b)):
+            raise TypeError("b: a complex right-hand side; the factorisation is real (solve its real and imaginary "
+                            "parts apart)")
         arr = b.detach().cpu().double().numpy() if is_torch else np.asarray(b, dtype=np.float64)
         if arr.ndim not in (1, 2) or arr.shape[0] != self.n:
             raise ValueError(f"b: expected shape ({self.n},) or ({self.n}, k), got {tuple(arr.shape)}")
@@ -648,7 +658,10 @@ class SparseCholesky:
             Zd, Zx, status = _takahashi(self.n, self.Lp, self.Li, self.Lx, self.D)
             if status != 0:
                 raise RuntimeError(f"{self.name}: the factor's pattern from backend '{self.backend}' is not closed "
-                                   "under fill; the Takahashi recursion needs a Cholesky pattern")
+                                   "under fill (SuperLU drops entries of L that come out exactly zero, e.g. explicit "
+                                   "zeros or fill that cancels, as in a precision R^T R); the selected inversion "
+                                   "needs the symbolic Cholesky pattern: use backend='qdldl' (the default) or "
+                                   "'cholmod'")
             self._selinv = (Zd, Zx)
         return self._selinv
 
