@@ -411,3 +411,10 @@ def test_sparse_cholesky_refuses_complex_input_and_names_the_splu_limit():
         splu.diag_inverse()
     except RuntimeError as e:
         assert "backend='qdldl'" in str(e)
+
+
+def test_squares_of_complex_entries_are_their_squared_moduli():
+    """``squared()`` promises |A_ij|^2 (A * A gave -3+4j for 1+2j)."""
+    A = torch.tensor([[1 + 2j, 0.5j], [0.0, -3.0]], dtype=torch.complex128)
+    assert torch.equal(DenseOperator(A).squared().to_dense(), (A.abs() ** 2))
+    assert torch.allclose(SparseOperator(A.to_sparse_csr()).squared().to_dense(), A.abs() ** 2)

@@ -208,7 +208,8 @@ class DenseOperator(LinearOperator):
         return self.matrix.transpose(-1, -2) @ u
 
     def squared(self):
-        return DenseOperator(self.matrix * self.matrix)
+        M = self.matrix
+        return DenseOperator(M.abs() ** 2 if M.is_complex() else M * M)  # |A_ij|^2
 
     def weighted_gram(self, weights=None, chunk=256):
         w = self._gram_weights(weights)
@@ -349,8 +350,10 @@ class SparseOperator(LinearOperator):
 
     def squared(self):
         A, At = self.matrix, self.matrix_t
-        sq = torch.sparse_csr_tensor(A.crow_indices(), A.col_indices(), A.values() ** 2, size=A.shape, check_invariants=False)
-        sqt = torch.sparse_csr_tensor(At.crow_indices(), At.col_indices(), At.values() ** 2, size=At.shape, check_invariants=False)
+        v, vt = (A.values().abs(), At.values().abs()) if A.values().is_complex() else (A.values(), At.values())
+        sq = torch.sparse_csr_tensor(A.crow_indices(), A.col_indices(), v ** 2, size=A.shape, check_invariants=False)
+        sqt = torch.sparse_csr_tensor(At.crow_indices(), At.col_indices(), vt ** 2, size=At.shape,
+                                      check_invariants=False)
         return SparseOperator(sq, transpose=sqt)
 
     def diagonal(self, dense_limit=DENSE_LIMIT):
