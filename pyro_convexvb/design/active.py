@@ -43,6 +43,7 @@ from ..errors import ConvergenceWarning
 from ..lgm.extract import lgm_from_pyro
 from ..lgm.families import BernoulliLogit
 from ..linalg import cg
+from .imaging import _index_list
 from .scores import classifier_uncertainty, information_gain, minimize_site_phi, rank_one_include
 
 __all__ = ["ActiveLearner", "ActiveHistory"]
@@ -231,11 +232,7 @@ class ActiveLearner:
         :returns: :class:`ActiveHistory`.
         """
         t0 = time.perf_counter()
-        init = torch.as_tensor(init).reshape(-1)
-        if init.is_floating_point() and not bool((init == init.round()).all()) or init.is_complex() \
-                or init.dtype == torch.bool:
-            raise ValueError("init: expected integer indices into X_pool")
-        init = [int(i) for i in init.tolist()]
+        init = _index_list(init, "init")
         if len(init) == 0 or len(set(init)) != len(init) or min(init) < 0 or max(init) >= self.N:
             raise ValueError("init: expected distinct indices into X_pool")
         if isinstance(num_inclusions, bool) or not isinstance(num_inclusions, int) or num_inclusions < 0:

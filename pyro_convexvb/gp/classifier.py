@@ -227,11 +227,12 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
             warn_unused(self, ("learn_mean",), "learn_hyperparameters=False learns nothing: the mean stays at mean")
         if self.learn_hyperparameters:
             init = self._learn_hyperparameters(X, y01, options)
-        elif self._hyper_options() or set(options) & _TYPE2_OPTIONS:
-            unused = ["hyper_options"] * bool(self._hyper_options()) + [f"options[{k!r}]" for k in
-                                                                         sorted(set(options) & _TYPE2_OPTIONS)]
-            warn(f"GPClassifier: {', '.join(unused)} only apply with learn_hyperparameters=True; they are not used",
-                 UserWarning)
+        else:
+            unused = ["hyper_options"] * bool(self._hyper_options()) + [
+                f"options[{k!r}]" for k in sorted(set(options) & _TYPE2_OPTIONS)]
+            if unused:
+                warn(f"GPClassifier: {', '.join(unused)} only apply with learn_hyperparameters=True; they are not "
+                     "used", UserWarning)
             options = {k: v for k, v in options.items() if k not in _TYPE2_OPTIONS}
         if engine.State is DualState:  # the dual's N x N site form predicts without inverting K
             options.setdefault("form", "site")

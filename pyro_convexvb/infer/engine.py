@@ -58,7 +58,8 @@ import torch
 
 from ..distributed import broadcast, comm_of, find_comm
 from ..errors import ConvergenceError, UnsupportedModelError, warn
-from ..lgm.extract import _unwrap, check_model_data, latent_sites, lgm_from_pyro, proper_missing, unconstrained_layout
+from ..lgm.extract import (_unwrap, check_model_data, latent_sites, lgm_from_pyro, proper_missing, subsampled_frame,
+                           unconstrained_layout)
 from ..lgm.model import LatentGaussianModel
 from ..linalg.scalar import _broadcast_shapes
 from . import meta
@@ -401,11 +402,11 @@ def _wider_mask_or_scale(name, site):
 def _subsampled_local(name, site):
     """The refusal of a latent site inside a plate subsampled by explicit indices, else ``None`` (the model is traced
     with every other plate at full size, so only explicit ``subsample=`` indices leave a plate smaller)."""
-    for frame in site["cond_indep_stack"]:
-        if getattr(frame, "full_size", None) not in (None, frame.size):
-            return UnsupportedModelError(name, f"a local latent site inside plate '{frame.name}' subsampled by "
-                                               f"explicit indices ({frame.size} of {frame.full_size}; Pyro scales its "
-                                               "prior by their ratio), which this engine's guide does not follow")
+    frame = subsampled_frame(site)
+    if frame is not None:
+        return UnsupportedModelError(name, f"a local latent site inside plate '{frame.name}' subsampled by explicit "
+                                           f"indices ({frame.size} of {frame.full_size}; Pyro scales its prior by "
+                                           "their ratio), which this engine's guide does not follow")
     return None
 
 

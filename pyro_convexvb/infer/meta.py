@@ -57,7 +57,7 @@ def _warn_unused_hyper_options(engine):
     if engine.data_checked:
         return
     o = engine.options
-    unused = [f"{k}={getattr(o, k)!r}" for k in ("hyper", "hyper_strategy") if getattr(o, k) != "auto"]
+    unused = [f"{k}={getattr(o, k)!r}" for k in ("hyper", "hyper_strategy") if o.is_set(k)]
     if unused:
         warn(f"engine '{engine.name}': option {' and '.join(unused)} has no effect: the model has no hyper-latents "
              "(every latent site is part of its latent Gaussian field); drop the option", UserWarning)
@@ -69,9 +69,7 @@ def _warn_unused_type2_options(engine):
     o = engine.options
     if engine.data_checked or engine.type2 != "outer" or not getattr(o, "learn_params", False):
         return
-    fields = type(o).__dataclass_fields__
-    unused = [f"{k}={getattr(o, k)!r}" for k in ("type2_max_iter", "type2_gtol")
-              if k in fields and getattr(o, k) != fields[k].default]
+    unused = [f"{k}={getattr(o, k)!r}" for k in ("type2_max_iter", "type2_gtol") if hasattr(o, k) and o.is_set(k)]
     if unused:
         warn(f"engine '{engine.name}': option {' and '.join(unused)} has no effect: the model has no pyro.param "
              "sites to learn; drop the option", UserWarning)

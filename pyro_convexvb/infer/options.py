@@ -103,6 +103,11 @@ class EngineOptions:
     on_fail: typing.Literal["warn", "raise"] = option(
         "warn", "unconverged fits warn once (ConvergenceWarning) or raise (ConvergenceError)")
 
+    def is_set(self, name):
+        """Whether option ``name`` differs from its default (how an option the caller set is told from one left
+        alone; a default passed explicitly is the default)."""
+        return getattr(self, name) != type(self).__dataclass_fields__[name].default
+
     @classmethod
     def create(cls, engine, options):
         """Validated options of engine ``engine`` from a dict; unknown names raise :class:`TypeError`."""

@@ -282,7 +282,7 @@ class SVIOptions(EngineOptions):
                              "lr_decay=False the first plateau stops the fit")
         # left at its default, min_steps is capped at max_steps (max_steps alone budgets a fit); set explicitly
         # above max_steps it is an error
-        if self.min_steps > self.max_steps and self.min_steps != type(self).__dataclass_fields__["min_steps"].default:
+        if self.min_steps > self.max_steps and self.is_set("min_steps"):
             raise ValueError(f"option 'min_steps' ({self.min_steps}) exceeds 'max_steps' ({self.max_steps})")
 
     @property

@@ -37,6 +37,7 @@ from pyro.infer import Trace_ELBO
 from pyro.infer.util import is_identically_zero, torch_item
 
 from .. import distributed
+from ..lgm.extract import obs_mask_base, subsampled_frame
 
 __all__ = ["local_args", "reshard_lgm", "ShardedTraceELBO", "all_reduce_param_grads",
            "local_log_prob"]
@@ -115,18 +116,17 @@ def check_full_plates(trace):
     for name, site in trace.nodes.items():
         if site["type"] != "sample":
             continue
-        if name.endswith("_unobserved") and name[:-len("_unobserved")] + "_observed" in trace.nodes:
+        base = obs_mask_base(name, trace.nodes)
+        if base is not None:
             raise NotImplementedError(
-                f"site '{name[:-len('_unobserved')]}': obs_mask imputation is not supported on row-sharded data "
+                f"site '{base}': obs_mask imputation is not supported on row-sharded data "
                 "(pcv.distributed.row_sharded): the imputed entries are latents of this rank's rows, not replicated "
                 "ones; drop the unobserved rows from the shards, or fit on one process")
-        for f in site.get("cond_indep_stack", ()):
-            full = getattr(f, "full_size", None)
-            if full is not None and f.size is not None and f.size < full:
-                raise NotImplementedError(
-                    f"plate '{f.name}' subsamples {f.size} of {full} rows: mini-batches are not supported on "
-                    "row-sharded data (pcv.distributed.row_sharded); use the full plate (each rank's rows are its "
-                    "batch)")
+        f = subsampled_frame(site)
+        if f is not None:
+            raise NotImplementedError(
+                f"plate '{f.name}' subsamples {f.size} of {f.full_size} rows: mini-batches are not supported on "
+                "row-sharded data (pcv.distributed.row_sharded); use the full plate (each rank's rows are its batch)")
 
 
 def local_log_prob(trace, first_rank, latent_names=()):

@@ -234,6 +234,20 @@ class FullDataPlates(poutine.messenger.Messenger):
         pass  # a marker on the stack; the plates are sized by the hook
 
 
+def subsampled_frame(site):
+    """The first plate frame of a trace ``site`` that holds fewer rows than its full size (``subsample_size`` in a
+    plain trace, or explicit ``subsample=`` indices), else ``None``."""
+    return next((f for f in site.get("cond_indep_stack", ())
+                 if getattr(f, "full_size", None) is not None and f.size is not None and f.size < f.full_size), None)
+
+
+def obs_mask_base(name, nodes):
+    """The name ``y`` of the ``obs_mask`` site whose missing entries the latent site ``name`` holds
+    (``y_unobserved`` beside ``y_observed`` among the trace's ``nodes``), else ``None``."""
+    base = name[:-len("_unobserved")] if name.endswith("_unobserved") else None
+    return base if base is not None and f"{base}_observed" in nodes else None
+
+
 def full_data_plates():
     """A :class:`FullDataPlates` handler (use as ``with full_data_plates(): ...``)."""
     return FullDataPlates()
@@ -1327,8 +1341,8 @@ def _classify_sites(tr0):
             observed.append(name)
         else:
             if site["fn"].support.is_discrete if hasattr(site["fn"], "support") else False:
-                base = name[:-len("_unobserved")] if name.endswith("_unobserved") else None
-                if base is not None and f"{base}_observed" in tr0.nodes:
+                base = obs_mask_base(name, tr0.nodes)
+                if base is not None:
                     raise UnsupportedModelError(
                         name, f"the missing entries of the partially observed discrete site '{base}' (obs_mask) are "
                               "discrete latent variables, outside the latent Gaussian model class; leave them out of "
@@ -1488,7 +1502,7 @@ def _imputed_blocks(x, full_layout, imputed_names):
         if b.name not in imputed_names:
             continue
         site = x.tr.nodes[b.name]
-        is_unobserved = b.name.endswith("_unobserved") and b.name[:-len("_unobserved")] + "_observed" in x.tr.nodes
+        is_unobserved = obs_mask_base(b.name, x.tr.nodes) is not None
         keep = _keep_rows(b.name, site)
         if keep is not None and not bool(keep.all()) and not is_unobserved:
             raise UnsupportedModelError(b.name, "latent site is masked (poutine.mask or dist.mask): its masked entries "

@@ -530,7 +530,7 @@ class LatentGaussianModel:
                 v_cond, v_own = variance[ik] + (B * B) @ variance[iu], variance[ik]
             else:
                 v_own = torch.diagonal(cov[ik][:, ik])
-                v_cond = v_own + ((B @ S_uu) * B).sum(1) - 2 * (B * cov[ik][:, iu]).sum(1)
+                v_cond = v_own + b.design.diag_congruence(S_uu) - 2 * (B * cov[ik][:, iu]).sum(1)
             r = loc[ik] - mean
             terms = -0.5 * (torch.log(2 * math.pi * s2) + (r * r + v_cond) / s2)
             if b.filler is not None:  # obs_mask's unused entries: N(0, 1), independent of u
@@ -614,8 +614,7 @@ class LatentGaussianModel:
 
     @staticmethod
     def _marginal_var(group, cov):
-        # diag(B V B^T) = rowsum((B V) * B); B V is (q, n) dense like cov itself (small problems only)
-        return (group.design.mv(cov) * group.design.to_dense()).sum(-1)
+        return group.design.diag_congruence(cov)  # (q, n) dense like cov itself: small problems only
 
 
 def _gaussian_entropy(cov=None, variance=None):

@@ -134,6 +134,11 @@ class LinearOperator:
     def __repr__(self):
         return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype})"
 
+    def diag_congruence(self, C):
+        """``diag(A C A^T)`` (length ``m``) for a dense ``(n, n)`` matrix ``C``: ``rowsum((A C) * A)``, no
+        factorisation of ``C`` (small problems: ``A`` is densified)."""
+        return (self.mv(C) * self.to_dense()).sum(-1)
+
     # --- conveniences built on squared() ---
     def diag_gram(self, weights=None):
         """``diag(A.T diag(w) A)`` (length ``n``); ``None`` if ``squared()`` is unavailable."""

@@ -325,7 +325,7 @@ class GaussianPosterior(Posterior):
         elif self.kind == "precision_operator":
             var = self._precision_operator_quad(B)
         elif self.kind == "covariance":  # diag(B C B^T) from the stored C: no factorisation
-            var = (B.mv(self._covariance) * B.to_dense()).sum(-1)
+            var = B.diag_congruence(self._covariance)
         else:
             L = self.scale_tril()
             var = (B.mv(L) ** 2).sum(-1)

@@ -70,11 +70,6 @@ class ConvexRelaxationOptions(LGMEngineOptions):
                   "'block4', 'block8'); a dense Cholesky factor of the outer loop replaces it")
     seed: int = option(0, "seed of the Lanczos start vectors", min=0)
 
-    def _set(self, name):
-        """Whether option ``name`` differs from its default (how an option the caller set is told from one left
-        alone; a default passed explicitly is the default)."""
-        return getattr(self, name) != type(self).__dataclass_fields__[name].default
-
     def check(self):
         self._check_variance_options()
         for name in ("u_init", "logdet_init"):  # they complete z_init's warm start; alone they were ignored
@@ -104,7 +99,7 @@ class ConvexRelaxationOptions(LGMEngineOptions):
         unused = {"exact": ("lanczos_rank", "lanczos_block_size", "lanczos_estimator"),
                   "pca": ("lanczos_block_size", "lanczos_estimator")}.get(v, ())
         for name in unused:
-            if self._set(name):
+            if self.is_set(name):
                 how = ("computes exact variances from a dense Cholesky factor and runs no Lanczos" if v == "exact"
                        else "runs single-vector Lanczos for the L-PCA eigenpairs")
                 raise ValueError(f"option '{name}' configures the Lanczos variance step, but variance='{v}' {how}; "

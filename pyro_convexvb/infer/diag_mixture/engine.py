@@ -18,6 +18,7 @@ from ..options import option
 from ..pyro_engines import SVIEngine, SVIOptions, flat_log_joint, model_param_values, try_lgm
 from ..result import Criterion, Optimality, Solution
 from ...distributed import find_comm
+from ...lgm.extract import subsampled_frame
 from ..sharded_svi import reshard_lgm
 from .elbo import DiagMixtureELBO
 
@@ -41,12 +42,11 @@ class DiagMixtureOptions(SVIOptions):
         if self.optimizer != "natural_gradient":
             super().check()
         if self.num_components == 1:  # one component: no spread of means; the entropy bounds differ by a constant
-            unused = ["init_spread"] * (self.init_spread is not None) + ["entropy"] * (self.entropy != "eq24")
+            unused = [k for k in ("init_spread", "entropy") if self.is_set(k)]
             if unused:
                 warn(f"engine 'diag_mixture': option {' and '.join(unused)} has no effect with num_components=1 "
                      "(one component has no spread of means, and the entropy bounds differ by a constant there, so "
-                     "the fit is the same); drop it or raise "
-                     "num_components", UserWarning)
+                     "the fit is the same); drop it or raise num_components", UserWarning)
 
 
 #: name of the natural-gradient ascent's second criterion
@@ -82,12 +82,7 @@ def _subsampled_plate(call):
 
     with forked_rng(0), torch.no_grad():
         tr = poutine.trace(call.model).get_trace(*call.args, **call.kwargs)
-    for site in tr.nodes.values():
-        for f in site.get("cond_indep_stack", ()):
-            full = getattr(f, "full_size", None)
-            if full is not None and f.size is not None and f.size < full:
-                return f.name
-    return None
+    return next((f.name for f in map(subsampled_frame, tr.nodes.values()) if f is not None), None)
 
 
 @dataclass(frozen=True)
@@ -153,7 +148,7 @@ class DiagMixtureEngine(SVIEngine):
         why = _natural_gradient_refusal(call, lgm, n_guide, o.learn_params)
         if why is None and reduction is not None:
             why = "the data are row-sharded over processes, which only the SVI optimiser reduces"
-        set_svi = [k for k in SVI_ONLY_OPTIONS if getattr(o, k) != type(o).__dataclass_fields__[k].default]
+        set_svi = [k for k in SVI_ONLY_OPTIONS if o.is_set(k)]
         if o.optimizer == "natural_gradient":
             if why is not None:
                 raise UnsupportedModelError("optimizer", f"engine 'diag_mixture' with optimizer='natural_gradient': "
@@ -212,7 +207,7 @@ class DiagMixtureEngine(SVIEngine):
             lgm = try_lgm(call.source, call.args, call.kwargs)
         lgm = reshard_lgm(lgm, call.args, call.kwargs)
         exact = lgm is not None and lgm.n == posterior.n and lgm.model_bijective
-        if exact and o.check_particles != type(o).__dataclass_fields__["check_particles"].default:
+        if exact and o.is_set("check_particles"):
             warn("engine 'diag_mixture': option check_particles has no effect: the model is a latent Gaussian model, "
                  "whose optimality is measured on the exact bound (Monte Carlo draws only for other models)",
                  UserWarning)

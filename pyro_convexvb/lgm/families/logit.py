@@ -1,5 +1,6 @@
 """Bernoulli-logit sites: the family, its super-Gaussian potential, its local bounds and its predictive
 probabilities."""
+import functools
 import math
 
 import pyro.distributions as dist
@@ -178,15 +179,20 @@ ADAPTIVE_QUADRATURE_VAR = SPLIT_VAR
 SPLIT_RANGE, SPLIT_PANELS, SPLIT_NODES = 40.0, 8, 16
 
 
-def _split_rule(dtype, device):
-    """Nodes ``t`` and weights ``W`` ``(SPLIT_PANELS * SPLIT_NODES,)`` of the composite rule on ``[0, SPLIT_RANGE]``."""
+@functools.lru_cache(maxsize=1)
+def _split_rule_numpy():
     import numpy as np
 
     x, w = np.polynomial.legendre.leggauss(SPLIT_NODES)
     h = SPLIT_RANGE / SPLIT_PANELS
-    t = np.concatenate([h * (k + 0.5 * (x + 1.0)) for k in range(SPLIT_PANELS)])
-    return torch.as_tensor(t, dtype=dtype, device=device), torch.as_tensor(np.tile(0.5 * h * w, SPLIT_PANELS),
-                                                                           dtype=dtype, device=device)
+    return np.concatenate([h * (k + 0.5 * (x + 1.0)) for k in range(SPLIT_PANELS)]), np.tile(0.5 * h * w, SPLIT_PANELS)
+
+
+def _split_rule(dtype, device):
+    """Nodes ``t`` and weights ``W`` ``(SPLIT_PANELS * SPLIT_NODES,)`` of the composite rule on ``[0, SPLIT_RANGE]``
+    (computed once, as :func:`~.base.gauss_hermite`'s nodes)."""
+    t, w = _split_rule_numpy()
+    return torch.as_tensor(t, dtype=dtype, device=device), torch.as_tensor(w, dtype=dtype, device=device)
 
 
 def _split_softplus_terms(mean, var):
@@ -221,17 +227,17 @@ def _split_log_sigmoid(mean, var):
     logsig = torch.nn.functional.logsigmoid
     base = torch.log(W) + logsig(-t) - math.log(math.sqrt(2 * math.pi)) - torch.log(sd).unsqueeze(-1)
 
-    def log_integral(eta):
-        # the rule on [0, SPLIT_RANGE], and beyond it sigmoid(-t) = e^{-t} to a relative e^{-40}:
-        # int_R^inf e^{-t} N(t; m, v) dt = e^{v/2 - m} Phi((m - v - R) / s), for a far Gaussian's tiny probabilities
-        m = mean if eta is t else -mean
+    def log_integral(m):
+        """``log int_0^inf sigmoid(-t) N(t; m, var) dt``: the rule on ``[0, SPLIT_RANGE]``, and beyond it
+        ``sigmoid(-t) = e^{-t}`` to a relative ``e^{-40}``, ``int_R^inf e^{-t} N(t; m, v) dt = e^{v/2 - m}
+        Phi((m - v - R) / s)`` (a far Gaussian's tiny probabilities)."""
         tail = 0.5 * var - m + torch.special.log_ndtr((m - var - SPLIT_RANGE) / sd)
         rule = torch.logsumexp(base - 0.5 * (t - m.unsqueeze(-1)) ** 2 / var.unsqueeze(-1), -1)
         return torch.logaddexp(rule, tail)
 
     log_Phi = torch.special.log_ndtr(mean / sd)
-    log_plus = log_Phi + torch.log1p(-torch.exp(log_integral(t) - log_Phi))
-    return torch.logaddexp(log_plus, log_integral(-t))
+    log_plus = log_Phi + torch.log1p(-torch.exp(log_integral(mean) - log_Phi))  # I_+
+    return torch.logaddexp(log_plus, log_integral(-mean))  # I_-: N(-t; m, v) = N(t; -m, v)
 
 
 def check_labels(site, y):
