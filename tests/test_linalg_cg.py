@@ -161,6 +161,19 @@ def test_warm_start_reduces_iterations():
     assert exact.iterations == 0 and exact.num_mvm == 1 and exact.converged
 
 
+def test_zero_rhs_column_with_a_warm_start_is_exactly_zero():
+    """A x = 0 is solved by x = 0 whatever the warm start: the column's relative residual has no scale, so the warm
+    start is dropped there (it used to iterate to max_iter and warn), the other columns keep theirs."""
+    A = _spd(30, 1e2, seed=4)
+    b = torch.stack([torch.zeros(30, dtype=DT), torch.ones(30, dtype=DT)], dim=1)
+    x0 = torch.ones(30, 2, dtype=DT)
+    res = cg(A, b, rtol=1e-10, x0=x0, on_fail="raise")
+    assert res.converged and float(res.x[:, 0].abs().max()) == 0.0
+    torch.testing.assert_close(res.x[:, 1], torch.linalg.solve(A, b[:, 1]), rtol=1e-7, atol=1e-9)
+    vec = cg(A, b[:, 0], x0=x0[:, 0], on_fail="raise")
+    assert vec.converged and vec.iterations == 0 and float(vec.x.abs().max()) == 0.0
+
+
 def test_nonconvergence_warns_raises_or_ignores():
     A = _spd(40, 1e4, seed=9)
     b = torch.randn(40, generator=torch.Generator().manual_seed(10), dtype=DT)

@@ -413,6 +413,30 @@ def test_sparse_cholesky_refuses_complex_input_and_names_the_splu_limit():
         assert "backend='qdldl'" in str(e)
 
 
+@pytest.mark.parametrize("backend", ["qdldl", "splu"])
+def test_sparse_cholesky_names_singular_empty_and_non_finite_inputs(backend):
+    from pyro_convexvb.errors import NotPositiveDefiniteError
+    from pyro_convexvb.linalg.sparse_cholesky import SparseCholesky
+
+    singular = sp.csc_matrix(np.array([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 2.0]]))
+    with pytest.raises(NotPositiveDefiniteError, match="Q: the matrix is"):
+        SparseCholesky(singular, backend=backend)
+    with pytest.raises(ValueError, match="empty"):
+        SparseCholesky(sp.csc_matrix((0, 0)), backend=backend)
+    chol = SparseCholesky(sp.csc_matrix(np.array([[2.0, 1.0], [1.0, 2.0]])), backend=backend)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        chol.update_values(np.array([2.0, np.nan, 2.0]))
+
+
+def test_block_diagonal_operator_needs_a_block_and_cg_a_matching_dtype():
+    from pyro_convexvb.linalg import cg
+
+    with pytest.raises(ValueError, match="at least one block"):
+        BlockDiagonalOperator([])
+    with pytest.raises(TypeError, match="rhs: dtype torch.float32"):
+        cg(torch.eye(3, dtype=DT), torch.ones(3))
+
+
 def test_squares_of_complex_entries_are_their_squared_moduli():
     """``squared()`` promises |A_ij|^2 (A * A gave -3+4j for 1+2j)."""
     A = torch.tensor([[1 + 2j, 0.5j], [0.0, -3.0]], dtype=torch.complex128)

@@ -115,13 +115,15 @@ def _resolve_precond(precond, n, like):
 
 def _checked_arguments(matmul, rhs, rtol, atol, max_iter, on_fail, on_negative_curvature, reduction):
     """Validate :func:`cg`'s arguments. :returns: ``(v -> A v, n, max_iter)``."""
-    apply_a, n_op, _, _ = _resolve_matmul(matmul)
+    apply_a, n_op, dtype_op, _ = _resolve_matmul(matmul)
     if not isinstance(rhs, torch.Tensor):
         raise TypeError(f"rhs: expected a tensor, got {type(rhs).__name__}")
     if rhs.dim() not in (1, 2):
         raise ValueError(f"rhs: expected shape (n,) or (n, k), got {tuple(rhs.shape)}")
     if not rhs.is_floating_point():
         raise TypeError(f"rhs: expected a floating point tensor, got {rhs.dtype}")
+    if dtype_op is not None and rhs.dtype != dtype_op:
+        raise TypeError(f"rhs: dtype {rhs.dtype} differs from the operator's {dtype_op}; convert one of them")
     n = rhs.shape[0]
     if n_op is not None and n_op != n:
         raise ValueError(f"rhs: operator has size {n_op} but rhs has shape {tuple(rhs.shape)}")
@@ -244,6 +246,10 @@ def cg(
         bnorm = norm(b)
         if reduction is not None:
             _check_finite(bnorm, "rhs")
+        zero = bnorm == 0
+        if x0 is not None and bool(zero.any()):  # A x = 0 has the exact solution 0 (a relative residual has no scale)
+            x[..., zero] = 0.0
+            r[..., zero] = 0.0
         scale = torch.where(bnorm > 0, bnorm, torch.ones_like(bnorm))
         tol = torch.clamp(rtol * bnorm, min=atol)
         rnorm = norm(r)

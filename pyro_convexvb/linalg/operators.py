@@ -586,6 +586,8 @@ class BlockDiagonalOperator(LinearOperator):
 
     def __init__(self, operators):
         self.operators = [as_operator(op) for op in operators]
+        if not self.operators:
+            raise ValueError("operators: a block-diagonal operator needs at least one block")
         self.rows = [op.shape[0] for op in self.operators]
         self.cols = [op.shape[1] for op in self.operators]
         self.shape = (sum(self.rows), sum(self.cols))

@@ -448,6 +448,19 @@ class _cholmod_options:
         return False
 
 
+def _splu(A, permc_spec):
+    """SuperLU's symmetric-mode factorisation of ``A``; an exactly singular matrix is not positive definite."""
+    import scipy.sparse.linalg as spla
+
+    try:
+        return spla.splu(A, permc_spec=permc_spec, diag_pivot_thresh=0.0, options=dict(SymmetricMode=True))
+    except RuntimeError as err:
+        if "singular" not in str(err):
+            raise
+        raise NotPositiveDefiniteError("the matrix is exactly singular (SuperLU found a zero pivot), so not "
+                                       "positive definite") from None
+
+
 class _SuperLU:
     name = "splu"
 
@@ -456,20 +469,17 @@ class _SuperLU:
         self.refactor(U)
 
     def refactor(self, U):
-        import scipy.sparse.linalg as spla
-
         A = (U + sp.triu(U, k=1).T).tocsc()
         if self.perm is None:
-            lu = spla.splu(A, permc_spec="MMD_AT_PLUS_A", diag_pivot_thresh=0.0,
-                           options=dict(SymmetricMode=True))
+            lu = _splu(A, "MMD_AT_PLUS_A")
             if not np.array_equal(lu.perm_r, lu.perm_c):
-                raise NotPositiveDefiniteError("Q: SuperLU pivoted off the diagonal (the matrix is not positive "
+                raise NotPositiveDefiniteError("SuperLU pivoted off the diagonal (the matrix is not positive "
                                                "definite or is badly scaled)")
             self.perm = np.argsort(lu.perm_c).astype(np.int64)
         Ap = A[self.perm][:, self.perm].tocsc()
-        lu = spla.splu(Ap, permc_spec="NATURAL", diag_pivot_thresh=0.0, options=dict(SymmetricMode=True))
+        lu = _splu(Ap, "NATURAL")
         if not (np.array_equal(lu.perm_r, np.arange(A.shape[0])) and np.array_equal(lu.perm_c, np.arange(A.shape[0]))):
-            raise NotPositiveDefiniteError("Q: SuperLU pivoted off the diagonal (the matrix is not positive "
+            raise NotPositiveDefiniteError("SuperLU pivoted off the diagonal (the matrix is not positive "
                                            "definite or is badly scaled)")
         self.lu = lu
 
@@ -519,6 +529,8 @@ class SparseCholesky:
         M = as_scipy_csc(Q, name)
         _check_symmetric(M, name)
         self.n = M.shape[0]
+        if self.n == 0:
+            raise ValueError(f"{name}: an empty (0 x 0) matrix has nothing to factorise")
         U = _upper_with_diagonal(M)
         self._pattern = (U.indptr.copy(), U.indices.copy())
         try:
@@ -584,9 +596,14 @@ class SparseCholesky:
         :param numpy.ndarray upper_data: values of the upper triangle, diagonal included, in the CSC order
             of :attr:`pattern`.
         """
-        U = sp.csc_matrix((np.asarray(upper_data, dtype=np.float64), self._pattern[1], self._pattern[0]),
-                          shape=(self.n, self.n))
-        self._impl.refactor(U)
+        data = np.asarray(upper_data, dtype=np.float64)
+        if not np.isfinite(data).all():
+            raise ValueError(f"{self.name}: the new values contain NaN or inf")
+        U = sp.csc_matrix((data, self._pattern[1], self._pattern[0]), shape=(self.n, self.n))
+        try:
+            self._impl.refactor(U)
+        except NotPositiveDefiniteError as err:
+            raise NotPositiveDefiniteError(f"{self.name}: {err}") from None
         self._load()
         return self
 
