@@ -258,6 +258,44 @@ def test_vectorised_and_looped_log_joint_agree_and_unvectorisable_models_fall_ba
     np.testing.assert_allclose(out["log_joint"], exact, rtol=1e-12)
 
 
+def test_gpytorch_kernels_of_data_inputs_are_vectorised_and_agree_with_the_loop():
+    """GPyTorch's RBF kernel runs a custom autograd function that vmap cannot run; in GPyTorch's trace_mode it is
+    plain tensor operations, so a model with a latent outputscale is vectorised, with the loop's values, and the
+    kernel's own settings are untouched."""
+    gpytorch = pytest.importorskip("gpytorch")
+    from pyro_convexvb.diagnostics import ModelLogJoint
+
+    x = torch.linspace(-1.0, 1.0, 6, dtype=D).unsqueeze(-1)
+    kernel = gpytorch.kernels.RBFKernel().double()
+    kernel.lengthscale = 0.7
+
+    def model(x, y=None):
+        s = pyro.sample("s", dist.LogNormal(torch.tensor(0.0, dtype=D), torch.tensor(0.5, dtype=D)))
+        K = s * kernel(x).to_dense() + 1e-2 * torch.eye(6, dtype=D)
+        f = pyro.sample("f", dist.MultivariateNormal(torch.zeros(6, dtype=D), covariance_matrix=K))
+        with pyro.plate("data", 6):
+            pyro.sample("y", dist.Bernoulli(logits=f), obs=y)
+
+    y = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0, 0.0], dtype=D)
+    g = torch.Generator().manual_seed(2)
+    vals = {"s": torch.randn(5, generator=g, dtype=D), "f": torch.randn(5, 6, generator=g, dtype=D)}
+    fast = ModelLogJoint(model, (x,), {"y": y})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to the loop
+        a = fast.evaluate(vals, pointwise=True)
+    b = ModelLogJoint(model, (x,), {"y": y}, vectorise=False).evaluate(vals, pointwise=True)
+    assert fast.vectorised is True and not gpytorch.settings.trace_mode.on()
+    np.testing.assert_allclose(a["log_joint"], b["log_joint"], rtol=1e-12)
+    np.testing.assert_allclose(a["log_lik"]["y"], b["log_lik"]["y"], rtol=1e-12)
+    s0 = vals["s"][0].exp()  # by hand: the kernel written out, LogNormal prior at exp(z) with its Jacobian z
+    ell = kernel.lengthscale.detach().reshape(())
+    K = s0 * torch.exp(-0.5 * (x - x.T) ** 2 / ell**2) + 1e-2 * torch.eye(6, dtype=D)
+    hand = (dist.LogNormal(torch.tensor(0.0, dtype=D), torch.tensor(0.5, dtype=D)).log_prob(s0) + vals["s"][0]
+            + dist.MultivariateNormal(torch.zeros(6, dtype=D), covariance_matrix=K).log_prob(vals["f"][0])
+            + dist.Bernoulli(logits=vals["f"][0]).log_prob(y).sum())
+    assert a["log_joint"][0] == pytest.approx(float(hand), rel=1e-10)
+
+
 def test_sparse_gmrf_models_are_vectorised_and_agree_with_the_loop():
     """A SparseGMRF latent with a hyper-latent precision scale runs under vmap (a Python branch on the scale made
     every GMRF model fall back to the draw-by-draw loop, about 50 times slower), with the loop's values."""

@@ -10,7 +10,8 @@ its full size), and, on request, the pointwise log-likelihood of each observatio
 PIT values) and a replicated observation.
 
 **Batching.** The model is traced once per draw, vectorised over draws with ``torch.func.vmap`` (chunks of 64
-draws; distribution argument validation is off, as ``vmap`` cannot branch on data): the model runs as
+draws; distribution argument validation is off, as ``vmap`` cannot branch on data, and GPyTorch kernels run in
+GPyTorch's ``trace_mode``, without custom autograd functions): the model runs as
 written -- ``X @ w`` sees one ``w`` -- and the cost is that of a few traces. On the first evaluation the vmapped
 log joint and pointwise log-likelihoods are checked against plain traces of two draws; a model that ``vmap``
 cannot run (data-dependent Python control flow, ``.item()``, samplers without batching rules), or whose
@@ -47,6 +48,16 @@ class _UnmaskImputed(ObsMaskMessenger):
         msg["mask"] = None
 
 
+def _gpytorch_traceable():
+    """GPyTorch's ``settings.trace_mode`` when a model may use GPyTorch (it is imported): its kernels then compute
+    with plain tensor operations instead of custom autograd functions (``RBFCovariance``), which ``torch.func.vmap``
+    cannot run. The kernels' values are the same and nothing of them is changed."""
+    import sys
+
+    gpytorch = sys.modules.get("gpytorch")
+    return gpytorch.settings.trace_mode(True) if gpytorch is not None else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def _unvalidated():
     """Pyro's and torch's distribution argument checks off (both batched and draw-by-draw evaluation): ``vmap``
@@ -55,7 +66,7 @@ def _unvalidated():
     old = torch.distributions.Distribution._validate_args
     torch.distributions.Distribution.set_default_validate_args(False)
     try:
-        with pyro.validation_enabled(False):
+        with pyro.validation_enabled(False), _gpytorch_traceable():
             yield
     finally:
         torch.distributions.Distribution.set_default_validate_args(old)
