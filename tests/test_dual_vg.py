@@ -262,7 +262,7 @@ def test_strong_duality_against_primal_optimisation(kind, name):
     assert res.log_evidence_bound == pytest.approx(float(lgm.evidence_lower_bound(q.loc, q.covariance())), abs=1e-9)
     assert res.log_evidence_bound >= res.info["lvb_elbo"] - 1e-9
     if b.exact:
-        assert res.log_evidence_bound == pytest.approx(-sol.g, rel=0, abs=1e-8) or True
+        assert res.log_evidence_bound == pytest.approx(float(sol.g), rel=0, abs=1e-8)  # the dual optimum: strong duality
         assert res.log_evidence_bound == pytest.approx(res.info["lvb_elbo"], abs=1e-8)
 
 
@@ -574,6 +574,42 @@ def test_newton_solver_argument_is_checked():
     lgm = _lgm(W, S, mu, d, _family("logit", 20, gen))
     with pytest.raises(ValueError, match="newton_solver"):
         fit_dual_vg(lgm, progress=False, form="latent", newton_solver="qr")
+
+
+def test_newton_solver_cg_is_refused_by_the_site_form_which_has_no_matrix_free_hessian():
+    """The N x N site form solves Newton steps by Cholesky only; newton_solver='cg' ran that silently."""
+    W, S, mu, d, gen = _problem(N=8, L=10, seed=23)
+    lgm = _lgm(W, S, mu, d, _family("logit", 8, gen))
+    with pytest.raises(ValueError, match=r"newton_solver='cg' needs a matrix-free Hessian, which the site form "
+                                         r"does not have.*form='latent'"):
+        fit_dual_vg(lgm, progress=False, form="site", newton_solver="cg")
+    ref = fit_dual_vg(lgm, progress=False, form="site", gap_tol=1e-11)
+    cg = fit_dual_vg(lgm, progress=False, form="latent", newton_solver="cg", gap_tol=1e-11)
+    assert cg.info["cg_iterations"] > 0
+    assert cg.log_evidence_bound == pytest.approx(ref.log_evidence_bound, abs=1e-8)
+
+
+def test_auto_form_is_banded_for_a_gmrf_read_through_a_gather():
+    """x[idx] of a SparseGMRF is extracted as a dense design with one nonzero per row (below a thousand latents):
+    the documented rule picks the banded form for it, as for a sparse design (it picked the site or latent form)."""
+    import scipy.sparse as sp
+    n = 40
+    Q = sp.diags([-np.ones(n - 1), 2.3 * np.ones(n), -np.ones(n - 1)], [-1, 0, 1], format="csr")
+    Qt = torch.sparse_csr_tensor(torch.as_tensor(Q.indptr), torch.as_tensor(Q.indices), torch.as_tensor(Q.data),
+                                 size=(n, n), dtype=D)
+    g = torch.Generator().manual_seed(5)
+    idx = torch.cat([torch.randperm(n, generator=g), torch.randint(0, n, (10,), generator=g)])
+    y = torch.poisson(torch.full((n + 10,), 2.0, dtype=D), generator=g)
+
+    def model(y=None):
+        x = pyro.sample("x", pcv.distributions.SparseGMRF(torch.zeros(n, dtype=D), Qt))
+        with pyro.plate("data", n + 10):
+            pyro.sample("y", dist.Poisson(torch.exp(x[idx])), obs=y)
+
+    auto = pcv.fit(model, y=y, engine="dual_vg", options={"gap_tol": 1e-10}, progress=False)
+    site = pcv.fit(model, y=y, engine="dual_vg", options={"form": "site", "gap_tol": 1e-10}, progress=False)
+    assert auto.info["form"] == "banded" and auto.converged
+    assert auto.log_evidence_bound == pytest.approx(site.log_evidence_bound, abs=1e-8)
 
 
 def test_site_backend_covariance_from_the_inverse_of_B_matches_the_direct_inverse():

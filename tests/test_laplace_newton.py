@@ -189,3 +189,23 @@ def test_a_non_finite_log_joint_at_the_start_says_where_to_look():
 
     with pytest.raises(FloatingPointError, match="at the starting point: the model's log joint is not finite there"):
         pcv.fit(model, y=torch.tensor(0.5, dtype=D), engine="laplace", progress=False)
+
+
+def test_a_run_stopped_by_max_iter_where_the_curvature_is_negative_says_so():
+    """Cauchy observations at -3 and 3: one Newton step ends where the log joint is not concave. The error said
+    'at the mode found', blaming a funnel; it is a stop before any mode, and more iterations reach the mode."""
+    y = torch.tensor([-3.0, 3.0], dtype=D)
+
+    def model(y=None):
+        w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=D), torch.tensor(10.0, dtype=D)))
+        with pyro.plate("data", 2):
+            pyro.sample("y", dist.StudentT(1.0, w.expand(2), torch.tensor(0.3, dtype=D)), obs=y)
+
+    with pytest.raises(pcv.NotPositiveDefiniteError, match=r"stopped \(max_iter\) after 1 iterations before "
+                                                           r"reaching a mode .* raise max_iter"):
+        pcv.fit(model, y=y, engine="laplace", options=dict(seed=0, max_iter=1), progress=False)
+    res = pcv.fit(model, y=y, engine="laplace", options=dict(seed=0), progress=False)
+    w = float(res.posterior.loc[0])
+    grad = scipy.optimize.approx_fprime(  # the mode: the log joint's derivative vanishes
+        [w], lambda v: -v[0] ** 2 / 200 - np.log1p(((3 - v[0]) / 0.3) ** 2) - np.log1p(((3 + v[0]) / 0.3) ** 2), 1e-7)
+    assert res.converged and abs(w) > 2.5 and abs(grad[0]) < 1e-5

@@ -699,6 +699,13 @@ class LaplaceEngine(_FullDataEngine):
         except torch.linalg.LinAlgError as e:
             from ..errors import NotPositiveDefiniteError
 
+            if rel > grad_tol:  # stopped before a mode: the point is not one
+                raise NotPositiveDefiniteError(
+                    f"engine '{self.name}': {method} stopped ({res.stop_reason}) after {res.iterations} iterations "
+                    f"before reaching a mode (relative gradient {rel:.3g} > {grad_tol:.3g}), at a point where the "
+                    "Hessian of the negative log joint is not positive definite, so there is no Laplace "
+                    "approximation there" + ("; raise max_iter (options=dict(max_iter=...))"
+                                             if res.stop_reason == "max_iter" else "")) from e
             raise NotPositiveDefiniteError(
                 f"engine '{self.name}': the Hessian of the negative log joint at the mode found by {method} is not "
                 "positive definite, so the Laplace approximation does not exist there (a hierarchical model's "

@@ -83,7 +83,10 @@ def _row_counts(op):
 
 
 def _one_per_row(op):
-    return isinstance(op, SparseOperator) and bool((_row_counts(op) == 1).all())
+    """Whether every row of a sparse or dense design has exactly one nonzero (a gather ``x[idx]`` is extracted as a
+    dense design below a thousand latents)."""
+    counts = _row_counts(op)
+    return counts is not None and bool((counts == 1).all())
 
 
 #: smallest latent dimension at which ``form='auto'`` prefers the sparse latent form (a sparse prior precision and a

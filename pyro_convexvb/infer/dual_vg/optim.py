@@ -342,6 +342,11 @@ def _use_operator_hessian(backend, newton_solver):
         raise ValueError(f"dual_vg: option newton_solver='dense' needs the N x N Hessian, which the "
                          f"{backend.kind} form (a sparse precision) never forms; use newton_solver='cg' or 'auto' "
                          "(matrix-free Newton-CG), or method='lbfgs'")
+    if not hasattr(backend, "hessian_operator") and newton_solver == "cg":
+        raise ValueError(f"dual_vg: option newton_solver='cg' needs a matrix-free Hessian, which the "
+                         f"{getattr(backend, 'kind', type(backend).__name__)} form does not have (its Newton step "
+                         "is a Cholesky of the N x N system); use newton_solver='auto' or 'dense', or a form with "
+                         "Newton-CG: form='latent', 'banded' or 'sparse'")
     if not hasattr(backend, "hessian_operator") or newton_solver == "dense":
         return False
     if newton_solver == "cg" or sparse_form:
