@@ -427,6 +427,35 @@ def test_a_model_with_other_sites_in_the_same_dimensions_is_refused(how):
     assert float(guide.median()["a"]) == pytest.approx(float(q.loc[0]), abs=1e-9)
 
 
+def _groups(grp, y=None):
+    """Random intercepts whose number of groups is read from the data."""
+    a = pyro.sample("a", dist.Normal(torch.zeros(int(grp.max()) + 1, dtype=D), 1.0).to_event(1))
+    with pyro.plate("data", grp.shape[0]):
+        pyro.sample("y", dist.Normal(a[grp], 0.5), obs=y)
+
+
+def test_guides_name_the_site_whose_size_differs_and_keep_fitting_keywords_apart():
+    """A model with another number of groups was refused without a site ('6 latent dimensions but ... 5'); new
+    positional data clashing with the fitting keyword data failed inside the model's call; DualVG refitted on data
+    of another latent size ran the whole fit, then misstated the sizes."""
+    grp3 = torch.arange(12) % 3
+    y = torch.randn(12, generator=torch.Generator().manual_seed(1), dtype=D)
+    res = pcv.fit(_groups, grp3, y=y, engine="dual_vg", progress=False)
+    with pytest.raises(ValueError, match=r"latent site 0 of the model is 'a' \(4 unconstrained coordinates\) but the "
+                                         r"posterior's is 'a' \(3\)"):
+        res.posterior.as_guide(model_args=(torch.arange(12) % 4,), model_kwargs={"y": y})
+    with pytest.raises(ValueError, match=r"model_args: .* fitting keyword arguments \['y'\].*pass model_kwargs"):
+        res.posterior.as_guide(model_args=(grp3, y))
+    guide = res.posterior.as_guide(model_args=(grp3, y), model_kwargs={})
+    torch.testing.assert_close(guide.median()["a"], res.posterior.loc, rtol=0, atol=TOL)
+    dvg = pcv.DualVG(_groups)
+    dvg.fit(grp3, y=y)
+    first = dvg.result
+    with pytest.raises(ValueError, match=r"built for 3 latent dimensions .* give the model 4.*new DualVG"):
+        dvg.fit(torch.arange(12) % 4, y=y)
+    assert dvg.result is first
+
+
 # ------------------------------------------------------------------------------------------ mixtures
 def test_diag_mixture_as_guide_store_stale_svi_and_predictive():
     X, y = _logreg_data()

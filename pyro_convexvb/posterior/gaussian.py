@@ -394,7 +394,9 @@ class GaussianPosterior(Posterior):
         :param tuple model_args: positional arguments used to build the guide's prototype trace now
             (default: the fitting arguments when ``model`` is ``None`` or the fitted model; else the guide is
             built at its first call).
-        :param dict model_kwargs: keyword arguments for the same.
+        :param dict model_kwargs: keyword arguments for the same (default: the fitting keyword arguments when
+            ``model`` is ``None`` or the fitted model, also beside a new ``model_args``, so an observed site given
+            by name stays observed; positional arguments that clash with them are refused).
         :returns: an :class:`~pyro.infer.autoguide.AutoContinuous` guide over the flat latent vector of
             length ``n`` (the order of Pyro's ``AutoContinuous`` packing of the latent sites, unconstrained).
 
@@ -582,16 +584,14 @@ def _check_latent_dim(guide, posterior):
             f"latent site(s) {extra} of the model are not in the posterior (its sites: {[n for n, _ in fitted]}): an "
             "observed site called without its data is latent; build the guide with the fitting data "
             "(as_guide(model_args=..., model_kwargs=...)), or pass the model it was fitted to")
-    if guide.latent_dim != posterior.n:
-        raise ValueError(f"the model has {guide.latent_dim} latent dimensions but the posterior has {posterior.n}")
-    if posterior.layout is None:
-        return
     for k, (ours, theirs) in enumerate(zip(model_sites, fitted)):
         if ours != theirs:
             raise ValueError(
                 f"latent site {k} of the model is {ours[0]!r} ({ours[1]} unconstrained coordinates) but the posterior's "
                 f"is {theirs[0]!r} ({theirs[1]}): the posterior's latent vector follows the sites of the model it was "
                 f"fitted to, in trace order ({[n for n, _ in fitted]}); pass that model")
+    if guide.latent_dim != posterior.n:
+        raise ValueError(f"the model has {guide.latent_dim} latent dimensions but the posterior has {posterior.n}")
 
 
 def _prototype_dtype(guide, default):
@@ -625,6 +625,13 @@ def _guide_model_and_data(posterior, model, model_args, model_kwargs):
     build_now = bool(args or kwargs) or model_args is not None or model_kwargs is not None
     if model_args is not None:
         args = tuple(model_args)
+        if model_kwargs is None and kwargs:  # the fitting keyword arguments stay: they must not clash
+            try:
+                inspect.signature(model).bind(*args, **kwargs)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"model_args: the model cannot take them with the fitting keyword arguments "
+                                 f"{sorted(kwargs)}, which as_guide keeps unless model_kwargs is given ({err}); "
+                                 "pass model_kwargs too (e.g. model_kwargs={}, or the new data by name)") from None
     if model_kwargs is not None:
         kwargs = dict(model_kwargs)
     return model, args, kwargs, build_now

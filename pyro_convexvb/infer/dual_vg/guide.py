@@ -85,6 +85,8 @@ class DualVG(AutoMultivariateNormal):
             form. Otherwise, and when the model has no plain latent Gaussian form (hyper-latents) or option
             ``alpha0`` is set, the fit starts cold, as with ``warm_start=False``: the optimum is the same, only
             the number of iterations differs. Whatever the fit raises, warm or cold, propagates.
+        :raises ValueError: data that give the model another number of latent coordinates than the guide's first
+            call (a Pyro autoguide keeps that shape; the guide and its ``result`` are left as they were).
         """
         opts = self.engine_options.as_dict()
         engine = DualVGEngine(self.model, progress=progress, **opts)
@@ -102,7 +104,9 @@ class DualVG(AutoMultivariateNormal):
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
         if self.latent_dim != q.n:
-            raise ValueError(f"the model has {self.latent_dim} latent dimensions but the dual posterior has {q.n}")
+            raise ValueError(f"DualVG: the guide was built for {self.latent_dim} latent dimensions (by its first call "
+                             f"or fit) and these data give the model {q.n}; like every Pyro autoguide it keeps the "
+                             "latent shape of its first call: make a new DualVG(model) for these data")
         self._set_from_posterior(q)
         res.info["guide"] = self
         self.result = res
