@@ -235,7 +235,8 @@ def _importance(result, num_draws, seed, proposal, progress):
 def _moment_check(values, log_weights):
     x = np.concatenate([v.reshape(v.shape[0], -1).double().cpu().numpy() for v in values.values()], 1)
     m0, sd0, _, _ = weighted_moments(x, np.full(x.shape[0], 1.0 / x.shape[0]))
-    live = sd0 > 0
+    # a constant column (a hyper-latent fixed at its mode) has an sd of rounding noise, whose ratios are noise too
+    live = sd0 > 1e-9 * np.abs(m0)
     if not live.any():
         return 0.0, (1.0, 1.0)
     if not live.all():
