@@ -135,6 +135,51 @@ def test_hyper_sites_are_found():
     assert find_hyper_sites(gaussian_parent, (), {"y": torch.tensor(0.5, dtype=D)}) == ["m", "s"]
 
 
+def test_a_normal_prior_log_noise_parameter_is_a_hyper_latent():
+    """A Normal-prior latent whose exponential is a likelihood's noise parameter other than a scale (a negative
+    binomial's total count, a Gamma's concentration, a Student-t's df) was not found, and the model refused; it is
+    the LogNormal model in other coordinates, with the same hyper-posterior of log r."""
+    g = torch.Generator().manual_seed(144)
+    x = 0.8 * torch.randn(40, generator=g, dtype=D)
+    y = torch.poisson(torch.exp(0.5 + 0.7 * x), generator=g)
+
+    def negbin(log_prior):
+        def model(x, y=None):
+            w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+            if log_prior:
+                lr = pyro.sample("lr", dist.Normal(torch.tensor(1.0, dtype=D), 1.0))
+                r = lr.exp()
+            else:
+                r = pyro.sample("lr", dist.LogNormal(torch.tensor(1.0, dtype=D), 1.0))
+                lr = r.log()
+            with pyro.plate("data", x.shape[0]):
+                pyro.sample("y", dist.NegativeBinomial(r, logits=0.5 + x * w - lr), obs=y)
+        return model
+
+    def student(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        nu = pyro.sample("lnu", dist.Normal(torch.tensor(1.5, dtype=D), 0.5)).exp()
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("y", dist.StudentT(nu, x * w, 0.4), obs=y)
+
+    def gamma(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        a = pyro.sample("la", dist.Normal(torch.tensor(1.0, dtype=D), 1.0)).exp()
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("y", dist.Gamma(a, a * torch.exp(-x * w)), obs=y)
+
+    assert find_hyper_sites(negbin(True), (x,), {"y": y}) == ["lr"]
+    assert find_hyper_sites(student, (x,), {"y": x}) == ["lnu"]
+    assert find_hyper_sites(gamma, (x,), {"y": y + 1.0}) == ["la"]
+    normal = pcv.fit(negbin(True), x, y=y, engine="dual_vg", progress=False)
+    lognormal = pcv.fit(negbin(False), x, y=y, engine="dual_vg", progress=False)
+    assert normal.converged and lognormal.converged
+    # the same hyper-posterior of log r: lr itself, and the log of the LogNormal site
+    a, b = normal.posterior.theta_marginals()["lr"], lognormal.posterior.theta_marginals()["lr"]
+    for p in (0.05, 0.5, 0.95):
+        assert float(a["quantiles"][p]) == pytest.approx(math.log(float(b["quantiles"][p])), abs=2e-3)
+
+
 def _exact_2d(X, y, n=241):
     """Hyper-posterior of (tau, sigma) on a log grid, and the mixture mean of w (exact given theta).
 

@@ -641,3 +641,34 @@ def test_extraction_cache_is_traced_again_when_the_sites_change():
     ref = pcv.lgm_from_pyro(lambda X, y=None: m(X, y), X, y=y)
     assert lgm.n == ref.n == 3
     torch.testing.assert_close(lgm.sites[0].design.to_dense(), ref.sites[0].design.to_dense())
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation"])
+def test_a_hyper_latent_fixed_by_pyro_condition_is_a_constant_of_any_family(engine):
+    """pyro.condition(model, data={"tau": 0.5}) makes the HalfNormal site observed: it reads no latent, so its log
+    density is a constant of the evidence, whatever its family (it was refused as an 'unsupported likelihood'),
+    and the bound is the blocked model's plus log p(tau = 0.5)."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(20, 3, generator=g, dtype=D)
+    y = (X[:, 0] > 0).to(D)
+    tau0 = torch.tensor(0.5, dtype=D)
+
+    def model(X, y=None):
+        tau = pyro.sample("tau", dist.HalfNormal(torch.tensor(1.0, dtype=D)))
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), tau).to_event(1))
+        with pyro.plate("data", 20):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    conditioned = pcv.fit(pyro.condition(model, data={"tau": tau0}), X, y=y, engine=engine, progress=False)
+    blocked = pcv.fit(pyro.poutine.block(pyro.condition(model, data={"tau": tau0}), hide=["tau"]), X, y=y,
+                      engine=engine, progress=False)
+    const = float(dist.HalfNormal(torch.tensor(1.0, dtype=D)).log_prob(tau0))
+    assert conditioned.log_evidence_bound == pytest.approx(blocked.log_evidence_bound + const, abs=1e-10)
+    torch.testing.assert_close(conditioned.posterior.loc, blocked.posterior.loc, rtol=0, atol=1e-10)
+
+    def reads_w(X, y=None):  # a HalfNormal observation that reads a latent stays refused, by name
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), 1.0).to_event(1))
+        pyro.sample("s", dist.HalfNormal(w.exp().sum()), obs=tau0)
+
+    with pytest.raises(pcv.UnsupportedModelError, match="site 's'.*unsupported likelihood HalfNormal"):
+        pcv.fit(reads_w, X, engine=engine, progress=False)

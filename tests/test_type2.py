@@ -208,3 +208,20 @@ def test_type2_options_on_a_model_without_params_warn():
 
     with pytest.warns(UserWarning, match="type2_max_iter=2 has no effect: the model has no pyro.param"):
         pcv.fit(model, X, y=y, engine="convex_relaxation", options={"type2_max_iter": 2}, progress=False)
+
+    def with_param(X, y=None):
+        s = pyro.param("s", torch.tensor(1.0, dtype=D), constraint=dist.constraints.positive)
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), s).to_event(1))
+        with pyro.plate("data", 30):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    # learn_params=False keeps the params: type-II options were accepted without a word
+    pyro.clear_param_store()
+    with pytest.warns(UserWarning, match="type2_gtol=0.001 has no effect: learn_params=False keeps the params"):
+        pcv.fit(with_param, X, y=y, engine="dual_vg", options={"learn_params": False, "type2_gtol": 1e-3},
+                progress=False)
+    # a model with params and no hyper-latents: hyper options went unsaid on the type-II path
+    pyro.clear_param_store()
+    with pytest.warns(UserWarning, match="hyper='map' has no effect: the model has no hyper-latents"):
+        res = pcv.fit(with_param, X, y=y, engine="dual_vg", options={"hyper": "map"}, progress=False)
+    assert res.converged and "type-II" in res.stop_reason

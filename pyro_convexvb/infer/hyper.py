@@ -110,13 +110,19 @@ def _tensor_params(fn, names):
     return out
 
 
+#: an observation's parameters that are its noise, not its predictor: a Normal's or Student-t's scale, a Student-t's
+#: degrees of freedom, a negative binomial's total count, a Gamma's concentration
+_NOISE_PARAMS = ("scale", "df", "total_count", "concentration")
+
+
 def find_hyper_sites(model, args, kwargs):
     """Names of the model's hyper-latent sites, in trace order.
 
     A latent site is a hyper-latent when its prior is not one of the latent-field priors (``Normal``,
     ``MultivariateNormal``, ``Laplace``, ``SparseGMRF``), when another latent site's prior parameters
-    depend on it, or when an observation's parameters other than its predictor (e.g. a ``Normal``
-    likelihood's scale) depend on it.
+    depend on it, or when an observation's parameters other than its predictor (a ``Normal`` or ``StudentT``
+    likelihood's scale, a ``StudentT``'s ``df``, a ``NegativeBinomial``'s ``total_count``, a ``Gamma``'s
+    ``concentration``) depend on it.
 
     Gaussian latents that set a hyper-latent's prior are hyper-latents too (e.g. the ``Normal`` mean of a
     ``LogNormal`` scale).
@@ -132,7 +138,7 @@ def find_hyper_sites(model, args, kwargs):
             continue
         observed = name not in values
         if observed:
-            attrs = ("scale",)  # an observation's noise; its predictor (loc, logits, rate) is the field's
+            attrs = _NOISE_PARAMS  # an observation's noise; its predictor (loc, logits, rate) is the field's
             if _sv_site(site["fn"]):  # Normal(m, exp(eta / 2)): its scale is the predictor
                 attrs = ()
         elif _field_prior(site["fn"]):

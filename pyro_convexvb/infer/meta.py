@@ -31,6 +31,8 @@ def run(engine, args, kwargs):
     engine.check_data(args, kwargs)
     names = type2_params(engine, args, kwargs)
     if names:
+        if engine.integrates_hyper and _hyper_options_set(engine) and not find_hyper_sites(engine.model, args, kwargs):
+            _warn_unused_hyper_options(engine)
         return run_type2(engine, names, args, kwargs, t0)
     _warn_unused_type2_options(engine)
     if not engine.integrates_hyper:
@@ -57,22 +59,29 @@ def _warn_unused_hyper_options(engine):
     if engine.data_checked:
         return
     o = engine.options
-    unused = [f"{k}={getattr(o, k)!r}" for k in ("hyper", "hyper_strategy") if o.is_set(k)]
+    unused = [f"{k}={getattr(o, k)!r}" for k in ("hyper", "hyper_strategy") if _hyper_options_set(engine, k)]
     if unused:
         warn(f"engine '{engine.name}': option {' and '.join(unused)} has no effect: the model has no hyper-latents "
              "(every latent site is part of its latent Gaussian field); drop the option", UserWarning)
 
 
+def _hyper_options_set(engine, *names):
+    """Whether any of the hyper-latent options ``names`` (default: both) is set by the caller."""
+    return any(engine.options.is_set(k) for k in (names or ("hyper", "hyper_strategy")))
+
+
 def _warn_unused_type2_options(engine):
-    """Say that type-II options set away from their defaults have no effect on a model without ``pyro.param``
-    sites (``learn_params`` on, nothing to learn; not for an inner engine of an integration)."""
+    """Say that type-II options set away from their defaults have no effect: on a model without ``pyro.param``
+    sites, or with ``learn_params=False`` (not for an inner engine of an integration)."""
     o = engine.options
-    if engine.data_checked or engine.type2 != "outer" or not getattr(o, "learn_params", False):
+    if engine.data_checked or engine.type2 != "outer":
         return
     unused = [f"{k}={getattr(o, k)!r}" for k in ("type2_max_iter", "type2_gtol") if hasattr(o, k) and o.is_set(k)]
     if unused:
-        warn(f"engine '{engine.name}': option {' and '.join(unused)} has no effect: the model has no pyro.param "
-             "sites to learn; drop the option", UserWarning)
+        why = ("the model has no pyro.param sites to learn" if getattr(o, "learn_params", False)
+               else "learn_params=False keeps the params as they are")
+        warn(f"engine '{engine.name}': option {' and '.join(unused)} has no effect: {why}; drop the option",
+             UserWarning)
 
 
 def hyper_latents(engine_cls, model, args, kwargs):

@@ -1534,7 +1534,14 @@ def _observed_groups(x, observed):
     groups, log_const = [], 0.0
     for name in observed:
         site = x.tr.nodes[name]
-        family_cls, base, eta, y, batch = _observed_site(name, site, dtype)
+        try:
+            family_cls, base, eta, y, batch = _observed_site(name, site, dtype)
+        except UnsupportedModelError:
+            # a site of any family that reads no latent is a constant: a hyper-latent fixed by pyro.condition
+            if _depends_on(_site_log_prob(site), x.u0):
+                raise
+            log_const += _constant_log_prob(name, site, keep_graph)
+            continue
         keep = _keep_rows(name, site)
         weight = _site_weight(name, site)
         if weight is not None:
@@ -1550,11 +1557,7 @@ def _observed_groups(x, observed):
             if _depends_on(value, x.u0):
                 raise UnsupportedModelError(name, f"the {what} depends on a latent site (not an LGM)")
         if not _depends_on(eta_k, x.u0):
-            lp = _num(_site_log_prob(site), keep_graph)
-            if not math.isfinite(float(lp)):
-                raise UnsupportedModelError(name, "observed site that does not depend on the latents has log density "
-                                                  f"{lp} at its data")
-            log_const += lp
+            log_const += _constant_log_prob(name, site, keep_graph)
             continue
         if idx is not None and idx.numel() == 0:
             continue
@@ -1575,6 +1578,15 @@ def _observed_groups(x, observed):
             log_const += const
         groups.append(SiteGroup(name, family, op, offset, batch))
     return groups, log_const
+
+
+def _constant_log_prob(name, site, keep_graph):
+    """The log density of an observed site that reads no latent: a constant of the evidence."""
+    lp = _num(_site_log_prob(site), keep_graph)
+    if not math.isfinite(float(lp)):
+        raise UnsupportedModelError(name, f"observed site that does not depend on the latents has log density {lp} "
+                                          "at its data")
+    return lp
 
 
 def _factor_groups(x, factors, log_const):
