@@ -231,19 +231,46 @@ class GaussianPosterior(Posterior):
         return (self.loc + x).reshape(shape + (self.n,))
 
     def _sampling_root(self):
-        """``R`` with ``R R^T = covariance``: the Cholesky factor, or, for a covariance singular to rounding (the
+        """``R`` with ``R R^T = covariance`` (:meth:`_root`)."""
+        return self._root()[0]
+
+    def _root(self):
+        """``(R, singular)``: the Cholesky factor of the covariance, or, for a covariance singular to rounding (the
         posterior of an intrinsic field on its constraint subspace, rank ``n - k``), its eigen-root, whose draws
-        satisfy the constraints; a covariance with a clearly negative eigenvalue raises."""
-        try:
-            return self.scale_tril()
-        except torch.linalg.LinAlgError:
-            C = self.covariance()
-            lam, V = torch.linalg.eigh(0.5 * (C + C.transpose(-1, -2)))
-            if bool((lam < -1e-9 * lam.abs().max()).any()):
-                raise NotPositiveDefiniteError(f"the posterior covariance has a negative eigenvalue "
-                                               f"({float(lam.min()):.3g}, largest {float(lam.max()):.3g}): no "
-                                               "Gaussian to sample") from None
-            return V * lam.clamp_min(0).sqrt()
+        satisfy the constraints to rounding; a covariance with a clearly negative eigenvalue raises.
+
+        Singular means a Cholesky failure or a pivot (a conditional variance) below ``1e-12`` of the largest
+        variance: rounding decides which of the two a singular covariance gives, and a Cholesky factor that
+        succeeds there draws ``1e-7``-sized departures from the constraints."""
+        if self.kind == "scale_tril":
+            return self._scale_tril, False
+        C = self.covariance()
+        cached = self.__dict__.get("_root_cache")  # a stored covariance is factored once (guides call this per draw)
+        if cached is not None and cached[0] is C and cached[1] == C._version:
+            return cached[2]
+        out = self._factor_root(C)
+        if self.kind == "covariance" and not C.requires_grad:
+            self.__dict__["_root_cache"] = (C, C._version, out)
+        return out
+
+    def _factor_root(self, C):
+        L, info = torch.linalg.cholesky_ex(C)
+        if int(info) == 0 and bool((torch.diagonal(L) ** 2 > 1e-12 * torch.diagonal(C).max()).all()):
+            return L, False
+        lam, V = torch.linalg.eigh(0.5 * (C + C.transpose(-1, -2)))
+        if bool((lam < -1e-9 * lam.abs().max()).any()):
+            raise NotPositiveDefiniteError(f"the posterior covariance is not positive definite: it has a negative "
+                                           f"eigenvalue ({float(lam.min()):.3g}, largest {float(lam.max()):.3g}), so "
+                                           "there is no Gaussian to sample")
+        # eigenvalues at rounding level (the rank tolerance of numpy's matrix_rank) are the null directions: zero,
+        # not the square root of their rounding error (1e-8 departures from the constraints)
+        null = lam <= lam.abs().max() * self.n * torch.finfo(lam.dtype).eps
+        return V * torch.where(null, torch.zeros_like(lam), lam).sqrt(), True
+
+    def is_singular(self):
+        """Whether the covariance is singular to rounding (dense kinds: an intrinsic field's posterior, rank
+        ``n - k`` on its constraint subspace), so that it has draws but no density and no Cholesky factor."""
+        return self.kind == "covariance" and self._root()[1]
 
     def _sample_matrix_free(self, m, generator):
         self._require_operator("sample()")
@@ -278,6 +305,9 @@ class GaussianPosterior(Posterior):
             return dist.MultivariateNormal(self.loc, precision_matrix=self._precision).log_prob(u)
         if self.kind == "low_rank_diagonal":
             return self.to_distribution().log_prob(u)
+        if self.is_singular():
+            raise ValueError("log_prob: the posterior's covariance is singular (an intrinsic field's posterior lives "
+                             "on its constraint subspace), so it has no density over all n coordinates")
         return dist.MultivariateNormal(self.loc, scale_tril=self.scale_tril()).log_prob(u)
 
     def entropy(self):
@@ -350,6 +380,8 @@ class GaussianPosterior(Posterior):
         if self.kind == "diagonal":
             return dist.Normal(self.loc, self.variance.sqrt()).to_event(1)
         if self.kind in ("covariance", "scale_tril", "precision"):
+            if self.is_singular():  # an intrinsic field's posterior: draws on its constraint subspace, no density
+                return _PosteriorDistribution(self)
             return dist.MultivariateNormal(self.loc, scale_tril=self.scale_tril())
         if self.kind == "low_rank_diagonal":
             return dist.LowRankMultivariateNormal(self.loc, self.cov_factor, self.cov_diag)
@@ -813,6 +845,10 @@ class PosteriorMultivariateNormal(_InitialisedAtPosterior, AutoMultivariateNorma
         elif q.kind == "scale_tril":
             L = q._scale_tril
         else:
+            if q.is_singular():
+                raise ValueError("the posterior's covariance is singular (an intrinsic field's posterior lives on its "
+                                 "constraint subspace), so a trainable guide, which holds a Cholesky factor, cannot "
+                                 "represent it; use as_guide(trainable=False), which draws on that subspace")
             try:
                 L = torch.linalg.cholesky(q.covariance(force=True))
             except torch.linalg.LinAlgError as e:
