@@ -225,3 +225,21 @@ def test_type2_options_on_a_model_without_params_warn():
     with pytest.warns(UserWarning, match="hyper='map' has no effect: the model has no hyper-latents"):
         res = pcv.fit(with_param, X, y=y, engine="dual_vg", options={"hyper": "map"}, progress=False)
     assert res.converged and "type-II" in res.stop_reason
+
+
+def test_a_search_that_reaches_an_invalid_covariance_names_the_param():
+    """One draw of w: the evidence grows toward a singular covariance S, where torch's MultivariateNormal refuses
+    S with its own ValueError, raised from inside the search without naming the param or the loop."""
+    g = torch.Generator().manual_seed(9)
+    X = torch.randn(40, 2, generator=g, dtype=D)
+    y = X @ torch.tensor([1.0, 0.8], dtype=D) + 0.3 * torch.randn(40, generator=g, dtype=D)
+
+    def model(X, y=None):
+        S = pyro.param("S", torch.eye(2, dtype=D), constraint=dist.constraints.positive_definite)
+        w = pyro.sample("w", dist.MultivariateNormal(torch.zeros(2, dtype=D), covariance_matrix=S))
+        with pyro.plate("data", 40):
+            pyro.sample("y", dist.Normal(X @ w, 0.3), obs=y)
+
+    pyro.clear_param_store()
+    with pytest.raises(ValueError, match=r"type-II learning of 'S': .* refuses its arguments .*give the param a floor"):
+        pcv.fit(model, X, y=y, engine="dual_vg", progress=False)

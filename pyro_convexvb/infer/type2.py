@@ -110,7 +110,16 @@ def _refit(engine, params, x, warm, args, kwargs):
     inner = engine.inner_engine(params.bind(engine.model, x), warm, learn_params=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
-        return inner.run(*args, **kwargs)
+        try:
+            return inner.run(*args, **kwargs)
+        except ValueError as err:
+            if not str(err).startswith("Expected parameter"):  # torch's argument validation, at the params' values
+                raise
+            raise ValueError(f"type-II learning of {', '.join(repr(n) for n in params.names)}: at a point of the "
+                             f"search the model's distribution refuses its arguments ({str(err).splitlines()[0]}); "
+                             "the evidence's maximiser likely lies on the boundary of the params' support (a "
+                             "singular covariance, a zero scale): give the param a floor, or fix it "
+                             "(learn_params=False)") from None
 
 
 def maximize_bound(engine, names, args, kwargs, *, max_iter=50, gtol=1e-5, fd_step=1e-5, run=None):
