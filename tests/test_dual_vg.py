@@ -262,7 +262,7 @@ def test_strong_duality_against_primal_optimisation(kind, name):
     assert res.log_evidence_bound == pytest.approx(float(lgm.evidence_lower_bound(q.loc, q.covariance())), abs=1e-9)
     assert res.log_evidence_bound >= res.info["lvb_elbo"] - 1e-9
     if b.exact:
-        assert res.log_evidence_bound == pytest.approx(float(sol.g), rel=0, abs=1e-8)  # the dual optimum: strong duality
+        assert res.log_evidence_bound == pytest.approx(float(sol.g), rel=0, abs=1e-8)  # strong duality
         assert res.log_evidence_bound == pytest.approx(res.info["lvb_elbo"], abs=1e-8)
 
 
