@@ -7,6 +7,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import scipy.optimize
+import scipy.stats
 import torch
 from torch.distributions import constraints
 
@@ -243,3 +244,37 @@ def test_a_search_that_reaches_an_invalid_covariance_names_the_param():
     pyro.clear_param_store()
     with pytest.raises(ValueError, match=r"type-II learning of 'S': .* refuses its arguments .*give the param a floor"):
         pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
+
+
+def test_an_ar_coefficient_param_is_learned_by_dual_vg_through_differences():
+    """phi = pyro.param(...) in the means of an AR(1) loop: the graph-keeping extraction refuses it (its coefficients
+    are extracted as constants), which stopped dual_vg's type-II run; the envelope gradient now falls back to central
+    differences of F(s*; phi), and the learned phi maximises the exact Gaussian evidence (by scipy)."""
+    T, s, noise = 12, 0.85, 0.3
+    g = torch.Generator().manual_seed(4)
+    h = torch.zeros(T, dtype=D)
+    for t in range(1, T):
+        h[t] = 0.8 * h[t - 1] + s * torch.randn((), generator=g, dtype=D)
+    y = h + noise * torch.randn(T, generator=g, dtype=D)
+
+    def ar(y):
+        phi = pyro.param("phi", torch.tensor(0.3, dtype=D), constraint=dist.constraints.interval(-0.99, 0.99))
+        hh = pyro.sample("h_0", dist.Normal(torch.tensor(0.0, dtype=D), 1.5))
+        hs = [hh]
+        for t in range(1, T):
+            hh = pyro.sample(f"h_{t}", dist.Normal(phi * hh, s))
+            hs.append(hh)
+        pyro.sample("y", dist.Normal(torch.stack(hs), noise).to_event(1), obs=y)
+
+    def log_evidence(phi):
+        M = np.linalg.inv(np.eye(T) - np.diag([phi] * (T - 1), -1))  # h = M e, e ~ N(0, diag(1.5^2, s^2, ...))
+        cov = M @ np.diag([2.25] + [s**2] * (T - 1)) @ M.T + noise**2 * np.eye(T)
+        return float(scipy.stats.multivariate_normal(np.zeros(T), cov).logpdf(y.numpy()))
+
+    ref = scipy.optimize.minimize_scalar(lambda p: -log_evidence(p), bounds=(-0.99, 0.99), method="bounded",
+                                         options={"xatol": 1e-10})
+    pyro.clear_param_store()
+    res = pcv.fit(ar, y, engine="dual_vg", progress=False)
+    assert res.converged
+    assert float(pyro.param("phi").detach()) == pytest.approx(ref.x, abs=1e-4)
+    assert res.log_evidence_bound == pytest.approx(-ref.fun, abs=1e-7)

@@ -24,7 +24,7 @@ import scipy.optimize
 import torch
 from torch.distributions import transform_to
 
-from ..errors import ConvergenceWarning, WarningsOnce
+from ..errors import ConvergenceWarning, UnsupportedModelError, WarningsOnce
 from ..lgm.extract import full_data_plates, lgm_from_pyro
 
 __all__ = ["model_params", "maximize_bound", "central_differences", "envelope_gradient", "refit_gradient"]
@@ -209,7 +209,8 @@ def envelope_gradient(params, x, model, args, kwargs, value_at_fixed_state, h, a
         with ``keep_graph=True``); the first such gradient of a type-II run is checked against a central
         difference along a random direction, and central differences over every param are used from
         then on when they disagree (a dependence on the params that the graph does not carry, e.g. a
-        design built from a param).
+        design built from a param) or when the extraction cannot keep the graph (a param in the mean of an
+        affine Gaussian chain's child).
     """
     def f(xx):
         with torch.no_grad():
@@ -218,7 +219,12 @@ def envelope_gradient(params, x, model, args, kwargs, value_at_fixed_state, h, a
     try:
         if autograd and params.autograd_ok is not False:
             bound, leaves = params.bind(model, x, requires_grad=True)
-            val = value_at_fixed_state(lgm_from_pyro(bound, *args, keep_graph=True, **kwargs))
+            try:
+                lgm = lgm_from_pyro(bound, *args, keep_graph=True, **kwargs)
+            except UnsupportedModelError:  # a graph the extraction cannot keep (a param in a chain's mean)
+                params.autograd_ok = False
+                return central_differences(f, x, h)
+            val = value_at_fixed_state(lgm)
             grads = torch.autograd.grad(val, leaves, allow_unused=True) if val.requires_grad else [None] * len(leaves)
             g = np.concatenate([np.zeros(p.numel()) if gr is None else gr.detach().reshape(-1).double().numpy()
                                 for p, gr in zip(leaves, grads)])
