@@ -542,6 +542,19 @@ class SparseCholesky:
         self._load()
 
     # ------------------------------------------------------------------ state
+    def __getstate__(self):
+        """Pickled without the backend's numeric object (an extension type; the factor itself is in the arrays):
+        the first refactorisation after unpickling makes a new one."""
+        state = self.__dict__.copy()
+        state["_impl"] = None
+        return state
+
+    def _refactor(self, U):
+        if self._impl is None:
+            self._impl = _BACKEND_CLASSES[self.backend](U)
+        else:
+            self._impl.refactor(U)
+
     def _load(self):
         L, D, perm = self._impl.factors()
         if not np.isfinite(D).all() or (D <= 0).any():
@@ -581,7 +594,7 @@ class SparseCholesky:
         U = _upper_with_diagonal(M)
         try:
             if np.array_equal(U.indptr, self._pattern[0]) and np.array_equal(U.indices, self._pattern[1]):
-                self._impl.refactor(U)
+                self._refactor(U)
             else:
                 self._pattern = (U.indptr.copy(), U.indices.copy())
                 self._impl = _BACKEND_CLASSES[self.backend](U)
@@ -601,7 +614,7 @@ class SparseCholesky:
             raise ValueError(f"{self.name}: the new values contain NaN or inf")
         U = sp.csc_matrix((data, self._pattern[1], self._pattern[0]), shape=(self.n, self.n))
         try:
-            self._impl.refactor(U)
+            self._refactor(U)
         except NotPositiveDefiniteError as err:
             raise NotPositiveDefiniteError(f"{self.name}: {err}") from None
         self._load()
