@@ -3,7 +3,8 @@ r"""Pyro distributions for latent Gaussian models with sparse structure.
 :class:`SparseGMRF` is a Gaussian Markov random field (Rue & Held 2005, §2.1) given by a sparse
 precision matrix: a Pyro distribution that the engines of this package read without densifying
 (:func:`pyro_convexvb.lgm_from_pyro` turns it into a prior block with a sparse precision operator)
-and that Pyro's own inference (NUTS, SVI) runs with as any other distribution.
+and that Pyro's own inference (NUTS, SVI) runs with as any other distribution, except under torch.jit tracing
+(``JitTrace_ELBO``, ``NUTS(jit_compile=True)``), which does not support sparse tensors and is refused.
 """
 import math
 import weakref
@@ -393,6 +394,11 @@ class SparseGMRF(TorchDistribution):
     has_rsample = True
 
     def __init__(self, loc, precision, precision_scale=None, validate_args=None, constraints=None):
+        if torch._C._get_tracing_state():
+            raise NotImplementedError("SparseGMRF: torch.jit tracing does not support sparse tensors, so models with "
+                                      "a SparseGMRF site cannot be JIT-compiled; use Trace_ELBO instead of "
+                                      "JitTrace_ELBO, or NUTS(..., jit_compile=False) (engine='nuts' with "
+                                      "options=dict(jit_compile=False))")
         if not torch.is_tensor(loc):
             loc = torch.as_tensor(loc, dtype=torch.get_default_dtype())
         if not loc.is_floating_point():
@@ -418,7 +424,7 @@ class SparseGMRF(TorchDistribution):
             validate = self._validate_args if validate_args is None else validate_args
             # negative or NaN scales are errors here; a scale of 0 (an MCMC proposal exp(z), z < -745) is refused by
             # torch's check of arg_constraints (positive) under validation, and gives log_prob = -inf without it
-            if validate and not torch._C._get_tracing_state() and not bool(precision_scale.detach() >= 0):
+            if validate and not bool(precision_scale.detach() >= 0):
                 raise ValueError(f"precision_scale: must be positive, got {float(precision_scale.detach()):.6g}")
         self.loc = loc
         self.precision_scale = precision_scale

@@ -922,3 +922,26 @@ def test_an_intrinsic_field_above_the_dense_limit_is_refused_by_name(monkeypatch
     with pytest.raises(UnsupportedModelError, match=r"site 'field'.*intrinsic SparseGMRF of 12 nodes.*limits to "
                                                     r"n <= 10"):
         pcv.fit(model, y=torch.zeros(12, dtype=D), engine="dual_vg", progress=False)
+
+
+def test_jit_tracing_of_a_sparse_gmrf_is_refused_with_the_alternatives():
+    """torch.jit cannot trace sparse tensors: JitTrace_ELBO and NUTS(jit_compile=True) failed with a bare
+    'Unsupported value kind: Tensor'; the refusal names the non-JIT alternatives."""
+    from pyro.infer import SVI, JitTrace_ELBO
+    from pyro.infer.autoguide import AutoNormal
+
+    from pyro_convexvb.distributions import SparseGMRF, rw_precision
+
+    Q = (rw_precision(4).to_dense() + 0.5 * torch.eye(4, dtype=torch.float64)).to_sparse_csr()
+    y = torch.tensor([0.1, -0.3, 0.2, 0.4], dtype=torch.float64)
+
+    def model(y=None):
+        x = pyro.sample("x", SparseGMRF(torch.zeros(4, dtype=torch.float64), Q))
+        pyro.sample("y", dist.Normal(x, 0.5).to_event(1), obs=y)
+
+    pyro.clear_param_store()
+    svi = SVI(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.01}), JitTrace_ELBO())
+    with pytest.raises(NotImplementedError, match="torch.jit tracing does not support sparse tensors.*Trace_ELBO"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            svi.step(y)
