@@ -659,6 +659,8 @@ def main(argv=None):
             try:
                 prior_var = float(prior_var)
             except ValueError:
+                prior_var = math.nan
+            if not (math.isfinite(prior_var) and prior_var > 0):
                 parser.error(f"--prior-var: expected 'auto' or a positive number, got {args.prior_var!r}")
         try:
             res = run_online(args.file, args.format, state_path=args.state, resume=args.resume,

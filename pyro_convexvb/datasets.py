@@ -12,7 +12,9 @@
   rows, columns, nonzeros and class balance of the a9a / real-sim / rcv1 rows of Nickisch & Seeger's (2009)
   table, built vectorised.
 
-Labels are always returned in ``{0, 1}`` (:func:`labels01` converts ``{-1, +1}``).
+The loaders of classification sets (:func:`load_keel`, :func:`load_a9a`) and the synthetic classification data
+return labels in ``{0, 1}`` (:func:`labels01` converts ``{-1, +1}``); :func:`load_svmlight` returns them as
+written in the file, and the online streams in ``{-1, +1}``, as their docstrings say.
 Design matrices follow the requested ``dtype``/``device``; sparse ones stay sparse
 (torch CSR with int64 indices).
 """
@@ -27,7 +29,7 @@ from collections import namedtuple
 import numpy as np
 import torch
 
-from .io import parse_svmlight_lines, read_svmlight  # noqa: F401  (parse_svmlight_lines: re-export)
+from .io import check_zero_based, parse_svmlight_lines, read_svmlight  # noqa: F401  (parse_svmlight_lines: re-export)
 from .linalg.operators import to_csr
 
 __all__ = [
@@ -689,6 +691,7 @@ def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_
     import scipy.sparse as sp
 
     _check_float_dtype(dtype)
+    check_zero_based(zero_based)
     if backend not in ("auto", "sklearn", "python"):
         raise ValueError(f"backend: expected 'auto', 'sklearn' or 'python', got {backend!r}")
     if not os.path.isfile(path):
@@ -827,7 +830,8 @@ def load_csv(path, label_column=0, delimiter=",", header=False, dtype=torch.floa
 
 
 def save_svmlight(path, X, y, zero_based=False):
-    """Write ``X`` (dense or sparse, ``(N, d)``) and ``y`` (``(N,)``) in LIBSVM format.
+    """Write ``X`` (dense or sparse, ``(N, d)``: a tensor, a NumPy array or a SciPy sparse matrix) and ``y``
+    (``(N,)``) in LIBSVM format.
 
     Values are written with 17 significant digits, so :func:`load_svmlight` reads them back exactly.
     Zeros (explicit or implicit) are not written.
@@ -839,6 +843,15 @@ def save_svmlight(path, X, y, zero_based=False):
         tensor([[1., 0.],
                 [0., 1.]], dtype=torch.float64)
     """
+    import scipy.sparse as sp
+
+    check_zero_based(zero_based, allow_auto=False)
+    if sp.issparse(X):
+        X = to_csr(X)
+    elif not torch.is_tensor(X):
+        X = torch.as_tensor(np.asarray(X, dtype=np.float64))
+    if X.dim() != 2:
+        raise ValueError(f"X: expected an (N, d) matrix, got shape {tuple(X.shape)}")
     X = X.detach().cpu()
     csr = X.to_sparse_csr() if X.layout == torch.strided else to_csr(X)
     crow, col, val = csr.crow_indices().numpy(), csr.col_indices().numpy(), csr.values().double().numpy()
@@ -1196,6 +1209,12 @@ def make_criteo_text(path, n_rows, seed=0, num_features=2 ** 22, hash_seed=0, vw
         raise ValueError(f"missing: expected a probability in [0, 1), got {missing!r}")
     if not zipf > 1:
         raise ValueError(f"zipf: expected an exponent > 1, got {zipf!r}")
+    if not weight_std >= 0:
+        raise ValueError(f"weight_std: expected a non-negative standard deviation, got {weight_std!r}")
+    if not 0 <= weight_density <= 1:
+        raise ValueError(f"weight_density: expected a probability in [0, 1], got {weight_density!r}")
+    if isinstance(chunk_rows, bool) or int(chunk_rows) != chunk_rows or chunk_rows < 1:
+        raise ValueError(f"chunk_rows: expected a positive integer, got {chunk_rows!r}")
     vocab_sizes = tuple(int(v) for v in vocab_sizes)
     if len(vocab_sizes) != 26 or min(vocab_sizes) < 1:
         raise ValueError(f"vocab_sizes: expected 26 positive sizes, got {vocab_sizes!r}")

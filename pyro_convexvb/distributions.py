@@ -257,10 +257,23 @@ def icar_precision(adjacency, dtype=torch.float64):
     import scipy.sparse as sp
 
     if torch.is_tensor(adjacency):
-        W = sp.csr_matrix(adjacency.to_dense().cpu().numpy() if adjacency.layout != torch.strided else adjacency.cpu().numpy())
+        W = adjacency.to_dense() if adjacency.layout != torch.strided else adjacency
+        W = W.detach().cpu().numpy()
     else:
-        W = sp.csr_matrix(adjacency)
-    W = (W != 0).astype(np.float64)
+        W = adjacency
+    if not sp.issparse(W):
+        W = np.asarray(W)
+        if W.ndim != 2:
+            raise ValueError(f"adjacency: expected an (n, n) matrix, got shape {W.shape}")
+    if W.shape[0] != W.shape[1]:
+        raise ValueError(f"adjacency: expected a square (n, n) matrix, got shape {W.shape}")
+    W = sp.csr_matrix(W, dtype=np.float64)
+    W.setdiag(0)  # a node is no neighbour of itself
+    W.eliminate_zeros()
+    if not np.all(W.data == 1.0):
+        bad = W.data[W.data != 1.0][:3]
+        raise ValueError(f"adjacency: expected 0/1 entries, found {bad.tolist()} (a weighted or non-finite graph; "
+                         "the ICAR precision D - W counts neighbours)")
     if (W != W.T).nnz:
         raise ValueError("adjacency: must be symmetric")
     W.setdiag(0)
@@ -290,8 +303,11 @@ def rw_precision(n, order=1, dtype=torch.float64):
                 [ 0., -1.,  2., -1.],
                 [ 0.,  0., -1.,  1.]], dtype=torch.float64)
     """
+    import numpy as np
     import scipy.sparse as sp
 
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"n: expected an integer number of points, got {n!r}")
     if order not in (1, 2):
         raise ValueError(f"order: expected 1 or 2, got {order}")
     if n <= order:
@@ -322,6 +338,9 @@ def bym2_scaling(precision, constraints="sum_to_zero"):
     import numpy as np
 
     matrix = precision.matrix if isinstance(precision, SparseOperator) else precision
+    if not torch.is_tensor(matrix) or matrix.dim() != 2:
+        raise TypeError(f"precision: expected an (n, n) torch sparse tensor or a SparseOperator, got "
+                        f"{type(precision).__name__}")
     n = int(matrix.shape[0])
     fac = _IntrinsicFactor(matrix, _constraint_matrix(constraints, n))
     return float(np.exp(np.mean(np.log(fac.diag_covariance()))))

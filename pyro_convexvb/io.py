@@ -49,6 +49,16 @@ def parse_svmlight_lines(lines, path="<lines>", first_lineno=1):
     return parse_svmlight_block(lines, path, first_lineno)
 
 
+def check_zero_based(zero_based, allow_auto=True):
+    """Refuse a ``zero_based`` other than ``True``, ``False`` (or ``"auto"``): any truthy string read as zero-based
+    would shift every column."""
+    import numpy as np
+
+    if isinstance(zero_based, (bool, np.bool_)) or (allow_auto and isinstance(zero_based, str) and zero_based == "auto"):
+        return
+    raise ValueError(f"zero_based: expected True, False{' or auto' if allow_auto else ''}, got {zero_based!r}")
+
+
 def read_svmlight(path, zero_based="auto"):
     """Read a whole LIBSVM/svmlight file with :func:`parse_svmlight_lines` (:func:`pyro_convexvb.datasets.load_svmlight`
     reads it faster, as a CSR tensor).
@@ -62,6 +72,7 @@ def read_svmlight(path, zero_based="auto"):
     """
     from .online._textio import open_binary
 
+    check_zero_based(zero_based)
     with open_binary(path) as f:  # bytes lines: a lone \r is an ordinary character, not a line end
         indptr, indices, values, labels = parse_svmlight_lines(f, path)
     if zero_based is False or (zero_based == "auto" and (indices.size == 0 or indices.min() > 0)):

@@ -291,6 +291,17 @@ def test_svmlight_round_trip(tmp_path):
     D.save_svmlight(tmp_path / "d.svm", dense, D.labels01(y))
     X, y3 = D.load_svmlight(tmp_path / "d.svm", n_features=12)
     assert torch.equal(X.to_dense(), dense) and torch.equal(y3, D.labels01(y))
+    # NumPy and SciPy designs are written too (NumPy: an AttributeError on .detach); zero_based is a bool or
+    # 'auto' (a truthy string read the one-based file as zero-based, every column shifted by one)
+    import scipy.sparse as sp
+    for X_in in (dense.numpy(), sp.csr_matrix(dense.numpy())):
+        D.save_svmlight(tmp_path / "np.svm", X_in, y)
+        assert torch.equal(D.load_svmlight(tmp_path / "np.svm", n_features=12)[0].to_dense(), dense)
+    for bad in ("no", "yes", 1, None):
+        with pytest.raises(ValueError, match="zero_based: expected True, False or auto"):
+            D.load_svmlight(tmp_path / "np.svm", zero_based=bad)
+    with pytest.raises(ValueError, match="zero_based: expected True, False, got"):
+        D.save_svmlight(tmp_path / "np.svm", dense, y, zero_based="auto")
 
 
 # ----------------------------------------------------------------------------- generator
@@ -388,6 +399,28 @@ def test_generator_bad_input():
         D.make_sparse_classification("a9a", scale=0.01, logit_std=-1)
     with pytest.raises(ValueError, match="dtype"):
         D.make_sparse_classification("a9a", dtype=torch.int32)
+    for kw in ({"weight_std": -1.0}, {"weight_density": 2.0}, {"chunk_rows": 0}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            D.make_criteo_text("/nonexistent/never_written.txt", 10, **kw)
+
+
+def test_gmrf_helpers_refuse_bad_graphs_and_sizes_by_name():
+    """icar_precision made an edge of every nonzero (0.5, -1, NaN) and raised AttributeError on a non-square
+    adjacency; rw_precision and bym2_scaling raised NumPy's or Python's errors on a float size or a list."""
+    from pyro_convexvb.distributions import bym2_scaling, icar_precision, rw_precision
+
+    for W, match in ((torch.tensor([[0.0, 0.5], [0.5, 0.0]]), "0/1 entries"),
+                     (torch.tensor([[0.0, float("nan")], [float("nan"), 0.0]]), "0/1 entries"),
+                     (torch.ones(2, 3), "square"), (torch.ones(3), r"\(n, n\) matrix")):
+        with pytest.raises(ValueError, match=f"adjacency: .*{match}"):
+            icar_precision(W)
+    ring = torch.tensor([[1.0, 1, 1], [1, 0, 1], [1, 1, 0]])  # a self-loop on the diagonal is not an edge
+    torch.testing.assert_close(icar_precision(ring).to_dense(), 3 * torch.eye(3, dtype=torch.float64) - 1)
+    for n in (5.5, "5", True):
+        with pytest.raises(TypeError, match="n: expected an integer"):
+            rw_precision(n)
+    with pytest.raises(TypeError, match="precision: expected an \\(n, n\\) torch sparse tensor"):
+        bym2_scaling([[1, -1], [-1, 1]])
 
 
 def test_online_stream_reexport():

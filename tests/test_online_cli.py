@@ -96,7 +96,8 @@ def test_bad_state_paths_and_option_values_fail_before_learning(criteo, tmp_path
     assert main(base + ["--state", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # nothing learned, no stray temporary file
-    for bad in (["--num-features", "0"], ["--save-every", "nan"], ["--save-every", "-1"], ["--chunk-size", "0"]):
+    for bad in (["--num-features", "0"], ["--save-every", "nan"], ["--save-every", "-1"], ["--chunk-size", "0"],
+                ["--prior-var", "-1"], ["--prior-var", "nan"], ["--prior-var", "inf"], ["--prior-var", "abc"]):
         with pytest.raises(SystemExit) as e:
             main(base + bad)
         assert e.value.code == 2 and bad[0] in capsys.readouterr().err
