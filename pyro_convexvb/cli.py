@@ -607,6 +607,20 @@ def _print_online_report(res, path):
         print(f"prior variance weights: {res['prior_var_weights']}")
 
 
+def _prior_var_arg(parser, text):
+    """``--prior-var``: ``None``, ``"auto"`` or a positive finite number (a usage error otherwise, before any row is
+    read)."""
+    if text in (None, "auto"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        parser.error(f"--prior-var: expected 'auto' or a positive number, got {text!r}")
+    return value
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m pyro_convexvb")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -654,14 +668,7 @@ def main(argv=None):
                  learn_hyperparameters=not args.fixed_hyperparameters)
         return 0
     if args.cmd == "online":
-        prior_var = args.prior_var
-        if prior_var not in (None, "auto"):
-            try:
-                prior_var = float(prior_var)
-            except ValueError:
-                prior_var = math.nan
-            if not (math.isfinite(prior_var) and prior_var > 0):
-                parser.error(f"--prior-var: expected 'auto' or a positive number, got {args.prior_var!r}")
+        prior_var = _prior_var_arg(parser, args.prior_var)
         try:
             res = run_online(args.file, args.format, state_path=args.state, resume=args.resume,
                              num_features=args.num_features, chunk_size=args.chunk_size, prior_var=prior_var,

@@ -672,3 +672,29 @@ def test_a_hyper_latent_fixed_by_pyro_condition_is_a_constant_of_any_family(engi
 
     with pytest.raises(pcv.UnsupportedModelError, match="site 's'.*unsupported likelihood HalfNormal"):
         pcv.fit(reads_w, X, engine=engine, progress=False)
+
+
+def test_site_families_and_moments_of_the_wrong_shape_are_refused():
+    """A column of data (q, 1), as a scikit-learn 2-D target, broadcast y - eta to (q, q): log_joint and the ELBO
+    were silently wrong (-59.55 for -11.80). Moments of the wrong shape, a non-symmetric cov or negative variances
+    gave numbers that are no expectation."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(6, 3, generator=g, dtype=D)
+    y = torch.randn(6, generator=g, dtype=D)
+    with pytest.raises(ValueError, match=r"y: a gaussian site family takes one value per site, shape \(q,\); got "
+                                         r"shape \(6, 1\)"):
+        Gaussian(y[:, None], torch.ones(6, dtype=D))
+    with pytest.raises(ValueError, match=r"y: a bernoulli_logit site family .* \(6, 1\)"):
+        BernoulliLogit((y[:, None] > 0).to(D))
+    lgm = pcv.LatentGaussianModel.from_design(X, Gaussian(y, torch.ones(6, dtype=D)))
+    m, C = torch.zeros(3, dtype=D), torch.eye(3, dtype=D)
+    ok = float(lgm.evidence_lower_bound(m, C))
+    assert math.isfinite(ok)
+    bad_cov = C.clone()
+    bad_cov[0, 1] = 0.5
+    for kwargs, match in (({"loc": m[:, None], "cov": C}, r"loc: expected shape \(3,\)"),
+                          ({"loc": m, "cov": bad_cov}, "cov: must be symmetric"),
+                          ({"loc": m, "variance": torch.tensor([1.0, -1.0, 1.0], dtype=D)}, "variance: must be non"),
+                          ({"loc": m.float(), "cov": C}, "loc: dtype torch.float32 differs")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            lgm.evidence_lower_bound(**kwargs)

@@ -546,6 +546,7 @@ class LatentGaussianModel:
         """
         if (cov is None) == (variance is None):
             raise ValueError("expected_log_joint: give exactly one of cov and variance")
+        self._check_moments(loc, cov, variance)
         e_prior = self.expected_log_prior(loc, cov, variance=variance)
         e_lik = loc.new_zeros(())
         for g in self.sites:
@@ -561,6 +562,25 @@ class LatentGaussianModel:
         if comm_of(self) is None:
             return e_prior + e_lik + self.log_const
         return e_prior + self.site_sum(e_lik + self.log_const)
+
+    def _check_moments(self, loc, cov, variance):
+        """Refuse moments of the wrong kind, shape or dtype (a column ``loc`` or a non-symmetric ``cov`` gave a
+        number that is no expectation); they are not checked for positive definiteness (the entropy is)."""
+        n = self.n
+        for name, value, shape in (("loc", loc, (n,)), ("cov", cov, (n, n)), ("variance", variance, (n,))):
+            if value is None:
+                continue
+            if not torch.is_tensor(value):
+                raise TypeError(f"{name}: expected a torch tensor, got {type(value).__name__}")
+            if tuple(value.shape) != shape:
+                raise ValueError(f"{name}: expected shape {shape}, got {tuple(value.shape)}")
+            if value.dtype != self.dtype:
+                raise TypeError(f"{name}: dtype {value.dtype} differs from the model's {self.dtype}")
+        if cov is not None and not bool(torch.allclose(cov, cov.transpose(0, 1), rtol=1e-8, atol=1e-12)):
+            raise ValueError("cov: must be symmetric (max |cov - cov^T| = "
+                             f"{float((cov - cov.transpose(0, 1)).abs().max()):.3g})")
+        if variance is not None and not bool((variance.detach() >= 0).all()):
+            raise ValueError(f"variance: must be non-negative, got a minimum of {float(variance.detach().min()):.3g}")
 
     @staticmethod
     def _block_precision(p):

@@ -79,6 +79,11 @@ class SiteFamily:
     block_size = 1
 
     def __init__(self, **params):
+        if not self.vector_site:  # one value per site: a column (q, 1) would broadcast y - eta to (q, q) silently
+            for key, value in params.items():
+                if torch.is_tensor(value) and value.dim() > 1:
+                    raise ValueError(f"{key}: a {self.name} site family takes one value per site, shape (q,); got "
+                                     f"shape {tuple(value.shape)} (flatten a column with .reshape(-1))")
         self.params = params
 
     def super_gaussian(self):
