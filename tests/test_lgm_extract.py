@@ -1,6 +1,7 @@
 """lgm_from_pyro: operators equal the true matrices; each unsupported case raises naming the site."""
 import math
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -58,6 +59,33 @@ def test_sparse_linear_keeps_operator_and_intercept_block():
     torch.testing.assert_close(g.offset, torch.full((40,), 0.5, dtype=D), rtol=0, atol=1e-12)
     prior_var = lgm.priors[1].cov.to_dense()
     assert float(prior_var) == pytest.approx(4.0)
+
+
+def test_a_large_sparse_linear_predictor_with_an_intercept_stays_sparse():
+    """pcv.linear(X, w) + b: the recorded sparse design plus the intercept's one dense column. Above the dense limit
+    the design was a matrix-free autograd operator, which the engines could not apply under no_grad (a bare 'does
+    not require grad' after 11 s of dual_vg), and below it a dense N x (d + 1) matrix."""
+    import scipy.sparse as sp
+    N, d = 20_000, 2_000
+    Xs = sp.random(N, d, density=0.001, random_state=1, format="csr")
+    y = torch.as_tensor((np.random.default_rng(0).uniform(size=N) < 0.5).astype(float))
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(d, dtype=D), 1.0).to_event(1))
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        with pyro.plate("n", N):
+            pyro.sample("y", dist.Bernoulli(logits=pcv.linear(X, w) + b), obs=y)
+
+    lgm = pcv.lgm_from_pyro(model, Xs, y=y)
+    op = lgm.sites[0].design
+    assert type(op).__name__ == "SumOperator"
+    with torch.no_grad():  # as the engines apply it
+        v = torch.randn(d + 1, generator=torch.Generator().manual_seed(2), dtype=D)
+        ref = torch.as_tensor(Xs @ v[:d].numpy()) + v[d]
+        torch.testing.assert_close(op.mv(v), ref, rtol=1e-12, atol=1e-12)
+        r = torch.randn(N, generator=torch.Generator().manual_seed(3), dtype=D)
+        torch.testing.assert_close(op.rmv(r)[:d], torch.as_tensor(Xs.T @ r.numpy()), rtol=1e-12, atol=1e-10)
+        assert float(op.rmv(r)[d]) == pytest.approx(float(r.sum()), rel=1e-12)
 
 
 def test_sparse_linear_alone_is_sparse_operator():

@@ -720,16 +720,26 @@ class _AutogradJacobian:
         return FunctionOperator(self.jvp, self.vjp, (q, n), dtype=self.u.dtype, device=self.u.device)
 
 
-def _recorded_operator(name, records, eta, u, layout, block_values, probe, rows=None):
-    """Operator from ``pcv.linear`` records that reproduces the Jacobian of eta (on ``rows``), or None."""
+#: most latent coordinates outside the ``pcv.linear`` records' blocks whose Jacobian columns are taken one by one
+#: beside the recorded operators (an intercept, a few group effects: ``pcv.linear(X, w) + b``)
+RECORD_REMAINDER_MAX = 64
+
+
+def _recorded_operator(name, records, eta, u, layout, block_values, probe, rows=None, jac=None):
+    """Operator from ``pcv.linear`` records that reproduces the Jacobian of eta (on ``rows``), or None; with ``jac``
+    (:class:`_AutogradJacobian` of ``eta``) the records plus the dense columns of the few other latent coordinates
+    the predictor reads (at most :data:`RECORD_REMAINDER_MAX`), so that a sparse design stays sparse beside an
+    intercept."""
     q = eta.shape[0]
-    candidates = []
+    candidates, covered = [], set()
     for op, rec_u, out in records:
         if out.dim() != 1 or out.shape[0] != q:
             continue
         for b in layout.blocks:
             if rec_u is block_values[b.name] and op.shape[1] == b.size:
+                covered.add(b.name)
                 candidates.append(op if (b.start == 0 and b.size == layout.size) else EmbedColumnsOperator(op, b.start, layout.size))
+    recorded = list(candidates)
     for b in layout.blocks:  # eta is (an affine shift of) a latent block itself, e.g. a GP's f
         if b.size == q:
             sel = IdentityOperator(q, dtype=u.dtype, device=u.device)
@@ -737,6 +747,9 @@ def _recorded_operator(name, records, eta, u, layout, block_values, probe, rows=
     options = [[c] for c in candidates]
     if 1 < len(candidates) <= 4:
         options.append(candidates)
+    others = [b for b in layout.blocks if b.name not in covered]
+    if jac is not None and recorded and 0 < sum(b.size for b in others) <= RECORD_REMAINDER_MAX:
+        options.append(recorded + _remainder_columns(jac, others, layout.size, u))
     for opts in options:
         op = opts[0] if len(opts) == 1 else SumOperator(opts)
         ok = True
@@ -754,6 +767,21 @@ def _recorded_operator(name, records, eta, u, layout, block_values, probe, rows=
         if ok:
             return op
     return None
+
+
+def _remainder_columns(jac, blocks, n, u):
+    """The Jacobian columns of ``blocks`` (few coordinates), each block's as a dense operator embedded in ``n``."""
+    idx = torch.cat([torch.arange(b.start, b.start + b.size, device=u.device) for b in blocks])
+    E = torch.zeros(idx.shape[0], n, dtype=u.dtype, device=u.device)
+    E[torch.arange(idx.shape[0], device=u.device), idx] = 1.0
+    # one product each (jvp_many's batched gradient imports torch's symbolic shapes, half a second, on first use)
+    cols = torch.stack([jac.jvp(e) for e in E])  # (k, q)
+    out, pos = [], 0
+    for b in blocks:
+        out.append(EmbedColumnsOperator(DenseOperator(cols[pos:pos + b.size].transpose(0, 1).contiguous()),
+                                        b.start, n))
+        pos += b.size
+    return out
 
 
 def _selection(idx, q, values=None, dtype=torch.float64, device=None):
@@ -847,7 +875,7 @@ def _affine_operator(name, eta, eta1, u0, u1, gen, records, layout, vals, dtype,
             name, f"the predictor is not an affine function of the latent variables (deviation {lin_err:.3g})")
     v2 = torch.randn(n, generator=gen, dtype=dtype).to(u0.device)
     probe = [(du, jdu), (v2, jac.jvp(v2))]
-    op = _recorded_operator(name, records, eta, u0, layout, vals, probe, rows=rows)
+    op = _recorded_operator(name, records, eta, u0, layout, vals, probe, rows=rows, jac=jac)
     if op is None:
         q = eta.shape[0]
         sparse_worth = q * n > PROBE_MIN_ENTRIES or n >= PROBE_MIN_LATENTS
