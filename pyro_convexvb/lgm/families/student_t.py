@@ -11,7 +11,7 @@ import pyro.distributions as dist
 import torch
 
 from ...errors import UnsupportedModelError
-from .base import SiteFamily
+from .base import SiteFamily, gaussian_expectation, panel_expectation
 from .potential import SuperGaussianPotential, _t
 
 __all__ = ["StudentT", "StudentTPotential"]
@@ -52,6 +52,32 @@ class StudentT(SiteFamily):
         y, nu, b = self.params["y"], self.params["df"], self.params["scale"]
         return torch.distributions.StudentT(nu, y, b).log_prob(eta)
 
+    def expected_log_prob(self, mean, var, num_points=64):
+        """``E log t`` under ``N(mean, var)``: Gauss-Hermite where the site sd is at most
+        :data:`WIDE_SCALES` scales, else composite Gauss-Legendre panels around the density's core
+        (:func:`~pyro_convexvb.lgm.families.base.panel_expectation`; plain Gauss-Hermite was 1e-2 off at 30 scales
+        and 0.2 at 1,000, either sign)."""
+        return self._expect(_log_t, mean, var, num_points)
+
+    def expected_log_prob_terms(self, mean, var, num_points=32):
+        """``E log t`` and its derivatives ``dE/dmean = E[d log t]``, ``dE/dvar = E[d2 log t] / 2`` (Bonnet, Price)
+        by the quadrature of :meth:`expected_log_prob`, with the Student-t's closed-form derivatives."""
+        n = max(num_points, 64)
+        return (self._expect(_log_t, mean, var, n), self._expect(_d1_log_t, mean, var, n),
+                0.5 * self._expect(_d2_log_t, mean, var, n))
+
+    def _expect(self, fn, mean, var, num_points):
+        """``E fn(params, eta)``: Gauss-Hermite, replaced by panels on the sites wider than :data:`WIDE_SCALES`."""
+        p = {k: v.unsqueeze(-1) for k, v in self.params.items()}
+        out = gaussian_expectation(lambda e: fn(p, e), mean, var, num_points)
+        wide = var > (WIDE_SCALES * self.params["scale"]) ** 2
+        if not bool(wide.any()):
+            return out
+        pw = {k: v[wide] for k, v in p.items()}
+        width = (self.params["scale"] * self.params["df"].sqrt())[wide]
+        got = panel_expectation(lambda e: fn(pw, e), mean[wide], var[wide], self.params["y"][wide], width)
+        return out.masked_scatter(wide, got)
+
     def predictive_mean(self, mean, var, num_points=64):
         """``E[y] = E[eta]`` where it exists (``df > 1``); ``nan`` where ``df <= 1`` (no mean, as
         ``torch.distributions.StudentT.mean``)."""
@@ -75,6 +101,26 @@ class StudentT(SiteFamily):
             if not bool(torch.isfinite(value).all()) or not bool((value > 0).all()):
                 raise UnsupportedModelError(site, f"the Student-t {what} must be positive and finite in every row")
         return cls(y, df, scale)
+
+
+#: site sd, in Student-t scales, above which :meth:`StudentT.expected_log_prob` integrates on panels (64 Gauss-Hermite
+#: nodes are within 1e-12 below)
+WIDE_SCALES = 1.5
+
+
+def _log_t(p, eta):
+    return torch.distributions.StudentT(p["df"], p["y"], p["scale"]).log_prob(eta)
+
+
+def _d1_log_t(p, eta):
+    r = eta - p["y"]
+    return -(p["df"] + 1) * r / (p["df"] * p["scale"] ** 2 + r**2)
+
+
+def _d2_log_t(p, eta):
+    r2 = (eta - p["y"]) ** 2
+    c = p["df"] * p["scale"] ** 2
+    return -(p["df"] + 1) * (c - r2) / (c + r2) ** 2
 
 
 class StudentTPotential(SuperGaussianPotential):
