@@ -62,6 +62,15 @@ class Binomial(SiteFamily):
         n = self.params["total_count"]
         return n * self._rate().expected_log_prob(mean, var, num_points) + self.log_norm()
 
+    def expected_log_prob_terms(self, mean, var, num_points=32):
+        """``E log p`` and its derivatives in ``mean`` and ``var``: those of the logit sites' quadrature value
+        (:meth:`~pyro_convexvb.lgm.families.BernoulliLogit.expected_log_prob_terms`, the split rule at wide
+        variances), times the count, so that ``refine`` meets the maximum of the bound it reports (the generic
+        quadratures of ``d log p`` parted from it by half at a site variance of 1,000)."""
+        n = self.params["total_count"]
+        value, d_mean, d_var = self._rate().expected_log_prob_terms(mean, var, num_points)
+        return n * value + self.log_norm(), n * d_mean, n * d_var
+
     def predictive_mean(self, mean, var, num_points=64):
         """The predictive mean count ``n E[sigmoid(eta)]``."""
         return self.params["total_count"] * self._rate().predictive_mean(mean, var, num_points)
