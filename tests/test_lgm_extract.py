@@ -726,3 +726,20 @@ def test_site_families_and_moments_of_the_wrong_shape_are_refused():
                           ({"loc": m.float(), "cov": C}, "loc: dtype torch.float32 differs")):
         with pytest.raises((ValueError, TypeError), match=match):
             lgm.evidence_lower_bound(**kwargs)
+
+
+def test_saturated_probs_say_to_write_logits():
+    """Bernoulli(probs=sigmoid(X @ w)) with covariates of scale 5: torch recovers logits from clamped probabilities
+    only within about +-36, so the extraction's random points see a nonlinear predictor; the refusal said only 'not
+    an affine function', of a predictor the user wrote affine."""
+    g = torch.Generator().manual_seed(0)
+    X = 5.0 * torch.randn(30, 4, generator=g, dtype=D)
+    y = (X[:, 0] > 0).to(D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(4, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", 30):
+            pyro.sample("y", dist.Bernoulli(probs=torch.sigmoid(X @ w)), obs=y)
+
+    with pytest.raises(pcv.UnsupportedModelError, match="site 'y': .*not an affine.*probs=.*write logits="):
+        pcv.lgm_from_pyro(model, X, y=y)

@@ -1600,12 +1600,26 @@ def _observed_groups(x, observed):
         def eta1(name=name):
             return _observed_site(name, x.second_trace()[1].nodes[name], dtype)[2].detach()
 
-        op, offset = x.affine(name, eta, eta1, rows=rows)
+        try:
+            op, offset = x.affine(name, eta, eta1, rows=rows)
+        except UnsupportedModelError as err:
+            raise _probs_hint(err, base) from None
         if weight is not None:
             family, const = tempered(family, (weight if idx is None else weight[idx]).to(dtype))
             log_const += const
         groups.append(SiteGroup(name, family, op, offset, batch))
     return groups, log_const
+
+
+def _probs_hint(err, base):
+    """``err``, with a hint when the site was given ``probs``: torch clamps probabilities away from 0 and 1, so the
+    logits it recovers from ``probs = sigmoid(eta)`` saturate at about +-36 and look nonlinear at the extraction's
+    random latent values (covariates of scale 5 reach that)."""
+    if "probs" in vars(base) and "not an affine function" in str(err):
+        return UnsupportedModelError(err.site, f"{err.reason}; the site is given probs=, whose logits torch recovers "
+                                               "only within about +-36 (probabilities clamped away from 0 and 1): "
+                                               "write logits=... instead of probs=sigmoid(...)")
+    return err
 
 
 def _constant_log_prob(name, site, keep_graph):
