@@ -743,3 +743,18 @@ def test_saturated_probs_say_to_write_logits():
 
     with pytest.raises(pcv.UnsupportedModelError, match="site 'y': .*not an affine.*probs=.*write logits="):
         pcv.lgm_from_pyro(model, X, y=y)
+
+
+def test_hand_built_families_refuse_data_outside_their_support():
+    """Labels {1, 2} in a hand-built BernoulliLogit were fitted by convex_relaxation as a likelihood that is no
+    Bernoulli's, with converged=True; negative Poisson counts failed deep in dual_vg with advice about covariates;
+    a Categorical label beyond its classes raised a bare IndexError."""
+    from pyro_convexvb.lgm.families import Categorical
+
+    with pytest.raises(ValueError, match=r"y: expected labels in \{0, 1\}.*got \[2.0"):
+        BernoulliLogit(torch.tensor([1.0, 2.0, 1.0], dtype=D))
+    with pytest.raises(ValueError, match=r"y: expected non-negative counts, got \[-1.0\]"):
+        Poisson(torch.tensor([3.0, -1.0], dtype=D))
+    with pytest.raises(ValueError, match=r"y: expected class labels in 0 .. 2, got \[5.0\]"):
+        Categorical(torch.tensor([0.0, 5.0], dtype=D), 3)
+    assert len(BernoulliLogit(torch.tensor([0.0, 0.25, 1.0], dtype=D))) == 3  # a binomial rate is fine

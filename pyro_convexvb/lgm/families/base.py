@@ -26,6 +26,14 @@ def gauss_hermite(num_points, dtype=torch.float64, device=None):
     return torch.as_tensor(x, dtype=dtype, device=device), torch.as_tensor(w, dtype=dtype, device=device)
 
 
+def _check_values(name, value, ok, what):
+    """Refuse data outside a family's support (a hand-built family skips the extraction's checks): labels {1, 2}
+    were fitted as a likelihood that is no Bernoulli's, negative counts failed deep in an engine."""
+    if torch.is_tensor(value) and value.numel() and not bool(ok(value).all()):
+        bad = value[~ok(value)][:3].tolist()
+        raise ValueError(f"{name}: expected {what}, got {bad}")
+
+
 #: Gauss-Legendre nodes per panel of :func:`panel_expectation`
 PANEL_NODES = 16
 

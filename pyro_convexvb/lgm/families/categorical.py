@@ -27,7 +27,7 @@ import pyro.distributions as dist
 import torch
 
 from ...errors import UnsupportedModelError
-from .base import SiteFamily
+from .base import SiteFamily, _check_values
 
 __all__ = ["Categorical", "SoftmaxTightBound", "SoftmaxBohningBound", "SOFTMAX_BOUNDS", "expected_lse",
            "softmax_curvature", "tight_kappa", "MAX_QUADRATURE_CLASSES"]
@@ -283,6 +283,8 @@ class Categorical(SiteFamily):
         num_classes = int(num_classes)
         if num_classes < 2:
             raise ValueError(f"num_classes: a Categorical site needs K >= 2 classes, got {num_classes}")
+        _check_values("y", y, lambda v: (v >= 0) & (v < num_classes) & (v == torch.round(v)),
+                      f"class labels in 0 .. {num_classes - 1}")
         super().__init__(y=y)
         self.num_classes = num_classes
 

@@ -7,7 +7,7 @@ import pyro.distributions as dist
 import torch
 
 from ...errors import UnsupportedModelError
-from .base import SiteFamily, gauss_hermite
+from .base import SiteFamily, _check_values, gauss_hermite
 from .bound import LocalBound, WeightedBound, QuadraticBound, _entropy_terms, _kappas
 from .potential import SuperGaussianPotential
 
@@ -71,6 +71,7 @@ class BernoulliLogit(SiteFamily):
     pyro_form = "Bernoulli(logits=...)"
 
     def __init__(self, y):
+        _check_values("y", y, lambda v: (v >= 0) & (v <= 1), "labels in {0, 1} (a rate in [0, 1] for binomial rows)")
         super().__init__(y=y)
 
     @property

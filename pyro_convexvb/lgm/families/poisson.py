@@ -5,7 +5,7 @@ import pyro.distributions as dist
 import torch
 
 from ...errors import UnsupportedModelError
-from .base import SiteFamily
+from .base import SiteFamily, _check_values
 from .bound import LocalBound
 
 __all__ = ["Poisson", "PoissonBound"]
@@ -20,6 +20,7 @@ class Poisson(SiteFamily):
     no_potential = "Poisson sites are not super-Gaussian: y s - exp(s) has no even tilt (Nickisch & Seeger 2009, §2)"
 
     def __init__(self, y):
+        _check_values("y", y, lambda v: v >= 0, "non-negative counts")
         super().__init__(y=y)
 
     def log_prob(self, eta):
