@@ -758,3 +758,21 @@ def test_hand_built_families_refuse_data_outside_their_support():
     with pytest.raises(ValueError, match=r"y: expected class labels in 0 .. 2, got \[5.0\]"):
         Categorical(torch.tensor([0.0, 5.0], dtype=D), 3)
     assert len(BernoulliLogit(torch.tensor([0.0, 0.25, 1.0], dtype=D))) == 3  # a binomial rate is fine
+
+
+def test_pcv_linear_converts_integer_and_lower_precision_designs():
+    """A count matrix (int64 SciPy CSR, as scikit-learn's CountVectorizer gives) or a float32 one failed with torch's
+    bare dtype error; they are converted exactly to the latent's dtype, and a design of a higher precision than the
+    latent is refused by name."""
+    import scipy.sparse as sp
+    counts = sp.csr_matrix(np.array([[1, 0, 2], [0, 3, 0]], dtype=np.int64))
+    w = torch.tensor([0.5, -1.0, 2.0], dtype=D)
+    ref = torch.tensor([4.5, -3.0], dtype=D)
+    for X in (counts, counts.astype(np.float32), torch.tensor(counts.toarray(), dtype=torch.int64)):
+        out = pcv.linear(X, w)
+        assert out.dtype == D
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="pcv.linear: the design is torch.float64 and the latent torch.float32"):
+        pcv.linear(torch.ones(2, 3, dtype=D), w.float())
+    with pytest.raises(TypeError, match="pcv.linear: u: expected a floating-point torch tensor"):
+        pcv.linear(torch.ones(2, 3, dtype=D), np.ones(3))

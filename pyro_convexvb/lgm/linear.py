@@ -39,6 +39,25 @@ def _operator_for(design):
     return as_operator(design)
 
 
+def _as_dtype_of(design, u):
+    """``design`` in ``u``'s floating dtype when it holds integers, booleans or floats of lower precision (a count
+    matrix of scikit-learn's ``CountVectorizer``, a float32 SciPy matrix): exact conversions. Others as they are."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    target = u.dtype
+    if sp.issparse(design) or isinstance(design, np.ndarray):
+        kind = np.dtype(design.dtype)
+        wide = torch.finfo(target).bits
+        if kind.kind in "iub" or (kind.kind == "f" and kind.itemsize * 8 < wide):
+            return design.astype(torch.empty((), dtype=target).numpy().dtype)
+        return design
+    if isinstance(design, torch.Tensor) and design.dtype != target:
+        if not design.is_floating_point() or torch.finfo(design.dtype).bits < torch.finfo(target).bits:
+            return design.to(target)
+    return design
+
+
 def linear(design, u):
     """Compute ``design @ u`` and record ``design`` as the linear operator of the predictor.
 
@@ -60,7 +79,14 @@ def linear(design, u):
         >>> torch.allclose(linear(X, w), X @ w)
         True
     """
-    op = _operator_for(design)
+    if not torch.is_tensor(u) or not u.is_floating_point():
+        raise TypeError(f"pcv.linear: u: expected a floating-point torch tensor (the latent), got "
+                        f"{getattr(u, 'dtype', type(u).__name__)}")
+    op = _operator_for(_as_dtype_of(design, u))
+    if op.dtype != u.dtype:
+        raise TypeError(f"pcv.linear: the design is {op.dtype} and the latent {u.dtype}; give the design in the "
+                        "latent's dtype (a design of integers or of a lower precision is converted, not one of a "
+                        "higher precision)")
     if u.shape[-1] != op.shape[1]:
         raise ValueError(
             f"pcv.linear: design has {op.shape[1]} columns but the latent has trailing size {u.shape[-1]}"
