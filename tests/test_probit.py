@@ -502,3 +502,21 @@ def test_probit_regression_end_to_end(sonar_probit, engine, options, tol_sd, tol
         # probit bound estimates what is left to gain
         gap = logZ - res.log_evidence_bound
         assert 0.5 * gap <= res.optimality.criteria[0].value <= 2.0 * gap
+
+
+def test_expectation_terms_are_the_derivatives_of_the_reported_value_at_wide_variances():
+    """refine reads expected_log_prob_terms; quadratures of d log Phi parted from the composite-rule value the bound
+    reports by 1e-2 at site variances of 30 and more, and a refined separable fit stopped 4e-6 nats short."""
+    from pyro_convexvb.lgm.families import BernoulliProbit
+
+    fam = BernoulliProbit(torch.tensor([1.0, 0.0, 1.0], dtype=D))
+    m = torch.tensor([20.0, 3.0, -4.0], dtype=D)
+    for v0 in (0.5, 30.0, 1000.0):
+        v = torch.full((3,), v0, dtype=D)
+        value, d_m, d_v = fam.expected_log_prob_terms(m, v, 64)
+        torch.testing.assert_close(value, fam.expected_log_prob(m, v, 64), rtol=0, atol=1e-14)
+        h = 1e-5
+        fd_m = (fam.expected_log_prob(m + h, v) - fam.expected_log_prob(m - h, v)) / (2 * h)
+        fd_v = (fam.expected_log_prob(m, v + h * v0) - fam.expected_log_prob(m, v - h * v0)) / (2 * h * v0)
+        torch.testing.assert_close(d_m, fd_m, rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(d_v, fd_v, rtol=1e-6, atol=1e-9)
