@@ -54,7 +54,8 @@ def check_zero_based(zero_based, allow_auto=True):
     would shift every column."""
     import numpy as np
 
-    if isinstance(zero_based, (bool, np.bool_)) or (allow_auto and isinstance(zero_based, str) and zero_based == "auto"):
+    auto = allow_auto and isinstance(zero_based, str) and zero_based == "auto"
+    if isinstance(zero_based, (bool, np.bool_)) or auto:
         return
     raise ValueError(f"zero_based: expected True, False{' or auto' if allow_auto else ''}, got {zero_based!r}")
 
