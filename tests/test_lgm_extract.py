@@ -726,6 +726,8 @@ def test_site_families_and_moments_of_the_wrong_shape_are_refused():
                           ({"loc": m.float(), "cov": C}, "loc: dtype torch.float32 differs")):
         with pytest.raises((ValueError, TypeError), match=match):
             lgm.evidence_lower_bound(**kwargs)
+    with pytest.raises(ValueError, match=r"u: expected shape \(3,\), got \(3, 1\)"):  # it returned a (3, 3) tensor
+        lgm.log_joint(m[:, None])
 
 
 def test_saturated_probs_say_to_write_logits():

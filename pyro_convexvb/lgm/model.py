@@ -433,6 +433,7 @@ class LatentGaussianModel:
         with row-sharded data it is this rank's share and is summed over ranks)."""
         from ..distributed import comm_of
 
+        self._check_moments(u, None, None, loc_name="u")  # (n,): a column (n, 1) broadcast to (n, n) silently
         if comm_of(self) is None:
             return self.log_prior(u) + self.log_likelihood(u) + self.log_const
         return self.log_prior(u) + self.site_sum(sum(g.family.log_prob(g.eta(u)).sum() for g in self.sites)
@@ -563,11 +564,11 @@ class LatentGaussianModel:
             return e_prior + e_lik + self.log_const
         return e_prior + self.site_sum(e_lik + self.log_const)
 
-    def _check_moments(self, loc, cov, variance):
+    def _check_moments(self, loc, cov, variance, loc_name="loc"):
         """Refuse moments of the wrong kind, shape or dtype (a column ``loc`` or a non-symmetric ``cov`` gave a
         number that is no expectation); they are not checked for positive definiteness (the entropy is)."""
         n = self.n
-        for name, value, shape in (("loc", loc, (n,)), ("cov", cov, (n, n)), ("variance", variance, (n,))):
+        for name, value, shape in ((loc_name, loc, (n,)), ("cov", cov, (n, n)), ("variance", variance, (n,))):
             if value is None:
                 continue
             if not torch.is_tensor(value):
