@@ -778,3 +778,21 @@ def test_pcv_linear_converts_integer_and_lower_precision_designs():
         pcv.linear(torch.ones(2, 3, dtype=D), w.float())
     with pytest.raises(TypeError, match="pcv.linear: u: expected a floating-point torch tensor"):
         pcv.linear(torch.ones(2, 3, dtype=D), np.ones(3))
+
+
+def test_from_design_and_families_refuse_improper_parameters():
+    """prior_scale 0 or negative gave a NaN log joint and an engine error about the conjugate's domain; a Laplace
+    scale of 0 NaN; Binomial counts above the total -inf; a float64 family on a float32 design a bare dtype error."""
+    from pyro_convexvb.lgm.families import Binomial
+
+    X = torch.randn(4, 2, generator=torch.Generator().manual_seed(0), dtype=D)
+    y = torch.tensor([0.0, 1.0, 1.0, 0.0], dtype=D)
+    for bad in (0.0, -2.0, float("nan")):
+        with pytest.raises(ValueError, match="prior_scale: expected positive finite"):
+            pcv.LatentGaussianModel.from_design(X, BernoulliLogit(y), prior_scale=bad)
+    with pytest.raises(TypeError, match="family: its 'y' is torch.float64 and the design torch.float32"):
+        pcv.LatentGaussianModel.from_design(X.float(), BernoulliLogit(y))
+    with pytest.raises(ValueError, match="scale: expected positive finite scales"):
+        Laplace(torch.tensor([1.0, 0.0], dtype=D))
+    with pytest.raises(ValueError, match=r"y: expected counts in \[0, total_count\], got \[6.0\]"):
+        Binomial(torch.tensor([2.0, 6.0], dtype=D), torch.tensor([5.0, 5.0], dtype=D))

@@ -221,7 +221,12 @@ class LatentGaussianModel:
         B = as_operator(design)
         q, n = B.shape
         dt, dev = B.dtype, B.device
+        for key, value in family.params.items():
+            if torch.is_tensor(value) and value.is_floating_point() and value.dtype != dt:
+                raise TypeError(f"family: its {key!r} is {value.dtype} and the design {dt}; give both one dtype")
         scale = torch.as_tensor(prior_scale, dtype=dt, device=dev).expand(n).clone()
+        if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+            raise ValueError(f"prior_scale: expected positive finite scales, got {prior_scale!r}")
         loc = torch.as_tensor(prior_loc, dtype=dt, device=dev).expand(n).clone()
         prior = PriorBlock(latent_name, loc, cov=DiagonalOperator(scale**2), prec=DiagonalOperator(scale**-2),
                            logdet_cov=float(2 * torch.log(scale).sum()))

@@ -15,7 +15,7 @@ import pyro.distributions as dist
 import torch
 
 from ...errors import UnsupportedModelError
-from .base import SiteFamily
+from .base import SiteFamily, _check_values
 from .logit import BernoulliLogit, LogisticPotential, logit_bound
 from .potential import WeightedPotential
 
@@ -42,6 +42,8 @@ class Binomial(SiteFamily):
     pyro_form = "Binomial(total_count, logits=...)"
 
     def __init__(self, y, total_count):
+        if torch.is_tensor(y) and torch.is_tensor(total_count):
+            _check_values("y", y, lambda v: (v >= 0) & (v <= total_count), "counts in [0, total_count]")
         super().__init__(y=y, total_count=total_count)
 
     def _rate(self):

@@ -20,7 +20,7 @@ import pyro.distributions as dist
 import torch
 
 from ...errors import UnsupportedModelError
-from .base import SiteFamily
+from .base import SiteFamily, _check_values
 from .bound import QuadraticBound
 from .potential import SuperGaussianPotential
 
@@ -55,6 +55,7 @@ class Laplace(SiteFamily):
     distributions = (dist.Laplace, torch.distributions.Laplace)
     pyro_form = "Laplace(loc=..., scale)"
     def __init__(self, scale, y=None):
+        _check_values("scale", scale, lambda v: torch.isfinite(v) & (v > 0), "positive finite scales")
         super().__init__(scale=scale, y=torch.zeros_like(scale) if y is None else y)
 
     def log_prob(self, eta):
