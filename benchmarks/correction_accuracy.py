@@ -96,7 +96,8 @@ def main():
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     with Timer() as t:
-                        c = correct(res, draws, seed, adapt=args.adapt, **VARIANTS[v])
+                        rounds = {"adapt": args.adapt} if VARIANTS[v]["proposal"] == "auto" else {}  # fixed: none
+                        c = correct(res, draws, seed, **rounds, **VARIANTS[v])
                 s_h, s_f = c.sites[hyper], c.sites[field]
                 qh = [float(s_h["quantiles"][p]) for p in (0.05, 0.5, 0.95)]
                 m = metrics(qh, s_f["mean"], s_f["sd"], ref)
