@@ -239,9 +239,9 @@ class GaussianPosterior(Posterior):
         posterior of an intrinsic field on its constraint subspace, rank ``n - k``), its eigen-root, whose draws
         satisfy the constraints to rounding; a covariance with a clearly negative eigenvalue raises.
 
-        Singular means a Cholesky failure or a pivot (a conditional variance) below ``1e-12`` of the largest
-        variance: rounding decides which of the two a singular covariance gives, and a Cholesky factor that
-        succeeds there draws ``1e-7``-sized departures from the constraints."""
+        Singular means a Cholesky failure or a pivot (a conditional variance) below ``n eps`` of the largest
+        variance (numpy's rank tolerance): rounding decides which of the two a singular covariance gives, and a
+        Cholesky factor that succeeds there draws ``1e-7``-sized departures from the constraints."""
         if self.kind == "scale_tril":
             return self._scale_tril, False
         C = self.covariance()
@@ -255,7 +255,8 @@ class GaussianPosterior(Posterior):
 
     def _factor_root(self, C):
         L, info = torch.linalg.cholesky_ex(C)
-        if int(info) == 0 and bool((torch.diagonal(L) ** 2 > 1e-12 * torch.diagonal(C).max()).all()):
+        tol = self.n * torch.finfo(C.dtype).eps  # numpy's matrix_rank tolerance, relative
+        if int(info) == 0 and bool((torch.diagonal(L) ** 2 > tol * torch.diagonal(C).max()).all()):
             return L, False
         lam, V = torch.linalg.eigh(0.5 * (C + C.transpose(-1, -2)))
         if bool((lam < -1e-9 * lam.abs().max()).any()):
@@ -264,7 +265,7 @@ class GaussianPosterior(Posterior):
                                            "there is no Gaussian to sample")
         # eigenvalues at rounding level (the rank tolerance of numpy's matrix_rank) are the null directions: zero,
         # not the square root of their rounding error (1e-8 departures from the constraints)
-        null = lam <= lam.abs().max() * self.n * torch.finfo(lam.dtype).eps
+        null = lam <= lam.abs().max() * tol
         return V * torch.where(null, torch.zeros_like(lam), lam).sqrt(), True
 
     def is_singular(self):
