@@ -399,6 +399,19 @@ def _seconds(text):
     return value
 
 
+def _prior_var(text):
+    """``--prior-var``: ``"auto"`` or a positive finite number (a usage error before any row is read)."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive number, got {text!r}")
+    return value
+
+
 def _check_writable(state_path):
     """Refuse a state path that cannot be written before any row is learned (not after the whole pass)."""
     folder = os.path.dirname(os.path.abspath(state_path))
@@ -607,20 +620,6 @@ def _print_online_report(res, path):
         print(f"prior variance weights: {res['prior_var_weights']}")
 
 
-def _prior_var_arg(parser, text):
-    """``--prior-var``: ``None``, ``"auto"`` or a positive finite number (a usage error otherwise, before any row is
-    read)."""
-    if text in (None, "auto"):
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        parser.error(f"--prior-var: expected 'auto' or a positive number, got {text!r}")
-    return value
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m pyro_convexvb")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -644,7 +643,7 @@ def main(argv=None):
                         "takes it from the state")
     o.add_argument("--chunk-size", type=_positive_int, default=None,
                    help="rows per chunk (default: the readers' DEFAULT_CHUNK_ROWS, 50,000)")
-    o.add_argument("--prior-var", default=None, help="'auto' (default) or a positive number")
+    o.add_argument("--prior-var", type=_prior_var, default=None, help="'auto' (default) or a positive number")
     o.add_argument("--classes", type=_two_labels, default=None,
                    help="the file's two labels A,B (the larger is the positive class), e.g. 1,2 for LIBSVM's "
                         "coding (default: {0, 1} or {-1, +1}, inferred from the stream)")
@@ -668,10 +667,9 @@ def main(argv=None):
                  learn_hyperparameters=not args.fixed_hyperparameters)
         return 0
     if args.cmd == "online":
-        prior_var = _prior_var_arg(parser, args.prior_var)
         try:
             res = run_online(args.file, args.format, state_path=args.state, resume=args.resume,
-                             num_features=args.num_features, chunk_size=args.chunk_size, prior_var=prior_var,
+                             num_features=args.num_features, chunk_size=args.chunk_size, prior_var=args.prior_var,
                              hash_seed=args.hash_seed, label_column=args.label_column,
                              integer_columns=args.integer_columns,
                              categorical_columns=args.categorical_columns, delimiter=args.delimiter,
