@@ -276,8 +276,6 @@ def icar_precision(adjacency, dtype=torch.float64):
                          "the ICAR precision D - W counts neighbours)")
     if (W != W.T).nnz:
         raise ValueError("adjacency: must be symmetric")
-    W.setdiag(0)
-    W.eliminate_zeros()
     return _to_torch_csr(sp.diags(np.asarray(W.sum(1)).ravel()) - W, dtype)
 
 

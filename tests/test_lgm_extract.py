@@ -776,6 +776,8 @@ def test_pcv_linear_converts_integer_and_lower_precision_designs():
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
     with pytest.raises(TypeError, match="pcv.linear: the design is torch.float64 and the latent torch.float32"):
         pcv.linear(torch.ones(2, 3, dtype=D), w.float())
+    with pytest.raises(TypeError, match="pcv.linear: the design is torch.complex128"):  # not cast to real
+        pcv.linear(torch.ones(2, 3, dtype=torch.complex128), w)
     with pytest.raises(TypeError, match="pcv.linear: u: expected a floating-point torch tensor"):
         pcv.linear(torch.ones(2, 3, dtype=D), np.ones(3))
 

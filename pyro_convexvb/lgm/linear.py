@@ -52,7 +52,7 @@ def _as_dtype_of(design, u):
         if kind.kind in "iub" or (kind.kind == "f" and kind.itemsize * 8 < wide):
             return design.astype(torch.empty((), dtype=target).numpy().dtype)
         return design
-    if isinstance(design, torch.Tensor) and design.dtype != target:
+    if isinstance(design, torch.Tensor) and design.dtype != target and not design.is_complex():
         if not design.is_floating_point() or torch.finfo(design.dtype).bits < torch.finfo(target).bits:
             return design.to(target)
     return design
