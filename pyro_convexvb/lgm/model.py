@@ -209,6 +209,10 @@ class LatentGaussianModel:
                 raise ValueError(f"site group '{g.name}': offset shape {tuple(g.offset.shape)} != ({g.design.shape[0]},)")
             if len(g.family) != g.design.shape[0]:
                 raise ValueError(f"site group '{g.name}': {len(g.family)} data rows for {g.design.shape[0]} design rows")
+            for key, value in g.family.params.items():
+                if torch.is_tensor(value) and value.is_floating_point() and value.dtype != g.design.dtype:
+                    raise TypeError(f"family: its {key!r} is {value.dtype} and the design {g.design.dtype} (site "
+                                    f"group '{g.name}'); give both one dtype")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -221,9 +225,6 @@ class LatentGaussianModel:
         B = as_operator(design)
         q, n = B.shape
         dt, dev = B.dtype, B.device
-        for key, value in family.params.items():
-            if torch.is_tensor(value) and value.is_floating_point() and value.dtype != dt:
-                raise TypeError(f"family: its {key!r} is {value.dtype} and the design {dt}; give both one dtype")
         scale = torch.as_tensor(prior_scale, dtype=dt, device=dev).expand(n).clone()
         if not bool((torch.isfinite(scale) & (scale > 0)).all()):
             raise ValueError(f"prior_scale: expected positive finite scales, got {prior_scale!r}")
