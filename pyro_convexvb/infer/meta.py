@@ -53,21 +53,25 @@ def run(engine, args, kwargs):
     return run_hyper(engine, hyper, args, kwargs, t0)
 
 
+#: the options of hyper-latent integration (they have no effect on a model without hyper-latents)
+_HYPER_OPTIONS = ("hyper", "hyper_strategy")
+
+
 def _warn_unused_hyper_options(engine):
     """Say that hyper-latent options set away from their defaults have no effect on a model without hyper-latents;
     not for an inner engine (``data_checked``: a design point's fit of the model conditioned on the hyper-latents)."""
     if engine.data_checked:
         return
     o = engine.options
-    unused = [f"{k}={getattr(o, k)!r}" for k in ("hyper", "hyper_strategy") if _hyper_options_set(engine, k)]
+    unused = [f"{k}={getattr(o, k)!r}" for k in _HYPER_OPTIONS if o.is_set(k)]
     if unused:
         warn(f"engine '{engine.name}': option {' and '.join(unused)} has no effect: the model has no hyper-latents "
              "(every latent site is part of its latent Gaussian field); drop the option", UserWarning)
 
 
-def _hyper_options_set(engine, *names):
-    """Whether any of the hyper-latent options ``names`` (default: both) is set by the caller."""
-    return any(engine.options.is_set(k) for k in (names or ("hyper", "hyper_strategy")))
+def _hyper_options_set(engine):
+    """Whether the caller set a hyper-latent option."""
+    return any(engine.options.is_set(k) for k in _HYPER_OPTIONS)
 
 
 def _warn_unused_type2_options(engine):
