@@ -533,11 +533,8 @@ class SparseCholesky:
             raise ValueError(f"{name}: an empty (0 x 0) matrix has nothing to factorise")
         U = _upper_with_diagonal(M)
         self._pattern = (U.indptr.copy(), U.indices.copy())
-        try:
-            self._impl = _BACKEND_CLASSES[backend](U)
-        except NotPositiveDefiniteError as err:
-            raise NotPositiveDefiniteError(f"{self.name}: {err}") from None
-        self.backend = backend
+        self.backend, self._impl = backend, None
+        self._factor(U)
         self._symbolic = None
         self._load()
 
@@ -549,11 +546,16 @@ class SparseCholesky:
         state["_impl"] = None
         return state
 
-    def _refactor(self, U):
-        if self._impl is None:
-            self._impl = _BACKEND_CLASSES[self.backend](U)
-        else:
-            self._impl.refactor(U)
+    def _factor(self, U):
+        """Factorise the upper triangle ``U``: a new analysis when there is no backend object (a new pattern, or
+        after unpickling), else a refactorisation on the stored one; a failure names the matrix."""
+        try:
+            if self._impl is None:
+                self._impl = _BACKEND_CLASSES[self.backend](U)
+            else:
+                self._impl.refactor(U)
+        except NotPositiveDefiniteError as err:
+            raise NotPositiveDefiniteError(f"{self.name}: {err}") from None
 
     def _load(self):
         L, D, perm = self._impl.factors()
@@ -592,14 +594,9 @@ class SparseCholesky:
             raise ValueError(f"{self.name}: expected shape ({self.n}, {self.n}), got {M.shape}")
         _check_symmetric(M, self.name)
         U = _upper_with_diagonal(M)
-        try:
-            if np.array_equal(U.indptr, self._pattern[0]) and np.array_equal(U.indices, self._pattern[1]):
-                self._refactor(U)
-            else:
-                self._pattern = (U.indptr.copy(), U.indices.copy())
-                self._impl = _BACKEND_CLASSES[self.backend](U)
-        except NotPositiveDefiniteError as err:
-            raise NotPositiveDefiniteError(f"{self.name}: {err}") from None
+        if not (np.array_equal(U.indptr, self._pattern[0]) and np.array_equal(U.indices, self._pattern[1])):
+            self._pattern, self._impl = (U.indptr.copy(), U.indices.copy()), None  # a new analysis
+        self._factor(U)
         self._load()
         return self
 
@@ -613,10 +610,7 @@ class SparseCholesky:
         if not np.isfinite(data).all():
             raise ValueError(f"{self.name}: the new values contain NaN or inf")
         U = sp.csc_matrix((data, self._pattern[1], self._pattern[0]), shape=(self.n, self.n))
-        try:
-            self._refactor(U)
-        except NotPositiveDefiniteError as err:
-            raise NotPositiveDefiniteError(f"{self.name}: {err}") from None
+        self._factor(U)
         self._load()
         return self
 
