@@ -203,6 +203,10 @@ class GaussianPosterior(Posterior):
             return self._scale_tril
         if self.kind == "diagonal":
             return torch.diag(self.variance.sqrt())
+        if self.kind == "covariance":  # the stored covariance's factor is computed once (:meth:`_root`)
+            L, singular = self._root()
+            if not singular:
+                return L
         return torch.linalg.cholesky(self.covariance())
 
     # ------------------------------------------------------------------ sampling and densities
@@ -255,7 +259,9 @@ class GaussianPosterior(Posterior):
 
     def _factor_root(self, C):
         L, info = torch.linalg.cholesky_ex(C)
-        tol = self.n * torch.finfo(C.dtype).eps  # numpy's matrix_rank tolerance, relative
+        # numpy's matrix_rank tolerance, relative: singular for sampling (the importance diagnostics refuse a
+        # density already below diagnostics.proposals.SINGULAR_PIVOT, 1e-11, where it is rounding noise)
+        tol = self.n * torch.finfo(C.dtype).eps
         if int(info) == 0 and bool((torch.diagonal(L) ** 2 > tol * torch.diagonal(C).max()).all()):
             return L, False
         lam, V = torch.linalg.eigh(0.5 * (C + C.transpose(-1, -2)))
