@@ -1566,9 +1566,10 @@ def _observed_groups(x, observed):
             family_cls, base, eta, y, batch = _observed_site(name, site, dtype)
         except UnsupportedModelError:
             # a site of any family that reads no latent is a constant: a hyper-latent fixed by pyro.condition
-            if _depends_on(_site_log_prob(site), x.u0):
+            lp = _site_log_prob(site)
+            if _depends_on(lp, x.u0):
                 raise
-            log_const += _constant_log_prob(name, site, keep_graph)
+            log_const += _constant_log_prob(name, lp, keep_graph)
             continue
         keep = _keep_rows(name, site)
         weight = _site_weight(name, site)
@@ -1585,7 +1586,7 @@ def _observed_groups(x, observed):
             if _depends_on(value, x.u0):
                 raise UnsupportedModelError(name, f"the {what} depends on a latent site (not an LGM)")
         if not _depends_on(eta_k, x.u0):
-            log_const += _constant_log_prob(name, site, keep_graph)
+            log_const += _constant_log_prob(name, _site_log_prob(site), keep_graph)
             continue
         if idx is not None and idx.numel() == 0:
             continue
@@ -1622,9 +1623,9 @@ def _probs_hint(err, base):
     return err
 
 
-def _constant_log_prob(name, site, keep_graph):
-    """The log density of an observed site that reads no latent: a constant of the evidence."""
-    lp = _num(_site_log_prob(site), keep_graph)
+def _constant_log_prob(name, lp, keep_graph):
+    """The log density ``lp`` of an observed site that reads no latent: a constant of the evidence."""
+    lp = _num(lp, keep_graph)
     if not math.isfinite(float(lp)):
         raise UnsupportedModelError(name, f"observed site that does not depend on the latents has log density {lp} "
                                           "at its data")
