@@ -83,6 +83,67 @@ def test_expected_lse_three_classes_against_monte_carlo_and_a_singular_block():
     assert abs(float(expected_lse(h2, S2)[0]) - ref) < 1e-8
 
 
+def _panel_grid_expected_lse(h, S, panels, R=9.0):
+    """``E[lse(eta)]`` of three classes by a dense tensor Gauss-Legendre grid over the whitened differences ``z``
+    (4 nodes on each of ``panels`` equal panels per axis): an independent reference at wide covariances."""
+    mu = h[1:] - h[0]
+    Dm = np.array([[-1.0, 1.0, 0.0], [-1.0, 0.0, 1.0]])
+    evals, U = np.linalg.eigh(Dm @ S @ Dm.T)
+    F = U * np.sqrt(np.clip(evals, 0, None))
+    x, w = np.polynomial.legendre.leggauss(4)
+    edges = np.linspace(-R, R, panels + 1)
+    lo, hi = edges[:-1, None], edges[1:, None]
+    t = (lo + (hi - lo) * (x + 1) / 2).ravel()
+    wt = ((hi - lo) / 2 * w).ravel() * np.exp(-0.5 * t**2) / math.sqrt(2 * math.pi)
+    total = 0.0
+    for i in range(0, t.size, 400):
+        d = mu + F[:, 0] * t[i:i + 400, None, None] + F[:, 1] * t[None, :, None]
+        g = np.logaddexp(0.0, np.logaddexp(d[..., 0], d[..., 1]))
+        total += float(((g * wt).sum(-1) * wt[i:i + 400]).sum())
+    return float(h[0]) + total
+
+
+@pytest.mark.parametrize("variance", [10.0, 100.0, 1000.0])
+def test_expected_lse_at_wide_covariances_against_a_dense_grid(variance):
+    # the tensor Gauss-Hermite rule in eta alone was 5e-4 off at variance 10 and 8e-2 at 100 (either sign)
+    g = torch.Generator().manual_seed(int(variance))
+    A = torch.randn(3, 3, generator=g, dtype=D)
+    S, h = variance * A @ A.T / 3, 2 * torch.randn(3, generator=g, dtype=D)
+    ref = _panel_grid_expected_lse(h.numpy(), S.numpy(), panels=int(40 * math.sqrt(variance)))
+    assert abs(float(expected_lse(h[None], S[None])) - ref) < 1e-10
+
+
+def test_expected_lse_of_four_classes_along_one_wide_direction_against_adaptive_quadrature():
+    import scipy.integrate
+    h = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=D)
+    v = torch.tensor([3.0, -4.0, 1.0, 2.0], dtype=D)
+    S = 25.0 * torch.outer(v, v)  # rank one: eta = h + 5 v z, z ~ N(0, 1)
+    hn, vn = h.numpy(), 5 * v.numpy()
+    kinks = [(hn[j] - hn[k]) / (vn[k] - vn[j]) for j in range(4) for k in range(j + 1, 4)]
+    ref = scipy.integrate.quad(lambda z: float(np.logaddexp.reduce(hn + vn * z)) * math.exp(-0.5 * z * z)
+                               / math.sqrt(2 * math.pi), -12, 12, points=sorted(kinks), limit=400, epsabs=1e-13)[0]
+    assert abs(float(expected_lse(h[None], S[None])) - ref) < 1e-10
+
+
+def test_rows_beyond_the_node_budget_are_refused_and_dual_vg_reports_its_local_bound():
+    from pyro_convexvb.lgm.families.categorical import QuadratureBudgetError
+    g = torch.Generator().manual_seed(4)
+    A = torch.randn(4, 4, generator=g, dtype=D)
+    with pytest.raises(QuadratureBudgetError, match="4-class expectation with 3 wide directions"):
+        expected_lse(torch.zeros(1, 4, dtype=D), (100.0 * A @ A.T)[None])
+    # four classes, two observations, weights with a wide prior: the exact bound is out of budget
+    X = torch.randn(2, 3, generator=g, dtype=D)
+
+    def model():
+        W = pyro.sample("W", dist.Normal(torch.zeros(3, 4, dtype=D), 30.0).to_event(2))
+        with pyro.plate("n", 2):
+            pyro.sample("y", dist.Categorical(logits=X @ W), obs=torch.tensor([0, 3]))
+
+    res = pcv.fit(model, engine="dual_vg", progress=False)
+    assert res.info["reported_bound"].startswith("local bound (a row's 4-class expectation")
+    assert res.log_evidence_bound == pytest.approx(res.info["lvb_elbo"])
+
+
 def test_expected_lse_gradients_are_stein_identities():
     h, S, _ = _random_blocks(2, 3, 2)
     h.requires_grad_(True)
@@ -102,7 +163,8 @@ def test_expected_lse_gradients_are_stein_identities():
 
 @pytest.mark.parametrize("K", [2, 3, 4])
 def test_tight_bound_is_a_valid_bound_exact_at_zero_covariance_and_tighter_than_bohning(K):
-    h, S, y = _random_blocks(60, K, 10 + K, scale=2.0)
+    # four classes: blocks narrow enough for the exact rule's node budget (at most one wide direction a row)
+    h, S, y = _random_blocks(60, K, 10 + K, scale=2.0 if K < 4 else 0.05)
     fam = Categorical(y, K)
     neg_exact = -fam.expected_log_prob(h.reshape(-1), S)
     tight, bohning = SoftmaxTightBound(fam).f(h, S), SoftmaxBohningBound(fam).f(h, S)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import UnsupportedModelError
-from ...lgm.families.categorical import MAX_QUADRATURE_CLASSES
+from ...lgm.families.categorical import MAX_QUADRATURE_CLASSES, QuadratureBudgetError
 from ...posterior.gaussian import GaussianPosterior
 
 __all__ = ["BlockDualProblem", "solve_block_dual", "NEWTON_MAX_VARIABLES"]
@@ -326,13 +326,17 @@ def solve_block_dual(prob, kappas=None, method="newton", gap_tol=None, max_iter=
 
 
 def block_solution(prob, sol):
-    """``(posterior, exact bound or None, lvb ELBO, (alpha, lam))`` of a solved block dual: the exact
-    variational-Gaussian bound of ``q`` (``K``-dimensional Gauss-Hermite, ``K <= 5``) or ``None`` beyond."""
+    """``(posterior, (exact bound or None, why not), lvb ELBO, (alpha, lam))`` of a solved block dual: the exact
+    variational-Gaussian bound of ``q`` (:func:`~pyro_convexvb.lgm.families.categorical.expected_lse`, ``K <= 5``)
+    or ``None`` where that quadrature is not computed (more classes, or rows too wide for its node budget)."""
     m, A, marg, alpha, lams = prob.recover(sol.kappas)
     posterior = GaussianPosterior(m, precision=A)
     V = torch.cholesky_inverse(torch.linalg.cholesky(A))
-    exact = None
+    exact, why = None, f"K > {MAX_QUADRATURE_CLASSES}: no exact quadrature"
     if max(prob.Ks) <= MAX_QUADRATURE_CLASSES:
-        with torch.no_grad():
-            exact = float(prob.lgm.evidence_lower_bound(m, 0.5 * (V + V.transpose(0, 1))))
-    return posterior, exact, sol.g - sol.gap + prob.lgm.log_const, (alpha, torch.cat([lam for lam in lams]))
+        try:
+            with torch.no_grad():
+                exact = float(prob.lgm.evidence_lower_bound(m, 0.5 * (V + V.transpose(0, 1))))
+        except QuadratureBudgetError as err:
+            why = str(err).split(": ", 1)[-1]
+    return posterior, (exact, why), sol.g - sol.gap + prob.lgm.log_const, (alpha, torch.cat([lam for lam in lams]))

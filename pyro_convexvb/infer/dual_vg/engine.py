@@ -648,12 +648,12 @@ class DualVGEngine(Engine):
 
         sol = solve_block_dual(prob, None if alpha0 is None else prob.from_alpha(alpha0), method=o.method,
                                gap_tol=o.gap_tol, max_iter=o.max_iter, callback=callback, history=run.history)
-        posterior, exact, lvb, (alpha, lam) = block_solution(prob, sol)
+        posterior, (exact, why), lvb, (alpha, lam) = block_solution(prob, sol)
         posterior.layout = lgm.layout
         bound_value = exact if exact is not None else lvb
         info = dict(gap=sol.gap, dual_objective=sol.g, lvb_elbo=lvb, iterations=sol.iterations,
                     evaluations=sol.evaluations, form="block", bound=o.bound, method=o.method, refine=False,
-                    reported_bound="exact" if exact is not None else "local bound (K > 5: no exact quadrature)")
+                    reported_bound="exact" if exact is not None else f"local bound ({why})")
         opt = Optimality.single("duality gap (nats)", sol.gap, sol.gap_tol)
         state = DualState(alpha, lam, "block", None, o.bound, None, posterior)
         return Solution(posterior, bound_value, opt, "duality gap" if sol.converged else "max_iter", info,
