@@ -798,3 +798,19 @@ def test_from_design_and_families_refuse_improper_parameters():
         Laplace(torch.tensor([1.0, 0.0], dtype=D))
     with pytest.raises(ValueError, match=r"y: expected counts in \[0, total_count\], got \[6.0\]"):
         Binomial(torch.tensor([2.0, 6.0], dtype=D), torch.tensor([5.0, 5.0], dtype=D))
+
+
+@pytest.mark.parametrize("engine", ["convex_relaxation", "dual_vg"])
+def test_a_prior_variance_that_underflows_is_refused_naming_the_prior(engine):
+    # a scale of 1e-160 squares to a subnormal 1e-320: convex_relaxation returned a NaN posterior with converged=True
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randn(30, 2, generator=g, dtype=torch.float64), torch.randn(30, generator=g, dtype=torch.float64)
+
+    def model():
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64),
+                                         torch.tensor([1.0, 1e-160], dtype=torch.float64)).to_event(1))
+        with pyro.plate("d", 30):
+            pyro.sample("y", dist.Normal(X @ w, 0.4), obs=y)
+
+    with pytest.raises(pcv.NotPositiveDefiniteError, match="prior of 'w': variance 1e-320 at coordinate 1"):
+        pcv.fit(model, engine=engine, progress=False)

@@ -19,7 +19,7 @@ from typing import List, Optional
 
 import torch
 
-from ..errors import UnsupportedModelError
+from ..errors import NotPositiveDefiniteError, UnsupportedModelError
 from ..linalg.operators import (
     DENSE_LIMIT,
     BlockDiagonalOperator,
@@ -56,6 +56,23 @@ class PriorBlock:
     @property
     def size(self):
         return int(self.loc.shape[0])
+
+
+def _check_prior_diagonal(p):
+    """Refuse a prior whose variances underflow or overflow (a scale of 1e-160 squares to a subnormal, whose inverse
+    is inf): the engines divided by it and returned a NaN posterior."""
+    for what, op in (("variance", p.cov), ("precision", p.prec)):
+        if op is None:
+            continue
+        diag = op.diagonal()
+        bad = ~torch.isfinite(diag) | (diag < torch.finfo(diag.dtype).tiny) if what == "variance" else \
+            ~torch.isfinite(diag) | (diag < 0)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise NotPositiveDefiniteError(
+                f"prior of '{p.name}': {what} {float(diag[i]):.3g} at coordinate {i} is not a positive normal "
+                f"{diag.dtype} number (a prior scale whose square underflows or overflows); rescale the latent "
+                "or fix it with pyro.condition")
 
 
 @dataclass
@@ -199,6 +216,7 @@ class LatentGaussianModel:
                                  "blocks)")
             if not p.flat and p.cov is None and p.prec is None:
                 raise ValueError(f"prior of '{p.name}' needs a covariance or a precision")
+            _check_prior_diagonal(p)
             pos += p.size
         if pos != self.n:
             raise ValueError(f"the prior blocks cover {pos} coordinates, the latent blocks {self.n}")
