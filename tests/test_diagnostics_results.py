@@ -496,6 +496,16 @@ def _masked_linear(n=60, seed=1):
     return model, X, y, mask
 
 
+def test_obs_mask_fits_of_the_pyro_model_engines_are_diagnosed_against_their_own_filler():
+    """laplace fits the proper joint with N(0, 1) on obs_mask's unused entries; scored with the site's conditional
+    instead, its exact fit of this conjugate model had k_hat 8.6, ESS 1 and an importance log evidence 72 nats off."""
+    model, X, y, mask = _masked_linear()
+    res = pcv.fit(model, X, y=y, mask=mask, engine="laplace", progress=False)
+    d = res.diagnostics
+    assert d.k_hat < 0.5 and d.ess > 0.99 * d.num_draws
+    assert d.log_evidence == pytest.approx(res.log_evidence_bound, abs=1e-6)
+
+
 def test_obs_mask_and_deterministic_sites_are_diagnosed_as_the_model_reads_them():
     """obs_mask's masked-out latent entries have no density in the model while the proposal draws them: the ratios
     carried 1/q of each (k_hat 2.5 on an exact fit, a 'corrected' mean 1.9 sds off). pyro.deterministic sites (obs_mask

@@ -221,6 +221,11 @@ class ModelLogJoint:
     :param model: the Pyro model.
     :param tuple args: its positional arguments; ``kwargs`` its keyword arguments (the data).
     :param bool vectorise: try ``torch.func.vmap`` over draws (checked against plain traces on first use).
+    :param str masked: the density of the unused (masked-out) entries of ``obs_mask`` sites' ``<name>_unobserved``
+        latents, which the model leaves without one: ``"conditional"``, the site's own (:class:`_UnmaskImputed`, as
+        a completed latent-Gaussian posterior draws them), or ``"standard"``, ``Normal(0, 1)`` in unconstrained
+        coordinates (the proper joint the Pyro-model engines fit, whose posteriors draw them so). Either is a proper
+        auxiliary factor with the model's marginal; the one the proposal used cancels in the ratios.
 
     :ivar float offset: a constant added to every ``log_joint`` (0 by default): the log Jacobian of the coordinates
         the draws' densities refer to, when they are not the model's own (constrained fields in free coordinates,
@@ -239,10 +244,13 @@ class ModelLogJoint:
         True
     """
 
-    def __init__(self, model, args=(), kwargs=None, *, vectorise=True):
-        from ..lgm.extract import latent_sites
+    def __init__(self, model, args=(), kwargs=None, *, vectorise=True, masked="conditional"):
+        from ..lgm.extract import latent_sites, proper_missing
 
-        self.model, self.args, self.kwargs = _UnmaskImputed.wrap(model), tuple(args), dict(kwargs or {})
+        if masked not in ("conditional", "standard"):
+            raise ValueError(f"masked: expected 'conditional' or 'standard', got {masked!r}")
+        wrap = _UnmaskImputed.wrap if masked == "conditional" else proper_missing
+        self.model, self.args, self.kwargs = wrap(model), tuple(args), dict(kwargs or {})
         self._model_name = getattr(model, "__name__", type(model).__name__)
         sites = latent_sites(model, self.args, self.kwargs)
         self.names = [n for n, _ in sites]

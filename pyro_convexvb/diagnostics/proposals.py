@@ -115,7 +115,9 @@ def _singular_message(post):
             f"singular in {null.shape[1]} direction(s){where}. A latent field with linear constraints (e.g. an "
             "intrinsic GMRF with a sum-to-zero constraint) lives on a subspace, where the proposals work in its free "
             "coordinates; this singularity is not one of a constrained SparseGMRF site of the model (the only kind "
-            "the proposals reparametrise). The engine's Gaussian posterior itself is unaffected")
+            "the proposals reparametrise). A posterior whose variance is unbounded in these directions (a laplace "
+            "fit at the neck of a centred hierarchy's funnel, where the log joint is flat in the log scale) is no "
+            "usable approximation: refit with engine='dual_vg' or 'nuts'")
 
 
 class _GaussianParts:

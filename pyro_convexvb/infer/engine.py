@@ -516,6 +516,8 @@ class ModelEngine(Engine):
         unconstrained latent sites."""
         if lgm is not None and post.n == lgm.n and getattr(lgm, "imputed", None):
             post = lgm.complete_posterior(post)
+        elif lgm is None or post.n != lgm.n:  # fitted on problem()'s model: N(0, 1) on the unused obs_mask entries
+            post.masked_entries = "standard"
         if post.layout is not None:
             return post, None
         if lgm is not None and lgm.n == post.n:

@@ -313,8 +313,9 @@ class GaussianPosterior(Posterior):
         if self.kind == "low_rank_diagonal":
             return self.to_distribution().log_prob(u)
         if self.is_singular():
-            raise ValueError("log_prob: the posterior's covariance is singular (an intrinsic field's posterior lives "
-                             "on its constraint subspace), so it has no density over all n coordinates")
+            raise ValueError("log_prob: the posterior's covariance is singular to working precision (an intrinsic "
+                             "field's posterior lives on its constraint subspace; a laplace fit at a funnel's neck has "
+                             "unbounded variances), so it has no density over all n coordinates")
         return dist.MultivariateNormal(self.loc, scale_tril=self.scale_tril()).log_prob(u)
 
     def entropy(self):
@@ -853,8 +854,9 @@ class PosteriorMultivariateNormal(_InitialisedAtPosterior, AutoMultivariateNorma
             L = q._scale_tril
         else:
             if q.is_singular():
-                raise ValueError("the posterior's covariance is singular (an intrinsic field's posterior lives on its "
-                                 "constraint subspace), so a trainable guide, which holds a Cholesky factor, cannot "
+                raise ValueError("the posterior's covariance is singular to working precision (an intrinsic field's "
+                                 "posterior lives on its constraint subspace; a laplace fit at a funnel's neck has "
+                                 "unbounded variances), so a trainable guide, which holds a Cholesky factor, cannot "
                                  "represent it; use as_guide(trainable=False), which draws on that subspace")
             try:
                 L = torch.linalg.cholesky(q.covariance(force=True))
