@@ -393,3 +393,15 @@ def test_iris_within_a_tenth_of_an_sd_and_ten_percent_of_the_nuts_reference(name
     m, sd = res.posterior.loc, res.posterior.variance.sqrt()
     assert float(((m - rm) / rs).abs().max()) < 0.1
     assert float((sd / rs - 1).abs().max()) < 0.1
+
+
+def test_an_ordered_logistic_site_is_refused_as_ordinal_not_as_categorical_probs():
+    x = torch.linspace(-1, 1, 12, dtype=D)
+
+    def model():
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=D), 1.0))
+        with pyro.plate("n", 12):
+            pyro.sample("y", dist.OrderedLogistic(b * x, torch.tensor([-0.5, 0.5], dtype=D)), obs=torch.arange(12) % 3)
+
+    with pytest.raises(UnsupportedModelError, match="OrderedLogistic \\(ordinal\\) sites are not read.*laplace"):
+        pcv.fit(model, engine="dual_vg", progress=False)

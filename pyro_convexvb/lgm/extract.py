@@ -1374,7 +1374,8 @@ def _classify_sites(tr0):
                     raise UnsupportedModelError(
                         name, f"the missing entries of the partially observed discrete site '{base}' (obs_mask) are "
                               "discrete latent variables, outside the latent Gaussian model class; leave them out of "
-                              "the likelihood with poutine.mask or dist.mask(...) instead")
+                              "the likelihood with poutine.mask or dist.mask(...) instead (with any valid value, e.g. "
+                              "0, in their place: Pyro validates masked data too)")
                 raise UnsupportedModelError(name, "discrete latent variables are outside the latent Gaussian model class")
             latent.append(name)
     if not latent:

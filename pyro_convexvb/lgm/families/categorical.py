@@ -485,6 +485,9 @@ class Categorical(SiteFamily):
 
     @classmethod
     def refusal(cls, d):
+        if isinstance(d, dist.OrderedLogistic):
+            return ("OrderedLogistic (ordinal) sites are not read: their class probabilities are differences of "
+                    "sigmoids at the cutpoints, not a softmax of logits affine in the latents")
         if getattr(d, "_param", None) is not None and d._param is d.__dict__.get("probs"):
             return ("Categorical(probs=...) is not read as a linear predictor; write Categorical(logits=eta) with eta "
                     "affine in the latents (e.g. X @ W)")
