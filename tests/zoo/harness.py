@@ -164,8 +164,9 @@ KNOWN_MISSES.update({
     ("eight_schools_centred", "svi_automvn"): "mean err 1.15 > 0.5 at mu: " + _FUNNEL,
     ("eight_schools_centred", "svi_autonormal"): "mean err 1.17 > 0.5 at mu: " + _FUNNEL,
     ("eight_schools_centred", "svi_lowrank"): "mean err 1.25 > 0.5 at mu: " + _FUNNEL,
-    ("eight_schools_centred", "laplace"): "NotPositiveDefiniteError: the joint mode is at the neck of the funnel "
-                                          "(tau -> 0), where the Hessian is not positive definite",
+    ("eight_schools_centred", "laplace"): "mean err 10 > 0.4 (unconverged): the joint mode is at the neck of the "
+                                          "funnel (tau -> 0): Newton stops without progress (converged=False, a "
+                                          "ConvergenceWarning) where the variance of log tau is ~1e10",
     ("eight_schools_noncentred", "laplace"): "mean err 2.2 > 0.4: " + _LAPLACE_HYPER,
     ("ri_noncentred_gaussian", "nuts"): "mean err 0.39 > 0.35: the Monte Carlo error of 200 draws of one chain "
                                         "(seed 0)",
