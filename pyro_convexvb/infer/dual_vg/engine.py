@@ -431,7 +431,9 @@ class DualVGOptions(LGMEngineOptions):
                 "auto")
     newton_solver: typing.Literal["auto", "dense", "cg"] = option(
         "auto", "Newton systems in the L x L form: dense Cholesky, matrix-free CG, or the cheaper by a flop count")
-    gap_tol: typing.Optional[float] = option(None, "convergence: duality gap in nats (default 1e-8 N)", gt=0)
+    gap_tol: typing.Optional[float] = option(None, "convergence: duality gap in nats (default 1e-8 N; Newton holds "
+                                                   "it to at least the gap's rounding floor: the value used is "
+                                                   "res.optimality's tolerance)", gt=0)
     max_iter: typing.Optional[int] = option(None, "iteration cap (default 100 Newton / 2000 L-BFGS)", min=1)
     alpha0: typing.Any = option(None, "(N,) warm start of the dual variables, one per observed site entry")
     xi: typing.Any = option(None, "Jaakkola variational parameters (bound='jaakkola'): a scalar for every site or one "
