@@ -460,6 +460,14 @@ class SparseGMRF(TorchDistribution):
         super().__init__(torch.Size(), torch.Size([n]), validate_args=validate_args)
 
     # ------------------------------------------------------------------ torch.distributions API
+    def __deepcopy__(self, memo):
+        """A deep copy by pickling (torch cannot deepcopy the sparse CSR precision; its pickle holds the same data)."""
+        import pickle
+
+        new = pickle.loads(pickle.dumps(self))
+        memo[id(self)] = new
+        return new
+
     @property
     def n(self):
         return self.event_shape[0]

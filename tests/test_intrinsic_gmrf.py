@@ -224,3 +224,15 @@ def test_a_plate_of_intrinsic_fields_is_refused_naming_the_site():
 
     with pytest.raises(pcv.UnsupportedModelError, match=r"site 'x'.*SparseGMRF latent site must have shape \(5,\)"):
         pcv.lgm_from_pyro(model, torch.zeros(2, n, dtype=D))
+
+
+def test_a_sparse_gmrf_deep_copies_with_its_density():
+    # torch cannot deepcopy a sparse CSR tensor: copy.deepcopy of the distribution (sklearn's clone, a model's
+    # deep-copied arguments) raised NotImplementedError
+    import copy
+
+    d = SparseGMRF(torch.zeros(6, dtype=torch.float64), rw_precision(6), constraints="sum_to_zero")
+    e = copy.deepcopy(d)
+    x = torch.linspace(-1, 1, 6, dtype=torch.float64)
+    assert e is not d and float(e.log_prob(x)) == float(d.log_prob(x))
+    assert torch.equal(e.variance, d.variance)

@@ -814,3 +814,12 @@ def test_a_prior_variance_that_underflows_is_refused_naming_the_prior(engine):
 
     with pytest.raises(pcv.NotPositiveDefiniteError, match="prior of 'w': variance 1e-320 at coordinate 1"):
         pcv.fit(model, engine=engine, progress=False)
+
+
+def test_completing_or_marginalising_something_that_is_no_posterior_is_refused():
+    lgm = pcv.LatentGaussianModel.from_design(torch.eye(2, dtype=torch.float64),
+                                              Gaussian(torch.zeros(2, dtype=torch.float64),
+                                                       torch.ones(2, dtype=torch.float64)))
+    for method in (lgm.complete_posterior, lgm.latent_marginal):
+        with pytest.raises(TypeError, match="posterior: expected a pyro_convexvb posterior .*got Tensor"):
+            method(torch.zeros(2, dtype=torch.float64))

@@ -28,6 +28,7 @@ from ..linalg.operators import (
     StackedOperator,
     as_operator,
 )
+from ..posterior.base import Posterior
 from ..posterior.gaussian import GaussianPosterior
 from .layout import LatentLayout
 from .sites import Gaussian, SiteFamily, Weighted
@@ -56,6 +57,13 @@ class PriorBlock:
     @property
     def size(self):
         return int(self.loc.shape[0])
+
+
+def _check_posterior(posterior):
+    """Refuse what is not a posterior (it was returned unchanged when the model has no imputed blocks)."""
+    if not isinstance(posterior, Posterior):
+        raise TypeError(f"posterior: expected a pyro_convexvb posterior (e.g. GaussianPosterior), got "
+                        f"{type(posterior).__name__}")
 
 
 def _check_prior_diagonal(p):
@@ -371,6 +379,7 @@ class LatentGaussianModel:
         :param posterior: a :class:`~pyro_convexvb.GaussianPosterior` over ``u`` (``n`` coordinates).
         :returns: a :class:`~pyro_convexvb.GaussianPosterior` with a dense covariance and ``layout = model_layout``.
         """
+        _check_posterior(posterior)
         components = getattr(posterior, "components", None)  # a mixture over hyper-latents: completed per point
         if self.chain is not None and components is not None:
             if not all(getattr(c, "coordinates", None) == "model" for c in components):
@@ -415,6 +424,7 @@ class LatentGaussianModel:
 
         :returns: a :class:`~pyro_convexvb.GaussianPosterior` over ``u`` with a dense covariance and ``layout = layout``.
         """
+        _check_posterior(posterior)
         if not self.imputed:
             return posterior if self.chain is None else self.chain.to_latent(posterior, layout=self.layout)
         if posterior.n != self.model_layout.size:
