@@ -68,11 +68,12 @@ def _check_posterior(posterior):
 
 def _check_prior_diagonal(p):
     """Refuse a prior whose variances underflow or overflow (a scale of 1e-160 squares to a subnormal, whose inverse
-    is inf): the engines divided by it and returned a NaN posterior."""
+    is inf): the engines divided by it and returned a NaN posterior. Only diagonals an operator knows from its
+    structure are read (nothing is densified)."""
     for what, op in (("variance", p.cov), ("precision", p.prec)):
-        if op is None:
+        diag = None if op is None else op.diagonal(dense_limit=0)
+        if diag is None:
             continue
-        diag = op.diagonal()
         bad = ~torch.isfinite(diag) | (diag < torch.finfo(diag.dtype).tiny) if what == "variance" else \
             ~torch.isfinite(diag) | (diag < 0)
         if bool(bad.any()):
