@@ -467,3 +467,38 @@ def test_a_wide_prior_fit_reports_its_true_duality_gap():
     entropy = 0.5 * np.linalg.slogdet(V)[1] + 0.5 * L * (1 + math.log(2 * math.pi))
     lvb = prior + entropy - sum(_max_phi(h[i], S[i]) - h[i, int(y[i])] for i in range(2))
     assert res.info["lvb_elbo"] == pytest.approx(lvb, abs=1e-6)
+
+
+def test_sites_of_different_class_counts_fit_jointly_as_apart():
+    # a K = 3 and a K = 4 site with separate weights: the posterior factorises, so the joint fit is the two fits
+    # (it raised a bare torch size error when packing the site precisions)
+    g = torch.Generator().manual_seed(0)
+    X, y3, y4 = torch.randn(15, 2, generator=g, dtype=D), torch.arange(15) % 3, (torch.arange(15) * 7) % 4
+
+    def model(three=True, four=True):
+        if three:
+            A = pyro.sample("A", dist.Normal(torch.zeros(2, 3, dtype=D), 1.0).to_event(2))
+        if four:
+            B = pyro.sample("B", dist.Normal(torch.zeros(2, 4, dtype=D), 1.0).to_event(2))
+        with pyro.plate("n", 15):
+            if three:
+                pyro.sample("y3", dist.Categorical(logits=X @ A), obs=y3)
+            if four:
+                pyro.sample("y4", dist.Categorical(logits=X @ B), obs=y4)
+
+    opts = dict(gap_tol=1e-10)
+    joint = pcv.fit(model, engine="dual_vg", options=opts, progress=False)
+    r3 = pcv.fit(model, four=False, engine="dual_vg", options=opts, progress=False)
+    r4 = pcv.fit(model, three=False, engine="dual_vg", options=opts, progress=False)
+    assert joint.converged
+    torch.testing.assert_close(joint.posterior.loc, torch.cat([r3.posterior.loc, r4.posterior.loc]), atol=1e-7,
+                               rtol=0)
+    assert joint.info["lvb_elbo"] == pytest.approx(r3.info["lvb_elbo"] + r4.info["lvb_elbo"], abs=1e-8)
+
+
+def test_a_quadrature_order_that_cannot_be_honoured_is_refused():
+    fam = Categorical(torch.tensor([0.0, 2.0], dtype=D), 3)
+    h, S = torch.zeros(2, 3, dtype=D), torch.eye(3, dtype=D).expand(2, 3, 3)
+    assert torch.allclose(fam.expected_log_prob(h, S, num_points=200), fam.expected_log_prob(h, S), atol=1e-12)
+    with pytest.raises(ValueError, match="num_points"):
+        fam.expected_log_prob(h, S, num_points=2000)

@@ -339,4 +339,5 @@ def block_solution(prob, sol):
                 exact = float(prob.lgm.evidence_lower_bound(m, 0.5 * (V + V.transpose(0, 1))))
         except QuadratureBudgetError as err:
             why = str(err).split(": ", 1)[-1]
-    return posterior, (exact, why), sol.g - sol.gap + prob.lgm.log_const, (alpha, torch.cat([lam for lam in lams]))
+    lam = torch.cat([lam.reshape(-1) for lam in lams])  # the groups' (n, K, K) blocks, flat: their K may differ
+    return posterior, (exact, why), sol.g - sol.gap + prob.lgm.log_const, (alpha, lam)

@@ -489,7 +489,8 @@ class Categorical(SiteFamily):
         :param mean: ``(n K,)`` or ``(n, K)`` block means ``h``.
         :param cov: ``(n, K, K)`` covariance blocks ``S_i`` of each row's logits (marginal variances alone do not
             determine the expectation: a ``(n K,)`` vector is refused).
-        :param num_points: Gauss-Hermite points per dimension (default by ``K``, :func:`expected_lse`).
+        :param num_points: Gauss-Hermite points per narrow direction of the logit differences (default by ``K``,
+            :func:`expected_lse`; at most 10^6 nodes in all, else ValueError).
         """
         h = mean.reshape(self.num_obs, self.num_classes)
         K = self.num_classes
@@ -497,9 +498,11 @@ class Categorical(SiteFamily):
             raise ValueError(f"cov: a Categorical site's expectation needs each row's {K} x {K} covariance block, shape "
                              f"({self.num_obs}, {K}, {K}); got {tuple(cov.shape)} (marginal variances alone do not "
                              "determine it)")
+        if num_points is not None and (int(num_points) < 1 or int(num_points) ** (K - 1) > 10 ** 6):
+            raise ValueError(f"num_points: Gauss-Hermite points per narrow direction of the {K - 1} logit "
+                             f"differences, at least 1 and at most 10^6 nodes in all; got {num_points}")
         hy = h.gather(-1, self.params["y"].long().unsqueeze(-1)).squeeze(-1)
-        return hy - expected_lse(h, cov, points=num_points if num_points and K > 1 and num_points <= 64 and
-                                 num_points ** (K - 1) <= 10 ** 6 else None)
+        return hy - expected_lse(h, cov, points=None if num_points is None else int(num_points))
 
     def predictive_mean(self, mean, cov, num_points=None):
         """``E[softmax(eta_i)]``, ``(n, K)`` (the gradient of :func:`expected_lse` in ``h``)."""
