@@ -823,3 +823,19 @@ def test_completing_or_marginalising_something_that_is_no_posterior_is_refused()
     for method in (lgm.complete_posterior, lgm.latent_marginal):
         with pytest.raises(TypeError, match="posterior: expected a pyro_convexvb posterior .*got Tensor"):
             method(torch.zeros(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("family", ["bernoulli", "categorical"])
+def test_observed_data_of_another_shape_than_the_site_name_the_site(family):
+    X = torch.randn(12, 2, dtype=torch.float64)
+
+    def model():
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, 3, dtype=torch.float64), 1.0).to_event(2))
+        with pyro.plate("n", 12):
+            if family == "bernoulli":
+                pyro.sample("y", dist.Bernoulli(logits=X @ w[:, 0]), obs=torch.ones(10, dtype=torch.float64))
+            else:
+                pyro.sample("y", dist.Categorical(logits=X @ w), obs=torch.zeros(10, dtype=torch.long))
+
+    with pytest.raises(ValueError, match=r"site 'y': its observed value has shape \(10,\), which does not broadcast"):
+        pcv.fit(model, engine="dual_vg", progress=False)

@@ -635,6 +635,13 @@ def _observed_site(name, site, dtype):
     if not torch.is_tensor(y):
         y = torch.as_tensor(y)
     batch = tuple(fn.batch_shape) + tuple(fn.event_shape)
+    try:  # data of another shape than the site's (10 labels in a plate of 12) failed as a bare torch size error
+        fits = torch.broadcast_shapes(tuple(y.shape), batch) == batch
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"site '{name}': its observed value has shape {tuple(y.shape)}, which does not broadcast to "
+                         f"the shape {batch} of its distribution (its plates and batch); pass one value per row")
     for family in LIKELIHOODS:
         eta = family.predictor(base)
         if eta is not None:
