@@ -636,7 +636,7 @@ def _observed_site(name, site, dtype):
         y = torch.as_tensor(y)
     batch = tuple(fn.batch_shape) + tuple(fn.event_shape)
     try:  # data of another shape than the site's (10 labels in a plate of 12) failed as a bare torch size error
-        fits = torch.broadcast_shapes(tuple(y.shape), batch) == batch
+        fits = tuple(_broadcast_shapes(tuple(y.shape), batch)) == batch
     except RuntimeError:
         fits = False
     if not fits:
