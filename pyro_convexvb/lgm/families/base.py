@@ -11,7 +11,8 @@ import torch
 from ...errors import UnsupportedModelError
 from .potential import WeightedPotential, check_weight
 
-__all__ = ["SiteFamily", "Weighted", "tempered", "gauss_hermite", "gaussian_expectation", "panel_expectation"]
+__all__ = ["SiteFamily", "Weighted", "tempered", "gauss_hermite", "gaussian_expectation", "panel_expectation",
+           "normal_panels"]
 
 _GH_CACHE = {}
 
@@ -36,6 +37,23 @@ def _check_values(name, value, ok, what):
 
 #: Gauss-Legendre nodes per panel of :func:`panel_expectation`
 PANEL_NODES = 16
+_GL_CACHE = {}
+
+
+def normal_panels(cuts, nodes):
+    """Nodes ``t`` and weights of ``E_{N(0, 1)}[f(t)] ~= sum_k w_k f(t_k)`` on ``[cuts_0, cuts_-1]`` by composite
+    Gauss-Legendre quadrature: ``nodes`` per panel between consecutive sorted ``cuts`` ``(..., C)``, each weight
+    times the standard normal density. Differentiable in ``cuts``.
+
+    :returns: ``(t, w)``, each ``(..., (C - 1) nodes)``.
+    """
+    if nodes not in _GL_CACHE:
+        _GL_CACHE[nodes] = np.polynomial.legendre.leggauss(nodes)
+    x, w = (torch.as_tensor(a, dtype=cuts.dtype, device=cuts.device) for a in _GL_CACHE[nodes])
+    lo, hi = cuts[..., :-1], cuts[..., 1:]
+    t = (lo[..., None] + (hi - lo)[..., None] * (x + 1) / 2).flatten(-2)
+    wt = ((hi - lo)[..., None] / 2 * w).flatten(-2) * torch.exp(-0.5 * t ** 2) / math.sqrt(2 * math.pi)
+    return t, wt
 
 
 def panel_expectation(fn, mean, var, center, width, num_sd=12.0):
@@ -56,13 +74,7 @@ def panel_expectation(fn, mean, var, center, width, num_sd=12.0):
     rel = (width / sd).unsqueeze(-1) * torch.as_tensor(2.0 ** np.arange(-3, 41), dtype=mean.dtype, device=mean.device)
     grid = torch.arange(-int(num_sd), int(num_sd) + 1, dtype=mean.dtype, device=mean.device).expand(mean.shape[0], -1)
     cuts = torch.cat([grid, t0 - rel, t0, t0 + rel], -1).clamp(-num_sd, num_sd)
-    cuts, _ = torch.sort(cuts, -1)
-    a, b = cuts[:, :-1], cuts[:, 1:]
-    x, w = np.polynomial.legendre.leggauss(PANEL_NODES)
-    x = torch.as_tensor(x, dtype=mean.dtype, device=mean.device)
-    w = torch.as_tensor(w, dtype=mean.dtype, device=mean.device)
-    t = (a.unsqueeze(-1) + (b - a).unsqueeze(-1) * (x + 1) / 2).reshape(mean.shape[0], -1)  # (q, P * nodes)
-    wt = ((b - a).unsqueeze(-1) / 2 * w).reshape(mean.shape[0], -1) * torch.exp(-0.5 * t**2) / math.sqrt(2 * math.pi)
+    t, wt = normal_panels(torch.sort(cuts, -1).values, PANEL_NODES)  # (q, P * nodes)
     return (fn(mean.unsqueeze(-1) + sd.unsqueeze(-1) * t) * wt).sum(-1)
 
 

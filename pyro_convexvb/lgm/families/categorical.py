@@ -28,7 +28,7 @@ import pyro.distributions as dist
 import torch
 
 from ...errors import UnsupportedModelError
-from .base import SiteFamily, _check_values
+from .base import SiteFamily, _check_values, normal_panels
 
 __all__ = ["Categorical", "SoftmaxTightBound", "SoftmaxBohningBound", "SOFTMAX_BOUNDS", "expected_lse",
            "softmax_curvature", "tight_kappa", "MAX_QUADRATURE_CLASSES", "QuadratureBudgetError", "wide_sd"]
@@ -47,18 +47,6 @@ _LEVELS = 2.0 ** np.arange(-2, 8)  # panel ends at z* +- width 2^k around each k
 
 class QuadratureBudgetError(ValueError):
     """The exact ``K``-class expectation of a row would need more than :data:`NODE_BUDGET` quadrature nodes."""
-
-
-def _panels(cuts):
-    """Gauss-Legendre nodes ``t`` and weights times the standard normal density on the panels between sorted
-    ``cuts`` ``(..., C)``."""
-    x, w = np.polynomial.legendre.leggauss(_PANEL_NODES)
-    x, w = torch.as_tensor(x, dtype=cuts.dtype, device=cuts.device), torch.as_tensor(w, dtype=cuts.dtype,
-                                                                                     device=cuts.device)
-    lo, hi = cuts[..., :-1], cuts[..., 1:]
-    t = (lo[..., None] + (hi - lo)[..., None] * (x + 1) / 2).flatten(-2)
-    wt = ((hi - lo)[..., None] / 2 * w).flatten(-2) * torch.exp(-0.5 * t ** 2) / math.sqrt(2 * math.pi)
-    return t, wt
 
 
 def wide_sd(points):
@@ -139,7 +127,7 @@ def _difference_rule(mu, F, wide, points):
             raise QuadratureBudgetError(
                 f"expected_lse: a row's {m + 1}-class expectation with {wide} wide directions (logit-difference sds "
                 f"above {wide_sd(points):.3g}) needs more than {NODE_BUDGET:,} quadrature nodes")
-        t, wt = (gx.expand(n, B, -1), gw.expand(n, B, -1)) if cuts is None else _panels(cuts)
+        t, wt = (gx.expand(n, B, -1), gw.expand(n, B, -1)) if cuts is None else normal_panels(cuts, _PANEL_NODES)
         Z = torch.cat([Z[:, :, None, :].expand(n, B, P, l), t[..., None]], -1).reshape(n, B * P, l + 1)
         W = (W[:, :, None] * wt).reshape(n, B * P)
     return mu[:, None, :] + torch.einsum("nbk,nmk->nbm", Z, F), W

@@ -1,11 +1,10 @@
 """Bernoulli-probit sites: the family and its tight local bound (not super-Gaussian)."""
 import math
 
-import numpy as np
 import pyro.distributions as dist
 import torch
 
-from .base import SiteFamily, gaussian_expectation
+from .base import SiteFamily, gaussian_expectation, normal_panels
 from ..linear import normal_cdf_argument
 from .bound import LocalBound
 from .logit import LOGIT_BOUNDS, check_labels
@@ -43,7 +42,6 @@ class BernoulliProbit(SiteFamily):
     no_potential = ("probit sites are not super-Gaussian: log Phi(s) - log Phi(-s) grows like s^2/2, so no beta makes "
                     "log t(s) - beta s even (Nickisch & Seeger 2009, §2); a logit link (Bernoulli(logits=...)) is "
                     "super-Gaussian")
-    _GL_CACHE = {}
     _PANEL_NODES = 12
     _HALF_WIDTH = 12.0
     _GRADING = 2.5
@@ -82,10 +80,6 @@ class BernoulliProbit(SiteFamily):
     def _composite(cls, m, sd):
         """``E log Phi(m + sd e)``, ``e ~ N(0, 1)``, by the graded composite Gauss-Legendre rule (``sd > 0``)."""
         dtype, device = m.dtype, m.device
-        n = cls._PANEL_NODES
-        if n not in cls._GL_CACHE:
-            cls._GL_CACHE[n] = np.polynomial.legendre.leggauss(n)
-        xg, wg = (torch.as_tensor(a, dtype=dtype, device=device) for a in cls._GL_CACHE[n])
         E, ratio = cls._HALF_WIDTH, cls._GRADING
         s_det = sd.detach()
         # panel ends at e0 +- 0.5 * 2.5^j / sd (e0: where c eta = 0), out to beyond |e| = 2E for the widest site
@@ -95,11 +89,8 @@ class BernoulliProbit(SiteFamily):
         e0 = (-m.detach() / s_det)[:, None]
         ends = torch.cat([uniform.expand(m.shape[0], -1), e0, e0 + grade / s_det[:, None],
                           e0 - grade / s_det[:, None]], 1).clamp(-E, E)
-        ends = torch.sort(ends, 1).values
-        half = 0.5 * (ends[:, 1:] - ends[:, :-1])
-        e = (0.5 * (ends[:, 1:] + ends[:, :-1]))[..., None] + half[..., None] * xg
-        w = half[..., None] * wg * torch.exp(-0.5 * e * e) / math.sqrt(2 * math.pi)
-        return (w * torch.special.log_ndtr(m[:, None, None] + sd[:, None, None] * e)).sum((-1, -2))
+        e, w = normal_panels(torch.sort(ends, 1).values, cls._PANEL_NODES)
+        return (w * torch.special.log_ndtr(m[:, None] + sd[:, None] * e)).sum(-1)
 
     def predictive_mean(self, mean, var, num_points=64):
         return torch.special.ndtr(mean / torch.sqrt(1 + var))
