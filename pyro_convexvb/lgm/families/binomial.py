@@ -15,14 +15,13 @@ import pyro.distributions as dist
 import torch
 
 from ...errors import UnsupportedModelError
-from .base import SiteFamily, _check_values
-from .logit import BernoulliLogit, LogisticPotential, logit_bound
-from .potential import WeightedPotential
+from .base import _check_values
+from .logit import CountLogit
 
 __all__ = ["Binomial"]
 
 
-class Binomial(SiteFamily):
+class Binomial(CountLogit):
     r"""``t_i(eta) = C(n_i, k_i) sigmoid(eta)^{k_i} sigmoid(-eta)^{n_i - k_i}``, counts ``0 <= k_i <= n_i``, ``n_i >= 1``.
 
     :param torch.Tensor y: ``(q,)`` successes ``k_i``.
@@ -46,43 +45,17 @@ class Binomial(SiteFamily):
             _check_values("y", y, lambda v: (v >= 0) & (v <= total_count), "counts in [0, total_count]")
         super().__init__(y=y, total_count=total_count)
 
-    def _rate(self):
-        """The Bernoulli-logit family of the fractions ``y = k / n`` (one row per site)."""
-        p = self.params
-        return BernoulliLogit(p["y"] / p["total_count"])
+    def _n(self):
+        return self.params["total_count"]
 
     def log_norm(self):
         """``log C(n, k)``, ``(q,)``."""
         k, n = self.params["y"], self.params["total_count"]
         return torch.lgamma(n + 1) - torch.lgamma(k + 1) - torch.lgamma(n - k + 1)
 
-    def log_prob(self, eta):
-        k, n = self.params["y"], self.params["total_count"]
-        return k * eta - n * torch.nn.functional.softplus(eta) + self.log_norm()
-
-    def expected_log_prob(self, mean, var, num_points=64):
-        n = self.params["total_count"]
-        return n * self._rate().expected_log_prob(mean, var, num_points) + self.log_norm()
-
-    def expected_log_prob_terms(self, mean, var, num_points=32):
-        """``E log p`` and its derivatives in ``mean`` and ``var``: those of the logit sites' quadrature value
-        (:meth:`~pyro_convexvb.lgm.families.BernoulliLogit.expected_log_prob_terms`, the split rule at wide
-        variances), times the count, so that ``refine`` meets the maximum of the bound it reports (the generic
-        quadratures of ``d log p`` parted from it by half at a site variance of 1,000)."""
-        n = self.params["total_count"]
-        value, d_mean, d_var = self._rate().expected_log_prob_terms(mean, var, num_points)
-        return n * value + self.log_norm(), n * d_mean, n * d_var
-
     def predictive_mean(self, mean, var, num_points=64):
         """The predictive mean count ``n E[sigmoid(eta)]``."""
         return self.params["total_count"] * self._rate().predictive_mean(mean, var, num_points)
-
-    def super_gaussian(self):
-        p = self.params
-        return WeightedPotential(LogisticPotential(p["y"] / p["total_count"]), p["total_count"], self.log_norm())
-
-    def local_bound(self, kind="tight", xi=None):
-        return logit_bound(self._rate(), kind, xi).weighted(self.params["total_count"], self, self.log_norm())
 
     @classmethod
     def predictor(cls, dist):

@@ -9,7 +9,7 @@ import torch
 from ...errors import UnsupportedModelError
 from .base import SiteFamily, _check_values, gauss_hermite
 from .bound import LocalBound, WeightedBound, QuadraticBound, _entropy_terms, _kappas
-from .potential import SuperGaussianPotential
+from .potential import SuperGaussianPotential, WeightedPotential
 
 __all__ = ["BernoulliLogit", "LogisticPotential", "LogitJensenBound", "LogitBohningBound", "LogitJaakkolaBound",
            "LogitTightBound", "LOGIT_BOUNDS", "logit_bound", "predictive_log_probs",
@@ -486,3 +486,42 @@ class _WeightedJaakkolaBound(WeightedBound, LogitJaakkolaBound):
 
     def set_xi(self, xi):
         self.base.set_xi(xi)
+
+
+class CountLogit(SiteFamily):
+    r"""Base of the count families whose log density is ``y eta - n softplus(eta) + c``: ``n`` copies of a
+    Bernoulli-logit site of fractional label ``y / n``, times ``e^c`` (:class:`~pyro_convexvb.lgm.families.Binomial`:
+    ``n`` trials; :class:`~pyro_convexvb.lgm.families.NegativeBinomial`: ``n = y + r``). Every engine question is the
+    logit family's answer tempered by ``n``, with ``c`` kept in every bound. Subclasses give :meth:`_n` and
+    :meth:`log_norm` (``c``)."""
+
+    def _n(self):
+        raise NotImplementedError
+
+    def log_norm(self):
+        raise NotImplementedError
+
+    def _rate(self):
+        """The Bernoulli-logit family of the fractional labels ``y / n`` (one row per site)."""
+        return BernoulliLogit(self.params["y"] / self._n())
+
+    def log_prob(self, eta):
+        return self.params["y"] * eta - self._n() * torch.nn.functional.softplus(eta) + self.log_norm()
+
+    def expected_log_prob(self, mean, var, num_points=64):
+        return self._n() * self._rate().expected_log_prob(mean, var, num_points) + self.log_norm()
+
+    def expected_log_prob_terms(self, mean, var, num_points=32):
+        """``E log p`` and its derivatives in ``mean`` and ``var``: those of the logit sites' quadrature value
+        (:meth:`BernoulliLogit.expected_log_prob_terms`, the split rule at wide variances), times ``n``, so that
+        ``refine`` meets the maximum of the bound it reports (the generic quadratures of ``d log p`` parted from it
+        by half at a site variance of 1,000)."""
+        n = self._n()
+        value, d_mean, d_var = self._rate().expected_log_prob_terms(mean, var, num_points)
+        return n * value + self.log_norm(), n * d_mean, n * d_var
+
+    def super_gaussian(self):
+        return WeightedPotential(LogisticPotential(self.params["y"] / self._n()), self._n(), self.log_norm())
+
+    def local_bound(self, kind="tight", xi=None):
+        return logit_bound(self._rate(), kind, xi).weighted(self._n(), self, self.log_norm())

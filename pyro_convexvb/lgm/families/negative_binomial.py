@@ -25,14 +25,12 @@ import pyro.distributions as dist
 import torch
 
 from ...errors import UnsupportedModelError
-from .base import SiteFamily
-from .logit import BernoulliLogit, LogisticPotential, logit_bound
-from .potential import WeightedPotential
+from .logit import CountLogit
 
 __all__ = ["NegativeBinomial"]
 
 
-class NegativeBinomial(SiteFamily):
+class NegativeBinomial(CountLogit):
     r"""``t_i(eta) = NegativeBinomial(y_i | total_count=r_i, logits=eta)``: counts ``y_i >= 0``, ``r_i > 0``.
 
     The mean count is ``r_i e^{eta}``; ``Var y = mu + mu^2 / r``. Pyro's ``GammaPoisson(concentration=r, rate=b)``
@@ -62,40 +60,14 @@ class NegativeBinomial(SiteFamily):
     def _n(self):
         return self.params["y"] + self.params["total_count"]
 
-    def _rate(self):
-        """The Bernoulli-logit family of the fractional labels ``y / (y + r)``."""
-        return BernoulliLogit(self.params["y"] / self._n())
-
     def log_norm(self):
         """``log Gamma(y + r) - log Gamma(r) - log y!``, ``(q,)``."""
         y, r = self.params["y"], self.params["total_count"]
         return torch.lgamma(y + r) - torch.lgamma(r) - torch.lgamma(y + 1)
 
-    def log_prob(self, eta):
-        y, r = self.params["y"], self.params["total_count"]
-        return y * eta - (y + r) * torch.nn.functional.softplus(eta) + self.log_norm()
-
-    def expected_log_prob(self, mean, var, num_points=64):
-        return self._n() * self._rate().expected_log_prob(mean, var, num_points) + self.log_norm()
-
-    def expected_log_prob_terms(self, mean, var, num_points=32):
-        """``E log p`` and its derivatives in ``mean`` and ``var``: those of the logit sites' quadrature value
-        (:meth:`~pyro_convexvb.lgm.families.BernoulliLogit.expected_log_prob_terms`, the split rule at wide
-        variances), times the count, so that ``refine`` meets the maximum of the bound it reports (the generic
-        quadratures of ``d log p`` parted from it by half at a site variance of 1,000)."""
-        n = self._n()
-        value, d_mean, d_var = self._rate().expected_log_prob_terms(mean, var, num_points)
-        return n * value + self.log_norm(), n * d_mean, n * d_var
-
     def predictive_mean(self, mean, var, num_points=64):
         """The predictive mean count ``r E[e^eta] = r exp(mean + var / 2)``."""
         return self.params["total_count"] * torch.exp(mean + 0.5 * var)
-
-    def super_gaussian(self):
-        return WeightedPotential(LogisticPotential(self.params["y"] / self._n()), self._n(), self.log_norm())
-
-    def local_bound(self, kind="tight", xi=None):
-        return logit_bound(self._rate(), kind, xi).weighted(self._n(), self, self.log_norm())
 
     @classmethod
     def predictor(cls, d):
