@@ -502,3 +502,31 @@ def test_a_quadrature_order_that_cannot_be_honoured_is_refused():
     assert torch.allclose(fam.expected_log_prob(h, S, num_points=200), fam.expected_log_prob(h, S), atol=1e-12)
     with pytest.raises(ValueError, match="num_points"):
         fam.expected_log_prob(h, S, num_points=2000)
+
+
+def test_predictive_mean_is_the_expected_softmax():
+    # E[softmax(eta)] against a dense tensor Gauss-Legendre grid over the whitened differences (K = 3), at a
+    # moderate and a wide covariance; the probabilities sum to one
+    g = torch.Generator().manual_seed(11)
+    fam = Categorical(torch.tensor([0.0, 2.0], dtype=D), 3)
+    h = torch.randn(2, 3, generator=g, dtype=D)
+    A = torch.randn(2, 3, 3, generator=g, dtype=D)
+    S = A @ A.transpose(-1, -2) * torch.tensor([1.0, 50.0], dtype=D)[:, None, None]
+    p = fam.predictive_mean(h.reshape(-1), S)
+    assert torch.allclose(p.sum(-1), torch.ones(2, dtype=D), atol=1e-12)
+    Dm = np.array([[-1.0, 1.0, 0.0], [-1.0, 0.0, 1.0]])
+    x, w = np.polynomial.legendre.leggauss(4)
+    edges = np.linspace(-9, 9, 601)
+    t = (edges[:-1, None] + np.diff(edges)[:, None] * (x + 1) / 2).ravel()
+    wt = (np.diff(edges)[:, None] / 2 * w).ravel() * np.exp(-0.5 * t**2) / math.sqrt(2 * math.pi)
+    for i in range(2):
+        evals, U = np.linalg.eigh(Dm @ S[i].numpy() @ Dm.T)
+        F = U * np.sqrt(np.clip(evals, 0, None))
+        d = (h[i, 1:] - h[i, 0]).numpy() + F[:, 0] * t[:, None, None] + F[:, 1] * t[None, :, None]
+        eta = np.concatenate([np.zeros(d.shape[:-1] + (1,)), d], -1)
+        soft = np.exp(eta - np.logaddexp.reduce(eta, -1)[..., None])
+        ref = np.einsum("abk,a,b->k", soft, wt, wt)
+        np.testing.assert_allclose(p[i].numpy(), ref, atol=1e-9)
+    assert torch.allclose(fam.predictive_mean(h.reshape(-1), S, num_points=200), p, atol=1e-12)
+    with pytest.raises(ValueError, match="num_points"):
+        fam.predictive_mean(h.reshape(-1), S, num_points=2000)

@@ -207,13 +207,17 @@ def expected_lse(h, S, points=None):
         >>> abs(float(expected_lse(h, torch.zeros(1, 2, 2, dtype=torch.float64))) - math.log(2)) < 1e-14
         True
     """
-    K = h.shape[-1]
-    if K == 1:
+    if h.shape[-1] == 1:
         return h[:, 0]
+    return _ExpectedLse.apply(h, S, _points(h.shape[-1], points))
+
+
+def _points(K, points):
+    """The Gauss-Hermite points per narrow direction: ``points``, else the default for ``K`` classes."""
     if points is None and K - 1 not in _GH_POINTS:
         raise ValueError(f"expected_lse: the {K}-class expectation needs a {K - 1}-dimensional quadrature rule; it is "
                          f"computed up to K = {MAX_QUADRATURE_CLASSES} classes (pass points=P for P^{K - 1} nodes)")
-    return _ExpectedLse.apply(h, S, points or _GH_POINTS[K - 1])
+    return points or _GH_POINTS[K - 1]
 
 
 def _simplex_newton(h, S, c, iters=100):
@@ -480,7 +484,19 @@ class Categorical(SiteFamily):
         :param num_points: Gauss-Hermite points per narrow direction of the logit differences (default by ``K``,
             :func:`expected_lse`; at most 10^6 nodes in all, else ValueError).
         """
-        h = mean.reshape(self.num_obs, self.num_classes)
+        h, points = self._moments(mean, cov, num_points)
+        hy = h.gather(-1, self.params["y"].long().unsqueeze(-1)).squeeze(-1)
+        return hy - expected_lse(h, cov, points=points)
+
+    def predictive_mean(self, mean, cov, num_points=None):
+        """``E[softmax(eta_i)]``, ``(n, K)``: the derivative of :func:`expected_lse` in ``h``, from its nodes (the
+        arguments as :meth:`expected_log_prob`'s)."""
+        h, points = self._moments(mean, cov, num_points)
+        return _lse_moments(h.detach(), cov.detach(), _points(self.num_classes, points))[1]
+
+    def _moments(self, mean, cov, num_points):
+        """``(h (n, K), points or None)``: the block means, after refusing covariance blocks of the wrong shape and a
+        quadrature order that cannot be honoured."""
         K = self.num_classes
         if cov.dim() != 3 or tuple(cov.shape) != (self.num_obs, K, K):
             raise ValueError(f"cov: a Categorical site's expectation needs each row's {K} x {K} covariance block, shape "
@@ -489,15 +505,7 @@ class Categorical(SiteFamily):
         if num_points is not None and (int(num_points) < 1 or int(num_points) ** (K - 1) > 10 ** 6):
             raise ValueError(f"num_points: Gauss-Hermite points per narrow direction of the {K - 1} logit "
                              f"differences, at least 1 and at most 10^6 nodes in all; got {num_points}")
-        hy = h.gather(-1, self.params["y"].long().unsqueeze(-1)).squeeze(-1)
-        return hy - expected_lse(h, cov, points=None if num_points is None else int(num_points))
-
-    def predictive_mean(self, mean, cov, num_points=None):
-        """``E[softmax(eta_i)]``, ``(n, K)`` (the gradient of :func:`expected_lse` in ``h``)."""
-        h = mean.reshape(self.num_obs, self.num_classes).detach().requires_grad_(True)
-        with torch.enable_grad():
-            (g,) = torch.autograd.grad(expected_lse(h, cov.detach()).sum(), h)
-        return g
+        return mean.reshape(self.num_obs, K), None if num_points is None else int(num_points)
 
     def super_gaussian(self):
         raise UnsupportedModelError(self.name, self.no_potential)
