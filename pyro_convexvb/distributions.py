@@ -256,9 +256,12 @@ def icar_precision(adjacency, dtype=torch.float64):
     import numpy as np
     import scipy.sparse as sp
 
-    if torch.is_tensor(adjacency):
-        W = adjacency.to_dense() if adjacency.layout != torch.strided else adjacency
-        W = W.detach().cpu().numpy()
+    if torch.is_tensor(adjacency) and adjacency.layout != torch.strided:  # sparse stays sparse
+        A = adjacency.detach().cpu().to_sparse_coo().coalesce()
+        i, j = A.indices().numpy()
+        W = sp.coo_matrix((A.values().numpy(), (i, j)), shape=tuple(A.shape))
+    elif torch.is_tensor(adjacency):
+        W = adjacency.detach().cpu().numpy()
     else:
         W = adjacency
     if not sp.issparse(W):

@@ -236,3 +236,15 @@ def test_a_sparse_gmrf_deep_copies_with_its_density():
     x = torch.linspace(-1, 1, 6, dtype=torch.float64)
     assert e is not d and float(e.log_prob(x)) == float(d.log_prob(x))
     assert torch.equal(e.variance, d.variance)
+
+
+def test_icar_precision_of_a_sparse_adjacency_is_that_of_the_dense_one():
+    # a torch sparse adjacency was densified to n x n first
+    dense = torch.zeros(6, 6, dtype=torch.float64)
+    for a, b in [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (0, 5), (1, 4)]:
+        dense[a, b] = dense[b, a] = 1.0
+    ref = icar_precision(dense).to_dense()
+    for sparse in (dense.to_sparse(), dense.to_sparse_csr()):
+        assert torch.equal(icar_precision(sparse).to_dense(), ref)
+    with pytest.raises(ValueError, match="0/1 entries"):
+        icar_precision((2 * dense).to_sparse())
