@@ -289,48 +289,40 @@ def tight_kappa(h, S, iters=100):
     n, K = h.shape
     eye = torch.eye(K, dtype=h.dtype, device=h.device)
 
-    def residual(z):
-        r = z - c + (S @ torch.softmax(z, -1).unsqueeze(-1)).squeeze(-1)
-        return r - r.mean(-1, keepdim=True)
-
-    def phi(z):
-        k = torch.softmax(z, -1)
-        return (k * c).sum(-1) - 0.5 * (k * (S @ k.unsqueeze(-1)).squeeze(-1)).sum(-1) - \
-            (k * torch.log_softmax(z, -1)).sum(-1)
-
-    def gap(z):  # dual minus primal at w = kappa
+    def at(z):
+        """``(kappa, phi, r, dual - primal gap, its tolerance)`` at the logits ``z``."""
         k = torch.softmax(z, -1)
         Sk = (S @ k.unsqueeze(-1)).squeeze(-1)
-        f = phi(z)
-        return torch.logsumexp(c - Sk, -1) + 0.5 * (k * Sk).sum(-1) - f, 1e-11 * (1 + f.abs())
+        f = (k * c).sum(-1) - 0.5 * (k * Sk).sum(-1) - (k * torch.log_softmax(z, -1)).sum(-1)
+        r = z - c + Sk
+        g = torch.logsumexp(c - Sk, -1) + 0.5 * (k * Sk).sum(-1) - f  # the dual at w = kappa, minus phi
+        return k, f, r - r.mean(-1, keepdim=True), g, 1e-11 * (1 + f.abs())
 
     z = torch.log(_simplex_newton(h, S, c, iters))
     for _ in range(iters):
-        g, tol = gap(z)
+        k, f0, r, g, tol = at(z)
         done = g <= tol
         if bool(done.all()):
-            return torch.softmax(z, -1)
-        r = residual(z)
-        Ck = softmax_curvature(torch.softmax(z, -1))
+            return k
+        Ck = softmax_curvature(k)
         d = -torch.linalg.solve(eye + S @ Ck, r.unsqueeze(-1)).squeeze(-1)
         slope = -(r * (Ck @ d.unsqueeze(-1)).squeeze(-1)).sum(-1)  # of phi along d (>= 0)
-        r2, f0, t = (r * r).sum(-1), phi(z), torch.ones(n, dtype=h.dtype, device=h.device)
+        r2, t = (r * r).sum(-1), torch.ones(n, dtype=h.dtype, device=h.device)
         for _ in range(60):  # Armijo on |r|^2 (slope -2 |r|^2) or on phi
-            zt = z + t.unsqueeze(-1) * d
-            new = residual(zt)
-            ok = ((new * new).sum(-1) <= (1 - 1e-4 * t) * r2) | (phi(zt) >= f0 + 1e-4 * t * slope) | done | (t < 1e-12)
+            _, ft, rt, _, _ = at(z + t.unsqueeze(-1) * d)
+            ok = ((rt * rt).sum(-1) <= (1 - 1e-4 * t) * r2) | (ft >= f0 + 1e-4 * t * slope) | done | (t < 1e-12)
             if bool(ok.all()):
                 break
             t = torch.where(ok, t, 0.5 * t)
         z = torch.where(done.unsqueeze(-1), z, z + t.unsqueeze(-1) * d)
-    g, tol = gap(z)
+    k, _, _, g, tol = at(z)
     bad = (g > tol).nonzero().reshape(-1)
     if bad.numel():
         raise RuntimeError(f"tight_kappa: the maximum of the tight softmax bound was not certified in {iters} Newton "
                            f"steps at rows {bad[:5].tolist()} (duality gap {float(g.max()):.3g}; logit variances up to "
                            f"{float(torch.diagonal(S, dim1=-2, dim2=-1).max()):.3g}): fit with bound='bohning', whose "
                            "curvature is fixed, or give the weights a tighter prior")
-    return torch.softmax(z, -1)
+    return k
 
 
 def _onehot(y, K, like):
