@@ -1,7 +1,8 @@
-"""A known miss of the importance correction, kept as a strict xfail so that its fix shows: three scales of a centred
-hierarchy integrated by a central composite design (``docs/diagnostics.md``, "A case the correction gets wrong
-while k_hat says it is reliable"). The reference is exact: the model is Gaussian given the scales, so their marginal
-likelihood is a Gaussian density, integrated here on a grid."""
+"""A case the importance correction gets wrong while k_hat is below 0.7: three scales of a centred hierarchy
+integrated by a central composite design (``docs/diagnostics.md``). The check of the field's proposal against refits
+away from the design points (:mod:`pyro_convexvb.diagnostics.field_check`) reports it unreliable. The reference is
+exact: the model is Gaussian given the scales, so their marginal likelihood is a Gaussian density, integrated here
+on a grid."""
 import math
 
 import numpy as np
@@ -68,13 +69,13 @@ def _exact_sigma_b_quantile(group, x, y, q):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the field's proposal away from the design points underweights the lower tail "
-                                       "of sigma_b while k_hat reports the correction reliable (docs/diagnostics.md)")
 def test_corrected_lower_tail_of_a_centred_scale_against_its_exact_marginal():
+    """Right within 5% or reported unreliable, on four seeds (the corrected 5% quantile is about 0.20)."""
     group, x, y = _data()
     exact = _exact_sigma_b_quantile(group, x, y, 0.05)
-    assert 0.09 < exact < 0.12  # 0.106 on this grid
+    assert 0.09 < exact < 0.12  # 0.106 on this grid (0.105 on a finer one)
     res = pcv.fit(model, group, x, y=y, engine="dual_vg", progress=False)
-    c = res.corrected(seed=0)
-    got = float(c.sites["sigma_b"]["quantiles"][0.05])
-    assert not c.diagnostics.reliable or abs(got - exact) < 0.05 * exact, (got, exact, c.diagnostics)
+    for seed in range(4):
+        c = res.corrected(seed=seed, warn=False)
+        got = float(c.sites["sigma_b"]["quantiles"][0.05])
+        assert not c.diagnostics.reliable or abs(got - exact) < 0.05 * exact, (seed, got, exact, c.diagnostics)

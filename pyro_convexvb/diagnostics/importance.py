@@ -140,11 +140,20 @@ class ImportanceDiagnostics:
     maps: Any = field(default=None, repr=False)
     #: ``(S,)`` boolean: the draws made by a defensive component (:data:`~.whitened.DEFENSIVE_WEIGHT`), or ``None``
     defensive: Any = field(default=None, repr=False)
+    #: a correction of hyper-latents integrated over: the check of the field's proposal against refits away from
+    #: the design points (:class:`~pyro_convexvb.diagnostics.field_check.FieldCheck`), else ``None``
+    field_check: Any = field(default=None, repr=False)
 
     @property
     def reliable(self):
-        """``k_hat <= threshold``: importance-sampling estimates (and the approximation) can be trusted."""
-        return bool(self.k_hat <= self.threshold)
+        """``k_hat <= threshold``, and the field's proposal away from the design points of hyper-latents integrated
+        over did not fail its check (:attr:`field_check`): importance-sampling estimates (and the approximation) can
+        be trusted."""
+        return bool(self.k_hat <= self.threshold) and self._field_ok
+
+    @property
+    def _field_ok(self):
+        return self.field_check is None or self.field_check.passed is not False
 
     @property
     def moments_agree(self):
@@ -162,6 +171,8 @@ class ImportanceDiagnostics:
     @property
     def message(self):
         """One sentence: what ``k_hat`` says and what to do."""
+        if not self._field_ok:
+            return f"PSIS k_hat = {self.k_hat:.2f} ({self.num_draws} draws), but {self.field_check.note}"
         if self.reliable and not self.moments_agree:
             return (f"PSIS k_hat = {self.k_hat:.2f} ({self.num_draws} draws, importance ESS {self.ess:.0f}), but the "
                     f"importance-weighted moments differ from the approximation's (sd ratio {self.sd_ratio[0]:.2f}–"
@@ -776,6 +787,12 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         d = _choose(result, num_draws, seed, progress, adapt, adaptation)
     else:
         d = _importance(result, num_draws, seed, proposal, progress)
+    if _integrates_hyper(result):
+        from .field_check import check_field
+
+        plain = proposal if proposal in ("fitted", "interpolated") else "interpolated"
+        post = proposal_posterior(result)
+        d.field_check = check_field(post, make_proposal(post, plain), seed)
     if warn and not d.reliable:
         warnings.warn("corrected posterior: " + d.message, ApproximationWarning, stacklevel=3)
     elif warn and not _settled(d):

@@ -539,6 +539,24 @@ class HyperProposal(Proposal):
                 out[bad] = self._near(xs[bad])
         return out[:, :n], out[:, n:]
 
+    def field_conditional(self, x, m, generator=None):
+        """``m`` draws of the field from this proposal given the hyper-latents at one point ``x (d,)`` (standardised
+        coordinates), and their log densities: ``((m, n) float64, (m,))``. For the plain proposals only (``"fitted"``,
+        ``"interpolated"``): the defensive mixtures draw the field from either of two Gaussians."""
+        if self.mixture:
+            raise ValueError(f"field_conditional: the {self.name!r} proposal is a mixture; ask its plain proposal")
+        x = torch.as_tensor(x, dtype=torch.float64).reshape(1, -1)
+        k = int(torch.cdist(x, self.hp.x).argmin())
+        draw, e = self.parts[k].draw(m, generator, white=True)
+        u = draw.reshape(m, self.hp.n).double()
+        lq = self.parts[k].log_prob_white(e).double()
+        if self.name == "interpolated":
+            loc_x, logsd_x = self._interpolate(x)
+            logD = logsd_x[0] - self._logsd[k]
+            u = torch.as_tensor(loc_x[0] + np.exp(logD) * (u.cpu().numpy() - self._locs[k]), dtype=torch.float64)
+            lq = lq - float(logD.sum())
+        return u, lq
+
     # ---- theta part, in the standardised coordinates x of the design
     def _log_qx(self, x):
         return self.density.log_prob_x(x)

@@ -555,6 +555,44 @@ class HyperObjective:
         self._extraction_cache.clear()
 
 
+class FieldRefit:
+    """The field fitted afresh at further hyper-latent values once an integration is done (for checks of the mixture
+    away from its design points, :mod:`~pyro_convexvb.diagnostics.field_check`): ``refit(z) -> (f(z), posterior)``,
+    ``f`` the integration's objective, by a :class:`HyperObjective` of the same engine, kept until :meth:`release`.
+    A pickled or copied one has no engine and refuses to refit."""
+
+    def __init__(self, engine, space, args, kwargs):
+        self.engine, self.space, self.args, self.kwargs = engine, space, args, kwargs
+        self._obj = None
+
+    @property
+    def available(self):
+        return self.engine is not None
+
+    def __call__(self, z):
+        if self.engine is None:
+            raise RuntimeError("this hyper-latent posterior was pickled or copied without its engine and data: refit "
+                               "the model to check its field away from the design points")
+        if self._obj is None:
+            self._obj = HyperObjective(self.engine, self.space, self.args, self.kwargs)
+        value, res = self._obj.fit(torch.as_tensor(z, dtype=torch.float64), keep="posterior")
+        return value, res.posterior
+
+    def release(self):
+        """Drop the refits and their extraction cache."""
+        if self._obj is not None:
+            self._obj.release_extraction()
+        self._obj = None
+
+    def __getstate__(self):
+        return {"engine": None, "space": self.space, "args": (), "kwargs": {}, "_obj": None}
+
+    def __deepcopy__(self, memo):
+        new = FieldRefit(None, self.space, (), {})
+        memo[id(self)] = new
+        return new
+
+
 def _initial_z(model, args, kwargs, space, num=51, seed=0):
     """The coordinatewise prior median of the hyper-latents, on the unconstrained scale."""
     zs = []
@@ -832,7 +870,7 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
         _warn_split_normal(space)
     post = HyperPosterior(space, torch.stack([zs[k] for k in idx]), w, [results[k].posterior for k in idx],
                           logf[idx], density, x[idx], z_mode, H, layout=mode_res.posterior.layout,
-                          out_dtype=out_dtype)
+                          out_dtype=out_dtype, refit=FieldRefit(engine, space, args, kwargs))
     info.update(strategy=strategy, radius=radius, truncated=truncated, evaluations=len(obj.cache), fits=obj.fits,
                 extraction=obj.extraction_report(),
                 hessian=H,
