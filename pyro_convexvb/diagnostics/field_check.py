@@ -11,11 +11,13 @@ draws' own weights, stays small. The draws that would show it (those near the na
 be drawn.
 
 :func:`check_field` refits the field at a few hyper-latent values that the proposal draws but no design point is
-near (farthest-point sampling of the proposal's draws of ``theta``, away from the design points) and estimates
+near (farthest-point sampling of the proposal's draws of ``theta``, away from the design points; on a grid, among
+the draws beyond half a cell's diagonal from every design point) and estimates
 ``KL(q(u | theta) || q_theta(u))`` against the refit ``q_theta`` by Monte Carlo. A point whose objective
 ``log p(theta) + B(theta)`` (the integration's, in the unconstrained coordinates) lies within :func:`drop_max` nats of
 the mode's and whose divergence exceeds :data:`KL_MAX` nats fails the check.
 """
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -73,6 +75,22 @@ class FieldCheck:
     note: str
 
 
+def _uncovered(hp, cand):
+    """The rows of ``cand (M, d)`` that no design point anchors: for a grid design, those farther than half a cell's
+    diagonal (``step sqrt(d) / 2`` in its lattice coordinates) from every design point; for a central composite
+    design, all. Inside a grid the field's proposal is a design point's at most half a cell away: where the field's
+    conditional changes faster than that (a Gaussian process's length-scale), the draws between design points are
+    underweighted, but periodically, cell by cell, like the nodes of a quadrature rule, so the marginals still
+    come out right (on every grid design checked against exact hyper-posteriors); a region with no design point
+    in it is underweighted as a whole."""
+    density = hp.density
+    if density.kind != "surface":
+        return cand
+    warp = density.warp
+    reach = 0.5 * warp.step * math.sqrt(cand.shape[1]) + 1e-9
+    return cand[torch.cdist(warp.to_xi(cand), warp.to_xi(hp.x)).min(1).values > reach]
+
+
 def _farthest(cand, fixed, k):
     """``k`` rows of ``cand (M, d)`` by farthest-point sampling away from ``fixed (K, d)``."""
     dist = torch.cdist(cand, fixed).min(1).values
@@ -100,7 +118,11 @@ def check_field(hp, q, seed=0):
                           "the field away from the design points was not checked: this posterior has no engine to "
                           "refit it (a pickled or copied result)")
     gen = torch.Generator().manual_seed(int(seed) + 4099)
-    x = _farthest(q.density.sample_x(CANDIDATES, gen), hp.x, check_points(hp.space.dim))
+    cand = _uncovered(hp, q.density.sample_x(CANDIDATES, gen))
+    if cand.shape[0] == 0:
+        return FieldCheck(np.zeros((0, hp.space.dim)), empty, empty, True,
+                          f"all {CANDIDATES} draws of the hyper-latents lie within a grid cell of a design point")
+    x = _farthest(cand, hp.x, check_points(hp.space.dim))
     z = q.density.to_z(x)
     f_mode = float(hp.log_post.max())
     free = getattr(hp.layout, "free_gaussian", None)  # constrained fields: the proposal's free coordinates
