@@ -29,13 +29,13 @@ def test_ccd_is_exact_for_quadratics_under_a_standard_normal(d):
 
 
 def test_grid_design_approximates_the_normal_moments():
-    for d, tol in ((1, 0.01), (2, 0.015)):
+    for d, tol in ((1, 0.01), (2, 0.015), (3, 0.025)):
         x, a = design_points(d, "grid", step=0.75, radius=3.5)
         cov = (a[:, None, None] * x[:, :, None] * x[:, None, :]).sum(0)
         torch.testing.assert_close(cov, torch.eye(d, dtype=D), atol=tol, rtol=0)
 
 
-@pytest.mark.parametrize("d, radius", [(1, 3.0), (2, 3.0), (2, 11.25)])
+@pytest.mark.parametrize("d, radius", [(1, 3.0), (2, 3.0), (2, 11.25), (3, 3.0)])
 def test_surface_log_density_is_the_nearest_cells_mass_over_its_volume(d, radius):
     from pyro_convexvb.posterior.hyper import ThetaDensity
 
@@ -70,6 +70,30 @@ def test_surface_log_density_is_finite_up_to_its_cells_edges(d):
         xq = td.xs[k] + frac * td.cell
         torch.testing.assert_close(td.log_prob_x(xq), own, atol=1e-12, rtol=0)
     assert bool(torch.isfinite(td.log_prob_x(td.sample_x(200_000, g))).all())
+
+
+def test_a_three_dimensional_surface_has_the_gaussians_marginals():
+    """The 3-D surface (fine cells of half a lattice unit, each spread over a rank-1 lattice of 21 points): the
+    marginals of a Gaussian through a rotated design, by quadrature, and draws whose density is the cells'."""
+    from torch.distributions import transforms as T
+
+    from pyro_convexvb.posterior.hyper import ThetaDensity, ThetaSpace, surface_marginals
+
+    x, _ = design_points(3, "grid", step=0.75, radius=4.5)
+    A_inv = torch.tensor([[0.5, 0.3, 0.0], [-0.2, 0.8, 0.1], [0.1, 0.0, 1.5]], dtype=D)
+    z_mode = torch.tensor([1.0, -2.0, 0.5], dtype=D)
+    td = ThetaDensity.surface(z_mode, A_inv, x, -0.5 * (x**2).sum(1), 4.5, 0.75)
+    assert td.cell <= 0.5 + 1e-12 and td.xs.shape[1] == 3
+    space = ThetaSpace(["a", "b", "c"], [(), (), ()], [(), (), ()], [T.identity_transform] * 3)
+    m = surface_marginals(space, td, (0.05, 0.5, 0.95))
+    sd = A_inv.norm(dim=1)
+    za = torch.tensor([-1.6448536269514722, 0.0, 1.6448536269514722], dtype=D)
+    for i, n in enumerate("abc"):
+        q = torch.stack([m[n]["quantiles"][p] for p in (0.05, 0.5, 0.95)]).reshape(-1)
+        torch.testing.assert_close(q, z_mode[i] + sd[i] * za, atol=0.01 * float(sd[i]), rtol=0)
+        assert float(m[n]["sd"]) == pytest.approx(float(sd[i]), rel=0.01)
+    g = torch.Generator().manual_seed(0)
+    assert bool(torch.isfinite(td.log_prob_x(td.sample_x(20_000, g))).all())
 
 
 @pytest.mark.parametrize("rotated", [False, True])
@@ -495,14 +519,14 @@ def test_too_many_hyper_dimensions_are_refused():
         pcv.fit(model, y=torch.tensor(0.3, dtype=D), engine="dual_vg", progress=False)
 
 
-def test_a_grid_over_three_hyper_latent_dimensions_is_refused_before_any_fit():
+def test_a_grid_over_four_hyper_latent_dimensions_is_refused_before_any_fit():
     def model(y=None):
-        s = pyro.sample("s", dist.HalfCauchy(torch.ones(3, dtype=D)).to_event(1))
-        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), s).to_event(1))
+        s = pyro.sample("s", dist.HalfCauchy(torch.ones(4, dtype=D)).to_event(1))
+        w = pyro.sample("w", dist.Normal(torch.zeros(4, dtype=D), s).to_event(1))
         pyro.sample("y", dist.Normal(w.sum(), 1.0), obs=y)
 
     calls = []
-    with pytest.raises(ValueError, match=r"hyper_strategy='grid'.*'s' have 3.*'ccd'"):
+    with pytest.raises(ValueError, match=r"hyper_strategy='grid'.*at most 3.*'s' have 4.*'ccd'"):
         pcv.fit(poutine_counting(model, calls), y=torch.tensor(0.3, dtype=D), engine="dual_vg",
                 options={"hyper_strategy": "grid"}, progress=False)
     assert len(calls) < 30  # refused while the model is inspected (10 runs), not after the design's fits (hundreds)
@@ -638,19 +662,19 @@ def test_a_grid_stopped_by_its_radius_cap_while_its_rim_carries_mass_is_not_conv
         assert float(q[p]) == pytest.approx(ref[key][0], rel=0.1), p
 
 
-def test_grid_refusal_for_three_hyper_dimensions_is_not_chained_to_the_extraction():
+def test_grid_refusal_for_four_hyper_dimensions_is_not_chained_to_the_extraction():
     """The integration's error was raised while handling the extraction's ('unsupported prior HalfNormal'), which the
     traceback printed first and which wrongly suggested the prior was the problem."""
-    X = torch.randn(30, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    X = torch.randn(30, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     y = (X[:, 0] > 0).double()
 
     def model(X, y=None):
-        t = pyro.sample("t", dist.HalfNormal(torch.ones(3, dtype=torch.float64)).to_event(1))
-        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=torch.float64), t).to_event(1))
+        t = pyro.sample("t", dist.HalfNormal(torch.ones(4, dtype=torch.float64)).to_event(1))
+        w = pyro.sample("w", dist.Normal(torch.zeros(4, dtype=torch.float64), t).to_event(1))
         with pyro.plate("d", X.shape[0]):
             pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
 
-    with pytest.raises(ValueError, match="a grid integrates over at most 2") as e:
+    with pytest.raises(ValueError, match="a grid integrates over at most 3") as e:
         pcv.fit(model, X, y=y, engine="dual_vg", options={"hyper_strategy": "grid"}, progress=False)
     assert e.value.__context__ is None
 

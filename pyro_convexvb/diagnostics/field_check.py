@@ -154,7 +154,17 @@ def check_field(hp, q, seed=0):
                       f"there (KL {kl[j]:.1f} nats at {theta}, where the hyper-posterior's density is "
                       f"{drop[j]:.1f} nats below its mode's): the importance weights cannot show the mass it misses, "
                       "so the corrected marginals (above all the hyper-latents' tails) may be wrong whatever k_hat "
-                      "says; use engine='nuts' for them")
+                      f"says; {_remedy(hp)}")
+
+
+def _remedy(hp):
+    """What to do instead: a grid design where one is possible, else NUTS."""
+    from ..infer.hyper import GRID_MAX_DIM
+
+    if hp.density.kind != "surface" and hp.space.dim <= GRID_MAX_DIM:
+        return ("integrate on a grid instead, options={'hyper_strategy': 'grid'} (ten to twenty times the fits), "
+                "or use engine='nuts'")
+    return "use engine='nuts' for them"
 
 
 def _constrained(hp, z):

@@ -187,7 +187,8 @@ class LGMEngineOptions(Type2Options):
     hyper: typing.Literal["auto", "integrate", "map"] = option(
         "auto", "hyper-latents: integrate over them (INLA-style design points; 'auto') or keep their mode ('map')")
     hyper_strategy: typing.Literal["auto", "grid", "ccd"] = option(
-        "auto", "design of the hyper-latent integration: grid (d <= 2 under 'auto'), central composite design")
+        "auto", "design of the hyper-latent integration: grid (d <= 2 under 'auto', up to 3 on request), central "
+        "composite design")
 
 
 def options_table(engine_cls):

@@ -187,10 +187,10 @@ class ThetaDensity:
 
         warp = warp or GridWarp()
         d = x.shape[1]
-        # fine-grid cells of at most 0.25 lattice units (the mode's Hessian scale is 1 in the core)
-        m = resolution or (max(801, int(8 * radius) + 1) if d == 1 else max(161, int(8 * radius) + 1))
+        # fine-grid cells of at most 0.25 lattice units, 0.5 in 3-D (the mode's Hessian scale is 1 in the core)
+        m = resolution or _fine_ticks(d, radius)
         ticks = torch.linspace(-radius, radius, m, dtype=torch.float64)
-        xs = ticks.reshape(-1, 1) if d == 1 else torch.cartesian_prod(ticks, ticks)
+        xs = ticks.reshape(-1, 1) if d == 1 else torch.cartesian_prod(*([ticks] * d))
         xs = xs[(xs**2).sum(1) <= radius**2]
         # squared distance to the nearest design point, per axis
         near2 = _neighbours(xs, warp.to_xi(x), 1, p=math.inf)[1][:, 0]
@@ -291,7 +291,8 @@ class ThetaDensity:
 
         A surface's: each fine-grid cell's mass spread over :data:`SUBCELLS` points inside it whose coordinates differ
         on every axis (its centre alone, or a sub-grid, would put many cells' masses on one value of a coordinate when
-        the cells line up with it): evenly spaced in 1-D, a Fibonacci lattice (21 points, generator 13) in 2-D; with
+        the cells line up with it): evenly spaced in 1-D, a Fibonacci lattice (21 points, generator 13) in 2-D, the
+        rank-1 lattice of generator (1, 13, 8) in 3-D; with
         ``subcells=False`` the cells' centres (for functions smooth on the scale of a cell).
         A split normal's: :data:`SOBOL_POINTS` scrambled Sobol points (seed 0) through its quantile function, axis by
         axis. A point's: the mode.
@@ -307,7 +308,7 @@ class ThetaDensity:
         if not subcells:
             return self.warp.to_x(self.xs), self.probs.double()
         i = torch.arange(SUBCELLS, dtype=torch.float64)
-        cols = [(i + 0.5) / SUBCELLS] + ([torch.remainder((i * 13 + 0.5) / SUBCELLS, 1.0)] if d == 2 else [])
+        cols = [(i + 0.5) / SUBCELLS] + [torch.remainder((i * g + 0.5) / SUBCELLS, 1.0) for g in (13, 8)[:d - 1]]
         offsets = (torch.stack(cols, 1) - 0.5) * self.cell
         x = self.warp.to_x((self.xs[:, None, :] + offsets[None]).reshape(-1, d))
         w = (self.probs.double()[:, None] / offsets.shape[0]).expand(-1, offsets.shape[0]).reshape(-1)
@@ -316,6 +317,18 @@ class ThetaDensity:
 
 #: points per fine-grid cell in :meth:`ThetaDensity.quadrature` (a Fibonacci number: the 2-D lattice's size)
 SUBCELLS = 21
+
+
+def _fine_ticks(d, radius):
+    """Ticks per axis of a surface's fine grid over ``[-radius, radius]``: cells of at most 0.25 lattice units in 1-D
+    and 2-D (801 and 161 ticks at least), 0.5 in 3-D (the spline is smooth on the design's spacing, 0.75, and the
+    cells are ``ticks^3``: about 70,000 within a radius of 10)."""
+    if d == 1:
+        return max(801, int(8 * radius) + 1)
+    if d == 2:
+        return max(161, int(8 * radius) + 1)
+    return max(25, int(4 * radius) + 1)
+
 
 #: quasi-random points of a split normal's :meth:`ThetaDensity.quadrature`
 SOBOL_POINTS = 2**16
