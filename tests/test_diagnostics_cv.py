@@ -342,3 +342,27 @@ def test_correct_adapts_and_reports_its_choice():
         assert "affine" in c.diagnostics.tried
     with pytest.raises(ValueError, match="adapt: expected"):
         correct(res, num_draws=50, adapt=-1)
+
+
+def test_a_quantile_the_weighted_draws_do_not_support_falls_back_to_the_self_normalised_one():
+    """A control-variate quantile placed where the weighted draws carry no mass (one draw below the 5% quantile,
+    weight 3e-11, with an error of 3e-11: what a few heavy weights elsewhere led the regression to) is replaced by
+    the self-normalised quantile and its error; supported ones are kept."""
+    from pyro_convexvb.diagnostics.importance import _supported_quantiles
+    from pyro_convexvb.diagnostics.psis import weighted_quantiles
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4000, 2))
+    w = np.exp(-0.5 * (x[:, 0] - 1.0) ** 2 * 3.0)  # heavy weights on the right of the first coordinate
+    w /= w.sum()
+    probs = (0.05, 0.5, 0.95)
+    qs, ses = weighted_quantiles(x, w, probs)
+    q = qs.copy()
+    q[0, 0] = np.sort(x[:, 0])[1]  # a "5% quantile" with one draw below it
+    se = np.full_like(q, 1e-11)
+    out_q, out_se = _supported_quantiles(x, w, probs, q, se)
+    assert out_q[0, 0] == qs[0, 0] and out_se[0, 0] == ses[0, 0] and out_se[0, 0] > 1e-3
+    keep = np.ones_like(q, dtype=bool)
+    keep[0, 0] = False
+    np.testing.assert_array_equal(out_q[keep], q[keep])
+    np.testing.assert_array_equal(out_se[keep], se[keep])

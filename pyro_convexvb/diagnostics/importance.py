@@ -342,6 +342,31 @@ def _elementwise(transform, x):
     return 1 if bool((dv > 0).all()) else (-1 if bool((dv < 0).all()) else 0)
 
 
+#: a control-variate quantile whose weighted draws put their CDF more than this many binomial errors from its
+#: level (on the arcsine scale, where they are ``1 / (2 sqrt(ESS))``) is replaced by the self-normalised one
+#: (:func:`_supported_quantiles`)
+SUPPORT_SE = 4.0
+
+
+def _supported_quantiles(x, w, probs, q, se):
+    """``(q, se)``, with the control-variate quantiles that the weighted draws do not support replaced by the
+    self-normalised ones and their errors: where the weighted CDF ``F`` at ``q`` is more than :data:`SUPPORT_SE`
+    binomial errors from its level ``p``, ``|asin(sqrt(F)) - asin(sqrt(p))| > SUPPORT_SE / (2 sqrt(ESS))`` (the
+    arcsine scale keeps the errors of small ``p`` honest). The regression can place a quantile where the weighted
+    draws carry no mass (extrapolating from the proposal's own CDF, when a few heavy weights sit elsewhere), and its
+    error then comes out near zero: 3e-11 at a 5% quantile with one draw below it, 1.1 sds from the exact one. A
+    supported quantile fails the check by chance in about one coordinate in 16,000."""
+    w = np.asarray(w, dtype=np.float64)
+    ess = 1.0 / float(np.sum(w**2))
+    p = np.asarray(probs, dtype=np.float64)
+    F = np.clip(np.stack([w @ (x <= q[i]) for i in range(len(p))]), 0.0, 1.0)
+    bad = np.abs(np.arcsin(np.sqrt(F)) - np.arcsin(np.sqrt(p))[:, None]) > SUPPORT_SE / (2.0 * math.sqrt(ess))
+    if not bad.any():
+        return q, se
+    qs, ses = weighted_quantiles(x, w, probs)
+    return np.where(bad, qs, q), np.where(bad, ses, se)
+
+
 def _cv_site(transform, x, w, ctl, probs, baseline=False, base_rows=None):
     """Control-variate summaries of one site: ``(unconstrained, constrained)`` dicts (see :func:`correct`); with
     ``baseline``, also ``(unconstrained, constrained)`` dicts of the same estimates with flat weights (the
@@ -368,6 +393,7 @@ def _cv_site(transform, x, w, ctl, probs, baseline=False, base_rows=None):
     uprobs = probs if sign > 0 else tuple(1.0 - p for p in probs)
     q0 = start_quantiles(xf, w, uprobs)  # the self-normalised ones (their errors are not needed)
     qu, qse, *qb = cv_quantiles(xf, w, ctl, uprobs, q0, baseline=baseline, base_rows=base_rows)
+    qu, qse = _supported_quantiles(xf, w, uprobs, qu, qse)
     with torch.no_grad():
         T = lambda a: transform(torch.as_tensor(a, dtype=torch.float64)).numpy()  # noqa: E731
         qc = T(qu)
