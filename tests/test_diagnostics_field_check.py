@@ -5,6 +5,7 @@ import dataclasses
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,3 +98,32 @@ def test_a_copied_posterior_cannot_refit_and_says_the_check_did_not_run(grid_fit
 
 def test_drop_limits_are_half_chi_square_quantiles():
     assert math.isclose(field_check.drop_max(2), -math.log(field_check.TAIL_MASS), rel_tol=1e-9)
+
+
+def test_points_whose_refit_fails_or_does_not_converge_are_not_counted(centred_fit):
+    """A refit that raises far out, or does not converge, leaves its point unchecked (NaN), and the note says so;
+    with none left the check reports that it did not run."""
+    hp = centred_fit.posterior
+    q = make_proposal(hp, "interpolated")
+    real = hp.refit
+
+    class Flaky:
+        available = True
+
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, z):
+            self.calls += 1
+            if self.calls % 2:
+                raise pcv.UnsupportedModelError("sigma_b", "no evidence bound here")
+            f, post, _ = real(z)
+            return f, post, False
+
+        def release(self):
+            real.release()
+
+    flaky = Flaky()
+    fc = field_check.check_field(dataclasses.replace(hp, refit=flaky), q, seed=0)
+    assert flaky.calls == field_check.check_points(3) and fc.passed is None and "not checked" in fc.note
+    assert np.isnan(fc.kl).all() and np.isnan(fc.drop).all()

@@ -24,6 +24,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..errors import ConvergenceError, NotPositiveDefiniteError, UnsupportedModelError
 from .proposals import _GaussianParts, _with_density
 
 __all__ = ["FieldCheck", "check_field"]
@@ -61,8 +62,9 @@ class FieldCheck:
     """What :func:`check_field` found.
 
     :ivar theta: ``(K, d)`` the unconstrained hyper-latent values checked.
-    :ivar drop: ``(K,)`` the objective's drop from the mode there (nats).
-    :ivar kl: ``(K,)`` the estimated ``KL(q(u | theta) || q_theta(u))`` (nats).
+    :ivar drop: ``(K,)`` the objective's drop from the mode there (nats; NaN where the refit failed or did not
+        converge: that point is not checked).
+    :ivar kl: ``(K,)`` the estimated ``KL(q(u | theta) || q_theta(u))`` (nats; NaN likewise).
     :ivar passed: ``False`` when a point within :func:`drop_max` of the mode has a divergence above
         :data:`KL_MAX`; ``None`` when the check could not run (:attr:`note` says why).
     :ivar note: one sentence.
@@ -126,10 +128,15 @@ def check_field(hp, q, seed=0):
     z = q.density.to_z(x)
     f_mode = float(hp.log_post.max())
     free = getattr(hp.layout, "free_gaussian", None)  # constrained fields: the proposal's free coordinates
-    drop, kl = np.empty(len(x)), np.empty(len(x))
+    drop, kl = np.full(len(x), np.nan), np.full(len(x), np.nan)
     try:
         for j in range(len(x)):
-            f, post = refit(z[j])
+            try:
+                f, post, converged = refit(z[j])
+            except (UnsupportedModelError, ConvergenceError, NotPositiveDefiniteError, torch.linalg.LinAlgError):
+                converged = False  # a fit that fails far out: that point is not checked
+            if not converged:  # nor one that did not converge (its divergence would mean nothing)
+                continue
             post = post if free is None else free(post)
             u, lq = q.field_conditional(x[j], KL_DRAWS, gen)
             try:
@@ -141,12 +148,18 @@ def check_field(hp, q, seed=0):
     finally:
         refit.release()
     limit = drop_max(hp.space.dim)
-    bad = (drop <= limit) & (kl > KL_MAX)
+    bad = (drop <= limit) & (kl > KL_MAX)  # False where a point was not checked (NaN)
+    done = int(np.isfinite(kl).sum())
+    if not bad.any() and done == 0:
+        return FieldCheck(z.numpy(), drop, kl, None, f"the field away from the design points was not checked: its "
+                                                     f"refits at all {len(x)} points failed or did not converge")
     if not bad.any():
+        skipped = f" ({len(x) - done} more whose refits failed or did not converge are not counted)" \
+            if done < len(x) else ""
         return FieldCheck(z.numpy(), drop, kl, True,
-                          f"the field's proposal at {len(x)} hyper-latent values away from the design points is within "
+                          f"the field's proposal at {done} hyper-latent values away from the design points is within "
                           f"{KL_MAX:g} nats (KL) of refits there, or their density is more than {limit:.1f} nats "
-                          "below the mode's")
+                          f"below the mode's{skipped}")
     j = int(np.argmax(np.where(bad, kl, -np.inf)))
     theta = ", ".join(f"{n} = {v:.3g}" for n, v in zip(names, _constrained(hp, z[j])))
     return FieldCheck(z.numpy(), drop, kl, False,

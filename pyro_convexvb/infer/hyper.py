@@ -557,9 +557,9 @@ class HyperObjective:
 
 class FieldRefit:
     """The field fitted afresh at further hyper-latent values once an integration is done (for checks of the mixture
-    away from its design points, :mod:`~pyro_convexvb.diagnostics.field_check`): ``refit(z) -> (f(z), posterior)``,
-    ``f`` the integration's objective, by a :class:`HyperObjective` of the same engine, kept until :meth:`release`.
-    A pickled or copied one has no engine and refuses to refit."""
+    away from its design points, :mod:`~pyro_convexvb.diagnostics.field_check`): ``refit(z) -> (f(z), posterior,
+    converged)``, ``f`` the integration's objective, by a :class:`HyperObjective` of the same engine, kept until
+    :meth:`release`. A pickled or copied one has no engine and refuses to refit."""
 
     def __init__(self, engine, space, args, kwargs):
         self.engine, self.space, self.args, self.kwargs = engine, space, args, kwargs
@@ -576,7 +576,7 @@ class FieldRefit:
         if self._obj is None:
             self._obj = HyperObjective(self.engine, self.space, self.args, self.kwargs)
         value, res = self._obj.fit(torch.as_tensor(z, dtype=torch.float64), keep="posterior")
-        return value, res.posterior
+        return value, res.posterior, bool(res.converged)
 
     def release(self):
         """Drop the refits and their extraction cache."""

@@ -454,7 +454,7 @@ class HyperPosterior(Posterior):
     info: Dict[str, Any] = field(default_factory=dict)
     #: dtype of the field's summaries and samples (the model's own; the design-point fits run in float64)
     out_dtype: Any = None
-    #: ``refit(z) -> (f(z), posterior)``: the field fitted afresh at an unconstrained ``z`` (``f`` as
+    #: ``refit(z) -> (f(z), posterior, converged)``: the field fitted afresh at an unconstrained ``z`` (``f`` as
     #: :attr:`log_post`), for checks of the mixture away from its design points; set by the integration, ``None``
     #: in a pickled copy (the engine and the data are not kept there)
     refit: Any = field(default=None, repr=False, compare=False)
