@@ -44,15 +44,14 @@ def test_three_centred_scales_are_reported_unreliable_with_the_reason(centred_fi
 
 
 def test_a_grid_design_passes_and_is_checked_only_beyond_its_cells(grid_fit):
-    """On a grid the check looks only where no design point lies within half a cell's diagonal: beyond the rim."""
+    """On a grid the check looks only where no design point lies within half a core cell's diagonal."""
     hp = grid_fit.posterior
     c = grid_fit.corrected(seed=0)
     fc = c.diagnostics.field_check
     assert fc.passed is True and c.diagnostics.reliable
     assert 0 < len(fc.kl) <= field_check.check_points(1) and (fc.drop > -1e-6).all()
-    warp = hp.density.warp
-    xi = warp.to_xi(hp.density.to_x(torch.as_tensor(fc.theta)))
-    assert float(torch.cdist(xi, warp.to_xi(hp.x)).min(1).values.min()) > 0.5 * warp.step
+    x = hp.density.to_x(torch.as_tensor(fc.theta))
+    assert float(torch.cdist(x, hp.x).min(1).values.min()) > 0.5 * hp.density.warp.step
 
 
 def test_between_grid_points_the_field_may_differ_from_refits_without_a_failure(grid_fit):

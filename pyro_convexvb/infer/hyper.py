@@ -750,7 +750,7 @@ def _check_axial_drops(space, z_mode, A_inv, x, logf):
         f"the log hyper-posterior at the central composite design's axial point {at} is {-float(drops[k]):.3g} nats "
         "above its value at the mode, so the mode found is not its maximum along that direction (a second mode, or "
         "a surface too flat for the design) and the asymmetric Gaussian through the axial points does not exist; "
-        "integrate fewer hyper-latents (hyper_strategy='grid' handles up to 2), fix the others, or sample with "
+        "integrate fewer hyper-latents (hyper_strategy='grid' handles up to 3), fix the others, or sample with "
         "engine='nuts'")
 
 
@@ -764,10 +764,10 @@ def _warn_split_normal(space):
          "integrated with a central composite design: their marginals (res.hyper['marginals'] and the guide's draws "
          "of them) are an asymmetric Gaussian through the design's axial points (Rue, Martino & Chopin 2009, "
          "section 6.5), coarse for a skewed hyper-posterior (a scale's quantiles 12-19% off exact quadrature on a "
-         "3-scale Gaussian model, where the field's mixture means were within 0.01 sd and its sds within 2%). "
-         + ("For accurate hyper-latent marginals integrate on a grid, options={'hyper_strategy': 'grid'} (ten to "
-            "twenty times the fits; within 3% of exact quadrature on such models), or use res.corrected() and check "
-            "its diagnostics" if space.dim <= GRID_MAX_DIM else
+         "3-scale Gaussian model, a 5% quantile of a scale reaching toward zero up to five times too high). "
+         + ("For accurate hyper-latent marginals integrate on a grid, options={'hyper_strategy': 'grid'} (1,000-2,200 "
+            "fits, 5-20 s on 3-scale models with up to 200 rows; within 3% of exact quadrature on such models), or use "
+            "res.corrected() and check its diagnostics" if space.dim <= GRID_MAX_DIM else
             "For accurate hyper-latent marginals use res.corrected() (importance sampling through the model) and "
             "check its diagnostics"), UserWarning)
 
@@ -801,7 +801,7 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     space = theta_space(model, args, kwargs, hyper_names)
     if strategy == "grid" and space.dim > GRID_MAX_DIM:
         raise ValueError(f"hyper_strategy='grid': a grid integrates over at most {GRID_MAX_DIM} hyper-latent "
-                         f"dimensions (up to about 1,500 fits in 3), and {', '.join(repr(n) for n in space.names)} "
+                         f"dimensions (about 1,000-2,200 fits in 3), and {', '.join(repr(n) for n in space.names)} "
                          f"have {space.dim}; use 'ccd' (or 'auto', which chooses it above 2) or hyper='map'")
     field_dtypes = [s["value"].dtype for n, s in latent_sites(model, args, kwargs)
                     if n not in hyper_names and s["value"].is_floating_point()]

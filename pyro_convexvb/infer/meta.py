@@ -177,9 +177,10 @@ def run_hyper(engine, hyper, args, kwargs, t0):
     inner = [mode_res] + list(info.get("results", []))
     unconverged = sum(not r.converged for r in inner)
     crit = (Criterion("hyper-mode gradient max |d log p(theta, y)/dz|", info["mode_grad_norm"], info["mode_gtol"]),
-            Criterion("design-point fits not converged", float(unconverged), 0.0),
-            Criterion("grid rim within the pruning threshold at the largest radius", float(info.get("truncated", False)),
-                      0.0))
+            Criterion("design-point fits not converged", float(unconverged), 0.0))
+    if info.get("strategy") == "grid":  # a central composite design has no rim
+        crit += (Criterion("grid rim within the pruning threshold at the largest radius",
+                           float(info.get("truncated", False)), 0.0),)
     if o.hyper == "map":  # the field's posterior at the mode, theta fixed there
         marg, reason = None, "hyper-latent mode"
     else:
