@@ -88,10 +88,10 @@ def _uncovered(hp, cand):
     """The rows of ``cand (M, d)`` that no design point anchors: for a grid design, those farther than half a core
     cell's diagonal (``step sqrt(d) / 2`` in the standardised coordinates) from every design point; for a central
     composite design, all. Inside a grid the field's proposal is a design point's at most half a cell away: where the
-    field's conditional changes faster than that (a Gaussian process's length-scale), the draws between design points are
-    underweighted, but periodically, cell by cell, like the nodes of a quadrature rule, so the marginals still
-    come out right (on every grid design checked against exact hyper-posteriors); a region with no design point
-    in it is underweighted as a whole."""
+    field's conditional changes faster than that (a Gaussian process's length-scale), the draws between design
+    points are underweighted, but periodically, cell by cell, like the nodes of a quadrature rule, so the marginals
+    still come out right (on every grid design checked against exact hyper-posteriors); a region with no design
+    point in it is underweighted as a whole."""
     density = hp.density
     if density.kind != "surface":
         return cand
