@@ -816,7 +816,8 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     mode_res = obj.fit(z_mode, keep=True)[1]
     # the reported optimality measure by differences of fits, independent of the envelope gradients that drove the
     # search (a dependence on theta that a graph-keeping extraction missed would otherwise certify its own mode)
-    gnorm = float(_grad_fd(obj, z_mode, fd_step).abs().max())
+    g_mode = _grad_fd(obj, z_mode, fd_step)
+    gnorm = float(g_mode.abs().max())
     info = {"mode_z": z_mode, "mode_theta": space.unpack(z_mode)[0], "log_post_mode": f_mode,
             "mode_grad_norm": gnorm, "mode_gtol": gtol, "mode_message": str(opt.message), "space": space,
             "gradients": dict(obj.gradients, envelope_ok=obj.envelope_ok, envelope_note=obj.envelope_note)}
@@ -841,6 +842,9 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
         raise UnsupportedModelError(space.names[0], "the hyper-posterior bound is not locally concave at its mode "
                                                     f"(Hessian eigenvalues {evals.tolist()}); integration needs a mode")
     A_inv = evecs @ torch.diag(evals.rsqrt())  # z = z* + A_inv x
+    # the gradient in the standardised coordinates: the Newton step to the mode in posterior sds (a data set that
+    # pins the hyper-latents down makes |df/dz| large for a tiny distance, and its differences noisy)
+    info["mode_step_sd"] = float((A_inv.T @ g_mode).abs().max())
     d = space.dim
     if strategy == "auto":
         strategy = "grid" if d <= 2 else "ccd"

@@ -156,6 +156,11 @@ def run_type2(engine, names, args, kwargs, t0):
     return out
 
 
+#: an integration's mode is also converged when the Newton step to it is below this many posterior sds of the
+#: hyper-latents (the design is laid out in those units), whatever the gradient in the unconstrained coordinates
+MODE_STEP_SD = 1e-3
+
+
 def run_hyper(engine, hyper, args, kwargs, t0):
     """Integrate over (or maximise) the hyper-latents ``hyper``; each design point is one fit of ``engine``'s class."""
     o = engine.options
@@ -176,8 +181,13 @@ def run_hyper(engine, hyper, args, kwargs, t0):
         run.close()
     inner = [mode_res] + list(info.get("results", []))
     unconverged = sum(not r.converged for r in inner)
-    crit = (Criterion("hyper-mode gradient max |d log p(theta, y)/dz|", info["mode_grad_norm"], info["mode_gtol"]),
-            Criterion("design-point fits not converged", float(unconverged), 0.0))
+    if "mode_step_sd" in info:  # integrated: the gradient's tolerance, or a Newton step to the mode of 1e-3 sd
+        mode = Criterion("hyper-mode gradient max |d log p(theta, y)/dz| over its tolerance, or the Newton step to the "
+                         f"mode over {MODE_STEP_SD:g} posterior sd, whichever is smaller",
+                         min(info["mode_grad_norm"] / info["mode_gtol"], info["mode_step_sd"] / MODE_STEP_SD), 1.0)
+    else:
+        mode = Criterion("hyper-mode gradient max |d log p(theta, y)/dz|", info["mode_grad_norm"], info["mode_gtol"])
+    crit = (mode, Criterion("design-point fits not converged", float(unconverged), 0.0))
     if info.get("strategy") == "grid":  # a central composite design has no rim
         crit += (Criterion("grid rim within the pruning threshold at the largest radius",
                            float(info.get("truncated", False)), 0.0),)
