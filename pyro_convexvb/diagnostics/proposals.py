@@ -551,11 +551,19 @@ class HyperProposal(Proposal):
         u = draw.reshape(m, self.hp.n).double()
         lq = self.parts[k].log_prob_white(e).double()
         if self.name == "interpolated":
-            loc_x, logsd_x = self._interpolate(x)
-            logD = logsd_x[0] - self._logsd[k]
-            u = torch.as_tensor(loc_x[0] + np.exp(logD) * (u.cpu().numpy() - self._locs[k]), dtype=torch.float64)
+            un, _, _, logD = self._move(x, np.array([k]), u.cpu().numpy())
+            u = torch.as_tensor(un, dtype=torch.float64)
             lq = lq - float(logD.sum())
         return u, lq
+
+    def _move(self, x, kk, uk):
+        """The ``"interpolated"`` proposal's field at ``x (S, d)`` (or one row, for draws all at one point): the draws
+        ``uk (S, n)`` of the design points ``kk (S,)`` moved to the location and log scales interpolated there,
+        ``u = loc(x) + D (u_k - loc_k)`` with ``D = sd(x) / sd_k``. Returns ``(u, loc(x), log sd(x), log D)`` (numpy);
+        ``log q(u | x) = log q_k(u_k) - sum log D``."""
+        loc_x, logsd_x = self._interpolate(x)
+        logD = logsd_x - self._logsd[kk]
+        return loc_x + np.exp(logD) * (uk - self._locs[kk]), loc_x, logsd_x, logD
 
     # ---- theta part, in the standardised coordinates x of the design
     def _log_qx(self, x):
@@ -624,12 +632,7 @@ class HyperProposal(Proposal):
                 lu2[idx] = parts.log_prob_second(draw, self.name, lp).double()
         kk = k.cpu().numpy()
         if self.name == "interpolated" and self.covers_hyper:
-            # u = loc(x) + D (u_k - loc_k), D = sd(x) / sd_k: the nearest point's Gaussian moved to the interpolated
-            # location and scales; log q(u | x) = log q_k(u_k) - sum log D
-            loc_x, logsd_x = self._interpolate(x)
-            logD = logsd_x - self._logsd[kk]
-            uk = u.double().cpu().numpy()
-            un = loc_x + np.exp(logD) * (uk - self._locs[kk])
+            un, loc_x, logsd_x, logD = self._move(x, kk, u.double().cpu().numpy())
             u = torch.as_tensor(un, dtype=fdt, device=hp.device)
             lu1 = lu1 - torch.as_tensor(logD.sum(1), dtype=torch.float64)
         if self.covers_hyper:

@@ -455,8 +455,9 @@ class HyperPosterior(Posterior):
     #: dtype of the field's summaries and samples (the model's own; the design-point fits run in float64)
     out_dtype: Any = None
     #: ``refit(z) -> (f(z), posterior, converged)``: the field fitted afresh at an unconstrained ``z`` (``f`` as
-    #: :attr:`log_post`), for checks of the mixture away from its design points; set by the integration, ``None``
-    #: in a pickled copy (the engine and the data are not kept there)
+    #: :attr:`log_post`), for checks of the mixture away from its design points; set by the integration. A pickled or
+    #: copied posterior keeps one that cannot refit (``refit.available`` is ``False``: the engine and the data are not
+    #: kept)
     refit: Any = field(default=None, repr=False, compare=False)
 
     def _out(self, t):
