@@ -126,3 +126,14 @@ def test_points_whose_refit_fails_or_does_not_converge_are_not_counted(centred_f
     fc = field_check.check_field(dataclasses.replace(hp, refit=flaky), q, seed=0)
     assert flaky.calls == field_check.check_points(3) and fc.passed is None and "not checked" in fc.note
     assert np.isnan(fc.kl).all() and np.isnan(fc.drop).all()
+
+
+def test_a_correction_whose_field_check_cannot_run_says_so(grid_fit):
+    """A result whose posterior was copied (no engine to refit with) is corrected with a warning that the field away
+    from the design points was not checked; reliable then rests on k_hat alone."""
+    res = copy.copy(grid_fit)
+    res.__dict__.pop("_proposal_posterior", None)
+    res.posterior = dataclasses.replace(grid_fit.posterior, refit=copy.deepcopy(grid_fit.posterior.refit))
+    with pytest.warns(ApproximationWarning, match="not checked"):
+        c = res.corrected(seed=0)
+    assert c.diagnostics.field_check.passed is None

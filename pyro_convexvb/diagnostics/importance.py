@@ -819,6 +819,9 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         plain = proposal if proposal in ("fitted", "interpolated") else "interpolated"
         post = proposal_posterior(result)
         d.field_check = check_field(post, make_proposal(post, plain), seed)
+        if warn and d.field_check.passed is None:
+            warnings.warn(f"corrected posterior: {d.field_check.note}; k_hat alone cannot see a region the field's "
+                          "proposal misses", ApproximationWarning, stacklevel=2)
     if warn and not d.reliable:
         warnings.warn("corrected posterior: " + d.message, ApproximationWarning, stacklevel=3)
     elif warn and not _settled(d):
