@@ -17,7 +17,7 @@ from .errors import NotPositiveDefiniteError
 from .linalg.operators import SparseOperator, to_csr
 from .linalg.sparse_cholesky import SparseCholesky
 
-__all__ = ["SparseGMRF", "icar_precision", "rw_precision", "bym2_scaling", "sum_to_zero"]
+__all__ = ["SparseGMRF", "icar_precision", "rw_precision", "bym2_scaling", "bym2_precision", "sum_to_zero"]
 
 # factorisations of precision objects shared by distribution instances built from the same object
 # (a Pyro model builds a new instance at every execution): id -> (weakref, version, dtype, operator, factor)
@@ -338,13 +338,89 @@ def bym2_scaling(precision, constraints="sum_to_zero"):
     """
     import numpy as np
 
+    from .linalg.sparse_cholesky import as_scipy_csc
+
     matrix = precision.matrix if isinstance(precision, SparseOperator) else precision
     if not torch.is_tensor(matrix) or matrix.dim() != 2:
         raise TypeError(f"precision: expected an (n, n) torch sparse tensor or a SparseOperator, got "
                         f"{type(precision).__name__}")
     n = int(matrix.shape[0])
-    fac = _IntrinsicFactor(matrix, _constraint_matrix(constraints, n))
-    return float(np.exp(np.mean(np.log(fac.diag_covariance()))))
+    labels, sizes = _graph_components(as_scipy_csc(matrix, "precision"))
+    if len(sizes) > 1:
+        raise ValueError(
+            f"precision: its graph has {len(sizes)} connected components (sizes {_sizes_text(sizes)}), and one factor "
+            "cannot give each of them unit generalised variance; BYM2 on a disconnected graph scales every component "
+            "on its own and gives islands unit variance (Freni-Sterrantino, Ventrucci & Rue 2018): use "
+            "bym2_precision(adjacency), which returns that precision and its constraints")
+    variance = _IntrinsicFactor(matrix, _constraint_matrix(constraints, n)).diag_covariance()
+    if not np.all(variance > 0):
+        raise ValueError(f"constraints: they leave node(s) {np.flatnonzero(variance <= 0)[:5].tolist()} with zero "
+                         "variance, so the generalised variance is zero")
+    return float(np.exp(np.mean(np.log(variance))))
+
+
+def _graph_components(Q):
+    """``(labels (n,), sizes (ncomp,))`` of the connected components of the graph of a sparse ``Q`` (SciPy)."""
+    import numpy as np
+    from scipy.sparse.csgraph import connected_components
+
+    _, labels = connected_components(Q, directed=False)
+    return labels, np.bincount(labels)
+
+
+def _sizes_text(sizes):
+    shown = sorted(sizes.tolist(), reverse=True)
+    return ", ".join(map(str, shown[:6])) + (", ..." if len(shown) > 6 else "")
+
+
+def bym2_precision(adjacency, dtype=torch.float64):
+    r"""The scaled structured precision of the BYM2 model on any graph, and its constraints: ``(Q, C)``.
+
+    Every connected component of two or more nodes gets its ICAR precision ``D - W`` scaled to unit generalised
+    variance (:func:`bym2_scaling` of the component) and a sum-to-zero constraint; an island (a node without
+    neighbours) gets precision 1, an iid effect of unit variance, and no constraint (Freni-Sterrantino, Ventrucci &
+    Rue 2018, who show that a single scaling factor or a single sum-to-zero constraint over a disconnected graph
+    changes the meaning of the BYM2 mixing weight from component to component). On a connected graph ``Q`` is
+    ``bym2_scaling(icar_precision(W)) * icar_precision(W)`` and ``C`` the row of ones.
+
+    :param adjacency: ``(n, n)`` symmetric 0/1 adjacency, as for :func:`icar_precision`.
+    :returns: ``Q``, an ``(n, n)`` torch sparse CSR tensor, and ``C``, a ``(k, n)`` tensor with one indicator row per
+        component of two or more nodes (``None`` when every node is an island: ``Q`` is then the identity). Use
+        ``SparseGMRF(loc, Q, precision_scale=tau, constraints=C)``.
+
+    Example (a path of three nodes, a pair and an island)::
+
+        >>> W = torch.zeros(6, 6)
+        >>> for a, b in [(0, 1), (1, 2), (3, 4)]:
+        ...     W[a, b] = W[b, a] = 1.0
+        >>> Q, C = bym2_precision(W)
+        >>> C
+        tensor([[1., 1., 1., 0., 0., 0.],
+                [0., 0., 0., 1., 1., 0.]], dtype=torch.float64)
+        >>> v = SparseGMRF(torch.zeros(6, dtype=torch.float64), Q, constraints=C).variance
+        >>> [round(float(v[s].log().mean().exp()), 12) for s in (slice(0, 3), slice(3, 5), slice(5, 6))]
+        [1.0, 1.0, 1.0]
+    """
+    import numpy as np
+    import scipy.sparse as sp
+
+    from .linalg.sparse_cholesky import as_scipy_csc
+
+    Q0 = as_scipy_csc(icar_precision(adjacency), "adjacency").tocsr()
+    labels, sizes = _graph_components(Q0)
+    scale = np.ones(Q0.shape[0])
+    rows = []
+    for comp in np.flatnonzero(sizes > 1):
+        idx = np.flatnonzero(labels == comp)
+        variance = _IntrinsicFactor(Q0[idx][:, idx], np.ones((1, len(idx)))).diag_covariance()
+        scale[idx] = np.exp(np.mean(np.log(variance)))
+        row = np.zeros(Q0.shape[0])
+        row[idx] = 1.0
+        rows.append(row)
+    island = (sizes == 1)[labels]
+    Q = sp.diags(scale) @ Q0 + sp.diags(island.astype(np.float64))
+    C = torch.as_tensor(np.stack(rows), dtype=dtype) if rows else None
+    return _to_torch_csr(Q, dtype), C
 
 
 class SparseGMRF(TorchDistribution):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pyro_convexvb as pcv
-from pyro_convexvb.distributions import SparseGMRF, bym2_scaling, icar_precision, rw_precision
+from pyro_convexvb.distributions import SparseGMRF, bym2_precision, bym2_scaling, icar_precision, rw_precision
 from pyro_convexvb.errors import NotPositiveDefiniteError
 
 D = torch.float64
@@ -60,6 +60,75 @@ def test_bym2_scaling_gives_unit_generalised_variance():
     assert abs(c - float(v.log().mean().exp())) < 1e-12
     scaled = SparseGMRF(torch.zeros(9, dtype=D), Q, torch.tensor(c, dtype=D), constraints="sum_to_zero")
     assert abs(float(scaled.variance.log().mean())) < 1e-12
+
+
+def _disconnected_adjacency():
+    """Seven nodes: a path 0-1-2-3, a pair 4-5 and an island 6."""
+    W = torch.zeros(7, 7, dtype=D)
+    for a, b in [(0, 1), (1, 2), (2, 3), (4, 5)]:
+        W[a, b] = W[b, a] = 1.0
+    return W
+
+
+def test_bym2_on_a_disconnected_graph_scales_each_component_and_frees_the_island():
+    """Freni-Sterrantino, Ventrucci & Rue (2018): each component of two or more nodes has its own sum-to-zero
+    constraint and unit generalised variance; an island is an iid effect of unit variance. ``bym2_scaling`` had
+    returned 0.0 for per-component constraints with an island (a zero variance, log 0) and one global factor
+    otherwise; it now refuses a disconnected graph and points to ``bym2_precision``."""
+    W = _disconnected_adjacency()
+    Q, C = bym2_precision(W)
+    assert torch.equal(C, torch.tensor([[1.0, 1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 1, 1, 0]], dtype=D))
+    L = icar_precision(W).to_dense()
+    expected = torch.zeros(7, dtype=D)
+    for idx in ([0, 1, 2, 3], [4, 5]):
+        v = torch.linalg.pinv(L[idx][:, idx]).diagonal()  # constrained variances of the component's ICAR
+        gm = v.log().mean().exp()
+        torch.testing.assert_close(Q.to_dense()[idx][:, idx], L[idx][:, idx] * gm, rtol=1e-12, atol=1e-12)
+        expected[idx] = v / gm
+    expected[6] = 1.0
+    assert float(Q.to_dense()[6, 6]) == 1.0 and float(Q.to_dense()[6, :6].abs().sum()) == 0.0
+    d = SparseGMRF(torch.zeros(7, dtype=D), Q, torch.tensor(4.0, dtype=D), constraints=C)
+    torch.testing.assert_close(d.variance, expected / 4.0, rtol=1e-10, atol=1e-12)
+    for comp in (slice(0, 4), slice(4, 6)):
+        assert abs(float(d.variance[comp].log().mean()) + math.log(4.0)) < 1e-10
+    Qc, Cc = bym2_precision(W[:4, :4])  # connected: bym2_scaling's factor and the row of ones
+    torch.testing.assert_close(Qc.to_dense(), bym2_scaling(icar_precision(W[:4, :4])) * L[:4, :4])
+    assert torch.equal(Cc, torch.ones(1, 4, dtype=D))
+    Qi, Ci = bym2_precision(torch.zeros(3, 3))
+    assert Ci is None and torch.equal(Qi.to_dense(), torch.eye(3, dtype=D))
+    for constraints in ("sum_to_zero", C, torch.cat([C, torch.eye(7, dtype=D)[6:]])):
+        with pytest.raises(ValueError, match="3 connected components .* use bym2_precision"):
+            bym2_scaling(icar_precision(W), constraints)
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation"])
+def test_bym2_field_on_a_disconnected_graph_is_fitted_exactly(engine):
+    """Gaussian observations of ``b0 + x`` with the BYM2 structured field of a disconnected graph (two
+    constraints, an island): exact against the model written in an orthonormal basis of the constraint
+    subspace."""
+    W = _disconnected_adjacency()
+    Q, C = bym2_precision(W)
+    s, sigma = 2.5, 0.6
+    y = torch.randn(7, generator=torch.Generator().manual_seed(4), dtype=D) + 0.4
+
+    def model(y):
+        b0 = pyro.sample("b0", dist.Normal(torch.tensor(0.0, dtype=D), 2.0))
+        x = pyro.sample("x", SparseGMRF(torch.zeros(7, dtype=D), Q, torch.tensor(s, dtype=D), constraints=C))
+        pyro.sample("y", dist.Normal(b0 + x, sigma).to_event(1), obs=y)
+
+    res = pcv.fit(model, y, engine=engine, progress=False)
+    assert res.converged
+    V = torch.linalg.svd(C, full_matrices=True)[2][2:].T  # (7, 5) orthonormal basis of {C x = 0}
+    B = torch.cat([torch.ones(7, 1, dtype=D), V], 1)
+    P0 = torch.block_diag(torch.tensor([[0.25]], dtype=D), s * V.T @ Q.to_dense() @ V)
+    cov = torch.linalg.inv(P0 + B.T @ B / sigma**2)
+    m = cov @ (B.T @ y / sigma**2)
+    T = torch.block_diag(torch.eye(1, dtype=D), V)
+    torch.testing.assert_close(res.posterior.loc, T @ m, rtol=0, atol=1e-7)
+    torch.testing.assert_close(res.posterior.covariance(), T @ cov @ T.T, rtol=0, atol=1e-7)
+    evidence = dist.MultivariateNormal(torch.zeros(7, dtype=D), B @ torch.linalg.inv(P0) @ B.T
+                                       + sigma**2 * torch.eye(7, dtype=D)).log_prob(y)
+    assert abs(res.log_evidence_bound - float(evidence)) < 1e-6
 
 
 def test_constraints_that_miss_the_null_space_are_refused():
