@@ -35,7 +35,8 @@ def test_three_centred_scales_are_reported_unreliable_with_the_reason(centred_fi
     about 0.20 against an exact 0.105 (tests/test_diagnostics_centred_scales.py) while k_hat is below 0.7; the
     field's proposal at small sigma_b is tens of nats (KL) from a refit there, so the result is not reliable."""
     with pytest.warns(ApproximationWarning, match="far from a refit there"):
-        c = centred_fit.corrected(seed=0)
+        c = centred_fit.corrected(seed=0, regrid=False)
+    assert c.refit is None and c.replaced is None
     d = c.diagnostics
     assert d.k_hat <= d.threshold and not d.reliable and not d.ok
     fc = d.field_check
@@ -137,3 +138,55 @@ def test_a_correction_whose_field_check_cannot_run_says_so(grid_fit):
     with pytest.warns(ApproximationWarning, match="not checked"):
         c = res.corrected(seed=0)
     assert c.diagnostics.field_check.passed is None
+
+
+def test_an_unreliable_central_composite_correction_is_redone_on_a_grid_refit(centred_fit, grid_fit, monkeypatch):
+    """With ``regrid=True`` (the default) the failed correction of a central composite design is replaced by the
+    correction of the fit on a grid (:meth:`FieldRefit.on_grid`, here stubbed by a small grid fit), with a warning
+    that says so; ``regrid=False`` keeps the unreliable first correction."""
+    from pyro_convexvb.infer.hyper import FieldRefit
+
+    calls = []
+
+    def on_grid(self, progress=False):
+        calls.append(progress)
+        return grid_fit
+
+    monkeypatch.setattr(FieldRefit, "on_grid", on_grid)
+    with pytest.warns(ApproximationWarning, match="central composite design's correction was unreliable .* "
+                                                   "refitted with the hyper-latents on a grid"):
+        c = centred_fit.corrected(seed=0)
+    assert calls == [False] and c.refit is grid_fit and "refit='grid'" in repr(c)
+    assert c.replaced is not None and not c.replaced.reliable and c.replaced.field_check.passed is False
+    assert c.diagnostics.reliable and set(c.sites) == {"tau", "w"}
+    with pytest.raises(ValueError, match="regrid: expected True or False"):
+        centred_fit.corrected(seed=0, regrid="yes")
+    c = grid_fit.corrected(seed=0)  # a grid's own reliable correction: nothing refitted
+    assert calls == [False] and c.refit is None
+
+
+def test_on_grid_refits_with_the_callers_other_options_once():
+    """:meth:`FieldRefit.on_grid` fits the model again with ``hyper_strategy="grid"`` and every other option the
+    caller gave, once per result."""
+    import pyro
+    import pyro.distributions as dist
+
+    D = torch.float64
+
+    def model(y=None):
+        s = pyro.sample("s", dist.HalfNormal(torch.tensor(1.0, dtype=D)))
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=D), s).to_event(1))
+        pyro.sample("y", dist.Normal(w, 0.5).to_event(1), obs=y)
+
+    y = torch.tensor([0.4, -0.9, 1.3], dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = pcv.fit(model, y=y, engine="dual_vg", options={"hyper_strategy": "ccd", "gap_tol": 1e-9}, progress=False)
+    grid = res.posterior.refit.on_grid()
+    assert res.hyper["strategy"] == "ccd" and grid.hyper["strategy"] == "grid" and grid.converged
+    assert res.posterior.refit.on_grid() is grid
+    ref = pcv.fit(model, y=y, engine="dual_vg", options={"hyper_strategy": "grid", "gap_tol": 1e-9}, progress=False)
+    torch.testing.assert_close(grid.posterior.theta_marginals()["s"]["quantiles"][0.5],
+                               ref.posterior.theta_marginals()["s"]["quantiles"][0.5], rtol=0, atol=1e-12)
+    with pytest.raises(RuntimeError, match="pickled or copied .*'hyper_strategy': 'grid'"):
+        copy.deepcopy(res.posterior.refit).on_grid()

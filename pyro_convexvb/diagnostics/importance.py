@@ -442,6 +442,12 @@ class CorrectedPosterior:
     #: ``{site: {"mean": c, "sd": c, p: c, ...}}`` the James-Stein factors applied to the corrections of each
     #: statistic of the sites that were shrunk (``shrink=True``); 1 keeps the correction, 0 the proposal's answer
     shrinkage: Dict[str, Dict[Any, float]] = field(default_factory=dict)
+    #: the fit these summaries correct when it is not the one passed in: hyper-latents refitted on a grid because
+    #: the correction of their central composite design was unreliable (``regrid``), else ``None``; its
+    #: ``hyper["marginals"]`` replace the first fit's
+    refit: Any = None
+    #: the :class:`ImportanceDiagnostics` of that unreliable first correction, else ``None``
+    replaced: Any = field(default=None, repr=False)
 
     @property
     def k_hat(self):
@@ -473,8 +479,9 @@ class CorrectedPosterior:
         return out
 
     def __repr__(self):
+        grid = "" if self.refit is None else ", refit='grid'"
         return (f"CorrectedPosterior(k_hat={self.k_hat:.3f}, ess={self.ess:.1f}, proposal="
-                f"{self.diagnostics.proposal!r}, sites={list(self.sites)})")
+                f"{self.diagnostics.proposal!r}{grid}, sites={list(self.sites)})")
 
 
 #: adapt while the importance ESS is below this fraction of the draws
@@ -723,8 +730,23 @@ def _check_options(adapt, estimator, adaptation, probs):
     return probs
 
 
+def _grid_refit(result, d, regrid, progress):
+    """With ``regrid``, when the correction ``d`` of hyper-latents integrated by a central composite design of at
+    most :data:`~pyro_convexvb.infer.hyper.GRID_MAX_DIM` dimensions is unreliable and the engine is at hand: the
+    fit again on a grid (:meth:`~pyro_convexvb.infer.hyper.FieldRefit.on_grid`); else ``None``."""
+    from ..infer.hyper import GRID_MAX_DIM
+
+    if not regrid or d.reliable or d.conditional_on is not None or not _integrates_hyper(result):
+        return None
+    hp = result.posterior
+    refit = getattr(hp, "refit", None)
+    if hp.density.kind == "surface" or hp.space.dim > GRID_MAX_DIM or refit is None or not refit.available:
+        return None
+    return refit.on_grid(progress)
+
+
 def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", probs=(0.05, 0.5, 0.95), warn=True,
-            progress=False, estimator="cv", adapt="auto", adaptation="affine", shrink=None):
+            progress=False, estimator="cv", adapt="auto", adaptation="affine", shrink=None, regrid=True):
     """Importance-corrected means, sds and quantiles of every latent site, with Monte Carlo errors.
 
     Over 80 lines: most of it is this docstring; the body is under 80.
@@ -779,6 +801,12 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     :param str adaptation: ``"affine"`` or ``"diagonal"`` (``proposal="auto"`` only).
     :param bool shrink: shrink the corrections of fields (default: with ``estimator="cv"``; the plain estimator's
         own answer from flat weights carries the draws' noise, so ``shrink=True`` with ``"snis"`` is refused).
+    :param bool regrid: when the correction of at most three hyper-latents integrated by a central composite design
+        (the default design for three) is unreliable (``k_hat`` above its threshold or a failed field check), fit the model again with them on
+        a grid (``options={"hyper_strategy": "grid"}``, every other option kept; 1,000-2,200 fits) and correct that
+        fit instead: :attr:`CorrectedPosterior.refit` holds it, :attr:`CorrectedPosterior.replaced` the first
+        correction's diagnostics, and a warning says so. ``False`` reports the first correction as unreliable.
+        Nothing happens for other results, four or more hyper-latents, or a copied result without its engine.
     :returns: :class:`CorrectedPosterior`.
 
     Example::
@@ -801,6 +829,8 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
                          f"proposal={proposal!r} draws from that proposal alone: leave them at their defaults")
     check_draws(num_draws, default=CORRECTION_DRAWS)
     check_seed(seed)
+    if regrid not in (True, False):
+        raise ValueError(f"regrid: expected True or False, got {regrid!r}")
     if shrink is None:
         shrink = estimator == "cv"
     elif shrink not in (True, False):
@@ -822,6 +852,18 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         if warn and d.field_check.passed is None:
             warnings.warn(f"corrected posterior: {d.field_check.note}; k_hat alone cannot see a region the field's "
                           "proposal misses", ApproximationWarning, stacklevel=2)
+    grid = _grid_refit(result, d, regrid, progress)
+    if grid is not None:
+        c = correct(grid, num_draws, seed, proposal=proposal, probs=probs, warn=warn, progress=progress,
+                    estimator=estimator, adapt=adapt, adaptation=adaptation, shrink=shrink, regrid=False)
+        c.refit, c.replaced = grid, d
+        if warn:
+            warnings.warn(f"corrected posterior: the central composite design's correction was unreliable ({d.message}"
+                          f"); refitted with the hyper-latents on a grid ({grid.hyper['evaluations']} fits, "
+                          f"{grid.seconds:.1f} s) and corrected that fit, k_hat {c.k_hat:.2f}: the result's own "
+                          "hyper-latent marginals may be off, the refit's are in corrected.refit.hyper",
+                          ApproximationWarning, stacklevel=3)
+        return c
     if warn and not d.reliable:
         warnings.warn("corrected posterior: " + d.message, ApproximationWarning, stacklevel=3)
     elif warn and not _settled(d):

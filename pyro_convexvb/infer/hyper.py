@@ -563,7 +563,7 @@ class FieldRefit:
 
     def __init__(self, engine, space, args, kwargs):
         self.engine, self.space, self.args, self.kwargs = engine, space, args, kwargs
-        self._obj = None
+        self._obj = self._grid = None
 
     @property
     def available(self):
@@ -578,6 +578,19 @@ class FieldRefit:
         value, res = self._obj.fit(torch.as_tensor(z, dtype=torch.float64), keep="posterior")
         return value, res.posterior, bool(res.converged)
 
+    def on_grid(self, progress=False):
+        """The whole fit again with the hyper-latents integrated on a grid (``hyper_strategy="grid"``), every other
+        option as the caller gave it: an :class:`~pyro_convexvb.InferenceResult`, fitted once and kept."""
+        if self.engine is None:
+            raise RuntimeError("this hyper-latent posterior was pickled or copied without its engine and data: fit "
+                               "the model with options={'hyper_strategy': 'grid'}")
+        if self._grid is None:
+            e = self.engine
+            options = {name: getattr(e.options, name) for name in e.given_options}
+            options["hyper_strategy"] = "grid"
+            self._grid = type(e)(e.model, progress=progress, **options).run(*self.args, **self.kwargs)
+        return self._grid
+
     def release(self):
         """Drop the refits and their extraction cache."""
         if self._obj is not None:
@@ -585,7 +598,7 @@ class FieldRefit:
         self._obj = None
 
     def __getstate__(self):
-        return {"engine": None, "space": self.space, "args": (), "kwargs": {}, "_obj": None}
+        return {"engine": None, "space": self.space, "args": (), "kwargs": {}, "_obj": None, "_grid": None}
 
     def __deepcopy__(self, memo):
         new = FieldRefit(None, self.space, (), {})
@@ -767,7 +780,7 @@ def _warn_split_normal(space):
          "3-scale Gaussian model, a 5% quantile of a scale reaching toward zero up to five times too high). "
          + ("For accurate hyper-latent marginals integrate on a grid, options={'hyper_strategy': 'grid'} (1,000-2,200 "
             "fits, 5-20 s on 3-scale models with up to 200 rows; within 3% of exact quadrature on such models), or use "
-            "res.corrected() and check its diagnostics" if space.dim <= GRID_MAX_DIM else
+            "res.corrected(), which refits on that grid when the design's own correction is unreliable" if space.dim <= GRID_MAX_DIM else
             "For accurate hyper-latent marginals use res.corrected() (importance sampling through the model) and "
             "check its diagnostics"), UserWarning)
 

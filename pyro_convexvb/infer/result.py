@@ -147,7 +147,7 @@ class InferenceResult:
         return self.__dict__.get("_correction")
 
     def corrected(self, num_draws=None, seed=0, *, proposal="auto", probs=(0.05, 0.5, 0.95), progress=False,
-                  estimator="cv", adapt="auto", adaptation="affine", shrink=None, warn=True):
+                  estimator="cv", adapt="auto", adaptation="affine", shrink=None, warn=True, regrid=True):
         """Importance-corrected means, sds and quantiles with Monte Carlo errors
         (:func:`pyro_convexvb.diagnostics.correct`, which documents every option; default 2000 draws a round). Also
         stored as :attr:`correction`."""
@@ -156,7 +156,7 @@ class InferenceResult:
 
         c = correct(self, CORRECTION_DRAWS if num_draws is None else num_draws, seed, proposal=proposal,
                     probs=probs, progress=progress, estimator=estimator, adapt=adapt, adaptation=adaptation,
-                    shrink=shrink, warn=warn)
+                    shrink=shrink, warn=warn, regrid=regrid)
         self.__dict__["_correction"] = c
         return c
 
