@@ -780,7 +780,8 @@ def _warn_split_normal(space):
          "3-scale Gaussian model, a 5% quantile of a scale reaching toward zero up to five times too high). "
          + ("For accurate hyper-latent marginals integrate on a grid, options={'hyper_strategy': 'grid'} (1,000-2,200 "
             "fits, 5-20 s on 3-scale models with up to 200 rows; within 3% of exact quadrature on such models), or use "
-            "res.corrected(), which refits on that grid when the design's own correction is unreliable" if space.dim <= GRID_MAX_DIM else
+            "res.corrected(), which refits on that grid when the design's own correction is unreliable"
+            if space.dim <= GRID_MAX_DIM else
             "For accurate hyper-latent marginals use res.corrected() (importance sampling through the model) and "
             "check its diagnostics"), UserWarning)
 
