@@ -802,11 +802,12 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     :param bool shrink: shrink the corrections of fields (default: with ``estimator="cv"``; the plain estimator's
         own answer from flat weights carries the draws' noise, so ``shrink=True`` with ``"snis"`` is refused).
     :param bool regrid: when the correction of at most three hyper-latents integrated by a central composite design
-        (the default design for three) is unreliable (``k_hat`` above its threshold or a failed field check), fit the
-        model again with them on a grid (``options={"hyper_strategy": "grid"}``, every other option kept;
-        1,000-2,200 fits) and correct that fit instead: :attr:`CorrectedPosterior.refit` holds it, :attr:`CorrectedPosterior.replaced` the first
-        correction's diagnostics, and a warning says so. ``False`` reports the first correction as unreliable.
-        Nothing happens for other results, four or more hyper-latents, or a copied result without its engine.
+        (the default design for three) is unreliable (``k_hat`` above its threshold or a failed field check), fit
+        the model again with them on a grid (``options={"hyper_strategy": "grid"}``, every other option kept;
+        1,000-2,200 fits) and correct that fit instead: :attr:`CorrectedPosterior.refit` holds it,
+        :attr:`CorrectedPosterior.replaced` the first correction's diagnostics, and a warning says so. ``False``
+        reports the first correction as unreliable. Nothing happens for other results, four or more hyper-latents,
+        or a copied result without its engine.
     :returns: :class:`CorrectedPosterior`.
 
     Example::
