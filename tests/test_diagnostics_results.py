@@ -1,5 +1,6 @@
 """Diagnostics of fitted results: PSIS k_hat, corrected marginals, LOO/WAIC/CPO/PIT and the ArviZ round trip,
 against closed forms (a conjugate Gaussian model) and the long NUTS reference of a hierarchical logistic model."""
+import functools
 import importlib.util
 import json
 import math
@@ -256,6 +257,56 @@ def test_vectorised_and_looped_log_joint_agree_and_unvectorisable_models_fall_ba
                        torch.tensor(0.3, dtype=D)))
              for z, loc in ((-1.0, 0.0), (1.0, 1.0))]
     np.testing.assert_allclose(out["log_joint"], exact, rtol=1e-12)
+
+
+def test_a_gpytorch_kernel_of_a_latent_lengthscale_is_vectorised():
+    """A kernel evaluated at ``x / ell`` with ``ell`` latent, train and cross: every GPyTorch kernel calls
+    ``torch.equal`` on its inputs, which vmap has no rule for, so such models were evaluated one trace per draw
+    (the zoo's GP: 8.8 s for a correction, 0.4 s vectorised). The vectorised values are the loop's, and
+    ``torch.equal`` is restored afterwards."""
+    gpytorch = pytest.importorskip("gpytorch")
+    from pyro_convexvb.diagnostics import ModelLogJoint
+
+    plain_equal = torch.equal
+    x = torch.linspace(-1.0, 1.0, 6, dtype=D).unsqueeze(-1)
+    z = torch.tensor([[0.2], [0.9]], dtype=D)
+    unit = gpytorch.kernels.RBFKernel().double()
+    unit.lengthscale = 1.0
+
+    def model(x, y=None):
+        ell = pyro.sample("ell", dist.LogNormal(torch.tensor(0.0, dtype=D), torch.tensor(0.5, dtype=D)))
+        K = unit(x / ell).to_dense() + 1e-2 * torch.eye(6, dtype=D)
+        f = pyro.sample("f", dist.MultivariateNormal(torch.zeros(6, dtype=D), covariance_matrix=K))
+        cross = unit(z / ell, x / ell).to_dense()  # (2, 6): not square, no zero diagonal
+        pyro.sample("g", dist.Normal(cross @ f, 0.5).to_event(1), obs=torch.tensor([0.3, -0.2], dtype=D))
+        with pyro.plate("data", 6):
+            pyro.sample("y", dist.Bernoulli(logits=f), obs=y)
+
+    y = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0, 0.0], dtype=D)
+    g = torch.Generator().manual_seed(3)
+    vals = {"ell": 0.5 * torch.randn(70, generator=g, dtype=D), "f": torch.randn(70, 6, generator=g, dtype=D)}
+    fast = ModelLogJoint(model, (x,), {"y": y})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to the loop
+        a = fast.evaluate(vals, pointwise=True)
+    b = ModelLogJoint(model, (x,), {"y": y}, vectorise=False).evaluate(vals, pointwise=True)
+    assert fast.vectorised is True and torch.equal is plain_equal
+    np.testing.assert_allclose(a["log_joint"], b["log_joint"], rtol=1e-12)
+    np.testing.assert_allclose(a["log_lik"]["g"], b["log_lik"]["g"], rtol=1e-12)
+
+
+def test_batched_equal_compares_every_draw():
+    """:func:`_batched_equal`: ``True`` only when the two inputs agree for every draw of a vmapped batch (a plain
+    tensor against each draw); plain tensors as ``torch.equal``."""
+    from pyro_convexvb.diagnostics.logjoint import _batched_equal
+
+    eq = functools.partial(_batched_equal, torch.equal)
+    a = torch.arange(6, dtype=D).reshape(3, 2)
+    assert eq(a, a.clone()) and not eq(a, a + 1)
+    assert torch.func.vmap(lambda r: torch.tensor(eq(r, r * 1.0)))(a).all()
+    assert not torch.func.vmap(lambda r: torch.tensor(eq(r, a[0])))(a).any()  # draw 0 equal, the others not
+    assert torch.func.vmap(lambda r: torch.tensor(eq(r, a[0])))(a[:1].expand(3, 2)).all()
+    assert torch.func.vmap(lambda r, q: torch.tensor(eq(r, q)), in_dims=(0, 1))(a, a.T.contiguous()).all()
 
 
 def test_gpytorch_kernels_of_data_inputs_are_vectorised_and_agree_with_the_loop():

@@ -11,7 +11,8 @@ PIT values) and a replicated observation.
 
 **Batching.** The model is traced once per draw, vectorised over draws with ``torch.func.vmap`` (chunks of 64
 draws; distribution argument validation is off, as ``vmap`` cannot branch on data, and GPyTorch kernels run in
-GPyTorch's ``trace_mode``, without custom autograd functions): the model runs as
+GPyTorch's ``trace_mode``, without custom autograd functions, with a ``torch.equal`` that compares batched inputs,
+:func:`_gpytorch_traceable`): the model runs as
 written -- ``X @ w`` sees one ``w`` -- and the cost is that of a few traces. On the first evaluation the vmapped
 log joint and pointwise log-likelihoods are checked against plain traces of two draws; a model that ``vmap``
 cannot run (data-dependent Python control flow, ``.item()``, samplers without batching rules), or whose
@@ -19,6 +20,7 @@ vmapped values disagree, is evaluated by the plain loop, one trace per draw (abo
 on a small logistic regression, against 0.04 ms vectorised).
 """
 import contextlib
+import functools
 import math
 import warnings
 
@@ -48,14 +50,49 @@ class _UnmaskImputed(ObsMaskMessenger):
         msg["mask"] = None
 
 
+@contextlib.contextmanager
 def _gpytorch_traceable():
-    """GPyTorch's ``settings.trace_mode`` when a model may use GPyTorch (it is imported): its kernels then compute
-    with plain tensor operations instead of custom autograd functions (``RBFCovariance``), which ``torch.func.vmap``
-    cannot run. The kernels' values are the same and nothing of them is changed."""
+    """When a model may use GPyTorch (it is imported): GPyTorch's ``settings.trace_mode``, so that its kernels
+    compute with plain tensor operations instead of custom autograd functions (``RBFCovariance``), and a
+    ``torch.equal`` that compares vmapped tensors (:func:`_batched_equal`), which every kernel calls on its inputs
+    (``covar_dist``) and which ``torch.func.vmap`` has no rule for: a kernel of a hyper-latent (``x / ell``) was
+    evaluated one trace per draw, 50 times slower. The kernels' values are the same and nothing of them is changed;
+    ``torch.equal`` is restored on exit and behaves as before on plain tensors."""
     import sys
 
     gpytorch = sys.modules.get("gpytorch")
-    return gpytorch.settings.trace_mode(True) if gpytorch is not None else contextlib.nullcontext()
+    if gpytorch is None:
+        yield
+        return
+    plain = torch.equal
+    torch.equal = functools.partial(_batched_equal, plain)
+    try:
+        with gpytorch.settings.trace_mode(True):
+            yield
+    finally:
+        torch.equal = plain
+
+
+def _batched_equal(plain, a, b):
+    """``torch.equal(a, b)`` where either may be a tensor batched by ``torch.func.vmap``: ``True`` when the two are
+    equal for every draw of the batch (a plain tensor is compared with each draw). GPyTorch takes its ``x1 == x2``
+    shortcut (a zero diagonal) only then, so a batch of mixed draws takes the general path, right for all."""
+    from torch._C import _functorch as ft
+
+    batched = [t for t in (a, b) if ft.is_batchedtensor(t)]
+    if not batched:
+        return plain(a, b)
+    level = ft.maybe_get_level(batched[0])
+    size = ft.get_unwrapped(batched[0]).shape[ft.maybe_get_bdim(batched[0])]
+
+    def whole(t):
+        if not ft.is_batchedtensor(t):
+            return t.unsqueeze(0).expand(size, *t.shape)
+        if ft.maybe_get_level(t) != level:
+            raise RuntimeError("torch.equal on tensors of two vmap levels")
+        return ft.get_unwrapped(t).movedim(ft.maybe_get_bdim(t), 0)
+
+    return plain(whole(a), whole(b))
 
 
 @contextlib.contextmanager
