@@ -98,3 +98,14 @@ def test_loo_from_exact_draws_matches_az_loo():
     assert ours.elpd_waic == pytest.approx(ref_w.elpd_waic, abs=1e-8)
     assert ours.p_waic == pytest.approx(ref_w.p_waic, abs=1e-8)
     assert ours.lpml == pytest.approx(ours.elpd_loo)
+
+
+@pytest.mark.parametrize("index", [1.5, 3.0, 6.0])
+def test_pareto_tail_k_of_a_lomax_sample_is_its_inverse_tail_index(index):
+    from pyro_convexvb.diagnostics.psis import pareto_tail_k
+
+    x = np.random.default_rng(1).pareto(index, size=200_000)
+    assert abs(pareto_tail_k(x) - 1.0 / index) < 0.04
+    # the square's tail (moments of order index / 2), slower to reach its limit: 0.43 for 1/3 at index 6
+    assert abs(pareto_tail_k(x**2) - 2.0 / index) < (0.06 if index <= 3 else 0.12)
+

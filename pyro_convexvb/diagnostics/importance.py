@@ -448,6 +448,9 @@ class CorrectedPosterior:
     refit: Any = None
     #: the :class:`ImportanceDiagnostics` of that unreliable first correction, else ``None``
     replaced: Any = field(default=None, repr=False)
+    #: ``{hyper-latent: k}`` the Pareto tail shape of ``(x - mean)^2`` under the proposal (tensors of the site's
+    #: shape); above :data:`SD_TAIL_K` the site's fourth moment is infinite and its ``sd_mcse`` is ``inf``
+    sd_tail_k: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def k_hat(self):
@@ -636,15 +639,39 @@ def _choose(result, num_draws, seed, progress, adapt, adaptation):
     return d
 
 
+#: a hyper-latent whose ``(x - mean)^2`` has a Pareto tail shape above this under the proposal (in the model's
+#: constrained coordinates) has an infinite fourth moment: the Monte Carlo error of its sd is unbounded
+#: (:func:`_sd_tail_k`)
+SD_TAIL_K = 0.5
+
+
+def _sd_tail_k(transform, reference, shape):
+    """``(p,)`` the Pareto tail shape of ``(x - mean)^2`` of each coordinate of a site in the model's coordinates,
+    from the proposal's reference draws ``(M, p)`` of its unconstrained coordinates (``shape``: the site's
+    unconstrained shape). Above :data:`SD_TAIL_K` the fourth moment is infinite, so any estimate of the sd from
+    draws has an unbounded error, which the draws themselves understate: an InverseGamma variance of three groups
+    (its posterior falling off like ``v^-4.5``, k 0.74) came out 10% of an sd low on average over 20 seeds, with
+    errors of up to 6.7 reported Monte Carlo errors."""
+    from .psis import pareto_tail_k
+
+    R = torch.as_tensor(np.asarray(reference), dtype=torch.float64)
+    with torch.no_grad():
+        v = transform(R.reshape(R.shape[0], *shape)).reshape(R.shape[0], -1).numpy()
+    h = (v - v.mean(0)) ** 2
+    return np.array([pareto_tail_k(h[:, j]) for j in range(h.shape[1])])
+
+
 def _summaries(result, d, estimator, probs, seed, baseline=False):
-    """``(sites, unconstrained, baselines)`` summaries of every latent site from the weighted draws of ``d``;
+    """``(sites, unconstrained, baselines, tails)`` summaries of every latent site from the weighted draws of ``d``;
     ``baselines``: ``{site: (unconstrained, constrained)}`` the same control-variate estimates with flat weights
-    (with ``baseline``, for the sites with controls)."""
+    (with ``baseline``, for the sites with controls); ``tails``: ``{hyper-latent: (p,)}`` :func:`_sd_tail_k` of the
+    hyper-latents integrated over."""
     lj = _log_joint(result)
     w = np.exp(d.log_weights)
     q = d.proposal_object
     layout = getattr(proposal_posterior(result), "layout", None)
-    sites, unc, bases = {}, {}, {}
+    hyper = getattr(getattr(result.posterior, "space", None), "names", None) if d.conditional_on is None else None
+    sites, unc, bases, tails = {}, {}, {}, {}
     # the proposal's own answer (the shrinkage's baseline) is that of its Gaussians, without the defensive draws
     base_rows = None if d.defensive is None or not d.defensive.any() else ~d.defensive
     t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
@@ -653,6 +680,10 @@ def _summaries(result, d, estimator, probs, seed, baseline=False):
         ctl = None
         if estimator == "cv" and q is not None:
             ctl = q.controls(n, layout, seed=seed, conditional=d.conditional)
+        if hyper and n in hyper and q is not None:
+            ref = ctl if ctl is not None else q.controls(n, layout, seed=seed, conditional=d.conditional)
+            if ref is not None and not ref.conditional:
+                tails[n] = _sd_tail_k(lj.transforms[n], ref.reference, tuple(x.shape[1:]))
         if ctl is None:
             v = lj.constrain(n, d.draws[n]).double().cpu().numpy()
             sites[n] = _summary(v, w, probs)
@@ -663,7 +694,29 @@ def _summaries(result, d, estimator, probs, seed, baseline=False):
                                             base_rows=base_rows)
         if baseline:
             bases[n] = (bu, bs)
-    return sites, unc, bases
+    return sites, unc, bases, tails
+
+
+def _unbounded_sds(sites, tails, warn):
+    """The sd errors of hyper-latents with an infinite fourth moment (:func:`_sd_tail_k`) set to ``inf``, in place,
+    with a warning naming them; returns ``{site: tail shapes}`` as tensors of the site's shape."""
+    out = {}
+    for n, k in tails.items():
+        shape = sites[n]["sd"].shape
+        out[n] = torch.as_tensor(k, dtype=torch.float64).reshape(shape)
+        heavy = k > SD_TAIL_K
+        if not heavy.any():
+            continue
+        se = sites[n]["sd_mcse"].reshape(-1).clone()
+        se[torch.as_tensor(heavy)] = math.inf
+        sites[n]["sd_mcse"] = se.reshape(shape)
+        if warn:
+            warnings.warn(f"corrected posterior: the sd of {n!r} cannot be estimated from draws: its tail is so heavy "
+                          f"that (x - mean)^2 has a Pareto shape of {float(np.nanmax(k)):.2f} > {SD_TAIL_K} under the "
+                          "proposal (an infinite fourth moment), so the sd's Monte Carlo error is unbounded (its "
+                          "sd_mcse is inf) and estimates come out low; read its quantiles, or the sd of its "
+                          "unconstrained value (corrected.unconstrained)", ApproximationWarning, stacklevel=4)
+    return out
 
 
 def _shrink(sites, unc, bases):
@@ -869,8 +922,9 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         warnings.warn("corrected posterior: " + d.message, ApproximationWarning, stacklevel=3)
     elif warn and not _settled(d):
         warnings.warn(_unsettled_message(d, adapt), ApproximationWarning, stacklevel=3)
-    sites, unc, bases = _summaries(result, d, estimator, probs, seed, baseline=shrink)
+    sites, unc, bases, tails = _summaries(result, d, estimator, probs, seed, baseline=shrink)
     factors = _shrink(sites, unc, bases) if shrink else {}
+    tails = _unbounded_sds(sites, tails, warn)
     hyper_names = getattr(getattr(result.posterior, "space", None), "names", None)
     hyper = {n: sites[n] for n in hyper_names} if hyper_names and d.conditional_on is None else None
     loc = scale = loc_se = scale_se = None
@@ -879,4 +933,5 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         names = [b.name for b in layout.blocks]
         cat = lambda key: layout.flatten({b: unc[b][key].reshape(unc[b][key].shape) for b in names})  # noqa: E731
         loc, scale, loc_se, scale_se = (cat(k).double() for k in ("mean", "sd", "mean_mcse", "sd_mcse"))
-    return CorrectedPosterior(sites, hyper, loc, scale, loc_se, scale_se, d, probs, unc, _log_joint(result), factors)
+    return CorrectedPosterior(sites, hyper, loc, scale, loc_se, scale_se, d, probs, unc, _log_joint(result), factors,
+                              sd_tail_k=tails)

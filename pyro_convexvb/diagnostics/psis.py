@@ -14,7 +14,7 @@ import numpy as np
 
 from ..posterior.empirical import weighted_quantiles as _quantiles
 
-__all__ = ["gpd_fit", "psis_smooth", "psis", "pareto_k_threshold", "importance_ess", "weighted_quantiles",
+__all__ = ["gpd_fit", "pareto_tail_k", "psis_smooth", "psis", "pareto_k_threshold", "importance_ess", "weighted_quantiles",
            "weighted_moments"]
 
 
@@ -67,6 +67,30 @@ def _gpd_quantile(p, k, sigma):
 def pareto_k_threshold(num_draws):
     """The sample-size dependent reliability threshold ``min(1 - 1 / log10 S, 0.7)`` (Vehtari et al. 2024, §3.2.4)."""
     return min(1.0 - 1.0 / math.log10(max(num_draws, 11)), 0.7)
+
+
+def pareto_tail_k(x):
+    """The generalised Pareto shape of the right tail of a sample ``x (S,)``: fitted (:func:`gpd_fit`) to the
+    exceedances of its ``ceil(min(S / 5, 3 sqrt(S)))`` largest values over the next one, as :func:`psis_smooth` fits
+    the ratios. A shape ``k`` says that moments of order ``1 / k`` and above are infinite. ``nan`` when fewer than 5
+    tail values exceed the threshold.
+
+    Example::
+
+        >>> rng = np.random.default_rng(0)
+        >>> round(pareto_tail_k(rng.pareto(2.0, size=200_000)), 1)   # Lomax with tail index 2: k = 1/2
+        0.5
+    """
+    x = np.sort(np.asarray(x, dtype=np.float64))
+    S = x.shape[0]
+    M = int(math.ceil(min(0.2 * S, 3.0 * math.sqrt(S))))
+    if S <= M:
+        return math.nan
+    exc = x[-M:] - x[-M - 1]
+    exc = exc[exc > 0]
+    if exc.size < 5:
+        return math.nan
+    return float(gpd_fit(exc / exc.max())[0])
 
 
 def psis_smooth(log_ratios, tail_len=None):
