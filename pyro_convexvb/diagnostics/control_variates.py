@@ -53,38 +53,51 @@ def regression_estimate(h, w, G=None, G_ref=None):
         >>> float(abs(est[0])) < 1e-8, float(se[0]) < 1e-8
         (True, True)
     """
-    h = np.asarray(h, dtype=np.float64)
+    return regression_estimates([h], w, G, G_ref)[0]
+
+
+def regression_estimates(hs, w, G=None, G_ref=None):
+    """:func:`regression_estimate` of several functions ``hs`` (a list of ``(S, p)`` arrays) with the same weights
+    and controls: the controls' centring and normal-equation matrix are formed once. A list of
+    ``(estimate, mcse, beta)``, the same numbers as one call each."""
     w = np.asarray(w, dtype=np.float64)
-    S = h.shape[0]
-    mu = w @ h
-    a = h - mu
-    a *= (S * w)[:, None]
-    if G is None or G.shape[2] == 0:
-        return mu, np.sqrt(np.einsum("sp,sp->p", a, a)) / S, np.zeros(h.shape[1:] + (0,))
-    # the k x k normal equations of each coordinate from column products (k is 1 or 2: a batched einsum over
-    # (S, p, k) costs several times more)
-    k = G.shape[2]
-    a -= a.mean(0)
-    gm = G.mean(0)
-    gs = [G[..., j] - gm[:, j] for j in range(k)]
-    C = np.empty((h.shape[1], k, k))
-    c = np.empty((h.shape[1], k))
-    for i in range(k):
-        c[:, i] = np.einsum("sp,sp->p", gs[i], a)
-        for j in range(i + 1):
-            C[:, i, j] = C[:, j, i] = np.einsum("sp,sp->p", gs[i], gs[j])
-    scale = np.einsum("pkk->p", C) / k
-    C = C + (1e-10 * scale + 1e-300)[:, None, None] * np.eye(k)
-    beta = np.linalg.solve(C, c[..., None])[..., 0]
-    est = mu - (beta * gm).sum(-1)
-    r = a
-    for j in range(k):
-        r -= gs[j] * beta[:, j]
-    var = np.einsum("sp,sp->p", r, r) / (S * max(S - 1 - k, 1))
-    if G_ref is not None:
-        comb = np.einsum("mpk,pk->mp", G_ref, beta)
-        var = var + comb.var(0) / G_ref.shape[0]
-    return est, np.sqrt(var), beta
+    k = 0 if G is None else G.shape[2]
+    if k:
+        # the k x k normal equations of each coordinate from column products (k is 1 or 2: a batched einsum over
+        # (S, p, k) costs several times more)
+        gm = G.mean(0)
+        gs = [G[..., j] - gm[:, j] for j in range(k)]
+        C = np.empty((G.shape[1], k, k))
+        for i in range(k):
+            for j in range(i + 1):
+                C[:, i, j] = C[:, j, i] = np.einsum("sp,sp->p", gs[i], gs[j])
+        scale = np.einsum("pkk->p", C) / k
+        C = C + (1e-10 * scale + 1e-300)[:, None, None] * np.eye(k)
+    out = []
+    for h in hs:
+        h = np.asarray(h, dtype=np.float64)
+        S = h.shape[0]
+        mu = w @ h
+        a = h - mu
+        a *= (S * w)[:, None]
+        if not k:
+            out.append((mu, np.sqrt(np.einsum("sp,sp->p", a, a)) / S, np.zeros(h.shape[1:] + (0,))))
+            continue
+        a -= a.mean(0)
+        c = np.empty((h.shape[1], k))
+        for i in range(k):
+            c[:, i] = np.einsum("sp,sp->p", gs[i], a)
+        beta = np.linalg.solve(C, c[..., None])[..., 0]
+        est = mu - (beta * gm).sum(-1)
+        r = a
+        for j in range(k):
+            r -= gs[j] * beta[:, j]
+        var = np.einsum("sp,sp->p", r, r) / (S * max(S - 1 - k, 1))
+        if G_ref is not None:
+            comb = np.einsum("mpk,pk->mp", G_ref, beta)
+            var = var + comb.var(0) / G_ref.shape[0]
+        out.append((est, np.sqrt(var), beta))
+    return out
 
 
 def cdf_estimate(ind, F, w, rows=None):
@@ -309,9 +322,8 @@ def cv_moments(x, w, ctl, transform=None, baseline=False, base_rows=None):
         return tuple(np.concatenate(r) for r in zip(*parts))
     G, G_ref = (None, None) if ctl is None else ctl.moment_controls(x, transform)
     h = x if transform is None else transform(x)
-    mean, mean_se, _ = regression_estimate(h, w, G, G_ref)
     c = w @ h
-    m2, m2_se, _ = regression_estimate((h - c) ** 2, w, G, G_ref)
+    (mean, mean_se, _), (m2, m2_se, _) = regression_estimates([h, (h - c) ** 2], w, G, G_ref)
     var = np.maximum(m2 - (mean - c) ** 2, 0.0)
     sd = np.sqrt(var)
     out = (mean, sd, mean_se, m2_se / (2 * np.maximum(sd, 1e-300)))
@@ -320,8 +332,7 @@ def cv_moments(x, w, ctl, transform=None, baseline=False, base_rows=None):
     if base_rows is not None:  # the controls are centred given the draw's component: exact on any such subset
         h, G = h[base_rows], None if G is None else G[base_rows]
     flat = np.full(h.shape[0], 1.0 / h.shape[0])
-    mean_b = regression_estimate(h, flat, G, G_ref)[0]
-    m2_b = regression_estimate((h - c) ** 2, flat, G, G_ref)[0]
+    (mean_b, _, _), (m2_b, _, _) = regression_estimates([h, (h - c) ** 2], flat, G, G_ref)
     return out + (mean_b, np.sqrt(np.maximum(m2_b - (mean_b - c) ** 2, 0.0)))
 
 

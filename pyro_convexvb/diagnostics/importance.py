@@ -507,18 +507,20 @@ BIASED_SHIFT = 0.5
 AGREE_SHIFT, AGREE_SD_LOW = 0.1, 0.8
 
 
-def _pool(result, rounds, maps, q):
+def _pool(result, rounds, maps, q, kernels=None):
     """The rounds' draws pooled, weighted against the equal-weight mixture of their proposals (balance
-    heuristic); ``rounds``: ``[(values, log_q, log_joint, conditional, eps)]``, round ``j`` drawn with ``maps[j]``."""
-    from .whitened import PooledProposal, mixture_log_q
+    heuristic); ``rounds``: ``[(values, log_q, log_joint, conditional, eps)]``, round ``j`` drawn with ``maps[j]``;
+    ``kernels``: a dict kept across the calls of one adaptation (:func:`~.whitened.mixture_log_q_rounds`)."""
+    from .whitened import PooledProposal, mixture_log_q_rounds
 
     q = PooledProposal(q.base, q.layout, maps)  # what the pooled draws come from (loo() draws afresh from it)
     own = np.concatenate([np.full(r[1].shape[0], j) for j, r in enumerate(rounds)])
-    eps = np.concatenate([r[4] for r in rounds])
-    log_q = mixture_log_q(np.concatenate([r[1] for r in rounds]), eps, own, maps)
-    # the pooled draws and their conditional moments are gathered only for the rounds' final answer (_gather)
+    log_q = mixture_log_q_rounds([r[1] for r in rounds], [r[4] for r in rounds], maps,
+                                 {} if kernels is None else kernels)
+    # the pooled draws and their conditional moments are gathered only for the rounds' final answer (_gather); the
+    # pooled whitened coordinates only when asked (_pooled_eps: the next round's fit, the final answer)
     d = _weigh(result, q, None, log_q, np.concatenate([r[2] for r in rounds]), None, name="affine", check=False)
-    d.eps, d.own, d.maps, d.rounds = eps, own, list(maps), list(rounds)
+    d.eps, d.own, d.maps, d.rounds = None, own, list(maps), list(rounds)
     d.defensive = np.concatenate([np.zeros(r[1].shape[0], dtype=bool) if r[5] is None else r[5] for r in rounds])
     # the moment check asks whether the last proposal agrees with the weighted moments: its own draws
     last = own == len(rounds) - 1
@@ -527,11 +529,19 @@ def _pool(result, rounds, maps, q):
     return d
 
 
+def _pooled_eps(d):
+    """``(N, n)`` the whitened coordinates of a :func:`_pool` result's draws (concatenated on first use)."""
+    if d.eps is None:
+        d.eps = np.concatenate([r[4] for r in d.rounds])
+    return d.eps
+
+
 def _gather(d):
     """The pooled draws and their conditional moments of a :func:`_pool` result, in place (once)."""
     rounds = getattr(d, "rounds", None)
     if rounds is None or d.draws is not None:
         return d
+    _pooled_eps(d)
     d.draws = {n: torch.cat([r[0][n] for r in rounds]) for n in rounds[0][0]}
     cond = tuple(np.concatenate([np.broadcast_to(r[3][i], (r[1].shape[0],) + np.shape(r[3][i])[1:])
                                  for r in rounds]) for i in range(3))
@@ -563,6 +573,7 @@ def _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried):
     tried[d.proposal] = d.k_hat
     rounds, maps = [(values, lq, ljv, cond, None, None)], [q.amap]
     own = np.zeros(lq.shape[0], dtype=np.int64)
+    kernels = {}  # the mixture's kernels of each round's draws under each map (_pool)
     for r in range(rounds_max):
         if d.ess >= ADAPT_BELOW * d.num_draws or not np.isfinite(d.k_hat):
             break
@@ -571,6 +582,8 @@ def _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried):
         if r == 0:  # whitened only when adapting
             eps = q.last_eps
             rounds[0] = rounds[0][:4] + (eps, None)
+        if r > 0:
+            eps = _pooled_eps(d)
         amap = fit_affine_map(eps, np.exp(d.log_weights), own, maps, seed=seed + r)
         if amap.is_identity:
             break
@@ -579,12 +592,12 @@ def _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried):
         values, lq, ljv, cond = _draw(result, q2, num_draws, seed + 101 + r, progress)
         rounds.append((values, lq, ljv, cond, q2.last_eps, q2.defensive_draws))
         maps.append(amap)
-        d2 = _pool(result, rounds, maps, q2)
+        d2 = _pool(result, rounds, maps, q2, kernels)
         tried["affine" if r == 0 else f"affine{r + 1}"] = d2.k_hat
         if _rank(d2) <= _rank(d):
             break
         sharper = d2.ess / d2.num_draws > d.ess / d.num_draws
-        d, eps, own = d2, d2.eps, d2.own
+        d, own = d2, d2.own
         if not sharper:  # more draws, no better proposal: another round would only add draws
             break
     return _gather(d)

@@ -43,6 +43,8 @@ T_DF = 5.0
 
 #: largest latent dimension at which a matrix-free precision is densified for its log density
 DENSE_MAX = 4000
+#: rows per block of the proposals' elementwise passes over ``(S, n)`` draws (their temporaries stay small)
+ROW_BLOCK = 256
 
 
 def field_vector(layout, values):
@@ -71,6 +73,40 @@ def _triangular_inverse(F):
     return torch.linalg.solve_triangular(F, torch.eye(F.shape[0], dtype=F.dtype, device=F.device), upper=False)
 
 
+#: a dense SPD matrix whose nonzeros lie within this fraction of its size of the diagonal is factorised as a band
+#: (LAPACK ``pbtrf``, ``n kd^2`` flops instead of ``n^3 / 3``: a lattice GMRF's precision in its natural ordering)
+BAND_FRACTION = 0.125
+
+
+def _banded_cholesky(A):
+    """The lower Cholesky factor ``(n, n)`` of the dense SPD ``A`` by LAPACK's banded factorisation when its
+    nonzeros lie in a narrow band (:data:`BAND_FRACTION`), else ``None`` (also when the banded factorisation fails:
+    the dense one then reports it). The factor of a band matrix has no fill outside the band: the same factor to
+    rounding."""
+    if A.device.type != "cpu" or A.dtype != torch.float64 or A.dim() != 2:
+        return None
+    a = A.detach().numpy()
+    n = a.shape[0]
+    rows, cols = np.nonzero(a)
+    kd = int(np.abs(rows - cols).max(initial=0))
+    if n < 64 or kd > BAND_FRACTION * n:
+        return None
+    from scipy.linalg import LinAlgError, cholesky_banded
+
+    ab = np.zeros((kd + 1, n))
+    for d in range(kd + 1):
+        ab[d, :n - d] = np.diagonal(a, -d)
+    try:
+        cb = cholesky_banded(ab, lower=True, check_finite=False)
+    except LinAlgError:
+        return None
+    F = np.zeros((n, n))
+    idx = np.arange(n)
+    for d in range(kd + 1):
+        F[idx[d:], idx[:n - d]] = cb[d, :n - d]
+    return torch.from_numpy(F)
+
+
 def _with_density(post):
     """``post``, or for a matrix-free precision ``A`` (covariance ``precision_scale * A^{-1}``) up to
     :data:`DENSE_MAX` latents the same Gaussian with its dense precision (exact samples and log density)."""
@@ -84,7 +120,9 @@ def _with_density(post):
         A = 0.5 * (A + A.transpose(0, 1)) / post.precision_scale
         # the exact marginal variances from the factor (diag A^{-1} = column norms of F^{-1}), which the proposal
         # uses again (one Cholesky factorisation, no dense inverse)
-        F = torch.linalg.cholesky(A)
+        F = _banded_cholesky(A)
+        if F is None:
+            F = torch.linalg.cholesky(A)
         F_inv = _triangular_inverse(F)
         dense = GaussianPosterior(post.loc, (F_inv**2).sum(0), precision=A, layout=post.layout)
         dense.__dict__["_precision_factor"] = (F, F_inv)
@@ -169,11 +207,14 @@ class _GaussianParts:
         half_logdet = torch.log(torch.diagonal(F)).sum() * (-1.0 if kind == "precision" else 1.0)
         return -0.5 * (eps**2).sum(-1) - half_logdet - 0.5 * self.n * math.log(2 * math.pi)
 
-    def draw(self, m, generator, white=False):
+    def draw(self, m, generator, white=False, color=True):
         """``(m, n)`` draws of the Gaussian ``N(loc, Sigma)`` by its factor; with ``white``, also their whitened
-        coordinates ``eps`` (``u - loc = W eps``, :meth:`whiten`), the standard normal draws they were made from."""
+        coordinates ``eps`` (``u - loc = W eps``, :meth:`whiten`), the standard normal draws they were made from.
+        Without ``color`` (with ``white``) the draws are not formed: ``(None, eps)``, the same random stream."""
         kind, F = self.factor()
         eps = torch.randn((m, self.n), dtype=F.dtype, device=F.device, generator=generator)
+        if white and not color:
+            return None, eps
         if kind == "precision":
             x = torch.linalg.solve_triangular(F.transpose(0, 1), eps.transpose(0, 1), upper=True).transpose(0, 1)
         else:
@@ -380,6 +421,11 @@ class Proposal:
     #: after :meth:`sample`: ``(S,)`` boolean, the draws made by a defensive component of an adapted proposal
     #: (:mod:`~pyro_convexvb.diagnostics.whitened`), or ``None``
     defensive_draws = None
+    #: set by a :class:`~pyro_convexvb.diagnostics.whitened.WhitenedProposal` that moves the draws: a plain
+    #: proposal's :meth:`sample` then draws ``frame_eps``, ``frame``, ``log_q`` and its conditional moments (the
+    #: same random stream and numbers) but leaves the field of its values unformed (zeros): the adapted proposal
+    #: colours its own coordinates in the frame
+    white_only = False
 
     def hyper_reference(self, M, generator=None):
         """``(M, d)`` draws of the unconstrained hyper-latents from the proposal (no field); ``None`` if it has
@@ -459,7 +505,9 @@ class GaussianProposal(Proposal):
             if self.parts is None:  # a mixture posterior
                 u = self.post.sample(S, generator=generator).reshape(S, -1)
                 return u, self.post.log_prob(u)
-            u, eps = self.parts.draw(S, generator, white=True)
+            u, eps = self.parts.draw(S, generator, white=True, color=not self.white_only)
+            if u is None:
+                u = torch.zeros((S, self.parts.n), dtype=self.post.loc.dtype, device=self.post.loc.device)
             loc = self.post.loc.detach().double().cpu().numpy()
             self.frame = (np.zeros(S, dtype=np.int64), np.broadcast_to(loc, (S, loc.shape[0])), None)
             self.frame_eps = eps.detach().double().cpu().numpy()
@@ -526,9 +574,17 @@ class HyperProposal(Proposal):
             Xo, Vo = X[order, 0], vals[order]
             j = np.clip(np.searchsorted(Xo, xs[:, 0]) - 1, 0, len(Xo) - 2)
             lam = np.clip((xs[:, 0] - Xo[j]) / (Xo[j + 1] - Xo[j]), 0.0, 1.0)[:, None]
-            out = np.diff(Vo, axis=0)[j]  # V_j + lam (V_{j+1} - V_j)
-            out *= lam
-            out += Vo[j]
+            dV = np.diff(Vo, axis=0)
+            # V_j + lam (V_{j+1} - V_j), in row blocks (no (S, 2n) temporaries), locations and log scales apart
+            loc, logsd = np.empty((len(xs), n)), np.empty((len(xs), n))
+            for a in range(0, len(xs), ROW_BLOCK):
+                jb, lb = j[a:a + ROW_BLOCK], lam[a:a + ROW_BLOCK]
+                for out, cols in ((loc, slice(0, n)), (logsd, slice(n, 2 * n))):
+                    o = out[a:a + ROW_BLOCK]
+                    np.take(dV[:, cols], jb, axis=0, out=o)
+                    o *= lb
+                    o += Vo[jb, cols]
+            return loc, logsd
         else:
             if not hasattr(self, "_lin"):
                 self._lin = LinearNDInterpolator(X, vals)
@@ -551,19 +607,36 @@ class HyperProposal(Proposal):
         u = draw.reshape(m, self.hp.n).double()
         lq = self.parts[k].log_prob_white(e).double()
         if self.name == "interpolated":
-            un, _, _, logD = self._move(x, np.array([k]), u.cpu().numpy())
+            un, _, _, log_det, _ = self._move(x, np.array([k]), u.cpu().numpy(), sd=False)
             u = torch.as_tensor(un, dtype=torch.float64)
-            lq = lq - float(logD.sum())
+            lq = lq - float(log_det.sum())
         return u, lq
 
-    def _move(self, x, kk, uk):
+    def _move(self, x, kk, uk, sd=True):
         """The ``"interpolated"`` proposal's field at ``x (S, d)`` (or one row, for draws all at one point): the draws
         ``uk (S, n)`` of the design points ``kk (S,)`` moved to the location and log scales interpolated there,
-        ``u = loc(x) + D (u_k - loc_k)`` with ``D = sd(x) / sd_k``. Returns ``(u, loc(x), log sd(x), log D)`` (numpy);
-        ``log q(u | x) = log q_k(u_k) - sum log D``."""
+        ``u = loc(x) + D (u_k - loc_k)`` with ``D = sd(x) / sd_k``. Returns ``(u, loc(x), sd(x), sum log D (S,), D)``
+        (numpy; ``u`` is ``None`` for ``uk=None``, ``sd(x)`` without ``sd``); ``log q(u | x) = log q_k(u_k) -
+        sum log D``. In row blocks and in place: no ``(S, n)`` temporaries beside the results."""
         loc_x, logsd_x = self._interpolate(x)
-        logD = logsd_x - self._logsd[kk]
-        return loc_x + np.exp(logD) * (uk - self._locs[kk]), loc_x, logsd_x, logD
+        kk = np.broadcast_to(kk, (logsd_x.shape[0],))
+        D = np.empty_like(logsd_x)
+        for a in range(0, D.shape[0], ROW_BLOCK):
+            np.subtract(logsd_x[a:a + ROW_BLOCK], self._logsd[kk[a:a + ROW_BLOCK]], out=D[a:a + ROW_BLOCK])
+        log_det = D.sum(1)
+        np.exp(D, out=D)
+        sd_x = np.exp(logsd_x, out=logsd_x) if sd else None
+        if uk is None:
+            return None, loc_x, sd_x, log_det, D
+        u = np.array(uk, dtype=np.float64, copy=True)
+        one = D.shape[0] == 1  # draws all at one point: its frame for every row
+        for a in range(0, u.shape[0], ROW_BLOCK):
+            ub = u[a:a + ROW_BLOCK]
+            fr = slice(0, 1) if one else slice(a, a + ROW_BLOCK)
+            ub -= self._locs[kk[fr]]
+            ub *= D[fr]
+            ub += loc_x[fr]
+        return u, loc_x, sd_x, log_det, D
 
     # ---- theta part, in the standardised coordinates x of the design
     def _log_qx(self, x):
@@ -609,19 +682,22 @@ class HyperProposal(Proposal):
             k = torch.zeros(S, dtype=torch.long)
             z = hp.z[0].reshape(1, -1).expand(S, -1)  # theta fixed at its mode; q covers the field only
         fdt = hp.components[0].dtype  # the design points' fits run in float64, whatever the model's dtype
-        u = torch.empty(S, hp.n, dtype=fdt, device=hp.device)
+        white_only = self.white_only and not self.mixture
+        u = (torch.zeros if white_only else torch.empty)(S, hp.n, dtype=fdt, device=hp.device)
         lu1 = torch.empty(S, dtype=torch.float64)
         lu2 = torch.empty(S, dtype=torch.float64)
         eps = None if self.mixture else np.empty((S, hp.n))  # the plain draws' whitened coordinates
         for j in k.unique().tolist():
             idx = (k == j).nonzero().reshape(-1)
             parts = self.parts[j]
-            draw, e = parts.draw(len(idx), generator, white=True)
-            draw = draw.reshape(len(idx), hp.n)
+            draw, e = parts.draw(len(idx), generator, white=True, color=not white_only)
+            if not white_only:
+                draw = draw.reshape(len(idx), hp.n)
             sec = second[idx]
             if self.mixture and bool(sec.any()):
                 draw[sec] = parts.sample(int(sec.sum()), generator, self.name)
-            u[idx] = draw
+            if not white_only:
+                u[idx] = draw
             if self.mixture:
                 lp = parts.log_prob(draw).double()
             else:
@@ -632,9 +708,10 @@ class HyperProposal(Proposal):
                 lu2[idx] = parts.log_prob_second(draw, self.name, lp).double()
         kk = k.cpu().numpy()
         if self.name == "interpolated" and self.covers_hyper:
-            un, loc_x, logsd_x, logD = self._move(x, kk, u.double().cpu().numpy())
-            u = torch.as_tensor(un, dtype=fdt, device=hp.device)
-            lu1 = lu1 - torch.as_tensor(logD.sum(1), dtype=torch.float64)
+            un, loc_x, sd_x, log_det, D = self._move(x, kk, None if white_only else u.double().cpu().numpy())
+            if un is not None:
+                u = torch.as_tensor(un, dtype=fdt, device=hp.device)
+            lu1 = lu1 - torch.as_tensor(log_det, dtype=torch.float64)
         if self.covers_hyper:
             lq1 = self._log_qx(x) + lu1
             if not self.mixture:
@@ -647,8 +724,8 @@ class HyperProposal(Proposal):
         sec = second.cpu().numpy()
         covs = [_cov_of(p) for p in self.parts]
         if self.name == "interpolated" and self.covers_hyper:
-            self.cond_loc, self.cond_sd = loc_x, np.exp(logsd_x)
-            self.frame = (kk, loc_x, np.exp(logD))
+            self.cond_loc, self.cond_sd = loc_x, sd_x
+            self.frame = (kk, loc_x, D)
             self.cond_cov = FieldCovariance(kk, self.frame[2], covs)
         else:
             locs = torch.stack([c.loc.detach() for c in self.components]).double().cpu().numpy()

@@ -52,6 +52,9 @@ LOW_RANK_MAX_N = 3000
 MAX_DIRECTIONS = 10
 
 
+#: rows per block of :meth:`AffineMap.log_kernel` and of :func:`fit_affine_map`'s passes over the draws
+KERNEL_ROWS = 512
+
 #: the defensive share of the adaptive rounds' draws: each round draws ``eps`` from ``(1 - a) N(0, I) + a t_nu(0, I)``
 #: instead of ``N(0, I)`` (Hesterberg 1995, defensive importance sampling), so that the importance weights stay
 #: bounded (by ``1 / (1 - a)`` times the Gaussian's weights in the bulk, and by the heavy component in tails that are
@@ -96,6 +99,8 @@ class AffineMap:
             raise ValueError("AffineMap: expected mu (n,), s (n,) > 0, U (n, r) and lam (r,) > -1")
         self.g = np.sqrt(1.0 + self.lam) - 1.0
         self.log_det = float(np.log(self.s).sum() + 0.5 * np.log1p(self.lam).sum())
+        #: no shift, unit scales, no directions: ``(e - mu) / s = e`` exactly (the kernel skips two passes)
+        self._unmoved = bool(not self.mu.any() and np.all(self.s == 1.0) and self.U.shape[1] == 0)
 
     @classmethod
     def identity(cls, n, defensive=0.0):
@@ -145,6 +150,10 @@ class AffineMap:
 
     def forward(self, eps):
         """``(S, n)`` whitened draws ``eps`` to ``e``."""
+        if self.U.shape[1] == 0:  # no directions: the same numbers without the (S, n) product of zeros
+            e = eps * self.s
+            e += self.mu
+            return e
         return self.mu + self.s * (eps + ((eps @ self.U) * self.g) @ self.U.T)
 
     def inverse(self, e):
@@ -156,12 +165,21 @@ class AffineMap:
         without a defensive share).
 
         With ``x = (e - mu) / s`` and ``U`` orthonormal, ``|B^{-1}(e - mu)|^2 = |x|^2 - sum_j (1 - 1/(1 + lam_j))
-        (x^T u_j)^2``: the inverse is never formed."""
-        x = e - self.mu
-        x /= self.s
-        sq = np.einsum("ij,ij->i", x, x)
-        if self.U.shape[1]:
-            sq -= ((x @ self.U) ** 2) @ (1.0 - 1.0 / (1.0 + self.lam))
+        (x^T u_j)^2``: the inverse is never formed. Row blocks of :data:`KERNEL_ROWS` keep the temporaries in
+        cache (no fresh ``(S, n)`` array per call)."""
+        S = e.shape[0]
+        sq = np.empty(S)
+        if self._unmoved:
+            sq[:] = np.einsum("ij,ij->i", e, e)
+        else:
+            buf = np.empty((min(S, KERNEL_ROWS), e.shape[1]))
+            for a in range(0, S, KERNEL_ROWS):
+                x = buf[:min(KERNEL_ROWS, S - a)]
+                np.subtract(e[a:a + KERNEL_ROWS], self.mu, out=x)
+                x /= self.s
+                sq[a:a + x.shape[0]] = np.einsum("ij,ij->i", x, x)
+                if self.U.shape[1]:
+                    sq[a:a + x.shape[0]] -= ((x @ self.U) ** 2) @ (1.0 - 1.0 / (1.0 + self.lam))
         return self._log_base_sq(sq, e.shape[1]) - self.log_det
 
     def covariance(self):
@@ -175,9 +193,11 @@ class AffineMap:
     def field_moments(self, L):
         """``(L mu, diag(L Cov L^T))`` for a square root ``L`` ``(n, n)`` of a component's covariance."""
         Ls = L * self.s[None, :]
-        var = (Ls**2).sum(1)
-        if self.U.shape[1]:
-            var = var + ((Ls @ self.U) ** 2 * self.lam).sum(1)
+        extra = ((Ls @ self.U) ** 2 * self.lam).sum(1) if self.U.shape[1] else None
+        Ls *= Ls
+        var = Ls.sum(1)
+        if extra is not None:
+            var = var + extra
         return L @ self.mu, var
 
 
@@ -200,7 +220,10 @@ def _color(base, e, frame):
     for j in np.unique(k):
         idx = np.nonzero(k == j)[0]
         x[idx] = base.frame_parts[int(j)].color(e[idx])
-    return a + (x if d is None else d * x)
+    if d is not None:
+        x *= d
+    x += a
+    return x
 
 
 class WhitenedProposal(Proposal):
@@ -252,14 +275,22 @@ class WhitenedProposal(Proposal):
         return self.base.hyper_reference(M, generator)
 
     def sample(self, S, generator=None):
-        values, lq = self.base.sample(S, generator)
-        u0 = field_vector(self.layout, values)
+        plain = self.amap.is_plain
+        # a moved draw is coloured here, in its frame: the base draws only its whitened coordinates and frame
+        self.base.white_only = not plain
+        try:
+            values, lq = self.base.sample(S, generator)
+        finally:
+            self.base.white_only = False
         frame = self.base.frame
         # the base draws' whitened coordinates: the standard normal draws they were made from, else whitened
         known = getattr(self.base, "frame_eps", None)
-        self._eps, self._pending = (known, None) if known is not None else (None, (u0.double().cpu().numpy(), frame))
+        if known is not None:
+            self._eps, self._pending = known, None
+        else:
+            self._eps, self._pending = None, (field_vector(self.layout, values).double().cpu().numpy(), frame)
         self.defensive_draws = None
-        if self.amap.is_plain:  # the base draws; whitened only if asked (last_eps)
+        if plain:  # the base draws; whitened only if asked (last_eps)
             self.cond_loc, self.cond_sd = self.base.cond_loc, self.base.cond_sd
             self.cond_cov = self.base.cond_cov
         else:
@@ -267,7 +298,8 @@ class WhitenedProposal(Proposal):
             x, r = self.amap.defend(eps, generator)
             self.defensive_draws = r != 1.0
             e = self.amap.forward(x)
-            values = with_field(self.layout, values, _color(self.base, e, frame), u0)
+            like = values[self.layout.blocks[0].name]
+            values = with_field(self.layout, values, _color(self.base, e, frame), like)
             lq = lq + torch.as_tensor(_moved_density(self.amap, eps, x), dtype=lq.dtype, device=lq.device)
             self.cond_loc, self.cond_sd = self.field_moments(frame, r=r)
             self.cond_cov = self.field_covariance(frame, [self.amap], np.zeros(S, dtype=np.int64), r)
@@ -286,10 +318,12 @@ class WhitenedProposal(Proposal):
         if r is not None and np.any(r != 1.0):
             d = np.broadcast_to(r[:, None], a.shape) if d is None else r[:, None] * d
         J = len(maps)
-        K = len(self.base.frame_parts)
+        parts = self.base.frame_parts  # not self: the covariance, which this proposal keeps, would close a cycle
+        K = len(parts)
+        maps = list(maps)
 
         def cov(j, sl):
-            W = self.base.frame_parts[j // J].sqrt()[sl]
+            W = parts[j // J].sqrt()[sl]
             return W @ maps[j % J].covariance() @ W.T
 
         return FieldCovariance(np.asarray(k, dtype=np.int64) * J + np.asarray(own, dtype=np.int64), d,
@@ -307,8 +341,12 @@ class WhitenedProposal(Proposal):
             m, v = amap.field_moments(self.base.frame_parts[int(j)].sqrt())
             loc[idx], sd[idx] = m, np.sqrt(v)
         if d is not None:
-            loc, sd = loc * d, sd * d
-        return a + loc, sd if r is None else sd * r[:, None]
+            loc *= d
+            sd *= d
+        loc += a
+        if r is not None:
+            sd *= r[:, None]
+        return loc, sd
 
 
 class PooledProposal(WhitenedProposal):
@@ -376,6 +414,22 @@ def mixture_log_q(log_q_own, eps, own, maps):
     return log_q_own - own_ker + np.logaddexp.reduce(ker, 1) - math.log(len(maps))
 
 
+def mixture_log_q_rounds(log_q_own, eps, maps, cache):
+    """:func:`mixture_log_q` of pooled rounds given round by round: ``log_q_own`` and ``eps`` lists (round ``j``
+    drawn with ``maps[j]``); ``cache`` a dict ``{(j, i): kernel of round j's draws under maps[i]}`` kept between
+    calls (a round's draws and the maps so far do not change when a round is added). The same numbers as
+    :func:`mixture_log_q` on the concatenated draws."""
+    out = []
+    J = len(maps)
+    for j, (lq, e) in enumerate(zip(log_q_own, eps)):
+        for i in range(J):
+            if (j, i) not in cache:
+                cache[(j, i)] = maps[i].log_kernel(e)
+        ker = np.stack([cache[(j, i)] for i in range(J)], 1)
+        out.append(lq - ker[:, j] + np.logaddexp.reduce(ker, 1) - math.log(J))
+    return np.concatenate(out)
+
+
 def _js(excess_sq, noise):
     """Positive-part James-Stein factor ``max(0, 1 - (p - 2)/p sum noise / sum excess^2)`` of ``p`` estimates
     (no shrinkage for ``p <= 2``)."""
@@ -404,19 +458,38 @@ def fit_affine_map(eps, w, own, maps, seed=0, max_directions=MAX_DIRECTIONS):
     c = np.asarray(w, dtype=np.float64) - 1.0 / N
     own = np.asarray(own)
     frac = np.bincount(own, minlength=len(maps)) / N
-    mu_own = np.stack([m.mu for m in maps])[own]
-    mean = w @ eps - (eps - mu_own).mean(0)
-    dev = eps - mean
+    # mean_s(e_s - mu_own) = mean_s e_s - sum_j frac_j mu_j (no (N, n) array of each draw's map's shift)
+    mean = w @ eps - (eps.mean(0) - frac @ np.stack([m.mu for m in maps]))
     # diagonal of the covariance: sum_s c_s e_s^2 + mean_s E_own[e^2] - mean^2
     map_var = np.stack([m.spread * m.s**2 * (1 + (m.U**2 * m.lam).sum(1)) for m in maps])  # (J, n) each map's
     known_diag = frac @ (map_var + np.stack([m.mu**2 for m in maps]))
-    var = np.maximum(c @ eps**2 + known_diag - mean**2, 1e-6)
     c2 = c**2
+    # one pass in row blocks: sum_s c_s e_s^2 and sum_s c_s^2 (e - m)^2
+    ce2, dev2 = np.zeros(n), np.zeros(n)
+    buf = np.empty((min(N, KERNEL_ROWS), n))
+    for a in range(0, N, KERNEL_ROWS):
+        b = min(N, a + KERNEL_ROWS)
+        x = buf[:b - a]
+        np.multiply(eps[a:b], eps[a:b], out=x)
+        ce2 += c[a:b] @ x
+        np.subtract(eps[a:b], mean, out=x)
+        x *= x
+        dev2 += c2[a:b] @ x
+    var = np.maximum(ce2 + known_diag - mean**2, 1e-6)
     # shift: James-Stein toward 0 (noise variance of each coordinate's estimate: sum_s c_s^2 (e - m)^2)
-    mu = np.clip(mean * _js(mean**2, c2 @ dev**2), -1.0, 1.0)
+    mu = np.clip(mean * _js(mean**2, dev2), -1.0, 1.0)
     # scales: the pooled scale, and each coordinate's departure from it shrunk toward it
     rho2 = float(var.mean())
-    v = rho2 + _js((var - rho2) ** 2, c2 @ (dev**2 - var) ** 2) * (var - rho2)
+    dev4 = np.zeros(n)  # sum_s c_s^2 ((e - m)^2 - var)^2, in row blocks
+    for a in range(0, N, KERNEL_ROWS):
+        b = min(N, a + KERNEL_ROWS)
+        x = buf[:b - a]
+        np.subtract(eps[a:b], mean, out=x)
+        x *= x
+        x -= var
+        x *= x
+        dev4 += c2[a:b] @ x
+    v = rho2 + _js((var - rho2) ** 2, dev4) * (var - rho2)
     # each round may halve or double a coordinate's scale relative to the rounds' proposals so far (a posterior
     # several times wider than the Gaussian is reached in a few rounds, while one noisy round cannot run away)
     s = np.sqrt(np.clip(v, 0.25 * map_var.min(0), 4.0 * map_var.max(0)))
@@ -444,17 +517,24 @@ def _leading_eigenpairs(A, k, seed):
     return eigsh(A, k=k, which="LM", v0=np.random.default_rng(seed).standard_normal(n))
 
 
-def _weighted_gram(X, c):
+def _weighted_gram(X, c, rows=None):
     """``X^T diag(c) X`` ``(n, n)`` for ``X`` ``(m, n)`` and weights ``c`` ``(m,)`` of either sign: two symmetric
     rank-k updates (BLAS ``syrk``, half the flops of a general product), on the rows of positive and of negative
-    weight."""
+    weight; ``rows`` ``(m,)`` boolean: over those rows only."""
     from scipy.linalg import blas
 
-    pos = c > 0
-    M = blas.dsyrk(1.0, X[pos] * np.sqrt(c[pos])[:, None], trans=1, lower=0)
-    neg = c < 0
+    def scaled(sel, sign):
+        Y = X[sel]  # a copy: scaled in place
+        Y *= np.sqrt(sign * c[sel])[:, None]
+        return Y
+
+    pos = c > 0 if rows is None else rows & (c > 0)
+    # no rows of one sign (degenerate weights: one draw carries them all): LAPACK refuses an empty product
+    # (xerbla prints "DSYRK parameter number 7 had an illegal value"); its sum is zero
+    M = blas.dsyrk(1.0, scaled(pos, 1.0), trans=1, lower=0) if pos.any() else np.zeros((X.shape[1],) * 2)
+    neg = c < 0 if rows is None else rows & (c < 0)
     if neg.any():
-        M = blas.dsyrk(-1.0, X[neg] * np.sqrt(-c[neg])[:, None], trans=1, beta=1.0, c=M, lower=0, overwrite_c=1)
+        M = blas.dsyrk(-1.0, scaled(neg, -1.0), trans=1, beta=1.0, c=M, lower=0, overwrite_c=1)
     upper = np.triu(M, 1)
     return np.triu(M) + upper.T
 
@@ -471,19 +551,21 @@ def _directions(eps, c, own, maps, frac, mean, s, seed, r_max):
     R, cs = [], []
     for part in (half, ~half):
         cs.append(np.where(part, c, 0.0) * N / part.sum())
-        M = _weighted_gram(eps[part], cs[-1][part]) + K  # the other half's weights are zero
+        M = _weighted_gram(eps, cs[-1], part) + K  # the other half's weights are zero
         Ri = (M - np.outer(mean, mean)) / np.outer(s, s)
         np.fill_diagonal(Ri, 1.0)  # the scales s carry the diagonal
         R.append(Ri)
-    z = (eps - mean) / s
     kept_vectors = []  # (u, a): the confirmed low-rank departure is sum a u u^T
     for a, b in ((0, 1), (1, 0)):
         lam_a, V = _leading_eigenpairs(R[a] - np.eye(n), 2 * r_max, seed)
         kept = 0
-        for j in np.argsort(-np.abs(lam_a))[: 2 * r_max]:
+        cand = np.argsort(-np.abs(lam_a))[: 2 * r_max]
+        Vs = V[:, cand] / s[:, None]
+        Z = eps @ Vs - mean @ Vs  # (N, candidates): z @ u with z = (e - m) / s, without z
+        for col, j in enumerate(cand):
             u = V[:, j]
             est = float(u @ R[b] @ u) - 1.0
-            se = math.sqrt(float((cs[b] ** 2 * ((z @ u) ** 2 - 1.0 - est) ** 2).sum()))
+            se = math.sqrt(float((cs[b] ** 2 * (Z[:, col] ** 2 - 1.0 - est) ** 2).sum()))
             if est * lam_a[j] > 0 and abs(est) > 2 * se + 1e-8:
                 kept_vectors.append((u, 0.5 * est))
                 kept += 1
