@@ -41,7 +41,8 @@ ESS per second for corrected results.
 
 Accuracy: the hyper-latent's 5%, 50%, 95% quantiles relative to the reference (targets 15% for the
 median, 25% for the tails) and the latent field's means in reference posterior standard deviations
-(target 0.25) and their sds relative to the reference sds (range over the field). Time: median wall seconds over ``--repeats`` alternating runs; the ratio to NUTS.
+(target 0.25) and their sds relative to the reference sds (range over the field). Time: median wall seconds over ``--repeats`` alternating runs; the ratio to NUTS. Our engines run with one torch
+thread and one BLAS thread (``--threads``); NumPyro with JAX's defaults.
 
 The results file (``hierarchical.json``, or ``hierarchical_<cases>.json`` for ``--cases``) is rewritten after
 every case with ``cases_done`` and ``complete``, so a run stopped partway keeps the cases it finished.
@@ -390,6 +391,11 @@ def main():
     _numpyro_models.add_compile_cache_option(parser)
     args = parse_args(parser=parser)
     torch.set_default_dtype(D)
+    from threadpoolctl import threadpool_limits
+
+    # NumPy's BLAS as torch (--threads): its default of one thread a core spun both cores on the corrections' small
+    # dense products (1.5-3 s of CPU for 1.3 s of work on the GMRF case)
+    threadpool_limits(args.threads)
     repeats = args.repeats or (1 if args.quick else 3)
     methods = ["dual_vg (integrate)", "dual_vg (integrate) + psis", "dual_vg (map)", "dual_vg (map) + psis",
                "convex_relaxation (integrate)", "nuts", "laplace", "laplace + psis", "svi_automvn"]

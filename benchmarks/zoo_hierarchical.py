@@ -10,6 +10,7 @@ whose data no longer match the reference's fingerprint is refused). Methods, alt
   uncorrected; its PSIS ``k_hat`` (``res.diagnostics``, 500 draws, computed on first access) is timed separately
   (``diag_seconds``, not in ``seconds``);
 * ``ours + psis``: the same fit followed by ``res.corrected()`` with its defaults (the time of both);
+  ours run with one torch thread and one BLAS thread (``--threads``);
 * ``numpyro nuts``: each model written independently in NumPyro (``_numpyro_models.py``, ``zoo_*``; float64; the
   GMRF field non-centred and the GP field whitened, recorded as ``numpyro.deterministic`` sites), 4 chains of 1,000
   warm-up steps and 1,000 draws run sequentially (quick: 2 x 200 + 200).
@@ -215,6 +216,11 @@ def main():
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma list of methods (default: {METHODS})")
     _numpyro_models.add_compile_cache_option(parser)
     args = parse_args(parser=parser)  # torch: one thread unless --threads
+    from threadpoolctl import threadpool_limits
+
+    # NumPy's BLAS as torch (--threads): its default of one thread a core spun both cores on the corrections' small
+    # dense products (1.5-3 s of CPU for 1.3 s of work on the GMRF case)
+    threadpool_limits(args.threads)
     repeats = args.repeats or (1 if args.quick else 3)
     if repeats < 1:
         parser.error("--repeats must be >= 1")
