@@ -406,6 +406,8 @@ def bym2_precision(adjacency, dtype=torch.float64):
 
     from .linalg.sparse_cholesky import as_scipy_csc
 
+    if not dtype.is_floating_point:
+        raise TypeError(f"dtype: expected a floating point dtype (the scaling factors are fractions), got {dtype}")
     Q0 = as_scipy_csc(icar_precision(adjacency), "adjacency").tocsr()
     labels, sizes = _graph_components(Q0)
     scale = np.ones(Q0.shape[0])

@@ -96,6 +96,8 @@ def test_bym2_on_a_disconnected_graph_scales_each_component_and_frees_the_island
     assert torch.equal(Cc, torch.ones(1, 4, dtype=D))
     Qi, Ci = bym2_precision(torch.zeros(3, 3))
     assert Ci is None and torch.equal(Qi.to_dense(), torch.eye(3, dtype=D))
+    with pytest.raises(TypeError, match="dtype: expected a floating point dtype"):
+        bym2_precision(W, dtype=torch.int64)
     for constraints in ("sum_to_zero", C, torch.cat([C, torch.eye(7, dtype=D)[6:]])):
         with pytest.raises(ValueError, match="3 connected components .* use bym2_precision"):
             bym2_scaling(icar_precision(W), constraints)
