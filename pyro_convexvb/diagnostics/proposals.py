@@ -347,12 +347,22 @@ class _PooledRows:
         return out[0] if scalar else out
 
 
+class _CovOf:
+    """The block ``(W W^T)[sl, sl]`` of the covariance of a :class:`_GaussianParts` (or, with ``amap``, of
+    ``W B B^T W^T``, ``B B^T`` an adaptive map's scale matrix), as a callable of ``sl``: an object rather than a
+    closure, so that corrections pickle."""
+
+    def __init__(self, parts, amap=None):
+        self.parts, self.amap = parts, amap
+
+    def __call__(self, sl):
+        W = self.parts.sqrt()[sl]
+        return W @ W.T if self.amap is None else W @ self.amap.covariance() @ W.T
+
+
 def _cov_of(parts):
     """The callable giving the block ``(W W^T)[sl, sl]`` of a :class:`_GaussianParts`' covariance."""
-    def cov(sl):
-        W = parts.sqrt()[sl]
-        return W @ W.T
-    return cov
+    return _CovOf(parts)
 
 
 #: largest ``S m (m - k)^2`` (draws, field size, free coordinates) for which a constrained field's conditional

@@ -312,22 +312,15 @@ class WhitenedProposal(Proposal):
         """:class:`~pyro_convexvb.diagnostics.proposals.FieldCovariance` of draws in ``frame`` moved by
         ``maps[own_s]``: ``Cov(u_s) = r_s^2 D_s W_k B B^T W_k^T D_s``, ``B B^T`` the map's scale matrix of ``e``
         and ``r`` ``(S,)`` the draws' defensive scale factors (:meth:`AffineMap.defend`; ``None``: 1)."""
-        from .proposals import FieldCovariance
+        from .proposals import FieldCovariance, _CovOf
 
         k, a, d = frame
         if r is not None and np.any(r != 1.0):
             d = np.broadcast_to(r[:, None], a.shape) if d is None else r[:, None] * d
         J = len(maps)
         parts = self.base.frame_parts  # not self: the covariance, which this proposal keeps, would close a cycle
-        K = len(parts)
-        maps = list(maps)
-
-        def cov(j, sl):
-            W = parts[j // J].sqrt()[sl]
-            return W @ maps[j % J].covariance() @ W.T
-
         return FieldCovariance(np.asarray(k, dtype=np.int64) * J + np.asarray(own, dtype=np.int64), d,
-                               [(lambda sl, j=j: cov(j, sl)) for j in range(K * J)])
+                               [_CovOf(parts[j // J], maps[j % J]) for j in range(len(parts) * J)])
 
     def field_moments(self, frame, amap=None, r=None):
         """``(S, n)`` conditional means and sds of the field given each draw's component and frame (under

@@ -136,13 +136,21 @@ class ObsMaskMessenger(poutine.messenger.Messenger):
 
     @classmethod
     def wrap(cls, model):
-        """``model`` run under a fresh handler of this class at every call."""
+        """``model`` run under a fresh handler of this class at every call (picklable when ``model`` is)."""
+        return _UnderHandler(cls, model)
 
-        def wrapped(*args, **kwargs):
-            with cls():
-                return model(*args, **kwargs)
 
-        return wrapped
+class _UnderHandler:
+    """A model run under a fresh handler of class ``handler`` at every call (:meth:`ObsMaskMessenger.wrap`); an
+    object rather than a closure, so that a result whose diagnostics hold it pickles."""
+
+    def __init__(self, handler, model):
+        self.handler, self.model = handler, model
+        self.__name__ = getattr(model, "__name__", type(model).__name__)
+
+    def __call__(self, *args, **kwargs):
+        with self.handler():
+            return self.model(*args, **kwargs)
 
 
 class _Filler(dist.TransformedDistribution):
