@@ -708,9 +708,31 @@ def _summaries(result, d, estimator, probs, seed, baseline=False):
             continue
         unc[n], sites[n], bu, bs = _cv_site(lj.transforms[n], x, w, ctl, probs, baseline=baseline,
                                             base_rows=base_rows)
+        if hyper and n in hyper and d.k_hat > CV_ERRORS_KHAT:
+            _at_least_plain_errors(unc[n], x.numpy(), w)
+            with torch.no_grad():
+                _at_least_plain_errors(sites[n], lj.constrain(n, x).double().cpu().numpy(), w)
         if baseline:
             bases[n] = (bu, bs)
     return sites, unc, bases, tails
+
+
+#: above this ``k_hat`` the importance ratios have an infinite variance, and the hyper-latents' control-variate
+#: errors of means and sds are raised to the plain self-normalised ones where those are larger
+#: (:func:`_at_least_plain_errors`)
+CV_ERRORS_KHAT = 0.5
+
+
+def _at_least_plain_errors(summary, v, w):
+    """The ``mean_mcse`` and ``sd_mcse`` of ``summary`` raised, in place, to the self-normalised errors of the draws
+    ``v`` ``(S, ...)`` under the weights ``w`` where those are larger. At ``k_hat`` 0.55-0.65 on central composite
+    designs the control-variate sd errors of scales were 0.55-0.76 of the plain ones and three sds came out 3.6-4.6
+    of them from the exact values (2.0-3.2 plain errors); over 37 hyper-latent marginals with ``k_hat`` above 0.5 the
+    errors grew by a median factor of 1.12."""
+    _, _, mean_se, sd_se = weighted_moments(v, w)
+    for key, plain in (("mean_mcse", mean_se), ("sd_mcse", sd_se)):
+        cur = summary[key]
+        summary[key] = torch.maximum(cur, torch.as_tensor(plain, dtype=cur.dtype).reshape(cur.shape))
 
 
 def _unbounded_sds(sites, tails, warn):
