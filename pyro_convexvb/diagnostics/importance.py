@@ -84,7 +84,7 @@ def check_draws(num_draws, minimum=MIN_DRAWS, default=None):
 def _log_joint(result):
     lj = result.__dict__.get("_log_joint_evaluator")
     if lj is None:
-        lj = ModelLogJoint(*_model_of(result), masked=getattr(result.posterior, "masked_entries", "conditional"))
+        lj = ModelLogJoint(*_model_of(result), masked=result.posterior.masked_entries)
         lj.offset = log_jacobian(result)  # the density of the proposals' coordinates (constrained fields: free ones)
         result.__dict__["_log_joint_evaluator"] = lj
     return lj

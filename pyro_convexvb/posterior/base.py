@@ -20,6 +20,10 @@ class Posterior(abc.ABC):
     layout = None
     model = None
     model_args = ((), {})
+    #: how the draws fill the unused entries of ``obs_mask`` sites: ``"conditional"`` (the posterior covers them with
+    #: the site's conditional density, as the latent Gaussian model integrates them) or ``"standard"`` (``N(0, 1)``,
+    #: for a posterior fitted on the Pyro model itself); the importance diagnostics weigh them accordingly
+    masked_entries = "conditional"
 
     @property
     @abc.abstractmethod
