@@ -3,7 +3,11 @@
 Each model is fitted by ``dual_vg`` with its hyper-latents integrated over (``convex_relaxation`` where ``dual_vg``
 does not apply) and importance-corrected with 4,000 draws; in Pyro's unconstrained coordinates (where the zoo's
 references live) every corrected mean is within 0.1 reference sds and every sd within 10% of the reference, and the
-uncorrected result's diagnostic (500 draws) is not ``ok`` whenever its sds are more than 20% off.
+uncorrected result's diagnostic (500 draws) is not ``ok`` whenever its sds are more than 20% off. Every correction is
+reliable except the GP's with a latent length-scale (``hier_gp_lengthscale``, 25 points): its field's proposal inside
+the grid's cells is tens of nats from refits there, which the field check reports (its corrected 5% quantile of
+``ell`` came out up to 0.28 sds off over six seeds at ``k_hat`` 0.58-0.71); its means and sds are checked all the
+same.
 """
 import json
 import os
@@ -31,7 +35,11 @@ def test_corrected_hierarchical_zoo_models_match_their_references(name):
         warnings.simplefilter("ignore")
         res = pcv.fit(model, *args, engine=engine, progress=False, **kwargs)
         c = res.corrected(num_draws=4000)
-    assert c.diagnostics.reliable, c.diagnostics
+    if name == "hier_gp_lengthscale":
+        fc = c.diagnostics.field_check
+        assert not c.diagnostics.reliable and fc.passed is False and "between the design points" in fc.note, fc
+    else:
+        assert c.diagnostics.reliable, c.diagnostics
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the uncorrected answer's warning is what is checked below
         d = res.diagnostics
