@@ -60,13 +60,14 @@ def test_a_grid_design_passes_and_is_checked_beyond_and_inside_its_cells(grid_fi
 
 
 def test_points_within_a_grid_cell_are_checked_as_points_inside_the_cells(grid_fit):
-    """Within a grid's cells the points beyond them are not chosen (see :func:`field_check._uncovered`): every
-    candidate there is dropped from those, and is one of the points inside the cells (:func:`field_check._inside`)."""
+    """Within a grid's cells the points beyond them are not chosen (see :func:`field_check._split`): every
+    candidate there is dropped from those, and is one of the points inside the cells."""
     hp = grid_fit.posterior
     inside = hp.x[:-1] + 0.3 * (hp.x[1:] - hp.x[:-1])
     inside = inside[(inside - hp.x[:-1]).norm(dim=1) < 0.5 * hp.density.warp.step]
-    assert inside.shape[0] > 0 and field_check._uncovered(hp, inside).shape[0] == 0
-    assert field_check._inside(hp, inside).shape[0] == inside.shape[0]
+    beyond, within = field_check._split(hp, inside)
+    assert inside.shape[0] > 0 and beyond.shape[0] == 0
+    assert within.shape[0] == inside.shape[0]
 
 
 def test_at_the_design_points_the_divergence_is_zero_and_the_drop_is_the_design_value(grid_fit, monkeypatch):
@@ -234,5 +235,6 @@ def test_a_gaussian_process_length_scale_fails_the_check_inside_the_grid_cells(m
     fc = field_check.check_field(hp, q, seed=0)
     k = field_check.check_points(1)
     assert fc.passed is False and "between the design points" in fc.note and np.nanmax(fc.kl[-k:]) > 20
-    monkeypatch.setattr(field_check, "_inside", lambda hp, cand: cand[:0])
+    split = field_check._split
+    monkeypatch.setattr(field_check, "_split", lambda hp, cand: (split(hp, cand)[0], cand[:0]))
     assert field_check.check_field(hp, q, seed=0).passed is True

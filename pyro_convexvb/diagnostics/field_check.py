@@ -13,7 +13,7 @@ be drawn.
 :func:`check_field` refits the field at a few hyper-latent values that the proposal draws but no design point is
 near (farthest-point sampling of the proposal's draws of ``theta``, away from the design points; on a grid, among
 the draws beyond half a core cell's diagonal from every design point, and as many again among the draws inside its
-cells, :func:`_inside`) and estimates
+cells, :func:`_split`) and estimates
 ``KL(q(u | theta) || q_theta(u))`` against the refit ``q_theta`` by Monte Carlo. A point whose objective
 ``log p(theta) + B(theta)`` (the integration's, in the unconstrained coordinates) lies within :func:`drop_max` nats of
 the mode's, or beyond which the fitted hyper-latent density still holds :data:`MASS_MIN` of its mass, and whose
@@ -38,7 +38,7 @@ KL_DRAWS = 128
 #: divergence (nats) above which a point fails: the draws that carry its region's weight are then about
 #: ``exp(-KL)`` rare (7e-3 at 5 nats) among the few hundred a correction puts there. On 26 models with exact
 #: hyper-posteriors it flagged every one whose corrected quantiles were off by more than 15% of an sd, and none on a
-#: grid design, whose quantiles were all within 2%; inside a grid's cells (:func:`_inside`) the right grid designs came
+#: grid design, whose quantiles were all within 2%; inside a grid's cells (:func:`_split`) the right grid designs came
 #: to at most 1.3 nats, and 10-23 nats for a Gaussian process whose corrected length-scale quantile was biased
 KL_MAX = 5.0
 #: draws of the fitted hyper-latent density that measure the mass beyond a point (:func:`_mass_beyond`)
@@ -86,32 +86,26 @@ class FieldCheck:
     note: str
 
 
-def _uncovered(hp, cand):
-    """The rows of ``cand (M, d)`` that no design point anchors: for a grid design, those farther than half a core
-    cell's diagonal (``step sqrt(d) / 2`` in the standardised coordinates) from every design point; for a central
-    composite design, all. A region with no design point in it is underweighted as a whole; inside the cells the
-    field's proposal is a design point's at most half a cell away, checked apart (:func:`_inside`)."""
-    density = hp.density
-    if density.kind != "surface":
-        return cand
-    reach = 0.5 * density.warp.step * math.sqrt(cand.shape[1]) + 1e-9
-    # in the standardised coordinates: past the core the cells grow, and a cell's points are as far apart as any
-    return cand[torch.cdist(cand, hp.x).min(1).values > reach]
+def _split(hp, cand):
+    """``(beyond, inside)``: the rows of ``cand (M, d)`` that no design point anchors, and the rest. For a grid design
+    the rows farther than half a core cell's diagonal (``step sqrt(d) / 2`` in the standardised coordinates) from
+    every design point are beyond, the others inside its cells; for a central composite design every row is beyond
+    (``inside`` is ``(0, d)``).
 
-
-def _inside(hp, cand):
-    """The rows of ``cand (M, d)`` inside a grid design's cells (within half a core cell's diagonal of a design point),
-    ordered by farthest-point sampling away from the design points: the draws nearest the cells' centres, spread over
-    the cells. Where the field's conditional changes within a cell as fast as a Gaussian process's with its
-    length-scale, the proposal there is a design point's, tens of nats (KL) from a refit, and the cells' periodic
+    A region with no design point in it is underweighted as a whole. Inside a cell the field's proposal is a design
+    point's at most half a cell away: where the field's conditional changes within a cell as fast as a Gaussian
+    process's with its length-scale, it is tens of nats (KL) from a refit there, and the cells' periodic
     underweighting did not average out: a 3-hyper-latent GP's corrected 5% quantile of its length-scale came out 2
     reported errors high on average over 12 seeds (4.8 at worst) with k_hat below its threshold; inside the cells of
-    the other grid designs checked against exact hyper-posteriors the divergence was at most 1.3 nats. An empty
-    ``(0, d)`` for a central composite design."""
-    if hp.density.kind != "surface":
-        return cand[:0]
-    reach = 0.5 * hp.density.warp.step * math.sqrt(cand.shape[1]) + 1e-9
-    return cand[torch.cdist(cand, hp.x).min(1).values <= reach]
+    the other grid designs checked against exact hyper-posteriors the divergence was at most 1.3 nats. So both are
+    checked, as many points each."""
+    density = hp.density
+    if density.kind != "surface":
+        return cand, cand[:0]
+    reach = 0.5 * density.warp.step * math.sqrt(cand.shape[1]) + 1e-9
+    # in the standardised coordinates: past the core the cells grow, and a cell's points are as far apart as any
+    far = torch.cdist(cand, hp.x).min(1).values > reach
+    return cand[far], cand[~far]
 
 
 def _mass_beyond(density, x, gen, num=MASS_DRAWS):
@@ -151,7 +145,7 @@ def check_field(hp, q, seed=0):
                           "refit it (a pickled or copied result)")
     gen = torch.Generator().manual_seed(int(seed) + 4099)
     draws = q.density.sample_x(CANDIDATES, gen)
-    cand, inner = _uncovered(hp, draws), _inside(hp, draws)
+    cand, inner = _split(hp, draws)
     k = check_points(hp.space.dim)
     x = torch.cat([_farthest(c, hp.x, k) for c in (cand, inner) if c.shape[0] > 0])
     n_out = min(k, cand.shape[0])  # the points beyond the cells come first

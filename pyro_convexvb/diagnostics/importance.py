@@ -677,16 +677,15 @@ def _sd_tail_k(transform, reference, shape):
     return np.array([pareto_tail_k(h[:, j]) for j in range(h.shape[1])])
 
 
-def _summaries(result, d, estimator, probs, seed, baseline=False):
+def _summaries(result, d, estimator, probs, seed, hyper, baseline=False):
     """``(sites, unconstrained, baselines, tails)`` summaries of every latent site from the weighted draws of ``d``;
     ``baselines``: ``{site: (unconstrained, constrained)}`` the same control-variate estimates with flat weights
     (with ``baseline``, for the sites with controls); ``tails``: ``{hyper-latent: (p,)}`` :func:`_sd_tail_k` of the
-    hyper-latents integrated over."""
+    hyper-latents integrated over (``hyper``: their names, or ``None``)."""
     lj = _log_joint(result)
     w = np.exp(d.log_weights)
     q = d.proposal_object
     layout = getattr(proposal_posterior(result), "layout", None)
-    hyper = getattr(getattr(result.posterior, "space", None), "names", None) if d.conditional_on is None else None
     sites, unc, bases, tails = {}, {}, {}, {}
     # the proposal's own answer (the shrinkage's baseline) is that of its Gaussians, without the defensive draws
     base_rows = None if d.defensive is None or not d.defensive.any() else ~d.defensive
@@ -828,7 +827,7 @@ def _grid_refit(result, d, regrid, progress):
     fit again on a grid (:meth:`~pyro_convexvb.infer.hyper.FieldRefit.on_grid`); else ``None``."""
     from ..infer.hyper import GRID_MAX_DIM
 
-    if not regrid or d.reliable or d.conditional_on is not None or not _integrates_hyper(result):
+    if not regrid or d.reliable or not _integrates_hyper(result):
         return None
     hp = result.posterior
     refit = getattr(hp, "refit", None)
@@ -961,11 +960,11 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         warnings.warn("corrected posterior: " + d.message, ApproximationWarning, stacklevel=3)
     elif warn and not _settled(d):
         warnings.warn(_unsettled_message(d, adapt), ApproximationWarning, stacklevel=3)
-    sites, unc, bases, tails = _summaries(result, d, estimator, probs, seed, baseline=shrink)
+    hyper_names = getattr(getattr(result.posterior, "space", None), "names", None) if d.conditional_on is None else None
+    sites, unc, bases, tails = _summaries(result, d, estimator, probs, seed, hyper_names, baseline=shrink)
     factors = _shrink(sites, unc, bases) if shrink else {}
     tails = _unbounded_sds(sites, tails, warn)
-    hyper_names = getattr(getattr(result.posterior, "space", None), "names", None)
-    hyper = {n: sites[n] for n in hyper_names} if hyper_names and d.conditional_on is None else None
+    hyper = {n: sites[n] for n in hyper_names} if hyper_names else None
     loc = scale = loc_se = scale_se = None
     layout = getattr(result.posterior, "layout", None)
     if layout is not None:

@@ -402,9 +402,14 @@ def mixture_log_q(log_q_own, eps, own, maps):
     :param log_q_own: ``(N,)`` each draw's log density under the proposal it came from; ``eps`` ``(N, n)`` its
         coordinates in the base frame; ``own`` ``(N,)`` the index of that proposal's map in ``maps``.
     """
-    ker = np.stack([m.log_kernel(eps) for m in maps], 1)  # (N, J)
+    return _mixture_from_kernels(log_q_own, np.stack([m.log_kernel(eps) for m in maps], 1), own)
+
+
+def _mixture_from_kernels(log_q_own, ker, own):
+    """``log q_own - ker_own + log mean_j exp(ker_j)``: the mixture's log density from each draw's log kernels
+    ``ker`` ``(N, J)`` under the maps and ``own`` (``(N,)`` or one index for all) the column of its own."""
     own_ker = ker[np.arange(ker.shape[0]), own]
-    return log_q_own - own_ker + np.logaddexp.reduce(ker, 1) - math.log(len(maps))
+    return log_q_own - own_ker + np.logaddexp.reduce(ker, 1) - math.log(ker.shape[1])
 
 
 def mixture_log_q_rounds(log_q_own, eps, maps, cache):
@@ -418,8 +423,7 @@ def mixture_log_q_rounds(log_q_own, eps, maps, cache):
         for i in range(J):
             if (j, i) not in cache:
                 cache[(j, i)] = maps[i].log_kernel(e)
-        ker = np.stack([cache[(j, i)] for i in range(J)], 1)
-        out.append(lq - ker[:, j] + np.logaddexp.reduce(ker, 1) - math.log(J))
+        out.append(_mixture_from_kernels(lq, np.stack([cache[(j, i)] for i in range(J)], 1), j))
     return np.concatenate(out)
 
 

@@ -858,12 +858,13 @@ class PosteriorMultivariateNormal(_InitialisedAtPosterior, AutoMultivariateNorma
                                  "posterior lives on its constraint subspace; a laplace fit at a funnel's neck has "
                                  "unbounded variances), so a trainable guide, which holds a Cholesky factor, cannot "
                                  "represent it; use as_guide(trainable=False), which draws on that subspace")
-            # a dense covariance was factored by is_singular() (its root, kept); the other kinds here once
-            L = q._root()[0] if q.kind == "covariance" else None
-            try:
-                L = torch.linalg.cholesky(q.covariance(force=True)) if L is None else L
-            except torch.linalg.LinAlgError as e:
-                raise ValueError(f"the posterior's covariance is not positive definite ({e})") from None
+            if q.kind == "covariance":  # factored by is_singular() (its root, kept): not again
+                L = q._root()[0]
+            else:
+                try:
+                    L = torch.linalg.cholesky(q.covariance(force=True))
+                except torch.linalg.LinAlgError as e:
+                    raise ValueError(f"the posterior's covariance is not positive definite ({e})") from None
         d = torch.diagonal(L)
         if not bool((d != 0).all()) or not bool(torch.isfinite(L).all()):
             raise ValueError("the posterior's scale_tril is singular or not finite")
