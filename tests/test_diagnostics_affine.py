@@ -491,3 +491,57 @@ def test_weighted_gram_against_the_general_product():
     X = rng.normal(size=(50, 7))
     for c in (rng.normal(size=50), np.abs(rng.normal(size=50)), np.where(np.arange(50) % 3 == 0, 0.0, -1.0)):
         np.testing.assert_allclose(whitened._weighted_gram(X, c), X.T @ (c[:, None] * X), rtol=1e-12, atol=1e-12)
+
+
+def test_weighted_gram_over_rows_and_without_rows_of_one_sign(capfd):
+    """``rows=`` restricts the product to those rows; with no row of positive weight the product is the negative
+    rows' alone, and LAPACK is not called on an empty block (OpenBLAS printed "DSYRK parameter number 7 had an
+    illegal value" to stderr on degenerate weights)."""
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(40, 5))
+    c = rng.normal(size=40)
+    rows = np.arange(40) % 2 == 0
+    np.testing.assert_allclose(whitened._weighted_gram(X, c, rows), X[rows].T @ (c[rows, None] * X[rows]),
+                               rtol=1e-12, atol=1e-12)
+    neg = -np.abs(c)
+    np.testing.assert_allclose(whitened._weighted_gram(X, neg), X.T @ (neg[:, None] * X), rtol=1e-12, atol=1e-12)
+    assert "illegal value" not in capfd.readouterr().err
+
+
+def test_pooled_mixture_round_by_round_equals_the_concatenated_one():
+    """:func:`mixture_log_q_rounds` (kernels cached per round and map, as the adaptation adds rounds) gives the numbers
+    of :func:`mixture_log_q` on the concatenated draws, before and after a round is added."""
+    rng = np.random.default_rng(2)
+    n = 6
+    maps = [AffineMap.identity(n), AffineMap(0.2 * rng.normal(size=n), np.exp(0.3 * rng.normal(size=n)),
+                                             np.linalg.qr(rng.normal(size=(n, 2)))[0], np.array([0.5, -0.3])),
+            AffineMap(0.1 * rng.normal(size=n), np.exp(0.2 * rng.normal(size=n)), np.zeros((n, 0)), np.zeros(0))]
+    eps = [rng.normal(size=(30 + 10 * j, n)) for j in range(3)]
+    lq = [rng.normal(size=30 + 10 * j) for j in range(3)]
+    cache = {}
+    for J in (2, 3):
+        own = np.concatenate([np.full(e.shape[0], j) for j, e in enumerate(eps[:J])])
+        want = whitened.mixture_log_q(np.concatenate(lq[:J]), np.concatenate(eps[:J]), own, maps[:J])
+        got = whitened.mixture_log_q_rounds(lq[:J], eps[:J], maps[:J], cache)
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-12)
+    assert len(cache) == 9
+
+
+def test_banded_cholesky_is_the_dense_factor_and_declines_wide_bands():
+    """The lattice GMRF precision's factor by LAPACK's banded Cholesky equals the dense one (float64); a matrix whose
+    band is wider than BAND_FRACTION of its size, or a small one, is left to the dense factorisation (``None``)."""
+    from pyro_convexvb.diagnostics.proposals import _banded_cholesky
+    from pyro_convexvb.distributions import icar_precision
+
+    m = 12
+    idx = np.arange(m * m).reshape(m, m)
+    W = np.zeros((m * m, m * m))
+    for a, b in [(idx[:, :-1], idx[:, 1:]), (idx[:-1, :], idx[1:, :])]:
+        W[a.ravel(), b.ravel()] = W[b.ravel(), a.ravel()] = 1.0
+    A = icar_precision(W).to_dense() + 0.3 * torch.eye(m * m, dtype=torch.float64)
+    F = _banded_cholesky(A)
+    torch.testing.assert_close(F, torch.linalg.cholesky(A), rtol=0, atol=1e-13)
+    rng = np.random.default_rng(3)
+    B = rng.normal(size=(100, 100))
+    assert _banded_cholesky(torch.as_tensor(B @ B.T + 100 * np.eye(100))) is None
+    assert _banded_cholesky(torch.eye(10, dtype=torch.float64)) is None
