@@ -47,15 +47,15 @@ def test_fused_kernel_equals_K_separate_learners(link):
     X, y = _stream(400, binary=False)  # values in [0, 1], so x^2 != x
     y = np.where(y > 0, 1.0, -1.0)
     K = len(AUTO_PRIOR_VARS)
-    mu = np.zeros((K, D))
-    s2 = np.empty((K, D))
+    st = np.zeros((K, D, 2))
+    mu, s2 = st[..., 0], st[..., 1]
     s2[:] = np.asarray(AUTO_PRIOR_VARS)[:, None]
     n, nnz = X.shape[0], X.nnz
     p_mix, ll_mix = np.empty(n), np.empty(n)
     cum, active, until = np.zeros(K), np.ones(K, np.uint8), np.full(K, n, dtype=np.int64)
     bad = np.zeros(1, dtype=np.uint8)
     _kernels.run_alg1_fused(_kernels.LOGIT if link == "logit" else _kernels.PROBIT, X.indptr.astype(np.int64),
-                            X.indices.astype(np.int64), X.data, y, mu, s2, p_mix, ll_mix, np.empty((K, nnz)),
+                            X.indices.astype(np.int64), X.data, y, st, p_mix, ll_mix, np.empty((K, nnz)),
                             np.empty((K, nnz)), np.arange(K), cum, active, until, np.inf, bad)
     assert bad[0] == 0  # every value written is a finite mean and a normal variance
     p1, ll, members = _separate(X, y, link, [(0, n)])
@@ -155,12 +155,12 @@ def test_fused_kernel_flags_a_variance_below_the_smallest_normal_float64():
     ``bad``; a variance of 1e-300 stays normal and does not."""
     indptr, indices, data = np.array([0, 1], dtype=np.int64), np.array([0], dtype=np.int64), np.array([1e154])
     for v0, expected in ((3e-308, 1), (1e-300, 0)):
-        mu, s2 = np.zeros((1, 1)), np.full((1, 1), v0)
+        st = np.array([[[0.0, v0]]])
         bad = np.zeros(1, dtype=np.uint8)
-        _kernels.run_alg1_fused(_kernels.LOGIT, indptr, indices, data, np.array([1.0]), mu, s2, np.empty(1),
+        _kernels.run_alg1_fused(_kernels.LOGIT, indptr, indices, data, np.array([1.0]), st, np.empty(1),
                                 np.empty(1), np.empty((1, 1)), np.empty((1, 1)), np.zeros(1, dtype=np.int64),
                                 np.zeros(1), np.ones(1, np.uint8), np.full(1, 1, dtype=np.int64), np.inf, bad)
-        assert int(bad[0]) == expected, (v0, s2)
+        assert int(bad[0]) == expected, (v0, st)
 
 
 def test_fused_path_refuses_a_chunk_whose_update_leaves_a_subnormal_variance():
@@ -182,3 +182,22 @@ def test_fused_path_refuses_a_chunk_whose_update_leaves_a_subnormal_variance():
     after = est.state_dict()
     for k, v in before.items():
         assert (bool((after[k] == v).all()) if hasattr(v, "clone") else after[k] == v), k
+
+
+@pytest.mark.parametrize("prior_var", [0.3, "auto"])
+def test_pickled_learner_keeps_the_interleaved_state_and_continues_identically(prior_var):
+    """A pickle stores the fused kernel's (K, d, 2) state once; the loaded learner's ``_mu``/``_s2`` are views of
+    it again, so its next chunk gives the same numbers as the original's."""
+    import pickle
+
+    X, y = _stream(300, seed=5, binary=False)
+    a = OnlineBayesLogistic(D, prior_var=prior_var, fast=True)
+    a.partial_fit(X[:150], y[:150], classes=[-1, 1])
+    b = pickle.loads(pickle.dumps(a))
+    assert b._pair is not None and np.shares_memory(b._mu, b._pair) and np.shares_memory(b._s2, b._pair)
+    assert "_mu" not in a.__getstate__() and "_s2" not in a.__getstate__()
+    pa = a.partial_fit(X[150:], y[150:], return_predictions=True)
+    pb = b.partial_fit(X[150:], y[150:], return_predictions=True)
+    np.testing.assert_array_equal(pa, pb)
+    np.testing.assert_array_equal(a.coef_, b.coef_)
+    np.testing.assert_array_equal(a.coef_var_, b.coef_var_)

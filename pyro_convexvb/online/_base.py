@@ -746,8 +746,8 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         mu = per_feature(self.prior_mean, num_features, "prior_mean")
         # The state is stored member by member ((K, d), C order: a member's state is contiguous, so once Occam's
         # window has dropped the others a kernel touches one learner's memory), seen as (d, K) views.  For the
-        # fused kernel a feature's mean and variance are also interleaved ((K, d, 2)), so an update finds both
-        # in one cache line.
+        # fused kernel a feature's mean and variance are also interleaved: ``_pair`` ((K, d, 2), C order; K = 1
+        # for one learner) is what it reads, so an update finds both in one cache line.
         pair = self._fused()
         if self._auto():
             grid = np.asarray(AUTO_PRIOR_VARS, dtype=np.float64)
@@ -761,12 +761,32 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         else:
             s2 = per_feature(self.prior_var, num_features, "prior_var", positive=True)
             if pair:
-                store = np.empty((num_features, 2))
-                store[:, 0] = mu
-                store[:, 1] = s2
-                mu, s2 = store[:, 0], store[:, 1]
+                store = np.empty((1, num_features, 2))
+                store[0, :, 0] = mu
+                store[0, :, 1] = s2
+                mu, s2 = store[0, :, 0], store[0, :, 1]
             self._mu = mu
             self._s2 = s2
+        self._pair = store if pair else None
+
+    def _bind_pair(self):
+        """``_mu``, ``_s2`` as the views of ``_pair`` that :meth:`_new_state` makes."""
+        if self._auto():
+            self._mu, self._s2 = self._pair[..., 0].T, self._pair[..., 1].T
+        else:
+            self._mu, self._s2 = self._pair[0, :, 0], self._pair[0, :, 1]
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        if state.get("_pair") is not None:  # the views are rebuilt on loading (a pickle would copy each)
+            state.pop("_mu", None)
+            state.pop("_s2", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self.__dict__.get("_pair") is not None:
+            self._bind_pair()
 
     def _state_arrays(self):
         return {"mu": self._mu, "s2": self._s2}
@@ -929,7 +949,7 @@ class OnlineDiagonalGaussian(OnlineEstimatorBase):
         if auto or self._fused():
             if self._fused():
                 bad = np.zeros(1, dtype=np.uint8)
-                out = k.run_alg1_fused(link, indptr, indices, data, y, mu, s2, p1, ll, self._undo[0], self._undo[1],
+                out = k.run_alg1_fused(link, indptr, indices, data, y, self._pair, p1, ll, self._undo[0], self._undo[1],
                                        slot, cum, active, until, AUTO_LOG_WINDOW if auto else np.inf, bad)
                 self._state_checked = not bool(bad[0])  # the kernel checked every value it wrote
                 if auto:

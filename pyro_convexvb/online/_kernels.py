@@ -79,17 +79,6 @@ def _psi(z, link):
     return r, r * (z + r)
 
 
-@njit(cache=True, inline="always", error_model="numpy")
-def _psi_fast(z, link):
-    """:func:`_psi` with the same values, the logit branch without a jump on the sign of ``z`` (a select)."""
-    if link == LOGIT:
-        e = math.exp(-abs(z))
-        r = 1.0 / (1.0 + e)
-        er = e * r
-        return er if z >= 0 else r, r * er
-    return _psi(z, link)
-
-
 @njit(cache=True)
 def _solve_zeta(z0, q, link, tol, maxiter, w0, a):
     """Root of ``zeta = z0 + q psi1(zeta)`` by Newton's method, safeguarded by bisection.
@@ -456,14 +445,15 @@ def run_diagonal_multi(method, link, mean_newton, var_value, tol, maxiter, batch
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def run_alg1_fused(link, indptr, indices, data, y, mu, s2, p1_out, ll_out, undo_mu, undo_s2, slot, cum, active,
+def run_alg1_fused(link, indptr, indices, data, y, st, p1_out, ll_out, undo_mu, undo_s2, slot, cum, active,
                    until, log_window, bad):
     """Algorithm 1 with the default options (Taylor mean (17)/(30), Laplace variance (19)/(31), one row at a
     time) for ``K`` learners at once, and their Bayesian model average.
 
     Over 80 lines: a numba kernel (no Python objects, no closures), compiled as one unit over the stream.
 
-    ``mu``, ``s2``: ``(K, d)``, member ``m`` in row ``m`` (``K = 1``: one learner).  Each row's indices and
+    ``st``: ``(K, d, 2)``, C order: member ``m``'s mean and variance of feature ``i`` in ``st[m, i, 0]`` and
+    ``st[m, i, 1]`` (``K = 1``: one learner; the two in one cache line).  Each row's indices and
     values are read once for all active members (the score moments (6) of every member in one pass over the
     row, then every member's update of a feature in one pass), and each member's arithmetic is operation for
     operation that of :func:`run_diagonal`, so the result equals ``K`` separate learners.  Rows must hold
@@ -480,7 +470,7 @@ def run_alg1_fused(link, indptr, indices, data, y, mu, s2, p1_out, ll_out, undo_
     (below ``tiny``): the caller's state check, done here at no extra pass over the state.
     """
     n = indptr.shape[0] - 1
-    K = mu.shape[0]
+    K = st.shape[0]
     a = math.pi / 8.0 if link == LOGIT else 1.0
     act = np.empty(K, dtype=np.int64)
     na = 0
@@ -493,13 +483,13 @@ def run_alg1_fused(link, indptr, indices, data, y, mu, s2, p1_out, ll_out, undo_
     lp = np.zeros(K)
     pk = np.zeros(K)
     # one member left (the usual case once Occam's window has closed): its rows of the arrays, no member loop
-    mu1, s2_1, um1, us1 = mu[act[0]], s2[act[0]], undo_mu[slot[act[0]]], undo_s2[slot[act[0]]]
+    st1, um1, us1 = st[act[0]], undo_mu[slot[act[0]]], undo_s2[slot[act[0]]]
     for t in range(n):
         start = indptr[t]
         end = indptr[t + 1]
         yt = y[t]
         if na == 1:
-            p1_out[t], lp1 = _alg1_row(link, a, start, end, yt, indices, data, mu1, s2_1, um1, us1, bad)
+            p1_out[t], lp1 = _alg1_row(link, a, start, end, yt, indices, data, st1, um1, us1, bad)
             ll_out[t] = -lp1
             cum[act[0]] += -lp1
             continue
@@ -511,8 +501,8 @@ def run_alg1_fused(link, indptr, indices, data, y, mu, s2, p1_out, ll_out, undo_
             x = data[k]
             for j in range(na):
                 m = act[j]
-                mt[j] += x * mu[m, i]
-                vt[j] += x * x * s2[m, i]
+                mt[j] += x * st[m, i, 0]
+                vt[j] += x * x * st[m, i, 1]
         for j in range(na):  # Eq. (8) / (24)
             ct = math.sqrt(1.0 + a * vt[j])
             pk[j] = _cdf(mt[j] / ct, link)
@@ -543,22 +533,14 @@ def run_alg1_fused(link, indptr, indices, data, y, mu, s2, p1_out, ll_out, undo_
             x = data[k]
             for j in range(na):
                 m = act[j]
-                m_i = mu[m, i]
-                v_i = s2[m, i]
-                mum = mt[j] - x * m_i
-                s2m = max(vt[j] - x * x * v_i, 0.0)
-                c = math.sqrt(1.0 + a * s2m)
-                ic = 1.0 / c
-                q1, q2 = _psi_fast(yt * mt[j] * ic, link)
-                m_new = m_i + yt * x * v_i * q1 * ic / (1.0 + x * x * v_i * q2 * ic * ic)
-                z_plus = yt * (mum + x * m_new) * ic
-                _, q2 = _psi_fast(z_plus, link)
+                m_i = st[m, i, 0]
+                v_i = st[m, i, 1]
+                m_new, v_new = _alg1_feature(link, a, yt, x, m_i, v_i, mt[j], vt[j])
                 u = slot[m]
                 undo_mu[u, k] = m_i
                 undo_s2[u, k] = v_i
-                v_new = v_i / (1.0 + v_i * x * x * ic * ic * q2)
-                s2[m, i] = v_new
-                mu[m, i] = m_new
+                st[m, i, 0] = m_new
+                st[m, i, 1] = v_new
                 if not (abs(m_new) < np.inf and TINY <= v_new < np.inf):  # NaN fails both
                     bad[0] = 1
         for j in range(na):
@@ -577,42 +559,60 @@ def run_alg1_fused(link, indptr, indices, data, y, mu, s2, p1_out, ll_out, undo_
                     act[keep] = m
                     keep += 1
             na = keep
-            mu1, s2_1, um1, us1 = mu[act[0]], s2[act[0]], undo_mu[slot[act[0]]], undo_s2[slot[act[0]]]
+            st1, um1, us1 = st[act[0]], undo_mu[slot[act[0]]], undo_s2[slot[act[0]]]
     return 0, 0
 
 
+@njit(cache=True, inline="always", error_model="numpy")
+def _alg1_feature(link, a, yt, x, m_i, v_i, mt, vt):
+    """Algorithm 1's update of one feature (value ``x``, mean ``m_i``, variance ``v_i``) by a row with score moments
+    ``mt``, ``vt`` (Eq. (6)): Eq. (7), the Taylor mean (17)/(30) and the Laplace variance (19)/(31).
+
+    For the logit link ``psi1 = e / (1 + e)`` (or ``1 / (1 + e)`` below zero) and ``psi2 = e / (1 + e)^2`` with
+    ``e = exp(-|z|)``, so each update is one fraction: ``psi1 / (1 + g psi2) = n (1 + e) / ((1 + e)^2 + g e)``
+    (``n`` = the numerator of ``psi1``), the same values as :func:`_psi` to rounding."""
+    mum = mt - x * m_i
+    s2m = max(vt - x * x * v_i, 0.0)
+    ic = 1.0 / math.sqrt(1.0 + a * s2m)
+    g = v_i * x * x * ic * ic
+    z = yt * mt * ic
+    if link == LOGIT:
+        e = math.exp(-abs(z))
+        o = 1.0 + e
+        m_new = m_i + yt * x * v_i * ic * ((e if z >= 0 else 1.0) * o) / (o * o + g * e)
+        z_plus = yt * (mum + x * m_new) * ic
+        e = math.exp(-abs(z_plus))
+        o = (1.0 + e) * (1.0 + e)
+        return m_new, v_i * o / (o + g * e)
+    q1, q2 = _psi(z, link)
+    m_new = m_i + yt * x * v_i * q1 * ic / (1.0 + g * q2)
+    _, q2 = _psi(yt * (mum + x * m_new) * ic, link)
+    return m_new, v_i / (1.0 + g * q2)
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
-def _alg1_row(link, a, start, end, yt, indices, data, mu, s2, undo_mu, undo_s2, bad):
-    """One row of :func:`run_alg1_fused` for one member (``(d,)`` state): ``(P(y = 1), log p(y_t))``; ``bad`` as
+def _alg1_row(link, a, start, end, yt, indices, data, st, undo_mu, undo_s2, bad):
+    """One row of :func:`run_alg1_fused` for one member (``(d, 2)`` state): ``(P(y = 1), log p(y_t))``; ``bad`` as
     there."""
     mt = 0.0
     vt = 0.0
     for k in range(start, end):
         i = indices[k]
         x = data[k]
-        mt += x * mu[i]
-        vt += x * x * s2[i]
+        mt += x * st[i, 0]
+        vt += x * x * st[i, 1]
     ct = math.sqrt(1.0 + a * vt)
     p1 = _cdf(mt / ct, link)
     lp = _log_cdf(yt * mt / ct, link) + 0.0 * (mt + vt)  # NaN when the score moments (6) overflowed
     for k in range(start, end):
         i = indices[k]
-        x = data[k]
-        m_i = mu[i]
-        v_i = s2[i]
-        mum = mt - x * m_i
-        s2m = max(vt - x * x * v_i, 0.0)
-        c = math.sqrt(1.0 + a * s2m)
-        ic = 1.0 / c
-        q1, q2 = _psi_fast(yt * mt * ic, link)
-        m_new = m_i + yt * x * v_i * q1 * ic / (1.0 + x * x * v_i * q2 * ic * ic)
-        z_plus = yt * (mum + x * m_new) * ic
-        _, q2 = _psi_fast(z_plus, link)
+        m_i = st[i, 0]
+        v_i = st[i, 1]
+        m_new, v_new = _alg1_feature(link, a, yt, data[k], m_i, v_i, mt, vt)
         undo_mu[k] = m_i
         undo_s2[k] = v_i
-        v_new = v_i / (1.0 + v_i * x * x * ic * ic * q2)
-        s2[i] = v_new
-        mu[i] = m_new
+        st[i, 0] = m_new
+        st[i, 1] = v_new
         if not (abs(m_new) < np.inf and TINY <= v_new < np.inf):  # NaN fails both
             bad[0] = 1
     return p1, lp
