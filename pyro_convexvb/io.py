@@ -221,6 +221,22 @@ def load(path, map_location=None):
         estimator).
     :raises ValueError: a file not written by :func:`save`, of another format version, naming an unknown class or
         class version, or whose object is malformed (a field missing, of the wrong type or shape).
+
+    Example::
+
+        >>> import os, tempfile, torch, pyro, pyro.distributions as dist
+        >>> import pyro_convexvb as pcv
+        >>> def model(X, y=None):
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.).to_event(1))
+        ...     with pyro.plate("data", X.shape[0]):
+        ...         pyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+        >>> X = torch.randn(20, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        >>> res = pcv.fit(model, X, y=X.sum(1), engine="dual_vg", progress=False)
+        >>> path = os.path.join(tempfile.mkdtemp(), "fit.pt")
+        >>> pcv.save(res, path)
+        >>> back = pcv.load(path)
+        >>> torch.equal(back.posterior.loc, res.posterior.loc), back.log_evidence_bound == res.log_evidence_bound
+        (True, True)
     """
     import torch
 

@@ -1,7 +1,6 @@
 """The whitened affine adaptation of the importance proposal (diagnostics/whitened.py): exact densities against
 direct evaluation, recovery of a Gaussian target, a conjugate model against its closed form within the reported
 Monte Carlo errors, and the calibration of those errors over seeds."""
-import doctest
 import math
 import warnings
 
@@ -401,13 +400,6 @@ def test_correct_options_and_the_diagonal_adaptation(normal_gamma, monkeypatch):
     assert set(c0.diagnostics.tried) <= {"fitted", "widened", "student_t"}
     with pytest.raises(ValueError, match="adaptation: expected"):
         correct(res, num_draws=50, adaptation="full")
-
-
-def test_whitened_docstrings_run():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = doctest.testmod(whitened)
-    assert out.attempted > 0 and out.failed == 0
 
 
 def test_loo_of_an_adapted_correction_draws_from_its_proposal(normal_gamma, monkeypatch):

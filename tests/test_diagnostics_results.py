@@ -400,19 +400,6 @@ def test_sparse_gmrf_models_are_vectorised_and_agree_with_the_loop():
     assert a["log_joint"][0] == pytest.approx(float(hand), rel=1e-12)
 
 
-def test_docstring_examples_run():
-    import doctest
-
-    import importlib
-
-    for name in ("psis", "logjoint", "importance", "loo", "export", "constrained", "control_variates"):
-        mod = importlib.import_module(f"pyro_convexvb.diagnostics.{name}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            res = doctest.testmod(mod)
-        assert res.attempted > 0 and res.failed == 0, mod.__name__
-
-
 def test_bym_two_hyper_latents_corrected_against_long_nuts():
     """BYM (proper CAR + iid effects; kappa and sigma_v integrated over on a 2-D grid): the corrected hyper-latent
     quantiles within 5%, field means within 0.1 reference sds and sds within 10% of the long NUTS reference

@@ -1,7 +1,6 @@
 """The collectives of :mod:`pyro_convexvb.distributed` on one process: the reductions are the local values, the
 autograd pair is the identity with its gradient, and a model's row-sharded argument is found where the engines
 look for it. (Two processes: ``tests/distributed/cases_core.py::case_collectives``.)"""
-import doctest
 
 import pytest
 import torch
@@ -72,10 +71,6 @@ def test_find_comm_looks_into_list_tuple_and_dict_arguments(monkeypatch):
     assert distributed.find_comm((), {"designs": {"a": Xs}}) is Xs.comm
     assert distributed.find_comm((y,), {"y": (y, y)}) is None
     assert distributed.find_comm(([[Xs]],), {}) is None  # three levels down: not a model's argument
-
-
-def test_doctests_of_the_module():
-    assert doctest.testmod(distributed).failed == 0
 
 
 def test_stored_info_lists_what_was_left_out():

@@ -633,20 +633,6 @@ def test_dual_vg_fits_a_10000_node_lattice_gmrf():
     assert seconds < 60  # target 5 s on a quiet machine (docs/linalg.md); generous for shared CI
 
 
-def test_docstring_examples_run():
-    import doctest
-
-    from pyro_convexvb import distributions
-    from pyro_convexvb.infer.dual_vg import objective
-    from pyro_convexvb.linalg import sparse_cholesky
-
-    for mod in (distributions, sparse_cholesky, objective):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            res = doctest.testmod(mod)
-        assert res.attempted > 0 and res.failed == 0, mod.__name__
-
-
 def test_laplace_start_stops_at_its_per_site_gain_and_newton_reaches_the_same_gap(monkeypatch):
     """The Laplace start's IRLS stops once a step gains at most ``LAPLACE_START_TOL`` nats per site: fewer working
     solves than running it to a 1e-12 relative decrease, and the dual Newton iteration from either start ends at

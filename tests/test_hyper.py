@@ -751,15 +751,6 @@ def test_a_defended_surface_mixes_in_its_tempered_self_with_an_exact_density():
     assert make_proposal(hp, "fitted").density is hp.density
 
 
-def test_the_hyper_posterior_modules_examples_run():
-    import doctest
-
-    import pyro_convexvb.posterior.hyper as mod
-
-    out = doctest.testmod(mod)
-    assert out.attempted >= 3 and out.failed == 0
-
-
 def test_a_non_concave_hyper_mode_whose_field_fit_did_not_converge_says_so(monkeypatch):
     """Where the field's fit at the hyper-latents' mode did not converge, the curvature there means nothing: the
     error is a ConvergenceError naming that fit, not an UnsupportedModelError blaming the model (a diverged Gamma

@@ -111,6 +111,21 @@ class ImportanceDiagnostics:
         too narrow ``q`` is itself biased toward ``q``, so the true ratio is larger).
     :ivar log_ratios: ``(S,)`` raw ``log p(y, x_s) - log q(x_s)``; ``log_weights`` the smoothed normalised ones.
     :ivar draws: ``{site: (S, *unconstrained shape)}`` the draws.
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> def model(X, y=None):
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.).to_event(1))
+        ...     with pyro.plate("data", X.shape[0]):
+        ...         pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+        >>> X = torch.randn(40, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        >>> y = (X[:, 0] > 0).double()
+        >>> res = pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
+        >>> d = res.diagnostics
+        >>> d.k_hat < d.threshold, d.num_draws, d.proposal
+        (True, 500, 'fitted')
     """
 
     k_hat: float
@@ -427,6 +442,21 @@ class CorrectedPosterior:
         these numbers can be trusted; ``tried`` lists every proposal tried).
     :ivar probs: the quantile levels.
     :ivar shrinkage: the James-Stein factor of each statistic of each shrunk site (see :func:`correct`).
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> def model(X, y=None):
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.).to_event(1))
+        ...     with pyro.plate("data", X.shape[0]):
+        ...         pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+        >>> X = torch.randn(40, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        >>> y = (X[:, 0] > 0).double()
+        >>> res = pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
+        >>> c = res.corrected(num_draws=400, seed=0)
+        >>> c.sites["w"]["mean"].shape, c.sites["w"]["sd_mcse"].shape, sorted(c.sites["w"]["quantiles"])
+        (torch.Size([2]), torch.Size([2]), [0.05, 0.5, 0.95])
     """
 
     sites: Dict[str, Dict[str, Any]]

@@ -47,6 +47,21 @@ class LOOResult:
     :ivar elpd_waic, se_waic, p_waic: WAIC on the same draws.
     :ivar sites: ``{observed site: slice of the N observations}``.
     :ivar k_hat: the full-data ``k_hat`` of the draws (the approximation's diagnostic).
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> def model(X, y=None):
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.).to_event(1))
+        ...     with pyro.plate("data", X.shape[0]):
+        ...         pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+        >>> X = torch.randn(40, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        >>> y = (X[:, 0] > 0).double()
+        >>> res = pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
+        >>> r = res.loo(num_draws=300, seed=0)
+        >>> r.pareto_k.shape, r.cpo.shape, r.elpd_loo < 0
+        ((40,), (40,), True)
     """
 
     elpd_loo: float

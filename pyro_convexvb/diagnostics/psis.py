@@ -65,7 +65,14 @@ def _gpd_quantile(p, k, sigma):
 
 
 def pareto_k_threshold(num_draws):
-    """The sample-size dependent reliability threshold ``min(1 - 1 / log10 S, 0.7)`` (Vehtari et al. 2024, §3.2.4)."""
+    """The sample-size dependent reliability threshold ``min(1 - 1 / log10 S, 0.7)`` (Vehtari et al. 2024, §3.2.4).
+
+    Example::
+
+        >>> from pyro_convexvb.diagnostics import pareto_k_threshold
+        >>> pareto_k_threshold(100), pareto_k_threshold(10_000)
+        (0.5, 0.7)
+    """
     return min(1.0 - 1.0 / math.log10(max(num_draws, 11)), 0.7)
 
 
@@ -141,6 +148,14 @@ def psis(log_ratios, axis=0):
 
     :returns: ``(log_weights, k_hat)`` with ``log_weights`` of the input's shape (normalised along ``axis``)
         and ``k_hat`` of the shape with ``axis`` removed.
+
+    Example::
+
+        >>> import numpy as np
+        >>> from pyro_convexvb.diagnostics import psis
+        >>> log_w, k_hat = psis(np.random.default_rng(0).normal(size=(1000, 3)))
+        >>> log_w.shape, k_hat.shape, bool(np.allclose(np.exp(log_w).sum(0), 1.0)), bool((k_hat < 0.5).all())
+        ((1000, 3), (3,), True, True)
     """
     a = np.moveaxis(np.asarray(log_ratios, dtype=np.float64), axis, -1)
     flat = a.reshape(-1, a.shape[-1])
@@ -155,6 +170,13 @@ def importance_ess(log_weights):
     """Importance-sampling effective sample size ``1 / sum w_s^2`` of normalised weights (Kong 1992).
 
     :param log_weights: ``(S,)`` log weights (any additive constant).
+
+    Example::
+
+        >>> import torch
+        >>> from pyro_convexvb.diagnostics import importance_ess
+        >>> round(float(importance_ess(torch.zeros(100))), 6), float(importance_ess(torch.tensor([0.0, -50.0, -50.0])))
+        (100.0, 1.0)
     """
     lw = np.asarray(log_weights, dtype=np.float64)
     w = np.exp(lw - np.logaddexp.reduce(lw))

@@ -125,6 +125,22 @@ class Engine:
     those of an engine on the latent Gaussian model extracted from the Pyro model; :class:`ModelEngine`
     overrides them for engines that run on the Pyro model itself. ``takes`` (``"lgm"`` here, ``"model"`` there)
     says which, for readers such as the estimators; it follows the base class and a subclass cannot change it.
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> def model(X, y=None):
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.).to_event(1))
+        ...     with pyro.plate("data", X.shape[0]):
+        ...         pyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+        >>> X = torch.randn(20, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        >>> Engine = pcv.get_engine("dual_vg")
+        >>> res = Engine(model, progress=False, gap_tol=1e-9).run(X, y=X.sum(1))
+        >>> issubclass(Engine, pcv.Engine), res.engine, res.converged
+        (True, 'dual_vg', True)
+
+    A complete engine written from scratch: :mod:`pyro_convexvb.infer.engine`.
     """
 
     name: ClassVar[str] = ""
@@ -447,6 +463,12 @@ class ModelEngine(Engine):
     (:meth:`model_applies`). It overrides the hooks of :class:`Engine` that depend on what the engine runs on
     (:meth:`fits`, :meth:`problem`, :meth:`completed`); an engine of this kind does not integrate over
     hyper-latents (that works on a latent Gaussian model).
+
+    Example::
+
+        >>> import pyro_convexvb as pcv
+        >>> issubclass(pcv.get_engine("laplace"), pcv.ModelEngine), issubclass(pcv.get_engine("dual_vg"), pcv.ModelEngine)
+        (True, False)
     """
 
     takes: ClassVar[str] = "model"

@@ -23,6 +23,17 @@ def option(default, doc, *, min=None, gt=None, max=None, choices=None):
     :param gt: exclusive lower bound, for numbers.
     :param max: largest allowed value (inclusive), for numbers.
     :param choices: allowed values (for strings; ``typing.Literal`` annotations give them too).
+
+    Example::
+
+        >>> import dataclasses, pyro_convexvb as pcv
+        >>> @dataclasses.dataclass(frozen=True)
+        ... class MyOptions(pcv.EngineOptions):
+        ...     step: float = pcv.option(0.5, "step size", gt=0.0, max=1.0)
+        >>> MyOptions(step=0.0)
+        Traceback (most recent call last):
+            ...
+        ValueError: option 'step' must be > 0.0, got 0.0
     """
     return field(default=default, metadata=dict(doc=doc, min=min, gt=gt, max=max, choices=choices))
 
@@ -98,6 +109,22 @@ class EngineOptions:
     :ivar on_fail: what an unconverged fit does: ``"warn"`` (one
         :class:`~pyro_convexvb.ConvergenceWarning` with the optimality measure) or ``"raise"``
         (:class:`~pyro_convexvb.ConvergenceError`).
+
+    Example::
+
+        >>> import dataclasses
+        >>> from typing import Literal
+        >>> import pyro_convexvb as pcv
+        >>> @dataclasses.dataclass(frozen=True)
+        ... class MyOptions(pcv.EngineOptions):
+        ...     max_steps: int = pcv.option(100, "iterations at most", min=1)
+        ...     rule: Literal["a", "b"] = pcv.option("a", "which rule")
+        >>> MyOptions(max_steps=5).max_steps, MyOptions().rule, MyOptions().on_fail
+        (5, 'a', 'warn')
+        >>> MyOptions(rule="c")
+        Traceback (most recent call last):
+            ...
+        ValueError: option 'rule' must be one of ['a', 'b'], got 'c'
     """
 
     on_fail: typing.Literal["warn", "raise"] = option(

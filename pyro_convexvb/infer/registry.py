@@ -104,14 +104,29 @@ def _load_entry_points():
 
 
 def engines():
-    """``{name: one-line description}`` of every registered engine."""
+    """``{name: one-line description}`` of every registered engine.
+
+    Example::
+
+        >>> import pyro_convexvb as pcv
+        >>> sorted(pcv.engines())[:3]
+        ['convex_relaxation', 'diag_mixture', 'dual_vg']
+    """
     _load_builtin()
     _load_entry_points()
     return {k: v.description for k, v in sorted(_ENGINES.items())}
 
 
 def get_engine(name):
-    """The :class:`~pyro_convexvb.infer.engine.Engine` subclass registered as ``name``."""
+    """The :class:`~pyro_convexvb.infer.engine.Engine` subclass registered as ``name``.
+
+    Example::
+
+        >>> import pyro_convexvb as pcv
+        >>> E = pcv.get_engine("laplace")
+        >>> E.name, E.Options().on_fail
+        ('laplace', 'warn')
+    """
     engines()
     try:
         return _ENGINES[name]

@@ -13,6 +13,14 @@ class History(dict):
 
     Each key maps to a list; :meth:`record` appends one iteration and the wall seconds since
     the history was created. Keys are also attributes (``history.objective``).
+
+    Example::
+
+        >>> from pyro_convexvb.infer.result import History
+        >>> h = History()
+        >>> h.record(objective=-3.2, mvm=4); h.record(objective=-3.1, mvm=4)
+        >>> h.objective, h["mvm"], len(h.seconds)
+        ([-3.2, -3.1], [4.0, 4.0], 2)
     """
 
     def __init__(self):
@@ -53,6 +61,24 @@ class InferenceResult:
     :ivar hyperparameters: the learned ``pyro.param`` values (type-II maximum likelihood), ``None`` otherwise.
     :ivar state: the engine's immutable state at the answer (e.g. ``RelaxationState``, ``DualState``), from which
         ``pcv.fit(..., init=result.state)`` resumes; ``None`` for engines without one.
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> def model(X, y=None):
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.).to_event(1))
+        ...     with pyro.plate("data", X.shape[0]):
+        ...         pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+        >>> X = torch.randn(40, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        >>> y = (X[:, 0] > 0).double()
+        >>> res = pcv.fit(model, X, y=y, engine="dual_vg", progress=False)
+        >>> res.converged, res.engine, res.posterior.loc.shape
+        (True, 'dual_vg', torch.Size([2]))
+        >>> [str(c.name) for c in res.optimality.criteria], res.log_evidence_bound < 0
+        (['duality gap (nats)'], True)
+        >>> len(res.history.objective) > 0, res.state is not None
+        (True, True)
     """
 
     posterior: Any
@@ -249,7 +275,14 @@ def _is_plain(v, depth=0):
 
 @dataclass(frozen=True)
 class Criterion:
-    """One optimality criterion: ``value <= tol`` (a NaN or infinite value never passes)."""
+    """One optimality criterion: ``value <= tol`` (a NaN or infinite value never passes).
+
+    Example::
+
+        >>> import pyro_convexvb as pcv
+        >>> pcv.Criterion("duality gap (nats)", 3e-9, 1e-8).met, pcv.Criterion("gap", float("nan"), 1e-8).met
+        (True, False)
+    """
 
     name: str
     value: float
@@ -309,6 +342,16 @@ class Solution:
     :ivar info: engine-specific extras.
     :ivar lgm: the latent Gaussian model, for engines that run on the Pyro model but extracted one.
     :ivar state: the engine's immutable state at the answer (its :attr:`Engine.State`), from which a fit resumes.
+
+    Example::
+
+        >>> import torch, pyro_convexvb as pcv
+        >>> q = pcv.GaussianPosterior(torch.zeros(2), torch.ones(2))
+        >>> sol = pcv.Solution(q, None, pcv.Optimality.exact(), "closed form")
+        >>> sol.stop_reason, sol.optimality.converged
+        ('closed form', True)
+
+    A complete engine that returns one: :mod:`pyro_convexvb.infer.engine`.
     """
 
     posterior: Any

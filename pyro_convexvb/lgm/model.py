@@ -45,6 +45,19 @@ class PriorBlock:
     :param cov: covariance operator ``(size, size)`` or ``None``.
     :param prec: precision operator ``(size, size)`` or ``None`` (at least one of the two unless ``flat``).
     :param flat: ``True`` for a block without a Gaussian prior (e.g. a Laplace prior turned into sites).
+
+    Example::
+
+        >>> import torch, pyro, pyro.distributions as dist
+        >>> import pyro_convexvb as pcv
+        >>> def model(X, y=None):
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.).to_event(1))
+        ...     with pyro.plate("data", X.shape[0]):
+        ...         pyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+        >>> X = torch.randn(20, 2, dtype=torch.float64)
+        >>> b, = pcv.lgm_from_pyro(model, X, y=X.sum(1)).priors
+        >>> b.name, b.loc.shape, b.cov.shape
+        ('w', torch.Size([2]), (2, 2))
     """
 
     name: str
@@ -97,6 +110,19 @@ class SiteGroup:
     A weighted group (a Pyro site under ``poutine.scale``) holds a
     :class:`~pyro_convexvb.lgm.sites.Weighted` family: :attr:`weight` gives its per-row weights
     ``w_i`` and :attr:`base_family` the unweighted family, and the group's sites are ``t_i(eta_i)^{w_i}``.
+
+    Example::
+
+        >>> import torch, pyro, pyro.distributions as dist
+        >>> import pyro_convexvb as pcv
+        >>> def model(X, y=None):
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.).to_event(1))
+        ...     with pyro.plate("data", X.shape[0]):
+        ...         pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+        >>> X = torch.randn(20, 2, dtype=torch.float64)
+        >>> g, = pcv.lgm_from_pyro(model, X, y=(X[:, 0] > 0).double()).sites
+        >>> g.name, g.design.shape, g.offset.shape, type(g.family).__name__
+        ('y', (20, 2), torch.Size([20]), 'BernoulliLogit')
     """
 
     name: str

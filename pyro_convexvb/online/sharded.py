@@ -200,6 +200,16 @@ def simulate_sharded(estimators, shards, merge_every, merge="natural", classes=N
     order). For measuring the approximation without launching processes.
 
     :returns: list of the ranks' ``(m_r,)`` progressive log-losses.
+
+    Example::
+
+        >>> import numpy as np
+        >>> from pyro_convexvb.online import OnlineBayesLogistic, make_online_stream, simulate_sharded
+        >>> X, y = make_online_stream(d=50, d_t=5, seed=0).take(1000)
+        >>> ranks = [OnlineBayesLogistic(50, prior_var=0.1) for _ in range(2)]
+        >>> ll = simulate_sharded(ranks, [(X[:500], y[:500]), (X[500:], y[500:])], merge_every=100)
+        >>> [l.shape for l in ll], bool(np.allclose(ranks[0].coef_, ranks[1].coef_))
+        ([(500,), (500,)], True)
     """
     if merge not in MERGES:
         raise ValueError(f"merge: expected one of {MERGES}, got {merge!r}")

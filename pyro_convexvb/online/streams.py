@@ -49,6 +49,13 @@ class OnlineStream:
     :ivar theta: ``(d,)`` true weights (the same on every shard).
     :ivar int num_features: ``d``.
     :ivar shard: ``None`` or ``(rank, world_size)``.
+
+    Example::
+
+        >>> from pyro_convexvb.online import make_online_stream
+        >>> stream = make_online_stream(d=50, d_t=5, seed=0)
+        >>> [X.shape for X, y in stream.chunks(2500, chunk_size=1000)]
+        [(1000, 50), (1000, 50), (500, 50)]
     """
 
     def __init__(self, theta, sampler, link, seed, shard=None):

@@ -39,6 +39,20 @@ class DiagMixtureELBO(ELBO):
         sites, log-Jacobians and the entropy bound; gradients and the loss are then summed over ranks
         (as in ``DistributedDataParallel``), which is the single-process objective and gradient up
         to the order of floating-point additions (:mod:`~pyro_convexvb.infer.sharded_svi`).
+
+    Example::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> def model(y):
+        ...     z = pyro.sample("z", dist.Normal(torch.zeros(3), 1.).to_event(1))
+        ...     pyro.sample("y", dist.Normal(z, 0.5).to_event(1), obs=y)
+        >>> pyro.set_rng_seed(0); pyro.clear_param_store()
+        >>> guide = pcv.AutoDiagMixture(model, num_components=2)
+        >>> svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), loss=pcv.DiagMixtureELBO(num_particles=4))
+        >>> losses = [svi.step(torch.tensor([0.5, -1.0, 2.0])) for _ in range(300)]
+        >>> losses[-1] < losses[0]
+        True
     """
 
     def __init__(self, num_particles=1, entropy="eq24", vectorize_particles=False, max_plate_nesting=float("inf"),
