@@ -14,7 +14,9 @@ Importing this module requires numba (``pip install 'pyro_convexvb[fast]'``).
 import math
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 LOGIT = 0
 PROBIT = 1
@@ -29,6 +31,25 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _TAIL = -35.0
 #: the smallest normal float64: a variance below it is refused (``_base._FLOORS["positive"]``)
 TINY = float(np.finfo(np.float64).tiny)
+
+
+@intrinsic
+def _prefetch(typingctx, arr, offset):
+    """Ask the CPU to load element ``offset`` of the C-contiguous array ``arr``'s data into its caches (LLVM's
+    ``llvm.prefetch``: a hint, no value and no fault): the learner's next row is fetched while this one is computed.
+    On a 2^22-feature hashed state (64 MiB, beyond the caches) the rows' scattered reads otherwise wait for memory."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, i32, i32,
+                                                                                                      i32]))
+        # write access (the row updates what it reads), high locality, data cache
+        builder.call(fn, [builder.bitcast(builder.gep(data, [args[1]]), i8p), ir.Constant(i32, 1), ir.Constant(i32, 3),
+                          ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, offset), codegen
 
 
 @njit(cache=True, inline="always")
@@ -471,6 +492,7 @@ def run_alg1_fused(link, indptr, indices, data, y, st, p1_out, ll_out, undo_mu, 
     """
     n = indptr.shape[0] - 1
     K = st.shape[0]
+    d = st.shape[1]
     a = math.pi / 8.0 if link == LOGIT else 1.0
     act = np.empty(K, dtype=np.int64)
     na = 0
@@ -488,6 +510,10 @@ def run_alg1_fused(link, indptr, indices, data, y, st, p1_out, ll_out, undo_mu, 
         start = indptr[t]
         end = indptr[t + 1]
         yt = y[t]
+        if t + 1 < n:  # the next row's state, fetched while this row is computed
+            for k in range(end, indptr[t + 2]):
+                for j in range(na):
+                    _prefetch(st, (act[j] * d + indices[k]) * 2)
         if na == 1:
             p1_out[t], lp1 = _alg1_row(link, a, start, end, yt, indices, data, st1, um1, us1, bad)
             ll_out[t] = -lp1
