@@ -30,7 +30,8 @@ def applies(lgm):
 @dataclass(frozen=True)
 class ConvexRelaxationOptions(LGMEngineOptions):
     lanczos_rank: int = option(80, "Lanczos steps k per variance update (80 for a9a, 750 for real-sim/rcv1 in "
-                                    "Nickisch & Seeger 2009); set with variance='exact' it is refused (unused)",
+                                    "Nickisch & Seeger 2009); a value other than the default is refused with variance='exact' "
+                                    "(unused there)",
                                min=1)
     max_outer: int = option(10, "outer-loop variance updates (each followed by one inner loop); the loop stops "
                                 "earlier once gamma_tol and phi_tol are met", min=0)
@@ -40,12 +41,13 @@ class ConvexRelaxationOptions(LGMEngineOptions):
         "auto", "variance method: exact (dense Cholesky) when cheaper than K-Lanczos ('auto'), K-Lanczos, exact, "
                 "or L-PCA (Seeger 2010)")
     lanczos_block_size: int = option(1, "block size b <= lanczos_rank of block Lanczos (1: Nickisch & Seeger's "
-                                        "Lanczos); set with variance='exact' or 'pca' it is refused (unused)", min=1)
+                                        "Lanczos); a value other than the default is refused with variance='exact' or "
+                                        "'pca' (unused there)", min=1)
     lanczos_estimator: typing.Literal["auto", "k-lanczos", "whitened"] = option(
         "auto", "Lanczos variance estimator: K-Lanczos lower bounds on the precision (sparse designs), the "
                 "whitened covariance form (GP-type dense prior covariances), or chosen by the model ('auto'); with "
                 "variance='lanczos', or 'auto' (the Lanczos step it weighs against an exact one); refused with "
-                "'exact' or 'pca'")
+                "'exact' or 'pca' unless left at its default")
     pca_rank: typing.Optional[int] = option(None, "L of L-PCA (default lanczos_rank // 6); only with "
                                                   "variance='pca' ('auto' never chooses L-PCA: refused otherwise)",
                                             min=1)
