@@ -649,3 +649,72 @@ def test_a_guide_whose_shared_names_another_model_took_says_so():
                                          r"coordinates, the model has 3.*name_prefix"):
         Predictive(model, guide=g1, num_samples=5)(X)
     pyro.clear_param_store()
+
+
+@pytest.mark.parametrize("posterior", ["gaussian", "mixture"])
+def test_fixed_guides_draw_in_the_models_dtype(posterior):
+    """A fixed guide (trainable=False) of a float64 posterior, used with float32 data, draws float32 values, as the
+    trainable guides do (it handed the model float64 values and the model failed inside torch), with the same
+    median."""
+    D = torch.float64
+    X = torch.randn(30, 3, generator=torch.Generator().manual_seed(0), dtype=D)
+    y = X @ torch.tensor([1.0, -0.5, 0.3], dtype=D)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(X.shape[1], dtype=X.dtype), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            return pyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+
+    q = pcv.fit(model, X, y=y, engine="dual_vg", progress=False).posterior
+    if posterior == "mixture":
+        q = DiagMixturePosterior(torch.stack([q.loc, q.loc + 0.1]), torch.stack([q.variance, q.variance]),
+                                 layout=q.layout, model=q.model, model_args=q.model_args)
+    pyro.clear_param_store()
+    g = q.as_guide(model, trainable=False, model_args=(X.float(),), model_kwargs={"y": y.float()})
+    assert isinstance(g, (GaussianPosteriorGuide, DiagMixtureGuide))
+    out = Predictive(model, guide=g, num_samples=5)(X.float())
+    assert out["w"].dtype == torch.float32 and out["y"].dtype == torch.float32
+    torch.testing.assert_close(g.median()["w"], q.as_guide(model, trainable=False).median()["w"].float(), rtol=1e-6,
+                               atol=1e-6)
+
+
+def _pickled_model(X, y=None):
+    w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.0).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        return pyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+
+
+def _pickled_model_wrapper(X, y=None):
+    return _pickled_model(X, y)
+
+
+@pytest.mark.parametrize("make", ["dual_vg", "as_guide"])
+def test_pickling_a_guide_keeps_the_originals_model_and_the_copy_says_what_it_lacks(make):
+    """Pyro's AutoGuide.__getstate__ set the guide's own model to None, so after pickle.dumps (or pickling the
+    result of DualVG.fit, which holds the guide) the original's next fit failed with a bare TypeError.  The
+    original keeps its model; the unpickled copy samples, and building or fitting it names what is missing."""
+    import pickle
+
+    from pyro_convexvb.infer.dual_vg import DualVG
+
+    X = torch.randn(20, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    model = _pickled_model
+    pyro.clear_param_store()
+    if make == "dual_vg":
+        guide = DualVG(model)
+        res = guide.fit(X, y=X.sum(1))
+        pickle.dumps(res)  # the result holds the guide
+        copy_ = pickle.loads(pickle.dumps(guide))
+        assert guide.fit(X, y=X.sum(1)).converged
+        with pytest.raises(RuntimeError, match="pickled or deep-copied.*needs the model"):
+            copy_.fit(X, y=X.sum(1))
+    else:
+        q = pcv.fit(model, X, y=X.sum(1), engine="dual_vg", progress=False).posterior
+
+        guide = q.as_guide(_pickled_model_wrapper)  # another model object: built lazily, at its first call
+        copy_ = pickle.loads(pickle.dumps(guide))
+        assert guide(X, y=X.sum(1))["w"].shape == (2,)
+        with pytest.raises(RuntimeError, match="pickled or deep-copied.*needs the model"):
+            copy_(X, y=X.sum(1))
+    built = pickle.loads(pickle.dumps(guide))  # built before pickling: the copy samples
+    assert Predictive(model, guide=built, num_samples=3)(X)["w"].shape == (3, 1, 2)  # as AutoMultivariateNormal

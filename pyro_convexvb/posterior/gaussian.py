@@ -546,7 +546,30 @@ class _PosteriorDistribution(TorchDistribution):
         return self.posterior.variance
 
 
-class GaussianPosteriorGuide(AutoContinuous):
+class _KeepsItsModel:
+    """Pickling a guide (or ``copy.deepcopy``) leaves the guide itself whole.  Pyro's ``AutoGuide.__getstate__``
+    drops the model (it may not pickle) by setting it to ``None`` on the guide being pickled, so the original lost
+    its model too and its next build or ``fit`` failed with a bare ``TypeError``.  The copy has no model, as
+    Pyro's own guides; using one where a model is needed says so."""
+
+    def __getstate__(self):
+        model, master = self._model, self.master
+        try:
+            return super().__getstate__()
+        finally:
+            self._model, self.master = model, master
+
+    @property
+    def model(self):
+        if self._model is None:
+            raise RuntimeError(f"{type(self).__name__}: this guide was pickled or deep-copied, and Pyro's guides do not "
+                               "carry their model through a pickle: once built it still samples (Predictive) and "
+                               "gives median()/quantiles(), but building or fitting needs the model; make the guide "
+                               "again from the model (e.g. res.posterior.as_guide(model))")
+        return self._model[0]
+
+
+class GaussianPosteriorGuide(_KeepsItsModel, AutoContinuous):
     """Pyro autoguide whose *fixed* joint latent distribution is a :class:`GaussianPosterior` (no parameters).
 
     For posteriors too large to train (e.g. matrix-free ones, sampled exactly by perturb-and-solve); SVI
@@ -585,7 +608,8 @@ class GaussianPosteriorGuide(AutoContinuous):
 
     def _unpack_latent(self, latent):
         _check_unpacked(self, latent)
-        return super()._unpack_latent(latent)
+        dtype, device = _prototype_dtype(self, latent)  # draws follow the model's dtype, as the trainable guides do
+        return super()._unpack_latent(latent.to(dtype=dtype, device=device))
 
     def _loc_scale(self, *args, **kwargs):
         if self.prototype_trace is None:  # median()/quantiles() before the first call
@@ -818,7 +842,7 @@ def _check_trainable(q, form):
                              f"(first at index {int(bad[0])})")
 
 
-class PosteriorMultivariateNormal(_InitialisedAtPosterior, AutoMultivariateNormal):
+class PosteriorMultivariateNormal(_KeepsItsModel, _InitialisedAtPosterior, AutoMultivariateNormal):
     """A trainable :class:`~pyro.infer.autoguide.AutoMultivariateNormal` initialised at a :class:`GaussianPosterior`.
 
     Pyro's parametrisation: ``loc`` ``(n,)``, ``scale`` ``(n,)`` (softplus-positive) and ``scale_tril``
@@ -882,7 +906,7 @@ class PosteriorMultivariateNormal(_InitialisedAtPosterior, AutoMultivariateNorma
         return self._posterior_like(loc, scale_tril=scale[:, None] * unit)
 
 
-class PosteriorDiagonalNormal(_InitialisedAtPosterior, AutoDiagonalNormal):
+class PosteriorDiagonalNormal(_KeepsItsModel, _InitialisedAtPosterior, AutoDiagonalNormal):
     """A trainable :class:`~pyro.infer.autoguide.AutoDiagonalNormal` initialised at a :class:`GaussianPosterior`.
 
     Parameters ``loc`` ``(n,)`` and ``scale`` ``(n,)`` (softplus-positive), initialised at the posterior's
@@ -919,7 +943,8 @@ class PosteriorDiagonalNormal(_InitialisedAtPosterior, AutoDiagonalNormal):
         return self._posterior_like(loc, variance=scale**2)
 
 
-class PosteriorLowRankMultivariateNormal(_InitialisedAtPosterior, AutoLowRankMultivariateNormal):
+class PosteriorLowRankMultivariateNormal(_KeepsItsModel, _InitialisedAtPosterior,
+                                         AutoLowRankMultivariateNormal):
     """A trainable :class:`~pyro.infer.autoguide.AutoLowRankMultivariateNormal` at a ``low_rank_diagonal`` posterior.
 
     Pyro's parametrisation: ``loc`` ``(n,)``, ``scale`` ``(n,)`` (softplus-positive) and ``cov_factor``

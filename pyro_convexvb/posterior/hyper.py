@@ -15,7 +15,7 @@ from torch.distributions import constraints
 
 from .base import Posterior
 from .empirical import weighted_quantiles
-from .gaussian import _apply_name_prefix, _guide_model_and_data, _prototype_dtype
+from .gaussian import _KeepsItsModel, _apply_name_prefix, _guide_model_and_data, _prototype_dtype
 
 __all__ = ["ThetaSpace", "GridWarp", "ThetaDensity", "HyperPosterior", "HyperMixtureGuide"]
 
@@ -693,7 +693,7 @@ class _JointDraws(TorchDistribution):
         return lp.to(device=value.device, dtype=value.dtype).reshape(value.shape[:-1])
 
 
-class HyperMixtureGuide(AutoContinuous):
+class HyperMixtureGuide(_KeepsItsModel, AutoContinuous):
     """Fixed autoguide of a :class:`HyperPosterior`: samples ``theta`` and the field ``u`` jointly
     (:meth:`HyperPosterior.sample_joint`), with the log density of those draws (:meth:`HyperPosterior.log_prob_joint`).
 

@@ -26,7 +26,7 @@ from ..errors import ConvergenceWarning, UnsupportedModelError
 from ..linalg.operators import as_operator
 from ..linalg.scalar import newton_bisect_root
 from .base import Posterior
-from .gaussian import (GaussianPosterior, _apply_name_prefix, _check_latent_dim, _guide_model_and_data,
+from .gaussian import (GaussianPosterior, _KeepsItsModel, _apply_name_prefix, _check_latent_dim, _guide_model_and_data,
                        _prototype_dtype, _write_guide_params)
 
 __all__ = [
@@ -280,7 +280,7 @@ class _MixtureGuideMixin:
         return {k: v[0] for k, v in self.quantiles([0.5], *args, **kwargs).items()}
 
 
-class AutoDiagMixture(_MixtureGuideMixin, AutoContinuous):
+class AutoDiagMixture(_KeepsItsModel, _MixtureGuideMixin, AutoContinuous):
     """Autoguide ``q(u) = (1/K) sum_k N(u | m_k, diag psi_k)`` over all continuous latent sites.
 
     Steinberg et al. 2017, Eq. (21).  Like :class:`~pyro.infer.autoguide.AutoNormal` it works in unconstrained
@@ -400,7 +400,7 @@ class AutoDiagMixture(_MixtureGuideMixin, AutoContinuous):
         return z.reshape(K * num_particles, D), locs, scales**2
 
 
-class DiagMixtureGuide(_MixtureGuideMixin, AutoContinuous):
+class DiagMixtureGuide(_KeepsItsModel, _MixtureGuideMixin, AutoContinuous):
     """A fixed Pyro guide sampling from a fitted :class:`DiagMixturePosterior` (``Predictive``, ``median``, ``quantiles``).
 
     It has no parameters, so SVI cannot train it; :meth:`DiagMixturePosterior.as_guide` gives the trainable
@@ -431,7 +431,11 @@ class DiagMixtureGuide(_MixtureGuideMixin, AutoContinuous):
         _check_latent_dim(self, self.posterior)
 
     def _mixture_params(self):
-        return self.posterior.locs, self.posterior.variances.sqrt()
+        locs, scales = self.posterior.locs, self.posterior.variances.sqrt()
+        if self.prototype_trace is None:
+            return locs, scales
+        dtype, device = _prototype_dtype(self, locs)  # draws follow the model's dtype, as the trainable guides do
+        return locs.to(dtype=dtype, device=device), scales.to(dtype=dtype, device=device)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from pyro.nn.module import PyroParam
 from torch.distributions import constraints
 
 from ...errors import UnsupportedModelError
-from ...posterior.gaussian import GaussianPosterior
+from ...posterior.gaussian import GaussianPosterior, _KeepsItsModel
 from ..rng import forked_rng
 from ..runtime import pyro_runtime_restored
 from . import engine
@@ -21,7 +21,7 @@ from .engine import DualState, DualVGEngine, DualVGOptions
 __all__ = ["DualVG"] + engine.__all__
 
 
-class DualVG(AutoMultivariateNormal):
+class DualVG(_KeepsItsModel, AutoMultivariateNormal):
     r"""A Pyro autoguide fitted through the convex Fenchel dual of the variational-Gaussian bound.
 
     A full-rank Gaussian guide over the model's latent vector (an :class:`~pyro.infer.autoguide.AutoContinuous`,
