@@ -25,6 +25,7 @@ chunks, then learn from them): the split says which stage bounds the overlapped 
     python benchmarks/online_text.py --cases criteo --rows 300000
     python benchmarks/online_text.py --quick              # 20k rows, a 2% real-sim, < 2 min
     python benchmarks/online_text.py --chunk-sizes 20000,50000,100000   # chunk sizes side by side (*_chunks.json)
+    python benchmarks/online_text.py --chunk-sizes default,50000        # the readers' default against fixed chunks
 
 Writes ``benchmarks/results/online_text[_quick].json`` and prints a markdown table.
 """
@@ -189,14 +190,16 @@ def main(argv=None):
     parser.add_argument("--cases", default="criteo,svmlight,regret")
     parser.add_argument("--workdir", default=None, help="where the text files go (default: a temporary folder)")
     parser.add_argument("--chunk-sizes", default=None,
-                        help="comma list of chunk_size values (rows) for ours at prior_var='auto', each its own "
-                             "pipeline in the same alternating runs (default: the readers' default only)")
+                        help="comma list of chunk_size values (rows, or 'default' for the readers' default) for ours "
+                             "at prior_var='auto', each its own pipeline in the same alternating runs (default: the "
+                             "readers' default only)")
     args = parse_args(parser=parser, argv=argv)
     if args.quick:
         args.rows, args.svm_scale, args.repeats = min(args.rows, 20_000), min(args.svm_scale, 0.02), 1
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     try:
-        chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")] if args.chunk_sizes else [None]
+        chunk_sizes = [None if c.strip() == "default" else int(c) for c in args.chunk_sizes.split(",")] \
+            if args.chunk_sizes else [None]
     except ValueError:
         parser.error(f"--chunk-sizes: expected a comma list of positive integers, got {args.chunk_sizes!r}")
     if any(c is not None and c < 1 for c in chunk_sizes):

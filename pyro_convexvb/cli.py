@@ -642,7 +642,7 @@ def main(argv=None):
                    help="hash buckets (criteo/csv, default 2^22) or columns (svmlight, required); a resumed run "
                         "takes it from the state")
     o.add_argument("--chunk-size", type=_positive_int, default=None,
-                   help="rows per chunk (default: the readers' DEFAULT_CHUNK_ROWS, 50,000)")
+                   help="rows per chunk (default: 4,096 doubling chunk by chunk to 50,000)")
     o.add_argument("--prior-var", type=_prior_var, default=None, help="'auto' (default) or a positive number")
     o.add_argument("--classes", type=_two_labels, default=None,
                    help="the file's two labels A,B (the larger is the positive class), e.g. 1,2 for LIBSVM's "

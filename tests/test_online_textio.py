@@ -278,21 +278,34 @@ def test_svmlight_kernel_equals_the_python_parser_on_odd_numbers(tmp_path, seed)
         np.testing.assert_array_equal(y, labels)
 
 
-def test_default_chunk_size_is_fifty_thousand_rows(tmp_path):
-    """``chunk_size=None`` (the default) cuts DEFAULT_CHUNK_ROWS rows; a bad value names the argument."""
-    from pyro_convexvb.online import DEFAULT_CHUNK_ROWS
+def test_default_chunks_double_from_4096_to_fifty_thousand_rows(tmp_path):
+    """``chunk_size=None`` (the default) cuts FIRST_CHUNK_ROWS rows, then twice the previous chunk's up to
+    DEFAULT_CHUNK_ROWS, on every reading path (the svmlight direct kernel, its block path with hashing, the
+    delimited direct and block paths); the rows are those of fixed chunks; a bad value names the argument."""
+    from pyro_convexvb.online import DEFAULT_CHUNK_ROWS, FIRST_CHUNK_ROWS
 
-    assert DEFAULT_CHUNK_ROWS == 50_000
-    n = DEFAULT_CHUNK_ROWS + 7
+    assert (FIRST_CHUNK_ROWS, DEFAULT_CHUNK_ROWS) == (4096, 50_000)
+    expected = [4096, 8192, 16384, 32768, 50_000, 50_000, 7]
+    n = sum(expected)
     p = tmp_path / "d.svm"
-    p.write_text("".join(f"{1 if i % 2 else -1} {i % 5 + 1}:1\n" for i in range(n)))
-    sizes = [X.shape[0] for X, _ in iter_svmlight(p, num_features=8)]
-    assert sizes == [DEFAULT_CHUNK_ROWS, 7]
+    p.write_text("".join(f"{1 if i % 2 else -1} {i % 5 + 1}:{i % 7 + 1}\n" for i in range(n)))
+    fixed = [X for X, _ in iter_svmlight(p, chunk_size=n, num_features=8, prefetch=False)][0]
+    for hashing in (None, 3):
+        chunks = [X for X, _ in iter_svmlight(p, num_features=8, hashing=hashing)]
+        assert [X.shape[0] for X in chunks] == expected
+        if hashing is None:
+            assert (sp.vstack(chunks) != fixed).nnz == 0
     c = tmp_path / "d.csv"
     c.write_text("".join(f"{i % 2},{i % 3},a{i % 4}\n" for i in range(n)))
     sizes = [X.shape[0] for X, _ in iter_csv(c, integer_columns=[1], categorical_columns=[2], num_features=64)]
-    assert sizes == [DEFAULT_CHUNK_ROWS, 7]
-    with pytest.raises(ValueError, match=r"chunk_size: expected a positive integer \(or None for 50,000\)"):
+    assert sizes == expected
+    spec = _textio.DelimitedSpec(0, (1,), (2,), 64, 0, ",", True)
+    sizes = [X.shape[0] for X, _ in _textio.iter_delimited(c, spec, 50_000, direct=False, first=4096)]
+    assert sizes == expected
+    assert [X.shape[0] for X, _ in iter_svmlight(p, chunk_size=30_000, num_features=8)] == [30_000] * 5 + [
+        n - 150_000]
+    with pytest.raises(ValueError, match=r"chunk_size: expected a positive integer \(or None for 4,096 rows doubling "
+                                         r"to 50,000\)"):
         iter_svmlight(p, chunk_size=2.5, num_features=8)
 
 

@@ -14,8 +14,8 @@ reference path in :mod:`pyro_convexvb.online.equations` works without them.
 from .baselines import OnlineADF, OnlineAdaGradLogistic, OnlineDimGauss, OnlineMarginalVB
 from .sharded import ShardedOnline, simulate_sharded
 from .bayes_logistic import OnlineBayesLogistic
-from .streams import (DEFAULT_CHUNK_ROWS, OnlineStream, hash_features, iter_criteo, iter_csv, iter_svmlight,
-                      make_online_stream, progressive_regret)
+from .streams import (DEFAULT_CHUNK_ROWS, FIRST_CHUNK_ROWS, OnlineStream, hash_features, iter_criteo, iter_csv,
+                      iter_svmlight, make_online_stream, progressive_regret)
 
 __all__ = [
     "OnlineBayesLogistic",
@@ -30,6 +30,7 @@ __all__ = [
     "iter_csv",
     "iter_criteo",
     "DEFAULT_CHUNK_ROWS",
+    "FIRST_CHUNK_ROWS",
     "progressive_regret",
     "ShardedOnline",
     "simulate_sharded",

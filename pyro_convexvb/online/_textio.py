@@ -829,18 +829,19 @@ class DelimitedSpec:
 class _ChunkBuilder:
     """The arrays of the chunk being filled (every chunk gets new ones: a chunk handed out is never overwritten)."""
 
-    def __init__(self, chunk_size, width, index_dtype=np.int64):
+    def __init__(self, chunk_size, width, index_dtype=np.int64, first=None):
         self.chunk_size = chunk_size
+        self.size = _first_size(chunk_size, first)
         self.width = width
         big = chunk_size * max(width, 1) > np.iinfo(np.int32).max
         self.index_dtype = np.int64 if big else index_dtype
         self.new()
 
     def new(self):
-        self.indptr = np.zeros(self.chunk_size + 1, dtype=self.index_dtype)
-        self.indices = np.empty(self.chunk_size * self.width, dtype=self.index_dtype)
-        self.data = np.empty(self.chunk_size * self.width, dtype=np.float64)
-        self.labels = np.empty(self.chunk_size, dtype=np.float64)
+        self.indptr = np.zeros(self.size + 1, dtype=self.index_dtype)
+        self.indices = np.empty(self.size * self.width, dtype=self.index_dtype)
+        self.data = np.empty(self.size * self.width, dtype=np.float64)
+        self.labels = np.empty(self.size, dtype=np.float64)
         self.row = 0
         self.nnz = 0
 
@@ -860,13 +861,28 @@ class _ChunkBuilder:
         X.has_sorted_indices = True
         X.has_canonical_format = True
         y = self.labels[:m]
+        self.size = min(self.chunk_size, 2 * self.size)
         self.new()
         return X, y
 
 
-def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTES, use_kernel=None, direct=None):
+def _first_size(chunk_size, first):
+    """The rows of the first chunk: ``first`` (at most ``chunk_size``), or ``chunk_size``.  Each later chunk has
+    twice its predecessor's rows, up to ``chunk_size``: a reader thread then hands the learner its first rows
+    early, so reading and learning overlap from the start (a file of few chunks is otherwise read half before the
+    learner starts)."""
+    if first is None:
+        return chunk_size
+    if isinstance(first, bool) or int(first) != first or first < 1:
+        raise ValueError(f"first: expected a positive integer, got {first!r}")
+    return min(int(first), chunk_size)
+
+
+def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTES, use_kernel=None, direct=None,
+                   first=None):
     """Chunks ``(X, y)`` of ``chunk_size`` rows of a delimited file (see :class:`DelimitedSpec`): canonical CSR
-    ``(m, spec.num_features)`` (``spec.index_dtype`` indices, float64 counts) and float64 labels ``(m,)``.
+    ``(m, spec.num_features)`` (``spec.index_dtype`` indices, float64 counts) and float64 labels ``(m,)``; with
+    ``first``, the first chunk has ``first`` rows and each later one twice its predecessor's, up to ``chunk_size``.
 
     ``use_kernel`` (default: when numba is installed) parses by the compiled kernels, ``False`` by the Python
     reference rules line by line.  With the kernels, ``direct`` (default True) takes the direct path
@@ -877,6 +893,7 @@ def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTE
     if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     chunk_size = int(chunk_size)
+    first = _first_size(chunk_size, first)
     use_kernel = have_kernels() if use_kernel is None else bool(use_kernel)
     if use_kernel and not have_kernels():
         raise ValueError("use_kernel=True: numba is not installed (pip install numba), so there is no compiled kernel")
@@ -885,9 +902,9 @@ def iter_delimited(path, spec, chunk_size, header=False, block_bytes=_BLOCK_BYTE
     elif direct and not use_kernel:
         raise ValueError("direct=True: the direct path is a compiled kernel; it needs use_kernel (and numba)")
     if direct:
-        yield from _iter_delimited_direct(path, spec, chunk_size, header, block_bytes)
+        yield from _iter_delimited_direct(path, spec, chunk_size, header, block_bytes, first)
         return
-    yield from _iter_delimited_blocks(path, spec, chunk_size, header, block_bytes, use_kernel)
+    yield from _iter_delimited_blocks(path, spec, chunk_size, header, block_bytes, use_kernel, first)
 
 
 def _kernel_args(spec):
@@ -899,7 +916,7 @@ def _kernel_args(spec):
             np.empty(spec.need, dtype=np.int64), np.empty(24, dtype=np.int64))
 
 
-def _delimited_block(out, spec, kargs, buf, pos, end, wide, lineno, path, chunk_size):
+def _delimited_block(out, spec, kargs, buf, pos, end, wide, lineno, path):
     """The whole lines ``buf[pos:end]`` (line ``lineno`` first) into ``out`` by :func:`_delimited_kernel`
     (``wide``: the direct path's buffer), a line it declines by :meth:`DelimitedSpec.reference_row` (which raises
     on a short line); yields each chunk as it fills and returns the number of the line after the block."""
@@ -907,7 +924,7 @@ def _delimited_block(out, spec, kargs, buf, pos, end, wide, lineno, path, chunk_
     while pos < end:
         status, pos, row, nnz, lines = _delimited_kernel(
             buf, pos, end, delim, spec.need, spec.label_column, spec.kinds, spec.prefix, spec.bin_prefix,
-            spec.add_bias, spec.bias_col, spec.num_features, _CRC_TABLES4, _CRC_TABLES8, wide, chunk_size, out.row,
+            spec.add_bias, spec.bias_col, spec.num_features, _CRC_TABLES4, _CRC_TABLES8, wide, out.size, out.row,
             out.nnz, out.indptr, out.indices, out.data, out.labels, fstart, fend, scratch, int_bucket, shift, mask)
         out.row, out.nnz = row, nnz
         lineno += lines
@@ -919,15 +936,15 @@ def _delimited_block(out, spec, kargs, buf, pos, end, wide, lineno, path, chunk_
             out.add(*spec.reference_row(line, path, lineno))
             pos = e + 1
             lineno += 1
-        if out.row == chunk_size:
+        if out.row == out.size:
             yield out.take(spec.num_features)
     return lineno
 
 
-def _iter_delimited_blocks(path, spec, chunk_size, header, block_bytes, use_kernel):
+def _iter_delimited_blocks(path, spec, chunk_size, header, block_bytes, use_kernel, first):
     """The block path of :func:`iter_delimited`: blocks of :func:`iter_blocks` (bytes), each parsed by
     :func:`_delimited_kernel` (or, without ``use_kernel``, the Python reference) into the chunk's arrays."""
-    out = _ChunkBuilder(chunk_size, spec.width, spec.index_dtype)
+    out = _ChunkBuilder(chunk_size, spec.width, spec.index_dtype, first)
     kargs = _kernel_args(spec) if use_kernel else None
     skip_header = bool(header)
     for block, lineno in iter_blocks(path, block_bytes):
@@ -940,23 +957,23 @@ def _iter_delimited_blocks(path, spec, chunk_size, header, block_bytes, use_kern
             for line in split_lines(block[pos:]):
                 if line:
                     out.add(*spec.reference_row(line, path, lineno))
-                    if out.row == chunk_size:
+                    if out.row == out.size:
                         yield out.take(spec.num_features)
                 lineno += 1
             continue
         yield from _delimited_block(out, spec, kargs, np.frombuffer(block, dtype=np.uint8), pos, len(block), False,
-                                    lineno, path, chunk_size)
+                                    lineno, path)
     if out.row:
         yield out.take(spec.num_features)
 
 
-def _iter_delimited_direct(path, spec, chunk_size, header, block_bytes):
+def _iter_delimited_direct(path, spec, chunk_size, header, block_bytes, first):
     """The direct path of :func:`iter_delimited`: the blocks of :func:`_line_blocks` (one reused buffer, no copy
     of a block, no pass to count its lines: the kernel counts them), each parsed by :func:`_delimited_kernel`
     (``wide``) straight into the chunk's arrays; a line it declines is read by
     :meth:`DelimitedSpec.reference_row`, as on the block path, so rows, values, errors and line numbers are the
     same.  A chunk is handed out as soon as it is full (the buffer is not written while the generator waits)."""
-    out = _ChunkBuilder(chunk_size, spec.width, spec.index_dtype)
+    out = _ChunkBuilder(chunk_size, spec.width, spec.index_dtype, first)
     kargs = _kernel_args(spec)
     skip_header = bool(header)
     lineno = 1
@@ -967,7 +984,7 @@ def _iter_delimited_direct(path, spec, chunk_size, header, block_bytes):
                 pos = _next_newline(buf, 0, end) + 1
                 lineno += 1
                 skip_header = False
-            lineno = yield from _delimited_block(out, spec, kargs, buf, pos, end, True, lineno, path, chunk_size)
+            lineno = yield from _delimited_block(out, spec, kargs, buf, pos, end, True, lineno, path)
     if out.row:
         yield out.take(spec.num_features)
 
@@ -1142,9 +1159,10 @@ def _take_rows(parts, m, num_features, index_dtype):
 
 
 def iter_svmlight_chunks(path, chunk_size, num_features, shift, hashing=None, block_bytes=_BLOCK_BYTES,
-                         use_kernel=None):
+                         use_kernel=None, first=None):
     """Chunks ``(X, y)`` of ``chunk_size`` rows of an svmlight file (plain or ``.gz``), every row's indices
-    sorted and distinct (duplicated indices raise; after ``hashing`` colliding entries are summed).
+    sorted and distinct (duplicated indices raise; after ``hashing`` colliding entries are summed); with ``first``,
+    the first chunk has ``first`` rows and each later one twice its predecessor's, up to ``chunk_size``.
 
     Without ``hashing``, when numba is installed (``use_kernel`` None or True): :func:`_svm_chunk_kernel` parses
     each block of lines straight into the chunk's arrays (int32 indices when ``num_features`` fits), shifting
@@ -1156,10 +1174,11 @@ def iter_svmlight_chunks(path, chunk_size, num_features, shift, hashing=None, bl
     if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
     chunk_size = int(chunk_size)
+    size = _first_size(chunk_size, first)
     if use_kernel is None:
         use_kernel = have_kernels()
     if use_kernel and hashing is None:
-        yield from _iter_svmlight_direct(path, chunk_size, num_features, shift, block_bytes)
+        yield from _iter_svmlight_direct(path, chunk_size, num_features, shift, block_bytes, size)
         return
     big = max(num_features, chunk_size) > np.iinfo(np.int32).max
     parts = []
@@ -1172,9 +1191,10 @@ def iter_svmlight_chunks(path, chunk_size, num_features, shift, hashing=None, bl
             continue
         parts.append([indptr, indices, values, labels])
         have += len(labels)
-        while have >= chunk_size:
-            X, y = _take_rows(parts, chunk_size, num_features, np.int64 if big or X_big(parts) else np.int32)
-            have -= chunk_size
+        while have >= size:
+            X, y = _take_rows(parts, size, num_features, np.int64 if big or X_big(parts) else np.int32)
+            have -= size
+            size = min(chunk_size, 2 * size)
             yield _canonical(X, hashing), y
     if have:
         X, y = _take_rows(parts, have, num_features, np.int64 if big or X_big(parts) else np.int32)
@@ -1234,8 +1254,9 @@ class _SvmChunkBuilder:
 
     _INT32_MAX = np.iinfo(np.int32).max
 
-    def __init__(self, chunk_size, num_features, per_row):
+    def __init__(self, chunk_size, num_features, per_row, first=None):
         self.chunk_size = chunk_size
+        self.size = _first_size(chunk_size, first)
         self.num_features = num_features
         self.index_dtype = np.int64 if max(num_features, chunk_size) > self._INT32_MAX else np.int32
         self.per_row = per_row
@@ -1243,12 +1264,12 @@ class _SvmChunkBuilder:
         self.new()
 
     def new(self):
-        cap = int(self.chunk_size * self.per_row * 1.2) + 1024
+        cap = int(self.size * self.per_row * 1.2) + 1024
         dt = np.int64 if cap > self._INT32_MAX else self.index_dtype
-        self.indptr = np.zeros(self.chunk_size + 1, dtype=dt)
+        self.indptr = np.zeros(self.size + 1, dtype=dt)
         self.indices = np.empty(cap, dtype=dt)
         self.values = np.empty(cap, dtype=np.float64)
-        self.labels = np.empty(self.chunk_size, dtype=np.float64)
+        self.labels = np.empty(self.size, dtype=np.float64)
         self.row = self.nnz = 0
 
     def state(self):
@@ -1280,6 +1301,7 @@ class _SvmChunkBuilder:
         self.rows_done += m
         self.nnz_done += nnz
         self.per_row = self.nnz_done / max(self.rows_done, 1)
+        self.size = min(self.chunk_size, 2 * self.size)
         self.new()
         return X, y
 
@@ -1287,7 +1309,7 @@ class _SvmChunkBuilder:
         """Copy rows read by the block path into the chunk(s); full chunks go to ``ready``."""
         r, n = 0, len(labels)
         while r < n:
-            t = min(self.chunk_size - self.row, n - r)
+            t = min(self.size - self.row, n - r)
             a, b = int(indptr[r]), int(indptr[r + t])
             if self.nnz + b - a > len(self.indices):
                 self.grow(self.nnz + b - a)
@@ -1298,11 +1320,11 @@ class _SvmChunkBuilder:
             self.row += t
             self.nnz += b - a
             r += t
-            if self.row == self.chunk_size:
+            if self.row == self.size:
                 ready.append(self.take())
 
 
-def _iter_svmlight_direct(path, chunk_size, num_features, shift, block_bytes):
+def _iter_svmlight_direct(path, chunk_size, num_features, shift, block_bytes, first):
     """:func:`iter_svmlight_chunks` by :func:`_svm_chunk_kernel`: the blocks of :func:`_line_blocks` (one reused
     buffer, no copy of a block, no pass to count its lines: the kernel counts them), each parsed into the chunk's
     arrays.  The chunks a block completes are handed out once the whole block is read, so a block with an error
@@ -1313,18 +1335,18 @@ def _iter_svmlight_direct(path, chunk_size, num_features, shift, block_bytes):
         for buf, end in blocks:
             if out is None:  # entries per row of the first block: the first chunk's capacity
                 out = _SvmChunkBuilder(chunk_size, num_features,
-                                       _count_byte(buf, end, 58) / max(1, _count_byte(buf, end, 10)))
+                                       _count_byte(buf, end, 58) / max(1, _count_byte(buf, end, 10)), first)
             start = out.state()
             ready = []
             pos = lines = 0
             declined = False
             while pos < end:
                 status, pos, out.row, out.nnz, done = _svm_chunk_kernel(
-                    buf, pos, end, chunk_size, out.row, out.nnz, out.indptr, out.indices, out.values, out.labels,
+                    buf, pos, end, out.size, out.row, out.nnz, out.indptr, out.indices, out.values, out.labels,
                     _POW10, shift, num_features)
                 lines += done
                 if status == 0:
-                    if out.row == chunk_size:
+                    if out.row == out.size:
                         ready.append(out.take())
                 elif status == 3:
                     out.grow(len(out.indices) + 1)
