@@ -596,7 +596,7 @@ if njit is not None:
             k += 1
         return m, k
 
-    @njit(cache=True, nogil=True)
+    @njit(cache=True, nogil=True, inline="always")
     def _scan_number(buf, k, pow10):
         """:func:`_scan_float` on a block that ends with ``\\n``, with no bound to check per byte: the number at
         ``k`` ends at a whitespace byte or at ``#`` (the data part of the line ends there).  Returns ``(ok, value,
