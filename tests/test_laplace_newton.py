@@ -191,6 +191,26 @@ def test_a_non_finite_log_joint_at_the_start_says_where_to_look():
         pcv.fit(model, y=torch.tensor(0.5, dtype=D), engine="laplace", progress=False)
 
 
+def test_a_centred_hierarchy_whose_scale_runs_to_zero_is_not_told_to_raise_max_iter():
+    """A centred hierarchy (five groups, tau ~ HalfNormal) as Laplace's latent: the log joint grows without bound as
+    tau goes to 0 with the group effects at their mean, so Newton runs log tau off and stops at max_iter.  The
+    error said 'raise max_iter', which cannot help; it names the site running off and what to do instead."""
+    g = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 4])
+    y = torch.tensor([1.2, 0.8, 1.5, 1.1, 0.4, 0.9, 1.6, 1.3, 1.0, 1.4], dtype=D)
+
+    def model(g, y=None):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 5.0))
+        tau = pyro.sample("tau", dist.HalfNormal(torch.tensor(1.0, dtype=D)))
+        with pyro.plate("groups", 5):
+            theta = pyro.sample("theta", dist.Normal(mu, tau))
+        with pyro.plate("data", len(g)):
+            pyro.sample("y", dist.Normal(theta[g], 0.5), obs=y)
+
+    with pytest.raises(pcv.NotPositiveDefiniteError, match=r"site 'tau' seems to run off to a boundary .* raising "
+                                                           r"max_iter does not help; integrate the scale"):
+        pcv.fit(model, g, y=y, engine="laplace", options=dict(seed=0), progress=False)
+
+
 def test_a_run_stopped_by_max_iter_where_the_curvature_is_negative_says_so():
     """Cauchy observations at -3 and 3: one Newton step ends where the log joint is not concave. The error said
     'at the mode found', blaming a funnel; it is a stop before any mode, and more iterations reach the mode."""
