@@ -467,8 +467,8 @@ class ModelEngine(Engine):
     Example::
 
         >>> import pyro_convexvb as pcv
-        >>> issubclass(pcv.get_engine("laplace"), pcv.ModelEngine), issubclass(pcv.get_engine("dual_vg"), pcv.ModelEngine)
-        (True, False)
+        >>> [issubclass(pcv.get_engine(name), pcv.ModelEngine) for name in ("laplace", "dual_vg")]
+        [True, False]
     """
 
     takes: ClassVar[str] = "model"

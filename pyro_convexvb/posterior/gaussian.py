@@ -562,8 +562,8 @@ class _KeepsItsModel:
     @property
     def model(self):
         if self._model is None:
-            raise RuntimeError(f"{type(self).__name__}: this guide was pickled or deep-copied, and Pyro's guides do not "
-                               "carry their model through a pickle: once built it still samples (Predictive) and "
+            raise RuntimeError(f"{type(self).__name__}: this guide was pickled or deep-copied, and Pyro's guides do "
+                               "not carry their model through a pickle: once built it still samples (Predictive) and "
                                "gives median()/quantiles(), but building or fitting needs the model; make the guide "
                                "again from the model (e.g. res.posterior.as_guide(model))")
         return self._model[0]

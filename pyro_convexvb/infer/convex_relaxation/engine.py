@@ -30,8 +30,8 @@ def applies(lgm):
 @dataclass(frozen=True)
 class ConvexRelaxationOptions(LGMEngineOptions):
     lanczos_rank: int = option(80, "Lanczos steps k per variance update (80 for a9a, 750 for real-sim/rcv1 in "
-                                    "Nickisch & Seeger 2009); a value other than the default is refused with variance='exact' "
-                                    "(unused there)",
+                                    "Nickisch & Seeger 2009); a value other than the default is refused with "
+                                    "variance='exact' (unused there)",
                                min=1)
     max_outer: int = option(10, "outer-loop variance updates (each followed by one inner loop); the loop stops "
                                 "earlier once gamma_tol and phi_tol are met", min=0)
