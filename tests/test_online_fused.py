@@ -201,3 +201,17 @@ def test_pickled_learner_keeps_the_interleaved_state_and_continues_identically(p
     np.testing.assert_array_equal(pa, pb)
     np.testing.assert_array_equal(a.coef_, b.coef_)
     np.testing.assert_array_equal(a.coef_var_, b.coef_var_)
+
+
+def test_fit_on_labels_of_one_class_raises_as_scikit_learn():
+    """fit restarts from the prior, so one numeric class (1.0) cannot tell the other (0 or -1): it raised nothing
+    and invented classes_ [0, 1]; scikit-learn's SGDClassifier raises.  partial_fit with classes= still takes a
+    stream whose first rows hold one class."""
+    import scipy.sparse as sp
+
+    X = sp.random(20, 5, density=0.5, format="csr", random_state=0)
+    for y in (np.ones(20), np.full(20, "spam")):
+        with pytest.raises(ValueError, match="number of classes has to be greater than one; got 1 class"):
+            OnlineBayesLogistic(5).fit(X, y)
+    est = OnlineBayesLogistic(5).partial_fit(X, np.ones(20), classes=[0, 1])
+    assert est.classes_.tolist() == [0, 1] and est.n_seen_ == 20

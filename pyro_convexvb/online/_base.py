@@ -509,7 +509,14 @@ class OnlineEstimatorBase(BinaryPredictiveClassifier, BaseEstimator):
 
         :param X: ``(n, d)`` design (see :meth:`partial_fit`).
         :param y: ``(n,)`` labels, two distinct values.
+        :raises ValueError: for labels of one class (:meth:`partial_fit` takes a stream's first rows of one class
+            with ``classes=``).
         """
+        labels = np.unique(np.asarray(from_torch(y)).ravel()) if y is not None else np.zeros(0)
+        if labels.size == 1:  # fit restarts from the prior: nothing tells the other class (0 or -1) or its side
+            raise ValueError(f"y: The number of classes has to be greater than one; got 1 class "
+                             f"({labels[0].item()!r}); for a stream whose first rows hold one class, pass both to "
+                             "partial_fit(X, y, classes=[...])")
         self._drop_state()
         return self.partial_fit(X, y)
 
