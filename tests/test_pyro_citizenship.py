@@ -291,3 +291,55 @@ def test_hyper_mode_search_reaches_its_gradient_tolerance_through_warm_start_noi
     z, fz, res = find_mode(f, torch.zeros(1, dtype=D), gtol=1e-3)
     assert float(_grad_fd(f, z, 1e-3).abs().max()) <= 1e-3
     assert float((z - a).abs().max()) < 1e-4  # the mode of the smooth part is z = a
+
+
+def _exposure_model(X, E, y=None, sd=1.0):
+    w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), sd).to_event(1))
+    with pyro.plate("d", X.shape[0]):
+        pyro.sample("y", dist.Poisson(torch.exp(X @ w) * E), obs=y)
+
+
+def _gamma_model(X, y=None, concentration=2.0):
+    w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.0).to_event(1))
+    with pyro.plate("d", X.shape[0]):
+        pyro.sample("y", dist.Gamma(concentration, concentration / torch.exp(X @ w)), obs=y)
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "laplace", "diag_mixture", "nuts", "svi_autonormal"])
+def test_rows_no_engine_can_score_are_named_before_any_engine_runs(engine):
+    """A Poisson row of exposure 0 (rate exactly 0) and a Gamma response of 0 at concentration 2: the LGM engines
+    refused them pointing to Pyro-model engines, which then failed with NaN parameters or 'lower the learning rate'.
+    Every engine now names the site, the rows and what to do; a wide prior whose draws underflow exp() to 0 is not
+    mistaken for a zero exposure, and a Gamma of concentration 1 (the exponential, density finite at 0) passes."""
+    X = torch.stack([torch.ones(8, dtype=D), torch.linspace(-1, 1, 8, dtype=D)], 1)
+    E = torch.ones(8, dtype=D)
+    E[0] = 0.0
+    y = torch.tensor([0.0, 1, 2, 0, 1, 3, 2, 4], dtype=D)
+    with pytest.raises(ValueError, match=r"site 'y': the Poisson rate is exactly 0 at 1 observation\(s\) \(flat "
+                                         r"indices \[0\].* leave it out of the data"):
+        pcv.fit(_exposure_model, X, E, y=y, engine=engine, progress=False)
+    y1 = y.clone()
+    y1[0] = 1.0
+    with pytest.raises(ValueError, match="an observed count above 0 there is impossible under the model"):
+        pcv.fit(_exposure_model, X, E, y=y1, engine=engine, progress=False)
+    g = torch.ones(8, dtype=D)
+    g[0] = 0.0
+    with pytest.raises(ValueError, match=r"site 'y': 1 observed value\(s\) of 0 .* Gamma likelihood of "
+                                         "concentration other than 1"):
+        pcv.fit(_gamma_model, X, y=g, engine=engine, progress=False)
+
+
+def test_a_wide_prior_is_not_taken_for_a_zero_exposure():
+    from pyro_convexvb.lgm.extract import check_model_data
+
+    X = torch.stack([torch.ones(8, dtype=D), torch.linspace(-1, 0, 8, dtype=D)], 1)
+    y = torch.tensor([0.0, 1, 2, 0, 1, 3, 2, 4], dtype=D)
+    underflow = 0
+    for seed in range(20):  # prior draws of sd 400 underflow exp() to 0 at some rows (and never overflow: x <= 0)
+        pyro.set_rng_seed(seed)
+        w = dist.Normal(torch.zeros(2, dtype=D), 400.0).sample()
+        underflow += bool((torch.exp(X @ w) == 0).any())
+        pyro.set_rng_seed(seed)
+        check_model_data(_exposure_model, (X, torch.ones(8, dtype=D)), {"y": y, "sd": 400.0})
+    assert underflow > 0
+    check_model_data(_gamma_model, (X,), {"y": torch.zeros(8, dtype=D), "concentration": 1.0})

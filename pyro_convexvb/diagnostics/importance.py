@@ -338,6 +338,33 @@ def _rank(d, settled=False):
     return (d.reliable, settled and d.reliable and _settled(d), d.ess if d.reliable else -d.k_hat)
 
 
+def _funnel_note(result):
+    """A warning when the proposal treats a scale of a field site's prior as one more coordinate of a joint
+    Gaussian (or mixture) with the field (a centred hierarchy fitted by an engine on the Pyro model), else ``""``.
+
+    As the scale nears 0 the field's conditional posterior narrows toward its mean: a neck the joint proposal
+    reaches too rarely for its weights, or ``k_hat``, to show the mass it misses.  On a centred binomial hierarchy
+    of six groups an ``svi_automvn`` fit corrected to a 5% quantile of the scale of 0.32 +- 0.03 against an exact
+    0.054, with ``k_hat`` 0.63; the fits that integrate the scale over a design (:func:`_integrates_hyper`, checked
+    by :func:`~.field_check.check_field`) were within 2.2 Monte Carlo errors."""
+    from ..infer.hyper import field_scale_sites
+
+    model, args, kwargs = _model_of(result)
+    scales = field_scale_sites(model, args, kwargs)
+    if not scales:
+        return ""
+    field, sources = next(iter(scales.items()))
+    names = sorted({n for found in scales.values() for n in found})
+    return (f"corrected posterior: the proposal is one Gaussian (or mixture) over the field and the scale(s) "
+            f"{names} of its prior (the scale of site {field!r} reads {sorted(sources)}). As such a scale nears 0 the "
+            "field's conditional posterior narrows toward its mean (a centred hierarchy's funnel), a region this "
+            "proposal reaches too rarely for the importance weights, or k_hat, to show what it misses: the "
+            f"corrected marginals of {names}, above all their lower tails, may be off. To be sure, fit with the "
+            "scales integrated over a design (the engines on the latent Gaussian model do so by default; "
+            "pcv.engines_that_fit(model, *args) lists the engines that fit this model) and correct that fit, or "
+            "write the hierarchy non-centred")
+
+
 def _integrates_hyper(result):
     """The posterior is a mixture over hyper-latent design points that covers the hyper-latents."""
     dens = getattr(result.posterior, "density", None)
@@ -974,6 +1001,10 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         if warn and d.field_check.passed is None:
             warnings.warn(f"corrected posterior: {d.field_check.note}; k_hat alone cannot see a region the field's "
                           "proposal misses", ApproximationWarning, stacklevel=2)
+    elif warn and d.conditional_on is None:
+        note = _funnel_note(result)
+        if note:
+            warnings.warn(note, ApproximationWarning, stacklevel=2)
     grid = _grid_refit(result, d, regrid, progress)
     if grid is not None:
         c = correct(grid, num_draws, seed, proposal=proposal, probs=probs, warn=warn, progress=progress,

@@ -127,37 +127,53 @@ def find_hyper_sites(model, args, kwargs):
     Gaussian latents that set a hyper-latent's prior are hyper-latents too (e.g. the ``Normal`` mean of a
     ``LogNormal`` scale).
     """
+    sites, deps, _ = _dependencies(model, args, kwargs)
+    hyper = {n for n, s in sites if not _field_prior(s["fn"])}
+    for found in deps.values():  # what sets another site's prior, or an observation's noise, is a hyper-latent
+        hyper |= found
+    return [n for n, _ in sites if n in hyper]
+
+
+def field_scale_sites(model, args, kwargs):
+    """``{field site: latent sites that set its prior's scale}`` (a centred hierarchy: ``theta ~ Normal(mu, tau)``
+    gives ``{"theta": {"tau"}}``), for the field sites that have any; trace order."""
+    _, _, scales = _dependencies(model, args, kwargs)
+    return {n: found for n, found in scales.items() if found}
+
+
+def _dependencies(model, args, kwargs):
+    """``(latent sites, deps, field scales)``: ``deps[site]`` the latent sites its distribution's parameters read
+    (a field site's scale parameters only, an observation's noise parameters only: its predictor is the field's),
+    ``field scales[site]`` those of a field site's scale parameters; by autograd through one trace of the model."""
     sites = latent_sites(model, args, kwargs)
     names = [n for n, _ in sites]
     values = {n: s["value"].detach().clone().requires_grad_(s["value"].is_floating_point()) for n, s in sites}
     with full_data_plates():
         tr = poutine.trace(poutine.condition(model, data=values)).get_trace(*args, **kwargs)
-    deps = {}
+    free = [n for n in names if values[n].requires_grad]
+    deps, scales = {}, {}
     for name, site in tr.nodes.items():
         if site["type"] != "sample" or type(site["fn"]).__name__ == "_Subsample":
             continue
         observed = name not in values
+        field = not observed and _field_prior(site["fn"])
         if observed:
             attrs = _NOISE_PARAMS  # an observation's noise; its predictor (loc, logits, rate) is the field's
             if _sv_site(site["fn"]):  # Normal(m, exp(eta / 2)): its scale is the predictor
                 attrs = ()
-        elif _field_prior(site["fn"]):
+        elif field:
             attrs = _SCALE_PARAMS  # a field site's location may read other latents affinely
         else:
             attrs = _PARAMS
-        params = _tensor_params(site["fn"], attrs)
         found = set()
-        for t in params:
+        for t in _tensor_params(site["fn"], attrs):
             if t.requires_grad:
-                grads = torch.autograd.grad(t.sum(), [values[n] for n in names if values[n].requires_grad],
-                                            retain_graph=True, allow_unused=True)
-                found |= {n for n, g in zip([n for n in names if values[n].requires_grad], grads)
-                          if g is not None and bool((g != 0).any())}
+                grads = torch.autograd.grad(t.sum(), [values[n] for n in free], retain_graph=True, allow_unused=True)
+                found |= {n for n, g in zip(free, grads) if g is not None and bool((g != 0).any())}
         deps[name] = found - {name}
-    hyper = {n for n, s in sites if not _field_prior(s["fn"])}
-    for found in deps.values():  # what sets another site's prior, or an observation's noise, is a hyper-latent
-        hyper |= found
-    return [n for n in names if n in hyper]
+        if field:
+            scales[name] = deps[name]
+    return sites, deps, scales
 
 
 def theta_space(model, args, kwargs, names, dtype=torch.float64):

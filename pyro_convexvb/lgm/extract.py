@@ -6,6 +6,7 @@ import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
 from pyro.distributions.util import scale_and_mask
+from pyro.infer.autoguide.initialization import InitMessenger, init_to_mean
 from pyro.poutine.runtime import _PYRO_STACK
 from pyro.poutine.subsample_messenger import SubsampleMessenger
 
@@ -357,6 +358,42 @@ def _check_support(name, fn, value, mask):
                          "as 0/1, counts as nonnegative integers)")
 
 
+def _check_degenerate_rows(name, fn, value, mask, confirmed=False):
+    """Rows whose likelihood does not depend on the latents in a way any engine can use are a data error, named
+    here: a ``Poisson`` rate of exactly 0 (an exposure of 0: a row with ``y = 0`` scores ``log p = 0`` whatever the
+    latents and carries no information, one with ``y > 0`` is impossible; the log link's offset is ``-inf`` and the
+    gradient of ``log_prob`` NaN), and a ``Gamma`` response of 0 with a concentration other than 1 (density 0 or
+    unbounded there, whatever the rate).  A zero Poisson rate at the caller's trace (prior draws, where ``exp`` of
+    a far draw may underflow) is only reported (``True``) until ``confirmed`` (a trace at the priors' means)."""
+    base, _ = _unwrap(fn)
+    if not torch.is_tensor(value) or not value.is_floating_point() and not isinstance(base, dist.Poisson):
+        return
+    keep = torch.ones_like(value, dtype=torch.bool) if not torch.is_tensor(mask) else torch.broadcast_to(
+        mask.bool(), value.shape)
+    if isinstance(base, dist.Poisson):
+        zero = (torch.broadcast_to(base.rate.detach(), value.shape) == 0) & keep
+        if bool(zero.any()) and not confirmed:
+            return True
+        if bool(zero.any()):
+            rows = torch.nonzero(zero.reshape(-1)).flatten()[:5].tolist()
+            impossible = bool((value[zero] > 0).any())
+            raise ValueError(f"site '{name}': the Poisson rate is exactly 0 at {int(zero.sum())} observation(s) (flat "
+                             f"indices {rows}; e.g. an exposure of 0): "
+                             + ("an observed count above 0 there is impossible under the model; check the exposure "
+                                "or the counts" if impossible else
+                                "with a count of 0 such a row scores log p = 0 whatever the latents and carries no "
+                                "information, so leave it out of the data (the posterior is the same)"))
+    elif isinstance(base, dist.Gamma):
+        conc = torch.broadcast_to(base.concentration.detach(), value.shape)
+        zero = (value == 0) & (conc != 1) & keep
+        if bool(zero.any()):
+            rows = torch.nonzero(zero.reshape(-1)).flatten()[:5].tolist()
+            raise ValueError(f"site '{name}': {int(zero.sum())} observed value(s) of 0 (flat indices {rows}) under a "
+                             f"Gamma likelihood of concentration other than 1, whose density at 0 is 0 (or unbounded) "
+                             "whatever its rate: the data are impossible under the model; recode them (e.g. a "
+                             "detection limit) or model the zeros")
+
+
 def _check_scoreable(name, fn, value):
     """An observed value that the model as written cannot score (a NumPy array, integer labels where the
     likelihood computes in floating point) is a data error whatever the engine: Pyro's own inference, the
@@ -449,6 +486,10 @@ def check_model_data(model, args, kwargs):
                 masked.append((site.get("infer") or {}).get("data", value))
             nonfinite = nonfinite or _check_support(name, site["fn"], value, mask)
             _check_scoreable(name, site["fn"], value)
+            if _check_degenerate_rows(name, site["fn"], value, mask):  # a zero rate at a prior draw: at the means?
+                with torch.no_grad(), full_data_plates(), InitMessenger(init_to_mean):
+                    again = poutine.trace(proper_missing(model)).get_trace(*args, **kwargs).nodes[name]
+                _check_degenerate_rows(name, again["fn"], value, mask, confirmed=True)
         if not latent:
             raise ValueError("the model has no latent sample site (every pyro.sample is observed), so there is no "
                              "posterior to infer")
