@@ -366,3 +366,23 @@ def test_a_quantile_the_weighted_draws_do_not_support_falls_back_to_the_self_nor
     keep[0, 0] = False
     np.testing.assert_array_equal(out_q[keep], q[keep])
     np.testing.assert_array_equal(out_se[keep], se[keep])
+
+
+def test_a_cdf_control_that_is_zero_on_every_draw_is_left_out_without_overflow():
+    """Conditional CDFs of exactly 0 or 1 where the indicators are (a coordinate far in a tail): the control
+    ind - F is 0 on every draw, its variance and covariance are rounding, and their ratio overflowed ('overflow
+    encountered in square' in a correction of a negative binomial with counts near 1e4).  The estimate is then the
+    plain weighted one, its error finite."""
+    from pyro_convexvb.diagnostics.control_variates import cdf_estimate
+
+    rng = np.random.default_rng(3)
+    ind = (rng.uniform(size=(2, 400)) < 0.3).astype(float)
+    w = rng.pareto(1.5, size=400) + 1e-3
+    w /= w.sum()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        est, se = cdf_estimate(ind, ind.copy(), w)
+    n = w * 400
+    mu = ind @ n / 400
+    np.testing.assert_allclose(est, mu, rtol=1e-12)
+    assert np.all(np.isfinite(se))

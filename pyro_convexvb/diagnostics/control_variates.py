@@ -141,7 +141,11 @@ def cdf_estimate(ind, F, w, rows=None):
     c = ga - S * g_bar * a_bar
     C = (s_ind[:, 0] - 2.0 * s_FI[:, 0] + s_F2) - S * g_bar**2
     A = s_ind[:, 2] * (1.0 - 2.0 * mu) + mu**2 * float(n @ n) - S * a_bar**2
-    beta = c / (C + 1e-10 * C + 1e-300)  # regularised as in regression_estimate; the residual with the raw C
+    # regularised as in regression_estimate; the residual with the raw C.  A control that is 0 on every draw
+    # (conditional CDFs of exactly 0 or 1 where the indicators are) leaves C and c at rounding, whose ratio could
+    # be anything up to overflow: no control there
+    live = C > 1e-12 * (s_ind[:, 0] + 2.0 * np.abs(s_FI[:, 0]) + s_F2 + S * g_bar**2)
+    beta = np.where(live, c / np.where(live, C + 1e-10 * C + 1e-300, 1.0), 0.0)
     var = np.maximum(A - 2.0 * beta * c + beta**2 * C, 0.0) / (S * max(S - 2, 1))
     return mu - beta * g_bar, np.sqrt(var)
 
