@@ -453,6 +453,18 @@ def test_batched_kernels_are_refused_naming_the_kernel():
                 GPClassifier(kernel, engine=engine).fit(X, y)
 
 
+def test_a_kernel_with_a_nan_hyperparameter_is_refused_naming_the_kernel():
+    """A NaN lengthscale made the engines blame 'the prior of f' (pyro.condition) or an argument 'K' (obs_mask),
+    names a GPClassifier user never passed; the kernel's check on three rows of X names it and the parameter."""
+    X, y = _data(20)
+    kernel = gpytorch.kernels.RBFKernel()
+    with torch.no_grad():
+        kernel.raw_lengthscale.fill_(float("nan"))
+    for engine in ("dual_vg", "laplace"):
+        with pytest.raises(ValueError, match=r"kernel: RBFKernel\(X\) has non-finite entries .*raw_lengthscale"):
+            GPClassifier(kernel, engine=engine).fit(X, y)
+
+
 def test_fitted_kernel_and_mean_read_as_plain_values_and_the_users_kernel_is_untouched():
     """``mean_`` is a float and ``kernel_``'s parameters carry no gradient, so reading them needs no ``detach``
     (``float()`` of a parameter that requires grad warned); the kernel passed in keeps its values and its

@@ -266,12 +266,13 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
         """Refuse a kernel whose ``kernel(X)`` is not one ``(n, n)`` matrix (a batch of them, from a ``batch_shape``
         of the kernel or of a part of it): the classifier has one latent GP."""
         r = min(3, X.shape[0])  # three rows: a module mapping (n, d) to (n, 2) is not a kernel
+        dense = None
         try:
             with torch.no_grad():
                 out = self.kernel_(X[:3])
                 shape = tuple(out.shape)
                 if len(shape) >= 2 and shape[-2:] == (r, r):
-                    out.to_dense()  # evaluated on three rows: active_dims, ARD sizes and the like fail here
+                    dense = out.to_dense()  # evaluated on three rows: active_dims, ARD sizes and the like fail here
         except Exception as err:
             raise ValueError(f"kernel: {type(self.kernel_).__name__} fails on three rows of X ({X.shape[1]} "
                              f"features): {type(err).__name__}: {err}") from err
@@ -282,6 +283,11 @@ class GPClassifier(BinaryPredictiveClassifier, BaseEstimator):
             raise ValueError(f"kernel: {type(self.kernel_).__name__} maps (n, d) inputs to kernel matrices of shape "
                              f"{shape[:-2] + ('n', 'n')}, a batch of {shape[:-2]}; GPClassifier fits one latent GP and "
                              f"needs one (n, n) matrix: build the kernel (and its parts) without batch_shape")
+        if dense is not None and not bool(torch.isfinite(dense).all()):
+            bad = {n: p.detach() for n, p in self.kernel_.named_parameters() if not bool(torch.isfinite(p).all())}
+            raise ValueError(f"kernel: {type(self.kernel_).__name__}(X) has non-finite entries on three rows of X"
+                             + (f" (non-finite parameters: {sorted(bad)})" if bad else "")
+                             + "; give the kernel finite hyperparameters")
 
     def _hyper_options(self):
         """``hyper_options`` as a dict; unknown keys raise, whether or not the hyperparameters are learned."""
