@@ -246,7 +246,7 @@ def test_number_reader_accepts_what_the_bounded_one_does(tail):
     bit-identical values, the number ending at a space, a newline, a comment or another byte."""
     for text in NUMBERS:
         raw = text.encode() + tail + b"\n"
-        buf = np.frombuffer(raw, dtype=np.uint8)
+        buf = np.frombuffer(raw + bytes(_textio._DIRECT_PAD), dtype=np.uint8)  # read 8 bytes at a time
         stop = len(text) + (1 if tail in (b" ", b"x") else 0)  # the former reader's data part ends at '#' / '\n'
         ok_a, v_a, _ = _textio._scan_number(buf, 0, _textio._POW10)
         ok_b, v_b, _ = _textio._scan_float(buf, 0, stop, _textio._POW10)
@@ -254,3 +254,22 @@ def test_number_reader_accepts_what_the_bounded_one_does(tail):
         if ok_a:
             assert np.float64(v_a).view(np.int64) == np.float64(v_b).view(np.int64), text
             assert v_a == float(text), text
+
+
+def test_digits_eight_at_a_time_equal_the_digit_loop():
+    """``_digits`` reads eight bytes a step: on random runs of 0-20 digits after a prefix, followed by bytes next to
+    the digits' range ('/', ':'), non-ASCII ones (0x80, 0xFA, 0xFF: 6 added to them carries into the next byte) and
+    NUL, it stops where the digits end and returns the number a digit-by-digit loop gives."""
+    import random
+
+    rng = random.Random(0)
+    stops = [b" ", b"\n", b":", b"/", b".", b"e", b"#", bytes([0xFA]), bytes([0xFF]), bytes([0x00]), bytes([0x80])]
+    for _ in range(3000):
+        digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(0, 20)))
+        pre, m0 = rng.randint(0, 5), rng.randint(0, 1000)
+        tail = b"".join(rng.choice(stops) for _ in range(rng.randint(1, 10)))
+        buf = np.frombuffer(b"x" * pre + digits.encode() + tail + bytes(_textio._DIRECT_PAD), dtype=np.uint8)
+        m, k = _textio._digits(buf, pre, m0)
+        assert k == pre + len(digits)
+        if len(digits) <= 15:
+            assert m == m0 * 10 ** len(digits) + (int(digits) if digits else 0)
