@@ -39,11 +39,11 @@ from pyro.infer.autoguide import (
     AutoMultivariateNormal,
     AutoNormal,
 )
-from torch.distributions import biject_to, constraints
+from torch.distributions import biject_to
 
 from ..errors import UnsupportedModelError
 from ..linalg.operators import DENSE_LIMIT
-from ..lgm.extract import full_data_plates, latent_sites
+from ..lgm.extract import full_data_plates, latent_sites, real_support
 from .engine import ModelEngine
 from .options import EngineOptions, Type2Options, option
 from .optimality import gaussian_decrement, monte_carlo_objective
@@ -747,10 +747,7 @@ def _no_mode_advice(guide, loc, stop_reason):
         size = math.prod(shape)
         v = loc.detach()[at:at + size]
         at += size
-        support = guide.prototype_trace.nodes[name]["fn"].support
-        while isinstance(support, constraints.independent):
-            support = support.base_constraint
-        if size and support is not constraints.real and float(v.abs().max()) > RUNAWAY_LOG:
+        if size and not real_support(guide.prototype_trace.nodes[name]["fn"]) and float(v.abs().max()) > RUNAWAY_LOG:
             j = int(v.abs().argmax())
             return (f"; site {name!r} seems to run off to a boundary (unconstrained value {float(v[j]):.3g}): a scale "
                     "heading to 0 makes the log joint of a centred hierarchy grow without bound, so there is no mode "

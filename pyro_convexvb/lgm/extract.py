@@ -358,6 +358,19 @@ def _check_support(name, fn, value, mask):
                          "as 0/1, counts as nonnegative integers)")
 
 
+def element_support(fn):
+    """The support of the distribution ``fn`` elementwise (its ``independent`` wrappers looked through)."""
+    support = fn.support
+    while isinstance(support, torch.distributions.constraints.independent):
+        support = support.base_constraint
+    return support
+
+
+def real_support(fn):
+    """Whether the distribution ``fn`` lives on all of the reals: its unconstrained coordinates are its values."""
+    return element_support(fn) is torch.distributions.constraints.real
+
+
 def _check_degenerate_rows(name, fn, value, mask, confirmed=False):
     """Rows whose likelihood does not depend on the latents in a way any engine can use are a data error, named
     here: a ``Poisson`` rate of exactly 0 (an exposure of 0: a row with ``y = 0`` scores ``log p = 0`` whatever the
@@ -366,11 +379,12 @@ def _check_degenerate_rows(name, fn, value, mask, confirmed=False):
     unbounded there, whatever the rate).  A zero Poisson rate at the caller's trace (prior draws, where ``exp`` of
     a far draw may underflow) is only reported (``True``) until ``confirmed`` (a trace at the priors' means)."""
     base, _ = _unwrap(fn)
-    if not torch.is_tensor(value) or not value.is_floating_point() and not isinstance(base, dist.Poisson):
+    poisson = isinstance(base, dist.Poisson)
+    if not torch.is_tensor(value) or not (poisson or isinstance(base, dist.Gamma) and value.is_floating_point()):
         return
     keep = torch.ones_like(value, dtype=torch.bool) if not torch.is_tensor(mask) else torch.broadcast_to(
         mask.bool(), value.shape)
-    if isinstance(base, dist.Poisson):
+    if poisson:
         zero = (torch.broadcast_to(base.rate.detach(), value.shape) == 0) & keep
         if bool(zero.any()) and not confirmed:
             return True
@@ -383,7 +397,7 @@ def _check_degenerate_rows(name, fn, value, mask, confirmed=False):
                                 "or the counts" if impossible else
                                 "with a count of 0 such a row scores log p = 0 whatever the latents and carries no "
                                 "information, so leave it out of the data (the posterior is the same)"))
-    elif isinstance(base, dist.Gamma):
+    else:
         conc = torch.broadcast_to(base.concentration.detach(), value.shape)
         zero = (value == 0) & (conc != 1) & keep
         if bool(zero.any()):
@@ -1437,9 +1451,7 @@ def _classify_sites(tr0):
     if not latent:
         raise UnsupportedModelError("<model>", "the model has no latent sample site")
     for name in latent:  # constrained priors cannot be field priors: refuse before running at random points
-        support = tr0.nodes[name]["fn"].support
-        while isinstance(support, torch.distributions.constraints.independent):
-            support = support.base_constraint
+        support = element_support(tr0.nodes[name]["fn"])
         if support is not torch.distributions.constraints.real:
             base, _ = _unwrap(tr0.nodes[name]["fn"])
             raise UnsupportedModelError(

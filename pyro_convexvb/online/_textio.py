@@ -848,7 +848,7 @@ class _ChunkBuilder:
 
     def __init__(self, chunk_size, width, index_dtype=np.int64, first=None):
         self.chunk_size = chunk_size
-        self.size = _first_size(chunk_size, first)
+        self.size = chunk_size if first is None else first  # the rows of the chunk being filled
         self.width = width
         big = chunk_size * max(width, 1) > np.iinfo(np.int32).max
         self.index_dtype = np.int64 if big else index_dtype
@@ -878,9 +878,14 @@ class _ChunkBuilder:
         X.has_sorted_indices = True
         X.has_canonical_format = True
         y = self.labels[:m]
-        self.size = min(self.chunk_size, 2 * self.size)
+        self.size = _next_size(self.size, self.chunk_size)
         self.new()
         return X, y
+
+
+def _next_size(size, chunk_size):
+    """The rows of the chunk after one of ``size`` rows: twice as many, up to ``chunk_size``."""
+    return min(chunk_size, 2 * size)
 
 
 def _first_size(chunk_size, first):
@@ -1211,7 +1216,7 @@ def iter_svmlight_chunks(path, chunk_size, num_features, shift, hashing=None, bl
         while have >= size:
             X, y = _take_rows(parts, size, num_features, np.int64 if big or X_big(parts) else np.int32)
             have -= size
-            size = min(chunk_size, 2 * size)
+            size = _next_size(size, chunk_size)
             yield _canonical(X, hashing), y
     if have:
         X, y = _take_rows(parts, have, num_features, np.int64 if big or X_big(parts) else np.int32)
@@ -1273,7 +1278,7 @@ class _SvmChunkBuilder:
 
     def __init__(self, chunk_size, num_features, per_row, first=None):
         self.chunk_size = chunk_size
-        self.size = _first_size(chunk_size, first)
+        self.size = chunk_size if first is None else first  # the rows of the chunk being filled
         self.num_features = num_features
         self.index_dtype = np.int64 if max(num_features, chunk_size) > self._INT32_MAX else np.int32
         self.per_row = per_row
@@ -1318,7 +1323,7 @@ class _SvmChunkBuilder:
         self.rows_done += m
         self.nnz_done += nnz
         self.per_row = self.nnz_done / max(self.rows_done, 1)
-        self.size = min(self.chunk_size, 2 * self.size)
+        self.size = _next_size(self.size, self.chunk_size)
         self.new()
         return X, y
 
