@@ -211,6 +211,26 @@ def test_a_centred_hierarchy_whose_scale_runs_to_zero_is_not_told_to_raise_max_i
         pcv.fit(model, g, y=y, engine="laplace", options=dict(seed=0), progress=False)
 
 
+def test_a_centred_hierarchy_that_ends_unconverged_with_a_positive_definite_hessian_says_why():
+    """Eight schools, centred, tau ~ HalfCauchy(5): Newton stops for lack of progress with log tau near -11, where
+    the Hessian is still positive definite, so the fit returns unconverged. The warning gave only the optimality
+    measure; it names the site running off and what to do instead, as the error above does."""
+    y = torch.tensor([28., 8., -3., 7., -1., 1., 18., 12.], dtype=D)
+    s = torch.tensor([15., 10., 16., 11., 9., 11., 10., 18.], dtype=D)
+
+    def model(y=None):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=D), 5.0))
+        tau = pyro.sample("tau", dist.HalfCauchy(torch.tensor(5.0, dtype=D)))
+        with pyro.plate("J", 8):
+            theta = pyro.sample("theta", dist.Normal(mu, tau))
+            pyro.sample("y", dist.Normal(theta, s), obs=y)
+
+    with pytest.warns(pcv.ConvergenceWarning, match=r"did not converge .*; site 'tau' seems to run off to a boundary "
+                                                    r".* integrate the scale"):
+        res = pcv.fit(model, y=y, engine="laplace", options=dict(seed=0), progress=False)
+    assert not res.converged and float(res.posterior.loc[1]) < -8
+
+
 def test_a_run_stopped_by_max_iter_where_the_curvature_is_negative_says_so():
     """Cauchy observations at -3 and 3: one Newton step ends where the log joint is not concave. The error said
     'at the mode found', blaming a funnel; it is a stop before any mode, and more iterations reach the mode."""

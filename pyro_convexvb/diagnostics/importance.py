@@ -21,7 +21,8 @@ import torch
 
 from ..posterior.empirical import weighted_quantiles as start_quantiles
 from .constrained import log_jacobian, proposal_posterior
-from .logjoint import ModelLogJoint
+from .logjoint import ModelLogJoint, model_of
+from .modes import check_modes, mode_proposal
 from .proposals import AdaptedProposal, FieldCovariance, Proposal, make_proposal
 from .psis import importance_ess, pareto_k_threshold, psis_smooth, weighted_moments, weighted_quantiles
 
@@ -36,23 +37,6 @@ CORRECTION_DRAWS = 2000
 
 class ApproximationWarning(UserWarning):
     """The Pareto ``k_hat`` of the importance ratios says the approximate posterior is unreliable."""
-
-
-def _model_of(result):
-    post = result.posterior
-    model = getattr(post, "model", None)
-    if model is None or not callable(model):
-        raise ValueError("importance diagnostics evaluate the Pyro model's log joint: this result was not fitted on "
-                         "a Pyro model (a LatentGaussianModel has no model to evaluate); fit the Pyro model instead")
-    args, kwargs = getattr(post, "model_args", ((), {}))
-    from ..distributed import find_comm
-
-    if find_comm(args, kwargs) is not None:
-        raise ValueError("importance diagnostics (diagnostics, corrected(), loo(), to_arviz()) evaluate the model's "
-                         "log joint on this process's rows only: on a fit to row-sharded data they would weigh the "
-                         "posterior of all rows against one shard's likelihood (and differ between ranks); run them "
-                         "in one process on all rows")
-    return model, args, kwargs
 
 
 def check_seed(seed):
@@ -84,7 +68,7 @@ def check_draws(num_draws, minimum=MIN_DRAWS, default=None):
 def _log_joint(result):
     lj = result.__dict__.get("_log_joint_evaluator")
     if lj is None:
-        lj = ModelLogJoint(*_model_of(result), masked=result.posterior.masked_entries)
+        lj = ModelLogJoint(*model_of(result), masked=result.posterior.masked_entries)
         lj.offset = log_jacobian(result)  # the density of the proposals' coordinates (constrained fields: free ones)
         result.__dict__["_log_joint_evaluator"] = lj
     return lj
@@ -98,7 +82,8 @@ class ImportanceDiagnostics:
     :ivar ess: importance effective sample size of the smoothed weights (out of :attr:`num_draws`).
     :ivar num_draws: ``S``, the draws from the proposal.
     :ivar threshold: ``min(1 - 1/log10 S, 0.7)``.
-    :ivar proposal: the proposal the draws came from (``"fitted"``, ``"widened"``, ``"student_t"``).
+    :ivar proposal: the proposal the draws came from (``"fitted"``, ``"widened"``, ``"student_t"``, ``"affine"``,
+        ``"modes"``).
     :ivar tried: ``{proposal: k_hat}`` of every proposal tried.
     :ivar log_evidence: importance-sampling estimate of ``log p(y)`` (``None`` when the proposal does not cover
         the hyper-latents, ``hyper="map"``).
@@ -158,17 +143,24 @@ class ImportanceDiagnostics:
     #: a correction of hyper-latents integrated over: the check of the field's proposal against refits away from
     #: the design points (:class:`~pyro_convexvb.diagnostics.field_check.FieldCheck`), else ``None``
     field_check: Any = field(default=None, repr=False)
+    #: a model with sites that are not log-concave: the search for other posterior modes
+    #: (:class:`~pyro_convexvb.diagnostics.modes.ModeCheck`), else ``None``
+    modes: Any = field(default=None, repr=False)
 
     @property
     def reliable(self):
-        """``k_hat <= threshold``, and the field's proposal away from the design points of hyper-latents integrated
-        over did not fail its check (:attr:`field_check`): importance-sampling estimates (and the approximation) can
-        be trusted."""
-        return bool(self.k_hat <= self.threshold) and self._field_ok
+        """``k_hat <= threshold``, the field's proposal away from the design points of hyper-latents integrated
+        over did not fail its check (:attr:`field_check`), and no posterior mode the proposal does not cover was found
+        (:attr:`modes`): importance-sampling estimates (and the approximation) can be trusted."""
+        return bool(self.k_hat <= self.threshold) and self._field_ok and self._modes_ok
 
     @property
     def _field_ok(self):
         return self.field_check is None or self.field_check.passed is not False
+
+    @property
+    def _modes_ok(self):
+        return self.modes is None or not self.modes.found or self.proposal == "modes"
 
     @property
     def moments_agree(self):
@@ -188,6 +180,8 @@ class ImportanceDiagnostics:
         """One sentence: what ``k_hat`` says and what to do."""
         if not self._field_ok:
             return f"PSIS k_hat = {self.k_hat:.2f} ({self.num_draws} draws), but {self.field_check.note}"
+        if not self._modes_ok:
+            return f"PSIS k_hat = {self.k_hat:.2f} ({self.num_draws} draws), but {self.modes.message}"
         if self.reliable and not self.moments_agree:
             return (f"PSIS k_hat = {self.k_hat:.2f} ({self.num_draws} draws, importance ESS {self.ess:.0f}), but the "
                     f"importance-weighted moments differ from the approximation's (sd ratio {self.sd_ratio[0]:.2f}–"
@@ -304,6 +298,7 @@ def diagnose(result, num_draws=DIAGNOSTIC_DRAWS, seed=0, *, proposal="fitted", w
     check_draws(num_draws, default=DIAGNOSTIC_DRAWS)
     check_seed(seed)
     d = _importance(result, num_draws, seed, proposal, progress)
+    d.modes = check_modes(result)
     if warn and not d.ok:
         warnings.warn(d.message, ApproximationWarning, stacklevel=3)
     return d
@@ -323,7 +318,11 @@ def _settled(d, sd_ratio=None, shift=None):
     sds away (beyond 2 Monte Carlo errors each; defaults :data:`NARROW_SD_RATIO`, :data:`BIASED_SHIFT`). Importance
     estimates from a proposal that misses this way are biased toward it, whatever ``k_hat`` says. The sd test does not
     apply to the ``"student_t"`` proposal: its polynomial tails bound the weights of any target with lighter tails
-    (``k_hat`` judges it), and its draws' own sd is no measure of its reach."""
+    (``k_hat`` judges it), and its draws' own sd is no measure of its reach. Nor does either test apply to the
+    ``"modes"`` proposal (:class:`~pyro_convexvb.diagnostics.modes.ModeProposal`): it gives every mode an equal share
+    whatever its mass, so its weighted draws move away from its own by design, and it covers every mode found."""
+    if d.proposal == "modes":
+        return True
     sd_ratio = NARROW_SD_RATIO if sd_ratio is None else sd_ratio
     shift = BIASED_SHIFT if shift is None else shift
     narrow = d.proposal != "student_t" and d.sd_ratio[1] > sd_ratio
@@ -349,7 +348,7 @@ def _funnel_note(result):
     by :func:`~.field_check.check_field`) were within 2.2 Monte Carlo errors."""
     from ..infer.hyper import field_scale_sites
 
-    model, args, kwargs = _model_of(result)
+    model, args, kwargs = model_of(result)
     scales = field_scale_sites(model, args, kwargs)
     if not scales:
         return ""
@@ -706,6 +705,10 @@ def _choose(result, num_draws, seed, progress, adapt, adaptation):
             # Carlo errors); among unreliable ones the smallest k_hat
             if _rank(d2, settled=True) > _rank(d, settled=True):
                 d = d2
+    modes = check_modes(result)
+    if modes is not None and modes.found:  # every proposal above is blind to the modes it does not reach
+        d = _importance(result, num_draws, seed + 3, mode_proposal(result, modes), progress)
+        tried["modes"] = d.k_hat
     d.tried = tried
     return d
 
@@ -919,7 +922,10 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     (:attr:`ImportanceDiagnostics.ok`), the defensive mixtures ``"widened"`` (scales times 1.5) and ``"student_t"``
     (5 degrees of freedom) are tried with fresh draws (also when the adapted proposal has not settled, below), and
     the proposal used is a reliable one (``k_hat`` below the threshold), among those a settled one, then the one
-    with the largest importance ESS, or, if none is reliable, the one with the smallest ``k_hat``. A warning
+    with the largest importance ESS, or, if none is reliable, the one with the smallest ``k_hat``. When the search
+    for posterior modes of a model with sites that are not log-concave found other modes holding at least 1% of
+    the mass (:mod:`~pyro_convexvb.diagnostics.modes`), all of these are blind to them and the mixture over the
+    modes (proposal ``"modes"``) is used instead. A warning
     (:class:`ApproximationWarning`) says when even that one is unreliable, or when it has not settled: its weighted
     draws are wider than the proposal by more than 20% in some coordinate or their means moved more than 0.5 sds
     from its own (importance estimates from such a proposal are biased toward it, whatever ``k_hat`` says).
@@ -992,6 +998,7 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         d = _choose(result, num_draws, seed, progress, adapt, adaptation)
     else:
         d = _importance(result, num_draws, seed, proposal, progress)
+    d.modes = check_modes(result)
     if _integrates_hyper(result):
         from .field_check import check_field
 

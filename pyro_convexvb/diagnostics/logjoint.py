@@ -32,7 +32,7 @@ from torch.distributions import biject_to
 
 from ..lgm.extract import ObsMaskMessenger
 
-__all__ = ["ModelLogJoint"]
+__all__ = ["ModelLogJoint", "model_of"]
 
 
 class _UnmaskImputed(ObsMaskMessenger):
@@ -248,6 +248,24 @@ def _cdf_pair(fn, y):
     kind, parts = out
     pair = _cdf_from_parts(kind, tuple(np.asarray(t.detach().double().cpu()) for t in parts))
     return tuple(torch.as_tensor(a, dtype=torch.float64) for a in pair)
+
+
+def model_of(result):
+    """``(model, args, kwargs)`` of a result fitted on a Pyro model, whose log joint the diagnostics evaluate."""
+    post = result.posterior
+    model = getattr(post, "model", None)
+    if model is None or not callable(model):
+        raise ValueError("importance diagnostics evaluate the Pyro model's log joint: this result was not fitted on "
+                         "a Pyro model (a LatentGaussianModel has no model to evaluate); fit the Pyro model instead")
+    args, kwargs = getattr(post, "model_args", ((), {}))
+    from ..distributed import find_comm
+
+    if find_comm(args, kwargs) is not None:
+        raise ValueError("importance diagnostics (diagnostics, corrected(), loo(), to_arviz()) evaluate the model's "
+                         "log joint on this process's rows only: on a fit to row-sharded data they would weigh the "
+                         "posterior of all rows against one shard's likelihood (and differ between ranks); run them "
+                         "in one process on all rows")
+    return model, args, kwargs
 
 
 class ModelLogJoint:

@@ -383,7 +383,8 @@ class Engine:
                               optimality=sol.optimality, hyperparameters=sol.info.get("hyperparameters"),
                               state=sol.state)
         if not res.converged:
-            msg = (f"engine '{self.name}' did not converge (stopped by: {sol.stop_reason}): {sol.optimality}")
+            msg = (f"engine '{self.name}' did not converge (stopped by: {sol.stop_reason}): {sol.optimality}"
+                   + sol.advice)
             if self.options.on_fail == "raise":
                 worst = max((c for c in sol.optimality.criteria if not c.met), key=lambda c: c.value, default=None)
                 raise ConvergenceError(msg, residual=None if worst is None else worst.value)

@@ -729,7 +729,8 @@ class LaplaceEngine(_FullDataEngine):
         opt = Optimality.single("max |gradient| of the log joint at the mode / (1 + |log joint|)", rel, grad_tol)
         return Solution(posterior, bound, opt, reason, {"map_grad_norm": res.grad_norm, "evaluations": res.evaluations,
                                                    "iterations": res.iterations, "method": method},
-                        lgm=lgm, state=LaplaceState(posterior.loc.detach().clone()))
+                        lgm=lgm, state=LaplaceState(posterior.loc.detach().clone()),
+                        advice=_no_mode_advice(guide, loc, res.stop_reason) if rel > grad_tol else "")
 
 
 #: an unconstrained coordinate of a constrained site past this magnitude (a scale below e^-8, about 3e-4) where

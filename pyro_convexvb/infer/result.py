@@ -342,6 +342,8 @@ class Solution:
     :ivar info: engine-specific extras.
     :ivar lgm: the latent Gaussian model, for engines that run on the Pyro model but extracted one.
     :ivar state: the engine's immutable state at the answer (its :attr:`Engine.State`), from which a fit resumes.
+    :ivar advice: when the engine did not converge, what to do (``"; ..."``, appended to the warning or error;
+        ``""``: nothing beyond the optimality measure).
 
     Example::
 
@@ -361,6 +363,7 @@ class Solution:
     info: Dict[str, Any] = field(default_factory=dict)
     lgm: Any = None
     state: Any = None
+    advice: str = ""
 
 
 class _NoBar:

@@ -191,6 +191,12 @@ class SiteFamily:
     def log_prob(self, eta):
         raise NotImplementedError
 
+    def peaks(self):
+        """``(q,)`` the predictor values at which each site's factor ``t_i`` peaks: where a second posterior mode can
+        sit when the family is not log-concave (:mod:`~pyro_convexvb.diagnostics.modes`). Such a family must give
+        them; a log-concave one need not."""
+        raise NotImplementedError(f"site family '{self.name}' does not give the peaks of its sites")
+
     def expected_log_prob(self, mean, var, num_points=64):
         return gaussian_expectation(lambda e: self._broadcast_log_prob(e), mean, var, num_points)
 

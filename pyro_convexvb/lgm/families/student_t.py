@@ -52,6 +52,10 @@ class StudentT(SiteFamily):
         y, nu, b = self.params["y"], self.params["df"], self.params["scale"]
         return torch.distributions.StudentT(nu, y, b).log_prob(eta)
 
+    def peaks(self):
+        """``(q,)``: each site's density in ``eta`` peaks at its observation."""
+        return self.params["y"]
+
     def expected_log_prob(self, mean, var, num_points=64):
         """``E log t`` under ``N(mean, var)``: Gauss-Hermite where the site sd is at most
         :data:`WIDE_SCALES` scales, else composite Gauss-Legendre panels around the density's core

@@ -1,0 +1,305 @@
+r"""Other posterior modes of a model whose likelihood is not log-concave.
+
+With a Gaussian prior and log-concave sites (Bernoulli, Poisson, Binomial, negative binomial, Gamma, Laplace, ...)
+the posterior of the latent field is log-concave, so it has one mode. A Student-t site is not log-concave: an
+observation far from the others pulls the posterior toward a second mode where its predictor meets it
+(``eta_i = y_i``). A Gaussian approximation sits on one mode, and importance weights of draws from it cannot see a
+mode it never reaches: the diagnostic's ``k_hat`` stays low while sds are too small.
+
+:func:`check_modes` searches for them. From the fitted Gaussian's moments ``m``, ``S`` (of the field ``u``), each
+outlying site of a family that is not log-concave (its peak ``t_i`` more than :data:`OUTLYING` sds of
+``eta_i = a_i^T u`` from its mean) gives one start, the Gaussian's conditional mean given ``eta_i = t_i``,
+
+.. math:: u_0 = m + S a_i \,(t_i - a_i^T m) / (a_i^T S a_i),
+
+from which L-BFGS climbs ``log p(y, u)`` of the latent Gaussian model (every constant kept). Each mode reached
+(gradient below tolerance, negative definite Hessian ``-H``) is a new one when it lies more than one sd (in its own
+metric ``H``) from every mode found before; its mass is the Laplace estimate
+
+.. math:: \log Z_k = \log p(y, u_k) + \tfrac{n}{2} \log 2\pi - \tfrac12 \log\det H_k .
+
+When the modes other than the one the fit's mean climbs to hold at least :data:`MODE_MASS` of the total, the
+diagnostic is unreliable and the correction draws from :class:`ModeProposal`: equal shares per mode, each a
+Gaussian at the mode with its Laplace covariance and, for the tails, the same Gaussian widened (the defensive
+mixtures of Hesterberg 1995, one per mode). Its weights are exact importance weights of the model as written, so
+``k_hat`` judges it as any other proposal.
+"""
+import math
+from dataclasses import dataclass, field
+from typing import List
+
+import numpy as np
+import pyro.poutine as poutine
+import torch
+
+from .logjoint import model_of
+from .proposals import Proposal
+
+__all__ = ["ModeCheck", "ModeProposal", "check_modes", "MODE_MASS"]
+
+#: other modes holding at least this share of the Laplace mass make the diagnostic unreliable
+MODE_MASS = 0.01
+#: a site's peak this many sds (of its predictor under the fitted Gaussian) from the predictor's mean is a start
+OUTLYING = 3.0
+#: starts at most (the most outlying sites first), latent dimension and design entries at most for the search
+MAX_STARTS = 40
+MAX_LATENTS = 400
+MAX_DESIGN = 4_000_000
+#: modes kept (the heaviest), L-BFGS iterations per climb
+MAX_MODES = 6
+MAX_ITER = 500
+#: the share of each mode's draws from its widened Gaussian, and the widening of its scales
+WIDE_SHARE = 0.3
+WIDE = 2.0
+
+
+@dataclass
+class ModeCheck:
+    """The search for posterior modes (:func:`check_modes`).
+
+    :ivar checked: whether the search ran (``False``: see :attr:`note`).
+    :ivar note: why it did not run, or what it searched.
+    :ivar locs: ``[(n,)]`` the modes in the proposal's flat coordinates, the one the fit's mean climbs to first.
+    :ivar covs: ``[(n, n)]`` their Laplace covariances ``H_k^{-1}``.
+    :ivar log_masses: ``(K,)`` their Laplace log masses.
+    :ivar starts: ``[(site, row)]`` the site each other mode was reached from (``None`` for the first).
+    """
+
+    checked: bool
+    note: str
+    locs: List[torch.Tensor] = field(default_factory=list, repr=False)
+    covs: List[torch.Tensor] = field(default_factory=list, repr=False)
+    log_masses: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    starts: list = field(default_factory=list)
+
+    @property
+    def share(self):
+        """The Laplace mass share of the modes other than the first (0 without any)."""
+        if len(self.log_masses) < 2:
+            return 0.0
+        w = np.exp(self.log_masses - np.logaddexp.reduce(self.log_masses))
+        return float(1.0 - w[0])
+
+    @property
+    def found(self):
+        """Other modes hold at least :data:`MODE_MASS` of the mass."""
+        return self.checked and self.share >= MODE_MASS
+
+    @property
+    def message(self):
+        where = ", ".join(f"site {s!r} row {r}" for s, r in self.starts[1:])
+        return (f"the posterior has {len(self.locs) - 1} other mode(s), reached from {where} (where the predictor "
+                f"meets the observation), holding about {100 * self.share:.0f}% of its mass by Laplace estimates; the "
+                "approximation covers one mode and importance weights of its draws cannot see the others, whatever "
+                "k_hat says. Call res.corrected() (its proposal then has a Gaussian at every mode) or use "
+                "engine='nuts'")
+
+
+def _unwrap(fn):
+    while hasattr(fn, "base_dist"):
+        fn = fn.base_dist
+    return fn
+
+
+def _not_log_concave(model, args, kwargs):
+    """Whether an observed site of ``model`` is read by a family that is not log-concave (one trace)."""
+    from ..lgm.extract import full_data_plates
+    from ..lgm.families import LIKELIHOODS
+
+    kinds = tuple(d for f in LIKELIHOODS if not f.log_concave for d in f.distributions)
+    with torch.no_grad(), full_data_plates():
+        tr = poutine.trace(model).get_trace(*args, **kwargs)
+    return any(s["type"] == "sample" and s["is_observed"] and isinstance(_unwrap(s["fn"]), kinds)
+               for s in tr.nodes.values())
+
+
+def check_modes(result):
+    """:class:`ModeCheck` of ``result`` (cached on it), or ``None`` when every likelihood site is log-concave (one
+    mode). ``result.diagnostics.modes`` holds it.
+
+    Example (an observation at -5.2 pulls the posterior toward a second mode)::
+
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> import pyro_convexvb as pcv
+        >>> X = torch.stack([torch.ones(10), torch.linspace(-1, 1, 10)], 1).double()
+        >>> def model(X, y=None):
+        ...     w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 2.0).to_event(1))
+        ...     with pyro.plate("data", 10):
+        ...         pyro.sample("y", dist.StudentT(0.5, X @ w, 1.0), obs=y)
+        >>> y = torch.tensor([-0.5, -5.2, 0.0, -3.2, 0.7, 1.5, -91.5, -0.1, 1.5, 3.5], dtype=torch.float64)
+        >>> mc = check_modes(pcv.fit(model, X, y=y, engine="laplace", progress=False))
+        >>> mc.checked, len(mc.locs), mc.starts, mc.found
+        (True, 2, [None, ('y', 1)], True)
+    """
+    if "_mode_check" not in result.__dict__:
+        result.__dict__["_mode_check"] = _check(result)
+    return result.__dict__["_mode_check"]
+
+
+def _moments(post):
+    """Mean ``(n,)`` and covariance ``(n, n)`` of a fitted posterior (a mixture's by its components)."""
+    if hasattr(post, "covariance"):
+        return post.loc.detach(), post.covariance().detach()
+    locs, var = post.locs.detach(), post.variances.detach()
+    m = locs.mean(0)
+    d = locs - m
+    return m, torch.diag(var.mean(0)) + d.T @ d / locs.shape[0]
+
+
+def _check(result):
+    from ..errors import UnsupportedModelError
+    from ..lgm.extract import lgm_from_pyro
+    from .constrained import proposal_posterior
+
+    model, args, kwargs = model_of(result)
+    if not _not_log_concave(model, args, kwargs):
+        return None
+    post = proposal_posterior(result)
+    skip = lambda why: ModeCheck(False, "posterior modes not searched: " + why)  # noqa: E731
+    if type(post).__name__ == "HyperPosterior":
+        return skip("hyper-latents integrated over (the search runs at fixed hyperparameters)")
+    lgm = result.lgm
+    if lgm is None:
+        try:
+            lgm = lgm_from_pyro(model, *args, **kwargs)
+        except UnsupportedModelError as e:
+            return skip(f"the model is no latent Gaussian model ({e})")
+    layout = getattr(post, "layout", None)
+    if layout is None or sorted(layout.names) != sorted(lgm.layout.names) or lgm.imputed or lgm.chain is not None:
+        return skip("the posterior's coordinates are not those of the latent Gaussian model")
+    if lgm.n > MAX_LATENTS or sum(g.size for g in lgm.sites) * lgm.n > MAX_DESIGN:
+        return skip(f"{lgm.n} latent coordinates and {sum(g.size for g in lgm.sites)} sites (at most {MAX_LATENTS} "
+                    f"and {MAX_DESIGN} design entries)")
+    idx = torch.cat([torch.arange(layout[b.name].start, layout[b.name].start + b.size) for b in lgm.layout.blocks])
+    m, S = _moments(post)
+    m, S = m[idx].to(lgm.dtype), S[idx][:, idx].to(lgm.dtype)
+    return _search(lgm, m, S, idx)
+
+
+def _dense(group):
+    B = group.design
+    return B.to_dense() if hasattr(B, "to_dense") else torch.as_tensor(B)
+
+
+def _starts(lgm, m, S):
+    """``[(z, site, row, u0)]`` the starts, most outlying first."""
+    out = []
+    for g in lgm.sites:
+        fam = g.base_family
+        if fam.log_concave:
+            continue
+        B = _dense(g)
+        peak = fam.peaks()
+        eta = B @ m + g.offset
+        s2 = ((B @ S) * B).sum(1).clamp_min(1e-300)
+        z = (peak - eta).abs() / s2.sqrt()
+        for i in torch.nonzero(z > OUTLYING).reshape(-1).tolist():
+            out.append((float(z[i]), g.name, i, m + S @ B[i] * (peak[i] - eta[i]) / s2[i]))
+    out.sort(key=lambda s: -s[0])
+    return out[:MAX_STARTS]
+
+
+def _hessian(lgm, u):
+    """``H = -d2 log p(y, u) / du2`` (dense): the prior precision plus ``B^T diag(-d2 log t) B`` per group."""
+    H = lgm.dense_prior_prec().to(u.dtype)
+    for g in lgm.sites:
+        eta = g.eta(u).detach().requires_grad_(True)
+        d1, = torch.autograd.grad(g.family.log_prob(eta).sum(), eta, create_graph=True)
+        d2, = torch.autograd.grad(d1.sum(), eta)  # elementwise: the diagonal of the sites' Hessian
+        B = _dense(g)
+        H = H - B.T @ (d2[:, None] * B)
+    return 0.5 * (H + H.T)
+
+
+def _climb(lgm, u0):
+    """The mode L-BFGS reaches from ``u0`` and its Laplace ``(log mass, covariance)``, or ``None`` where it stops
+    short of one (gradient not small, or ``-H`` not positive definite)."""
+    u = u0.detach().clone().requires_grad_(True)
+    opt = torch.optim.LBFGS([u], lr=1.0, max_iter=MAX_ITER, tolerance_grad=1e-9, tolerance_change=1e-14,
+                            history_size=20, line_search_fn="strong_wolfe")
+
+    def loss():
+        opt.zero_grad()
+        f = -lgm.log_joint(u)
+        f.backward()
+        return f
+
+    opt.step(loss)
+    u = u.detach()
+    uu = u.clone().requires_grad_(True)
+    f = lgm.log_joint(uu)
+    grad, = torch.autograd.grad(f, uu)
+    H = _hessian(lgm, u)
+    L, info = torch.linalg.cholesky_ex(H)
+    if int(info) != 0 or not bool(torch.isfinite(f)) or float(grad.abs().max()) > 1e-5 * (1.0 + abs(float(f.detach()))):
+        return None
+    log_mass = float(f.detach()) + 0.5 * u.shape[0] * math.log(2 * math.pi) - float(torch.log(torch.diagonal(L)).sum())
+    return u, H, log_mass, torch.cholesky_inverse(L)
+
+
+def _search(lgm, m, S, idx):
+    first = _climb(lgm, m)
+    if first is None:
+        return ModeCheck(False, "posterior modes not searched: the climb from the fit's mean found no mode")
+    modes, starts, failed = [first], [None], 0
+    cand = _starts(lgm, m, S)
+    for _, site, row, u0 in cand:
+        got = _climb(lgm, u0)
+        if got is None:
+            failed += 1
+            continue
+        u = got[0]
+        if all(float((u - k[0]) @ k[1] @ (u - k[0])) > 1.0 for k in modes):
+            modes.append(got)
+            starts.append((site, row))
+    order = [0] + sorted(range(1, len(modes)), key=lambda k: -modes[k][2])[:MAX_MODES - 1]
+    back = torch.empty_like(idx)
+    back[idx] = torch.arange(idx.shape[0])  # the model's coordinates back to the proposal's order
+    note = (f"{len(cand)} start(s) from outlying sites, {len(modes)} mode(s)"
+            + (f", {failed} climb(s) stopped short of a mode" if failed else ""))
+    locs = [modes[k][0][back] for k in order]
+    covs = [modes[k][3][back][:, back] for k in order]
+    return ModeCheck(True, note, locs, covs, np.array([modes[k][2] for k in order]), [starts[k] for k in order])
+
+
+class ModeProposal(Proposal):
+    """The mixture over the modes of a :class:`ModeCheck`: each mode an equal share, of which ``1 - WIDE_SHARE``
+    from ``N(u_k, H_k^{-1})`` and :data:`WIDE_SHARE` from the same Gaussian with scales times :data:`WIDE`."""
+
+    name = "modes"
+
+    def __init__(self, check, layout, dtype=torch.float64, device=None):
+        self.layout = layout
+        self.locs = [u.to(dtype=dtype, device=device) for u in check.locs]
+        self.chols = [torch.linalg.cholesky(0.5 * (C + C.T)).to(dtype=dtype, device=device) for C in check.covs]
+        K = len(self.locs)
+        # components: (mode, scale factor, log weight)
+        self.components = [(k, f, math.log(w / K)) for k in range(K)
+                           for f, w in ((1.0, 1.0 - WIDE_SHARE), (WIDE, WIDE_SHARE))]
+
+    def _log_component(self, u, k, f):
+        L = self.chols[k] * f
+        z = torch.linalg.solve_triangular(L, (u - self.locs[k]).T, upper=False)
+        n = u.shape[1]
+        return -0.5 * (z**2).sum(0) - torch.log(torch.diagonal(L)).sum() - 0.5 * n * math.log(2 * math.pi)
+
+    def sample(self, S, generator=None):
+        w = torch.tensor([math.exp(c[2]) for c in self.components], dtype=torch.float64)
+        pick = torch.multinomial(w, S, replacement=True, generator=generator)
+        n = self.locs[0].shape[0]
+        eps = torch.randn((S, n), generator=generator, dtype=torch.float64).to(self.locs[0])
+        u = torch.empty_like(eps)
+        for c, (k, f, _) in enumerate(self.components):
+            rows = pick == c
+            if bool(rows.any()):
+                u[rows] = self.locs[k] + f * eps[rows] @ self.chols[k].T
+        lq = torch.logsumexp(torch.stack([lw + self._log_component(u, k, f) for k, f, lw in self.components]), 0)
+        return self.layout.unflatten(u), lq.double()
+
+
+def mode_proposal(result, check):
+    """The :class:`ModeProposal` of ``result``'s modes, in the coordinates of its proposals."""
+    from .constrained import proposal_posterior
+
+    post = proposal_posterior(result)
+    return ModeProposal(check, post.layout, dtype=post.loc.dtype, device=post.loc.device)
