@@ -12,9 +12,9 @@ outlying site of a family that is not log-concave (its peak ``t_i`` more than :d
 
 .. math:: u_0 = m + S a_i \,(t_i - a_i^T m) / (a_i^T S a_i),
 
-from which L-BFGS climbs ``log p(y, u)`` of the latent Gaussian model (every constant kept). Each mode reached
-(gradient below tolerance, negative definite Hessian ``-H``) is a new one when it lies more than one sd (in its own
-metric ``H``) from every mode found before; its mass is the Laplace estimate
+from which damped Newton steps (:func:`_climb`) climb ``log p(y, u)`` of the latent Gaussian model (every constant
+kept). Each mode reached (gradient below tolerance, negative definite Hessian ``-H``) is a new one when it lies more
+than one sd (in its own metric ``H``) from every mode found before; its mass is the Laplace estimate
 
 .. math:: \log Z_k = \log p(y, u_k) + \tfrac{n}{2} \log 2\pi - \tfrac12 \log\det H_k .
 
@@ -45,9 +45,12 @@ OUTLYING = 3.0
 MAX_STARTS = 40
 MAX_LATENTS = 400
 MAX_DESIGN = 4_000_000
-#: modes kept (the heaviest), L-BFGS iterations per climb
+#: modes kept (the heaviest); Newton steps per climb, their first largest length in whitened coordinates, and the
+#: gradient (whitened, relative to ``1 + |log p|``) at which a point with a positive definite ``H`` is a mode
 MAX_MODES = 6
-MAX_ITER = 500
+MAX_ITER = 100
+STEP_BOUND = 3.0
+GRAD_TOL = 1e-9
 #: the share of each mode's draws from its widened Gaussian, and the widening of its scales
 WIDE_SHARE = 0.3
 WIDE = 2.0
@@ -199,52 +202,85 @@ def _starts(lgm, m, S):
     return out[:MAX_STARTS]
 
 
-def _hessian(lgm, u):
-    """``H = -d2 log p(y, u) / du2`` (dense): the prior precision plus ``B^T diag(-d2 log t) B`` per group."""
-    H = lgm.dense_prior_prec().to(u.dtype)
-    for g in lgm.sites:
-        eta = g.eta(u).detach().requires_grad_(True)
-        d1, = torch.autograd.grad(g.family.log_prob(eta).sum(), eta, create_graph=True)
-        d2, = torch.autograd.grad(d1.sum(), eta)  # elementwise: the diagonal of the sites' Hessian
-        B = _dense(g)
-        H = H - B.T @ (d2[:, None] * B)
-    return 0.5 * (H + H.T)
+class _Surface:
+    """``log p(y, u)`` of a latent Gaussian model, its gradient and its dense negative Hessian ``H``, in the
+    whitened coordinates ``z`` of the fitted Gaussian (``u = m + W z``, ``W W^T = S``), where the Newton steps'
+    damping and step bound are the same in every direction."""
+
+    def __init__(self, lgm, m, S):
+        self.lgm, self.m = lgm, m
+        self.designs = [_dense(g) for g in lgm.sites]
+        self.prec = lgm.dense_prior_prec().to(m.dtype)
+        W, info = torch.linalg.cholesky_ex(0.5 * (S + S.T))
+        self.W = W if int(info) == 0 else torch.diag(torch.diagonal(S).clamp_min(1e-300).sqrt())
+
+    def value_grad(self, u):
+        """``(log p(y, u), d/du)``."""
+        u = u.detach().clone().requires_grad_(True)
+        f = self.lgm.log_joint(u)
+        g, = torch.autograd.grad(f, u)
+        return float(f.detach()), g
+
+    def hessian(self, u):
+        """``H = -d2 log p(y, u) / du2``: the prior precision plus ``B^T diag(-d2 log t) B`` per group."""
+        H = self.prec.clone()
+        for g, B in zip(self.lgm.sites, self.designs):
+            eta = g.eta(u).detach().requires_grad_(True)
+            d1, = torch.autograd.grad(g.family.log_prob(eta).sum(), eta, create_graph=True)
+            d2, = torch.autograd.grad(d1.sum(), eta)  # elementwise: the diagonal of the sites' Hessian
+            H = H - B.T @ (d2[:, None] * B)
+        return 0.5 * (H + H.T)
 
 
-def _climb(lgm, u0):
-    """The mode L-BFGS reaches from ``u0`` and its Laplace ``(log mass, covariance)``, or ``None`` where it stops
-    short of one (gradient not small, or ``-H`` not positive definite)."""
-    u = u0.detach().clone().requires_grad_(True)
-    opt = torch.optim.LBFGS([u], lr=1.0, max_iter=MAX_ITER, tolerance_grad=1e-9, tolerance_change=1e-14,
-                            history_size=20, line_search_fn="strong_wolfe")
-
-    def loss():
-        opt.zero_grad()
-        f = -lgm.log_joint(u)
-        f.backward()
-        return f
-
-    opt.step(loss)
-    u = u.detach()
-    uu = u.clone().requires_grad_(True)
-    f = lgm.log_joint(uu)
-    grad, = torch.autograd.grad(f, uu)
-    H = _hessian(lgm, u)
-    L, info = torch.linalg.cholesky_ex(H)
-    if int(info) != 0 or not bool(torch.isfinite(f)) or float(grad.abs().max()) > 1e-5 * (1.0 + abs(float(f.detach()))):
-        return None
-    log_mass = float(f.detach()) + 0.5 * u.shape[0] * math.log(2 * math.pi) - float(torch.log(torch.diagonal(L)).sum())
-    return u, H, log_mass, torch.cholesky_inverse(L)
+def _climb(surface, u0):
+    """The mode damped Newton steps reach from ``u0``: ``(u, H, Laplace log mass, covariance H^{-1})``, or ``None``
+    where they stop short of one. Each step solves ``(H_z + lam I) dz = g_z`` in whitened coordinates, ``lam`` 0
+    where ``H_z`` is positive definite, else past its most negative eigenvalue, the step at most a radius long
+    (:data:`STEP_BOUND` at first, doubled after each bounded step taken as it came), and ``lam`` raised until the
+    log joint increases (Levenberg-Marquardt)."""
+    W, u, radius = surface.W, u0.detach().clone(), STEP_BOUND
+    f, g = surface.value_grad(u)
+    eye = torch.eye(W.shape[0], dtype=W.dtype, device=W.device)
+    for _ in range(MAX_ITER):
+        if not math.isfinite(f):
+            return None
+        H = surface.hessian(u)
+        Hz, gz = W.T @ H @ W, W.T @ g
+        L, info = torch.linalg.cholesky_ex(H)
+        if int(info) == 0 and float(gz.abs().max()) <= GRAD_TOL * (1.0 + abs(f)):
+            log_mass = f + 0.5 * u.shape[0] * math.log(2 * math.pi) - float(torch.log(torch.diagonal(L)).sum())
+            return u, H, log_mass, torch.cholesky_inverse(L)
+        low = float(torch.linalg.eigvalsh(Hz)[0])
+        lam = 0.0 if low > 0 else 1e-3 - 1.1 * low
+        for tries in range(60):
+            dz = torch.linalg.solve(Hz + lam * eye, gz)
+            clipped = float(dz.norm()) > radius
+            if clipped:
+                dz = dz * (radius / float(dz.norm()))
+            u_new = u + W @ dz
+            f_new, g_new = surface.value_grad(u_new)
+            if math.isfinite(f_new) and f_new >= f - 1e-12 * abs(f):
+                break
+            lam = max(4.0 * lam, 1e-3)
+        else:
+            return None
+        if clipped and not tries:  # a full bounded step taken as it came: far from the mode, go further
+            radius = min(2.0 * radius, 1e8)
+        if f_new - f <= 1e-15 * (1.0 + abs(f)) and float(dz.norm()) < 1e-12:
+            return None  # no progress at a point that is no mode
+        u, f, g = u_new, f_new, g_new
+    return None
 
 
 def _search(lgm, m, S, idx):
-    first = _climb(lgm, m)
+    surface = _Surface(lgm, m, S)
+    first = _climb(surface, m)
     if first is None:
         return ModeCheck(False, "posterior modes not searched: the climb from the fit's mean found no mode")
     modes, starts, failed = [first], [None], 0
     cand = _starts(lgm, m, S)
     for _, site, row, u0 in cand:
-        got = _climb(lgm, u0)
+        got = _climb(surface, u0)
         if got is None:
             failed += 1
             continue
