@@ -107,23 +107,34 @@ def test_no_search_for_log_concave_sites_and_no_flag_without_outliers():
     assert mc.checked and not mc.found and len(mc.locs) == 1 and res.diagnostics.ok
 
 
-def test_search_skipped_with_hyper_latents_integrated_says_so():
+def test_with_hyper_latents_integrated_the_search_runs_at_the_heaviest_design_point():
+    """convex_relaxation integrates the Student-t scale over: the field's modes are searched at the heaviest design
+    point, the diagnostic says where, and the correction (which cannot add them there) stays unreliable with the
+    same reason. A mixture fit on the Pyro model with the scale as a coordinate is not searched, and says so."""
     def scaled(X, y=None):
-        s = pyro.sample("s", dist.LogNormal(torch.tensor(0.0, dtype=torch.float64), 0.5))
-        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), 2.0).to_event(1))
+        s = pyro.sample("s", dist.LogNormal(torch.tensor(0.0, dtype=torch.float64), 0.3))
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), PRIOR_SD).to_event(1))
         with pyro.plate("data", X.shape[0]):
-            pyro.sample("y", dist.StudentT(4.0, X @ w, s), obs=y)
+            pyro.sample("y", dist.StudentT(0.5, X @ w, s), obs=y)
 
-    notes = {}
-    for engine in ("convex_relaxation", "diag_mixture"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            res = pcv.fit(scaled, X, y=torch.tensor(Y_NP).clamp(-6, 6), engine=engine, progress=False)
-            mc = res.diagnostics.modes
-        assert not mc.checked and not mc.found
-        notes[engine] = mc.note
-    assert "hyper-latents integrated over" in notes["convex_relaxation"]
-    assert "site 's': unsupported prior LogNormal" in notes["diag_mixture"]  # a joint coordinate of the mixture
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = pcv.fit(scaled, X, y=torch.tensor(Y_NP), engine="convex_relaxation", progress=False)
+    post = res.posterior
+    s_heavy = float(post.space.unpack(post.z[int(post.weights.argmax())])[0]["s"])
+    with pytest.warns(ApproximationWarning, match=rf"at the hyper-latents' heaviest design point \(s={s_heavy:.3g}\) "
+                                                  r"the posterior has 1 other mode"):
+        d = res.diagnostics
+    assert d.modes.found and float(d.modes.conditional_on["s"]) == pytest.approx(s_heavy) and not d.reliable
+    with pytest.warns(ApproximationWarning, match=r"corrected posterior: .* the correction cannot add them"):
+        c = res.corrected(num_draws=1000)
+    assert c.diagnostics.proposal != "modes" and not c.diagnostics.reliable
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = pcv.fit(scaled, X, y=torch.tensor(Y_NP), engine="diag_mixture", progress=False)
+        mc = res.diagnostics.modes
+    assert not mc.checked and not mc.found and "site 's': unsupported prior LogNormal" in mc.note
 
 
 def test_search_finds_every_grid_mode_within_eight_nats_on_random_regressions():

@@ -26,7 +26,7 @@ mixtures of Hesterberg 1995, one per mode). Its weights are exact importance wei
 """
 import math
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import pyro.poutine as poutine
@@ -66,6 +66,8 @@ class ModeCheck:
     :ivar covs: ``[(n, n)]`` their Laplace covariances ``H_k^{-1}``.
     :ivar log_masses: ``(K,)`` their Laplace log masses.
     :ivar starts: ``[(site, row)]`` the site each other mode was reached from (``None`` for the first).
+    :ivar conditional_on: ``{hyper-latent: value}`` where the hyper-latents are integrated over: the search ran on
+        the field at their heaviest design point (:class:`ModeProposal` then does not apply); else ``None``.
     """
 
     checked: bool
@@ -74,6 +76,7 @@ class ModeCheck:
     covs: List[torch.Tensor] = field(default_factory=list, repr=False)
     log_masses: np.ndarray = field(default_factory=lambda: np.zeros(0))
     starts: list = field(default_factory=list)
+    conditional_on: Optional[dict] = None
 
     @property
     def share(self):
@@ -91,11 +94,21 @@ class ModeCheck:
     @property
     def message(self):
         where = ", ".join(f"site {s!r} row {r}" for s, r in self.starts[1:])
-        return (f"the posterior has {len(self.locs) - 1} other mode(s), reached from {where} (where the predictor "
-                f"meets the observation), holding about {100 * self.share:.0f}% of its mass by Laplace estimates; the "
-                "approximation covers one mode and importance weights of its draws cannot see the others, whatever "
-                "k_hat says. Call res.corrected() (its proposal then has a Gaussian at every mode) or use "
-                "engine='nuts'")
+        text = (f"the posterior has {len(self.locs) - 1} other mode(s), reached from {where} (where the predictor "
+                f"meets the observation), holding about {100 * self.share:.0f}% of its mass by Laplace estimates")
+        if self.conditional_on is not None:
+            at = ", ".join(f"{n}={_show(v)}" for n, v in self.conditional_on.items())
+            return (f"at the hyper-latents' heaviest design point ({at}) {text}; each design point's Gaussian covers "
+                    "one mode and importance weights of its draws cannot see the others, whatever k_hat says, and "
+                    "the correction cannot add them with hyper-latents integrated over: use engine='nuts'")
+        return (text + "; the approximation covers one mode and importance weights of its draws cannot see the "
+                "others, whatever k_hat says. Call res.corrected() (its proposal then has a Gaussian at every mode) "
+                "or use engine='nuts'")
+
+
+def _show(v):
+    v = torch.as_tensor(v)
+    return f"{float(v):.3g}" if v.numel() == 1 else str([round(float(t), 3) for t in v.reshape(-1)])
 
 
 def _unwrap(fn):
@@ -151,6 +164,7 @@ def _moments(post):
 
 def _check(result):
     from ..errors import UnsupportedModelError
+    from ..infer.hyper import conditioned_model
     from ..lgm.extract import lgm_from_pyro
     from .constrained import proposal_posterior
 
@@ -159,9 +173,11 @@ def _check(result):
         return None
     post = proposal_posterior(result)
     skip = lambda why: ModeCheck(False, "posterior modes not searched: " + why)  # noqa: E731
-    if type(post).__name__ == "HyperPosterior":
-        return skip("hyper-latents integrated over (the search runs at fixed hyperparameters)")
-    lgm = result.lgm
+    lgm, at = result.lgm, None
+    if type(post).__name__ == "HyperPosterior":  # the field at the hyper-latents' heaviest design point
+        k = int(torch.argmax(post.weights))
+        at, _ = post.space.unpack(post.z[k])
+        model, post, lgm = conditioned_model(model, at), post.components[k], None
     if lgm is None:
         try:
             lgm = lgm_from_pyro(model, *args, **kwargs)
@@ -176,7 +192,10 @@ def _check(result):
     idx = torch.cat([torch.arange(layout[b.name].start, layout[b.name].start + b.size) for b in lgm.layout.blocks])
     m, S = _moments(post)
     m, S = m[idx].to(lgm.dtype), S[idx][:, idx].to(lgm.dtype)
-    return _search(lgm, m, S, idx)
+    check = _search(lgm, m, S, idx)
+    if at is not None:
+        check.conditional_on = {n: v.detach().cpu() for n, v in at.items()}
+    return check
 
 
 def _dense(group):
