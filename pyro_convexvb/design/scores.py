@@ -294,14 +294,20 @@ def lanczos_covariance_factor(lanczos):
     return lanczos.covariance_factor()
 
 
+def positive_number(value, name):
+    """``value`` as a float: a positive finite real number (Python, NumPy or one-element real torch; not a bool),
+    else a ValueError naming ``name``."""
+    if torch.is_tensor(value) and value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool:
+        value = value.item()
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (ok and math.isfinite(float(value)) and float(value) > 0):
+        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+    return float(value)
+
+
 def check_noise_var(noise_var):
     """``noise_var`` as a float: a positive finite real number (Python, NumPy or 0-d torch; not a bool)."""
-    if torch.is_tensor(noise_var) and noise_var.numel() == 1 and not noise_var.dtype.is_complex:
-        noise_var = noise_var.item()
-    ok = isinstance(noise_var, numbers.Real) and not isinstance(noise_var, bool)
-    if not (ok and math.isfinite(float(noise_var)) and float(noise_var) > 0):
-        raise ValueError(f"noise_var: expected a positive finite number, got {noise_var!r}")
-    return float(noise_var)
+    return positive_number(noise_var, "noise_var")
 
 
 def design_score(X_star, factor, noise_var=1.0, chunk_size=1024):
