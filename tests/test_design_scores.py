@@ -337,3 +337,34 @@ def test_score_helpers_name_bad_arguments():
     assert float(kl) == pytest.approx(2.0 * 1.5 ** 2 / 2, rel=1e-15)
     upd = rank_one_include(*args, **{**kw, "mean_i": torch.tensor(0.4, dtype=D)})
     assert upd.kappa == 2.0 and torch.allclose(upd.u, (0.5 - 0.4) / 2.0 * one2)
+
+
+def test_num_points_applies_to_narrow_marginals_only():
+    """As the docstrings say: for tau sd <= 1 the value is a num_points-node Gauss-Hermite sum; for tau sd > 1 it is
+    predictive_log_probs' (64 nodes in log space, the step split off above tau^2 var = 4) whatever num_points, and
+    accurate against adaptive quadrature. information_gain / classifier_uncertainty inherit both."""
+    from scipy import special
+
+    from pyro_convexvb.lgm.families.logit import predictive_log_probs
+    from pyro_convexvb.lgm.sites import gaussian_expectation
+
+    tau = 1.5
+    mean = torch.tensor([0.7, 0.7, -0.4, 2.0], dtype=D)
+    var = torch.tensor([0.2, 0.4, 1.0, 30.0], dtype=D)  # tau sd = 0.67, 0.95 | 1.5, 8.2
+    narrow = tau * var.sqrt() <= 1
+    assert narrow.tolist() == [True, True, False, False]
+    p = {k: predictive_probability(mean, var, tau, num_points=k) for k in (1, 3, 64)}
+    for k, pk in p.items():  # narrow: the k-node rule itself; wide: predictive_log_probs, the same for every k
+        ref = gaussian_expectation(lambda s: torch.sigmoid(tau * s), mean[narrow], var[narrow], k)
+        assert torch.equal(pk[narrow], ref)
+        assert torch.equal(pk[~narrow], predictive_log_probs(tau * mean[~narrow], tau ** 2 * var[~narrow])[1].exp())
+    assert float((p[1][narrow] - p[64][narrow]).abs().min()) > 1e-3  # one node: the sigmoid at the mean
+    for i in range(4):
+        m, sd = float(mean[i]), float(var[i]) ** 0.5
+        quad = integrate.quad(lambda s: special.expit(tau * s) * math.exp(-0.5 * ((s - m) / sd) ** 2)
+                              / (sd * math.sqrt(2 * math.pi)), m - 12 * sd, m + 12 * sd, points=[0.0], epsabs=1e-14)[0]
+        assert abs(float(p[64][i]) - quad) < 1e-10
+    for k in (1, 3):
+        assert torch.equal(classifier_uncertainty(mean, var, tau, k)[~narrow],
+                           classifier_uncertainty(mean, var, tau, 64)[~narrow])
+        assert torch.equal(information_gain(mean, var, tau, k)[~narrow], information_gain(mean, var, tau, 64)[~narrow])

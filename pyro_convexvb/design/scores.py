@@ -86,12 +86,20 @@ def _check_quadrature(tau, num_points):
 
 
 def predictive_probability(mean, var, tau=1.0, num_points=32):
-    r"""``Q(c_i = +1) = E_{N(s | mu_i, rho_i)}[sigmoid(tau s)]`` by Gauss-Hermite quadrature (Nickisch & Seeger 2009 §3).
+    r"""``Q(c_i = +1) = E_{N(s | mu_i, rho_i)}[sigmoid(tau s)]`` by Gauss-Hermite quadrature (Nickisch & Seeger
+    2009 §3).
+
+    Wide marginals, ``tau sqrt(rho_i) >`` :data:`WIDE_SD` ``= 1``, are not integrated with ``num_points`` nodes:
+    there the sigmoid is a step on the Gaussian's scale and falls between the nodes, so their probabilities come
+    from :func:`~pyro_convexvb.lgm.families.logit.predictive_log_probs` at ``(tau mu_i, tau^2 rho_i)``: its own 64
+    Gauss-Hermite nodes summed in log space up to ``tau^2 rho_i = 4``, above that the step at ``0`` split off in
+    closed form and the smooth rest integrated on panels (within ``1e-12`` of adaptive quadrature at any variance).
+    ``num_points`` applies to the candidates with ``tau sqrt(rho_i) <= 1`` only.
 
     :param torch.Tensor mean: ``(N,)`` marginal means ``mu_i``.
     :param torch.Tensor var: ``(N,)`` marginal variances ``rho_i >= 0``.
     :param float tau: logistic scale (Nickisch & Seeger 2009 Eq. (3); ``1`` for ``BernoulliLogit``).
-    :param int num_points: quadrature nodes.
+    :param int num_points: Gauss-Hermite nodes for the candidates with ``tau sqrt(rho_i) <= 1`` (see above).
     :returns: ``(N,)`` probabilities.
 
     Example::
@@ -117,16 +125,24 @@ WIDE_SD = 1.0
 
 
 def classifier_uncertainty(mean, var, tau=1.0, num_points=32):
-    r"""Classifier uncertainty ``S_CU = -|Q(c_i = +1) - 1/2|`` (Nickisch & Seeger 2009 §3); larger is more informative.
+    r"""Classifier uncertainty ``S_CU = -|Q(c_i = +1) - 1/2|`` (Nickisch & Seeger 2009 §3); larger is more
+    informative.
+
+    ``Q(c_i = +1)`` is :func:`predictive_probability`: ``num_points`` Gauss-Hermite nodes where
+    ``tau sqrt(rho_i) <= 1``; wider marginals use
+    :func:`~pyro_convexvb.lgm.families.logit.predictive_log_probs` (the sigmoid's step split off above
+    ``tau^2 rho_i = 4``) and ``num_points`` does not apply to them.
 
     :param torch.Tensor mean: ``(N,)``.
     :param torch.Tensor var: ``(N,)``.
+    :param float tau: logistic scale; :param int num_points: as in :func:`predictive_probability`.
     :returns: ``(N,)`` scores in ``[-1/2, 0]``.
 
     Example::
 
         >>> import torch
-        >>> s = classifier_uncertainty(torch.tensor([0.0, 3.0], dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+        >>> one = torch.ones(2, dtype=torch.float64)
+        >>> s = classifier_uncertainty(torch.tensor([0.0, 3.0], dtype=torch.float64), one)
         >>> bool(s[0] > s[1])
         True
     """
@@ -248,14 +264,18 @@ def tilted_kl(mean, var, beta, gamma):
 
 
 def information_gain(mean, var, tau=1.0, num_points=32, return_parts=False):
-    r"""Information gain ``S_IG(b_i) = sum_{c = +-1} Q(c_i = c) D[Q'(s_i; c) || Q(s_i)]`` (Nickisch & Seeger 2009 §3 and
-    appendix) for Bernoulli-logit candidate sites ``t(s; c) = sigmoid(c tau s)``.
+    r"""Information gain ``S_IG(b_i) = sum_{c = +-1} Q(c_i = c) D[Q'(s_i; c) || Q(s_i)]`` (Nickisch & Seeger 2009
+    §3 and appendix) for Bernoulli-logit candidate sites ``t(s; c) = sigmoid(c tau s)``.
 
     For each candidate and label, ``gamma_i(c)`` minimises :func:`site_phi` (:func:`minimize_site_phi`),
     the tilted ``Q'`` is formed at that width and its divergence from ``Q`` taken in closed form
-    (:func:`tilted_kl`); ``Q(c_i)`` is :func:`predictive_probability`.
+    (:func:`tilted_kl`); ``Q(c_i)`` is :func:`predictive_probability`. ``num_points`` enters only there, and only
+    for candidates with ``tau sqrt(rho_i) <= 1``: wider ones use
+    :func:`~pyro_convexvb.lgm.families.logit.predictive_log_probs` (the sigmoid's step split off above
+    ``tau^2 rho_i = 4``), whatever ``num_points``.
 
     :param torch.Tensor mean: ``(N,)``; :param torch.Tensor var: ``(N,)`` (``> 0``).
+    :param float tau: logistic scale; :param int num_points: as in :func:`predictive_probability`.
     :param bool return_parts: also return ``dict(p_plus, gamma_plus, gamma_minus, kl_plus, kl_minus)``.
     :returns: ``(N,)`` scores ``>= 0`` (and the parts).
 
@@ -401,7 +421,8 @@ RankOneUpdate.__doc__ = """Marginals after including one site: ``mean (|J|,)``, 
 
 
 def rank_one_include(mean_J, var_J, w, d, u, log_det, *, mean_i, var_i, beta_i, gamma_i):
-    r"""Include site ``i`` (row ``b_i``, width ``gamma_i``, linear term ``beta_i``) into ``Q``: Nickisch & Seeger 2009 §3.
+    r"""Include site ``i`` (row ``b_i``, width ``gamma_i``, linear term ``beta_i``) into ``Q``: Nickisch & Seeger
+    2009 §3.
 
     With ``A' = A + b_i b_i^T / gamma_i``, ``d = A^{-1} b_i``, ``w = B_J d``, ``rho_i = b_i^T d``,
     ``kappa_i = 1 + rho_i/gamma_i`` (Sherman-Morrison):
