@@ -1,5 +1,6 @@
 """ActiveLearner: within-block rank-one state vs a dense recomputation, score choice, history, validation."""
 import dataclasses
+import warnings
 import math
 
 import pyro
@@ -227,3 +228,20 @@ def test_inputs_are_checked_by_name():
         L.run(1, init=torch.arange(5), X_test=X[:4, :4], y_test=y[:4])
     with pytest.raises(ValueError, match="y_test: labels must be coded"):  # {-1, 1} gave a test error of 0.5
         L.run(1, init=torch.arange(5), X_test=X[:10], y_test=2 * y[:10] - 1)
+
+
+def test_default_cg_tol_follows_the_pool_dtype():
+    """The default cg_tol was 1e-8 in every dtype: a float32 pool warned 'cg did not converge' on inclusions whose
+    choices equal the float64 run's. Now max(1e-8, 1000 eps) of the pool's dtype; a given cg_tol stays."""
+    X, y = _data(N=80, n=4, seed=3)
+    assert ActiveLearner(_model, X, lambda i: y[i], progress=False).cg_tol == 1e-8
+    assert ActiveLearner(_model, X.float(), lambda i: y[i], progress=False).cg_tol == pytest.approx(1.1920929e-4)
+    assert ActiveLearner(_model, X.float(), lambda i: y[i], cg_tol=1e-6, progress=False).cg_tol == 1e-6
+    chosen = {}
+    for dt in (torch.float64, torch.float32):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="engine 'convex_relaxation' did not converge")
+            warnings.filterwarnings("error", message="cg did not converge")
+            h = ActiveLearner(_model, X.to(dt), lambda i: y[i].to(dt), variance="exact", progress=False)
+            chosen[dt] = h.run(4, init=torch.arange(10)).chosen
+    assert chosen[torch.float32] == chosen[torch.float64]

@@ -176,3 +176,48 @@ def test_argument_and_model_checks():
              for g in lgm.sites]
     with pytest.raises(ValueError, match="neither orthonormal"):
         imaging_map(LatentGaussianModel(lgm.layout, lgm.priors, other), progress=False)
+
+
+def _cols(S):
+    return list(range(S // 4 + 1)) + [S // 2 - 1, S // 2 - 3]
+
+
+def test_float32_model_solves_to_float32_accuracy():
+    """The model checks and the stopping test follow the dtype: a float32 model passes the probe checks and
+    converges at the default tol, to the float64 minimiser within float32 accuracy."""
+    S = 16
+    lgm, X, y = _problem(S)
+    u64, rep64 = imaging_map(lgm, tol=1e-11, max_iter=20000, progress=False)
+    lgm32 = compressive_sensing_model(y.float(), S, S, _cols(S), NOISE_VAR, *TAU)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        u32, rep32 = imaging_map(lgm32, progress=False)
+    assert rep32["converged"] and u32.dtype == torch.float32
+    assert rep32["dual_residual"] <= rep32["dual_tolerance"]
+    err = float(torch.linalg.vector_norm(u32.double() - u64)) / float(torch.linalg.vector_norm(u64))
+    assert err < 1e-5  # measured 3.7e-6, the stop at the rounding floor (3000 iterations reach 2.2e-7)
+    assert rep32["objective"] == pytest.approx(rep64["objective"], rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_non_fourier_models_refused_in_both_dtypes(dtype):
+    """A 1% departure from the required form is far above the probe tolerance (1024 eps) in either dtype."""
+    from pyro_convexvb.linalg.operators import FunctionOperator
+    from pyro_convexvb.lgm.model import LatentGaussianModel, SiteGroup
+
+    S = 16
+    _, _, y = _problem(S)
+    lgm = compressive_sensing_model(y.to(dtype), S, S, _cols(S), NOISE_VAR, *TAU)
+    X = lgm.sites[0].design
+    d = 1 + 0.01 * torch.linspace(0, 1, S * S, dtype=dtype)  # X diag(d): X^T X no longer shift-invariant
+    Xd = FunctionOperator(lambda v: X.mv(d * v), lambda r: d * X.rmv(r), X.shape, dtype=dtype,
+                          gram_symbol=lambda w: X.gram_symbol(w))  # ... but claims X's Fourier symbol
+    sites = [SiteGroup(g.name, g.family, Xd, g.offset, g.obs_shape) if g.name == "y" else g for g in lgm.sites]
+    with pytest.raises(ValueError, match="X\\^T X of group 'y' is not diagonal in the 2-D Fourier basis"):
+        imaging_map(LatentGaussianModel(lgm.layout, lgm.priors, sites), progress=False)
+    Br = difference_operator(S, S, dtype=dtype)
+    B101 = FunctionOperator(lambda v: 1.01 * Br.mv(v), lambda r: 1.01 * Br.rmv(r), Br.shape, dtype=dtype)
+    sites = [SiteGroup(g.name, g.family, B101, g.offset, g.obs_shape) if g.name == "differences" else g
+             for g in lgm.sites]
+    with pytest.raises(ValueError, match="Laplace group 'differences' is neither orthonormal"):
+        imaging_map(LatentGaussianModel(lgm.layout, lgm.priors, sites), progress=False)

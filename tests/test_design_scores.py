@@ -269,3 +269,102 @@ def test_design_score_rows_in_column_chunks():
     for chunk in (1, 3, 4, 100):
         assert torch.allclose(design_score(X, F, 0.5, chunk_size=chunk), ref, rtol=1e-13)
         assert torch.allclose(design_score(X.to_sparse_csr(), F, 0.5, chunk_size=chunk), ref, rtol=1e-13)
+
+
+def test_design_score_complex_factor_vs_numpy():
+    """A complex factor (Cov = F F^H) with real rows, sparse rows, real and complex (N, r, n) blocks: against dense
+    log|I + X F F^H X^H / noise_var| in NumPy. Real rows raised a torch dtype error; real blocks dropped Im F."""
+    rng = np.random.default_rng(4)
+    n, k, N, r, nv = 6, 4, 5, 3, 0.7
+    F = rng.standard_normal((n, k)) + 1j * rng.standard_normal((n, k))
+    rows = rng.standard_normal((N, n))
+    blocks = rng.standard_normal((N, r, n))
+    cblocks = blocks + 1j * rng.standard_normal((N, r, n))
+    cov = F @ F.conj().T
+
+    def ref(X):
+        return np.array([np.linalg.slogdet(np.eye(len(x)) + x @ cov @ x.conj().T / nv)[1] for x in X])
+
+    Ft = torch.from_numpy(F)
+    expected = ref(rows[:, None, :])
+    for X in (torch.from_numpy(rows), torch.from_numpy(rows).to_sparse_csr()):
+        for chunk in (1, 3, 1024):
+            got = design_score(X, Ft, nv, chunk_size=chunk)
+            assert got.dtype == D and np.allclose(got.numpy(), expected, rtol=1e-12, atol=0)
+    for X in (blocks, cblocks):
+        got = design_score(torch.from_numpy(X), Ft, nv, chunk_size=2)
+        assert got.dtype == D and np.allclose(got.numpy(), ref(X), rtol=1e-12, atol=0)
+    # the imaginary part matters: the real part of F alone gives other scores
+    assert not np.allclose(design_score(torch.from_numpy(blocks), Ft.real.contiguous(), nv).numpy(), ref(blocks))
+
+
+def test_score_helpers_name_bad_arguments():
+    """site_phi / tilted_kl gave bare torch broadcast errors for mismatched shapes and a number for gamma < 0;
+    rank_one_include passed a NaN mean_i through."""
+    one2, one3 = torch.ones(2, dtype=D), torch.ones(3, dtype=D)
+    pot2 = LogisticPotential(one2)
+    cases = [
+        (lambda: site_phi(LogisticPotential(one3), one2, 0 * one2, one2),
+         r"pot, mean: the potential has \(3,\) sites, the marginals \(2,\)"),
+        (lambda: site_phi(pot2, one3, 0 * one2, one2), r"gamma: expected shape \(2,\) \(that of mean\), got \(3,\)"),
+        (lambda: site_phi(pot2, -one2, 0 * one2, one2), r"gamma: site widths must be > 0, got -1.0"),
+        (lambda: site_phi(pot2, one2, torch.tensor([0.0, float("nan")], dtype=D), one2), "mean: contains NaN/inf"),
+        (lambda: site_phi(pot2, one2, 0 * one2, 0 * one2), "var: site_phi needs strictly positive variances"),
+        (lambda: tilted_kl(0 * one2, one2, one2, -2 * one2), r"gamma: site widths must be > 0, got -2.0"),
+        (lambda: tilted_kl(0 * one2, one2, one2, 0 * one2), r"gamma: site widths must be > 0, got 0.0"),
+        (lambda: tilted_kl(0 * one2, one2, one2, one2 * float("nan")), "gamma: contains NaN"),
+        (lambda: tilted_kl(0 * one3, one2, 0 * one3, one3), r"mean, var: expected equal shapes \(N,\), got \(3,\)"),
+        (lambda: tilted_kl(0 * one3, one3, one2, one3), r"beta: expected shape \(3,\) \(that of mean\), got \(2,\)"),
+        (lambda: tilted_kl(one2 * float("nan"), one2, one2, one2), "mean: contains NaN/inf"),
+        (lambda: tilted_kl(0 * one2, -one2, one2, one2), "var: must be finite and nonnegative"),
+    ]
+    kw = dict(mean_i=0.0, var_i=1.0, beta_i=0.5, gamma_i=1.0)
+    args = (0 * one3, one3, one3, one2, 0 * one2, 0.0)
+    for bad, msg in ((dict(mean_i=float("nan")), "mean_i: expected a finite number, got nan"),
+                     (dict(beta_i=float("inf")), "beta_i: expected a finite number, got inf"),
+                     (dict(var_i=torch.ones(2, dtype=D)), r"var_i: expected a real scalar, got .* shape \(2,\)"),
+                     (dict(gamma_i="1"), "gamma_i: expected a real scalar, got '1'"),
+                     (dict(gamma_i=0.0), "gamma_i, var_i: expected gamma_i > 0")):
+        cases.append((lambda bad=bad: rank_one_include(*args, **{**kw, **bad}), msg))
+    nan_mean = torch.tensor([0.0, float("nan"), 0.0], dtype=D)
+    cases.append((lambda: rank_one_include(nan_mean, *args[1:], **kw), "mean_J: contains NaN/inf"))
+    for call, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            call()
+    # valid edge values give the closed forms: gamma = inf is the linear tilt, D = rho beta^2 / 2
+    kl = tilted_kl(torch.tensor([0.3], dtype=D), torch.tensor([2.0], dtype=D), torch.tensor([1.5], dtype=D),
+                   torch.tensor([float("inf")], dtype=D))
+    assert float(kl) == pytest.approx(2.0 * 1.5 ** 2 / 2, rel=1e-15)
+    upd = rank_one_include(*args, **{**kw, "mean_i": torch.tensor(0.4, dtype=D)})
+    assert upd.kappa == 2.0 and torch.allclose(upd.u, (0.5 - 0.4) / 2.0 * one2)
+
+
+def test_num_points_applies_to_narrow_marginals_only():
+    """As the docstrings say: for tau sd <= 1 the value is a num_points-node Gauss-Hermite sum; for tau sd > 1 it is
+    predictive_log_probs' (64 nodes in log space, the step split off above tau^2 var = 4) whatever num_points, and
+    accurate against adaptive quadrature. information_gain / classifier_uncertainty inherit both."""
+    from scipy import special
+
+    from pyro_convexvb.lgm.families.logit import predictive_log_probs
+    from pyro_convexvb.lgm.sites import gaussian_expectation
+
+    tau = 1.5
+    mean = torch.tensor([0.7, 0.7, -0.4, 2.0], dtype=D)
+    var = torch.tensor([0.2, 0.4, 1.0, 30.0], dtype=D)  # tau sd = 0.67, 0.95 | 1.5, 8.2
+    narrow = tau * var.sqrt() <= 1
+    assert narrow.tolist() == [True, True, False, False]
+    p = {k: predictive_probability(mean, var, tau, num_points=k) for k in (1, 3, 64)}
+    for k, pk in p.items():  # narrow: the k-node rule itself; wide: predictive_log_probs, the same for every k
+        ref = gaussian_expectation(lambda s: torch.sigmoid(tau * s), mean[narrow], var[narrow], k)
+        assert torch.equal(pk[narrow], ref)
+        assert torch.equal(pk[~narrow], predictive_log_probs(tau * mean[~narrow], tau ** 2 * var[~narrow])[1].exp())
+    assert float((p[1][narrow] - p[64][narrow]).abs().min()) > 1e-3  # one node: the sigmoid at the mean
+    for i in range(4):
+        m, sd = float(mean[i]), float(var[i]) ** 0.5
+        quad = integrate.quad(lambda s: special.expit(tau * s) * math.exp(-0.5 * ((s - m) / sd) ** 2)
+                              / (sd * math.sqrt(2 * math.pi)), m - 12 * sd, m + 12 * sd, points=[0.0], epsabs=1e-14)[0]
+        assert abs(float(p[64][i]) - quad) < 1e-10
+    for k in (1, 3):
+        assert torch.equal(classifier_uncertainty(mean, var, tau, k)[~narrow],
+                           classifier_uncertainty(mean, var, tau, 64)[~narrow])
+        assert torch.equal(information_gain(mean, var, tau, k)[~narrow], information_gain(mean, var, tau, 64)[~narrow])

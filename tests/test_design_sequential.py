@@ -223,3 +223,40 @@ def test_design_validation():
         d.run([], 1)
     with pytest.raises(ValueError, match="start: expected integer"):
         d.run([0, 1.5], 1)
+
+
+def test_scales_and_k_score_are_checked_when_constructed():
+    """noise_var / tau_a / tau_r were not checked by the constructor (a string tau failed at run() with Python's
+    'could not convert string to float'), NumPy and 0-d torch scalars were refused at run(), and k_score > n was
+    refused after the cold fit under the name score_steps."""
+    import numpy as np
+
+    def never(pairs):
+        raise AssertionError("measure called: the check came after a fit")
+
+    for kw, msg in ((dict(noise_var=-1.0), "noise_var: expected a positive finite number, got -1.0"),
+                    (dict(tau_a=float("nan")), "tau_a: expected a positive finite number, got nan"),
+                    (dict(tau_a="x"), "tau_a: expected a positive finite number, got 'x'"),
+                    (dict(tau_r=True), "tau_r: expected a positive finite number, got True"),
+                    (dict(tau_r=torch.zeros(2)), "tau_r: expected a positive finite number")):
+        args = {**dict(noise_var=SIG2, tau_a=0.08, tau_r=0.16), **kw}
+        with pytest.raises(ValueError, match=msg):
+            SequentialPhaseEncodeDesign(never, H, H, **args, variance="exact")
+    with pytest.raises(ValueError, match=r"k_score: a fit runs at most n = H W = 64 Lanczos steps, got 150"):
+        SequentialPhaseEncodeDesign(never, H, H, SIG2, 0.08, 0.16, k_var=200, k_score=150)
+    assert SequentialPhaseEncodeDesign(never, H, H, SIG2, 0.08, 0.16, k_var=200, k_score=64).k_score == 64
+    # NumPy and one-element torch scalars are the numbers they hold
+    m = _measure(_image(), 2)
+    ref = SequentialPhaseEncodeDesign(m, H, H, SIG2, 0.08, 0.16, variance="exact", progress=False).run([0], 1)
+    for nv, ta in ((np.float64(SIG2), np.float64(0.08)), (torch.tensor(SIG2, dtype=D), torch.tensor([0.08], dtype=D))):
+        d = SequentialPhaseEncodeDesign(m, H, H, nv, ta, 0.16, variance="exact", progress=False)
+        h = d.run([0], 1)
+        assert h.added == ref.added and h.best_scores == pytest.approx(ref.best_scores, rel=1e-12)
+        assert h.settings["noise_var"] == SIG2 and h.settings["tau_a"] == 0.08
+    d32 = SequentialPhaseEncodeDesign(m, H, H, np.float32(SIG2), 0.08, 0.16, variance="exact", progress=False)
+    assert d32.settings()["noise_var"] == float(np.float32(SIG2))
+    y = m([0, 1])
+    plain = compressive_sensing_model(y, H, H, [0, 1], SIG2, 0.08, 0.16)
+    other = compressive_sensing_model(y, H, H, [0, 1], np.float64(SIG2), torch.tensor(0.08, dtype=D), np.float64(0.16))
+    for g1, g2 in zip(plain.sites, other.sites):
+        assert torch.equal(g1.family.params["scale"], g2.family.params["scale"])

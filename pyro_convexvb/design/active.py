@@ -109,6 +109,20 @@ def _take_rows(X, idx):
     return out.to(X.device)
 
 
+def default_cg_tol(dtype):
+    """:class:`ActiveLearner`'s default ``cg_tol`` for a pool of ``dtype``: ``max(1e-8, 1000 eps)``, at most 0.1
+    (``1e-8`` in float64, ``1.2e-4`` in float32).
+
+    Example::
+
+        >>> import torch
+        >>> default_cg_tol(torch.float64), round(default_cg_tol(torch.float32), 6)
+        (1e-08, 0.000119)
+    """
+    eps = torch.finfo(dtype if dtype.is_floating_point else torch.float64).eps
+    return min(0.1, max(1e-8, 1000 * eps))
+
+
 class ActiveLearner:
     r"""Bayesian active learning for logistic classification on the convex relaxation (Nickisch & Seeger 2009 §3).
 
@@ -126,7 +140,9 @@ class ActiveLearner:
     :param int init_outer: outer iterations of the initial fit.
     :param int refit_outer: outer iterations of each warm-started refit (``>= 1``; each costs one
         inner loop and one Lanczos run, the first variance update being the kept-valid marginals).
-    :param float cg_tol: relative residual of the CG solves ``d = A^{-1} b_i``.
+    :param float cg_tol: relative residual of the CG solves ``d = A^{-1} b_i``; default ``None``:
+        ``max(1e-8, 1000 eps)`` with ``eps`` that of ``X_pool``'s dtype, i.e. ``1e-8`` in float64 and ``1.2e-4``
+        in float32 (whose rounding puts ``1e-8`` out of reach); a value given is used as it is.
     :param dict engine_options: further keyword arguments of
         :class:`~pyro_convexvb.infer.convex_relaxation.ConvexVariationalRelaxation`.
     :param int seed: seeds the random score and the engine.
@@ -149,7 +165,7 @@ class ActiveLearner:
     """
 
     def __init__(self, model, X_pool, oracle, score="cu", refit_every=1, lanczos_rank=None, *, variance="lanczos",
-                 init_outer=5, refit_outer=1, cg_tol=1e-8, engine_options=None, seed=0, progress=True):
+                 init_outer=5, refit_outer=1, cg_tol=None, engine_options=None, seed=0, progress=True):
         if score not in _SCORES:
             raise ValueError(f"score: expected one of {_SCORES}, got {score!r}")
         for name, v, lo in (("refit_every", refit_every, 1), ("lanczos_rank", lanczos_rank, 1),
@@ -161,8 +177,10 @@ class ActiveLearner:
             raise TypeError("oracle: expected a callable indices -> labels")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed: expected a nonnegative integer, got {seed!r}")
-        if isinstance(cg_tol, bool) or not isinstance(cg_tol, (int, float)) or not 0 < cg_tol < 1:
-            raise ValueError(f"cg_tol: expected a relative residual in (0, 1), got {cg_tol!r}")
+        if cg_tol is None:
+            cg_tol = default_cg_tol(X_pool.dtype)
+        elif isinstance(cg_tol, bool) or not isinstance(cg_tol, (int, float)) or not 0 < cg_tol < 1:
+            raise ValueError(f"cg_tol: expected None or a relative residual in (0, 1), got {cg_tol!r}")
         clash = sorted((_RESERVED | ({"lanczos_rank"} if lanczos_rank is not None else set()))
                        & set(engine_options or {}))
         if clash:

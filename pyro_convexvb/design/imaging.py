@@ -34,7 +34,7 @@ from ..linalg import (
     shift_class_symbol,
     tile_layout,
 )
-from .scores import _logdet_eye_plus, check_noise_var, lanczos_covariance_factor
+from .scores import _logdet_eye_plus, check_noise_var, lanczos_covariance_factor, positive_number
 
 __all__ = [
     "haar_operator",
@@ -448,7 +448,8 @@ def compressive_sensing_model(y, H, W, columns, noise_var, tau_a, tau_r, levels=
     :param columns: measured k-space columns.
     :param float noise_var: ``sigma^2`` of every real measurement.
     :param float tau_a: wavelet scale ``tau_a``; :param float tau_r: difference scale ``tau_r`` (Seeger 2010 §5 uses
-        ``0.08``, ``0.16`` with ``sigma^2 = 10^{-3}`` on 256x256 images in ``[0, 1]``).
+        ``0.08``, ``0.16`` with ``sigma^2 = 10^{-3}`` on 256x256 images in ``[0, 1]``). Each a positive finite
+        number: Python, NumPy or a one-element torch tensor.
     :param levels: Haar levels (default: all).
     :returns: :class:`~pyro_convexvb.LatentGaussianModel` with ``n = H W`` (dtype/device of ``y``).
 
@@ -468,9 +469,8 @@ def compressive_sensing_model(y, H, W, columns, noise_var, tau_a, tau_r, levels=
     from ..lgm.sites import Gaussian, Laplace
 
     _check_shape(H, W, pow2=True)
-    for name, v in (("noise_var", noise_var), ("tau_a", tau_a), ("tau_r", tau_r)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"{name}: expected a positive finite number, got {v!r}")
+    noise_var, tau_a, tau_r = (positive_number(v, name) for name, v in (("noise_var", noise_var), ("tau_a", tau_a),
+                                                                        ("tau_r", tau_r)))
     if not torch.is_tensor(y) or y.dim() != 1:
         raise ValueError("y: expected a 1-D tensor of measurements")
     if not y.is_floating_point() or not bool(torch.isfinite(y).all()):

@@ -45,6 +45,16 @@ def _rel(a, b):
     return float(torch.linalg.vector_norm(a - b)) / max(float(torch.linalg.vector_norm(b)), 1e-300)
 
 
+_ROUNDING = 4  # multiple of the dtype's eps below which the stopping test treats a residual as rounding
+
+
+def _probe_tol(dtype):
+    """Relative tolerance of the probe checks in :func:`_model_parts`: ``1024 eps`` of ``dtype`` (``2.3e-13`` in
+    float64, ``1.2e-4`` in float32). An FFT or Haar product is exact to a few ``eps`` (measured below ``2 eps`` up
+    to 512x512), a model of another form misses by order one."""
+    return 1024 * torch.finfo(dtype).eps
+
+
 def _model_parts(lgm):
     """``(X, y, sigma2, Ba, wa, Br, wr, grid, sx)`` of a compressive-sensing model, each checked."""
     from ..lgm.families.gaussian import Gaussian
@@ -77,8 +87,8 @@ def _model_parts(lgm):
         raise ValueError(f"lgm: the design of group '{obs.name}' has no Fourier symbol; imaging_map needs the "
                          "k-space column operator of compressive_sensing_model (fourier_columns_operator)")
     grid = sym.grid
-    v = _probe(n, dt, dev)
-    if _rel(sym.mv(v), X.rmv(X.mv(v)) / sigma2) > 1e-10:
+    v, tol = _probe(n, dt, dev), _probe_tol(dt)
+    if _rel(sym.mv(v), X.rmv(X.mv(v)) / sigma2) > tol:
         raise ValueError(f"lgm: X^T X of group '{obs.name}' is not diagonal in the 2-D Fourier basis (its symbol "
                          "does not reproduce it); imaging_map needs measured k-space columns")
     H, W = grid
@@ -91,9 +101,9 @@ def _model_parts(lgm):
                              "sparsity sites on B u (compressive_sensing_model)")
         B = g.design
         BtBv = B.rmv(B.mv(v))
-        if _rel(BtBv, v) < 1e-10:
+        if _rel(BtBv, v) < tol:
             kind = "orthonormal"
-        elif _rel(BtBv + wrap.rmv(wrap.mv(v)), _apply_symbol(lper, v, grid)) < 1e-10:
+        elif _rel(BtBv + wrap.rmv(wrap.mv(v)), _apply_symbol(lper, v, grid)) < tol:
             kind = "differences"
         else:
             raise ValueError(f"lgm: the design of Laplace group '{g.name}' is neither orthonormal (B^T B = I) nor "
@@ -139,7 +149,8 @@ class _Wrap:
         H, W = self.H, self.W
         k = torch.arange(H, dtype=dtype, device=device)
         c = torch.arange(W // 2 + 1, dtype=dtype, device=device)
-        return (2 - 2 * torch.cos(2 * math.pi * k / H)).view(-1, 1) + (2 - 2 * torch.cos(2 * math.pi * c / W)).view(1, -1)
+        return ((2 - 2 * torch.cos(2 * math.pi * k / H)).view(-1, 1)
+                + (2 - 2 * torch.cos(2 * math.pi * c / W)).view(1, -1))
 
 
 def _check_options(tol, atol, max_iter, rho, mu, rho_factor, adapt_iters, memory):
@@ -219,7 +230,8 @@ class _Anderson:
         if not f:
             return None
         M = self.gram[:f, :f]
-        M = M + (1e-12 * float(M.diagonal().max()) + 1e-300) * torch.eye(f, dtype=M.dtype, device=M.device)
+        shift = 1e-12 * float(M.diagonal().max()) + torch.finfo(M.dtype).tiny
+        M = M + shift * torch.eye(f, dtype=M.dtype, device=M.device)
         gamma = torch.linalg.solve(M, self.dG[:f] @ g)
         return z + g - gamma @ self.dZ[:f] - gamma @ self.dG[:f]
 
@@ -238,8 +250,11 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
     of ``memory`` past steps (an accelerated point that does not reduce the fixed-point residual is replaced by
     the plain step). Penalty ``rho`` fixed unless ``adaptive`` (residual balancing, §3.4.1: ``rho *= rho_factor``
     when the primal residual exceeds ``mu`` times the dual one, ``/=`` in the opposite case, during the first
-    ``adapt_iters`` iterations only). Stop when ``||B~ u - s|| <= sqrt(p) atol + tol max(||B~ u||, ||s||)`` and
-    ``||X^T (X u - y) / sigma^2 + B~^T v|| <= sqrt(n) atol + tol ||B~^T v||`` (§3.3.1), ``v = rho lambda``. Each
+    ``adapt_iters`` iterations only). Stop when ``||B~ u - s|| <= sqrt(p) atol + (tol + 4 eps) max(||B~ u||, ||s||)``
+    and ``||X^T (X u - y) / sigma^2 + B~^T v|| <= sqrt(n) atol + tol ||B~^T v|| + 4 eps ||X^T y|| / sigma^2``
+    (§3.3.1), ``v = rho lambda``, ``eps`` that of the model's dtype: the ``eps`` terms are the rounding level at
+    which the residuals are computed (negligible in float64; in float32 the stationarity residual stalls near
+    ``eps ||X^T y|| / sigma^2``, above ``tol ||B~^T v||`` at the default ``tol``). Each
     iteration is one product with ``B~`` and one with ``B~^T`` (Haar transforms, the differences and their
     adjoints) and one real FFT solve, plus one more ``B~^T`` for the stationarity test once the primal test
     passes; ``X`` is used only for ``X^T y`` and the objective.
@@ -253,7 +268,8 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
 
     :param lgm: the :class:`~pyro_convexvb.LatentGaussianModel` of :func:`~.imaging.compressive_sensing_model`
         (flat prior; one Gaussian group of k-space columns with one noise level; one Laplace group with an
-        orthonormal design and one with the non-periodic differences; each checked by a probe product).
+        orthonormal design and one with the non-periodic differences; each checked by a probe product, to a relative
+        ``1024 eps`` of the model's dtype). float64 or float32.
     :param u0: ``(n,)`` start (default ``0``): ``z = B~ u0``; not together with ``init``.
     :param dict init: ``report["state"]`` (``z``, ``rho``) of an earlier run on the same image size (e.g. the
         previous design of a sequence): its ``s`` and multipliers start this run (warm start, in place of ``u0``).
@@ -271,8 +287,8 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
     :returns: ``(u, report)``: ``u`` ``(n,)`` (dtype and device of the model); ``report`` has ``objective``
         (``Psi_0(u)``, the model's operators), ``iterations``, ``primal_residual``, ``dual_residual`` and their
         tolerances, ``converged``, ``rho`` (final), ``rho_changes``, ``anderson_steps``, ``anderson_rejected``,
-        ``products`` (products with ``B~`` or ``B~^T``; FFT solves counted apart in ``fft_solves``), ``multipliers`` (``v``, ``(q,)`` in the order of the
-        model's Laplace groups) and ``state`` (for ``init``).
+        ``products`` (products with ``B~`` or ``B~^T``; FFT solves counted apart in ``fft_solves``),
+        ``multipliers`` (``v``, ``(q,)`` in the order of the model's Laplace groups) and ``state`` (for ``init``).
     :raises TypeError: if ``lgm`` is not a latent Gaussian model.
     :raises ValueError: if the model is not of the form above (naming the group and why), or for an invalid argument.
 
@@ -326,6 +342,10 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
     nprod = 0 if init is not None else 1  # products with B~ or B~^T
     r_norm = d_norm = eps_pri = eps_dual = float("nan")
     sqrt_p, sqrt_n = math.sqrt(p), math.sqrt(n)
+    # the rounding level of the residuals: ||B~ u - s|| is computed to about eps max(||B~ u||, ||s||), the gradient
+    # X^T (X u - y) / sigma^2 to about eps ||X^T y|| / sigma^2 (a difference of two such terms)
+    ulp = _ROUNDING * torch.finfo(dt).eps
+    grad_floor = ulp * float(torch.linalg.vector_norm(xty))
     anderson = _Anderson(memory, p, dt, dev)
     prev = None  # (z, g, plain successor T(z), ||g||) of the last iterate
     for it in range(1, max_iter + 1):
@@ -344,13 +364,14 @@ def imaging_map(lgm, u0=None, *, init=None, tol=1e-6, atol=0.0, max_iter=5000, r
         # ||X^T (X u - y) / sigma^2 + B~^T v|| (one more product with B~^T: only when the primal test passes, rho
         # adapts, or at the last iteration)
         r_norm = float(torch.linalg.vector_norm(Bu - s_new))
-        eps_pri = sqrt_p * atol + tol * max(float(torch.linalg.vector_norm(Bu)), float(torch.linalg.vector_norm(s_new)))
+        eps_pri = sqrt_p * atol + (tol + ulp) * max(float(torch.linalg.vector_norm(Bu)),
+                                                     float(torch.linalg.vector_norm(s_new)))
         d_norm = eps_dual = float("nan")
         if r_norm <= eps_pri or (adaptive and it <= adapt_until) or it == max_iter:
             Bt_v = rho * adj(lam_new)  # B~^T v, v in w * d|s_new|
             nprod += 1
             d_norm = float(torch.linalg.vector_norm(grad + Bt_v))
-            eps_dual = sqrt_n * atol + tol * float(torch.linalg.vector_norm(Bt_v))
+            eps_dual = sqrt_n * atol + tol * float(torch.linalg.vector_norm(Bt_v)) + grad_floor
         if bar is not None:
             bar.update(1)
         if r_norm <= eps_pri and d_norm <= eps_dual:

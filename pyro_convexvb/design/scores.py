@@ -51,6 +51,31 @@ def _check_marginals(mean, var, name_mean="mean", name_var="var"):
         raise ValueError(f"{name_var}: must be finite and nonnegative")
 
 
+def _check_like(mean, **tensors):
+    """Each keyword tensor of the shape of ``mean`` (``(N,)``) and free of NaN (``inf`` is left to the caller)."""
+    for name, t in tensors.items():
+        if not torch.is_tensor(t):
+            raise TypeError(f"{name}: expected a tensor of shape {tuple(mean.shape)}, got {type(t).__name__}")
+        if t.shape != mean.shape:
+            raise ValueError(f"{name}: expected shape {tuple(mean.shape)} (that of mean), got {tuple(t.shape)}")
+        if bool(torch.isnan(t).any()):
+            raise ValueError(f"{name}: contains NaN")
+
+
+def _check_widths(gamma, name="gamma"):
+    """Refuse site widths that are not ``> 0`` (``inf``, a site without its quadratic term, is allowed)."""
+    if not bool((gamma > 0).all()):
+        raise ValueError(f"{name}: site widths must be > 0, got {float(gamma[~(gamma > 0)][0])}")
+
+
+def _check_potential(pot, mean):
+    if not hasattr(pot, "beta") or not hasattr(pot, "h"):
+        raise TypeError(f"pot: expected a SuperGaussianPotential (e.g. LogisticPotential), got {type(pot).__name__}")
+    if pot.beta.shape != mean.shape:
+        raise ValueError(f"pot, mean: the potential has {tuple(pot.beta.shape)} sites, the marginals "
+                         f"{tuple(mean.shape)}")
+
+
 def _check_quadrature(tau, num_points):
     """Refuse a logistic scale ``tau`` that is not a positive finite number and a ``num_points`` that is not an
     integer >= 1, naming them."""
@@ -61,12 +86,20 @@ def _check_quadrature(tau, num_points):
 
 
 def predictive_probability(mean, var, tau=1.0, num_points=32):
-    r"""``Q(c_i = +1) = E_{N(s | mu_i, rho_i)}[sigmoid(tau s)]`` by Gauss-Hermite quadrature (Nickisch & Seeger 2009 §3).
+    r"""``Q(c_i = +1) = E_{N(s | mu_i, rho_i)}[sigmoid(tau s)]`` by Gauss-Hermite quadrature (Nickisch & Seeger
+    2009 §3).
+
+    Wide marginals, ``tau sqrt(rho_i) >`` :data:`WIDE_SD` ``= 1``, are not integrated with ``num_points`` nodes:
+    there the sigmoid is a step on the Gaussian's scale and falls between the nodes, so their probabilities come
+    from :func:`~pyro_convexvb.lgm.families.logit.predictive_log_probs` at ``(tau mu_i, tau^2 rho_i)``: its own 64
+    Gauss-Hermite nodes summed in log space up to ``tau^2 rho_i = 4``, above that the step at ``0`` split off in
+    closed form and the smooth rest integrated on panels (within ``1e-12`` of adaptive quadrature at any variance).
+    ``num_points`` applies to the candidates with ``tau sqrt(rho_i) <= 1`` only.
 
     :param torch.Tensor mean: ``(N,)`` marginal means ``mu_i``.
     :param torch.Tensor var: ``(N,)`` marginal variances ``rho_i >= 0``.
     :param float tau: logistic scale (Nickisch & Seeger 2009 Eq. (3); ``1`` for ``BernoulliLogit``).
-    :param int num_points: quadrature nodes.
+    :param int num_points: Gauss-Hermite nodes for the candidates with ``tau sqrt(rho_i) <= 1`` (see above).
     :returns: ``(N,)`` probabilities.
 
     Example::
@@ -92,16 +125,24 @@ WIDE_SD = 1.0
 
 
 def classifier_uncertainty(mean, var, tau=1.0, num_points=32):
-    r"""Classifier uncertainty ``S_CU = -|Q(c_i = +1) - 1/2|`` (Nickisch & Seeger 2009 §3); larger is more informative.
+    r"""Classifier uncertainty ``S_CU = -|Q(c_i = +1) - 1/2|`` (Nickisch & Seeger 2009 §3); larger is more
+    informative.
+
+    ``Q(c_i = +1)`` is :func:`predictive_probability`: ``num_points`` Gauss-Hermite nodes where
+    ``tau sqrt(rho_i) <= 1``; wider marginals use
+    :func:`~pyro_convexvb.lgm.families.logit.predictive_log_probs` (the sigmoid's step split off above
+    ``tau^2 rho_i = 4``) and ``num_points`` does not apply to them.
 
     :param torch.Tensor mean: ``(N,)``.
     :param torch.Tensor var: ``(N,)``.
+    :param float tau: logistic scale; :param int num_points: as in :func:`predictive_probability`.
     :returns: ``(N,)`` scores in ``[-1/2, 0]``.
 
     Example::
 
         >>> import torch
-        >>> s = classifier_uncertainty(torch.tensor([0.0, 3.0], dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+        >>> one = torch.ones(2, dtype=torch.float64)
+        >>> s = classifier_uncertainty(torch.tensor([0.0, 3.0], dtype=torch.float64), one)
         >>> bool(s[0] > s[1])
         True
     """
@@ -119,7 +160,25 @@ def site_phi(pot, gamma, mean, var):
     :param gamma: ``(N,)`` widths.
     :param mean: ``(N,)`` ``mu_i``; :param var: ``(N,)`` ``rho_i > 0``.
     :returns: ``(N,)``.
+    :raises ValueError: naming the argument, for shapes that differ from ``mean``'s or from the potential's
+        number of sites, NaN or inf means, variances that are not ``> 0``, or widths that are not ``> 0``.
+
+    Example::
+
+        >>> import torch
+        >>> from pyro_convexvb.infer.convex_relaxation import LogisticPotential
+        >>> one = torch.ones(1, dtype=torch.float64)
+        >>> pot = LogisticPotential(one)
+        >>> g = minimize_site_phi(pot, 0 * one, one)
+        >>> bool(site_phi(pot, g, 0 * one, one) <= site_phi(pot, 2 * g, 0 * one, one))
+        True
     """
+    _check_marginals(mean, var)
+    if bool((var <= 0).any()):
+        raise ValueError("var: site_phi needs strictly positive variances")
+    _check_potential(pot, mean)
+    _check_like(mean, gamma=gamma)
+    _check_widths(gamma)
     kappa = 1 + var / gamma
     return pot.h(gamma) + torch.log(kappa) - (mean + var * pot.beta) ** 2 / (var * kappa)
 
@@ -154,9 +213,7 @@ def minimize_site_phi(pot, mean, var, *, rtol=1e-13, max_iter=400):
     _check_marginals(mean, var)
     if bool((var <= 0).any()):
         raise ValueError("var: the tilted-site minimisation needs strictly positive variances")
-    if pot.beta.shape != mean.shape:
-        raise ValueError(f"pot, mean: the potential has {tuple(pot.beta.shape)} sites, the marginals "
-                         f"{tuple(mean.shape)}")
+    _check_potential(pot, mean)
     r = mean + var * pot.beta
 
     def gam(x):
@@ -182,20 +239,43 @@ def tilted_kl(mean, var, beta, gamma):
     r"""``D[Q' || Q] = (1/2)(log kappa + (rho/kappa)((beta - mu/gamma)^2 / kappa - 1/gamma))``,
     ``kappa = 1 + rho/gamma`` (Nickisch & Seeger 2009, appendix "Active learning scores", ``sigma^2 = 1``), where
     ``Q = N(mu, rho)`` and ``Q' ∝ Q(s) exp(beta s - s^2/(2 gamma))``. All arguments ``(N,)``.
+
+    :param torch.Tensor mean: ``(N,)`` ``mu``, finite; :param torch.Tensor var: ``(N,)`` ``rho >= 0``.
+    :param torch.Tensor beta: ``(N,)`` linear terms; :param torch.Tensor gamma: ``(N,)`` widths ``> 0`` (``inf``:
+        no quadratic term, ``D = rho beta^2 / 2``).
+    :returns: ``(N,)`` divergences ``>= 0``.
+    :raises ValueError: naming the argument, for a shape other than ``mean``'s, NaN, an infinite ``mean`` or
+        ``beta``, negative variances, or widths that are not ``> 0``.
+
+    Example::
+
+        >>> import torch
+        >>> z, one = torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+        >>> tilted_kl(z, one, one, torch.full_like(one, float("inf")))  # Q' = N(1, 1): D = 1/2
+        tensor([0.5000], dtype=torch.float64)
     """
+    _check_marginals(mean, var)
+    _check_like(mean, beta=beta, gamma=gamma)
+    if not bool(torch.isfinite(beta).all()):
+        raise ValueError("beta: contains inf")
+    _check_widths(gamma)
     kappa = 1 + var / gamma
     return 0.5 * (torch.log(kappa) + (var / kappa) * ((beta - mean / gamma) ** 2 / kappa - 1 / gamma))
 
 
 def information_gain(mean, var, tau=1.0, num_points=32, return_parts=False):
-    r"""Information gain ``S_IG(b_i) = sum_{c = +-1} Q(c_i = c) D[Q'(s_i; c) || Q(s_i)]`` (Nickisch & Seeger 2009 §3 and
-    appendix) for Bernoulli-logit candidate sites ``t(s; c) = sigmoid(c tau s)``.
+    r"""Information gain ``S_IG(b_i) = sum_{c = +-1} Q(c_i = c) D[Q'(s_i; c) || Q(s_i)]`` (Nickisch & Seeger 2009
+    §3 and appendix) for Bernoulli-logit candidate sites ``t(s; c) = sigmoid(c tau s)``.
 
     For each candidate and label, ``gamma_i(c)`` minimises :func:`site_phi` (:func:`minimize_site_phi`),
     the tilted ``Q'`` is formed at that width and its divergence from ``Q`` taken in closed form
-    (:func:`tilted_kl`); ``Q(c_i)`` is :func:`predictive_probability`.
+    (:func:`tilted_kl`); ``Q(c_i)`` is :func:`predictive_probability`. ``num_points`` enters only there, and only
+    for candidates with ``tau sqrt(rho_i) <= 1``: wider ones use
+    :func:`~pyro_convexvb.lgm.families.logit.predictive_log_probs` (the sigmoid's step split off above
+    ``tau^2 rho_i = 4``), whatever ``num_points``.
 
     :param torch.Tensor mean: ``(N,)``; :param torch.Tensor var: ``(N,)`` (``> 0``).
+    :param float tau: logistic scale; :param int num_points: as in :func:`predictive_probability`.
     :param bool return_parts: also return ``dict(p_plus, gamma_plus, gamma_minus, kl_plus, kl_minus)``.
     :returns: ``(N,)`` scores ``>= 0`` (and the parts).
 
@@ -234,20 +314,26 @@ def lanczos_covariance_factor(lanczos):
     return lanczos.covariance_factor()
 
 
+def positive_number(value, name):
+    """``value`` as a float: a positive finite real number (Python, NumPy or one-element real torch; not a bool),
+    else a ValueError naming ``name``."""
+    if torch.is_tensor(value) and value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool:
+        value = value.item()
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (ok and math.isfinite(float(value)) and float(value) > 0):
+        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+    return float(value)
+
+
 def check_noise_var(noise_var):
     """``noise_var`` as a float: a positive finite real number (Python, NumPy or 0-d torch; not a bool)."""
-    if torch.is_tensor(noise_var) and noise_var.numel() == 1 and not noise_var.dtype.is_complex:
-        noise_var = noise_var.item()
-    ok = isinstance(noise_var, numbers.Real) and not isinstance(noise_var, bool)
-    if not (ok and math.isfinite(float(noise_var)) and float(noise_var) > 0):
-        raise ValueError(f"noise_var: expected a positive finite number, got {noise_var!r}")
-    return float(noise_var)
+    return positive_number(noise_var, "noise_var")
 
 
 def design_score(X_star, factor, noise_var=1.0, chunk_size=1024):
     r"""``Delta(X_*) = log|I + X_* Cov X_*^H / noise_var|`` for many candidates at once (Seeger 2010 §2.2).
 
-    ``Cov = F F^T`` is given by a factor ``F`` (``(n, k)``): ``torch.linalg.cholesky(Cov)`` for the
+    ``Cov = F F^H`` is given by a factor ``F`` (``(n, k)``): ``torch.linalg.cholesky(Cov)`` for the
     exact covariance, :func:`lanczos_covariance_factor` for K-Lanczos. With ``W = X_* F`` (``(r, k)``
     per candidate), ``Delta = log|I_r + W W^H / noise_var| = log|I_k + W^H W / noise_var|``; the smaller
     of the two is factorised.
@@ -255,7 +341,8 @@ def design_score(X_star, factor, noise_var=1.0, chunk_size=1024):
     :param X_star: candidates: ``(N, n)`` rows (dense, sparse or an operator; one row per candidate,
         ``Delta = log(1 + ||w||^2/noise_var)``) or a dense ``(N, r, n)`` tensor (``r`` rows per
         candidate, e.g. a k-space column), real or complex.
-    :param torch.Tensor factor: ``(n, k)``.
+    :param torch.Tensor factor: ``(n, k)``, real or complex (``Cov = F F^H``; real candidates then give complex
+        ``W``), computed in the candidates' precision.
     :param float noise_var: measurement noise variance ``sigma^2`` of the new rows.
     :param int chunk_size: for ``(N, r, n)`` candidates, candidates per batch (memory ``chunk_size * r * k``); for
         ``(N, n)`` rows, columns of ``F`` per batch (memory ``N * chunk_size``).
@@ -286,11 +373,13 @@ def design_score(X_star, factor, noise_var=1.0, chunk_size=1024):
         op = as_operator(X_star)
         if op.shape[1] != factor.shape[0]:
             raise ValueError(f"X_star: {op.shape[1]} columns but factor has {factor.shape[0]} rows")
-        F = factor.to(op.dtype) if op.dtype != factor.dtype and not factor.is_complex() else factor
-        sq = sum((op.mv(F[:, start:start + chunk_size]).abs() ** 2).sum(-1)
-                 for start in range(0, F.shape[1], chunk_size))  # ||X_* F||^2 per row, chunk_size columns of F at once
-        if F.shape[1] == 0:
-            sq = torch.zeros(op.shape[0], dtype=F.real.dtype if F.is_complex() else F.dtype, device=F.device)
+        # a complex factor of real rows: ||X_* F||^2 = ||X_* Re F||^2 + ||X_* Im F||^2 (products stay real)
+        parts = ((factor.real, factor.imag) if factor.is_complex() and not op.dtype.is_complex else (factor,))
+        parts = [P.to(op.dtype) for P in parts]
+        sq = torch.zeros(op.shape[0], dtype=parts[0].real.dtype, device=factor.device)
+        for P in parts:
+            for start in range(0, P.shape[1], chunk_size):  # chunk_size columns of F at once
+                sq = sq + (op.mv(P[:, start:start + chunk_size]).abs() ** 2).sum(-1)
         return torch.log1p(sq / noise_var)
     if not torch.is_tensor(X_star) or X_star.dim() != 3:
         raise ValueError("X_star: expected (N, n) rows / operator or a dense (N, r, n) tensor")
@@ -298,8 +387,11 @@ def design_score(X_star, factor, noise_var=1.0, chunk_size=1024):
         raise ValueError(f"X_star: {X_star.shape[-1]} columns but factor has {factor.shape[0]} rows")
     if X_star.shape[0] == 0:
         return torch.zeros(0, dtype=factor.real.dtype if factor.is_complex() else factor.dtype, device=factor.device)
-    F = factor.to(X_star.dtype) if X_star.is_complex() or X_star.dtype != factor.dtype else factor
-    return torch.cat([_logdet_eye_plus(X_star[start:start + chunk_size] @ F, noise_var)
+    dt = X_star.dtype
+    if factor.is_complex() and not dt.is_complex:  # real candidates, complex factor: W = X_* F is complex
+        dt = (torch.zeros((), dtype=dt) * 1j).dtype
+    F = factor.to(dt)
+    return torch.cat([_logdet_eye_plus(X_star[start:start + chunk_size].to(dt) @ F, noise_var)
                       for start in range(0, X_star.shape[0], chunk_size)])
 
 
@@ -312,13 +404,25 @@ def _logdet_eye_plus(W, noise_var):
     return 2 * torch.log(torch.diagonal(L, dim1=-2, dim2=-1).real).sum(-1)
 
 
+def _scalar(name, v):
+    """``v`` if it is a real number or a one-element real tensor, else a ValueError naming ``name``."""
+    if torch.is_tensor(v):
+        if v.numel() != 1 or v.dtype.is_complex or v.dtype == torch.bool:
+            raise ValueError(f"{name}: expected a real scalar, got a {v.dtype} tensor of shape {tuple(v.shape)}")
+        return v.reshape(())
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ValueError(f"{name}: expected a real scalar, got {v!r}")
+    return v
+
+
 RankOneUpdate = namedtuple("RankOneUpdate", ["mean", "var", "u", "log_det", "kappa"])
 RankOneUpdate.__doc__ = """Marginals after including one site: ``mean (|J|,)``, ``var (|J|,)``, ``u (n,)``,
 ``log_det`` (``log|A'|``) and ``kappa = 1 + rho_i/gamma_i``."""
 
 
 def rank_one_include(mean_J, var_J, w, d, u, log_det, *, mean_i, var_i, beta_i, gamma_i):
-    r"""Include site ``i`` (row ``b_i``, width ``gamma_i``, linear term ``beta_i``) into ``Q``: Nickisch & Seeger 2009 §3.
+    r"""Include site ``i`` (row ``b_i``, width ``gamma_i``, linear term ``beta_i``) into ``Q``: Nickisch & Seeger
+    2009 §3.
 
     With ``A' = A + b_i b_i^T / gamma_i``, ``d = A^{-1} b_i``, ``w = B_J d``, ``rho_i = b_i^T d``,
     ``kappa_i = 1 + rho_i/gamma_i`` (Sherman-Morrison):
@@ -335,9 +439,23 @@ def rank_one_include(mean_J, var_J, w, d, u, log_det, *, mean_i, var_i, beta_i, 
     :param u: ``(n,)``; :param log_det: number or 0-d tensor (``None`` is passed through).
     :param mean_i, var_i, beta_i, gamma_i: scalars (numbers or 0-d tensors) of the included site.
     :returns: :class:`RankOneUpdate`.
+    :raises ValueError: naming the argument: a non-scalar or NaN/inf ``mean_i``, ``var_i``, ``beta_i``,
+        ``gamma_i <= 0``, ``var_i < 0``, NaN/inf or non-1-D ``mean_J``, ``var_J``, ``w``, ``d``, ``u``, or
+        unequal shapes.
     """
+    mean_i, var_i, beta_i, gamma_i = (_scalar(name, v) for name, v in (
+        ("mean_i", mean_i), ("var_i", var_i), ("beta_i", beta_i), ("gamma_i", gamma_i)))
+    for name, v in (("mean_i", mean_i), ("var_i", var_i), ("beta_i", beta_i)):
+        if not math.isfinite(float(v)):
+            raise ValueError(f"{name}: expected a finite number, got {float(v)}")
     if not float(gamma_i) > 0 or not float(var_i) >= 0:
         raise ValueError(f"gamma_i, var_i: expected gamma_i > 0 and var_i >= 0, got {float(gamma_i)}, {float(var_i)}")
+    for name, t in (("mean_J", mean_J), ("var_J", var_J), ("w", w), ("d", d), ("u", u)):
+        if not torch.is_tensor(t) or t.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D tensor, got "
+                             f"{tuple(t.shape) if torch.is_tensor(t) else type(t).__name__}")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name}: contains NaN/inf")
     if not (mean_J.shape == var_J.shape == w.shape and d.shape == u.shape):
         raise ValueError(f"mean_J, var_J, w: expected equal shapes (|J|,), got {tuple(mean_J.shape)}, "
                          f"{tuple(var_J.shape)}, {tuple(w.shape)}; d, u: equal shapes (n,), got {tuple(d.shape)}, "

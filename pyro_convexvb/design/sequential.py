@@ -29,6 +29,7 @@ import torch
 from ..errors import ConvergenceWarning
 from ..infer.convex_relaxation import ConvexVariationalRelaxation
 from .imaging import _check_shape, _index_list, compressive_sensing_model, covariance_factor, phase_encode_scores
+from .scores import positive_number
 
 __all__ = ["pair_candidates", "known_columns", "lowpass_pairs", "DesignHistory", "PER_STEP_FIELDS",
            "SequentialPhaseEncodeDesign"]
@@ -165,12 +166,14 @@ class SequentialPhaseEncodeDesign:
         draw every time a pair is asked for).
     :param int H: image height; :param int W: image width (powers of 2).
     :param float noise_var: ``sigma^2``; :param float tau_a: wavelet scale; :param float tau_r: difference scale
-        (:func:`~pyro_convexvb.design.imaging.compressive_sensing_model`).
+        (:func:`~pyro_convexvb.design.imaging.compressive_sensing_model`): positive finite numbers (Python, NumPy or
+        one-element torch), checked here.
     :param str variance: ``"lanczos"``, ``"pca"`` or ``"exact"``.
     :param int k_var: Lanczos steps ``K_var`` of every variance update (``"lanczos"`` only; default
         :data:`DEFAULT_K_VAR`).
     :param int k_score: Lanczos steps ``K_score <= K_var`` of the scores (default ``K_var``), the first ``K_score``
-        vectors of the same run (:func:`~pyro_convexvb.design.imaging.covariance_factor`).
+        vectors of the same run (:func:`~pyro_convexvb.design.imaging.covariance_factor`); at most ``n = H W``,
+        the most steps a run can take (``K_var`` above ``n`` runs ``n``).
     :param int pca_rank: ``L`` of L-PCA (``"pca"``), with ``6 L`` Lanczos steps (Seeger 2010 footnote 5).
     :param int init_outer: outer iterations of the cold fit of the start design.
     :param int refit_outer: outer iterations per step; the first one reuses the previous step's variances
@@ -199,6 +202,8 @@ class SequentialPhaseEncodeDesign:
         _check_shape(H, W, pow2=True)
         if not callable(measure):
             raise TypeError("measure: expected a callable pairs -> measurements")
+        noise_var, tau_a, tau_r = (positive_number(v, name) for name, v in (
+            ("noise_var", noise_var), ("tau_a", tau_a), ("tau_r", tau_r)))
         if variance not in _METHODS:
             raise ValueError(f"variance: expected one of {_METHODS}, got {variance!r}")
         if k_var is not None and variance != "lanczos":
@@ -213,6 +218,8 @@ class SequentialPhaseEncodeDesign:
                 raise ValueError(f"k_score: only for variance='lanczos' (got variance={variance!r})")
             if isinstance(k_score, bool) or not isinstance(k_score, int) or not 1 <= k_score <= k_var:
                 raise ValueError(f"k_score: expected an integer in [1, k_var = {k_var}], got {k_score!r}")
+            if k_score > H * W:
+                raise ValueError(f"k_score: a fit runs at most n = H W = {H * W} Lanczos steps, got {k_score}")
         if variance == "pca":
             if isinstance(pca_rank, bool) or not isinstance(pca_rank, int) or pca_rank < 1:
                 raise ValueError(f"pca_rank: variance='pca' needs an integer L >= 1, got {pca_rank!r}")
@@ -269,6 +276,9 @@ class SequentialPhaseEncodeDesign:
     def factor(self, result):
         """The covariance factor the scores use (``K_score`` Lanczos vectors, ``L`` PCA pairs or exact)."""
         if self.variance == "lanczos":
+            ran = getattr(getattr(getattr(result, "state", None), "lanczos", None), "k", None)
+            if self.k_score is not None and ran is not None and self.k_score > ran:
+                raise ValueError(f"k_score: the fit ran only {ran} Lanczos steps, got {self.k_score}")
             return covariance_factor(result, score_steps=self.k_score)
         if self.variance == "pca":
             return covariance_factor(result, pca_rank=self.pca_rank)
