@@ -165,8 +165,8 @@ class ImportanceDiagnostics:
     @property
     def moments_agree(self):
         """The importance-weighted means and sds agree with the draws' own: no mean moved by more than 0.1 sds and
-        no sd by more than 20% (among departures beyond 2 Monte Carlo errors). A cheap complement of ``k_hat``, whose estimate is noisy
-        at a few hundred draws when ``q`` is too narrow in a few directions."""
+        no sd by more than 20% (among departures beyond 2 Monte Carlo errors). A cheap complement of ``k_hat``, whose
+        estimate is noisy at a few hundred draws when ``q`` is too narrow in a few directions."""
         return bool(self.mean_shift <= AGREE_SHIFT and AGREE_SD_LOW <= self.sd_ratio[0]
                     and self.sd_ratio[1] <= NARROW_SD_RATIO)
 
