@@ -107,19 +107,20 @@ def test_no_search_for_log_concave_sites_and_no_flag_without_outliers():
     assert mc.checked and not mc.found and len(mc.locs) == 1 and res.diagnostics.ok
 
 
+def _scaled(X, y=None):
+    s = pyro.sample("s", dist.LogNormal(torch.tensor(0.0, dtype=torch.float64), 0.3))
+    w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), PRIOR_SD).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.StudentT(0.5, X @ w, s), obs=y)
+
+
 def test_with_hyper_latents_integrated_the_search_runs_at_the_heaviest_design_point():
     """convex_relaxation integrates the Student-t scale over: the field's modes are searched at the heaviest design
     point, the diagnostic says where, and the correction (which cannot add them there) stays unreliable with the
-    same reason. A mixture fit on the Pyro model with the scale as a coordinate is not searched, and says so."""
-    def scaled(X, y=None):
-        s = pyro.sample("s", dist.LogNormal(torch.tensor(0.0, dtype=torch.float64), 0.3))
-        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), PRIOR_SD).to_event(1))
-        with pyro.plate("data", X.shape[0]):
-            pyro.sample("y", dist.StudentT(0.5, X @ w, s), obs=y)
-
+    same reason."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        res = pcv.fit(scaled, X, y=torch.tensor(Y_NP), engine="convex_relaxation", progress=False)
+        res = pcv.fit(_scaled, X, y=torch.tensor(Y_NP), engine="convex_relaxation", progress=False)
     post = res.posterior
     s_heavy = float(post.space.unpack(post.z[int(post.weights.argmax())])[0]["s"])
     with pytest.warns(ApproximationWarning, match=rf"at the hyper-latents' heaviest design point \(s={s_heavy:.3g}\) "
@@ -130,11 +131,35 @@ def test_with_hyper_latents_integrated_the_search_runs_at_the_heaviest_design_po
         c = res.corrected(num_draws=1000)
     assert c.diagnostics.proposal != "modes" and not c.diagnostics.reliable
 
+
+@pytest.mark.parametrize("engine", ["diag_mixture", "svi_automvn"])
+def test_with_the_scale_a_coordinate_of_the_fit_the_correction_covers_the_modes(engine):
+    """The Student-t scale as one more coordinate of the fitted mixture or Gaussian: the field is searched with the
+    scale at the fit's mean, and the correction (each field mode with the scale as fitted) matches 3-D quadrature."""
+    g0, g1, ls = np.linspace(-4, 5, 121), np.linspace(-5, 8, 161), np.linspace(-1.5, 1.5, 41)
+    W0, W1 = np.meshgrid(g0, g1, indexing="ij")
+    L = np.stack([stats.norm.logpdf(W0, 0, PRIOR_SD) + stats.norm.logpdf(W1, 0, PRIOR_SD) + stats.norm.logpdf(v, 0, 0.3)
+                  + stats.t.logpdf(Y_NP[:, None, None], 0.5, W0 + X_NP[:, 1, None, None] * W1, np.exp(v)).sum(0)
+                  for v in ls], -1)
+    P = np.exp(L - L.max())
+    P /= P.sum()
+    marg = [P.sum((1, 2)), P.sum((0, 2))]
+    mean = np.array([m @ g for m, g in zip(marg, (g0, g1))])
+    sd = np.sqrt([m @ (g - mu) ** 2 for m, g, mu in zip(marg, (g0, g1), mean)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        res = pcv.fit(scaled, X, y=torch.tensor(Y_NP), engine="diag_mixture", progress=False)
-        mc = res.diagnostics.modes
-    assert not mc.checked and not mc.found and "site 's': unsupported prior LogNormal" in mc.note
+        res = pcv.fit(_scaled, X, y=torch.tensor(Y_NP), engine=engine, progress=False)
+    with pytest.warns(ApproximationWarning, match=r"with the hyper-latents at the fit's mean \(s=0\.9\d+\) the "
+                                                  r"posterior has 1 other mode"):
+        d = res.diagnostics
+    assert d.modes.found and d.modes.correctable and len(d.modes.locs[0]) == 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = res.corrected(seed=0)
+    assert not [w for w in caught if issubclass(w.category, ApproximationWarning)]
+    assert c.diagnostics.proposal == "modes" and c.k_hat < 0.3
+    np.testing.assert_array_less(np.abs(c.sites["w"]["mean"].numpy() - mean), 0.05 * sd)
+    np.testing.assert_array_less(np.abs(c.sites["w"]["sd"].numpy() / sd - 1), 0.05)
 
 
 def test_search_finds_every_grid_mode_within_eight_nats_on_random_regressions():
@@ -171,3 +196,17 @@ def test_search_finds_every_grid_mode_within_eight_nats_on_random_regressions():
         for mode in grid_modes:  # within the grid's spacing (0.05)
             assert np.abs(found - mode).max(1).min() < 0.06, (seed, mode, found)
     assert multimodal >= 3
+
+
+def test_loo_draws_from_the_modes_and_matches_exact_leave_one_out(fitted):
+    """PSIS-LOO of a fit whose posterior has another mode draws from the mixture over the modes (the fitted
+    Gaussian alone cannot see it), and each observation's elpd matches log p(y) - log p(y_-i) by quadrature."""
+    g = np.linspace(-8, 8, 641)
+    W = np.stack(np.meshgrid(g, g, indexing="ij"), -1).reshape(-1, 2) * PRIOR_SD / 2 + np.array([0.5, 1.5])
+    ll = stats.t.logpdf(Y_NP[None, :], 0.5, W @ X_NP.T, 1.0)  # (M, N)
+    lp = stats.norm.logpdf(W, 0, PRIOR_SD).sum(1)
+    full = np.logaddexp.reduce(lp + ll.sum(1))
+    exact = np.array([full - np.logaddexp.reduce(lp + ll.sum(1) - ll[:, i]) for i in range(N)])
+    r = fitted.loo(num_draws=4000)
+    assert r.proposal == "modes"
+    np.testing.assert_allclose(r.elpd_i, exact, atol=0.05)

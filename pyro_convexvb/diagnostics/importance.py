@@ -706,7 +706,7 @@ def _choose(result, num_draws, seed, progress, adapt, adaptation):
             if _rank(d2, settled=True) > _rank(d, settled=True):
                 d = d2
     modes = check_modes(result)
-    if modes is not None and modes.found and modes.conditional_on is None:  # the proposals above are blind to them
+    if modes is not None and modes.found and modes.correctable:  # the proposals above are blind to them
         d = _importance(result, num_draws, seed + 3, mode_proposal(result, modes), progress)
         tried["modes"] = d.k_hat
     d.tried = tried
@@ -923,7 +923,7 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     (5 degrees of freedom) are tried with fresh draws (also when the adapted proposal has not settled, below), and
     the proposal used is a reliable one (``k_hat`` below the threshold), among those a settled one, then the one
     with the largest importance ESS, or, if none is reliable, the one with the smallest ``k_hat``. When the search
-    for posterior modes of a model with sites that are not log-concave found other modes holding at least 1% of
+    for posterior modes of a model with sites that are not log-concave found other modes holding at least 0.1% of
     the mass (:mod:`~pyro_convexvb.diagnostics.modes`), all of these are blind to them and the mixture over the
     modes (proposal ``"modes"``) is used instead. A warning
     (:class:`ApproximationWarning`) says when even that one is unreliable, or when it has not settled: its weighted

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .importance import _log_joint, check_draws, check_seed
+from .modes import check_modes, mode_proposal
 from .constrained import proposal_posterior
 from .proposals import PROPOSALS, make_proposal
 from .psis import pareto_k_threshold, psis, psis_smooth
@@ -162,7 +163,8 @@ def loo(result, num_draws=None, seed=0, *, proposal=None, progress=False):
     :param result: an :class:`~pyro_convexvb.InferenceResult` fitted on a Pyro model.
     :param int num_draws: draws from the proposal (default 1000).
     :param str proposal: the proposal of the draws (default: the one of ``result.correction`` when the result
-        was corrected, else ``"fitted"``).
+        was corrected, else the mixture over the posterior's modes when the search for them found others
+        (:mod:`~pyro_convexvb.diagnostics.modes`), else ``"fitted"``).
     :returns: :class:`LOOResult` (observations of every observed site, in trace order, masked entries dropped).
 
     Example::
@@ -182,9 +184,12 @@ def loo(result, num_draws=None, seed=0, *, proposal=None, progress=False):
     q = None
     if proposal is None:
         c = result.__dict__.get("_correction")
+        modes = check_modes(result) if c is None else None
         proposal = c.diagnostics.proposal if c is not None else "fitted"
         if proposal not in PROPOSALS:  # an adapted proposal: the correction's last one, drawn afresh
             q = c.diagnostics.proposal_object
+        elif modes is not None and modes.found and modes.correctable:
+            proposal, q = "modes", mode_proposal(result, modes)
     if q is None:
         q = make_proposal(proposal_posterior(result), proposal)
     S = LOO_DRAWS if num_draws is None else num_draws
