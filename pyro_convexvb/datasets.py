@@ -535,17 +535,17 @@ def read_byte_range(path, shard):
 
 def _read_byte_range_gz(path, r, P):
     """:func:`read_byte_range` of the decompressed bytes of a ``.gz`` file (two streaming passes: size, range)."""
-    import gzip
+    from .online._textio import open_binary
 
     size = 0
-    with gzip.open(path, "rb") as f:
+    with open_binary(path) as f:
         while True:
             block = f.read(1 << 22)
             if not block:
                 break
             size += len(block)
     a, b = size * r // P, size * (r + 1) // P
-    with gzip.open(path, "rb") as f:
+    with open_binary(path) as f:
         if a > 0:
             f.seek(a - 1)  # decompresses up to there
             f.readline()
@@ -665,7 +665,7 @@ def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_
     parsed by scikit-learn's compiled parser (``backend="sklearn"``) or the pure-Python one (``"python"``; the
     sklearn backend falls back to it for a block it rejects). Both give the same result: indices of a row
     may come in any order (they are sorted); a duplicated index raises, as in scikit-learn; errors name the
-    file and the line.
+    file and the line (a truncated or corrupt ``.gz`` file: ``ValueError`` naming it).
     ``n_features`` and ``zero_based="auto"`` must agree over ranks: when the shards are the ranks of an initialised
     process group they are agreed by an all-reduce (max index, min index), otherwise give them.
 
@@ -754,7 +754,8 @@ def load_csv(path, label_column=0, delimiter=",", header=False, dtype=torch.floa
     With ``shard=(rank, world_size)`` only the lines that start in byte range ``rank`` of ``world_size`` equal
     ranges are read (:func:`read_byte_range`; no rank reads the whole file); concatenating the shards in rank order
     gives the whole file's rows. A header line (``header=True``) is dropped by the rank whose range holds byte 0.
-    ``.gz`` files are decompressed; lines end at ``\\n`` (``\\r\\n`` too; a form feed is an ordinary character);
+    ``.gz`` files are decompressed (a truncated or corrupt one raises ``ValueError`` naming it); lines end at
+    ``\\n`` (``\\r\\n`` too; a form feed is an ordinary character);
     blank lines are skipped; errors name the file and line. A shard checks its lines' number of fields against
     the file's first line (its header, or first row), so a ragged line raises on the rank that reads it.
 

@@ -333,3 +333,15 @@ def test_interrupt_before_the_first_chunk_writes_no_state_and_says_so(criteo, tm
                           f"all; state: {state}\n") and "continue with --resume" in out and "nan" not in out
     after = torch.load(state)
     assert after["file"] == before["file"] and after["file_rows"] == 300
+
+
+def test_a_truncated_gz_file_is_a_clear_error(tmp_path, capsys):
+    """A .gz file cut short: exit 2 naming the file (it was gzip's bare EOFError, no file named)."""
+    import gzip
+
+    blob = gzip.compress(b"1 1:1 2:0.5\n" * 5000)
+    path = tmp_path / "t.svm.gz"
+    path.write_bytes(blob[: len(blob) // 2])
+    assert main(["online", str(path), "--format", "svmlight", "--num-features", "3", "--no-progress", "--state",
+                 str(tmp_path / "s.pt")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {path}: the .gz file is truncated or corrupt: ")

@@ -42,12 +42,51 @@ _INT_LUT = 1024  # integer fields 0 <= v < _INT_LUT take their hashed column fro
 
 
 # ----------------------------------------------------------------------------- blocks of lines
+class _NamedGzipFile(gzip.GzipFile):
+    """:class:`gzip.GzipFile` whose read errors name the file: a truncated stream (gzip's bare ``EOFError``, no
+    file named) or corrupt compressed data (``zlib.error``) raise ``ValueError``, a bad header or checksum
+    :class:`gzip.BadGzipFile` with the file's name in the message."""
+
+    def _named(self, read, *args):
+        try:
+            return read(*args)
+        except EOFError as e:
+            raise ValueError(f"{self.name}: the .gz file is truncated or corrupt: {e}") from None
+        except zlib.error as e:
+            raise ValueError(f"{self.name}: the .gz file is corrupt: {e}") from None
+        except gzip.BadGzipFile as e:  # (named once: readinto reads by read)
+            if str(e).startswith(f"{self.name}: "):
+                raise
+            raise gzip.BadGzipFile(f"{self.name}: {e}") from None
+
+    def read(self, size=-1):
+        return self._named(super().read, size)
+
+    def read1(self, size=-1):
+        return self._named(super().read1, size)
+
+    def readinto(self, b):
+        return self._named(super().readinto, b)
+
+    def readline(self, size=-1):
+        return self._named(super().readline, size)
+
+    def peek(self, n):
+        return self._named(super().peek, n)
+
+    def seek(self, offset, whence=0):
+        return self._named(super().seek, offset, whence)
+
+
 def open_binary(path):
-    """Open ``path`` for reading bytes, decompressing a ``.gz`` file."""
+    """Open ``path`` for reading bytes, decompressing a ``.gz`` file: reading a truncated one, or one whose
+    compressed data is corrupt, raises ``ValueError`` naming the file; a bad header or checksum raises
+    :class:`gzip.BadGzipFile` naming it."""
     path = str(path)
     if path.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return _NamedGzipFile(path, "rb")
     return open(path, "rb")
+
 
 
 def iter_blocks(path, block_bytes=_BLOCK_BYTES, fh=None):

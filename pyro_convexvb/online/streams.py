@@ -354,7 +354,7 @@ def iter_csv(path, chunk_size=None, label_column=0, integer_columns=(), categori
         caller's thread; an integer sets how many chunks ahead.
     :returns: iterator of ``(X, y)``: CSR ``(m, num_features)`` and float labels.
     :raises ValueError: a short line, a non-numeric label, or a non-numeric or non-finite integer field (with
-        the file and line number).
+        the file and line number); a truncated or corrupt ``.gz`` file (named).
 
     Example::
 
