@@ -478,15 +478,10 @@ def labels01(y, dtype=None):
 
 
 def _check_shard(shard):
-    if shard is None:
-        return None
-    try:
-        r, P = (int(v) for v in shard)
-    except (TypeError, ValueError):
-        raise ValueError(f"shard: expected (rank, world_size), got {shard!r}") from None
-    if P < 1 or not 0 <= r < P or tuple(shard) != (r, P):
-        raise ValueError(f"shard: expected integers (rank, world_size) with 0 <= rank < world_size, got {shard!r}")
-    return r, P
+    """``shard`` checked (:func:`pyro_convexvb.online._textio.check_shard`)."""
+    from .online._textio import check_shard
+
+    return check_shard(shard)
 
 
 def _agreeing(shard):
@@ -515,62 +510,18 @@ def read_byte_range(path, shard):
         >>> [read_byte_range(p, (r, 2))[0] for r in range(2)]
         [b'a\nbb\n', b'ccc\n']
     """
-    r, P = _check_shard(shard)
-    if str(path).endswith(".gz"):
-        return _read_byte_range_gz(path, r, P)
-    size = os.path.getsize(path)
-    a, b = size * r // P, size * (r + 1) // P
-    with open(path, "rb") as f:
-        if a > 0:
-            f.seek(a - 1)
-            f.readline()  # to the first line that starts at or after a
-        start = f.tell()
-        if start >= b:
-            return b"", start
-        data = f.read(b - start)
-        if data and not data.endswith(b"\n"):
-            data += f.readline()
-    return data, start
+    from .online._textio import open_line_range
 
-
-def _read_byte_range_gz(path, r, P):
-    """:func:`read_byte_range` of the decompressed bytes of a ``.gz`` file (two streaming passes: size, range)."""
-    from .online._textio import open_binary
-
-    size = 0
-    with open_binary(path) as f:
-        while True:
-            block = f.read(1 << 22)
-            if not block:
-                break
-            size += len(block)
-    a, b = size * r // P, size * (r + 1) // P
-    with open_binary(path) as f:
-        if a > 0:
-            f.seek(a - 1)  # decompresses up to there
-            f.readline()
-        start = f.tell()
-        if start >= b:
-            return b"", start
-        data = f.read(b - start)
-        if data and not data.endswith(b"\n"):
-            data += f.readline()
-    return data, start
+    fh, start = open_line_range(path, shard)
+    with fh:
+        return fh.read(), start
 
 
 def _lines_before(path, start):
     """Number of lines that end before byte ``start`` of ``path`` (plain or ``.gz``); for error messages."""
-    from .online._textio import open_binary
+    from .online._textio import lines_before
 
-    n, left = 0, start
-    with open_binary(path) as f:
-        while left > 0:
-            block = f.read(min(left, 1 << 22))
-            if not block:
-                break
-            n += block.count(b"\n")
-            left -= len(block)
-    return n
+    return lines_before(path, start)
 
 
 def _parse_svmlight_all(data, path, first_lineno, use_sklearn):

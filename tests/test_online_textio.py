@@ -360,6 +360,7 @@ def test_a_truncated_gz_file_raises_a_value_error_naming_it(tmp_path):
     readers = {
         "iter_svmlight": lambda: list(iter_svmlight(svm, num_features=3)),
         "iter_svmlight block path": lambda: list(iter_svmlight(svm, num_features=3, hashing=0)),
+        "iter_svmlight shard": lambda: list(iter_svmlight(svm, num_features=3, shard=(1, 2))),
         "load_svmlight sklearn": lambda: load_svmlight(svm, backend="sklearn"),
         "load_svmlight python": lambda: load_svmlight(svm, backend="python"),
         "load_svmlight shard": lambda: load_svmlight(svm, n_features=3, zero_based=False, shard=(0, 2)),
