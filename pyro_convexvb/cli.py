@@ -459,6 +459,33 @@ def _reading_settings(fmt, saved, given):
     return out
 
 
+def _load_state(state_path, fmt):
+    """The estimator and the dict of a state written by :func:`run_online` for ``--resume``; ``ValueError`` for a
+    file that is not one, of another format, or whose estimator has learned another number of rows than the state
+    records (``n_seen_before_file + file_rows``; states without ``n_seen_before_file``: at least ``file_rows``)."""
+    from .online import OnlineBayesLogistic
+
+    if not os.path.isfile(state_path):
+        raise FileNotFoundError(f"--resume: no state file {state_path!r}; run once without --resume")
+    try:
+        saved = torch.load(state_path)
+        est = OnlineBayesLogistic.from_state_dict(saved["estimator"])
+        n_seen, file_rows = int(est.n_seen_), int(saved.get("file_rows", 0))
+        before = saved.get("n_seen_before_file")
+        before = None if before is None else int(before)
+    except Exception as e:  # a truncated or foreign file
+        raise ValueError(f"--resume: {state_path!r} is not a state written by this command ({type(e).__name__}: "
+                         f"{e})") from None
+    if saved.get("format") != fmt:
+        raise ValueError(f"--resume: the state was learned from {saved.get('format')!r} input, not {fmt!r}")
+    if n_seen < file_rows if before is None else n_seen != before + file_rows:
+        had = f"{before} rows before its file and " if before is not None else ""
+        raise ValueError(f"--resume: {state_path!r} is inconsistent: its model has learned {n_seen} rows, but the "
+                         f"state records {had}{file_rows} rows of {saved.get('file')!r}; resuming would skip or "
+                         "repeat rows: start again without --resume (or give another --state)")
+    return est, saved
+
+
 def run_online(path, fmt, state_path=None, resume=False, num_features=None, chunk_size=None, prior_var=None,
                hash_seed=None, label_column=None, integer_columns=None, categorical_columns=None, delimiter=None,
                header=None, zero_based=None, progress=True, save_every=60.0, out=None, classes=None):
@@ -468,12 +495,17 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
 
     Every row is predicted, then learned (progressive validation); the progress bar shows rows/s and the
     running progressive log loss.  Every ``save_every`` seconds (after a whole chunk), at the end and on an
-    interrupt, the state -- the estimator's ``state_dict()``, the file and the number of its rows learned -- is
-    written atomically to ``state_path`` (``torch.save`` to a temporary file, then renamed; it loads with
-    ``torch.load``'s default ``weights_only=True``).  With ``resume`` the estimator is restored from it; on the
-    same file the rows already learned are skipped, on another file learning continues from its first row; a
-    file shorter than the rows its state has learned raises ``ValueError`` (it is not the file learned from).
-    An interrupt (Ctrl-C) keeps the state of the last whole chunk (during the skip: the state as it was).
+    interrupt, the state -- the estimator's ``state_dict()``, the file, the number of its rows learned
+    (``file_rows``) and the estimator's row count before it (``n_seen_before_file``) -- is written atomically to
+    ``state_path`` (``torch.save`` to a temporary file, then renamed; it loads with ``torch.load``'s default
+    ``weights_only=True``).  With ``resume`` the estimator is restored from it; on the same file the rows already
+    learned are skipped, on another file learning continues from its first row; a file shorter than the rows its
+    state has learned raises ``ValueError`` (it is not the file learned from), and so does a state whose
+    estimator has learned another number of rows than ``n_seen_before_file + file_rows``.
+    An interrupt (Ctrl-C) keeps every chunk learned: the row count written is the estimator's own, which
+    ``partial_fit`` advances in the same step as it applies a chunk (a chunk it does not finish is undone), so the
+    state never records fewer or more rows than its model learned, wherever the interrupt lands.  A run that has
+    learned no row writes no state (a resumed state stays as it was).
 
     :param path: the file (``.gz`` allowed).
     :param str fmt: ``"criteo"`` (tab-separated label, 13 integer, 26 categorical columns), ``"csv"`` (columns
@@ -493,7 +525,8 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
     differs raises ``ValueError`` (features hashed with another seed, or read from other columns, are other
     features). Options that do not apply to ``fmt`` raise too.
     :returns: dict with ``rows`` (learned by this call), ``total_rows``, ``seconds``, ``rows_per_s``,
-        ``log_loss`` (progressive, per row, over this call's rows) and ``state_path``.
+        ``log_loss`` (progressive, per row, over this call's rows), ``state_path`` (``None`` when there is no
+        state: a new run that learned no row) and ``interrupted``.
 
     Example::
 
@@ -513,16 +546,7 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
                  categorical_columns=categorical_columns, delimiter=delimiter, header=header, zero_based=zero_based)
     skip = 0
     if resume:
-        if not os.path.isfile(state_path):
-            raise FileNotFoundError(f"--resume: no state file {state_path!r}; run once without --resume")
-        try:
-            saved = torch.load(state_path)
-            est = OnlineBayesLogistic.from_state_dict(saved["estimator"])
-        except Exception as e:  # a truncated or foreign file
-            raise ValueError(f"--resume: {state_path!r} is not a state written by this command ({type(e).__name__}: "
-                             f"{e})") from None
-        if saved.get("format") != fmt:
-            raise ValueError(f"--resume: the state was learned from {saved.get('format')!r} input, not {fmt!r}")
+        est, saved = _load_state(state_path, fmt)
         for key, value in (("num_features", num_features), ("prior_var", prior_var)):
             have = est._num_features if key == "num_features" else est.prior_var
             if value is not None and value != have:
@@ -530,8 +554,11 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
                                  "leave it out or give the state's value")
         num_features = est._num_features
         reading = _reading_settings(fmt, saved.get("reading"), given)
+        # the estimator's row count when this run's file started: the state's (same file), else now (another file)
+        before_file = int(est.n_seen_)
         if os.path.abspath(saved.get("file", "")) == os.path.abspath(str(path)):
             skip = int(saved.get("file_rows", 0))
+            before_file -= skip
     else:
         if fmt == "svmlight" and num_features is None:
             raise ValueError("--num-features: needed with --format svmlight (the number of columns)")
@@ -540,6 +567,7 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
         if num_features < 1:
             raise ValueError(f"--num-features: expected a positive number, got {num_features}")
         est = OnlineBayesLogistic(num_features, prior_var="auto" if prior_var is None else prior_var)
+        before_file = 0
     if fmt == "criteo":
         chunks = iter_criteo(path, chunk_size=chunk_size, num_features=num_features, seed=reading["hash_seed"])
     elif fmt == "csv":
@@ -553,35 +581,41 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
     from tqdm.auto import tqdm
 
     bar = tqdm(unit=" rows", unit_scale=True, disable=not progress, desc=os.path.basename(str(path)), file=out)
-    rows = file_rows = 0
-    loss = 0.0
+    # The rows learned are the estimator's own count: partial_fit applies a chunk and counts its rows in one step
+    # (a chunk it does not finish is undone), so a Ctrl-C at any point -- also just after it returned -- leaves
+    # the count and the model in agreement, and the state written records exactly the rows its model learned.
+    n0, c0 = int(getattr(est, "n_seen_", 0)), float(getattr(est, "cumulative_log_loss_", 0.0))
+
+    def learned():  # rows learned by this run
+        return int(getattr(est, "n_seen_", 0)) - n0
+
+    passed = 0  # rows of the file passed over by this run (those its resumed state had learned)
     t0 = last_save = time.perf_counter()
     interrupted = False
 
-    def save():  # rows the state had learned and this run has not yet passed (an interrupt while skipping) count
+    def save():
         _save_state_atomically({"estimator": est.state_dict(), "file": os.path.abspath(str(path)),
-                                "file_rows": file_rows + skip, "format": fmt,
+                                "file_rows": int(est.n_seen_) - before_file, "n_seen_before_file": before_file,
+                                "format": fmt,
                                 "reading": {k: list(v) if isinstance(v, tuple) else v for k, v in reading.items()}},
                                state_path)
     try:
         for X, y in chunks:
             if skip:
                 k = min(skip, X.shape[0])
-                X, y, skip, file_rows = X[k:], y[k:], skip - k, file_rows + k
+                X, y, skip, passed = X[k:], y[k:], skip - k, passed + k
                 if X.shape[0] == 0:
                     continue
+            done = int(getattr(est, "n_seen_", 0)) - before_file  # rows of the file learned before this chunk
             # the estimator infers the coding {0, 1} or {-1, +1} from the stream (a first chunk of label 1 only
             # leaves the negative label open); other codings (LIBSVM's {1, 2}) come with classes=
             try:
-                ll = est.partial_fit(X, y, classes=classes, return_log_loss=True)
+                est.partial_fit(X, y, classes=classes)
             except (ValueError, FloatingPointError) as e:  # bad values or labels: the file and its rows named
-                raise ValueError(f"{path}: the chunk of data rows {file_rows + 1} to {file_rows + X.shape[0]} (rows "
+                raise ValueError(f"{path}: the chunk of data rows {done + 1} to {done + X.shape[0]} (rows "
                                  f"as read: comment and blank lines not counted) was not learned: {e}") from e
-            rows += X.shape[0]
-            file_rows += X.shape[0]
-            loss += float(ll.sum())
             bar.update(X.shape[0])
-            bar.set_postfix(log_loss=f"{loss / rows:.4f}", refresh=False)
+            bar.set_postfix(log_loss=f"{(est.cumulative_log_loss_ - c0) / max(learned(), 1):.4f}", refresh=False)
             if time.perf_counter() - last_save >= save_every:
                 save()
                 last_save = time.perf_counter()
@@ -593,24 +627,34 @@ def run_online(path, fmt, state_path=None, resume=False, num_features=None, chun
             close()
         bar.close()
     if skip and not interrupted:  # learning from the rows past the end would mix two files' rows in one state
-        raise ValueError(f"--resume: the state has learned {file_rows + skip} rows of {path}, but the file has only "
-                         f"{file_rows}: it changed since; start again without --resume (or give another --state)")
-    if hasattr(est, "n_seen_"):
+        raise ValueError(f"--resume: the state has learned {passed + skip} rows of {path}, but the file has only "
+                         f"{passed}: it changed since; start again without --resume (or give another --state)")
+    rows = learned()
+    if rows:  # (nothing learned: a resumed state stays as it was, and a new run writes none)
         save()
     seconds = time.perf_counter() - t0  # including the final save
+    loss = float(getattr(est, "cumulative_log_loss_", 0.0)) - c0
     res = {"rows": rows, "total_rows": int(getattr(est, "n_seen_", 0)), "seconds": seconds,
            "rows_per_s": rows / seconds if seconds > 0 else float("nan"),
-           "log_loss": loss / rows if rows else float("nan"), "state_path": state_path, "interrupted": interrupted}
+           "log_loss": loss / rows if rows else float("nan"), "state_path": state_path if rows or resume else None,
+           "interrupted": interrupted}
     if hasattr(est, "prior_var_weights_") and est.prior_var == "auto" and rows:
         res["prior_var_weights"] = dict(zip(AUTO_PRIOR_VARS, est.prior_var_weights_.round(4).tolist()))
     return res
 
 
 def _print_online_report(res, path):
-    """The ``online`` command's summary of a :func:`run_online` result."""
-    if res["rows"] == 0 and not res["interrupted"] and res["total_rows"] == 0:
+    """The ``online`` command's summary of a :func:`run_online` result (and, after an interrupt, how to go on)."""
+    if res["rows"] == 0 and res["interrupted"] and res["state_path"] is None:
+        print("interrupted before the first chunk was learned: nothing learned, no state written; run again "
+              "without --resume")
+        return
+    if res["rows"] == 0 and res["interrupted"]:
+        print(f"interrupted before a new row was learned: the state is as it was, {res['total_rows']} rows learned "
+              f"in all; state: {res['state_path']}")
+    elif res["rows"] == 0 and res["total_rows"] == 0:
         print(f"0 rows: {path} holds no data rows; no state written")
-    elif res["rows"] == 0 and not res["interrupted"]:
+    elif res["rows"] == 0:
         print(f"0 new rows: the state had already learned every row of {path}; {res['total_rows']} rows learned in "
               f"all; state: {res['state_path']}")
     else:
@@ -618,6 +662,8 @@ def _print_online_report(res, path):
               f"loss {res['log_loss']:.4f}; {res['total_rows']} rows learned in all; state: {res['state_path']}")
     if "prior_var_weights" in res:
         print(f"prior variance weights: {res['prior_var_weights']}")
+    if res["interrupted"]:
+        print("interrupted: the state holds every whole chunk learned; continue with --resume")
 
 
 def main(argv=None):
@@ -680,10 +726,7 @@ def main(argv=None):
                   file=sys.stderr)
             return 2
         _print_online_report(res, args.file)
-        if res["interrupted"]:
-            print("interrupted: the state holds every whole chunk learned; continue with --resume")
-            return 130
-        return 0
+        return 130 if res["interrupted"] else 0
     if args.cmd == "engines":
         if args.markdown:
             print(engines_page(), end="")

@@ -478,15 +478,10 @@ def labels01(y, dtype=None):
 
 
 def _check_shard(shard):
-    if shard is None:
-        return None
-    try:
-        r, P = (int(v) for v in shard)
-    except (TypeError, ValueError):
-        raise ValueError(f"shard: expected (rank, world_size), got {shard!r}") from None
-    if P < 1 or not 0 <= r < P or tuple(shard) != (r, P):
-        raise ValueError(f"shard: expected integers (rank, world_size) with 0 <= rank < world_size, got {shard!r}")
-    return r, P
+    """``shard`` checked (:func:`pyro_convexvb.online._textio.check_shard`)."""
+    from .online._textio import check_shard
+
+    return check_shard(shard)
 
 
 def _agreeing(shard):
@@ -515,62 +510,18 @@ def read_byte_range(path, shard):
         >>> [read_byte_range(p, (r, 2))[0] for r in range(2)]
         [b'a\nbb\n', b'ccc\n']
     """
-    r, P = _check_shard(shard)
-    if str(path).endswith(".gz"):
-        return _read_byte_range_gz(path, r, P)
-    size = os.path.getsize(path)
-    a, b = size * r // P, size * (r + 1) // P
-    with open(path, "rb") as f:
-        if a > 0:
-            f.seek(a - 1)
-            f.readline()  # to the first line that starts at or after a
-        start = f.tell()
-        if start >= b:
-            return b"", start
-        data = f.read(b - start)
-        if data and not data.endswith(b"\n"):
-            data += f.readline()
-    return data, start
+    from .online._textio import open_line_range
 
-
-def _read_byte_range_gz(path, r, P):
-    """:func:`read_byte_range` of the decompressed bytes of a ``.gz`` file (two streaming passes: size, range)."""
-    import gzip
-
-    size = 0
-    with gzip.open(path, "rb") as f:
-        while True:
-            block = f.read(1 << 22)
-            if not block:
-                break
-            size += len(block)
-    a, b = size * r // P, size * (r + 1) // P
-    with gzip.open(path, "rb") as f:
-        if a > 0:
-            f.seek(a - 1)  # decompresses up to there
-            f.readline()
-        start = f.tell()
-        if start >= b:
-            return b"", start
-        data = f.read(b - start)
-        if data and not data.endswith(b"\n"):
-            data += f.readline()
-    return data, start
+    fh, start = open_line_range(path, shard)
+    with fh:
+        return fh.read(), start
 
 
 def _lines_before(path, start):
     """Number of lines that end before byte ``start`` of ``path`` (plain or ``.gz``); for error messages."""
-    from .online._textio import open_binary
+    from .online._textio import lines_before
 
-    n, left = 0, start
-    with open_binary(path) as f:
-        while left > 0:
-            block = f.read(min(left, 1 << 22))
-            if not block:
-                break
-            n += block.count(b"\n")
-            left -= len(block)
-    return n
+    return lines_before(path, start)
 
 
 def _parse_svmlight_all(data, path, first_lineno, use_sklearn):
@@ -665,7 +616,7 @@ def load_svmlight(path, n_features=None, dtype=torch.float64, device=None, zero_
     parsed by scikit-learn's compiled parser (``backend="sklearn"``) or the pure-Python one (``"python"``; the
     sklearn backend falls back to it for a block it rejects). Both give the same result: indices of a row
     may come in any order (they are sorted); a duplicated index raises, as in scikit-learn; errors name the
-    file and the line.
+    file and the line (a truncated or corrupt ``.gz`` file: ``ValueError`` naming it).
     ``n_features`` and ``zero_based="auto"`` must agree over ranks: when the shards are the ranks of an initialised
     process group they are agreed by an all-reduce (max index, min index), otherwise give them.
 
@@ -754,7 +705,8 @@ def load_csv(path, label_column=0, delimiter=",", header=False, dtype=torch.floa
     With ``shard=(rank, world_size)`` only the lines that start in byte range ``rank`` of ``world_size`` equal
     ranges are read (:func:`read_byte_range`; no rank reads the whole file); concatenating the shards in rank order
     gives the whole file's rows. A header line (``header=True``) is dropped by the rank whose range holds byte 0.
-    ``.gz`` files are decompressed; lines end at ``\\n`` (``\\r\\n`` too; a form feed is an ordinary character);
+    ``.gz`` files are decompressed (a truncated or corrupt one raises ``ValueError`` naming it); lines end at
+    ``\\n`` (``\\r\\n`` too; a form feed is an ordinary character);
     blank lines are skipped; errors name the file and line. A shard checks its lines' number of fields against
     the file's first line (its header, or first row), so a ragged line raises on the rank that reads it.
 

@@ -225,3 +225,123 @@ def test_libsvm_labels_sorted_by_class_need_classes_and_bad_rows_name_the_file(t
                  str(tmp_path / "d.pt")]) == 0
     assert "holds no data rows; no state written" in capsys.readouterr().out
     assert not (tmp_path / "d.pt").exists()
+
+
+def _same_state(a, b):
+    """Two saved estimator states hold the same values, bit for bit."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k
+
+
+@pytest.mark.parametrize("where", ["before", "inside", "after"])
+def test_an_interrupt_anywhere_around_a_chunk_resumes_to_the_uninterrupted_state(criteo, tmp_path, monkeypatch,
+                                                                                 where):
+    """Ctrl-C before the second chunk, inside it (after the kernel ran: the chunk is undone) or just after
+    partial_fit returned (before the command counted the rows): the state's row count is its model's, and the
+    resumed state equals the uninterrupted run's bit for bit. The row count was advanced after partial_fit
+    returned, so an interrupt at that point saved a model of 200 rows recorded as 100, and a resume learned rows
+    101-200 twice."""
+    state = tmp_path / "s.pt"
+    calls = {"n": 0}
+    real_fit, real_run = OnlineBayesLogistic.partial_fit, OnlineBayesLogistic._run
+
+    def fit(self, *a, **k):
+        calls["n"] += 1
+        if where == "before" and calls["n"] == 2:
+            raise KeyboardInterrupt
+        out = real_fit(self, *a, **k)
+        if where == "after" and calls["n"] == 2:
+            raise KeyboardInterrupt
+        return out
+
+    def run(self, *a, **k):
+        out = real_run(self, *a, **k)
+        if where == "inside" and calls["n"] == 2:
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(OnlineBayesLogistic, "partial_fit", fit)
+    monkeypatch.setattr(OnlineBayesLogistic, "_run", run)
+    res = run_online(criteo, "criteo", state_path=state, num_features=4096, chunk_size=100, progress=False)
+    learned = 200 if where == "after" else 100
+    saved = torch.load(state)
+    assert res["interrupted"] and res["rows"] == learned and res["total_rows"] == learned
+    assert saved["file_rows"] == saved["estimator"]["n_seen"] == learned and saved["n_seen_before_file"] == 0
+    monkeypatch.setattr(OnlineBayesLogistic, "partial_fit", real_fit)
+    monkeypatch.setattr(OnlineBayesLogistic, "_run", real_run)
+    res = run_online(criteo, "criteo", state_path=state, resume=True, chunk_size=100, progress=False)
+    assert res["rows"] == 300 - learned and res["total_rows"] == 300
+    run_online(criteo, "criteo", state_path=tmp_path / "w.pt", num_features=4096, chunk_size=100, progress=False)
+    _same_state(torch.load(state)["estimator"], torch.load(tmp_path / "w.pt")["estimator"])
+
+
+def test_resume_refuses_a_state_whose_model_disagrees_with_its_row_count(criteo, tmp_path, capsys):
+    """A state whose estimator has learned 300 rows but records 200 of its file (what an interrupt just after a
+    chunk wrote before) is refused: a resume would learn rows 201-300 twice. A state without
+    ``n_seen_before_file`` (written before it was recorded) may have learned other files first: it is refused
+    only when it records more rows of its file than its model learned."""
+    state = tmp_path / "s.pt"
+    run_online(criteo, "criteo", state_path=state, num_features=4096, chunk_size=100, progress=False)
+    good = torch.load(state)
+    assert (good["file_rows"], good["n_seen_before_file"], good["estimator"]["n_seen"]) == (300, 0, 300)
+    torch.save({**good, "file_rows": 200}, state)
+    with pytest.raises(ValueError, match=r"inconsistent: its model has learned 300 rows, but the state records 0 "
+                                         r"rows before its file and 200 rows of '.*c\.txt'; resuming would skip"):
+        run_online(criteo, "criteo", state_path=state, resume=True, chunk_size=100, progress=False)
+    assert main(["online", str(criteo), "--format", "criteo", "--state", str(state), "--resume",
+                 "--no-progress"]) == 2
+    assert "error: --resume: " in capsys.readouterr().err
+    legacy = {k: v for k, v in good.items() if k != "n_seen_before_file"}
+    torch.save({**legacy, "file_rows": 400}, state)
+    with pytest.raises(ValueError, match="its model has learned 300 rows, but the state records 400 rows of"):
+        run_online(criteo, "criteo", state_path=state, resume=True, chunk_size=100, progress=False)
+    torch.save(legacy, state)  # 300 of 300: read to the end
+    assert run_online(criteo, "criteo", state_path=state, resume=True, chunk_size=100, progress=False)["rows"] == 0
+
+
+def test_interrupt_before_the_first_chunk_writes_no_state_and_says_so(criteo, tmp_path, monkeypatch, capsys):
+    """Ctrl-C before a new run learned its first chunk: the command said 'state: PATH ... continue with --resume'
+    (and a 'nan' log loss) but wrote no state, so the suggested resume failed. A resumed run interrupted before a
+    new row keeps its state as it was, and says so."""
+    state = tmp_path / "s.pt"
+
+    def interrupted(self, *a, **k):
+        raise KeyboardInterrupt
+
+    real = OnlineBayesLogistic.partial_fit
+    monkeypatch.setattr(OnlineBayesLogistic, "partial_fit", interrupted)
+    args = ["online", str(criteo), "--format", "criteo", "--num-features", "4096", "--state", str(state),
+            "--no-progress"]
+    assert main(args) == 130
+    out = capsys.readouterr().out
+    assert out == ("interrupted before the first chunk was learned: nothing learned, no state written; run again "
+                   "without --resume\n")
+    assert not state.exists() and list(tmp_path.iterdir()) == []
+    res = run_online(criteo, "criteo", state_path=state, num_features=4096, progress=False)
+    assert res["interrupted"] and res["rows"] == 0 and res["state_path"] is None
+    monkeypatch.setattr(OnlineBayesLogistic, "partial_fit", real)
+    assert main(args + ["--chunk-size", "100", "--save-every", "1e9"]) == 0
+    before = torch.load(state)
+    path = tmp_path / "more.txt"  # another file: the state's record of its file stays as it was
+    path.write_bytes(criteo.read_bytes())
+    capsys.readouterr()
+    monkeypatch.setattr(OnlineBayesLogistic, "partial_fit", interrupted)
+    assert main(["online", str(path), "--format", "criteo", "--state", str(state), "--resume", "--no-progress"]) == 130
+    out = capsys.readouterr().out
+    assert out.startswith(f"interrupted before a new row was learned: the state is as it was, 300 rows learned in "
+                          f"all; state: {state}\n") and "continue with --resume" in out and "nan" not in out
+    after = torch.load(state)
+    assert after["file"] == before["file"] and after["file_rows"] == 300
+
+
+def test_a_truncated_gz_file_is_a_clear_error(tmp_path, capsys):
+    """A .gz file cut short: exit 2 naming the file (it was gzip's bare EOFError, no file named)."""
+    import gzip
+
+    blob = gzip.compress(b"1 1:1 2:0.5\n" * 5000)
+    path = tmp_path / "t.svm.gz"
+    path.write_bytes(blob[: len(blob) // 2])
+    assert main(["online", str(path), "--format", "svmlight", "--num-features", "3", "--no-progress", "--state",
+                 str(tmp_path / "s.pt")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {path}: the .gz file is truncated or corrupt: ")

@@ -340,3 +340,44 @@ def test_public_line_parser_refuses_duplicated_and_negative_indices():
         parse_svmlight_lines(["1 3:1 3:2"])
     with pytest.raises(ValueError, match="line 2: negative feature index -2"):
         parse_svmlight_lines(["1 1:1", "-1 -2:1"])
+
+
+def test_a_truncated_gz_file_raises_a_value_error_naming_it(tmp_path):
+    """A .gz file cut short raised gzip's bare EOFError ("Compressed file ended before the end-of-stream marker was
+    reached"), naming no file, from every reader; now ValueError with the file, from the streams, the whole-file
+    readers (both svmlight backends, and their shards); a checksum error names the file too."""
+    from pyro_convexvb.datasets import load_csv, load_svmlight
+
+    def cut(name, text):
+        blob = gzip.compress(text)
+        path = tmp_path / name
+        path.write_bytes(blob[: len(blob) // 2])
+        return path
+
+    svm = cut("t.svm.gz", b"1 1:1 2:0.5\n" * 5000)
+    crit = cut("c.txt.gz", ("1" + "\t1" * 39 + "\n").encode() * 5000)
+    csv = cut("t.csv.gz", b"1,0.5,2\n" * 5000)
+    readers = {
+        "iter_svmlight": lambda: list(iter_svmlight(svm, num_features=3)),
+        "iter_svmlight block path": lambda: list(iter_svmlight(svm, num_features=3, hashing=0)),
+        "iter_svmlight shard": lambda: list(iter_svmlight(svm, num_features=3, shard=(1, 2))),
+        "load_svmlight sklearn": lambda: load_svmlight(svm, backend="sklearn"),
+        "load_svmlight python": lambda: load_svmlight(svm, backend="python"),
+        "load_svmlight shard": lambda: load_svmlight(svm, n_features=3, zero_based=False, shard=(0, 2)),
+        "iter_criteo": lambda: list(iter_criteo(crit)),
+        "iter_csv": lambda: list(iter_csv(csv, integer_columns=[1, 2])),
+        "iter_csv block path": lambda: list(_textio.iter_delimited(
+            csv, _textio.DelimitedSpec(0, (1, 2), (), 64, 0, ",", True), 100, direct=False, use_kernel=False)),
+        "load_csv": lambda: load_csv(csv),
+        "load_csv shard": lambda: load_csv(csv, shard=(1, 2)),
+    }
+    for name, read in readers.items():
+        path = {"iter_criteo": crit}.get(name, csv if "csv" in name else svm)
+        with pytest.raises(ValueError) as e:
+            read()
+        assert str(e.value).startswith(f"{path}: the .gz file is truncated or corrupt: Compressed file ended"), name
+    blob = gzip.compress(b"1 1:1\n" * 100)
+    bad = tmp_path / "crc.svm.gz"
+    bad.write_bytes(blob[:-8] + bytes(8))
+    with pytest.raises(gzip.BadGzipFile, match=rf"^{bad}: CRC check failed"):
+        list(iter_svmlight(bad, num_features=3))

@@ -30,6 +30,7 @@ import contextlib
 import gzip
 import io
 import math
+import os
 import queue
 import threading
 import zlib
@@ -42,12 +43,168 @@ _INT_LUT = 1024  # integer fields 0 <= v < _INT_LUT take their hashed column fro
 
 
 # ----------------------------------------------------------------------------- blocks of lines
+class _NamedGzipFile(gzip.GzipFile):
+    """:class:`gzip.GzipFile` whose read errors name the file: a truncated stream (gzip's bare ``EOFError``, no
+    file named) or corrupt compressed data (``zlib.error``) raise ``ValueError``, a bad header or checksum
+    :class:`gzip.BadGzipFile` with the file's name in the message."""
+
+    def _named(self, read, *args):
+        try:
+            return read(*args)
+        except EOFError as e:
+            raise ValueError(f"{self.name}: the .gz file is truncated or corrupt: {e}") from None
+        except zlib.error as e:
+            raise ValueError(f"{self.name}: the .gz file is corrupt: {e}") from None
+        except gzip.BadGzipFile as e:  # (named once: readinto reads by read)
+            if str(e).startswith(f"{self.name}: "):
+                raise
+            raise gzip.BadGzipFile(f"{self.name}: {e}") from None
+
+    def read(self, size=-1):
+        return self._named(super().read, size)
+
+    def read1(self, size=-1):
+        return self._named(super().read1, size)
+
+    def readinto(self, b):
+        return self._named(super().readinto, b)
+
+    def readline(self, size=-1):
+        return self._named(super().readline, size)
+
+    def peek(self, n):
+        return self._named(super().peek, n)
+
+    def seek(self, offset, whence=0):
+        return self._named(super().seek, offset, whence)
+
+
 def open_binary(path):
-    """Open ``path`` for reading bytes, decompressing a ``.gz`` file."""
+    """Open ``path`` for reading bytes, decompressing a ``.gz`` file: reading a truncated one, or one whose
+    compressed data is corrupt, raises ``ValueError`` naming the file; a bad header or checksum raises
+    :class:`gzip.BadGzipFile` naming it."""
     path = str(path)
     if path.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return _NamedGzipFile(path, "rb")
     return open(path, "rb")
+
+
+def check_shard(shard):
+    """``shard`` as ``(rank, world_size)`` integers with ``0 <= rank < world_size``, or ``None``."""
+    if shard is None:
+        return None
+    try:
+        r, P = (int(v) for v in shard)
+    except (TypeError, ValueError):
+        raise ValueError(f"shard: expected (rank, world_size), got {shard!r}") from None
+    if P < 1 or not 0 <= r < P or tuple(shard) != (r, P):
+        raise ValueError(f"shard: expected integers (rank, world_size) with 0 <= rank < world_size, got {shard!r}")
+    return r, P
+
+
+class _LineRange:
+    """The bytes of an open binary file from its position ``start`` to the end of the line holding byte
+    ``stop - 1`` (``stop=None``: to the end of the file), read as a file: :meth:`read`, :meth:`readinto`."""
+
+    def __init__(self, fh, start, stop):
+        self._fh = fh
+        self._left = None if stop is None else max(0, stop - start)
+        self._last = 10  # the last byte handed out (a newline: nothing to finish)
+        self._tail = None  # the rest of the line across stop, once stop is reached
+
+    def readinto(self, b):
+        view = memoryview(b).cast("B")
+        if self._left is None:
+            return self._fh.readinto(view)
+        if self._left > 0:
+            got = self._fh.readinto(view[:min(len(view), self._left)])
+            if got:
+                self._left -= got
+                self._last = view[got - 1]
+                return got
+            self._left = 0  # the file ended before stop
+        if self._tail is None:  # finish the line that holds byte stop - 1
+            self._tail = memoryview(self._fh.readline() if self._last != 10 else b"")
+        got = min(len(view), len(self._tail))
+        view[:got] = self._tail[:got]
+        self._tail = self._tail[got:]
+        return got
+
+    def read(self, size=-1):
+        if self._left is None:
+            return self._fh.read(size)
+        out = b""
+        if self._left > 0:
+            want = self._left if size < 0 else min(size, self._left)
+            out = self._fh.read(want)
+            self._left = self._left - len(out) if len(out) == want else 0  # fewer: the file ended before stop
+            if out:
+                self._last = out[-1]
+        if self._left == 0 and (size < 0 or len(out) < size):
+            if self._tail is None:  # finish the line that holds byte stop - 1
+                self._tail = memoryview(self._fh.readline() if self._last != 10 else b"")
+            k = len(self._tail) if size < 0 else min(size - len(out), len(self._tail))
+            if k:
+                out += self._tail[:k]
+                self._tail = self._tail[k:]
+        return out
+
+    def close(self):
+        self._fh.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_line_range(path, shard):
+    """The lines of ``path`` (plain or ``.gz``) that start in byte range ``rank`` of ``world_size`` equal ranges:
+    ``(file, start)``, a binary file-like object (``read``, ``readinto``, ``close``) of those lines and the
+    offset of the first.
+
+    The file's ``S`` bytes (decompressed: a ``.gz`` file is read once to count them, unless ``world_size`` is 1)
+    are cut at ``floor(S r / P)``; a rank owns the lines whose first byte lies in its range, so every line
+    belongs to exactly one rank and no rank reads more than its range plus one line (a ``.gz`` file is
+    decompressed from its start)."""
+    r, P = check_shard(shard)
+    fh = open_binary(path)
+    try:
+        if P == 1:
+            return _LineRange(fh, 0, None), 0
+        if str(path).endswith(".gz"):
+            size = 0
+            with open_binary(path) as g:
+                while True:
+                    n = len(g.read(_BLOCK_BYTES))
+                    if not n:
+                        break
+                    size += n
+        else:
+            size = os.fstat(fh.fileno()).st_size
+        a, b = size * r // P, size * (r + 1) // P
+        if a > 0:
+            fh.seek(a - 1)
+            fh.readline()  # to the first line that starts at or after a
+        start = fh.tell()
+        return _LineRange(fh, start, b), start
+    except BaseException:
+        fh.close()
+        raise
+
+
+def lines_before(path, start):
+    """Number of lines that end before byte ``start`` of ``path`` (plain or ``.gz``); for error messages."""
+    n, left = 0, start
+    with open_binary(path) as f:
+        while left > 0:
+            block = f.read(min(left, _BLOCK_BYTES))
+            if not block:
+                break
+            n += block.count(b"\n")
+            left -= len(block)
+    return n
 
 
 def iter_blocks(path, block_bytes=_BLOCK_BYTES, fh=None):
@@ -1181,7 +1338,7 @@ def _take_rows(parts, m, num_features, index_dtype):
 
 
 def iter_svmlight_chunks(path, chunk_size, num_features, shift, hashing=None, block_bytes=_BLOCK_BYTES,
-                         use_kernel=None, first=None):
+                         use_kernel=None, first=None, shard=None):
     """Chunks ``(X, y)`` of ``chunk_size`` rows of an svmlight file (plain or ``.gz``), every row's indices
     sorted and distinct (duplicated indices raise; after ``hashing`` colliding entries are summed); with ``first``,
     the first chunk has ``first`` rows and each later one twice its predecessor's, up to ``chunk_size``.
@@ -1192,22 +1349,48 @@ def iter_svmlight_chunks(path, chunk_size, num_features, shift, hashing=None, bl
     path below, so values, errors and their line numbers are that path's.  Otherwise (``hashing``, no numba,
     ``use_kernel=False``) each block is parsed into arrays of its own (:func:`read_svmlight_rows`: the compiled
     line parser when ``use_kernel`` allows, scikit-learn's parser from the first line it declines), which wait
-    until a chunk is full and are then copied once into the chunk."""
+    until a chunk is full and are then copied once into the chunk.
+
+    With ``shard=(rank, world_size)`` only the lines of :func:`open_line_range` are read (the byte range of
+    ``load_svmlight(shard=...)``). Its errors are first raised with the lines numbered from the range's start;
+    the range is then read again, numbered from the file's line (counted once, on this error path only), to
+    raise the same error naming the file's line."""
     if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size!r}")
-    chunk_size = int(chunk_size)
-    size = _first_size(chunk_size, first)
-    if use_kernel is None:
-        use_kernel = have_kernels()
+    args = (path, int(chunk_size), num_features, shift, hashing, block_bytes,
+            have_kernels() if use_kernel is None else use_kernel, _first_size(int(chunk_size), first))
+    shard = check_shard(shard)
+    if shard is None:
+        yield from _svmlight_chunks(*args)
+        return
+    fh, start = open_line_range(path, shard)
+    with fh:
+        try:
+            yield from _svmlight_chunks(*args, fh=fh)
+            return
+        except ValueError:
+            if start == 0:
+                raise
+    lineno = lines_before(path, start) + 1
+    with open_line_range(path, shard)[0] as fh:
+        for _ in _svmlight_chunks(*args, fh=fh, lineno=lineno):
+            pass
+    raise AssertionError("unreachable: the shard's error did not recur")  # pragma: no cover
+
+
+def _svmlight_chunks(path, chunk_size, num_features, shift, hashing, block_bytes, use_kernel, size, fh=None,
+                     lineno=1):
+    """The chunks of :func:`iter_svmlight_chunks` (``size``: the first chunk's rows), read from ``fh`` when given
+    (its first line numbered ``lineno``), else from ``path``."""
     if use_kernel and hashing is None:
-        yield from _iter_svmlight_direct(path, chunk_size, num_features, shift, block_bytes, size)
+        yield from _iter_svmlight_direct(path, chunk_size, num_features, shift, block_bytes, size, fh, lineno)
         return
     big = max(num_features, chunk_size) > np.iinfo(np.int32).max
     parts = []
     have = 0
-    for block, lineno in iter_blocks(path, block_bytes):
-        indptr, indices, values, labels = read_svmlight_rows(block, path, lineno, shift, num_features, hashing,
-                                                             use_kernel=use_kernel)
+    for block, first_line in iter_blocks(path, block_bytes, fh):
+        indptr, indices, values, labels = read_svmlight_rows(block, path, first_line + lineno - 1, shift,
+                                                             num_features, hashing, use_kernel=use_kernel)
         del block
         if len(labels) == 0:
             continue
@@ -1236,12 +1419,14 @@ def _read_into(fh, buf, offset, n):
     return got
 
 
-def _line_blocks(path, block_bytes, pad=0):
+def _line_blocks(path, block_bytes, pad=0, fh=None):
     """The blocks of :func:`iter_blocks` read (``readinto``) into one reused buffer: yields ``(buf, end)``,
     ``buf[:end]`` a block's whole lines (each ends with ``\\n``; a last line without one gets one) and ``buf``
     readable up to ``end + pad``.  The buffer is rewritten when the next block is asked for (the part line after
-    ``end`` moved to its start), so nothing may keep a view of it."""
-    fh = open_binary(path)
+    ``end`` moved to its start), so nothing may keep a view of it.  With ``fh`` (an open binary file, e.g. of
+    :func:`open_line_range`) its bytes are read, and it is left open."""
+    own = fh is None
+    fh = open_binary(path) if own else fh
     try:
         buf = np.zeros(2 * block_bytes + 1 + pad, dtype=np.uint8)
         have = 0  # bytes of a partial line carried over at the start of buf
@@ -1266,7 +1451,8 @@ def _line_blocks(path, block_bytes, pad=0):
             buf[:rest] = buf[end:total]
             have = rest
     finally:
-        fh.close()
+        if own:
+            fh.close()
 
 
 class _SvmChunkBuilder:
@@ -1346,14 +1532,14 @@ class _SvmChunkBuilder:
                 ready.append(self.take())
 
 
-def _iter_svmlight_direct(path, chunk_size, num_features, shift, block_bytes, first):
+def _iter_svmlight_direct(path, chunk_size, num_features, shift, block_bytes, first, fh=None, lineno=1):
     """:func:`iter_svmlight_chunks` by :func:`_svm_chunk_kernel`: the blocks of :func:`_line_blocks` (one reused
     buffer, no copy of a block, no pass to count its lines: the kernel counts them), each parsed into the chunk's
     arrays.  The chunks a block completes are handed out once the whole block is read, so a block with an error
-    gives no chunk of its rows (as the block path)."""
-    lineno = 1
+    gives no chunk of its rows (as the block path).  ``fh``: read from that open file; ``lineno``: the number of
+    its first line."""
     out = None
-    with contextlib.closing(_line_blocks(path, block_bytes, _DIRECT_PAD)) as blocks:
+    with contextlib.closing(_line_blocks(path, block_bytes, _DIRECT_PAD, fh)) as blocks:
         for buf, end in blocks:
             if out is None:  # entries per row of the first block: the first chunk's capacity
                 out = _SvmChunkBuilder(chunk_size, num_features,

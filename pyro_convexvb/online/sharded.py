@@ -110,6 +110,28 @@ class ShardedOnline:
     the same per-feature posterior. Not equal to the sequential algorithm: it is its parallel
     approximation, whose regret cost is measured in ``docs/online.md``.
 
+    **Rounds span calls.** A rank's rows are cut into rounds of ``merge_every`` rows counted over all
+    its :meth:`partial_fit` calls, not per call: a round left open at the end of a call is continued by
+    the next call. When every rank is fed the same number of rows in each call (the usual sharded
+    stream), the merges fall every ``merge_every`` local rows wherever the calls cut the stream, and
+    the posterior and progressive losses do not depend on the call sizes (bit for bit; except that an
+    estimator with ``batch_size > 1`` restarts its mini-batches at every call and every round). A merge
+    is due when the rank with the most rows of its open round reaches ``merge_every``; a rank fed
+    fewer rows (or none) in that call closes its round short, with what it has learned, and its next
+    rows start the next round.
+
+    **The state after a call.** At the end of a call every rank's open round is combined with the same
+    rule into the estimator's state, so that ``coef_``, ``coef_var_`` and predictions after a call hold
+    every rank's rows -- but this combination does not close the round: each rank keeps its own round
+    state (restored into the estimator at the next call) and goes on learning from the shared state of
+    the round's start plus its own rows, and the round is merged once it has ``merge_every`` rows. (The
+    merged posterior is a function of where the rounds end; had every call closed its round, as
+    earlier versions did, it would depend on how a reader happened to cut the stream into chunks.) The
+    combination costs one more all-reduce of ``2 d`` numbers per call that ends inside a round, and
+    keeps two more copies of the ``d`` means and variances between such calls. Learn only through this
+    object: a state changed by a direct call of ``estimator.partial_fit`` is replaced by the rank's own
+    round state at the next call.
+
     :param estimator: an unfitted (or previously merged) diagonal-Gaussian online estimator with
         ``num_features`` set, e.g. ``OnlineBayesLogistic(d, prior_var=1.0)``; it holds the state.
     :param int merge_every: local rows between merges.
@@ -122,7 +144,8 @@ class ShardedOnline:
         (``{0, 1}`` and ``{-1, +1}`` codings are recognised without it).
 
     Attributes: ``estimator`` (``coef_``, ``coef_var_``, predictions: the shared state after the last
-    merge), ``n_merges_``, ``local_log_loss_`` (this rank's progressive log-loss).
+    call, every rank's rows combined), ``n_merges_`` (rounds merged; the end-of-call combination of the
+    open rounds is not counted), ``local_log_loss_`` (this rank's progressive log-loss).
 
     Example (one process: the sequential algorithm)::
 
@@ -146,12 +169,40 @@ class ShardedOnline:
         self.classes = classes
         self.n_merges_ = 0
         self.local_log_loss_ = 0.0
+        self._pending = 0  # this rank's rows in the open round
+        self._snap = None  # the shared state at the open round's start (with a process group)
+        self._own = None  # this rank's state in the open round while the estimator shows the combined one
+
+    def _check_features(self):
+        """Once: every rank's learner has the same number of features (the merges add states of one size)."""
+        import torch
+
+        from .. import distributed
+
+        d = float(self.estimator.num_features)
+        total = distributed.all_reduce_sum(torch.tensor([d, d * d], dtype=torch.float64)) / distributed.world_size()
+        if float(total[1]) != float(total[0]) ** 2:
+            raise ValueError(f"num_features: {self.estimator.num_features} on rank {distributed.rank()}, but the "
+                             "ranks' learners differ; give every rank's learner the same num_features")
+        self._features_checked = True
+
+    def _combine(self):
+        """All-reduce every rank's change since the open round's start and apply it to the estimator."""
+        import torch
+
+        from .. import distributed
+
+        est, snap = self.estimator, self._snap
+        total = distributed.all_reduce_sum(torch.from_numpy(_delta(est, snap, self.merge))).numpy()
+        _apply(est, snap, total, self.merge, distributed.world_size())
 
     def partial_fit(self, X, y):
         """Learn this rank's rows ``X`` (``(m, d)`` CSR or array), ``y`` (``(m,)``), merging every ``merge_every``.
 
-        Collective: every rank must call it (with any number of rows, zero included); the number of
-        rounds is the largest over ranks.
+        Collective: every rank must call it (with any number of rows, zero included). The merges of a
+        call close the rounds that the rank with the most rows of its open round completes (rounds span
+        calls: see the class docstring); at the end of the call the open rounds are combined into the
+        estimator's state without closing them.
 
         :returns: ``(m,)`` progressive log-losses of the local rows (each predicted before it is learned).
         """
@@ -163,30 +214,35 @@ class ShardedOnline:
         if y.shape[0] != n:
             raise ValueError(f"y: expected {n} labels (one per row of X), got {y.shape[0]}")
         active = distributed.is_active()
-        rounds = math.ceil(n / self.merge_every)
-        if active and not self.__dict__.get("_features_checked"):  # once: every rank merges states of one size
+        if active and not self.__dict__.get("_features_checked"):
+            self._check_features()
+        if self._own is not None:  # the estimator shows the combined open rounds: learn on from this rank's own
+            est._mu[...], est._s2[...] = self._own
+            self._own = None
+        if active and self._snap is None:
+            self._snap = _snapshot(est)
+        m = self.merge_every
+        most = self._pending + n  # the most rows of an open round over the ranks, this call's rows included
+        if active:
             import torch
 
-            d = float(est.num_features)
-            total = distributed.all_reduce_sum(torch.tensor([d, d * d], dtype=torch.float64)) / distributed.world_size()
-            if float(total[1]) != float(total[0]) ** 2:
-                raise ValueError(f"num_features: {est.num_features} on rank {distributed.rank()}, but the ranks' "
-                                 "learners differ; give every rank's learner the same num_features")
-            self._features_checked = True
-        if active:
-            rounds = int(distributed.all_reduce_max(float(rounds)))
-        losses = []
-        for k in range(rounds):
-            a, b = min(k * self.merge_every, n), min((k + 1) * self.merge_every, n)
-            snap = _snapshot(est) if active else None
+            most = int(distributed.all_reduce_max(torch.tensor(float(most), dtype=torch.float64)))
+        losses, a = [], 0
+        for k in range(most // m + 1):  # the merges due, then the rows left for the open round
+            b = n if k == most // m else min(n, a + m - self._pending)
             if b > a:
                 losses.append(np.asarray(est.partial_fit(X[a:b], y[a:b], classes=self.classes, return_log_loss=True)))
-            if active:
-                import torch
-
-                total = distributed.all_reduce_sum(torch.from_numpy(_delta(est, snap, self.merge))).numpy()
-                _apply(est, snap, total, self.merge, distributed.world_size())
-                self.n_merges_ += 1
+                self._pending += b - a
+                a = b
+            if k < most // m:  # this rank's round closes (short when it has fewer rows than the fullest rank's)
+                if active:
+                    self._combine()
+                    self._snap = _snapshot(est)
+                    self.n_merges_ += 1
+                self._pending = 0
+        if active and most % m:  # a round is open on some rank: show every rank's rows, keep this rank's own state
+            self._own = _snapshot(est)
+            self._combine()
         ll = np.concatenate(losses) if losses else np.empty(0)
         self.local_log_loss_ += float(ll.sum())
         return ll

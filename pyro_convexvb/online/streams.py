@@ -283,7 +283,8 @@ def _reader(chunks, prefetch):
     raise ValueError(f"prefetch: expected True, False or a positive number of chunks, got {prefetch!r}")
 
 
-def iter_svmlight(path, chunk_size=None, num_features=None, zero_based=False, hashing=None, prefetch=True):
+def iter_svmlight(path, chunk_size=None, num_features=None, zero_based=False, hashing=None, prefetch=True,
+                  shard=None):
     """Read an svmlight / LIBSVM file (optionally ``.gz``) in chunks of ``chunk_size`` rows (by default
     :data:`FIRST_CHUNK_ROWS`, 4,096, doubling chunk by chunk up to :data:`DEFAULT_CHUNK_ROWS`, 50,000, so a
     learner fed by the reader thread starts early).
@@ -305,13 +306,23 @@ def iter_svmlight(path, chunk_size=None, num_features=None, zero_based=False, ha
     :param hashing: ``None`` or an integer seed to hash indices into ``num_features`` buckets.
     :param prefetch: ``True`` (default) reads in a background thread one chunk ahead, so parsing overlaps
         learning; ``False`` reads in the caller's thread; an integer sets how many chunks ahead.
+    :param shard: ``None`` (the whole file) or ``(rank, world_size)``: only the lines that start in byte range
+        ``rank`` of ``world_size`` equal ranges, the rows of ``pcv.datasets.load_svmlight(shard=...)`` (a plain
+        file is read from the range's start, no rank reads more than its range plus one line; a ``.gz`` file is
+        decompressed once to measure it, then up to the range's end). Concatenating the shards' chunks in rank
+        order gives the whole file's rows; each shard's chunks hold ``chunk_size`` rows (or the doubling), as a
+        whole file's do. An error names the file's line (its line number is counted only then).
     :returns: iterator of ``(X, y)``: CSR ``(m, num_features)`` and float labels as written.
-    :raises ValueError: malformed lines (with the line number) or out-of-range indices.
+    :raises ValueError: malformed lines (with the line number), out-of-range indices, or a truncated or corrupt
+        ``.gz`` file (named).
 
     Example::
 
         >>> for X, y in iter_svmlight("data.svm", num_features=2**20):   # doctest: +SKIP
         ...     model.partial_fit(X, y)
+        >>> rank, P = pcv.distributed.init()                               # doctest: +SKIP
+        >>> for X, y in iter_svmlight("data.svm", num_features=2**20, shard=(rank, P)):   # doctest: +SKIP
+        ...     learner.partial_fit(X, y)
     """
     if num_features is None or isinstance(num_features, bool) or int(num_features) != num_features \
             or num_features < 1:
@@ -322,7 +333,8 @@ def iter_svmlight(path, chunk_size=None, num_features=None, zero_based=False, ha
     if hashing is not None and (isinstance(hashing, bool) or int(hashing) != hashing or hashing < 0):
         raise ValueError(f"hashing: expected None or a non-negative integer seed, got {hashing!r}")
     rows, first = _chunk_rows(chunk_size)
-    chunks = _textio.iter_svmlight_chunks(path, rows, int(num_features), 0 if zero_based else 1, hashing, first=first)
+    chunks = _textio.iter_svmlight_chunks(path, rows, int(num_features), 0 if zero_based else 1, hashing, first=first,
+                                          shard=_textio.check_shard(shard))
     return _reader(chunks, prefetch)
 
 
@@ -354,7 +366,7 @@ def iter_csv(path, chunk_size=None, label_column=0, integer_columns=(), categori
         caller's thread; an integer sets how many chunks ahead.
     :returns: iterator of ``(X, y)``: CSR ``(m, num_features)`` and float labels.
     :raises ValueError: a short line, a non-numeric label, or a non-numeric or non-finite integer field (with
-        the file and line number).
+        the file and line number); a truncated or corrupt ``.gz`` file (named).
 
     Example::
 

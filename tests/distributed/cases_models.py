@@ -212,6 +212,62 @@ def case_online_sharded(rank, world):
     return out
 
 
+def case_online_sharded_rounds_span_calls(rank, world):
+    """ShardedOnline's rounds of ``merge_every`` local rows span its partial_fit calls (every call ended with a
+    merge of its last, short round, so the posterior depended on the call sizes).
+
+    Equal calls on both ranks (130 + 70 rows, and 37 + 0 + 113 + 50; merge every 50) give the one-call result,
+    and the state after the first call of 130 rows is that of 130 rows with the open round combined. Unequal
+    calls (rank 0: 130 + 70 rows, rank 1: 70 + 130) close a round when the rank with the most rows of its open
+    round reaches 50, the other's short: rounds rank 0 / rank 1 [0, 50) / [0, 50), [50, 100) / [50, 70),
+    [100, 150) / [70, 120), [150, 200) / [120, 170), and the open [] / [170, 200) combined at the end. The
+    reference learns each of those rounds by one ``simulate_sharded`` call."""
+    import copy
+
+    import numpy as np
+
+    from pyro_convexvb.online import OnlineBayesLogistic, ShardedOnline, make_online_stream, simulate_sharded
+
+    P, d, m, rows = 2, 30, 50, 200
+    splits = {"equal": [[130, 70]] * P, "equal4": [[37, 0, 113, 50]] * P, "unequal": [[130, 70], [70, 130]]}
+    rounds = {"unequal": [((0, 50), (0, 50)), ((50, 100), (50, 70)), ((100, 150), (70, 120)),
+                          ((150, 200), (120, 170)), ((200, 200), (170, 200))]}
+    first = {"equal": ((0, 130), (0, 130)), "equal4": ((0, 37), (0, 37)), "unequal": ((0, 130), (0, 70))}
+    out = {}
+    for name, calls in splits.items():
+        if world == 1:
+            shards = [make_online_stream(d=d, d_t=5, seed=3, shard=(r, P)).take(rows) for r in range(P)]
+            parts = rounds.get(name, [((k, k + m),) * P for k in range(0, rows, m)])
+            ests = [OnlineBayesLogistic(d, prior_var=0.5) for _ in range(P)]
+            after_first, total = None, 0.0
+            for k, part in enumerate(parts):
+                if after_first is None and all(b >= f[1] for (_, b), f in zip(part, first[name])):
+                    early = copy.deepcopy(ests)  # the state after the first call: its rows of this round, combined
+                    simulate_sharded(early, [(X[a:f[1]], y[a:f[1]]) for (X, y), (a, _), f
+                                             in zip(shards, part, first[name])], rows)
+                    after_first = early[0].coef_
+                ll = simulate_sharded(ests, [(X[a:b], y[a:b]) for (X, y), (a, b) in zip(shards, part)], rows)
+                total += sum(float(v.sum()) for v in ll)
+            est, merges = ests[0], 4
+        else:
+            X, y = make_online_stream(d=d, d_t=5, seed=3, shard=(rank, world)).take(rows)
+            sh = ShardedOnline(OnlineBayesLogistic(d, prior_var=0.5), merge_every=m)
+            a, lls = 0, []
+            for k, c in enumerate(calls[rank]):
+                lls.append(sh.partial_fit(X[a:a + c], y[a:a + c]))
+                a += c
+                if k == 0:
+                    after_first = sh.estimator.coef_.copy()
+            est, merges = sh.estimator, sh.n_merges_
+            total = float(pcv.distributed.all_reduce_sum(float(np.concatenate(lls).sum())))
+        out[f"{name}_first_mean"] = torch.from_numpy(after_first)
+        out[f"{name}_mean"] = torch.from_numpy(est.coef_)
+        out[f"{name}_var"] = torch.from_numpy(est.coef_var_)
+        out[f"{name}_log_loss"] = total
+        out[f"{name}_merges"] = merges
+    return out
+
+
 def slowcase_dual_vg_sparse(rank, world):
     """dual_vg (L-space, Newton-CG) on a sparse logistic problem of 6000 rows and 300 features."""
     g = torch.Generator().manual_seed(11)
