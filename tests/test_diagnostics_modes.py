@@ -210,3 +210,18 @@ def test_loo_draws_from_the_modes_and_matches_exact_leave_one_out(fitted):
     r = fitted.loo(num_draws=4000)
     assert r.proposal == "modes"
     np.testing.assert_allclose(r.elpd_i, exact, atol=0.05)
+
+
+def test_a_likelihood_no_family_reads_is_not_taken_for_log_concave():
+    """A Cauchy likelihood (extraction refuses it) is searched for, the search says it could not run, and the
+    diagnostic's message says so; a logistic regression needs no search."""
+    def cauchy(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), PRIOR_SD).to_event(1))
+        with pyro.plate("data", N):
+            pyro.sample("y", dist.Cauchy(X @ w, 1.0), obs=y)
+
+    y = torch.tensor(0.5 + X_NP[:, 1] + 0.1 * np.random.default_rng(0).standard_normal(N))
+    res = pcv.fit(cauchy, X, y=y, engine="laplace", progress=False)
+    d = res.diagnostics
+    assert not d.modes.checked and "unsupported likelihood Cauchy" in d.modes.note
+    assert d.reliable and "posterior modes not searched" in d.message

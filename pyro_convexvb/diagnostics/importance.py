@@ -188,9 +188,11 @@ class ImportanceDiagnostics:
                     f"{self.sd_ratio[1]:.2f}, mean shift {self.mean_shift:.2f} sds): its sds or means are off. Call "
                     "res.corrected() (or fit with correct='psis') for corrected summaries with Monte Carlo errors")
         if self.reliable:
+            unsearched = "" if self.modes is None or self.modes.checked else \
+                f" ({self.modes.note}: a likelihood that is not log-concave may give modes no draw reaches)"
             return (f"PSIS k_hat = {self.k_hat:.2f} <= {self.threshold:.2f} ({self.num_draws} draws, proposal "
                     f"{self.proposal!r}): the approximation is close to the posterior in the sense of Yao et al. "
-                    f"(2018); importance ESS {self.ess:.0f}")
+                    f"(2018); importance ESS {self.ess:.0f}" + unsearched)
         return (f"PSIS k_hat = {self.k_hat:.2f} > {self.threshold:.2f} ({self.num_draws} draws, proposal "
                 f"{self.proposal!r}, importance ESS {self.ess:.0f}): the Gaussian approximation misses part of the "
                 "posterior, so its sds and tail quantiles may be off. Call res.corrected() (tries wider proposals and "

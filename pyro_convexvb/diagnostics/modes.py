@@ -136,14 +136,18 @@ def _unwrap(fn):
 
 
 def _not_log_concave(model, args, kwargs):
-    """Whether an observed site of ``model`` is read by a family that is not log-concave (one trace)."""
+    """Whether an observed site of ``model`` is not known to be log-concave in its predictor: read by a family that
+    is not, or by none (e.g. a ``Cauchy`` likelihood, which extraction refuses: the search then says it could not
+    run, rather than nothing); one trace."""
     from ..lgm.extract import full_data_plates
     from ..lgm.families import LIKELIHOODS
 
-    kinds = tuple(d for f in LIKELIHOODS if not f.log_concave for d in f.distributions)
+    concave = tuple(d for f in LIKELIHOODS if f.log_concave for d in f.distributions)
+    other = tuple(d for f in LIKELIHOODS if not f.log_concave for d in f.distributions)
     with torch.no_grad(), full_data_plates():
         tr = poutine.trace(model).get_trace(*args, **kwargs)
-    return any(s["type"] == "sample" and s["is_observed"] and isinstance(_unwrap(s["fn"]), kinds)
+    return any(s["type"] == "sample" and s["is_observed"] and type(s["fn"]).__name__ != "_Subsample"
+               and (isinstance(_unwrap(s["fn"]), other) or not isinstance(_unwrap(s["fn"]), concave))
                for s in tr.nodes.values())
 
 
