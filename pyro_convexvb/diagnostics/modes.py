@@ -73,7 +73,8 @@ class ModeCheck:
     :ivar locs: ``[(n,)]`` the modes in the proposal's flat coordinates, the one the fit's mean climbs to first.
     :ivar covs: ``[(n, n)]`` their Laplace covariances ``H_k^{-1}``.
     :ivar log_masses: ``(K,)`` their Laplace log masses.
-    :ivar starts: ``[(site, row)]`` the site each other mode was reached from (``None`` for the first).
+    :ivar starts: ``[(site, row)]`` for each other mode, of the starts that reached it, the site whose predictor is
+        nearest its peak there (``None`` for the first).
     :ivar conditional_on: ``{hyper-latent: value}`` where the model has hyper-latents: the search ran on the field
         with them there (at their heaviest design point when integrated over, at the fit's mean when they are
         coordinates of the fitted Gaussian or mixture); else ``None``.
@@ -167,7 +168,7 @@ def check_modes(result):
         >>> y = torch.tensor([-0.5, -5.2, 0.0, -3.2, 0.7, 1.5, -91.5, -0.1, 1.5, 3.5], dtype=torch.float64)
         >>> mc = check_modes(pcv.fit(model, X, y=y, engine="laplace", progress=False))
         >>> mc.checked, len(mc.locs), mc.starts, mc.found
-        (True, 2, [None, ('y', 1)], True)
+        (True, 2, [None, ('y', 3)], True)
     """
     if "_mode_check" not in result.__dict__:
         result.__dict__["_mode_check"] = _check(result)
@@ -282,9 +283,9 @@ def _starts(lgm, m, S):
 
 
 class _Surface:
-    """``log p(y, u)`` of a latent Gaussian model, its gradient and its dense negative Hessian ``H``, in the
-    whitened coordinates ``z`` of the fitted Gaussian (``u = m + W z``, ``W W^T = S``), where the Newton steps'
-    damping and step bound are the same in every direction."""
+    """``log p(y, u)`` of a latent Gaussian model, its gradient and its dense negative Hessian ``H``, and the
+    fitted Gaussian's whitening (``u = m + W z``, ``W W^T = S``, metric ``P = S^{-1}``), in whose coordinates the
+    Newton steps' damping and step bound are the same in every direction."""
 
     def __init__(self, lgm, m, S):
         self.lgm, self.m = lgm, m
@@ -292,6 +293,7 @@ class _Surface:
         self.prec = lgm.dense_prior_prec().to(m.dtype)
         W, info = torch.linalg.cholesky_ex(0.5 * (S + S.T))
         self.W = W if int(info) == 0 else torch.diag(torch.diagonal(S).clamp_min(1e-300).sqrt())
+        self.P = torch.cholesky_inverse(self.W)  # S^{-1}, the whitened coordinates' metric
 
     def value_grad(self, u):
         """``(log p(y, u), d/du)``."""
@@ -313,31 +315,33 @@ class _Surface:
 
 def _climb(surface, u0):
     """The mode damped Newton steps reach from ``u0``: ``(u, H, Laplace log mass, covariance H^{-1})``, or ``None``
-    where they stop short of one. Each step solves ``(H_z + lam I) dz = g_z`` in whitened coordinates, ``lam`` 0
-    where ``H_z`` is positive definite, else past its most negative eigenvalue, the step at most a radius long
-    (:data:`STEP_BOUND` at first, doubled after each bounded step taken as it came), and ``lam`` raised until the
-    log joint increases (Levenberg-Marquardt)."""
-    W, u, radius = surface.W, u0.detach().clone(), STEP_BOUND
+    where they stop short of one. Each step solves ``(H + lam P) du = g`` with ``P = S^{-1}`` (Levenberg-Marquardt
+    damping in the fitted Gaussian's whitened coordinates, one Cholesky factorisation a trial): ``lam`` 0 where
+    ``H`` is positive definite, else raised until it is and the log joint increases, the step at most a radius
+    long in those coordinates (:data:`STEP_BOUND` at first, doubled after each bounded step taken as it came)."""
+    W, P, u, radius = surface.W, surface.P, u0.detach().clone(), STEP_BOUND
     f, g = surface.value_grad(u)
-    eye = torch.eye(W.shape[0], dtype=W.dtype, device=W.device)
     for _ in range(MAX_ITER):
         if not math.isfinite(f):
             return None
         H = surface.hessian(u)
-        Hz, gz = W.T @ H @ W, W.T @ g
         L, info = torch.linalg.cholesky_ex(H)
-        if int(info) == 0 and float(gz.abs().max()) <= GRAD_TOL * (1.0 + abs(f)):
+        if int(info) == 0 and float((W.T @ g).abs().max()) <= GRAD_TOL * (1.0 + abs(f)):
             log_mass = f + 0.5 * u.shape[0] * math.log(2 * math.pi) - float(torch.log(torch.diagonal(L)).sum())
             return u, H, log_mass, torch.cholesky_inverse(L)
-        low = float(torch.linalg.eigvalsh(Hz)[0])
-        lam = 0.0 if low > 0 else 1e-3 - 1.1 * low
-        for tries in range(60):
-            dz = torch.linalg.solve(Hz + lam * eye, gz)
-            clipped = float(dz.norm()) > radius
+        lam = 0.0 if int(info) == 0 else 1e-3
+        for tries in range(80):
+            if lam > 0:
+                L, info = torch.linalg.cholesky_ex(H + lam * P)
+                if int(info) != 0:
+                    lam *= 4.0
+                    continue
+            du = torch.cholesky_solve(g.unsqueeze(1), L).squeeze(1)
+            length = float(du @ P @ du) ** 0.5
+            clipped = length > radius
             if clipped:
-                dz = dz * (radius / float(dz.norm()))
-            u_new = u + W @ dz
-            f_new, g_new = surface.value_grad(u_new)
+                du = du * (radius / length)
+            f_new, g_new = surface.value_grad(u + du)
             if math.isfinite(f_new) and f_new >= f - 1e-12 * abs(f):
                 break
             lam = max(4.0 * lam, 1e-3)
@@ -345,9 +349,9 @@ def _climb(surface, u0):
             return None
         if clipped and not tries:  # a full bounded step taken as it came: far from the mode, go further
             radius = min(2.0 * radius, 1e8)
-        if f_new - f <= 1e-15 * (1.0 + abs(f)) and float(dz.norm()) < 1e-12:
+        if f_new - f <= 1e-15 * (1.0 + abs(f)) and length < 1e-12:
             return None  # no progress at a point that is no mode
-        u, f, g = u_new, f_new, g_new
+        u, f, g = u + du, f_new, g_new
     return None
 
 
@@ -358,15 +362,24 @@ def _search(lgm, m, S, idx):
         return ModeCheck(False, "posterior modes not searched: the climb from the fit's mean found no mode")
     modes, starts, failed = [first], [None], 0
     cand = _starts(lgm, m, S)
+    groups = {g.name: (g, surface.designs[i]) for i, g in enumerate(lgm.sites)}
+
+    def miss(site, row, u):  # how far the site's predictor is from its peak at u, in the site's scale
+        g, B = groups[site]
+        return abs(float(B[row] @ u + g.offset[row] - g.base_family.peaks()[row]))
+
     for _, site, row, u0 in cand:
         got = _climb(surface, u0)
         if got is None:
             failed += 1
             continue
         u = got[0]
-        if all(float((u - k[0]) @ k[1] @ (u - k[0])) > 1.0 for k in modes):
+        same = [k for k, mode in enumerate(modes) if float((u - mode[0]) @ mode[1] @ (u - mode[0])) <= 1.0]
+        if not same:
             modes.append(got)
             starts.append((site, row))
+        elif same[0] > 0 and miss(site, row, modes[same[0]][0]) < miss(*starts[same[0]], modes[same[0]][0]):
+            starts[same[0]] = (site, row)  # the site whose predictor meets its observation at that mode
     order = [0] + sorted(range(1, len(modes)), key=lambda k: -modes[k][2])[:MAX_MODES - 1]
     back = torch.empty_like(idx)
     back[idx] = torch.arange(idx.shape[0])  # the model's coordinates back to the proposal's order
