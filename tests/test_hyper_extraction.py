@@ -1,6 +1,8 @@
 """Design points of a hyper-latent integration built from one extraction's affine maps (an extraction template):
 the latent Gaussian model equals a fresh extraction at every hyper value, structure that reads the hyper-latents is
 detected and extracted afresh, and the model runs once per design point."""
+import warnings
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -369,3 +371,32 @@ def test_conditioned_model_records_the_hyper_latents_log_prior():
                 + dist.HalfNormal(torch.tensor(0.5, dtype=D)).log_prob(values["sigma_v"]))
     assert m.log_prior == pytest.approx(ref, abs=1e-14)
     assert m.log_prior == hyper_mod.log_prior(icar_bym, args, kwargs, values)
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation"])
+def test_a_hyper_latent_whose_support_has_no_transform_is_refused_by_name(engine):
+    """A Wishart precision or a mixture prior over a scale: torch has no bijection to unconstrained coordinates, so
+    they cannot be integrated over; the refusal names the site (it was torch's bare NotImplementedError)."""
+    X = torch.randn(20, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    y = X @ torch.tensor([1.0, 0.6], dtype=torch.float64)
+    mix = dist.MixtureSameFamily(dist.Categorical(torch.tensor([0.5, 0.5], dtype=torch.float64)),
+                                 dist.LogNormal(torch.tensor([-1.0, 1.0], dtype=torch.float64), 0.5))
+
+    def wishart(y=None):
+        lam = pyro.sample("Lam", dist.Wishart(torch.tensor(4.0, dtype=D), torch.eye(2, dtype=D)))
+        w = pyro.sample("w", dist.MultivariateNormal(torch.zeros(2, dtype=torch.float64), precision_matrix=lam))
+        with pyro.plate("data", 20):
+            pyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+
+    def mixture(y=None):
+        tau = pyro.sample("tau", mix)
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), tau).to_event(1))
+        with pyro.plate("data", 20):
+            pyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+
+    for model, site in ((wishart, "Lam"), (mixture, "tau")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(pcv.UnsupportedModelError, match=rf"site '{site}': its support .* has no transform to "
+                                                                r"unconstrained coordinates"):
+                pcv.fit(model, y=y, engine=engine, progress=False)

@@ -47,10 +47,24 @@ __all__ = ["ModeCheck", "ModeProposal", "check_modes", "MODE_MASS"]
 #: share times its squared distance: with the Student-t scale at the fit's mean, a Laplace fit's other mode held
 #: 0.83% by this measure while its correction without the mode had one sd 11% short
 MODE_MASS = 1e-3
+#: ... or whose squared distances from the first mode (in its metric ``H``), weighted by their shares, sum to at
+#: least this: two groups of modes holding 0.09% of the mass 14-18 sds away put a corrected sd 13% short
+MODE_IMPACT = 0.02
 #: a site's peak this many sds (of its predictor under the fitted Gaussian) from the predictor's mean is a start
 OUTLYING = 3.0
-#: starts at most (the most outlying sites first), latent dimension and design entries at most for the search
+#: starts at most from single sites (the most outlying first), and the most outlying sites whose pairs give starts
+#: too (a mode where the predictor meets two observations at once is not reached from either alone)
 MAX_STARTS = 40
+PAIR_SITES = 6
+#: a start where the log joint exceeds the Laplace Gaussian at the first mode by more than ``SHOULDER_GAP`` nats
+#: (relative to the mode, where they agree), at most ``SHOULDER_FLOOR`` nats below the mode, is a shoulder: mass the
+#: Gaussian misses without a mode of its own (a Student-t posterior whose sds are 1.5-2 times the Laplace ones)
+SHOULDER_GAP = 5.0
+SHOULDER_FLOOR = 12.0
+#: shoulders holding at least this share (by the first mode's volume, which understates a ridge by orders of
+#: magnitude: one at 6e-5 by this measure left a correction without it 9% short in an sd) make the diagnostic
+#: unreliable
+SHOULDER_MASS = 1e-5
 MAX_LATENTS = 400
 MAX_DESIGN = 4_000_000
 #: modes kept (the heaviest); Newton steps per climb, their first largest length in whitened coordinates, and the
@@ -92,6 +106,19 @@ class ModeCheck:
     starts: list = field(default_factory=list)
     conditional_on: Optional[dict] = None
     correctable: bool = True
+    shoulders: List[torch.Tensor] = field(default_factory=list, repr=False)
+    shoulder_starts: list = field(default_factory=list)
+    shoulder_log_masses: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    dist2: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+
+    @property
+    def impact(self):
+        """``sum_k share_k d_k^2`` over the other modes, ``d_k`` their distance from the first in its metric ``H``:
+        about how much of the variance in the modes' direction the first mode's Gaussian misses."""
+        if len(self.log_masses) < 2:
+            return 0.0
+        w = np.exp(self.log_masses - np.logaddexp.reduce(self.log_masses))
+        return float((w[1:] * self.dist2[1:]).sum())
 
     @property
     def share(self):
@@ -102,15 +129,36 @@ class ModeCheck:
         return float(1.0 - w[0])
 
     @property
+    def shoulder_share(self):
+        """The shoulders' share of the mass, each taken as its density times the first mode's Laplace volume (an
+        underestimate: a shoulder is a ridge wider than the mode)."""
+        if not len(self.shoulder_log_masses):
+            return 0.0
+        every = np.concatenate([self.log_masses, self.shoulder_log_masses])
+        return float(np.exp(np.logaddexp.reduce(self.shoulder_log_masses) - np.logaddexp.reduce(every)))
+
+    @property
     def found(self):
-        """Other modes hold at least :data:`MODE_MASS` of the mass."""
-        return self.checked and self.share >= MODE_MASS
+        """Other modes hold at least :data:`MODE_MASS` of the mass or move the variance by :data:`MODE_IMPACT`, or
+        shoulders (mass a Gaussian at the first mode misses) hold at least :data:`SHOULDER_MASS`."""
+        return self.checked and (self.share >= MODE_MASS or self.impact >= MODE_IMPACT
+                                 or self.shoulder_share >= SHOULDER_MASS)
 
     @property
     def message(self):
-        where = ", ".join(f"site {s!r} row {r}" for s, r in self.starts[1:])
-        text = (f"the posterior has {len(self.locs) - 1} other mode(s), reached from {where} (where the predictor "
-                f"meets the observation), holding about {100 * self.share:.2g}% of its mass by Laplace estimates")
+        parts = []
+        if self.share >= MODE_MASS or self.impact >= MODE_IMPACT:
+            where = ", ".join(f"site {s!r} row {r}" for s, r in self.starts[1:])
+            parts.append(f"the posterior has {len(self.locs) - 1} other mode(s), reached from {where} (where the "
+                         f"predictor meets the observation), holding about {100 * self.share:.2g}% of its mass by "
+                         f"Laplace estimates, at squared distances summing to {self.impact:.2g} weighted by it")
+        if self.shoulder_share >= SHOULDER_MASS:
+            where = ", ".join(_where(st) for st in self.shoulder_starts)
+            parts.append(f"at {len(self.shoulders)} point(s) where predictors meet observations ({where}) the "
+                         f"posterior's density exceeds the Laplace Gaussian's at its mode by more than "
+                         f"e^{SHOULDER_GAP:g}, and they hold at least {100 * self.shoulder_share:.2g}% of the mass "
+                         "(likely far more): its tails are far heavier than a Gaussian's")
+        text = "; and ".join(parts)
         if self.conditional_on is not None:
             at = ", ".join(f"{n}={_show(v)}" for n, v in self.conditional_on.items())
             where = "at the hyper-latents' heaviest design point" if not self.correctable else \
@@ -118,11 +166,18 @@ class ModeCheck:
             text = f"{where} ({at}) {text}"
         if not self.correctable:
             return (text + "; each design point's Gaussian covers one mode and importance weights of its draws cannot "
-                    "see the others, whatever k_hat says, and the correction cannot add them with hyper-latents "
-                    "integrated over: use engine='nuts'")
-        return (text + "; the approximation covers one mode and importance weights of its draws cannot see the "
-                "others, whatever k_hat says. Call res.corrected() (its proposal then has a Gaussian at every mode) "
-                "or use engine='nuts'")
+                    "see the rest, whatever k_hat says, and the correction cannot add it with hyper-latents "
+                    "integrated over: use a sampler (engine='nuts')")
+        return (text + "; the approximation misses that mass and importance weights of its draws cannot see it, "
+                "whatever k_hat says. Call res.corrected() (its proposal then has a Gaussian at every mode and "
+                "shoulder) or use a sampler (engine='nuts')")
+
+
+def _where(start):
+    """``"site 'y' row 1"``, ``"site 'y' rows 1 and 7"`` or ``"site 'a' row 1 and site 'b' row 2"``."""
+    if len(start) == 2 and start[0][0] == start[1][0]:
+        return f"site {start[0][0]!r} rows {start[0][1]} and {start[1][1]}"
+    return " and ".join(f"site {s!r} row {r}" for s, r in start)
 
 
 def _show(v):
@@ -196,21 +251,30 @@ def _check(result):
         return None
     post = proposal_posterior(result)
     skip = lambda why: ModeCheck(False, "posterior modes not searched: " + why)  # noqa: E731
-    lgm, at, lift = result.lgm, None, None
+    lgm, at, lift, refused = result.lgm, None, None, None
     if type(post).__name__ == "HyperPosterior":  # the field at the hyper-latents' heaviest design point
         k = int(torch.argmax(post.weights))
         at, _ = post.space.unpack(post.z[k])
         model, post, lgm = conditioned_model(model, at), post.components[k], None
-    elif lgm is None and getattr(post, "layout", None) is not None:
-        hyper = [n for n in find_hyper_sites(model, args, kwargs) if n in post.layout.names]
-        if hyper:  # hyper-latents as coordinates of the fit: the field given them at their mean
-            at, post, lift = _given_mean(post, theta_space(model, args, kwargs, hyper))
+    elif lgm is None:
+        try:
+            lgm = lgm_from_pyro(model, *args, **kwargs)
+        except UnsupportedModelError as e:
+            refused = e
+        layout = getattr(post, "layout", None)
+        hyper = [] if lgm is not None or layout is None else \
+            [n for n in find_hyper_sites(model, args, kwargs) if n in layout.names]
+        if hyper and len(hyper) < len(layout.names):  # hyper-latents as coordinates: the field given them
+            try:
+                at, post, lift = _given_mean(post, theta_space(model, args, kwargs, hyper))
+            except UnsupportedModelError as e:
+                return skip(f"the model's hyper-latents cannot be fixed at the fit's mean ({e})")
             model = conditioned_model(model, at)
     if lgm is None:
         try:
             lgm = lgm_from_pyro(model, *args, **kwargs)
         except UnsupportedModelError as e:
-            return skip(f"the model is no latent Gaussian model ({e})")
+            return skip(f"the model is no latent Gaussian model ({refused or e})")
     layout = getattr(post, "layout", None)
     if layout is None or sorted(layout.names) != sorted(lgm.layout.names) or lgm.imputed or lgm.chain is not None:
         return skip("the posterior's coordinates are not those of the latent Gaussian model")
@@ -225,6 +289,7 @@ def _check(result):
         check.conditional_on = {n: v.detach().cpu() for n, v in at.items()}
         check.correctable = lift is not None
     if lift is not None and check.checked:
+        check.shoulders = [lift(u, check.covs[0])[0] for u in check.shoulders]
         check.locs, check.covs = (list(t) for t in zip(*[lift(u, C) for u, C in zip(check.locs, check.covs)]))
     return check
 
@@ -265,8 +330,10 @@ def _dense(group):
 
 
 def _starts(lgm, m, S):
-    """``[(z, site, row, u0)]`` the starts, most outlying first."""
-    out = []
+    """``[(z, [(site, row), ...], u0)]``: the starts from single outlying sites, most outlying first, then from
+    pairs of the :data:`PAIR_SITES` most outlying (the Gaussian's conditional mean given both predictors at their
+    peaks)."""
+    single = []
     for g in lgm.sites:
         fam = g.base_family
         if fam.log_concave:
@@ -277,9 +344,20 @@ def _starts(lgm, m, S):
         s2 = ((B @ S) * B).sum(1).clamp_min(1e-300)
         z = (peak - eta).abs() / s2.sqrt()
         for i in torch.nonzero(z > OUTLYING).reshape(-1).tolist():
-            out.append((float(z[i]), g.name, i, m + S @ B[i] * (peak[i] - eta[i]) / s2[i]))
-    out.sort(key=lambda s: -s[0])
-    return out[:MAX_STARTS]
+            single.append((float(z[i]), g.name, i, B[i], float(peak[i] - g.offset[i])))
+    single.sort(key=lambda t: -t[0])
+    out = [(z, [(site, i)], m + S @ a * (t - a @ m) / (a @ S @ a)) for z, site, i, a, t in single[:MAX_STARTS]]
+    top = single[:PAIR_SITES]
+    for j in range(len(top)):
+        for k in range(j + 1, len(top)):
+            A = torch.stack([top[j][3], top[k][3]], 1)  # (n, 2)
+            M = A.T @ S @ A
+            if float(torch.linalg.det(M)) <= 1e-10 * float(torch.diagonal(M).prod()):
+                continue  # the two predictors move together: no point meets both
+            t = torch.tensor([top[j][4], top[k][4]], dtype=m.dtype, device=m.device)
+            out.append((top[j][0] + top[k][0], [top[j][1:3], top[k][1:3]],
+                        m + S @ A @ torch.linalg.solve(M, t - A.T @ m)))
+    return out
 
 
 class _Surface:
@@ -320,13 +398,15 @@ def _climb(surface, u0):
     ``H`` is positive definite, else raised until it is and the log joint increases, the step at most a radius
     long in those coordinates (:data:`STEP_BOUND` at first, doubled after each bounded step taken as it came)."""
     W, P, u, radius = surface.W, surface.P, u0.detach().clone(), STEP_BOUND
+    eps = torch.finfo(u.dtype).eps
+    tol = max(GRAD_TOL, 100 * eps)  # float32: its rounding of the gradient
     f, g = surface.value_grad(u)
     for _ in range(MAX_ITER):
         if not math.isfinite(f):
             return None
         H = surface.hessian(u)
         L, info = torch.linalg.cholesky_ex(H)
-        if int(info) == 0 and float((W.T @ g).abs().max()) <= GRAD_TOL * (1.0 + abs(f)):
+        if int(info) == 0 and float((W.T @ g).abs().max()) <= tol * (1.0 + abs(f)):
             log_mass = f + 0.5 * u.shape[0] * math.log(2 * math.pi) - float(torch.log(torch.diagonal(L)).sum())
             return u, H, log_mass, torch.cholesky_inverse(L)
         lam = 0.0 if int(info) == 0 else 1e-3
@@ -342,7 +422,7 @@ def _climb(surface, u0):
             if clipped:
                 du = du * (radius / length)
             f_new, g_new = surface.value_grad(u + du)
-            if math.isfinite(f_new) and f_new >= f - 1e-12 * abs(f):
+            if math.isfinite(f_new) and f_new >= f - 10 * eps * abs(f):
                 break
             lam = max(4.0 * lam, 1e-3)
         else:
@@ -360,49 +440,69 @@ def _search(lgm, m, S, idx):
     first = _climb(surface, m)
     if first is None:
         return ModeCheck(False, "posterior modes not searched: the climb from the fit's mean found no mode")
-    modes, starts, failed = [first], [None], 0
+    modes, starts, failed, shoulders = [first], [None], 0, []
     cand = _starts(lgm, m, S)
     groups = {g.name: (g, surface.designs[i]) for i, g in enumerate(lgm.sites)}
 
-    def miss(site, row, u):  # how far the site's predictor is from its peak at u, in the site's scale
-        g, B = groups[site]
-        return abs(float(B[row] @ u + g.offset[row] - g.base_family.peaks()[row]))
+    def miss(start, u):  # how far a site's predictor is from its peak at u
+        g, B = groups[start[0]]
+        return abs(float(B[start[1]] @ u + g.offset[start[1]] - g.base_family.peaks()[start[1]]))
 
-    for _, site, row, u0 in cand:
+    u1, H1, f1 = first[0], first[1], surface.value_grad(first[0])[0]
+    for _, where, u0 in cand:
+        f0 = surface.value_grad(u0)[0]  # a shoulder: far more density than the first mode's Gaussian gives
+        if f0 - f1 > -SHOULDER_FLOOR and f0 - f1 + 0.5 * float((u0 - u1) @ H1 @ (u0 - u1)) > SHOULDER_GAP:
+            shoulders.append((f0, u0, where))
         got = _climb(surface, u0)
         if got is None:
             failed += 1
             continue
         u = got[0]
         same = [k for k, mode in enumerate(modes) if float((u - mode[0]) @ mode[1] @ (u - mode[0])) <= 1.0]
+        near = min(where, key=lambda st: miss(st, u))
         if not same:
             modes.append(got)
-            starts.append((site, row))
-        elif same[0] > 0 and miss(site, row, modes[same[0]][0]) < miss(*starts[same[0]], modes[same[0]][0]):
-            starts[same[0]] = (site, row)  # the site whose predictor meets its observation at that mode
+            starts.append(near)
+        elif same[0] > 0 and miss(near, modes[same[0]][0]) < miss(starts[same[0]], modes[same[0]][0]):
+            starts[same[0]] = near  # the site whose predictor meets its observation at that mode
     order = [0] + sorted(range(1, len(modes)), key=lambda k: -modes[k][2])[:MAX_MODES - 1]
+    kept = []
+    for f0, u0, where in sorted(shoulders, key=lambda t: -t[0]):  # one per region, the highest, none at a mode
+        if all(float((u0 - v) @ H1 @ (u0 - v)) > 1.0 for v in [modes[k][0] for k in order] + [t[1] for t in kept]):
+            kept.append((f0, u0, where))
+    kept = kept[:MAX_MODES]
     back = torch.empty_like(idx)
     back[idx] = torch.arange(idx.shape[0])  # the model's coordinates back to the proposal's order
-    note = (f"{len(cand)} start(s) from outlying sites, {len(modes)} mode(s)"
+    note = (f"{len(cand)} start(s) from outlying sites, {len(modes)} mode(s), {len(kept)} shoulder(s)"
             + (f", {failed} climb(s) stopped short of a mode" if failed else ""))
     locs = [modes[k][0][back] for k in order]
     covs = [modes[k][3][back][:, back] for k in order]
-    return ModeCheck(True, note, locs, covs, np.array([modes[k][2] for k in order]), [starts[k] for k in order])
+    dist2 = np.array([float((modes[k][0] - u1) @ H1 @ (modes[k][0] - u1)) for k in order])
+    return ModeCheck(True, note, locs, covs, np.array([modes[k][2] for k in order]), [starts[k] for k in order],
+                     shoulders=[t[1][back] for t in kept], shoulder_starts=[t[2] for t in kept], dist2=dist2,
+                     shoulder_log_masses=np.array([first[2] + t[0] - f1 for t in kept]))
 
 
 class ModeProposal(Proposal):
-    """The mixture over the modes of a :class:`ModeCheck`: each mode an equal share, of which ``1 - WIDE_SHARE``
-    from ``N(u_k, H_k^{-1})`` and :data:`WIDE_SHARE` from the same Gaussian with scales times :data:`WIDE`."""
+    """The mixture over the modes and shoulders of a :class:`ModeCheck`: each a share of half its Laplace mass share
+    plus half an equal share, of which ``1 - WIDE_SHARE`` from ``N(u_k, H_k^{-1})`` (a shoulder: the first mode's
+    covariance) and :data:`WIDE_SHARE` from the same Gaussian with scales times :data:`WIDE`."""
 
     name = "modes"
 
     def __init__(self, check, layout, dtype=torch.float64, device=None):
         self.layout = layout
-        self.locs = [u.to(dtype=dtype, device=device) for u in check.locs]
-        self.chols = [torch.linalg.cholesky(0.5 * (C + C.T)).to(dtype=dtype, device=device) for C in check.covs]
+        self.locs = [u.to(dtype=dtype, device=device) for u in list(check.locs) + list(check.shoulders)]
+        covs = list(check.covs) + [check.covs[0]] * len(check.shoulders)
+        self.chols = [torch.linalg.cholesky(0.5 * (C + C.T)).to(dtype=dtype, device=device) for C in covs]
         K = len(self.locs)
-        # components: (mode, scale factor, log weight)
-        self.components = [(k, f, math.log(w / K)) for k in range(K)
+        # shares: half in proportion to the Laplace masses (a shoulder's: its density times the first mode's
+        # volume), half equal, so no region the search found is left with few draws
+        log_mass = np.concatenate([np.asarray(check.log_masses, dtype=float),
+                                   np.asarray(check.shoulder_log_masses, dtype=float)])
+        share = 0.5 * np.exp(log_mass - np.logaddexp.reduce(log_mass)) + 0.5 / K
+        # components: (centre, scale factor, log weight)
+        self.components = [(k, f, math.log(share[k] * w)) for k in range(K)
                            for f, w in ((1.0, 1.0 - WIDE_SHARE), (WIDE, WIDE_SHARE))]
 
     def _log_component(self, u, k, f):

@@ -181,7 +181,11 @@ def theta_space(model, args, kwargs, names, dtype=torch.float64):
     sites = dict(latent_sites(model, args, kwargs))
     shapes, ushapes, transforms, dtypes, devices = [], [], [], [], []
     for n in names:
-        t = biject_to(sites[n]["fn"].support)
+        try:
+            t = biject_to(sites[n]["fn"].support)
+        except NotImplementedError:
+            raise UnsupportedModelError(n, f"its support {sites[n]['fn'].support} has no transform to unconstrained "
+                                           "coordinates, so it cannot be integrated over as a hyper-latent") from None
         v = sites[n]["value"]
         shapes.append(tuple(v.shape))
         ushapes.append(tuple(t.inv(v).shape))
@@ -267,8 +271,11 @@ def log_prior(model, args, kwargs, values):
 # integration designs
 # ---------------------------------------------------------------------------------------------
 def _fractional_factorial(d):
-    """Corners ``{-1, 1}^d`` of a two-level design: the full factorial for ``d <= 4``, else a resolution-V
-    half (or smaller) fraction built from the full factorial of the first ``d - p`` factors."""
+    """Corners ``{-1, 1}^d`` of a two-level design: the full factorial for ``d <= 4``, else a half (or smaller)
+    fraction built from the full factorial of the first ``d - p`` factors, each added factor the product of four of
+    them: resolution V for ``d <= 7``, IV for ``d = 8-10`` (the two generators share three factors). Either way
+    no two corners' columns or their squares alias, so the central composite design integrates every polynomial of
+    degree two exactly, which is what it is used for."""
     if d <= 4:
         return torch.tensor(list(itertools.product((-1.0, 1.0), repeat=d)), dtype=torch.float64)
     p = {5: 1, 6: 1, 7: 1, 8: 2, 9: 2, 10: 3}[d]
