@@ -28,6 +28,16 @@ def model(X, y=None, df=0.5):
         pyro.sample("y", dist.StudentT(df, X @ w, 1.0), obs=y)
 
 
+def _robust(df, scale):
+    """The regression of :func:`model` with Student-t sites of ``df`` and ``scale``, in the data's dtype."""
+    def robust(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), PRIOR_SD).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.StudentT(df, X @ w, scale), obs=y)
+
+    return robust
+
+
 def _log_joint(w, y=Y_NP, df=0.5):
     return stats.norm.logpdf(w, 0, PRIOR_SD).sum() + stats.t.logpdf(y, df, X_NP @ w, 1.0).sum()
 
@@ -188,11 +198,7 @@ def test_search_finds_every_grid_mode_within_eight_nats_on_random_regressions():
         grid_modes = np.stack([g0[peaks[0]], g1[peaks[1]]], 1)
         multimodal += len(grid_modes) > 1
 
-        def robust(X, y=None):
-            w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), PRIOR_SD).to_event(1))
-            with pyro.plate("data", N):
-                pyro.sample("y", dist.StudentT(df, X @ w, sc), obs=y)
-
+        robust = _robust(df, sc)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mc = check_modes(pcv.fit(robust, X, y=torch.tensor(y), engine="laplace", progress=False))
@@ -277,11 +283,7 @@ def test_shoulders_of_a_unimodal_heavy_tailed_posterior_are_flagged_and_covered(
     mean, sd, _ = grid_posterior_2d(lambda V: stats.t.logpdf(y, 0.5, (PRIOR_SD * V) @ X_NP.T, 0.5).sum(1),
                                     [-4, -4], [4, 4], n=901)
 
-    def robust(X, y=None):
-        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), PRIOR_SD).to_event(1))
-        with pyro.plate("data", N):
-            pyro.sample("y", dist.StudentT(0.5, X @ w, 0.5), obs=y)
-
+    robust = _robust(0.5, 0.5)
     res = pcv.fit(robust, X, y=torch.tensor(y), engine="laplace", progress=False)
     with pytest.warns(ApproximationWarning, match="the posterior's density exceeds the Laplace Gaussian's"):
         mc = res.diagnostics.modes
@@ -294,11 +296,7 @@ def test_a_mode_reached_only_from_a_pair_of_sites_is_found():
     """A mode where the predictor meets two observations at once (5% of the mass) is reached from neither alone."""
     y = np.array([-5.205, 0.388, -4.121, -0.256, 0.69, 0.749, -2.091, -1.625, 1.183, 2.034])
 
-    def robust(X, y=None):
-        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), PRIOR_SD).to_event(1))
-        with pyro.plate("data", N):
-            pyro.sample("y", dist.StudentT(0.5, X @ w, 0.4), obs=y)
-
+    robust = _robust(0.5, 0.4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         mc = check_modes(pcv.fit(robust, X, y=torch.tensor(y), engine="laplace", progress=False))
@@ -311,11 +309,7 @@ def test_a_mode_reached_only_from_a_pair_of_sites_is_found():
 def test_float32_models_are_searched_and_obs_mask_sites_are_skipped_with_a_note():
     """In float32 the climbs' gradient test could not be met, so no search ran (and the correction missed the
     second mode); obs_mask sites (their imputed entries are Student-t, no latent Gaussian model) crashed it."""
-    def single(X, y=None):
-        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), PRIOR_SD).to_event(1))
-        with pyro.plate("data", N):
-            pyro.sample("y", dist.StudentT(0.5, X @ w, 1.0), obs=y)
-
+    single = _robust(0.5, 1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = pcv.fit(single, X.float(), y=torch.tensor(Y_NP).float(), engine="laplace", progress=False)
