@@ -839,3 +839,22 @@ def test_observed_data_of_another_shape_than_the_site_name_the_site(family):
 
     with pytest.raises(ValueError, match=r"site 'y': its observed value has shape \(10,\), which does not broadcast"):
         pcv.fit(model, engine="dual_vg", progress=False)
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "laplace", "nuts"])
+def test_a_latent_site_that_cannot_be_sampled_is_refused_by_name(engine):
+    """An ImproperUniform prior: Pyro cannot draw it, and every engine starts from prior draws; the refusal names
+    the site (it was Pyro's bare NotImplementedError)."""
+    from torch.distributions import constraints
+
+    X = torch.randn(20, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def improper(y=None):
+        tau = pyro.sample("tau", dist.ImproperUniform(constraints.positive, (), ()))
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), tau).to_event(1))
+        with pyro.plate("data", 20):
+            pyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+
+    with pytest.raises(pcv.UnsupportedModelError, match=r"site 'tau': its distribution cannot be sampled "
+                                                        r"\(ImproperUniform does not support sampling\)"):
+        pcv.fit(improper, y=X @ torch.tensor([1.0, 0.6], dtype=torch.float64), engine=engine, progress=False)

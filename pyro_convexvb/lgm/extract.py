@@ -1122,11 +1122,27 @@ def lgm_from_pyro(model, *args, dtype=None, keep_graph=False, **kwargs):
 _DTYPE_WORDS = ("dtype", "scalar type", "Double", "Float", "Half")
 
 
+class _CurrentSite(poutine.messenger.Messenger):
+    """Records the name of the sample site being processed (the one whose sampling fails, when one does)."""
+
+    name = None
+
+    def _pyro_sample(self, msg):
+        self.name = msg["name"]
+
+
 def _first_trace(model, args, kwargs):
     handler = poutine.trace(model)
+    current = _CurrentSite()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), current:
             return handler.get_trace(*args, **kwargs)
+    except NotImplementedError as e:  # e.g. ImproperUniform: Pyro cannot draw the latent site's prior value
+        if current.name is None:
+            raise
+        raise UnsupportedModelError(
+            current.name, f"its distribution cannot be sampled ({str(e).splitlines()[0]}), and every engine starts "
+                          "from a draw of each latent site's prior: give it a proper prior") from None
     except RuntimeError as e:
         msg = str(e).split("\n")[0]
         if not any(w in msg for w in _DTYPE_WORDS):
