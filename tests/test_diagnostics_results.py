@@ -882,3 +882,27 @@ def test_a_correction_from_a_joint_gaussian_over_a_centred_hierarchy_warns():
     with pytest.warns(ApproximationWarning, match=r"scale\(s\) \['tau'\] of its prior .* centred hierarchy's "
                                                   r"funnel.* write the hierarchy non-centred"):
         res.corrected(num_draws=500, seed=0)
+
+
+def _student_t_scaled(X, y=None):  # module level: a pickled result keeps its model
+    s = pyro.sample("s", dist.LogNormal(torch.tensor(0.0, dtype=torch.float64), 0.3))
+    w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), 2.0).to_event(1))
+    with pyro.plate("data", X.shape[0]):
+        pyro.sample("y", dist.StudentT(0.5, X @ w, s), obs=y)
+
+
+def test_a_corrected_fit_with_integrated_hyper_latents_pickles():
+    """The correction's pooled rounds held their covariance blocks in closures, so pickling a result after
+    ``corrected()`` of integrated hyper-latents raised; the unpickled result keeps the corrected answer."""
+    import pickle
+
+    x = torch.linspace(-1, 1, 10, dtype=torch.float64)
+    X = torch.stack([torch.ones(10, dtype=torch.float64), x], 1)
+    y = 0.5 + x + torch.tensor([0.3, -5.2, 0.1, -3.2, 0.2, 0.5, -1.0, -0.1, 0.4, 1.5], dtype=torch.float64)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = pcv.fit(_student_t_scaled, X, y=y, engine="convex_relaxation", progress=False)
+        c = res.corrected(num_draws=500, seed=0)
+    back = pickle.loads(pickle.dumps(res))
+    assert torch.equal(back.correction.loc, c.loc) and back.correction.diagnostics.proposal == c.diagnostics.proposal

@@ -319,12 +319,22 @@ class FieldCovariance:
         cls, covs, offset = [], [], 0
         for p in parts:
             cls.append(p.cls + offset)
-            covs.extend((lambda sl, p=p, j=j: p.matrix(j, sl)) for j in range(len(p._covs)))
+            covs.extend(_RoundMatrix(p, j) for j in range(len(p._covs)))
             offset += len(p._covs)
         scaled = any(p.scale is not None for p in parts)
         out = FieldCovariance(np.concatenate(cls), None, covs)
         out.scale = _PooledRows([p.scale for p in parts], sizes, n) if scaled else None
         return out
+
+
+class _RoundMatrix:
+    """Class ``j``'s matrix of one pooled round, ``cov(sl)`` (a callable that pickles, unlike a closure)."""
+
+    def __init__(self, part, j):
+        self.part, self.j = part, j
+
+    def __call__(self, sl):
+        return self.part.matrix(self.j, sl)
 
 
 class _PooledRows:
