@@ -906,3 +906,13 @@ def test_a_corrected_fit_with_integrated_hyper_latents_pickles():
         c = res.corrected(num_draws=500, seed=0)
     back = pickle.loads(pickle.dumps(res))
     assert torch.equal(back.correction.loc, c.loc) and back.correction.diagnostics.proposal == c.diagnostics.proposal
+
+
+def test_diagnostics_of_a_compacted_result_say_its_data_are_gone():
+    """``compact(keep_model=True)`` keeps the model but not its data: the diagnostics called the model without its
+    arguments (a bare TypeError); they now say why they cannot run."""
+    X = torch.randn(30, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    res = pcv.fit(_student_t_scaled, X, y=X[:, 0], engine="laplace", progress=False)
+    for keep in (True, False):
+        with pytest.raises(ValueError, match=r"left out \(InferenceResult.compact\(\)"):
+            res.compact(keep_model=keep).diagnostics

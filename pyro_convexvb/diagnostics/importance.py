@@ -246,6 +246,7 @@ def _weigh(result, q, values, log_q, log_joint, cond, name=None, check=True):
 
 
 def _importance(result, num_draws, seed, proposal, progress):
+    model_of(result)  # a result without its model or data: say so before anything runs the model
     if proposal == "interpolated" and not _integrates_hyper(result):
         raise ValueError("proposal='interpolated' moves the field's Gaussian between the design points of "
                          "hyper-latents integrated over; this fit has none (it would be the 'fitted' proposal): use "
