@@ -400,3 +400,21 @@ def test_a_hyper_latent_whose_support_has_no_transform_is_refused_by_name(engine
             with pytest.raises(pcv.UnsupportedModelError, match=rf"site '{site}': its support .* has no transform to "
                                                                 r"unconstrained coordinates"):
                 pcv.fit(model, y=y, engine=engine, progress=False)
+
+
+def test_an_observation_of_a_hyper_latent_alone_raises_no_torch_warning():
+    """An observed site that reads only the hyper-latent is a constant of the field's model, whose finiteness check
+    converted a graph-keeping tensor to a float: torch's 'requires_grad ... to a scalar' warning reached users."""
+    X = torch.randn(20, 2, generator=torch.Generator().manual_seed(34), dtype=D)
+
+    def with_obs(y=None):
+        tau = pyro.sample("tau", dist.HalfNormal(torch.tensor(1.0, dtype=D)))
+        pyro.sample("tau_obs", dist.Normal(tau, 0.2), obs=torch.tensor(0.4, dtype=D))
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), tau).to_event(1))
+        with pyro.plate("data", 20):
+            pyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pcv.fit(with_obs, y=X @ torch.tensor([1.5, -1.2], dtype=D), engine="dual_vg", progress=False)
+    assert not [w for w in caught if "requires_grad=True to a scalar" in str(w.message)]

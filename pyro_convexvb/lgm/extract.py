@@ -1711,7 +1711,7 @@ def _probs_hint(err, base):
 def _constant_log_prob(name, lp, keep_graph):
     """The log density ``lp`` of an observed site that reads no latent: a constant of the evidence."""
     lp = _num(lp, keep_graph)
-    if not math.isfinite(float(lp)):
+    if not math.isfinite(float(lp.detach() if torch.is_tensor(lp) else lp)):
         raise UnsupportedModelError(name, f"observed site that does not depend on the latents has log density {lp} "
                                           "at its data")
     return lp
