@@ -635,8 +635,11 @@ def _adapt_affine(result, q1, num_draws, seed, progress, adapt, tried):
     own = np.zeros(lq.shape[0], dtype=np.int64)
     kernels = {}  # the mixture's kernels of each round's draws under each map (_pool)
     for r in range(rounds_max):
-        if d.ess >= ADAPT_BELOW * d.num_draws or not np.isfinite(d.k_hat):
+        if not np.isfinite(d.k_hat):
             break
+        if d.ess >= ADAPT_BELOW * d.num_draws and not (auto and r == 0 and not _settled(d, SETTLED_SD_RATIO,
+                                                                                          SETTLED_SHIFT)):
+            break  # (a plain proposal narrower than its weighted draws adapts whatever its ESS: its own is biased)
         if auto and r >= AUTO_MIN_ROUNDS and _settled(d, SETTLED_SD_RATIO, SETTLED_SHIFT):
             break
         if r == 0:  # whitened only when adapting
@@ -908,7 +911,9 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     Draws from a proposal built from the fitted posterior are weighted by ``p(y, x) / q(x)`` (Pareto-smoothed,
     self-normalised). With ``proposal="auto"`` the fitted posterior is tried first (for hyper-latents integrated
     over, ``"interpolated"``: the field's Gaussian moved to the locations and scales interpolated between design
-    points); if its importance ESS is below 80% of the draws, up to ``adapt`` further rounds draw from the proposal
+    points); if its importance ESS is below 80% of the draws (with ``adapt="auto"``, also when its weighted draws
+    are wider than it or off its means: :data:`SETTLED_SD_RATIO`, :data:`SETTLED_SHIFT`), up to ``adapt`` further
+    rounds draw from the proposal
     adapted to the weighted draws so far: with ``adaptation="affine"`` (default) an affine map of the field's
     whitened coordinates moment-matched to them (a shift, scales and a few directions, each shrunk by its Monte
     Carlo noise; :mod:`~pyro_convexvb.diagnostics.whitened`; a fifth of each adapted round's draws Student-t
