@@ -347,3 +347,25 @@ def test_a_plain_proposal_narrower_than_its_weighted_draws_is_adapted_whatever_i
             c = res.corrected(seed=seed)
         assert c.diagnostics.proposal != "fitted"
         np.testing.assert_array_less(np.abs(c.scale.numpy() / (PRIOR_SD * sd) - 1), 0.04)
+
+
+def test_with_the_hyper_latents_fixed_at_their_mode_the_correction_covers_the_modes():
+    """``hyper="map"`` fixes the Student-t scale: the field given it is what the modes' mixture covers (it said the
+    correction could not add them, as for hyper-latents integrated over); against quadrature at that scale."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = pcv.fit(_scaled, X, y=torch.tensor(Y_NP), engine="convex_relaxation", options=dict(hyper="map"),
+                      progress=False)
+    with pytest.warns(ApproximationWarning, match=r"at the hyper-latents' fixed value \(hyper='map'\)"):
+        mc = res.diagnostics.modes
+    assert mc.found and mc.correctable and mc.fixed
+    s = float(mc.conditional_on["s"])
+    mean, sd, _ = grid_posterior_2d(lambda V: stats.t.logpdf(Y_NP, 0.5, (PRIOR_SD * V) @ X_NP.T, s).sum(1),
+                                    [-4, -4], [4, 4], n=901)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = res.corrected(seed=0)
+    assert not [w for w in caught if issubclass(w.category, ApproximationWarning)]
+    assert c.diagnostics.proposal == "modes"
+    np.testing.assert_array_less(np.abs(c.sites["w"]["mean"].numpy() - PRIOR_SD * mean), 0.1 * PRIOR_SD * sd)
+    np.testing.assert_array_less(np.abs(c.sites["w"]["sd"].numpy() / (PRIOR_SD * sd) - 1), 0.05)

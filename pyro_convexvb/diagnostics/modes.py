@@ -94,8 +94,9 @@ class ModeCheck:
         coordinates of the fitted Gaussian or mixture); else ``None``.
     :ivar correctable: :class:`ModeProposal` covers the modes (:attr:`locs`, :attr:`covs` over every coordinate of
         the fit; for hyper-latents as coordinates, each field mode with the hyper-latents as fitted and the field's
-        regression on them kept). ``False`` for hyper-latents integrated over: the correction follows the design
-        points' Gaussians.
+        regression on them kept; for ``hyper="map"``, the field's alone). ``False`` for hyper-latents integrated
+        over: the correction follows the design points' Gaussians.
+    :ivar fixed: the hyper-latents are fixed at a mode (``hyper="map"``).
     """
 
     checked: bool
@@ -106,6 +107,7 @@ class ModeCheck:
     starts: list = field(default_factory=list)
     conditional_on: Optional[dict] = None
     correctable: bool = True
+    fixed: bool = False
     shoulders: List[torch.Tensor] = field(default_factory=list, repr=False)
     shoulder_starts: list = field(default_factory=list)
     shoulder_log_masses: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -161,8 +163,9 @@ class ModeCheck:
         text = "; and ".join(parts)
         if self.conditional_on is not None:
             at = ", ".join(f"{n}={_show(v)}" for n, v in self.conditional_on.items())
-            where = "at the hyper-latents' heaviest design point" if not self.correctable else \
-                "with the hyper-latents at the fit's mean"
+            where = ("at the hyper-latents' fixed value (hyper='map')" if self.fixed else
+                     "at the hyper-latents' heaviest design point" if not self.correctable else
+                     "with the hyper-latents at the fit's mean")
             text = f"{where} ({at}) {text}"
         if not self.correctable:
             return (text + "; each design point's Gaussian covers one mode and importance weights of its draws cannot "
@@ -252,9 +255,11 @@ def _check(result):
     post = proposal_posterior(result)
     skip = lambda why: ModeCheck(False, "posterior modes not searched: " + why)  # noqa: E731
     lgm, at, lift, refused = result.lgm, None, None, None
+    point = False
     if type(post).__name__ == "HyperPosterior":  # the field at the hyper-latents' heaviest design point
         k = int(torch.argmax(post.weights))
         at, _ = post.space.unpack(post.z[k])
+        point = post.density.kind == "point"  # hyper="map": theta fixed there, the proposal is the field's alone
         model, post, lgm = conditioned_model(model, at), post.components[k], None
     elif lgm is None:
         try:
@@ -264,7 +269,9 @@ def _check(result):
         layout = getattr(post, "layout", None)
         hyper = [] if lgm is not None or layout is None else \
             [n for n in find_hyper_sites(model, args, kwargs) if n in layout.names]
-        if hyper and len(hyper) < len(layout.names):  # hyper-latents as coordinates: the field given them
+        if refused is not None and not (hyper and len(hyper) < len(layout.names)):
+            return skip(f"the model is no latent Gaussian model ({refused})")
+        if hyper:  # hyper-latents as coordinates: the field given them
             try:
                 at, post, lift = _given_mean(post, theta_space(model, args, kwargs, hyper))
             except UnsupportedModelError as e:
@@ -287,7 +294,8 @@ def _check(result):
     check = _search(lgm, m, S, idx)
     if at is not None:
         check.conditional_on = {n: v.detach().cpu() for n, v in at.items()}
-        check.correctable = lift is not None
+        check.correctable = lift is not None or point
+        check.fixed = point
     if lift is not None and check.checked:
         check.shoulders = [lift(u, check.covs[0])[0] for u in check.shoulders]
         check.locs, check.covs = (list(t) for t in zip(*[lift(u, C) for u, C in zip(check.locs, check.covs)]))
@@ -490,8 +498,12 @@ class ModeProposal(Proposal):
 
     name = "modes"
 
-    def __init__(self, check, layout, dtype=torch.float64, device=None):
+    def __init__(self, check, layout, dtype=torch.float64, device=None, fixed=None):
         self.layout = layout
+        # hyper="map": ``(space, z)`` of the hyper-latents held at their mode; the draws cover the field only
+        self._fixed = fixed
+        if fixed is not None:
+            self.covers_hyper, self.fixed = False, fixed[0].unpack(fixed[1])[0]
         self.locs = [u.to(dtype=dtype, device=device) for u in list(check.locs) + list(check.shoulders)]
         covs = list(check.covs) + [check.covs[0]] * len(check.shoulders)
         self.chols = [torch.linalg.cholesky(0.5 * (C + C.T)).to(dtype=dtype, device=device) for C in covs]
@@ -522,7 +534,14 @@ class ModeProposal(Proposal):
             if bool(rows.any()):
                 u[rows] = self.locs[k] + f * eps[rows] @ self.chols[k].T
         lq = torch.logsumexp(torch.stack([lw + self._log_component(u, k, f) for k, f, lw in self.components]), 0)
-        return self.layout.unflatten(u), lq.double()
+        values = dict(self.layout.unflatten(u))
+        if self._fixed is not None:
+            space, z = self._fixed
+            start = 0
+            for name, shape, size in zip(space.names, space.ushapes, space.sizes):
+                values[name] = z[start:start + size].reshape((1,) + tuple(shape)).expand((S,) + tuple(shape))
+                start += size
+        return values, lq.double()
 
 
 def mode_proposal(result, check):
@@ -530,4 +549,8 @@ def mode_proposal(result, check):
     from .constrained import proposal_posterior
 
     post = proposal_posterior(result)
+    if check.fixed:  # hyper="map": the field's proposal, the hyper-latents at their mode
+        field = post.components[0]
+        return ModeProposal(check, field.layout, dtype=field.loc.dtype, device=field.loc.device,
+                            fixed=(post.space, post.z[0]))
     return ModeProposal(check, post.layout, dtype=post.loc.dtype, device=post.loc.device)
