@@ -1,8 +1,10 @@
 """Design points of a hyper-latent integration built from one extraction's affine maps (an extraction template):
 the latent Gaussian model equals a fresh extraction at every hyper value, structure that reads the hyper-latents is
 detected and extracted afresh, and the model runs once per design point."""
+import math
 import warnings
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -418,3 +420,32 @@ def test_an_observation_of_a_hyper_latent_alone_raises_no_torch_warning():
         warnings.simplefilter("always")
         pcv.fit(with_obs, y=X @ torch.tensor([1.5, -1.2], dtype=D), engine="dual_vg", progress=False)
     assert not [w for w in caught if "requires_grad=True to a scalar" in str(w.message)]
+
+
+def test_a_hyper_posterior_mode_the_design_never_reaches_is_flagged():
+    """A scale with a two-component prior (12% of the posterior in the far component): the design grows from the
+    first mode and stops at the valley, so the far mode was lost with k_hat 0.45 and nothing said. The prior's
+    quantiles outside the design are probed; a plain HalfCauchy scale passes."""
+    from pyro.distributions.transforms import ExpTransform
+
+    g = torch.Generator().manual_seed(18)
+    X = torch.randn(6, 2, generator=g, dtype=D)
+    y = X @ torch.tensor([0.5, -0.5], dtype=D) + torch.randn(6, generator=g, dtype=D)
+    two = dist.TransformedDistribution(dist.MixtureSameFamily(
+        dist.Categorical(torch.tensor([0.5, 0.5], dtype=D)),
+        dist.Normal(torch.tensor([math.log(0.05), math.log(3.0)], dtype=D), 0.25)), [ExpTransform()])
+
+    def model(prior, y=None):
+        tau = pyro.sample("tau", prior)
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), tau).to_event(1))
+        with pyro.plate("data", 6):
+            pyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
+
+    res = pcv.fit(model, two, y=y, engine="dual_vg", progress=False)
+    from pyro_convexvb.diagnostics import ApproximationWarning
+
+    with pytest.warns(ApproximationWarning, match=r"objective at tau=\d.* outside the integration design, is only"):
+        d = res.diagnostics
+    assert not d.reach.passed and not d.reliable and np.nanmin(d.reach.drop) < 3
+    res = pcv.fit(model, dist.HalfCauchy(torch.tensor(1.0, dtype=D)), y=y, engine="dual_vg", progress=False)
+    assert res.diagnostics.reach.passed and res.diagnostics.reliable

@@ -146,17 +146,24 @@ class ImportanceDiagnostics:
     #: a model with sites that are not log-concave: the search for other posterior modes
     #: (:class:`~pyro_convexvb.diagnostics.modes.ModeCheck`), else ``None``
     modes: Any = field(default=None, repr=False)
+    #: hyper-latents integrated over: whether the design reaches their posterior's mass
+    #: (:class:`~pyro_convexvb.diagnostics.hyper_reach.ReachCheck`), else ``None``
+    reach: Any = field(default=None, repr=False)
 
     @property
     def reliable(self):
         """``k_hat <= threshold``, the field's proposal away from the design points of hyper-latents integrated
         over did not fail its check (:attr:`field_check`), and no posterior mode the proposal does not cover was found
         (:attr:`modes`): importance-sampling estimates (and the approximation) can be trusted."""
-        return bool(self.k_hat <= self.threshold) and self._field_ok and self._modes_ok
+        return bool(self.k_hat <= self.threshold) and self._field_ok and self._modes_ok and self._reach_ok
 
     @property
     def _field_ok(self):
         return self.field_check is None or self.field_check.passed is not False
+
+    @property
+    def _reach_ok(self):
+        return self.reach is None or self.reach.passed
 
     @property
     def _modes_ok(self):
@@ -182,6 +189,8 @@ class ImportanceDiagnostics:
             return f"PSIS k_hat = {self.k_hat:.2f} ({self.num_draws} draws), but {self.field_check.note}"
         if not self._modes_ok:
             return f"PSIS k_hat = {self.k_hat:.2f} ({self.num_draws} draws), but {self.modes.message}"
+        if not self._reach_ok:
+            return f"PSIS k_hat = {self.k_hat:.2f} ({self.num_draws} draws), but {self.reach.note}"
         if self.reliable and not self.moments_agree:
             return (f"PSIS k_hat = {self.k_hat:.2f} ({self.num_draws} draws, importance ESS {self.ess:.0f}), but the "
                     f"importance-weighted moments differ from the approximation's (sd ratio {self.sd_ratio[0]:.2f}–"
@@ -301,7 +310,7 @@ def diagnose(result, num_draws=DIAGNOSTIC_DRAWS, seed=0, *, proposal="fitted", w
     check_draws(num_draws, default=DIAGNOSTIC_DRAWS)
     check_seed(seed)
     d = _importance(result, num_draws, seed, proposal, progress)
-    d.modes = check_modes(result)
+    d.modes, d.reach = check_modes(result), _reach(result)
     if warn and not d.ok:
         warnings.warn(d.message, ApproximationWarning, stacklevel=3)
     return d
@@ -365,6 +374,17 @@ def _funnel_note(result):
             "scales integrated over a design (the engines on the latent Gaussian model do so by default; "
             "pcv.engines_that_fit(model, *args) lists the engines that fit this model) and correct that fit, or "
             "write the hierarchy non-centred")
+
+
+def _reach(result):
+    """:func:`~pyro_convexvb.diagnostics.hyper_reach.check_reach` of a result with hyper-latents integrated over
+    (cached on it), else ``None``."""
+    if "_reach_check" not in result.__dict__:
+        from .hyper_reach import check_reach
+
+        post = result.posterior
+        result.__dict__["_reach_check"] = check_reach(post) if type(post).__name__ == "HyperPosterior" else None
+    return result.__dict__["_reach_check"]
 
 
 def _integrates_hyper(result):
@@ -1006,7 +1026,7 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         d = _choose(result, num_draws, seed, progress, adapt, adaptation)
     else:
         d = _importance(result, num_draws, seed, proposal, progress)
-    d.modes = check_modes(result)
+    d.modes, d.reach = check_modes(result), _reach(result)
     if _integrates_hyper(result):
         from .field_check import check_field
 
