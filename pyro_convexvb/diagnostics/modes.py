@@ -18,10 +18,14 @@ than one sd (in its own metric ``H``) from every mode found before; its mass is 
 
 .. math:: \log Z_k = \log p(y, u_k) + \tfrac{n}{2} \log 2\pi - \tfrac12 \log\det H_k .
 
-When the modes other than the one the fit's mean climbs to hold at least :data:`MODE_MASS` of the total, the
-diagnostic is unreliable and the correction draws from :class:`ModeProposal`: equal shares per mode, each a
-Gaussian at the mode with its Laplace covariance and, for the tails, the same Gaussian widened (the defensive
-mixtures of Hesterberg 1995, one per mode). Its weights are exact importance weights of the model as written, so
+Starts from pairs of the most outlying sites reach modes where the predictor meets two observations at once, and a
+start where the log joint lies far above the first mode's Laplace Gaussian is a *shoulder*: mass the Gaussian misses
+without a mode of its own (:data:`SHOULDER_GAP`). When the modes other than the one the fit's mean climbs to hold
+at least :data:`MODE_MASS` of the total (or :data:`MODE_IMPACT` weighted by their squared distances), or shoulders
+hold :data:`SHOULDER_MASS`, the diagnostic is unreliable and the correction draws from :class:`ModeProposal`: a
+share per mode and shoulder (half by Laplace mass, half equal), each a Gaussian at the mode with its Laplace
+covariance (a shoulder: the first mode's) and, for the tails, the same Gaussian widened (the defensive mixtures of
+Hesterberg 1995, one per component). Its weights are exact importance weights of the model as written, so
 ``k_hat`` judges it as any other proposal.
 
 With hyper-latents (a Student-t scale with a prior) the field is searched with them fixed: at the fit's mean when
@@ -65,6 +69,7 @@ SHOULDER_FLOOR = 12.0
 #: magnitude: one at 6e-5 by this measure left a correction without it 9% short in an sd) make the diagnostic
 #: unreliable
 SHOULDER_MASS = 1e-5
+#: latent coordinates and design entries at most for the search (dense Hessians)
 MAX_LATENTS = 400
 MAX_DESIGN = 4_000_000
 #: modes kept (the heaviest); Newton steps per climb, their first largest length in whitened coordinates, and the
