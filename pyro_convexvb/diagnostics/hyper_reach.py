@@ -18,6 +18,8 @@ import numpy as np
 import pyro.poutine as poutine
 import torch
 
+from ..errors import ConvergenceError, NotPositiveDefiniteError, UnsupportedModelError
+
 __all__ = ["ReachCheck", "check_reach"]
 
 #: the prior's quantiles of each hyper-latent at which the objective is probed
@@ -89,8 +91,8 @@ def check_reach(hp, seed=0) -> Optional[ReachCheck]:
         try:
             f, _, converged = refit(z)
             drops.append(f_top - float(f) if converged else float("nan"))
-        except Exception:  # a refit far out may fail: that probe is not checked
-            drops.append(float("nan"))
+        except (ConvergenceError, NotPositiveDefiniteError, UnsupportedModelError):  # a refit far out may fail:
+            drops.append(float("nan"))  # that probe is not checked
     refit.release()
     theta, drop = torch.stack(probes).numpy(), np.array(drops)
     limit = drop_max(d)

@@ -732,7 +732,7 @@ def _choose(result, num_draws, seed, progress, adapt, adaptation):
             if _rank(d2, settled=True) > _rank(d, settled=True):
                 d = d2
     modes = check_modes(result)
-    if modes is not None and modes.found and modes.correctable:  # the proposals above are blind to them
+    if modes is not None and modes.corrects:  # the proposals above are blind to them
         d = _importance(result, num_draws, seed + 3, mode_proposal(result, modes), progress)
         tried["modes"] = d.k_hat
     d.tried = tried

@@ -188,7 +188,7 @@ def loo(result, num_draws=None, seed=0, *, proposal=None, progress=False):
         proposal = c.diagnostics.proposal if c is not None else "fitted"
         if proposal not in PROPOSALS:  # an adapted proposal: the correction's last one, drawn afresh
             q = c.diagnostics.proposal_object
-        elif modes is not None and modes.found and modes.correctable:
+        elif modes is not None and modes.corrects:
             proposal, q = "modes", mode_proposal(result, modes)
     if q is None:
         q = make_proposal(proposal_posterior(result), proposal)

@@ -118,22 +118,24 @@ class ModeCheck:
     shoulder_log_masses: np.ndarray = field(default_factory=lambda: np.zeros(0))
     dist2: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
 
+    def _weights(self):
+        """``(K,)`` the modes' Laplace mass shares."""
+        return np.exp(self.log_masses - np.logaddexp.reduce(self.log_masses))
+
     @property
     def impact(self):
         """``sum_k share_k d_k^2`` over the other modes, ``d_k`` their distance from the first in its metric ``H``:
         about how much of the variance in the modes' direction the first mode's Gaussian misses."""
-        if len(self.log_masses) < 2:
-            return 0.0
-        w = np.exp(self.log_masses - np.logaddexp.reduce(self.log_masses))
-        return float((w[1:] * self.dist2[1:]).sum())
+        return float((self._weights()[1:] * self.dist2[1:]).sum()) if len(self.log_masses) > 1 else 0.0
 
     @property
     def share(self):
         """The Laplace mass share of the modes other than the first (0 without any)."""
-        if len(self.log_masses) < 2:
-            return 0.0
-        w = np.exp(self.log_masses - np.logaddexp.reduce(self.log_masses))
-        return float(1.0 - w[0])
+        return float(1.0 - self._weights()[0]) if len(self.log_masses) > 1 else 0.0
+
+    @property
+    def _other_modes_count(self):
+        return self.share >= MODE_MASS or self.impact >= MODE_IMPACT
 
     @property
     def shoulder_share(self):
@@ -148,13 +150,17 @@ class ModeCheck:
     def found(self):
         """Other modes hold at least :data:`MODE_MASS` of the mass or move the variance by :data:`MODE_IMPACT`, or
         shoulders (mass a Gaussian at the first mode misses) hold at least :data:`SHOULDER_MASS`."""
-        return self.checked and (self.share >= MODE_MASS or self.impact >= MODE_IMPACT
-                                 or self.shoulder_share >= SHOULDER_MASS)
+        return self.checked and (self._other_modes_count or self.shoulder_share >= SHOULDER_MASS)
+
+    @property
+    def corrects(self):
+        """The correction (and LOO) should draw from :class:`ModeProposal`: :attr:`found` and :attr:`correctable`."""
+        return self.found and self.correctable
 
     @property
     def message(self):
         parts = []
-        if self.share >= MODE_MASS or self.impact >= MODE_IMPACT:
+        if self._other_modes_count:
             where = ", ".join(f"site {s!r} row {r}" for s, r in self.starts[1:])
             parts.append(f"the posterior has {len(self.locs) - 1} other mode(s), reached from {where} (where the "
                          f"predictor meets the observation), holding about {100 * self.share:.2g}% of its mass by "
@@ -193,26 +199,17 @@ def _show(v):
     return f"{float(v):.3g}" if v.numel() == 1 else str([round(float(t), 3) for t in v.reshape(-1)])
 
 
-def _unwrap(fn):
-    while hasattr(fn, "base_dist"):
-        fn = fn.base_dist
-    return fn
-
-
 def _not_log_concave(model, args, kwargs):
     """Whether an observed site of ``model`` is not known to be log-concave in its predictor: read by a family that
     is not, or by none (e.g. a ``Cauchy`` likelihood, which extraction refuses: the search then says it could not
     run, rather than nothing); one trace."""
-    from ..lgm.extract import full_data_plates
-    from ..lgm.families import LIKELIHOODS
+    from ..lgm.extract import _is_subsample, full_data_plates, likelihood_family
 
-    concave = tuple(d for f in LIKELIHOODS if f.log_concave for d in f.distributions)
-    other = tuple(d for f in LIKELIHOODS if not f.log_concave for d in f.distributions)
     with torch.no_grad(), full_data_plates():
         tr = poutine.trace(model).get_trace(*args, **kwargs)
-    return any(s["type"] == "sample" and s["is_observed"] and type(s["fn"]).__name__ != "_Subsample"
-               and (isinstance(_unwrap(s["fn"]), other) or not isinstance(_unwrap(s["fn"]), concave))
-               for s in tr.nodes.values())
+    families = [likelihood_family(s["fn"]) for s in tr.nodes.values()
+                if s["type"] == "sample" and s["is_observed"] and not _is_subsample(s)]
+    return any(f is None or not f.log_concave for f in families)
 
 
 def check_modes(result):
@@ -404,16 +401,17 @@ class _Surface:
         return 0.5 * (H + H.T)
 
 
-def _climb(surface, u0):
-    """The mode damped Newton steps reach from ``u0``: ``(u, H, Laplace log mass, covariance H^{-1})``, or ``None``
-    where they stop short of one. Each step solves ``(H + lam P) du = g`` with ``P = S^{-1}`` (Levenberg-Marquardt
+def _climb(surface, u0, start=None):
+    """The mode damped Newton steps reach from ``u0``: ``(u, H, Laplace log mass, covariance H^{-1}, log p)``, or
+    ``None``
+    where they stop short of one (``start``: ``(log p, gradient)`` at ``u0`` if already known). Each step solves ``(H + lam P) du = g`` with ``P = S^{-1}`` (Levenberg-Marquardt
     damping in the fitted Gaussian's whitened coordinates, one Cholesky factorisation a trial): ``lam`` 0 where
     ``H`` is positive definite, else raised until it is and the log joint increases, the step at most a radius
     long in those coordinates (:data:`STEP_BOUND` at first, doubled after each bounded step taken as it came)."""
     W, P, u, radius = surface.W, surface.P, u0.detach().clone(), STEP_BOUND
     eps = torch.finfo(u.dtype).eps
     tol = max(GRAD_TOL, 100 * eps)  # float32: its rounding of the gradient
-    f, g = surface.value_grad(u)
+    f, g = surface.value_grad(u) if start is None else start
     for _ in range(MAX_ITER):
         if not math.isfinite(f):
             return None
@@ -421,7 +419,7 @@ def _climb(surface, u0):
         L, info = torch.linalg.cholesky_ex(H)
         if int(info) == 0 and float((W.T @ g).abs().max()) <= tol * (1.0 + abs(f)):
             log_mass = f + 0.5 * u.shape[0] * math.log(2 * math.pi) - float(torch.log(torch.diagonal(L)).sum())
-            return u, H, log_mass, torch.cholesky_inverse(L)
+            return u, H, log_mass, torch.cholesky_inverse(L), f
         lam = 0.0 if int(info) == 0 else 1e-3
         for tries in range(80):
             if lam > 0:
@@ -461,12 +459,12 @@ def _search(lgm, m, S, idx):
         g, B = groups[start[0]]
         return abs(float(B[start[1]] @ u + g.offset[start[1]] - g.base_family.peaks()[start[1]]))
 
-    u1, H1, f1 = first[0], first[1], surface.value_grad(first[0])[0]
+    u1, H1, f1 = first[0], first[1], first[4]
     for _, where, u0 in cand:
-        f0 = surface.value_grad(u0)[0]  # a shoulder: far more density than the first mode's Gaussian gives
+        f0, g0 = surface.value_grad(u0)  # a shoulder: far more density than the first mode's Gaussian gives
         if f0 - f1 > -SHOULDER_FLOOR and f0 - f1 + 0.5 * float((u0 - u1) @ H1 @ (u0 - u1)) > SHOULDER_GAP:
             shoulders.append((f0, u0, where))
-        got = _climb(surface, u0)
+        got = _climb(surface, u0, (f0, g0))
         if got is None:
             failed += 1
             continue

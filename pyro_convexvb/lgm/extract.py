@@ -689,6 +689,14 @@ def _site_log_prob(site):
     return scale_and_mask(lp, site.get("scale", 1.0), site.get("mask")).sum()
 
 
+def likelihood_family(fn):
+    """The site family (of :data:`~pyro_convexvb.lgm.families.LIKELIHOODS`, the first that gives a predictor) that
+    reads an observed site of distribution ``fn`` (its ``Independent``/``Expanded``/``Masked`` wrappers looked
+    through), or ``None`` when none does."""
+    base, _ = _unwrap(fn)
+    return next((f for f in LIKELIHOODS if f.predictor(base) is not None), None)
+
+
 def _observed_site(name, site, dtype):
     """``(family class, base, eta, y, obs_shape)`` of an observed site (the first of
     :data:`~pyro_convexvb.lgm.families.LIKELIHOODS` that reads it); ``eta`` and ``y`` flattened over its rows."""
@@ -705,17 +713,15 @@ def _observed_site(name, site, dtype):
     if not fits:
         raise ValueError(f"site '{name}': its observed value has shape {tuple(y.shape)}, which does not broadcast to "
                          f"the shape {batch} of its distribution (its plates and batch); pass one value per row")
-    for family in LIKELIHOODS:
-        eta = family.predictor(base)
-        if eta is not None:
-            break
-    else:
+    family = likelihood_family(base)
+    if family is None:
         forms = [f.pyro_form for f in LIKELIHOODS if f.pyro_form]
         raise UnsupportedModelError(name, f"unsupported likelihood {type(base).__name__}: use {', '.join(forms[:-1])} "
                                           f"or {forms[-1]}")
     reason = family.refusal(base)
     if reason is not None:
         raise UnsupportedModelError(name, reason)
+    eta = family.predictor(base)
     if family.vector_site:  # K predictor rows per observation (Categorical): eta (n K,), y (n,)
         eta, y, batch, _ = family.vector_rows(name, base, eta, y, dtype, batch)
         return family, base, eta, y, batch
