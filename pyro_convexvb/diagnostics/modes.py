@@ -403,8 +403,8 @@ class _Surface:
 
 def _climb(surface, u0, start=None):
     """The mode damped Newton steps reach from ``u0``: ``(u, H, Laplace log mass, covariance H^{-1}, log p)``, or
-    ``None``
-    where they stop short of one (``start``: ``(log p, gradient)`` at ``u0`` if already known). Each step solves ``(H + lam P) du = g`` with ``P = S^{-1}`` (Levenberg-Marquardt
+    ``None`` where they stop short of one (``start``: ``(log p, gradient)`` at ``u0`` if already known). Each step
+    solves ``(H + lam P) du = g`` with ``P = S^{-1}`` (Levenberg-Marquardt
     damping in the fitted Gaussian's whitened coordinates, one Cholesky factorisation a trial): ``lam`` 0 where
     ``H`` is positive definite, else raised until it is and the log joint increases, the step at most a radius
     long in those coordinates (:data:`STEP_BOUND` at first, doubled after each bounded step taken as it came)."""
