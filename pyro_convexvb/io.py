@@ -410,8 +410,10 @@ def _codecs():
     from .linalg.operators import BlockDiagonalOperator, DenseOperator, DiagonalOperator
 
     return {
-        GaussianPosterior: ("GaussianPosterior", _enc_gaussian, 1, _dec_gaussian),
-        DiagMixturePosterior: ("DiagMixturePosterior", _enc_mixture, 1, _dec_mixture),
+        # a posterior read back has no fitting data (nor model): marked so, as compact() marks it
+        GaussianPosterior: ("GaussianPosterior", _enc_gaussian, 1, lambda s, w: _dec_gaussian(s, w)._without_data()),
+        DiagMixturePosterior: ("DiagMixturePosterior", _enc_mixture, 1,
+                               lambda s, w: _dec_mixture(s, w)._without_data()),
         InferenceResult: ("InferenceResult", _enc_result, 1, _dec_result),
         History: ("History", lambda h, w: _obj("History", 1, records=_encode(dict(h), w)), 1,
                   lambda s, w: _dec_history(s)),

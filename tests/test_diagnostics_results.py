@@ -916,3 +916,24 @@ def test_diagnostics_of_a_compacted_result_say_its_data_are_gone():
     for keep in (True, False):
         with pytest.raises(ValueError, match=r"left out \(InferenceResult.compact\(\)"):
             res.compact(keep_model=keep).diagnostics
+
+
+def test_diagnostics_of_a_loaded_or_copied_compact_result_say_its_data_are_gone(tmp_path):
+    """The mark that the data are gone lives on the posterior: a copy of a compacted result (``dataclasses.replace``)
+    keeps it, and a result read back by ``pcv.load`` (which never stores the model or its data) carries it too,
+    where the diagnostics said the result was "not fitted on a Pyro model"; a posterior bound to its model and
+    data again (``with_model``) is evaluated as before."""
+    import dataclasses
+
+    X = torch.randn(30, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    res = pcv.fit(_student_t_scaled, X, y=X[:, 0], engine="laplace", progress=False)
+    path = str(tmp_path / "fit.pt")
+    pcv.save(res, path)
+    copied = dataclasses.replace(res.compact(), seconds=0.0)
+    for r in (copied, pcv.load(path)):
+        assert r.posterior.data_dropped
+        with pytest.raises(ValueError, match=r"left out \(InferenceResult.compact\(\).*pcv.load"):
+            r.diagnostics
+    rebound = dataclasses.replace(res, posterior=copied.posterior.with_model(_student_t_scaled, ((X,), {"y": X[:, 0]})))
+    assert not rebound.posterior.data_dropped and not res.posterior.data_dropped
+    assert rebound.diagnostics.k_hat == pytest.approx(res.diagnostics.k_hat)

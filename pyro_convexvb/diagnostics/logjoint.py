@@ -252,11 +252,12 @@ def _cdf_pair(fn, y):
 
 def model_of(result):
     """``(model, args, kwargs)`` of a result fitted on a Pyro model, whose log joint the diagnostics evaluate."""
-    if result.__dict__.get("_compacted"):
+    post = result.posterior
+    if getattr(post, "data_dropped", False):
         raise ValueError("importance diagnostics (diagnostics, corrected(), loo(), to_arviz()) evaluate the model's "
                          "log joint on its data, which this result left out (InferenceResult.compact(), a pickled "
-                         "estimator's result_): run them on the fitted result before compacting it")
-    post = result.posterior
+                         "estimator's result_, a result read back by pcv.load): run them on the fitted result "
+                         "before compacting or saving it")
     model = getattr(post, "model", None)
     if model is None or not callable(model):
         raise ValueError("importance diagnostics evaluate the Pyro model's log joint: this result was not fitted on "

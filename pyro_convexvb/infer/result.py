@@ -121,9 +121,7 @@ class InferenceResult:
         post = self.posterior
         if post is not None:
             post = post.compact(keep_model=keep_model)
-        out = dataclasses.replace(self, posterior=post, info=info, lgm=None, state=None)
-        out.__dict__["_compacted"] = True  # no data: the diagnostics say so instead of calling the model without
-        return out
+        return dataclasses.replace(self, posterior=post, info=info, lgm=None, state=None)
 
     def info_to_store(self, convert=None, dropped=()):
         """The ``info`` of a stored copy (:meth:`compact`, ``pcv.save``): each entry as ``convert(key, value)``

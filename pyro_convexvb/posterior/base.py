@@ -24,6 +24,9 @@ class Posterior(abc.ABC):
     #: the site's conditional density, as the latent Gaussian model integrates them) or ``"standard"`` (``N(0, 1)``,
     #: for a posterior fitted on the Pyro model itself); the importance diagnostics weigh them accordingly
     masked_entries = "conditional"
+    #: whether the fitting data were dropped (:meth:`compact`, a posterior read back by :func:`pyro_convexvb.load`):
+    #: :attr:`model_args` are then empty, not the model's arguments, and nothing may call the model with them
+    data_dropped = False
 
     @property
     @abc.abstractmethod
@@ -60,8 +63,13 @@ class Posterior(abc.ABC):
         """A Pyro guide over the model's latent sites that samples from this posterior."""
 
     def compact(self, keep_model=True):
-        """A copy without the fitting data ``model_args`` (for pickling; ``keep_model=False`` drops the model too)."""
-        return self.with_model(self.model if keep_model else None)
+        """A copy without the fitting data ``model_args`` (for pickling; ``keep_model=False`` drops the model too),
+        marked :attr:`data_dropped`."""
+        return self.with_model(self.model if keep_model else None)._without_data()
+
+    def _without_data(self):
+        self.__dict__["data_dropped"] = True
+        return self
 
     def with_model(self, model=None, model_args=((), {}), layout=None):
         """A copy of this posterior bound to the Pyro ``model`` it was fitted to, with its fitting arguments
@@ -78,6 +86,7 @@ class Posterior(abc.ABC):
             (True, ((1,), {}), None)
         """
         out = copy.copy(self)
-        out.__dict__.update(model=model, model_args=model_args, layout=self.layout if layout is None else layout)
+        out.__dict__.update(model=model, model_args=model_args, layout=self.layout if layout is None else layout,
+                            data_dropped=False)
         return out
 

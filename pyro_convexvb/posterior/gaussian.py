@@ -501,8 +501,8 @@ class GaussianPosterior(Posterior):
             A = 0.5 * (A + A.transpose(0, 1)) / self.precision_scale
             out = GaussianPosterior(self.loc, self.variance, precision=A, layout=self.layout,
                                     model=self.model if keep_model else None, cg_options=self.cg_options)
-            return out
-        out = self.with_model(self.model if keep_model else None)
+            return out._without_data()
+        out = self.with_model(self.model if keep_model else None)._without_data()
         if self.kind == "precision_operator":
             out.precision_operator = out.precision_factor = out.precision_cholesky = out.lanczos = None
             out.__dict__.pop("_dense_chol", None)  # log_prob's dense factor of the dropped operator (n^2 numbers)
