@@ -422,10 +422,9 @@ def test_an_observation_of_a_hyper_latent_alone_raises_no_torch_warning():
     assert not [w for w in caught if "requires_grad=True to a scalar" in str(w.message)]
 
 
-def test_a_hyper_posterior_mode_the_design_never_reaches_is_flagged():
-    """A scale with a two-component prior (12% of the posterior in the far component): the design grows from the
-    first mode and stops at the valley, so the far mode was lost with k_hat 0.45 and nothing said. The prior's
-    quantiles outside the design are probed; a plain HalfCauchy scale passes."""
+def _two_mode_scale():
+    """A scale with a two-component prior whose posterior keeps 12% of its mass in the far component, beyond a
+    valley 5 nats deep; its exact 5/50/95% quantiles by quadrature over ``log tau`` (20,001 points)."""
     from pyro.distributions.transforms import ExpTransform
 
     g = torch.Generator().manual_seed(18)
@@ -441,6 +440,19 @@ def test_a_hyper_posterior_mode_the_design_never_reaches_is_flagged():
         with pyro.plate("data", 6):
             pyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
 
+    lt = torch.linspace(-8.0, 4.0, 20001, dtype=D)
+    cov = lt.exp()[:, None, None] ** 2 * (X @ X.T) + torch.eye(6, dtype=D)
+    lp = dist.MultivariateNormal(torch.zeros(6, dtype=D), cov).log_prob(y) + two.log_prob(lt.exp()) + lt
+    cdf = torch.softmax(lp, 0).cumsum(0)
+    exact = {p: float(lt.exp()[int(torch.searchsorted(cdf, torch.tensor(p, dtype=D)))]) for p in (0.05, 0.5, 0.95)}
+    return model, two, y, exact
+
+
+def test_a_hyper_posterior_mode_the_design_never_reaches_is_flagged():
+    """A scale with a two-component prior (12% of the posterior in the far component): the design grows from the
+    first mode and stops at the valley, so the far mode was lost with k_hat 0.45 and nothing said. The prior's
+    quantiles outside the design are probed; a plain HalfCauchy scale passes."""
+    model, two, y, _ = _two_mode_scale()
     res = pcv.fit(model, two, y=y, engine="dual_vg", progress=False)
     from pyro_convexvb.diagnostics import ApproximationWarning
 
@@ -449,3 +461,59 @@ def test_a_hyper_posterior_mode_the_design_never_reaches_is_flagged():
     assert not d.reach.passed and not d.reliable and np.nanmin(d.reach.drop) < 3
     res = pcv.fit(model, dist.HalfCauchy(torch.tensor(1.0, dtype=D)), y=y, engine="dual_vg", progress=False)
     assert res.diagnostics.reach.passed and res.diagnostics.reliable
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation"])
+def test_a_grid_grown_on_to_the_probed_quantiles_finds_the_second_mode(engine):
+    """``hyper_probe=True`` fits the field at the prior's quantiles outside the grown grid; those within the pruning
+    threshold of its top lie beyond a valley, and the grid is laid again, uniform out past them, through the valley
+    and around the far mode. The scale's quantiles then match quadrature (the 95% one was 0.076 against 2.81), the
+    diagnostic's reach check passes, and ``res.corrected()`` on a fit without the option refits so by itself."""
+    model, two, y, exact = _two_mode_scale()
+    res = pcv.fit(model, two, y=y, engine=engine, progress=False, options={"hyper_probe": True})
+    assert res.converged and res.hyper["reach"]["targets"] >= 1 and res.hyper["reach"]["unreached"] == 0
+    q = res.hyper["marginals"]["tau"]["quantiles"]
+    for p in (0.05, 0.5, 0.95):
+        assert float(q[p]) == pytest.approx(exact[p], rel=0.03)  # measured within 1.2%
+    assert res.diagnostics.reach.passed and res.diagnostics.reliable
+    plain = pcv.fit(model, two, y=y, engine=engine, progress=False)
+    from pyro_convexvb.diagnostics import ApproximationWarning
+
+    with pytest.warns(ApproximationWarning, match=r"reach check found mass it leaves out .*\(hyper_probe=True"):
+        c = plain.corrected(seed=0)
+    assert c.refit is not None and c.refit.hyper["reach"]["targets"] >= 1 and c.diagnostics.reliable
+    for p in (0.05, 0.5, 0.95):
+        assert float(c.sites["tau"]["quantiles"][p]) == pytest.approx(exact[p], rel=0.03)  # measured within 1.1%
+
+
+def test_probes_that_find_no_mass_leave_the_grid_as_it_was():
+    """A HalfCauchy scale: every probe outside the grid is more than the pruning threshold down, so the design and
+    the marginals are those of the fit without probes, with the probes' fits on top."""
+    model, _, y, _ = _two_mode_scale()
+    prior = dist.HalfCauchy(torch.tensor(1.0, dtype=D))
+    a = pcv.fit(model, prior, y=y, engine="dual_vg", progress=False)
+    b = pcv.fit(model, prior, y=y, engine="dual_vg", progress=False, options={"hyper_probe": True})
+    assert b.hyper["reach"]["targets"] == 0 and "unreached" not in b.hyper["reach"]
+    assert b.hyper["evaluations"] == a.hyper["evaluations"] + len(b.hyper["reach"]["probes"])
+    assert min(b.hyper["reach"]["drops"]) > 7.0
+    for p, v in a.hyper["marginals"]["tau"]["quantiles"].items():
+        assert float(b.hyper["marginals"]["tau"]["quantiles"][p]) == float(v)
+
+
+def test_hyper_probe_is_refused_where_it_would_be_ignored():
+    """No grid to grow (hyper='map', a central composite design) or no hyper-latents: said, not ignored."""
+    model, _, y, _ = _two_mode_scale()
+    prior = dist.HalfCauchy(torch.tensor(1.0, dtype=D))
+    with pytest.raises(ValueError, match="hyper='map' keeps only the hyper-latents' mode, so hyper_probe=True"):
+        pcv.fit(model, prior, y=y, engine="dual_vg", progress=False, options={"hyper": "map", "hyper_probe": True})
+    with pytest.raises(ValueError, match="hyper_strategy='ccd' has no grid"):
+        pcv.fit(model, prior, y=y, engine="dual_vg", progress=False,
+                options={"hyper_strategy": "ccd", "hyper_probe": True})
+
+    def fixed(y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=D), 1.0).to_event(1))
+        with pyro.plate("data", 6):
+            pyro.sample("y", dist.Normal(w.sum() * torch.ones(6, dtype=D), 1.0), obs=y)
+
+    with pytest.warns(UserWarning, match="option hyper_probe=True has no effect"):
+        pcv.fit(fixed, y=y, engine="dual_vg", progress=False, options={"hyper_probe": True})

@@ -15,17 +15,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
-import pyro.poutine as poutine
 import torch
 
 from ..errors import ConvergenceError, NotPositiveDefiniteError, UnsupportedModelError
+from ..infer.hyper import PROBE_LEVELS, probe_points
 
 __all__ = ["ReachCheck", "check_reach"]
 
-#: the prior's quantiles of each hyper-latent at which the objective is probed
-LEVELS = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
-#: prior draws per hyper-latent for the quantiles, and the dimensions checked at most
-PRIOR_DRAWS = 4000
+#: the prior's quantiles of each hyper-latent at which the objective is probed (those of the integration's own probes)
+LEVELS = PROBE_LEVELS
+#: the dimensions checked at most
 MAX_DIM = 2
 
 
@@ -45,22 +44,6 @@ class ReachCheck:
     note: str
 
 
-def _prior_draws(hp, seed):
-    """``(PRIOR_DRAWS, d)`` the hyper-latents' unconstrained prior draws (each from its own prior in one trace of
-    the model; a prior that reads another hyper-latent takes that trace's value)."""
-    from ..lgm.extract import full_data_plates
-    from ..infer.rng import forked_rng
-
-    args, kwargs = hp.model_args
-    with forked_rng(seed), torch.no_grad(), full_data_plates():
-        tr = poutine.trace(hp.model).get_trace(*args, **kwargs)
-        cols = []
-        for name, t, size in zip(hp.space.names, hp.space.transforms, hp.space.sizes):
-            v = tr.nodes[name]["fn"].sample((PRIOR_DRAWS,))
-            cols.append(t.inv(v).reshape(PRIOR_DRAWS, size).double().cpu())
-    return torch.cat(cols, 1)
-
-
 def check_reach(hp, seed=0) -> Optional[ReachCheck]:
     """:class:`ReachCheck` of a :class:`~pyro_convexvb.posterior.hyper.HyperPosterior` ``hp`` integrated over (see
     the module docstring), or ``None`` where it does not apply (hyper-latents fixed, more than :data:`MAX_DIM`
@@ -71,19 +54,10 @@ def check_reach(hp, seed=0) -> Optional[ReachCheck]:
     d = hp.space.dim
     if refit is None or not refit.available or hp.density.kind == "point" or d > MAX_DIM or hp.model is None:
         return None
-    draws = _prior_draws(hp, seed)
-    levels = torch.tensor(LEVELS, dtype=torch.float64)
     top = int(torch.argmax(hp.log_post))
     centre, f_top = hp.z[top].double().cpu(), float(hp.log_post[top])
-    lo, hi = hp.z.double().cpu().min(0).values, hp.z.double().cpu().max(0).values
-    probes = []
-    for j in range(d):
-        for q in torch.quantile(draws[:, j], levels).tolist():
-            if lo[j] - 1e-9 <= q <= hi[j] + 1e-9:
-                continue  # inside the design's range along this axis
-            z = centre.clone()
-            z[j] = q
-            probes.append(z)
+    args, kwargs = hp.model_args
+    probes = list(probe_points(hp.model, args, kwargs, hp.space, hp.z, centre, seed=seed))
     if not probes:
         return ReachCheck(np.zeros((0, d)), np.zeros(0), True, "every prior quantile probed lies inside the design")
     drops = []
@@ -106,4 +80,5 @@ def check_reach(hp, seed=0) -> Optional[ReachCheck]:
     return ReachCheck(theta, drop, False,
                       f"the hyper-latents' objective at {at}, a prior quantile outside the integration design, is "
                       f"only {drop[k]:.2f} nats below the mode's: the design leaves out mass there (another mode of "
-                      "the hyper-latents' posterior); use engine='nuts', or a grid design wide enough to reach it")
+                      "the hyper-latents' posterior); res.corrected() refits with the grid grown on to it "
+                      "(options={'hyper_probe': True}, which a fit can also take), or use engine='nuts'")

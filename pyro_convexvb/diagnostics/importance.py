@@ -522,9 +522,9 @@ class CorrectedPosterior:
     #: statistic of the sites that were shrunk (``shrink=True``); 1 keeps the correction, 0 the proposal's answer
     shrinkage: Dict[str, Dict[Any, float]] = field(default_factory=dict)
     #: the fit these summaries correct when it is not the one passed in: hyper-latents refitted on a grid because
-    #: the correction of their central composite design was unreliable (``regrid``), else ``None``. Its
-    #: ``hyper["marginals"]`` and posterior are the ones to use: the first fit's (its ``hyper``, ``posterior`` and
-    #: ``as_guide()``) stay those of the central composite design
+    #: the correction of their central composite design was unreliable, or because the grid's reach check found
+    #: mass it left out (``regrid``), else ``None``. Its ``hyper["marginals"]`` and posterior are the ones to use:
+    #: the first fit's (its ``hyper``, ``posterior`` and ``as_guide()``) stay those of the first design
     refit: Any = None
     #: the :class:`ImportanceDiagnostics` of that unreliable first correction, else ``None``
     replaced: Any = field(default=None, repr=False)
@@ -908,16 +908,19 @@ def _check_options(adapt, estimator, adaptation, probs):
 
 
 def _grid_refit(result, d, regrid, progress):
-    """With ``regrid``, when the correction ``d`` of hyper-latents integrated by a central composite design of at
-    most :data:`~pyro_convexvb.infer.hyper.GRID_MAX_DIM` dimensions is unreliable and the engine is at hand: the
-    fit again on a grid (:meth:`~pyro_convexvb.infer.hyper.FieldRefit.on_grid`); else ``None``."""
+    """With ``regrid``, when the correction ``d`` of at most :data:`~pyro_convexvb.infer.hyper.GRID_MAX_DIM`
+    hyper-latent dimensions is unreliable and the engine is at hand, the fit again on a grid grown on to the prior's
+    quantiles it leaves out (:meth:`~pyro_convexvb.infer.hyper.FieldRefit.on_grid`): for a central composite design,
+    and for a grid whose reach check found such mass (``d.reach``) and that was not grown so already; else ``None``."""
     from ..infer.hyper import GRID_MAX_DIM
 
     if not regrid or d.reliable or not _integrates_hyper(result):
         return None
     hp = result.posterior
     refit = getattr(hp, "refit", None)
-    if hp.density.kind == "surface" or hp.space.dim > GRID_MAX_DIM or refit is None or not refit.available:
+    if hp.space.dim > GRID_MAX_DIM or refit is None or not refit.available:
+        return None
+    if hp.density.kind == "surface" and (d.reach is None or d.reach.passed or refit.probed):
         return None
     return refit.on_grid(progress)
 
@@ -984,9 +987,11 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
     :param bool shrink: shrink the corrections of fields (default: with ``estimator="cv"``; the plain estimator's
         own answer from flat weights carries the draws' noise, so ``shrink=True`` with ``"snis"`` is refused).
     :param bool regrid: when the correction of at most three hyper-latents integrated by a central composite design
-        (the default design for three) is unreliable (``k_hat`` above its threshold or a failed field check), fit
-        the model again with them on a grid (``options={"hyper_strategy": "grid"}``, every other option kept;
-        1,000-2,200 fits) and correct that fit instead: :attr:`CorrectedPosterior.refit` holds it,
+        (the default design for three) is unreliable (``k_hat`` above its threshold or a failed field check), or
+        that of a grid whose reach check found mass beyond it (``ImportanceDiagnostics.reach``; a grid not grown so
+        already), fit the model again with them on a grid grown on to the prior's quantiles it leaves out
+        (``options={"hyper_strategy": "grid", "hyper_probe": True}``, every other option kept; 1,000-2,200 fits in
+        three dimensions, tens in one) and correct that fit instead: :attr:`CorrectedPosterior.refit` holds it,
         :attr:`CorrectedPosterior.replaced` the first correction's diagnostics, and a warning says so. ``False``
         reports the first correction as unreliable. Nothing happens for other results, four or more hyper-latents,
         or a copied result without its engine.
@@ -1046,8 +1051,11 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
                     estimator=estimator, adapt=adapt, adaptation=adaptation, shrink=shrink, regrid=False)
         c.refit, c.replaced = grid, d
         if warn:
-            warnings.warn(f"corrected posterior: the central composite design's correction was unreliable ({d.message}"
-                          f"); refitted with the hyper-latents on a grid ({grid.hyper['evaluations']} fits, "
+            design = ("the grid's reach check found mass it leaves out" if result.posterior.density.kind == "surface"
+                      else "the central composite design's correction was unreliable")
+            warnings.warn(f"corrected posterior: {design} ({d.message}"
+                          f"); refitted with the hyper-latents on a grid grown on to the prior's quantiles it left out "
+                          f"(hyper_probe=True; {grid.hyper['evaluations']} fits, "
                           f"{grid.seconds:.1f} s) and corrected that fit, k_hat {c.k_hat:.2f}: the result's own "
                           "hyper-latent marginals may be off, the refit's are in corrected.refit.hyper",
                           ApproximationWarning, stacklevel=3)

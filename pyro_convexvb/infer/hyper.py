@@ -33,7 +33,8 @@ import pyro.poutine as poutine
 import torch
 from torch.distributions import biject_to
 
-from ..errors import ConvergenceError, ConvergenceWarning, UnsupportedModelError, WarningsOnce, warn
+from ..errors import (ConvergenceError, ConvergenceWarning, NotPositiveDefiniteError, UnsupportedModelError,
+                      WarningsOnce, warn)
 from ..lgm.extract import _unwrap, full_data_plates, latent_sites
 from ..posterior.hyper import (  # noqa: F401 (re-exported)
     GridWarp,
@@ -602,17 +603,23 @@ class FieldRefit:
         return value, res.posterior, bool(res.converged)
 
     def on_grid(self, progress=False):
-        """The whole fit again with the hyper-latents integrated on a grid (``hyper_strategy="grid"``), every other
-        option as the caller gave it: an :class:`~pyro_convexvb.InferenceResult`, fitted once and kept."""
+        """The whole fit again with the hyper-latents integrated on a grid grown on to the prior's quantiles it
+        leaves out (``hyper_strategy="grid"``, ``hyper_probe=True``), every other option as the caller gave it: an
+        :class:`~pyro_convexvb.InferenceResult`, fitted once and kept."""
         if self.engine is None:
             raise RuntimeError("this hyper-latent posterior was pickled or copied without its engine and data: fit "
-                               "the model with options={'hyper_strategy': 'grid'}")
+                               "the model with options={'hyper_strategy': 'grid', 'hyper_probe': True}")
         if self._grid is None:
             e = self.engine
             options = {name: getattr(e.options, name) for name in e.given_options}
-            options["hyper_strategy"] = "grid"
+            options.update(hyper_strategy="grid", hyper_probe=True)
             self._grid = type(e)(e.model, progress=progress, **options).run(*self.args, **self.kwargs)
         return self._grid
+
+    @property
+    def probed(self):
+        """Whether the fit already grew its grid on to the prior's quantiles (``hyper_probe=True``)."""
+        return self.engine is not None and bool(getattr(self.engine.options, "hyper_probe", False))
 
     def release(self):
         """Drop the refits and their extraction cache."""
@@ -637,6 +644,43 @@ def _initial_z(model, args, kwargs, space, num=51, seed=0):
             tr = poutine.trace(model).get_trace(*args, **kwargs)
             zs.append(space.pack({n: tr.nodes[n]["value"] for n in space.names}))
     return torch.stack(zs).median(0).values
+
+
+#: the prior's quantiles of each hyper-latent at which the objective is probed beyond a design (:func:`probe_points`)
+PROBE_LEVELS = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
+#: prior draws per hyper-latent for those quantiles
+PROBE_PRIOR_DRAWS = 4000
+
+
+def prior_draws(model, args, kwargs, space, num=PROBE_PRIOR_DRAWS, seed=0):
+    """``(num, d)`` the hyper-latents' unconstrained prior draws (each from its own prior in one trace of the model;
+    a prior that reads another hyper-latent takes that trace's value)."""
+    with forked_rng(seed), torch.no_grad(), full_data_plates():
+        tr = poutine.trace(model).get_trace(*args, **kwargs)
+        cols = []
+        for name, t, size in zip(space.names, space.transforms, space.sizes):
+            v = tr.nodes[name]["fn"].sample((num,))
+            cols.append(t.inv(v).reshape(num, size).double().cpu())
+    return torch.cat(cols, 1)
+
+
+def probe_points(model, args, kwargs, space, z_design, centre, seed=0):
+    """``(P, d)`` unconstrained points where a design's reach is probed: the prior's :data:`PROBE_LEVELS` quantiles of
+    each coordinate that lie outside the range of the design's points ``z_design`` ``(K, d)`` along that axis, the
+    other coordinates at ``centre`` ``(d,)``."""
+    draws = prior_draws(model, args, kwargs, space, seed=seed)
+    levels = torch.tensor(PROBE_LEVELS, dtype=torch.float64)
+    z_design, centre = z_design.double().cpu(), centre.double().cpu()
+    lo, hi = z_design.min(0).values, z_design.max(0).values
+    probes = []
+    for j in range(space.dim):
+        for q in torch.quantile(draws[:, j], levels).tolist():
+            if lo[j] - 1e-9 <= q <= hi[j] + 1e-9:
+                continue  # inside the design's range along this axis
+            z = centre.clone()
+            z[j] = q
+            probes.append(z)
+    return torch.stack(probes) if probes else torch.zeros(0, space.dim, dtype=torch.float64)
 
 
 def _grad_fd(f, z, h):
@@ -724,31 +768,71 @@ def find_mode(obj, z0, *, max_iter=100, gtol=1e-4, fd_step=1e-3, bound=12.0, hes
     return z, obj(z), res
 
 
-def _widen_grid(x, logf, evaluate, d, step, radius, max_radius, prune, warp):
+def _segment_distance(points, targets):
+    """``(P, T)`` Euclidean distance of each point ``(P, d)`` to each segment from the origin to a target ``(T, d)``."""
+    t2 = (targets**2).sum(1).clamp_min(1e-300)
+    s = ((points @ targets.T) / t2).clamp(0.0, 1.0)  # (P, T): each point's projection on each segment
+    return (points[:, None, :] - s[..., None] * targets[None]).norm(dim=-1)
+
+
+def _widen_grid(x, logf, evaluate, d, step, radius, max_radius, prune, warp, targets=None):
     """Widen the grid ring by ring while its rim still carries mass (log density within ``prune`` of the top),
     adding points only next to rim points that still do; ``evaluate(points)`` appends their values to ``logf``.
     The design ``x``, ``step`` and ``radius`` are in the lattice coordinates of ``warp`` (:class:`GridWarp`);
-    ``max_radius`` in standardised units.
+    ``max_radius`` in standardised units. With ``targets`` ``(T, d)`` (lattice coordinates), each ring also takes
+    the points next to the segment from the origin to a target it has not passed: a corridor through a valley to
+    another mode, around which the rim rule then grows the grid.
 
-    :returns: ``(x, radius, truncated)``: the grown design, its radius, and whether ``max_radius`` stopped it while
-        its rim still carried mass.
+    :returns: ``(x, radius, truncated, unreached)``: the grown design, its radius, whether ``max_radius`` stopped it
+        while its rim still carried mass, and how many targets lie beyond it.
     """
+    targets = torch.zeros(0, d, dtype=torch.float64) if targets is None else targets
+    far = targets.norm(dim=1) if targets.shape[0] else torch.zeros(0, dtype=torch.float64)
     while float(warp.to_x(torch.tensor(radius, dtype=torch.float64))) < max_radius:
         lf = torch.tensor(logf, dtype=torch.float64)
         rim = (x**2).sum(1).sqrt() > radius - step
-        if not bool((lf[rim] >= lf.max() - prune).any()):
+        pending = targets[far > radius - step]
+        if not bool((lf[rim] >= lf.max() - prune).any()) and not pending.shape[0]:
             break
         wider, _ = design_points(d, "grid", step=step, radius=radius + step)
         ring = wider[(wider**2).sum(1).sqrt() > radius + 1e-9]
         alive = x[rim & (lf >= lf.max() - prune)]
-        ring = ring[torch.cdist(ring, alive).min(1).values <= 1.5 * step + 1e-9]
+        near = torch.zeros(ring.shape[0], dtype=torch.bool)
+        if alive.shape[0]:
+            near |= torch.cdist(ring, alive).min(1).values <= 1.5 * step + 1e-9
+        if pending.shape[0]:
+            near |= _segment_distance(ring, pending).min(1).values <= 1.5 * step + 1e-9
+        ring = ring[near]
         evaluate(ring)
         x = torch.cat([x, ring])
         radius += step
     else:
         lf = torch.tensor(logf, dtype=torch.float64)
-        return x, radius, bool((lf[(x**2).sum(1).sqrt() > radius - step] >= lf.max() - prune).any())
-    return x, radius, False
+        return (x, radius, bool((lf[(x**2).sum(1).sqrt() > radius - step] >= lf.max() - prune).any()),
+                int((far > radius - step).sum()))
+    return x, radius, False, 0
+
+
+def _reach_probes(obj, z_mode, A_inv, zs, logf, prune, seed=0):
+    """Probe the objective at the prior's quantiles outside the grid (:func:`probe_points`, the others at the mode):
+    ``(targets, report)``, the standardised coordinates ``(T, d)`` of the probes within ``prune`` of the grid's top
+    (mass the grid leaves out: beyond a rim that fell by ``prune``, another mode) and a plain report (``probes``,
+    ``drops`` in nats below the top, NaN where a fit failed, ``targets``)."""
+    e = obj.engine
+    probes = probe_points(e.model, obj.args, obj.kwargs, obj.space, torch.stack(zs), z_mode, seed=seed)
+    top, drops = max(logf), []
+    for z in probes:
+        try:
+            value, res = obj.fit(z)
+            drops.append(top - value if res.converged else math.nan)
+        except (ConvergenceError, NotPositiveDefiniteError, UnsupportedModelError):  # a fit far out may fail
+            drops.append(math.nan)
+    drops = torch.tensor(drops, dtype=torch.float64)
+    flagged = drops < prune  # NaN compares False: a failed probe is not a target
+    A = torch.linalg.inv(A_inv)
+    targets = (probes[flagged] - z_mode) @ A.T if bool(flagged.any()) else torch.zeros(0, z_mode.shape[0])
+    report = {"probes": probes.tolist(), "drops": drops.tolist(), "targets": int(flagged.sum())}
+    return targets.to(torch.float64), report
 
 
 def _design_weights(strategy, x, a, logf, prune, log_volume=None):
@@ -811,7 +895,7 @@ def _warn_split_normal(space):
 
 def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_step=1e-3, hess_step=2e-2,
                     grid_step=0.75, grid_radius=3.0, grid_growth=None, max_radius=40.0, prune=7.0, f0=1.1,
-                    run=None, reuse_extraction=None):
+                    run=None, reuse_extraction=None, probe=False):
     """INLA-style integration (or maximisation) over the hyper-latents ``hyper_names`` (see the module docstring).
 
     Over 80 lines: most of it is this docstring; the body is under 80.
@@ -828,6 +912,11 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     :param str strategy: ``"grid"``, ``"ccd"``, ``"auto"`` (grid for ``d <= 2``) or ``"map"`` (the mode only).
     :param reuse_extraction: build each design point's latent Gaussian model from the first extraction's affine
         maps (:class:`HyperObjective`); ``None`` takes :data:`REUSE_EXTRACTION`.
+    :param bool probe: (grid only) once grown, fit the field at the prior's quantiles of each hyper-latent outside
+        the grid (:func:`probe_points`, the others at the mode); where one is within ``prune`` of its top (beyond a
+        rim that fell by ``prune``: another mode), grow the grid again, its spacing uniform out to the farthest such
+        probe plus ``grid_radius``, through the valley to them (``_widen_grid``'s targets) and on by the rim rule;
+        ``info["reach"]`` says what was found.
     :returns: ``(posterior, mode result, info)``: a :class:`HyperPosterior` (``None`` for ``"map"``), the
         engine's result at the mode, and a dict with the mode, Hessian, points, weights, evaluations and the
         extraction report (:meth:`HyperObjective.extraction_report`).
@@ -836,6 +925,10 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
         reuse_extraction = REUSE_EXTRACTION
     model = engine.model
     space = theta_space(model, args, kwargs, hyper_names)
+    if probe and strategy not in ("grid", "auto"):
+        raise ValueError(f"hyper_probe=True grows a grid design on to the prior's quantiles it leaves out, and "
+                         f"hyper_strategy={strategy!r} has no grid; use hyper_strategy='grid' (up to {GRID_MAX_DIM} "
+                         "hyper-latent dimensions) or drop hyper_probe")
     if strategy == "grid" and space.dim > GRID_MAX_DIM:
         raise ValueError(f"hyper_strategy='grid': a grid integrates over at most {GRID_MAX_DIM} hyper-latent "
                          f"dimensions (about 1,000-2,200 fits in 3), and {', '.join(repr(n) for n in space.names)} "
@@ -884,7 +977,11 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     info["mode_step_sd"] = float((A_inv.T @ g_mode).abs().max())
     d = space.dim
     if strategy == "auto":
-        strategy = "grid" if d <= 2 else "ccd"
+        strategy = "grid" if d <= 2 or (probe and d <= GRID_MAX_DIM) else "ccd"
+    if probe and strategy != "grid":
+        raise ValueError(f"hyper_probe=True grows a grid design, which integrates over at most {GRID_MAX_DIM} "
+                         f"hyper-latent dimensions, and {', '.join(repr(n) for n in space.names)} have {d}; drop "
+                         "hyper_probe (res.diagnostics and res.corrected() weigh the central composite design's draws)")
     x, a = design_points(d, strategy, step=grid_step, radius=grid_radius, f0=f0)
     zs, logf, results = [], [], []
 
@@ -904,7 +1001,16 @@ def integrate_hyper(engine, hyper_names, args, kwargs, *, strategy="auto", fd_st
     truncated = False
     log_volume = None
     if strategy == "grid":
-        xi, radius, truncated = _widen_grid(x, logf, evaluate, d, grid_step, radius, max_radius, prune, warp)
+        xi, radius, truncated, _ = _widen_grid(x, logf, evaluate, d, grid_step, radius, max_radius, prune, warp)
+        if probe:
+            targets, info["reach"] = _reach_probes(obj, z_mode, A_inv, zs, logf, prune)
+            if targets.shape[0]:  # the grid again, uniform out to past the targets (refits only where it is new)
+                core = grid_step * math.ceil((float(targets.abs().max()) + grid_radius) / grid_step)
+                warp = GridWarp(core=core, step=grid_step, growth=growth)
+                del zs[:], logf[:], results[:]
+                evaluate(x)
+                xi, radius, truncated, info["reach"]["unreached"] = _widen_grid(
+                    x, logf, evaluate, d, grid_step, grid_radius, max_radius, prune, warp, warp.to_xi(targets))
         x, log_volume = warp.to_x(xi), warp.log_jacobian(xi)
         a = torch.exp(-0.5 * (x**2).sum(1))
     logf = torch.tensor(logf, dtype=torch.float64)

@@ -54,7 +54,7 @@ def run(engine, args, kwargs):
 
 
 #: the options of hyper-latent integration (they have no effect on a model without hyper-latents)
-_HYPER_OPTIONS = ("hyper", "hyper_strategy")
+_HYPER_OPTIONS = ("hyper", "hyper_strategy", "hyper_probe")
 
 
 def _warn_unused_hyper_options(engine):
@@ -173,10 +173,15 @@ def run_hyper(engine, hyper, args, kwargs, t0):
         raise ValueError(f"options: hyper='map' keeps only the hyper-latents' mode, so hyper_strategy="
                          f"{o.hyper_strategy!r} (a design to integrate over {', '.join(repr(n) for n in hyper)}) "
                          "would be ignored; drop hyper_strategy, or pass hyper='integrate' to use it")
+    if o.hyper == "map" and o.hyper_probe:
+        raise ValueError(f"options: hyper='map' keeps only the hyper-latents' mode, so hyper_probe=True (which grows "
+                         f"the design to integrate over {', '.join(repr(n) for n in hyper)}) would be ignored; drop "
+                         "hyper_probe, or pass hyper='integrate' to use it")
     strategy = "map" if o.hyper == "map" else o.hyper_strategy
     run = RunContext(engine.name, engine.progress)
     try:
-        post, mode_res, info = integrate_hyper(engine, hyper, args, kwargs, strategy=strategy, run=run)
+        post, mode_res, info = integrate_hyper(engine, hyper, args, kwargs, strategy=strategy, run=run,
+                                               probe=o.hyper_probe)
     finally:
         run.close()
     inner = [mode_res] + list(info.get("results", []))
@@ -191,6 +196,9 @@ def run_hyper(engine, hyper, args, kwargs, t0):
     if info.get("strategy") == "grid":  # a central composite design has no rim
         crit += (Criterion("grid rim within the pruning threshold at the largest radius",
                            float(info.get("truncated", False)), 0.0),)
+        if "reach" in info:
+            crit += (Criterion("probed prior quantiles within the pruning threshold beyond the grid's largest radius",
+                               float(info["reach"].get("unreached", 0)), 0.0),)
     if o.hyper == "map":  # the field's posterior at the mode, theta fixed there
         marg, reason = None, "hyper-latent mode"
     else:
@@ -203,6 +211,8 @@ def run_hyper(engine, hyper, args, kwargs, t0):
     hyper_info = {"names": info["space"].names, "mode": info["mode_theta"], "marginals": marg,
                   "log_post_mode": info["log_post_mode"], "evaluations": info["evaluations"],
                   "strategy": "map" if o.hyper == "map" else info["strategy"], "extraction": extraction}
+    if "reach" in info:
+        hyper_info["reach"] = info["reach"]
     sol = Solution(post, None, Optimality(crit), reason,
                    {"hyper": hyper_info, "mode_result": mode_res, "hyper_details": info})
     res = engine.assemble(sol, run, mode_res.lgm, args, kwargs, t0)

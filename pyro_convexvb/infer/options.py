@@ -209,6 +209,8 @@ class LGMEngineOptions(Type2Options):
         :mod:`~pyro_convexvb.infer.hyper`): integrate over them (INLA-style), or keep only their mode.
     :ivar hyper_strategy: design of the integration: a grid (dimension <= 2), a central composite design,
         or ``"auto"`` (grid for dimension <= 2, as R-INLA does).
+    :ivar hyper_probe: grow the grid on to the prior's quantiles it leaves out where they carry mass (a grid up to 3
+        dimensions; ``res.corrected()`` refits so when the diagnostic finds such mass).
     """
 
     hyper: typing.Literal["auto", "integrate", "map"] = option(
@@ -216,6 +218,9 @@ class LGMEngineOptions(Type2Options):
     hyper_strategy: typing.Literal["auto", "grid", "ccd"] = option(
         "auto", "design of the hyper-latent integration: grid (d <= 2 under 'auto', up to 3 on request), central "
         "composite design")
+    hyper_probe: bool = option(
+        False, "after growing a grid design, fit the field at the prior's 1-99% quantiles of each hyper-latent "
+        "outside it and grow the grid on to those within its pruning threshold (another mode beyond a valley)")
 
 
 def options_table(engine_cls):
