@@ -198,7 +198,7 @@ class ImportanceDiagnostics:
                     "res.corrected() (or fit with correct='psis') for corrected summaries with Monte Carlo errors")
         if self.reliable:
             unsearched = "" if self.modes is None or self.modes.checked else \
-                f" ({self.modes.note}: a likelihood that is not log-concave may give modes no draw reaches)"
+                f" ({self.modes.note}: a site that is not log-concave may give modes no draw reaches)"
             return (f"PSIS k_hat = {self.k_hat:.2f} <= {self.threshold:.2f} ({self.num_draws} draws, proposal "
                     f"{self.proposal!r}): the approximation is close to the posterior in the sense of Yao et al. "
                     f"(2018); importance ESS {self.ess:.0f}" + unsearched)

@@ -199,17 +199,29 @@ def _show(v):
     return f"{float(v):.3g}" if v.numel() == 1 else str([round(float(t), 3) for t in v.reshape(-1)])
 
 
-def _not_log_concave(model, args, kwargs):
-    """Whether an observed site of ``model`` is not known to be log-concave in its predictor: read by a family that
-    is not, or by none (e.g. a ``Cauchy`` likelihood, which extraction refuses: the search then says it could not
-    run, rather than nothing); one trace."""
-    from ..lgm.extract import _is_subsample, full_data_plates, likelihood_family
+#: priors log-concave in the unconstrained coordinates of their support (``biject_to``: the real line as it is, a
+#: positive support through ``log``, an interval through ``logit``, a simplex by stick-breaking), by class name; a
+#: latent site with any other prior (``StudentT``, ``Cauchy``, a mixture) may give the posterior modes of its own
+LOG_CONCAVE_PRIORS = frozenset({
+    "Normal", "MultivariateNormal", "LowRankMultivariateNormal", "SparseGMRF", "Laplace", "Gumbel", "Uniform", "Beta",
+    "Gamma", "InverseGamma", "LogNormal", "HalfNormal", "HalfCauchy", "Exponential", "Weibull", "Chi2", "Dirichlet",
+    "Delta"})
+
+
+def _log_concavity(model, args, kwargs):
+    """``(likelihood, priors)`` from one trace of ``model``: whether an observed site is not known to be log-concave in
+    its predictor (read by a family that is not, or by none, e.g. a ``Cauchy`` likelihood, which extraction refuses:
+    the search then says it could not run, rather than nothing), and the latent sites whose prior is not in
+    :data:`LOG_CONCAVE_PRIORS`."""
+    from ..lgm.extract import _is_subsample, _unwrap, full_data_plates, likelihood_family
 
     with torch.no_grad(), full_data_plates():
         tr = poutine.trace(model).get_trace(*args, **kwargs)
-    families = [likelihood_family(s["fn"]) for s in tr.nodes.values()
-                if s["type"] == "sample" and s["is_observed"] and not _is_subsample(s)]
-    return any(f is None or not f.log_concave for f in families)
+    sites = [s for s in tr.nodes.values() if s["type"] == "sample" and not _is_subsample(s)]
+    families = [likelihood_family(s["fn"]) for s in sites if s["is_observed"]]
+    priors = [f"{s['name']} ({type(_unwrap(s['fn'])[0]).__name__})" for s in sites
+              if not s["is_observed"] and type(_unwrap(s["fn"])[0]).__name__ not in LOG_CONCAVE_PRIORS]
+    return any(f is None or not f.log_concave for f in families), priors
 
 
 def check_modes(result):
@@ -246,16 +258,29 @@ def _moments(post):
 
 
 def _check(result):
+    model, args, kwargs = model_of(result)
+    likelihood, priors = _log_concavity(model, args, kwargs)
+    if not likelihood and not priors:
+        return None
+    skip = lambda why: ModeCheck(False, "posterior modes not searched: " + why)  # noqa: E731
+    prior_note = (f"the prior of {', '.join(priors)} is not known to be log-concave, and the search follows only the "
+                  "peaks of likelihood sites")
+    if not likelihood:
+        return skip(prior_note)
+    check = _check_likelihood(result, model, args, kwargs, skip)
+    if priors:
+        check.note = f"{check.note}; {prior_note}"
+    return check
+
+
+def _check_likelihood(result, model, args, kwargs, skip):
+    """:func:`_check` for a likelihood that is not log-concave."""
     from ..errors import UnsupportedModelError
     from ..infer.hyper import conditioned_model, find_hyper_sites, theta_space
     from ..lgm.extract import lgm_from_pyro
     from .constrained import proposal_posterior
 
-    model, args, kwargs = model_of(result)
-    if not _not_log_concave(model, args, kwargs):
-        return None
     post = proposal_posterior(result)
-    skip = lambda why: ModeCheck(False, "posterior modes not searched: " + why)  # noqa: E731
     lgm, at, lift, refused = result.lgm, None, None, None
     point = False
     if type(post).__name__ == "HyperPosterior":  # the field at the hyper-latents' heaviest design point
