@@ -278,3 +278,26 @@ def test_an_ar_coefficient_param_is_learned_by_dual_vg_through_differences():
     assert res.converged
     assert float(pyro.param("phi").detach()) == pytest.approx(ref.x, abs=1e-4)
     assert res.log_evidence_bound == pytest.approx(-ref.fun, abs=1e-7)
+
+
+def test_type2_with_an_engine_that_gives_no_bound_names_the_param():
+    """Laplace reports no evidence bound for a model that is no latent Gaussian model (here a cubic predictor), and
+    type-II learning, which maximises that bound, died on it with a bare TypeError; it now names the param, says
+    why, and points to learn_params=False and the SVI engines, which learn it."""
+    X = torch.linspace(-1, 1, 20, dtype=D)
+    y = (X > 0).to(D)
+
+    def model(y=None):
+        tau = pyro.param("tau", torch.tensor(1.0, dtype=D), constraint=constraints.positive)
+        eta = pyro.sample("eta", dist.Normal(torch.tensor(0.0, dtype=D), tau))
+        with pyro.plate("d", 20):
+            pyro.sample("y", dist.Bernoulli(logits=X * (eta + 0.3 * eta**3)), obs=y)
+
+    pyro.clear_param_store()
+    with pytest.raises(pcv.UnsupportedModelError, match=r"site 'tau': engine 'laplace' gives no evidence bound for "
+                                                        r"this model \(the model is no latent Gaussian model.*"
+                                                        r"learn_params=False.*svi_\* engine"):
+        pcv.fit(model, y=y, engine="laplace", progress=False)
+    pyro.clear_param_store()
+    res = pcv.fit(model, y=y, engine="laplace", progress=False, options={"learn_params": False})
+    assert res.log_evidence_bound is None and "no latent Gaussian model" in res.info["bound_note"]

@@ -727,8 +727,12 @@ class LaplaceEngine(_FullDataEngine):
                 bound = float(lgm.evidence_lower_bound(q.loc.to(lgm.dtype), q.covariance().to(lgm.dtype)))
         reason = "gradient" if rel <= grad_tol else res.stop_reason
         opt = Optimality.single("max |gradient| of the log joint at the mode / (1 + |log joint|)", rel, grad_tol)
-        return Solution(posterior, bound, opt, reason, {"map_grad_norm": res.grad_norm, "evaluations": res.evaluations,
-                                                   "iterations": res.iterations, "method": method},
+        info = {"map_grad_norm": res.grad_norm, "evaluations": res.evaluations, "iterations": res.iterations,
+                "method": method}
+        if bound is None:  # why (type-II learning, which maximises the bound, names it)
+            info["bound_note"] = ("the model is no latent Gaussian model, whose bound it evaluates" if lgm is None
+                                  else f"its {q.n} latent coordinates exceed the {EXACT_BOUND_MAX} of a dense bound")
+        return Solution(posterior, bound, opt, reason, info,
                         lgm=lgm, state=LaplaceState(posterior.loc.detach().clone()),
                         advice=_no_mode_advice(guide, loc, res.stop_reason) if rel > grad_tol else "")
 

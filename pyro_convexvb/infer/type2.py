@@ -163,6 +163,13 @@ def _maximize_bound(engine, names, args, kwargs, max_iter, gtol, fd_step, run):
     def fun(x):
         res = fit_at(x)
         value = engine.type2_value(res)
+        if value is None:
+            raise UnsupportedModelError(names[0], f"engine '{engine.name}' gives no evidence bound for this model "
+                                                  f"({_no_bound_reason(engine, res)}), and type-II learning maximises "
+                                                  "that bound over the pyro.param sites "
+                                                  f"{', '.join(repr(n) for n in names)}; pass learn_params=False to "
+                                                  "keep them at their values, or learn them with an svi_* engine "
+                                                  "(Pyro's SVI, jointly with its guide)")
         grad = engine.type2_gradient(params, x, res, args, kwargs, fd_step)
         if run is not None:
             run.history.record(objective=value, grad_norm=float(np.abs(grad).max()))
@@ -187,6 +194,12 @@ def _maximize_bound(engine, names, args, kwargs, max_iter, gtol, fd_step, run):
             "gtol": gtol * (1.0 + abs(value)), "iterations": nit, "fits": state["evals"],
             "message": str(opt.message)}
     return res, info
+
+
+def _no_bound_reason(engine, res):
+    """Why a fit reports no evidence bound (the engine's own note where it gives one)."""
+    note = (getattr(res, "info", None) or {}).get("bound_note")
+    return note or f"{engine.name} reports one only for a latent Gaussian model of moderate size"
 
 
 def central_differences(f, x, h):

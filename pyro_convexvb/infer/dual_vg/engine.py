@@ -378,9 +378,11 @@ class DualState:
         2013, §5: the type-II envelope), a 0-d tensor carrying ``lgm``'s graph; refused for ``bound='jaakkola'``
         (its ``xi`` depend on ``theta``) and row-sharded data."""
         if self.bound == "jaakkola":
-            raise ValueError("engine 'dual_vg': learn_params needs a local bound that does not depend on theta "
-                             "through its variational parameters; the 'jaakkola' bound fixes xi at the prior "
-                             "marginals -- use bound='tight', 'jensen' or 'bohning', or learn_params=False")
+            raise ValueError("engine 'dual_vg': learn_params differentiates the bound at the fitted q as the "
+                             "maximum over q and the local bounds' variational parameters, and the 'jaakkola' bound's "
+                             "tangent points xi are not fitted (set from the prior marginals, which move with the "
+                             "params, or fixed by the option xi) -- use bound='tight', 'jensen' or 'bohning', or "
+                             "learn_params=False")
         if sharded_design(lgm.design())[1] is not None:
             raise ValueError("engine 'dual_vg': type-II learning of model parameters (learn_params) is not "
                              "available on row-sharded data; learn them with engine 'convex_relaxation' or "
