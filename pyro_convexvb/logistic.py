@@ -173,7 +173,7 @@ class BayesianLogisticRegression(CompactPickleMixin, BinaryPredictiveClassifier,
         auto = isinstance(self.prior_scale, str)
         options = engine_options(self, engine, self.options)
         if auto:
-            if "learn_params" not in engine.Options.__dataclass_fields__:
+            if engine.type2 is None:  # learns no params (nuts: none to learn with, learn_params only holds them)
                 raise ValueError(f"prior_scale='auto' needs an engine with an evidence bound to maximise (type-II "
                                  f"maximum likelihood); engine '{self.engine}' has none")
             if options.get("learn_params", True) is False:

@@ -301,3 +301,24 @@ def test_type2_with_an_engine_that_gives_no_bound_names_the_param():
     pyro.clear_param_store()
     res = pcv.fit(model, y=y, engine="laplace", progress=False, options={"learn_params": False})
     assert res.log_evidence_bound is None and "no latent Gaussian model" in res.info["bound_note"]
+
+
+def test_nuts_refuses_params_it_cannot_learn_unless_told_to_hold_them():
+    """NUTS samples latent sites only: it sampled the posterior at whatever value the param store held (the param's
+    initial value on a fresh store, another fit's value after it), with converged=True and no word. A model with
+    pyro.param sites is now refused by name unless learn_params=False, which holds them (reported in info)."""
+    def model(y=None):
+        tau = pyro.param("tau", torch.tensor(1.0, dtype=D), constraint=constraints.positive)
+        a = pyro.sample("a", dist.Normal(torch.zeros(3, dtype=D), tau).to_event(1))
+        with pyro.plate("d", 3):
+            pyro.sample("y", dist.Normal(a, 1.0), obs=y)
+
+    y = torch.tensor([0.3, -0.2, 0.5], dtype=D)
+    pyro.clear_param_store()
+    with pytest.raises(pcv.UnsupportedModelError, match=r"site 'tau': engine 'nuts' samples latent sites and cannot "
+                                                        r"learn .*learn_params': False.*\(tau = 1\)"):
+        pcv.fit(model, y=y, engine="nuts", progress=False, options={"num_samples": 20, "warmup_steps": 20})
+    res = pcv.fit(model, y=y, engine="nuts", progress=False,
+                  options={"num_samples": 20, "warmup_steps": 20, "learn_params": False, "seed": 0})
+    assert float(res.info["held_params"]["tau"]) == 1.0
+    assert "nuts" not in pcv.engines_that_fit(model, y=y) and "dual_vg" in pcv.engines_that_fit(model, y=y)

@@ -824,6 +824,9 @@ class NUTSOptions(EngineOptions):
     max_tree_depth: int = option(8, "NUTS tree depth cap", min=1)
     jit_compile: bool = option(False, "JIT-compile the potential (Pyro's jit_compile)")
     seed: typing.Optional[int] = option(SEED_DOC[0], SEED_DOC[1], min=0)
+    learn_params: bool = option(True, "NUTS samples latent sites and cannot learn pyro.param sites: a model with "
+                                      "them is refused unless False, which samples with them held at their values "
+                                      "in the param store")
 
 
 class NUTSEngine(_FullDataEngine):
@@ -835,10 +838,34 @@ class NUTSEngine(_FullDataEngine):
     subsampled_locals = True
     sequential_plates = True  # samples the log joint as written
 
+    @classmethod
+    def fits(cls, model, args=(), kwargs=None, lgm=None):
+        """As :meth:`ModelEngine.fits <pyro_convexvb.infer.engine.ModelEngine.fits>`, and not a model with
+        ``pyro.param`` sites, which NUTS refuses at its default ``learn_params=True`` (it cannot learn them)."""
+        from .type2 import model_params
+
+        err = super().fits(model, args, kwargs, lgm)
+        if err is None:  # a Pyro model (a LatentGaussianModel is refused above)
+            names = model_params(model, args, kwargs or {})
+            if names:
+                return UnsupportedModelError(names[0], "engine 'nuts' cannot learn pyro.param sites (it samples "
+                                                       "latent sites; learn_params=False holds them)")
+        return err
+
     def solve(self, call, run):
         from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 
         o = self.options
+        held = model_param_values(call)
+        if held and o.learn_params:
+            values = ", ".join(f"{n} = {float(v.reshape(-1)[0]):.4g}" + ("" if v.numel() == 1 else ", ...")
+                               for n, v in held.items())
+            raise UnsupportedModelError(next(iter(held)), f"engine 'nuts' samples latent sites and cannot learn the "
+                                        f"model's pyro.param sites {', '.join(repr(n) for n in held)}, which every "
+                                        "other engine learns by default; pass options={'learn_params': False} to "
+                                        f"sample with them held at their values in the param store ({values}), "
+                                        "learn them first with another engine (e.g. engine='dual_vg' or "
+                                        "'laplace') and then sample so, or give them priors for NUTS to sample")
         model = self.full_data_model(call)
         kernel = NUTS(model, target_accept_prob=o.target_accept_prob, max_tree_depth=o.max_tree_depth,
                       jit_compile=o.jit_compile, ignore_jit_warnings=True)
@@ -870,6 +897,8 @@ class NUTSEngine(_FullDataEngine):
         posterior = GaussianPosterior(loc, covariance=cov)
         info = {"samples": samples, "unconstrained_samples": flat, "r_hat": rhat, "min_ess": ess,
                 "iterations": o.warmup_steps + o.num_samples}  # the chain's steps, warm-up included
+        if held:
+            info["held_params"] = held  # learn_params=False: sampled with the params at these values
         ess_short = max(0.0, o.min_ess - ess) if math.isfinite(ess) else math.inf
         opt = Optimality((Criterion("largest split R-hat", rhat if math.isfinite(rhat) else math.inf, o.max_rhat),
                           Criterion(f"smallest effective sample size: shortfall below min_ess = {o.min_ess:g} (draws)",
