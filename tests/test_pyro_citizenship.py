@@ -343,3 +343,27 @@ def test_a_wide_prior_is_not_taken_for_a_zero_exposure():
         check_model_data(_exposure_model, (X, torch.ones(8, dtype=D)), {"y": y, "sd": 400.0})
     assert underflow > 0
     check_model_data(_gamma_model, (X,), {"y": torch.zeros(8, dtype=D), "concentration": 1.0})
+
+
+def test_nuts_samples_a_float32_model_under_a_float64_default():
+    """Pyro's NUTS builds its step size and mass matrix in torch's default dtype: a float32 model under the float64
+    default these docs advise failed with a bare 'addmv ... same dtype' error. The default is set to the model's
+    dtype for the run and restored."""
+    g = torch.Generator().manual_seed(14)
+    X = torch.randn(40, 2, generator=g, dtype=torch.float32)
+    y = torch.bernoulli(torch.sigmoid(X @ torch.tensor([1.0, -0.5])), generator=g)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.0).to_event(1))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        res = pcv.fit(model, X, y=y, engine="nuts", progress=False,
+                      options={"num_samples": 50, "warmup_steps": 50, "seed": 0})
+        assert torch.get_default_dtype() == torch.float64
+    finally:
+        torch.set_default_dtype(before)
+    assert res.posterior.loc.dtype == torch.float32 and bool(torch.isfinite(res.posterior.loc).all())

@@ -21,6 +21,7 @@ estimate otherwise); ``laplace``, the largest gradient entry of the log joint at
 Engines that fit all data at once (``laplace``, ``nuts``) run the model with every subsampled
 ``pyro.plate`` at full size; the SVI engines keep Pyro's mini-batches (that is what SVI is for).
 """
+import contextlib
 import itertools
 import math
 import re
@@ -829,6 +830,27 @@ class NUTSOptions(EngineOptions):
                                       "in the param store")
 
 
+def _latent_dtype(call):
+    """The one floating dtype of the model's latent sites, else ``None``."""
+    dtypes = {s["value"].dtype for _, s in latent_sites(call.model, call.args, call.kwargs)
+              if s["value"].is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    """torch's default dtype set to ``dtype`` (unchanged for ``None``) inside the block, restored after: Pyro's NUTS
+    builds its step size, mass matrix and momenta in the default dtype, so a float32 model under a float64 default
+    (as these docs advise) failed on its first leapfrog step with a bare dtype error."""
+    before = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 class NUTSEngine(_FullDataEngine):
     name = "nuts"
     description = "Pyro NUTS (MCMC); Gaussian summary of the samples in unconstrained space, no evidence bound"
@@ -878,7 +900,8 @@ class NUTSEngine(_FullDataEngine):
 
         mcmc = MCMC(kernel, num_samples=o.num_samples, warmup_steps=o.warmup_steps, disable_progbar=True,
                     hook_fn=hook)
-        mcmc.run(*call.args, **call.kwargs)
+        with _default_dtype(_latent_dtype(call)):  # Pyro's NUTS makes its tensors in torch's default dtype
+            mcmc.run(*call.args, **call.kwargs)
         samples = mcmc.get_samples()
         flat = []
         for name, site in latent_sites(call.model, call.args, call.kwargs):
