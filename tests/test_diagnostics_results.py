@@ -937,3 +937,15 @@ def test_diagnostics_of_a_loaded_or_copied_compact_result_say_its_data_are_gone(
     rebound = dataclasses.replace(res, posterior=copied.posterior.with_model(_student_t_scaled, ((X,), {"y": X[:, 0]})))
     assert not rebound.posterior.data_dropped and not res.posterior.data_dropped
     assert rebound.diagnostics.k_hat == pytest.approx(res.diagnostics.k_hat)
+
+
+def test_the_advice_to_a_nuts_result_is_not_nuts():
+    """A flagged NUTS result (its Gaussian summary of the draws) was told to 'use engine=nuts'; it is told to run
+    longer and use the draws, while other engines' results keep the advice."""
+    X = torch.randn(30, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    res = pcv.fit(_student_t_scaled, X, y=X[:, 0], engine="nuts", progress=False,
+                  options={"num_samples": 40, "warmup_steps": 40, "seed": 0})
+    d = res.diagnostics
+    assert d.engine == "nuts" and d.fallback.startswith("run NUTS longer") and "engine='nuts'" not in d.fallback
+    assert pcv.fit(_student_t_scaled, X, y=X[:, 0], engine="laplace", progress=False).diagnostics.fallback == \
+        "use engine='nuts'"

@@ -149,6 +149,16 @@ class ImportanceDiagnostics:
     #: hyper-latents integrated over: whether the design reaches their posterior's mass
     #: (:class:`~pyro_convexvb.diagnostics.hyper_reach.ReachCheck`), else ``None``
     reach: Any = field(default=None, repr=False)
+    #: the engine of the result diagnosed (its advice does not send a NUTS result to NUTS)
+    engine: str = field(default="", repr=False)
+
+    @property
+    def fallback(self):
+        """What to do when importance sampling cannot repair the approximation."""
+        if self.engine == "nuts":
+            return ("run NUTS longer (num_samples, warmup_steps) and use its draws (res.info['samples']), which this "
+                    "Gaussian summary of them approximates")
+        return "use engine='nuts'"
 
     @property
     def reliable(self):
@@ -205,8 +215,8 @@ class ImportanceDiagnostics:
         return (f"PSIS k_hat = {self.k_hat:.2f} > {self.threshold:.2f} ({self.num_draws} draws, proposal "
                 f"{self.proposal!r}, importance ESS {self.ess:.0f}): the Gaussian approximation misses part of the "
                 "posterior, so its sds and tail quantiles may be off. Call res.corrected() (tries wider proposals and "
-                "reports its own k_hat and Monte Carlo errors) or fit with correct='psis'; if k_hat stays above 0.7 "
-                "use engine='nuts'")
+                f"reports its own k_hat and Monte Carlo errors) or fit with correct='psis'; if k_hat stays above 0.7 "
+                f"{self.fallback}")
 
     def __repr__(self):
         ev = "None" if self.log_evidence is None else f"{self.log_evidence:.6g}"
@@ -310,7 +320,7 @@ def diagnose(result, num_draws=DIAGNOSTIC_DRAWS, seed=0, *, proposal="fitted", w
     check_draws(num_draws, default=DIAGNOSTIC_DRAWS)
     check_seed(seed)
     d = _importance(result, num_draws, seed, proposal, progress)
-    d.modes, d.reach = check_modes(result), _reach(result)
+    d.modes, d.reach, d.engine = check_modes(result), _reach(result), str(result.engine)
     if warn and not d.ok:
         warnings.warn(d.message, ApproximationWarning, stacklevel=3)
     return d
@@ -371,9 +381,8 @@ def _funnel_note(result):
             "field's conditional posterior narrows toward its mean (a centred hierarchy's funnel), a region this "
             "proposal reaches too rarely for the importance weights, or k_hat, to show what it misses: the "
             f"corrected marginals of {names}, above all their lower tails, may be off. To be sure, fit with the "
-            "scales integrated over a design (the engines on the latent Gaussian model do so by default; "
-            "pcv.engines_that_fit(model, *args) lists the engines that fit this model) and correct that fit, or "
-            "write the hierarchy non-centred")
+            "scales integrated over a design (engine='dual_vg' does so by default, for a model that is a latent "
+            "Gaussian model given them) and correct that fit, or write the hierarchy non-centred")
 
 
 def _reach(result):
@@ -884,7 +893,7 @@ def _unsettled_message(d, adapt):
     more = f"adapt={AUTO_ROUNDS}, " if adapt != "auto" and adapt < AUTO_ROUNDS else ""
     return (f"corrected posterior: PSIS k_hat = {d.k_hat:.2f} ({d.num_draws} draws, proposal {d.proposal!r}), but "
             f"{' and '.join(how)}: importance estimates from a proposal that misses the posterior this way are biased "
-            f"toward it. Call res.corrected() with {more}more draws (num_draws) or another seed, or use engine='nuts'")
+            f"toward it. Call res.corrected() with {more}more draws (num_draws) or another seed, or {d.fallback}")
 
 
 def _check_options(adapt, estimator, adaptation, probs):
@@ -1031,7 +1040,7 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         d = _choose(result, num_draws, seed, progress, adapt, adaptation)
     else:
         d = _importance(result, num_draws, seed, proposal, progress)
-    d.modes, d.reach = check_modes(result), _reach(result)
+    d.modes, d.reach, d.engine = check_modes(result), _reach(result), str(result.engine)
     if _integrates_hyper(result):
         from .field_check import check_field
 

@@ -757,9 +757,9 @@ def _no_mode_advice(guide, loc, stop_reason):
             j = int(v.abs().argmax())
             return (f"; site {name!r} seems to run off to a boundary (unconstrained value {float(v[j]):.3g}): a scale "
                     "heading to 0 makes the log joint of a centred hierarchy grow without bound, so there is no mode "
-                    "to find and raising max_iter does not help; integrate the scale over "
-                    "(pcv.engines_that_fit(model, *args) lists the engines that fit the model; those on the latent "
-                    "Gaussian model integrate hyper-latents by default) or write the hierarchy non-centred")
+                    "to find and raising max_iter does not help; integrate the scale over (engine='dual_vg' does by "
+                    "default, for a model that is a latent Gaussian model given it) or write the hierarchy "
+                    "non-centred")
     return "; raise max_iter (options=dict(max_iter=...))" if stop_reason == "max_iter" else ""
 
 
