@@ -516,3 +516,18 @@ def test_svi_optimality_is_exact_with_obs_mask_sites():
     exact = torch.distributions.MultivariateNormal(torch.zeros(int(ok.sum()), dtype=D),
                                                    X[ok] @ X[ok].T + s**2 * torch.eye(int(ok.sum()), dtype=D))
     assert bound == pytest.approx(float(exact.log_prob(y[ok])), abs=1e-9)  # the marginal's bound: log p(y) here
+
+
+@pytest.mark.parametrize("engine", ["dual_vg", "convex_relaxation", "laplace", "svi_autonormal", "nuts"])
+def test_a_forgotten_y_is_named_by_every_engine(engine):
+    """A model called without its observations has every site latent: laplace and convex_relaxation returned the
+    prior as a converged posterior, others fitted it with convergence warnings; every engine now says so."""
+    X = torch.randn(10, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def model(X, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.0).to_event(1))
+        with pyro.plate("d", 10):
+            pyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+
+    with pytest.raises(ValueError, match=r"no observed site \(every pyro.sample is latent: 'w', 'y'.*y=\.\.\."):
+        pcv.fit(model, X, engine=engine, progress=False)

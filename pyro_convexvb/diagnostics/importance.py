@@ -149,13 +149,14 @@ class ImportanceDiagnostics:
     #: hyper-latents integrated over: whether the design reaches their posterior's mass
     #: (:class:`~pyro_convexvb.diagnostics.hyper_reach.ReachCheck`), else ``None``
     reach: Any = field(default=None, repr=False)
-    #: the engine of the result diagnosed (its advice does not send a NUTS result to NUTS)
-    engine: str = field(default="", repr=False)
+    #: the result diagnosed is a Gaussian summary of a sampler's draws (``info["samples"]``): its advice does not
+    #: send it to a sampler
+    of_draws: bool = field(default=False, repr=False)
 
     @property
     def fallback(self):
         """What to do when importance sampling cannot repair the approximation."""
-        if self.engine == "nuts":
+        if self.of_draws:
             return ("run NUTS longer (num_samples, warmup_steps) and use its draws (res.info['samples']), which this "
                     "Gaussian summary of them approximates")
         return "use engine='nuts'"
@@ -320,7 +321,7 @@ def diagnose(result, num_draws=DIAGNOSTIC_DRAWS, seed=0, *, proposal="fitted", w
     check_draws(num_draws, default=DIAGNOSTIC_DRAWS)
     check_seed(seed)
     d = _importance(result, num_draws, seed, proposal, progress)
-    d.modes, d.reach, d.engine = check_modes(result), _reach(result), str(result.engine)
+    d.modes, d.reach, d.of_draws = check_modes(result), _reach(result), "samples" in (result.info or {})
     if warn and not d.ok:
         warnings.warn(d.message, ApproximationWarning, stacklevel=3)
     return d
@@ -1040,7 +1041,7 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         d = _choose(result, num_draws, seed, progress, adapt, adaptation)
     else:
         d = _importance(result, num_draws, seed, proposal, progress)
-    d.modes, d.reach, d.engine = check_modes(result), _reach(result), str(result.engine)
+    d.modes, d.reach, d.of_draws = check_modes(result), _reach(result), "samples" in (result.info or {})
     if _integrates_hyper(result):
         from .field_check import check_field
 

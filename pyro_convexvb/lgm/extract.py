@@ -451,7 +451,8 @@ def check_model_data(model, args, kwargs):
     * an argument (tensor, NumPy array, SciPy sparse matrix) with ``inf``/``NaN`` entries, except the observed
       values of ``obs_mask`` sites (their masked-out entries are never read);
     * an observed site with no entries (``0`` rows of data);
-    * a model with no latent sample site (nothing to infer);
+    * a model with no latent sample site (nothing to infer), or with no observed one (a forgotten ``y=``: the
+      posterior would be the prior);
     * observed values outside the support of their distribution (Bernoulli labels 2 or -1, negative counts);
     * observed values that the model as written cannot score (a NumPy array; integer labels where ``log_prob``
       computes in floating point).
@@ -482,13 +483,14 @@ def check_model_data(model, args, kwargs):
                      f"ha{'ve' if len(empty) > 1 else 's'} 0 rows") if empty else ""
             raise ValueError(f"the model fails on empty data (a pyro.plate of size 0){which}; there is nothing to "
                              "fit: pass at least one row") from None
-        latent = []
+        latent, observed = [], 0
         for name, site in tr.nodes.items():
             if site["type"] != "sample" or _is_subsample(site):
                 continue
             if not site["is_observed"]:
                 latent.append(name)
                 continue
+            observed += 1
             if _is_factor(site):  # pyro.factor: an observed Unit site of no data
                 continue
             value = site["value"]
@@ -507,6 +509,10 @@ def check_model_data(model, args, kwargs):
         if not latent:
             raise ValueError("the model has no latent sample site (every pyro.sample is observed), so there is no "
                              "posterior to infer")
+        if not observed:
+            raise ValueError(f"the model has no observed site (every pyro.sample is latent: "
+                             f"{', '.join(repr(n) for n in latent)}; no obs= and no pyro.factor), so its posterior is "
+                             "its prior and there is nothing to fit: were the data left out of the call (e.g. y=...)?")
     _check_finite_arguments(model, args, kwargs, masked)
     if nonfinite:  # inf/NaN observations that no argument holds
         raise ValueError(nonfinite)
