@@ -46,6 +46,12 @@ class NonConvexWarning(UserWarning):
     """A site is not log-concave, so the convex relaxation loses its convexity guarantee."""
 
 
+class ApproximationWarning(UserWarning):
+    """The approximate posterior is unreliable: the Pareto ``k_hat`` of its importance ratios says so
+    (:mod:`pyro_convexvb.diagnostics`), or the fit itself found it degenerate (a Laplace mode at a centred
+    hierarchy's funnel neck)."""
+
+
 class NotPositiveDefiniteError(ValueError):
     """An operator (or preconditioner) that must be positive definite is not.
 

@@ -249,3 +249,39 @@ def test_a_run_stopped_by_max_iter_where_the_curvature_is_negative_says_so():
     grad = scipy.optimize.approx_fprime(  # the mode: the log joint's derivative vanishes
         [w], lambda v: -v[0] ** 2 / 200 - np.log1p(((3 - v[0]) / 0.3) ** 2) - np.log1p(((3 + v[0]) / 0.3) ** 2), 1e-7)
     assert res.converged and abs(w) > 2.5 and abs(grad[0]) < 1e-5
+
+
+def test_a_mode_at_a_centred_hierarchys_funnel_neck_is_warned_about():
+    """``tau = exp(log_tau)``, ``log_tau ~ Normal(-1, 1)``: the joint mode pools every effect (``log_tau`` near -9,
+    the prior scale 4e-4 of its prior median) and the search calls it converged; it was returned without a word,
+    while ``tau ~ HalfNormal`` runs off to 0 and is refused. It now warns and names the site and the remedy, and
+    ``dual_vg``, which integrates ``log_tau``, puts its median near -0.5; the non-centred form is not warned about."""
+    from pyro_convexvb.errors import ApproximationWarning
+
+    g = torch.Generator().manual_seed(3)
+    grp = torch.arange(8).repeat_interleave(6)
+    y = torch.bernoulli(torch.sigmoid(0.5 * torch.randn(8, generator=g, dtype=torch.float64)[grp]), generator=g)
+
+    def model(grp, y=None):
+        log_tau = pyro.sample("log_tau", dist.Normal(torch.tensor(-1.0, dtype=torch.float64), 1.0))
+        b = pyro.sample("b", dist.Normal(torch.zeros(8, dtype=torch.float64), torch.exp(log_tau)).to_event(1))
+        with pyro.plate("d", 48):
+            pyro.sample("y", dist.Bernoulli(logits=b[grp]), obs=y)
+
+    with pytest.warns(ApproximationWarning, match=r"prior scale of site 'b' \(set by \['log_tau'\]\) .* funnel's "
+                                                  r"neck.*engine='dual_vg'"):
+        res = pcv.fit(model, grp, y=y, engine="laplace", progress=False)
+    assert res.converged and float(res.posterior.loc[0]) < -8
+    assert -1.0 < float(pcv.fit(model, grp, y=y, engine="dual_vg", progress=False)
+                        .hyper["marginals"]["log_tau"]["quantiles"][0.5]) < 0.0
+
+    def noncentred(grp, y=None):
+        log_tau = pyro.sample("log_tau", dist.Normal(torch.tensor(-1.0, dtype=torch.float64), 1.0))
+        z = pyro.sample("z", dist.Normal(torch.zeros(8, dtype=torch.float64), 1.0).to_event(1))
+        with pyro.plate("d", 48):
+            pyro.sample("y", dist.Bernoulli(logits=torch.exp(log_tau) * z[grp]), obs=y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApproximationWarning)
+        res = pcv.fit(noncentred, grp, y=y, engine="laplace", progress=False)
+    assert float(res.posterior.loc[0]) > -4

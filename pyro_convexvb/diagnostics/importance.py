@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
+from ..errors import ApproximationWarning
 from ..posterior.empirical import weighted_quantiles as start_quantiles
 from .constrained import log_jacobian, proposal_posterior
 from .logjoint import ModelLogJoint, model_of
@@ -33,10 +34,6 @@ __all__ = ["ApproximationWarning", "ImportanceDiagnostics", "CorrectedPosterior"
 DIAGNOSTIC_DRAWS = 500
 #: default draws of :func:`correct`
 CORRECTION_DRAWS = 2000
-
-
-class ApproximationWarning(UserWarning):
-    """The Pareto ``k_hat`` of the importance ratios says the approximate posterior is unreliable."""
 
 
 def check_seed(seed):

@@ -29,6 +29,7 @@ import typing
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import pyro
 import pyro.optim
 import pyro.poutine as poutine
@@ -42,9 +43,9 @@ from pyro.infer.autoguide import (
 )
 from torch.distributions import biject_to
 
-from ..errors import UnsupportedModelError
+from ..errors import ApproximationWarning, UnsupportedModelError, warn
 from ..linalg.operators import DENSE_LIMIT
-from ..lgm.extract import full_data_plates, latent_sites, real_support
+from ..lgm.extract import _unwrap, full_data_plates, latent_sites, real_support
 from .engine import ModelEngine
 from .options import EngineOptions, Type2Options, option
 from .optimality import gaussian_decrement, monte_carlo_objective
@@ -717,6 +718,10 @@ class LaplaceEngine(_FullDataEngine):
                 f"engine '{self.name}': the Hessian of the negative log joint at the mode found by {method} is not "
                 "positive definite, so the Laplace approximation does not exist there (a hierarchical model's "
                 "mode often sits at the neck of its funnel, where a scale goes to 0)") from e
+        if rel <= grad_tol:
+            collapsed = _collapsed_scale(call, guide)
+            if collapsed:
+                warn(f"engine '{self.name}': {collapsed}", ApproximationWarning)
         lgm = try_lgm(call.source, call.args, call.kwargs)
         bound = None
         q = posterior
@@ -742,6 +747,50 @@ class LaplaceEngine(_FullDataEngine):
 #: the mode search stopped unconverged, at a Hessian that is not positive definite, is taken as running off to a
 #: boundary (on a centred hierarchy of five groups, 500 Newton steps took log tau to -12.5)
 RUNAWAY_LOG = 8.0
+
+
+#: a field prior's scale at the Laplace mode below this share of its prior median: the mode of a centred hierarchy
+#: at its funnel's neck (complete pooling), where a Gaussian says nothing of the posterior
+COLLAPSED_SCALE = 1e-3
+#: prior draws of the hyper-latents for that median
+COLLAPSED_PRIOR_DRAWS = 21
+
+
+def _collapsed_scale(call, guide):
+    """A sentence when the mode puts the prior scale of a centred field site (``theta ~ Normal(mu, tau)``, ``tau``
+    a latent) below :data:`COLLAPSED_SCALE` of its prior median, else ``""``. A scale written as a positive site
+    runs off to 0 and is refused (:func:`_no_mode_advice`); one written through a real site, ``tau =
+    exp(log_tau)`` with ``log_tau ~ Normal``, has a finite mode there (``log_tau`` about ``-1 - G K`` for ``G K``
+    field entries), which the mode search reaches and calls converged."""
+    from .hyper import field_scale_sites
+    from .rng import forked_rng
+
+    model, args, kwargs = call.model, call.args, call.kwargs
+    scales = field_scale_sites(model, args, kwargs)
+    if not scales:
+        return ""
+
+    def typical(tr, name):
+        scale = getattr(_unwrap(tr.nodes[name]["fn"])[0], "scale", None)
+        return float(scale.detach().double().median()) if torch.is_tensor(scale) else None
+
+    with torch.no_grad(), full_data_plates():
+        mode = {site["name"]: biject_to(site["fn"].support)(v) for site, v in guide._unpack_latent(guide.loc.detach())}
+        at = poutine.trace(poutine.condition(model, data=mode)).get_trace(*args, **kwargs)
+        with forked_rng(0):
+            prior = [poutine.trace(model).get_trace(*args, **kwargs) for _ in range(COLLAPSED_PRIOR_DRAWS)]
+    for name, sources in scales.items():
+        here, draws = typical(at, name), [typical(tr, name) for tr in prior]
+        if here is None or None in draws:
+            continue
+        median = float(np.median(draws))
+        if median > 0 and here < COLLAPSED_SCALE * median:
+            return (f"the mode puts the prior scale of site {name!r} (set by {sorted(sources)}) at {here:.3g}, "
+                    f"{here / median:.1g} of its prior median {median:.3g}: the joint mode of a centred hierarchy at "
+                    "its funnel's neck (every effect pooled to its mean), where a Gaussian says nothing of the "
+                    "posterior's spread; integrate the scale over (engine='dual_vg' does by default, for a model "
+                    "that is a latent Gaussian model given it) or write the hierarchy non-centred")
+    return ""
 
 
 def _no_mode_advice(guide, loc, stop_reason):
