@@ -180,10 +180,10 @@ class ImportanceDiagnostics:
     @property
     def moments_agree(self):
         """The importance-weighted means and sds agree with the draws' own: no mean moved by more than 0.1 sds and
-        no sd by more than 20% (among departures beyond 2 Monte Carlo errors). A cheap complement of ``k_hat``, whose
+        no sd by more than 10% (among departures beyond 2 Monte Carlo errors). A cheap complement of ``k_hat``, whose
         estimate is noisy at a few hundred draws when ``q`` is too narrow in a few directions."""
         return bool(self.mean_shift <= AGREE_SHIFT and AGREE_SD_LOW <= self.sd_ratio[0]
-                    and self.sd_ratio[1] <= NARROW_SD_RATIO)
+                    and self.sd_ratio[1] <= AGREE_SD_HIGH)
 
     @property
     def ok(self):
@@ -199,14 +199,15 @@ class ImportanceDiagnostics:
             return f"PSIS k_hat = {self.k_hat:.2f} ({self.num_draws} draws), but {self.modes.message}"
         if not self._reach_ok:
             return f"PSIS k_hat = {self.k_hat:.2f} ({self.num_draws} draws), but {self.reach.note}"
+        unsearched = "" if self.modes is None or self.modes.checked else \
+            f" ({self.modes.note}: a site that is not log-concave may give modes no draw reaches)"
         if self.reliable and not self.moments_agree:
             return (f"PSIS k_hat = {self.k_hat:.2f} ({self.num_draws} draws, importance ESS {self.ess:.0f}), but the "
                     f"importance-weighted moments differ from the approximation's (sd ratio {self.sd_ratio[0]:.2f}–"
                     f"{self.sd_ratio[1]:.2f}, mean shift {self.mean_shift:.2f} sds): its sds or means are off. Call "
-                    "res.corrected() (or fit with correct='psis') for corrected summaries with Monte Carlo errors")
+                    "res.corrected() (or fit with correct='psis') for corrected summaries with Monte Carlo errors"
+                    + unsearched)
         if self.reliable:
-            unsearched = "" if self.modes is None or self.modes.checked else \
-                f" ({self.modes.note}: a site that is not log-concave may give modes no draw reaches)"
             return (f"PSIS k_hat = {self.k_hat:.2f} <= {self.threshold:.2f} ({self.num_draws} draws, proposal "
                     f"{self.proposal!r}): the approximation is close to the posterior in the sense of Yao et al. "
                     f"(2018); importance ESS {self.ess:.0f}" + unsearched)
@@ -590,8 +591,8 @@ NARROW_SD_RATIO = 1.2
 #: ... or whose weighted means moved more than this many sds from it
 BIASED_SHIFT = 0.5
 #: :attr:`ImportanceDiagnostics.moments_agree`: no weighted mean more than this many sds from the draws' own, and
-#: no sd ratio below this (nor above :data:`NARROW_SD_RATIO`)
-AGREE_SHIFT, AGREE_SD_LOW = 0.1, 0.8
+#: no sd ratio below ``AGREE_SD_LOW`` nor above ``AGREE_SD_HIGH``
+AGREE_SHIFT, AGREE_SD_LOW, AGREE_SD_HIGH = 0.1, 0.9, 1.1
 
 
 def _pool(result, rounds, maps, q, kernels=None):

@@ -718,26 +718,14 @@ class LaplaceEngine(_FullDataEngine):
                 f"engine '{self.name}': the Hessian of the negative log joint at the mode found by {method} is not "
                 "positive definite, so the Laplace approximation does not exist there (a hierarchical model's "
                 "mode often sits at the neck of its funnel, where a scale goes to 0)") from e
-        if rel <= grad_tol:
-            collapsed = _collapsed_scale(call, guide)
-            if collapsed:
-                warn(f"engine '{self.name}': {collapsed}", ApproximationWarning)
+        if rel <= grad_tol and (collapsed := _collapsed_scale(call, guide)):
+            warn(f"engine '{self.name}': {collapsed}", ApproximationWarning)
         lgm = try_lgm(call.source, call.args, call.kwargs)
-        bound = None
-        q = posterior
-        if lgm is not None and (getattr(lgm, "imputed", None) or getattr(lgm, "chain", None) is not None) \
-                and posterior.n == lgm.model_layout.size:
-            q = lgm.latent_marginal(posterior)  # latent sites integrated out of the LGM (obs_mask)
-        if lgm is not None and lgm.n == q.n and q.n <= EXACT_BOUND_MAX:
-            with torch.no_grad():
-                bound = float(lgm.evidence_lower_bound(q.loc.to(lgm.dtype), q.covariance().to(lgm.dtype)))
+        bound, note = _laplace_bound(lgm, posterior)
         reason = "gradient" if rel <= grad_tol else res.stop_reason
         opt = Optimality.single("max |gradient| of the log joint at the mode / (1 + |log joint|)", rel, grad_tol)
         info = {"map_grad_norm": res.grad_norm, "evaluations": res.evaluations, "iterations": res.iterations,
-                "method": method}
-        if bound is None:  # why (type-II learning, which maximises the bound, names it)
-            info["bound_note"] = ("the model is no latent Gaussian model, whose bound it evaluates" if lgm is None
-                                  else f"its {q.n} latent coordinates exceed the {EXACT_BOUND_MAX} of a dense bound")
+                "method": method, **({"bound_note": note} if note else {})}
         return Solution(posterior, bound, opt, reason, info,
                         lgm=lgm, state=LaplaceState(posterior.loc.detach().clone()),
                         advice=_no_mode_advice(guide, loc, res.stop_reason) if rel > grad_tol else "")
@@ -747,6 +735,23 @@ class LaplaceEngine(_FullDataEngine):
 #: the mode search stopped unconverged, at a Hessian that is not positive definite, is taken as running off to a
 #: boundary (on a centred hierarchy of five groups, 500 Newton steps took log tau to -12.5)
 RUNAWAY_LOG = 8.0
+
+
+def _laplace_bound(lgm, posterior):
+    """``(bound, note)``: the exact variational-Gaussian bound of the Laplace Gaussian on the model's latent Gaussian
+    model ``lgm``, or ``None`` and why not (type-II learning, which maximises it, names the reason)."""
+    if lgm is None:
+        return None, "the model is no latent Gaussian model, whose bound it evaluates"
+    q = posterior
+    if (getattr(lgm, "imputed", None) or getattr(lgm, "chain", None) is not None) \
+            and posterior.n == lgm.model_layout.size:
+        q = lgm.latent_marginal(posterior)  # latent sites integrated out of the LGM (obs_mask)
+    if lgm.n != q.n:
+        return None, "its Gaussian is not over the coordinates of the model's latent Gaussian model"
+    if q.n > EXACT_BOUND_MAX:
+        return None, f"its {q.n} latent coordinates exceed the {EXACT_BOUND_MAX} of a dense bound"
+    with torch.no_grad():
+        return float(lgm.evidence_lower_bound(q.loc.to(lgm.dtype), q.covariance().to(lgm.dtype))), ""
 
 
 #: a field prior's scale at the Laplace mode below this share of its prior median: the mode of a centred hierarchy
