@@ -681,6 +681,19 @@ class SumOperator(LinearOperator):
     def to_dense(self):
         return sum(c * op.to_dense() for c, op in zip(self.coefficients, self.operators))
 
+    def squared(self):
+        """The entrywise squares ``sum_k c_k^2 |A_k|^2``: exact when the terms occupy disjoint columns (each an
+        :class:`EmbedColumnsOperator` of its own block, as extraction builds ``pcv.linear(X, w) + b``), so that no
+        entry has two terms; else ``None``."""
+        spans = sorted((op.start, op.start + op.base.shape[1]) if isinstance(op, EmbedColumnsOperator) else (0, -1)
+                       for op in self.operators)
+        if any(hi < lo for lo, hi in spans) or any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+            return None
+        squares = [op.squared() for op in self.operators]
+        if any(sq is None for sq in squares):
+            return None
+        return SumOperator(squares, [c * c for c in self.coefficients])
+
 
 class FunctionOperator(LinearOperator):
     """An operator given by two callables ``mv`` and ``rmv`` (e.g. FFTs, wavelets, autograd probes).
