@@ -597,3 +597,31 @@ def test_subsampled_plate_and_options_without_effect():
     for option in (dict(init_spread=5.0), dict(entropy="bhattacharyya")):
         with pytest.warns(UserWarning, match="has no effect with num_components=1"):
             pcv.fit(_nat_logistic_model, X, y=y, engine="diag_mixture", options=option, progress=False)
+
+
+def test_a_sparse_field_beyond_the_dense_limit_stays_sparse():
+    """A Poisson SparseGMRF of 5,184 nodes: the SVI optimiser densified the precision only to read its diagonal
+    (a MemoryError above 5,000 nodes, 270 MB below), and the natural-gradient steps, which solve a dense n x n
+    system, allocated until they failed. The diagonal now comes from the sparse precision, and natural gradients
+    are refused by size (optimizer='auto' takes SVI)."""
+    import scipy.sparse as sp
+
+    import pyro_convexvb as pcv
+
+    m = 72
+    lap = sp.diags([4.0] * (m * m)) - sp.kron(sp.eye(m), sp.diags([1.0, 1.0], [-1, 1], shape=(m, m))) \
+        - sp.kron(sp.diags([1.0, 1.0], [-1, 1], shape=(m, m)), sp.eye(m))
+    Q = (lap + 0.1 * sp.eye(m * m)).tocoo()
+    Qt = torch.sparse_coo_tensor(np.vstack([Q.row, Q.col]), Q.data, Q.shape, dtype=torch.float64).coalesce()
+    y = torch.poisson(torch.full((m * m,), 3.0, dtype=torch.float64), generator=torch.Generator().manual_seed(0))
+
+    def model(y=None):
+        f = pyro.sample("f", pcv.distributions.SparseGMRF(torch.zeros(m * m, dtype=torch.float64), Qt))
+        with pyro.plate("d", m * m):
+            pyro.sample("y", dist.Poisson(torch.exp(f)), obs=y)
+
+    with pytest.raises(pcv.UnsupportedModelError, match=r"dense 5184 x 5184 system per component \(at most 5000\)"):
+        pcv.fit(model, y=y, engine="diag_mixture", progress=False, options={"optimizer": "natural_gradient"})
+    with pytest.warns(pcv.ConvergenceWarning):
+        res = pcv.fit(model, y=y, engine="diag_mixture", progress=False, options={"max_steps": 5})
+    assert res.posterior.locs.shape[-1] == m * m

@@ -652,6 +652,10 @@ class LatentGaussianModel:
     def _block_precision_diagonal(p):
         if isinstance(p.prec, DiagonalOperator):
             return p.prec.diag
+        if p.prec is not None:  # a sparse precision gives its diagonal in O(nnz), without a dense copy
+            d = p.prec.diagonal(dense_limit=0)
+            if d is not None:
+                return d
         if p.size > DENSE_LIMIT:
             raise MemoryError(f"prior block '{p.name}': the diagonal of a {p.size} x {p.size} precision that is not "
                               "diagonal would need a dense matrix")

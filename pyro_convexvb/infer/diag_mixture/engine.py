@@ -10,6 +10,7 @@ from pyro.nn import PyroParam
 
 from ...errors import UnsupportedModelError, warn
 from ...linalg.linesearch import backtrack
+from ...linalg.operators import DENSE_LIMIT
 from ...posterior.gaussian import _write_guide_params
 from ...posterior.mixture import (_ENTROPY_BOUNDS, AutoDiagMixture, DiagMixturePosterior, _entropy_fn,
                                   mixture_evidence_bound)
@@ -64,6 +65,8 @@ def _natural_gradient_refusal(call, lgm, n_guide, learn_params):
     if lgm.n != n_guide or getattr(lgm, "chain", None) is not None:
         return "the guide's latent vector is not the latent Gaussian model's (constrained or extra latents, or a " \
                "reparametrised affine Gaussian chain or intrinsic GMRF)"
+    if lgm.n > DENSE_LIMIT:
+        return f"its natural-gradient steps solve a dense {lgm.n} x {lgm.n} system per component (at most {DENSE_LIMIT})"
     if any(g.family.vector_site for g in lgm.sites):
         return "the model has vector (Categorical) sites, whose natural-gradient steps would need each row's K x K " \
                "covariance blocks"
