@@ -858,3 +858,17 @@ def test_a_latent_site_that_cannot_be_sampled_is_refused_by_name(engine):
     with pytest.raises(pcv.UnsupportedModelError, match=r"site 'tau': its distribution cannot be sampled "
                                                         r"\(ImproperUniform does not support sampling\)"):
         pcv.fit(improper, y=X @ torch.tensor([1.0, 0.6], dtype=torch.float64), engine=engine, progress=False)
+
+
+def test_the_entropy_of_a_singular_gaussian_is_minus_infinity_not_a_bare_error():
+    """svi_automvn's bound at a guide early in its fit (a scale_tril with a vanishing diagonal entry) refactored
+    ``L L^T`` and died with torch's bare 'not positive-definite'; the entropy of such a Gaussian is -inf."""
+    import math
+
+    from pyro_convexvb.lgm.model import _gaussian_entropy
+
+    A = torch.tensor([[2.0, 0.3], [0.3, 1.0]], dtype=torch.float64)
+    exact = 0.5 * 2 * (1 + math.log(2 * math.pi)) + 0.5 * float(torch.logdet(A))
+    assert float(_gaussian_entropy(A)) == pytest.approx(exact, abs=1e-14)
+    L = torch.tensor([[1.0, 0.0], [2.0, 0.0]], dtype=torch.float64)
+    assert float(_gaussian_entropy(L @ L.T)) == -math.inf

@@ -707,5 +707,9 @@ def _gaussian_entropy(cov=None, variance=None):
     """Entropy of ``N(m, cov)`` (``cov`` ``(n, n)``) or ``N(m, diag(variance))`` (``variance`` ``(n,)``)."""
     if variance is not None:
         return 0.5 * variance.shape[0] * (1 + math.log(2 * math.pi)) + 0.5 * torch.log(variance).sum()
-    L = torch.linalg.cholesky(cov)
-    return 0.5 * cov.shape[0] * (1 + math.log(2 * math.pi)) + torch.log(torch.diagonal(L)).sum()
+    L, info = torch.linalg.cholesky_ex(cov)
+    if int(info) == 0:
+        half_logdet = torch.log(torch.diagonal(L)).sum()
+    else:  # singular to rounding (a guide's scale_tril early in its fit): the eigenvalues, -inf for a zero one
+        half_logdet = 0.5 * torch.log(torch.linalg.eigvalsh(0.5 * (cov + cov.transpose(-1, -2))).clamp_min(0.0)).sum()
+    return 0.5 * cov.shape[0] * (1 + math.log(2 * math.pi)) + half_logdet
