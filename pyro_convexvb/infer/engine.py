@@ -506,8 +506,8 @@ class ModelEngine(Engine):
             if getattr(_unwrap(site["fn"])[0], "is_intrinsic", False):
                 return UnsupportedModelError(name, "an intrinsic SparseGMRF: its Pyro density is flat along the null "
                                                    "space of its precision, so an engine that runs the Pyro model does "
-                                                   "not enforce its constraints (the engines on its latent Gaussian model "
-                                                   "do, those that fit its likelihood)")
+                                                   "not enforce its constraints (the engines on its latent Gaussian "
+                                                   "model do, those that fit its likelihood)")
         return None
 
     @classmethod

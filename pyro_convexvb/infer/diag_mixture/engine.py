@@ -66,7 +66,8 @@ def _natural_gradient_refusal(call, lgm, n_guide, learn_params):
         return "the guide's latent vector is not the latent Gaussian model's (constrained or extra latents, or a " \
                "reparametrised affine Gaussian chain or intrinsic GMRF)"
     if lgm.n > DENSE_LIMIT:
-        return f"its natural-gradient steps solve a dense {lgm.n} x {lgm.n} system per component (at most {DENSE_LIMIT})"
+        return (f"its natural-gradient steps solve a dense {lgm.n} x {lgm.n} system per component (at most "
+                f"{DENSE_LIMIT})")
     if any(g.family.vector_site for g in lgm.sites):
         return "the model has vector (Categorical) sites, whose natural-gradient steps would need each row's K x K " \
                "covariance blocks"
