@@ -7,7 +7,7 @@ import torch
 
 from .importance import _log_joint, check_seed, whole_number_at_least
 from .constrained import proposal_posterior
-from .proposals import make_proposal
+from .proposals import DENSE_MAX, make_proposal
 
 __all__ = ["to_arviz"]
 
@@ -82,10 +82,15 @@ def to_arviz(result, num_draws=None, seed=0, *, chains=4, corrected=None, progre
         values = corr.resample(S, seed=seed, constrained=False)
         source = f"resampled by PSIS weights (proposal {corr.diagnostics.proposal!r}, k_hat {corr.k_hat:.3f})"
     else:
-        q = make_proposal(proposal_posterior(result), "fitted")
+        post = proposal_posterior(result)
         gen = torch.Generator().manual_seed(int(seed))
         with torch.no_grad():
-            values, _ = q.sample(S, gen)
+            if getattr(post, "kind", None) == "precision_operator" and post.n > DENSE_MAX:
+                # draws need no density: the matrix-free posterior's own sampler (one CG solve a draw), where the
+                # proposal would factorise its dense precision and refuses above DENSE_MAX
+                values = post.layout.unflatten(post.sample(S, generator=gen).reshape(S, -1))
+            else:
+                values, _ = make_proposal(post, "fitted").sample(S, gen)
         source = "independent draws from the fitted posterior"
     out = lj.evaluate(values, pointwise=True, predictive=True, progress=progress)
 
