@@ -57,6 +57,10 @@ MAX_COMPACT_DENSE = 1000
 MAX_TRAINABLE_DENSE = 4000
 
 
+#: right-hand sides per batched CG solve of :meth:`GaussianPosterior.marginals` under a matrix-free precision
+CG_BLOCK = 256
+
+
 class GaussianPosterior(Posterior):
     """A Gaussian ``q(u) = N(loc, C)`` over the flat latent vector ``u`` (see :class:`~pyro_convexvb.lgm.LatentLayout`).
 
@@ -376,12 +380,16 @@ class GaussianPosterior(Posterior):
             L = torch.linalg.cholesky(self.precision_operator.to_dense())
             W = torch.linalg.solve_triangular(L, B.to_dense().transpose(0, 1), upper=False)
             return self.precision_scale * (W**2).sum(0)
-        Bt = B.T.mv(torch.eye(B.shape[0], dtype=self.dtype, device=self.device)) if B.shape[0] <= 2048 else None
-        if Bt is None:
+        q = B.shape[0]
+        if q > 2048:
             raise NotImplementedError(
                 "marginals of more than 2048 new rows under a matrix-free precision: use the engine's Lanczos factors")
-        res = cg(self.precision_operator, Bt, **self.cg_options)
-        return self.precision_scale * (Bt * res.x).sum(0)
+        out = []
+        for start in range(0, q, CG_BLOCK):  # blocks of right-hand sides: memory n x CG_BLOCK, not n x q
+            E = torch.eye(q, dtype=self.dtype, device=self.device)[:, start:start + CG_BLOCK]
+            Bt = B.T.mv(E)
+            out.append((Bt * cg(self.precision_operator, Bt, **self.cg_options).x).sum(0))
+        return self.precision_scale * torch.cat(out)
 
     def to_distribution(self):
         """A Pyro distribution with ``event_shape (n,)`` (MultivariateNormal for dense kinds)."""
