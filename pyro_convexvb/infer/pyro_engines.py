@@ -885,9 +885,13 @@ class NUTSOptions(EngineOptions):
 
 
 def _latent_dtype(call):
-    """The one floating dtype of the model's latent sites, else ``None``."""
-    dtypes = {s["value"].dtype for _, s in latent_sites(call.model, call.args, call.kwargs)
-              if s["value"].is_floating_point()}
+    """The one floating dtype of the model's latent sites, else ``None`` (a trace in a forked random stream: the
+    sampler's own draws stay those of the caller's stream)."""
+    from .rng import forked_rng
+
+    with forked_rng(0):
+        dtypes = {s["value"].dtype for _, s in latent_sites(call.model, call.args, call.kwargs)
+                  if s["value"].is_floating_point()}
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
@@ -932,7 +936,10 @@ class NUTSEngine(_FullDataEngine):
         from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 
         o = self.options
-        held = model_param_values(call)
+        from .rng import forked_rng
+
+        with forked_rng(0):  # its trace leaves the sampler's stream as it was
+            held = model_param_values(call)
         if held and o.learn_params:
             values = ", ".join(f"{n} = {float(v.reshape(-1)[0]):.4g}" + ("" if v.numel() == 1 else ", ...")
                                for n, v in held.items())
