@@ -604,21 +604,11 @@ def test_a_sparse_field_beyond_the_dense_limit_stays_sparse():
     (a MemoryError above 5,000 nodes, 270 MB below), and the natural-gradient steps, which solve a dense n x n
     system, allocated until they failed. The diagonal now comes from the sparse precision, and natural gradients
     are refused by size (optimizer='auto' takes SVI)."""
-    import scipy.sparse as sp
-
     import pyro_convexvb as pcv
+    from tests._fields import poisson_lattice
 
     m = 72
-    lap = sp.diags([4.0] * (m * m)) - sp.kron(sp.eye(m), sp.diags([1.0, 1.0], [-1, 1], shape=(m, m))) \
-        - sp.kron(sp.diags([1.0, 1.0], [-1, 1], shape=(m, m)), sp.eye(m))
-    Q = (lap + 0.1 * sp.eye(m * m)).tocoo()
-    Qt = torch.sparse_coo_tensor(np.vstack([Q.row, Q.col]), Q.data, Q.shape, dtype=torch.float64).coalesce()
-    y = torch.poisson(torch.full((m * m,), 3.0, dtype=torch.float64), generator=torch.Generator().manual_seed(0))
-
-    def model(y=None):
-        f = pyro.sample("f", pcv.distributions.SparseGMRF(torch.zeros(m * m, dtype=torch.float64), Qt))
-        with pyro.plate("d", m * m):
-            pyro.sample("y", dist.Poisson(torch.exp(f)), obs=y)
+    model, y = poisson_lattice(m, 0.1)
 
     with pytest.raises(pcv.UnsupportedModelError, match=r"dense 5184 x 5184 system per component \(at most 5000\)"):
         pcv.fit(model, y=y, engine="diag_mixture", progress=False, options={"optimizer": "natural_gradient"})

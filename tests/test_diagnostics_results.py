@@ -955,24 +955,16 @@ def test_to_arviz_of_a_matrix_free_posterior_beyond_the_dense_limit_only_samples
     """The uncorrected export made its draws through the fitted proposal, which factorises a matrix-free precision
     densely (and refuses above DENSE_MAX latents) for a density it never used; it now draws with the posterior's
     own sampler there: a 4,225-node Poisson field exports, its draws centred on the fitted means."""
-    import scipy.sparse as sp
+    from tests._fields import poisson_lattice
 
     az = _arviz()
     m = 65
-    lap = sp.diags([4.0] * (m * m)) - sp.kron(sp.eye(m), sp.diags([1.0, 1.0], [-1, 1], shape=(m, m))) \
-        - sp.kron(sp.diags([1.0, 1.0], [-1, 1], shape=(m, m)), sp.eye(m))
-    Q = (lap + 0.5 * sp.eye(m * m)).tocoo()
-    Qt = torch.sparse_coo_tensor(np.vstack([Q.row, Q.col]), Q.data, Q.shape, dtype=D).coalesce()
-    y = torch.poisson(torch.full((m * m,), 3.0, dtype=D), generator=torch.Generator().manual_seed(0))
-
-    def model(y=None):
-        f = pyro.sample("f", pcv.distributions.SparseGMRF(torch.zeros(m * m, dtype=D), Qt))
-        with pyro.plate("d", m * m):
-            pyro.sample("y", dist.Poisson(torch.exp(f)), obs=y)
+    model, y = poisson_lattice(m, 0.5)
 
     res = pcv.fit(model, y=y, engine="dual_vg", progress=False)
     assert res.posterior.kind == "precision_operator" and res.posterior.n > 4000
     idata = res.to_arviz(num_draws=200)
     assert isinstance(idata, az.InferenceData) and idata.posterior["f"].shape == (4, 50, m * m)
-    err = (idata.posterior["f"].values.reshape(200, -1).mean(0) - res.posterior.loc.numpy()) / res.posterior.scale.numpy()
+    draws = idata.posterior["f"].values.reshape(200, -1)
+    err = (draws.mean(0) - res.posterior.loc.numpy()) / res.posterior.scale.numpy()
     assert np.abs(err).mean() < 0.15  # the mean of 200 draws: about 0.056 sds on average

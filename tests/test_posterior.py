@@ -181,23 +181,14 @@ def test_matrix_free_marginals_solve_in_blocks_and_match_a_dense_factor():
     """Above 4,000 latents the marginals of new rows under a matrix-free precision come from batched CG, which held
     every right-hand side at once (about 9 n x q blocks: 3 GB for 2,000 rows of a 20,000-node field); the solves
     run in blocks of CG_BLOCK now, with the same answer as a dense Cholesky factor to rounding."""
-    import numpy as np
     import scipy.sparse as sp
 
     from pyro_convexvb.linalg.operators import SparseOperator
     from pyro_convexvb.posterior.gaussian import CG_BLOCK
+    from tests._fields import poisson_lattice
 
     m = 65
-    lap = sp.diags([4.0] * (m * m)) - sp.kron(sp.eye(m), sp.diags([1.0, 1.0], [-1, 1], shape=(m, m))) \
-        - sp.kron(sp.diags([1.0, 1.0], [-1, 1], shape=(m, m)), sp.eye(m))
-    Q = (lap + 0.5 * sp.eye(m * m)).tocoo()
-    Qt = torch.sparse_coo_tensor(np.vstack([Q.row, Q.col]), Q.data, Q.shape, dtype=torch.float64).coalesce()
-    y = torch.poisson(torch.full((m * m,), 3.0, dtype=torch.float64), generator=torch.Generator().manual_seed(0))
-
-    def model(y=None):
-        f = pyro.sample("f", pcv.distributions.SparseGMRF(torch.zeros(m * m, dtype=torch.float64), Qt))
-        with pyro.plate("d", m * m):
-            pyro.sample("y", dist.Poisson(torch.exp(f)), obs=y)
+    model, y = poisson_lattice(m, 0.5)
 
     post = pcv.fit(model, y=y, engine="dual_vg", progress=False).posterior
     assert post.kind == "precision_operator" and post.n > 4000
