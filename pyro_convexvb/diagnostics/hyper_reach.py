@@ -17,8 +17,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..errors import ConvergenceError, NotPositiveDefiniteError, UnsupportedModelError
-from ..infer.hyper import PROBE_LEVELS, probe_points
+from ..infer.hyper import PROBE_LEVELS, probe_drops, probe_points
 
 __all__ = ["ReachCheck", "check_reach"]
 
@@ -57,18 +56,17 @@ def check_reach(hp, seed=0) -> Optional[ReachCheck]:
     top = int(torch.argmax(hp.log_post))
     centre, f_top = hp.z[top].double().cpu(), float(hp.log_post[top])
     args, kwargs = hp.model_args
-    probes = list(probe_points(hp.model, args, kwargs, hp.space, hp.z, centre, seed=seed))
-    if not probes:
+    probes = probe_points(hp.model, args, kwargs, hp.space, hp.z, centre, seed=seed)
+    if not probes.shape[0]:
         return ReachCheck(np.zeros((0, d)), np.zeros(0), True, "every prior quantile probed lies inside the design")
-    drops = []
-    for z in probes:
-        try:
-            f, _, converged = refit(z)
-            drops.append(f_top - float(f) if converged else float("nan"))
-        except (ConvergenceError, NotPositiveDefiniteError, UnsupportedModelError):  # a refit far out may fail:
-            drops.append(float("nan"))  # that probe is not checked
+
+    def fit(z):
+        f, _, converged = refit(z)
+        return f, converged
+
+    drops = probe_drops(probes, f_top, fit)
     refit.release()
-    theta, drop = torch.stack(probes).numpy(), np.array(drops)
+    theta, drop = probes.numpy(), drops.numpy()
     limit = drop_max(d)
     bad = np.nonzero(drop < limit)[0]
     if not bad.size:

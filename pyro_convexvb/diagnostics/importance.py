@@ -319,7 +319,7 @@ def diagnose(result, num_draws=DIAGNOSTIC_DRAWS, seed=0, *, proposal="fitted", w
     check_draws(num_draws, default=DIAGNOSTIC_DRAWS)
     check_seed(seed)
     d = _importance(result, num_draws, seed, proposal, progress)
-    d.modes, d.reach, d.of_draws = check_modes(result), _reach(result), "samples" in (result.info or {})
+    _checks_of(d, result)
     if warn and not d.ok:
         warnings.warn(d.message, ApproximationWarning, stacklevel=3)
     return d
@@ -382,6 +382,12 @@ def _funnel_note(result):
             f"corrected marginals of {names}, above all their lower tails, may be off. To be sure, fit with the "
             "scales integrated over a design (engine='dual_vg' does so by default, for a model that is a latent "
             "Gaussian model given them) and correct that fit, or write the hierarchy non-centred")
+
+
+def _checks_of(d, result):
+    """Attach to the diagnostic ``d`` of ``result`` what its weights cannot show: other modes, the hyper-latent
+    design's reach, and whether the result summarises a sampler's draws (its advice)."""
+    d.modes, d.reach, d.of_draws = check_modes(result), _reach(result), result.from_draws
 
 
 def _reach(result):
@@ -1039,7 +1045,7 @@ def correct(result, num_draws=CORRECTION_DRAWS, seed=0, *, proposal="auto", prob
         d = _choose(result, num_draws, seed, progress, adapt, adaptation)
     else:
         d = _importance(result, num_draws, seed, proposal, progress)
-    d.modes, d.reach, d.of_draws = check_modes(result), _reach(result), "samples" in (result.info or {})
+    _checks_of(d, result)
     if _integrates_hyper(result):
         from .field_check import check_field
 

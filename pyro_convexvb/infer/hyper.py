@@ -683,6 +683,19 @@ def probe_points(model, args, kwargs, space, z_design, centre, seed=0):
     return torch.stack(probes) if probes else torch.zeros(0, space.dim, dtype=torch.float64)
 
 
+def probe_drops(probes, top, fit):
+    """``(P,)`` the objective's drops ``top - f(z)`` (nats) at the probes ``(P, d)``, ``fit(z) -> (f(z), converged)``;
+    NaN where the fit did not converge or failed (a fit far out may): that probe is not judged."""
+    drops = []
+    for z in probes:
+        try:
+            value, converged = fit(z)
+            drops.append(top - float(value) if converged else math.nan)
+        except (ConvergenceError, NotPositiveDefiniteError, UnsupportedModelError):
+            drops.append(math.nan)
+    return torch.tensor(drops, dtype=torch.float64)
+
+
 def _grad_fd(f, z, h):
     g = torch.zeros_like(z)
     for i in range(z.shape[0]):
@@ -820,14 +833,12 @@ def _reach_probes(obj, z_mode, A_inv, zs, logf, prune, seed=0):
     ``drops`` in nats below the top, NaN where a fit failed, ``targets``)."""
     e = obj.engine
     probes = probe_points(e.model, obj.args, obj.kwargs, obj.space, torch.stack(zs), z_mode, seed=seed)
-    top, drops = max(logf), []
-    for z in probes:
-        try:
-            value, res = obj.fit(z)
-            drops.append(top - value if res.converged else math.nan)
-        except (ConvergenceError, NotPositiveDefiniteError, UnsupportedModelError):  # a fit far out may fail
-            drops.append(math.nan)
-    drops = torch.tensor(drops, dtype=torch.float64)
+
+    def fit(z):
+        value, res = obj.fit(z)
+        return value, res.converged
+
+    drops = probe_drops(probes, max(logf), fit)
     flagged = drops < prune  # NaN compares False: a failed probe is not a target
     A = torch.linalg.inv(A_inv)
     targets = (probes[flagged] - z_mode) @ A.T if bool(flagged.any()) else torch.zeros(0, z_mode.shape[0])

@@ -50,6 +50,7 @@ from .engine import ModelEngine
 from .options import EngineOptions, Type2Options, option
 from .optimality import gaussian_decrement, monte_carlo_objective
 from .result import Criterion, Optimality, Solution
+from .rng import forked_rng
 from ..posterior.gaussian import GaussianPosterior, _apply_name_prefix
 from ..distributed import enter_local, find_comm, rank, sum_over_ranks
 from .sharded_svi import (ShardedTraceELBO, check_full_plates, check_sharded_rows, local_args, local_log_prob,
@@ -768,7 +769,6 @@ def _collapsed_scale(call, guide):
     exp(log_tau)`` with ``log_tau ~ Normal``, has a finite mode there (``log_tau`` about ``-1 - G K`` for ``G K``
     field entries), which the mode search reaches and calls converged."""
     from .hyper import field_scale_sites
-    from .rng import forked_rng
 
     model, args, kwargs = call.model, call.args, call.kwargs
     scales = field_scale_sites(model, args, kwargs)
@@ -884,14 +884,9 @@ class NUTSOptions(EngineOptions):
                                       "in the param store")
 
 
-def _latent_dtype(call):
-    """The one floating dtype of the model's latent sites, else ``None`` (a trace in a forked random stream: the
-    sampler's own draws stay those of the caller's stream)."""
-    from .rng import forked_rng
-
-    with forked_rng(0):
-        dtypes = {s["value"].dtype for _, s in latent_sites(call.model, call.args, call.kwargs)
-                  if s["value"].is_floating_point()}
+def _latent_dtype(sites):
+    """The one floating dtype of the latent ``sites`` (``(name, site)`` pairs), else ``None``."""
+    dtypes = {s["value"].dtype for _, s in sites if s["value"].is_floating_point()}
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
@@ -936,10 +931,9 @@ class NUTSEngine(_FullDataEngine):
         from pyro.ops.stats import effective_sample_size, split_gelman_rubin
 
         o = self.options
-        from .rng import forked_rng
-
-        with forked_rng(0):  # its trace leaves the sampler's stream as it was
+        with forked_rng(0):  # the model's traces leave the sampler's stream as it was
             held = model_param_values(call)
+            sites = latent_sites(call.model, call.args, call.kwargs)
         if held and o.learn_params:
             values = ", ".join(f"{n} = {float(v.reshape(-1)[0]):.4g}" + ("" if v.numel() == 1 else ", ...")
                                for n, v in held.items())
@@ -961,11 +955,11 @@ class NUTSEngine(_FullDataEngine):
 
         mcmc = MCMC(kernel, num_samples=o.num_samples, warmup_steps=o.warmup_steps, disable_progbar=True,
                     hook_fn=hook)
-        with _default_dtype(_latent_dtype(call)):  # Pyro's NUTS makes its tensors in torch's default dtype
+        with _default_dtype(_latent_dtype(sites)):  # Pyro's NUTS makes its tensors in torch's default dtype
             mcmc.run(*call.args, **call.kwargs)
         samples = mcmc.get_samples()
         flat = []
-        for name, site in latent_sites(call.model, call.args, call.kwargs):
+        for name, site in sites:
             t = biject_to(site["fn"].support)
             flat.append(t.inv(samples[name]).reshape(o.num_samples, -1))
         flat = torch.cat(flat, -1)

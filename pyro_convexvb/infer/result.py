@@ -153,6 +153,11 @@ class InferenceResult:
 
     # ------------------------------------------------------------ diagnostics (pyro_convexvb.diagnostics)
     @property
+    def from_draws(self):
+        """Whether the posterior is a Gaussian summary of a sampler's draws (kept in ``info["samples"]``)."""
+        return "samples" in (self.info or {})
+
+    @property
     def diagnostics(self):
         """PSIS diagnostic of the posterior (:class:`~pyro_convexvb.diagnostics.ImportanceDiagnostics`: ``k_hat``,
         importance ESS, an importance estimate of ``log p(y)``), computed on first access from 500 draws (one model

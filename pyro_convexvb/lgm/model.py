@@ -650,9 +650,7 @@ class LatentGaussianModel:
 
     @staticmethod
     def _block_precision_diagonal(p):
-        if isinstance(p.prec, DiagonalOperator):
-            return p.prec.diag
-        if p.prec is not None:  # a sparse precision gives its diagonal in O(nnz), without a dense copy
+        if p.prec is not None:  # from the operator's structure (O(nnz) for a sparse one), without a dense copy
             d = p.prec.diagonal(dense_limit=0)
             if d is not None:
                 return d

@@ -685,9 +685,10 @@ class SumOperator(LinearOperator):
         """The entrywise squares ``sum_k c_k^2 |A_k|^2``: exact when the terms occupy disjoint columns (each an
         :class:`EmbedColumnsOperator` of its own block, as extraction builds ``pcv.linear(X, w) + b``), so that no
         entry has two terms; else ``None``."""
-        spans = sorted((op.start, op.start + op.base.shape[1]) if isinstance(op, EmbedColumnsOperator) else (0, -1)
-                       for op in self.operators)
-        if any(hi < lo for lo, hi in spans) or any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+        if not all(isinstance(op, EmbedColumnsOperator) for op in self.operators):
+            return None
+        spans = sorted((op.start, op.start + op.base.shape[1]) for op in self.operators)
+        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):  # overlapping columns
             return None
         squares = [op.squared() for op in self.operators]
         if any(sq is None for sq in squares):

@@ -386,7 +386,9 @@ class GaussianPosterior(Posterior):
                 "marginals of more than 2048 new rows under a matrix-free precision: use the engine's Lanczos factors")
         out = []
         for start in range(0, q, CG_BLOCK):  # blocks of right-hand sides: memory n x CG_BLOCK, not n x q
-            E = torch.eye(q, dtype=self.dtype, device=self.device)[:, start:start + CG_BLOCK]
+            cols = torch.arange(start, min(start + CG_BLOCK, q), device=self.device)
+            E = torch.zeros(q, cols.numel(), dtype=self.dtype, device=self.device)
+            E[cols, cols - start] = 1.0  # the identity's columns of this block, not the q x q identity each time
             Bt = B.T.mv(E)
             out.append((Bt * cg(self.precision_operator, Bt, **self.cg_options).x).sum(0))
         return self.precision_scale * torch.cat(out)
